@@ -1,0 +1,44 @@
+"""Test helpers: run the real CLI in its own process group with a hard timeout that kills every child."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "tools" / "train.py"
+
+# A tiny shapes set and a 2-block ViT: the whole pipeline in seconds on two cores.
+TINY_DATA = [
+    "data.synthetic.train_per_class=16",
+    "data.synthetic.val_per_class=5",
+    "data.synthetic.image_size=32",
+    "data.img_size=32",
+    "data.num_workers=0",
+    "model.depth=2",
+    "trainer.progress=false",
+]
+
+
+def run_cli(args: list[str], timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run `python tools/train.py *args`; on timeout kill the process group (the spawned ranks too) and fail."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(TRAIN), *args],
+        cwd=cwd or REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"train.py {' '.join(args)} did not finish in {timeout}s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")

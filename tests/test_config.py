@@ -1,0 +1,87 @@
+"""Bad input fails before anything starts, with one message that names the fix."""
+
+import pytest
+
+from visiondist.cli import load_config, run_tool
+from visiondist.config import ConfigError, plan_world
+from helpers import REPO, run_cli
+
+CONFIGS = REPO / "configs"
+
+
+def _error(overrides):
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIGS, overrides)
+    return str(info.value)
+
+
+def test_defaults_compose_and_follow_the_data():
+    cfg = load_config(CONFIGS, [])
+    assert (cfg.model.name, cfg.data.name, cfg.parallel.name, cfg.optim.name, cfg.schedule.name) == (
+        "vit_tiny", "shapes", "ddp", "adamw", "cosine")
+    assert cfg.model.img_size == cfg.data.img_size and cfg.model.num_classes == cfg.data.num_classes
+    cfg = load_config(CONFIGS, ["model=vit_base", "model.img_size=96", "model.num_classes=3", "data.img_size=64"])
+    assert (cfg.model.img_size, cfg.model.num_classes, cfg.model.embed_dim) == (96, 3, 768)
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["model=vit_small", "parallel.tp=4"], "parallel.tp=4 does not divide model.num_heads=6"),
+        (["model=vit_nope"], "Could not find 'model/vit_nope'"),
+        (["optim.lr=-0.1"], "optim.lr=-0.1 must be > 0"),
+        (["optim.lr=fast"], "could not be converted to Float"),
+        (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
+        (["trainer.precision=fp16"], "trainer.precision='fp16' is not supported"),
+        (["model.img_size=70"], "not a multiple of model.patch_size=16"),
+        (["parallel.pp=20"], "parallel.pp=20 exceeds model.depth=12"),
+        (["trainer.max_steps=-1", "trainer.max_epochs=0"], "set trainer.max_steps or trainer.max_epochs"),
+    ],
+)
+def test_bad_config_has_one_clear_message(overrides, expected):
+    assert expected in _error(overrides)
+
+
+def _plan(overrides, env=None, gpus=0):
+    return plan_world(load_config(CONFIGS, overrides), env or {}, gpus)
+
+
+def test_world_size_is_the_product_of_the_mesh():
+    assert _plan([]).world_size == 1
+    plan = _plan(["parallel.dp=2", "trainer.accelerator=cpu"])
+    assert (plan.world_size, plan.dp, plan.accelerator) == (2, 2, "cpu")
+    plan = _plan([], gpus=4)
+    assert (plan.accelerator, plan.world_size, plan.dp) == ("cuda", 4, 4)
+
+
+def test_more_ranks_than_gpus_is_refused():
+    with pytest.raises(ConfigError, match="need 8 GPUs but only 2 are visible"):
+        _plan(["trainer.devices=8"], gpus=2)
+    with pytest.raises(ConfigError, match="no CUDA device is visible"):
+        _plan(["trainer.accelerator=cuda"], gpus=0)
+
+
+def test_torchrun_world_is_checked_against_the_config():
+    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"}
+    plan = _plan([], env=env)
+    assert plan.under_torchrun and plan.dp == 4
+    with pytest.raises(ConfigError, match="set parallel.dp=4"):
+        _plan(["parallel.dp=3"], env=env)
+
+
+def test_batch_must_split_over_ranks_and_accumulation():
+    with pytest.raises(ConfigError, match=r"use a multiple of 6, e.g. data.batch_size=66"):
+        _plan(["parallel.dp=3", "trainer.grad_accum=2", "data.batch_size=64"])
+
+
+def test_nothing_runs_on_bad_input():
+    ran = []
+    assert run_tool("train.py", CONFIGS, ["model=vit_small", "parallel.tp=4"], ran.append) == 2
+    assert ran == []
+
+
+def test_cli_exits_2_with_the_message(tmp_path):
+    result = run_cli(["model=vit_small", "parallel.tp=4", f"trainer.output_dir={tmp_path}"], timeout=60)
+    assert result.returncode == 2
+    assert "error: parallel.tp=4 does not divide model.num_heads=6" in result.stdout
+    assert not any(tmp_path.iterdir())  # no run directory, no rank started

@@ -1,0 +1,83 @@
+"""Built-in data is real, deterministic image files; the ImageFolder loader reads them with seeded augmentation."""
+
+import hashlib
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from visiondist.config import compose
+from visiondist.data import build_classification_data
+from visiondist.data.builtin import SHAPE_CLASSES, ensure_shapes
+from visiondist.data.imagefolder import ImageFolder, read_rgb
+from helpers import REPO
+
+
+def _digest(root):
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*.jpg"))}
+
+
+def test_shapes_are_deterministic_jpeg_files(tmp_path, tiny_shapes):
+    syn = SimpleNamespace(train_per_class=16, val_per_class=5, image_size=32, seed=0)
+    again = ensure_shapes(tmp_path / "again", syn)
+    assert _digest(again) == _digest(tiny_shapes)
+    files = list((tiny_shapes / "train").rglob("*.jpg"))
+    assert len(files) == 16 * len(SHAPE_CLASSES) >= 6 * 16
+    with Image.open(files[0]) as im:
+        assert im.format == "JPEG" and im.size == (32, 32)
+    assert sorted(p.name for p in (tiny_shapes / "val").iterdir()) == sorted(SHAPE_CLASSES)
+
+
+def test_a_different_spec_is_refused_not_overwritten(tiny_shapes):
+    syn = SimpleNamespace(train_per_class=17, val_per_class=5, image_size=32, seed=0)
+    with pytest.raises(ValueError, match="delete that folder or point data.root elsewhere"):
+        ensure_shapes(tiny_shapes, syn)
+
+
+def test_read_rgb_converts_grey_and_rgba(tmp_path):
+    Image.fromarray(np.full((8, 9), 77, np.uint8), "L").save(tmp_path / "g.png")
+    Image.fromarray(np.full((8, 9, 4), 200, np.uint8), "RGBA").save(tmp_path / "a.png")
+    Image.new("CMYK", (9, 8), (0, 255, 0, 0)).save(tmp_path / "c.jpg")
+    for name in ("g.png", "a.png", "c.jpg"):
+        img = read_rgb(str(tmp_path / name))
+        assert img.shape == (8, 9, 3) and img.dtype == np.uint8
+    (tmp_path / "bad.jpg").write_bytes(b"not an image")
+    with pytest.raises(OSError, match="bad.jpg"):
+        read_rgb(str(tmp_path / "bad.jpg"))
+
+
+def test_empty_class_folder_is_an_error(tmp_path, tiny_shapes):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    Image.new("RGB", (4, 4)).save(tmp_path / "a" / "x.jpg")
+    with pytest.raises(FileNotFoundError, match="holds no images"):
+        ImageFolder(tmp_path)
+
+
+def _data(tiny_shapes, dp_rank, dp, overrides=()):
+    cfg = compose(REPO / "configs", [f"data.root={tiny_shapes}", "data.img_size=32", "data.batch_size=12",
+                                     "data.num_workers=0", *overrides])
+    return build_classification_data(cfg.data, dp_rank, dp, grad_accum=1, seed=0, pin_memory=False), cfg
+
+
+def test_augmentation_depends_on_sample_and_epoch_only(tiny_shapes):
+    """The same (index, epoch) gives the same pixels in any order, on any rank; another epoch differs."""
+    data, _ = _data(tiny_shapes, 0, 1)
+    ds = data.train_loader.dataset
+    first = ds[(5, 0)][0]
+    ds[(7, 0)], ds[(9, 3)]  # other samples in between
+    assert torch.equal(ds[(5, 0)][0], first)
+    assert not torch.equal(ds[(5, 1)][0], first)
+    assert first.shape == (3, 32, 32) and first.dtype == torch.float32
+
+
+def test_loader_batches_and_class_count(tiny_shapes):
+    data, cfg = _data(tiny_shapes, 1, 2)
+    images, labels = next(iter(data.train_loader))
+    assert images.shape == (6, 3, 32, 32) and labels.dtype == torch.int64
+    assert data.classes == sorted(SHAPE_CLASSES) and data.num_val == 30
+    with pytest.raises(ValueError, match="set data.num_classes=6"):
+        _data(tiny_shapes, 0, 1, ["data.num_classes=10"])

@@ -1,0 +1,35 @@
+import math
+from types import SimpleNamespace
+
+import torch
+
+from visiondist.engine.optim import build_optimizer, lr_factor, param_groups
+from visiondist.models.vit import VisionTransformer
+
+
+def test_no_weight_decay_on_norms_biases_and_embeddings():
+    model = VisionTransformer(img_size=32, patch_size=16, num_classes=3, embed_dim=48, depth=2, num_heads=3)
+    decay, no_decay = param_groups(model, 0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    assert {"pos_embed", "cls_token", "norm.weight", "head.bias", "blocks.0.attn.q.bias"} <= no_decay_names
+    assert all(names[id(p)].endswith("weight") and p.ndim > 1 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0 and decay["weight_decay"] == 0.05
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    opt = build_optimizer(SimpleNamespace(name="sgd", lr=0.1, weight_decay=1e-4, momentum=0.9, nesterov=True), model)
+    assert isinstance(opt, torch.optim.SGD) and opt.param_groups[0]["nesterov"]
+
+
+def test_warmup_then_cosine():
+    cfg = SimpleNamespace(name="cosine", warmup_steps=10, warmup_start_factor=0.1, min_lr_ratio=0.01)
+    f = [lr_factor(s, 110, cfg) for s in range(110)]
+    assert math.isclose(f[0], 0.1) and math.isclose(f[5], 0.55) and math.isclose(f[10], 1.0)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert math.isclose(f[-1], 0.01)
+    assert math.isclose(f[60], 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * 50 / 99)))
+
+
+def test_step_schedule():
+    cfg = SimpleNamespace(name="step", warmup_steps=0, warmup_start_factor=1.0, milestones=[0.5, 0.75], gamma=0.1)
+    f = [lr_factor(s, 100, cfg) for s in range(100)]
+    assert f[49] == 1.0 and math.isclose(f[50], 0.1) and math.isclose(f[74], 0.1) and math.isclose(f[75], 0.01)

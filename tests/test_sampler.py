@@ -1,0 +1,69 @@
+"""Sharding by data-parallel rank: exact coverage, layout-independent global batches, exact eval shards."""
+
+from collections import Counter
+
+import pytest
+
+from visiondist.data.sampler import EvalBatchSampler, TrainBatchSampler
+
+
+def _epoch(n, batch, dp, accum=1, epoch=0, seed=0):
+    ranks = []
+    for r in range(dp):
+        s = TrainBatchSampler(n, batch, r, dp, accum, seed=seed)
+        s.set_epoch(epoch)
+        ranks.append(list(s))
+    return ranks
+
+
+@pytest.mark.parametrize("dp", [2, 3])
+def test_each_training_sample_once_per_epoch(dp):
+    n, batch = 120, 24  # 24 divides by 2 and 3, 120 by 24
+    for epoch in range(3):
+        keys = [k for rank in _epoch(n, batch, dp, epoch=epoch) for mb in rank for k in mb]
+        counts = Counter(i for i, _ in keys)
+        assert sorted(counts) == list(range(n)) and set(counts.values()) == {1}
+        assert {e for _, e in keys} == {epoch}
+
+
+def test_incomplete_batch_is_dropped_and_counted():
+    n, batch, dp = 100, 24, 2
+    s = TrainBatchSampler(n, batch, 0, dp)
+    assert s.steps_per_epoch == 4 and s.dropped_per_epoch == 4
+    seen = [set(i for mb in rank for i, _ in mb) for rank in _epoch(n, batch, dp)]
+    assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 96
+    other = set(i for rank in _epoch(n, batch, dp, epoch=1) for mb in rank for i, _ in mb)
+    assert other != seen[0] | seen[1]  # a different random remainder waits each epoch
+
+
+@pytest.mark.parametrize("dp,accum", [(2, 1), (3, 1), (2, 2), (4, 3)])
+def test_global_batch_is_the_same_for_any_dp(dp, accum):
+    """Step k uses the same samples whether 1 rank or dp ranks (x accumulation) share it."""
+    n, batch = 240, 24
+    single = _epoch(n, batch, 1)[0]
+    ranks = _epoch(n, batch, dp, accum)
+    for step, ref in enumerate(single):
+        got = sorted(k for r in ranks for k in (x for mb in r[step * accum:(step + 1) * accum] for x in mb))
+        assert got == sorted(ref)
+
+
+def test_resume_mid_epoch_skips_taken_steps():
+    full = _epoch(96, 16, 2)[1]
+    s = TrainBatchSampler(96, 16, 1, 2)
+    s.set_epoch(0, start_step=2)
+    assert list(s) == full[2:] and len(s) == len(full) - 2
+
+
+@pytest.mark.parametrize("n,dp", [(10, 3), (7, 2), (2, 3), (600, 4)])
+def test_eval_covers_every_sample_exactly_once(n, dp):
+    seen = [i for r in range(dp) for b in EvalBatchSampler(n, 4, r, dp) for i in b]
+    assert sorted(seen) == list(range(n))
+    sizes = [sum(len(b) for b in EvalBatchSampler(n, 4, r, dp)) for r in range(dp)]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError, match="not divisible"):
+        TrainBatchSampler(100, 10, 0, 3)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        TrainBatchSampler(10, 16, 0, 2)

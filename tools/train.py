@@ -1,0 +1,22 @@
+"""Train a model: `python tools/train.py [group=option ...] [key=value ...]` (see configs/train.yaml).
+
+Runs its own ranks (parallel.dp / tp / pp, or all GPUs), or joins a torchrun job.
+"""
+
+import sys
+from pathlib import Path
+
+from visiondist.cli import run_tool
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def main(cfg) -> None:
+    from visiondist.engine.trainer import train  # heavy imports only once the config is known to be good
+    from visiondist.launch import launch
+
+    launch(train, cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool("train.py", CONFIGS, sys.argv[1:], main))

@@ -1,0 +1,1 @@
+"""visiondist: distributed training for vision models."""

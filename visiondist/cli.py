@@ -1,0 +1,64 @@
+"""Command-line front of the tools: compose the Hydra config, validate it, report bad input in one clear line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from visiondist.config import ConfigError, compose, validate
+
+USAGE = """usage: python tools/{tool} [--cfg] [group=option ...] [key=value ...]
+
+  group=option   pick a config from configs/<group>/ (model, data, parallel, optim, schedule, trainer)
+  key=value      override one field, e.g. data.batch_size=128 trainer.max_steps=100
+  --cfg          print the composed config and exit
+"""
+
+
+def load_config(config_dir: Path, overrides: list[str]) -> DictConfig:
+    """Compose + validate; raises ConfigError with a one-line reason for any problem."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = compose(config_dir, overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_explain(exc)) from exc
+    validate(cfg)
+    return cfg
+
+
+def _explain(exc: BaseException) -> str:
+    """Hydra's message without its search-path dump and '+key' hint, plus the underlying reason (bad key / type)."""
+    lines = []
+    for line in str(exc).strip().splitlines():
+        if line.startswith("Config search path") or line.startswith("To append to your config"):
+            break
+        lines.append(line)
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause).strip():
+        reason = str(cause).strip().splitlines()[0]
+        if reason not in lines:
+            lines.append(reason)
+    return "\n".join(lines)
+
+
+def run_tool(tool: str, config_dir: Path, argv: list[str], run: Callable[[DictConfig], object]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE.format(tool=tool))
+        return 0
+    show = "--cfg" in argv
+    overrides = [a for a in argv if a != "--cfg"]
+    try:
+        cfg = load_config(config_dir, overrides)
+        if show:
+            print(OmegaConf.to_yaml(cfg))
+            return 0
+        run(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

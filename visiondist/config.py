@@ -1,0 +1,306 @@
+"""Structured configs (the schema behind `configs/`), composition and validation.
+
+Hydra composes the YAML groups into these dataclasses, so a misspelt key or a value of the wrong type fails at
+composition. `validate` then checks what types cannot express (ranges, divisibility, the mesh against the
+devices) and raises one `ConfigError` whose message names the fix. Both happen before any rank is started.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import II, MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what to change."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    family: str = "vit"
+    timm_name: Optional[str] = None  # the timm architecture whose state-dict layout we export to
+    img_size: int = II("data.img_size")
+    num_classes: int = II("data.num_classes")
+    patch_size: int = 16
+    embed_dim: int = 192
+    depth: int = 12
+    num_heads: int = 3
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = True
+    drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+
+
+@dataclass
+class SyntheticConfig:
+    """How a built-in dataset is generated on first use."""
+
+    train_per_class: int = 500
+    val_per_class: int = 100
+    image_size: int = 64
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    format: str = "imagefolder"
+    root: str = MISSING
+    train_split: str = "train"
+    val_split: str = "val"
+    num_classes: int = MISSING
+    img_size: int = 224
+    batch_size: int = 64  # global: summed over data-parallel ranks and accumulation steps
+    eval_batch_size: int = 128  # global
+    num_workers: int = 2
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    train_crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    hflip: float = 0.5
+    crop_pct: float = 0.875
+    synthetic: Optional[SyntheticConfig] = None
+
+
+@dataclass
+class ParallelConfig:
+    name: str = "ddp"
+    dp: int = -1  # -1: whatever the world size leaves after tp and pp
+    tp: int = 1
+    pp: int = 1
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    momentum: float = 0.9
+    nesterov: bool = False
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "cosine"
+    warmup_steps: int = 0
+    warmup_start_factor: float = 0.01  # lr multiplier at step 0 of the warmup
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of optim.lr
+    milestones: list[float] = field(default_factory=lambda: [0.66, 0.88])  # step: fractions of the run
+    gamma: float = 0.1
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = "auto"
+    devices: int = -1  # ranks per node; -1: all visible GPUs, or what the mesh needs on the CPU
+    max_steps: int = -1
+    max_epochs: int = 10
+    seed: int = 0
+    precision: str = "32"
+    grad_accum: int = 1
+    clip_grad: float = 0.0  # max global grad norm; 0 disables clipping
+    eval_every: int = 0  # optimizer steps between evaluations; 0: at the end of every epoch
+    log_every: int = 20
+    output_dir: str = "outputs"
+    run_dir: Optional[str] = None  # default: <output_dir>/<date>/<time>
+    progress: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def compose(config_dir: str | Path, overrides: list[str], config_name: str = "train") -> DictConfig:
+    """Compose `configs/<config_name>.yaml` with command-line overrides into a resolved, typed config."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_schema()
+    with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
+        cfg = hydra_compose(config_name=config_name, overrides=overrides)
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    """A plain, picklable dict (what crosses process boundaries)."""
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def from_container(data: dict[str, Any]) -> DictConfig:
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), data)
+    return cfg  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation: everything a type cannot say. Each check raises with the value, the reason and the fix.
+
+_ACCELERATORS = ("auto", "cpu", "cuda")
+_PRECISIONS = ("32", "bf16")
+_OPTIMIZERS = ("adamw", "sgd")
+_SCHEDULES = ("cosine", "step")
+_MODEL_FAMILIES = ("vit",)
+
+
+def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not supported: use one of {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check a composed config on its own (no devices involved). Raises ConfigError."""
+    m, d, p, o, s, t = cfg.model, cfg.data, cfg.parallel, cfg.optim, cfg.schedule, cfg.trainer
+    _one_of("model.family", m.family, _MODEL_FAMILIES)
+    _one_of("trainer.accelerator", t.accelerator, _ACCELERATORS)
+    _one_of("trainer.precision", str(t.precision), _PRECISIONS)
+    _one_of("optim", o.name, _OPTIMIZERS)
+    _one_of("schedule", s.name, _SCHEDULES)
+
+    for key in ("num_classes", "img_size", "patch_size", "embed_dim", "depth", "num_heads"):
+        _positive(f"model.{key}", m[key])
+    _positive("model.mlp_ratio", m.mlp_ratio)
+    if m.img_size % m.patch_size:
+        raise ConfigError(
+            f"model.img_size={m.img_size} is not a multiple of model.patch_size={m.patch_size} ({m.name}): "
+            f"use e.g. model.img_size={max(1, round(m.img_size / m.patch_size)) * m.patch_size}"
+        )
+    if m.embed_dim % m.num_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads} does not divide model.embed_dim={m.embed_dim}")
+    for key in ("drop_rate", "drop_path_rate"):
+        if not 0 <= m[key] < 1:
+            raise ConfigError(f"model.{key}={m[key]} must be in [0, 1)")
+
+    _positive("optim.lr", o.lr)
+    _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+    _positive("schedule.warmup_steps", s.warmup_steps, allow_zero=True)
+    if not 0 <= s.min_lr_ratio <= 1:
+        raise ConfigError(f"schedule.min_lr_ratio={s.min_lr_ratio} must be in [0, 1]")
+
+    _positive("data.batch_size", d.batch_size)
+    _positive("data.eval_batch_size", d.eval_batch_size)
+    _positive("data.num_workers", d.num_workers, allow_zero=True)
+    _positive("trainer.grad_accum", t.grad_accum)
+    _positive("trainer.clip_grad", t.clip_grad, allow_zero=True)
+    _positive("trainer.log_every", t.log_every)
+    _positive("trainer.eval_every", t.eval_every, allow_zero=True)
+    if t.max_steps <= 0 and t.max_epochs <= 0:
+        raise ConfigError("set trainer.max_steps or trainer.max_epochs to a positive number")
+
+    for key in ("tp", "pp"):
+        _positive(f"parallel.{key}", p[key])
+    if p.dp != -1:
+        _positive("parallel.dp", p.dp)
+    if m.num_heads % p.tp:
+        good = ", ".join(str(x) for x in _divisors(m.num_heads))
+        raise ConfigError(
+            f"parallel.tp={p.tp} does not divide model.num_heads={m.num_heads} ({m.name}): "
+            f"tensor parallelism shards attention by whole heads; use parallel.tp in {{{good}}}"
+        )
+    if p.pp > m.depth:
+        raise ConfigError(f"parallel.pp={p.pp} exceeds model.depth={m.depth}: each stage needs at least one block")
+    if p.tp > 1 or p.pp > 1:
+        raise ConfigError(
+            f"parallel.tp={p.tp} parallel.pp={p.pp}: tensor and pipeline parallelism are not available in this "
+            "release; use parallel.dp (data parallel) with tp=1 pp=1"
+        )
+
+
+@dataclass(frozen=True)
+class WorldPlan:
+    """How many ranks to run and where, decided before anything starts."""
+
+    accelerator: str  # "cpu" or "cuda"
+    world_size: int
+    nproc_per_node: int
+    dp: int
+    tp: int
+    pp: int
+    under_torchrun: bool
+
+
+def plan_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> WorldPlan:
+    """Resolve accelerator, world size and the dp degree; check them against the devices present.
+
+    `env` is the process environment (a torchrun job sets WORLD_SIZE/LOCAL_WORLD_SIZE), `cuda_devices` the number of
+    visible GPUs. Pure, so every branch is testable without GPUs.
+    """
+    t, p = cfg.trainer, cfg.parallel
+    accelerator = t.accelerator
+    if accelerator == "auto":
+        accelerator = "cuda" if cuda_devices > 0 else "cpu"
+    if accelerator == "cuda" and cuda_devices == 0:
+        raise ConfigError("trainer.accelerator=cuda but no CUDA device is visible: use trainer.accelerator=cpu")
+
+    model_parallel = p.tp * p.pp
+    under_torchrun = "TORCHELASTIC_RUN_ID" in env or ("WORLD_SIZE" in env and "LOCAL_RANK" in env)
+    if under_torchrun:
+        world = int(env["WORLD_SIZE"])
+        per_node = int(env.get("LOCAL_WORLD_SIZE", world))
+        if t.devices > 0 and t.devices != per_node:
+            raise ConfigError(
+                f"trainer.devices={t.devices} but torchrun started {per_node} ranks per node: "
+                f"drop trainer.devices or pass --nproc-per-node={t.devices} to torchrun"
+            )
+    elif t.devices > 0:
+        world = per_node = t.devices
+    elif p.dp > 0:
+        world = per_node = p.dp * model_parallel
+    elif accelerator == "cuda":
+        world = per_node = cuda_devices
+    else:
+        world = per_node = model_parallel
+
+    if world % model_parallel:
+        raise ConfigError(
+            f"world size {world} is not divisible by parallel.tp x parallel.pp = {model_parallel}: "
+            f"run a multiple of {model_parallel} ranks"
+        )
+    dp = world // model_parallel if p.dp == -1 else p.dp
+    if dp * model_parallel != world:
+        raise ConfigError(
+            f"parallel.dp={p.dp} x tp={p.tp} x pp={p.pp} = {dp * model_parallel} ranks, but the world size is {world}: "
+            f"set parallel.dp={world // model_parallel} or leave it at -1 to infer it"
+        )
+    if accelerator == "cuda" and per_node > cuda_devices:
+        raise ConfigError(
+            f"{per_node} ranks per node need {per_node} GPUs but only {cuda_devices} "
+            f"{'is' if cuda_devices == 1 else 'are'} visible: lower parallel.dp/tp/pp or trainer.devices, "
+            "or use trainer.accelerator=cpu"
+        )
+
+    d, ga = cfg.data, t.grad_accum
+    if d.batch_size % (dp * ga):
+        step = dp * ga
+        raise ConfigError(
+            f"data.batch_size={d.batch_size} (global) is not divisible by dp x trainer.grad_accum = {dp} x {ga}: "
+            f"use a multiple of {step}, e.g. data.batch_size={max(1, math.ceil(d.batch_size / step)) * step}"
+        )
+    return WorldPlan(accelerator, world, per_node, dp, p.tp, p.pp, under_torchrun)

@@ -1,0 +1,89 @@
+"""Samplers keyed by the data-parallel rank.
+
+Training: one shuffled order per epoch, cut into global batches; data-parallel rank r takes the r-th contiguous slice
+of every global batch, split again into `grad_accum` micro-batches. The samples of one optimizer step are therefore the
+same whatever the number of DP ranks, which is what makes a dp=N run equal a one-process run. Each key carries the
+epoch, so per-sample augmentation can be seeded by (seed, epoch, index) and not by which rank or worker loads it.
+
+Evaluation: every sample exactly once across ranks, as contiguous shards of near-equal size (no padding duplicates).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+SampleKey = tuple[int, int]  # (dataset index, epoch)
+
+
+class TrainBatchSampler:
+    """Yields this DP rank's micro-batches of `SampleKey`s; `grad_accum` of them make one optimizer step."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        grad_accum: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+    ):
+        if global_batch % (dp_size * grad_accum):
+            raise ValueError(f"global batch {global_batch} is not divisible by dp x grad_accum = {dp_size * grad_accum}")
+        if num_samples < global_batch:
+            raise ValueError(
+                f"the training set has {num_samples} samples, fewer than one global batch of {global_batch}: "
+                "lower data.batch_size"
+            )
+        self.num_samples, self.global_batch = num_samples, global_batch
+        self.dp_rank, self.dp_size, self.grad_accum = dp_rank, dp_size, grad_accum
+        self.seed, self.shuffle = seed, shuffle
+        self.local_batch = global_batch // dp_size
+        self.micro_batch = self.local_batch // grad_accum
+        self.steps_per_epoch = num_samples // global_batch
+        self.dropped_per_epoch = num_samples - self.steps_per_epoch * global_batch
+        self.epoch = 0
+        self.start_step = 0
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        """Select the epoch's order; `start_step` skips optimizer steps already taken (mid-epoch resume)."""
+        self.epoch, self.start_step = epoch, start_step
+
+    def order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_samples)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+
+    def __len__(self) -> int:
+        return (self.steps_per_epoch - self.start_step) * self.grad_accum
+
+    def __iter__(self) -> Iterator[list[SampleKey]]:
+        order, epoch = self.order(self.epoch), self.epoch
+        lo = self.dp_rank * self.local_batch
+        for step in range(self.start_step, self.steps_per_epoch):
+            mine = order[step * self.global_batch + lo : step * self.global_batch + lo + self.local_batch]
+            for a in range(self.grad_accum):
+                chunk = mine[a * self.micro_batch : (a + 1) * self.micro_batch]
+                yield [(int(i), epoch) for i in chunk]
+
+
+def eval_shard(num_samples: int, dp_rank: int, dp_size: int) -> range:
+    """This rank's contiguous share of [0, num_samples); the shares partition the range exactly."""
+    return range(num_samples * dp_rank // dp_size, num_samples * (dp_rank + 1) // dp_size)
+
+
+class EvalBatchSampler:
+    """Batches of this DP rank's evaluation shard, in order; shards differ in size by at most one sample."""
+
+    def __init__(self, num_samples: int, batch_size: int, dp_rank: int, dp_size: int):
+        self.indices = eval_shard(num_samples, dp_rank, dp_size)
+        self.batch_size = batch_size
+
+    def __len__(self) -> int:
+        return -(-len(self.indices) // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for start in range(0, len(self.indices), self.batch_size):
+            yield list(self.indices[start : start + self.batch_size])

@@ -1,0 +1,53 @@
+"""Exact distributed classification metrics: each rank scores its shard, sums are reduced over data parallel."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from visiondist.parallel import Layout
+
+
+def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]) -> list[torch.Tensor]:
+    """Number of samples whose label is among the top-k logits, for each k (k capped at the class count)."""
+    kmax = min(max(ks), logits.shape[1])
+    top = logits.topk(kmax, dim=1).indices
+    hits = top == labels[:, None]
+    return [hits[:, : min(k, kmax)].any(dim=1).sum() for k in ks]
+
+
+@torch.no_grad()
+def evaluate_classification(
+    model: nn.Module,
+    loader: DataLoader,
+    layout: Layout,
+    autocast: AbstractContextManager | None = None,
+) -> dict[str, float]:
+    """val_loss, val_top1, val_top5 (percent) and val_count over the whole val set, identical on every rank."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=layout.device)  # loss, top1, top5, count
+    for images, labels in loader:
+        images = images.to(layout.device, non_blocking=True)
+        labels = labels.to(layout.device, non_blocking=True)
+        with autocast or nullcontext():
+            logits = model(images)
+        logits = logits.float()
+        top1, top5 = topk_correct(logits, labels, (1, 5))
+        loss = F.cross_entropy(logits, labels, reduction="sum")
+        count = torch.tensor(float(len(labels)), dtype=torch.float64, device=sums.device)
+        sums += torch.stack([loss.double(), top1.double(), top5.double(), count])
+    layout.all_reduce_dp(sums)
+    model.train(was_training)
+    loss, top1, top5, count = sums.tolist()
+    count_safe = max(count, 1.0)
+    return {
+        "val_loss": loss / count_safe,
+        "val_top1": 100.0 * top1 / count_safe,
+        "val_top5": 100.0 * top5 / count_safe,
+        "val_count": int(count),
+    }

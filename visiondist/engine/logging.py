@@ -1,0 +1,120 @@
+"""What a run leaves for people: console log, metrics.csv, TensorBoard, a PNG of the curves, a summary table."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+METRIC_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm", "images_per_s", "val_loss", "val_top1", "val_top5")
+
+
+def setup_logging(run_dir: Path, is_main: bool) -> None:
+    """Rank 0 logs INFO to the console (through rich, so progress bars stay intact) and to train.log."""
+    from rich.logging import RichHandler
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    if not is_main:
+        logging.basicConfig(level=logging.WARNING, format="[rank %(process)d] %(levelname)s %(name)s: %(message)s")
+        return
+    console = RichHandler(show_path=False, show_time=False, markup=False, rich_tracebacks=False)
+    console.setFormatter(logging.Formatter("%(message)s"))
+    file = logging.FileHandler(run_dir / "train.log")
+    file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(console)
+    root.addHandler(file)
+    root.setLevel(logging.INFO)
+
+
+class MetricsLogger:
+    """Appends rows to `metrics.csv` and scalars to TensorBoard. A no-op on every rank but the main one."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.csv"
+        self.rows: list[dict[str, Any]] = []
+        self._tb = None
+        if not enabled:
+            return
+        with self.path.open("w", newline="") as f:
+            csv.writer(f).writerow(METRIC_COLUMNS)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, step: int, **metrics: Any) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: v for k, v in metrics.items() if k in METRIC_COLUMNS}}
+        self.rows.append(row)
+        with self.path.open("a", newline="") as f:
+            csv.writer(f).writerow([_fmt(row.get(c)) for c in METRIC_COLUMNS])
+        if self._tb is not None:
+            for key, value in row.items():
+                if key not in ("step", "epoch") and value is not None:
+                    self._tb.add_scalar(("val/" if key.startswith("val_") else "train/") + key, value, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.8g}"
+    return str(value)
+
+
+def read_metrics(path: Path) -> list[dict[str, Optional[float]]]:
+    with Path(path).open() as f:
+        return [{k: (float(v) if v != "" else None) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def plot_curves(rows: list[dict[str, Any]], png: Path, title: str) -> Optional[Path]:
+    """Loss, learning rate and val top-1 against the step, side by side; None when there is nothing to draw."""
+    train = [r for r in rows if r.get("loss") is not None]
+    val = [r for r in rows if r.get("val_top1") is not None]
+    if not train and not val:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    series = [
+        (axes[0], train, "loss", "train loss"),
+        (axes[1], train, "lr", "learning rate"),
+        (axes[2], val, "val_top1", "val top-1 (%)"),
+    ]
+    for ax, data, key, label in series:
+        ax.plot([r["step"] for r in data], [r[key] for r in data], marker="o" if len(data) < 30 else None)
+        ax.set_xlabel("step")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+def summary_table(summary: dict[str, Any]):
+    """A two-column rich Table of the run's summary."""
+    from rich.table import Table
+
+    table = Table(title="training summary", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in summary.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}" if math.isfinite(value) else str(value)
+        table.add_row(key, str(value))
+    return table

@@ -1,0 +1,214 @@
+"""The training loop. It does not care which layout it got; it asks the `Layout` which rank logs and which group a
+metric is reduced over.
+
+One optimizer step = `trainer.grad_accum` micro-batches per DP rank (gradient sync only on the last, via DDP's
+`no_sync`), a global gradient norm (clipped if asked), the optimizer and the LR schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from visiondist.data import build_classification_data, prepare_data
+from visiondist.engine.evaluate import evaluate_classification
+from visiondist.engine.logging import MetricsLogger, plot_curves, setup_logging, summary_table
+from visiondist.engine.optim import build_optimizer, build_scheduler
+from visiondist.models import build_model
+from visiondist.parallel import Layout, clip_grad_norm, parallelize, unwrap
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _progress(enabled: bool, total: int):
+    if not enabled:
+        return None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    progress = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        transient=False,
+    )
+    progress.start()
+    progress.add_task("train", total=total, stats="")
+    return progress
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, layout: Layout, run_dir: Path):
+        self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
+        t = cfg.trainer
+        seed_everything(t.seed)  # the same on every rank: identical initial weights before any broadcast
+        model = build_model(cfg.model).to(layout.device)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.optimizer = build_optimizer(cfg.optim, model)
+        self.model = parallelize(model, layout)
+
+        self.data = build_classification_data(
+            cfg.data, layout.dp_rank, layout.dp, t.grad_accum, t.seed, pin_memory=layout.device.type == "cuda"
+        )
+        steps_per_epoch = self.data.train_sampler.steps_per_epoch
+        total = t.max_steps if t.max_steps > 0 else t.max_epochs * steps_per_epoch
+        if t.max_epochs > 0:
+            total = min(total, t.max_epochs * steps_per_epoch)
+        self.total_steps = total
+        self.scheduler = build_scheduler(cfg.schedule, self.optimizer, total)
+        self.autocast = (
+            torch.autocast(layout.device.type, dtype=torch.bfloat16) if str(t.precision) == "bf16" else nullcontext()
+        )
+        self.metrics = MetricsLogger(run_dir, layout.is_main, t.tensorboard)
+        self.step = 0
+        self.epoch = 0
+        self.last_eval: dict[str, Any] = {}
+
+    # -- one optimizer step --------------------------------------------------------------------------------------
+    def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward/backward over grad_accum micro-batches, then clip and step. Returns (local mean loss, grad norm)."""
+        accum = self.cfg.trainer.grad_accum
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.layout.device)
+        for i in range(accum):
+            images, labels = next(batches)
+            images = images.to(self.layout.device, non_blocking=True)
+            labels = labels.to(self.layout.device, non_blocking=True)
+            last = i == accum - 1
+            sync = nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            with sync:
+                with self.autocast:
+                    logits = self.model(images)
+                loss = F.cross_entropy(logits.float(), labels) / accum
+                loss.backward()
+            total += loss.detach()
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.trainer.clip_grad)
+        self.optimizer.step()
+        self.scheduler.step()
+        return total, grad_norm
+
+    def evaluate(self) -> dict[str, Any]:
+        metrics = evaluate_classification(unwrap(self.model), self.data.val_loader, self.layout, self.autocast)
+        self.last_eval = {**metrics, "step": self.step}
+        self.metrics.log(self.step, epoch=self.epoch, **metrics)
+        log.info(
+            "eval  step %d | val loss %.4f | top-1 %.2f%% | top-5 %.2f%% | %d images",
+            self.step, metrics["val_loss"], metrics["val_top1"], metrics["val_top5"], metrics["val_count"],
+        )
+        return metrics
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        t, layout = self.cfg.trainer, self.layout
+        sampler = self.data.train_sampler
+        log.info(
+            "model %s: %.2fM parameters | layout %s | global batch %d (%d per rank x %d accumulation) | %d steps",
+            self.cfg.model.name, self.num_params / 1e6, layout.describe(), self.cfg.data.batch_size,
+            sampler.micro_batch, t.grad_accum, self.total_steps,
+        )
+        progress = _progress(t.progress and layout.is_main, self.total_steps)
+        window_loss = torch.zeros((), device=layout.device)
+        window_steps, window_start, train_time = 0, time.perf_counter(), 0.0
+        final_loss = math.nan
+        try:
+            while self.step < self.total_steps:
+                sampler.set_epoch(self.epoch)
+                batches = iter(self.data.train_loader)
+                for _ in range(sampler.steps_per_epoch):
+                    loss, grad_norm = self.train_step(batches)
+                    self.step += 1
+                    window_loss += loss
+                    window_steps += 1
+                    if self.step % t.log_every == 0 or self.step == self.total_steps:
+                        stats = torch.stack([window_loss / window_steps, grad_norm.to(window_loss)])
+                        layout.all_reduce_dp(stats)
+                        mean_loss, norm = (stats / layout.dp).tolist()
+                        elapsed = time.perf_counter() - window_start
+                        train_time += elapsed
+                        rate = window_steps * self.cfg.data.batch_size / elapsed
+                        lr = self.optimizer.param_groups[0]["lr"]
+                        self.metrics.log(self.step, epoch=self.epoch, loss=mean_loss, lr=lr, grad_norm=norm,
+                                         images_per_s=rate)
+                        final_loss = mean_loss
+                        if progress is not None:
+                            progress.update(0, completed=self.step,
+                                            stats=f"loss {mean_loss:.4f}  lr {lr:.2e}  {rate:.0f} img/s")
+                        else:
+                            log.info("step %d/%d | loss %.4f | lr %.2e | %.0f img/s",
+                                     self.step, self.total_steps, mean_loss, lr, rate)
+                        window_loss.zero_()
+                        window_steps = 0
+                        window_start = time.perf_counter()
+                    end_of_epoch = self.step % sampler.steps_per_epoch == 0
+                    if (t.eval_every and self.step % t.eval_every == 0) or (not t.eval_every and end_of_epoch):
+                        train_time += time.perf_counter() - window_start
+                        self.evaluate()
+                        window_start = time.perf_counter()
+                    if self.step >= self.total_steps:
+                        break
+                self.epoch += 1
+        finally:
+            if progress is not None:
+                progress.stop()
+        if self.last_eval.get("step") != self.step:
+            self.evaluate()
+        return self._finish(final_loss, train_time)
+
+    def _finish(self, final_loss: float, train_time: float) -> dict[str, Any]:
+        summary = {
+            "model": self.cfg.model.name,
+            "parameters (M)": round(self.num_params / 1e6, 3),
+            "layout": self.layout.describe(),
+            "data": f"{self.cfg.data.name}: {self.data.num_train} train / {self.data.num_val} val images",
+            "steps": self.step,
+            "epochs": round(self.step / self.data.train_sampler.steps_per_epoch, 2),
+            "train time (s)": round(train_time, 1),
+            "throughput (img/s)": round(self.step * self.cfg.data.batch_size / max(train_time, 1e-9), 1),
+            "final train loss": final_loss,
+            "val loss": self.last_eval["val_loss"],
+            "val top-1 (%)": self.last_eval["val_top1"],
+            "val top-5 (%)": self.last_eval["val_top5"],
+            "run dir": str(self.run_dir),
+        }
+        self.metrics.close()
+        if self.layout.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            png = plot_curves(self.metrics.rows, self.run_dir / "curves.png", f"{self.cfg.model.name} on {self.cfg.data.name}")
+            from rich import print as rprint
+
+            rprint(summary_table(summary))
+            if png is not None:
+                log.info("curves: %s", png)
+            print(f"val top-1: {summary['val top-1 (%)']:.2f}%  top-5: {summary['val top-5 (%)']:.2f}%", flush=True)
+        return summary
+
+
+def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
+    """Entry point of every rank: prepare the data once per node, then fit."""
+    import torch.distributed as dist
+
+    setup_logging(run_dir, layout.is_main)
+    if layout.local_rank == 0:
+        prepare_data(cfg.data, show_progress=layout.is_main and cfg.trainer.progress)
+    dist.barrier()
+    return Trainer(cfg, layout, run_dir).fit()

@@ -1,0 +1,139 @@
+"""Start the ranks of a job: self-launched through torch's elastic launcher, or joined under torchrun.
+
+`launch(entry, cfg)` runs `entry(cfg, layout, run_dir)` on every rank:
+- under torchrun (one or many nodes) each process joins the group torchrun set up;
+- otherwise, one rank runs in this process, and several are spawned here with `elastic_launch` (c10d rendezvous on
+  localhost, no restarts) — plain `python tools/train.py parallel.dp=4` needs no torchrun.
+The run directory is created once, by the launching process or by global rank 0, and handed to every rank; ranks get
+the resolved config as a plain dict, never a fresh composition.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from visiondist.config import ConfigError, WorldPlan, from_container, plan_world, to_container
+
+log = logging.getLogger(__name__)
+
+Entry = Callable[[DictConfig, Any, Path], Any]
+
+
+def cuda_device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def new_run_dir(cfg: DictConfig) -> Path:
+    """Create the run directory and write the resolved `config.yaml` into it. Never reuses a run's directory."""
+    if cfg.trainer.run_dir:
+        run_dir = Path(cfg.trainer.run_dir).expanduser()
+        if (run_dir / "config.yaml").exists():
+            raise ConfigError(f"trainer.run_dir={run_dir} already holds a run: choose another directory")
+    else:
+        stamp = dt.datetime.now()
+        base = Path(cfg.trainer.output_dir).expanduser() / stamp.strftime("%Y-%m-%d") / stamp.strftime("%H-%M-%S")
+        run_dir, n = base, 1
+        while run_dir.exists():
+            run_dir, n = base.with_name(f"{base.name}-{n}"), n + 1
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    return run_dir.resolve()
+
+
+def _set_threads(local_world: int) -> None:
+    """Split the CPU cores between the ranks of a node unless the user chose (OMP_NUM_THREADS)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def _init_rank(plan: WorldPlan, single: bool) -> tuple[torch.device, int]:
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    _set_threads(plan.nproc_per_node)
+    if plan.accelerator == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        timeout = timedelta(minutes=10)
+        if single:  # one process: an in-memory store, no ports
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    return device, local_rank
+
+
+def _shared_run_dir(cfg: DictConfig) -> Path:
+    """Under torchrun: global rank 0 creates the run dir and tells the others (or tells them why it could not)."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = str(new_run_dir(cfg))
+        except Exception as exc:  # every rank must learn of the failure, not hang in the broadcast
+            box[0] = exc
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    return Path(box[0])
+
+
+def run_rank(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: Optional[str]) -> Any:
+    """Body of every rank: process group, device, mesh, then `entry`."""
+    from visiondist.parallel import build_layout
+
+    cfg = from_container(cfg_dict)
+    device, local_rank = _init_rank(plan, single=plan.world_size == 1 and not plan.under_torchrun)
+    try:
+        path = Path(run_dir) if run_dir else _shared_run_dir(cfg)
+        layout = build_layout(plan.dp, plan.tp, plan.pp, device, local_rank)
+        return entry(cfg, layout, path)
+    finally:
+        dist.destroy_process_group()
+
+
+@record  # a failing rank's traceback reaches the launcher's error report, not just its exit code
+def _elastic_worker(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: str) -> Any:
+    return run_rank(entry, cfg_dict, plan, run_dir)
+
+
+def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> WorldPlan:
+    """Validate the world against the devices, then run `entry` on every rank. Errors surface before any spawn."""
+    env = dict(os.environ) if env is None else env
+    plan = plan_world(cfg, env, cuda_device_count())
+    cfg_dict = to_container(cfg)
+    if plan.under_torchrun:
+        run_rank(entry, cfg_dict, plan, None)
+        return plan
+    run_dir = str(new_run_dir(cfg))
+    if plan.world_size == 1:
+        run_rank(entry, cfg_dict, plan, run_dir)
+        return plan
+
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node)))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=plan.nproc_per_node,
+        run_id=f"visiondist-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    elastic_launch(config, _elastic_worker)(entry, cfg_dict, plan, run_dir)
+    return plan

@@ -1,0 +1,37 @@
+"""Model registry: `build_model(cfg.model)` turns a model config into a plain `nn.Module`.
+
+Models here hold no distributed code; `visiondist.parallel` transforms a finished model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+from visiondist.models.vit import VisionTransformer
+
+
+def _build_vit(cfg: Any) -> nn.Module:
+    return VisionTransformer(
+        img_size=cfg.img_size,
+        patch_size=cfg.patch_size,
+        num_classes=cfg.num_classes,
+        embed_dim=cfg.embed_dim,
+        depth=cfg.depth,
+        num_heads=cfg.num_heads,
+        mlp_ratio=cfg.mlp_ratio,
+        qkv_bias=cfg.qkv_bias,
+        drop_rate=cfg.drop_rate,
+        drop_path_rate=cfg.drop_path_rate,
+    )
+
+
+FAMILIES: dict[str, Callable[[Any], nn.Module]] = {"vit": _build_vit}
+
+
+def build_model(cfg: Any) -> nn.Module:
+    """Build the model a `ModelConfig` describes (random init, nothing downloaded)."""
+    if cfg.family not in FAMILIES:
+        raise ValueError(f"unknown model.family={cfg.family!r}: known families are {', '.join(FAMILIES)}")
+    return FAMILIES[cfg.family](cfg)

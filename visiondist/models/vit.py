@@ -1,0 +1,180 @@
+"""Vision Transformer in plain PyTorch, numerically identical to timm's `VisionTransformer`.
+
+Differences from timm are deliberate and layout-only: attention keeps separate `q`, `k` and `v` projections so a tensor
+parallel plan can shard them by whole heads (a fused qkv weight cannot be column-split naively), and the number of
+heads a module computes is derived from its weight shape, so a sharded copy runs unchanged. `to_timm_state_dict` /
+`from_timm_state_dict` convert to and from timm's keys (fused `qkv`) exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True):
+        super().__init__()
+        self.head_dim = dim // num_heads
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.k = nn.Linear(dim, dim, bias=qkv_bias)
+        self.v = nn.Linear(dim, dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        # (B, N, H*hd) -> (B, H, N, hd); H is whatever this (possibly sharded) projection holds.
+        q, k, v = (proj(x).view(b, n, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class DropPath(nn.Module):
+    """Stochastic depth: drop the whole residual branch per sample."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, qkv_bias: bool, drop_path: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = Attention(dim, num_heads, qkv_bias)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+        self.drop_path = DropPath(drop_path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, img_size: int, patch_size: int, dim: int):
+        super().__init__()
+        self.img_size = img_size
+        self.num_patches = (img_size // patch_size) ** 2
+        self.proj = nn.Conv2d(3, dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2:] != (self.img_size, self.img_size):
+            raise ValueError(f"expected {self.img_size}x{self.img_size} images, got {tuple(x.shape[-2:])}")
+        return self.proj(x).flatten(2).transpose(1, 2)
+
+
+class VisionTransformer(nn.Module):
+    """ViT with a class token and a learned position embedding; classifies from the class token."""
+
+    def __init__(
+        self,
+        img_size: int = 224,
+        patch_size: int = 16,
+        num_classes: int = 1000,
+        embed_dim: int = 768,
+        depth: int = 12,
+        num_heads: int = 12,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+    ):
+        super().__init__()
+        self.num_classes = num_classes
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.patch_embed = PatchEmbed(img_size, patch_size, embed_dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
+        rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # linear, as timm
+        self.blocks = nn.Sequential(*(Block(embed_dim, num_heads, mlp_ratio, qkv_bias, r) for r in rates))
+        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(embed_dim, num_classes)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """timm's init for Linear layers and embeddings; the patch embedding lecun-normal as in the JAX reference."""
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.normal_(self.cls_token, std=1e-6)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+        w = self.patch_embed.proj.weight
+        nn.init.trunc_normal_(w, std=math.sqrt(1.0 / w[0].numel()))
+        nn.init.zeros_(self.patch_embed.proj.bias)
+
+    @staticmethod
+    def no_weight_decay() -> set[str]:
+        return {"pos_embed", "cls_token"}
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(x)
+        cls = self.cls_token.expand(x.shape[0], -1, -1)
+        return torch.cat([cls, x], dim=1) + self.pos_embed
+
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.head_drop(self.norm(x)[:, 0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.blocks(self.embed(x)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# timm key layout: identical except attention's fused qkv (rows ordered q, k, v).
+
+_QKV = ("q", "k", "v")
+
+
+def to_timm_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our canonical state dict -> timm `VisionTransformer` keys (q/k/v fused into `attn.qkv`)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        parts = key.rsplit(".", 2)  # e.g. blocks.3.attn . q . weight
+        if len(parts) == 3 and parts[1] in _QKV and parts[0].endswith(".attn"):
+            if parts[1] == "q":
+                prefix, kind = parts[0], parts[2]
+                out[f"{prefix}.qkv.{kind}"] = torch.cat([state[f"{prefix}.{n}.{kind}"] for n in _QKV], dim=0)
+            continue
+        out[key] = value
+    return out
+
+
+def from_timm_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """timm `VisionTransformer` keys -> ours (`attn.qkv` split into q, k, v)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        parts = key.rsplit(".", 2)
+        if len(parts) == 3 and parts[1] == "qkv" and parts[0].endswith(".attn"):
+            for name, chunk in zip(_QKV, value.chunk(3, dim=0)):
+                out[f"{parts[0]}.{name}.{parts[2]}"] = chunk.clone()
+            continue
+        out[key] = value
+    return out
