@@ -23,12 +23,13 @@ TINY_DATA = [
 ]
 
 
-def run_cli(args: list[str], timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run `python tools/train.py *args`; on timeout kill the process group (the spawned ranks too) and fail."""
+def run_cli(args: list[str], timeout: float = 240, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run `python [launcher] tools/train.py *args` (launcher: e.g. torchrun's module and flags); on timeout kill the
+    whole process group, spawned ranks included, and fail."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, str(TRAIN), *args],
-        cwd=cwd or REPO,
+        [sys.executable, *launcher, str(TRAIN), *args],
+        cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

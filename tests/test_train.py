@@ -49,3 +49,18 @@ def test_dp2_equals_dp1_and_writes_one_run_dir(tmp_path, tiny_shapes):
     assert s1["val images"] == s2["val images"] == 30  # every val sample counted once, under 1 and 2 ranks
     for run in (run1, run2):
         assert (run / "curves.png").stat().st_size > 0 and list((run / "tensorboard").iterdir())
+
+
+def test_torchrun_joins_its_group_and_shares_one_run_dir(tmp_path, tiny_shapes):
+    """Under torchrun the same script joins the job's group; rank 0 creates the run dir and tells the others."""
+    out = tmp_path / "tr"
+    torchrun = ("-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                "--rdzv-endpoint=localhost:0", "--max-restarts=0")
+    args = [*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16", "trainer.max_steps=2",
+            "trainer.log_every=1", "trainer.accelerator=cpu", f"trainer.output_dir={out}"]
+    result = run_cli(args, timeout=240, launcher=torchrun)
+    assert result.returncode == 0, result.stdout[-4000:]
+    runs = [p.parent for p in out.rglob("config.yaml")]
+    assert len(runs) == 1
+    assert "dp=2 tp=1 pp=1 (2 ranks on cpu)" in (runs[0] / "train.log").read_text()
+    assert len([r for r in read_metrics(runs[0] / "metrics.csv") if r["loss"] is not None]) == 2

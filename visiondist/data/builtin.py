@@ -45,7 +45,7 @@ def _cross(cx: float, cy: float, r: float, angle: float) -> list:
 def _background(rng: np.random.Generator, size: int) -> Image.Image:
     """Smooth colour gradient + stripes + noise, so the class is never readable from the background."""
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
-    c0, c1 = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
+    c0, c1 = rng.uniform(0, 120, 3), rng.uniform(0, 120, 3)  # darker than any shape
     t = (xx * math.cos(rng.uniform(0, 2 * math.pi)) + yy * math.sin(rng.uniform(0, 2 * math.pi)) + 1) / 3
     img = c0 * (1 - t[..., None]) + c1 * t[..., None]
     freq, phase = rng.uniform(2, 8), rng.uniform(0, 2 * math.pi)
@@ -64,10 +64,8 @@ def render_shape(label: int, rng: np.random.Generator, size: int) -> Image.Image
     jitter = big / 2 - r  # anywhere the shape fits, biased to the centre
     cx, cy = big / 2 + jitter * rng.uniform(-1, 1) * 0.5, big / 2 + jitter * rng.uniform(-1, 1) * 0.5
     angle = rng.uniform(0, 2 * math.pi)
-    bg_mean = np.asarray(img, dtype=np.float32).mean((0, 1))
-    colour = rng.uniform(0, 255, 3)
-    while np.abs(colour - bg_mean).sum() < 150:  # keep the shape visible against its background
-        colour = rng.uniform(0, 255, 3)
+    colour = rng.uniform(60, 255, 3)
+    colour[rng.integers(3)] = 255  # one saturated channel: always brighter than the background
     fill = tuple(int(c) for c in colour)
     name = SHAPE_CLASSES[label]
     if name == "circle":

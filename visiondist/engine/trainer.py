@@ -150,12 +150,11 @@ class Trainer:
                         self.metrics.log(self.step, epoch=self.epoch, loss=mean_loss, lr=lr, grad_norm=norm,
                                          images_per_s=rate)
                         final_loss = mean_loss
+                        log.info("step %d/%d | loss %.4f | lr %.2e | %.0f img/s",
+                                 self.step, self.total_steps, mean_loss, lr, rate)
                         if progress is not None:
                             progress.update(0, completed=self.step,
                                             stats=f"loss {mean_loss:.4f}  lr {lr:.2e}  {rate:.0f} img/s")
-                        else:
-                            log.info("step %d/%d | loss %.4f | lr %.2e | %.0f img/s",
-                                     self.step, self.total_steps, mean_loss, lr, rate)
                         window_loss.zero_()
                         window_steps = 0
                         window_start = time.perf_counter()
@@ -188,6 +187,7 @@ class Trainer:
             "val loss": self.last_eval["val_loss"],
             "val top-1 (%)": self.last_eval["val_top1"],
             "val top-5 (%)": self.last_eval["val_top5"],
+            "val images": self.last_eval["val_count"],
             "run dir": str(self.run_dir),
         }
         self.metrics.close()

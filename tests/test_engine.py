@@ -1,0 +1,43 @@
+"""The training loop in this process (one rank): accumulation is exact, bf16 autocast runs."""
+
+import pytest
+
+from visiondist.cli import load_config
+from visiondist.engine.logging import read_metrics
+from visiondist.engine.trainer import train
+from visiondist.launch import launch
+from helpers import REPO, TINY_DATA
+
+
+def _run(tmp_path, tiny_shapes, name, *extra):
+    cfg = load_config(REPO / "configs", [*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16",
+                                         "trainer.max_steps=4", "trainer.log_every=1", "trainer.accelerator=cpu",
+                                         "trainer.tensorboard=false", f"trainer.run_dir={tmp_path / name}", *extra])
+    launch(train, cfg, env={})
+    rows = read_metrics(tmp_path / name / "metrics.csv")
+    return [r for r in rows if r["loss"] is not None], [r for r in rows if r["val_top1"] is not None]
+
+
+def test_grad_accumulation_equals_one_big_batch(tmp_path, tiny_shapes):
+    one, eval_one = _run(tmp_path, tiny_shapes, "ga1")
+    four, eval_four = _run(tmp_path, tiny_shapes, "ga4", "trainer.grad_accum=4")
+    for a, b in zip(one, four, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+    assert eval_one[-1]["val_loss"] == pytest.approx(eval_four[-1]["val_loss"], rel=1e-5)
+
+
+def test_bf16_autocast_trains(tmp_path, tiny_shapes):
+    ref, _ = _run(tmp_path, tiny_shapes, "fp32")
+    bf16, evals = _run(tmp_path, tiny_shapes, "bf16", "trainer.precision=bf16")
+    assert len(bf16) == 4 and evals[-1]["val_top1"] is not None
+    for a, b in zip(ref, bf16):  # same run, lower precision: close, not equal
+        assert a["loss"] == pytest.approx(b["loss"], rel=0.05)
+    assert any(a["loss"] != b["loss"] for a, b in zip(ref, bf16))
+
+
+def test_run_dir_is_never_reused(tmp_path, tiny_shapes):
+    _run(tmp_path, tiny_shapes, "once")
+    from visiondist.config import ConfigError
+
+    with pytest.raises(ConfigError, match="already holds a run"):
+        _run(tmp_path, tiny_shapes, "once")
