@@ -56,6 +56,32 @@ def _progress(enabled: bool, total: int):
     return progress
 
 
+class _Window:
+    """Loss and training time of the steps since the last log line; evaluation time is left out."""
+
+    def __init__(self, device: torch.device):
+        self.loss = torch.zeros((), device=device)
+        self.steps, self.seconds, self.total_seconds = 0, 0.0, 0.0
+        self._since = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss += loss
+        self.steps += 1
+
+    def pause(self) -> None:
+        elapsed = time.perf_counter() - self._since
+        self.seconds += elapsed
+        self.total_seconds += elapsed
+
+    def resume(self) -> None:
+        self._since = time.perf_counter()
+
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.steps, self.seconds = 0, 0.0
+        self.resume()
+
+
 class Trainer:
     def __init__(self, cfg: DictConfig, layout: Layout, run_dir: Path):
         self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
@@ -119,59 +145,51 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        t, layout = self.cfg.trainer, self.layout
-        sampler = self.data.train_sampler
+        t, sampler = self.cfg.trainer, self.data.train_sampler
         log.info(
             "model %s: %.2fM parameters | layout %s | global batch %d (%d per rank x %d accumulation) | %d steps",
-            self.cfg.model.name, self.num_params / 1e6, layout.describe(), self.cfg.data.batch_size,
+            self.cfg.model.name, self.num_params / 1e6, self.layout.describe(), self.cfg.data.batch_size,
             sampler.micro_batch, t.grad_accum, self.total_steps,
         )
-        progress = _progress(t.progress and layout.is_main, self.total_steps)
-        window_loss = torch.zeros((), device=layout.device)
-        window_steps, window_start, train_time = 0, time.perf_counter(), 0.0
+        progress = _progress(t.progress and self.layout.is_main, self.total_steps)
+        window = _Window(self.layout.device)
         final_loss = math.nan
         try:
             while self.step < self.total_steps:
                 sampler.set_epoch(self.epoch)
                 batches = iter(self.data.train_loader)
-                for _ in range(sampler.steps_per_epoch):
+                for _ in range(min(sampler.steps_per_epoch, self.total_steps - self.step)):
                     loss, grad_norm = self.train_step(batches)
                     self.step += 1
-                    window_loss += loss
-                    window_steps += 1
+                    window.add(loss)
                     if self.step % t.log_every == 0 or self.step == self.total_steps:
-                        stats = torch.stack([window_loss / window_steps, grad_norm.to(window_loss)])
-                        layout.all_reduce_dp(stats)
-                        mean_loss, norm = (stats / layout.dp).tolist()
-                        elapsed = time.perf_counter() - window_start
-                        train_time += elapsed
-                        rate = window_steps * self.cfg.data.batch_size / elapsed
-                        lr = self.optimizer.param_groups[0]["lr"]
-                        self.metrics.log(self.step, epoch=self.epoch, loss=mean_loss, lr=lr, grad_norm=norm,
-                                         images_per_s=rate)
-                        final_loss = mean_loss
-                        log.info("step %d/%d | loss %.4f | lr %.2e | %.0f img/s",
-                                 self.step, self.total_steps, mean_loss, lr, rate)
-                        if progress is not None:
-                            progress.update(0, completed=self.step,
-                                            stats=f"loss {mean_loss:.4f}  lr {lr:.2e}  {rate:.0f} img/s")
-                        window_loss.zero_()
-                        window_steps = 0
-                        window_start = time.perf_counter()
+                        window.pause()
+                        final_loss = self._log_train(window, grad_norm, progress)
+                        window.reset()
                     end_of_epoch = self.step % sampler.steps_per_epoch == 0
                     if (t.eval_every and self.step % t.eval_every == 0) or (not t.eval_every and end_of_epoch):
-                        train_time += time.perf_counter() - window_start
+                        window.pause()
                         self.evaluate()
-                        window_start = time.perf_counter()
-                    if self.step >= self.total_steps:
-                        break
+                        window.resume()
                 self.epoch += 1
         finally:
             if progress is not None:
                 progress.stop()
         if self.last_eval.get("step") != self.step:
             self.evaluate()
-        return self._finish(final_loss, train_time)
+        return self._finish(final_loss, window.total_seconds)
+
+    def _log_train(self, window: "_Window", grad_norm: torch.Tensor, progress) -> float:
+        """Reduce the window's loss and the grad norm over DP (every rank calls this), log on rank 0."""
+        stats = torch.stack([window.loss / window.steps, grad_norm.to(window.loss)])
+        mean_loss, norm = (self.layout.all_reduce_dp(stats) / self.layout.dp).tolist()
+        rate = window.steps * self.cfg.data.batch_size / max(window.seconds, 1e-9)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.metrics.log(self.step, epoch=self.epoch, loss=mean_loss, lr=lr, grad_norm=norm, images_per_s=rate)
+        log.info("step %d/%d | loss %.4f | lr %.2e | %.0f img/s", self.step, self.total_steps, mean_loss, lr, rate)
+        if progress is not None:
+            progress.update(0, completed=self.step, stats=f"loss {mean_loss:.4f}  lr {lr:.2e}  {rate:.0f} img/s")
+        return mean_loss
 
     def _finish(self, final_loss: float, train_time: float) -> dict[str, Any]:
         summary = {
