@@ -61,7 +61,7 @@ def render_shape(label: int, rng: np.random.Generator, size: int) -> Image.Image
     img = _background(rng, big)
     draw = ImageDraw.Draw(img)
     r = rng.uniform(0.28, 0.42) * big
-    jitter = big / 2 - r  # anywhere the shape fits, biased to the centre
+    jitter = big / 2 - r  # the shape stays inside; its centre lies in the middle half of the free range
     cx, cy = big / 2 + jitter * rng.uniform(-1, 1) * 0.5, big / 2 + jitter * rng.uniform(-1, 1) * 0.5
     angle = rng.uniform(0, 2 * math.pi)
     colour = rng.uniform(60, 255, 3)

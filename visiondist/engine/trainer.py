@@ -179,7 +179,7 @@ class Trainer:
             self.evaluate()
         return self._finish(final_loss, window.total_seconds)
 
-    def _log_train(self, window: "_Window", grad_norm: torch.Tensor, progress) -> float:
+    def _log_train(self, window: _Window, grad_norm: torch.Tensor, progress) -> float:
         """Reduce the window's loss and the grad norm over DP (every rank calls this), log on rank 0."""
         stats = torch.stack([window.loss / window.steps, grad_norm.to(window.loss)])
         mean_loss, norm = (self.layout.all_reduce_dp(stats) / self.layout.dp).tolist()
