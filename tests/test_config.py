@@ -24,6 +24,18 @@ def test_defaults_compose_and_follow_the_data():
     assert (cfg.model.img_size, cfg.model.num_classes, cfg.model.embed_dim) == (96, 3, 768)
 
 
+def test_patch14_models_take_the_largest_fitting_input_size():
+    assert load_config(CONFIGS, ["model=vit_huge"]).model.img_size == 56  # 64-pixel shapes, 14-pixel patches
+    assert load_config(CONFIGS, ["model=vit_huge", "data=imagenet"]).model.img_size == 224
+    assert load_config(CONFIGS, ["model=vit_tiny", "data.img_size=70"]).model.img_size == 64
+
+
+@pytest.mark.parametrize("name,tp,dp", [("tp2", 2, -1), ("tp4", 4, -1), ("tp8", 8, -1), ("dp2_tp2", 2, 2)])
+def test_parallel_presets(name, tp, dp):
+    cfg = load_config(CONFIGS, ["model=vit_huge", f"parallel={name}"])
+    assert (cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.sequence_parallel) == (tp, dp, 1, False)
+
+
 @pytest.mark.parametrize(
     "overrides,expected",
     [
@@ -35,6 +47,9 @@ def test_defaults_compose_and_follow_the_data():
         (["trainer.precision=fp16"], "trainer.precision='fp16' is not supported"),
         (["model.img_size=70"], "not a multiple of model.patch_size=16"),
         (["parallel.pp=20"], "parallel.pp=20 exceeds model.depth=12"),
+        (["model=vit_small", "model.embed_dim=390", "model.mlp_ratio=2.5", "parallel.tp=2"],
+         "parallel.tp=2 does not divide the MLP hidden size 975"),
+        (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tp > 1"),
         (["trainer.max_steps=-1", "trainer.max_epochs=0"], "set trainer.max_steps or trainer.max_epochs"),
     ],
 )
@@ -59,6 +74,18 @@ def test_more_ranks_than_gpus_is_refused():
         _plan(["trainer.devices=8"], gpus=2)
     with pytest.raises(ConfigError, match="no CUDA device is visible"):
         _plan(["trainer.accelerator=cuda"], gpus=0)
+
+
+def test_tensor_parallel_world():
+    plan = _plan(["model=vit_huge", "parallel=tp4", "trainer.accelerator=cpu"])
+    assert (plan.world_size, plan.dp, plan.tp) == (4, 1, 4)  # four gloo processes
+    plan = _plan(["model=vit_huge", "parallel=tp4"], gpus=8)
+    assert (plan.world_size, plan.dp, plan.tp) == (8, 2, 4)  # every GPU of the node, dp fills the rest
+    with pytest.raises(ConfigError, match="needs 4 GPUs on this node but only 1 is visible.*trainer.accelerator=cpu"):
+        _plan(["model=vit_huge", "parallel=tp4"], gpus=1)
+    with pytest.raises(ConfigError, match="tensor-parallel group must sit inside one node"):
+        env = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"}
+        _plan(["model=vit_huge", "parallel=tp4"], env=env)
 
 
 def test_torchrun_world_is_checked_against_the_config():

@@ -60,7 +60,7 @@ def test_empty_class_folder_is_an_error(tmp_path, tiny_shapes):
 def _data(tiny_shapes, dp_rank, dp, overrides=()):
     cfg = compose(REPO / "configs", [f"data.root={tiny_shapes}", "data.img_size=32", "data.batch_size=12",
                                      "data.num_workers=0", *overrides])
-    return build_classification_data(cfg.data, dp_rank, dp, grad_accum=1, seed=0, pin_memory=False), cfg
+    return build_classification_data(cfg.data, cfg.model.img_size, dp_rank, dp, grad_accum=1, seed=0, pin_memory=False), cfg
 
 
 def test_augmentation_depends_on_sample_and_epoch_only(tiny_shapes):

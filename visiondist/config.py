@@ -24,7 +24,7 @@ class ModelConfig:
     name: str = MISSING
     family: str = "vit"
     timm_name: Optional[str] = None  # the timm architecture whose state-dict layout we export to
-    img_size: int = II("data.img_size")
+    img_size: int = II("patch_multiple:${data.img_size},${model.patch_size}")  # data.img_size, rounded down
     num_classes: int = II("data.num_classes")
     patch_size: int = 16
     embed_dim: int = 192
@@ -72,6 +72,7 @@ class ParallelConfig:
     dp: int = -1  # -1: whatever the world size leaves after tp and pp
     tp: int = 1
     pp: int = 1
+    sequence_parallel: bool = False  # Megatron-SP: norms and residuals sharded along tokens (needs tp > 1)
 
 
 @dataclass
@@ -121,6 +122,16 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def _patch_multiple(size: int, patch: int) -> int:
+    """The largest multiple of the patch size not above `size` (at least one patch): a 64-pixel dataset feeds a
+    /16 model 64-pixel images and a /14 model 56-pixel ones."""
+    return max(1, int(size) // int(patch)) * int(patch)
+
+
+if not OmegaConf.has_resolver("patch_multiple"):
+    OmegaConf.register_new_resolver("patch_multiple", _patch_multiple)
 
 
 def register_schema() -> None:
@@ -224,12 +235,20 @@ def validate(cfg: DictConfig) -> None:
             f"parallel.tp={p.tp} does not divide model.num_heads={m.num_heads} ({m.name}): "
             f"tensor parallelism shards attention by whole heads; use parallel.tp in {{{good}}}"
         )
+    hidden = int(m.embed_dim * m.mlp_ratio)
+    if hidden % p.tp:
+        good = ", ".join(str(x) for x in _divisors(math.gcd(hidden, m.num_heads)))
+        raise ConfigError(
+            f"parallel.tp={p.tp} does not divide the MLP hidden size {hidden} of {m.name} "
+            f"(embed_dim x mlp_ratio): use parallel.tp in {{{good}}}"
+        )
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards tokens across the TP group)")
     if p.pp > m.depth:
         raise ConfigError(f"parallel.pp={p.pp} exceeds model.depth={m.depth}: each stage needs at least one block")
-    if p.tp > 1 or p.pp > 1:
+    if p.pp > 1:
         raise ConfigError(
-            f"parallel.tp={p.tp} parallel.pp={p.pp}: tensor and pipeline parallelism are not available in this "
-            "release; use parallel.dp (data parallel) with tp=1 pp=1"
+            f"parallel.pp={p.pp}: pipeline parallelism is not available in this release; use parallel.pp=1"
         )
 
 
@@ -275,6 +294,12 @@ def plan_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
         world = per_node = p.dp * model_parallel
     elif accelerator == "cuda":
         world = per_node = cuda_devices
+        if cuda_devices < model_parallel:
+            raise ConfigError(
+                f"parallel.tp x parallel.pp = {p.tp} x {p.pp} needs {model_parallel} GPUs on this node but only "
+                f"{cuda_devices} {'is' if cuda_devices == 1 else 'are'} visible: lower parallel.tp/pp, run on more "
+                "GPUs, or use trainer.accelerator=cpu to run the ranks as CPU processes"
+            )
     else:
         world = per_node = model_parallel
 
@@ -288,6 +313,11 @@ def plan_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
         raise ConfigError(
             f"parallel.dp={p.dp} x tp={p.tp} x pp={p.pp} = {dp * model_parallel} ranks, but the world size is {world}: "
             f"set parallel.dp={world // model_parallel} or leave it at -1 to infer it"
+        )
+    if p.tp > 1 and per_node % p.tp:
+        raise ConfigError(
+            f"parallel.tp={p.tp} does not divide the {per_node} ranks per node: a tensor-parallel group must sit "
+            f"inside one node; run a multiple of {p.tp} ranks per node"
         )
     if accelerator == "cuda" and per_node > cuda_devices:
         raise ConfigError(

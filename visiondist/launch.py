@@ -121,13 +121,21 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> WorldPl
         run_rank(entry, cfg_dict, plan, run_dir)
         return plan
 
+    spawn_local(_elastic_worker, plan.nproc_per_node, entry, cfg_dict, plan, run_dir)
+    return plan
+
+
+def spawn_local(fn: Callable, nprocs: int, *args: Any) -> dict[int, Any]:
+    """Run `fn(*args)` in `nprocs` fresh processes on this machine through torch's elastic launcher (c10d rendezvous
+    on a free localhost port, no restarts); each sees RANK / WORLD_SIZE / MASTER_* in its environment. Returns every
+    rank's return value; a failing rank raises here with its traceback."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.nproc_per_node)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=plan.nproc_per_node,
+        nproc_per_node=nprocs,
         run_id=f"visiondist-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
@@ -135,5 +143,4 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> WorldPl
         monitor_interval=0.1,
         start_method="spawn",
     )
-    elastic_launch(config, _elastic_worker)(entry, cfg_dict, plan, run_dir)
-    return plan
+    return elastic_launch(config, fn)(*args)

@@ -42,11 +42,14 @@ class ClassificationData:
     num_val: int
 
 
-def build_classification_data(cfg, dp_rank: int, dp_size: int, grad_accum: int, seed: int, pin_memory: bool):
-    """Train and val loaders for this DP rank. `cfg` is the data config; batch sizes in it are global."""
+def build_classification_data(
+    cfg, img_size: int, dp_rank: int, dp_size: int, grad_accum: int, seed: int, pin_memory: bool
+):
+    """Train and val loaders for this DP rank, at the model's input size. `cfg` is the data config; batch sizes in it
+    are global."""
     root = Path(cfg.root).expanduser()
-    train_tf = SeededTransform(classification_transforms(cfg, train=True), seed)
-    val_tf = SeededTransform(classification_transforms(cfg, train=False), seed)
+    train_tf = SeededTransform(classification_transforms(cfg, train=True, size=img_size), seed)
+    val_tf = SeededTransform(classification_transforms(cfg, train=False, size=img_size), seed)
     train_set = ImageFolder(root / cfg.train_split, train_tf)
     val_set = ImageFolder(root / cfg.val_split, val_tf)
     if len(train_set.classes) != cfg.num_classes:

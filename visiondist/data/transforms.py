@@ -8,9 +8,9 @@ import torch
 from albumentations.pytorch import ToTensorV2
 
 
-def classification_transforms(cfg, train: bool) -> A.Compose:
-    """Train: random-resized crop + flip; eval: resize the short side to img_size / crop_pct, centre crop."""
-    size = cfg.img_size
+def classification_transforms(cfg, train: bool, size: int) -> A.Compose:
+    """Train: random-resized crop + flip; eval: resize the short side to size / crop_pct, centre crop. `size` is the
+    model's input resolution."""
     normalize = [A.Normalize(mean=tuple(cfg.mean), std=tuple(cfg.std)), ToTensorV2()]
     if train:
         steps = [A.RandomResizedCrop(size=(size, size), scale=tuple(cfg.train_crop_scale))]

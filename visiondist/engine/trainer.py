@@ -26,7 +26,7 @@ from visiondist.engine.evaluate import evaluate_classification
 from visiondist.engine.logging import MetricsLogger, plot_curves, setup_logging, summary_table
 from visiondist.engine.optim import build_optimizer, build_scheduler
 from visiondist.models import build_model
-from visiondist.parallel import Layout, clip_grad_norm, parallelize, unwrap
+from visiondist.parallel import Layout, clip_grad_norm, finish_gradients, parallelize, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +89,13 @@ class Trainer:
         seed_everything(t.seed)  # the same on every rank: identical initial weights before any broadcast
         model = build_model(cfg.model).to(layout.device)
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.optimizer = build_optimizer(cfg.optim, model)
-        self.model = parallelize(model, layout)
+        self.model = parallelize(model, layout, cfg.parallel.sequence_parallel)
+        self.rank_params = sum(p.numel() for p in self.model.parameters())
+        self.optimizer = build_optimizer(cfg.optim, unwrap(self.model))  # over this rank's shards
 
         self.data = build_classification_data(
-            cfg.data, layout.dp_rank, layout.dp, t.grad_accum, t.seed, pin_memory=layout.device.type == "cuda"
+            cfg.data, cfg.model.img_size, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
+            pin_memory=layout.device.type == "cuda",
         )
         steps_per_epoch = self.data.train_sampler.steps_per_epoch
         total = t.max_steps if t.max_steps > 0 else t.max_epochs * steps_per_epoch
@@ -108,6 +110,7 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         self.last_eval: dict[str, Any] = {}
+        self.tp_bytes_per_step: float | None = None  # ring bytes one rank sends in TP collectives per step
 
     # -- one optimizer step --------------------------------------------------------------------------------------
     def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +131,8 @@ class Trainer:
                 loss = F.cross_entropy(logits.float(), labels) / accum
                 loss.backward()
             total += loss.detach()
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.trainer.clip_grad)
+        finish_gradients(self.model.parameters(), self.layout)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.trainer.clip_grad, self.layout)
         self.optimizer.step()
         self.scheduler.step()
         return total, grad_norm
@@ -147,10 +151,14 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         t, sampler = self.cfg.trainer, self.data.train_sampler
         log.info(
-            "model %s: %.2fM parameters | layout %s | global batch %d (%d per rank x %d accumulation) | %d steps",
-            self.cfg.model.name, self.num_params / 1e6, self.layout.describe(), self.cfg.data.batch_size,
+            "model %s: %.2fM parameters (%.2fM on this rank) | layout %s%s | global batch %d (%d per rank x %d "
+            "accumulation) | %d steps",
+            self.cfg.model.name, self.num_params / 1e6, self.rank_params / 1e6, self.layout.describe(),
+            " +SP" if self.cfg.parallel.sequence_parallel else "", self.cfg.data.batch_size,
             sampler.micro_batch, t.grad_accum, self.total_steps,
         )
+        if self.layout.tp_comm is not None:
+            self.layout.tp_comm.reset()
         progress = _progress(t.progress and self.layout.is_main, self.total_steps)
         window = _Window(self.layout.device)
         final_loss = math.nan
@@ -161,6 +169,8 @@ class Trainer:
                 for _ in range(min(sampler.steps_per_epoch, self.total_steps - self.step)):
                     loss, grad_norm = self.train_step(batches)
                     self.step += 1
+                    if self.step == 1:
+                        self._note_tp_traffic()
                     window.add(loss)
                     if self.step % t.log_every == 0 or self.step == self.total_steps:
                         window.pause()
@@ -179,6 +189,15 @@ class Trainer:
             self.evaluate()
         return self._finish(final_loss, window.total_seconds)
 
+    def _note_tp_traffic(self) -> None:
+        """Bytes the first step moved through TP collectives (every step moves the same)."""
+        comm = self.layout.tp_comm
+        if comm is None:
+            return
+        self.tp_bytes_per_step = comm.ring_bytes()
+        calls = ", ".join(f"{n} {kind}" for kind, n in sorted(comm.calls.items()))
+        log.info("tensor parallel traffic: %.2f MB sent per rank per step (%s)", self.tp_bytes_per_step / 1e6, calls)
+
     def _log_train(self, window: _Window, grad_norm: torch.Tensor, progress) -> float:
         """Reduce the window's loss and the grad norm over DP (every rank calls this), log on rank 0."""
         stats = torch.stack([window.loss / window.steps, grad_norm.to(window.loss)])
@@ -186,22 +205,24 @@ class Trainer:
         rate = window.steps * self.cfg.data.batch_size / max(window.seconds, 1e-9)
         lr = self.optimizer.param_groups[0]["lr"]
         self.metrics.log(self.step, epoch=self.epoch, loss=mean_loss, lr=lr, grad_norm=norm, images_per_s=rate)
-        log.info("step %d/%d | loss %.4f | lr %.2e | %.0f img/s", self.step, self.total_steps, mean_loss, lr, rate)
+        log.info("step %d/%d | loss %.4f | lr %.2e | %.3g img/s", self.step, self.total_steps, mean_loss, lr, rate)
         if progress is not None:
-            progress.update(0, completed=self.step, stats=f"loss {mean_loss:.4f}  lr {lr:.2e}  {rate:.0f} img/s")
+            progress.update(0, completed=self.step, stats=f"loss {mean_loss:.4f}  lr {lr:.2e}  {rate:.3g} img/s")
         return mean_loss
 
     def _finish(self, final_loss: float, train_time: float) -> dict[str, Any]:
         summary = {
             "model": self.cfg.model.name,
             "parameters (M)": round(self.num_params / 1e6, 3),
-            "layout": self.layout.describe(),
+            "parameters per rank (M)": round(self.rank_params / 1e6, 3),
+            "layout": self.layout.describe() + (" +SP" if self.cfg.parallel.sequence_parallel else ""),
             "data": f"{self.cfg.data.name}: {self.data.num_train} train / {self.data.num_val} val images",
             "steps": self.step,
-            "epochs": round(self.step / self.data.train_sampler.steps_per_epoch, 2),
+            "epochs": float(f"{self.step / self.data.train_sampler.steps_per_epoch:.3g}"),
             "train time (s)": round(train_time, 1),
-            "throughput (img/s)": round(self.step * self.cfg.data.batch_size / max(train_time, 1e-9), 1),
+            "throughput (img/s)": float(f"{self.step * self.cfg.data.batch_size / max(train_time, 1e-9):.3g}"),
             "final train loss": final_loss,
+            **({"TP traffic per step (MB)": round(self.tp_bytes_per_step / 1e6, 2)} if self.tp_bytes_per_step else {}),
             "val loss": self.last_eval["val_loss"],
             "val top-1 (%)": self.last_eval["val_top1"],
             "val top-5 (%)": self.last_eval["val_top5"],

@@ -1,7 +1,9 @@
-"""Gradient norm and clipping across the layout.
+"""Gradients across the layout: finishing partial sums and one global norm for clipping.
 
-Under data parallelism the gradients are identical on every replica after the all-reduce, so the local norm is the
-global one. Sharded layouts (tensor / pipeline parallel) add their shards' squares here, once per shard.
+After DDP's all-reduce the gradients are identical on every data-parallel replica, so only the model-parallel dims
+matter here. A TP shard's gradient is a piece of the full gradient: its squares are summed over the TP group. A
+replicated parameter's gradient is the same on every TP rank: it is counted once. Calling `clip_grad_norm_` per rank
+instead gives each rank a different (wrong) norm and clips the shards inconsistently.
 """
 
 from __future__ import annotations
@@ -9,13 +11,44 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
+
+from visiondist.parallel.mesh import Layout
+from visiondist.parallel.tensor import PARTIAL_GRAD, SHARD_DIM
 
 
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of the gradients, clipped to `max_norm` when it is > 0; returns the norm before clipping."""
+def finish_gradients(params: Iterable[torch.nn.Parameter], layout: Layout) -> None:
+    """Sum, over TP, the gradients that are partial over tokens (sequence parallelism), in one flat all-reduce."""
+    if layout.tp_comm is None:
+        return
+    grads = [p.grad for p in params if p.grad is not None and getattr(p, PARTIAL_GRAD, False)]
+    if not grads:
+        return
+    flat = layout.tp_comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, layout: Layout) -> torch.Tensor:
+    """Global L2 norm of the gradients over every shard, clipped to `max_norm` when it is > 0; returns the norm
+    before clipping (the same on every rank)."""
     params = [p for p in params if p.grad is not None]
     if not params:
-        return torch.zeros(())
+        return torch.zeros((), device=layout.device)
+    sharded = [p.grad for p in params if getattr(p, SHARD_DIM, None) is not None]
+    replicated = [p.grad for p in params if getattr(p, SHARD_DIM, None) is None]
+
+    def squared(grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), device=layout.device)
+        return torch.nn.utils.get_total_norm(grads, foreach=True).float() ** 2
+
+    sharded_sq = squared(sharded)
+    if layout.tp > 1:
+        dist.all_reduce(sharded_sq, group=layout.tp_comm.group)
+    total = (sharded_sq + squared(replicated)).sqrt()
     if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total

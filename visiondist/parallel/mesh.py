@@ -8,10 +8,13 @@ is reduced over, and which DP rank and size the sampler uses.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from visiondist.parallel.collectives import TPComm
 
 MESH_DIMS = ("pp", "dp", "tp")
 
@@ -29,6 +32,7 @@ class Layout:
     dp_rank: int
     tp_rank: int
     pp_rank: int
+    tp_comm: Optional[TPComm] = None  # the TP group and its traffic counter; None when tp == 1
 
     @property
     def is_main(self) -> bool:
@@ -56,4 +60,5 @@ def build_layout(dp: int, tp: int, pp: int, device: torch.device, local_rank: in
         raise ValueError(f"world size {world} != dp x tp x pp = {dp} x {tp} x {pp}")
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
     pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
-    return Layout(mesh, device, dist.get_rank(), world, local_rank, dp, tp, pp, dp_rank, tp_rank, pp_rank)
+    tp_comm = TPComm(mesh.get_group("tp")) if tp > 1 else None
+    return Layout(mesh, device, dist.get_rank(), world, local_rank, dp, tp, pp, dp_rank, tp_rank, pp_rank, tp_comm)

@@ -1,0 +1,124 @@
+"""Rank-side code of the tensor-parallel tests: a tiny ViT trained for a few steps from fixed weights and data, in one
+process (the reference) or laid out over a mesh (run on every rank by `visiondist.launch.spawn_local`)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from visiondist.engine.optim import build_optimizer
+from visiondist.models.vit import VisionTransformer, to_timm_state_dict
+from visiondist.parallel import build_layout, clip_grad_norm, finish_gradients, full_state_dict, parallelize, unwrap
+
+# 32 px / patch 8 = 16 patches + cls = 17 tokens: odd, so sequence parallelism must pad (tp=2 -> 18, tp=4 -> 20).
+TINY = dict(img_size=32, patch_size=8, num_classes=6, embed_dim=32, depth=2, num_heads=4, mlp_ratio=4.0)
+BATCH, STEPS, CLIP = 8, 3, 0.5
+OPTIM = OmegaConf.create({"name": "adamw", "lr": 1e-3, "weight_decay": 0.05, "betas": [0.9, 0.999], "eps": 1e-8})
+
+
+def make_model() -> VisionTransformer:
+    torch.manual_seed(0)
+    return VisionTransformer(**TINY)
+
+
+def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, TINY["num_classes"], (BATCH,), generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def train_reference() -> dict:
+    """The single-process run every layout must reproduce."""
+    model = make_model()
+    logits = model(make_batches()[0][0]).detach()
+    opt = build_optimizer(OPTIM, model)
+    losses, norms = [], []
+    for images, labels in make_batches():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        losses.append(loss.item())
+    return {"logits": logits, "losses": losses, "norms": norms, "state": model.state_dict()}
+
+
+def _train_layout(dp: int, tp: int, sp: bool) -> dict:
+    layout = build_layout(dp, tp, 1, torch.device("cpu"), int(os.environ.get("LOCAL_RANK", 0)))
+    model = parallelize(make_model(), layout, sp)
+    logits = unwrap(model)(make_batches()[0][0]).detach()
+    opt = build_optimizer(OPTIM, unwrap(model))
+    local = BATCH // dp
+    rows = slice(layout.dp_rank * local, (layout.dp_rank + 1) * local)
+    losses, norms, traffic = [], [], None
+    layout.tp_comm.reset()
+    for images, labels in make_batches():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(images[rows]), labels[rows])
+        loss.backward()
+        finish_gradients(model.parameters(), layout)
+        norms.append(clip_grad_norm(model.parameters(), CLIP, layout).item())
+        opt.step()
+        losses.append(layout.all_reduce_dp(loss.detach().clone()).item() / dp)
+        if traffic is None:
+            traffic = {"payload": dict(layout.tp_comm.payload), "calls": dict(layout.tp_comm.calls)}
+    return {
+        "dp": dp, "tp": tp, "sp": sp, "dp_rank": layout.dp_rank, "tp_rank": layout.tp_rank,
+        "logits": logits, "losses": losses, "norms": norms, "traffic": traffic,
+        "rank_params": sum(p.numel() for p in model.parameters()),
+        "state": full_state_dict(unwrap(model), layout.tp_comm),
+    }
+
+
+def naive_fused_qkv_logits(tp: int) -> torch.Tensor:
+    """What a plan that column-splits timm's fused qkv (rows q|k|v) into `tp` contiguous pieces computes: rank 0 gets
+    all of q and part of k, reads the first third of its piece as q, and so on. Nothing raises."""
+    layout = build_layout(1, tp, 1, torch.device("cpu"), 0)
+    fused = to_timm_state_dict(make_model().state_dict())
+    model = parallelize(make_model(), layout)
+    with torch.no_grad():
+        for i, block in enumerate(model.blocks):
+            for kind in ("weight", "bias"):
+                piece = fused[f"blocks.{i}.attn.qkv.{kind}"].chunk(tp, dim=0)[layout.tp_rank]
+                for name, part in zip(("q", "k", "v"), piece.chunk(3, dim=0)):
+                    getattr(getattr(block.attn, name), kind).copy_(part)
+    return model(make_batches()[0][0]).detach()
+
+
+def loader_batches(root: str, dp: int, tp: int) -> dict:
+    """Sample indices and a pixel checksum of the first real loader batches this rank trains on."""
+    from visiondist.data import build_classification_data
+
+    layout = build_layout(dp, tp, 1, torch.device("cpu"), 0)
+    cfg = OmegaConf.create({
+        "root": root, "train_split": "train", "val_split": "val", "num_classes": 6, "batch_size": 8,
+        "eval_batch_size": 8, "num_workers": 0, "mean": [0.5] * 3, "std": [0.25] * 3,
+        "train_crop_scale": [0.6, 1.0], "hflip": 0.5, "crop_pct": 1.0,
+    })
+    data = build_classification_data(cfg, 32, layout.dp_rank, dp, grad_accum=1, seed=0, pin_memory=False)
+    data.train_sampler.set_epoch(0)
+    indices = [list(batch) for _, batch in zip(range(2), iter(data.train_sampler))]
+    images = torch.cat([images for (images, _), _ in zip(data.train_loader, range(2))])
+    return {"dp_rank": layout.dp_rank, "tp_rank": layout.tp_rank, "indices": indices,
+            "checksum": float(images.double().sum()), "first_pixels": images[:, 0, 0, :4].tolist()}
+
+
+def run(cases: list[tuple[int, int, bool]], extras: dict) -> dict:
+    """Entry of every spawned rank: each case on its own mesh over all ranks, then the extra checks asked for."""
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    try:
+        out = {"cases": [_train_layout(*case) for case in cases]}
+        if "naive_tp" in extras:
+            out["naive_logits"] = naive_fused_qkv_logits(extras["naive_tp"])
+        if "loader" in extras:
+            out["loader"] = loader_batches(*extras["loader"])
+        return out
+    finally:
+        dist.destroy_process_group()
