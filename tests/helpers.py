@@ -23,12 +23,14 @@ TINY_DATA = [
 ]
 
 
-def run_cli(args: list[str], timeout: float = 240, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """Run `python [launcher] tools/train.py *args` (launcher: e.g. torchrun's module and flags); on timeout kill the
-    whole process group, spawned ranks included, and fail."""
+def run_cli(
+    args: list[str], timeout: float = 240, launcher: tuple[str, ...] = (), script: Path = TRAIN
+) -> subprocess.CompletedProcess:
+    """Run `python [launcher] <script> *args` (default tools/train.py; launcher: e.g. torchrun's module and flags); on
+    timeout kill the whole process group, spawned ranks included, and fail."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, *launcher, str(TRAIN), *args],
+        [sys.executable, *launcher, str(script), *args],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -41,5 +43,5 @@ def run_cli(args: list[str], timeout: float = 240, launcher: tuple[str, ...] = (
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"train.py {' '.join(args)} did not finish in {timeout}s:\n{out[-4000:]}")
+        raise AssertionError(f"{script.name} {' '.join(args)} did not finish in {timeout}s:\n{out[-4000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")

@@ -48,7 +48,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return spawn_local(tp_ranks.run, 2, [(1, 2, False), (1, 2, True)], {"naive_tp": 2})
+    return spawn_local(tp_ranks.run, 2, [(1, 2, False), (1, 2, True)], {"naive_tp": 2, "vitdet_tp": 2})
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +136,22 @@ def test_tp_peers_load_the_same_samples_dp_ranks_different(four_ranks):
     for a, b in zip(dp0["indices"], dp1["indices"]):
         assert len(a) == len(b) == 4 and not set(a) & set(b)  # global batch 8 split over 2 DP ranks
     assert dp0["checksum"] != dp1["checksum"]
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_vitdet_backbone_under_tp_gives_the_single_process_features(two_ranks, sp):
+    """The same plan shards the ViT inside a detector: every pyramid level and every gradient match one process."""
+    model = tp_ranks.make_vitdet()
+    features = model(tp_ranks.vitdet_images())
+    tp_ranks.vitdet_loss(features).backward()
+    for result in two_ranks.values():
+        got = result["vitdet"][sp]
+        assert got["features"].keys() == features.keys() == {"0", "1", "2", "3", "pool"}
+        for name, value in features.items():
+            assert rel_err(got["features"][name], value.detach()) <= TOL, name
+        for name, param in model.named_parameters():
+            if _round_off_only(name):
+                continue
+            assert rel_err(got["grads"][name], param.grad) <= TOL, name
+        assert got["state_keys"] == sorted(n for n, _ in model.named_parameters())
+        assert got["params"] < sum(p.numel() for p in model.parameters())

@@ -109,6 +109,46 @@ def loader_batches(root: str, dp: int, tp: int) -> dict:
             "checksum": float(images.double().sum()), "first_pixels": images[:, 0, 0, :4].tolist()}
 
 
+def make_vitdet():
+    """A tiny ViT-backbone detector's feature pyramid (the part tensor parallelism shards)."""
+    from visiondist.models.detection import SimpleFeaturePyramid, ViTBackbone
+
+    torch.manual_seed(0)
+    return SimpleFeaturePyramid(ViTBackbone(img_size=64, patch_size=16, embed_dim=32, depth=2, num_heads=4), 16)
+
+
+def vitdet_images() -> torch.Tensor:
+    return torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(2))  # 4 x 6 grid: 24 tokens, no cls
+
+
+def vitdet_loss(features: dict) -> torch.Tensor:
+    """A fixed random projection of every level (a sum of squares would be constant after the final LayerNorms,
+    with a gradient of pure round-off)."""
+    g = torch.Generator().manual_seed(3)
+    return sum((f * torch.randn(f.shape, generator=g)).sum() for _, f in sorted(features.items()))
+
+
+def vitdet_features(tp: int, sp: bool) -> dict:
+    layout = build_layout(1, tp, 1, torch.device("cpu"), 0)
+    model = parallelize(make_vitdet(), layout, sp)
+    features = model(vitdet_images())
+    vitdet_loss(features).backward()
+    finish_gradients(model.parameters(), layout)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    full = full_state_dict(model, layout.tp_comm)
+    gathered_grads = {}
+    for name, param in model.named_parameters():
+        dim = getattr(param, "tp_shard_dim", None)
+        if dim is None:
+            gathered_grads[name] = grads[name].clone()
+        else:
+            pieces = [torch.empty_like(param.grad) for _ in range(tp)]
+            dist.all_gather(pieces, param.grad.contiguous(), group=layout.tp_comm.group)
+            gathered_grads[name] = torch.cat(pieces, dim=dim)
+    return {"features": {k: v.detach() for k, v in features.items()}, "grads": gathered_grads,
+            "params": sum(p.numel() for p in model.parameters()), "state_keys": sorted(full)}
+
+
 def run(cases: list[tuple[int, int, bool]], extras: dict) -> dict:
     """Entry of every spawned rank: each case on its own mesh over all ranks, then the extra checks asked for."""
     dist.init_process_group("gloo")
@@ -117,6 +157,8 @@ def run(cases: list[tuple[int, int, bool]], extras: dict) -> dict:
         out = {"cases": [_train_layout(*case) for case in cases]}
         if "naive_tp" in extras:
             out["naive_logits"] = naive_fused_qkv_logits(extras["naive_tp"])
+        if "vitdet_tp" in extras:
+            out["vitdet"] = {sp: vitdet_features(extras["vitdet_tp"], sp) for sp in (False, True)}
         if "loader" in extras:
             out["loader"] = loader_batches(*extras["loader"])
         return out

@@ -31,6 +31,26 @@ def load_config(config_dir: Path, overrides: list[str]) -> DictConfig:
     return cfg
 
 
+def load_run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
+    """A finished run's resolved config.yaml with key=value overrides (no group switches), validated."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from visiondist.config import TrainConfig
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} holds no config.yaml: give the directory of a training run")
+    bad = [o for o in overrides if "=" not in o or "." not in o.split("=", 1)[0]]
+    if bad:
+        raise ConfigError(f"{' '.join(bad)}: a run's config takes key=value overrides only (e.g. data.root=/path)")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc)) from exc
+    validate(cfg)
+    return cfg  # type: ignore[return-value]
+
+
 def _explain(exc: BaseException) -> str:
     """Hydra's message without its search-path dump and '+key' hint, plus the underlying reason (bad key / type)."""
     lines = []

@@ -34,14 +34,24 @@ class ModelConfig:
     qkv_bias: bool = True
     drop_rate: float = 0.0
     drop_path_rate: float = 0.0
+    # detectors (family torchvision / vitdet)
+    arch: Optional[str] = None  # torchvision builder, e.g. fasterrcnn_mobilenet_v3_large_fpn
+    weights: Optional[str] = None  # a local state dict (.safetensors or torch file); nothing is ever downloaded
+    min_size: int = II("data.min_size")  # the detector's internal resize
+    max_size: int = II("data.max_size")
+    fpn_channels: int = 256  # vitdet: channels of the simple feature pyramid
+    sync_bn: bool = False  # convert BatchNorm to SyncBatchNorm under data parallelism (CUDA)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the torchvision detector, e.g. box_score_thresh
 
 
 @dataclass
 class SyntheticConfig:
     """How a built-in dataset is generated on first use."""
 
-    train_per_class: int = 500
+    train_per_class: int = 500  # classification sets
     val_per_class: int = 100
+    train_images: int = 2000  # detection sets
+    val_images: int = 300
     image_size: int = 64
     seed: int = 0
 
@@ -63,6 +73,16 @@ class DataConfig:
     train_crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
     hflip: float = 0.5
     crop_pct: float = 0.875
+    # detection (format coco): <root>/<images>/<file_name>, <root>/<annotations>; {split} is the split name
+    annotations: str = "annotations/instances_{split}.json"
+    images: str = "{split}"
+    min_size: int = 800  # resize: short side to min_size unless the long side would pass max_size
+    max_size: int = 1333
+    color_jitter: float = 0.0
+    large_scale_jitter: bool = False
+    lsj_scale: list[float] = field(default_factory=lambda: [0.1, 2.0])
+    aspect_grouping: bool = True  # each batch holds only landscape or only portrait images
+    max_bad_images: int = 10  # consecutive unreadable training images before the run stops
     synthetic: Optional[SyntheticConfig] = None
 
 
@@ -169,7 +189,8 @@ _ACCELERATORS = ("auto", "cpu", "cuda")
 _PRECISIONS = ("32", "bf16")
 _OPTIMIZERS = ("adamw", "sgd")
 _SCHEDULES = ("cosine", "step")
-_MODEL_FAMILIES = ("vit",)
+_MODEL_FAMILIES = ("vit", "torchvision", "vitdet")
+_DATA_FORMATS = {"vit": "imagefolder", "torchvision": "coco", "vitdet": "coco"}
 
 
 def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -190,6 +211,17 @@ def validate(cfg: DictConfig) -> None:
     """Check a composed config on its own (no devices involved). Raises ConfigError."""
     m, d, p, o, s, t = cfg.model, cfg.data, cfg.parallel, cfg.optim, cfg.schedule, cfg.trainer
     _one_of("model.family", m.family, _MODEL_FAMILIES)
+    _one_of("data.format", d.format, ("imagefolder", "coco"))
+    if d.format != _DATA_FORMATS[m.family]:
+        kind = "a detector" if d.format == "imagefolder" else "a classifier"
+        raise ConfigError(
+            f"model={m.name} is {kind} but data={d.name} is {d.format} data: "
+            f"use {'data=shapes_coco or data=coco' if kind == 'a detector' else 'data=shapes or data=imagenet'}"
+        )
+    if m.family == "vitdet" and 32 % m.patch_size:
+        raise ConfigError(f"model.patch_size={m.patch_size} must divide 32 (detection batches are padded to 32)")
+    if m.family == "torchvision" and p.tp > 1:
+        raise ConfigError(f"parallel.tp={p.tp}: tensor parallelism shards ViT blocks; {m.name} has none")
     _one_of("trainer.accelerator", t.accelerator, _ACCELERATORS)
     _one_of("trainer.precision", str(t.precision), _PRECISIONS)
     _one_of("optim", o.name, _OPTIMIZERS)
@@ -278,6 +310,8 @@ def plan_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
     if accelerator == "cuda" and cuda_devices == 0:
         raise ConfigError("trainer.accelerator=cuda but no CUDA device is visible: use trainer.accelerator=cpu")
 
+    if cfg.model.sync_bn and accelerator != "cuda":
+        raise ConfigError("model.sync_bn=true needs CUDA (SyncBatchNorm does not run on the CPU): drop it on the CPU")
     model_parallel = p.tp * p.pp
     under_torchrun = "TORCHELASTIC_RUN_ID" in env or ("WORLD_SIZE" in env and "LOCAL_RANK" in env)
     if under_torchrun:

@@ -7,16 +7,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
+import numpy as np
 from torch.utils.data import DataLoader
 
-from visiondist.data.builtin import ensure_shapes
+from visiondist.data.builtin import ensure_shapes, ensure_shapes_coco
 from visiondist.data.imagefolder import ImageFolder
 from visiondist.data.sampler import EvalBatchSampler, TrainBatchSampler
-from visiondist.data.transforms import SeededTransform, classification_transforms
+from visiondist.data.transforms import DetectionTransform, SeededTransform, classification_transforms
 
 log = logging.getLogger(__name__)
 
-GENERATORS = {"shapes": ensure_shapes}  # built-in datasets, generated on first use
+GENERATORS = {"shapes": ensure_shapes, "shapes_coco": ensure_shapes_coco}  # built-in datasets, generated on first use
 
 
 def prepare_data(cfg, show_progress: bool = False) -> None:
@@ -30,6 +31,16 @@ def prepare_data(cfg, show_progress: bool = False) -> None:
 
 def _worker_init(_worker_id: int) -> None:
     cv2.setNumThreads(1)  # loader workers are the parallelism; OpenCV's own threads would oversubscribe
+
+
+def _loaders(cfg, train_set, sampler, val_set, dp_rank: int, dp_size: int, pin_memory: bool, collate_fn=None):
+    """The train loader over this rank's batches and the val loader over its exact share (no padding)."""
+    common = dict(num_workers=cfg.num_workers, pin_memory=pin_memory, worker_init_fn=_worker_init,
+                  persistent_workers=cfg.num_workers > 0, collate_fn=collate_fn)
+    eval_batch = -(-cfg.eval_batch_size // dp_size)
+    val_sampler = EvalBatchSampler(len(val_set), eval_batch, dp_rank, dp_size)
+    train_loader = DataLoader(train_set, batch_sampler=sampler, **common) if sampler is not None else None
+    return train_loader, DataLoader(val_set, batch_sampler=val_sampler, **common)
 
 
 @dataclass
@@ -68,13 +79,56 @@ def build_classification_data(
             sampler.steps_per_epoch * cfg.batch_size, len(train_set), sampler.steps_per_epoch, cfg.batch_size,
             sampler.dropped_per_epoch,
         )
-    common = dict(
-        num_workers=cfg.num_workers,
-        pin_memory=pin_memory,
-        worker_init_fn=_worker_init,
-        persistent_workers=cfg.num_workers > 0,
-    )
-    train_loader = DataLoader(train_set, batch_sampler=sampler, **common)
-    eval_batch = -(-cfg.eval_batch_size // dp_size)
-    val_loader = DataLoader(val_set, batch_sampler=EvalBatchSampler(len(val_set), eval_batch, dp_rank, dp_size), **common)
+    train_loader, val_loader = _loaders(cfg, train_set, sampler, val_set, dp_rank, dp_size, pin_memory)
     return ClassificationData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set))
+
+
+@dataclass
+class DetectionData:
+    train_loader: DataLoader
+    val_loader: DataLoader
+    train_sampler: TrainBatchSampler
+    classes: list[str]
+    num_train: int
+    num_val: int
+    val_annotations: Path  # the ground truth COCOeval scores against
+    cat_of_label: dict[int, int]  # model label (1..K) -> COCO category id
+
+
+def coco_paths(cfg, split: str) -> tuple[Path, Path]:
+    """(image folder, annotation file) of a split of a COCO-format data config."""
+    root = Path(cfg.root).expanduser()
+    return root / cfg.images.format(split=split), root / cfg.annotations.format(split=split)
+
+
+def build_detection_data(
+    cfg, dp_rank: int, dp_size: int, grad_accum: int, seed: int, pin_memory: bool, train: bool = True
+):
+    """COCO-format train / val loaders for this DP rank (batches are lists: images differ in size). With
+    `train=False` only the val split is read (evaluation of a checkpoint)."""
+    from visiondist.data.coco import CocoDetection, collate_detection
+
+    val_set = CocoDetection(*coco_paths(cfg, cfg.val_split), train=False)
+    if not train:
+        val_loader = _loaders(cfg, val_set, None, val_set, dp_rank, dp_size, pin_memory, collate_detection)[1]
+        return DetectionData(None, val_loader, None, val_set.classes, 0, len(val_set), val_set.ann_file,
+                             val_set.cat_of)
+    train_set = CocoDetection(*coco_paths(cfg, cfg.train_split), train=True,
+                              transform=DetectionTransform(cfg, seed), max_bad_images=cfg.max_bad_images)
+    if len(train_set.classes) != cfg.num_classes:
+        raise ValueError(
+            f"data.num_classes={cfg.num_classes} but {train_set.ann_file} has {len(train_set.classes)} categories: "
+            f"set data.num_classes={len(train_set.classes)}"
+        )
+    if val_set.label_of != train_set.label_of:
+        raise ValueError(f"the categories of {val_set.ann_file} differ from those of {train_set.ann_file}")
+    groups = (train_set.aspect_ratios() >= 1).astype(np.int64) if cfg.aspect_grouping else None
+    sampler = TrainBatchSampler(len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed, groups=groups)
+    if sampler.dropped_per_epoch:
+        log.info("training uses %d of %d images per epoch; %d wait for the next (incomplete %sbatches)",
+                 sampler.steps_per_epoch * cfg.batch_size, len(train_set), sampler.dropped_per_epoch,
+                 "aspect-ratio " if groups is not None else "")
+    train_loader, val_loader = _loaders(cfg, train_set, sampler, val_set, dp_rank, dp_size, pin_memory,
+                                        collate_fn=collate_detection)
+    return DetectionData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set),
+                         val_set.ann_file, val_set.cat_of)

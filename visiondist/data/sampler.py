@@ -5,12 +5,17 @@ of every global batch, split again into `grad_accum` micro-batches. The samples 
 same whatever the number of DP ranks, which is what makes a dp=N run equal a one-process run. Each key carries the
 epoch, so per-sample augmentation can be seeded by (seed, epoch, index) and not by which rank or worker loads it.
 
+With `groups` (e.g. landscape / portrait images for detection), every global batch is drawn from one group: the
+epoch's shuffled order is walked and each sample joins its group's pending batch, which is emitted when full (as
+torchvision's GroupedBatchSampler does, but on global batches, so the DP split above still holds). A group's leftover
+(< one global batch) waits for the next epoch, so an epoch has sum over groups of floor(size / batch) steps.
+
 Evaluation: every sample exactly once across ranks, as contiguous shards of near-equal size (no padding duplicates).
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -29,6 +34,7 @@ class TrainBatchSampler:
         grad_accum: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        groups: Optional[np.ndarray] = None,
     ):
         if global_batch % (dp_size * grad_accum):
             raise ValueError(f"global batch {global_batch} is not divisible by dp x grad_accum = {dp_size * grad_accum}")
@@ -40,9 +46,15 @@ class TrainBatchSampler:
         self.num_samples, self.global_batch = num_samples, global_batch
         self.dp_rank, self.dp_size, self.grad_accum = dp_rank, dp_size, grad_accum
         self.seed, self.shuffle = seed, shuffle
+        self.groups = None if groups is None else np.asarray(groups)
         self.local_batch = global_batch // dp_size
         self.micro_batch = self.local_batch // grad_accum
-        self.steps_per_epoch = num_samples // global_batch
+        if self.groups is None:
+            self.steps_per_epoch = num_samples // global_batch
+        else:
+            if len(self.groups) != num_samples:
+                raise ValueError(f"{len(self.groups)} group ids for {num_samples} samples")
+            self.steps_per_epoch = int(sum(n // global_batch for n in np.unique(self.groups, return_counts=True)[1]))
         self.dropped_per_epoch = num_samples - self.steps_per_epoch * global_batch
         self.epoch = 0
         self.start_step = 0
@@ -56,14 +68,30 @@ class TrainBatchSampler:
             return np.arange(self.num_samples)
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
 
+    def global_batches(self, epoch: int) -> list[np.ndarray]:
+        """The epoch's global batches, in order (the same on every rank)."""
+        order = self.order(epoch)
+        if self.groups is None:
+            return [order[i * self.global_batch : (i + 1) * self.global_batch] for i in range(self.steps_per_epoch)]
+        pending: dict[int, list[int]] = {}
+        batches = []
+        for i in order:
+            bucket = pending.setdefault(int(self.groups[i]), [])
+            bucket.append(int(i))
+            if len(bucket) == self.global_batch:
+                batches.append(np.asarray(bucket))
+                bucket.clear()
+        return batches
+
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.start_step) * self.grad_accum
 
     def __iter__(self) -> Iterator[list[SampleKey]]:
-        order, epoch = self.order(self.epoch), self.epoch
+        epoch = self.epoch
+        batches = self.global_batches(epoch)
         lo = self.dp_rank * self.local_batch
         for step in range(self.start_step, self.steps_per_epoch):
-            mine = order[step * self.global_batch + lo : step * self.global_batch + lo + self.local_batch]
+            mine = batches[step][lo : lo + self.local_batch]
             for a in range(self.grad_accum):
                 chunk = mine[a * self.micro_batch : (a + 1) * self.micro_batch]
                 yield [(int(i), epoch) for i in chunk]

@@ -32,6 +32,54 @@ class SeededTransform:
         self.transform, self.seed = transform, seed
 
     def __call__(self, image: np.ndarray, index: int, epoch: int) -> torch.Tensor:
-        state = np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0]
-        self.transform.set_random_seed(int(state))
+        self.transform.set_random_seed(_sample_seed(self.seed, epoch, index))
         return self.transform(image=image)["image"]
+
+
+def _sample_seed(seed: int, epoch: int, index: int) -> int:
+    return int(np.random.SeedSequence([seed, epoch, index]).generate_state(1)[0])
+
+
+def resize_keep_aspect(image: np.ndarray, boxes: np.ndarray, min_size: int, max_size: int):
+    """torchvision's detection resize: scale the short side to `min_size` unless the long side would pass
+    `max_size`; boxes scaled with it."""
+    import cv2
+
+    h, w = image.shape[:2]
+    scale = min(min_size / min(h, w), max_size / max(h, w))
+    size = (max(1, round(w * scale)), max(1, round(h * scale)))
+    image = cv2.resize(image, size, interpolation=cv2.INTER_LINEAR if scale > 1 else cv2.INTER_AREA)
+    return image, boxes * np.float32(scale)
+
+
+class DetectionTransform:
+    """Training augmentation for detection, with boxes: resize keeping the aspect ratio (min_size / max_size),
+    optional large-scale jitter (random rescale, then pad / crop to a min_size square), horizontal flip and colour
+    jitter. Seeded per (seed, epoch, index) like `SeededTransform`. Boxes a crop removes (or leaves < 1 px) go, with
+    their labels."""
+
+    def __init__(self, cfg, seed: int):
+        self.min_size, self.max_size, self.seed = cfg.min_size, cfg.max_size, seed
+        steps: list = []
+        if cfg.large_scale_jitter:
+            lo, hi = cfg.lsj_scale
+            side = cfg.min_size
+            steps += [
+                A.RandomScale(scale_limit=(lo - 1, hi - 1), p=1.0),
+                A.PadIfNeeded(min_height=side, min_width=side, position="top_left", border_mode=0, fill=0),
+                A.RandomCrop(height=side, width=side),
+            ]
+        if cfg.hflip > 0:
+            steps.append(A.HorizontalFlip(p=cfg.hflip))
+        if cfg.color_jitter > 0:
+            j = cfg.color_jitter
+            steps.append(A.ColorJitter(brightness=j, contrast=j, saturation=j, hue=min(0.5, j / 4), p=0.8))
+        bbox = A.BboxParams(format="pascal_voc", label_fields=["labels"], min_width=1, min_height=1, clip=True)
+        self.augment = A.Compose(steps, bbox_params=bbox)
+
+    def __call__(self, image: np.ndarray, boxes: np.ndarray, labels: np.ndarray, index: int, epoch: int):
+        image, boxes = resize_keep_aspect(image, boxes, self.min_size, self.max_size)
+        self.augment.set_random_seed(_sample_seed(self.seed, epoch, index))
+        out = self.augment(image=image, bboxes=boxes, labels=labels)
+        boxes = np.asarray(out["bboxes"], dtype=np.float32).reshape(-1, 4)
+        return out["image"], boxes, np.asarray(out["labels"], dtype=np.int64)

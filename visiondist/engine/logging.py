@@ -8,7 +8,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-METRIC_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm", "images_per_s", "val_loss", "val_top1", "val_top5")
+TRAIN_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm", "images_per_s")
+METRIC_COLUMNS = (*TRAIN_COLUMNS, "val_loss", "val_top1", "val_top5")  # classification
 
 
 def setup_logging(run_dir: Path, is_main: bool) -> None:
@@ -33,15 +34,15 @@ def setup_logging(run_dir: Path, is_main: bool) -> None:
 class MetricsLogger:
     """Appends rows to `metrics.csv` and scalars to TensorBoard. A no-op on every rank but the main one."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
-        self.enabled = enabled
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, columns: tuple[str, ...] = METRIC_COLUMNS):
+        self.enabled, self.columns = enabled, columns
         self.path = run_dir / "metrics.csv"
         self.rows: list[dict[str, Any]] = []
         self._tb = None
         if not enabled:
             return
         with self.path.open("w", newline="") as f:
-            csv.writer(f).writerow(METRIC_COLUMNS)
+            csv.writer(f).writerow(columns)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -50,10 +51,10 @@ class MetricsLogger:
     def log(self, step: int, **metrics: Any) -> None:
         if not self.enabled:
             return
-        row = {"step": step, **{k: v for k, v in metrics.items() if k in METRIC_COLUMNS}}
+        row = {"step": step, **{k: v for k, v in metrics.items() if k in self.columns}}
         self.rows.append(row)
         with self.path.open("a", newline="") as f:
-            csv.writer(f).writerow([_fmt(row.get(c)) for c in METRIC_COLUMNS])
+            csv.writer(f).writerow([_fmt(row.get(c)) for c in self.columns])
         if self._tb is not None:
             for key, value in row.items():
                 if key not in ("step", "epoch") and value is not None:
@@ -77,10 +78,13 @@ def read_metrics(path: Path) -> list[dict[str, Optional[float]]]:
         return [{k: (float(v) if v != "" else None) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
-def plot_curves(rows: list[dict[str, Any]], png: Path, title: str) -> Optional[Path]:
-    """Loss, learning rate and val top-1 against the step, side by side; None when there is nothing to draw."""
+def plot_curves(
+    rows: list[dict[str, Any]], png: Path, title: str, val_key: str = "val_top1", val_label: str = "val top-1 (%)"
+) -> Optional[Path]:
+    """Loss, learning rate and the headline val metric against the step, side by side; None when there is nothing
+    to draw."""
     train = [r for r in rows if r.get("loss") is not None]
-    val = [r for r in rows if r.get("val_top1") is not None]
+    val = [r for r in rows if r.get(val_key) is not None]
     if not train and not val:
         return None
     import matplotlib
@@ -92,7 +96,7 @@ def plot_curves(rows: list[dict[str, Any]], png: Path, title: str) -> Optional[P
     series = [
         (axes[0], train, "loss", "train loss"),
         (axes[1], train, "lr", "learning rate"),
-        (axes[2], val, "val_top1", "val top-1 (%)"),
+        (axes[2], val, val_key, val_label),
     ]
     for ax, data, key, label in series:
         ax.plot([r["step"] for r in data], [r[key] for r in data], marker="o" if len(data) < 30 else None)

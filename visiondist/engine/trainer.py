@@ -18,15 +18,14 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from visiondist.data import build_classification_data, prepare_data
-from visiondist.engine.evaluate import evaluate_classification
+from visiondist.data import prepare_data
 from visiondist.engine.logging import MetricsLogger, plot_curves, setup_logging, summary_table
 from visiondist.engine.optim import build_optimizer, build_scheduler
+from visiondist.engine.tasks import build_task
 from visiondist.models import build_model
-from visiondist.parallel import Layout, clip_grad_norm, finish_gradients, parallelize, unwrap
+from visiondist.parallel import Layout, clip_grad_norm, finish_gradients, full_state_dict, parallelize, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +87,15 @@ class Trainer:
         t = cfg.trainer
         seed_everything(t.seed)  # the same on every rank: identical initial weights before any broadcast
         model = build_model(cfg.model).to(layout.device)
+        if cfg.model.sync_bn and layout.dp > 1:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=layout.dp_group)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.model = parallelize(model, layout, cfg.parallel.sequence_parallel)
         self.rank_params = sum(p.numel() for p in self.model.parameters())
         self.optimizer = build_optimizer(cfg.optim, unwrap(self.model))  # over this rank's shards
 
-        self.data = build_classification_data(
-            cfg.data, cfg.model.img_size, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
-            pin_memory=layout.device.type == "cuda",
-        )
+        self.task = build_task(cfg, layout)
+        self.data = self.task.data
         steps_per_epoch = self.data.train_sampler.steps_per_epoch
         total = t.max_steps if t.max_steps > 0 else t.max_epochs * steps_per_epoch
         if t.max_epochs > 0:
@@ -106,7 +105,7 @@ class Trainer:
         self.autocast = (
             torch.autocast(layout.device.type, dtype=torch.bfloat16) if str(t.precision) == "bf16" else nullcontext()
         )
-        self.metrics = MetricsLogger(run_dir, layout.is_main, t.tensorboard)
+        self.metrics = MetricsLogger(run_dir, layout.is_main, t.tensorboard, self.task.columns)
         self.step = 0
         self.epoch = 0
         self.last_eval: dict[str, Any] = {}
@@ -120,15 +119,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.layout.device)
         for i in range(accum):
-            images, labels = next(batches)
-            images = images.to(self.layout.device, non_blocking=True)
-            labels = labels.to(self.layout.device, non_blocking=True)
+            batch = next(batches)
             last = i == accum - 1
             sync = nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
-                with self.autocast:
-                    logits = self.model(images)
-                loss = F.cross_entropy(logits.float(), labels) / accum
+                loss = self.task.loss(self.model, batch, self.layout.device, self.autocast) / accum
                 loss.backward()
             total += loss.detach()
         finish_gradients(self.model.parameters(), self.layout)
@@ -138,13 +133,10 @@ class Trainer:
         return total, grad_norm
 
     def evaluate(self) -> dict[str, Any]:
-        metrics = evaluate_classification(unwrap(self.model), self.data.val_loader, self.layout, self.autocast)
+        metrics = self.task.evaluate(unwrap(self.model), self.layout, self.autocast, self.run_dir)
         self.last_eval = {**metrics, "step": self.step}
         self.metrics.log(self.step, epoch=self.epoch, **metrics)
-        log.info(
-            "eval  step %d | val loss %.4f | top-1 %.2f%% | top-5 %.2f%% | %d images",
-            self.step, metrics["val_loss"], metrics["val_top1"], metrics["val_top5"], metrics["val_count"],
-        )
+        log.info("eval  step %d | %s", self.step, self.task.describe(metrics))
         return metrics
 
     # -- the loop --------------------------------------------------------------------------------------------------
@@ -210,7 +202,21 @@ class Trainer:
             progress.update(0, completed=self.step, stats=f"loss {mean_loss:.4f}  lr {lr:.2e}  {rate:.3g} img/s")
         return mean_loss
 
+    def _save_weights(self) -> Path:
+        """The trained model as one canonical safetensors file (gathered over TP; every rank takes part), written
+        by rank 0 to a temporary name and renamed, so a `model.safetensors` is always whole."""
+        from safetensors.torch import save_file
+
+        state = full_state_dict(unwrap(self.model), self.layout.tp_comm)
+        path = self.run_dir / "model.safetensors"
+        if self.layout.is_main:
+            tmp = path.with_suffix(".tmp")
+            save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp))
+            tmp.replace(path)
+        return path
+
     def _finish(self, final_loss: float, train_time: float) -> dict[str, Any]:
+        weights = self._save_weights()
         summary = {
             "model": self.cfg.model.name,
             "parameters (M)": round(self.num_params / 1e6, 3),
@@ -223,22 +229,21 @@ class Trainer:
             "throughput (img/s)": float(f"{self.step * self.cfg.data.batch_size / max(train_time, 1e-9):.3g}"),
             "final train loss": final_loss,
             **({"TP traffic per step (MB)": round(self.tp_bytes_per_step / 1e6, 2)} if self.tp_bytes_per_step else {}),
-            "val loss": self.last_eval["val_loss"],
-            "val top-1 (%)": self.last_eval["val_top1"],
-            "val top-5 (%)": self.last_eval["val_top5"],
-            "val images": self.last_eval["val_count"],
+            **self.task.summary(self.last_eval),
+            "weights": str(weights),
             "run dir": str(self.run_dir),
         }
         self.metrics.close()
         if self.layout.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            png = plot_curves(self.metrics.rows, self.run_dir / "curves.png", f"{self.cfg.model.name} on {self.cfg.data.name}")
+            title = f"{self.cfg.model.name} on {self.cfg.data.name}"
+            png = plot_curves(self.metrics.rows, self.run_dir / "curves.png", title, *self.task.headline)
             from rich import print as rprint
 
             rprint(summary_table(summary))
             if png is not None:
                 log.info("curves: %s", png)
-            print(f"val top-1: {summary['val top-1 (%)']:.2f}%  top-5: {summary['val top-5 (%)']:.2f}%", flush=True)
+            print(self.task.final_line(self.last_eval), flush=True)
         return summary
 
 
@@ -251,3 +256,26 @@ def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
         prepare_data(cfg.data, show_progress=layout.is_main and cfg.trainer.progress)
     dist.barrier()
     return Trainer(cfg, layout, run_dir).fit()
+
+
+def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
+    """Entry point of every rank of `tools/eval.py`: the model with `cfg.model.weights`, evaluated on the val split.
+    Rank 0 prints the result (the 12-line COCOeval summary for detectors) and writes eval.json (and, for
+    detectors, detections.json) into `run_dir`."""
+    import torch.distributed as dist
+
+    setup_logging(run_dir, layout.is_main)
+    if layout.local_rank == 0:
+        prepare_data(cfg.data, show_progress=layout.is_main and cfg.trainer.progress)
+    dist.barrier()
+    seed_everything(cfg.trainer.seed)
+    model = parallelize(build_model(cfg.model).to(layout.device), layout, cfg.parallel.sequence_parallel)
+    task = build_task(cfg, layout, train=False)
+    autocast = torch.autocast(layout.device.type, dtype=torch.bfloat16) if str(cfg.trainer.precision) == "bf16" \
+        else nullcontext()
+    metrics = task.evaluate(unwrap(model), layout, autocast, run_dir)
+    if layout.is_main:
+        (run_dir / "eval.json").write_text(json.dumps({"weights": cfg.model.weights, **metrics}, indent=2))
+        log.info("eval | %s", task.describe(metrics))
+        print(task.final_line(metrics), flush=True)
+    return metrics

@@ -13,7 +13,7 @@ from visiondist.models.vit import VisionTransformer
 
 
 def _build_vit(cfg: Any) -> nn.Module:
-    return VisionTransformer(
+    model = VisionTransformer(
         img_size=cfg.img_size,
         patch_size=cfg.patch_size,
         num_classes=cfg.num_classes,
@@ -25,9 +25,28 @@ def _build_vit(cfg: Any) -> nn.Module:
         drop_rate=cfg.drop_rate,
         drop_path_rate=cfg.drop_path_rate,
     )
+    if cfg.weights:
+        from visiondist.models.detection import load_local_weights
+
+        load_local_weights(model, cfg.weights)
+    return model
 
 
-FAMILIES: dict[str, Callable[[Any], nn.Module]] = {"vit": _build_vit}
+def _build_torchvision(cfg: Any) -> nn.Module:
+    from visiondist.models.detection import build_torchvision_detector
+
+    return build_torchvision_detector(cfg)
+
+
+def _build_vitdet(cfg: Any) -> nn.Module:
+    from visiondist.models.detection import build_vitdet
+
+    return build_vitdet(cfg)
+
+
+FAMILIES: dict[str, Callable[[Any], nn.Module]] = {"vit": _build_vit, "torchvision": _build_torchvision,
+                                                    "vitdet": _build_vitdet}
+TASKS = {"vit": "classification", "torchvision": "detection", "vitdet": "detection"}  # what each family is trained for
 
 
 def build_model(cfg: Any) -> nn.Module:

@@ -169,27 +169,32 @@ def _matches(path: str, pattern: str) -> bool:
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pats))
 
 
-def apply_tensor_parallel(
-    model: nn.Module,
-    comm: TPComm,
-    sequence_parallel: bool,
-    plan: Optional[dict[str, Style]] = None,
-) -> nn.Module:
-    """Shard `model` in place following `plan` (default: the plan registered for its class). Every pattern of the
-    plan must match at least one module, so a renamed layer fails loudly instead of silently staying replicated."""
-    plan = plan if plan is not None else plan_for(model)
-    modules = dict(model.named_modules())
+def apply_tensor_parallel(model: nn.Module, comm: TPComm, sequence_parallel: bool) -> nn.Module:
+    """Shard, in place, every part of `model` that has a registered plan (the model itself, or e.g. the ViT backbone
+    inside a detector); everything else stays replicated. A model with no such part is an error."""
+    targets = [(path, module) for path, module in model.named_modules() if _registered_plan(module) is not None]
+    if not targets:
+        raise ValueError(f"no tensor-parallel plan for {type(model).__name__} or any of its parts: use parallel.tp=1")
+    for _, module in targets:
+        apply_plan(module, _registered_plan(module), comm, sequence_parallel)
+    return model
+
+
+def apply_plan(module: nn.Module, plan: dict[str, Style], comm: TPComm, sequence_parallel: bool) -> nn.Module:
+    """Apply `plan` to `module`. Every pattern must match at least one submodule, so a renamed layer fails loudly
+    instead of silently staying replicated."""
+    modules = dict(module.named_modules())
     for pattern, style in plan.items():
         paths = [path for path in modules if _matches(path, pattern)]
         if not paths:
-            raise ValueError(f"tensor-parallel plan entry {pattern!r} matches no module of {type(model).__name__}")
+            raise ValueError(f"tensor-parallel plan entry {pattern!r} matches no module of {type(module).__name__}")
         for path in paths:
             replacement = style.apply(modules[path], comm, sequence_parallel)
             if replacement is not modules[path]:
                 parent, _, name = path.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, name, replacement)
+                setattr(module.get_submodule(parent) if parent else module, name, replacement)
                 modules[path] = replacement
-    return model
+    return module
 
 
 _PLANS: dict[type, dict[str, Style]] = {}
@@ -200,17 +205,19 @@ def register_plan(cls: type, plan: dict[str, Style]) -> None:
     _PLANS[cls] = plan
 
 
-def plan_for(model: nn.Module) -> dict[str, Style]:
-    for cls in type(model).__mro__:
+def _registered_plan(module: nn.Module) -> Optional[dict[str, Style]]:
+    for cls in type(module).__mro__:
         if cls in _PLANS:
             return _PLANS[cls]
-    raise ValueError(f"no tensor-parallel plan for {type(model).__name__}: run it with parallel.tp=1")
+    return None
 
 
 def _register_builtin_plans() -> None:
+    from visiondist.models.detection import ViTBackbone
     from visiondist.models.vit import VisionTransformer
 
     register_plan(VisionTransformer, VIT_PLAN)
+    register_plan(ViTBackbone, VIT_PLAN)  # the same blocks; no class token, same token-sharded region
 
 
 _register_builtin_plans()

@@ -1,0 +1,150 @@
+"""COCO-format data rules, each with its outcome and its logged count; the built-in shapes_coco set; grouped batches."""
+
+import json
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from visiondist.data.coco import CocoDetection
+from visiondist.data.sampler import TrainBatchSampler
+
+W, H = 40, 30
+
+
+def _write_set(root, images, annotations, categories=((1, "a"), (3, "b"))):
+    """A COCO-format set: `images` maps file name -> PIL image (or raw bytes for a broken file)."""
+    (root / "img").mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, (name, content) in enumerate(images.items(), start=1):
+        path = root / "img" / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        elif content is not None:
+            content.save(path)
+        entries.append({"id": i, "file_name": name, "width": W, "height": H})
+    anns = [{"id": k, "area": 1.0, "iscrowd": 0, **a} for k, a in enumerate(annotations, start=1)]
+    data = {"images": entries, "annotations": anns, "categories": [{"id": c, "name": n} for c, n in categories]}
+    (root / "ann.json").write_text(json.dumps(data))
+    return root / "img", root / "ann.json"
+
+
+def _rgb(value=(200, 10, 10)):
+    return Image.new("RGB", (W, H), value)
+
+
+def test_boxes_crowd_degenerate_and_empty_images(tmp_path, caplog):
+    images = {"one.png": _rgb(), "two.png": _rgb(), "empty.png": _rgb(), "only_crowd.png": _rgb()}
+    anns = [
+        {"image_id": 1, "category_id": 3, "bbox": [5, 6, 10, 8]},  # fine: xywh -> xyxy, label 2 (second category)
+        {"image_id": 1, "category_id": 1, "bbox": [30, 20, 20, 20]},  # leaves the image: clipped to 40 x 30
+        {"image_id": 1, "category_id": 1, "bbox": [-5, -5, 4, 30]},  # entirely left of the image: degenerate
+        {"image_id": 2, "category_id": 1, "bbox": [1, 1, 0.5, 10]},  # 0.5 px wide: degenerate
+        {"image_id": 2, "category_id": 3, "bbox": [2, 2, 5, 5]},
+        {"image_id": 4, "category_id": 1, "bbox": [2, 2, 20, 20], "iscrowd": 1},
+    ]
+    root, ann = _write_set(tmp_path, images, anns)
+    with caplog.at_level(logging.INFO):
+        train = CocoDetection(root, ann, train=True)
+    assert "4 images" not in caplog.text
+    assert "2 images, 3 boxes; left out: 1 crowd boxes, 2 degenerate boxes, 2 images without usable boxes" in caplog.text
+    assert [r.image_id for r in train.records] == [1, 2]
+    image, target = train[0]
+    assert image.shape == (3, H, W) and image.dtype.is_floating_point and float(image.max()) <= 1.0
+    assert target["boxes"].tolist() == [[5, 6, 15, 14], [30, 20, 40, 30]]
+    assert target["labels"].tolist() == [2, 1]
+    assert train.cat_of == {1: 1, 2: 3}
+
+    evaluation = CocoDetection(root, ann, train=False)  # evaluation keeps every image, crowd boxes stay out
+    assert [r.image_id for r in evaluation.records] == [1, 2, 3, 4]
+    assert evaluation[3][1]["boxes"].shape == (0, 4) and evaluation.counts.crowd_boxes == 1
+
+
+@pytest.mark.parametrize("mode", ["L", "CMYK", "RGBA", "P", "I;16"])
+def test_any_image_mode_is_read_as_rgb(tmp_path, mode):
+    source = _rgb((120, 60, 30))
+    if mode == "I;16":
+        image = Image.new("I;16", (W, H), 300)
+    elif mode == "P":
+        image = source.convert("P", palette=Image.Palette.ADAPTIVE)
+    else:
+        image = source.convert(mode)
+    suffix = "jpg" if mode == "CMYK" else "png"
+    root, ann = _write_set(tmp_path, {f"x.{suffix}": image}, [{"image_id": 1, "category_id": 1, "bbox": [1, 1, 9, 9]}])
+    tensor, _ = CocoDetection(root, ann, train=True)[0]
+    assert tensor.shape == (3, H, W)
+    if mode in ("RGBA", "P"):
+        assert (tensor[:, 0, 0] * 255).round().tolist() == [120, 60, 30]
+    if mode == "L":
+        assert tensor[0].equal(tensor[1]) and tensor[1].equal(tensor[2])
+
+
+@pytest.mark.parametrize("name", ["../outside.png", "/etc/passwd", "img/../../x.png", "..\\evil.png"])
+def test_file_name_escaping_the_image_root_is_refused(tmp_path, name):
+    (tmp_path / "img").mkdir()
+    data = {"images": [{"id": 1, "file_name": name, "width": W, "height": H}], "annotations": [],
+            "categories": [{"id": 1, "name": "a"}]}
+    (tmp_path / "ann.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="escapes the image folder"):
+        CocoDetection(tmp_path / "img", tmp_path / "ann.json", train=False)
+
+
+def test_unknown_category_names_the_annotation(tmp_path):
+    root, ann = _write_set(tmp_path, {"a.png": _rgb()}, [{"image_id": 1, "category_id": 7, "bbox": [1, 1, 5, 5]}])
+    with pytest.raises(ValueError, match=r"annotation 1 \(image 1\) has category_id 7"):
+        CocoDetection(root, ann, train=True)
+
+
+def test_unreadable_images_are_replaced_logged_once_and_bounded(tmp_path, caplog):
+    box = [1, 1, 9, 9]
+    images = {"ok0.png": _rgb((10, 10, 10)), "bad.png": b"not an image", "missing.png": None,
+              "ok3.png": _rgb((30, 30, 30))}
+    root, ann = _write_set(tmp_path, images, [{"image_id": i, "category_id": 1, "bbox": box} for i in range(1, 5)])
+    data = CocoDetection(root, ann, train=True, max_bad_images=3)
+    with caplog.at_level(logging.WARNING):
+        first, _ = data[1]  # bad.png -> missing.png -> ok3.png
+        again, _ = data[1]
+    assert (first * 255).round()[0, 0, 0] == 30 and again.equal(first)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2  # each broken file once, though read twice
+    assert "bad.png" in warnings[0] and "missing.png" in warnings[1] and "(2 replaced so far)" in warnings[1]
+    assert data._bad.replaced == 4
+
+    strict = CocoDetection(root, ann, train=True, max_bad_images=2)
+    with pytest.raises(RuntimeError, match="2 consecutive images from index 1 could not be read"):
+        strict[1]
+    with pytest.raises(RuntimeError, match="cannot read evaluation image"):
+        CocoDetection(root, ann, train=False)[1]
+
+
+def test_shapes_coco_is_deterministic_coco_format(tmp_path):
+    from visiondist.data.builtin import ensure_shapes_coco
+
+    spec = SimpleNamespace(train_images=24, val_images=12, image_size=64, seed=0)
+    a, b = ensure_shapes_coco(tmp_path / "a", spec), ensure_shapes_coco(tmp_path / "b", spec)
+    for split in ("train", "val"):
+        ja = json.loads((a / "annotations" / f"instances_{split}.json").read_text())
+        assert ja == json.loads((b / "annotations" / f"instances_{split}.json").read_text())
+        assert (a / split / "000003.jpg").read_bytes() == (b / split / "000003.jpg").read_bytes()
+    train = json.loads((a / "annotations" / "instances_train.json").read_text())
+    per_image = np.bincount([x["image_id"] for x in train["annotations"]], minlength=25)[1:]
+    assert per_image.max() > 1 and (per_image == 0).any()  # several objects per image, some empty images
+    assert len({x["category_id"] for x in train["annotations"]}) >= 4
+    assert len({(i["width"], i["height"]) for i in train["images"]}) > 1
+    data = CocoDetection(a / "train", a / "annotations" / "instances_train.json", train=True)
+    assert len(data) == 24 - int((per_image == 0).sum()) and data.counts.degenerate_boxes == 0
+
+
+def test_grouped_batches_hold_one_group_and_split_by_dp_rank():
+    groups = np.array([0, 1] * 10 + [1] * 5)  # 10 of group 0, 15 of group 1
+    full = TrainBatchSampler(25, 4, 0, 1, seed=3, groups=groups)
+    assert full.steps_per_epoch == 10 // 4 + 15 // 4
+    batches = full.global_batches(epoch=1)
+    assert all(len(set(groups[b])) == 1 for b in batches)
+    halves = [TrainBatchSampler(25, 4, r, 2, seed=3, groups=groups) for r in (0, 1)]
+    for sampler in halves:
+        sampler.set_epoch(1)
+    together = [[i for i, _ in a] + [i for i, _ in b] for a, b in zip(*halves)]
+    assert together == [b.tolist() for b in batches]

@@ -1,0 +1,48 @@
+"""Evaluate trained weights on the val split of a config's data:
+
+    python tools/eval.py <run dir> [key=value ...]                   # the run's config.yaml + model.safetensors
+    python tools/eval.py <weights.safetensors> model=... data=... [key=value ...]
+
+Prints the result (for detectors the 12-line COCOeval summary) and writes eval.json (and detections.json, COCO
+results format) into <run dir>/eval/<date-time>/, or trainer.run_dir. Runs its own ranks like train.py.
+"""
+
+import datetime as dt
+import sys
+from pathlib import Path
+
+from visiondist.cli import USAGE, load_config, load_run_config
+from visiondist.config import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help") or "=" in argv[0]:
+        print(__doc__ + "\n" + USAGE.format(tool="eval.py"))
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    source, overrides = Path(argv[0]).expanduser(), argv[1:]
+    try:
+        if source.is_dir():
+            cfg = load_run_config(source, overrides)
+            weights = source / "model.safetensors"
+            out = source / "eval" / dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        else:
+            cfg, weights, out = load_config(CONFIGS, overrides), source, None
+        if not weights.is_file():
+            raise FileNotFoundError(f"no weights at {weights}: give a run dir holding model.safetensors or a file")
+        cfg.model.weights = str(weights.resolve())
+        if out is not None and not any(o.startswith("trainer.run_dir=") for o in overrides):
+            cfg.trainer.run_dir = str(out)
+        from visiondist.engine.trainer import evaluate_checkpoint
+        from visiondist.launch import launch
+
+        launch(evaluate_checkpoint, cfg)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,198 @@
+"""COCO-format detection data (real COCO and the built-in `shapes_coco` go through this same code).
+
+Rules, each counted and logged when the dataset is built:
+- boxes are COCO xywh, converted to xyxy, clipped to the image; a box with width or height < 1 px after clipping is
+  degenerate and dropped;
+- crowd annotations are left out of training targets (COCOeval reads them from the annotation file itself);
+- for training, images left without a usable box are dropped; evaluation keeps every image;
+- an annotation whose category is not in `categories` is an error naming the annotation;
+- a `file_name` that is absolute or climbs out of the image folder (`..`) is refused;
+- grayscale, CMYK, palette and RGBA files are converted to RGB;
+- a training image that cannot be read is logged (once per file) and replaced by the next readable index; a run of
+  `max_bad_images` consecutive unreadable images is an error. In evaluation an unreadable image is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CocoCounts:
+    """What loading the annotations left out (all of it is also in the log)."""
+
+    images: int = 0
+    boxes: int = 0
+    crowd_boxes: int = 0
+    degenerate_boxes: int = 0
+    images_without_boxes: int = 0
+
+    def describe(self) -> str:
+        return (
+            f"{self.images} images, {self.boxes} boxes; left out: {self.crowd_boxes} crowd boxes, "
+            f"{self.degenerate_boxes} degenerate boxes, {self.images_without_boxes} images without usable boxes"
+        )
+
+
+@dataclass
+class ImageRecord:
+    image_id: int
+    path: Path
+    width: int
+    height: int
+    boxes: np.ndarray  # (n, 4) float32 xyxy, clipped
+    labels: np.ndarray  # (n,) int64, contiguous 1..K (0 is the background)
+
+
+def safe_image_path(root: Path, file_name: str) -> Path:
+    """`root / file_name`, refusing names that are absolute or climb out of `root`."""
+    name = PurePosixPath(file_name.replace("\\", "/"))
+    if name.is_absolute() or ".." in name.parts or not name.parts:
+        raise ValueError(f"image file_name {file_name!r} escapes the image folder {root}: refusing to read it")
+    return root.joinpath(*name.parts)
+
+
+def load_coco(ann_file: Path, quiet: bool = True):
+    from pycocotools.coco import COCO
+
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        return COCO(str(ann_file))
+
+
+def read_records(coco, image_root: Path, train: bool) -> tuple[list[ImageRecord], dict[int, int], CocoCounts]:
+    """Image records with their usable boxes, the category id -> label map, and the counts of what was left out."""
+    cat_ids = sorted(coco.getCatIds())
+    label_of = {cat: i + 1 for i, cat in enumerate(cat_ids)}
+    counts = CocoCounts()
+    records = []
+    for image_id in sorted(coco.getImgIds()):
+        info = coco.imgs[image_id]
+        width, height = int(info["width"]), int(info["height"])
+        path = safe_image_path(image_root, info["file_name"])
+        boxes, labels = [], []
+        for ann in coco.imgToAnns.get(image_id, []):
+            if ann["category_id"] not in label_of:
+                raise ValueError(
+                    f"annotation {ann.get('id')} (image {image_id}) has category_id {ann['category_id']}, which is "
+                    f"not among the categories of {coco.dataset.get('_file', 'the annotation file')}: "
+                    f"{cat_ids[:10]}{'...' if len(cat_ids) > 10 else ''}"
+                )
+            if ann.get("iscrowd", 0):
+                counts.crowd_boxes += 1
+                continue
+            x, y, w, h = ann["bbox"]
+            x1, y1 = min(max(x, 0.0), width), min(max(y, 0.0), height)
+            x2, y2 = min(max(x + w, 0.0), width), min(max(y + h, 0.0), height)
+            if x2 - x1 < 1 or y2 - y1 < 1:
+                counts.degenerate_boxes += 1
+                continue
+            boxes.append([x1, y1, x2, y2])
+            labels.append(label_of[ann["category_id"]])
+        if train and not boxes:
+            counts.images_without_boxes += 1
+            continue
+        records.append(ImageRecord(
+            image_id, path, width, height,
+            np.asarray(boxes, dtype=np.float32).reshape(-1, 4), np.asarray(labels, dtype=np.int64),
+        ))
+        counts.boxes += len(boxes)
+    counts.images = len(records)
+    return records, label_of, counts
+
+
+def read_image(path: Path) -> np.ndarray:
+    """RGB uint8 (H, W, 3) from any mode PIL reads (L, CMYK, P, RGBA, I;16, ...)."""
+    with Image.open(path) as img:
+        return np.array(img.convert("RGB"))
+
+
+@dataclass
+class _BadImages:
+    limit: int
+    seen: set = field(default_factory=set)
+    replaced: int = 0
+
+
+class CocoDetection(Dataset):
+    """Items are (image tensor float in [0, 1], target dict) for torchvision detectors; indexed by int or by a
+    sampler's (index, epoch) key. `transform(image, boxes, labels, index, epoch)` returns the three, augmented."""
+
+    def __init__(
+        self,
+        image_root: str | Path,
+        ann_file: str | Path,
+        train: bool,
+        transform: Optional[Callable] = None,
+        max_bad_images: int = 10,
+    ):
+        self.image_root, self.ann_file, self.train = Path(image_root), Path(ann_file), train
+        if not self.ann_file.is_file():
+            raise FileNotFoundError(f"no COCO annotation file at {self.ann_file}: check data.root and data.annotations")
+        self.coco = load_coco(self.ann_file)
+        self.coco.dataset["_file"] = str(self.ann_file)
+        self.records, self.label_of, self.counts = read_records(self.coco, self.image_root, train)
+        self.cat_of = {label: cat for cat, label in self.label_of.items()}
+        self.classes = [self.coco.cats[cat]["name"] for cat in sorted(self.label_of)]
+        self.transform = transform
+        self._bad = _BadImages(max_bad_images)
+        log.info("%s (%s): %s", self.ann_file.name, "train" if train else "eval", self.counts.describe())
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def aspect_ratios(self) -> np.ndarray:
+        return np.array([r.width / r.height for r in self.records], dtype=np.float32)
+
+    def __getitem__(self, key: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        index, image = self._load(index)
+        record = self.records[index]
+        boxes, labels = record.boxes, record.labels
+        if self.transform is not None:
+            image, boxes, labels = self.transform(image, boxes, labels, index, epoch)
+        tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float().div_(255)
+        target = {
+            "boxes": torch.as_tensor(np.asarray(boxes, dtype=np.float32).reshape(-1, 4)),
+            "labels": torch.as_tensor(np.asarray(labels, dtype=np.int64)),
+            "image_id": record.image_id,
+        }
+        return tensor, target
+
+    def _load(self, index: int) -> tuple[int, np.ndarray]:
+        """Read the image at `index`; in training an unreadable one is replaced by the next readable index."""
+        for attempt in range(max(self._bad.limit, 1)):
+            i = (index + attempt) % len(self.records)
+            path = self.records[i].path
+            try:
+                return i, read_image(path)
+            except (OSError, ValueError, SyntaxError) as exc:
+                if not self.train:
+                    raise RuntimeError(f"cannot read evaluation image {path}: {exc}") from exc
+                self._bad.replaced += 1
+                if path not in self._bad.seen:
+                    self._bad.seen.add(path)
+                    log.warning(
+                        "cannot read %s (%s): using the next image instead (%d replaced so far)",
+                        path, exc, self._bad.replaced,
+                    )
+        raise RuntimeError(
+            f"{max(self._bad.limit, 1)} consecutive images from index {index} could not be read (last: {path}): "
+            "check the image folder, or raise data.max_bad_images"
+        )
+
+
+def collate_detection(batch: list) -> tuple[list[torch.Tensor], list[dict]]:
+    images, targets = zip(*batch)
+    return list(images), list(targets)

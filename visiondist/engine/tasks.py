@@ -1,0 +1,110 @@
+"""What differs between training a classifier and a detector: the data, the loss of a batch, the evaluation and how
+its result is reported. The trainer holds one task and never branches on which."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+
+from visiondist.engine.logging import METRIC_COLUMNS, TRAIN_COLUMNS
+from visiondist.parallel import Layout
+
+
+class ClassificationTask:
+    columns = METRIC_COLUMNS
+    headline = ("val_top1", "val top-1 (%)")
+
+    def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
+        from visiondist.data import build_classification_data
+
+        t = cfg.trainer
+        self.data = build_classification_data(
+            cfg.data, cfg.model.img_size, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
+            pin_memory=layout.device.type == "cuda",
+        )
+
+    def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager) -> torch.Tensor:
+        images, labels = batch
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        with autocast:
+            logits = model(images)
+        return F.cross_entropy(logits.float(), labels)
+
+    def evaluate(self, model: nn.Module, layout: Layout, autocast, run_dir: Path) -> dict[str, Any]:
+        from visiondist.engine.evaluate import evaluate_classification
+
+        return evaluate_classification(model, self.data.val_loader, layout, autocast)
+
+    @staticmethod
+    def describe(m: dict[str, Any]) -> str:
+        return (f"val loss {m['val_loss']:.4f} | top-1 {m['val_top1']:.2f}% | top-5 {m['val_top5']:.2f}% | "
+                f"{m['val_count']} images")
+
+    @staticmethod
+    def summary(m: dict[str, Any]) -> dict[str, Any]:
+        return {"val loss": m["val_loss"], "val top-1 (%)": m["val_top1"], "val top-5 (%)": m["val_top5"],
+                "val images": m["val_count"]}
+
+    @staticmethod
+    def final_line(m: dict[str, Any]) -> str:
+        return f"val top-1: {m['val_top1']:.2f}%  top-5: {m['val_top5']:.2f}%"
+
+
+class DetectionTask:
+    columns = (*TRAIN_COLUMNS, "val_mAP", "val_AP50", "val_AP75", "val_APs", "val_APm", "val_APl", "val_AR1",
+               "val_AR10", "val_AR100", "val_ARs", "val_ARm", "val_ARl", "val_detections")
+    headline = ("val_mAP", "val box mAP@[.5:.95]")
+
+    def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
+        from visiondist.data import build_detection_data
+
+        t = cfg.trainer
+        self.data = build_detection_data(cfg.data, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
+                                         pin_memory=layout.device.type == "cuda", train=train)
+
+    def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager) -> torch.Tensor:
+        images, targets = batch
+        images = [img.to(device, non_blocking=True) for img in images]
+        targets = [{"boxes": t["boxes"].to(device), "labels": t["labels"].to(device)} for t in targets]
+        with autocast:
+            losses = model(images, targets)
+        return sum(loss.float() for loss in losses.values())
+
+    def evaluate(self, model: nn.Module, layout: Layout, autocast, run_dir: Path) -> dict[str, Any]:
+        from visiondist.engine.coco_eval import evaluate_detection
+
+        d = self.data
+        return evaluate_detection(model, d.val_loader, layout, d.val_annotations, d.cat_of_label, d.num_val, autocast,
+                                  results_path=run_dir / "detections.json" if layout.is_main else None)
+
+    @staticmethod
+    def describe(m: dict[str, Any]) -> str:
+        return (f"box mAP {m['val_mAP']:.4f} | AP50 {m['val_AP50']:.4f} | AP75 {m['val_AP75']:.4f} | "
+                f"AR100 {m['val_AR100']:.4f} | {m['val_count']} images, {m['val_detections']} detections")
+
+    @staticmethod
+    def summary(m: dict[str, Any]) -> dict[str, Any]:
+        return {"val box mAP@[.5:.95]": m["val_mAP"], "val AP50": m["val_AP50"], "val AP75": m["val_AP75"],
+                "val AR100": m["val_AR100"], "val images": m["val_count"]}
+
+    @staticmethod
+    def final_line(m: dict[str, Any]) -> str:
+        from visiondist.engine.coco_eval import summary_lines
+
+        stats = {k[4:]: v for k, v in m.items() if k.startswith("val_")}
+        return f"{summary_lines(stats)}\nval box mAP@[.5:.95]: {m['val_mAP']:.4f}"
+
+
+def build_task(cfg: DictConfig, layout: Layout, train: bool = True):
+    """The task of the model's family; `train=False` reads only what evaluation needs."""
+    from visiondist.models import TASKS
+
+    task = {"classification": ClassificationTask, "detection": DetectionTask}[TASKS[cfg.model.family]]
+    return task(cfg, layout, train)
