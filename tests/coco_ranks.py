@@ -69,7 +69,7 @@ def loader(dataset: CocoDetection, dp_rank: int, dp: int, batch: int = 3) -> Dat
                       collate_fn=collate_detection)
 
 
-def run(root: str, out_dir: str) -> dict:
+def run(root: str, out_dir: str, claimed_images: int = 0) -> dict:
     """Entry of every rank: evaluate the stand-in over a dp=world mesh; rank 0 writes detections.json."""
     from visiondist.engine.coco_eval import evaluate_detection
     from visiondist.parallel import build_layout
@@ -80,8 +80,11 @@ def run(root: str, out_dir: str) -> dict:
         layout = build_layout(world, 1, 1, torch.device("cpu"), int(os.environ.get("LOCAL_RANK", 0)))
         data = val_set(root)
         results = Path(out_dir) / "detections.json" if layout.rank == 0 else None
-        stats = evaluate_detection(StandInDetector(data), loader(data, layout.dp_rank, world), layout, data.ann_file,
-                                   data.cat_of, len(data), results_path=results)
+        try:
+            stats = evaluate_detection(StandInDetector(data), loader(data, layout.dp_rank, world), layout,
+                                       data.ann_file, data.cat_of, claimed_images or len(data), results_path=results)
+        except RuntimeError as exc:  # reported back, so the test sees what every rank raised
+            return {"error": str(exc)}
         return {"stats": stats, "shard": len(loader(data, layout.dp_rank, world).batch_sampler.indices)}
     finally:
         dist.destroy_process_group()

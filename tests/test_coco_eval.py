@@ -66,3 +66,9 @@ def test_missing_or_duplicated_images_are_caught():
     assert count == 3 and sorted(dets[:, 0].tolist()) == [1, 3]  # image 2's rows from the first report (none)
     with pytest.raises(RuntimeError, match="saw 2 distinct images, expected 3"):
         deduplicate([a], expected=3)
+
+
+def test_a_scoring_failure_on_rank_0_reaches_every_rank(tmp_path, shapes_coco):
+    """Rank 0 finds the image count wrong while the others wait for its answer: all of them fail, none hangs."""
+    results = spawn_local(coco_ranks.run, 2, str(shapes_coco), str(tmp_path), 24)
+    assert [r["error"] for r in results.values()] == ["COCO evaluation saw 23 distinct images, expected 24"] * 2
