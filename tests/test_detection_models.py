@@ -73,3 +73,16 @@ def test_flip_moves_boxes_with_pixels_and_lsj_gives_squares():
         out, boxes, labels = lsj(image, np.array([[2.0, 8.0, 10.0, 16.0]], np.float32), np.array([1]), index, 0)
         assert out.shape == (32, 32, 3) and len(boxes) == len(labels) <= 1
         assert (boxes >= 0).all() and (boxes <= 32).all()
+
+
+def test_vit_loads_local_timm_weights(tmp_path):
+    import timm
+    from safetensors.torch import save_file
+
+    ref = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=3, img_size=32, depth=2)
+    save_file(ref.state_dict(), str(tmp_path / "timm.safetensors"))
+    cfg = _cfg(family="vit", img_size=32, patch_size=16, embed_dim=192, depth=2, num_heads=3, mlp_ratio=4.0,
+               qkv_bias=True, drop_rate=0.0, weights=str(tmp_path / "timm.safetensors"))
+    ours = build_model(cfg).eval()
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.allclose(ours(x), ref.eval()(x), atol=1e-5)

@@ -9,7 +9,8 @@ from typing import Any, Callable
 
 from torch import nn
 
-from visiondist.models.vit import VisionTransformer
+from visiondist.models.vit import VisionTransformer, from_timm_state_dict
+from visiondist.models.weights import load_local_weights
 
 
 def _build_vit(cfg: Any) -> nn.Module:
@@ -26,10 +27,13 @@ def _build_vit(cfg: Any) -> nn.Module:
         drop_path_rate=cfg.drop_path_rate,
     )
     if cfg.weights:
-        from visiondist.models.detection import load_local_weights
-
-        load_local_weights(model, cfg.weights)
+        load_local_weights(model, cfg.weights, convert=_from_timm_if_fused)
     return model
+
+
+def _from_timm_if_fused(state: dict) -> dict:
+    """timm checkpoints fuse q/k/v into `attn.qkv`; ours keep them apart."""
+    return from_timm_state_dict(state) if any(".attn.qkv." in key for key in state) else state
 
 
 def _build_torchvision(cfg: Any) -> nn.Module:

@@ -9,7 +9,6 @@ Every detector is a torchvision detection model: `model(images, targets)` return
 from __future__ import annotations
 
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ import torchvision.models.detection as tvd
 from torch import nn
 
 from visiondist.models.vit import Block
+from visiondist.models.weights import load_local_weights
 
 TORCHVISION_DETECTORS = {
     name: getattr(tvd, name)
@@ -31,21 +31,6 @@ TORCHVISION_DETECTORS = {
         "fcos_resnet50_fpn",
     )
 }
-
-
-def load_local_weights(model: nn.Module, path: str) -> None:
-    """Load a local state dict (.safetensors, or a torch file read with weights_only=True) into `model`, strictly."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"model.weights={path}: no such file")
-    if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(file))
-    else:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-        state = state.get("model", state) if isinstance(state, dict) else state
-    model.load_state_dict(state, strict=True)
 
 
 def build_torchvision_detector(cfg: Any) -> nn.Module:
