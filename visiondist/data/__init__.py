@@ -33,14 +33,21 @@ def _worker_init(_worker_id: int) -> None:
     cv2.setNumThreads(1)  # loader workers are the parallelism; OpenCV's own threads would oversubscribe
 
 
-def _loaders(cfg, train_set, sampler, val_set, dp_rank: int, dp_size: int, pin_memory: bool, collate_fn=None):
-    """The train loader over this rank's batches and the val loader over its exact share (no padding)."""
-    common = dict(num_workers=cfg.num_workers, pin_memory=pin_memory, worker_init_fn=_worker_init,
-                  persistent_workers=cfg.num_workers > 0, collate_fn=collate_fn)
+def _loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:
+    return dict(num_workers=cfg.num_workers, pin_memory=pin_memory, worker_init_fn=_worker_init,
+                persistent_workers=cfg.num_workers > 0, collate_fn=collate_fn)
+
+
+def _val_loader(cfg, val_set, dp_rank: int, dp_size: int, options: dict) -> DataLoader:
+    """This DP rank's exact share of the val set (no padding duplicates)."""
     eval_batch = -(-cfg.eval_batch_size // dp_size)
-    val_sampler = EvalBatchSampler(len(val_set), eval_batch, dp_rank, dp_size)
-    train_loader = DataLoader(train_set, batch_sampler=sampler, **common) if sampler is not None else None
-    return train_loader, DataLoader(val_set, batch_sampler=val_sampler, **common)
+    return DataLoader(val_set, batch_sampler=EvalBatchSampler(len(val_set), eval_batch, dp_rank, dp_size), **options)
+
+
+def _check_num_classes(cfg, found: int, source: Path, what: str) -> None:
+    if found != cfg.num_classes:
+        raise ValueError(f"data.num_classes={cfg.num_classes} but {source} has {found} {what}: "
+                         f"set data.num_classes={found}")
 
 
 @dataclass
@@ -63,11 +70,7 @@ def build_classification_data(
     val_tf = SeededTransform(classification_transforms(cfg, train=False, size=img_size), seed)
     train_set = ImageFolder(root / cfg.train_split, train_tf)
     val_set = ImageFolder(root / cfg.val_split, val_tf)
-    if len(train_set.classes) != cfg.num_classes:
-        raise ValueError(
-            f"data.num_classes={cfg.num_classes} but {train_set.root} has {len(train_set.classes)} class folders: "
-            f"set data.num_classes={len(train_set.classes)}"
-        )
+    _check_num_classes(cfg, len(train_set.classes), train_set.root, "class folders")
     if val_set.classes != train_set.classes:
         raise ValueError(f"class folders of {val_set.root} differ from those of {train_set.root}")
 
@@ -79,7 +82,9 @@ def build_classification_data(
             sampler.steps_per_epoch * cfg.batch_size, len(train_set), sampler.steps_per_epoch, cfg.batch_size,
             sampler.dropped_per_epoch,
         )
-    train_loader, val_loader = _loaders(cfg, train_set, sampler, val_set, dp_rank, dp_size, pin_memory)
+    options = _loader_options(cfg, pin_memory)
+    train_loader = DataLoader(train_set, batch_sampler=sampler, **options)
+    val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, options)
     return ClassificationData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set))
 
 
@@ -108,18 +113,15 @@ def build_detection_data(
     `train=False` only the val split is read (evaluation of a checkpoint)."""
     from visiondist.data.coco import CocoDetection, collate_detection
 
+    options = _loader_options(cfg, pin_memory, collate_detection)
     val_set = CocoDetection(*coco_paths(cfg, cfg.val_split), train=False)
+    val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, options)
     if not train:
-        val_loader = _loaders(cfg, val_set, None, val_set, dp_rank, dp_size, pin_memory, collate_detection)[1]
         return DetectionData(None, val_loader, None, val_set.classes, 0, len(val_set), val_set.ann_file,
                              val_set.cat_of)
     train_set = CocoDetection(*coco_paths(cfg, cfg.train_split), train=True,
                               transform=DetectionTransform(cfg, seed), max_bad_images=cfg.max_bad_images)
-    if len(train_set.classes) != cfg.num_classes:
-        raise ValueError(
-            f"data.num_classes={cfg.num_classes} but {train_set.ann_file} has {len(train_set.classes)} categories: "
-            f"set data.num_classes={len(train_set.classes)}"
-        )
+    _check_num_classes(cfg, len(train_set.classes), train_set.ann_file, "categories")
     if val_set.label_of != train_set.label_of:
         raise ValueError(f"the categories of {val_set.ann_file} differ from those of {train_set.ann_file}")
     groups = (train_set.aspect_ratios() >= 1).astype(np.int64) if cfg.aspect_grouping else None
@@ -128,7 +130,6 @@ def build_detection_data(
         log.info("training uses %d of %d images per epoch; %d wait for the next (incomplete %sbatches)",
                  sampler.steps_per_epoch * cfg.batch_size, len(train_set), sampler.dropped_per_epoch,
                  "aspect-ratio " if groups is not None else "")
-    train_loader, val_loader = _loaders(cfg, train_set, sampler, val_set, dp_rank, dp_size, pin_memory,
-                                        collate_fn=collate_detection)
+    train_loader = DataLoader(train_set, batch_sampler=sampler, **options)
     return DetectionData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set),
                          val_set.ann_file, val_set.cat_of)

@@ -102,14 +102,16 @@ class Trainer:
             total = min(total, t.max_epochs * steps_per_epoch)
         self.total_steps = total
         self.scheduler = build_scheduler(cfg.schedule, self.optimizer, total)
-        self.autocast = (
-            torch.autocast(layout.device.type, dtype=torch.bfloat16) if str(t.precision) == "bf16" else nullcontext()
-        )
+        self.autocast = autocast_for(t.precision, layout.device)
         self.metrics = MetricsLogger(run_dir, layout.is_main, t.tensorboard, self.task.columns)
         self.step = 0
         self.epoch = 0
         self.last_eval: dict[str, Any] = {}
         self.tp_bytes_per_step: float | None = None  # ring bytes one rank sends in TP collectives per step
+
+    @property
+    def layout_text(self) -> str:
+        return self.layout.describe() + (" +SP" if self.cfg.parallel.sequence_parallel else "")
 
     # -- one optimizer step --------------------------------------------------------------------------------------
     def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,10 +145,9 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         t, sampler = self.cfg.trainer, self.data.train_sampler
         log.info(
-            "model %s: %.2fM parameters (%.2fM on this rank) | layout %s%s | global batch %d (%d per rank x %d "
+            "model %s: %.2fM parameters (%.2fM on this rank) | layout %s | global batch %d (%d per rank x %d "
             "accumulation) | %d steps",
-            self.cfg.model.name, self.num_params / 1e6, self.rank_params / 1e6, self.layout.describe(),
-            " +SP" if self.cfg.parallel.sequence_parallel else "", self.cfg.data.batch_size,
+            self.cfg.model.name, self.num_params / 1e6, self.rank_params / 1e6, self.layout_text, self.cfg.data.batch_size,
             sampler.micro_batch, t.grad_accum, self.total_steps,
         )
         if self.layout.tp_comm is not None:
@@ -221,7 +222,7 @@ class Trainer:
             "model": self.cfg.model.name,
             "parameters (M)": round(self.num_params / 1e6, 3),
             "parameters per rank (M)": round(self.rank_params / 1e6, 3),
-            "layout": self.layout.describe() + (" +SP" if self.cfg.parallel.sequence_parallel else ""),
+            "layout": self.layout_text,
             "data": f"{self.cfg.data.name}: {self.data.num_train} train / {self.data.num_val} val images",
             "steps": self.step,
             "epochs": float(f"{self.step / self.data.train_sampler.steps_per_epoch:.3g}"),
@@ -247,14 +248,23 @@ class Trainer:
         return summary
 
 
-def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
-    """Entry point of every rank: prepare the data once per node, then fit."""
+def autocast_for(precision: str, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if str(precision) == "bf16" else nullcontext()
+
+
+def _prepare_rank(cfg: DictConfig, layout: Layout, run_dir: Path) -> None:
+    """Logging on every rank; the data generated once per node while the other ranks wait."""
     import torch.distributed as dist
 
     setup_logging(run_dir, layout.is_main)
     if layout.local_rank == 0:
         prepare_data(cfg.data, show_progress=layout.is_main and cfg.trainer.progress)
     dist.barrier()
+
+
+def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
+    """Entry point of every rank: prepare the data once per node, then fit."""
+    _prepare_rank(cfg, layout, run_dir)
     return Trainer(cfg, layout, run_dir).fit()
 
 
@@ -262,18 +272,11 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     """Entry point of every rank of `tools/eval.py`: the model with `cfg.model.weights`, evaluated on the val split.
     Rank 0 prints the result (the 12-line COCOeval summary for detectors) and writes eval.json (and, for
     detectors, detections.json) into `run_dir`."""
-    import torch.distributed as dist
-
-    setup_logging(run_dir, layout.is_main)
-    if layout.local_rank == 0:
-        prepare_data(cfg.data, show_progress=layout.is_main and cfg.trainer.progress)
-    dist.barrier()
+    _prepare_rank(cfg, layout, run_dir)
     seed_everything(cfg.trainer.seed)
     model = parallelize(build_model(cfg.model).to(layout.device), layout, cfg.parallel.sequence_parallel)
     task = build_task(cfg, layout, train=False)
-    autocast = torch.autocast(layout.device.type, dtype=torch.bfloat16) if str(cfg.trainer.precision) == "bf16" \
-        else nullcontext()
-    metrics = task.evaluate(unwrap(model), layout, autocast, run_dir)
+    metrics = task.evaluate(unwrap(model), layout, autocast_for(cfg.trainer.precision, layout.device), run_dir)
     if layout.is_main:
         (run_dir / "eval.json").write_text(json.dumps({"weights": cfg.model.weights, **metrics}, indent=2))
         log.info("eval | %s", task.describe(metrics))
