@@ -34,6 +34,45 @@ def test_train_then_eval_a_detector(tmp_path):
         if key.startswith("val_"):
             assert stats[key] == value, key  # the same weights, the same detections, the same numbers
 
+    _export_loads_in_torchvision(run, tmp_path)
+
+
+def _export_loads_in_torchvision(run, tmp_path):
+    """tools/export.py: torchvision's own builder loads the file strictly and detects exactly what the trained
+    model does; the ONNX export matches under ONNX Runtime."""
+    import onnxruntime as ort
+    import torch
+    import torchvision.models.detection as tvd
+    from safetensors.torch import load_file
+
+    from visiondist.engine.export import load_trained
+
+    out = tmp_path / "detector.safetensors"
+    exported = run_cli([f"run_dir={run}", f"out={out}"], timeout=300, script=REPO / "tools" / "export.py")
+    assert exported.returncode == 0, exported.stdout[-4000:]
+    info = json.loads(out.with_suffix(".json").read_text())
+    assert info["library"] == "torchvision" and info["classes"][0] == "circle"
+    builder = getattr(tvd, info["builder"].rsplit(".", 1)[1])
+    model = builder(**info["kwargs"]).eval()
+    model.load_state_dict(load_file(out), strict=True)
+    trained = load_trained(run)
+    images = [torch.rand(3, 64, 48, generator=torch.Generator().manual_seed(1))]
+    with torch.no_grad():
+        mine, theirs = trained.model(images)[0], model(images)[0]
+    assert len(mine["boxes"]) > 0
+    for key in ("boxes", "labels", "scores"):
+        assert torch.equal(mine[key], theirs[key]), key
+
+    onnx = tmp_path / "detector.onnx"
+    exported = run_cli([f"run_dir={run}", "format=onnx", f"out={onnx}"], timeout=300,
+                       script=REPO / "tools" / "export.py")
+    assert exported.returncode == 0, exported.stdout[-4000:]
+    session = ort.InferenceSession(str(onnx), providers=["CPUExecutionProvider"])
+    boxes, labels, scores = session.run(None, {"image": images[0].numpy()})
+    assert torch.allclose(torch.from_numpy(boxes), mine["boxes"], atol=1e-4, rtol=0)
+    assert torch.equal(torch.from_numpy(labels), mine["labels"])
+    assert torch.allclose(torch.from_numpy(scores), mine["scores"], atol=1e-4, rtol=0)
+
 
 def test_eval_refuses_a_missing_run(tmp_path):
     result = run_cli([str(tmp_path)], timeout=60, script=REPO / "tools" / "eval.py")

@@ -40,4 +40,4 @@ def test_run_dir_is_never_reused(tmp_path, tiny_shapes):
     from visiondist.config import ConfigError
 
     with pytest.raises(ConfigError, match="already holds a run"):
-        _run(tmp_path, tiny_shapes, "once")
+        _run(tmp_path, tiny_shapes, "once", "trainer.resume=null")

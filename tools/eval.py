@@ -1,6 +1,7 @@
 """Evaluate trained weights on the val split of a config's data:
 
     python tools/eval.py <run dir> [key=value ...]                   # the run's config.yaml + model.safetensors
+    python tools/eval.py <run dir>/checkpoints/step_<N> [key=value ...]   # a checkpoint, any layout it was saved in
     python tools/eval.py <weights.safetensors> model=... data=... [key=value ...]
 
 Prints the result (for detectors the 12-line COCOeval summary) and writes eval.json (and detections.json, COCO
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from visiondist.cli import USAGE, load_config, load_run_config
 from visiondist.config import ConfigError
+from visiondist.engine.checkpoint import is_complete, latest_checkpoint
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -23,14 +25,21 @@ def main(argv: list[str]) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     source, overrides = Path(argv[0]).expanduser(), argv[1:]
     try:
-        if source.is_dir():
+        if is_complete(source):  # <run>/checkpoints/step_<N>
+            run = source.parent.parent
+            cfg, weights = load_run_config(run, overrides), source
+            out = run / "eval" / dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        elif source.is_dir():
             cfg = load_run_config(source, overrides)
             weights = source / "model.safetensors"
+            if not weights.is_file() and latest_checkpoint(source) is not None:  # e.g. a run stopped early
+                weights = latest_checkpoint(source)
             out = source / "eval" / dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         else:
             cfg, weights, out = load_config(CONFIGS, overrides), source, None
-        if not weights.is_file():
-            raise FileNotFoundError(f"no weights at {weights}: give a run dir holding model.safetensors or a file")
+        if not weights.exists():
+            raise FileNotFoundError(f"no weights at {weights}: give a run dir holding model.safetensors or a "
+                                    "checkpoint, a checkpoints/step_<N> directory or a weights file")
         cfg.model.weights = str(weights.resolve())
         if out is not None and not any(o.startswith("trainer.run_dir=") for o in overrides):
             cfg.trainer.run_dir = str(out)

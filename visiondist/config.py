@@ -132,6 +132,10 @@ class TrainerConfig:
     run_dir: Optional[str] = None  # default: <output_dir>/<date>/<time>
     progress: bool = True
     tensorboard: bool = True
+    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: only at the end
+    keep_last: int = 3  # complete checkpoints kept; 0: all
+    resume: Optional[str] = "auto"  # auto: the run dir's latest checkpoint if any | a checkpoint or run dir | null
+    stop_at_step: int = -1  # > 0: checkpoint and end this process after this step (the schedule still spans the run)
 
 
 @dataclass
@@ -254,6 +258,11 @@ def validate(cfg: DictConfig) -> None:
     _positive("trainer.clip_grad", t.clip_grad, allow_zero=True)
     _positive("trainer.log_every", t.log_every)
     _positive("trainer.eval_every", t.eval_every, allow_zero=True)
+    _positive("trainer.checkpoint_every", t.checkpoint_every, allow_zero=True)
+    _positive("trainer.keep_last", t.keep_last, allow_zero=True)
+    if t.resume not in (None, "auto") and not Path(str(t.resume)).expanduser().exists():
+        raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint or run directory "
+                          "(give checkpoints/step_<N> or a run dir, `auto`, or null)")
     if t.max_steps <= 0 and t.max_epochs <= 0:
         raise ConfigError("set trainer.max_steps or trainer.max_epochs to a positive number")
 

@@ -35,11 +35,17 @@ def cuda_device_count() -> int:
 
 
 def new_run_dir(cfg: DictConfig) -> Path:
-    """Create the run directory and write the resolved `config.yaml` into it. Never reuses a run's directory."""
+    """Create the run directory and write the resolved `config.yaml` into it. An existing run's directory is only
+    reused to continue it (`trainer.resume=auto`); its previous config is kept as `config-<time>.yaml`."""
     if cfg.trainer.run_dir:
         run_dir = Path(cfg.trainer.run_dir).expanduser()
-        if (run_dir / "config.yaml").exists():
-            raise ConfigError(f"trainer.run_dir={run_dir} already holds a run: choose another directory")
+        previous = run_dir / "config.yaml"
+        if previous.exists():
+            if cfg.trainer.resume != "auto":
+                raise ConfigError(f"trainer.run_dir={run_dir} already holds a run: choose another directory, or "
+                                  "continue it with trainer.resume=auto")
+            stamp = dt.datetime.fromtimestamp(previous.stat().st_mtime).strftime("%Y-%m-%d_%H-%M-%S")
+            previous.rename(run_dir / f"config-{stamp}.yaml")
     else:
         stamp = dt.datetime.now()
         base = Path(cfg.trainer.output_dir).expanduser() / stamp.strftime("%Y-%m-%d") / stamp.strftime("%H-%M-%S")

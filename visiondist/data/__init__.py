@@ -8,6 +8,7 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+import torch
 from torch.utils.data import DataLoader
 
 from visiondist.data.builtin import ensure_shapes, ensure_shapes_coco
@@ -34,8 +35,10 @@ def _worker_init(_worker_id: int) -> None:
 
 
 def _loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:
+    # Augmentation is seeded per sample; the loader's own generator only keeps it from drawing worker seeds from
+    # the global torch RNG, whose state a checkpoint restores.
     return dict(num_workers=cfg.num_workers, pin_memory=pin_memory, worker_init_fn=_worker_init,
-                persistent_workers=cfg.num_workers > 0, collate_fn=collate_fn)
+                persistent_workers=cfg.num_workers > 0, collate_fn=collate_fn, generator=torch.Generator())
 
 
 def _val_loader(cfg, val_set, dp_rank: int, dp_size: int, options: dict) -> DataLoader:

@@ -34,15 +34,23 @@ def setup_logging(run_dir: Path, is_main: bool) -> None:
 class MetricsLogger:
     """Appends rows to `metrics.csv` and scalars to TensorBoard. A no-op on every rank but the main one."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, columns: tuple[str, ...] = METRIC_COLUMNS):
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool, columns: tuple[str, ...] = METRIC_COLUMNS,
+                 continue_from: Optional[int] = None):
+        """`continue_from`: the step a run is resumed from in the same directory; the rows up to it are kept and the
+        ones a lost process wrote after it are dropped."""
         self.enabled, self.columns = enabled, columns
         self.path = run_dir / "metrics.csv"
         self.rows: list[dict[str, Any]] = []
         self._tb = None
         if not enabled:
             return
+        if continue_from is not None and self.path.is_file():
+            self.rows = [r for r in read_metrics(self.path) if r.get("step") is not None and r["step"] <= continue_from]
         with self.path.open("w", newline="") as f:
-            csv.writer(f).writerow(columns)
+            writer = csv.writer(f)
+            writer.writerow(columns)
+            for row in self.rows:
+                writer.writerow([_fmt(row.get(c)) for c in columns])
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -69,7 +77,8 @@ def _fmt(value: Any) -> str:
     if value is None:
         return ""
     if isinstance(value, float):
-        return f"{value:.8g}"
+        # exact: the shortest text that reads back as the same float (integers without ".0")
+        return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
     return str(value)
 
 

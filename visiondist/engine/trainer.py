@@ -21,6 +21,13 @@ import torch
 from omegaconf import DictConfig
 
 from visiondist.data import prepare_data
+from visiondist.engine.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    load_model_state,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from visiondist.engine.logging import MetricsLogger, plot_curves, setup_logging, summary_table
 from visiondist.engine.optim import build_optimizer, build_scheduler
 from visiondist.engine.tasks import build_task
@@ -103,11 +110,53 @@ class Trainer:
         self.total_steps = total
         self.scheduler = build_scheduler(cfg.schedule, self.optimizer, total)
         self.autocast = autocast_for(t.precision, layout.device)
-        self.metrics = MetricsLogger(run_dir, layout.is_main, t.tensorboard, self.task.columns)
         self.step = 0
         self.epoch = 0
         self.last_eval: dict[str, Any] = {}
         self.tp_bytes_per_step: float | None = None  # ring bytes one rank sends in TP collectives per step
+        self.resumed_from = self._resume()
+        same_run = self.resumed_from is not None and self.resumed_from.parent.parent == run_dir
+        self.metrics = MetricsLogger(run_dir, layout.is_main, t.tensorboard, self.task.columns,
+                                     continue_from=self.step if same_run else None)
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+    def _resume(self) -> Path | None:
+        """Load `trainer.resume` (auto: this run dir's latest complete checkpoint) into model, optimizer, schedule,
+        step / data position and, under the same layout, the RNG states."""
+        spec = self.cfg.trainer.resume
+        if spec is None:
+            return None
+        path = latest_checkpoint(self.run_dir) if spec == "auto" else resolve_checkpoint(str(spec))
+        if path is None:
+            return None
+        saved = load_checkpoint(path, unwrap(self.model), self.optimizer, self.layout)
+        self.scheduler.load_state_dict({"lr_lambdas": [None] * len(self.optimizer.param_groups), **saved["scheduler"]})
+        self.step = int(saved["step"])
+        self.epoch = self.step // self.data.train_sampler.steps_per_epoch
+        if saved.get("total_steps") != self.total_steps:
+            log.warning("the checkpoint's run had %s steps, this one has %d: the LR schedule follows this run's",
+                        saved.get("total_steps"), self.total_steps)
+        log.info("resumed from %s: step %d, epoch %d + %d steps%s", path, self.step, self.epoch,
+                 self.step % self.data.train_sampler.steps_per_epoch,
+                 "" if saved["rng_restored"] else
+                 f" (saved with layout {saved.get('layout')}: random states restart from the seed)")
+        if not saved["rng_restored"]:
+            seed_everything(self.cfg.trainer.seed + self.step)
+        return path
+
+    def save_checkpoint(self) -> Path:
+        state = {
+            "epoch": self.epoch,
+            "total_steps": self.total_steps,
+            "scheduler": self.scheduler.state_dict(),  # LambdaLR: numbers only (its lambdas are rebuilt)
+            "model": self.cfg.model.name,
+            "data": self.cfg.data.name,
+            "classes": list(self.data.classes),
+        }
+        path = save_checkpoint(self.run_dir, self.step, unwrap(self.model), self.optimizer, state, self.layout,
+                               self.cfg.trainer.keep_last)
+        log.info("checkpoint: %s", path)
+        return path
 
     @property
     def layout_text(self) -> str:
@@ -155,15 +204,18 @@ class Trainer:
         progress = _progress(t.progress and self.layout.is_main, self.total_steps)
         window = _Window(self.layout.device)
         final_loss = math.nan
+        stop_at = t.stop_at_step if t.stop_at_step > 0 else self.total_steps
+        last_saved = self.step if self.resumed_from is not None else -1
         try:
-            while self.step < self.total_steps:
-                sampler.set_epoch(self.epoch)
+            while self.step < min(self.total_steps, stop_at):
+                self.epoch, start = divmod(self.step, sampler.steps_per_epoch)
+                sampler.set_epoch(self.epoch, start)
                 batches = iter(self.data.train_loader)
-                for _ in range(min(sampler.steps_per_epoch, self.total_steps - self.step)):
+                for _ in range(min(sampler.steps_per_epoch - start, min(self.total_steps, stop_at) - self.step)):
                     loss, grad_norm = self.train_step(batches)
                     self.step += 1
-                    if self.step == 1:
-                        self._note_tp_traffic()
+                    if self.tp_bytes_per_step is None:
+                        self._note_tp_traffic()  # after this process's first step
                     window.add(loss)
                     if self.step % t.log_every == 0 or self.step == self.total_steps:
                         window.pause()
@@ -174,12 +226,26 @@ class Trainer:
                         window.pause()
                         self.evaluate()
                         window.resume()
-                self.epoch += 1
+                    if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < self.total_steps:
+                        window.pause()
+                        self.save_checkpoint()
+                        last_saved = self.step
+                        window.resume()
+                self.epoch = self.step // sampler.steps_per_epoch
         finally:
             if progress is not None:
                 progress.stop()
+        if self.step < self.total_steps:  # stop_at_step: a checkpoint to continue from, no final evaluation
+            if last_saved != self.step:
+                self.save_checkpoint()
+            log.info("stopped after step %d of %d (trainer.stop_at_step); continue with trainer.resume=auto "
+                     "trainer.run_dir=%s", self.step, self.total_steps, self.run_dir)
+            self.metrics.close()
+            return {"stopped at step": self.step, "run dir": str(self.run_dir)}
         if self.last_eval.get("step") != self.step:
             self.evaluate()
+        if last_saved != self.step:
+            self.save_checkpoint()
         return self._finish(final_loss, window.total_seconds)
 
     def _note_tp_traffic(self) -> None:
@@ -274,7 +340,13 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     detectors, detections.json) into `run_dir`."""
     _prepare_rank(cfg, layout, run_dir)
     seed_everything(cfg.trainer.seed)
+    checkpoint = Path(cfg.model.weights) if cfg.model.weights and Path(cfg.model.weights).is_dir() else None
+    if checkpoint is not None:  # a DCP checkpoint directory: read into whatever layout this run has
+        cfg.model.weights = None
     model = parallelize(build_model(cfg.model).to(layout.device), layout, cfg.parallel.sequence_parallel)
+    if checkpoint is not None:
+        load_model_state(checkpoint, unwrap(model), layout)
+        cfg.model.weights = str(checkpoint)
     task = build_task(cfg, layout, train=False)
     metrics = task.evaluate(unwrap(model), layout, autocast_for(cfg.trainer.precision, layout.device), run_dir)
     if layout.is_main:

@@ -1,0 +1,234 @@
+"""Checkpoints through `python tools/train.py`: an interrupted and resumed run equals an uninterrupted one bit for bit;
+a checkpoint saved under one layout resumes under another; a killed writer never leaves a broken checkpoint behind;
+loading never runs pickled code."""
+
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from visiondist.engine.checkpoint import (
+    CHECKPOINTS,
+    latest_checkpoint,
+    list_checkpoints,
+    load_model_state,
+    read_trainer_state,
+)
+from visiondist.engine.logging import read_metrics
+from helpers import REPO, TINY_DATA, TRAIN, run_cli
+
+
+def _args(tiny_shapes, run, *extra):
+    return [*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16", "trainer.log_every=1",
+            "trainer.accelerator=cpu", "trainer.tensorboard=false", f"trainer.run_dir={run}", *extra]
+
+
+def _train(*args, timeout=300):
+    result = run_cli(list(args), timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return result.stdout
+
+
+def _losses(run):
+    return {int(r["step"]): r["loss"] for r in read_metrics(run / "metrics.csv") if r["loss"] is not None}
+
+
+def test_resume_mid_epoch_is_bitwise_exact(tmp_path, tiny_shapes):
+    """dp=2 with drop-path (so the RNG states matter): 8 steps straight vs 4, stop, resume=auto, 4 more. The tiny
+    set has 6 steps per epoch: the stop is mid-epoch and the resumed run crosses an epoch boundary."""
+    common = ["model.num_heads=2", "parallel.dp=2", "model.drop_path_rate=0.2", "trainer.max_steps=8",
+              "trainer.checkpoint_every=2", "trainer.keep_last=2"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    _train(*_args(tiny_shapes, straight, *common))
+    out = _train(*_args(tiny_shapes, split, *common, "trainer.stop_at_step=4"))
+    assert "stopped after step 4 of 8" in out
+    assert [step for step, _ in list_checkpoints(split)] == [2, 4]
+    assert not (split / "model.safetensors").exists()
+    assert read_trainer_state(latest_checkpoint(split))["epoch"] == 0
+
+    out = _train(*_args(tiny_shapes, split, *common))  # resume=auto is the default
+    assert "resumed from" in out and "step_4: step 4, epoch 0 + 4 steps" in out
+    a, b = _losses(straight), _losses(split)
+    assert sorted(b) == list(range(1, 9))  # rows of the first process kept, none duplicated
+    assert [a[s] for s in range(5, 9)] == [b[s] for s in range(5, 9)]  # exact float equality
+    assert len({a[s] for s in range(1, 9)}) == 8
+    wa, wb = load_file(straight / "model.safetensors"), load_file(split / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert [step for step, _ in list_checkpoints(straight)] == [6, 8]  # keep_last=2
+    assert (split / "config.yaml").is_file() and len(list(split.glob("config-*.yaml"))) == 1
+
+
+# -- resharding ---------------------------------------------------------------------------------------------------
+
+RESHARD = ["model.num_heads=4", "trainer.max_steps=3"]  # 4 heads: tp2 and tp4 both divide them
+
+
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory, tiny_shapes):
+    run = tmp_path_factory.mktemp("reshard") / "dp1"
+    _train(*_args(tiny_shapes, run, *RESHARD))
+    return _losses(run)
+
+
+@pytest.mark.parametrize("saved_under", ["parallel=tp2", "parallel=dp2_tp2"])
+def test_checkpoint_reshards_to_other_layouts(tmp_path, tiny_shapes, reference_losses, saved_under):
+    """Save at step 2 under TP, resume under dp=1 and tp=4: step 3's loss is the uninterrupted run's."""
+    saved = tmp_path / "saved"
+    _train(*_args(tiny_shapes, saved, *RESHARD, saved_under, "trainer.stop_at_step=2"))
+    state = read_trainer_state(latest_checkpoint(saved))
+    assert state["step"] == 2 and state["layout"]["tp"] == 2
+    for layout in ("parallel.dp=1", "parallel=tp4"):
+        run = tmp_path / layout.replace("=", "_")
+        out = _train(*_args(tiny_shapes, run, *RESHARD, layout, f"trainer.resume={latest_checkpoint(saved)}"))
+        assert "random states restart from the seed" in out  # another layout: RNG streams cannot carry over
+        losses = _losses(run)
+        assert sorted(losses) == [3]
+        assert losses[3] == pytest.approx(reference_losses[3], rel=1e-5)
+
+
+# -- crash safety ---------------------------------------------------------------------------------------------------
+
+
+def test_killed_while_writing_leaves_the_previous_checkpoint(tmp_path, tiny_shapes):
+    """A checkpoint every step of a tiny model: the process spends most of its time writing them, and is killed
+    with SIGKILL at a random moment. Every `step_<N>` left loads, and resume=auto continues from the newest."""
+    run = tmp_path / "run"
+    args = _args(tiny_shapes, run, "model.num_heads=2", "trainer.max_steps=400", "trainer.checkpoint_every=1",
+                 "trainer.keep_last=3", "trainer.eval_every=1000")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while len(list_checkpoints(run)) < 2:
+            assert proc.poll() is None and time.time() < deadline, "no checkpoints were written"
+            time.sleep(0.05)
+        delay = random.Random().uniform(0.0, 1.0)
+        time.sleep(delay)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    found = list_checkpoints(run)
+    assert found, f"killed after {delay:.2f}s"
+    from visiondist.engine.export import load_trained
+
+    for step, path in found:  # each complete checkpoint holds every tensor
+        trained = load_trained(run, step)
+        assert trained.step == step and trained.source == path
+    for entry in (run / CHECKPOINTS).iterdir():  # anything else is an unfinished write, never a step_<N>
+        assert entry.name.startswith(".step_") or (entry / ".metadata").is_file(), entry
+
+    newest = found[-1][0]
+    _train(*args, f"trainer.stop_at_step={newest + 1}")
+    log = (run / "train.log").read_text()
+    assert f"resumed from {run / CHECKPOINTS / f'step_{newest}'}: step {newest}" in log
+
+
+# -- no code from pickles ------------------------------------------------------------------------------------------
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_checkpoint_metadata_cannot_run_code(tmp_path, tiny_shapes, monkeypatch):
+    run = tmp_path / "run"
+    _train(*_args(tiny_shapes, run, "model.num_heads=2", "trainer.max_steps=1"))
+    checkpoint = latest_checkpoint(run)
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    from visiondist.engine.export import load_trained
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(pickle.UnpicklingError, match="refused to load posix.system"):
+        load_trained(run)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_local_weights_cannot_run_code(tmp_path, monkeypatch):
+    from visiondist.models.weights import load_local_weights
+
+    path = tmp_path / "weights.pt"
+    torch.save({"model": _RunsCode()}, path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(pickle.UnpicklingError):
+        load_local_weights(torch.nn.Linear(2, 2), str(path))
+    assert not (tmp_path / "pwned").exists()
+
+
+# -- export ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory, tiny_shapes):
+    run = tmp_path_factory.mktemp("export") / "tp2"
+    _train(*_args(tiny_shapes, run, "model.num_heads=4", "trainer.max_steps=2", "parallel=tp2"))
+    return run
+
+
+def _export(run, *args):
+    result = run_cli([f"run_dir={run}", *args], timeout=300, script=REPO / "tools" / "export.py")
+    assert result.returncode == 0, result.stdout[-4000:]
+    return result.stdout
+
+
+def test_export_from_tp2_loads_in_timm(tp2_run, tmp_path):
+    import timm
+
+    from visiondist.engine.export import load_trained
+
+    out = tmp_path / "vit.safetensors"
+    _export(tp2_run, f"out={out}")
+    info = json.loads(out.with_suffix(".json").read_text())
+    assert info["library"] == "timm" and info["classes"] and len(info["classes"]) == info["num_classes"]
+    model = timm.create_model(**info["create"], pretrained=False).eval()
+    model.load_state_dict(load_file(out), strict=True)
+
+    trained = load_trained(tp2_run)  # the tp2 checkpoint's shards, read into one process
+    gathered = load_file(tp2_run / "model.safetensors")  # what the tp2 run itself gathered at the end
+    assert all(torch.equal(v, gathered[k]) for k, v in trained.model.state_dict().items())
+    x = torch.randn(4, 3, info["input_size"], info["input_size"])
+    with torch.no_grad():
+        assert torch.allclose(model(x), trained.model(x), atol=1e-5, rtol=0)
+
+
+def test_export_onnx_and_torchscript(tp2_run, tmp_path):
+    import onnxruntime as ort
+
+    from visiondist.engine.export import load_trained
+
+    out = tmp_path / "vit.onnx"
+    stdout = _export(tp2_run, "format=onnx", f"out={out}")
+    assert "ONNX Runtime vs PyTorch" in stdout
+    trained = load_trained(tp2_run)
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    for batch in (1, 5):  # the batch dimension is dynamic
+        x = torch.randn(batch, 3, 32, 32)
+        with torch.no_grad():
+            ref = trained.model(x)
+        got = torch.from_numpy(session.run(None, {"images": x.numpy()})[0])
+        assert torch.allclose(got, ref, atol=1e-4, rtol=0)
+
+    script = tmp_path / "vit.pt"
+    _export(tp2_run, "format=torchscript", f"out={script}")
+    loaded = torch.jit.load(str(script))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.allclose(loaded(x), trained.model(x), atol=1e-5, rtol=0)
+
+
+def test_export_errors_name_the_fix(tmp_path):
+    result = run_cli(["format=onnx"], timeout=60, script=REPO / "tools" / "export.py")
+    assert result.returncode == 2 and "run_dir= is missing" in result.stdout
+    result = run_cli([f"run_dir={tmp_path}", "format=pdf"], timeout=60, script=REPO / "tools" / "export.py")
+    assert result.returncode == 2 and "choose one of safetensors, onnx, torchscript" in result.stdout
+    result = run_cli([f"run_dir={tmp_path}"], timeout=60, script=REPO / "tools" / "export.py")
+    assert result.returncode == 2 and "holds no config.yaml" in result.stdout

@@ -1,0 +1,352 @@
+"""Distributed checkpoints: canonical, layout-free, complete or absent.
+
+A checkpoint is a directory `<run>/checkpoints/step_<N>/` holding
+
+- the model and optimizer state written with `torch.distributed.checkpoint` (DCP). Tensors carry their canonical
+  (single-device) names and global shapes: a tensor-parallel shard is saved as a `DTensor` over the TP mesh, so DCP
+  stores its slice and any other layout (ddp, tp2, tp4, dp2 x tp2) reads back whatever slice it needs. Replicated
+  tensors are written once, whatever the number of ranks holding them.
+- `trainer_state.json`: step, epoch, LR schedule, optimizer hyperparameters, the layout it was saved from, the class
+  names of the data (rank 0).
+- `rng_rank<R>.json`: rank R's Python, NumPy, torch (and CUDA) RNG states.
+
+Everything non-tensor is JSON and the tensors go through DCP's tensor path (`weights_only` loading): resuming never
+unpickles an object. DCP's own `.metadata` file is a pickle; it is read with an unpickler that only admits DCP's
+metadata classes (`SafeFileSystemReader`).
+
+Writing goes to `checkpoints/.step_<N>.tmp/`, which is renamed to `step_<N>` once DCP's metadata, the trainer state
+and every rank's RNG file are on disk; a directory named `step_<N>` is therefore always whole. A crash mid-write leaves
+only a `.tmp` directory, which the next save of that step replaces and which resume never looks at.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.tensor import DTensor, Shard
+
+from visiondist.parallel.tensor import SHARD_DIM
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+METADATA = ".metadata"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+# -- finding checkpoints -------------------------------------------------------------------------------------------
+
+
+def is_complete(path: Path) -> bool:
+    return (path / METADATA).is_file() and (path / STATE_FILE).is_file()
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir() and is_complete(entry):
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    found = list_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint(spec: str, step: Optional[int] = None) -> Path:
+    """A checkpoint from a user's path: a `step_<N>` directory, or a run directory (its latest checkpoint, or
+    `step`)."""
+    path = Path(spec).expanduser()
+    if is_complete(path):
+        return path
+    if (path / CHECKPOINTS).is_dir() or (path / "config.yaml").is_file():
+        found = dict(list_checkpoints(path))
+        if step is not None:
+            if step not in found:
+                raise FileNotFoundError(f"{path} has no complete checkpoint of step {step}; it has: "
+                                        f"{', '.join(map(str, found)) or 'none'}")
+            return found[step]
+        if found:
+            return found[max(found)]
+        raise FileNotFoundError(f"{path} has no complete checkpoint under {path / CHECKPOINTS}")
+    if path.is_dir():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {METADATA} and {STATE_FILE}) nor a run dir")
+    raise FileNotFoundError(f"no checkpoint at {path}")
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
+# -- canonical state ---------------------------------------------------------------------------------------------
+
+
+def _tp_mesh(layout):
+    return layout.mesh["tp"] if layout is not None and layout.tp > 1 else None
+
+
+def _canonical(tensor: torch.Tensor, like: torch.Tensor, mesh) -> torch.Tensor:
+    """`tensor` (this rank's part of something shaped like parameter `like`) as DCP should see it: a DTensor sharded
+    over TP when `like` is a TP shard, the tensor itself otherwise."""
+    dim = getattr(like, SHARD_DIM, None)
+    if dim is None or mesh is None or tensor.shape != like.shape:
+        return tensor
+    return DTensor.from_local(tensor, mesh, [Shard(dim)], run_check=False)
+
+
+def model_state(model: nn.Module, layout=None) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers under canonical names; TP shards as DTensors (views of the live
+    tensors, so loading into this dict loads into the model)."""
+    mesh = _tp_mesh(layout)
+    state: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        state[name] = _canonical(param.detach(), param, mesh)
+    for name, buffer in model.named_buffers():
+        if buffer is not None and name not in state:
+            state[name] = buffer.detach()
+    return state
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, layout=None) -> dict[str, torch.Tensor]:
+    """Per-parameter optimizer state keyed `<param name>/<state key>`, sharded like its parameter."""
+    mesh = _tp_mesh(layout)
+    state: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        for key, value in optimizer.state.get(param, {}).items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer state {name}/{key} is a {type(value).__name__}, not a tensor")
+            state[f"{name}/{key}"] = _canonical(value, param, mesh)
+    return state
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's per-parameter state tensors (so a checkpoint has somewhere to load into) without
+    changing any parameter: one step at lr 0 from zero gradients, then the gradients are cleared again."""
+    if optimizer.state:
+        return
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
+def _restore_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint has {len(saved)} optimizer parameter groups, this optimizer "
+                         f"{len(optimizer.param_groups)}: resume with the optimizer it was saved with")
+    for group, values in zip(optimizer.param_groups, saved):
+        for key, value in values.items():
+            group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+
+
+# -- RNG states as JSON ---------------------------------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
+
+
+# -- safe reading of DCP metadata ----------------------------------------------------------------------------------
+
+_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+_SAFE_GLOBALS = {
+    ("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"), ("builtins", "frozenset"),
+    ("builtins", "slice"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses, torch dtypes / sizes / layouts / memory formats and plain containers;
+    anything else (a function, a class that runs code when rebuilt) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                          torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refused to load {module}.{name} from checkpoint metadata: "
+                                     "it is not part of a DCP checkpoint")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_metadata(path: Path):
+    return SafeFileSystemReader(str(path)).read_metadata()
+
+
+# -- save / load ----------------------------------------------------------------------------------------------------
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    trainer_state: dict[str, Any], layout, keep_last: int = 0) -> Path:
+    """Every rank calls this. Writes `checkpoints/step_<step>` atomically and keeps the newest `keep_last`
+    (0: all)."""
+    root = Path(run_dir) / CHECKPOINTS
+    final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+    if layout.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt that died mid-write
+        tmp.mkdir(parents=True)
+    _barrier()
+    _fsync_write(tmp / f"rng_rank{layout.rank}.json", json.dumps(rng_state()))
+    state = {"model": model_state(model, layout), "optim": optimizer_state(model, optimizer, layout)}
+    dcp.save(state, checkpoint_id=str(tmp))  # collective; rank 0 writes .metadata last
+    if layout.is_main:
+        full = {**trainer_state, "step": step, "optimizer": _hyperparameters(optimizer),
+                "world_size": layout.world_size, "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}}
+        _fsync_write(tmp / STATE_FILE, json.dumps(full, indent=1))
+    _barrier()  # every rank's files are written
+    if layout.is_main:
+        if final.exists():  # the same step saved again (e.g. a resumed run re-saving): replace it whole
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _fsync_dir(root)
+        if keep_last > 0:
+            for _, old in list_checkpoints(run_dir)[:-keep_last]:
+                if old != final:
+                    shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load_model_state(path: Path, model: nn.Module, layout=None) -> None:
+    """Load a checkpoint's model tensors into `model` (whatever layout either was saved or is in). Without a
+    process group (export, eval) it reads everything in this process."""
+    state = {"model": model_state(model, layout)}
+    _dcp_load(state, path)
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout) -> dict[str, Any]:
+    """Every rank calls this: model and optimizer state into the live objects, the RNG states when the layout is
+    the one the checkpoint was saved from. Returns the trainer state (step, epoch, schedule, ...)."""
+    path = Path(path)
+    saved = read_trainer_state(path)
+    init_optimizer_state(optimizer)
+    state = {"model": model_state(model, layout), "optim": optimizer_state(model, optimizer, layout)}
+    _dcp_load(state, path)
+    _restore_hyperparameters(optimizer, saved["optimizer"])
+    rng_file = path / f"rng_rank{layout.rank}.json"
+    if saved.get("world_size") == layout.world_size and saved.get("layout") == {"dp": layout.dp, "tp": layout.tp,
+                                                                                  "pp": layout.pp}:
+        set_rng_state(json.loads(rng_file.read_text()))
+        saved["rng_restored"] = True
+    else:
+        saved["rng_restored"] = False
+    return saved
+
+
+def _dcp_load(state: dict, path: Path) -> None:
+    read_metadata(path)  # refuses a tampered metadata pickle here, with its own message, before DCP reads it
+    try:
+        with warnings.catch_warnings():  # one process without a process group is the intended use here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=not dist.is_initialized())
+    except pickle.UnpicklingError:
+        raise
+    except Exception as exc:  # DCP wraps per-rank failures; say which checkpoint and what to check
+        missing = _missing_keys(state, path)
+        detail = f"; it lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}" if missing else ""
+        raise RuntimeError(f"could not load checkpoint {path}{detail}: is it from the same model "
+                           f"(and optimizer)? ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+                           ) from exc
+
+
+def _missing_keys(state: dict, path: Path) -> list[str]:
+    try:
+        stored = set(read_metadata(path).state_dict_metadata)
+    except Exception:  # noqa: BLE001 - only used to improve an error message
+        return []
+    wanted = [f"{group}.{key}" for group, tensors in state.items() for key in tensors]
+    return [key for key in wanted if key not in stored]
