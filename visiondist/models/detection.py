@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import torchvision.models.detection as tvd
 from torch import nn
+from torchvision.models.detection.anchor_utils import AnchorGenerator
 
 from visiondist.models.vit import Block
 from visiondist.models.weights import load_local_weights
@@ -45,9 +46,33 @@ def build_torchvision_detector(cfg: Any) -> nn.Module:
         max_size=cfg.max_size,
         **kwargs,
     )
+    adapt_detector(model, cfg)
     if cfg.weights:
         load_local_weights(model, cfg.weights)
     return model
+
+
+def adapt_detector(model: nn.Module, cfg: Any) -> None:
+    """Settings that change no parameter shape, so weights stay interchangeable with torchvision's model:
+    `anchor_scale` multiplies every anchor size (small objects: 0.5 turns 32..512 into 16..256) and
+    `roi_sampling_ratio` sets RoIAlign's samples per bin side."""
+    scale = float(getattr(cfg, "anchor_scale", 1.0) or 1.0)
+    if scale <= 0:
+        raise ValueError(f"model.anchor_scale={scale} must be > 0")
+    owner = model.rpn if hasattr(model, "rpn") else model
+    generator = owner.anchor_generator
+    if scale != 1.0:
+        sizes = tuple(tuple(max(1, round(s * scale)) for s in level) for level in generator.sizes)
+        owner.anchor_generator = AnchorGenerator(sizes, generator.aspect_ratios)
+    ratio = getattr(cfg, "roi_sampling_ratio", None)
+    if ratio is not None:
+        pool = getattr(getattr(model, "roi_heads", None), "box_roi_pool", None)
+        if pool is None:
+            raise ValueError(f"model.roi_sampling_ratio applies to R-CNN detectors; {type(model).__name__} has no RoI "
+                             "pooling: leave it unset")
+        if int(ratio) < 1:
+            raise ValueError(f"model.roi_sampling_ratio={ratio} must be >= 1")
+        pool.sampling_ratio = int(ratio)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -131,6 +156,7 @@ def build_vitdet(cfg: Any) -> nn.Module:
     pyramid = SimpleFeaturePyramid(backbone, cfg.fpn_channels)
     model = tvd.FasterRCNN(pyramid, num_classes=cfg.num_classes + 1, min_size=cfg.min_size, max_size=cfg.max_size,
                            **dict(cfg.kwargs or {}))
+    adapt_detector(model, cfg)
     if cfg.weights:
         load_local_weights(model, cfg.weights)
     return model
