@@ -24,6 +24,17 @@ def test_defaults_compose_and_follow_the_data():
     assert (cfg.model.img_size, cfg.model.num_classes, cfg.model.embed_dim) == (96, 3, 768)
 
 
+def test_a_tuned_pair_sets_its_defaults_and_the_command_line_still_wins():
+    base = load_config(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=coco"])  # no tuned file for this pair
+    assert (base.optim.lr, base.trainer.max_epochs, base.model.min_size) == (5e-4, 3, 800)
+    tuned = load_config(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco"])
+    assert (tuned.optim.lr, tuned.trainer.max_epochs, tuned.data.min_size, tuned.model.min_size) == (1e-3, 2, 256, 256)
+    assert tuned.model.roi_sampling_ratio == 1
+    mine = load_config(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "optim.lr=2e-3",
+                                 "trainer.max_epochs=4", "data.min_size=160"])
+    assert (mine.optim.lr, mine.trainer.max_epochs, mine.model.min_size) == (2e-3, 4, 160)
+
+
 def test_patch14_models_take_the_largest_fitting_input_size():
     assert load_config(CONFIGS, ["model=vit_huge"]).model.img_size == 56  # 64-pixel shapes, 14-pixel patches
     assert load_config(CONFIGS, ["model=vit_huge", "data=imagenet"]).model.img_size == 224
