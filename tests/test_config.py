@@ -62,6 +62,10 @@ def test_parallel_presets(name, tp, dp):
          "parallel.tp=2 does not divide the MLP hidden size 975"),
         (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tp > 1"),
         (["trainer.max_steps=-1", "trainer.max_epochs=0"], "set trainer.max_steps or trainer.max_epochs"),
+        (["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "model.anchor_scale=0"],
+         "model.anchor_scale=0.0 must be > 0"),
+        (["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "model.roi_sampling_ratio=0"],
+         "model.roi_sampling_ratio=0 must be > 0"),
     ],
 )
 def test_bad_config_has_one_clear_message(overrides, expected):

@@ -32,8 +32,8 @@ def main(argv: list[str]) -> int:
         elif source.is_dir():
             cfg = load_run_config(source, overrides)
             weights = source / "model.safetensors"
-            if not weights.is_file() and latest_checkpoint(source) is not None:  # e.g. a run stopped early
-                weights = latest_checkpoint(source)
+            if not weights.is_file():  # e.g. a run stopped early: its newest checkpoint, if it has one
+                weights = latest_checkpoint(source) or weights
             out = source / "eval" / dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
         else:
             cfg, weights, out = load_config(CONFIGS, overrides), source, None

@@ -236,6 +236,9 @@ def validate(cfg: DictConfig) -> None:
     for key in ("num_classes", "img_size", "patch_size", "embed_dim", "depth", "num_heads"):
         _positive(f"model.{key}", m[key])
     _positive("model.mlp_ratio", m.mlp_ratio)
+    _positive("model.anchor_scale", m.anchor_scale)
+    if m.roi_sampling_ratio is not None:
+        _positive("model.roi_sampling_ratio", m.roi_sampling_ratio)
     if m.img_size % m.patch_size:
         raise ConfigError(
             f"model.img_size={m.img_size} is not a multiple of model.patch_size={m.patch_size} ({m.name}): "

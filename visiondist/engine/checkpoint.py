@@ -328,25 +328,18 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 
 def _dcp_load(state: dict, path: Path) -> None:
-    read_metadata(path)  # refuses a tampered metadata pickle here, with its own message, before DCP reads it
+    # read first: a tampered metadata pickle is refused here with its own message, and the key list names what a
+    # failed load lacked
+    stored = set(read_metadata(path).state_dict_metadata)
     try:
         with warnings.catch_warnings():  # one process without a process group is the intended use here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=not dist.is_initialized())
-    except pickle.UnpicklingError:
-        raise
     except Exception as exc:  # DCP wraps per-rank failures; say which checkpoint and what to check
-        missing = _missing_keys(state, path)
+        missing = [f"{group}.{key}" for group, tensors in state.items() for key in tensors
+                   if f"{group}.{key}" not in stored]
         detail = f"; it lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}" if missing else ""
         raise RuntimeError(f"could not load checkpoint {path}{detail}: is it from the same model "
                            f"(and optimizer)? ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
                            ) from exc
 
-
-def _missing_keys(state: dict, path: Path) -> list[str]:
-    try:
-        stored = set(read_metadata(path).state_dict_metadata)
-    except Exception:  # noqa: BLE001 - only used to improve an error message
-        return []
-    wanted = [f"{group}.{key}" for group, tensors in state.items() for key in tensors]
-    return [key for key in wanted if key not in stored]

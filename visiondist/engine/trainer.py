@@ -204,14 +204,14 @@ class Trainer:
         progress = _progress(t.progress and self.layout.is_main, self.total_steps)
         window = _Window(self.layout.device)
         final_loss = math.nan
-        stop_at = t.stop_at_step if t.stop_at_step > 0 else self.total_steps
+        end = min(self.total_steps, t.stop_at_step) if t.stop_at_step > 0 else self.total_steps  # of this process
         last_saved = self.step if self.resumed_from is not None else -1
         try:
-            while self.step < min(self.total_steps, stop_at):
+            while self.step < end:
                 self.epoch, start = divmod(self.step, sampler.steps_per_epoch)
                 sampler.set_epoch(self.epoch, start)
                 batches = iter(self.data.train_loader)
-                for _ in range(min(sampler.steps_per_epoch - start, min(self.total_steps, stop_at) - self.step)):
+                for _ in range(min(sampler.steps_per_epoch - start, end - self.step)):
                     loss, grad_norm = self.train_step(batches)
                     self.step += 1
                     if self.tp_bytes_per_step is None:

@@ -56,9 +56,7 @@ def adapt_detector(model: nn.Module, cfg: Any) -> None:
     """Settings that change no parameter shape, so weights stay interchangeable with torchvision's model:
     `anchor_scale` multiplies every anchor size (small objects: 0.5 turns 32..512 into 16..256) and
     `roi_sampling_ratio` sets RoIAlign's samples per bin side."""
-    scale = float(getattr(cfg, "anchor_scale", 1.0) or 1.0)
-    if scale <= 0:
-        raise ValueError(f"model.anchor_scale={scale} must be > 0")
+    scale = float(getattr(cfg, "anchor_scale", 1.0))  # ranges are checked by config.validate
     owner = model.rpn if hasattr(model, "rpn") else model
     generator = owner.anchor_generator
     if scale != 1.0:
@@ -70,8 +68,6 @@ def adapt_detector(model: nn.Module, cfg: Any) -> None:
         if pool is None:
             raise ValueError(f"model.roi_sampling_ratio applies to R-CNN detectors; {type(model).__name__} has no RoI "
                              "pooling: leave it unset")
-        if int(ratio) < 1:
-            raise ValueError(f"model.roi_sampling_ratio={ratio} must be >= 1")
         pool.sampling_ratio = int(ratio)
 
 
