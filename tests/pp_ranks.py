@@ -1,5 +1,5 @@
-"""Rank-side code of the pipeline tests: a depth-8 tiny ViT cut into stages and trained for a few steps with each of
-torch's schedules, or in one process (the reference)."""
+"""Rank-side code of the pipeline tests: a depth-8 tiny ViT laid out by `parallelize` over a (pp, dp, tp) mesh and
+trained for a few steps with each of torch's schedules, or in one process (the reference)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from visiondist.models.vit import VisionTransformer
-from visiondist.parallel.pipeline import build_schedule, build_stages, stage_indices
+from visiondist.parallel import (
+    PipelineSpec,
+    average_over_data_parallel,
+    build_layout,
+    clip_grad_norm,
+    finish_gradients,
+    full_state_dict,
+    parallelize,
+)
 
 TINY = dict(img_size=32, patch_size=8, num_classes=6, embed_dim=32, depth=8, num_heads=4, mlp_ratio=4.0)
-BATCH, STEPS, MICROBATCHES = 8, 3, 4
+BATCH, STEPS, CHUNKS = 8, 3, 4  # global batch; optimizer steps; dp x micro-batches
+EVAL_AFTER = 2  # an evaluation pass between steps 2 and 3 must leave training untouched
+EVAL_IMAGES = 7  # fewer than a full batch of 8: padded inside the pipeline
 
 
 def make_model() -> VisionTransformer:
@@ -25,6 +35,10 @@ def make_batches():
             for _ in range(STEPS)]
 
 
+def eval_images() -> torch.Tensor:
+    return torch.randn(EVAL_IMAGES, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+
+
 def _optimizer(params):
     # SGD: a parameter difference is then the gradient difference times lr. (Adam divides by the gradient's own
     # scale, which turns a 1-ulp difference in a near-zero gradient into a visible one.)
@@ -32,50 +46,61 @@ def _optimizer(params):
 
 
 def train_reference() -> dict:
-    """One process with the pipeline's micro-batching: each micro-batch's mean loss backpropagated, the summed
-    gradients divided by their number (what torch's schedules do with scale_grads=True)."""
+    """One process with the same micro-batching: the global batch cut into CHUNKS contiguous pieces (dp ranks x
+    micro-batches), each piece's mean loss backpropagated, the summed gradients divided by CHUNKS."""
     model = make_model()
     opt = _optimizer(model.parameters())
-    losses = []
-    for images, labels in make_batches():
+    losses, norms, logits = [], [], None
+    for step, (images, labels) in enumerate(make_batches(), 1):
         opt.zero_grad()
         micro = []
-        for x, y in zip(images.chunk(MICROBATCHES), labels.chunk(MICROBATCHES)):
-            loss = F.cross_entropy(model(x), y)
+        for x, y in zip(images.chunk(CHUNKS), labels.chunk(CHUNKS)):
+            loss = F.cross_entropy(model(x), y) / CHUNKS
             loss.backward()
             micro.append(loss.detach())
-        for p in model.parameters():
-            p.grad.div_(MICROBATCHES)
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
         opt.step()
-        losses.append(torch.stack(micro).mean().item())
-    return {"losses": losses, "state": model.state_dict()}
+        losses.append(torch.stack(micro).sum().item())
+        if step == EVAL_AFTER:
+            with torch.no_grad():
+                logits = model.eval()(eval_images())
+            model.train()
+    return {"losses": losses, "norms": norms, "logits": logits, "state": model.state_dict()}
 
 
-def _train(schedule: str, stages_per_rank: int) -> dict:
-    pp, rank = dist.get_world_size(), dist.get_rank()
-    n = pp * stages_per_rank
-    ids = stage_indices(rank, pp, stages_per_rank)
-    stages = build_stages(make_model(), rank, pp, stages_per_rank)
-    pipe = build_schedule(schedule, stages, ids, n, MICROBATCHES, torch.device("cpu"), None, F.cross_entropy)
-    opt = _optimizer([p for s in stages for p in s.parameters()])
-    losses = []
-    for images, labels in make_batches():
+def _train(layout, schedule: str, stages_per_rank: int, microbatches: int, sequence_parallel: bool) -> dict:
+    assert layout.dp * microbatches == CHUNKS
+    spec = PipelineSpec(schedule, stages_per_rank, microbatches)
+    model = parallelize(make_model(), layout, sequence_parallel, spec)
+    opt = _optimizer(model.parameters())
+    local = BATCH // layout.dp
+    losses, norms, logits = [], [], None
+    for step, (images, labels) in enumerate(make_batches(), 1):
         opt.zero_grad()
-        out: list = []
-        if 0 in ids:
-            pipe.step(images, target=labels, losses=out)
-        else:
-            pipe.step(target=labels, losses=out)
+        mine = slice(layout.dp_rank * local, (layout.dp_rank + 1) * local)  # the DP rank's part of the batch
+        loss = model.train_step(images[mine] if layout.reads_images else None,
+                                labels[mine] if layout.reads_labels else None)
+        average_over_data_parallel(model.parameters(), layout)
+        finish_gradients(model.parameters(), layout)
+        norms.append(clip_grad_norm(model.parameters(), 0.0, layout).item())
         opt.step()
-        losses.append(torch.stack(out).mean().item() if out else None)  # micro-batch means: the last stage only
-    return {"stages": ids, "losses": losses,
-            "state": {k: v.detach().clone() for s in stages for k, v in s.state_dict().items()}}
+        losses.append((layout.all_reduce_dp(loss.clone()) / layout.dp).item())
+        if step == EVAL_AFTER:
+            model.eval()
+            out = model.predict(eval_images() if layout.reads_images else None, EVAL_IMAGES, BATCH)
+            logits = None if out is None else out.clone()
+            model.train()
+    return {"stages": model.stage_ids, "is_last": model.is_last, "losses": losses, "norms": norms,
+            "logits": logits, "state": full_state_dict(model, layout.tp_comm)}
 
 
-def run(schedules: list[tuple[str, int]]) -> dict:
+def run(dims: tuple[int, int, int], cases: list[tuple[str, int, int, bool]]) -> dict:
+    """dims: (pp, dp, tp); cases: (schedule, stages_per_rank, microbatches, sequence_parallel)."""
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:
-        return {name: _train(name, spr) for name, spr in schedules}
+        pp, dp, tp = dims
+        layout = build_layout(dp, tp, pp, torch.device("cpu"), 0)
+        return {case: _train(layout, *case) for case in cases}
     finally:
         dist.destroy_process_group()

@@ -47,6 +47,23 @@ def test_parallel_presets(name, tp, dp):
     assert (cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.sequence_parallel) == (tp, dp, 1, False)
 
 
+@pytest.mark.parametrize("name,dp,tp,pp,micro", [("pp2", -1, 1, 2, 4), ("pp4", -1, 1, 4, 8), ("tp2_pp2", -1, 2, 2, 4),
+                                                  ("dp2_pp2", 2, 1, 2, 4)])
+def test_pipeline_presets(name, dp, tp, pp, micro):
+    cfg = load_config(CONFIGS, ["model=vit_base", f"parallel={name}"])
+    p = cfg.parallel
+    assert (p.dp, p.tp, p.pp, p.schedule, p.microbatches) == (dp, tp, pp, "1f1b", micro)
+    plan = plan_world(cfg, {}, 0)
+    assert plan.world_size == max(dp, 1) * tp * pp
+
+
+def test_pipeline_batch_must_split_into_microbatches():
+    with pytest.raises(ConfigError, match=r"dp x trainer.grad_accum x parallel.microbatches = 2 x 1 x 4: .* "
+                                          r"use e.g. data.batch_size=24"):
+        _plan(["parallel=dp2_pp2", "data.batch_size=20"])
+    assert _plan(["parallel=dp2_pp2", "data.batch_size=24"]).world_size == 4
+
+
 @pytest.mark.parametrize(
     "overrides,expected",
     [
@@ -57,7 +74,17 @@ def test_parallel_presets(name, tp, dp):
         (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
         (["trainer.precision=fp16"], "trainer.precision='fp16' is not supported"),
         (["model.img_size=70"], "not a multiple of model.patch_size=16"),
-        (["parallel.pp=20"], "parallel.pp=20 exceeds model.depth=12"),
+        (["parallel.pp=20"], "parallel.pp=20 pipeline stages exceed model.depth=12"),
+        (["parallel=pp4", "parallel.schedule=zero_bubble", "parallel.stages_per_rank=4"],
+         "parallel.pp=4 x parallel.stages_per_rank=4 = 16 pipeline stages exceed model.depth=12"),
+        (["parallel=pp4", "parallel.microbatches=2"], "parallel.microbatches=2 < parallel.pp=4"),
+        (["parallel=pp4", "parallel.schedule=interleaved_1f1b", "parallel.microbatches=9"],
+         "parallel.microbatches=9 must be a multiple of 2"),
+        (["parallel=pp2", "parallel.schedule=gpipe", "parallel.stages_per_rank=2"],
+         "parallel.schedule=gpipe runs one stage per rank"),
+        (["parallel=pp2", "parallel.schedule=pipedream"], "parallel.schedule='pipedream' is not supported"),
+        (["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "parallel=pp2"],
+         "pipeline parallelism cuts ViT classifiers into stages"),
         (["model=vit_small", "model.embed_dim=390", "model.mlp_ratio=2.5", "parallel.tp=2"],
          "parallel.tp=2 does not divide the MLP hidden size 975"),
         (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tp > 1"),

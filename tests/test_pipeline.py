@@ -40,16 +40,42 @@ def reference():
     return pp_ranks.train_reference()
 
 
+def _check(results: dict, ranks: int, case: tuple, reference: dict) -> None:
+    name = f"{case}"
+    per_rank = [results[r][case] for r in range(ranks)]
+    for r in per_rank:  # every rank reports the global loss and the global gradient norm
+        assert r["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
+        assert r["norms"] == pytest.approx(reference["norms"], rel=1e-5), name
+    last = [r for r in per_rank if r["is_last"]]
+    assert last and all(r["logits"] is not None for r in last)
+    assert all(r["logits"] is None for r in per_rank if not r["is_last"])
+    for r in last:
+        torch.testing.assert_close(r["logits"], reference["logits"], rtol=1e-5, atol=1e-6)
+    state = {k: v for r in per_rank for k, v in r["state"].items()}
+    assert state.keys() == reference["state"].keys(), name
+    for key, value in reference["state"].items():
+        if not _skip(key):
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
+
+
 @pytest.mark.parametrize("pp", [2, 4])
 def test_every_schedule_matches_one_process(pp, reference):
-    results = spawn_local(pp_ranks.run, pp, SCHEDULES)
-    for name, spr in SCHEDULES:
-        per_rank = [results[r][name] for r in range(pp)]
-        last = [r for r in per_rank if (pp * spr - 1) in r["stages"]]
-        assert len(last) == 1
-        assert last[0]["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
-        state = {k: v for r in per_rank for k, v in r["state"].items()}
-        assert state.keys() == reference["state"].keys(), name
-        for key, value in reference["state"].items():
-            if not _skip(key):
-                torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
+    """GPipe and 1F1B with one stage per rank, interleaved 1F1B and zero-bubble with two: three steps with an
+    evaluation pass in between equal one process with the same micro-batching."""
+    cases = [(name, spr, pp_ranks.CHUNKS, False) for name, spr in SCHEDULES]
+    results = spawn_local(pp_ranks.run, pp, (pp, 1, 1), cases)
+    for case in cases:
+        _check(results, pp, case, reference)
+        assert sorted(s for r in range(pp) for s in results[r][case]["stages"]) == list(range(pp * case[1]))
+
+
+def test_pipeline_composes_with_tensor_and_data_parallel(reference):
+    """tp2 x pp2 (with and without sequence parallelism, 1F1B and zero-bubble) and dp2 x pp2 on 4 ranks."""
+    tp_cases = [("1f1b", 1, 4, False), ("zero_bubble", 2, 4, False), ("1f1b", 1, 4, True)]
+    results = spawn_local(pp_ranks.run, 4, (2, 1, 2), tp_cases)
+    for case in tp_cases:
+        _check(results, 4, case, reference)
+    dp_cases = [("gpipe", 1, 2, False), ("interleaved_1f1b", 2, 2, False)]
+    results = spawn_local(pp_ranks.run, 4, (2, 2, 1), dp_cases)
+    for case in dp_cases:
+        _check(results, 4, case, reference)

@@ -95,6 +95,9 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     sequence_parallel: bool = False  # Megatron-SP: norms and residuals sharded along tokens (needs tp > 1)
+    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    stages_per_rank: int = -1  # virtual pipeline stages per rank; -1: 2 for interleaved_1f1b / zero_bubble, else 1
+    microbatches: int = -1  # micro-batches per pipeline step (per DP rank); -1: 2 x pp
 
 
 @dataclass
@@ -290,12 +293,15 @@ def validate(cfg: DictConfig) -> None:
         )
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards tokens across the TP group)")
-    if p.pp > m.depth:
-        raise ConfigError(f"parallel.pp={p.pp} exceeds model.depth={m.depth}: each stage needs at least one block")
-    if p.pp > 1:
-        raise ConfigError(
-            f"parallel.pp={p.pp}: pipeline parallelism is not available in this release; use parallel.pp=1"
-        )
+    if p.pp > 1 and m.family != "vit":
+        raise ConfigError(f"parallel.pp={p.pp}: pipeline parallelism cuts ViT classifiers into stages of blocks; "
+                          f"{m.name} is a detector: use parallel.pp=1")
+    from visiondist.parallel.pipeline import check_pipeline
+
+    try:
+        check_pipeline(p.pp, p.schedule, p.stages_per_rank, p.microbatches, m.depth)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} ({m.name})") from None
 
 
 @dataclass(frozen=True)
@@ -375,7 +381,18 @@ def plan_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
         )
 
     d, ga = cfg.data, t.grad_accum
-    if d.batch_size % (dp * ga):
+    if p.pp > 1:
+        from visiondist.parallel.pipeline import microbatches_for
+
+        m = microbatches_for(p.pp, p.microbatches)
+        step = dp * ga * m
+        if d.batch_size % step:
+            raise ConfigError(
+                f"data.batch_size={d.batch_size} (global) is not divisible by dp x trainer.grad_accum x "
+                f"parallel.microbatches = {dp} x {ga} x {m}: each pipeline step splits a DP rank's batch into "
+                f"{m} equal micro-batches; use e.g. data.batch_size={max(1, math.ceil(d.batch_size / step)) * step}"
+            )
+    elif d.batch_size % (dp * ga):
         step = dp * ga
         raise ConfigError(
             f"data.batch_size={d.batch_size} (global) is not divisible by dp x trainer.grad_accum = {dp} x {ga}: "

@@ -47,6 +47,25 @@ def _val_loader(cfg, val_set, dp_rank: int, dp_size: int, options: dict) -> Data
     return DataLoader(val_set, batch_sampler=EvalBatchSampler(len(val_set), eval_batch, dp_rank, dp_size), **options)
 
 
+class LabelBatches:
+    """The batches of a batch sampler as `(None, labels)`, without reading an image: what the last pipeline stage
+    consumes (the first reads the images). With `labels=None`, `(None, None)`: a middle stage only steps along."""
+
+    def __init__(self, batch_sampler, labels: np.ndarray | None):
+        self.batch_sampler, self.labels = batch_sampler, labels
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self):
+        for keys in self.batch_sampler:
+            if self.labels is None:
+                yield None, None
+                continue
+            index = [k[0] if isinstance(k, tuple) else k for k in keys]
+            yield None, torch.from_numpy(self.labels[index])
+
+
 def _check_num_classes(cfg, found: int, source: Path, what: str) -> None:
     if found != cfg.num_classes:
         raise ValueError(f"data.num_classes={cfg.num_classes} but {source} has {found} {what}: "
@@ -64,10 +83,11 @@ class ClassificationData:
 
 
 def build_classification_data(
-    cfg, img_size: int, dp_rank: int, dp_size: int, grad_accum: int, seed: int, pin_memory: bool
+    cfg, img_size: int, dp_rank: int, dp_size: int, grad_accum: int, seed: int, pin_memory: bool,
+    reads_images: bool = True, reads_labels: bool = True,
 ):
     """Train and val loaders for this DP rank, at the model's input size. `cfg` is the data config; batch sizes in it
-    are global."""
+    are global. A rank that does not read images (a later pipeline stage) gets `LabelBatches` of the same samples."""
     root = Path(cfg.root).expanduser()
     train_tf = SeededTransform(classification_transforms(cfg, train=True, size=img_size), seed)
     val_tf = SeededTransform(classification_transforms(cfg, train=False, size=img_size), seed)
@@ -88,6 +108,9 @@ def build_classification_data(
     options = _loader_options(cfg, pin_memory)
     train_loader = DataLoader(train_set, batch_sampler=sampler, **options)
     val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, options)
+    if not reads_images:
+        train_loader = LabelBatches(sampler, train_set.targets if reads_labels else None)
+        val_loader = LabelBatches(val_loader.batch_sampler, val_set.targets if reads_labels else None)
     return ClassificationData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set))
 
 

@@ -46,6 +46,7 @@ class ImageFolder(Dataset):
     def __init__(self, split_dir: str | os.PathLike, transform: Optional[Callable] = None):
         self.root = Path(split_dir)
         self.classes, self.samples = scan_image_folder(self.root)
+        self.targets = np.array([label for _, label in self.samples], dtype=np.int64)
         self.transform = transform
 
     def __len__(self) -> int:

@@ -301,11 +301,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def load_model_state(path: Path, model: nn.Module, layout=None) -> None:
+def load_model_state(path: Path, model: nn.Module, layout=None, no_dist: bool = False) -> None:
     """Load a checkpoint's model tensors into `model` (whatever layout either was saved or is in). Without a
-    process group (export, eval) it reads everything in this process."""
+    process group (export, eval), or with `no_dist`, this process reads everything on its own."""
     state = {"model": model_state(model, layout)}
-    _dcp_load(state, path)
+    _dcp_load(state, path, no_dist)
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout) -> dict[str, Any]:
@@ -327,14 +327,14 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     return saved
 
 
-def _dcp_load(state: dict, path: Path) -> None:
+def _dcp_load(state: dict, path: Path, no_dist: bool = False) -> None:
     # read first: a tampered metadata pickle is refused here with its own message, and the key list names what a
     # failed load lacked
     stored = set(read_metadata(path).state_dict_metadata)
     try:
         with warnings.catch_warnings():  # one process without a process group is the intended use here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=not dist.is_initialized())
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=no_dist or not dist.is_initialized())
     except Exception as exc:  # DCP wraps per-rank failures; say which checkpoint and what to check
         missing = [f"{group}.{key}" for group, tensors in state.items() for key in tensors
                    if f"{group}.{key}" not in stored]

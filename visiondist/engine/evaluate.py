@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from visiondist.parallel import Layout
+from visiondist.parallel import Layout, PipelinedViT
 
 
 def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]) -> list[torch.Tensor]:
@@ -27,21 +27,33 @@ def evaluate_classification(
     layout: Layout,
     autocast: AbstractContextManager | None = None,
 ) -> dict[str, float]:
-    """val_loss, val_top1, val_top5 (percent) and val_count over the whole val set, identical on every rank."""
+    """val_loss, val_top1, val_top5 (percent) and val_count over the whole val set, identical on every rank.
+
+    A pipelined model runs each batch through the pipeline (`PipelinedViT.predict`); the last stage scores it and its
+    sums reach the other stages in the final reduction."""
     was_training = model.training
     model.eval()
+    pipelined = isinstance(model, PipelinedViT)
     sums = torch.zeros(4, dtype=torch.float64, device=layout.device)  # loss, top1, top5, count
     for images, labels in loader:
-        images = images.to(layout.device, non_blocking=True)
+        if pipelined:
+            logits = model.predict(images, None if labels is None else len(labels), loader.batch_sampler.batch_size,
+                                   autocast)
+            if logits is None:
+                continue
+        else:
+            images = images.to(layout.device, non_blocking=True)
+            with autocast or nullcontext():
+                logits = model(images)
         labels = labels.to(layout.device, non_blocking=True)
-        with autocast or nullcontext():
-            logits = model(images)
         logits = logits.float()
         top1, top5 = topk_correct(logits, labels, (1, 5))
         loss = F.cross_entropy(logits, labels, reduction="sum")
         count = torch.tensor(float(len(labels)), dtype=torch.float64, device=sums.device)
         sums += torch.stack([loss.double(), top1.double(), top5.double(), count])
     layout.all_reduce_dp(sums)
+    if pipelined:
+        sums = model.from_last_stage(sums)
     model.train(was_training)
     loss, top1, top5, count = sums.tolist()
     count_safe = max(count, 1.0)

@@ -26,7 +26,7 @@ class ClassificationTask:
         t = cfg.trainer
         self.data = build_classification_data(
             cfg.data, cfg.model.img_size, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
-            pin_memory=layout.device.type == "cuda",
+            pin_memory=layout.device.type == "cuda", reads_images=layout.reads_images, reads_labels=layout.reads_labels,
         )
 
     def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager) -> torch.Tensor:

@@ -32,7 +32,16 @@ from visiondist.engine.logging import MetricsLogger, plot_curves, setup_logging,
 from visiondist.engine.optim import build_optimizer, build_scheduler
 from visiondist.engine.tasks import build_task
 from visiondist.models import build_model
-from visiondist.parallel import Layout, clip_grad_norm, finish_gradients, full_state_dict, parallelize, unwrap
+from visiondist.parallel import (
+    Layout,
+    PipelinedViT,
+    PipelineSpec,
+    average_over_data_parallel,
+    clip_grad_norm,
+    finish_gradients,
+    parallelize,
+    unwrap,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +106,9 @@ class Trainer:
         if cfg.model.sync_bn and layout.dp > 1:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=layout.dp_group)
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.model = parallelize(model, layout, cfg.parallel.sequence_parallel)
+        self.model = parallelize(model, layout, cfg.parallel.sequence_parallel, PipelineSpec.from_config(cfg.parallel))
+        self.pipeline = self.model if isinstance(self.model, PipelinedViT) else None
+        self.bubble: float | None = None  # measured on one step of a pipelined run
         self.rank_params = sum(p.numel() for p in self.model.parameters())
         self.optimizer = build_optimizer(cfg.optim, unwrap(self.model))  # over this rank's shards
 
@@ -115,6 +126,8 @@ class Trainer:
         self.last_eval: dict[str, Any] = {}
         self.tp_bytes_per_step: float | None = None  # ring bytes one rank sends in TP collectives per step
         self.resumed_from = self._resume()
+        self.last_checkpoint = self.resumed_from
+        self.resumed_from_step = self.step
         same_run = self.resumed_from is not None and self.resumed_from.parent.parent == run_dir
         self.metrics = MetricsLogger(run_dir, layout.is_main, t.tensorboard, self.task.columns,
                                      continue_from=self.step if same_run else None)
@@ -155,6 +168,7 @@ class Trainer:
         }
         path = save_checkpoint(self.run_dir, self.step, unwrap(self.model), self.optimizer, state, self.layout,
                                self.cfg.trainer.keep_last)
+        self.last_checkpoint = path
         log.info("checkpoint: %s", path)
         return path
 
@@ -164,10 +178,23 @@ class Trainer:
 
     # -- one optimizer step --------------------------------------------------------------------------------------
     def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward/backward over grad_accum micro-batches, then clip and step. Returns (local mean loss, grad norm)."""
-        accum = self.cfg.trainer.grad_accum
+        """Forward/backward over grad_accum micro-batches (or pipeline steps), then clip and step. Returns (mean loss
+        of this DP rank's samples, global grad norm)."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.pipeline is None:
+            total = self._accumulate(batches)
+        else:
+            total = self._accumulate_pipelined(batches)
+        finish_gradients(self.model.parameters(), self.layout)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.trainer.clip_grad, self.layout)
+        self.optimizer.step()
+        self.scheduler.step()
+        return total, grad_norm
+
+    def _accumulate(self, batches: Iterator) -> torch.Tensor:
+        """Gradients of grad_accum micro-batches; DDP all-reduces during the last backward only."""
+        accum = self.cfg.trainer.grad_accum
         total = torch.zeros((), device=self.layout.device)
         for i in range(accum):
             batch = next(batches)
@@ -177,11 +204,17 @@ class Trainer:
                 loss = self.task.loss(self.model, batch, self.layout.device, self.autocast) / accum
                 loss.backward()
             total += loss.detach()
-        finish_gradients(self.model.parameters(), self.layout)
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.trainer.clip_grad, self.layout)
-        self.optimizer.step()
-        self.scheduler.step()
-        return total, grad_norm
+        return total
+
+    def _accumulate_pipelined(self, batches: Iterator) -> torch.Tensor:
+        """grad_accum pipeline steps (each `parallel.microbatches` micro-batches), then the DP average."""
+        accum = self.cfg.trainer.grad_accum
+        total = torch.zeros((), device=self.layout.device)
+        for _ in range(accum):
+            images, labels = next(batches)
+            total += self.pipeline.train_step(images, labels, 1.0 / accum, self.autocast)
+        average_over_data_parallel(self.model.parameters(), self.layout)
+        return total
 
     def evaluate(self) -> dict[str, Any]:
         metrics = self.task.evaluate(unwrap(self.model), self.layout, self.autocast, self.run_dir)
@@ -199,6 +232,8 @@ class Trainer:
             self.cfg.model.name, self.num_params / 1e6, self.rank_params / 1e6, self.layout_text, self.cfg.data.batch_size,
             sampler.micro_batch, t.grad_accum, self.total_steps,
         )
+        if self.pipeline is not None:
+            log.info("%s", self.pipeline.describe())
         if self.layout.tp_comm is not None:
             self.layout.tp_comm.reset()
         progress = _progress(t.progress and self.layout.is_main, self.total_steps)
@@ -212,7 +247,14 @@ class Trainer:
                 sampler.set_epoch(self.epoch, start)
                 batches = iter(self.data.train_loader)
                 for _ in range(min(sampler.steps_per_epoch - start, end - self.step)):
-                    loss, grad_norm = self.train_step(batches)
+                    if self.pipeline is not None and self.step + 1 == self._timeline_step():
+                        with self.pipeline.timeline():
+                            loss, grad_norm = self.train_step(batches)
+                        window.pause()
+                        self._save_timeline()
+                        window.resume()
+                    else:
+                        loss, grad_norm = self.train_step(batches)
                     self.step += 1
                     if self.tp_bytes_per_step is None:
                         self._note_tp_traffic()  # after this process's first step
@@ -248,6 +290,37 @@ class Trainer:
             self.save_checkpoint()
         return self._finish(final_loss, window.total_seconds)
 
+    def _timeline_step(self) -> int:
+        """The step whose pipeline timeline is recorded: the second of this process (the first also sets up the
+        schedule's buffers), or the only one."""
+        start = self.resumed_from_step
+        return start + (2 if self.total_steps - start >= 2 else 1)
+
+    def _save_timeline(self) -> None:
+        """Gather the pipeline group's timeline to rank 0: pipeline_timeline.json / .png and the bubble fraction."""
+        import torch.distributed as dist
+
+        from visiondist.parallel.timeline import bubble_fraction, plot_timeline, to_json
+
+        lay = self.layout
+        if lay.dp_rank or lay.tp_rank:  # one pipeline group (rank 0's) draws the picture
+            return
+        events = [None] * lay.pp if lay.is_main else None
+        dist.gather_object(self.pipeline.recorder.events, events, dst=0, group=lay.pp_group)
+        if not lay.is_main:
+            return
+        events = [e for rank_events in events for e in rank_events]
+        stats = bubble_fraction(events, lay.pp)
+        self.bubble = stats["bubble"]
+        p = self.pipeline
+        title = f"{self.cfg.model.name} {p.schedule_name}: pp={lay.pp}, {p.n_stages} stages, {p.microbatches} micro-batches"
+        (self.run_dir / "pipeline_timeline.json").write_text(
+            json.dumps({"title": title, "step": self.step + 1, **stats, "events": to_json(events)}, indent=1))
+        png = plot_timeline(events, self.run_dir / "pipeline_timeline.png", title)
+        log.info("pipeline step %d: bubble %.1f%% of %.0f ms (per rank: %s); timeline %s", self.step + 1,
+                 100 * stats["bubble"], 1e3 * stats["span_s"],
+                 ", ".join(f"{100 * b:.0f}%" for b in stats["bubble_per_rank"]), png)
+
     def _note_tp_traffic(self) -> None:
         """Bytes the first step moved through TP collectives (every step moves the same)."""
         comm = self.layout.tp_comm
@@ -270,15 +343,19 @@ class Trainer:
         return mean_loss
 
     def _save_weights(self) -> Path:
-        """The trained model as one canonical safetensors file (gathered over TP; every rank takes part), written
-        by rank 0 to a temporary name and renamed, so a `model.safetensors` is always whole."""
+        """The trained model as one canonical safetensors file, consolidated by rank 0 from the final checkpoint
+        (whatever the layout: TP shards and pipeline stages are read back into one full model on the CPU), written to
+        a temporary name and renamed, so a `model.safetensors` is always whole."""
         from safetensors.torch import save_file
 
-        state = full_state_dict(unwrap(self.model), self.layout.tp_comm)
         path = self.run_dir / "model.safetensors"
         if self.layout.is_main:
+            model_cfg = self.cfg.model.copy()
+            model_cfg.weights = None
+            model = build_model(model_cfg)
+            load_model_state(self.last_checkpoint, model, no_dist=True)
             tmp = path.with_suffix(".tmp")
-            save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp))
+            save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp))
             tmp.replace(path)
         return path
 
@@ -296,6 +373,9 @@ class Trainer:
             "throughput (img/s)": float(f"{self.step * self.cfg.data.batch_size / max(train_time, 1e-9):.3g}"),
             "final train loss": final_loss,
             **({"TP traffic per step (MB)": round(self.tp_bytes_per_step / 1e6, 2)} if self.tp_bytes_per_step else {}),
+            **({"pipeline": f"{self.pipeline.schedule_name}, {self.pipeline.microbatches} micro-batches"}
+               if self.pipeline is not None else {}),
+            **({"pipeline bubble (%)": round(100 * self.bubble, 1)} if self.bubble is not None else {}),
             **self.task.summary(self.last_eval),
             "weights": str(weights),
             "run dir": str(self.run_dir),
@@ -343,7 +423,8 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     checkpoint = Path(cfg.model.weights) if cfg.model.weights and Path(cfg.model.weights).is_dir() else None
     if checkpoint is not None:  # a DCP checkpoint directory: read into whatever layout this run has
         cfg.model.weights = None
-    model = parallelize(build_model(cfg.model).to(layout.device), layout, cfg.parallel.sequence_parallel)
+    model = parallelize(build_model(cfg.model).to(layout.device), layout, cfg.parallel.sequence_parallel,
+                        PipelineSpec.from_config(cfg.parallel))
     if checkpoint is not None:
         load_model_state(checkpoint, unwrap(model), layout)
         cfg.model.weights = str(checkpoint)

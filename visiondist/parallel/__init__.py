@@ -1,20 +1,26 @@
 """Turn a finished single-device model into one laid out over the device mesh.
 
-`parallelize` applies, in order: tensor-parallel plan -> (pipeline stages) -> data parallel. Models never import this
+`parallelize` applies, in order: tensor-parallel plan -> pipeline stages -> data parallel. Models never import this
 package.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
 from visiondist.parallel.data import unwrap, wrap_data_parallel
-from visiondist.parallel.grad import clip_grad_norm, finish_gradients
+from visiondist.parallel.grad import average_over_data_parallel, clip_grad_norm, finish_gradients
 from visiondist.parallel.mesh import Layout, build_layout
+from visiondist.parallel.pipeline import PipelinedViT, PipelineSpec
 from visiondist.parallel.tensor import apply_tensor_parallel, full_state_dict
 
 __all__ = [
     "Layout",
+    "PipelineSpec",
+    "PipelinedViT",
+    "average_over_data_parallel",
     "build_layout",
     "clip_grad_norm",
     "finish_gradients",
@@ -24,10 +30,19 @@ __all__ = [
 ]
 
 
-def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = False) -> nn.Module:
-    """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out over the mesh."""
-    if layout.pp > 1:
-        raise NotImplementedError("pipeline parallelism is not available in this release")
+def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = False,
+                pipeline: Optional[PipelineSpec] = None) -> nn.Module:
+    """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out over the mesh.
+
+    With `layout.pp > 1` the result is this rank's `PipelinedViT` (its stages, TP-sharded inside when tp > 1); its
+    gradients are averaged over data parallel by `average_over_data_parallel` after the schedule's backward, as
+    Megatron does, instead of by a DDP wrapper. Otherwise it is the model, under DDP when dp > 1.
+    """
     if layout.tp > 1:
         model = apply_tensor_parallel(model, layout.tp_comm, sequence_parallel)
+    if layout.pp > 1:
+        if not hasattr(model, "blocks") or not hasattr(model, "patch_embed") or not hasattr(model, "head"):
+            raise ValueError(f"pipeline parallelism cuts a ViT classifier into stages of blocks; "
+                             f"{type(model).__name__} is not one: use parallel.pp=1")
+        return PipelinedViT(model, layout, pipeline or PipelineSpec(), sequence_parallel=sequence_parallel)
     return wrap_data_parallel(model, layout)

@@ -1,9 +1,10 @@
-"""Gradients across the layout: finishing partial sums and one global norm for clipping.
+"""Gradients across the layout: finishing partial sums, averaging over data parallel, one global norm for clipping.
 
-After DDP's all-reduce the gradients are identical on every data-parallel replica, so only the model-parallel dims
-matter here. A TP shard's gradient is a piece of the full gradient: its squares are summed over the TP group. A
-replicated parameter's gradient is the same on every TP rank: it is counted once. Calling `clip_grad_norm_` per rank
-instead gives each rank a different (wrong) norm and clips the shards inconsistently.
+After the data-parallel average the gradients are identical on every replica, so only the model-parallel dims
+matter for the norm. A TP shard's gradient is a piece of the full gradient: its squares are summed over the TP group.
+A replicated parameter's gradient is the same on every TP rank: it is counted once. Pipeline stages hold disjoint
+parameters: their squares are summed over the PP group. Calling `clip_grad_norm_` per rank instead gives each rank
+a different (wrong) norm and clips the shards and stages inconsistently.
 """
 
 from __future__ import annotations
@@ -31,12 +32,27 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], layout: Layout) -> No
         offset += g.numel()
 
 
+def average_over_data_parallel(params: Iterable[torch.nn.Parameter], layout: Layout) -> None:
+    """Mean of the gradients over the DP replicas, in one flat all-reduce (what DDP does, for models DDP does not
+    wrap: pipeline stages, whose backward runs inside torch's schedules)."""
+    if layout.dp == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=layout.dp_group)
+    flat.div_(layout.dp)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, layout: Layout) -> torch.Tensor:
     """Global L2 norm of the gradients over every shard, clipped to `max_norm` when it is > 0; returns the norm
     before clipping (the same on every rank)."""
     params = [p for p in params if p.grad is not None]
-    if not params:
-        return torch.zeros((), device=layout.device)
     sharded = [p.grad for p in params if getattr(p, SHARD_DIM, None) is not None]
     replicated = [p.grad for p in params if getattr(p, SHARD_DIM, None) is None]
 
@@ -48,7 +64,10 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, layout
     sharded_sq = squared(sharded)
     if layout.tp > 1:
         dist.all_reduce(sharded_sq, group=layout.tp_comm.group)
-    total = (sharded_sq + squared(replicated)).sqrt()
-    if max_norm > 0:
+    total_sq = sharded_sq + squared(replicated)
+    if layout.pp > 1:
+        dist.all_reduce(total_sq, group=layout.pp_group)
+    total = total_sq.sqrt()
+    if max_norm > 0 and params:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total

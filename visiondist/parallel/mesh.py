@@ -43,6 +43,20 @@ class Layout:
     def dp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("dp")
 
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("pp")
+
+    @property
+    def reads_images(self) -> bool:
+        """Only the first pipeline stage (rank 0 of the PP group) reads images."""
+        return self.pp_rank == 0
+
+    @property
+    def reads_labels(self) -> bool:
+        """Only the last pipeline stage reads labels (with looped placement it is on the last PP rank)."""
+        return self.pp_rank == self.pp - 1
+
     def all_reduce_dp(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Reduce in place over data-parallel replicas (the ranks that saw different samples)."""
         if self.dp > 1:

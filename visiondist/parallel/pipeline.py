@@ -12,10 +12,16 @@ torch; this module only cuts, places and validates.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+
+from visiondist.parallel.timeline import Recorder
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")  # several (virtual) stages per rank
@@ -70,6 +76,76 @@ def block_ranges(model: nn.Module, n_stages: int) -> list[tuple[int, int]]:
     return balance(blocks, n_stages)
 
 
+# -- validation (pure: config.validate calls it before any rank starts) -----------------------------------------------
+
+
+def stages_per_rank_for(schedule: str, stages_per_rank: int) -> int:
+    """`parallel.stages_per_rank=-1` (auto): 2 virtual stages per rank for the interleaved and zero-bubble schedules,
+    1 otherwise."""
+    if stages_per_rank > 0:
+        return stages_per_rank
+    return 2 if schedule in MULTI_STAGE else 1
+
+
+def microbatches_for(pp: int, microbatches: int) -> int:
+    """`parallel.microbatches=-1` (auto): 2 per pipeline rank, a bubble of about a third with GPipe / 1F1B."""
+    return microbatches if microbatches > 0 else 2 * pp
+
+
+def check_pipeline(pp: int, schedule: str, stages_per_rank: int, microbatches: int, depth: int) -> None:
+    """Raise ValueError, naming the fix, for a pipeline torch's schedules would reject (or fail on mid-step)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.schedule={schedule!r} is not supported: use one of {', '.join(SCHEDULES)}")
+    if pp == 1:
+        return
+    spr = stages_per_rank_for(schedule, stages_per_rank)
+    m = microbatches_for(pp, microbatches)
+    if schedule not in MULTI_STAGE and spr != 1:
+        raise ValueError(f"parallel.schedule={schedule} runs one stage per rank but parallel.stages_per_rank={spr}: "
+                         "set parallel.stages_per_rank=1, or use parallel.schedule=interleaved_1f1b or zero_bubble "
+                         "for several virtual stages per rank")
+    if pp * spr > depth:
+        stages = f"parallel.pp={pp}" if spr == 1 else f"parallel.pp={pp} x parallel.stages_per_rank={spr} = {pp * spr}"
+        raise ValueError(f"{stages} pipeline stages exceed model.depth={depth}: each stage needs at least one block; "
+                         f"lower parallel.pp{'' if spr == 1 else ' or parallel.stages_per_rank'}")
+    if m < pp:
+        raise ValueError(f"parallel.microbatches={m} < parallel.pp={pp}: every pipeline rank needs a micro-batch in "
+                         f"flight; use parallel.microbatches >= {pp} (e.g. {2 * pp}: a bubble of "
+                         f"{(pp - 1) / (3 * pp - 1):.0%})")
+    if schedule in MULTI_STAGE:
+        rounds = max(1, m // pp)
+        if m % rounds:
+            good = [k * pp for k in range(1, 5)]
+            raise ValueError(f"parallel.schedule={schedule} runs micro-batches in rounds of parallel.pp={pp}: "
+                             f"parallel.microbatches={m} must be a multiple of {rounds} (m // pp); "
+                             f"use e.g. {', '.join(map(str, good))}")
+
+
+# -- stages ------------------------------------------------------------------------------------------------------------
+
+
+class StageBlocks(nn.ModuleDict):
+    """A stage's blocks under their global indices (`blocks.<i>.` names), run in order."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.values():
+            x = block(x)
+        return x
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: a stage's input gradient is sent to the previous stage
+    as is, and P2P sends need contiguous tensors (under sequence parallelism it is a slice of a padded gather)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class ViTStage(nn.Module):
     """Blocks [first, last) of a VisionTransformer, with the embedding when first and the head when last."""
 
@@ -78,7 +154,7 @@ class ViTStage(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         if is_first:
             self.patch_embed, self.cls_token, self.pos_embed = model.patch_embed, model.cls_token, model.pos_embed
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(first, last)})
+        self.blocks = StageBlocks({str(i): model.blocks[i] for i in range(first, last)})
         if is_last:
             self.norm, self.head_drop, self.head = model.norm, model.head_drop, model.head
 
@@ -86,11 +162,12 @@ class ViTStage(nn.Module):
         if self.is_first:
             x = self.patch_embed(x)
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
-        for block in self.blocks.values():
-            x = block(x)
+        elif x.requires_grad:
+            x = _ContiguousGrad.apply(x)
+        x = self.blocks(x)
         if self.is_last:
-            x = self.head(self.head_drop(self.norm(x)[:, 0]))
-        return x
+            return self.head(self.head_drop(self.norm(x)[:, 0]))
+        return x.contiguous()  # sent to the next stage as is
 
 
 def stage_indices(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
@@ -104,24 +181,190 @@ def build_stages(model: nn.Module, pp_rank: int, pp: int, stages_per_rank: int) 
     return [ViTStage(model, *ranges[s], s == 0, s == n - 1) for s in stage_indices(pp_rank, pp, stages_per_rank)]
 
 
-def build_schedule(name: str, stages: list[ViTStage], stage_ids: list[int], n_stages: int, microbatches: int,
-                   device: torch.device, group, loss_fn: Callable):
-    """torch's schedule `name` over this rank's stages."""
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-        ScheduleInterleavedZeroBubble,
-    )
+# -- schedules ---------------------------------------------------------------------------------------------------------
 
-    classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
-               "zero_bubble": ScheduleInterleavedZeroBubble}
-    if name not in classes:
-        raise ValueError(f"parallel.schedule={name!r}: choose one of {', '.join(classes)}")
-    pipe_stages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(stages, stage_ids)]
+_SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                     "zero_bubble": "ScheduleInterleavedZeroBubble"}
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining import schedules
+
+    if name not in _SCHEDULE_CLASSES:
+        raise ValueError(f"parallel.schedule={name!r} is not supported: use one of {', '.join(SCHEDULES)}")
+    cls = getattr(schedules, _SCHEDULE_CLASSES[name], None)
+    if cls is None:
+        raise RuntimeError(f"parallel.schedule={name} needs torch.distributed.pipelining.{_SCHEDULE_CLASSES[name]}, "
+                           f"which PyTorch {torch.__version__} lacks: use parallel.schedule=1f1b (or upgrade PyTorch)")
+    return cls
+
+
+def _timed_stage_class():
+    """`PipelineStage` that reports each forward / backward of a micro-batch to a `Recorder`."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class TimedStage(PipelineStage):
+        recorder: Optional[Recorder] = None
+
+        def _action(self, phase: str, microbatch: int):
+            return self.recorder.action(self.stage_index, phase, microbatch) if self.recorder else nullcontext()
+
+        def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+            with self._action("F", fwd_chunk_id):
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            with self._action("B" if full_backward else "I", bwd_chunk_id):
+                return super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                                  last_backward=last_backward)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            with self._action("W", bwd_chunk_id):
+                return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+
+    return TimedStage
+
+
+def build_schedule(name: str, stages: Sequence[nn.Module], stage_ids: Sequence[int], n_stages: int,
+                   microbatches: int, device: torch.device, group, loss_fn: Optional[Callable],
+                   recorder: Optional[Recorder] = None, scale_grads: bool = True):
+    """torch's schedule `name` over this rank's stages; with a `recorder`, every action is timed."""
+    cls = _schedule_class(name)
+    stage_cls = _timed_stage_class()
+    pipe_stages = []
+    for module, index in zip(stages, stage_ids):
+        stage = stage_cls(module, index, n_stages, device, group=group)
+        stage.recorder = recorder
+        pipe_stages.append(stage)
     if name in MULTI_STAGE:
-        return classes[name](pipe_stages, n_microbatches=microbatches, loss_fn=loss_fn)
+        return cls(pipe_stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
     if len(pipe_stages) != 1:
         raise ValueError(f"parallel.schedule={name} runs one stage per rank: set parallel.stages_per_rank=1")
-    return classes[name](pipe_stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    return cls(pipe_stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+
+
+# -- the pipelined model -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    schedule: str = "1f1b"
+    stages_per_rank: int = -1  # -1: 2 for interleaved_1f1b / zero_bubble, else 1
+    microbatches: int = -1  # -1: 2 x pp
+
+    @classmethod
+    def from_config(cls, parallel) -> "PipelineSpec":
+        return cls(str(parallel.schedule), int(parallel.stages_per_rank), int(parallel.microbatches))
+
+
+class PipelinedViT(nn.Module):
+    """This rank's share of a VisionTransformer cut into pipeline stages, run by one of torch's schedules.
+
+    Its own parameters are those of its stages under the single-device names (`patch_embed.*` on the first rank,
+    `blocks.<i>.*` of its blocks, `norm.*` / `head.*` on the last), so optimizers, gradient clipping and checkpoints
+    treat it like the plain model. `train_step` runs one schedule step (every rank of the pipeline group calls it;
+    the first stage passes the images, the last the labels); `predict` runs the forward-only pipeline.
+    """
+
+    def __init__(self, model: nn.Module, layout, spec: PipelineSpec, loss_fn: Callable = F.cross_entropy,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        pp = layout.pp
+        spr = stages_per_rank_for(spec.schedule, spec.stages_per_rank)
+        self.microbatches = microbatches_for(pp, spec.microbatches)
+        check_pipeline(pp, spec.schedule, spr, self.microbatches, len(model.blocks))
+        self.schedule_name, self.stages_per_rank = spec.schedule, spr
+        self.n_stages = pp * spr
+        self.layout, self.device, self.group = layout, layout.device, layout.mesh.get_group("pp")
+        self.stage_ids = stage_indices(layout.pp_rank, pp, spr)
+        self.ranges = block_ranges(model, self.n_stages)
+        self.is_first, self.is_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
+        # this rank's parameters, registered under the model's own names
+        if self.is_first:
+            self.patch_embed, self.cls_token, self.pos_embed = model.patch_embed, model.cls_token, model.pos_embed
+        self.blocks = StageBlocks({str(i): model.blocks[i] for s in self.stage_ids for i in range(*self.ranges[s])})
+        if self.is_last:
+            self.norm, self.head_drop, self.head = model.norm, model.head_drop, model.head
+        stages = [ViTStage(model, *self.ranges[s], s == 0, s == self.n_stages - 1) for s in self.stage_ids]
+        if sequence_parallel:  # the token split / gather that wraps the model's `blocks` now wraps each stage's
+            from visiondist.parallel.tensor import SequenceRegion
+
+            for stage in stages:
+                SequenceRegion().apply(stage.blocks, layout.tp_comm, True)
+        self._stages = stages  # a plain list: their parameters are already registered above
+        self._loss_fn, self._loss_scale = loss_fn, 1.0
+        self.recorder = Recorder(layout.pp_rank, layout.device)
+        self._schedule = build_schedule(spec.schedule, stages, self.stage_ids, self.n_stages, self.microbatches,
+                                        layout.device, self.group, self._scaled_loss, self.recorder,
+                                        scale_grads=False)
+        self._eval_schedule = None
+
+    def no_weight_decay(self) -> set[str]:
+        return {"pos_embed", "cls_token"} if self.is_first else set()
+
+    def describe(self) -> str:
+        blocks = ", ".join(f"stage {s}: blocks {a}-{b - 1}" for s, (a, b) in enumerate(self.ranges))
+        return (f"pipeline {self.schedule_name}, {self.n_stages} stages ({self.stages_per_rank} per rank), "
+                f"{self.microbatches} micro-batches | {blocks}")
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self._loss_fn(output.float(), target) * self._loss_scale
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipelined model runs through train_step() and predict(), not model(x)")
+
+    def train_step(self, images: Optional[torch.Tensor], labels: Optional[torch.Tensor], scale: float = 1.0,
+                   autocast=None) -> torch.Tensor:
+        """Forward and backward of one batch in `microbatches` micro-batches; gradients accumulate into `.grad`
+        (the loss of each micro-batch is scaled by scale / microbatches). Returns the batch's mean loss times
+        `scale`, the same on every rank of the pipeline group."""
+        if self.is_first and images is None:
+            raise ValueError("the first pipeline stage needs the images")
+        if self.is_last and labels is None:
+            raise ValueError("the last pipeline stage needs the labels")
+        self._loss_scale = scale / self.microbatches
+        losses: list[torch.Tensor] = []
+        args = (images.to(self.device, non_blocking=True),) if self.is_first else ()
+        target = labels.to(self.device, non_blocking=True) if self.is_last else None
+        with autocast or nullcontext():
+            self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((), device=self.device)
+        return self.from_last_stage(loss)
+
+    def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` as the last stage holds it, on every rank of the pipeline group (others contribute zeros)."""
+        if not self.is_last:
+            tensor = torch.zeros_like(tensor)
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    @torch.no_grad()
+    def predict(self, images: Optional[torch.Tensor], count: Optional[int], batch_size: int,
+                autocast=None) -> Optional[torch.Tensor]:
+        """Logits of one evaluation batch, forward only. Every rank of the pipeline group calls it with the same
+        `batch_size` (the loader's); the first stage passes the images, which are zero-padded to a fixed multiple of
+        the micro-batch count (a last, smaller batch included). The last stage gets the `count` real rows' logits;
+        the other ranks get None."""
+        padded = -(-batch_size // self.microbatches) * self.microbatches
+        args = ()
+        if self.is_first:
+            if len(images) > padded:
+                raise ValueError(f"an evaluation batch of {len(images)} exceeds the batch size {batch_size}")
+            images = images.to(self.device, non_blocking=True)
+            if len(images) < padded:
+                images = torch.cat([images, images.new_zeros((padded - len(images), *images.shape[1:]))])
+            args = (images,)
+        if self._eval_schedule is None:  # forward only: the same stages, no loss
+            self._eval_schedule = build_schedule(self.schedule_name, self._stages, self.stage_ids, self.n_stages,
+                                                 self.microbatches, self.device, self.group, None)
+        with autocast or nullcontext():
+            out = self._eval_schedule.step(*args)
+        if not self.is_last:
+            return None
+        return out[:count]
+
+    @contextmanager
+    def timeline(self):
+        """Record the next schedule step's actions (see `visiondist.parallel.timeline`)."""
+        with self.recorder.record(barrier=lambda: dist.barrier(group=self.group)) as recorder:
+            yield recorder
