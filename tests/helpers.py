@@ -45,3 +45,23 @@ def run_cli(
         out, _ = proc.communicate()
         raise AssertionError(f"{script.name} {' '.join(args)} did not finish in {timeout}s:\n{out[-4000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def train_args(data_root: Path, run: Path, *extra: str) -> list[str]:
+    """The tiny set at 16 images per step, a loss row every step, on the CPU, into `run`."""
+    return [*TINY_DATA, f"data.root={data_root}", "data.batch_size=16", "trainer.log_every=1",
+            "trainer.accelerator=cpu", "trainer.tensorboard=false", f"trainer.run_dir={run}", *extra]
+
+
+def train_ok(*args: str, timeout: float = 300, script: Path = TRAIN) -> str:
+    """Run the CLI, require success, return its output."""
+    result = run_cli(list(args), timeout=timeout, script=script)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return result.stdout
+
+
+def losses_of(run: Path) -> dict[int, float]:
+    """step -> training loss from a run's metrics.csv."""
+    from visiondist.engine.logging import read_metrics
+
+    return {int(r["step"]): r["loss"] for r in read_metrics(run / "metrics.csv") if r["loss"] is not None}

@@ -22,24 +22,10 @@ from visiondist.engine.checkpoint import (
     load_model_state,
     read_trainer_state,
 )
-from visiondist.engine.logging import read_metrics
-from helpers import REPO, TINY_DATA, TRAIN, run_cli
+from helpers import REPO, TRAIN, losses_of, run_cli, train_args, train_ok
 
 
-def _args(tiny_shapes, run, *extra):
-    return [*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16", "trainer.log_every=1",
-            "trainer.accelerator=cpu", "trainer.tensorboard=false", f"trainer.run_dir={run}", *extra]
-
-
-def _train(*args, timeout=300):
-    result = run_cli(list(args), timeout=timeout)
-    assert result.returncode == 0, result.stdout[-4000:]
-    return result.stdout
-
-
-def _losses(run):
-    return {int(r["step"]): r["loss"] for r in read_metrics(run / "metrics.csv") if r["loss"] is not None}
-
+_args, _train, _losses = train_args, train_ok, losses_of
 
 def test_resume_mid_epoch_is_bitwise_exact(tmp_path, tiny_shapes):
     """dp=2 with drop-path (so the RNG states matter): 8 steps straight vs 4, stop, resume=auto, 4 more. The tiny
