@@ -1,13 +1,24 @@
 """Pipeline parallelism for the ViT on `torch.distributed.pipelining`.
 
 The plain model is cut into `pp x stages_per_rank` contiguous stages of blocks, balanced by parameter count; the
-patch embedding, class token and position embedding go to the first stage, the final norm and the head to the last.
-A stage module holds the model's own submodules under the model's attribute names (`blocks` keeps the global block
-indices), so its parameter names are the single-device ones and checkpoints stay canonical whatever `pp` is.
+patch embedding, class token and position embedding go to the first stage, the final norm and the head (and the loss)
+to the last. Stage modules hold the model's own submodules under the model's attribute names (`blocks` keeps the
+global block indices), so parameter names are the single-device ones and checkpoints stay canonical whatever `pp` is.
 
 Rank `r` of the PP group holds stages r, r + pp, r + 2 pp, ... (the looped placement that torch's interleaved and
-zero-bubble schedules expect). The schedule (GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble) comes from
-torch; this module only cuts, places and validates.
+zero-bubble schedules expect). The schedules (GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble) are torch's;
+this module cuts, places, validates, and wraps them in `PipelinedViT`:
+
+- training: `train_step(images, labels)` runs one schedule step; each micro-batch's loss is scaled by 1/m so the
+  accumulated gradients are the batch mean, exactly what one process accumulating the same micro-batches computes.
+  The schedule's stages carry no DDP wrapper: the trainer averages gradients over DP afterwards (one flat all-reduce,
+  as Megatron does at the end of a pipeline flush), which works the same for every schedule, split backward included.
+- evaluation: `predict` runs a forward-only schedule; batches are zero-padded to a fixed multiple of the micro-batch
+  count, since a schedule's P2P buffers have fixed shapes.
+- measurement: every forward / backward / input-grad / weight-grad action can be timed (`timeline()`), giving the
+  bubble fraction and the PNG of `visiondist.parallel.timeline`.
+- tensor parallelism composes inside a stage (the TP plan is applied before cutting); under sequence parallelism
+  the token split / gather wraps each stage's blocks.
 """
 
 from __future__ import annotations
