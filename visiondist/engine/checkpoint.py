@@ -15,8 +15,9 @@ unpickles an object. DCP's own `.metadata` file is a pickle; it is read with an 
 metadata classes (`SafeFileSystemReader`).
 
 Writing goes to `checkpoints/.step_<N>.tmp/`, which is renamed to `step_<N>` once DCP's metadata, the trainer state
-and every rank's RNG file are on disk; a directory named `step_<N>` is therefore always whole. A crash mid-write leaves
-only a `.tmp` directory, which the next save of that step replaces and which resume never looks at.
+and every rank's RNG file are on disk; an old checkpoint is renamed to `.step_<N>.deleting/` before its files are
+removed. A directory named `step_<N>` is therefore always whole. A crash mid-write or mid-delete leaves only a hidden
+directory, which the next save replaces and which resume never looks at.
 """
 
 from __future__ import annotations
@@ -265,6 +266,8 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
     if layout.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # a previous attempt that died mid-write
+        for stale in root.glob(".step_*.deleting"):  # a deletion a killed process did not finish
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
     _fsync_write(tmp / f"rng_rank{layout.rank}.json", json.dumps(rng_state()))
@@ -277,15 +280,25 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     _barrier()  # every rank's files are written
     if layout.is_main:
         if final.exists():  # the same step saved again (e.g. a resumed run re-saving): replace it whole
-            shutil.rmtree(final)
+            _remove(final)
         tmp.rename(final)
         _fsync_dir(root)
         if keep_last > 0:
             for _, old in list_checkpoints(run_dir)[:-keep_last]:
                 if old != final:
-                    shutil.rmtree(old, ignore_errors=True)
+                    _remove(old)
     _barrier()
     return final
+
+
+def _remove(checkpoint: Path) -> None:
+    """Delete a checkpoint so that no half-deleted `step_<N>` is ever visible: renamed out of the `step_<N>` names
+    first (one atomic rename), then removed file by file."""
+    trash = checkpoint.with_name(f".{checkpoint.name}.deleting")
+    shutil.rmtree(trash, ignore_errors=True)
+    checkpoint.rename(trash)
+    _fsync_dir(checkpoint.parent)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:

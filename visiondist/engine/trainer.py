@@ -257,7 +257,7 @@ class Trainer:
                         loss, grad_norm = self.train_step(batches)
                     self.step += 1
                     if self.tp_bytes_per_step is None:
-                        self._note_tp_traffic()  # after this process's first step
+                        self._note_tp_traffic()
                     window.add(loss)
                     if self.step % t.log_every == 0 or self.step == self.total_steps:
                         window.pause()
@@ -322,9 +322,13 @@ class Trainer:
                  ", ".join(f"{100 * b:.0f}%" for b in stats["bubble_per_rank"]), png)
 
     def _note_tp_traffic(self) -> None:
-        """Bytes the first step moved through TP collectives (every step moves the same)."""
+        """Bytes the first step moved through TP collectives (every step moves the same). A pipeline's first step
+        also runs the schedule's shape inference, so its second step is counted."""
         comm = self.layout.tp_comm
         if comm is None:
+            return
+        if self.pipeline is not None and self.step == self.resumed_from_step + 1:
+            comm.reset()
             return
         self.tp_bytes_per_step = comm.ring_bytes()
         calls = ", ".join(f"{n} {kind}" for kind, n in sorted(comm.calls.items()))
