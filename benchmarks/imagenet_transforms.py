@@ -26,7 +26,7 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from visiondist.data.imagefolder import read_rgb  # noqa: E402
-from visiondist.data.transforms import SeededTransform, classification_transforms  # noqa: E402
+from visiondist.data.transforms import ClassificationTransform  # noqa: E402
 
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
@@ -51,7 +51,7 @@ def generate(folder: Path, count: int, seed: int = 0) -> list[Path]:
 def ours(auto_augment: str):
     cfg = OmegaConf.create(dict(mean=MEAN, std=STD, train_crop_scale=[0.08, 1.0], hflip=0.5, crop_pct=0.875,
                                 auto_augment=auto_augment))
-    transform = SeededTransform(classification_transforms(cfg, train=True, size=224), seed=0)
+    transform = ClassificationTransform(cfg, train=True, size=224, seed=0)
     return lambda path, i: transform(read_rgb(str(path)), i, 0)
 
 

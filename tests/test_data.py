@@ -41,12 +41,53 @@ def test_read_rgb_converts_grey_and_rgba(tmp_path):
     Image.fromarray(np.full((8, 9), 77, np.uint8), "L").save(tmp_path / "g.png")
     Image.fromarray(np.full((8, 9, 4), 200, np.uint8), "RGBA").save(tmp_path / "a.png")
     Image.new("CMYK", (9, 8), (0, 255, 0, 0)).save(tmp_path / "c.jpg")
-    for name in ("g.png", "a.png", "c.jpg"):
+    for name, value in (("g.png", 77), ("a.png", 200), ("c.jpg", None)):
         img = read_rgb(str(tmp_path / name))
         assert img.shape == (8, 9, 3) and img.dtype == np.uint8
+        assert value is None or (img == value).all()
     (tmp_path / "bad.jpg").write_bytes(b"not an image")
     with pytest.raises(OSError, match="bad.jpg"):
         read_rgb(str(tmp_path / "bad.jpg"))
+
+
+def _jpeg(path, value):
+    Image.fromarray(np.full((32, 32, 3), value, np.uint8)).save(path, quality=95)
+
+
+def test_unreadable_training_images_are_replaced_within_their_class(tmp_path, caplog):
+    """Empty, truncated, missing and non-image files: each is logged once and replaced by the next readable image
+    of the same class (labels unchanged); a run of max_bad_images is an error; in evaluation any is an error."""
+    import logging
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    _jpeg(tmp_path / "a" / "0.jpg", 10)
+    (tmp_path / "a" / "1.jpg").write_bytes(b"")  # zero bytes
+    _jpeg(tmp_path / "a" / "2.jpg", 20)
+    data = (tmp_path / "a" / "2.jpg").read_bytes()
+    (tmp_path / "a" / "2.jpg").write_bytes(data[: len(data) // 2])  # truncated (OpenCV alone would decode it)
+    _jpeg(tmp_path / "a" / "3.jpg", 40)
+    _jpeg(tmp_path / "b" / "0.jpg", 90)
+    _jpeg(tmp_path / "b" / "1.jpg", 99)
+    (tmp_path / "b" / "2.jpg").write_bytes(b"<html>not found</html>")
+    train = ImageFolder(tmp_path, train=True, max_bad_images=3)
+    (tmp_path / "b" / "1.jpg").unlink()  # gone after the folder was scanned
+    with caplog.at_level(logging.WARNING):
+        got = [train[i] for i in range(len(train))] + [train[1]]
+    values = [int(np.median(image)) for image, _ in got]
+    labels = [label for _, label in got]
+    assert labels == [0, 0, 0, 0, 1, 1, 1, 0]
+    assert abs(values[1] - 40) <= 2 and abs(values[2] - 40) <= 2  # a/1 and a/2 -> a/3
+    assert abs(values[5] - 90) <= 2 and abs(values[6] - 90) <= 2  # b/1 and b/2 wrap round to b/0, not to class a
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 4 and all(any(f"{c}/{n}.jpg" in w for w in warnings) for c, n in
+                                      [("a", 1), ("a", 2), ("b", 1), ("b", 2)])
+    assert "file is empty" in warnings[0] and "truncated JPEG" in warnings[1]
+
+    with pytest.raises(RuntimeError, match="2 consecutive images from index 1 could not be read"):
+        ImageFolder(tmp_path, train=True, max_bad_images=2)[1]
+    with pytest.raises(RuntimeError, match="cannot read evaluation image .*a/1.jpg"):
+        ImageFolder(tmp_path)[1]
 
 
 def test_empty_class_folder_is_an_error(tmp_path, tiny_shapes):

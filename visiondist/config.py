@@ -74,6 +74,7 @@ class DataConfig:
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     train_crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
     hflip: float = 0.5
+    auto_augment: str = "none"  # classification training: none | rand (RandAugment 2 ops, magnitude 9) | trivial
     crop_pct: float = 0.875
     # detection (format coco): <root>/<images>/<file_name>, <root>/<annotations>; {split} is the split name
     annotations: str = "annotations/instances_{split}.json"
@@ -221,6 +222,7 @@ def validate(cfg: DictConfig) -> None:
     m, d, p, o, s, t = cfg.model, cfg.data, cfg.parallel, cfg.optim, cfg.schedule, cfg.trainer
     _one_of("model.family", m.family, _MODEL_FAMILIES)
     _one_of("data.format", d.format, ("imagefolder", "coco"))
+    _one_of("data.auto_augment", d.auto_augment, ("none", "rand", "trivial"))
     if d.format != _DATA_FORMATS[m.family]:
         kind = "a detector" if d.format == "imagefolder" else "a classifier"
         raise ConfigError(

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from visiondist.data.builtin import ensure_shapes, ensure_shapes_coco
 from visiondist.data.imagefolder import ImageFolder
 from visiondist.data.sampler import EvalBatchSampler, TrainBatchSampler
-from visiondist.data.transforms import DetectionTransform, SeededTransform, classification_transforms
+from visiondist.data.transforms import ClassificationTransform, DetectionTransform
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +89,9 @@ def build_classification_data(
     """Train and val loaders for this DP rank, at the model's input size. `cfg` is the data config; batch sizes in it
     are global. A rank that does not read images (a later pipeline stage) gets `LabelBatches` of the same samples."""
     root = Path(cfg.root).expanduser()
-    train_tf = SeededTransform(classification_transforms(cfg, train=True, size=img_size), seed)
-    val_tf = SeededTransform(classification_transforms(cfg, train=False, size=img_size), seed)
-    train_set = ImageFolder(root / cfg.train_split, train_tf)
+    train_tf = ClassificationTransform(cfg, train=True, size=img_size, seed=seed)
+    val_tf = ClassificationTransform(cfg, train=False, size=img_size, seed=seed)
+    train_set = ImageFolder(root / cfg.train_split, train_tf, train=True, max_bad_images=cfg.max_bad_images)
     val_set = ImageFolder(root / cfg.val_split, val_tf)
     _check_num_classes(cfg, len(train_set.classes), train_set.root, "class folders")
     if val_set.classes != train_set.classes:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Optional
 
@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
+
+from visiondist.data.robust import BadImages
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +120,6 @@ def read_image(path: Path) -> np.ndarray:
         return np.array(img.convert("RGB"))
 
 
-@dataclass
-class _BadImages:
-    limit: int
-    seen: set = field(default_factory=set)
-    replaced: int = 0
-
-
 class CocoDetection(Dataset):
     """Items are (image tensor float in [0, 1], target dict) for torchvision detectors; indexed by int or by a
     sampler's (index, epoch) key. `transform(image, boxes, labels, index, epoch)` returns the three, augmented."""
@@ -146,7 +141,7 @@ class CocoDetection(Dataset):
         self.cat_of = {label: cat for cat, label in self.label_of.items()}
         self.classes = [self.coco.cats[cat]["name"] for cat in sorted(self.label_of)]
         self.transform = transform
-        self._bad = _BadImages(max_bad_images)
+        self._bad = BadImages(max_bad_images, train)
         log.info("%s (%s): %s", self.ann_file.name, "train" if train else "eval", self.counts.describe())
 
     def __len__(self) -> int:
@@ -172,25 +167,8 @@ class CocoDetection(Dataset):
 
     def _load(self, index: int) -> tuple[int, np.ndarray]:
         """Read the image at `index`; in training an unreadable one is replaced by the next readable index."""
-        for attempt in range(max(self._bad.limit, 1)):
-            i = (index + attempt) % len(self.records)
-            path = self.records[i].path
-            try:
-                return i, read_image(path)
-            except (OSError, ValueError, SyntaxError) as exc:
-                if not self.train:
-                    raise RuntimeError(f"cannot read evaluation image {path}: {exc}") from exc
-                self._bad.replaced += 1
-                if path not in self._bad.seen:
-                    self._bad.seen.add(path)
-                    log.warning(
-                        "cannot read %s (%s): using the next image instead (%d replaced so far)",
-                        path, exc, self._bad.replaced,
-                    )
-        raise RuntimeError(
-            f"{max(self._bad.limit, 1)} consecutive images from index {index} could not be read (last: {path}): "
-            "check the image folder, or raise data.max_bad_images"
-        )
+        n = len(self.records)
+        return self._bad.read(((i % n, self.records[i % n].path) for i in range(index, index + n)), read_image)
 
 
 def collate_detection(batch: list) -> tuple[list[torch.Tensor], list[dict]]:

@@ -10,16 +10,21 @@ import cv2
 import numpy as np
 from torch.utils.data import Dataset
 
+from visiondist.data.robust import BadImages
+
+_IMREAD_RGB = getattr(cv2, "IMREAD_COLOR_RGB", cv2.IMREAD_COLOR)  # OpenCV >= 4.10 decodes straight to RGB
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
 def read_rgb(path: str) -> np.ndarray:
     """Decode any common image file (grey, RGBA and CMYK included) to an HxWx3 uint8 RGB array."""
     data = np.fromfile(path, dtype=np.uint8)
-    image = cv2.imdecode(data, cv2.IMREAD_COLOR) if data.size else None
+    if _is_truncated_jpeg(data):
+        raise OSError(f"truncated JPEG {path}: no end-of-image marker")
+    image = cv2.imdecode(data, _IMREAD_RGB) if data.size else None
     if image is None:
-        raise OSError(f"cannot decode image {path}")
-    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+        raise OSError(f"cannot decode image {path}" + ("" if data.size else ": the file is empty"))
+    return image if _IMREAD_RGB != cv2.IMREAD_COLOR else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
 
 
 def scan_image_folder(split_dir: Path) -> tuple[list[str], list[tuple[str, int]]]:
@@ -40,22 +45,43 @@ def scan_image_folder(split_dir: Path) -> tuple[list[str], list[tuple[str, int]]
     return classes, samples
 
 
-class ImageFolder(Dataset):
-    """Indexed by an int or by a `(index, epoch)` key; the key seeds the sample's augmentation."""
+def _is_truncated_jpeg(data: np.ndarray) -> bool:
+    """A JPEG whose end-of-image marker is missing from its last 4 KB: cut off in transfer. (OpenCV would decode it,
+    grey below the cut, with only a warning on stderr.)"""
+    return data.size >= 2 and data[0] == 0xFF and data[1] == 0xD8 and b"\xff\xd9" not in data[-4096:].tobytes()
 
-    def __init__(self, split_dir: str | os.PathLike, transform: Optional[Callable] = None):
+
+class ImageFolder(Dataset):
+    """Indexed by an int or by a `(index, epoch)` key; the key seeds the sample's augmentation.
+
+    In training an unreadable image (missing, empty, truncated, not an image) is replaced by the next readable image
+    of its class (`visiondist.data.robust`); in evaluation it is an error."""
+
+    def __init__(self, split_dir: str | os.PathLike, transform: Optional[Callable] = None, train: bool = False,
+                 max_bad_images: int = 10):
         self.root = Path(split_dir)
         self.classes, self.samples = scan_image_folder(self.root)
         self.targets = np.array([label for _, label in self.samples], dtype=np.int64)
         self.transform = transform
+        self._bad = BadImages(max_bad_images, train)
+        # samples are grouped by class: a sample's replacements are the rest of its class, in order, wrapping round
+        self._class_start = np.searchsorted(self.targets, np.arange(len(self.classes)))
+        self._class_size = np.bincount(self.targets, minlength=len(self.classes))
 
     def __len__(self) -> int:
         return len(self.samples)
 
+    def _candidates(self, index: int):
+        label = self.targets[index]
+        start, size = int(self._class_start[label]), int(self._class_size[label])
+        for k in range(size):
+            i = start + (index - start + k) % size
+            yield i, self.samples[i][0]
+
     def __getitem__(self, key):
         index, epoch = key if isinstance(key, tuple) else (key, 0)
-        path, label = self.samples[index]
-        image = read_rgb(path)
+        _, image = self._bad.read(self._candidates(index), read_rgb)
+        label = int(self.targets[index])
         if self.transform is not None:
             image = self.transform(image, index, epoch)
         return image, label

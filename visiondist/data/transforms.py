@@ -7,33 +7,65 @@ import numpy as np
 import torch
 from albumentations.pytorch import ToTensorV2
 
+AUTO_AUGMENT = ("none", "rand", "trivial")
+
 
 def classification_transforms(cfg, train: bool, size: int) -> A.Compose:
-    """Train: random-resized crop + flip; eval: resize the short side to size / crop_pct, centre crop. `size` is the
-    model's input resolution."""
-    normalize = [A.Normalize(mean=tuple(cfg.mean), std=tuple(cfg.std)), ToTensorV2()]
+    """The albumentations part. Train: random-resized crop + flip; eval: resize the short side to size / crop_pct,
+    centre crop. `size` is the model's input resolution. Normalisation is `ClassificationTransform`'s last step."""
     if train:
         steps = [A.RandomResizedCrop(size=(size, size), scale=tuple(cfg.train_crop_scale))]
         if cfg.hflip > 0:
             steps.append(A.HorizontalFlip(p=cfg.hflip))
     else:
         steps = [A.SmallestMaxSize(max_size=int(round(size / cfg.crop_pct))), A.CenterCrop(size, size)]
-    return A.Compose(steps + normalize)
+    return A.Compose(steps)
 
 
-class SeededTransform:
-    """Runs an albumentations pipeline with its RNG reset from a per-sample seed.
+def _auto_augment(name: str):
+    """torchvision's RandAugment (2 ops, magnitude 9) or TrivialAugmentWide on uint8 images, or None."""
+    if name in (None, "none"):
+        return None
+    from torchvision.transforms import v2
 
-    The augmentation a sample gets then depends on (seed, epoch, index) only: not on the rank, the worker or the order
-    in which samples are loaded. Runs with different layouts see identical pixels.
+    if name == "rand":
+        return v2.RandAugment(num_ops=2, magnitude=9)
+    if name == "trivial":
+        return v2.TrivialAugmentWide()
+    raise ValueError(f"data.auto_augment={name!r}: use one of {', '.join(AUTO_AUGMENT)}")
+
+
+class ClassificationTransform:
+    """uint8 HxWx3 RGB -> normalised float CHW tensor: the crop / flip (albumentations), then in training the optional
+    auto-augment policy (torchvision v2 on the uint8 tensor), then normalisation.
+
+    Every random choice is seeded by (seed, epoch, index): the augmentation a sample gets does not depend on the
+    rank, the worker or the order in which samples are loaded. Runs with different layouts see identical pixels.
     """
 
-    def __init__(self, transform: A.Compose, seed: int):
-        self.transform, self.seed = transform, seed
+    def __init__(self, cfg, train: bool, size: int, seed: int):
+        self.auto = _auto_augment(cfg.get("auto_augment", "none")) if train else None
+        self.seed = seed
+        geometric = classification_transforms(cfg, train, size)
+        if self.auto is None:  # albumentations' uint8 normalisation (a lookup table) is the fastest path
+            self.transform = A.Compose([*geometric.transforms, A.Normalize(mean=tuple(cfg.mean), std=tuple(cfg.std)),
+                                        ToTensorV2()])
+        else:
+            self.transform = geometric
+            self.mean = torch.tensor(cfg.mean, dtype=torch.float32).view(3, 1, 1) * 255
+            self.std = torch.tensor(cfg.std, dtype=torch.float32).view(3, 1, 1) * 255
 
     def __call__(self, image: np.ndarray, index: int, epoch: int) -> torch.Tensor:
-        self.transform.set_random_seed(_sample_seed(self.seed, epoch, index))
-        return self.transform(image=image)["image"]
+        seed = _sample_seed(self.seed, epoch, index)
+        self.transform.set_random_seed(seed)
+        out = self.transform(image=image)["image"]
+        if self.auto is None:
+            return out
+        image = torch.from_numpy(np.ascontiguousarray(out)).permute(2, 0, 1)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            image = self.auto(image)
+        return (image.float() - self.mean) / self.std
 
 
 def _sample_seed(seed: int, epoch: int, index: int) -> int:
