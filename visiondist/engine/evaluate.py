@@ -26,15 +26,18 @@ def evaluate_classification(
     loader: DataLoader,
     layout: Layout,
     autocast: AbstractContextManager | None = None,
+    num_classes: int | None = None,
 ) -> dict[str, float]:
-    """val_loss, val_top1, val_top5 (percent) and val_count over the whole val set, identical on every rank.
+    """val_loss, val_top1, val_top5 (percent) and val_count over the whole val set, identical on every rank; with
+    `num_classes`, also val_class_top1 (percent per class, None for a class without images) and val_class_count.
 
     A pipelined model runs each batch through the pipeline (`PipelinedViT.predict`); the last stage scores it and its
     sums reach the other stages in the final reduction."""
     was_training = model.training
     model.eval()
     pipelined = isinstance(model, PipelinedViT)
-    sums = torch.zeros(4, dtype=torch.float64, device=layout.device)  # loss, top1, top5, count
+    k = num_classes or 0
+    sums = torch.zeros(4 + 2 * k, dtype=torch.float64, device=layout.device)  # loss, top1, top5, count, per class
     for images, labels in loader:
         if pipelined:
             logits = model.predict(images, None if labels is None else len(labels), loader.batch_sampler.batch_size,
@@ -50,16 +53,26 @@ def evaluate_classification(
         top1, top5 = topk_correct(logits, labels, (1, 5))
         loss = F.cross_entropy(logits, labels, reduction="sum")
         count = torch.tensor(float(len(labels)), dtype=torch.float64, device=sums.device)
-        sums += torch.stack([loss.double(), top1.double(), top5.double(), count])
+        sums[:4] += torch.stack([loss.double(), top1.double(), top5.double(), count])
+        if k:
+            hit = logits.argmax(dim=1) == labels
+            sums[4 : 4 + k] += torch.bincount(labels[hit], minlength=k).double()
+            sums[4 + k :] += torch.bincount(labels, minlength=k).double()
     layout.all_reduce_dp(sums)
     if pipelined:
         sums = model.from_last_stage(sums)
     model.train(was_training)
-    loss, top1, top5, count = sums.tolist()
+    values = sums.tolist()
+    loss, top1, top5, count = values[:4]
     count_safe = max(count, 1.0)
-    return {
+    metrics = {
         "val_loss": loss / count_safe,
         "val_top1": 100.0 * top1 / count_safe,
         "val_top5": 100.0 * top5 / count_safe,
         "val_count": int(count),
     }
+    if k:
+        hits, counts = values[4 : 4 + k], values[4 + k :]
+        metrics["val_class_top1"] = [100.0 * h / c if c else None for h, c in zip(hits, counts)]
+        metrics["val_class_count"] = [int(c) for c in counts]
+    return metrics

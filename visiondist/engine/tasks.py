@@ -3,6 +3,7 @@ its result is reported. The trainer holds one task and never branches on which."
 
 from __future__ import annotations
 
+import json
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,12 @@ class ClassificationTask:
     def evaluate(self, model: nn.Module, layout: Layout, autocast, run_dir: Path) -> dict[str, Any]:
         from visiondist.engine.evaluate import evaluate_classification
 
-        return evaluate_classification(model, self.data.val_loader, layout, autocast)
+        metrics = evaluate_classification(model, self.data.val_loader, layout, autocast, len(self.data.classes))
+        if layout.is_main:  # per-class top-1 of the latest evaluation, by class name
+            per_class = {name: {"top1": acc, "images": n} for name, acc, n in
+                         zip(self.data.classes, metrics["val_class_top1"], metrics["val_class_count"])}
+            (run_dir / "per_class.json").write_text(json.dumps(per_class, indent=1))
+        return metrics
 
     @staticmethod
     def describe(m: dict[str, Any]) -> str:
@@ -49,7 +55,9 @@ class ClassificationTask:
 
     @staticmethod
     def summary(m: dict[str, Any]) -> dict[str, Any]:
-        return {"val loss": m["val_loss"], "val top-1 (%)": m["val_top1"], "val top-5 (%)": m["val_top5"],
+        scored = [a for a in m.get("val_class_top1", []) if a is not None]
+        worst = {"val top-1, worst class (%)": round(min(scored), 2)} if scored else {}
+        return {"val loss": m["val_loss"], "val top-1 (%)": m["val_top1"], "val top-5 (%)": m["val_top5"], **worst,
                 "val images": m["val_count"]}
 
     @staticmethod
