@@ -83,6 +83,13 @@ def test_pipeline_batch_must_split_into_microbatches():
         (["parallel=pp2", "parallel.schedule=gpipe", "parallel.stages_per_rank=2"],
          "parallel.schedule=gpipe runs one stage per rank"),
         (["parallel=pp2", "parallel.schedule=pipedream"], "parallel.schedule='pipedream' is not supported"),
+        (["optim.layer_decay=0"], "optim.layer_decay=0.0 must be in (0, 1]"),
+        (["trainer.ema_decay=1"], "trainer.ema_decay=1.0 must be in [0, 1)"),
+        (["data.auto_augment=auto"], "data.auto_augment='auto' is not supported"),
+        (["parallel=pp2", "data.mixup=0.8"], "data.mixup / data.cutmix with parallel.pp > 1 is not supported"),
+        (["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "trainer.label_smoothing=0.1"],
+         "are for classification"),
+        (["model.init_from=/nonexistent.safetensors"], "model.init_from=/nonexistent.safetensors: no such file"),
         (["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "parallel=pp2"],
          "pipeline parallelism cuts ViT classifiers into stages"),
         (["model=vit_small", "model.embed_dim=390", "model.mlp_ratio=2.5", "parallel.tp=2"],
@@ -136,6 +143,12 @@ def test_torchrun_world_is_checked_against_the_config():
     assert plan.under_torchrun and plan.dp == 4
     with pytest.raises(ConfigError, match="set parallel.dp=4"):
         _plan(["parallel.dp=3"], env=env)
+
+
+def test_mixup_needs_an_even_micro_batch():
+    with pytest.raises(ConfigError, match="need an even one, but data.batch_size=18 gives 9 per rank"):
+        _plan(["parallel.dp=2", "data.batch_size=18", "data.mixup=0.8"])
+    assert _plan(["parallel.dp=2", "data.batch_size=20", "data.cutmix=1.0"]).dp == 2
 
 
 def test_batch_must_split_over_ranks_and_accumulation():

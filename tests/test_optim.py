@@ -33,3 +33,24 @@ def test_step_schedule():
     cfg = SimpleNamespace(name="step", warmup_steps=0, warmup_start_factor=1.0, milestones=[0.5, 0.75], gamma=0.1)
     f = [lr_factor(s, 100, cfg) for s in range(100)]
     assert f[49] == 1.0 and math.isclose(f[50], 0.1) and math.isclose(f[74], 0.1) and math.isclose(f[75], 0.01)
+
+
+def test_layer_decay_scales_each_layer_and_keeps_the_groups_of_every_rank():
+    model = VisionTransformer(img_size=32, patch_size=16, num_classes=3, embed_dim=48, depth=3, num_heads=3)
+    cfg = SimpleNamespace(name="adamw", lr=1e-3, weight_decay=0.05, betas=[0.9, 0.999], eps=1e-8, layer_decay=0.5)
+    opt = build_optimizer(cfg, model, depth=3)
+    lr_of = {n: g["lr"] for g in opt.param_groups for n, p in model.named_parameters() if any(p is q for q in
+                                                                                              g["params"])}
+    assert lr_of["head.weight"] == lr_of["norm.bias"] == 1e-3
+    assert lr_of["blocks.2.mlp.fc1.weight"] == 5e-4 and lr_of["blocks.0.attn.q.weight"] == 1.25e-4
+    assert lr_of["patch_embed.proj.weight"] == lr_of["pos_embed"] == 6.25e-5
+    assert len(opt.param_groups) == 2 * (3 + 2)
+    # a pipeline stage holding only the last block and the head still has every group (some empty)
+    from torch import nn
+
+    stage = nn.Module()
+    stage.blocks = nn.ModuleDict({"2": model.blocks[2]})
+    stage.head = model.head
+    groups = build_optimizer(cfg, stage, depth=3).param_groups
+    assert [g["lr"] for g in groups] == [g["lr"] for g in opt.param_groups]
+    assert sum(len(g["params"]) for g in groups) == len(list(stage.parameters()))

@@ -37,6 +37,7 @@ class ModelConfig:
     # detectors (family torchvision / vitdet)
     arch: Optional[str] = None  # torchvision builder, e.g. fasterrcnn_mobilenet_v3_large_fpn
     weights: Optional[str] = None  # a local state dict (.safetensors or torch file); nothing is ever downloaded
+    init_from: Optional[str] = None  # ViT fine-tuning: local weights (ours or timm's); a head of another size is new
     min_size: int = II("data.min_size")  # the detector's internal resize
     max_size: int = II("data.max_size")
     fpn_channels: int = 256  # vitdet: channels of the simple feature pyramid
@@ -75,6 +76,10 @@ class DataConfig:
     train_crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
     hflip: float = 0.5
     auto_augment: str = "none"  # classification training: none | rand (RandAugment 2 ops, magnitude 9) | trivial
+    mixup: float = 0.0  # mixup alpha (timm's Mixup); 0: off
+    cutmix: float = 0.0  # cutmix alpha; 0: off
+    mixup_prob: float = 1.0  # probability of mixing a batch at all
+    mixup_switch_prob: float = 0.5  # with both on: probability of cutmix instead of mixup
     crop_pct: float = 0.875
     # detection (format coco): <root>/<images>/<file_name>, <root>/<annotations>; {split} is the split name
     annotations: str = "annotations/instances_{split}.json"
@@ -110,6 +115,7 @@ class OptimConfig:
     eps: float = 1e-8
     momentum: float = 0.9
     nesterov: bool = False
+    layer_decay: float = 1.0  # layer-wise LR decay (fine-tuning): block i gets lr x layer_decay^(depth - i); 1: off
 
 
 @dataclass
@@ -132,6 +138,9 @@ class TrainerConfig:
     precision: str = "32"
     grad_accum: int = 1
     clip_grad: float = 0.0  # max global grad norm; 0 disables clipping
+    label_smoothing: float = 0.0  # classification cross-entropy
+    ema_decay: float = 0.0  # model EMA, evaluated next to the model (e.g. 0.9998); 0: off
+    eval_at_start: bool = False  # evaluate before the first step (e.g. the weights of model.init_from)
     eval_every: int = 0  # optimizer steps between evaluations; 0: at the end of every epoch
     log_every: int = 20
     output_dir: str = "outputs"
@@ -256,6 +265,27 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"model.{key}={m[key]} must be in [0, 1)")
 
     _positive("optim.lr", o.lr)
+    if not 0 < o.layer_decay <= 1:
+        raise ConfigError(f"optim.layer_decay={o.layer_decay} must be in (0, 1] (1: off)")
+    if not 0 <= t.label_smoothing < 1:
+        raise ConfigError(f"trainer.label_smoothing={t.label_smoothing} must be in [0, 1)")
+    if not 0 <= t.ema_decay < 1:
+        raise ConfigError(f"trainer.ema_decay={t.ema_decay} must be in [0, 1) (0: off), e.g. 0.9998")
+    for key in ("mixup", "cutmix"):
+        _positive(f"data.{key}", d[key], allow_zero=True)
+    mixing = d.mixup > 0 or d.cutmix > 0
+    if m.family != "vit" and (mixing or t.label_smoothing > 0 or d.auto_augment != "none"):
+        raise ConfigError(f"data.mixup / data.cutmix / data.auto_augment / trainer.label_smoothing are for "
+                          f"classification; {m.name} is a detector: drop them")
+    if mixing and p.pp > 1:
+        raise ConfigError("data.mixup / data.cutmix with parallel.pp > 1 is not supported (the first stage mixes the "
+                          "images, the last would need the same mixing of the labels): use parallel.pp=1")
+    if m.init_from is not None and m.weights is not None:
+        raise ConfigError("set model.weights (exact weights) or model.init_from (fine-tuning start), not both")
+    if m.init_from is not None and m.family != "vit":
+        raise ConfigError(f"model.init_from is for ViT classifiers; for {m.name} use model.weights")
+    if m.init_from is not None and not Path(m.init_from).expanduser().is_file():
+        raise ConfigError(f"model.init_from={m.init_from}: no such file")
     _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
     _positive("schedule.warmup_steps", s.warmup_steps, allow_zero=True)
     if not 0 <= s.min_lr_ratio <= 1:
@@ -394,6 +424,10 @@ def plan_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
                 f"parallel.microbatches = {dp} x {ga} x {m}: each pipeline step splits a DP rank's batch into "
                 f"{m} equal micro-batches; use e.g. data.batch_size={max(1, math.ceil(d.batch_size / step)) * step}"
             )
+    elif (d.mixup > 0 or d.cutmix > 0) and (d.batch_size // (dp * ga)) % 2 and d.batch_size % (dp * ga) == 0:
+        raise ConfigError(f"data.mixup / data.cutmix mix each micro-batch with its reverse and need an even one, but "
+                          f"data.batch_size={d.batch_size} gives {d.batch_size // (dp * ga)} per rank and step: use an "
+                          f"even multiple of dp x trainer.grad_accum = {dp * ga}")
     elif d.batch_size % (dp * ga):
         step = dp * ga
         raise ConfigError(

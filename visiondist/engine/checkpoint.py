@@ -258,8 +258,14 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def ema_state(ema, layout=None) -> dict[str, torch.Tensor]:
+    """A `ModelEma`'s averages under their parameters' canonical names, sharded like them."""
+    mesh = _tp_mesh(layout)
+    return {name: _canonical(shadow, param, mesh) for name, shadow, param in ema.named_shadows()}
+
+
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], layout, keep_last: int = 0) -> Path:
+                    trainer_state: dict[str, Any], layout, keep_last: int = 0, ema=None) -> Path:
     """Every rank calls this. Writes `checkpoints/step_<step>` atomically and keeps the newest `keep_last`
     (0: all)."""
     root = Path(run_dir) / CHECKPOINTS
@@ -272,9 +278,11 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     _barrier()
     _fsync_write(tmp / f"rng_rank{layout.rank}.json", json.dumps(rng_state()))
     state = {"model": model_state(model, layout), "optim": optimizer_state(model, optimizer, layout)}
+    if ema is not None:
+        state["ema"] = ema_state(ema, layout)
     dcp.save(state, checkpoint_id=str(tmp))  # collective; rank 0 writes .metadata last
     if layout.is_main:
-        full = {**trainer_state, "step": step, "optimizer": _hyperparameters(optimizer),
+        full = {**trainer_state, "step": step, "optimizer": _hyperparameters(optimizer), "ema": ema is not None,
                 "world_size": layout.world_size, "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}}
         _fsync_write(tmp / STATE_FILE, json.dumps(full, indent=1))
     _barrier()  # every rank's files are written
@@ -321,13 +329,18 @@ def load_model_state(path: Path, model: nn.Module, layout=None, no_dist: bool = 
     _dcp_load(state, path, no_dist)
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout) -> dict[str, Any]:
-    """Every rank calls this: model and optimizer state into the live objects, the RNG states when the layout is
-    the one the checkpoint was saved from. Returns the trainer state (step, epoch, schedule, ...)."""
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, layout,
+                    ema=None) -> dict[str, Any]:
+    """Every rank calls this: model and optimizer state (and the EMA, if both have one) into the live objects, the
+    RNG states when the layout is the one the checkpoint was saved from. Returns the trainer state (step, epoch,
+    schedule, ...); its "ema_restored" says whether the EMA came from the checkpoint."""
     path = Path(path)
     saved = read_trainer_state(path)
     init_optimizer_state(optimizer)
     state = {"model": model_state(model, layout), "optim": optimizer_state(model, optimizer, layout)}
+    saved["ema_restored"] = ema is not None and bool(saved.get("ema"))
+    if saved["ema_restored"]:
+        state["ema"] = ema_state(ema, layout)
     _dcp_load(state, path)
     _restore_hyperparameters(optimizer, saved["optimizer"])
     rng_file = path / f"rng_rank{layout.rank}.json"

@@ -3,28 +3,52 @@
 from __future__ import annotations
 
 import math
+import re
 from bisect import bisect_right
 
 import torch
 from torch import nn
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on norms and biases (ndim <= 1) nor on what the model lists (position embedding, class token)."""
+_BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
+_EMBED = ("patch_embed", "cls_token", "pos_embed")
+
+
+def layer_id(name: str, depth: int) -> int:
+    """ViT layer of a parameter for layer-wise LR decay: 0 for the embeddings, i + 1 for block i, depth + 1 for the
+    rest (final norm, head; a detector's pyramid and heads)."""
+    match = _BLOCK.search(name)
+    if match:
+        return int(match.group(1)) + 1
+    if any(part in _EMBED for part in name.split(".")):
+        return 0
+    return depth + 1
+
+
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0, depth: int = 0,
+                 lr: float = 1.0) -> list[dict]:
+    """No weight decay on norms and biases (ndim <= 1) nor on what the model lists (position embedding, class token).
+
+    With `layer_decay` < 1 (fine-tuning, as in BEiT / timm): one group per ViT layer and decay kind, with lr scaled by
+    layer_decay ** (depth + 1 - layer). Every layer gets its groups even when this rank holds none of its parameters
+    (a pipeline stage), so all ranks have the same groups."""
     skip = set(getattr(model, "no_weight_decay", lambda: set())())
-    decay, no_decay = [], []
+    layers = depth + 2 if layer_decay != 1.0 else 1
+    groups = [{"params": [], "weight_decay": wd, "lr": lr * (layer_decay ** (layers - 1 - layer) if layers > 1 else 1)}
+              for layer in range(layers) for wd in (weight_decay, 0.0)]
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (no_decay if param.ndim <= 1 or name in skip else decay).append(param)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+        layer = layer_id(name, depth) if layers > 1 else 0
+        no_decay = param.ndim <= 1 or name.rsplit(".", 1)[-1] in skip or name in skip
+        groups[2 * layer + int(no_decay)]["params"].append(param)
+    return groups
 
 
-def build_optimizer(cfg, model: nn.Module) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
+def build_optimizer(cfg, model: nn.Module, depth: int = 0) -> torch.optim.Optimizer:
+    """`depth`: the ViT's block count, for `optim.layer_decay`."""
+    layer_decay = float(getattr(cfg, "layer_decay", 1.0))
+    groups = param_groups(model, cfg.weight_decay, layer_decay, depth, cfg.lr)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == "sgd":

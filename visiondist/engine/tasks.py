@@ -18,13 +18,22 @@ from visiondist.parallel import Layout
 
 
 class ClassificationTask:
-    columns = METRIC_COLUMNS
+    columns = (*METRIC_COLUMNS, "val_ema_loss", "val_ema_top1", "val_ema_top5")
     headline = ("val_top1", "val top-1 (%)")
+    ema_keys = ("val_loss", "val_top1", "val_top5")
 
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
         from visiondist.data import build_classification_data
 
-        t = cfg.trainer
+        t, d = cfg.trainer, cfg.data
+        self.label_smoothing = float(t.label_smoothing)
+        self.mixup = None
+        if d.mixup > 0 or d.cutmix > 0:  # timm's Mixup: mixes each micro-batch with its reverse, soft targets
+            from timm.data import Mixup
+
+            self.mixup = Mixup(mixup_alpha=d.mixup, cutmix_alpha=d.cutmix, prob=d.mixup_prob,
+                               switch_prob=d.mixup_switch_prob, label_smoothing=self.label_smoothing,
+                               num_classes=cfg.model.num_classes)
         self.data = build_classification_data(
             cfg.data, cfg.model.img_size, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
             pin_memory=layout.device.type == "cuda", reads_images=layout.reads_images, reads_labels=layout.reads_labels,
@@ -34,9 +43,20 @@ class ClassificationTask:
         images, labels = batch
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
+        if self.mixup is not None and model.training:
+            images, soft = self.mixup(images, labels)  # label smoothing is folded into the soft targets
+            with autocast:
+                logits = model(images)
+            return torch.sum(-soft * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
         with autocast:
             logits = model(images)
-        return F.cross_entropy(logits.float(), labels)
+        return F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
+
+    def pipeline_loss(self):
+        """The loss the last pipeline stage computes from its logits and labels."""
+        import functools
+
+        return functools.partial(F.cross_entropy, label_smoothing=self.label_smoothing)
 
     def evaluate(self, model: nn.Module, layout: Layout, autocast, run_dir: Path) -> dict[str, Any]:
         from visiondist.engine.evaluate import evaluate_classification
@@ -50,15 +70,17 @@ class ClassificationTask:
 
     @staticmethod
     def describe(m: dict[str, Any]) -> str:
-        return (f"val loss {m['val_loss']:.4f} | top-1 {m['val_top1']:.2f}% | top-5 {m['val_top5']:.2f}% | "
+        ema = f" | EMA top-1 {m['val_ema_top1']:.2f}%" if m.get("val_ema_top1") is not None else ""
+        return (f"val loss {m['val_loss']:.4f} | top-1 {m['val_top1']:.2f}% | top-5 {m['val_top5']:.2f}%{ema} | "
                 f"{m['val_count']} images")
 
     @staticmethod
     def summary(m: dict[str, Any]) -> dict[str, Any]:
         scored = [a for a in m.get("val_class_top1", []) if a is not None]
         worst = {"val top-1, worst class (%)": round(min(scored), 2)} if scored else {}
+        ema = {"val top-1, EMA (%)": m["val_ema_top1"]} if m.get("val_ema_top1") is not None else {}
         return {"val loss": m["val_loss"], "val top-1 (%)": m["val_top1"], "val top-5 (%)": m["val_top5"], **worst,
-                "val images": m["val_count"]}
+                **ema, "val images": m["val_count"]}
 
     @staticmethod
     def final_line(m: dict[str, Any]) -> str:
@@ -67,8 +89,9 @@ class ClassificationTask:
 
 class DetectionTask:
     columns = (*TRAIN_COLUMNS, "val_mAP", "val_AP50", "val_AP75", "val_APs", "val_APm", "val_APl", "val_AR1",
-               "val_AR10", "val_AR100", "val_ARs", "val_ARm", "val_ARl", "val_detections")
+               "val_AR10", "val_AR100", "val_ARs", "val_ARm", "val_ARl", "val_detections", "val_ema_mAP")
     headline = ("val_mAP", "val box mAP@[.5:.95]")
+    ema_keys = ("val_mAP",)
 
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
         from visiondist.data import build_detection_data

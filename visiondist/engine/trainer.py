@@ -7,6 +7,7 @@ One optimizer step = `trainer.grad_accum` micro-batches per DP rank (gradient sy
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -28,6 +29,7 @@ from visiondist.engine.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
+from visiondist.engine.ema import ModelEma
 from visiondist.engine.logging import MetricsLogger, plot_curves, setup_logging, summary_table
 from visiondist.engine.optim import build_optimizer, build_scheduler
 from visiondist.engine.tasks import build_task
@@ -106,11 +108,14 @@ class Trainer:
         if cfg.model.sync_bn and layout.dp > 1:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=layout.dp_group)
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.model = parallelize(model, layout, cfg.parallel.sequence_parallel, PipelineSpec.from_config(cfg.parallel))
+        loss_fn = functools.partial(torch.nn.functional.cross_entropy, label_smoothing=t.label_smoothing)
+        self.model = parallelize(model, layout, cfg.parallel.sequence_parallel, PipelineSpec.from_config(cfg.parallel),
+                                 loss_fn)
         self.pipeline = self.model if isinstance(self.model, PipelinedViT) else None
         self.bubble: float | None = None  # measured on one step of a pipelined run
         self.rank_params = sum(p.numel() for p in self.model.parameters())
-        self.optimizer = build_optimizer(cfg.optim, unwrap(self.model))  # over this rank's shards
+        self.optimizer = build_optimizer(cfg.optim, unwrap(self.model), cfg.model.depth)  # over this rank's shards
+        self.ema = ModelEma(unwrap(self.model), t.ema_decay) if t.ema_decay > 0 else None
 
         self.task = build_task(cfg, layout)
         self.data = self.task.data
@@ -142,7 +147,10 @@ class Trainer:
         path = latest_checkpoint(self.run_dir) if spec == "auto" else resolve_checkpoint(str(spec))
         if path is None:
             return None
-        saved = load_checkpoint(path, unwrap(self.model), self.optimizer, self.layout)
+        saved = load_checkpoint(path, unwrap(self.model), self.optimizer, self.layout, self.ema)
+        if self.ema is not None and not saved["ema_restored"]:
+            self.ema.reset()
+            log.info("the checkpoint has no EMA: the average starts from its weights")
         self.scheduler.load_state_dict({"lr_lambdas": [None] * len(self.optimizer.param_groups), **saved["scheduler"]})
         self.step = int(saved["step"])
         self.epoch = self.step // self.data.train_sampler.steps_per_epoch
@@ -167,7 +175,7 @@ class Trainer:
             "classes": list(self.data.classes),
         }
         path = save_checkpoint(self.run_dir, self.step, unwrap(self.model), self.optimizer, state, self.layout,
-                               self.cfg.trainer.keep_last)
+                               self.cfg.trainer.keep_last, self.ema)
         self.last_checkpoint = path
         log.info("checkpoint: %s", path)
         return path
@@ -190,6 +198,8 @@ class Trainer:
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.trainer.clip_grad, self.layout)
         self.optimizer.step()
         self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update()
         return total, grad_norm
 
     def _accumulate(self, batches: Iterator) -> torch.Tensor:
@@ -217,7 +227,12 @@ class Trainer:
         return total
 
     def evaluate(self) -> dict[str, Any]:
-        metrics = self.task.evaluate(unwrap(self.model), self.layout, self.autocast, self.run_dir)
+        ema_metrics = {}
+        if self.ema is not None:  # first, so that files the evaluation writes (per_class.json) are the model's
+            with self.ema.swapped():
+                ema = self.task.evaluate(unwrap(self.model), self.layout, self.autocast, self.run_dir)
+            ema_metrics = {f"val_ema_{k[4:]}": ema[k] for k in self.task.ema_keys}
+        metrics = {**self.task.evaluate(unwrap(self.model), self.layout, self.autocast, self.run_dir), **ema_metrics}
         self.last_eval = {**metrics, "step": self.step}
         self.metrics.log(self.step, epoch=self.epoch, **metrics)
         log.info("eval  step %d | %s", self.step, self.task.describe(metrics))
@@ -241,6 +256,8 @@ class Trainer:
         final_loss = math.nan
         end = min(self.total_steps, t.stop_at_step) if t.stop_at_step > 0 else self.total_steps  # of this process
         last_saved = self.step if self.resumed_from is not None else -1
+        if t.eval_at_start and self.step == 0:
+            self.evaluate()
         try:
             while self.step < end:
                 self.epoch, start = divmod(self.step, sampler.steps_per_epoch)
@@ -355,7 +372,7 @@ class Trainer:
         path = self.run_dir / "model.safetensors"
         if self.layout.is_main:
             model_cfg = self.cfg.model.copy()
-            model_cfg.weights = None
+            model_cfg.weights = model_cfg.init_from = None
             model = build_model(model_cfg)
             load_model_state(self.last_checkpoint, model, no_dist=True)
             tmp = path.with_suffix(".tmp")

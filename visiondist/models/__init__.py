@@ -10,7 +10,7 @@ from typing import Any, Callable
 from torch import nn
 
 from visiondist.models.vit import VisionTransformer, from_timm_state_dict
-from visiondist.models.weights import load_local_weights
+from visiondist.models.weights import init_from, load_local_weights
 
 
 def _build_vit(cfg: Any) -> nn.Module:
@@ -28,6 +28,8 @@ def _build_vit(cfg: Any) -> nn.Module:
     )
     if cfg.weights:
         load_local_weights(model, cfg.weights, convert=_from_timm_if_fused)
+    elif cfg.get("init_from"):
+        init_from(model, cfg.init_from, convert=_from_timm_if_fused)
     return model
 
 

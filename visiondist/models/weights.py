@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -9,17 +10,44 @@ import torch
 from torch import nn
 
 
-def load_local_weights(model: nn.Module, path: str, convert: Optional[Callable[[dict], dict]] = None) -> None:
-    """Load a local state dict (.safetensors, or a torch file read with weights_only=True) into `model`, strictly;
-    `convert` maps foreign key layouts (e.g. timm's) onto the model's first."""
+log = logging.getLogger(__name__)
+
+
+def read_state(path: str, key: str = "model.weights") -> dict[str, torch.Tensor]:
+    """A local state dict: .safetensors, or a torch file read with weights_only=True."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise FileNotFoundError(f"model.weights={path}: no such file")
+        raise FileNotFoundError(f"{key}={path}: no such file")
     if file.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        state = load_file(str(file))
-    else:
-        state = torch.load(file, map_location="cpu", weights_only=True)
-        state = state.get("model", state) if isinstance(state, dict) else state
+        return load_file(str(file))
+    state = torch.load(file, map_location="cpu", weights_only=True)
+    return state.get("model", state) if isinstance(state, dict) else state
+
+
+def load_local_weights(model: nn.Module, path: str, convert: Optional[Callable[[dict], dict]] = None) -> None:
+    """Load a local state dict into `model`, strictly; `convert` maps foreign key layouts (e.g. timm's) onto the
+    model's first."""
+    state = read_state(path)
     model.load_state_dict(convert(state) if convert else state, strict=True)
+
+
+def init_from(model: nn.Module, path: str, convert: Optional[Callable[[dict], dict]] = None,
+              new_head: tuple[str, ...] = ("head.weight", "head.bias")) -> list[str]:
+    """Start fine-tuning from local weights: every tensor must match, except the classifier (`new_head`), which keeps
+    its fresh initialisation when the class count differs. Returns the names left at their initialisation."""
+    state = read_state(path, "model.init_from")
+    state = convert(state) if convert else state
+    own = model.state_dict()
+    skipped = [k for k in new_head if k in own and k in state and state[k].shape != own[k].shape]
+    for key in skipped:
+        del state[key]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in skipped]
+    if missing or unexpected:
+        raise ValueError(f"model.init_from={path} does not fit {type(model).__name__}: missing "
+                         f"{', '.join(missing[:5]) or 'nothing'}; unexpected {', '.join(unexpected[:5]) or 'nothing'}")
+    if skipped:
+        log.info("model.init_from: %s re-initialised (the file has another number of classes)", ", ".join(skipped))
+    return skipped

@@ -6,7 +6,7 @@ package.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from torch import nn
 
@@ -31,12 +31,13 @@ __all__ = [
 
 
 def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = False,
-                pipeline: Optional[PipelineSpec] = None) -> nn.Module:
+                pipeline: Optional[PipelineSpec] = None, loss_fn: Optional[Callable] = None) -> nn.Module:
     """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out over the mesh.
 
     With `layout.pp > 1` the result is this rank's `PipelinedViT` (its stages, TP-sharded inside when tp > 1); its
     gradients are averaged over data parallel by `average_over_data_parallel` after the schedule's backward, as
-    Megatron does, instead of by a DDP wrapper. Otherwise it is the model, under DDP when dp > 1.
+    Megatron does, instead of by a DDP wrapper; its last stage computes `loss_fn(logits, labels)` (default: cross
+    entropy). Otherwise it is the model, under DDP when dp > 1.
     """
     if layout.tp > 1:
         model = apply_tensor_parallel(model, layout.tp_comm, sequence_parallel)
@@ -44,5 +45,6 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
         if not hasattr(model, "blocks") or not hasattr(model, "patch_embed") or not hasattr(model, "head"):
             raise ValueError(f"pipeline parallelism cuts a ViT classifier into stages of blocks; "
                              f"{type(model).__name__} is not one: use parallel.pp=1")
-        return PipelinedViT(model, layout, pipeline or PipelineSpec(), sequence_parallel=sequence_parallel)
+        kwargs = {"loss_fn": loss_fn} if loss_fn is not None else {}
+        return PipelinedViT(model, layout, pipeline or PipelineSpec(), sequence_parallel=sequence_parallel, **kwargs)
     return wrap_data_parallel(model, layout)
