@@ -31,7 +31,7 @@ def test_train_then_eval_a_detector(tmp_path):
     out = next((run / "eval").iterdir())
     stats = json.loads((out / "eval.json").read_text())
     for key, value in final.items():
-        if key.startswith("val_"):
+        if key.startswith("val_") and value is not None:  # val_ema_* stays empty without an EMA
             assert stats[key] == value, key  # the same weights, the same detections, the same numbers
 
     _export_loads_in_torchvision(run, tmp_path)

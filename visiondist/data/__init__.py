@@ -91,7 +91,7 @@ def build_classification_data(
     root = Path(cfg.root).expanduser()
     train_tf = ClassificationTransform(cfg, train=True, size=img_size, seed=seed)
     val_tf = ClassificationTransform(cfg, train=False, size=img_size, seed=seed)
-    train_set = ImageFolder(root / cfg.train_split, train_tf, train=True, max_bad_images=cfg.max_bad_images)
+    train_set = ImageFolder(root / cfg.train_split, train_tf, train=True, max_bad_images=cfg.get("max_bad_images", 10))
     val_set = ImageFolder(root / cfg.val_split, val_tf)
     _check_num_classes(cfg, len(train_set.classes), train_set.root, "class folders")
     if val_set.classes != train_set.classes:
