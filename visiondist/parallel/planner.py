@@ -175,3 +175,22 @@ def rank_memory(s: ViTShape, dp: int, tp: int, pp: int, global_batch: int, grad_
         detail={"rank": rank, "blocks": blocks, "micro_batch": micro, "in_flight": in_flight,
                 "param_tensors": params.tensors},
     )
+
+
+def saved_activation_bytes(module, *inputs) -> int:
+    """Measured: the bytes of the distinct storages autograd saves for the backward of `module(*inputs)`, parameters
+    left out (what the activation estimate models)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(*inputs)
+    return sum(seen.values())
