@@ -424,14 +424,14 @@ def plan_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
                 f"parallel.microbatches = {dp} x {ga} x {m}: each pipeline step splits a DP rank's batch into "
                 f"{m} equal micro-batches; use e.g. data.batch_size={max(1, math.ceil(d.batch_size / step)) * step}"
             )
-    elif (d.mixup > 0 or d.cutmix > 0) and (d.batch_size // (dp * ga)) % 2 and d.batch_size % (dp * ga) == 0:
-        raise ConfigError(f"data.mixup / data.cutmix mix each micro-batch with its reverse and need an even one, but "
-                          f"data.batch_size={d.batch_size} gives {d.batch_size // (dp * ga)} per rank and step: use an "
-                          f"even multiple of dp x trainer.grad_accum = {dp * ga}")
     elif d.batch_size % (dp * ga):
         step = dp * ga
         raise ConfigError(
             f"data.batch_size={d.batch_size} (global) is not divisible by dp x trainer.grad_accum = {dp} x {ga}: "
             f"use a multiple of {step}, e.g. data.batch_size={max(1, math.ceil(d.batch_size / step)) * step}"
         )
+    elif (d.mixup > 0 or d.cutmix > 0) and (d.batch_size // (dp * ga)) % 2:
+        raise ConfigError(f"data.mixup / data.cutmix mix each micro-batch with its reverse and need an even one, but "
+                          f"data.batch_size={d.batch_size} gives {d.batch_size // (dp * ga)} per rank and step: use an "
+                          f"even multiple of dp x trainer.grad_accum = {dp * ga}")
     return WorldPlan(accelerator, world, per_node, dp, p.tp, p.pp, under_torchrun)

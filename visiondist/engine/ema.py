@@ -24,7 +24,8 @@ class ModelEma:
         if not 0 < decay < 1:
             raise ValueError(f"EMA decay {decay} must be in (0, 1)")
         self.decay = decay
-        self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad]) or ((), ())
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.names, self.params = [n for n, _ in named], [p for _, p in named]
         self.shadow = [p.detach().clone() for p in self.params]
 
     @torch.no_grad()
@@ -42,19 +43,18 @@ class ModelEma:
     def named_shadows(self) -> Iterator[tuple[str, torch.Tensor, nn.Parameter]]:
         return zip(self.names, self.shadow, self.params)
 
+    @torch.no_grad()
+    def _swap(self) -> None:
+        for s, p in zip(self.shadow, self.params):
+            live = p.detach().clone()
+            p.copy_(s)
+            s.copy_(live)
+
     @contextmanager
     def swapped(self):
         """The averaged weights in the model for the duration of the block."""
-        with torch.no_grad():
-            for s, p in zip(self.shadow, self.params):
-                tmp = p.detach().clone()
-                p.copy_(s)
-                s.copy_(tmp)
+        self._swap()
         try:
             yield
         finally:
-            with torch.no_grad():
-                for s, p in zip(self.shadow, self.params):
-                    tmp = p.detach().clone()
-                    p.copy_(s)
-                    s.copy_(tmp)
+            self._swap()

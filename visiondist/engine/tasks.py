@@ -44,19 +44,15 @@ class ClassificationTask:
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         if self.mixup is not None and model.training:
+            from timm.loss import SoftTargetCrossEntropy
+
             images, soft = self.mixup(images, labels)  # label smoothing is folded into the soft targets
             with autocast:
                 logits = model(images)
-            return torch.sum(-soft * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
+            return SoftTargetCrossEntropy()(logits.float(), soft)
         with autocast:
             logits = model(images)
         return F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
-
-    def pipeline_loss(self):
-        """The loss the last pipeline stage computes from its logits and labels."""
-        import functools
-
-        return functools.partial(F.cross_entropy, label_smoothing=self.label_smoothing)
 
     def evaluate(self, model: nn.Module, layout: Layout, autocast, run_dir: Path) -> dict[str, Any]:
         from visiondist.engine.evaluate import evaluate_classification

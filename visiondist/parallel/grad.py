@@ -9,7 +9,7 @@ a different (wrong) norm and clips the shards and stages inconsistently.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -18,18 +18,23 @@ from visiondist.parallel.mesh import Layout
 from visiondist.parallel.tensor import PARTIAL_GRAD, SHARD_DIM
 
 
+def _all_reduce_flat(grads: list[torch.Tensor], all_reduce: Callable[[torch.Tensor], object]) -> None:
+    """Run `all_reduce` (in place) once on the gradients flattened into one buffer and copy the result back."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def finish_gradients(params: Iterable[torch.nn.Parameter], layout: Layout) -> None:
     """Sum, over TP, the gradients that are partial over tokens (sequence parallelism), in one flat all-reduce."""
     if layout.tp_comm is None:
         return
     grads = [p.grad for p in params if p.grad is not None and getattr(p, PARTIAL_GRAD, False)]
-    if not grads:
-        return
-    flat = layout.tp_comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]))
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    if grads:
+        _all_reduce_flat(grads, layout.tp_comm.all_reduce)
 
 
 def average_over_data_parallel(params: Iterable[torch.nn.Parameter], layout: Layout) -> None:
@@ -38,15 +43,13 @@ def average_over_data_parallel(params: Iterable[torch.nn.Parameter], layout: Lay
     if layout.dp == 1:
         return
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=layout.dp_group)
-    flat.div_(layout.dp)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+
+    def mean(flat: torch.Tensor) -> None:
+        dist.all_reduce(flat, group=layout.dp_group)
+        flat.div_(layout.dp)
+
+    if grads:
+        _all_reduce_flat(grads, mean)
 
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, layout: Layout) -> torch.Tensor:

@@ -186,9 +186,11 @@ def stage_indices(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
     return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
-def build_stages(model: nn.Module, pp_rank: int, pp: int, stages_per_rank: int) -> list[ViTStage]:
+def build_stages(model: nn.Module, pp_rank: int, pp: int, stages_per_rank: int,
+                 ranges: Optional[list[tuple[int, int]]] = None) -> list[ViTStage]:
+    """This rank's stages; `ranges`: the cut (default `block_ranges` of the model)."""
     n = pp * stages_per_rank
-    ranges = block_ranges(model, n)
+    ranges = ranges or block_ranges(model, n)
     return [ViTStage(model, *ranges[s], s == 0, s == n - 1) for s in stage_indices(pp_rank, pp, stages_per_rank)]
 
 
@@ -290,13 +292,13 @@ class PipelinedViT(nn.Module):
         self.stage_ids = stage_indices(layout.pp_rank, pp, spr)
         self.ranges = block_ranges(model, self.n_stages)
         self.is_first, self.is_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
+        stages = build_stages(model, layout.pp_rank, pp, spr, self.ranges)
         # this rank's parameters, registered under the model's own names
         if self.is_first:
             self.patch_embed, self.cls_token, self.pos_embed = model.patch_embed, model.cls_token, model.pos_embed
-        self.blocks = StageBlocks({str(i): model.blocks[i] for s in self.stage_ids for i in range(*self.ranges[s])})
+        self.blocks = StageBlocks({i: block for stage in stages for i, block in stage.blocks.items()})
         if self.is_last:
             self.norm, self.head_drop, self.head = model.norm, model.head_drop, model.head
-        stages = [ViTStage(model, *self.ranges[s], s == 0, s == self.n_stages - 1) for s in self.stage_ids]
         if sequence_parallel:  # the token split / gather that wraps the model's `blocks` now wraps each stage's
             from visiondist.parallel.tensor import SequenceRegion
 

@@ -90,12 +90,13 @@ def stage_params(s: ViTShape, tp: int, pp: int, stages_per_rank: int = 1) -> lis
     """Parameters of each pipeline rank (its stages together), in rank order."""
     n = pp * stages_per_rank
     ranges = stage_ranges(s, tp, n)
+    block = block_params(s, tp)
     ranks = []
     for r in range(pp):
         total = Tensors()
         for stage in range(r, n, pp):
             a, b = ranges[stage]
-            total = total + Tensors(block_params(s, tp).elements * (b - a), block_params(s, tp).tensors * (b - a))
+            total = total + Tensors(block.elements * (b - a), block.tensors * (b - a))
             if stage == 0:
                 total = total + embed_params(s)
             if stage == n - 1:
