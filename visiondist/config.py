@@ -104,6 +104,19 @@ class ParallelConfig:
     schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved_1f1b | zero_bubble
     stages_per_rank: int = -1  # virtual pipeline stages per rank; -1: 2 for interleaved_1f1b / zero_bubble, else 1
     microbatches: int = -1  # micro-batches per pipeline step (per DP rank); -1: 2 x pp
+    fsdp: bool = False  # shard parameters, gradients and optimizer state over the DP ranks (FSDP2, one unit per block)
+    offload: bool = False  # with fsdp: shards, gradients and optimizer state in host memory, optimizer on the CPU
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward (keeps its input)
+    # parallel=auto: choose dp / tp / pp / fsdp / offload / activation checkpointing from the memory and time model
+    auto: bool = False
+    device_memory_gb: float = 0.0  # per device; 0: the GPU's own (CUDA), or host memory / ranks (CPU)
+    num_devices: int = -1  # planning only (tools/plan.py): -1: trainer.devices x parallel.nodes
+    nodes: int = 1  # planning only: nodes of num_devices / nodes devices each (TP stays inside a node)
+    headroom: float = 0.9  # a layout fits when its estimate is at most this fraction of device_memory_gb
+    device_tflops: float = 400.0  # sustained dense rate per device (time model; ranks layouts, predicts no wall time)
+    intra_node_gbs: float = 300.0  # per-device link bandwidth inside a node, GB/s (NVLink class)
+    inter_node_gbs: float = 25.0  # per-device bandwidth between nodes, GB/s (200 Gb/s InfiniBand)
+    host_gbs: float = 25.0  # device <-> host copies (offload), GB/s
 
 
 @dataclass
@@ -323,6 +336,24 @@ def validate(cfg: DictConfig) -> None:
             f"parallel.tp={p.tp} does not divide the MLP hidden size {hidden} of {m.name} "
             f"(embed_dim x mlp_ratio): use parallel.tp in {{{good}}}"
         )
+    if p.fsdp and (p.tp > 1 or p.pp > 1):
+        raise ConfigError(f"parallel.fsdp=true shards over data parallel and does not combine with tp={p.tp} / "
+                          f"pp={p.pp} here: use parallel.fsdp=false, or tp=1 and pp=1")
+    if p.fsdp and m.family != "vit":
+        raise ConfigError(f"parallel.fsdp=true shards ViT classifiers; {m.name} is a detector: use DDP")
+    if p.offload and not p.fsdp:
+        raise ConfigError("parallel.offload=true moves FSDP's shards to host memory: set parallel.fsdp=true too")
+    if p.activation_checkpointing and m.family == "torchvision":
+        raise ConfigError(f"parallel.activation_checkpointing recomputes transformer blocks; {m.name} has none")
+    if p.auto and (p.tp > 1 or p.pp > 1 or p.dp != -1 or p.fsdp):
+        raise ConfigError("parallel=auto chooses dp / tp / pp / fsdp itself: drop parallel.dp/tp/pp/fsdp")
+    if p.auto and m.family != "vit":
+        raise ConfigError(f"parallel=auto plans ViT classifiers; for {m.name} use parallel=ddp")
+    for key in ("device_memory_gb", "device_tflops", "intra_node_gbs", "inter_node_gbs", "host_gbs"):
+        _positive(f"parallel.{key}", p[key], allow_zero=key == "device_memory_gb")
+    _positive("parallel.nodes", p.nodes)
+    if not 0 < p.headroom <= 1:
+        raise ConfigError(f"parallel.headroom={p.headroom} must be in (0, 1]")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards tokens across the TP group)")
     if p.pp > 1 and m.family != "vit":

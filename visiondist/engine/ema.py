@@ -51,10 +51,16 @@ class ModelEma:
             s.copy_(live)
 
     @contextmanager
-    def swapped(self):
-        """The averaged weights in the model for the duration of the block."""
+    def swapped(self, model: nn.Module | None = None):
+        """The averaged weights in the model for the duration of the block. Under FSDP, `model`'s gathered weights
+        are freed around each swap so that no forward sees stale copies."""
+        from visiondist.parallel.fsdp import reshard
+
+        sync = (lambda: reshard(model)) if model is not None else (lambda: None)
+        sync()
         self._swap()
         try:
             yield
         finally:
+            sync()
             self._swap()

@@ -41,6 +41,7 @@ from visiondist.parallel import (
     average_over_data_parallel,
     clip_grad_norm,
     finish_gradients,
+    local_numel,
     parallelize,
     unwrap,
 )
@@ -109,11 +110,10 @@ class Trainer:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=layout.dp_group)
         self.num_params = sum(p.numel() for p in model.parameters())
         loss_fn = functools.partial(torch.nn.functional.cross_entropy, label_smoothing=t.label_smoothing)
-        self.model = parallelize(model, layout, cfg.parallel.sequence_parallel, PipelineSpec.from_config(cfg.parallel),
-                                 loss_fn)
+        self.model = _parallelize(model, cfg, layout, loss_fn)
         self.pipeline = self.model if isinstance(self.model, PipelinedViT) else None
         self.bubble: float | None = None  # measured on one step of a pipelined run
-        self.rank_params = sum(p.numel() for p in self.model.parameters())
+        self.rank_params = sum(local_numel(p) for p in self.model.parameters())
         self.optimizer = build_optimizer(cfg.optim, unwrap(self.model), cfg.model.depth)  # over this rank's shards
         self.ema = ModelEma(unwrap(self.model), t.ema_decay) if t.ema_decay > 0 else None
 
@@ -182,7 +182,10 @@ class Trainer:
 
     @property
     def layout_text(self) -> str:
-        return self.layout.describe() + (" +SP" if self.cfg.parallel.sequence_parallel else "")
+        p = self.cfg.parallel
+        extras = [("+SP", p.sequence_parallel), ("+FSDP", p.fsdp), ("+offload", p.offload),
+                  ("+activation checkpointing", p.activation_checkpointing)]
+        return " ".join([self.layout.describe(), *(text for text, on in extras if on)])
 
     # -- one optimizer step --------------------------------------------------------------------------------------
     def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +232,7 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         ema_metrics = {}
         if self.ema is not None:  # first, so that files the evaluation writes (per_class.json) are the model's
-            with self.ema.swapped():
+            with self.ema.swapped(self.model):
                 ema = self.task.evaluate(unwrap(self.model), self.layout, self.autocast, self.run_dir)
             ema_metrics = {f"val_ema_{k[4:]}": ema[k] for k in self.task.ema_keys}
         metrics = {**self.task.evaluate(unwrap(self.model), self.layout, self.autocast, self.run_dir), **ema_metrics}
@@ -415,6 +418,12 @@ class Trainer:
         return summary
 
 
+def _parallelize(model: torch.nn.Module, cfg: DictConfig, layout: Layout, loss_fn=None) -> torch.nn.Module:
+    p = cfg.parallel
+    return parallelize(model, layout, p.sequence_parallel, PipelineSpec.from_config(p), loss_fn, fsdp=p.fsdp,
+                       offload=p.offload, activation_checkpointing=p.activation_checkpointing)
+
+
 def autocast_for(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if str(precision) == "bf16" else nullcontext()
 
@@ -444,8 +453,7 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     checkpoint = Path(cfg.model.weights) if cfg.model.weights and Path(cfg.model.weights).is_dir() else None
     if checkpoint is not None:  # a DCP checkpoint directory: read into whatever layout this run has
         cfg.model.weights = None
-    model = parallelize(build_model(cfg.model).to(layout.device), layout, cfg.parallel.sequence_parallel,
-                        PipelineSpec.from_config(cfg.parallel))
+    model = _parallelize(build_model(cfg.model).to(layout.device), cfg, layout)
     if checkpoint is not None:
         load_model_state(checkpoint, unwrap(model), layout)
         cfg.model.weights = str(checkpoint)

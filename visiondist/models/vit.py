@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -65,8 +66,14 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.drop_path = DropPath(drop_path)
+        self.checkpointing = False  # keep only the input for the backward and recompute the rest there
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing and torch.is_grad_enabled():  # non-reentrant: RNG (drop path) replayed, kwargs-safe
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop_path(self.attn(self.norm1(x)))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 

@@ -11,6 +11,14 @@ from typing import Callable, Optional
 from torch import nn
 
 from visiondist.parallel.data import unwrap, wrap_data_parallel
+from visiondist.parallel.fsdp import (
+    apply_fsdp,
+    enable_activation_checkpointing,
+    is_fully_sharded,
+    local_numel,
+    match_forward_count,
+    reshard,
+)
 from visiondist.parallel.grad import average_over_data_parallel, clip_grad_norm, finish_gradients
 from visiondist.parallel.mesh import Layout, build_layout
 from visiondist.parallel.pipeline import PipelinedViT, PipelineSpec
@@ -24,21 +32,35 @@ __all__ = [
     "build_layout",
     "clip_grad_norm",
     "finish_gradients",
+    "enable_activation_checkpointing",
     "full_state_dict",
+    "is_fully_sharded",
+    "local_numel",
+    "match_forward_count",
     "parallelize",
+    "reshard",
     "unwrap",
 ]
 
 
 def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = False,
-                pipeline: Optional[PipelineSpec] = None, loss_fn: Optional[Callable] = None) -> nn.Module:
+                pipeline: Optional[PipelineSpec] = None, loss_fn: Optional[Callable] = None, fsdp: bool = False,
+                offload: bool = False, activation_checkpointing: bool = False) -> nn.Module:
     """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out over the mesh.
 
     With `layout.pp > 1` the result is this rank's `PipelinedViT` (its stages, TP-sharded inside when tp > 1); its
     gradients are averaged over data parallel by `average_over_data_parallel` after the schedule's backward, as
     Megatron does, instead of by a DDP wrapper; its last stage computes `loss_fn(logits, labels)` (default: cross
-    entropy). Otherwise it is the model, under DDP when dp > 1.
+    entropy). With `fsdp` it is the model fully sharded over DP (FSDP2; `offload` keeps the shards in host memory).
+    Otherwise it is the model, under DDP when dp > 1. `activation_checkpointing` recomputes each block's activations
+    in the backward, under any layout.
     """
+    if activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if fsdp:
+        if layout.tp > 1 or layout.pp > 1:
+            raise ValueError("FSDP shards over data parallel only here: use tp=1 and pp=1 with fsdp")
+        return apply_fsdp(model, layout, offload)
     if layout.tp > 1:
         model = apply_tensor_parallel(model, layout.tp_comm, sequence_parallel)
     if layout.pp > 1:

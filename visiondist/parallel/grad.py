@@ -3,7 +3,8 @@
 After the data-parallel average the gradients are identical on every replica, so only the model-parallel dims
 matter for the norm. A TP shard's gradient is a piece of the full gradient: its squares are summed over the TP group.
 A replicated parameter's gradient is the same on every TP rank: it is counted once. Pipeline stages hold disjoint
-parameters: their squares are summed over the PP group. Calling `clip_grad_norm_` per rank instead gives each rank
+parameters: their squares are summed over the PP group. FSDP's gradients are DTensor shards: DTensor reduces the
+norm over their mesh. Calling `clip_grad_norm_` per rank instead gives each rank
 a different (wrong) norm and clips the shards and stages inconsistently.
 """
 
@@ -13,6 +14,7 @@ from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from visiondist.parallel.mesh import Layout
 from visiondist.parallel.tensor import PARTIAL_GRAD, SHARD_DIM
@@ -56,6 +58,11 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, layout
     """Global L2 norm of the gradients over every shard, clipped to `max_norm` when it is > 0; returns the norm
     before clipping (the same on every rank)."""
     params = [p for p in params if p.grad is not None]
+    if any(isinstance(p.grad, DTensor) for p in params):  # FSDP: DTensor shards, reduced over their DP mesh
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        return norm.full_tensor().float()
     sharded = [p.grad for p in params if getattr(p, SHARD_DIM, None) is not None]
     replicated = [p.grad for p in params if getattr(p, SHARD_DIM, None) is None]
 

@@ -1,0 +1,88 @@
+"""Fully sharded data parallelism (FSDP2 `fully_shard`) over the mesh's "dp" dim, and activation checkpointing.
+
+Each transformer block is its own FSDP unit and the root holds the rest (patch embedding, norm, head). Parameters,
+gradients and optimizer state are sharded over the DP ranks (dim 0 of each tensor, as DTensors); a block's full
+weights exist only while it runs, gathered just before and freed after. With `offload` the shards, their gradients
+and the optimizer state live in host memory and the optimizer steps on the CPU (FSDP2's `CPUOffloadPolicy`): the
+device then holds only the gathered blocks in flight and the activations.
+
+Parameter names are unchanged, so the optimizer's groups, checkpoints (DCP reads and writes the DTensor shards
+under their global shapes, so any layout resumes from them), EMA and export work as under DDP.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from visiondist.parallel.mesh import Layout
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    from visiondist.models.vit import Block
+
+    return [m for m in model.modules() if isinstance(m, Block)]
+
+
+def enable_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute every transformer block's activations in the backward (each block keeps only its input). Returns
+    the number of blocks; a model without blocks is an error."""
+    blocks = _blocks(model)
+    if not blocks:
+        raise ValueError(f"activation checkpointing works per transformer block; {type(model).__name__} has none: "
+                         "drop parallel.activation_checkpointing")
+    for block in blocks:
+        block.checkpointing = True
+    return len(blocks)
+
+
+def apply_fsdp(model: nn.Module, layout: Layout, offload: bool = False) -> nn.Module:
+    """Shard `model` over the DP ranks in place: one FSDP unit per block, the root over the rest."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    mesh = layout.mesh["dp"]
+    policy = CPUOffloadPolicy(pin_memory=layout.device.type == "cuda") if offload else OffloadPolicy()
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
+    return model
+
+
+def is_fully_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free every gathered copy of the weights (FSDP keeps the root's after a forward without backward), so that the
+    next forward gathers the shards again. Needed before and after the shards are changed outside the optimizer
+    (the EMA's swap)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def local_numel(param: torch.Tensor) -> int:
+    """Elements this rank stores (a DTensor's local shard)."""
+    return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
+
+
+def match_forward_count(model: nn.Module, layout: Layout, done: int, autocast=None) -> None:
+    """Under FSDP every forward gathers weights from all DP ranks, so each rank must run as many forwards as the
+    busiest: a rank whose evaluation shard ran out runs forwards of one blank image (results unused)."""
+    if not is_fully_sharded(model) or layout.dp == 1:
+        return
+    most = torch.tensor([done], dtype=torch.int64, device=layout.device)
+    dist.all_reduce(most, op=dist.ReduceOp.MAX, group=layout.dp_group)
+    size = model.patch_embed.img_size
+    blank = torch.zeros(1, 3, size, size, device=layout.device)
+    for _ in range(int(most.item()) - done):
+        with autocast or nullcontext():
+            model(blank)
