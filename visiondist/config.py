@@ -380,6 +380,10 @@ class WorldPlan:
     under_torchrun: bool
 
 
+def under_torchrun(env: dict[str, str]) -> bool:
+    return "TORCHELASTIC_RUN_ID" in env or ("WORLD_SIZE" in env and "LOCAL_RANK" in env)
+
+
 def plan_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> WorldPlan:
     """Resolve accelerator, world size and the dp degree; check them against the devices present.
 
@@ -396,8 +400,8 @@ def plan_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
     if cfg.model.sync_bn and accelerator != "cuda":
         raise ConfigError("model.sync_bn=true needs CUDA (SyncBatchNorm does not run on the CPU): drop it on the CPU")
     model_parallel = p.tp * p.pp
-    under_torchrun = "TORCHELASTIC_RUN_ID" in env or ("WORLD_SIZE" in env and "LOCAL_RANK" in env)
-    if under_torchrun:
+    torchrun = under_torchrun(env)
+    if torchrun:
         world = int(env["WORLD_SIZE"])
         per_node = int(env.get("LOCAL_WORLD_SIZE", world))
         if t.devices > 0 and t.devices != per_node:
@@ -465,4 +469,4 @@ def plan_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
         raise ConfigError(f"data.mixup / data.cutmix mix each micro-batch with its reverse and need an even one, but "
                           f"data.batch_size={d.batch_size} gives {d.batch_size // (dp * ga)} per rank and step: use an "
                           f"even multiple of dp x trainer.grad_accum = {dp * ga}")
-    return WorldPlan(accelerator, world, per_node, dp, p.tp, p.pp, under_torchrun)
+    return WorldPlan(accelerator, world, per_node, dp, p.tp, p.pp, torchrun)

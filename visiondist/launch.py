@@ -11,6 +11,7 @@ the resolved config as a plain dict, never a fresh composition.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import os
 import uuid
@@ -95,7 +96,56 @@ def _shared_run_dir(cfg: DictConfig) -> Path:
     return Path(box[0])
 
 
-def run_rank(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: Optional[str]) -> Any:
+def device_memory_gb(accelerator: str, per_node: int) -> float:
+    """Memory of one device: the GPU's, or on the CPU the host's divided between the node's ranks."""
+    if accelerator == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory / 1e9
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / per_node
+
+
+def resolve_auto(cfg: DictConfig, env: dict, cuda_devices: int) -> tuple[DictConfig, Any]:
+    """`parallel=auto`: plan the layouts on the devices this job has (or `parallel.device_memory_gb` each), print
+    the table and the reason, and return the config with the chosen `parallel.*` fields (and the plan)."""
+    from rich.console import Console
+
+    from visiondist.config import under_torchrun, validate
+    from visiondist.parallel.planner import plan_config
+
+    t, p = cfg.trainer, cfg.parallel
+    accelerator = t.accelerator if t.accelerator != "auto" else ("cuda" if cuda_devices else "cpu")
+    if under_torchrun(env):
+        world = int(env["WORLD_SIZE"])
+        per_node = int(env.get("LOCAL_WORLD_SIZE", world))
+    elif t.devices > 0:
+        world = per_node = t.devices
+    elif accelerator == "cuda" and cuda_devices:
+        world = per_node = cuda_devices
+    else:
+        raise ConfigError("parallel=auto on the CPU needs the number of ranks: set trainer.devices=N")
+    memory = p.device_memory_gb or device_memory_gb(accelerator, per_node)
+    plan = plan_config(cfg, world, max(1, world // per_node), memory)
+    if plan.choice is None:
+        raise ConfigError(f"parallel=auto: {plan.reason}")
+    cfg = cfg.copy()
+    for key, value in plan.choice.candidate.overrides().items():
+        cfg.parallel[key] = value
+    cfg.parallel.auto = False
+    cfg.parallel.name = "auto"
+    validate(cfg)
+    if env.get("RANK", "0") == "0":
+        console = Console(width=120)
+        console.print(plan.table(f"parallel=auto: {cfg.model.name} on {world} devices of {memory:.3g} GB"))
+        console.print(f"parallel=auto chose [bold]{plan.choice.candidate.name}[/bold]: {plan.reason}")
+    return cfg, plan
+
+
+def _write_plan(run_dir: Path, plan: Any) -> None:
+    (run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=1))
+    (run_dir / "plan.txt").write_text(plan.text(f"parallel=auto on {plan.hardware.devices} devices") + "\n"
+                                      + f"chose {plan.choice.candidate.name}: {plan.reason}\n")
+
+
+def run_rank(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: Optional[str], auto_plan: Any = None) -> Any:
     """Body of every rank: process group, device, mesh, then `entry`."""
     from visiondist.parallel import build_layout
 
@@ -103,6 +153,8 @@ def run_rank(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: Optional[st
     device, local_rank = _init_rank(plan, single=plan.world_size == 1 and not plan.under_torchrun)
     try:
         path = Path(run_dir) if run_dir else _shared_run_dir(cfg)
+        if auto_plan is not None and run_dir is None and dist.get_rank() == 0:
+            _write_plan(path, auto_plan)
         layout = build_layout(plan.dp, plan.tp, plan.pp, device, local_rank)
         return entry(cfg, layout, path)
     finally:
@@ -117,12 +169,18 @@ def _elastic_worker(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: str)
 def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> WorldPlan:
     """Validate the world against the devices, then run `entry` on every rank. Errors surface before any spawn."""
     env = dict(os.environ) if env is None else env
+    auto_plan = None
+    if cfg.parallel.auto:
+        cfg, auto_plan = resolve_auto(cfg, env, cuda_device_count())
     plan = plan_world(cfg, env, cuda_device_count())
     cfg_dict = to_container(cfg)
     if plan.under_torchrun:
-        run_rank(entry, cfg_dict, plan, None)
+        run_rank(entry, cfg_dict, plan, None, auto_plan)
         return plan
-    run_dir = str(new_run_dir(cfg))
+    run_dir = new_run_dir(cfg)
+    if auto_plan is not None:
+        _write_plan(run_dir, auto_plan)
+    run_dir = str(run_dir)
     if plan.world_size == 1:
         run_rank(entry, cfg_dict, plan, run_dir)
         return plan

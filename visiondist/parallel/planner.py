@@ -6,17 +6,30 @@ pipeline stage (stages are cut exactly as `visiondist.parallel.pipeline.block_ra
 shards follow the plan in `visiondist.parallel.tensor`: q, k, v and fc1 split by rows (weight and bias), proj and fc2
 by columns (weight only); norms, embeddings and the head are replicated.
 
-Activations are an estimate: the tensors a block saves for its backward, per micro-batch in flight.
+Under FSDP each tensor is sharded along dim 0 (padded to equal chunks, as FSDP2 does) and the gathered weights of
+the blocks in flight are counted as buffers; with offload the shards, gradients and optimizer state are host memory.
+
+Activations are an estimate: the tensors a block saves for its backward, per micro-batch in flight (with activation
+checkpointing: each block's input, plus one block's full set while it is recomputed).
+
+`plan` enumerates the layouts the trainer can run on a number of devices (TP inside a node, dividing the heads;
+pipeline stages; FSDP with or without offload; activation checkpointing), keeps those whose busiest rank fits the
+device with headroom, and ranks them by a simple time model: FLOPs / device rate, with the pipeline bubble, plus
+collective bytes / link bandwidth (NVLink-class inside a node, network between nodes, PCIe to the host), counted as
+exposed. The model ranks layouts; it does not predict wall time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from visiondist.parallel.pipeline import MULTI_STAGE, balance, microbatches_for, stages_per_rank_for
 
 FLOAT = 4  # parameters, gradients and optimizer state are fp32 whatever the autocast precision
+GB = 1e9
+HOST_MEMORY_GBS = 50.0  # host memory bandwidth for the offloaded (CPU) optimizer step
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,27 @@ def embed_params(s: ViTShape) -> Tensors:
 def head_params(s: ViTShape) -> Tensors:
     d = s.embed_dim
     return Tensors(2 * d + d * s.num_classes + s.num_classes, 4)  # final norm, head
+
+
+def tensor_shapes(s: ViTShape) -> list[tuple[int, ...]]:
+    """Every parameter's shape, in the model's order (embedding, blocks, norm, head)."""
+    d, h, t = s.embed_dim, s.hidden, s.tokens
+    block = [(d,), (d,)]  # norm1
+    for _ in range(3):  # q, k, v
+        block += [(d, d)] + ([(d,)] if s.qkv_bias else [])
+    block += [(d, d), (d,), (d,), (d,), (h, d), (h,), (d, h), (d,)]  # proj, norm2, fc1, fc2
+    embed = [(d, 3, s.patch_size, s.patch_size), (d,), (1, 1, d), (1, t, d)]
+    head = [(d,), (d,), (s.num_classes, d), (s.num_classes,)]
+    return embed + block * s.depth + head
+
+
+def fsdp_shard(s: ViTShape, n: int, rank: int = 0) -> Tensors:
+    """What FSDP2 stores on `rank` of `n`: its chunk of ceil(dim0 / n) rows of every tensor (rank 0 has the most)."""
+    elements = 0
+    for shape in tensor_shapes(s):
+        chunk = math.ceil(shape[0] / n)
+        elements += max(0, min(chunk, shape[0] - rank * chunk)) * math.prod(shape[1:])
+    return Tensors(elements, len(tensor_shapes(s)))
 
 
 def stage_ranges(s: ViTShape, tp: int, n_stages: int) -> list[tuple[int, int]]:
@@ -136,11 +170,15 @@ def microbatches_in_flight(schedule: str, pp: int, microbatches: int) -> int:
 
 @dataclass
 class RankMemory:
+    """Bytes on one rank. `device` is what the accelerator must hold; offloaded state is in `host` instead."""
+
     params: int
     grads: int
     optimizer: int
     ema: int
     activations: int
+    buffers: int = 0  # DDP's gradient buckets / the flat all-reduce copy; FSDP's gathered blocks in flight
+    offloaded: bool = False
     detail: dict = field(default_factory=dict)
 
     @property
@@ -148,34 +186,322 @@ class RankMemory:
         return self.params + self.grads + self.optimizer + self.ema
 
     @property
+    def device(self) -> int:
+        return (0 if self.offloaded else self.state) + self.activations + self.buffers
+
+    @property
+    def host(self) -> int:
+        return self.state if self.offloaded else 0
+
+    @property
     def total(self) -> int:
-        return self.state + self.activations
+        return self.state + self.activations + self.buffers
+
+
+def _act_size(precision: str) -> int:
+    return 2 if str(precision) == "bf16" else 4
 
 
 def rank_memory(s: ViTShape, dp: int, tp: int, pp: int, global_batch: int, grad_accum: int = 1,
                 optimizer: str = "adamw", ema: bool = False, precision: str = "32", schedule: str = "1f1b",
-                stages_per_rank: int = -1, microbatches: int = -1, pp_rank: Optional[int] = None) -> RankMemory:
+                stages_per_rank: int = -1, microbatches: int = -1, pp_rank: Optional[int] = None,
+                fsdp: bool = False, offload: bool = False, checkpointing: bool = False,
+                sequence_parallel: bool = False) -> RankMemory:
     """Bytes on the busiest rank (or on `pp_rank`'s ranks) of the layout."""
     spr = stages_per_rank_for(schedule, stages_per_rank) if pp > 1 else 1
     m = microbatches_for(pp, microbatches) if pp > 1 else grad_accum
     per_rank = stage_params(s, tp, pp, spr)
     rank = max(range(pp), key=lambda r: per_rank[r].elements) if pp_rank is None else pp_rank
-    params = per_rank[rank]
+    params = fsdp_shard(s, dp) if fsdp else per_rank[rank]
     local_batch = global_batch // dp
     micro = local_batch // (grad_accum * (m if pp > 1 else 1))
     ranges = stage_ranges(s, tp, pp * spr)
     blocks = sum(b - a for stage, (a, b) in enumerate(ranges) if stage % pp == rank)
     in_flight = microbatches_in_flight(schedule, pp, m)
-    act = blocks * in_flight * block_activation_bytes(s, micro, tp, precision)
+    block_act = block_activation_bytes(s, micro, tp, precision)
+    if checkpointing:  # each block keeps its input (token-sharded under SP); one block is recomputed at a time
+        kept = micro * s.tokens * s.embed_dim * _act_size(precision) // (tp if sequence_parallel else 1)
+        act = blocks * in_flight * kept + block_act
+    else:
+        act = blocks * in_flight * block_act
+    block = block_params(s, tp).elements
+    if fsdp:  # two blocks gathered (the running one and the prefetched next), one block's full gradient, the root
+        root = embed_params(s).elements + head_params(s).elements
+        buffers = FLOAT * (3 * block + 2 * root)
+    elif dp > 1:  # DDP's buckets, or the pipeline's flat all-reduce: a copy of the gradients
+        buffers = FLOAT * params.elements
+    else:
+        buffers = 0
     return RankMemory(
         params=FLOAT * params.elements,
         grads=FLOAT * params.elements,
         optimizer=optimizer_bytes(params, optimizer),
         ema=FLOAT * params.elements if ema else 0,
         activations=act,
+        buffers=buffers,
+        offloaded=offload,
         detail={"rank": rank, "blocks": blocks, "micro_batch": micro, "in_flight": in_flight,
-                "param_tensors": params.tensors},
+                "param_tensors": params.tensors, "microbatches": m},
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Time model and the layout search
+
+
+def train_flops_per_image(s: ViTShape, checkpointing: bool = False) -> float:
+    """Forward + backward FLOPs of one image (matmuls, attention, patch embedding); backward = 2 x forward, and
+    activation checkpointing runs the forward once more."""
+    t, d, h = s.tokens, s.embed_dim, s.hidden
+    block = 2 * t * (4 * d * d + 2 * d * h) + 4 * t * t * d
+    forward = s.depth * block + 2 * (t - 1) * 3 * s.patch_size**2 * d + 2 * d * s.num_classes
+    return forward * (4 if checkpointing else 3)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    devices: int
+    nodes: int = 1
+    memory_gb: float = 80.0
+    headroom: float = 0.9
+    tflops: float = 400.0
+    intra_node_gbs: float = 300.0
+    inter_node_gbs: float = 25.0
+    host_gbs: float = 25.0
+
+    @property
+    def per_node(self) -> int:
+        return self.devices // self.nodes
+
+    @property
+    def budget(self) -> float:
+        return self.headroom * self.memory_gb * GB
+
+
+@dataclass(frozen=True)
+class Candidate:
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    fsdp: bool = False
+    offload: bool = False
+    checkpointing: bool = False
+    microbatches: int = 1
+
+    @property
+    def name(self) -> str:
+        parts = []
+        if self.fsdp:
+            parts.append(f"fsdp{self.dp}")
+        elif self.dp > 1 or (self.tp == 1 and self.pp == 1):
+            parts.append(f"ddp{self.dp}" if self.tp * self.pp > 1 else f"ddp{self.dp}")
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}(m={self.microbatches})")
+        text = " x ".join(parts)
+        return text + (" +offload" if self.offload else "") + (" +ckpt" if self.checkpointing else "")
+
+    def overrides(self) -> dict:
+        """The `parallel.*` fields that select this layout."""
+        out = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "fsdp": self.fsdp, "offload": self.offload,
+               "activation_checkpointing": self.checkpointing}
+        if self.pp > 1:
+            out.update(schedule="1f1b", stages_per_rank=1, microbatches=self.microbatches)
+        return out
+
+
+def step_seconds(s: ViTShape, c: Candidate, hw: Hardware, global_batch: int, mem: RankMemory,
+                 precision: str = "32") -> dict:
+    """Estimated seconds per optimizer step: compute (with the 1F1B bubble), plus each collective's bytes over the
+    link it crosses (TP inside a node; DP / PP over the network once they span nodes; offload over PCIe)."""
+    world = c.dp * c.tp * c.pp
+    rate = hw.tflops * 1e12
+    compute = global_batch * train_flops_per_image(s, c.checkpointing) / (world * rate)
+    if c.pp > 1:
+        compute *= (c.microbatches + c.pp - 1) / c.microbatches
+    multi_node = world > hw.per_node
+    dp_bw = (hw.inter_node_gbs if c.dp * c.tp > hw.per_node else hw.intra_node_gbs) * GB
+    act = _act_size(precision)
+    local_batch = global_batch // c.dp
+    grad_bytes = mem.grads
+    comm = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "host": 0.0}
+    if c.dp > 1:
+        ring = (c.dp - 1) / c.dp
+        if c.fsdp:  # all-gather in forward and backward, reduce-scatter of the gradients
+            comm["dp"] = 3 * ring * FLOAT * sum(math.prod(x) for x in tensor_shapes(s)) / dp_bw
+        else:
+            comm["dp"] = 2 * ring * grad_bytes / dp_bw
+    if c.tp > 1:  # two all-reduces per block forward, two in backward (+2 when the forward is recomputed)
+        per_block = (6 if c.checkpointing else 4) * 2 * (c.tp - 1) / c.tp * local_batch * s.tokens * s.embed_dim * act
+        comm["tp"] = mem.detail["blocks"] * per_block / (hw.intra_node_gbs * GB)
+    if c.pp > 1:  # each micro-batch's activations forward and their gradients back, per stage boundary
+        pp_bw = (hw.inter_node_gbs if multi_node else hw.intra_node_gbs) * GB
+        comm["pp"] = 2 * local_batch * s.tokens * s.embed_dim * act / pp_bw
+    if c.offload:  # shards up twice (forward, backward), gradients down; AdamW on the host
+        shard = mem.params
+        comm["host"] = 3 * shard / (hw.host_gbs * GB) + 7 * shard / (HOST_MEMORY_GBS * GB)
+    return {"compute": compute, **comm, "total": compute + sum(comm.values())}
+
+
+@dataclass
+class PlanRow:
+    candidate: Candidate
+    memory: Optional[RankMemory]
+    seconds: Optional[dict]
+    fits: bool
+    note: str = ""
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1) -> list[tuple[Candidate, str]]:
+    """Every layout the trainer runs on `hw.devices` devices; a non-empty string says why one cannot run."""
+    out = []
+    for tp in _divisors(hw.per_node):
+        if s.num_heads % tp or s.hidden % tp:
+            continue
+        for pp in _divisors(hw.devices // tp):
+            if pp > s.depth:
+                continue
+            dp = hw.devices // (tp * pp)
+            layouts = [(False, False)]
+            if tp == 1 and pp == 1:
+                layouts += [(True, False), (True, True)] if dp > 1 else [(True, True)]
+            for fsdp, offload in layouts:
+                for ckpt in (False, True):
+                    m, why = 1, ""
+                    if pp > 1:
+                        local = global_batch // dp // grad_accum if global_batch % (dp * grad_accum) == 0 else 0
+                        fitting = [k * pp for k in (8, 4, 2, 1) if local and local % (k * pp) == 0]
+                        m = fitting[0] if fitting else 2 * pp
+                        if not fitting:
+                            why = f"batch {global_batch} does not split into dp x grad_accum x {pp}k micro-batches"
+                    elif global_batch % (dp * grad_accum):
+                        why = f"batch {global_batch} is not divisible by dp x grad_accum = {dp * grad_accum}"
+                    out.append((Candidate(dp, tp, pp, fsdp, offload, ckpt, m), why))
+    return out
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.3g} s" if seconds >= 1 else f"{1e3 * seconds:.3g} ms"
+
+
+@dataclass
+class Plan:
+    shape: ViTShape
+    hardware: Hardware
+    global_batch: int
+    rows: list[PlanRow]
+    choice: Optional[PlanRow]
+    reason: str
+    layer_state: int = 0  # bytes of one whole block's parameters, gradients, optimizer state (and EMA)
+
+    def table(self, title: str = ""):
+        """A rich Table: per-rank GB by component, estimated step time, fits."""
+        from rich.table import Table
+
+        table = Table(title=title or None, title_justify="left", caption="GB per device (busiest rank); state = "
+                      "parameters + gradients + optimizer (+ EMA); step: time model", caption_justify="left")
+        table.add_column("layout", no_wrap=True)
+        for col in ("state", "activations", "buffers", "device", "host", "step", "fits"):
+            table.add_column(col, justify="right")
+        for row in self.rows:
+            m = row.memory
+            chosen = row is self.choice
+            cells = [row.candidate.name]
+            if m is None:
+                cells += ["-"] * 5 + ["-", f"no: {row.note}"]
+            else:
+                cells += [f"{m.state / GB:.2f}", f"{m.activations / GB:.2f}", f"{m.buffers / GB:.2f}",
+                          f"{m.device / GB:.2f}", f"{m.host / GB:.2f}" if m.offloaded else "-",
+                          _duration(row.seconds["total"]), "yes" if row.fits else "no"]
+            table.add_row(*cells, style="bold green" if chosen else ("dim" if not row.fits else None))
+        return table
+
+    def text(self, title: str = "", width: int = 120) -> str:
+        from rich.console import Console
+
+        console = Console(width=width, record=True, file=open("/dev/null", "w"))
+        console.print(self.table(title))
+        return console.export_text()
+
+    def to_json(self) -> dict:
+        return {
+            "hardware": self.hardware.__dict__,
+            "global_batch": self.global_batch,
+            "layer_state_gb": self.layer_state / GB,
+            "choice": None if self.choice is None else self.choice.candidate.__dict__,
+            "reason": self.reason,
+            "rows": [{"layout": r.candidate.name, **r.candidate.__dict__, "fits": r.fits, "note": r.note,
+                      **({"device_gb": r.memory.device / GB, "host_gb": r.memory.host / GB,
+                          "state_gb": r.memory.state / GB, "activations_gb": r.memory.activations / GB,
+                          "buffers_gb": r.memory.buffers / GB, "step_s": r.seconds["total"]} if r.memory else {})}
+                     for r in self.rows],
+        }
+
+
+def _evaluate(s, hw, global_batch, grad_accum, optimizer, ema, precision) -> list[PlanRow]:
+    rows = []
+    for c, why in candidates(s, hw, global_batch, grad_accum):
+        if why:
+            rows.append(PlanRow(c, None, None, False, why))
+            continue
+        mem = rank_memory(s, c.dp, c.tp, c.pp, global_batch, grad_accum, optimizer, ema, precision,
+                          microbatches=c.microbatches if c.pp > 1 else -1, fsdp=c.fsdp, offload=c.offload,
+                          checkpointing=c.checkpointing)
+        if mem.detail["micro_batch"] < 1:
+            rows.append(PlanRow(c, None, None, False, "fewer than one image per micro-batch"))
+            continue
+        rows.append(PlanRow(c, mem, step_seconds(s, c, hw, global_batch, mem, precision),
+                            mem.device <= hw.budget))
+    return rows
+
+
+def _complexity(c: Candidate) -> tuple:
+    return (c.offload, c.fsdp, c.pp > 1, c.tp > 1, c.checkpointing, c.pp, c.tp)
+
+
+def plan(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1, optimizer: str = "adamw",
+         ema: bool = False, precision: str = "32", max_nodes: int = 1024) -> Plan:
+    """The candidates on `hw`, the fastest that fits (ties: the simpler layout), and why it was chosen. When none
+    fits, `choice` is None and `reason` names the smallest device count (whole nodes) on which one would."""
+    rows = _evaluate(s, hw, global_batch, grad_accum, optimizer, ema, precision)
+    block = block_params(s)
+    layer = (3 if ema else 2) * FLOAT * block.elements + optimizer_bytes(block, optimizer)
+    fit = [r for r in rows if r.fits]
+    rows.sort(key=lambda r: (r.memory is None, not r.fits, r.seconds["total"] if r.seconds else 0,
+                             _complexity(r.candidate)))
+    budget = f"{hw.budget / GB:.3g} GB ({100 * hw.headroom:.0f}% of {hw.memory_gb:g} GB)"
+    ddp = next((r for r in rows if r.memory and r.candidate == Candidate(hw.devices)), None)
+    if fit:
+        best = min(fit, key=lambda r: (round(r.seconds["total"], 12), _complexity(r.candidate)))
+        if best.candidate == Candidate(hw.devices):
+            reason = (f"the whole training state fits each device under DDP: {best.memory.device / GB:.3g} GB of "
+                      f"{budget} per device")
+        else:
+            why_not = (f"DDP would need {ddp.memory.device / GB:.3g} GB per device, over the {budget} budget"
+                       if ddp is not None and not ddp.fits else "DDP is slower here")
+            reason = (f"{why_not}; {best.candidate.name} is the fastest of {len(fit)} layouts that fit: "
+                      f"{best.memory.device / GB:.3g} GB per device, about {_duration(best.seconds['total'])} per step "
+                      "in the time model")
+        return Plan(s, hw, global_batch, rows, best, reason, layer)
+    smallest = None
+    per_node = hw.per_node
+    for nodes in range(hw.nodes + 1, max_nodes + 1):
+        bigger = replace(hw, devices=nodes * per_node, nodes=nodes)
+        if any(r.fits for r in _evaluate(s, bigger, global_batch, grad_accum, optimizer, ema, precision)):
+            smallest = bigger
+            break
+    if smallest is not None:
+        reason = (f"no layout fits {hw.devices} devices of {budget}: the smallest that fits is {smallest.devices} "
+                  f"devices ({smallest.nodes} nodes of {per_node})")
+    else:
+        reason = (f"no layout fits {hw.devices} devices of {budget}, nor any count up to {max_nodes} nodes of "
+                  f"{per_node}: use larger devices, a smaller batch or model, or bf16 precision")
+    return Plan(s, hw, global_batch, rows, None, reason, layer)
 
 
 def saved_activation_bytes(module, *inputs) -> int:
@@ -195,3 +521,22 @@ def saved_activation_bytes(module, *inputs) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         module(*inputs)
     return sum(seen.values())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# From a training config
+
+
+def hardware_from_config(p, devices: int, nodes: int, memory_gb: float) -> Hardware:
+    return Hardware(devices, nodes, memory_gb, float(p.headroom), float(p.device_tflops), float(p.intra_node_gbs),
+                    float(p.inter_node_gbs), float(p.host_gbs))
+
+
+def plan_config(cfg, devices: int, nodes: int, memory_gb: float) -> Plan:
+    """`plan` for a composed training config (model shape, global batch, accumulation, optimizer, EMA, precision)."""
+    if nodes < 1 or devices % nodes:
+        raise ValueError(f"{devices} devices do not split evenly over {nodes} nodes")
+    t = cfg.trainer
+    return plan(ViTShape.from_config(cfg.model), hardware_from_config(cfg.parallel, devices, nodes, memory_gb),
+                int(cfg.data.batch_size), int(t.grad_accum), str(cfg.optim.name), float(t.ema_decay) > 0,
+                str(t.precision))

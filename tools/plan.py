@@ -1,0 +1,66 @@
+"""Plan the parallel layout of a ViT without starting anything:
+
+    python tools/plan.py model=vit_giant trainer.devices=8 parallel.device_memory_gb=80 [parallel.nodes=4] [...]
+
+Prints, for every layout the trainer can run on trainer.devices x parallel.nodes devices (or parallel.num_devices),
+the per-device GB by component, the estimated step time and whether it fits; then the layout `parallel=auto` would
+choose and the overrides that select it. The model, data (global batch), optimizer, EMA and precision come from the
+same config groups as train.py. Exits 1 when no layout fits (naming the smallest device count that would).
+"""
+
+import sys
+from pathlib import Path
+
+from visiondist.cli import load_config
+from visiondist.config import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    from rich.console import Console
+
+    from visiondist.launch import cuda_device_count, device_memory_gb
+    from visiondist.parallel.planner import plan_config
+
+    try:
+        cfg = load_config(CONFIGS, argv)
+        if cfg.model.family != "vit":
+            raise ConfigError(f"tools/plan.py plans ViT classifiers; {cfg.model.name} is a detector")
+        p, t = cfg.parallel, cfg.trainer
+        per_node = t.devices if t.devices > 0 else cuda_device_count()
+        if p.num_devices > 0:
+            devices, nodes = p.num_devices, p.nodes
+        elif per_node > 0:
+            devices, nodes = per_node * p.nodes, p.nodes
+        else:
+            raise ConfigError("no GPU here: say how many devices to plan for, e.g. trainer.devices=8 (per node) "
+                              "parallel.nodes=2, or parallel.num_devices=16")
+        if devices % nodes:
+            raise ConfigError(f"parallel.num_devices={devices} does not split over parallel.nodes={nodes}")
+        accelerator = "cuda" if t.accelerator != "cpu" and cuda_device_count() else "cpu"
+        memory = p.device_memory_gb or device_memory_gb(accelerator, devices // nodes)
+        result = plan_config(cfg, devices, nodes, memory)
+    except (ConfigError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    console = Console(width=max(120, Console().width))
+    batch = f"global batch {cfg.data.batch_size}" + (f" x {t.grad_accum} accumulation" if t.grad_accum > 1 else "")
+    title = (f"{cfg.model.name} ({result.layer_state / 1e9:.3g} GB of training state per block), {batch}, {cfg.optim.name}, precision {t.precision}: {devices} devices "
+             f"({nodes} node{'s' if nodes > 1 else ''} of {devices // nodes}), {memory:g} GB each")
+    console.print(result.table(title))
+    if result.choice is None:
+        console.print(f"[bold red]nothing fits[/bold red]: {result.reason}")
+        return 1
+    c = result.choice.candidate
+    console.print(f"parallel=auto would choose [bold]{c.name}[/bold]: {result.reason}")
+    fields = " ".join(f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in c.overrides().items())
+    console.print(f"the same layout by hand: {fields}", soft_wrap=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
