@@ -19,6 +19,23 @@ def test_parameter_gradient_and_optimizer_bytes_are_exact(dims):
         assert predicted.grads == measured["grads"]
         assert predicted.optimizer == measured["optimizer"]
         assert predicted.detail["param_tensors"] == measured["tensors"]
+        if measured["activations"] is not None:  # ddp and tp2: the estimate covers TP-sharded activations too
+            estimate = predicted.activations
+            assert 0.75 * measured["activations"] <= estimate <= 1.25 * measured["activations"], (estimate, measured)
+
+
+def test_fsdp_shards_are_exact_per_rank():
+    """FSDP2 splits dim 0 of every tensor into ceil(rows / n) chunks: rank 0 holds the most, and the planner counts
+    rank 0's bytes (what each rank's padded storage needs)."""
+    from visiondist.parallel.planner import FLOAT, fsdp_shard, optimizer_bytes
+
+    results = spawn_local(planner_ranks.run, 2, (1, 2, 1), True)
+    for measured in results.values():
+        shard = fsdp_shard(SHAPE, 2, measured["rank"])
+        assert measured["params"] == measured["grads"] == FLOAT * shard.elements
+        assert measured["optimizer"] == optimizer_bytes(shard, "adamw")
+    assert results[0]["params"] == rank_memory(SHAPE, 2, 1, 1, planner_ranks.BATCH, fsdp=True).params
+    assert sum(r["params"] for r in results.values()) == FLOAT * fsdp_shard(SHAPE, 1).elements  # nothing lost
 
 
 @pytest.mark.parametrize("dim,depth,heads,img,patch,batch", [(64, 4, 4, 64, 8, 8), (192, 2, 3, 224, 16, 4),

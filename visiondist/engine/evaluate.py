@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from visiondist.parallel import Layout, PipelinedViT, match_forward_count
+from visiondist.parallel import Layout, PipelinedViT, blank_forwards, forwards_needed
 
 
 def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]) -> list[torch.Tensor]:
@@ -38,7 +38,7 @@ def evaluate_classification(
     pipelined = isinstance(model, PipelinedViT)
     k = num_classes or 0
     sums = torch.zeros(4 + 2 * k, dtype=torch.float64, device=layout.device)  # loss, top1, top5, count, per class
-    forwards = 0
+    needed, forwards = forwards_needed(model, layout, len(loader)), 0  # FSDP: every rank runs as many forwards
     for images, labels in loader:
         forwards += 1
         if pipelined:
@@ -60,7 +60,7 @@ def evaluate_classification(
             hit = logits.argmax(dim=1) == labels
             sums[4 : 4 + k] += torch.bincount(labels[hit], minlength=k).double()
             sums[4 + k :] += torch.bincount(labels, minlength=k).double()
-    match_forward_count(model, layout, forwards, autocast)
+    blank_forwards(model, layout, needed - forwards, autocast)
     layout.all_reduce_dp(sums)
     if pipelined:
         sums = model.from_last_stage(sums)

@@ -43,6 +43,7 @@ from visiondist.parallel import (
     finish_gradients,
     local_numel,
     parallelize,
+    reshard,
     unwrap,
 )
 
@@ -166,6 +167,7 @@ class Trainer:
         return path
 
     def save_checkpoint(self) -> Path:
+        reshard(self.model)  # FSDP: the parameters must be the sharded ones the optimizer holds
         state = {
             "epoch": self.epoch,
             "total_steps": self.total_steps,
@@ -236,6 +238,7 @@ class Trainer:
                 ema = self.task.evaluate(unwrap(self.model), self.layout, self.autocast, self.run_dir)
             ema_metrics = {f"val_ema_{k[4:]}": ema[k] for k in self.task.ema_keys}
         metrics = {**self.task.evaluate(unwrap(self.model), self.layout, self.autocast, self.run_dir), **ema_metrics}
+        reshard(self.model)  # FSDP keeps the root's gathered weights after a forward without backward: free them
         self.last_eval = {**metrics, "step": self.step}
         self.metrics.log(self.step, epoch=self.epoch, **metrics)
         log.info("eval  step %d | %s", self.step, self.task.describe(metrics))

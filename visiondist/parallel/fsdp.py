@@ -74,15 +74,22 @@ def local_numel(param: torch.Tensor) -> int:
     return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
 
 
-def match_forward_count(model: nn.Module, layout: Layout, done: int, autocast=None) -> None:
-    """Under FSDP every forward gathers weights from all DP ranks, so each rank must run as many forwards as the
-    busiest: a rank whose evaluation shard ran out runs forwards of one blank image (results unused)."""
+def forwards_needed(model: nn.Module, layout: Layout, mine: int) -> int:
+    """Under FSDP every forward gathers weights from all DP ranks, so every rank must run as many forwards as the
+    busiest: agree on that number before the first one (afterwards the ranks would be in different collectives)."""
     if not is_fully_sharded(model) or layout.dp == 1:
-        return
-    most = torch.tensor([done], dtype=torch.int64, device=layout.device)
+        return mine
+    most = torch.tensor([mine], dtype=torch.int64, device=layout.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX, group=layout.dp_group)
+    return int(most.item())
+
+
+def blank_forwards(model: nn.Module, layout: Layout, count: int, autocast=None) -> None:
+    """`count` forwards of one blank image (results unused): a rank whose shard ran out keeps the others going."""
+    if count <= 0:
+        return
     size = model.patch_embed.img_size
     blank = torch.zeros(1, 3, size, size, device=layout.device)
-    for _ in range(int(most.item()) - done):
-        with autocast or nullcontext():
+    with torch.no_grad(), autocast or nullcontext():
+        for _ in range(count):
             model(blank)

@@ -13,10 +13,12 @@ Activations are an estimate: the tensors a block saves for its backward, per mic
 checkpointing: each block's input, plus one block's full set while it is recomputed).
 
 `plan` enumerates the layouts the trainer can run on a number of devices (TP inside a node, dividing the heads;
-pipeline stages; FSDP with or without offload; activation checkpointing), keeps those whose busiest rank fits the
-device with headroom, and ranks them by a simple time model: FLOPs / device rate, with the pipeline bubble, plus
-collective bytes / link bandwidth (NVLink-class inside a node, network between nodes, PCIe to the host), counted as
-exposed. The model ranks layouts; it does not predict wall time.
+pipeline stages with their best micro-batch count; FSDP with or without offload; activation checkpointing), keeps those whose busiest rank fits the
+device with headroom, and ranks them by a simple time model: FLOPs / device rate (lower for matmuls of few rows, i.e.
+small micro-batches), with the pipeline bubble, plus
+collective bytes / link bandwidth (NVLink-class inside a node, network between nodes, PCIe to the host); data-parallel
+traffic is hidden under the backward (DDP) or the whole step (FSDP) up to the compute time. The model ranks layouts;
+it does not predict wall time.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from visiondist.parallel.pipeline import MULTI_STAGE, balance, microbatches_for,
 
 FLOAT = 4  # parameters, gradients and optimizer state are fp32 whatever the autocast precision
 GB = 1e9
-HOST_MEMORY_GBS = 50.0  # host memory bandwidth for the offloaded (CPU) optimizer step
+HOST_MEMORY_GBS = 50.0
+GEMM_HALF_ROWS = 512  # a matmul with this many rows (tokens of a micro-batch) runs at half the device's rate  # host memory bandwidth for the offloaded (CPU) optimizer step
 
 
 @dataclass(frozen=True)
@@ -294,7 +297,7 @@ class Candidate:
         if self.fsdp:
             parts.append(f"fsdp{self.dp}")
         elif self.dp > 1 or (self.tp == 1 and self.pp == 1):
-            parts.append(f"ddp{self.dp}" if self.tp * self.pp > 1 else f"ddp{self.dp}")
+            parts.append(f"ddp{self.dp}" if self.dp > 1 else "1 device")
         if self.tp > 1:
             parts.append(f"tp{self.tp}")
         if self.pp > 1:
@@ -314,10 +317,13 @@ class Candidate:
 def step_seconds(s: ViTShape, c: Candidate, hw: Hardware, global_batch: int, mem: RankMemory,
                  precision: str = "32") -> dict:
     """Estimated seconds per optimizer step: compute (with the 1F1B bubble), plus each collective's bytes over the
-    link it crosses (TP inside a node; DP / PP over the network once they span nodes; offload over PCIe)."""
+    link it crosses (TP inside a node; DP / PP over the network once they span nodes; offload over PCIe), less what
+    overlaps with compute."""
     world = c.dp * c.tp * c.pp
     rate = hw.tflops * 1e12
-    compute = global_batch * train_flops_per_image(s, c.checkpointing) / (world * rate)
+    micro_tokens = mem.detail["micro_batch"] * s.tokens  # rows of every matmul: small ones run below the peak
+    efficiency = micro_tokens / (micro_tokens + GEMM_HALF_ROWS)
+    compute = global_batch * train_flops_per_image(s, c.checkpointing) / (world * rate * efficiency)
     if c.pp > 1:
         compute *= (c.microbatches + c.pp - 1) / c.microbatches
     multi_node = world > hw.per_node
@@ -341,7 +347,11 @@ def step_seconds(s: ViTShape, c: Candidate, hw: Hardware, global_batch: int, mem
     if c.offload:  # shards up twice (forward, backward), gradients down; AdamW on the host
         shard = mem.params
         comm["host"] = 3 * shard / (hw.host_gbs * GB) + 7 * shard / (HOST_MEMORY_GBS * GB)
-    return {"compute": compute, **comm, "total": compute + sum(comm.values())}
+    # DDP's bucketed all-reduce runs under the backward (2/3 of the compute), FSDP's gathers and reduce-scatters
+    # under the forward and backward (prefetch); TP's all-reduces are on the critical path; offload copies too.
+    hidden = compute * (1.0 if c.fsdp else 2 / 3)
+    exposed = {**comm, "dp": max(0.0, comm["dp"] - hidden)}
+    return {"compute": compute, **exposed, "total": compute + sum(exposed.values())}
 
 
 @dataclass
@@ -372,16 +382,18 @@ def candidates(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1
                 layouts += [(True, False), (True, True)] if dp > 1 else [(True, True)]
             for fsdp, offload in layouts:
                 for ckpt in (False, True):
-                    m, why = 1, ""
-                    if pp > 1:
-                        local = global_batch // dp // grad_accum if global_batch % (dp * grad_accum) == 0 else 0
-                        fitting = [k * pp for k in (8, 4, 2, 1) if local and local % (k * pp) == 0]
-                        m = fitting[0] if fitting else 2 * pp
-                        if not fitting:
-                            why = f"batch {global_batch} does not split into dp x grad_accum x {pp}k micro-batches"
-                    elif global_batch % (dp * grad_accum):
+                    local = global_batch // dp // grad_accum if global_batch % (dp * grad_accum) == 0 else 0
+                    if not local:
                         why = f"batch {global_batch} is not divisible by dp x grad_accum = {dp * grad_accum}"
-                    out.append((Candidate(dp, tp, pp, fsdp, offload, ckpt, m), why))
+                        out.append((Candidate(dp, tp, pp, fsdp, offload, ckpt, 2 * pp if pp > 1 else 1), why))
+                    elif pp == 1:
+                        out.append((Candidate(dp, tp, pp, fsdp, offload, ckpt), ""))
+                    else:
+                        counts = [k * pp for k in (1, 2, 4, 8) if local % (k * pp) == 0]
+                        if not counts:
+                            why = f"{local} images per DP rank do not split into a multiple of {pp} micro-batches"
+                            out.append((Candidate(dp, tp, pp, fsdp, offload, ckpt, 2 * pp), why))
+                        out += [(Candidate(dp, tp, pp, fsdp, offload, ckpt, m), "") for m in counts]
     return out
 
 
@@ -457,7 +469,14 @@ def _evaluate(s, hw, global_batch, grad_accum, optimizer, ema, precision) -> lis
             continue
         rows.append(PlanRow(c, mem, step_seconds(s, c, hw, global_batch, mem, precision),
                             mem.device <= hw.budget))
-    return rows
+    best: dict[Candidate, PlanRow] = {}  # a pipeline: only its best micro-batch count (fits first, then time)
+    for row in rows:
+        key = replace(row.candidate, microbatches=1)
+        rank = (row.memory is None, not row.fits, row.seconds["total"] if row.seconds else 0)
+        if key not in best or rank < (best[key].memory is None, not best[key].fits,
+                                      best[key].seconds["total"] if best[key].seconds else 0):
+            best[key] = row
+    return list(best.values())
 
 
 def _complexity(c: Candidate) -> tuple:

@@ -1,0 +1,86 @@
+"""parallel=auto: the planner's choices on paper (configs from configs/), and its refusals."""
+
+from pathlib import Path
+
+import pytest
+
+from visiondist.config import ConfigError, compose
+from visiondist.launch import resolve_auto
+from visiondist.parallel.planner import Candidate, Hardware, ViTShape, plan, plan_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _cfg(*overrides):
+    return compose(CONFIGS, ["data=imagenet", "parallel=auto", *overrides])
+
+
+def test_ddp_for_vit_base_on_80gb_devices():
+    result = plan_config(_cfg("model=vit_base"), devices=8, nodes=1, memory_gb=80)
+    assert result.choice.candidate == Candidate(dp=8)
+    assert "fits each device under DDP" in result.reason
+
+
+def test_fsdp_or_tp_inside_a_node_when_the_state_does_not_fit_one_device():
+    cfg = _cfg("model=vit_giant", "data.batch_size=256", "trainer.precision=bf16")
+    result = plan_config(cfg, devices=8, nodes=1, memory_gb=16)
+    ddp = next(r for r in result.rows if r.candidate == Candidate(dp=8))
+    assert ddp.memory.state > result.hardware.budget  # parameters + gradients + AdamW alone exceed the device
+    c = result.choice.candidate
+    assert c.fsdp or c.tp > 1
+    assert c.pp == 1
+    assert result.choice.memory.device <= result.hardware.budget
+    assert "DDP would need" in result.reason
+
+
+def test_pipeline_across_nodes_when_tensor_parallel_inside_a_node_is_not_enough():
+    cfg = _cfg("model=vit_22b", "trainer.precision=bf16")
+    result = plan_config(cfg, devices=16, nodes=2, memory_gb=80)
+    assert result.choice.candidate.pp > 1
+    within_node = [r for r in result.rows if r.candidate.pp == 1 and not r.candidate.fsdp and r.memory]
+    assert within_node and not any(r.fits for r in within_node)
+    assert max(r.candidate.tp for r in within_node) == 8  # TP went as far as the node allows
+
+
+def test_refuses_with_the_smallest_device_count_that_fits():
+    cfg = _cfg("model=vit_22b", "trainer.precision=bf16")
+    result = plan_config(cfg, devices=8, nodes=1, memory_gb=16)
+    assert result.choice is None
+    assert "the smallest that fits is 32 devices (4 nodes of 8)" in result.reason
+    assert plan_config(cfg, devices=32, nodes=4, memory_gb=16).choice is not None
+    assert plan_config(cfg, devices=24, nodes=3, memory_gb=16).choice is None
+    with pytest.raises(ConfigError, match="smallest that fits is 32 devices"):
+        resolve_auto(_cfg("model=vit_22b", "trainer.precision=bf16", "parallel.device_memory_gb=16",
+                          "trainer.devices=8", "trainer.accelerator=cpu"), {}, 0)
+
+
+def test_activation_checkpointing_when_it_is_the_cheaper_fix():
+    # one device, vit_base, a batch whose activations (not the state) overflow: recomputing beats every alternative
+    shape = ViTShape(768, 12, 12, 4.0, 16, 224, 1000)
+    result = plan(shape, Hardware(devices=1, memory_gb=16), global_batch=256, precision="bf16")
+    assert result.choice.candidate == Candidate(dp=1, checkpointing=True)
+
+
+def test_auto_rewrites_the_parallel_fields_and_the_result_validates():
+    cfg = _cfg("model=vit_small", "data=shapes", "parallel.device_memory_gb=0.05", "trainer.devices=4",
+               "trainer.accelerator=cpu")
+    chosen, result = resolve_auto(cfg, {}, 0)
+    c = result.choice.candidate
+    assert (c.dp, c.tp, c.pp, c.fsdp) != (4, 1, 1, False)  # not DDP: its state alone is 0.35 GB per device
+    p = chosen.parallel
+    assert (p.dp, p.tp, p.pp, p.fsdp, p.offload, p.activation_checkpointing) == (
+        c.dp, c.tp, c.pp, c.fsdp, c.offload, c.checkpointing)
+    assert not p.auto and p.name == "auto"
+    assert result.choice.memory.device <= 0.9 * 0.05e9
+
+
+def test_auto_on_the_cpu_needs_a_device_count():
+    with pytest.raises(ConfigError, match="trainer.devices=N"):
+        resolve_auto(_cfg("model=vit_small", "trainer.accelerator=cpu"), {}, 0)
+
+
+def test_auto_refuses_explicit_layout_fields():
+    from visiondist.config import validate
+
+    with pytest.raises(ConfigError, match="chooses dp / tp / pp"):
+        validate(_cfg("model=vit_small", "parallel.tp=2"))

@@ -1,0 +1,114 @@
+"""FSDP (parallel.fsdp, with and without offload), activation checkpointing and parallel=auto, against DDP."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fsdp_ranks
+from helpers import losses_of, train_args, train_ok
+from visiondist.engine.checkpoint import latest_checkpoint
+from visiondist.engine.logging import read_metrics
+from visiondist.launch import spawn_local
+
+COMMON = ["model.num_heads=2", "model.depth=3", "model.drop_path_rate=0.1", "trainer.max_steps=4",
+          "trainer.eval_every=2", "trainer.ema_decay=0.9", "data.eval_batch_size=8"]
+
+
+def _evals(run):
+    return {int(r["step"]): (r["val_loss"], r["val_top1"], r["val_ema_loss"]) for r in read_metrics(run / "metrics.csv")
+            if r.get("val_loss") is not None}
+
+
+def _assert_same_weights(a, b):
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        if not key.endswith("attn.k.bias"):  # its gradient is round-off only (attention ignores a key bias)
+            torch.testing.assert_close(wa[key], wb[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.fixture(scope="module")
+def ddp2(tmp_path_factory, tiny_shapes):
+    run = tmp_path_factory.mktemp("fsdp") / "ddp2"
+    train_ok(*train_args(tiny_shapes, run, *COMMON, "parallel.dp=2"))
+    return run
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    from visiondist.models.vit import VisionTransformer
+    from visiondist.parallel import enable_activation_checkpointing
+
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = VisionTransformer(img_size=32, patch_size=8, num_classes=4, embed_dim=32, depth=3, num_heads=2,
+                                  drop_path_rate=0.3)
+        if checkpointing:
+            assert enable_activation_checkpointing(model) == 3
+        torch.manual_seed(1)  # the same drop-path draws; the recompute must replay them
+        model(torch.randn(6, 3, 32, 32)).logsumexp(1).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+def test_an_fsdp_rank_that_runs_out_of_evaluation_batches_keeps_the_others_going():
+    errors = spawn_local(fsdp_ranks.uneven_evaluation, 2, [3, 1])
+    assert [len(errors[r]) for r in (0, 1)] == [3, 1]
+    assert max(max(e) for e in errors.values()) < 1e-5  # sharded forwards equal the unsharded model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["parallel.activation_checkpointing=true"], ["parallel.offload=true"]],
+                         ids=["fsdp2+ckpt", "fsdp2+offload"])
+def test_fsdp_run_equals_ddp(tmp_path, tiny_shapes, ddp2, extra):
+    run = tmp_path / "fsdp"
+    out = train_ok(*train_args(tiny_shapes, run, *COMMON, "parallel=fsdp", "trainer.devices=2", *extra))
+    assert "+FSDP" in out
+    ref, got = losses_of(ddp2), losses_of(run)
+    assert sorted(got) == [1, 2, 3, 4]
+    assert [got[s] for s in got] == pytest.approx([ref[s] for s in got], rel=1e-5)
+    ref_evals, evals = _evals(ddp2), _evals(run)
+    assert sorted(evals) == [2, 4]
+    for step in evals:
+        assert evals[step][0] == pytest.approx(ref_evals[step][0], rel=1e-5)  # model
+        assert evals[step][1] == ref_evals[step][1]
+        assert evals[step][2] == pytest.approx(ref_evals[step][2], rel=1e-5)  # EMA
+    _assert_same_weights(ddp2, run)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["parameters per rank (M)"] < 0.55 * summary["parameters (M)"]
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoint_resumes_under_ddp(tmp_path, tiny_shapes, ddp2):
+    saved = tmp_path / "saved"
+    train_ok(*train_args(tiny_shapes, saved, *COMMON, "parallel=fsdp", "trainer.devices=2", "parallel.offload=true",
+                         "trainer.stop_at_step=2"))
+    resumed = tmp_path / "resumed"
+    train_ok(*train_args(tiny_shapes, resumed, *COMMON, "parallel.dp=2", f"trainer.resume={latest_checkpoint(saved)}"))
+    ref, got = losses_of(ddp2), losses_of(resumed)
+    assert [got[s] for s in (3, 4)] == pytest.approx([ref[3], ref[4]], rel=1e-5)
+    assert _evals(resumed)[4] == pytest.approx(_evals(ddp2)[4], rel=1e-5)
+    _assert_same_weights(ddp2, resumed)
+
+
+@pytest.mark.slow
+def test_parallel_auto_chooses_a_sharded_layout_says_why_and_trains(tmp_path, tiny_shapes):
+    """vit_small's AdamW state (2 blocks here: 61 MB) cannot fit 4 devices of 0.05 GB under DDP."""
+    run = tmp_path / "auto"
+    out = train_ok(*train_args(tiny_shapes, run, "model=vit_small", "parallel=auto", "parallel.device_memory_gb=0.05",
+                               "trainer.devices=4", "trainer.max_steps=2"), timeout=400)
+    plan = json.loads((run / "plan.json").read_text())
+    choice = plan["choice"]
+    assert (choice["dp"], choice["fsdp"]) != (4, False)
+    assert "parallel=auto chose" in out and "DDP would need" in out
+    assert "chose" in (run / "plan.txt").read_text()
+    row = next(r for r in plan["rows"] if r["fits"])
+    assert row["device_gb"] <= 0.9 * 0.05
+    assert sorted(losses_of(run)) == [1, 2]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["layout"].startswith(f"dp={choice['dp']} tp={choice['tp']} pp={choice['pp']}")
+    assert (run / "model.safetensors").stat().st_size > 4e6 * summary["parameters (M)"]
