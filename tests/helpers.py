@@ -65,3 +65,33 @@ def losses_of(run: Path) -> dict[int, float]:
     from visiondist.engine.logging import read_metrics
 
     return {int(r["step"]): r["loss"] for r in read_metrics(run / "metrics.csv") if r["loss"] is not None}
+
+
+class RanksFailed(AssertionError):
+    """Some ranks of `spawn_ranks` failed; `failures` maps each failing global rank to its error and traceback."""
+
+    def __init__(self, failures: dict[int, str], text: str):
+        super().__init__(text)
+        self.failures = failures
+
+
+def spawn_ranks(fn, nprocs: int, *args, timeout: float = 240, **kwargs):
+    """Run `fn(*args, **kwargs)` (a module-level function of a tests/ module) on `nprocs` gloo ranks in a fresh
+    process group under torch's elastic launcher. Returns {rank: return value}. A failing rank raises `RanksFailed`
+    naming every failing rank with its traceback; past `timeout` seconds every process of the group is killed and
+    the test fails with their output."""
+    import pickle
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args_file, result_file = Path(tmp) / "args.pkl", Path(tmp) / "result.pkl"
+        args_file.write_bytes(pickle.dumps((args, kwargs)))
+        result = run_cli([fn.__module__, fn.__name__, str(nprocs), str(args_file), str(result_file)],
+                         timeout=timeout, script=REPO / "tests" / "run_ranks.py")
+        if not result_file.is_file():
+            raise AssertionError(f"{fn.__name__} on {nprocs} ranks ended without a result "
+                                 f"(exit code {result.returncode}):\n{result.stdout[-4000:]}")
+        outcome = pickle.loads(result_file.read_bytes())
+    if "failures" in outcome:
+        raise RanksFailed(outcome["failures"], outcome["text"])
+    return outcome["ok"]

@@ -9,7 +9,7 @@ import pytest
 
 import coco_ranks
 from visiondist.engine.coco_eval import STAT_NAMES, deduplicate, predict, score, summary_lines
-from visiondist.launch import spawn_local
+from helpers import spawn_ranks
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_stats_are_meaningful_and_backends_agree(single_process):
 @pytest.mark.parametrize("world", [2, 3])
 def test_distributed_eval_equals_one_process_and_pycocotools(tmp_path, shapes_coco, single_process, world):
     dets, single, data = single_process
-    results = spawn_local(coco_ranks.run, world, str(shapes_coco), str(tmp_path))
+    results = spawn_ranks(coco_ranks.run, world, str(shapes_coco), str(tmp_path))
     assert sorted(r["shard"] for r in results.values()) == sorted([23 // world + (i < 23 % world) for i in range(world)])
     for result in results.values():  # every rank gets rank 0's answer
         stats = result["stats"]
@@ -70,5 +70,5 @@ def test_missing_or_duplicated_images_are_caught():
 
 def test_a_scoring_failure_on_rank_0_reaches_every_rank(tmp_path, shapes_coco):
     """Rank 0 finds the image count wrong while the others wait for its answer: all of them fail, none hangs."""
-    results = spawn_local(coco_ranks.run, 2, str(shapes_coco), str(tmp_path), 24)
+    results = spawn_ranks(coco_ranks.run, 2, str(shapes_coco), str(tmp_path), 24)
     assert [r["error"] for r in results.values()] == ["COCO evaluation saw 23 distinct images, expected 24"] * 2

@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 import eval_ranks
-from visiondist.launch import spawn_local
+from helpers import spawn_ranks
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_topk_is_exact_for_any_number_of_ranks(val_root):
     direct = _direct(val_root)
     assert direct["val_count"] == 31 and 0 < direct["val_top1"] < direct["val_top5"] < 100
     for world in (1, 2, 3):
-        results = spawn_local(eval_ranks.run, world, str(val_root))
+        results = spawn_ranks(eval_ranks.run, world, str(val_root))
         seen = sorted(i for r in results.values() for i in r["seen"])
         assert seen == list(range(31)), world  # every image exactly once
         for r in results.values():

@@ -7,10 +7,9 @@ import torch
 from safetensors.torch import load_file
 
 import fsdp_ranks
-from helpers import losses_of, train_args, train_ok
+from helpers import losses_of, spawn_ranks, train_args, train_ok
 from visiondist.engine.checkpoint import latest_checkpoint
 from visiondist.engine.logging import read_metrics
-from visiondist.launch import spawn_local
 
 COMMON = ["model.num_heads=2", "model.depth=3", "model.drop_path_rate=0.1", "trainer.max_steps=4",
           "trainer.eval_every=2", "trainer.ema_decay=0.9", "data.eval_batch_size=8"]
@@ -56,7 +55,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 @pytest.mark.timeout(120)
 def test_an_fsdp_rank_that_runs_out_of_evaluation_batches_keeps_the_others_going():
-    errors = spawn_local(fsdp_ranks.uneven_evaluation, 2, [3, 1])
+    errors = spawn_ranks(fsdp_ranks.uneven_evaluation, 2, [3, 1])
     assert [len(errors[r]) for r in (0, 1)] == [3, 1]
     assert max(max(e) for e in errors.values()) < 1e-5  # sharded forwards equal the unsharded model
 

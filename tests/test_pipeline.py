@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import pp_ranks
-from visiondist.launch import spawn_local
+from helpers import spawn_ranks
 from visiondist.parallel.pipeline import balance, block_ranges, build_stages
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)]
@@ -63,7 +63,7 @@ def test_every_schedule_matches_one_process(pp, reference):
     """GPipe and 1F1B with one stage per rank, interleaved 1F1B and zero-bubble with two: three steps with an
     evaluation pass in between equal one process with the same micro-batching."""
     cases = [(name, spr, pp_ranks.CHUNKS, False) for name, spr in SCHEDULES]
-    results = spawn_local(pp_ranks.run, pp, (pp, 1, 1), cases)
+    results = spawn_ranks(pp_ranks.run, pp, (pp, 1, 1), cases)
     for case in cases:
         _check(results, pp, case, reference)
         assert sorted(s for r in range(pp) for s in results[r][case]["stages"]) == list(range(pp * case[1]))
@@ -72,11 +72,11 @@ def test_every_schedule_matches_one_process(pp, reference):
 def test_pipeline_composes_with_tensor_and_data_parallel(reference):
     """tp2 x pp2 (with and without sequence parallelism, 1F1B and zero-bubble) and dp2 x pp2 on 4 ranks."""
     tp_cases = [("1f1b", 1, 4, False), ("zero_bubble", 2, 4, False), ("1f1b", 1, 4, True)]
-    results = spawn_local(pp_ranks.run, 4, (2, 1, 2), tp_cases)
+    results = spawn_ranks(pp_ranks.run, 4, (2, 1, 2), tp_cases)
     for case in tp_cases:
         _check(results, 4, case, reference)
     dp_cases = [("gpipe", 1, 2, False), ("interleaved_1f1b", 2, 2, False)]
-    results = spawn_local(pp_ranks.run, 4, (2, 2, 1), dp_cases)
+    results = spawn_ranks(pp_ranks.run, 4, (2, 2, 1), dp_cases)
     for case in dp_cases:
         _check(results, 4, case, reference)
 

@@ -3,7 +3,7 @@
 import pytest
 
 import planner_ranks
-from visiondist.launch import spawn_local
+from helpers import spawn_ranks
 from visiondist.parallel.planner import ViTShape, rank_memory
 
 SHAPE = ViTShape(embed_dim=32, depth=6, num_heads=4, mlp_ratio=3.0, patch_size=8, img_size=32, num_classes=5)
@@ -12,7 +12,7 @@ SHAPE = ViTShape(embed_dim=32, depth=6, num_heads=4, mlp_ratio=3.0, patch_size=8
 @pytest.mark.parametrize("dims", [(1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2)], ids=["ddp", "tp2", "pp2", "tp2xpp2"])
 def test_parameter_gradient_and_optimizer_bytes_are_exact(dims):
     pp, dp, tp = dims
-    results = spawn_local(planner_ranks.run, pp * dp * tp, dims)
+    results = spawn_ranks(planner_ranks.run, pp * dp * tp, dims)
     for measured in results.values():
         predicted = rank_memory(SHAPE, dp, tp, pp, planner_ranks.BATCH, microbatches=2, pp_rank=measured["pp_rank"])
         assert predicted.params == measured["params"]
@@ -29,7 +29,7 @@ def test_fsdp_shards_are_exact_per_rank():
     rank 0's bytes (what each rank's padded storage needs)."""
     from visiondist.parallel.planner import FLOAT, fsdp_shard, optimizer_bytes
 
-    results = spawn_local(planner_ranks.run, 2, (1, 2, 1), True)
+    results = spawn_ranks(planner_ranks.run, 2, (1, 2, 1), True)
     for measured in results.values():
         shard = fsdp_shard(SHAPE, 2, measured["rank"])
         assert measured["params"] == measured["grads"] == FLOAT * shard.elements

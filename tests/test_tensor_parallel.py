@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from visiondist.launch import spawn_local
+from helpers import spawn_ranks
 import tp_ranks
 from tp_ranks import BATCH, TINY
 
@@ -48,13 +48,13 @@ def reference():
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return spawn_local(tp_ranks.run, 2, [(1, 2, False), (1, 2, True)], {"naive_tp": 2, "vitdet_tp": 2})
+    return spawn_ranks(tp_ranks.run, 2, [(1, 2, False), (1, 2, True)], {"naive_tp": 2, "vitdet_tp": 2})
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tiny_shapes):
     cases = [(1, 4, False), (1, 4, True), (2, 2, False), (2, 2, True)]
-    return spawn_local(tp_ranks.run, 4, cases, {"loader": (str(tiny_shapes), 2, 2)})
+    return spawn_ranks(tp_ranks.run, 4, cases, {"loader": (str(tiny_shapes), 2, 2)})
 
 
 def _cases(results: dict, dp: int, tp: int, sp: bool) -> list[dict]:

@@ -11,11 +11,16 @@ from visiondist.cli import run_tool
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def main(cfg) -> None:
+def main(cfg) -> int:
     from visiondist.engine.trainer import train  # heavy imports only once the config is known to be good
-    from visiondist.launch import launch
+    from visiondist.launch import JobStopped, launch
 
-    launch(train, cfg)
+    try:
+        launch(train, cfg)
+    except JobStopped as stopped:  # every rank wrote its checkpoint first
+        print(stopped, file=sys.stderr, flush=True)
+        return stopped.exit_code
+    return 0
 
 
 if __name__ == "__main__":

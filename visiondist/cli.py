@@ -67,6 +67,7 @@ def _explain(exc: BaseException) -> str:
 
 
 def run_tool(tool: str, config_dir: Path, argv: list[str], run: Callable[[DictConfig], object]) -> int:
+    """Exit code: 0, `run`'s own integer code, or 2 for bad input."""
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE.format(tool=tool))
         return 0
@@ -77,8 +78,8 @@ def run_tool(tool: str, config_dir: Path, argv: list[str], run: Callable[[DictCo
         if show:
             print(OmegaConf.to_yaml(cfg))
             return 0
-        run(cfg)
+        code = run(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    return code if isinstance(code, int) else 0

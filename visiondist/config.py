@@ -164,6 +164,10 @@ class TrainerConfig:
     keep_last: int = 3  # complete checkpoints kept; 0: all
     resume: Optional[str] = "auto"  # auto: the run dir's latest checkpoint if any | a checkpoint or run dir | null
     stop_at_step: int = -1  # > 0: checkpoint and end this process after this step (the schedule still spans the run)
+    max_restarts: int = 0  # self-launched: restart every rank this many times after a failure (resume=auto)
+    dist_timeout_s: float = 600.0  # a collective waiting longer than this fails (after the first step)
+    startup_timeout_s: float = 1800.0  # the same during start-up (data generation, first step)
+    on_nonfinite: str = "raise"  # a non-finite loss or gradient on any rank: raise | skip (the step, on every rank)
 
 
 @dataclass
@@ -258,6 +262,13 @@ def validate(cfg: DictConfig) -> None:
     _one_of("trainer.accelerator", t.accelerator, _ACCELERATORS)
     _one_of("trainer.precision", str(t.precision), _PRECISIONS)
     _one_of("optim", o.name, _OPTIMIZERS)
+    _one_of("trainer.on_nonfinite", t.on_nonfinite, ("raise", "skip"))
+    _positive("trainer.max_restarts", t.max_restarts, allow_zero=True)
+    if t.max_restarts > 0 and t.resume != "auto":
+        raise ConfigError(f"trainer.max_restarts={t.max_restarts} restarts from the run's latest checkpoint: "
+                          f"keep trainer.resume=auto (not {t.resume})")
+    _positive("trainer.dist_timeout_s", t.dist_timeout_s)
+    _positive("trainer.startup_timeout_s", t.startup_timeout_s)
     _one_of("schedule", s.name, _SCHEDULES)
 
     for key in ("num_classes", "img_size", "patch_size", "embed_dim", "depth", "num_heads"):

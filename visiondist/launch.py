@@ -14,6 +14,7 @@ import datetime as dt
 import json
 import logging
 import os
+import signal
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -64,7 +65,7 @@ def _set_threads(local_world: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
-def _init_rank(plan: WorldPlan, single: bool) -> tuple[torch.device, int]:
+def _init_rank(plan: WorldPlan, single: bool, startup_timeout_s: float = 1800.0) -> tuple[torch.device, int]:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     _set_threads(plan.nproc_per_node)
     if plan.accelerator == "cuda":
@@ -74,7 +75,7 @@ def _init_rank(plan: WorldPlan, single: bool) -> tuple[torch.device, int]:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        timeout = timedelta(minutes=10)
+        timeout = timedelta(seconds=startup_timeout_s)  # shortened to trainer.dist_timeout_s after the first step
         if single:  # one process: an in-memory store, no ports
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
@@ -83,17 +84,31 @@ def _init_rank(plan: WorldPlan, single: bool) -> tuple[torch.device, int]:
 
 
 def _shared_run_dir(cfg: DictConfig) -> Path:
-    """Under torchrun: global rank 0 creates the run dir and tells the others (or tells them why it could not)."""
+    """Under torchrun: global rank 0 creates the run dir and tells the others (or tells them why it could not). After
+    a torchrun restart (--max-restarts) the job continues in the run dir its first attempt created."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = str(new_run_dir(cfg))
+            box[0] = str(_torchrun_run_dir(cfg))
         except Exception as exc:  # every rank must learn of the failure, not hang in the broadcast
             box[0] = exc
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         raise box[0]
     return Path(box[0])
+
+
+def _torchrun_run_dir(cfg: DictConfig) -> Path:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if cfg.trainer.run_dir or not run_id:
+        return new_run_dir(cfg)
+    pointer = Path(cfg.trainer.output_dir).expanduser() / ".torchelastic" / run_id
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and pointer.is_file():
+        return Path(pointer.read_text().strip())
+    run_dir = new_run_dir(cfg)
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    pointer.write_text(str(run_dir))
+    return run_dir
 
 
 def device_memory_gb(accelerator: str, per_node: int) -> float:
@@ -149,8 +164,13 @@ def run_rank(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: Optional[st
     """Body of every rank: process group, device, mesh, then `entry`."""
     from visiondist.parallel import build_layout
 
+    from visiondist.engine.faults import STOP
+
     cfg = from_container(cfg_dict)
-    device, local_rank = _init_rank(plan, single=plan.world_size == 1 and not plan.under_torchrun)
+    device, local_rank = _init_rank(plan, single=plan.world_size == 1 and not plan.under_torchrun,
+                                    startup_timeout_s=cfg.trainer.startup_timeout_s)
+    STOP.received = None
+    signals = STOP.install()
     try:
         path = Path(run_dir) if run_dir else _shared_run_dir(cfg)
         if auto_plan is not None and run_dir is None and dist.get_rank() == 0:
@@ -158,6 +178,7 @@ def run_rank(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: Optional[st
         layout = build_layout(plan.dp, plan.tp, plan.pp, device, local_rank)
         return entry(cfg, layout, path)
     finally:
+        signals.restore()
         dist.destroy_process_group()
 
 
@@ -182,20 +203,44 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> WorldPl
         _write_plan(run_dir, auto_plan)
     run_dir = str(run_dir)
     if plan.world_size == 1:
-        run_rank(entry, cfg_dict, plan, run_dir)
+        result = run_rank(entry, cfg_dict, plan, run_dir)
+        if isinstance(result, dict) and result.get("stopped by"):
+            raise JobStopped(result["stopped by"], run_dir)
         return plan
 
-    spawn_local(_elastic_worker, plan.nproc_per_node, entry, cfg_dict, plan, run_dir)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        spawn_local(_elastic_worker, plan.nproc_per_node, entry, cfg_dict, plan, run_dir,
+                    max_restarts=cfg.trainer.max_restarts)
+    except SignalException as exc:  # the ranks got the signal too: they checkpointed and left
+        raise JobStopped(signal.Signals(exc.sigval).name, run_dir) from None
     return plan
 
 
-def spawn_local(fn: Callable, nprocs: int, *args: Any) -> dict[int, Any]:
+class JobStopped(Exception):
+    """The job was asked to stop (SIGTERM / SIGINT); every rank wrote a checkpoint first."""
+
+    def __init__(self, signal_name: str, run_dir: str):
+        super().__init__(f"stopped by {signal_name}; continue with trainer.resume=auto trainer.run_dir={run_dir}")
+        self.signal_name, self.run_dir = signal_name, run_dir
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(getattr(signal, self.signal_name))
+
+
+def spawn_local(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0) -> dict[int, Any]:
     """Run `fn(*args)` in `nprocs` fresh processes on this machine through torch's elastic launcher (c10d rendezvous
-    on a free localhost port, no restarts); each sees RANK / WORLD_SIZE / MASTER_* in its environment. Returns every
-    rank's return value; a failing rank raises here with its traceback."""
+    on a free localhost port); each sees RANK / WORLD_SIZE / MASTER_* in its environment. After a rank fails, every
+    rank is restarted up to `max_restarts` times. Returns every rank's return value; a failing rank raises here with
+    its traceback."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+    # Each restart gets a fresh store for the ranks' process group: with the rendezvous store shared, a restarted
+    # rank can read a peer address left by the previous attempt (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -203,7 +248,7 @@ def spawn_local(fn: Callable, nprocs: int, *args: Any) -> dict[int, Any]:
         run_id=f"visiondist-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )

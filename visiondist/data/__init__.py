@@ -31,7 +31,10 @@ def prepare_data(cfg, show_progress: bool = False) -> None:
 
 
 def _worker_init(_worker_id: int) -> None:
+    from visiondist.engine.faults import ignore_stop_signals
+
     cv2.setNumThreads(1)  # loader workers are the parallelism; OpenCV's own threads would oversubscribe
+    ignore_stop_signals()  # a signal to the whole process group must not kill a worker under its rank
 
 
 def _loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:

@@ -127,7 +127,9 @@ def summary_table(summary: dict[str, Any]):
     table.add_column(style="bold")
     table.add_column()
     for key, value in summary.items():
-        if isinstance(value, float):
+        if value is None:
+            value = "-"
+        elif isinstance(value, float):
             value = f"{value:.4g}" if math.isfinite(value) else str(value)
         table.add_row(key, str(value))
     return table

@@ -30,6 +30,7 @@ from visiondist.engine.checkpoint import (
     save_checkpoint,
 )
 from visiondist.engine.ema import ModelEma
+from visiondist.engine.faults import STOP, NonFiniteStep, StepHealth, set_collective_timeout
 from visiondist.engine.logging import MetricsLogger, plot_curves, setup_logging, summary_table
 from visiondist.engine.optim import build_optimizer, build_scheduler
 from visiondist.engine.tasks import build_task
@@ -131,6 +132,9 @@ class Trainer:
         self.epoch = 0
         self.last_eval: dict[str, Any] = {}
         self.tp_bytes_per_step: float | None = None  # ring bytes one rank sends in TP collectives per step
+        self.health = StepHealth(layout.world_size, layout.device)
+        self.stop_requested = False
+        self.skipped_steps = 0
         self.resumed_from = self._resume()
         self.last_checkpoint = self.resumed_from
         self.resumed_from_step = self.step
@@ -201,11 +205,36 @@ class Trainer:
             total = self._accumulate_pipelined(batches)
         finish_gradients(self.model.parameters(), self.layout)
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.trainer.clip_grad, self.layout)
-        self.optimizer.step()
+        bad_loss, bad_grad, self.stop_requested = self.health.check(self.layout.rank, total, grad_norm,
+                                                                    self.signals_received())
+        if bad_loss or bad_grad:
+            self._nonfinite(bad_loss, grad_norm)
+        else:
+            self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update()
         self.scheduler.step()
-        if self.ema is not None:
-            self.ema.update()
         return total, grad_norm
+
+    @staticmethod
+    def signals_received() -> bool:
+        return STOP.received is not None
+
+    def _nonfinite(self, loss_ranks: list[int], grad_norm: torch.Tensor) -> None:
+        """Every rank takes the same decision (the flags were all-reduced): raise, or skip this optimizer step."""
+        if loss_ranks:
+            where = (f"non-finite loss at step {self.step + 1} on rank{'s' if len(loss_ranks) > 1 else ''} "
+                     f"{', '.join(map(str, loss_ranks))}")
+        else:
+            where = (f"non-finite gradient at step {self.step + 1} (grad norm {grad_norm.item():.4g}; the loss was "
+                     "finite on every rank)")
+        if self.cfg.trainer.on_nonfinite == "raise":
+            raise NonFiniteStep(f"{where}: lower optim.lr, set trainer.clip_grad, or trainer.on_nonfinite=skip to "
+                                "skip such steps")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += 1
+        log.warning("skipped the optimizer step (non-finite loss or gradient) at %s; %d skipped so far", where,
+                    self.skipped_steps)
 
     def _accumulate(self, batches: Iterator) -> torch.Tensor:
         """Gradients of grad_accum micro-batches; DDP all-reduces during the last backward only."""
@@ -279,6 +308,10 @@ class Trainer:
                     else:
                         loss, grad_norm = self.train_step(batches)
                     self.step += 1
+                    if self.step == self.resumed_from_step + 1:  # start-up is over: hangs now fail fast
+                        set_collective_timeout(t.dist_timeout_s, self._groups())
+                    if self.stop_requested and self.step < self.total_steps:
+                        break
                     if self.tp_bytes_per_step is None:
                         self._note_tp_traffic()
                     window.add(loss)
@@ -297,21 +330,28 @@ class Trainer:
                         last_saved = self.step
                         window.resume()
                 self.epoch = self.step // sampler.steps_per_epoch
+                if self.stop_requested and self.step < self.total_steps:
+                    break
         finally:
             if progress is not None:
                 progress.stop()
-        if self.step < self.total_steps:  # stop_at_step: a checkpoint to continue from, no final evaluation
+        if self.step < self.total_steps:  # stop_at_step or a signal: a checkpoint to continue from, no final evaluation
             if last_saved != self.step:
                 self.save_checkpoint()
-            log.info("stopped after step %d of %d (trainer.stop_at_step); continue with trainer.resume=auto "
-                     "trainer.run_dir=%s", self.step, self.total_steps, self.run_dir)
+            why = f"{STOP.received or 'a signal to another rank'}" if self.stop_requested else "trainer.stop_at_step"
+            log.info("stopped after step %d of %d (%s); continue with trainer.resume=auto trainer.run_dir=%s",
+                     self.step, self.total_steps, why, self.run_dir)
             self.metrics.close()
-            return {"stopped at step": self.step, "run dir": str(self.run_dir)}
+            return {"stopped at step": self.step, "run dir": str(self.run_dir),
+                    **({"stopped by": STOP.received or "SIGTERM"} if self.stop_requested else {})}
         if self.last_eval.get("step") != self.step:
             self.evaluate()
         if last_saved != self.step:
             self.save_checkpoint()
         return self._finish(final_loss, window.total_seconds)
+
+    def _groups(self) -> list:
+        return [self.layout.mesh.get_group(dim) for dim in self.layout.mesh.mesh_dim_names]
 
     def _timeline_step(self) -> int:
         """The step whose pipeline timeline is recorded: the second of this process (the first also sets up the
@@ -388,6 +428,7 @@ class Trainer:
 
     def _finish(self, final_loss: float, train_time: float) -> dict[str, Any]:
         weights = self._save_weights()
+        ran = self.step - self.resumed_from_step
         summary = {
             "model": self.cfg.model.name,
             "parameters (M)": round(self.num_params / 1e6, 3),
@@ -397,8 +438,10 @@ class Trainer:
             "steps": self.step,
             "epochs": float(f"{self.step / self.data.train_sampler.steps_per_epoch:.3g}"),
             "train time (s)": round(train_time, 1),
-            "throughput (img/s)": float(f"{self.step * self.cfg.data.batch_size / max(train_time, 1e-9):.3g}"),
-            "final train loss": final_loss,
+            "throughput (img/s)": (float(f"{ran * self.cfg.data.batch_size / train_time:.3g}")
+                                   if ran and train_time > 0 else None),  # of this process's steps
+            "final train loss": None if math.isnan(final_loss) else final_loss,
+            **({"skipped steps (non-finite)": self.skipped_steps} if self.skipped_steps else {}),
             **({"TP traffic per step (MB)": round(self.tp_bytes_per_step / 1e6, 2)} if self.tp_bytes_per_step else {}),
             **({"pipeline": f"{self.pipeline.schedule_name}, {self.pipeline.microbatches} micro-batches"}
                if self.pipeline is not None else {}),

@@ -1,0 +1,67 @@
+"""Rank-side code of the fault-injection tests (run by `helpers.spawn_ranks`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from visiondist.engine.faults import set_collective_timeout
+
+
+@record
+def raise_on_one_rank(failing: int, pid_dir: str) -> None:
+    """`failing` raises while the others wait for it in a barrier."""
+    dist.init_process_group("gloo")
+    Path(pid_dir, f"rank{dist.get_rank()}.pid").write_text(str(os.getpid()))
+    if dist.get_rank() == failing:
+        raise ValueError(f"injected failure on rank {failing}")
+    dist.barrier()
+
+
+@record
+def skip_a_collective(timeout_s: float) -> None:
+    """After a first all-reduce the timeout drops to `timeout_s`; rank 1 then never joins the next one."""
+    dist.init_process_group("gloo")
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    set_collective_timeout(timeout_s, [])
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    dist.all_reduce(x)
+
+
+@record
+def nonfinite_on_one_rank(overrides: list[str], bad_rank: int, bad_step: int) -> dict:
+    """The real Trainer on 2 DP ranks; `bad_rank`'s loss is NaN at optimizer step `bad_step`."""
+    from visiondist.config import compose
+    from visiondist.engine.trainer import Trainer, _prepare_rank
+    from visiondist.parallel import build_layout
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    try:
+        cfg = compose(Path(__file__).resolve().parents[1] / "configs", overrides)
+        layout = build_layout(2, 1, 1, torch.device("cpu"), 0)
+        run_dir = Path(cfg.trainer.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _prepare_rank(cfg, layout, run_dir)  # logging into run_dir/train.log
+        trainer = Trainer(cfg, layout, run_dir)
+        loss = trainer.task.loss
+
+        def poisoned(*args, **kwargs):
+            value = loss(*args, **kwargs)
+            if layout.rank == bad_rank and trainer.step + 1 == bad_step:
+                return value * float("nan")
+            return value
+
+        trainer.task.loss = poisoned
+        summary = trainer.fit()
+        return {"summary": summary, "params": {n: p.detach().clone() for n, p in trainer.model.module.named_parameters()},
+                "adam_steps": sorted({float(s["step"]) for s in trainer.optimizer.state.values()})}
+    finally:
+        dist.destroy_process_group()

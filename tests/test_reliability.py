@@ -1,0 +1,236 @@
+"""Fault injection on the CPU (gloo): what each fault costs the user. RELIABILITY.md tabulates the outcomes.
+
+Every multi-process test runs in its own process group with a hard timeout that kills the group
+(`helpers.run_cli` / `helpers.spawn_ranks`)."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fault_ranks
+from helpers import REPO, TINY_DATA, TRAIN, RanksFailed, losses_of, spawn_ranks, train_args, train_ok
+from visiondist.engine.checkpoint import CHECKPOINTS, list_checkpoints
+
+# ~0.05 s per step on 2 cores: long enough to be interrupted mid-run
+LONG = ["model.num_heads=2", "trainer.max_steps=200", "trainer.max_epochs=1000", "trainer.eval_every=1000",
+        "parallel.dp=2", "trainer.log_every=1"]
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"did not end within {timeout}s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def _wait_for(condition, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        if proc.poll() is not None or time.time() > deadline:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"never saw {what} (exit code {proc.poll()}):\n{proc.communicate()[0][-4000:]}")
+        time.sleep(0.02)
+
+
+def _children(pid: int) -> list[int]:
+    """Worker processes the elastic launcher spawned (multiprocessing 'spawn' children of `pid`)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_shapes):
+    run = tmp_path_factory.mktemp("reliability") / "reference"
+    train_ok(*train_args(tiny_shapes, run, *LONG))
+    return run
+
+
+# 1 -----------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_identical(tmp_path, tiny_shapes, uninterrupted):
+    run = tmp_path / "run"
+    proc = _start(train_args(tiny_shapes, run, *LONG, "trainer.checkpoint_every=20", "trainer.max_restarts=1"))
+    _wait_for(lambda: len(list_checkpoints(run)) >= 1 and len(_children(proc.pid)) == 2, proc, 180,
+              "a first checkpoint")
+    victim = random.choice(_children(proc.pid))
+    os.kill(victim, signal.SIGKILL)
+    code, out = _finish(proc, 300)
+    assert code == 0, out[-4000:]
+    log = (run / "train.log").read_text()
+    assert "resumed from" in log, log[-2000:]
+    assert sorted(losses_of(run)) == list(range(1, 201))
+    _same_weights(uninterrupted, run)  # bit for bit
+
+
+# 2 -----------------------------------------------------------------------------------------------------------------
+def test_one_rank_raising_stops_the_whole_job_fast_with_its_traceback(tmp_path):
+    start = time.time()
+    with pytest.raises(RanksFailed) as failed:
+        spawn_ranks(fault_ranks.raise_on_one_rank, 3, 1, str(tmp_path), timeout=120)
+    elapsed = time.time() - start
+    failures = failed.value.failures
+    assert 1 in failures and "injected failure on rank 1" in failures[1]
+    assert "Traceback" in failures[1] and "raise_on_one_rank" in failures[1]
+    assert elapsed < 60, elapsed  # the others were waiting in a barrier: the launcher stopped them
+    pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+    assert len(pids) == 3 and not any(_alive(pid) for pid in pids)  # no orphans
+
+
+# 3 -----------------------------------------------------------------------------------------------------------------
+def test_a_collective_one_rank_skips_fails_within_the_timeout(tmp_path):
+    start = time.time()
+    with pytest.raises(RanksFailed) as failed:
+        spawn_ranks(fault_ranks.skip_a_collective, 2, 3.0, timeout=150)
+    elapsed = time.time() - start
+    assert 0 in failed.value.failures
+    assert "timed out" in failed.value.failures[0].lower() or "timeout" in failed.value.failures[0].lower()
+    assert elapsed < 3.0 + 45, elapsed  # start-up of 2 ranks + 3 s, not the 10-minute default
+
+
+def test_the_trainer_shortens_the_collective_timeout_after_the_first_step(tmp_path, tiny_shapes):
+    run = tmp_path / "run"
+    train_ok(*train_args(tiny_shapes, run, "trainer.max_steps=2", "parallel.dp=2", "trainer.dist_timeout_s=7"))
+    assert "collective timeout now 7s" in (run / "train.log").read_text()
+
+
+# 4 -----------------------------------------------------------------------------------------------------------------
+def _nonfinite_overrides(data_root, run, policy):
+    return [*TINY_DATA, f"data.root={data_root}", "data.batch_size=16", "trainer.max_steps=4", "trainer.log_every=1",
+            "trainer.accelerator=cpu", "trainer.tensorboard=false", f"trainer.run_dir={run}",
+            f"trainer.on_nonfinite={policy}", "trainer.eval_every=1000", "model.num_heads=2", "parallel.dp=2"]
+
+
+def test_a_nan_on_one_rank_is_one_decision_skip(tmp_path, tiny_shapes):
+    results = spawn_ranks(fault_ranks.nonfinite_on_one_rank, 2, _nonfinite_overrides(tiny_shapes, tmp_path, "skip"),
+                          1, 2, timeout=180)
+    a, b = results[0], results[1]
+    for name in a["params"]:  # both ranks skipped the same step: the replicas are still identical
+        assert torch.equal(a["params"][name], b["params"][name]), name
+    assert a["summary"]["skipped steps (non-finite)"] == 1
+    assert a["summary"]["steps"] == 4
+    assert a["adam_steps"] == b["adam_steps"] == [3.0]  # 4 steps, 1 skipped
+    assert "skipped the optimizer step" in (tmp_path / "train.log").read_text()
+
+
+def test_a_nan_on_one_rank_is_one_decision_raise(tmp_path, tiny_shapes):
+    with pytest.raises(RanksFailed) as failed:
+        spawn_ranks(fault_ranks.nonfinite_on_one_rank, 2, _nonfinite_overrides(tiny_shapes, tmp_path, "raise"), 1, 2,
+                    timeout=180)
+    # every rank takes the decision; the launcher reports the first to fail (and stops the other)
+    reported = list(failed.value.failures.values())
+    assert reported and all("non-finite loss at step 2 on rank 1:" in text for text in reported), reported
+    assert "trainer.on_nonfinite=skip" in reported[0]
+
+
+# 5 -----------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGINT to the process group"])
+def test_a_stop_signal_checkpoints_every_rank_and_resume_continues(tmp_path, tiny_shapes, uninterrupted, how):
+    run = tmp_path / "run"
+    args = train_args(tiny_shapes, run, *LONG)
+    proc = _start(args)
+    _wait_for(lambda: len(losses_of(run)) >= 3 if (run / "metrics.csv").exists() else False, proc, 180, "step 3")
+    sent = time.time()
+    if how.startswith("SIGTERM"):
+        os.kill(proc.pid, signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
+    code, out = _finish(proc, 90)
+    assert time.time() - sent < 60
+    assert code == (143 if how.startswith("SIGTERM") else 130), out[-3000:]
+    assert "stopped by SIG" in out and "trainer.resume=auto" in out
+    (step, path), = list_checkpoints(run)[-1:]
+    assert 3 <= step < 200 and (path / ".metadata").is_file()
+    assert f"stopped after step {step} of 200" in (run / "train.log").read_text()
+    train_ok(*args)  # trainer.resume=auto (the default) in the same run dir
+    assert f"resumed from {path}: step {step}" in (run / "train.log").read_text()
+    _same_weights(uninterrupted, run)
+
+
+# 6 -----------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_ten_kills_while_writing_checkpoints_never_leave_an_unloadable_newest(tmp_path, tiny_shapes):
+    """A checkpoint every step, so the job spends most of its time writing them; SIGKILL at a random moment, ten
+    times, each time resuming. After every kill the newest complete checkpoint loads in full."""
+    from visiondist.engine.export import load_trained
+
+    run = tmp_path / "run"
+    args = train_args(tiny_shapes, run, "model.num_heads=2", "trainer.max_steps=1000", "trainer.max_epochs=1000", "trainer.checkpoint_every=1",
+                      "trainer.keep_last=2", "trainer.eval_every=10000", "trainer.log_every=1000")
+    rng = random.Random()
+    newest = 0
+    for kill in range(10):
+        proc = _start(args)
+        _wait_for(lambda: list_checkpoints(run) and list_checkpoints(run)[-1][0] >= newest + 2, proc, 120,
+                  f"two new checkpoints (kill {kill})")
+        time.sleep(rng.uniform(0.0, 0.3))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        found = list_checkpoints(run)
+        assert found, f"kill {kill}: no checkpoint left"
+        step, path = found[-1]
+        trained = load_trained(run, step)  # every tensor of the newest is there
+        assert trained.step == step and trained.source == path
+        for entry in (run / CHECKPOINTS).iterdir():  # anything else is an unfinished write or removal
+            assert entry.name.startswith(".step_") or (entry / ".metadata").is_file(), entry
+        assert step >= newest
+        newest = step
+
+
+# 7 -----------------------------------------------------------------------------------------------------------------
+def test_hydra_targets_are_never_instantiated(tmp_path):
+    from helpers import run_cli
+
+    result = run_cli(["+model._target_=os.system", "trainer.max_steps=1"], timeout=60)
+    assert result.returncode == 2 and "_target_" in result.stdout
+    marker = tmp_path / "pwned"
+    result = run_cli(["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", f"data.root={tmp_path}/d",
+                      f"+model.kwargs._target_=os.system", f"+model.kwargs._args_=[touch {marker}]",
+                      "trainer.max_steps=1", "trainer.accelerator=cpu", f"trainer.run_dir={tmp_path}/r",
+                      "data.synthetic.train_images=4", "data.synthetic.val_images=2", "trainer.progress=false"],
+                     timeout=120)
+    assert result.returncode != 0 and not marker.exists()
