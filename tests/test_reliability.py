@@ -50,8 +50,9 @@ def _wait_for(condition, proc: subprocess.Popen, timeout: float, what: str) -> N
         time.sleep(0.02)
 
 
-def _children(pid: int) -> list[int]:
-    """Worker processes the elastic launcher spawned (multiprocessing 'spawn' children of `pid`)."""
+def _children(pid: int, marker: bytes = b"spawn_main") -> list[int]:
+    """Worker processes an elastic launcher started: children of `pid` whose command line holds `marker`
+    (multiprocessing's spawn for the self-launch, the script for torchrun)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -61,7 +62,7 @@ def _children(pid: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == pid and b"spawn_main" in cmdline:
+        if ppid == pid and marker in cmdline:
             found.append(int(entry.name))
     return found
 
@@ -104,6 +105,29 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_identical(tmp_
     assert "resumed from" in log, log[-2000:]
     assert sorted(losses_of(run)) == list(range(1, 201))
     _same_weights(uninterrupted, run)  # bit for bit
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_killed_rank_restarts_in_the_same_run_dir(tmp_path, tiny_shapes, uninterrupted):
+    out = tmp_path / "out"
+    args = [a for a in train_args(tiny_shapes, out, *LONG, "trainer.checkpoint_every=20") if "run_dir" not in a]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                             "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--max-restarts=1", str(TRAIN),
+                             *args, f"trainer.output_dir={out}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def first_checkpoint():
+        return any(out.rglob("step_20/.metadata")) and len(_children(proc.pid, b"train.py")) == 2
+
+    _wait_for(first_checkpoint, proc, 180, "a first checkpoint")
+    os.kill(random.choice(_children(proc.pid, b"train.py")), signal.SIGKILL)
+    code, output = _finish(proc, 300)
+    assert code == 0, output[-4000:]
+    runs = [p.parent for p in out.rglob("config.yaml")]
+    assert len(runs) == 1  # the restart continued the first attempt's run dir
+    assert "resumed from" in (runs[0] / "train.log").read_text()
+    _same_weights(uninterrupted, runs[0])
 
 
 # 2 -----------------------------------------------------------------------------------------------------------------
