@@ -23,8 +23,11 @@ def load_config(config_dir: Path, overrides: list[str]) -> DictConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from visiondist.config import from_container, to_container
+
     try:
         cfg = compose(config_dir, overrides)
+        from_container(to_container(cfg))  # what the ranks do: every key must be in the schema (`+key=` can add one)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain(exc)) from exc
     validate(cfg)

@@ -416,9 +416,9 @@ def plan_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
         world = int(env["WORLD_SIZE"])
         per_node = int(env.get("LOCAL_WORLD_SIZE", world))
         if t.max_restarts > 0:
-            raise ConfigError(f"trainer.max_restarts={t.max_restarts}: under torchrun the restarts are torchrun's: "
-                              "pass --max-restarts to torchrun (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set) and drop "
-                              "trainer.max_restarts")
+            raise ConfigError(f"trainer.max_restarts={t.max_restarts}: under torchrun the restarts are "
+                              "torchrun's: pass --max-restarts to torchrun (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                              "set) and drop trainer.max_restarts")
         if t.devices > 0 and t.devices != per_node:
             raise ConfigError(
                 f"trainer.devices={t.devices} but torchrun started {per_node} ranks per node: "
