@@ -60,6 +60,26 @@ def train_ok(*args: str, timeout: float = 300, script: Path = TRAIN) -> str:
     return result.stdout
 
 
+def evals_of(run: Path, *columns: str) -> dict[int, tuple]:
+    """step -> the given evaluation columns (e.g. val_loss, val_top1) from a run's metrics.csv."""
+    from visiondist.engine.logging import read_metrics
+
+    return {int(r["step"]): tuple(r[c] for c in columns) for r in read_metrics(run / "metrics.csv")
+            if r.get("val_loss") is not None}
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    """Two runs' model.safetensors hold the same tensors to 1e-5 relative."""
+    import torch
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        if not key.endswith("attn.k.bias"):  # its gradient is round-off only (attention ignores a key bias)
+            torch.testing.assert_close(wa[key], wb[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
 def losses_of(run: Path) -> dict[int, float]:
     """step -> training loss from a run's metrics.csv."""
     from visiondist.engine.logging import read_metrics

@@ -4,28 +4,14 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import fsdp_ranks
-from helpers import losses_of, spawn_ranks, train_args, train_ok
+from helpers import assert_same_weights, evals_of, losses_of, spawn_ranks, train_args, train_ok
 from visiondist.engine.checkpoint import latest_checkpoint
-from visiondist.engine.logging import read_metrics
 
+EVALS = ("val_loss", "val_top1", "val_ema_loss")  # the evaluation columns compared
 COMMON = ["model.num_heads=2", "model.depth=3", "model.drop_path_rate=0.1", "trainer.max_steps=4",
           "trainer.eval_every=2", "trainer.ema_decay=0.9", "data.eval_batch_size=8"]
-
-
-def _evals(run):
-    return {int(r["step"]): (r["val_loss"], r["val_top1"], r["val_ema_loss"]) for r in read_metrics(run / "metrics.csv")
-            if r.get("val_loss") is not None}
-
-
-def _assert_same_weights(a, b):
-    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        if not key.endswith("attn.k.bias"):  # its gradient is round-off only (attention ignores a key bias)
-            torch.testing.assert_close(wa[key], wb[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +56,13 @@ def test_fsdp_run_equals_ddp(tmp_path, tiny_shapes, ddp2, extra):
     ref, got = losses_of(ddp2), losses_of(run)
     assert sorted(got) == [1, 2, 3, 4]
     assert [got[s] for s in got] == pytest.approx([ref[s] for s in got], rel=1e-5)
-    ref_evals, evals = _evals(ddp2), _evals(run)
+    ref_evals, evals = evals_of(ddp2, *EVALS), evals_of(run, *EVALS)
     assert sorted(evals) == [2, 4]
     for step in evals:
         assert evals[step][0] == pytest.approx(ref_evals[step][0], rel=1e-5)  # model
         assert evals[step][1] == ref_evals[step][1]
         assert evals[step][2] == pytest.approx(ref_evals[step][2], rel=1e-5)  # EMA
-    _assert_same_weights(ddp2, run)
+    assert_same_weights(ddp2, run)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["parameters per rank (M)"] < 0.55 * summary["parameters (M)"]
 
@@ -90,8 +76,8 @@ def test_fsdp_checkpoint_resumes_under_ddp(tmp_path, tiny_shapes, ddp2):
     train_ok(*train_args(tiny_shapes, resumed, *COMMON, "parallel.dp=2", f"trainer.resume={latest_checkpoint(saved)}"))
     ref, got = losses_of(ddp2), losses_of(resumed)
     assert [got[s] for s in (3, 4)] == pytest.approx([ref[3], ref[4]], rel=1e-5)
-    assert _evals(resumed)[4] == pytest.approx(_evals(ddp2)[4], rel=1e-5)
-    _assert_same_weights(ddp2, resumed)
+    assert evals_of(resumed, *EVALS)[4] == pytest.approx(evals_of(ddp2, *EVALS)[4], rel=1e-5)
+    assert_same_weights(ddp2, resumed)
 
 
 @pytest.mark.slow

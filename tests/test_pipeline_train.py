@@ -5,29 +5,14 @@ layout and evaluates with tools/eval.py."""
 import json
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from visiondist.engine.checkpoint import latest_checkpoint, read_trainer_state
-from visiondist.engine.logging import read_metrics
-from helpers import REPO, losses_of, train_args, train_ok
+from helpers import REPO, assert_same_weights, evals_of, losses_of, train_args, train_ok
 
 # 4 blocks: 2 stages, or 4 virtual stages for zero-bubble. 16 images per step in 4 micro-batches of 4.
+EVALS = ("val_loss", "val_top1")  # the evaluation columns compared
 COMMON = ["model.num_heads=2", "model.depth=4", "trainer.max_steps=4", "trainer.eval_every=2"]
 ONE_PROCESS = ["parallel.dp=1", "trainer.grad_accum=4"]
-
-
-def _evals(run):
-    return {int(r["step"]): (r["val_loss"], r["val_top1"]) for r in read_metrics(run / "metrics.csv")
-            if r.get("val_loss") is not None}
-
-
-def _assert_same_weights(a, b):
-    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        if not key.endswith("attn.k.bias"):  # its gradient is round-off only (attention ignores a key bias)
-            torch.testing.assert_close(wa[key], wb[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +31,12 @@ def test_pipelined_run_equals_one_process(tmp_path, tiny_shapes, one_process, sc
     ref, got = losses_of(one_process), losses_of(run)
     assert sorted(got) == [1, 2, 3, 4]
     assert [got[s] for s in got] == pytest.approx([ref[s] for s in got], rel=1e-5)
-    ref_evals, evals = _evals(one_process), _evals(run)
+    ref_evals, evals = evals_of(one_process, *EVALS), evals_of(run, *EVALS)
     assert sorted(evals) == [2, 4]
     for step in evals:
         assert evals[step][0] == pytest.approx(ref_evals[step][0], rel=1e-5)
         assert evals[step][1] == ref_evals[step][1]
-    _assert_same_weights(one_process, run)
+    assert_same_weights(one_process, run)
 
     timeline = json.loads((run / "pipeline_timeline.json").read_text())
     assert timeline["step"] == 2 and 0 < timeline["bubble"] < 1
@@ -76,7 +61,7 @@ def test_pipeline_checkpoint_resumes_and_evaluates_under_other_layouts(tmp_path,
     train_ok(*train_args(tiny_shapes, resumed, *COMMON, *ONE_PROCESS, f"trainer.resume={latest_checkpoint(saved)}"))
     ref, got = losses_of(one_process), losses_of(resumed)
     assert [got[s] for s in (3, 4)] == pytest.approx([ref[3], ref[4]], rel=1e-5)
-    _assert_same_weights(one_process, resumed)
+    assert_same_weights(one_process, resumed)
 
     into_pp = tmp_path / "into_pp"
     step_2 = one_process / "checkpoints" / "step_2"
@@ -86,5 +71,5 @@ def test_pipeline_checkpoint_resumes_and_evaluates_under_other_layouts(tmp_path,
 
     out = train_ok(str(latest_checkpoint(into_pp)), timeout=240, script=REPO / "tools" / "eval.py")
     evaluated = json.loads(next((into_pp / "eval").glob("*/eval.json")).read_text())
-    assert evaluated["val_loss"] == pytest.approx(_evals(one_process)[4][0], rel=1e-5)
-    assert f"val top-1: {_evals(one_process)[4][1]:.2f}%" in out
+    assert evaluated["val_loss"] == pytest.approx(evals_of(one_process, *EVALS)[4][0], rel=1e-5)
+    assert f"val top-1: {evals_of(one_process, *EVALS)[4][1]:.2f}%" in out

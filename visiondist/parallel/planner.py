@@ -150,11 +150,15 @@ def optimizer_bytes(params: Tensors, optimizer: str, momentum: float = 0.9) -> i
     raise ValueError(f"unknown optimizer {optimizer!r}")
 
 
+def _act_size(precision: str) -> int:
+    return 2 if str(precision) == "bf16" else 4
+
+
 def block_activation_bytes(s: ViTShape, micro_batch: int, tp: int, precision: str = "32") -> int:
     """Tensors one block saves for its backward, for one micro-batch: the inputs of the two norms, of q/k/v, proj,
     fc1 and fc2, the GELU input, the attention output and its log-sum-exp (memory-efficient attention keeps no
     tokens x tokens matrix); the TP-sharded ones divided by tp."""
-    size = 2 if str(precision) == "bf16" else 4
+    size = _act_size(precision)
     t, d, h = s.tokens, s.embed_dim, s.hidden
     replicated = 2 * t * d * FLOAT + 4 * t * FLOAT  # norm inputs (fp32) and their mean / rstd
     sharded = (t * d + 3 * t * d + t * d + t * d + 2 * t * h) * size // tp  # q/k/v in, q/k/v, attn out, proj in, MLP
@@ -199,10 +203,6 @@ class RankMemory:
     @property
     def total(self) -> int:
         return self.state + self.activations + self.buffers
-
-
-def _act_size(precision: str) -> int:
-    return 2 if str(precision) == "bf16" else 4
 
 
 def rank_memory(s: ViTShape, dp: int, tp: int, pp: int, global_batch: int, grad_accum: int = 1,
