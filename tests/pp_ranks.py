@@ -74,12 +74,15 @@ def _train(layout, schedule: str, stages_per_rank: int, microbatches: int, seque
     model = parallelize(make_model(), layout, sequence_parallel, spec)
     opt = _optimizer(model.parameters())
     local = BATCH // layout.dp
-    losses, norms, logits = [], [], None
+    losses, norms, logits, p2p = [], [], None, None
     for step, (images, labels) in enumerate(make_batches(), 1):
         opt.zero_grad()
+        model.p2p.reset()
         mine = slice(layout.dp_rank * local, (layout.dp_rank + 1) * local)  # the DP rank's part of the batch
         loss = model.train_step(images[mine] if layout.reads_images else None,
                                 labels[mine] if layout.reads_labels else None)
+        if step == 2:  # the first step also runs the schedule's shape inference
+            p2p = model.p2p.bytes
         average_over_data_parallel(model.parameters(), layout)
         finish_gradients(model.parameters(), layout)
         norms.append(clip_grad_norm(model.parameters(), 0.0, layout).item())
@@ -90,7 +93,8 @@ def _train(layout, schedule: str, stages_per_rank: int, microbatches: int, seque
             out = model.predict(eval_images() if layout.reads_images else None, EVAL_IMAGES, BATCH)
             logits = None if out is None else out.clone()
             model.train()
-    return {"stages": model.stage_ids, "is_last": model.is_last, "losses": losses, "norms": norms,
+    return {"stages": model.stage_ids, "n_stages": model.n_stages, "p2p": p2p, "losses": losses, "norms": norms,
+            "is_last": model.is_last,
             "logits": logits, "state": full_state_dict(model, layout.tp_comm)}
 
 

@@ -6,7 +6,7 @@ import torch
 
 import pp_ranks
 from helpers import spawn_ranks
-from visiondist.parallel.pipeline import balance, block_ranges, build_stages
+from visiondist.parallel.pipeline import balance, block_ranges, build_stages, p2p_bytes_per_step
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)]
 
@@ -40,6 +40,13 @@ def reference():
     return pp_ranks.train_reference()
 
 
+def _activation_bytes() -> int:
+    """One micro-batch's activation between stages: BATCH / (dp x microbatches) images x tokens x embed_dim fp32.
+    Under sequence parallelism too: each stage gathers its tokens before it hands them on."""
+    tokens = (pp_ranks.TINY["img_size"] // pp_ranks.TINY["patch_size"]) ** 2 + 1
+    return pp_ranks.BATCH // pp_ranks.CHUNKS * tokens * pp_ranks.TINY["embed_dim"] * 4
+
+
 def _check(results: dict, ranks: int, case: tuple, reference: dict) -> None:
     name = f"{case}"
     per_rank = [results[r][case] for r in range(ranks)]
@@ -51,6 +58,10 @@ def _check(results: dict, ranks: int, case: tuple, reference: dict) -> None:
     assert all(r["logits"] is None for r in per_rank if not r["is_last"])
     for r in last:
         torch.testing.assert_close(r["logits"], reference["logits"], rtol=1e-5, atol=1e-6)
+    microbatches = case[2]
+    for r in per_rank:  # the send counter: each activation forward and each input gradient back, of its real size
+        expected = p2p_bytes_per_step(r["stages"], r["n_stages"], microbatches, _activation_bytes())
+        assert r["p2p"] == expected, (name, r["stages"], r["p2p"], expected)
     state = {k: v for r in per_rank for k, v in r["state"].items()}
     assert state.keys() == reference["state"].keys(), name
     for key, value in reference["state"].items():

@@ -5,6 +5,8 @@
   and leaves; `trainer.resume=auto` continues from it.
 - `StepHealth`: one all-reduce per step of [per-rank "loss not finite" flags, "gradient not finite", stop]. Every
   rank then takes the same decision: raise (naming the ranks) or skip the optimizer step (`trainer.on_nonfinite`).
+  With `raise` the host reads a step's flags one step later, so the loop never waits for the device; `skip` must
+  decide before the optimizer step and reads them at once.
 - `set_collective_timeout`: the start-up timeout (long: data generation, compilation) is replaced after the first
   step by `trainer.dist_timeout_s`, so a rank that never joins a collective turns into an error on the others.
 """
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import signal
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,24 +57,65 @@ class StopSignals:
 STOP = StopSignals()  # the rank's; installed by `visiondist.launch.run_rank`
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """The all-reduced health of one step."""
+
+    step: int
+    bad_loss_ranks: list[int]  # ranks whose loss was not finite
+    bad_grad: bool  # the global gradient norm was not finite
+    stop: bool  # some rank was asked to stop
+
+    @property
+    def finite(self) -> bool:
+        return not self.bad_loss_ranks and not self.bad_grad
+
+
 class StepHealth:
     """The step's shared decision: which ranks' losses are not finite, whether the gradient is, whether any rank was
-    asked to stop."""
+    asked to stop.
+
+    `submit` starts the all-reduce of a step's flags and a non-blocking copy to the host; `verdict` waits for the
+    oldest submitted step's result. Reading a step's verdict after the next step has been queued keeps the host
+    from waiting on the device in the hot loop (one step of lag); reading it at once (`submit` then `verdict`) is a
+    synchronous check, which skipping a bad step needs."""
 
     def __init__(self, world_size: int, device: torch.device):
-        self.world_size = world_size
-        self.flags = torch.zeros(world_size + 2, device=device)
+        self.world_size, self.device = world_size, device
+        self._pending: list[tuple[int, torch.Tensor, Any]] = []
 
-    def check(self, rank: int, loss: torch.Tensor, grad_norm: torch.Tensor, stop: bool) -> tuple[list[int], bool, bool]:
-        """Returns (ranks whose loss was not finite, gradient not finite anywhere, stop asked anywhere). Collective."""
-        self.flags.zero_()
-        self.flags[rank] = (~torch.isfinite(loss.detach().float()).all()).float().to(self.flags.device)
-        self.flags[-2] = (~torch.isfinite(grad_norm.detach().float()).all()).float().to(self.flags.device)
-        self.flags[-1] = float(stop)
+    def submit(self, step: int, rank: int, loss: torch.Tensor, grad_norm: torch.Tensor, stop: bool) -> None:
+        """Collective: every rank submits every step."""
+        flags = torch.zeros(self.world_size + 2, device=self.device)  # element copies and fills: no host sync
+        flags[rank] = (~torch.isfinite(loss.detach().float()).all()).float()
+        flags[-2] = (~torch.isfinite(grad_norm.detach().float()).all()).float()
+        flags[-1] = float(stop)
         if self.world_size > 1:
-            dist.all_reduce(self.flags)
-        values = self.flags.tolist()
-        return [r for r in range(self.world_size) if values[r] > 0], values[-2] > 0, values[-1] > 0
+            dist.all_reduce(flags)
+        event = None
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            flags = host
+        self._pending.append((step, flags, event))
+
+    @property
+    def pending(self) -> int:
+        """Steps submitted whose verdict has not been read."""
+        return len(self._pending)
+
+    def verdict(self) -> Verdict | None:
+        """The oldest submitted step's verdict (waits for it); None when none is pending."""
+        if not self._pending:
+            return None
+        step, flags, event = self._pending.pop(0)
+        if event is not None:
+            event.synchronize()
+        values = flags.tolist()
+        ranks = [r for r in range(self.world_size) if values[r] > 0]
+        return Verdict(step, ranks, values[-2] > 0, values[-1] > 0)
 
 
 def set_collective_timeout(seconds: float, groups) -> None:

@@ -34,7 +34,7 @@ from visiondist.engine.faults import STOP, NonFiniteStep, StepHealth, set_collec
 from visiondist.engine.logging import MetricsLogger, plot_curves, setup_logging, summary_table
 from visiondist.engine.optim import build_optimizer, build_scheduler
 from visiondist.engine.tasks import build_task
-from visiondist.models import build_model
+from visiondist.models import build_model, select_attention
 from visiondist.parallel import (
     Layout,
     PipelinedViT,
@@ -107,7 +107,10 @@ class Trainer:
         self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
         t = cfg.trainer
         seed_everything(t.seed)  # the same on every rank: identical initial weights before any broadcast
+        select_attention(cfg.model.sdpa)
         model = build_model(cfg.model).to(layout.device)
+        if cfg.model.channels_last:
+            model = model.to(memory_format=torch.channels_last)
         if cfg.model.sync_bn and layout.dp > 1:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=layout.dp_group)
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -132,6 +135,8 @@ class Trainer:
         self.epoch = 0
         self.last_eval: dict[str, Any] = {}
         self.tp_bytes_per_step: float | None = None  # ring bytes one rank sends in TP collectives per step
+        self.pp_bytes_per_step: int | None = None  # bytes one rank sends to its pipeline neighbours per step
+        self._traffic_noted = False
         self.health = StepHealth(layout.world_size, layout.device)
         self.stop_requested = False
         self.skipped_steps = 0
@@ -171,6 +176,7 @@ class Trainer:
         return path
 
     def save_checkpoint(self) -> Path:
+        self.settle()  # never save the weights of a step that turns out to have been non-finite
         reshard(self.model)  # FSDP: the parameters must be the sharded ones the optimizer holds
         state = {
             "epoch": self.epoch,
@@ -205,29 +211,45 @@ class Trainer:
             total = self._accumulate_pipelined(batches)
         finish_gradients(self.model.parameters(), self.layout)
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.trainer.clip_grad, self.layout)
-        bad_loss, bad_grad, self.stop_requested = self.health.check(self.layout.rank, total, grad_norm,
-                                                                    self.signals_received())
-        if bad_loss or bad_grad:
-            self._nonfinite(bad_loss, grad_norm)
-        else:
-            self.optimizer.step()
-            if self.ema is not None:
-                self.ema.update()
+        self.health.submit(self.step + 1, self.layout.rank, total, grad_norm, self.signals_received())
+        if self.cfg.trainer.on_nonfinite == "skip":  # the optimizer step depends on this step's verdict: wait for it
+            verdict = self.health.verdict()
+            self._act_on(verdict)
+            if verdict.finite:
+                self._optimizer_step()
+        else:  # step now; the verdict of the previous step is read once this one is queued (no wait on the device)
+            self._optimizer_step()
+            if self.health.pending > 1:
+                self._act_on(self.health.verdict())
         self.scheduler.step()
         return total, grad_norm
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update()
+
+    def settle(self) -> None:
+        """Act on every step verdict still in flight (before a checkpoint, at the end of the loop)."""
+        while self.health.pending:
+            self._act_on(self.health.verdict())
 
     @staticmethod
     def signals_received() -> bool:
         return STOP.received is not None
 
-    def _nonfinite(self, loss_ranks: list[int], grad_norm: torch.Tensor) -> None:
-        """Every rank takes the same decision (the flags were all-reduced): raise, or skip this optimizer step."""
-        if loss_ranks:
-            where = (f"non-finite loss at step {self.step + 1} on rank{'s' if len(loss_ranks) > 1 else ''} "
-                     f"{', '.join(map(str, loss_ranks))}")
+    def _act_on(self, verdict) -> None:
+        """Every rank takes the same decision (the flags were all-reduced): stop after this step, raise, or skip this
+        optimizer step."""
+        self.stop_requested = self.stop_requested or verdict.stop
+        if verdict.finite:
+            return
+        ranks = verdict.bad_loss_ranks
+        if ranks:
+            where = (f"non-finite loss at step {verdict.step} on rank{'s' if len(ranks) > 1 else ''} "
+                     f"{', '.join(map(str, ranks))}")
         else:
-            where = (f"non-finite gradient at step {self.step + 1} (grad norm {grad_norm.item():.4g}; the loss was "
-                     "finite on every rank)")
+            where = f"non-finite gradient at step {verdict.step} (the loss was finite on every rank)"
         if self.cfg.trainer.on_nonfinite == "raise":
             raise NonFiniteStep(f"{where}: lower optim.lr, set trainer.clip_grad, or trainer.on_nonfinite=skip to "
                                 "skip such steps")
@@ -284,8 +306,7 @@ class Trainer:
         )
         if self.pipeline is not None:
             log.info("%s", self.pipeline.describe())
-        if self.layout.tp_comm is not None:
-            self.layout.tp_comm.reset()
+        self._reset_traffic()
         progress = _progress(t.progress and self.layout.is_main, self.total_steps)
         window = _Window(self.layout.device)
         final_loss = math.nan
@@ -312,8 +333,8 @@ class Trainer:
                         set_collective_timeout(t.dist_timeout_s, self._groups())
                     if self.stop_requested and self.step < self.total_steps:
                         break
-                    if self.tp_bytes_per_step is None:
-                        self._note_tp_traffic()
+                    if not self._traffic_noted:
+                        self._note_traffic()
                     window.add(loss)
                     if self.step % t.log_every == 0 or self.step == self.total_steps:
                         window.pause()
@@ -332,6 +353,7 @@ class Trainer:
                 self.epoch = self.step // sampler.steps_per_epoch
                 if self.stop_requested and self.step < self.total_steps:
                     break
+            self.settle()
         finally:
             if progress is not None:
                 progress.stop()
@@ -384,18 +406,29 @@ class Trainer:
                  100 * stats["bubble"], 1e3 * stats["span_s"],
                  ", ".join(f"{100 * b:.0f}%" for b in stats["bubble_per_rank"]), png)
 
-    def _note_tp_traffic(self) -> None:
-        """Bytes the first step moved through TP collectives (every step moves the same). A pipeline's first step
-        also runs the schedule's shape inference, so its second step is counted."""
-        comm = self.layout.tp_comm
-        if comm is None:
+    def _reset_traffic(self) -> None:
+        if self.layout.tp_comm is not None:
+            self.layout.tp_comm.reset()
+        if self.pipeline is not None:
+            self.pipeline.p2p.reset()
+
+    def _note_traffic(self) -> None:
+        """Bytes the first step moved through TP collectives and pipeline sends (every step moves the same). A
+        pipeline's first step also runs the schedule's shape inference, so its second step is counted."""
+        comm, pipe = self.layout.tp_comm, self.pipeline
+        if pipe is not None and self.step == self.resumed_from_step + 1:
+            self._reset_traffic()
             return
-        if self.pipeline is not None and self.step == self.resumed_from_step + 1:
-            comm.reset()
-            return
-        self.tp_bytes_per_step = comm.ring_bytes()
-        calls = ", ".join(f"{n} {kind}" for kind, n in sorted(comm.calls.items()))
-        log.info("tensor parallel traffic: %.2f MB sent per rank per step (%s)", self.tp_bytes_per_step / 1e6, calls)
+        self._traffic_noted = True
+        if comm is not None:
+            self.tp_bytes_per_step = comm.ring_bytes()
+            calls = ", ".join(f"{n} {kind}" for kind, n in sorted(comm.calls.items()))
+            log.info("tensor parallel traffic: %.2f MB sent per rank per step (%s)", self.tp_bytes_per_step / 1e6,
+                     calls)
+        if pipe is not None:
+            self.pp_bytes_per_step = pipe.p2p.bytes
+            log.info("pipeline traffic: %.2f MB sent per rank per step (%d sends to neighbouring stages)",
+                     pipe.p2p.bytes / 1e6, pipe.p2p.sends)
 
     def _log_train(self, window: _Window, grad_norm: torch.Tensor, progress) -> float:
         """Reduce the window's loss and the grad norm over DP (every rank calls this), log on rank 0."""
@@ -443,6 +476,7 @@ class Trainer:
             "final train loss": None if math.isnan(final_loss) else final_loss,
             **({"skipped steps (non-finite)": self.skipped_steps} if self.skipped_steps else {}),
             **({"TP traffic per step (MB)": round(self.tp_bytes_per_step / 1e6, 2)} if self.tp_bytes_per_step else {}),
+            **({"PP traffic per step (MB)": round(self.pp_bytes_per_step / 1e6, 2)} if self.pp_bytes_per_step else {}),
             **({"pipeline": f"{self.pipeline.schedule_name}, {self.pipeline.microbatches} micro-batches"}
                if self.pipeline is not None else {}),
             **({"pipeline bubble (%)": round(100 * self.bubble, 1)} if self.bubble is not None else {}),
@@ -467,7 +501,8 @@ class Trainer:
 def _parallelize(model: torch.nn.Module, cfg: DictConfig, layout: Layout, loss_fn=None) -> torch.nn.Module:
     p = cfg.parallel
     return parallelize(model, layout, p.sequence_parallel, PipelineSpec.from_config(p), loss_fn, fsdp=p.fsdp,
-                       offload=p.offload, activation_checkpointing=p.activation_checkpointing)
+                       offload=p.offload, activation_checkpointing=p.activation_checkpointing,
+                       checkpoint_blocks=p.checkpoint_blocks, compile=cfg.trainer.compile)
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -499,7 +534,11 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     checkpoint = Path(cfg.model.weights) if cfg.model.weights and Path(cfg.model.weights).is_dir() else None
     if checkpoint is not None:  # a DCP checkpoint directory: read into whatever layout this run has
         cfg.model.weights = None
-    model = _parallelize(build_model(cfg.model).to(layout.device), cfg, layout)
+    select_attention(cfg.model.sdpa)
+    model = build_model(cfg.model).to(layout.device)
+    if cfg.model.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model = _parallelize(model, cfg, layout)
     if checkpoint is not None:
         load_model_state(checkpoint, unwrap(model), layout)
         cfg.model.weights = str(checkpoint)

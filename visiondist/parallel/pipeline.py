@@ -212,12 +212,48 @@ def _schedule_class(name: str):
     return cls
 
 
+class P2PCounter:
+    """Bytes and messages this rank's stages send to their neighbours: activations forward, input gradients
+    backward (what the schedule actually hands to `isend`)."""
+
+    def __init__(self) -> None:
+        self.bytes, self.sends = 0, 0
+
+    def count(self, ops) -> None:
+        for op in ops:
+            self.bytes += op.tensor.numel() * op.tensor.element_size()
+            self.sends += 1
+
+    def reset(self) -> None:
+        self.bytes, self.sends = 0, 0
+
+
+def p2p_bytes_per_step(model_stages: Sequence[int], n_stages: int, microbatches: int, activation_bytes: int) -> int:
+    """What a rank holding `model_stages` sends per schedule step: every micro-batch's activation out of each of its
+    stages but the last, and its input gradient (the same size) out of each but the first."""
+    sends = sum(int(s < n_stages - 1) + int(s > 0) for s in model_stages)
+    return sends * microbatches * activation_bytes
+
+
 def _timed_stage_class():
-    """`PipelineStage` that reports each forward / backward of a micro-batch to a `Recorder`."""
+    """`PipelineStage` that reports each forward / backward of a micro-batch to a `Recorder` and counts its sends."""
     from torch.distributed.pipelining import PipelineStage
 
     class TimedStage(PipelineStage):
         recorder: Optional[Recorder] = None
+        counter: Optional[P2PCounter] = None
+
+        def get_fwd_send_ops(self, fwd_chunk_id):
+            ops = super().get_fwd_send_ops(fwd_chunk_id)
+            if self.counter is not None:
+                self.counter.count(ops)
+            return ops
+
+        def get_bwd_send_ops(self, bwd_chunk_id):
+            ops = super().get_bwd_send_ops(bwd_chunk_id)
+            if self.counter is not None:
+                self.counter.count(ops)
+            return ops
 
         def _action(self, phase: str, microbatch: int):
             return self.recorder.action(self.stage_index, phase, microbatch) if self.recorder else nullcontext()
@@ -240,14 +276,16 @@ def _timed_stage_class():
 
 def build_schedule(name: str, stages: Sequence[nn.Module], stage_ids: Sequence[int], n_stages: int,
                    microbatches: int, device: torch.device, group, loss_fn: Optional[Callable],
-                   recorder: Optional[Recorder] = None, scale_grads: bool = True):
-    """torch's schedule `name` over this rank's stages; with a `recorder`, every action is timed."""
+                   recorder: Optional[Recorder] = None, scale_grads: bool = True,
+                   counter: Optional[P2PCounter] = None):
+    """torch's schedule `name` over this rank's stages; with a `recorder`, every action is timed; with a `counter`,
+    every send is counted."""
     cls = _schedule_class(name)
     stage_cls = _timed_stage_class()
     pipe_stages = []
     for module, index in zip(stages, stage_ids):
         stage = stage_cls(module, index, n_stages, device, group=group)
-        stage.recorder = recorder
+        stage.recorder, stage.counter = recorder, counter
         pipe_stages.append(stage)
     if name in MULTI_STAGE:
         return cls(pipe_stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
@@ -307,9 +345,10 @@ class PipelinedViT(nn.Module):
         self._stages = stages  # a plain list: their parameters are already registered above
         self._loss_fn, self._loss_scale = loss_fn, 1.0
         self.recorder = Recorder(layout.pp_rank, layout.device)
+        self.p2p = P2PCounter()  # sends of the training schedule
         self._schedule = build_schedule(spec.schedule, stages, self.stage_ids, self.n_stages, self.microbatches,
                                         layout.device, self.group, self._scaled_loss, self.recorder,
-                                        scale_grads=False)
+                                        scale_grads=False, counter=self.p2p)
         self._eval_schedule = None
 
     def no_weight_decay(self) -> set[str]:
