@@ -48,7 +48,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return spawn_ranks(tp_ranks.run, 2, [(1, 2, False), (1, 2, True)], {"naive_tp": 2, "vitdet_tp": 2})
+    cases = [(1, 2, False), (1, 2, True), (1, 2, False, True)]  # the last: each block under torch.compile
+    return spawn_ranks(tp_ranks.run, 2, cases, {"naive_tp": 2, "vitdet_tp": 2})
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +58,9 @@ def four_ranks(tiny_shapes):
     return spawn_ranks(tp_ranks.run, 4, cases, {"loader": (str(tiny_shapes), 2, 2)})
 
 
-def _cases(results: dict, dp: int, tp: int, sp: bool) -> list[dict]:
-    found = [c for r in results.values() for c in r["cases"] if (c["dp"], c["tp"], c["sp"]) == (dp, tp, sp)]
+def _cases(results: dict, dp: int, tp: int, sp: bool, compile: bool = False) -> list[dict]:
+    found = [c for r in results.values() for c in r["cases"]
+             if (c["dp"], c["tp"], c["sp"], c["compile"]) == (dp, tp, sp, compile)]
     assert len(found) == dp * tp
     return found
 
@@ -73,6 +75,12 @@ def test_tp2_matches_one_process(two_ranks, reference, sp):
                          ids=["tp4", "tp4-sp", "dp2xtp2", "dp2xtp2-sp"])
 def test_tp4_and_dp2xtp2_match_one_process(four_ranks, reference, dp, tp, sp):
     for case in _cases(four_ranks, dp, tp, sp):
+        assert_matches(case, reference)
+
+
+def test_compiled_blocks_under_tp2_match_one_process(two_ranks, reference):
+    """`trainer.compile`: every block under torch.compile, sharded by TP, its collectives inside the graph."""
+    for case in _cases(two_ranks, 1, 2, False, compile=True):
         assert_matches(case, reference)
 
 

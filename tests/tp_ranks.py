@@ -49,9 +49,9 @@ def train_reference() -> dict:
     return {"logits": logits, "losses": losses, "norms": norms, "state": model.state_dict()}
 
 
-def _train_layout(dp: int, tp: int, sp: bool) -> dict:
+def _train_layout(dp: int, tp: int, sp: bool, compile: bool = False) -> dict:
     layout = build_layout(dp, tp, 1, torch.device("cpu"), int(os.environ.get("LOCAL_RANK", 0)))
-    model = parallelize(make_model(), layout, sp)
+    model = parallelize(make_model(), layout, sp, compile=compile)
     logits = unwrap(model)(make_batches()[0][0]).detach()
     opt = build_optimizer(OPTIM, unwrap(model))
     local = BATCH // dp
@@ -69,7 +69,7 @@ def _train_layout(dp: int, tp: int, sp: bool) -> dict:
         if traffic is None:
             traffic = {"payload": dict(layout.tp_comm.payload), "calls": dict(layout.tp_comm.calls)}
     return {
-        "dp": dp, "tp": tp, "sp": sp, "dp_rank": layout.dp_rank, "tp_rank": layout.tp_rank,
+        "dp": dp, "tp": tp, "sp": sp, "compile": compile, "dp_rank": layout.dp_rank, "tp_rank": layout.tp_rank,
         "logits": logits, "losses": losses, "norms": norms, "traffic": traffic,
         "rank_params": sum(p.numel() for p in model.parameters()),
         "state": full_state_dict(unwrap(model), layout.tp_comm),

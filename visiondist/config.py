@@ -44,6 +44,8 @@ class ModelConfig:
     anchor_scale: float = 1.0  # multiplies the detector's anchor sizes (same anchors per location, same weights)
     roi_sampling_ratio: Optional[int] = None  # RoIAlign samples per bin side (torchvision: 2)
     sync_bn: bool = False  # convert BatchNorm to SyncBatchNorm under data parallelism (CUDA)
+    sdpa: str = "auto"  # attention kernel: auto (torch picks) | flash | efficient | cudnn | math
+    channels_last: bool = False  # convolutions in NHWC memory layout (CNN detectors on tensor cores)
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the torchvision detector, e.g. box_score_thresh
 
 
@@ -91,6 +93,8 @@ class DataConfig:
     lsj_scale: list[float] = field(default_factory=lambda: [0.1, 2.0])
     aspect_grouping: bool = True  # each batch holds only landscape or only portrait images
     max_bad_images: int = 10  # consecutive unreadable training images before the run stops
+    pin_memory: bool = True  # page-locked batches, copied to the GPU without blocking (CUDA only)
+    prefetch_factor: int = 2  # batches each loader worker prepares ahead
     synthetic: Optional[SyntheticConfig] = None
 
 
@@ -107,6 +111,7 @@ class ParallelConfig:
     fsdp: bool = False  # shard parameters, gradients and optimizer state over the DP ranks (FSDP2, one unit per block)
     offload: bool = False  # with fsdp: shards, gradients and optimizer state in host memory, optimizer on the CPU
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (keeps its input)
+    checkpoint_blocks: int = -1  # selective: only the first N blocks recompute (-1: all of them)
     # parallel=auto: choose dp / tp / pp / fsdp / offload / activation checkpointing from the memory and time model
     auto: bool = False
     device_memory_gb: float = 0.0  # per device; 0: the GPU's own (CUDA), or host memory / ranks (CPU)
@@ -129,6 +134,7 @@ class OptimConfig:
     momentum: float = 0.9
     nesterov: bool = False
     layer_decay: float = 1.0  # layer-wise LR decay (fine-tuning): block i gets lr x layer_decay^(depth - i); 1: off
+    impl: str = "auto"  # optimizer kernels: auto (fused on CUDA, else torch's default) | fused | foreach | loop
 
 
 @dataclass
@@ -149,6 +155,7 @@ class TrainerConfig:
     max_epochs: int = 10
     seed: int = 0
     precision: str = "32"
+    compile: bool = False  # torch.compile each transformer block (ViT and ViTDet)
     grad_accum: int = 1
     clip_grad: float = 0.0  # max global grad norm; 0 disables clipping
     label_smoothing: float = 0.0  # classification cross-entropy
@@ -171,6 +178,22 @@ class TrainerConfig:
 
 
 @dataclass
+class BenchConfig:
+    """tools/benchmark.py: what to time (the training runs read none of it)."""
+
+    warmup: int = 3  # untimed steps first (allocation, autotuning, compilation)
+    steps: int = 10  # timed steps per round
+    rounds: int = 2  # rounds of (ours, baseline), interleaved so that drift affects both alike
+    baseline: bool = True  # time the same timm / torchvision model in a minimal plain-PyTorch loop (single rank)
+    peak: bool = True  # measure the device's dense matmul peak in the same run (the MFU denominator)
+    loader_batches: int = 20  # batches of the real train loader timed on their own; 0: skip
+    results_dir: str = "benchmarks"  # appends results.jsonl and results.md here
+    # more configurations timed side by side with the first, each a space-separated list of key=value overrides,
+    # e.g. ["trainer.compile=true", "trainer.precision=bf16 optim.impl=fused"] (the layout stays the same)
+    variants: list[str] = field(default_factory=list)
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -178,6 +201,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
 
 def _patch_multiple(size: int, patch: int) -> int:
@@ -262,6 +286,27 @@ def validate(cfg: DictConfig) -> None:
     _one_of("trainer.accelerator", t.accelerator, _ACCELERATORS)
     _one_of("trainer.precision", str(t.precision), _PRECISIONS)
     _one_of("optim", o.name, _OPTIMIZERS)
+    _one_of("optim.impl", o.impl, ("auto", "fused", "foreach", "loop"))
+    _one_of("model.sdpa", m.sdpa, ("auto", "flash", "efficient", "cudnn", "math"))
+    if t.compile and m.family == "torchvision":
+        raise ConfigError(f"trainer.compile=true compiles transformer blocks; {m.name} has none: drop it")
+    if t.compile and p.pp > 1 and p.schedule == "zero_bubble":
+        raise ConfigError("trainer.compile=true with parallel.schedule=zero_bubble: the schedule splits each block's "
+                          "backward into input and weight gradients, which a compiled block's backward cannot do; "
+                          "use parallel.schedule=1f1b or interleaved_1f1b, or drop trainer.compile")
+    _positive("data.prefetch_factor", d.prefetch_factor)
+    b = cfg.bench
+    _positive("bench.warmup", b.warmup, allow_zero=True)
+    _positive("bench.steps", b.steps)
+    _positive("bench.rounds", b.rounds)
+    _positive("bench.loader_batches", b.loader_batches, allow_zero=True)
+    for variant in b.variants:
+        variant_config(cfg, variant)
+    if p.checkpoint_blocks != -1:
+        _positive("parallel.checkpoint_blocks", p.checkpoint_blocks)
+        if not p.activation_checkpointing:
+            raise ConfigError(f"parallel.checkpoint_blocks={p.checkpoint_blocks} selects the blocks that recompute: "
+                              "set parallel.activation_checkpointing=true too")
     _one_of("trainer.on_nonfinite", t.on_nonfinite, ("raise", "skip"))
     _positive("trainer.max_restarts", t.max_restarts, allow_zero=True)
     if t.max_restarts > 0 and t.resume != "auto":
@@ -376,6 +421,30 @@ def validate(cfg: DictConfig) -> None:
         check_pipeline(p.pp, p.schedule, p.stages_per_rank, p.microbatches, m.depth)
     except ValueError as exc:
         raise ConfigError(f"{exc} ({m.name})") from None
+
+
+_LAYOUT_KEYS = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.auto", "trainer.devices", "trainer.accelerator",
+                "data.batch_size", "trainer.grad_accum", "bench.")
+
+
+def variant_config(cfg: DictConfig, overrides: str) -> DictConfig:
+    """`cfg` with one benchmark variant's key=value overrides, validated. The ranks, the mesh and the batch are the
+    run's: a variant changes how a step computes, not what it computes over."""
+    pairs = overrides.split()
+    bad = [p for p in pairs if "=" not in p]
+    if not pairs or bad:
+        raise ConfigError(f"bench.variants entry {overrides!r}: give key=value overrides separated by spaces")
+    fixed = [p for p in pairs if p.split("=", 1)[0].startswith(_LAYOUT_KEYS)]
+    if fixed:
+        raise ConfigError(f"bench.variants entry {overrides!r}: {', '.join(fixed)} would change the ranks, the mesh or "
+                          "the batch, which all variants share: benchmark it in a run of its own")
+    try:
+        merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(pairs))
+    except Exception as exc:  # an unknown key or a wrong type, from the schema
+        raise ConfigError(f"bench.variants entry {overrides!r}: {str(exc).splitlines()[0]}") from None
+    merged.bench.variants = []
+    validate(merged)
+    return merged  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

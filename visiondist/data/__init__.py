@@ -40,8 +40,12 @@ def _worker_init(_worker_id: int) -> None:
 def _loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:
     # Augmentation is seeded per sample; the loader's own generator only keeps it from drawing worker seeds from
     # the global torch RNG, whose state a checkpoint restores.
-    return dict(num_workers=cfg.num_workers, pin_memory=pin_memory, worker_init_fn=_worker_init,
-                persistent_workers=cfg.num_workers > 0, collate_fn=collate_fn, generator=torch.Generator())
+    # Workers stay alive across epochs and each prepares `data.prefetch_factor` batches ahead; on a GPU the batches
+    # come in page-locked memory (`data.pin_memory`) so that the rank's copy to the device does not block.
+    workers = cfg.num_workers > 0
+    return dict(num_workers=cfg.num_workers, pin_memory=pin_memory and cfg.get("pin_memory", True),
+                worker_init_fn=_worker_init, persistent_workers=workers, collate_fn=collate_fn,
+                prefetch_factor=cfg.get("prefetch_factor", 2) if workers else None, generator=torch.Generator())
 
 
 def _val_loader(cfg, val_set, dp_rank: int, dp_size: int, options: dict) -> DataLoader:

@@ -45,14 +45,26 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0
     return groups
 
 
+def optimizer_kernels(impl: str, params) -> dict:
+    """`optim.impl` as torch's optimizer arguments: one fused kernel for all parameters, one kernel per operation
+    over lists of tensors (foreach), or a Python loop over tensors. `auto`: fused when every parameter is on a GPU,
+    otherwise torch's own default."""
+    if impl == "auto":
+        params = list(params)
+        impl = "fused" if params and all(p.device.type == "cuda" for p in params) else "default"
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False},
+            "default": {}}[impl]
+
+
 def build_optimizer(cfg, model: nn.Module, depth: int = 0) -> torch.optim.Optimizer:
     """`depth`: the ViT's block count, for `optim.layer_decay`."""
     layer_decay = float(getattr(cfg, "layer_decay", 1.0))
     groups = param_groups(model, cfg.weight_decay, layer_decay, depth, cfg.lr)
+    kernels = optimizer_kernels(str(getattr(cfg, "impl", "auto")), model.parameters())
     if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kernels)
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **kernels)
     raise ValueError(f"unknown optimizer {cfg.name!r}")
 
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from visiondist.models.vit import VisionTransformer, from_timm_state_dict
+from visiondist.models.vit import VisionTransformer, from_timm_state_dict, select_attention
 from visiondist.models.weights import init_from, load_local_weights
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from visiondist.parallel.data import unwrap, wrap_data_parallel
 from visiondist.parallel.fsdp import (
+    compile_blocks,
     apply_fsdp,
     enable_activation_checkpointing,
     is_fully_sharded,
@@ -35,6 +36,7 @@ __all__ = [
     "clip_grad_norm",
     "finish_gradients",
     "forwards_needed",
+    "compile_blocks",
     "enable_activation_checkpointing",
     "full_state_dict",
     "is_fully_sharded",
@@ -47,7 +49,8 @@ __all__ = [
 
 def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = False,
                 pipeline: Optional[PipelineSpec] = None, loss_fn: Optional[Callable] = None, fsdp: bool = False,
-                offload: bool = False, activation_checkpointing: bool = False) -> nn.Module:
+                offload: bool = False, activation_checkpointing: bool = False, checkpoint_blocks: int = -1,
+                compile: bool = False) -> nn.Module:
     """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out over the mesh.
 
     With `layout.pp > 1` the result is this rank's `PipelinedViT` (its stages, TP-sharded inside when tp > 1); its
@@ -55,10 +58,13 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
     Megatron does, instead of by a DDP wrapper; its last stage computes `loss_fn(logits, labels)` (default: cross
     entropy). With `fsdp` it is the model fully sharded over DP (FSDP2; `offload` keeps the shards in host memory).
     Otherwise it is the model, under DDP when dp > 1. `activation_checkpointing` recomputes each block's activations
-    in the backward, under any layout.
+    in the backward (`checkpoint_blocks` > 0: only the first that many blocks), under any layout; `compile` compiles
+    each block (before any sharding wrapper, as FSDP2 expects).
     """
     if activation_checkpointing:
-        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(model, checkpoint_blocks)
+    if compile:
+        compile_blocks(model)
     if fsdp:
         if layout.tp > 1 or layout.pp > 1:
             raise ValueError("FSDP shards over data parallel only here: use tp=1 and pp=1 with fsdp")

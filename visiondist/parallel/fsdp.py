@@ -1,4 +1,5 @@
-"""Fully sharded data parallelism (FSDP2 `fully_shard`) over the mesh's "dp" dim, and activation checkpointing.
+"""Fully sharded data parallelism (FSDP2 `fully_shard`) over the mesh's "dp" dim; per-block activation checkpointing
+and compilation.
 
 Each transformer block is its own FSDP unit and the root holds the rest (patch embedding, norm, head). Parameters,
 gradients and optimizer state are sharded over the DP ranks (dim 0 of each tensor, as DTensors); a block's full
@@ -28,16 +29,29 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, Block)]
 
 
-def enable_activation_checkpointing(model: nn.Module) -> int:
-    """Recompute every transformer block's activations in the backward (each block keeps only its input). Returns
-    the number of blocks; a model without blocks is an error."""
-    blocks = _blocks(model)
-    if not blocks:
+def enable_activation_checkpointing(model: nn.Module, blocks: int = -1) -> int:
+    """Recompute transformer blocks' activations in the backward (each such block keeps only its input): all blocks,
+    or only the first `blocks` (selective: memory for time, block by block). Returns the number of checkpointed
+    blocks; a model without blocks is an error."""
+    found = _blocks(model)
+    if not found:
         raise ValueError(f"activation checkpointing works per transformer block; {type(model).__name__} has none: "
                          "drop parallel.activation_checkpointing")
-    for block in blocks:
+    chosen = found if blocks < 0 else found[:blocks]
+    for block in chosen:
         block.checkpointing = True
-    return len(blocks)
+    return len(chosen)
+
+
+def compile_blocks(model: nn.Module) -> int:
+    """`torch.compile` each transformer block in place (its checkpointing, if any, included). The blocks share one
+    compiled graph: their parameters are graph inputs. Returns the number of blocks."""
+    found = _blocks(model)
+    if not found:
+        raise ValueError(f"trainer.compile compiles transformer blocks; {type(model).__name__} has none: drop it")
+    for block in found:
+        block.compile()
+    return len(found)
 
 
 def apply_fsdp(model: nn.Module, layout: Layout, offload: bool = False) -> nn.Module:

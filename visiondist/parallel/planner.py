@@ -253,12 +253,14 @@ def rank_memory(s: ViTShape, dp: int, tp: int, pp: int, global_batch: int, grad_
 
 
 def train_flops_per_image(s: ViTShape, checkpointing: bool = False) -> float:
-    """Forward + backward FLOPs of one image (matmuls, attention, patch embedding); backward = 2 x forward, and
-    activation checkpointing runs the forward once more."""
+    """Forward + backward matmul FLOPs of one image, as `torch.utils.flop_counter` counts them: each block's and the
+    head's backward costs 2 x their forward (input and weight gradients), the patch embedding's 1 x (the images need
+    no gradient); activation checkpointing runs the blocks' forward once more."""
     t, d, h = s.tokens, s.embed_dim, s.hidden
     block = 2 * t * (4 * d * d + 2 * d * h) + 4 * t * t * d
-    forward = s.depth * block + 2 * (t - 1) * 3 * s.patch_size**2 * d + 2 * d * s.num_classes
-    return forward * (4 if checkpointing else 3)
+    patch = 2 * (t - 1) * 3 * s.patch_size**2 * d
+    head = 2 * d * s.num_classes
+    return s.depth * block * (4 if checkpointing else 3) + 2 * patch + 3 * head
 
 
 @dataclass(frozen=True)
