@@ -1,0 +1,28 @@
+"""Benchmark the training step: `python tools/benchmark.py [group=option ...] [key=value ...]`.
+
+The same configs as tools/train.py, plus `bench.*` (warm-up, timed steps, rounds, baseline, peak, loader batches,
+results_dir). Times visiondist's step and a plain PyTorch loop on the same model side by side, and appends the result
+to <bench.results_dir>/results.jsonl and results.md. Example:
+
+    python tools/benchmark.py model=vit_base data.img_size=224 data.batch_size=128 trainer.precision=bf16 \
+        trainer.compile=true
+"""
+
+import sys
+from pathlib import Path
+
+from visiondist.cli import run_tool
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def main(cfg) -> int:
+    from visiondist.engine.benchmark import run_benchmark
+    from visiondist.launch import launch
+
+    launch(run_benchmark, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool("benchmark.py", CONFIGS, sys.argv[1:], main))
