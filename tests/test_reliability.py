@@ -210,6 +210,8 @@ def test_a_stop_signal_checkpoints_every_rank_and_resume_continues(tmp_path, tin
     (step, path), = list_checkpoints(run)[-1:]
     assert 3 <= step < 100 and (path / ".metadata").is_file()
     assert f"stopped after step {step} of 100" in (run / "train.log").read_text()
+    if how.startswith("SIGINT"):  # the stop is the same for both signals; one resume check covers them
+        return
     train_ok(*args)  # trainer.resume=auto (the default) in the same run dir
     assert f"resumed from {path}: step {step}" in (run / "train.log").read_text()
     _same_weights(uninterrupted, run)
