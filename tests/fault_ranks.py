@@ -39,7 +39,7 @@ def skip_a_collective(timeout_s: float) -> None:
 def nonfinite_on_one_rank(overrides: list[str], bad_rank: int, bad_step: int) -> dict:
     """The real Trainer on 2 DP ranks; `bad_rank`'s loss is NaN at optimizer step `bad_step`."""
     from visiondist.config import compose
-    from visiondist.engine.trainer import Trainer, _prepare_rank
+    from visiondist.engine.trainer import Trainer, prepare_rank
     from visiondist.parallel import build_layout
 
     dist.init_process_group("gloo")
@@ -49,7 +49,7 @@ def nonfinite_on_one_rank(overrides: list[str], bad_rank: int, bad_step: int) ->
         layout = build_layout(2, 1, 1, torch.device("cpu"), 0)
         run_dir = Path(cfg.trainer.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        _prepare_rank(cfg, layout, run_dir)  # logging into run_dir/train.log
+        prepare_rank(cfg, layout, run_dir)  # logging into run_dir/train.log
         trainer = Trainer(cfg, layout, run_dir)
         loss = trainer.task.loss
 

@@ -246,9 +246,9 @@ class OursRun:
         micro = self.trainer.data.train_sampler.micro_batch  # per DP rank and accumulation step
         self.batches = [synthetic_batch(cfg, family, micro, self.device, seed=i) for i in range(cfg.trainer.grad_accum)]
         pipelined = self.trainer.pipeline is not None
-        self.trainer._reset_traffic()
+        self.trainer.reset_traffic()
         time_steps(self.step, max(cfg.bench.warmup, 2 if pipelined else 1), self.device)
-        self.trainer._reset_traffic()
+        self.trainer.reset_traffic()
         time_steps(self.step, 1, self.device)  # one step's traffic (every step moves the same)
         self.tp_bytes = layout.tp_comm.ring_bytes() if layout.tp_comm is not None else 0.0
         self.pp_bytes = self.trainer.pipeline.p2p.bytes if pipelined else 0
@@ -268,10 +268,10 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     """Entry point of every rank of `tools/benchmark.py`. Rank 0 prints the table, appends one result per configuration
     to `<bench.results_dir>/results.jsonl` and `results.md`, and returns them."""
     from visiondist.config import variant_config
-    from visiondist.engine.trainer import _prepare_rank, seed_everything
+    from visiondist.engine.trainer import prepare_rank, seed_everything
 
     b, device = cfg.bench, layout.device
-    _prepare_rank(cfg, layout, run_dir)
+    prepare_rank(cfg, layout, run_dir)
     family = _task_family(cfg)
     configs = [("", cfg)] + [(v, variant_config(cfg, v)) for v in b.variants]
     runs = [OursRun(name, c, layout, run_dir if i == 0 else run_dir / "variants" / str(i), family)

@@ -306,7 +306,7 @@ class Trainer:
         )
         if self.pipeline is not None:
             log.info("%s", self.pipeline.describe())
-        self._reset_traffic()
+        self.reset_traffic()
         progress = _progress(t.progress and self.layout.is_main, self.total_steps)
         window = _Window(self.layout.device)
         final_loss = math.nan
@@ -406,7 +406,7 @@ class Trainer:
                  100 * stats["bubble"], 1e3 * stats["span_s"],
                  ", ".join(f"{100 * b:.0f}%" for b in stats["bubble_per_rank"]), png)
 
-    def _reset_traffic(self) -> None:
+    def reset_traffic(self) -> None:
         if self.layout.tp_comm is not None:
             self.layout.tp_comm.reset()
         if self.pipeline is not None:
@@ -417,7 +417,7 @@ class Trainer:
         pipeline's first step also runs the schedule's shape inference, so its second step is counted."""
         comm, pipe = self.layout.tp_comm, self.pipeline
         if pipe is not None and self.step == self.resumed_from_step + 1:
-            self._reset_traffic()
+            self.reset_traffic()
             return
         self._traffic_noted = True
         if comm is not None:
@@ -509,7 +509,7 @@ def autocast_for(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16) if str(precision) == "bf16" else nullcontext()
 
 
-def _prepare_rank(cfg: DictConfig, layout: Layout, run_dir: Path) -> None:
+def prepare_rank(cfg: DictConfig, layout: Layout, run_dir: Path) -> None:
     """Logging on every rank; the data generated once per node while the other ranks wait."""
     import torch.distributed as dist
 
@@ -521,7 +521,7 @@ def _prepare_rank(cfg: DictConfig, layout: Layout, run_dir: Path) -> None:
 
 def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
     """Entry point of every rank: prepare the data once per node, then fit."""
-    _prepare_rank(cfg, layout, run_dir)
+    prepare_rank(cfg, layout, run_dir)
     return Trainer(cfg, layout, run_dir).fit()
 
 
@@ -529,7 +529,7 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     """Entry point of every rank of `tools/eval.py`: the model with `cfg.model.weights`, evaluated on the val split.
     Rank 0 prints the result (the 12-line COCOeval summary for detectors) and writes eval.json (and, for
     detectors, detections.json) into `run_dir`."""
-    _prepare_rank(cfg, layout, run_dir)
+    prepare_rank(cfg, layout, run_dir)
     seed_everything(cfg.trainer.seed)
     checkpoint = Path(cfg.model.weights) if cfg.model.weights and Path(cfg.model.weights).is_dir() else None
     if checkpoint is not None:  # a DCP checkpoint directory: read into whatever layout this run has
