@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
+from visiondist.models import select_attention
 from visiondist.parallel import Layout
 
 log = logging.getLogger(__name__)
@@ -95,11 +96,25 @@ def train_flops_per_image(model_cfg: DictConfig, batch: tuple, family: str) -> f
     return float(counter.get_total_flops())
 
 
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak device memory allocated by tensors (CUDA), or this process's peak resident memory (CPU)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+class PeakMemory:
+    """CUDA: the peak of tensor memory since construction, above what was allocated then (what one configuration adds
+    to a process that may hold others). The CPU has no such counter: `rss_gb` is the whole process's peak."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.before = 0
+        if device.type == "cuda":
+            self.before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def increase_gb(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        return (torch.cuda.max_memory_allocated(self.device) - self.before) / 1e9
+
+    @staticmethod
+    def rss_gb() -> float:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
 def device_name(device: torch.device) -> str:
@@ -238,9 +253,7 @@ class OursRun:
         from visiondist.engine.trainer import Trainer
 
         self.name, self.cfg, self.layout, self.device = name, cfg, layout, layout.device
-        before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        memory = PeakMemory(self.device)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.trainer = Trainer(cfg, layout, run_dir)
         micro = self.trainer.data.train_sampler.micro_batch  # per DP rank and accumulation step
@@ -252,13 +265,10 @@ class OursRun:
         time_steps(self.step, 1, self.device)  # one step's traffic (every step moves the same)
         self.tp_bytes = layout.tp_comm.ring_bytes() if layout.tp_comm is not None else 0.0
         self.pp_bytes = self.trainer.pipeline.p2p.bytes if pipelined else 0
-        self.peak_memory_gb = (torch.cuda.max_memory_allocated(self.device) - before) / 1e9 \
-            if self.device.type == "cuda" else None
+        self.peak_memory_gb = memory.increase_gb()
         self.times: list[float] = []
 
     def step(self) -> None:
-        from visiondist.models import select_attention
-
         select_attention(self.cfg.model.sdpa)  # process-wide: each configuration sets its own
         self.trainer.train_step(iter(self.batches))
         self.trainer.step += 1
@@ -276,20 +286,16 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     configs = [("", cfg)] + [(v, variant_config(cfg, v)) for v in b.variants]
     runs = [OursRun(name, c, layout, run_dir if i == 0 else run_dir / "variants" / str(i), family)
             for i, (name, c) in enumerate(configs)]
-    cpu_peak = peak_memory_gb(device) if device.type == "cpu" else None  # the process's: only the first is alone
-    if device.type == "cpu" and len(runs) == 1:
-        runs[0].peak_memory_gb = cpu_peak
+    if device.type == "cpu" and len(runs) == 1:  # the process's peak: it is the configuration's only when alone
+        runs[0].peak_memory_gb = PeakMemory.rss_gb()
 
     plain, peak_plain = None, None
     if b.baseline and layout.world_size == 1:
         seed_everything(cfg.trainer.seed)
-        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        memory = PeakMemory(device)
         plain = PlainLoop(cfg, device)
         time_steps(lambda: plain.step(runs[0].batches), max(b.warmup, 1), device)
-        if device.type == "cuda":
-            peak_plain = (torch.cuda.max_memory_allocated(device) - before) / 1e9
+        peak_plain = memory.increase_gb()
     elif b.baseline and layout.is_main:
         log.info("baseline skipped: the plain loop runs on one device (this run has %d ranks)", layout.world_size)
 
@@ -298,8 +304,6 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
         for run in runs:
             run.times += time_steps(run.step, b.steps, device)
         if plain is not None:
-            from visiondist.models import select_attention
-
             select_attention(cfg.model.sdpa)
             plain_times += time_steps(lambda: plain.step(runs[0].batches), b.steps, device)
     for run in runs:

@@ -107,10 +107,7 @@ class Trainer:
         self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
         t = cfg.trainer
         seed_everything(t.seed)  # the same on every rank: identical initial weights before any broadcast
-        select_attention(cfg.model.sdpa)
-        model = build_model(cfg.model).to(layout.device)
-        if cfg.model.channels_last:
-            model = model.to(memory_format=torch.channels_last)
+        model = build_local_model(cfg.model, layout.device)
         if cfg.model.sync_bn and layout.dp > 1:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=layout.dp_group)
         self.num_params = sum(p.numel() for p in model.parameters())
@@ -498,6 +495,14 @@ class Trainer:
         return summary
 
 
+def build_local_model(model_cfg: DictConfig, device: torch.device) -> torch.nn.Module:
+    """The whole model on this rank's device, before any layout: the attention kernel chosen (`model.sdpa`,
+    process-wide) and, with `model.channels_last`, NHWC weights."""
+    select_attention(model_cfg.sdpa)
+    model = build_model(model_cfg).to(device)
+    return model.to(memory_format=torch.channels_last) if model_cfg.channels_last else model
+
+
 def _parallelize(model: torch.nn.Module, cfg: DictConfig, layout: Layout, loss_fn=None) -> torch.nn.Module:
     p = cfg.parallel
     return parallelize(model, layout, p.sequence_parallel, PipelineSpec.from_config(p), loss_fn, fsdp=p.fsdp,
@@ -534,11 +539,7 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     checkpoint = Path(cfg.model.weights) if cfg.model.weights and Path(cfg.model.weights).is_dir() else None
     if checkpoint is not None:  # a DCP checkpoint directory: read into whatever layout this run has
         cfg.model.weights = None
-    select_attention(cfg.model.sdpa)
-    model = build_model(cfg.model).to(layout.device)
-    if cfg.model.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    model = _parallelize(model, cfg, layout)
+    model = _parallelize(build_local_model(cfg.model, layout.device), cfg, layout)
     if checkpoint is not None:
         load_model_state(checkpoint, unwrap(model), layout)
         cfg.model.weights = str(checkpoint)

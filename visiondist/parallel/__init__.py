@@ -12,8 +12,8 @@ from torch import nn
 
 from visiondist.parallel.data import unwrap, wrap_data_parallel
 from visiondist.parallel.fsdp import (
-    compile_blocks,
     apply_fsdp,
+    compile_blocks,
     enable_activation_checkpointing,
     is_fully_sharded,
     local_numel,
@@ -34,10 +34,10 @@ __all__ = [
     "blank_forwards",
     "build_layout",
     "clip_grad_norm",
-    "finish_gradients",
-    "forwards_needed",
     "compile_blocks",
     "enable_activation_checkpointing",
+    "finish_gradients",
+    "forwards_needed",
     "full_state_dict",
     "is_fully_sharded",
     "local_numel",
