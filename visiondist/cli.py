@@ -10,11 +10,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from visiondist.config import ConfigError, compose, validate
 
-USAGE = """usage: python tools/{tool} [--cfg] [group=option ...] [key=value ...]
+USAGE = """usage: python tools/{tool} [--cfg] [-m] [group=option ...] [key=value ...]
 
-  group=option   pick a config from configs/<group>/ (model, data, parallel, optim, schedule, trainer)
+  group=option   pick a config from configs/<group>/ (model, data, parallel, optim, schedule, trainer, experiment)
   key=value      override one field, e.g. data.batch_size=128 trainer.max_steps=100
   --cfg          print the composed config and exit
+  -m, --multirun one job per combination of comma-separated values (Hydra's sweep syntax), one after the other,
+                 each launching its own ranks: -m optim.lr=1e-3,3e-4 model=vit_tiny,vit_small
 """
 
 
@@ -75,7 +77,16 @@ def run_tool(tool: str, config_dir: Path, argv: list[str], run: Callable[[DictCo
         print(USAGE.format(tool=tool))
         return 0
     show = "--cfg" in argv
-    overrides = [a for a in argv if a != "--cfg"]
+    multirun = any(a in ("-m", "--multirun") for a in argv)
+    overrides = [a for a in argv if a not in ("--cfg", "-m", "--multirun")]
+    if multirun:
+        from visiondist.sweep import run_sweep
+
+        try:
+            return run_sweep(tool, config_dir, overrides, run, show)
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
         cfg = load_config(config_dir, overrides)
         if show:

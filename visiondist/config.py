@@ -38,6 +38,11 @@ class ModelConfig:
     arch: Optional[str] = None  # torchvision builder, e.g. fasterrcnn_mobilenet_v3_large_fpn
     weights: Optional[str] = None  # a local state dict (.safetensors or torch file); nothing is ever downloaded
     init_from: Optional[str] = None  # ViT fine-tuning: local weights (ours or timm's); a head of another size is new
+    # ResNet-FPN detectors: the backbone's ImageNet weights, a local torchvision resnet50 state dict (e.g. the
+    # resnet50-0676ba61.pth file of ResNet50_Weights.IMAGENET1K_V1); as torchvision's weights_backbone does, its
+    # BatchNorms become frozen (v1 models) and only the last `trainable_backbone_layers` stages train
+    backbone_weights: Optional[str] = None
+    trainable_backbone_layers: int = 3  # 0-5, with backbone_weights (torchvision's default: 3)
     min_size: int = II("data.min_size")  # the detector's internal resize
     max_size: int = II("data.max_size")
     fpn_channels: int = 256  # vitdet: channels of the simple feature pyramid
@@ -133,6 +138,7 @@ class OptimConfig:
     eps: float = 1e-8
     momentum: float = 0.9
     nesterov: bool = False
+    decay_norm_bias: bool = False  # true: weight decay on norms, biases, embeddings too (torchvision's references)
     layer_decay: float = 1.0  # layer-wise LR decay (fine-tuning): block i gets lr x layer_decay^(depth - i); 1: off
     impl: str = "auto"  # optimizer kernels: auto (fused on CUDA, else torch's default) | fused | foreach | loop
 
@@ -355,6 +361,15 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"model.init_from is for ViT classifiers; for {m.name} use model.weights")
     if m.init_from is not None and not Path(m.init_from).expanduser().is_file():
         raise ConfigError(f"model.init_from={m.init_from}: no such file")
+    if m.backbone_weights is not None:
+        if m.family != "torchvision" or "resnet50" not in str(m.arch):
+            raise ConfigError(f"model.backbone_weights is for the ResNet-50 FPN detectors; {m.name} has no ResNet-50 "
+                              "backbone (use model.weights for a whole model)")
+        if not Path(m.backbone_weights).expanduser().is_file():
+            raise ConfigError(f"model.backbone_weights={m.backbone_weights}: no such file")
+        if not 0 <= m.trainable_backbone_layers <= 5:
+            raise ConfigError(f"model.trainable_backbone_layers={m.trainable_backbone_layers}: choose 0-5 (stages of "
+                              "the ResNet that train, from the last)")
     _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
     _positive("schedule.warmup_steps", s.warmup_steps, allow_zero=True)
     if not 0 <= s.min_lr_ratio <= 1:

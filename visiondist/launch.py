@@ -48,15 +48,27 @@ def new_run_dir(cfg: DictConfig) -> Path:
                                   "continue it with trainer.resume=auto")
             stamp = dt.datetime.fromtimestamp(previous.stat().st_mtime).strftime("%Y-%m-%d_%H-%M-%S")
             previous.rename(run_dir / f"config-{stamp}.yaml")
+        run_dir.mkdir(parents=True, exist_ok=True)
     else:
-        stamp = dt.datetime.now()
-        base = Path(cfg.trainer.output_dir).expanduser() / stamp.strftime("%Y-%m-%d") / stamp.strftime("%H-%M-%S")
-        run_dir, n = base, 1
-        while run_dir.exists():
-            run_dir, n = base.with_name(f"{base.name}-{n}"), n + 1
-    run_dir.mkdir(parents=True, exist_ok=True)
+        run_dir = unique_dir(Path(cfg.trainer.output_dir).expanduser())
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     return run_dir.resolve()
+
+
+def unique_dir(parent: Path) -> Path:
+    """A new directory `<parent>/<date>/<time>`, or `<time>-1`, `-2`, ... when that exists: created atomically, so
+    jobs started in the same second (a sweep, two users, two launches) never share one."""
+    stamp = dt.datetime.now()
+    base = parent / stamp.strftime("%Y-%m-%d") / stamp.strftime("%H-%M-%S")
+    base.parent.mkdir(parents=True, exist_ok=True)
+    path, n = base, 0
+    while True:
+        try:
+            path.mkdir()
+            return path.resolve()
+        except FileExistsError:
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
 
 
 def _set_threads(local_world: int) -> None:

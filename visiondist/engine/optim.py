@@ -26,8 +26,9 @@ def layer_id(name: str, depth: int) -> int:
 
 
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0, depth: int = 0,
-                 lr: float = 1.0) -> list[dict]:
-    """No weight decay on norms and biases (ndim <= 1) nor on what the model lists (position embedding, class token).
+                 lr: float = 1.0, decay_norm_bias: bool = False) -> list[dict]:
+    """No weight decay on norms and biases (ndim <= 1) nor on what the model lists (position embedding, class token),
+    unless `decay_norm_bias` (every parameter decays, as in torchvision's detection reference).
 
     With `layer_decay` < 1 (fine-tuning, as in BEiT / timm): one group per ViT layer and decay kind, with lr scaled by
     layer_decay ** (depth + 1 - layer). Every layer gets its groups even when this rank holds none of its parameters
@@ -40,7 +41,7 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: float = 1.0
         if not param.requires_grad:
             continue
         layer = layer_id(name, depth) if layers > 1 else 0
-        no_decay = param.ndim <= 1 or name.rsplit(".", 1)[-1] in skip or name in skip
+        no_decay = not decay_norm_bias and (param.ndim <= 1 or name.rsplit(".", 1)[-1] in skip or name in skip)
         groups[2 * layer + int(no_decay)]["params"].append(param)
     return groups
 
@@ -59,7 +60,8 @@ def optimizer_kernels(impl: str, params) -> dict:
 def build_optimizer(cfg, model: nn.Module, depth: int = 0) -> torch.optim.Optimizer:
     """`depth`: the ViT's block count, for `optim.layer_decay`."""
     layer_decay = float(getattr(cfg, "layer_decay", 1.0))
-    groups = param_groups(model, cfg.weight_decay, layer_decay, depth, cfg.lr)
+    groups = param_groups(model, cfg.weight_decay, layer_decay, depth, cfg.lr,
+                          decay_norm_bias=bool(getattr(cfg, "decay_norm_bias", False)))
     kernels = optimizer_kernels(str(getattr(cfg, "impl", "auto")), model.parameters())
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kernels)

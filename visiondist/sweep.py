@@ -1,0 +1,124 @@
+"""Multirun (`tools/train.py -m optim.lr=1e-3,3e-4 ...`): Hydra's sweep syntax expanded into jobs that run one after
+another, each launching its own ranks, each in its own run directory `<sweep dir>/<job number>`.
+
+Every job's config is composed and validated before the first job starts, so a typo in the third value fails in
+seconds, not after two trainings. The sweep directory holds `sweep.json` (each job's overrides, run dir, status and
+headline results, rewritten after every job) and the end prints one table of the jobs. Like Hydra's basic launcher,
+the sweep stops at the first job that fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from visiondist.config import ConfigError, under_torchrun
+
+# summary.json keys shown in the sweep table, when the jobs have them
+RESULT_KEYS = ("final train loss", "val top-1 (%)", "val top-5 (%)", "val box mAP@[.5:.95]", "val AP50",
+               "throughput (img/s)")
+
+
+def expand(overrides: list[str]) -> tuple[list[list[str]], list[str]]:
+    """(one override list per job, the swept keys), in Hydra's order: the cartesian product of the swept values,
+    the last key varying fastest."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        options, swept = [], []
+        for override in parsed:
+            if override.is_sweep_override():
+                key = override.get_key_element()
+                options.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+                swept.append(key)
+            else:
+                options.append([override.input_line])
+    except HydraException as exc:
+        raise ConfigError(f"-m: {str(exc).splitlines()[0]} (sweeps take comma-separated values or range(a,b))") from exc
+    return [list(job) for job in itertools.product(*options)], swept
+
+
+def run_sweep(tool: str, config_dir: Path, overrides: list[str], run: Callable[[DictConfig], object],
+              show: bool = False) -> int:
+    from rich.console import Console
+
+    from visiondist.cli import load_config
+    from visiondist.launch import unique_dir
+
+    if under_torchrun(os.environ):
+        raise ConfigError("-m runs its jobs one after another, each launching its own ranks: under torchrun, start "
+                          "one torchrun per job instead")
+    jobs, swept = expand(overrides)
+    run_dir = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "trainer.run_dir"), None)
+    jobs = [[o for o in job if o.split("=", 1)[0].lstrip("+") != "trainer.run_dir"] for job in jobs]
+    configs = []
+    for num, job in enumerate(jobs):
+        try:
+            configs.append(load_config(config_dir, job))
+        except ConfigError as exc:
+            raise ConfigError(f"job {num} ({' '.join(job)}): {exc}") from exc
+    if show:
+        for num, (job, cfg) in enumerate(zip(jobs, configs)):
+            print(f"# job {num}: {' '.join(job)}\n{OmegaConf.to_yaml(cfg)}")
+        return 0
+    if run_dir is not None:  # the sweep directory; its jobs' run dirs are numbered inside it
+        sweep_dir = Path(run_dir).expanduser()
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+    else:
+        sweep_dir = unique_dir(Path(configs[0].trainer.output_dir).expanduser() / "multirun")
+    console = Console(width=max(100, Console().width))
+    records = []
+    code = 0
+    for num, (job, cfg) in enumerate(zip(jobs, configs)):
+        job_dir = sweep_dir / str(num)
+        cfg.trainer.run_dir = str(job_dir)
+        records.append({"job": num, "overrides": job, "run_dir": str(job_dir), "status": "running"})
+        _write(sweep_dir, swept, records)
+        console.rule(f"[bold]{tool} job {num + 1}/{len(jobs)}: {' '.join(job) or '(no overrides)'}")
+        try:
+            result = run(cfg)
+            code = result if isinstance(result, int) else 0
+        except Exception as exc:  # a failed job ends the sweep, like Hydra's basic launcher
+            print(f"job {num} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            code = 1
+        records[-1]["status"] = "done" if code == 0 else f"failed (exit {code})"
+        records[-1].update(_results(job_dir))
+        _write(sweep_dir, swept, records)
+        if code != 0:
+            break
+    console.print(_table(sweep_dir, swept, records, len(jobs)))
+    return code
+
+
+def _results(run_dir: Path) -> dict:
+    path = run_dir / "summary.json"
+    summary = json.loads(path.read_text()) if path.is_file() else {}
+    return {key: summary[key] for key in RESULT_KEYS if summary.get(key) is not None}
+
+
+def _write(sweep_dir: Path, swept: list[str], records: list[dict]) -> None:
+    tmp = sweep_dir / "sweep.json.tmp"
+    tmp.write_text(json.dumps({"swept": swept, "jobs": records}, indent=1))
+    tmp.replace(sweep_dir / "sweep.json")
+
+
+def _table(sweep_dir: Path, swept: list[str], records: list[dict], total: int):
+    from rich.table import Table
+
+    keys = [k for k in RESULT_KEYS if any(k in r for r in records)]
+    table = Table(title=f"sweep: {len(records)} of {total} jobs in {sweep_dir}", title_justify="left")
+    for column in ("job", *swept, "status", *keys):
+        table.add_column(column)
+    for r in records:
+        values = dict(o.split("=", 1) for o in r["overrides"])
+        table.add_row(str(r["job"]), *(values.get(k, "") for k in swept), r["status"],
+                      *(f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys))
+    return table
