@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "tools" / "train.py"
@@ -45,6 +46,31 @@ def run_cli(
         out, _ = proc.communicate()
         raise AssertionError(f"{script.name} {' '.join(args)} did not finish in {timeout}s:\n{out[-4000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def run_together(commands: list[list[str]], timeout: float = 300, envs: Optional[list[dict]] = None,
+                 cwd: Path = REPO) -> list[subprocess.CompletedProcess]:
+    """Start every command at once (e.g. two torchrun agents of one job), each in its own process group; wait for
+    all. On timeout kill every one of them and fail with their output."""
+    import time
+
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen(cmd, cwd=cwd, env={**base, **((envs or [{}] * len(commands))[i])}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+             for i, cmd in enumerate(commands)]
+    deadline, results = time.monotonic() + timeout, []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, ""))
+    except subprocess.TimeoutExpired:
+        texts = []
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            texts.append((proc.communicate()[0] or "")[-3000:])
+        raise AssertionError(f"not finished in {timeout}s:\n" + "\n----\n".join(texts))
+    return results
 
 
 def train_args(data_root: Path, run: Path, *extra: str) -> list[str]:
@@ -115,3 +141,18 @@ def spawn_ranks(fn, nprocs: int, *args, timeout: float = 240, **kwargs):
     if "failures" in outcome:
         raise RanksFailed(outcome["failures"], outcome["text"])
     return outcome["ok"]
+
+
+def assert_png(path: Path, min_width: int = 400, min_height: int = 250, min_bytes: int = 8000) -> None:
+    """A real plot: a PNG that decodes, of a useful size, and not one flat colour."""
+    import numpy as np
+    from PIL import Image
+
+    assert path.is_file() and path.stat().st_size >= min_bytes, f"{path}: missing or under {min_bytes} bytes"
+    with Image.open(path) as im:
+        assert im.format == "PNG"
+        im.verify()
+    with Image.open(path) as im:
+        assert im.width >= min_width and im.height >= min_height, (path, im.size)
+        pixels = np.asarray(im.convert("L"), dtype=np.float64)
+    assert pixels.std() > 5 and len(np.unique(pixels)) > 20, f"{path} is nearly blank"

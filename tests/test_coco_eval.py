@@ -72,3 +72,18 @@ def test_a_scoring_failure_on_rank_0_reaches_every_rank(tmp_path, shapes_coco):
     """Rank 0 finds the image count wrong while the others wait for its answer: all of them fail, none hangs."""
     results = spawn_ranks(coco_ranks.run, 2, str(shapes_coco), str(tmp_path), 24)
     assert [r["error"] for r in results.values()] == ["COCO evaluation saw 23 distinct images, expected 24"] * 2
+
+
+@pytest.mark.parametrize("backend", ["pycocotools", "faster-coco-eval"])
+def test_per_class_ap_averages_to_the_map(single_process, backend):
+    """Per-category AP (the per-class bar chart) is COCOeval's own precision array split by category: its mean over
+    the categories is the overall AP, and the per-class values differ (the stand-in detector is better at some)."""
+    dets, stats, data = single_process
+    scored = score(data.ann_file, dets, backend=backend, per_class=True)
+    per_class = scored.pop("class_AP")
+    assert scored == stats
+    names = [c["name"] for c in json.loads(data.ann_file.read_text())["categories"]]
+    assert list(per_class) == names
+    values = [v for v in per_class.values() if v is not None]
+    assert len(values) >= 2 and len(set(values)) > 1
+    assert np.mean(values) == pytest.approx(stats["mAP"], abs=1e-12)

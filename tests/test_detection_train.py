@@ -4,7 +4,7 @@ eval.py on that run reproduces the final evaluation exactly."""
 import json
 
 from visiondist.engine.logging import read_metrics
-from helpers import REPO, run_cli
+from helpers import REPO, assert_png, run_cli
 
 DETECT = ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "data.synthetic.train_images=16",
           "data.synthetic.val_images=10", "data.synthetic.image_size=64", "data.min_size=64", "data.max_size=64",
@@ -24,6 +24,11 @@ def test_train_then_eval_a_detector(tmp_path):
     assert {"val_AP50", "val_ARl", "val_detections"} <= final.keys() and final["val_detections"] > 0
     assert len(json.loads((run / "detections.json").read_text())) == final["val_detections"]
     assert (run / "model.safetensors").stat().st_size > 0
+    per_class = json.loads((run / "per_class.json").read_text())
+    assert len(per_class) == 6 and all(v is None or 0 <= v <= 1 for v in per_class.values())
+    for png in ("curves.png", "per_class_ap.png"):
+        assert_png(run / png)
+    assert_png(run / "val_predictions.png", min_width=800)
 
     evaluated = run_cli([str(run)], timeout=300, script=REPO / "tools" / "eval.py")
     assert evaluated.returncode == 0, evaluated.stdout[-4000:]

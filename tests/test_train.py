@@ -2,27 +2,36 @@
 dp=1."""
 
 import json
+import os
+import socket
+import sys
 
 import pytest
 import yaml
 
 from visiondist.engine.logging import read_metrics
-from helpers import TINY_DATA, run_cli
+from helpers import REPO, TINY_DATA, TRAIN, assert_png, evals_of, losses_of, run_cli, run_together
 
 STEPS = 6
 
 
+def _args(out, tiny_shapes, *extra):
+    return [*TINY_DATA, "model.num_heads=2", f"data.root={tiny_shapes}", "data.batch_size=16",
+            f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.eval_every=3", "trainer.accelerator=cpu",
+            f"trainer.output_dir={out}", *extra]
+
+
 def _train(tmp_path, tiny_shapes, name, *extra):
     out = tmp_path / name
-    args = [*TINY_DATA, "model.num_heads=2", f"data.root={tiny_shapes}", "data.batch_size=16",
-            f"trainer.max_steps={STEPS}",
-            "trainer.log_every=1", "trainer.eval_every=3", "trainer.accelerator=cpu", f"trainer.output_dir={out}",
-            *extra]
-    result = run_cli(args, timeout=300)
+    result = run_cli(_args(out, tiny_shapes, *extra), timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
+    return _one_run(out), result.stdout
+
+
+def _one_run(out):
     runs = [p.parent for p in out.rglob("config.yaml")]
     assert len(runs) == 1, runs  # one run dir for the whole job, not one per rank
-    return runs[0], result.stdout
+    return runs[0]
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +56,85 @@ def _same_training(run1, run2):
         assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)  # computed from the updated weights
 
 
-def test_dp2_tp2_with_sequence_parallel_equals_dp1(tmp_path, tiny_shapes, dp1_run):
-    run, stdout = _train(tmp_path, tiny_shapes, "dp2tp2", "parallel=dp2_tp2", "parallel.sequence_parallel=true")
+DP2_TP2 = ("parallel=dp2_tp2", "parallel.sequence_parallel=true")
+
+
+@pytest.fixture(scope="module")
+def dp2_tp2_run(tmp_path_factory, tiny_shapes):
+    """dp2 x tp2 (+SP) on 4 self-launched ranks of this one machine."""
+    return _train(tmp_path_factory.mktemp("dp2tp2"), tiny_shapes, "dp2tp2", *DP2_TP2)
+
+
+def test_dp2_tp2_with_sequence_parallel_equals_dp1(dp2_tp2_run, dp1_run):
+    run, stdout = dp2_tp2_run
     assert "dp=2 tp=2 pp=1 (4 ranks on cpu) +SP" in stdout
     _same_training(dp1_run, run)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["val images"] == 30 and summary["TP traffic per step (MB)"] > 0
     assert summary["parameters per rank (M)"] < summary["parameters (M)"]
+    log = (run / "train.log").read_text()
+    assert "mesh (pp, dp, tp) over 1 node: dp groups [0, 2] [1, 3]: each inside one node; tp groups [0, 1] [2, 3]" in log
+
+
+def test_two_torchrun_agents_train_like_one_node(tmp_path, tiny_shapes, dp2_tp2_run):
+    """Two torchrun agents on this machine (c10d rendezvous on loopback), 2 "nodes" x 2 ranks, dp2 x tp2: the losses
+    and evaluations of the single-node 4-rank run, in one run dir, with each TP group inside a node and the DP groups
+    across the two."""
+    out = tmp_path / "two_nodes"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+             f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-agents", "--max-restarts=0", str(TRAIN),
+             *_args(out, tiny_shapes, *DP2_TP2)]
+    for result in run_together([agent, agent], timeout=300):
+        assert result.returncode == 0, result.stdout[-4000:]
+    run = _one_run(out)
+    single = dp2_tp2_run[0]
+    assert losses_of(run) == losses_of(single)  # the same ranks in the same mesh: the same numbers, bit for bit
+    assert evals_of(run, "val_loss", "val_top1") == evals_of(single, "val_loss", "val_top1")
+    log = (run / "train.log").read_text()
+    assert "dp=2 tp=2 pp=1 (4 ranks on cpu) +SP" in log
+    assert "mesh (pp, dp, tp) over 2 nodes: dp groups [0, 2] [1, 3]: across 2 nodes; " \
+           "tp groups [0, 1] [2, 3]: each inside one node" in log
+
+
+def test_srun_tasks_read_their_ranks_from_slurm(tmp_path, tiny_shapes, dp1_run):
+    """tools/slurm_train.sh under a stand-in `srun` that starts one task per rank with SLURM's variables (2 nodes x 1
+    task): the tasks form one dp=2 job, equal to dp=1, in the script's run dir."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "slurm_run"
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]",
+           "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "1", "MASTER_PORT": str(port), "RUN_DIR": str(run)}
+    args = [a for a in _args(tmp_path / "unused", tiny_shapes, "parallel.dp=2") if not a.startswith("trainer.output")]
+    (result,) = run_together([["bash", str(REPO / "tools" / "slurm_train.sh"), *args]], timeout=300, envs=[env])
+    assert result.returncode == 0, result.stdout[-4000:]
+    _same_training(dp1_run, run)
+    log = (run / "train.log").read_text()
+    assert "dp=2 tp=1 pp=1 (2 ranks on cpu)" in log and "dp groups [0, 1]: across 2 nodes" in log
+
+
+# A stand-in for srun: one task per node x tasks per node, each with the variables srun gives its tasks.
+FAKE_SRUN = """#!{python}
+import os, subprocess, sys
+command = [a for a in sys.argv[1:] if not a.startswith("--")]
+nodes, per_node = int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
+tasks = []
+for rank in range(nodes * per_node):
+    env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node), SLURM_NODEID=str(rank // per_node),
+               SLURM_STEP_NUM_TASKS=str(nodes * per_node), SLURM_STEP_TASKS_PER_NODE=f"{{per_node}}(x{{nodes}})",
+               SLURM_STEP_NODELIST=os.environ["SLURM_JOB_NODELIST"])
+    tasks.append(subprocess.Popen(command, env=env))
+sys.exit(max(task.wait() for task in tasks))
+"""
 
 
 def test_dp2_equals_dp1_and_writes_one_run_dir(tmp_path, tiny_shapes, dp1_run):
@@ -67,19 +148,10 @@ def test_dp2_equals_dp1_and_writes_one_run_dir(tmp_path, tiny_shapes, dp1_run):
     s1, s2 = (json.loads((r / "summary.json").read_text()) for r in (run1, run2))
     assert s1["val images"] == s2["val images"] == 30  # every val sample counted once, under 1 and 2 ranks
     for run in (run1, run2):
-        assert (run / "curves.png").stat().st_size > 0 and list((run / "tensorboard").iterdir())
-
-
-def test_torchrun_joins_its_group_and_shares_one_run_dir(tmp_path, tiny_shapes):
-    """Under torchrun the same script joins the job's group; rank 0 creates the run dir and tells the others."""
-    out = tmp_path / "tr"
-    torchrun = ("-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-                "--rdzv-endpoint=localhost:0", "--max-restarts=0")
-    args = [*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16", "trainer.max_steps=2",
-            "trainer.log_every=1", "trainer.accelerator=cpu", f"trainer.output_dir={out}"]
-    result = run_cli(args, timeout=240, launcher=torchrun)
-    assert result.returncode == 0, result.stdout[-4000:]
-    runs = [p.parent for p in out.rglob("config.yaml")]
-    assert len(runs) == 1
-    assert "dp=2 tp=1 pp=1 (2 ranks on cpu)" in (runs[0] / "train.log").read_text()
-    assert len([r for r in read_metrics(runs[0] / "metrics.csv") if r["loss"] is not None]) == 2
+        assert list((run / "tensorboard").iterdir())
+        assert_png(run / "curves.png", min_width=1200)
+        assert_png(run / "per_class_top1.png")
+    summary = json.loads((run2 / "summary.json").read_text())
+    best = max(v for v, in evals_of(run2, "val_top1").values())
+    assert summary["best val top-1 (%)"] == best and evals_of(run2, "val_top1")[summary["best at step"]] == (best,)
+    assert summary["checkpoint"] == str(run2 / "checkpoints" / f"step_{STEPS}")

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -153,7 +154,7 @@ def _ensure(root: str | os.PathLike, spec: dict, write, show_progress: bool) -> 
         raise ValueError(f"{root} exists and is not a generated {spec['dataset']} dataset: point data.root elsewhere")
 
     root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
+    tmp = root.parent / f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     log.info("generating the built-in %s dataset in %s", spec["dataset"], root)
     write(tmp, _tracker(show_progress))

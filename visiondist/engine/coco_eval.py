@@ -55,12 +55,17 @@ def backend_name() -> str:
         return "pycocotools"
 
 
-def score(ann_file: str | Path, detections: np.ndarray, backend: Optional[str] = None) -> dict[str, float]:
+def score(ann_file: str | Path, detections: np.ndarray, backend: Optional[str] = None,
+          per_class: bool = False) -> dict[str, Any]:
     """The 12 COCOeval box stats of `detections` (rows: image_id, x, y, w, h, score, category_id) against `ann_file`.
-    No detection at all scores 0 everywhere (COCOeval cannot load an empty result list)."""
+    No detection at all scores 0 everywhere (COCOeval cannot load an empty result list). `per_class` adds
+    `class_AP`: {category name: AP@[.5:.95] over all areas, up to 100 detections; None without ground truth}."""
     backend = backend or backend_name()
     if len(detections) == 0:
-        return {name: 0.0 for name in STAT_NAMES}
+        zeros: dict[str, Any] = {name: 0.0 for name in STAT_NAMES}
+        if per_class:
+            zeros["class_AP"] = {c["name"]: 0.0 for c in json.loads(Path(ann_file).read_text())["categories"]}
+        return zeros
     if backend == "faster-coco-eval":
         from faster_coco_eval import COCO
         from faster_coco_eval import COCOeval_faster as COCOeval
@@ -75,8 +80,23 @@ def score(ann_file: str | Path, detections: np.ndarray, backend: Optional[str] =
         evaluator.evaluate()
         evaluator.accumulate()
         evaluator.summarize()
-    stats = evaluator.stats
-    return {name: float(v) for name, v in zip(STAT_NAMES, list(stats)[:12])}
+    stats: dict[str, Any] = {name: float(v) for name, v in zip(STAT_NAMES, list(evaluator.stats)[:12])}
+    if per_class:
+        stats["class_AP"] = _class_ap(evaluator, gt)
+    return stats
+
+
+def _class_ap(evaluator, gt) -> dict[str, Optional[float]]:
+    """Per category: the mean precision over IoU thresholds and recall points (area all, the last max-detections
+    setting), as COCOeval's summary computes AP for all categories together."""
+    precision = np.asarray(evaluator.eval["precision"])  # [iou, recall, category, area, max detections]
+    names = {c["id"]: c["name"] for c in gt.loadCats(gt.getCatIds())}
+    result: dict[str, Optional[float]] = {}
+    for k, cat_id in enumerate(evaluator.params.catIds):
+        values = precision[:, :, k, 0, -1]
+        values = values[values > -1]
+        result[names[cat_id]] = float(values.mean()) if values.size else None
+    return result
 
 
 def to_results_json(detections: np.ndarray) -> list[dict[str, Any]]:
@@ -166,7 +186,7 @@ def evaluate_detection(
     if layout.rank == 0:
         try:
             dets, count = deduplicate(gathered, expected=num_images)
-            stats = score(ann_file, dets)
+            stats = score(ann_file, dets, per_class=True)
             if results_path is not None:
                 tmp = results_path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(to_results_json(dets)))

@@ -1,4 +1,4 @@
-"""What a run leaves for people: console log, metrics.csv, TensorBoard, a PNG of the curves, a summary table."""
+"""What a run leaves for people: console log, metrics.csv, TensorBoard, a summary table (plots: `plots.py`)."""
 
 from __future__ import annotations
 
@@ -85,38 +85,6 @@ def _fmt(value: Any) -> str:
 def read_metrics(path: Path) -> list[dict[str, Optional[float]]]:
     with Path(path).open() as f:
         return [{k: (float(v) if v != "" else None) for k, v in row.items()} for row in csv.DictReader(f)]
-
-
-def plot_curves(
-    rows: list[dict[str, Any]], png: Path, title: str, val_key: str = "val_top1", val_label: str = "val top-1 (%)"
-) -> Optional[Path]:
-    """Loss, learning rate and the headline val metric against the step, side by side; None when there is nothing
-    to draw."""
-    train = [r for r in rows if r.get("loss") is not None]
-    val = [r for r in rows if r.get(val_key) is not None]
-    if not train and not val:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    series = [
-        (axes[0], train, "loss", "train loss"),
-        (axes[1], train, "lr", "learning rate"),
-        (axes[2], val, val_key, val_label),
-    ]
-    for ax, data, key, label in series:
-        ax.plot([r["step"] for r in data], [r[key] for r in data], marker="o" if len(data) < 30 else None)
-        ax.set_xlabel("step")
-        ax.set_title(label)
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
 
 
 def summary_table(summary: dict[str, Any]):

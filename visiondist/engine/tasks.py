@@ -20,6 +20,8 @@ from visiondist.parallel import Layout
 class ClassificationTask:
     columns = (*METRIC_COLUMNS, "val_ema_loss", "val_ema_top1", "val_ema_top5")
     headline = ("val_top1", "val top-1 (%)")
+    plot_series = (("val_top1", "top-1"), ("val_top5", "top-5"), ("val_ema_top1", "EMA top-1"))
+    plot_title = "val accuracy (%)"
     ema_keys = ("val_loss", "val_top1", "val_top5")
 
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
@@ -64,6 +66,15 @@ class ClassificationTask:
             (run_dir / "per_class.json").write_text(json.dumps(per_class, indent=1))
         return metrics
 
+    def plots(self, m: dict[str, Any], run_dir: Path, title: str) -> list[Path]:
+        """Top-1 per class of the latest evaluation, as bars."""
+        from visiondist.engine.plots import plot_per_class
+
+        values = dict(zip(self.data.classes, m.get("val_class_top1") or []))
+        png = plot_per_class(values, run_dir / "per_class_top1.png", f"{title}: top-1 per class at step {m.get('step')}",
+                             "val top-1 (%)")
+        return [png] if png is not None else []
+
     @staticmethod
     def describe(m: dict[str, Any]) -> str:
         ema = f" | EMA top-1 {m['val_ema_top1']:.2f}%" if m.get("val_ema_top1") is not None else ""
@@ -87,14 +98,20 @@ class DetectionTask:
     columns = (*TRAIN_COLUMNS, "val_mAP", "val_AP50", "val_AP75", "val_APs", "val_APm", "val_APl", "val_AR1",
                "val_AR10", "val_AR100", "val_ARs", "val_ARm", "val_ARl", "val_detections", "val_ema_mAP")
     headline = ("val_mAP", "val box mAP@[.5:.95]")
+    plot_series = (("val_mAP", "AP@[.5:.95]"), ("val_AP50", "AP50"), ("val_AP75", "AP75"), ("val_AR100", "AR100"),
+                   ("val_ema_mAP", "EMA AP@[.5:.95]"))
+    plot_title = "val box AP / AR"
     ema_keys = ("val_mAP",)
 
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
         from visiondist.data import build_detection_data
 
+        from visiondist.data import coco_paths
+
         t = cfg.trainer
         self.data = build_detection_data(cfg.data, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
                                          pin_memory=layout.device.type == "cuda", train=train)
+        self.val_images = coco_paths(cfg.data, cfg.data.val_split)[0]
 
     def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager) -> torch.Tensor:
         images, targets = batch
@@ -108,8 +125,23 @@ class DetectionTask:
         from visiondist.engine.coco_eval import evaluate_detection
 
         d = self.data
-        return evaluate_detection(model, d.val_loader, layout, d.val_annotations, d.cat_of_label, d.num_val, autocast,
-                                  results_path=run_dir / "detections.json" if layout.is_main else None)
+        metrics = evaluate_detection(model, d.val_loader, layout, d.val_annotations, d.cat_of_label, d.num_val,
+                                     autocast, results_path=run_dir / "detections.json" if layout.is_main else None)
+        if layout.is_main:  # per-category AP of the latest evaluation, by category name
+            (run_dir / "per_class.json").write_text(json.dumps(metrics["val_class_AP"], indent=1))
+        return metrics
+
+    def plots(self, m: dict[str, Any], run_dir: Path, title: str) -> list[Path]:
+        """The per-category AP bars and a few val images with their predicted boxes, of the latest evaluation."""
+        from visiondist.engine.plots import plot_per_class, plot_predictions
+
+        d = self.data
+        ap = {name: None if v is None else 100 * v for name, v in (m.get("val_class_AP") or {}).items()}
+        pngs = [plot_per_class(ap, run_dir / "per_class_ap.png", f"{title}: AP per category at step {m.get('step')}",
+                               "AP@[.5:.95] (%)"),
+                plot_predictions(run_dir / "detections.json", d.val_annotations, self.val_images,
+                                 run_dir / "val_predictions.png", title)]
+        return [p for p in pngs if p is not None]
 
     @staticmethod
     def describe(m: dict[str, Any]) -> str:

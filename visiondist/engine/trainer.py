@@ -31,7 +31,8 @@ from visiondist.engine.checkpoint import (
 )
 from visiondist.engine.ema import ModelEma
 from visiondist.engine.faults import STOP, NonFiniteStep, StepHealth, set_collective_timeout
-from visiondist.engine.logging import MetricsLogger, plot_curves, setup_logging, summary_table
+from visiondist.engine.logging import MetricsLogger, setup_logging, summary_table
+from visiondist.engine.plots import plot_curves
 from visiondist.engine.optim import build_optimizer, build_scheduler
 from visiondist.engine.tasks import build_task
 from visiondist.models import build_model, select_attention
@@ -301,6 +302,10 @@ class Trainer:
             self.cfg.model.name, self.num_params / 1e6, self.rank_params / 1e6, self.layout_text, self.cfg.data.batch_size,
             sampler.micro_batch, t.grad_accum, self.total_steps,
         )
+        if self.layout.world_size > 1:
+            nodes = len(set(self.layout.nodes))
+            log.info("mesh (pp, dp, tp) over %d node%s: %s", nodes, "s" if nodes > 1 else "",
+                     "; ".join(self.layout.placement()))
         if self.pipeline is not None:
             log.info("%s", self.pipeline.describe())
         self.reset_traffic()
@@ -326,6 +331,8 @@ class Trainer:
                     else:
                         loss, grad_norm = self.train_step(batches)
                     self.step += 1
+                    if progress is not None:
+                        progress.update(0, completed=self.step)
                     if self.step == self.resumed_from_step + 1:  # start-up is over: hangs now fail fast
                         set_collective_timeout(t.dist_timeout_s, self._groups())
                     if self.stop_requested and self.step < self.total_steps:
@@ -434,9 +441,14 @@ class Trainer:
         rate = window.steps * self.cfg.data.batch_size / max(window.seconds, 1e-9)
         lr = self.optimizer.param_groups[0]["lr"]
         self.metrics.log(self.step, epoch=self.epoch, loss=mean_loss, lr=lr, grad_norm=norm, images_per_s=rate)
-        log.info("step %d/%d | loss %.4f | lr %.2e | %.3g img/s", self.step, self.total_steps, mean_loss, lr, rate)
+        device = self.layout.device
+        memory = (f" | {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB peak" if device.type == "cuda" else "")
+        epochs = math.ceil(self.total_steps / self.data.train_sampler.steps_per_epoch)
+        log.info("step %d/%d | epoch %d/%d | loss %.4f | lr %.2e | %.3g img/s%s", self.step, self.total_steps,
+                 self.epoch + 1, epochs, mean_loss, lr, rate, memory)
         if progress is not None:
-            progress.update(0, completed=self.step, stats=f"loss {mean_loss:.4f}  lr {lr:.2e}  {rate:.3g} img/s")
+            progress.update(0, completed=self.step, stats=f"epoch {self.epoch + 1}/{epochs}  loss {mean_loss:.4f}  "
+                                                          f"lr {lr:.2e}  {rate:.3g} img/s{memory.replace(' | ', '  ')}")
         return mean_loss
 
     def _save_weights(self) -> Path:
@@ -456,6 +468,15 @@ class Trainer:
             tmp.replace(path)
         return path
 
+    def _best(self) -> dict[str, Any]:
+        """The best evaluation of the headline metric over the run (rank 0 holds the rows) and its step."""
+        key, label = self.task.headline
+        scored = [(r[key], int(r["step"])) for r in self.metrics.rows if r.get(key) is not None]
+        if not scored:
+            return {}
+        value, step = max(scored, key=lambda vs: (vs[0], -vs[1]))
+        return {f"best {label}": value, "best at step": step}
+
     def _finish(self, final_loss: float, train_time: float) -> dict[str, Any]:
         weights = self._save_weights()
         ran = self.step - self.resumed_from_step
@@ -471,6 +492,7 @@ class Trainer:
             "throughput (img/s)": (float(f"{ran * self.cfg.data.batch_size / train_time:.3g}")
                                    if ran and train_time > 0 else None),  # of this process's steps
             "final train loss": None if math.isnan(final_loss) else final_loss,
+            **self._best(),
             **({"skipped steps (non-finite)": self.skipped_steps} if self.skipped_steps else {}),
             **({"TP traffic per step (MB)": round(self.tp_bytes_per_step / 1e6, 2)} if self.tp_bytes_per_step else {}),
             **({"PP traffic per step (MB)": round(self.pp_bytes_per_step / 1e6, 2)} if self.pp_bytes_per_step else {}),
@@ -478,6 +500,9 @@ class Trainer:
                if self.pipeline is not None else {}),
             **({"pipeline bubble (%)": round(100 * self.bubble, 1)} if self.bubble is not None else {}),
             **self.task.summary(self.last_eval),
+            **({"peak GPU memory (GiB)": round(torch.cuda.max_memory_allocated(self.layout.device) / 2**30, 2)}
+               if self.layout.device.type == "cuda" else {}),
+            "checkpoint": str(self.last_checkpoint),
             "weights": str(weights),
             "run dir": str(self.run_dir),
         }
@@ -485,12 +510,14 @@ class Trainer:
         if self.layout.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             title = f"{self.cfg.model.name} on {self.cfg.data.name}"
-            png = plot_curves(self.metrics.rows, self.run_dir / "curves.png", title, *self.task.headline)
+            pngs = [plot_curves(self.metrics.rows, self.run_dir / "curves.png", title, self.task.plot_series,
+                                self.task.plot_title), *self.task.plots(self.last_eval, self.run_dir, title)]
             from rich import print as rprint
 
             rprint(summary_table(summary))
-            if png is not None:
-                log.info("curves: %s", png)
+            pngs = [p for p in pngs if p is not None]
+            if pngs:
+                log.info("plots: %s", ", ".join(p.name for p in pngs))
             print(self.task.final_line(self.last_eval), flush=True)
         return summary
 

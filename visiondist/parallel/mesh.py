@@ -7,6 +7,7 @@ is reduced over, and which DP rank and size the sampler uses.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,6 +34,7 @@ class Layout:
     tp_rank: int
     pp_rank: int
     tp_comm: Optional[TPComm] = None  # the TP group and its traffic counter; None when tp == 1
+    nodes: tuple[int, ...] = ()  # node index of every global rank (torchrun's GROUP_RANK, SLURM_NODEID)
 
     @property
     def is_main(self) -> bool:
@@ -66,6 +68,28 @@ class Layout:
     def describe(self) -> str:
         return f"dp={self.dp} tp={self.tp} pp={self.pp} ({self.world_size} ranks on {self.device.type})"
 
+    def placement(self) -> list[str]:
+        """Where each mesh dimension's groups sit: e.g. `tp groups [0, 1] [2, 3]: each inside one node`."""
+        return placement(self.mesh.mesh.tolist(), self.nodes or (0,) * self.world_size)
+
+
+def placement(grid: list, nodes: tuple[int, ...], shown: int = 4) -> list[str]:
+    """For each mesh dimension of size > 1: its groups of global ranks (the first `shown`) and how many nodes one
+    group spans. `grid`: the (pp, dp, tp) nested list of global ranks; `nodes`: node index of each global rank."""
+    import numpy as np
+
+    ranks = np.asarray(grid)
+    lines = []
+    for axis, dim in enumerate(MESH_DIMS):
+        size = ranks.shape[axis]
+        if size == 1:
+            continue
+        groups = np.moveaxis(ranks, axis, -1).reshape(-1, size).tolist()
+        spans = max(len({nodes[r] for r in group}) for group in groups)
+        listed = " ".join(str(g) for g in groups[:shown]) + (f" ... ({len(groups)} groups)" if len(groups) > shown else "")
+        lines.append(f"{dim} groups {listed}: " + ("each inside one node" if spans == 1 else f"across {spans} nodes"))
+    return lines
+
 
 def build_layout(dp: int, tp: int, pp: int, device: torch.device, local_rank: int) -> Layout:
     """Create the mesh over the initialised default process group (its world size must be dp*tp*pp)."""
@@ -75,4 +99,12 @@ def build_layout(dp: int, tp: int, pp: int, device: torch.device, local_rank: in
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
     pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
     tp_comm = TPComm(mesh.get_group("tp")) if tp > 1 else None
-    return Layout(mesh, device, dist.get_rank(), world, local_rank, dp, tp, pp, dp_rank, tp_rank, pp_rank, tp_comm)
+    nodes: list = [None] * world
+    dist.all_gather_object(nodes, node_index(os.environ))
+    return Layout(mesh, device, dist.get_rank(), world, local_rank, dp, tp, pp, dp_rank, tp_rank, pp_rank, tp_comm,
+                  tuple(nodes))
+
+
+def node_index(env) -> int:
+    """This process's node: torchrun's GROUP_RANK, srun's SLURM_NODEID, else 0 (one machine)."""
+    return int(env.get("GROUP_RANK", env.get("SLURM_NODEID", 0)))

@@ -1,0 +1,137 @@
+"""PNG plots a run writes into its directory (rank 0, matplotlib's Agg backend, nothing shown):
+
+- `curves.png`: training loss, learning rate and the evaluation metrics against the step;
+- classification: `per_class_top1.png`; detection: `per_class_ap.png` (AP@[.5:.95] of every category, from
+  COCOeval's precision array) and `val_predictions.png` (a few val images with ground truth and predicted boxes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(rows: list[dict[str, Any]], png: Path, title: str,
+                val_series: Sequence[tuple[str, str]] = (("val_top1", "top-1"),),
+                val_title: str = "val accuracy (%)") -> Optional[Path]:
+    """Loss, learning rate and the evaluation metrics (`val_series`: (metrics.csv column, legend label)) against the
+    step, side by side; None when there is nothing to draw."""
+    train = [r for r in rows if r.get("loss") is not None]
+    evals = [r for r in rows if any(r.get(key) is not None for key, _ in val_series)]
+    if not train and not evals:
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    marker = {"marker": "o"} if len(train) < 30 else {}
+    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], **marker)
+    axes[0].set_title("train loss")
+    axes[1].plot([r["step"] for r in train], [r["lr"] for r in train], **marker)
+    axes[1].set_title("learning rate")
+    for key, label in val_series:
+        points = [(r["step"], r[key]) for r in evals if r.get(key) is not None]
+        if points:
+            axes[2].plot(*zip(*points), marker="o", label=label)
+    if evals:
+        axes[2].legend(loc="best", fontsize="small")
+    axes[2].set_title(val_title)
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+def plot_per_class(values: dict[str, Optional[float]], png: Path, title: str, xlabel: str) -> Optional[Path]:
+    """Horizontal bars of a per-class metric in % (AP per category, top-1 per class), best first, with their mean;
+    classes without a value (no ground truth) are left out."""
+    scored = sorted(((v, name) for name, v in values.items() if v is not None), reverse=True)
+    if not scored:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.22 * len(scored)))
+    bars = [v for v, _ in scored]
+    ax.barh(range(len(scored)), bars, color="tab:blue")
+    ax.set_yticks(range(len(scored)), [name for _, name in scored], fontsize=8 if len(scored) > 30 else 10)
+    ax.invert_yaxis()
+    mean = sum(bars) / len(bars)
+    ax.axvline(mean, color="tab:red", linestyle="--", label=f"mean {mean:.1f}")
+    ax.set_xlabel(xlabel)
+    ax.set_xlim(0, max(100.0, max(bars)))
+    ax.legend(loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+def plot_predictions(detections_json: Path, ann_file: Path, image_dir: Path, png: Path, title: str,
+                     images: int = 4, min_score: float = 0.3) -> Optional[Path]:
+    """The first `images` val images (by id) with their ground-truth boxes (green) and the predicted boxes scoring at
+    least `min_score` (red, with category and score), from a COCO results file. An image with no prediction that
+    sure shows its best ones instead, as many as it has true boxes (dotted: an early model's guesses are visible)."""
+    from PIL import Image
+
+    gt = json.loads(Path(ann_file).read_text())
+    if not gt["images"] or not Path(detections_json).is_file():
+        return None
+    names = {c["id"]: c["name"] for c in gt["categories"]}
+    chosen = sorted(gt["images"], key=lambda im: im["id"])[:images]
+    ids = {im["id"] for im in chosen}
+    truth: dict[int, list] = {i: [] for i in ids}
+    for ann in gt["annotations"]:
+        if ann["image_id"] in ids:
+            truth[ann["image_id"]].append(ann)
+    candidates: dict[int, list] = {i: [] for i in ids}
+    for det in json.loads(Path(detections_json).read_text()):
+        if det["image_id"] in ids:
+            candidates[det["image_id"]].append(det)
+    predicted, unsure = {}, set()
+    for i, dets in candidates.items():
+        dets.sort(key=lambda d: -d["score"])
+        predicted[i] = [d for d in dets if d["score"] >= min_score]
+        if not predicted[i] and dets:
+            predicted[i], _ = dets[:max(1, len(truth[i]))], unsure.add(i)
+    plt = _pyplot()
+    from matplotlib.patches import Rectangle
+
+    cols = min(len(chosen), 4)
+    rows = math.ceil(len(chosen) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 4 * rows + 0.4), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image in zip(axes.flat, chosen):
+        with Image.open(Path(image_dir) / image["file_name"]) as im:
+            ax.imshow(im.convert("RGB"))
+        for ann in truth[image["id"]]:
+            x, y, w, h = ann["bbox"]
+            ax.add_patch(Rectangle((x, y), w, h, fill=False, edgecolor="lime", linewidth=1.5))
+        for det in predicted[image["id"]]:
+            x, y, w, h = det["bbox"]
+            ax.add_patch(Rectangle((x, y), w, h, fill=False, edgecolor="red", linewidth=1.2,
+                                   linestyle=":" if image["id"] in unsure else "--"))
+            ax.text(x, y, f"{names.get(det['category_id'], det['category_id'])} {det['score']:.2f}", color="white",
+                    fontsize=7, va="bottom", bbox={"facecolor": "red", "alpha": 0.6, "pad": 1, "linewidth": 0})
+        shown = (f"best {len(predicted[image['id']])} predicted, below {min_score}" if image["id"] in unsure
+                 else f"{len(predicted[image['id']])} predicted")
+        ax.set_title(f"image {image['id']}: {len(truth[image['id']])} true, {shown}", fontsize=9)
+    fig.suptitle(f"{title} (green: ground truth, red: predictions with score >= {min_score})")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
