@@ -92,8 +92,8 @@ def summary_table(summary: dict[str, Any]):
     from rich.table import Table
 
     table = Table(title="training summary", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")  # long paths wrap whole into a narrow (non-terminal) console, never cut
     for key, value in summary.items():
         if value is None:
             value = "-"
