@@ -19,6 +19,9 @@ import fault_ranks
 from helpers import REPO, TINY_DATA, TRAIN, RanksFailed, losses_of, spawn_ranks, train_args, train_ok
 from visiondist.engine.checkpoint import CHECKPOINTS, list_checkpoints
 
+# Timing-sensitive (kills, signals, hangs): one worker runs them in turn when the suite runs in parallel.
+pytestmark = pytest.mark.xdist_group("faults")
+
 # ~0.05 s per step on 2 cores: long enough to be interrupted mid-run
 LONG = ["model.num_heads=2", "trainer.max_steps=100", "trainer.max_epochs=1000", "trainer.eval_every=1000",
         "parallel.dp=2", "trainer.log_every=1"]

@@ -240,17 +240,15 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> WorldPl
         cfg, auto_plan = resolve_auto(cfg, env, cuda_device_count())
     plan = plan_world(cfg, env, cuda_device_count())
     cfg_dict = to_container(cfg)
-    if plan.under_torchrun:
-        run_rank(entry, cfg_dict, plan, None, auto_plan)
+    if plan.under_torchrun:  # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
+        _raise_if_stopped(run_rank(entry, cfg_dict, plan, None, auto_plan))
         return plan
     run_dir = new_run_dir(cfg)
     if auto_plan is not None:
         _write_plan(run_dir, auto_plan)
     run_dir = str(run_dir)
     if plan.world_size == 1:
-        result = run_rank(entry, cfg_dict, plan, run_dir)
-        if isinstance(result, dict) and result.get("stopped by"):
-            raise JobStopped(result["stopped by"], run_dir)
+        _raise_if_stopped(run_rank(entry, cfg_dict, plan, run_dir))
         return plan
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -261,6 +259,11 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> WorldPl
     except SignalException as exc:  # the ranks got the signal too: they checkpointed and left
         raise JobStopped(signal.Signals(exc.sigval).name, run_dir) from None
     return plan
+
+
+def _raise_if_stopped(result: Any) -> None:
+    if isinstance(result, dict) and result.get("stopped by"):
+        raise JobStopped(result["stopped by"], result["run dir"])
 
 
 class JobStopped(Exception):
