@@ -35,6 +35,8 @@ def test_train_then_eval_a_detector(tmp_path):
     assert evaluated.stdout.count("Average ") == 12
     out = next((run / "eval").iterdir())
     stats = json.loads((out / "eval.json").read_text())
+    assert_png(out / "per_class_ap.png")  # tools/eval.py draws the evaluation too
+    assert_png(out / "val_predictions.png", min_width=800)
     for key, value in final.items():
         if key.startswith("val_") and value is not None:  # val_ema_* stays empty without an EMA
             assert stats[key] == value, key  # the same weights, the same detections, the same numbers

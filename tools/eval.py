@@ -8,7 +8,6 @@ Prints the result (for detectors the 12-line COCOeval summary) and writes eval.j
 results format) into <run dir>/eval/<date-time>/, or trainer.run_dir. Runs its own ranks like train.py.
 """
 
-import datetime as dt
 import sys
 from pathlib import Path
 
@@ -28,24 +27,24 @@ def main(argv: list[str]) -> int:
         if is_complete(source):  # <run>/checkpoints/step_<N>
             run = source.parent.parent
             cfg, weights = load_run_config(run, overrides), source
-            out = run / "eval" / dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+            out = run / "eval"
         elif source.is_dir():
             cfg = load_run_config(source, overrides)
             weights = source / "model.safetensors"
             if not weights.is_file():  # e.g. a run stopped early: its newest checkpoint, if it has one
                 weights = latest_checkpoint(source) or weights
-            out = source / "eval" / dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+            out = source / "eval"
         else:
             cfg, weights, out = load_config(CONFIGS, overrides), source, None
         if not weights.exists():
             raise FileNotFoundError(f"no weights at {weights}: give a run dir holding model.safetensors or a "
                                     "checkpoint, a checkpoints/step_<N> directory or a weights file")
         cfg.model.weights = str(weights.resolve())
-        if out is not None and not any(o.startswith("trainer.run_dir=") for o in overrides):
-            cfg.trainer.run_dir = str(out)
         from visiondist.engine.trainer import evaluate_checkpoint
-        from visiondist.launch import launch
+        from visiondist.launch import launch, unique_dir
 
+        if out is not None and not any(o.startswith("trainer.run_dir=") for o in overrides):
+            cfg.trainer.run_dir = str(unique_dir(out, "%Y-%m-%d_%H-%M-%S"))  # <run>/eval/<date>_<time>
         launch(evaluate_checkpoint, cfg)
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -56,11 +56,10 @@ def new_run_dir(cfg: DictConfig) -> Path:
     return run_dir.resolve()
 
 
-def unique_dir(parent: Path) -> Path:
-    """A new directory `<parent>/<date>/<time>`, or `<time>-1`, `-2`, ... when that exists: created atomically, so
-    jobs started in the same second (a sweep, two users, two launches) never share one."""
-    stamp = dt.datetime.now()
-    base = parent / stamp.strftime("%Y-%m-%d") / stamp.strftime("%H-%M-%S")
+def unique_dir(parent: Path, pattern: str = "%Y-%m-%d/%H-%M-%S") -> Path:
+    """A new directory `<parent>/<date>/<time>` (`pattern`, strftime), or `<time>-1`, `-2`, ... when that exists:
+    created atomically, so jobs started in the same second (a sweep, two users, two launches) never share one."""
+    base = parent / dt.datetime.now().strftime(pattern)
     base.parent.mkdir(parents=True, exist_ok=True)
     path, n = base, 0
     while True:

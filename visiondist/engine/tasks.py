@@ -71,7 +71,7 @@ class ClassificationTask:
         from visiondist.engine.plots import plot_per_class
 
         values = dict(zip(self.data.classes, m.get("val_class_top1") or []))
-        png = plot_per_class(values, run_dir / "per_class_top1.png", f"{title}: top-1 per class at step {m.get('step')}",
+        png = plot_per_class(values, run_dir / "per_class_top1.png", f"{title}: top-1 per class{_at_step(m)}",
                              "val top-1 (%)")
         return [png] if png is not None else []
 
@@ -137,7 +137,7 @@ class DetectionTask:
 
         d = self.data
         ap = {name: None if v is None else 100 * v for name, v in (m.get("val_class_AP") or {}).items()}
-        pngs = [plot_per_class(ap, run_dir / "per_class_ap.png", f"{title}: AP per category at step {m.get('step')}",
+        pngs = [plot_per_class(ap, run_dir / "per_class_ap.png", f"{title}: AP per category{_at_step(m)}",
                                "AP@[.5:.95] (%)"),
                 plot_predictions(run_dir / "detections.json", d.val_annotations, self.val_images,
                                  run_dir / "val_predictions.png", title)]
@@ -159,6 +159,10 @@ class DetectionTask:
 
         stats = {k[4:]: v for k, v in m.items() if k.startswith("val_")}
         return f"{summary_lines(stats)}\nval box mAP@[.5:.95]: {m['val_mAP']:.4f}"
+
+
+def _at_step(m: dict[str, Any]) -> str:
+    return f" at step {m['step']}" if m.get("step") is not None else ""
 
 
 def build_task(cfg: DictConfig, layout: Layout, train: bool = True):

@@ -31,9 +31,9 @@ from visiondist.engine.checkpoint import (
 )
 from visiondist.engine.ema import ModelEma
 from visiondist.engine.faults import STOP, NonFiniteStep, StepHealth, set_collective_timeout
-from visiondist.engine.logging import MetricsLogger, setup_logging, summary_table
-from visiondist.engine.plots import plot_curves
+from visiondist.engine.logging import MetricsLogger, setup_logging
 from visiondist.engine.optim import build_optimizer, build_scheduler
+from visiondist.engine.report import best_evaluation, draw_evaluation, progress_bar, report_run
 from visiondist.engine.tasks import build_task
 from visiondist.models import build_model, select_attention
 from visiondist.parallel import (
@@ -56,25 +56,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def _progress(enabled: bool, total: int):
-    if not enabled:
-        return None
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    progress = Progress(
-        TextColumn("[bold]train"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[stats]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        transient=False,
-    )
-    progress.start()
-    progress.add_task("train", total=total, stats="")
-    return progress
 
 
 class _Window:
@@ -309,7 +290,7 @@ class Trainer:
         if self.pipeline is not None:
             log.info("%s", self.pipeline.describe())
         self.reset_traffic()
-        progress = _progress(t.progress and self.layout.is_main, self.total_steps)
+        progress = progress_bar(t.progress and self.layout.is_main, self.total_steps)
         window = _Window(self.layout.device)
         final_loss = math.nan
         end = min(self.total_steps, t.stop_at_step) if t.stop_at_step > 0 else self.total_steps  # of this process
@@ -468,15 +449,6 @@ class Trainer:
             tmp.replace(path)
         return path
 
-    def _best(self) -> dict[str, Any]:
-        """The best evaluation of the headline metric over the run (rank 0 holds the rows) and its step."""
-        key, label = self.task.headline
-        scored = [(r[key], int(r["step"])) for r in self.metrics.rows if r.get(key) is not None]
-        if not scored:
-            return {}
-        value, step = max(scored, key=lambda vs: (vs[0], -vs[1]))
-        return {f"best {label}": value, "best at step": step}
-
     def _finish(self, final_loss: float, train_time: float) -> dict[str, Any]:
         weights = self._save_weights()
         ran = self.step - self.resumed_from_step
@@ -492,7 +464,7 @@ class Trainer:
             "throughput (img/s)": (float(f"{ran * self.cfg.data.batch_size / train_time:.3g}")
                                    if ran and train_time > 0 else None),  # of this process's steps
             "final train loss": None if math.isnan(final_loss) else final_loss,
-            **self._best(),
+            **best_evaluation(self.metrics.rows, *self.task.headline),
             **({"skipped steps (non-finite)": self.skipped_steps} if self.skipped_steps else {}),
             **({"TP traffic per step (MB)": round(self.tp_bytes_per_step / 1e6, 2)} if self.tp_bytes_per_step else {}),
             **({"PP traffic per step (MB)": round(self.pp_bytes_per_step / 1e6, 2)} if self.pp_bytes_per_step else {}),
@@ -508,17 +480,8 @@ class Trainer:
         }
         self.metrics.close()
         if self.layout.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            title = f"{self.cfg.model.name} on {self.cfg.data.name}"
-            pngs = [plot_curves(self.metrics.rows, self.run_dir / "curves.png", title, self.task.plot_series,
-                                self.task.plot_title), *self.task.plots(self.last_eval, self.run_dir, title)]
-            from rich import print as rprint
-
-            rprint(summary_table(summary))
-            pngs = [p for p in pngs if p is not None]
-            if pngs:
-                log.info("plots: %s", ", ".join(p.name for p in pngs))
-            print(self.task.final_line(self.last_eval), flush=True)
+            report_run(self.run_dir, summary, self.metrics.rows, self.task, self.last_eval,
+                       f"{self.cfg.model.name} on {self.cfg.data.name}")
         return summary
 
 
@@ -575,5 +538,6 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     if layout.is_main:
         (run_dir / "eval.json").write_text(json.dumps({"weights": cfg.model.weights, **metrics}, indent=2))
         log.info("eval | %s", task.describe(metrics))
+        draw_evaluation(task, metrics, run_dir, f"{cfg.model.name} on {cfg.data.name}")
         print(task.final_line(metrics), flush=True)
     return metrics

@@ -1,0 +1,69 @@
+"""What rank 0 shows and leaves for people: the live progress bar, and at the end the summary (printed as a table,
+written as summary.json) with the PNG plots of the run."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from visiondist.engine.logging import summary_table
+from visiondist.engine.plots import plot_curves
+
+log = logging.getLogger(__name__)
+
+
+def progress_bar(enabled: bool, total: int):
+    """A rich progress bar over the optimizer steps (None when disabled): the bar, steps done, the latest log line's
+    figures (epoch, loss, lr, images/s, GPU memory), elapsed and remaining time."""
+    if not enabled:
+        return None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    progress = Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        transient=False,
+    )
+    progress.start()
+    progress.add_task("train", total=total, stats="")
+    return progress
+
+
+def best_evaluation(rows: list[dict[str, Any]], key: str, label: str) -> dict[str, Any]:
+    """The best value of the headline metric over the run's evaluations (the earliest on ties) and its step."""
+    scored = [(r[key], int(r["step"])) for r in rows if r.get(key) is not None]
+    if not scored:
+        return {}
+    value, step = max(scored, key=lambda vs: (vs[0], -vs[1]))
+    return {f"best {label}": value, "best at step": step}
+
+
+def draw_evaluation(task, metrics: dict[str, Any], run_dir: Path, title: str,
+                    rows: list[dict[str, Any]] | None = None) -> list[Path]:
+    """The run's PNGs: `curves.png` from the metrics rows (training runs), then the task's per-class bars and, for
+    detectors, val images with their predicted boxes."""
+    pngs = []
+    if rows is not None:
+        pngs.append(plot_curves(rows, run_dir / "curves.png", title, task.plot_series, task.plot_title))
+    pngs += task.plots(metrics, run_dir, title)
+    pngs = [p for p in pngs if p is not None]
+    if pngs:
+        log.info("plots: %s", ", ".join(p.name for p in pngs))
+    return pngs
+
+
+def report_run(run_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], task, last_eval: dict[str, Any],
+               title: str) -> None:
+    """summary.json, the plots, the summary table and the task's final line (rank 0)."""
+    from rich.console import Console
+
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    draw_evaluation(task, last_eval, run_dir, title, rows)
+    Console(width=max(100, Console().width)).print(summary_table(summary))
+    print(task.final_line(last_eval), flush=True)
