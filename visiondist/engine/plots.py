@@ -106,7 +106,8 @@ def plot_predictions(detections_json: Path, ann_file: Path, image_dir: Path, png
         dets.sort(key=lambda d: -d["score"])
         predicted[i] = [d for d in dets if d["score"] >= min_score]
         if not predicted[i] and dets:
-            predicted[i], _ = dets[:max(1, len(truth[i]))], unsure.add(i)
+            predicted[i] = dets[:max(1, len(truth[i]))]
+            unsure.add(i)
     plt = _pyplot()
     from matplotlib.patches import Rectangle
 

@@ -104,9 +104,7 @@ class DetectionTask:
     ema_keys = ("val_mAP",)
 
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
-        from visiondist.data import build_detection_data
-
-        from visiondist.data import coco_paths
+        from visiondist.data import build_detection_data, coco_paths
 
         t = cfg.trainer
         self.data = build_detection_data(cfg.data, layout.dp_rank, layout.dp, t.grad_accum, t.seed,

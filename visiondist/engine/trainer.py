@@ -422,8 +422,8 @@ class Trainer:
         rate = window.steps * self.cfg.data.batch_size / max(window.seconds, 1e-9)
         lr = self.optimizer.param_groups[0]["lr"]
         self.metrics.log(self.step, epoch=self.epoch, loss=mean_loss, lr=lr, grad_norm=norm, images_per_s=rate)
-        device = self.layout.device
-        memory = (f" | {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB peak" if device.type == "cuda" else "")
+        peak = self._peak_gpu_gib()
+        memory = f" | {peak:.1f} GiB peak" if peak is not None else ""
         epochs = math.ceil(self.total_steps / self.data.train_sampler.steps_per_epoch)
         log.info("step %d/%d | epoch %d/%d | loss %.4f | lr %.2e | %.3g img/s%s", self.step, self.total_steps,
                  self.epoch + 1, epochs, mean_loss, lr, rate, memory)
@@ -431,6 +431,11 @@ class Trainer:
             progress.update(0, completed=self.step, stats=f"epoch {self.epoch + 1}/{epochs}  loss {mean_loss:.4f}  "
                                                           f"lr {lr:.2e}  {rate:.3g} img/s{memory.replace(' | ', '  ')}")
         return mean_loss
+
+    def _peak_gpu_gib(self) -> float | None:
+        """The most tensor memory this rank's GPU has held so far (None on the CPU)."""
+        device = self.layout.device
+        return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
     def _save_weights(self) -> Path:
         """The trained model as one canonical safetensors file, consolidated by rank 0 from the final checkpoint
@@ -472,8 +477,7 @@ class Trainer:
                if self.pipeline is not None else {}),
             **({"pipeline bubble (%)": round(100 * self.bubble, 1)} if self.bubble is not None else {}),
             **self.task.summary(self.last_eval),
-            **({"peak GPU memory (GiB)": round(torch.cuda.max_memory_allocated(self.layout.device) / 2**30, 2)}
-               if self.layout.device.type == "cuda" else {}),
+            **({"peak GPU memory (GiB)": round(self._peak_gpu_gib(), 2)} if self.layout.device.type == "cuda" else {}),
             "checkpoint": str(self.last_checkpoint),
             "weights": str(weights),
             "run dir": str(self.run_dir),

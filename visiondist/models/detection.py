@@ -183,37 +183,7 @@ def build_vitdet(cfg: Any) -> nn.Module:
     model = tvd.FasterRCNN(pyramid, num_classes=cfg.num_classes + 1, min_size=cfg.min_size, max_size=cfg.max_size,
                            **dict(cfg.kwargs or {}))
     adapt_detector(model, cfg)
-    if getattr(cfg, "backbone_weights", None):
-        load_backbone(model, cfg.backbone_weights, cfg.trainable_backbone_layers, frozen_bn=not cfg.arch.endswith("_v2"))
     if cfg.weights:
         load_local_weights(model, cfg.weights)
     return model
-
-
-def load_backbone(model: nn.Module, path: str, trainable_layers: int, frozen_bn: bool) -> None:
-    """What torchvision's `weights_backbone` does, from a local resnet50 state dict: load it into the backbone (its
-    classifier `fc.*` is not part of a detector), turn the BatchNorms into FrozenBatchNorm2d (the v1 detectors) and
-    freeze all but the last `trainable_layers` of conv1, layer1..layer4."""
-    from torchvision.ops.misc import FrozenBatchNorm2d
-
-    from visiondist.models.weights import read_state
-
-    body = model.backbone.body
-    state = {k: v for k, v in read_state(path, "model.backbone_weights").items() if not k.startswith("fc.")}
-    if frozen_bn:
-        for name, module in list(body.named_modules()):
-            if isinstance(module, nn.BatchNorm2d):
-                frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps)
-                parent = body.get_submodule(name.rpartition(".")[0]) if "." in name else body
-                setattr(parent, name.rpartition(".")[2], frozen)
-        state = {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
-    missing, unexpected = body.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"model.backbone_weights={path} is not a resnet50 state dict: missing "
-                         f"{', '.join(missing[:5]) or 'nothing'}; unexpected {', '.join(unexpected[:5]) or 'nothing'}")
-    trainable = ["layer4", "layer3", "layer2", "layer1", "conv1"][:trainable_layers]
-    if trainable_layers == 5:
-        trainable.append("bn1")
-    for name, param in body.named_parameters():
-        param.requires_grad_(any(name.startswith(layer) for layer in trainable))
 
