@@ -45,7 +45,13 @@ def main(argv: list[str]) -> int:
 
         if out is not None and not any(o.startswith("trainer.run_dir=") for o in overrides):
             cfg.trainer.run_dir = str(unique_dir(out, "%Y-%m-%d_%H-%M-%S"))  # <run>/eval/<date>_<time>
-        launch(evaluate_checkpoint, cfg)
+        from visiondist.launch import RunFailed
+
+        try:
+            launch(evaluate_checkpoint, cfg)
+        except RunFailed as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return exc.exit_code
     except (ConfigError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

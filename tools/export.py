@@ -41,6 +41,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # e.g. a damaged checkpoint: the message names it and what to do
+        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
     print(f"exported {trained.cfg.model.name} from {trained.source}")
     for file in files:
         print(f"  {file}")

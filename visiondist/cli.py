@@ -96,4 +96,9 @@ def run_tool(tool: str, config_dir: Path, argv: list[str], run: Callable[[DictCo
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # a rank failed: `launch.RunFailed` says which, where and why in one line
+        if type(exc).__name__ != "RunFailed":
+            raise
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     return code if isinstance(code, int) else 0

@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import uuid
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -172,26 +173,89 @@ def _write_plan(run_dir: Path, plan: Any) -> None:
                                       + f"chose {plan.choice.candidate.name}: {plan.reason}\n")
 
 
-def run_rank(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: Optional[str], auto_plan: Any = None) -> Any:
-    """Body of every rank: process group, device, mesh, then `entry`."""
+def run_rank(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: Optional[str], auto_plan: Any = None,
+             top_level: bool = False) -> Any:
+    """Body of every rank: process group, device, mesh, then `entry`. Whatever happens, the rank's loader workers
+    end with it; a failure leaves `<run>/failure/rank<k>.txt` (see `visiondist.engine.failures`). `top_level`: this
+    process is what the user started (one rank, or a torchrun / srun task), so a hang's line is printed here."""
+    from visiondist.data.workers import close_loaders
+    from visiondist.engine.failures import PROGRESS, RANK_ERRORS
+    from visiondist.engine.faults import STOP
     from visiondist.parallel import build_layout
 
-    from visiondist.engine.faults import STOP
-
     cfg = from_container(cfg_dict)
+    PROGRESS.__init__()
+    PROGRESS.limit_s = cfg.trainer.startup_timeout_s
+    if run_dir is not None:
+        _flight_recorder(Path(run_dir), plan.accelerator)
     device, local_rank = _init_rank(plan, single=plan.world_size == 1 and not plan.under_torchrun,
                                     startup_timeout_s=cfg.trainer.startup_timeout_s)
     STOP.received = None
     signals = STOP.install()
+    path, watchdog = (Path(run_dir) if run_dir else None), None
     try:
-        path = Path(run_dir) if run_dir else _shared_run_dir(cfg)
+        path = path or _shared_run_dir(cfg)
+        watchdog = _start_watchdog(path, top_level)
         if auto_plan is not None and run_dir is None and dist.get_rank() == 0:
             _write_plan(path, auto_plan)
         layout = build_layout(plan.dp, plan.tp, plan.pp, device, local_rank)
         return entry(cfg, layout, path)
+    except RANK_ERRORS as exc:
+        _record(path, exc)
+        raise
     finally:
+        if watchdog is not None:
+            watchdog.stop()
+        close_loaders()
         signals.restore()
         dist.destroy_process_group()
+
+
+def _flight_recorder(run_dir: Path, accelerator: str) -> None:
+    """NCCL: keep a trace of the last collectives and dump it into `<run>/hang/` when one times out (torch's flight
+    recorder). Set before the process group exists; a user's own settings win."""
+    if accelerator != "cuda":
+        return
+    from visiondist.engine.failures import HANG_DIR
+
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ:
+        (run_dir / HANG_DIR).mkdir(exist_ok=True)
+        os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(run_dir / HANG_DIR / "nccl_trace_rank_")
+
+
+def _start_watchdog(run_dir: Path, top_level: bool):
+    """The rank's hang watchdog; the loader workers it starts later learn the run dir from the environment."""
+    import sys
+
+    from visiondist.data.workers import worker_pids
+    from visiondist.engine.failures import EXIT_HANG, RANK_ENV, RUN_DIR_ENV, Watchdog
+
+    os.environ[RUN_DIR_ENV], os.environ[RANK_ENV] = str(run_dir), str(dist.get_rank())
+
+    def end_rank(line: str) -> None:  # the main thread is stuck: leave without it (the workers die with us)
+        if top_level:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_HANG)
+
+    return Watchdog(run_dir, dist.get_rank(), worker_pids, end_rank).start()
+
+
+def _record(run_dir: Optional[Path], exc: BaseException) -> None:
+    from visiondist.engine.failures import HANG_DIR, dump_stacks, is_collective_timeout, one_line, record_failure
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    cause = ""
+    if run_dir is not None and is_collective_timeout(exc):
+        try:
+            dump_stacks(run_dir, rank, one_line(exc))
+            cause = f"{one_line(exc)}; the stacks of every thread are in {run_dir / HANG_DIR}"
+        except OSError:
+            pass
+    record_failure(run_dir, rank, exc, cause)
 
 
 @record  # a failing rank's traceback reaches the launcher's error report, not just its exit code
@@ -240,24 +304,72 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> WorldPl
     plan = plan_world(cfg, env, cuda_device_count())
     cfg_dict = to_container(cfg)
     if plan.under_torchrun:  # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
-        _raise_if_stopped(run_rank(entry, cfg_dict, plan, None, auto_plan))
+        with _one_line_failure(None):
+            _raise_if_stopped(run_rank(entry, cfg_dict, plan, None, auto_plan, top_level=True))
         return plan
     run_dir = new_run_dir(cfg)
     if auto_plan is not None:
         _write_plan(run_dir, auto_plan)
-    run_dir = str(run_dir)
     if plan.world_size == 1:
-        _raise_if_stopped(run_rank(entry, cfg_dict, plan, run_dir))
+        with _one_line_failure(run_dir):
+            _raise_if_stopped(run_rank(entry, cfg_dict, plan, str(run_dir), top_level=True))
         return plan
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:
-        spawn_local(_elastic_worker, plan.nproc_per_node, entry, cfg_dict, plan, run_dir,
-                    max_restarts=cfg.trainer.max_restarts)
+        with _one_line_failure(run_dir), _quiet_agent():
+            spawn_local(_elastic_worker, plan.nproc_per_node, entry, cfg_dict, plan, str(run_dir),
+                        max_restarts=cfg.trainer.max_restarts)
     except SignalException as exc:  # the ranks got the signal too: they checkpointed and left
-        raise JobStopped(signal.Signals(exc.sigval).name, run_dir) from None
+        raise JobStopped(signal.Signals(exc.sigval).name, str(run_dir)) from None
     return plan
+
+
+class RunFailed(Exception):
+    """A rank failed. The message is one line: the rank, the step, the cause, and where the traceback is."""
+
+    exit_code = 1
+
+
+@contextmanager
+def _one_line_failure(run_dir: Optional[Path]):
+    """Turn a rank's exception (this process's, or the elastic launcher's report of a spawned rank's) into
+    `RunFailed` with the earliest rank's line from the run dir's failure records."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from visiondist.engine.failures import RANK_ERRORS, first_failure, one_line
+
+    try:
+        yield
+    except (JobStopped, RunFailed):
+        raise
+    except ChildFailedError as exc:
+        found = first_failure(run_dir) if run_dir is not None else None
+        if found is None:
+            rank, failure = exc.get_first_failure()
+            why = (f"killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
+                   else f"exit code {failure.exitcode}")
+            raise RunFailed(f"rank {rank} ended ({why}) without a report: see the output above") from None
+        raise RunFailed(f"{found.line} (traceback: {found.file})") from None
+    except RANK_ERRORS as exc:
+        found = first_failure(run_dir) if run_dir is not None else None
+        line = f"{found.line} (traceback: {found.file})" if found is not None else one_line(exc)
+        raise RunFailed(line) from exc
+
+
+@contextmanager
+def _quiet_agent():
+    """The elastic agent's own warnings and its failure table repeat what `RunFailed` says in one line."""
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _raise_if_stopped(result: Any) -> None:

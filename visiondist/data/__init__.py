@@ -6,7 +6,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import cv2
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
@@ -15,6 +14,7 @@ from visiondist.data.builtin import ensure_shapes, ensure_shapes_coco
 from visiondist.data.imagefolder import ImageFolder
 from visiondist.data.sampler import EvalBatchSampler, TrainBatchSampler
 from visiondist.data.transforms import ClassificationTransform, DetectionTransform
+from visiondist.data.workers import register, worker_init
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +30,6 @@ def prepare_data(cfg, show_progress: bool = False) -> None:
     GENERATORS[cfg.name](cfg.root, cfg.synthetic, show_progress=show_progress)
 
 
-def _worker_init(_worker_id: int) -> None:
-    from visiondist.engine.faults import ignore_stop_signals
-
-    cv2.setNumThreads(1)  # loader workers are the parallelism; OpenCV's own threads would oversubscribe
-    ignore_stop_signals()  # a signal to the whole process group must not kill a worker under its rank
-
-
 def _loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:
     # Augmentation is seeded per sample; the loader's own generator only keeps it from drawing worker seeds from
     # the global torch RNG, whose state a checkpoint restores.
@@ -44,14 +37,15 @@ def _loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:
     # come in page-locked memory (`data.pin_memory`) so that the rank's copy to the device does not block.
     workers = cfg.num_workers > 0
     return dict(num_workers=cfg.num_workers, pin_memory=pin_memory and cfg.get("pin_memory", True),
-                worker_init_fn=_worker_init, persistent_workers=workers, collate_fn=collate_fn,
+                worker_init_fn=worker_init, persistent_workers=workers, collate_fn=collate_fn,
                 prefetch_factor=cfg.get("prefetch_factor", 2) if workers else None, generator=torch.Generator())
 
 
 def _val_loader(cfg, val_set, dp_rank: int, dp_size: int, options: dict) -> DataLoader:
     """This DP rank's exact share of the val set (no padding duplicates)."""
     eval_batch = -(-cfg.eval_batch_size // dp_size)
-    return DataLoader(val_set, batch_sampler=EvalBatchSampler(len(val_set), eval_batch, dp_rank, dp_size), **options)
+    return register(DataLoader(val_set, batch_sampler=EvalBatchSampler(len(val_set), eval_batch, dp_rank, dp_size),
+                               **options))
 
 
 class LabelBatches:
@@ -113,7 +107,7 @@ def build_classification_data(
             sampler.dropped_per_epoch,
         )
     options = _loader_options(cfg, pin_memory)
-    train_loader = DataLoader(train_set, batch_sampler=sampler, **options)
+    train_loader = register(DataLoader(train_set, batch_sampler=sampler, **options))
     val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, options)
     if not reads_images:
         train_loader = LabelBatches(sampler, train_set.targets if reads_labels else None)
@@ -163,6 +157,6 @@ def build_detection_data(
         log.info("training uses %d of %d images per epoch; %d wait for the next (incomplete %sbatches)",
                  sampler.steps_per_epoch * cfg.batch_size, len(train_set), sampler.dropped_per_epoch,
                  "aspect-ratio " if groups is not None else "")
-    train_loader = DataLoader(train_set, batch_sampler=sampler, **options)
+    train_loader = register(DataLoader(train_set, batch_sampler=sampler, **options))
     return DetectionData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set),
                          val_set.ann_file, val_set.cat_of)

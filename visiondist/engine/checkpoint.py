@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
 from visiondist.parallel.tensor import SHARD_DIM
@@ -361,11 +362,27 @@ def _dcp_load(state: dict, path: Path, no_dist: bool = False) -> None:
         with warnings.catch_warnings():  # one process without a process group is the intended use here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=no_dist or not dist.is_initialized())
-    except Exception as exc:  # DCP wraps per-rank failures; say which checkpoint and what to check
+    except (Exception, CheckpointException) as exc:  # the latter derives from BaseException  # DCP wraps per-rank failures; say which checkpoint and what to check
         missing = [f"{group}.{key}" for group, tensors in state.items() for key in tensors
                    if f"{group}.{key}" not in stored]
         detail = f"; it lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}" if missing else ""
-        raise RuntimeError(f"could not load checkpoint {path}{detail}: is it from the same model "
-                           f"(and optimizer)? ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        cause = _root_cause(exc)
+        if "zip archive" in str(cause) or isinstance(cause, (EOFError, pickle.UnpicklingError)):
+            hint = "a file of it is damaged or cut short (an interrupted copy?): use another checkpoint"
+        else:
+            hint = "is it from the same model (and optimizer)?"
+        first = str(cause).split(". ")[0].splitlines()[0] if str(cause) else ""
+        raise RuntimeError(f"could not load checkpoint {path}{detail}: {hint} ({type(cause).__name__}: {first})"
                            ) from exc
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """DCP's CheckpointException wraps each rank's (exception, traceback): the first rank's exception."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        wrapped = next(iter(failures.values()))
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(inner, BaseException):
+            return inner
+    return exc
 

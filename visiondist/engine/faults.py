@@ -120,7 +120,10 @@ class StepHealth:
 
 def set_collective_timeout(seconds: float, groups) -> None:
     """Every later collective on the default group and on `groups` fails after `seconds` instead of waiting."""
+    from visiondist.engine.failures import PROGRESS
+
     timeout = timedelta(seconds=seconds)
+    PROGRESS.limit_s, PROGRESS.limit_key = seconds, "trainer.dist_timeout_s"  # the watchdog's limit too
     dist.set_timeout(timeout)
     for group in groups:
         if group is not None and group != dist.GroupMember.WORLD:

@@ -30,6 +30,7 @@ from visiondist.engine.checkpoint import (
     save_checkpoint,
 )
 from visiondist.engine.ema import ModelEma
+from visiondist.engine.failures import PROGRESS
 from visiondist.engine.faults import STOP, NonFiniteStep, StepHealth, set_collective_timeout
 from visiondist.engine.logging import MetricsLogger, setup_logging
 from visiondist.engine.optim import build_optimizer, build_scheduler
@@ -156,6 +157,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         self.settle()  # never save the weights of a step that turns out to have been non-finite
+        PROGRESS.at("saving a checkpoint", self.step)
         reshard(self.model)  # FSDP: the parameters must be the sharded ones the optimizer holds
         state = {
             "epoch": self.epoch,
@@ -182,6 +184,7 @@ class Trainer:
     def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over grad_accum micro-batches (or pipeline steps), then clip and step. Returns (mean loss
         of this DP rank's samples, global grad norm)."""
+        PROGRESS.at("training", self.step + 1)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         if self.pipeline is None:
@@ -262,6 +265,7 @@ class Trainer:
         return total
 
     def evaluate(self) -> dict[str, Any]:
+        PROGRESS.at("evaluating", self.step)
         ema_metrics = {}
         if self.ema is not None:  # first, so that files the evaluation writes (per_class.json) are the model's
             with self.ema.swapped(self.model):

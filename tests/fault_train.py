@@ -1,0 +1,105 @@
+"""`python tests/fault_train.py [train.py arguments]`: tools/train.py with one fault injected into the real code path.
+
+The fault is named by the environment variable VISIONDIST_FAULT, `<kind>[:<n>]`. The patches are applied when this
+module is imported: in the launching process, in the ranks the elastic launcher spawns (which import the main module
+again as `__mp_main__`) and in their loader workers (forked from the ranks). Nothing else differs from a user's run.
+
+| kind | what happens |
+| --- | --- |
+| `getitem_raise:n` | a training sample's `__getitem__` raises once a worker has served `n` samples (0: the first batch) |
+| `getitem_hang:n` | ... sleeps forever instead (a hung file system) |
+| `worker_kill:n` | ... the worker SIGKILLs itself (what the OOM killer does) |
+| `eval_raise` | the evaluation raises |
+| `save_fail:n` | the n-th checkpoint write (1-based) raises an OSError after writing part of its files |
+| `rank_hang:n` | rank 1 stops at optimizer step n and never joins the next collective |
+"""
+
+import importlib.util
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+KIND, _, ARG = os.environ.get("VISIONDIST_FAULT", "").partition(":")
+N = int(ARG or 0)
+
+
+def _in_worker() -> bool:
+    import torch.utils.data
+
+    return torch.utils.data.get_worker_info() is not None
+
+
+def _patch_getitem() -> None:
+    from visiondist.data.imagefolder import ImageFolder
+
+    original, served = ImageFolder.__getitem__, [0]
+
+    def getitem(self, key):
+        if self._bad.train and _in_worker():
+            served[0] += 1
+            if served[0] > N:
+                if KIND == "getitem_raise":
+                    raise ValueError(f"injected failure reading sample {key}")
+                if KIND == "getitem_hang":
+                    time.sleep(10_000)
+                if KIND == "worker_kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, key)
+
+    ImageFolder.__getitem__ = getitem
+
+
+def _patch_eval() -> None:
+    from visiondist.engine import tasks
+
+    def evaluate(self, *args, **kwargs):
+        raise RuntimeError("injected failure during evaluation")
+
+    tasks.ClassificationTask.evaluate = evaluate
+
+
+def _patch_save() -> None:
+    from visiondist.engine import checkpoint
+
+    original, calls = checkpoint.dcp.save, [0]
+
+    def save(state, *args, checkpoint_id=None, **kwargs):
+        calls[0] += 1
+        if calls[0] == N:
+            (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+            raise OSError(28, "injected write error: No space left on device")
+        return original(state, *args, checkpoint_id=checkpoint_id, **kwargs)
+
+    checkpoint.dcp.save = save
+
+
+def _patch_rank_hang() -> None:
+    import torch.distributed as dist
+
+    from visiondist.engine.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def train_step(self, batches):
+        if dist.get_rank() == 1 and self.step + 1 == N:
+            time.sleep(10_000)
+        return original(self, batches)
+
+    Trainer.train_step = train_step
+
+
+PATCHES = {"getitem_raise": _patch_getitem, "getitem_hang": _patch_getitem, "worker_kill": _patch_getitem,
+           "eval_raise": _patch_eval, "save_fail": _patch_save, "rank_hang": _patch_rank_hang}
+if KIND:
+    PATCHES[KIND]()
+
+if __name__ == "__main__":
+    spec = importlib.util.spec_from_file_location("train_tool", REPO / "tools" / "train.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    from visiondist.cli import run_tool
+
+    sys.exit(run_tool("train.py", tool.CONFIGS, sys.argv[1:], tool.main))

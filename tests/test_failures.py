@@ -1,0 +1,169 @@
+"""Every failure ends the job with one line naming the rank, the step and the cause, and leaves no process behind.
+
+These run the real CLI with the shipped loader settings (2 persistent workers per rank: the shapes data's
+`data.num_workers`), because the workers are what used to keep a failed job alive. Faults are injected by
+`tests/fault_train.py` (VISIONDIST_FAULT). Each test runs the job in its own session under a hard timeout that kills
+the session, and asserts the exit code, the message, the time to exit, that no process of the session survives,
+and which files are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import REPO, TINY_DATA, TRAIN
+from visiondist.engine.checkpoint import latest_checkpoint, list_checkpoints
+
+pytestmark = pytest.mark.xdist_group("faults")
+
+FAULT_TRAIN = REPO / "tests" / "fault_train.py"
+WORKERS_ON = [a for a in TINY_DATA if not a.startswith("data.num_workers")]  # the shipped data.num_workers=2
+
+
+def args(data: Path, run: Path, *extra: str) -> list[str]:
+    return [*WORKERS_ON, f"data.root={data}", "data.batch_size=16", "trainer.accelerator=cpu", "trainer.log_every=1",
+            "trainer.tensorboard=false", f"trainer.run_dir={run}", "trainer.max_steps=6", *extra]
+
+
+def run_job(argv: list[str], fault: str = "", timeout: float = 150, script: Path = FAULT_TRAIN):
+    """(exit code, output, seconds to exit). Fails if any process of the job's session is alive a second later."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "VISIONDIST_FAULT": fault}
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, str(script), *argv], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"still running after {timeout}s:\n{out[-4000:]}")
+    seconds = time.monotonic() - start
+    time.sleep(1.0)
+    survivors = _session(proc.pid)
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"processes outlived the job: {survivors}\n{out[-3000:]}"
+    return proc.returncode, out, seconds
+
+
+def _session(sid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def error_line(out: str) -> str:
+    """The job's last word: exactly one `error:` line, and no traceback anywhere."""
+    lines = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_a_nan_ends_the_job_with_one_line(tmp_path, tiny_shapes, dp):
+    """The README's promise for `optim.lr=1e9`: non-finite at step 2, the job ends (it used to hang in the loader
+    workers' exit)."""
+    code, out, seconds = run_job(args(tiny_shapes, tmp_path / "run", "optim.lr=1e9", f"parallel.dp={dp}",
+                                      "trainer.max_steps=30"), script=TRAIN)
+    line = error_line(out)
+    assert code == 1 and seconds < 60, (code, seconds)
+    assert "failed at step" in line and "non-finite loss at step 2 on rank" in line and "optim.lr" in line, line
+    assert (tmp_path / "run" / "failure" / "rank0.txt").is_file()
+
+
+@pytest.mark.parametrize("fault,dp", [("getitem_raise:0", 2), ("getitem_raise:40", 1)], ids=["first-batch", "mid-epoch"])
+def test_a_dataset_raising_in_a_worker_ends_the_job(tmp_path, tiny_shapes, fault, dp):
+    code, out, seconds = run_job(args(tiny_shapes, tmp_path / "run", f"parallel.dp={dp}"), fault)
+    line = error_line(out)
+    assert code == 1 and seconds < 60, (code, seconds)
+    assert "ValueError: injected failure reading sample" in line and "data loader worker" in line, line
+    step = int(line.split("failed at step ")[1].split()[0])
+    assert (step == 1) if fault.endswith(":0") else (step > 1), line
+    traceback = (tmp_path / "run" / "failure" / "rank0.txt").read_text()
+    assert "getitem" in traceback
+
+
+def test_a_worker_killed_by_the_oom_killer_ends_the_job(tmp_path, tiny_shapes):
+    code, out, seconds = run_job(args(tiny_shapes, tmp_path / "run"), "worker_kill:20")
+    line = error_line(out)
+    assert code == 1 and seconds < 60, (code, seconds)
+    assert "DataLoader worker" in line and ("killed by signal" in line or "exited unexpectedly" in line), line
+
+
+def test_a_failure_during_evaluation_ends_the_job_after_saving(tmp_path, tiny_shapes):
+    run = tmp_path / "run"
+    code, out, seconds = run_job(args(tiny_shapes, run, "parallel.dp=2", "trainer.eval_every=3"), "eval_raise")
+    line = error_line(out)
+    assert code == 1 and seconds < 60, (code, seconds)
+    assert "failed at step 3 (evaluating): RuntimeError: injected failure during evaluation" in line, line
+
+
+def test_a_failing_checkpoint_write_keeps_the_newest_complete_one(tmp_path, tiny_shapes):
+    from visiondist.engine.checkpoint import load_model_state
+    from visiondist.models import build_model
+    from visiondist.engine.export import load_trained
+
+    run = tmp_path / "run"
+    code, out, seconds = run_job(args(tiny_shapes, run, "parallel.dp=2", "trainer.checkpoint_every=2"), "save_fail:2")
+    line = error_line(out)
+    assert code == 1 and seconds < 60, (code, seconds)
+    assert "(saving a checkpoint): OSError" in line and "injected write error" in line, line
+    assert [step for step, _ in list_checkpoints(run)] == [2]
+    assert not (run / "checkpoints" / "step_4").exists()
+    trained = load_trained(run, None)  # the newest complete checkpoint loads in full
+    model = build_model(trained.cfg.model)
+    load_model_state(latest_checkpoint(run), model, no_dist=True)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_eval_and_export_of_a_truncated_checkpoint_fail_in_one_line(tmp_path, tiny_shapes):
+    run = tmp_path / "run"
+    code, out, _ = run_job(args(tiny_shapes, run, "trainer.max_steps=2"), script=TRAIN)
+    assert code == 0, out[-3000:]
+    checkpoint = latest_checkpoint(run)
+    for shard in checkpoint.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:4096])  # cut off in a copy
+    code, out, seconds = run_job([str(checkpoint)], script=REPO / "tools" / "eval.py")
+    line = error_line(out)
+    assert code != 0 and seconds < 60 and str(checkpoint.name) in line, (code, line)
+    code, out, _ = run_job([f"run_dir={run}", "step=2"], script=REPO / "tools" / "export.py")
+    line = error_line(out)
+    assert code != 0 and checkpoint.name in line, (code, line)
+
+
+def test_a_rank_stuck_before_a_collective_is_diagnosed(tmp_path, tiny_shapes):
+    """Rank 1 never reaches step 3's collectives: both ranks write their stacks, the job ends with the folder."""
+    run = tmp_path / "run"
+    code, out, seconds = run_job(args(tiny_shapes, run, "parallel.dp=2", "trainer.dist_timeout_s=5"), "rank_hang:3")
+    line = error_line(out)
+    assert code != 0 and seconds < 5 + 60, (code, seconds)
+    assert str(run / "hang") in line, line
+    stacks = {p.name: p.read_text() for p in (run / "hang").glob("rank*.txt")}
+    assert {"rank0.txt", "rank1.txt"} <= set(stacks), sorted(stacks)
+    assert "train_step" in stacks["rank1.txt"] and "time.sleep" in stacks["rank1.txt"], stacks["rank1.txt"]
+
+
+def test_a_worker_stuck_in_getitem_is_diagnosed(tmp_path, tiny_shapes):
+    run = tmp_path / "run"
+    code, out, seconds = run_job(args(tiny_shapes, run, "trainer.dist_timeout_s=5"), "getitem_hang:40")
+    line = error_line(out)
+    assert code != 0 and seconds < 5 + 60, (code, seconds)
+    assert f"no progress for" in line and "trainer.dist_timeout_s=5" in line and str(run / "hang") in line, line
+    assert "_next_data" in (run / "hang" / "rank0.txt").read_text()
+    workers = [p.read_text() for p in (run / "hang").glob("rank0-worker*.txt")]
+    assert any("time.sleep(10_000)" in text for text in workers), workers

@@ -1,0 +1,85 @@
+"""Loader worker processes: how they start, and how a rank makes sure none outlives it.
+
+Workers ignore SIGTERM / SIGINT: a signal to the whole process group (Ctrl-C, SLURM's time-limit warning) is for
+the rank, which checkpoints and then stops its workers itself. Because of that, nothing may rely on SIGTERM to end
+a worker: multiprocessing's exit handler does exactly that (terminate, then join without a timeout) and would wait
+forever. So
+
+- every worker dies with its rank (`PR_SET_PDEATHSIG`: the kernel sends it SIGKILL when the rank's process ends,
+  however it ends, OOM killer included);
+- `close_loaders()` runs on every exit of a rank, error or not: each loader's workers are asked to stop, and those
+  still alive after that (a worker stuck in `__getitem__`) are killed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import weakref
+
+import cv2
+from torch.utils.data import DataLoader
+
+log = logging.getLogger(__name__)
+
+_LOADERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
+_PR_SET_PDEATHSIG = 1
+
+
+def register(loader: DataLoader) -> DataLoader:
+    """Track a loader with workers so that `close_loaders` can stop them."""
+    if loader.num_workers > 0:
+        _LOADERS.add(loader)
+    return loader
+
+
+def worker_init(_worker_id: int) -> None:
+    from visiondist.engine.faults import ignore_stop_signals
+    from visiondist.engine.failures import install_worker_stack_dump
+
+    _die_with_parent()
+    cv2.setNumThreads(1)  # loader workers are the parallelism; OpenCV's own threads would oversubscribe
+    ignore_stop_signals()  # a signal to the whole process group must not kill a worker under its rank
+    install_worker_stack_dump()
+
+
+def _die_with_parent() -> None:
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the workers' own parent check still ends them when idle
+        return
+    if os.getppid() != parent:  # the rank ended before the request took effect
+        os._exit(1)
+
+
+def worker_pids() -> list[int]:
+    """The live worker processes of this rank's loaders."""
+    pids = []
+    for loader in list(_LOADERS):
+        for worker in getattr(getattr(loader, "_iterator", None), "_workers", []) or []:
+            if worker.is_alive():
+                pids.append(worker.pid)
+    return pids
+
+
+def close_loaders() -> None:
+    """Stop the workers of every tracked loader: the loader's own shutdown (idle workers leave at once), then SIGKILL
+    for any worker that did not."""
+    for loader in list(_LOADERS):
+        iterator = getattr(loader, "_iterator", None)
+        workers = list(getattr(iterator, "_workers", []) or [])
+        if iterator is None:
+            continue
+        try:  # asks each worker to leave and waits up to 5 s for it
+            iterator._shutdown_workers()
+        except Exception as exc:  # noqa: BLE001 - a broken queue must not keep the workers alive
+            log.debug("loader shutdown: %s", exc)
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=5)
+        loader._iterator = None
+    _LOADERS.clear()
