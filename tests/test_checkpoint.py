@@ -43,7 +43,7 @@ def test_resume_mid_epoch_is_bitwise_exact(tmp_path, tiny_shapes):
     wa, wb = load_file(straight / "model.safetensors"), load_file(split / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert [step for step, _ in list_checkpoints(straight)] == [6, 8]  # keep_last=2
-    assert (split / "config.yaml").is_file() and len(list(split.glob("config-*.yaml"))) == 1
+    assert (split / "config.yaml").is_file() and len((split / "attempts.jsonl").read_text().splitlines()) == 1
 
 
 # -- resharding ---------------------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ and which files are kept.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, TINY_DATA, TRAIN
+from helpers import REPO, TINY_DATA, TRAIN, losses_of
 from visiondist.engine.checkpoint import latest_checkpoint, list_checkpoints
 
 pytestmark = pytest.mark.xdist_group("faults")
@@ -167,3 +169,65 @@ def test_a_worker_stuck_in_getitem_is_diagnosed(tmp_path, tiny_shapes):
     assert "_next_data" in (run / "hang" / "rank0.txt").read_text()
     workers = [p.read_text() for p in (run / "hang").glob("rank0-worker*.txt")]
     assert any("time.sleep(10_000)" in text for text in workers), workers
+
+
+# -- work is never lost ---------------------------------------------------------------------------------------------
+
+
+def test_the_printed_continue_command_resumes_the_run_as_it_was(tmp_path, tiny_shapes):
+    """A run started with a non-default batch and length, stopped, continued with exactly the printed command: same
+    batch, same step count, config.yaml untouched; the same command once more changes nothing."""
+    run = tmp_path / "run"
+    code, out, _ = run_job(args(tiny_shapes, run, "data.batch_size=8", "trainer.max_steps=12", "trainer.stop_at_step=4",
+                                "trainer.checkpoint_every=100"), script=TRAIN)
+    assert code == 0, out[-3000:]
+    command = (run / "train.log").read_text().split("continue with ")[1].split()[:2]  # the console wraps lines
+    assert command == ["trainer.resume=auto", f"trainer.run_dir={run}"], command
+    config = (run / "config.yaml").read_bytes()
+
+    code, out, _ = run_job(command, script=TRAIN)
+    assert code == 0, out[-3000:]
+    assert "resumed from" in out and "global batch 8 (8 per rank" in out and "| 12 steps" in out, out[-3000:]
+    assert "LR schedule follows" not in out
+    assert (run / "config.yaml").read_bytes() == config
+    assert [json.loads(line)["changes"] for line in (run / "attempts.jsonl").read_text().splitlines()] == [{}]
+    assert sorted(losses_of(run)) == list(range(1, 13))
+
+    kept = {name: (run / name).read_bytes() for name in ("summary.json", "metrics.csv", "model.safetensors")}
+    code, out, _ = run_job(command, script=TRAIN)
+    assert code == 0 and "is complete at step 12: nothing to do" in out, out[-3000:]
+    assert kept == {name: (run / name).read_bytes() for name in kept}
+
+
+def test_continuing_a_run_with_another_batch_is_refused_unless_allowed(tmp_path, tiny_shapes):
+    run = tmp_path / "run"
+    code, out, _ = run_job(args(tiny_shapes, run, "trainer.max_steps=2"), script=TRAIN)
+    assert code == 0, out[-3000:]
+    code, out, seconds = run_job([f"trainer.run_dir={run}", "data.batch_size=8", "trainer.max_steps=4"], script=TRAIN)
+    line = error_line(out)
+    assert code == 2 and seconds < 30, (code, out[-2000:])
+    assert "data.batch_size=16" in line and "data.batch_size=8" in line and "trainer.allow_changes=true" in line, line
+    code, out, _ = run_job([f"trainer.run_dir={run}", "data.batch_size=8", "trainer.max_steps=4",
+                            "trainer.allow_changes=true"], script=TRAIN)
+    assert code == 0 and "global batch 8" in out, out[-3000:]
+
+
+def test_the_end_of_run_evaluation_failing_keeps_weights_and_checkpoint(tmp_path, tiny_shapes):
+    run = tmp_path / "run"
+    code, out, _ = run_job(args(tiny_shapes, run, "trainer.max_steps=2"), "eval_raise")
+    line = error_line(out)
+    assert code == 1 and "failed at step 2 (evaluating)" in line, line
+    assert (run / "model.safetensors").is_file() and [s for s, _ in list_checkpoints(run)] == [2]
+
+
+def test_an_unreadable_val_image_stops_the_run_before_step_one(tmp_path, tiny_shapes):
+    data = tmp_path / "data"
+    shutil.copytree(tiny_shapes, data)
+    bad = sorted((data / "val").rglob("*.jpg"))[3]
+    bad.write_bytes(b"")
+    run = tmp_path / "run"
+    code, out, seconds = run_job(args(data, run), script=TRAIN)
+    line = error_line(out)
+    assert code == 1 and seconds < 60, (code, seconds)
+    assert "failed at step 0" in line and f"1 of 30 val images cannot be read, e.g. {bad}: the file is empty" in line
+    assert not (run / "checkpoints").exists() and not (run / "metrics.csv").exists()

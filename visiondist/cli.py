@@ -27,8 +27,13 @@ def load_config(config_dir: Path, overrides: list[str]) -> DictConfig:
 
     from visiondist.config import from_container, to_container
 
+    from visiondist.runs import continue_config, saved_config
+
     try:
         cfg = compose(config_dir, overrides)
+        saved = saved_config(cfg)
+        if saved is not None:  # trainer.run_dir=<a run>: continue it with its own config
+            cfg = continue_config(cfg, saved, overrides)
         from_container(to_container(cfg))  # what the ranks do: every key must be in the schema (`+key=` can add one)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain(exc)) from exc

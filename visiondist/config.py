@@ -181,6 +181,7 @@ class TrainerConfig:
     dist_timeout_s: float = 600.0  # a collective waiting longer than this fails (after the first step)
     startup_timeout_s: float = 1800.0  # the same during start-up (data generation, first step)
     on_nonfinite: str = "raise"  # a non-finite loss or gradient on any rank: raise | skip (the step, on every rank)
+    allow_changes: bool = False  # continuing a run (trainer.run_dir): allow another model, data or global batch
 
 
 @dataclass

@@ -40,7 +40,8 @@ def cuda_device_count() -> int:
 
 def new_run_dir(cfg: DictConfig) -> Path:
     """Create the run directory and write the resolved `config.yaml` into it. An existing run's directory is only
-    reused to continue it (`trainer.resume=auto`); its previous config is kept as `config-<time>.yaml`."""
+    reused to continue it (`trainer.resume=auto`): its config.yaml stays as it is, and what this continuation
+    changes is appended to `attempts.jsonl` (`visiondist.runs`)."""
     if cfg.trainer.run_dir:
         run_dir = Path(cfg.trainer.run_dir).expanduser()
         previous = run_dir / "config.yaml"
@@ -48,8 +49,10 @@ def new_run_dir(cfg: DictConfig) -> Path:
             if cfg.trainer.resume != "auto":
                 raise ConfigError(f"trainer.run_dir={run_dir} already holds a run: choose another directory, or "
                                   "continue it with trainer.resume=auto")
-            stamp = dt.datetime.fromtimestamp(previous.stat().st_mtime).strftime("%Y-%m-%d_%H-%M-%S")
-            previous.rename(run_dir / f"config-{stamp}.yaml")
+            from visiondist.runs import record_attempt
+
+            record_attempt(run_dir, OmegaConf.load(previous), cfg)  # type: ignore[arg-type]
+            return run_dir.resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
         run_dir = unique_dir(Path(cfg.trainer.output_dir).expanduser())

@@ -104,6 +104,7 @@ class Trainer:
 
         self.task = build_task(cfg, layout)
         self.data = self.task.data
+        check_val_images(self.data.val_loader)  # before step 1, not at the first evaluation
         steps_per_epoch = self.data.train_sampler.steps_per_epoch
         total = t.max_steps if t.max_steps > 0 else t.max_epochs * steps_per_epoch
         if t.max_epochs > 0:
@@ -355,11 +356,12 @@ class Trainer:
             self.metrics.close()
             return {"stopped at step": self.step, "run dir": str(self.run_dir),
                     **({"stopped by": STOP.received or "SIGTERM"} if self.stop_requested else {})}
+        if last_saved != self.step:  # the checkpoint and the weights first: a failing evaluation loses neither
+            self.save_checkpoint()
+        weights = self._save_weights()
         if self.last_eval.get("step") != self.step:
             self.evaluate()
-        if last_saved != self.step:
-            self.save_checkpoint()
-        return self._finish(final_loss, window.total_seconds)
+        return self._finish(final_loss, window.total_seconds, weights)
 
     def _groups(self) -> list:
         return [self.layout.mesh.get_group(dim) for dim in self.layout.mesh.mesh_dim_names]
@@ -448,6 +450,7 @@ class Trainer:
         from safetensors.torch import save_file
 
         path = self.run_dir / "model.safetensors"
+        PROGRESS.at("writing the weights", self.step)
         if self.layout.is_main:
             model_cfg = self.cfg.model.copy()
             model_cfg.weights = model_cfg.init_from = None
@@ -458,8 +461,9 @@ class Trainer:
             tmp.replace(path)
         return path
 
-    def _finish(self, final_loss: float, train_time: float) -> dict[str, Any]:
-        weights = self._save_weights()
+    def _finish(self, final_loss: float, train_time: float, weights: Path) -> dict[str, Any]:
+        if math.isnan(final_loss):  # nothing trained in this process (resumed at the end): the run's last logged loss
+            final_loss = next((r["loss"] for r in reversed(self.metrics.rows) if r.get("loss") is not None), math.nan)
         ran = self.step - self.resumed_from_step
         summary = {
             "model": self.cfg.model.name,
@@ -491,6 +495,21 @@ class Trainer:
             report_run(self.run_dir, summary, self.metrics.rows, self.task, self.last_eval,
                        f"{self.cfg.model.name} on {self.cfg.data.name}")
         return summary
+
+
+def check_val_images(loader) -> None:
+    """This rank's share of the val split, checked for unreadable files (a rank that reads no images has none)."""
+    from visiondist.data.robust import check_images
+
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None:
+        return
+    index = [i for batch in loader.batch_sampler for i in batch]
+    if hasattr(dataset, "records"):  # COCO
+        paths = [str(dataset.records[i].path) for i in index]
+    else:
+        paths = [dataset.samples[i][0] for i in index]
+    check_images(paths, "val images")
 
 
 def build_local_model(model_cfg: DictConfig, device: torch.device) -> torch.nn.Module:

@@ -1,0 +1,110 @@
+"""Continuing a run: `trainer.run_dir=<run>` (with `trainer.resume=auto`, the default) continues that run with the
+config it was started with, not the defaults.
+
+- The run's `config.yaml` is the base; the command line's overrides go on top (the printed continue command
+  `trainer.resume=auto trainer.run_dir=<run>` changes nothing else). A group switch (`parallel=tp2`) replaces that
+  group. Changing the model, the data or the global batch of a run is refused unless `trainer.allow_changes=true`.
+- `config.yaml` is never rewritten; each continuation appends what it changed to `attempts.jsonl`.
+- A run whose newest checkpoint is its last step and which has its summary is complete: running its command again
+  says so and changes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from visiondist.config import ConfigError
+
+# what a continued run may not change without trainer.allow_changes=true: the model, the data, the global batch
+FIXED = ("model.", "data.name", "data.root", "data.format", "data.num_classes", "data.img_size", "data.train_split",
+         "data.batch_size")
+ATTEMPTS = "attempts.jsonl"
+PER_PROCESS = ("trainer.stop_at_step", "trainer.run_dir", "trainer.resume", "trainer.allow_changes")
+
+
+def saved_config(cfg: DictConfig) -> Optional[DictConfig]:
+    """The config of the run `cfg` continues, or None when it starts a new one."""
+    if not cfg.trainer.run_dir or cfg.trainer.resume != "auto":
+        return None
+    path = Path(cfg.trainer.run_dir).expanduser() / "config.yaml"
+    return OmegaConf.load(path) if path.is_file() else None  # type: ignore[return-value]
+
+
+def continue_config(fresh: DictConfig, saved: DictConfig, overrides: list[str]) -> DictConfig:
+    """The run's own config with the command line's choices on top (read from `fresh`, the command line composed on
+    the defaults, so that their values are typed and resolved as usual)."""
+    from visiondist.config import TrainConfig
+
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), saved)
+    for key in PER_PROCESS:  # what one process was asked to do, not the run
+        OmegaConf.update(cfg, key, OmegaConf.select(fresh, key), merge=False)
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if "=" not in override or key.startswith("hydra"):
+            continue
+        if "." not in key:  # a group switch: model=..., parallel=tp2
+            if key in ("experiment", "tuned"):
+                raise ConfigError(f"{key}=... cannot be applied to a run being continued: give its keys one by one")
+            cfg[key] = fresh[key]
+        else:
+            OmegaConf.update(cfg, key, OmegaConf.select(fresh, key), merge=False)
+    changes = changed_keys(saved, cfg)
+    fixed = [k for k in changes if k.startswith(FIXED)]
+    if fixed and not cfg.trainer.allow_changes:
+        first = fixed[0]
+        raise ConfigError(
+            f"trainer.run_dir={cfg.trainer.run_dir} was trained with {first}={_get(saved, first)}, this command "
+            f"asks {first}={_get(cfg, first)}{f' (and {len(fixed) - 1} more)' if len(fixed) > 1 else ''}: drop the "
+            "override to continue the run as it was, start a new run dir, or add trainer.allow_changes=true")
+    return cfg  # type: ignore[return-value]
+
+
+def changed_keys(a: DictConfig, b: DictConfig) -> list[str]:
+    """Dotted keys whose values differ (trainer.run_dir and trainer.resume are not a change)."""
+    flat_a, flat_b = _flatten(OmegaConf.to_container(a, resolve=True)), _flatten(OmegaConf.to_container(b, resolve=True))
+    keys = sorted(set(flat_a) | set(flat_b))
+    return [k for k in keys if flat_a.get(k) != flat_b.get(k) and k not in PER_PROCESS]
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}{key}."))
+    return out
+
+
+def _get(cfg: DictConfig, key: str) -> Any:
+    return OmegaConf.select(cfg, key)
+
+
+def record_attempt(run_dir: Path, saved: DictConfig, cfg: DictConfig) -> None:
+    """Append this continuation's changes to `<run>/attempts.jsonl` (config.yaml keeps the first attempt's)."""
+    changes = {k: _get(cfg, k) for k in changed_keys(saved, cfg)}
+    line = json.dumps({"time": dt.datetime.now().isoformat(timespec="seconds"), "changes": changes}, default=str)
+    with (Path(run_dir) / ATTEMPTS).open("a") as f:
+        f.write(line + "\n")
+
+
+def completed_step(cfg: DictConfig) -> Optional[int]:
+    """The last step of a complete run that `cfg` continues unchanged in length; None otherwise."""
+    from visiondist.engine.checkpoint import latest_checkpoint, read_trainer_state
+
+    if not cfg.trainer.run_dir or cfg.trainer.resume != "auto":
+        return None
+    run_dir = Path(cfg.trainer.run_dir).expanduser()
+    newest = latest_checkpoint(run_dir)
+    if newest is None or not (run_dir / "summary.json").is_file() or not (run_dir / "model.safetensors").is_file():
+        return None
+    state = read_trainer_state(newest)
+    step, total = int(state["step"]), state.get("total_steps")
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    same_length = all(OmegaConf.select(saved, k) == OmegaConf.select(cfg, k)
+                      for k in ("trainer.max_steps", "trainer.max_epochs"))
+    return step if total is not None and step >= int(total) and same_length else None
