@@ -343,9 +343,11 @@ def _one_line_failure(run_dir: Optional[Path]):
 
     from visiondist.engine.failures import RANK_ERRORS, first_failure, one_line
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         yield
-    except (JobStopped, RunFailed):
+    except (JobStopped, RunFailed, SignalException):  # a stop signal is not a failure
         raise
     except ChildFailedError as exc:
         found = first_failure(run_dir) if run_dir is not None else None
