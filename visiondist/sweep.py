@@ -62,7 +62,7 @@ def run_sweep(tool: str, config_dir: Path, overrides: list[str], run: Callable[[
     configs = []
     for num, job in enumerate(jobs):
         try:
-            configs.append(load_config(config_dir, job))
+            configs.append(load_config(config_dir, job, inputs=None if show else "train"))
         except ConfigError as exc:
             raise ConfigError(f"job {num} ({' '.join(job)}): {exc}") from exc
     if show:

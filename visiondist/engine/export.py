@@ -48,7 +48,7 @@ def load_trained(run_dir: Path, step: Optional[int] = None) -> Trained:
     from visiondist.cli import load_run_config
 
     run_dir = Path(run_dir)
-    cfg = load_run_config(run_dir, [])
+    cfg = load_run_config(run_dir, [], inputs=None)  # export reads no data
     cfg.model.weights = None
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -24,6 +25,29 @@ def read_state(path: str, key: str = "model.weights") -> dict[str, torch.Tensor]
         return load_file(str(file))
     state = torch.load(file, map_location="cpu", weights_only=True)
     return state.get("model", state) if isinstance(state, dict) else state
+
+
+def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of weights without reading the tensors: a safetensors header, a DCP checkpoint's metadata (its
+    model tensors, under their canonical names), or a torch file memory-mapped."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        from visiondist.engine.checkpoint import read_metadata
+
+        stored = read_metadata(file).state_dict_metadata
+        return {k[len("model."):]: tuple(v.size) for k, v in stored.items() if k.startswith("model.") and
+                hasattr(v, "size")}
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # a file in torch's legacy format cannot be memory-mapped
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    state = state.get("model", state) if isinstance(state, dict) else state
+    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 def load_local_weights(model: nn.Module, path: str, convert: Optional[Callable[[dict], dict]] = None) -> None:
@@ -51,3 +75,4 @@ def init_from(model: nn.Module, path: str, convert: Optional[Callable[[dict], di
     if skipped:
         log.info("model.init_from: %s re-initialised (the file has another number of classes)", ", ".join(skipped))
     return skipped
+
