@@ -113,3 +113,22 @@ def test_d_checkpoint_shapes_are_read_from_its_metadata(tmp_path):
     dcp.save({"model": {"head.weight": torch.zeros(6, 4), "head.bias": torch.zeros(6)}, "optim": {}},
              checkpoint_id=str(tmp_path / "step_1"), no_dist=True)
     assert weight_shapes(tmp_path / "step_1") == {"head.weight": (6, 4), "head.bias": (6,)}
+
+
+def test_g_safetensors_files_follow_the_umask(tmp_path):
+    """safetensors writes 0o600; weights and exports get 0o644 under umask 022, like every other output."""
+    from visiondist.cli import load_config
+    from visiondist.engine.export import Trained, export
+    from visiondist.models import build_model
+    from visiondist.models.weights import save_weights
+
+    old = os.umask(0o022)
+    try:
+        save_weights({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+        cfg = load_config(CONFIGS, ["model.depth=1"], inputs=None)
+        files = export(Trained(cfg, build_model(cfg.model).eval(), tmp_path, None, None), "safetensors",
+                       tmp_path / "export" / "model.safetensors")
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "model.safetensors", *files):
+        assert path.stat().st_mode & 0o777 == 0o644, (path, oct(path.stat().st_mode))

@@ -50,6 +50,17 @@ def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
+def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike, metadata: Optional[dict] = None) -> None:
+    """`safetensors.torch.save_file`, then the file mode every other output gets (0o666 less the umask; safetensors
+    itself writes 0o600)."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def load_local_weights(model: nn.Module, path: str, convert: Optional[Callable[[dict], dict]] = None) -> None:
     """Load a local state dict into `model`, strictly; `convert` maps foreign key layouts (e.g. timm's) onto the
     model's first."""
