@@ -115,6 +115,35 @@ def test_d_checkpoint_shapes_are_read_from_its_metadata(tmp_path):
     assert weight_shapes(tmp_path / "step_1") == {"head.weight": (6, 4), "head.bias": (6,)}
 
 
+def test_e_init_from_resamples_the_position_embedding_like_timm(tmp_path, caplog):
+    """timm-layout weights made at 224 px start a 64-px model: its pos_embed is timm's resample of theirs (class
+    token kept), every other tensor is theirs, and one info line says so."""
+    import logging
+
+    from safetensors.torch import save_file
+    from timm.layers import resample_abs_pos_embed
+
+    from visiondist.cli import load_config
+    from visiondist.models import build_model
+    from visiondist.models.vit import to_timm_state_dict
+
+    big = load_config(CONFIGS, ["model.depth=1", "data.img_size=224"], inputs=None)
+    torch.manual_seed(0)
+    state = to_timm_state_dict(build_model(big.model).state_dict())
+    save_file(state, str(tmp_path / "timm224.safetensors"))
+    small = load_config(CONFIGS, ["model.depth=1", "data.img_size=64",
+                                  f"model.init_from={tmp_path / 'timm224.safetensors'}"], inputs=None)
+    with caplog.at_level(logging.INFO, logger="visiondist.models.weights"):
+        model = build_model(small.model)
+    expected = resample_abs_pos_embed(state["pos_embed"], new_size=[4, 4], num_prefix_tokens=1)
+    assert model.pos_embed.shape == (1, 17, 192)
+    torch.testing.assert_close(model.pos_embed.detach(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(model.pos_embed.detach()[:, 0], state["pos_embed"][:, 0], rtol=0, atol=0)
+    torch.testing.assert_close(model.cls_token.detach(), state["cls_token"], rtol=0, atol=0)
+    torch.testing.assert_close(model.blocks[0].attn.q.weight.detach(), state["blocks.0.attn.qkv.weight"][:192])
+    assert "pos_embed resampled from 14 x 14 to 4 x 4 patches" in caplog.text
+
+
 def test_g_safetensors_files_follow_the_umask(tmp_path):
     """safetensors writes 0o600; weights and exports get 0o644 under umask 022, like every other output."""
     from visiondist.cli import load_config
