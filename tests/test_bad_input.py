@@ -161,3 +161,27 @@ def test_g_safetensors_files_follow_the_umask(tmp_path):
         os.umask(old)
     for path in (tmp_path / "model.safetensors", *files):
         assert path.stat().st_mode & 0o777 == 0o644, (path, oct(path.stat().st_mode))
+
+
+def test_f_a_failed_sweep_job_is_recorded_and_the_next_one_runs(tmp_path, capsys):
+    """Job 1 of 3 raises: jobs 0 and 2 still run, sweep.json and the table say which failed and why, the sweep
+    exits non-zero, and the banner numbers jobs as the directories do."""
+    from visiondist.sweep import run_sweep
+
+    ran = []
+
+    def run(cfg):
+        ran.append(cfg.optim.lr)
+        if cfg.optim.lr == 2e-3:
+            raise ValueError("data.num_classes=10 but the data has 7 classes: set data.num_classes=7\nmore detail")
+        return 0
+
+    code = run_sweep("train.py", CONFIGS, ["optim.lr=1e-3,2e-3,3e-3", f"trainer.run_dir={tmp_path}"], run)
+    assert code != 0 and ran == [1e-3, 2e-3, 3e-3]
+    jobs = json.loads((tmp_path / "sweep.json").read_text())["jobs"]
+    assert [j["status"] for j in jobs] == ["done", "failed (exit 1)", "done"]
+    assert jobs[1]["error"] == "ValueError: data.num_classes=10 but the data has 7 classes: set data.num_classes=7"
+    out = capsys.readouterr()
+    assert "job 1 failed: ValueError: data.num_classes=10" in out.err
+    assert "sweep: 3 of 3 jobs" in out.out and "failed (exit 1): ValueError" in out.out
+    assert "job 0 (1 of 3): optim.lr=0.001" in out.out and "job 2 (3 of 3)" in out.out
