@@ -185,3 +185,42 @@ def test_f_a_failed_sweep_job_is_recorded_and_the_next_one_runs(tmp_path, capsys
     assert "job 1 failed: ValueError: data.num_classes=10" in out.err
     assert "sweep: 3 of 3 jobs" in out.out and "failed (exit 1): ValueError" in out.out
     assert "job 0 (1 of 3): optim.lr=0.001" in out.out and "job 2 (3 of 3)" in out.out
+
+
+def test_h_evaluation_shows_a_progress_bar_when_progress_is_on(monkeypatch):
+    """Classification and detection evaluation draw a bar over their batches with trainer.progress on the main
+    rank (also under a live training bar), and none with it off."""
+    from types import SimpleNamespace
+
+    import rich.progress
+
+    from visiondist.engine.coco_eval import predict
+    from visiondist.engine.evaluate import evaluate_classification
+    from visiondist.engine.report import progress_bar
+    from visiondist.models.vit import VisionTransformer
+
+    bars = []
+    real_track = rich.progress.track
+    monkeypatch.setattr(rich.progress, "track", lambda items, **kw: bars.append(kw) or real_track(items, **kw))
+    layout = SimpleNamespace(device=torch.device("cpu"), dp=1, is_main=True, all_reduce_dp=lambda t: t)
+    model = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=1, num_heads=2)
+    batches = [(torch.randn(2, 3, 16, 16), torch.tensor([0, 2])) for _ in range(3)]
+    train_bar = progress_bar(True, 10)  # the training bar is live while the trainer evaluates
+    try:
+        metrics = evaluate_classification(model, batches, layout, progress=True)
+    finally:
+        train_bar.stop()
+    assert metrics["val_count"] == 6 and bars == [dict(description="eval", total=3, transient=True)]
+    evaluate_classification(model, batches, layout, progress=False)
+    assert len(bars) == 1
+
+    loader = [([torch.zeros(3, 8, 8)], [{"image_id": torch.tensor(i)}]) for i in range(4)]
+    _, seen = predict(_NoBoxes(), loader, torch.device("cpu"), {}, progress=True)
+    assert seen == [0, 1, 2, 3] and bars[-1] == dict(description="eval", total=4, transient=True)
+
+
+class _NoBoxes(torch.nn.Module):
+    """A detector that finds nothing."""
+
+    def forward(self, images):
+        return [{"boxes": torch.zeros(0, 4), "labels": torch.zeros(0), "scores": torch.zeros(0)} for _ in images]
