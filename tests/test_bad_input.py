@@ -84,6 +84,15 @@ def test_c_num_classes_must_match_the_coco_categories(tmp_path):
              "has 6 categories: set data.num_classes=6")
 
 
+def test_c_num_classes_of_a_built_in_set_is_checked_without_its_files():
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data.num_classes=4 but data=shapes \(built in\) has 6 classes: "
+                                          r"set data.num_classes=6"):
+        load_config(CONFIGS, ["data.num_classes=4", "data.root=/nonexistent"])
+
+
 @pytest.fixture(scope="module")
 def detector6(tmp_path_factory):
     """The weights of a 6-class detector (shapes_coco's classes), as a training run leaves them."""
@@ -91,7 +100,7 @@ def detector6(tmp_path_factory):
     from visiondist.models import build_model
     from safetensors.torch import save_file
 
-    cfg = load_config(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco"], inputs=None)
+    cfg = load_config(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco"])
     path = tmp_path_factory.mktemp("weights") / "model.safetensors"
     save_file(build_model(cfg.model).state_dict(), str(path))
     return path
@@ -127,12 +136,12 @@ def test_e_init_from_resamples_the_position_embedding_like_timm(tmp_path, caplog
     from visiondist.models import build_model
     from visiondist.models.vit import to_timm_state_dict
 
-    big = load_config(CONFIGS, ["model.depth=1", "data.img_size=224"], inputs=None)
+    big = load_config(CONFIGS, ["model.depth=1", "data.img_size=224"])
     torch.manual_seed(0)
     state = to_timm_state_dict(build_model(big.model).state_dict())
     save_file(state, str(tmp_path / "timm224.safetensors"))
     small = load_config(CONFIGS, ["model.depth=1", "data.img_size=64",
-                                  f"model.init_from={tmp_path / 'timm224.safetensors'}"], inputs=None)
+                                  f"model.init_from={tmp_path / 'timm224.safetensors'}"])
     with caplog.at_level(logging.INFO, logger="visiondist.models.weights"):
         model = build_model(small.model)
     expected = resample_abs_pos_embed(state["pos_embed"], new_size=[4, 4], num_prefix_tokens=1)
@@ -154,7 +163,7 @@ def test_g_safetensors_files_follow_the_umask(tmp_path):
     old = os.umask(0o022)
     try:
         save_weights({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
-        cfg = load_config(CONFIGS, ["model.depth=1"], inputs=None)
+        cfg = load_config(CONFIGS, ["model.depth=1"])
         files = export(Trained(cfg, build_model(cfg.model).eval(), tmp_path, None, None), "safetensors",
                        tmp_path / "export" / "model.safetensors")
     finally:
