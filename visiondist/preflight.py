@@ -41,7 +41,9 @@ def _data_root(d) -> Path:
     root = Path(d.root).expanduser()
     if not root.is_dir():
         raise ConfigError(f"data.root={d.root}: no such directory: set data.root to the {d.name} dataset's directory")
-    if not any(os.scandir(root)):
+    with os.scandir(root) as entries:
+        empty = not any(entries)
+    if empty:
         raise ConfigError(f"data.root={d.root} is empty: set data.root to the {d.name} dataset's directory")
     return root
 
@@ -63,7 +65,8 @@ def _check_split(d, root: Path, split: str) -> tuple[int, Path, str]:
     if not split_dir.is_dir():
         raise ConfigError(f"data.root={d.root} has no {split} split {split_dir}: expected "
                           f"<root>/{split}/<class>/<images>; set data.root, or data.{_split_key(d, split)}")
-    classes = sum(1 for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
+    with os.scandir(split_dir) as entries:
+        classes = sum(1 for e in entries if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise ConfigError(f"{split_dir} has no class folders: expected <root>/{split}/<class>/<images>")
     return classes, split_dir, "class folders"
