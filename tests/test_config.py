@@ -25,7 +25,8 @@ def test_defaults_compose_and_follow_the_data():
 
 
 def test_a_tuned_pair_sets_its_defaults_and_the_command_line_still_wins():
-    base = load_config(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=coco"])  # no tuned file for this pair
+    base = load_config(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=coco", "data.root=/data"],
+                       inputs=None)  # no tuned file for this pair
     assert (base.optim.lr, base.trainer.max_epochs, base.model.min_size) == (5e-4, 3, 800)
     tuned = load_config(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco"])
     assert (tuned.optim.lr, tuned.trainer.max_epochs, tuned.data.min_size, tuned.model.min_size) == (1e-3, 2, 256, 256)
@@ -37,7 +38,8 @@ def test_a_tuned_pair_sets_its_defaults_and_the_command_line_still_wins():
 
 def test_patch14_models_take_the_largest_fitting_input_size():
     assert load_config(CONFIGS, ["model=vit_huge"]).model.img_size == 56  # 64-pixel shapes, 14-pixel patches
-    assert load_config(CONFIGS, ["model=vit_huge", "data=imagenet"]).model.img_size == 224
+    assert load_config(CONFIGS, ["model=vit_huge", "data=imagenet", "data.root=/data"],
+                       inputs=None).model.img_size == 224
     assert load_config(CONFIGS, ["model=vit_tiny", "data.img_size=70"]).model.img_size == 64
 
 

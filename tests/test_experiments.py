@@ -19,7 +19,7 @@ CONFIGS = REPO / "configs"
 def _compose(*overrides: str):
     from visiondist.cli import load_config
 
-    return load_config(CONFIGS, list(overrides))
+    return load_config(CONFIGS, list(overrides), inputs=None)  # no data on disk
 
 
 def _doc_rows(name: str) -> list[tuple[str, object]]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from visiondist.cli import USAGE, load_config, load_run_config
 from visiondist.config import ConfigError
 from visiondist.engine.checkpoint import is_complete, latest_checkpoint
+from visiondist.preflight import check_inputs
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -26,20 +27,21 @@ def main(argv: list[str]) -> int:
     try:
         if is_complete(source):  # <run>/checkpoints/step_<N>
             run = source.parent.parent
-            cfg, weights = load_run_config(run, overrides), source
+            cfg, weights = load_run_config(run, overrides, inputs=None), source
             out = run / "eval"
         elif source.is_dir():
-            cfg = load_run_config(source, overrides)
+            cfg = load_run_config(source, overrides, inputs=None)
             weights = source / "model.safetensors"
             if not weights.is_file():  # e.g. a run stopped early: its newest checkpoint, if it has one
                 weights = latest_checkpoint(source) or weights
             out = source / "eval"
         else:
-            cfg, weights, out = load_config(CONFIGS, overrides), source, None
+            cfg, weights, out = load_config(CONFIGS, overrides, inputs=None), source, None
         if not weights.exists():
             raise FileNotFoundError(f"no weights at {weights}: give a run dir holding model.safetensors or a "
                                     "checkpoint, a checkpoints/step_<N> directory or a weights file")
         cfg.model.weights = str(weights.resolve())
+        check_inputs(cfg, "eval")  # the val split and the weights against the model, before any rank starts
         from visiondist.engine.trainer import evaluate_checkpoint
         from visiondist.launch import launch, unique_dir
 

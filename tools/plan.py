@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     from visiondist.parallel.planner import plan_config
 
     try:
-        cfg = load_config(CONFIGS, argv)
+        cfg = load_config(CONFIGS, argv, inputs=None)  # a plan reads no data
         if cfg.model.family != "vit":
             raise ConfigError(f"tools/plan.py plans ViT classifiers; {cfg.model.name} is a detector")
         p, t = cfg.parallel, cfg.trainer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -20,8 +20,9 @@ USAGE = """usage: python tools/{tool} [--cfg] [-m] [group=option ...] [key=value
 """
 
 
-def load_config(config_dir: Path, overrides: list[str]) -> DictConfig:
-    """Compose + validate; raises ConfigError with a one-line reason for any problem."""
+def load_config(config_dir: Path, overrides: list[str], inputs: Optional[str] = "train") -> DictConfig:
+    """Compose + validate, then check the inputs on disk for `inputs` ("train", "eval" or None: printing, planning);
+    raises ConfigError with a one-line reason for any problem."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
@@ -37,12 +38,12 @@ def load_config(config_dir: Path, overrides: list[str]) -> DictConfig:
         from_container(to_container(cfg))  # what the ranks do: every key must be in the schema (`+key=` can add one)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain(exc)) from exc
-    validate(cfg)
-    return cfg
+    return _checked(cfg, inputs)
 
 
-def load_run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
-    """A finished run's resolved config.yaml with key=value overrides (no group switches), validated."""
+def load_run_config(run_dir: Path, overrides: list[str], inputs: Optional[str] = "eval") -> DictConfig:
+    """A finished run's resolved config.yaml with key=value overrides (no group switches), validated and its inputs
+    checked for `inputs` (as `load_config`)."""
     from omegaconf.errors import OmegaConfBaseException
 
     from visiondist.config import TrainConfig
@@ -57,8 +58,16 @@ def load_run_config(run_dir: Path, overrides: list[str]) -> DictConfig:
         cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc)) from exc
+    return _checked(cfg, inputs)  # type: ignore[arg-type]
+
+
+def _checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
     validate(cfg)
-    return cfg  # type: ignore[return-value]
+    if inputs is not None:
+        from visiondist.preflight import check_inputs
+
+        check_inputs(cfg, inputs)
+    return cfg
 
 
 def _explain(exc: BaseException) -> str:
@@ -93,7 +102,7 @@ def run_tool(tool: str, config_dir: Path, argv: list[str], run: Callable[[DictCo
             print(f"error: {exc}", file=sys.stderr)
             return 2
     try:
-        cfg = load_config(config_dir, overrides)
+        cfg = load_config(config_dir, overrides, inputs=None if show else "train")
         if show:
             print(OmegaConf.to_yaml(cfg))
             return 0

@@ -274,8 +274,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def check_mandatory(cfg: DictConfig) -> None:
+    """Every `???` value has been given (e.g. `data.root` of data=imagenet / coco)."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        example = {"data.root": f"/path/to/{cfg.data.get('name') or 'data'}"}
+        fix = " ".join(f"{key}={example.get(key, '<value>')}" for key in missing)
+        raise ConfigError(f"{', '.join(missing)} must be set (??? in the config): add {fix}")
+
+
 def validate(cfg: DictConfig) -> None:
     """Check a composed config on its own (no devices involved). Raises ConfigError."""
+    check_mandatory(cfg)
     m, d, p, o, s, t = cfg.model, cfg.data, cfg.parallel, cfg.optim, cfg.schedule, cfg.trainer
     _one_of("model.family", m.family, _MODEL_FAMILIES)
     _one_of("data.format", d.format, ("imagefolder", "coco"))

@@ -3,8 +3,9 @@ another, each launching its own ranks, each in its own run directory `<sweep dir
 
 Every job's config is composed and validated before the first job starts, so a typo in the third value fails in
 seconds, not after two trainings. The sweep directory holds `sweep.json` (each job's overrides, run dir, status and
-headline results, rewritten after every job) and the end prints one table of the jobs. Like Hydra's basic launcher,
-the sweep stops at the first job that fails.
+headline results, rewritten after every job) and the end prints one table of the jobs. A job that fails is recorded
+(`failed (exit N)` and its one-line cause) and the next one runs; the sweep then exits non-zero. A stop signal
+(SIGTERM, Ctrl-C) ends the whole sweep. Jobs are numbered from 0 everywhere: banner, run directories, table.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def run_sweep(tool: str, config_dir: Path, overrides: list[str], run: Callable[[
     configs = []
     for num, job in enumerate(jobs):
         try:
-            configs.append(load_config(config_dir, job))
+            configs.append(load_config(config_dir, job, inputs=None if show else "train"))
         except ConfigError as exc:
             raise ConfigError(f"job {num} ({' '.join(job)}): {exc}") from exc
     if show:
@@ -75,27 +76,49 @@ def run_sweep(tool: str, config_dir: Path, overrides: list[str], run: Callable[[
     else:
         sweep_dir = unique_dir(Path(configs[0].trainer.output_dir).expanduser() / "multirun")
     console = Console(width=max(100, Console().width))
-    records = []
-    code = 0
+    records, codes = [], []
     for num, (job, cfg) in enumerate(zip(jobs, configs)):
         job_dir = sweep_dir / str(num)
         cfg.trainer.run_dir = str(job_dir)
         records.append({"job": num, "overrides": job, "run_dir": str(job_dir), "status": "running"})
         _write(sweep_dir, swept, records)
-        console.rule(f"[bold]{tool} job {num + 1}/{len(jobs)}: {' '.join(job) or '(no overrides)'}")
-        try:
-            result = run(cfg)
-            code = result if isinstance(result, int) else 0
-        except Exception as exc:  # a failed job ends the sweep, like Hydra's basic launcher
-            print(f"job {num} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            code = 1
-        records[-1]["status"] = "done" if code == 0 else f"failed (exit {code})"
+        console.rule(f"[bold]{tool} job {num} ({num + 1} of {len(jobs)}): {' '.join(job) or '(no overrides)'}")
+        code, cause = _run_job(run, cfg)
+        codes.append(code)
+        records[-1]["status"] = "done" if code == 0 else f"{'stopped' if code in _STOPPED else 'failed'} (exit {code})"
+        if cause:
+            print(f"job {num} failed: {cause}", file=sys.stderr, flush=True)
+            records[-1]["error"] = cause
         records[-1].update(_results(job_dir))
         _write(sweep_dir, swept, records)
-        if code != 0:
+        if code in _STOPPED:  # the user stopped the job: stop the sweep, not just this job
             break
     console.print(_table(sweep_dir, swept, records, len(jobs)))
-    return code
+    return next((c for c in codes if c), 0)  # the first failed job's exit code
+
+
+_STOPPED = (128 + 2, 128 + 15)  # SIGINT, SIGTERM: what tools/train.py returns for a stopped job
+
+
+def _run_job(run: Callable[[DictConfig], object], cfg: DictConfig) -> tuple[int, str]:
+    """(exit code, one-line cause or "") of one job."""
+    try:
+        result = run(cfg)
+    except Exception as exc:
+        return 1, _cause(exc)
+    return (result if isinstance(result, int) else 0), ""
+
+
+def _cause(exc: Exception) -> str:
+    """One line: the exception, or for a failed multi-rank job (torch elastic's ChildFailedError) the first failing
+    rank's exception."""
+    if getattr(exc, "failures", None):
+        rank, failure = exc.get_first_failure()  # type: ignore[attr-defined]
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+        text = f"rank {rank}: {message or f'exit code {failure.exitcode}'}"
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return text.strip().splitlines()[0]
 
 
 def _results(run_dir: Path) -> dict:
@@ -119,6 +142,7 @@ def _table(sweep_dir: Path, swept: list[str], records: list[dict], total: int):
         table.add_column(column)
     for r in records:
         values = dict(o.split("=", 1) for o in r["overrides"])
-        table.add_row(str(r["job"]), *(values.get(k, "") for k in swept), r["status"],
+        status = f"{r['status']}: {r['error']}" if r.get("error") else r["status"]
+        table.add_row(str(r["job"]), *(values.get(k, "") for k in swept), status,
                       *(f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys))
     return table

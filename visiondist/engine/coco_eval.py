@@ -115,13 +115,16 @@ def predict(
     device: torch.device,
     cat_of_label: dict[int, int],
     autocast: Optional[AbstractContextManager] = None,
+    progress: bool = False,
 ) -> tuple[np.ndarray, list[int]]:
     """Detections of this rank's shard as (n, 7) rows (image_id, x, y, w, h, score, category_id), and the ids of the
-    images it saw (with or without detections)."""
+    images it saw (with or without detections); `progress`: a progress bar over the batches."""
+    from visiondist.engine.report import tracked
+
     was_training = model.training
     model.eval()
     rows, seen = [], []
-    for images, targets in loader:
+    for images, targets in tracked(loader, progress):
         images = [img.to(device, non_blocking=True) for img in images]
         with autocast or nullcontext():
             outputs = model(images)
@@ -177,16 +180,21 @@ def evaluate_detection(
     num_images: int,
     autocast: Optional[AbstractContextManager] = None,
     results_path: Optional[Path] = None,
+    progress: bool = False,
 ) -> dict[str, float]:
     """The 12 COCO stats (as `val_<name>`, plus val_count and val_detections) of `model` on the val set, on every
-    rank. Rank 0 also writes `results_path` (COCO results JSON) when given."""
-    detections, seen = predict(model, loader, layout.device, cat_of_label, autocast)
+    rank. Rank 0 also writes `results_path` (COCO results JSON) when given. `progress` (main rank): a progress bar
+    over the batches, then a spinner while COCOeval scores."""
+    from visiondist.engine.report import status
+
+    detections, seen = predict(model, loader, layout.device, cat_of_label, autocast, progress)
     gathered = gather_detections(detections, seen, layout)
     box: list[Any] = [None]
     if layout.rank == 0:
         try:
             dets, count = deduplicate(gathered, expected=num_images)
-            stats = score(ann_file, dets, per_class=True)
+            with status(progress, f"COCO scoring of {len(dets)} detections on {count} images ({backend_name()})"):
+                stats = score(ann_file, dets, per_class=True)
             if results_path is not None:
                 tmp = results_path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(to_results_json(dets)))

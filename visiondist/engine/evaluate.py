@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from visiondist.engine.report import tracked
 from visiondist.parallel import Layout, PipelinedViT, blank_forwards, forwards_needed
 
 
@@ -27,9 +28,11 @@ def evaluate_classification(
     layout: Layout,
     autocast: AbstractContextManager | None = None,
     num_classes: int | None = None,
+    progress: bool = False,
 ) -> dict[str, float]:
     """val_loss, val_top1, val_top5 (percent) and val_count over the whole val set, identical on every rank; with
     `num_classes`, also val_class_top1 (percent per class, None for a class without images) and val_class_count.
+    `progress`: a progress bar over this rank's batches (give it on the main rank only).
 
     A pipelined model runs each batch through the pipeline (`PipelinedViT.predict`); the last stage scores it and its
     sums reach the other stages in the final reduction."""
@@ -39,7 +42,7 @@ def evaluate_classification(
     k = num_classes or 0
     sums = torch.zeros(4 + 2 * k, dtype=torch.float64, device=layout.device)  # loss, top1, top5, count, per class
     needed, forwards = forwards_needed(model, layout, len(loader)), 0  # FSDP: every rank runs as many forwards
-    for images, labels in loader:
+    for images, labels in tracked(loader, progress):
         forwards += 1
         if pipelined:
             logits = model.predict(images, None if labels is None else len(labels), loader.batch_sampler.batch_size,

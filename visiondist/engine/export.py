@@ -27,7 +27,7 @@ from torch import nn
 from visiondist.engine.checkpoint import list_checkpoints, load_model_state, read_trainer_state, resolve_checkpoint
 from visiondist.models import TASKS, build_model
 from visiondist.models.vit import to_timm_state_dict
-from visiondist.models.weights import load_local_weights
+from visiondist.models.weights import load_local_weights, save_weights
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def load_trained(run_dir: Path, step: Optional[int] = None) -> Trained:
     from visiondist.cli import load_run_config
 
     run_dir = Path(run_dir)
-    cfg = load_run_config(run_dir, [])
+    cfg = load_run_config(run_dir, [], inputs=None)  # export reads no data
     cfg.model.weights = None
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()
@@ -126,9 +126,7 @@ def export(trained: Trained, fmt: str, out: Path) -> list[Path]:
     tmp = out.with_name(out.name + ".tmp")
     written = [out]
     if fmt == "safetensors":
-        from safetensors.torch import save_file
-
-        save_file(export_state_dict(trained), str(tmp), metadata={"format": "pt"})
+        save_weights(export_state_dict(trained), tmp, metadata={"format": "pt"})
         meta = out.with_suffix(".json")
         meta.write_text(json.dumps(sidecar(trained), indent=2))
         written.append(meta)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,25 @@ def progress_bar(enabled: bool, total: int):
     progress.start()
     progress.add_task("train", total=total, stats="")
     return progress
+
+
+def tracked(items, enabled: bool, description: str = "eval"):
+    """`items` with a transient rich progress bar while they are consumed (rank 0 with `trainer.progress`), e.g. an
+    evaluation's batches; under the live training bar it shows beneath it."""
+    if not enabled:
+        return items
+    from rich.progress import track
+
+    return track(items, description=description, total=len(items), transient=True)
+
+
+def status(enabled: bool, text: str):
+    """A transient spinner with `text` while a long step without batches runs (e.g. COCO scoring on rank 0)."""
+    if not enabled:
+        return nullcontext()
+    from rich import get_console
+
+    return get_console().status(text)
 
 
 def best_evaluation(rows: list[dict[str, Any]], key: str, label: str) -> dict[str, Any]:

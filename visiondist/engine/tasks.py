@@ -36,6 +36,7 @@ class ClassificationTask:
             self.mixup = Mixup(mixup_alpha=d.mixup, cutmix_alpha=d.cutmix, prob=d.mixup_prob,
                                switch_prob=d.mixup_switch_prob, label_smoothing=self.label_smoothing,
                                num_classes=cfg.model.num_classes)
+        self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating
         self.data = build_classification_data(
             cfg.data, cfg.model.img_size, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
             pin_memory=layout.device.type == "cuda", reads_images=layout.reads_images, reads_labels=layout.reads_labels,
@@ -59,7 +60,8 @@ class ClassificationTask:
     def evaluate(self, model: nn.Module, layout: Layout, autocast, run_dir: Path) -> dict[str, Any]:
         from visiondist.engine.evaluate import evaluate_classification
 
-        metrics = evaluate_classification(model, self.data.val_loader, layout, autocast, len(self.data.classes))
+        metrics = evaluate_classification(model, self.data.val_loader, layout, autocast, len(self.data.classes),
+                                          self.progress)
         if layout.is_main:  # per-class top-1 of the latest evaluation, by class name
             per_class = {name: {"top1": acc, "images": n} for name, acc, n in
                          zip(self.data.classes, metrics["val_class_top1"], metrics["val_class_count"])}
@@ -107,6 +109,7 @@ class DetectionTask:
         from visiondist.data import build_detection_data, coco_paths
 
         t = cfg.trainer
+        self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating, a spinner while scoring
         self.data = build_detection_data(cfg.data, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
                                          pin_memory=layout.device.type == "cuda", train=train)
         self.val_images = coco_paths(cfg.data, cfg.data.val_split)[0]
@@ -124,7 +127,7 @@ class DetectionTask:
 
         d = self.data
         metrics = evaluate_detection(model, d.val_loader, layout, d.val_annotations, d.cat_of_label, d.num_val,
-                                     autocast, results_path=run_dir / "detections.json" if layout.is_main else None)
+                                     autocast, run_dir / "detections.json" if layout.is_main else None, self.progress)
         if layout.is_main:  # per-category AP of the latest evaluation, by category name
             (run_dir / "per_class.json").write_text(json.dumps(metrics["val_class_AP"], indent=1))
         return metrics

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import math
+import os
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -26,6 +28,40 @@ def read_state(path: str, key: str = "model.weights") -> dict[str, torch.Tensor]
     return state.get("model", state) if isinstance(state, dict) else state
 
 
+def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of weights without reading the tensors: a safetensors header, a DCP checkpoint's metadata (its
+    model tensors, under their canonical names), or a torch file memory-mapped."""
+    file = Path(path).expanduser()
+    if file.is_dir():
+        from visiondist.engine.checkpoint import read_metadata
+
+        stored = read_metadata(file).state_dict_metadata
+        return {k[len("model."):]: tuple(v.size) for k, v in stored.items() if k.startswith("model.") and
+                hasattr(v, "size")}
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # a file in torch's legacy format cannot be memory-mapped
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    state = state.get("model", state) if isinstance(state, dict) else state
+    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike, metadata: Optional[dict] = None) -> None:
+    """`safetensors.torch.save_file`, then the file mode every other output gets (0o666 less the umask; safetensors
+    itself writes 0o600)."""
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def load_local_weights(model: nn.Module, path: str, convert: Optional[Callable[[dict], dict]] = None) -> None:
     """Load a local state dict into `model`, strictly; `convert` maps foreign key layouts (e.g. timm's) onto the
     model's first."""
@@ -36,10 +72,12 @@ def load_local_weights(model: nn.Module, path: str, convert: Optional[Callable[[
 def init_from(model: nn.Module, path: str, convert: Optional[Callable[[dict], dict]] = None,
               new_head: tuple[str, ...] = ("head.weight", "head.bias")) -> list[str]:
     """Start fine-tuning from local weights: every tensor must match, except the classifier (`new_head`), which keeps
-    its fresh initialisation when the class count differs. Returns the names left at their initialisation."""
+    its fresh initialisation when the class count differs, and a ViT's position embedding, resampled to the model's
+    image size. Returns the names left at their initialisation."""
     state = read_state(path, "model.init_from")
     state = convert(state) if convert else state
     own = model.state_dict()
+    resample_pos_embed(state, own)
     skipped = [k for k in new_head if k in own and k in state and state[k].shape != own[k].shape]
     for key in skipped:
         del state[key]
@@ -51,3 +89,20 @@ def init_from(model: nn.Module, path: str, convert: Optional[Callable[[dict], di
     if skipped:
         log.info("model.init_from: %s re-initialised (the file has another number of classes)", ", ".join(skipped))
     return skipped
+
+
+def resample_pos_embed(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor], key: str = "pos_embed",
+                       prefix_tokens: int = 1) -> None:
+    """ViT weights made for another image size: their position embedding resampled to the model's grid the way timm
+    does (bicubic, the class token kept), in `state`."""
+    old, new = state.get(key), own.get(key)
+    if old is None or new is None or old.shape == new.shape or old.shape[-1] != new.shape[-1]:
+        return
+    sizes = [math.isqrt(t.shape[1] - prefix_tokens) for t in (old, new)]
+    if any(s * s != t.shape[1] - prefix_tokens for s, t in zip(sizes, (old, new))):
+        return  # not a square grid: the load reports the mismatch
+    from timm.layers import resample_abs_pos_embed
+
+    state[key] = resample_abs_pos_embed(old, new_size=[sizes[1]] * 2, old_size=[sizes[0]] * 2,
+                                        num_prefix_tokens=prefix_tokens)
+    log.info("model.init_from: %s resampled from %d x %d to %d x %d patches", key, *[sizes[0]] * 2, *[sizes[1]] * 2)

@@ -1,0 +1,235 @@
+"""Bad input stops the real CLI before any rank starts: exit code 2, one `error:` line that names the fix, no
+traceback, no run directory. Then the fixes that keep going instead: position embeddings resampled for fine-tuning,
+a sweep that runs past a failed job, weights files with the usual mode, a progress bar while evaluating."""
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from helpers import REPO, run_cli
+
+CONFIGS = REPO / "configs"
+EVAL = REPO / "tools" / "eval.py"
+
+
+def _coco(root, categories, splits=("train2017", "val2017")):
+    """A COCO-format directory with no images: only what the checks before launch read."""
+    (root / "annotations").mkdir(parents=True)
+    for split in splits:
+        (root / split).mkdir()
+        cats = [{"id": i + 1, "name": f"c{i}", "supercategory": "x"} for i in range(categories)]
+        coco = {"images": [], "annotations": [], "categories": cats}
+        (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(coco))
+    return root
+
+
+def _imagefolder(root, train_classes, val=True):
+    for c in range(train_classes):
+        (root / "train" / f"n{c:08d}").mkdir(parents=True)
+        if val:
+            (root / "val" / f"n{c:08d}").mkdir(parents=True)
+    return root
+
+
+def _refused(args, out, expected, script=REPO / "tools" / "train.py"):
+    start = time.monotonic()
+    result = run_cli([*args, f"trainer.output_dir={out}"], timeout=120, script=script)
+    seconds = time.monotonic() - start
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert "Traceback" not in result.stdout and "[rank" not in result.stdout, result.stdout[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stdout[-3000:]
+    assert expected in lines[0], lines[0]
+    assert not out.exists() or not any(out.iterdir())  # no run directory, no config.yaml, no log
+    assert seconds < 60, seconds
+    return lines[0]
+
+
+def test_a_mandatory_value_is_asked_for(tmp_path):
+    _refused(["data=imagenet"], tmp_path / "out",
+             "data.root must be set (??? in the config): add data.root=/path/to/imagenet")
+
+
+def test_a_mandatory_value_of_any_sweep_job_is_asked_for_before_the_first_job(tmp_path):
+    line = _refused(["-m", "data=shapes,imagenet"], tmp_path / "out", "data.root must be set")
+    assert line.startswith("error: job 1 (data=imagenet ")
+
+
+@pytest.mark.parametrize("layout,expected", [
+    ("missing", "no such directory: set data.root to the imagenet dataset's directory"),
+    ("empty", "is empty: set data.root to the imagenet dataset's directory"),
+    ("no_val", "has no val split"),
+])
+def test_b_a_data_root_without_the_data(tmp_path, layout, expected):
+    root = tmp_path / "imagenet"
+    if layout == "empty":
+        root.mkdir()
+    elif layout == "no_val":
+        _imagefolder(root, 3, val=False)
+    _refused(["data=imagenet", f"data.root={root}"], tmp_path / "out", expected)
+
+
+def test_c_num_classes_must_match_the_class_folders(tmp_path):
+    root = _imagefolder(tmp_path / "imagenet", 7)
+    _refused(["data=imagenet", f"data.root={root}", "data.num_classes=10"], tmp_path / "out",
+             f"data.num_classes=10 but {root / 'train'} has 7 class folders: set data.num_classes=7")
+
+
+def test_c_num_classes_must_match_the_coco_categories(tmp_path):
+    root = _coco(tmp_path / "coco", 6)
+    _refused(["model=fasterrcnn_mobilenet_v3", "data=coco", f"data.root={root}"], tmp_path / "out",
+             "has 6 categories: set data.num_classes=6")
+
+
+def test_c_num_classes_of_a_built_in_set_is_checked_without_its_files():
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data.num_classes=4 but data=shapes \(built in\) has 6 classes: "
+                                          r"set data.num_classes=6"):
+        load_config(CONFIGS, ["data.num_classes=4", "data.root=/nonexistent"])
+
+
+@pytest.fixture(scope="module")
+def detector6(tmp_path_factory):
+    """The weights of a 6-class detector (shapes_coco's classes), as a training run leaves them."""
+    from visiondist.cli import load_config
+    from visiondist.models import build_model
+    from safetensors.torch import save_file
+
+    cfg = load_config(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco"])
+    path = tmp_path_factory.mktemp("weights") / "model.safetensors"
+    save_file(build_model(cfg.model).state_dict(), str(path))
+    return path
+
+
+def test_d_eval_of_weights_for_other_classes_names_their_class_count(tmp_path, detector6):
+    root = _coco(tmp_path / "coco", 80, splits=("val2017",))  # evaluation needs only the val split
+    _refused([str(detector6), "model=fasterrcnn_mobilenet_v3", "data=coco", f"data.root={root}"], tmp_path / "out",
+             f"model.weights={detector6} is a 6-class fasterrcnn_mobilenet_v3 but data.num_classes=80: "
+             "set data.num_classes=6", script=EVAL)
+
+
+def test_d_checkpoint_shapes_are_read_from_its_metadata(tmp_path):
+    """A DCP checkpoint directory as model.weights: its tensor shapes come from the metadata alone."""
+    import torch.distributed.checkpoint as dcp
+
+    from visiondist.models.weights import weight_shapes
+
+    dcp.save({"model": {"head.weight": torch.zeros(6, 4), "head.bias": torch.zeros(6)}, "optim": {}},
+             checkpoint_id=str(tmp_path / "step_1"), no_dist=True)
+    assert weight_shapes(tmp_path / "step_1") == {"head.weight": (6, 4), "head.bias": (6,)}
+
+
+def test_e_init_from_resamples_the_position_embedding_like_timm(tmp_path, caplog):
+    """timm-layout weights made at 224 px start a 64-px model: its pos_embed is timm's resample of theirs (class
+    token kept), every other tensor is theirs, and one info line says so."""
+    import logging
+
+    from safetensors.torch import save_file
+    from timm.layers import resample_abs_pos_embed
+
+    from visiondist.cli import load_config
+    from visiondist.models import build_model
+    from visiondist.models.vit import to_timm_state_dict
+
+    big = load_config(CONFIGS, ["model.depth=1", "data.img_size=224"])
+    torch.manual_seed(0)
+    state = to_timm_state_dict(build_model(big.model).state_dict())
+    save_file(state, str(tmp_path / "timm224.safetensors"))
+    small = load_config(CONFIGS, ["model.depth=1", "data.img_size=64",
+                                  f"model.init_from={tmp_path / 'timm224.safetensors'}"])
+    with caplog.at_level(logging.INFO, logger="visiondist.models.weights"):
+        model = build_model(small.model)
+    expected = resample_abs_pos_embed(state["pos_embed"], new_size=[4, 4], num_prefix_tokens=1)
+    assert model.pos_embed.shape == (1, 17, 192)
+    torch.testing.assert_close(model.pos_embed.detach(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(model.pos_embed.detach()[:, 0], state["pos_embed"][:, 0], rtol=0, atol=0)
+    torch.testing.assert_close(model.cls_token.detach(), state["cls_token"], rtol=0, atol=0)
+    torch.testing.assert_close(model.blocks[0].attn.q.weight.detach(), state["blocks.0.attn.qkv.weight"][:192])
+    assert "pos_embed resampled from 14 x 14 to 4 x 4 patches" in caplog.text
+
+
+def test_g_safetensors_files_follow_the_umask(tmp_path):
+    """safetensors writes 0o600; weights and exports get 0o644 under umask 022, like every other output."""
+    from visiondist.cli import load_config
+    from visiondist.engine.export import Trained, export
+    from visiondist.models import build_model
+    from visiondist.models.weights import save_weights
+
+    old = os.umask(0o022)
+    try:
+        save_weights({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+        cfg = load_config(CONFIGS, ["model.depth=1"])
+        files = export(Trained(cfg, build_model(cfg.model).eval(), tmp_path, None, None), "safetensors",
+                       tmp_path / "export" / "model.safetensors")
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "model.safetensors", *files):
+        assert path.stat().st_mode & 0o777 == 0o644, (path, oct(path.stat().st_mode))
+
+
+def test_f_a_failed_sweep_job_is_recorded_and_the_next_one_runs(tmp_path, capsys):
+    """Job 1 of 3 raises: jobs 0 and 2 still run, sweep.json and the table say which failed and why, the sweep
+    exits non-zero, and the banner numbers jobs as the directories do."""
+    from visiondist.sweep import run_sweep
+
+    ran = []
+
+    def run(cfg):
+        ran.append(cfg.optim.lr)
+        if cfg.optim.lr == 2e-3:
+            raise ValueError("data.num_classes=10 but the data has 7 classes: set data.num_classes=7\nmore detail")
+        return 0
+
+    code = run_sweep("train.py", CONFIGS, ["optim.lr=1e-3,2e-3,3e-3", f"trainer.run_dir={tmp_path}"], run)
+    assert code != 0 and ran == [1e-3, 2e-3, 3e-3]
+    jobs = json.loads((tmp_path / "sweep.json").read_text())["jobs"]
+    assert [j["status"] for j in jobs] == ["done", "failed (exit 1)", "done"]
+    assert jobs[1]["error"] == "ValueError: data.num_classes=10 but the data has 7 classes: set data.num_classes=7"
+    out = capsys.readouterr()
+    assert "job 1 failed: ValueError: data.num_classes=10" in out.err
+    assert "sweep: 3 of 3 jobs" in out.out and "failed (exit 1): ValueError" in out.out
+    assert "job 0 (1 of 3): optim.lr=0.001" in out.out and "job 2 (3 of 3)" in out.out
+
+
+def test_h_evaluation_shows_a_progress_bar_when_progress_is_on(monkeypatch):
+    """Classification and detection evaluation draw a bar over their batches with trainer.progress on the main
+    rank (also under a live training bar), and none with it off."""
+    from types import SimpleNamespace
+
+    import rich.progress
+
+    from visiondist.engine.coco_eval import predict
+    from visiondist.engine.evaluate import evaluate_classification
+    from visiondist.engine.report import progress_bar
+    from visiondist.models.vit import VisionTransformer
+
+    bars = []
+    real_track = rich.progress.track
+    monkeypatch.setattr(rich.progress, "track", lambda items, **kw: bars.append(kw) or real_track(items, **kw))
+    layout = SimpleNamespace(device=torch.device("cpu"), dp=1, is_main=True, all_reduce_dp=lambda t: t)
+    model = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=1, num_heads=2)
+    batches = [(torch.randn(2, 3, 16, 16), torch.tensor([0, 2])) for _ in range(3)]
+    train_bar = progress_bar(True, 10)  # the training bar is live while the trainer evaluates
+    try:
+        metrics = evaluate_classification(model, batches, layout, progress=True)
+    finally:
+        train_bar.stop()
+    assert metrics["val_count"] == 6 and bars == [dict(description="eval", total=3, transient=True)]
+    evaluate_classification(model, batches, layout, progress=False)
+    assert len(bars) == 1
+
+    loader = [([torch.zeros(3, 8, 8)], [{"image_id": torch.tensor(i)}]) for i in range(4)]
+    _, seen = predict(_NoBoxes(), loader, torch.device("cpu"), {}, progress=True)
+    assert seen == [0, 1, 2, 3] and bars[-1] == dict(description="eval", total=4, transient=True)
+
+
+class _NoBoxes(torch.nn.Module):
+    """A detector that finds nothing."""
+
+    def forward(self, images):
+        return [{"boxes": torch.zeros(0, 4), "labels": torch.zeros(0), "scores": torch.zeros(0)} for _ in images]
