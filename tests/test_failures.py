@@ -231,3 +231,22 @@ def test_an_unreadable_val_image_stops_the_run_before_step_one(tmp_path, tiny_sh
     assert code == 1 and seconds < 60, (code, seconds)
     assert "failed at step 0" in line and f"1 of 30 val images cannot be read, e.g. {bad}: the file is empty" in line
     assert not (run / "checkpoints").exists() and not (run / "metrics.csv").exists()
+
+
+def test_each_unreadable_training_image_is_warned_once_and_counted(tmp_path, tiny_shapes):
+    """Two persistent workers over four epochs meet each bad file several times: one warning each, and the summary
+    counts them; model.safetensors is written with the same file mode as every other output."""
+    data = tmp_path / "data"
+    shutil.copytree(tiny_shapes, data)
+    bad = sorted((data / "train").rglob("*.jpg"))[::40][:2]
+    for path in bad:
+        path.write_bytes(b"not an image")
+    run = tmp_path / "run"
+    code, out, _ = run_job(args(data, run, "trainer.max_steps=24"), script=TRAIN)
+    assert code == 0, out[-3000:]
+    log = (run / "train.log").read_text()
+    assert [log.count(f"cannot read {path}") for path in bad] == [1, 1], log[-3000:]
+    assert json.loads((run / "summary.json").read_text())["unreadable train images (replaced)"] == 2
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (run / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask

@@ -2,7 +2,8 @@
 
 A training sample whose file is missing, empty, truncated or not an image is replaced by the next candidate the
 dataset names (for classification: the next image of the same class, so labels and class balance are unchanged; for
-detection: the next image). Each bad file is logged once per loader worker with the running count; `limit`
+detection: the next image). Each bad file is logged once per run (the workers share `<run>/bad_images.txt`, and the
+run's summary counts its lines); `limit`
 consecutive unreadable candidates stop the run with the last path and the fix. Evaluation never replaces: an
 unreadable validation image is an error, since every image must be scored exactly once.
 """
@@ -26,6 +27,24 @@ class BadImages:
         self.seen: set[str] = set()
         self.replaced = 0
 
+    def _first_sighting(self, path: str) -> bool:
+        """Whether no loader worker of this run has reported `path` yet. Workers share `<run>/bad_images.txt` (one
+        path a line; the run's summary counts it), so each bad file is warned about once per run, not per worker."""
+        if path in self.seen:
+            return False
+        self.seen.add(path)
+        record = bad_images_file()
+        if record is None:
+            return True
+        try:
+            if record.is_file() and path in record.read_text().splitlines():
+                return False
+            with record.open("a") as f:
+                f.write(path + "\n")
+        except OSError:
+            pass
+        return True
+
     def read(self, candidates: Iterable[tuple[int, str | Path]], read: Callable[[str], np.ndarray]
              ) -> tuple[int, np.ndarray]:
         """(index, image) of the first readable candidate; the first candidate is the requested sample."""
@@ -41,12 +60,26 @@ class BadImages:
                 if not self.train:
                     raise RuntimeError(f"cannot read evaluation image {path}: {exc}") from exc
                 self.replaced += 1
-                if str(path) not in self.seen:
-                    self.seen.add(str(path))
-                    log.warning("cannot read %s (%s): using the next image instead (%d replaced so far)",
-                                path, exc, self.replaced)
+                if self._first_sighting(str(path)):
+                    log.warning("cannot read %s (%s): using the next image instead (warned once per run; the "
+                                "summary counts them, bad_images.txt lists them)", path, exc)
         raise RuntimeError(f"{self.limit} consecutive images from index {first} could not be read (last: {last}): "
                            "check the image folder, or raise data.max_bad_images")
+
+
+def bad_images_file() -> Path | None:
+    """`<run>/bad_images.txt` of the run this process belongs to (None outside a run)."""
+    import os
+
+    from visiondist.engine.failures import RUN_DIR_ENV
+
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    return Path(run_dir) / "bad_images.txt" if run_dir else None
+
+
+def count_bad_images(run_dir: Path) -> int:
+    path = Path(run_dir) / "bad_images.txt"
+    return len(set(path.read_text().splitlines())) if path.is_file() else 0
 
 
 def unreadable_reason(path: str | Path) -> str | None:

@@ -38,12 +38,20 @@ def progress_bar(enabled: bool, total: int):
 
 def tracked(items, enabled: bool, description: str = "eval"):
     """`items` with a transient rich progress bar while they are consumed (rank 0 with `trainer.progress`), e.g. an
-    evaluation's batches; under the live training bar it shows beneath it."""
+    evaluation's batches; under the live training bar it shows beneath it. Every item also tells the rank's hang
+    watchdog that the work moves (on every rank)."""
+    from visiondist.engine.failures import PROGRESS
+
+    def beating(iterable):
+        for item in iterable:
+            PROGRESS.at()
+            yield item
+
     if not enabled:
-        return items
+        return beating(items)
     from rich.progress import track
 
-    return track(items, description=description, total=len(items), transient=True)
+    return beating(track(items, description=description, total=len(items), transient=True))
 
 
 def status(enabled: bool, text: str):

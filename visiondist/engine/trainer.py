@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from visiondist.data import prepare_data
+from visiondist.data.robust import count_bad_images
 from visiondist.engine.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -447,7 +448,7 @@ class Trainer:
         """The trained model as one canonical safetensors file, consolidated by rank 0 from the final checkpoint
         (whatever the layout: TP shards and pipeline stages are read back into one full model on the CPU), written to
         a temporary name and renamed, so a `model.safetensors` is always whole."""
-        from safetensors.torch import save_file
+        from visiondist.models.weights import save_weights
 
         path = self.run_dir / "model.safetensors"
         PROGRESS.at("writing the weights", self.step)
@@ -457,7 +458,7 @@ class Trainer:
             model = build_model(model_cfg)
             load_model_state(self.last_checkpoint, model, no_dist=True)
             tmp = path.with_suffix(".tmp")
-            save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp))
+            save_weights({k: v.detach().contiguous() for k, v in model.state_dict().items()}, tmp)
             tmp.replace(path)
         return path
 
@@ -479,6 +480,7 @@ class Trainer:
             "final train loss": None if math.isnan(final_loss) else final_loss,
             **best_evaluation(self.metrics.rows, *self.task.headline),
             **({"skipped steps (non-finite)": self.skipped_steps} if self.skipped_steps else {}),
+            **({"unreadable train images (replaced)": bad} if (bad := count_bad_images(self.run_dir)) else {}),
             **({"TP traffic per step (MB)": round(self.tp_bytes_per_step / 1e6, 2)} if self.tp_bytes_per_step else {}),
             **({"PP traffic per step (MB)": round(self.pp_bytes_per_step / 1e6, 2)} if self.pp_bytes_per_step else {}),
             **({"pipeline": f"{self.pipeline.schedule_name}, {self.pipeline.microbatches} micro-batches"}
