@@ -48,6 +48,7 @@ def run_job(argv: list[str], fault: str = "", timeout: float = 150, script: Path
         out, _ = proc.communicate()
         raise AssertionError(f"still running after {timeout}s:\n{out[-4000:]}")
     seconds = time.monotonic() - start
+    print(f"{script.name} {fault or '(no fault)'}: exit code {proc.returncode} after {seconds:.1f} s")  # RELIABILITY.md
     time.sleep(1.0)
     survivors = _session(proc.pid)
     for pid in survivors:
@@ -250,3 +251,25 @@ def test_each_unreadable_training_image_is_warned_once_and_counted(tmp_path, tin
     umask = os.umask(0)
     os.umask(umask)
     assert (run / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_an_image_folder_of_unreadable_files_ends_the_job(tmp_path):
+    """The data's own clear error (every training image unreadable) used to be followed by a hang at exit."""
+    from PIL import Image
+
+    root = tmp_path / "junk"
+    for split, count in (("train", 10), ("val", 2)):
+        for name in ("a", "b"):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                if split == "train":
+                    (folder / f"{i}.jpg").write_bytes(b"junk")
+                else:
+                    Image.new("RGB", (32, 32), (i * 90, 0, 0)).save(folder / f"{i}.png")
+    code, out, seconds = run_job(["data=imagenet", f"data.root={root}", "data.num_classes=2", "data.batch_size=4",
+                                  "data.img_size=32", "data.num_workers=2", "model.depth=2", "trainer.progress=false",
+                                  "trainer.accelerator=cpu", f"trainer.run_dir={tmp_path / 'run'}"], script=TRAIN)
+    line = error_line(out)
+    assert code == 1 and seconds < 60, (code, seconds)
+    assert "10 consecutive images" in line and "data.max_bad_images" in line, line
