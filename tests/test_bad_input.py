@@ -192,7 +192,8 @@ def test_f_a_failed_sweep_job_is_recorded_and_the_next_one_runs(tmp_path, capsys
     assert jobs[1]["error"] == "ValueError: data.num_classes=10 but the data has 7 classes: set data.num_classes=7"
     out = capsys.readouterr()
     assert "job 1 failed: ValueError: data.num_classes=10" in out.err
-    assert "sweep: 3 of 3 jobs" in out.out and "failed (exit 1): ValueError" in out.out
+    assert "sweep: 3 of 3 jobs" in out.out and "failed (exit 1)" in out.out
+    assert "1 of 3 jobs failed:\n  job 1: ValueError: data.num_classes=10" in out.err  # unwrapped, after the table
     assert "job 0 (1 of 3): optim.lr=0.001" in out.out and "job 2 (3 of 3)" in out.out
 
 

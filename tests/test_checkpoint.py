@@ -58,7 +58,7 @@ def reference_losses(tmp_path_factory, tiny_shapes):
     return _losses(run)
 
 
-@pytest.mark.parametrize("saved_under", ["parallel=tp2", "parallel=dp2_tp2"])
+@pytest.mark.parametrize("saved_under", [pytest.param("parallel=tp2", marks=pytest.mark.smoke), "parallel=dp2_tp2"])
 def test_checkpoint_reshards_to_other_layouts(tmp_path, tiny_shapes, reference_losses, saved_under):
     """Save at step 2 under TP, resume under dp=1 and tp=4: step 3's loss is the uninterrupted run's."""
     saved = tmp_path / "saved"
@@ -128,6 +128,7 @@ def _export(run, *args):
     return result.stdout
 
 
+@pytest.mark.smoke
 def test_export_from_tp2_loads_in_timm(tp2_run, tmp_path):
     import timm
 
@@ -148,6 +149,7 @@ def test_export_from_tp2_loads_in_timm(tp2_run, tmp_path):
         assert torch.allclose(model(x), trained.model(x), atol=1e-5, rtol=0)
 
 
+@pytest.mark.smoke
 def test_export_onnx_and_torchscript(tp2_run, tmp_path):
     import onnxruntime as ort
 

@@ -36,7 +36,7 @@ def test_stats_are_meaningful_and_backends_agree(single_process):
     assert len(summary_lines(stats).splitlines()) == 12
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.smoke), 3])
 def test_distributed_eval_equals_one_process_and_pycocotools(tmp_path, shapes_coco, single_process, world):
     dets, single, data = single_process
     results = spawn_ranks(coco_ranks.run, world, str(shapes_coco), str(tmp_path))

@@ -68,6 +68,7 @@ def test_fsdp_run_equals_ddp(tmp_path, tiny_shapes, ddp2, extra):
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_fsdp_checkpoint_resumes_under_ddp(tmp_path, tiny_shapes, ddp2):
     saved = tmp_path / "saved"
     train_ok(*train_args(tiny_shapes, saved, *COMMON, "parallel=fsdp", "trainer.devices=2", "parallel.offload=true",

@@ -65,6 +65,7 @@ def _cases(results: dict, dp: int, tp: int, sp: bool, compile: bool = False) -> 
     return found
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
 def test_tp2_matches_one_process(two_ranks, reference, sp):
     for case in _cases(two_ranks, 1, 2, sp):  # every rank gathers the same full model

@@ -94,6 +94,11 @@ def run_sweep(tool: str, config_dir: Path, overrides: list[str], run: Callable[[
         if code in _STOPPED:  # the user stopped the job: stop the sweep, not just this job
             break
     console.print(_table(sweep_dir, swept, records, len(jobs)))
+    failed = [r for r in records if r.get("error")]
+    if failed:  # unwrapped, after the table: the causes and where their tracebacks are
+        print(f"{len(failed)} of {len(jobs)} jobs failed:", file=sys.stderr)
+        for r in failed:
+            print(f"  job {r['job']}: {r['error']}", file=sys.stderr, flush=True)
     return next((c for c in codes if c), 0)  # the first failed job's exit code
 
 
@@ -110,14 +115,9 @@ def _run_job(run: Callable[[DictConfig], object], cfg: DictConfig) -> tuple[int,
 
 
 def _cause(exc: Exception) -> str:
-    """One line: the exception, or for a failed multi-rank job (torch elastic's ChildFailedError) the first failing
-    rank's exception."""
-    if getattr(exc, "failures", None):
-        rank, failure = exc.get_first_failure()  # type: ignore[attr-defined]
-        message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
-        text = f"rank {rank}: {message or f'exit code {failure.exitcode}'}"
-    else:
-        text = f"{type(exc).__name__}: {exc}"
+    """One line: a failed job's own line (`launch.RunFailed`: rank, step, cause, traceback file), else the
+    exception."""
+    text = str(exc) if type(exc).__name__ == "RunFailed" else f"{type(exc).__name__}: {exc}"
     return text.strip().splitlines()[0]
 
 
@@ -142,7 +142,7 @@ def _table(sweep_dir: Path, swept: list[str], records: list[dict], total: int):
         table.add_column(column)
     for r in records:
         values = dict(o.split("=", 1) for o in r["overrides"])
-        status = f"{r['status']}: {r['error']}" if r.get("error") else r["status"]
+        status = r["status"]
         table.add_row(str(r["job"]), *(values.get(k, "") for k in swept), status,
                       *(f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys))
     return table

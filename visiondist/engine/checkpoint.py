@@ -368,7 +368,8 @@ def _dcp_load(state: dict, path: Path, no_dist: bool = False) -> None:
         detail = f"; it lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}" if missing else ""
         cause = _root_cause(exc)
         if "zip archive" in str(cause) or isinstance(cause, (EOFError, pickle.UnpicklingError)):
-            hint = "a file of it is damaged or cut short (an interrupted copy?): use another checkpoint"
+            hint = ("a file of it is damaged or cut short (an interrupted copy?): use another checkpoint, or the run's "
+                    "model.safetensors")
         else:
             hint = "is it from the same model (and optimizer)?"
         first = str(cause).split(". ")[0].splitlines()[0] if str(cause) else ""

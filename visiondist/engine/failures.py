@@ -22,6 +22,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -95,9 +96,13 @@ def record_failure(run_dir: Optional[Path], rank: int, exc: Optional[BaseExcepti
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
             text = "".join(traceback.format_exception(exc)) if exc is not None else ""
+            now = datetime.now().isoformat(timespec="microseconds")
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(f"{line}\n{time.time()!r}\n{text}")
+            tmp.write_text(f"{line}\n{now}\n{text}")
             tmp.replace(path)
+            if rank == 0:  # the run's log ends with the cause too, not mid-way
+                with (Path(run_dir) / "train.log").open("a") as log_file:
+                    log_file.write(f"{now.replace('T', ' ')} ERROR {line}\n{text}")
     except OSError:  # a read-only or full run dir must not hide the failure itself
         pass
     return line
@@ -109,7 +114,7 @@ def read_failures(run_dir: Path) -> list[Failure]:
     for path in (Path(run_dir) / FAILURE_DIR).glob("rank*.txt"):
         try:
             line, when = path.read_text().split("\n")[:2]
-            found.append(Failure(int(path.stem[4:]), line, float(when), path))
+            found.append(Failure(int(path.stem[4:]), line, datetime.fromisoformat(when).timestamp(), path))
         except (OSError, ValueError):
             continue
     return sorted(found, key=lambda f: f.time)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from visiondist.compat import set_pg_timeout
+
 log = logging.getLogger(__name__)
 
 
@@ -124,10 +126,10 @@ def set_collective_timeout(seconds: float, groups) -> None:
 
     timeout = timedelta(seconds=seconds)
     PROGRESS.limit_s, PROGRESS.limit_key = seconds, "trainer.dist_timeout_s"  # the watchdog's limit too
-    dist.set_timeout(timeout)
+    set_pg_timeout(timeout)
     for group in groups:
         if group is not None and group != dist.GroupMember.WORLD:
-            dist.set_timeout(timeout, group)
+            set_pg_timeout(timeout, group)
     log.info("collective timeout now %gs (trainer.dist_timeout_s)", seconds)
 
 

@@ -20,7 +20,10 @@ def setup_logging(run_dir: Path, is_main: bool) -> None:
     for handler in list(root.handlers):
         root.removeHandler(handler)
     if not is_main:
-        logging.basicConfig(level=logging.WARNING, format="[rank %(process)d] %(levelname)s %(name)s: %(message)s")
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
         return
     console = RichHandler(show_path=False, show_time=False, markup=False, rich_tracebacks=False)
     console.setFormatter(logging.Formatter("%(message)s"))

@@ -235,6 +235,7 @@ class Trainer:
         else:
             where = f"non-finite gradient at step {verdict.step} (the loss was finite on every rank)"
         if self.cfg.trainer.on_nonfinite == "raise":
+            PROGRESS.at(step=verdict.step)  # read one step late: the failure is that step's
             raise NonFiniteStep(f"{where}: lower optim.lr, set trainer.clip_grad, or trainer.on_nonfinite=skip to "
                                 "skip such steps")
         self.optimizer.zero_grad(set_to_none=True)
@@ -555,6 +556,7 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     detectors, detections.json) into `run_dir`."""
     prepare_rank(cfg, layout, run_dir)
     seed_everything(cfg.trainer.seed)
+    PROGRESS.at("loading the weights")
     checkpoint = Path(cfg.model.weights) if cfg.model.weights and Path(cfg.model.weights).is_dir() else None
     if checkpoint is not None:  # a DCP checkpoint directory: read into whatever layout this run has
         cfg.model.weights = None
@@ -563,6 +565,7 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
         load_model_state(checkpoint, unwrap(model), layout)
         cfg.model.weights = str(checkpoint)
     task = build_task(cfg, layout, train=False)
+    PROGRESS.at("evaluating")
     metrics = task.evaluate(unwrap(model), layout, autocast_for(cfg.trainer.precision, layout.device), run_dir)
     if layout.is_main:
         (run_dir / "eval.json").write_text(json.dumps({"weights": cfg.model.weights, **metrics}, indent=2))

@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from visiondist.compat import all_gather_into, reduce_scatter_into
+
 
 class TPComm:
     """The tensor-parallel group of this rank, and the traffic its collectives caused.
@@ -66,7 +68,7 @@ class TPComm:
         """(B, n_local, C) chunks of every rank -> (B, n_tokens, C), padding cut off."""
         b, n_local, c = local.shape
         out = local.new_empty(self.size * b, n_local, c)
-        dist.all_gather_single(out, local.contiguous(), group=self.group)
+        all_gather_into(out, local.contiguous(), self.group)
         self.record("all_gather", out)
         full = out.view(self.size, b, n_local, c).transpose(0, 1).reshape(b, self.size * n_local, c)
         return full[:, :n_tokens]
@@ -77,7 +79,7 @@ class TPComm:
         b, n, c = full.shape
         chunks = full.view(b, self.size, n // self.size, c).transpose(0, 1).contiguous()
         out = full.new_empty(b, n // self.size, c)
-        dist.reduce_scatter_single(out, chunks.view(self.size * b, n // self.size, c), group=self.group)
+        reduce_scatter_into(out, chunks.view(self.size * b, n // self.size, c), self.group)
         self.record("reduce_scatter", full)
         return out
 

@@ -66,7 +66,7 @@ class Layout:
         return tensor
 
     def describe(self) -> str:
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} ({self.world_size} ranks on {self.device.type})"
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} ({self.world_size} rank{'s' if self.world_size > 1 else ''} on {self.device.type})"
 
     def placement(self) -> list[str]:
         """Where each mesh dimension's groups sit: e.g. `tp groups [0, 1] [2, 3]: each inside one node`."""

@@ -239,6 +239,10 @@ def _timed_stage_class():
     """`PipelineStage` that reports each forward / backward of a micro-batch to a `Recorder` and counts its sends."""
     from torch.distributed.pipelining import PipelineStage
 
+    from visiondist.compat import check_pipeline_stage
+
+    check_pipeline_stage()  # it overrides private methods: a torch release that changed them fails here, by name
+
     class TimedStage(PipelineStage):
         recorder: Optional[Recorder] = None
         counter: Optional[P2PCounter] = None

@@ -1,0 +1,67 @@
+"""The PyTorch releases visiondist runs on (2.11 through 2.15) differ in a few APIs; this module is the one place
+that knows, by feature detection (never a version string), and the rest of the code calls it.
+
+- `set_pg_timeout`: `torch.distributed.set_timeout` (newer) or `distributed_c10d._set_pg_timeout` (2.11).
+- `all_gather_into` / `reduce_scatter_into`: `all_gather_single` / `reduce_scatter_single` (newer) or
+  `all_gather_into_tensor` / `reduce_scatter_tensor` (2.11); the same argument order.
+- `PIPELINE_STAGE_OVERRIDES`: the private `PipelineStage` methods the timed stage wraps, with the parameters it
+  passes; `check_pipeline_stage` (and a test) fails loudly when a release changes them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+SUPPORTED = "torch 2.11 through 2.15"
+
+
+def set_pg_timeout(timeout: timedelta, group: Optional[Any] = None) -> None:
+    """Later collectives on `group` (default: the world) fail after `timeout`."""
+    if hasattr(dist, "set_timeout"):
+        dist.set_timeout(timeout, group) if group is not None else dist.set_timeout(timeout)
+    else:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(timeout, group)
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """Every rank's `inp` concatenated along dim 0 into `out`."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp, group=group)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """The sum over ranks of `inp`, this rank's dim-0 chunk of it into `out`."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, inp, group=group)
+
+
+# PipelineStage methods the timed stage overrides -> the parameters it passes on (private API: checked)
+PIPELINE_STAGE_OVERRIDES = {
+    "get_fwd_send_ops": ("fwd_chunk_id",),
+    "get_bwd_send_ops": ("bwd_chunk_id",),
+    "forward_one_chunk": ("fwd_chunk_id",),
+    "backward_one_chunk": ("bwd_chunk_id", "loss", "full_backward", "last_backward"),
+    "backward_weight_one_chunk": ("bwd_chunk_id", "last_backward"),
+}
+
+
+def check_pipeline_stage() -> None:
+    """Raise if this torch's `PipelineStage` lacks a method the timed stage overrides or one of its parameters."""
+    from torch.distributed.pipelining import PipelineStage
+
+    for name, params in PIPELINE_STAGE_OVERRIDES.items():
+        method = getattr(PipelineStage, name, None)
+        if method is None:
+            raise RuntimeError(f"torch {torch.__version__}: PipelineStage.{name} is gone; visiondist supports "
+                               f"{SUPPORTED}")
+        missing = set(params) - set(inspect.signature(method).parameters)
+        if missing:
+            raise RuntimeError(f"torch {torch.__version__}: PipelineStage.{name} lacks {sorted(missing)}; "
+                               f"visiondist supports {SUPPORTED}")
