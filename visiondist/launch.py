@@ -248,7 +248,14 @@ def _start_watchdog(run_dir: Path, top_level: bool):
 
 
 def _record(run_dir: Optional[Path], exc: BaseException) -> None:
-    from visiondist.engine.failures import HANG_DIR, dump_stacks, is_collective_timeout, one_line, record_failure
+    from visiondist.engine.failures import (
+        FAILURE_DIR,
+        HANG_DIR,
+        dump_stacks,
+        is_collective_timeout,
+        one_line,
+        record_failure,
+    )
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     cause = ""
@@ -258,7 +265,9 @@ def _record(run_dir: Optional[Path], exc: BaseException) -> None:
             cause = f"{one_line(exc)}; the stacks of every thread are in {run_dir / HANG_DIR}"
         except OSError:
             pass
-    record_failure(run_dir, rank, exc, cause)
+    line = record_failure(run_dir, rank, exc, cause)
+    where = f" (traceback: {run_dir / FAILURE_DIR / f'rank{rank}.txt'})" if run_dir is not None else ""
+    exc.visiondist_line = line + where  # type: ignore[attr-defined]
 
 
 @record  # a failing rank's traceback reaches the launcher's error report, not just its exit code
@@ -339,11 +348,10 @@ class RunFailed(Exception):
 def _one_line_failure(run_dir: Optional[Path]):
     """Turn a rank's exception (this process's, or the elastic launcher's report of a spawned rank's) into
     `RunFailed` with the earliest rank's line from the run dir's failure records."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from visiondist.engine.failures import RANK_ERRORS, first_failure, one_line
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:
         yield
@@ -357,10 +365,8 @@ def _one_line_failure(run_dir: Optional[Path]):
                    else f"exit code {failure.exitcode}")
             raise RunFailed(f"rank {rank} ended ({why}) without a report: see the output above") from None
         raise RunFailed(f"{found.line} (traceback: {found.file})") from None
-    except RANK_ERRORS as exc:
-        found = first_failure(run_dir) if run_dir is not None else None
-        line = f"{found.line} (traceback: {found.file})" if found is not None else one_line(exc)
-        raise RunFailed(line) from exc
+    except RANK_ERRORS as exc:  # this process's own rank: its line (torchrun: each rank says its own)
+        raise RunFailed(getattr(exc, "visiondist_line", None) or one_line(exc)) from exc
 
 
 @contextmanager
