@@ -37,3 +37,65 @@ def test_the_pipeline_stage_methods_we_override_exist_with_their_parameters(monk
     monkeypatch.setattr(PipelineStage, "backward_weight_one_chunk", None)  # what a release that removed it looks like
     with pytest.raises(RuntimeError, match="PipelineStage.backward_weight_one_chunk is gone"):
         compat.check_pipeline_stage()
+
+
+def test_each_rank_finds_its_gpu_also_when_bound_to_one():
+    from visiondist.config import ConfigError
+    from visiondist.launch import cuda_index
+
+    assert [cuda_index(r, 8) for r in (0, 3, 7)] == [0, 3, 7]
+    assert cuda_index(3, 1) == 0  # SLURM --gpus-per-task=1: every task sees its own GPU as cuda:0
+    with pytest.raises(ConfigError, match="LOCAL_RANK=3 but this process sees 2 GPUs"):
+        cuda_index(3, 2)
+
+
+def test_tf32_is_switched_on_for_cuda_fp32_matmuls():
+    from visiondist.launch import set_tf32
+
+    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    try:
+        set_tf32(True)
+        assert (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == ("tf32",) * 2
+        set_tf32(False)
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+
+
+def test_fsdp_gathers_bf16_weights_in_bf16_runs(one_rank):
+    """The FSDP policy of a bf16 run: weights gathered for the forward are bf16 (half the all-gather bytes), the
+    shards the optimizer updates stay fp32."""
+    from omegaconf import OmegaConf
+
+    from visiondist.config import ModelConfig
+    from visiondist.models import build_model
+    from visiondist.parallel import build_layout, parallelize
+
+    cfg = OmegaConf.structured(ModelConfig(name="vit_tiny", img_size=32, num_classes=3, embed_dim=32, depth=2,
+                                           num_heads=2, mlp_ratio=2.0, min_size=32, max_size=32))
+    seen = []
+    for dtype in (torch.bfloat16, None):
+        model = build_model(cfg)
+        model.blocks[0].register_forward_pre_hook(lambda m, _: seen.append(next(m.parameters()).dtype))
+        model = parallelize(model, build_layout(1, 1, 1, torch.device("cpu"), 0), fsdp=True, param_dtype=dtype)
+        model(torch.randn(2, 3, 32, 32)).float().sum().backward()
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert seen == [torch.bfloat16, torch.float32]
+
+
+def test_blocks_with_drop_path_share_their_compiled_graphs():
+    """Per-block drop-path rates used to compile one graph per block (dynamo specialises on float attributes) and
+    stop compiling at its recompile limit of 8: ViT-B/L/H ran most blocks eager."""
+    from torch._dynamo.testing import CompileCounter
+
+    from visiondist.models.vit import VisionTransformer
+    from visiondist.parallel.fsdp import compile_blocks
+
+    torch._dynamo.reset()
+    model = VisionTransformer(img_size=32, patch_size=16, num_classes=3, embed_dim=32, depth=12, num_heads=2,
+                              drop_path_rate=0.2)
+    counter = CompileCounter()
+    compile_blocks(model, backend=counter)
+    model.train()
+    model(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert counter.frame_count <= 2, counter.frame_count  # block 0 (rate 0) and the others

@@ -161,6 +161,7 @@ class TrainerConfig:
     max_epochs: int = 10
     seed: int = 0
     precision: str = "32"
+    tf32: bool = True  # CUDA: fp32 matmuls / convolutions in TF32 (10-bit mantissa, several times faster); false: ieee
     compile: bool = False  # torch.compile each transformer block (ViT and ViTDet)
     grad_accum: int = 1
     clip_grad: float = 0.0  # max global grad norm; 0 disables clipping

@@ -81,22 +81,47 @@ def _set_threads(local_world: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
-def _init_rank(plan: WorldPlan, single: bool, startup_timeout_s: float = 1800.0) -> tuple[torch.device, int]:
+def _init_rank(plan: WorldPlan, single: bool, startup_timeout_s: float = 1800.0,
+               tf32: bool = True) -> tuple[torch.device, int]:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     _set_threads(plan.nproc_per_node)
+    device_id = None
     if plan.accelerator == "cuda":
-        device = torch.device("cuda", local_rank)
+        device = device_id = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
         backend = "nccl"
+        set_tf32(tf32)
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         timeout = timedelta(seconds=startup_timeout_s)  # shortened to trainer.dist_timeout_s after the first step
+        # device_id (NCCL): the communicator is created now, and mesh sub-groups split from it instead of each
+        # building its own
         if single:  # one process: an in-memory store, no ports
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                    device_id=device_id)
         else:
-            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+            dist.init_process_group(backend, init_method="env://", timeout=timeout, device_id=device_id)
     return device, local_rank
+
+
+def cuda_index(local_rank: int, visible: int) -> int:
+    """The GPU of a rank: its local rank, or the only visible GPU when each task is bound to one (SLURM
+    `--gpus-per-task=1`, or CUDA_VISIBLE_DEVICES set per rank), whatever its local rank."""
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise ConfigError(f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs: start at most {visible} ranks "
+                      "per node, or bind one GPU per task")
+
+
+def set_tf32(enabled: bool) -> None:
+    """fp32 matmuls and convolutions on CUDA in TF32 (`trainer.tf32`): several times the fp32 rate on A100 / H100,
+    with a 10-bit mantissa; off: full fp32 ("ieee")."""
+    precision = "tf32" if enabled else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision
 
 
 def _shared_run_dir(cfg: DictConfig) -> Path:
@@ -192,7 +217,7 @@ def run_rank(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: Optional[st
     if run_dir is not None:
         _flight_recorder(Path(run_dir), plan.accelerator)
     device, local_rank = _init_rank(plan, single=plan.world_size == 1 and not plan.under_torchrun,
-                                    startup_timeout_s=cfg.trainer.startup_timeout_s)
+                                    startup_timeout_s=cfg.trainer.startup_timeout_s, tf32=cfg.trainer.tf32)
     STOP.received = None
     signals = STOP.install()
     path, watchdog = (Path(run_dir) if run_dir else None), None

@@ -527,7 +527,8 @@ def _parallelize(model: torch.nn.Module, cfg: DictConfig, layout: Layout, loss_f
     p = cfg.parallel
     return parallelize(model, layout, p.sequence_parallel, PipelineSpec.from_config(p), loss_fn, fsdp=p.fsdp,
                        offload=p.offload, activation_checkpointing=p.activation_checkpointing,
-                       checkpoint_blocks=p.checkpoint_blocks, compile=cfg.trainer.compile)
+                       checkpoint_blocks=p.checkpoint_blocks, compile=cfg.trainer.compile,
+                       param_dtype=torch.bfloat16 if str(cfg.trainer.precision) == "bf16" else None)
 
 
 def autocast_for(precision: str, device: torch.device):

@@ -62,17 +62,24 @@ class Mlp(nn.Module):
 
 
 class DropPath(nn.Module):
-    """Stochastic depth: drop the whole residual branch per sample."""
+    """Stochastic depth: drop the whole residual branch per sample.
+
+    The keep probability is a (non-persistent) buffer, not a Python float: every block has its own rate, and
+    torch.compile specialises on float attributes, so a float would compile one graph per block and hit dynamo's
+    recompile limit (8) in deep models. With the buffer all blocks share one graph (two: with and without drop)."""
 
     def __init__(self, p: float):
         super().__init__()
         self.p = p
+        self.active = p > 0.0
+        self.register_buffer("keep_prob", torch.tensor(1.0 - p), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.p == 0.0 or not self.training:
+        if not self.active or not self.training:
             return x
-        keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1 - self.p)
-        return x * keep / (1 - self.p)
+        keep_prob = self.keep_prob.to(x.dtype)
+        keep = torch.bernoulli(keep_prob.expand((x.shape[0],) + (1,) * (x.ndim - 1)))
+        return x * keep / keep_prob
 
 
 class Block(nn.Module):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import torch
 from torch import nn
 
 from visiondist.parallel.data import unwrap, wrap_data_parallel
@@ -50,14 +51,15 @@ __all__ = [
 def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = False,
                 pipeline: Optional[PipelineSpec] = None, loss_fn: Optional[Callable] = None, fsdp: bool = False,
                 offload: bool = False, activation_checkpointing: bool = False, checkpoint_blocks: int = -1,
-                compile: bool = False) -> nn.Module:
+                compile: bool = False, param_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out over the mesh.
 
     With `layout.pp > 1` the result is this rank's `PipelinedViT` (its stages, TP-sharded inside when tp > 1); its
     gradients are averaged over data parallel by `average_over_data_parallel` after the schedule's backward, as
     Megatron does, instead of by a DDP wrapper; its last stage computes `loss_fn(logits, labels)` (default: cross
     entropy). With `fsdp` it is the model fully sharded over DP (FSDP2; `offload` keeps the shards in host memory).
-    Otherwise it is the model, under DDP when dp > 1. `activation_checkpointing` recomputes each block's activations
+    `param_dtype` (bf16 runs): FSDP gathers the weights in that dtype. Otherwise it is the model, under DDP when
+    dp > 1. `activation_checkpointing` recomputes each block's activations
     in the backward (`checkpoint_blocks` > 0: only the first that many blocks), under any layout; `compile` compiles
     each block (before any sharding wrapper, as FSDP2 expects).
     """
@@ -68,7 +70,7 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
     if fsdp:
         if layout.tp > 1 or layout.pp > 1:
             raise ValueError("FSDP shards over data parallel only here: use tp=1 and pp=1 with fsdp")
-        return apply_fsdp(model, layout, offload)
+        return apply_fsdp(model, layout, offload, param_dtype)
     if layout.tp > 1:
         model = apply_tensor_parallel(model, layout.tp_comm, sequence_parallel)
     if layout.pp > 1:

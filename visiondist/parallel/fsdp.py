@@ -14,6 +14,7 @@ under their global shapes, so any layout resumes from them), EMA and export work
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -43,26 +44,30 @@ def enable_activation_checkpointing(model: nn.Module, blocks: int = -1) -> int:
     return len(chosen)
 
 
-def compile_blocks(model: nn.Module) -> int:
+def compile_blocks(model: nn.Module, backend=None) -> int:
     """`torch.compile` each transformer block in place (its checkpointing, if any, included). The blocks share one
-    compiled graph: their parameters are graph inputs. Returns the number of blocks."""
+    compiled graph: their parameters and buffers are graph inputs. Returns the number of blocks."""
     found = _blocks(model)
     if not found:
         raise ValueError(f"trainer.compile compiles transformer blocks; {type(model).__name__} has none: drop it")
     for block in found:
-        block.compile()
+        block.compile(**({"backend": backend} if backend is not None else {}))
     return len(found)
 
 
-def apply_fsdp(model: nn.Module, layout: Layout, offload: bool = False) -> nn.Module:
-    """Shard `model` over the DP ranks in place: one FSDP unit per block, the root over the rest."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+def apply_fsdp(model: nn.Module, layout: Layout, offload: bool = False,
+               param_dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Shard `model` over the DP ranks in place: one FSDP unit per block, the root over the rest. With `param_dtype`
+    (bf16 runs) the gathered weights are in that dtype, so the all-gathers move half the bytes; gradients are still
+    reduced in fp32 and the shards the optimizer updates stay fp32."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = layout.mesh["dp"]
     policy = CPUOffloadPolicy(pin_memory=layout.device.type == "cuda") if offload else OffloadPolicy()
+    mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for block in _blocks(model):
-        fully_shard(block, mesh=mesh, offload_policy=policy)
-    fully_shard(model, mesh=mesh, offload_policy=policy)
+        fully_shard(block, mesh=mesh, offload_policy=policy, mp_policy=mixed)
+    fully_shard(model, mesh=mesh, offload_policy=policy, mp_policy=mixed)
     return model
 
 
