@@ -184,7 +184,7 @@ def test_the_printed_continue_command_resumes_the_run_as_it_was(tmp_path, tiny_s
     code, out, _ = run_job(args(tiny_shapes, run, "data.batch_size=8", "trainer.max_steps=12", "trainer.stop_at_step=4",
                                 "trainer.checkpoint_every=100"), script=TRAIN)
     assert code == 0, out[-3000:]
-    command = (run / "train.log").read_text().split("continue with ")[1].split()[:2]  # the console wraps lines
+    command = out.split("continue with ")[-1].split()[:2]  # the last line, unwrapped
     assert command == ["trainer.resume=auto", f"trainer.run_dir={run}"], command
     config = (run / "config.yaml").read_bytes()
 

@@ -342,22 +342,23 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> WorldPl
     cfg_dict = to_container(cfg)
     if plan.under_torchrun:  # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
         with _one_line_failure(None):
-            _raise_if_stopped(run_rank(entry, cfg_dict, plan, None, auto_plan, top_level=True))
+            _report_stop(run_rank(entry, cfg_dict, plan, None, auto_plan, top_level=True))
         return plan
     run_dir = new_run_dir(cfg)
     if auto_plan is not None:
         _write_plan(run_dir, auto_plan)
     if plan.world_size == 1:
         with _one_line_failure(run_dir):
-            _raise_if_stopped(run_rank(entry, cfg_dict, plan, str(run_dir), top_level=True))
+            _report_stop(run_rank(entry, cfg_dict, plan, str(run_dir), top_level=True))
         return plan
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:
         with _one_line_failure(run_dir), _quiet_agent():
-            spawn_local(_elastic_worker, plan.nproc_per_node, entry, cfg_dict, plan, str(run_dir),
-                        max_restarts=cfg.trainer.max_restarts)
+            results = spawn_local(_elastic_worker, plan.nproc_per_node, entry, cfg_dict, plan, str(run_dir),
+                                  max_restarts=cfg.trainer.max_restarts)
+        _report_stop(results.get(0))
     except SignalException as exc:  # the ranks got the signal too: they checkpointed and left
         raise JobStopped(signal.Signals(exc.sigval).name, str(run_dir)) from None
     return plan
@@ -408,9 +409,16 @@ def _quiet_agent():
             logger.setLevel(level)
 
 
-def _raise_if_stopped(result: Any) -> None:
-    if isinstance(result, dict) and result.get("stopped by"):
+def _report_stop(result: Any) -> None:
+    """A job that stopped early says how to continue, in one unwrapped line: raised for a signal (exit 128 + signal),
+    printed for `trainer.stop_at_step` (exit 0)."""
+    if not isinstance(result, dict) or "stopped at step" not in result:
+        return
+    if result.get("stopped by"):
         raise JobStopped(result["stopped by"], result["run dir"])
+    if os.environ.get("RANK", "0") == "0":
+        print(f"stopped after step {result['stopped at step']} (trainer.stop_at_step); continue with "
+              f"trainer.resume=auto trainer.run_dir={result['run dir']}", flush=True)
 
 
 class JobStopped(Exception):
