@@ -120,17 +120,19 @@ class StepHealth:
         return Verdict(step, ranks, values[-2] > 0, values[-1] > 0)
 
 
-def set_collective_timeout(seconds: float, groups) -> None:
-    """Every later collective on the default group and on `groups` fails after `seconds` instead of waiting."""
+def set_collective_timeout(seconds: float, groups, quiet: bool = False, key: str = "trainer.dist_timeout_s") -> None:
+    """Every later collective on the default group and on `groups` fails after `seconds` instead of waiting; the
+    hang watchdog's limit follows."""
     from visiondist.engine.failures import PROGRESS
 
     timeout = timedelta(seconds=seconds)
-    PROGRESS.limit_s, PROGRESS.limit_key = seconds, "trainer.dist_timeout_s"  # the watchdog's limit too
+    PROGRESS.limit_s, PROGRESS.limit_key = seconds, key  # the watchdog's limit too
     set_pg_timeout(timeout)
     for group in groups:
         if group is not None and group != dist.GroupMember.WORLD:
             set_pg_timeout(timeout, group)
-    log.info("collective timeout now %gs (trainer.dist_timeout_s)", seconds)
+    if not quiet:
+        log.info("collective timeout now %gs (trainer.dist_timeout_s)", seconds)
 
 
 def ignore_stop_signals() -> None:

@@ -361,6 +361,10 @@ class Trainer:
         if last_saved != self.step:  # the checkpoint and the weights first: a failing evaluation loses neither
             self.save_checkpoint()
         weights = self._save_weights()
+        if self.layout.world_size > 1:  # rank 0 consolidated alone (minutes for a huge model): wait for it
+            set_collective_timeout(t.startup_timeout_s, self._groups(), quiet=True, key="trainer.startup_timeout_s")
+            torch.distributed.barrier()
+            set_collective_timeout(t.dist_timeout_s, self._groups(), quiet=True)
         if self.last_eval.get("step") != self.step:
             self.evaluate()
         return self._finish(final_loss, window.total_seconds, weights)
