@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On one GPU machine with torch preinstalled and no network: install the wheels benchmarks/gpu/fetch_wheels.sh
+# brought along (.whl/ at the repository root), then run the GPU tests (`pytest -m gpu`, which CI skips) and the GPU
+# benchmark rows. Everything it prints also goes to $OUT (default benchmarks/gpu/out): device.txt, gpu_tests.txt,
+# bench_*.txt and the benchmark's results.jsonl / results.md. Each part runs even when an earlier one failed; the
+# exit code is the number of parts that failed. Takes about 15 minutes on an H100.
+#   usage: bash benchmarks/gpu/run.sh [tests|bench|all]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+what=${1:-all}
+out=${OUT:-benchmarks/gpu/out}
+mkdir -p "$out"
+python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || { echo "the wheels in .whl/ did not install: run benchmarks/gpu/fetch_wheels.sh first"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VISIONDIST_DATA=/tmp/visiondist-data
+failed=0
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__,
+'| CUDA', torch.version.cuda, '|', torch.cuda.get_device_name())"
+} 2>&1 | tee "$out/device.txt"
+
+if [[ $what == tests || $what == all ]]; then
+    python3 -m pytest -p no:cacheprovider -n 0 -m gpu -rA tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
+fi
+
+bench() {  # name, then tools/benchmark.py arguments
+    local name=$1; shift
+    python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out" "$@" 2>&1 | tee "$out/bench_$name.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
+}
+if [[ $what == bench || $what == all ]]; then
+    bench vit_base model=vit_base data.img_size=224 data.batch_size=256 trainer.precision=bf16 \
+        "bench.variants=['trainer.compile=true']"
+    bench vit_huge model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 \
+        "bench.variants=['trainer.compile=true']"
+    bench frcnn_r50 model=fasterrcnn_r50 data=shapes_coco data.min_size=800 data.max_size=1333 data.batch_size=8 \
+        trainer.precision=bf16 "bench.variants=['model.channels_last=true']"
+fi
+echo "parts failed: $failed"
+exit "$failed"
