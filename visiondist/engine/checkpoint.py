@@ -43,7 +43,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
-from visiondist.parallel.tensor import SHARD_DIM
+from visiondist.parallel.tensor import SHARD_DIM, persistent_buffers
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,8 @@ def model_state(model: nn.Module, layout=None) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         state[name] = _canonical(param.detach(), param, mesh)
-    for name, buffer in model.named_buffers():
-        if buffer is not None and name not in state:
+    for name, buffer in persistent_buffers(model):
+        if name not in state:
             state[name] = buffer.detach()
     return state
 

@@ -223,11 +223,20 @@ def _register_builtin_plans() -> None:
 _register_builtin_plans()
 
 
+def persistent_buffers(model: nn.Module):
+    """(name, buffer) of the buffers a state dict holds: not the non-persistent ones (e.g. drop path's keep
+    probability), which are rebuilt from the config."""
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
 @torch.no_grad()
 def full_state_dict(model: nn.Module, comm: Optional[TPComm]) -> dict[str, torch.Tensor]:
     """The canonical (unsharded) state dict, identical to the single-device model's, on every TP rank."""
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+    for name, tensor in [*model.named_parameters(), *persistent_buffers(model)]:
         dim = getattr(tensor, SHARD_DIM, None)
         if dim is None or comm is None:
             out[name] = tensor.detach().clone()
