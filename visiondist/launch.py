@@ -212,8 +212,7 @@ def run_rank(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: Optional[st
     from visiondist.parallel import build_layout
 
     cfg = from_container(cfg_dict)
-    PROGRESS.__init__()
-    PROGRESS.limit_s = cfg.trainer.startup_timeout_s
+    PROGRESS.reset(cfg.trainer.startup_timeout_s)
     if run_dir is not None:
         _flight_recorder(Path(run_dir), plan.accelerator)
     device, local_rank = _init_rank(plan, single=plan.world_size == 1 and not plan.under_torchrun,

@@ -57,16 +57,18 @@ def continue_config(fresh: DictConfig, saved: DictConfig, overrides: list[str]) 
     fixed = [k for k in changes if k.startswith(FIXED)]
     if fixed and not cfg.trainer.allow_changes:
         first = fixed[0]
+        was, asked = OmegaConf.select(saved, first), OmegaConf.select(cfg, first)
+        more = f" (and {len(fixed) - 1} more)" if len(fixed) > 1 else ""
         raise ConfigError(
-            f"trainer.run_dir={cfg.trainer.run_dir} was trained with {first}={_get(saved, first)}, this command "
-            f"asks {first}={_get(cfg, first)}{f' (and {len(fixed) - 1} more)' if len(fixed) > 1 else ''}: drop the "
-            "override to continue the run as it was, start a new run dir, or add trainer.allow_changes=true")
+            f"trainer.run_dir={cfg.trainer.run_dir} was trained with {first}={was}, this command asks {first}={asked}"
+            f"{more}: drop the override to continue the run as it was, start a new run dir, or add "
+            "trainer.allow_changes=true")
     return cfg  # type: ignore[return-value]
 
 
 def changed_keys(a: DictConfig, b: DictConfig) -> list[str]:
     """Dotted keys whose values differ (trainer.run_dir and trainer.resume are not a change)."""
-    flat_a, flat_b = _flatten(OmegaConf.to_container(a, resolve=True)), _flatten(OmegaConf.to_container(b, resolve=True))
+    flat_a, flat_b = (_flatten(OmegaConf.to_container(c, resolve=True)) for c in (a, b))
     keys = sorted(set(flat_a) | set(flat_b))
     return [k for k in keys if flat_a.get(k) != flat_b.get(k) and k not in PER_PROCESS]
 
@@ -80,13 +82,9 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _get(cfg: DictConfig, key: str) -> Any:
-    return OmegaConf.select(cfg, key)
-
-
 def record_attempt(run_dir: Path, saved: DictConfig, cfg: DictConfig) -> None:
     """Append this continuation's changes to `<run>/attempts.jsonl` (config.yaml keeps the first attempt's)."""
-    changes = {k: _get(cfg, k) for k in changed_keys(saved, cfg)}
+    changes = {k: OmegaConf.select(cfg, k) for k in changed_keys(saved, cfg)}
     line = json.dumps({"time": dt.datetime.now().isoformat(timespec="seconds"), "changes": changes}, default=str)
     with (Path(run_dir) / ATTEMPTS).open("a") as f:
         f.write(line + "\n")

@@ -44,11 +44,15 @@ RANK_ERRORS = (Exception, CheckpointException)
 class Progress:
     """This rank's phase ("starting", "training", "evaluating", "saving a checkpoint", ...) and optimizer step."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit_s: float = 1800.0) -> None:
+        self.reset(limit_s)
+
+    def reset(self, limit_s: float) -> None:
+        """A rank starts: nothing done yet; the watchdog's limit is `trainer.startup_timeout_s` (after the first step:
+        `trainer.dist_timeout_s`)."""
         self.phase, self.step = "starting", 0
         self.beat = time.monotonic()
-        self.limit_s = 1800.0  # the watchdog's: trainer.startup_timeout_s, then trainer.dist_timeout_s
-        self.limit_key = "trainer.startup_timeout_s"
+        self.limit_s, self.limit_key = limit_s, "trainer.startup_timeout_s"
 
     def at(self, phase: Optional[str] = None, step: Optional[int] = None) -> None:
         """Something progressed: record where, and feed the watchdog."""
@@ -203,6 +207,6 @@ class Watchdog:
             time.sleep(1.0)  # the workers write their stacks; the peers' watchdogs fire about now too
         except OSError:
             pass
-        cause = (f"hang: {reason} (the limit is {PROGRESS.limit_key}={PROGRESS.limit_s:g}); the stacks of every thread are in "
-                 f"{self.run_dir / HANG_DIR}")
+        cause = (f"hang: {reason} (the limit is {PROGRESS.limit_key}={PROGRESS.limit_s:g}); the stacks of every "
+                 f"thread are in {self.run_dir / HANG_DIR}")
         self._on_fire(record_failure(self.run_dir, self.rank, None, cause))
