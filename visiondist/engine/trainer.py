@@ -37,7 +37,8 @@ from visiondist.engine.logging import MetricsLogger, setup_logging
 from visiondist.engine.optim import build_optimizer, build_scheduler
 from visiondist.engine.report import best_evaluation, draw_evaluation, progress_bar, report_run
 from visiondist.engine.tasks import build_task
-from visiondist.models import build_model, select_attention
+from visiondist.models import build_deferred, build_model, select_attention
+from visiondist.models.init import is_meta, materialize
 from visiondist.parallel import (
     Layout,
     PipelinedViT,
@@ -46,6 +47,7 @@ from visiondist.parallel import (
     clip_grad_norm,
     finish_gradients,
     local_numel,
+    local_part,
     parallelize,
     reshard,
     unwrap,
@@ -91,12 +93,9 @@ class Trainer:
         self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
         t = cfg.trainer
         seed_everything(t.seed)  # the same on every rank: identical initial weights before any broadcast
-        model = build_local_model(cfg.model, layout.device)
-        if cfg.model.sync_bn and layout.dp > 1:
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=layout.dp_group)
-        self.num_params = sum(p.numel() for p in model.parameters())
         loss_fn = functools.partial(torch.nn.functional.cross_entropy, label_smoothing=t.label_smoothing)
-        self.model = _parallelize(model, cfg, layout, loss_fn)
+        self.model = build_laid_out(cfg, layout, loss_fn)
+        self.num_params = num_params(cfg.model)
         self.pipeline = self.model if isinstance(self.model, PipelinedViT) else None
         self.bubble: float | None = None  # measured on one step of a pipelined run
         self.rank_params = sum(local_numel(p) for p in self.model.parameters())
@@ -458,9 +457,9 @@ class Trainer:
         path = self.run_dir / "model.safetensors"
         PROGRESS.at("writing the weights", self.step)
         if self.layout.is_main:
-            model_cfg = self.cfg.model.copy()
-            model_cfg.weights = model_cfg.init_from = None
-            model = build_model(model_cfg)
+            model, _ = build_deferred(self.cfg.model, weights=False)  # every tensor comes from the checkpoint
+            if is_meta(model):
+                materialize(model, "cpu", None)
             load_model_state(self.last_checkpoint, model, no_dist=True)
             tmp = path.with_suffix(".tmp")
             save_weights({k: v.detach().contiguous() for k, v in model.state_dict().items()}, tmp)
@@ -519,20 +518,40 @@ def check_val_images(loader) -> None:
     check_images(paths, "val images")
 
 
-def build_local_model(model_cfg: DictConfig, device: torch.device) -> torch.nn.Module:
-    """The whole model on this rank's device, before any layout: the attention kernel chosen (`model.sdpa`,
-    process-wide) and, with `model.channels_last`, NHWC weights."""
-    select_attention(model_cfg.sdpa)
-    model = build_model(model_cfg).to(device)
-    return model.to(memory_format=torch.channels_last) if model_cfg.channels_last else model
+def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool = True) -> torch.nn.Module:
+    """This rank's model under the layout, with the attention kernel chosen (`model.sdpa`, process-wide).
 
+    A ViT is built on the meta device, laid out (TP shards, pipeline stages, FSDP shards), and only then are this
+    rank's tensors allocated on its device and drawn (or read from `model.weights` / `model.init_from`), each equal
+    to what one process draws for the same seed: no rank ever holds the whole model. `weights=False` leaves them
+    for a checkpoint to fill. Other models are built whole on the CPU, moved to the device, then laid out."""
+    m, p = cfg.model, cfg.parallel
+    select_attention(m.sdpa)
+    model, source = build_deferred(m, weights)
+    fill = None
+    if is_meta(model):
+        device = torch.device("cpu") if p.fsdp and p.offload else layout.device  # FSDP offload: shards on the host
 
-def _parallelize(model: torch.nn.Module, cfg: DictConfig, layout: Layout, loss_fn=None) -> torch.nn.Module:
-    p = cfg.parallel
+        def fill(laid_out: torch.nn.Module) -> None:
+            materialize(laid_out, device, source, local_part(layout))
+    else:
+        model = model.to(layout.device)
+        if m.sync_bn and layout.dp > 1:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=layout.dp_group)
+    if m.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     return parallelize(model, layout, p.sequence_parallel, PipelineSpec.from_config(p), loss_fn, fsdp=p.fsdp,
                        offload=p.offload, activation_checkpointing=p.activation_checkpointing,
                        checkpoint_blocks=p.checkpoint_blocks, compile=cfg.trainer.compile,
-                       param_dtype=torch.bfloat16 if str(cfg.trainer.precision) == "bf16" else None)
+                       param_dtype=torch.bfloat16 if str(cfg.trainer.precision) == "bf16" else None, materialize=fill)
+
+
+def num_params(model_cfg: DictConfig) -> int:
+    """Parameters of the whole model, counted on the meta device."""
+    bare = model_cfg.copy()
+    bare.weights = bare.init_from = bare.backbone_weights = None
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(bare).parameters())
 
 
 def autocast_for(precision: str, device: torch.device):
@@ -563,12 +582,9 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     seed_everything(cfg.trainer.seed)
     PROGRESS.at("loading the weights")
     checkpoint = Path(cfg.model.weights) if cfg.model.weights and Path(cfg.model.weights).is_dir() else None
+    model = build_laid_out(cfg, layout, weights=checkpoint is None)  # a checkpoint fills the tensors itself
     if checkpoint is not None:  # a DCP checkpoint directory: read into whatever layout this run has
-        cfg.model.weights = None
-    model = _parallelize(build_local_model(cfg.model, layout.device), cfg, layout)
-    if checkpoint is not None:
         load_model_state(checkpoint, unwrap(model), layout)
-        cfg.model.weights = str(checkpoint)
     task = build_task(cfg, layout, train=False)
     PROGRESS.at("evaluating")
     metrics = task.evaluate(unwrap(model), layout, autocast_for(cfg.trainer.precision, layout.device), run_dir)

@@ -5,37 +5,33 @@ Models here hold no distributed code; `visiondist.parallel` transforms a finishe
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 
-from visiondist.models.vit import VisionTransformer, from_timm_state_dict, select_attention
-from visiondist.models.weights import init_from, load_local_weights
+from visiondist.models.init import InitSource, materialize
+from visiondist.models.vit import VisionTransformer, init_source, select_attention
 
 
 def _build_vit(cfg: Any) -> nn.Module:
-    model = VisionTransformer(
-        img_size=cfg.img_size,
-        patch_size=cfg.patch_size,
-        num_classes=cfg.num_classes,
-        embed_dim=cfg.embed_dim,
-        depth=cfg.depth,
-        num_heads=cfg.num_heads,
-        mlp_ratio=cfg.mlp_ratio,
-        qkv_bias=cfg.qkv_bias,
-        drop_rate=cfg.drop_rate,
-        drop_path_rate=cfg.drop_path_rate,
-    )
-    if cfg.weights:
-        load_local_weights(model, cfg.weights, convert=_from_timm_if_fused)
-    elif cfg.get("init_from"):
-        init_from(model, cfg.init_from, convert=_from_timm_if_fused)
-    return model
-
-
-def _from_timm_if_fused(state: dict) -> dict:
-    """timm checkpoints fuse q/k/v into `attn.qkv`; ours keep them apart."""
-    return from_timm_state_dict(state) if any(".attn.qkv." in key for key in state) else state
+    """Under `torch.device("meta")` the bare meta model (its values come from `init_source`); otherwise the model
+    with its initial values: `model.weights`, `model.init_from` or the init rules."""
+    device = torch.get_default_device()
+    with torch.device("meta"):
+        model = VisionTransformer(
+            img_size=cfg.img_size,
+            patch_size=cfg.patch_size,
+            num_classes=cfg.num_classes,
+            embed_dim=cfg.embed_dim,
+            depth=cfg.depth,
+            num_heads=cfg.num_heads,
+            mlp_ratio=cfg.mlp_ratio,
+            qkv_bias=cfg.qkv_bias,
+            drop_rate=cfg.drop_rate,
+            drop_path_rate=cfg.drop_path_rate,
+        )
+    return model if device.type == "meta" else materialize(model, device, init_source(cfg, model))
 
 
 def _build_torchvision(cfg: Any) -> nn.Module:
@@ -56,7 +52,24 @@ TASKS = {"vit": "classification", "torchvision": "detection", "vitdet": "detecti
 
 
 def build_model(cfg: Any) -> nn.Module:
-    """Build the model a `ModelConfig` describes (random init, nothing downloaded)."""
+    """Build the model a `ModelConfig` describes (random init or local weights, nothing downloaded)."""
     if cfg.family not in FAMILIES:
         raise ValueError(f"unknown model.family={cfg.family!r}: known families are {', '.join(FAMILIES)}")
     return FAMILIES[cfg.family](cfg)
+
+
+DEFERRED_INIT = {"vit": init_source}  # families built on the meta device and initialised per rank after the layout
+
+
+def build_deferred(cfg: Any, weights: bool = True) -> tuple[nn.Module, Optional[InitSource]]:
+    """A ViT: the model on the meta device and the source of its initial values (`weights=False`: None, the tensors
+    are left for a checkpoint to fill); `visiondist.models.init.materialize` allocates what a rank keeps. Other
+    families: the model built on the CPU and None. Tell the two apart with `visiondist.models.init.is_meta`."""
+    if not weights:  # `model.weights` / `model.init_from` are not read (the backbone's stay: they decide freezing)
+        cfg = cfg.copy()
+        cfg.weights = cfg.init_from = None
+    if cfg.family not in DEFERRED_INIT:
+        return build_model(cfg), None
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return model, DEFERRED_INIT[cfg.family](cfg, model) if weights else None

@@ -4,17 +4,24 @@ Differences from timm are deliberate and layout-only: attention keeps separate `
 parallel plan can shard them by whole heads (a fused qkv weight cannot be column-split naively), and the number of
 heads a module computes is derived from its weight shape, so a sharded copy runs unchanged. `to_timm_state_dict` /
 `from_timm_state_dict` convert to and from timm's keys (fused `qkv`) exactly.
+
+Initialisation is timm's (truncated normal Linear weights, lecun-normal patch embedding, ...), but each parameter is
+drawn from a generator of its own (`visiondist.models.init`), so a model built on the meta device can be laid out first
+and each rank draw only the tensors it keeps, equal to what one process draws.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from typing import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from visiondist.models.init import InitSource, Rule, draw_seed, materialize
 
 _SDPA_SWITCHES = {"flash": "enable_flash_sdp", "efficient": "enable_mem_efficient_sdp", "cudnn": "enable_cudnn_sdp",
                   "math": "enable_math_sdp"}
@@ -74,6 +81,11 @@ class DropPath(nn.Module):
         self.active = p > 0.0
         self.register_buffer("keep_prob", torch.tensor(1.0 - p), persistent=False)
 
+    def reset_buffers(self) -> None:
+        """The buffer again from the rate (after the module's tensors were allocated anew, e.g. off the meta device)."""
+        with torch.no_grad():
+            self.keep_prob.fill_(1.0 - self.p)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.active or not self.training:
             return x
@@ -132,35 +144,54 @@ class VisionTransformer(nn.Module):
         drop_path_rate: float = 0.0,
     ):
         super().__init__()
+        self.init_seed = draw_seed()  # first: the weights depend on the global generator's state alone
         self.num_classes = num_classes
         self.embed_dim = embed_dim
         self.num_heads = num_heads
-        self.patch_embed = PatchEmbed(img_size, patch_size, embed_dim)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
-        rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # linear, as timm
-        self.blocks = nn.Sequential(*(Block(embed_dim, num_heads, mlp_ratio, qkv_bias, r) for r in rates))
-        self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(embed_dim, num_classes)
-        self.reset_parameters()
+        device = torch.get_default_device()
+        with torch.device("meta"):  # shapes only; the values are drawn below, or per rank after a layout
+            self.patch_embed = PatchEmbed(img_size, patch_size, embed_dim)
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+            self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
+            rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # linear, as timm
+            self.blocks = nn.Sequential(*(Block(embed_dim, num_heads, mlp_ratio, qkv_bias, r) for r in rates))
+            self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
+            self.head_drop = nn.Dropout(drop_rate)
+            self.head = nn.Linear(embed_dim, num_classes)
+        if device.type != "meta":  # built under `torch.device("meta")`: stays there (see models.init)
+            materialize(self, device, InitSource(self))
+
+    def init_rules(self) -> dict[str, Rule]:
+        """Parameter name -> how its full value is drawn: timm's init for Linear layers and embeddings, the patch
+        embedding lecun-normal as in the JAX reference."""
+        def trunc_normal(std: float) -> Rule:
+            return lambda t, g: nn.init.trunc_normal_(t, std=std, generator=g)
+
+        def constant(value: float) -> Rule:
+            return lambda t, g: nn.init.constant_(t, value)
+
+        rules: dict[str, Rule] = {"pos_embed": trunc_normal(0.02),
+                                  "cls_token": lambda t, g: nn.init.normal_(t, std=1e-6, generator=g)}
+        for path, module in self.named_modules():
+            prefix = f"{path}." if path else ""
+            if isinstance(module, nn.Linear):
+                rules[prefix + "weight"] = trunc_normal(0.02)
+                if module.bias is not None:
+                    rules[prefix + "bias"] = constant(0.0)
+            elif isinstance(module, nn.LayerNorm):
+                rules[prefix + "weight"], rules[prefix + "bias"] = constant(1.0), constant(0.0)
+        w = self.patch_embed.proj.weight
+        rules["patch_embed.proj.weight"] = trunc_normal(math.sqrt(1.0 / w[0].numel()))
+        rules["patch_embed.proj.bias"] = constant(0.0)
+        return rules
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """timm's init for Linear layers and embeddings; the patch embedding lecun-normal as in the JAX reference."""
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        nn.init.normal_(self.cls_token, std=1e-6)
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.trunc_normal_(module.weight, std=0.02)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
-        w = self.patch_embed.proj.weight
-        nn.init.trunc_normal_(w, std=math.sqrt(1.0 / w[0].numel()))
-        nn.init.zeros_(self.patch_embed.proj.bias)
+        """Draw every parameter anew (a new seed from the global generator)."""
+        self.init_seed = draw_seed()
+        source = InitSource(self)
+        for name, param in self.named_parameters():
+            param.copy_(source(name))
 
     @staticmethod
     def no_weight_decay() -> set[str]:
@@ -209,3 +240,56 @@ def from_timm_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
             continue
         out[key] = value
     return out
+
+
+_FUSED = re.compile(r"^(.*\.attn)\.qkv\.(weight|bias)$")
+
+
+class SplitFusedQKV(Mapping):
+    """timm-layout weights seen under our keys, read lazily: `blocks.<i>.attn.q.weight` is the first third of timm's
+    `blocks.<i>.attn.qkv.weight` (rows ordered q, k, v), read when asked for; every other key passes through."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]):
+        self.state = state
+        self._parts: dict[str, tuple[str, int]] = {}
+        for key in state:
+            match = _FUSED.match(key)
+            if match:
+                for i, name in enumerate(_QKV):
+                    self._parts[f"{match.group(1)}.{name}.{match.group(2)}"] = (key, i)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self._parts:
+            fused, i = self._parts[key]
+            return self.state[fused].chunk(3, dim=0)[i].clone()
+        if _FUSED.match(key):
+            raise KeyError(key)
+        return self.state[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (k for k in self.state if not _FUSED.match(k))
+        yield from self._parts
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def init_source(cfg, model: VisionTransformer) -> InitSource:
+    """Where the (meta) model's initial values come from: `model.weights` (exactly these tensors), `model.init_from`
+    (fine-tuning: a new head when the class count differs, the position embedding resampled), or the init rules.
+    Weights in timm's layout (fused `qkv`) are read as ours."""
+    from visiondist.models.weights import LazyState, check_fits, plan_init_from
+
+    def ours(weights):
+        return SplitFusedQKV(weights) if any(_FUSED.match(k) for k in weights) else weights
+
+    own = model.state_dict()
+    if cfg.weights:
+        state = ours(LazyState(cfg.weights, "model.weights"))
+        check_fits(state, own, "model.weights", cfg.weights, type(model).__name__)
+        return InitSource(model, state)
+    if cfg.get("init_from"):
+        state, fresh = plan_init_from(ours(LazyState(cfg.init_from, "model.init_from")), own, cfg.init_from,
+                                      type(model).__name__)
+        return InitSource(model, state, tuple(fresh))
+    return InitSource(model)

@@ -6,7 +6,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -69,29 +69,106 @@ def load_local_weights(model: nn.Module, path: str, convert: Optional[Callable[[
     model.load_state_dict(convert(state) if convert else state, strict=True)
 
 
-def init_from(model: nn.Module, path: str, convert: Optional[Callable[[dict], dict]] = None,
-              new_head: tuple[str, ...] = ("head.weight", "head.bias")) -> list[str]:
-    """Start fine-tuning from local weights: every tensor must match, except the classifier (`new_head`), which keeps
-    its fresh initialisation when the class count differs, and a ViT's position embedding, resampled to the model's
-    image size. Returns the names left at their initialisation."""
-    state = read_state(path, "model.init_from")
-    state = convert(state) if convert else state
-    own = model.state_dict()
+class LazyState(Mapping):
+    """A local weights file's tensors, each read when asked for: a safetensors file one tensor per read, a torch file
+    memory-mapped. A rank that keeps a shard of each tensor thus never holds the whole file."""
+
+    def __init__(self, path: str, key: str = "model.weights"):
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise FileNotFoundError(f"{key}={path}: no such file")
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            handle = safe_open(str(file), framework="pt")
+            self._keys, self._read = list(handle.keys()), handle.get_tensor
+        else:
+            try:
+                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # a file in torch's legacy format cannot be memory-mapped
+                state = torch.load(file, map_location="cpu", weights_only=True)
+            state = state.get("model", state) if isinstance(state, dict) else state
+            self._keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+            self._read = state.__getitem__
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._read(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class Overlay(Mapping):
+    """`base` with some tensors replaced (a resampled position embedding) or left out (a classifier of another size),
+    read lazily like `base`."""
+
+    def __init__(self, base: Mapping[str, torch.Tensor]):
+        self.base, self.replaced, self.removed = base, {}, set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key in self.removed:
+            raise KeyError(key)
+        return self.replaced[key] if key in self.replaced else self.base[key]
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        self.removed.discard(key)
+        self.replaced[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        self.removed.add(key)
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (k for k in self.base if k not in self.removed)
+        yield from (k for k in self.replaced if k not in self.base)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def check_fits(state: Mapping, own: Mapping[str, torch.Tensor], key: str, path: str, model: str,
+               skipped: tuple[str, ...] = ()) -> None:
+    """Every tensor of the model in `state` and nothing else (`skipped` excepted), or an error naming both sides."""
+    missing = [k for k in own if k not in state and k not in skipped]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        raise ValueError(f"{key}={path} does not fit {model}: missing {', '.join(missing[:5]) or 'nothing'}; "
+                         f"unexpected {', '.join(unexpected[:5]) or 'nothing'}")
+
+
+def plan_init_from(weights: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], path: str, model: str,
+                   new_head: tuple[str, ...] = ("head.weight", "head.bias")) -> tuple[Overlay, list[str]]:
+    """Fine-tuning from local weights: every tensor must match `own` (the model's, by shape; meta tensors do), except
+    the classifier (`new_head`), which keeps its fresh initialisation when the class count differs, and a ViT's
+    position embedding, resampled to the model's image size. Returns the weights to load and the names left at their
+    initialisation."""
+    state = Overlay(weights)
     resample_pos_embed(state, own)
     skipped = [k for k in new_head if k in own and k in state and state[k].shape != own[k].shape]
     for key in skipped:
         del state[key]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in skipped]
-    if missing or unexpected:
-        raise ValueError(f"model.init_from={path} does not fit {type(model).__name__}: missing "
-                         f"{', '.join(missing[:5]) or 'nothing'}; unexpected {', '.join(unexpected[:5]) or 'nothing'}")
+    check_fits(state, own, "model.init_from", path, model, tuple(skipped))
     if skipped:
         log.info("model.init_from: %s re-initialised (the file has another number of classes)", ", ".join(skipped))
+    return state, skipped
+
+
+def init_from(model: nn.Module, path: str, convert: Optional[Callable[[Mapping], Mapping]] = None,
+              new_head: tuple[str, ...] = ("head.weight", "head.bias")) -> list[str]:
+    """`plan_init_from` applied to a built model: its weights loaded, the names left at their initialisation
+    returned."""
+    weights = LazyState(path, "model.init_from")
+    state, skipped = plan_init_from(convert(weights) if convert else weights, model.state_dict(), path,
+                                    type(model).__name__, new_head)
+    model.load_state_dict({k: state[k] for k in state}, strict=False)
     return skipped
 
 
-def resample_pos_embed(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor], key: str = "pos_embed",
+def resample_pos_embed(state: Overlay, own: Mapping[str, torch.Tensor], key: str = "pos_embed",
                        prefix_tokens: int = 1) -> None:
     """ViT weights made for another image size: their position embedding resampled to the model's grid the way timm
     does (bicubic, the class token kept), in `state`."""

@@ -25,7 +25,7 @@ from visiondist.parallel.fsdp import (
 from visiondist.parallel.grad import average_over_data_parallel, clip_grad_norm, finish_gradients
 from visiondist.parallel.mesh import Layout, build_layout
 from visiondist.parallel.pipeline import PipelinedViT, PipelineSpec
-from visiondist.parallel.tensor import apply_tensor_parallel, full_state_dict
+from visiondist.parallel.tensor import SHARD_DIM, apply_tensor_parallel, full_state_dict
 
 __all__ = [
     "Layout",
@@ -42,6 +42,7 @@ __all__ = [
     "full_state_dict",
     "is_fully_sharded",
     "local_numel",
+    "local_part",
     "parallelize",
     "reshard",
     "unwrap",
@@ -51,8 +52,13 @@ __all__ = [
 def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = False,
                 pipeline: Optional[PipelineSpec] = None, loss_fn: Optional[Callable] = None, fsdp: bool = False,
                 offload: bool = False, activation_checkpointing: bool = False, checkpoint_blocks: int = -1,
-                compile: bool = False, param_dtype: Optional[torch.dtype] = None) -> nn.Module:
+                compile: bool = False, param_dtype: Optional[torch.dtype] = None,
+                materialize: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
     """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out over the mesh.
+
+    A model on the meta device is laid out first and then handed to `materialize`, before any wrapper that needs
+    real tensors (DDP broadcasts them): it allocates and fills this rank's tensors (`local_part` says which part of
+    each full tensor that is).
 
     With `layout.pp > 1` the result is this rank's `PipelinedViT` (its stages, TP-sharded inside when tp > 1); its
     gradients are averaged over data parallel by `average_over_data_parallel` after the schedule's backward, as
@@ -67,10 +73,13 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
         enable_activation_checkpointing(model, checkpoint_blocks)
     if compile:
         compile_blocks(model)
+    materialize = materialize or (lambda _model: None)
     if fsdp:
         if layout.tp > 1 or layout.pp > 1:
             raise ValueError("FSDP shards over data parallel only here: use tp=1 and pp=1 with fsdp")
-        return apply_fsdp(model, layout, offload, param_dtype)
+        model = apply_fsdp(model, layout, offload, param_dtype)
+        materialize(model)
+        return model
     if layout.tp > 1:
         model = apply_tensor_parallel(model, layout.tp_comm, sequence_parallel)
     if layout.pp > 1:
@@ -78,5 +87,31 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
             raise ValueError(f"pipeline parallelism cuts a ViT classifier into stages of blocks; "
                              f"{type(model).__name__} is not one: use parallel.pp=1")
         kwargs = {"loss_fn": loss_fn} if loss_fn is not None else {}
-        return PipelinedViT(model, layout, pipeline or PipelineSpec(), sequence_parallel=sequence_parallel, **kwargs)
+        model = PipelinedViT(model, layout, pipeline or PipelineSpec(), sequence_parallel=sequence_parallel, **kwargs)
+        materialize(model)
+        return model
+    materialize(model)
     return wrap_data_parallel(model, layout)
+
+
+def local_part(layout: Layout) -> Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(name, this rank's parameter, the parameter's full value) -> the part this rank holds: the tensor-parallel
+    shard along the dim the plan cut, the DTensor's local shard (FSDP: `torch.chunk` along each sharded dim, as
+    DTensor cuts), or all of it (replicated, or a pipeline stage's own)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def part(name: str, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        if isinstance(param, DTensor):
+            coordinate = param.device_mesh.get_coordinate()
+            for mesh_dim, placement in enumerate(param.placements):
+                if isinstance(placement, Shard):
+                    chunks = full.chunk(param.device_mesh.size(mesh_dim), dim=placement.dim)
+                    index = coordinate[mesh_dim]
+                    full = chunks[index] if index < len(chunks) else full.narrow(placement.dim, 0, 0)
+            return full
+        dim = getattr(param, SHARD_DIM, None)
+        if dim is not None and layout.tp_comm is not None:
+            return full.chunk(layout.tp_comm.size, dim=dim)[layout.tp_comm.rank]
+        return full
+
+    return part
