@@ -25,7 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from visiondist.engine.checkpoint import list_checkpoints, load_model_state, read_trainer_state, resolve_checkpoint
-from visiondist.models import TASKS, build_model
+from visiondist.models import TASKS, build_deferred
+from visiondist.models.init import is_meta, materialize
 from visiondist.models.vit import to_timm_state_dict
 from visiondist.models.weights import load_local_weights, save_weights
 
@@ -49,9 +50,15 @@ def load_trained(run_dir: Path, step: Optional[int] = None) -> Trained:
 
     run_dir = Path(run_dir)
     cfg = load_run_config(run_dir, [], inputs=None)  # export reads no data
-    cfg.model.weights = None
     torch.manual_seed(0)
-    model = build_model(cfg.model).eval()
+    model, _ = build_deferred(cfg.model, weights=False)  # every tensor comes from the run's files
+    if is_meta(model):
+        materialize(model, "cpu", None)
+    model.eval()
+    if cfg.model.family != "vit":  # exported for fp32 inference: the bf16 box hooks have nothing to do
+        from visiondist.models.detection import drop_fp32_hooks
+
+        drop_fp32_hooks(model)
     if step is not None or list_checkpoints(run_dir):
         source = resolve_checkpoint(str(run_dir), step)
         load_model_state(source, model)

@@ -4,10 +4,14 @@ simple feature pyramid over this project's ViT blocks, so the tensor-parallel pl
 Every detector is a torchvision detection model: `model(images, targets)` returns a dict of losses in training and
 `model(images)` a list of {boxes, labels, scores} in eval, boxes in the input images' pixel coordinates. It resizes
 (`min_size` / `max_size`) and normalises internally. Labels are 1..num_classes; 0 is the background.
+
+Under bf16 autocast the boxes stay fp32 (`keep_boxes_fp32`): bf16 holds 8 significant bits, so an anchor or box
+corner near 1000 px is off by up to 4 px and one past 1024 by up to 8; the backbone and heads still run in bf16.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -47,6 +51,7 @@ def build_torchvision_detector(cfg: Any) -> nn.Module:
         **kwargs,
     )
     adapt_detector(model, cfg)
+    keep_boxes_fp32(model)
     if getattr(cfg, "backbone_weights", None):
         load_backbone(model, cfg.backbone_weights, cfg.trainable_backbone_layers, frozen_bn=not cfg.arch.endswith("_v2"))
     if cfg.weights:
@@ -99,6 +104,49 @@ def adapt_detector(model: nn.Module, cfg: Any) -> None:
             raise ValueError(f"model.roi_sampling_ratio applies to R-CNN detectors; {type(model).__name__} has no RoI "
                              "pooling: leave it unset")
         pool.sampling_ratio = int(ratio)
+
+
+def _float(out: Any) -> Any:
+    """`out` (a tensor, or lists / tuples / dicts of them) with every floating tensor in fp32."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.is_floating_point() else out
+    if isinstance(out, dict):
+        return type(out)((k, _float(v)) for k, v in out.items())
+    if isinstance(out, (list, tuple)):
+        return type(out)(_float(v) for v in out)
+    return out
+
+
+def _anchors_in_fp32(_generator: nn.Module, args: tuple) -> tuple:
+    """AnchorGenerator draws its anchors in the feature maps' dtype and reads nothing else of them but their shape
+    and device: hand it fp32 stand-ins of the same shapes (expanded scalars, no memory)."""
+    image_list, feature_maps = args
+    return image_list, [torch.zeros((), device=f.device).expand(f.shape) for f in feature_maps]
+
+
+def keep_boxes_fp32(model: nn.Module) -> None:
+    """Anchors, box regressions and therefore decoded proposals and boxes in fp32 under any autocast: a forward
+    pre-hook on the anchor generator, forward hooks casting the box heads' outputs (RPN head, RoI box predictor,
+    RetinaNet / FCOS head). Hooks change no parameter name, so the weights stay torchvision's."""
+    owner = model.rpn if hasattr(model, "rpn") else model
+    handles = [owner.anchor_generator.register_forward_pre_hook(_anchors_in_fp32)]
+    heads = [getattr(getattr(model, "rpn", None), "head", None),
+             getattr(getattr(model, "roi_heads", None), "box_predictor", None),
+             model.head if hasattr(model, "head") and not hasattr(model, "rpn") else None]
+    handles += [head.register_forward_hook(lambda _module, _inputs, out: _float(out)) for head in heads
+                if head is not None]
+    _FP32_HOOKS[model] = handles
+
+
+_FP32_HOOKS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
+def drop_fp32_hooks(model: nn.Module) -> nn.Module:
+    """Remove `keep_boxes_fp32`'s hooks (they change nothing in fp32): TorchScript cannot script Python hooks, and
+    ONNX export traces the model in fp32."""
+    for handle in _FP32_HOOKS.pop(model, []):
+        handle.remove()
+    return model
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -183,6 +231,7 @@ def build_vitdet(cfg: Any) -> nn.Module:
     model = tvd.FasterRCNN(pyramid, num_classes=cfg.num_classes + 1, min_size=cfg.min_size, max_size=cfg.max_size,
                            **dict(cfg.kwargs or {}))
     adapt_detector(model, cfg)
+    keep_boxes_fp32(model)
     if cfg.weights:
         load_local_weights(model, cfg.weights)
     return model
