@@ -101,6 +101,27 @@ def test_the_training_step_never_waits_for_the_gpu(tmp_path, tiny_shapes):
     launch(_steps_without_sync, cfg)  # data.num_workers=0: the loader is not what is being checked here
 
 
+def test_pipeline_timeline_reads_cuda_events_after_the_step():
+    """On CUDA the timeline puts events around each action and reads them once the step is over: no action waits for
+    the device (any synchronisation inside raises), and the intervals come back in order and positive."""
+    from visiondist.parallel.timeline import Recorder
+
+    recorder = Recorder(0, torch.device("cuda"))
+    a = torch.randn(4096, 4096, device="cuda")
+    with recorder.record():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for microbatch in range(3):
+                with recorder.action(0, "F", microbatch):
+                    a @ a
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    events = recorder.events
+    assert [e.microbatch for e in events] == [0, 1, 2]
+    assert all(e.end > e.start >= 0 for e in events)
+    assert all(later.start >= earlier.end - 1e-6 for earlier, later in zip(events, events[1:]))
+
+
 def test_fsdp_at_world_size_one(tmp_path, tiny_shapes):
     run = tmp_path / "run"
     train_ok(*_gpu_args(tiny_shapes, run, "parallel=fsdp", "trainer.devices=1", "trainer.precision=bf16",

@@ -56,8 +56,9 @@ def test_pipeline_checkpoint_resumes_and_evaluates_under_other_layouts(tmp_path,
     tools/eval.py scores that pp=2 run's checkpoint (under pp=2, its config) as the one process did."""
     saved = tmp_path / "saved"
     train_ok(*train_args(tiny_shapes, saved, *COMMON, "parallel=pp2", "parallel.schedule=gpipe",
-                         "trainer.stop_at_step=2"))
+                         "trainer.stop_at_step=2", "parallel.timeline=false"))
     assert read_trainer_state(latest_checkpoint(saved))["layout"] == {"dp": 1, "tp": 1, "pp": 2}
+    assert not (saved / "pipeline_timeline.json").exists()  # not asked for (the default on CUDA)
     resumed = tmp_path / "resumed"
     train_ok(*train_args(tiny_shapes, resumed, *COMMON, *ONE_PROCESS, f"trainer.resume={latest_checkpoint(saved)}"))
     ref, got = losses_of(one_process), losses_of(resumed)

@@ -113,6 +113,9 @@ class ParallelConfig:
     schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved_1f1b | zero_bubble
     stages_per_rank: int = -1  # virtual pipeline stages per rank; -1: 2 for interleaved_1f1b / zero_bubble, else 1
     microbatches: int = -1  # micro-batches per pipeline step (per DP rank); -1: 2 x pp
+    # record one pipeline step's timeline (pipeline_timeline.png / .json, the bubble); null: on the CPU yes, on CUDA
+    # only when asked (true): it puts two CUDA events around every action of that step
+    timeline: Optional[bool] = None
     fsdp: bool = False  # shard parameters, gradients and optimizer state over the DP ranks (FSDP2, one unit per block)
     offload: bool = False  # with fsdp: shards, gradients and optimizer state in host memory, optimizer on the CPU
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (keeps its input)

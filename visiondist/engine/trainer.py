@@ -373,7 +373,10 @@ class Trainer:
 
     def _timeline_step(self) -> int:
         """The step whose pipeline timeline is recorded: the second of this process (the first also sets up the
-        schedule's buffers), or the only one."""
+        schedule's buffers), or the only one; -1 when none is (`parallel.timeline`: by default not on CUDA)."""
+        wanted = self.cfg.parallel.timeline
+        if not (wanted if wanted is not None else self.layout.device.type != "cuda"):
+            return -1
         start = self.resumed_from_step
         return start + (2 if self.total_steps - start >= 2 else 1)
 

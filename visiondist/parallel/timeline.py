@@ -2,8 +2,8 @@
 
 Each rank records one interval per stage action (F: forward of a micro-batch; B: its backward, input and weight
 gradients together; I and W: the input-gradient and weight-gradient halves that zero-bubble schedules run apart),
-timed from the moment every rank left a barrier. Waiting for a neighbour's activations or gradients is not recorded:
-it is the bubble.
+timed from the moment every rank left a barrier (host clock on the CPU, CUDA events on a GPU). Waiting for a
+neighbour's activations or gradients is not recorded: it is the bubble.
 
     bubble = 1 - sum of busy time over ranks / (ranks x span)
 
@@ -36,43 +36,73 @@ class Event:
 
 
 class Recorder:
-    """Collects this rank's `Event`s while `record()` is active; the stages report to it."""
+    """Collects this rank's `Event`s while `record()` is active; the stages report to it.
+
+    On the CPU an action is timed by the host clock around it. On CUDA the host only queues work, so each action
+    gets a pair of CUDA events on the current stream instead, and they are read once the step is over: nothing in the
+    step waits for the device (a `synchronize` per action would serialise the step and can deadlock against queued
+    NCCL sends). A stage starts an action after waiting for its input, so the events exclude that wait, as the host
+    clock does on the CPU."""
 
     def __init__(self, rank: int, device: torch.device):
         self.rank, self.device = rank, device
         self.events: list[Event] = []
         self.active = False
         self._t0 = 0.0
+        self._cuda = device.type == "cuda"
+        self._queued: list[tuple] = []  # CUDA: (stage, phase, microbatch, start event, end event)
+        self._start_event = None
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _event(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     @contextmanager
     def record(self, barrier=None) -> Iterator["Recorder"]:
-        """Record the actions run inside the block; `barrier` (e.g. the pipeline group's) aligns the clocks."""
-        self.events = []
-        self._sync()
+        """Record the actions run inside the block; `barrier` (e.g. the pipeline group's) aligns the clocks. On CUDA
+        the device is drained once before (so its clock starts with the host's) and the events are read after."""
+        self.events, self._queued = [], []
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
         if barrier is not None:
             barrier()
         self._t0 = time.perf_counter()
+        if self._cuda:
+            self._start_event = self._event()
         self.active = True
         try:
             yield self
         finally:
             self.active = False
+            if self._cuda:
+                self._read_events()
+
+    def _read_events(self) -> None:
+        if self._queued:
+            self._queued[-1][-1].synchronize()  # the stream's last event: every earlier one has completed too
+        start = self._start_event
+        for stage, phase, microbatch, begin, end in self._queued:
+            self.events.append(Event(self.rank, stage, phase, microbatch, start.elapsed_time(begin) / 1e3,
+                                     start.elapsed_time(end) / 1e3))
+        self._queued = []
 
     @contextmanager
     def action(self, stage: int, phase: str, microbatch: int) -> Iterator[None]:
         if not self.active:
             yield
             return
-        self._sync()
+        if self._cuda:
+            begin = self._event()
+            try:
+                yield
+            finally:
+                self._queued.append((stage, phase, microbatch, begin, self._event()))
+            return
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._sync()
             self.events.append(Event(self.rank, stage, phase, microbatch, start - self._t0,
                                      time.perf_counter() - self._t0))
 
