@@ -140,7 +140,7 @@ class OptimConfig:
     nesterov: bool = False
     decay_norm_bias: bool = False  # true: weight decay on norms, biases, embeddings too (torchvision's references)
     layer_decay: float = 1.0  # layer-wise LR decay (fine-tuning): block i gets lr x layer_decay^(depth - i); 1: off
-    impl: str = "auto"  # optimizer kernels: auto (fused on CUDA, else torch's default) | fused | foreach | loop
+    impl: str = "auto"  # optimizer kernels: auto (the fastest torch has on the device) | fused | foreach | loop
 
 
 @dataclass

@@ -203,13 +203,13 @@ class PlainLoop:
     """A minimal training loop in plain PyTorch: what a user writes by hand."""
 
     def __init__(self, cfg: DictConfig, device: torch.device):
-        from visiondist.engine.optim import optimizer_kernels
+        from visiondist.engine.optim import KERNELS, resolve_impl
 
         self.model = baseline_model(cfg).to(device).train()
         if cfg.model.channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         o, t = cfg.optim, cfg.trainer
-        kernels = optimizer_kernels(o.impl, self.model.parameters())
+        kernels = KERNELS[resolve_impl(o.impl, o.name, self.model.parameters())]
         if o.name == "adamw":
             self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                                weight_decay=o.weight_decay, **kernels)
