@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from helpers import REPO, TINY_DATA, run_cli
 from visiondist.engine.faults import StepHealth
 from visiondist.engine.optim import build_optimizer, describe_optimizer, resolve_impl
+from visiondist.engine.peaks import datasheet_tflops, peak_kind
 from visiondist.models.vit import VisionTransformer, select_attention
 from visiondist.parallel import enable_activation_checkpointing
 from visiondist.parallel.planner import ViTShape, train_flops_per_image
@@ -132,6 +133,23 @@ def test_auto_resolves_to_the_kernel_the_optimizer_runs():
     assert opt.defaults["fused"] is True and describe_optimizer(opt, "auto") == "sgd (auto: fused)"
     foreach = build_optimizer(OmegaConf.merge(cfg, {"impl": "foreach"}), model)
     assert describe_optimizer(foreach, "foreach") == "sgd (foreach)"
+
+
+@pytest.mark.parametrize("name, kind, tflops", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 80GB HBM3", "tf32", 494.7),
+    ("NVIDIA H100 PCIe", "bf16", 756.5), ("NVIDIA H100 NVL", "fp16", 835.5), ("NVIDIA H200", "bf16", 989.4),
+    ("NVIDIA H200 NVL", "tf32", 417.5), ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+    ("NVIDIA A100-PCIE-40GB", "tf32", 156.0), ("NVIDIA A100 80GB PCIe", "fp32", 19.5), ("NVIDIA L40S", "bf16", 362.05), ("NVIDIA A10", "tf32", 62.5),
+    ("NVIDIA L4", "bf16", 121.0), ("NVIDIA A10G", "bf16", None), ("NVIDIA L40", "bf16", None),
+    ("CPU (AMD EPYC), 2 threads", "fp32", None)])
+def test_datasheet_peak_by_device_name(name, kind, tflops):
+    assert datasheet_tflops(name, kind) == tflops
+
+
+def test_the_peak_follows_the_precision_of_the_matmuls():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [peak_kind("bf16", True, cuda), peak_kind("16", True, cuda), peak_kind("32", True, cuda),
+            peak_kind("32", False, cuda), peak_kind("32", True, cpu)] == ["bf16", "fp16", "tf32", "fp32", "fp32"]
 
 
 def test_selective_checkpointing_recomputes_only_the_first_blocks_with_the_same_gradients():
