@@ -56,9 +56,9 @@ KERNELS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"for
 def resolve_impl(impl: str, name: str, params) -> str:
     """`optim.impl` as the kernel torch will run: `fused` (one kernel for all tensors), `foreach` (one kernel per
     operation over lists of tensors) or `loop` (a Python loop over tensors). `auto` is the fastest torch offers where
-    the parameters live: fused wherever torch has it (CUDA, and the CPU since torch 2.4, where it is 2-6x faster than
-    the others), except SGD on DTensors (FSDP), which DTensor has no sharding rule for; then foreach on devices with
-    foreach kernels (CUDA), else the loop (on the CPU foreach is the slowest of the three)."""
+    the parameters live: fused wherever torch has it (CUDA, and the CPU since torch 2.4, pytorch/pytorch#123074; there
+    AdamW's step is 2-6x faster than the others), except SGD on DTensors (FSDP), which DTensor has no sharding rule
+    for; then foreach on devices with foreach kernels (CUDA), else the loop (on the CPU foreach is the slowest)."""
     if impl != "auto":
         return impl
     from torch.distributed.tensor import DTensor
