@@ -92,8 +92,8 @@ def markdown_row(r: dict[str, Any]) -> str:
 
 
 def write_results(results: list[dict[str, Any]], results_dir: Path) -> None:
-    """Append one JSON line per configuration to results.jsonl and one row each to results.md, under the header
-    when the file does not end in a table of these columns yet."""
+    """Append one JSON line per configuration to results.jsonl and one row each to results.md, starting a table with
+    the header when the file has none of these columns yet."""
     results_dir.mkdir(parents=True, exist_ok=True)
     with open(results_dir / "results.jsonl", "a") as f:
         for result in results:
