@@ -1,8 +1,9 @@
 """Benchmark the training step: `python tools/benchmark.py [group=option ...] [key=value ...]`.
 
 The same configs as tools/train.py, plus `bench.*` (warm-up, timed steps, rounds, baseline, peak, loader batches,
-results_dir). Times visiondist's step and a plain PyTorch loop on the same model side by side, and appends the result
-to <bench.results_dir>/results.jsonl and results.md. Example:
+results_dir). Times visiondist's step and, for each configuration, plain PyTorch loops built from it (on timm's
+model and on visiondist's own) side by side, in alternating order, and appends the results to
+<bench.results_dir>/results.jsonl and results.md. Example:
 
     python tools/benchmark.py model=vit_base data.img_size=224 data.batch_size=128 trainer.precision=bf16 \
         trainer.compile=true

@@ -143,7 +143,7 @@ class OptimConfig:
     nesterov: bool = False
     decay_norm_bias: bool = False  # true: weight decay on norms, biases, embeddings too (torchvision's references)
     layer_decay: float = 1.0  # layer-wise LR decay (fine-tuning): block i gets lr x layer_decay^(depth - i); 1: off
-    impl: str = "auto"  # optimizer kernels: auto (fused on CUDA, else torch's default) | fused | foreach | loop
+    impl: str = "auto"  # optimizer kernels: auto (the fastest torch has on the device) | fused | foreach | loop
 
 
 @dataclass
@@ -193,10 +193,10 @@ class BenchConfig:
     """tools/benchmark.py: what to time (the training runs read none of it)."""
 
     warmup: int = 3  # untimed steps first (allocation, autotuning, compilation)
-    steps: int = 10  # timed steps per round
-    rounds: int = 2  # rounds of (ours, baseline), interleaved so that drift affects both alike
-    baseline: bool = True  # time the same timm / torchvision model in a minimal plain-PyTorch loop (single rank)
-    peak: bool = True  # measure the device's dense matmul peak in the same run (the MFU denominator)
+    steps: int = 10  # timed steps of each loop per round (a ratio of fewer than 5 steps in all is flagged)
+    rounds: int = 2  # rounds over every loop, each round in the reverse order of the last (keep it even)
+    baseline: bool = True  # per configuration, plain-PyTorch loops on timm's model and on ours (single rank)
+    peak: bool = True  # also measure the device's dense matmul rate in the run (MFU beside the datasheet's)
     loader_batches: int = 20  # batches of the real train loader timed on their own; 0: skip
     results_dir: str = "benchmarks"  # appends results.jsonl and results.md here
     # more configurations timed side by side with the first, each a space-separated list of key=value overrides,

@@ -1,35 +1,40 @@
-"""`tools/benchmark.py`: the training step's speed against the hardware and against a plain PyTorch loop.
+"""`tools/benchmark.py`: the training step's speed against the hardware and against plain PyTorch loops.
 
 Every rank builds the real `Trainer` (model, layout, optimizer, fast-path switches) and times `Trainer.train_step` on
-synthetic batches that already sit on the device, so the figure is the step's and not the loader's. In the same
-process, and interleaved with ours round by round, a *baseline* trains the same architecture (timm's ViT, or the same
-torchvision detector) with a minimal plain-PyTorch loop: autocast, backward, optional clip, optimizer step, with the
-same precision, optimizer kernels, clipping and, with `trainer.compile`, `torch.compile` of the whole model. The
-ratio of the two median step times is visiondist's overhead (or gain).
+synthetic batches that already sit on the device, so the figure is the step's and not the loader's. On one device,
+each configuration (the run's, then each of `bench.variants`) also gets its own plain loops, built from that
+configuration (`visiondist.engine.plain_loop`): one on timm's model of the same shape and one on visiondist's own
+model, so that ours / plain splits into the harness's overhead and the model's difference. Every loop gets its own
+warm-up; then `bench.rounds` rounds time `bench.steps` steps of each loop, the configurations rotated and each
+configuration's loops reversed from one round to the next, so that neither side always runs first or after the
+other (warm caches, clock drift); the order run is recorded.
 
 Reported next to it: FLOPs per image counted by `torch.utils.flop_counter` on the unsharded model (forward +
-backward), the achieved TFLOP/s per device, MFU against the device's dense matmul rate measured in the same run, peak
-memory, the TP / pipeline traffic per step from their counters, and the real train loader's images/s on its own.
+backward), the achieved TFLOP/s per device, MFU against the datasheet's dense peak and against the dense matmul rate
+measured in the run (both in the step's matmul precision: `visiondist.engine.peaks`), peak memory, the TP / pipeline
+traffic per step from their counters, and the real train loader's images/s on its own. A ratio whose step times are
+too few or too spread to mean anything is marked so (`visiondist.engine.bench_report`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import platform
 import resource
 import statistics
 import time
-from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from visiondist.engine.bench_report import ratio_check, result_table, step_summary, write_results
+from visiondist.engine.peaks import datasheet_tflops, matmul_tflops, peak_kind
+from visiondist.engine.plain_loop import PlainLoop, baseline_roles
 from visiondist.models import select_attention
 from visiondist.parallel import Layout
 
@@ -54,21 +59,6 @@ def time_steps(step: Callable[[], Any], n: int, device: torch.device) -> list[fl
         synchronize(device)
         times.append(time.perf_counter() - start)
     return times
-
-
-def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...] | None = None,
-                       repeats: int = 10) -> float:
-    """Dense matmul rate of this device in `dtype`, in TFLOP/s: the best of `repeats` square products of each size
-    (8192 on a GPU; 1024 and 2048 on the CPU, whose caches favour the smaller). On the CPU it uses this process's
-    threads."""
-    best = 0.0
-    for size in sizes or ((8192,) if device.type == "cuda" else (1024, 2048)):
-        a = torch.randn(size, size, device=device, dtype=dtype)
-        b = torch.randn(size, size, device=device, dtype=dtype)
-        for _ in range(2):
-            a @ b
-        best = max(best, 2 * size**3 / min(time_steps(lambda: a @ b, repeats, device)) / 1e12)
-    return best
 
 
 def train_flops_per_image(model_cfg: DictConfig, batch: tuple, family: str) -> float:
@@ -175,87 +165,31 @@ def _task_family(cfg: DictConfig) -> str:
     return TASKS[cfg.model.family]
 
 
-# -- the baseline --------------------------------------------------------------------------------------------------
-
-
-def baseline_model(cfg: DictConfig) -> torch.nn.Module:
-    """The same architecture as plain PyTorch users build it: timm's ViT (random init, nothing downloaded), or the
-    torchvision detector itself."""
-    m = cfg.model
-    if m.family == "vit":
-        import timm
-
-        if not m.timm_name:
-            raise ValueError(f"model {m.name} names no timm architecture (model.timm_name): use bench.baseline=false")
-        # timm's architecture with this config's shape (a depth or width override applies to both)
-        return timm.create_model(m.timm_name, pretrained=False, num_classes=m.num_classes, img_size=m.img_size,
-                                 patch_size=m.patch_size, embed_dim=m.embed_dim, depth=m.depth,
-                                 num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, qkv_bias=m.qkv_bias,
-                                 drop_rate=m.drop_rate, drop_path_rate=m.drop_path_rate)
-    from visiondist.models import build_model
-
-    model_cfg = m.copy()
-    model_cfg.weights = None
-    return build_model(model_cfg)
-
-
-class PlainLoop:
-    """A minimal training loop in plain PyTorch: what a user writes by hand."""
-
-    def __init__(self, cfg: DictConfig, device: torch.device):
-        from visiondist.engine.optim import optimizer_kernels
-
-        self.model = baseline_model(cfg).to(device).train()
-        if cfg.model.channels_last:
-            self.model = self.model.to(memory_format=torch.channels_last)
-        o, t = cfg.optim, cfg.trainer
-        kernels = optimizer_kernels(o.impl, self.model.parameters())
-        if o.name == "adamw":
-            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                               weight_decay=o.weight_decay, **kernels)
-        else:
-            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=o.lr, momentum=o.momentum,
-                                             weight_decay=o.weight_decay, **kernels)
-        self.forward = torch.compile(self.model) if t.compile else self.model
-        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if str(t.precision) == "bf16"
-                         else nullcontext())
-        self.clip, self.smoothing = t.clip_grad, t.label_smoothing
-        self.classification = cfg.model.family == "vit"
-
-    def step(self, batches: list[tuple]) -> None:
-        """One optimizer step over the micro-batches (gradient accumulation)."""
-        for images, targets in batches:
-            with self.autocast:
-                out = self.forward(images) if self.classification else self.forward(images, targets)
-            if self.classification:
-                loss = F.cross_entropy(out.float(), targets, label_smoothing=self.smoothing)
-            else:
-                loss = sum(v.float() for v in out.values())
-            (loss / len(batches)).backward()
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-
 # -- the run -------------------------------------------------------------------------------------------------------
 
 
-def _spread(times: list[float]) -> dict[str, float]:
-    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times), "max_ms": 1e3 * max(times),
-            "std_ms": 1e3 * (statistics.stdev(times) if len(times) > 1 else 0.0)}
+def apply_switches(cfg: DictConfig, device: torch.device) -> None:
+    """The process-wide switches a configuration's steps run under: the attention kernel, and TF32 on CUDA."""
+    from visiondist.launch import set_tf32
+
+    select_attention(cfg.model.sdpa)
+    if device.type == "cuda":
+        set_tf32(cfg.trainer.tf32)
 
 
 class OursRun:
     """One configuration's real `Trainer`, stepping on fixed synthetic batches."""
 
     def __init__(self, name: str, cfg: DictConfig, layout: Layout, run_dir: Path, family: str):
+        from visiondist.engine.optim import describe_optimizer
         from visiondist.engine.trainer import Trainer
 
         self.name, self.cfg, self.layout, self.device = name, cfg, layout, layout.device
+        apply_switches(cfg, self.device)
         memory = PeakMemory(self.device)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.trainer = Trainer(cfg, layout, run_dir)
+        self.optimizer_name = describe_optimizer(self.trainer.optimizer, cfg.optim.impl)
         micro = self.trainer.data.train_sampler.micro_batch  # per DP rank and accumulation step
         self.batches = [synthetic_batch(cfg, family, micro, self.device, seed=i) for i in range(cfg.trainer.grad_accum)]
         pipelined = self.trainer.pipeline is not None
@@ -266,19 +200,67 @@ class OursRun:
         self.tp_bytes = layout.tp_comm.ring_bytes() if layout.tp_comm is not None else 0.0
         self.pp_bytes = self.trainer.pipeline.p2p.bytes if pipelined else 0
         self.peak_memory_gb = memory.increase_gb()
-        self.times: list[float] = []
+        self.idle()
 
     def step(self) -> None:
-        select_attention(self.cfg.model.sdpa)  # process-wide: each configuration sets its own
         self.trainer.train_step(iter(self.batches))
         self.trainer.step += 1
+
+    def idle(self) -> None:
+        """Free the gradients while other loops run (the next step starts by dropping them anyway)."""
+        self.trainer.optimizer.zero_grad(set_to_none=True)
+
+
+class Timed:
+    """One loop of one configuration as the rounds see it: its label ("<configuration>:<loop>"), its steps and the
+    seconds they took."""
+
+    def __init__(self, label: str, cfg: DictConfig, step: Callable[[], Any], idle: Callable[[], Any] = lambda: None):
+        self.label, self.cfg, self.step, self.idle = label, cfg, step, idle
+        self.times: list[float] = []
+
+
+def plain_loops(cfg: DictConfig, batches: list[tuple], device: torch.device) -> dict[str, PlainLoop]:
+    """This configuration's plain loops (`baseline_roles`), each warmed up on its own, with its peak memory."""
+    loops = {}
+    for role in baseline_roles(cfg):
+        apply_switches(cfg, device)
+        memory = PeakMemory(device)
+        loop = PlainLoop(cfg, role, device)
+        time_steps(lambda: loop.step(batches), max(cfg.bench.warmup, 1), device)
+        loop.peak_memory_gb = memory.increase_gb()
+        loops[role] = loop
+    return loops
+
+
+def round_order(groups: list[list[Timed]], index: int) -> list[Timed]:
+    """The loops of round `index`: the configurations rotated by `index`; each one's loops (ours, the plain loop on
+    our model, the plain loop on timm's) in that order in even rounds and reversed in odd ones. Ours and the plain loop
+    on the same model are always neighbours; over two rounds each runs first and last."""
+    n = len(groups)
+    rotated = [groups[(i + index) % n] for i in range(n)]
+    return [loop for group in rotated for loop in (group if index % 2 == 0 else group[::-1])]
+
+
+def time_rounds(groups: list[list[Timed]], rounds: int, steps: int, device: torch.device) -> list[list[str]]:
+    """Time every loop `steps` steps per round; returns the labels in the order they ran, round by round."""
+    order = []
+    for index in range(rounds):
+        ran = []
+        for loop in round_order(groups, index):
+            apply_switches(loop.cfg, device)
+            loop.times += time_steps(loop.step, steps, device)
+            loop.idle()
+            ran.append(loop.label)
+        order.append(ran)
+    return order
 
 
 def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[str, Any]] | None:
     """Entry point of every rank of `tools/benchmark.py`. Rank 0 prints the table, appends one result per configuration
     to `<bench.results_dir>/results.jsonl` and `results.md`, and returns them."""
     from visiondist.config import variant_config
-    from visiondist.engine.trainer import prepare_rank, seed_everything
+    from visiondist.engine.trainer import prepare_rank
 
     b, device = cfg.bench, layout.device
     prepare_rank(cfg, layout, run_dir)
@@ -286,149 +268,110 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     configs = [("", cfg)] + [(v, variant_config(cfg, v)) for v in b.variants]
     runs = [OursRun(name, c, layout, run_dir if i == 0 else run_dir / "variants" / str(i), family)
             for i, (name, c) in enumerate(configs)]
-    if device.type == "cpu" and len(runs) == 1:  # the process's peak: it is the configuration's only when alone
-        runs[0].peak_memory_gb = PeakMemory.rss_gb()
-
-    plain, peak_plain = None, None
-    if b.baseline and layout.world_size == 1:
-        seed_everything(cfg.trainer.seed)
-        memory = PeakMemory(device)
-        plain = PlainLoop(cfg, device)
-        time_steps(lambda: plain.step(runs[0].batches), max(b.warmup, 1), device)
-        peak_plain = memory.increase_gb()
-    elif b.baseline and layout.is_main:
-        log.info("baseline skipped: the plain loop runs on one device (this run has %d ranks)", layout.world_size)
-
-    plain_times: list[float] = []
-    for _ in range(b.rounds):  # interleaved, so that slow drift (clocks, other load) hits every configuration alike
-        for run in runs:
-            run.times += time_steps(run.step, b.steps, device)
-        if plain is not None:
-            select_attention(cfg.model.sdpa)
-            plain_times += time_steps(lambda: plain.step(runs[0].batches), b.steps, device)
+    baselines = b.baseline and layout.world_size == 1
+    if b.baseline and not baselines and layout.is_main:
+        log.info("baselines skipped: the plain loops run on one device (this run has %d ranks)", layout.world_size)
+    plains = [plain_loops(run.cfg, run.batches, device) if baselines else {} for run in runs]
+    groups = [[Timed(f"{i}:ours", run.cfg, run.step, run.idle)]
+              + [Timed(f"{i}:plain_{role}", run.cfg, lambda loop=loop, run=run: loop.step(run.batches))
+                 for role, loop in plains[i].items()] for i, run in enumerate(runs)]
+    order = time_rounds(groups, b.rounds, b.steps, device)
     for run in runs:
         run.trainer.settle()
 
     loader_rate = None
     if b.loader_batches and layout.reads_images:
         loader_rate = loader_images_per_s(runs[0].trainer.data.train_loader, b.loader_batches) * layout.dp
-
     if not layout.is_main:
         return None
-    dtype = torch.bfloat16 if str(cfg.trainer.precision) == "bf16" else torch.float32
-    peak = matmul_peak_tflops(device, dtype) if b.peak else None
-    flops = train_flops_per_image(cfg.model, runs[0].batches[0], family)
-    common = {"date": datetime.now().strftime("%Y-%m-%d"), "device": device_name(device), "torch": torch.__version__,
-              "model": cfg.model.name,
-              "img_size": cfg.model.img_size if family == "classification" else cfg.data.min_size,
-              "layout": runs[0].trainer.layout_text, "ranks": layout.world_size, "batch": cfg.data.batch_size,
-              "gflops_per_image": flops / 1e9, "peak_tflops": peak, "loader_images_per_s": loader_rate}
-    plain_step = statistics.median(plain_times) if plain_times else None
-    first_step = statistics.median(runs[0].times)
-    results = []
-    for run in runs:
-        c = run.cfg
-        step_s = statistics.median(run.times)
-        images_per_s = cfg.data.batch_size / step_s
-        achieved = flops * images_per_s / layout.world_size / 1e12  # per device
-        grad_bytes = sum(p.numel() * p.element_size() for p in run.trainer.model.parameters())
-        dp_bytes = 2 * (layout.dp - 1) / layout.dp * grad_bytes if layout.dp > 1 and not c.parallel.fsdp else 0.0
-        results.append({
-            **common,
-            "variant": run.name or "-",
-            "precision": str(c.trainer.precision),
-            "compile": bool(c.trainer.compile),
-            "optimizer": f"{c.optim.name} ({c.optim.impl})",
-            "sdpa": c.model.sdpa,
-            "activation_checkpointing": bool(c.parallel.activation_checkpointing),
-            "channels_last": bool(c.model.channels_last),
-            "steps_timed": len(run.times),
-            "images_per_s": images_per_s,
-            "step": _spread(run.times),
-            "tflops_per_device": achieved,
-            "mfu": achieved / peak if peak else None,
-            "peak_memory_gb": run.peak_memory_gb,
-            "memory_kind": "max allocated" if device.type == "cuda" else "peak RSS",
-            "tp_bytes_per_step": run.tp_bytes,
-            "pp_bytes_per_step": run.pp_bytes,
-            "dp_bytes_per_step": dp_bytes,  # DDP's gradient all-reduce, ring: 2(n-1)/n of the gradients (analytic)
-            "over_first": step_s / first_step,
-            "baseline_images_per_s": cfg.data.batch_size / plain_step if plain_step else None,
-            "baseline_step": _spread(plain_times) if plain_times else None,
-            "baseline_peak_memory_gb": peak_plain,
-            "ours_over_baseline": step_s / plain_step if plain_step else None,
-        })
+    results = collect_results(cfg, layout, runs, plains, groups, order, family, loader_rate)
     write_results(results, Path(cfg.bench.results_dir))
     (run_dir / "benchmark.json").write_text(json.dumps(results, indent=1))
     import sys
 
     from rich.console import Console
 
-    Console(width=None if sys.stdout.isatty() else 150).print(result_table(results))  # logs get the whole table
+    Console(width=None if sys.stdout.isatty() else 240).print(result_table(results))  # logs get the whole table
     return results
 
 
-# -- reporting -----------------------------------------------------------------------------------------------------
-
-MD_HEADER = ("| date | device | model | px | layout | variant | precision | compile | batch | img/s "
-             "| step ms (median, min-max) | GFLOP/img | TFLOP/s | MFU | peak mem (GB) | baseline img/s | ours/baseline "
-             "| loader img/s |\n"
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+# -- results -------------------------------------------------------------------------------------------------------
 
 
-def _fmt(value: Any, spec: str, suffix: str = "") -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec) + suffix
+def _ratios(ours: Timed, plain: dict[str, Timed], first: Timed | None) -> dict[str, Any]:
+    """The row's ratios of median step times, each with its uncertainty and, when it means nothing, why."""
+    reference, same = plain.get("reference"), plain.get("same_model")
+    pairs = {"ours_over_plain": (ours, reference or same), "harness_overhead": (ours, same),
+             "model_difference": (same, reference if same else None), "over_first": (ours, first)}
+    values, uncertainty, warnings = {}, {}, {}
+    for key, (a, b) in pairs.items():
+        if a is None or b is None:
+            values[key] = 1.0 if key == "over_first" else None
+            continue
+        values[key] = statistics.median(a.times) / statistics.median(b.times)
+        uncertainty[key], why = ratio_check(a.times, b.times)
+        if why:
+            warnings[key] = why
+    return {**values, "ratio_uncertainty": uncertainty, "ratio_warnings": warnings, "ratio_reliable": not warnings}
 
 
-def markdown_row(r: dict[str, Any]) -> str:
-    s = r["step"]
-    return (f"| {r['date']} | {r['device']} | {r['model']} | {r['img_size']} | {r['layout']} | {r['variant']} | "
-            f"{r['precision']} | {'on' if r['compile'] else 'off'} | {r['batch']} | {r['images_per_s']:.4g} | "
-            f"{s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | {r['gflops_per_image']:.4g} | "
-            f"{r['tflops_per_device']:.3g} | {_fmt(r['mfu'] and 100 * r['mfu'], '.1f', '%')} | "
-            f"{_fmt(r['peak_memory_gb'], '.2f')} | {_fmt(r['baseline_images_per_s'], '.4g')} | "
-            f"{_fmt(r['ours_over_baseline'], '.3f')} | {_fmt(r['loader_images_per_s'], '.4g')} |\n")
+def _plain_summary(loop: PlainLoop, timed: Timed, built_from: str, batch: int) -> dict[str, Any]:
+    return {"model": loop.model_name, "built_from": built_from, "compile_scope": loop.compile_scope,
+            "optimizer": loop.optimizer_name, "steps_timed": len(timed.times), "step": step_summary(timed.times),
+            "images_per_s": batch / statistics.median(timed.times), "peak_memory_gb": loop.peak_memory_gb}
 
 
-def write_results(results: list[dict[str, Any]], results_dir: Path) -> None:
-    """Append one JSON line per configuration to results.jsonl and one row each to results.md (with its header when
-    new)."""
-    results_dir.mkdir(parents=True, exist_ok=True)
-    with open(results_dir / "results.jsonl", "a") as f:
-        for result in results:
-            f.write(json.dumps(result) + "\n")
-    md = results_dir / "results.md"
-    with open(md, "a") as f:
-        if not md.stat().st_size:
-            f.write(MD_HEADER)
-        for result in results:
-            f.write(markdown_row(result))
+def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains: list[dict[str, PlainLoop]],
+                    groups: list[list[Timed]], order: list[list[str]], family: str,
+                    loader_rate: float | None) -> list[dict[str, Any]]:
+    """One result per configuration: its step against its own plain loops, the hardware's peaks and the rest."""
+    device, batch = layout.device, cfg.data.batch_size
+    name = device_name(device)
+    kinds = [peak_kind(run.cfg.trainer.precision, run.cfg.trainer.tf32, device) for run in runs]
+    measured = {kind: matmul_tflops(device, kind) for kind in sorted(set(kinds))} if cfg.bench.peak else {}
+    flops: dict[str, float] = {}
+    for run in runs:  # a variant may change the model's shape
+        key = OmegaConf.to_yaml(run.cfg.model)
+        flops[key] = flops.get(key) or train_flops_per_image(run.cfg.model, run.batches[0], family)
+    cpu = device.type == "cpu"
+    common = {"date": datetime.now().strftime("%Y-%m-%d"), "device": name, "torch": torch.__version__,
+              "model": cfg.model.name,
+              "img_size": cfg.model.img_size if family == "classification" else cfg.data.min_size,
+              "layout": runs[0].trainer.layout_text, "ranks": layout.world_size, "batch": batch,
+              "loader_images_per_s": loader_rate, "configurations": [run.name or "-" for run in runs], "order": order,
+              "memory_kind": "peak RSS of the whole process (every loop)" if cpu else "max allocated (each loop)"}
+    results = []
+    for i, (run, kind) in enumerate(zip(runs, kinds)):
+        c, ours = run.cfg, groups[i][0]
+        images_per_s = batch / statistics.median(ours.times)
+        gflops = flops[OmegaConf.to_yaml(c.model)] / 1e9
+        achieved = gflops * images_per_s / layout.world_size / 1e3  # TFLOP/s per device
+        datasheet = datasheet_tflops(name, kind) if device.type == "cuda" else None
+        grad_bytes = sum(p.numel() * p.element_size() for p in run.trainer.model.parameters())
+        dp_bytes = 2 * (layout.dp - 1) / layout.dp * grad_bytes if layout.dp > 1 and not c.parallel.fsdp else 0.0
+        timed_plain = dict(zip(plains[i], groups[i][1:]))
+        results.append({
+            **common, "variant": run.name or "-", "precision": str(c.trainer.precision),
+            "compile": bool(c.trainer.compile), "compile_scope": _compile_scope(run), "optimizer": run.optimizer_name,
+            "sdpa": c.model.sdpa, "activation_checkpointing": bool(c.parallel.activation_checkpointing),
+            "channels_last": bool(c.model.channels_last), "steps_timed": len(ours.times),
+            "images_per_s": images_per_s, "step": step_summary(ours.times), "gflops_per_image": gflops,
+            "tflops_per_device": achieved, "peak_kind": kind, "peak_tflops_datasheet": datasheet,
+            "mfu_datasheet": achieved / datasheet if datasheet else None,
+            "peak_tflops_matmul": measured.get(kind), "mfu_matmul": achieved / measured[kind] if measured else None,
+            "peak_memory_gb": PeakMemory.rss_gb() if cpu else run.peak_memory_gb,
+            "tp_bytes_per_step": run.tp_bytes, "pp_bytes_per_step": run.pp_bytes,
+            "dp_bytes_per_step": dp_bytes,  # DDP's gradient all-reduce, ring: 2(n-1)/n of the gradients (analytic)
+            **{f"plain_{role}": (_plain_summary(plains[i][role], timed_plain[role], run.name or "-", batch)
+                                 if role in plains[i] else None) for role in ("reference", "same_model")},
+            **_ratios(ours, timed_plain, groups[0][0] if i else None),
+        })
+    return results
 
 
-def result_table(results: list[dict[str, Any]]):
-    """One row per configuration (and the plain loop), the figures shared by all of them in the caption."""
-    from rich.table import Table
+def _compile_scope(run: OursRun) -> str:
+    """What `trainer.compile` compiled: each transformer block (on this rank), never the whole model."""
+    from visiondist.models.vit import Block
 
-    first = results[0]
-    caption = (f"{first['gflops_per_image']:.4g} GFLOP per image (forward + backward, counted); matmul peak "
-               f"{_fmt(first['peak_tflops'], '.3g')} TFLOP/s (measured); loader alone "
-               f"{_fmt(first['loader_images_per_s'], '.4g')} images/s; per step: TP {first['tp_bytes_per_step'] / 1e6:.2f}"
-               f" MB, PP {first['pp_bytes_per_step'] / 1e6:.2f} MB, DP all-reduce {first['dp_bytes_per_step'] / 1e6:.2f}"
-               f" MB sent per rank; peak memory: {first['memory_kind']}")
-    table = Table(title=f"{first['model']} | {first['layout']} | batch {first['batch']} | {first['device']}",
-                  caption=caption, show_header=True)
-    for name in ("", "images/s", "step ms (median)", "min-max", "std", "/ baseline", "/ first", "TFLOP/s", "MFU",
-                 "peak GB"):
-        table.add_column(name, justify="left" if not name else "right")
-    for r in results:
-        s = r["step"]
-        table.add_row("visiondist" + ("" if r["variant"] == "-" else f" {r['variant']}"), f"{r['images_per_s']:.4g}",
-                      f"{s['median_ms']:.1f}", f"{s['min_ms']:.1f}-{s['max_ms']:.1f}", f"{s['std_ms']:.1f}",
-                      _fmt(r["ours_over_baseline"], ".3f"), f"{r['over_first']:.3f}", f"{r['tflops_per_device']:.3g}",
-                      _fmt(r["mfu"] and 100 * r["mfu"], ".1f", "%"), _fmt(r["peak_memory_gb"], ".2f"))
-    base = first["baseline_step"]
-    if base:
-        table.add_row("plain PyTorch loop", f"{first['baseline_images_per_s']:.4g}", f"{base['median_ms']:.1f}",
-                      f"{base['min_ms']:.1f}-{base['max_ms']:.1f}", f"{base['std_ms']:.1f}", "1.000", "", "", "",
-                      _fmt(first["baseline_peak_memory_gb"], ".2f"))
-    return table
+    blocks = sum(isinstance(m, Block) for m in run.trainer.model.modules())
+    return f"per block ({blocks} blocks)" if run.cfg.trainer.compile else "none"
