@@ -81,12 +81,16 @@ class PlainLoop:
 
     def __init__(self, cfg: DictConfig, role: str, device: torch.device):
         from visiondist.engine.optim import KERNELS, describe_optimizer, resolve_impl
-        from visiondist.engine.trainer import build_local_model, seed_everything
+        from visiondist.engine.trainer import seed_everything
+        from visiondist.models import build_model, select_attention
 
         seed_everything(cfg.trainer.seed)  # same_model: the initial weights of `Trainer`'s model
         m = cfg.model
         if role == "same_model":
-            model = build_local_model(m, device)
+            select_attention(m.sdpa)
+            model = build_model(m).to(device)
+            if m.channels_last:
+                model = model.to(memory_format=torch.channels_last)
             self.model_name = (f"torchvision {m.arch} (visiondist's model)" if m.family == "torchvision"
                                else f"visiondist {type(model).__name__}")
         else:
