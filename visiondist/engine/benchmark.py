@@ -21,7 +21,6 @@ import platform
 import resource
 import statistics
 import time
-from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
+from visiondist.engine.precision import autocast_dtype, autocast_for, precision_name
 from visiondist.models import select_attention
 from visiondist.parallel import Layout
 
@@ -217,8 +217,8 @@ class PlainLoop:
             self.optimizer = torch.optim.SGD(self.model.parameters(), lr=o.lr, momentum=o.momentum,
                                              weight_decay=o.weight_decay, **kernels)
         self.forward = torch.compile(self.model) if t.compile else self.model
-        self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if str(t.precision) == "bf16"
-                         else nullcontext())
+        self.autocast = autocast_for(t.precision, device)
+        self.scaler = torch.amp.GradScaler(device.type) if precision_name(t.precision) == "16" else None
         self.clip, self.smoothing = t.clip_grad, t.label_smoothing
         self.classification = cfg.model.family == "vit"
 
@@ -231,10 +231,17 @@ class PlainLoop:
                 loss = F.cross_entropy(out.float(), targets, label_smoothing=self.smoothing)
             else:
                 loss = sum(v.float() for v in out.values())
-            (loss / len(batches)).backward()
+            loss = loss / len(batches)
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        if self.scaler is not None:  # torch's AMP recipe: unscale, clip, step (skipped on inf/NaN), update
+            self.scaler.unscale_(self.optimizer)
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
 
 
@@ -315,7 +322,7 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
 
     if not layout.is_main:
         return None
-    dtype = torch.bfloat16 if str(cfg.trainer.precision) == "bf16" else torch.float32
+    dtype = autocast_dtype(cfg.trainer.precision) or torch.float32
     peak = matmul_peak_tflops(device, dtype) if b.peak else None
     flops = train_flops_per_image(cfg.model, runs[0].batches[0], family)
     common = {"date": datetime.now().strftime("%Y-%m-%d"), "device": device_name(device), "torch": torch.__version__,
