@@ -12,10 +12,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def _fit(overrides: list[str], overflow_at: int = 0) -> dict:
+def _fit(overrides: list[str], overflow_at: int = 0, nan_at: int = 0) -> dict:
     """One run of `tools/train.py overrides` on this process group. With `overflow_at`, TP rank 1 (only) finds an
     inf in the gradient of the final norm's weight, a parameter every TP rank holds whole, at that optimizer step:
-    its own gradient norm is inf, TP rank 0's is finite."""
+    its own gradient norm is inf, TP rank 0's is finite. With `nan_at`, TP rank 1's loss is NaN at that step."""
     from visiondist.config import compose
     from visiondist.engine.trainer import Trainer, prepare_rank
     from visiondist.parallel import build_layout, unwrap
@@ -37,6 +37,14 @@ def _fit(overrides: list[str], overflow_at: int = 0) -> dict:
             return total
 
         trainer._accumulate = overflowing
+    if nan_at:
+        loss = trainer.task.loss
+
+        def poisoned(*args, **kwargs):
+            value = loss(*args, **kwargs)
+            return value * float("nan") if layout.tp_rank == 1 and trainer.step + 1 == nan_at else value
+
+        trainer.task.loss = poisoned
     summary = trainer.fit()
     model = unwrap(trainer.model)
     return {"summary": summary, "tp_rank": layout.tp_rank,
@@ -47,8 +55,8 @@ def _fit(overrides: list[str], overflow_at: int = 0) -> dict:
 
 
 @record
-def runs(cases: list[tuple[list[str], int]]) -> list[dict]:
-    """`_fit(overrides, overflow_at)` for each case in turn."""
+def runs(cases: list[tuple]) -> list[dict]:
+    """`_fit(overrides, overflow_at, nan_at)` for each case in turn."""
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:

@@ -5,7 +5,7 @@ for the whole job.
   must be the unscaled ones: a scale left in would make them 65536 times too large) and evaluations within fp16
   tolerance, and not within fp32 round-off (the run did compute in fp16).
 - An inf planted in one TP rank's gradient only skips the step on every rank (the default `on_nonfinite=raise` does
-  not raise), halves the scale on every rank and is counted; the replicas stay identical.
+  not raise), halves the scale on every rank and is counted; the replicas stay identical. A NaN loss is counted apart.
 - The scale and its growth tracker survive a stop + resume exactly; a run resumed from an fp32 checkpoint starts at
   the initial scale.
 
@@ -21,6 +21,8 @@ from helpers import REPO, evals_of, losses_of, spawn_ranks, train_args
 INIT_SCALE = 2.0**16  # torch.amp.GradScaler's default, which trainer.precision=16 keeps
 FP16_TOL = 1e-3  # relative: fp16 rounds to 4.9e-4; 3 steps of the tiny model stay within 1.6e-4 of fp32 (measured)
 FP32_ROUND_OFF = 1e-5  # every layout matches one process in fp32 within this (tests/test_tensor_parallel.py, ...)
+# Defaults otherwise (clip_grad=1.0, AdamW, the loader's settings but workers off, as in every tiny run of helpers: the
+# loader is the same whatever the precision); the EMA is on so that its evaluation is compared too.
 COMMON = ["model.num_heads=2", "trainer.max_steps=3", "trainer.ema_decay=0.9"]
 LAYOUTS = {"ddp2+accum2": ["parallel.dp=2", "trainer.grad_accum=2"], "tp2": ["parallel=tp2"],
            "pp2": ["parallel=pp2"], "fsdp2": ["parallel=fsdp"]}
@@ -168,7 +170,7 @@ TP2 = ["model.num_heads=2", "parallel=tp2", "trainer.precision=16", "trainer.max
 def overflow_runs(tmp_path_factory, tiny_shapes):
     """Under tp2, TP rank 1 alone finds an inf in a gradient at step 2 (`fp16_ranks._fit`): five steps straight;
     the same stopped after step 3 and resumed; an fp32 run stopped after step 1, resumed under fp16 (on_nonfinite=skip)
-    with the same overflow at step 2."""
+    with the same overflow at step 2 and a NaN loss on TP rank 1 at step 3."""
     root = tmp_path_factory.mktemp("overflow")
     fp32 = ["model.num_heads=2", "parallel=tp2", "trainer.max_steps=3"]
     cases = [(train_args(tiny_shapes, root / "straight", *TP2), 2),
@@ -176,7 +178,7 @@ def overflow_runs(tmp_path_factory, tiny_shapes):
              (train_args(tiny_shapes, root / "split", *TP2), 2),  # resume=auto
              (train_args(tiny_shapes, root / "fp32", *fp32, "trainer.stop_at_step=1"), 0),
              (train_args(tiny_shapes, root / "from_fp32", *fp32, "trainer.precision=16", "trainer.on_nonfinite=skip",
-                         f"trainer.resume={root / 'fp32' / 'checkpoints' / 'step_1'}"), 2)]
+                         f"trainer.resume={root / 'fp32' / 'checkpoints' / 'step_1'}"), 2, 3)]
     results = spawn_ranks(fp16_ranks.runs, 2, cases, timeout=240)
     return root, [dict(zip(("straight", "stopped", "resumed", "fp32", "from_fp32"), results[r])) for r in (0, 1)]
 
@@ -214,12 +216,13 @@ def test_the_loss_scale_survives_a_stop_and_resume(overflow_runs):
 
 
 def test_a_run_resumed_from_an_fp32_checkpoint_starts_at_the_initial_scale(overflow_runs):
+    """... and a non-finite loss is counted as such, not as an overflow (both skip and back off)."""
     root, ranks = overflow_runs
-    for rank in ranks:  # the initial scale, halved once by the overflow at step 2, step 3 finite
+    for rank in ranks:  # the initial scale, halved by the overflow at step 2 and by the NaN loss at step 3
         result = rank["from_fp32"]
-        assert (result["scaler"]["scale"], result["scaler"]["_growth_tracker"]) == (INIT_SCALE / 2, 1)
-        assert result["adam_steps"] == [2.0]  # step 1 in fp32, step 3 in fp16
-    summary = ranks[0]["from_fp32"]["summary"]  # on_nonfinite=skip counts it as an overflow too
-    assert summary["skipped steps (fp16 overflow)"] == 1 and "skipped steps (non-finite)" not in summary
+        assert (result["scaler"]["scale"], result["scaler"]["_growth_tracker"]) == (INIT_SCALE / 4, 0)
+        assert result["adam_steps"] == [1.0]  # step 1 in fp32; steps 2 and 3 skipped
+    summary = ranks[0]["from_fp32"]["summary"]  # on_nonfinite=skip
+    assert summary["skipped steps (fp16 overflow)"] == 1 and summary["skipped steps (non-finite)"] == 1
     assert "the checkpoint is not from an fp16 run: the loss scale starts at 65536" in (
         root / "from_fp32" / "train.log").read_text()

@@ -258,8 +258,8 @@ class Trainer:
             return
         if self._overflow(verdict):  # already skipped by the scaler, on the device: count it, never raise
             self.overflow_steps += 1
-            log.info("fp16 gradient overflow at step %d: optimizer step skipped on every rank, loss scale halved; "
-                     "%d such steps so far", verdict.step, self.overflow_steps)
+            log.info("fp16 gradient overflow at step %d: optimizer step skipped on every rank, loss scale halved "
+                     "(overflows so far: %d)", verdict.step, self.overflow_steps)
             return
         ranks = verdict.bad_loss_ranks
         if ranks:
