@@ -35,7 +35,8 @@ def test_precision_16_is_accepted_as_int_or_string(value):
 
     cfg = load_config(REPO / "configs", [f"trainer.precision={value}"], inputs=None)
     assert cfg.trainer.precision == "16" and autocast_dtype(cfg.trainer.precision) == torch.float16
-    assert autocast_dtype(16) == torch.float16 and autocast_dtype(32) is None and autocast_dtype("bf16") == torch.bfloat16
+    assert autocast_dtype(16) == torch.float16 and autocast_dtype(32) is None
+    assert autocast_dtype("bf16") == torch.bfloat16
 
 
 def test_other_precisions_are_refused_with_the_choices():

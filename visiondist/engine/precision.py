@@ -62,7 +62,9 @@ class LossScaler(torch.amp.GradScaler):
 
     def agree(self, optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
         """After `unscale_(optimizer)`: take `nonfinite` (a 0-dim tensor, > 0 when the step must be skipped, the same
-        on every rank) as the inf/NaN finding that `step` and `update` act on, in place of this rank's own."""
+        on every rank) as the inf/NaN finding that `step` and `update` act on, in place of this rank's own. GradScaler
+        keeps the finding in its per-optimizer state (private, its shape unchanged since torch 1.6; the smoke tests
+        exercise this on torch 2.11 as well)."""
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         if not found:
             raise RuntimeError("LossScaler.agree comes after unscale_(optimizer), which found no gradients")
