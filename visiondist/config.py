@@ -163,7 +163,7 @@ class TrainerConfig:
     max_steps: int = -1
     max_epochs: int = 10
     seed: int = 0
-    precision: str = "32"
+    precision: str = "32"  # 32 | bf16 | 16 (fp16 autocast with dynamic loss scaling)
     tf32: bool = True  # CUDA: fp32 matmuls / convolutions in TF32 (10-bit mantissa, several times faster); false: ieee
     compile: bool = False  # torch.compile each transformer block (ViT and ViTDet)
     grad_accum: int = 1
@@ -257,7 +257,7 @@ def from_container(data: dict[str, Any]) -> DictConfig:
 # Validation: everything a type cannot say. Each check raises with the value, the reason and the fix.
 
 _ACCELERATORS = ("auto", "cpu", "cuda")
-_PRECISIONS = ("32", "bf16")
+_PRECISIONS = ("32", "bf16", "16")
 _OPTIMIZERS = ("adamw", "sgd")
 _SCHEDULES = ("cosine", "step")
 _MODEL_FAMILIES = ("vit", "torchvision", "vitdet")

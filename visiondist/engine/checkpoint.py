@@ -6,8 +6,8 @@ A checkpoint is a directory `<run>/checkpoints/step_<N>/` holding
   (single-device) names and global shapes: a tensor-parallel shard is saved as a `DTensor` over the TP mesh, so DCP
   stores its slice and any other layout (ddp, tp2, tp4, dp2 x tp2) reads back whatever slice it needs. Replicated
   tensors are written once, whatever the number of ranks holding them.
-- `trainer_state.json`: step, epoch, LR schedule, optimizer hyperparameters, the layout it was saved from, the class
-  names of the data (rank 0).
+- `trainer_state.json`: step, epoch, LR schedule, optimizer hyperparameters, fp16's loss scale (`grad_scaler`: the
+  same on every rank), the layout it was saved from, the class names of the data (rank 0).
 - `rng_rank<R>.json`: rank R's Python, NumPy, torch (and CUDA) RNG states.
 
 Everything non-tensor is JSON and the tensors go through DCP's tensor path (`weights_only` loading): resuming never

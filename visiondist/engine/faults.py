@@ -6,7 +6,8 @@
 - `StepHealth`: one all-reduce per step of [per-rank "loss not finite" flags, "gradient not finite", stop]. Every
   rank then takes the same decision: raise (naming the ranks) or skip the optimizer step (`trainer.on_nonfinite`).
   With `raise` the host reads a step's flags one step later, so the loop never waits for the device; `skip` must
-  decide before the optimizer step and reads them at once.
+  decide before the optimizer step and reads them at once. fp16's loss scaler skips a step on the device, on the
+  same all-reduced flags (`nonfinite`).
 - `set_collective_timeout`: the start-up timeout (long: data generation, compilation) is replaced after the first
   step by `trainer.dist_timeout_s`, so a rank that never joins a collective turns into an error on the others.
 """
@@ -85,6 +86,7 @@ class StepHealth:
     def __init__(self, world_size: int, device: torch.device):
         self.world_size, self.device = world_size, device
         self._pending: list[tuple[int, torch.Tensor, Any]] = []
+        self._last = torch.zeros(world_size + 2, device=device)
 
     def submit(self, step: int, rank: int, loss: torch.Tensor, grad_norm: torch.Tensor, stop: bool) -> None:
         """Collective: every rank submits every step."""
@@ -94,6 +96,7 @@ class StepHealth:
         flags[-1] = float(stop)
         if self.world_size > 1:
             dist.all_reduce(flags)
+        self._last = flags  # on the device, for `nonfinite`
         event = None
         if flags.is_cuda:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
@@ -102,6 +105,12 @@ class StepHealth:
             event.record()
             flags = host
         self._pending.append((step, flags, event))
+
+    def nonfinite(self) -> torch.Tensor:
+        """The last submitted step's verdict left on the device: a 0-dim tensor, 1.0 when some rank's loss or the
+        gradient was not finite, else 0.0, the same on every rank. For a decision the device takes without the host
+        waiting for it (fp16's skipped step: `visiondist.engine.precision.LossScaler.agree`)."""
+        return (self._last[:-1].sum() > 0).float()
 
     @property
     def pending(self) -> int:

@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from visiondist.engine.precision import precision_name
+
 # Dense (no 2:4 sparsity) peak TFLOP/s per GPU: (fp32 without tensor cores, tf32, bf16, fp16). The first pattern that
 # matches torch.cuda.get_device_name() wins, so the NVL / PCIe boards come before the plain name (H100 SXM reports
 # itself as "NVIDIA H100 80GB HBM3"). NVIDIA's tables list the tensor-core rates with sparsity; dense is half.
@@ -47,7 +49,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32,
 def peak_kind(precision: str, tf32: bool, device: torch.device) -> str:
     """The matmul precision of a step: "bf16", "fp16" (`trainer.precision=16`), "tf32" (fp32 on CUDA with
     `trainer.tf32`) or "fp32"."""
-    precision = str(precision)
+    precision = precision_name(precision)
     if precision == "bf16":
         return "bf16"
     if precision == "16":

@@ -15,15 +15,12 @@ its model's blocks one by one too: the compiled unit is the same, and the row sa
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}
-
+from visiondist.engine.precision import autocast_dtype, autocast_for
 
 def baseline_roles(cfg: DictConfig) -> list[str]:
     """The plain loops one configuration gets: both for a ViT classifier with a timm name, else `same_model`."""
@@ -110,8 +107,8 @@ class PlainLoop:
             self.optimizer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
                                              weight_decay=o.weight_decay, **kernels)
         self.optimizer_name = describe_optimizer(self.optimizer, o.impl)
-        dtype = AUTOCAST_DTYPES.get(str(t.precision))
-        self.autocast = torch.autocast(device.type, dtype=dtype) if dtype else nullcontext()
+        dtype = autocast_dtype(t.precision)
+        self.autocast = autocast_for(t.precision, device)
         self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
         self.clip, self.smoothing = t.clip_grad, t.label_smoothing
         self.classification = m.family == "vit"

@@ -2,7 +2,9 @@
 metric is reduced over.
 
 One optimizer step = `trainer.grad_accum` micro-batches per DP rank (gradient sync only on the last, via DDP's
-`no_sync`), a global gradient norm (clipped if asked), the optimizer and the LR schedule.
+`no_sync`), a global gradient norm (clipped if asked), the optimizer and the LR schedule. Under fp16
+(`trainer.precision=16`) the loss is scaled before the backward and the gradients unscaled before the norm; a step
+whose gradient overflowed is skipped on every rank (`visiondist.engine.precision`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from visiondist.engine.failures import PROGRESS
 from visiondist.engine.faults import STOP, NonFiniteStep, StepHealth, set_collective_timeout
 from visiondist.engine.logging import MetricsLogger, setup_logging
 from visiondist.engine.optim import build_optimizer, build_scheduler
+from visiondist.engine.precision import LossScaler, autocast_dtype, autocast_for, precision_name
 from visiondist.engine.report import best_evaluation, draw_evaluation, progress_bar, report_run
 from visiondist.engine.tasks import build_task
 from visiondist.models import build_deferred, build_model, select_attention
@@ -112,6 +115,7 @@ class Trainer:
         self.total_steps = total
         self.scheduler = build_scheduler(cfg.schedule, self.optimizer, total)
         self.autocast = autocast_for(t.precision, layout.device)
+        self.scaler = LossScaler(layout.device) if precision_name(t.precision) == "16" else None
         self.step = 0
         self.epoch = 0
         self.last_eval: dict[str, Any] = {}
@@ -121,6 +125,7 @@ class Trainer:
         self.health = StepHealth(layout.world_size, layout.device)
         self.stop_requested = False
         self.skipped_steps = 0
+        self.overflow_steps = 0  # fp16: steps skipped because a scaled gradient overflowed
         self.resumed_from = self._resume()
         self.last_checkpoint = self.resumed_from
         self.resumed_from_step = self.step
@@ -145,6 +150,11 @@ class Trainer:
         self.scheduler.load_state_dict({"lr_lambdas": [None] * len(self.optimizer.param_groups), **saved["scheduler"]})
         self.step = int(saved["step"])
         self.epoch = self.step // self.data.train_sampler.steps_per_epoch
+        if self.scaler is not None:
+            if saved.get("grad_scaler"):  # one value for the whole job, whatever the layout either run had
+                self.scaler.load_state_dict(saved["grad_scaler"])
+            else:
+                log.info("the checkpoint is not from an fp16 run: the loss scale starts at %g", self.scaler.get_scale())
         if saved.get("total_steps") != self.total_steps:
             log.warning("the checkpoint's run had %s steps, this one has %d: the LR schedule follows this run's",
                         saved.get("total_steps"), self.total_steps)
@@ -167,6 +177,7 @@ class Trainer:
             "model": self.cfg.model.name,
             "data": self.cfg.data.name,
             "classes": list(self.data.classes),
+            **({"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {}),  # scale, growth tracker
         }
         path = save_checkpoint(self.run_dir, self.step, unwrap(self.model), self.optimizer, state, self.layout,
                                self.cfg.trainer.keep_last, self.ema)
@@ -193,24 +204,41 @@ class Trainer:
         else:
             total = self._accumulate_pipelined(batches)
         finish_gradients(self.model.parameters(), self.layout)
+        if self.scaler is not None:  # the norm, clipping and the optimizer see the true gradients
+            self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.trainer.clip_grad, self.layout)
         self.health.submit(self.step + 1, self.layout.rank, total, grad_norm, self.signals_received())
+        if self.scaler is not None:  # skip and back off on the job's verdict, never on this rank's alone
+            self.scaler.agree(self.optimizer, self.health.nonfinite())
         if self.cfg.trainer.on_nonfinite == "skip":  # the optimizer step depends on this step's verdict: wait for it
             verdict = self.health.verdict()
             self._act_on(verdict)
-            if verdict.finite:
+            if verdict.finite or self._overflow(verdict):
                 self._optimizer_step()
         else:  # step now; the verdict of the previous step is read once this one is queued (no wait on the device)
             self._optimizer_step()
             if self.health.pending > 1:
                 self._act_on(self.health.verdict())
+        if self.scaler is not None:
+            self.scaler.update()
         self.scheduler.step()
         return total, grad_norm
 
     def _optimizer_step(self) -> None:
-        self.optimizer.step()
+        """The optimizer and EMA update. Under fp16 the scaler skips the optimizer's update when the step's verdict
+        is not finite; the EMA is updated all the same (toward unchanged weights), as in timm's and torchvision's
+        references, so that no host read is needed."""
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer)
         if self.ema is not None:
             self.ema.update()
+
+    def _overflow(self, verdict) -> bool:
+        """fp16: a scaled gradient overflowed (every loss finite, the gradient not). Expected while the scale
+        calibrates; the scaler skips the step on every rank and halves the scale."""
+        return self.scaler is not None and verdict.bad_grad and not verdict.bad_loss_ranks
 
     def settle(self) -> None:
         """Act on every step verdict still in flight (before a checkpoint, at the end of the loop)."""
@@ -227,6 +255,11 @@ class Trainer:
         self.stop_requested = self.stop_requested or verdict.stop
         if verdict.finite:
             return
+        if self._overflow(verdict):  # already skipped by the scaler, on the device: count it, never raise
+            self.overflow_steps += 1
+            log.info("fp16 gradient overflow at step %d: optimizer step skipped on every rank, loss scale halved "
+                     "(overflows so far: %d)", verdict.step, self.overflow_steps)
+            return
         ranks = verdict.bad_loss_ranks
         if ranks:
             where = (f"non-finite loss at step {verdict.step} on rank{'s' if len(ranks) > 1 else ''} "
@@ -235,8 +268,9 @@ class Trainer:
             where = f"non-finite gradient at step {verdict.step} (the loss was finite on every rank)"
         if self.cfg.trainer.on_nonfinite == "raise":
             PROGRESS.at(step=verdict.step)  # read one step late: the failure is that step's
-            raise NonFiniteStep(f"{where}: lower optim.lr, set trainer.clip_grad, or trainer.on_nonfinite=skip to "
-                                "skip such steps")
+            fp16 = ", or trainer.precision=bf16 / 32 (fp16 overflows above 65504)" if self.scaler is not None else ""
+            raise NonFiniteStep(f"{where}: lower optim.lr, set trainer.clip_grad{fp16}, or trainer.on_nonfinite=skip "
+                                "to skip such steps")
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += 1
         log.warning("skipped the optimizer step (non-finite loss or gradient) at %s; %d skipped so far", where,
@@ -252,7 +286,7 @@ class Trainer:
             sync = nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
                 loss = self.task.loss(self.model, batch, self.layout.device, self.autocast) / accum
-                loss.backward()
+                (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total += loss.detach()
         return total
 
@@ -260,9 +294,13 @@ class Trainer:
         """grad_accum pipeline steps (each `parallel.microbatches` micro-batches), then the DP average."""
         accum = self.cfg.trainer.grad_accum
         total = torch.zeros((), device=self.layout.device)
+        factor = None if self.scaler is None else self.scaler.factor(self.layout.device)
         for _ in range(accum):
             images, labels = next(batches)
-            total += self.pipeline.train_step(images, labels, 1.0 / accum, self.autocast)
+            if factor is None:
+                total += self.pipeline.train_step(images, labels, 1.0 / accum, self.autocast)
+            else:  # fp16: the loss inside the schedule carries the scale (a power of 2: dividing it out is exact)
+                total += self.pipeline.train_step(images, labels, factor / accum, self.autocast) / factor
         average_over_data_parallel(self.model.parameters(), self.layout)
         return total
 
@@ -487,6 +525,8 @@ class Trainer:
             "final train loss": None if math.isnan(final_loss) else final_loss,
             **best_evaluation(self.metrics.rows, *self.task.headline),
             **({"skipped steps (non-finite)": self.skipped_steps} if self.skipped_steps else {}),
+            **({"skipped steps (fp16 overflow)": self.overflow_steps} if self.overflow_steps else {}),
+            **({"fp16 loss scale": _exact(self.scaler.get_scale())} if self.scaler is not None else {}),
             **({"unreadable train images (replaced)": bad} if (bad := count_bad_images(self.run_dir)) else {}),
             **({"TP traffic per step (MB)": round(self.tp_bytes_per_step / 1e6, 2)} if self.tp_bytes_per_step else {}),
             **({"PP traffic per step (MB)": round(self.pp_bytes_per_step / 1e6, 2)} if self.pp_bytes_per_step else {}),
@@ -504,6 +544,11 @@ class Trainer:
             report_run(self.run_dir, summary, self.metrics.rows, self.task, self.last_eval,
                        f"{self.cfg.model.name} on {self.cfg.data.name}")
         return summary
+
+
+def _exact(value: float) -> float | int:
+    """A whole number as an int (the summary table prints floats to 4 digits: 65536, not 6.554e+04)."""
+    return int(value) if value.is_integer() else value
 
 
 def check_val_images(loader) -> None:
@@ -546,7 +591,7 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool 
     return parallelize(model, layout, p.sequence_parallel, PipelineSpec.from_config(p), loss_fn, fsdp=p.fsdp,
                        offload=p.offload, activation_checkpointing=p.activation_checkpointing,
                        checkpoint_blocks=p.checkpoint_blocks, compile=cfg.trainer.compile,
-                       param_dtype=torch.bfloat16 if str(cfg.trainer.precision) == "bf16" else None, materialize=fill)
+                       param_dtype=autocast_dtype(cfg.trainer.precision), materialize=fill)
 
 
 def num_params(model_cfg: DictConfig) -> int:
@@ -555,10 +600,6 @@ def num_params(model_cfg: DictConfig) -> int:
     bare.weights = bare.init_from = bare.backbone_weights = None
     with torch.device("meta"):
         return sum(p.numel() for p in build_model(bare).parameters())
-
-
-def autocast_for(precision: str, device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16) if str(precision) == "bf16" else nullcontext()
 
 
 def prepare_rank(cfg: DictConfig, layout: Layout, run_dir: Path) -> None:

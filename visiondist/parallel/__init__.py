@@ -64,7 +64,7 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
     gradients are averaged over data parallel by `average_over_data_parallel` after the schedule's backward, as
     Megatron does, instead of by a DDP wrapper; its last stage computes `loss_fn(logits, labels)` (default: cross
     entropy). With `fsdp` it is the model fully sharded over DP (FSDP2; `offload` keeps the shards in host memory).
-    `param_dtype` (bf16 runs): FSDP gathers the weights in that dtype. Otherwise it is the model, under DDP when
+    `param_dtype` (bf16, fp16 runs): FSDP gathers the weights in that dtype. Otherwise it is the model, under DDP when
     dp > 1. `activation_checkpointing` recomputes each block's activations
     in the backward (`checkpoint_blocks` > 0: only the first that many blocks), under any layout; `compile` compiles
     each block (before any sharding wrapper, as FSDP2 expects).

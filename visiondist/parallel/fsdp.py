@@ -58,7 +58,7 @@ def compile_blocks(model: nn.Module, backend=None) -> int:
 def apply_fsdp(model: nn.Module, layout: Layout, offload: bool = False,
                param_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Shard `model` over the DP ranks in place: one FSDP unit per block, the root over the rest. With `param_dtype`
-    (bf16 runs) the gathered weights are in that dtype, so the all-gathers move half the bytes; gradients are still
+    (bf16 and fp16 runs) the gathered weights are in that dtype, so the all-gathers move half the bytes; gradients are
     reduced in fp32 and the shards the optimizer updates stay fp32."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 

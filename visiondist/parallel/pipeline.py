@@ -369,11 +369,12 @@ class PipelinedViT(nn.Module):
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipelined model runs through train_step() and predict(), not model(x)")
 
-    def train_step(self, images: Optional[torch.Tensor], labels: Optional[torch.Tensor], scale: float = 1.0,
-                   autocast=None) -> torch.Tensor:
+    def train_step(self, images: Optional[torch.Tensor], labels: Optional[torch.Tensor],
+                   scale: float | torch.Tensor = 1.0, autocast=None) -> torch.Tensor:
         """Forward and backward of one batch in `microbatches` micro-batches; gradients accumulate into `.grad`
-        (the loss of each micro-batch is scaled by scale / microbatches). Returns the batch's mean loss times
-        `scale`, the same on every rank of the pipeline group."""
+        (the loss of each micro-batch is scaled by scale / microbatches; a tensor `scale` carries fp16's loss scale
+        into the schedule's backward). Returns the batch's mean loss times `scale`, the same on every rank of the
+        pipeline group."""
         if self.is_first and images is None:
             raise ValueError("the first pipeline stage needs the images")
         if self.is_last and labels is None:

@@ -151,7 +151,7 @@ def optimizer_bytes(params: Tensors, optimizer: str, momentum: float = 0.9) -> i
 
 
 def _act_size(precision: str) -> int:
-    return 2 if str(precision) == "bf16" else 4
+    return 2 if str(precision) in ("bf16", "16") else 4  # autocast saves 16-bit activations
 
 
 def block_activation_bytes(s: ViTShape, micro_batch: int, tp: int, precision: str = "32") -> int:
