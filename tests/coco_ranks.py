@@ -18,6 +18,9 @@ from visiondist.data.sampler import EvalBatchSampler
 
 
 def _key(image: torch.Tensor) -> str:
+    """The image's pixels as the detector sees them (float in [0, 1]; the dataset yields uint8)."""
+    if image.dtype == torch.uint8:
+        image = image.float().div_(255)
     return hashlib.sha1(image.numpy().tobytes()).hexdigest()
 
 

@@ -112,7 +112,19 @@ def test_augmentation_depends_on_sample_and_epoch_only(tiny_shapes):
     ds[(7, 0)], ds[(9, 3)]  # other samples in between
     assert torch.equal(ds[(5, 0)][0], first)
     assert not torch.equal(ds[(5, 1)][0], first)
-    assert first.shape == (3, 32, 32) and first.dtype == torch.float32
+    assert first.shape == (3, 32, 32) and first.dtype == torch.uint8  # normalised on the device
+
+
+def test_device_normalisation_equals_normalising_in_the_loader(tiny_shapes):
+    """The loader yields uint8; `Normalize` on the device gives what normalising float pixels in the loader gave."""
+    from visiondist.data.transforms import Normalize
+
+    data, cfg = _data(tiny_shapes, 0, 1)
+    images, _ = next(iter(data.train_loader))
+    assert images.dtype == torch.uint8
+    mean, std = torch.tensor(cfg.data.mean).view(1, 3, 1, 1), torch.tensor(cfg.data.std).view(1, 3, 1, 1)
+    expected = (images.float() / 255 - mean) / std
+    torch.testing.assert_close(Normalize(cfg.data.mean, cfg.data.std)(images, torch.device("cpu")), expected)
 
 
 def test_loader_batches_and_class_count(tiny_shapes):

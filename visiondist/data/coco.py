@@ -121,8 +121,9 @@ def read_image(path: Path) -> np.ndarray:
 
 
 class CocoDetection(Dataset):
-    """Items are (image tensor float in [0, 1], target dict) for torchvision detectors; indexed by int or by a
-    sampler's (index, epoch) key. `transform(image, boxes, labels, index, epoch)` returns the three, augmented."""
+    """Items are (image tensor uint8 CHW, target dict) for torchvision detectors (`unit_float` makes the image float
+    in [0, 1] on the device); indexed by int or by a sampler's (index, epoch) key. `transform(image, boxes, labels,
+    index, epoch)` returns the three, augmented."""
 
     def __init__(
         self,
@@ -157,7 +158,7 @@ class CocoDetection(Dataset):
         boxes, labels = record.boxes, record.labels
         if self.transform is not None:
             image, boxes, labels = self.transform(image, boxes, labels, index, epoch)
-        tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).float().div_(255)
+        tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).contiguous()  # uint8: `unit_float`
         target = {
             "boxes": torch.as_tensor(np.asarray(boxes, dtype=np.float32).reshape(-1, 4)),
             "labels": torch.as_tensor(np.asarray(labels, dtype=np.int64)),

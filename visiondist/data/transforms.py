@@ -5,14 +5,13 @@ from __future__ import annotations
 import albumentations as A
 import numpy as np
 import torch
-from albumentations.pytorch import ToTensorV2
 
 AUTO_AUGMENT = ("none", "rand", "trivial")
 
 
 def classification_transforms(cfg, train: bool, size: int) -> A.Compose:
     """The albumentations part. Train: random-resized crop + flip; eval: resize the short side to size / crop_pct,
-    centre crop. `size` is the model's input resolution. Normalisation is `ClassificationTransform`'s last step."""
+    centre crop. `size` is the model's input resolution. Normalisation happens on the device (`Normalize`)."""
     if train:
         steps = [A.RandomResizedCrop(size=(size, size), scale=tuple(cfg.train_crop_scale))]
         if cfg.hflip > 0:
@@ -36,8 +35,10 @@ def _auto_augment(name: str):
 
 
 class ClassificationTransform:
-    """uint8 HxWx3 RGB -> normalised float CHW tensor: the crop / flip (albumentations), then in training the optional
-    auto-augment policy (torchvision v2 on the uint8 tensor), then normalisation.
+    """uint8 HxWx3 RGB -> uint8 CHW tensor: the crop / flip (albumentations), then in training the optional
+    auto-augment policy (torchvision v2 on the uint8 tensor). Normalisation happens on the device (`Normalize`):
+    uint8 batches move a quarter of float32's bytes through the workers' shared memory, pinning and the copy to the
+    device.
 
     Every random choice is seeded by (seed, epoch, index): the augmentation a sample gets does not depend on the
     rank, the worker or the order in which samples are loaded. Runs with different layouts see identical pixels.
@@ -46,26 +47,46 @@ class ClassificationTransform:
     def __init__(self, cfg, train: bool, size: int, seed: int):
         self.auto = _auto_augment(cfg.get("auto_augment", "none")) if train else None
         self.seed = seed
-        geometric = classification_transforms(cfg, train, size)
-        if self.auto is None:  # albumentations' uint8 normalisation (a lookup table) is the fastest path
-            self.transform = A.Compose([*geometric.transforms, A.Normalize(mean=tuple(cfg.mean), std=tuple(cfg.std)),
-                                        ToTensorV2()])
-        else:
-            self.transform = geometric
-            self.mean = torch.tensor(cfg.mean, dtype=torch.float32).view(3, 1, 1) * 255
-            self.std = torch.tensor(cfg.std, dtype=torch.float32).view(3, 1, 1) * 255
+        self.transform = classification_transforms(cfg, train, size)
 
     def __call__(self, image: np.ndarray, index: int, epoch: int) -> torch.Tensor:
         seed = _sample_seed(self.seed, epoch, index)
         self.transform.set_random_seed(seed)
-        out = self.transform(image=image)["image"]
-        if self.auto is None:
-            return out
-        image = torch.from_numpy(np.ascontiguousarray(out)).permute(2, 0, 1)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            image = self.auto(image)
-        return (image.float() - self.mean) / self.std
+        image = torch.from_numpy(np.ascontiguousarray(self.transform(image=image)["image"])).permute(2, 0, 1)
+        if self.auto is not None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                image = self.auto(image)
+        return image
+
+
+class Normalize:
+    """Loader images (uint8, any device) -> the model's input on `device`: float32, (x - 255 mean) / (255 std) per
+    channel, computed on the device after a non-blocking copy. Float input is taken as already normalised."""
+
+    def __init__(self, mean, std):
+        self.mean = torch.tensor(list(mean), dtype=torch.float32).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(list(std), dtype=torch.float32).view(1, 3, 1, 1) * 255
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, images: torch.Tensor, device: torch.device) -> torch.Tensor:
+        images = images.to(device, non_blocking=True)
+        if images.dtype != torch.uint8:
+            return images
+        if images.device not in self._on:
+            self._on[images.device] = (self.mean.to(images.device), self.std.to(images.device))
+        mean, std = self._on[images.device]
+        return images.float().sub_(mean).div_(std)
+
+
+def unit_float(images: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Detection images (uint8 CHW, sizes differ) -> float in [0, 1] on `device`, what torchvision's detectors take
+    (they normalise inside); converted after a non-blocking copy of the uint8 bytes."""
+    out = []
+    for image in images:
+        image = image.to(device, non_blocking=True)
+        out.append(image.float().div_(255) if image.dtype == torch.uint8 else image)
+    return out
 
 
 def _sample_seed(seed: int, epoch: int, index: int) -> int:

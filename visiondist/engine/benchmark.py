@@ -74,14 +74,14 @@ def train_flops_per_image(model_cfg: DictConfig, batch: tuple, family: str) -> f
         images, labels = batch
         with torch.device("meta"):
             model = build_model(cfg)
-        images, labels = images[:1].to("meta"), labels[:1].to("meta")
+        images, labels = images[:1].float().to("meta"), labels[:1].to("meta")
         with FlopCounterMode(display=False) as counter:
             F.cross_entropy(model(images), labels).backward()
         return float(counter.get_total_flops())
     images, targets = batch
     model = build_model(cfg).train()
     with FlopCounterMode(display=False) as counter:
-        losses = model([images[0].cpu()], [{k: v.cpu() for k, v in targets[0].items()}])
+        losses = model([images[0].cpu().float() / 255], [{k: v.cpu() for k, v in targets[0].items()}])
         sum(losses.values()).backward()
     return float(counter.get_total_flops())
 
@@ -139,17 +139,18 @@ def loader_images_per_s(loader, batches: int) -> float:
 
 
 def synthetic_batch(cfg: DictConfig, family: str, micro_batch: int, device: torch.device, seed: int = 0) -> tuple:
-    """One micro-batch of random images and targets at the model's input size, on `device`."""
+    """One micro-batch of random images and targets at the model's input size, on `device`; the images uint8, as the
+    loaders yield them (the step normalises them on the device)."""
     g = torch.Generator().manual_seed(seed)
     if family == "classification":
         size = cfg.model.img_size
-        images = torch.randn(micro_batch, 3, size, size, generator=g)
+        images = torch.randint(0, 256, (micro_batch, 3, size, size), dtype=torch.uint8, generator=g)
         labels = torch.randint(0, cfg.model.num_classes, (micro_batch,), generator=g)
         return images.to(device), labels.to(device)
     size = cfg.data.min_size  # detectors resize internally; square images of the short side
     images, targets = [], []
     for _ in range(micro_batch):
-        images.append(torch.rand(3, size, size, generator=g).to(device))
+        images.append(torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=g).to(device))
         n = int(torch.randint(1, 5, (), generator=g))
         xy = torch.rand(n, 2, generator=g) * size * 0.6
         wh = torch.rand(n, 2, generator=g) * size * 0.3 + size * 0.05

@@ -119,13 +119,14 @@ def predict(
 ) -> tuple[np.ndarray, list[int]]:
     """Detections of this rank's shard as (n, 7) rows (image_id, x, y, w, h, score, category_id), and the ids of the
     images it saw (with or without detections); `progress`: a progress bar over the batches."""
+    from visiondist.data.transforms import unit_float
     from visiondist.engine.report import tracked
 
     was_training = model.training
     model.eval()
     rows, seen = [], []
     for images, targets in tracked(loader, progress):
-        images = [img.to(device, non_blocking=True) for img in images]
+        images = unit_float(images, device)
         with autocast or nullcontext():
             outputs = model(images)
         for output, target in zip(outputs, targets):

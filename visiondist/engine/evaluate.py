@@ -29,10 +29,12 @@ def evaluate_classification(
     autocast: AbstractContextManager | None = None,
     num_classes: int | None = None,
     progress: bool = False,
+    inputs=None,
 ) -> dict[str, float]:
     """val_loss, val_top1, val_top5 (percent) and val_count over the whole val set, identical on every rank; with
     `num_classes`, also val_class_top1 (percent per class, None for a class without images) and val_class_count.
-    `progress`: a progress bar over this rank's batches (give it on the main rank only).
+    `progress`: a progress bar over this rank's batches (give it on the main rank only). `inputs(images, device)`
+    turns loader images into the model's input on the device (default: a copy; the task's `Normalize` for uint8).
 
     A pipelined model runs each batch through the pipeline (`PipelinedViT.predict`); the last stage scores it and its
     sums reach the other stages in the final reduction."""
@@ -42,15 +44,16 @@ def evaluate_classification(
     k = num_classes or 0
     sums = torch.zeros(4 + 2 * k, dtype=torch.float64, device=layout.device)  # loss, top1, top5, count, per class
     needed, forwards = forwards_needed(model, layout, len(loader)), 0  # FSDP: every rank runs as many forwards
+    inputs = inputs or (lambda images, device: images.to(device, non_blocking=True))
     for images, labels in tracked(loader, progress):
         forwards += 1
+        images = None if images is None else inputs(images, layout.device)
         if pipelined:
             logits = model.predict(images, None if labels is None else len(labels), loader.batch_sampler.batch_size,
                                    autocast)
             if logits is None:
                 continue
         else:
-            images = images.to(layout.device, non_blocking=True)
             with autocast or nullcontext():
                 logits = model(images)
         labels = labels.to(layout.device, non_blocking=True)

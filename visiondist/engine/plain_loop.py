@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from visiondist.data.transforms import Normalize, unit_float
 from visiondist.engine.precision import autocast_dtype, autocast_for
 
 def baseline_roles(cfg: DictConfig) -> list[str]:
@@ -112,10 +113,14 @@ class PlainLoop:
         self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
         self.clip, self.smoothing = t.clip_grad, t.label_smoothing
         self.classification = m.family == "vit"
+        # the batches are uint8, as the loaders yield them: normalised on the device, as the trainer's step does
+        self.inputs = Normalize(cfg.data.mean, cfg.data.std) if self.classification else unit_float
+        self.device = device
 
     def step(self, batches: list[tuple]) -> None:
         """One optimizer step over the micro-batches (gradient accumulation)."""
         for images, targets in batches:
+            images = self.inputs(images, self.device)
             with self.autocast:
                 out = self.model(images) if self.classification else self.model(images, targets)
             if self.classification:

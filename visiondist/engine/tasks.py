@@ -26,8 +26,10 @@ class ClassificationTask:
 
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
         from visiondist.data import build_classification_data
+        from visiondist.data.transforms import Normalize
 
         t, d = cfg.trainer, cfg.data
+        self.inputs = Normalize(d.mean, d.std)  # (uint8 loader images, device) -> the model's input there
         self.label_smoothing = float(t.label_smoothing)
         self.mixup = None
         if d.mixup > 0 or d.cutmix > 0:  # timm's Mixup: mixes each micro-batch with its reverse, soft targets
@@ -44,7 +46,7 @@ class ClassificationTask:
 
     def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager) -> torch.Tensor:
         images, labels = batch
-        images = images.to(device, non_blocking=True)
+        images = self.inputs(images, device)
         labels = labels.to(device, non_blocking=True)
         if self.mixup is not None and model.training:
             from timm.loss import SoftTargetCrossEntropy
@@ -61,7 +63,7 @@ class ClassificationTask:
         from visiondist.engine.evaluate import evaluate_classification
 
         metrics = evaluate_classification(model, self.data.val_loader, layout, autocast, len(self.data.classes),
-                                          self.progress)
+                                          self.progress, self.inputs)
         if layout.is_main:  # per-class top-1 of the latest evaluation, by class name
             per_class = {name: {"top1": acc, "images": n} for name, acc, n in
                          zip(self.data.classes, metrics["val_class_top1"], metrics["val_class_count"])}
@@ -107,8 +109,10 @@ class DetectionTask:
 
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
         from visiondist.data import build_detection_data, coco_paths
+        from visiondist.data.transforms import unit_float
 
         t = cfg.trainer
+        self.inputs = unit_float  # (uint8 loader images, device) -> float in [0, 1] there, as torchvision takes
         self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating, a spinner while scoring
         self.data = build_detection_data(cfg.data, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
                                          pin_memory=layout.device.type == "cuda", train=train)
@@ -116,7 +120,7 @@ class DetectionTask:
 
     def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager) -> torch.Tensor:
         images, targets = batch
-        images = [img.to(device, non_blocking=True) for img in images]
+        images = self.inputs(images, device)
         targets = [{"boxes": t["boxes"].to(device), "labels": t["labels"].to(device)} for t in targets]
         with autocast:
             losses = model(images, targets)

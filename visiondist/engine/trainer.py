@@ -297,6 +297,7 @@ class Trainer:
         factor = None if self.scaler is None else self.scaler.factor(self.layout.device)
         for _ in range(accum):
             images, labels = next(batches)
+            images = None if images is None else self.task.inputs(images, self.layout.device)  # the first stage's
             if factor is None:
                 total += self.pipeline.train_step(images, labels, 1.0 / accum, self.autocast)
             else:  # fp16: the loss inside the schedule carries the scale (a power of 2: dividing it out is exact)
