@@ -1,6 +1,12 @@
 """Tensor-parallel collectives as autograd functions, named by what they do forward (Megatron's f / g and their
 sequence-parallel counterparts), with a counter of the traffic they cause.
 
+Each collective is a custom op (`visiondist::tp_all_reduce`, `tp_all_gather`, `tp_reduce_scatter`): opaque to
+`torch.compile`, with a fake implementation for tracing, so a compiled block traces its collectives into one graph
+instead of breaking at each (a Python counter mutated inside an autograd function breaks the graph, and a backward
+traced ahead of time would never run such Python again). The op's body runs at every call, compiled or not, forward
+and backward: the collective and its count happen there, outside the traced region.
+
 Why not DTensor: on the CPU/gloo set-up these small functions ran a tiny ViT's step faster than `parallelize_module`
 (benchmarks/RESULTS.md), keep every parameter a plain `torch.Tensor` (foreach AdamW and the global-norm clip work
 unchanged), and let attention be split by whole heads with no fused-qkv reshuffling.
@@ -24,6 +30,9 @@ from torch.autograd import Function
 from visiondist.compat import all_gather_into, reduce_scatter_into
 
 
+_COMMS: dict[str, "TPComm"] = {}  # the custom ops name their group by a string: this process's TP groups by key
+
+
 class TPComm:
     """The tensor-parallel group of this rank, and the traffic its collectives caused.
 
@@ -37,6 +46,8 @@ class TPComm:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.key = f"tp{len(_COMMS)}"
+        _COMMS[self.key] = self
         self.n_tokens = 0  # true sequence length of the current forward (set on entering the SP region)
         self.payload: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
@@ -56,6 +67,7 @@ class TPComm:
 
     # -- raw collectives over the TP group ------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """In place (the gradients' flat buffer, outside any compiled region)."""
         x = x.contiguous()
         dist.all_reduce(x, group=self.group)
         self.record("all_reduce", x)
@@ -67,9 +79,7 @@ class TPComm:
     def all_gather_tokens(self, local: torch.Tensor, n_tokens: int) -> torch.Tensor:
         """(B, n_local, C) chunks of every rank -> (B, n_tokens, C), padding cut off."""
         b, n_local, c = local.shape
-        out = local.new_empty(self.size * b, n_local, c)
-        all_gather_into(out, local.contiguous(), self.group)
-        self.record("all_gather", out)
+        out = torch.ops.visiondist.tp_all_gather(local.contiguous(), self.key)
         full = out.view(self.size, b, n_local, c).transpose(0, 1).reshape(b, self.size * n_local, c)
         return full[:, :n_tokens]
 
@@ -78,10 +88,7 @@ class TPComm:
         full = self._pad(full)
         b, n, c = full.shape
         chunks = full.view(b, self.size, n // self.size, c).transpose(0, 1).contiguous()
-        out = full.new_empty(b, n // self.size, c)
-        reduce_scatter_into(out, chunks.view(self.size * b, n // self.size, c), self.group)
-        self.record("reduce_scatter", full)
-        return out
+        return torch.ops.visiondist.tp_reduce_scatter(chunks.view(self.size * b, n // self.size, c), self.key)
 
     def local_tokens(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's chunk of a (B, n_tokens, C) tensor every rank holds (no communication)."""
@@ -92,6 +99,52 @@ class TPComm:
     def _pad(self, full: torch.Tensor) -> torch.Tensor:
         extra = self.padded(full.shape[1]) - full.shape[1]
         return F.pad(full, (0, 0, 0, extra)) if extra else full
+
+
+# The collectives as custom ops: a new tensor out (no aliasing), the traffic counted where the collective runs.
+
+
+@torch.library.custom_op("visiondist::tp_all_reduce", mutates_args=())
+def _tp_all_reduce(x: torch.Tensor, comm: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=_COMMS[comm].group)
+    _COMMS[comm].record("all_reduce", out)
+    return out
+
+
+@_tp_all_reduce.register_fake
+def _(x, comm):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("visiondist::tp_all_gather", mutates_args=())
+def _tp_all_gather(x: torch.Tensor, comm: str) -> torch.Tensor:
+    """Every rank's `x` concatenated along dim 0."""
+    group = _COMMS[comm]
+    out = x.new_empty((group.size * x.shape[0], *x.shape[1:]))
+    all_gather_into(out, x.contiguous(), group.group)
+    group.record("all_gather", out)
+    return out
+
+
+@_tp_all_gather.register_fake
+def _(x, comm):
+    return x.new_empty((_COMMS[comm].size * x.shape[0], *x.shape[1:]))
+
+
+@torch.library.custom_op("visiondist::tp_reduce_scatter", mutates_args=())
+def _tp_reduce_scatter(x: torch.Tensor, comm: str) -> torch.Tensor:
+    """This rank's dim-0 chunk of the sum over ranks of `x`."""
+    group = _COMMS[comm]
+    out = x.new_empty((x.shape[0] // group.size, *x.shape[1:]))
+    reduce_scatter_into(out, x.contiguous(), group.group)
+    group.record("reduce_scatter", x)
+    return out
+
+
+@_tp_reduce_scatter.register_fake
+def _(x, comm):
+    return x.new_empty((x.shape[0] // _COMMS[comm].size, *x.shape[1:]))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,7 +161,7 @@ class _CopyToTP(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad.clone()), None
+        return torch.ops.visiondist.tp_all_reduce(grad, ctx.comm.key), None
 
 
 class _ReduceFromTP(Function):
@@ -116,7 +169,7 @@ class _ReduceFromTP(Function):
 
     @staticmethod
     def forward(ctx, x, comm):
-        return comm.all_reduce(x.clone())
+        return torch.ops.visiondist.tp_all_reduce(x, comm.key)
 
     @staticmethod
     def backward(ctx, grad):
