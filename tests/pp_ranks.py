@@ -108,3 +108,24 @@ def run(dims: tuple[int, int, int], cases: list[tuple[str, int, int, bool]]) -> 
         return {case: _train(layout, *case) for case in cases}
     finally:
         dist.destroy_process_group()
+
+
+def bucketed_mean(limit: int) -> dict:
+    """Gradients of mixed sizes averaged over 2 ranks in buckets of `limit` bytes, against the mean of the gathered
+    gradients; and the most bucket-buffer bytes alive at once."""
+    from visiondist.parallel.grad import mean_over_group
+
+    dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        g = torch.Generator().manual_seed(rank)
+        shapes = [(3,), (40, 30), (7,), (2048,), (5, 5), (3000,), (1,), (16, 16, 3)]
+        grads = [torch.randn(s, generator=g) for s in shapes]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, grads)
+        peak = mean_over_group(grads, dist.group.WORLD, dist.get_world_size(), limit)
+        expected = [sum(ranks[i] for ranks in everyone) / len(everyone) for i in range(len(shapes))]
+        return {"equal": all(torch.equal(a, b) for a, b in zip(grads, expected)), "peak": peak,
+                "total": sum(x.numel() * x.element_size() for x in grads)}
+    finally:
+        dist.destroy_process_group()

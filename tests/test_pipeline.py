@@ -143,3 +143,16 @@ def test_later_stages_read_the_labels_of_the_same_samples(tiny_shapes):
     for a, b in zip(full.val_loader, labels.val_loader, strict=True):
         assert torch.equal(a[1], b[1])
     assert len(none.val_loader) == len(full.val_loader) > 1
+
+
+def test_data_parallel_mean_after_the_flush_is_exact_in_buckets():
+    """The pipeline's DP average runs in buckets of a few KB here: bit-equal to the plain mean, with at most two
+    buckets' buffers alive (not a copy of every gradient: 28 KB of them)."""
+    from visiondist.parallel.grad import IN_FLIGHT, buckets
+
+    limit = 4096
+    sizes = [len(b) for b in buckets([torch.zeros(n) for n in (3, 700, 7, 2048, 25, 300, 1, 768)], limit)]
+    assert sizes == [3, 1, 3, 1]  # at most 4 KB each; a gradient of 4 KB or more goes alone, reduced in place
+    for result in spawn_ranks(pp_ranks.bucketed_mean, 2, limit).values():
+        assert result["equal"]
+        assert 0 < result["peak"] <= IN_FLIGHT * limit < result["total"]

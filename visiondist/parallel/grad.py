@@ -39,19 +39,68 @@ def finish_gradients(params: Iterable[torch.nn.Parameter], layout: Layout) -> No
         _all_reduce_flat(grads, layout.tp_comm.all_reduce)
 
 
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+IN_FLIGHT = 2  # buckets reduced at once: one is copied back while the next is on the wire
+
+
+def buckets(grads: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[torch.Tensor]]:
+    """Consecutive gradients of one dtype grouped into buckets of at most `limit` bytes; a gradient of `limit` or more
+    is a bucket of its own (reduced in place, no copy)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if not out or size + nbytes > limit or out[-1][0].dtype != g.dtype or nbytes >= limit:
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += nbytes
+    return out
+
+
+def mean_over_group(grads: list[torch.Tensor], group, size: int, limit: int = BUCKET_BYTES) -> int:
+    """Average `grads` (in place) over `group` of `size` ranks, bucket by bucket: each bucket flattened into a buffer
+    of its own (a gradient of a bucket's size or more reduced where it is) and all-reduced asynchronously, at most
+    `IN_FLIGHT` at a time, each copied back while the next is reduced. The extra memory is a few buckets, not a copy
+    of every gradient. Returns the most bytes of bucket buffers alive at once."""
+    pending: list[tuple] = []
+    alive = peak = 0
+
+    def finish() -> None:
+        nonlocal alive
+        work, buffer, bucket = pending.pop(0)
+        work.wait()
+        buffer.div_(size)
+        if buffer is not bucket[0]:
+            offset = 0
+            for g in bucket:
+                g.copy_(buffer[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            alive -= buffer.numel() * buffer.element_size()
+
+    for bucket in buckets(grads, limit):
+        if len(bucket) == 1 and bucket[0].is_contiguous():
+            buffer = bucket[0]
+        else:
+            buffer = torch.cat([g.reshape(-1) for g in bucket])
+            alive += buffer.numel() * buffer.element_size()
+            peak = max(peak, alive)
+        pending.append((dist.all_reduce(buffer, group=group, async_op=True), buffer, bucket))
+        if len(pending) >= IN_FLIGHT:
+            finish()
+    while pending:
+        finish()
+    return peak
+
+
 def average_over_data_parallel(params: Iterable[torch.nn.Parameter], layout: Layout) -> None:
-    """Mean of the gradients over the DP replicas, in one flat all-reduce (what DDP does, for models DDP does not
-    wrap: pipeline stages, whose backward runs inside torch's schedules)."""
+    """Mean of the gradients over the DP replicas (what DDP does, for models DDP does not wrap: pipeline stages,
+    whose backward runs inside torch's schedules), in buckets (`mean_over_group`), after the pipeline's flush."""
     if layout.dp == 1:
         return
     grads = [p.grad for p in params if p.grad is not None]
-
-    def mean(flat: torch.Tensor) -> None:
-        dist.all_reduce(flat, group=layout.dp_group)
-        flat.div_(layout.dp)
-
     if grads:
-        _all_reduce_flat(grads, mean)
+        mean_over_group(grads, layout.dp_group, layout.dp)
 
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, layout: Layout) -> torch.Tensor:
