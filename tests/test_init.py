@@ -3,6 +3,8 @@ and a rank's start-up holds its shards, not the whole model."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -46,25 +48,30 @@ def timm_weights(tmp_path_factory):
     return path
 
 
-def test_every_layout_starts_from_the_weights_one_process_draws(timm_weights):
-    two = [[*TINY, "parallel.tp=2"], [*TINY, "parallel.pp=2", "parallel.schedule=interleaved_1f1b"],
-           [*TINY, "parallel=fsdp"], [*TINY, "parallel.tp=2", f"model.init_from={timm_weights}"]]
-    four = [[*TINY, "parallel.tp=2", "parallel.pp=2"]]
-    results = {**spawn_ranks(init_ranks.laid_out_weights, 2, two), **{4 + r: v for r, v in
-                                                                       spawn_ranks(init_ranks.laid_out_weights, 4,
-                                                                                   four).items()}}
-    for ranks in results.values():
-        for case in ranks:
+def _cases(timm_weights: Path) -> dict[int, list[list[str]]]:
+    return {2: [[*TINY, "parallel.tp=2"], [*TINY, "parallel.pp=2", "parallel.schedule=interleaved_1f1b"],
+                [*TINY, "parallel=fsdp"], [*TINY, "parallel.tp=2", f"model.init_from={timm_weights}"]],
+            4: [[*TINY, "parallel.tp=2", "parallel.pp=2"]]}
+
+
+@pytest.mark.parametrize("ranks", [pytest.param(2, marks=pytest.mark.smoke), 4])
+def test_every_layout_starts_from_the_weights_one_process_draws(timm_weights, ranks):
+    """tp2, pp2 (interleaved: 2 stages per rank), FSDP over 2 ranks, fine-tuning from timm's layout under tp2; tp2 x
+    pp2 on 4 ranks."""
+    results = spawn_ranks(init_ranks.laid_out_weights, ranks, _cases(timm_weights)[ranks])
+    for cases in results.values():
+        for case in cases:
             ref, rng = _reference(case["overrides"])
             _assert_equal(case["state"], ref)
             assert case["buffers_ok"], case["overrides"]
             assert torch.equal(case["rng"], rng), case["overrides"]  # later random draws (drop path) agree too
-    # the fine-tuned model holds the file's weights, its new 6-class head drawn like any other
-    from safetensors.torch import load_file
+    if ranks == 2:  # the fine-tuned model holds the file's weights, its new 6-class head drawn like any other
+        from safetensors.torch import load_file
 
-    tuned = results[0][3]["state"]
-    assert torch.equal(tuned["blocks.1.attn.k.weight"], load_file(timm_weights)["blocks.1.attn.qkv.weight"][192:384])
-    assert tuned["head.weight"].shape == (6, 192)
+        tuned = results[0][3]["state"]
+        qkv = load_file(timm_weights)["blocks.1.attn.qkv.weight"]
+        assert torch.equal(tuned["blocks.1.attn.k.weight"], qkv[192:384])
+        assert tuned["head.weight"].shape == (6, 192)
 
 
 @pytest.mark.slow
