@@ -25,6 +25,13 @@ def data_config(root: str):
                                  max_bad_images=1))
 
 
+def inputs(cfg):
+    """The loader's uint8 images -> the model's input (what the classification task hands the evaluator)."""
+    from visiondist.data.transforms import Normalize
+
+    return Normalize(cfg.mean, cfg.std)
+
+
 def run(root: str) -> dict:
     from visiondist.data import build_classification_data
     from visiondist.engine.evaluate import evaluate_classification
@@ -36,7 +43,8 @@ def run(root: str) -> dict:
         layout = build_layout(dist.get_world_size(), 1, 1, torch.device("cpu"), 0)
         data = build_classification_data(data_config(root), 32, layout.dp_rank, layout.dp, 1, 0, False)
         seen = [i for batch in data.val_loader.batch_sampler for i in batch]
-        metrics = evaluate_classification(make_model(), data.val_loader, layout, None, CLASSES)
+        metrics = evaluate_classification(make_model(), data.val_loader, layout, None, CLASSES,
+                                          inputs=inputs(data_config(root)))
         return {"metrics": metrics, "seen": seen}
     finally:
         dist.destroy_process_group()

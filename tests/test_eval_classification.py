@@ -23,17 +23,19 @@ def val_root(tmp_path_factory):
 
 
 def _direct(root):
-    """One image at a time, top-k by sorting the logits: no shared code with the evaluator but the transform."""
+    """One image at a time, top-k by sorting the logits: no shared code with the evaluator but the transform and the
+    normalisation."""
     from visiondist.data import build_classification_data
 
-    data = build_classification_data(eval_ranks.data_config(str(root)), 32, 0, 1, 1, 0, False)
-    model, dataset = eval_ranks.make_model(), data.val_loader.dataset
+    cfg = eval_ranks.data_config(str(root))
+    data = build_classification_data(cfg, 32, 0, 1, 1, 0, False)
+    model, dataset, normalize = eval_ranks.make_model(), data.val_loader.dataset, eval_ranks.inputs(cfg)
     top1 = top5 = loss = 0.0
     per_class = np.zeros((eval_ranks.CLASSES, 2))
     with torch.no_grad():
         for i in range(len(dataset)):
             image, label = dataset[i]
-            logits = model(image[None])[0]
+            logits = model(normalize(image[None], torch.device("cpu")))[0]
             order = torch.argsort(logits, descending=True).tolist()
             top1 += order[0] == label
             top5 += label in order[:5]
