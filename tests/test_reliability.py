@@ -264,3 +264,27 @@ def test_hydra_targets_are_never_instantiated(tmp_path):
                       "data.synthetic.train_images=4", "data.synthetic.val_images=2", "trainer.progress=false"],
                      timeout=120)
     assert result.returncode != 0 and not marker.exists()
+
+
+# 9 -----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_ctrl_c_stops_a_benchmark_after_the_step_in_flight(tmp_path, tiny_shapes, ranks):
+    """A benchmark used to note the signal and time every remaining step. Ctrl-C (SIGINT to the process group) ends
+    it after the step in flight, on every rank, with 130 and one line; nothing is appended to the results."""
+    results = tmp_path / "results"
+    args = [*TINY_DATA, f"data.root={tiny_shapes}", "trainer.accelerator=cpu", "trainer.tensorboard=false",
+            f"trainer.output_dir={tmp_path / 'runs'}", f"parallel.dp={ranks}", "bench.warmup=1", "bench.steps=2000",
+            "bench.rounds=2", f"bench.results_dir={results}", "bench.loader_batches=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "benchmark.py"), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    logs = tmp_path / "runs"
+    _wait_for(lambda: any("optimizer: adamw" in p.read_text() for p in logs.rglob("train.log")), proc, 180,
+              "the benchmark's trainer")
+    time.sleep(5)  # timing the steps by now
+    sent = time.time()
+    os.killpg(proc.pid, signal.SIGINT)
+    code, out = _finish(proc, 90)
+    assert time.time() - sent < 60, out[-3000:]
+    assert code == 130 and "benchmark stopped by SIGINT: nothing recorded" in out, out[-3000:]
+    assert not (results / "results.jsonl").exists()

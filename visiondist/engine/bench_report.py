@@ -107,6 +107,10 @@ def write_results(results: list[dict[str, Any]], results_dir: Path) -> None:
             f.write(markdown_row(result))
 
 
+def _name(r: dict[str, Any]) -> str:
+    return "the base configuration" if r["variant"] == "-" else r["variant"]
+
+
 def result_table(results: list[dict[str, Any]]):
     """One row per configuration, each followed by its own plain loops; shared figures and warnings in the
     caption."""
@@ -123,7 +127,11 @@ def result_table(results: list[dict[str, Any]]):
     for r in results:
         for why in dict.fromkeys(r["ratio_warnings"].values()):
             keys = ", ".join(_with_uncertainty(r, key) for key, reason in r["ratio_warnings"].items() if reason == why)
-            caption.append(f"WARNING {r['variant']}: not meaningful, {why}: {keys}")
+            caption.append(f"WARNING {_name(r)}: not meaningful, {why}: {keys}")
+        if (r["mfu_matmul"] or 0) > 1:  # e.g. fp16 on a CPU: torch's square fp16 product is far slower than the step's
+            caption.append(f"WARNING {_name(r)}: MFU matmul "
+                           f"{_pct(r['mfu_matmul'])}: the step outran the square matmul measured as the peak, which is "
+                           "then no ceiling for this device and precision")
     table = Table(title=f"{first['model']} | {first['layout']} | batch {first['batch']} | {first['device']}",
                   caption="\n".join(caption), show_header=True)
     for name in ("", "optimizer", "compile", "images/s", "step ms", "min-max", "/ plain", "harness", "model",

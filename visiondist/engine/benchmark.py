@@ -26,7 +26,7 @@ import statistics
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from visiondist.engine.bench_report import ratio_check, result_table, step_summary, write_results
 from visiondist.engine.peaks import datasheet_tflops, matmul_tflops, peak_kind
 from visiondist.engine.plain_loop import PlainLoop, baseline_roles
+from visiondist.engine.faults import STOP
 from visiondist.models import select_attention
 from visiondist.parallel import Layout
 
@@ -49,8 +50,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(step: Callable[[], Any], n: int, device: torch.device) -> list[float]:
-    """Seconds of each of `n` calls, the device drained before and after each."""
+class Stopped(Exception):
+    """A stop signal (SIGINT / SIGTERM) reached the benchmark: it ends after the step in flight, recording nothing."""
+
+
+def time_steps(step: Callable[[], Any], n: int, device: torch.device,
+               stop: Optional[Callable[[], bool]] = None) -> list[float]:
+    """Seconds of each of `n` calls, the device drained before and after each; `stop()` true after a call raises
+    `Stopped`."""
     times = []
     for _ in range(n):
         synchronize(device)
@@ -58,6 +65,8 @@ def time_steps(step: Callable[[], Any], n: int, device: torch.device) -> list[fl
         step()
         synchronize(device)
         times.append(time.perf_counter() - start)
+        if stop is not None and stop():
+            raise Stopped
     return times
 
 
@@ -243,23 +252,33 @@ def round_order(groups: list[list[Timed]], index: int) -> list[Timed]:
     return [loop for group in rotated for loop in (group if index % 2 == 0 else group[::-1])]
 
 
-def time_rounds(groups: list[list[Timed]], rounds: int, steps: int, device: torch.device) -> list[list[str]]:
+def time_rounds(groups: list[list[Timed]], rounds: int, steps: int, device: torch.device,
+                stop: Optional[Callable[[], bool]] = None) -> list[list[str]]:
     """Time every loop `steps` steps per round; returns the labels in the order they ran, round by round."""
     order = []
     for index in range(rounds):
         ran = []
         for loop in round_order(groups, index):
             apply_switches(loop.cfg, device)
-            loop.times += time_steps(loop.step, steps, device)
+            loop.times += time_steps(loop.step, steps, device, stop)
             loop.idle()
             ran.append(loop.label)
         order.append(ran)
     return order
 
 
-def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[str, Any]] | None:
+def _stop_check(layout: Layout, runs: list) -> Callable[[], bool]:
+    """Whether to stop after the step just timed. One rank: its own stop signal. Several: the step flags every rank
+    all-reduces (`Trainer.stop_requested`, read a step late), so that every rank stops after the same step."""
+    if layout.world_size == 1:
+        return lambda: STOP.received is not None
+    return lambda: any(run.trainer.stop_requested for run in runs)
+
+
+def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[str, Any]] | dict | None:
     """Entry point of every rank of `tools/benchmark.py`. Rank 0 prints the table, appends one result per configuration
-    to `<bench.results_dir>/results.jsonl` and `results.md`, and returns them."""
+    to `results.jsonl` and `results.md` in `bench.results_dir` (default: the run dir), and returns them. A stop signal
+    ends it after the step in flight with nothing recorded (the launcher then exits 128 + the signal)."""
     from visiondist.config import variant_config
     from visiondist.engine.trainer import prepare_rank
 
@@ -276,7 +295,14 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     groups = [[Timed(f"{i}:ours", run.cfg, run.step, run.idle)]
               + [Timed(f"{i}:plain_{role}", run.cfg, lambda loop=loop, run=run: loop.step(run.batches))
                  for role, loop in plains[i].items()] for i, run in enumerate(runs)]
-    order = time_rounds(groups, b.rounds, b.steps, device)
+    try:
+        order = time_rounds(groups, b.rounds, b.steps, device, _stop_check(layout, runs))
+    except Stopped:
+        signal_name = STOP.received or "SIGTERM"  # another rank's signal reaches this one through the step flags
+        if layout.is_main:
+            log.warning("benchmark stopped by %s: nothing recorded", signal_name)
+        return {"stopped at step": sum(len(t.times) for g in groups for t in g), "stopped by": signal_name,
+                "run dir": str(run_dir)}
     for run in runs:
         run.trainer.settle()
 
@@ -286,7 +312,7 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     if not layout.is_main:
         return None
     results = collect_results(cfg, layout, runs, plains, groups, order, family, loader_rate)
-    write_results(results, Path(cfg.bench.results_dir))
+    write_results(results, Path(cfg.bench.results_dir) if cfg.bench.results_dir else run_dir)
     (run_dir / "benchmark.json").write_text(json.dumps(results, indent=1))
     import sys
 
