@@ -62,7 +62,7 @@ def load_run_config(run_dir: Path, overrides: list[str], inputs: Optional[str] =
 
 
 def _checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
-    validate(cfg)
+    validate(cfg, mandatory=inputs is not None)  # no inputs read: a `???` data.root may stay unset
     if inputs is not None:
         from visiondist.preflight import check_inputs
 
@@ -71,9 +71,26 @@ def _checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
 
 
 def _explain(exc: BaseException) -> str:
-    """Hydra's message without its search-path dump and '+key' hint, plus the underlying reason (bad key / type)."""
+    """One line for a bad override: a key that is not a setting (with the closest one), a value of the wrong type;
+    otherwise Hydra's message without its search-path dump and '+key' hint, plus the underlying reason."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    error, seen = exc, set()
+    while error is not None and id(error) not in seen:  # the OmegaConf error under Hydra's
+        seen.add(id(error))
+        key = getattr(error, "full_key", None)
+        if key and isinstance(error, (ConfigKeyError, ConfigAttributeError)):
+            return _unknown_key(str(key))
+        if key and isinstance(error, ValidationError):
+            return f"{key}: {str(error).strip().splitlines()[0]}"
+        error = error.__cause__ or error.__context__
+    text = str(exc).strip()
+    if text.startswith("Error parsing override '"):  # e.g. a bare `data.root`
+        override = text.split("'")[1]
+        return (f"{override}: not an override; write key=value or group=option, e.g. data.root=/path (Hydra's "
+                "override grammar)")
     lines = []
-    for line in str(exc).strip().splitlines():
+    for line in text.splitlines():
         if line.startswith("Config search path") or line.startswith("To append to your config"):
             break
         lines.append(line)
@@ -83,6 +100,22 @@ def _explain(exc: BaseException) -> str:
         if reason not in lines:
             lines.append(reason)
     return "\n".join(lines)
+
+
+def _unknown_key(key: str) -> str:
+    """`trainer.max_step is not a setting: did you mean trainer.max_steps?` (or the group's settings)."""
+    import difflib
+
+    from visiondist.config import TrainConfig
+
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(OmegaConf.structured(TrainConfig), parent) if parent else OmegaConf.structured(TrainConfig)
+    known = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    close = difflib.get_close_matches(name, known, n=1)
+    prefix = f"{parent}." if parent else ""
+    if close:
+        return f"{key} is not a setting: did you mean {prefix}{close[0]}?"
+    return f"{key} is not a setting ({'the config' if not parent else parent} has {len(known)}: --cfg prints them)"
 
 
 def run_tool(tool: str, config_dir: Path, argv: list[str], run: Callable[[DictConfig], object]) -> int:

@@ -198,7 +198,9 @@ class BenchConfig:
     baseline: bool = True  # per configuration, plain-PyTorch loops on timm's model and on ours (single rank)
     peak: bool = True  # also measure the device's dense matmul rate in the run (MFU beside the datasheet's)
     loader_batches: int = 20  # batches of the real train loader timed on their own; 0: skip
-    results_dir: str = "benchmarks"  # appends results.jsonl and results.md here
+    # appends results.jsonl and results.md here; null: the benchmark's run dir (`bench.results_dir=benchmarks` adds
+    # the rows to the repository's record, benchmarks/results.md)
+    results_dir: Optional[str] = None
     # more configurations timed side by side with the first, each a space-separated list of key=value overrides,
     # e.g. ["trainer.compile=true", "trainer.precision=bf16 optim.impl=fused"] (the layout stays the same)
     variants: list[str] = field(default_factory=list)
@@ -287,9 +289,11 @@ def check_mandatory(cfg: DictConfig) -> None:
         raise ConfigError(f"{', '.join(missing)} must be set (??? in the config): add {fix}")
 
 
-def validate(cfg: DictConfig) -> None:
-    """Check a composed config on its own (no devices involved). Raises ConfigError."""
-    check_mandatory(cfg)
+def validate(cfg: DictConfig, mandatory: bool = True) -> None:
+    """Check a composed config on its own (no devices involved). Raises ConfigError. `mandatory=False`: `???` values
+    may stay unset (printing the config, planning a layout: nothing reads the data)."""
+    if mandatory:
+        check_mandatory(cfg)
     m, d, p, o, s, t = cfg.model, cfg.data, cfg.parallel, cfg.optim, cfg.schedule, cfg.trainer
     _one_of("model.family", m.family, _MODEL_FAMILIES)
     _one_of("data.format", d.format, ("imagefolder", "coco"))
@@ -411,9 +415,13 @@ def validate(cfg: DictConfig) -> None:
         _positive("parallel.dp", p.dp)
     if m.num_heads % p.tp:
         good = ", ".join(str(x) for x in _divisors(m.num_heads))
+        heads = [h for h in range(p.tp, m.embed_dim + 1, p.tp) if m.embed_dim % h == 0]
+        other = min(heads, key=lambda h: (abs(h - m.num_heads), -h)) if heads else None
+        more = (f", or model.num_heads={other} (a multiple of {p.tp} that divides model.embed_dim={m.embed_dim})"
+                if other is not None else "")
         raise ConfigError(
             f"parallel.tp={p.tp} does not divide model.num_heads={m.num_heads} ({m.name}): "
-            f"tensor parallelism shards attention by whole heads; use parallel.tp in {{{good}}}"
+            f"tensor parallelism shards attention by whole heads; use parallel.tp in {{{good}}}{more}"
         )
     hidden = int(m.embed_dim * m.mlp_ratio)
     if hidden % p.tp:

@@ -58,6 +58,14 @@ from visiondist.parallel import (
 
 log = logging.getLogger(__name__)
 
+PRECISIONS = {"32": "fp32", "bf16": "bf16 autocast", "16": "fp16 autocast + loss scaling"}
+
+
+def precision_text(trainer_cfg: DictConfig, device: torch.device) -> str:
+    """What `trainer.precision` (and `trainer.tf32`) run as, for the start-up line and the summary."""
+    text = PRECISIONS[precision_name(trainer_cfg.precision)]
+    return text + " (TF32 matmuls)" if text == "fp32" and device.type == "cuda" and trainer_cfg.tf32 else text
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -323,11 +331,16 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         t, sampler = self.cfg.trainer, self.data.train_sampler
         log.info(
-            "model %s: %.2fM parameters (%.2fM on this rank) | layout %s | global batch %d (%d per rank x %d "
-            "accumulation) | %d steps",
-            self.cfg.model.name, self.num_params / 1e6, self.rank_params / 1e6, self.layout_text, self.cfg.data.batch_size,
-            sampler.micro_batch, t.grad_accum, self.total_steps,
+            "model %s: %.2fM parameters (%.2fM on this rank) | layout %s | precision %s | global batch %d (%d per rank "
+            "x %d accumulation) | %d steps",
+            self.cfg.model.name, self.num_params / 1e6, self.rank_params / 1e6, self.layout_text,
+            precision_text(t, self.layout.device), self.cfg.data.batch_size, sampler.micro_batch, t.grad_accum,
+            self.total_steps,
         )
+        if precision_name(t.precision) == "16" and self.layout.device.type == "cpu":
+            log.warning("trainer.precision=16 on the CPU: CPUs have no fp16 matrix units, so a step takes many times "
+                        "the fp32 one (18.9x for ViT-Ti on 2 AMD EPYC cores, benchmarks/RESULTS.md); fp16 is for GPUs "
+                        "without bf16 (V100, T4): here use trainer.precision=bf16 or 32")
         if self.layout.world_size > 1:
             nodes = len(set(self.layout.nodes))
             log.info("mesh (pp, dp, tp) over %d node%s: %s", nodes, "s" if nodes > 1 else "",
@@ -517,6 +530,7 @@ class Trainer:
             "parameters (M)": round(self.num_params / 1e6, 3),
             "parameters per rank (M)": round(self.rank_params / 1e6, 3),
             "layout": self.layout_text,
+            "precision": precision_text(self.cfg.trainer, self.layout.device),
             "data": f"{self.cfg.data.name}: {self.data.num_train} train / {self.data.num_val} val images",
             "steps": self.step,
             "epochs": float(f"{self.step / self.data.train_sampler.steps_per_epoch:.3g}"),

@@ -505,7 +505,8 @@ def plan(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1, opti
         else:
             why_not = (f"DDP would need {ddp.memory.device / GB:.3g} GB per device, over the {budget} budget"
                        if ddp is not None and not ddp.fits else "DDP is slower here")
-            reason = (f"{why_not}; {best.candidate.name} is the fastest of {len(fit)} layouts that fit: "
+            of = f"the fastest of {len(fit)} layouts that fit" if len(fit) > 1 else "the only layout that fits"
+            reason = (f"{why_not}; {best.candidate.name} is {of}: "
                       f"{best.memory.device / GB:.3g} GB per device, about {_duration(best.seconds['total'])} per step "
                       "in the time model")
         return Plan(s, hw, global_batch, rows, best, reason, layer)
