@@ -40,13 +40,13 @@ def nonfinite_on_one_rank(overrides: list[str], bad_rank: int, bad_step: int) ->
     """The real Trainer on 2 DP ranks; `bad_rank`'s loss is NaN at optimizer step `bad_step`."""
     from visiondist.config import compose
     from visiondist.engine.trainer import Trainer, prepare_rank
-    from visiondist.parallel import build_layout
+    from visiondist.plan import rank_layout
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:
         cfg = compose(Path(__file__).resolve().parents[1] / "configs", overrides)
-        layout = build_layout(2, 1, 1, torch.device("cpu"), 0)
+        layout = rank_layout(cfg)  # 2 ranks: dp=2
         run_dir = Path(cfg.trainer.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         prepare_rank(cfg, layout, run_dir)  # logging into run_dir/train.log

@@ -18,11 +18,11 @@ def _fit(overrides: list[str], overflow_at: int = 0, nan_at: int = 0) -> dict:
     its own gradient norm is inf, TP rank 0's is finite. With `nan_at`, TP rank 1's loss is NaN at that step."""
     from visiondist.config import compose
     from visiondist.engine.trainer import Trainer, prepare_rank
-    from visiondist.parallel import build_layout, unwrap
+    from visiondist.parallel import unwrap
+    from visiondist.plan import rank_layout
 
     cfg = compose(CONFIGS, overrides)
-    p = cfg.parallel
-    layout = build_layout(dist.get_world_size() // (p.tp * p.pp), p.tp, p.pp, torch.device("cpu"), 0)
+    layout = rank_layout(cfg)
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     prepare_rank(cfg, layout, run_dir)  # logging into run_dir/train.log

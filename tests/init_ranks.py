@@ -13,13 +13,13 @@ from torch.distributed.tensor import DTensor
 from helpers import REPO
 from visiondist.cli import load_config
 from visiondist.engine.trainer import build_laid_out, seed_everything
-from visiondist.parallel import build_layout, unwrap
+from visiondist.parallel import unwrap
+from visiondist.plan import rank_layout
 from visiondist.parallel.tensor import SHARD_DIM
 
 
 def _layout(cfg):
-    p = cfg.parallel
-    return build_layout(dist.get_world_size() // (p.tp * p.pp), p.tp, p.pp, torch.device("cpu"), 0)
+    return rank_layout(cfg)
 
 
 def _full(model, layout) -> dict[str, torch.Tensor]:

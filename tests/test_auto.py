@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from visiondist.config import ConfigError, compose
-from visiondist.launch import resolve_auto
+from visiondist.plan import resolve
 from visiondist.parallel.planner import Candidate, Hardware, ViTShape, plan, plan_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -50,8 +50,8 @@ def test_refuses_with_the_smallest_device_count_that_fits():
     assert plan_config(cfg, devices=32, nodes=4, memory_gb=16).choice is not None
     assert plan_config(cfg, devices=24, nodes=3, memory_gb=16).choice is None
     with pytest.raises(ConfigError, match="smallest that fits is 32 devices"):
-        resolve_auto(_cfg("model=vit_22b", "trainer.precision=bf16", "parallel.device_memory_gb=16",
-                          "trainer.devices=8", "trainer.accelerator=cpu"), {}, 0)
+        resolve(_cfg("model=vit_22b", "trainer.precision=bf16", "parallel.device_memory_gb=16",
+                     "trainer.devices=8", "trainer.accelerator=cpu"), {}, 0)
 
 
 def test_activation_checkpointing_when_it_is_the_cheaper_fix():
@@ -61,22 +61,38 @@ def test_activation_checkpointing_when_it_is_the_cheaper_fix():
     assert result.choice.candidate == Candidate(dp=1, checkpointing=True)
 
 
-def test_auto_rewrites_the_parallel_fields_and_the_result_validates():
+def test_auto_resolves_to_a_concrete_layout_and_leaves_the_config_as_asked():
     cfg = _cfg("model=vit_small", "data=shapes", "parallel.device_memory_gb=0.05", "trainer.devices=4",
                "trainer.accelerator=cpu")
-    chosen, result = resolve_auto(cfg, {}, 0)
+    run, result = resolve(cfg, {}, 0)
     c = result.choice.candidate
     assert (c.dp, c.tp, c.pp, c.fsdp) != (4, 1, 1, False)  # not DDP: its state alone is 0.35 GB per device
-    p = chosen.parallel
-    assert (p.dp, p.tp, p.pp, p.fsdp, p.offload, p.activation_checkpointing) == (
+    assert (run.dp, run.tp, run.pp, run.fsdp, run.offload, run.activation_checkpointing) == (
         c.dp, c.tp, c.pp, c.fsdp, c.offload, c.checkpointing)
-    assert not p.auto and p.name == "auto"
+    assert run.world_size == 4 and run.chosen_by == "parallel=auto" and run.reason == result.reason
+    assert run.checkpoint_blocks in (0, cfg.model.depth)  # no -1 left
+    assert cfg.parallel.auto and cfg.parallel.dp == -1  # the config is not rewritten: config.yaml keeps the request
     assert result.choice.memory.device <= 0.9 * 0.05e9
+
+
+def test_a_continued_auto_run_keeps_the_layout_it_started_with(tmp_path):
+    from visiondist.config.layout import RunLayout
+
+    first = RunLayout("cpu", 4, 4, dp=2, tp=2, chosen_by="parallel=auto")
+    first.save(tmp_path)
+    cfg = _cfg("model=vit_small", "data=shapes", "trainer.devices=4", "trainer.accelerator=cpu",
+               f"trainer.run_dir={tmp_path}")
+    run, plan = resolve(cfg, {}, 0)
+    assert plan is None and (run.dp, run.tp, run.pp) == (2, 2, 1)  # not re-planned (DDP would fit)
+    assert "layout.json" in run.reason
+    other = _cfg("model=vit_small", "data=shapes", "trainer.devices=2", "trainer.accelerator=cpu",
+                 f"trainer.run_dir={tmp_path}")
+    assert resolve(other, {}, 0)[1] is not None  # another world: planned afresh (checkpoints reshard)
 
 
 def test_auto_on_the_cpu_needs_a_device_count():
     with pytest.raises(ConfigError, match="trainer.devices=N"):
-        resolve_auto(_cfg("model=vit_small", "trainer.accelerator=cpu"), {}, 0)
+        resolve(_cfg("model=vit_small", "trainer.accelerator=cpu"), {}, 0)
 
 
 def test_auto_refuses_explicit_layout_fields():

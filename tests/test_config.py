@@ -3,7 +3,8 @@
 import pytest
 
 from visiondist.cli import load_config, run_tool
-from visiondist.config import ConfigError, plan_world
+from visiondist.config import ConfigError
+from visiondist.plan import resolve
 from helpers import REPO, run_cli
 
 CONFIGS = REPO / "configs"
@@ -55,8 +56,9 @@ def test_pipeline_presets(name, dp, tp, pp, micro):
     cfg = load_config(CONFIGS, ["model=vit_base", f"parallel={name}"])
     p = cfg.parallel
     assert (p.dp, p.tp, p.pp, p.schedule, p.microbatches) == (dp, tp, pp, "1f1b", micro)
-    plan = plan_world(cfg, {}, 0)
-    assert plan.world_size == max(dp, 1) * tp * pp
+    run, _ = resolve(cfg, {}, 0)
+    assert run.world_size == max(dp, 1) * tp * pp
+    assert (run.schedule, run.stages_per_rank, run.microbatches) == ("1f1b", 1, micro)  # nothing left at -1
 
 
 def test_pipeline_batch_must_split_into_microbatches():
@@ -125,7 +127,7 @@ def test_bad_config_has_one_clear_message(overrides, expected):
 
 
 def _plan(overrides, env=None, gpus=0):
-    return plan_world(load_config(CONFIGS, overrides), env or {}, gpus)
+    return resolve(load_config(CONFIGS, overrides), env or {}, gpus)[0]
 
 
 def test_world_size_is_the_product_of_the_mesh():

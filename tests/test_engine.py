@@ -41,3 +41,26 @@ def test_run_dir_is_never_reused(tmp_path, tiny_shapes):
 
     with pytest.raises(ConfigError, match="already holds a run"):
         _run(tmp_path, tiny_shapes, "once", "trainer.resume=null")
+
+
+def _try_to_change_the_config(cfg, layout, run_dir):
+    from omegaconf.errors import ReadonlyConfigError
+
+    try:
+        cfg.trainer.max_steps = 5
+        outcome = "changed"
+    except ReadonlyConfigError:
+        outcome = "read-only"
+    (run_dir / "outcome.txt").write_text(f"{outcome} {layout.run.describe()}")
+
+
+def test_ranks_get_the_resolved_layout_and_a_read_only_config(tmp_path, tiny_shapes):
+    """Resolved once in the launching process: a rank reads its layout from the RunLayout it was handed (written to
+    layout.json) and cannot change the config."""
+    cfg = load_config(REPO / "configs", [*TINY_DATA, f"data.root={tiny_shapes}", "trainer.accelerator=cpu",
+                                         f"trainer.run_dir={tmp_path / 'run'}"])
+    run = launch(_try_to_change_the_config, cfg, env={})
+    assert (tmp_path / "run" / "outcome.txt").read_text() == "read-only dp=1 tp=1 pp=1 (1 rank on cpu)"
+    from visiondist.config.layout import RunLayout
+
+    assert RunLayout.load(tmp_path / "run") == run and run.chosen_by == "config"

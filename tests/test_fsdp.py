@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import fsdp_ranks
 from helpers import assert_same_weights, evals_of, losses_of, spawn_ranks, train_args, train_ok
@@ -98,3 +99,15 @@ def test_parallel_auto_chooses_a_sharded_layout_says_why_and_trains(tmp_path, ti
     summary = json.loads((run / "summary.json").read_text())
     assert summary["layout"].startswith(f"dp={choice['dp']} tp={choice['tp']} pp={choice['pp']}")
     assert (run / "model.safetensors").stat().st_size > 4e6 * summary["parameters (M)"]
+    # config.yaml: the run as asked; layout.json: as it ran, every field concrete
+    asked = OmegaConf.load(run / "config.yaml").parallel
+    assert asked.auto and asked.dp == -1
+    ran = json.loads((run / "layout.json").read_text())
+    assert (ran["dp"], ran["tp"], ran["pp"], ran["fsdp"]) == (choice["dp"], choice["tp"], choice["pp"], choice["fsdp"])
+    assert ran["chosen_by"] == "parallel=auto" and ran["world_size"] == 4
+    assert -1 not in ran.values() and None not in ran.values()
+    from visiondist.cli import load_run_config  # evaluation rebuilds the model in the layout it ran under
+
+    again = load_run_config(run, [], inputs=None).parallel
+    assert (again.auto, again.dp, again.tp, again.pp, again.fsdp) == (False, ran["dp"], ran["tp"], ran["pp"],
+                                                                      ran["fsdp"])

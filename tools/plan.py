@@ -23,24 +23,15 @@ def main(argv: list[str]) -> int:
         return 0
     from rich.console import Console
 
-    from visiondist.launch import cuda_device_count, device_memory_gb
     from visiondist.parallel.planner import plan_config
+    from visiondist.plan import cuda_device_count, device_memory_gb, planning_world
 
     try:
         cfg = load_config(CONFIGS, argv, inputs=None)  # a plan reads no data
         if cfg.model.family != "vit":
             raise ConfigError(f"tools/plan.py plans ViT classifiers; {cfg.model.name} is a detector")
         p, t = cfg.parallel, cfg.trainer
-        per_node = t.devices if t.devices > 0 else cuda_device_count()
-        if p.num_devices > 0:
-            devices, nodes = p.num_devices, p.nodes
-        elif per_node > 0:
-            devices, nodes = per_node * p.nodes, p.nodes
-        else:
-            raise ConfigError("no GPU here: say how many devices to plan for, e.g. trainer.devices=8 (per node) "
-                              "parallel.nodes=2, or parallel.num_devices=16")
-        if devices % nodes:
-            raise ConfigError(f"parallel.num_devices={devices} does not split over parallel.nodes={nodes}")
+        devices, nodes = planning_world(cfg, cuda_device_count())
         accelerator = "cuda" if t.accelerator != "cpu" and cuda_device_count() else "cpu"
         memory = p.device_memory_gb or device_memory_gb(accelerator, devices // nodes)
         result = plan_config(cfg, devices, nodes, memory)

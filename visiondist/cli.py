@@ -55,10 +55,22 @@ def load_run_config(run_dir: Path, overrides: list[str], inputs: Optional[str] =
     if bad:
         raise ConfigError(f"{' '.join(bad)}: a run's config takes key=value overrides only (e.g. data.root=/path)")
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
+        cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path), _as_it_ran(run_dir, overrides),
+                              OmegaConf.from_dotlist(overrides))
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc)) from exc
     return _checked(cfg, inputs)  # type: ignore[arg-type]
+
+
+def _as_it_ran(run_dir: Path, overrides: list[str]) -> dict:
+    """A `parallel=auto` run is evaluated in the layout it ran under (its layout.json), unless the overrides name
+    another."""
+    from visiondist.config.layout import RunLayout
+
+    run = RunLayout.load(run_dir)
+    if run is None or run.chosen_by != "parallel=auto" or any(o.startswith("parallel.") for o in overrides):
+        return {}
+    return {"parallel": {**run.parallel_overrides(), "auto": False}}
 
 
 def _checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:

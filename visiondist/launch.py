@@ -27,21 +27,20 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from visiondist.config import ConfigError, WorldPlan, from_container, plan_world, to_container
+from visiondist.config import ConfigError, from_container, to_container
+from visiondist.config.layout import RunLayout
+from visiondist.plan import announce, cuda_device_count, resolve
 
 log = logging.getLogger(__name__)
 
 Entry = Callable[[DictConfig, Any, Path], Any]
 
 
-def cuda_device_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def new_run_dir(cfg: DictConfig) -> Path:
-    """Create the run directory and write the resolved `config.yaml` into it. An existing run's directory is only
-    reused to continue it (`trainer.resume=auto`): its config.yaml stays as it is, and what this continuation
-    changes is appended to `attempts.jsonl` (`visiondist.runs`)."""
+def new_run_dir(cfg: DictConfig, run: Optional[RunLayout] = None) -> Path:
+    """Create the run directory and write `config.yaml` (the run as asked, e.g. `parallel.auto: true`) and
+    `layout.json` (the `RunLayout` it resolved to) into it. An existing run's directory is only reused to continue it
+    (`trainer.resume=auto`): its config.yaml and layout.json stay as they are, and what this continuation changes
+    (the layout included) is appended to `attempts.jsonl` (`visiondist.runs`)."""
     if cfg.trainer.run_dir:
         run_dir = Path(cfg.trainer.run_dir).expanduser()
         previous = run_dir / "config.yaml"
@@ -51,12 +50,14 @@ def new_run_dir(cfg: DictConfig) -> Path:
                                   "continue it with trainer.resume=auto")
             from visiondist.runs import record_attempt
 
-            record_attempt(run_dir, OmegaConf.load(previous), cfg)  # type: ignore[arg-type]
+            record_attempt(run_dir, OmegaConf.load(previous), cfg, run)  # type: ignore[arg-type]
             return run_dir.resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
         run_dir = unique_dir(Path(cfg.trainer.output_dir).expanduser())
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    if run is not None:
+        run.save(run_dir)
     return run_dir.resolve()
 
 
@@ -81,12 +82,12 @@ def _set_threads(local_world: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
-def _init_rank(plan: WorldPlan, single: bool, startup_timeout_s: float = 1800.0,
+def _init_rank(run: RunLayout, single: bool, startup_timeout_s: float = 1800.0,
                tf32: bool = True) -> tuple[torch.device, int]:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    _set_threads(plan.nproc_per_node)
+    _set_threads(run.per_node)
     device_id = None
-    if plan.accelerator == "cuda":
+    if run.accelerator == "cuda":
         device = device_id = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
         backend = "nccl"
@@ -124,13 +125,13 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.conv.fp32_precision = precision
 
 
-def _shared_run_dir(cfg: DictConfig) -> Path:
+def _shared_run_dir(cfg: DictConfig, run: RunLayout) -> Path:
     """Under torchrun: global rank 0 creates the run dir and tells the others (or tells them why it could not). After
     a torchrun restart (--max-restarts) the job continues in the run dir its first attempt created."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = str(_torchrun_run_dir(cfg))
+            box[0] = str(_torchrun_run_dir(cfg, run))
         except Exception as exc:  # every rank must learn of the failure, not hang in the broadcast
             box[0] = exc
     dist.broadcast_object_list(box, src=0)
@@ -139,60 +140,17 @@ def _shared_run_dir(cfg: DictConfig) -> Path:
     return Path(box[0])
 
 
-def _torchrun_run_dir(cfg: DictConfig) -> Path:
+def _torchrun_run_dir(cfg: DictConfig, run: RunLayout) -> Path:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if cfg.trainer.run_dir or not run_id:
-        return new_run_dir(cfg)
+        return new_run_dir(cfg, run)
     pointer = Path(cfg.trainer.output_dir).expanduser() / ".torchelastic" / run_id
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and pointer.is_file():
         return Path(pointer.read_text().strip())
-    run_dir = new_run_dir(cfg)
+    run_dir = new_run_dir(cfg, run)
     pointer.parent.mkdir(parents=True, exist_ok=True)
     pointer.write_text(str(run_dir))
     return run_dir
-
-
-def device_memory_gb(accelerator: str, per_node: int) -> float:
-    """Memory of one device: the GPU's, or on the CPU the host's divided between the node's ranks."""
-    if accelerator == "cuda":
-        return torch.cuda.get_device_properties(0).total_memory / 1e9
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / per_node
-
-
-def resolve_auto(cfg: DictConfig, env: dict, cuda_devices: int) -> tuple[DictConfig, Any]:
-    """`parallel=auto`: plan the layouts on the devices this job has (or `parallel.device_memory_gb` each), print
-    the table and the reason, and return the config with the chosen `parallel.*` fields (and the plan)."""
-    from rich.console import Console
-
-    from visiondist.config import under_torchrun, validate
-    from visiondist.parallel.planner import plan_config
-
-    t, p = cfg.trainer, cfg.parallel
-    accelerator = t.accelerator if t.accelerator != "auto" else ("cuda" if cuda_devices else "cpu")
-    if under_torchrun(env):
-        world = int(env["WORLD_SIZE"])
-        per_node = int(env.get("LOCAL_WORLD_SIZE", world))
-    elif t.devices > 0:
-        world = per_node = t.devices
-    elif accelerator == "cuda" and cuda_devices:
-        world = per_node = cuda_devices
-    else:
-        raise ConfigError("parallel=auto on the CPU needs the number of ranks: set trainer.devices=N")
-    memory = p.device_memory_gb or device_memory_gb(accelerator, per_node)
-    plan = plan_config(cfg, world, max(1, world // per_node), memory)
-    if plan.choice is None:
-        raise ConfigError(f"parallel=auto: {plan.reason}")
-    cfg = cfg.copy()
-    for key, value in plan.choice.candidate.overrides().items():
-        cfg.parallel[key] = value
-    cfg.parallel.auto = False
-    cfg.parallel.name = "auto"
-    validate(cfg)
-    if env.get("RANK", "0") == "0":
-        console = Console(width=120)
-        console.print(plan.table(f"parallel=auto: {cfg.model.name} on {world} devices of {memory:.3g} GB"))
-        console.print(f"parallel=auto chose [bold]{plan.choice.candidate.name}[/bold]: {plan.reason}")
-    return cfg, plan
 
 
 def _write_plan(run_dir: Path, plan: Any) -> None:
@@ -201,7 +159,7 @@ def _write_plan(run_dir: Path, plan: Any) -> None:
                                       + f"chose {plan.choice.candidate.name}: {plan.reason}\n")
 
 
-def run_rank(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: Optional[str], auto_plan: Any = None,
+def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str], auto_plan: Any = None,
              top_level: bool = False) -> Any:
     """Body of every rank: process group, device, mesh, then `entry`. Whatever happens, the rank's loader workers
     end with it; a failure leaves `<run>/failure/rank<k>.txt` (see `visiondist.engine.failures`). `top_level`: this
@@ -212,20 +170,21 @@ def run_rank(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: Optional[st
     from visiondist.parallel import build_layout
 
     cfg = from_container(cfg_dict)
+    OmegaConf.set_readonly(cfg, True)  # resolved once, in the launching process: nothing below changes it
     PROGRESS.reset(cfg.trainer.startup_timeout_s)
     if run_dir is not None:
-        _flight_recorder(Path(run_dir), plan.accelerator)
-    device, local_rank = _init_rank(plan, single=plan.world_size == 1 and not plan.under_torchrun,
+        _flight_recorder(Path(run_dir), run.accelerator)
+    device, local_rank = _init_rank(run, single=run.world_size == 1 and not run.under_torchrun,
                                     startup_timeout_s=cfg.trainer.startup_timeout_s, tf32=cfg.trainer.tf32)
     STOP.received = None
     signals = STOP.install()
     path, watchdog = (Path(run_dir) if run_dir else None), None
     try:
-        path = path or _shared_run_dir(cfg)
+        path = path or _shared_run_dir(cfg, run)
         watchdog = _start_watchdog(path, top_level)
         if auto_plan is not None and run_dir is None and dist.get_rank() == 0:
             _write_plan(path, auto_plan)
-        layout = build_layout(plan.dp, plan.tp, plan.pp, device, local_rank)
+        layout = build_layout(run.dp, run.tp, run.pp, device, local_rank, run=run)
         return entry(cfg, layout, path)
     except RANK_ERRORS as exc:
         _record(path, exc)
@@ -295,8 +254,8 @@ def _record(run_dir: Optional[Path], exc: BaseException) -> None:
 
 
 @record  # a failing rank's traceback reaches the launcher's error report, not just its exit code
-def _elastic_worker(entry: Entry, cfg_dict: dict, plan: WorldPlan, run_dir: str) -> Any:
-    return run_rank(entry, cfg_dict, plan, run_dir)
+def _elastic_worker(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: str) -> Any:
+    return run_rank(entry, cfg_dict, run, run_dir)
 
 
 def slurm_env(env: dict) -> dict:
@@ -329,38 +288,37 @@ def first_host(nodelist: str) -> str:
     return prefix + (re.split(r"[-,]", ranges)[0] if ranges else "")
 
 
-def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> WorldPlan:
-    """Validate the world against the devices, then run `entry` on every rank. Errors surface before any spawn."""
+def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayout:
+    """Resolve the layout (once, here), then run `entry` on every rank. Errors surface before any spawn."""
     if env is None:  # srun's tasks become a torch.distributed job (init_process_group reads os.environ)
         os.environ.update(slurm_env(os.environ))
     env = dict(os.environ) if env is None else env
-    auto_plan = None
-    if cfg.parallel.auto:
-        cfg, auto_plan = resolve_auto(cfg, env, cuda_device_count())
-    plan = plan_world(cfg, env, cuda_device_count())
+    run, auto_plan = resolve(cfg, env, cuda_device_count())
+    if auto_plan is not None and env.get("RANK", "0") == "0":
+        announce(cfg, run, auto_plan)
     cfg_dict = to_container(cfg)
-    if plan.under_torchrun:  # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
+    if run.under_torchrun:  # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
         with _one_line_failure(None):
-            _report_stop(run_rank(entry, cfg_dict, plan, None, auto_plan, top_level=True))
-        return plan
-    run_dir = new_run_dir(cfg)
+            _report_stop(run_rank(entry, cfg_dict, run, None, auto_plan, top_level=True))
+        return run
+    run_dir = new_run_dir(cfg, run)
     if auto_plan is not None:
         _write_plan(run_dir, auto_plan)
-    if plan.world_size == 1:
+    if run.world_size == 1:
         with _one_line_failure(run_dir):
-            _report_stop(run_rank(entry, cfg_dict, plan, str(run_dir), top_level=True))
-        return plan
+            _report_stop(run_rank(entry, cfg_dict, run, str(run_dir), top_level=True))
+        return run
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:
         with _one_line_failure(run_dir), _quiet_agent():
-            results = spawn_local(_elastic_worker, plan.nproc_per_node, entry, cfg_dict, plan, str(run_dir),
+            results = spawn_local(_elastic_worker, run.per_node, entry, cfg_dict, run, str(run_dir),
                                   max_restarts=cfg.trainer.max_restarts)
         _report_stop(results.get(0))
     except SignalException as exc:  # the ranks got the signal too: they checkpointed and left
         raise JobStopped(signal.Signals(exc.sigval).name, str(run_dir)) from None
-    return plan
+    return run
 
 
 class RunFailed(Exception):

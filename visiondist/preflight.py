@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from visiondist.config import ConfigError
 
 _TAIL = 1 << 20  # COCO files end with their categories: the last MB holds them
@@ -139,8 +141,7 @@ def _model_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
 
     from visiondist.models import build_model
 
-    bare = model_cfg.copy()
-    bare.weights = bare.init_from = bare.backbone_weights = None
+    bare = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None, "backbone_weights": None})
     with torch.device("meta"):
         model = build_model(bare)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}

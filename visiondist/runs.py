@@ -82,10 +82,17 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def record_attempt(run_dir: Path, saved: DictConfig, cfg: DictConfig) -> None:
-    """Append this continuation's changes to `<run>/attempts.jsonl` (config.yaml keeps the first attempt's)."""
+def record_attempt(run_dir: Path, saved: DictConfig, cfg: DictConfig, run=None) -> None:
+    """Append this continuation's changes to `<run>/attempts.jsonl` (config.yaml and layout.json keep the first
+    attempt's), and the layout it runs under when that differs from layout.json's (checkpoints reshard)."""
+    from visiondist.config.layout import RunLayout
+
     changes = {k: OmegaConf.select(cfg, k) for k in changed_keys(saved, cfg)}
-    line = json.dumps({"time": dt.datetime.now().isoformat(timespec="seconds"), "changes": changes}, default=str)
+    entry = {"time": dt.datetime.now().isoformat(timespec="seconds"), "changes": changes}
+    first = RunLayout.load(run_dir)
+    if run is not None and (first is None or first.describe() != run.describe()):
+        entry["layout"] = run.to_json()
+    line = json.dumps(entry, default=str)
     with (Path(run_dir) / ATTEMPTS).open("a") as f:
         f.write(line + "\n")
 

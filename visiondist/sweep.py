@@ -19,7 +19,8 @@ from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
-from visiondist.config import ConfigError, under_torchrun
+from visiondist.config import ConfigError
+from visiondist.plan.world import under_torchrun
 
 # summary.json keys shown in the sweep table, when the jobs have them
 RESULT_KEYS = ("final train loss", "val top-1 (%)", "val top-5 (%)", "val box mAP@[.5:.95]", "val AP50",
@@ -79,7 +80,7 @@ def run_sweep(tool: str, config_dir: Path, overrides: list[str], run: Callable[[
     records, codes = [], []
     for num, (job, cfg) in enumerate(zip(jobs, configs)):
         job_dir = sweep_dir / str(num)
-        cfg.trainer.run_dir = str(job_dir)
+        cfg = OmegaConf.merge(cfg, {"trainer": {"run_dir": str(job_dir)}})  # the job's config, a new object
         records.append({"job": num, "overrides": job, "run_dir": str(job_dir), "status": "running"})
         _write(sweep_dir, swept, records)
         console.rule(f"[bold]{tool} job {num} ({num + 1} of {len(jobs)}): {' '.join(job) or '(no overrides)'}")

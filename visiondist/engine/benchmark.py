@@ -22,6 +22,7 @@ import json
 import logging
 import platform
 import resource
+import dataclasses
 import statistics
 import time
 from datetime import datetime
@@ -77,8 +78,7 @@ def train_flops_per_image(model_cfg: DictConfig, batch: tuple, family: str) -> f
 
     from visiondist.models import build_model
 
-    cfg = model_cfg.copy()
-    cfg.weights = cfg.init_from = None
+    cfg = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None})  # the run's config is read-only
     if family == "classification":
         images, labels = batch
         with torch.device("meta"):
@@ -230,13 +230,13 @@ class Timed:
         self.times: list[float] = []
 
 
-def plain_loops(cfg: DictConfig, batches: list[tuple], device: torch.device) -> dict[str, PlainLoop]:
+def plain_loops(cfg: DictConfig, batches: list[tuple], device: torch.device, switches) -> dict[str, PlainLoop]:
     """This configuration's plain loops (`baseline_roles`), each warmed up on its own, with its peak memory."""
     loops = {}
     for role in baseline_roles(cfg):
         apply_switches(cfg, device)
         memory = PeakMemory(device)
-        loop = PlainLoop(cfg, role, device)
+        loop = PlainLoop(cfg, role, device, switches)
         time_steps(lambda: loop.step(batches), max(cfg.bench.warmup, 1), device)
         loop.peak_memory_gb = memory.increase_gb()
         loops[role] = loop
@@ -286,12 +286,14 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     prepare_rank(cfg, layout, run_dir)
     family = _task_family(cfg)
     configs = [("", cfg)] + [(v, variant_config(cfg, v)) for v in b.variants]
-    runs = [OursRun(name, c, layout, run_dir if i == 0 else run_dir / "variants" / str(i), family)
-            for i, (name, c) in enumerate(configs)]
+    from visiondist.plan import with_switches
+
+    runs = [OursRun(name, c, dataclasses.replace(layout, run=with_switches(layout.run, c)),  # same ranks, c's switches
+                    run_dir if i == 0 else run_dir / "variants" / str(i), family) for i, (name, c) in enumerate(configs)]
     baselines = b.baseline and layout.world_size == 1
     if b.baseline and not baselines and layout.is_main:
         log.info("baselines skipped: the plain loops run on one device (this run has %d ranks)", layout.world_size)
-    plains = [plain_loops(run.cfg, run.batches, device) if baselines else {} for run in runs]
+    plains = [plain_loops(run.cfg, run.batches, device, run.layout.run) if baselines else {} for run in runs]
     groups = [[Timed(f"{i}:ours", run.cfg, run.step, run.idle)]
               + [Timed(f"{i}:plain_{role}", run.cfg, lambda loop=loop, run=run: loop.step(run.batches))
                  for role, loop in plains[i].items()] for i, run in enumerate(runs)]
@@ -375,12 +377,13 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
         achieved = gflops * images_per_s / layout.world_size / 1e3  # TFLOP/s per device
         datasheet = datasheet_tflops(name, kind) if device.type == "cuda" else None
         grad_bytes = sum(p.numel() * p.element_size() for p in run.trainer.model.parameters())
-        dp_bytes = 2 * (layout.dp - 1) / layout.dp * grad_bytes if layout.dp > 1 and not c.parallel.fsdp else 0.0
+        switches = run.layout.run
+        dp_bytes = 2 * (layout.dp - 1) / layout.dp * grad_bytes if layout.dp > 1 and not switches.fsdp else 0.0
         timed_plain = dict(zip(plains[i], groups[i][1:]))
         results.append({
             **common, "variant": run.name or "-", "precision": str(c.trainer.precision),
             "compile": bool(c.trainer.compile), "compile_scope": _compile_scope(run), "optimizer": run.optimizer_name,
-            "sdpa": c.model.sdpa, "activation_checkpointing": bool(c.parallel.activation_checkpointing),
+            "sdpa": c.model.sdpa, "activation_checkpointing": switches.activation_checkpointing,
             "channels_last": bool(c.model.channels_last), "steps_timed": len(ours.times),
             "images_per_s": images_per_s, "step": step_summary(ours.times), "gflops_per_image": gflops,
             "tflops_per_device": achieved, "peak_kind": kind, "peak_tflops_datasheet": datasheet,

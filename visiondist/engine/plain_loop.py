@@ -53,19 +53,19 @@ def _timm_vit(cfg: DictConfig) -> nn.Module:
                              drop_path_rate=m.drop_path_rate)
 
 
-def _blocks_checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: str) -> int:
-    """Apply the configuration's activation checkpointing and compilation to the model's transformer blocks;
-    returns how many blocks were compiled."""
+def _blocks_checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: str, switches) -> int:
+    """Apply the activation checkpointing of `switches` (the variant's `RunLayout`) and the configuration's
+    compilation to the model's transformer blocks; returns how many blocks were compiled."""
     from visiondist.parallel import compile_blocks, enable_activation_checkpointing
 
-    p, compile_ = cfg.parallel, bool(cfg.trainer.compile)
+    p, compile_ = switches, bool(cfg.trainer.compile)
     if role == "same_model":  # the model's own switches, without the layout around them
         if p.activation_checkpointing:
             enable_activation_checkpointing(model, p.checkpoint_blocks)
         return compile_blocks(model) if compile_ else 0
     blocks = model.blocks  # timm: an nn.Sequential
     if p.activation_checkpointing:
-        for i in range(len(blocks) if p.checkpoint_blocks < 0 else p.checkpoint_blocks):
+        for i in range(p.checkpoint_blocks):
             blocks[i] = _Checkpointed(blocks[i])
     if compile_:
         for block in blocks:
@@ -77,7 +77,7 @@ class PlainLoop:
     """forward under autocast, loss, backward, `clip_grad_norm_`, `optimizer.step()`: on one device, with one
     parameter group."""
 
-    def __init__(self, cfg: DictConfig, role: str, device: torch.device):
+    def __init__(self, cfg: DictConfig, role: str, device: torch.device, switches):
         from visiondist.engine.optim import KERNELS, describe_optimizer, resolve_impl
         from visiondist.engine.trainer import seed_everything
         from visiondist.models import build_model, select_attention
@@ -97,7 +97,7 @@ class PlainLoop:
                 model = model.to(memory_format=torch.channels_last)
             self.model_name = f"timm {m.timm_name}"
         self.role, self.model = role, model.train()
-        compiled = _blocks_checkpointed_and_compiled(model, cfg, role)
+        compiled = _blocks_checkpointed_and_compiled(model, cfg, role, switches)
         self.compile_scope = f"per block ({compiled} blocks)" if compiled else "none"
         o, t = cfg.optim, cfg.trainer
         kernels = KERNELS[resolve_impl(o.impl, o.name, model.parameters())]

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from visiondist.data import prepare_data
 from visiondist.data.robust import count_bad_images
@@ -102,6 +102,7 @@ class _Window:
 class Trainer:
     def __init__(self, cfg: DictConfig, layout: Layout, run_dir: Path):
         self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
+        _run_of(layout)  # every parallel switch is read from the resolved layout, never from cfg.parallel
         t = cfg.trainer
         seed_everything(t.seed)  # the same on every rank: identical initial weights before any broadcast
         loss_fn = functools.partial(torch.nn.functional.cross_entropy, label_smoothing=t.label_smoothing)
@@ -195,10 +196,7 @@ class Trainer:
 
     @property
     def layout_text(self) -> str:
-        p = self.cfg.parallel
-        extras = [("+SP", p.sequence_parallel), ("+FSDP", p.fsdp), ("+offload", p.offload),
-                  ("+activation checkpointing", p.activation_checkpointing)]
-        return " ".join([self.layout.describe(), *(text for text, on in extras if on)])
+        return self.layout.run.describe()
 
     # -- one optimizer step --------------------------------------------------------------------------------------
     def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -426,8 +424,7 @@ class Trainer:
     def _timeline_step(self) -> int:
         """The step whose pipeline timeline is recorded: the second of this process (the first also sets up the
         schedule's buffers), or the only one; -1 when none is (`parallel.timeline`: by default not on CUDA)."""
-        wanted = self.cfg.parallel.timeline
-        if not (wanted if wanted is not None else self.layout.device.type != "cuda"):
+        if not self.layout.run.timeline:
             return -1
         start = self.resumed_from_step
         return start + (2 if self.total_steps - start >= 2 else 1)
@@ -588,7 +585,7 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool 
     rank's tensors allocated on its device and drawn (or read from `model.weights` / `model.init_from`), each equal
     to what one process draws for the same seed: no rank ever holds the whole model. `weights=False` leaves them
     for a checkpoint to fill. Other models are built whole on the CPU, moved to the device, then laid out."""
-    m, p = cfg.model, cfg.parallel
+    m, p = cfg.model, _run_of(layout)
     select_attention(m.sdpa)
     model, source = build_deferred(m, weights)
     fill = None
@@ -603,16 +600,22 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool 
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=layout.dp_group)
     if m.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    return parallelize(model, layout, p.sequence_parallel, PipelineSpec.from_config(p), loss_fn, fsdp=p.fsdp,
+    return parallelize(model, layout, p.sequence_parallel, PipelineSpec.from_layout(p), loss_fn, fsdp=p.fsdp,
                        offload=p.offload, activation_checkpointing=p.activation_checkpointing,
                        checkpoint_blocks=p.checkpoint_blocks, compile=cfg.trainer.compile,
                        param_dtype=autocast_dtype(cfg.trainer.precision), materialize=fill)
 
 
+def _run_of(layout: Layout):
+    if layout.run is None:
+        raise ValueError("this Layout carries no RunLayout: build it with visiondist.plan.rank_layout(cfg) (or "
+                         "build_layout(..., run=visiondist.plan.resolve(cfg)[0]))")
+    return layout.run
+
+
 def num_params(model_cfg: DictConfig) -> int:
     """Parameters of the whole model, counted on the meta device."""
-    bare = model_cfg.copy()
-    bare.weights = bare.init_from = bare.backbone_weights = None
+    bare = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None, "backbone_weights": None})
     with torch.device("meta"):
         return sum(p.numel() for p in build_model(bare).parameters())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from visiondist.models.init import InitSource, materialize
@@ -66,8 +67,7 @@ def build_deferred(cfg: Any, weights: bool = True) -> tuple[nn.Module, Optional[
     are left for a checkpoint to fill); `visiondist.models.init.materialize` allocates what a rank keeps. Other
     families: the model built on the CPU and None. Tell the two apart with `visiondist.models.init.is_meta`."""
     if not weights:  # `model.weights` / `model.init_from` are not read (the backbone's stay: they decide freezing)
-        cfg = cfg.copy()
-        cfg.weights = cfg.init_from = None
+        cfg = OmegaConf.merge(cfg, {"weights": None, "init_from": None})  # a copy: the run's config is read-only
     if cfg.family not in DEFERRED_INIT:
         return build_model(cfg), None
     with torch.device("meta"):

@@ -87,7 +87,7 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
             raise ValueError(f"pipeline parallelism cuts a ViT classifier into stages of blocks; "
                              f"{type(model).__name__} is not one: use parallel.pp=1")
         kwargs = {"loss_fn": loss_fn} if loss_fn is not None else {}
-        model = PipelinedViT(model, layout, pipeline or PipelineSpec(), sequence_parallel=sequence_parallel, **kwargs)
+        model = PipelinedViT(model, layout, pipeline or PipelineSpec.of(layout.pp), sequence_parallel=sequence_parallel, **kwargs)
         materialize(model)
         return model
     materialize(model)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from visiondist.config.layout import RunLayout
 from visiondist.parallel.collectives import TPComm
 
 MESH_DIMS = ("pp", "dp", "tp")
@@ -35,6 +36,7 @@ class Layout:
     pp_rank: int
     tp_comm: Optional[TPComm] = None  # the TP group and its traffic counter; None when tp == 1
     nodes: tuple[int, ...] = ()  # node index of every global rank (torchrun's GROUP_RANK, SLURM_NODEID)
+    run: Optional[RunLayout] = None  # the job's resolved layout (every switch concrete); the trainer needs it
 
     @property
     def is_main(self) -> bool:
@@ -66,6 +68,8 @@ class Layout:
         return tensor
 
     def describe(self) -> str:
+        if self.run is not None:
+            return self.run.describe()
         return f"dp={self.dp} tp={self.tp} pp={self.pp} ({self.world_size} rank{'s' if self.world_size > 1 else ''} on {self.device.type})"
 
     def placement(self) -> list[str]:
@@ -91,8 +95,10 @@ def placement(grid: list, nodes: tuple[int, ...], shown: int = 4) -> list[str]:
     return lines
 
 
-def build_layout(dp: int, tp: int, pp: int, device: torch.device, local_rank: int) -> Layout:
-    """Create the mesh over the initialised default process group (its world size must be dp*tp*pp)."""
+def build_layout(dp: int, tp: int, pp: int, device: torch.device, local_rank: int,
+                 run: Optional[RunLayout] = None) -> Layout:
+    """Create the mesh over the initialised default process group (its world size must be dp*tp*pp); `run`: the
+    job's `RunLayout`, which the engine reads every parallel switch from."""
     world = dist.get_world_size()
     if world != dp * tp * pp:
         raise ValueError(f"world size {world} != dp x tp x pp = {dp} x {tp} x {pp}")
@@ -102,7 +108,7 @@ def build_layout(dp: int, tp: int, pp: int, device: torch.device, local_rank: in
     nodes: list = [None] * world
     dist.all_gather_object(nodes, node_index(os.environ))
     return Layout(mesh, device, dist.get_rank(), world, local_rank, dp, tp, pp, dp_rank, tp_rank, pp_rank, tp_comm,
-                  tuple(nodes))
+                  tuple(nodes), run)
 
 
 def node_index(env) -> int:

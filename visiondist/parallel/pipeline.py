@@ -32,10 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from visiondist.config.layout import MULTI_STAGE, SCHEDULES, microbatches_for, stages_per_rank_for
 from visiondist.parallel.timeline import Recorder
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")  # several (virtual) stages per rank
 
 
 def _params(module: nn.Module | None) -> int:
@@ -85,51 +84,6 @@ def block_ranges(model: nn.Module, n_stages: int) -> list[tuple[int, int]]:
     blocks[0] += costs[0]
     blocks[-1] += costs[-1]
     return balance(blocks, n_stages)
-
-
-# -- validation (pure: config.validate calls it before any rank starts) -----------------------------------------------
-
-
-def stages_per_rank_for(schedule: str, stages_per_rank: int) -> int:
-    """`parallel.stages_per_rank=-1` (auto): 2 virtual stages per rank for the interleaved and zero-bubble schedules,
-    1 otherwise."""
-    if stages_per_rank > 0:
-        return stages_per_rank
-    return 2 if schedule in MULTI_STAGE else 1
-
-
-def microbatches_for(pp: int, microbatches: int) -> int:
-    """`parallel.microbatches=-1` (auto): 2 per pipeline rank, a bubble of about a third with GPipe / 1F1B."""
-    return microbatches if microbatches > 0 else 2 * pp
-
-
-def check_pipeline(pp: int, schedule: str, stages_per_rank: int, microbatches: int, depth: int) -> None:
-    """Raise ValueError, naming the fix, for a pipeline torch's schedules would reject (or fail on mid-step)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"parallel.schedule={schedule!r} is not supported: use one of {', '.join(SCHEDULES)}")
-    if pp == 1:
-        return
-    spr = stages_per_rank_for(schedule, stages_per_rank)
-    m = microbatches_for(pp, microbatches)
-    if schedule not in MULTI_STAGE and spr != 1:
-        raise ValueError(f"parallel.schedule={schedule} runs one stage per rank but parallel.stages_per_rank={spr}: "
-                         "set parallel.stages_per_rank=1, or use parallel.schedule=interleaved_1f1b or zero_bubble "
-                         "for several virtual stages per rank")
-    if pp * spr > depth:
-        stages = f"parallel.pp={pp}" if spr == 1 else f"parallel.pp={pp} x parallel.stages_per_rank={spr} = {pp * spr}"
-        raise ValueError(f"{stages} pipeline stages exceed model.depth={depth}: each stage needs at least one block; "
-                         f"lower parallel.pp{'' if spr == 1 else ' or parallel.stages_per_rank'}")
-    if m < pp:
-        raise ValueError(f"parallel.microbatches={m} < parallel.pp={pp}: every pipeline rank needs a micro-batch in "
-                         f"flight; use parallel.microbatches >= {pp} (e.g. {2 * pp}: a bubble of "
-                         f"{(pp - 1) / (3 * pp - 1):.0%})")
-    if schedule in MULTI_STAGE:
-        rounds = max(1, m // pp)
-        if m % rounds:
-            good = [k * pp for k in range(1, 5)]
-            raise ValueError(f"parallel.schedule={schedule} runs micro-batches in rounds of parallel.pp={pp}: "
-                             f"parallel.microbatches={m} must be a multiple of {rounds} (m // pp); "
-                             f"use e.g. {', '.join(map(str, good))}")
 
 
 # -- stages ------------------------------------------------------------------------------------------------------------
@@ -303,13 +257,22 @@ def build_schedule(name: str, stages: Sequence[nn.Module], stage_ids: Sequence[i
 
 @dataclass(frozen=True)
 class PipelineSpec:
+    """A pipeline as it runs, every value concrete (the run's `RunLayout`, or `PipelineSpec.of` for a bare model)."""
+
     schedule: str = "1f1b"
-    stages_per_rank: int = -1  # -1: 2 for interleaved_1f1b / zero_bubble, else 1
-    microbatches: int = -1  # -1: 2 x pp
+    stages_per_rank: int = 1
+    microbatches: int = 2
 
     @classmethod
-    def from_config(cls, parallel) -> "PipelineSpec":
-        return cls(str(parallel.schedule), int(parallel.stages_per_rank), int(parallel.microbatches))
+    def of(cls, pp: int, schedule: str = "1f1b", stages_per_rank: int = -1, microbatches: int = -1) -> "PipelineSpec":
+        """With `parallel.*`'s defaults filled in: 2 stages per rank for the interleaved and zero-bubble schedules,
+        2 x pp micro-batches."""
+        return cls(schedule, stages_per_rank_for(schedule, stages_per_rank), microbatches_for(pp, microbatches))
+
+    @classmethod
+    def from_layout(cls, run) -> "PipelineSpec":
+        """The pipeline of a `RunLayout`."""
+        return cls(run.schedule, run.stages_per_rank, run.microbatches)
 
 
 class PipelinedViT(nn.Module):
@@ -325,9 +288,10 @@ class PipelinedViT(nn.Module):
                  sequence_parallel: bool = False):
         super().__init__()
         pp = layout.pp
-        spr = stages_per_rank_for(spec.schedule, spec.stages_per_rank)
-        self.microbatches = microbatches_for(pp, spec.microbatches)
-        check_pipeline(pp, spec.schedule, spr, self.microbatches, len(model.blocks))
+        spr, self.microbatches = spec.stages_per_rank, spec.microbatches  # checked when the layout was resolved
+        if pp * spr > len(model.blocks) or spr < 1 or self.microbatches < pp:
+            raise ValueError(f"{spec} does not fit pp={pp} and {len(model.blocks)} blocks (resolve it with "
+                             "visiondist.plan.resolve, which names the fix)")
         self.schedule_name, self.stages_per_rank = spec.schedule, spr
         self.n_stages = pp * spr
         self.layout, self.device, self.group = layout, layout.device, layout.mesh.get_group("pp")

@@ -27,7 +27,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from visiondist.parallel.pipeline import MULTI_STAGE, balance, microbatches_for, stages_per_rank_for
+from visiondist.config.layout import MULTI_STAGE, microbatches_for, stages_per_rank_for
+from visiondist.parallel.pipeline import balance
 
 FLOAT = 4  # parameters, gradients and optimizer state are fp32 whatever the autocast precision
 GB = 1e9

@@ -1,0 +1,135 @@
+"""The parallel layout a run resolved to: `RunLayout`, frozen, every field concrete, plus the pipeline arithmetic.
+
+`visiondist.plan.resolve` makes one in the launching process (from the config, the environment and, under
+`parallel=auto`, the planner); the ranks receive it and read their layout from it alone, never from the `-1` / null
+conveniences of `parallel.*`. It is written to the run dir as `layout.json` beside `config.yaml` (the run as asked).
+No torch here: the planner, validation and the CLI use the arithmetic without importing the distributed code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")  # several (virtual) stages per rank
+
+
+def stages_per_rank_for(schedule: str, stages_per_rank: int) -> int:
+    """`parallel.stages_per_rank=-1`: 2 virtual stages per rank for the interleaved and zero-bubble schedules, 1
+    otherwise."""
+    if stages_per_rank > 0:
+        return stages_per_rank
+    return 2 if schedule in MULTI_STAGE else 1
+
+
+def microbatches_for(pp: int, microbatches: int) -> int:
+    """`parallel.microbatches=-1`: 2 per pipeline rank, a bubble of about a third with GPipe / 1F1B."""
+    return microbatches if microbatches > 0 else 2 * pp
+
+
+def check_pipeline(pp: int, schedule: str, stages_per_rank: int, microbatches: int, depth: int) -> None:
+    """Raise ValueError, naming the fix, for a pipeline torch's schedules would reject (or fail on mid-step)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.schedule={schedule!r} is not supported: use one of {', '.join(SCHEDULES)}")
+    if pp == 1:
+        return
+    spr = stages_per_rank_for(schedule, stages_per_rank)
+    m = microbatches_for(pp, microbatches)
+    if schedule not in MULTI_STAGE and spr != 1:
+        raise ValueError(f"parallel.schedule={schedule} runs one stage per rank but parallel.stages_per_rank={spr}: "
+                         "set parallel.stages_per_rank=1, or use parallel.schedule=interleaved_1f1b or zero_bubble "
+                         "for several virtual stages per rank")
+    if pp * spr > depth:
+        stages = f"parallel.pp={pp}" if spr == 1 else f"parallel.pp={pp} x parallel.stages_per_rank={spr} = {pp * spr}"
+        raise ValueError(f"{stages} pipeline stages exceed model.depth={depth}: each stage needs at least one block; "
+                         f"lower parallel.pp{'' if spr == 1 else ' or parallel.stages_per_rank'}")
+    if m < pp:
+        raise ValueError(f"parallel.microbatches={m} < parallel.pp={pp}: every pipeline rank needs a micro-batch in "
+                         f"flight; use parallel.microbatches >= {pp} (e.g. {2 * pp}: a bubble of "
+                         f"{(pp - 1) / (3 * pp - 1):.0%})")
+    if schedule in MULTI_STAGE:
+        rounds = max(1, m // pp)
+        if m % rounds:
+            good = [k * pp for k in range(1, 5)]
+            raise ValueError(f"parallel.schedule={schedule} runs micro-batches in rounds of parallel.pp={pp}: "
+                             f"parallel.microbatches={m} must be a multiple of {rounds} (m // pp); "
+                             f"use e.g. {', '.join(map(str, good))}")
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """How a run is laid out, as it ran: ranks, mesh degrees and every parallel switch, with no sentinel left."""
+
+    accelerator: str  # "cpu" or "cuda"
+    world_size: int
+    per_node: int  # ranks per node
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"  # with pp == 1: unused
+    stages_per_rank: int = 1
+    microbatches: int = 1  # per pipeline step and DP rank; 1 without a pipeline
+    fsdp: bool = False
+    offload: bool = False
+    activation_checkpointing: bool = False
+    checkpoint_blocks: int = 0  # blocks that recompute their activations (0 without activation checkpointing)
+    timeline: bool = False  # record one pipeline step's timeline
+    under_torchrun: bool = False  # this process is one rank of a torchrun / srun job
+    chosen_by: str = "config"  # "config", or "parallel=auto" (the planner)
+    reason: str = ""  # why parallel=auto chose it
+
+    def __post_init__(self) -> None:
+        if self.dp * self.tp * self.pp != self.world_size or min(self.dp, self.tp, self.pp) < 1:
+            raise ValueError(f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} is not the world size {self.world_size}")
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // self.per_node)
+
+    def describe(self) -> str:
+        """`dp=2 tp=2 pp=1 (4 ranks on cpu) +SP +FSDP`, as the start-up line and the summary show it."""
+        ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''} on {self.accelerator}"
+        extras = [("+SP", self.sequence_parallel), ("+FSDP", self.fsdp), ("+offload", self.offload),
+                  ("+activation checkpointing", self.activation_checkpointing)]
+        return " ".join([f"dp={self.dp} tp={self.tp} pp={self.pp} ({ranks})", *(t for t, on in extras if on)])
+
+    def parallel_overrides(self) -> dict[str, Any]:
+        """The `parallel.*` values that select this layout by name (what `parallel=auto` would have to be told)."""
+        out: dict[str, Any] = {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        if self.sequence_parallel:
+            out["sequence_parallel"] = True
+        if self.pp > 1:
+            out.update(schedule=self.schedule, stages_per_rank=self.stages_per_rank, microbatches=self.microbatches)
+        if self.fsdp:
+            out.update(fsdp=True, offload=self.offload)
+        if self.activation_checkpointing:
+            out.update(activation_checkpointing=True, checkpoint_blocks=self.checkpoint_blocks)
+        return out
+
+    def replace(self, **changes: Any) -> "RunLayout":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "RunLayout":
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def save(self, run_dir: Path) -> None:
+        (Path(run_dir) / LAYOUT_FILE).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, run_dir: Path) -> Optional["RunLayout"]:
+        """The layout a run dir's first attempt ran under, or None (a run from before layout.json existed)."""
+        path = Path(run_dir) / LAYOUT_FILE
+        return cls.from_json(json.loads(path.read_text())) if path.is_file() else None
+
+
+LAYOUT_FILE = "layout.json"

@@ -1,0 +1,140 @@
+"""Config + environment -> the one `RunLayout` of a job (the launching process; under torchrun / srun every rank,
+each to the same result). `parallel=auto` asks the planner here and nowhere else; the ranks never re-resolve."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from visiondist.config import ConfigError, validate
+from visiondist.config.layout import RunLayout, microbatches_for, stages_per_rank_for
+from visiondist.plan.world import World, cuda_device_count, device_memory_gb, find_world
+
+
+def resolve(cfg: DictConfig, env: Optional[dict] = None, cuda_devices: Optional[int] = None) -> tuple[RunLayout, Any]:
+    """The layout this job runs under, and the planner's table when `parallel=auto` chose it (else None). Raises
+    ConfigError naming the fix."""
+    env = dict(os.environ) if env is None else env
+    world = find_world(cfg, env, cuda_device_count() if cuda_devices is None else cuda_devices)
+    parallel, plan, reason = OmegaConf.to_container(cfg.parallel), None, ""
+    if cfg.parallel.auto:
+        before = _continued_layout(cfg, world)
+        if before is not None:  # continuing a run: the layout its first attempt chose, not a fresh plan
+            parallel.update(before.parallel_overrides())
+            reason = f"the layout this run started with ({before.describe()}, layout.json)"
+        else:
+            plan = _plan_auto(cfg, world)
+            parallel.update(plan.choice.candidate.overrides())
+            reason = plan.reason
+        parallel["auto"] = False
+        validate(OmegaConf.merge(cfg, {"parallel": parallel}))  # the chosen layout against the model
+    run = _layout(cfg, OmegaConf.create(parallel), world)
+    return (run.replace(chosen_by="parallel=auto", reason=reason) if cfg.parallel.auto else run), plan
+
+
+def _continued_layout(cfg: DictConfig, world: World) -> Optional[RunLayout]:
+    """The layout.json of the run `trainer.run_dir` continues, when it ran on a world like this one."""
+    if not cfg.trainer.run_dir or cfg.trainer.resume != "auto":
+        return None
+    from pathlib import Path
+
+    before = RunLayout.load(Path(cfg.trainer.run_dir).expanduser())
+    if before is None or (before.world_size, before.accelerator) != (world.world_size, world.accelerator):
+        return None
+    return before
+
+
+def _plan_auto(cfg: DictConfig, world: World):
+    from visiondist.parallel.planner import plan_config
+
+    memory = cfg.parallel.device_memory_gb or device_memory_gb(world.accelerator, world.per_node)
+    plan = plan_config(cfg, world.world_size, max(1, world.world_size // world.per_node), memory)
+    if plan.choice is None:
+        raise ConfigError(f"parallel=auto: {plan.reason}")
+    return plan
+
+
+def _layout(cfg: DictConfig, p: DictConfig, world: World) -> RunLayout:
+    """The mesh degrees of `p` on `world`, checked against it and the global batch, with every switch concrete."""
+    world_size, per_node, model_parallel = world.world_size, world.per_node, p.tp * p.pp
+    if world_size % model_parallel:
+        raise ConfigError(f"world size {world_size} is not divisible by parallel.tp x parallel.pp = {model_parallel}: "
+                          f"run a multiple of {model_parallel} ranks")
+    dp = world_size // model_parallel if p.dp == -1 else p.dp
+    if dp * model_parallel != world_size:
+        raise ConfigError(
+            f"parallel.dp={p.dp} x tp={p.tp} x pp={p.pp} = {dp * model_parallel} ranks, but the world size is "
+            f"{world_size}: set parallel.dp={world_size // model_parallel} or leave it at -1 to infer it")
+    if p.tp > 1 and per_node % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} does not divide the {per_node} ranks per node: a tensor-parallel group "
+                          f"must sit inside one node; run a multiple of {p.tp} ranks per node")
+    _check_batch(cfg, p, dp)
+    base = RunLayout(world.accelerator, world_size, per_node, dp, p.tp, p.pp, under_torchrun=world.under_torchrun)
+    return with_switches(base, cfg, p)
+
+
+def with_switches(run: RunLayout, cfg: DictConfig, p: Optional[DictConfig] = None) -> RunLayout:
+    """`run`'s mesh with the switches of `p` (default `cfg.parallel`) made concrete: the pipeline's stages per rank
+    and micro-batches, the blocks that recompute, whether the timeline is recorded (by default on the CPU only). A
+    benchmark variant uses it to change how a step computes on the same ranks."""
+    p = cfg.parallel if p is None else p
+    pipelined = run.pp > 1
+    depth = int(cfg.model.depth) if cfg.model.family != "torchvision" else 0
+    blocks = (depth if p.checkpoint_blocks < 0 else int(p.checkpoint_blocks)) if p.activation_checkpointing else 0
+    timeline = p.timeline if p.timeline is not None else run.accelerator != "cuda"
+    return run.replace(
+        sequence_parallel=bool(p.sequence_parallel), schedule=str(p.schedule),
+        stages_per_rank=stages_per_rank_for(p.schedule, p.stages_per_rank) if pipelined else 1,
+        microbatches=microbatches_for(run.pp, p.microbatches) if pipelined else 1,
+        fsdp=bool(p.fsdp), offload=bool(p.offload), activation_checkpointing=bool(p.activation_checkpointing),
+        checkpoint_blocks=blocks, timeline=bool(timeline))
+
+
+def _check_batch(cfg: DictConfig, p: DictConfig, dp: int) -> None:
+    d, ga = cfg.data, cfg.trainer.grad_accum
+    if p.pp > 1:
+        m = microbatches_for(p.pp, p.microbatches)
+        step = dp * ga * m
+        if d.batch_size % step:
+            raise ConfigError(
+                f"data.batch_size={d.batch_size} (global) is not divisible by dp x trainer.grad_accum x "
+                f"parallel.microbatches = {dp} x {ga} x {m}: each pipeline step splits a DP rank's batch into "
+                f"{m} equal micro-batches; use e.g. data.batch_size={max(1, math.ceil(d.batch_size / step)) * step}")
+    elif d.batch_size % (dp * ga):
+        step = dp * ga
+        raise ConfigError(
+            f"data.batch_size={d.batch_size} (global) is not divisible by dp x trainer.grad_accum = {dp} x {ga}: "
+            f"use a multiple of {step}, e.g. data.batch_size={max(1, math.ceil(d.batch_size / step)) * step}")
+    elif (d.mixup > 0 or d.cutmix > 0) and (d.batch_size // (dp * ga)) % 2:
+        raise ConfigError(f"data.mixup / data.cutmix mix each micro-batch with its reverse and need an even one, but "
+                          f"data.batch_size={d.batch_size} gives {d.batch_size // (dp * ga)} per rank and step: use an "
+                          f"even multiple of dp x trainer.grad_accum = {dp * ga}")
+
+
+def announce(cfg: DictConfig, run: RunLayout, plan: Any) -> None:
+    """Print `parallel=auto`'s table and choice (once per job: the launching process, or global rank 0)."""
+    from rich.console import Console
+
+    console = Console(width=120)
+    console.print(plan.table(f"parallel=auto: {cfg.model.name} on {run.world_size} devices of "
+                             f"{plan.hardware.memory_gb:.3g} GB"))
+    console.print(f"parallel=auto chose [bold]{plan.choice.candidate.name}[/bold]: {plan.reason}")
+
+
+def rank_layout(cfg: DictConfig, device=None, local_rank: int = 0):
+    """In a process group that is already up (a test's ranks, a notebook): resolve `cfg` for its world and build
+    this rank's `Layout` with the `RunLayout` attached."""
+    import torch
+    import torch.distributed as dist
+
+    from visiondist.parallel import build_layout
+
+    from visiondist.plan.world import _accelerator
+
+    size = dist.get_world_size()
+    run = _layout(cfg, cfg.parallel, World(_accelerator(cfg, cuda_device_count()), size, size, False))
+    device = device if device is not None else torch.device("cpu")
+    return build_layout(run.dp, run.tp, run.pp, device, local_rank, run=run)

@@ -1,0 +1,106 @@
+"""The world a job has: accelerator, ranks and ranks per node, from the config, the environment (torchrun / srun)
+and the GPUs present. The one place these are decided; pure given `env` and the GPU count, so every branch is
+testable without GPUs."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from visiondist.config import ConfigError
+
+
+@dataclass(frozen=True)
+class World:
+    accelerator: str  # "cpu" or "cuda"
+    world_size: int
+    per_node: int
+    under_torchrun: bool
+
+
+def under_torchrun(env: dict[str, str]) -> bool:
+    return "TORCHELASTIC_RUN_ID" in env or ("WORLD_SIZE" in env and "LOCAL_RANK" in env)
+
+
+def cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_memory_gb(accelerator: str, per_node: int) -> float:
+    """Memory of one device: the GPU's, or on the CPU the host's divided between the node's ranks."""
+    if accelerator == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory / 1e9
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / per_node
+
+
+def _accelerator(cfg: DictConfig, cuda_devices: int) -> str:
+    accelerator = cfg.trainer.accelerator
+    if accelerator == "auto":
+        accelerator = "cuda" if cuda_devices > 0 else "cpu"
+    if accelerator == "cuda" and cuda_devices == 0:
+        raise ConfigError("trainer.accelerator=cuda but no CUDA device is visible: use trainer.accelerator=cpu")
+    if cfg.model.sync_bn and accelerator != "cuda":
+        raise ConfigError("model.sync_bn=true needs CUDA (SyncBatchNorm does not run on the CPU): drop it on the CPU")
+    return accelerator
+
+
+def find_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World:
+    """The ranks this job runs: torchrun's / srun's, else trainer.devices, else dp x tp x pp, else every GPU (or
+    tp x pp processes on the CPU)."""
+    t, p = cfg.trainer, cfg.parallel
+    accelerator = _accelerator(cfg, cuda_devices)
+    model_parallel = p.tp * p.pp
+    torchrun = under_torchrun(env)
+    if torchrun:
+        world = int(env["WORLD_SIZE"])
+        per_node = int(env.get("LOCAL_WORLD_SIZE", world))
+        if t.max_restarts > 0:
+            raise ConfigError(f"trainer.max_restarts={t.max_restarts}: under torchrun the restarts are "
+                              "torchrun's: pass --max-restarts to torchrun (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                              "set) and drop trainer.max_restarts")
+        if t.devices > 0 and t.devices != per_node:
+            raise ConfigError(f"trainer.devices={t.devices} but torchrun started {per_node} ranks per node: "
+                              f"drop trainer.devices or pass --nproc-per-node={t.devices} to torchrun")
+    elif t.devices > 0:
+        world = per_node = t.devices
+    elif p.auto and accelerator == "cpu":
+        raise ConfigError("parallel=auto on the CPU needs the number of ranks: set trainer.devices=N")
+    elif p.dp > 0:
+        world = per_node = p.dp * model_parallel
+    elif accelerator == "cuda":
+        world = per_node = cuda_devices
+        if cuda_devices < model_parallel:
+            raise ConfigError(
+                f"parallel.tp x parallel.pp = {p.tp} x {p.pp} needs {model_parallel} GPUs on this node but only "
+                f"{cuda_devices} {'is' if cuda_devices == 1 else 'are'} visible: lower parallel.tp/pp, run on more "
+                "GPUs, or use trainer.accelerator=cpu to run the ranks as CPU processes")
+    else:
+        world = per_node = model_parallel
+    if accelerator == "cuda" and per_node > cuda_devices:
+        raise ConfigError(f"{per_node} ranks per node need {per_node} GPUs but only {cuda_devices} "
+                          f"{'is' if cuda_devices == 1 else 'are'} visible: lower parallel.dp/tp/pp or "
+                          "trainer.devices, or use trainer.accelerator=cpu")
+    return World(accelerator, world, per_node, torchrun)
+
+
+def planning_world(cfg: DictConfig, cuda_devices: int) -> tuple[int, int]:
+    """(devices, nodes) for `tools/plan.py`, which plans for devices it need not have: parallel.num_devices, else
+    trainer.devices (or this node's GPUs) x parallel.nodes."""
+    p, t = cfg.parallel, cfg.trainer
+    per_node = t.devices if t.devices > 0 else cuda_devices
+    if p.num_devices > 0:
+        devices, nodes = p.num_devices, p.nodes
+    elif per_node > 0:
+        devices, nodes = per_node * p.nodes, p.nodes
+    else:
+        raise ConfigError("no GPU here: say how many devices to plan for, e.g. trainer.devices=8 (per node) "
+                          "parallel.nodes=2, or parallel.num_devices=16")
+    if devices % nodes:
+        raise ConfigError(f"parallel.num_devices={devices} does not split over parallel.nodes={nodes}")
+    return devices, nodes
