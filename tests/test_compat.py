@@ -50,7 +50,7 @@ def test_each_rank_finds_its_gpu_also_when_bound_to_one():
 
 
 def test_tf32_is_switched_on_for_cuda_fp32_matmuls():
-    from visiondist.launch import set_tf32
+    from visiondist.engine.precision import set_tf32
 
     before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
     try:

@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from visiondist.config import ConfigError, from_container, to_container
 from visiondist.config.layout import RunLayout
+from visiondist.engine.precision import set_tf32
 from visiondist.plan import announce, cuda_device_count, resolve
 
 log = logging.getLogger(__name__)
@@ -115,14 +116,6 @@ def cuda_index(local_rank: int, visible: int) -> int:
         return 0
     raise ConfigError(f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs: start at most {visible} ranks "
                       "per node, or bind one GPU per task")
-
-
-def set_tf32(enabled: bool) -> None:
-    """fp32 matmuls and convolutions on CUDA in TF32 (`trainer.tf32`): several times the fp32 rate on A100 / H100,
-    with a 10-bit mantissa; off: full fp32 ("ieee")."""
-    precision = "tf32" if enabled else "ieee"
-    torch.backends.cuda.matmul.fp32_precision = precision
-    torch.backends.cudnn.conv.fp32_precision = precision
 
 
 def _shared_run_dir(cfg: DictConfig, run: RunLayout) -> Path:
@@ -216,7 +209,8 @@ def _start_watchdog(run_dir: Path, top_level: bool):
     import sys
 
     from visiondist.data.workers import worker_pids
-    from visiondist.engine.failures import EXIT_HANG, RANK_ENV, RUN_DIR_ENV, Watchdog
+    from visiondist.engine.failures import EXIT_HANG, Watchdog
+    from visiondist.utils.signals import RANK_ENV, RUN_DIR_ENV
 
     os.environ[RUN_DIR_ENV], os.environ[RANK_ENV] = str(run_dir), str(dist.get_rank())
 

@@ -71,7 +71,7 @@ def bad_images_file() -> Path | None:
     """`<run>/bad_images.txt` of the run this process belongs to (None outside a run)."""
     import os
 
-    from visiondist.engine.failures import RUN_DIR_ENV
+    from visiondist.utils.signals import RUN_DIR_ENV
 
     run_dir = os.environ.get(RUN_DIR_ENV)
     return Path(run_dir) / "bad_images.txt" if run_dir else None

@@ -22,6 +22,8 @@ import weakref
 import cv2
 from torch.utils.data import DataLoader
 
+from visiondist.utils.signals import ignore_stop_signals, install_worker_stack_dump
+
 log = logging.getLogger(__name__)
 
 _LOADERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
@@ -36,9 +38,6 @@ def register(loader: DataLoader) -> DataLoader:
 
 
 def worker_init(_worker_id: int) -> None:
-    from visiondist.engine.faults import ignore_stop_signals
-    from visiondist.engine.failures import install_worker_stack_dump
-
     _die_with_parent()
     cv2.setNumThreads(1)  # loader workers are the parallelism; OpenCV's own threads would oversubscribe
     ignore_stop_signals()  # a signal to the whole process group must not kill a worker under its rank

@@ -180,7 +180,7 @@ def _task_family(cfg: DictConfig) -> str:
 
 def apply_switches(cfg: DictConfig, device: torch.device) -> None:
     """The process-wide switches a configuration's steps run under: the attention kernel, and TF32 on CUDA."""
-    from visiondist.launch import set_tf32
+    from visiondist.engine.precision import set_tf32
 
     select_attention(cfg.model.sdpa)
     if device.type == "cuda":

@@ -28,13 +28,12 @@ from typing import Callable, Optional
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from visiondist.utils.signals import HANG_DIR
+
 log = logging.getLogger(__name__)
 
 FAILURE_DIR = "failure"
-HANG_DIR = "hang"
 EXIT_HANG = 3  # exit code of a rank ended by its watchdog
-RUN_DIR_ENV = "VISIONDIST_RUN_DIR"  # the run dir, for the loader workers of this rank (fork or spawn)
-RANK_ENV = "VISIONDIST_RANK"
 
 
 # what a failing rank can raise: torch.distributed.checkpoint's exception derives from BaseException
@@ -155,20 +154,6 @@ def dump_stacks(run_dir: Path, rank: int, reason: str) -> Path:
         parts.append(f"\nthread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}")
     path.write_text("".join(parts))
     return path
-
-
-def install_worker_stack_dump() -> None:
-    """In a loader worker: SIGUSR1 writes this worker's stack into the rank's hang folder."""
-    run_dir, rank = os.environ.get(RUN_DIR_ENV), os.environ.get(RANK_ENV, "0")
-    if not run_dir:
-        return
-
-    def handler(_signum, frame) -> None:
-        path = Path(run_dir) / HANG_DIR / f"rank{rank}-worker{os.getpid()}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"loader worker of rank {rank}, pid {os.getpid()}:\n{''.join(traceback.format_stack(frame))}")
-
-    signal.signal(signal.SIGUSR1, handler)
 
 
 class Watchdog:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from visiondist.compat import set_pg_timeout
+from visiondist.utils.signals import STOP_SIGNALS
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class NonFiniteStep(RuntimeError):
 class StopSignals:
     """SIGTERM / SIGINT request a stop at the next step boundary (the previous handlers come back on `restore`)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self) -> None:
         self.received: str | None = None
@@ -144,7 +145,3 @@ def set_collective_timeout(seconds: float, groups, quiet: bool = False, key: str
         log.info("collective timeout now %gs (trainer.dist_timeout_s)", seconds)
 
 
-def ignore_stop_signals() -> None:
-    """In data-loader workers: SIGTERM / SIGINT are for the rank, which stops them itself after its checkpoint."""
-    for sig in StopSignals.SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)

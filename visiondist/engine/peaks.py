@@ -77,7 +77,7 @@ def matmul_tflops(device: torch.device, kind: str, repeats: int = 10) -> float:
     "tf32" and "fp32" multiply fp32 tensors with TF32 on and off (the process's switch is restored after)."""
     if device.type != "cuda" or kind not in ("tf32", "fp32"):
         return _best_matmul(device, _DTYPES[kind], repeats)
-    from visiondist.launch import set_tf32
+    from visiondist.engine.precision import set_tf32
 
     before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
     set_tf32(kind == "tf32")

@@ -1,6 +1,7 @@
 """Model registry: `build_model(cfg.model)` turns a model config into a plain `nn.Module`.
 
-Models here hold no distributed code; `visiondist.parallel` transforms a finished model.
+Models hold no distributed code; each declares what `visiondist.parallel` needs of it (the ViT's TP plan and blocks:
+`vit_parallel`), and `visiondist.parallel` transforms a finished model.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from visiondist.models.init import InitSource, materialize
+from visiondist.models import vit_parallel  # noqa: F401 (registers the ViT's TP plan and blocks with visiondist.parallel)
 from visiondist.models.vit import VisionTransformer, init_source, select_attention
 
 

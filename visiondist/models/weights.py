@@ -33,7 +33,7 @@ def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     model tensors, under their canonical names), or a torch file memory-mapped."""
     file = Path(path).expanduser()
     if file.is_dir():
-        from visiondist.engine.checkpoint import read_metadata
+        from visiondist.utils.dcp import read_metadata
 
         stored = read_metadata(file).state_dict_metadata
         return {k[len("model."):]: tuple(v.size) for k, v in stored.items() if k.startswith("model.") and

@@ -24,10 +24,17 @@ from torch.distributed.tensor import DTensor
 from visiondist.parallel.mesh import Layout
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    from visiondist.models.vit import Block
+_BLOCKS: set[type] = set()
 
-    return [m for m in model.modules() if isinstance(m, Block)]
+
+def register_block(cls: type) -> None:
+    """Modules of class `cls` are a model's transformer blocks: one FSDP unit each, the unit activation
+    checkpointing recomputes and compile compiles (the model's package registers them)."""
+    _BLOCKS.add(cls)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, tuple(_BLOCKS))]
 
 
 def enable_activation_checkpointing(model: nn.Module, blocks: int = -1) -> int:

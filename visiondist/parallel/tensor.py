@@ -1,15 +1,10 @@
 """Tensor parallelism (Megatron) and sequence parallelism, applied to a finished model by a plan.
 
-A plan is data: module path pattern -> style. For a ViT block:
-
-    attn, mlp        ParallelInput   the sub-block's input enters the TP region: copied (its gradient all-reduced),
-                                     or, under sequence parallelism, all-gathered along tokens
-    attn.q / k / v   ColwiseParallel output features split: each rank holds `num_heads / tp` whole heads
-    mlp.fc1          ColwiseParallel
-    attn.proj        RowwiseParallel input features split; partial outputs all-reduced (or reduce-scattered along
-    mlp.fc2                          tokens), then the replicated bias is added once
-    blocks           SequenceRegion  (SP only) tokens split on entry, gathered on exit
-    norm1, norm2     SequenceParallel (SP only) replicated weights that see only this rank's tokens
+A plan is data: module path pattern -> style, registered by the model's own package for its class (the ViT's, with
+what each style does to a block: `visiondist.models.vit_parallel`). The styles: ColwiseParallel (output features
+split), RowwiseParallel (input features split, partial outputs all-reduced or reduce-scattered along tokens, the bias
+added once), ParallelInput (a sub-block's input enters the TP region), SequenceRegion (SP: tokens split on entry,
+gathered on exit), SequenceParallel (SP: replicated weights that see only this rank's tokens).
 
 Parameters keep their names and are tagged: `tp_shard_dim` on shards (0: rows, 1: columns), `tp_partial_grad` on
 replicated parameters whose gradient is a partial sum over tokens (SP), to be all-reduced over TP after backward.
@@ -148,21 +143,6 @@ class SequenceParallel:
 
 Style = ColwiseParallel | RowwiseParallel | ParallelInput | SequenceRegion | SequenceParallel
 
-VIT_PLAN: dict[str, Style] = {
-    "blocks": SequenceRegion(),
-    "blocks.*.norm1": SequenceParallel(),
-    "blocks.*.norm2": SequenceParallel(),
-    "blocks.*.attn": ParallelInput(),
-    "blocks.*.attn.q": ColwiseParallel(),
-    "blocks.*.attn.k": ColwiseParallel(),
-    "blocks.*.attn.v": ColwiseParallel(),
-    "blocks.*.attn.proj": RowwiseParallel(),
-    "blocks.*.mlp": ParallelInput(),
-    "blocks.*.mlp.fc1": ColwiseParallel(),
-    "blocks.*.mlp.fc2": RowwiseParallel(),
-}
-
-
 def _matches(path: str, pattern: str) -> bool:
     """`*` stands for exactly one path component (a block index), as in torchtitan's plans."""
     parts, pats = path.split("."), pattern.split(".")
@@ -210,17 +190,6 @@ def _registered_plan(module: nn.Module) -> Optional[dict[str, Style]]:
         if cls in _PLANS:
             return _PLANS[cls]
     return None
-
-
-def _register_builtin_plans() -> None:
-    from visiondist.models.detection import ViTBackbone
-    from visiondist.models.vit import VisionTransformer
-
-    register_plan(VisionTransformer, VIT_PLAN)
-    register_plan(ViTBackbone, VIT_PLAN)  # the same blocks; no class token, same token-sharded region
-
-
-_register_builtin_plans()
 
 
 def persistent_buffers(model: nn.Module):

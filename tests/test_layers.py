@@ -1,0 +1,90 @@
+"""Imports go down only. Every `visiondist` import (at module level or inside a function) must point to a lower
+layer of the table below, or stay inside its own package: a back-edge fails here, naming both ends."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "visiondist"
+
+# lowest first; a package may import only from the layers before its own
+LAYERS = [
+    {"compat", "utils"},  # torch feature detection; signals and DCP metadata shared by every layer
+    {"config"},  # the schema, validation, RunLayout: no torch
+    {"parallel"},  # generic: mesh, TP styles, pipeline runtime, FSDP, planner; never the models
+    {"models"},  # models and what they declare to parallel (TP plan, blocks)
+    {"plan", "data"},  # the one layout resolver; loaders
+    {"preflight", "engine"},  # input checks before launch; trainer, checkpoints, evaluation, export, benchmark
+    {"runs"},  # continuing a run
+    {"launch"},  # run dir, self-launch, ranks
+    {"sweep"},  # multirun
+    {"cli"},  # argument parsing for the tools
+]
+# back-edges still to remove; the test fails when one disappears too, so that this list only shrinks
+KNOWN = {("engine", "cli"), ("sweep", "cli")}
+
+
+def layer_of(package: str) -> int:
+    return next(i for i, names in enumerate(LAYERS) if package in names)
+
+
+def imported(source: str) -> set[str]:
+    """The `visiondist` modules a source imports, anywhere in it (function-level imports included)."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+    return {m for m in out if m == "visiondist" or m.startswith("visiondist.")}
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def back_edges(modules: dict[str, str]) -> dict[tuple[str, str], list[str]]:
+    """{(importer package, imported package): [importing module -> imported module, ...]} for every import that
+    does not go down. `modules`: module name -> source."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for name, source in modules.items():
+        here = package_of(name)
+        for target in imported(source):
+            there = package_of(target)
+            if not here or not there or here == there:
+                continue
+            if layer_of(there) >= layer_of(here):
+                found.setdefault((here, there), []).append(f"{name} -> {target}")
+    return found
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path.read_text()
+    return out
+
+
+def test_every_package_is_in_the_layer_table():
+    packages = {package_of(name) for name in _modules()} - {""}
+    listed = set().union(*LAYERS)
+    assert packages == listed, f"not in LAYERS: {sorted(packages - listed)}; gone: {sorted(listed - packages)}"
+
+
+def test_imports_go_down_only():
+    found = back_edges(_modules())
+    new = {edge: where for edge, where in found.items() if edge not in KNOWN}
+    assert not new, "imports that go up or sideways:\n" + "\n".join(w for ws in new.values() for w in ws)
+    assert set(found) == KNOWN, f"remove from KNOWN, no longer imported: {sorted(KNOWN - set(found))}"
+
+
+def test_a_back_edge_inside_a_function_is_caught():
+    sources = {
+        "visiondist.data.loader": "import os\n\ndef f():\n    from visiondist.engine.trainer import Trainer\n",
+        "visiondist.engine.trainer": "from visiondist.data import loader\n",
+        "visiondist.config": "import visiondist.parallel.mesh\n",
+    }
+    assert back_edges(sources) == {("data", "engine"): ["visiondist.data.loader -> visiondist.engine.trainer"],
+                                   ("config", "parallel"): ["visiondist.config -> visiondist.parallel.mesh"]}

@@ -1,0 +1,46 @@
+"""What the ViT declares to `visiondist.parallel`, beside the model: its tensor-parallel plan (module path pattern ->
+style, see `visiondist.parallel.tensor`) and its transformer block, the unit FSDP wraps, activation checkpointing
+recomputes and `trainer.compile` compiles. The parallel package applies these and never imports the models.
+
+    attn, mlp        ParallelInput   the sub-block's input enters the TP region: copied (its gradient all-reduced),
+                                     or, under sequence parallelism, all-gathered along tokens
+    attn.q / k / v   ColwiseParallel output features split: each rank holds `num_heads / tp` whole heads
+    mlp.fc1          ColwiseParallel
+    attn.proj        RowwiseParallel input features split; partial outputs all-reduced (or reduce-scattered along
+    mlp.fc2                          tokens), then the replicated bias is added once
+    blocks           SequenceRegion  (SP only) tokens split on entry, gathered on exit
+    norm1, norm2     SequenceParallel (SP only) replicated weights that see only this rank's tokens
+"""
+
+from __future__ import annotations
+
+from visiondist.models.detection import ViTBackbone
+from visiondist.models.vit import Block, VisionTransformer
+from visiondist.parallel.fsdp import register_block
+from visiondist.parallel.tensor import (
+    ColwiseParallel,
+    ParallelInput,
+    RowwiseParallel,
+    SequenceParallel,
+    SequenceRegion,
+    Style,
+    register_plan,
+)
+
+VIT_PLAN: dict[str, Style] = {
+    "blocks": SequenceRegion(),
+    "blocks.*.norm1": SequenceParallel(),
+    "blocks.*.norm2": SequenceParallel(),
+    "blocks.*.attn": ParallelInput(),
+    "blocks.*.attn.q": ColwiseParallel(),
+    "blocks.*.attn.k": ColwiseParallel(),
+    "blocks.*.attn.v": ColwiseParallel(),
+    "blocks.*.attn.proj": RowwiseParallel(),
+    "blocks.*.mlp": ParallelInput(),
+    "blocks.*.mlp.fc1": ColwiseParallel(),
+    "blocks.*.mlp.fc2": RowwiseParallel(),
+}
+
+register_plan(VisionTransformer, VIT_PLAN)
+register_plan(ViTBackbone, VIT_PLAN)  # ViTDet's backbone: the same blocks, no class token, same token-sharded region
+register_block(Block)

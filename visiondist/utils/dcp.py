@@ -1,0 +1,51 @@
+"""Reading torch.distributed.checkpoint (DCP) metadata safely: DCP pickles its `.metadata`, so a plain unpickler
+would run whatever a crafted checkpoint names. Used by checkpoint loading and by `model.weights=<checkpoint dir>`."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+_SAFE_GLOBALS = {
+    ("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"), ("builtins", "frozenset"),
+    ("builtins", "slice"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses, torch dtypes / sizes / layouts / memory formats and plain containers;
+    anything else (a function, a class that runs code when rebuilt) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                          torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refused to load {module}.{name} from checkpoint metadata: "
+                                     "it is not part of a DCP checkpoint")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank)
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_metadata(path: Path):
+    return SafeFileSystemReader(str(path)).read_metadata()
