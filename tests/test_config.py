@@ -3,7 +3,7 @@
 import pytest
 
 from visiondist.cli import load_config, run_tool
-from visiondist.config import ConfigError
+from visiondist.config import ConfigError, compose
 from visiondist.plan import resolve
 from helpers import REPO, run_cli
 
@@ -187,3 +187,19 @@ def test_cli_exits_2_with_the_message(tmp_path):
     assert result.returncode == 2
     assert "error: parallel.tp=4 does not divide model.num_heads=6" in result.stdout
     assert not any(tmp_path.iterdir())  # no run directory, no rank started
+
+
+def test_validation_is_per_group_and_the_family_decides_what_it_supports():
+    """`validate` checks each group on its own; what a model family supports is its ModelSpec's to refuse."""
+    from visiondist.config import validate
+    from visiondist.models.registry import SPECS, check_support
+    from visiondist.plan import check
+
+    cfg = compose(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "parallel.tp=2"])
+    validate(cfg)  # nothing wrong with any group on its own
+    with pytest.raises(ConfigError, match="tensor parallelism shards ViT blocks; fasterrcnn_mobilenet_v3 has none"):
+        check_support(cfg)
+    with pytest.raises(ConfigError, match="has none"):
+        check(cfg)
+    assert {f for f, s in SPECS.items() if "pp" in s.supports} == {"vit"}
+    assert {f for f, s in SPECS.items() if "tp" in s.supports} == {"vit", "vitdet"}

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from visiondist.config import ConfigError, compose, validate
+from visiondist.config import ConfigError, compose
 
 USAGE = """usage: python tools/{tool} [--cfg] [-m] [group=option ...] [key=value ...]
 
@@ -74,7 +74,9 @@ def _as_it_ran(run_dir: Path, overrides: list[str]) -> dict:
 
 
 def _checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
-    validate(cfg, mandatory=inputs is not None)  # no inputs read: a `???` data.root may stay unset
+    from visiondist.plan import check
+
+    check(cfg, mandatory=inputs is not None)  # no inputs read: a `???` data.root may stay unset
     if inputs is not None:
         from visiondist.preflight import check_inputs
 

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from visiondist.models.init import InitSource, materialize
+from visiondist.models.registry import SPECS
 from visiondist.models import vit_parallel  # noqa: F401 (registers the ViT's TP plan and blocks with visiondist.parallel)
 from visiondist.models.vit import VisionTransformer, init_source, select_attention
 
@@ -51,7 +52,7 @@ def _build_vitdet(cfg: Any) -> nn.Module:
 
 FAMILIES: dict[str, Callable[[Any], nn.Module]] = {"vit": _build_vit, "torchvision": _build_torchvision,
                                                     "vitdet": _build_vitdet}
-TASKS = {"vit": "classification", "torchvision": "detection", "vitdet": "detection"}  # what each family is trained for
+TASKS = {family: spec.task for family, spec in SPECS.items()}  # what each family is trained for
 
 
 def build_model(cfg: Any) -> nn.Module:

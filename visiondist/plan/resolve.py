@@ -10,6 +10,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from visiondist.config import ConfigError, validate
+from visiondist.models.registry import check_support, spec_of
 from visiondist.config.layout import RunLayout, microbatches_for, stages_per_rank_for
 from visiondist.plan.world import World, cuda_device_count, device_memory_gb, find_world
 
@@ -30,7 +31,7 @@ def resolve(cfg: DictConfig, env: Optional[dict] = None, cuda_devices: Optional[
             parallel.update(plan.choice.candidate.overrides())
             reason = plan.reason
         parallel["auto"] = False
-        validate(OmegaConf.merge(cfg, {"parallel": parallel}))  # the chosen layout against the model
+        check(OmegaConf.merge(cfg, {"parallel": parallel}))  # the chosen layout against the model
     run = _layout(cfg, OmegaConf.create(parallel), world)
     return (run.replace(chosen_by="parallel=auto", reason=reason) if cfg.parallel.auto else run), plan
 
@@ -45,6 +46,17 @@ def _continued_layout(cfg: DictConfig, world: World) -> Optional[RunLayout]:
     if before is None or (before.world_size, before.accelerator) != (world.world_size, world.accelerator):
         return None
     return before
+
+
+def check(cfg: DictConfig, mandatory: bool = True) -> None:
+    """The whole check of a composed config before anything runs: each group on its own (`validate`), then the model
+    family against the rest (`check_support`)."""
+    validate(cfg, mandatory)
+    check_support(cfg)
+    for variant in cfg.bench.variants:  # a benchmark variant may switch on what the family lacks
+        from visiondist.config import variant_config
+
+        check_support(variant_config(cfg, variant))
 
 
 def _plan_auto(cfg: DictConfig, world: World):
@@ -82,7 +94,7 @@ def with_switches(run: RunLayout, cfg: DictConfig, p: Optional[DictConfig] = Non
     benchmark variant uses it to change how a step computes on the same ranks."""
     p = cfg.parallel if p is None else p
     pipelined = run.pp > 1
-    depth = int(cfg.model.depth) if cfg.model.family != "torchvision" else 0
+    depth = int(cfg.model.depth) if spec_of(cfg.model).has_blocks else 0
     blocks = (depth if p.checkpoint_blocks < 0 else int(p.checkpoint_blocks)) if p.activation_checkpointing else 0
     timeline = p.timeline if p.timeline is not None else run.accelerator != "cuda"
     return run.replace(

@@ -1,0 +1,49 @@
+"""Composition: `configs/` + command-line overrides -> a resolved, typed config; and the plain dict that crosses
+process boundaries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from visiondist.config.schema import TrainConfig
+
+
+def _patch_multiple(size: int, patch: int) -> int:
+    """The largest multiple of the patch size not above `size` (at least one patch): a 64-pixel dataset feeds a
+    /16 model 64-pixel images and a /14 model 56-pixel ones."""
+    return max(1, int(size) // int(patch)) * int(patch)
+
+
+if not OmegaConf.has_resolver("patch_multiple"):
+    OmegaConf.register_new_resolver("patch_multiple", _patch_multiple)
+
+
+def register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def compose(config_dir: str | Path, overrides: list[str], config_name: str = "train") -> DictConfig:
+    """Compose `configs/<config_name>.yaml` with command-line overrides into a resolved, typed config."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_schema()
+    with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
+        cfg = hydra_compose(config_name=config_name, overrides=overrides)
+    OmegaConf.resolve(cfg)
+    return cfg
+
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    """A plain, picklable dict (what crosses process boundaries)."""
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def from_container(data: dict[str, Any]) -> DictConfig:
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), data)
+    return cfg  # type: ignore[return-value]

@@ -1,0 +1,211 @@
+"""The structured configs: the schema behind `configs/`. Hydra composes the YAML groups into these dataclasses, so a
+misspelt key or a value of the wrong type fails at composition."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import II, MISSING
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what to change."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    family: str = "vit"
+    timm_name: Optional[str] = None  # the timm architecture whose state-dict layout we export to
+    img_size: int = II("patch_multiple:${data.img_size},${model.patch_size}")  # data.img_size, rounded down
+    num_classes: int = II("data.num_classes")
+    patch_size: int = 16
+    embed_dim: int = 192
+    depth: int = 12
+    num_heads: int = 3
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = True
+    drop_rate: float = 0.0
+    drop_path_rate: float = 0.0
+    # detectors (family torchvision / vitdet)
+    arch: Optional[str] = None  # torchvision builder, e.g. fasterrcnn_mobilenet_v3_large_fpn
+    weights: Optional[str] = None  # a local state dict (.safetensors or torch file); nothing is ever downloaded
+    init_from: Optional[str] = None  # ViT fine-tuning: local weights (ours or timm's); a head of another size is new
+    # ResNet-FPN detectors: the backbone's ImageNet weights, a local torchvision resnet50 state dict (e.g. the
+    # resnet50-0676ba61.pth file of ResNet50_Weights.IMAGENET1K_V1); as torchvision's weights_backbone does, its
+    # BatchNorms become frozen (v1 models) and only the last `trainable_backbone_layers` stages train
+    backbone_weights: Optional[str] = None
+    trainable_backbone_layers: int = 3  # 0-5, with backbone_weights (torchvision's default: 3)
+    min_size: int = II("data.min_size")  # the detector's internal resize
+    max_size: int = II("data.max_size")
+    fpn_channels: int = 256  # vitdet: channels of the simple feature pyramid
+    anchor_scale: float = 1.0  # multiplies the detector's anchor sizes (same anchors per location, same weights)
+    roi_sampling_ratio: Optional[int] = None  # RoIAlign samples per bin side (torchvision: 2)
+    sync_bn: bool = False  # convert BatchNorm to SyncBatchNorm under data parallelism (CUDA)
+    sdpa: str = "auto"  # attention kernel: auto (torch picks) | flash | efficient | cudnn | math
+    channels_last: bool = False  # convolutions in NHWC memory layout (CNN detectors on tensor cores)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the torchvision detector, e.g. box_score_thresh
+
+
+@dataclass
+class SyntheticConfig:
+    """How a built-in dataset is generated on first use."""
+
+    train_per_class: int = 500  # classification sets
+    val_per_class: int = 100
+    train_images: int = 2000  # detection sets
+    val_images: int = 300
+    image_size: int = 64
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    format: str = "imagefolder"
+    root: str = MISSING
+    train_split: str = "train"
+    val_split: str = "val"
+    num_classes: int = MISSING
+    img_size: int = 224
+    batch_size: int = 64  # global: summed over data-parallel ranks and accumulation steps
+    eval_batch_size: int = 128  # global
+    num_workers: int = 2
+    mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    train_crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    hflip: float = 0.5
+    auto_augment: str = "none"  # classification training: none | rand (RandAugment 2 ops, magnitude 9) | trivial
+    mixup: float = 0.0  # mixup alpha (timm's Mixup); 0: off
+    cutmix: float = 0.0  # cutmix alpha; 0: off
+    mixup_prob: float = 1.0  # probability of mixing a batch at all
+    mixup_switch_prob: float = 0.5  # with both on: probability of cutmix instead of mixup
+    crop_pct: float = 0.875
+    # detection (format coco): <root>/<images>/<file_name>, <root>/<annotations>; {split} is the split name
+    annotations: str = "annotations/instances_{split}.json"
+    images: str = "{split}"
+    min_size: int = 800  # resize: short side to min_size unless the long side would pass max_size
+    max_size: int = 1333
+    color_jitter: float = 0.0
+    large_scale_jitter: bool = False
+    lsj_scale: list[float] = field(default_factory=lambda: [0.1, 2.0])
+    aspect_grouping: bool = True  # each batch holds only landscape or only portrait images
+    max_bad_images: int = 10  # consecutive unreadable training images before the run stops
+    pin_memory: bool = True  # page-locked batches, copied to the GPU without blocking (CUDA only)
+    prefetch_factor: int = 2  # batches each loader worker prepares ahead
+    synthetic: Optional[SyntheticConfig] = None
+
+
+@dataclass
+class ParallelConfig:
+    name: str = "ddp"
+    dp: int = -1  # -1: whatever the world size leaves after tp and pp
+    tp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = False  # Megatron-SP: norms and residuals sharded along tokens (needs tp > 1)
+    schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    stages_per_rank: int = -1  # virtual pipeline stages per rank; -1: 2 for interleaved_1f1b / zero_bubble, else 1
+    microbatches: int = -1  # micro-batches per pipeline step (per DP rank); -1: 2 x pp
+    # record one pipeline step's timeline (pipeline_timeline.png / .json, the bubble); null: on the CPU yes, on CUDA
+    # only when asked (true): it puts two CUDA events around every action of that step
+    timeline: Optional[bool] = None
+    fsdp: bool = False  # shard parameters, gradients and optimizer state over the DP ranks (FSDP2, one unit per block)
+    offload: bool = False  # with fsdp: shards, gradients and optimizer state in host memory, optimizer on the CPU
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward (keeps its input)
+    checkpoint_blocks: int = -1  # selective: only the first N blocks recompute (-1: all of them)
+    # parallel=auto: choose dp / tp / pp / fsdp / offload / activation checkpointing from the memory and time model
+    auto: bool = False
+    device_memory_gb: float = 0.0  # per device; 0: the GPU's own (CUDA), or host memory / ranks (CPU)
+    num_devices: int = -1  # planning only (tools/plan.py): -1: trainer.devices x parallel.nodes
+    nodes: int = 1  # planning only: nodes of num_devices / nodes devices each (TP stays inside a node)
+    headroom: float = 0.9  # a layout fits when its estimate is at most this fraction of device_memory_gb
+    device_tflops: float = 400.0  # sustained dense rate per device (time model; ranks layouts, predicts no wall time)
+    intra_node_gbs: float = 300.0  # per-device link bandwidth inside a node, GB/s (NVLink class)
+    inter_node_gbs: float = 25.0  # per-device bandwidth between nodes, GB/s (200 Gb/s InfiniBand)
+    host_gbs: float = 25.0  # device <-> host copies (offload), GB/s
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    momentum: float = 0.9
+    nesterov: bool = False
+    decay_norm_bias: bool = False  # true: weight decay on norms, biases, embeddings too (torchvision's references)
+    layer_decay: float = 1.0  # layer-wise LR decay (fine-tuning): block i gets lr x layer_decay^(depth - i); 1: off
+    impl: str = "auto"  # optimizer kernels: auto (the fastest torch has on the device) | fused | foreach | loop
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = "cosine"
+    warmup_steps: int = 0
+    warmup_start_factor: float = 0.01  # lr multiplier at step 0 of the warmup
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of optim.lr
+    milestones: list[float] = field(default_factory=lambda: [0.66, 0.88])  # step: fractions of the run
+    gamma: float = 0.1
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = "auto"
+    devices: int = -1  # ranks per node; -1: all visible GPUs, or what the mesh needs on the CPU
+    max_steps: int = -1
+    max_epochs: int = 10
+    seed: int = 0
+    precision: str = "32"  # 32 | bf16 | 16 (fp16 autocast with dynamic loss scaling)
+    tf32: bool = True  # CUDA: fp32 matmuls / convolutions in TF32 (10-bit mantissa, several times faster); false: ieee
+    compile: bool = False  # torch.compile each transformer block (ViT and ViTDet)
+    grad_accum: int = 1
+    clip_grad: float = 0.0  # max global grad norm; 0 disables clipping
+    label_smoothing: float = 0.0  # classification cross-entropy
+    ema_decay: float = 0.0  # model EMA, evaluated next to the model (e.g. 0.9998); 0: off
+    eval_at_start: bool = False  # evaluate before the first step (e.g. the weights of model.init_from)
+    eval_every: int = 0  # optimizer steps between evaluations; 0: at the end of every epoch
+    log_every: int = 20
+    output_dir: str = "outputs"
+    run_dir: Optional[str] = None  # default: <output_dir>/<date>/<time>
+    progress: bool = True
+    tensorboard: bool = True
+    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: only at the end
+    keep_last: int = 3  # complete checkpoints kept; 0: all
+    resume: Optional[str] = "auto"  # auto: the run dir's latest checkpoint if any | a checkpoint or run dir | null
+    stop_at_step: int = -1  # > 0: checkpoint and end this process after this step (the schedule still spans the run)
+    max_restarts: int = 0  # self-launched: restart every rank this many times after a failure (resume=auto)
+    dist_timeout_s: float = 600.0  # a collective waiting longer than this fails (after the first step)
+    startup_timeout_s: float = 1800.0  # the same during start-up (data generation, first step)
+    on_nonfinite: str = "raise"  # a non-finite loss or gradient on any rank: raise | skip (the step, on every rank)
+    allow_changes: bool = False  # continuing a run (trainer.run_dir): allow another model, data or global batch
+
+
+@dataclass
+class BenchConfig:
+    """tools/benchmark.py: what to time (the training runs read none of it)."""
+
+    warmup: int = 3  # untimed steps first (allocation, autotuning, compilation)
+    steps: int = 10  # timed steps of each loop per round (a ratio of fewer than 5 steps in all is flagged)
+    rounds: int = 2  # rounds over every loop, each round in the reverse order of the last (keep it even)
+    baseline: bool = True  # per configuration, plain-PyTorch loops on timm's model and on ours (single rank)
+    peak: bool = True  # also measure the device's dense matmul rate in the run (MFU beside the datasheet's)
+    loader_batches: int = 20  # batches of the real train loader timed on their own; 0: skip
+    # appends results.jsonl and results.md here; null: the benchmark's run dir (`bench.results_dir=benchmarks` adds
+    # the rows to the repository's record, benchmarks/results.md)
+    results_dir: Optional[str] = None
+    # more configurations timed side by side with the first, each a space-separated list of key=value overrides,
+    # e.g. ["trainer.compile=true", "trainer.precision=bf16 optim.impl=fused"] (the layout stays the same)
+    variants: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)

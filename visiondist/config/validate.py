@@ -1,0 +1,211 @@
+"""Validation: everything a type cannot say, one check per config group, each raising a `ConfigError` with the value,
+the reason and the fix. What a model family supports (TP, pipelines, FSDP, ...) is its `ModelSpec`'s to say
+(`visiondist.models.registry.check_support`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from visiondist.config.layout import SCHEDULES
+from visiondist.config.schema import ConfigError
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation: everything a type cannot say. Each check raises with the value, the reason and the fix.
+
+_ACCELERATORS = ("auto", "cpu", "cuda")
+_PRECISIONS = ("32", "bf16", "16")
+_OPTIMIZERS = ("adamw", "sgd")
+_SCHEDULES = ("cosine", "step")
+
+
+def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not supported: use one of {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def check_mandatory(cfg: DictConfig) -> None:
+    """Every `???` value has been given (e.g. `data.root` of data=imagenet / coco)."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        example = {"data.root": f"/path/to/{cfg.data.get('name') or 'data'}"}
+        fix = " ".join(f"{key}={example.get(key, '<value>')}" for key in missing)
+        raise ConfigError(f"{', '.join(missing)} must be set (??? in the config): add {fix}")
+
+
+def validate(cfg: DictConfig, mandatory: bool = True) -> None:
+    """Check a composed config on its own (no devices, no model family's capabilities: those are
+    `visiondist.models.registry.check_support`'s). Raises ConfigError. `mandatory=False`: `???` values may stay
+    unset (printing the config, planning a layout: nothing reads the data)."""
+    if mandatory:
+        check_mandatory(cfg)
+    _check_model(cfg.model)
+    _check_data(cfg.data)
+    _check_optim(cfg.optim)
+    _check_schedule(cfg.schedule)
+    _check_trainer(cfg.trainer)
+    _check_parallel(cfg.parallel)
+    _check_across(cfg)
+    _check_bench(cfg)
+
+
+def _check_model(m: DictConfig) -> None:
+    _one_of("model.sdpa", m.sdpa, ("auto", "flash", "efficient", "cudnn", "math"))
+    for key in ("num_classes", "img_size", "patch_size", "embed_dim", "depth", "num_heads"):
+        _positive(f"model.{key}", m[key])
+    _positive("model.mlp_ratio", m.mlp_ratio)
+    _positive("model.anchor_scale", m.anchor_scale)
+    if m.roi_sampling_ratio is not None:
+        _positive("model.roi_sampling_ratio", m.roi_sampling_ratio)
+    if m.img_size % m.patch_size:
+        raise ConfigError(
+            f"model.img_size={m.img_size} is not a multiple of model.patch_size={m.patch_size} ({m.name}): "
+            f"use e.g. model.img_size={max(1, round(m.img_size / m.patch_size)) * m.patch_size}")
+    if m.embed_dim % m.num_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads} does not divide model.embed_dim={m.embed_dim}")
+    for key in ("drop_rate", "drop_path_rate"):
+        if not 0 <= m[key] < 1:
+            raise ConfigError(f"model.{key}={m[key]} must be in [0, 1)")
+    if m.init_from is not None and m.weights is not None:
+        raise ConfigError("set model.weights (exact weights) or model.init_from (fine-tuning start), not both")
+    if m.init_from is not None and not Path(m.init_from).expanduser().is_file():
+        raise ConfigError(f"model.init_from={m.init_from}: no such file")
+    if m.backbone_weights is not None:
+        if not Path(m.backbone_weights).expanduser().is_file():
+            raise ConfigError(f"model.backbone_weights={m.backbone_weights}: no such file")
+        if not 0 <= m.trainable_backbone_layers <= 5:
+            raise ConfigError(f"model.trainable_backbone_layers={m.trainable_backbone_layers}: choose 0-5 (stages of "
+                              "the ResNet that train, from the last)")
+
+
+def _check_data(d: DictConfig) -> None:
+    _one_of("data.format", d.format, ("imagefolder", "coco"))
+    _one_of("data.auto_augment", d.auto_augment, ("none", "rand", "trivial"))
+    _positive("data.prefetch_factor", d.prefetch_factor)
+    for key in ("mixup", "cutmix"):
+        _positive(f"data.{key}", d[key], allow_zero=True)
+    _positive("data.batch_size", d.batch_size)
+    _positive("data.eval_batch_size", d.eval_batch_size)
+    _positive("data.num_workers", d.num_workers, allow_zero=True)
+
+
+def _check_optim(o: DictConfig) -> None:
+    _one_of("optim", o.name, _OPTIMIZERS)
+    _one_of("optim.impl", o.impl, ("auto", "fused", "foreach", "loop"))
+    _positive("optim.lr", o.lr)
+    if not 0 < o.layer_decay <= 1:
+        raise ConfigError(f"optim.layer_decay={o.layer_decay} must be in (0, 1] (1: off)")
+    _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+
+
+def _check_schedule(s: DictConfig) -> None:
+    _one_of("schedule", s.name, _SCHEDULES)
+    _positive("schedule.warmup_steps", s.warmup_steps, allow_zero=True)
+    if not 0 <= s.min_lr_ratio <= 1:
+        raise ConfigError(f"schedule.min_lr_ratio={s.min_lr_ratio} must be in [0, 1]")
+
+
+def _check_trainer(t: DictConfig) -> None:
+    _one_of("trainer.accelerator", t.accelerator, _ACCELERATORS)
+    _one_of("trainer.precision", str(t.precision), _PRECISIONS)
+    _one_of("trainer.on_nonfinite", t.on_nonfinite, ("raise", "skip"))
+    _positive("trainer.max_restarts", t.max_restarts, allow_zero=True)
+    if t.max_restarts > 0 and t.resume != "auto":
+        raise ConfigError(f"trainer.max_restarts={t.max_restarts} restarts from the run's latest checkpoint: "
+                          f"keep trainer.resume=auto (not {t.resume})")
+    _positive("trainer.dist_timeout_s", t.dist_timeout_s)
+    _positive("trainer.startup_timeout_s", t.startup_timeout_s)
+    if not 0 <= t.label_smoothing < 1:
+        raise ConfigError(f"trainer.label_smoothing={t.label_smoothing} must be in [0, 1)")
+    if not 0 <= t.ema_decay < 1:
+        raise ConfigError(f"trainer.ema_decay={t.ema_decay} must be in [0, 1) (0: off), e.g. 0.9998")
+    for key in ("grad_accum", "log_every"):
+        _positive(f"trainer.{key}", t[key])
+    for key in ("clip_grad", "eval_every", "checkpoint_every", "keep_last"):
+        _positive(f"trainer.{key}", t[key], allow_zero=True)
+    if t.resume not in (None, "auto") and not Path(str(t.resume)).expanduser().exists():
+        raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint or run directory "
+                          "(give checkpoints/step_<N> or a run dir, `auto`, or null)")
+    if t.max_steps <= 0 and t.max_epochs <= 0:
+        raise ConfigError("set trainer.max_steps or trainer.max_epochs to a positive number")
+
+
+def _check_parallel(p: DictConfig) -> None:
+    _one_of("parallel.schedule", p.schedule, SCHEDULES)
+    for key in ("tp", "pp"):
+        _positive(f"parallel.{key}", p[key])
+    if p.dp != -1:
+        _positive("parallel.dp", p.dp)
+    if p.checkpoint_blocks != -1:
+        _positive("parallel.checkpoint_blocks", p.checkpoint_blocks)
+        if not p.activation_checkpointing:
+            raise ConfigError(f"parallel.checkpoint_blocks={p.checkpoint_blocks} selects the blocks that recompute: "
+                              "set parallel.activation_checkpointing=true too")
+    if p.fsdp and (p.tp > 1 or p.pp > 1):
+        raise ConfigError(f"parallel.fsdp=true shards over data parallel and does not combine with tp={p.tp} / "
+                          f"pp={p.pp} here: use parallel.fsdp=false, or tp=1 and pp=1")
+    if p.offload and not p.fsdp:
+        raise ConfigError("parallel.offload=true moves FSDP's shards to host memory: set parallel.fsdp=true too")
+    if p.auto and (p.tp > 1 or p.pp > 1 or p.dp != -1 or p.fsdp):
+        raise ConfigError("parallel=auto chooses dp / tp / pp / fsdp itself: drop parallel.dp/tp/pp/fsdp")
+    for key in ("device_memory_gb", "device_tflops", "intra_node_gbs", "inter_node_gbs", "host_gbs"):
+        _positive(f"parallel.{key}", p[key], allow_zero=key == "device_memory_gb")
+    _positive("parallel.nodes", p.nodes)
+    if not 0 < p.headroom <= 1:
+        raise ConfigError(f"parallel.headroom={p.headroom} must be in (0, 1]")
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards tokens across the TP group)")
+
+
+def _check_across(cfg: DictConfig) -> None:
+    """Rules between groups that hold for every model family."""
+    d, p, t = cfg.data, cfg.parallel, cfg.trainer
+    if t.compile and p.pp > 1 and p.schedule == "zero_bubble":
+        raise ConfigError("trainer.compile=true with parallel.schedule=zero_bubble: the schedule splits each block's "
+                          "backward into input and weight gradients, which a compiled block's backward cannot do; "
+                          "use parallel.schedule=1f1b or interleaved_1f1b, or drop trainer.compile")
+    if (d.mixup > 0 or d.cutmix > 0) and p.pp > 1:
+        raise ConfigError("data.mixup / data.cutmix with parallel.pp > 1 is not supported (the first stage mixes the "
+                          "images, the last would need the same mixing of the labels): use parallel.pp=1")
+
+
+def _check_bench(cfg: DictConfig) -> None:
+    b = cfg.bench
+    _positive("bench.warmup", b.warmup, allow_zero=True)
+    _positive("bench.steps", b.steps)
+    _positive("bench.rounds", b.rounds)
+    _positive("bench.loader_batches", b.loader_batches, allow_zero=True)
+    for variant in b.variants:
+        variant_config(cfg, variant)
+
+
+_LAYOUT_KEYS = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.auto", "trainer.devices", "trainer.accelerator",
+                "data.batch_size", "trainer.grad_accum", "bench.")
+
+
+def variant_config(cfg: DictConfig, overrides: str) -> DictConfig:
+    """`cfg` with one benchmark variant's key=value overrides, validated. The ranks, the mesh and the batch are the
+    run's: a variant changes how a step computes, not what it computes over."""
+    pairs = overrides.split()
+    bad = [p for p in pairs if "=" not in p]
+    if not pairs or bad:
+        raise ConfigError(f"bench.variants entry {overrides!r}: give key=value overrides separated by spaces")
+    fixed = [p for p in pairs if p.split("=", 1)[0].startswith(_LAYOUT_KEYS)]
+    if fixed:
+        raise ConfigError(f"bench.variants entry {overrides!r}: {', '.join(fixed)} would change the ranks, the mesh or "
+                          "the batch, which all variants share: benchmark it in a run of its own")
+    try:
+        merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(pairs))
+    except Exception as exc:  # an unknown key or a wrong type, from the schema
+        raise ConfigError(f"bench.variants entry {overrides!r}: {str(exc).splitlines()[0]}") from None
+    merged.bench.variants = []
+    validate(merged)
+    return merged  # type: ignore[return-value]

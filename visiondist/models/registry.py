@@ -1,0 +1,137 @@
+"""What each model family is and supports: one `ModelSpec` per family (how it is built, what it is trained for, the
+data it reads, and which layouts and switches it supports). `check_support` turns a config that asks a family for
+something it does not support into one `ConfigError` naming the fix (`visiondist.plan.check`, which the CLI and the
+layout resolver call, runs it after the per-group validation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from omegaconf import DictConfig
+
+from visiondist.config import ConfigError
+from visiondist.config.layout import check_pipeline
+
+# switches a family may support: what each is, for the refusal message
+TP, SP, PP, FSDP, AC, COMPILE, AUTO, CLASSIFICATION_AUG, INIT_FROM, BACKBONE_WEIGHTS = (
+    "tp", "sp", "pp", "fsdp", "ac", "compile", "auto", "classification_aug", "init_from", "backbone_weights")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    task: str  # "classification" | "detection"
+    data_format: str  # "imagefolder" | "coco"
+    supports: frozenset[str]
+    build: Callable[[Any], Any]
+    has_blocks: bool  # transformer blocks (the unit of FSDP, activation checkpointing, compile, pipeline stages)
+    rules: Callable[[DictConfig], None] = lambda cfg: None  # the family's own shape rules
+
+    def check(self, cfg: DictConfig) -> None:
+        """Refuse what this family does not support, with today's wording; then its own shape rules."""
+        for feature, asked in _requested(cfg).items():
+            if asked and feature not in self.supports:
+                raise ConfigError(_REFUSALS[feature](cfg))
+        self.rules(cfg)
+
+
+def _requested(cfg: DictConfig) -> dict[str, bool]:
+    m, d, p, t = cfg.model, cfg.data, cfg.parallel, cfg.trainer
+    return {
+        TP: p.tp > 1, PP: p.pp > 1, FSDP: bool(p.fsdp), AC: bool(p.activation_checkpointing),
+        COMPILE: bool(t.compile), AUTO: bool(p.auto), INIT_FROM: m.init_from is not None,
+        CLASSIFICATION_AUG: d.mixup > 0 or d.cutmix > 0 or t.label_smoothing > 0 or d.auto_augment != "none",
+        BACKBONE_WEIGHTS: m.backbone_weights is not None,
+    }
+
+
+_REFUSALS: dict[str, Callable[[DictConfig], str]] = {
+    TP: lambda c: f"parallel.tp={c.parallel.tp}: tensor parallelism shards ViT blocks; {c.model.name} has none",
+    COMPILE: lambda c: f"trainer.compile=true compiles transformer blocks; {c.model.name} has none: drop it",
+    CLASSIFICATION_AUG: lambda c: ("data.mixup / data.cutmix / data.auto_augment / trainer.label_smoothing are for "
+                                   f"classification; {c.model.name} is a detector: drop them"),
+    INIT_FROM: lambda c: f"model.init_from is for ViT classifiers; for {c.model.name} use model.weights",
+    BACKBONE_WEIGHTS: lambda c: (f"model.backbone_weights is for the ResNet-50 FPN detectors; {c.model.name} has no "
+                                 "ResNet-50 backbone (use model.weights for a whole model)"),
+    FSDP: lambda c: f"parallel.fsdp=true shards ViT classifiers; {c.model.name} is a detector: use DDP",
+    AC: lambda c: f"parallel.activation_checkpointing recomputes transformer blocks; {c.model.name} has none",
+    AUTO: lambda c: f"parallel=auto plans ViT classifiers; for {c.model.name} use parallel=ddp",
+    PP: lambda c: (f"parallel.pp={c.parallel.pp}: pipeline parallelism cuts ViT classifiers into stages of blocks; "
+                   f"{c.model.name} is a detector: use parallel.pp=1"),
+}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_blocks(cfg: DictConfig) -> None:
+    """Tensor parallelism shards attention by whole heads and the MLP by rows; pipelines need a block per stage."""
+    m, p = cfg.model, cfg.parallel
+    if m.num_heads % p.tp:
+        good = ", ".join(str(x) for x in _divisors(m.num_heads))
+        heads = [h for h in range(p.tp, m.embed_dim + 1, p.tp) if m.embed_dim % h == 0]
+        other = min(heads, key=lambda h: (abs(h - m.num_heads), -h)) if heads else None
+        more = (f", or model.num_heads={other} (a multiple of {p.tp} that divides model.embed_dim={m.embed_dim})"
+                if other is not None else "")
+        raise ConfigError(f"parallel.tp={p.tp} does not divide model.num_heads={m.num_heads} ({m.name}): "
+                          f"tensor parallelism shards attention by whole heads; use parallel.tp in {{{good}}}{more}")
+    hidden = int(m.embed_dim * m.mlp_ratio)
+    if hidden % p.tp:
+        import math
+
+        good = ", ".join(str(x) for x in _divisors(math.gcd(hidden, m.num_heads)))
+        raise ConfigError(f"parallel.tp={p.tp} does not divide the MLP hidden size {hidden} of {m.name} "
+                          f"(embed_dim x mlp_ratio): use parallel.tp in {{{good}}}")
+    try:
+        check_pipeline(p.pp, p.schedule, p.stages_per_rank, p.microbatches, m.depth)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} ({m.name})") from None
+
+
+def _check_vitdet(cfg: DictConfig) -> None:
+    if 32 % cfg.model.patch_size:
+        raise ConfigError(f"model.patch_size={cfg.model.patch_size} must divide 32 (detection batches are padded to 32)")
+    _check_blocks(cfg)
+
+
+def _check_torchvision(cfg: DictConfig) -> None:
+    if cfg.model.backbone_weights is not None and "resnet50" not in str(cfg.model.arch):
+        raise ConfigError(_REFUSALS[BACKBONE_WEIGHTS](cfg))
+
+
+def _build(family: str) -> Callable[[Any], Any]:
+    def build(cfg: Any):
+        from visiondist.models import FAMILIES
+
+        return FAMILIES[family](cfg)
+
+    return build
+
+
+_VIT = frozenset({TP, SP, PP, FSDP, AC, COMPILE, AUTO, CLASSIFICATION_AUG, INIT_FROM})
+SPECS: dict[str, ModelSpec] = {
+    "vit": ModelSpec("vit", "classification", "imagefolder", _VIT, _build("vit"), True, _check_blocks),
+    "vitdet": ModelSpec("vitdet", "detection", "coco", frozenset({TP, SP, AC, COMPILE}), _build("vitdet"), True,
+                        _check_vitdet),
+    "torchvision": ModelSpec("torchvision", "detection", "coco", frozenset({BACKBONE_WEIGHTS}),
+                             _build("torchvision"), False, _check_torchvision),
+}
+
+
+def spec_of(model_cfg: Any) -> ModelSpec:
+    if model_cfg.family not in SPECS:
+        raise ConfigError(f"model.family={model_cfg.family!r} is not supported: use one of {', '.join(SPECS)}")
+    return SPECS[model_cfg.family]
+
+
+def check_support(cfg: DictConfig) -> None:
+    """The model family against the rest of the config: the data it reads, the layout and switches it supports,
+    its shape rules. One `ConfigError` naming the fix."""
+    spec = spec_of(cfg.model)
+    if cfg.data.format != spec.data_format:
+        kind = "a detector" if spec.task == "detection" else "a classifier"
+        raise ConfigError(f"model={cfg.model.name} is {kind} but data={cfg.data.name} is {cfg.data.format} data: use "
+                          f"{'data=shapes_coco or data=coco' if kind == 'a detector' else 'data=shapes or data=imagenet'}")
+    spec.check(cfg)
