@@ -206,6 +206,6 @@ def variant_config(cfg: DictConfig, overrides: str) -> DictConfig:
         merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(pairs))
     except Exception as exc:  # an unknown key or a wrong type, from the schema
         raise ConfigError(f"bench.variants entry {overrides!r}: {str(exc).splitlines()[0]}") from None
-    merged.bench.variants = []
+    merged = OmegaConf.merge(merged, {"bench": {"variants": []}})  # a new object: the run's config is read-only
     validate(merged)
     return merged  # type: ignore[return-value]
