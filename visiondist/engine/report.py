@@ -95,3 +95,12 @@ def report_run(run_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]
     draw_evaluation(task, last_eval, run_dir, title, rows)
     Console(width=max(100, Console().width)).print(summary_table(summary))
     print(task.final_line(last_eval), flush=True)
+
+
+def shown_path(path: Path) -> str:
+    """`path` relative to the working directory when it is inside it (what a user types), else as it is."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
