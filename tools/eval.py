@@ -11,10 +11,9 @@ results format) into <run dir>/eval/<date-time>/, or trainer.run_dir. Runs its o
 import sys
 from pathlib import Path
 
-from visiondist.cli import USAGE, load_config, load_run_config
+from visiondist.cli import USAGE, checked, load_config, load_run_config
 from visiondist.config import ConfigError
 from visiondist.engine.checkpoint import is_complete, latest_checkpoint
-from visiondist.preflight import check_inputs
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -41,7 +40,7 @@ def main(argv: list[str]) -> int:
             raise FileNotFoundError(f"no weights at {weights}: give a run dir holding model.safetensors or a "
                                     "checkpoint, a checkpoints/step_<N> directory or a weights file")
         cfg.model.weights = str(weights.resolve())
-        check_inputs(cfg, "eval")  # the val split and the weights against the model, before any rank starts
+        checked(cfg, "eval")  # class count, val split, weights against the model, before any rank starts
         from visiondist.engine.trainer import evaluate_checkpoint
         from visiondist.launch import launch, unique_dir
 

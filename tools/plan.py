@@ -11,10 +11,13 @@ same config groups as train.py. Exits 1 when no layout fits (naming the smallest
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from visiondist.cli import load_config
 from visiondist.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEFAULT_CLASSES = 1000  # data.num_classes when it is unset and there is no data to count (the head's size)
 
 
 def main(argv: list[str]) -> int:
@@ -30,6 +33,10 @@ def main(argv: list[str]) -> int:
         cfg = load_config(CONFIGS, argv, inputs=None)  # a plan reads no data
         if cfg.model.family != "vit":
             raise ConfigError(f"tools/plan.py plans ViT classifiers; {cfg.model.name} is a detector")
+        if OmegaConf.is_missing(cfg.data, "num_classes"):
+            print(f"data.num_classes is unset and there is no data.root to count: planned with {DEFAULT_CLASSES} "
+                  "classes (set data.num_classes for another head)", file=sys.stderr)
+            cfg.data.num_classes = cfg.model.num_classes = DEFAULT_CLASSES
         p, t = cfg.parallel, cfg.trainer
         per_node = t.devices if t.devices > 0 else cuda_device_count()
         if p.num_devices > 0:

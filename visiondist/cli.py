@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -38,7 +39,7 @@ def load_config(config_dir: Path, overrides: list[str], inputs: Optional[str] = 
         from_container(to_container(cfg))  # what the ranks do: every key must be in the schema (`+key=` can add one)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain(exc)) from exc
-    return _checked(cfg, inputs)
+    return checked(cfg, inputs)
 
 
 def load_run_config(run_dir: Path, overrides: list[str], inputs: Optional[str] = "eval") -> DictConfig:
@@ -58,16 +59,38 @@ def load_run_config(run_dir: Path, overrides: list[str], inputs: Optional[str] =
         cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path), OmegaConf.from_dotlist(overrides))
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc)) from exc
-    return _checked(cfg, inputs)  # type: ignore[arg-type]
+    return checked(cfg, inputs)  # type: ignore[arg-type]
 
 
-def _checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
+def checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
+    """Validate `cfg` and check its inputs on disk for `inputs` ("train", "eval"; None: nothing reads the data, so
+    `???` values may stay unset). A `data.num_classes` left unset is counted from the data's classes first (the class
+    folders of the train split), with one line saying so."""
+    from visiondist.config import check_mandatory
+    from visiondist.preflight import check_inputs, infer_num_classes
+
+    unset = OmegaConf.is_missing(cfg.data, "num_classes")
+    if inputs is not None and unset:  # any other `???` (data.root) first, in its own words
+        check_mandatory(_with_classes(cfg, 1))
+    note = infer_num_classes(cfg, inputs)
+    if OmegaConf.is_missing(cfg.data, "num_classes"):  # printing, planning: still unknown, and nothing needs it
+        validate(_with_classes(cfg, 1), mandatory=False)
+        return cfg
     validate(cfg, mandatory=inputs is not None)  # no inputs read: a `???` data.root may stay unset
     if inputs is not None:
-        from visiondist.preflight import check_inputs
-
         check_inputs(cfg, inputs)
+    if note and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # once per job, input all good
+        print(note, file=sys.stdout if inputs is not None else sys.stderr, flush=True)
     return cfg
+
+
+def _with_classes(cfg: DictConfig, num_classes: int) -> DictConfig:
+    """A copy of `cfg` with an unset class count set (the model's follows the data's)."""
+    copy = cfg.copy()
+    copy.data.num_classes = num_classes
+    if OmegaConf.is_missing(copy.model, "num_classes"):
+        copy.model.num_classes = num_classes
+    return copy
 
 
 def _explain(exc: BaseException) -> str:
