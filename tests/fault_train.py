@@ -100,6 +100,4 @@ if __name__ == "__main__":
     spec = importlib.util.spec_from_file_location("train_tool", REPO / "tools" / "train.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    from visiondist.cli import run_tool
-
-    sys.exit(run_tool("train.py", tool.CONFIGS, sys.argv[1:], tool.main))
+    sys.exit(tool.main(sys.argv[1:]))

@@ -12,7 +12,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def _cfg(*overrides):
-    return compose(CONFIGS, ["data=imagenet", "data.root=/data", "parallel=auto", *overrides])
+    return compose(CONFIGS, ["data=imagenet", "data.root=/data", "data.num_classes=1000", "parallel=auto", *overrides])
 
 
 def test_ddp_for_vit_base_on_80gb_devices():

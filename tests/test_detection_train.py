@@ -30,7 +30,7 @@ def test_train_then_eval_a_detector(tmp_path):
         assert_png(run / png)
     assert_png(run / "val_predictions.png", min_width=800)
 
-    evaluated = run_cli([str(run)], timeout=300, script=REPO / "tools" / "eval.py")
+    evaluated = run_cli([f"run_dir={run}"], timeout=300, script=REPO / "tools" / "eval.py")
     assert evaluated.returncode == 0, evaluated.stdout[-4000:]
     assert evaluated.stdout.count("Average ") == 12
     out = next((run / "eval").iterdir())
@@ -89,5 +89,5 @@ def _export_loads_in_torchvision(run, tmp_path):
 
 
 def test_eval_refuses_a_missing_run(tmp_path):
-    result = run_cli([str(tmp_path)], timeout=60, script=REPO / "tools" / "eval.py")
+    result = run_cli([f"run_dir={tmp_path}"], timeout=60, script=REPO / "tools" / "eval.py")
     assert result.returncode == 2 and "holds no config.yaml" in result.stdout

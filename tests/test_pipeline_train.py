@@ -71,7 +71,8 @@ def test_pipeline_checkpoint_resumes_and_evaluates_under_other_layouts(tmp_path,
     got = losses_of(into_pp)
     assert [got[s] for s in (3, 4)] == pytest.approx([ref[3], ref[4]], rel=1e-5)
 
-    out = train_ok(str(latest_checkpoint(into_pp)), timeout=240, script=REPO / "tools" / "eval.py")
+    step = latest_checkpoint(into_pp).name.removeprefix("step_")
+    out = train_ok(f"run_dir={into_pp}", f"step={step}", timeout=240, script=REPO / "tools" / "eval.py")
     evaluated = json.loads(next((into_pp / "eval").glob("*/eval.json")).read_text())
     assert evaluated["val_loss"] == pytest.approx(evals_of(one_process, *EVALS)[4][0], rel=1e-5)
     assert f"val top-1: {evals_of(one_process, *EVALS)[4][1]:.2f}%" in out

@@ -279,7 +279,7 @@ def test_ctrl_c_stops_a_benchmark_after_the_step_in_flight(tmp_path, tiny_shapes
     proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "benchmark.py"), *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     logs = tmp_path / "runs"
-    _wait_for(lambda: any("optimizer: adamw" in p.read_text() for p in logs.rglob("train.log")), proc, 180,
+    _wait_for(lambda: any("optimizer: adamw" in p.read_text() for p in logs.rglob("benchmark.log")), proc, 180,
               "the benchmark's trainer")
     time.sleep(5)  # timing the steps by now
     sent = time.time()

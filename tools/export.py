@@ -11,36 +11,57 @@ onnx: checked against PyTorch with ONNX Runtime when it is installed. Weights co
 import sys
 from pathlib import Path
 
+from visiondist.cli import Command, Tool, config_text, load_run_config, main as cli_main
+from visiondist.config import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SUFFIX = {"safetensors": ".safetensors", "onnx": ".onnx", "torchscript": ".pt"}
+EXPECTED = "expected run_dir=<dir> [step=<N>] [format=safetensors|onnx|torchscript] [out=<path>]"
+TOOL = Tool(
+    name="export.py",
+    about=("Export a trained run for use outside visiondist: one consolidated file that timm (ViT) or torchvision "
+           "(detectors) loads with strict=True, or ONNX (checked against PyTorch with ONNX Runtime when installed), "
+           "or TorchScript. Takes no config overrides: the model comes from the run's config.yaml."),
+    keys=(("run_dir=<dir>", "the training run to export (required)"),
+          ("step=<N>", "its checkpoint checkpoints/step_<N> (default: the latest checkpoint, else model.safetensors), "
+                   "whatever parallel layout wrote it"),
+          ("format=<format>", "safetensors (default; plus <out>.json saying how to build the model), onnx or "
+                              "torchscript"),
+          ("out=<path>", "the file to write (default: <run>/export/model.<safetensors|onnx|pt>)")),
+    reads="<run>/config.yaml and the run's newest checkpoint (or step=), else its model.safetensors",
+    writes="<run>/export/model.<ext> (safetensors: and model.json), or out=<path>; prints the files",
+    examples=("python tools/export.py run_dir=outputs/2026-11-21/21-10-24",
+              "python tools/export.py run_dir=outputs/2026-11-21/21-10-24 format=onnx out=vit.onnx",
+              "python tools/export.py run_dir=outputs/2026-11-21/21-10-24 step=500 format=torchscript"),
+    config=False,
+    run_dir=False,
+    multirun=False,
+)
 
 
-def main(argv: list[str]) -> int:
-    if not argv or any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        return 0 if argv else 2
-    args = dict(a.split("=", 1) for a in argv if "=" in a)
-    unknown = [a for a in argv if "=" not in a] + sorted(set(args) - {"run_dir", "step", "format", "out"})
-    if unknown or "run_dir" not in args:
-        print(f"error: {' '.join(unknown) or 'run_dir= is missing'}: expected run_dir=<dir> [step=<N>] "
-              "[format=safetensors|onnx|torchscript] [out=<path>]", file=sys.stderr)
-        return 2
+def export(cmd: Command) -> int:
+    args = cmd.args
+    if "run_dir" not in args:
+        raise ConfigError(f"run_dir= is missing: {EXPECTED}")
     fmt = args.get("format", "safetensors")
     if fmt not in SUFFIX:
-        print(f"error: format={fmt}: choose one of {', '.join(SUFFIX)}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"format={fmt}: choose one of {', '.join(SUFFIX)}")
     run_dir = Path(args["run_dir"]).expanduser()
+    if cmd.show:
+        print(config_text(load_run_config(run_dir, [], inputs=None), cmd.package))
+        return 0
     out = Path(args.get("out") or run_dir / "export" / f"model{SUFFIX[fmt]}")
 
-    from visiondist.config import ConfigError
-    from visiondist.engine.export import check_onnx, export, load_trained
+    from visiondist.engine.export import check_onnx, export as export_run, load_trained
 
+    if not args.get("step", "0").isdigit():
+        raise ConfigError(f"step={args['step']}: give a checkpoint's step number, e.g. step=500")
     try:
         step = int(args["step"]) if "step" in args else None
         trained = load_trained(run_dir, step)
-        files = export(trained, fmt, out)
-    except (ConfigError, FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        files = export_run(trained, fmt, out)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
     except RuntimeError as exc:  # e.g. a damaged checkpoint: the message names it and what to do
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1
@@ -52,6 +73,10 @@ def main(argv: list[str]) -> int:
         print("  onnxruntime not installed: output not checked" if diff is None else
               f"  ONNX Runtime vs PyTorch: max abs difference {diff:.2e}")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return cli_main(TOOL, CONFIGS, argv, export)
 
 
 if __name__ == "__main__":

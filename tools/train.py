@@ -1,17 +1,19 @@
-"""Train a model: `python tools/train.py [group=option ...] [key=value ...]` (see configs/train.yaml).
+"""Train a model: `python tools/train.py [flags] [group=option ...] [group.key=value ...]` (see configs/train.yaml
+and `--help`).
 
-Runs its own ranks (parallel.dp / tp / pp, or all GPUs), or joins a torchrun job.
+Runs its own ranks (parallel.dp / tp / pp, or all GPUs), or joins a torchrun job; -m runs a sweep.
 """
 
 import sys
 from pathlib import Path
 
-from visiondist.cli import run_tool
+from visiondist.cli import Tool, run_tool
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TOOL = Tool()  # the defaults are this tool's
 
 
-def main(cfg) -> int:
+def run(cfg) -> int:
     from visiondist.engine.trainer import train  # heavy imports only once the config is known to be good
     from visiondist.launch import JobStopped, launch
     from visiondist.runs import completed_step
@@ -30,5 +32,9 @@ def main(cfg) -> int:
     return 0
 
 
+def main(argv: list[str]) -> int:
+    return run_tool(TOOL, CONFIGS, argv, run)
+
+
 if __name__ == "__main__":
-    sys.exit(run_tool("train.py", CONFIGS, sys.argv[1:], main))
+    sys.exit(main(sys.argv[1:]))

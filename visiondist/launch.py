@@ -5,7 +5,8 @@
 - otherwise, one rank runs in this process, and several are spawned here with `elastic_launch` (c10d rendezvous on
   localhost, no restarts) — plain `python tools/train.py parallel.dp=4` needs no torchrun.
 The run directory is created once, by the launching process or by global rank 0, and handed to every rank; ranks get
-the resolved config as a plain dict, never a fresh composition.
+the resolved config as a plain dict, never a fresh composition. Its default is `<trainer.output_dir>/<date>/<time>/`
+for training, `<trainer.output_dir>/<kind>/<date>_<time>/` for an entry with a `run_kind` (`eval`, `benchmark`).
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ log = logging.getLogger(__name__)
 Entry = Callable[[DictConfig, Any, Path], Any]
 
 
-def new_run_dir(cfg: DictConfig, run: Optional[RunLayout] = None) -> Path:
+def new_run_dir(cfg: DictConfig, run: Optional[RunLayout] = None, kind: Optional[str] = None) -> Path:
     """Create the run directory and write `config.yaml` (the run as asked, e.g. `parallel.auto: true`) and
     `layout.json` (the `RunLayout` it resolved to) into it. An existing run's directory is only reused to continue it
     (`trainer.resume=auto`): its config.yaml and layout.json stay as they are, and what this continuation changes
-    (the layout included) is appended to `attempts.jsonl` (`visiondist.runs`)."""
+    (the layout included) is appended to `attempts.jsonl` (`visiondist.runs`). `kind`: see `default_run_dir`."""
     if cfg.trainer.run_dir:
         run_dir = Path(cfg.trainer.run_dir).expanduser()
         previous = run_dir / "config.yaml"
@@ -55,11 +56,23 @@ def new_run_dir(cfg: DictConfig, run: Optional[RunLayout] = None) -> Path:
             return run_dir.resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
-        run_dir = unique_dir(Path(cfg.trainer.output_dir).expanduser())
+        run_dir = default_run_dir(cfg, kind)
     OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     if run is not None:
         run.save(run_dir)
     return run_dir.resolve()
+
+
+def default_run_dir(cfg: DictConfig, kind: Optional[str] = None) -> Path:
+    """A new `<trainer.output_dir>/<date>/<time>/` for a training run, `<trainer.output_dir>/<kind>/<date>_<time>/`
+    for another kind of job (`eval`, `benchmark`), so that only training runs look like training runs."""
+    parent = Path(cfg.trainer.output_dir).expanduser()
+    return unique_dir(parent) if kind is None else unique_dir(parent / kind, "%Y-%m-%d_%H-%M-%S")
+
+
+def run_kind(entry: Callable) -> Optional[str]:
+    """What an entry's run dir holds (its `run_kind` attribute: "eval", "benchmark"); None: a training run."""
+    return getattr(entry, "run_kind", None)
 
 
 def unique_dir(parent: Path, pattern: str = "%Y-%m-%d/%H-%M-%S") -> Path:
@@ -118,13 +131,13 @@ def cuda_index(local_rank: int, visible: int) -> int:
                       "per node, or bind one GPU per task")
 
 
-def _shared_run_dir(cfg: DictConfig, run: RunLayout) -> Path:
+def _shared_run_dir(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None) -> Path:
     """Under torchrun: global rank 0 creates the run dir and tells the others (or tells them why it could not). After
     a torchrun restart (--max-restarts) the job continues in the run dir its first attempt created."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = str(_torchrun_run_dir(cfg, run))
+            box[0] = str(_torchrun_run_dir(cfg, run, kind))
         except Exception as exc:  # every rank must learn of the failure, not hang in the broadcast
             box[0] = exc
     dist.broadcast_object_list(box, src=0)
@@ -133,14 +146,14 @@ def _shared_run_dir(cfg: DictConfig, run: RunLayout) -> Path:
     return Path(box[0])
 
 
-def _torchrun_run_dir(cfg: DictConfig, run: RunLayout) -> Path:
+def _torchrun_run_dir(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None) -> Path:
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if cfg.trainer.run_dir or not run_id:
-        return new_run_dir(cfg, run)
+        return new_run_dir(cfg, run, kind)
     pointer = Path(cfg.trainer.output_dir).expanduser() / ".torchelastic" / run_id
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and pointer.is_file():
         return Path(pointer.read_text().strip())
-    run_dir = new_run_dir(cfg, run)
+    run_dir = new_run_dir(cfg, run, kind)
     pointer.parent.mkdir(parents=True, exist_ok=True)
     pointer.write_text(str(run_dir))
     return run_dir
@@ -173,7 +186,7 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
     signals = STOP.install()
     path, watchdog = (Path(run_dir) if run_dir else None), None
     try:
-        path = path or _shared_run_dir(cfg, run)
+        path = path or _shared_run_dir(cfg, run, run_kind(entry))
         watchdog = _start_watchdog(path, top_level)
         if auto_plan is not None and run_dir is None and dist.get_rank() == 0:
             _write_plan(path, auto_plan)
@@ -295,7 +308,7 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
         with _one_line_failure(None):
             _report_stop(run_rank(entry, cfg_dict, run, None, auto_plan, top_level=True))
         return run
-    run_dir = new_run_dir(cfg, run)
+    run_dir = new_run_dir(cfg, run, run_kind(entry))
     if auto_plan is not None:
         _write_plan(run_dir, auto_plan)
     if run.world_size == 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
@@ -37,6 +37,32 @@ def check_inputs(cfg, purpose: str = "train") -> None:
                           f"set data.num_classes={found}")
     if cfg.model.weights:
         check_weights(cfg.model)
+
+
+def infer_num_classes(cfg, purpose: Optional[str] = "train") -> Optional[str]:
+    """A `data.num_classes` left unset (`???`, e.g. data=imagenet) becomes the count of the data's classes: the class
+    folders of the train split (COCO: the categories of its annotations; evaluation without a train split: the val
+    split's). Returns the line that says so, or None when it was set or there is nothing to count. A missing data
+    root or split raises here, as `check_inputs` would, unless `purpose` is None (printing, planning: nothing reads
+    the data, and the count stays unset)."""
+    from omegaconf import OmegaConf
+
+    d = cfg.data
+    if not OmegaConf.is_missing(d, "num_classes") or d.synthetic is not None or OmegaConf.is_missing(d, "root"):
+        return None
+    if purpose is None:  # nothing reads the data: count it if it is there, else leave it unset
+        try:
+            found, where, what = _check_split(d, _data_root(d), d.train_split)
+        except ConfigError:
+            return None
+    else:
+        root = _data_root(d)
+        split = d.val_split if purpose == "eval" and not (root / d.train_split).exists() else d.train_split
+        found, where, what = _check_split(d, root, split)
+    d.num_classes = found
+    if OmegaConf.is_missing(cfg.model, "num_classes"):
+        cfg.model.num_classes = found
+    return f"data.num_classes={found}: inferred from the {found} {what} of {where}"
 
 
 def _data_root(d) -> Path:

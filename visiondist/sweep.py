@@ -15,7 +15,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -49,7 +49,10 @@ def expand(overrides: list[str]) -> tuple[list[list[str]], list[str]]:
 
 
 def run_sweep(tool: str, config_dir: Path, overrides: list[str], run: Callable[[DictConfig], object],
-              show: bool = False) -> int:
+              show: Union[bool, Callable[[DictConfig], str], None] = False, search: Sequence[str] = ()) -> int:
+    """Every job's config checked, then each job run in turn; `show` (--cfg: True or the printer): print each job's
+    config instead. `search`: the overrides adding -cd's directory, for every job (not shown in its overrides).
+    `trainer.run_dir` (hydra.sweep.dir) is the sweep's directory."""
     from rich.console import Console
 
     from visiondist.cli import load_config
@@ -64,12 +67,13 @@ def run_sweep(tool: str, config_dir: Path, overrides: list[str], run: Callable[[
     configs = []
     for num, job in enumerate(jobs):
         try:
-            configs.append(load_config(config_dir, job, inputs=None if show else "train"))
+            configs.append(load_config(config_dir, [*job, *search], inputs=None if show else "train"))
         except ConfigError as exc:
             raise ConfigError(f"job {num} ({' '.join(job)}): {exc}") from exc
     if show:
         for num, (job, cfg) in enumerate(zip(jobs, configs)):
-            print(f"# job {num}: {' '.join(job)}\n{OmegaConf.to_yaml(cfg)}")
+            text = show(cfg) if callable(show) else OmegaConf.to_yaml(cfg)
+            print(f"# job {num}: {' '.join(job)}\n{text}")
         return 0
     if run_dir is not None:  # the sweep directory; its jobs' run dirs are numbered inside it
         sweep_dir = Path(run_dir).expanduser()

@@ -283,7 +283,7 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     from visiondist.engine.trainer import prepare_rank
 
     b, device = cfg.bench, layout.device
-    prepare_rank(cfg, layout, run_dir)
+    prepare_rank(cfg, layout, run_dir, "benchmark.log")
     family = _task_family(cfg)
     configs = [("", cfg)] + [(v, variant_config(cfg, v)) for v in b.variants]
     from visiondist.plan import with_switches
@@ -314,14 +314,22 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     if not layout.is_main:
         return None
     results = collect_results(cfg, layout, runs, plains, groups, order, family, loader_rate)
-    write_results(results, Path(cfg.bench.results_dir) if cfg.bench.results_dir else run_dir)
+    results_dir = Path(cfg.bench.results_dir) if cfg.bench.results_dir else run_dir
+    write_results(results, results_dir)
     (run_dir / "benchmark.json").write_text(json.dumps(results, indent=1))
     import sys
 
     from rich.console import Console
 
+    from visiondist.engine.report import shown_path
+
     Console(width=None if sys.stdout.isatty() else 240).print(result_table(results))  # logs get the whole table
+    print(f"results: {shown_path(results_dir / 'results.jsonl')}, {shown_path(results_dir / 'results.md')}; run dir: "
+          f"{shown_path(run_dir)} (benchmark.json, benchmark.log)", flush=True)
     return results
+
+
+run_benchmark.run_kind = "benchmark"  # type: ignore[attr-defined]  # its default run dir: <output dir>/benchmark/...
 
 
 # -- results -------------------------------------------------------------------------------------------------------

@@ -104,7 +104,9 @@ def record_failure(run_dir: Optional[Path], rank: int, exc: Optional[BaseExcepti
             tmp.write_text(f"{line}\n{now}\n{text}")
             tmp.replace(path)
             if rank == 0:  # the run's log ends with the cause too, not mid-way
-                with (Path(run_dir) / "train.log").open("a") as log_file:
+                from visiondist.engine import logging as run_logging
+
+                with (Path(run_dir) / run_logging.LOG_FILE).open("a") as log_file:
                     log_file.write(f"{now.replace('T', ' ')} ERROR {line}\n{text}")
     except OSError:  # a read-only or full run dir must not hide the failure itself
         pass

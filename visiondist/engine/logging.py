@@ -12,8 +12,14 @@ TRAIN_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm", "images_per_s")
 METRIC_COLUMNS = (*TRAIN_COLUMNS, "val_loss", "val_top1", "val_top5")  # classification
 
 
-def setup_logging(run_dir: Path, is_main: bool) -> None:
-    """Rank 0 logs INFO to the console (through rich, so progress bars stay intact) and to train.log."""
+LOG_FILE = "train.log"  # the run dir's log: train.log, or eval.log / benchmark.log for those jobs (setup_logging)
+
+
+def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> None:
+    """Rank 0 logs INFO to the console (through rich, so progress bars stay intact) and to `log_file` in the run
+    dir (train.log; eval.log, benchmark.log for those jobs)."""
+    global LOG_FILE
+    LOG_FILE = log_file
     from rich.logging import RichHandler
 
     root = logging.getLogger()
@@ -27,7 +33,7 @@ def setup_logging(run_dir: Path, is_main: bool) -> None:
         return
     console = RichHandler(show_path=False, show_time=False, markup=False, rich_tracebacks=False)
     console.setFormatter(logging.Formatter("%(message)s"))
-    file = logging.FileHandler(run_dir / "train.log")
+    file = logging.FileHandler(run_dir / log_file)
     file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(console)
     root.addHandler(file)

@@ -88,10 +88,31 @@ def draw_evaluation(task, metrics: dict[str, Any], run_dir: Path, title: str,
 
 def report_run(run_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], task, last_eval: dict[str, Any],
                title: str) -> None:
-    """summary.json, the plots, the summary table and the task's final line (rank 0)."""
+    """summary.json, the plots, the summary table, the task's final line, then the run dir and the commands that
+    evaluate and export it (rank 0)."""
     from rich.console import Console
 
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     draw_evaluation(task, last_eval, run_dir, title, rows)
     Console(width=max(100, Console().width)).print(summary_table(summary))
     print(task.final_line(last_eval), flush=True)
+    print(next_commands(run_dir), flush=True)
+
+
+def next_commands(run_dir: Path) -> str:
+    """Where a training run is, and what to run on it next, in the tools' key=value convention."""
+    import shlex
+
+    run = shlex.quote(shown_path(run_dir))
+    return (f"run dir: {run}\n"
+            f"  evaluate: python tools/eval.py run_dir={run}\n"
+            f"  export:   python tools/export.py run_dir={run}   (format=onnx or format=torchscript for those)")
+
+
+def shown_path(path: Path) -> str:
+    """`path` relative to the working directory when it is inside it (what a user types), else as it is."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

@@ -38,7 +38,7 @@ from visiondist.engine.faults import STOP, NonFiniteStep, StepHealth, set_collec
 from visiondist.engine.logging import MetricsLogger, setup_logging
 from visiondist.engine.optim import build_optimizer, build_scheduler
 from visiondist.engine.precision import LossScaler, autocast_dtype, autocast_for, precision_name
-from visiondist.engine.report import best_evaluation, draw_evaluation, progress_bar, report_run
+from visiondist.engine.report import best_evaluation, draw_evaluation, progress_bar, report_run, shown_path
 from visiondist.engine.tasks import build_task
 from visiondist.models import build_deferred, build_model, select_attention
 from visiondist.models.init import is_meta, materialize
@@ -620,11 +620,12 @@ def num_params(model_cfg: DictConfig) -> int:
         return sum(p.numel() for p in build_model(bare).parameters())
 
 
-def prepare_rank(cfg: DictConfig, layout: Layout, run_dir: Path) -> None:
-    """Logging on every rank; the data generated once per node while the other ranks wait."""
+def prepare_rank(cfg: DictConfig, layout: Layout, run_dir: Path, log_file: str = "train.log") -> None:
+    """Logging on every rank (rank 0 into `log_file` in the run dir); the data generated once per node while the other
+    ranks wait."""
     import torch.distributed as dist
 
-    setup_logging(run_dir, layout.is_main)
+    setup_logging(run_dir, layout.is_main, log_file)
     if layout.local_rank == 0:
         prepare_data(cfg.data, show_progress=layout.is_main and cfg.trainer.progress)
     dist.barrier()
@@ -639,8 +640,9 @@ def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
 def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
     """Entry point of every rank of `tools/eval.py`: the model with `cfg.model.weights`, evaluated on the val split.
     Rank 0 prints the result (the 12-line COCOeval summary for detectors) and writes eval.json (and, for
-    detectors, detections.json) into `run_dir`."""
-    prepare_rank(cfg, layout, run_dir)
+    detectors, detections.json) into `run_dir` (by default `<output dir>/eval/<date>_<time>/`, with eval.log), and
+    says where."""
+    prepare_rank(cfg, layout, run_dir, "eval.log")
     seed_everything(cfg.trainer.seed)
     PROGRESS.at("loading the weights")
     checkpoint = Path(cfg.model.weights) if cfg.model.weights and Path(cfg.model.weights).is_dir() else None
@@ -655,4 +657,8 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
         log.info("eval | %s", task.describe(metrics))
         draw_evaluation(task, metrics, run_dir, f"{cfg.model.name} on {cfg.data.name}")
         print(task.final_line(metrics), flush=True)
+        print(f"eval dir: {shown_path(run_dir)} (eval.json, eval.log)", flush=True)
     return metrics
+
+
+evaluate_checkpoint.run_kind = "eval"  # type: ignore[attr-defined]  # its default run dir: <output dir>/eval/...

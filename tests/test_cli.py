@@ -1,0 +1,317 @@
+"""One command line for every tool: `python tools/<tool>.py [flags] [key=value ...] [group=option ...]`. Each tool's
+--help, Hydra's keys and flags honoured or refused in one line (exit 2), the old spellings with a deprecation line,
+where each kind of job writes, and a class count inferred from the class folders. Mostly in-process through each
+tool's `main(argv)`; one tiny training run and its evaluation run as the user would start them."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from helpers import REPO, TINY_DATA, run_cli, train_ok
+
+CONFIGS = REPO / "configs"
+TOOLS = ("train", "eval", "export", "plan", "benchmark")
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _call(capsys, name, *argv):
+    """(exit code, stdout, stderr lines) of `tools/<name>.py argv`, in this process."""
+    code = _tool(name).main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, [line for line in out.err.splitlines() if line.strip()]
+
+
+# -- --help ----------------------------------------------------------------------------------------------------------
+
+KEYS = {"train": (), "eval": ("run_dir=<dir>", "step=<N>", "weights=<path>"), "plan": (), "benchmark": (),
+        "export": ("run_dir=<dir>", "step=<N>", "format=<format>", "out=<path>")}
+
+
+@pytest.mark.parametrize("name", TOOLS)
+def test_each_tool_has_its_own_usage_with_its_keys_and_the_group_options(capsys, name):
+    code, out, err = _call(capsys, name, "--help")
+    assert code == 0 and not err
+    assert out.startswith(f"usage: python tools/{name}.py [flags]")
+    for key in KEYS[name]:
+        assert f"  {key}" in out, key
+    assert "reads:" in out and "writes:" in out and "examples:" in out
+    if name == "export":  # the run's config.yaml: no group options to pick
+        assert "group=option" not in out and "safetensors" in out and "onnx" in out
+        return
+    groups, last = {}, None
+    for line in out.split("The groups and their options:\n")[1].split("\n\n")[0].splitlines():
+        if not line.startswith("   "):  # "  model      vit_22b ...", then wrapped lines of more options
+            last = line.split()[0]
+        groups.setdefault(last, []).extend(line.split()[0 if line.startswith("   ") else 1:])
+    assert set(groups) == {"model", "data", "parallel", "optim", "schedule", "trainer", "experiment"}, groups
+    assert {"vit_tiny", "vit_small", "fasterrcnn_r50"} <= set(groups["model"]), groups
+    assert groups["parallel"] == sorted(p.stem for p in (CONFIGS / "parallel").glob("*.yaml"))
+    assert "imagenet" in groups["data"] and "vit_b16_imagenet" in groups["experiment"]
+
+
+def test_help_from_the_command_line():
+    for name in ("eval", "export"):
+        result = subprocess.run([sys.executable, str(REPO / "tools" / f"{name}.py"), "--help"], cwd=REPO,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and result.stdout.startswith(f"usage: python tools/{name}.py"), result.stderr
+        assert "run_dir=<dir>" in result.stdout
+
+
+def test_writes_of_each_tool():
+    assert "outputs/eval/<date>_<time>/" in _tool("eval").TOOL.writes
+    assert "outputs/benchmark/<date>_<time>/" in _tool("benchmark").TOOL.writes
+    assert _tool("plan").TOOL.writes.startswith("nothing")
+
+
+# -- Hydra's flags and keys ------------------------------------------------------------------------------------------
+
+REFUSED = [
+    (("--info",), "--info: visiondist composes its config with Hydra but runs no Hydra app: --cfg job"),
+    (("--info", "defaults"), "--info:"),
+    (("--shell-completion",), "--shell-completion: visiondist installs no shell completion"),
+    (("-cn", "other"), "-cn: the tools compose configs/train.yaml: pick a recipe with experiment=<name>"),
+    (("--config-name=other",), "--config-name: the tools compose configs/train.yaml"),
+    (("-cp", "conf"), "-cp: use -cd DIR"),
+    (("--hydra-help",), "--hydra-help:"),
+    (("-r",), "-r: one run is what a tool does without -m"),
+    (("--experimental-rerun", "x.pickle"), "--experimental-rerun: to continue a run, give trainer.run_dir="),
+    (("--cfg", "hydra"), "--cfg hydra: visiondist composes its config with Hydra but runs no Hydra app"),
+    (("--resolve",), "--resolve goes with --cfg"),
+    (("-p", "trainer"), "-p goes with --cfg"),
+    (("--foo",), "--foo: not a flag of tools/train.py: --help lists them"),
+    (("hydra.job.chdir=true",), "hydra.job.chdir: visiondist never changes directory; paths are relative to where "
+                                "you run"),
+    (("hydra/job_logging=disabled",), "hydra/job_logging: visiondist sets up its own logging (the console and the "
+                                      "run dir's train.log): use trainer.progress=false"),
+    (("hydra/hydra_logging=disabled",), "hydra/hydra_logging: visiondist sets up its own logging"),
+    (("hydra.verbose=true",), "hydra.verbose: visiondist logs INFO on rank 0"),
+    (("hydra.output_subdir=null",), "hydra.output_subdir: visiondist writes no .hydra/ folder"),
+    (("hydra/launcher=joblib",), "hydra/launcher: visiondist starts its own ranks: use parallel.dp=N"),
+    (("hydra/sweeper=optuna", "-m"), "hydra/sweeper: -m expands comma-separated values"),
+    (("hydra.searchpath=[file:///x]",), "hydra.searchpath: use -cd DIR"),
+    (("hydra.mode=MULTIRUN",), "hydra.mode: use -m for a sweep"),
+    (("hydra.job.name=x",), "hydra.job.name: visiondist composes its config with Hydra but runs no Hydra app"),
+    (("+hydra.job.env_set.X=1",), "hydra.job.env_set.X: visiondist composes its config with Hydra"),
+    (("hydra.sweep.dir=/tmp/x",), "hydra.sweep.dir names the directory of a sweep (-m): for one run use "
+                                  "hydra.run.dir=DIR"),
+    (("-m", "hydra.run.dir=/tmp/x"), "hydra.run.dir: with -m each job goes to <sweep dir>/<job>: use "
+                                     "hydra.sweep.dir=DIR"),
+    (("-m", "hydra.sweep.subdir=x"), "hydra.sweep.subdir: job k of a sweep goes to <sweep dir>/k"),
+    (("hydra.run.dir=/tmp/a", "trainer.run_dir=/tmp/b"), "name the same directory: give one of them"),
+    (("-cd", "/nonexistent/conf"), "-cd /nonexistent/conf: no such directory"),
+    (("max_steps=3",), "max_steps is not a setting: did you mean trainer.max_steps?"),
+]
+
+
+@pytest.mark.parametrize("argv,expected", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(capsys, argv, expected):
+    from visiondist.cli import run_tool
+
+    ran = []
+    code = run_tool(_tool("train").TOOL, CONFIGS, list(argv), ran.append)  # nothing runs, whatever happens
+    out = capsys.readouterr()
+    err = [line for line in out.err.splitlines() if line.strip()]
+    assert code == 2 and not ran and not out.out, out
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert expected in err[0], err[0]
+
+
+@pytest.mark.parametrize("name,argv,expected", [
+    ("plan", ["hydra.run.dir=/tmp/x"], "hydra.run.dir: tools/plan.py writes no run directory"),
+    ("export", ["run_dir=/tmp", "hydra.run.dir=/tmp/x"], "tools/export.py writes no run directory (out=<path>"),
+    ("export", ["run_dir=/tmp", "model.depth=2"], "model.depth=2: tools/export.py takes run_dir=, step=, format=, "
+                                                  "out= only"),
+    ("export", ["/tmp/run"], "/tmp/run: not a key=value: tools/export.py takes run_dir=, step=, format=, out=, "
+                             "e.g. run_dir=/tmp/run"),
+    ("export", ["format=onnx"], "run_dir= is missing"),
+    ("eval", ["-m", "run_dir=/tmp"], "-m: tools/eval.py runs once per command"),
+    ("eval", ["runs_dir=/tmp"], "runs_dir is not a setting of tools/eval.py: did you mean run_dir?"),
+    ("eval", ["step=2"], "step=2 picks a checkpoint of a run: add run_dir=<run>"),
+    ("eval", [], "give run_dir=<run dir> (a training run) or weights=<file>"),
+    ("plan", ["--info"], "--info:"),
+    ("benchmark", ["hydra.verbose=true"], "hydra.verbose:"),
+])
+def test_every_tool_refuses_in_one_line(capsys, name, argv, expected):
+    code, out, err = _call(capsys, name, *argv)
+    assert code == 2 and not out and len(err) == 1 and expected in err[0], (code, out, err)
+
+
+def test_hydra_run_dir_is_trainer_run_dir(tmp_path):
+    from visiondist.cli import Tool, load_config, parse
+
+    cmd = parse(Tool(), CONFIGS, ["hydra.run.dir=" + str(tmp_path / "run"), "trainer.max_steps=2"])
+    assert cmd.overrides == [f"trainer.run_dir={tmp_path / 'run'}", "trainer.max_steps=2"]
+    assert load_config(CONFIGS, cmd.overrides, inputs=None).trainer.run_dir == str(tmp_path / "run")
+
+
+def test_hydra_sweep_dir_is_the_sweeps_directory(tmp_path, capsys):
+    from visiondist.cli import run_tool
+
+    ran = []
+    code = run_tool("train.py", CONFIGS, ["-m", "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={tmp_path}"],
+                    lambda cfg: ran.append(cfg.trainer.run_dir) or 0)
+    assert code == 0 and ran == [str(tmp_path / "0"), str(tmp_path / "1")]
+    jobs = json.loads((tmp_path / "sweep.json").read_text())["jobs"]
+    assert [j["run_dir"] for j in jobs] == ran
+    assert "job 0 (1 of 2)" in capsys.readouterr().out  # banners, dirs and table all count from 0
+
+
+def test_cfg_job_all_resolve_and_package_print_the_composed_config(capsys):
+    code, out, err = _call(capsys, "train", "--cfg", "job", "--resolve", "model=vit_small", "-p", "model")
+    assert code == 0 and not err
+    assert OmegaConf.create(out).name == "vit_small"
+    code, out, _ = _call(capsys, "train", "--cfg", "all", "-p", "model.embed_dim", "model=vit_small")
+    assert (code, out.strip()) == (0, "384")
+    code, out, _ = _call(capsys, "train", "--cfg", "trainer.max_steps=7")  # a bare --cfg, as before
+    assert code == 0 and OmegaConf.create(out).trainer.max_steps == 7
+    code, out, _ = _call(capsys, "plan", "-c", "job", "-p", "trainer.devices", "trainer.devices=3")
+    assert (code, out.strip()) == (0, "3")
+
+
+def test_version_names_the_libraries(capsys):
+    code, out, _ = _call(capsys, "export", "--version")
+    assert code == 0 and all(name in out for name in ("visiondist", "torch", "torchvision", "hydra"))
+
+
+def test_config_dir_adds_options(tmp_path, capsys):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "my_vit.yaml").write_text("name: my_vit\nembed_dim: 96\ndepth: 3\nnum_heads: 3\n")
+    code, out, err = _call(capsys, "train", "-cd", str(tmp_path), "model=my_vit", "--cfg", "-p", "model")
+    assert code == 0 and not err, err
+    model = OmegaConf.create(out)
+    assert (model.name, model.depth, model.embed_dim, model.patch_size) == ("my_vit", 3, 96, 16)
+    code, out, _ = _call(capsys, "train", "--config-dir", str(tmp_path), "-m", "model=my_vit,vit_tiny", "--cfg",
+                         "-p", "model.depth")
+    assert code == 0 and "# job 0: model=my_vit\n3" in out and "# job 1: model=vit_tiny\n12" in out
+
+
+# -- eval's old spelling -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_run(tmp_path):
+    """A run dir as far as the command line looks: config.yaml, model.safetensors, a complete step_3 checkpoint."""
+    from visiondist.cli import load_config
+    from visiondist.engine.checkpoint import METADATA, STATE_FILE
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(CONFIGS, ["model.depth=2", f"trainer.run_dir={run}"], inputs=None)
+    OmegaConf.save(cfg, run / "config.yaml", resolve=True)
+    (run / "model.safetensors").write_bytes(b"")
+    step = run / "checkpoints" / "step_3"
+    step.mkdir(parents=True)
+    (step / METADATA).write_bytes(b"")
+    (step / STATE_FILE).write_text("{}")
+    return run
+
+
+@pytest.mark.parametrize("old,new,weights", [
+    ("{run}", "run_dir={run}", "{run}/model.safetensors"),
+    ("{run}/checkpoints/step_3", "run_dir={run} step=3", "{run}/checkpoints/step_3"),
+    ("{run}/model.safetensors", "weights={run}/model.safetensors", "{run}/model.safetensors"),
+])
+def test_eval_takes_its_old_positional_path_with_a_deprecation_line(capsys, fake_run, old, new, weights):
+    old, new, weights = (s.format(run=fake_run) for s in (old, new, weights))
+    code, out, err = _call(capsys, "eval", old, "--cfg", "-p", "model.weights")
+    assert code == 0 and out.strip() == weights
+    assert err == [f"tools/eval.py {old}: a bare path is deprecated: write tools/eval.py {new}"]
+    code, out, err = _call(capsys, "eval", *new.split(), "--cfg", "-p", "model.weights")
+    assert (code, out.strip(), err) == (0, weights, [])
+
+
+# -- where each kind of job writes, and what it prints --------------------------------------------------------------
+
+
+def test_eval_and_benchmark_dirs_are_named_as_what_they_are(tmp_path):
+    from visiondist.engine.benchmark import run_benchmark
+    from visiondist.engine.trainer import evaluate_checkpoint, train
+    from visiondist.launch import default_run_dir, run_kind
+
+    cfg = OmegaConf.create({"trainer": {"output_dir": str(tmp_path)}})
+    assert (run_kind(train), run_kind(evaluate_checkpoint), run_kind(run_benchmark)) == (None, "eval", "benchmark")
+    for kind in ("eval", "benchmark"):
+        path = default_run_dir(cfg, kind)
+        assert path.parent == tmp_path / kind and len(path.name.split("_")) == 2, path
+    trained = default_run_dir(cfg)
+    assert trained.parent.parent == tmp_path and trained.parent.name.count("-") == 2
+
+
+def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
+    from visiondist.engine.report import next_commands
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "r").mkdir(parents=True)
+    assert next_commands(tmp_path / "outputs" / "r").splitlines() == [
+        "run dir: outputs/r",
+        "  evaluate: python tools/eval.py run_dir=outputs/r",
+        "  export:   python tools/export.py run_dir=outputs/r   (format=onnx or format=torchscript for those)"]
+
+
+@pytest.fixture(scope="module")
+def hydra_run(tmp_path_factory, tiny_shapes):
+    """A 2-step tiny run placed by hydra.run.dir, and its output."""
+    run = tmp_path_factory.mktemp("hydra") / "run"
+    out = train_ok(*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16", "trainer.accelerator=cpu",
+                   "trainer.tensorboard=false", "trainer.max_steps=2", f"hydra.run.dir={run}")
+    return run, out
+
+
+def test_hydra_run_dir_puts_the_run_there_and_the_end_names_the_next_commands(hydra_run):
+    run, out = hydra_run
+    assert (run / "config.yaml").is_file() and (run / "model.safetensors").is_file() and (run / "train.log").is_file()
+    assert OmegaConf.load(run / "config.yaml").trainer.run_dir == str(run)
+    assert f"run dir: {run}\n  evaluate: python tools/eval.py run_dir={run}\n" in out
+    assert f"python tools/export.py run_dir={run}" in out
+
+
+def test_eval_of_a_run_by_its_old_spelling_writes_an_eval_dir_and_says_where(hydra_run):
+    run, _ = hydra_run
+    result = run_cli([str(run), "trainer.progress=false"], timeout=240, script=REPO / "tools" / "eval.py")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert result.stdout.count("a bare path is deprecated") == 1
+    assert f"tools/eval.py {run}: a bare path is deprecated: write tools/eval.py run_dir={run}" in result.stdout
+    (out,) = (run / "eval").iterdir()
+    assert f"eval dir: {out} (eval.json, eval.log)" in result.stdout
+    assert {"eval.json", "eval.log", "config.yaml"} <= {p.name for p in out.iterdir()}
+    assert not (out / "train.log").exists()
+
+
+# -- the class count of ImageFolder data -----------------------------------------------------------------------------
+
+
+def test_imagenet_data_takes_its_class_count_from_the_class_folders(capsys, tiny_shapes):
+    from visiondist.cli import load_config
+
+    cfg = load_config(CONFIGS, ["data=imagenet", f"data.root={tiny_shapes}", "data.batch_size=16"])
+    assert cfg.data.num_classes == cfg.model.num_classes == 6
+    out = capsys.readouterr().out
+    assert f"data.num_classes=6: inferred from the 6 class folders of {tiny_shapes / 'train'}" in out
+    cfg = load_config(CONFIGS, ["data=imagenet", f"data.root={tiny_shapes}", "data.num_classes=6"])
+    assert cfg.model.num_classes == 6 and "inferred" not in capsys.readouterr().out  # a set value is only checked
+
+
+def test_a_class_count_with_nothing_to_count(capsys, tmp_path):
+    from visiondist.cli import load_config
+    from visiondist.preflight import infer_num_classes
+
+    cfg = load_config(CONFIGS, ["data=imagenet", "data.root=/nonexistent"], inputs=None)  # printing: stays unset
+    assert OmegaConf.is_missing(cfg.data, "num_classes")
+    code, out, err = _call(capsys, "plan", "data=imagenet", "trainer.devices=2", "parallel.device_memory_gb=80")
+    assert code == 0 and any("planned with 1000 classes" in line for line in err), err
+    for c in range(3):  # evaluation needs only the val split: its folders count then
+        (tmp_path / "val" / f"n{c}").mkdir(parents=True)
+    cfg = load_config(CONFIGS, ["data=imagenet", f"data.root={tmp_path}"], inputs=None)
+    note = infer_num_classes(cfg, "eval")
+    assert note == f"data.num_classes=3: inferred from the 3 class folders of {tmp_path / 'val'}"
+    assert cfg.model.num_classes == 3
