@@ -175,7 +175,7 @@ def test_g_safetensors_files_follow_the_umask(tmp_path):
 def test_f_a_failed_sweep_job_is_recorded_and_the_next_one_runs(tmp_path, capsys):
     """Job 1 of 3 raises: jobs 0 and 2 still run, sweep.json and the table say which failed and why, the sweep
     exits non-zero, and the banner numbers jobs as the directories do."""
-    from visiondist.sweep import run_sweep
+    from visiondist.cli.sweep import run_sweep
 
     ran = []
 

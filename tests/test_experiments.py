@@ -158,7 +158,7 @@ def test_multirun_checks_every_job_before_the_first_starts(tmp_path):
 
 def test_multirun_is_refused_under_torchrun(monkeypatch):
     from visiondist.config import ConfigError
-    from visiondist.sweep import run_sweep
+    from visiondist.cli.sweep import run_sweep
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("RANK", "0")

@@ -47,3 +47,20 @@ def to_container(cfg: DictConfig) -> dict[str, Any]:
 def from_container(data: dict[str, Any]) -> DictConfig:
     cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), data)
     return cfg  # type: ignore[return-value]
+
+
+def run_config(run_dir: str | Path, overrides: list[str] = ()) -> DictConfig:
+    """A run's config.yaml (as asked) with key=value `overrides`, not yet checked. A `parallel=auto` run comes back in
+    the layout it ran under (its layout.json) unless the overrides name another, so that evaluating or exporting it
+    rebuilds the model that was trained. Raises ConfigError when the dir holds no run."""
+    from visiondist.config.layout import RunLayout
+    from visiondist.config.schema import ConfigError
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} holds no config.yaml: give the directory of a training run")
+    ran, as_it_ran = RunLayout.load(Path(run_dir)), {}
+    if ran is not None and ran.chosen_by == "parallel=auto" and not any(o.startswith("parallel.") for o in overrides):
+        as_it_ran = {"parallel": {**ran.parallel_overrides(), "auto": False}}
+    return OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path), as_it_ran,  # type: ignore
+                           OmegaConf.from_dotlist(list(overrides)))

@@ -46,10 +46,12 @@ class Trained:
 
 def load_trained(run_dir: Path, step: Optional[int] = None) -> Trained:
     """The run's model with its trained weights: checkpoint `step` (default the latest), else model.safetensors."""
-    from visiondist.cli import load_run_config
+    from visiondist.config.compose import run_config
+    from visiondist.plan import check
 
     run_dir = Path(run_dir)
-    cfg = load_run_config(run_dir, [], inputs=None)  # export reads no data
+    cfg = run_config(run_dir)
+    check(cfg, mandatory=False)  # export reads no data
     torch.manual_seed(0)
     model, _ = build_deferred(cfg.model, weights=False)  # every tensor comes from the run's files
     if is_meta(model):

@@ -55,7 +55,7 @@ def run_sweep(tool: str, config_dir: Path, overrides: list[str], run: Callable[[
     `trainer.run_dir` (hydra.sweep.dir) is the sweep's directory."""
     from rich.console import Console
 
-    from visiondist.cli import load_config
+    from visiondist.cli.load import load_config
     from visiondist.launch import unique_dir
 
     if under_torchrun(os.environ):

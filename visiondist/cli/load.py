@@ -1,0 +1,136 @@
+"""A tool's config: composed from configs/ (or a run's config.yaml), checked, its inputs looked at before any rank
+starts; every problem one `ConfigError` line (the CLI and the sweeps both load through here)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from visiondist.config import ConfigError, compose
+
+
+def load_config(config_dir: Path, overrides: list[str], inputs: Optional[str] = "train") -> DictConfig:
+    """Compose + validate, then check the inputs on disk for `inputs` ("train", "eval" or None: printing, planning);
+    raises ConfigError with a one-line reason for any problem."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from visiondist.config import from_container, to_container
+
+    from visiondist.runs import continue_config, saved_config
+
+    try:
+        cfg = compose(config_dir, overrides)
+        saved = saved_config(cfg)
+        if saved is not None:  # trainer.run_dir=<a run>: continue it with its own config
+            cfg = continue_config(cfg, saved, overrides)
+        from_container(to_container(cfg))  # what the ranks do: every key must be in the schema (`+key=` can add one)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError(_explain(exc)) from exc
+    return checked(cfg, inputs)
+
+
+def load_run_config(run_dir: Path, overrides: list[str], inputs: Optional[str] = "eval") -> DictConfig:
+    """A finished run's resolved config.yaml with key=value overrides (no group switches), validated and its inputs
+    checked for `inputs` (as `load_config`)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from visiondist.config.compose import run_config
+
+    bad = [o for o in overrides if "=" not in o or "." not in o.split("=", 1)[0]]
+    if bad:
+        raise ConfigError(f"{' '.join(bad)}: a run's config takes key=value overrides only (e.g. data.root=/path)")
+    try:
+        cfg = run_config(run_dir, overrides)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc)) from exc
+    return checked(cfg, inputs)  # type: ignore[arg-type]
+
+
+def checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
+    """Validate `cfg` and check its inputs on disk for `inputs` ("train", "eval"; None: nothing reads the data, so
+    `???` values may stay unset). A `data.num_classes` left unset is counted from the data's classes first (the class
+    folders of the train split), with one line saying so."""
+    from visiondist.config import check_mandatory
+    from visiondist.plan import check
+    from visiondist.preflight import check_inputs, infer_num_classes
+
+    unset = OmegaConf.is_missing(cfg.data, "num_classes")
+    if inputs is not None and unset:  # any other `???` (data.root) first, in its own words
+        check_mandatory(_with_classes(cfg, 1))
+    note = infer_num_classes(cfg, inputs)
+    if OmegaConf.is_missing(cfg.data, "num_classes"):  # printing, planning: still unknown, and nothing needs it
+        check(_with_classes(cfg, 1), mandatory=False)
+        return cfg
+    check(cfg, mandatory=inputs is not None)  # no inputs read: a `???` data.root may stay unset
+    if inputs is not None:
+        check_inputs(cfg, inputs)
+    if note and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # once per job, input all good
+        print(note, file=sys.stdout if inputs is not None else sys.stderr, flush=True)
+    return cfg
+
+
+def _with_classes(cfg: DictConfig, num_classes: int) -> DictConfig:
+    """A copy of `cfg` with an unset class count set (the model's follows the data's)."""
+    copy = cfg.copy()
+    copy.data.num_classes = num_classes
+    if OmegaConf.is_missing(copy.model, "num_classes"):
+        copy.model.num_classes = num_classes
+    return copy
+
+
+def _explain(exc: BaseException) -> str:
+    """One line for a bad override: a key that is not a setting (with the closest one), a value of the wrong type;
+    otherwise Hydra's message without its search-path dump and '+key' hint, plus the underlying reason."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    error, seen = exc, set()
+    while error is not None and id(error) not in seen:  # the OmegaConf error under Hydra's
+        seen.add(id(error))
+        key = getattr(error, "full_key", None)
+        if key and isinstance(error, (ConfigKeyError, ConfigAttributeError)):
+            return _unknown_key(str(key))
+        if key and isinstance(error, ValidationError):
+            return f"{key}: {str(error).strip().splitlines()[0]}"
+        error = error.__cause__ or error.__context__
+    text = str(exc).strip()
+    if text.startswith("Error parsing override '"):  # e.g. a bare `data.root`
+        override = text.split("'")[1]
+        return (f"{override}: not an override; write key=value or group=option, e.g. data.root=/path (Hydra's "
+                "override grammar)")
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("Config search path") or line.startswith("To append to your config"):
+            break
+        lines.append(line)
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause).strip():
+        reason = str(cause).strip().splitlines()[0]
+        if reason not in lines:
+            lines.append(reason)
+    return "\n".join(lines)
+
+
+def _unknown_key(key: str) -> str:
+    """`trainer.max_step is not a setting: did you mean trainer.max_steps?` (or the group's settings)."""
+    import difflib
+
+    from visiondist.config import TrainConfig
+
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(OmegaConf.structured(TrainConfig), parent) if parent else OmegaConf.structured(TrainConfig)
+    known = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    close = difflib.get_close_matches(name, known, n=1)
+    prefix = f"{parent}." if parent else ""
+    if close:
+        return f"{key} is not a setting: did you mean {prefix}{close[0]}?"
+    return f"{key} is not a setting ({'the config' if not parent else parent} has {len(known)}: --cfg prints them)"
+
+
+
+
+# -- running a tool ----------------------------------------------------------------------------------------------
