@@ -9,12 +9,12 @@ whose gradient overflowed is skipped on every rank (`visiondist.engine.precision
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import math
 import random
-import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Iterator
@@ -33,12 +33,13 @@ from visiondist.engine.checkpoint import (
     save_checkpoint,
 )
 from visiondist.engine.ema import ModelEma
+from visiondist.engine.hooks import default_hooks
 from visiondist.engine.failures import PROGRESS
-from visiondist.engine.faults import STOP, NonFiniteStep, StepHealth, set_collective_timeout
+from visiondist.engine.faults import STOP, NonFiniteStep, StepHealth
 from visiondist.engine.logging import MetricsLogger, setup_logging
 from visiondist.engine.optim import build_optimizer, build_scheduler
 from visiondist.engine.precision import LossScaler, autocast_dtype, autocast_for, precision_name
-from visiondist.engine.report import best_evaluation, draw_evaluation, progress_bar, report_run, shown_path
+from visiondist.engine.report import best_evaluation, draw_evaluation, report_run, shown_path
 from visiondist.engine.tasks import build_task
 from visiondist.models import build_deferred, build_model, select_attention
 from visiondist.models.init import is_meta, materialize
@@ -73,32 +74,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class _Window:
-    """Loss and training time of the steps since the last log line; evaluation time is left out."""
-
-    def __init__(self, device: torch.device):
-        self.loss = torch.zeros((), device=device)
-        self.steps, self.seconds, self.total_seconds = 0, 0.0, 0.0
-        self._since = time.perf_counter()
-
-    def add(self, loss: torch.Tensor) -> None:
-        self.loss += loss
-        self.steps += 1
-
-    def pause(self) -> None:
-        elapsed = time.perf_counter() - self._since
-        self.seconds += elapsed
-        self.total_seconds += elapsed
-
-    def resume(self) -> None:
-        self._since = time.perf_counter()
-
-    def reset(self) -> None:
-        self.loss.zero_()
-        self.steps, self.seconds = 0, 0.0
-        self.resume()
-
-
 class Trainer:
     def __init__(self, cfg: DictConfig, layout: Layout, run_dir: Path):
         self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
@@ -130,7 +105,11 @@ class Trainer:
         self.last_eval: dict[str, Any] = {}
         self.tp_bytes_per_step: float | None = None  # ring bytes one rank sends in TP collectives per step
         self.pp_bytes_per_step: int | None = None  # bytes one rank sends to its pipeline neighbours per step
-        self._traffic_noted = False
+        self.progress = None  # the progress bar (rank 0, trainer.progress) while fit runs
+        self.timer = None  # the step timer of the log lines (engine.hooks.StepTimer) while fit runs
+        self.stopping = False  # a hook asked the loop to end after this step
+        self.final_loss = math.nan  # the last logged mean train loss
+        self.weights: Path | None = None  # model.safetensors, once a complete run wrote it
         self.health = StepHealth(layout.world_size, layout.device)
         self.stop_requested = False
         self.skipped_steps = 0
@@ -327,6 +306,49 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
+        """The loop: the hooks (`visiondist.engine.hooks.default_hooks`, each owning its cadence) around
+        `train_step`, epoch by epoch, until the last step, `trainer.stop_at_step` or a stop signal."""
+        self._announce()
+        hooks, sampler, t = default_hooks(), self.data.train_sampler, self.cfg.trainer
+        end = min(self.total_steps, t.stop_at_step) if t.stop_at_step > 0 else self.total_steps  # of this process
+        self.stopping, self.final_loss = False, math.nan
+        try:
+            for hook in hooks:
+                hook.before_train(self)
+            while self.step < end and not self.stopping:
+                self.epoch, start = divmod(self.step, sampler.steps_per_epoch)
+                sampler.set_epoch(self.epoch, start)
+                batches = iter(self.data.train_loader)
+                for _ in range(min(sampler.steps_per_epoch - start, end - self.step)):
+                    with contextlib.ExitStack() as around:
+                        for hook in hooks:
+                            around.enter_context(hook.step_context(self))
+                        loss, grad_norm = self.train_step(batches)
+                    self.step += 1
+                    for hook in hooks:
+                        hook.after_step(self, loss, grad_norm)
+                        if self.stopping:
+                            break
+                    if self.stopping:
+                        break
+                self.epoch = self.step // sampler.steps_per_epoch
+            self.settle()
+        finally:
+            for hook in hooks:
+                hook.close(self)
+        complete = self.step >= self.total_steps
+        for hook in hooks:
+            hook.after_train(self, complete)
+        if complete:
+            return self._finish(self.final_loss, self.timer.total_seconds, self.weights)
+        why = f"{STOP.received or 'a signal to another rank'}" if self.stop_requested else "trainer.stop_at_step"
+        log.info("stopped after step %d of %d (%s); continue with trainer.resume=auto trainer.run_dir=%s",
+                 self.step, self.total_steps, why, self.run_dir)
+        self.metrics.close()
+        return {"stopped at step": self.step, "run dir": str(self.run_dir),
+                **({"stopped by": STOP.received or "SIGTERM"} if self.stop_requested else {})}
+
+    def _announce(self) -> None:
         t, sampler = self.cfg.trainer, self.data.train_sampler
         log.info(
             "model %s: %.2fM parameters (%.2fM on this rank) | layout %s | precision %s | global batch %d (%d per rank "
@@ -345,114 +367,21 @@ class Trainer:
                      "; ".join(self.layout.placement()))
         if self.pipeline is not None:
             log.info("%s", self.pipeline.describe())
-        self.reset_traffic()
-        progress = progress_bar(t.progress and self.layout.is_main, self.total_steps)
-        window = _Window(self.layout.device)
-        final_loss = math.nan
-        end = min(self.total_steps, t.stop_at_step) if t.stop_at_step > 0 else self.total_steps  # of this process
-        last_saved = self.step if self.resumed_from is not None else -1
-        if t.eval_at_start and self.step == 0:
-            self.evaluate()
+
+    @contextlib.contextmanager
+    def untimed(self):
+        """Evaluations, checkpoints and the timeline's gathering: not counted as training time."""
+        timer = self.timer
+        if timer is not None:
+            timer.pause()
         try:
-            while self.step < end:
-                self.epoch, start = divmod(self.step, sampler.steps_per_epoch)
-                sampler.set_epoch(self.epoch, start)
-                batches = iter(self.data.train_loader)
-                for _ in range(min(sampler.steps_per_epoch - start, end - self.step)):
-                    if self.pipeline is not None and self.step + 1 == self._timeline_step():
-                        with self.pipeline.timeline():
-                            loss, grad_norm = self.train_step(batches)
-                        window.pause()
-                        self._save_timeline()
-                        window.resume()
-                    else:
-                        loss, grad_norm = self.train_step(batches)
-                    self.step += 1
-                    if progress is not None:
-                        progress.update(0, completed=self.step)
-                    if self.step == self.resumed_from_step + 1:  # start-up is over: hangs now fail fast
-                        set_collective_timeout(t.dist_timeout_s, self._groups())
-                    if self.stop_requested and self.step < self.total_steps:
-                        break
-                    if not self._traffic_noted:
-                        self._note_traffic()
-                    window.add(loss)
-                    if self.step % t.log_every == 0 or self.step == self.total_steps:
-                        window.pause()
-                        final_loss = self._log_train(window, grad_norm, progress)
-                        window.reset()
-                    end_of_epoch = self.step % sampler.steps_per_epoch == 0
-                    if (t.eval_every and self.step % t.eval_every == 0) or (not t.eval_every and end_of_epoch):
-                        window.pause()
-                        self.evaluate()
-                        window.resume()
-                    if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < self.total_steps:
-                        window.pause()
-                        self.save_checkpoint()
-                        last_saved = self.step
-                        window.resume()
-                self.epoch = self.step // sampler.steps_per_epoch
-                if self.stop_requested and self.step < self.total_steps:
-                    break
-            self.settle()
+            yield
         finally:
-            if progress is not None:
-                progress.stop()
-        if self.step < self.total_steps:  # stop_at_step or a signal: a checkpoint to continue from, no final evaluation
-            if last_saved != self.step:
-                self.save_checkpoint()
-            why = f"{STOP.received or 'a signal to another rank'}" if self.stop_requested else "trainer.stop_at_step"
-            log.info("stopped after step %d of %d (%s); continue with trainer.resume=auto trainer.run_dir=%s",
-                     self.step, self.total_steps, why, self.run_dir)
-            self.metrics.close()
-            return {"stopped at step": self.step, "run dir": str(self.run_dir),
-                    **({"stopped by": STOP.received or "SIGTERM"} if self.stop_requested else {})}
-        if last_saved != self.step:  # the checkpoint and the weights first: a failing evaluation loses neither
-            self.save_checkpoint()
-        weights = self._save_weights()
-        if self.layout.world_size > 1:  # rank 0 consolidated alone (minutes for a huge model): wait for it
-            set_collective_timeout(t.startup_timeout_s, self._groups(), quiet=True, key="trainer.startup_timeout_s")
-            torch.distributed.barrier()
-            set_collective_timeout(t.dist_timeout_s, self._groups(), quiet=True)
-        if self.last_eval.get("step") != self.step:
-            self.evaluate()
-        return self._finish(final_loss, window.total_seconds, weights)
+            if timer is not None:
+                timer.resume()
 
-    def _groups(self) -> list:
+    def groups(self) -> list:
         return [self.layout.mesh.get_group(dim) for dim in self.layout.mesh.mesh_dim_names]
-
-    def _timeline_step(self) -> int:
-        """The step whose pipeline timeline is recorded: the second of this process (the first also sets up the
-        schedule's buffers), or the only one; -1 when none is (`parallel.timeline`: by default not on CUDA)."""
-        if not self.layout.run.timeline:
-            return -1
-        start = self.resumed_from_step
-        return start + (2 if self.total_steps - start >= 2 else 1)
-
-    def _save_timeline(self) -> None:
-        """Gather the pipeline group's timeline to rank 0: pipeline_timeline.json / .png and the bubble fraction."""
-        import torch.distributed as dist
-
-        from visiondist.parallel.timeline import bubble_fraction, plot_timeline, to_json
-
-        lay = self.layout
-        if lay.dp_rank or lay.tp_rank:  # one pipeline group (rank 0's) draws the picture
-            return
-        events = [None] * lay.pp if lay.is_main else None
-        dist.gather_object(self.pipeline.recorder.events, events, dst=0, group=lay.pp_group)
-        if not lay.is_main:
-            return
-        events = [e for rank_events in events for e in rank_events]
-        stats = bubble_fraction(events, lay.pp)
-        self.bubble = stats["bubble"]
-        p = self.pipeline
-        title = f"{self.cfg.model.name} {p.schedule_name}: pp={lay.pp}, {p.n_stages} stages, {p.microbatches} micro-batches"
-        (self.run_dir / "pipeline_timeline.json").write_text(
-            json.dumps({"title": title, "step": self.step + 1, **stats, "events": to_json(events)}, indent=1))
-        png = plot_timeline(events, self.run_dir / "pipeline_timeline.png", title)
-        log.info("pipeline step %d: bubble %.1f%% of %.0f ms (per rank: %s); timeline %s", self.step + 1,
-                 100 * stats["bubble"], 1e3 * stats["span_s"],
-                 ", ".join(f"{100 * b:.0f}%" for b in stats["bubble_per_rank"]), png)
 
     def reset_traffic(self) -> None:
         if self.layout.tp_comm is not None:
@@ -460,47 +389,12 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.p2p.reset()
 
-    def _note_traffic(self) -> None:
-        """Bytes the first step moved through TP collectives and pipeline sends (every step moves the same). A
-        pipeline's first step also runs the schedule's shape inference, so its second step is counted."""
-        comm, pipe = self.layout.tp_comm, self.pipeline
-        if pipe is not None and self.step == self.resumed_from_step + 1:
-            self.reset_traffic()
-            return
-        self._traffic_noted = True
-        if comm is not None:
-            self.tp_bytes_per_step = comm.ring_bytes()
-            calls = ", ".join(f"{n} {kind}" for kind, n in sorted(comm.calls.items()))
-            log.info("tensor parallel traffic: %.2f MB sent per rank per step (%s)", self.tp_bytes_per_step / 1e6,
-                     calls)
-        if pipe is not None:
-            self.pp_bytes_per_step = pipe.p2p.bytes
-            log.info("pipeline traffic: %.2f MB sent per rank per step (%d sends to neighbouring stages)",
-                     pipe.p2p.bytes / 1e6, pipe.p2p.sends)
-
-    def _log_train(self, window: _Window, grad_norm: torch.Tensor, progress) -> float:
-        """Reduce the window's loss and the grad norm over DP (every rank calls this), log on rank 0."""
-        stats = torch.stack([window.loss / window.steps, grad_norm.to(window.loss)])
-        mean_loss, norm = (self.layout.all_reduce_dp(stats) / self.layout.dp).tolist()
-        rate = window.steps * self.cfg.data.batch_size / max(window.seconds, 1e-9)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.metrics.log(self.step, epoch=self.epoch, loss=mean_loss, lr=lr, grad_norm=norm, images_per_s=rate)
-        peak = self._peak_gpu_gib()
-        memory = f" | {peak:.1f} GiB peak" if peak is not None else ""
-        epochs = math.ceil(self.total_steps / self.data.train_sampler.steps_per_epoch)
-        log.info("step %d/%d | epoch %d/%d | loss %.4f | lr %.2e | %.3g img/s%s", self.step, self.total_steps,
-                 self.epoch + 1, epochs, mean_loss, lr, rate, memory)
-        if progress is not None:
-            progress.update(0, completed=self.step, stats=f"epoch {self.epoch + 1}/{epochs}  loss {mean_loss:.4f}  "
-                                                          f"lr {lr:.2e}  {rate:.3g} img/s{memory.replace(' | ', '  ')}")
-        return mean_loss
-
-    def _peak_gpu_gib(self) -> float | None:
+    def peak_gpu_gib(self) -> float | None:
         """The most tensor memory this rank's GPU has held so far (None on the CPU)."""
         device = self.layout.device
         return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
-    def _save_weights(self) -> Path:
+    def save_weights(self) -> Path:
         """The trained model as one canonical safetensors file, consolidated by rank 0 from the final checkpoint
         (whatever the layout: TP shards and pipeline stages are read back into one full model on the CPU), written to
         a temporary name and renamed, so a `model.safetensors` is always whole."""
@@ -546,7 +440,7 @@ class Trainer:
                if self.pipeline is not None else {}),
             **({"pipeline bubble (%)": round(100 * self.bubble, 1)} if self.bubble is not None else {}),
             **self.task.summary(self.last_eval),
-            **({"peak GPU memory (GiB)": round(self._peak_gpu_gib(), 2)} if self.layout.device.type == "cuda" else {}),
+            **({"peak GPU memory (GiB)": round(self.peak_gpu_gib(), 2)} if self.layout.device.type == "cuda" else {}),
             "checkpoint": str(self.last_checkpoint),
             "weights": str(weights),
             "run dir": str(self.run_dir),
