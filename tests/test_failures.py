@@ -111,11 +111,15 @@ def test_a_worker_killed_by_the_oom_killer_ends_the_job(tmp_path, tiny_shapes):
 
 
 def test_a_failure_during_evaluation_ends_the_job_after_saving(tmp_path, tiny_shapes):
+    """A checkpoint due at an evaluation step is written first (engine/hooks.py's order): the failing evaluation
+    loses nothing of step 3."""
     run = tmp_path / "run"
-    code, out, seconds = run_job(args(tiny_shapes, run, "parallel.dp=2", "trainer.eval_every=3"), "eval_raise")
+    code, out, seconds = run_job(args(tiny_shapes, run, "parallel.dp=2", "trainer.eval_every=3",
+                                      "trainer.checkpoint_every=3"), "eval_raise")
     line = error_line(out)
     assert code == 1 and seconds < 60, (code, seconds)
     assert "failed at step 3 (evaluating): RuntimeError: injected failure during evaluation" in line, line
+    assert [step for step, _ in list_checkpoints(run)] == [3]
 
 
 def test_a_failing_checkpoint_write_keeps_the_newest_complete_one(tmp_path, tiny_shapes):
