@@ -11,11 +11,8 @@ for training, `<trainer.output_dir>/<kind>/<date>_<time>/` for an entry with a `
 
 from __future__ import annotations
 
-import datetime as dt
-import json
 import logging
 import os
-import re
 import signal
 import uuid
 from contextlib import contextmanager
@@ -31,63 +28,20 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from visiondist.config import ConfigError, from_container, to_container
 from visiondist.config.layout import RunLayout
 from visiondist.engine.precision import set_tf32
+from visiondist.launch.rundir import (  # noqa: F401 (re-exported: the tools' and tests' API)
+    _shared_run_dir,
+    _write_plan,
+    default_run_dir,
+    new_run_dir,
+    run_kind,
+    unique_dir,
+)
+from visiondist.launch.slurm import first_host, slurm_env  # noqa: F401 (re-exported)
 from visiondist.plan import announce, cuda_device_count, resolve
 
 log = logging.getLogger(__name__)
 
 Entry = Callable[[DictConfig, Any, Path], Any]
-
-
-def new_run_dir(cfg: DictConfig, run: Optional[RunLayout] = None, kind: Optional[str] = None) -> Path:
-    """Create the run directory and write `config.yaml` (the run as asked, e.g. `parallel.auto: true`) and
-    `layout.json` (the `RunLayout` it resolved to) into it. An existing run's directory is only reused to continue it
-    (`trainer.resume=auto`): its config.yaml and layout.json stay as they are, and what this continuation changes
-    (the layout included) is appended to `attempts.jsonl` (`visiondist.runs`). `kind`: see `default_run_dir`."""
-    if cfg.trainer.run_dir:
-        run_dir = Path(cfg.trainer.run_dir).expanduser()
-        previous = run_dir / "config.yaml"
-        if previous.exists():
-            if cfg.trainer.resume != "auto":
-                raise ConfigError(f"trainer.run_dir={run_dir} already holds a run: choose another directory, or "
-                                  "continue it with trainer.resume=auto")
-            from visiondist.runs import record_attempt
-
-            record_attempt(run_dir, OmegaConf.load(previous), cfg, run)  # type: ignore[arg-type]
-            return run_dir.resolve()
-        run_dir.mkdir(parents=True, exist_ok=True)
-    else:
-        run_dir = default_run_dir(cfg, kind)
-    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-    if run is not None:
-        run.save(run_dir)
-    return run_dir.resolve()
-
-
-def default_run_dir(cfg: DictConfig, kind: Optional[str] = None) -> Path:
-    """A new `<trainer.output_dir>/<date>/<time>/` for a training run, `<trainer.output_dir>/<kind>/<date>_<time>/`
-    for another kind of job (`eval`, `benchmark`), so that only training runs look like training runs."""
-    parent = Path(cfg.trainer.output_dir).expanduser()
-    return unique_dir(parent) if kind is None else unique_dir(parent / kind, "%Y-%m-%d_%H-%M-%S")
-
-
-def run_kind(entry: Callable) -> Optional[str]:
-    """What an entry's run dir holds (its `run_kind` attribute: "eval", "benchmark"); None: a training run."""
-    return getattr(entry, "run_kind", None)
-
-
-def unique_dir(parent: Path, pattern: str = "%Y-%m-%d/%H-%M-%S") -> Path:
-    """A new directory `<parent>/<date>/<time>` (`pattern`, strftime), or `<time>-1`, `-2`, ... when that exists:
-    created atomically, so jobs started in the same second (a sweep, two users, two launches) never share one."""
-    base = parent / dt.datetime.now().strftime(pattern)
-    base.parent.mkdir(parents=True, exist_ok=True)
-    path, n = base, 0
-    while True:
-        try:
-            path.mkdir()
-            return path.resolve()
-        except FileExistsError:
-            n += 1
-            path = base.with_name(f"{base.name}-{n}")
 
 
 def _set_threads(local_world: int) -> None:
@@ -129,40 +83,6 @@ def cuda_index(local_rank: int, visible: int) -> int:
         return 0
     raise ConfigError(f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs: start at most {visible} ranks "
                       "per node, or bind one GPU per task")
-
-
-def _shared_run_dir(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None) -> Path:
-    """Under torchrun: global rank 0 creates the run dir and tells the others (or tells them why it could not). After
-    a torchrun restart (--max-restarts) the job continues in the run dir its first attempt created."""
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = str(_torchrun_run_dir(cfg, run, kind))
-        except Exception as exc:  # every rank must learn of the failure, not hang in the broadcast
-            box[0] = exc
-    dist.broadcast_object_list(box, src=0)
-    if isinstance(box[0], Exception):
-        raise box[0]
-    return Path(box[0])
-
-
-def _torchrun_run_dir(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None) -> Path:
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if cfg.trainer.run_dir or not run_id:
-        return new_run_dir(cfg, run, kind)
-    pointer = Path(cfg.trainer.output_dir).expanduser() / ".torchelastic" / run_id
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and pointer.is_file():
-        return Path(pointer.read_text().strip())
-    run_dir = new_run_dir(cfg, run, kind)
-    pointer.parent.mkdir(parents=True, exist_ok=True)
-    pointer.write_text(str(run_dir))
-    return run_dir
-
-
-def _write_plan(run_dir: Path, plan: Any) -> None:
-    (run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=1))
-    (run_dir / "plan.txt").write_text(plan.text(f"parallel=auto on {plan.hardware.devices} devices") + "\n"
-                                      + f"chose {plan.choice.candidate.name}: {plan.reason}\n")
 
 
 def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str], auto_plan: Any = None,
@@ -263,36 +183,6 @@ def _record(run_dir: Optional[Path], exc: BaseException) -> None:
 @record  # a failing rank's traceback reaches the launcher's error report, not just its exit code
 def _elastic_worker(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: str) -> Any:
     return run_rank(entry, cfg_dict, run, run_dir)
-
-
-def slurm_env(env: dict) -> dict:
-    """Under `srun` with several tasks (one per device) and no launcher's RANK, the torch.distributed variables
-    derived from SLURM's: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the node), and MASTER_ADDR /
-    MASTER_PORT unless set (the step's first node; a port from the job id). Empty when not under such a step."""
-    if "RANK" in env or int(env.get("SLURM_STEP_NUM_TASKS", "1")) <= 1:
-        return {}
-    per_node = re.match(r"\d+", env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS_PER_NODE", "1")))
-    derived = {
-        "RANK": env["SLURM_PROCID"],
-        "WORLD_SIZE": env["SLURM_STEP_NUM_TASKS"],
-        "LOCAL_RANK": env["SLURM_LOCALID"],
-        "LOCAL_WORLD_SIZE": per_node.group(0) if per_node else "1",
-        "GROUP_RANK": env.get("SLURM_NODEID", "0"),
-    }
-    if "MASTER_ADDR" not in env:
-        derived["MASTER_ADDR"] = first_host(env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "")))
-    if "MASTER_PORT" not in env:
-        derived["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
-    return derived
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list (`gpu[03-04,07],cpu1` -> `gpu03`), as `scontrol show hostnames` lists it."""
-    head = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if head is None:
-        raise ConfigError(f"cannot read a host from SLURM's node list {nodelist!r}: export MASTER_ADDR before srun")
-    prefix, ranges = head.groups()
-    return prefix + (re.split(r"[-,]", ranges)[0] if ranges else "")
 
 
 def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayout:
