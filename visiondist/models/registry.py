@@ -1,7 +1,7 @@
-"""What each model family is and supports: one `ModelSpec` per family (how it is built, what it is trained for, the
-data it reads, and which layouts and switches it supports). `check_support` turns a config that asks a family for
-something it does not support into one `ConfigError` naming the fix (`visiondist.plan.check`, which the CLI and the
-layout resolver call, runs it after the per-group validation)."""
+"""What each model family is and supports: one `ModelSpec` per family (what it is trained for, the data it reads, and
+which layouts and switches it supports; sequence parallelism comes with tensor parallelism). `check_support` turns a
+config that asks a family for something it does not support into one `ConfigError` naming the fix
+(`visiondist.plan.check`, which the CLI and the layout resolver call, runs it after the per-group validation)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from visiondist.config import ConfigError
 from visiondist.config.layout import check_pipeline
 
 # switches a family may support: what each is, for the refusal message
-TP, SP, PP, FSDP, AC, COMPILE, AUTO, CLASSIFICATION_AUG, INIT_FROM, BACKBONE_WEIGHTS = (
-    "tp", "sp", "pp", "fsdp", "ac", "compile", "auto", "classification_aug", "init_from", "backbone_weights")
+TP, PP, FSDP, AC, COMPILE, AUTO, CLASSIFICATION_AUG, INIT_FROM, BACKBONE_WEIGHTS = (
+    "tp", "pp", "fsdp", "ac", "compile", "auto", "classification_aug", "init_from", "backbone_weights")
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,6 @@ class ModelSpec:
     task: str  # "classification" | "detection"
     data_format: str  # "imagefolder" | "coco"
     supports: frozenset[str]
-    build: Callable[[Any], Any]
     has_blocks: bool  # transformer blocks (the unit of FSDP, activation checkpointing, compile, pipeline stages)
     rules: Callable[[DictConfig], None] = lambda cfg: None  # the family's own shape rules
 
@@ -101,22 +100,12 @@ def _check_torchvision(cfg: DictConfig) -> None:
         raise ConfigError(_REFUSALS[BACKBONE_WEIGHTS](cfg))
 
 
-def _build(family: str) -> Callable[[Any], Any]:
-    def build(cfg: Any):
-        from visiondist.models import FAMILIES
-
-        return FAMILIES[family](cfg)
-
-    return build
-
-
-_VIT = frozenset({TP, SP, PP, FSDP, AC, COMPILE, AUTO, CLASSIFICATION_AUG, INIT_FROM})
-SPECS: dict[str, ModelSpec] = {
-    "vit": ModelSpec("vit", "classification", "imagefolder", _VIT, _build("vit"), True, _check_blocks),
-    "vitdet": ModelSpec("vitdet", "detection", "coco", frozenset({TP, SP, AC, COMPILE}), _build("vitdet"), True,
-                        _check_vitdet),
-    "torchvision": ModelSpec("torchvision", "detection", "coco", frozenset({BACKBONE_WEIGHTS}),
-                             _build("torchvision"), False, _check_torchvision),
+_VIT = frozenset({TP, PP, FSDP, AC, COMPILE, AUTO, CLASSIFICATION_AUG, INIT_FROM})
+SPECS: dict[str, ModelSpec] = {  # how each family is built: visiondist.models.FAMILIES
+    "vit": ModelSpec("vit", "classification", "imagefolder", _VIT, True, _check_blocks),
+    "vitdet": ModelSpec("vitdet", "detection", "coco", frozenset({TP, AC, COMPILE}), True, _check_vitdet),
+    "torchvision": ModelSpec("torchvision", "detection", "coco", frozenset({BACKBONE_WEIGHTS}), False,
+                             _check_torchvision),
 }
 
 
