@@ -93,7 +93,6 @@ def test_pipeline_batch_must_split_into_microbatches():
         (["optim.layer_decay=0"], "optim.layer_decay=0.0 must be in (0, 1]"),
         (["trainer.ema_decay=1"], "trainer.ema_decay=1.0 must be in [0, 1)"),
         (["data.auto_augment=auto"], "data.auto_augment='auto' is not supported"),
-        (["parallel=pp2", "data.mixup=0.8"], "data.mixup / data.cutmix with parallel.pp > 1 is not supported"),
         (["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "trainer.label_smoothing=0.1"],
          "are for classification"),
         (["model.init_from=/nonexistent.safetensors"], "model.init_from=/nonexistent.safetensors: no such file"),

@@ -1,5 +1,5 @@
 """Training-recipe parts: model EMA (any layout, checkpointed, evaluated), layer-wise LR decay and label smoothing
-under a pipeline, mixup / cutmix through timm, and fine-tuning from an exported run."""
+under a pipeline, mixup / cutmix through timm (also under a pipeline), and fine-tuning from an exported run."""
 
 import json
 
@@ -35,31 +35,65 @@ def test_ema_is_the_exponential_average_and_swaps_back_exactly():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), live))
 
 
-def test_mixup_loss_is_timm_soft_target_cross_entropy():
+def test_mixing_is_timms_mixup_and_each_side_draws_it_alone():
+    """The images' side and the labels' side of a draw, computed apart (as a pipeline's first and last stage do),
+    equal timm's Mixup applied to both at once under the same numpy seed; the loss is timm's soft-target CE."""
     from types import SimpleNamespace
 
     from timm.data import Mixup
     from timm.loss import SoftTargetCrossEntropy
 
+    from visiondist.data.mixing import Mixing
     from visiondist.data.transforms import Normalize
     from visiondist.engine.tasks import ClassificationTask
 
+    d = SimpleNamespace(mixup=0.8, cutmix=1.0, mixup_prob=1.0, mixup_switch_prob=0.5)
+    mixing = Mixing(d, num_classes=6, label_smoothing=0.1, seed=7, dp_rank=1)
+    images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 5])
+    kinds = set()
+    for step in range(12):
+        key = (step, 1)
+        np.random.seed([7, 1, step, 1])
+        mixed, soft = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=6)(images.clone(),
+                                                                                                 labels)
+        before = np.random.get_state()[1].copy()
+        assert torch.equal(mixing.images(images.clone(), key), mixed)
+        torch.testing.assert_close(mixing.targets(labels, key, (3, 32, 32)), soft)
+        assert np.array_equal(np.random.get_state()[1], before)  # numpy's global generator is left as it was
+        kinds.add("cutmix" if (mixed == images).any() else "mixup")
+    assert kinds == {"cutmix", "mixup"}  # both kinds were drawn and matched
+    with pytest.raises(ValueError, match="need an even one, not 3"):
+        mixing.images(images[:3].clone(), (0, 0))
+
     task = ClassificationTask.__new__(ClassificationTask)
     task.inputs = Normalize([0.5] * 3, [0.25] * 3)  # the images below are float already: passed on as they are
-    task.label_smoothing = 0.1
-    task.mixup = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=6)
+    task.label_smoothing, task.mixing, task.image_shape = 0.1, mixing, (3, 32, 32)
     torch.manual_seed(0)
     model = VisionTransformer(img_size=32, patch_size=8, num_classes=6, embed_dim=32, depth=1, num_heads=2)
-    images, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 5])
-    np.random.seed(3)
-    ours = task.loss(model, (images.clone(), labels), torch.device("cpu"), torch.autocast("cpu", enabled=False))
-    np.random.seed(3)
-    mixed, soft = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=6)(images.clone(), labels)
-    assert torch.allclose(soft.sum(1), torch.ones(4)) and not torch.equal(mixed, images)
-    torch.testing.assert_close(ours, SoftTargetCrossEntropy()(model(mixed), soft))
+    ours = task.loss(model, (images.clone(), labels), torch.device("cpu"), torch.autocast("cpu", enabled=False), (3, 1))
+    expected = SoftTargetCrossEntropy()(model(mixing.images(images.clone(), (3, 1))),
+                                        mixing.targets(labels, (3, 1), (3, 32, 32)))
+    torch.testing.assert_close(ours, expected)
     model.eval()  # no mixing in evaluation
-    plain = task.loss(model, (images, labels), torch.device("cpu"), torch.autocast("cpu", enabled=False))
+    plain = task.loss(model, (images, labels), torch.device("cpu"), torch.autocast("cpu", enabled=False), (3, 1))
     torch.testing.assert_close(plain, torch.nn.functional.cross_entropy(model(images), labels, label_smoothing=0.1))
+
+
+def test_mixup_and_cutmix_under_a_pipeline_give_the_unpipelined_losses(tmp_path, tiny_shapes):
+    """pp=2 (the first stage mixes the images, the last the labels, 4 micro-batches) against one process on the same
+    global batch, with mixup and cutmix both on: the same loss at every step."""
+    mix = ["model.num_heads=2", "model.depth=2", "trainer.max_steps=6", "data.mixup=0.8", "data.cutmix=1.0",
+           "trainer.label_smoothing=0.1", "trainer.eval_every=0"]
+    one, pp = tmp_path / "one", tmp_path / "pp"
+    train_ok(*train_args(tiny_shapes, one, *mix, "parallel.dp=1"))
+    train_ok(*train_args(tiny_shapes, pp, *mix, "parallel=pp2"))
+    a, b = losses_of(one), losses_of(pp)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    assert [b[s] for s in a] == pytest.approx([a[s] for s in a], rel=1e-5)
+    plain = tmp_path / "plain"  # and the mixing is on: without it the losses differ
+    train_ok(*train_args(tiny_shapes, plain, *mix[:3], "trainer.label_smoothing=0.1", "trainer.eval_every=0",
+                         "parallel.dp=1"))
+    assert losses_of(plain)[2] != pytest.approx(a[2], rel=1e-3)
 
 
 RECIPE = ["model.num_heads=2", "model.depth=4", "trainer.max_steps=4", "trainer.eval_every=2", "trainer.ema_decay=0.5",

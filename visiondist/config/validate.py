@@ -167,14 +167,11 @@ def _check_parallel(p: DictConfig) -> None:
 
 def _check_across(cfg: DictConfig) -> None:
     """Rules between groups that hold for every model family."""
-    d, p, t = cfg.data, cfg.parallel, cfg.trainer
+    p, t = cfg.parallel, cfg.trainer
     if t.compile and p.pp > 1 and p.schedule == "zero_bubble":
         raise ConfigError("trainer.compile=true with parallel.schedule=zero_bubble: the schedule splits each block's "
                           "backward into input and weight gradients, which a compiled block's backward cannot do; "
                           "use parallel.schedule=1f1b or interleaved_1f1b, or drop trainer.compile")
-    if (d.mixup > 0 or d.cutmix > 0) and p.pp > 1:
-        raise ConfigError("data.mixup / data.cutmix with parallel.pp > 1 is not supported (the first stage mixes the "
-                          "images, the last would need the same mixing of the labels): use parallel.pp=1")
 
 
 def _check_bench(cfg: DictConfig) -> None:

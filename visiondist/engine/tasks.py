@@ -31,33 +31,44 @@ class ClassificationTask:
         t, d = cfg.trainer, cfg.data
         self.inputs = Normalize(d.mean, d.std)  # (uint8 loader images, device) -> the model's input there
         self.label_smoothing = float(t.label_smoothing)
-        self.mixup = None
-        if d.mixup > 0 or d.cutmix > 0:  # timm's Mixup: mixes each micro-batch with its reverse, soft targets
-            from timm.data import Mixup
+        self.mixing = None  # timm's Mixup / CutMix, each draw keyed by (step, micro-batch): see data.mixing
+        if d.mixup > 0 or d.cutmix > 0:
+            from visiondist.data.mixing import Mixing
 
-            self.mixup = Mixup(mixup_alpha=d.mixup, cutmix_alpha=d.cutmix, prob=d.mixup_prob,
-                               switch_prob=d.mixup_switch_prob, label_smoothing=self.label_smoothing,
-                               num_classes=cfg.model.num_classes)
+            self.mixing = Mixing(d, cfg.model.num_classes, self.label_smoothing, t.seed, layout.dp_rank)
+        self.image_shape = (3, cfg.model.img_size, cfg.model.img_size)
         self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating
         self.data = build_classification_data(
             cfg.data, cfg.model.img_size, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
             pin_memory=layout.device.type == "cuda", reads_images=layout.reads_images, reads_labels=layout.reads_labels,
         )
 
-    def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager) -> torch.Tensor:
+    def prepare(self, batch: Any, device: torch.device, key: tuple[int, int] | None = None) -> tuple[Any, Any]:
+        """(model input, target) of a loader batch on `device`; either side may be None (pipeline ranks that hold
+        only one). `key` = (step, micro-batch) mixes them (training with mixup / cutmix): soft targets then."""
         images, labels = batch
-        images = self.inputs(images, device)
-        labels = labels.to(device, non_blocking=True)
-        if self.mixup is not None and model.training:
+        images = None if images is None else self.inputs(images, device)
+        labels = None if labels is None else labels.to(device, non_blocking=True)
+        if self.mixing is not None and key is not None:
+            images = None if images is None else self.mixing.images(images, key)
+            labels = None if labels is None else self.mixing.targets(labels, key, self.image_shape)
+        return images, labels
+
+    def criterion(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The training loss of logits against class indices or (mixed) soft targets; a pipeline's last stage
+        computes it too."""
+        if target.dim() == 2:  # soft targets: label smoothing is folded into them
             from timm.loss import SoftTargetCrossEntropy
 
-            images, soft = self.mixup(images, labels)  # label smoothing is folded into the soft targets
-            with autocast:
-                logits = model(images)
-            return SoftTargetCrossEntropy()(logits.float(), soft)
+            return SoftTargetCrossEntropy()(logits.float(), target)
+        return F.cross_entropy(logits.float(), target, label_smoothing=self.label_smoothing)
+
+    def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager,
+             key: tuple[int, int] = (0, 0)) -> torch.Tensor:
+        images, target = self.prepare(batch, device, key if model.training else None)
         with autocast:
             logits = model(images)
-        return F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
+        return self.criterion(logits, target)
 
     def evaluate(self, model: nn.Module, layout: Layout, autocast, run_dir: Path) -> dict[str, Any]:
         from visiondist.engine.evaluate import evaluate_classification
@@ -118,7 +129,8 @@ class DetectionTask:
                                          pin_memory=layout.device.type == "cuda", train=train)
         self.val_images = coco_paths(cfg.data, cfg.data.val_split)[0]
 
-    def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager) -> torch.Tensor:
+    def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager,
+             key: tuple[int, int] = (0, 0)) -> torch.Tensor:
         images, targets = batch
         images = self.inputs(images, device)
         targets = [{"boxes": t["boxes"].to(device), "labels": t["labels"].to(device)} for t in targets]

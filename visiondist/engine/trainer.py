@@ -10,7 +10,6 @@ whose gradient overflowed is skipped on every rank (`visiondist.engine.precision
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -80,8 +79,10 @@ class Trainer:
         _run_of(layout)  # every parallel switch is read from the resolved layout, never from cfg.parallel
         t = cfg.trainer
         seed_everything(t.seed)  # the same on every rank: identical initial weights before any broadcast
-        loss_fn = functools.partial(torch.nn.functional.cross_entropy, label_smoothing=t.label_smoothing)
-        self.model = build_laid_out(cfg, layout, loss_fn)
+        self.task = build_task(cfg, layout)  # the data first: a missing folder stops the run before a model is built
+        self.data = self.task.data
+        check_val_images(self.data.val_loader)  # before step 1, not at the first evaluation
+        self.model = build_laid_out(cfg, layout, getattr(self.task, "criterion", None))  # a pipeline's last stage
         self.num_params = num_params(cfg.model)
         self.pipeline = self.model if isinstance(self.model, PipelinedViT) else None
         self.bubble: float | None = None  # measured on one step of a pipelined run
@@ -89,9 +90,6 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, unwrap(self.model), cfg.model.depth)  # over this rank's shards
         self.ema = ModelEma(unwrap(self.model), t.ema_decay) if t.ema_decay > 0 else None
 
-        self.task = build_task(cfg, layout)
-        self.data = self.task.data
-        check_val_images(self.data.val_loader)  # before step 1, not at the first evaluation
         steps_per_epoch = self.data.train_sampler.steps_per_epoch
         total = t.max_steps if t.max_steps > 0 else t.max_epochs * steps_per_epoch
         if t.max_epochs > 0:
@@ -270,7 +268,7 @@ class Trainer:
             last = i == accum - 1
             sync = nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
-                loss = self.task.loss(self.model, batch, self.layout.device, self.autocast) / accum
+                loss = self.task.loss(self.model, batch, self.layout.device, self.autocast, (self.step, i)) / accum
                 (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total += loss.detach()
         return total
@@ -280,13 +278,12 @@ class Trainer:
         accum = self.cfg.trainer.grad_accum
         total = torch.zeros((), device=self.layout.device)
         factor = None if self.scaler is None else self.scaler.factor(self.layout.device)
-        for _ in range(accum):
-            images, labels = next(batches)
-            images = None if images is None else self.task.inputs(images, self.layout.device)  # the first stage's
+        for i in range(accum):  # the first stage prepares (and mixes) the images, the last the targets: same draw
+            images, target = self.task.prepare(next(batches), self.layout.device, (self.step, i))
             if factor is None:
-                total += self.pipeline.train_step(images, labels, 1.0 / accum, self.autocast)
+                total += self.pipeline.train_step(images, target, 1.0 / accum, self.autocast)
             else:  # fp16: the loss inside the schedule carries the scale (a power of 2: dividing it out is exact)
-                total += self.pipeline.train_step(images, labels, factor / accum, self.autocast) / factor
+                total += self.pipeline.train_step(images, target, factor / accum, self.autocast) / factor
         average_over_data_parallel(self.model.parameters(), self.layout)
         return total
 

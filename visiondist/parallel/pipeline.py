@@ -337,7 +337,8 @@ class PipelinedViT(nn.Module):
                    scale: float | torch.Tensor = 1.0, autocast=None) -> torch.Tensor:
         """Forward and backward of one batch in `microbatches` micro-batches; gradients accumulate into `.grad`
         (the loss of each micro-batch is scaled by scale / microbatches; a tensor `scale` carries fp16's loss scale
-        into the schedule's backward). Returns the batch's mean loss times `scale`, the same on every rank of the
+        into the schedule's backward). `labels` is the loss function's target (class indices or soft targets), split
+        into micro-batches like the images. Returns the batch's mean loss times `scale`, the same on every rank of the
         pipeline group."""
         if self.is_first and images is None:
             raise ValueError("the first pipeline stage needs the images")
