@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from visiondist.models.vit import VisionTransformer  # noqa: E402
 from visiondist.parallel import enable_activation_checkpointing  # noqa: E402
-from visiondist.parallel.planner import ViTShape, block_activation_bytes, rank_memory, saved_activation_bytes  # noqa: E402
+from visiondist.parallel.memory import ViTShape, block_activation_bytes, rank_memory, saved_activation_bytes  # noqa: E402
 
 SHAPES = {  # name: (embed_dim, depth, heads, img, patch, batch)
     "vit_tiny/16 @224": (192, 12, 3, 224, 16, 32),

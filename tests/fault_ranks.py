@@ -39,7 +39,8 @@ def skip_a_collective(timeout_s: float) -> None:
 def nonfinite_on_one_rank(overrides: list[str], bad_rank: int, bad_step: int) -> dict:
     """The real Trainer on 2 DP ranks; `bad_rank`'s loss is NaN at optimizer step `bad_step`."""
     from visiondist.config import compose
-    from visiondist.engine.trainer import Trainer, prepare_rank
+    from visiondist.engine.build import prepare_rank
+    from visiondist.engine.trainer import Trainer
     from visiondist.plan import rank_layout
 
     dist.init_process_group("gloo")

@@ -6,7 +6,8 @@ import pytest
 
 from visiondist.config import ConfigError, compose
 from visiondist.plan import resolve
-from visiondist.parallel.planner import Candidate, Hardware, ViTShape, plan, plan_config
+from visiondist.parallel.memory import ViTShape
+from visiondist.parallel.planner import Candidate, Hardware, plan, plan_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

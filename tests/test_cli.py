@@ -235,7 +235,7 @@ def test_eval_takes_its_old_positional_path_with_a_deprecation_line(capsys, fake
 
 def test_eval_and_benchmark_dirs_are_named_as_what_they_are(tmp_path):
     from visiondist.engine.benchmark import run_benchmark
-    from visiondist.engine.trainer import evaluate_checkpoint, train
+    from visiondist.engine.run import evaluate_checkpoint, train
     from visiondist.launch import default_run_dir, run_kind
 
     cfg = OmegaConf.create({"trainer": {"output_dir": str(tmp_path)}})

@@ -4,7 +4,7 @@ import pytest
 
 from visiondist.cli import load_config
 from visiondist.engine.logging import read_metrics
-from visiondist.engine.trainer import train
+from visiondist.engine.run import train
 from visiondist.launch import launch
 from helpers import REPO, TINY_DATA
 

@@ -74,7 +74,8 @@ def test_attention_runs_a_fused_kernel_never_math():
 
 def _steps_without_sync(cfg, layout, run_dir):
     """Rank entry: two warm-up steps, then three steps with any host-device synchronisation raising."""
-    from visiondist.engine.trainer import Trainer, prepare_rank
+    from visiondist.engine.build import prepare_rank
+    from visiondist.engine.trainer import Trainer
 
     prepare_rank(cfg, layout, run_dir)
     trainer = Trainer(cfg, layout, run_dir)
@@ -156,7 +157,7 @@ def test_detector_anchors_and_boxes_under_bf16_stay_within_a_pixel():
 
 def test_planner_memory_is_within_15_percent_of_the_gpu(tmp_path, tiny_shapes):
     """The planner's device bytes for ViT-S, bf16, batch 64 against torch's peak after a few steps."""
-    from visiondist.parallel.planner import ViTShape, rank_memory
+    from visiondist.parallel.memory import ViTShape, rank_memory
 
     run = tmp_path / "run"
     train_ok(*_gpu_args(tiny_shapes, run, "model=vit_small", "data.img_size=224", "data.batch_size=64",

@@ -17,7 +17,8 @@ from visiondist.engine.optim import build_optimizer, describe_optimizer, resolve
 from visiondist.engine.peaks import datasheet_tflops, peak_kind
 from visiondist.models.vit import VisionTransformer, select_attention
 from visiondist.parallel import enable_activation_checkpointing
-from visiondist.parallel.planner import ViTShape, train_flops_per_image
+from visiondist.parallel.memory import ViTShape
+from visiondist.parallel.planner import train_flops_per_image
 
 BENCH = REPO / "tools" / "benchmark.py"
 

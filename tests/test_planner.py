@@ -4,7 +4,7 @@ import pytest
 
 import planner_ranks
 from helpers import spawn_ranks
-from visiondist.parallel.planner import ViTShape, rank_memory
+from visiondist.parallel.memory import ViTShape, rank_memory
 
 SHAPE = ViTShape(embed_dim=32, depth=6, num_heads=4, mlp_ratio=3.0, patch_size=8, img_size=32, num_classes=5)
 
@@ -27,7 +27,7 @@ def test_parameter_gradient_and_optimizer_bytes_are_exact(dims):
 def test_fsdp_shards_are_exact_per_rank():
     """FSDP2 splits dim 0 of every tensor into ceil(rows / n) chunks: rank 0 holds the most, and the planner counts
     rank 0's bytes (what each rank's padded storage needs)."""
-    from visiondist.parallel.planner import FLOAT, fsdp_shard, optimizer_bytes
+    from visiondist.parallel.memory import FLOAT, fsdp_shard, optimizer_bytes
 
     results = spawn_ranks(planner_ranks.run, 2, (1, 2, 1), True)
     for measured in results.values():
@@ -44,7 +44,7 @@ def test_activation_estimate_is_within_a_quarter_of_the_saved_tensors(dim, depth
     import torch
 
     from visiondist.models.vit import VisionTransformer
-    from visiondist.parallel.planner import block_activation_bytes, saved_activation_bytes
+    from visiondist.parallel.memory import block_activation_bytes, saved_activation_bytes
 
     torch.manual_seed(0)
     model = VisionTransformer(img_size=img, patch_size=patch, num_classes=10, embed_dim=dim, depth=depth,

@@ -49,7 +49,7 @@ def evaluate(cmd: Command) -> int:
         print(config_text(cfg, cmd.package))
         return 0
     checked(cfg, "eval")  # the val split and the weights against the model, before any rank starts
-    from visiondist.engine.trainer import evaluate_checkpoint
+    from visiondist.engine.run import evaluate_checkpoint
     from visiondist.launch import launch
 
     if not any(o.startswith("trainer.run_dir=") for o in cmd.overrides):  # eval/<date>_<time> under `base`

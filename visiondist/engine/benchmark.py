@@ -18,21 +18,26 @@ too few or too spread to mean anything is marked so (`visiondist.engine.bench_re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
-import platform
-import resource
-import dataclasses
 import statistics
-import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+from visiondist.engine.measure import (
+    PeakMemory,
+    Stopped,
+    device_name,
+    loader_images_per_s,
+    synthetic_batch,
+    time_steps,
+    train_flops_per_image,
+)
 from visiondist.engine.bench_report import ratio_check, result_table, step_summary, write_results
 from visiondist.engine.peaks import datasheet_tflops, matmul_tflops, peak_kind
 from visiondist.engine.plain_loop import PlainLoop, baseline_roles
@@ -41,132 +46,6 @@ from visiondist.models import select_attention
 from visiondist.parallel import Layout
 
 log = logging.getLogger(__name__)
-
-
-# -- measurements --------------------------------------------------------------------------------------------------
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class Stopped(Exception):
-    """A stop signal (SIGINT / SIGTERM) reached the benchmark: it ends after the step in flight, recording nothing."""
-
-
-def time_steps(step: Callable[[], Any], n: int, device: torch.device,
-               stop: Optional[Callable[[], bool]] = None) -> list[float]:
-    """Seconds of each of `n` calls, the device drained before and after each; `stop()` true after a call raises
-    `Stopped`."""
-    times = []
-    for _ in range(n):
-        synchronize(device)
-        start = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-        if stop is not None and stop():
-            raise Stopped
-    return times
-
-
-def train_flops_per_image(model_cfg: DictConfig, batch: tuple, family: str) -> float:
-    """FLOPs of one forward + backward per image, counted by `FlopCounterMode` on the unsharded model (a ViT on the
-    meta device, costing nothing; a detector on the CPU, since its box sampling needs real values)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from visiondist.models import build_model
-
-    cfg = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None})  # the run's config is read-only
-    if family == "classification":
-        images, labels = batch
-        with torch.device("meta"):
-            model = build_model(cfg)
-        images, labels = images[:1].float().to("meta"), labels[:1].to("meta")
-        with FlopCounterMode(display=False) as counter:
-            F.cross_entropy(model(images), labels).backward()
-        return float(counter.get_total_flops())
-    images, targets = batch
-    model = build_model(cfg).train()
-    with FlopCounterMode(display=False) as counter:
-        losses = model([images[0].cpu().float() / 255], [{k: v.cpu() for k, v in targets[0].items()}])
-        sum(losses.values()).backward()
-    return float(counter.get_total_flops())
-
-
-class PeakMemory:
-    """CUDA: the peak of tensor memory since construction, above what was allocated then (what one configuration adds
-    to a process that may hold others). The CPU has no such counter: `rss_gb` is the whole process's peak."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.before = 0
-        if device.type == "cuda":
-            self.before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-
-    def increase_gb(self) -> float | None:
-        if self.device.type != "cuda":
-            return None
-        return (torch.cuda.max_memory_allocated(self.device) - self.before) / 1e9
-
-    @staticmethod
-    def rss_gb() -> float:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"CPU ({model}), {torch.get_num_threads()} threads"
-
-
-def loader_images_per_s(loader, batches: int) -> float:
-    """Images per second the real train loader delivers on its own (after its first batch: worker start-up)."""
-    it = iter(loader)
-    next(it)
-    start, images = time.perf_counter(), 0
-    for _ in range(batches):
-        try:
-            batch = next(it)
-        except StopIteration:
-            break
-        images += len(batch[0]) if batch[0] is not None else len(batch[1])
-    return images / max(time.perf_counter() - start, 1e-9)
-
-
-# -- synthetic batches ---------------------------------------------------------------------------------------------
-
-
-def synthetic_batch(cfg: DictConfig, family: str, micro_batch: int, device: torch.device, seed: int = 0) -> tuple:
-    """One micro-batch of random images and targets at the model's input size, on `device`; the images uint8, as the
-    loaders yield them (the step normalises them on the device)."""
-    g = torch.Generator().manual_seed(seed)
-    if family == "classification":
-        size = cfg.model.img_size
-        images = torch.randint(0, 256, (micro_batch, 3, size, size), dtype=torch.uint8, generator=g)
-        labels = torch.randint(0, cfg.model.num_classes, (micro_batch,), generator=g)
-        return images.to(device), labels.to(device)
-    size = cfg.data.min_size  # detectors resize internally; square images of the short side
-    images, targets = [], []
-    for _ in range(micro_batch):
-        images.append(torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=g).to(device))
-        n = int(torch.randint(1, 5, (), generator=g))
-        xy = torch.rand(n, 2, generator=g) * size * 0.6
-        wh = torch.rand(n, 2, generator=g) * size * 0.3 + size * 0.05
-        boxes = torch.cat([xy, xy + wh], dim=1)
-        labels = torch.randint(1, cfg.model.num_classes + 1, (n,), generator=g)
-        targets.append({"boxes": boxes.to(device), "labels": labels.to(device)})
-    return images, targets
 
 
 def _task_family(cfg: DictConfig) -> str:
@@ -280,7 +159,7 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     to `results.jsonl` and `results.md` in `bench.results_dir` (default: the run dir), and returns them. A stop signal
     ends it after the step in flight with nothing recorded (the launcher then exits 128 + the signal)."""
     from visiondist.config import variant_config
-    from visiondist.engine.trainer import prepare_rank
+    from visiondist.engine.build import prepare_rank
 
     b, device = cfg.bench, layout.device
     prepare_rank(cfg, layout, run_dir, "benchmark.log")

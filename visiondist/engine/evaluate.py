@@ -56,22 +56,29 @@ def evaluate_classification(
         else:
             with autocast or nullcontext():
                 logits = model(images)
-        labels = labels.to(layout.device, non_blocking=True)
-        logits = logits.float()
-        top1, top5 = topk_correct(logits, labels, (1, 5))
-        loss = F.cross_entropy(logits, labels, reduction="sum")
-        count = torch.tensor(float(len(labels)), dtype=torch.float64, device=sums.device)
-        sums[:4] += torch.stack([loss.double(), top1.double(), top5.double(), count])
-        if k:
-            hit = logits.argmax(dim=1) == labels
-            sums[4 : 4 + k] += torch.bincount(labels[hit], minlength=k).double()
-            sums[4 + k :] += torch.bincount(labels, minlength=k).double()
+        _score(sums, logits.float(), labels.to(layout.device, non_blocking=True), k)
     blank_forwards(model, layout, needed - forwards, autocast)
     layout.all_reduce_dp(sums)
     if pipelined:
         sums = model.from_last_stage(sums)
     model.train(was_training)
-    values = sums.tolist()
+    return _metrics(sums.tolist(), k)
+
+
+def _score(sums: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, k: int) -> None:
+    """Add one batch's loss, top-1 / top-5 hits and count (and per-class hits and counts over k classes) to `sums`."""
+    top1, top5 = topk_correct(logits, labels, (1, 5))
+    loss = F.cross_entropy(logits, labels, reduction="sum")
+    count = torch.tensor(float(len(labels)), dtype=torch.float64, device=sums.device)
+    sums[:4] += torch.stack([loss.double(), top1.double(), top5.double(), count])
+    if k:
+        hit = logits.argmax(dim=1) == labels
+        sums[4 : 4 + k] += torch.bincount(labels[hit], minlength=k).double()
+        sums[4 + k :] += torch.bincount(labels, minlength=k).double()
+
+
+def _metrics(values: list[float], k: int) -> dict:
+    """The reduced sums as metrics (see `evaluate_classification`)."""
     loss, top1, top5, count = values[:4]
     count_safe = max(count, 1.0)
     metrics = {

@@ -79,7 +79,7 @@ class PlainLoop:
 
     def __init__(self, cfg: DictConfig, role: str, device: torch.device, switches):
         from visiondist.engine.optim import KERNELS, describe_optimizer, resolve_impl
-        from visiondist.engine.trainer import seed_everything
+        from visiondist.engine.build import seed_everything
         from visiondist.models import build_model, select_attention
 
         seed_everything(cfg.trainer.seed)  # same_model: the initial weights of `Trainer`'s model

@@ -7,6 +7,7 @@ import json
 import logging
 from contextlib import nullcontext
 from pathlib import Path
+import math
 from typing import Any
 
 from visiondist.engine.logging import summary_table
@@ -84,6 +85,51 @@ def draw_evaluation(task, metrics: dict[str, Any], run_dir: Path, title: str,
     if pngs:
         log.info("plots: %s", ", ".join(p.name for p in pngs))
     return pngs
+
+
+def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict[str, Any]:
+    """The summary of a finished run (table, summary.json): the trainer `tr`'s figures, its task's last evaluation."""
+    from visiondist.data.robust import count_bad_images
+    from visiondist.engine.build import precision_text
+
+    if math.isnan(final_loss):  # nothing trained in this process (resumed at the end): the run's last logged loss
+        final_loss = next((r["loss"] for r in reversed(tr.metrics.rows) if r.get("loss") is not None), math.nan)
+    ran = tr.step - tr.resumed_from_step
+    summary = {
+        "model": tr.cfg.model.name,
+        "parameters (M)": round(tr.num_params / 1e6, 3),
+        "parameters per rank (M)": round(tr.rank_params / 1e6, 3),
+        "layout": tr.layout_text,
+        "precision": precision_text(tr.cfg.trainer, tr.layout.device),
+        "data": f"{tr.cfg.data.name}: {tr.data.num_train} train / {tr.data.num_val} val images",
+        "steps": tr.step,
+        "epochs": float(f"{tr.step / tr.data.train_sampler.steps_per_epoch:.3g}"),
+        "train time (s)": round(train_time, 1),
+        "throughput (img/s)": (float(f"{ran * tr.cfg.data.batch_size / train_time:.3g}")
+                               if ran and train_time > 0 else None),  # of this process's steps
+        "final train loss": None if math.isnan(final_loss) else final_loss,
+        **best_evaluation(tr.metrics.rows, *tr.task.headline),
+        **({"skipped steps (non-finite)": tr.skipped_steps} if tr.skipped_steps else {}),
+        **({"skipped steps (fp16 overflow)": tr.overflow_steps} if tr.overflow_steps else {}),
+        **({"fp16 loss scale": _exact(tr.scaler.get_scale())} if tr.scaler is not None else {}),
+        **({"unreadable train images (replaced)": bad} if (bad := count_bad_images(tr.run_dir)) else {}),
+        **({"TP traffic per step (MB)": round(tr.tp_bytes_per_step / 1e6, 2)} if tr.tp_bytes_per_step else {}),
+        **({"PP traffic per step (MB)": round(tr.pp_bytes_per_step / 1e6, 2)} if tr.pp_bytes_per_step else {}),
+        **({"pipeline": f"{tr.pipeline.schedule_name}, {tr.pipeline.microbatches} micro-batches"}
+           if tr.pipeline is not None else {}),
+        **({"pipeline bubble (%)": round(100 * tr.bubble, 1)} if tr.bubble is not None else {}),
+        **tr.task.summary(tr.last_eval),
+        **({"peak GPU memory (GiB)": round(tr.peak_gpu_gib(), 2)} if tr.layout.device.type == "cuda" else {}),
+        "checkpoint": str(tr.last_checkpoint),
+        "weights": str(weights),
+        "run dir": str(tr.run_dir),
+    }
+    return summary
+
+
+def _exact(value: float) -> float | int:
+    """A whole number as an int (the summary table prints floats to 4 digits: 65536, not 6.554e+04)."""
+    return int(value) if value.is_integer() else value
 
 
 def report_run(run_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], task, last_eval: dict[str, Any],

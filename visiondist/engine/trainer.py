@@ -10,20 +10,23 @@ whose gradient overflowed is skipped on every rank (`visiondist.engine.precision
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
-import random
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from visiondist.data import prepare_data
-from visiondist.data.robust import count_bad_images
+from visiondist.engine.build import (
+    build_laid_out,
+    check_val_images,
+    num_params,
+    precision_text,
+    run_of,
+    seed_everything,
+)
 from visiondist.engine.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -35,48 +38,30 @@ from visiondist.engine.ema import ModelEma
 from visiondist.engine.hooks import default_hooks
 from visiondist.engine.failures import PROGRESS
 from visiondist.engine.faults import STOP, NonFiniteStep, StepHealth
-from visiondist.engine.logging import MetricsLogger, setup_logging
+from visiondist.engine.logging import MetricsLogger
 from visiondist.engine.optim import build_optimizer, build_scheduler
-from visiondist.engine.precision import LossScaler, autocast_dtype, autocast_for, precision_name
-from visiondist.engine.report import best_evaluation, draw_evaluation, report_run, shown_path
+from visiondist.engine.precision import LossScaler, autocast_for, precision_name
+from visiondist.engine.report import report_run, run_summary
 from visiondist.engine.tasks import build_task
-from visiondist.models import build_deferred, build_model, select_attention
+from visiondist.models import build_deferred
 from visiondist.models.init import is_meta, materialize
 from visiondist.parallel import (
     Layout,
     PipelinedViT,
-    PipelineSpec,
     average_over_data_parallel,
     clip_grad_norm,
     finish_gradients,
     local_numel,
-    local_part,
-    parallelize,
     reshard,
     unwrap,
 )
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = {"32": "fp32", "bf16": "bf16 autocast", "16": "fp16 autocast + loss scaling"}
-
-
-def precision_text(trainer_cfg: DictConfig, device: torch.device) -> str:
-    """What `trainer.precision` (and `trainer.tf32`) run as, for the start-up line and the summary."""
-    text = PRECISIONS[precision_name(trainer_cfg.precision)]
-    return text + " (TF32 matmuls)" if text == "fp32" and device.type == "cuda" and trainer_cfg.tf32 else text
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 class Trainer:
     def __init__(self, cfg: DictConfig, layout: Layout, run_dir: Path):
         self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
-        _run_of(layout)  # every parallel switch is read from the resolved layout, never from cfg.parallel
+        run_of(layout)  # every parallel switch is read from the resolved layout, never from cfg.parallel
         t = cfg.trainer
         seed_everything(t.seed)  # the same on every rank: identical initial weights before any broadcast
         self.task = build_task(cfg, layout)  # the data first: a missing folder stops the run before a model is built
@@ -410,146 +395,9 @@ class Trainer:
         return path
 
     def _finish(self, final_loss: float, train_time: float, weights: Path) -> dict[str, Any]:
-        if math.isnan(final_loss):  # nothing trained in this process (resumed at the end): the run's last logged loss
-            final_loss = next((r["loss"] for r in reversed(self.metrics.rows) if r.get("loss") is not None), math.nan)
-        ran = self.step - self.resumed_from_step
-        summary = {
-            "model": self.cfg.model.name,
-            "parameters (M)": round(self.num_params / 1e6, 3),
-            "parameters per rank (M)": round(self.rank_params / 1e6, 3),
-            "layout": self.layout_text,
-            "precision": precision_text(self.cfg.trainer, self.layout.device),
-            "data": f"{self.cfg.data.name}: {self.data.num_train} train / {self.data.num_val} val images",
-            "steps": self.step,
-            "epochs": float(f"{self.step / self.data.train_sampler.steps_per_epoch:.3g}"),
-            "train time (s)": round(train_time, 1),
-            "throughput (img/s)": (float(f"{ran * self.cfg.data.batch_size / train_time:.3g}")
-                                   if ran and train_time > 0 else None),  # of this process's steps
-            "final train loss": None if math.isnan(final_loss) else final_loss,
-            **best_evaluation(self.metrics.rows, *self.task.headline),
-            **({"skipped steps (non-finite)": self.skipped_steps} if self.skipped_steps else {}),
-            **({"skipped steps (fp16 overflow)": self.overflow_steps} if self.overflow_steps else {}),
-            **({"fp16 loss scale": _exact(self.scaler.get_scale())} if self.scaler is not None else {}),
-            **({"unreadable train images (replaced)": bad} if (bad := count_bad_images(self.run_dir)) else {}),
-            **({"TP traffic per step (MB)": round(self.tp_bytes_per_step / 1e6, 2)} if self.tp_bytes_per_step else {}),
-            **({"PP traffic per step (MB)": round(self.pp_bytes_per_step / 1e6, 2)} if self.pp_bytes_per_step else {}),
-            **({"pipeline": f"{self.pipeline.schedule_name}, {self.pipeline.microbatches} micro-batches"}
-               if self.pipeline is not None else {}),
-            **({"pipeline bubble (%)": round(100 * self.bubble, 1)} if self.bubble is not None else {}),
-            **self.task.summary(self.last_eval),
-            **({"peak GPU memory (GiB)": round(self.peak_gpu_gib(), 2)} if self.layout.device.type == "cuda" else {}),
-            "checkpoint": str(self.last_checkpoint),
-            "weights": str(weights),
-            "run dir": str(self.run_dir),
-        }
+        summary = run_summary(self, final_loss, train_time, weights)
         self.metrics.close()
         if self.layout.is_main:
             report_run(self.run_dir, summary, self.metrics.rows, self.task, self.last_eval,
                        f"{self.cfg.model.name} on {self.cfg.data.name}")
         return summary
-
-
-def _exact(value: float) -> float | int:
-    """A whole number as an int (the summary table prints floats to 4 digits: 65536, not 6.554e+04)."""
-    return int(value) if value.is_integer() else value
-
-
-def check_val_images(loader) -> None:
-    """This rank's share of the val split, checked for unreadable files (a rank that reads no images has none)."""
-    from visiondist.data.robust import check_images
-
-    dataset = getattr(loader, "dataset", None)
-    if dataset is None:
-        return
-    index = [i for batch in loader.batch_sampler for i in batch]
-    if hasattr(dataset, "records"):  # COCO
-        paths = [str(dataset.records[i].path) for i in index]
-    else:
-        paths = [dataset.samples[i][0] for i in index]
-    check_images(paths, "val images")
-
-
-def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool = True) -> torch.nn.Module:
-    """This rank's model under the layout, with the attention kernel chosen (`model.sdpa`, process-wide).
-
-    A ViT is built on the meta device, laid out (TP shards, pipeline stages, FSDP shards), and only then are this
-    rank's tensors allocated on its device and drawn (or read from `model.weights` / `model.init_from`), each equal
-    to what one process draws for the same seed: no rank ever holds the whole model. `weights=False` leaves them
-    for a checkpoint to fill. Other models are built whole on the CPU, moved to the device, then laid out."""
-    m, p = cfg.model, _run_of(layout)
-    select_attention(m.sdpa)
-    model, source = build_deferred(m, weights)
-    fill = None
-    if is_meta(model):
-        device = torch.device("cpu") if p.fsdp and p.offload else layout.device  # FSDP offload: shards on the host
-
-        def fill(laid_out: torch.nn.Module) -> None:
-            materialize(laid_out, device, source, local_part(layout))
-    else:
-        model = model.to(layout.device)
-        if m.sync_bn and layout.dp > 1:
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=layout.dp_group)
-    if m.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    return parallelize(model, layout, p.sequence_parallel, PipelineSpec.from_layout(p), loss_fn, fsdp=p.fsdp,
-                       offload=p.offload, activation_checkpointing=p.activation_checkpointing,
-                       checkpoint_blocks=p.checkpoint_blocks, compile=cfg.trainer.compile,
-                       param_dtype=autocast_dtype(cfg.trainer.precision), materialize=fill)
-
-
-def _run_of(layout: Layout):
-    if layout.run is None:
-        raise ValueError("this Layout carries no RunLayout: build it with visiondist.plan.rank_layout(cfg) (or "
-                         "build_layout(..., run=visiondist.plan.resolve(cfg)[0]))")
-    return layout.run
-
-
-def num_params(model_cfg: DictConfig) -> int:
-    """Parameters of the whole model, counted on the meta device."""
-    bare = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None, "backbone_weights": None})
-    with torch.device("meta"):
-        return sum(p.numel() for p in build_model(bare).parameters())
-
-
-def prepare_rank(cfg: DictConfig, layout: Layout, run_dir: Path, log_file: str = "train.log") -> None:
-    """Logging on every rank (rank 0 into `log_file` in the run dir); the data generated once per node while the other
-    ranks wait."""
-    import torch.distributed as dist
-
-    setup_logging(run_dir, layout.is_main, log_file)
-    if layout.local_rank == 0:
-        prepare_data(cfg.data, show_progress=layout.is_main and cfg.trainer.progress)
-    dist.barrier()
-
-
-def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
-    """Entry point of every rank: prepare the data once per node, then fit."""
-    prepare_rank(cfg, layout, run_dir)
-    return Trainer(cfg, layout, run_dir).fit()
-
-
-def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
-    """Entry point of every rank of `tools/eval.py`: the model with `cfg.model.weights`, evaluated on the val split.
-    Rank 0 prints the result (the 12-line COCOeval summary for detectors) and writes eval.json (and, for
-    detectors, detections.json) into `run_dir` (by default `<output dir>/eval/<date>_<time>/`, with eval.log), and
-    says where."""
-    prepare_rank(cfg, layout, run_dir, "eval.log")
-    seed_everything(cfg.trainer.seed)
-    PROGRESS.at("loading the weights")
-    checkpoint = Path(cfg.model.weights) if cfg.model.weights and Path(cfg.model.weights).is_dir() else None
-    model = build_laid_out(cfg, layout, weights=checkpoint is None)  # a checkpoint fills the tensors itself
-    if checkpoint is not None:  # a DCP checkpoint directory: read into whatever layout this run has
-        load_model_state(checkpoint, unwrap(model), layout)
-    task = build_task(cfg, layout, train=False)
-    PROGRESS.at("evaluating")
-    metrics = task.evaluate(unwrap(model), layout, autocast_for(cfg.trainer.precision, layout.device), run_dir)
-    if layout.is_main:
-        (run_dir / "eval.json").write_text(json.dumps({"weights": cfg.model.weights, **metrics}, indent=2))
-        log.info("eval | %s", task.describe(metrics))
-        draw_evaluation(task, metrics, run_dir, f"{cfg.model.name} on {cfg.data.name}")
-        print(task.final_line(metrics), flush=True)
-        print(f"eval dir: {shown_path(run_dir)} (eval.json, eval.log)", flush=True)
-    return metrics
-
-
-evaluate_checkpoint.run_kind = "eval"  # type: ignore[attr-defined]  # its default run dir: <output dir>/eval/...

@@ -1,0 +1,259 @@
+"""Memory model of a ViT under a (dp, tp, pp) layout: bytes per rank, before anything is built.
+
+Static state is counted exactly from the model's shape: parameters, gradients, optimizer state (AdamW: two moments
+and a step counter per tensor; SGD with momentum: one buffer) and the EMA copy, for the rank holding the largest
+pipeline stage (stages are cut exactly as `visiondist.parallel.pipeline.block_ranges` cuts them). Tensor-parallel
+shards follow the plan in `visiondist.parallel.tensor`: q, k, v and fc1 split by rows (weight and bias), proj and fc2
+by columns (weight only); norms, embeddings and the head are replicated.
+
+Under FSDP each tensor is sharded along dim 0 (padded to equal chunks, as FSDP2 does) and the gathered weights of
+the blocks in flight are counted as buffers; with offload the shards, gradients and optimizer state are host memory.
+
+Activations are an estimate: the tensors a block saves for its backward, per micro-batch in flight (with activation
+checkpointing: each block's input, plus one block's full set while it is recomputed); `saved_activation_bytes`
+measures them on a built module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from visiondist.config.layout import MULTI_STAGE, microbatches_for, stages_per_rank_for
+from visiondist.parallel.pipeline import balance
+
+FLOAT = 4  # parameters, gradients and optimizer state are fp32 whatever the autocast precision
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ViTShape:
+    embed_dim: int
+    depth: int
+    num_heads: int
+    mlp_ratio: float
+    patch_size: int
+    img_size: int
+    num_classes: int
+    qkv_bias: bool = True
+
+    @classmethod
+    def from_config(cls, m) -> "ViTShape":
+        return cls(int(m.embed_dim), int(m.depth), int(m.num_heads), float(m.mlp_ratio), int(m.patch_size),
+                   int(m.img_size), int(m.num_classes), bool(m.qkv_bias))
+
+    @property
+    def hidden(self) -> int:
+        return int(self.embed_dim * self.mlp_ratio)
+
+    @property
+    def tokens(self) -> int:
+        return (self.img_size // self.patch_size) ** 2 + 1
+
+
+@dataclass(frozen=True)
+class Tensors:
+    """Element count and tensor count of some parameters."""
+
+    elements: int = 0
+    tensors: int = 0
+
+    def __add__(self, other: "Tensors") -> "Tensors":
+        return Tensors(self.elements + other.elements, self.tensors + other.tensors)
+
+
+def block_params(s: ViTShape, tp: int = 1) -> Tensors:
+    """One transformer block's parameters on one TP rank."""
+    d, h = s.embed_dim, s.hidden
+    qkv = 3 * (d * d + (d if s.qkv_bias else 0)) // tp
+    proj = d * d // tp + d
+    fc1 = (h * d + h) // tp
+    fc2 = d * h // tp + d
+    norms = 4 * d
+    return Tensors(qkv + proj + fc1 + fc2 + norms, (6 if s.qkv_bias else 3) + 2 + 2 + 2 + 4)
+
+
+def embed_params(s: ViTShape) -> Tensors:
+    d = s.embed_dim
+    return Tensors(3 * s.patch_size**2 * d + d + d + s.tokens * d, 4)  # conv weight + bias, cls token, pos embed
+
+
+def head_params(s: ViTShape) -> Tensors:
+    d = s.embed_dim
+    return Tensors(2 * d + d * s.num_classes + s.num_classes, 4)  # final norm, head
+
+
+def tensor_shapes(s: ViTShape) -> list[tuple[int, ...]]:
+    """Every parameter's shape, in the model's order (embedding, blocks, norm, head)."""
+    d, h, t = s.embed_dim, s.hidden, s.tokens
+    block = [(d,), (d,)]  # norm1
+    for _ in range(3):  # q, k, v
+        block += [(d, d)] + ([(d,)] if s.qkv_bias else [])
+    block += [(d, d), (d,), (d,), (d,), (h, d), (h,), (d, h), (d,)]  # proj, norm2, fc1, fc2
+    embed = [(d, 3, s.patch_size, s.patch_size), (d,), (1, 1, d), (1, t, d)]
+    head = [(d,), (d,), (s.num_classes, d), (s.num_classes,)]
+    return embed + block * s.depth + head
+
+
+def fsdp_shard(s: ViTShape, n: int, rank: int = 0) -> Tensors:
+    """What FSDP2 stores on `rank` of `n`: its chunk of ceil(dim0 / n) rows of every tensor (rank 0 has the most)."""
+    elements = 0
+    for shape in tensor_shapes(s):
+        chunk = math.ceil(shape[0] / n)
+        elements += max(0, min(chunk, shape[0] - rank * chunk)) * math.prod(shape[1:])
+    return Tensors(elements, len(tensor_shapes(s)))
+
+
+def stage_ranges(s: ViTShape, tp: int, n_stages: int) -> list[tuple[int, int]]:
+    """Blocks [first, last) of each stage, cut as `pipeline.block_ranges` cuts the (TP-sharded) model."""
+    if n_stages == 1:
+        return [(0, s.depth)]
+    costs = [block_params(s, tp).elements] * s.depth
+    costs[0] += embed_params(s).elements
+    costs[-1] += head_params(s).elements
+    return balance(costs, n_stages)
+
+
+def stage_params(s: ViTShape, tp: int, pp: int, stages_per_rank: int = 1) -> list[Tensors]:
+    """Parameters of each pipeline rank (its stages together), in rank order."""
+    n = pp * stages_per_rank
+    ranges = stage_ranges(s, tp, n)
+    block = block_params(s, tp)
+    ranks = []
+    for r in range(pp):
+        total = Tensors()
+        for stage in range(r, n, pp):
+            a, b = ranges[stage]
+            total = total + Tensors(block.elements * (b - a), block.tensors * (b - a))
+            if stage == 0:
+                total = total + embed_params(s)
+            if stage == n - 1:
+                total = total + head_params(s)
+        ranks.append(total)
+    return ranks
+
+
+def optimizer_bytes(params: Tensors, optimizer: str, momentum: float = 0.9) -> int:
+    if optimizer == "adamw":
+        return 2 * FLOAT * params.elements + FLOAT * params.tensors  # exp_avg, exp_avg_sq, a 0-dim step per tensor
+    if optimizer == "sgd":
+        return FLOAT * params.elements if momentum else 0
+    raise ValueError(f"unknown optimizer {optimizer!r}")
+
+
+def act_size(precision: str) -> int:
+    return 2 if str(precision) in ("bf16", "16") else 4  # autocast saves 16-bit activations
+
+
+def block_activation_bytes(s: ViTShape, micro_batch: int, tp: int, precision: str = "32") -> int:
+    """Tensors one block saves for its backward, for one micro-batch: the inputs of the two norms, of q/k/v, proj,
+    fc1 and fc2, the GELU input, the attention output and its log-sum-exp (memory-efficient attention keeps no
+    tokens x tokens matrix); the TP-sharded ones divided by tp."""
+    size = act_size(precision)
+    t, d, h = s.tokens, s.embed_dim, s.hidden
+    replicated = 2 * t * d * FLOAT + 4 * t * FLOAT  # norm inputs (fp32) and their mean / rstd
+    sharded = (t * d + 3 * t * d + t * d + t * d + 2 * t * h) * size // tp  # q/k/v in, q/k/v, attn out, proj in, MLP
+    sharded += s.num_heads * t * FLOAT // tp
+    return micro_batch * (replicated + sharded + t * d * size)  # + fc1's input (the norm output)
+
+
+def microbatches_in_flight(schedule: str, pp: int, microbatches: int) -> int:
+    """Micro-batches whose activations the first pipeline rank holds at its peak."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return microbatches
+    return min(microbatches, pp + (pp if schedule in MULTI_STAGE else 0))
+
+
+@dataclass
+class RankMemory:
+    """Bytes on one rank. `device` is what the accelerator must hold; offloaded state is in `host` instead."""
+
+    params: int
+    grads: int
+    optimizer: int
+    ema: int
+    activations: int
+    buffers: int = 0  # DDP's gradient buckets / the flat all-reduce copy; FSDP's gathered blocks in flight
+    offloaded: bool = False
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer + self.ema
+
+    @property
+    def device(self) -> int:
+        return (0 if self.offloaded else self.state) + self.activations + self.buffers
+
+    @property
+    def host(self) -> int:
+        return self.state if self.offloaded else 0
+
+    @property
+    def total(self) -> int:
+        return self.state + self.activations + self.buffers
+
+
+def rank_memory(s: ViTShape, dp: int, tp: int, pp: int, global_batch: int, grad_accum: int = 1,
+                optimizer: str = "adamw", ema: bool = False, precision: str = "32", schedule: str = "1f1b",
+                stages_per_rank: int = -1, microbatches: int = -1, pp_rank: Optional[int] = None,
+                fsdp: bool = False, offload: bool = False, checkpointing: bool = False,
+                sequence_parallel: bool = False) -> RankMemory:
+    """Bytes on the busiest rank (or on `pp_rank`'s ranks) of the layout."""
+    spr = stages_per_rank_for(schedule, stages_per_rank) if pp > 1 else 1
+    m = microbatches_for(pp, microbatches) if pp > 1 else grad_accum
+    per_rank = stage_params(s, tp, pp, spr)
+    rank = max(range(pp), key=lambda r: per_rank[r].elements) if pp_rank is None else pp_rank
+    params = fsdp_shard(s, dp) if fsdp else per_rank[rank]
+    local_batch = global_batch // dp
+    micro = local_batch // (grad_accum * (m if pp > 1 else 1))
+    ranges = stage_ranges(s, tp, pp * spr)
+    blocks = sum(b - a for stage, (a, b) in enumerate(ranges) if stage % pp == rank)
+    in_flight = microbatches_in_flight(schedule, pp, m)
+    block_act = block_activation_bytes(s, micro, tp, precision)
+    if checkpointing:  # each block keeps its input (token-sharded under SP); one block is recomputed at a time
+        kept = micro * s.tokens * s.embed_dim * act_size(precision) // (tp if sequence_parallel else 1)
+        act = blocks * in_flight * kept + block_act
+    else:
+        act = blocks * in_flight * block_act
+    block = block_params(s, tp).elements
+    if fsdp:  # two blocks gathered (the running one and the prefetched next), one block's full gradient, the root
+        root = embed_params(s).elements + head_params(s).elements
+        buffers = FLOAT * (3 * block + 2 * root)
+    elif dp > 1:  # DDP's buckets, or the pipeline's flat all-reduce: a copy of the gradients
+        buffers = FLOAT * params.elements
+    else:
+        buffers = 0
+    return RankMemory(
+        params=FLOAT * params.elements,
+        grads=FLOAT * params.elements,
+        optimizer=optimizer_bytes(params, optimizer),
+        ema=FLOAT * params.elements if ema else 0,
+        activations=act,
+        buffers=buffers,
+        offloaded=offload,
+        detail={"rank": rank, "blocks": blocks, "micro_batch": micro, "in_flight": in_flight,
+                "param_tensors": params.tensors, "microbatches": m},
+    )
+
+
+def saved_activation_bytes(module, *inputs) -> int:
+    """Measured: the bytes of the distinct storages autograd saves for the backward of `module(*inputs)`, parameters
+    left out (what the activation estimate models)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(*inputs)
+    return sum(seen.values())
