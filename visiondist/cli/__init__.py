@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from visiondist.cli.load import checked, load_config, load_run_config  # noqa: F401 (the tools' API)
+from visiondist.cli.load import checked, load_config, load_run_config, not_a_setting  # noqa: F401 (the tools' API)
 from visiondist.config import ConfigError
 
 
@@ -221,24 +221,15 @@ def _top_level(config_dir: Path) -> set[str]:
 
 def _not_a_key(tool: Tool, config_dir: Path, key: str) -> str:
     """`max_steps is not a setting: did you mean trainer.max_steps?`, or a tool key / group close to it."""
-    from visiondist.config import TrainConfig
-
-    leaves = _leaves(OmegaConf.to_container(OmegaConf.structured(TrainConfig), throw_on_missing=False))
-    same = [name for name in leaves if name.rsplit(".", 1)[-1] == key]
+    same = not_a_setting(key)
     if same:
-        return f"{key} is not a setting: did you mean {' or '.join(same)}?"
+        return same
     close = difflib.get_close_matches(key, [*tool.key_names, *sorted(groups(config_dir))], n=1)
     if close:
         return f"{key} is not a setting of tools/{tool.name}: did you mean {close[0]}?"
     takes = f"the keys {_key_list(tool)}, " if tool.keys else ""
     return (f"{key} is not a setting: tools/{tool.name} takes {takes}group=option and group.key=value (--help lists "
             "them)")
-
-
-def _leaves(tree: object, prefix: str = "") -> list[str]:
-    if not isinstance(tree, dict):
-        return [prefix[:-1]]
-    return [leaf for key, value in tree.items() for leaf in _leaves(value, f"{prefix}{key}.")]
 
 
 def _key_list(tool: Tool) -> str:

@@ -93,7 +93,7 @@ def _explain(exc: BaseException) -> str:
         seen.add(id(error))
         key = getattr(error, "full_key", None)
         if key and isinstance(error, (ConfigKeyError, ConfigAttributeError)):
-            return _unknown_key(str(key))
+            return not_a_setting(str(key)) or f"{key} is not a setting (--cfg prints them)"
         if key and isinstance(error, ValidationError):
             return f"{key}: {str(error).strip().splitlines()[0]}"
         error = error.__cause__ or error.__context__
@@ -115,20 +115,33 @@ def _explain(exc: BaseException) -> str:
     return "\n".join(lines)
 
 
-def _unknown_key(key: str) -> str:
-    """`trainer.max_step is not a setting: did you mean trainer.max_steps?` (or the group's settings)."""
+def not_a_setting(key: str) -> str:
+    """The one line for a key the config does not have, with the closest setting: `trainer.max_step is not a setting:
+    did you mean trainer.max_steps?`; for a dotless key, the settings of that name anywhere (`max_steps` ->
+    `trainer.max_steps`), or '' when there is none."""
     import difflib
 
     from visiondist.config import TrainConfig
 
+    schema = OmegaConf.structured(TrainConfig)
     parent, _, name = key.rpartition(".")
-    node = OmegaConf.select(OmegaConf.structured(TrainConfig), parent) if parent else OmegaConf.structured(TrainConfig)
+    if not parent:
+        same = [leaf for leaf in _leaves(OmegaConf.to_container(schema, throw_on_missing=False))
+                if leaf.rsplit(".", 1)[-1] == key]
+        return f"{key} is not a setting: did you mean {' or '.join(same)}?" if same else ""
+    node = OmegaConf.select(schema, parent)
     known = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
     close = difflib.get_close_matches(name, known, n=1)
-    prefix = f"{parent}." if parent else ""
     if close:
-        return f"{key} is not a setting: did you mean {prefix}{close[0]}?"
-    return f"{key} is not a setting ({'the config' if not parent else parent} has {len(known)}: --cfg prints them)"
+        return f"{key} is not a setting: did you mean {parent}.{close[0]}?"
+    return f"{key} is not a setting ({parent} has {len(known)}: --cfg prints them)"
+
+
+def _leaves(tree: object, prefix: str = "") -> list[str]:
+    if not isinstance(tree, dict):
+        return [prefix[:-1]]
+    return [leaf for key, value in tree.items() for leaf in _leaves(value, f"{prefix}{key}.")]
+
 
 
 

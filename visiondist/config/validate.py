@@ -179,9 +179,7 @@ def _check_bench(cfg: DictConfig) -> None:
     _positive("bench.warmup", b.warmup, allow_zero=True)
     _positive("bench.steps", b.steps)
     _positive("bench.rounds", b.rounds)
-    _positive("bench.loader_batches", b.loader_batches, allow_zero=True)
-    for variant in b.variants:
-        variant_config(cfg, variant)
+    _positive("bench.loader_batches", b.loader_batches, allow_zero=True)  # each variant: `variant_config`
 
 
 _LAYOUT_KEYS = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.auto", "trainer.devices", "trainer.accelerator",

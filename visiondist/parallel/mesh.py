@@ -67,11 +67,6 @@ class Layout:
             dist.all_reduce(tensor, op=op, group=self.dp_group)
         return tensor
 
-    def describe(self) -> str:
-        if self.run is not None:
-            return self.run.describe()
-        return f"dp={self.dp} tp={self.tp} pp={self.pp} ({self.world_size} rank{'s' if self.world_size > 1 else ''} on {self.device.type})"
-
     def placement(self) -> list[str]:
         """Where each mesh dimension's groups sit: e.g. `tp groups [0, 1] [2, 3]: each inside one node`."""
         return placement(self.mesh.mesh.tolist(), self.nodes or (0,) * self.world_size)

@@ -50,13 +50,14 @@ def _continued_layout(cfg: DictConfig, world: World) -> Optional[RunLayout]:
 
 def check(cfg: DictConfig, mandatory: bool = True) -> None:
     """The whole check of a composed config before anything runs: each group on its own (`validate`), then the model
-    family against the rest (`check_support`)."""
+    family against the rest (`check_support`); the same for each benchmark variant (which may switch on what the
+    family lacks)."""
+    from visiondist.config import variant_config
+
     validate(cfg, mandatory)
     check_support(cfg)
-    for variant in cfg.bench.variants:  # a benchmark variant may switch on what the family lacks
-        from visiondist.config import variant_config
-
-        check_support(variant_config(cfg, variant))
+    for variant in cfg.bench.variants:
+        check_support(variant_config(cfg, variant))  # validated as it is built
 
 
 def _plan_auto(cfg: DictConfig, world: World):
