@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE / "multirank")]  # the helpers; the rank-side modules the multi-rank tests import
 
 from helpers import TINY_DATA  # noqa: E402
 
@@ -23,3 +24,28 @@ def tiny_shapes(tmp_path_factory) -> Path:
         seed=0,
     )
     return ensure_shapes(tmp_path_factory.mktemp("data") / "shapes", synthetic)
+
+
+@pytest.fixture(scope="session")
+def shapes_coco(tmp_path_factory):
+    """A generated COCO-format set of 23 val images, shared by the COCO evaluation tests."""
+    from types import SimpleNamespace
+
+    from visiondist.data.builtin import ensure_shapes_coco
+
+    spec = SimpleNamespace(train_images=8, val_images=23, image_size=64, seed=0)  # 23: no even split over 2 or 3
+    return ensure_shapes_coco(tmp_path_factory.mktemp("data") / "shapes_coco", spec)
+
+
+@pytest.fixture(scope="session")
+def single_process(shapes_coco):
+    """The reference: one process's detections of the stand-in detector on `shapes_coco`, scored by pycocotools."""
+    import coco_ranks  # tests/multirank/, on the path (above)
+
+    from visiondist.engine.coco_eval import deduplicate, predict, score
+
+    data = coco_ranks.val_set(shapes_coco)
+    detections, seen = predict(coco_ranks.StandInDetector(data), coco_ranks.loader(data, 0, 1), "cpu", data.cat_of)
+    dets, count = deduplicate([(detections, seen)], expected=len(data))
+    assert count == 23 and len(dets) > 23
+    return dets, score(data.ann_file, dets, backend="pycocotools"), data

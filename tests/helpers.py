@@ -133,7 +133,7 @@ def spawn_ranks(fn, nprocs: int, *args, timeout: float = 240, **kwargs):
         args_file, result_file = Path(tmp) / "args.pkl", Path(tmp) / "result.pkl"
         args_file.write_bytes(pickle.dumps((args, kwargs)))
         result = run_cli([fn.__module__, fn.__name__, str(nprocs), str(args_file), str(result_file)],
-                         timeout=timeout, script=REPO / "tests" / "run_ranks.py")
+                         timeout=timeout, script=REPO / "tests" / "multirank" / "run_ranks.py")
         if not result_file.is_file():
             raise AssertionError(f"{fn.__name__} on {nprocs} ranks ended without a result "
                                  f"(exit code {result.returncode}):\n{result.stdout[-4000:]}")

@@ -21,7 +21,7 @@ failed=0
 } 2>&1 | tee "$out/device.txt"
 
 if [[ $what == tests || $what == all ]]; then
-    python3 -m pytest -p no:cacheprovider -n 0 -m gpu -rA tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
+    python3 -m pytest -p no:cacheprovider -n 0 -m gpu -rA tests/unit/test_gpu.py tests/multirank/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
     [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
 fi
 

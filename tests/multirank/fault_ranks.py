@@ -46,7 +46,7 @@ def nonfinite_on_one_rank(overrides: list[str], bad_rank: int, bad_step: int) ->
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:
-        cfg = compose(Path(__file__).resolve().parents[1] / "configs", overrides)
+        cfg = compose(Path(__file__).resolve().parents[2] / "configs", overrides)
         layout = rank_layout(cfg)  # 2 ranks: dp=2
         run_dir = Path(cfg.trainer.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)

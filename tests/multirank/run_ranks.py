@@ -1,7 +1,7 @@
 """Child process of `helpers.spawn_ranks`: run `module.function` on N gloo ranks (torch's elastic launcher) and
 pickle every rank's return value, or each failing rank's error, to a file.
 
-    python tests/run_ranks.py <module> <function> <nprocs> <args.pkl> <result.pkl>
+    python tests/multirank/run_ranks.py <module> <function> <nprocs> <args.pkl> <result.pkl>
 """
 
 import importlib
@@ -9,7 +9,8 @@ import pickle
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # the rank-side modules beside it, the helpers (and test modules) above
 
 
 def main() -> None:

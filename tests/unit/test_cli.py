@@ -1,19 +1,19 @@
-"""One command line for every tool: `python tools/<tool>.py [flags] [key=value ...] [group=option ...]`. Each tool's
---help, Hydra's keys and flags honoured or refused in one line (exit 2), the old spellings with a deprecation line,
-where each kind of job writes, and a class count inferred from the class folders. Mostly in-process through each
-tool's `main(argv)`; one tiny training run and its evaluation run as the user would start them."""
+"""One command line for every tool, in process through each tool's `main(argv)`: each tool's --help, Hydra's keys and
+flags honoured or refused in one line (exit 2), the old spellings with a deprecation line, where each kind of job
+writes, a class count inferred from the class folders. The runs started as a user would: tests/multirank/test_cli.py."""
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import REPO, TINY_DATA, run_cli, train_ok
+from helpers import REPO
+
 
 CONFIGS = REPO / "configs"
+
+
 TOOLS = ("train", "eval", "export", "plan", "benchmark")
 
 
@@ -30,8 +30,6 @@ def _call(capsys, name, *argv):
     out = capsys.readouterr()
     return code, out.out, [line for line in out.err.splitlines() if line.strip()]
 
-
-# -- --help ----------------------------------------------------------------------------------------------------------
 
 KEYS = {"train": (), "eval": ("run_dir=<dir>", "step=<N>", "weights=<path>"), "plan": (), "benchmark": (),
         "export": ("run_dir=<dir>", "step=<N>", "format=<format>", "out=<path>")}
@@ -59,21 +57,11 @@ def test_each_tool_has_its_own_usage_with_its_keys_and_the_group_options(capsys,
     assert "imagenet" in groups["data"] and "vit_b16_imagenet" in groups["experiment"]
 
 
-def test_help_from_the_command_line():
-    for name in ("eval", "export"):
-        result = subprocess.run([sys.executable, str(REPO / "tools" / f"{name}.py"), "--help"], cwd=REPO,
-                                capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0 and result.stdout.startswith(f"usage: python tools/{name}.py"), result.stderr
-        assert "run_dir=<dir>" in result.stdout
-
-
 def test_writes_of_each_tool():
     assert "outputs/eval/<date>_<time>/" in _tool("eval").TOOL.writes
     assert "outputs/benchmark/<date>_<time>/" in _tool("benchmark").TOOL.writes
     assert _tool("plan").TOOL.writes.startswith("nothing")
 
-
-# -- Hydra's flags and keys ------------------------------------------------------------------------------------------
 
 REFUSED = [
     (("--info",), "--info: visiondist composes its config with Hydra but runs no Hydra app: --cfg job"),
@@ -195,9 +183,6 @@ def test_config_dir_adds_options(tmp_path, capsys):
     assert code == 0 and "# job 0: model=my_vit\n3" in out and "# job 1: model=vit_tiny\n12" in out
 
 
-# -- eval's old spelling -------------------------------------------------------------------------------------------
-
-
 @pytest.fixture
 def fake_run(tmp_path):
     """A run dir as far as the command line looks: config.yaml, model.safetensors, a complete step_3 checkpoint."""
@@ -230,23 +215,6 @@ def test_eval_takes_its_old_positional_path_with_a_deprecation_line(capsys, fake
     assert (code, out.strip(), err) == (0, weights, [])
 
 
-# -- where each kind of job writes, and what it prints --------------------------------------------------------------
-
-
-def test_eval_and_benchmark_dirs_are_named_as_what_they_are(tmp_path):
-    from visiondist.engine.benchmark import run_benchmark
-    from visiondist.engine.run import evaluate_checkpoint, train
-    from visiondist.launch import default_run_dir, run_kind
-
-    cfg = OmegaConf.create({"trainer": {"output_dir": str(tmp_path)}})
-    assert (run_kind(train), run_kind(evaluate_checkpoint), run_kind(run_benchmark)) == (None, "eval", "benchmark")
-    for kind in ("eval", "benchmark"):
-        path = default_run_dir(cfg, kind)
-        assert path.parent == tmp_path / kind and len(path.name.split("_")) == 2, path
-    trained = default_run_dir(cfg)
-    assert trained.parent.parent == tmp_path and trained.parent.name.count("-") == 2
-
-
 def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
     from visiondist.engine.report import next_commands
 
@@ -256,38 +224,6 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
         "run dir: outputs/r",
         "  evaluate: python tools/eval.py run_dir=outputs/r",
         "  export:   python tools/export.py run_dir=outputs/r   (format=onnx or format=torchscript for those)"]
-
-
-@pytest.fixture(scope="module")
-def hydra_run(tmp_path_factory, tiny_shapes):
-    """A 2-step tiny run placed by hydra.run.dir, and its output."""
-    run = tmp_path_factory.mktemp("hydra") / "run"
-    out = train_ok(*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16", "trainer.accelerator=cpu",
-                   "trainer.tensorboard=false", "trainer.max_steps=2", f"hydra.run.dir={run}")
-    return run, out
-
-
-def test_hydra_run_dir_puts_the_run_there_and_the_end_names_the_next_commands(hydra_run):
-    run, out = hydra_run
-    assert (run / "config.yaml").is_file() and (run / "model.safetensors").is_file() and (run / "train.log").is_file()
-    assert OmegaConf.load(run / "config.yaml").trainer.run_dir == str(run)
-    assert f"run dir: {run}\n  evaluate: python tools/eval.py run_dir={run}\n" in out
-    assert f"python tools/export.py run_dir={run}" in out
-
-
-def test_eval_of_a_run_by_its_old_spelling_writes_an_eval_dir_and_says_where(hydra_run):
-    run, _ = hydra_run
-    result = run_cli([str(run), "trainer.progress=false"], timeout=240, script=REPO / "tools" / "eval.py")
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert result.stdout.count("a bare path is deprecated") == 1
-    assert f"tools/eval.py {run}: a bare path is deprecated: write tools/eval.py run_dir={run}" in result.stdout
-    (out,) = (run / "eval").iterdir()
-    assert f"eval dir: {out} (eval.json, eval.log)" in result.stdout
-    assert {"eval.json", "eval.log", "config.yaml"} <= {p.name for p in out.iterdir()}
-    assert not (out / "train.log").exists()
-
-
-# -- the class count of ImageFolder data -----------------------------------------------------------------------------
 
 
 def test_imagenet_data_takes_its_class_count_from_the_class_folders(capsys, tiny_shapes):
@@ -315,3 +251,17 @@ def test_a_class_count_with_nothing_to_count(capsys, tmp_path):
     note = infer_num_classes(cfg, "eval")
     assert note == f"data.num_classes=3: inferred from the 3 class folders of {tmp_path / 'val'}"
     assert cfg.model.num_classes == 3
+
+
+def test_eval_and_benchmark_dirs_are_named_as_what_they_are(tmp_path):
+    from visiondist.engine.benchmark import run_benchmark
+    from visiondist.engine.run import evaluate_checkpoint, train
+    from visiondist.launch import default_run_dir, run_kind
+
+    cfg = OmegaConf.create({"trainer": {"output_dir": str(tmp_path)}})
+    assert (run_kind(train), run_kind(evaluate_checkpoint), run_kind(run_benchmark)) == (None, "eval", "benchmark")
+    for kind in ("eval", "benchmark"):
+        path = default_run_dir(cfg, kind)
+        assert path.parent == tmp_path / kind and len(path.name.split("_")) == 2, path
+    trained = default_run_dir(cfg)
+    assert trained.parent.parent == tmp_path and trained.parent.name.count("-") == 2

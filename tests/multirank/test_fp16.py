@@ -16,107 +16,25 @@ import pytest
 import torch
 
 import fp16_ranks
-from helpers import REPO, evals_of, losses_of, spawn_ranks, train_args
+from helpers import evals_of, losses_of, spawn_ranks, train_args
+
 
 INIT_SCALE = 2.0**16  # torch.amp.GradScaler's default, which trainer.precision=16 keeps
+
+
 FP16_TOL = 1e-3  # relative: fp16 rounds to 4.9e-4; 3 steps of the tiny model stay within 1.6e-4 of fp32 (measured)
-FP32_ROUND_OFF = 1e-5  # every layout matches one process in fp32 within this (tests/test_tensor_parallel.py, ...)
+
+
+FP32_ROUND_OFF = 1e-5  # every layout matches one process in fp32 within this (tests/multirank/test_tensor_parallel.py, ...)
+
+
 # Defaults otherwise (clip_grad=1.0, AdamW, the loader's settings but workers off, as in every tiny run of helpers: the
 # loader is the same whatever the precision); the EMA is on so that its evaluation is compared too.
 COMMON = ["model.num_heads=2", "trainer.max_steps=3", "trainer.ema_decay=0.9"]
+
+
 LAYOUTS = {"ddp2+accum2": ["parallel.dp=2", "trainer.grad_accum=2"], "tp2": ["parallel=tp2"],
            "pp2": ["parallel=pp2"], "fsdp2": ["parallel=fsdp"]}
-
-
-@pytest.mark.parametrize("value", ["16", "'16'"], ids=["int", "string"])
-def test_precision_16_is_accepted_as_int_or_string(value):
-    from visiondist.cli import load_config
-    from visiondist.engine.precision import autocast_dtype
-
-    cfg = load_config(REPO / "configs", [f"trainer.precision={value}"], inputs=None)
-    assert cfg.trainer.precision == "16" and autocast_dtype(cfg.trainer.precision) == torch.float16
-    assert autocast_dtype(16) == torch.float16 and autocast_dtype(32) is None
-    assert autocast_dtype("bf16") == torch.bfloat16
-
-
-def test_other_precisions_are_refused_with_the_choices():
-    from visiondist.cli import load_config
-    from visiondist.config import ConfigError
-
-    with pytest.raises(ConfigError, match=r"trainer.precision='fp16' is not supported: use one of 32, bf16, 16"):
-        load_config(REPO / "configs", ["trainer.precision=fp16"], inputs=None)
-
-
-def _model_and_optimizer(fused: bool = False):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    return model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
-
-
-def _scaled_step(scaler, model, optimizer, verdict: float) -> None:
-    """One step as the Trainer takes it, with the job's verdict `verdict` whatever this rank's gradients say."""
-    optimizer.zero_grad()
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = model(torch.randn(8, 4)).float().square().mean()
-    scaler.scale(loss).backward()
-    scaler.unscale_(optimizer)
-    scaler.agree(optimizer, torch.tensor(verdict))
-    scaler.step(optimizer)
-    scaler.update()
-
-
-@pytest.mark.smoke
-@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
-def test_the_scaler_skips_and_backs_off_on_the_jobs_verdict_not_the_ranks(fused):
-    """The rank's own gradients are finite throughout: only `agree` can make it skip. The fused optimizer skips on the
-    device (torch hands it the flag), the others after reading it. Growth after `growth_interval` finite steps."""
-    from visiondist.engine.precision import LossScaler
-
-    model, optimizer = _model_and_optimizer(fused)
-    scaler = LossScaler(torch.device("cpu"), growth_interval=2)
-    _scaled_step(scaler, model, optimizer, 0.0)
-    before = [p.detach().clone() for p in model.parameters()]
-    _scaled_step(scaler, model, optimizer, 1.0)  # another rank overflowed
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    assert {float(s["step"]) for s in optimizer.state.values()} == {1.0}
-    assert scaler.state_dict()["scale"] == INIT_SCALE / 2 and scaler.state_dict()["_growth_tracker"] == 0
-    for _ in range(2):
-        _scaled_step(scaler, model, optimizer, 0.0)
-    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    assert {float(s["step"]) for s in optimizer.state.values()} == {3.0}
-    assert scaler.state_dict()["scale"] == INIT_SCALE and scaler.state_dict()["_growth_tracker"] == 0
-
-
-@pytest.mark.smoke
-def test_the_scaler_unscales_fsdp2_gradients():
-    """FSDP2's gradients are DTensor shards (here over one rank): GradScaler unscales them in place."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    from visiondist.engine.precision import LossScaler
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        model, _ = _model_and_optimizer()
-        reference = [p.detach().clone() for p in model.parameters()]
-        fully_shard(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        scaler = LossScaler(torch.device("cpu"))
-        x = torch.randn(8, 4)
-        scaler.scale(model(x).square().mean()).backward()
-        scaler.unscale_(optimizer)
-        plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-        with torch.no_grad():
-            for p, r in zip(plain.parameters(), reference):
-                p.copy_(r)
-        plain(x).square().mean().backward()
-        for p, q in zip(model.parameters(), plain.parameters()):
-            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-7)
-    finally:
-        dist.destroy_process_group()
-
-
-# -- multi-rank runs of the Trainer ---------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +79,6 @@ def _column(run, key: str) -> dict[int, float]:
 
     return {int(r["step"]): r[key] for r in read_metrics(run / "metrics.csv") if r.get(key) is not None}
 
-
-# -- one decision for the job, and the scale across a resume -----------------------------------------------------
 
 TP2 = ["model.num_heads=2", "parallel=tp2", "trainer.precision=16", "trainer.max_steps=5"]
 

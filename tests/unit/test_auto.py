@@ -9,7 +9,7 @@ from visiondist.plan import resolve
 from visiondist.parallel.memory import ViTShape
 from visiondist.parallel.planner import Candidate, Hardware, plan, plan_config
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _cfg(*overrides):

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from visiondist import compat
 
+
 pytestmark = pytest.mark.smoke
 
 
@@ -37,16 +38,6 @@ def test_the_pipeline_stage_methods_we_override_exist_with_their_parameters(monk
     monkeypatch.setattr(PipelineStage, "backward_weight_one_chunk", None)  # what a release that removed it looks like
     with pytest.raises(RuntimeError, match="PipelineStage.backward_weight_one_chunk is gone"):
         compat.check_pipeline_stage()
-
-
-def test_each_rank_finds_its_gpu_also_when_bound_to_one():
-    from visiondist.config import ConfigError
-    from visiondist.launch import cuda_index
-
-    assert [cuda_index(r, 8) for r in (0, 3, 7)] == [0, 3, 7]
-    assert cuda_index(3, 1) == 0  # SLURM --gpus-per-task=1: every task sees its own GPU as cuda:0
-    with pytest.raises(ConfigError, match="LOCAL_RANK=3 but this process sees 2 GPUs"):
-        cuda_index(3, 2)
 
 
 def test_tf32_is_switched_on_for_cuda_fp32_matmuls():
@@ -99,3 +90,13 @@ def test_blocks_with_drop_path_share_their_compiled_graphs():
     model.train()
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     assert counter.frame_count <= 2, counter.frame_count  # block 0 (rate 0) and the others
+
+
+def test_each_rank_finds_its_gpu_also_when_bound_to_one():
+    from visiondist.config import ConfigError
+    from visiondist.launch import cuda_index
+
+    assert [cuda_index(r, 8) for r in (0, 3, 7)] == [0, 3, 7]
+    assert cuda_index(3, 1) == 0  # SLURM --gpus-per-task=1: every task sees its own GPU as cuda:0
+    with pytest.raises(ConfigError, match="LOCAL_RANK=3 but this process sees 2 GPUs"):
+        cuda_index(3, 2)

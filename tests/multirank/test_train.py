@@ -12,6 +12,7 @@ import yaml
 from visiondist.engine.logging import read_metrics
 from helpers import REPO, TINY_DATA, TRAIN, assert_png, evals_of, losses_of, run_cli, run_together
 
+
 STEPS = 6
 
 
@@ -155,23 +156,6 @@ def test_dp2_equals_dp1_and_writes_one_run_dir(tmp_path, tiny_shapes, dp1_run):
     best = max(v for v, in evals_of(run2, "val_top1").values())
     assert summary["best val top-1 (%)"] == best and evals_of(run2, "val_top1")[summary["best at step"]] == (best,)
     assert summary["checkpoint"] == str(run2 / "checkpoints" / f"step_{STEPS}")
-
-
-def test_placement_keeps_tp_inside_nodes_and_spreads_pp_and_dp():
-    """The mesh order (pp, dp, tp): with 8 ranks per node, tp=4 groups never leave a node; pp groups do."""
-    import numpy as np
-
-    from visiondist.parallel.mesh import placement
-
-    grid = np.arange(16).reshape(2, 2, 4).tolist()  # pp=2, dp=2, tp=4, as init_device_mesh lays out the ranks
-    nodes = tuple(r // 8 for r in range(16))
-    pp, dp, tp = placement(grid, nodes)
-    assert pp.startswith("pp groups [0, 8] [1, 9] [2, 10] [3, 11] ... (8 groups)") and pp.endswith("across 2 nodes")
-    assert dp.startswith("dp groups [0, 4] [1, 5]") and dp.endswith("each inside one node")
-    assert tp.startswith("tp groups [0, 1, 2, 3] [4, 5, 6, 7] [8, 9, 10, 11]") and tp.endswith("each inside one node")
-    # 4 ranks per node: the dp groups now cross nodes, tp still does not
-    _, dp, tp = placement(grid, tuple(r // 4 for r in range(16)))
-    assert dp.endswith("across 2 nodes") and tp.endswith("each inside one node")
 
 
 def test_slurm_variables_become_torch_distributed_ones():

@@ -3,14 +3,16 @@
 import json
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 import fsdp_ranks
 from helpers import assert_same_weights, evals_of, losses_of, spawn_ranks, train_args, train_ok
 from visiondist.engine.checkpoint import latest_checkpoint
 
+
 EVALS = ("val_loss", "val_top1", "val_ema_loss")  # the evaluation columns compared
+
+
 COMMON = ["model.num_heads=2", "model.depth=3", "model.drop_path_rate=0.1", "trainer.max_steps=4",
           "trainer.eval_every=2", "trainer.ema_decay=0.9", "data.eval_batch_size=8"]
 
@@ -20,24 +22,6 @@ def ddp2(tmp_path_factory, tiny_shapes):
     run = tmp_path_factory.mktemp("fsdp") / "ddp2"
     train_ok(*train_args(tiny_shapes, run, *COMMON, "parallel.dp=2"))
     return run
-
-
-def test_activation_checkpointing_gives_the_same_gradients():
-    from visiondist.models.vit import VisionTransformer
-    from visiondist.parallel import enable_activation_checkpointing
-
-    grads = []
-    for checkpointing in (False, True):
-        torch.manual_seed(0)
-        model = VisionTransformer(img_size=32, patch_size=8, num_classes=4, embed_dim=32, depth=3, num_heads=2,
-                                  drop_path_rate=0.3)
-        if checkpointing:
-            assert enable_activation_checkpointing(model) == 3
-        torch.manual_seed(1)  # the same drop-path draws; the recompute must replay them
-        model(torch.randn(6, 3, 32, 32)).logsumexp(1).sum().backward()
-        grads.append({n: p.grad for n, p in model.named_parameters()})
-    for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.timeout(120)

@@ -2,7 +2,7 @@
 
 These run the real CLI with the shipped loader settings (2 persistent workers per rank: the shapes data's
 `data.num_workers`), because the workers are what used to keep a failed job alive. Faults are injected by
-`tests/fault_train.py` (VISIONDIST_FAULT). Each test runs the job in its own session under a hard timeout that kills
+`tests/multirank/fault_train.py` (VISIONDIST_FAULT). Each test runs the job in its own session under a hard timeout that kills
 the session, and asserts the exit code, the message, the time to exit, that no process of the session survives,
 and which files are kept.
 """
@@ -26,7 +26,7 @@ from visiondist.engine.checkpoint import latest_checkpoint, list_checkpoints
 
 pytestmark = pytest.mark.xdist_group("faults")
 
-FAULT_TRAIN = REPO / "tests" / "fault_train.py"
+FAULT_TRAIN = REPO / "tests" / "multirank" / "fault_train.py"
 WORKERS_ON = [a for a in TINY_DATA if not a.startswith("data.num_workers")]  # the shipped data.num_workers=2
 
 

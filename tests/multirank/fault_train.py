@@ -1,4 +1,4 @@
-"""`python tests/fault_train.py [train.py arguments]`: tools/train.py with one fault injected into the real code path.
+"""`python tests/multirank/fault_train.py [train.py arguments]`: tools/train.py with one fault injected into the real code path.
 
 The fault is named by the environment variable VISIONDIST_FAULT, `<kind>[:<n>]`. The patches are applied when this
 module is imported: in the launching process, in the ranks the elastic launcher spawns (which import the main module
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KIND, _, ARG = os.environ.get("VISIONDIST_FAULT", "").partition(":")
 N = int(ARG or 0)
 

@@ -4,7 +4,9 @@ layer of the table below, or stay inside its own package: a back-edge fails here
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "visiondist"
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "visiondist"
 
 # lowest first; a package may import only from the layers before its own
 LAYERS = [
@@ -83,3 +85,11 @@ def test_a_back_edge_inside_a_function_is_caught():
     }
     assert back_edges(sources) == {("data", "engine"): ["visiondist.data.loader -> visiondist.engine.trainer"],
                                    ("config", "parallel"): ["visiondist.config -> visiondist.parallel.mesh"]}
+
+
+def test_a_unit_test_cannot_start_a_process():
+    """tests/unit/conftest.py keeps this directory to one process: a command line run fails the test at once."""
+    import subprocess
+
+    with pytest.raises(AssertionError, match="move the test to tests/multirank/"):
+        subprocess.run(["true"])

@@ -1,0 +1,47 @@
+"""The command line run as a user would: --help from a shell, a tiny training run put where `hydra.run.dir` says
+with its next commands printed, and its evaluation by the old spelling. In process: tests/unit/test_cli.py."""
+
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from helpers import REPO, TINY_DATA, run_cli, train_ok
+
+
+def test_help_from_the_command_line():
+    for name in ("eval", "export"):
+        result = subprocess.run([sys.executable, str(REPO / "tools" / f"{name}.py"), "--help"], cwd=REPO,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0 and result.stdout.startswith(f"usage: python tools/{name}.py"), result.stderr
+        assert "run_dir=<dir>" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def hydra_run(tmp_path_factory, tiny_shapes):
+    """A 2-step tiny run placed by hydra.run.dir, and its output."""
+    run = tmp_path_factory.mktemp("hydra") / "run"
+    out = train_ok(*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16", "trainer.accelerator=cpu",
+                   "trainer.tensorboard=false", "trainer.max_steps=2", f"hydra.run.dir={run}")
+    return run, out
+
+
+def test_hydra_run_dir_puts_the_run_there_and_the_end_names_the_next_commands(hydra_run):
+    run, out = hydra_run
+    assert (run / "config.yaml").is_file() and (run / "model.safetensors").is_file() and (run / "train.log").is_file()
+    assert OmegaConf.load(run / "config.yaml").trainer.run_dir == str(run)
+    assert f"run dir: {run}\n  evaluate: python tools/eval.py run_dir={run}\n" in out
+    assert f"python tools/export.py run_dir={run}" in out
+
+
+def test_eval_of_a_run_by_its_old_spelling_writes_an_eval_dir_and_says_where(hydra_run):
+    run, _ = hydra_run
+    result = run_cli([str(run), "trainer.progress=false"], timeout=240, script=REPO / "tools" / "eval.py")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert result.stdout.count("a bare path is deprecated") == 1
+    assert f"tools/eval.py {run}: a bare path is deprecated: write tools/eval.py run_dir={run}" in result.stdout
+    (out,) = (run / "eval").iterdir()
+    assert f"eval dir: {out} (eval.json, eval.log)" in result.stdout
+    assert {"eval.json", "eval.log", "config.yaml"} <= {p.name for p in out.iterdir()}
+    assert not (out / "train.log").exists()

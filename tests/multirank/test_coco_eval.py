@@ -1,0 +1,39 @@
+"""Distributed COCO evaluation is exact: 2 and 3 ranks give the 12 stats of one process, of pycocotools on the written
+detections.json, and faster-coco-eval equals pycocotools."""
+
+import json
+
+import pytest
+
+import coco_ranks
+from visiondist.engine.coco_eval import STAT_NAMES
+from helpers import spawn_ranks
+
+
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.smoke), 3])
+def test_distributed_eval_equals_one_process_and_pycocotools(tmp_path, shapes_coco, single_process, world):
+    dets, single, data = single_process
+    results = spawn_ranks(coco_ranks.run, world, str(shapes_coco), str(tmp_path))
+    assert sorted(r["shard"] for r in results.values()) == sorted([23 // world + (i < 23 % world) for i in range(world)])
+    for result in results.values():  # every rank gets rank 0's answer
+        stats = result["stats"]
+        assert {k: stats[f"val_{k}"] for k in STAT_NAMES} == single
+        assert stats["val_count"] == 23 and stats["val_detections"] == len(dets)
+
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    written = json.loads((tmp_path / "detections.json").read_text())
+    assert len(written) == len(dets) and {"image_id", "category_id", "bbox", "score"} <= written[0].keys()
+    gt = COCO(str(data.ann_file))
+    evaluator = COCOeval(gt, gt.loadRes(str(tmp_path / "detections.json")), iouType="bbox")
+    evaluator.evaluate()
+    evaluator.accumulate()
+    evaluator.summarize()
+    assert dict(zip(STAT_NAMES, map(float, evaluator.stats))) == single
+
+
+def test_a_scoring_failure_on_rank_0_reaches_every_rank(tmp_path, shapes_coco):
+    """Rank 0 finds the image count wrong while the others wait for its answer: all of them fail, none hangs."""
+    results = spawn_ranks(coco_ranks.run, 2, str(shapes_coco), str(tmp_path), 24)
+    assert [r["error"] for r in results.values()] == ["COCO evaluation saw 23 distinct images, expected 24"] * 2

@@ -1,0 +1,98 @@
+"""`trainer.precision=16` in one process: accepted spellings, the scaler's one skip-or-step decision for the job, and
+FSDP2 gradients unscaled. Against fp32 under every layout: tests/multirank/test_fp16.py."""
+
+import pytest
+import torch
+
+from helpers import REPO
+
+
+INIT_SCALE = 2.0**16  # torch.amp.GradScaler's default, which trainer.precision=16 keeps
+
+
+@pytest.mark.parametrize("value", ["16", "'16'"], ids=["int", "string"])
+def test_precision_16_is_accepted_as_int_or_string(value):
+    from visiondist.cli import load_config
+    from visiondist.engine.precision import autocast_dtype
+
+    cfg = load_config(REPO / "configs", [f"trainer.precision={value}"], inputs=None)
+    assert cfg.trainer.precision == "16" and autocast_dtype(cfg.trainer.precision) == torch.float16
+    assert autocast_dtype(16) == torch.float16 and autocast_dtype(32) is None
+    assert autocast_dtype("bf16") == torch.bfloat16
+
+
+def test_other_precisions_are_refused_with_the_choices():
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"trainer.precision='fp16' is not supported: use one of 32, bf16, 16"):
+        load_config(REPO / "configs", ["trainer.precision=fp16"], inputs=None)
+
+
+def _model_and_optimizer(fused: bool = False):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+
+
+def _scaled_step(scaler, model, optimizer, verdict: float) -> None:
+    """One step as the Trainer takes it, with the job's verdict `verdict` whatever this rank's gradients say."""
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(8, 4)).float().square().mean()
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    scaler.agree(optimizer, torch.tensor(verdict))
+    scaler.step(optimizer)
+    scaler.update()
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_the_scaler_skips_and_backs_off_on_the_jobs_verdict_not_the_ranks(fused):
+    """The rank's own gradients are finite throughout: only `agree` can make it skip. The fused optimizer skips on the
+    device (torch hands it the flag), the others after reading it. Growth after `growth_interval` finite steps."""
+    from visiondist.engine.precision import LossScaler
+
+    model, optimizer = _model_and_optimizer(fused)
+    scaler = LossScaler(torch.device("cpu"), growth_interval=2)
+    _scaled_step(scaler, model, optimizer, 0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    _scaled_step(scaler, model, optimizer, 1.0)  # another rank overflowed
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert {float(s["step"]) for s in optimizer.state.values()} == {1.0}
+    assert scaler.state_dict()["scale"] == INIT_SCALE / 2 and scaler.state_dict()["_growth_tracker"] == 0
+    for _ in range(2):
+        _scaled_step(scaler, model, optimizer, 0.0)
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert {float(s["step"]) for s in optimizer.state.values()} == {3.0}
+    assert scaler.state_dict()["scale"] == INIT_SCALE and scaler.state_dict()["_growth_tracker"] == 0
+
+
+@pytest.mark.smoke
+def test_the_scaler_unscales_fsdp2_gradients():
+    """FSDP2's gradients are DTensor shards (here over one rank): GradScaler unscales them in place."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from visiondist.engine.precision import LossScaler
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, _ = _model_and_optimizer()
+        reference = [p.detach().clone() for p in model.parameters()]
+        fully_shard(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scaler = LossScaler(torch.device("cpu"))
+        x = torch.randn(8, 4)
+        scaler.scale(model(x).square().mean()).backward()
+        scaler.unscale_(optimizer)
+        plain = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        with torch.no_grad():
+            for p, r in zip(plain.parameters(), reference):
+                p.copy_(r)
+        plain(x).square().mean().backward()
+        for p, q in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-7)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,91 @@
+"""The GPU path on one CUDA device, in one process (`pytest -m gpu`; skipped where there is none, as in CI). The
+training runs: tests/multirank/test_gpu.py. `benchmarks/gpu/run.sh` runs both and the GPU benchmark rows."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from helpers import REPO, TINY_DATA
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+CONFIGS = REPO / "configs"
+
+
+def test_attention_runs_a_fused_kernel_never_math():
+    from torch.profiler import ProfilerActivity, profile
+
+    from visiondist.models import select_attention
+    from visiondist.models.vit import VisionTransformer
+
+    select_attention("auto")
+    model = VisionTransformer(img_size=224, patch_size=16, num_classes=10, embed_dim=768, depth=2,
+                              num_heads=12).cuda()
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16), profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(x).float().sum().backward()
+    ops = {e.key for e in prof.key_averages()}
+    fused = {"aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_cudnn_attention",
+             "aten::_scaled_dot_product_efficient_attention"}
+    assert ops & fused and "aten::_scaled_dot_product_attention_math" not in ops, sorted(o for o in ops if "dot" in o)
+
+
+def test_pipeline_timeline_reads_cuda_events_after_the_step():
+    """On CUDA the timeline puts events around each action and reads them once the step is over: no action waits for
+    the device (any synchronisation inside raises), and the intervals come back in order and positive."""
+    from visiondist.parallel.timeline import Recorder
+
+    recorder = Recorder(0, torch.device("cuda"))
+    a = torch.randn(4096, 4096, device="cuda")
+    with recorder.record():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for microbatch in range(3):
+                with recorder.action(0, "F", microbatch):
+                    a @ a
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    events = recorder.events
+    assert [e.microbatch for e in events] == [0, 1, 2]
+    assert all(e.end > e.start >= 0 for e in events)
+    assert all(later.start >= earlier.end - 1e-6 for earlier, later in zip(events, events[1:]))
+
+
+def test_detector_anchors_and_boxes_under_bf16_stay_within_a_pixel():
+    """The CPU test (tests/unit/test_detection_models.py) on the GPU with ResNet-50: with the box regressions zeroed every
+    returned box is an anchor, so its distance to the fp32 anchors is the box arithmetic's alone."""
+    from torchvision.ops import boxes as box_ops
+
+    from visiondist.cli import load_config
+    from visiondist.models import build_model
+
+    cfg = load_config(CONFIGS, ["model=fasterrcnn_r50", "data=shapes_coco", "data.min_size=800", "data.max_size=1333"],
+                      inputs=None)
+    model = build_model(cfg.model).cuda().eval()
+    for layer in (model.rpn.head.bbox_pred, model.roi_heads.box_predictor.bbox_pred):
+        torch.nn.init.zeros_(layer.weight)
+        torch.nn.init.zeros_(layer.bias)
+    image = torch.rand(3, 800, 1333, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        boxes = model([image])[0]["boxes"]
+    with torch.no_grad():
+        images, _ = model.transform([image])
+        features = list(model.backbone(images.tensors).values())
+        anchors = box_ops.clip_boxes_to_image(model.rpn.anchor_generator(images, features)[0], (800, 1333))
+    assert boxes.dtype == torch.float32 and len(boxes) > 20
+    assert (boxes[:, None, :] - anchors[None]).abs().amax(dim=-1).amin(dim=-1).max() <= 1.0
+
+
+def test_loader_batches_are_pinned(tmp_path, tiny_shapes):
+    from visiondist.cli import load_config
+    from visiondist.data import build_classification_data
+
+    cfg = load_config(CONFIGS, [*TINY_DATA, f"data.root={tiny_shapes}", "data.num_workers=2"], inputs=None)
+    data = build_classification_data(cfg.data, 32, 0, 1, 1, 0, pin_memory=True)
+    images, _ = next(iter(data.train_loader))
+    assert images.is_pinned()
