@@ -33,7 +33,8 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from visiondist.launch import spawn_local  # noqa: E402
-from visiondist.parallel.pipeline import MULTI_STAGE, SCHEDULES, build_schedule, stage_indices  # noqa: E402
+from visiondist.parallel.pipeline import MULTI_STAGE, SCHEDULES, build_schedule  # noqa: E402
+from visiondist.parallel.stages import stage_indices  # noqa: E402
 from visiondist.parallel.timeline import Recorder, bubble_fraction, ideal_bubble, plot_timeline  # noqa: E402
 
 WIDTH = 256  # activation width

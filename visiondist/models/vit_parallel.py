@@ -1,6 +1,7 @@
 """What the ViT declares to `visiondist.parallel`, beside the model: its tensor-parallel plan (module path pattern ->
-style, see `visiondist.parallel.tensor`) and its transformer block, the unit FSDP wraps, activation checkpointing
-recomputes and `trainer.compile` compiles. The parallel package applies these and never imports the models.
+style, see `visiondist.parallel.tensor`), its transformer block (the unit FSDP wraps, activation checkpointing
+recomputes and `trainer.compile` compiles) and its pipeline stage cut (the embeddings go with the first stage, the
+norm and head with the last). The parallel package applies these and never imports the models.
 
     attn, mlp        ParallelInput   the sub-block's input enters the TP region: copied (its gradient all-reduced),
                                      or, under sequence parallelism, all-gathered along tokens
@@ -17,6 +18,7 @@ from __future__ import annotations
 from visiondist.models.detection import ViTBackbone
 from visiondist.models.vit import Block, VisionTransformer
 from visiondist.parallel.fsdp import register_block
+from visiondist.parallel.stages import StageCut, register_stage_cut
 from visiondist.parallel.tensor import (
     ColwiseParallel,
     ParallelInput,
@@ -44,3 +46,10 @@ VIT_PLAN: dict[str, Style] = {
 register_plan(VisionTransformer, VIT_PLAN)
 register_plan(ViTBackbone, VIT_PLAN)  # ViTDet's backbone: the same blocks, no class token, same token-sharded region
 register_block(Block)
+
+
+# the stage holds the model's own parts under their names, so the model's own methods run on it
+register_stage_cut(VisionTransformer, StageCut(first=("patch_embed", "cls_token", "pos_embed"),
+                                               last=("norm", "head_drop", "head"), enter=VisionTransformer.embed,
+                                               leave=VisionTransformer.forward_head,
+                                               no_weight_decay=tuple(sorted(VisionTransformer.no_weight_decay()))))

@@ -2,7 +2,7 @@
 
 Static state is counted exactly from the model's shape: parameters, gradients, optimizer state (AdamW: two moments
 and a step counter per tensor; SGD with momentum: one buffer) and the EMA copy, for the rank holding the largest
-pipeline stage (stages are cut exactly as `visiondist.parallel.pipeline.block_ranges` cuts them). Tensor-parallel
+pipeline stage (stages are cut exactly as `visiondist.parallel.stages.block_ranges` cuts them). Tensor-parallel
 shards follow the plan in `visiondist.parallel.tensor`: q, k, v and fc1 split by rows (weight and bias), proj and fc2
 by columns (weight only); norms, embeddings and the head are replicated.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from visiondist.config.layout import MULTI_STAGE, microbatches_for, stages_per_rank_for
-from visiondist.parallel.pipeline import balance
+from visiondist.parallel.stages import balance
 
 FLOAT = 4  # parameters, gradients and optimizer state are fp32 whatever the autocast precision
 GB = 1e9

@@ -1,8 +1,9 @@
-"""Pipeline parallelism for the ViT on `torch.distributed.pipelining`.
+"""Pipeline parallelism for models of blocks (the ViT) on `torch.distributed.pipelining`.
 
-The plain model is cut into `pp x stages_per_rank` contiguous stages of blocks, balanced by parameter count; the
-patch embedding, class token and position embedding go to the first stage, the final norm and the head (and the loss)
-to the last. Stage modules hold the model's own submodules under the model's attribute names (`blocks` keeps the
+The plain model is cut into `pp x stages_per_rank` contiguous stages of blocks, balanced by parameter count; what
+precedes the blocks (the ViT's patch embedding, class token and position embedding) goes to the first stage, what
+follows them (its final norm and head, and the loss) to the last: the model declares that split beside it
+(`visiondist.parallel.stages`; the ViT's cut is in `visiondist.models.vit_parallel`). Stage modules hold the model's own submodules under the model's attribute names (`blocks` keeps the
 global block indices), so parameter names are the single-device ones and checkpoints stay canonical whatever `pp` is.
 
 Rank `r` of the PP group holds stages r, r + pp, r + 2 pp, ... (the looped placement that torch's interleaved and
@@ -33,119 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from visiondist.config.layout import MULTI_STAGE, SCHEDULES, microbatches_for, stages_per_rank_for
+from visiondist.parallel.stages import StageBlocks, take_parts, block_ranges, build_stages, stage_cut, stage_indices
 from visiondist.parallel.timeline import Recorder
 
-
-
-def _params(module: nn.Module | None) -> int:
-    return 0 if module is None else sum(p.numel() for p in module.parameters())
-
-
-def stage_costs(model: nn.Module) -> list[int]:
-    """Per-unit cost along the model: [embedding, block 0, ..., block N-1, norm + head]."""
-    embed = _params(model.patch_embed) + model.cls_token.numel() + model.pos_embed.numel()
-    return [embed, *(_params(b) for b in model.blocks), _params(model.norm) + _params(model.head)]
-
-
-def balance(costs: Sequence[int], n: int) -> list[tuple[int, int]]:
-    """Cut `costs` into `n` non-empty contiguous ranges [start, end) minimising the largest range's sum."""
-    if n > len(costs):
-        raise ValueError(f"cannot cut {len(costs)} units into {n} stages")
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    # best[k][i]: the smallest max-load of cutting units [0, i) into k ranges; exact DP (N and n are small)
-    inf = float("inf")
-    best = [[inf] * (len(costs) + 1) for _ in range(n + 1)]
-    cut = [[0] * (len(costs) + 1) for _ in range(n + 1)]
-    best[0][0] = 0
-    for k in range(1, n + 1):
-        for i in range(k, len(costs) + 1):
-            for j in range(k - 1, i):
-                load = max(best[k - 1][j], prefix[i] - prefix[j])
-                if load < best[k][i]:
-                    best[k][i], cut[k][i] = load, j
-    ranges, i = [], len(costs)
-    for k in range(n, 0, -1):
-        j = cut[k][i]
-        ranges.append((j, i))
-        i = j
-    return ranges[::-1]
-
-
-def block_ranges(model: nn.Module, n_stages: int) -> list[tuple[int, int]]:
-    """Blocks [first, last) of each stage. Units are [embed, blocks..., head]; the embedding joins the first stage
-    and the head the last, each stage keeps at least one block."""
-    depth = len(model.blocks)
-    if n_stages > depth:
-        raise ValueError(f"{n_stages} pipeline stages need at least as many blocks; the model has {depth}")
-    costs = stage_costs(model)
-    blocks = list(costs[1:-1])
-    blocks[0] += costs[0]
-    blocks[-1] += costs[-1]
-    return balance(blocks, n_stages)
-
-
-# -- stages ------------------------------------------------------------------------------------------------------------
-
-
-class StageBlocks(nn.ModuleDict):
-    """A stage's blocks under their global indices (`blocks.<i>.` names), run in order."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.values():
-            x = block(x)
-        return x
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous: a stage's input gradient is sent to the previous stage
-    as is, and P2P sends need contiguous tensors (under sequence parallelism it is a slice of a padded gather)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous()
-
-
-class ViTStage(nn.Module):
-    """Blocks [first, last) of a VisionTransformer, with the embedding when first and the head when last."""
-
-    def __init__(self, model: nn.Module, first: int, last: int, is_first: bool, is_last: bool):
-        super().__init__()
-        self.is_first, self.is_last = is_first, is_last
-        if is_first:
-            self.patch_embed, self.cls_token, self.pos_embed = model.patch_embed, model.cls_token, model.pos_embed
-        self.blocks = StageBlocks({str(i): model.blocks[i] for i in range(first, last)})
-        if is_last:
-            self.norm, self.head_drop, self.head = model.norm, model.head_drop, model.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_first:
-            x = self.patch_embed(x)
-            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
-        elif x.requires_grad:
-            x = _ContiguousGrad.apply(x)
-        x = self.blocks(x)
-        if self.is_last:
-            return self.head(self.head_drop(self.norm(x)[:, 0]))
-        return x.contiguous()  # sent to the next stage as is
-
-
-def stage_indices(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    """The stages a rank holds: looped placement."""
-    return [pp_rank + k * pp for k in range(stages_per_rank)]
-
-
-def build_stages(model: nn.Module, pp_rank: int, pp: int, stages_per_rank: int,
-                 ranges: Optional[list[tuple[int, int]]] = None) -> list[ViTStage]:
-    """This rank's stages; `ranges`: the cut (default `block_ranges` of the model)."""
-    n = pp * stages_per_rank
-    ranges = ranges or block_ranges(model, n)
-    return [ViTStage(model, *ranges[s], s == 0, s == n - 1) for s in stage_indices(pp_rank, pp, stages_per_rank)]
 
 
 # -- schedules ---------------------------------------------------------------------------------------------------------
@@ -300,11 +191,10 @@ class PipelinedViT(nn.Module):
         self.is_first, self.is_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
         stages = build_stages(model, layout.pp_rank, pp, spr, self.ranges)
         # this rank's parameters, registered under the model's own names
-        if self.is_first:
-            self.patch_embed, self.cls_token, self.pos_embed = model.patch_embed, model.cls_token, model.pos_embed
+        self.cut = stage_cut(model)
+        take_parts(self, model, self.cut.first if self.is_first else ())
         self.blocks = StageBlocks({i: block for stage in stages for i, block in stage.blocks.items()})
-        if self.is_last:
-            self.norm, self.head_drop, self.head = model.norm, model.head_drop, model.head
+        take_parts(self, model, self.cut.last if self.is_last else ())
         if sequence_parallel:  # the token split / gather that wraps the model's `blocks` now wraps each stage's
             from visiondist.parallel.tensor import SequenceRegion
 
@@ -320,7 +210,7 @@ class PipelinedViT(nn.Module):
         self._eval_schedule = None
 
     def no_weight_decay(self) -> set[str]:
-        return {"pos_embed", "cls_token"} if self.is_first else set()
+        return set(self.cut.no_weight_decay) if self.is_first else set()
 
     def describe(self) -> str:
         blocks = ", ".join(f"stage {s}: blocks {a}-{b - 1}" for s, (a, b) in enumerate(self.ranges))
