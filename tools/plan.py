@@ -37,15 +37,12 @@ DEFAULT_CLASSES = 1000  # data.num_classes when it is unset and there is no data
 def plan(cmd: Command) -> int:
     from rich.console import Console
 
-    from visiondist.parallel.planner import plan_config
-    from visiondist.plan import cuda_device_count, device_memory_gb, planning_world
+    from visiondist.plan import cuda_device_count, device_memory_gb, plan_for, planning_world
 
     cfg = load_config(CONFIGS, cmd.overrides + cmd.search, inputs=None)  # a plan reads no data
     if cmd.show:
         print(config_text(cfg, cmd.package))
         return 0
-    if cfg.model.family != "vit":
-        raise ConfigError(f"tools/plan.py plans ViT classifiers; {cfg.model.name} is a detector")
     if OmegaConf.is_missing(cfg.data, "num_classes"):
         print(f"data.num_classes is unset and there is no data.root to count: planned with {DEFAULT_CLASSES} "
               "classes (set data.num_classes for another head)", file=sys.stderr)
@@ -55,7 +52,7 @@ def plan(cmd: Command) -> int:
     accelerator = "cuda" if t.accelerator != "cpu" and cuda_device_count() else "cpu"
     memory = cfg.parallel.device_memory_gb or device_memory_gb(accelerator, devices // nodes)
     try:
-        result = plan_config(cfg, devices, nodes, memory)
+        result = plan_for(cfg, devices, nodes, memory)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     console = Console(width=max(120, Console().width))

@@ -7,7 +7,8 @@ import pytest
 from visiondist.config import ConfigError, compose
 from visiondist.plan import resolve
 from visiondist.parallel.memory import ViTShape
-from visiondist.parallel.planner import Candidate, Hardware, plan, plan_config
+from visiondist.parallel.planner import Candidate, Hardware, plan
+from visiondist.plan import plan_for
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -17,14 +18,14 @@ def _cfg(*overrides):
 
 
 def test_ddp_for_vit_base_on_80gb_devices():
-    result = plan_config(_cfg("model=vit_base"), devices=8, nodes=1, memory_gb=80)
+    result = plan_for(_cfg("model=vit_base"), devices=8, nodes=1, memory_gb=80)
     assert result.choice.candidate == Candidate(dp=8)
     assert "fits each device under DDP" in result.reason
 
 
 def test_fsdp_or_tp_inside_a_node_when_the_state_does_not_fit_one_device():
     cfg = _cfg("model=vit_giant", "data.batch_size=256", "trainer.precision=bf16")
-    result = plan_config(cfg, devices=8, nodes=1, memory_gb=16)
+    result = plan_for(cfg, devices=8, nodes=1, memory_gb=16)
     ddp = next(r for r in result.rows if r.candidate == Candidate(dp=8))
     assert ddp.memory.state > result.hardware.budget  # parameters + gradients + AdamW alone exceed the device
     c = result.choice.candidate
@@ -36,7 +37,7 @@ def test_fsdp_or_tp_inside_a_node_when_the_state_does_not_fit_one_device():
 
 def test_pipeline_across_nodes_when_tensor_parallel_inside_a_node_is_not_enough():
     cfg = _cfg("model=vit_22b", "trainer.precision=bf16")
-    result = plan_config(cfg, devices=16, nodes=2, memory_gb=80)
+    result = plan_for(cfg, devices=16, nodes=2, memory_gb=80)
     assert result.choice.candidate.pp > 1
     within_node = [r for r in result.rows if r.candidate.pp == 1 and not r.candidate.fsdp and r.memory]
     assert within_node and not any(r.fits for r in within_node)
@@ -45,11 +46,11 @@ def test_pipeline_across_nodes_when_tensor_parallel_inside_a_node_is_not_enough(
 
 def test_refuses_with_the_smallest_device_count_that_fits():
     cfg = _cfg("model=vit_22b", "trainer.precision=bf16")
-    result = plan_config(cfg, devices=8, nodes=1, memory_gb=16)
+    result = plan_for(cfg, devices=8, nodes=1, memory_gb=16)
     assert result.choice is None
     assert "the smallest that fits is 32 devices (4 nodes of 8)" in result.reason
-    assert plan_config(cfg, devices=32, nodes=4, memory_gb=16).choice is not None
-    assert plan_config(cfg, devices=24, nodes=3, memory_gb=16).choice is None
+    assert plan_for(cfg, devices=32, nodes=4, memory_gb=16).choice is not None
+    assert plan_for(cfg, devices=24, nodes=3, memory_gb=16).choice is None
     with pytest.raises(ConfigError, match="smallest that fits is 32 devices"):
         resolve(_cfg("model=vit_22b", "trainer.precision=bf16", "parallel.device_memory_gb=16",
                      "trainer.devices=8", "trainer.accelerator=cpu"), {}, 0)

@@ -1,17 +1,19 @@
 """What each model family is and supports: one `ModelSpec` per family (what it is trained for, the data it reads, and
-which layouts and switches it supports; sequence parallelism comes with tensor parallelism). `check_support` turns a
+which layouts and switches it supports, sequence parallelism coming with tensor parallelism; the shape the memory
+planner counts). `check_support` turns a
 config that asks a family for something it does not support into one `ConfigError` naming the fix
 (`visiondist.plan.check`, which the CLI and the layout resolver call, runs it after the per-group validation)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig
 
 from visiondist.config import ConfigError
 from visiondist.config.layout import check_pipeline
+from visiondist.parallel.memory import ViTShape
 
 # switches a family may support: what each is, for the refusal message
 TP, PP, FSDP, AC, COMPILE, AUTO, CLASSIFICATION_AUG, INIT_FROM, BACKBONE_WEIGHTS = (
@@ -26,6 +28,7 @@ class ModelSpec:
     supports: frozenset[str]
     has_blocks: bool  # transformer blocks (the unit of FSDP, activation checkpointing, compile, pipeline stages)
     rules: Callable[[DictConfig], None] = lambda cfg: None  # the family's own shape rules
+    planner_shape: Optional[Callable[[DictConfig], Any]] = None  # model config -> the memory model's shape (auto)
 
     def check(self, cfg: DictConfig) -> None:
         """Refuse what this family does not support, with today's wording; then its own shape rules."""
@@ -102,7 +105,7 @@ def _check_torchvision(cfg: DictConfig) -> None:
 
 _VIT = frozenset({TP, PP, FSDP, AC, COMPILE, AUTO, CLASSIFICATION_AUG, INIT_FROM})
 SPECS: dict[str, ModelSpec] = {  # how each family is built: visiondist.models.FAMILIES
-    "vit": ModelSpec("vit", "classification", "imagefolder", _VIT, True, _check_blocks),
+    "vit": ModelSpec("vit", "classification", "imagefolder", _VIT, True, _check_blocks, ViTShape.from_config),
     "vitdet": ModelSpec("vitdet", "detection", "coco", frozenset({TP, AC, COMPILE}), True, _check_vitdet),
     "torchvision": ModelSpec("torchvision", "detection", "coco", frozenset({BACKBONE_WEIGHTS}), False,
                              _check_torchvision),

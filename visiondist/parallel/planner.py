@@ -318,11 +318,12 @@ def hardware_from_config(p, devices: int, nodes: int, memory_gb: float) -> Hardw
                     float(p.inter_node_gbs), float(p.host_gbs))
 
 
-def plan_config(cfg, devices: int, nodes: int, memory_gb: float) -> Plan:
-    """`plan` for a composed training config (model shape, global batch, accumulation, optimizer, EMA, precision)."""
+def plan_config(shape: ViTShape, cfg, devices: int, nodes: int, memory_gb: float) -> Plan:
+    """`plan` for the model `shape` (its family's `planner_shape`: `visiondist.plan.plan_for`) and a composed training
+    config (global batch, accumulation, optimizer, EMA, precision, the hardware figures)."""
     if nodes < 1 or devices % nodes:
         raise ValueError(f"{devices} devices do not split evenly over {nodes} nodes")
     t = cfg.trainer
-    return plan(ViTShape.from_config(cfg.model), hardware_from_config(cfg.parallel, devices, nodes, memory_gb),
+    return plan(shape, hardware_from_config(cfg.parallel, devices, nodes, memory_gb),
                 int(cfg.data.batch_size), int(t.grad_accum), str(cfg.optim.name), float(t.ema_decay) > 0,
                 str(t.precision))

@@ -60,11 +60,22 @@ def check(cfg: DictConfig, mandatory: bool = True) -> None:
         check_support(variant_config(cfg, variant))  # validated as it is built
 
 
-def _plan_auto(cfg: DictConfig, world: World):
+def plan_for(cfg: DictConfig, devices: int, nodes: int, memory_gb: float):
+    """The memory planner's table for `cfg` on `devices` over `nodes` of `memory_gb` each, with the model shape its
+    family declares (`ModelSpec.planner_shape`)."""
+    from visiondist.models.registry import spec_of
     from visiondist.parallel.planner import plan_config
 
+    spec = spec_of(cfg.model)
+    if spec.planner_shape is None:
+        raise ConfigError(f"the memory planner plans ViT classifiers; {cfg.model.name} is a detector: name a layout "
+                          "(parallel=ddp)")
+    return plan_config(spec.planner_shape(cfg.model), cfg, devices, nodes, memory_gb)
+
+
+def _plan_auto(cfg: DictConfig, world: World):
     memory = cfg.parallel.device_memory_gb or device_memory_gb(world.accelerator, world.per_node)
-    plan = plan_config(cfg, world.world_size, max(1, world.world_size // world.per_node), memory)
+    plan = plan_for(cfg, world.world_size, max(1, world.world_size // world.per_node), memory)
     if plan.choice is None:
         raise ConfigError(f"parallel=auto: {plan.reason}")
     return plan
