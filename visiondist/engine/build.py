@@ -100,3 +100,21 @@ def prepare_rank(cfg: DictConfig, layout: Layout, run_dir: Path, log_file: str =
     if layout.local_rank == 0:
         prepare_data(cfg.data, show_progress=layout.is_main and cfg.trainer.progress)
     dist.barrier()
+
+
+def consolidate(model_cfg: DictConfig, checkpoint: Path, path: Path, is_main: bool) -> Path:
+    """The model of a checkpoint as one canonical safetensors file at `path`, whatever the layout it was saved under
+    (TP shards and pipeline stages are read back into one full model on the CPU); written by rank 0 to a temporary
+    name and renamed, so the file is always whole."""
+    from visiondist.engine.checkpoint import load_model_state
+    from visiondist.models.weights import save_weights
+
+    if is_main:
+        model, _ = build_deferred(model_cfg, weights=False)  # every tensor comes from the checkpoint
+        if is_meta(model):
+            materialize(model, "cpu", None)
+        load_model_state(checkpoint, model, no_dist=True)
+        tmp = path.with_suffix(".tmp")
+        save_weights({k: v.detach().contiguous() for k, v in model.state_dict().items()}, tmp)
+        tmp.replace(path)
+    return path

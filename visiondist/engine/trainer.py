@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from visiondist.engine.build import (
+    consolidate,
     build_laid_out,
     check_val_images,
     num_params,
@@ -30,7 +31,6 @@ from visiondist.engine.build import (
 from visiondist.engine.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
-    load_model_state,
     resolve_checkpoint,
     save_checkpoint,
 )
@@ -43,8 +43,6 @@ from visiondist.engine.optim import build_optimizer, build_scheduler
 from visiondist.engine.precision import LossScaler, autocast_for, precision_name
 from visiondist.engine.report import report_run, run_summary
 from visiondist.engine.tasks import build_task
-from visiondist.models import build_deferred
-from visiondist.models.init import is_meta, materialize
 from visiondist.parallel import (
     Layout,
     PipelinedViT,
@@ -377,22 +375,9 @@ class Trainer:
         return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
     def save_weights(self) -> Path:
-        """The trained model as one canonical safetensors file, consolidated by rank 0 from the final checkpoint
-        (whatever the layout: TP shards and pipeline stages are read back into one full model on the CPU), written to
-        a temporary name and renamed, so a `model.safetensors` is always whole."""
-        from visiondist.models.weights import save_weights
-
-        path = self.run_dir / "model.safetensors"
+        """model.safetensors in the run dir, consolidated by rank 0 from the final checkpoint (`consolidate`)."""
         PROGRESS.at("writing the weights", self.step)
-        if self.layout.is_main:
-            model, _ = build_deferred(self.cfg.model, weights=False)  # every tensor comes from the checkpoint
-            if is_meta(model):
-                materialize(model, "cpu", None)
-            load_model_state(self.last_checkpoint, model, no_dist=True)
-            tmp = path.with_suffix(".tmp")
-            save_weights({k: v.detach().contiguous() for k, v in model.state_dict().items()}, tmp)
-            tmp.replace(path)
-        return path
+        return consolidate(self.cfg.model, self.last_checkpoint, self.run_dir / "model.safetensors", self.layout.is_main)
 
     def _finish(self, final_loss: float, train_time: float, weights: Path) -> dict[str, Any]:
         summary = run_summary(self, final_loss, train_time, weights)
