@@ -285,7 +285,7 @@ def run_tool(tool: Tool | str, config_dir: Path, argv: list[str], run: Callable[
 
 
 def config_text(cfg: DictConfig, package: Optional[str] = None) -> str:
-    """--cfg: the composed config as YAML, resolved (the values the ranks get), or only its `package` (-p)."""
+    """--cfg: the composed config as YAML with its interpolations resolved, or only its `package` (-p)."""
     if not package:
         return OmegaConf.to_yaml(cfg, resolve=True)
     parent, _, leaf = package.rpartition(".")
@@ -326,7 +326,7 @@ def _wrap(text: str, head: str = "") -> str:
 
 def _flag_lines(tool: Tool) -> list[str]:
     flags = [("-h, --help", "this text"), ("--version", "visiondist, torch, torchvision and hydra versions"),
-             ("--cfg [job|all]", "print the config (resolved: the values the ranks get) and exit; -p PKG: only that "
+             ("--cfg [job|all]", "print the config as asked (interpolations resolved; the layout it resolves to is the run dir's layout.json) and exit; -p PKG: only that "
                                  "part, e.g. -p trainer; --resolve: the same output (it is always resolved)")]
     if tool.config:
         flags += [("-cd, --config-dir DIR", "more options in DIR/<group>/<option>.yaml (DIR/model/my_vit.yaml: "

@@ -99,13 +99,6 @@ def build_classification_data(
         raise ValueError(f"class folders of {val_set.root} differ from those of {train_set.root}")
 
     sampler = TrainBatchSampler(len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed)
-    if sampler.dropped_per_epoch:
-        log.info(
-            "training uses %d of %d samples per epoch (%d global batches of %d); %d samples, a different random set "
-            "each epoch, wait for the next",
-            sampler.steps_per_epoch * cfg.batch_size, len(train_set), sampler.steps_per_epoch, cfg.batch_size,
-            sampler.dropped_per_epoch,
-        )
     options = _loader_options(cfg, pin_memory)
     train_loader = register(DataLoader(train_set, batch_sampler=sampler, **options))
     val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, options)
@@ -153,10 +146,6 @@ def build_detection_data(
         raise ValueError(f"the categories of {val_set.ann_file} differ from those of {train_set.ann_file}")
     groups = (train_set.aspect_ratios() >= 1).astype(np.int64) if cfg.aspect_grouping else None
     sampler = TrainBatchSampler(len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed, groups=groups)
-    if sampler.dropped_per_epoch:
-        log.info("training uses %d of %d images per epoch; %d wait for the next (incomplete %sbatches)",
-                 sampler.steps_per_epoch * cfg.batch_size, len(train_set), sampler.dropped_per_epoch,
-                 "aspect-ratio " if groups is not None else "")
     train_loader = register(DataLoader(train_set, batch_sampler=sampler, **options))
     return DetectionData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set),
                          val_set.ann_file, val_set.cat_of)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,6 +14,14 @@ METRIC_COLUMNS = (*TRAIN_COLUMNS, "val_loss", "val_top1", "val_top5")  # classif
 
 
 LOG_FILE = "train.log"  # the run dir's log: train.log, or eval.log / benchmark.log for those jobs (setup_logging)
+
+
+class _Plain(logging.Formatter):
+    """A message per line; warnings and errors say so."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if record.levelno < logging.WARNING else f"{record.levelname}: {text}"
 
 
 def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> None:
@@ -31,8 +40,14 @@ def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> 
         rank = dist.get_rank() if dist.is_initialized() else "?"
         logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
         return
-    console = RichHandler(show_path=False, show_time=False, markup=False, rich_tracebacks=False)
-    console.setFormatter(logging.Formatter("%(message)s"))
+    from rich.console import Console
+
+    if Console().is_terminal:  # rich's columns; into a pipe or a file, plain lines that do not wrap at 80 columns
+        console = RichHandler(show_path=False, show_time=False, markup=False, rich_tracebacks=False)
+        console.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(_Plain("%(message)s"))
     file = logging.FileHandler(run_dir / log_file)
     file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(console)

@@ -4,6 +4,7 @@ its result is reported. The trainer holds one task and never branches on which."
 from __future__ import annotations
 
 import json
+import logging
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from torch import nn
 
 from visiondist.engine.logging import METRIC_COLUMNS, TRAIN_COLUMNS
 from visiondist.parallel import Layout
+
+log = logging.getLogger(__name__)
 
 
 class ClassificationTask:
@@ -36,6 +39,12 @@ class ClassificationTask:
             from visiondist.data.mixing import Mixing
 
             self.mixing = Mixing(d, cfg.model.num_classes, self.label_smoothing, t.seed, layout.dp_rank)
+            if train and layout.is_main:
+                kinds = [f"{name} (alpha {a:g})" for name, a in (("mixup", d.mixup), ("cutmix", d.cutmix)) if a]
+                switch = f"; cutmix with probability {d.mixup_switch_prob:g}" if len(kinds) == 2 else ""
+                smoothing = f", label smoothing {self.label_smoothing:g} folded in" if self.label_smoothing else ""
+                log.info("%s: a micro-batch mixed with probability %g%s; soft targets%s", " or ".join(kinds),
+                         d.mixup_prob, switch, smoothing)
         self.image_shape = (3, cfg.model.img_size, cfg.model.img_size)
         self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating
         self.data = build_classification_data(

@@ -341,6 +341,16 @@ class Trainer:
             log.warning("trainer.precision=16 on the CPU: CPUs have no fp16 matrix units, so a step takes many times "
                         "the fp32 one (18.9x for ViT-Ti on 2 AMD EPYC cores, benchmarks/RESULTS.md); fp16 is for GPUs "
                         "without bf16 (V100, T4): here use trainer.precision=bf16 or 32")
+        if sampler.dropped_per_epoch:
+            log.info("training uses %d of %d images per epoch (%d global batches of %d); %d, a different random set "
+                     "each epoch, wait for the next%s", sampler.steps_per_epoch * self.cfg.data.batch_size,
+                     self.data.num_train, sampler.steps_per_epoch, self.cfg.data.batch_size, sampler.dropped_per_epoch,
+                     " (incomplete aspect-ratio batches)" if sampler.groups is not None else "")
+        warmup = self.cfg.schedule.warmup_steps
+        if warmup > max(self.total_steps - 1, 0) and self.layout.is_main:
+            log.warning("schedule.warmup_steps=%d is not shorter than the run (%d steps): the warmup is cut to %d "
+                        "steps; set schedule.warmup_steps below the run's steps", warmup, self.total_steps,
+                        max(self.total_steps - 1, 0))
         if self.layout.world_size > 1:
             nodes = len(set(self.layout.nodes))
             log.info("mesh (pp, dp, tp) over %d node%s: %s", nodes, "s" if nodes > 1 else "",
