@@ -169,7 +169,7 @@ class TrainerConfig:
     log_every: int = 20
     output_dir: str = "outputs"
     run_dir: Optional[str] = None  # default: <output_dir>/<date>/<time>
-    progress: bool = True
+    progress: bool = True  # rank 0: the live bar in a terminal, evaluation bars and spinners
     tensorboard: bool = True
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: only at the end
     keep_last: int = 3  # complete checkpoints kept; 0: all

@@ -70,10 +70,14 @@ class StepTimer:
 
 
 class ProgressHook(Hook):
-    """The rich progress bar on the main rank (`trainer.progress`)."""
+    """The rich progress bar on the main rank (`trainer.progress`), in a terminal: into a pipe or a file a bar is one
+    cut-off line at the end, and the log lines already say how far the run is."""
 
     def before_train(self, trainer):
-        trainer.progress = progress_bar(trainer.cfg.trainer.progress and trainer.layout.is_main, trainer.total_steps)
+        from rich import get_console
+
+        shown = trainer.cfg.trainer.progress and trainer.layout.is_main and get_console().is_terminal
+        trainer.progress = progress_bar(shown, trainer.total_steps)
 
     def after_step(self, trainer, loss, grad_norm):
         if trainer.progress is not None:

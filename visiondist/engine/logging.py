@@ -16,6 +16,19 @@ METRIC_COLUMNS = (*TRAIN_COLUMNS, "val_loss", "val_top1", "val_top5")  # classif
 LOG_FILE = "train.log"  # the run dir's log: train.log, or eval.log / benchmark.log for those jobs (setup_logging)
 
 
+class _Stdout(logging.StreamHandler):
+    """Writes to whatever `sys.stdout` is at the time, as rich's console does (a library's chatter that a caller
+    silences with `contextlib.redirect_stdout` stays silenced)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 class _Plain(logging.Formatter):
     """A message per line; warnings and errors say so."""
 
@@ -46,7 +59,7 @@ def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> 
         console = RichHandler(show_path=False, show_time=False, markup=False, rich_tracebacks=False)
         console.setFormatter(logging.Formatter("%(message)s"))
     else:
-        console = logging.StreamHandler(sys.stdout)
+        console = _Stdout()
         console.setFormatter(_Plain("%(message)s"))
     file = logging.FileHandler(run_dir / log_file)
     file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
