@@ -18,6 +18,11 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")  # several (virtual) stages per rank
 
 
+def divisors(n: int) -> list[int]:
+    """The degrees that split `n` evenly (e.g. tensor-parallel sizes for n heads), ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def stages_per_rank_for(schedule: str, stages_per_rank: int) -> int:
     """`parallel.stages_per_rank=-1`: 2 virtual stages per rank for the interleaved and zero-bubble schedules, 1
     otherwise."""

@@ -65,7 +65,7 @@ class Mixing:
     def targets(self, labels: torch.Tensor, key: tuple[int, int], image_shape: tuple[int, int, int]) -> torch.Tensor:
         """Soft targets (N, classes) of `labels` under the draw `key` (label smoothing folded in); `image_shape` is
         (C, H, W), all a CutMix box's clipping depends on."""
-        lam, _ = self.draw(key, (len(labels), *image_shape))
         from timm.data.mixup import mixup_target
 
+        lam, _ = self.draw(key, (len(labels), *image_shape))
         return mixup_target(labels, self.mixup.num_classes, lam, self.mixup.label_smoothing)

@@ -1,9 +1,10 @@
 """The training loop's periodic and cross-cutting concerns, one class each, each owning its cadence.
 
-`Trainer.fit` runs `before_train`, then for every step `before_step` / the step / `after_step`, then `after_train`,
-calling the hooks in the order `default_hooks` gives (detectron2's HookBase, torchtitan's components deciding their
-own cadence). A hook that sets `trainer.stopping` ends the loop after the current step: the hooks after it do not see
-that step (a stopped job neither logs nor evaluates its last step; it checkpoints it in `after_train`).
+`Trainer.fit` runs `before_train`, then for every step the step inside each hook's `step_context` and then
+`after_step`, then `after_train` (and `close` in any case), calling the hooks in the order `default_hooks` gives
+(detectron2's HookBase, torchtitan's components deciding their own cadence). A hook that sets `trainer.stopping` ends
+the loop after the current step: the hooks after it do not see that step (a stopped job neither logs nor evaluates
+its last step; it checkpoints it in `after_train`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ContextManager
 import torch
 
 from visiondist.engine.faults import set_collective_timeout
+from visiondist.engine.logging import in_terminal
 from visiondist.engine.report import progress_bar
 
 if TYPE_CHECKING:
@@ -74,9 +76,7 @@ class ProgressHook(Hook):
     cut-off line at the end, and the log lines already say how far the run is."""
 
     def before_train(self, trainer):
-        from rich import get_console
-
-        shown = trainer.cfg.trainer.progress and trainer.layout.is_main and get_console().is_terminal
+        shown = trainer.cfg.trainer.progress and trainer.layout.is_main and in_terminal()
         trainer.progress = progress_bar(shown, trainer.total_steps)
 
     def after_step(self, trainer, loss, grad_norm):

@@ -37,9 +37,16 @@ class _Plain(logging.Formatter):
         return text if record.levelno < logging.WARNING else f"{record.levelname}: {text}"
 
 
+def in_terminal() -> bool:
+    """Whether rank 0's console is a terminal (rich's console, which the log lines and the progress bars share)."""
+    from rich import get_console
+
+    return get_console().is_terminal
+
+
 def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> None:
-    """Rank 0 logs INFO to the console (through rich, so progress bars stay intact) and to `log_file` in the run
-    dir (train.log; eval.log, benchmark.log for those jobs)."""
+    """Rank 0 logs INFO to the console (in a terminal through rich, so progress bars stay intact; otherwise plain
+    lines) and to `log_file` in the run dir (train.log; eval.log, benchmark.log for those jobs)."""
     global LOG_FILE
     LOG_FILE = log_file
     from rich.logging import RichHandler
@@ -53,9 +60,7 @@ def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> 
         rank = dist.get_rank() if dist.is_initialized() else "?"
         logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
         return
-    from rich.console import Console
-
-    if Console().is_terminal:  # rich's columns; into a pipe or a file, plain lines that do not wrap at 80 columns
+    if in_terminal():  # rich's columns; into a pipe or a file, plain lines that do not wrap at 80 columns
         console = RichHandler(show_path=False, show_time=False, markup=False, rich_tracebacks=False)
         console.setFormatter(logging.Formatter("%(message)s"))
     else:

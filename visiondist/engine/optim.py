@@ -100,9 +100,14 @@ def build_optimizer(cfg, model: nn.Module, depth: int = 0) -> torch.optim.Optimi
     return optimizer
 
 
+def warmup_length(cfg, total_steps: int) -> int:
+    """The steps of warmup a run of `total_steps` gets: `schedule.warmup_steps`, cut to leave the last step out."""
+    return min(cfg.warmup_steps, max(total_steps - 1, 0))
+
+
 def lr_factor(step: int, total_steps: int, cfg) -> float:
     """Multiplier of the base lr at optimizer step `step` (0-based) of `total_steps`."""
-    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    warmup = warmup_length(cfg, total_steps)
     if step < warmup:
         return cfg.warmup_start_factor + (1 - cfg.warmup_start_factor) * step / warmup
     if cfg.name == "cosine":

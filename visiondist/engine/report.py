@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from contextlib import nullcontext
 from pathlib import Path
-import math
 from typing import Any
 
 from visiondist.engine.logging import summary_table

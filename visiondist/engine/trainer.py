@@ -20,9 +20,9 @@ import torch
 from omegaconf import DictConfig
 
 from visiondist.engine.build import (
-    consolidate,
     build_laid_out,
     check_val_images,
+    consolidate,
     num_params,
     precision_text,
     run_of,
@@ -39,7 +39,7 @@ from visiondist.engine.hooks import default_hooks
 from visiondist.engine.failures import PROGRESS
 from visiondist.engine.faults import STOP, NonFiniteStep, StepHealth
 from visiondist.engine.logging import MetricsLogger
-from visiondist.engine.optim import build_optimizer, build_scheduler
+from visiondist.engine.optim import build_optimizer, build_scheduler, warmup_length
 from visiondist.engine.precision import LossScaler, autocast_for, precision_name
 from visiondist.engine.report import report_run, run_summary
 from visiondist.engine.tasks import build_task
@@ -346,11 +346,11 @@ class Trainer:
                      "each epoch, wait for the next%s", sampler.steps_per_epoch * self.cfg.data.batch_size,
                      self.data.num_train, sampler.steps_per_epoch, self.cfg.data.batch_size, sampler.dropped_per_epoch,
                      " (incomplete aspect-ratio batches)" if sampler.groups is not None else "")
-        warmup = self.cfg.schedule.warmup_steps
-        if warmup > max(self.total_steps - 1, 0) and self.layout.is_main:
+        s, warmup = self.cfg.schedule, warmup_length(self.cfg.schedule, self.total_steps)
+        if warmup < s.warmup_steps and self.layout.is_main:
             log.warning("schedule.warmup_steps=%d is not shorter than the run (%d steps): the warmup is cut to %d "
-                        "steps; set schedule.warmup_steps below the run's steps", warmup, self.total_steps,
-                        max(self.total_steps - 1, 0))
+                        "steps; set schedule.warmup_steps below the run's steps", s.warmup_steps, self.total_steps,
+                        warmup)
         if self.layout.world_size > 1:
             nodes = len(set(self.layout.nodes))
             log.info("mesh (pp, dp, tp) over %d node%s: %s", nodes, "s" if nodes > 1 else "",

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 from omegaconf import DictConfig
 
 from visiondist.config import ConfigError
-from visiondist.config.layout import check_pipeline
+from visiondist.config.layout import check_pipeline, divisors
 from visiondist.parallel.memory import ViTShape
 
 # switches a family may support: what each is, for the refusal message
@@ -64,15 +64,11 @@ _REFUSALS: dict[str, Callable[[DictConfig], str]] = {
 }
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _check_blocks(cfg: DictConfig) -> None:
     """Tensor parallelism shards attention by whole heads and the MLP by rows; pipelines need a block per stage."""
     m, p = cfg.model, cfg.parallel
     if m.num_heads % p.tp:
-        good = ", ".join(str(x) for x in _divisors(m.num_heads))
+        good = ", ".join(str(x) for x in divisors(m.num_heads))
         heads = [h for h in range(p.tp, m.embed_dim + 1, p.tp) if m.embed_dim % h == 0]
         other = min(heads, key=lambda h: (abs(h - m.num_heads), -h)) if heads else None
         more = (f", or model.num_heads={other} (a multiple of {p.tp} that divides model.embed_dim={m.embed_dim})"
@@ -83,7 +79,7 @@ def _check_blocks(cfg: DictConfig) -> None:
     if hidden % p.tp:
         import math
 
-        good = ", ".join(str(x) for x in _divisors(math.gcd(hidden, m.num_heads)))
+        good = ", ".join(str(x) for x in divisors(math.gcd(hidden, m.num_heads)))
         raise ConfigError(f"parallel.tp={p.tp} does not divide the MLP hidden size {hidden} of {m.name} "
                           f"(embed_dim x mlp_ratio): use parallel.tp in {{{good}}}")
     try:

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from visiondist.config.layout import divisors
 from visiondist.parallel.memory import (
     FLOAT,
     GB,
@@ -148,17 +149,13 @@ class PlanRow:
     note: str = ""
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidates(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1) -> list[tuple[Candidate, str]]:
     """Every layout the trainer runs on `hw.devices` devices; a non-empty string says why one cannot run."""
     out = []
-    for tp in _divisors(hw.per_node):
+    for tp in divisors(hw.per_node):
         if s.num_heads % tp or s.hidden % tp:
             continue
-        for pp in _divisors(hw.devices // tp):
+        for pp in divisors(hw.devices // tp):
             if pp > s.depth:
                 continue
             dp = hw.devices // (tp * pp)
