@@ -24,27 +24,36 @@ TINY_DATA = [
 ]
 
 
-def run_cli(
-    args: list[str], timeout: float = 240, launcher: tuple[str, ...] = (), script: Path = TRAIN
-) -> subprocess.CompletedProcess:
-    """Run `python [launcher] <script> *args` (default tools/train.py; launcher: e.g. torchrun's module and flags); on
-    timeout kill the whole process group, spawned ranks included, and fail."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, *launcher, str(script), *args],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+def job_env(**extra: str) -> dict:
+    """The environment of a job a test starts: one thread per process, unbuffered output, plus `extra`."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def start_job(command: list[str], env: Optional[dict] = None, cwd: Path = REPO) -> subprocess.Popen:
+    """`command` in its own session (so that a timeout can kill every process it starts), output and errors in one
+    text pipe."""
+    return subprocess.Popen(command, cwd=cwd, env=env or job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def finish_job(proc: subprocess.Popen, timeout: float, what: str) -> str:
+    """The output of a `start_job` process once it ends; past `timeout`, kill its whole session and fail."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"{script.name} {' '.join(args)} did not finish in {timeout}s:\n{out[-4000:]}")
+        raise AssertionError(f"{what} did not finish in {timeout}s:\n{out[-4000:]}")
+    return out
+
+
+def run_cli(
+    args: list[str], timeout: float = 240, launcher: tuple[str, ...] = (), script: Path = TRAIN
+) -> subprocess.CompletedProcess:
+    """Run `python [launcher] <script> *args` (default tools/train.py; launcher: e.g. torchrun's module and flags); on
+    timeout kill the whole process group, spawned ranks included, and fail."""
+    proc = start_job([sys.executable, *launcher, str(script), *args])
+    out = finish_job(proc, timeout, f"{script.name} {' '.join(args)}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
@@ -54,10 +63,7 @@ def run_together(commands: list[list[str]], timeout: float = 300, envs: Optional
     all. On timeout kill every one of them and fail with their output."""
     import time
 
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen(cmd, cwd=cwd, env={**base, **((envs or [{}] * len(commands))[i])}, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-             for i, cmd in enumerate(commands)]
+    procs = [start_job(cmd, job_env(**extra), cwd) for cmd, extra in zip(commands, envs or [{}] * len(commands))]
     deadline, results = time.monotonic() + timeout, []
     try:
         for proc in procs:
@@ -104,6 +110,48 @@ def assert_same_weights(a: Path, b: Path) -> None:
     for key in wa:
         if not key.endswith("attn.k.bias"):  # its gradient is round-off only (attention ignores a key bias)
             torch.testing.assert_close(wa[key], wb[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+def assert_same_training(ref: Path, run: Path, ema: bool = False) -> None:
+    """`run` trained as `ref` did (the 4-step, evaluate-every-2 runs of the layout tests): the loss of steps 1-4
+    within fp32 round-off (1e-5 relative), the evaluations at steps 2 and 4 equal (val loss within round-off, top-1
+    exactly; with `ema`, the EMA's val loss too) and the final weights equal (`assert_same_weights`)."""
+    import pytest
+
+    ref_losses, losses = losses_of(ref), losses_of(run)
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert [losses[s] for s in losses] == pytest.approx([ref_losses[s] for s in losses], rel=1e-5)
+    columns = ("val_loss", "val_top1", *(("val_ema_loss",) if ema else ()))
+    ref_evals, evals = evals_of(ref, *columns), evals_of(run, *columns)
+    assert sorted(evals) == [2, 4]
+    for step in evals:
+        assert evals[step][0] == pytest.approx(ref_evals[step][0], rel=1e-5)  # the model
+        assert evals[step][1] == ref_evals[step][1]
+        if ema:
+            assert evals[step][2] == pytest.approx(ref_evals[step][2], rel=1e-5)  # its EMA
+    assert_same_weights(ref, run)
+
+
+def bf16_box_distances(model, device: str):
+    """(boxes, distance of each to its nearest fp32 anchor) of a torchvision-style detector under bf16 autocast on an
+    800 x 1333 image, with its box regressions zeroed: every returned box is then one of its (clipped) anchors, so any
+    distance is the box arithmetic's alone, not the bf16 backbone's."""
+    import torch
+    from torchvision.ops import boxes as box_ops
+
+    model = model.to(device).eval()
+    for layer in (model.rpn.head.bbox_pred, model.roi_heads.box_predictor.bbox_pred):
+        torch.nn.init.zeros_(layer.weight)
+        torch.nn.init.zeros_(layer.bias)
+    image = torch.rand(3, 800, 1333, device=device)
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+        boxes = model([image])[0]["boxes"]
+    with torch.no_grad():
+        images, _ = model.transform([image])
+        features = list(model.backbone(images.tensors).values())
+        anchors = box_ops.clip_boxes_to_image(model.rpn.anchor_generator(images, features)[0], (800, 1333))
+    assert anchors.dtype == torch.float32
+    return boxes, (boxes[:, None, :] - anchors[None]).abs().amax(dim=-1).amin(dim=-1)
 
 
 def losses_of(run: Path) -> dict[int, float]:

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, TINY_DATA, TRAIN, losses_of
+from helpers import REPO, TINY_DATA, TRAIN, finish_job, job_env, losses_of, start_job
 from visiondist.engine.checkpoint import latest_checkpoint, list_checkpoints
 
 pytestmark = pytest.mark.xdist_group("faults")
@@ -37,16 +36,9 @@ def args(data: Path, run: Path, *extra: str) -> list[str]:
 
 def run_job(argv: list[str], fault: str = "", timeout: float = 150, script: Path = FAULT_TRAIN):
     """(exit code, output, seconds to exit). Fails if any process of the job's session is alive a second later."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "VISIONDIST_FAULT": fault}
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, str(script), *argv], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"still running after {timeout}s:\n{out[-4000:]}")
+    proc = start_job([sys.executable, str(script), *argv], job_env(VISIONDIST_FAULT=fault))
+    out = finish_job(proc, timeout, f"{script.name} {fault or '(no fault)'}")
     seconds = time.monotonic() - start
     print(f"{script.name} {fault or '(no fault)'}: exit code {proc.returncode} after {seconds:.1f} s")  # RELIABILITY.md
     time.sleep(1.0)

@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import fsdp_ranks
-from helpers import assert_same_weights, evals_of, losses_of, spawn_ranks, train_args, train_ok
+from helpers import assert_same_training, assert_same_weights, evals_of, losses_of, spawn_ranks, train_args, train_ok
 from visiondist.engine.checkpoint import latest_checkpoint
 
 
@@ -38,16 +38,7 @@ def test_fsdp_run_equals_ddp(tmp_path, tiny_shapes, ddp2, extra):
     run = tmp_path / "fsdp"
     out = train_ok(*train_args(tiny_shapes, run, *COMMON, "parallel=fsdp", "trainer.devices=2", *extra))
     assert "+FSDP" in out
-    ref, got = losses_of(ddp2), losses_of(run)
-    assert sorted(got) == [1, 2, 3, 4]
-    assert [got[s] for s in got] == pytest.approx([ref[s] for s in got], rel=1e-5)
-    ref_evals, evals = evals_of(ddp2, *EVALS), evals_of(run, *EVALS)
-    assert sorted(evals) == [2, 4]
-    for step in evals:
-        assert evals[step][0] == pytest.approx(ref_evals[step][0], rel=1e-5)  # model
-        assert evals[step][1] == ref_evals[step][1]
-        assert evals[step][2] == pytest.approx(ref_evals[step][2], rel=1e-5)  # EMA
-    assert_same_weights(ddp2, run)
+    assert_same_training(ddp2, run, ema=True)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["parameters per rank (M)"] < 0.55 * summary["parameters (M)"]
 

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 import fault_ranks
-from helpers import REPO, TINY_DATA, TRAIN, RanksFailed, losses_of, spawn_ranks, train_args, train_ok
+from helpers import (REPO, TINY_DATA, TRAIN, RanksFailed, finish_job, job_env, losses_of, spawn_ranks, start_job,
+                     train_args, train_ok)
 from visiondist.engine.checkpoint import CHECKPOINTS, list_checkpoints
 
 # Timing-sensitive (kills, signals, hangs): one worker runs them in turn when the suite runs in parallel.
@@ -28,18 +29,11 @@ LONG = ["model.num_heads=2", "trainer.max_steps=100", "trainer.max_epochs=1000",
 
 
 def _start(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return start_job([sys.executable, str(TRAIN), *args])
 
 
 def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"did not end within {timeout}s:\n{out[-4000:]}")
+    out = finish_job(proc, timeout, "the job")
     return proc.returncode, out
 
 
@@ -114,11 +108,9 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_identical(tmp_
 def test_under_torchrun_a_killed_rank_restarts_in_the_same_run_dir(tmp_path, tiny_shapes, uninterrupted):
     out = tmp_path / "out"
     args = [a for a in train_args(tiny_shapes, out, *LONG, "trainer.checkpoint_every=20") if "run_dir" not in a]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                             "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", "--max-restarts=1", str(TRAIN),
-                             *args, f"trainer.output_dir={out}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start_job([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                      "--rdzv-endpoint=localhost:0", "--max-restarts=1", str(TRAIN), *args, f"trainer.output_dir={out}"],
+                     job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
 
     def first_checkpoint():
         return any(out.rglob("step_20/.metadata")) and len(_children(proc.pid, b"train.py")) == 2
@@ -275,9 +267,7 @@ def test_ctrl_c_stops_a_benchmark_after_the_step_in_flight(tmp_path, tiny_shapes
     args = [*TINY_DATA, f"data.root={tiny_shapes}", "trainer.accelerator=cpu", "trainer.tensorboard=false",
             f"trainer.output_dir={tmp_path / 'runs'}", f"parallel.dp={ranks}", "bench.warmup=1", "bench.steps=2000",
             "bench.rounds=2", f"bench.results_dir={results}", "bench.loader_batches=0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, str(REPO / "tools" / "benchmark.py"), *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start_job([sys.executable, str(REPO / "tools" / "benchmark.py"), *args])
     logs = tmp_path / "runs"
     _wait_for(lambda: any("optimizer: adamw" in p.read_text() for p in logs.rglob("benchmark.log")), proc, 180,
               "the benchmark's trainer")

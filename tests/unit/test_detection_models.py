@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from visiondist.data.transforms import DetectionTransform, resize_keep_aspect
 from visiondist.models import build_model
 from visiondist.models.detection import TORCHVISION_DETECTORS
+from helpers import bf16_box_distances
 
 
 def _cfg(**over):
@@ -94,20 +95,8 @@ def test_boxes_stay_fp32_under_bf16_autocast(family):
     autocast at 800 x 1333 a corner is off by up to 4-8 px. With the box regressions zeroed, every box the detector
     returns is one of its (clipped) anchors, so any distance to the fp32 anchors is the box arithmetic's alone, not
     the bf16 backbone's."""
-    from torchvision.ops import boxes as box_ops
-
     torch.manual_seed(0)
-    model = build_model(_cfg(family=family, min_size=800, max_size=1333, img_size=224)).eval()
-    for layer in (model.rpn.head.bbox_pred, model.roi_heads.box_predictor.bbox_pred):
-        torch.nn.init.zeros_(layer.weight)
-        torch.nn.init.zeros_(layer.bias)
-    image = torch.rand(3, 800, 1333)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        boxes = model([image])[0]["boxes"]
-    with torch.no_grad():
-        images, _ = model.transform([image])
-        features = list(model.backbone(images.tensors).values())
-        anchors = box_ops.clip_boxes_to_image(model.rpn.anchor_generator(images, features)[0], (800, 1333))
-    assert boxes.dtype == anchors.dtype == torch.float32 and len(boxes) > 20
-    distance = (boxes[:, None, :] - anchors[None]).abs().amax(dim=-1).amin(dim=-1)  # to the nearest anchor
+    boxes, distance = bf16_box_distances(build_model(_cfg(family=family, min_size=800, max_size=1333, img_size=224)),
+                                         "cpu")
+    assert boxes.dtype == torch.float32 and len(boxes) > 20
     assert distance.max() <= 1.0, distance.max()
