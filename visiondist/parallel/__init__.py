@@ -53,7 +53,7 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
                 pipeline: Optional[PipelineSpec] = None, loss_fn: Optional[Callable] = None, fsdp: bool = False,
                 offload: bool = False, activation_checkpointing: bool = False, checkpoint_blocks: int = -1,
                 compile: bool = False, param_dtype: Optional[torch.dtype] = None,
-                materialize: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
+                materialize: Optional[Callable[[nn.Module], None]] = None, wrap: bool = True) -> nn.Module:
     """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out over the mesh.
 
     A model on the meta device is laid out first and then handed to `materialize`, before any wrapper that needs
@@ -65,7 +65,7 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
     Megatron does, instead of by a DDP wrapper; its last stage computes `loss_fn(logits, labels)` (default: cross
     entropy). With `fsdp` it is the model fully sharded over DP (FSDP2; `offload` keeps the shards in host memory).
     `param_dtype` (bf16, fp16 runs): FSDP gathers the weights in that dtype. Otherwise it is the model, under DDP when
-    dp > 1. `activation_checkpointing` recomputes each block's activations
+    dp > 1 (`wrap=False`: bare, for the dry run, whose meta tensors DDP cannot broadcast). `activation_checkpointing` recomputes each block's activations
     in the backward (`checkpoint_blocks` > 0: only the first that many blocks), under any layout; `compile` compiles
     each block (before any sharding wrapper, as FSDP2 expects).
     """
@@ -91,7 +91,7 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
         materialize(model)
         return model
     materialize(model)
-    return wrap_data_parallel(model, layout)
+    return wrap_data_parallel(model, layout) if wrap else model
 
 
 def local_part(layout: Layout) -> Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]:

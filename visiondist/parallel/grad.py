@@ -108,9 +108,9 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, layout
     before clipping (the same on every rank)."""
     params = [p for p in params if p.grad is not None]
     if any(isinstance(p.grad, DTensor) for p in params):  # FSDP: DTensor shards, reduced over their DP mesh
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=None)
         if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)
         return norm.full_tensor().float()
     sharded = [p.grad for p in params if getattr(p, SHARD_DIM, None) is not None]
     replicated = [p.grad for p in params if getattr(p, SHARD_DIM, None) is None]
@@ -118,7 +118,7 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, layout
     def squared(grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:
             return torch.zeros((), device=layout.device)
-        return torch.nn.utils.get_total_norm(grads, foreach=True).float() ** 2
+        return torch.nn.utils.get_total_norm(grads, foreach=None).float() ** 2
 
     sharded_sq = squared(sharded)
     if layout.tp > 1:
@@ -128,5 +128,5 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, layout
         dist.all_reduce(total_sq, group=layout.pp_group)
     total = total_sq.sqrt()
     if max_norm > 0 and params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=None)
     return total

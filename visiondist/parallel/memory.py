@@ -146,16 +146,70 @@ def act_size(precision: str) -> int:
     return 2 if str(precision) in ("bf16", "16") else 4  # autocast saves 16-bit activations
 
 
-def block_activation_bytes(s: ViTShape, micro_batch: int, tp: int, precision: str = "32") -> int:
-    """Tensors one block saves for its backward, for one micro-batch: the inputs of the two norms, of q/k/v, proj,
-    fc1 and fc2, the GELU input, the attention output and its log-sum-exp (memory-efficient attention keeps no
-    tokens x tokens matrix); the TP-sharded ones divided by tp."""
-    size = act_size(precision)
+def block_activation_bytes(s: ViTShape, micro_batch: int, tp: int, precision: str = "32",
+                           sequence_parallel: bool = False) -> int:
+    """Tensors one block saves for its backward, for one micro-batch, as the dry run measures them: the two norms'
+    inputs (fp32, the residual stream; token-sharded under SP) and statistics; the input of q, k and v (one fp32
+    tensor, or under autocast one cast per projection) and of fc1; q, k, v, the attention output and its
+    log-sum-exp (fused attention keeps no tokens x tokens matrix); fc1's output and the GELU's (fc2's input). The
+    tensors inside the TP region are divided by tp."""
+    a = act_size(precision)
     t, d, h = s.tokens, s.embed_dim, s.hidden
-    replicated = 2 * t * d * FLOAT + 4 * t * FLOAT  # norm inputs (fp32) and their mean / rstd
-    sharded = (t * d + 3 * t * d + t * d + t * d + 2 * t * h) * size // tp  # q/k/v in, q/k/v, attn out, proj in, MLP
-    sharded += s.num_heads * t * FLOAT // tp
-    return micro_batch * (replicated + sharded + t * d * size)  # + fc1's input (the norm output)
+    sp = tp if sequence_parallel else 1
+    norms = (2 * t * d * FLOAT + 4 * t * FLOAT) // sp  # autocast runs norms in fp32: their inputs are fp32
+    # q/k/v's input: one tensor, or a copy per projection (autocast's cast, or the reshape of the SP gather's
+    # token slice when padding made it non-contiguous); fc1's input
+    copies = 3 if a != FLOAT or (sequence_parallel and t % tp) else 1
+    inputs = copies * t * d * a + t * d * a
+    sharded = (4 * t * d * a + 2 * t * h * a + s.num_heads * t * FLOAT) // tp
+    return micro_batch * (norms + inputs + sharded)
+
+
+def weight_copies(s: ViTShape, tp: int, blocks: int, precision: str = "32") -> int:
+    """Autocast's 16-bit copies of the blocks' weight matrices, saved for the backward by the layers that use them
+    (cast once per forward region and kept until its backward): zero in fp32 and under FSDP, whose gathered weights
+    are already 16-bit."""
+    a = act_size(precision)
+    if a == FLOAT:
+        return 0
+    d, h = s.embed_dim, s.hidden
+    return blocks * (4 * d * d + 2 * d * h) // tp * a
+
+
+def ends_activation_bytes(s: ViTShape, micro_batch: int, precision: str, first: bool, last: bool,
+                          fsdp: bool = False) -> int:
+    """What the parts around the blocks save: the images (cast under autocast) for the patch embedding on the first
+    stage; the final norm's input and statistics and the head's input on the last; autocast's weight copies."""
+    a = act_size(precision)
+    copy = a if a != FLOAT and not fsdp else 0  # autocast's 16-bit copy of the weight (FSDP gathers 16-bit)
+    out = 0
+    if first:
+        out += micro_batch * 3 * s.img_size**2 * a + copy * 3 * s.patch_size**2 * s.embed_dim
+    if last:
+        out += micro_batch * (s.tokens * s.embed_dim * FLOAT + 2 * s.tokens * FLOAT + s.embed_dim * a)
+        out += copy * s.num_classes * s.embed_dim
+    return out
+
+
+def saved_per_microbatch(s: ViTShape, micro_batch: int, tp: int, blocks: int, precision: str = "32",
+                         checkpointing: bool = False, sequence_parallel: bool = False, first: bool = True,
+                         last: bool = True, fsdp: bool = False) -> int:
+    """What one micro-batch's forward through `blocks` blocks (and the first / last stage's parts) leaves saved for
+    its backward: every block's tensors and autocast's weight copies, or with activation checkpointing only each
+    block's input (token-sharded under sequence parallelism)."""
+    ends = ends_activation_bytes(s, micro_batch, precision, first, last, fsdp)
+    residual = residual_size(precision, fsdp)
+    if checkpointing:
+        kept = micro_batch * s.tokens * s.embed_dim * residual // (tp if sequence_parallel else 1)
+        return blocks * kept + ends
+    copies = 0 if fsdp else weight_copies(s, tp, blocks, precision)
+    return blocks * block_activation_bytes(s, micro_batch, tp, precision, sequence_parallel) + copies + ends
+
+
+def residual_size(precision: str, fsdp: bool = False) -> int:
+    """Bytes per element of the residual stream between blocks: fp32, except under FSDP with a 16-bit parameter
+    dtype, which casts each block's input to it."""
+    return act_size(precision) if fsdp else FLOAT
 
 
 def microbatches_in_flight(schedule: str, pp: int, microbatches: int) -> int:
@@ -201,24 +255,26 @@ def rank_memory(s: ViTShape, dp: int, tp: int, pp: int, global_batch: int, grad_
                 optimizer: str = "adamw", ema: bool = False, precision: str = "32", schedule: str = "1f1b",
                 stages_per_rank: int = -1, microbatches: int = -1, pp_rank: Optional[int] = None,
                 fsdp: bool = False, offload: bool = False, checkpointing: bool = False,
-                sequence_parallel: bool = False) -> RankMemory:
-    """Bytes on the busiest rank (or on `pp_rank`'s ranks) of the layout."""
+                sequence_parallel: bool = False, dp_rank: int = 0) -> RankMemory:
+    """Bytes on the busiest rank (or on `pp_rank`'s ranks; under FSDP on `dp_rank`, default the first, which holds
+    the most) of the layout."""
     spr = stages_per_rank_for(schedule, stages_per_rank) if pp > 1 else 1
     m = microbatches_for(pp, microbatches) if pp > 1 else grad_accum
     per_rank = stage_params(s, tp, pp, spr)
     rank = max(range(pp), key=lambda r: per_rank[r].elements) if pp_rank is None else pp_rank
-    params = fsdp_shard(s, dp) if fsdp else per_rank[rank]
+    params = fsdp_shard(s, dp, dp_rank) if fsdp else per_rank[rank]
     local_batch = global_batch // dp
     micro = local_batch // (grad_accum * (m if pp > 1 else 1))
     ranges = stage_ranges(s, tp, pp * spr)
     blocks = sum(b - a for stage, (a, b) in enumerate(ranges) if stage % pp == rank)
     in_flight = microbatches_in_flight(schedule, pp, m)
-    block_act = block_activation_bytes(s, micro, tp, precision)
-    if checkpointing:  # each block keeps its input (token-sharded under SP); one block is recomputed at a time
-        kept = micro * s.tokens * s.embed_dim * act_size(precision) // (tp if sequence_parallel else 1)
-        act = blocks * in_flight * kept + block_act
-    else:
-        act = blocks * in_flight * block_act
+    first, last = rank == 0, rank == pp - 1  # looped placement: stage 0 on rank 0, the last on rank pp - 1
+    one = saved_per_microbatch(s, micro, tp, blocks, precision, checkpointing, sequence_parallel, first, last, fsdp)
+    copies = 0 if fsdp or checkpointing else weight_copies(s, tp, blocks, precision)
+    act = in_flight * (one - copies) + copies  # autocast's weight copies are made once per step, not per micro-batch
+    if checkpointing:  # and one block's full set (and weight copies) while it is recomputed
+        act += block_activation_bytes(s, micro, tp, precision, sequence_parallel) + (
+            0 if fsdp else weight_copies(s, tp, 1, precision))
     block = block_params(s, tp).elements
     if fsdp:  # two blocks gathered (the running one and the prefetched next), one block's full gradient, the root
         root = embed_params(s).elements + head_params(s).elements
@@ -257,3 +313,51 @@ def saved_activation_bytes(module, *inputs) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         module(*inputs)
     return sum(seen.values())
+
+
+def _padded_elements(shapes: list[tuple[int, ...]], n: int) -> int:
+    """Elements of `shapes` with dim 0 padded to a multiple of `n` (what FSDP2 gathers and reduce-scatters)."""
+    return sum(math.ceil(shape[0] / n) * n * math.prod(shape[1:]) for shape in shapes)
+
+
+def collective_bytes(s: ViTShape, mem: RankMemory, dp: int, tp: int, pp: int, grad_accum: int = 1,
+                     precision: str = "32", fsdp: bool = False, checkpointing: bool = False,
+                     sequence_parallel: bool = False, stage_ids: tuple[int, ...] = (0,),
+                     n_stages: int = 1) -> dict[str, int]:
+    """Bytes each collective kind moves per optimizer step on the rank `mem` describes, as the payload of each call
+    (the full tensor an all-reduce reduces, an all-gather returns or a reduce-scatter takes; the tensor a send or
+    receive carries), keyed "<mesh dim> <kind>". The tensors are what the code hands over: the residual stream and
+    the gradients of fp32 tensors stay fp32 under autocast, the row-parallel outputs are in the autocast dtype."""
+    a, t, d = act_size(precision), s.tokens, s.embed_dim
+    blocks, micro = mem.detail["blocks"], mem.detail["micro_batch"]
+    passes = grad_accum * (mem.detail["microbatches"] if pp > 1 else 1)  # micro-batches through this rank per step
+    forwards = 2 if checkpointing else 1  # a checkpointed block runs its forward again in the backward,
+    recomputed = 1 if checkpointing else 0  # up to the last tensor its backward needs: the MLP's output is not
+    out: dict[str, int] = {}
+    if tp > 1:
+        if sequence_parallel:
+            rows = micro * math.ceil(t / tp) * tp * d  # token-padded to a multiple of tp
+            per_block_gather = (2 * FLOAT * forwards + 2 * a) * rows  # norm outputs in; output gradients back
+            per_block_scatter = (2 * a + recomputed * a + 2 * FLOAT) * rows  # row outputs; input gradients back
+            regions = len(stage_ids)  # the token split / gather around each stage's blocks
+            out["tp all_gather"] = passes * (blocks * per_block_gather + regions * 2 * FLOAT * rows)
+            out["tp reduce_scatter"] = passes * blocks * per_block_scatter
+            out["tp all_reduce"] = blocks * 6 * d * FLOAT + FLOAT  # the partial norm / bias gradients, the norm
+        else:
+            rows = micro * t * d
+            out["tp all_reduce"] = passes * blocks * (2 * a + recomputed * a + 2 * FLOAT) * rows + FLOAT
+    if pp > 1:
+        boundary = micro * t * d * FLOAT  # the residual stream, fp32
+        sends = sum(int(i < n_stages - 1) + int(i > 0) for i in stage_ids)
+        out["pp send"] = out["pp recv"] = passes * sends * boundary
+        out["pp all_reduce"] = FLOAT * (grad_accum + 1)  # the loss of each schedule step, the gradient norm
+    if dp > 1 and fsdp:
+        shapes = tensor_shapes(s)  # embedding (4 tensors), the blocks, norm and head (4): the root gathers once
+        block_shapes, root_shapes = shapes[4:-4], shapes[:4] + shapes[-4:]
+        gathered = a if precision in ("bf16", "16") else FLOAT  # FSDP gathers in the autocast dtype
+        out["dp all_gather"] = passes * gathered * (2 * _padded_elements(block_shapes, dp)
+                                                    + _padded_elements(root_shapes, dp))
+        out["dp reduce_scatter"] = passes * FLOAT * _padded_elements(shapes, dp)
+    elif dp > 1:
+        out["dp all_reduce"] = mem.grads
+    return out

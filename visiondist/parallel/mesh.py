@@ -100,8 +100,11 @@ def build_layout(dp: int, tp: int, pp: int, device: torch.device, local_rank: in
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
     pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
     tp_comm = TPComm(mesh.get_group("tp")) if tp > 1 else None
-    nodes: list = [None] * world
-    dist.all_gather_object(nodes, node_index(os.environ))
+    if dist.get_backend() == "fake":  # the dry run: nothing to gather; the job's ranks fill whole nodes in order
+        nodes = [r // run.per_node for r in range(world)] if run is not None else [0] * world
+    else:
+        nodes = [None] * world
+        dist.all_gather_object(nodes, node_index(os.environ))
     return Layout(mesh, device, dist.get_rank(), world, local_rank, dp, tp, pp, dp_rank, tp_rank, pp_rank, tp_comm,
                   tuple(nodes), run)
 

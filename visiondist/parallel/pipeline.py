@@ -126,14 +126,16 @@ def _timed_stage_class():
 def build_schedule(name: str, stages: Sequence[nn.Module], stage_ids: Sequence[int], n_stages: int,
                    microbatches: int, device: torch.device, group, loss_fn: Optional[Callable],
                    recorder: Optional[Recorder] = None, scale_grads: bool = True,
-                   counter: Optional[P2PCounter] = None):
+                   counter: Optional[P2PCounter] = None, shapes: Optional[Sequence[tuple]] = None):
     """torch's schedule `name` over this rank's stages; with a `recorder`, every action is timed; with a `counter`,
-    every send is counted."""
+    every send is counted; with `shapes` ((input, output) example tensors per stage), the stages exchange no shapes
+    (a fake process group cannot)."""
     cls = _schedule_class(name)
     stage_cls = _timed_stage_class()
     pipe_stages = []
-    for module, index in zip(stages, stage_ids):
-        stage = stage_cls(module, index, n_stages, device, group=group)
+    for i, (module, index) in enumerate(zip(stages, stage_ids)):
+        static = {"input_args": shapes[i][0], "output_args": shapes[i][1]} if shapes else {}
+        stage = stage_cls(module, index, n_stages, device, group=group, **static)
         stage.recorder, stage.counter = recorder, counter
         pipe_stages.append(stage)
     if name in MULTI_STAGE:
@@ -208,6 +210,25 @@ class PipelinedViT(nn.Module):
                                         layout.device, self.group, self._scaled_loss, self.recorder,
                                         scale_grads=False, counter=self.p2p)
         self._eval_schedule = None
+        self._enter = None
+        if all(p.is_meta for p in model.parameters()):  # a dry run: keep how the first stage enters (no memory)
+            self._enter = lambda images: self.cut.enter(model, images)
+
+    def use_static_shapes(self, images: torch.Tensor) -> None:
+        """Rebuild the training schedule with every stage's input and output shapes for micro-batches like `images`
+        (on the meta device), so the stages exchange no shapes at the first step: a dry run's fake process group
+        carries no data. Only for a model built on the meta device."""
+        if self._enter is None:
+            raise ValueError("static pipeline shapes are for a model built on the meta device (the dry run)")
+        # every stage boundary carries what the first stage's blocks take, and its gradient back (meta: no memory)
+        boundary = self._enter(images).detach().requires_grad_(True)
+        shapes = []
+        for stage, index in zip(self._stages, self.stage_ids):
+            given = images if index == 0 else boundary
+            shapes.append((given, stage(given)))
+        self._schedule = build_schedule(self.schedule_name, self._stages, self.stage_ids, self.n_stages,
+                                        self.microbatches, self.device, self.group, self._scaled_loss, self.recorder,
+                                        scale_grads=False, counter=self.p2p, shapes=shapes)
 
     def no_weight_decay(self) -> set[str]:
         return set(self.cut.no_weight_decay) if self.is_first else set()
