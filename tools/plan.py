@@ -1,11 +1,18 @@
-"""Plan the parallel layout of a ViT without starting anything:
+"""Plan the parallel layout of a ViT without starting anything, and check it:
 
     python tools/plan.py model=vit_giant trainer.devices=8 parallel.device_memory_gb=80 [parallel.nodes=4] [...]
+    python tools/plan.py verify=chosen model=vit_22b trainer.devices=8 parallel.nodes=8 ...
 
 Prints, for every layout the trainer can run on trainer.devices x parallel.nodes devices (or parallel.num_devices),
 the per-device GB by component, the estimated step time and whether it fits; then the layout `parallel=auto` would
 choose and the overrides that select it. The model, data (global batch), optimizer, EMA and precision come from the
 same config groups as train.py. Exits 1 when no layout fits (naming the smallest device count that would).
+
+`verify=chosen` (or `verify=all`: every layout that fits) then dry-runs the layout: the first, a middle and the
+last rank of the full world are built by the training code on torch's fake process group, with no memory behind the
+tensors, and step once; their measured bytes are printed beside the plan's. Exits 1 when a rank cannot be built or a
+figure is off the plan (`visiondist.engine.dryrun`). With a layout named by hand (parallel=tp4 ..., not auto),
+`verify=chosen` checks that layout.
 """
 
 import sys
@@ -26,8 +33,14 @@ TOOL = Tool(
            "devices from trainer.devices x parallel.nodes (or parallel.num_devices) and parallel.device_memory_gb "
            "(default: this machine's GPU); no data"),
     writes="nothing: prints the table",
-    examples=("python tools/plan.py model=vit_22b trainer.devices=8 parallel.nodes=8 parallel.device_memory_gb=80",
-              "python tools/plan.py model=vit_huge data=imagenet trainer.devices=8 trainer.precision=bf16"),
+    examples=("python tools/plan.py model=vit_22b data=imagenet trainer.precision=bf16 trainer.devices=8 "
+              "parallel.nodes=8 parallel.device_memory_gb=80",
+              "python tools/plan.py verify=chosen model=vit_22b data=imagenet trainer.precision=bf16 "
+              "trainer.devices=8 parallel.nodes=8 parallel.device_memory_gb=80",
+              "python tools/plan.py verify=chosen model=vit_huge parallel=tp4 parallel.pp=2 trainer.devices=8 "
+              "parallel.nodes=4"),
+    keys=(("verify=chosen|all", "dry-run the chosen layout (or every layout that fits) at full scale on this "
+                                "machine and compare its measured bytes per rank with the plan"),),
     run_dir=False,
     multirun=False,
 )
@@ -37,7 +50,9 @@ DEFAULT_CLASSES = 1000  # data.num_classes when it is unset and there is no data
 def plan(cmd: Command) -> int:
     from rich.console import Console
 
+    from visiondist.models.registry import spec_of
     from visiondist.plan import cuda_device_count, device_memory_gb, plan_for, planning_world
+    from visiondist.plan.resolve import named_layout
 
     cfg = load_config(CONFIGS, cmd.overrides + cmd.search, inputs=None)  # a plan reads no data
     if cmd.show:
@@ -51,16 +66,25 @@ def plan(cmd: Command) -> int:
     t = cfg.trainer
     accelerator = "cuda" if t.accelerator != "cpu" and cuda_device_count() else "cpu"
     memory = cfg.parallel.device_memory_gb or device_memory_gb(accelerator, devices // nodes)
+    console = Console(width=max(120, Console().width))
+    verify = cmd.args.get("verify")
+    if verify not in (None, "chosen", "all"):
+        raise ConfigError(f"verify={verify}: use verify=chosen (the chosen layout) or verify=all (every layout that "
+                          "fits)")
+    if spec_of(cfg.model).planner_shape is None:  # a detector: DDP on every device
+        console.print(f"{cfg.model.name} is a detector: parallel=auto runs it data parallel on all {devices} devices "
+                      "(the memory planner lays out ViT classifiers)", soft_wrap=True)
+        console.print(f"planned for: {inputs_line(cfg)}", soft_wrap=True)
+        ddp = None if named_layout(cfg.parallel) else {"dp": devices}
+        return 0 if verify is None or dry_run(cfg, devices, nodes, "DDP", ddp, console) else 1
     try:
         result = plan_for(cfg, devices, nodes, memory)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    console = Console(width=max(120, Console().width))
-    batch = f"global batch {cfg.data.batch_size}" + (f" x {t.grad_accum} accumulation" if t.grad_accum > 1 else "")
-    title = (f"{cfg.model.name} ({result.layer_state / 1e9:.3g} GB of training state per block), {batch}, "
-             f"{cfg.optim.name}, precision {t.precision}: {devices} devices "
-             f"({nodes} node{'s' if nodes > 1 else ''} of {devices // nodes}), {memory:g} GB each")
-    console.print(result.table(title))
+    console.print(result.table(f"{cfg.model.name} ({result.layer_state / 1e9:.3g} GB of training state per block): "
+                               f"{devices} devices ({nodes} node{'s' if nodes > 1 else ''} of {devices // nodes}), "
+                               f"{memory:g} GB each"))
+    console.print(f"planned for: {inputs_line(cfg)}", soft_wrap=True)
     if result.choice is None:
         console.print(f"[bold red]nothing fits[/bold red]: {result.reason}")
         return 1
@@ -68,7 +92,55 @@ def plan(cmd: Command) -> int:
     console.print(f"parallel=auto would choose [bold]{c.name}[/bold]: {result.reason}")
     fields = " ".join(f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in c.overrides().items())
     console.print(f"the same layout by hand: {fields}", soft_wrap=True)
-    return 0
+    if verify is None:
+        return 0
+    if verify == "all":
+        layouts = [(r.candidate.name, r.candidate.overrides()) for r in result.rows if r.fits]
+    elif cfg.parallel.auto and not named_layout(cfg.parallel):
+        layouts = [(c.name, c.overrides())]
+    else:
+        layouts = [(f"{cfg.parallel.name} as configured", None)]
+    return 0 if all(dry_run(cfg, devices, nodes, name, o, console) for name, o in layouts) else 1
+
+
+def inputs_line(cfg) -> str:
+    """What drives the choice besides the model: the data set and its image size, the global batch, the
+    precision, the optimizer."""
+    t = cfg.trainer
+    batch = f"global batch {cfg.data.batch_size}" + (f" x {t.grad_accum} accumulation" if t.grad_accum > 1 else "")
+    return (f"data={cfg.data.name} ({cfg.model.img_size} px images), {batch}, trainer.precision={t.precision}, "
+            f"optim={cfg.optim.name}" + (", EMA" if t.ema_decay > 0 else ""))
+
+
+def dry_run(cfg, devices: int, nodes: int, name: str, overrides, console) -> bool:
+    """Dry-run one layout; print its table and verdict; True when every figure is within the plan's bounds."""
+    import time
+
+    from visiondist.engine.dryrun import TOLERANCE, DryRunError, chosen_ranks, dry_run as run_ranks, report_table
+    from visiondist.models.registry import spec_of
+    from visiondist.plan import resolve_on
+
+    start = time.perf_counter()
+    run = resolve_on(cfg, devices, nodes, overrides)
+    ranks = chosen_ranks(run)
+    console.print(f"\n[bold]dry run[/bold] of {name} ({run.describe()}): ranks {', '.join(map(str, ranks))} built "
+                  "on a fake process group, one step each", soft_wrap=True)
+    try:
+        shape = spec_of(cfg.model).planner_shape
+        reports = run_ranks(cfg, shape(cfg.model) if shape is not None else None, run, ranks)
+    except DryRunError as exc:
+        console.print(f"[bold red]the training code cannot run this layout[/bold red]: {exc}", soft_wrap=True)
+        return False
+    console.print(report_table(reports))
+    off = [(r.rank, f.name) for r in reports for f in r.flagged]
+    seconds = time.perf_counter() - start
+    if off:
+        listed = ", ".join(f"rank {rank} {figure}" for rank, figure in off)
+        console.print(f"[bold red]{len(off)} figure(s) off the plan[/bold red] (exact for state, within "
+                      f"{100 * TOLERANCE:.0f}% otherwise): {listed} ({seconds:.1f} s)", soft_wrap=True)
+        return False
+    console.print(f"every figure within the plan's bounds ({seconds:.1f} s)")
+    return True
 
 
 def main(argv: list[str]) -> int:

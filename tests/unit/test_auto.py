@@ -92,13 +92,41 @@ def test_a_continued_auto_run_keeps_the_layout_it_started_with(tmp_path):
     assert resolve(other, {}, 0)[1] is not None  # another world: planned afresh (checkpoints reshard)
 
 
-def test_auto_on_the_cpu_needs_a_device_count():
-    with pytest.raises(ConfigError, match="trainer.devices=N"):
-        resolve(_cfg("model=vit_small", "trainer.accelerator=cpu"), {}, 0)
+def test_auto_is_the_default_and_is_plain_ddp_when_the_state_fits():
+    default = compose(CONFIGS, ["trainer.accelerator=cpu"])  # the README's main job
+    assert default.parallel.auto
+    run, result = resolve(default, {}, 0)
+    assert (run.world_size, run.dp, run.tp, run.pp, run.fsdp, run.activation_checkpointing) == (1, 1, 1, 1, False,
+                                                                                               False)
+    assert run.chosen_by == "parallel=auto" and "fits each device under DDP" in run.reason
+    assert "the host's" in run.reason and "1 rank per node (CPU)" in run.reason  # where the budget comes from
+    two, _ = resolve(compose(CONFIGS, ["trainer.accelerator=cpu", "parallel.dp=2"]), {}, 0)
+    assert (two.world_size, two.dp, two.tp) == (2, 2, 1)  # parallel.dp=N: N ranks, still DDP
 
 
-def test_auto_refuses_explicit_layout_fields():
-    from visiondist.config import validate
+def test_auto_shards_vit_huge_only_when_ddp_does_not_fit():
+    def run_for(memory_gb):
+        return resolve(compose(CONFIGS, ["model=vit_huge", "parallel.dp=2", "trainer.accelerator=cpu",
+                                         f"parallel.device_memory_gb={memory_gb}"]), {}, 0)
 
-    with pytest.raises(ConfigError, match="chooses dp / tp / pp"):
-        validate(_cfg("model=vit_small", "parallel.tp=2"))
+    big, _ = run_for(80)
+    assert (big.dp, big.tp, big.pp, big.fsdp) == (2, 1, 1, False)
+    small, result = run_for(8)
+    assert (small.dp, small.tp, small.pp, small.fsdp, small.activation_checkpointing) != (2, 1, 1, False, False)
+    assert "DDP would need 14 GB per device, over the 7.2 GB" in result.reason
+    assert "parallel.device_memory_gb" in result.reason
+
+
+def test_a_layout_named_on_top_of_auto_runs_as_named():
+    run, result = resolve(compose(CONFIGS, ["trainer.accelerator=cpu", "parallel.tp=2", "trainer.devices=2",
+                                            "parallel.device_memory_gb=0.001"]), {}, 0)
+    assert result is None and run.chosen_by != "parallel=auto"
+    assert (run.dp, run.tp, run.pp) == (1, 2, 1)  # not planned, even where the plan would refuse
+
+
+def test_detectors_under_auto_run_ddp():
+    cfg = compose(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "trainer.accelerator=cpu",
+                            "parallel.dp=2"])
+    run, result = resolve(cfg, {}, 0)
+    assert result is None and (run.dp, run.tp, run.pp, run.fsdp) == (2, 1, 1, False)
+    assert run.chosen_by == "parallel=auto" and "detector" in run.reason

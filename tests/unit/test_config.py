@@ -22,7 +22,7 @@ def _error(overrides):
 def test_defaults_compose_and_follow_the_data():
     cfg = load_config(CONFIGS, [])
     assert (cfg.model.name, cfg.data.name, cfg.parallel.name, cfg.optim.name, cfg.schedule.name) == (
-        "vit_tiny", "shapes", "ddp", "adamw", "cosine")
+        "vit_tiny", "shapes", "auto", "adamw", "cosine")
     assert cfg.model.img_size == cfg.data.img_size and cfg.model.num_classes == cfg.data.num_classes
     cfg = load_config(CONFIGS, ["model=vit_base", "model.img_size=96", "model.num_classes=3", "data.img_size=64"])
     assert (cfg.model.img_size, cfg.model.num_classes, cfg.model.embed_dim) == (96, 3, 768)
@@ -136,7 +136,7 @@ def test_world_size_is_the_product_of_the_mesh():
     assert _plan([]).world_size == 1
     plan = _plan(["parallel.dp=2", "trainer.accelerator=cpu"])
     assert (plan.world_size, plan.dp, plan.accelerator) == (2, 2, "cpu")
-    plan = _plan([], gpus=4)
+    plan = _plan(["parallel.device_memory_gb=80"], gpus=4)  # no GPU here to read its memory from
     assert (plan.accelerator, plan.world_size, plan.dp) == ("cuda", 4, 4)
 
 

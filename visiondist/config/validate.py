@@ -154,8 +154,6 @@ def _check_parallel(p: DictConfig) -> None:
                           f"pp={p.pp} here: use parallel.fsdp=false, or tp=1 and pp=1")
     if p.offload and not p.fsdp:
         raise ConfigError("parallel.offload=true moves FSDP's shards to host memory: set parallel.fsdp=true too")
-    if p.auto and (p.tp > 1 or p.pp > 1 or p.dp != -1 or p.fsdp):
-        raise ConfigError("parallel=auto chooses dp / tp / pp / fsdp itself: drop parallel.dp/tp/pp/fsdp")
     for key in ("device_memory_gb", "device_tflops", "intra_node_gbs", "inter_node_gbs", "host_gbs"):
         _positive(f"parallel.{key}", p[key], allow_zero=key == "device_memory_gb")
     _positive("parallel.nodes", p.nodes)

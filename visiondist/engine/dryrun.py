@@ -260,6 +260,57 @@ def _images(cfg: DictConfig, n: int, device: str) -> torch.Tensor:
     return torch.zeros(n, 3, size, size, device=device)
 
 
+def measure_detector_rank(cfg: DictConfig, run: RunLayout, rank: int) -> tuple[tuple[int, int, int], dict, dict]:
+    """A detector's rank (DDP): the model built as training builds it (on the CPU: torchvision's detectors need real
+    values to sample boxes), one real forward and backward of a synthetic micro-batch at the configured size, the DP
+    reduction over the fake group, the optimizer step."""
+    from visiondist.engine.measure import synthetic_batch
+    from visiondist.engine.optim import build_optimizer
+
+    with fake_world(rank, run.world_size):
+        layout = build_layout(run.dp, run.tp, run.pp, torch.device("cpu"), rank % run.per_node, run=run)
+        model, _ = build_deferred(cfg.model, weights=False)
+        model = parallelize(model, layout, wrap=False).train()
+        accum = int(cfg.trainer.grad_accum)
+        micro = int(cfg.data.batch_size) // run.dp // accum
+        images, targets = synthetic_batch(cfg, "detection", micro, torch.device("cpu"), seed=rank)
+        images = [image.float() / 255 for image in images]
+        keep = {p.untyped_storage()._cdata for p in model.parameters()}
+        traffic = Traffic({id(layout.dp_group): "dp"})
+        with traffic:
+            for i in range(accum):
+                if i == 0:
+                    with saved_bytes(keep) as saved:
+                        losses = model(images, targets)
+                else:
+                    losses = model(images, targets)
+                (sum(loss.float() for loss in losses.values()) / accum).backward()
+            params = list(model.parameters())
+            if run.dp > 1:  # what DDP's reducer does, in the same 25 MB buckets
+                mean_over_group([p.grad for p in params if p.grad is not None], layout.dp_group, layout.dp)
+            clip_grad_norm(params, float(cfg.trainer.clip_grad), layout)
+            optimizer = build_optimizer(cfg.optim, model)
+            optimizer.step()
+        figures = {"parameters": _local_bytes(params), "gradients": _local_bytes(p.grad for p in params),
+                   "optimizer": _optimizer_bytes(optimizer), "activations": saved["bytes"]}
+        return tuple(layout.mesh.get_coordinate()), figures, traffic.bytes
+
+
+def planned_detector(cfg: DictConfig, run: RunLayout) -> tuple[dict, dict]:
+    """The plan of a detector's rank: its state counted from the model built on the meta device (activations are
+    not modelled for detectors: the dry run reports them measured only)."""
+    from omegaconf import OmegaConf
+
+    from visiondist.models import build_model
+    from visiondist.parallel.memory import module_state
+
+    with torch.device("meta"):
+        model = build_model(OmegaConf.merge(cfg.model, {"weights": None, "init_from": None}))
+    mem = module_state(model, str(cfg.optim.name), float(getattr(cfg.optim, "momentum", 0.9)))
+    figures = {"parameters": mem.params, "gradients": mem.grads, "optimizer": mem.optimizer, "activations": None}
+    return figures, ({"dp all_reduce": mem.grads} if run.dp > 1 else {})
+
+
 def measure_rank(cfg: DictConfig, run: RunLayout, rank: int) -> tuple[tuple[int, int, int], dict, dict]:
     """Build `rank` of `run` with the training code on a fake process group and run one step: its coordinate,
     its bytes by component, and its collective bytes per step."""
@@ -386,18 +437,23 @@ def chosen_ranks(run: RunLayout) -> list[int]:
     return sorted({0, middle, run.world_size - 1})
 
 
-def dry_run(cfg: DictConfig, shape: ViTShape, run: RunLayout, ranks: Optional[list[int]] = None,
+def dry_run(cfg: DictConfig, shape: Optional[ViTShape], run: RunLayout, ranks: Optional[list[int]] = None,
             progress=None) -> list[RankReport]:
-    """Measure `ranks` (default `chosen_ranks`) of `run` and set each beside the plan."""
+    """Measure `ranks` (default `chosen_ranks`) of `run` and set each beside the plan; `shape`: the model family's
+    planner shape (None: a detector, planned from its tensors)."""
     reports = []
     for rank in ranks if ranks is not None else chosen_ranks(run):
         start = time.perf_counter()
         try:
-            coordinate, measured, traffic = measure_rank(cfg, run, rank)
+            measure = measure_rank if shape is not None else measure_detector_rank
+            coordinate, measured, traffic = measure(cfg, run, rank)
         except Exception as exc:
             raise DryRunError(f"rank {rank} of {run.describe()} failed to build or step: "
                               f"{type(exc).__name__}: {exc}") from exc
-        planned, planned_traffic = planned_rank(cfg, shape, run, coordinate)
+        if shape is not None:
+            planned, planned_traffic = planned_rank(cfg, shape, run, coordinate)
+        else:
+            planned, planned_traffic = planned_detector(cfg, run)
         report = RankReport(rank, coordinate)
         report.figures = [Figure(k, v, planned.get(k)) for k, v in measured.items()]
         kinds = sorted(set(traffic) | set(planned_traffic), key=lambda k: ("pp dp tp world".find(k[:2]), k))

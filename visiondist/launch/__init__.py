@@ -191,7 +191,7 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
         os.environ.update(slurm_env(os.environ))
     env = dict(os.environ) if env is None else env
     run, auto_plan = resolve(cfg, env, cuda_device_count())
-    if auto_plan is not None and env.get("RANK", "0") == "0":
+    if run.chosen_by == "parallel=auto" and env.get("RANK", "0") == "0":
         announce(cfg, run, auto_plan)
     cfg_dict = to_container(cfg)
     if run.under_torchrun:  # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal

@@ -16,8 +16,8 @@ from visiondist.config.layout import check_pipeline, divisors
 from visiondist.parallel.memory import ViTShape
 
 # switches a family may support: what each is, for the refusal message
-TP, PP, FSDP, AC, COMPILE, AUTO, CLASSIFICATION_AUG, INIT_FROM, BACKBONE_WEIGHTS = (
-    "tp", "pp", "fsdp", "ac", "compile", "auto", "classification_aug", "init_from", "backbone_weights")
+TP, PP, FSDP, AC, COMPILE, CLASSIFICATION_AUG, INIT_FROM, BACKBONE_WEIGHTS = (
+    "tp", "pp", "fsdp", "ac", "compile", "classification_aug", "init_from", "backbone_weights")
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class ModelSpec:
     supports: frozenset[str]
     has_blocks: bool  # transformer blocks (the unit of FSDP, activation checkpointing, compile, pipeline stages)
     rules: Callable[[DictConfig], None] = lambda cfg: None  # the family's own shape rules
-    planner_shape: Optional[Callable[[DictConfig], Any]] = None  # model config -> the memory model's shape (auto)
+    planner_shape: Optional[Callable[[DictConfig], Any]] = None  # model config -> the memory model's shape; None: auto runs DDP
 
     def check(self, cfg: DictConfig) -> None:
         """Refuse what this family does not support, with today's wording; then its own shape rules."""
@@ -42,7 +42,7 @@ def _requested(cfg: DictConfig) -> dict[str, bool]:
     m, d, p, t = cfg.model, cfg.data, cfg.parallel, cfg.trainer
     return {
         TP: p.tp > 1, PP: p.pp > 1, FSDP: bool(p.fsdp), AC: bool(p.activation_checkpointing),
-        COMPILE: bool(t.compile), AUTO: bool(p.auto), INIT_FROM: m.init_from is not None,
+        COMPILE: bool(t.compile), INIT_FROM: m.init_from is not None,
         CLASSIFICATION_AUG: d.mixup > 0 or d.cutmix > 0 or t.label_smoothing > 0 or d.auto_augment != "none",
         BACKBONE_WEIGHTS: m.backbone_weights is not None,
     }
@@ -58,7 +58,6 @@ _REFUSALS: dict[str, Callable[[DictConfig], str]] = {
                                  "ResNet-50 backbone (use model.weights for a whole model)"),
     FSDP: lambda c: f"parallel.fsdp=true shards ViT classifiers; {c.model.name} is a detector: use DDP",
     AC: lambda c: f"parallel.activation_checkpointing recomputes transformer blocks; {c.model.name} has none",
-    AUTO: lambda c: f"parallel=auto plans ViT classifiers; for {c.model.name} use parallel=ddp",
     PP: lambda c: (f"parallel.pp={c.parallel.pp}: pipeline parallelism cuts ViT classifiers into stages of blocks; "
                    f"{c.model.name} is a detector: use parallel.pp=1"),
 }
@@ -99,7 +98,7 @@ def _check_torchvision(cfg: DictConfig) -> None:
         raise ConfigError(_REFUSALS[BACKBONE_WEIGHTS](cfg))
 
 
-_VIT = frozenset({TP, PP, FSDP, AC, COMPILE, AUTO, CLASSIFICATION_AUG, INIT_FROM})
+_VIT = frozenset({TP, PP, FSDP, AC, COMPILE, CLASSIFICATION_AUG, INIT_FROM})
 SPECS: dict[str, ModelSpec] = {  # how each family is built: visiondist.models.FAMILIES
     "vit": ModelSpec("vit", "classification", "imagefolder", _VIT, True, _check_blocks, ViTShape.from_config),
     "vitdet": ModelSpec("vitdet", "detection", "coco", frozenset({TP, AC, COMPILE}), True, _check_vitdet),

@@ -361,3 +361,14 @@ def collective_bytes(s: ViTShape, mem: RankMemory, dp: int, tp: int, pp: int, gr
     elif dp > 1:
         out["dp all_reduce"] = mem.grads
     return out
+
+
+def module_state(module, optimizer: str, momentum: float = 0.9) -> RankMemory:
+    """Parameter, gradient and optimizer-state bytes of a whole module (any family: counted from its tensors, e.g. on
+    the meta device) under DDP: every parameter, gradients and optimizer state for the trainable ones only (frozen
+    layers get neither). Activations are not modelled here (0)."""
+    params = list(module.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    held = Tensors(sum(p.numel() for p in trainable), len(trainable))
+    return RankMemory(params=FLOAT * sum(p.numel() for p in params), grads=FLOAT * held.elements,
+                      optimizer=optimizer_bytes(held, optimizer, momentum), ema=0, activations=0)

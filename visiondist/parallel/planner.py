@@ -267,7 +267,7 @@ def _complexity(c: Candidate) -> tuple:
 
 def plan(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1, optimizer: str = "adamw",
          ema: bool = False, precision: str = "32", max_nodes: int = 1024) -> Plan:
-    """The candidates on `hw`, the fastest that fits (ties: the simpler layout), and why it was chosen. When none
+    """The candidates on `hw`, plain DDP when it fits, else the fastest that fits (ties: the simpler layout), and why it was chosen. When none
     fits, `choice` is None and `reason` names the smallest device count (whole nodes) on which one would."""
     rows = _evaluate(s, hw, global_batch, grad_accum, optimizer, ema, precision)
     block = block_params(s)
@@ -275,16 +275,18 @@ def plan(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1, opti
     fit = [r for r in rows if r.fits]
     rows.sort(key=lambda r: (r.memory is None, not r.fits, r.seconds["total"] if r.seconds else 0,
                              _complexity(r.candidate)))
-    budget = f"{hw.budget / GB:.3g} GB ({100 * hw.headroom:.0f}% of {hw.memory_gb:g} GB)"
+    budget = f"{hw.budget / GB:.3g} GB ({100 * hw.headroom:.0f}% of {hw.memory_gb:.3g} GB)"
     ddp = next((r for r in rows if r.memory and r.candidate == Candidate(hw.devices)), None)
-    if fit:
-        best = min(fit, key=lambda r: (round(r.seconds["total"], 12), _complexity(r.candidate)))
+    if fit:  # plain DDP whenever it fits; otherwise the fastest layout that fits (ties: the simpler)
+        best = ddp if ddp is not None and ddp.fits else min(
+            fit, key=lambda r: (round(r.seconds["total"], 12), _complexity(r.candidate)))
         if best.candidate == Candidate(hw.devices):
             reason = (f"the whole training state fits each device under DDP: {best.memory.device / GB:.3g} GB of "
                       f"{budget} per device")
         else:
             why_not = (f"DDP would need {ddp.memory.device / GB:.3g} GB per device, over the {budget} budget"
-                       if ddp is not None and not ddp.fits else "DDP is slower here")
+                       if ddp is not None and ddp.memory is not None else
+                       f"DDP cannot run: {ddp.note}" if ddp is not None else "DDP cannot run here")
             of = f"the fastest of {len(fit)} layouts that fit" if len(fit) > 1 else "the only layout that fits"
             reason = (f"{why_not}; {best.candidate.name} is {of}: "
                       f"{best.memory.device / GB:.3g} GB per device, about {_duration(best.seconds['total'])} per step "

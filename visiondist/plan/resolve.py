@@ -21,19 +21,46 @@ def resolve(cfg: DictConfig, env: Optional[dict] = None, cuda_devices: Optional[
     env = dict(os.environ) if env is None else env
     world = find_world(cfg, env, cuda_device_count() if cuda_devices is None else cuda_devices)
     parallel, plan, reason = OmegaConf.to_container(cfg.parallel), None, ""
-    if cfg.parallel.auto:
+    auto = cfg.parallel.auto and not named_layout(cfg.parallel)
+    if auto:
+        _layout(cfg, OmegaConf.merge(cfg.parallel, {"auto": False}), world)  # what was asked (dp, batch) must hold
         before = _continued_layout(cfg, world)
         if before is not None:  # continuing a run: the layout its first attempt chose, not a fresh plan
             parallel.update(before.parallel_overrides())
             reason = f"the layout this run started with ({before.describe()}, layout.json)"
+        elif spec_of(cfg.model).planner_shape is None:  # detectors: data parallel, as asked of them
+            reason = f"{cfg.model.name} is a detector, which runs data parallel (the planner lays out ViT classifiers)"
         else:
             plan = _plan_auto(cfg, world)
             parallel.update(plan.choice.candidate.overrides())
             reason = plan.reason
         parallel["auto"] = False
         check(OmegaConf.merge(cfg, {"parallel": parallel}))  # the chosen layout against the model
+    parallel["auto"] = False
     run = _layout(cfg, OmegaConf.create(parallel), world)
-    return (run.replace(chosen_by="parallel=auto", reason=reason) if cfg.parallel.auto else run), plan
+    return (run.replace(chosen_by="parallel=auto", reason=reason) if auto else run), plan
+
+
+LAYOUT_SWITCHES = ("tp", "pp", "fsdp", "offload", "activation_checkpointing", "sequence_parallel")
+
+
+def named_layout(p: DictConfig) -> bool:
+    """Whether the user named a layout (tensor or pipeline parallel, FSDP, offload, checkpointing, SP) on top of
+    `parallel=auto`: that layout runs as named; auto only chooses when the layout is left to it."""
+    return p.tp > 1 or p.pp > 1 or any(bool(p[k]) for k in LAYOUT_SWITCHES[2:])
+
+
+def resolve_on(cfg: DictConfig, devices: int, nodes: int, overrides: Optional[dict] = None) -> RunLayout:
+    """The layout `cfg` (with `parallel.*` `overrides`, e.g. a planner candidate's) runs under on `devices` devices
+    over `nodes` nodes, as if torchrun had started them, without having them: for the dry run, which builds such a
+    world's ranks on this machine's CPU."""
+    parallel = {**(overrides or {}), "auto": False} if overrides is not None or cfg.parallel.auto else {}
+    per_node = devices // nodes
+    cfg = OmegaConf.merge(cfg, {"parallel": parallel, "trainer": {"accelerator": "cpu", "devices": per_node,
+                                                                   "max_restarts": 0}})
+    check(cfg, mandatory=False)
+    env = {"WORLD_SIZE": str(devices), "LOCAL_WORLD_SIZE": str(per_node), "LOCAL_RANK": "0"}
+    return resolve(cfg, env=env, cuda_devices=0)[0]
 
 
 def _continued_layout(cfg: DictConfig, world: World) -> Optional[RunLayout]:
@@ -73,9 +100,25 @@ def plan_for(cfg: DictConfig, devices: int, nodes: int, memory_gb: float):
     return plan_config(spec.planner_shape(cfg.model), cfg, devices, nodes, memory_gb)
 
 
+def memory_budget(cfg: DictConfig, accelerator: str, per_node: int) -> tuple[float, str]:
+    """GB of one device for the planner, and where the figure comes from."""
+    if cfg.parallel.device_memory_gb:
+        return float(cfg.parallel.device_memory_gb), "parallel.device_memory_gb"
+    if accelerator == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("parallel=auto cannot read the GPU's memory here: set parallel.device_memory_gb")
+        return device_memory_gb(accelerator, per_node), f"the GPU's memory ({torch.cuda.get_device_name(0)})"
+    memory = device_memory_gb(accelerator, per_node)
+    ranks = f"{per_node} rank{'s' if per_node > 1 else ''}"
+    return memory, f"the host's {memory * per_node:.3g} GB / {ranks} per node (CPU)"
+
+
 def _plan_auto(cfg: DictConfig, world: World):
-    memory = cfg.parallel.device_memory_gb or device_memory_gb(world.accelerator, world.per_node)
+    memory, source = memory_budget(cfg, world.accelerator, world.per_node)
     plan = plan_for(cfg, world.world_size, max(1, world.world_size // world.per_node), memory)
+    plan.reason += f"; device memory: {source}"
     if plan.choice is None:
         raise ConfigError(f"parallel=auto: {plan.reason}")
     return plan
@@ -139,13 +182,18 @@ def _check_batch(cfg: DictConfig, p: DictConfig, dp: int) -> None:
 
 
 def announce(cfg: DictConfig, run: RunLayout, plan: Any) -> None:
-    """Print `parallel=auto`'s table and choice (once per job: the launching process, or global rank 0)."""
+    """Print `parallel=auto`'s choice (once per job: the launching process, or global rank 0): one line when it is
+    plain DDP; the planner's table too when the training state did not fit and it chose another layout."""
     from rich.console import Console
 
     console = Console(width=120)
+    if plan is None or plan.choice.candidate.name.startswith(("ddp", "1 device")) and plan.choice.candidate.tp == 1 \
+            and plan.choice.candidate.pp == 1 and not plan.choice.candidate.checkpointing:
+        console.print(f"parallel=auto chose DDP ({run.describe()}): {run.reason}", soft_wrap=True, highlight=False)
+        return
     console.print(plan.table(f"parallel=auto: {cfg.model.name} on {run.world_size} devices of "
                              f"{plan.hardware.memory_gb:.3g} GB"))
-    console.print(f"parallel=auto chose [bold]{plan.choice.candidate.name}[/bold]: {plan.reason}")
+    console.print(f"parallel=auto chose [bold]{plan.choice.candidate.name}[/bold]: {plan.reason}", soft_wrap=True)
 
 
 def rank_layout(cfg: DictConfig, device=None, local_rank: int = 0):

@@ -69,8 +69,6 @@ def find_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
                               f"drop trainer.devices or pass --nproc-per-node={t.devices} to torchrun")
     elif t.devices > 0:
         world = per_node = t.devices
-    elif p.auto and accelerator == "cpu":
-        raise ConfigError("parallel=auto on the CPU needs the number of ranks: set trainer.devices=N")
     elif p.dp > 0:
         world = per_node = p.dp * model_parallel
     elif accelerator == "cuda":
