@@ -11,7 +11,6 @@ time.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -21,11 +20,10 @@ from visiondist.parallel.memory import (
     GB,
     RankMemory,
     ViTShape,
-    act_size,
     block_params,
+    collective_bytes,
     optimizer_bytes,
     rank_memory,
-    tensor_shapes,
 )
 
 HOST_MEMORY_GBS = 50.0  # host memory bandwidth for the offloaded (CPU) optimizer step
@@ -101,10 +99,10 @@ class Candidate:
 
 
 def step_seconds(s: ViTShape, c: Candidate, hw: Hardware, global_batch: int, mem: RankMemory,
-                 precision: str = "32") -> dict:
-    """Estimated seconds per optimizer step: compute (with the 1F1B bubble), plus each collective's bytes over the
-    link it crosses (TP inside a node; DP / PP over the network once they span nodes; offload over PCIe), less what
-    overlaps with compute."""
+                 precision: str = "32", grad_accum: int = 1) -> dict:
+    """Estimated seconds per optimizer step: compute (with the 1F1B bubble), plus each collective's bytes
+    (`collective_bytes`, the dry run's figures) over the link it crosses as ring algorithms move them (TP inside a
+    node; DP / PP over the network once they span nodes; offload over PCIe), less what overlaps with compute."""
     world = c.dp * c.tp * c.pp
     rate = hw.tflops * 1e12
     micro_tokens = mem.detail["micro_batch"] * s.tokens  # rows of every matmul: small ones run below the peak
@@ -114,22 +112,18 @@ def step_seconds(s: ViTShape, c: Candidate, hw: Hardware, global_batch: int, mem
         compute *= (c.microbatches + c.pp - 1) / c.microbatches
     multi_node = world > hw.per_node
     dp_bw = (hw.inter_node_gbs if c.dp * c.tp > hw.per_node else hw.intra_node_gbs) * GB
-    act = act_size(precision)
-    local_batch = global_batch // c.dp
-    grad_bytes = mem.grads
-    comm = {"dp": 0.0, "tp": 0.0, "pp": 0.0, "host": 0.0}
-    if c.dp > 1:
-        ring = (c.dp - 1) / c.dp
-        if c.fsdp:  # all-gather in forward and backward, reduce-scatter of the gradients
-            comm["dp"] = 3 * ring * FLOAT * sum(math.prod(x) for x in tensor_shapes(s)) / dp_bw
-        else:
-            comm["dp"] = 2 * ring * grad_bytes / dp_bw
-    if c.tp > 1:  # two all-reduces per block forward, two in backward (+2 when the forward is recomputed)
-        per_block = (6 if c.checkpointing else 4) * 2 * (c.tp - 1) / c.tp * local_batch * s.tokens * s.embed_dim * act
-        comm["tp"] = mem.detail["blocks"] * per_block / (hw.intra_node_gbs * GB)
-    if c.pp > 1:  # each micro-batch's activations forward and their gradients back, per stage boundary
-        pp_bw = (hw.inter_node_gbs if multi_node else hw.intra_node_gbs) * GB
-        comm["pp"] = 2 * local_batch * s.tokens * s.embed_dim * act / pp_bw
+    rank = mem.detail["rank"]
+    moved = collective_bytes(s, mem, c.dp, c.tp, c.pp, grad_accum, precision, c.fsdp, c.checkpointing,
+                             stage_ids=(rank,), n_stages=c.pp)
+
+    def wire(dim: str, n: int) -> float:  # bytes one rank sends for the payloads of `dim`'s collectives
+        ring = (n - 1) / n if n > 1 else 0.0
+        return (2 * ring * moved.get(f"{dim} all_reduce", 0)
+                + ring * (moved.get(f"{dim} all_gather", 0) + moved.get(f"{dim} reduce_scatter", 0))
+                + moved.get(f"{dim} send", 0))
+
+    comm = {"dp": wire("dp", c.dp) / dp_bw, "tp": wire("tp", c.tp) / (hw.intra_node_gbs * GB),
+            "pp": wire("pp", c.pp) / ((hw.inter_node_gbs if multi_node else hw.intra_node_gbs) * GB), "host": 0.0}
     if c.offload:  # shards up twice (forward, backward), gradients down; AdamW on the host
         shard = mem.params
         comm["host"] = 3 * shard / (hw.host_gbs * GB) + 7 * shard / (HOST_MEMORY_GBS * GB)
@@ -249,7 +243,7 @@ def _evaluate(s, hw, global_batch, grad_accum, optimizer, ema, precision) -> lis
         if mem.detail["micro_batch"] < 1:
             rows.append(PlanRow(c, None, None, False, "fewer than one image per micro-batch"))
             continue
-        rows.append(PlanRow(c, mem, step_seconds(s, c, hw, global_batch, mem, precision),
+        rows.append(PlanRow(c, mem, step_seconds(s, c, hw, global_batch, mem, precision, grad_accum),
                             mem.device <= hw.budget))
     best: dict[Candidate, PlanRow] = {}  # a pipeline: only its best micro-batch count (fits first, then time)
     for row in rows:
