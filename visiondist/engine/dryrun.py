@@ -470,7 +470,9 @@ class DryRunError(RuntimeError):
 
 
 def _gb(n: int) -> str:
-    return f"{n / GB:.4g}" if n >= 1e7 or n == 0 else f"{n / 1e6:.3g} MB"
+    if n >= 1e7 or n == 0:
+        return f"{n / GB:.4g}"
+    return f"{n / 1e6:.3g} MB" if n >= 1e4 else f"{n} B"
 
 
 def report_table(reports: list[RankReport], title: str = ""):
