@@ -4,6 +4,8 @@ that knows, by feature detection (never a version string), and the rest of the c
 - `set_pg_timeout`: `torch.distributed.set_timeout` (newer) or `distributed_c10d._set_pg_timeout` (2.11).
 - `all_gather_into` / `reduce_scatter_into`: `all_gather_single` / `reduce_scatter_single` (newer) or
   `all_gather_into_tensor` / `reduce_scatter_tensor` (2.11); the same argument order.
+- `split_mesh`: a 1-D `DeviceMesh` unflattened into named dims (`DeviceMesh._unflatten`, private in every supported
+  release: checked by name).
 - `PIPELINE_STAGE_OVERRIDES`: the private `PipelineStage` methods the timed stage wraps, with the parameters it
   passes; `check_pipeline_stage` (and a test) fails loudly when a release changes them.
 """
@@ -40,6 +42,15 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     """The sum over ranks of `inp`, this rank's dim-0 chunk of it into `out`."""
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     scatter(out, inp, group=group)
+
+
+def split_mesh(mesh, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """`mesh` (1-D) as a mesh of `sizes` with dims `names`, over the same ranks in the same order."""
+    unflatten = getattr(mesh, "_unflatten", None)
+    if unflatten is None:
+        raise RuntimeError(f"torch {torch.__version__}: DeviceMesh._unflatten is gone; HSDP (parallel.shard_size) "
+                           f"needs it ({SUPPORTED} have it): use parallel.shard_size=0")
+    return unflatten(0, sizes, names)
 
 
 # PipelineStage methods the timed stage overrides -> the parameters it passes on (private API: checked)

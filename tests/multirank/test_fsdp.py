@@ -86,3 +86,19 @@ def test_parallel_auto_chooses_a_sharded_layout_says_why_and_trains(tmp_path, ti
     again = load_run_config(run, [], inputs=None).parallel
     assert (again.auto, again.dp, again.tp, again.pp, again.fsdp) == (False, ran["dp"], ran["tp"], ran["pp"],
                                                                       ran["fsdp"])
+
+
+@pytest.mark.slow
+def test_hsdp_2x2_run_equals_one_process(tmp_path, tiny_shapes):
+    # no drop path: one process and four ranks draw it differently; everything else as the FSDP tests above
+    common = [a for a in COMMON if "drop_path" not in a]
+    one = tmp_path / "one"
+    train_ok(*train_args(tiny_shapes, one, *common, "parallel=ddp", "parallel.dp=1"))
+    hsdp = tmp_path / "hsdp"
+    out = train_ok(*train_args(tiny_shapes, hsdp, *common, "parallel=hsdp", "trainer.devices=4",
+                               "parallel.shard_size=2"))
+    assert "+HSDP (shard 2 x replicate 2)" in out
+    assert_same_training(one, hsdp, ema=True)
+    summary = json.loads((hsdp / "summary.json").read_text())
+    assert summary["parameters per rank (M)"] < 0.55 * summary["parameters (M)"]  # sharded 2 ways, not 4
+    assert summary["parameters per rank (M)"] > 0.45 * summary["parameters (M)"]

@@ -10,6 +10,7 @@ import pytest
 from visiondist.config import compose
 from visiondist.engine.dryrun import TOLERANCE, DryRunError, Figure, chosen_ranks, dry_run
 from visiondist.models.registry import spec_of
+from visiondist.parallel.planner import Candidate
 from visiondist.plan import plan_for, resolve_on
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,9 +46,18 @@ def test_vit_22b_on_64_ranks_under_the_planners_choice():
                "parallel.device_memory_gb=80")
     plan = plan_for(cfg, 64, 8, 80)
     chosen = plan.choice.candidate
-    assert chosen.tp > 1 and chosen.pp > 1  # the state cannot fit without both
+    assert chosen != Candidate(64)  # DDP cannot hold 21.7B parameters' state
     run, reports = _check(cfg, 64, 8, chosen.overrides())
-    assert (run.dp, run.tp, run.pp) == (chosen.dp, chosen.tp, chosen.pp)
+    assert (run.dp, run.tp, run.pp, run.fsdp, run.shard_size) == (
+        chosen.dp, chosen.tp, chosen.pp, chosen.fsdp, chosen.shard or (chosen.dp if chosen.fsdp else 0))
+
+
+def test_vit_22b_on_64_ranks_under_the_planners_best_tp_x_pp_layout():
+    cfg = _cfg("model=vit_22b", "data=imagenet", "data.root=/data", "trainer.precision=bf16",
+               "parallel.device_memory_gb=80")
+    best = next(r.candidate for r in plan_for(cfg, 64, 8, 80).rows
+                if r.fits and r.candidate.tp > 1 and r.candidate.pp > 1)
+    run, reports = _check(cfg, 64, 8, best.overrides())
     first, middle, last = reports
     assert first.coordinate[0] == 0 and last.coordinate[0] == run.pp - 1  # the first and the last pipeline stage
     assert 0 < middle.coordinate[0] < run.pp - 1
@@ -127,3 +137,23 @@ def test_plan_verify_prints_the_comparison_and_exits_1_when_a_figure_is_off(monk
     monkeypatch.setattr(dryrun, "planned_rank", wrong)
     assert _plan_tool().main(args) == 1
     assert "rank 0 optimizer" in capsys.readouterr().out
+
+
+def test_hsdp_on_64_ranks_shards_inside_a_node_and_replicates_across():
+    cfg = _cfg("model=vit_large", "data=imagenet", "data.root=/data", "trainer.precision=bf16",
+               "data.batch_size=512", "parallel=hsdp")
+    run, reports = _check(cfg, 64, 8)
+    assert run.hsdp and (run.dp, run.shard_size) == (64, 8)
+    first = reports[0]
+    assert {"dp all_gather", "dp reduce_scatter", "dp all_reduce"} <= {f.name for f in first.figures}
+    # gathers of the whole model inside the node; across nodes only the gradient shard (1/8 of the gradients)
+    assert first.figure("dp all_reduce").measured * 8 < first.figure("dp reduce_scatter").measured * 1.01
+
+
+def test_the_planner_offers_hsdp_across_nodes():
+    cfg = _cfg("model=vit_giant", "data=imagenet", "data.root=/data", "trainer.precision=bf16", "data.batch_size=512")
+    names = {r.candidate.name for r in plan_for(cfg, 64, 8, 80).rows}
+    assert "hsdp64(shard 8)" in names and "fsdp64" in names
+    assert not any(n.startswith("hsdp") for n in (r.candidate.name for r in plan_for(cfg, 8, 1, 80).rows))
+    hsdp = next(r for r in plan_for(cfg, 64, 8, 80).rows if r.candidate.name == "hsdp64(shard 8)")
+    assert hsdp.candidate.overrides()["shard_size"] == 8

@@ -80,6 +80,7 @@ class RunLayout:
     stages_per_rank: int = 1
     microbatches: int = 1  # per pipeline step and DP rank; 1 without a pipeline
     fsdp: bool = False
+    shard_size: int = 0  # FSDP: DP ranks one shard group spans (HSDP replicates across the groups); = dp: plain FSDP
     offload: bool = False
     activation_checkpointing: bool = False
     checkpoint_blocks: int = 0  # blocks that recompute their activations (0 without activation checkpointing)
@@ -91,6 +92,13 @@ class RunLayout:
     def __post_init__(self) -> None:
         if self.dp * self.tp * self.pp != self.world_size or min(self.dp, self.tp, self.pp) < 1:
             raise ValueError(f"dp x tp x pp = {self.dp} x {self.tp} x {self.pp} is not the world size {self.world_size}")
+        if self.fsdp and not self.shard_size:
+            object.__setattr__(self, "shard_size", self.dp)  # plain FSDP: one group of every DP rank
+
+    @property
+    def hsdp(self) -> bool:
+        """FSDP sharding inside groups of `shard_size` DP ranks and replicating across them."""
+        return self.fsdp and self.shard_size < self.dp
 
     @property
     def nodes(self) -> int:
@@ -99,7 +107,8 @@ class RunLayout:
     def describe(self) -> str:
         """`dp=2 tp=2 pp=1 (4 ranks on cpu) +SP +FSDP`, as the start-up line and the summary show it."""
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''} on {self.accelerator}"
-        extras = [("+SP", self.sequence_parallel), ("+FSDP", self.fsdp), ("+offload", self.offload),
+        fsdp = f"+HSDP (shard {self.shard_size} x replicate {self.dp // self.shard_size})" if self.hsdp else "+FSDP"
+        extras = [("+SP", self.sequence_parallel), (fsdp, self.fsdp), ("+offload", self.offload),
                   ("+activation checkpointing", self.activation_checkpointing)]
         return " ".join([f"dp={self.dp} tp={self.tp} pp={self.pp} ({ranks})", *(t for t, on in extras if on)])
 
@@ -111,7 +120,7 @@ class RunLayout:
         if self.pp > 1:
             out.update(schedule=self.schedule, stages_per_rank=self.stages_per_rank, microbatches=self.microbatches)
         if self.fsdp:
-            out.update(fsdp=True, offload=self.offload)
+            out.update(fsdp=True, offload=self.offload, shard_size=self.shard_size)
         if self.activation_checkpointing:
             out.update(activation_checkpointing=True, checkpoint_blocks=self.checkpoint_blocks)
         return out

@@ -111,6 +111,9 @@ class ParallelConfig:
     # only when asked (true): it puts two CUDA events around every action of that step
     timeline: Optional[bool] = None
     fsdp: bool = False  # shard parameters, gradients and optimizer state over the DP ranks (FSDP2, one unit per block)
+    # with fsdp: shard inside groups of this many DP ranks and replicate across the groups (HSDP): -1: the ranks of
+    # one node (replicate across nodes); 0: every DP rank (plain FSDP)
+    shard_size: int = 0
     offload: bool = False  # with fsdp: shards, gradients and optimizer state in host memory, optimizer on the CPU
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (keeps its input)
     checkpoint_blocks: int = -1  # selective: only the first N blocks recompute (-1: all of them)

@@ -152,6 +152,11 @@ def _check_parallel(p: DictConfig) -> None:
     if p.fsdp and (p.tp > 1 or p.pp > 1):
         raise ConfigError(f"parallel.fsdp=true shards over data parallel and does not combine with tp={p.tp} / "
                           f"pp={p.pp} here: use parallel.fsdp=false, or tp=1 and pp=1")
+    if p.shard_size and not p.fsdp:
+        raise ConfigError(f"parallel.shard_size={p.shard_size} sets FSDP's shard groups (HSDP): set parallel.fsdp=true "
+                          "too")
+    if p.shard_size < -1:
+        raise ConfigError(f"parallel.shard_size={p.shard_size}: use -1 (one node), 0 (every DP rank) or a group size")
     if p.offload and not p.fsdp:
         raise ConfigError("parallel.offload=true moves FSDP's shards to host memory: set parallel.fsdp=true too")
     for key in ("device_memory_gb", "device_tflops", "intra_node_gbs", "inter_node_gbs", "host_gbs"):

@@ -112,9 +112,10 @@ class Traffic(TorchDispatchMode):
     reduce-scatter touches; every tensor an all-reduce, send or receive carries). The TP ops are counted as such;
     the c10d calls inside them are not seen again."""
 
-    def __init__(self, groups: dict):
+    def __init__(self, groups: dict, other: str = "world"):
         super().__init__()
         self.groups = groups  # process group -> mesh dim name
+        self.other = other  # the name of any other group's traffic
         self.bytes: dict[str, int] = {}
         self.calls: dict[str, int] = {}
 
@@ -125,7 +126,7 @@ class Traffic(TorchDispatchMode):
             name = self.groups.get(_group_key(arg))
             if name is not None:
                 return name
-        return "world"
+        return self.other
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -324,6 +325,7 @@ def measure_rank(cfg: DictConfig, run: RunLayout, rank: int) -> tuple[tuple[int,
         layout = replace(layout, device=torch.device(device))
         model, _ = build_deferred(cfg.model, weights=False)
         model = parallelize(model, layout, run.sequence_parallel, PipelineSpec.from_layout(run), fsdp=run.fsdp,
+                            shard_size=run.shard_size,
                             offload=run.offload, activation_checkpointing=run.activation_checkpointing,
                             checkpoint_blocks=run.checkpoint_blocks, param_dtype=autocast_dtype(cfg.trainer.precision),
                             wrap=False)
@@ -344,7 +346,7 @@ def measure_rank(cfg: DictConfig, run: RunLayout, rank: int) -> tuple[tuple[int,
                 activations = _saved_one_microbatch(model, cfg, micro, device)
             if isinstance(model, PipelinedViT):
                 model.use_static_shapes(_images(cfg, micro, device))
-            traffic = Traffic(groups)
+            traffic = Traffic(groups, other="dp" if run.fsdp else "world")  # HSDP's groups are FSDP's own
             with traffic, autocast:  # the backward too: recomputed blocks must see what their forward saw
                 _train_step(model, layout, cfg, run, local // accum, device)
                 optimizer = build_optimizer(cfg.optim, model, int(cfg.model.depth))
@@ -411,7 +413,7 @@ def planned_rank(cfg: DictConfig, shape: ViTShape, run: RunLayout, coordinate: t
     mem = rank_memory(shape, run.dp, run.tp, run.pp, int(cfg.data.batch_size), int(t.grad_accum), str(cfg.optim.name),
                       False, str(t.precision), run.schedule, run.stages_per_rank, run.microbatches,
                       pp_rank=pp_rank, fsdp=run.fsdp, offload=run.offload, checkpointing=run.activation_checkpointing,
-                      sequence_parallel=run.sequence_parallel, dp_rank=dp_rank)
+                      sequence_parallel=run.sequence_parallel, dp_rank=dp_rank, shard_size=run.shard_size)
     blocks = mem.detail["blocks"]
     figures = {"parameters": mem.params, "gradients": mem.grads, "optimizer": mem.optimizer,
                "activations": saved_per_microbatch(shape, mem.detail["micro_batch"], run.tp, blocks, str(t.precision),

@@ -53,7 +53,8 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
                 pipeline: Optional[PipelineSpec] = None, loss_fn: Optional[Callable] = None, fsdp: bool = False,
                 offload: bool = False, activation_checkpointing: bool = False, checkpoint_blocks: int = -1,
                 compile: bool = False, param_dtype: Optional[torch.dtype] = None,
-                materialize: Optional[Callable[[nn.Module], None]] = None, wrap: bool = True) -> nn.Module:
+                materialize: Optional[Callable[[nn.Module], None]] = None, wrap: bool = True,
+                shard_size: int = 0) -> nn.Module:
     """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out over the mesh.
 
     A model on the meta device is laid out first and then handed to `materialize`, before any wrapper that needs
@@ -64,7 +65,8 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
     gradients are averaged over data parallel by `average_over_data_parallel` after the schedule's backward, as
     Megatron does, instead of by a DDP wrapper; its last stage computes `loss_fn(logits, labels)` (default: cross
     entropy). With `fsdp` it is the model fully sharded over DP (FSDP2; `offload` keeps the shards in host memory).
-    `param_dtype` (bf16, fp16 runs): FSDP gathers the weights in that dtype. Otherwise it is the model, under DDP when
+    `param_dtype` (bf16, fp16 runs): FSDP gathers the weights in that dtype; `shard_size` < dp: HSDP (shard inside
+    groups of that many DP ranks, replicate across them). Otherwise it is the model, under DDP when
     dp > 1 (`wrap=False`: bare, for the dry run, whose meta tensors DDP cannot broadcast). `activation_checkpointing` recomputes each block's activations
     in the backward (`checkpoint_blocks` > 0: only the first that many blocks), under any layout; `compile` compiles
     each block (before any sharding wrapper, as FSDP2 expects).
@@ -77,7 +79,7 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
     if fsdp:
         if layout.tp > 1 or layout.pp > 1:
             raise ValueError("FSDP shards over data parallel only here: use tp=1 and pp=1 with fsdp")
-        model = apply_fsdp(model, layout, offload, param_dtype)
+        model = apply_fsdp(model, layout, offload, param_dtype, shard_size)
         materialize(model)
         return model
     if layout.tp > 1:

@@ -63,13 +63,19 @@ def compile_blocks(model: nn.Module, backend=None) -> int:
 
 
 def apply_fsdp(model: nn.Module, layout: Layout, offload: bool = False,
-               param_dtype: Optional[torch.dtype] = None) -> nn.Module:
+               param_dtype: Optional[torch.dtype] = None, shard_size: int = 0) -> nn.Module:
     """Shard `model` over the DP ranks in place: one FSDP unit per block, the root over the rest. With `param_dtype`
     (bf16 and fp16 runs) the gathered weights are in that dtype, so the all-gathers move half the bytes; gradients are
-    reduced in fp32 and the shards the optimizer updates stay fp32."""
+    reduced in fp32 and the shards the optimizer updates stay fp32. `shard_size` < dp: HSDP, sharded inside groups of
+    that many consecutive DP ranks (a node's) and replicated across the groups: the gathers stay inside a group and
+    only the gradient shards are all-reduced across groups."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = layout.mesh["dp"]
+    if 0 < shard_size < layout.dp:
+        from visiondist.compat import split_mesh
+
+        mesh = split_mesh(mesh, (layout.dp // shard_size, shard_size), ("dp_replicate", "dp_shard"))
     policy = CPUOffloadPolicy(pin_memory=layout.device.type == "cuda") if offload else OffloadPolicy()
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for block in _blocks(model):

@@ -255,14 +255,15 @@ def rank_memory(s: ViTShape, dp: int, tp: int, pp: int, global_batch: int, grad_
                 optimizer: str = "adamw", ema: bool = False, precision: str = "32", schedule: str = "1f1b",
                 stages_per_rank: int = -1, microbatches: int = -1, pp_rank: Optional[int] = None,
                 fsdp: bool = False, offload: bool = False, checkpointing: bool = False,
-                sequence_parallel: bool = False, dp_rank: int = 0) -> RankMemory:
+                sequence_parallel: bool = False, dp_rank: int = 0, shard_size: int = 0) -> RankMemory:
     """Bytes on the busiest rank (or on `pp_rank`'s ranks; under FSDP on `dp_rank`, default the first, which holds
-    the most) of the layout."""
+    the most) of the layout. `shard_size` < dp under FSDP: HSDP, sharded inside groups of that many DP ranks."""
     spr = stages_per_rank_for(schedule, stages_per_rank) if pp > 1 else 1
     m = microbatches_for(pp, microbatches) if pp > 1 else grad_accum
     per_rank = stage_params(s, tp, pp, spr)
     rank = max(range(pp), key=lambda r: per_rank[r].elements) if pp_rank is None else pp_rank
-    params = fsdp_shard(s, dp, dp_rank) if fsdp else per_rank[rank]
+    shard = shard_size or dp
+    params = fsdp_shard(s, shard, dp_rank % shard) if fsdp else per_rank[rank]
     local_batch = global_batch // dp
     micro = local_batch // (grad_accum * (m if pp > 1 else 1))
     ranges = stage_ranges(s, tp, pp * spr)
@@ -292,7 +293,7 @@ def rank_memory(s: ViTShape, dp: int, tp: int, pp: int, global_batch: int, grad_
         buffers=buffers,
         offloaded=offload,
         detail={"rank": rank, "blocks": blocks, "micro_batch": micro, "in_flight": in_flight,
-                "param_tensors": params.tensors, "microbatches": m},
+                "param_tensors": params.tensors, "microbatches": m, "shard": shard},
     )
 
 
@@ -351,13 +352,17 @@ def collective_bytes(s: ViTShape, mem: RankMemory, dp: int, tp: int, pp: int, gr
         sends = sum(int(i < n_stages - 1) + int(i > 0) for i in stage_ids)
         out["pp send"] = out["pp recv"] = passes * sends * boundary
         out["pp all_reduce"] = FLOAT * (grad_accum + 1)  # the loss of each schedule step, the gradient norm
+    shard = mem.detail.get("shard", dp)
     if dp > 1 and fsdp:
         shapes = tensor_shapes(s)  # embedding (4 tensors), the blocks, norm and head (4): the root gathers once
         block_shapes, root_shapes = shapes[4:-4], shapes[:4] + shapes[-4:]
         gathered = a if precision in ("bf16", "16") else FLOAT  # FSDP gathers in the autocast dtype
-        out["dp all_gather"] = passes * gathered * (2 * _padded_elements(block_shapes, dp)
-                                                    + _padded_elements(root_shapes, dp))
-        out["dp reduce_scatter"] = passes * FLOAT * _padded_elements(shapes, dp)
+        if shard > 1:
+            out["dp all_gather"] = passes * gathered * (2 * _padded_elements(block_shapes, shard)
+                                                        + _padded_elements(root_shapes, shard))
+            out["dp reduce_scatter"] = passes * FLOAT * _padded_elements(shapes, shard)
+        if shard < dp:  # HSDP: each reduced gradient shard is averaged across the replicas
+            out["dp all_reduce"] = passes * FLOAT * _padded_elements(shapes, shard) // shard
     elif dp > 1:
         out["dp all_reduce"] = mem.grads
     return out

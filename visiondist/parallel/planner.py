@@ -74,11 +74,14 @@ class Candidate:
     offload: bool = False
     checkpointing: bool = False
     microbatches: int = 1
+    shard: int = 0  # FSDP's shard group (HSDP when < dp); 0: every DP rank
 
     @property
     def name(self) -> str:
         parts = []
-        if self.fsdp:
+        if self.fsdp and 0 < self.shard < self.dp:
+            parts.append(f"hsdp{self.dp}(shard {self.shard})")
+        elif self.fsdp:
             parts.append(f"fsdp{self.dp}")
         elif self.dp > 1 or (self.tp == 1 and self.pp == 1):
             parts.append(f"ddp{self.dp}" if self.dp > 1 else "1 device")
@@ -92,7 +95,7 @@ class Candidate:
     def overrides(self) -> dict:
         """The `parallel.*` fields that select this layout."""
         out = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "fsdp": self.fsdp, "offload": self.offload,
-               "activation_checkpointing": self.checkpointing}
+               "activation_checkpointing": self.checkpointing, "shard_size": self.shard if self.fsdp else 0}
         if self.pp > 1:
             out.update(schedule="1f1b", stages_per_rank=1, microbatches=self.microbatches)
         return out
@@ -115,6 +118,7 @@ def step_seconds(s: ViTShape, c: Candidate, hw: Hardware, global_batch: int, mem
     rank = mem.detail["rank"]
     moved = collective_bytes(s, mem, c.dp, c.tp, c.pp, grad_accum, precision, c.fsdp, c.checkpointing,
                              stage_ids=(rank,), n_stages=c.pp)
+    shard = c.shard or c.dp
 
     def wire(dim: str, n: int) -> float:  # bytes one rank sends for the payloads of `dim`'s collectives
         ring = (n - 1) / n if n > 1 else 0.0
@@ -122,7 +126,13 @@ def step_seconds(s: ViTShape, c: Candidate, hw: Hardware, global_batch: int, mem
                 + ring * (moved.get(f"{dim} all_gather", 0) + moved.get(f"{dim} reduce_scatter", 0))
                 + moved.get(f"{dim} send", 0))
 
-    comm = {"dp": wire("dp", c.dp) / dp_bw, "tp": wire("tp", c.tp) / (hw.intra_node_gbs * GB),
+    if c.fsdp and shard < c.dp:  # HSDP: gathers inside the node, the gradient shards' all-reduce across nodes
+        ring, cross = (shard - 1) / shard, (c.dp // shard - 1) / (c.dp // shard)
+        dp_seconds = (ring * (moved.get("dp all_gather", 0) + moved.get("dp reduce_scatter", 0))
+                      / (hw.intra_node_gbs * GB) + 2 * cross * moved.get("dp all_reduce", 0) / (hw.inter_node_gbs * GB))
+    else:
+        dp_seconds = wire("dp", c.dp) / dp_bw
+    comm = {"dp": dp_seconds, "tp": wire("tp", c.tp) / (hw.intra_node_gbs * GB),
             "pp": wire("pp", c.pp) / ((hw.inter_node_gbs if multi_node else hw.intra_node_gbs) * GB), "host": 0.0}
     if c.offload:  # shards up twice (forward, backward), gradients down; AdamW on the host
         shard = mem.params
@@ -153,17 +163,19 @@ def candidates(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1
             if pp > s.depth:
                 continue
             dp = hw.devices // (tp * pp)
-            layouts = [(False, False)]
+            layouts = [(False, False, 0)]
             if tp == 1 and pp == 1:
-                layouts += [(True, False), (True, True)] if dp > 1 else [(True, True)]
-            for fsdp, offload in layouts:
+                layouts += [(True, False, 0), (True, True, 0)] if dp > 1 else [(True, True, 0)]
+                if hw.nodes > 1 and hw.per_node > 1:  # HSDP: shard inside a node, replicate across nodes
+                    layouts.append((True, False, hw.per_node))
+            for fsdp, offload, shard in layouts:
                 for ckpt in (False, True):
                     local = global_batch // dp // grad_accum if global_batch % (dp * grad_accum) == 0 else 0
                     if not local:
                         why = f"batch {global_batch} is not divisible by dp x grad_accum = {dp * grad_accum}"
-                        out.append((Candidate(dp, tp, pp, fsdp, offload, ckpt, 2 * pp if pp > 1 else 1), why))
+                        out.append((Candidate(dp, tp, pp, fsdp, offload, ckpt, 2 * pp if pp > 1 else 1, shard), why))
                     elif pp == 1:
-                        out.append((Candidate(dp, tp, pp, fsdp, offload, ckpt), ""))
+                        out.append((Candidate(dp, tp, pp, fsdp, offload, ckpt, 1, shard), ""))
                     else:
                         counts = [k * pp for k in (1, 2, 4, 8) if local % (k * pp) == 0]
                         if not counts:
@@ -239,7 +251,7 @@ def _evaluate(s, hw, global_batch, grad_accum, optimizer, ema, precision) -> lis
             continue
         mem = rank_memory(s, c.dp, c.tp, c.pp, global_batch, grad_accum, optimizer, ema, precision,
                           microbatches=c.microbatches if c.pp > 1 else -1, fsdp=c.fsdp, offload=c.offload,
-                          checkpointing=c.checkpointing)
+                          checkpointing=c.checkpointing, shard_size=c.shard)
         if mem.detail["micro_batch"] < 1:
             rows.append(PlanRow(c, None, None, False, "fewer than one image per micro-batch"))
             continue
@@ -256,7 +268,7 @@ def _evaluate(s, hw, global_batch, grad_accum, optimizer, ema, precision) -> lis
 
 
 def _complexity(c: Candidate) -> tuple:
-    return (c.offload, c.fsdp, c.pp > 1, c.tp > 1, c.checkpointing, c.pp, c.tp)
+    return (c.offload, c.fsdp, c.shard > 0, c.pp > 1, c.tp > 1, c.checkpointing, c.pp, c.tp)
 
 
 def plan(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1, optimizer: str = "adamw",

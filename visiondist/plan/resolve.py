@@ -156,8 +156,20 @@ def with_switches(run: RunLayout, cfg: DictConfig, p: Optional[DictConfig] = Non
         sequence_parallel=bool(p.sequence_parallel), schedule=str(p.schedule),
         stages_per_rank=stages_per_rank_for(p.schedule, p.stages_per_rank) if pipelined else 1,
         microbatches=microbatches_for(run.pp, p.microbatches) if pipelined else 1,
-        fsdp=bool(p.fsdp), offload=bool(p.offload), activation_checkpointing=bool(p.activation_checkpointing),
+        fsdp=bool(p.fsdp), shard_size=shard_size_for(run, p), offload=bool(p.offload),
+        activation_checkpointing=bool(p.activation_checkpointing),
         checkpoint_blocks=blocks, timeline=bool(timeline))
+
+
+def shard_size_for(run: RunLayout, p: DictConfig) -> int:
+    """FSDP's shard group size made concrete: every DP rank (0), one node's (-1), or as given, dividing dp."""
+    if not p.fsdp:
+        return 0
+    size = {0: run.dp, -1: run.per_node}.get(int(p.shard_size), int(p.shard_size))
+    if size > run.dp or run.dp % size:
+        raise ConfigError(f"parallel.shard_size={p.shard_size} gives shard groups of {size} ranks, which do not divide "
+                          f"dp={run.dp}: use a divisor of {run.dp} (or 0: plain FSDP over all of them)")
+    return size
 
 
 def _check_batch(cfg: DictConfig, p: DictConfig, dp: int) -> None:
