@@ -1,4 +1,4 @@
-"""Plan the parallel layout of a ViT without starting anything, and check it:
+"""Plan the parallel layout of a model without starting anything, and check it:
 
     python tools/plan.py model=vit_giant trainer.devices=8 parallel.device_memory_gb=80 [parallel.nodes=4] [...]
     python tools/plan.py verify=chosen model=vit_22b trainer.devices=8 parallel.nodes=8 ...
@@ -26,9 +26,11 @@ from visiondist.config import ConfigError
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TOOL = Tool(
     name="plan.py",
-    about=("Plan the parallel layout of a ViT on N devices without starting anything: per-device memory by "
-           "component, estimated step time and fit for every layout, then what parallel=auto would choose and the "
-           "overrides that select it by hand. Exits 1 when nothing fits."),
+    about=("Plan the parallel layout of a model on N devices without starting anything: for a ViT, per-device memory "
+           "by component, estimated step time and fit for every layout, then what parallel=auto would choose and the "
+           "overrides that select it by hand (a detector runs DDP); a layout named by hand is checked against the "
+           "budget. verify= dry-runs it at full scale. Exits 1 when nothing fits, the named layout does not, or a "
+           "dry-run figure is off the plan."),
     reads=("configs/ as tools/train.py: model, global batch (data.batch_size), optimizer, EMA, precision; the "
            "devices from trainer.devices x parallel.nodes (or parallel.num_devices) and parallel.device_memory_gb "
            "(default: this machine's GPU); no data"),
@@ -52,8 +54,13 @@ def plan(cmd: Command) -> int:
 
     from visiondist.models.registry import spec_of
     from visiondist.plan import cuda_device_count, device_memory_gb, plan_for, planning_world
-    from visiondist.plan.resolve import named_layout
+    from visiondist.plan import resolve_on
+    from visiondist.plan.resolve import layout_memory, named_layout
 
+    verify = cmd.args.get("verify")
+    if verify not in (None, "chosen", "all"):
+        raise ConfigError(f"verify={verify}: use verify=chosen (the chosen layout) or verify=all (every layout that "
+                          "fits)")
     cfg = load_config(CONFIGS, cmd.overrides + cmd.search, inputs=None)  # a plan reads no data
     if cmd.show:
         print(config_text(cfg, cmd.package))
@@ -67,10 +74,9 @@ def plan(cmd: Command) -> int:
     accelerator = "cuda" if t.accelerator != "cpu" and cuda_device_count() else "cpu"
     memory = cfg.parallel.device_memory_gb or device_memory_gb(accelerator, devices // nodes)
     console = Console(width=max(120, Console().width))
-    verify = cmd.args.get("verify")
-    if verify not in (None, "chosen", "all"):
-        raise ConfigError(f"verify={verify}: use verify=chosen (the chosen layout) or verify=all (every layout that "
-                          "fits)")
+    named = None  # the layout the user named (parallel=tp4, parallel.tp=4 on top of auto, ...), checked up front
+    if not cfg.parallel.auto or named_layout(cfg.parallel):
+        named = resolve_on(cfg, devices, nodes)
     if spec_of(cfg.model).planner_shape is None:  # a detector: DDP on every device
         console.print(f"{cfg.model.name} is a detector: parallel=auto runs it data parallel on all {devices} devices "
                       "(the memory planner lays out ViT classifiers)", soft_wrap=True)
@@ -83,24 +89,37 @@ def plan(cmd: Command) -> int:
         raise ConfigError(str(exc)) from None
     console.print(result.table(f"{cfg.model.name} ({result.layer_state / 1e9:.3g} GB of training state per block): "
                                f"{devices} devices ({nodes} node{'s' if nodes > 1 else ''} of {devices // nodes}), "
-                               f"{memory:g} GB each"))
+                               f"{memory:.3g} GB each"))
     console.print(f"planned for: {inputs_line(cfg)}", soft_wrap=True)
     if result.choice is None:
         console.print(f"[bold red]nothing fits[/bold red]: {result.reason}")
         return 1
     c = result.choice.candidate
-    console.print(f"parallel=auto would choose [bold]{c.name}[/bold]: {result.reason}")
+    console.print(f"parallel=auto would choose [bold]{c.name}[/bold]: {result.reason}", soft_wrap=True)
     fields = " ".join(f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in c.overrides().items())
     console.print(f"the same layout by hand: {fields}", soft_wrap=True)
+    fits = True
+    if named is not None:  # what the named layout needs, which training runs as named
+        need = layout_memory(cfg, named).device
+        fits = need <= result.hardware.budget
+        console.print(f"you named [bold]{named.describe()}[/bold], which runs as named: {need / 1e9:.3g} GB per device "
+                      + ("fits" if fits else "[bold red]does not fit[/bold red]")
+                      + f" the {result.hardware.budget / 1e9:.3g} GB budget", soft_wrap=True)
     if verify is None:
-        return 0
+        return 0 if fits else 1
     if verify == "all":
         layouts = [(r.candidate.name, r.candidate.overrides()) for r in result.rows if r.fits]
-    elif cfg.parallel.auto and not named_layout(cfg.parallel):
+    elif named is None:
         layouts = [(c.name, c.overrides())]
     else:
-        layouts = [(f"{cfg.parallel.name} as configured", None)]
-    return 0 if all(dry_run(cfg, devices, nodes, name, o, console) for name, o in layouts) else 1
+        layouts = [("the named layout", None)]
+    checked = [dry_run(cfg, devices, nodes, name, o, console) for name, o in layouts]  # every one, failed or not
+    if len(checked) > 1:
+        console.print(f"{sum(checked)} of {len(checked)} layouts within the plan's bounds")
+    if not fits:
+        console.print("[bold red]the named layout does not fit the budget[/bold red]: choose another (above), or let "
+                      "parallel=auto choose", soft_wrap=True)
+    return 0 if all(checked) and fits else 1
 
 
 def inputs_line(cfg) -> str:

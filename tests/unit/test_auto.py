@@ -20,7 +20,7 @@ def _cfg(*overrides):
 def test_ddp_for_vit_base_on_80gb_devices():
     result = plan_for(_cfg("model=vit_base"), devices=8, nodes=1, memory_gb=80)
     assert result.choice.candidate == Candidate(dp=8)
-    assert "fits each device under DDP" in result.reason
+    assert "fit each device under DDP" in result.reason
 
 
 def test_fsdp_or_tp_inside_a_node_when_the_state_does_not_fit_one_device():
@@ -98,7 +98,7 @@ def test_auto_is_the_default_and_is_plain_ddp_when_the_state_fits():
     run, result = resolve(default, {}, 0)
     assert (run.world_size, run.dp, run.tp, run.pp, run.fsdp, run.activation_checkpointing) == (1, 1, 1, 1, False,
                                                                                                False)
-    assert run.chosen_by == "parallel=auto" and "fits each device under DDP" in run.reason
+    assert run.chosen_by == "parallel=auto" and "fit each device under DDP" in run.reason
     assert "the host's" in run.reason and "1 rank per node (CPU)" in run.reason  # where the budget comes from
     two, _ = resolve(compose(CONFIGS, ["trainer.accelerator=cpu", "parallel.dp=2"]), {}, 0)
     assert (two.world_size, two.dp, two.tp) == (2, 2, 1)  # parallel.dp=N: N ranks, still DDP

@@ -157,3 +157,21 @@ def test_the_planner_offers_hsdp_across_nodes():
     assert not any(n.startswith("hsdp") for n in (r.candidate.name for r in plan_for(cfg, 8, 1, 80).rows))
     hsdp = next(r for r in plan_for(cfg, 64, 8, 80).rows if r.candidate.name == "hsdp64(shard 8)")
     assert hsdp.candidate.overrides()["shard_size"] == 8
+
+
+def test_plan_checks_a_named_layout_against_the_budget_and_the_world(capsys):
+    tool = _plan_tool()
+    assert tool.main(["model=vit_small", "parallel=ddp", "trainer.devices=4", "parallel.device_memory_gb=0.05",
+                      "data.num_classes=10"]) == 1
+    assert "which runs as named: 0.514 GB per device does not fit the 0.045 GB budget" in capsys.readouterr().out
+    # refused before any table, as tools/train.py refuses it
+    assert tool.main(["verify=chosen", "model=vit_huge", "parallel.tp=4", "parallel.pp=2", "trainer.devices=4"]) == 2
+    captured = capsys.readouterr()
+    assert "world size 4 is not divisible by parallel.tp x parallel.pp = 8" in captured.err + captured.out
+    assert "parallel=auto would choose" not in captured.out
+
+
+def test_verify_all_checks_every_layout_that_fits(capsys):
+    assert _plan_tool().main(["verify=all", "model=vit_small", "trainer.devices=2", "data.num_classes=10"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("dry run of") >= 8 and "layouts within the plan's bounds" in out

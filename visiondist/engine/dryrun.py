@@ -344,8 +344,9 @@ def measure_rank(cfg: DictConfig, run: RunLayout, rank: int) -> tuple[tuple[int,
             micro = local // accum // (run.microbatches if run.pp > 1 else 1)
             with autocast:
                 activations = _saved_one_microbatch(model, cfg, micro, device)
-            if isinstance(model, PipelinedViT):
-                model.use_static_shapes(_images(cfg, micro, device))
+            if isinstance(model, PipelinedViT):  # the stages' outputs as the step computes them (autocast)
+                with autocast:
+                    model.use_static_shapes(_images(cfg, micro, device))
             traffic = Traffic(groups, other="dp" if run.fsdp else "world")  # HSDP's groups are FSDP's own
             with traffic, autocast:  # the backward too: recomputed blocks must see what their forward saw
                 _train_step(model, layout, cfg, run, local // accum, device)
@@ -371,9 +372,10 @@ def _saved_one_microbatch(model: nn.Module, cfg: DictConfig, micro: int, device:
     if isinstance(model, PipelinedViT):
         images = _images(cfg, micro, device)
         boundary = model._enter(images).detach().requires_grad_(True)
+        outputs = []  # kept until the end: a freed graph's storages would be reused and counted once
         with saved_bytes(keep) as saved:
             for stage, index in zip(model._stages, model.stage_ids):
-                stage(images if index == 0 else boundary)
+                outputs.append(stage(images if index == 0 else boundary))
         return saved["bytes"]
     with saved_bytes(keep) as saved:
         model(_images(cfg, micro, device))
@@ -472,7 +474,7 @@ class DryRunError(RuntimeError):
 
 
 def _gb(n: int) -> str:
-    if n >= 1e7 or n == 0:
+    if n >= 1e8 or n == 0:
         return f"{n / GB:.4g}"
     return f"{n / 1e6:.3g} MB" if n >= 1e4 else f"{n} B"
 

@@ -100,5 +100,6 @@ def _torchrun_run_dir(cfg: DictConfig, run: RunLayout, kind: Optional[str] = Non
 
 def _write_plan(run_dir: Path, plan: Any) -> None:
     (run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=1))
-    (run_dir / "plan.txt").write_text(plan.text(f"parallel=auto on {plan.hardware.devices} devices") + "\n"
+    devices = plan.hardware.devices
+    (run_dir / "plan.txt").write_text(plan.text(f"parallel=auto on {devices} device{'s' if devices > 1 else ''}") + "\n"
                                       + f"chose {plan.choice.candidate.name}: {plan.reason}\n")

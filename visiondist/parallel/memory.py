@@ -186,7 +186,10 @@ def ends_activation_bytes(s: ViTShape, micro_batch: int, precision: str, first: 
     if first:
         out += micro_batch * 3 * s.img_size**2 * a + copy * 3 * s.patch_size**2 * s.embed_dim
     if last:
-        out += micro_batch * (s.tokens * s.embed_dim * FLOAT + 2 * s.tokens * FLOAT + s.embed_dim * a)
+        # the head's input is the class token of the norm's output: a view that keeps all of it in fp32, a cast
+        # copy of the token alone under autocast
+        head_input = s.tokens * s.embed_dim * FLOAT if a == FLOAT else s.embed_dim * a
+        out += micro_batch * (s.tokens * s.embed_dim * FLOAT + 2 * s.tokens * FLOAT + head_input)
         out += copy * s.num_classes * s.embed_dim
     return out
 

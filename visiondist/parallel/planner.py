@@ -287,8 +287,10 @@ def plan(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1, opti
         best = ddp if ddp is not None and ddp.fits else min(
             fit, key=lambda r: (round(r.seconds["total"], 12), _complexity(r.candidate)))
         if best.candidate == Candidate(hw.devices):
-            reason = (f"the whole training state fits each device under DDP: {best.memory.device / GB:.3g} GB of "
-                      f"{budget} per device")
+            m = best.memory
+            reason = (f"the training state and activations fit each device under DDP: {m.device / GB:.3g} GB "
+                      f"({m.state / GB:.3g} GB of state, {(m.activations + m.buffers) / GB:.3g} GB of activations and "
+                      f"buffers) of {budget} per device")
         else:
             why_not = (f"DDP would need {ddp.memory.device / GB:.3g} GB per device, over the {budget} budget"
                        if ddp is not None and ddp.memory is not None else

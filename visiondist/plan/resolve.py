@@ -63,6 +63,18 @@ def resolve_on(cfg: DictConfig, devices: int, nodes: int, overrides: Optional[di
     return resolve(cfg, env=env, cuda_devices=0)[0]
 
 
+def layout_memory(cfg: DictConfig, run: RunLayout):
+    """The memory model's bytes on the busiest rank of `run` for `cfg`'s ViT (`visiondist.parallel.memory`)."""
+    from visiondist.parallel.memory import rank_memory
+
+    t = cfg.trainer
+    return rank_memory(spec_of(cfg.model).planner_shape(cfg.model), run.dp, run.tp, run.pp, int(cfg.data.batch_size),
+                       int(t.grad_accum), str(cfg.optim.name), float(t.ema_decay) > 0, str(t.precision), run.schedule,
+                       run.stages_per_rank, run.microbatches, fsdp=run.fsdp, offload=run.offload,
+                       checkpointing=run.activation_checkpointing, sequence_parallel=run.sequence_parallel,
+                       shard_size=run.shard_size)
+
+
 def _continued_layout(cfg: DictConfig, world: World) -> Optional[RunLayout]:
     """The layout.json of the run `trainer.run_dir` continues, when it ran on a world like this one."""
     if not cfg.trainer.run_dir or cfg.trainer.resume != "auto":
