@@ -63,4 +63,5 @@ def test_ranks_get_the_resolved_layout_and_a_read_only_config(tmp_path, tiny_sha
     assert (tmp_path / "run" / "outcome.txt").read_text() == "read-only dp=1 tp=1 pp=1 (1 rank on cpu)"
     from visiondist.config.layout import RunLayout
 
-    assert RunLayout.load(tmp_path / "run") == run and run.chosen_by == "config"
+    assert RunLayout.load(tmp_path / "run") == run and run.chosen_by == "parallel=auto"  # the default: DDP fits
+    assert "fit each device under DDP" in run.reason
