@@ -53,9 +53,9 @@ def plan(cmd: Command) -> int:
     from rich.console import Console
 
     from visiondist.models.registry import spec_of
-    from visiondist.plan import cuda_device_count, device_memory_gb, plan_for, planning_world
+    from visiondist.plan import cuda_device_count, plan_for, planning_world
     from visiondist.plan import resolve_on
-    from visiondist.plan.resolve import layout_memory, named_layout
+    from visiondist.plan.resolve import layout_memory, memory_budget, named_layout
 
     verify = cmd.args.get("verify")
     if verify not in (None, "chosen", "all"):
@@ -72,7 +72,7 @@ def plan(cmd: Command) -> int:
     devices, nodes = planning_world(cfg, cuda_device_count())
     t = cfg.trainer
     accelerator = "cuda" if t.accelerator != "cpu" and cuda_device_count() else "cpu"
-    memory = cfg.parallel.device_memory_gb or device_memory_gb(accelerator, devices // nodes)
+    memory, _ = memory_budget(cfg, accelerator, devices // nodes)
     console = Console(width=max(120, Console().width))
     named = None  # the layout the user named (parallel=tp4, parallel.tp=4 on top of auto, ...), checked up front
     if not cfg.parallel.auto or named_layout(cfg.parallel):

@@ -46,10 +46,18 @@ from visiondist.parallel import (
     build_layout,
     clip_grad_norm,
     finish_gradients,
+    local_numel,
     parallelize,
 )
 from visiondist.parallel.grad import mean_over_group
-from visiondist.parallel.memory import FLOAT, GB, ViTShape, collective_bytes, rank_memory, saved_per_microbatch
+from visiondist.parallel.memory import (
+    FLOAT,
+    GB,
+    ViTShape,
+    collective_bytes,
+    saved_per_microbatch,
+    saved_storages,
+)
 from visiondist.parallel.stages import stage_indices
 
 TOLERANCE = 0.10  # a measured figure further than this from the plan is flagged
@@ -101,10 +109,7 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return local.numel() * local.element_size()
+    return local_numel(t) * t.element_size()
 
 
 class Traffic(TorchDispatchMode):
@@ -188,24 +193,6 @@ class AsOnDevice(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextmanager
-def saved_bytes(params: set[int]) -> Iterator[dict]:
-    """Bytes of the distinct storages autograd saves inside the block, parameters (and their views) left out."""
-    seen: dict[int, int] = {}
-
-    def pack(tensor):
-        base = tensor._base if tensor._base is not None else tensor
-        if not isinstance(base, nn.Parameter) and base.untyped_storage()._cdata not in params:
-            storage = tensor.untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
-        return tensor
-
-    out = {"bytes": 0}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield out
-    out["bytes"] = sum(seen.values())
-
-
 # -- one rank ------------------------------------------------------------------------------------------------------
 
 
@@ -276,12 +263,11 @@ def measure_detector_rank(cfg: DictConfig, run: RunLayout, rank: int) -> tuple[t
         micro = int(cfg.data.batch_size) // run.dp // accum
         images, targets = synthetic_batch(cfg, "detection", micro, torch.device("cpu"), seed=rank)
         images = [image.float() / 255 for image in images]
-        keep = {p.untyped_storage()._cdata for p in model.parameters()}
         traffic = Traffic({id(layout.dp_group): "dp"})
         with traffic:
             for i in range(accum):
                 if i == 0:
-                    with saved_bytes(keep) as saved:
+                    with saved_storages(model) as saved:
                         losses = model(images, targets)
                 else:
                     losses = model(images, targets)
@@ -368,16 +354,15 @@ def _full_numel(param: torch.Tensor, tp: int) -> int:
 
 def _saved_one_microbatch(model: nn.Module, cfg: DictConfig, micro: int, device: str) -> int:
     """Bytes saved for the backward of one micro-batch's forward through this rank's stages (or whole model)."""
-    keep = {p.untyped_storage()._cdata for p in model.parameters()}
     if isinstance(model, PipelinedViT):
         images = _images(cfg, micro, device)
         boundary = model._enter(images).detach().requires_grad_(True)
         outputs = []  # kept until the end: a freed graph's storages would be reused and counted once
-        with saved_bytes(keep) as saved:
+        with saved_storages(model) as saved:
             for stage, index in zip(model._stages, model.stage_ids):
                 outputs.append(stage(images if index == 0 else boundary))
         return saved["bytes"]
-    with saved_bytes(keep) as saved:
+    with saved_storages(model) as saved:
         model(_images(cfg, micro, device))
     return saved["bytes"]
 
@@ -405,17 +390,16 @@ def _train_step(model: nn.Module, layout, cfg: DictConfig, run: RunLayout, batch
 # -- the plan's figures --------------------------------------------------------------------------------------------
 
 
-def planned_rank(cfg: DictConfig, shape: ViTShape, run: RunLayout, coordinate: tuple[int, int, int]) -> tuple[dict, dict]:
+def planned_rank(cfg: DictConfig, shape: ViTShape, run: RunLayout,
+                 coordinate: tuple[int, int, int]) -> tuple[dict, dict]:
     """The planner's bytes by component and collective bytes for the rank at `coordinate`, for one micro-batch's
     saved activations."""
     from visiondist.parallel.memory import tensor_shapes
+    from visiondist.plan.resolve import layout_memory
 
     pp_rank, dp_rank, _ = coordinate
     t = cfg.trainer
-    mem = rank_memory(shape, run.dp, run.tp, run.pp, int(cfg.data.batch_size), int(t.grad_accum), str(cfg.optim.name),
-                      False, str(t.precision), run.schedule, run.stages_per_rank, run.microbatches,
-                      pp_rank=pp_rank, fsdp=run.fsdp, offload=run.offload, checkpointing=run.activation_checkpointing,
-                      sequence_parallel=run.sequence_parallel, dp_rank=dp_rank, shard_size=run.shard_size)
+    mem = layout_memory(cfg, run, pp_rank, dp_rank)
     blocks = mem.detail["blocks"]
     figures = {"parameters": mem.params, "gradients": mem.grads, "optimizer": mem.optimizer,
                "activations": saved_per_microbatch(shape, mem.detail["micro_batch"], run.tp, blocks, str(t.precision),

@@ -28,7 +28,8 @@ class ModelSpec:
     supports: frozenset[str]
     has_blocks: bool  # transformer blocks (the unit of FSDP, activation checkpointing, compile, pipeline stages)
     rules: Callable[[DictConfig], None] = lambda cfg: None  # the family's own shape rules
-    planner_shape: Optional[Callable[[DictConfig], Any]] = None  # model config -> the memory model's shape; None: auto runs DDP
+    # model config -> the memory model's shape; None: parallel=auto runs the family DDP
+    planner_shape: Optional[Callable[[DictConfig], Any]] = None
 
     def check(self, cfg: DictConfig) -> None:
         """Refuse what this family does not support, with today's wording; then its own shape rules."""

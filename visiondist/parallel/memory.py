@@ -17,8 +17,9 @@ measures them on a built module.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterator, Optional
 
 from visiondist.config.layout import MULTI_STAGE, microbatches_for, stages_per_rank_for
 from visiondist.parallel.stages import balance
@@ -300,23 +301,36 @@ def rank_memory(s: ViTShape, dp: int, tp: int, pp: int, global_batch: int, grad_
     )
 
 
-def saved_activation_bytes(module, *inputs) -> int:
-    """Measured: the bytes of the distinct storages autograd saves for the backward of `module(*inputs)`, parameters
-    left out (what the activation estimate models)."""
+@contextmanager
+def saved_storages(module) -> Iterator[dict]:
+    """Measured: the bytes of the distinct storages autograd saves for the backward of what runs inside the block,
+    `module`'s parameters and views of any parameter (e.g. FSDP's gathered weights) left out: what the activation
+    estimate models, in `["bytes"]` after the block. Storages are told apart by identity, which works for meta and
+    fake tensors too; the graphs must stay alive inside the block (a freed storage's identity can be reused)."""
     import torch
+    from torch import nn
 
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    params = {p.untyped_storage()._cdata for p in module.parameters()}
     seen: dict[int, int] = {}
 
     def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
+        base = tensor._base if tensor._base is not None else tensor
+        if not isinstance(base, nn.Parameter) and base.untyped_storage()._cdata not in params:
+            storage = tensor.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
         return tensor
 
+    out = {"bytes": 0}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield out
+    out["bytes"] = sum(seen.values())
+
+
+def saved_activation_bytes(module, *inputs) -> int:
+    """`saved_storages` of one `module(*inputs)`."""
+    with saved_storages(module) as saved:
         module(*inputs)
-    return sum(seen.values())
+    return saved["bytes"]
 
 
 def _padded_elements(shapes: list[tuple[int, ...]], n: int) -> int:

@@ -135,8 +135,7 @@ def step_seconds(s: ViTShape, c: Candidate, hw: Hardware, global_batch: int, mem
     comm = {"dp": dp_seconds, "tp": wire("tp", c.tp) / (hw.intra_node_gbs * GB),
             "pp": wire("pp", c.pp) / ((hw.inter_node_gbs if multi_node else hw.intra_node_gbs) * GB), "host": 0.0}
     if c.offload:  # shards up twice (forward, backward), gradients down; AdamW on the host
-        shard = mem.params
-        comm["host"] = 3 * shard / (hw.host_gbs * GB) + 7 * shard / (HOST_MEMORY_GBS * GB)
+        comm["host"] = 3 * mem.params / (hw.host_gbs * GB) + 7 * mem.params / (HOST_MEMORY_GBS * GB)
     # DDP's bucketed all-reduce runs under the backward (2/3 of the compute), FSDP's gathers and reduce-scatters
     # under the forward and backward (prefetch); TP's all-reduces are on the critical path; offload copies too.
     hidden = compute * (1.0 if c.fsdp else 2 / 3)
@@ -273,8 +272,9 @@ def _complexity(c: Candidate) -> tuple:
 
 def plan(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1, optimizer: str = "adamw",
          ema: bool = False, precision: str = "32", max_nodes: int = 1024) -> Plan:
-    """The candidates on `hw`, plain DDP when it fits, else the fastest that fits (ties: the simpler layout), and why it was chosen. When none
-    fits, `choice` is None and `reason` names the smallest device count (whole nodes) on which one would."""
+    """The candidates on `hw`, plain DDP when it fits, else the fastest that fits (ties: the simpler layout), and why
+    it was chosen. When none fits, `choice` is None and `reason` names the smallest device count (whole nodes) on
+    which one would."""
     rows = _evaluate(s, hw, global_batch, grad_accum, optimizer, ema, precision)
     block = block_params(s)
     layer = (3 if ema else 2) * FLOAT * block.elements + optimizer_bytes(block, optimizer)

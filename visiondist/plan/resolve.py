@@ -34,8 +34,7 @@ def resolve(cfg: DictConfig, env: Optional[dict] = None, cuda_devices: Optional[
             plan = _plan_auto(cfg, world)
             parallel.update(plan.choice.candidate.overrides())
             reason = plan.reason
-        parallel["auto"] = False
-        check(OmegaConf.merge(cfg, {"parallel": parallel}))  # the chosen layout against the model
+        check(OmegaConf.merge(cfg, {"parallel": {**parallel, "auto": False}}))  # the chosen layout against the model
     parallel["auto"] = False
     run = _layout(cfg, OmegaConf.create(parallel), world)
     return (run.replace(chosen_by="parallel=auto", reason=reason) if auto else run), plan
@@ -63,16 +62,17 @@ def resolve_on(cfg: DictConfig, devices: int, nodes: int, overrides: Optional[di
     return resolve(cfg, env=env, cuda_devices=0)[0]
 
 
-def layout_memory(cfg: DictConfig, run: RunLayout):
-    """The memory model's bytes on the busiest rank of `run` for `cfg`'s ViT (`visiondist.parallel.memory`)."""
+def layout_memory(cfg: DictConfig, run: RunLayout, pp_rank: Optional[int] = None, dp_rank: int = 0):
+    """The memory model's bytes for `cfg`'s ViT under `run`: on its busiest rank, or on the rank at pipeline stage
+    `pp_rank` and DP rank `dp_rank` (`visiondist.parallel.memory.rank_memory`)."""
     from visiondist.parallel.memory import rank_memory
 
     t = cfg.trainer
     return rank_memory(spec_of(cfg.model).planner_shape(cfg.model), run.dp, run.tp, run.pp, int(cfg.data.batch_size),
                        int(t.grad_accum), str(cfg.optim.name), float(t.ema_decay) > 0, str(t.precision), run.schedule,
-                       run.stages_per_rank, run.microbatches, fsdp=run.fsdp, offload=run.offload,
+                       run.stages_per_rank, run.microbatches, pp_rank=pp_rank, fsdp=run.fsdp, offload=run.offload,
                        checkpointing=run.activation_checkpointing, sequence_parallel=run.sequence_parallel,
-                       shard_size=run.shard_size)
+                       dp_rank=dp_rank, shard_size=run.shard_size)
 
 
 def _continued_layout(cfg: DictConfig, world: World) -> Optional[RunLayout]:
@@ -210,9 +210,10 @@ def announce(cfg: DictConfig, run: RunLayout, plan: Any) -> None:
     plain DDP; the planner's table too when the training state did not fit and it chose another layout."""
     from rich.console import Console
 
+    from visiondist.parallel.planner import Candidate
+
     console = Console(width=120)
-    if plan is None or plan.choice.candidate.name.startswith(("ddp", "1 device")) and plan.choice.candidate.tp == 1 \
-            and plan.choice.candidate.pp == 1 and not plan.choice.candidate.checkpointing:
+    if plan is None or plan.choice.candidate == Candidate(run.world_size):  # plain DDP (or a detector's)
         console.print(f"parallel=auto chose DDP ({run.describe()}): {run.reason}", soft_wrap=True, highlight=False)
         return
     console.print(plan.table(f"parallel=auto: {cfg.model.name} on {run.world_size} devices of "
