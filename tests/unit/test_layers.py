@@ -88,8 +88,12 @@ def test_a_back_edge_inside_a_function_is_caught():
 
 
 def test_a_unit_test_cannot_start_a_process():
-    """tests/unit/conftest.py keeps this directory to one process: a command line run fails the test at once."""
+    """tests/unit/conftest.py keeps this directory to one process: a command line run fails the test at once; a system
+    tool a library runs for itself (matplotlib's first font scan runs `fc-list`) does not."""
     import subprocess
+    import sys
 
-    with pytest.raises(AssertionError, match="move the test to tests/multirank/"):
-        subprocess.run(["true"])
+    for command in ([sys.executable, "tools/train.py"], ["torchrun", "tools/train.py"], "python -c pass"):
+        with pytest.raises(AssertionError, match="move the test to tests/multirank/"):
+            subprocess.run(command, shell=isinstance(command, str))
+    assert subprocess.run(["true"]).returncode == 0
