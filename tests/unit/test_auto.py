@@ -102,6 +102,11 @@ def test_auto_is_the_default_and_is_plain_ddp_when_the_state_fits():
     assert "the host's" in run.reason and "1 rank per node (CPU)" in run.reason  # where the budget comes from
     two, _ = resolve(compose(CONFIGS, ["trainer.accelerator=cpu", "parallel.dp=2"]), {}, 0)
     assert (two.world_size, two.dp, two.tp) == (2, 2, 1)  # parallel.dp=N: N ranks, still DDP
+    # every field the ranks read is what parallel=ddp gives: the default run is the DDP run, only its label differs
+    for overrides in ([], ["parallel.dp=2"], ["model=vit_base", "data.batch_size=256"]):
+        auto, _ = resolve(compose(CONFIGS, ["trainer.accelerator=cpu", *overrides]), {}, 0)
+        ddp, _ = resolve(compose(CONFIGS, ["trainer.accelerator=cpu", "parallel=ddp", *overrides]), {}, 0)
+        assert auto.replace(chosen_by=ddp.chosen_by, reason=ddp.reason) == ddp, overrides
 
 
 def test_auto_shards_vit_huge_only_when_ddp_does_not_fit():
