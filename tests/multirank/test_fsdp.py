@@ -98,6 +98,7 @@ def test_hsdp_2x2_run_equals_one_process(tmp_path, tiny_shapes):
     out = train_ok(*train_args(tiny_shapes, hsdp, *common, "parallel=hsdp", "trainer.devices=4",
                                "parallel.shard_size=2"))
     assert "+HSDP (shard 2 x replicate 2)" in out
+    assert "dp replicate groups [0, 2] [1, 3]: each inside one node; dp shard groups [0, 1] [2, 3]" in out
     assert_same_training(one, hsdp, ema=True)
     summary = json.loads((hsdp / "summary.json").read_text())
     assert summary["parameters per rank (M)"] < 0.55 * summary["parameters (M)"]  # sharded 2 ways, not 4

@@ -468,7 +468,7 @@ def report_table(reports: list[RankReport], title: str = ""):
     from rich.table import Table
 
     table = Table(title=title or None, title_justify="left", caption=(
-        f"GB per rank (MB where small); collectives: bytes per optimizer step, each call's payload; parameters, "
+        f"GB per rank (unless marked MB or B); collectives: bytes per optimizer step, each call's payload; parameters, "
         f"gradients and optimizer state must match exactly, the rest within {100 * TOLERANCE:.0f}%"),
         caption_justify="left")
     for col, justify in (("rank (pp, dp, tp)", "left"), ("figure", "left"), ("measured", "right"),

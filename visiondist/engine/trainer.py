@@ -348,9 +348,9 @@ class Trainer:
                      " (incomplete aspect-ratio batches)" if sampler.groups is not None else "")
         s, warmup = self.cfg.schedule, warmup_length(self.cfg.schedule, self.total_steps)
         if warmup < s.warmup_steps and self.layout.is_main:
-            log.warning("schedule.warmup_steps=%d is not shorter than the run (%d steps): the warmup is cut to %d "
-                        "steps; set schedule.warmup_steps below the run's steps", s.warmup_steps, self.total_steps,
-                        warmup)
+            log.warning("schedule.warmup_steps=%d is not shorter than the run (%d step%s): the warmup is cut to %d "
+                        "step%s; set schedule.warmup_steps below the run's steps", s.warmup_steps, self.total_steps,
+                        "" if self.total_steps == 1 else "s", warmup, "" if warmup == 1 else "s")
         if self.layout.world_size > 1:
             nodes = len(set(self.layout.nodes))
             log.info("mesh (pp, dp, tp) over %d node%s: %s", nodes, "s" if nodes > 1 else "",

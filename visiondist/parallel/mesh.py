@@ -68,18 +68,27 @@ class Layout:
         return tensor
 
     def placement(self) -> list[str]:
-        """Where each mesh dimension's groups sit: e.g. `tp groups [0, 1] [2, 3]: each inside one node`."""
-        return placement(self.mesh.mesh.tolist(), self.nodes or (0,) * self.world_size)
+        """Where each mesh dimension's groups sit: e.g. `tp groups [0, 1] [2, 3]: each inside one node`; under HSDP
+        the DP dimension as FSDP's shard groups and the replicas across them."""
+        import numpy as np
+
+        grid, dims = self.mesh.mesh.numpy(), MESH_DIMS
+        if self.run is not None and self.run.hsdp:  # FSDP splits dp as (replicate, shard): shards are neighbours
+            shard = self.run.shard_size
+            grid = grid.reshape(self.pp, self.dp // shard, shard, self.tp)
+            dims = ("pp", "dp replicate", "dp shard", "tp")
+        return placement(grid.tolist(), self.nodes or (0,) * self.world_size, dims=dims)
 
 
-def placement(grid: list, nodes: tuple[int, ...], shown: int = 4) -> list[str]:
+def placement(grid: list, nodes: tuple[int, ...], shown: int = 4, dims: tuple[str, ...] = MESH_DIMS) -> list[str]:
     """For each mesh dimension of size > 1: its groups of global ranks (the first `shown`) and how many nodes one
-    group spans. `grid`: the (pp, dp, tp) nested list of global ranks; `nodes`: node index of each global rank."""
+    group spans. `grid`: the nested list of global ranks over `dims` ((pp, dp, tp)); `nodes`: node index of each
+    global rank."""
     import numpy as np
 
     ranks = np.asarray(grid)
     lines = []
-    for axis, dim in enumerate(MESH_DIMS):
+    for axis, dim in enumerate(dims):
         size = ranks.shape[axis]
         if size == 1:
             continue
