@@ -84,13 +84,17 @@ def plan(cmd: Command) -> int:
         ddp = None if named_layout(cfg.parallel) else {"dp": devices}
         return 0 if verify is None or dry_run(cfg, devices, nodes, "DDP", ddp, console) else 1
     try:
-        result = plan_for(cfg, devices, nodes, memory)
+        result = plan_for(cfg, devices, nodes, memory, accelerator)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     console.print(result.table(f"{cfg.model.name} ({result.layer_state / 1e9:.3g} GB of training state per block): "
                                f"{devices} devices ({nodes} node{'s' if nodes > 1 else ''} of {devices // nodes}), "
                                f"{memory:.3g} GB each"))
     console.print(f"planned for: {inputs_line(cfg)}", soft_wrap=True)
+    source = ("parallel.host_memory_gb" if cfg.parallel.host_memory_gb
+              else "this machine's; parallel.host_memory_gb sets it")
+    console.print(f"host memory for offloaded state: {result.hardware.host_memory_gb:.4g} GB per node ({source})",
+                  soft_wrap=True)
     if result.choice is None:
         console.print(f"[bold red]nothing fits[/bold red]: {result.reason}")
         return 1

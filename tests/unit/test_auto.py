@@ -14,7 +14,9 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _cfg(*overrides):
-    return compose(CONFIGS, ["data=imagenet", "data.root=/data", "data.num_classes=1000", "parallel=auto", *overrides])
+    # host memory pinned (a GPU node's 2 TB): the default, this machine's memory, would make offload's fit vary
+    return compose(CONFIGS, ["data=imagenet", "data.root=/data", "data.num_classes=1000", "parallel=auto",
+                             "parallel.host_memory_gb=2000", *overrides])
 
 
 def test_ddp_for_vit_base_on_80gb_devices():
@@ -135,3 +137,34 @@ def test_detectors_under_auto_run_ddp():
     run, result = resolve(cfg, {}, 0)
     assert result is None and (run.dp, run.tp, run.pp, run.fsdp) == (2, 1, 1, False)
     assert run.chosen_by == "parallel=auto" and "detector" in run.reason
+
+
+def test_offloaded_state_must_fit_the_nodes_host_memory():
+    # ViT-22B on 8 x 16 GB: FSDP + offload fits the devices, with 43.5 GB of state per rank in host memory
+    def result_for(host_gb, *more):
+        cfg = compose(CONFIGS, ["model=vit_22b", "data.num_classes=1000", "parallel.device_memory_gb=16",
+                                f"parallel.host_memory_gb={host_gb}", *more])
+        return plan_for(cfg, devices=8, nodes=1, memory_gb=16)
+
+    big = result_for(2000)
+    assert big.choice.candidate == Candidate(dp=8, fsdp=True, offload=True)
+    assert 8 * big.choice.memory.host <= 0.9 * 2000e9
+    small = result_for(64)  # 348 GB a node cannot live in 64 GB
+    assert small.choice is None
+    assert "and 57.6 GB (90% of 64 GB) of host memory per node (parallel.host_memory_gb)" in small.reason
+    offloaded = [r for r in small.rows if r.candidate.offload and r.memory]
+    assert offloaded and all(r.note == "host" and not r.fits and r.memory.device <= small.hardware.budget
+                             for r in offloaded)
+
+
+def test_on_the_cpu_offload_shares_the_hosts_memory_with_the_devices():
+    from visiondist.parallel.planner import Hardware
+
+    shape = ViTShape(1280, 32, 16, 4.0, 14, 224, 1000)  # ViT-H: 10 GB of fp32 AdamW state
+    apart = plan(shape, Hardware(devices=1, memory_gb=8, host_memory_gb=16), global_batch=8)
+    assert apart.choice.candidate.offload  # the state goes to the host, the device holds the rest
+    m = apart.choice.memory
+    shared = Hardware(devices=1, memory_gb=8, host_memory_gb=(m.host + m.device) / 0.9e9 * 0.99, shared_host=True)
+    assert not shared.host_fits(m)  # the same bytes, but device and host are one memory
+    assert Hardware(devices=1, memory_gb=8, host_memory_gb=(m.host + m.device) / 0.9e9 * 1.01,
+                    shared_host=True).host_fits(m)

@@ -19,7 +19,8 @@ STATE = ("parameters", "gradients", "optimizer")
 
 
 def _cfg(*overrides):
-    return compose(CONFIGS, ["data.num_classes=1000", *overrides])
+    # host memory pinned (a GPU node's 2 TB): the default, this machine's memory, would make offload's fit vary
+    return compose(CONFIGS, ["data.num_classes=1000", "parallel.host_memory_gb=2000", *overrides])
 
 
 def _check(cfg, devices, nodes, overrides=None):

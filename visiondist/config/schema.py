@@ -120,6 +120,7 @@ class ParallelConfig:
     # parallel=auto: choose dp / tp / pp / fsdp / offload / activation checkpointing from the memory and time model
     auto: bool = False
     device_memory_gb: float = 0.0  # per device; 0: the GPU's own (CUDA), or host memory / ranks (CPU)
+    host_memory_gb: float = 0.0  # per node, for what offload keeps on the host; 0: this machine's memory
     num_devices: int = -1  # planning only (tools/plan.py): -1: trainer.devices x parallel.nodes
     nodes: int = 1  # planning only: nodes of num_devices / nodes devices each (TP stays inside a node)
     headroom: float = 0.9  # a layout fits when its estimate is at most this fraction of device_memory_gb

@@ -159,8 +159,8 @@ def _check_parallel(p: DictConfig) -> None:
         raise ConfigError(f"parallel.shard_size={p.shard_size}: use -1 (one node), 0 (every DP rank) or a group size")
     if p.offload and not p.fsdp:
         raise ConfigError("parallel.offload=true moves FSDP's shards to host memory: set parallel.fsdp=true too")
-    for key in ("device_memory_gb", "device_tflops", "intra_node_gbs", "inter_node_gbs", "host_gbs"):
-        _positive(f"parallel.{key}", p[key], allow_zero=key == "device_memory_gb")
+    for key in ("device_memory_gb", "host_memory_gb", "device_tflops", "intra_node_gbs", "inter_node_gbs", "host_gbs"):
+        _positive(f"parallel.{key}", p[key], allow_zero=key.endswith("memory_gb"))
     _positive("parallel.nodes", p.nodes)
     if not 0 < p.headroom <= 1:
         raise ConfigError(f"parallel.headroom={p.headroom} must be in (0, 1]")

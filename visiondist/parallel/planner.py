@@ -27,6 +27,7 @@ from visiondist.parallel.memory import (
 )
 
 HOST_MEMORY_GBS = 50.0  # host memory bandwidth for the offloaded (CPU) optimizer step
+HOST_FULL = "host"  # a row's note: it fits the devices, but its offloaded state does not fit the node's host memory
 GEMM_HALF_ROWS = 512  # a matmul with this many rows (tokens of a micro-batch) runs at half the device's rate
 
 
@@ -55,6 +56,8 @@ class Hardware:
     intra_node_gbs: float = 300.0
     inter_node_gbs: float = 25.0
     host_gbs: float = 25.0
+    host_memory_gb: float = 0.0  # per node; 0: not checked
+    shared_host: bool = False  # the devices are the host's memory (the CPU): offload moves nothing off them
 
     @property
     def per_node(self) -> int:
@@ -63,6 +66,17 @@ class Hardware:
     @property
     def budget(self) -> float:
         return self.headroom * self.memory_gb * GB
+
+    @property
+    def host_budget(self) -> float:
+        return self.headroom * self.host_memory_gb * GB
+
+    def host_fits(self, mem: RankMemory) -> bool:
+        """Whether a node's ranks' offloaded state (with their device bytes, where the devices are the host) fits
+        the host's memory."""
+        if not mem.offloaded or not self.host_memory_gb:
+            return True
+        return self.per_node * (mem.host + (mem.device if self.shared_host else 0)) <= self.host_budget
 
 
 @dataclass(frozen=True)
@@ -216,7 +230,8 @@ class Plan:
             else:
                 cells += [f"{m.state / GB:.2f}", f"{m.activations / GB:.2f}", f"{m.buffers / GB:.2f}",
                           f"{m.device / GB:.2f}", f"{m.host / GB:.2f}" if m.offloaded else "-",
-                          _duration(row.seconds["total"]), "yes" if row.fits else "no"]
+                          _duration(row.seconds["total"]), "yes" if row.fits else f"no: {row.note}" if row.note
+                          else "no"]
             table.add_row(*cells, style="bold green" if chosen else ("dim" if not row.fits else None))
         return table
 
@@ -254,8 +269,9 @@ def _evaluate(s, hw, global_batch, grad_accum, optimizer, ema, precision) -> lis
         if mem.detail["micro_batch"] < 1:
             rows.append(PlanRow(c, None, None, False, "fewer than one image per micro-batch"))
             continue
+        device_fits, host_fits = mem.device <= hw.budget, hw.host_fits(mem)
         rows.append(PlanRow(c, mem, step_seconds(s, c, hw, global_batch, mem, precision, grad_accum),
-                            mem.device <= hw.budget))
+                            device_fits and host_fits, "" if host_fits or not device_fits else HOST_FULL))
     best: dict[Candidate, PlanRow] = {}  # a pipeline: only its best micro-batch count (fits first, then time)
     for row in rows:
         key = replace(row.candidate, microbatches=1)
@@ -288,9 +304,9 @@ def plan(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1, opti
             fit, key=lambda r: (round(r.seconds["total"], 12), _complexity(r.candidate)))
         if best.candidate == Candidate(hw.devices):
             m = best.memory
-            reason = (f"the training state and activations fit each device under DDP: {m.device / GB:.3g} GB "
+            reason = (f"the training state and activations fit each device under DDP, {m.device / GB:.3g} GB needed "
                       f"({m.state / GB:.3g} GB of state, {(m.activations + m.buffers) / GB:.3g} GB of activations and "
-                      f"buffers) of {budget} per device")
+                      f"buffers) of {budget} allowed")
         else:
             why_not = (f"DDP would need {ddp.memory.device / GB:.3g} GB per device, over the {budget} budget"
                        if ddp is not None and ddp.memory is not None else
@@ -307,11 +323,15 @@ def plan(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1, opti
         if any(r.fits for r in _evaluate(s, bigger, global_batch, grad_accum, optimizer, ema, precision)):
             smallest = bigger
             break
+    host = ""
+    if any(r.note == HOST_FULL for r in rows):  # offload would fit the devices, not the hosts
+        host = (f" and {hw.host_budget / GB:.4g} GB ({100 * hw.headroom:.0f}% of {hw.host_memory_gb:.4g} GB) of host "
+                "memory per node (parallel.host_memory_gb)")
     if smallest is not None:
-        reason = (f"no layout fits {hw.devices} devices of {budget}: the smallest that fits is {smallest.devices} "
-                  f"devices ({smallest.nodes} nodes of {per_node})")
+        reason = (f"no layout fits {hw.devices} devices of {budget}{host}: the smallest that fits is "
+                  f"{smallest.devices} devices ({smallest.nodes} nodes of {per_node})")
     else:
-        reason = (f"no layout fits {hw.devices} devices of {budget}, nor any count up to {max_nodes} nodes of "
+        reason = (f"no layout fits {hw.devices} devices of {budget}{host}, nor any count up to {max_nodes} nodes of "
                   f"{per_node}: use larger devices, a smaller batch or model, or bf16 precision")
     return Plan(s, hw, global_batch, rows, None, reason, layer)
 
@@ -320,17 +340,19 @@ def plan(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1, opti
 # From a training config
 
 
-def hardware_from_config(p, devices: int, nodes: int, memory_gb: float) -> Hardware:
+def hardware_from_config(p, devices: int, nodes: int, memory_gb: float, host_memory_gb: float = 0.0,
+                         shared_host: bool = False) -> Hardware:
     return Hardware(devices, nodes, memory_gb, float(p.headroom), float(p.device_tflops), float(p.intra_node_gbs),
-                    float(p.inter_node_gbs), float(p.host_gbs))
+                    float(p.inter_node_gbs), float(p.host_gbs), host_memory_gb, shared_host)
 
 
-def plan_config(shape: ViTShape, cfg, devices: int, nodes: int, memory_gb: float) -> Plan:
+def plan_config(shape: ViTShape, cfg, devices: int, nodes: int, memory_gb: float, host_memory_gb: float = 0.0,
+                shared_host: bool = False) -> Plan:
     """`plan` for the model `shape` (its family's `planner_shape`: `visiondist.plan.plan_for`) and a composed training
     config (global batch, accumulation, optimizer, EMA, precision, the hardware figures)."""
     if nodes < 1 or devices % nodes:
         raise ValueError(f"{devices} devices do not split evenly over {nodes} nodes")
     t = cfg.trainer
-    return plan(shape, hardware_from_config(cfg.parallel, devices, nodes, memory_gb),
+    return plan(shape, hardware_from_config(cfg.parallel, devices, nodes, memory_gb, host_memory_gb, shared_host),
                 int(cfg.data.batch_size), int(t.grad_accum), str(cfg.optim.name), float(t.ema_decay) > 0,
                 str(t.precision))

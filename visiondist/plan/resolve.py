@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from visiondist.config import ConfigError, validate
 from visiondist.models.registry import check_support, spec_of
 from visiondist.config.layout import RunLayout, microbatches_for, stages_per_rank_for
-from visiondist.plan.world import World, cuda_device_count, device_memory_gb, find_world
+from visiondist.plan.world import World, cuda_device_count, device_memory_gb, find_world, host_memory_gb
 
 
 def resolve(cfg: DictConfig, env: Optional[dict] = None, cuda_devices: Optional[int] = None) -> tuple[RunLayout, Any]:
@@ -99,9 +99,10 @@ def check(cfg: DictConfig, mandatory: bool = True) -> None:
         check_support(variant_config(cfg, variant))  # validated as it is built
 
 
-def plan_for(cfg: DictConfig, devices: int, nodes: int, memory_gb: float):
+def plan_for(cfg: DictConfig, devices: int, nodes: int, memory_gb: float, accelerator: str = "cuda"):
     """The memory planner's table for `cfg` on `devices` over `nodes` of `memory_gb` each, with the model shape its
-    family declares (`ModelSpec.planner_shape`)."""
+    family declares (`ModelSpec.planner_shape`). Offloaded state must fit `parallel.host_memory_gb` per node (0: this
+    machine's memory), together with the devices' bytes where the devices are the host (the CPU, not emulated)."""
     from visiondist.models.registry import spec_of
     from visiondist.parallel.planner import plan_config
 
@@ -109,7 +110,9 @@ def plan_for(cfg: DictConfig, devices: int, nodes: int, memory_gb: float):
     if spec.planner_shape is None:
         raise ConfigError(f"the memory planner plans ViT classifiers; {cfg.model.name} is a detector: name a layout "
                           "(parallel=ddp)")
-    return plan_config(spec.planner_shape(cfg.model), cfg, devices, nodes, memory_gb)
+    host = float(cfg.parallel.host_memory_gb) or host_memory_gb()
+    shared = accelerator == "cpu" and not cfg.parallel.device_memory_gb
+    return plan_config(spec.planner_shape(cfg.model), cfg, devices, nodes, memory_gb, host, shared)
 
 
 def memory_budget(cfg: DictConfig, accelerator: str, per_node: int) -> tuple[float, str]:
@@ -129,7 +132,7 @@ def memory_budget(cfg: DictConfig, accelerator: str, per_node: int) -> tuple[flo
 
 def _plan_auto(cfg: DictConfig, world: World):
     memory, source = memory_budget(cfg, world.accelerator, world.per_node)
-    plan = plan_for(cfg, world.world_size, max(1, world.world_size // world.per_node), memory)
+    plan = plan_for(cfg, world.world_size, max(1, world.world_size // world.per_node), memory, world.accelerator)
     plan.reason += f"; device memory: {source}"
     if plan.choice is None:
         raise ConfigError(f"parallel=auto: {plan.reason}")
@@ -141,7 +144,8 @@ def _layout(cfg: DictConfig, p: DictConfig, world: World) -> RunLayout:
     world_size, per_node, model_parallel = world.world_size, world.per_node, p.tp * p.pp
     if world_size % model_parallel:
         raise ConfigError(f"world size {world_size} is not divisible by parallel.tp x parallel.pp = {model_parallel}: "
-                          f"run a multiple of {model_parallel} ranks")
+                          f"run a multiple of {model_parallel} ranks (trainer.devices; under torchrun, "
+                          "--nproc-per-node x --nnodes)")
     dp = world_size // model_parallel if p.dp == -1 else p.dp
     if dp * model_parallel != world_size:
         raise ConfigError(
@@ -149,7 +153,8 @@ def _layout(cfg: DictConfig, p: DictConfig, world: World) -> RunLayout:
             f"{world_size}: set parallel.dp={world_size // model_parallel} or leave it at -1 to infer it")
     if p.tp > 1 and per_node % p.tp:
         raise ConfigError(f"parallel.tp={p.tp} does not divide the {per_node} ranks per node: a tensor-parallel group "
-                          f"must sit inside one node; run a multiple of {p.tp} ranks per node")
+                          f"must sit inside one node; run a multiple of {p.tp} ranks per node (trainer.devices, or "
+                          "torchrun's --nproc-per-node)")
     _check_batch(cfg, p, dp)
     base = RunLayout(world.accelerator, world_size, per_node, dp, p.tp, p.pp, under_torchrun=world.under_torchrun)
     return with_switches(base, cfg, p)
@@ -214,7 +219,9 @@ def announce(cfg: DictConfig, run: RunLayout, plan: Any) -> None:
 
     console = Console(width=120)
     if plan is None or plan.choice.candidate == Candidate(run.world_size):  # plain DDP (or a detector's)
-        console.print(f"parallel=auto chose DDP ({run.describe()}): {run.reason}", soft_wrap=True, highlight=False)
+        ranks = f"{run.world_size} rank{'s' if run.world_size > 1 else ''}"
+        console.print(f"parallel=auto chose plain DDP on {ranks} ({run.accelerator}): {run.reason}", soft_wrap=True,
+                      highlight=False)
         return
     console.print(plan.table(f"parallel=auto: {cfg.model.name} on {run.world_size} devices of "
                              f"{plan.hardware.memory_gb:.3g} GB"))

@@ -30,13 +30,18 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def host_memory_gb() -> float:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+
+
 def device_memory_gb(accelerator: str, per_node: int) -> float:
     """Memory of one device: the GPU's, or on the CPU the host's divided between the node's ranks."""
     if accelerator == "cuda":
         import torch
 
         return torch.cuda.get_device_properties(0).total_memory / 1e9
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / per_node
+    return host_memory_gb() / per_node
 
 
 def _accelerator(cfg: DictConfig, cuda_devices: int) -> str:
