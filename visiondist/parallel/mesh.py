@@ -72,7 +72,7 @@ class Layout:
         the DP dimension as FSDP's shard groups and the replicas across them."""
         import numpy as np
 
-        grid, dims = self.mesh.mesh.numpy(), MESH_DIMS
+        grid, dims = np.asarray(self.mesh.mesh.tolist()), MESH_DIMS
         if self.run is not None and self.run.hsdp:  # FSDP splits dp as (replicate, shard): shards are neighbours
             shard = self.run.shard_size
             grid = grid.reshape(self.pp, self.dp // shard, shard, self.tp)
