@@ -55,7 +55,7 @@ def plan(cmd: Command) -> int:
     from visiondist.models.registry import spec_of
     from visiondist.plan import cuda_device_count, plan_for, planning_world
     from visiondist.plan import resolve_on
-    from visiondist.plan.resolve import layout_memory, memory_budget, named_layout
+    from visiondist.plan.resolve import host_budget, layout_memory, memory_budget, named_layout
 
     verify = cmd.args.get("verify")
     if verify not in (None, "chosen", "all"):
@@ -91,10 +91,8 @@ def plan(cmd: Command) -> int:
                                f"{devices} devices ({nodes} node{'s' if nodes > 1 else ''} of {devices // nodes}), "
                                f"{memory:.3g} GB each"))
     console.print(f"planned for: {inputs_line(cfg)}", soft_wrap=True)
-    source = ("parallel.host_memory_gb" if cfg.parallel.host_memory_gb
-              else "this machine's; parallel.host_memory_gb sets it")
-    console.print(f"host memory for offloaded state: {result.hardware.host_memory_gb:.4g} GB per node ({source})",
-                  soft_wrap=True)
+    host, source = host_budget(cfg)
+    console.print(f"host memory for offloaded state: {host:.4g} GB per node ({source})", soft_wrap=True)
     if result.choice is None:
         console.print(f"[bold red]nothing fits[/bold red]: {result.reason}")
         return 1

@@ -30,8 +30,9 @@ def no_processes(monkeypatch):
     popen = subprocess.Popen.__init__
 
     def guarded(self, *args, **kwargs):
-        if _program(args, kwargs).startswith(LAUNCHERS):
-            _refuse(f"a process ({_program(args, kwargs)}, subprocess.Popen)")()
+        program = _program(args, kwargs)
+        if program.startswith(LAUNCHERS):
+            _refuse(f"a process ({program}, subprocess.Popen)")()
         popen(self, *args, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -70,8 +71,6 @@ class Layout:
     def placement(self) -> list[str]:
         """Where each mesh dimension's groups sit: e.g. `tp groups [0, 1] [2, 3]: each inside one node`; under HSDP
         the DP dimension as FSDP's shard groups and the replicas across them."""
-        import numpy as np
-
         grid, dims = np.asarray(self.mesh.mesh.tolist()), MESH_DIMS
         if self.run is not None and self.run.hsdp:  # FSDP splits dp as (replicate, shard): shards are neighbours
             shard = self.run.shard_size
@@ -84,8 +83,6 @@ def placement(grid: list, nodes: tuple[int, ...], shown: int = 4, dims: tuple[st
     """For each mesh dimension of size > 1: its groups of global ranks (the first `shown`) and how many nodes one
     group spans. `grid`: the nested list of global ranks over `dims` ((pp, dp, tp)); `nodes`: node index of each
     global rank."""
-    import numpy as np
-
     ranks = np.asarray(grid)
     lines = []
     for axis, dim in enumerate(dims):

@@ -110,9 +110,20 @@ def plan_for(cfg: DictConfig, devices: int, nodes: int, memory_gb: float, accele
     if spec.planner_shape is None:
         raise ConfigError(f"the memory planner plans ViT classifiers; {cfg.model.name} is a detector: name a layout "
                           "(parallel=ddp)")
-    host = float(cfg.parallel.host_memory_gb) or host_memory_gb()
-    shared = accelerator == "cpu" and not cfg.parallel.device_memory_gb
-    return plan_config(spec.planner_shape(cfg.model), cfg, devices, nodes, memory_gb, host, shared)
+    return plan_config(spec.planner_shape(cfg.model), cfg, devices, nodes, memory_gb, host_budget(cfg)[0],
+                       _devices_are_host(cfg, accelerator))
+
+
+def _devices_are_host(cfg: DictConfig, accelerator: str) -> bool:
+    """Whether the planner's devices are this host's memory (the CPU, unless parallel.device_memory_gb emulates)."""
+    return accelerator != "cuda" and not cfg.parallel.device_memory_gb
+
+
+def host_budget(cfg: DictConfig) -> tuple[float, str]:
+    """GB of host memory per node for offloaded state, and where the figure comes from."""
+    if cfg.parallel.host_memory_gb:
+        return float(cfg.parallel.host_memory_gb), "parallel.host_memory_gb"
+    return host_memory_gb(), "this machine's; parallel.host_memory_gb sets it"
 
 
 def memory_budget(cfg: DictConfig, accelerator: str, per_node: int) -> tuple[float, str]:
