@@ -23,7 +23,7 @@ def hydra_run(tmp_path_factory, tiny_shapes):
     """A 2-step tiny run placed by hydra.run.dir, and its output."""
     run = tmp_path_factory.mktemp("hydra") / "run"
     out = train_ok(*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16", "trainer.accelerator=cpu",
-                   "trainer.tensorboard=false", "trainer.max_steps=2", f"hydra.run.dir={run}")
+                   "trainer.loggers=[csv]", "trainer.max_steps=2", f"hydra.run.dir={run}")
     return run, out
 
 

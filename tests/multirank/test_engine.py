@@ -12,7 +12,7 @@ from helpers import REPO, TINY_DATA
 def _run(tmp_path, tiny_shapes, name, *extra):
     cfg = load_config(REPO / "configs", [*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16",
                                          "trainer.max_steps=4", "trainer.log_every=1", "trainer.accelerator=cpu",
-                                         "trainer.tensorboard=false", f"trainer.run_dir={tmp_path / name}", *extra])
+                                         "trainer.loggers=[csv]", f"trainer.run_dir={tmp_path / name}", *extra])
     launch(train, cfg, env={})
     rows = read_metrics(tmp_path / name / "metrics.csv")
     return [r for r in rows if r["loss"] is not None], [r for r in rows if r["val_top1"] is not None]

@@ -31,7 +31,7 @@ WORKERS_ON = [a for a in TINY_DATA if not a.startswith("data.num_workers")]  # t
 
 def args(data: Path, run: Path, *extra: str) -> list[str]:
     return [*WORKERS_ON, f"data.root={data}", "data.batch_size=16", "trainer.accelerator=cpu", "trainer.log_every=1",
-            "trainer.tensorboard=false", f"trainer.run_dir={run}", "trainer.max_steps=6", *extra]
+            "trainer.loggers=[csv]", f"trainer.run_dir={run}", "trainer.max_steps=6", *extra]
 
 
 def run_job(argv: list[str], fault: str = "", timeout: float = 150, script: Path = FAULT_TRAIN):

@@ -17,7 +17,7 @@ BENCH = REPO / "tools" / "benchmark.py"
 
 def _bench(tiny_shapes, tmp_path, *extra: str, rows: int = 1, timeout: float = 300) -> list[dict]:
     results = tmp_path / "results"
-    args = [*TINY_DATA, f"data.root={tiny_shapes}", "trainer.accelerator=cpu", "trainer.tensorboard=false",
+    args = [*TINY_DATA, f"data.root={tiny_shapes}", "trainer.accelerator=cpu", "trainer.loggers=[csv]",
             f"trainer.output_dir={tmp_path / 'runs'}", "bench.warmup=1", "bench.steps=2", "bench.rounds=2",
             "bench.loader_batches=2", f"bench.results_dir={results}", *extra]
     out = run_cli(args, timeout=timeout, script=BENCH)

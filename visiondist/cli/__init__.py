@@ -71,7 +71,7 @@ class Command:
 
 _NO_APP = "visiondist composes its config with Hydra but runs no Hydra app"
 _LOGGING = ("visiondist sets up its own logging (the console and the run dir's train.log): use trainer.progress=false "
-            "(no progress bar), trainer.log_every=N (step lines), trainer.tensorboard=false")
+            "(no progress bar), trainer.log_every=N (step lines), trainer.loggers=[csv] (no TensorBoard)")
 _LAUNCHER = ("visiondist starts its own ranks: use parallel.dp=N or trainer.devices=N, or torchrun / srun "
              "(docs/multi-node.md)")
 _OTHER_KEY = (f"{_NO_APP}, so this Hydra setting would do nothing: hydra.run.dir=DIR and, with -m, "

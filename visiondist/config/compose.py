@@ -62,5 +62,8 @@ def run_config(run_dir: str | Path, overrides: list[str] = ()) -> DictConfig:
     ran, as_it_ran = RunLayout.load(Path(run_dir)), {}
     if ran is not None and ran.chosen_by == "parallel=auto" and not any(o.startswith("parallel.") for o in overrides):
         as_it_ran = {"parallel": {**ran.parallel_overrides(), "auto": False}}
-    return OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(path), as_it_ran,  # type: ignore
+    from visiondist.config.schema import upgrade_saved
+
+    saved = upgrade_saved(OmegaConf.load(path))  # a run from before trainer.loggers
+    return OmegaConf.merge(OmegaConf.structured(TrainConfig), saved, as_it_ran,  # type: ignore
                            OmegaConf.from_dotlist(list(overrides)))
