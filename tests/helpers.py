@@ -83,7 +83,7 @@ def run_together(commands: list[list[str]], timeout: float = 300, envs: Optional
 def train_args(data_root: Path, run: Path, *extra: str) -> list[str]:
     """The tiny set at 16 images per step, a loss row every step, on the CPU, into `run`."""
     return [*TINY_DATA, f"data.root={data_root}", "data.batch_size=16", "trainer.log_every=1",
-            "trainer.accelerator=cpu", "trainer.tensorboard=false", f"trainer.run_dir={run}", *extra]
+            "trainer.accelerator=cpu", "trainer.loggers=[csv]", f"trainer.run_dir={run}", *extra]
 
 
 def train_ok(*args: str, timeout: float = 300, script: Path = TRAIN) -> str:
@@ -205,3 +205,30 @@ def assert_png(path: Path, min_width: int = 400, min_height: int = 250, min_byte
         assert im.width >= min_width and im.height >= min_height, (path, im.size)
         pixels = np.asarray(im.convert("L"), dtype=np.float64)
     assert pixels.std() > 5 and len(np.unique(pixels)) > 20, f"{path} is nearly blank"
+
+
+def hf_cache_with(cache: Path, name: str, state: dict, filename: str = "model.safetensors") -> Path:
+    """A Hugging Face hub cache under `cache` holding `state` as `filename` of repo `timm/<name>`, in the layout
+    huggingface_hub writes (refs/main naming a snapshot that holds the file), so that its offline resolution finds
+    it exactly as it finds a downloaded file. Returns the file."""
+    from safetensors.torch import save_file
+
+    repo = cache / f"models--timm--{name}"
+    commit = "5e4f0c1d2b3a49587766554433221100aabbccdd"
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(snapshot / filename))
+    return snapshot / filename
+
+
+def torch_hub_cache_with(torch_home: Path, url: str, state: dict) -> Path:
+    """torch hub's cache under `torch_home` (TORCH_HOME) holding `state` as the file `url` names, where
+    `torch.hub.load_state_dict_from_url` keeps what it downloads."""
+    import torch
+
+    file = torch_home / "hub" / "checkpoints" / os.path.basename(url)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, file)
+    return file

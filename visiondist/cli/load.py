@@ -20,18 +20,34 @@ def load_config(config_dir: Path, overrides: list[str], inputs: Optional[str] = 
     from omegaconf.errors import OmegaConfBaseException
 
     from visiondist.config import from_container, to_container
+    from visiondist.config.schema import upgrade_saved
 
     from visiondist.runs import continue_config, saved_config
 
     try:
         cfg = compose(config_dir, overrides)
+        pretrained = _pretrained_defaults(cfg, overrides)
         saved = saved_config(cfg)
         if saved is not None:  # trainer.run_dir=<a run>: continue it with its own config
-            cfg = continue_config(cfg, saved, overrides)
+            cfg = continue_config(cfg, upgrade_saved(saved), overrides)
         from_container(to_container(cfg))  # what the ranks do: every key must be in the schema (`+key=` can add one)
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain(exc)) from exc
-    return checked(cfg, inputs)
+    cfg = checked(cfg, inputs)
+    if pretrained and saved is None and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(pretrained, file=sys.stdout if inputs is not None else sys.stderr, flush=True)
+    return cfg
+
+
+def _pretrained_defaults(cfg: DictConfig, overrides: list[str]) -> Optional[str]:
+    """A fine-tune from a timm name takes its data settings from the weights' pretrained config (unless given on the
+    command line); the line that says so, or None."""
+    from visiondist.utils.pretrained import apply_data_defaults
+
+    try:
+        return apply_data_defaults(cfg, overrides)
+    except ValueError as exc:  # not a timm name timm knows: the same line validation gives
+        raise ConfigError(str(exc)) from None
 
 
 def load_run_config(run_dir: Path, overrides: list[str], inputs: Optional[str] = "eval") -> DictConfig:
@@ -115,6 +131,11 @@ def _explain(exc: BaseException) -> str:
     return "\n".join(lines)
 
 
+# settings that were replaced, and what says the same now
+RENAMED = {"trainer.tensorboard": "use trainer.loggers, e.g. trainer.loggers=[csv] (no TensorBoard) or "
+                                  "trainer.loggers=[csv,tensorboard] (the default)"}
+
+
 def not_a_setting(key: str) -> str:
     """The one line for a key the config does not have, with the closest setting: `trainer.max_step is not a setting:
     did you mean trainer.max_steps?`; for a dotless key, the settings of that name anywhere (`max_steps` ->
@@ -123,6 +144,8 @@ def not_a_setting(key: str) -> str:
 
     from visiondist.config import TrainConfig
 
+    if key in RENAMED:
+        return f"{key} is not a setting any more: {RENAMED[key]}"
     schema = OmegaConf.structured(TrainConfig)
     parent, _, name = key.rpartition(".")
     if not parent:

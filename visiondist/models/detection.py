@@ -52,39 +52,98 @@ def build_torchvision_detector(cfg: Any) -> nn.Module:
     )
     adapt_detector(model, cfg)
     keep_boxes_fp32(model)
+    from visiondist.utils.pretrained import is_enum_name, local_file
+
     if getattr(cfg, "backbone_weights", None):
-        load_backbone(model, cfg.backbone_weights, cfg.trainable_backbone_layers, frozen_bn=not cfg.arch.endswith("_v2"))
-    if cfg.weights:
+        path = str(local_file(cfg.backbone_weights, "model.backbone_weights"))  # a torchvision name: torch hub's cache
+        load_backbone(model, path, cfg.trainable_backbone_layers, frozen_bn=not cfg.arch.endswith("_v2"))
+    if cfg.weights and is_enum_name(cfg.weights):
+        load_pretrained_detector(model, cfg)
+    elif cfg.weights:
         load_local_weights(model, cfg.weights)
     return model
+
+
+# the class-dependent tensors of torchvision's detectors: a start from weights of another class count (COCO's 91)
+# leaves them at their initialisation
+_CLASS_HEADS = ("roi_heads.box_predictor.cls_score.", "roi_heads.box_predictor.bbox_pred.",
+                "head.classification_head.cls_logits.")
+
+
+def load_pretrained_detector(model: nn.Module, cfg: Any) -> None:
+    """`model.weights=<torchvision weights name>`, e.g. FasterRCNN_ResNet50_FPN_Weights.COCO_V1: the whole detector
+    as torchvision builds it with `weights=`: BatchNorms frozen where its file has no batch counters (FrozenBatchNorm2d),
+    all but the last `trainable_backbone_layers` backbone stages frozen, and the classifier (and box regressor) of
+    another class count left at their initialisation."""
+    from visiondist.utils.pretrained import local_file
+    from visiondist.models.weights import read_state
+
+    state = read_state(str(local_file(cfg.weights, "model.weights")), "model.weights")
+    body = model.backbone.body
+    if not any(k.endswith("num_batches_tracked") for k in state):
+        _freeze_batchnorms(body)
+    own = model.state_dict()
+    fresh = [k for k in state if k in own and state[k].shape != own[k].shape and k.startswith(_CLASS_HEADS)]
+    for key in fresh:
+        del state[key]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in fresh]
+    if missing or unexpected:
+        raise ValueError(f"model.weights={cfg.weights} does not fit model.arch={cfg.arch}: missing "
+                         f"{', '.join(missing[:5]) or 'nothing'}; unexpected {', '.join(unexpected[:5]) or 'nothing'}")
+    freeze_backbone_stages(body, cfg.trainable_backbone_layers)
+    if fresh:
+        import logging
+
+        logging.getLogger(__name__).info("model.weights=%s: %s re-initialised (the weights have another number of "
+                                         "classes)", cfg.weights, ", ".join(sorted({k.rsplit(".", 1)[0] for k in fresh})))
+
+
+def _freeze_batchnorms(body: nn.Module) -> None:
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    for name, module in list(body.named_modules()):
+        if isinstance(module, nn.BatchNorm2d):
+            frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps)
+            parent = body.get_submodule(name.rpartition(".")[0]) if "." in name else body
+            setattr(parent, name.rpartition(".")[2], frozen)
+
+
+def freeze_backbone_stages(body: nn.Module, trainable_layers: int) -> None:
+    """As torchvision does for pretrained backbones: only the last `trainable_layers` stages train (ResNet: conv1,
+    layer1..layer4, plus bn1 at 5; MobileNetV3: the stages between its strided blocks)."""
+    if hasattr(body, "layer4"):
+        trainable = ["layer4", "layer3", "layer2", "layer1", "conv1"][:trainable_layers]
+        if trainable_layers == 5:
+            trainable.append("bn1")
+        for name, param in body.named_parameters():
+            param.requires_grad_(any(name.startswith(layer) for layer in trainable))
+        return
+    blocks = list(body.children())
+    stages = [0] + [i for i, b in enumerate(blocks) if getattr(b, "_is_cn", False)] + [len(blocks) - 1]
+    trainable_layers = min(trainable_layers, len(stages))
+    freeze_before = len(blocks) if trainable_layers == 0 else stages[len(stages) - trainable_layers]
+    for block in blocks[:freeze_before]:
+        for param in block.parameters():
+            param.requires_grad_(False)
 
 
 def load_backbone(model: nn.Module, path: str, trainable_layers: int, frozen_bn: bool) -> None:
     """What torchvision's `weights_backbone` does, from a local resnet50 state dict: load it into the backbone (its
     classifier `fc.*` is not part of a detector), turn the BatchNorms into FrozenBatchNorm2d (the v1 detectors) and
     freeze all but the last `trainable_layers` of conv1, layer1..layer4."""
-    from torchvision.ops.misc import FrozenBatchNorm2d
-
     from visiondist.models.weights import read_state
 
     body = model.backbone.body
     state = {k: v for k, v in read_state(path, "model.backbone_weights").items() if not k.startswith("fc.")}
     if frozen_bn:
-        for name, module in list(body.named_modules()):
-            if isinstance(module, nn.BatchNorm2d):
-                frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps)
-                parent = body.get_submodule(name.rpartition(".")[0]) if "." in name else body
-                setattr(parent, name.rpartition(".")[2], frozen)
+        _freeze_batchnorms(body)
         state = {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
     missing, unexpected = body.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"model.backbone_weights={path} is not a resnet50 state dict: missing "
                          f"{', '.join(missing[:5]) or 'nothing'}; unexpected {', '.join(unexpected[:5]) or 'nothing'}")
-    trainable = ["layer4", "layer3", "layer2", "layer1", "conv1"][:trainable_layers]
-    if trainable_layers == 5:
-        trainable.append("bn1")
-    for name, param in body.named_parameters():
-        param.requires_grad_(any(name.startswith(layer) for layer in trainable))
+    freeze_backbone_stages(body, trainable_layers)
 
 
 def adapt_detector(model: nn.Module, cfg: Any) -> None:

@@ -291,7 +291,10 @@ def init_source(cfg, model: VisionTransformer) -> InitSource:
         check_fits(state, own, "model.weights", cfg.weights, type(model).__name__)
         return InitSource(model, state)
     if cfg.get("init_from"):
-        state, fresh = plan_init_from(ours(LazyState(cfg.init_from, "model.init_from")), own, cfg.init_from,
+        from visiondist.utils.pretrained import local_file
+
+        file = str(local_file(cfg.init_from, "model.init_from"))  # a timm name: its file in the Hugging Face cache
+        state, fresh = plan_init_from(ours(LazyState(file, "model.init_from")), own, cfg.init_from,
                                       type(model).__name__)
         return InitSource(model, state, tuple(fresh))
     return InitSource(model)

@@ -6,7 +6,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -66,7 +66,24 @@ def load_local_weights(model: nn.Module, path: str, convert: Optional[Callable[[
     """Load a local state dict into `model`, strictly; `convert` maps foreign key layouts (e.g. timm's) onto the
     model's first."""
     state = read_state(path)
-    model.load_state_dict(convert(state) if convert else state, strict=True)
+    state = convert(state) if convert else state
+    match_frozen_batchnorms(model, state.keys())
+    model.load_state_dict(state, strict=True)
+
+
+def match_frozen_batchnorms(model: nn.Module, stored: Iterable[str]) -> None:
+    """Weights saved from a model whose BatchNorms were frozen (torchvision's FrozenBatchNorm2d, which a detector
+    started from pretrained weights has: no `num_batches_tracked`) load into a model built with trainable ones by
+    freezing those BatchNorms first, as the saved model had them."""
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    stored = set(stored)
+    for name, module in list(model.named_modules()):
+        if (isinstance(module, nn.BatchNorm2d) and f"{name}.running_mean" in stored
+                and f"{name}.num_batches_tracked" not in stored):
+            parent_name, _, child = name.rpartition(".")
+            frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps).to(module.weight.device)
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, frozen)
 
 
 class LazyState(Mapping):

@@ -1,0 +1,134 @@
+"""Pretrained weights by name, resolved offline from caches built here in the layouts huggingface_hub and torch hub
+write (the real resolution code runs; nothing is downloaded)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import REPO, hf_cache_with, torch_hub_cache_with
+
+CONFIGS = REPO / "configs"
+TIMM_NAME = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
+
+
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE=1 with an empty Hugging Face cache and an empty torch hub under tmp_path."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    return tmp_path
+
+
+def _timm_state(depth: int = 1) -> dict:
+    import timm
+
+    torch.manual_seed(1)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, depth=depth).state_dict()
+
+
+def test_a_timm_name_is_read_from_the_hub_cache_with_its_data_defaults(offline, capsys):
+    """`model.init_from=timm/<name>` finds the file in the cache offline; the weights' pretrained config sets the
+    data defaults (224 px, mean / std 0.5, crop 0.9, bicubic) except what the command line sets; the model starts
+    from the file (qkv split into ours), its 1000-class head replaced by a new 6-class one."""
+    from visiondist.cli import load_config
+    from visiondist.models import build_model
+
+    state = _timm_state()
+    hf_cache_with(offline / "hf", TIMM_NAME, state)
+    cfg = load_config(CONFIGS, ["model.depth=1", f"model.init_from=timm/{TIMM_NAME}"])
+    assert (cfg.data.img_size, cfg.model.img_size, cfg.data.crop_pct, cfg.data.interpolation) == (224, 224, 0.9,
+                                                                                                    "bicubic")
+    assert list(cfg.data.mean) == [0.5] * 3 and list(cfg.data.std) == [0.5] * 3
+    assert "its pretrained config sets data.img_size=224 data.std=[0.5,0.5,0.5] data.crop_pct=0.9" in \
+        capsys.readouterr().out
+    model = build_model(cfg.model)
+    torch.testing.assert_close(model.pos_embed.detach(), state["pos_embed"], rtol=0, atol=0)
+    torch.testing.assert_close(model.blocks[0].attn.k.weight.detach(), state["blocks.0.attn.qkv.weight"][192:384],
+                               rtol=0, atol=0)
+    assert model.head.weight.shape == (6, 192)
+
+    kept = load_config(CONFIGS, ["model.depth=1", f"model.init_from=timm/{TIMM_NAME}", "data.img_size=64",
+                                 "data.std=[0.25,0.25,0.25]"])
+    assert (kept.data.img_size, kept.model.img_size, list(kept.data.std)) == (64, 64, [0.25] * 3)
+    assert kept.data.interpolation == "bicubic"
+    small = build_model(kept.model)  # 14 x 14 patches resampled to 4 x 4, as timm does
+    assert small.pos_embed.shape == (1, 17, 192)
+
+
+def test_b_names_not_cached_offline_say_which_file_and_how_to_fetch_it(offline):
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS, [f"model.init_from=timm/{TIMM_NAME}"])
+    text = str(err.value)
+    assert "\n" not in text and "model.safetensors of timm/" + TIMM_NAME in text and str(offline / "hf") in text
+    assert f"hf download timm/{TIMM_NAME} model.safetensors" in text and "HF_HUB_OFFLINE=1" in text
+
+    with pytest.raises(ConfigError) as err:
+        load_config(CONFIGS, ["data=shapes_coco", "model=fasterrcnn_r50",
+                              "model.backbone_weights=ResNet50_Weights.IMAGENET1K_V2"])
+    text = str(err.value)
+    assert "\n" not in text and str(offline / "torch" / "hub" / "checkpoints" / "resnet50-11ad3fa6.pth") in text
+    assert "https://download.pytorch.org/models/resnet50-11ad3fa6.pth" in text
+
+    with pytest.raises(ConfigError, match="vit_tiny_patch16_224 has augreg_in21k, augreg_in21k_ft_in1k"):
+        load_config(CONFIGS, ["model.init_from=timm/vit_tiny_patch16_224.no_such_tag"])
+    with pytest.raises(ConfigError, match="ResNet50_Weights has IMAGENET1K_V1, IMAGENET1K_V2"):
+        load_config(CONFIGS, ["data=shapes_coco", "model=fasterrcnn_r50",
+                              "model.backbone_weights=ResNet50_Weights.IMAGENET1K_V3"])
+
+
+def test_c_a_torchvision_backbone_by_name_comes_from_torch_hubs_cache(offline):
+    import torchvision
+
+    from visiondist.cli import load_config
+    from visiondist.models import build_model
+
+    torch.manual_seed(2)
+    resnet = torchvision.models.resnet50().state_dict()
+    torch_hub_cache_with(offline / "torch", torchvision.models.ResNet50_Weights.IMAGENET1K_V2.url, resnet)
+    cfg = load_config(CONFIGS, ["data=shapes_coco", "model=fasterrcnn_r50",
+                                "model.backbone_weights=ResNet50_Weights.IMAGENET1K_V2"])
+    model = build_model(cfg.model)
+    body = model.backbone.body
+    torch.testing.assert_close(body.layer3[0].conv1.weight.detach(), resnet["layer3.0.conv1.weight"], rtol=0, atol=0)
+    assert not body.layer1[0].conv1.weight.requires_grad and body.layer2[0].conv1.weight.requires_grad
+
+
+def test_d_a_whole_torchvision_detector_by_name_gets_a_new_head_for_other_classes(offline):
+    """`model.weights=FasterRCNN_MobileNet_V3_Large_FPN_Weights.COCO_V1` (a 91-class COCO file in torchvision's
+    layout: frozen BatchNorms) starts a 6-class detector: everything from the file but the classifier and box
+    regressor, BatchNorms frozen and the early backbone stages not trained, as torchvision builds it."""
+    import torchvision
+    from torchvision.models.detection import FasterRCNN_MobileNet_V3_Large_FPN_Weights as W
+    from torchvision.ops.misc import FrozenBatchNorm2d
+
+    from visiondist.cli import load_config
+    from visiondist.models import build_model
+    from visiondist.models.detection import _freeze_batchnorms
+
+    torch.manual_seed(3)
+    coco = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(weights=None, weights_backbone=None,
+                                                                         num_classes=91)
+    _freeze_batchnorms(coco.backbone.body)
+    file_state = coco.state_dict()
+    assert not any(k.endswith("num_batches_tracked") for k in file_state)
+    torch_hub_cache_with(offline / "torch", W.COCO_V1.url, file_state)
+    cfg = load_config(CONFIGS, ["data=shapes_coco", "model=fasterrcnn_mobilenet_v3",
+                                f"model.weights={W.__name__}.COCO_V1"])
+    model = build_model(cfg.model)
+    own = model.state_dict()
+    for key, value in file_state.items():
+        if "box_predictor" in key:
+            assert own[key].shape[0] == {"cls_score": 7, "bbox_pred": 28}[key.split(".")[2]]
+        else:
+            torch.testing.assert_close(own[key], value, rtol=0, atol=0, msg=key)
+    assert any(isinstance(m, FrozenBatchNorm2d) for m in model.backbone.body.modules())
+    assert not model.backbone.body["0"][0].weight.requires_grad  # the stem: frozen (3 trainable stages)
+    assert model.backbone.body["16"][0].weight.requires_grad

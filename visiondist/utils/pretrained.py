@@ -1,0 +1,225 @@
+"""Pretrained weights by name, from the caches their libraries use.
+
+- `model.init_from=timm/<architecture>.<tag>` (any name `timm.list_pretrained()` lists): the weights timm's
+  pretrained config points to, resolved through huggingface_hub's cache (`HF_HUB_CACHE`, by default
+  ~/.cache/huggingface/hub), downloaded there when the network allows. With `HF_HUB_OFFLINE=1` only the cache is read.
+  The pretrained config that comes with them (input size, mean, std, crop_pct, interpolation) becomes the data's
+  defaults (`pretrained_data_defaults`).
+- `model.weights=` / `model.backbone_weights=` naming one of torchvision's weight enums (`ResNet50_Weights.IMAGENET1K_V2`,
+  `FasterRCNN_ResNet50_FPN_Weights.COCO_V1`): the file its URL names in torch hub's cache (`$TORCH_HOME/hub/checkpoints`,
+  by default ~/.cache/torch/hub/checkpoints), downloaded there (hash checked) unless `HF_HUB_OFFLINE=1` or
+  `VISIONDIST_OFFLINE=1`.
+
+Resolution happens in the launching process before any rank starts (`local_file(..., download=True)`); ranks only
+read the cache. A name that is not cached where nothing can be downloaded is one line naming the file looked for and
+the command that fetches it. Files are read like local weights: safetensors, or torch files with weights_only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+TIMM = "timm/"
+_ENUM = re.compile(r"^([A-Za-z0-9_]+_Weights)\.([A-Za-z0-9_]+)$")
+
+
+class WeightsNotFound(ValueError):
+    """A named weights file that is not cached and cannot be downloaded here; the message says how to fetch it."""
+
+
+def is_timm_name(spec: Optional[str]) -> bool:
+    return bool(spec) and str(spec).startswith(TIMM) and not Path(str(spec)).expanduser().exists()
+
+
+def is_enum_name(spec: Optional[str]) -> bool:
+    return bool(spec) and _ENUM.match(str(spec)) is not None and not Path(str(spec)).expanduser().exists()
+
+
+def is_named(spec: Optional[str]) -> bool:
+    return is_timm_name(spec) or is_enum_name(spec)
+
+
+def offline() -> bool:
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("VISIONDIST_OFFLINE", ""))
+    try:
+        from huggingface_hub import constants
+
+        flags += (str(constants.HF_HUB_OFFLINE),)
+    except ImportError:
+        pass
+    return any(f.strip().lower() in ("1", "true", "yes", "on") for f in flags)
+
+
+# -- timm --------------------------------------------------------------------------------------------------------
+
+
+def timm_pretrained_cfg(spec: str, key: str = "model.init_from") -> Any:
+    """timm's `PretrainedCfg` of `timm/<architecture>[.<tag>]` (no tag: timm's default tag of the architecture)."""
+    import timm
+    from timm.models import get_pretrained_cfg
+
+    name = spec[len(TIMM):]
+    arch = name.split(".", 1)[0]
+    hint = (f"`python -c \"import timm; print(timm.list_pretrained('{arch.split('_')[0]}*'))\"` lists the names, "
+            f"e.g. {key}=timm/vit_base_patch16_224.augreg2_in21k_ft_in1k")
+    if arch not in timm.list_models():
+        raise ValueError(f"{key}={spec}: timm {timm.__version__} has no architecture {arch}: {hint}")
+    try:
+        cfg = get_pretrained_cfg(name)
+    except RuntimeError:
+        cfg = None
+    if cfg is None or not (cfg.hf_hub_id or cfg.url):
+        tags = [n.split(".", 1)[1] for n in timm.list_pretrained(f"{arch}.*")]
+        raise ValueError(f"{key}={spec}: timm has no pretrained weights of that name; {arch} has "
+                         f"{', '.join(tags[:8]) or 'none'}{' ...' if len(tags) > 8 else ''} ({hint})")
+    return cfg
+
+
+def _timm_candidates(cfg) -> list[str]:
+    """The files of a Hugging Face repo timm reads, in its order: a safetensors file first."""
+    name = cfg.hf_hub_filename or "pytorch_model.bin"
+    if name.endswith(".safetensors"):
+        return [name]
+    if name == "pytorch_model.bin":
+        return ["model.safetensors", name]
+    if name == "open_clip_pytorch_model.bin":
+        return ["open_clip_model.safetensors", name]
+    return [name]
+
+
+def _timm_file(spec: str, key: str, download: bool) -> Path:
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+
+    cfg = timm_pretrained_cfg(spec, key)
+    if not cfg.hf_hub_id:  # an older model whose weights are a plain URL: torch hub's cache, as timm uses
+        return _hub_file(cfg.url, key, spec, download)
+    repo, _, revision = cfg.hf_hub_id.partition("@")
+    revision = revision or None
+    names = _timm_candidates(cfg)
+    for name in names:
+        cached = try_to_load_from_cache(repo, name, revision=revision)
+        if isinstance(cached, str) and Path(cached).is_file():
+            return Path(cached)
+    cache = constants.HF_HUB_CACHE
+    fetch = (f"fetch it where there is network with `hf download {repo} {names[0]}` (huggingface_hub's CLI) and copy "
+             f"that machine's {cache} here, or point HF_HUB_CACHE at a copy")
+    if not download or offline():
+        why = "HF_HUB_OFFLINE=1" if offline() else "ranks read only the cache"
+        raise WeightsNotFound(f"{key}={spec}: {names[0]} of {repo} is not in the Hugging Face cache {cache} "
+                              f"({why}): {fetch}")
+    from huggingface_hub.errors import EntryNotFoundError
+
+    error: Optional[BaseException] = None
+    for name in names:
+        try:
+            return Path(hf_hub_download(repo, name, revision=revision))
+        except EntryNotFoundError as exc:  # the repo has the other file
+            error = exc
+        except Exception as exc:  # no network, no such repo, ...
+            raise WeightsNotFound(f"{key}={spec}: {names[0]} of {repo} is not in the Hugging Face cache {cache} and "
+                                  f"could not be downloaded ({type(exc).__name__}): {fetch}") from None
+    raise WeightsNotFound(f"{key}={spec}: {repo} has none of {', '.join(names)} ({error})")
+
+
+def pretrained_data_defaults(spec: str) -> dict[str, Any]:
+    """What timm's pretrained config says the weights expect: data.img_size, mean, std, crop_pct, interpolation."""
+    cfg = timm_pretrained_cfg(spec)
+    out = {"img_size": int(cfg.input_size[-1]), "mean": [float(v) for v in cfg.mean],
+           "std": [float(v) for v in cfg.std], "crop_pct": float(cfg.crop_pct)}
+    if cfg.interpolation in ("bilinear", "bicubic"):
+        out["interpolation"] = cfg.interpolation
+    return out
+
+
+# -- torchvision ---------------------------------------------------------------------------------------------------
+
+
+def torchvision_weights(spec: str, key: str):
+    """The member of torchvision's weight enum `spec` names, e.g. `ResNet50_Weights.IMAGENET1K_V2`."""
+    from torchvision.models import get_weight
+
+    try:
+        return get_weight(spec)
+    except (KeyError, ValueError, AttributeError):
+        enum = _ENUM.match(spec).group(1)
+        try:
+            from torchvision.models import get_model_weights  # noqa: F401
+            import torchvision.models as tvm
+
+            members = [m.name for m in getattr(tvm, enum, getattr(tvm.detection, enum, None)) or []]
+        except Exception:
+            members = []
+        which = (f"{enum} has {', '.join(members)}" if members else
+                 f"torchvision has no weight enum {enum} (e.g. ResNet50_Weights, FasterRCNN_ResNet50_FPN_Weights)")
+        raise ValueError(f"{key}={spec}: not one of torchvision's weights: {which}") from None
+
+
+def _hub_file(url: str, key: str, spec: str, download: bool) -> Path:
+    import torch.hub
+
+    file = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url.split("?")[0])
+    if file.is_file():
+        return file
+    fetch = (f"fetch it where there is network (`curl -L -o {file.name} {url}`) and put it at {file} (TORCH_HOME "
+             "moves the cache)")
+    if not download or offline():
+        why = "offline" if offline() else "ranks read only the cache"
+        raise WeightsNotFound(f"{key}={spec}: {file} is not in torch hub's cache ({why}): {fetch}")
+    match = torch.hub.HASH_REGEX.search(file.name)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        torch.hub.download_url_to_file(url, str(file), match.group(1) if match else None, progress=True)
+    except Exception as exc:
+        raise WeightsNotFound(f"{key}={spec}: {file} is not in torch hub's cache and could not be downloaded "
+                              f"({type(exc).__name__}): {fetch}") from None
+    return file
+
+
+# -- either ----------------------------------------------------------------------------------------------------------
+
+
+def local_file(spec: str, key: str, download: bool = False) -> Path:
+    """The local file of `spec`: a path as given, or a timm / torchvision name resolved through its cache
+    (`download`: fetch it when it is not cached and the network allows; only the launching process does)."""
+    if is_timm_name(spec):
+        return _timm_file(spec, key, download)
+    if is_enum_name(spec):
+        return _hub_file(torchvision_weights(spec, key).url, key, spec, download)
+    return Path(spec).expanduser()
+
+
+def describe(spec: str) -> str:
+    """`spec` with the file it resolves to, when it is a name."""
+    return f"{spec} ({local_file(spec, '')})" if is_named(spec) else spec
+
+
+def apply_data_defaults(cfg, overrides: list[str]) -> Optional[str]:
+    """`model.init_from=timm/...`: the weights' pretrained config (input size, mean, std, crop_pct, interpolation)
+    replaces the data config's values, except those set on the command line. Returns the line that says so."""
+    from omegaconf import OmegaConf
+
+    spec = cfg.model.get("init_from")
+    if cfg.model.family != "vit" or not is_timm_name(spec):
+        return None
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    wanted = pretrained_data_defaults(spec)
+    changed = []
+    for key, value in wanted.items():
+        if key not in cfg.data or f"data.{key}" in given:
+            continue
+        if key == "img_size" and "model.img_size" in given:
+            continue
+        current = OmegaConf.to_container(cfg.data[key]) if OmegaConf.is_list(cfg.data[key]) else cfg.data[key]
+        if current != value:
+            cfg.data[key] = value
+            changed.append(f"data.{key}={value}".replace(" ", ""))
+        if key == "img_size":
+            patch = int(cfg.model.patch_size)
+            cfg.model.img_size = max(1, value // patch) * patch
+    if not changed:
+        return None
+    return (f"model.init_from={spec}: its pretrained config sets {' '.join(changed)} (set any on the command line to "
+            "keep another)")
