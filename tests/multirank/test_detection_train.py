@@ -2,6 +2,7 @@
 eval.py on that run reproduces the final evaluation exactly."""
 
 import json
+import re
 
 from visiondist.engine.logging import read_metrics
 from helpers import REPO, assert_png, run_cli
@@ -9,7 +10,7 @@ from helpers import REPO, assert_png, run_cli
 DETECT = ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "data.synthetic.train_images=16",
           "data.synthetic.val_images=10", "data.synthetic.image_size=64", "data.min_size=64", "data.max_size=64",
           "data.batch_size=4", "data.eval_batch_size=4", "data.num_workers=0", "trainer.max_steps=2",
-          "trainer.log_every=1", "trainer.accelerator=cpu", "trainer.progress=false", "trainer.tensorboard=false",
+          "trainer.log_every=1", "trainer.accelerator=cpu", "trainer.progress=false", "trainer.loggers=[csv]",
           "+model.kwargs.box_score_thresh=0.0", "model.roi_sampling_ratio=null"]
 
 
@@ -75,6 +76,10 @@ def _export_loads_in_torchvision(run, tmp_path):
     exported = run_cli([f"run_dir={run}", "format=onnx", f"out={onnx}"], timeout=300,
                        script=REPO / "tools" / "export.py")
     assert exported.returncode == 0, exported.stdout[-4000:]
+    # the check ran on the run's val images, where the model returns boxes (DETECT: score threshold 0)
+    check = re.search(r"ONNX Runtime vs PyTorch: (\d+) boxes compared, max abs difference \S+ \(on 3 val images",
+                      exported.stdout)
+    assert check and int(check[1]) > 0, exported.stdout[-2000:]
     session = ort.InferenceSession(str(onnx), providers=["CPUExecutionProvider"])
     # A model trained for 2 steps scores its boxes nearly alike (about 1/7 each), so top-k and NMS ties can keep
     # other boxes than PyTorch does: only the contract of the outputs is checked here, at the traced size and
@@ -86,6 +91,19 @@ def _export_loads_in_torchvision(run, tmp_path):
         assert (boxes[:, 0] >= 0).all() and (boxes[:, 2] <= shape[2]).all() and (boxes[:, 3] <= shape[1]).all()
         assert (boxes[:, 2] >= boxes[:, 0]).all() and (boxes[:, 3] >= boxes[:, 1]).all()
         assert ((labels >= 1) & (labels <= 6)).all() and ((scores >= 0) & (scores <= 1)).all()
+
+    # A threshold that no box passes: the file's graph is checked again with its thresholds at 0, and says so
+    from visiondist.engine.export import check_onnx, export
+
+    trained.model.roi_heads.score_thresh = 1.0
+    strict = tmp_path / "strict.onnx"
+    export(trained, "onnx", strict)
+    result = check_onnx(trained, strict)
+    assert result.lowered_from == {"rpn": 0.05, "box": 1.0} and result.boxes > 0, result.summary()
+    assert result.onnx_boxes == result.boxes and "no box came out" in result.summary()
+    assert trained.model.roi_heads.score_thresh == 1.0  # the model's own thresholds are back
+    session = ort.InferenceSession(str(strict), providers=["CPUExecutionProvider"])
+    assert all(len(session.run(None, {"image": image.numpy()})[0]) == 0 for image in images)  # the file keeps 1.0
 
 
 def test_eval_refuses_a_missing_run(tmp_path):

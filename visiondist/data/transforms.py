@@ -2,22 +2,40 @@
 
 from __future__ import annotations
 
+import math
+
 import albumentations as A
+import cv2
 import numpy as np
 import torch
 
 AUTO_AUGMENT = ("none", "rand", "trivial")
 
 
+INTERPOLATIONS = {"bilinear": cv2.INTER_LINEAR, "bicubic": cv2.INTER_CUBIC}  # data.interpolation -> OpenCV's flag
+
+
+def interpolation(cfg) -> int:
+    """OpenCV's flag for `data.interpolation` (bilinear when the config has no such key)."""
+    name = cfg.get("interpolation", "bilinear") if hasattr(cfg, "get") else getattr(cfg, "interpolation", "bilinear")
+    if name not in INTERPOLATIONS:
+        raise ValueError(f"data.interpolation={name!r}: use one of {', '.join(INTERPOLATIONS)}")
+    return INTERPOLATIONS[name]
+
+
 def classification_transforms(cfg, train: bool, size: int) -> A.Compose:
     """The albumentations part. Train: random-resized crop + flip; eval: resize the short side to size / crop_pct,
-    centre crop. `size` is the model's input resolution. Normalisation happens on the device (`Normalize`)."""
+    centre crop. Both resize with `data.interpolation`. `size` is the model's input resolution. Normalisation
+    happens on the device (`Normalize`)."""
+    flag = interpolation(cfg)
     if train:
-        steps = [A.RandomResizedCrop(size=(size, size), scale=tuple(cfg.train_crop_scale))]
+        steps = [A.RandomResizedCrop(size=(size, size), scale=tuple(cfg.train_crop_scale), interpolation=flag)]
         if cfg.hflip > 0:
             steps.append(A.HorizontalFlip(p=cfg.hflip))
     else:
-        steps = [A.SmallestMaxSize(max_size=int(round(size / cfg.crop_pct))), A.CenterCrop(size, size)]
+        # timm's eval size, floor(size / crop_pct) (224 / 0.9 -> 248), so that its transform sees what we score
+        steps = [A.SmallestMaxSize(max_size=math.floor(size / cfg.crop_pct), interpolation=flag),
+                 A.CenterCrop(size, size)]
     return A.Compose(steps)
 
 
@@ -96,8 +114,6 @@ def _sample_seed(seed: int, epoch: int, index: int) -> int:
 def resize_keep_aspect(image: np.ndarray, boxes: np.ndarray, min_size: int, max_size: int):
     """torchvision's detection resize: scale the short side to `min_size` unless the long side would pass
     `max_size`; boxes scaled with it."""
-    import cv2
-
     h, w = image.shape[:2]
     scale = min(min_size / min(h, w), max_size / max(h, w))
     size = (max(1, round(w * scale)), max(1, round(h * scale)))

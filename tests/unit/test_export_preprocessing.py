@@ -1,0 +1,110 @@
+"""data.interpolation in the transforms and the config check; the export's sidecar gives timm the run's eval
+preprocessing; the ONNX check's report of what it compared."""
+
+import json
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from visiondist.cli import load_config
+from visiondist.config import ConfigError
+from helpers import REPO
+
+
+def test_interpolation_defaults_to_bilinear_and_other_names_are_refused():
+    assert load_config(REPO / "configs", [], inputs=None).data.interpolation == "bilinear"
+    assert load_config(REPO / "configs", ["data=imagenet", "data.root=/x", "data.num_classes=10"],
+                       inputs=None).data.interpolation == "bilinear"
+    with pytest.raises(ConfigError) as info:
+        load_config(REPO / "configs", ["data.interpolation=nearest"], inputs=None)
+    assert str(info.value) == "data.interpolation='nearest' is not supported: use one of bilinear, bicubic"
+
+
+@pytest.mark.parametrize("name, flag", [(None, cv2.INTER_LINEAR), ("bilinear", cv2.INTER_LINEAR),
+                                        ("bicubic", cv2.INTER_CUBIC)])
+def test_classification_transforms_resize_with_the_setting(name, flag):
+    import albumentations as A
+
+    from visiondist.data.transforms import classification_transforms
+
+    cfg = dict(train_crop_scale=[0.5, 1.0], hflip=0.5, crop_pct=0.875)
+    if name is not None:
+        cfg["interpolation"] = name
+    train = classification_transforms(OmegaConf.create(cfg), True, 32)
+    val = classification_transforms(OmegaConf.create(cfg), False, 32)
+    assert train.transforms[0].interpolation == flag and val.transforms[0].interpolation == flag
+    # bilinear is what the transforms did before the setting existed: albumentations' own default
+    assert A.SmallestMaxSize(max_size=8).interpolation == A.RandomResizedCrop(size=(8, 8)).interpolation == \
+        cv2.INTER_LINEAR
+
+
+def test_bicubic_changes_the_pixels_bilinear_does_not():
+    from visiondist.data.transforms import ClassificationTransform
+
+    image = np.random.default_rng(0).integers(0, 256, (50, 70, 3), dtype=np.uint8)
+    base = dict(train_crop_scale=[0.5, 1.0], hflip=0.5, crop_pct=0.875)
+    out = {name: ClassificationTransform(OmegaConf.create({**base, **({"interpolation": name} if name else {})}),
+                                         False, 32, 0)(image, 0, 0) for name in (None, "bilinear", "bicubic")}
+    assert torch.equal(out[None], out["bilinear"]) and not torch.equal(out["bilinear"], out["bicubic"])
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], {"input_size": [3, 64, 64], "mean": [0.5] * 3, "std": [0.25] * 3, "crop_pct": 1.0,
+          "interpolation": "bilinear"}),
+    (["data.interpolation=bicubic", "data.crop_pct=0.9", "data.img_size=48"],
+     {"input_size": [3, 48, 48], "mean": [0.5] * 3, "std": [0.25] * 3, "crop_pct": 0.9, "interpolation": "bicubic"}),
+])
+def test_exported_create_kwargs_give_timm_the_runs_data_config(overrides, expected):
+    import timm
+    from PIL import Image
+
+    from visiondist.engine.export import Trained, sidecar
+
+    cfg = load_config(REPO / "configs", ["model.depth=1", "model.num_heads=2", *overrides], inputs=None)
+    classes = ["circle", "square", "triangle", "star", "cross", "ring"]
+    info = json.loads(json.dumps(sidecar(Trained(cfg, None, Path("run/checkpoints/step_1"), 1, classes))))
+    model = timm.create_model(**info["create"], pretrained=False)
+    for use_test_size in (False, True):
+        resolved = timm.data.resolve_model_data_config(model, use_test_size=use_test_size)
+        assert {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in resolved.items()} == {
+            **expected, "crop_mode": "center"}
+    assert model.num_classes == 6 and list(model.pretrained_cfg["label_names"]) == classes
+    assert (info["input_size"], info["crop_pct"], info["interpolation"]) == (
+        expected["input_size"][1], expected["crop_pct"], expected["interpolation"])
+    transform = timm.data.create_transform(**timm.data.resolve_model_data_config(model))
+    x = transform(Image.fromarray(np.zeros((70, 90, 3), dtype=np.uint8)))
+    assert x.shape == (3, expected["input_size"][1], expected["input_size"][1])
+    assert torch.allclose(x, torch.full_like(x, -2.0))  # (0 - 0.5) / 0.25: the run's mean and std
+    assert model(x[None]).shape == (1, 6)
+
+
+def test_onnx_check_says_what_it_compared():
+    from visiondist.engine.export import OnnxCheck
+
+    assert OnnxCheck(2.1e-5, "3 val images (a.jpg, b.jpg, c.jpg in val)", boxes=37, onnx_boxes=37).summary() == (
+        "ONNX Runtime vs PyTorch: 37 boxes compared, max abs difference 2.10e-05 "
+        "(on 3 val images (a.jpg, b.jpg, c.jpg in val))")
+    empty = OnnxCheck(0.0, "a random image", boxes=0, onnx_boxes=0).summary()
+    assert "0 boxes compared" in empty and "checks nothing" in empty
+    lowered = OnnxCheck(1e-5, "a random image", boxes=5, onnx_boxes=5, lowered_from={"rpn": 0.05, "box": 0.9})
+    assert "5 boxes compared" in lowered.summary() and "(rpn 0.05, box 0.9) no box came out" in lowered.summary()
+    assert "the outputs differ" in OnnxCheck(float("inf"), "x", boxes=5, onnx_boxes=4).summary()
+    assert OnnxCheck(1e-6, "2 random images").summary() == (
+        "ONNX Runtime vs PyTorch: logits of 2 random images compared, max abs difference 1.00e-06")
+
+
+def test_detections_are_compared_as_sets():
+    from visiondist.engine.export import _box_diff
+
+    g = torch.Generator().manual_seed(0)
+    boxes, labels, scores = torch.rand(6, 4, generator=g) * 50, torch.tensor([1, 2, 1, 3, 2, 1]), torch.rand(6)
+    order = torch.tensor([1, 0, 2, 5, 4, 3])  # tied scores may come out in another order
+    got = [boxes[order].numpy(), labels[order].numpy(), scores[order].numpy()]
+    assert _box_diff([boxes, labels, scores], got) == 0.0
+    got[0] = got[0] + np.float32(1e-3)
+    assert _box_diff([boxes, labels, scores], got) == pytest.approx(1e-3, rel=1e-3)
+    assert _box_diff([boxes, labels, scores], [a[:5] for a in got]) == float("inf")
