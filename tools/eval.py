@@ -26,7 +26,8 @@ TOOL = Tool(
     keys=(("run_dir=<dir>", "a training run: evaluated under its config.yaml with its model.safetensors (else its "
                             "newest checkpoint); takes group.key=value overrides such as data.root=/path, no "
                             "group=option"),
-          ("step=<N>", "with run_dir: its checkpoint checkpoints/step_<N> instead, whatever layout wrote it"),
+          ("step=<N>", "with run_dir: its checkpoint checkpoints/step_<N> instead, whatever layout wrote it; "
+                       "step=best: the best one by trainer.best_metric"),
           ("weights=<path>", "a weights file (.safetensors or torch) or a checkpoint directory, evaluated under the "
                              "config composed from group=option / group.key=value as in tools/train.py")),
     reads="the weights, the run's config.yaml (or configs/), the val split of the data",
@@ -45,6 +46,7 @@ TOOL = Tool(
 def evaluate(cmd: Command) -> int:
     cfg, weights, base = _source(cmd)
     cfg.model.weights = str(weights.resolve())
+    cfg.model.init_from = None  # a fine-tuned run: its own weights, not the ones it started from
     if cmd.show:
         print(config_text(cfg, cmd.package))
         return 0
@@ -117,11 +119,13 @@ def _arguments(cmd: Command) -> dict:
     return {**cmd.args, **new}
 
 
-def _step(value: Optional[str]) -> int:
+def _step(value: Optional[str]) -> "int | str":
+    if value == "best":
+        return value
     try:
         return int(str(value))
     except ValueError:
-        raise ConfigError(f"step={value}: give a checkpoint's step number, e.g. step=500") from None
+        raise ConfigError(f"step={value}: give a checkpoint's step number, e.g. step=500, or step=best") from None
 
 
 def main(argv: list[str]) -> int:

@@ -159,7 +159,7 @@ def test_the_trainer_shortens_the_collective_timeout_after_the_first_step(tmp_pa
 # 4 -----------------------------------------------------------------------------------------------------------------
 def _nonfinite_overrides(data_root, run, policy):
     return [*TINY_DATA, f"data.root={data_root}", "data.batch_size=16", "trainer.max_steps=4", "trainer.log_every=1",
-            "trainer.accelerator=cpu", "trainer.tensorboard=false", f"trainer.run_dir={run}",
+            "trainer.accelerator=cpu", "trainer.loggers=[csv]", f"trainer.run_dir={run}",
             f"trainer.on_nonfinite={policy}", "trainer.eval_every=1000", "model.num_heads=2", "parallel.dp=2"]
 
 
@@ -214,15 +214,17 @@ def test_a_stop_signal_checkpoints_every_rank_and_resume_continues(tmp_path, tin
 
 # 6 -----------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_ten_kills_while_writing_checkpoints_never_leave_an_unloadable_newest(tmp_path, tiny_shapes):
-    """A checkpoint every step, so the job spends most of its time writing them; SIGKILL at a random moment, ten
-    times, each time resuming. After every kill the newest complete checkpoint loads in full."""
+@pytest.mark.parametrize("saves", ["sync", "async"])
+def test_ten_kills_while_writing_checkpoints_never_leave_an_unloadable_newest(tmp_path, tiny_shapes, saves):
+    """A checkpoint every step, so the job spends most of its time writing them (async: one always in flight while
+    the next steps run); SIGKILL at a random moment, ten times, each time resuming. After every kill the newest
+    complete checkpoint loads in full."""
     from visiondist.engine.export import load_trained
 
     run = tmp_path / "run"
     args = train_args(tiny_shapes, run, "model.num_heads=2", "trainer.max_steps=1000", "trainer.max_epochs=1000",
                       "trainer.checkpoint_every=1", "trainer.keep_last=2", "trainer.eval_every=10000",
-                      "trainer.log_every=1000")
+                      "trainer.log_every=1000", f"trainer.checkpoint_async={saves == 'async'}")
     rng = random.Random()
     newest = 0
     for kill in range(10):
@@ -264,7 +266,7 @@ def test_ctrl_c_stops_a_benchmark_after_the_step_in_flight(tmp_path, tiny_shapes
     """A benchmark used to note the signal and time every remaining step. Ctrl-C (SIGINT to the process group) ends
     it after the step in flight, on every rank, with 130 and one line; nothing is appended to the results."""
     results = tmp_path / "results"
-    args = [*TINY_DATA, f"data.root={tiny_shapes}", "trainer.accelerator=cpu", "trainer.tensorboard=false",
+    args = [*TINY_DATA, f"data.root={tiny_shapes}", "trainer.accelerator=cpu", "trainer.loggers=[csv]",
             f"trainer.output_dir={tmp_path / 'runs'}", f"parallel.dp={ranks}", "bench.warmup=1", "bench.steps=2000",
             "bench.rounds=2", f"bench.results_dir={results}", "bench.loader_batches=0"]
     proc = start_job([sys.executable, str(REPO / "tools" / "benchmark.py"), *args])

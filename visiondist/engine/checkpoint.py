@@ -78,14 +78,20 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
-def resolve_checkpoint(spec: str, step: Optional[int] = None) -> Path:
+def resolve_checkpoint(spec: str, step: "Optional[int | str]" = None) -> Path:
     """A checkpoint from a user's path: a `step_<N>` directory, or a run directory (its latest checkpoint, or
-    `step`)."""
+    `step`: a number or "best", the best evaluated one the run kept)."""
     path = Path(spec).expanduser()
     if is_complete(path):
         return path
     if (path / CHECKPOINTS).is_dir() or (path / "config.yaml").is_file():
         found = dict(list_checkpoints(path))
+        if step == "best":
+            best = read_best(path)
+            if best is None:
+                raise FileNotFoundError(f"{path} kept no best checkpoint: train with trainer.best_metric=<metric>, "
+                                        "e.g. val_top1 or val_mAP")
+            step = int(best["step"])
         if step is not None:
             if step not in found:
                 raise FileNotFoundError(f"{path} has no complete checkpoint of step {step}; it has: "
@@ -223,9 +229,15 @@ def ema_state(ema, layout=None) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], layout, keep_last: int = 0, ema=None) -> Path:
-    """Every rank calls this. Writes `checkpoints/step_<step>` atomically and keeps the newest `keep_last`
-    (0: all)."""
+                    trainer_state: dict[str, Any], layout, keep_last: int = 0, ema=None,
+                    async_group: Any = False) -> "Path | PendingSave":
+    """Every rank calls this. Writes `checkpoints/step_<step>` atomically and keeps the newest `keep_last` (0: all)
+    plus the best (`best.json`).
+
+    `async_group` (a gloo process group, or None for the default group of a one-rank job): the state is copied to
+    host memory now and written by a background thread over that group (DCP's async_save), and a `PendingSave`
+    comes back; the directory is renamed to `step_<step>` by rank 0 once every rank's write finished, so a checkpoint
+    counts only when it is whole, as with the synchronous save."""
     root = Path(run_dir) / CHECKPOINTS
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
     if layout.is_main:
@@ -238,23 +250,124 @@ def save_checkpoint(run_dir: Path, step: int, model: nn.Module, optimizer: torch
     state = {"model": model_state(model, layout), "optim": optimizer_state(model, optimizer, layout)}
     if ema is not None:
         state["ema"] = ema_state(ema, layout)
-    dcp.save(state, checkpoint_id=str(tmp))  # collective; rank 0 writes .metadata last
-    if layout.is_main:
-        full = {**trainer_state, "step": step, "optimizer": _hyperparameters(optimizer), "ema": ema is not None,
-                "world_size": layout.world_size, "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}}
+    full = {**trainer_state, "step": step, "optimizer": _hyperparameters(optimizer), "ema": ema is not None,
+            "world_size": layout.world_size, "layout": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}}
+
+    def complete() -> Path:
+        """Rank 0, once every rank's tensors are on disk: the trainer state, the rename, the pruning."""
         _fsync_write(tmp / STATE_FILE, json.dumps(full, indent=1))
-    _barrier()  # every rank's files are written
-    if layout.is_main:
         if final.exists():  # the same step saved again (e.g. a resumed run re-saving): replace it whole
             _remove(final)
         tmp.rename(final)
         _fsync_dir(root)
-        if keep_last > 0:
-            for _, old in list_checkpoints(run_dir)[:-keep_last]:
-                if old != final:
-                    _remove(old)
+        prune(run_dir, keep_last, keep=final)
+        return final
+
+    if async_group is not False:
+        with warnings.catch_warnings():  # "experimental" notices
+            warnings.simplefilter("ignore")
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=async_group,
+                                    no_dist=not dist.is_initialized())
+        return PendingSave(step, final, future, complete if layout.is_main else None)
+    dcp.save(state, checkpoint_id=str(tmp))  # collective; rank 0 writes .metadata last
+    _barrier()  # every rank's files are written
+    if layout.is_main:
+        complete()
     _barrier()
     return final
+
+
+class PendingSave:
+    """An asynchronous checkpoint in flight: this rank's DCP write in a background thread and, on rank 0, the
+    completion after it (`save_checkpoint`'s rename), plus whatever `then` adds (marking it the best). DCP's writes
+    end with a gather of every rank's results on rank 0, so rank 0's write finishing means every rank's did."""
+
+    def __init__(self, step: int, path: Path, future, complete=None):
+        import threading
+
+        self.step, self.path = step, path
+        self._after: list = [complete] if complete is not None else []
+        self._error: Optional[BaseException] = None
+        self._finished = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, args=(future,), name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self, future) -> None:
+        try:
+            future.result()
+            done = 0
+            while True:
+                with self._lock:
+                    if done == len(self._after):
+                        self._finished = True
+                        return
+                    action = self._after[done]
+                action()
+                done += 1
+        except BaseException as exc:  # raised in the training thread by wait()
+            with self._lock:
+                self._error, self._finished = exc, True
+
+    def then(self, action) -> None:
+        """Run `action` (rank 0) once the checkpoint is complete: after the write, or now if it is complete."""
+        with self._lock:
+            if not self._finished:
+                self._after.append(action)
+                return
+        if self._error is None:
+            action()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: Optional[float] = None) -> Path:
+        """The checkpoint, complete; raises if its write failed (or is still running after `timeout` s)."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the checkpoint of step {self.step} was still being written after {timeout:.0f}s")
+        if self._error is not None:
+            raise RuntimeError(f"writing the checkpoint of step {self.step} failed: {self._error}") from self._error
+        return self.path
+
+
+def async_group(layout) -> Any:
+    """The process group asynchronous saves run their collectives on: a gloo group of every rank (the background
+    thread must not share the training's group, and DCP stages to host memory), or None in a one-rank job."""
+    if not dist.is_initialized() or layout.world_size == 1:
+        return None
+    return dist.new_group(backend="gloo")
+
+
+BEST = "best.json"
+
+
+def read_best(run_dir: Path) -> Optional[dict[str, Any]]:
+    """`checkpoints/best.json`: {"metric", "mode", "value", "step"} of the best evaluated checkpoint, if any."""
+    path = Path(run_dir) / CHECKPOINTS / BEST
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def mark_best(run_dir: Path, record: dict[str, Any], keep_last: int) -> None:
+    """Rank 0: record a complete checkpoint as the best (atomically), then drop the previous best unless it is among
+    the newest `keep_last`."""
+    root = Path(run_dir) / CHECKPOINTS
+    tmp = root / f".{BEST}.tmp"
+    _fsync_write(tmp, json.dumps(record, indent=1))
+    tmp.replace(root / BEST)
+    _fsync_dir(root)
+    prune(run_dir, keep_last)
+
+
+def prune(run_dir: Path, keep_last: int, keep: Optional[Path] = None) -> None:
+    """Remove the complete checkpoints older than the newest `keep_last` (0: keep all), sparing `keep` and the
+    best one."""
+    if keep_last <= 0:
+        return
+    best = read_best(run_dir)
+    for step, old in list_checkpoints(run_dir)[:-keep_last]:
+        if old != keep and (best is None or step != best["step"]):
+            _remove(old)
 
 
 def _remove(checkpoint: Path) -> None:
@@ -283,6 +396,10 @@ def _fsync_dir(path: Path) -> None:
 def load_model_state(path: Path, model: nn.Module, layout=None, no_dist: bool = False) -> None:
     """Load a checkpoint's model tensors into `model` (whatever layout either was saved or is in). Without a
     process group (export, eval), or with `no_dist`, this process reads everything on its own."""
+    from visiondist.models.weights import match_frozen_batchnorms
+
+    match_frozen_batchnorms(model, [k[len("model."):] for k in read_metadata(path).state_dict_metadata
+                                    if k.startswith("model.")])
     state = {"model": model_state(model, layout)}
     _dcp_load(state, path, no_dist)
 

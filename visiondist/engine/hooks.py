@@ -217,24 +217,76 @@ class TimelineHook(Hook):
 
 class CheckpointHook(Hook):
     """Every `trainer.checkpoint_every` steps before the last, and at the end of the run (complete or stopped) unless
-    that step is saved already."""
-
-    def before_train(self, trainer):
-        self.last_saved = trainer.step if trainer.resumed_from is not None else -1
+    that step is saved already. Under `trainer.checkpoint_async` a save overlaps the next steps; the end of the run,
+    a stop and a failure wait for it (a failure at most `trainer.dist_timeout_s`)."""
 
     def after_step(self, trainer, loss, grad_norm):
         every = trainer.cfg.trainer.checkpoint_every
         if every and trainer.step % every == 0 and trainer.step < trainer.total_steps:
-            self._save(trainer)
+            with trainer.untimed():
+                trainer.save_checkpoint()
+
+    def close(self, trainer):
+        """Also after a failure: the save in flight is finished, so that a restart resumes from it."""
+        if trainer.pending_save is not None:
+            try:
+                trainer.pending_save.wait(trainer.cfg.trainer.dist_timeout_s)
+            except Exception as exc:  # after_train raises it on a run that did not fail otherwise
+                log.warning("%s", exc)
 
     def after_train(self, trainer, complete):
-        if self.last_saved != trainer.step:
-            self._save(trainer)
+        trainer.wait_checkpoint()
+        if trainer.saved_step != trainer.step:
+            trainer.save_checkpoint(wait=True)
 
-    def _save(self, trainer) -> None:
+
+class BestCheckpointHook(Hook):
+    """`trainer.best_metric`: after each evaluation that improves the metric, that step's checkpoint (saved now if
+    the cadence did not) is recorded in checkpoints/best.json and kept beside the newest `trainer.keep_last`
+    (detectron2's BestCheckpointer). A resumed run continues from the best it had."""
+
+    def before_train(self, trainer):
+        from visiondist.engine.checkpoint import read_best
+
+        t = trainer.cfg.trainer
+        self.metric, self.checked = t.best_metric, trainer.step
+        if self.metric is None:
+            return
+        self.mode = t.best_mode if t.best_mode != "auto" else ("min" if "loss" in self.metric else "max")
+        best = read_best(trainer.run_dir)
+        self.best = best["value"] if best and best.get("metric") == self.metric else None
+
+    def after_step(self, trainer, loss, grad_norm):
+        self._check(trainer)
+
+    def after_train(self, trainer, complete):
+        self._check(trainer)
+
+    def _check(self, trainer) -> None:
+        if self.metric is None or trainer.last_eval.get("step") != trainer.step or self.checked == trainer.step:
+            return
+        self.checked = trainer.step
+        value = trainer.last_eval.get(self.metric)
+        if value is None or not math.isfinite(value):
+            return
+        if self.best is not None and (value <= self.best if self.mode == "max" else value >= self.best):
+            return
+        self.best = value
+        from visiondist.engine.checkpoint import mark_best
+
         with trainer.untimed():
-            trainer.save_checkpoint()
-        self.last_saved = trainer.step
+            if trainer.saved_step != trainer.step:
+                trainer.save_checkpoint()
+        record = {"metric": self.metric, "mode": self.mode, "value": value, "step": trainer.step}
+        trainer.best = record
+        log.info("best %s so far: %.6g at step %d", self.metric, value, trainer.step)
+        if not trainer.layout.is_main:
+            return
+        keep = trainer.cfg.trainer.keep_last
+        if trainer.pending_save is not None and trainer.pending_save.step == trainer.step:
+            trainer.pending_save.then(lambda: mark_best(trainer.run_dir, record, keep))
+        else:
+            mark_best(trainer.run_dir, record, keep)
 
 
 class WeightsHook(Hook):
@@ -280,7 +332,8 @@ def default_hooks() -> list[Hook]:
     - traffic and the log line next: they describe the step just run;
     - the timeline after them: its gathering is not training time;
     - the checkpoint before the evaluation, and (at the end) the weights between them: a failing evaluation loses
-      neither the checkpoint nor the weights.
+      neither the checkpoint nor the weights;
+    - the best checkpoint after the evaluation it is chosen by.
     """
     return [ProgressHook(), TimeoutHook(), StopHook(), TrafficHook(), LogHook(), TimelineHook(), CheckpointHook(),
-            WeightsHook(), EvalHook()]
+            WeightsHook(), EvalHook(), BestCheckpointHook()]

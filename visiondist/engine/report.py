@@ -8,7 +8,7 @@ import logging
 import math
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from visiondist.engine.logging import summary_table
 from visiondist.engine.plots import plot_curves
@@ -121,10 +121,24 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
         **tr.task.summary(tr.last_eval),
         **({"peak GPU memory (GiB)": round(tr.peak_gpu_gib(), 2)} if tr.layout.device.type == "cuda" else {}),
         "checkpoint": str(tr.last_checkpoint),
+        **({"checkpoint stall (s, mean)": round(sum(tr.checkpoint_stall_s) / len(tr.checkpoint_stall_s), 3)}
+           if tr.checkpoint_stall_s else {}),
+        **_best_row(tr),
         "weights": str(weights),
         "run dir": str(tr.run_dir),
     }
     return summary
+
+
+def _best_row(tr) -> dict[str, Any]:
+    """`trainer.best_metric`: the best checkpoint the run kept (this process's or, resumed, an earlier one's)."""
+    from visiondist.engine.checkpoint import CHECKPOINTS, read_best
+
+    best = tr.best or (read_best(tr.run_dir) if tr.cfg.trainer.best_metric else None)
+    if not best:
+        return {}
+    return {f"best {best['metric']}": f"{best['value']:.6g} at step {best['step']} "
+                                      f"({tr.run_dir / CHECKPOINTS / ('step_' + str(best['step']))})"}
 
 
 def _exact(value: float) -> float | int:
@@ -133,16 +147,21 @@ def _exact(value: float) -> float | int:
 
 
 def report_run(run_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], task, last_eval: dict[str, Any],
-               title: str) -> None:
+               title: str, written: Optional[Callable[[list[Path]], Any]] = None) -> list[Path]:
     """summary.json, the plots, the summary table, the task's final line, then the run dir and the commands that
-    evaluate and export it (rank 0)."""
+    evaluate and export it (rank 0). `written(pngs)` runs once the files are written, before anything is printed
+    (the trackers take the plots and close there, so that the run's next commands stay its last lines). Returns the
+    PNGs."""
     from rich.console import Console
 
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    draw_evaluation(task, last_eval, run_dir, title, rows)
+    pngs = draw_evaluation(task, last_eval, run_dir, title, rows)
+    if written is not None:
+        written(pngs)
     Console(width=max(100, Console().width)).print(summary_table(summary))
     print(task.final_line(last_eval), flush=True)
     print(next_commands(run_dir), flush=True)
+    return pngs
 
 
 def next_commands(run_dir: Path) -> str:

@@ -14,14 +14,15 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
-from visiondist.engine.logging import METRIC_COLUMNS, TRAIN_COLUMNS
+from visiondist.engine.logging import TRAIN_COLUMNS
+from visiondist.models import EVAL_METRICS
 from visiondist.parallel import Layout
 
 log = logging.getLogger(__name__)
 
 
 class ClassificationTask:
-    columns = (*METRIC_COLUMNS, "val_ema_loss", "val_ema_top1", "val_ema_top5")
+    columns = (*TRAIN_COLUMNS, *EVAL_METRICS["classification"])
     headline = ("val_top1", "val top-1 (%)")
     plot_series = (("val_top1", "top-1"), ("val_top5", "top-5"), ("val_ema_top1", "EMA top-1"))
     plot_title = "val accuracy (%)"
@@ -119,8 +120,7 @@ class ClassificationTask:
 
 
 class DetectionTask:
-    columns = (*TRAIN_COLUMNS, "val_mAP", "val_AP50", "val_AP75", "val_APs", "val_APm", "val_APl", "val_AR1",
-               "val_AR10", "val_AR100", "val_ARs", "val_ARm", "val_ARl", "val_detections", "val_ema_mAP")
+    columns = (*TRAIN_COLUMNS, *EVAL_METRICS["detection"])
     headline = ("val_mAP", "val box mAP@[.5:.95]")
     plot_series = (("val_mAP", "AP@[.5:.95]"), ("val_AP50", "AP50"), ("val_AP75", "AP75"), ("val_AR100", "AR100"),
                    ("val_ema_mAP", "EMA AP@[.5:.95]"))

@@ -29,6 +29,8 @@ from visiondist.engine.build import (
     seed_everything,
 )
 from visiondist.engine.checkpoint import (
+    PendingSave,
+    async_group,
     latest_checkpoint,
     load_checkpoint,
     resolve_checkpoint,
@@ -96,10 +98,15 @@ class Trainer:
         self.skipped_steps = 0
         self.overflow_steps = 0  # fp16: steps skipped because a scaled gradient overflowed
         self.resumed_from = self._resume()
-        self.last_checkpoint = self.resumed_from
+        self.last_checkpoint = self.resumed_from  # the newest complete checkpoint
+        self.saved_step = self.step if self.resumed_from is not None else -1  # the step the newest save (any) is of
+        self.pending_save: PendingSave | None = None  # trainer.checkpoint_async: the save being written
+        self.checkpoint_stall_s: list[float] = []  # the seconds each save held up training
+        self.best: dict | None = None  # trainer.best_metric: the best evaluated checkpoint of this process
+        self._async_group = async_group(layout) if t.checkpoint_async else False
         self.resumed_from_step = self.step
         same_run = self.resumed_from is not None and self.resumed_from.parent.parent == run_dir
-        self.metrics = MetricsLogger(run_dir, layout.is_main, t.tensorboard, self.task.columns,
+        self.metrics = MetricsLogger(run_dir, layout.is_main, t.loggers, self.task.columns,
                                      continue_from=self.step if same_run else None)
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
@@ -135,7 +142,13 @@ class Trainer:
             seed_everything(self.cfg.trainer.seed + self.step)
         return path
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, wait: bool = False) -> Path:
+        """A checkpoint of this step. Under `trainer.checkpoint_async` the write continues in the background (at most
+        one in flight: a previous one is waited for first) unless `wait`; returns its final path either way."""
+        import time
+
+        started = time.perf_counter()
+        self.wait_checkpoint()
         self.settle()  # never save the weights of a step that turns out to have been non-finite
         PROGRESS.at("saving a checkpoint", self.step)
         reshard(self.model)  # FSDP: the parameters must be the sharded ones the optimizer holds
@@ -148,11 +161,27 @@ class Trainer:
             "classes": list(self.data.classes),
             **({"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {}),  # scale, growth tracker
         }
-        path = save_checkpoint(self.run_dir, self.step, unwrap(self.model), self.optimizer, state, self.layout,
-                               self.cfg.trainer.keep_last, self.ema)
-        self.last_checkpoint = path
-        log.info("checkpoint: %s", path)
-        return path
+        saved = save_checkpoint(self.run_dir, self.step, unwrap(self.model), self.optimizer, state, self.layout,
+                                self.cfg.trainer.keep_last, self.ema, async_group=self._async_group)
+        self.saved_step = self.step
+        if isinstance(saved, PendingSave):
+            self.pending_save = saved
+            if wait:
+                self.wait_checkpoint()
+        else:
+            self.last_checkpoint = saved
+            log.info("checkpoint: %s", saved)
+        self.checkpoint_stall_s.append(time.perf_counter() - started)
+        return saved.path if isinstance(saved, PendingSave) else saved
+
+    def wait_checkpoint(self, timeout: float | None = None) -> None:
+        """Wait for the save in flight (if any) to be complete on disk; it becomes the newest checkpoint."""
+        pending = self.pending_save
+        if pending is None:
+            return
+        self.last_checkpoint = pending.wait(timeout)
+        self.pending_save = None
+        log.info("checkpoint: %s (written in the background)", pending.path)
 
     @property
     def layout_text(self) -> str:
@@ -287,7 +316,17 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
         """The loop: the hooks (`visiondist.engine.hooks.default_hooks`, each owning its cadence) around
-        `train_step`, epoch by epoch, until the last step, `trainer.stop_at_step` or a stop signal."""
+        `train_step`, epoch by epoch, until the last step, `trainer.stop_at_step` or a stop signal. Rank 0's
+        experiment trackers (`trainer.loggers`) run for its duration and end as it does: finished, stopped or
+        failed."""
+        try:
+            self.metrics.start_trackers(self.cfg)
+            return self._fit()
+        except BaseException:
+            self.metrics.close("failed")  # no tracker run (or its process) outlives a failed rank 0
+            raise
+
+    def _fit(self) -> dict[str, Any]:
         self._announce()
         hooks, sampler, t = default_hooks(), self.data.train_sampler, self.cfg.trainer
         end = min(self.total_steps, t.stop_at_step) if t.stop_at_step > 0 else self.total_steps  # of this process
@@ -324,7 +363,7 @@ class Trainer:
         why = f"{STOP.received or 'a signal to another rank'}" if self.stop_requested else "trainer.stop_at_step"
         log.info("stopped after step %d of %d (%s); continue with trainer.resume=auto trainer.run_dir=%s",
                  self.step, self.total_steps, why, self.run_dir)
-        self.metrics.close()
+        self.metrics.close("stopped")
         return {"stopped at step": self.step, "run dir": str(self.run_dir),
                 **({"stopped by": STOP.received or "SIGTERM"} if self.stop_requested else {})}
 
@@ -391,8 +430,13 @@ class Trainer:
 
     def _finish(self, final_loss: float, train_time: float, weights: Path) -> dict[str, Any]:
         summary = run_summary(self, final_loss, train_time, weights)
-        self.metrics.close()
+
+        def written(pngs: list[Path]) -> None:  # the trackers get the plots and the weights, then end their runs
+            self.metrics.log_files(pngs, weights, self.step)
+            self.metrics.close()
+
         if self.layout.is_main:
             report_run(self.run_dir, summary, self.metrics.rows, self.task, self.last_eval,
-                       f"{self.cfg.model.name} on {self.cfg.data.name}")
+                       f"{self.cfg.model.name} on {self.cfg.data.name}", written)
+        self.metrics.close()
         return summary

@@ -53,6 +53,12 @@ def _build_vitdet(cfg: Any) -> nn.Module:
 FAMILIES: dict[str, Callable[[Any], nn.Module]] = {"vit": _build_vit, "torchvision": _build_torchvision,
                                                     "vitdet": _build_vitdet}
 TASKS = {family: spec.task for family, spec in SPECS.items()}  # what each family is trained for
+# each task's evaluation metrics, as metrics.csv names them (trainer.best_metric picks one)
+EVAL_METRICS = {
+    "classification": ("val_loss", "val_top1", "val_top5", "val_ema_loss", "val_ema_top1", "val_ema_top5"),
+    "detection": ("val_mAP", "val_AP50", "val_AP75", "val_APs", "val_APm", "val_APl", "val_AR1", "val_AR10",
+                  "val_AR100", "val_ARs", "val_ARm", "val_ARl", "val_detections", "val_ema_mAP"),
+}
 
 
 def build_model(cfg: Any) -> nn.Module:

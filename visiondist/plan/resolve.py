@@ -95,6 +95,7 @@ def check(cfg: DictConfig, mandatory: bool = True) -> None:
 
     validate(cfg, mandatory)
     check_support(cfg)
+    _check_best_metric(cfg)
     for variant in cfg.bench.variants:
         check_support(variant_config(cfg, variant))  # validated as it is built
 
@@ -253,3 +254,13 @@ def rank_layout(cfg: DictConfig, device=None, local_rank: int = 0):
     run = _layout(cfg, cfg.parallel, World(_accelerator(cfg, cuda_device_count()), size, size, False))
     device = device if device is not None else torch.device("cpu")
     return build_layout(run.dp, run.tp, run.pp, device, local_rank, run=run)
+
+
+def _check_best_metric(cfg: DictConfig) -> None:
+    """trainer.best_metric names an evaluation metric of the model's task (a metrics.csv column)."""
+    from visiondist.models import EVAL_METRICS, TASKS
+
+    metric, task = cfg.trainer.best_metric, TASKS.get(cfg.model.family)
+    if metric is not None and task in EVAL_METRICS and metric not in EVAL_METRICS[task]:
+        raise ConfigError(f"trainer.best_metric={metric} is not an evaluation metric of {task}: use one of "
+                          f"{', '.join(EVAL_METRICS[task])}")
