@@ -124,6 +124,58 @@ def test_export_from_tp2_loads_in_timm(tp2_run, tmp_path):
         assert torch.allclose(model(x), trained.model(x), atol=1e-5, rtol=0)
 
 
+def test_exported_model_brings_its_preprocessing_to_timm(tp2_run, tiny_shapes, tmp_path):
+    """The export used as a new user would: timm.create_model(**create) and the weights, then timm's own data config
+    and eval transform on the val split's JPEG files (Pillow). The config is the run's, and top-1 is the run's own
+    evaluation of the same weights.
+
+    On the tiny set nothing is resized (32 px images, model.img_size 32, crop_pct 1.0): the two pipelines differ only
+    in the JPEG decoder (OpenCV's vs Pillow's libjpeg-turbo) and in the order of the normalisation's float operations.
+    Measured here: the decoders give the same pixels and the inputs differ by 1.2e-7 (7.5e-6 of an 8-bit level), the
+    logits by 5.5e-7, so the predictions and top-1 are required to be equal, not within a point."""
+    import timm
+    from omegaconf import OmegaConf
+    from torchvision.datasets import ImageFolder as PillowFolder
+
+    from visiondist.data.imagefolder import ImageFolder
+    from visiondist.data.transforms import ClassificationTransform, Normalize
+    from visiondist.engine.logging import read_metrics
+
+    out = tmp_path / "vit.safetensors"
+    _export(tp2_run, f"out={out}")
+    info = json.loads(out.with_suffix(".json").read_text())
+    model = timm.create_model(**info["create"]).eval()  # pretrained=False is timm's default
+    model.load_state_dict(load_file(out), strict=True)
+    cfg = timm.data.resolve_model_data_config(model)
+    run = OmegaConf.load(tp2_run / "config.yaml")
+    size, mean, std = run.model.img_size, list(run.data.mean), list(run.data.std)
+    assert (size, mean, std, run.data.crop_pct, run.data.interpolation) == (32, [0.5] * 3, [0.25] * 3, 1.0, "bilinear")
+    assert tuple(cfg["input_size"]) == (3, size, size)
+    assert list(cfg["mean"]) == mean and list(cfg["std"]) == std
+    assert (cfg["crop_pct"], cfg["interpolation"], cfg["crop_mode"]) == (1.0, "bilinear", "center")
+    assert timm.data.resolve_model_data_config(model, use_test_size=True) == cfg
+    assert (info["input_size"], info["mean"], info["std"], info["crop_pct"], info["interpolation"]) == (
+        size, mean, std, 1.0, "bilinear")
+    assert list(model.pretrained_cfg["label_names"]) == info["classes"]
+
+    val = PillowFolder(str(tiny_shapes / "val"), transform=timm.data.create_transform(**cfg))
+    theirs = torch.stack([image for image, _ in val])
+    labels = torch.tensor(val.targets)
+    ours_set = ImageFolder(tiny_shapes / "val", ClassificationTransform(run.data, train=False, size=size, seed=0))
+    assert [label for _, label in ours_set.samples] == val.targets
+    ours = Normalize(mean, std)(torch.stack([ours_set[i][0] for i in range(len(ours_set))]), torch.device("cpu"))
+    levels = float(((theirs - ours).abs() * torch.tensor(std).view(1, 3, 1, 1) * 255).max())
+    assert levels < 1e-3, f"the inputs differ by up to {levels:.3g} of an 8-bit level: the JPEG decoders disagree"
+    with torch.no_grad():
+        logits, reference = model(theirs), model(ours)
+    torch.testing.assert_close(logits, reference, rtol=0, atol=1e-4)
+    assert torch.equal(logits.argmax(1), reference.argmax(1))
+    top1 = 100 * float((logits.argmax(1) == labels).double().mean())
+    final = [r for r in read_metrics(tp2_run / "metrics.csv") if r["val_top1"] is not None][-1]
+    assert final["step"] == 2 and len(val) == 30
+    assert top1 == pytest.approx(final["val_top1"], abs=1e-9)  # 30 images: one disagreement would be 3.3 points
+
+
 @pytest.mark.smoke
 def test_export_onnx_and_torchscript(tp2_run, tmp_path):
     import onnxruntime as ort

@@ -82,6 +82,9 @@ class DataConfig:
     mixup_prob: float = 1.0  # probability of mixing a batch at all
     mixup_switch_prob: float = 0.5  # with both on: probability of cutmix instead of mixup
     crop_pct: float = 0.875
+    # classification resize filter (OpenCV), train crop and eval resize alike: bilinear | bicubic; written into the
+    # export's timm config, so that timm's eval transform resizes the same way
+    interpolation: str = "bilinear"
     # detection (format coco): <root>/<images>/<file_name>, <root>/<annotations>; {split} is the split name
     annotations: str = "annotations/instances_{split}.json"
     images: str = "{split}"
@@ -174,9 +177,15 @@ class TrainerConfig:
     output_dir: str = "outputs"
     run_dir: Optional[str] = None  # default: <output_dir>/<date>/<time>
     progress: bool = True  # rank 0: the live bar in a terminal, evaluation bars and spinners
-    tensorboard: bool = True
+    # where rank 0 sends the metrics: csv (metrics.csv, always written), tensorboard, wandb, mlflow
+    # (engine/trackers.py; wandb and mlflow are the extras of those names)
+    loggers: list[str] = field(default_factory=lambda: ["csv", "tensorboard"])
+    project: str = "visiondist"  # the W&B project / MLflow experiment of wandb / mlflow runs
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: only at the end
     keep_last: int = 3  # complete checkpoints kept; 0: all
+    checkpoint_async: bool = False  # the step waits only for the copy to host memory; the write overlaps training
+    best_metric: Optional[str] = None  # also keep the best checkpoint by this evaluation metric (val_top1, val_mAP)
+    best_mode: str = "auto"  # auto (min for a loss, else max) | max | min
     resume: Optional[str] = "auto"  # auto: the run dir's latest checkpoint if any | a checkpoint or run dir | null
     stop_at_step: int = -1  # > 0: checkpoint and end this process after this step (the schedule still spans the run)
     max_restarts: int = 0  # self-launched: restart every rank this many times after a failure (resume=auto)
@@ -213,3 +222,16 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+
+
+def upgrade_saved(saved: Any) -> Any:
+    """A run's config.yaml from before `trainer.loggers` in today's keys: `trainer.tensorboard: <bool>` becomes
+    `trainer.loggers` ([csv, tensorboard] or [csv]), so that such a run can still be continued. `saved`: a
+    DictConfig, changed in place and returned."""
+    trainer = saved.get("trainer") if hasattr(saved, "get") else None
+    if trainer is None or "tensorboard" not in trainer:
+        return saved
+    tensorboard = trainer.pop("tensorboard")
+    if "loggers" not in trainer:
+        trainer["loggers"] = ["csv", "tensorboard"] if tensorboard else ["csv"]
+    return saved

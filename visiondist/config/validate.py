@@ -20,6 +20,10 @@ _ACCELERATORS = ("auto", "cpu", "cuda")
 _PRECISIONS = ("32", "bf16", "16")
 _OPTIMIZERS = ("adamw", "sgd")
 _SCHEDULES = ("cosine", "step")
+# trainer.loggers: metrics.csv (always written: the summary and the plots read it), TensorBoard, and the experiment
+# trackers, each an optional package installed by the extra of its name (visiondist/engine/trackers.py)
+LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
+TRACKERS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker -> the module it imports (the extra has its name)
 
 
 def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -76,19 +80,48 @@ def _check_model(m: DictConfig) -> None:
             raise ConfigError(f"model.{key}={m[key]} must be in [0, 1)")
     if m.init_from is not None and m.weights is not None:
         raise ConfigError("set model.weights (exact weights) or model.init_from (fine-tuning start), not both")
-    if m.init_from is not None and not Path(m.init_from).expanduser().is_file():
-        raise ConfigError(f"model.init_from={m.init_from}: no such file")
+    from visiondist.utils import pretrained as named
+
+    _check_named(m)
+    if m.init_from is not None and not named.is_named(m.init_from) and not Path(m.init_from).expanduser().is_file():
+        raise ConfigError(f"model.init_from={m.init_from}: no such file (or a timm name: timm/<architecture>.<tag>)")
     if m.backbone_weights is not None:
-        if not Path(m.backbone_weights).expanduser().is_file():
-            raise ConfigError(f"model.backbone_weights={m.backbone_weights}: no such file")
+        if not named.is_named(m.backbone_weights) and not Path(m.backbone_weights).expanduser().is_file():
+            raise ConfigError(f"model.backbone_weights={m.backbone_weights}: no such file (or a torchvision weights "
+                              "name, e.g. ResNet50_Weights.IMAGENET1K_V2)")
         if not 0 <= m.trainable_backbone_layers <= 5:
             raise ConfigError(f"model.trainable_backbone_layers={m.trainable_backbone_layers}: choose 0-5 (stages of "
                               "the ResNet that train, from the last)")
 
 
+def _check_named(m: DictConfig) -> None:
+    """Weights given by name: a timm name for model.init_from, torchvision weights for the detectors' model.weights
+    and model.backbone_weights; each must exist in the installed library (whether it is cached is checked with the
+    inputs, where it may be downloaded)."""
+    from visiondist.utils import pretrained as named
+
+    for key in ("init_from", "weights", "backbone_weights"):
+        spec = m[key]
+        if spec is None or not named.is_named(spec):
+            continue
+        if named.is_timm_name(spec) and key != "init_from":
+            raise ConfigError(f"model.{key}={spec}: timm names start a fine-tune: use model.init_from={spec}")
+        if named.is_enum_name(spec) and key == "init_from":
+            raise ConfigError(f"model.init_from={spec}: init_from takes timm names (timm/<architecture>.<tag>); "
+                              f"torchvision's weights go in model.weights (whole detector) or model.backbone_weights")
+        try:
+            if named.is_timm_name(spec):
+                named.timm_pretrained_cfg(spec)
+            else:
+                named.torchvision_weights(spec, f"model.{key}")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
 def _check_data(d: DictConfig) -> None:
     _one_of("data.format", d.format, ("imagefolder", "coco"))
     _one_of("data.auto_augment", d.auto_augment, ("none", "rand", "trivial"))
+    _one_of("data.interpolation", d.interpolation, ("bilinear", "bicubic"))
     _positive("data.prefetch_factor", d.prefetch_factor)
     for key in ("mixup", "cutmix"):
         _positive(f"data.{key}", d[key], allow_zero=True)
@@ -117,6 +150,10 @@ def _check_trainer(t: DictConfig) -> None:
     _one_of("trainer.accelerator", t.accelerator, _ACCELERATORS)
     _one_of("trainer.precision", str(t.precision), _PRECISIONS)
     _one_of("trainer.on_nonfinite", t.on_nonfinite, ("raise", "skip"))
+    unknown = [name for name in t.loggers if name not in LOGGERS]
+    if unknown:
+        raise ConfigError(f"trainer.loggers has {', '.join(map(repr, unknown))}: use any of {', '.join(LOGGERS)}, "
+                          "e.g. trainer.loggers=[csv,tensorboard,wandb]")
     _positive("trainer.max_restarts", t.max_restarts, allow_zero=True)
     if t.max_restarts > 0 and t.resume != "auto":
         raise ConfigError(f"trainer.max_restarts={t.max_restarts} restarts from the run's latest checkpoint: "
@@ -131,11 +168,34 @@ def _check_trainer(t: DictConfig) -> None:
         _positive(f"trainer.{key}", t[key])
     for key in ("clip_grad", "eval_every", "checkpoint_every", "keep_last"):
         _positive(f"trainer.{key}", t[key], allow_zero=True)
+    _one_of("trainer.best_mode", t.best_mode, ("auto", "max", "min"))
     if t.resume not in (None, "auto") and not Path(str(t.resume)).expanduser().exists():
         raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint or run directory "
                           "(give checkpoints/step_<N> or a run dir, `auto`, or null)")
     if t.max_steps <= 0 and t.max_epochs <= 0:
         raise ConfigError("set trainer.max_steps or trainer.max_epochs to a positive number")
+
+
+def check_trackers_installed(loggers) -> None:
+    """Each tracker in `loggers` (trainer.loggers) can be imported here; else one line naming the extra that installs
+    it. Looked up without importing it (find_spec), so that the check costs nothing before the ranks start."""
+    import importlib.util
+    import sys
+
+    for name in dict.fromkeys(loggers):
+        module = TRACKERS.get(name)
+        if module is None:
+            continue
+        if module in sys.modules:
+            found = sys.modules[module] is not None  # None: imports of it are refused
+        else:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+        if not found:
+            raise ConfigError(f"trainer.loggers has {name} but {module} is not installed: "
+                              f'pip install -e ".[{name}]" (or drop {name} from trainer.loggers)')
 
 
 def _check_parallel(p: DictConfig) -> None:
