@@ -144,14 +144,10 @@ def torchvision_weights(spec: str, key: str):
     try:
         return get_weight(spec)
     except (KeyError, ValueError, AttributeError):
-        enum = _ENUM.match(spec).group(1)
-        try:
-            from torchvision.models import get_model_weights  # noqa: F401
-            import torchvision.models as tvm
+        import torchvision.models as tvm
 
-            members = [m.name for m in getattr(tvm, enum, getattr(tvm.detection, enum, None)) or []]
-        except Exception:
-            members = []
+        enum = _ENUM.match(spec).group(1)
+        members = [m.name for m in getattr(tvm, enum, getattr(tvm.detection, enum, None)) or []]
         which = (f"{enum} has {', '.join(members)}" if members else
                  f"torchvision has no weight enum {enum} (e.g. ResNet50_Weights, FasterRCNN_ResNet50_FPN_Weights)")
         raise ValueError(f"{key}={spec}: not one of torchvision's weights: {which}") from None
@@ -189,11 +185,6 @@ def local_file(spec: str, key: str, download: bool = False) -> Path:
     if is_enum_name(spec):
         return _hub_file(torchvision_weights(spec, key).url, key, spec, download)
     return Path(spec).expanduser()
-
-
-def describe(spec: str) -> str:
-    """`spec` with the file it resolves to, when it is a name."""
-    return f"{spec} ({local_file(spec, '')})" if is_named(spec) else spec
 
 
 def apply_data_defaults(cfg, overrides: list[str]) -> Optional[str]:
