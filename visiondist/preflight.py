@@ -40,9 +40,22 @@ def check_inputs(cfg, purpose: str = "train") -> None:
     if found != d.num_classes:
         raise ConfigError(f"data.num_classes={d.num_classes} but {where} has {found} {what}: "
                           f"set data.num_classes={found}")
-    fetch_named_weights(cfg.model)
+    if not (purpose == "train" and _resumes(cfg.trainer)):  # a resumed run reads its checkpoint, not these
+        fetch_named_weights(cfg.model)
     if cfg.model.weights:
         check_weights(cfg.model)
+
+
+def _resumes(t) -> bool:
+    """Whether training continues from a checkpoint: `trainer.resume` names one, or is auto and the run dir holds a
+    complete one (DCP's metadata and the trainer state written)."""
+    if t.resume is None:
+        return False
+    if t.resume != "auto":
+        return True
+    root = Path(t.run_dir).expanduser() / "checkpoints" if t.run_dir else None
+    return root is not None and root.is_dir() and any(
+        (d / ".metadata").is_file() and (d / "trainer_state.json").is_file() for d in root.glob("step_*"))
 
 
 def fetch_named_weights(model_cfg) -> None:
@@ -159,9 +172,9 @@ def check_weights(model_cfg) -> None:
 
     from visiondist.utils.pretrained import is_named, local_file
 
-    path = local_file(model_cfg.weights, "model.weights")
     if is_named(model_cfg.weights):  # a detector starting from torchvision's: a head of another class count is new
         return
+    path = local_file(model_cfg.weights, "model.weights")
     if not path.exists():
         raise ConfigError(f"model.weights={model_cfg.weights}: no such file or checkpoint directory")
     try:

@@ -57,3 +57,5 @@ def test_best_metric_must_be_an_evaluation_metric(tmp_path, tiny_shapes):
     assert result.returncode == 2
     assert "trainer.best_metric=val_acc is not an evaluation metric of classification: use one of val_loss, " \
            "val_top1" in result.stdout
+    result = run_cli(train_args(tiny_shapes, tmp_path / "r", "trainer.best_metric=val_ema_top1"), timeout=60)
+    assert result.returncode == 2 and "set trainer.ema_decay (e.g. 0.9998) or use val_top1" in result.stdout

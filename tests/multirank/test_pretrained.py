@@ -3,13 +3,14 @@ huggingface_hub's layout (HF_HUB_OFFLINE=1: nothing is downloaded), then train, 
 result."""
 
 import json
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from visiondist.engine.logging import read_metrics
-from helpers import REPO, hf_cache_with, train_args, train_ok
+from helpers import REPO, hf_cache_with, losses_of, train_args, train_ok
 
 NAME = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"
 
@@ -25,12 +26,12 @@ def test_fine_tune_from_a_cached_timm_name_offline(tmp_path, tiny_shapes, monkey
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     torch.manual_seed(7)
-    source = timm.create_model("vit_tiny_patch16_224", pretrained=False, depth=2).state_dict()
+    source = timm.create_model("vit_tiny_patch16_224", pretrained=False).state_dict()
     hf_cache_with(tmp_path / "hf", NAME, source)
     run = tmp_path / "run"
-    out = train_ok(*train_args(tiny_shapes, run, f"model.init_from=timm/{NAME}", "trainer.max_steps=1",
-                               "optim.lr=1e-3", "optim.weight_decay=0", "schedule.warmup_steps=0",
-                               "trainer.clip_grad=0"))
+    common = ["model.depth=12", f"model.init_from=timm/{NAME}", "optim.lr=1e-3", "optim.weight_decay=0",
+              "schedule.warmup_steps=0", "trainer.clip_grad=0"]
+    out = train_ok(*train_args(tiny_shapes, run, *common, "trainer.max_steps=1"))
     assert f"model.init_from=timm/{NAME}: its pretrained config sets data.std=[0.5,0.5,0.5]" in out
     assert "data.crop_pct=0.9 data.interpolation=bicubic" in out
     assert "pos_embed resampled from 14 x 14 to 2 x 2 patches" in out
@@ -58,6 +59,11 @@ def test_fine_tune_from_a_cached_timm_name_offline(tmp_path, tiny_shapes, monkey
     final = [r for r in read_metrics(run / "metrics.csv") if r["val_loss"] is not None][-1]
     assert evaluated["val_top1"] == final["val_top1"]  # the run's weights, read back under its data settings
     assert evaluated["val_loss"] == pytest.approx(final["val_loss"], rel=1e-5)
+
+    # continued where the pretrained file is gone (a requeued job on another node): the checkpoint is all it reads
+    shutil.rmtree(tmp_path / "hf")
+    out = train_ok(*train_args(tiny_shapes, run, *common, "trainer.max_steps=2"))
+    assert "resumed from" in out and sorted(losses_of(run)) == [1, 2]
 
 
 def test_detector_from_torchvision_weights_by_name_trains_evaluates_and_exports(tmp_path, monkeypatch):
@@ -91,3 +97,11 @@ def test_detector_from_torchvision_weights_by_name_trains_evaluates_and_exports(
     exported = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(  # as the sidecar says: plain builder
         **json.loads((run / "export" / "model.json").read_text())["kwargs"])
     exported.load_state_dict(load_file(run / "export" / "model.safetensors"), strict=True)
+
+    shutil.rmtree(tmp_path / "torch")  # continued without the file: the checkpoint and the frozen layout suffice
+    out = train_ok(*DETECT, f"data.root={tmp_path / 'data'}", f"trainer.run_dir={run}", "trainer.max_steps=3",
+                   "model.weights=FasterRCNN_MobileNet_V3_Large_FPN_Weights.COCO_V1")
+    assert "resumed from" in out
+    resumed = load_file(run / "model.safetensors")
+    torch.testing.assert_close(resumed["backbone.body.0.0.weight"], coco.state_dict()["backbone.body.0.0.weight"],
+                               rtol=0, atol=0)  # still frozen after the resume

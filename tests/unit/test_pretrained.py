@@ -24,11 +24,11 @@ def offline(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _timm_state(depth: int = 1) -> dict:
+def _timm_state() -> dict:
     import timm
 
     torch.manual_seed(1)
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, depth=depth).state_dict()
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False).state_dict()
 
 
 def test_a_timm_name_is_read_from_the_hub_cache_with_its_data_defaults(offline, capsys):
@@ -40,7 +40,7 @@ def test_a_timm_name_is_read_from_the_hub_cache_with_its_data_defaults(offline, 
 
     state = _timm_state()
     hf_cache_with(offline / "hf", TIMM_NAME, state)
-    cfg = load_config(CONFIGS, ["model.depth=1", f"model.init_from=timm/{TIMM_NAME}"])
+    cfg = load_config(CONFIGS, [f"model.init_from=timm/{TIMM_NAME}"])
     assert (cfg.data.img_size, cfg.model.img_size, cfg.data.crop_pct, cfg.data.interpolation) == (224, 224, 0.9,
                                                                                                     "bicubic")
     assert list(cfg.data.mean) == [0.5] * 3 and list(cfg.data.std) == [0.5] * 3
@@ -52,7 +52,7 @@ def test_a_timm_name_is_read_from_the_hub_cache_with_its_data_defaults(offline, 
                                rtol=0, atol=0)
     assert model.head.weight.shape == (6, 192)
 
-    kept = load_config(CONFIGS, ["model.depth=1", f"model.init_from=timm/{TIMM_NAME}", "data.img_size=64",
+    kept = load_config(CONFIGS, [f"model.init_from=timm/{TIMM_NAME}", "data.img_size=64",
                                  "data.std=[0.25,0.25,0.25]"])
     assert (kept.data.img_size, kept.model.img_size, list(kept.data.std)) == (64, 64, [0.25] * 3)
     assert kept.data.interpolation == "bicubic"
@@ -77,6 +77,15 @@ def test_b_names_not_cached_offline_say_which_file_and_how_to_fetch_it(offline):
     assert "\n" not in text and str(offline / "torch" / "hub" / "checkpoints" / "resnet50-11ad3fa6.pth") in text
     assert "https://download.pytorch.org/models/resnet50-11ad3fa6.pth" in text
 
+    # weights of another shape: refused before anything is looked for, naming the model that fits
+    with pytest.raises(ConfigError, match="vit_tiny_patch16_224 has embed_dim 192, num_heads 3; model=vit_small has "
+                                          "embed_dim 384, num_heads 6: use model=vit_tiny"):
+        load_config(CONFIGS, ["model=vit_small", f"model.init_from=timm/{TIMM_NAME}"])
+    with pytest.raises(ConfigError, match=r"of another detector than model=fasterrcnn_mobilenet_v3 "
+                                          r"\(fasterrcnn_mobilenet_v3_large_fpn\): use "
+                                          r"FasterRCNN_MobileNet_V3_Large_FPN_Weights.COCO_V1"):
+        load_config(CONFIGS, ["data=shapes_coco", "model=fasterrcnn_mobilenet_v3",
+                              "model.weights=FasterRCNN_ResNet50_FPN_Weights.COCO_V1"])
     with pytest.raises(ConfigError, match="vit_tiny_patch16_224 has augreg_in21k, augreg_in21k_ft_in1k"):
         load_config(CONFIGS, ["model.init_from=timm/vit_tiny_patch16_224.no_such_tag"])
     with pytest.raises(ConfigError, match="ResNet50_Weights has IMAGENET1K_V1, IMAGENET1K_V2"):

@@ -111,11 +111,53 @@ def _check_named(m: DictConfig) -> None:
                               f"torchvision's weights go in model.weights (whole detector) or model.backbone_weights")
         try:
             if named.is_timm_name(spec):
-                named.timm_pretrained_cfg(spec)
+                _check_timm_shape(m, spec)
             else:
-                named.torchvision_weights(spec, f"model.{key}")
+                _check_torchvision_weights(m, key, named.torchvision_weights(spec, f"model.{key}"))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def _check_timm_shape(m: DictConfig, spec: str) -> None:
+    """A timm name's architecture has the model's shape (before anything is downloaded)."""
+    from visiondist.utils import pretrained as named
+
+    theirs = named.timm_shape(spec)
+    if theirs is None:
+        return
+    ours = {key: int(m[key]) for key in theirs}
+    if theirs == ours:
+        return
+    arch = named.timm_pretrained_cfg(spec).architecture
+    differ = [key for key in theirs if theirs[key] != ours[key]]
+    configs = Path(__file__).resolve().parents[2] / "configs" / "model"  # the model configs shipped beside the code
+    same = sorted(f.stem for f in configs.glob("*.yaml") if f"timm_name: {arch}\n" in f.read_text())
+    pick = f"model={same[0]}" if same else f"a model config with timm_name: {arch}"
+    raise ConfigError(f"model.init_from={spec}: {arch} has " + ", ".join(f"{k} {theirs[k]}" for k in differ) +
+                      f"; model={m.name} has " + ", ".join(f"{k} {ours[k]}" for k in differ) +
+                      f": use {pick}, or set " + " ".join(f"model.{k}={theirs[k]}" for k in differ))
+
+
+def _check_torchvision_weights(m: DictConfig, key: str, weights) -> None:
+    """torchvision weights by name are those of the detector's own builder (model.weights) or a ResNet-50
+    (model.backbone_weights)."""
+    kind = type(weights).__name__
+    if key == "backbone_weights":
+        if kind != "ResNet50_Weights":
+            raise ConfigError(f"model.backbone_weights={kind}.{weights.name}: the ResNet-50 FPN detectors take "
+                              "ResNet50_Weights (e.g. ResNet50_Weights.IMAGENET1K_V2)")
+        return
+    if m.family != "torchvision":
+        raise ConfigError(f"model.weights={kind}.{weights.name}: torchvision weight names are for the torchvision "
+                          f"detectors; {m.name} takes a local weights file (a ViT starts from timm's with "
+                          "model.init_from=timm/<name>)")
+    from torchvision.models import get_model_weights
+
+    wanted = get_model_weights(m.arch)
+    if type(weights) is not wanted:
+        raise ConfigError(f"model.weights={kind}.{weights.name} are torchvision's weights of another detector than "
+                          f"model={m.name} ({m.arch}): use {wanted.__name__}."
+                          f"{next(iter(wanted)).name} or the model config of those weights")
 
 
 def _check_data(d: DictConfig) -> None:

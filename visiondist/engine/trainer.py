@@ -67,7 +67,9 @@ class Trainer:
         self.task = build_task(cfg, layout)  # the data first: a missing folder stops the run before a model is built
         self.data = self.task.data
         check_val_images(self.data.val_loader)  # before step 1, not at the first evaluation
-        self.model = build_laid_out(cfg, layout, getattr(self.task, "criterion", None))  # a pipeline's last stage
+        resuming = self._resume_path() is not None  # the checkpoint fills every tensor: no initial weights are read
+        self.model = build_laid_out(cfg, layout, getattr(self.task, "criterion", None),  # a pipeline's last stage
+                                    weights=not resuming)
         self.num_params = num_params(cfg.model)
         self.pipeline = self.model if isinstance(self.model, PipelinedViT) else None
         self.bubble: float | None = None  # measured on one step of a pipelined run
@@ -113,10 +115,7 @@ class Trainer:
     def _resume(self) -> Path | None:
         """Load `trainer.resume` (auto: this run dir's latest complete checkpoint) into model, optimizer, schedule,
         step / data position and, under the same layout, the RNG states."""
-        spec = self.cfg.trainer.resume
-        if spec is None:
-            return None
-        path = latest_checkpoint(self.run_dir) if spec == "auto" else resolve_checkpoint(str(spec))
+        path = self._resume_path()
         if path is None:
             return None
         saved = load_checkpoint(path, unwrap(self.model), self.optimizer, self.layout, self.ema)
@@ -141,6 +140,12 @@ class Trainer:
         if not saved["rng_restored"]:
             seed_everything(self.cfg.trainer.seed + self.step)
         return path
+
+    def _resume_path(self) -> Path | None:
+        spec = self.cfg.trainer.resume
+        if spec is None:
+            return None
+        return latest_checkpoint(self.run_dir) if spec == "auto" else resolve_checkpoint(str(spec))
 
     def save_checkpoint(self, wait: bool = False) -> Path:
         """A checkpoint of this step. Under `trainer.checkpoint_async` the write continues in the background (at most

@@ -75,10 +75,16 @@ def build_deferred(cfg: Any, weights: bool = True) -> tuple[nn.Module, Optional[
     """A ViT: the model on the meta device and the source of its initial values (`weights=False`: None, the tensors
     are left for a checkpoint to fill); `visiondist.models.init.materialize` allocates what a rank keeps. Other
     families: the model built on the CPU and None. Tell the two apart with `visiondist.models.init.is_meta`."""
-    if not weights:  # `model.weights` / `model.init_from` are not read (the backbone's stay: they decide freezing)
-        cfg = OmegaConf.merge(cfg, {"weights": None, "init_from": None})  # a copy: the run's config is read-only
+    structure = cfg
+    if not weights:  # no weights file is read (a checkpoint fills the tensors); pretrained ones still shape the model
+        cfg = OmegaConf.merge(cfg, {"weights": None, "init_from": None, "backbone_weights": None})  # a copy
     if cfg.family not in DEFERRED_INIT:
-        return build_model(cfg), None
+        model = build_model(cfg)
+        if not weights and cfg.family == "torchvision":
+            from visiondist.models.detection import pretrained_structure
+
+            pretrained_structure(model, structure)
+        return model, None
     with torch.device("meta"):
         model = build_model(cfg)
     return model, DEFERRED_INIT[cfg.family](cfg, model) if weights else None

@@ -56,7 +56,7 @@ def build_torchvision_detector(cfg: Any) -> nn.Module:
 
     if getattr(cfg, "backbone_weights", None):
         path = str(local_file(cfg.backbone_weights, "model.backbone_weights"))  # a torchvision name: torch hub's cache
-        load_backbone(model, path, cfg.trainable_backbone_layers, frozen_bn=not cfg.arch.endswith("_v2"))
+        load_backbone(model, path, cfg.trainable_backbone_layers, frozen_bn=_frozen_bn(cfg))
     if cfg.weights and is_enum_name(cfg.weights):
         load_pretrained_detector(model, cfg)
     elif cfg.weights:
@@ -80,8 +80,10 @@ def load_pretrained_detector(model: nn.Module, cfg: Any) -> None:
 
     state = read_state(str(local_file(cfg.weights, "model.weights")), "model.weights")
     body = model.backbone.body
-    if not any(k.endswith("num_batches_tracked") for k in state):
+    if _frozen_bn(cfg):
         _freeze_batchnorms(body)
+        state = {k: v for k, v in state.items() if not (k.startswith("backbone.body.") and
+                                                        k.endswith("num_batches_tracked"))}
     own = model.state_dict()
     fresh = [k for k in state if k in own and state[k].shape != own[k].shape and k.startswith(_CLASS_HEADS)]
     for key in fresh:
@@ -97,6 +99,25 @@ def load_pretrained_detector(model: nn.Module, cfg: Any) -> None:
 
         logging.getLogger(__name__).info("model.weights=%s: %s re-initialised (the weights have another number of "
                                          "classes)", cfg.weights, ", ".join(sorted({k.rsplit(".", 1)[0] for k in fresh})))
+
+
+def _frozen_bn(cfg: Any) -> bool:
+    """torchvision builds its pretrained detectors with FrozenBatchNorm2d in the backbone, except the v2 models."""
+    return not str(cfg.arch).endswith("_v2")
+
+
+def pretrained_structure(model: nn.Module, cfg: Any) -> None:
+    """What starting from pretrained weights (`model.weights` by name, `model.backbone_weights`) changes in a detector
+    besides its tensors, applied without reading them (a resumed run, eval, export): frozen BatchNorms and frozen
+    early stages."""
+    from visiondist.utils.pretrained import is_enum_name
+
+    if not (cfg.get("backbone_weights") or is_enum_name(cfg.get("weights"))):
+        return
+    body = model.backbone.body
+    if _frozen_bn(cfg):
+        _freeze_batchnorms(body)
+    freeze_backbone_stages(body, cfg.trainable_backbone_layers)
 
 
 def _freeze_batchnorms(body: nn.Module) -> None:

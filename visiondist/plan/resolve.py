@@ -264,3 +264,6 @@ def _check_best_metric(cfg: DictConfig) -> None:
     if metric is not None and task in EVAL_METRICS and metric not in EVAL_METRICS[task]:
         raise ConfigError(f"trainer.best_metric={metric} is not an evaluation metric of {task}: use one of "
                           f"{', '.join(EVAL_METRICS[task])}")
+    if metric is not None and metric.startswith("val_ema_") and not cfg.trainer.ema_decay:
+        raise ConfigError(f"trainer.best_metric={metric} is the EMA's, and this run keeps none: set "
+                          f"trainer.ema_decay (e.g. 0.9998) or use {metric.replace('val_ema_', 'val_')}")

@@ -42,15 +42,24 @@ def is_named(spec: Optional[str]) -> bool:
     return is_timm_name(spec) or is_enum_name(spec)
 
 
-def offline() -> bool:
-    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("VISIONDIST_OFFLINE", ""))
+def _offline_flag() -> str:
+    """The setting that forbids downloads ("HF_HUB_OFFLINE=1", "VISIONDIST_OFFLINE=1"), or ""."""
+    on = ("1", "true", "yes", "on")
+    for name in ("HF_HUB_OFFLINE", "VISIONDIST_OFFLINE"):
+        if os.environ.get(name, "").strip().lower() in on:
+            return f"{name}=1"
     try:
         from huggingface_hub import constants
 
-        flags += (str(constants.HF_HUB_OFFLINE),)
+        if str(constants.HF_HUB_OFFLINE).strip().lower() in on:
+            return "HF_HUB_OFFLINE=1"
     except ImportError:
         pass
-    return any(f.strip().lower() in ("1", "true", "yes", "on") for f in flags)
+    return ""
+
+
+def offline() -> bool:
+    return bool(_offline_flag())
 
 
 # -- timm --------------------------------------------------------------------------------------------------------
@@ -107,21 +116,42 @@ def _timm_file(spec: str, key: str, download: bool) -> Path:
     fetch = (f"fetch it where there is network with `hf download {repo} {names[0]}` (huggingface_hub's CLI) and copy "
              f"that machine's {cache} here, or point HF_HUB_CACHE at a copy")
     if not download or offline():
-        why = "HF_HUB_OFFLINE=1" if offline() else "ranks read only the cache"
+        why = _offline_flag() or "ranks read only the cache"
         raise WeightsNotFound(f"{key}={spec}: {names[0]} of {repo} is not in the Hugging Face cache {cache} "
                               f"({why}): {fetch}")
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     error: Optional[BaseException] = None
     for name in names:
         try:
             return Path(hf_hub_download(repo, name, revision=revision))
-        except EntryNotFoundError as exc:  # the repo has the other file
-            error = exc
-        except Exception as exc:  # no network, no such repo, ...
+        except EntryNotFoundError as exc:
+            if isinstance(exc, LocalEntryNotFoundError):  # the hub could not be reached: no network
+                raise WeightsNotFound(f"{key}={spec}: {names[0]} of {repo} is not in the Hugging Face cache {cache} "
+                                      f"and the hub could not be reached: {fetch} (HF_HUB_OFFLINE=1 skips the "
+                                      "download attempts)") from None
+            error = exc  # the repo has the other file
+        except Exception as exc:  # no such repo, refused, ...
             raise WeightsNotFound(f"{key}={spec}: {names[0]} of {repo} is not in the Hugging Face cache {cache} and "
                                   f"could not be downloaded ({type(exc).__name__}): {fetch}") from None
     raise WeightsNotFound(f"{key}={spec}: {repo} has none of {', '.join(names)} ({error})")
+
+
+def timm_shape(spec: str) -> Optional[dict[str, int]]:
+    """The ViT shape of a timm name's architecture (embed_dim, depth, num_heads, patch_size), built on the meta
+    device (nothing allocated, nothing read); None for an architecture that is not a plain ViT."""
+    import timm
+    import torch
+
+    arch = timm_pretrained_cfg(spec).architecture
+    with torch.device("meta"):
+        model = timm.create_model(arch, pretrained=False)
+    blocks, embed = getattr(model, "blocks", None), getattr(model, "patch_embed", None)
+    if blocks is None or embed is None or not hasattr(blocks[0], "attn"):
+        return None
+    patch = getattr(embed, "patch_size", (0,))
+    return {"embed_dim": int(model.embed_dim), "depth": len(blocks), "num_heads": int(blocks[0].attn.num_heads),
+            "patch_size": int(patch[0] if isinstance(patch, (tuple, list)) else patch)}
 
 
 def pretrained_data_defaults(spec: str) -> dict[str, Any]:
@@ -162,7 +192,7 @@ def _hub_file(url: str, key: str, spec: str, download: bool) -> Path:
     fetch = (f"fetch it where there is network (`curl -L -o {file.name} {url}`) and put it at {file} (TORCH_HOME "
              "moves the cache)")
     if not download or offline():
-        why = "offline" if offline() else "ranks read only the cache"
+        why = _offline_flag() or "ranks read only the cache"
         raise WeightsNotFound(f"{key}={spec}: {file} is not in torch hub's cache ({why}): {fetch}")
     match = torch.hub.HASH_REGEX.search(file.name)
     file.parent.mkdir(parents=True, exist_ok=True)
