@@ -53,9 +53,9 @@ def _resumes(t) -> bool:
         return False
     if t.resume != "auto":
         return True
-    root = Path(t.run_dir).expanduser() / "checkpoints" if t.run_dir else None
-    return root is not None and root.is_dir() and any(
-        (d / ".metadata").is_file() and (d / "trainer_state.json").is_file() for d in root.glob("step_*"))
+    from visiondist.utils.dcp import list_checkpoints
+
+    return bool(t.run_dir) and bool(list_checkpoints(Path(t.run_dir).expanduser()))
 
 
 def fetch_named_weights(model_cfg) -> None:
@@ -169,12 +169,11 @@ def check_weights(model_cfg) -> None:
     """`model.weights` (a file or a checkpoint directory) exists and its tensors have the model's shapes; a
     classifier of another size names the class count the weights were trained for."""
     from visiondist.models.weights import weight_shapes
-
-    from visiondist.utils.pretrained import is_named, local_file
+    from visiondist.utils.pretrained import is_named
 
     if is_named(model_cfg.weights):  # a detector starting from torchvision's: a head of another class count is new
         return
-    path = local_file(model_cfg.weights, "model.weights")
+    path = Path(model_cfg.weights).expanduser()
     if not path.exists():
         raise ConfigError(f"model.weights={model_cfg.weights}: no such file or checkpoint directory")
     try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -68,18 +68,11 @@ def continue_config(fresh: DictConfig, saved: DictConfig, overrides: list[str]) 
 
 def changed_keys(a: DictConfig, b: DictConfig) -> list[str]:
     """Dotted keys whose values differ (trainer.run_dir and trainer.resume are not a change)."""
-    flat_a, flat_b = (_flatten(OmegaConf.to_container(c, resolve=True)) for c in (a, b))
+    from visiondist.config.compose import flatten
+
+    flat_a, flat_b = (flatten(OmegaConf.to_container(c, resolve=True)) for c in (a, b))
     keys = sorted(set(flat_a) | set(flat_b))
     return [k for k in keys if flat_a.get(k) != flat_b.get(k) and k not in PER_PROCESS]
-
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix[:-1]: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(_flatten(value, f"{prefix}{key}."))
-    return out
 
 
 def record_attempt(run_dir: Path, saved: DictConfig, cfg: DictConfig, run=None) -> None:

@@ -73,7 +73,7 @@ def test_detector_from_torchvision_weights_by_name_trains_evaluates_and_exports(
     import torchvision
     from torchvision.models.detection import FasterRCNN_MobileNet_V3_Large_FPN_Weights as W
 
-    from visiondist.models.detection import _freeze_batchnorms
+    from visiondist.models.weights import freeze_batchnorms
     from helpers import torch_hub_cache_with
     from test_detection_train import DETECT
 
@@ -81,7 +81,7 @@ def test_detector_from_torchvision_weights_by_name_trains_evaluates_and_exports(
     monkeypatch.setenv("VISIONDIST_OFFLINE", "1")
     torch.manual_seed(3)
     coco = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(weights=None, weights_backbone=None)
-    _freeze_batchnorms(coco.backbone.body)
+    freeze_batchnorms(coco.backbone.body)
     torch_hub_cache_with(tmp_path / "torch", W.COCO_V1.url, coco.state_dict())
     run = tmp_path / "run"
     out = train_ok(*DETECT, f"data.root={tmp_path / 'data'}", f"trainer.run_dir={run}",

@@ -120,12 +120,12 @@ def test_d_a_whole_torchvision_detector_by_name_gets_a_new_head_for_other_classe
 
     from visiondist.cli import load_config
     from visiondist.models import build_model
-    from visiondist.models.detection import _freeze_batchnorms
+    from visiondist.models.weights import freeze_batchnorms
 
     torch.manual_seed(3)
     coco = torchvision.models.detection.fasterrcnn_mobilenet_v3_large_fpn(weights=None, weights_backbone=None,
                                                                          num_classes=91)
-    _freeze_batchnorms(coco.backbone.body)
+    freeze_batchnorms(coco.backbone.body)
     file_state = coco.state_dict()
     assert not any(k.endswith("num_batches_tracked") for k in file_state)
     torch_hub_cache_with(offline / "torch", W.COCO_V1.url, file_state)

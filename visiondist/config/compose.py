@@ -39,6 +39,16 @@ def compose(config_dir: str | Path, overrides: list[str], config_name: str = "tr
     return cfg
 
 
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"model.depth": 12, ...}: the leaves of a nested dict under dotted keys (lists stay whole)."""
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}{key}."))
+    return out
+
+
 def to_container(cfg: DictConfig) -> dict[str, Any]:
     """A plain, picklable dict (what crosses process boundaries)."""
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]

@@ -28,7 +28,6 @@ import logging
 import os
 import pickle
 import random
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -43,34 +42,21 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
 from visiondist.parallel.tensor import SHARD_DIM, persistent_buffers
-from visiondist.utils.dcp import SafeFileSystemReader, read_metadata
+from visiondist.utils.dcp import (
+    CHECKPOINTS,
+    METADATA,
+    STATE_FILE,
+    SafeFileSystemReader,
+    is_complete,
+    list_checkpoints,
+    read_metadata,
+)
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.json"
-METADATA = ".metadata"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 # -- finding checkpoints -------------------------------------------------------------------------------------------
-
-
-def is_complete(path: Path) -> bool:
-    return (path / METADATA).is_file() and (path / STATE_FILE).is_file()
-
-
-def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints of a run, oldest first."""
-    root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = []
-    for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and entry.is_dir() and is_complete(entry):
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:
@@ -317,9 +303,6 @@ class PendingSave:
                 return
         if self._error is None:
             action()
-
-    def done(self) -> bool:
-        return not self._thread.is_alive()
 
     def wait(self, timeout: Optional[float] = None) -> Path:
         """The checkpoint, complete; raises if its write failed (or is still running after `timeout` s)."""

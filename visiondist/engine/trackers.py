@@ -28,6 +28,7 @@ from typing import Any, Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from visiondist.config.compose import flatten
 from visiondist.config.validate import TRACKERS, check_trackers_installed
 
 log = logging.getLogger(__name__)
@@ -165,16 +166,6 @@ def run_name(cfg: DictConfig, run_dir: Path) -> str:
         return str(run_dir.relative_to(Path(cfg.trainer.output_dir).expanduser().resolve()))
     except ValueError:
         return run_dir.name
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """{"model.depth": 12, ...}: the leaves of a nested dict under dotted keys (lists stay whole)."""
-    if not isinstance(tree, dict):
-        return {prefix[:-1]: tree}
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        out.update(flatten(value, f"{prefix}{key}."))
-    return out
 
 
 def _values(row: dict[str, Any]) -> dict[str, float]:

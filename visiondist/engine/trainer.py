@@ -67,9 +67,9 @@ class Trainer:
         self.task = build_task(cfg, layout)  # the data first: a missing folder stops the run before a model is built
         self.data = self.task.data
         check_val_images(self.data.val_loader)  # before step 1, not at the first evaluation
-        resuming = self._resume_path() is not None  # the checkpoint fills every tensor: no initial weights are read
+        resume_from = self._resume_path()  # a checkpoint fills every tensor: then no initial weights are read
         self.model = build_laid_out(cfg, layout, getattr(self.task, "criterion", None),  # a pipeline's last stage
-                                    weights=not resuming)
+                                    weights=resume_from is None)
         self.num_params = num_params(cfg.model)
         self.pipeline = self.model if isinstance(self.model, PipelinedViT) else None
         self.bubble: float | None = None  # measured on one step of a pipelined run
@@ -99,7 +99,7 @@ class Trainer:
         self.stop_requested = False
         self.skipped_steps = 0
         self.overflow_steps = 0  # fp16: steps skipped because a scaled gradient overflowed
-        self.resumed_from = self._resume()
+        self.resumed_from = self._resume(resume_from)
         self.last_checkpoint = self.resumed_from  # the newest complete checkpoint
         self.saved_step = self.step if self.resumed_from is not None else -1  # the step the newest save (any) is of
         self.pending_save: PendingSave | None = None  # trainer.checkpoint_async: the save being written
@@ -112,10 +112,9 @@ class Trainer:
                                      continue_from=self.step if same_run else None)
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
-    def _resume(self) -> Path | None:
-        """Load `trainer.resume` (auto: this run dir's latest complete checkpoint) into model, optimizer, schedule,
-        step / data position and, under the same layout, the RNG states."""
-        path = self._resume_path()
+    def _resume(self, path: Path | None) -> Path | None:
+        """Load `path` (`_resume_path`) into model, optimizer, schedule, step / data position and, under the same
+        layout, the RNG states."""
         if path is None:
             return None
         saved = load_checkpoint(path, unwrap(self.model), self.optimizer, self.layout, self.ema)
@@ -142,6 +141,7 @@ class Trainer:
         return path
 
     def _resume_path(self) -> Path | None:
+        """The checkpoint `trainer.resume` names (auto: this run dir's latest complete one), or None."""
         spec = self.cfg.trainer.resume
         if spec is None:
             return None
@@ -179,12 +179,12 @@ class Trainer:
         self.checkpoint_stall_s.append(time.perf_counter() - started)
         return saved.path if isinstance(saved, PendingSave) else saved
 
-    def wait_checkpoint(self, timeout: float | None = None) -> None:
+    def wait_checkpoint(self) -> None:
         """Wait for the save in flight (if any) to be complete on disk; it becomes the newest checkpoint."""
         pending = self.pending_save
         if pending is None:
             return
-        self.last_checkpoint = pending.wait(timeout)
+        self.last_checkpoint = pending.wait()
         self.pending_save = None
         log.info("checkpoint: %s (written in the background)", pending.path)
 

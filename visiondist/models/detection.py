@@ -11,6 +11,7 @@ corner near 1000 px is off by up to 4 px and one past 1024 by up to 8; the backb
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -22,7 +23,9 @@ from torch import nn
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 
 from visiondist.models.vit import Block
-from visiondist.models.weights import load_local_weights
+from visiondist.models.weights import freeze_batchnorms, load_local_weights
+
+log = logging.getLogger(__name__)
 
 TORCHVISION_DETECTORS = {
     name: getattr(tvd, name)
@@ -72,16 +75,16 @@ _CLASS_HEADS = ("roi_heads.box_predictor.cls_score.", "roi_heads.box_predictor.b
 
 def load_pretrained_detector(model: nn.Module, cfg: Any) -> None:
     """`model.weights=<torchvision weights name>`, e.g. FasterRCNN_ResNet50_FPN_Weights.COCO_V1: the whole detector
-    as torchvision builds it with `weights=`: BatchNorms frozen where its file has no batch counters (FrozenBatchNorm2d),
-    all but the last `trainable_backbone_layers` backbone stages frozen, and the classifier (and box regressor) of
-    another class count left at their initialisation."""
+    as torchvision builds it with `weights=`: the backbone's BatchNorms frozen (FrozenBatchNorm2d; not in the v2
+    models), all but the last `trainable_backbone_layers` backbone stages frozen, and the classifier (and box
+    regressor) of another class count left at their initialisation."""
     from visiondist.utils.pretrained import local_file
     from visiondist.models.weights import read_state
 
     state = read_state(str(local_file(cfg.weights, "model.weights")), "model.weights")
     body = model.backbone.body
     if _frozen_bn(cfg):
-        _freeze_batchnorms(body)
+        freeze_batchnorms(body)
         state = {k: v for k, v in state.items() if not (k.startswith("backbone.body.") and
                                                         k.endswith("num_batches_tracked"))}
     own = model.state_dict()
@@ -95,10 +98,8 @@ def load_pretrained_detector(model: nn.Module, cfg: Any) -> None:
                          f"{', '.join(missing[:5]) or 'nothing'}; unexpected {', '.join(unexpected[:5]) or 'nothing'}")
     freeze_backbone_stages(body, cfg.trainable_backbone_layers)
     if fresh:
-        import logging
-
-        logging.getLogger(__name__).info("model.weights=%s: %s re-initialised (the weights have another number of "
-                                         "classes)", cfg.weights, ", ".join(sorted({k.rsplit(".", 1)[0] for k in fresh})))
+        log.info("model.weights=%s: %s re-initialised (the weights have another number of classes)", cfg.weights,
+                 ", ".join(sorted({k.rsplit(".", 1)[0] for k in fresh})))
 
 
 def _frozen_bn(cfg: Any) -> bool:
@@ -116,18 +117,8 @@ def pretrained_structure(model: nn.Module, cfg: Any) -> None:
         return
     body = model.backbone.body
     if _frozen_bn(cfg):
-        _freeze_batchnorms(body)
+        freeze_batchnorms(body)
     freeze_backbone_stages(body, cfg.trainable_backbone_layers)
-
-
-def _freeze_batchnorms(body: nn.Module) -> None:
-    from torchvision.ops.misc import FrozenBatchNorm2d
-
-    for name, module in list(body.named_modules()):
-        if isinstance(module, nn.BatchNorm2d):
-            frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps)
-            parent = body.get_submodule(name.rpartition(".")[0]) if "." in name else body
-            setattr(parent, name.rpartition(".")[2], frozen)
 
 
 def freeze_backbone_stages(body: nn.Module, trainable_layers: int) -> None:
@@ -158,7 +149,7 @@ def load_backbone(model: nn.Module, path: str, trainable_layers: int, frozen_bn:
     body = model.backbone.body
     state = {k: v for k, v in read_state(path, "model.backbone_weights").items() if not k.startswith("fc.")}
     if frozen_bn:
-        _freeze_batchnorms(body)
+        freeze_batchnorms(body)
         state = {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
     missing, unexpected = body.load_state_dict(state, strict=False)
     if missing or unexpected:

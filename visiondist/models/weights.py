@@ -75,12 +75,18 @@ def match_frozen_batchnorms(model: nn.Module, stored: Iterable[str]) -> None:
     """Weights saved from a model whose BatchNorms were frozen (torchvision's FrozenBatchNorm2d, which a detector
     started from pretrained weights has: no `num_batches_tracked`) load into a model built with trainable ones by
     freezing those BatchNorms first, as the saved model had them."""
+    stored = set(stored)
+    freeze_batchnorms(model, lambda name: f"{name}.running_mean" in stored and
+                      f"{name}.num_batches_tracked" not in stored)
+
+
+def freeze_batchnorms(model: nn.Module, which: Optional[Callable[[str], bool]] = None) -> None:
+    """Replace the BatchNorm2d modules of `model` (those whose name `which` accepts; default all) by torchvision's
+    FrozenBatchNorm2d with the same eps, on the same device; their statistics and affine values are loaded next."""
     from torchvision.ops.misc import FrozenBatchNorm2d
 
-    stored = set(stored)
     for name, module in list(model.named_modules()):
-        if (isinstance(module, nn.BatchNorm2d) and f"{name}.running_mean" in stored
-                and f"{name}.num_batches_tracked" not in stored):
+        if isinstance(module, nn.BatchNorm2d) and (which is None or which(name)):
             parent_name, _, child = name.rpartition(".")
             frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps).to(module.weight.device)
             setattr(model.get_submodule(parent_name) if parent_name else model, child, frozen)

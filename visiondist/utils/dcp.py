@@ -1,9 +1,12 @@
 """Reading torch.distributed.checkpoint (DCP) metadata safely: DCP pickles its `.metadata`, so a plain unpickler
-would run whatever a crafted checkpoint names. Used by checkpoint loading and by `model.weights=<checkpoint dir>`."""
+would run whatever a crafted checkpoint names. Used by checkpoint loading and by `model.weights=<checkpoint dir>`.
+Also what makes a run's checkpoint complete (`is_complete`, `list_checkpoints`), which the trainer and the checks
+before launch both ask."""
 
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -49,3 +52,27 @@ class SafeFileSystemReader(FileSystemReader):
 
 def read_metadata(path: Path):
     return SafeFileSystemReader(str(path)).read_metadata()
+
+
+CHECKPOINTS = "checkpoints"  # <run>/checkpoints/step_<N>/
+STATE_FILE = "trainer_state.json"
+METADATA = ".metadata"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint directory whose DCP metadata and trainer state are both written."""
+    return (path / METADATA).is_file() and (path / STATE_FILE).is_file()
+
+
+def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir() and is_complete(entry):
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
