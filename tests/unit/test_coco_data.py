@@ -63,6 +63,20 @@ def test_boxes_crowd_degenerate_and_empty_images(tmp_path, caplog):
     assert evaluation[3][1]["boxes"].shape == (0, 4) and evaluation.counts.crowd_boxes == 1
 
 
+def test_annotations_of_images_not_in_the_file_are_counted(tmp_path, caplog):
+    anns = [
+        {"image_id": 1, "category_id": 1, "bbox": [2, 2, 10, 10]},
+        {"image_id": 7, "category_id": 1, "bbox": [2, 2, 10, 10]},  # no image 7
+        {"image_id": 9, "category_id": 3, "bbox": [1, 1, 5, 5]},  # no image 9
+    ]
+    root, ann = _write_set(tmp_path, {"a.png": _rgb()}, anns)
+    with caplog.at_level(logging.INFO):
+        data = CocoDetection(root, ann, train=True)
+    assert data.counts.orphan_annotations == 2 and data.counts.boxes == 1
+    assert ("1 images, 1 boxes; left out: 0 crowd boxes, 0 degenerate boxes, 0 images without usable boxes, "
+            "2 annotations whose image_id has no image") in caplog.text
+
+
 @pytest.mark.parametrize("mode", ["L", "CMYK", "RGBA", "P", "I;16"])
 def test_any_image_mode_is_read_as_rgb(tmp_path, mode):
     source = _rgb((120, 60, 30))

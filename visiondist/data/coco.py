@@ -5,9 +5,12 @@ Rules, each counted and logged when the dataset is built:
   degenerate and dropped;
 - crowd annotations are left out of training targets (COCOeval reads them from the annotation file itself);
 - for training, images left without a usable box are dropped; evaluation keeps every image;
+- an annotation whose image_id is not among `images` is left out (there is no image to put its box on);
 - an annotation whose category is not in `categories` is an error naming the annotation;
 - a `file_name` that is absolute or climbs out of the image folder (`..`) is refused;
-- grayscale, CMYK, palette and RGBA files are converted to RGB;
+- images are decoded by `visiondist.data.decode.read_rgb`, as in classification: upright (EXIF orientation applied),
+  16-bit scaled to 8, grey / CMYK / palette / RGBA converted to RGB; an image whose decoded size differs from the
+  annotation file's width / height is an error naming the file (its boxes would not fit it), in training too;
 - a training image that cannot be read is logged (once per file) and replaced by the next readable index; a run of
   `max_bad_images` consecutive unreadable images is an error. In evaluation an unreadable image is an error.
 """
@@ -23,9 +26,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import Dataset
 
+from visiondist.data.decode import exif_orientation, read_rgb
 from visiondist.data.robust import BadImages
 
 log = logging.getLogger(__name__)
@@ -40,11 +43,13 @@ class CocoCounts:
     crowd_boxes: int = 0
     degenerate_boxes: int = 0
     images_without_boxes: int = 0
+    orphan_annotations: int = 0  # image_id not among `images`
 
     def describe(self) -> str:
         return (
             f"{self.images} images, {self.boxes} boxes; left out: {self.crowd_boxes} crowd boxes, "
-            f"{self.degenerate_boxes} degenerate boxes, {self.images_without_boxes} images without usable boxes"
+            f"{self.degenerate_boxes} degenerate boxes, {self.images_without_boxes} images without usable boxes, "
+            f"{self.orphan_annotations} annotations whose image_id has no image"
         )
 
 
@@ -78,6 +83,7 @@ def read_records(coco, image_root: Path, train: bool) -> tuple[list[ImageRecord]
     cat_ids = sorted(coco.getCatIds())
     label_of = {cat: i + 1 for i, cat in enumerate(cat_ids)}
     counts = CocoCounts()
+    counts.orphan_annotations = sum(len(anns) for image_id, anns in coco.imgToAnns.items() if image_id not in coco.imgs)
     records = []
     for image_id in sorted(coco.getImgIds()):
         info = coco.imgs[image_id]
@@ -114,10 +120,9 @@ def read_records(coco, image_root: Path, train: bool) -> tuple[list[ImageRecord]
     return records, label_of, counts
 
 
-def read_image(path: Path) -> np.ndarray:
-    """RGB uint8 (H, W, 3) from any mode PIL reads (L, CMYK, P, RGBA, I;16, ...)."""
-    with Image.open(path) as img:
-        return np.array(img.convert("RGB"))
+class ImageSizeMismatch(RuntimeError):
+    """A decoded image whose size is not the annotation file's: its boxes would be misplaced. Not a read error, so
+    training stops on it rather than replacing the image."""
 
 
 class CocoDetection(Dataset):
@@ -167,9 +172,20 @@ class CocoDetection(Dataset):
         return tensor, target
 
     def _load(self, index: int) -> tuple[int, np.ndarray]:
-        """Read the image at `index`; in training an unreadable one is replaced by the next readable index."""
+        """Read the image at `index` and check its size against the annotation file's; in training an unreadable one
+        is replaced by the next readable index."""
         n = len(self.records)
-        return self._bad.read(((i % n, self.records[i % n].path) for i in range(index, index + n)), read_image)
+        index, image = self._bad.read(((i % n, self.records[i % n].path) for i in range(index, index + n)), read_rgb)
+        record = self.records[index]
+        if image.shape[:2] != (record.height, record.width):
+            h, w = image.shape[:2]
+            turned = (w, h) == (record.height, record.width) and exif_orientation(record.path.read_bytes()) >= 5
+            why = ("its EXIF orientation turns it by 90 degrees, and the annotations describe the pixels as stored; "
+                   "remove its orientation tag (exiftool -Orientation= <file>) or annotate the upright image" if turned
+                   else "fix the annotation file's width / height or the image")
+            raise ImageSizeMismatch(f"{record.path} reads as {w}x{h} (upright) but {self.ann_file.name} says image "
+                                    f"{record.image_id} is {record.width}x{record.height}: {why}")
+        return index, image
 
 
 def collate_detection(batch: list) -> tuple[list[torch.Tensor], list[dict]]:

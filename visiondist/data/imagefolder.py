@@ -1,4 +1,5 @@
-"""ImageFolder-layout classification data (`<root>/<split>/<class>/<image>`): ImageNet and the built-in sets."""
+"""ImageFolder-layout classification data (`<root>/<split>/<class>/<image>`): ImageNet and the built-in sets. Images
+are decoded by `visiondist.data.decode.read_rgb`, the reader every loader shares."""
 
 from __future__ import annotations
 
@@ -6,25 +7,13 @@ import os
 from pathlib import Path
 from typing import Callable, Optional
 
-import cv2
 import numpy as np
 from torch.utils.data import Dataset
 
+from visiondist.data.decode import read_rgb  # noqa: F401  (the one reader; imported from here too)
 from visiondist.data.robust import BadImages
 
-_IMREAD_RGB = getattr(cv2, "IMREAD_COLOR_RGB", cv2.IMREAD_COLOR)  # OpenCV >= 4.10 decodes straight to RGB
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
-
-
-def read_rgb(path: str) -> np.ndarray:
-    """Decode any common image file (grey, RGBA and CMYK included) to an HxWx3 uint8 RGB array."""
-    data = np.fromfile(path, dtype=np.uint8)
-    if _is_truncated_jpeg(data):
-        raise OSError(f"truncated JPEG {path}: no end-of-image marker")
-    image = cv2.imdecode(data, _IMREAD_RGB) if data.size else None
-    if image is None:
-        raise OSError(f"cannot decode image {path}" + ("" if data.size else ": the file is empty"))
-    return image if _IMREAD_RGB != cv2.IMREAD_COLOR else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
 
 
 def scan_image_folder(split_dir: Path) -> tuple[list[str], list[tuple[str, int]]]:
@@ -43,12 +32,6 @@ def scan_image_folder(split_dir: Path) -> tuple[list[str], list[tuple[str, int]]
             raise FileNotFoundError(f"class folder {split_dir / name} holds no images ({', '.join(IMG_EXTENSIONS)})")
         samples.extend((str(split_dir / name / f), label) for f in files)
     return classes, samples
-
-
-def _is_truncated_jpeg(data: np.ndarray) -> bool:
-    """A JPEG whose end-of-image marker is missing from its last 4 KB: cut off in transfer. (OpenCV would decode it,
-    grey below the cut, with only a warning on stderr.)"""
-    return data.size >= 2 and data[0] == 0xFF and data[1] == 0xD8 and b"\xff\xd9" not in data[-4096:].tobytes()
 
 
 class ImageFolder(Dataset):

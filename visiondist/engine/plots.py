@@ -85,7 +85,7 @@ def plot_predictions(detections_json: Path, ann_file: Path, image_dir: Path, png
     """The first `images` val images (by id) with their ground-truth boxes (green) and the predicted boxes scoring at
     least `min_score` (red, with category and score), from a COCO results file. An image with no prediction that
     sure shows its best ones instead, as many as it has true boxes (dotted: an early model's guesses are visible)."""
-    from PIL import Image
+    from visiondist.data.decode import read_rgb
 
     gt = json.loads(Path(ann_file).read_text())
     if not gt["images"] or not Path(detections_json).is_file():
@@ -117,8 +117,7 @@ def plot_predictions(detections_json: Path, ann_file: Path, image_dir: Path, png
     for ax in axes.flat:
         ax.axis("off")
     for ax, image in zip(axes.flat, chosen):
-        with Image.open(Path(image_dir) / image["file_name"]) as im:
-            ax.imshow(im.convert("RGB"))
+        ax.imshow(read_rgb(Path(image_dir) / image["file_name"]))  # upright, as the boxes were annotated
         for ann in truth[image["id"]]:
             x, y, w, h = ann["bbox"]
             ax.add_patch(Rectangle((x, y), w, h, fill=False, edgecolor="lime", linewidth=1.5))
