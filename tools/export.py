@@ -4,8 +4,9 @@
 
 safetensors (default): one consolidated file in timm's (ViT) or torchvision's (detectors) key names, loadable with
 strict=True without visiondist, plus <out>.json saying how to build the model (see visiondist/engine/export.py).
-onnx: checked against PyTorch with ONNX Runtime when it is installed (detectors: on 3 val images of the run's data
-when it is here; the number of boxes compared is printed). Weights come from the run's latest checkpoint
+onnx: the class names (detectors: label -> COCO category id) in its metadata, checked against PyTorch with ONNX
+Runtime when it is installed (detectors: on 3 val images of the run's data when it is here; the number of boxes
+compared is printed). Weights come from the run's latest checkpoint
 (or `step`), whatever parallel layout wrote it, else its model.safetensors. Default out: <run dir>/export/model.<ext>.
 """
 
@@ -53,7 +54,8 @@ def export(cmd: Command) -> int:
         return 0
     out = Path(args.get("out") or run_dir / "export" / f"model{SUFFIX[fmt]}")
 
-    from visiondist.engine.export import check_onnx, export as export_run, load_trained
+    from visiondist.engine.export import export as export_run, load_trained
+    from visiondist.engine.export_onnx import check_onnx
 
     if not args.get("step", "0").isdigit() and args["step"] != "best":
         raise ConfigError(f"step={args['step']}: give a checkpoint's step number, e.g. step=500, or step=best")

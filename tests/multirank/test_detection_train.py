@@ -60,6 +60,9 @@ def _export_loads_in_torchvision(run, tmp_path):
     assert exported.returncode == 0, exported.stdout[-4000:]
     info = json.loads(out.with_suffix(".json").read_text())
     assert info["library"] == "torchvision" and info["classes"][0] == "circle"
+    # the checkpoint records the COCO category id of each label, and the export maps labels to them
+    state = json.loads(next((run / "checkpoints").glob("step_*/trainer_state.json")).read_text())
+    assert state["category_ids"] == [1, 2, 3, 4, 5, 6] and info["labels"]["1"] == {"category_id": 1, "name": "circle"}
     builder = getattr(tvd, info["builder"].rsplit(".", 1)[1])
     model = builder(**info["kwargs"]).eval()
     model.load_state_dict(load_file(out), strict=True)

@@ -164,6 +164,9 @@ class Trainer:
             "model": self.cfg.model.name,
             "data": self.cfg.data.name,
             "classes": list(self.data.classes),
+            # detection: the COCO category id of labels 1..K (the export's label map)
+            **({"category_ids": [cat for _, cat in sorted(self.data.cat_of_label.items())]}
+               if hasattr(self.data, "cat_of_label") else {}),
             **({"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {}),  # scale, growth tracker
         }
         saved = save_checkpoint(self.run_dir, self.step, unwrap(self.model), self.optimizer, state, self.layout,
@@ -366,8 +369,7 @@ class Trainer:
         if complete:
             return self._finish(self.final_loss, self.timer.total_seconds, self.weights)
         why = f"{STOP.received or 'a signal to another rank'}" if self.stop_requested else "trainer.stop_at_step"
-        log.info("stopped after step %d of %d (%s); continue with trainer.resume=auto trainer.run_dir=%s",
-                 self.step, self.total_steps, why, self.run_dir)
+        log.info("stopped after step %d of %d (%s)", self.step, self.total_steps, why)  # the launcher says how to go on
         self.metrics.close("stopped")
         return {"stopped at step": self.step, "run dir": str(self.run_dir),
                 **({"stopped by": STOP.received or "SIGTERM"} if self.stop_requested else {})}

@@ -1,0 +1,213 @@
+"""The export names what the model predicts: a classifier's class names and a detector's label -> COCO category id
+map, in model.json and in the metadata of the safetensors and ONNX files; the ONNX check names nested val images by
+their real paths; docs/checkpoints.md's scoring by name is right where timm orders the class folders otherwise."""
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from visiondist.cli import load_config
+from helpers import REPO
+
+CLASSES = ["Zebra", "apple", "c10", "c9", "mango", "star"]  # the run's order: code-point sort of the folder names
+# (category id, name) in the annotation file's own order; the loader numbers the ids in increasing order
+CATEGORIES = [(90, "toothbrush"), (3, "car"), (17, "Cat")]
+NESTED = ["2024/cam1/a.jpg", "2024/b.jpg", "other/c.jpg"]  # file_names with sub-folders, in the file's order
+
+
+def _metadata(onnx_path: Path) -> dict[str, str]:
+    """The ONNX file's metadata, read by onnx and by ONNX Runtime (which must agree)."""
+    import onnx
+    import onnxruntime as ort
+
+    props = {p.key: p.value for p in onnx.load(str(onnx_path)).metadata_props}
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    assert session.get_modelmeta().custom_metadata_map == props
+    return props
+
+
+def _safetensors_metadata(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata()
+
+
+def test_classifier_exports_carry_the_class_names(tmp_path):
+    from visiondist.engine.export import Trained, export, check_onnx
+    from visiondist.models import build_model
+
+    cfg = load_config(REPO / "configs", ["model.depth=1", "model.num_heads=2"], inputs=None)
+    torch.manual_seed(0)
+    trained = Trained(cfg, build_model(cfg.model).eval(), tmp_path / "step_1", 1, list(CLASSES))
+    onnx_path = tmp_path / "vit.onnx"
+    export(trained, "onnx", onnx_path)
+    meta = _metadata(onnx_path)
+    assert json.loads(meta["classes"]) == CLASSES and "labels" not in meta
+    assert check_onnx(trained, onnx_path).max_diff < 1e-4  # the metadata changes nothing of the graph
+
+    files = export(trained, "safetensors", tmp_path / "vit.safetensors")
+    assert json.loads(_safetensors_metadata(files[0])["classes"]) == CLASSES
+    assert json.loads(files[1].read_text())["classes"] == CLASSES
+
+
+@pytest.fixture(scope="module")
+def nested_coco(tmp_path_factory) -> Path:
+    """A COCO-format root: val images under sub-folders, categories with gaps in their ids, out of order."""
+    root = tmp_path_factory.mktemp("nested_coco")
+    rng = np.random.default_rng(0)
+    images, annotations = [], []
+    for n, name in enumerate(NESTED, start=1):
+        (root / "val" / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(root / "val" / name)
+        images.append({"id": n, "file_name": name, "width": 64, "height": 48})
+        annotations.append({"id": n, "image_id": n, "category_id": CATEGORIES[n - 1][0], "bbox": [8, 6, 30, 20],
+                            "area": 600, "iscrowd": 0})
+    (root / "annotations").mkdir()
+    coco = {"images": images, "annotations": annotations,
+            "categories": [{"id": cat, "name": name} for cat, name in CATEGORIES]}
+    for split in ("train", "val"):
+        (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(coco))
+    return root
+
+
+def _detector(root: Path):
+    from visiondist.models import build_model
+    from visiondist.models.detection import drop_fp32_hooks
+
+    cfg = load_config(REPO / "configs", [
+        "model=fasterrcnn_mobilenet_v3", "data=shapes_coco", f"data.root={root}", "data.num_classes=3",
+        "data.min_size=64", "data.max_size=64", "+model.kwargs.box_score_thresh=0.0"], inputs=None)
+    torch.manual_seed(0)
+    model = build_model(cfg.model).eval()
+    drop_fp32_hooks(model)
+    return cfg, model
+
+
+def test_detector_exports_map_labels_to_the_annotation_files_category_ids(nested_coco, tmp_path):
+    from visiondist.data.coco import CocoDetection
+    from visiondist.engine.export import Trained, coco_categories, export
+
+    cfg, model = _detector(nested_coco)
+    loader = CocoDetection(nested_coco / "val", nested_coco / "annotations" / "instances_val.json", train=False)
+    expected = {str(label): {"category_id": cat, "name": dict(CATEGORIES)[cat]}
+                for label, cat in sorted(loader.cat_of.items())}
+    assert [v["category_id"] for v in expected.values()] == [3, 17, 90]  # the loader's order: increasing ids
+    categories, names = coco_categories(cfg)  # what a checkpoint without the record gets, from the annotation file
+    assert (categories, names) == ([3, 17, 90], ["car", "Cat", "toothbrush"])
+
+    # a checkpoint's record (trainer_state.json's category_ids) goes to every file as it is
+    trained = Trained(cfg, model, tmp_path / "step_2", 2, names, categories)
+    files = export(trained, "safetensors", tmp_path / "detector.safetensors")
+    assert json.loads(_safetensors_metadata(files[0])["labels"]) == expected
+    assert json.loads(files[1].read_text())["labels"] == expected
+    onnx_path = tmp_path / "detector.onnx"
+    export(trained, "onnx", onnx_path)
+    meta = _metadata(onnx_path)
+    assert json.loads(meta["labels"]) == expected and "score_thresh" in meta and "classes" not in meta
+
+
+def _run_with_checkpoint(run: Path, cfg, model, record: dict) -> Path:
+    """A run dir holding `cfg` and one single-process checkpoint of `model` whose trainer state has `record`."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from visiondist.engine.checkpoint import save_checkpoint
+
+    run.mkdir(parents=True)
+    OmegaConf.save(cfg, run / "config.yaml")
+    layout = SimpleNamespace(is_main=True, rank=0, world_size=1, dp=1, tp=1, pp=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return save_checkpoint(run, 2, model, optimizer, {"epoch": 0, **record}, layout)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_export_takes_the_category_ids_a_checkpoint_records(nested_coco, tmp_path, caplog):
+    """The record wins (here it differs from the data on purpose); a checkpoint without it gets the annotation
+    file's, in the loader's order; without either the export carries no map and says so."""
+    from visiondist.engine.export import label_map, load_trained, sidecar
+
+    cfg, model = _detector(nested_coco)
+    recorded = _run_with_checkpoint(tmp_path / "recorded", cfg, model,
+                                    {"classes": ["x", "y", "z"], "category_ids": [5, 6, 7]})
+    trained = load_trained(recorded.parents[1])
+    assert (trained.step, trained.categories, trained.classes) == (2, [5, 6, 7], ["x", "y", "z"])
+    assert sidecar(trained)["labels"] == {"1": {"category_id": 5, "name": "x"}, "2": {"category_id": 6, "name": "y"},
+                                          "3": {"category_id": 7, "name": "z"}}
+
+    older = _run_with_checkpoint(tmp_path / "older", cfg, model, {"classes": ["car", "Cat", "toothbrush"]})
+    assert [v["category_id"] for v in label_map(load_trained(older.parents[1])).values()] == [3, 17, 90]
+
+    cfg.data.root = str(tmp_path / "moved")
+    elsewhere = _run_with_checkpoint(tmp_path / "elsewhere", cfg, model, {"classes": ["car", "Cat", "toothbrush"]})
+    trained = load_trained(elsewhere.parents[1])
+    assert trained.categories is None and label_map(trained) is None and "labels" not in sidecar(trained)
+    assert "the export carries no label -> category id map" in caplog.text
+
+
+def test_onnx_check_names_nested_val_images_by_their_paths(nested_coco, tmp_path):
+    from visiondist.engine.export import Trained, check_onnx, export
+
+    cfg, model = _detector(nested_coco)
+    trained = Trained(cfg, model, tmp_path / "step_2", 2, ["car", "Cat", "toothbrush"])
+    onnx_path = tmp_path / "detector.onnx"
+    export(trained, "onnx", onnx_path)
+    check = check_onnx(trained, onnx_path)
+    folder = nested_coco / "val"
+    assert check.example == f"3 val images ({', '.join(NESTED)} in {folder})", check.example
+    assert f"on 3 val images ({', '.join(NESTED)} in {folder})" in check.summary()
+    named = re.fullmatch(r"3 val images \((.*) in (.*)\)", check.example)
+    assert all((Path(named[2]) / name).is_file() for name in named[1].split(", "))
+
+
+def _doc_block(marker: str) -> str:
+    text = (REPO / "docs" / "checkpoints.md").read_text()
+    blocks = [re.sub(r"^  ", "", b, flags=re.M) for b in re.findall(r"```python\n(.*?)```", text, re.S)]
+    found = [b for b in blocks if marker in b]
+    assert len(found) == 1, f"docs/checkpoints.md: {len(found)} python blocks with {marker!r}"
+    return found[0]
+
+
+def test_docs_score_by_name_where_timm_orders_the_classes_otherwise(tmp_path, monkeypatch, capsys):
+    """Folders with capitals and numbers: timm's ImageDataset numbers them otherwise than the run; the docs' code
+    scores a model that is always right at 100%, where comparing indices does not."""
+    from timm.data import ImageDataset
+
+    from visiondist.data.imagefolder import scan_image_folder
+
+    folder = tmp_path / "data" / "val"
+    for i, name in enumerate(CLASSES):
+        (folder / name).mkdir(parents=True)
+        for k in range(2):
+            Image.new("RGB", (8, 8), (20 + 30 * i, 0, k)).save(folder / name / f"{k}.png")
+    assert scan_image_folder(folder)[0] == CLASSES  # the run's indices
+    timm_order = ImageDataset(str(folder)).reader.class_to_idx
+    assert list(timm_order) == ["apple", "c9", "c10", "mango", "star", "Zebra"]
+
+    class Oracle(torch.nn.Module):  # the right class every time: its index in the run's order, from the red level
+        def forward(self, x):
+            return torch.nn.functional.one_hot(((x[:, 0, 0, 0] - 20) / 30).round().long(), len(CLASSES)).float()
+
+    def transform(image):
+        return torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1)
+
+    model, info = Oracle(), {"classes": list(CLASSES)}
+    by_index = ImageDataset(str(folder), transform=transform)
+    index_hits = sum(int(model(image[None]).argmax(1)) == target for image, target in by_index)
+    assert index_hits < len(by_index)  # comparing indices: the model seems wrong
+
+    monkeypatch.chdir(tmp_path)
+    exec(_doc_block("ImageDataset"), {"info": info, "model": model, "transform": transform})
+    assert capsys.readouterr().out.strip() == "top-1 100.00%"
+
+    names = info["classes"]  # the docs' other way: timm numbers the folders in the model's order
+    mapped = ImageDataset(str(folder), transform=transform, class_map={name: i for i, name in enumerate(names)})
+    assert sum(int(model(image[None]).argmax(1)) == target for image, target in mapped) == len(mapped) == 12
+    assert "ImageDataset(\"data/val\", class_map={name: i for i, name in enumerate(names)})" in (
+        REPO / "docs" / "checkpoints.md").read_text()
