@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -232,3 +233,31 @@ def torch_hub_cache_with(torch_home: Path, url: str, state: dict) -> Path:
     file.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state, file)
     return file
+
+
+def load_tool(name: str):
+    """`tools/<name>.py` as a module (the tools are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def call_tool(capsys, name: str, *argv: str):
+    """(exit code, stdout, stderr lines) of `tools/<name>.py argv`, in this process."""
+    code = load_tool(name).main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, [line for line in out.err.splitlines() if line.strip()]
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float, what: str) -> None:
+    """Poll `condition` until it holds; if `proc` ends first or `timeout` passes, kill its session and fail."""
+    deadline = time.time() + timeout
+    while not condition():
+        if proc.poll() is not None or time.time() > deadline:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"never saw {what} (exit code {proc.poll()}):\n{proc.communicate()[0][-4000:]}")
+        time.sleep(0.02)

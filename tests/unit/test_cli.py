@@ -2,13 +2,12 @@
 flags honoured or refused in one line (exit 2), the old spellings with a deprecation line, where each kind of job
 writes, a class count inferred from the class folders. The runs started as a user would: tests/multirank/test_cli.py."""
 
-import importlib.util
 import json
 
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import REPO
+from helpers import REPO, call_tool, load_tool
 
 
 CONFIGS = REPO / "configs"
@@ -17,18 +16,7 @@ CONFIGS = REPO / "configs"
 TOOLS = ("train", "eval", "export", "plan", "benchmark")
 
 
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _call(capsys, name, *argv):
-    """(exit code, stdout, stderr lines) of `tools/<name>.py argv`, in this process."""
-    code = _tool(name).main(list(argv))
-    out = capsys.readouterr()
-    return code, out.out, [line for line in out.err.splitlines() if line.strip()]
+_tool, _call = load_tool, call_tool
 
 
 KEYS = {"train": (), "eval": ("run_dir=<dir>", "step=<N>", "weights=<path>"), "plan": (), "benchmark": (),
@@ -233,7 +221,8 @@ def test_imagenet_data_takes_its_class_count_from_the_class_folders(capsys, tiny
     assert cfg.data.num_classes == cfg.model.num_classes == 6
     out = capsys.readouterr().out
     assert f"data.num_classes=6: inferred from the 6 class folders of {tiny_shapes / 'train'}" in out
-    cfg = load_config(CONFIGS, ["data=imagenet", f"data.root={tiny_shapes}", "data.num_classes=6"])
+    cfg = load_config(CONFIGS, ["data=imagenet", f"data.root={tiny_shapes}", "data.num_classes=6",
+                                "data.batch_size=16"])
     assert cfg.model.num_classes == 6 and "inferred" not in capsys.readouterr().out  # a set value is only checked
 
 

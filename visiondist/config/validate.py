@@ -169,7 +169,9 @@ def _check_data(d: DictConfig) -> None:
         _positive(f"data.{key}", d[key], allow_zero=True)
     _positive("data.batch_size", d.batch_size)
     _positive("data.eval_batch_size", d.eval_batch_size)
-    _positive("data.num_workers", d.num_workers, allow_zero=True)
+    if d.num_workers < -1:
+        raise ConfigError(f"data.num_workers={d.num_workers}: use a count of loader workers per rank, 0 (the rank "
+                          "loads its batches itself) or -1 (as many as the cores per rank allow, at most 8)")
 
 
 def _check_optim(o: DictConfig) -> None:

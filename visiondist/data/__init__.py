@@ -35,10 +35,27 @@ def _loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:
     # the global torch RNG, whose state a checkpoint restores.
     # Workers stay alive across epochs and each prepares `data.prefetch_factor` batches ahead; on a GPU the batches
     # come in page-locked memory (`data.pin_memory`) so that the rank's copy to the device does not block.
-    workers = cfg.num_workers > 0
-    return dict(num_workers=cfg.num_workers, pin_memory=pin_memory and cfg.get("pin_memory", True),
+    num_workers = _num_workers(cfg.num_workers)
+    workers = num_workers > 0
+    return dict(num_workers=num_workers, pin_memory=pin_memory and cfg.get("pin_memory", True),
                 worker_init_fn=worker_init, persistent_workers=workers, collate_fn=collate_fn,
                 prefetch_factor=cfg.get("prefetch_factor", 2) if workers else None, generator=torch.Generator())
+
+
+def _num_workers(requested: int) -> int:
+    """`data.num_workers`; -1: what this node's cores allow each of its ranks (`visiondist.data.workers.loader_workers`),
+    logged once per loader build."""
+    import os
+
+    from visiondist.data.workers import AUTO_WORKERS_MAX, loader_workers, usable_cores
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # this node's ranks (torchrun, srun, the self-launch)
+    workers = loader_workers(requested, ranks)
+    if requested < 0:
+        log.info("data.num_workers=-1: %d loader worker%s per rank (%d cores, %d rank%s on this node, one core each "
+                 "for the rank itself; at most %d)", workers, "" if workers == 1 else "s", usable_cores(), ranks,
+                 "" if ranks == 1 else "s", AUTO_WORKERS_MAX)
+    return workers
 
 
 def _val_loader(cfg, val_set, dp_rank: int, dp_size: int, options: dict) -> DataLoader:
@@ -85,15 +102,22 @@ class ClassificationData:
 
 def build_classification_data(
     cfg, img_size: int, dp_rank: int, dp_size: int, grad_accum: int, seed: int, pin_memory: bool,
-    reads_images: bool = True, reads_labels: bool = True,
+    reads_images: bool = True, reads_labels: bool = True, train: bool = True,
 ):
     """Train and val loaders for this DP rank, at the model's input size. `cfg` is the data config; batch sizes in it
-    are global. A rank that does not read images (a later pipeline stage) gets `LabelBatches` of the same samples."""
+    are global. A rank that does not read images (a later pipeline stage) gets `LabelBatches` of the same samples.
+    With `train=False` only the val split is read (evaluation of weights: no train split needed)."""
     root = Path(cfg.root).expanduser()
-    train_tf = ClassificationTransform(cfg, train=True, size=img_size, seed=seed)
     val_tf = ClassificationTransform(cfg, train=False, size=img_size, seed=seed)
-    train_set = ImageFolder(root / cfg.train_split, train_tf, train=True, max_bad_images=cfg.get("max_bad_images", 10))
     val_set = ImageFolder(root / cfg.val_split, val_tf)
+    if not train:
+        _check_num_classes(cfg, len(val_set.classes), val_set.root, "class folders")
+        val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, _loader_options(cfg, pin_memory))
+        if not reads_images:
+            val_loader = LabelBatches(val_loader.batch_sampler, val_set.targets if reads_labels else None)
+        return ClassificationData(None, val_loader, None, val_set.classes, 0, len(val_set))
+    train_tf = ClassificationTransform(cfg, train=True, size=img_size, seed=seed)
+    train_set = ImageFolder(root / cfg.train_split, train_tf, train=True, max_bad_images=cfg.get("max_bad_images", 10))
     _check_num_classes(cfg, len(train_set.classes), train_set.root, "class folders")
     if val_set.classes != train_set.classes:
         raise ValueError(f"class folders of {val_set.root} differ from those of {train_set.root}")

@@ -9,6 +9,8 @@ forever. So
   however it ends, OOM killer included);
 - `close_loaders()` runs on every exit of a rank, error or not: each loader's workers are asked to stop, and those
   still alive after that (a worker stuck in `__getitem__`) are killed.
+
+How many: `loader_workers` makes `data.num_workers=-1` concrete from the cores this process may use.
 """
 
 from __future__ import annotations
@@ -82,3 +84,24 @@ def close_loaders() -> None:
                 worker.join(timeout=5)
         loader._iterator = None
     _LOADERS.clear()
+
+
+AUTO_WORKERS_MAX = 8  # data.num_workers=-1: at most this many loader workers per rank
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a SLURM allocation or taskset, not the whole machine)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
+def loader_workers(requested: int, ranks_per_node: int, cores: int | None = None) -> int:
+    """`data.num_workers` made concrete on a rank: as given when >= 0; -1 (auto): what the node's cores allow each of
+    its `ranks_per_node` ranks, one core for the rank's own work and the rest for its loader workers, at most
+    `AUTO_WORKERS_MAX`; 0 (the rank loads its batches itself) where a rank has a single core or less."""
+    if requested >= 0:
+        return requested
+    cores = usable_cores() if cores is None else cores
+    return max(0, min(AUTO_WORKERS_MAX, cores // max(1, ranks_per_node) - 1))

@@ -51,6 +51,7 @@ class ClassificationTask:
         self.data = build_classification_data(
             cfg.data, cfg.model.img_size, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
             pin_memory=layout.device.type == "cuda", reads_images=layout.reads_images, reads_labels=layout.reads_labels,
+            train=train,  # evaluation reads the val split only
         )
 
     def prepare(self, batch: Any, device: torch.device, key: tuple[int, int] | None = None) -> tuple[Any, Any]:
