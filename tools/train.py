@@ -15,7 +15,7 @@ TOOL = Tool()  # the defaults are this tool's
 
 def run(cfg) -> int:
     from visiondist.engine.run import train  # heavy imports only once the config is known to be good
-    from visiondist.launch import JobStopped, launch
+    from visiondist.launch import launch
     from visiondist.runs import completed_step
 
     step = completed_step(cfg)
@@ -24,11 +24,7 @@ def run(cfg) -> int:
               "trainer.max_steps or trainer.max_epochs)", flush=True)
         return 0
 
-    try:
-        launch(train, cfg)
-    except JobStopped as stopped:  # every rank wrote its checkpoint first
-        print(stopped, file=sys.stderr, flush=True)
-        return stopped.exit_code
+    launch(train, cfg)  # a stop signal: `launch.JobStopped`, whose line says what was kept (visiondist.cli prints it)
     return 0
 
 

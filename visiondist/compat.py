@@ -8,6 +8,9 @@ that knows, by feature detection (never a version string), and the rest of the c
   release: checked by name).
 - `PIPELINE_STAGE_OVERRIDES`: the private `PipelineStage` methods the timed stage wraps, with the parameters it
   passes; `check_pipeline_stage` (and a test) fails loudly when a release changes them.
+- `agent_signals`: the elastic agent leaves SIGTERM / SIGINT to the launching process (`visiondist.launch.stop`):
+  `LaunchConfig.signals_to_handle` where it exists, which sets the environment variable every supported release's
+  process context reads, `TORCHELASTIC_SIGNALS_TO_HANDLE`.
 """
 
 from __future__ import annotations
@@ -76,3 +79,23 @@ def check_pipeline_stage() -> None:
         if missing:
             raise RuntimeError(f"torch {torch.__version__}: PipelineStage.{name} lacks {sorted(missing)}; "
                                f"visiondist supports {SUPPORTED}")
+
+
+AGENT_SIGNALS = "SIGHUP,SIGQUIT"  # what torch's elastic agent still turns into "kill the ranks" itself
+
+
+def agent_signals(config_fields: set[str]) -> dict[str, str]:
+    """LaunchConfig's keyword for the agent's signals, or {} after setting the environment variable it would set."""
+    import os
+
+    if "signals_to_handle" in config_fields:
+        return {"signals_to_handle": AGENT_SIGNALS}
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = AGENT_SIGNALS
+    return {}
+
+
+def agent_reads_signal_list() -> bool:
+    """Whether this torch's elastic process context takes its signals from TORCHELASTIC_SIGNALS_TO_HANDLE."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    return "TORCHELASTIC_SIGNALS_TO_HANDLE" in inspect.getsource(api)

@@ -1,4 +1,5 @@
-"""`python tests/multirank/fault_train.py [train.py arguments]`: tools/train.py with one fault injected into the real code path.
+"""`python tests/multirank/fault_train.py [train.py arguments]`: tools/train.py with one fault injected into the real code path
+(VISIONDIST_TOOL=eval / export: tools/eval.py / tools/export.py instead).
 
 The fault is named by the environment variable VISIONDIST_FAULT, `<kind>[:<n>]`. The patches are applied when this
 module is imported: in the launching process, in the ranks the elastic launcher spawns (which import the main module
@@ -12,6 +13,9 @@ again as `__mp_main__`) and in their loader workers (forked from the ranks). Not
 | `eval_raise` | the evaluation raises |
 | `save_fail:n` | the n-th checkpoint write (1-based) raises an OSError after writing part of its files |
 | `rank_hang:n` | rank 1 stops at optimizer step n and never joins the next collective |
+| `slow_step:n` | optimizer step n takes VISIONDIST_SLOW_S seconds longer (default 40) on every rank |
+| `slow_eval` | an evaluation takes VISIONDIST_SLOW_S seconds longer on every rank (each touches VISIONDIST_SLOW_MARK.<pid>) |
+| `slow_export` | an export takes VISIONDIST_SLOW_S seconds longer (touching VISIONDIST_SLOW_MARK.<pid>) |
 """
 
 import importlib.util
@@ -91,13 +95,54 @@ def _patch_rank_hang() -> None:
     Trainer.train_step = train_step
 
 
+def _patch_slow_step() -> None:
+    from visiondist.engine.trainer import Trainer
+
+    original, seconds = Trainer.train_step, float(os.environ.get("VISIONDIST_SLOW_S", "40"))
+
+    def train_step(self, batches):
+        if self.step + 1 == N:
+            print(f"step {N} is slow: {seconds:g} s", flush=True)
+            time.sleep(seconds)
+        return original(self, batches)
+
+    Trainer.train_step = train_step
+
+
+def _slowly(original):
+    seconds = float(os.environ.get("VISIONDIST_SLOW_S", "40"))
+
+    def slow(*args, **kwargs):
+        mark = os.environ.get("VISIONDIST_SLOW_MARK")  # a file per process that reached the slow part
+        if mark:
+            Path(f"{mark}.{os.getpid()}").touch()
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    return slow
+
+
+def _patch_slow_eval() -> None:
+    from visiondist.engine import tasks
+
+    tasks.ClassificationTask.evaluate = _slowly(tasks.ClassificationTask.evaluate)
+
+
+def _patch_slow_export() -> None:
+    from visiondist.engine import export
+
+    export.export = _slowly(export.export)
+
+
 PATCHES = {"getitem_raise": _patch_getitem, "getitem_hang": _patch_getitem, "worker_kill": _patch_getitem,
-           "eval_raise": _patch_eval, "save_fail": _patch_save, "rank_hang": _patch_rank_hang}
+           "eval_raise": _patch_eval, "save_fail": _patch_save, "rank_hang": _patch_rank_hang,
+           "slow_step": _patch_slow_step, "slow_eval": _patch_slow_eval, "slow_export": _patch_slow_export}
 if KIND:
     PATCHES[KIND]()
 
 if __name__ == "__main__":
-    spec = importlib.util.spec_from_file_location("train_tool", REPO / "tools" / "train.py")
+    tool_name = os.environ.get("VISIONDIST_TOOL", "train")
+    spec = importlib.util.spec_from_file_location(f"{tool_name}_tool", REPO / "tools" / f"{tool_name}.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     sys.exit(tool.main(sys.argv[1:]))

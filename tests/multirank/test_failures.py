@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -180,8 +181,10 @@ def test_the_printed_continue_command_resumes_the_run_as_it_was(tmp_path, tiny_s
     code, out, _ = run_job(args(tiny_shapes, run, "data.batch_size=8", "trainer.max_steps=12", "trainer.stop_at_step=4",
                                 "trainer.checkpoint_every=100"), script=TRAIN)
     assert code == 0, out[-3000:]
-    command = out.split("continue with ")[-1].split()[:2]  # the last line, unwrapped
-    assert command == ["trainer.resume=auto", f"trainer.run_dir={run}"], command
+    line = out.split("continue with: ")[-1].splitlines()[0]  # one unwrapped line, the whole command
+    assert out.count("continue with") == 1, out[-3000:]
+    python, script, *command = shlex.split(line)
+    assert python == "python" and Path(script) == TRAIN and command == [f"trainer.run_dir={run}"], line
     config = (run / "config.yaml").read_bytes()
 
     code, out, _ = run_job(command, script=TRAIN)

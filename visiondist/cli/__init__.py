@@ -16,6 +16,7 @@ input reported in one clear line (exit code 2).
 from __future__ import annotations
 
 import difflib
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,16 +253,27 @@ def main(tool: Tool, config_dir: Path, argv: list[str], body: Callable[[Command]
     if "--version" in argv:
         print(versions())
         return 0
+    from visiondist.utils.signals import StopNow, StopSignals
+
+    signals = StopSignals().install(at_once=True)  # work in this process (export, start-up) stops at once; a rank
+    # and the launcher of several install their own on top
     try:
         code = body(parse(tool, config_dir, argv))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # a rank failed: `launch.RunFailed` says which, where and why in one line
-        if type(exc).__name__ != "RunFailed":
+    except StopNow as stop:
+        print(f"{tool.name.removesuffix('.py')} stopped by {stop.signal_name}: nothing written", file=sys.stderr,
+              flush=True)
+        return 128 + int(getattr(signal, stop.signal_name))
+    except Exception as exc:  # a rank failed: `launch.RunFailed` says which, where and why in one line; a stop signal
+        if type(exc).__name__ not in ("RunFailed", "JobStopped"):  # `launch.JobStopped` says what was kept
             raise
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        if str(exc):
+            print(f"error: {exc}" if type(exc).__name__ == "RunFailed" else str(exc), file=sys.stderr, flush=True)
         return exc.exit_code
+    finally:
+        signals.restore()
     return code if isinstance(code, int) else 0
 
 

@@ -189,6 +189,9 @@ class TrainerConfig:
     resume: Optional[str] = "auto"  # auto: the run dir's latest checkpoint if any | a checkpoint or run dir | null
     stop_at_step: int = -1  # > 0: checkpoint and end this process after this step (the schedule still spans the run)
     max_restarts: int = 0  # self-launched: restart every rank this many times after a failure (resume=auto)
+    # self-launched: after SIGTERM / Ctrl-C, how long the ranks get to finish their step and write a checkpoint
+    # before they are ended; -1: 300 s plus the checkpoint's planned size at 50 MB/s
+    stop_timeout_s: float = -1.0
     dist_timeout_s: float = 600.0  # a collective waiting longer than this fails (after the first step)
     startup_timeout_s: float = 1800.0  # the same during start-up (data generation, first step)
     on_nonfinite: str = "raise"  # a non-finite loss or gradient on any rank: raise | skip (the step, on every rank)

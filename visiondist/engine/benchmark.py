@@ -180,8 +180,7 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
         order = time_rounds(groups, b.rounds, b.steps, device, _stop_check(layout, runs))
     except Stopped:
         signal_name = STOP.received or "SIGTERM"  # another rank's signal reaches this one through the step flags
-        if layout.is_main:
-            log.warning("benchmark stopped by %s: nothing recorded", signal_name)
+        # nothing recorded: the launcher's last line says so (`visiondist.launch.stop`)
         return {"stopped at step": sum(len(t.times) for g in groups for t in g), "stopped by": signal_name,
                 "run dir": str(run_dir)}
     for run in runs:

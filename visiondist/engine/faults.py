@@ -2,7 +2,9 @@
 
 - `StopSignals`: SIGTERM / SIGINT set a flag instead of killing the rank. The training loop reads it once per step
   (in the same all-reduce as the step's health), so every rank stops after the same step, writes one checkpoint,
-  and leaves; `trainer.resume=auto` continues from it.
+  and leaves; `trainer.resume=auto` continues from it. A second signal, or the first one in a job without steps to
+  finish (evaluation), raises `StopNow` at once. The launching process's side (forwarding, the bound on the wait,
+  the final line) is `visiondist.launch.stop`.
 - `StepHealth`: one all-reduce per step of [per-rank "loss not finite" flags, "gradient not finite", stop]. Every
   rank then takes the same decision: raise (naming the ranks) or skip the optimizer step (`trainer.on_nonfinite`).
   With `raise` the host reads a step's flags one step later, so the loop never waits for the device; `skip` must
@@ -15,7 +17,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from visiondist.compat import set_pg_timeout
-from visiondist.utils.signals import STOP_SIGNALS
+from visiondist.utils.signals import STOP, StopNow, StopSignals  # noqa: F401 (the rank's, re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -33,32 +34,6 @@ class NonFiniteStep(RuntimeError):
     """A step whose loss or gradient is not finite, with `trainer.on_nonfinite=raise`."""
 
 
-class StopSignals:
-    """SIGTERM / SIGINT request a stop at the next step boundary (the previous handlers come back on `restore`)."""
-
-    SIGNALS = STOP_SIGNALS
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self._previous = {}
-
-    def install(self) -> "StopSignals":
-        for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, _frame) -> None:
-        if self.received is None:
-            log.warning("%s received: stopping after this step with a checkpoint", signal.Signals(signum).name)
-        self.received = signal.Signals(signum).name
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
-
-
-STOP = StopSignals()  # the rank's; installed by `visiondist.launch.run_rank`
 
 
 @dataclass(frozen=True)

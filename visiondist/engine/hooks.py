@@ -3,8 +3,8 @@
 `Trainer.fit` runs `before_train`, then for every step the step inside each hook's `step_context` and then
 `after_step`, then `after_train` (and `close` in any case), calling the hooks in the order `default_hooks` gives
 (detectron2's HookBase, torchtitan's components deciding their own cadence). A hook that sets `trainer.stopping` ends
-the loop after the current step: the hooks after it do not see that step (a stopped job neither logs nor evaluates
-its last step; it checkpoints it in `after_train`).
+the loop after the current step: the hooks after it do not see that step (a stopped job logs its last step, but
+neither records its timeline nor evaluates it; it checkpoints it in `after_train`).
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ class TrafficHook(Hook):
 
 
 class LogHook(Hook):
-    """Every `trainer.log_every` steps and at the last: the mean loss over DP, grad norm, LR and images/s to the
-    metrics (CSV, TensorBoard), the console and the progress bar."""
+    """Every `trainer.log_every` steps, at the last and at a stop (signal or `trainer.stop_at_step`): the mean loss
+    over DP, grad norm, LR and images/s to the metrics (CSV, TensorBoard), the console and the progress bar."""
 
     def before_train(self, trainer):
         trainer.timer = StepTimer(trainer.layout.device)
@@ -144,7 +144,9 @@ class LogHook(Hook):
     def after_step(self, trainer, loss, grad_norm):
         timer = trainer.timer
         timer.add(loss)
-        if trainer.step % trainer.cfg.trainer.log_every == 0 or trainer.step == trainer.total_steps:
+        t = trainer.cfg.trainer
+        if (trainer.step % t.log_every == 0 or trainer.step in (trainer.total_steps, t.stop_at_step)
+                or trainer.stop_requested):
             timer.pause()
             trainer.final_loss = self._log(trainer, timer, grad_norm)
             timer.reset()
@@ -328,12 +330,13 @@ def default_hooks() -> list[Hook]:
     """In this order, for a reason each:
     - progress first, so the bar shows the step even if a later hook fails on it;
     - the collective timeout right after the first step, before anything else can hang on a collective;
-    - the stop check before the per-step work, so a stopped job spends nothing more than its checkpoint;
-    - traffic and the log line next: they describe the step just run;
+    - traffic and the log line next: they describe the step just run (a stopped job's last step too: metrics.csv
+      has every step the checkpoint holds);
+    - the stop check before the rest of the per-step work, so a stopped job spends nothing more than its checkpoint;
     - the timeline after them: its gathering is not training time;
     - the checkpoint before the evaluation, and (at the end) the weights between them: a failing evaluation loses
       neither the checkpoint nor the weights;
     - the best checkpoint after the evaluation it is chosen by.
     """
-    return [ProgressHook(), TimeoutHook(), StopHook(), TrafficHook(), LogHook(), TimelineHook(), CheckpointHook(),
+    return [ProgressHook(), TimeoutHook(), TrafficHook(), LogHook(), StopHook(), TimelineHook(), CheckpointHook(),
             WeightsHook(), EvalHook(), BestCheckpointHook()]

@@ -3,7 +3,8 @@
 `launch(entry, cfg)` runs `entry(cfg, layout, run_dir)` on every rank:
 - under torchrun (one or many nodes) each process joins the group torchrun set up;
 - otherwise, one rank runs in this process, and several are spawned here with `elastic_launch` (c10d rendezvous on
-  localhost, no restarts) — plain `python tools/train.py parallel.dp=4` needs no torchrun.
+  localhost, no restarts) — plain `python tools/train.py parallel.dp=4` needs no torchrun. SIGTERM / Ctrl-C are then
+  this process's to forward and bound (`visiondist.launch.stop`), not the elastic agent's.
 The run directory is created once, by the launching process or by global rank 0, and handed to every rank; ranks get
 the resolved config as a plain dict, never a fresh composition. Its default is `<trainer.output_dir>/<date>/<time>/`
 for training, `<trainer.output_dir>/<kind>/<date>_<time>/` for an entry with a `run_kind` (`eval`, `benchmark`).
@@ -11,9 +12,11 @@ for training, `<trainer.output_dir>/<kind>/<date>_<time>/` for an entry with a `
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
+import sys
 import uuid
 from contextlib import contextmanager
 from datetime import timedelta
@@ -37,7 +40,9 @@ from visiondist.launch.rundir import (  # noqa: F401 (re-exported: the tools' an
     unique_dir,
 )
 from visiondist.launch.slurm import first_host, slurm_env  # noqa: F401 (re-exported)
+from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stopped_line
 from visiondist.plan import announce, cuda_device_count, resolve
+from visiondist.launch.estimate import check_gpu_layout
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +97,7 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
     process is what the user started (one rank, or a torchrun / srun task), so a hang's line is printed here."""
     from visiondist.data.workers import close_loaders
     from visiondist.engine.failures import PROGRESS, RANK_ERRORS
-    from visiondist.engine.faults import STOP
+    from visiondist.engine.faults import STOP, StopNow
     from visiondist.parallel import build_layout
 
     cfg = from_container(cfg_dict)
@@ -100,10 +105,11 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
     PROGRESS.reset(cfg.trainer.startup_timeout_s)
     if run_dir is not None:
         _flight_recorder(Path(run_dir), run.accelerator)
+    # from the start: a stop asked for while the process group forms is still a stop; one voice per job: this
+    # process when it is what the user started (global rank 0 of it), else the launcher (`launch.stop`)
+    signals = STOP.install(at_once=run_kind(entry) == "eval", speak=top_level and os.environ.get("RANK", "0") == "0")
     device, local_rank = _init_rank(run, single=run.world_size == 1 and not run.under_torchrun,
                                     startup_timeout_s=cfg.trainer.startup_timeout_s, tf32=cfg.trainer.tf32)
-    STOP.received = None
-    signals = STOP.install()
     path, watchdog = (Path(run_dir) if run_dir else None), None
     try:
         path = path or _shared_run_dir(cfg, run, run_kind(entry))
@@ -112,15 +118,25 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
             _write_plan(path, auto_plan)
         layout = build_layout(run.dp, run.tp, run.pp, device, local_rank, run=run)
         return entry(cfg, layout, path)
+    except StopNow as stop:  # a second signal, or an evaluation's first: this rank leaves now, unsaved
+        return _stopped_now(stop.signal_name, path)
     except RANK_ERRORS as exc:
+        if STOP.received is not None and (STOP.at_once or STOP.count > 1):  # a peer that left at once
+            return _stopped_now(STOP.received, path)
         _record(path, exc)
         raise
     finally:
         if watchdog is not None:
             watchdog.stop()
         close_loaders()
-        signals.restore()
+        signals.restore(ignore=not top_level)  # a spawned rank: its launcher takes any later signal
         dist.destroy_process_group()
+
+
+def _stopped_now(signal_name: str, run_dir: Optional[Path]) -> dict:
+    from visiondist.engine.failures import PROGRESS
+
+    return {"stopped at step": PROGRESS.step, "stopped by": signal_name, "at once": True, "run dir": str(run_dir)}
 
 
 def _flight_recorder(run_dir: Path, accelerator: str) -> None:
@@ -191,31 +207,44 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
         os.environ.update(slurm_env(os.environ))
     env = dict(os.environ) if env is None else env
     run, auto_plan = resolve(cfg, env, cuda_device_count())
+    check_gpu_layout(cfg, run, run_kind(entry))  # several ranks, no GPU found under accelerator=auto: stop, estimated
     if run.chosen_by == "parallel=auto" and env.get("RANK", "0") == "0":
         announce(cfg, run, auto_plan)
     cfg_dict = to_container(cfg)
+    kind = run_kind(entry)
     if run.under_torchrun:  # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
         with _one_line_failure(None):
-            _report_stop(run_rank(entry, cfg_dict, run, None, auto_plan, top_level=True))
+            _report_stop(run_rank(entry, cfg_dict, run, None, auto_plan, top_level=True), kind, True)
         return run
-    run_dir = new_run_dir(cfg, run, run_kind(entry))
+    run_dir = new_run_dir(cfg, run, kind)
     if auto_plan is not None:
         _write_plan(run_dir, auto_plan)
     if run.world_size == 1:
         with _one_line_failure(run_dir):
-            _report_stop(run_rank(entry, cfg_dict, run, str(run_dir), top_level=True))
+            _report_stop(run_rank(entry, cfg_dict, run, str(run_dir), top_level=True), kind)
         return run
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    stop = LauncherStop(*_stop_wait(cfg, run, kind), kind=kind)
     try:
-        with _one_line_failure(run_dir), _quiet_agent():
+        with _one_line_failure(run_dir, stop), _quiet_agent(), stop:
             results = spawn_local(_elastic_worker, run.per_node, entry, cfg_dict, run, str(run_dir),
                                   max_restarts=cfg.trainer.max_restarts)
-        _report_stop(results.get(0))
-    except SignalException as exc:  # the ranks got the signal too: they checkpointed and left
-        raise JobStopped(signal.Signals(exc.sigval).name, str(run_dir)) from None
+        _report_stop(results.get(0), kind)
+    except SignalException as exc:  # the ranks were ended before they finished (module visiondist.launch.stop)
+        name = stop.received or signal.Signals(exc.sigval).name
+        raise JobStopped(name, stopped_line(name, run_dir, kind)) from None
     return run
+
+
+def _stop_wait(cfg: DictConfig, run: RunLayout, kind: Optional[str]) -> tuple[float, str]:
+    """How long the launcher waits for its ranks after a stop signal, and what it waits for."""
+    if kind == "eval":
+        return 30.0, "the ranks stop (nothing to save)"
+    if kind == "benchmark":
+        return grace_seconds(cfg, run), "the ranks finish the step in flight"
+    return grace_seconds(cfg, run), "the ranks finish their step and write a checkpoint"
 
 
 class RunFailed(Exception):
@@ -225,9 +254,10 @@ class RunFailed(Exception):
 
 
 @contextmanager
-def _one_line_failure(run_dir: Optional[Path]):
+def _one_line_failure(run_dir: Optional[Path], stop: Optional[LauncherStop] = None):
     """Turn a rank's exception (this process's, or the elastic launcher's report of a spawned rank's) into
-    `RunFailed` with the earliest rank's line from the run dir's failure records."""
+    `RunFailed` with the earliest rank's line from the run dir's failure records; ranks that ended while the job
+    was stopping (`stop`) stopped, they did not fail."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -238,6 +268,8 @@ def _one_line_failure(run_dir: Optional[Path]):
     except (JobStopped, RunFailed, SignalException):  # a stop signal is not a failure
         raise
     except ChildFailedError as exc:
+        if stop is not None and stop.received is not None and run_dir is not None:
+            raise JobStopped(stop.received, stopped_line(stop.received, run_dir, stop.kind)) from None
         found = first_failure(run_dir) if run_dir is not None else None
         if found is None:
             rank, failure = exc.get_first_failure()
@@ -251,8 +283,13 @@ def _one_line_failure(run_dir: Optional[Path]):
 
 @contextmanager
 def _quiet_agent():
-    """The elastic agent's own warnings and its failure table repeat what `RunFailed` says in one line."""
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    """The elastic agent's own warnings and its failure table repeat what `RunFailed` or `JobStopped` says in one
+    line."""
+    import torch.distributed.launcher.api  # noqa: F401 (its modules' loggers exist from here on)
+
+    names = [name for name in logging.root.manager.loggerDict  # torch sets the level of each of its modules' loggers
+             if name.startswith(("torch.distributed.elastic", "torch.multiprocessing.spawn"))]
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn", *names)]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)
@@ -263,28 +300,23 @@ def _quiet_agent():
             logger.setLevel(level)
 
 
-def _report_stop(result: Any) -> None:
-    """A job that stopped early says how to continue, in one unwrapped line: raised for a signal (exit 128 + signal),
-    printed for `trainer.stop_at_step` (exit 0)."""
+def _report_stop(result: Any, kind: Optional[str], under_torchrun: bool = False) -> None:
+    """A job that stopped early says what it kept and how to continue, in one unwrapped line: raised for a signal
+    (exit 128 + signal), printed for `trainer.stop_at_step` (exit 0). Under torchrun only global rank 0 speaks."""
     if not isinstance(result, dict) or "stopped at step" not in result:
         return
+    speaks = os.environ.get("RANK", "0") == "0"
     if result.get("stopped by"):
-        raise JobStopped(result["stopped by"], result["run dir"])
-    if os.environ.get("RANK", "0") == "0":
-        print(f"stopped after step {result['stopped at step']} (trainer.stop_at_step); continue with "
-              f"trainer.resume=auto trainer.run_dir={result['run dir']}", flush=True)
+        line = stopped_line(result["stopped by"], result["run dir"], kind, result, under_torchrun)
+        raise JobStopped(result["stopped by"], line if speaks else "")
+    if speaks:
+        from visiondist.launch.stop import continue_command
+
+        print(f"stopped after step {result['stopped at step']} (trainer.stop_at_step); continue with: "
+              f"{continue_command(result['run dir'], under_torchrun)}", flush=True)
 
 
-class JobStopped(Exception):
-    """The job was asked to stop (SIGTERM / SIGINT); every rank wrote a checkpoint first."""
-
-    def __init__(self, signal_name: str, run_dir: str):
-        super().__init__(f"stopped by {signal_name}; continue with trainer.resume=auto trainer.run_dir={run_dir}")
-        self.signal_name, self.run_dir = signal_name, run_dir
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + int(getattr(signal, self.signal_name))
+_TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
 
 
 def spawn_local(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0) -> dict[int, Any]:
@@ -298,6 +330,13 @@ def spawn_local(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0) ->
     # Each restart gets a fresh store for the ranks' process group: with the rendezvous store shared, a restarted
     # rank can read a peer address left by the previous attempt (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    from visiondist.compat import agent_signals
+
+    # Ranks ended at once (a stop that outlasted trainer.stop_timeout_s) leave their loader queues' semaphores to
+    # multiprocessing's resource tracker, which frees them and would print a "leaked semaphore" warning after the
+    # job's last line; the tracker takes this process's -W options when it starts.
+    if _TRACKER_QUIET not in sys.warnoptions:
+        sys.warnoptions.append(_TRACKER_QUIET)
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -308,5 +347,6 @@ def spawn_local(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0) ->
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        **agent_signals({f.name for f in dataclasses.fields(LaunchConfig)}),  # SIGTERM / SIGINT: launch.stop's
     )
     return elastic_launch(config, fn)(*args)

@@ -1,0 +1,83 @@
+"""A stop signal's rules in one process: what counts as a second request, the launcher's wait, its last line."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from helpers import REPO
+from visiondist.utils.signals import StopNow, StopSignals
+
+
+def test_one_ctrl_c_seen_twice_is_one_request_and_a_later_one_stops_at_once(monkeypatch):
+    """A terminal's Ctrl-C reaches the rank and the launcher, which forwards it: both within a moment are one request
+    (a checkpoint follows); a second Ctrl-C after that gives the checkpoint up."""
+    stop = StopSignals().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the forwarded copy
+        assert stop.received == "SIGINT" and stop.count == 1
+        monkeypatch.setattr(StopSignals, "SAME_REQUEST_S", 0.0)
+        time.sleep(0.01)
+        with pytest.raises(StopNow, match="stopped by SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        stop.restore()
+
+
+def test_an_evaluation_stops_at_the_first_signal():
+    stop = StopSignals().install(at_once=True)
+    try:
+        with pytest.raises(StopNow):
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_the_launcher_waits_for_a_checkpoint_of_the_planned_size():
+    from visiondist.config import compose
+    from visiondist.launch.stop import AUTO_GRACE_S, grace_seconds
+    from visiondist.plan import resolve
+
+    def wait(*overrides):
+        cfg = compose(REPO / "configs", list(overrides))
+        return grace_seconds(cfg, resolve(cfg, {}, 0)[0])
+
+    tiny, huge = wait("model=vit_tiny"), wait("model=vit_huge", "parallel=tp4", "trainer.accelerator=cpu")
+    assert AUTO_GRACE_S < tiny < AUTO_GRACE_S + 5  # 5.7M parameters: 1.8 s more
+    assert huge > AUTO_GRACE_S + 100  # 632M parameters, AdamW: 7.6 GB of state on this node at 50 MB/s
+    assert wait("model=vit_huge", "trainer.stop_timeout_s=42") == 42
+    assert wait("model=fasterrcnn_mobilenet_v3", "data=shapes_coco") == AUTO_GRACE_S  # no memory model: the base
+
+
+def _complete(path):
+    """A checkpoint directory as a finished save leaves it (what `utils.dcp.is_complete` checks)."""
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"x")
+    (path / "trainer_state.json").write_text("{}")
+
+
+def test_the_last_line_says_what_the_run_dir_holds(tmp_path):
+    from visiondist.launch.stop import stopped_line
+
+    run = tmp_path / "run"
+    assert "nothing was saved (no complete checkpoint" in stopped_line("SIGTERM", run, None, {"stopped at step": 7})
+    _complete(run / "checkpoints" / "step_4")
+    line = stopped_line("SIGTERM", run, None, {"stopped at step": 7})
+    assert line.startswith("stopped by SIGTERM: nothing was saved since step 4 ") and "continue from step 4" in line
+    _complete(run / "checkpoints" / "step_7")
+    line = stopped_line("SIGINT", run, None, {"stopped at step": 7})
+    assert line.startswith("stopped by SIGINT after step 7 with a checkpoint; continue with: python ")
+    assert line.endswith(f"trainer.run_dir={run}")
+    assert stopped_line("SIGINT", run, "eval") == "evaluation stopped by SIGINT: nothing written"
+
+
+@pytest.mark.smoke
+def test_this_torch_lets_the_launcher_keep_the_stop_signals():
+    """Every supported release's elastic process context reads its signal list from the environment variable
+    `compat.agent_signals` sets (torch 2.11 included: the smoke run)."""
+    from visiondist.compat import agent_reads_signal_list
+
+    assert agent_reads_signal_list()

@@ -1,0 +1,142 @@
+"""Stopping a job with SIGTERM or Ctrl-C without losing it: the launching process's side.
+
+Left to itself, torch's elastic agent turns SIGTERM / SIGINT into "signal every rank, wait 30 s, SIGKILL", and while
+it waits the ranks cannot hand their results back: a step or a checkpoint longer than 30 s was lost, and Ctrl-C took
+30 s to return the prompt. A self-launched job handles the two signals here instead (the agent keeps SIGHUP and
+SIGQUIT, `compat.launch_config`):
+
+- the first signal is forwarded to every rank, which finishes its step, writes a checkpoint and returns; the agent
+  collects the results as for a finished job, so the prompt returns as soon as the checkpoint is on disk;
+- after `trainer.stop_timeout_s` (`grace_seconds`: by default 300 s plus the checkpoint's planned size at 50 MB/s),
+  or at a second signal, the ranks are ended at once through the agent (SIGKILL, no restart);
+- the last line (`JobStopped`) comes from what the run dir holds, not from what the ranks meant to do: the command
+  that continues the run when a checkpoint of the stopping step is complete; otherwise the step since which nothing
+  was saved.
+
+A job that has no step to finish (evaluation) asks its ranks to stop at once (`engine.faults.StopSignals.at_once`).
+"""
+
+from __future__ import annotations
+
+import _thread
+import multiprocessing
+import os
+import shlex
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+from visiondist.utils.signals import STOP_SIGNALS
+
+AUTO_GRACE_S = 300.0  # the wait for the step in flight and the save, before the checkpoint's own size
+WRITE_BYTES_PER_S = 50e6  # a slow shared file system
+
+
+class JobStopped(Exception):
+    """The job was asked to stop (SIGTERM / SIGINT). Its message is the job's last line: what was kept and how to go
+    on. Exit code 128 + the signal."""
+
+    def __init__(self, signal_name: str, line: str):
+        super().__init__(line)
+        self.signal_name = signal_name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + int(getattr(signal, self.signal_name))
+
+
+def grace_seconds(cfg: Any, run: Any) -> float:
+    """`trainer.stop_timeout_s`, or (-1) 300 s plus the time to write this node's share of the checkpoint at 50 MB/s
+    (the planner's training state per rank: weights, optimizer, EMA)."""
+    value = float(cfg.trainer.get("stop_timeout_s", -1))
+    if value >= 0:
+        return value
+    try:
+        from visiondist.plan.resolve import layout_memory
+
+        state = layout_memory(cfg, run).state * run.per_node
+    except Exception:  # noqa: BLE001 (a detector, a model the memory model does not know: no size, the base wait)
+        state = 0
+    return AUTO_GRACE_S + state / WRITE_BYTES_PER_S
+
+
+class LauncherStop:
+    """While the agent runs the ranks: SIGTERM / SIGINT forwarded to them once, then a bounded wait (module doc)."""
+
+    def __init__(self, grace_s: float, what: str = "the ranks finish their step and write a checkpoint",
+                 kind: Optional[str] = None):
+        self.grace_s, self.what, self.kind = grace_s, what, kind  # kind: the entry's run_kind (None: training)
+        self.received: Optional[str] = None
+        self.ended = False  # the ranks were ended before they finished
+        self._previous: dict = {}
+        self._timer: Optional[threading.Timer] = None
+
+    def __enter__(self) -> "LauncherStop":
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, _frame) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+            for pid in _rank_pids():  # Ctrl-C in a terminal reached them already; SIGTERM to this process did not
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+            print(f"{self.received}: {self.what} (at most {self.grace_s:.0f} s, trainer.stop_timeout_s; Ctrl-C again "
+                  "ends them at once)", file=sys.stderr, flush=True)
+            self._timer = threading.Timer(self.grace_s, _thread.interrupt_main, args=(signal.SIGTERM,))
+            self._timer.daemon = True
+            self._timer.start()
+            return
+        # the wait is over, or a second signal: the agent kills the ranks (its shutdown, with no restart)
+        self.ended = True
+        raise SignalException(f"stopped by {self.received}", sigval=signal.SIGKILL)
+
+
+def _rank_pids() -> list[int]:
+    """The rank processes the agent started: this process's multiprocessing children (the loader workers are theirs,
+    and they stop with their rank)."""
+    return [p.pid for p in multiprocessing.active_children() if p.pid is not None]
+
+
+def continue_command(run_dir: str | Path, under_torchrun: bool = False) -> str:
+    """The one command that continues the run in `run_dir` (its config.yaml is the base: nothing else to repeat)."""
+    if under_torchrun:
+        return f"the same torchrun / srun command with trainer.run_dir={shlex.quote(str(run_dir))}"
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "tools/train.py"
+    return f"python {shlex.quote(script)} trainer.run_dir={shlex.quote(str(run_dir))}"
+
+
+def stopped_line(signal_name: str, run_dir: str | Path, kind: Optional[str], result: Any = None,
+                 under_torchrun: bool = False) -> str:
+    """The job's last line after a stop signal, from what `run_dir` holds (module doc)."""
+    if kind == "benchmark":
+        return f"benchmark stopped by {signal_name}: nothing recorded"
+    if kind is not None:
+        return f"{'evaluation' if kind == 'eval' else kind} stopped by {signal_name}: nothing written"
+    from visiondist.utils.dcp import list_checkpoints
+
+    kept = list_checkpoints(Path(run_dir))
+    newest = kept[-1][0] if kept else None
+    command = continue_command(run_dir, under_torchrun)
+    step = result.get("stopped at step") if isinstance(result, dict) else None
+    if newest is not None and step is not None and newest >= step:
+        return f"stopped by {signal_name} after step {step} with a checkpoint; continue with: {command}"
+    if newest is None:
+        return (f"stopped by {signal_name}: nothing was saved (no complete checkpoint in {run_dir}); {command} starts "
+                "the run again from step 0")
+    return (f"stopped by {signal_name}: nothing was saved since step {newest} (the ranks did not finish their "
+            f"checkpoint in time: raise trainer.stop_timeout_s); continue from step {newest} with: {command}")
