@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -194,6 +195,14 @@ def test_the_printed_continue_command_resumes_the_run_as_it_was(tmp_path, tiny_s
     assert (run / "config.yaml").read_bytes() == config
     assert [json.loads(line)["changes"] for line in (run / "attempts.jsonl").read_text().splitlines()] == [{}]
     assert sorted(losses_of(run)) == list(range(1, 13))
+    # the summary is the whole run's: its train time adds this attempt's to the one the step-4 checkpoint counted
+    summary = json.loads((run / "summary.json").read_text())
+    earlier = json.loads((run / "checkpoints" / "step_4" / "trainer_state.json").read_text())["train_seconds"]
+    attempt = re.fullmatch(r"steps 5-12: ([\d.]+) s, ([\d.]+) img/s", summary["this attempt"])
+    assert attempt and earlier > 0, summary
+    assert summary["train time (s)"] == pytest.approx(earlier + float(attempt[1]), abs=0.1)
+    seconds = summary["train time (s)"]  # rounded to 0.1 s
+    assert 12 * 8 / (seconds + 0.05) <= summary["throughput (img/s)"] <= 12 * 8 / max(seconds - 0.05, 1e-3)
 
     kept = {name: (run / name).read_bytes() for name in ("summary.json", "metrics.csv", "model.safetensors")}
     code, out, _ = run_job(command, script=TRAIN)

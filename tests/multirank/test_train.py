@@ -170,3 +170,18 @@ def test_slurm_variables_become_torch_distributed_ones():
     assert slurm_env({**env, "RANK": "0"}) == {}  # torchrun (or the user) already set the ranks
     assert slurm_env({**env, "SLURM_STEP_NUM_TASKS": "1"}) == {}  # one task: it launches its own ranks
     assert [first_host(n) for n in ("gpu[03-04,07],cpu1", "node1,node2", "a-b[1]")] == ["gpu03", "node1", "a-b1"]
+
+
+def test_the_run_says_at_start_which_limit_ends_it(tmp_path, tiny_shapes):
+    """trainer.max_steps=9 with one epoch of 6 global batches: 6 steps, and the first lines say that max_epochs ends
+    the run before max_steps (a user who asked for 9 steps is told why there are 6)."""
+    from helpers import train_args, train_ok
+
+    run = tmp_path / "run"
+    out = train_ok(*train_args(tiny_shapes, run, "model.num_heads=2", "trainer.max_steps=9", "trainer.max_epochs=1"))
+    assert "| 6 steps (trainer.max_epochs=1 of 6 steps ends the run before trainer.max_steps=9)" in out, out[-3000:]
+    assert ("trainer.max_steps=9 is not reached: trainer.max_epochs=1 of 6 steps ends the run before "
+            "trainer.max_steps=9; raise trainer.max_epochs (or set it to 0) to train 9 steps") in out
+    assert sorted(losses_of(run)) == list(range(1, 7))
+    out = train_ok(*train_args(tiny_shapes, tmp_path / "short", "model.num_heads=2", "trainer.max_steps=2"))
+    assert "| 2 steps (trainer.max_steps=2 ends the run)" in out and "is not reached" not in out

@@ -164,9 +164,9 @@ def test_a_coco_training_split_smaller_than_one_global_batch(tmp_path):
 
 # -- 6: a layout for GPUs on a machine without one ------------------------------------------------------------------
 
-ESTIMATE = (r"about ([\d.]+) (ms|s|min|h) per step, ([\d.]+) (s|min|h|days) for the 279 steps of "
-            r"trainer.max_epochs=3 \(the time model at this CPU's [\d.]+ GFLOP/s dense matmul rate, measured now, "
-            r"shared by 4 ranks: an estimate\)")
+ESTIMATE = (r"about ([\d.]+) (ms|s|min|h) per step, ([\d.]+) (s|min|h|days) for the 279 steps "
+            r"\(trainer.max_epochs=3 of 93 steps ends the run\) \(the time model at this CPU's [\d.]+ GFLOP/s dense "
+            r"matmul rate, measured now, shared by 4 ranks: an estimate\)")
 SECONDS = {"ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0, "days": 86400.0}
 
 
@@ -202,7 +202,7 @@ def test_the_cpu_estimate_follows_the_layout_and_the_run_length(tmp_path, capsys
     short = OmegaConf.merge(cfg, {"trainer": {"max_steps": 1}})  # well under an hour: said, then run
     check_gpu_layout(short, run)
     assert re.search(r"^warning: no GPU was found, so trainer.accelerator=auto runs vit_huge .* per step, .* for the 1 "
-                     r"steps of trainer.max_steps=1", capsys.readouterr().err, re.M)
+                     r"steps \(trainer.max_steps=1 ends the run\)", capsys.readouterr().err, re.M)
     explicit = compose(CONFIGS, ["model=vit_huge", "parallel=tp4", "trainer.accelerator=cpu"])
     check_gpu_layout(explicit, resolve(explicit, {}, 0)[0])  # asked for: runs
     one = compose(CONFIGS, ["model=vit_huge"])
@@ -213,9 +213,10 @@ def test_the_cpu_estimate_follows_the_layout_and_the_run_length(tmp_path, capsys
     # half the rate per rank: at least the compute doubles; the run is 279 steps (6000 images / 64, 3 epochs)
     fast, slow = step_seconds_on_cpu(cfg, run, 0.02), step_seconds_on_cpu(cfg, run, 0.01)
     assert 1.8 * fast < slow < 2.0 * fast + 1e-9
-    assert run_steps(cfg) == (279, "trainer.max_epochs=3")
-    assert run_steps(OmegaConf.merge(cfg, {"trainer": {"max_steps": 50}})) == (50, "trainer.max_steps=50")
-    assert run_steps(OmegaConf.merge(cfg, {"trainer": {"max_steps": 500}})) == (279, "trainer.max_epochs=3")
+    assert run_steps(cfg) == (279, "trainer.max_epochs=3 of 93 steps ends the run")
+    assert run_steps(OmegaConf.merge(cfg, {"trainer": {"max_steps": 50}})) == (50, "trainer.max_steps=50 ends the run")
+    assert run_steps(OmegaConf.merge(cfg, {"trainer": {"max_steps": 500}})) == (
+        279, "trainer.max_epochs=3 of 93 steps ends the run before trainer.max_steps=500")
     assert cpu_estimate(cfg, run, tflops=0.08).startswith(f"about {_duration(step_seconds_on_cpu(cfg, run, 0.02))} "
                                                           "per step, ")
     assert "(the time model at this CPU's 80 GFLOP/s" in cpu_estimate(cfg, run, tflops=0.08)

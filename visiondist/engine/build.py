@@ -119,3 +119,15 @@ def consolidate(model_cfg: DictConfig, checkpoint: Path, path: Path, is_main: bo
         save_weights({k: v.detach().contiguous() for k, v in model.state_dict().items()}, tmp)
         tmp.replace(path)
     return path
+
+
+def run_length(t: DictConfig, steps_per_epoch: int) -> tuple[int, str]:
+    """(optimizer steps of the run, which limit sets them): `trainer.max_steps`, ended sooner by `trainer.max_epochs`
+    of `steps_per_epoch` global batches; either is off at 0."""
+    by_epochs = t.max_epochs * steps_per_epoch if t.max_epochs > 0 else None
+    if t.max_steps > 0 and (by_epochs is None or t.max_steps <= by_epochs):
+        return t.max_steps, f"trainer.max_steps={t.max_steps} ends the run"
+    epochs = f"trainer.max_epochs={t.max_epochs} of {steps_per_epoch} step{'s' if steps_per_epoch != 1 else ''}"
+    if t.max_steps > 0:
+        return by_epochs, f"{epochs} ends the run before trainer.max_steps={t.max_steps}"
+    return by_epochs, f"{epochs} ends the run"

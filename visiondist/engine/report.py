@@ -95,6 +95,12 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
     if math.isnan(final_loss):  # nothing trained in this process (resumed at the end): the run's last logged loss
         final_loss = next((r["loss"] for r in reversed(tr.metrics.rows) if r.get("loss") is not None), math.nan)
     ran = tr.step - tr.resumed_from_step
+    batch = tr.cfg.data.batch_size
+    whole = tr.earlier_seconds + train_time if tr.earlier_seconds is not None else None  # every attempt's
+
+    def rate(steps: int, seconds: float | None) -> float | None:
+        return float(f"{steps * batch / seconds:.3g}") if steps and seconds else None
+
     summary = {
         "model": tr.cfg.model.name,
         "parameters (M)": round(tr.num_params / 1e6, 3),
@@ -104,9 +110,10 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
         "data": f"{tr.cfg.data.name}: {tr.data.num_train} train / {tr.data.num_val} val images",
         "steps": tr.step,
         "epochs": float(f"{tr.step / tr.data.train_sampler.steps_per_epoch:.3g}"),
-        "train time (s)": round(train_time, 1),
-        "throughput (img/s)": (float(f"{ran * tr.cfg.data.batch_size / train_time:.3g}")
-                               if ran and train_time > 0 else None),  # of this process's steps
+        "train time (s)": round(whole, 1) if whole is not None else None,  # the whole run's, over its attempts
+        "throughput (img/s)": rate(tr.step, whole),
+        **({"this attempt": f"steps {tr.resumed_from_step + 1}-{tr.step}: {train_time:.1f} s, "
+                            f"{rate(ran, train_time)} img/s"} if tr.resumed_from_step else {}),
         "final train loss": None if math.isnan(final_loss) else final_loss,
         **best_evaluation(tr.metrics.rows, *tr.task.headline),
         **({"skipped steps (non-finite)": tr.skipped_steps} if tr.skipped_steps else {}),

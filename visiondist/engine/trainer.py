@@ -25,6 +25,7 @@ from visiondist.engine.build import (
     consolidate,
     num_params,
     precision_text,
+    run_length,
     run_of,
     seed_everything,
 )
@@ -77,11 +78,8 @@ class Trainer:
         self.optimizer = build_optimizer(cfg.optim, unwrap(self.model), cfg.model.depth)  # over this rank's shards
         self.ema = ModelEma(unwrap(self.model), t.ema_decay) if t.ema_decay > 0 else None
 
-        steps_per_epoch = self.data.train_sampler.steps_per_epoch
-        total = t.max_steps if t.max_steps > 0 else t.max_epochs * steps_per_epoch
-        if t.max_epochs > 0:
-            total = min(total, t.max_epochs * steps_per_epoch)
-        self.total_steps = total
+        self.total_steps, self.length = run_length(t, self.data.train_sampler.steps_per_epoch)
+        total = self.total_steps
         self.scheduler = build_scheduler(cfg.schedule, self.optimizer, total)
         self.autocast = autocast_for(t.precision, layout.device)
         self.scaler = LossScaler(layout.device) if precision_name(t.precision) == "16" else None
@@ -99,6 +97,7 @@ class Trainer:
         self.stop_requested = False
         self.skipped_steps = 0
         self.overflow_steps = 0  # fp16: steps skipped because a scaled gradient overflowed
+        self.earlier_seconds: float | None = 0.0  # training seconds of the attempts before this one (None: unknown)
         self.resumed_from = self._resume(resume_from)
         self.last_checkpoint = self.resumed_from  # the newest complete checkpoint
         self.saved_step = self.step if self.resumed_from is not None else -1  # the step the newest save (any) is of
@@ -123,6 +122,7 @@ class Trainer:
             log.info("the checkpoint has no EMA: the average starts from its weights")
         self.scheduler.load_state_dict({"lr_lambdas": [None] * len(self.optimizer.param_groups), **saved["scheduler"]})
         self.step = int(saved["step"])
+        self.earlier_seconds = saved.get("train_seconds")  # absent: a checkpoint that did not count them
         self.epoch = self.step // self.data.train_sampler.steps_per_epoch
         if self.scaler is not None:
             if saved.get("grad_scaler"):  # one value for the whole job, whatever the layout either run had
@@ -160,6 +160,9 @@ class Trainer:
         state = {
             "epoch": self.epoch,
             "total_steps": self.total_steps,
+            # the run's training seconds up to this step, over every attempt (a continued run's summary adds to it)
+            **({"train_seconds": self.earlier_seconds + (self.timer.total_seconds if self.timer else 0.0)}
+               if self.earlier_seconds is not None else {}),
             "scheduler": self.scheduler.state_dict(),  # LambdaLR: numbers only (its lambdas are rebuilt)
             "model": self.cfg.model.name,
             "data": self.cfg.data.name,
@@ -378,11 +381,14 @@ class Trainer:
         t, sampler = self.cfg.trainer, self.data.train_sampler
         log.info(
             "model %s: %.2fM parameters (%.2fM on this rank) | layout %s | precision %s | global batch %d (%d per rank "
-            "x %d accumulation) | %d steps",
+            "x %d accumulation) | %d steps (%s)",
             self.cfg.model.name, self.num_params / 1e6, self.rank_params / 1e6, self.layout_text,
             precision_text(t, self.layout.device), self.cfg.data.batch_size, sampler.micro_batch, t.grad_accum,
-            self.total_steps,
+            self.total_steps, self.length,
         )
+        if t.max_steps > self.total_steps and self.layout.is_main:
+            log.warning("trainer.max_steps=%d is not reached: %s; raise trainer.max_epochs (or set it to 0) to train "
+                        "%d steps", t.max_steps, self.length, t.max_steps)
         if precision_name(t.precision) == "16" and self.layout.device.type == "cpu":
             log.warning("trainer.precision=16 on the CPU: CPUs have no fp16 matrix units, so a step takes many times "
                         "the fp32 one (18.9x for ViT-Ti on 2 AMD EPYC cores, benchmarks/RESULTS.md); fp16 is for GPUs "

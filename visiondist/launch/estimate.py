@@ -67,7 +67,7 @@ def cpu_estimate_seconds(cfg: DictConfig, run: RunLayout, kind: Optional[str] = 
     basis = (f"the time model at this CPU's {machine * 1e3:.3g} GFLOP/s dense matmul rate, measured now, shared by "
              f"{run.per_node} ranks: an estimate")
     steps, limit = run_steps(cfg) if kind is None else (None, "")  # a benchmark runs its own steps
-    whole = f", {duration(step * steps)} for the {steps} steps of {limit}" if steps else ""
+    whole = f", {duration(step * steps)} for the {steps} steps ({limit})" if steps else ""
     return f"about {duration(step)} per step{whole} ({basis})", (step * steps if steps else None)
 
 
@@ -102,16 +102,18 @@ def step_seconds_on_cpu(cfg: DictConfig, run: RunLayout, tflops_per_rank: float)
 
 
 def run_steps(cfg: DictConfig) -> tuple[Optional[int], str]:
-    """(optimizer steps of the whole run, the setting that ends it), as the trainer counts them: `trainer.max_steps`,
-    ended sooner by `trainer.max_epochs` of the training split's global batches (an epoch of unknown length here:
-    `trainer.max_steps` alone); (None, "") when neither can be counted."""
+    """(optimizer steps of the whole run, which limit sets them) as the trainer counts them
+    (`visiondist.engine.build.run_length`), the epoch's length from the training split's images; an epoch of unknown
+    length: `trainer.max_steps` alone; (None, "") when neither can be counted."""
+    from visiondist.engine.build import run_length
+
     t, d = cfg.trainer, cfg.data
     images = train_images(d) if t.max_epochs > 0 else None
-    per_epoch = images // int(d.batch_size) if images is not None else None
-    by_epochs = int(t.max_epochs) * per_epoch if per_epoch is not None else None
-    if t.max_steps > 0 and (by_epochs is None or t.max_steps <= by_epochs):
-        return int(t.max_steps), f"trainer.max_steps={t.max_steps}"
-    return by_epochs, f"trainer.max_epochs={t.max_epochs}" if by_epochs is not None else ""
+    if images is not None:
+        return run_length(t, images // int(d.batch_size))
+    if t.max_steps > 0 and t.max_epochs <= 0:
+        return int(t.max_steps), f"trainer.max_steps={t.max_steps} ends the run"
+    return None, ""
 
 
 def train_images(d: DictConfig) -> Optional[int]:
