@@ -81,3 +81,27 @@ def test_this_torch_lets_the_launcher_keep_the_stop_signals():
     from visiondist.compat import agent_reads_signal_list
 
     assert agent_reads_signal_list()
+
+
+def test_a_stopped_job_stops_its_sweep_with_its_line(tmp_path, capsys):
+    """The second job of three is stopped: its line is printed, the sweep ends there with its exit code, and the
+    sweep's record says stopped, not failed."""
+    import json
+
+    from visiondist.cli.sweep import run_sweep
+    from visiondist.launch.stop import JobStopped
+
+    ran = []
+
+    def run(cfg):
+        ran.append(cfg.trainer.seed)
+        if len(ran) == 2:
+            raise JobStopped("SIGINT", f"stopped by SIGINT after step 3 with a checkpoint; continue with: python "
+                                       f"tools/train.py trainer.run_dir={cfg.trainer.run_dir}")
+        return 0
+
+    code = run_sweep("train.py", REPO / "configs", ["trainer.seed=1,2,3", f"trainer.run_dir={tmp_path}"], run, None)
+    assert code == 130 and ran == [1, 2]
+    assert f"continue with: python tools/train.py trainer.run_dir={tmp_path / '1'}" in capsys.readouterr().err
+    statuses = [r["status"] for r in json.loads((tmp_path / "sweep.json").read_text())["jobs"]]
+    assert statuses == ["done", "stopped (exit 130)"]

@@ -115,6 +115,9 @@ def _run_job(run: Callable[[DictConfig], object], cfg: DictConfig) -> tuple[int,
     try:
         result = run(cfg)
     except Exception as exc:
+        if type(exc).__name__ == "JobStopped":  # a stop signal: its line says what the job kept; the sweep ends
+            print(exc, file=sys.stderr, flush=True)
+            return exc.exit_code, ""  # type: ignore[attr-defined]
         return 1, _cause(exc)
     return (result if isinstance(result, int) else 0), ""
 
