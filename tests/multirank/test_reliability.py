@@ -189,7 +189,7 @@ def test_a_stop_signal_checkpoints_every_rank_and_resume_continues(tmp_path, tin
     else:
         os.killpg(proc.pid, signal.SIGINT)
     code, out = _finish(proc, 90)
-    assert time.time() - sent < 60
+    assert time.time() - sent < 20  # the prompt is back once the checkpoint is written (torch's agent alone: 32 s)
     assert code == (143 if how.startswith("SIGTERM") else 130), out[-3000:]
     (step, path), = list_checkpoints(run)[-1:]
     assert f"after step {step} with a checkpoint; continue with: python " in out, out[-3000:]  # a terminal's Ctrl-C
