@@ -185,7 +185,7 @@ def test_the_printed_continue_command_resumes_the_run_as_it_was(tmp_path, tiny_s
     line = out.split("continue with: ")[-1].splitlines()[0]  # one unwrapped line, the whole command
     assert out.count("continue with") == 1, out[-3000:]
     python, script, *command = shlex.split(line)
-    assert python == "python" and Path(script) == TRAIN and command == [f"trainer.run_dir={run}"], line
+    assert python == "python" and (REPO / script).resolve() == TRAIN and command == [f"trainer.run_dir={run}"], line
     config = (run / "config.yaml").read_bytes()
 
     code, out, _ = run_job(command, script=TRAIN)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_same_weights, finish_job, job_env, losses_of, start_job, train_args, train_ok, wait_for
+from helpers import REPO, assert_same_weights, finish_job, job_env, losses_of, start_job, train_args, train_ok, wait_for
 from visiondist.engine.checkpoint import list_checkpoints
 
 pytestmark = [pytest.mark.xdist_group("faults"), pytest.mark.slow]  # timed signals: one after another
@@ -68,11 +68,12 @@ def reference(tmp_path_factory, tiny_shapes):
 
 def test_sigterm_during_a_step_longer_than_the_agents_grace_keeps_the_run(tmp_path, tiny_shapes, reference):
     """Step 4 takes 40 s more on every rank; SIGTERM to the launcher 1 s into it. Every rank finishes the step and
-    writes a checkpoint (the agent alone killed them at 30 s, with nothing saved), the prompt returns as soon as it is
-    on disk, the last line is the one command that continues, and that command ends the run with the weights of
-    the uninterrupted one."""
+    writes a checkpoint (the agent alone killed them at 30 s, with nothing saved) instead of the evaluation due at
+    that step, the prompt returns as soon as it is on disk, the last line is the one command that continues, and that
+    command ends the run with the weights of the uninterrupted one."""
     run = tmp_path / "run"
-    proc = start_job([sys.executable, str(FAULT_TRAIN), *_shipped_workers(train_args(tiny_shapes, run, *RUN))],
+    proc = start_job([sys.executable, str(FAULT_TRAIN),
+                      *_shipped_workers(train_args(tiny_shapes, run, *RUN, "trainer.eval_every=4"))],
                      job_env(VISIONDIST_FAULT="slow_step:4", VISIONDIST_SLOW_S="40"))
     wait_for(lambda: len(losses_of(run)) >= 3 if (run / "metrics.csv").exists() else False, proc, 240, "step 3")
     time.sleep(1.0)
@@ -82,7 +83,8 @@ def test_sigterm_during_a_step_longer_than_the_agents_grace_keeps_the_run(tmp_pa
     waited = time.time() - sent
     assert proc.returncode == 143, out[-3000:]
     (step, path), = list_checkpoints(run)[-1:]
-    assert step >= 4 and (path / ".metadata").is_file(), out[-3000:]
+    assert step == 4 and (path / ".metadata").is_file(), out[-3000:]  # the evaluation due at step 4 is skipped:
+    assert "eval  step 4" not in (run / "train.log").read_text()  # the signal came during the step, all ranks agree
     last = _last_line(out)
     assert last.startswith(f"stopped by SIGTERM after step {step} with a checkpoint; continue with: python "), last
     assert 30 < waited < 39 + 30, (waited, out[-3000:])  # past the agent's grace; the step, the save, no extra wait
@@ -90,7 +92,7 @@ def test_sigterm_during_a_step_longer_than_the_agents_grace_keeps_the_run(tmp_pa
 
     command = shlex.split(last.split("continue with: ", 1)[1])
     result = subprocess.run([sys.executable, *command[1:]], env=job_env(), capture_output=True, text=True,
-                            timeout=240)
+                            timeout=240, cwd=REPO)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert f"resumed from {path}: step {step}" in (run / "train.log").read_text()
     assert sorted(losses_of(run)) == list(range(1, 11))

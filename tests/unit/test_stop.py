@@ -63,7 +63,7 @@ def test_the_last_line_says_what_the_run_dir_holds(tmp_path):
     from visiondist.launch.stop import stopped_line
 
     run = tmp_path / "run"
-    assert "nothing was saved (no complete checkpoint" in stopped_line("SIGTERM", run, None, {"stopped at step": 7})
+    assert "no complete checkpoint in" in stopped_line("SIGTERM", run, None, {"stopped at step": 7})
     _complete(run / "checkpoints" / "step_4")
     line = stopped_line("SIGTERM", run, None, {"stopped at step": 7})
     assert line.startswith("stopped by SIGTERM: nothing was saved since step 4 ") and "continue from step 4" in line
@@ -72,6 +72,13 @@ def test_the_last_line_says_what_the_run_dir_holds(tmp_path):
     assert line.startswith("stopped by SIGINT after step 7 with a checkpoint; continue with: python ")
     assert line.endswith(f"trainer.run_dir={run}")
     assert stopped_line("SIGINT", run, "eval") == "evaluation stopped by SIGINT: nothing written"
+    # ranks ended after writing their checkpoint (no result from them): metrics.csv's last step says which it was
+    (run / "metrics.csv").write_text("step,epoch,loss\n6,0,0.5\n7,0,0.4\n")
+    line = stopped_line("SIGINT", run, None, why="a second stop signal ended the ranks at once")
+    assert line.startswith("stopped by SIGINT after step 7 with a checkpoint; continue with: "), line
+    (run / "metrics.csv").write_text("step,epoch,loss\n7,0,0.4\n8,0,0.3\n")
+    line = stopped_line("SIGINT", run, None, why="a second stop signal ended the ranks at once")
+    assert "nothing was saved since step 7 (a second stop signal ended the ranks at once)" in line, line
 
 
 @pytest.mark.smoke

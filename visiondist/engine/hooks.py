@@ -306,6 +306,17 @@ class WeightsHook(Hook):
             set_collective_timeout(t.dist_timeout_s, trainer.groups(), quiet=True)
 
 
+def stop_agreed(trainer: "Trainer") -> bool:
+    """Whether a stop signal has reached any rank by now, agreed by all (one all-reduce: every rank asks at the same
+    step). Asked before long work between steps (an evaluation), which the step flags, read a step late, would not
+    spare."""
+    flag = torch.tensor([float(trainer.signals_received())], device=trainer.layout.device)
+    if trainer.layout.world_size > 1:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    trainer.stop_requested = trainer.stop_requested or bool(flag.item())
+    return trainer.stop_requested
+
+
 class EvalHook(Hook):
     """`trainer.eval_at_start`; every `trainer.eval_every` steps (0: every epoch); and at the end of a complete run
     unless its last step was evaluated."""
@@ -318,6 +329,9 @@ class EvalHook(Hook):
         every = trainer.cfg.trainer.eval_every
         end_of_epoch = trainer.step % trainer.data.train_sampler.steps_per_epoch == 0
         if (every and trainer.step % every == 0) or (not every and end_of_epoch):
+            if trainer.step < trainer.total_steps and stop_agreed(trainer):  # a stop: its checkpoint, not a pass
+                trainer.stopping = True  # over the val set first (the signal may have come during this step)
+                return
             with trainer.untimed():
                 trainer.evaluate()
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from visiondist.data.workers import close_loaders
 from visiondist.engine.build import build_laid_out, prepare_rank, seed_everything
 from visiondist.engine.checkpoint import load_model_state
 from visiondist.engine.failures import PROGRESS
@@ -24,7 +25,11 @@ log = logging.getLogger(__name__)
 def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
     """Entry point of every rank: prepare the data once per node, then fit."""
     prepare_rank(cfg, layout, run_dir)
-    return Trainer(cfg, layout, run_dir).fit()
+    trainer = Trainer(cfg, layout, run_dir)
+    try:
+        return trainer.fit()
+    finally:
+        close_loaders()  # while the trainer still holds its loaders: their workers are ended, not waited for
 
 
 def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
@@ -41,7 +46,10 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
         load_model_state(checkpoint, unwrap(model), layout)
     task = build_task(cfg, layout, train=False)
     PROGRESS.at("evaluating")
-    metrics = task.evaluate(unwrap(model), layout, autocast_for(cfg.trainer.precision, layout.device), run_dir)
+    try:
+        metrics = task.evaluate(unwrap(model), layout, autocast_for(cfg.trainer.precision, layout.device), run_dir)
+    finally:
+        close_loaders()  # while the task holds its loader: its workers are ended, not waited for
     if layout.is_main:
         (run_dir / "eval.json").write_text(json.dumps({"weights": cfg.model.weights, **metrics}, indent=2))
         log.info("eval | %s", task.describe(metrics))

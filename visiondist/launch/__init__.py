@@ -234,7 +234,7 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
         _report_stop(results.get(0), kind)
     except SignalException as exc:  # the ranks were ended before they finished (module visiondist.launch.stop)
         name = stop.received or signal.Signals(exc.sigval).name
-        raise JobStopped(name, stopped_line(name, run_dir, kind)) from None
+        raise JobStopped(name, stopped_line(name, run_dir, kind, why=stop.why() if stop.ended else "")) from None
     return run
 
 
@@ -269,7 +269,8 @@ def _one_line_failure(run_dir: Optional[Path], stop: Optional[LauncherStop] = No
         raise
     except ChildFailedError as exc:
         if stop is not None and stop.received is not None and run_dir is not None:
-            raise JobStopped(stop.received, stopped_line(stop.received, run_dir, stop.kind)) from None
+            raise JobStopped(stop.received, stopped_line(stop.received, run_dir, stop.kind,
+                                                         why=stop.why() if stop.ended else "")) from None
         found = first_failure(run_dir) if run_dir is not None else None
         if found is None:
             rank, failure = exc.get_first_failure()

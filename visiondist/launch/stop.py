@@ -69,7 +69,8 @@ class LauncherStop:
                  kind: Optional[str] = None):
         self.grace_s, self.what, self.kind = grace_s, what, kind  # kind: the entry's run_kind (None: training)
         self.received: Optional[str] = None
-        self.ended = False  # the ranks were ended before they finished
+        self.ended: Optional[str] = None  # why the ranks were ended before they finished: "timeout" | "again"
+        self._expired = False
         self._previous: dict = {}
         self._timer: Optional[threading.Timer] = None
 
@@ -97,13 +98,25 @@ class LauncherStop:
                     pass
             print(f"{self.received}: {self.what} (at most {self.grace_s:.0f} s, trainer.stop_timeout_s; Ctrl-C again "
                   "ends them at once)", file=sys.stderr, flush=True)
-            self._timer = threading.Timer(self.grace_s, _thread.interrupt_main, args=(signal.SIGTERM,))
+            self._timer = threading.Timer(self.grace_s, self._expire)
             self._timer.daemon = True
             self._timer.start()
             return
         # the wait is over, or a second signal: the agent kills the ranks (its shutdown, with no restart)
-        self.ended = True
+        self.ended = "timeout" if self._expired else "again"
         raise SignalException(f"stopped by {self.received}", sigval=signal.SIGKILL)
+
+    def _expire(self) -> None:
+        """The timer's: the ranks had `grace_s`; the main thread ends them (through this class's handler)."""
+        self._expired = True
+        _thread.interrupt_main(signal.SIGTERM)
+
+    def why(self) -> str:
+        """Why the ranks were ended, for the last line."""
+        if self.ended == "timeout":
+            return (f"the ranks had not finished within trainer.stop_timeout_s={self.grace_s:g} s and were ended: "
+                    "raise it")
+        return "a second stop signal ended the ranks at once"
 
 
 def _rank_pids() -> list[int]:
@@ -116,13 +129,16 @@ def continue_command(run_dir: str | Path, under_torchrun: bool = False) -> str:
     """The one command that continues the run in `run_dir` (its config.yaml is the base: nothing else to repeat)."""
     if under_torchrun:
         return f"the same torchrun / srun command with trainer.run_dir={shlex.quote(str(run_dir))}"
-    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else "tools/train.py"
-    return f"python {shlex.quote(script)} trainer.run_dir={shlex.quote(str(run_dir))}"
+    from visiondist.engine.report import shown_path, tool_path
+
+    return f"python {tool_path('train')} trainer.run_dir={shlex.quote(shown_path(Path(run_dir)))}"
 
 
 def stopped_line(signal_name: str, run_dir: str | Path, kind: Optional[str], result: Any = None,
-                 under_torchrun: bool = False) -> str:
-    """The job's last line after a stop signal, from what `run_dir` holds (module doc)."""
+                 under_torchrun: bool = False, why: str = "") -> str:
+    """The job's last line after a stop signal, from what `run_dir` holds (module doc). `result`: rank 0's return
+    (the step it stopped after), absent when the ranks were ended, then the last step metrics.csv logged stands in;
+    `why`: why the ranks were ended."""
     if kind == "benchmark":
         return f"benchmark stopped by {signal_name}: nothing recorded"
     if kind is not None:
@@ -132,11 +148,24 @@ def stopped_line(signal_name: str, run_dir: str | Path, kind: Optional[str], res
     kept = list_checkpoints(Path(run_dir))
     newest = kept[-1][0] if kept else None
     command = continue_command(run_dir, under_torchrun)
-    step = result.get("stopped at step") if isinstance(result, dict) else None
+    step = result.get("stopped at step") if isinstance(result, dict) else _last_logged_step(Path(run_dir))
     if newest is not None and step is not None and newest >= step:
         return f"stopped by {signal_name} after step {step} with a checkpoint; continue with: {command}"
+    why = why or "the ranks ended before their checkpoint"
     if newest is None:
-        return (f"stopped by {signal_name}: nothing was saved (no complete checkpoint in {run_dir}); {command} starts "
-                "the run again from step 0")
-    return (f"stopped by {signal_name}: nothing was saved since step {newest} (the ranks did not finish their "
-            f"checkpoint in time: raise trainer.stop_timeout_s); continue from step {newest} with: {command}")
+        return (f"stopped by {signal_name}: nothing was saved ({why}; no complete checkpoint in {run_dir}); {command} "
+                "starts the run again from step 0")
+    return (f"stopped by {signal_name}: nothing was saved since step {newest} ({why}); continue from step {newest} "
+            f"with: {command}")
+
+
+def _last_logged_step(run_dir: Path) -> Optional[int]:
+    """The last training step metrics.csv holds (every step a stop ends on is logged), or None."""
+    import csv
+
+    try:
+        with (run_dir / "metrics.csv").open() as f:
+            steps = [row["step"] for row in csv.DictReader(f) if row.get("step") and row.get("loss")]
+    except (OSError, KeyError):
+        return None
+    return int(float(steps[-1])) if steps else None
