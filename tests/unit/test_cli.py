@@ -206,12 +206,18 @@ def test_eval_takes_its_old_positional_path_with_a_deprecation_line(capsys, fake
 def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
     from visiondist.engine.report import next_commands
 
-    monkeypatch.chdir(tmp_path)
     (tmp_path / "outputs" / "r").mkdir(parents=True)
+    monkeypatch.chdir(REPO)  # where the README's commands run: the tools as tools/<name>.py
+    assert next_commands(tmp_path / "outputs" / "r").splitlines() == [
+        f"run dir: {tmp_path}/outputs/r",
+        f"  evaluate: python tools/eval.py run_dir={tmp_path}/outputs/r",
+        f"  export:   python tools/export.py run_dir={tmp_path}/outputs/r   (format=onnx or format=torchscript for "
+        "those)"]
+    monkeypatch.chdir(tmp_path)  # elsewhere: the commands still run as printed (the tools by their full path)
     assert next_commands(tmp_path / "outputs" / "r").splitlines() == [
         "run dir: outputs/r",
-        "  evaluate: python tools/eval.py run_dir=outputs/r",
-        "  export:   python tools/export.py run_dir=outputs/r   (format=onnx or format=torchscript for those)"]
+        f"  evaluate: python {REPO}/tools/eval.py run_dir=outputs/r",
+        f"  export:   python {REPO}/tools/export.py run_dir=outputs/r   (format=onnx or format=torchscript for those)"]
 
 
 def test_imagenet_data_takes_its_class_count_from_the_class_folders(capsys, tiny_shapes):

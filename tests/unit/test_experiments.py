@@ -106,7 +106,7 @@ def test_backbone_weights_build_torchvisions_pretrained_backbone_layout(tmp_path
         _compose("model=fasterrcnn_mobilenet_v3", "data=shapes_coco", f"model.backbone_weights={path}")
     torch.save({"conv1.weight": imagenet.conv1.weight}, tmp_path / "partial.pth")
     with pytest.raises(ValueError, match="is not a resnet50 state dict: missing"):
-        build_model(_compose("experiment=frcnn_r50_coco_1x", "data.root=/data",
+        build_model(_compose("experiment=frcnn_r50_coco_1x", "data.root=/data", "data.num_classes=80",
                              f"model.backbone_weights={tmp_path / 'partial.pth'}").model)
 
 

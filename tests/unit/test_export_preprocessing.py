@@ -93,6 +93,8 @@ def test_onnx_check_says_what_it_compared():
     lowered = OnnxCheck(1e-5, "a random image", boxes=5, onnx_boxes=5, lowered_from={"rpn": 0.05, "box": 0.9})
     assert "5 boxes compared" in lowered.summary() and "(rpn 0.05, box 0.9) no box came out" in lowered.summary()
     assert "the outputs differ" in OnnxCheck(float("inf"), "x", boxes=5, onnx_boxes=4).summary()
+    far = OnnxCheck(26.3, "3 val images", boxes=300, onnx_boxes=300).summary()  # a 4-step detector's export
+    assert "max abs difference 2.63e+01" in far and "warning: more than float round-off (0.01 px)" in far
     assert OnnxCheck(1e-6, "2 random images").summary() == (
         "ONNX Runtime vs PyTorch: logits of 2 random images compared, max abs difference 1.00e-06")
 

@@ -189,7 +189,14 @@ class OnnxCheck:
                     f"({where}; near-tied scores can make top-k and NMS keep other boxes)")
         if not self.boxes:
             return f"{head} 0 boxes compared ({where}): both returned no box, which checks nothing of the outputs"
-        return f"{head} {self.boxes} boxes compared, max abs difference {self.max_diff:.2e} ({where})"
+        line = f"{head} {self.boxes} boxes compared, max abs difference {self.max_diff:.2e} ({where})"
+        if self.max_diff > BOX_ROUND_OFF:
+            line += (f"; warning: more than float round-off ({BOX_ROUND_OFF:g} px): the boxes differ, which a barely "
+                     "trained model's near-tied scores can cause; check the export on a trained model's weights")
+        return line
+
+
+BOX_ROUND_OFF = 1e-2  # px: the largest box difference of a trained detector's export (3.8e-05 measured) and then some
 
 
 def _max_diff(ref: list[torch.Tensor], got: list) -> float:

@@ -177,8 +177,19 @@ def next_commands(run_dir: Path) -> str:
 
     run = shlex.quote(shown_path(run_dir))
     return (f"run dir: {run}\n"
-            f"  evaluate: python tools/eval.py run_dir={run}\n"
-            f"  export:   python tools/export.py run_dir={run}   (format=onnx or format=torchscript for those)")
+            f"  evaluate: python {tool_path('eval')} run_dir={run}\n"
+            f"  export:   python {tool_path('export')} run_dir={run}   (format=onnx or format=torchscript for those)")
+
+
+def tool_path(name: str) -> str:
+    """`tools/<name>.py` as the user can type it from where they are (relative inside the working directory, else
+    absolute); `tools/<name>.py` when the package was installed without its tools."""
+    import shlex
+
+    import visiondist
+
+    path = Path(visiondist.__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    return shlex.quote(shown_path(path)) if path.is_file() else f"tools/{name}.py"
 
 
 def shown_path(path: Path) -> str:
