@@ -12,9 +12,11 @@ from helpers import REPO, losses_of, train_args, train_ok
 
 def test_mixup_and_cutmix_under_a_pipeline_give_the_unpipelined_losses(tmp_path, tiny_shapes):
     """pp=2 (the first stage mixes the images, the last the labels, 4 micro-batches) against one process on the same
-    global batch, with mixup and cutmix both on: the same loss at every step."""
+    global batch, with mixup and cutmix both on, and TrivialAugment and random erasing on the first stage's device:
+    the same loss at every step."""
     mix = ["model.num_heads=2", "model.depth=2", "trainer.max_steps=6", "data.mixup=0.8", "data.cutmix=1.0",
-           "trainer.label_smoothing=0.1", "trainer.eval_every=0"]
+           "trainer.label_smoothing=0.1", "trainer.eval_every=0", "data.auto_augment=trivial",
+           "data.random_erasing=0.5"]
     one, pp = tmp_path / "one", tmp_path / "pp"
     train_ok(*train_args(tiny_shapes, one, *mix, "parallel.dp=1"))
     train_ok(*train_args(tiny_shapes, pp, *mix, "parallel=pp2"))
@@ -24,6 +26,30 @@ def test_mixup_and_cutmix_under_a_pipeline_give_the_unpipelined_losses(tmp_path,
     plain = tmp_path / "plain"  # and the mixing is on: without it the losses differ
     train_ok(*train_args(tiny_shapes, plain, *mix[:3], "trainer.label_smoothing=0.1", "trainer.eval_every=0",
                          "parallel.dp=1"))
+    assert losses_of(plain)[2] != pytest.approx(a[2], rel=1e-3)
+
+
+DEIT = ["model.num_heads=2", "model.depth=2", "trainer.max_steps=6", "trainer.eval_every=6", "data.auto_augment=rand",
+        "data.random_erasing=0.25", "trainer.label_smoothing=0.1"]
+
+
+def test_deit_augmentation_on_the_device_under_dp2_gives_the_loader_paths_run(tmp_path, tiny_shapes):
+    """The DeiT recipe's per-sample augmentation (RandAugment 2/9, random erasing 0.25; smoothing): RandAugment
+    in the loader on one process (no workers) against RandAugment on the device, batched, under dp=2 with 2 loader
+    workers per rank (the parameter rows go through the workers' shared memory as the shipped settings send them). Each sample's parameters come from its own seed, so both see the same pixels:
+    the same loss at every step and the same evaluation. Without the augmentation the losses differ. (Mixup / cutmix
+    pair the samples of one DP rank, as timm's do, so they differ between dp=1 and dp=2 by design: the pipeline test
+    above runs them with the device augmentation.)"""
+    loader, device, plain = tmp_path / "loader", tmp_path / "device", tmp_path / "plain"
+    train_ok(*train_args(tiny_shapes, loader, *DEIT, "parallel.dp=1", "data.augment_on=loader"))
+    train_ok(*train_args(tiny_shapes, device, *DEIT, "parallel.dp=2", "data.augment_on=device", "data.num_workers=2"))
+    a, b = losses_of(loader), losses_of(device)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    assert [b[s] for s in a] == pytest.approx([a[s] for s in a], rel=1e-5)
+    rows = {run: [r for r in read_metrics(run / "metrics.csv") if r["val_loss"] is not None] for run in (loader, device)}
+    assert rows[loader][-1]["val_top1"] == rows[device][-1]["val_top1"]
+    assert rows[loader][-1]["val_loss"] == pytest.approx(rows[device][-1]["val_loss"], rel=1e-5)
+    train_ok(*train_args(tiny_shapes, plain, *DEIT[:4], "trainer.label_smoothing=0.1", "parallel.dp=1"))
     assert losses_of(plain)[2] != pytest.approx(a[2], rel=1e-3)
 
 

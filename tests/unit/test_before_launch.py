@@ -238,8 +238,9 @@ def test_loader_workers_follow_the_cores_per_rank(monkeypatch):
     from visiondist.data import _loader_options
 
     loader_workers = world.loader_workers
-    assert [loader_workers(-1, ranks, cores) for ranks, cores in ((1, 2), (2, 2), (4, 2), (2, 8), (8, 96), (1, 64))] \
-        == [1, 0, 0, 3, 8, 8]
+    # (8, 112): a DGX H100, 14 cores per GPU, 13 workers each; (1, 64): capped at 16
+    assert [loader_workers(-1, ranks, cores) for ranks, cores in ((1, 2), (2, 2), (4, 2), (2, 8), (8, 112), (1, 64))] \
+        == [1, 0, 0, 3, 13, 16]
     assert loader_workers(5, 4, 2) == 5 and loader_workers(0, 1, 64) == 0  # a count given is kept
 
     cfg = load_config(CONFIGS, ["data=imagenet", "data.root=/data"], inputs=None)

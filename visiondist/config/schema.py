@@ -77,6 +77,9 @@ class DataConfig:
     train_crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
     hflip: float = 0.5
     auto_augment: str = "none"  # classification training: none | rand (RandAugment 2 ops, magnitude 9) | trivial
+    augment_on: str = "device"  # where auto_augment runs: device (the whole batch after the copy) | loader (workers)
+    random_erasing: float = 0.0  # timm's random erasing: probability per image (DeiT: 0.25); 0: off. On the device
+    random_erasing_mode: str = "pixel"  # pixel (per-pixel normal noise) | rand (one normal colour) | const (zeros)
     mixup: float = 0.0  # mixup alpha (timm's Mixup); 0: off
     cutmix: float = 0.0  # cutmix alpha; 0: off
     mixup_prob: float = 1.0  # probability of mixing a batch at all

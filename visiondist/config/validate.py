@@ -164,6 +164,11 @@ def _check_data(d: DictConfig) -> None:
     _one_of("data.format", d.format, ("imagefolder", "coco"))
     _one_of("data.auto_augment", d.auto_augment, ("none", "rand", "trivial"))
     _one_of("data.interpolation", d.interpolation, ("bilinear", "bicubic"))
+    _one_of("data.augment_on", d.augment_on, ("device", "loader"))
+    _one_of("data.random_erasing_mode", d.random_erasing_mode, ("pixel", "rand", "const"))
+    if not 0 <= d.random_erasing <= 1:
+        raise ConfigError(f"data.random_erasing={d.random_erasing} is a probability per image: use a value in [0, 1] "
+                          "(DeiT's recipe: 0.25)")
     _positive("data.prefetch_factor", d.prefetch_factor)
     for key in ("mixup", "cutmix"):
         _positive(f"data.{key}", d[key], allow_zero=True)
@@ -171,7 +176,7 @@ def _check_data(d: DictConfig) -> None:
     _positive("data.eval_batch_size", d.eval_batch_size)
     if d.num_workers < -1:
         raise ConfigError(f"data.num_workers={d.num_workers}: use a count of loader workers per rank, 0 (the rank "
-                          "loads its batches itself) or -1 (as many as the cores per rank allow, at most 8)")
+                          "loads its batches itself) or -1 (as many as the cores per rank allow, at most 16)")
 
 
 def _check_optim(o: DictConfig) -> None:

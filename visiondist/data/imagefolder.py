@@ -65,6 +65,9 @@ class ImageFolder(Dataset):
         index, epoch = key if isinstance(key, tuple) else (key, 0)
         _, image = self._bad.read(self._candidates(index), read_rgb)
         label = int(self.targets[index])
-        if self.transform is not None:
-            image = self.transform(image, index, epoch)
-        return image, label
+        if self.transform is None:
+            return image, label
+        out = self.transform(image, index, epoch)
+        if isinstance(out, tuple):  # (image, augmentation parameters): see `visiondist.data.augment`
+            return out[0], label, out[1]
+        return out, label

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
+import random
 
 import albumentations as A
 import cv2
 import numpy as np
 import torch
-
-AUTO_AUGMENT = ("none", "rand", "trivial")
-
 
 INTERPOLATIONS = {"bilinear": cv2.INTER_LINEAR, "bicubic": cv2.INTER_CUBIC}  # data.interpolation -> OpenCV's flag
 
@@ -39,43 +37,56 @@ def classification_transforms(cfg, train: bool, size: int) -> A.Compose:
     return A.Compose(steps)
 
 
-def _auto_augment(name: str):
-    """torchvision's RandAugment (2 ops, magnitude 9) or TrivialAugmentWide on uint8 images, or None."""
-    if name in (None, "none"):
-        return None
-    from torchvision.transforms import v2
+class SampleRandom:
+    """The random stream of one sample: a numpy generator and a Python one, both set from (seed, epoch, index), that
+    every random choice for the sample draws from in turn (albumentations' crop, then its flip, then the auto-augment
+    and erasing parameters). One stream, not a seed per transform: transforms seeded alike draw alike (a flip would
+    follow the crop's area). Re-set for each sample in ~10 us (the generators are reused, not rebuilt)."""
 
-    if name == "rand":
-        return v2.RandAugment(num_ops=2, magnitude=9)
-    if name == "trivial":
-        return v2.TrivialAugmentWide()
-    raise ValueError(f"data.auto_augment={name!r}: use one of {', '.join(AUTO_AUGMENT)}")
+    def __init__(self):
+        self.numpy = np.random.Generator(np.random.PCG64(0))
+        self.python = random.Random(0)
+
+    def reset(self, seed: int, epoch: int, index: int) -> None:
+        words = [int(w) for w in np.random.SeedSequence([seed, epoch, index]).generate_state(4, np.uint64)]
+        self.numpy.bit_generator.state = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0,
+                                          "state": {"state": words[0] << 64 | words[1], "inc": words[2] << 64 | 1}}
+        self.python.seed(words[3])
 
 
 class ClassificationTransform:
-    """uint8 HxWx3 RGB -> uint8 CHW tensor: the crop / flip (albumentations), then in training the optional
-    auto-augment policy (torchvision v2 on the uint8 tensor). Normalisation happens on the device (`Normalize`):
-    uint8 batches move a quarter of float32's bytes through the workers' shared memory, pinning and the copy to the
-    device.
+    """uint8 HxWx3 RGB -> uint8 CHW tensor: the crop / flip (albumentations). In training with `data.auto_augment`
+    or `data.random_erasing`, also the sample's augmentation parameters (`visiondist.data.augment`): the worker
+    returns `(image, row)`, and applies the auto-augment operations itself only under `data.augment_on=loader`.
+    Normalisation happens on the device (`Normalize`): uint8 batches move a quarter of float32's bytes through the
+    workers' shared memory, pinning and the copy to the device.
 
-    Every random choice is seeded by (seed, epoch, index): the augmentation a sample gets does not depend on the
-    rank, the worker or the order in which samples are loaded. Runs with different layouts see identical pixels.
+    Every random choice is drawn from the sample's own stream (`SampleRandom`, set from (seed, epoch, index)): the
+    augmentation a sample gets does not depend on the rank, the worker or the order in which samples are loaded.
+    Runs with different layouts see identical pixels.
     """
 
     def __init__(self, cfg, train: bool, size: int, seed: int):
-        self.auto = _auto_augment(cfg.get("auto_augment", "none")) if train else None
-        self.seed = seed
-        self.transform = classification_transforms(cfg, train, size)
+        from visiondist.data.augment import AugmentPolicy
 
-    def __call__(self, image: np.ndarray, index: int, epoch: int) -> torch.Tensor:
-        seed = _sample_seed(self.seed, epoch, index)
-        self.transform.set_random_seed(seed)
+        get = cfg.get if hasattr(cfg, "get") else lambda key, default=None: getattr(cfg, key, default)
+        self.policy = AugmentPolicy(get("auto_augment", "none") or "none", size, float(get("random_erasing", 0.0)),
+                                    get("random_erasing_mode", "pixel")) if train else None
+        self.on_loader = get("augment_on", "device") == "loader"
+        self.seed = seed
+        self.random = SampleRandom()
+        self.transform = classification_transforms(cfg, train, size)
+        self.transform.set_random_state(self.random.numpy, self.random.python)
+
+    def __call__(self, image: np.ndarray, index: int, epoch: int):
+        self.random.reset(self.seed, epoch, index)
         image = torch.from_numpy(np.ascontiguousarray(self.transform(image=image)["image"])).permute(2, 0, 1)
-        if self.auto is not None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                image = self.auto(image)
-        return image
+        if self.policy is None or not self.policy.active:
+            return image
+        row = self.policy.draw(self.random.python)
+        if self.on_loader:
+            image = self.policy.apply_loader(image.contiguous(), row)
+        return image, torch.from_numpy(row)
 
 
 class Normalize:
@@ -107,10 +118,6 @@ def unit_float(images: list[torch.Tensor], device: torch.device) -> list[torch.T
     return out
 
 
-def _sample_seed(seed: int, epoch: int, index: int) -> int:
-    return int(np.random.SeedSequence([seed, epoch, index]).generate_state(1)[0])
-
-
 def resize_keep_aspect(image: np.ndarray, boxes: np.ndarray, min_size: int, max_size: int):
     """torchvision's detection resize: scale the short side to `min_size` unless the long side would pass
     `max_size`; boxes scaled with it."""
@@ -124,7 +131,7 @@ def resize_keep_aspect(image: np.ndarray, boxes: np.ndarray, min_size: int, max_
 class DetectionTransform:
     """Training augmentation for detection, with boxes: resize keeping the aspect ratio (min_size / max_size),
     optional large-scale jitter (random rescale, then pad / crop to a min_size square), horizontal flip and colour
-    jitter. Seeded per (seed, epoch, index) like `SeededTransform`. Boxes a crop removes (or leaves < 1 px) go, with
+    jitter. Drawn from the sample's stream (`SampleRandom`) like `ClassificationTransform`. Boxes a crop removes (or leaves < 1 px) go, with
     their labels."""
 
     def __init__(self, cfg, seed: int):
@@ -145,10 +152,12 @@ class DetectionTransform:
             steps.append(A.ColorJitter(brightness=j, contrast=j, saturation=j, hue=min(0.5, j / 4), p=0.8))
         bbox = A.BboxParams(format="pascal_voc", label_fields=["labels"], min_width=1, min_height=1, clip=True)
         self.augment = A.Compose(steps, bbox_params=bbox)
+        self.random = SampleRandom()
+        self.augment.set_random_state(self.random.numpy, self.random.python)
 
     def __call__(self, image: np.ndarray, boxes: np.ndarray, labels: np.ndarray, index: int, epoch: int):
         image, boxes = resize_keep_aspect(image, boxes, self.min_size, self.max_size)
-        self.augment.set_random_seed(_sample_seed(self.seed, epoch, index))
+        self.random.reset(self.seed, epoch, index)
         out = self.augment(image=image, bboxes=boxes, labels=labels)
         boxes = np.asarray(out["bboxes"], dtype=np.float32).reshape(-1, 4)
         return out["image"], boxes, np.asarray(out["labels"], dtype=np.int64)

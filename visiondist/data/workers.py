@@ -94,7 +94,7 @@ def close_loaders() -> None:
     _LOADERS.clear()
 
 
-AUTO_WORKERS_MAX = 8  # data.num_workers=-1: at most this many loader workers per rank
+AUTO_WORKERS_MAX = 16  # data.num_workers=-1: at most this many loader workers per rank
 
 
 def usable_cores() -> int:

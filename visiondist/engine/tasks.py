@@ -21,6 +21,27 @@ from visiondist.parallel import Layout
 log = logging.getLogger(__name__)
 
 
+class DeviceAugment:
+    """The device's part of the training augmentation (`visiondist.data.augment`): the auto-augment operations on the
+    uint8 batch after the copy (`data.augment_on=device`), then, after normalisation, random erasing."""
+
+    def __init__(self, d: DictConfig, img_size: int):
+        from visiondist.data.augment import AugmentPolicy
+
+        self.policy = AugmentPolicy(d.auto_augment, img_size, d.random_erasing, d.random_erasing_mode)
+        self.operations = d.augment_on == "device" and self.policy.layout.rounds > 0
+
+    def __call__(self, images: torch.Tensor, rows: torch.Tensor, device: torch.device, normalize) -> torch.Tensor:
+        from visiondist.data.augment_ops import apply_operations, erase
+
+        if self.operations:
+            images = apply_operations(images.to(device, non_blocking=True).clone(), rows, self.policy.layout)
+        images = normalize(images, device)
+        if self.policy.erase_p > 0:
+            images = erase(images, rows, self.policy.layout, self.policy.erase_mode)  # a new tensor: Normalize's
+        return images
+
+
 class ClassificationTask:
     columns = (*TRAIN_COLUMNS, *EVAL_METRICS["classification"])
     headline = ("val_top1", "val top-1 (%)")
@@ -47,6 +68,7 @@ class ClassificationTask:
                 log.info("%s: a micro-batch mixed with probability %g%s; soft targets%s", " or ".join(kinds),
                          d.mixup_prob, switch, smoothing)
         self.image_shape = (3, cfg.model.img_size, cfg.model.img_size)
+        self.augment = DeviceAugment(d, cfg.model.img_size) if train else None
         self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating
         self.data = build_classification_data(
             cfg.data, cfg.model.img_size, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
@@ -57,8 +79,9 @@ class ClassificationTask:
     def prepare(self, batch: Any, device: torch.device, key: tuple[int, int] | None = None) -> tuple[Any, Any]:
         """(model input, target) of a loader batch on `device`; either side may be None (pipeline ranks that hold
         only one). `key` = (step, micro-batch) mixes them (training with mixup / cutmix): soft targets then."""
-        images, labels = batch
-        images = None if images is None else self.inputs(images, device)
+        images, labels, *rows = batch  # rows: the samples' augmentation parameters (`visiondist.data.augment`)
+        if images is not None:
+            images = self.inputs(images, device) if not rows else self.augment(images, rows[0], device, self.inputs)
         labels = None if labels is None else labels.to(device, non_blocking=True)
         if self.mixing is not None and key is not None:
             images = None if images is None else self.mixing.images(images, key)

@@ -1,0 +1,175 @@
+"""Auto-augmentation and random erasing: the loader ops are torchvision's, the batched device ops give the loader
+ops' pixels for the same per-sample parameters, the draws follow torchvision's and timm's policies, and one sample's
+random choices come from one stream (a flip does not follow the crop's area)."""
+
+from __future__ import annotations
+
+import random
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from visiondist.data.augment import OPS, SIGNED, AugmentParams, AugmentPolicy, loader_op, op_argument
+from visiondist.data.augment_ops import apply_operations, erase, hash_normal
+from visiondist.data.transforms import ClassificationTransform
+
+
+def _photos(size: int = 48) -> list[torch.Tensor]:
+    """Real photographs (scikit-image ships them), resized: edges, skin, sky and saturated colours."""
+    from skimage import data
+
+    out = []
+    for name in ("astronaut", "coffee", "chelsea", "rocket"):
+        image = cv2.resize(getattr(data, name)(), (size, size), interpolation=cv2.INTER_AREA)
+        out.append(torch.from_numpy(image).permute(2, 0, 1).contiguous())
+    return out
+
+
+def _torchvision(policy: str):
+    from torchvision.transforms import v2
+
+    return v2.RandAugment() if policy == "rand" else v2.TrivialAugmentWide()
+
+
+@pytest.mark.parametrize("policy", ["rand", "trivial"])
+def test_magnitude_bins_are_torchvisions(policy):
+    ours, theirs = AugmentPolicy(policy, 48).space, _torchvision(policy)._AUGMENTATION_SPACE
+    assert set(ours) == set(theirs) == set(OPS)
+    for op, (bins, signed) in theirs.items():
+        values = bins(31, 48, 48)
+        assert (ours[op] is None) == (values is None), op
+        if values is not None:
+            assert ours[op] == [float(v) for v in values], op
+        assert (op in SIGNED) == signed, op
+
+
+def _cases(policy: str, op: str, count: int, seed: int):
+    """(signed magnitude, argument) pairs over the op's bins, both signs where it has one."""
+    r, bins = random.Random(seed), AugmentPolicy(policy, 48).space[op]
+    for _ in range(count):
+        magnitude = 0.0 if bins is None else bins[r.randrange(31)]
+        if op in SIGNED and r.random() < 0.5:
+            magnitude = -magnitude
+        yield magnitude, op_argument(op, magnitude)
+
+
+@pytest.mark.parametrize("policy", ["rand", "trivial"])
+def test_device_ops_give_the_loader_ops_pixels(policy):
+    """Each op, 24 samples of 4 photos at random bins and signs: the loader op equals torchvision's policy applying
+    that magnitude, exactly; the batched device op equals the loader op exactly, except Color (saturation), where
+    torchvision's `alpha` add rounds once and the batched blend may round once more: at most 1 grey level on at most
+    0.5% of the values."""
+    photos = _photos()
+    tv = _torchvision(policy)
+    from torchvision.transforms.v2 import InterpolationMode
+
+    layout = AugmentParams(1)
+    for index, op in enumerate(OPS):
+        rows, expected = [], []
+        for j, (magnitude, arg) in enumerate(_cases(policy, op, 24, index)):
+            image = photos[j % 4]
+            reference = tv._apply_image_or_video_transform(image, op, magnitude, InterpolationMode.NEAREST, tv._fill)
+            mine = loader_op(image, op, arg)
+            assert torch.equal(mine, reference), (op, magnitude)
+            expected.append(mine)
+            row = np.zeros(layout.width)
+            row[:2] = index, arg
+            rows.append(row)
+        batch = torch.stack([photos[j % 4] for j in range(24)])
+        out = apply_operations(batch.clone(), torch.from_numpy(np.stack(rows)), layout)
+        diff = (out.int() - torch.stack(expected).int()).abs()
+        if op == "Color":
+            assert diff.max() <= 1 and (diff > 0).float().mean() <= 0.005, (op, diff.max(), (diff > 0).float().mean())
+        else:
+            assert diff.max() == 0, (op, int(diff.max()), float((diff > 0).float().mean()))
+
+
+def test_a_policy_row_applies_the_same_in_the_worker_and_on_the_device():
+    """Whole rows as the worker draws them (RandAugment, 2 rounds): the loader path and the device path agree."""
+    photos = _photos(64)
+    policy = AugmentPolicy("rand", 64)
+    rows = [policy.draw(random.Random(i)) for i in range(32)]
+    loader = torch.stack([policy.apply_loader(photos[i % 4], rows[i]) for i in range(32)])
+    device = apply_operations(torch.stack([photos[i % 4] for i in range(32)]), torch.from_numpy(np.stack(rows)),
+                              policy.layout)
+    diff = (loader.int() - device.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 0.005
+    assert not torch.equal(device, torch.stack([photos[i % 4] for i in range(32)]))  # something was applied
+
+
+def test_draws_follow_the_policies():
+    """Over 3,000 draws: every op drawn, RandAugment at its fixed bin, TrivialAugment over its bins, signs both
+    ways; erasing about as often as asked, boxes inside the crop with timm's area range."""
+    rand, trivial = AugmentPolicy("rand", 224, random_erasing=0.25), AugmentPolicy("trivial", 224)
+    rows = np.stack([rand.draw(random.Random(i)) for i in range(3000)])
+    assert set(rows[:, 0].astype(int)) == set(rows[:, 2].astype(int)) == set(range(len(OPS)))
+    brightness = rows[rows[:, 0] == OPS.index("Brightness"), 1]
+    assert set(np.round(brightness, 6)) == {round(1 + v, 6) for v in (rand.space["Brightness"][9],
+                                                                      -rand.space["Brightness"][9])}
+    erased = rows[:, 4] > 0
+    assert 0.22 < erased.mean() < 0.28
+    top, left, h, w = rows[erased, 5:9].T
+    assert (top >= 0).all() and (left >= 0).all() and (top + h <= 224).all() and (left + w <= 224).all()
+    assert (h * w >= 0.02 * 224 * 224 * 0.9).all() and (h * w <= 224 * 224 / 3 * 1.1).all()
+    wide = np.stack([trivial.draw(random.Random(i)) for i in range(3000)])
+    assert len(set(np.round(wide[wide[:, 0] == OPS.index("Rotate"), 1], 6))) > 40  # 31 bins, two signs
+    assert np.array_equal(rand.draw(random.Random(7)), rand.draw(random.Random(7)))
+
+
+def test_erasing_fills_only_the_box_with_its_seeded_noise():
+    layout = AugmentParams(0)
+    images = torch.zeros(3, 3, 32, 32)
+    rows = torch.zeros(3, layout.width, dtype=torch.float64)
+    rows[0] = torch.tensor([1, 4, 6, 10, 12, 99], dtype=torch.float64)
+    rows[2] = torch.tensor([1, 0, 0, 32, 31, 5], dtype=torch.float64)
+    out = erase(images.clone(), rows, layout, "pixel")
+    assert torch.equal(out[0, :, 4:14, 6:18], hash_normal(99, (3, 10, 12), out.device))
+    mask = torch.ones_like(out[0], dtype=torch.bool)
+    mask[:, 4:14, 6:18] = False
+    assert (out[0][mask] == 0).all() and (out[1] == 0).all()
+    noise = hash_normal(1234, (200_000,), torch.device("cpu"))
+    assert abs(float(noise.mean())) < 0.01 and abs(float(noise.std()) - 1) < 0.01
+    assert not torch.equal(hash_normal(1, (50,), torch.device("cpu")), hash_normal(2, (50,), torch.device("cpu")))
+    const = erase(torch.ones(3, 3, 32, 32), rows, layout, "const")
+    assert (const[0, :, 4:14, 6:18] == 0).all() and (const[1] == 1).all()
+
+
+def _transform(**data):
+    cfg = OmegaConf.create({**dict(train_crop_scale=[0.08, 1.0], hflip=0.5, crop_pct=1.0, interpolation="bilinear",
+                                   auto_augment="none", augment_on="device", random_erasing=0.0,
+                                   random_erasing_mode="pixel"), **data})
+    return ClassificationTransform(cfg, train=True, size=32, seed=0)
+
+
+def test_one_stream_per_sample_a_flip_does_not_follow_the_crop():
+    """Transforms seeded alike draw alike: with a seed per transform, the flip (p=0.5) took the crop's first uniform
+    and every flipped image was a small crop. One stream per sample: flipped and unflipped crops have the same
+    sizes on average."""
+    t = _transform()
+    ramp = np.zeros((100, 100, 3), np.uint8)
+    ramp[..., 0] = np.arange(100)[None, :]
+    ramp[..., 1] = np.arange(100)[:, None]
+    flipped, area = [], []
+    for i in range(600):
+        out = t(ramp, i, 0).numpy().astype(int)
+        flipped.append(out[0, 0, 0] > out[0, 0, -1])
+        area.append((out[0].max() - out[0].min() + 1) * (out[1].max() - out[1].min() + 1))
+    flipped, area = np.array(flipped), np.array(area)
+    assert 0.4 < flipped.mean() < 0.6
+    assert abs(area[flipped].mean() / area[~flipped].mean() - 1) < 0.2
+    assert torch.equal(t(ramp, 5, 1), t(ramp, 5, 1)) and not torch.equal(t(ramp, 5, 1), t(ramp, 5, 2))
+
+
+def test_the_worker_ships_parameters_and_applies_them_only_on_the_loader_path():
+    photo = _photos(96)[0].permute(1, 2, 0).numpy().copy()
+    device, loader = _transform(auto_augment="rand"), _transform(auto_augment="rand", augment_on="loader")
+    for i in range(8):
+        (a, row_a), (b, row_b) = device(photo, i, 3), loader(photo, i, 3)
+        assert torch.equal(row_a, row_b)
+        on_device = apply_operations(a[None].clone(), row_a[None], device.policy.layout)[0]
+        diff = (on_device.int() - b.int()).abs()
+        assert diff.max() <= 1 and (diff > 0).float().mean() < 0.005
+    assert isinstance(_transform()(photo, 0, 0), torch.Tensor)  # nothing to ship: the image alone
