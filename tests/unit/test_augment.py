@@ -154,7 +154,7 @@ def test_one_stream_per_sample_a_flip_does_not_follow_the_crop():
     ramp[..., 1] = np.arange(100)[:, None]
     flipped, area = [], []
     for i in range(600):
-        out = t(ramp, i, 0).numpy().astype(int)
+        out = t(ramp, i, 0).permute(2, 0, 1).numpy().astype(int)
         flipped.append(out[0, 0, 0] > out[0, 0, -1])
         area.append((out[0].max() - out[0].min() + 1) * (out[1].max() - out[1].min() + 1))
     flipped, area = np.array(flipped), np.array(area)
@@ -164,12 +164,13 @@ def test_one_stream_per_sample_a_flip_does_not_follow_the_crop():
 
 
 def test_the_worker_ships_parameters_and_applies_them_only_on_the_loader_path():
-    photo = _photos(96)[0].permute(1, 2, 0).numpy().copy()
+    photo = _photos(96)[0].permute(1, 2, 0).numpy().copy()  # the transform takes and hands over H, W, C
     device, loader = _transform(auto_augment="rand"), _transform(auto_augment="rand", augment_on="loader")
     for i in range(8):
         (a, row_a), (b, row_b) = device(photo, i, 3), loader(photo, i, 3)
         assert torch.equal(row_a, row_b)
-        on_device = apply_operations(a[None].clone(), row_a[None], device.policy.layout)[0]
+        on_device = apply_operations(a.permute(2, 0, 1)[None].contiguous(), row_a[None], device.policy.layout)[0]
+        b = b.permute(2, 0, 1)
         diff = (on_device.int() - b.int()).abs()
         assert diff.max() <= 1 and (diff > 0).float().mean() < 0.005
     assert isinstance(_transform()(photo, 0, 0), torch.Tensor)  # nothing to ship: the image alone

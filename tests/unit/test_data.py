@@ -112,25 +112,26 @@ def test_augmentation_depends_on_sample_and_epoch_only(tiny_shapes):
     ds[(7, 0)], ds[(9, 3)]  # other samples in between
     assert torch.equal(ds[(5, 0)][0], first)
     assert not torch.equal(ds[(5, 1)][0], first)
-    assert first.shape == (3, 32, 32) and first.dtype == torch.uint8  # normalised on the device
+    assert first.shape == (32, 32, 3) and first.dtype == torch.uint8  # made C, H, W and normalised on the device
 
 
 def test_device_normalisation_equals_normalising_in_the_loader(tiny_shapes):
-    """The loader yields uint8; `Normalize` on the device gives what normalising float pixels in the loader gave."""
+    """The loader yields uint8 N, H, W, C; `Normalize` on the device gives what normalising float C, H, W pixels in
+    the loader gave."""
     from visiondist.data.transforms import Normalize
 
     data, cfg = _data(tiny_shapes, 0, 1)
     images, _ = next(iter(data.train_loader))
     assert images.dtype == torch.uint8
     mean, std = torch.tensor(cfg.data.mean).view(1, 3, 1, 1), torch.tensor(cfg.data.std).view(1, 3, 1, 1)
-    expected = (images.float() / 255 - mean) / std
+    expected = (images.permute(0, 3, 1, 2).float() / 255 - mean) / std
     torch.testing.assert_close(Normalize(cfg.data.mean, cfg.data.std)(images, torch.device("cpu")), expected)
 
 
 def test_loader_batches_and_class_count(tiny_shapes):
     data, cfg = _data(tiny_shapes, 1, 2)
     images, labels = next(iter(data.train_loader))
-    assert images.shape == (6, 3, 32, 32) and labels.dtype == torch.int64
+    assert images.shape == (6, 32, 32, 3) and labels.dtype == torch.int64  # H, W, C: made C, H, W on the device
     assert data.classes == sorted(SHAPE_CLASSES) and data.num_val == 30
     with pytest.raises(ValueError, match="set data.num_classes=6"):
         _data(tiny_shapes, 0, 1, ["data.num_classes=10"])

@@ -55,7 +55,8 @@ class SampleRandom:
 
 
 class ClassificationTransform:
-    """uint8 HxWx3 RGB -> uint8 CHW tensor: the crop / flip (albumentations). In training with `data.auto_augment`
+    """uint8 HxWx3 RGB -> uint8 HxWx3 tensor (`Normalize` makes it CHW on the device): the crop / flip
+    (albumentations). In training with `data.auto_augment`
     or `data.random_erasing`, also the sample's augmentation parameters (`visiondist.data.augment`): the worker
     returns `(image, row)`, and applies the auto-augment operations itself only under `data.augment_on=loader`.
     Normalisation happens on the device (`Normalize`): uint8 batches move a quarter of float32's bytes through the
@@ -80,18 +81,21 @@ class ClassificationTransform:
 
     def __call__(self, image: np.ndarray, index: int, epoch: int):
         self.random.reset(self.seed, epoch, index)
-        image = torch.from_numpy(np.ascontiguousarray(self.transform(image=image)["image"])).permute(2, 0, 1)
+        image = torch.from_numpy(np.ascontiguousarray(self.transform(image=image)["image"]))  # H, W, C
         if self.policy is None or not self.policy.active:
             return image
         row = self.policy.draw(self.random.python)
-        if self.on_loader:
-            image = self.policy.apply_loader(image.contiguous(), row)
+        if self.on_loader:  # torchvision's ops take C, H, W; handed over as H, W, C again
+            image = self.policy.apply_loader(image.permute(2, 0, 1), row).permute(1, 2, 0).contiguous()
         return image, torch.from_numpy(row)
 
 
 class Normalize:
-    """Loader images (uint8, any device) -> the model's input on `device`: float32, (x - 255 mean) / (255 std) per
-    channel, computed on the device after a non-blocking copy. Float input is taken as already normalised."""
+    """Loader images -> the model's input on `device`. A classification loader hands over uint8 batches laid out
+    N, H, W, C (each worker's images stack with a plain memory copy; a CHW view of an HWC crop would be transposed
+    in the worker, 10x slower): they are copied without blocking, turned to N, C, H, W on the device (`to_device`),
+    and normalised there in float32, (x - 255 mean) / (255 std) per channel (`normalize`). Float input is taken as
+    the model's input already (N, C, H, W, normalised)."""
 
     def __init__(self, mean, std):
         self.mean = torch.tensor(list(mean), dtype=torch.float32).view(1, 3, 1, 1) * 255
@@ -99,13 +103,23 @@ class Normalize:
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, images: torch.Tensor, device: torch.device) -> torch.Tensor:
-        images = images.to(device, non_blocking=True)
+        return self.normalize(to_device(images, device))
+
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 N, C, H, W on its device -> normalised float32 (float input passes as it is)."""
         if images.dtype != torch.uint8:
             return images
         if images.device not in self._on:
             self._on[images.device] = (self.mean.to(images.device), self.std.to(images.device))
         mean, std = self._on[images.device]
         return images.float().sub_(mean).div_(std)
+
+
+def to_device(images: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A classification loader batch on `device`: uint8 N, H, W, C -> uint8 N, C, H, W (contiguous), after a
+    non-blocking copy; float batches (already the model's input) are only copied."""
+    images = images.to(device, non_blocking=True)
+    return images.permute(0, 3, 1, 2).contiguous() if images.dtype == torch.uint8 else images
 
 
 def unit_float(images: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -54,7 +54,8 @@ def train_flops_per_image(model_cfg: DictConfig, batch: tuple, family: str) -> f
         images, labels = batch
         with torch.device("meta"):
             model = build_model(cfg)
-        images, labels = images[:1].float().to("meta"), labels[:1].to("meta")
+        images = images[:1].permute(0, 3, 1, 2) if images.dtype == torch.uint8 else images[:1]  # loader: N, H, W, C
+        images, labels = images.float().to("meta"), labels[:1].to("meta")
         with FlopCounterMode(display=False) as counter:
             F.cross_entropy(model(images), labels).backward()
         return float(counter.get_total_flops())
@@ -124,7 +125,7 @@ def synthetic_batch(cfg: DictConfig, family: str, micro_batch: int, device: torc
     g = torch.Generator().manual_seed(seed)
     if family == "classification":
         size = cfg.model.img_size
-        images = torch.randint(0, 256, (micro_batch, 3, size, size), dtype=torch.uint8, generator=g)
+        images = torch.randint(0, 256, (micro_batch, size, size, 3), dtype=torch.uint8, generator=g)  # as loaders
         labels = torch.randint(0, cfg.model.num_classes, (micro_batch,), generator=g)
         return images.to(device), labels.to(device)
     size = cfg.data.min_size  # detectors resize internally; square images of the short side

@@ -32,11 +32,14 @@ class DeviceAugment:
         self.operations = d.augment_on == "device" and self.policy.layout.rounds > 0
 
     def __call__(self, images: torch.Tensor, rows: torch.Tensor, device: torch.device, normalize) -> torch.Tensor:
+        """uint8 N, H, W, C loader images and their parameter rows -> the normalised, augmented model input."""
         from visiondist.data.augment_ops import apply_operations, erase
+        from visiondist.data.transforms import to_device
 
+        images = to_device(images, device)  # a new tensor: the ops below work in place
         if self.operations:
-            images = apply_operations(images.to(device, non_blocking=True).clone(), rows, self.policy.layout)
-        images = normalize(images, device)
+            images = apply_operations(images, rows, self.policy.layout)
+        images = normalize.normalize(images)
         if self.policy.erase_p > 0:
             images = erase(images, rows, self.policy.layout, self.policy.erase_mode)  # a new tensor: Normalize's
         return images
