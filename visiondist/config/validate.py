@@ -165,6 +165,13 @@ def _check_data(d: DictConfig) -> None:
     _one_of("data.auto_augment", d.auto_augment, ("none", "rand", "trivial"))
     _one_of("data.interpolation", d.interpolation, ("bilinear", "bicubic"))
     _one_of("data.augment_on", d.augment_on, ("device", "loader"))
+    _one_of("data.decode_on", d.decode_on, ("loader", "device"))
+    if d.decode_on == "device" and d.augment_on == "loader" and d.auto_augment != "none":
+        raise ConfigError("data.decode_on=device leaves the images encoded until they reach the device, where "
+                          "data.augment_on=loader cannot augment them: use data.augment_on=device")
+    if d.decode_on == "device" and d.format != "imagefolder":
+        raise ConfigError(f"data.decode_on=device decodes ImageFolder training images; data.format={d.format} "
+                          "decodes in the loader: use data.decode_on=loader")
     _one_of("data.random_erasing_mode", d.random_erasing_mode, ("pixel", "rand", "const"))
     if not 0 <= d.random_erasing <= 1:
         raise ConfigError(f"data.random_erasing={d.random_erasing} is a probability per image: use a value in [0, 1] "

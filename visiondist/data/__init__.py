@@ -37,6 +37,10 @@ def _loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:
     # come in page-locked memory (`data.pin_memory`) so that the rank's copy to the device does not block.
     num_workers = _num_workers(cfg.num_workers)
     workers = num_workers > 0
+    if workers:  # the rank's OpenCV thread pool, if it has started one, must not be copied into forked workers: a
+        import cv2  # worker's first resize would wait on threads it does not have. The rank decodes nothing itself.
+
+        cv2.setNumThreads(1)
     return dict(num_workers=num_workers, pin_memory=pin_memory and cfg.get("pin_memory", True),
                 worker_init_fn=worker_init, persistent_workers=workers, collate_fn=collate_fn,
                 prefetch_factor=cfg.get("prefetch_factor", 2) if workers else None, generator=torch.Generator())
@@ -117,14 +121,20 @@ def build_classification_data(
             val_loader = LabelBatches(val_loader.batch_sampler, val_set.targets if reads_labels else None)
         return ClassificationData(None, val_loader, None, val_set.classes, 0, len(val_set))
     train_tf = ClassificationTransform(cfg, train=True, size=img_size, seed=seed)
-    train_set = ImageFolder(root / cfg.train_split, train_tf, train=True, max_bad_images=cfg.get("max_bad_images", 10))
+    reader, collate = None, None
+    if cfg.get("decode_on", "loader") == "device":  # the workers read bytes; the rank decodes them on its device
+        from visiondist.data.device_decode import collate_encoded, read_encoded
+
+        reader, collate = read_encoded, collate_encoded(img_size, cfg.get("interpolation", "bilinear"))
+    train_set = ImageFolder(root / cfg.train_split, train_tf, train=True, max_bad_images=cfg.get("max_bad_images", 10),
+                            reader=reader)
     _check_num_classes(cfg, len(train_set.classes), train_set.root, "class folders")
     if val_set.classes != train_set.classes:
         raise ValueError(f"class folders of {val_set.root} differ from those of {train_set.root}")
 
     sampler = TrainBatchSampler(len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed)
     options = _loader_options(cfg, pin_memory)
-    train_loader = register(DataLoader(train_set, batch_sampler=sampler, **options))
+    train_loader = register(DataLoader(train_set, batch_sampler=sampler, **{**options, "collate_fn": collate}))
     val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, options)
     if not reads_images:
         train_loader = LabelBatches(sampler, train_set.targets if reads_labels else None)

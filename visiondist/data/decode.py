@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
+from typing import NamedTuple
 
 import cv2
 import numpy as np
@@ -117,18 +118,46 @@ def _may_carry_orientation(data: bytes, jpeg: bool) -> bool:
 
 
 def _jpeg_has_app1(data: bytes) -> bool:
+    return any(marker == 0xE1 for marker, _ in _jpeg_segments(data))
+
+
+class JpegFrame(NamedTuple):
+    """What a JPEG's header says: the frame's size, sample precision and component count, which SOF marker (0:
+    baseline, 1: extended, 2: progressive, ...) and whether it has an APP1 (EXIF / XMP) segment."""
+    height: int
+    width: int
+    components: int
+    precision: int
+    sof: int
+    app1: bool
+
+
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def _jpeg_segments(data: bytes):
+    """(marker, payload offset) of each header segment up to the start of scan."""
     i = 2
     while i + 4 <= len(data) and data[i] == 0xFF:
         marker = data[i + 1]
-        if marker == 0xE1:
-            return True
-        if marker == 0xDA:  # start of scan: the header segments are over
-            return False
         if marker == 0xFF:  # fill byte
             i += 1
             continue
+        if marker == 0xDA:  # start of scan: the header segments are over
+            return
+        yield marker, i + 4
         i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
-    return False
+
+
+def jpeg_frame(data: bytes) -> JpegFrame | None:
+    """The frame header of a JPEG's bytes (read from its segments, nothing decoded), or None when it has none."""
+    app1, frame = False, None
+    for marker, at in _jpeg_segments(data):
+        app1 = app1 or marker == 0xE1
+        if frame is None and marker in _SOF and at + 6 <= len(data):
+            frame = (int.from_bytes(data[at + 1:at + 3], "big"), int.from_bytes(data[at + 3:at + 5], "big"),
+                     data[at + 5], data[at], marker - 0xC0)
+    return None if frame is None else JpegFrame(*frame, app1=app1)
 
 
 _PNG_EXIF_TEXT = (b"XML:com.adobe.xmp\x00", b"Raw profile type exif\x00")  # text chunks Pillow takes orientation from

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import numpy as np
 from torch.utils.data import Dataset
 
-from visiondist.data.decode import read_rgb  # noqa: F401  (the one reader; imported from here too)
+from visiondist.data.decode import read_rgb  # the one reader (imported from here too)
 from visiondist.data.robust import BadImages
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
@@ -41,8 +41,9 @@ class ImageFolder(Dataset):
     of its class (`visiondist.data.robust`); in evaluation it is an error."""
 
     def __init__(self, split_dir: str | os.PathLike, transform: Optional[Callable] = None, train: bool = False,
-                 max_bad_images: int = 10):
+                 max_bad_images: int = 10, reader: Optional[Callable] = None):
         self.root = Path(split_dir)
+        self.reader = reader or read_rgb  # `visiondist.data.device_decode.read_encoded` under data.decode_on=device
         self.classes, self.samples = scan_image_folder(self.root)
         self.targets = np.array([label for _, label in self.samples], dtype=np.int64)
         self.transform = transform
@@ -63,7 +64,7 @@ class ImageFolder(Dataset):
 
     def __getitem__(self, key):
         index, epoch = key if isinstance(key, tuple) else (key, 0)
-        _, image = self._bad.read(self._candidates(index), read_rgb)
+        _, image = self._bad.read(self._candidates(index), self.reader)
         label = int(self.targets[index])
         if self.transform is None:
             return image, label

@@ -74,13 +74,16 @@ class ClassificationTransform:
         self.policy = AugmentPolicy(get("auto_augment", "none") or "none", size, float(get("random_erasing", 0.0)),
                                     get("random_erasing_mode", "pixel")) if train else None
         self.on_loader = get("augment_on", "device") == "loader"
+        self.decode_on_device = train and get("decode_on", "loader") == "device"
         self.seed = seed
         self.random = SampleRandom()
         self.transform = classification_transforms(cfg, train, size)
         self.transform.set_random_state(self.random.numpy, self.random.python)
 
-    def __call__(self, image: np.ndarray, index: int, epoch: int):
+    def __call__(self, image, index: int, epoch: int):
         self.random.reset(self.seed, epoch, index)
+        if self.decode_on_device:
+            return self._for_device(image)
         image = torch.from_numpy(np.ascontiguousarray(self.transform(image=image)["image"]))  # H, W, C
         if self.policy is None or not self.policy.active:
             return image
@@ -88,6 +91,27 @@ class ClassificationTransform:
         if self.on_loader:  # torchvision's ops take C, H, W; handed over as H, W, C again
             image = self.policy.apply_loader(image.permute(2, 0, 1), row).permute(1, 2, 0).contiguous()
         return image, torch.from_numpy(row)
+
+
+    def _for_device(self, image) -> tuple[torch.Tensor, torch.Tensor]:
+        """`data.decode_on=device`: a JPEG's bytes with its crop row (drawn from the sample's stream as the loader
+        path's albumentations crop and flip draw them), or a file the device cannot decode cropped here, with an
+        empty crop row; then the augmentation row (`visiondist.data.device_decode`)."""
+        from visiondist.data.device_decode import CROP_FIELDS, Encoded
+
+        row = np.zeros(CROP_FIELDS)
+        if isinstance(image, Encoded):  # the Compose's draws in its order: whether it runs (p=1), crop, flip
+            self.random.python.random()
+            crop, *rest = self.transform.transforms
+            x0, y0, x1, y1 = crop.get_params_dependent_on_data({"shape": (image.height, image.width)}, {})["crop_coords"]
+            flip = any(isinstance(t, A.HorizontalFlip) and t.should_apply() for t in rest)
+            row[:] = (1, y0, x0, y1 - y0, x1 - x0, flip)
+            payload = torch.frombuffer(bytearray(image.data), dtype=torch.uint8)
+        else:
+            payload = torch.from_numpy(np.ascontiguousarray(self.transform(image=image)["image"]))
+        if self.policy is not None and self.policy.active:
+            row = np.concatenate([row, self.policy.draw(self.random.python)])
+        return payload, torch.from_numpy(row)
 
 
 class Normalize:
@@ -115,9 +139,12 @@ class Normalize:
         return images.float().sub_(mean).div_(std)
 
 
-def to_device(images: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(images, device: torch.device) -> torch.Tensor:
     """A classification loader batch on `device`: uint8 N, H, W, C -> uint8 N, C, H, W (contiguous), after a
-    non-blocking copy; float batches (already the model's input) are only copied."""
+    non-blocking copy; a batch of encoded JPEGs (`data.decode_on=device`) is decoded, cropped and flipped there;
+    float batches (already the model's input) are only copied."""
+    if hasattr(images, "images"):  # visiondist.data.device_decode.EncodedBatch
+        return images.images(device)
     images = images.to(device, non_blocking=True)
     return images.permute(0, 3, 1, 2).contiguous() if images.dtype == torch.uint8 else images
 

@@ -72,6 +72,9 @@ class ClassificationTask:
                          d.mixup_prob, switch, smoothing)
         self.image_shape = (3, cfg.model.img_size, cfg.model.img_size)
         self.augment = DeviceAugment(d, cfg.model.img_size) if train else None
+        from visiondist.data.device_decode import FallbackCount
+
+        self.worker_decoded = FallbackCount()  # data.decode_on=device: the images the device could not decode
         self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating
         self.data = build_classification_data(
             cfg.data, cfg.model.img_size, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
@@ -83,6 +86,8 @@ class ClassificationTask:
         """(model input, target) of a loader batch on `device`; either side may be None (pipeline ranks that hold
         only one). `key` = (step, micro-batch) mixes them (training with mixup / cutmix): soft targets then."""
         images, labels, *rows = batch  # rows: the samples' augmentation parameters (`visiondist.data.augment`)
+        if hasattr(images, "crops"):  # encoded JPEGs (data.decode_on=device): count what the workers decoded
+            self.worker_decoded.add(images)
         if images is not None:
             images = self.inputs(images, device) if not rows else self.augment(images, rows[0], device, self.inputs)
         labels = None if labels is None else labels.to(device, non_blocking=True)

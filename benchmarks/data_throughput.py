@@ -1,0 +1,405 @@
+"""Training input path per CPU core, on real photographs: what one loader worker delivers, and how many cores an H100
+needs to stay fed.
+
+The data: the photographs scikit-image ships (astronaut, coffee, chelsea, rocket, stereo_motorcycle; no download),
+cropped at ImageNet's sizes (about 440 x 390 px, 400-500 by 340-420) and re-encoded as JPEG at quality 90-95, in an
+ImageFolder tree. Each pipeline runs through a real `DataLoader` with one worker pinned to one core (`--core`; the
+main process stays on another), 224 px crops, batches of 64, in alternating rounds (a slow spell of the machine hits
+every pipeline), and reports the median images/s of its rounds:
+
+- `before`: the path as it was: a seed per albumentations transform (SeedSequence + `set_random_seed`), C, H, W
+  tensors handed over, RandAugment in the worker on the uint8 tensor under `torch.manual_seed` in `fork_rng`;
+- `PIL + torchvision v2`: what a plain PyTorch user writes (Pillow decode, v2 RandomResizedCrop + flip [+
+  RandAugment on the PIL image], `ToImage`);
+- one change at a time on top of `before`: one random stream per sample (`stream`), H, W, C hand-over (`hwc`),
+  auto-augment on the device (`device_aug`: the worker only draws the parameters);
+- `visiondist`: the shipped `ClassificationTransform` (all of them).
+
+Then, in one process on one thread, where one image's time goes (decode, crop + flip, seeding, RandAugment, collate),
+and the cores one H100 needs at 50% of its 989 dense bf16 TFLOP/s for ViT-S/B/L-16 (training FLOPs per image counted
+by `FlopCounterMode` on this project's models). With a CUDA device, also: nvJPEG decode images/s, and the device
+augmentation's share of a ViT-B/16 step (batch 256, bf16).
+
+    python benchmarks/data_throughput.py                       # 320 photos, 5 rounds, worker on core 1
+    python benchmarks/data_throughput.py --images 640 --rounds 7 --markdown out.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+from visiondist.data.decode import read_rgb  # noqa: E402
+from visiondist.data.imagefolder import ImageFolder  # noqa: E402
+from visiondist.data.transforms import ClassificationTransform, SampleRandom, classification_transforms  # noqa: E402
+
+PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "stereo_motorcycle")
+H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak, SXM
+MFU = 0.5
+SIZE, BATCH = 224, 64
+
+
+def build_photos(root: Path, count: int, seed: int = 0) -> dict:
+    """`count` JPEGs cut from scikit-image's photographs into <root>/train/<photo>/: ~440 x 390 px, quality 90-95."""
+    from skimage import data
+
+    rng = np.random.default_rng(seed)
+    sources = {}
+    for name in PHOTOS:
+        image = getattr(data, name)()
+        image = image[0] if name == "stereo_motorcycle" else image
+        scale = max(1.0, 440 / min(image.shape[:2]))  # every source at least 440 px on its short side
+        sources[name] = cv2.resize(image, None, fx=scale, fy=scale, interpolation=cv2.INTER_CUBIC) if scale > 1 else image
+    sizes = []
+    for i in range(count):
+        name = PHOTOS[i % len(PHOTOS)]
+        source = sources[name]
+        h, w = int(rng.integers(340, 421)), int(rng.integers(400, 501))
+        h, w = min(h, source.shape[0]), min(w, source.shape[1])
+        y, x = int(rng.integers(0, source.shape[0] - h + 1)), int(rng.integers(0, source.shape[1] - w + 1))
+        crop = np.ascontiguousarray(source[y:y + h, x:x + w])
+        if rng.random() < 0.5:
+            crop = crop[:, ::-1]
+        folder = root / "train" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{i:05d}.JPEG"
+        cv2.imwrite(str(path), cv2.cvtColor(crop, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, int(rng.integers(90, 96))])
+        sizes.append((w, h, path.stat().st_size))
+    w, h, b = (float(np.mean(v)) for v in zip(*sizes))
+    return {"images": count, "mean_width": round(w), "mean_height": round(h), "mean_kb": round(b / 1024, 1)}
+
+
+def recipe_cfg(auto_augment: str, **extra):
+    return OmegaConf.create(dict(train_crop_scale=[0.08, 1.0], hflip=0.5, crop_pct=0.875, interpolation="bilinear",
+                                 auto_augment=auto_augment, augment_on="device", random_erasing=0.0,
+                                 random_erasing_mode="pixel", **extra))
+
+
+class Variant:
+    """The path as it was, with each change switchable: `stream` (one random stream per sample instead of a seed per
+    transform and `torch.manual_seed` for RandAugment), `hwc` (H, W, C hand-over), `device_aug` (the worker draws the
+    auto-augment parameters; the device applies them)."""
+
+    def __init__(self, auto_augment: str, stream=False, hwc=False, device_aug=False, seed=0):
+        from torchvision.transforms import v2
+
+        from visiondist.data.augment import AugmentPolicy
+
+        self.transform = classification_transforms(recipe_cfg(auto_augment), True, SIZE)
+        self.stream, self.hwc, self.device_aug, self.seed = stream, hwc, device_aug, seed
+        self.auto = v2.RandAugment() if auto_augment == "rand" else None
+        self.policy = AugmentPolicy(auto_augment, SIZE)
+        self.random = SampleRandom()
+        if stream:
+            self.transform.set_random_state(self.random.numpy, self.random.python)
+
+    def __call__(self, image, index, epoch):
+        if self.stream:
+            self.random.reset(self.seed, epoch, index)
+        else:
+            seed = int(np.random.SeedSequence([self.seed, epoch, index]).generate_state(1)[0])
+            self.transform.set_random_seed(seed)
+        image = torch.from_numpy(np.ascontiguousarray(self.transform(image=image)["image"]))
+        chw = image.permute(2, 0, 1)
+        if self.auto is None:
+            return image if self.hwc else chw
+        if self.device_aug:
+            row = torch.from_numpy(self.policy.draw(self.random.python if self.stream else _python_random(seed)))
+            return (image if self.hwc else chw), row
+        if self.stream:
+            out = self.policy.apply_loader(chw, self.policy.draw(self.random.python))
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                out = self.auto(chw)
+        return out.permute(1, 2, 0).contiguous() if self.hwc else out
+
+
+def _python_random(seed: int):
+    import random
+
+    return random.Random(seed)
+
+
+class PillowFolder(Dataset):
+    """Pillow decode + torchvision transforms v2, as a plain PyTorch user writes it."""
+
+    def __init__(self, samples, auto_augment: str):
+        from torchvision.transforms import v2
+
+        steps = [v2.RandomResizedCrop(SIZE, scale=(0.08, 1.0), antialias=True), v2.RandomHorizontalFlip()]
+        if auto_augment == "rand":
+            steps.append(v2.RandAugment())
+        self.samples, self.transform = samples, v2.Compose([*steps, v2.PILToTensor()])
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, key):
+        from PIL import Image
+
+        index = key[0] if isinstance(key, tuple) else key
+        path, label = self.samples[index]
+        with Image.open(path) as image:
+            return self.transform(image.convert("RGB")), label
+
+
+def _pin(core: int):
+    def init(_worker_id):
+        os.sched_setaffinity(0, {core})
+        cv2.setNumThreads(1)
+        torch.set_num_threads(1)
+    return init
+
+
+def loaders(root: Path, recipe: str, core: int) -> dict[str, DataLoader]:
+    split = root / "train"
+    samples = ImageFolder(split).samples
+    sets = {"before": ImageFolder(split, Variant(recipe)),
+            "PIL + torchvision v2": PillowFolder(samples, recipe),
+            "+ stream": ImageFolder(split, Variant(recipe, stream=True)),
+            "+ hwc": ImageFolder(split, Variant(recipe, hwc=True))}
+    if recipe != "none":
+        sets["+ device_aug"] = ImageFolder(split, Variant(recipe, device_aug=True))
+    sets["visiondist"] = ImageFolder(split, ClassificationTransform(recipe_cfg(recipe), True, SIZE, seed=0))
+    keys = [(i, 0) for i in range(len(samples))]
+    order = [keys[i:i + BATCH] for i in range(0, len(keys) - BATCH + 1, BATCH)]
+    return {name: DataLoader(ds, batch_sampler=order, num_workers=1, worker_init_fn=_pin(core), prefetch_factor=4,
+                             persistent_workers=True) for name, ds in sets.items()}
+
+
+def rate(loader: DataLoader) -> float:
+    it = iter(loader)
+    next(it)  # the first batch: the worker may still be starting
+    start, images = time.perf_counter(), 0
+    for batch in it:
+        images += len(batch[0])
+    return images / (time.perf_counter() - start)
+
+
+def per_image_split(root: Path, count: int = 128) -> dict[str, float]:
+    """Microseconds per image of each step, in this process on one thread, over the first `count` photos."""
+    from torchvision.transforms import v2
+
+    from visiondist.data.augment import AugmentPolicy
+
+    paths = [p for p, _ in ImageFolder(root / "train").samples][:count]
+    crop = classification_transforms(recipe_cfg("rand"), True, SIZE)
+    stream, policy, auto = SampleRandom(), AugmentPolicy("rand", SIZE), v2.RandAugment()
+    crop.set_random_state(stream.numpy, stream.python)
+    out: dict[str, list[float]] = {k: [] for k in ("read + decode", "seed: a seed per transform + fork_rng",
+                                                   "seed: one stream", "crop + flip", "RandAugment (worker)",
+                                                   "draw parameters", "hand-over: stack C, H, W views",
+                                                   "hand-over: stack H, W, C")}
+
+    def timed(key, fn):
+        t = time.perf_counter()
+        result = fn()
+        out[key].append((time.perf_counter() - t) * 1e6)
+        return result
+
+    crops = []
+    for i, path in enumerate(paths):
+        image = timed("read + decode", lambda: read_rgb(str(path)))
+
+        def old_seed(i=i):
+            crop.set_random_seed(i)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(i)
+        timed("seed: a seed per transform + fork_rng", old_seed)
+        crop.set_random_state(stream.numpy, stream.python)
+        timed("seed: one stream", lambda i=i: stream.reset(0, 0, i))
+        hwc = timed("crop + flip", lambda: torch.from_numpy(np.ascontiguousarray(crop(image=image)["image"])))
+        timed("RandAugment (worker)", lambda: auto(hwc.permute(2, 0, 1)))
+        timed("draw parameters", lambda: policy.draw(stream.python))
+        crops.append(hwc)
+    for _ in range(3):
+        batch = crops[:BATCH]
+        for key, views in (("hand-over: stack C, H, W views", [c.permute(2, 0, 1) for c in batch]),
+                           ("hand-over: stack H, W, C", batch)):
+            t = time.perf_counter()
+            torch.stack(views, out=torch.empty((len(views), *views[0].shape), dtype=torch.uint8))
+            out[key].append((time.perf_counter() - t) * 1e6 / len(views))
+    return {k: round(statistics.median(v), 1) for k, v in out.items()}
+
+
+def vit_train_flops() -> dict[str, float]:
+    """Training FLOPs per 224-px image (forward + backward) of ViT-S/B/L-16, counted on the meta device."""
+    from visiondist.cli import load_config
+    from visiondist.engine.measure import train_flops_per_image
+
+    out = {}
+    for name in ("vit_small", "vit_base", "vit_large"):
+        cfg = load_config(Path(__file__).resolve().parents[1] / "configs",
+                          [f"model={name}", f"data.img_size={SIZE}", "data.num_classes=1000"], inputs=None).model
+        batch = (torch.zeros(1, SIZE, SIZE, 3, dtype=torch.uint8), torch.zeros(1, dtype=torch.long))
+        out[name] = train_flops_per_image(cfg, batch, "classification")
+    return out
+
+
+def gpu_figures(root: Path) -> dict:
+    """nvJPEG decode images/s (batches of 64) and the device augmentation's share of a ViT-B/16 bf16 step."""
+    from visiondist.data.augment import AugmentPolicy
+    from visiondist.data.augment_ops import apply_operations, erase
+    from visiondist.data.gpu_decode import decode_jpegs
+
+    paths = [p for p, _ in ImageFolder(root / "train").samples][:256]
+    data = [torch.frombuffer(bytearray(Path(p).read_bytes()), dtype=torch.uint8) for p in paths]
+    for _ in range(2):
+        decode_jpegs(data[:BATCH], torch.device("cuda"))
+    torch.cuda.synchronize()
+    t, n = time.perf_counter(), 0
+    for _ in range(3):
+        for i in range(0, len(data), BATCH):
+            n += len(decode_jpegs(data[i:i + BATCH], torch.device("cuda")))
+    torch.cuda.synchronize()
+    nvjpeg = n / (time.perf_counter() - t)
+
+    from visiondist.models.vit import VisionTransformer
+
+    model = VisionTransformer(img_size=SIZE, patch_size=16, num_classes=1000, embed_dim=768, depth=12,
+                              num_heads=12).cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    x = torch.randn(256, 3, SIZE, SIZE, device="cuda")
+    y = torch.randint(0, 1000, (256,), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    import random
+
+    policy = AugmentPolicy("rand", SIZE, random_erasing=0.25)
+    rows = torch.from_numpy(np.stack([policy.draw(random.Random(i)) for i in range(256)]))
+    images = torch.randint(0, 256, (256, 3, SIZE, SIZE), dtype=torch.uint8, device="cuda")
+
+    def augment():
+        out = apply_operations(images.clone(), rows, policy.layout).float()
+        erase(out, rows, policy.layout, "pixel")
+
+    def timed(fn, n=10):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / n
+
+    step_s, augment_s = timed(step), timed(augment)
+    return {"device": torch.cuda.get_device_name(), "nvjpeg_images_per_s": round(nvjpeg),
+            "vit_b16_step_ms_b256": round(step_s * 1e3, 2), "device_augment_ms_b256": round(augment_s * 1e3, 2),
+            "device_augment_share": round(augment_s / (step_s + augment_s), 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=320)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--core", type=int, default=1, help="the core the loader worker is pinned to")
+    parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
+    parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cv2.setNumThreads(1)
+    main_cores = (os.sched_getaffinity(0) - {args.core}) or os.sched_getaffinity(0)
+    os.sched_setaffinity(0, main_cores)
+    result: dict = {"core": args.core, "rounds": args.rounds}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        result["data"] = build_photos(root, args.images)
+        print(f"{args.images} photos, mean {result['data']['mean_width']} x {result['data']['mean_height']} px, "
+              f"{result['data']['mean_kb']} KB; one worker on core {args.core}, {SIZE} px, batch {BATCH}", flush=True)
+        result["recipes"] = {}
+        for recipe, title in (("none", "default (crop + flip)"), ("rand", "DeiT (+ RandAugment 2/9)")):
+            runs = loaders(root, recipe, args.core)
+            for loader in runs.values():  # start every worker, warm caches and lazy imports
+                next(iter(loader))
+            rounds: dict[str, list[float]] = {name: [] for name in runs}
+            for _ in range(args.rounds):
+                for name, loader in runs.items():
+                    rounds[name].append(rate(loader))
+            medians = {name: statistics.median(r) for name, r in rounds.items()}
+            base = rounds["PIL + torchvision v2"]
+            ratios = {name: statistics.median(a / b for a, b in zip(r, base)) for name, r in rounds.items()}
+            result["recipes"][recipe] = {"title": title, "images_per_s": medians, "vs_pil": ratios}
+            print(f"\n{title}: images/s per core (median of {args.rounds} rounds), ratio to PIL + torchvision v2")
+            for name in runs:
+                print(f"  {name:<24} {medians[name]:8.0f}   {ratios[name]:.2f}x")
+            del runs
+        result["per_image_us"] = per_image_split(root)
+        print("\nper image, one thread (us):")
+        for k, v in result["per_image_us"].items():
+            print(f"  {k:<40} {v:8.1f}")
+        flops = vit_train_flops()
+        result["cores_per_h100"] = {}
+        print(f"\ncores per H100 at {MFU:.0%} of {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s (images/s the GPU takes):")
+        for model, f in flops.items():
+            need = MFU * H100_BF16_FLOPS / f
+            row = {"train_gflops_per_image": round(f / 1e9, 1), "images_per_s": round(need)}
+            for recipe in ("none", "rand"):
+                for name in ("PIL + torchvision v2", "before", "visiondist"):
+                    row[f"{recipe}: {name}"] = round(need / result["recipes"][recipe]["images_per_s"][name], 1)
+            result["cores_per_h100"][model] = row
+            print(f"  {model:<10} {row['images_per_s']:6d} images/s: " + ", ".join(
+                f"{k} {v}" for k, v in row.items() if ":" in k))
+        if torch.cuda.is_available():
+            result["gpu"] = gpu_figures(root)
+            print("\nGPU:", result["gpu"])
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.markdown:
+        args.markdown.write_text(markdown(result))
+
+
+def markdown(r: dict) -> str:
+    d = r["data"]
+    lines = [f"{d['images']} photos (scikit-image's, cut at ~{d['mean_width']} x {d['mean_height']} px, "
+             f"{d['mean_kb']} KB, JPEG q90-95), one loader worker pinned to one core, {SIZE} px, batch {BATCH}, "
+             f"median of {r['rounds']} alternating rounds.", ""]
+    names = list(r["recipes"]["rand"]["images_per_s"])
+    lines += ["| images/s per core | " + " | ".join(r["recipes"][k]["title"] for k in ("none", "rand")) + " |",
+              "|---|---|---|"]
+    for name in names:
+        cells = []
+        for k in ("none", "rand"):
+            rec = r["recipes"][k]
+            cells.append(f"{rec['images_per_s'][name]:.0f} ({rec['vs_pil'][name]:.2f}x)" if name in rec["images_per_s"]
+                         else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "| per image, one thread | us |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in r["per_image_us"].items()]
+    lines += ["", "| cores per H100 at 50% MFU | images/s | default: PIL + tv2 | default: before | default: visiondist "
+              "| DeiT: PIL + tv2 | DeiT: before | DeiT: visiondist |", "|---|---|---|---|---|---|---|---|"]
+    for model, row in r["cores_per_h100"].items():
+        cells = [row[f"{k}: {n}"] for k in ("none", "rand") for n in ("PIL + torchvision v2", "before", "visiondist")]
+        lines.append(f"| {model} ({row['train_gflops_per_image']} GFLOP) | {row['images_per_s']} | "
+                     + " | ".join(str(c) for c in cells) + " |")
+    if "gpu" in r:
+        lines += ["", f"GPU ({r['gpu']['device']}): " + ", ".join(f"{k} {v}" for k, v in r["gpu"].items()
+                                                               if k != "device")]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""`data.decode_on=device` on the CPU: the workers hand over JPEG bytes with the crop the loader path would draw, the
+rank decodes them (libjpeg-turbo here, nvJPEG on a GPU: tests/unit/test_gpu.py), and the batch equals the loader
+path's to one grey level (OpenCV resizes in fixed point, the device in float); files the device cannot take are
+decoded in the workers and come out exactly as on the loader path."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+from PIL import Image
+
+from visiondist.data import build_classification_data
+from visiondist.data.decode import jpeg_frame
+from visiondist.data.device_decode import Encoded, EncodedBatch, read_encoded
+from visiondist.data.transforms import to_device
+from visiondist.data.workers import close_loaders
+
+
+def _photo(name: str, size: tuple[int, int]) -> np.ndarray:
+    from skimage import data
+
+    image = getattr(data, name)()
+    return cv2.resize(image, size, interpolation=cv2.INTER_AREA)
+
+
+def _write_jpeg(path: Path, rgb: np.ndarray, quality: int = 92) -> Path:
+    cv2.imwrite(str(path), cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality])
+    return path
+
+
+def test_the_header_says_what_the_device_can_decode(tmp_path):
+    rgb = _photo("coffee", (120, 80))
+    baseline = _write_jpeg(tmp_path / "a.jpg", rgb)
+    Image.fromarray(rgb).save(tmp_path / "p.jpg", progressive=True, quality=90)
+    Image.fromarray(rgb).convert("L").save(tmp_path / "g.jpg")
+    Image.fromarray(rgb).convert("CMYK").save(tmp_path / "c.jpg")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(rgb).save(tmp_path / "r.jpg", exif=exif)
+    Image.fromarray(rgb).save(tmp_path / "x.png")
+    frame = jpeg_frame(baseline.read_bytes())
+    assert (frame.height, frame.width, frame.components, frame.precision, frame.sof, frame.app1) == (80, 120, 3, 8, 0,
+                                                                                                      False)
+    assert jpeg_frame((tmp_path / "p.jpg").read_bytes()).sof == 2
+    assert jpeg_frame((tmp_path / "c.jpg").read_bytes()).components == 4
+    assert jpeg_frame((tmp_path / "x.png").read_bytes()) is None
+    for name in ("a.jpg", "p.jpg", "g.jpg"):  # baseline, progressive, grey: the device decodes them
+        assert isinstance(read_encoded(tmp_path / name), Encoded), name
+    for name in ("c.jpg", "r.jpg", "x.png"):  # CMYK, turned by EXIF, not a JPEG: decoded in the worker, upright
+        image = read_encoded(tmp_path / name)
+        assert isinstance(image, np.ndarray) and image.shape[2] == 3, name
+    assert read_encoded(tmp_path / "r.jpg").shape[:2] == (120, 80)  # EXIF 6: turned upright
+    truncated = tmp_path / "t.jpg"
+    truncated.write_bytes(baseline.read_bytes()[:-200])
+    with pytest.raises(OSError, match="truncated"):
+        read_encoded(truncated)
+
+
+def _tree(root: Path) -> Path:
+    """Real photos at ImageNet's sizes in 5 classes, plus one PNG, one EXIF-rotated and one CMYK JPEG."""
+    rng = np.random.default_rng(0)
+    for k, name in enumerate(("astronaut", "coffee", "chelsea", "rocket", "camera")):
+        folder = root / "train" / name
+        folder.mkdir(parents=True)
+        photo = _photo(name, (500, 420))
+        photo = photo if photo.ndim == 3 else np.repeat(photo[..., None], 3, axis=2)
+        for i in range(6):
+            h, w = int(rng.integers(300, 400)), int(rng.integers(380, 480))
+            _write_jpeg(folder / f"{i}.jpg", np.ascontiguousarray(photo[:h, :w]), int(rng.integers(90, 96)))
+    odd = root / "train" / "coffee"
+    Image.open(odd / "0.jpg").save(odd / "png.png")
+    exif = Image.Exif()
+    exif[0x0112] = 8
+    Image.open(odd / "1.jpg").save(odd / "exif8.jpg", exif=exif)
+    Image.open(odd / "2.jpg").convert("CMYK").save(odd / "cmyk.jpg")
+    shutil.copytree(root / "train", root / "val")
+    return root
+
+
+def _cfg(root: Path, **extra):
+    return OmegaConf.create({**dict(name="photos", root=str(root), train_split="train", val_split="val",
+                                    num_classes=5, batch_size=33, eval_batch_size=33, num_workers=0, mean=[0.5] * 3,
+                                    std=[0.25] * 3, train_crop_scale=[0.08, 1.0], hflip=0.5, crop_pct=0.875,
+                                    interpolation="bilinear", auto_augment="rand", augment_on="device",
+                                    random_erasing=0.25, random_erasing_mode="pixel", decode_on="loader",
+                                    max_bad_images=3), **extra})
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_device_decoding_gives_the_loader_paths_batch(tmp_path, workers):
+    """Every training image of the tree (33, three the device cannot take) in one batch, both paths, 2 epochs:
+    the same crops, flips and augmentation rows; pixels within one grey level (the decoders agree exactly on the
+    CPU; OpenCV's fixed-point resize and the device's float one differ by rounding); the worker-decoded samples
+    identical. With 2 workers the batch goes through the workers' shared memory, as the shipped settings send it."""
+    root = _tree(tmp_path)  # OpenCV resized with its thread pool here, before the workers fork (the loaders cope)
+    try:
+        _compare_paths(root, workers)
+    finally:
+        close_loaders()  # workers ignore SIGTERM: a rank ends them itself
+
+
+def _compare_paths(root: Path, workers: int) -> None:
+    for epoch in (0, 1):
+        out = {}
+        for decode_on in ("loader", "device"):
+            data = build_classification_data(_cfg(root, decode_on=decode_on, num_workers=workers), 96, 0, 1, 1, 0,
+                                             False)
+            data.train_sampler.set_epoch(epoch)
+            images, labels, rows = next(iter(data.train_loader))
+            out[decode_on] = (images, to_device(images, torch.device("cpu")), labels, rows)
+        (_, a, labels_a, rows_a), (encoded, b, labels_b, rows_b) = out["loader"], out["device"]
+        assert isinstance(encoded, EncodedBatch) and len(encoded) == 33
+        assert int((encoded.crops[:, 0] == 0).sum()) == 3  # the PNG, the EXIF-turned and the CMYK file
+        assert torch.equal(labels_a, labels_b) and torch.equal(rows_a, rows_b)
+        diff = (a.int() - b.int()).abs()
+        assert diff.max() <= 1 and (diff > 0).float().mean() < 0.25, (int(diff.max()), float((diff > 0).float().mean()))
+        in_worker = (encoded.crops[:, 0] == 0).nonzero().flatten()
+        assert torch.equal(a[in_worker], b[in_worker])
+        flipped = encoded.crops[:, 5] > 0
+        assert 0 < int(flipped.sum()) < 33
+
+
+def test_decode_on_device_needs_device_augmentation_and_an_image_folder():
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    with pytest.raises(ConfigError, match="use data.augment_on=device"):
+        load_config(configs, ["data.decode_on=device", "data.augment_on=loader", "data.auto_augment=rand"], inputs=None)
+    with pytest.raises(ConfigError, match="use data.decode_on=loader"):
+        load_config(configs, ["data=shapes_coco", "data.decode_on=device"], inputs=None)

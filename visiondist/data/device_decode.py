@@ -1,0 +1,147 @@
+"""JPEG decoding on the device (`data.decode_on=device`): the training loader's workers read the file, parse its
+header and draw the crop and flip; the batch travels as encoded bytes; the rank decodes it with nvJPEG, crops,
+resizes and flips on the GPU. A worker then costs tens of microseconds per image instead of the ~0.7 ms of a CPU
+JPEG decode: what lets a few cores feed models that decode faster than any CPU can (ViT-S on an H100).
+
+The decoder: TorchCodec's `decode_jpeg` (PyTorch's image decoding since torchvision 0.29 deprecated its own; the
+`gpu-decode` extra), else torchvision's `decode_jpeg`, which the torchvision of torch 2.11-2.15 still has. Both take a
+list of byte tensors and decode the batch in one nvJPEG call on CUDA, with libjpeg-turbo on the CPU (the same
+library OpenCV decodes with, so that on the CPU the device path gives the loader path's pixels; tested).
+
+Files the device path does not take are decoded, cropped and flipped in the worker as on the loader path and travel
+as pixels in the same batch: anything but an 8-bit baseline or progressive JPEG with 1 or 3 components, and JPEGs
+with an EXIF orientation other than upright (the decoders do not apply it on the device). `DeviceCrop` counts them.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from visiondist.data.decode import exif_orientation, jpeg_frame, read_rgb
+
+log = logging.getLogger(__name__)
+
+CROP_FIELDS = 6  # a sample's crop row: encoded (1) or pixels (0), top, left, height, width, flipped
+
+
+@dataclass
+class Encoded:
+    """A JPEG's bytes and its size, as a worker hands it to the transform."""
+    data: bytes
+    height: int
+    width: int
+
+
+def read_encoded(path) -> Encoded | np.ndarray:
+    """The file's bytes when the device can decode it (`Encoded`), else its pixels (`read_rgb`); OSError as
+    `read_rgb` raises it (an empty or truncated file is as bad here as on the loader path)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    frame = jpeg_frame(data) if data[:2] == b"\xff\xd8" and b"\xff\xd9" in data[-4096:] else None
+    if frame is None or frame.precision != 8 or frame.components not in (1, 3) or frame.sof not in (0, 1, 2):
+        return read_rgb(path)
+    if frame.app1 and exif_orientation(data) != 1:
+        return read_rgb(path)
+    return Encoded(data, frame.height, frame.width)
+
+
+def decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """RGB uint8 C, H, W tensors of a list of JPEG byte tensors, decoded on `device` (one batched nvJPEG call on
+    CUDA)."""
+    try:
+        from torchcodec.decoders import decode_jpeg
+    except ImportError:
+        from torchvision.io import ImageReadMode, decode_jpeg as tv_decode_jpeg
+
+        with warnings.catch_warnings():  # deprecated in torchvision 0.29 in favour of TorchCodec, still supported
+            warnings.simplefilter("ignore")
+            out = tv_decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    else:
+        out = decode_jpeg(data, mode="RGB", device=device)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+class EncodedBatch:
+    """A training batch whose images are still (mostly) encoded: the JPEG bytes of every encoded sample in one buffer
+    (`offsets` delimit them), the pixels of the others (`pixels`, N', S, S, C uint8, in batch order), and one crop row
+    per sample (`crops`, N x 6 float64). `size` / `interpolation` say what the device makes of them."""
+
+    def __init__(self, data, offsets, pixels, crops, size: int, interpolation: str):
+        self.data, self.offsets, self.pixels, self.crops = data, offsets, pixels, crops
+        self.size, self.interpolation = size, interpolation
+
+    def __len__(self) -> int:
+        return len(self.crops)
+
+    def pin_memory(self, device=None):  # DataLoader's pin-memory thread calls it: the pixels are the only payload
+        self.pixels = self.pixels.pin_memory() if len(self.pixels) else self.pixels
+        return self
+
+    def images(self, device: torch.device) -> torch.Tensor:
+        """Decode, crop, resize and flip on `device`: uint8 N, C, S, S."""
+        n, s = len(self.crops), self.size
+        out = torch.empty((n, 3, s, s), dtype=torch.uint8, device=device)
+        crops = self.crops.tolist()
+        encoded = [i for i, c in enumerate(crops) if c[0] > 0]
+        decoded = [i for i, c in enumerate(crops) if c[0] == 0]
+        if decoded:
+            pixels = self.pixels.to(device, non_blocking=True).permute(0, 3, 1, 2)
+            out[torch.tensor(decoded, device=device)] = pixels
+        if encoded:
+            offsets = self.offsets.tolist()
+            images = decode_jpegs([self.data[offsets[k]:offsets[k + 1]] for k in range(len(encoded))], device)
+            mode = "bicubic" if self.interpolation == "bicubic" else "bilinear"
+            for i, image in zip(encoded, images):
+                _, top, left, h, w, flip = (int(v) for v in crops[i])
+                crop = image[:, top:top + h, left:left + w].float()[None]
+                crop = F.interpolate(crop, size=(s, s), mode=mode, align_corners=False, antialias=False)[0]
+                crop = crop.round_().clamp_(0, 255).to(torch.uint8)
+                out[i] = crop.flip(-1) if flip else crop
+        return out
+
+
+class collate_encoded:  # noqa: N801 - used as the DataLoader's collate function; a class so that it pickles
+    """The train loader's collate under `data.decode_on=device`: (image or bytes, label, row) samples ->
+    (EncodedBatch, labels[, augmentation rows]); a row is the crop row, then the sample's augmentation row if any."""
+
+    def __init__(self, size: int, interpolation: str):
+        self.size, self.interpolation = size, interpolation
+
+    def __call__(self, samples):
+        images, labels, rows = zip(*samples)
+        rows = torch.stack(rows)
+        flags = rows[:, 0].tolist()
+        encoded = [x for x, f in zip(images, flags) if f > 0]
+        pixels = [x for x, f in zip(images, flags) if f == 0]
+        sizes = [len(x) for x in encoded]
+        offsets = torch.tensor(np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]) if sizes else [0])
+        data = torch.cat(encoded) if encoded else torch.empty(0, dtype=torch.uint8)
+        stacked = torch.stack(pixels) if pixels else torch.empty((0, self.size, self.size, 3), dtype=torch.uint8)
+        batch = EncodedBatch(data, offsets, stacked, rows[:, :CROP_FIELDS].contiguous(), self.size, self.interpolation)
+        labels = torch.tensor(labels, dtype=torch.int64)
+        if rows.shape[1] > CROP_FIELDS:
+            return batch, labels, rows[:, CROP_FIELDS:].contiguous()
+        return batch, labels
+
+
+class FallbackCount:
+    """How many training images the workers had to decode under `data.decode_on=device` (logged the first time, then
+    at each power of ten), so that a data set the device cannot take shows up in the log."""
+
+    def __init__(self):
+        self.images = self.fallbacks = 0
+        self._next = 1
+
+    def add(self, batch: EncodedBatch) -> None:
+        self.images += len(batch)
+        self.fallbacks += int((batch.crops[:, 0] == 0).sum())
+        if self.fallbacks >= self._next:
+            log.info("data.decode_on=device: %d of %d training images so far were decoded in the loader workers "
+                     "(not an 8-bit JPEG of 1 or 3 components, or turned by EXIF)", self.fallbacks, self.images)
+            self._next *= 10
