@@ -13,7 +13,9 @@ every pipeline), and reports the median images/s of its rounds:
   RandAugment on the PIL image], `ToImage`);
 - one change at a time on top of `before`: one random stream per sample (`stream`), H, W, C hand-over (`hwc`),
   auto-augment on the device (`device_aug`: the worker only draws the parameters);
-- `visiondist`: the shipped `ClassificationTransform` (all of them).
+- `visiondist`: the shipped `ClassificationTransform` (all of them);
+- `visiondist, decode_on=device`: the worker reads the bytes, parses the header and draws the crop; decoding, crop
+  and resize move to the device (what the worker costs; the device's side is in the GPU figures).
 
 Then, in one process on one thread, where one image's time goes (decode, crop + flip, seeding, RandAugment, collate),
 and the cores one H100 needs at 50% of its 989 dense bf16 TFLOP/s for ViT-S/B/L-16 (training FLOPs per image counted
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -46,6 +47,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from visiondist.data.decode import read_rgb  # noqa: E402
+from visiondist.data.device_decode import collate_encoded, read_encoded  # noqa: E402
 from visiondist.data.imagefolder import ImageFolder  # noqa: E402
 from visiondist.data.transforms import ClassificationTransform, SampleRandom, classification_transforms  # noqa: E402
 
@@ -178,10 +180,13 @@ def loaders(root: Path, recipe: str, core: int) -> dict[str, DataLoader]:
     if recipe != "none":
         sets["+ device_aug"] = ImageFolder(split, Variant(recipe, device_aug=True))
     sets["visiondist"] = ImageFolder(split, ClassificationTransform(recipe_cfg(recipe), True, SIZE, seed=0))
+    sets["visiondist, decode_on=device"] = ImageFolder(
+        split, ClassificationTransform(recipe_cfg(recipe, decode_on="device"), True, SIZE, seed=0), reader=read_encoded)
     keys = [(i, 0) for i in range(len(samples))]
     order = [keys[i:i + BATCH] for i in range(0, len(keys) - BATCH + 1, BATCH)]
+    collate = {"visiondist, decode_on=device": collate_encoded(SIZE, "bilinear")}
     return {name: DataLoader(ds, batch_sampler=order, num_workers=1, worker_init_fn=_pin(core), prefetch_factor=4,
-                             persistent_workers=True) for name, ds in sets.items()}
+                             persistent_workers=True, collate_fn=collate.get(name)) for name, ds in sets.items()}
 
 
 def rate(loader: DataLoader) -> float:
@@ -254,22 +259,34 @@ def vit_train_flops() -> dict[str, float]:
 
 
 def gpu_figures(root: Path) -> dict:
-    """nvJPEG decode images/s (batches of 64) and the device augmentation's share of a ViT-B/16 bf16 step."""
+    """On the CUDA device: nvJPEG decode images/s (batches of 64), the whole device side of `data.decode_on=device`
+    (decode, crop, resize, flip of the batches the workers hand over), and the device augmentation's share of a
+    ViT-B/16 bf16 step at batch 256."""
     from visiondist.data.augment import AugmentPolicy
     from visiondist.data.augment_ops import apply_operations, erase
-    from visiondist.data.gpu_decode import decode_jpegs
+    from visiondist.data.device_decode import decode_jpegs
 
+    cuda = torch.device("cuda")
     paths = [p for p, _ in ImageFolder(root / "train").samples][:256]
     data = [torch.frombuffer(bytearray(Path(p).read_bytes()), dtype=torch.uint8) for p in paths]
-    for _ in range(2):
-        decode_jpegs(data[:BATCH], torch.device("cuda"))
-    torch.cuda.synchronize()
-    t, n = time.perf_counter(), 0
-    for _ in range(3):
-        for i in range(0, len(data), BATCH):
-            n += len(decode_jpegs(data[i:i + BATCH], torch.device("cuda")))
-    torch.cuda.synchronize()
-    nvjpeg = n / (time.perf_counter() - t)
+    split = ImageFolder(root / "train", ClassificationTransform(recipe_cfg("none", decode_on="device"), True, SIZE, 0),
+                        reader=read_encoded)
+    keys = [(i, 0) for i in range(len(split))]
+    batches = list(DataLoader(split, batch_sampler=[keys[i:i + BATCH] for i in range(0, len(keys) - BATCH + 1, BATCH)],
+                              collate_fn=collate_encoded(SIZE, "bilinear")))
+
+    def rate(fn, images, n=3):
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return n * images / (time.perf_counter() - t)
+
+    nvjpeg = rate(lambda: [decode_jpegs(data[i:i + BATCH], cuda) for i in range(0, len(data), BATCH)], len(data))
+    device_side = rate(lambda: [b[0].images(cuda) for b in batches], BATCH * len(batches))
 
     from visiondist.models.vit import VisionTransformer
 
@@ -297,17 +314,11 @@ def gpu_figures(root: Path) -> dict:
         erase(out, rows, policy.layout, "pixel")
 
     def timed(fn, n=10):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t) / n
+        return 1.0 / rate(fn, 1, n)
 
     step_s, augment_s = timed(step), timed(augment)
     return {"device": torch.cuda.get_device_name(), "nvjpeg_images_per_s": round(nvjpeg),
+            "decode_crop_resize_images_per_s": round(device_side),
             "vit_b16_step_ms_b256": round(step_s * 1e3, 2), "device_augment_ms_b256": round(augment_s * 1e3, 2),
             "device_augment_share": round(augment_s / (step_s + augment_s), 4)}
 
@@ -358,7 +369,7 @@ def main() -> None:
             need = MFU * H100_BF16_FLOPS / f
             row = {"train_gflops_per_image": round(f / 1e9, 1), "images_per_s": round(need)}
             for recipe in ("none", "rand"):
-                for name in ("PIL + torchvision v2", "before", "visiondist"):
+                for name in ("PIL + torchvision v2", "before", "visiondist", "visiondist, decode_on=device"):
                     row[f"{recipe}: {name}"] = round(need / result["recipes"][recipe]["images_per_s"][name], 1)
             result["cores_per_h100"][model] = row
             print(f"  {model:<10} {row['images_per_s']:6d} images/s: " + ", ".join(
@@ -389,10 +400,11 @@ def markdown(r: dict) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "| per image, one thread | us |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in r["per_image_us"].items()]
-    lines += ["", "| cores per H100 at 50% MFU | images/s | default: PIL + tv2 | default: before | default: visiondist "
-              "| DeiT: PIL + tv2 | DeiT: before | DeiT: visiondist |", "|---|---|---|---|---|---|---|---|"]
+    kinds = ("PIL + torchvision v2", "before", "visiondist", "visiondist, decode_on=device")
+    lines += ["", "| cores per H100 at 50% MFU | images/s | " + " | ".join(
+        f"{recipe}: {kind}" for recipe in ("default", "DeiT") for kind in kinds) + " |", "|---" * 10 + "|"]
     for model, row in r["cores_per_h100"].items():
-        cells = [row[f"{k}: {n}"] for k in ("none", "rand") for n in ("PIL + torchvision v2", "before", "visiondist")]
+        cells = [row[f"{k}: {n}"] for k in ("none", "rand") for n in kinds]
         lines.append(f"| {model} ({row['train_gflops_per_image']} GFLOP) | {row['images_per_s']} | "
                      + " | ".join(str(c) for c in cells) + " |")
     if "gpu" in r:

@@ -44,6 +44,10 @@ if [[ $what == bench || $what == all ]]; then
         bench vit_huge model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 \
             "bench.variants=['trainer.compile=true']"
     fi
+    # the input path: per-core loader rates on real photos, nvJPEG and the device augmentation's share of a step
+    python3 benchmarks/data_throughput.py --images 640 --rounds 3 --markdown "$out/data_throughput.md" \
+        --json "$out/data_throughput.json" 2>&1 | tee "$out/bench_data_throughput.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
     bench frcnn_r50 model=fasterrcnn_r50 data=shapes_coco data.min_size=800 data.max_size=1333 data.batch_size=8 \
         trainer.precision=bf16 "bench.variants=['model.channels_last=true']"
 fi

@@ -64,8 +64,11 @@ def test_each_configuration_is_timed_against_its_own_plain_loops_in_alternating_
         assert not r["ratio_reliable"] and "fewer than 5" in r["ratio_warnings"]["harness_overhead"]
         assert f"| {r['batch']} | {r['images_per_s']:.4g} |" in r["md_row"] and "(noisy)" in r["md_row"]
     assert compiled["over_first"] == pytest.approx(compiled["step"]["median_ms"] / first["step"]["median_ms"])
-    assert first["loader_images_per_s"] > 0
+    assert first["loader_images_per_s"] > 0  # and whether it keeps up with the step, in the caption and the row
+    assert first["loader_over_step"] == pytest.approx(first["loader_images_per_s"] / first["images_per_s"])
     out = first["stdout"]
+    assert f"({first['loader_over_step']:.2f}x the step's)" in first["md_row"]
+    assert ("WARNING the loader delivers" in out) == (first["loader_over_step"] < 1.2)
     assert "plain loop, timm" in out and "MFU matmul" in out and "WARNING trainer.compile=true: not meaningful" in out
 
 

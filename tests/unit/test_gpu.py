@@ -77,3 +77,55 @@ def test_loader_batches_are_pinned(tmp_path, tiny_shapes):
     data = build_classification_data(cfg.data, 32, 0, 1, 1, 0, pin_memory=True)
     images, _ = next(iter(data.train_loader))
     assert images.is_pinned()
+
+
+def test_device_augmentation_on_cuda_gives_the_cpus_pixels():
+    """RandAugment rows applied to the same uint8 batch on CUDA and on the CPU (the ops are torchvision's arithmetic,
+    batched): at most one grey level apart on at most 0.5% of the values; erasing noise identical (integer hash)."""
+    import random
+
+    import numpy as np
+
+    from visiondist.data.augment import AugmentPolicy
+    from visiondist.data.augment_ops import apply_operations, erase
+
+    policy = AugmentPolicy("rand", 96, random_erasing=1.0)
+    rows = torch.from_numpy(np.stack([policy.draw(random.Random(i)) for i in range(64)]))
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (64, 3, 96, 96), dtype=torch.uint8, generator=g)
+    cpu = apply_operations(images.clone(), rows, policy.layout)
+    gpu = apply_operations(images.cuda(), rows, policy.layout).cpu()
+    diff = (cpu.int() - gpu.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() <= 0.005, (int(diff.max()), float((diff > 0).float().mean()))
+    erased_cpu = erase(torch.zeros(64, 3, 96, 96), rows, policy.layout, "pixel")
+    erased_gpu = erase(torch.zeros(64, 3, 96, 96, device="cuda"), rows, policy.layout, "pixel").cpu()
+    torch.testing.assert_close(erased_gpu, erased_cpu, rtol=0, atol=1e-5)
+
+
+def test_nvjpeg_decoding_gives_the_cpu_decoders_batch(tmp_path):
+    """data.decode_on=device on CUDA (nvJPEG, crop, resize, flip) against the same batch decoded on the CPU
+    (libjpeg-turbo): the IDCTs differ by rounding: within 1.5 grey levels on average, 99.9% of values within 8."""
+    import cv2
+    import numpy as np
+    from omegaconf import OmegaConf
+    from torch.utils.data import DataLoader
+
+    from visiondist.data.device_decode import collate_encoded, read_encoded
+    from visiondist.data.imagefolder import ImageFolder
+    from visiondist.data.transforms import ClassificationTransform
+
+    rng = np.random.default_rng(0)
+    for c in range(2):
+        (tmp_path / str(c)).mkdir()
+        for i in range(32):
+            low = cv2.resize(rng.uniform(0, 255, (6, 8, 3)).astype(np.float32), (440, 390))
+            image = np.clip(low + rng.normal(0, 10, low.shape), 0, 255).astype(np.uint8)
+            cv2.imwrite(str(tmp_path / str(c) / f"{i}.jpg"), image, [cv2.IMWRITE_JPEG_QUALITY, 92])
+    cfg = OmegaConf.create(dict(train_crop_scale=[0.08, 1.0], hflip=0.5, crop_pct=0.875, interpolation="bilinear",
+                                auto_augment="none", decode_on="device"))
+    data = ImageFolder(tmp_path, ClassificationTransform(cfg, True, 224, 0), train=True, reader=read_encoded)
+    batch = next(iter(DataLoader(data, batch_size=64, collate_fn=collate_encoded(224, "bilinear"))))[0]
+    on_cpu, on_gpu = batch.images(torch.device("cpu")), batch.images(torch.device("cuda")).cpu()
+    diff = (on_cpu.float() - on_gpu.float()).abs()
+    assert diff.mean() <= 1.5 and torch.quantile(diff.flatten()[::7], 0.999) <= 8, (float(diff.mean()),
+                                                                                     float(diff.max()))

@@ -88,7 +88,7 @@ def markdown_row(r: dict[str, Any]) -> str:
             f"{r['gflops_per_image']:.4g} | {r['tflops_per_device']:.3g} | {_pct(r['mfu_datasheet'])} | "
             f"{_pct(r['mfu_matmul'])} | {_fmt(r['peak_memory_gb'], '.2f')} | {plain_text} | "
             f"{ratio_text(r, 'ours_over_plain')} | {ratio_text(r, 'harness_overhead')} | "
-            f"{ratio_text(r, 'model_difference')} | {_fmt(r['loader_images_per_s'], '.4g')} |\n")
+            f"{ratio_text(r, 'model_difference')} | {_fmt(r['loader_images_per_s'], '.4g')}{_keeps_up(r)} |\n")
 
 
 def write_results(results: list[dict[str, Any]], results_dir: Path) -> None:
@@ -107,6 +107,14 @@ def write_results(results: list[dict[str, Any]], results_dir: Path) -> None:
             f.write(markdown_row(result))
 
 
+LOADER_MARGIN = 1.2  # the loader must outrun the step by this much, or the benchmark warns
+
+
+def _keeps_up(r: dict[str, Any]) -> str:
+    ratio = r.get("loader_over_step")
+    return "" if ratio is None else f" ({ratio:.2f}x the step's)"
+
+
 def _name(r: dict[str, Any]) -> str:
     return "the base configuration" if r["variant"] == "-" else r["variant"]
 
@@ -120,10 +128,16 @@ def result_table(results: list[dict[str, Any]]):
     peaks = "; ".join(sorted({f"{r['peak_kind']}: datasheet {_fmt(r['peak_tflops_datasheet'], '.4g')}, matmul "
                               f"{_fmt(r['peak_tflops_matmul'], '.3g')}" for r in results}))
     caption = [f"{first['gflops_per_image']:.4g} GFLOP per image (forward + backward, counted); peak TFLOP/s ({peaks});"
-               f" loader alone {_fmt(first['loader_images_per_s'], '.4g')} images/s; per step: TP "
+               f" loader alone {_fmt(first['loader_images_per_s'], '.4g')} images/s"
+               f"{_keeps_up(first)}; per step: TP "
                f"{first['tp_bytes_per_step'] / 1e6:.2f} MB, PP {first['pp_bytes_per_step'] / 1e6:.2f} MB, DP "
                f"all-reduce {first['dp_bytes_per_step'] / 1e6:.2f} MB sent per rank; peak memory: "
                f"{first['memory_kind']}"]
+    if first.get("loader_over_step") is not None and first["loader_over_step"] < LOADER_MARGIN:
+        caption.append(f"WARNING the loader delivers {first['loader_over_step']:.2f}x the images the step consumes "
+                       f"(under {LOADER_MARGIN}x): the device will wait for data; raise data.num_workers, or move work "
+                       "to the device (data.augment_on=device, data.decode_on=device: docs/performance.md, "
+                       "\"Feeding the GPU\")")
     for r in results:
         for why in dict.fromkeys(r["ratio_warnings"].values()):
             keys = ", ".join(_with_uncertainty(r, key) for key, reason in r["ratio_warnings"].items() if reason == why)

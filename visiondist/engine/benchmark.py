@@ -272,6 +272,8 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
             "sdpa": c.model.sdpa, "activation_checkpointing": switches.activation_checkpointing,
             "channels_last": bool(c.model.channels_last), "steps_timed": len(ours.times),
             "images_per_s": images_per_s, "step": step_summary(ours.times), "gflops_per_image": gflops,
+            # whether the input path keeps up: the real loader's images/s over what this step consumes
+            "loader_over_step": loader_rate / images_per_s if loader_rate else None,
             "tflops_per_device": achieved, "peak_kind": kind, "peak_tflops_datasheet": datasheet,
             "mfu_datasheet": achieved / datasheet if datasheet else None,
             "peak_tflops_matmul": measured.get(kind), "mfu_matmul": achieved / measured[kind] if measured else None,
