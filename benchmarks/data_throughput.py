@@ -41,6 +41,7 @@ import cv2
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
@@ -51,40 +52,11 @@ from visiondist.data.device_decode import collate_encoded, read_encoded  # noqa:
 from visiondist.data.imagefolder import ImageFolder  # noqa: E402
 from visiondist.data.transforms import ClassificationTransform, SampleRandom, classification_transforms  # noqa: E402
 
-PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "stereo_motorcycle")
+from photos import build_photos  # noqa: E402  (benchmarks/photos.py)
+
 H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak, SXM
 MFU = 0.5
 SIZE, BATCH = 224, 64
-
-
-def build_photos(root: Path, count: int, seed: int = 0) -> dict:
-    """`count` JPEGs cut from scikit-image's photographs into <root>/train/<photo>/: ~440 x 390 px, quality 90-95."""
-    from skimage import data
-
-    rng = np.random.default_rng(seed)
-    sources = {}
-    for name in PHOTOS:
-        image = getattr(data, name)()
-        image = image[0] if name == "stereo_motorcycle" else image
-        scale = max(1.0, 440 / min(image.shape[:2]))  # every source at least 440 px on its short side
-        sources[name] = cv2.resize(image, None, fx=scale, fy=scale, interpolation=cv2.INTER_CUBIC) if scale > 1 else image
-    sizes = []
-    for i in range(count):
-        name = PHOTOS[i % len(PHOTOS)]
-        source = sources[name]
-        h, w = int(rng.integers(340, 421)), int(rng.integers(400, 501))
-        h, w = min(h, source.shape[0]), min(w, source.shape[1])
-        y, x = int(rng.integers(0, source.shape[0] - h + 1)), int(rng.integers(0, source.shape[1] - w + 1))
-        crop = np.ascontiguousarray(source[y:y + h, x:x + w])
-        if rng.random() < 0.5:
-            crop = crop[:, ::-1]
-        folder = root / "train" / name
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{i:05d}.JPEG"
-        cv2.imwrite(str(path), cv2.cvtColor(crop, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, int(rng.integers(90, 96))])
-        sizes.append((w, h, path.stat().st_size))
-    w, h, b = (float(np.mean(v)) for v in zip(*sizes))
-    return {"images": count, "mean_width": round(w), "mean_height": round(h), "mean_kb": round(b / 1024, 1)}
 
 
 def recipe_cfg(auto_augment: str, **extra):

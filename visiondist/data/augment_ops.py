@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from visiondist.data.augment import OPS, AugmentParams
+from visiondist.data.augment import OPS, AugmentParams, AugmentPolicy
 
 
 def apply_operations(images: torch.Tensor, rows: torch.Tensor, layout: AugmentParams) -> torch.Tensor:
@@ -156,6 +156,27 @@ def _geometry(name: str):
 _OPERATIONS = {"Brightness": _brightness, "Color": _saturation, "Contrast": _contrast, "Sharpness": _sharpness,
                "Posterize": _posterize, "Solarize": _solarize, "AutoContrast": _autocontrast, "Equalize": _equalize,
                **{name: _geometry(name) for name in ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")}}
+
+
+class DeviceAugment:
+    """The device's part of the training augmentation (`visiondist.data.augment`): the auto-augment operations on the
+    uint8 batch after the copy (`data.augment_on=device`), then, after normalisation, random erasing."""
+
+    def __init__(self, d, img_size: int):
+        self.policy = AugmentPolicy(d.auto_augment, img_size, d.random_erasing, d.random_erasing_mode)
+        self.operations = d.augment_on == "device" and self.policy.layout.rounds > 0
+
+    def __call__(self, images: torch.Tensor, rows: torch.Tensor, device: torch.device, normalize) -> torch.Tensor:
+        """uint8 N, H, W, C loader images and their parameter rows -> the normalised, augmented model input."""
+        from visiondist.data.transforms import to_device
+
+        images = to_device(images, device)  # a new tensor: the ops below work in place
+        if self.operations:
+            images = apply_operations(images, rows, self.policy.layout)
+        images = normalize.normalize(images)
+        if self.policy.erase_p > 0:
+            images = erase(images, rows, self.policy.layout, self.policy.erase_mode)  # a new tensor: Normalize's
+        return images
 
 
 # -- random erasing ------------------------------------------------------------------------------------------------

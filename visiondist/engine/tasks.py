@@ -21,30 +21,6 @@ from visiondist.parallel import Layout
 log = logging.getLogger(__name__)
 
 
-class DeviceAugment:
-    """The device's part of the training augmentation (`visiondist.data.augment`): the auto-augment operations on the
-    uint8 batch after the copy (`data.augment_on=device`), then, after normalisation, random erasing."""
-
-    def __init__(self, d: DictConfig, img_size: int):
-        from visiondist.data.augment import AugmentPolicy
-
-        self.policy = AugmentPolicy(d.auto_augment, img_size, d.random_erasing, d.random_erasing_mode)
-        self.operations = d.augment_on == "device" and self.policy.layout.rounds > 0
-
-    def __call__(self, images: torch.Tensor, rows: torch.Tensor, device: torch.device, normalize) -> torch.Tensor:
-        """uint8 N, H, W, C loader images and their parameter rows -> the normalised, augmented model input."""
-        from visiondist.data.augment_ops import apply_operations, erase
-        from visiondist.data.transforms import to_device
-
-        images = to_device(images, device)  # a new tensor: the ops below work in place
-        if self.operations:
-            images = apply_operations(images, rows, self.policy.layout)
-        images = normalize.normalize(images)
-        if self.policy.erase_p > 0:
-            images = erase(images, rows, self.policy.layout, self.policy.erase_mode)  # a new tensor: Normalize's
-        return images
-
-
 class ClassificationTask:
     columns = (*TRAIN_COLUMNS, *EVAL_METRICS["classification"])
     headline = ("val_top1", "val top-1 (%)")
@@ -71,6 +47,8 @@ class ClassificationTask:
                 log.info("%s: a micro-batch mixed with probability %g%s; soft targets%s", " or ".join(kinds),
                          d.mixup_prob, switch, smoothing)
         self.image_shape = (3, cfg.model.img_size, cfg.model.img_size)
+        from visiondist.data.augment_ops import DeviceAugment
+
         self.augment = DeviceAugment(d, cfg.model.img_size) if train else None
         from visiondist.data.device_decode import FallbackCount
 
