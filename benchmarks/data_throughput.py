@@ -22,7 +22,7 @@ and the cores one H100 needs at 50% of its 989 dense bf16 TFLOP/s for ViT-S/B/L-
 by `FlopCounterMode` on this project's models). With a CUDA device, also: nvJPEG decode images/s, and the device
 augmentation's share of a ViT-B/16 step (batch 256, bf16).
 
-    python benchmarks/data_throughput.py                       # 320 photos, 5 rounds, worker on core 1
+    python benchmarks/data_throughput.py                       # 640 photos, 5 rounds, worker on core 1
     python benchmarks/data_throughput.py --images 640 --rounds 7 --markdown out.md
 """
 
@@ -157,15 +157,16 @@ def loaders(root: Path, recipe: str, core: int) -> dict[str, DataLoader]:
     keys = [(i, 0) for i in range(len(samples))]
     order = [keys[i:i + BATCH] for i in range(0, len(keys) - BATCH + 1, BATCH)]
     collate = {"visiondist, decode_on=device": collate_encoded(SIZE, "bilinear")}
-    return {name: DataLoader(ds, batch_sampler=order, num_workers=1, worker_init_fn=_pin(core), prefetch_factor=4,
+    return {name: DataLoader(ds, batch_sampler=order, num_workers=1, worker_init_fn=_pin(core), prefetch_factor=2,
                              persistent_workers=True, collate_fn=collate.get(name)) for name, ds in sets.items()}
 
 
 def rate(loader: DataLoader) -> float:
-    it = iter(loader)
-    next(it)  # the first batch: the worker may still be starting
+    """Images per second over one whole pass, the first batch included: the worker is already running (persistent,
+    warmed up by a full pass), and timing from the first batch on would credit the batches it prefetched while the
+    first was awaited (a fast pipeline's whole pass, at a few batches)."""
     start, images = time.perf_counter(), 0
-    for batch in it:
+    for batch in loader:
         images += len(batch[0])
     return images / (time.perf_counter() - start)
 
@@ -297,12 +298,15 @@ def gpu_figures(root: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--images", type=int, default=320)
+    parser.add_argument("--images", type=int, default=640, help="at least 10 batches of 64 give stable rates")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--core", type=int, default=1, help="the core the loader worker is pinned to")
     parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
     args = parser.parse_args()
+    if args.images < 10 * BATCH:
+        print(f"note: {args.images} images are {args.images // BATCH} batches a round; below 10 the rates of the fast "
+              "pipelines are not stable", flush=True)
     torch.set_num_threads(1)
     cv2.setNumThreads(1)
     main_cores = (os.sched_getaffinity(0) - {args.core}) or os.sched_getaffinity(0)
@@ -314,10 +318,11 @@ def main() -> None:
         print(f"{args.images} photos, mean {result['data']['mean_width']} x {result['data']['mean_height']} px, "
               f"{result['data']['mean_kb']} KB; one worker on core {args.core}, {SIZE} px, batch {BATCH}", flush=True)
         result["recipes"] = {}
-        for recipe, title in (("none", "default (crop + flip)"), ("rand", "DeiT (+ RandAugment 2/9)")):
+        for recipe, title in (("none", "default (crop + flip)"),
+                              ("rand", "DeiT (+ RandAugment 2/9; erasing and mixup run on the device)")):
             runs = loaders(root, recipe, args.core)
-            for loader in runs.values():  # start every worker, warm caches and lazy imports
-                next(iter(loader))
+            for loader in runs.values():  # start every worker, warm caches and lazy imports: one whole pass
+                rate(loader)
             rounds: dict[str, list[float]] = {name: [] for name in runs}
             for _ in range(args.rounds):
                 for name, loader in runs.items():
@@ -342,7 +347,7 @@ def main() -> None:
             row = {"train_gflops_per_image": round(f / 1e9, 1), "images_per_s": round(need)}
             for recipe in ("none", "rand"):
                 for name in ("PIL + torchvision v2", "before", "visiondist", "visiondist, decode_on=device"):
-                    row[f"{recipe}: {name}"] = round(need / result["recipes"][recipe]["images_per_s"][name], 1)
+                    row[f"{recipe}: {name}"] = round(need / result["recipes"][recipe]["images_per_s"][name], 2)
             result["cores_per_h100"][model] = row
             print(f"  {model:<10} {row['images_per_s']:6d} images/s: " + ", ".join(
                 f"{k} {v}" for k, v in row.items() if ":" in k))

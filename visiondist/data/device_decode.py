@@ -51,6 +51,14 @@ def read_encoded(path) -> Encoded | np.ndarray:
     return Encoded(data, frame.height, frame.width)
 
 
+def decoder_name() -> str:
+    """Which library `decode_jpegs` decodes with here."""
+    import importlib.util
+
+    found = importlib.util.find_spec("torchcodec") is not None
+    return "torchcodec.decoders.decode_jpeg" if found else "torchvision.io.decode_jpeg"
+
+
 def decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """RGB uint8 C, H, W tensors of a list of JPEG byte tensors, decoded on `device` (one batched nvJPEG call on
     CUDA)."""
@@ -95,7 +103,13 @@ class EncodedBatch:
             out[torch.tensor(decoded, device=device)] = pixels
         if encoded:
             offsets = self.offsets.tolist()
-            images = decode_jpegs([self.data[offsets[k]:offsets[k + 1]] for k in range(len(encoded))], device)
+            try:
+                images = decode_jpegs([self.data[offsets[k]:offsets[k + 1]] for k in range(len(encoded))], device)
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"a training JPEG could not be decoded on {device} ({exc}); its header and end marker looked "
+                    "valid, so the workers passed it on. data.decode_on=loader decodes in the workers, where an "
+                    "unreadable file is named, counted and replaced by the next image of its class") from exc
             mode = "bicubic" if self.interpolation == "bicubic" else "bilinear"
             for i, image in zip(encoded, images):
                 _, top, left, h, w, flip = (int(v) for v in crops[i])
@@ -138,7 +152,9 @@ class FallbackCount:
         self.images = self.fallbacks = 0
         self._next = 1
 
-    def add(self, batch: EncodedBatch) -> None:
+    def add(self, batch: EncodedBatch, device: torch.device) -> None:
+        if not self.images:
+            log.info("data.decode_on=device: training JPEGs are decoded on %s by %s", device, decoder_name())
         self.images += len(batch)
         self.fallbacks += int((batch.crops[:, 0] == 0).sum())
         if self.fallbacks >= self._next:

@@ -115,6 +115,12 @@ def _keeps_up(r: dict[str, Any]) -> str:
     return "" if ratio is None else f" ({ratio:.2f}x the step's)"
 
 
+def _variant_loaders(results: list[dict[str, Any]]) -> str:
+    rest = [f"{r['variant']}: {_fmt(r['loader_images_per_s'], '.4g')}{_keeps_up(r)}" for r in results[1:]
+            if r.get("loader_images_per_s") is not None]
+    return f" ({'; '.join(rest)})" if rest else ""
+
+
 def _name(r: dict[str, Any]) -> str:
     return "the base configuration" if r["variant"] == "-" else r["variant"]
 
@@ -129,15 +135,21 @@ def result_table(results: list[dict[str, Any]]):
                               f"{_fmt(r['peak_tflops_matmul'], '.3g')}" for r in results}))
     caption = [f"{first['gflops_per_image']:.4g} GFLOP per image (forward + backward, counted); peak TFLOP/s ({peaks});"
                f" loader alone {_fmt(first['loader_images_per_s'], '.4g')} images/s"
-               f"{_keeps_up(first)}; per step: TP "
+               f"{_keeps_up(first)}{_variant_loaders(results)}; per step: TP "
                f"{first['tp_bytes_per_step'] / 1e6:.2f} MB, PP {first['pp_bytes_per_step'] / 1e6:.2f} MB, DP "
                f"all-reduce {first['dp_bytes_per_step'] / 1e6:.2f} MB sent per rank; peak memory: "
                f"{first['memory_kind']}"]
-    if first.get("loader_over_step") is not None and first["loader_over_step"] < LOADER_MARGIN:
-        caption.append(f"WARNING the loader delivers {first['loader_over_step']:.2f}x the images the step consumes "
-                       f"(under {LOADER_MARGIN}x): the device will wait for data; raise data.num_workers, or move work "
-                       "to the device (data.augment_on=device, data.decode_on=device: docs/performance.md, "
-                       "\"Feeding the GPU\")")
+    for r in results:
+        if r.get("device_input"):
+            caption.append(f"{_name(r)}: ours' step includes the input work done on the device: "
+                           f"{', '.join(r['device_input'])} (the plain loops decode as ours does but leave "
+                           "augmentation to their loaders)")
+    for r in results:
+        if r.get("loader_over_step") is not None and r["loader_over_step"] < LOADER_MARGIN:
+            caption.append(f"WARNING {_name(r)}: the loader delivers {r['loader_over_step']:.2f}x the images the step "
+                           f"consumes, less than the {LOADER_MARGIN}x margin: the device may wait for data; raise "
+                           "data.num_workers, or move work to the device (data.augment_on=device, "
+                           "data.decode_on=device: docs/performance.md, \"Feeding the GPU\")")
     for r in results:
         for why in dict.fromkeys(r["ratio_warnings"].values()):
             keys = ", ".join(_with_uncertainty(r, key) for key, reason in r["ratio_warnings"].items() if reason == why)

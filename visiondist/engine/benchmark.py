@@ -34,6 +34,7 @@ from visiondist.engine.measure import (
     Stopped,
     device_name,
     loader_images_per_s,
+    device_input_work,
     synthetic_batch,
     time_steps,
     train_flops_per_image,
@@ -186,12 +187,13 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     for run in runs:
         run.trainer.settle()
 
-    loader_rate = None
+    loader_rates = [None] * len(runs)  # each configuration's own loader (a variant may change the input path)
     if b.loader_batches and layout.reads_images:
-        loader_rate = loader_images_per_s(runs[0].trainer.data.train_loader, b.loader_batches) * layout.dp
+        loader_rates = [loader_images_per_s(run.trainer.data.train_loader, b.loader_batches) * layout.dp
+                        for run in runs]
     if not layout.is_main:
         return None
-    results = collect_results(cfg, layout, runs, plains, groups, order, family, loader_rate)
+    results = collect_results(cfg, layout, runs, plains, groups, order, family, loader_rates)
     results_dir = Path(cfg.bench.results_dir) if cfg.bench.results_dir else run_dir
     write_results(results, results_dir)
     (run_dir / "benchmark.json").write_text(json.dumps(results, indent=1))
@@ -238,7 +240,7 @@ def _plain_summary(loop: PlainLoop, timed: Timed, built_from: str, batch: int) -
 
 def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains: list[dict[str, PlainLoop]],
                     groups: list[list[Timed]], order: list[list[str]], family: str,
-                    loader_rate: float | None) -> list[dict[str, Any]]:
+                    loader_rates: list[float | None]) -> list[dict[str, Any]]:
     """One result per configuration: its step against its own plain loops, the hardware's peaks and the rest."""
     device, batch = layout.device, cfg.data.batch_size
     name = device_name(device)
@@ -253,7 +255,7 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
               "model": cfg.model.name,
               "img_size": cfg.model.img_size if family == "classification" else cfg.data.min_size,
               "layout": runs[0].trainer.layout_text, "ranks": layout.world_size, "batch": batch,
-              "loader_images_per_s": loader_rate, "configurations": [run.name or "-" for run in runs], "order": order,
+              "configurations": [run.name or "-" for run in runs], "order": order,
               "memory_kind": "peak RSS of the whole process (every loop)" if cpu else "max allocated (each loop)"}
     results = []
     for i, (run, kind) in enumerate(zip(runs, kinds)):
@@ -268,12 +270,15 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
         timed_plain = dict(zip(plains[i], groups[i][1:]))
         results.append({
             **common, "variant": run.name or "-", "precision": str(c.trainer.precision),
+            # input work the step does on the device (timed in ours; the plain loops augment in their loaders)
+            "device_input": device_input_work(c.data) if family == "classification" else [],
             "compile": bool(c.trainer.compile), "compile_scope": _compile_scope(run), "optimizer": run.optimizer_name,
             "sdpa": c.model.sdpa, "activation_checkpointing": switches.activation_checkpointing,
             "channels_last": bool(c.model.channels_last), "steps_timed": len(ours.times),
             "images_per_s": images_per_s, "step": step_summary(ours.times), "gflops_per_image": gflops,
             # whether the input path keeps up: the real loader's images/s over what this step consumes
-            "loader_over_step": loader_rate / images_per_s if loader_rate else None,
+            "loader_images_per_s": loader_rates[i],
+            "loader_over_step": loader_rates[i] / images_per_s if loader_rates[i] else None,
             "tflops_per_device": achieved, "peak_kind": kind, "peak_tflops_datasheet": datasheet,
             "mfu_datasheet": achieved / datasheet if datasheet else None,
             "peak_tflops_matmul": measured.get(kind), "mfu_matmul": achieved / measured[kind] if measured else None,

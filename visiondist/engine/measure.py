@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
@@ -51,7 +52,9 @@ def train_flops_per_image(model_cfg: DictConfig, batch: tuple, family: str) -> f
 
     cfg = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None})  # the run's config is read-only
     if family == "classification":
-        images, labels = batch
+        images, labels, *_ = batch
+        if hasattr(images, "crops"):  # encoded (data.decode_on=device): the model sees N, C, S, S
+            images = torch.zeros(1, model_cfg.img_size, model_cfg.img_size, 3, dtype=torch.uint8)
         with torch.device("meta"):
             model = build_model(cfg)
         images = images[:1].permute(0, 3, 1, 2) if images.dtype == torch.uint8 else images[:1]  # loader: N, H, W, C
@@ -121,13 +124,18 @@ def loader_images_per_s(loader, batches: int) -> float:
 
 def synthetic_batch(cfg: DictConfig, family: str, micro_batch: int, device: torch.device, seed: int = 0) -> tuple:
     """One micro-batch of random images and targets at the model's input size, on `device`; the images uint8, as the
-    loaders yield them (the step normalises them on the device)."""
+    loaders yield them (the step normalises them on the device). What the configuration does on the device comes
+    with it, so that the step times it: each sample's augmentation row (`data.augment_on=device`, random erasing),
+    and under `data.decode_on=device` the images as JPEGs of 1.5x the input size (`device_input_work`)."""
     g = torch.Generator().manual_seed(seed)
     if family == "classification":
         size = cfg.model.img_size
         images = torch.randint(0, 256, (micro_batch, size, size, 3), dtype=torch.uint8, generator=g)  # as loaders
         labels = torch.randint(0, cfg.model.num_classes, (micro_batch,), generator=g)
-        return images.to(device), labels.to(device)
+        d = cfg.data
+        images = _jpegs(micro_batch, size, seed, d) if d.get("decode_on", "loader") == "device" else images.to(device)
+        rows = _augment_rows(micro_batch, size, seed, d)
+        return (images, labels.to(device)) if rows is None else (images, labels.to(device), rows)
     size = cfg.data.min_size  # detectors resize internally; square images of the short side
     images, targets = [], []
     for _ in range(micro_batch):
@@ -139,3 +147,44 @@ def synthetic_batch(cfg: DictConfig, family: str, micro_batch: int, device: torc
         labels = torch.randint(1, cfg.model.num_classes + 1, (n,), generator=g)
         targets.append({"boxes": boxes.to(device), "labels": labels.to(device)})
     return images, targets
+
+
+def device_input_work(d: DictConfig) -> list[str]:
+    """What a classification step does to its input on the device under the data config `d`, beyond normalising."""
+    work = ["JPEG decode + crop + resize"] if d.get("decode_on", "loader") == "device" else []
+    if d.get("auto_augment", "none") != "none" and d.get("augment_on", "device") == "device":
+        work.append(f"auto-augment ({d.auto_augment})")
+    if d.get("random_erasing", 0) > 0:
+        work.append("random erasing")
+    return work
+
+
+def _augment_rows(n: int, size: int, seed: int, d: DictConfig) -> torch.Tensor | None:
+    import random
+
+    from visiondist.data.augment import AugmentPolicy
+
+    policy = AugmentPolicy(d.get("auto_augment", "none"), size, float(d.get("random_erasing", 0.0)),
+                           d.get("random_erasing_mode", "pixel"))
+    if not policy.active:
+        return None
+    return torch.from_numpy(np.stack([policy.draw(random.Random(seed * 1_000_003 + i)) for i in range(n)]))
+
+
+def _jpegs(n: int, size: int, seed: int, d: DictConfig):
+    """n photo-like JPEGs (smooth colour fields and noise, quality 90) of 1.5x `size`, as `data.decode_on=device`'s
+    workers hand them over: each cropped whole and resized to `size` on the device."""
+    import cv2
+
+    from visiondist.data.device_decode import CROP_FIELDS, collate_encoded
+
+    rng, side = np.random.default_rng(seed), size * 3 // 2
+    samples = []
+    for _ in range(n):
+        low = cv2.resize(rng.uniform(0, 255, (6, 6, 3)).astype(np.float32), (side, side))
+        image = np.clip(low + rng.normal(0, 8, low.shape), 0, 255).astype(np.uint8)
+        data = cv2.imencode(".jpg", image, [cv2.IMWRITE_JPEG_QUALITY, 90])[1]
+        row = torch.zeros(CROP_FIELDS, dtype=torch.float64)
+        row[:5] = torch.tensor([1, 0, 0, side, side], dtype=torch.float64)
+        samples.append((torch.from_numpy(data.reshape(-1).copy()), 0, row))
+    return collate_encoded(size, d.get("interpolation", "bilinear"))(samples)[0]

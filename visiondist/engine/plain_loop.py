@@ -119,7 +119,7 @@ class PlainLoop:
 
     def step(self, batches: list[tuple]) -> None:
         """One optimizer step over the micro-batches (gradient accumulation)."""
-        for images, targets in batches:
+        for images, targets, *_ in batches:  # a plain loop augments in its loader: device augmentation rows unused
             images = self.inputs(images, self.device)
             with self.autocast:
                 out = self.model(images) if self.classification else self.model(images, targets)

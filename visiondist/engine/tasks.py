@@ -65,7 +65,7 @@ class ClassificationTask:
         only one). `key` = (step, micro-batch) mixes them (training with mixup / cutmix): soft targets then."""
         images, labels, *rows = batch  # rows: the samples' augmentation parameters (`visiondist.data.augment`)
         if hasattr(images, "crops"):  # encoded JPEGs (data.decode_on=device): count what the workers decoded
-            self.worker_decoded.add(images)
+            self.worker_decoded.add(images, device)
         if images is not None:
             images = self.inputs(images, device) if not rows else self.augment(images, rows[0], device, self.inputs)
         labels = None if labels is None else labels.to(device, non_blocking=True)
