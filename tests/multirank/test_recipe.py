@@ -67,6 +67,8 @@ def test_jpeg_decoding_on_the_device_trains_as_the_loader_path(tmp_path, tiny_sh
                                "data.num_workers=2"))
     assert "decoded in the loader workers" not in out  # every built-in image is a baseline JPEG
     assert "training JPEGs are decoded on cpu by torch" in out  # torchcodec's or torchvision's decoder
+    summary = json.loads((device / "summary.json").read_text())["decode_on=device (rank 0)"]
+    assert summary.startswith("48 of 48 images by torch") and summary.endswith(", 0 in the loader workers")
     a, b = losses_of(loader), losses_of(device)
     assert sorted(a) == sorted(b) == list(range(1, 7))
     assert [b[s] for s in a] == pytest.approx([a[s] for s in a], rel=2e-3)

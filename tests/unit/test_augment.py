@@ -34,6 +34,7 @@ def _torchvision(policy: str):
     return v2.RandAugment() if policy == "rand" else v2.TrivialAugmentWide()
 
 
+@pytest.mark.smoke  # the policies follow the installed torchvision's (0.26 on the GPU machines)
 @pytest.mark.parametrize("policy", ["rand", "trivial"])
 def test_magnitude_bins_are_torchvisions(policy):
     ours, theirs = AugmentPolicy(policy, 48).space, _torchvision(policy)._AUGMENTATION_SPACE
@@ -56,6 +57,7 @@ def _cases(policy: str, op: str, count: int, seed: int):
         yield magnitude, op_argument(op, magnitude)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("policy", ["rand", "trivial"])
 def test_device_ops_give_the_loader_ops_pixels(policy):
     """Each op, 24 samples of 4 photos at random bins and signs: the loader op equals torchvision's policy applying

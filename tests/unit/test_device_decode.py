@@ -92,6 +92,7 @@ def _cfg(root: Path, **extra):
                                     max_bad_images=3), **extra})
 
 
+@pytest.mark.smoke  # torchvision 0.26's decode_jpeg (the GPU machines') as well as the newest
 @pytest.mark.parametrize("workers", [0, 2])
 def test_device_decoding_gives_the_loader_paths_batch(tmp_path, workers):
     """Every training image of the tree (33, three the device cannot take) in one batch, both paths, 2 epochs:

@@ -120,6 +120,7 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
         **({"skipped steps (fp16 overflow)": tr.overflow_steps} if tr.overflow_steps else {}),
         **({"fp16 loss scale": _exact(tr.scaler.get_scale())} if tr.scaler is not None else {}),
         **({"unreadable train images (replaced)": bad} if (bad := count_bad_images(tr.run_dir)) else {}),
+        **_device_decoding(tr),
         **({"TP traffic per step (MB)": round(tr.tp_bytes_per_step / 1e6, 2)} if tr.tp_bytes_per_step else {}),
         **({"PP traffic per step (MB)": round(tr.pp_bytes_per_step / 1e6, 2)} if tr.pp_bytes_per_step else {}),
         **({"pipeline": f"{tr.pipeline.schedule_name}, {tr.pipeline.microbatches} micro-batches"}
@@ -146,6 +147,17 @@ def _best_row(tr) -> dict[str, Any]:
         return {}
     return {f"best {best['metric']}": f"{best['value']:.6g} at step {best['step']} "
                                       f"({tr.run_dir / CHECKPOINTS / ('step_' + str(best['step']))})"}
+
+
+def _device_decoding(tr) -> dict:
+    """data.decode_on=device: how many of rank 0's training images the device decoded, and with what."""
+    count = getattr(tr.task, "worker_decoded", None)
+    if count is None or not count.images:
+        return {}
+    from visiondist.data.device_decode import decoder_name
+
+    return {"decode_on=device (rank 0)": f"{count.images - count.fallbacks} of {count.images} images by "
+                                         f"{decoder_name()}, {count.fallbacks} in the loader workers"}
 
 
 def _exact(value: float) -> float | int:
