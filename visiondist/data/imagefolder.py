@@ -11,27 +11,15 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from visiondist.data.decode import read_rgb  # the one reader (imported from here too)
+from visiondist.data.index import IMG_EXTENSIONS, list_image_folder  # noqa: F401  (IMG_EXTENSIONS: from here too)
 from visiondist.data.robust import BadImages
-
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 
 
 def scan_image_folder(split_dir: Path) -> tuple[list[str], list[tuple[str, int]]]:
-    """Classes (sorted sub-folder names) and (path, label) samples; an empty class folder is an error."""
-    if not split_dir.is_dir():
-        raise FileNotFoundError(f"{split_dir} does not exist: expected <root>/<split>/<class>/<images>")
-    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
-    if not classes:
-        raise FileNotFoundError(f"{split_dir} has no class folders")
-    samples = []
-    for label, name in enumerate(classes):
-        files = sorted(
-            e.name for e in os.scandir(split_dir / name) if e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS)
-        )
-        if not files:
-            raise FileNotFoundError(f"class folder {split_dir / name} holds no images ({', '.join(IMG_EXTENSIONS)})")
-        samples.extend((str(split_dir / name / f), label) for f in files)
-    return classes, samples
+    """Classes (sorted sub-folder names) and (path, label) samples, as a list (for small trees and tests; the
+    dataset keeps `visiondist.data.index`'s arrays); an empty class folder is an error."""
+    classes, paths, labels = list_image_folder(split_dir, cache=False)
+    return classes, [(paths[i], int(labels[i])) for i in range(len(paths))]
 
 
 class ImageFolder(Dataset):
@@ -44,8 +32,7 @@ class ImageFolder(Dataset):
                  max_bad_images: int = 10, reader: Optional[Callable] = None):
         self.root = Path(split_dir)
         self.reader = reader or read_rgb  # `visiondist.data.device_decode.read_encoded` under data.decode_on=device
-        self.classes, self.samples = scan_image_folder(self.root)
-        self.targets = np.array([label for _, label in self.samples], dtype=np.int64)
+        self.classes, self.paths, self.targets = list_image_folder(self.root)  # arrays: see visiondist.data.index
         self.transform = transform
         self._bad = BadImages(max_bad_images, train)
         # samples are grouped by class: a sample's replacements are the rest of its class, in order, wrapping round
@@ -53,14 +40,20 @@ class ImageFolder(Dataset):
         self._class_size = np.bincount(self.targets, minlength=len(self.classes))
 
     def __len__(self) -> int:
-        return len(self.samples)
+        return len(self.paths)
+
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        """(path, label) of every image, as torchvision's ImageFolder has them: a list built on each call (the index
+        itself is `paths` and `targets`)."""
+        return [(self.paths[i], int(self.targets[i])) for i in range(len(self.paths))]
 
     def _candidates(self, index: int):
         label = self.targets[index]
         start, size = int(self._class_start[label]), int(self._class_size[label])
         for k in range(size):
             i = start + (index - start + k) % size
-            yield i, self.samples[i][0]
+            yield i, self.paths[i]
 
     def __getitem__(self, key):
         index, epoch = key if isinstance(key, tuple) else (key, 0)

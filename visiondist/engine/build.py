@@ -43,7 +43,7 @@ def check_val_images(loader) -> None:
     if hasattr(dataset, "records"):  # COCO
         paths = [str(dataset.records[i].path) for i in index]
     else:
-        paths = [dataset.samples[i][0] for i in index]
+        paths = [dataset.paths[i] for i in index]
     check_images(paths, "val images")
 
 
