@@ -1,6 +1,8 @@
-"""What an ImageFolder index costs a rank and its loader workers: start-up time and memory of the index of a tree of
-200,000 files (1,000 classes x 200, empty files: only the listing matters here), as a list of (path, label) tuples
-(the previous index) and as arrays (`visiondist.data.index`), listed afresh and from the listing cache.
+"""What a data set's index costs a rank and its loader workers: start-up time and memory of the index of an
+ImageFolder tree of 200,000 files (1,000 classes x 200, empty files: only the listing matters here), as a list of
+(path, label) tuples (the previous index) and as arrays (`visiondist.data.index`), listed afresh and from the
+listing cache; and of a COCO annotation file of 50,000 images with 7 boxes each, as record objects with
+pycocotools' COCO kept (the previous index) and as arrays (`visiondist.data.coco.CocoIndex`).
 
 Each variant runs in its own process: it builds the index (timed; its growth of the process's resident memory is the
 rank's cost), then forks 4 workers that each read every path once, as loader workers do over an epoch, and reports
@@ -67,6 +69,50 @@ def _reader(index, n: int, read: bool, queue) -> None:
     queue.put(_kb("Private_Dirty:", "/proc/self/smaps_rollup"))
 
 
+def _coco_tree(root: Path, images: int, boxes: int = 7) -> Path:
+    """A COCO annotation file of `images` images with `boxes` boxes each (files need not exist: only the index)."""
+    import random
+
+    r = random.Random(0)
+    anns, k = [], 0
+    for i in range(1, images + 1):
+        for _ in range(boxes):
+            k += 1
+            anns.append({"id": k, "image_id": i, "category_id": r.randint(1, 80), "iscrowd": 0, "area": 400.0,
+                         "bbox": [r.uniform(0, 400), r.uniform(0, 300), r.uniform(5, 200), r.uniform(5, 200)]})
+    data = {"images": [{"id": i, "file_name": f"{i:012d}.jpg", "width": 640, "height": 480}
+                       for i in range(1, images + 1)],
+            "annotations": anns, "categories": [{"id": c, "name": f"c{c}"} for c in range(1, 81)]}
+    path = root / "instances_train.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+class _Records:
+    """The previous COCO index: a list of record objects, pycocotools' COCO object kept beside it."""
+
+    def __init__(self, ann_file: Path):
+        from visiondist.data.coco import load_coco, read_records
+
+        self.coco = load_coco(ann_file)
+        self.records = read_records(self.coco, ann_file.parent, train=True)[0]
+
+    def __getitem__(self, i):
+        r = self.records[i]
+        return (str(r.path), r.boxes, r.labels)
+
+
+class _Arrays:
+    def __init__(self, ann_file: Path):
+        from visiondist.data.coco import CocoDetection
+
+        self.index = CocoDetection(ann_file.parent, ann_file, train=True).index
+
+    def __getitem__(self, i):
+        r = self.index.record(i)
+        return (str(r.path), r.boxes, r.labels)
+
+
 def measure(variant: str, split: str) -> dict:
     """In this process: build the index `variant`, then fork the workers."""
     from visiondist.data.index import list_image_folder
@@ -77,6 +123,9 @@ def measure(variant: str, split: str) -> dict:
     if variant == "tuples":
         samples, _ = _old_index(split_path)
         get, n = _TupleIndex(samples), len(samples)  # workers read samples[i][0], as the previous dataset did
+    elif variant.startswith("COCO"):
+        get = (_Records if "records" in variant else _Arrays)(split_path)
+        n = len(get.records if hasattr(get, "records") else get.index)
     else:
         _, paths, labels = list_image_folder(split_path, cache=variant != "arrays, listed")
         get, n = paths, len(paths)
@@ -108,6 +157,7 @@ class _TupleIndex:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=200_000)
+    parser.add_argument("--coco-images", type=int, default=50_000, help="COCO rows: images of 7 boxes each")
     parser.add_argument("--measure", nargs=2, metavar=("VARIANT", "SPLIT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
@@ -120,15 +170,19 @@ def main() -> None:
         print(f"{args.files} files in {time.perf_counter() - t:.1f} s; {WORKERS} workers each read every path",
               flush=True)
         env = {**os.environ, "XDG_CACHE_HOME": str(Path(tmp) / "cache")}
+        coco = _coco_tree(Path(tmp), args.coco_images)
         rows = []
-        for variant in ("tuples", "arrays, listed", "arrays, cache written", "arrays, from the cache"):
-            out = subprocess.run([sys.executable, __file__, "--measure", variant, str(split)], env=env,
+        for variant, where in (("tuples", split), ("arrays, listed", split), ("arrays, cache written", split),
+                               ("arrays, from the cache", split), ("COCO records + pycocotools", coco),
+                               ("COCO arrays", coco)):
+            out = subprocess.run([sys.executable, __file__, "--measure", variant, str(where)], env=env,
                                  capture_output=True, text=True, check=True)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
-    print("\n| index | start-up (s) | rank (MB) | copied per worker (MB) | rank + 4 workers (MB) |\n|---|---|---|---|---|")
+    print("\n| index | entries | start-up (s) | rank (MB) | copied per worker (MB) | rank + 4 workers (MB) |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['variant']} | {r['build_s']} | {r['rank_mb']} | {r['copied_per_worker_mb']} | "
+        print(f"| {r['variant']} | {r['files']} | {r['build_s']} | {r['rank_mb']} | {r['copied_per_worker_mb']} | "
               f"{r['rank_plus_workers_mb']} |")
 
 

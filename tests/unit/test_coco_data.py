@@ -61,6 +61,12 @@ def test_boxes_crowd_degenerate_and_empty_images(tmp_path, caplog):
     evaluation = CocoDetection(root, ann, train=False)  # evaluation keeps every image, crowd boxes stay out
     assert [r.image_id for r in evaluation.records] == [1, 2, 3, 4]
     assert evaluation[3][1]["boxes"].shape == (0, 4) and evaluation.counts.crowd_boxes == 1
+    # the index is arrays (no object per image or box for forked workers to copy), pycocotools' COCO is not kept
+    index = evaluation.index
+    assert index.image_ids.tolist() == [1, 2, 3, 4] and index.offsets.tolist() == [0, 2, 3, 3, 3]
+    assert index.boxes.dtype == np.float32 and index.boxes.tolist() == [[5, 6, 15, 14], [30, 20, 40, 30], [2, 2, 7, 7]]
+    assert index.labels.tolist() == [2, 1, 2] and index.paths[1] == str(root / "two.png")
+    assert not hasattr(evaluation, "coco")
 
 
 def test_annotations_of_images_not_in_the_file_are_counted(tmp_path, caplog):

@@ -120,6 +120,33 @@ def read_records(coco, image_root: Path, train: bool) -> tuple[list[ImageRecord]
     return records, label_of, counts
 
 
+class CocoIndex:
+    """The records of a split in arrays (no Python object per image or box, so forked loader workers share the
+    parent's pages instead of copying them): image ids and sizes, paths (`PathIndex`), and every image's boxes and
+    labels as one slice of the concatenated `boxes` / `labels`."""
+
+    def __init__(self, records: list[ImageRecord], image_root: Path):
+        from visiondist.data.index import PathIndex
+
+        root = str(image_root)
+        self.image_ids = np.asarray([r.image_id for r in records], dtype=np.int64)
+        self.sizes = np.asarray([(r.width, r.height) for r in records], dtype=np.int32).reshape(-1, 2)
+        self.paths = PathIndex(root, [str(r.path.relative_to(root)) for r in records])
+        counts = [len(r.boxes) for r in records]
+        self.offsets = np.zeros(len(records) + 1, dtype=np.int64)
+        np.cumsum(counts, out=self.offsets[1:])
+        self.boxes = (np.concatenate([r.boxes for r in records]) if records else np.zeros((0, 4))).astype(np.float32)
+        self.labels = (np.concatenate([r.labels for r in records]) if records else np.zeros(0)).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.image_ids)
+
+    def record(self, i: int) -> ImageRecord:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return ImageRecord(int(self.image_ids[i]), Path(self.paths[i]), int(self.sizes[i, 0]), int(self.sizes[i, 1]),
+                           self.boxes[a:b], self.labels[a:b])
+
+
 class ImageSizeMismatch(RuntimeError):
     """A decoded image whose size is not the annotation file's: its boxes would be misplaced. Not a read error, so
     training stops on it rather than replacing the image."""
@@ -141,25 +168,32 @@ class CocoDetection(Dataset):
         self.image_root, self.ann_file, self.train = Path(image_root), Path(ann_file), train
         if not self.ann_file.is_file():
             raise FileNotFoundError(f"no COCO annotation file at {self.ann_file}: check data.root and data.annotations")
-        self.coco = load_coco(self.ann_file)
-        self.coco.dataset["_file"] = str(self.ann_file)
-        self.records, self.label_of, self.counts = read_records(self.coco, self.image_root, train)
+        coco = load_coco(self.ann_file)  # not kept: the workers need only the index (and COCOeval reads the file)
+        coco.dataset["_file"] = str(self.ann_file)
+        records, self.label_of, self.counts = read_records(coco, self.image_root, train)
+        self.index = CocoIndex(records, self.image_root)
         self.cat_of = {label: cat for cat, label in self.label_of.items()}
-        self.classes = [self.coco.cats[cat]["name"] for cat in sorted(self.label_of)]
+        self.classes = [coco.cats[cat]["name"] for cat in sorted(self.label_of)]
+        del coco, records
         self.transform = transform
         self._bad = BadImages(max_bad_images, train)
         log.info("%s (%s): %s", self.ann_file.name, "train" if train else "eval", self.counts.describe())
 
     def __len__(self) -> int:
-        return len(self.records)
+        return len(self.index)
+
+    @property
+    def records(self) -> list[ImageRecord]:
+        """Every image's record, as a list built on each call (the index itself is `index`)."""
+        return [self.index.record(i) for i in range(len(self.index))]
 
     def aspect_ratios(self) -> np.ndarray:
-        return np.array([r.width / r.height for r in self.records], dtype=np.float32)
+        return (self.index.sizes[:, 0] / self.index.sizes[:, 1]).astype(np.float32)
 
     def __getitem__(self, key: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         index, epoch = key if isinstance(key, tuple) else (key, 0)
         index, image = self._load(index)
-        record = self.records[index]
+        record = self.index.record(index)
         boxes, labels = record.boxes, record.labels
         if self.transform is not None:
             image, boxes, labels = self.transform(image, boxes, labels, index, epoch)
@@ -174,9 +208,9 @@ class CocoDetection(Dataset):
     def _load(self, index: int) -> tuple[int, np.ndarray]:
         """Read the image at `index` and check its size against the annotation file's; in training an unreadable one
         is replaced by the next readable index."""
-        n = len(self.records)
-        index, image = self._bad.read(((i % n, self.records[i % n].path) for i in range(index, index + n)), read_rgb)
-        record = self.records[index]
+        n = len(self.index)
+        index, image = self._bad.read(((i % n, self.index.paths[i % n]) for i in range(index, index + n)), read_rgb)
+        record = self.index.record(index)
         if image.shape[:2] != (record.height, record.width):
             h, w = image.shape[:2]
             turned = (w, h) == (record.height, record.width) and exif_orientation(record.path.read_bytes()) >= 5

@@ -41,7 +41,7 @@ def check_val_images(loader) -> None:
         return
     index = [i for batch in loader.batch_sampler for i in batch]
     if hasattr(dataset, "records"):  # COCO
-        paths = [str(dataset.records[i].path) for i in index]
+        paths = [dataset.index.paths[i] for i in index]
     else:
         paths = [dataset.paths[i] for i in index]
     check_images(paths, "val images")
