@@ -104,6 +104,13 @@ class AugmentPolicy:
         self.layout = AugmentParams(rounds)
         self.space = _magnitudes(auto_augment, bins, size, size) if rounds else {}
 
+    @classmethod
+    def from_config(cls, d, size: int) -> "AugmentPolicy":
+        """The policy a data config asks for at crop size `size` (keys it lacks: off)."""
+        get = d.get if hasattr(d, "get") else lambda key, default=None: getattr(d, key, default)
+        return cls(get("auto_augment", "none") or "none", size, float(get("random_erasing", 0.0) or 0.0),
+                   get("random_erasing_mode", "pixel") or "pixel")
+
     @property
     def active(self) -> bool:
         return bool(self.layout.rounds) or self.erase_p > 0

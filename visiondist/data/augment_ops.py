@@ -163,7 +163,7 @@ class DeviceAugment:
     uint8 batch after the copy (`data.augment_on=device`), then, after normalisation, random erasing."""
 
     def __init__(self, d, img_size: int):
-        self.policy = AugmentPolicy(d.auto_augment, img_size, d.random_erasing, d.random_erasing_mode)
+        self.policy = AugmentPolicy.from_config(d, img_size)
         self.operations = d.augment_on == "device" and self.policy.layout.rounds > 0
 
     def __call__(self, images: torch.Tensor, rows: torch.Tensor, device: torch.device, normalize) -> torch.Tensor:

@@ -183,6 +183,11 @@ class CocoDetection(Dataset):
         return len(self.index)
 
     @property
+    def paths(self):
+        """The images' paths by index (`PathIndex`), as `ImageFolder.paths`."""
+        return self.index.paths
+
+    @property
     def records(self) -> list[ImageRecord]:
         """Every image's record, as a list built on each call (the index itself is `index`)."""
         return [self.index.record(i) for i in range(len(self.index))]

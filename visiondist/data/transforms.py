@@ -71,8 +71,7 @@ class ClassificationTransform:
         from visiondist.data.augment import AugmentPolicy
 
         get = cfg.get if hasattr(cfg, "get") else lambda key, default=None: getattr(cfg, key, default)
-        self.policy = AugmentPolicy(get("auto_augment", "none") or "none", size, float(get("random_erasing", 0.0)),
-                                    get("random_erasing_mode", "pixel")) if train else None
+        self.policy = AugmentPolicy.from_config(cfg, size) if train else None
         self.on_loader = get("augment_on", "device") == "loader"
         self.decode_on_device = train and get("decode_on", "loader") == "device"
         self.seed = seed
@@ -84,7 +83,7 @@ class ClassificationTransform:
         self.random.reset(self.seed, epoch, index)
         if self.decode_on_device:
             return self._for_device(image)
-        image = torch.from_numpy(np.ascontiguousarray(self.transform(image=image)["image"]))  # H, W, C
+        image = self._crop(image)
         if self.policy is None or not self.policy.active:
             return image
         row = self.policy.draw(self.random.python)
@@ -92,6 +91,9 @@ class ClassificationTransform:
             image = self.policy.apply_loader(image.permute(2, 0, 1), row).permute(1, 2, 0).contiguous()
         return image, torch.from_numpy(row)
 
+    def _crop(self, image: np.ndarray) -> torch.Tensor:
+        """The albumentations crop / flip (train) or resize / centre crop (eval): uint8 H, W, C."""
+        return torch.from_numpy(np.ascontiguousarray(self.transform(image=image)["image"]))
 
     def _for_device(self, image) -> tuple[torch.Tensor, torch.Tensor]:
         """`data.decode_on=device`: a JPEG's bytes with its crop row (drawn from the sample's stream as the loader
@@ -108,7 +110,7 @@ class ClassificationTransform:
             row[:] = (1, y0, x0, y1 - y0, x1 - x0, flip)
             payload = torch.frombuffer(bytearray(image.data), dtype=torch.uint8)
         else:
-            payload = torch.from_numpy(np.ascontiguousarray(self.transform(image=image)["image"]))
+            payload = self._crop(image)
         if self.policy is not None and self.policy.active:
             row = np.concatenate([row, self.policy.draw(self.random.python)])
         return payload, torch.from_numpy(row)
@@ -143,7 +145,9 @@ def to_device(images, device: torch.device) -> torch.Tensor:
     """A classification loader batch on `device`: uint8 N, H, W, C -> uint8 N, C, H, W (contiguous), after a
     non-blocking copy; a batch of encoded JPEGs (`data.decode_on=device`) is decoded, cropped and flipped there;
     float batches (already the model's input) are only copied."""
-    if hasattr(images, "images"):  # visiondist.data.device_decode.EncodedBatch
+    from visiondist.data.device_decode import EncodedBatch
+
+    if isinstance(images, EncodedBatch):
         return images.images(device)
     images = images.to(device, non_blocking=True)
     return images.permute(0, 3, 1, 2).contiguous() if images.dtype == torch.uint8 else images

@@ -40,11 +40,7 @@ def check_val_images(loader) -> None:
     if dataset is None:
         return
     index = [i for batch in loader.batch_sampler for i in batch]
-    if hasattr(dataset, "records"):  # COCO
-        paths = [dataset.index.paths[i] for i in index]
-    else:
-        paths = [dataset.paths[i] for i in index]
-    check_images(paths, "val images")
+    check_images([dataset.paths[i] for i in index], "val images")  # ImageFolder and COCO: a `PathIndex` each
 
 
 def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool = True) -> torch.nn.Module:

@@ -53,7 +53,9 @@ def train_flops_per_image(model_cfg: DictConfig, batch: tuple, family: str) -> f
     cfg = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None})  # the run's config is read-only
     if family == "classification":
         images, labels, *_ = batch
-        if hasattr(images, "crops"):  # encoded (data.decode_on=device): the model sees N, C, S, S
+        from visiondist.data.device_decode import EncodedBatch
+
+        if isinstance(images, EncodedBatch):  # data.decode_on=device: the model sees N, C, S, S
             images = torch.zeros(1, model_cfg.img_size, model_cfg.img_size, 3, dtype=torch.uint8)
         with torch.device("meta"):
             model = build_model(cfg)
@@ -164,8 +166,7 @@ def _augment_rows(n: int, size: int, seed: int, d: DictConfig) -> torch.Tensor |
 
     from visiondist.data.augment import AugmentPolicy
 
-    policy = AugmentPolicy(d.get("auto_augment", "none"), size, float(d.get("random_erasing", 0.0)),
-                           d.get("random_erasing_mode", "pixel"))
+    policy = AugmentPolicy.from_config(d, size)
     if not policy.active:
         return None
     return torch.from_numpy(np.stack([policy.draw(random.Random(seed * 1_000_003 + i)) for i in range(n)]))

@@ -30,6 +30,8 @@ class ClassificationTask:
 
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
         from visiondist.data import build_classification_data
+        from visiondist.data.augment_ops import DeviceAugment
+        from visiondist.data.device_decode import FallbackCount
         from visiondist.data.transforms import Normalize
 
         t, d = cfg.trainer, cfg.data
@@ -47,11 +49,7 @@ class ClassificationTask:
                 log.info("%s: a micro-batch mixed with probability %g%s; soft targets%s", " or ".join(kinds),
                          d.mixup_prob, switch, smoothing)
         self.image_shape = (3, cfg.model.img_size, cfg.model.img_size)
-        from visiondist.data.augment_ops import DeviceAugment
-
         self.augment = DeviceAugment(d, cfg.model.img_size) if train else None
-        from visiondist.data.device_decode import FallbackCount
-
         self.worker_decoded = FallbackCount()  # data.decode_on=device: the images the device could not decode
         self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating
         self.data = build_classification_data(
@@ -63,8 +61,10 @@ class ClassificationTask:
     def prepare(self, batch: Any, device: torch.device, key: tuple[int, int] | None = None) -> tuple[Any, Any]:
         """(model input, target) of a loader batch on `device`; either side may be None (pipeline ranks that hold
         only one). `key` = (step, micro-batch) mixes them (training with mixup / cutmix): soft targets then."""
+        from visiondist.data.device_decode import EncodedBatch
+
         images, labels, *rows = batch  # rows: the samples' augmentation parameters (`visiondist.data.augment`)
-        if hasattr(images, "crops"):  # encoded JPEGs (data.decode_on=device): count what the workers decoded
+        if isinstance(images, EncodedBatch):  # data.decode_on=device: count what the workers decoded
             self.worker_decoded.add(images, device)
         if images is not None:
             images = self.inputs(images, device) if not rows else self.augment(images, rows[0], device, self.inputs)
