@@ -231,69 +231,38 @@ def vit_train_flops() -> dict[str, float]:
     return out
 
 
-def gpu_figures(root: Path) -> dict:
-    """On the CUDA device: nvJPEG decode images/s (batches of 64), the whole device side of `data.decode_on=device`
-    (decode, crop, resize, flip of the batches the workers hand over), and the device augmentation's share of a
-    ViT-B/16 bf16 step at batch 256."""
-    from visiondist.data.augment import AugmentPolicy
-    from visiondist.data.augment_ops import apply_operations, erase
-    from visiondist.data.device_decode import decode_jpegs
+def recipe_rounds(root: Path, recipe: str, title: str, core: int, rounds: int) -> dict:
+    """One recipe's pipelines in alternating rounds: median images/s and median ratio to PIL + torchvision v2."""
+    runs = loaders(root, recipe, core)
+    for loader in runs.values():  # start every worker, warm caches and lazy imports: one whole pass
+        rate(loader)
+    seen: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, loader in runs.items():
+            seen[name].append(rate(loader))
+    medians = {name: statistics.median(r) for name, r in seen.items()}
+    base = seen["PIL + torchvision v2"]
+    ratios = {name: statistics.median(a / b for a, b in zip(r, base)) for name, r in seen.items()}
+    print(f"\n{title}: images/s per core (median of {rounds} rounds), ratio to PIL + torchvision v2")
+    for name in runs:
+        print(f"  {name:<24} {medians[name]:8.0f}   {ratios[name]:.2f}x")
+    return {"title": title, "images_per_s": medians, "vs_pil": ratios}
 
-    cuda = torch.device("cuda")
-    paths = [p for p, _ in ImageFolder(root / "train").samples][:256]
-    data = [torch.frombuffer(bytearray(Path(p).read_bytes()), dtype=torch.uint8) for p in paths]
-    split = ImageFolder(root / "train", ClassificationTransform(recipe_cfg("none", decode_on="device"), True, SIZE, 0),
-                        reader=read_encoded)
-    keys = [(i, 0) for i in range(len(split))]
-    batches = list(DataLoader(split, batch_sampler=[keys[i:i + BATCH] for i in range(0, len(keys) - BATCH + 1, BATCH)],
-                              collate_fn=collate_encoded(SIZE, "bilinear")))
 
-    def rate(fn, images, n=3):
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        return n * images / (time.perf_counter() - t)
-
-    nvjpeg = rate(lambda: [decode_jpegs(data[i:i + BATCH], cuda) for i in range(0, len(data), BATCH)], len(data))
-    device_side = rate(lambda: [b[0].images(cuda) for b in batches], BATCH * len(batches))
-
-    from visiondist.models.vit import VisionTransformer
-
-    model = VisionTransformer(img_size=SIZE, patch_size=16, num_classes=1000, embed_dim=768, depth=12,
-                              num_heads=12).cuda()
-    opt = torch.optim.AdamW(model.parameters(), fused=True)
-    x = torch.randn(256, 3, SIZE, SIZE, device="cuda")
-    y = torch.randint(0, 1000, (256,), device="cuda")
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    import random
-
-    policy = AugmentPolicy("rand", SIZE, random_erasing=0.25)
-    rows = torch.from_numpy(np.stack([policy.draw(random.Random(i)) for i in range(256)]))
-    images = torch.randint(0, 256, (256, 3, SIZE, SIZE), dtype=torch.uint8, device="cuda")
-
-    def augment():
-        out = apply_operations(images.clone(), rows, policy.layout).float()
-        erase(out, rows, policy.layout, "pixel")
-
-    def timed(fn, n=10):
-        return 1.0 / rate(fn, 1, n)
-
-    step_s, augment_s = timed(step), timed(augment)
-    return {"device": torch.cuda.get_device_name(), "nvjpeg_images_per_s": round(nvjpeg),
-            "decode_crop_resize_images_per_s": round(device_side),
-            "vit_b16_step_ms_b256": round(step_s * 1e3, 2), "device_augment_ms_b256": round(augment_s * 1e3, 2),
-            "device_augment_share": round(augment_s / (step_s + augment_s), 4)}
+def cores_per_h100(recipes: dict) -> dict:
+    """Cores one H100 needs at 50% MFU for ViT-S/B/L-16, per recipe and pipeline."""
+    out = {}
+    print(f"\ncores per H100 at {MFU:.0%} of {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s (images/s the GPU takes):")
+    for model, f in vit_train_flops().items():
+        need = MFU * H100_BF16_FLOPS / f
+        row = {"train_gflops_per_image": round(f / 1e9, 1), "images_per_s": round(need)}
+        for recipe in ("none", "rand"):
+            for name in ("PIL + torchvision v2", "before", "visiondist", "visiondist, decode_on=device"):
+                row[f"{recipe}: {name}"] = round(need / recipes[recipe]["images_per_s"][name], 2)
+        out[model] = row
+        print(f"  {model:<10} {row['images_per_s']:6d} images/s: " + ", ".join(
+            f"{k} {v}" for k, v in row.items() if ":" in k))
+    return out
 
 
 def main() -> None:
@@ -317,41 +286,16 @@ def main() -> None:
         result["data"] = build_photos(root, args.images)
         print(f"{args.images} photos, mean {result['data']['mean_width']} x {result['data']['mean_height']} px, "
               f"{result['data']['mean_kb']} KB; one worker on core {args.core}, {SIZE} px, batch {BATCH}", flush=True)
-        result["recipes"] = {}
-        for recipe, title in (("none", "default (crop + flip)"),
-                              ("rand", "DeiT (+ RandAugment 2/9; erasing and mixup run on the device)")):
-            runs = loaders(root, recipe, args.core)
-            for loader in runs.values():  # start every worker, warm caches and lazy imports: one whole pass
-                rate(loader)
-            rounds: dict[str, list[float]] = {name: [] for name in runs}
-            for _ in range(args.rounds):
-                for name, loader in runs.items():
-                    rounds[name].append(rate(loader))
-            medians = {name: statistics.median(r) for name, r in rounds.items()}
-            base = rounds["PIL + torchvision v2"]
-            ratios = {name: statistics.median(a / b for a, b in zip(r, base)) for name, r in rounds.items()}
-            result["recipes"][recipe] = {"title": title, "images_per_s": medians, "vs_pil": ratios}
-            print(f"\n{title}: images/s per core (median of {args.rounds} rounds), ratio to PIL + torchvision v2")
-            for name in runs:
-                print(f"  {name:<24} {medians[name]:8.0f}   {ratios[name]:.2f}x")
-            del runs
+        result["recipes"] = {recipe: recipe_rounds(root, recipe, title, args.core, args.rounds) for recipe, title in (
+            ("none", "default (crop + flip)"), ("rand", "DeiT (+ RandAugment 2/9; erasing and mixup run on the device)"))}
         result["per_image_us"] = per_image_split(root)
         print("\nper image, one thread (us):")
         for k, v in result["per_image_us"].items():
             print(f"  {k:<40} {v:8.1f}")
-        flops = vit_train_flops()
-        result["cores_per_h100"] = {}
-        print(f"\ncores per H100 at {MFU:.0%} of {H100_BF16_FLOPS / 1e12:.0f} TFLOP/s (images/s the GPU takes):")
-        for model, f in flops.items():
-            need = MFU * H100_BF16_FLOPS / f
-            row = {"train_gflops_per_image": round(f / 1e9, 1), "images_per_s": round(need)}
-            for recipe in ("none", "rand"):
-                for name in ("PIL + torchvision v2", "before", "visiondist", "visiondist, decode_on=device"):
-                    row[f"{recipe}: {name}"] = round(need / result["recipes"][recipe]["images_per_s"][name], 2)
-            result["cores_per_h100"][model] = row
-            print(f"  {model:<10} {row['images_per_s']:6d} images/s: " + ", ".join(
-                f"{k} {v}" for k, v in row.items() if ":" in k))
+        result["cores_per_h100"] = cores_per_h100(result["recipes"])
         if torch.cuda.is_available():
+            from data_throughput_gpu import gpu_figures
+
             result["gpu"] = gpu_figures(root)
             print("\nGPU:", result["gpu"])
     if args.json:

@@ -32,9 +32,9 @@ from omegaconf import DictConfig, OmegaConf
 from visiondist.engine.measure import (
     PeakMemory,
     Stopped,
+    device_input_work,
     device_name,
     loader_images_per_s,
-    device_input_work,
     synthetic_batch,
     time_steps,
     train_flops_per_image,
