@@ -69,7 +69,7 @@ class StepHealth:
         flags = torch.zeros(self.world_size + 2, device=self.device)  # element copies and fills: no host sync
         flags[rank] = (~torch.isfinite(loss.detach().float()).all()).float()
         flags[-2] = (~torch.isfinite(grad_norm.detach().float()).all()).float()
-        flags[-1] = float(stop)
+        flags[-1:].fill_(float(stop))  # not `flags[-1] = x`: that copies a host scalar, which synchronises
         if self.world_size > 1:
             dist.all_reduce(flags)
         self._last = flags  # on the device, for `nonfinite`
