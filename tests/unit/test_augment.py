@@ -139,6 +139,25 @@ def test_erasing_fills_only_the_box_with_its_seeded_noise():
     assert (const[0, :, 4:14, 6:18] == 0).all() and (const[1] == 1).all()
 
 
+def test_batched_erasing_equals_each_box_filled_on_its_own():
+    """Many erased samples in several chunks (96 px: 303 samples per chunk of ~8 M values, so 700 take three),
+    boxes at the edges and whole-image boxes: each box holds `hash_normal` of its seed and shape (`pixel`) or one
+    normal colour per channel (`rand`); the rest is untouched."""
+    policy = AugmentPolicy("none", 96, random_erasing=0.7)
+    rows = torch.from_numpy(np.stack([policy.draw(random.Random(i)) for i in range(700)]))
+    rows[0, policy.layout.erase_slice()] = torch.tensor([1, 0, 0, 96, 96, 3], dtype=torch.float64)
+    rows[1, policy.layout.erase_slice()] = torch.tensor([1, 95, 90, 1, 6, 4], dtype=torch.float64)
+    base = torch.randn(700, 3, 96, 96, generator=torch.Generator().manual_seed(0))
+    for mode in ("pixel", "rand"):
+        expected = base.clone()
+        for i, (flag, top, left, h, w, seed) in enumerate(rows[:, policy.layout.erase_slice()].long().tolist()):
+            if flag:
+                shape = (3, h, w) if mode == "pixel" else (3, 1, 1)
+                expected[i, :, top:top + h, left:left + w] = hash_normal(seed, shape, base.device).expand(3, h, w)
+        assert torch.equal(erase(base.clone(), rows, policy.layout, mode), expected), mode
+    assert 300 < int((rows[:, policy.layout.erase_slice()][:, 0] > 0).sum()) < 700
+
+
 def _transform(**data):
     cfg = OmegaConf.create({**dict(train_crop_scale=[0.08, 1.0], hflip=0.5, crop_pct=1.0, interpolation="bilinear",
                                    auto_augment="none", augment_on="device", random_erasing=0.0,

@@ -136,3 +136,30 @@ def test_decode_on_device_needs_device_augmentation_and_an_image_folder():
         load_config(configs, ["data.decode_on=device", "data.augment_on=loader", "data.auto_augment=rand"], inputs=None)
     with pytest.raises(ConfigError, match="use data.decode_on=loader"):
         load_config(configs, ["data=shapes_coco", "data.decode_on=device"], inputs=None)
+
+
+def test_a_torchcodec_that_cannot_decode_on_the_device_gives_way_to_torchvision(monkeypatch):
+    """TorchCodec's PyPI wheel decodes on the CPU only: where its decoder fails on a device (checked once, on a tiny
+    JPEG), torchvision's decodes there and the log and summary name it."""
+    from torchvision.io import decode_jpeg, encode_jpeg
+
+    from visiondist.data import device_decode
+
+    calls = []
+
+    def no_decoder_here(data, mode, device):
+        calls.append(device)
+        raise RuntimeError("not built with this device")
+
+    monkeypatch.setattr(device_decode, "_torchcodec_import", lambda: no_decoder_here)
+    device_decode._torchcodec_decode.cache_clear()
+    try:
+        image = torch.randint(0, 256, (3, 16, 24), dtype=torch.uint8)
+        data = encode_jpeg(image, quality=95)
+        for _ in range(2):
+            out = device_decode.decode_jpegs([data], torch.device("cpu"))
+        assert calls == ["cpu"]  # checked once, not per batch
+        assert torch.equal(out[0], decode_jpeg(data))
+        assert device_decode.decoder_name(torch.device("cpu")) == "torchvision.io.decode_jpeg"
+    finally:
+        device_decode._torchcodec_decode.cache_clear()

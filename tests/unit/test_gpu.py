@@ -81,8 +81,10 @@ def test_loader_batches_are_pinned(tmp_path, tiny_shapes):
 
 def test_device_augmentation_on_cuda_gives_the_cpus_pixels():
     """RandAugment rows applied to the same uint8 batch on CUDA and on the CPU (the ops are torchvision's arithmetic,
-    batched): at most one grey level apart on at most 0.5% of the values; erasing noise identical (integer hash)."""
+    batched): at most one grey level apart on at most 0.5% of the values; erasing noise identical (integer hash).
+    Neither waits for the GPU (torch's sync debug mode warns at every host-device synchronisation)."""
     import random
+    import warnings
 
     import numpy as np
 
@@ -94,11 +96,22 @@ def test_device_augmentation_on_cuda_gives_the_cpus_pixels():
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (64, 3, 96, 96), dtype=torch.uint8, generator=g)
     cpu = apply_operations(images.clone(), rows, policy.layout)
-    gpu = apply_operations(images.cuda(), rows, policy.layout).cpu()
+    on_gpu = images.cuda()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            gpu = apply_operations(on_gpu, rows, policy.layout)
+            erased_gpu = erase(torch.zeros(64, 3, 96, 96, device="cuda"), rows, policy.layout, "pixel")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)})
+    assert not syncs, syncs
+    gpu, erased_gpu = gpu.cpu(), erased_gpu.cpu()
     diff = (cpu.int() - gpu.int()).abs()
     assert diff.max() <= 1 and (diff > 0).float().mean() <= 0.005, (int(diff.max()), float((diff > 0).float().mean()))
     erased_cpu = erase(torch.zeros(64, 3, 96, 96), rows, policy.layout, "pixel")
-    erased_gpu = erase(torch.zeros(64, 3, 96, 96, device="cuda"), rows, policy.layout, "pixel").cpu()
     torch.testing.assert_close(erased_gpu, erased_cpu, rtol=0, atol=1e-5)
 
 

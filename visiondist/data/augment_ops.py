@@ -19,30 +19,54 @@ import torch.nn.functional as F
 from visiondist.data.augment import OPS, AugmentParams, AugmentPolicy
 
 
+def host_to(values, device: torch.device, dtype=None) -> torch.Tensor:
+    """Host values on `device` without a host-device synchronisation: a CUDA copy from pinned memory is asynchronous
+    (one from pageable memory waits for the stream first)."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def apply_operations(images: torch.Tensor, rows: torch.Tensor, layout: AugmentParams) -> torch.Tensor:
-    """`layout.rounds` rounds of auto-augmentation on uint8 `images` (N, C, H, W) by the host rows (N, width)."""
-    rows = rows.detach().cpu().double()
+    """`layout.rounds` rounds of auto-augmentation on uint8 `images` (N, C, H, W) by the host rows (N, width).
+
+    Per round, the samples are gathered in the order of the operation they drew (one gather, one pinned copy of the
+    order and the arguments), each operation works in place on its contiguous slice, and one scatter puts them back:
+    a fixed number of launches per operation whatever the batch size, and no host-device synchronisation."""
+    rows = rows.detach().cpu().double().numpy()
     for k in range(layout.rounds):
-        ops, args = rows[:, 2 * k].long(), rows[:, 2 * k + 1]
-        for op in ops.unique().tolist():
-            name = OPS[op]
-            if name == "Identity":
-                continue
-            picked = (ops == op).nonzero().flatten()
-            where = picked.to(images.device, non_blocking=True)
-            images[where] = _OPERATIONS[name](images[where], args[picked])
+        ops, args = rows[:, 2 * k].astype(np.int64), rows[:, 2 * k + 1]
+        order = np.argsort(ops, kind="stable")
+        ops, args = ops[order], args[order]
+        groups = [(op, s, e) for op, s, e in _runs(ops) if OPS[op] != "Identity"]
+        if not groups:
+            continue
+        moved = host_to(np.stack([order.astype(np.float64), args]), images.device)  # (2, N) float64: exact
+        where, device_args = moved[0].long(), moved[1]
+        work = images[where]
+        for op, s, e in groups:
+            work[s:e] = _OPERATIONS[OPS[op]](work[s:e], device_args[s:e], args[s:e])
+        images[where] = work
     return images
 
 
-def _column(values: torch.Tensor, device: torch.device, dtype=torch.float32) -> torch.Tensor:
-    return values.to(dtype).view(-1, 1, 1, 1).to(device, non_blocking=True)
+def _runs(sorted_values: np.ndarray):
+    """(value, start, end) of each run of equal values."""
+    edges = np.flatnonzero(np.diff(sorted_values)) + 1
+    starts = np.concatenate([[0], edges]).astype(int)
+    ends = np.concatenate([edges, [len(sorted_values)]]).astype(int)
+    return [(int(sorted_values[s]), int(s), int(e)) for s, e in zip(starts, ends)]
+
+
+def _column(values: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    return values.to(dtype).view(-1, 1, 1, 1)
 
 
 def _blend(image: torch.Tensor, other: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
     """torchvision's `_blend` with a ratio per sample: ratio * image + (1 - ratio) * other, clamped, back to uint8.
     (1 - ratio) is taken in double and rounded once, as torchvision's scalar alpha is."""
-    r, rest = _column(ratio, image.device), _column(1.0 - ratio, image.device)
-    return torch.addcmul(image.float().mul_(r), other, rest).clamp_(0, 255).to(torch.uint8)
+    return torch.addcmul(image.float().mul_(_column(ratio)), other, _column(1.0 - ratio)).clamp_(0, 255).to(torch.uint8)
 
 
 def _grey_floor(image: torch.Tensor) -> torch.Tensor:
@@ -50,48 +74,48 @@ def _grey_floor(image: torch.Tensor) -> torch.Tensor:
     return r.mul(0.2989).add_(g, alpha=0.587).add_(b, alpha=0.114).unsqueeze(-3).floor_()
 
 
-def _brightness(image, factor):
-    return image.float().mul_(_column(factor, image.device)).clamp_(0, 255).to(torch.uint8)
+def _brightness(image, factor, _):
+    return image.float().mul_(_column(factor)).clamp_(0, 255).to(torch.uint8)
 
 
-def _saturation(image, factor):
+def _saturation(image, factor, _):
     return _blend(image, _grey_floor(image), factor)
 
 
-def _contrast(image, factor):
+def _contrast(image, factor, _):
     return _blend(image, _grey_floor(image).mean(dim=(-3, -2, -1), keepdim=True), factor)
 
 
-def _sharpness(image, factor):
+def _sharpness(image, factor, _):
     c, h, w = image.shape[-3:]
     if h <= 2 or w <= 2:
         return image
-    a, b = 1.0 / 13.0, 5.0 / 13.0
-    kernel = torch.tensor([[a, a, a], [a, b, a], [a, a, a]], dtype=torch.float32, device=image.device)
+    kernel = torch.full((3, 3), 1.0 / 13.0, dtype=torch.float32, device=image.device)
+    kernel[1:2, 1:2].fill_(5.0 / 13.0)  # a fill, not an item assignment: that copies a host scalar and synchronises
     out = image.to(torch.float32, copy=True)
     blurred = F.conv2d(out, kernel.expand(c, 1, 3, 3), groups=c).round_()
     view = out[..., 1:-1, 1:-1]
-    view.add_(blurred.sub_(view).mul_(_column(1.0 - factor, image.device)))
+    view.add_(blurred.sub_(view).mul_(_column(1.0 - factor)))
     return out.clamp_(0, 255).to(torch.uint8)
 
 
-def _posterize(image, bits):
+def _posterize(image, bits, _):
     bits = bits.long().clamp(0, 8)
     mask = (((1 << bits) - 1) << (8 - bits)).to(torch.uint8)
-    return image & _column(mask, image.device, torch.uint8)
+    return image & _column(mask, torch.uint8)
 
 
-def _solarize(image, threshold):
-    return torch.where(image >= _column(threshold, image.device), 255 - image, image)
+def _solarize(image, threshold, _):
+    return torch.where(image >= _column(threshold), 255 - image, image)
 
 
-def _autocontrast(image, _):
+def _autocontrast(image, *_):
     from torchvision.transforms.v2 import functional as TF
 
     return TF.autocontrast(image)
 
 
-def _equalize(image, _):
+def _equalize(image, *_):
     from torchvision.transforms.v2 import functional as TF
 
     return TF.equalize(image)
@@ -115,29 +139,32 @@ def _warp(image: torch.Tensor, matrices: list[list[float]]) -> torch.Tensor:
     """Nearest-neighbour resampling by one inverse matrix per sample, fill 0: torchvision's `_affine_grid` and
     `_apply_grid_transform`, batched."""
     n, _, h, w = image.shape
-    theta = torch.tensor(matrices, dtype=torch.float32).view(n, 2, 3).to(image.device, non_blocking=True)
+    theta = host_to(np.asarray(matrices, dtype=np.float32), image.device).view(n, 2, 3)
     base = torch.empty(1, h, w, 3, dtype=torch.float32, device=image.device)
     base[..., 0].copy_(torch.linspace((1.0 - w) * 0.5, (w - 1.0) * 0.5, steps=w, device=image.device))
     base[..., 1].copy_(torch.linspace((1.0 - h) * 0.5, (h - 1.0) * 0.5, steps=h, device=image.device).unsqueeze_(-1))
     base[..., 2].fill_(1)
-    scaled = theta.transpose(1, 2).div_(torch.tensor([0.5 * w, 0.5 * h], device=image.device))
+    scaled = theta.transpose(1, 2).contiguous()
+    scaled[..., 0].div_(0.5 * w)
+    scaled[..., 1].div_(0.5 * h)
     grid = base.view(1, h * w, 3).expand(n, -1, -1).bmm(scaled).view(n, h, w, 2)
     out = F.grid_sample(image.float(), grid, mode="nearest", padding_mode="zeros", align_corners=False)
     return out.round_().to(torch.uint8)
 
 
 def _geometry(name: str):
-    def op(image: torch.Tensor, args: torch.Tensor) -> torch.Tensor:
+    def op(image: torch.Tensor, _, args: np.ndarray) -> torch.Tensor:
+        """All samples warped at once (an angle of 0 is the identity matrix: nearest resampling returns the pixels);
+        a quarter turn of a square image is torchvision's exact rot90 fast path, one sample at a time (a policy's
+        magnitudes never draw one)."""
         h, w = image.shape[-2:]
-        out = image.clone()
-        matrices, warped = [], []
+        matrices, turned = [], []
         for i, arg in enumerate(args.tolist()):
             if name == "Rotate":
                 angle = arg % 360
-                turns = {0: 0, 180: 2, 90: 1, 270: 3} if h == w else {0: 0, 180: 2}
-                if angle in turns:  # torchvision's exact fast paths
-                    out[i] = torch.rot90(image[i], k=turns[angle], dims=(-2, -1))
-                    continue
+                turns = {90: 1, 180: 2, 270: 3} if h == w else {180: 2}
+                if angle in turns:
+                    turned.append((i, turns[angle]))
                 matrices.append(_inverse_affine([0.0, 0.0], -angle, [0.0, 0.0], [0.0, 0.0]))
             elif name in ("ShearX", "ShearY"):
                 shear = [arg, 0.0] if name == "ShearX" else [0.0, arg]
@@ -145,10 +172,9 @@ def _geometry(name: str):
             else:
                 shift = [float(int(arg)), 0.0] if name == "TranslateX" else [0.0, float(int(arg))]
                 matrices.append(_inverse_affine([0.0, 0.0], 0.0, shift, [0.0, 0.0]))
-            warped.append(i)
-        if warped:
-            where = torch.tensor(warped, device=image.device)
-            out[where] = _warp(image[where], matrices)
+        out = _warp(image, matrices)
+        for i, k in turned:
+            out[i] = torch.rot90(image[i], k=k, dims=(-2, -1))
         return out
     return op
 
@@ -194,30 +220,47 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _normal(counter: torch.Tensor, n, key) -> torch.Tensor:
+    """Box-Muller on the hashes of counters `counter` and `counter + n` (offset by `key`): element `counter` of
+    `hash_normal`'s n values."""
+    u1 = (_hash32((counter + key) & _M32).double() + 0.5) / 2.0 ** 32
+    u2 = (_hash32((counter + n + key) & _M32).double() + 0.5) / 2.0 ** 32
+    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)).float()
+
+
 def hash_normal(seed: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Standard-normal noise of `shape` that is a function of `seed` only (counter-based: a hash of (seed, element)
     and Box-Muller), so that an erased box holds the same noise on any rank and in any batch."""
     n = math.prod(shape)
-    counter = torch.arange(2 * n, device=device, dtype=torch.int64)
     key = int(_hash32(torch.tensor([seed & _M32])).item())
-    bits = _hash32((counter + key) & _M32)
-    u = (bits.double() + 0.5) / 2.0 ** 32
-    u1, u2 = u[:n], u[n:]
-    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)).float().view(shape)
+    return _normal(torch.arange(n, device=device, dtype=torch.int64), n, key).view(shape)
 
 
 def erase(images: torch.Tensor, rows: torch.Tensor, layout: AugmentParams, mode: str) -> torch.Tensor:
     """timm's random erasing on normalised float `images` (N, C, H, W), in place, by the host rows: each erased
-    sample's box filled with per-pixel normal noise (`pixel`), one normal colour (`rand`) or zeros (`const`)."""
+    sample's box filled with per-pixel normal noise (`pixel`), one normal colour (`rand`) or zeros (`const`); the
+    noise of a box is `hash_normal(seed, box shape)`. The erased samples are done together, in chunks of about 8 M
+    values (one pinned copy of their boxes each, no host-device synchronisation)."""
     box = rows.detach().cpu()[:, layout.erase_slice()].double().numpy()
-    c = images.shape[1]
-    for i in np.flatnonzero(box[:, 0] > 0).tolist():
-        _, top, left, h, w, seed = (int(v) for v in box[i])
-        patch = images[i, :, top:top + h, left:left + w]
+    picked = np.flatnonzero(box[:, 0] > 0)
+    c, height, width = images.shape[1:]
+    chunk = max(1, 2 ** 23 // (c * height * width))
+    for s in range(0, len(picked), chunk):
+        index = picked[s:s + chunk]
+        top, left, h, w, seed = box[index, 1:6].astype(np.int64).T
+        keys = _hash32(torch.from_numpy(seed & _M32)).numpy()
+        params = host_to(np.stack([index, top, left, h, w, keys]), images.device).view(6, -1, 1, 1, 1)
+        where, top, left, h, w, key = params
+        ys = torch.arange(height, device=images.device).view(1, 1, -1, 1)
+        xs = torch.arange(width, device=images.device).view(1, 1, 1, -1)
+        inside = (ys >= top) & (ys < top + h) & (xs >= left) & (xs < left + w)
+        channel = torch.arange(c, device=images.device).view(1, -1, 1, 1)
         if mode == "pixel":
-            patch.copy_(hash_normal(seed, (c, h, w), images.device))
+            fill = _normal((channel * h + ys - top) * w + xs - left, c * h * w, key)
         elif mode == "rand":
-            patch.copy_(hash_normal(seed, (c, 1, 1), images.device).expand(c, h, w))
+            fill = _normal(channel, c, key)
         else:
-            patch.zero_()
+            fill = torch.zeros((), device=images.device)
+        where = where.view(-1)
+        images[where] = torch.where(inside, fill.to(images.dtype), images[where])
     return images

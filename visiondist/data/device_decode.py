@@ -15,14 +15,15 @@ with an EXIF orientation other than upright (the decoders do not apply it on the
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from visiondist.data.augment_ops import host_to
 from visiondist.data.decode import exif_orientation, jpeg_frame, read_rgb
 
 log = logging.getLogger(__name__)
@@ -51,20 +52,45 @@ def read_encoded(path) -> Encoded | np.ndarray:
     return Encoded(data, frame.height, frame.width)
 
 
-def decoder_name() -> str:
-    """Which library `decode_jpegs` decodes with here."""
-    import importlib.util
+def decoder_name(device: torch.device | None = None) -> str:
+    """Which library `decode_jpegs` decodes with on `device` here."""
+    uses_torchcodec = _torchcodec_decode(device.type) if device is not None else _torchcodec_import()
+    return "torchcodec.decoders.decode_jpeg" if uses_torchcodec else "torchvision.io.decode_jpeg"
 
-    found = importlib.util.find_spec("torchcodec") is not None
-    return "torchcodec.decoders.decode_jpeg" if found else "torchvision.io.decode_jpeg"
+
+@functools.cache
+def _torchcodec_import():
+    """TorchCodec's decode_jpeg, or None where it is missing or built for another torch (its import then raises an
+    OSError or RuntimeError from loading its library, not an ImportError)."""
+    try:
+        from torchcodec.decoders import decode_jpeg
+    except Exception:  # noqa: BLE001 - any failure to load means: use torchvision's
+        return None
+    return decode_jpeg
+
+
+@functools.cache
+def _torchcodec_decode(device_type: str):
+    """TorchCodec's decode_jpeg where it decodes on this kind of device (the PyPI wheel has no CUDA decoder: CUDA
+    builds come from PyTorch's index), checked once on a tiny JPEG; else None: torchvision's decoder is used."""
+    decode_jpeg = _torchcodec_import()
+    if decode_jpeg is None:
+        return None
+    from torchvision.io import encode_jpeg
+
+    try:
+        decode_jpeg([encode_jpeg(torch.zeros(3, 8, 8, dtype=torch.uint8))], mode="RGB", device=device_type)
+    except Exception:  # noqa: BLE001 - this build cannot decode there
+        log.info("TorchCodec cannot decode JPEGs on %s here: torchvision's decoder is used", device_type)
+        return None
+    return decode_jpeg
 
 
 def decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """RGB uint8 C, H, W tensors of a list of JPEG byte tensors, decoded on `device` (one batched nvJPEG call on
     CUDA)."""
-    try:
-        from torchcodec.decoders import decode_jpeg
-    except ImportError:
+    decode_jpeg = _torchcodec_decode(device.type)
+    if decode_jpeg is None:
         from torchvision.io import ImageReadMode, decode_jpeg as tv_decode_jpeg
 
         with warnings.catch_warnings():  # deprecated in torchvision 0.29 in favour of TorchCodec, still supported
@@ -100,24 +126,38 @@ class EncodedBatch:
         decoded = [i for i, c in enumerate(crops) if c[0] == 0]
         if decoded:
             pixels = self.pixels.to(device, non_blocking=True).permute(0, 3, 1, 2)
-            out[torch.tensor(decoded, device=device)] = pixels
+            out[host_to(decoded, device)] = pixels
         if encoded:
-            offsets = self.offsets.tolist()
-            try:
-                images = decode_jpegs([self.data[offsets[k]:offsets[k + 1]] for k in range(len(encoded))], device)
-            except RuntimeError as exc:
-                raise RuntimeError(
-                    f"a training JPEG could not be decoded on {device} ({exc}); its header and end marker looked "
-                    "valid, so the workers passed it on. data.decode_on=loader decodes in the workers, where an "
-                    "unreadable file is named, counted and replaced by the next image of its class") from exc
-            mode = "bicubic" if self.interpolation == "bicubic" else "bilinear"
-            for i, image in zip(encoded, images):
-                _, top, left, h, w, flip = (int(v) for v in crops[i])
-                crop = image[:, top:top + h, left:left + w].float()[None]
-                crop = F.interpolate(crop, size=(s, s), mode=mode, align_corners=False, antialias=False)[0]
-                crop = crop.round_().clamp_(0, 255).to(torch.uint8)
-                out[i] = crop.flip(-1) if flip else crop
+            out[host_to(encoded, device)] = self._decode_resize(encoded, crops, device)
         return out
+
+
+    def _decode_resize(self, encoded: list[int], crops: list, device: torch.device) -> torch.Tensor:
+        """The encoded samples decoded (one batched call), each crop resized into one float batch (one launch per
+        sample), then rounded, flipped and made uint8 for the whole batch."""
+        offsets = self.offsets.tolist()
+        try:
+            images = decode_jpegs([self.data[offsets[k]:offsets[k + 1]] for k in range(len(encoded))], device)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"a training JPEG could not be decoded on {device} ({exc}); its header and end marker looked "
+                "valid, so the workers passed it on. data.decode_on=loader decodes in the workers, where an "
+                "unreadable file is named, counted and replaced by the next image of its class") from exc
+        s = self.size
+        resize = (torch.ops.aten.upsample_bicubic2d.out if self.interpolation == "bicubic"
+                  else torch.ops.aten.upsample_bilinear2d.out)  # F.interpolate's kernels, writing into the batch
+        resized = torch.empty((len(encoded), 3, s, s), dtype=torch.float32, device=device)
+        flipped = []
+        for j, (i, image) in enumerate(zip(encoded, images)):
+            _, top, left, h, w, flip = (int(v) for v in crops[i])
+            resize(image[None, :, top:top + h, left:left + w].float(), [s, s], False, None, None,
+                   out=resized[j:j + 1])
+            if flip:
+                flipped.append(j)
+        if flipped:
+            where = host_to(flipped, device)
+            resized[where] = resized[where].flip(-1)
+        return resized.round_().clamp_(0, 255).to(torch.uint8)
 
 
 class collate_encoded:  # noqa: N801 - used as the DataLoader's collate function; a class so that it pickles
@@ -154,7 +194,7 @@ class FallbackCount:
 
     def add(self, batch: EncodedBatch, device: torch.device) -> None:
         if not self.images:
-            log.info("data.decode_on=device: training JPEGs are decoded on %s by %s", device, decoder_name())
+            log.info("data.decode_on=device: training JPEGs are decoded on %s by %s", device, decoder_name(device))
         self.images += len(batch)
         self.fallbacks += int((batch.crops[:, 0] == 0).sum())
         if self.fallbacks >= self._next:

@@ -157,7 +157,7 @@ def _device_decoding(tr) -> dict:
     from visiondist.data.device_decode import decoder_name
 
     return {"decode_on=device (rank 0)": f"{count.images - count.fallbacks} of {count.images} images by "
-                                         f"{decoder_name()}, {count.fallbacks} in the loader workers"}
+                                         f"{decoder_name(tr.layout.device)}, {count.fallbacks} in the loader workers"}
 
 
 def _exact(value: float) -> float | int:
