@@ -272,6 +272,7 @@ def main() -> None:
     parser.add_argument("--core", type=int, default=1, help="the core the loader worker is pinned to")
     parser.add_argument("--markdown", type=Path, help="also write the tables to this file")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON")
+    parser.add_argument("--gpu-only", action="store_true", help="only the CUDA device's figures (no CPU rounds)")
     args = parser.parse_args()
     if args.images < 10 * BATCH:
         print(f"note: {args.images} images are {args.images // BATCH} batches a round; below 10 the rates of the fast "
@@ -286,6 +287,8 @@ def main() -> None:
         result["data"] = build_photos(root, args.images)
         print(f"{args.images} photos, mean {result['data']['mean_width']} x {result['data']['mean_height']} px, "
               f"{result['data']['mean_kb']} KB; one worker on core {args.core}, {SIZE} px, batch {BATCH}", flush=True)
+        if args.gpu_only:
+            return gpu_only(root, result, args)
         result["recipes"] = {recipe: recipe_rounds(root, recipe, title, args.core, args.rounds) for recipe, title in (
             ("none", "default (crop + flip)"), ("rand", "DeiT (+ RandAugment 2/9; erasing and mixup run on the device)"))}
         result["per_image_us"] = per_image_split(root)
@@ -302,6 +305,15 @@ def main() -> None:
         args.json.write_text(json.dumps(result, indent=1))
     if args.markdown:
         args.markdown.write_text(markdown(result))
+
+
+def gpu_only(root: Path, result: dict, args) -> None:
+    from data_throughput_gpu import gpu_figures
+
+    result["gpu"] = gpu_figures(root)
+    print("\nGPU:", result["gpu"])
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
 
 
 def markdown(r: dict) -> str:

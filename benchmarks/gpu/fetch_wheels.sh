@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run where pip reaches PyPI: download, into .whl/ at the repository root, the wheels the GPU machine lacks for
 # Python 3.12 on x86-64 Linux. That machine has torch 2.11 + torchvision 0.26 (CUDA 13), timm, numpy, OpenCV,
-# matplotlib, rich, safetensors, tensorboard, onnx and pytest, and no network; benchmarks/gpu/run.sh installs these
-# (torchcodec: nvJPEG decoding for data.decode_on=device; scikit-image: the photos of benchmarks/data_throughput.py).
+# matplotlib, rich, safetensors, tensorboard, onnx, scikit-image and pytest, and no network; benchmarks/gpu/run.sh
+# installs these. albucore is pinned to the version albumentations 2.0.8 asks for (pip download --no-deps would
+# take the newest, which needs numkong). No TorchCodec: PyPI's wheel has no CUDA decoder and is built for one torch
+# release; data.decode_on=device decodes with torchvision's nvJPEG there.
 # antlr4-python3-runtime 4.9.3 (omegaconf's parser runtime) is published as a source archive only: it is built into
 # a wheel here (pure Python, so the wheel runs anywhere).
 set -euo pipefail
@@ -14,9 +16,9 @@ download() {
     python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         "${platform[@]}" -d .whl "$@"
 }
-download "hydra-core==1.3.2" "omegaconf==2.3.0" "albumentations>=2.0" "albucore" "pydantic>=2" "pydantic-core" \
-    "annotated-types" "typing-inspection" "stringzilla" "simsimd" "pycocotools>=2.0.8" "faster-coco-eval>=1.6" \
-    "torchcodec==0.16.*" "scikit-image>=0.22" "imageio" "tifffile" "lazy-loader" "networkx"
+download "hydra-core==1.3.2" "omegaconf==2.3.0" "albumentations==2.0.8" "albucore==0.0.24" "pydantic>=2" \
+    "pydantic-core" "annotated-types" "typing-inspection" "stringzilla" "simsimd" "pycocotools>=2.0.8" \
+    "faster-coco-eval>=1.6"
 python3 -m pip wheel --quiet --no-deps -w .whl "antlr4-python3-runtime==4.9.3"
 # pydantic pins pydantic-core exactly: keep the matching one only
 python3 - <<'PY'

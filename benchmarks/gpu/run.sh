@@ -3,8 +3,9 @@
 # brought along (.whl/ at the repository root), then run the GPU tests (`pytest -m gpu`, which CI skips) and the GPU
 # benchmark rows. Everything it prints also goes to $OUT (default benchmarks/gpu/out): device.txt, gpu_tests.txt,
 # bench_*.txt and the benchmark's results.jsonl / results.md. Each part runs even when an earlier one failed; the
-# exit code is the number of parts that failed. Takes about 15 minutes on an H100.
-#   usage: bash benchmarks/gpu/run.sh [tests|bench|all]
+# exit code is the number of parts that failed. Takes about 15 minutes on an H100; `short` fits 8 minutes (the input
+# path's GPU figures, the GPU tests, the Faster R-CNN row; each part bounded in time).
+#   usage: bash benchmarks/gpu/run.sh [tests|bench|all|short]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
@@ -20,6 +21,18 @@ failed=0
 '| CUDA', torch.version.cuda, '|', torch.cuda.get_device_name())"
 } 2>&1 | tee "$out/device.txt"
 
+if [[ $what == short ]]; then
+    timeout -k 5 120 python3 benchmarks/data_throughput.py --gpu-only --images 256 --json "$out/data_throughput.json" \
+        2>&1 | tee "$out/bench_data_throughput.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
+    timeout -k 5 240 python3 -m pytest -p no:cacheprovider -n 0 --timeout 100 -m gpu -rA tests/unit/test_gpu.py \
+        tests/multirank/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
+    timeout -k 5 130 python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out" model=fasterrcnn_r50 \
+        data=shapes_coco data.min_size=800 data.max_size=1333 data.batch_size=8 trainer.precision=bf16 \
+        2>&1 | tee "$out/bench_frcnn_r50.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
+fi
 if [[ $what == tests || $what == all ]]; then
     python3 -m pytest -p no:cacheprovider -n 0 -m gpu -rA tests/unit/test_gpu.py tests/multirank/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
     [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
