@@ -35,7 +35,10 @@ def check_inputs(cfg, purpose: str = "train") -> None:
 
         check_trackers_installed(cfg.trainer.loggers)
     d = cfg.data
-    if d.synthetic is None:
+    if d.format == "shards":
+        splits = [d.train_split, d.val_split] if purpose == "train" else [d.val_split]
+        found, where, what = _packed(d, splits, int(d.batch_size) if purpose == "train" else None)
+    elif d.synthetic is None:
         splits = [d.train_split, d.val_split] if purpose == "train" else [d.val_split]
         root = _data_root(d)
         found, where, what = [_check_split(d, root, split) for split in splits][0]  # train's (eval: val's)
@@ -46,7 +49,9 @@ def check_inputs(cfg, purpose: str = "train") -> None:
     if found != d.num_classes:
         raise ConfigError(f"data.num_classes={d.num_classes} but {where} has {found} {what}: "
                           f"set data.num_classes={found}")
-    if d.synthetic is None:
+    if d.format == "shards":  # packing counted and checked a pack's samples; `_packed` its batch
+        pass
+    elif d.synthetic is None:
         check_images(d, root, purpose)
     elif purpose == "train":
         _check_builtin_batch(d, found)
@@ -93,7 +98,14 @@ def infer_num_classes(cfg, purpose: Optional[str] = "train") -> Optional[str]:
     d = cfg.data
     if not OmegaConf.is_missing(d, "num_classes") or d.synthetic is not None or OmegaConf.is_missing(d, "root"):
         return None
-    if purpose is None:  # nothing reads the data: count it if it is there, else leave it unset
+    if d.format == "shards":
+        try:
+            found, where, what = _packed(d, [])
+        except ConfigError:
+            if purpose is None:
+                return None
+            raise
+    elif purpose is None:  # nothing reads the data: count it if it is there, else leave it unset
         try:
             found, where, what = _check_split(d, _data_root(d), d.train_split)
         except ConfigError:
@@ -106,6 +118,15 @@ def infer_num_classes(cfg, purpose: Optional[str] = "train") -> Optional[str]:
     if OmegaConf.is_missing(cfg.model, "num_classes"):
         cfg.model.num_classes = found
     return f"data.num_classes={found}: inferred from the {found} {what} of {where}"
+
+
+def _packed(d, splits: list[str], need: Optional[int] = None) -> tuple[int, str, str]:
+    from visiondist.data.shards import ShardError, describe
+
+    try:
+        return describe(d, splits, need)
+    except ShardError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _data_root(d) -> Path:

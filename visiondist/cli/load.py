@@ -75,6 +75,8 @@ def checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
     from visiondist.plan import check
     from visiondist.preflight import check_inputs, infer_num_classes
 
+    if cfg.data.get("format") == "shards":  # a packed built-in set is read from its shards, not generated
+        cfg.data.synthetic = None
     unset = OmegaConf.is_missing(cfg.data, "num_classes")
     if inputs is not None and unset:  # any other `???` (data.root) first, in its own words
         check_mandatory(_with_classes(cfg, 1))

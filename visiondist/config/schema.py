@@ -101,6 +101,11 @@ class DataConfig:
     max_bad_images: int = 10  # consecutive unreadable training images before the run stops
     pin_memory: bool = True  # page-locked batches, copied to the GPU without blocking (CUDA only)
     prefetch_factor: int = 2  # batches each loader worker prepares ahead
+    # format shards (tools/data.py pack): root is the packed directory or an http(s):// URL
+    streams: int = 8  # shard-aware order: parts of each epoch; a multiple of the nodes, a divisor of the batch
+    cache_dir: Optional[str] = None  # where remote shards are kept; null: $XDG_CACHE_HOME/visiondist/shards
+    cache_gb: float = 100.0  # per data set and node: least recently used shards are dropped beyond it
+    fetch_retries: int = 3  # more attempts per shard before the job ends naming its URL
     synthetic: Optional[SyntheticConfig] = None
 
 

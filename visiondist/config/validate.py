@@ -161,7 +161,7 @@ def _check_torchvision_weights(m: DictConfig, key: str, weights) -> None:
 
 
 def _check_data(d: DictConfig) -> None:
-    _one_of("data.format", d.format, ("imagefolder", "coco"))
+    _one_of("data.format", d.format, ("imagefolder", "coco", "shards"))
     _one_of("data.auto_augment", d.auto_augment, ("none", "rand", "trivial"))
     _one_of("data.interpolation", d.interpolation, ("bilinear", "bicubic"))
     _one_of("data.augment_on", d.augment_on, ("device", "loader"))
@@ -169,7 +169,7 @@ def _check_data(d: DictConfig) -> None:
     if d.decode_on == "device" and d.augment_on == "loader" and d.auto_augment != "none":
         raise ConfigError("data.decode_on=device leaves the images encoded until they reach the device, where "
                           "data.augment_on=loader cannot augment them: use data.augment_on=device")
-    if d.decode_on == "device" and d.format != "imagefolder":
+    if d.decode_on == "device" and d.format not in ("imagefolder", "shards"):
         raise ConfigError(f"data.decode_on=device decodes ImageFolder training images; data.format={d.format} "
                           "decodes in the loader: use data.decode_on=loader")
     _one_of("data.random_erasing_mode", d.random_erasing_mode, ("pixel", "rand", "const"))
@@ -177,6 +177,11 @@ def _check_data(d: DictConfig) -> None:
         raise ConfigError(f"data.random_erasing={d.random_erasing} is a probability per image: use a value in [0, 1] "
                           "(DeiT's recipe: 0.25)")
     _positive("data.prefetch_factor", d.prefetch_factor)
+    if d.format == "shards":
+        _positive("data.streams", d.streams)
+        if d.batch_size % d.streams:
+            raise ConfigError(f"data.batch_size={d.batch_size} is not divisible by data.streams={d.streams}: set "
+                              "data.streams to a divisor of the batch (and a multiple of the number of nodes)")
     for key in ("mixup", "cutmix"):
         _positive(f"data.{key}", d[key], allow_zero=True)
     _positive("data.batch_size", d.batch_size)

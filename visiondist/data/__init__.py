@@ -102,6 +102,7 @@ class ClassificationData:
     classes: list[str]
     num_train: int
     num_val: int
+    store: object = None  # data.format=shards: the rank's `ShardStore` (its `fetched` bytes go into the summary)
 
 
 def build_classification_data(
@@ -111,9 +112,9 @@ def build_classification_data(
     """Train and val loaders for this DP rank, at the model's input size. `cfg` is the data config; batch sizes in it
     are global. A rank that does not read images (a later pipeline stage) gets `LabelBatches` of the same samples.
     With `train=False` only the val split is read (evaluation of weights: no train split needed)."""
-    root = Path(cfg.root).expanduser()
     val_tf = ClassificationTransform(cfg, train=False, size=img_size, seed=seed)
-    val_set = ImageFolder(root / cfg.val_split, val_tf)
+    splits = _classification_splits(cfg)
+    val_set = splits(cfg.val_split, val_tf)
     if not train:
         _check_num_classes(cfg, len(val_set.classes), val_set.root, "class folders")
         val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, _loader_options(cfg, pin_memory))
@@ -126,20 +127,42 @@ def build_classification_data(
         from visiondist.data.device_decode import collate_encoded, read_encoded
 
         reader, collate = read_encoded, collate_encoded(img_size, cfg.get("interpolation", "bilinear"))
-    train_set = ImageFolder(root / cfg.train_split, train_tf, train=True, max_bad_images=cfg.get("max_bad_images", 10),
-                            reader=reader)
+    train_set = splits(cfg.train_split, train_tf, train=True, max_bad_images=cfg.get("max_bad_images", 10),
+                       reader=reader)
     _check_num_classes(cfg, len(train_set.classes), train_set.root, "class folders")
     if val_set.classes != train_set.classes:
         raise ValueError(f"class folders of {val_set.root} differ from those of {train_set.root}")
 
-    sampler = TrainBatchSampler(len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed)
+    streams = {}
+    if cfg.format == "shards":  # each rank reads about 1 / ranks of the shards per epoch
+        streams = dict(streams=int(cfg.streams), shard_starts=train_set.shard_starts)
+    sampler = TrainBatchSampler(len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed, **streams)
     options = _loader_options(cfg, pin_memory)
     train_loader = register(DataLoader(train_set, batch_sampler=sampler, **{**options, "collate_fn": collate}))
     val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, options)
     if not reads_images:
         train_loader = LabelBatches(sampler, train_set.targets if reads_labels else None)
         val_loader = LabelBatches(val_loader.batch_sampler, val_set.targets if reads_labels else None)
-    return ClassificationData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set))
+    return ClassificationData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set),
+                              getattr(train_set, "store", None))
+
+
+def _classification_splits(cfg):
+    """split name, transform, options -> the split's dataset: an `ImageFolder` under `<root>/<split>`, or a packed
+    split (`data.format=shards`) read through one store per rank."""
+    if cfg.format != "shards":
+        root = Path(cfg.root).expanduser()
+        return lambda split, transform, reader=None, **kw: ImageFolder(root / split, transform, reader=reader, **kw)
+    from visiondist.data.device_decode import encoded_or_decoded, read_encoded
+    from visiondist.data.shards import ShardSplit, open_store, read_meta
+
+    store = open_store(cfg)
+    meta = read_meta(store)
+
+    def split_of(split, transform, reader=None, **kw):
+        decode = encoded_or_decoded if reader is read_encoded else None
+        return ShardSplit(store, split, transform, reader=decode, meta=meta, **kw)
+    return split_of
 
 
 @dataclass

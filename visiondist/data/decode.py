@@ -48,7 +48,11 @@ POLICY = {
 
 def read_rgb(path: str | Path) -> np.ndarray:
     """Decode an image file to an upright HxWx3 uint8 RGB array (the module's policy); OSError when it cannot."""
-    data = Path(path).read_bytes()
+    return decode_rgb(Path(path).read_bytes(), path)
+
+
+def decode_rgb(data: bytes, path: str | Path) -> np.ndarray:
+    """`read_rgb` of an image file's bytes (`path` names it in errors: a file, or a member of a shard)."""
     if not data:
         raise OSError(f"cannot decode image {path}: the file is empty")
     jpeg = data[:2] == b"\xff\xd8"

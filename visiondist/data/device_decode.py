@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from visiondist.data.augment_ops import host_to
-from visiondist.data.decode import exif_orientation, jpeg_frame, read_rgb
+from visiondist.data.decode import decode_rgb, exif_orientation, jpeg_frame
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +43,16 @@ def read_encoded(path) -> Encoded | np.ndarray:
     """The file's bytes when the device can decode it (`Encoded`), else its pixels (`read_rgb`); OSError as
     `read_rgb` raises it (an empty or truncated file is as bad here as on the loader path)."""
     with open(path, "rb") as f:
-        data = f.read()
+        return encoded_or_decoded(f.read(), path)
+
+
+def encoded_or_decoded(data: bytes, path) -> Encoded | np.ndarray:
+    """`read_encoded` of an image file's bytes (`path` names it in errors)."""
     frame = jpeg_frame(data) if data[:2] == b"\xff\xd8" and b"\xff\xd9" in data[-4096:] else None
     if frame is None or frame.precision != 8 or frame.components not in (1, 3) or frame.sof not in (0, 1, 2):
-        return read_rgb(path)
+        return decode_rgb(data, path)
     if frame.app1 and exif_orientation(data) != 1:
-        return read_rgb(path)
+        return decode_rgb(data, path)
     return Encoded(data, frame.height, frame.width)
 
 

@@ -110,5 +110,5 @@ def check_images(paths: list[str], what: str) -> None:
     bad = [(p, reason) for p in paths if (reason := unreadable_reason(p)) is not None]
     if bad:
         first, reason = bad[0]
-        raise RuntimeError(f"{len(bad)} of {len(paths)} {what} cannot be read, e.g. {first}: {reason}; every "
-                           "evaluation image is scored, so fix or remove them before training")
+        raise RuntimeError(f"{len(bad)} of {len(paths)} {what} cannot be read, e.g. {first}: {reason}; fix or "
+                           "remove them first (every evaluation image is scored; a pack holds only readable ones)")

@@ -10,6 +10,12 @@ epoch's shuffled order is walked and each sample joins its group's pending batch
 torchvision's GroupedBatchSampler does, but on global batches, so the DP split above still holds). A group's leftover
 (< one global batch) waits for the next epoch, so an epoch has sum over groups of floor(size / batch) steps.
 
+With `streams` (packed shards, `visiondist.data.shards`), the epoch's order is shard-aware: the shards are shuffled,
+the samples within each, and the sequence is cut into `streams` equal parts; global batch b is the b-th run of
+batch / streams samples of every part, in part order. The batch is still a function of the seed and the epoch only,
+and DP rank r's slice holds whole parts when the ranks divide the streams: each rank (and node) then reads about
+1 / ranks of the shards per epoch instead of all of them, as MosaicML Streaming's canonical nodes do.
+
 Evaluation: every sample exactly once across ranks, as contiguous shards of near-equal size (no padding duplicates).
 """
 
@@ -35,6 +41,8 @@ class TrainBatchSampler:
         seed: int = 0,
         shuffle: bool = True,
         groups: Optional[np.ndarray] = None,
+        streams: int = 0,
+        shard_starts: Optional[np.ndarray] = None,
     ):
         if global_batch % (dp_size * grad_accum):
             raise ValueError(f"global batch {global_batch} is not divisible by dp x grad_accum = {dp_size * grad_accum}")
@@ -49,7 +57,13 @@ class TrainBatchSampler:
         self.groups = None if groups is None else np.asarray(groups)
         self.local_batch = global_batch // dp_size
         self.micro_batch = self.local_batch // grad_accum
-        if self.groups is None:
+        self.streams, self.shard_starts = streams, shard_starts
+        if streams:
+            if global_batch % streams:
+                raise ValueError(f"data.batch_size={global_batch} is not divisible by data.streams={streams}: set "
+                                 "data.streams to a divisor of the batch (and a multiple of the number of nodes)")
+            self.steps_per_epoch = (num_samples // streams) // (global_batch // streams)
+        elif self.groups is None:
             self.steps_per_epoch = num_samples // global_batch
         else:
             if len(self.groups) != num_samples:
@@ -70,6 +84,8 @@ class TrainBatchSampler:
 
     def global_batches(self, epoch: int) -> list[np.ndarray]:
         """The epoch's global batches, in order (the same on every rank)."""
+        if self.streams:
+            return self._stream_batches(epoch)
         order = self.order(epoch)
         if self.groups is None:
             return [order[i * self.global_batch : (i + 1) * self.global_batch] for i in range(self.steps_per_epoch)]
@@ -82,6 +98,17 @@ class TrainBatchSampler:
                 batches.append(np.asarray(bucket))
                 bucket.clear()
         return batches
+
+    def _stream_batches(self, epoch: int) -> list[np.ndarray]:
+        starts = self.shard_starts
+        rng = np.random.default_rng([self.seed, epoch])
+        shards = rng.permutation(len(starts) - 1) if self.shuffle else np.arange(len(starts) - 1)
+        sequence = np.concatenate([starts[k] + (rng.permutation(starts[k + 1] - starts[k]) if self.shuffle
+                                                else np.arange(starts[k + 1] - starts[k])) for k in shards])
+        per_part = self.num_samples // self.streams
+        parts = sequence[: self.streams * per_part].reshape(self.streams, per_part)
+        run = self.global_batch // self.streams
+        return [parts[:, b * run:(b + 1) * run].reshape(-1) for b in range(self.steps_per_epoch)]
 
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.start_step) * self.grad_accum

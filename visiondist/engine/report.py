@@ -121,6 +121,7 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
         **({"fp16 loss scale": _exact(tr.scaler.get_scale())} if tr.scaler is not None else {}),
         **({"unreadable train images (replaced)": bad} if (bad := count_bad_images(tr.run_dir)) else {}),
         **_device_decoding(tr),
+        **_shard_fetches(tr),
         **({"TP traffic per step (MB)": round(tr.tp_bytes_per_step / 1e6, 2)} if tr.tp_bytes_per_step else {}),
         **({"PP traffic per step (MB)": round(tr.pp_bytes_per_step / 1e6, 2)} if tr.pp_bytes_per_step else {}),
         **({"pipeline": f"{tr.pipeline.schedule_name}, {tr.pipeline.microbatches} micro-batches"}
@@ -158,6 +159,22 @@ def _device_decoding(tr) -> dict:
 
     return {"decode_on=device (rank 0)": f"{count.images - count.fallbacks} of {count.images} images by "
                                          f"{decoder_name(tr.layout.device)}, {count.fallbacks} in the loader workers"}
+
+
+def _shard_fetches(tr) -> dict:
+    """data.format=shards: the bytes of shards each DP rank (with its loader workers) fetched, gathered from every
+    rank (a collective: every rank builds the summary)."""
+    if tr.cfg.data.get("format") != "shards":
+        return {}
+    import torch.distributed as dist
+
+    store = getattr(tr.data, "store", None)
+    mine = int(store.fetched.value) if store is not None else 0
+    every = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    return {"shard bytes fetched per rank": every}
 
 
 def _exact(value: float) -> float | int:

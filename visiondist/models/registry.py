@@ -118,7 +118,7 @@ def check_support(cfg: DictConfig) -> None:
     """The model family against the rest of the config: the data it reads, the layout and switches it supports,
     its shape rules. One `ConfigError` naming the fix."""
     spec = spec_of(cfg.model)
-    if cfg.data.format != spec.data_format:
+    if {"shards": "imagefolder"}.get(cfg.data.format, cfg.data.format) != spec.data_format:  # shards: classification
         kind = "a detector" if spec.task == "detection" else "a classifier"
         raise ConfigError(f"model={cfg.model.name} is {kind} but data={cfg.data.name} is {cfg.data.format} data: use "
                           f"{'data=shapes_coco or data=coco' if kind == 'a detector' else 'data=shapes or data=imagenet'}")

@@ -1,0 +1,88 @@
+"""Prepare data sets for training:
+
+    python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/imagenet-shards
+    python tools/data.py pack data=shapes out=/tmp/shapes-shards max_side=320 quality=90
+
+`pack` turns the train and val splits of an ImageFolder tree (data.root; a built-in set is generated first) into
+WebDataset tar shards with an index (docs/data.md); train from them with data.format=shards data.root=<out> (a
+directory, or the URL of a server that serves it).
+"""
+
+import sys
+from pathlib import Path
+
+from visiondist.cli import Command, Tool, config_text, load_config, main as cli_main
+from visiondist.config import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TOOL = Tool(
+    name="data.py",
+    about=("Prepare data: `pack` writes the train and val splits of the data config's ImageFolder tree as WebDataset "
+           "tar shards with an index, in parallel, resumable; train from them with data.format=shards."),
+    keys=(("out=<dir>", "where the shards go (required)"),
+          ("shard_mb=<MB>", "source bytes per shard (default 256)"),
+          ("max_side=<px>", "re-encode every image as JPEG with its longer side at most this (default: the files as "
+                            "they are)"),
+          ("quality=<1-100>", "JPEG quality of re-encoded images (default 90)"),
+          ("workers=<N>", "packing processes (default: every core)"),
+          ("overwrite=true", "replace a finished pack in out=")),
+    reads="the data config's ImageFolder tree (data.root, data.train_split, data.val_split)",
+    writes="<out>/<split>-NNNNNN.tar, <out>/<split>.json, <out>/<split>-index.npz, <out>/dataset.json",
+    examples=("python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/imagenet-shards",
+              "python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/imagenet-320 max_side=320"),
+    run_dir=False,
+    multirun=False,
+    positional=True,
+)
+
+
+def _number(cmd: Command, key: str, kind, default):
+    value = cmd.args.get(key)
+    if value is None:
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"{key}={value}: expected a {kind.__name__}") from None
+
+
+def pack(cmd: Command) -> int:
+    from visiondist.data import prepare_data
+    from visiondist.data.shards.pack import PackError, PackOptions, pack_image_folder
+
+    if cmd.paths != ["pack"]:
+        raise ConfigError(f"tools/data.py {' '.join(cmd.paths) or '(nothing)'}: the command is `pack` (e.g. "
+                          "python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/shards)")
+    cfg = load_config(CONFIGS, cmd.overrides + cmd.search, inputs=None)
+    if cmd.show:
+        print(config_text(cfg, cmd.package))
+        return 0
+    d = cfg.data
+    if d.format != "imagefolder":
+        raise ConfigError(f"data={d.name} is {d.format} data: pack reads ImageFolder trees (data=imagenet, "
+                          "data=shapes)")
+    if "out" not in cmd.args:
+        raise ConfigError("out=<dir> is required: where the shards go")
+    options = PackOptions(shard_mb=_number(cmd, "shard_mb", float, 256.0), max_side=_number(cmd, "max_side", int, None),
+                          quality=_number(cmd, "quality", int, 90), workers=_number(cmd, "workers", int, -1),
+                          overwrite=cmd.args.get("overwrite", "false").lower() in ("1", "true", "yes"),
+                          progress=sys.stderr.isatty())
+    if not 1 <= options.quality <= 100 or options.shard_mb <= 0:
+        raise ConfigError("quality= is 1-100 and shard_mb= above 0")
+    prepare_data(d, show_progress=sys.stderr.isatty())  # a built-in set: generated first
+    root = Path(d.root).expanduser()
+    if not root.is_dir():
+        raise ConfigError(f"data.root={d.root}: no such directory")
+    try:
+        meta = pack_image_folder(root, [d.train_split, d.val_split], Path(cmd.args["out"]).expanduser(), options)
+    except PackError as exc:
+        raise ConfigError(str(exc)) from None
+    for split, info in meta["splits"].items():
+        print(f"{split}: {info['samples']} samples in {info['shards']} shards, {info['bytes'] / 1e6:.1f} MB")
+    print(f"{len(meta['classes'])} classes; train from it: python {Path(__file__).parent.name}/train.py "
+          f"data={d.name} data.format=shards data.root={cmd.args['out']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(TOOL, CONFIGS, sys.argv[1:], pack))

@@ -1,0 +1,35 @@
+"""Packed shards (`data.format=shards`): `tools/data.py pack` writes them (`pack`), a directory or an http(s) URL
+serves them (`store`: fetch, cache, checksums, bytes fetched), `dataset.ShardSplit` reads a split as `ImageFolder`
+reads a tree, and the train sampler's `streams` order makes each rank read about 1 / ranks of the shards per epoch.
+May import visiondist.data's readers and robust reading; nothing above the data package."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from visiondist.data.shards.dataset import ShardSplit, read_meta
+from visiondist.data.shards.store import ShardError, ShardStore
+
+__all__ = ["ShardError", "ShardSplit", "ShardStore", "describe", "open_store", "read_meta"]
+
+
+def open_store(d) -> ShardStore:
+    """The store of a data config with `format: shards`."""
+    return ShardStore(str(d.root), cache_dir=d.get("cache_dir"), cache_gb=float(d.get("cache_gb", 100.0)),
+                      retries=int(d.get("fetch_retries", 3)))
+
+
+def describe(d, splits: list[str], need: Optional[int] = None) -> tuple[int, str, str]:
+    """(class count, where, "classes") of a packed data set, after checking it has `splits` and, for training, at
+    least `need` training samples: a ShardError naming the fix otherwise."""
+    store = open_store(d)
+    meta = read_meta(store)
+    for split in splits:
+        if split not in meta["splits"]:
+            key = "train_split" if split == d.train_split else "val_split"
+            raise ShardError(f"data.root={d.root} has no packed split {split!r} (it has {', '.join(meta['splits'])}): "
+                             f"set data.{key}")
+    if need is not None and meta["splits"][d.train_split]["samples"] < need:
+        raise ShardError(f"data.root={d.root}: the training split has {meta['splits'][d.train_split]['samples']} "
+                         f"samples, fewer than one global batch data.batch_size={need}: lower data.batch_size")
+    return len(meta["classes"]), store.url("dataset.json"), "classes"

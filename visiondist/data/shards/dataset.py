@@ -1,0 +1,94 @@
+"""A packed split as a map-style dataset: the same samples, labels and transform as `ImageFolder`, each image read
+at its offset in its shard (fetched first where the shards are remote)."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Callable, Optional
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from visiondist.data.decode import decode_rgb
+from visiondist.data.robust import BadImages
+from visiondist.data.shards.pack import FORMAT, VERSION
+from visiondist.data.shards.store import ShardError, ShardStore
+
+
+def read_meta(store: ShardStore) -> dict:
+    """dataset.json of a packed data set; ShardError naming the fix when it is not one."""
+    try:
+        meta = json.loads(store.read_small("dataset.json"))
+    except json.JSONDecodeError as exc:
+        raise ShardError(f"{store.url('dataset.json')} is not JSON ({exc})") from None
+    if meta.get("format") != FORMAT:
+        raise ShardError(f"{store.url('dataset.json')} was not written by tools/data.py pack")
+    if meta.get("version", 0) > VERSION:
+        raise ShardError(f"{store.url('dataset.json')} is format version {meta['version']}; this visiondist reads "
+                         f"up to {VERSION}: upgrade visiondist")
+    return meta
+
+
+class ShardSplit(Dataset):
+    """Indexed by an int or by a `(index, epoch)` key, as `ImageFolder`. In training an unreadable image is replaced
+    by the next readable image of its class (`visiondist.data.robust`); in evaluation it is an error."""
+
+    def __init__(self, store: ShardStore, split: str, transform: Optional[Callable] = None, train: bool = False,
+                 max_bad_images: int = 10, reader: Optional[Callable] = None, meta: Optional[dict] = None):
+        self.store, self.split = store, split
+        self.meta = meta or read_meta(store)
+        if split not in self.meta["splits"]:
+            raise ShardError(f"{store.url('dataset.json')} has no split {split!r} (it has "
+                             f"{', '.join(self.meta['splits'])}): set data.train_split / data.val_split")
+        self.root = store.url(f"{split}.json")
+        entry = json.loads(store.read_small(f"{split}.json"))
+        self.shards = entry["shardlist"]
+        index = store.local(entry["index"], entry["index_sha256"], entry["index_size"])
+        with np.load(io.BytesIO(index.read_bytes())) as arrays:
+            self.targets, self.shard, self.offset, self.length = (
+                arrays[k] for k in ("label", "shard", "offset", "length"))
+        self.shard_starts = np.concatenate([[0], np.cumsum([s["nsamples"] for s in self.shards])])
+        self.classes = list(self.meta["classes"])
+        self.transform = transform
+        self.decode = reader or decode_rgb  # `device_decode.encoded_or_decoded` under data.decode_on=device
+        self._bad = BadImages(max_bad_images, train)
+        self._by_class = np.argsort(self.targets, kind="stable")  # replacements: the rest of the class, in order
+        self._rank_in_class = np.empty_like(self._by_class)
+        self._rank_in_class[self._by_class] = np.arange(len(self._by_class))
+        self._class_start = np.searchsorted(self.targets[self._by_class], np.arange(len(self.classes)))
+        self._class_size = np.bincount(self.targets, minlength=len(self.classes))
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def name(self, index: int) -> str:
+        """Where a sample lives, for messages: `<shard>#<key>`."""
+        return f"{self.store.url(self.shards[int(self.shard[index])]['url'])}#{index:09d}"
+
+    def image_bytes(self, index: int) -> bytes:
+        s = self.shards[int(self.shard[index])]
+        return self.store.read(s["url"], s["sha256"], s["filesize"], int(self.offset[index]), int(self.length[index]))
+
+    def _candidates(self, index: int):
+        label = int(self.targets[index])
+        start, size = int(self._class_start[label]), int(self._class_size[label])
+        first = int(self._rank_in_class[index]) - start
+        for k in range(size):
+            i = int(self._by_class[start + (first + k) % size])
+            yield i, self.name(i)
+
+    def _read(self, name: str):
+        return self.decode(self.image_bytes(int(name.rsplit("#", 1)[1])), name)
+
+    def __getitem__(self, key):
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        _, image = self._bad.read(self._candidates(index), self._read)
+        label = int(self.targets[index])
+        if self.transform is None:
+            return image, label
+        out = self.transform(image, index, epoch)
+        if isinstance(out, tuple):
+            return out[0], label, out[1]
+        return out, label
+

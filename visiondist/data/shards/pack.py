@@ -1,0 +1,239 @@
+"""`tools/data.py pack`: an ImageFolder tree (ImageNet's layout, or a built-in set) into WebDataset tar shards.
+
+Layout of the output directory (docs/data.md):
+- `<split>-000000.tar`, ...: WebDataset shards: per sample `<key>.jpg` (or the source's `.png`, `.webp`, ...) and
+  `<key>.cls` (the label as text), `<key>` the sample's index in the split, nine digits. Samples are shuffled once
+  (`seed`) before they are cut into shards, so that every shard holds every class;
+- `<split>.json`: the split's shard list in wids' index format (`wids.ShardListDataset` reads it as is), each entry
+  with its SHA-256 and size, and the name and SHA-256 of `<split>-index.npz`: the label, shard, byte offset and
+  length of every sample's image (random access without reading the tars);
+- `dataset.json`, written last: classes in the loader's order, counts, and how the images were re-encoded.
+
+Packing runs on `workers` processes with a progress bar. Each finished shard is recorded in `.pack/`: an interrupted
+pack, run again with the same arguments, writes only the shards it lacks. A directory holding a finished pack is
+not overwritten without `overwrite`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+FORMAT = "visiondist-shards"
+VERSION = 1
+EXTENSIONS = {".jpeg": ".jpg", ".jpg": ".jpg", ".png": ".png", ".webp": ".webp", ".bmp": ".bmp", ".tif": ".tif",
+              ".tiff": ".tif", ".ppm": ".ppm", ".pgm": ".pgm"}
+
+
+class PackError(ValueError):
+    """Bad pack input: one line naming the fix."""
+
+
+@dataclass
+class PackOptions:
+    shard_mb: float = 256.0  # source bytes per shard
+    max_side: Optional[int] = None  # re-encode images whose longer side exceeds this (JPEG at `quality`)
+    quality: int = 90
+    workers: int = -1  # processes; -1: every core
+    overwrite: bool = False
+    seed: int = 0
+    progress: bool = True
+
+
+def pack_image_folder(source: Path, splits: list[str], out: Path, options: PackOptions) -> dict:
+    """Pack `source/<split>/<class>/<image>` for each split into `out`; returns dataset.json's content."""
+    from visiondist.data.index import list_image_folder
+
+    out = Path(out)
+    _claim(out, options.overwrite)
+    listed = {split: list_image_folder(Path(source) / split, cache=False) for split in splits}
+    classes = listed[splits[0]][0]
+    for split in splits[1:]:
+        if listed[split][0] != classes:
+            raise PackError(f"the class folders of {Path(source) / split} differ from those of "
+                            f"{Path(source) / splits[0]}: every split must have the same classes")
+    plans = {split: _plan(split, *listed[split][1:], options) for split in splits}
+    _check_plan(out, plans, options)
+    jobs = [job for split in splits for job in plans[split]]
+    records = _write_all(out, jobs, options)
+    meta = {"format": FORMAT, "version": VERSION, "kind": "classification", "classes": classes,
+            "source": str(Path(source).resolve()), "seed": options.seed,
+            "reencoded": {"max_side": options.max_side, "quality": options.quality} if options.max_side else None,
+            "splits": {}}
+    for split in splits:
+        meta["splits"][split] = _write_index(out, split, plans[split], records)
+    (out / "dataset.json.tmp").write_text(json.dumps(meta, indent=1))
+    os.replace(out / "dataset.json.tmp", out / "dataset.json")
+    shutil.rmtree(out / ".pack", ignore_errors=True)
+    return meta
+
+
+def _claim(out: Path, overwrite: bool) -> None:
+    if (out / "dataset.json").is_file():
+        if not overwrite:
+            raise PackError(f"{out} already holds a finished pack: add overwrite=true to replace it, or choose "
+                            "another out=")
+        splits = list(json.loads((out / "dataset.json").read_text()).get("splits", {}))
+        for split in splits:  # only what a pack wrote
+            for path in [*out.glob(f"{split}-*.tar"), out / f"{split}-index.npz", out / f"{split}.json"]:
+                path.unlink(missing_ok=True)
+        (out / "dataset.json").unlink()
+        shutil.rmtree(out / ".pack", ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _plan(split: str, paths, labels, options: PackOptions) -> list[dict]:
+    """The split's shards: samples in a shuffled order, cut every `shard_mb` of source bytes."""
+    order = np.random.default_rng([options.seed, 0x5A4D]).permutation(len(paths))
+    limit = options.shard_mb * 1e6
+    jobs, current, size = [], [], 0
+    for key, i in enumerate(order.tolist()):
+        path = paths[i]
+        current.append((key, path, int(labels[i])))
+        size += os.path.getsize(path)
+        if size >= limit:
+            jobs.append(current)
+            current, size = [], 0
+    if current:
+        jobs.append(current)
+    return [dict(split=split, name=f"{split}-{k:06d}.tar", samples=samples, max_side=options.max_side,
+                 quality=options.quality) for k, samples in enumerate(jobs)]
+
+
+def _check_plan(out: Path, plans: dict, options: PackOptions) -> None:
+    """An interrupted pack continues only with the same plan (same sources, order and options); else it restarts."""
+    digest = hashlib.sha256(json.dumps(
+        [[(j["name"], j["samples"]) for j in plans[s]] for s in plans] + [options.max_side, options.quality],
+    ).encode()).hexdigest()
+    state = out / ".pack"
+    plan_file = state / "plan"
+    if plan_file.is_file() and plan_file.read_text() != digest:
+        shutil.rmtree(state)
+    state.mkdir(exist_ok=True)
+    plan_file.write_text(digest)
+
+
+def _write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, dict]:
+    """Every shard not recorded as finished, on `options.workers` processes; the records of all."""
+    from rich.progress import Progress
+
+    records = {}
+    todo = []
+    for job in jobs:
+        record = out / ".pack" / f"{job['name']}.json"
+        if record.is_file() and (out / job["name"]).is_file():
+            records[job["name"]] = json.loads(record.read_text())
+        else:
+            todo.append(job)
+    workers = options.workers if options.workers > 0 else len(os.sched_getaffinity(0))
+    total = sum(len(j["samples"]) for j in jobs)
+    with Progress(disable=not options.progress, transient=False) as bar:
+        task = bar.add_task(f"packing {len(jobs)} shards", total=total,
+                            completed=sum(len(j["samples"]) for j in jobs if j["name"] in records))
+        with get_context("fork").Pool(min(workers, max(len(todo), 1))) as pool:
+            bad = []
+            for record in pool.imap_unordered(_write_shard, [(str(out), job) for job in todo]):
+                if record.get("bad"):
+                    bad += record["bad"]
+                    continue
+                records[record["name"]] = record
+                bar.advance(task, record["nsamples"])
+    if bad:  # what training would stop at or evaluation refuse; the shards without them are kept for a rerun
+        path, reason = sorted(bad)[0]
+        raise PackError(f"{len(bad)} images cannot be read, e.g. {path}: {reason}; fix or remove them and run the "
+                        "same command again (the finished shards are kept)")
+    return records
+
+
+def _write_shard(args) -> dict:
+    from visiondist.data.robust import unreadable_reason
+
+    out, job = Path(args[0]), args[1]
+    bad = [(path, reason) for _, path, _ in job["samples"] if (reason := unreadable_reason(path)) is not None]
+    if bad:
+        return {"name": job["name"], "bad": bad}
+    tmp = out / f"{job['name']}.part"
+    offsets, sizes = [], []
+    with open(tmp, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for key, path, label in job["samples"]:
+            data, ext = _image_bytes(path, job["max_side"], job["quality"])
+            offsets.append(_add(tar, f"{key:09d}{ext}", data))
+            sizes.append(len(data))
+            _add(tar, f"{key:09d}.cls", str(label).encode())
+    digest = hashlib.sha256()
+    with open(tmp, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    os.replace(tmp, out / job["name"])
+    record = dict(name=job["name"], nsamples=len(job["samples"]), sha256=digest.hexdigest(),
+                  filesize=(out / job["name"]).stat().st_size, offsets=offsets, sizes=sizes)
+    (out / ".pack" / f"{job['name']}.json").write_text(json.dumps(record))
+    return record
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> int:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o444, 0  # the same bytes on every pack
+    start = tar.offset + len(info.tobuf(tar.format, tar.encoding, tar.errors))  # the member's data, after its header
+    tar.addfile(info, io.BytesIO(data))
+    return start
+
+
+def _image_bytes(path: str, max_side: Optional[int], quality: int) -> tuple[bytes, str]:
+    """The image file's bytes as they are, or re-encoded as JPEG at `quality` with its longer side at most
+    `max_side` (decoded under the loaders' policy: EXIF orientation applied, so the shard needs none)."""
+    data = Path(path).read_bytes()
+    ext = EXTENSIONS.get(Path(path).suffix.lower(), Path(path).suffix.lower())
+    if not max_side:
+        return data, ext
+    import cv2
+
+    from visiondist.data.decode import decode_rgb
+
+    image = decode_rgb(data, path)
+    h, w = image.shape[:2]
+    if max(h, w) > max_side:
+        scale = max_side / max(h, w)
+        image = cv2.resize(image, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=cv2.INTER_AREA)
+    ok, encoded = cv2.imencode(".jpg", cv2.cvtColor(image, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality])
+    if not ok:
+        raise PackError(f"cannot encode {path} as JPEG")
+    return encoded.tobytes(), ".jpg"
+
+
+def _write_index(out: Path, split: str, jobs: list[dict], records: dict) -> dict:
+    """`<split>-index.npz` and `<split>.json`; checks every sample is in exactly one shard."""
+    labels, shard, offset, length = [], [], [], []
+    shardlist = []
+    for k, job in enumerate(jobs):
+        record = records[job["name"]]
+        if record["nsamples"] != len(job["samples"]) or (out / job["name"]).stat().st_size != record["filesize"]:
+            raise PackError(f"{out / job['name']} does not hold what was written: pack again with overwrite=true")
+        labels += [label for _, _, label in job["samples"]]
+        shard += [k] * record["nsamples"]
+        offset += record["offsets"]
+        length += record["sizes"]
+        shardlist.append(dict(url=job["name"], nsamples=record["nsamples"], filesize=record["filesize"],
+                              sha256=record["sha256"]))
+    keys = [key for job in jobs for key, _, _ in job["samples"]]
+    if keys != list(range(len(keys))):
+        raise PackError(f"split {split}: the shards do not hold samples 0..{len(keys) - 1} once each")
+    index = out / f"{split}-index.npz"
+    with open(index, "wb") as f:
+        np.savez(f, label=np.asarray(labels, np.int64), shard=np.asarray(shard, np.int32),
+                 offset=np.asarray(offset, np.int64), length=np.asarray(length, np.int64))
+    entry = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": split, "shardlist": shardlist,
+             "index": index.name, "index_sha256": hashlib.sha256(index.read_bytes()).hexdigest(),
+             "index_size": index.stat().st_size}
+    (out / f"{split}.json").write_text(json.dumps(entry, indent=1))
+    return {"samples": len(keys), "shards": len(jobs), "bytes": sum(r["filesize"] for r in shardlist)}

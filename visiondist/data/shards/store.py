@@ -1,0 +1,181 @@
+"""Where shards come from: a local directory, read in place, or an `http(s)://` URL, each shard fetched whole into a
+node-local cache on first use (as MosaicML Streaming, litdata and wids do), checked against the index's SHA-256 and
+then read in place like a local one.
+
+A fetch is retried (`retries` more times, with back-off) and then ends the job with the shard's URL and the cause:
+never a hang, never a sample left out. A shard whose checksum differs from the index is refused. The cache is shared
+by the ranks and loader workers of a node (a lock per shard: a node fetches a shard once) and kept under `cache_gb`
+by dropping the least recently used shards. `fetched` counts the bytes this rank and its workers downloaded.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import multiprocessing
+import os
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+REMOTE_SCHEMES = ("http://", "https://")
+
+
+class ShardError(RuntimeError):
+    """A shard (or an index) that cannot be had: its URL and the cause."""
+
+
+def is_url(root: str) -> bool:
+    return "://" in str(root) and not str(root).startswith("file://")
+
+
+def default_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "visiondist" / "shards"
+
+
+class ShardStore:
+    """The shards of one packed data set (`root`: a directory or a URL) as local files."""
+
+    def __init__(self, root: str, cache_dir: Optional[str] = None, cache_gb: float = 100.0, retries: int = 3,
+                 timeout_s: float = 60.0):
+        root = str(root)
+        self.remote = is_url(root)
+        if self.remote and not root.startswith(REMOTE_SCHEMES):
+            raise ShardError(f"data.root={root}: shards are read from a directory or an http(s):// URL (serve an "
+                             "object store's bucket over HTTPS, or mount it)")
+        self.root = root.rstrip("/") if self.remote else str(Path(root.removeprefix("file://")).expanduser())
+        digest = hashlib.sha1(self.root.encode()).hexdigest()[:16]
+        self.cache = Path(cache_dir).expanduser() / digest if cache_dir else default_cache() / digest
+        self.cache_bytes = int(cache_gb * 1e9)
+        self.retries, self.timeout_s = retries, timeout_s
+        self.fetched = multiprocessing.Value("q", 0)  # shared with forked loader workers
+        self._open: dict[str, int] = {}
+
+    def url(self, name: str) -> str:
+        return f"{self.root}/{name}" if self.remote else str(Path(self.root) / name)
+
+    def read_small(self, name: str) -> bytes:
+        """A small file of the data set (dataset.json, a split's index), fetched each time (with the retries)."""
+        if not self.remote:
+            path = Path(self.root) / name
+            if not path.is_file():
+                raise ShardError(f"{path} does not exist: data.root must be a directory `tools/data.py pack` wrote")
+            return path.read_bytes()
+        return self._download(self.url(name), None)[0]
+
+    def local(self, name: str, sha256: str, size: int) -> Path:
+        """The shard as a local file: in place for a directory, else fetched into the cache (once per node)."""
+        if not self.remote:
+            path = Path(self.root) / name
+            if not path.is_file() or path.stat().st_size != size:
+                found = f"{path.stat().st_size} bytes" if path.is_file() else "missing"
+                raise ShardError(f"{path}: {found}, the index says {size} bytes: the shard changed after packing; "
+                                 "pack again")
+            return path
+        dest = self.cache / name
+        if _complete(dest, size):
+            os.utime(dest)  # recently used: the last to be dropped
+            return dest
+        self.cache.mkdir(parents=True, exist_ok=True)
+        with _locked(self.cache / f"{name}.lock"):
+            if not _complete(dest, size):  # another rank or worker of this node may have fetched it meanwhile
+                self._make_room(size)
+                tmp = dest.with_name(f"{name}.{os.getpid()}.part")
+                try:
+                    _, digest = self._download(self.url(name), tmp)
+                finally:
+                    if not tmp.is_file() or tmp.stat().st_size != size:
+                        tmp.unlink(missing_ok=True)
+                if digest != sha256:
+                    tmp.unlink(missing_ok=True)
+                    raise ShardError(f"{self.url(name)}: its SHA-256 {digest[:16]}... differs from the index's "
+                                     f"{sha256[:16]}...: refused (the shard changed after packing; pack again)")
+                os.replace(tmp, dest)
+                with self.fetched.get_lock():
+                    self.fetched.value += size
+        return dest
+
+    def read(self, name: str, sha256: str, size: int, offset: int, length: int) -> bytes:
+        """`length` bytes at `offset` of a shard."""
+        fd = self._open.get(name)
+        if fd is None:
+            fd = self._open[name] = os.open(self.local(name, sha256, size), os.O_RDONLY)
+        data = os.pread(fd, length, offset)
+        if len(data) != length:
+            raise ShardError(f"{self.url(name)} ends before byte {offset + length}: the shard is damaged")
+        return data
+
+    def close(self) -> None:
+        for fd in self._open.values():
+            os.close(fd)
+        self._open.clear()
+
+    def __getstate__(self):  # no open descriptors into another process
+        return {**self.__dict__, "_open": {}}
+
+    def _download(self, url: str, dest: Optional[Path]) -> tuple[bytes, str]:
+        """(content if `dest` is None, SHA-256) of `url`, written to `dest` when given; retried, then ShardError."""
+        last: Exception | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
+            try:
+                return _get(url, dest, self.timeout_s)
+            except (OSError, urllib.error.URLError) as exc:
+                last = exc
+                log.warning("fetching %s failed (%s): attempt %d of %d", url, exc, attempt + 1, self.retries + 1)
+        raise ShardError(f"cannot fetch {url} ({last}) after {self.retries + 1} attempts: check the server, or "
+                         "raise data.fetch_retries")
+
+    def _make_room(self, size: int) -> None:
+        """Drop the least recently used shards of this data set's cache until `size` more bytes fit."""
+        files = [p for p in self.cache.glob("*") if p.suffix not in (".lock", ".part")]
+        stats = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in files), key=lambda t: t[0])
+        total = sum(s for _, s, _ in stats)
+        for _, s, p in stats:
+            if total + size <= self.cache_bytes:
+                break
+            p.unlink(missing_ok=True)  # a reader holding it open keeps reading it
+            total -= s
+
+
+def _complete(path: Path, size: int) -> bool:
+    return path.is_file() and path.stat().st_size == size
+
+
+@contextmanager
+def _locked(path: Path):
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _get(url: str, dest: Optional[Path], timeout_s: float) -> tuple[bytes, str]:
+    digest = hashlib.sha256()
+    chunks = []
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        expected = response.headers.get("Content-Length")
+        out = open(dest, "wb") if dest is not None else None
+        try:
+            got = 0
+            while chunk := response.read(CHUNK):
+                digest.update(chunk)
+                got += len(chunk)
+                (out.write if out is not None else chunks.append)(chunk)
+        finally:
+            if out is not None:
+                out.close()
+    if expected is not None and got != int(expected):
+        raise OSError(f"the connection ended after {got} of {expected} bytes")
+    return b"".join(chunks), digest.hexdigest()
