@@ -140,14 +140,19 @@ def _write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, d
     with Progress(disable=not options.progress, transient=False) as bar:
         task = bar.add_task(f"packing {len(jobs)} shards", total=total,
                             completed=sum(len(j["samples"]) for j in jobs if j["name"] in records))
-        with get_context("fork").Pool(min(workers, max(len(todo), 1))) as pool:
-            bad = []
-            for record in pool.imap_unordered(_write_shard, [(str(out), job) for job in todo]):
+        pool = get_context("fork").Pool(min(workers, len(todo))) if workers > 1 and len(todo) > 1 else None
+        written = (pool.imap_unordered if pool else map)(_write_shard, [(str(out), job) for job in todo])
+        bad = []
+        try:
+            for record in written:
                 if record.get("bad"):
                     bad += record["bad"]
                     continue
                 records[record["name"]] = record
                 bar.advance(task, record["nsamples"])
+        finally:
+            if pool is not None:
+                pool.terminate()
     if bad:  # what training would stop at or evaluation refuse; the shards without them are kept for a rerun
         path, reason = sorted(bad)[0]
         raise PackError(f"{len(bad)} images cannot be read, e.g. {path}: {reason}; fix or remove them and run the "

@@ -1,0 +1,191 @@
+"""Packed shards: tools/data.py pack's output (WebDataset tars, wids-format shard list, byte-offset index), reading
+it from a directory and from a loopback HTTP server (bytes fetched, checksums, retries, the cache's limit), and the
+train sampler's shard-aware order."""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+from shard_server import serve
+from visiondist.data.sampler import TrainBatchSampler
+from visiondist.data.shards import ShardError, ShardSplit, ShardStore
+from visiondist.data.shards import pack as packing
+from visiondist.data.shards.pack import PackError, PackOptions, pack_image_folder
+
+CLASSES = ["cat", "dog", "eel"]
+
+
+def _tree(root: Path, train: int = 12, val: int = 4) -> Path:
+    rng = np.random.default_rng(0)
+    for split, n in (("train", train), ("val", val)):
+        for c in CLASSES:
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                image = rng.integers(0, 255, (40 + i, 60, 3), dtype=np.uint8)
+                ext = ".png" if i == 0 else ".jpg"
+                cv2.imwrite(str(root / split / c / f"{i}{ext}"), image)
+    return root
+
+
+def _options(**kw) -> PackOptions:
+    return PackOptions(**{"shard_mb": 0.02, "workers": 2, "progress": False, **kw})
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    source = _tree(tmp_path_factory.mktemp("tree"))
+    out = tmp_path_factory.mktemp("shards")
+    meta = pack_image_folder(source, ["train", "val"], out, _options())
+    return source, out, meta
+
+
+def test_pack_holds_every_image_once_as_webdataset_tars(packed):
+    source, out, meta = packed
+    assert meta["classes"] == CLASSES and meta["splits"]["train"]["samples"] == 36
+    assert meta["splits"]["train"]["shards"] > 3  # cut by size: several shards
+    for split in ("train", "val"):
+        entry = json.loads((out / f"{split}.json").read_text())
+        assert entry["wids_version"] == 1 and sum(s["nsamples"] for s in entry["shardlist"]) == len(
+            list((source / split).rglob("*.*")))
+        expected = sorted((CLASSES.index(p.parent.name), p.read_bytes()) for p in (source / split).rglob("*.*"))
+        found, keys = [], []
+        for s in entry["shardlist"]:
+            with tarfile.open(out / s["url"]) as tar:
+                members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+            for name, data in members.items():
+                key, ext = name.split(".", 1)
+                if ext != "cls":
+                    keys.append(int(key))
+                    found.append((int(members[f"{key}.cls"]), data))
+        assert sorted(found) == expected and sorted(keys) == list(range(len(expected)))
+        split_set = ShardSplit(ShardStore(str(out)), split)
+        assert sorted((int(split_set.targets[i]), split_set.image_bytes(i)) for i in range(len(split_set))) == expected
+    classes_per_shard = [len(set(np.asarray(ShardSplit(ShardStore(str(out)), "train").targets)[
+        ShardSplit(ShardStore(str(out)), "train").shard == k])) for k in range(3)]
+    assert max(classes_per_shard) > 1  # shuffled before cutting: a shard is not one class
+
+
+def test_pack_refuses_a_finished_output_and_continues_an_interrupted_one(tmp_path, monkeypatch):
+    source = _tree(tmp_path / "tree")
+    out = tmp_path / "shards"
+    real = packing._write_index
+    monkeypatch.setattr(packing, "_write_index", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):  # stopped after the shards, before the index
+        pack_image_folder(source, ["train", "val"], out, _options())
+    assert not (out / "dataset.json").exists()
+    monkeypatch.setattr(packing, "_write_index", real)
+    first = sorted(out.glob("train-*.tar"))
+    (first[1]).unlink()
+    times = {p.name: p.stat().st_mtime_ns for p in first if p.exists()}
+    pack_image_folder(source, ["train", "val"], out, _options())
+    assert first[1].is_file()  # the missing shard written again, the others left as they were
+    assert all(out.joinpath(n).stat().st_mtime_ns == t for n, t in times.items())
+    assert not (out / ".pack").exists() and (out / "dataset.json").is_file()
+    with pytest.raises(PackError, match="overwrite=true"):
+        pack_image_folder(source, ["train", "val"], out, _options())
+    again = pack_image_folder(source, ["train", "val"], out, _options(overwrite=True))
+    assert again["splits"]["train"]["samples"] == 36
+
+
+def test_reencoded_pack_bounds_the_longer_side(tmp_path):
+    source = _tree(tmp_path / "tree")
+    meta = pack_image_folder(source, ["train", "val"], tmp_path / "small", _options(max_side=32, quality=85))
+    split = ShardSplit(ShardStore(str(tmp_path / "small")), "val")
+    assert meta["reencoded"] == {"max_side": 32, "quality": 85}
+    for i in range(len(split)):
+        image, _ = split[i]
+        assert max(image.shape[:2]) == 32 and split.image_bytes(i)[:2] == b"\xff\xd8"
+
+
+def test_unreadable_images_are_refused_with_a_count(tmp_path):
+    source = _tree(tmp_path / "tree")
+    (source / "train" / "dog" / "3.jpg").write_bytes(b"")
+    (source / "val" / "cat" / "2.jpg").write_bytes((source / "val" / "cat" / "1.jpg").read_bytes()[:300])
+    with pytest.raises(PackError, match=r"2 images cannot be read, e.g. .*: (the file is empty|truncated JPEG)"):
+        pack_image_folder(source, ["train", "val"], tmp_path / "out", _options())
+    assert not (tmp_path / "out" / "dataset.json").exists()
+
+
+def test_http_shards_read_as_the_directory_and_count_the_bytes_fetched(packed, tmp_path):
+    _, out, _ = packed
+    local = ShardSplit(ShardStore(str(out)), "train")
+    with serve(out) as url:
+        store = ShardStore(url, cache_dir=str(tmp_path / "cache"))
+        remote = ShardSplit(store, "train")
+        index_bytes = store.fetched.value
+        assert index_bytes == (out / "train-index.npz").stat().st_size
+        first_shard = np.flatnonzero(remote.shard == 0)
+        assert [remote.image_bytes(int(i)) for i in first_shard] == [local.image_bytes(int(i)) for i in first_shard]
+        assert store.fetched.value - index_bytes == remote.shards[0]["filesize"]  # one shard, fetched once
+        assert [remote.image_bytes(i) for i in range(len(remote))] == [local.image_bytes(i) for i in range(len(local))]
+        assert store.fetched.value == index_bytes + sum(s["filesize"] for s in remote.shards)
+        again = ShardStore(url, cache_dir=str(tmp_path / "cache"))  # another rank of the node: the cache serves it
+        ShardSplit(again, "train").image_bytes(0)
+        assert again.fetched.value == 0
+
+
+def test_a_changed_shard_is_refused_and_a_dead_server_named(packed, tmp_path):
+    _, out, _ = packed
+    served = tmp_path / "served"
+    served.mkdir()
+    for p in out.iterdir():
+        os.link(p, served / p.name) if p.name != "train-000000.tar" else None
+    data = bytearray((out / "train-000000.tar").read_bytes())
+    data[600] ^= 0xFF  # one byte of an image, size unchanged
+    (served / "train-000000.tar").write_bytes(bytes(data))
+    with serve(served) as url:
+        split = ShardSplit(ShardStore(url, cache_dir=str(tmp_path / "cache"), retries=1), "train")
+        with pytest.raises(ShardError, match=r"train-000000\.tar: its SHA-256 .* differs from the index's"):
+            split.image_bytes(int(np.flatnonzero(split.shard == 0)[0]))
+        kept = [p.name for p in (tmp_path / "cache").rglob("train-000000.tar*") if p.suffix != ".lock"]
+        assert not kept  # nothing half-kept
+    with pytest.raises(ShardError, match=rf"cannot fetch {url}/train-000001\.tar .* after 2 attempts"):
+        split.image_bytes(int(np.flatnonzero(split.shard == 1)[0]))
+
+
+def test_the_cache_keeps_under_its_limit(packed, tmp_path):
+    _, out, _ = packed
+    with serve(out) as url:
+        entry = json.loads((out / "train.json").read_text())
+        limit = 2.5 * max(s["filesize"] for s in entry["shardlist"])
+        store = ShardStore(url, cache_dir=str(tmp_path / "cache"), cache_gb=limit / 1e9)
+        split = ShardSplit(store, "train")
+        for i in range(len(split)):
+            split.image_bytes(i)
+            held = sum(p.stat().st_size for p in store.cache.iterdir() if p.suffix not in (".lock", ".part"))
+            assert held <= limit
+        assert store.fetched.value > sum(s["filesize"] for s in entry["shardlist"])  # it had to fetch some twice
+
+
+def _shard_starts(sizes):
+    return np.concatenate([[0], np.cumsum(sizes)])
+
+
+def test_stream_order_is_the_same_for_any_ranks_and_splits_the_shards_between_them():
+    sizes = [50] * 40
+    starts, shard_of = _shard_starts(sizes), np.repeat(np.arange(40), 50)
+    kw = dict(seed=3, streams=8, shard_starts=starts)
+    one = TrainBatchSampler(2000, 64, 0, 1, **kw)
+    assert one.steps_per_epoch == (2000 // 8) // 8 and one.dropped_per_epoch == 2000 - one.steps_per_epoch * 64
+    batches = one.global_batches(1)
+    seen = np.concatenate(batches)
+    assert len(set(seen.tolist())) == len(seen)  # no sample twice in an epoch
+    assert not np.array_equal(np.concatenate(one.global_batches(2)), seen)
+    for ranks in (2, 4, 8):
+        samplers = [TrainBatchSampler(2000, 64, r, ranks, **kw) for r in range(ranks)]
+        for s in samplers:
+            s.set_epoch(1)
+        per_rank = [np.array([i for micro in s for i, _ in micro]) for s in samplers]
+        assert np.array_equal(np.concatenate([p.reshape(-1, 64 // ranks) for p in per_rank], axis=1).reshape(-1),
+                              seen)  # rank r's slice of every global batch: the one-process batches
+        touched = [len(set(shard_of[p].tolist())) for p in per_rank]
+        assert max(touched) <= 40 / ranks + 2, touched  # its part of the shards, plus the boundaries
+    with pytest.raises(ValueError, match="data.batch_size=60 is not divisible by data.streams=8"):
+        TrainBatchSampler(2000, 60, 0, 1, **kw)
