@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import TRAIN, losses_of, run_together, train_args, train_ok
+from helpers import TRAIN, losses_of, run_cli, run_together, train_args, train_ok
 from shard_server import serve
 from visiondist.data.shards.pack import PackOptions, pack_image_folder
 
@@ -47,6 +47,18 @@ def test_dp2_over_http_equals_one_process_on_the_directory(tmp_path, packed, one
     assert len(fetched) == 2 and all(f > 0 for f in fetched)
 
 
+def test_dp2_from_an_s3_endpoint_equals_one_process(tmp_path, packed, one_process, monkeypatch):
+    """s3:// URLs against moto's S3-compatible server on the loopback interface (boto3 reads the endpoint and the
+    credentials from the environment the ranks inherit)."""
+    from shard_server import serve_s3
+
+    run = tmp_path / "run"
+    with serve_s3(packed, monkeypatch) as url:
+        train_ok(*_args(url, run, "parallel.dp=2", f"data.cache_dir={tmp_path / 'cache'}"))
+    a, b = losses_of(one_process), losses_of(run)
+    assert [b[s] for s in b] == pytest.approx([a[s] for s in a], rel=1e-5) and len(b) == STEPS
+
+
 def test_a_shard_run_continues_on_another_world_size(tmp_path, packed, one_process):
     """Stopped after 4 steps on 2 ranks, continued on 1 (and 1 -> 2): the uninterrupted run's losses."""
     for first, then in (("parallel.dp=2", "parallel.dp=1"), ("parallel.dp=1", "parallel.dp=2")):
@@ -55,6 +67,33 @@ def test_a_shard_run_continues_on_another_world_size(tmp_path, packed, one_proce
         train_ok(f"trainer.run_dir={run}", then)
         a, b = losses_of(one_process), losses_of(run)
         assert [b[s] for s in range(5, STEPS + 1)] == pytest.approx([a[s] for s in range(5, STEPS + 1)], rel=1e-5)
+
+
+def test_a_server_killed_mid_epoch_ends_the_job_naming_the_shard_and_the_run_continues(tmp_path, packed,
+                                                                                       one_process):
+    """dp=2 over HTTP with the shipped loader workers; the server dies after serving 13 of the 16 shards: the job
+    ends within seconds (one retry), its line naming the shard's URL and the cause; once the server is back, the
+    continue command finishes with the uninterrupted run's losses."""
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run"
+    args = _args(f"http://127.0.0.1:{port}", run, "parallel.dp=2", "data.num_workers=2", "data.fetch_retries=1",
+                 "trainer.checkpoint_every=1", f"data.cache_dir={tmp_path / 'cache'}")
+    with serve(packed, port=port, stop_after=13):  # of 16 (12 train, 4 val; ~10 prefetched for step 1)
+        start = time.monotonic()
+        result = run_cli(args, timeout=240)
+    assert result.returncode != 0 and time.monotonic() - start < 120
+    line = [l for l in result.stdout.splitlines() if l.startswith("error:")][-1]
+    assert f"cannot fetch http://127.0.0.1:{port}/" in line and "Connection refused" in line, line
+    assert "after 2 attempts" in line, line
+    assert f"once fixed, continue from step" in line and f"trainer.run_dir={run}" in line, line
+    with serve(packed, port=port):
+        train_ok(f"trainer.run_dir={run}")
+    a, b = losses_of(one_process), losses_of(run)
+    assert [b[s] for s in range(1, STEPS + 1)] == pytest.approx([a[s] for s in range(1, STEPS + 1)], rel=1e-5)
 
 
 def test_two_nodes_of_two_ranks_each_fetch_about_half_the_shards(tmp_path, packed):

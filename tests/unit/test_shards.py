@@ -189,3 +189,18 @@ def test_stream_order_is_the_same_for_any_ranks_and_splits_the_shards_between_th
         assert max(touched) <= 40 / ranks + 2, touched  # its part of the shards, plus the boundaries
     with pytest.raises(ValueError, match="data.batch_size=60 is not divisible by data.streams=8"):
         TrainBatchSampler(2000, 60, 0, 1, **kw)
+
+
+def test_s3_shards_read_as_the_directory(packed, tmp_path, monkeypatch):
+    """s3:// through boto3 against moto's S3-compatible server: the same bytes, each shard fetched once."""
+    from shard_server import serve_s3
+
+    _, out, _ = packed
+    local = ShardSplit(ShardStore(str(out)), "val")
+    with serve_s3(out, monkeypatch) as url:
+        store = ShardStore(url, cache_dir=str(tmp_path / "cache"))
+        remote = ShardSplit(store, "val")
+        assert [remote.image_bytes(i) for i in range(len(remote))] == [local.image_bytes(i) for i in range(len(local))]
+        assert store.fetched.value == (out / "val-index.npz").stat().st_size + sum(s["filesize"] for s in remote.shards)
+        with pytest.raises(ShardError, match=rf"cannot fetch {url}/nothing\.tar: .*NoSuchKey"):  # not retried
+            store.local("nothing.tar", "0" * 64, 10)

@@ -277,9 +277,23 @@ def _one_line_failure(run_dir: Optional[Path], stop: Optional[LauncherStop] = No
             why = (f"killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
                    else f"exit code {failure.exitcode}")
             raise RunFailed(f"rank {rank} ended ({why}) without a report: see the output above") from None
-        raise RunFailed(f"{found.line} (traceback: {found.file})") from None
+        raise RunFailed(f"{found.line} (traceback: {found.file}){_continue_hint(run_dir, found.line)}") from None
     except RANK_ERRORS as exc:  # this process's own rank: its line (torchrun: each rank says its own)
-        raise RunFailed(getattr(exc, "visiondist_line", None) or one_line(exc)) from exc
+        line = getattr(exc, "visiondist_line", None) or one_line(exc)
+        raise RunFailed(line + _continue_hint(run_dir, line)) from exc
+
+
+def _continue_hint(run_dir: Optional[Path], line: str) -> str:
+    """A training failure after a checkpoint (a data server gone, a node lost): how to continue once it is fixed."""
+    if run_dir is None or not ("(training)" in line or "(evaluating)" in line):
+        return ""
+    from visiondist.launch.stop import continue_command
+    from visiondist.utils.dcp import list_checkpoints
+
+    kept = list_checkpoints(Path(run_dir))
+    if not kept:
+        return ""
+    return f"; once fixed, continue from step {kept[-1][0]} with: {continue_command(run_dir, False)}"
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""Where shards come from: a local directory, read in place, or an `http(s)://` URL, each shard fetched whole into a
+"""Where shards come from: a local directory, read in place, or an `http(s)://` or `s3://` URL (S3 and S3-compatible
+stores through boto3: credentials and `AWS_ENDPOINT_URL` as the AWS tools take them), each shard fetched whole into a
 node-local cache on first use (as MosaicML Streaming, litdata and wids do), checked against the index's SHA-256 and
 then read in place like a local one.
 
@@ -25,7 +26,7 @@ from typing import Optional
 log = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
-REMOTE_SCHEMES = ("http://", "https://")
+REMOTE_SCHEMES = ("http://", "https://", "s3://")
 
 
 class ShardError(RuntimeError):
@@ -49,8 +50,12 @@ class ShardStore:
         root = str(root)
         self.remote = is_url(root)
         if self.remote and not root.startswith(REMOTE_SCHEMES):
-            raise ShardError(f"data.root={root}: shards are read from a directory or an http(s):// URL (serve an "
-                             "object store's bucket over HTTPS, or mount it)")
+            raise ShardError(f"data.root={root}: shards are read from a directory, an http(s):// or an s3:// URL")
+        if root.startswith("s3://"):
+            try:
+                import boto3  # noqa: F401
+            except ImportError:
+                raise ShardError(f"data.root={root}: reading s3:// needs boto3: pip install 'visiondist[s3]'") from None
         self.root = root.rstrip("/") if self.remote else str(Path(root.removeprefix("file://")).expanduser())
         digest = hashlib.sha1(self.root.encode()).hexdigest()[:16]
         self.cache = Path(cache_dir).expanduser() / digest if cache_dir else default_cache() / digest
@@ -129,8 +134,11 @@ class ShardStore:
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
             try:
                 return _get(url, dest, self.timeout_s)
-            except (OSError, urllib.error.URLError) as exc:
+            except (OSError, urllib.error.URLError, *_s3_errors()) as exc:
                 last = exc
+                if _missing(exc):  # there is nothing to wait for
+                    raise ShardError(f"cannot fetch {url}: {exc}; data.root must be where `tools/data.py pack` "
+                                     "wrote the data set") from None
                 log.warning("fetching %s failed (%s): attempt %d of %d", url, exc, attempt + 1, self.retries + 1)
         raise ShardError(f"cannot fetch {url} ({last}) after {self.retries + 1} attempts: check the server, or "
                          "raise data.fetch_retries")
@@ -161,11 +169,56 @@ def _locked(path: Path):
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+def _s3_errors() -> tuple:
+    try:
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError:
+        return ()
+    return BotoCoreError, ClientError
+
+
+def _missing(exc: Exception) -> bool:
+    """Not found or not allowed: a retry would get the same answer."""
+    if isinstance(exc, urllib.error.HTTPError):
+        return exc.code in (401, 403, 404, 410)
+    code = getattr(exc, "response", {}).get("Error", {}).get("Code", "") if hasattr(exc, "response") else ""
+    return code in ("NoSuchKey", "NoSuchBucket", "AccessDenied", "404", "403", "InvalidAccessKeyId")
+
+
+_S3_CLIENTS: dict = {}
+
+
+def _s3_object(url: str, timeout_s: float):
+    """(streaming body, its length) of an s3:// object; one client per process (clients do not survive a fork)."""
+    import boto3
+    from botocore.config import Config
+
+    key = (os.getpid(), timeout_s)
+    if key not in _S3_CLIENTS:
+        _S3_CLIENTS[key] = boto3.client("s3", config=Config(connect_timeout=timeout_s, read_timeout=timeout_s,
+                                                              retries={"max_attempts": 1}))
+    bucket, _, name = url.removeprefix("s3://").partition("/")
+    response = _S3_CLIENTS[key].get_object(Bucket=bucket, Key=name)
+    return response["Body"], response.get("ContentLength")
+
+
+@contextmanager
+def _opened(url: str, timeout_s: float):
+    if url.startswith("s3://"):
+        body, length = _s3_object(url, timeout_s)
+        try:
+            yield body, length
+        finally:
+            body.close()
+    else:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            yield response, response.headers.get("Content-Length")
+
+
 def _get(url: str, dest: Optional[Path], timeout_s: float) -> tuple[bytes, str]:
     digest = hashlib.sha256()
     chunks = []
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        expected = response.headers.get("Content-Length")
+    with _opened(url, timeout_s) as (response, expected):
         out = open(dest, "wb") if dest is not None else None
         try:
             got = 0
