@@ -3,8 +3,8 @@
     python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/imagenet-shards
     python tools/data.py pack data=shapes out=/tmp/shapes-shards max_side=320 quality=90
 
-`pack` turns the train and val splits of an ImageFolder tree (data.root; a built-in set is generated first) into
-WebDataset tar shards with an index (docs/data.md); train from them with data.format=shards data.root=<out> (a
+`pack` turns the train and val splits of an ImageFolder or COCO tree (data.root; a built-in set is generated first)
+into WebDataset tar shards with an index (docs/data.md); train from them with data.format=shards data.root=<out> (a
 directory, or the URL of a server that serves it).
 """
 
@@ -17,7 +17,7 @@ from visiondist.config import ConfigError
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TOOL = Tool(
     name="data.py",
-    about=("Prepare data: `pack` writes the train and val splits of the data config's ImageFolder tree as WebDataset "
+    about=("Prepare data: `pack` writes the train and val splits of the data config's ImageFolder or COCO tree as WebDataset "
            "tar shards with an index, in parallel, resumable; train from them with data.format=shards."),
     keys=(("out=<dir>", "where the shards go (required)"),
           ("shard_mb=<MB>", "source bytes per shard (default 256)"),
@@ -26,7 +26,7 @@ TOOL = Tool(
           ("quality=<1-100>", "JPEG quality of re-encoded images (default 90)"),
           ("workers=<N>", "packing processes (default: every core)"),
           ("overwrite=true", "replace a finished pack in out=")),
-    reads="the data config's ImageFolder tree (data.root, data.train_split, data.val_split)",
+    reads="the data config's ImageFolder or COCO tree (data.root, data.train_split, data.val_split, data.annotations)",
     writes="<out>/<split>-NNNNNN.tar, <out>/<split>.json, <out>/<split>-index.npz, <out>/dataset.json",
     examples=("python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/imagenet-shards",
               "python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/imagenet-320 max_side=320"),
@@ -46,6 +46,17 @@ def _number(cmd: Command, key: str, kind, default):
         raise ConfigError(f"{key}={value}: expected a {kind.__name__}") from None
 
 
+def _with_a_model(overrides: list[str]) -> list[str]:
+    """Packing reads no model, but the config composes one: a detector's for COCO-format data, unless named."""
+    if any(o.startswith("model=") for o in overrides):
+        return overrides
+    data = next((o.split("=", 1)[1] for o in overrides if o.startswith("data=")), None)
+    source = CONFIGS / "data" / f"{data}.yaml"
+    if data and source.is_file() and "format: coco" in source.read_text():
+        return [*overrides, "model=fasterrcnn_r50"]
+    return overrides
+
+
 def pack(cmd: Command) -> int:
     from visiondist.data import prepare_data
     from visiondist.data.shards.pack import PackError, PackOptions, pack_image_folder
@@ -53,14 +64,14 @@ def pack(cmd: Command) -> int:
     if cmd.paths != ["pack"]:
         raise ConfigError(f"tools/data.py {' '.join(cmd.paths) or '(nothing)'}: the command is `pack` (e.g. "
                           "python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/shards)")
-    cfg = load_config(CONFIGS, cmd.overrides + cmd.search, inputs=None)
+    cfg = load_config(CONFIGS, _with_a_model(cmd.overrides) + cmd.search, inputs=None)
     if cmd.show:
         print(config_text(cfg, cmd.package))
         return 0
     d = cfg.data
-    if d.format != "imagefolder":
-        raise ConfigError(f"data={d.name} is {d.format} data: pack reads ImageFolder trees (data=imagenet, "
-                          "data=shapes)")
+    if d.format == "shards":
+        raise ConfigError(f"data.format=shards: pack reads an ImageFolder or COCO tree (leave data.format as data={d.name} "
+                          "sets it)")
     if "out" not in cmd.args:
         raise ConfigError("out=<dir> is required: where the shards go")
     options = PackOptions(shard_mb=_number(cmd, "shard_mb", float, 256.0), max_side=_number(cmd, "max_side", int, None),
@@ -73,13 +84,20 @@ def pack(cmd: Command) -> int:
     root = Path(d.root).expanduser()
     if not root.is_dir():
         raise ConfigError(f"data.root={d.root}: no such directory")
+    out = Path(cmd.args["out"]).expanduser()
     try:
-        meta = pack_image_folder(root, [d.train_split, d.val_split], Path(cmd.args["out"]).expanduser(), options)
+        if d.format == "coco":
+            from visiondist.data import coco_paths
+            from visiondist.data.shards.coco import pack_coco
+
+            meta = pack_coco({s: coco_paths(d, s) for s in (d.train_split, d.val_split)}, out, options, root)
+        else:
+            meta = pack_image_folder(root, [d.train_split, d.val_split], out, options)
     except PackError as exc:
         raise ConfigError(str(exc)) from None
     for split, info in meta["splits"].items():
         print(f"{split}: {info['samples']} samples in {info['shards']} shards, {info['bytes'] / 1e6:.1f} MB")
-    print(f"{len(meta['classes'])} classes; train from it: python {Path(__file__).parent.name}/train.py "
+    print(f"{len(meta['classes'])} {'categories' if d.format == 'coco' else 'classes'}; train from it: python {Path(__file__).parent.name}/train.py "
           f"data={d.name} data.format=shards data.root={cmd.args['out']}")
     return 0
 

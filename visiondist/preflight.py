@@ -37,7 +37,7 @@ def check_inputs(cfg, purpose: str = "train") -> None:
     d = cfg.data
     if d.format == "shards":
         splits = [d.train_split, d.val_split] if purpose == "train" else [d.val_split]
-        found, where, what = _packed(d, splits, int(d.batch_size) if purpose == "train" else None)
+        found, where, what = _packed(d, splits, int(d.batch_size) if purpose == "train" else None, _task(cfg))
     elif d.synthetic is None:
         splits = [d.train_split, d.val_split] if purpose == "train" else [d.val_split]
         root = _data_root(d)
@@ -120,11 +120,17 @@ def infer_num_classes(cfg, purpose: Optional[str] = "train") -> Optional[str]:
     return f"data.num_classes={found}: inferred from the {found} {what} of {where}"
 
 
-def _packed(d, splits: list[str], need: Optional[int] = None) -> tuple[int, str, str]:
+def _task(cfg) -> str:
+    from visiondist.models.registry import spec_of
+
+    return "detection" if spec_of(cfg.model).task == "detection" else "classification"
+
+
+def _packed(d, splits: list[str], need: Optional[int] = None, kind: Optional[str] = None) -> tuple[int, str, str]:
     from visiondist.data.shards import ShardError, describe
 
     try:
-        return describe(d, splits, need)
+        return describe(d, splits, need, kind)
     except ShardError as exc:
         raise ConfigError(str(exc)) from None
 

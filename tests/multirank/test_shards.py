@@ -116,3 +116,40 @@ def test_two_nodes_of_two_ranks_each_fetch_about_half_the_shards(tmp_path, packe
     nodes = [fetched[0] + fetched[1], fetched[2] + fetched[3]]
     assert all(0.3 * every < n < 0.75 * every for n in nodes), (nodes, every, train_bytes)
     assert sum(nodes) < 1.4 * every  # not every node fetching everything (that would be 2x)
+
+
+def test_coco_from_shards_trains_evaluates_and_resumes_as_from_the_tree(tmp_path):
+    """The built-in COCO-format set, trained from its tree and from its shards: the same losses and the same 12
+    COCOeval numbers; tools/eval.py on the shard run reproduces them; a run stopped after step 2 and continued ends
+    with the uninterrupted run's loss."""
+    from test_detection_train import DETECT
+
+    from helpers import REPO
+    from visiondist.data.shards.coco import pack_coco
+    from visiondist.engine.logging import read_metrics
+
+    def evals_of(run, *columns):
+        return {r["step"]: tuple(r[c] for c in columns) for r in read_metrics(run / "metrics.csv")
+                if r.get("val_mAP") is not None}
+
+    data, packed = tmp_path / "shapes_coco", tmp_path / "packed"
+    common = [*DETECT, "trainer.max_steps=4", "trainer.eval_every=4"]
+    tree = tmp_path / "tree"
+    train_ok(*common, f"data.root={data}", f"trainer.run_dir={tree}")
+    pack_coco({s: (data / s, data / "annotations" / f"instances_{s}.json") for s in ("train", "val")}, packed,
+              PackOptions(shard_mb=0.01, workers=2, progress=False), data)
+    shards = [*common, "data.format=shards", f"data.root={packed}"]
+    run = tmp_path / "shards"
+    train_ok(*shards, f"trainer.run_dir={run}")
+    assert losses_of(run) == losses_of(tree)
+    columns = ("val_mAP", "val_AP50", "val_AP75", "val_APs", "val_APm", "val_APl", "val_AR1", "val_AR10",
+               "val_AR100", "val_ARs", "val_ARm", "val_ARl")
+    assert evals_of(run, *columns) == evals_of(tree, *columns) and len(evals_of(run, *columns)) == 1
+    evaluated = run_cli([f"run_dir={run}"], timeout=300, script=REPO / "tools" / "eval.py")
+    assert evaluated.returncode == 0 and evaluated.stdout.count("Average ") == 12, evaluated.stdout[-3000:]
+    assert json.loads(next((run / "eval").iterdir()).joinpath("eval.json").read_text())["val_mAP"] == evals_of(
+        run, "val_mAP")[4][0]
+    split = tmp_path / "split"
+    train_ok(*shards, f"trainer.run_dir={split}", "trainer.stop_at_step=2")
+    train_ok(f"trainer.run_dir={split}")  # the same world size: a detector's loss is a mean per rank's images
+    assert losses_of(split)[4] == pytest.approx(losses_of(run)[4], rel=1e-5)

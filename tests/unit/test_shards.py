@@ -75,12 +75,12 @@ def test_pack_holds_every_image_once_as_webdataset_tars(packed):
 def test_pack_refuses_a_finished_output_and_continues_an_interrupted_one(tmp_path, monkeypatch):
     source = _tree(tmp_path / "tree")
     out = tmp_path / "shards"
-    real = packing._write_index
-    monkeypatch.setattr(packing, "_write_index", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    real = packing.write_index
+    monkeypatch.setattr(packing, "write_index", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):  # stopped after the shards, before the index
         pack_image_folder(source, ["train", "val"], out, _options())
     assert not (out / "dataset.json").exists()
-    monkeypatch.setattr(packing, "_write_index", real)
+    monkeypatch.setattr(packing, "write_index", real)
     first = sorted(out.glob("train-*.tar"))
     (first[1]).unlink()
     times = {p.name: p.stat().st_mtime_ns for p in first if p.exists()}

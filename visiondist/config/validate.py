@@ -179,9 +179,6 @@ def _check_data(d: DictConfig) -> None:
     _positive("data.prefetch_factor", d.prefetch_factor)
     if d.format == "shards":
         _positive("data.streams", d.streams)
-        if d.batch_size % d.streams:
-            raise ConfigError(f"data.batch_size={d.batch_size} is not divisible by data.streams={d.streams}: set "
-                              "data.streams to a divisor of the batch (and a multiple of the number of nodes)")
     for key in ("mixup", "cutmix"):
         _positive(f"data.{key}", d[key], allow_zero=True)
     _positive("data.batch_size", d.batch_size)

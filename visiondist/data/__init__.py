@@ -175,6 +175,7 @@ class DetectionData:
     num_val: int
     val_annotations: Path  # the ground truth COCOeval scores against
     cat_of_label: dict[int, int]  # model label (1..K) -> COCO category id
+    store: object = None  # data.format=shards: the rank's `ShardStore`
 
 
 def coco_paths(cfg, split: str) -> tuple[Path, Path]:
@@ -188,21 +189,40 @@ def build_detection_data(
 ):
     """COCO-format train / val loaders for this DP rank (batches are lists: images differ in size). With
     `train=False` only the val split is read (evaluation of a checkpoint)."""
-    from visiondist.data.coco import CocoDetection, collate_detection
+    from visiondist.data.coco import collate_detection
 
     options = _loader_options(cfg, pin_memory, collate_detection)
-    val_set = CocoDetection(*coco_paths(cfg, cfg.val_split), train=False)
+    splits = _detection_splits(cfg)
+    val_set = splits(cfg.val_split, train=False)
     val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, options)
     if not train:
         return DetectionData(None, val_loader, None, val_set.classes, 0, len(val_set), val_set.ann_file,
                              val_set.cat_of)
-    train_set = CocoDetection(*coco_paths(cfg, cfg.train_split), train=True,
-                              transform=DetectionTransform(cfg, seed), max_bad_images=cfg.max_bad_images)
+    train_set = splits(cfg.train_split, train=True, transform=DetectionTransform(cfg, seed),
+                       max_bad_images=cfg.max_bad_images)
     _check_num_classes(cfg, len(train_set.classes), train_set.ann_file, "categories")
     if val_set.label_of != train_set.label_of:
         raise ValueError(f"the categories of {val_set.ann_file} differ from those of {train_set.ann_file}")
     groups = (train_set.aspect_ratios() >= 1).astype(np.int64) if cfg.aspect_grouping else None
-    sampler = TrainBatchSampler(len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed, groups=groups)
+    streams = {}
+    if cfg.format == "shards" and groups is None:  # grouping by aspect draws each batch from the whole epoch
+        streams = dict(streams=int(cfg.streams), shard_starts=train_set.shard_starts)
+    sampler = TrainBatchSampler(len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed, groups=groups,
+                                **streams)
     train_loader = register(DataLoader(train_set, batch_sampler=sampler, **options))
     return DetectionData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set),
-                         val_set.ann_file, val_set.cat_of)
+                         val_set.ann_file, val_set.cat_of, getattr(train_set, "store", None))
+
+
+def _detection_splits(cfg):
+    """split name, options -> a `CocoDetection` of the tree, or of a packed split (`data.format=shards`)."""
+    if cfg.format != "shards":
+        from visiondist.data.coco import CocoDetection
+
+        return lambda split, **kw: CocoDetection(*coco_paths(cfg, split), **kw)
+    from visiondist.data.shards import open_store, read_meta
+    from visiondist.data.shards.coco import ShardCoco
+
+    store = open_store(cfg)
+    meta = read_meta(store)
+    return lambda split, **kw: ShardCoco(store, split, meta=meta, **kw)

@@ -213,18 +213,37 @@ class CocoDetection(Dataset):
     def _load(self, index: int) -> tuple[int, np.ndarray]:
         """Read the image at `index` and check its size against the annotation file's; in training an unreadable one
         is replaced by the next readable index."""
-        n = len(self.index)
-        index, image = self._bad.read(((i % n, self.index.paths[i % n]) for i in range(index, index + n)), read_rgb)
+        index, image = self._bad.read(self._candidates(index), self._read)
         record = self.index.record(index)
         if image.shape[:2] != (record.height, record.width):
             h, w = image.shape[:2]
-            turned = (w, h) == (record.height, record.width) and exif_orientation(record.path.read_bytes()) >= 5
+            turned = (w, h) == (record.height, record.width) and exif_orientation(self._bytes(index)) >= 5
             why = ("its EXIF orientation turns it by 90 degrees, and the annotations describe the pixels as stored; "
                    "remove its orientation tag (exiftool -Orientation= <file>) or annotate the upright image" if turned
                    else "fix the annotation file's width / height or the image")
-            raise ImageSizeMismatch(f"{record.path} reads as {w}x{h} (upright) but {self.ann_file.name} says image "
+            raise ImageSizeMismatch(f"{self._where(index)} reads as {w}x{h} (upright) but {self.ann_file.name} says image "
                                     f"{record.image_id} is {record.width}x{record.height}: {why}")
         return index, image
+
+
+    # where images come from (a packed split reads them from its shards instead: `visiondist.data.shards.coco`)
+    def _candidates(self, index: int):
+        """(index, name) of the sample and of its replacements in training: the next indexes, wrapping round."""
+        n = len(self.index)
+        return ((i % n, str(self.index.paths[i % n])) for i in range(index, index + n))
+
+    def _read(self, name: str) -> np.ndarray:
+        return read_rgb(name)
+
+    def _bytes(self, index: int) -> bytes:
+        return Path(self.index.paths[index]).read_bytes()
+
+    def _where(self, index: int) -> str:
+        return str(self.index.paths[index])
+
+    def image_by_id(self, image: dict) -> np.ndarray:
+        """The upright pixels of an annotation file's image entry (the val plots)."""
+        return read_rgb(safe_image_path(self.image_root, image["file_name"]))
 
 
 def collate_detection(batch: list) -> tuple[list[torch.Tensor], list[dict]]:

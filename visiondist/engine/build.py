@@ -37,7 +37,7 @@ def check_val_images(loader) -> None:
     from visiondist.data.robust import check_images
 
     dataset = getattr(loader, "dataset", None)
-    if dataset is None or not hasattr(dataset, "paths"):  # packed shards: `tools/data.py pack` checked every image
+    if dataset is None or hasattr(dataset, "packed"):  # packed shards: `tools/data.py pack` checked every image
         return
     index = [i for batch in loader.batch_sampler for i in batch]
     check_images([dataset.paths[i] for i in index], "val images")  # ImageFolder and COCO: a `PathIndex` each

@@ -80,7 +80,7 @@ def plot_per_class(values: dict[str, Optional[float]], png: Path, title: str, xl
     return png
 
 
-def plot_predictions(detections_json: Path, ann_file: Path, image_dir: Path, png: Path, title: str,
+def plot_predictions(detections_json: Path, ann_file: Path, image_dir, png: Path, title: str,
                      images: int = 4, min_score: float = 0.3) -> Optional[Path]:
     """The first `images` val images (by id) with their ground-truth boxes (green) and the predicted boxes scoring at
     least `min_score` (red, with category and score), from a COCO results file. An image with no prediction that
@@ -117,7 +117,8 @@ def plot_predictions(detections_json: Path, ann_file: Path, image_dir: Path, png
     for ax in axes.flat:
         ax.axis("off")
     for ax, image in zip(axes.flat, chosen):
-        ax.imshow(read_rgb(Path(image_dir) / image["file_name"]))  # upright, as the boxes were annotated
+        ax.imshow(image_dir(image) if callable(image_dir)  # upright, as the boxes were annotated
+                  else read_rgb(Path(image_dir) / image["file_name"]))
         for ann in truth[image["id"]]:
             x, y, w, h = ann["bbox"]
             ax.add_patch(Rectangle((x, y), w, h, fill=False, edgecolor="lime", linewidth=1.5))

@@ -146,7 +146,8 @@ class DetectionTask:
         self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating, a spinner while scoring
         self.data = build_detection_data(cfg.data, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
                                          pin_memory=layout.device.type == "cuda", train=train)
-        self.val_images = coco_paths(cfg.data, cfg.data.val_split)[0]
+        self.val_images = (self.data.val_loader.dataset.image_by_id if cfg.data.format == "shards"  # the plots'
+                           else coco_paths(cfg.data, cfg.data.val_split)[0])  # images: a reader, or their folder
 
     def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager,
              key: tuple[int, int] = (0, 0)) -> torch.Tensor:

@@ -118,8 +118,13 @@ def check_support(cfg: DictConfig) -> None:
     """The model family against the rest of the config: the data it reads, the layout and switches it supports,
     its shape rules. One `ConfigError` naming the fix."""
     spec = spec_of(cfg.model)
-    if {"shards": "imagefolder"}.get(cfg.data.format, cfg.data.format) != spec.data_format:  # shards: classification
+    if cfg.data.format not in ("shards", spec.data_format):  # shards hold either: the preflight checks their kind
         kind = "a detector" if spec.task == "detection" else "a classifier"
         raise ConfigError(f"model={cfg.model.name} is {kind} but data={cfg.data.name} is {cfg.data.format} data: use "
                           f"{'data=shapes_coco or data=coco' if kind == 'a detector' else 'data=shapes or data=imagenet'}")
+    d = cfg.data
+    streams_apply = spec.task != "detection" or not d.aspect_grouping  # aspect groups draw from the whole epoch
+    if d.format == "shards" and streams_apply and d.batch_size % d.streams:
+        raise ConfigError(f"data.batch_size={d.batch_size} is not divisible by data.streams={d.streams}: set "
+                          "data.streams to a divisor of the batch (and a multiple of the number of nodes)")
     spec.check(cfg)

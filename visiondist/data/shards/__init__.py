@@ -19,11 +19,15 @@ def open_store(d) -> ShardStore:
                       retries=int(d.get("fetch_retries", 3)))
 
 
-def describe(d, splits: list[str], need: Optional[int] = None) -> tuple[int, str, str]:
-    """(class count, where, "classes") of a packed data set, after checking it has `splits` and, for training, at
-    least `need` training samples: a ShardError naming the fix otherwise."""
+def describe(d, splits: list[str], need: Optional[int] = None, kind: Optional[str] = None) -> tuple[int, str, str]:
+    """(class count, where, "classes") of a packed data set, after checking it holds `kind` data ("classification"
+    or "detection"), has `splits` and, for training, at least `need` training samples: a ShardError naming the fix
+    otherwise."""
     store = open_store(d)
     meta = read_meta(store)
+    if kind is not None and meta.get("kind") != kind:
+        raise ShardError(f"data.root={d.root} holds packed {meta.get('kind')} data but the model needs "
+                         f"{kind} data: pack {'a COCO data set (data=coco)' if kind == 'detection' else 'an image folder'}")
     for split in splits:
         if split not in meta["splits"]:
             key = "train_split" if split == d.train_split else "val_split"
@@ -32,4 +36,5 @@ def describe(d, splits: list[str], need: Optional[int] = None) -> tuple[int, str
     if need is not None and meta["splits"][d.train_split]["samples"] < need:
         raise ShardError(f"data.root={d.root}: the training split has {meta['splits'][d.train_split]['samples']} "
                          f"samples, fewer than one global batch data.batch_size={need}: lower data.batch_size")
-    return len(meta["classes"]), store.url("dataset.json"), "classes"
+    return len(meta["classes"]), store.url("dataset.json"), ("categories" if meta.get("kind") == "detection"
+                                                             else "classes")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
@@ -30,6 +31,44 @@ def read_meta(store: ShardStore) -> dict:
     return meta
 
 
+class PackedImages:
+    """A packed split's index: each sample's shard, byte offset and length (and `labels`: its class, or for
+    detection its COCO image id), read through the data set's store."""
+
+    def __init__(self, store: ShardStore, split: str, meta: dict):
+        if split not in meta["splits"]:
+            raise ShardError(f"{store.url('dataset.json')} has no split {split!r} (it has "
+                             f"{', '.join(meta['splits'])}): set data.train_split / data.val_split")
+        self.store, self.split = store, split
+        self.entry = json.loads(store.read_small(f"{split}.json"))
+        self.shards = self.entry["shardlist"]
+        index = store.local(self.entry["index"], self.entry["index_sha256"], self.entry["index_size"])
+        with np.load(io.BytesIO(index.read_bytes())) as arrays:
+            self.labels, self.shard, self.offset, self.length = (
+                arrays[k] for k in ("label", "shard", "offset", "length"))
+        self.shard_starts = np.concatenate([[0], np.cumsum([s["nsamples"] for s in self.shards])])
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def name(self, index: int) -> str:
+        """Where a sample lives, for messages: `<shard>#<key>`."""
+        return f"{self.store.url(self.shards[int(self.shard[index])]['url'])}#{index:09d}"
+
+    def image_bytes(self, index: int) -> bytes:
+        s = self.shards[int(self.shard[index])]
+        return self.store.read(s["url"], s["sha256"], s["filesize"], int(self.offset[index]), int(self.length[index]))
+
+    def file(self, key: str) -> Path:
+        """A file of the split's entry (e.g. `annotations`), local: in place or fetched (SHA-256 checked)."""
+        return self.store.local(self.entry[key], self.entry[f"{key}_sha256"], self.entry[f"{key}_size"])
+
+
+def key_of(name: str) -> int:
+    """The sample index of a `PackedImages.name`."""
+    return int(name.rsplit("#", 1)[1])
+
+
 class ShardSplit(Dataset):
     """Indexed by an int or by a `(index, epoch)` key, as `ImageFolder`. In training an unreadable image is replaced
     by the next readable image of its class (`visiondist.data.robust`); in evaluation it is an error."""
@@ -38,17 +77,10 @@ class ShardSplit(Dataset):
                  max_bad_images: int = 10, reader: Optional[Callable] = None, meta: Optional[dict] = None):
         self.store, self.split = store, split
         self.meta = meta or read_meta(store)
-        if split not in self.meta["splits"]:
-            raise ShardError(f"{store.url('dataset.json')} has no split {split!r} (it has "
-                             f"{', '.join(self.meta['splits'])}): set data.train_split / data.val_split")
+        self.packed = PackedImages(store, split, self.meta)
         self.root = store.url(f"{split}.json")
-        entry = json.loads(store.read_small(f"{split}.json"))
-        self.shards = entry["shardlist"]
-        index = store.local(entry["index"], entry["index_sha256"], entry["index_size"])
-        with np.load(io.BytesIO(index.read_bytes())) as arrays:
-            self.targets, self.shard, self.offset, self.length = (
-                arrays[k] for k in ("label", "shard", "offset", "length"))
-        self.shard_starts = np.concatenate([[0], np.cumsum([s["nsamples"] for s in self.shards])])
+        self.targets, self.shard, self.shard_starts = self.packed.labels, self.packed.shard, self.packed.shard_starts
+        self.offset, self.length, self.shards = self.packed.offset, self.packed.length, self.packed.shards
         self.classes = list(self.meta["classes"])
         self.transform = transform
         self.decode = reader or decode_rgb  # `device_decode.encoded_or_decoded` under data.decode_on=device
@@ -63,12 +95,10 @@ class ShardSplit(Dataset):
         return len(self.targets)
 
     def name(self, index: int) -> str:
-        """Where a sample lives, for messages: `<shard>#<key>`."""
-        return f"{self.store.url(self.shards[int(self.shard[index])]['url'])}#{index:09d}"
+        return self.packed.name(index)
 
     def image_bytes(self, index: int) -> bytes:
-        s = self.shards[int(self.shard[index])]
-        return self.store.read(s["url"], s["sha256"], s["filesize"], int(self.offset[index]), int(self.length[index]))
+        return self.packed.image_bytes(index)
 
     def _candidates(self, index: int):
         label = int(self.targets[index])
@@ -79,7 +109,7 @@ class ShardSplit(Dataset):
             yield i, self.name(i)
 
     def _read(self, name: str):
-        return self.decode(self.image_bytes(int(name.rsplit("#", 1)[1])), name)
+        return self.decode(self.image_bytes(key_of(name)), name)
 
     def __getitem__(self, key):
         index, epoch = key if isinstance(key, tuple) else (key, 0)

@@ -55,46 +55,57 @@ def pack_image_folder(source: Path, splits: list[str], out: Path, options: PackO
     from visiondist.data.index import list_image_folder
 
     out = Path(out)
-    _claim(out, options.overwrite)
+    claim(out, options.overwrite)
     listed = {split: list_image_folder(Path(source) / split, cache=False) for split in splits}
     classes = listed[splits[0]][0]
     for split in splits[1:]:
         if listed[split][0] != classes:
             raise PackError(f"the class folders of {Path(source) / split} differ from those of "
                             f"{Path(source) / splits[0]}: every split must have the same classes")
-    plans = {split: _plan(split, *listed[split][1:], options) for split in splits}
-    _check_plan(out, plans, options)
-    jobs = [job for split in splits for job in plans[split]]
-    records = _write_all(out, jobs, options)
-    meta = {"format": FORMAT, "version": VERSION, "kind": "classification", "classes": classes,
+    plans = {split: plan(split, *listed[split][1:], options) for split in splits}
+    check_plan(out, plans, options)
+    records = write_all(out, [job for split in splits for job in plans[split]], options)
+    meta = describe_pack("classification", classes, source, options)
+    for split in splits:
+        meta["splits"][split] = write_index(out, split, plans[split], records)
+    return finish(out, meta)
+
+
+def describe_pack(kind: str, classes: list[str], source: Path, options: PackOptions) -> dict:
+    return {"format": FORMAT, "version": VERSION, "kind": kind, "classes": classes,
             "source": str(Path(source).resolve()), "seed": options.seed,
             "reencoded": {"max_side": options.max_side, "quality": options.quality} if options.max_side else None,
             "splits": {}}
-    for split in splits:
-        meta["splits"][split] = _write_index(out, split, plans[split], records)
+
+
+def finish(out: Path, meta: dict) -> dict:
+    """dataset.json, written last: its presence says the pack is whole."""
     (out / "dataset.json.tmp").write_text(json.dumps(meta, indent=1))
     os.replace(out / "dataset.json.tmp", out / "dataset.json")
     shutil.rmtree(out / ".pack", ignore_errors=True)
     return meta
 
 
-def _claim(out: Path, overwrite: bool) -> None:
+def claim(out: Path, overwrite: bool) -> None:
     if (out / "dataset.json").is_file():
         if not overwrite:
             raise PackError(f"{out} already holds a finished pack: add overwrite=true to replace it, or choose "
                             "another out=")
         splits = list(json.loads((out / "dataset.json").read_text()).get("splits", {}))
         for split in splits:  # only what a pack wrote
-            for path in [*out.glob(f"{split}-*.tar"), out / f"{split}-index.npz", out / f"{split}.json"]:
+            for path in [*out.glob(f"{split}-*.tar"), out / f"{split}-index.npz", out / f"{split}.json",
+                         out / f"{split}-annotations.json"]:
                 path.unlink(missing_ok=True)
         (out / "dataset.json").unlink()
         shutil.rmtree(out / ".pack", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _plan(split: str, paths, labels, options: PackOptions) -> list[dict]:
-    """The split's shards: samples in a shuffled order, cut every `shard_mb` of source bytes."""
-    order = np.random.default_rng([options.seed, 0x5A4D]).permutation(len(paths))
+def plan(split: str, paths, labels, options: PackOptions, shuffle: bool = True, kind: str = "classification"
+          ) -> list[dict]:
+    """The split's shards: samples in a shuffled order (else as given), cut every `shard_mb` of source bytes."""
+    order = (np.random.default_rng([options.seed, 0x5A4D]).permutation(len(paths)) if shuffle
+             else np.arange(len(paths)))
     limit = options.shard_mb * 1e6
     jobs, current, size = [], [], 0
     for key, i in enumerate(order.tolist()):
@@ -107,10 +118,10 @@ def _plan(split: str, paths, labels, options: PackOptions) -> list[dict]:
     if current:
         jobs.append(current)
     return [dict(split=split, name=f"{split}-{k:06d}.tar", samples=samples, max_side=options.max_side,
-                 quality=options.quality) for k, samples in enumerate(jobs)]
+                 quality=options.quality, kind=kind) for k, samples in enumerate(jobs)]
 
 
-def _check_plan(out: Path, plans: dict, options: PackOptions) -> None:
+def check_plan(out: Path, plans: dict, options: PackOptions) -> None:
     """An interrupted pack continues only with the same plan (same sources, order and options); else it restarts."""
     digest = hashlib.sha256(json.dumps(
         [[(j["name"], j["samples"]) for j in plans[s]] for s in plans] + [options.max_side, options.quality],
@@ -123,7 +134,7 @@ def _check_plan(out: Path, plans: dict, options: PackOptions) -> None:
     plan_file.write_text(digest)
 
 
-def _write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, dict]:
+def write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, dict]:
     """Every shard not recorded as finished, on `options.workers` processes; the records of all."""
     from rich.progress import Progress
 
@@ -140,7 +151,8 @@ def _write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, d
     with Progress(disable=not options.progress, transient=False) as bar:
         task = bar.add_task(f"packing {len(jobs)} shards", total=total,
                             completed=sum(len(j["samples"]) for j in jobs if j["name"] in records))
-        pool = get_context("fork").Pool(min(workers, len(todo))) if workers > 1 and len(todo) > 1 else None
+        pool = (get_context("fork").Pool(min(workers, len(todo)), initializer=_quiet_worker)
+                if workers > 1 and len(todo) > 1 else None)
         written = (pool.imap_unordered if pool else map)(_write_shard, [(str(out), job) for job in todo])
         bad = []
         try:
@@ -150,14 +162,26 @@ def _write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, d
                     continue
                 records[record["name"]] = record
                 bar.advance(task, record["nsamples"])
-        finally:
+        except BaseException:
             if pool is not None:
                 pool.terminate()
+            raise
+        if pool is not None:
+            pool.close()
+            pool.join()
     if bad:  # what training would stop at or evaluation refuse; the shards without them are kept for a rerun
         path, reason = sorted(bad)[0]
         raise PackError(f"{len(bad)} images cannot be read, e.g. {path}: {reason}; fix or remove them and run the "
                         "same command again (the finished shards are kept)")
     return records
+
+
+def _quiet_worker() -> None:
+    """A packing process leaves stop signals to the command (which ends the pool; finished shards are kept)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _write_shard(args) -> dict:
@@ -174,7 +198,10 @@ def _write_shard(args) -> dict:
             data, ext = _image_bytes(path, job["max_side"], job["quality"])
             offsets.append(_add(tar, f"{key:09d}{ext}", data))
             sizes.append(len(data))
-            _add(tar, f"{key:09d}.cls", str(label).encode())
+            if job["kind"] == "detection":  # the COCO image id; its boxes are in <split>-annotations.json
+                _add(tar, f"{key:09d}.json", json.dumps({"image_id": label}).encode())
+            else:
+                _add(tar, f"{key:09d}.cls", str(label).encode())
     digest = hashlib.sha256()
     with open(tmp, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -216,8 +243,9 @@ def _image_bytes(path: str, max_side: Optional[int], quality: int) -> tuple[byte
     return encoded.tobytes(), ".jpg"
 
 
-def _write_index(out: Path, split: str, jobs: list[dict], records: dict) -> dict:
-    """`<split>-index.npz` and `<split>.json`; checks every sample is in exactly one shard."""
+def write_index(out: Path, split: str, jobs: list[dict], records: dict, extra: Optional[dict] = None) -> dict:
+    """`<split>-index.npz` and `<split>.json` (with `extra` entries); checks every sample is in exactly one shard.
+    `label` holds the class (classification) or the COCO image id (detection)."""
     labels, shard, offset, length = [], [], [], []
     shardlist = []
     for k, job in enumerate(jobs):
@@ -239,6 +267,6 @@ def _write_index(out: Path, split: str, jobs: list[dict], records: dict) -> dict
                  offset=np.asarray(offset, np.int64), length=np.asarray(length, np.int64))
     entry = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": split, "shardlist": shardlist,
              "index": index.name, "index_sha256": hashlib.sha256(index.read_bytes()).hexdigest(),
-             "index_size": index.stat().st_size}
+             "index_size": index.stat().st_size, **(extra or {})}
     (out / f"{split}.json").write_text(json.dumps(entry, indent=1))
     return {"samples": len(keys), "shards": len(jobs), "bytes": sum(r["filesize"] for r in shardlist)}
