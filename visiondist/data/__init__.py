@@ -134,7 +134,7 @@ def build_classification_data(
         raise ValueError(f"class folders of {val_set.root} differ from those of {train_set.root}")
 
     streams = {}
-    if cfg.format == "shards":  # each rank reads about 1 / ranks of the shards per epoch
+    if cfg.get("format") == "shards":  # each rank reads about 1 / ranks of the shards per epoch
         streams = dict(streams=int(cfg.streams), shard_starts=train_set.shard_starts)
     sampler = TrainBatchSampler(len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed, **streams)
     options = _loader_options(cfg, pin_memory)
@@ -150,7 +150,7 @@ def build_classification_data(
 def _classification_splits(cfg):
     """split name, transform, options -> the split's dataset: an `ImageFolder` under `<root>/<split>`, or a packed
     split (`data.format=shards`) read through one store per rank."""
-    if cfg.format != "shards":
+    if cfg.get("format", "imagefolder") != "shards":
         root = Path(cfg.root).expanduser()
         return lambda split, transform, reader=None, **kw: ImageFolder(root / split, transform, reader=reader, **kw)
     from visiondist.data.device_decode import encoded_or_decoded, read_encoded
@@ -205,7 +205,7 @@ def build_detection_data(
         raise ValueError(f"the categories of {val_set.ann_file} differ from those of {train_set.ann_file}")
     groups = (train_set.aspect_ratios() >= 1).astype(np.int64) if cfg.aspect_grouping else None
     streams = {}
-    if cfg.format == "shards" and groups is None:  # grouping by aspect draws each batch from the whole epoch
+    if cfg.get("format") == "shards" and groups is None:  # grouping by aspect draws each batch from the whole epoch
         streams = dict(streams=int(cfg.streams), shard_starts=train_set.shard_starts)
     sampler = TrainBatchSampler(len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed, groups=groups,
                                 **streams)
@@ -216,7 +216,7 @@ def build_detection_data(
 
 def _detection_splits(cfg):
     """split name, options -> a `CocoDetection` of the tree, or of a packed split (`data.format=shards`)."""
-    if cfg.format != "shards":
+    if cfg.get("format", "imagefolder") != "shards":
         from visiondist.data.coco import CocoDetection
 
         return lambda split, **kw: CocoDetection(*coco_paths(cfg, split), **kw)
