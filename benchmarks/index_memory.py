@@ -1,7 +1,8 @@
 """What a data set's index costs a rank and its loader workers: start-up time and memory of the index of an
 ImageFolder tree of 200,000 files (1,000 classes x 200, empty files: only the listing matters here), as a list of
 (path, label) tuples (the previous index) and as arrays (`visiondist.data.index`), listed afresh and from the
-listing cache; and of a COCO annotation file of 50,000 images with 7 boxes each, as record objects with
+listing cache; as a packed split's index (`data.format=shards`: 200 shards of 1,000, an index of arrays; written
+here without image bytes, which its start-up does not read); and of a COCO annotation file of 50,000 images with 7 boxes each, as record objects with
 pycocotools' COCO kept (the previous index) and as arrays (`visiondist.data.coco.CocoIndex`).
 
 Each variant runs in its own process: it builds the index (timed; its growth of the process's resident memory is the
@@ -123,6 +124,11 @@ def measure(variant: str, split: str) -> dict:
     if variant == "tuples":
         samples, _ = _old_index(split_path)
         get, n = _TupleIndex(samples), len(samples)  # workers read samples[i][0], as the previous dataset did
+    elif variant == "shards":
+        from visiondist.data.shards import ShardSplit, ShardStore
+
+        dataset = ShardSplit(ShardStore(split), "train")
+        get, n = _ShardEntries(dataset), len(dataset)  # workers look up each sample's shard, offset and length
     elif variant.startswith("COCO"):
         get = (_Records if "records" in variant else _Arrays)(split_path)
         n = len(get.records if hasattr(get, "records") else get.index)
@@ -144,6 +150,38 @@ def measure(variant: str, split: str) -> dict:
     return {"variant": variant, "files": n, "build_s": round(seconds, 3), "rank_mb": round(rank_mb, 1),
             "copied_per_worker_mb": round(sum(copied) / len(copied), 1),
             "rank_plus_workers_mb": round(rank_mb + sum(copied), 1)}
+
+
+class _ShardEntries:
+    def __init__(self, dataset):
+        self.d = dataset
+
+    def __getitem__(self, i):
+        return self.d.shards[int(self.d.shard[i])]["url"], int(self.d.offset[i]), int(self.d.length[i])
+
+
+def _fake_pack(root: Path, files: int, classes: int = 1000, per_shard: int = 1000) -> Path:
+    """dataset.json, train.json and train-index.npz of a pack of `files` samples (no tars: the index is measured)."""
+    import hashlib
+
+    import numpy as np
+
+    root.mkdir()
+    labels = np.random.default_rng(0).integers(0, classes, files)
+    shards = -(-files // per_shard)
+    index = root / "train-index.npz"
+    np.savez(index, label=labels.astype(np.int64), shard=(np.arange(files) // per_shard).astype(np.int32),
+             offset=(np.arange(files) % per_shard * 110_000 + 512).astype(np.int64),
+             length=np.full(files, 110_000, np.int64))
+    data = index.read_bytes()
+    (root / "train.json").write_text(json.dumps({
+        "wids_version": 1, "shardlist": [{"url": f"train-{k:06d}.tar", "nsamples": min(per_shard, files - k * per_shard),
+                                          "filesize": 1, "sha256": "0" * 64} for k in range(shards)],
+        "index": index.name, "index_sha256": hashlib.sha256(data).hexdigest(), "index_size": len(data)}))
+    (root / "dataset.json").write_text(json.dumps({"format": "visiondist-shards", "version": 1, "kind": "classification",
+                                                   "classes": [f"n{c:08d}" for c in range(classes)],
+                                                   "splits": {"train": {"samples": files}}}))
+    return root
 
 
 class _TupleIndex:
@@ -171,9 +209,11 @@ def main() -> None:
               flush=True)
         env = {**os.environ, "XDG_CACHE_HOME": str(Path(tmp) / "cache")}
         coco = _coco_tree(Path(tmp), args.coco_images)
+        packed = _fake_pack(Path(tmp) / "packed", args.files)
         rows = []
         for variant, where in (("tuples", split), ("arrays, listed", split), ("arrays, cache written", split),
-                               ("arrays, from the cache", split), ("COCO records + pycocotools", coco),
+                               ("arrays, from the cache", split), ("shards", packed),
+                               ("COCO records + pycocotools", coco),
                                ("COCO arrays", coco)):
             out = subprocess.run([sys.executable, __file__, "--measure", variant, str(where)], env=env,
                                  capture_output=True, text=True, check=True)

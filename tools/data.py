@@ -102,5 +102,9 @@ def pack(cmd: Command) -> int:
     return 0
 
 
+def main(argv: list[str]) -> int:
+    return cli_main(TOOL, CONFIGS, argv, pack)
+
+
 if __name__ == "__main__":
-    sys.exit(cli_main(TOOL, CONFIGS, sys.argv[1:], pack))
+    sys.exit(main(sys.argv[1:]))

@@ -99,6 +99,10 @@ def infer_num_classes(cfg, purpose: Optional[str] = "train") -> Optional[str]:
     if not OmegaConf.is_missing(d, "num_classes") or d.synthetic is not None or OmegaConf.is_missing(d, "root"):
         return None
     if d.format == "shards":
+        from visiondist.data.shards.store import is_url
+
+        if purpose is None and is_url(str(d.root)):  # printing, planning: no fetching
+            return None
         try:
             found, where, what = _packed(d, [])
         except ConfigError:
