@@ -60,13 +60,21 @@ def test_dp2_from_an_s3_endpoint_equals_one_process(tmp_path, packed, one_proces
 
 
 def test_a_shard_run_continues_on_another_world_size(tmp_path, packed, one_process):
-    """Stopped after 4 steps on 2 ranks, continued on 1 (and 1 -> 2): the uninterrupted run's losses."""
+    """Stopped after 4 steps on 2 ranks, continued on 1 (and 1 -> 2) over HTTP: the uninterrupted run's losses, and
+    after 1 -> 2 each rank fetches its part of the shards, not all of them."""
+    every = sum(p.stat().st_size for p in packed.iterdir() if p.suffix in (".tar", ".npz"))
     for first, then in (("parallel.dp=2", "parallel.dp=1"), ("parallel.dp=1", "parallel.dp=2")):
         run = tmp_path / first.replace("parallel.dp=", "dp")
         train_ok(*_args(packed, run, first, "trainer.stop_at_step=4"))
-        train_ok(f"trainer.run_dir={run}", then)
+        with serve(packed) as url:
+            train_ok(f"trainer.run_dir={run}", then, f"data.root={url}", "trainer.allow_changes=true",  # same pack
+                     f"data.cache_dir={run}-cache")
         a, b = losses_of(one_process), losses_of(run)
         assert [b[s] for s in range(5, STEPS + 1)] == pytest.approx([a[s] for s in range(5, STEPS + 1)], rel=1e-5)
+        fetched = json.loads((run / "summary.json").read_text())["shard bytes fetched per rank"]
+        assert len(fetched) == int(then[-1]) and all(f > 0 for f in fetched), fetched
+        if then == "parallel.dp=2":
+            assert all(f < 0.8 * every for f in fetched), (fetched, every)
 
 
 def test_a_server_killed_mid_epoch_ends_the_job_naming_the_shard_and_the_run_continues(tmp_path, packed,
