@@ -11,6 +11,8 @@ directory, or the URL of a server that serves it).
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from visiondist.cli import Command, Tool, config_text, load_config, main as cli_main
 from visiondist.config import ConfigError
 
@@ -20,7 +22,7 @@ TOOL = Tool(
     about=("Prepare data: `pack` writes the train and val splits of the data config's ImageFolder or COCO tree as WebDataset "
            "tar shards with an index, in parallel, resumable; train from them with data.format=shards."),
     keys=(("out=<dir>", "where the shards go (required)"),
-          ("shard_mb=<MB>", "source bytes per shard (default 256)"),
+          ("shard_mb=<MB>", "source bytes per shard (default: 256, or less so that a split has at least 64 shards)"),
           ("max_side=<px>", "re-encode every image as JPEG with its longer side at most this (default: the files as "
                             "they are)"),
           ("quality=<1-100>", "JPEG quality of re-encoded images (default 90)"),
@@ -33,6 +35,7 @@ TOOL = Tool(
     run_dir=False,
     multirun=False,
     positional=True,
+    command="pack",
 )
 
 
@@ -62,29 +65,37 @@ def pack(cmd: Command) -> int:
     from visiondist.data.shards.pack import PackError, PackOptions, pack_image_folder
 
     if cmd.paths != ["pack"]:
-        raise ConfigError(f"tools/data.py {' '.join(cmd.paths) or '(nothing)'}: the command is `pack` (e.g. "
-                          "python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/shards)")
+        said = f"`{' '.join(cmd.paths)}` is not a command of tools/data.py" if cmd.paths else "tools/data.py needs a command"
+        raise ConfigError(f"{said}: use pack (e.g. python tools/data.py pack data=imagenet data.root=/data/imagenet "
+                          "out=/data/shards)")
     cfg = load_config(CONFIGS, _with_a_model(cmd.overrides) + cmd.search, inputs=None)
     if cmd.show:
         print(config_text(cfg, cmd.package))
         return 0
     d = cfg.data
+    if OmegaConf.is_missing(d, "root"):
+        raise ConfigError(f"data.root must be set (??? in the config): add data.root=/path/to/{d.name}")
     if d.format == "shards":
         raise ConfigError(f"data.format=shards: pack reads an ImageFolder or COCO tree (leave data.format as data={d.name} "
                           "sets it)")
     if "out" not in cmd.args:
         raise ConfigError("out=<dir> is required: where the shards go")
-    options = PackOptions(shard_mb=_number(cmd, "shard_mb", float, 256.0), max_side=_number(cmd, "max_side", int, None),
+    options = PackOptions(shard_mb=_number(cmd, "shard_mb", float, None), max_side=_number(cmd, "max_side", int, None),
                           quality=_number(cmd, "quality", int, 90), workers=_number(cmd, "workers", int, -1),
                           overwrite=cmd.args.get("overwrite", "false").lower() in ("1", "true", "yes"),
                           progress=sys.stderr.isatty())
-    if not 1 <= options.quality <= 100 or options.shard_mb <= 0:
+    if not 1 <= options.quality <= 100 or (options.shard_mb is not None and options.shard_mb <= 0):
         raise ConfigError("quality= is 1-100 and shard_mb= above 0")
-    prepare_data(d, show_progress=sys.stderr.isatty())  # a built-in set: generated first
+    out = Path(cmd.args["out"]).expanduser()
+    if (out / "dataset.json").is_file() and not options.overwrite:  # before any work
+        raise ConfigError(f"{out} already holds a finished pack: add overwrite=true to replace it, or choose another "
+                          "out=")
     root = Path(d.root).expanduser()
+    if d.synthetic is not None and not root.is_dir():
+        print(f"generating the built-in {d.name} set in {root} first", flush=True)
+    prepare_data(d, show_progress=sys.stderr.isatty())  # a built-in set: generated first
     if not root.is_dir():
         raise ConfigError(f"data.root={d.root}: no such directory")
-    out = Path(cmd.args["out"]).expanduser()
     try:
         if d.format == "coco":
             from visiondist.data import coco_paths
@@ -93,10 +104,11 @@ def pack(cmd: Command) -> int:
             meta = pack_coco({s: coco_paths(d, s) for s in (d.train_split, d.val_split)}, out, options, root)
         else:
             meta = pack_image_folder(root, [d.train_split, d.val_split], out, options)
-    except PackError as exc:
+    except (PackError, FileNotFoundError, NotADirectoryError) as exc:  # a split or annotation file missing
         raise ConfigError(str(exc)) from None
     for split, info in meta["splits"].items():
-        print(f"{split}: {info['samples']} samples in {info['shards']} shards, {info['bytes'] / 1e6:.1f} MB")
+        print(f"{split}: {info['samples']} samples in {info['shards']} shard{'' if info['shards'] == 1 else 's'}, "
+              f"{info['bytes'] / 1e6:.1f} MB")
     print(f"{len(meta['classes'])} {'categories' if d.format == 'coco' else 'classes'}; train from it: python {Path(__file__).parent.name}/train.py "
           f"data={d.name} data.format=shards data.root={cmd.args['out']}")
     return 0

@@ -35,6 +35,7 @@ def check_inputs(cfg, purpose: str = "train") -> None:
 
         check_trackers_installed(cfg.trainer.loggers)
     d = cfg.data
+    _not_a_pack(d)
     if d.format == "shards":
         splits = [d.train_split, d.val_split] if purpose == "train" else [d.val_split]
         found, where, what = _packed(d, splits, int(d.batch_size) if purpose == "train" else None, _task(cfg))
@@ -98,6 +99,8 @@ def infer_num_classes(cfg, purpose: Optional[str] = "train") -> Optional[str]:
     d = cfg.data
     if not OmegaConf.is_missing(d, "num_classes") or d.synthetic is not None or OmegaConf.is_missing(d, "root"):
         return None
+    if purpose is not None:
+        _not_a_pack(d)
     if d.format == "shards":
         from visiondist.data.shards.store import is_url
 
@@ -122,6 +125,21 @@ def infer_num_classes(cfg, purpose: Optional[str] = "train") -> Optional[str]:
     if OmegaConf.is_missing(cfg.model, "num_classes"):
         cfg.model.num_classes = found
     return f"data.num_classes={found}: inferred from the {found} {what} of {where}"
+
+
+def _not_a_pack(d) -> None:
+    """A tree config pointed at a packed directory: say so (its dataset.json is not a built-in set's marker)."""
+    import json
+
+    if d.format == "shards" or "://" in str(d.root):
+        return
+    marker = Path(d.root).expanduser() / "dataset.json"
+    try:
+        packed = marker.is_file() and json.loads(marker.read_text()).get("format") == "visiondist-shards"
+    except (OSError, ValueError, AttributeError):
+        return
+    if packed:
+        raise ConfigError(f"data.root={d.root} holds packed shards (tools/data.py pack): add data.format=shards")
 
 
 def _task(cfg) -> str:

@@ -43,7 +43,7 @@ def test_dp2_over_http_equals_one_process_on_the_directory(tmp_path, packed, one
     a, b = losses_of(one_process), losses_of(run)
     assert list(b) == list(range(1, STEPS + 1))
     assert [b[s] for s in b] == pytest.approx([a[s] for s in a], rel=1e-5)
-    fetched = json.loads((run / "summary.json").read_text())["shard bytes fetched per rank"]
+    fetched = json.loads((run / "summary.json").read_text())["shard MB fetched per rank"]
     assert len(fetched) == 2 and all(f > 0 for f in fetched)
 
 
@@ -62,7 +62,7 @@ def test_dp2_from_an_s3_endpoint_equals_one_process(tmp_path, packed, one_proces
 def test_a_shard_run_continues_on_another_world_size(tmp_path, packed, one_process):
     """Stopped after 4 steps on 2 ranks, continued on 1 (and 1 -> 2) over HTTP: the uninterrupted run's losses, and
     after 1 -> 2 each rank fetches its part of the shards, not all of them."""
-    every = sum(p.stat().st_size for p in packed.iterdir() if p.suffix in (".tar", ".npz"))
+    every = sum(p.stat().st_size for p in packed.iterdir() if p.suffix in (".tar", ".npz")) / 1e6  # MB
     for first, then in (("parallel.dp=2", "parallel.dp=1"), ("parallel.dp=1", "parallel.dp=2")):
         run = tmp_path / first.replace("parallel.dp=", "dp")
         train_ok(*_args(packed, run, first, "trainer.stop_at_step=4"))
@@ -71,7 +71,7 @@ def test_a_shard_run_continues_on_another_world_size(tmp_path, packed, one_proce
                      f"data.cache_dir={run}-cache")
         a, b = losses_of(one_process), losses_of(run)
         assert [b[s] for s in range(5, STEPS + 1)] == pytest.approx([a[s] for s in range(5, STEPS + 1)], rel=1e-5)
-        fetched = json.loads((run / "summary.json").read_text())["shard bytes fetched per rank"]
+        fetched = json.loads((run / "summary.json").read_text())["shard MB fetched per rank"]
         assert len(fetched) == int(then[-1]) and all(f > 0 for f in fetched), fetched
         if then == "parallel.dp=2":
             assert all(f < 0.8 * every for f in fetched), (fetched, every)
@@ -111,8 +111,8 @@ def test_two_nodes_of_two_ranks_each_fetch_about_half_the_shards(tmp_path, packe
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    train_bytes = sum(s["filesize"] for s in json.loads((packed / "train.json").read_text())["shardlist"])
-    every = sum(p.stat().st_size for p in packed.iterdir() if p.suffix in (".tar", ".npz"))
+    train_bytes = sum(s["filesize"] for s in json.loads((packed / "train.json").read_text())["shardlist"]) / 1e6
+    every = sum(p.stat().st_size for p in packed.iterdir() if p.suffix in (".tar", ".npz")) / 1e6  # MB
     with serve(packed) as url:
         agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
                  "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=shards", "--max-restarts=0",
@@ -120,7 +120,7 @@ def test_two_nodes_of_two_ranks_each_fetch_about_half_the_shards(tmp_path, packe
         envs = [{"XDG_CACHE_HOME": str(tmp_path / f"node{n}")} for n in range(2)]
         for result in run_together([agent, agent], timeout=300, envs=envs):
             assert result.returncode == 0, result.stdout[-4000:]
-    fetched = json.loads((tmp_path / "run" / "summary.json").read_text())["shard bytes fetched per rank"]
+    fetched = json.loads((tmp_path / "run" / "summary.json").read_text())["shard MB fetched per rank"]
     nodes = [fetched[0] + fetched[1], fetched[2] + fetched[3]]
     assert all(0.3 * every < n < 0.75 * every for n in nodes), (nodes, every, train_bytes)
     assert sum(nodes) < 1.4 * every  # not every node fetching everything (that would be 2x)

@@ -159,7 +159,7 @@ def test_the_cache_keeps_under_its_limit(packed, tmp_path):
         split = ShardSplit(store, "train")
         for i in range(len(split)):
             split.image_bytes(i)
-            held = sum(p.stat().st_size for p in store.cache.iterdir() if p.suffix not in (".lock", ".part"))
+            held = sum(p.stat().st_size for p in store.cache.iterdir() if p.suffix in (".tar", ".npz"))
             assert held <= limit
         assert store.fetched.value > sum(s["filesize"] for s in entry["shardlist"])  # it had to fetch some twice
 
@@ -204,3 +204,28 @@ def test_s3_shards_read_as_the_directory(packed, tmp_path, monkeypatch):
         assert store.fetched.value == (out / "val-index.npz").stat().st_size + sum(s["filesize"] for s in remote.shards)
         with pytest.raises(ShardError, match=rf"cannot fetch {url}/nothing\.tar: .*NoSuchKey"):  # not retried
             store.local("nothing.tar", "0" * 64, 10)
+
+
+def test_a_node_with_the_shards_cached_trains_on_while_the_server_is_away(packed, tmp_path):
+    _, out, _ = packed
+    cache = str(tmp_path / "cache")
+    with serve(out) as url:
+        first = ShardSplit(ShardStore(url, cache_dir=cache), "val")
+        expected = [first.image_bytes(i) for i in range(len(first))]
+    again = ShardSplit(ShardStore(url, cache_dir=cache, retries=0), "val")  # the server is gone
+    assert [again.image_bytes(i) for i in range(len(again))] == expected and again.store.fetched.value == 0
+    with pytest.raises(ShardError, match=r"cannot fetch .*dataset\.json .* check that the server is up"):
+        ShardSplit(ShardStore(url, cache_dir=str(tmp_path / "empty"), retries=0), "val")
+
+
+def test_a_tree_config_on_a_pack_and_shards_on_a_tree_say_what_to_change(packed):
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+
+    source, out, _ = packed
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    with pytest.raises(ConfigError, match=rf"data.root={out} holds packed shards .*: add data.format=shards"):
+        load_config(configs, ["data=imagenet", f"data.root={out}"], inputs="train")
+    with pytest.raises(ConfigError, match=r"with data.format=shards, data.root is a directory `tools/data.py pack` "
+                                          r"wrote .*or drop data.format=shards"):
+        load_config(configs, ["data=imagenet", "data.format=shards", f"data.root={source}"], inputs="train")

@@ -45,6 +45,7 @@ class Tool:
     run_dir: bool = True  # writes a run dir, which hydra.run.dir / trainer.run_dir choose
     multirun: bool = True  # -m
     positional: bool = False  # takes a bare path (a deprecated spelling; the tool says which key it became)
+    command: str = ""  # a tool with subcommands: the usage line's first word (tools/data.py: "pack")
 
     @property
     def key_names(self) -> list[str]:
@@ -313,7 +314,7 @@ def config_text(cfg: DictConfig, package: Optional[str] = None) -> str:
 
 def usage(tool: Tool, config_dir: Path) -> str:
     """--help: the form, the tool's keys, what it reads and writes, the flags, each config group's options."""
-    form = " ".join(["[flags]", *(f"[{key}]" for key, _ in tool.keys),
+    form = " ".join([*([tool.command] if tool.command else []), "[flags]", *(f"[{key}]" for key, _ in tool.keys),
                      *(["[group=option ...] [group.key=value ...]"] if tool.config else [])])
     lines = [f"usage: python tools/{tool.name} {form}", "", _wrap(tool.about), ""]
     if tool.keys:

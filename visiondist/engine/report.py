@@ -107,7 +107,8 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
         "parameters per rank (M)": round(tr.rank_params / 1e6, 3),
         "layout": tr.layout_text,
         "precision": precision_text(tr.cfg.trainer, tr.layout.device),
-        "data": f"{tr.cfg.data.name}: {tr.data.num_train} train / {tr.data.num_val} val images",
+        "data": f"{tr.cfg.data.name}: {tr.data.num_train} train / {tr.data.num_val} val images"
+                + (f" (shards of {tr.cfg.data.root})" if tr.cfg.data.get("format") == "shards" else ""),
         "steps": tr.step,
         "epochs": float(f"{tr.step / tr.data.train_sampler.steps_per_epoch:.3g}"),
         "train time (s)": round(whole, 1) if whole is not None else None,  # the whole run's, over its attempts
@@ -162,19 +163,22 @@ def _device_decoding(tr) -> dict:
 
 
 def _shard_fetches(tr) -> dict:
-    """data.format=shards: the bytes of shards each DP rank (with its loader workers) fetched, gathered from every
-    rank (a collective: every rank builds the summary)."""
-    if tr.cfg.data.get("format") != "shards":
+    """data.format=shards from a URL: the MB of shards and indexes each DP rank (with its loader workers) fetched into
+    its node's cache, gathered from every rank (a collective: every rank builds the summary). A directory is read in
+    place: nothing fetched, no row."""
+    from visiondist.data.shards.store import is_url
+
+    if tr.cfg.data.get("format") != "shards" or not is_url(str(tr.cfg.data.root)):
         return {}
     import torch.distributed as dist
 
     store = getattr(tr.data, "store", None)
-    mine = int(store.fetched.value) if store is not None else 0
+    mine = round(store.fetched.value / 1e6, 3) if store is not None else 0.0
     every = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
-    return {"shard bytes fetched per rank": every}
+    return {"shard MB fetched per rank": every}
 
 
 def _exact(value: float) -> float | int:

@@ -24,7 +24,6 @@ from visiondist.data.shards.store import ShardError, ShardStore
 def pack_coco(splits: dict[str, tuple[Path, Path]], out: Path, options: PackOptions, source: Path) -> dict:
     """Pack COCO splits (split -> (image folder, annotation file)) into `out`; returns dataset.json's content."""
     out = Path(out)
-    claim(out, options.overwrite)
     plans, categories = {}, None
     for split, (images, ann_file) in splits.items():
         if not ann_file.is_file():
@@ -44,6 +43,7 @@ def pack_coco(splits: dict[str, tuple[Path, Path]], out: Path, options: PackOpti
             raise PackError(f"{len(missing)} images of {ann_file} are missing, e.g. {missing[0]}")
         plans[split] = plan(split, paths, np.asarray([im["id"] for im in entries], np.int64), options, shuffle=False,
                             kind="detection")
+    claim(out, options.overwrite)
     check_plan(out, plans, options)
     records = write_all(out, [job for split in splits for job in plans[split]], options)
     meta = describe_pack("detection", [name for _, name in categories], source, options)

@@ -24,7 +24,9 @@ def read_meta(store: ShardStore) -> dict:
     except json.JSONDecodeError as exc:
         raise ShardError(f"{store.url('dataset.json')} is not JSON ({exc})") from None
     if meta.get("format") != FORMAT:
-        raise ShardError(f"{store.url('dataset.json')} was not written by tools/data.py pack")
+        raise ShardError(f"data.root={store.root} is not a packed data set (its dataset.json was not written by "
+                         "tools/data.py pack): pack it (python tools/data.py pack data=<its config> out=DIR) and train "
+                         "from DIR, or drop data.format=shards to read it as a tree")
     if meta.get("version", 0) > VERSION:
         raise ShardError(f"{store.url('dataset.json')} is format version {meta['version']}; this visiondist reads "
                          f"up to {VERSION}: upgrade visiondist")

@@ -30,6 +30,7 @@ from typing import Optional
 import numpy as np
 
 FORMAT = "visiondist-shards"
+MIN_SHARDS = 64  # the automatic shard size's floor on a split's shards: enough for data.streams x nodes
 VERSION = 1
 EXTENSIONS = {".jpeg": ".jpg", ".jpg": ".jpg", ".png": ".png", ".webp": ".webp", ".bmp": ".bmp", ".tif": ".tif",
               ".tiff": ".tif", ".ppm": ".ppm", ".pgm": ".pgm"}
@@ -41,7 +42,7 @@ class PackError(ValueError):
 
 @dataclass
 class PackOptions:
-    shard_mb: float = 256.0  # source bytes per shard
+    shard_mb: Optional[float] = None  # source MB per shard; None: 256, or less so that a split has >= MIN_SHARDS
     max_side: Optional[int] = None  # re-encode images whose longer side exceeds this (JPEG at `quality`)
     quality: int = 90
     workers: int = -1  # processes; -1: every core
@@ -55,8 +56,8 @@ def pack_image_folder(source: Path, splits: list[str], out: Path, options: PackO
     from visiondist.data.index import list_image_folder
 
     out = Path(out)
-    claim(out, options.overwrite)
     listed = {split: list_image_folder(Path(source) / split, cache=False) for split in splits}
+    claim(out, options.overwrite)
     classes = listed[splits[0]][0]
     for split in splits[1:]:
         if listed[split][0] != classes:
@@ -106,12 +107,12 @@ def plan(split: str, paths, labels, options: PackOptions, shuffle: bool = True, 
     """The split's shards: samples in a shuffled order (else as given), cut every `shard_mb` of source bytes."""
     order = (np.random.default_rng([options.seed, 0x5A4D]).permutation(len(paths)) if shuffle
              else np.arange(len(paths)))
-    limit = options.shard_mb * 1e6
+    sizes = [os.path.getsize(p) for p in paths]
+    limit = options.shard_mb * 1e6 if options.shard_mb else min(256e6, max(sum(sizes) / MIN_SHARDS, 1.0))
     jobs, current, size = [], [], 0
     for key, i in enumerate(order.tolist()):
-        path = paths[i]
-        current.append((key, path, int(labels[i])))
-        size += os.path.getsize(path)
+        current.append((key, paths[i], int(labels[i])))
+        size += sizes[i]
         if size >= limit:
             jobs.append(current)
             current, size = [], 0

@@ -72,9 +72,24 @@ class ShardStore:
         if not self.remote:
             path = Path(self.root) / name
             if not path.is_file():
-                raise ShardError(f"{path} does not exist: data.root must be a directory `tools/data.py pack` wrote")
+                raise ShardError(f"{path} does not exist: with data.format=shards, data.root is a directory "
+                                 "`tools/data.py pack` wrote (pack it first, or drop data.format=shards to read a tree)")
             return path.read_bytes()
-        return self._download(self.url(name), None)[0]
+        cached = self.cache / f"{name}.last"
+        try:
+            data = self._download(self.url(name), None)[0]
+        except ShardError:
+            if not cached.is_file():
+                raise
+            log.warning("%s cannot be fetched: using the copy fetched on %s (the shards it lists are checked "
+                        "against it)", self.url(name), time.strftime("%Y-%m-%d %H:%M", time.localtime(
+                            cached.stat().st_mtime)))
+            return cached.read_bytes()
+        self.cache.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.part")
+        tmp.write_bytes(data)
+        os.replace(tmp, cached)  # for a run while the server is away: the cached shards stay usable
+        return data
 
     def local(self, name: str, sha256: str, size: int) -> Path:
         """The shard as a local file: in place for a directory, else fetched into the cache (once per node)."""
@@ -140,12 +155,12 @@ class ShardStore:
                     raise ShardError(f"cannot fetch {url}: {exc}; data.root must be where `tools/data.py pack` "
                                      "wrote the data set") from None
                 log.warning("fetching %s failed (%s): attempt %d of %d", url, exc, attempt + 1, self.retries + 1)
-        raise ShardError(f"cannot fetch {url} ({last}) after {self.retries + 1} attempts: check the server, or "
-                         "raise data.fetch_retries")
+        raise ShardError(f"cannot fetch {url} ({last}) after {self.retries + 1} attempts: check that the server "
+                         "is up and reachable from this node (a flaky one: raise data.fetch_retries)")
 
     def _make_room(self, size: int) -> None:
         """Drop the least recently used shards of this data set's cache until `size` more bytes fit."""
-        files = [p for p in self.cache.glob("*") if p.suffix not in (".lock", ".part")]
+        files = [p for p in self.cache.glob("*") if p.suffix not in (".lock", ".part", ".last")]
         stats = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in files), key=lambda t: t[0])
         total = sum(s for _, s, _ in stats)
         for _, s, p in stats:
