@@ -46,6 +46,7 @@ def packed(tmp_path_factory):
     return source, out, meta
 
 
+@pytest.mark.smoke
 def test_pack_holds_every_image_once_as_webdataset_tars(packed):
     source, out, meta = packed
     assert meta["classes"] == CLASSES and meta["splits"]["train"]["samples"] == 36
@@ -113,6 +114,7 @@ def test_unreadable_images_are_refused_with_a_count(tmp_path):
     assert not (tmp_path / "out" / "dataset.json").exists()
 
 
+@pytest.mark.smoke
 def test_http_shards_read_as_the_directory_and_count_the_bytes_fetched(packed, tmp_path):
     _, out, _ = packed
     local = ShardSplit(ShardStore(str(out)), "train")
