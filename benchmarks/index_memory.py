@@ -157,7 +157,8 @@ class _ShardEntries:
         self.d = dataset
 
     def __getitem__(self, i):
-        return self.d.shards[int(self.d.shard[i])]["url"], int(self.d.offset[i]), int(self.d.length[i])
+        p = self.d.packed
+        return p.shards[int(p.shard[i])]["url"], int(p.offset[i]), int(p.length[i])
 
 
 def _fake_pack(root: Path, files: int, classes: int = 1000, per_shard: int = 1000) -> Path:

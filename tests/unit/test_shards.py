@@ -68,8 +68,8 @@ def test_pack_holds_every_image_once_as_webdataset_tars(packed):
         assert sorted(found) == expected and sorted(keys) == list(range(len(expected)))
         split_set = ShardSplit(ShardStore(str(out)), split)
         assert sorted((int(split_set.targets[i]), split_set.image_bytes(i)) for i in range(len(split_set))) == expected
-    classes_per_shard = [len(set(np.asarray(ShardSplit(ShardStore(str(out)), "train").targets)[
-        ShardSplit(ShardStore(str(out)), "train").shard == k])) for k in range(3)]
+    train = ShardSplit(ShardStore(str(out)), "train")
+    classes_per_shard = [len(set(train.targets[train.packed.shard == k].tolist())) for k in range(3)]
     assert max(classes_per_shard) > 1  # shuffled before cutting: a shard is not one class
 
 
@@ -123,11 +123,11 @@ def test_http_shards_read_as_the_directory_and_count_the_bytes_fetched(packed, t
         remote = ShardSplit(store, "train")
         index_bytes = store.fetched.value
         assert index_bytes == (out / "train-index.npz").stat().st_size
-        first_shard = np.flatnonzero(remote.shard == 0)
+        first_shard = np.flatnonzero(remote.packed.shard == 0)
         assert [remote.image_bytes(int(i)) for i in first_shard] == [local.image_bytes(int(i)) for i in first_shard]
-        assert store.fetched.value - index_bytes == remote.shards[0]["filesize"]  # one shard, fetched once
+        assert store.fetched.value - index_bytes == remote.packed.shards[0]["filesize"]  # one shard, fetched once
         assert [remote.image_bytes(i) for i in range(len(remote))] == [local.image_bytes(i) for i in range(len(local))]
-        assert store.fetched.value == index_bytes + sum(s["filesize"] for s in remote.shards)
+        assert store.fetched.value == index_bytes + sum(s["filesize"] for s in remote.packed.shards)
         again = ShardStore(url, cache_dir=str(tmp_path / "cache"))  # another rank of the node: the cache serves it
         ShardSplit(again, "train").image_bytes(0)
         assert again.fetched.value == 0
@@ -145,11 +145,11 @@ def test_a_changed_shard_is_refused_and_a_dead_server_named(packed, tmp_path):
     with serve(served) as url:
         split = ShardSplit(ShardStore(url, cache_dir=str(tmp_path / "cache"), retries=1), "train")
         with pytest.raises(ShardError, match=r"train-000000\.tar: its SHA-256 .* differs from the index's"):
-            split.image_bytes(int(np.flatnonzero(split.shard == 0)[0]))
+            split.image_bytes(int(np.flatnonzero(split.packed.shard == 0)[0]))
         kept = [p.name for p in (tmp_path / "cache").rglob("train-000000.tar*") if p.suffix != ".lock"]
         assert not kept  # nothing half-kept
     with pytest.raises(ShardError, match=rf"cannot fetch {url}/train-000001\.tar .* after 2 attempts"):
-        split.image_bytes(int(np.flatnonzero(split.shard == 1)[0]))
+        split.image_bytes(int(np.flatnonzero(split.packed.shard == 1)[0]))
 
 
 def test_the_cache_keeps_under_its_limit(packed, tmp_path):
@@ -203,7 +203,8 @@ def test_s3_shards_read_as_the_directory(packed, tmp_path, monkeypatch):
         store = ShardStore(url, cache_dir=str(tmp_path / "cache"))
         remote = ShardSplit(store, "val")
         assert [remote.image_bytes(i) for i in range(len(remote))] == [local.image_bytes(i) for i in range(len(local))]
-        assert store.fetched.value == (out / "val-index.npz").stat().st_size + sum(s["filesize"] for s in remote.shards)
+        shards = sum(s["filesize"] for s in remote.packed.shards)
+        assert store.fetched.value == (out / "val-index.npz").stat().st_size + shards
         with pytest.raises(ShardError, match=rf"cannot fetch {url}/nothing\.tar: .*NoSuchKey"):  # not retried
             store.local("nothing.tar", "0" * 64, 10)
 

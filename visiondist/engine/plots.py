@@ -80,13 +80,12 @@ def plot_per_class(values: dict[str, Optional[float]], png: Path, title: str, xl
     return png
 
 
-def plot_predictions(detections_json: Path, ann_file: Path, image_dir, png: Path, title: str,
+def plot_predictions(detections_json: Path, ann_file: Path, read_image, png: Path, title: str,
                      images: int = 4, min_score: float = 0.3) -> Optional[Path]:
     """The first `images` val images (by id) with their ground-truth boxes (green) and the predicted boxes scoring at
     least `min_score` (red, with category and score), from a COCO results file. An image with no prediction that
-    sure shows its best ones instead, as many as it has true boxes (dotted: an early model's guesses are visible)."""
-    from visiondist.data.decode import read_rgb
-
+    sure shows its best ones instead, as many as it has true boxes (dotted: an early model's guesses are visible).
+    `read_image(image entry of the annotation file)` gives its upright pixels (the val set's `image_by_id`)."""
     gt = json.loads(Path(ann_file).read_text())
     if not gt["images"] or not Path(detections_json).is_file():
         return None
@@ -117,8 +116,7 @@ def plot_predictions(detections_json: Path, ann_file: Path, image_dir, png: Path
     for ax in axes.flat:
         ax.axis("off")
     for ax, image in zip(axes.flat, chosen):
-        ax.imshow(image_dir(image) if callable(image_dir)  # upright, as the boxes were annotated
-                  else read_rgb(Path(image_dir) / image["file_name"]))
+        ax.imshow(read_image(image))  # upright, as the boxes were annotated
         for ann in truth[image["id"]]:
             x, y, w, h = ann["bbox"]
             ax.add_patch(Rectangle((x, y), w, h, fill=False, edgecolor="lime", linewidth=1.5))

@@ -138,7 +138,7 @@ class DetectionTask:
     ema_keys = ("val_mAP",)
 
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
-        from visiondist.data import build_detection_data, coco_paths
+        from visiondist.data import build_detection_data
         from visiondist.data.transforms import unit_float
 
         t = cfg.trainer
@@ -146,8 +146,7 @@ class DetectionTask:
         self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating, a spinner while scoring
         self.data = build_detection_data(cfg.data, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
                                          pin_memory=layout.device.type == "cuda", train=train)
-        self.val_images = (self.data.val_loader.dataset.image_by_id if cfg.data.format == "shards"  # the plots'
-                           else coco_paths(cfg.data, cfg.data.val_split)[0])  # images: a reader, or their folder
+        self.val_image = self.data.val_loader.dataset.image_by_id  # the plots' images, from a tree or from shards
 
     def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager,
              key: tuple[int, int] = (0, 0)) -> torch.Tensor:
@@ -176,7 +175,7 @@ class DetectionTask:
         ap = {name: None if v is None else 100 * v for name, v in (m.get("val_class_AP") or {}).items()}
         pngs = [plot_per_class(ap, run_dir / "per_class_ap.png", f"{title}: AP per category{_at_step(m)}",
                                "AP@[.5:.95] (%)"),
-                plot_predictions(run_dir / "detections.json", d.val_annotations, self.val_images,
+                plot_predictions(run_dir / "detections.json", d.val_annotations, self.val_image,
                                  run_dir / "val_predictions.png", title)]
         return [p for p in pngs if p is not None]
 

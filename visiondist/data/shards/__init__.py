@@ -26,8 +26,10 @@ def describe(d, splits: list[str], need: Optional[int] = None, kind: Optional[st
     store = open_store(d)
     meta = read_meta(store)
     if kind is not None and meta.get("kind") != kind:
-        raise ShardError(f"data.root={d.root} holds packed {meta.get('kind')} data but the model needs "
-                         f"{kind} data: pack {'a COCO-format set (data=coco, data=shapes_coco)' if kind == 'detection' else 'an image folder (data=imagenet, data=shapes)'}")
+        source = ("a COCO-format set (data=coco, data=shapes_coco)" if kind == "detection"
+                  else "an image folder (data=imagenet, data=shapes)")
+        raise ShardError(f"data.root={d.root} holds packed {meta.get('kind')} data but the model needs {kind} data: "
+                         f"pack {source}")
     for split in splits:
         if split not in meta["splits"]:
             key = "train_split" if split == d.train_split else "val_split"

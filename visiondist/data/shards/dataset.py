@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
-from torch.utils.data import Dataset
 
 from visiondist.data.decode import decode_rgb
+from visiondist.data.imagefolder import LabelledImages
 from visiondist.data.robust import BadImages
 from visiondist.data.shards.pack import FORMAT, VERSION
 from visiondist.data.shards.store import ShardError, ShardStore
@@ -71,9 +71,9 @@ def key_of(name: str) -> int:
     return int(name.rsplit("#", 1)[1])
 
 
-class ShardSplit(Dataset):
-    """Indexed by an int or by a `(index, epoch)` key, as `ImageFolder`. In training an unreadable image is replaced
-    by the next readable image of its class (`visiondist.data.robust`); in evaluation it is an error."""
+class ShardSplit(LabelledImages):
+    """A packed classification split, read as `ImageFolder` reads a tree (the same keys, replacements and
+    transform); `packed` is its index."""
 
     def __init__(self, store: ShardStore, split: str, transform: Optional[Callable] = None, train: bool = False,
                  max_bad_images: int = 10, reader: Optional[Callable] = None, meta: Optional[dict] = None):
@@ -81,46 +81,18 @@ class ShardSplit(Dataset):
         self.meta = meta or read_meta(store)
         self.packed = PackedImages(store, split, self.meta)
         self.root = store.url(f"{split}.json")
-        self.targets, self.shard, self.shard_starts = self.packed.labels, self.packed.shard, self.packed.shard_starts
-        self.offset, self.length, self.shards = self.packed.offset, self.packed.length, self.packed.shards
+        self.targets, self.shard_starts = self.packed.labels, self.packed.shard_starts
         self.classes = list(self.meta["classes"])
         self.transform = transform
         self.decode = reader or decode_rgb  # `device_decode.encoded_or_decoded` under data.decode_on=device
         self._bad = BadImages(max_bad_images, train)
-        self._by_class = np.argsort(self.targets, kind="stable")  # replacements: the rest of the class, in order
-        self._rank_in_class = np.empty_like(self._by_class)
-        self._rank_in_class[self._by_class] = np.arange(len(self._by_class))
-        self._class_start = np.searchsorted(self.targets[self._by_class], np.arange(len(self.classes)))
-        self._class_size = np.bincount(self.targets, minlength=len(self.classes))
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    def name(self, index: int) -> str:
-        return self.packed.name(index)
+        self._index_classes()  # shuffled when packed: replacements follow the class in index order
 
     def image_bytes(self, index: int) -> bytes:
         return self.packed.image_bytes(index)
 
-    def _candidates(self, index: int):
-        label = int(self.targets[index])
-        start, size = int(self._class_start[label]), int(self._class_size[label])
-        first = int(self._rank_in_class[index]) - start
-        for k in range(size):
-            i = int(self._by_class[start + (first + k) % size])
-            yield i, self.name(i)
+    def _name(self, index: int) -> str:
+        return self.packed.name(index)
 
     def _read(self, name: str):
         return self.decode(self.image_bytes(key_of(name)), name)
-
-    def __getitem__(self, key):
-        index, epoch = key if isinstance(key, tuple) else (key, 0)
-        _, image = self._bad.read(self._candidates(index), self._read)
-        label = int(self.targets[index])
-        if self.transform is None:
-            return image, label
-        out = self.transform(image, index, epoch)
-        if isinstance(out, tuple):
-            return out[0], label, out[1]
-        return out, label
-

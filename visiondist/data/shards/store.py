@@ -73,7 +73,8 @@ class ShardStore:
             path = Path(self.root) / name
             if not path.is_file():
                 raise ShardError(f"{path} does not exist: with data.format=shards, data.root is a directory "
-                                 "`tools/data.py pack` wrote (pack it first, or drop data.format=shards to read a tree)")
+                                 "`tools/data.py pack` wrote (pack it first, or drop data.format=shards to read a "
+                                 "tree)")
             return path.read_bytes()
         cached = self.cache / f"{name}.last"
         try:
@@ -149,7 +150,7 @@ class ShardStore:
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
             try:
                 return _get(url, dest, self.timeout_s)
-            except (OSError, urllib.error.URLError, *_s3_errors()) as exc:
+            except (OSError, *_s3_errors()) as exc:  # urllib's errors are OSErrors
                 last = exc
                 if _missing(exc):  # there is nothing to wait for
                     raise ShardError(f"cannot fetch {url}: {exc}; data.root must be where `tools/data.py pack` "
@@ -160,8 +161,8 @@ class ShardStore:
 
     def _make_room(self, size: int) -> None:
         """Drop the least recently used shards of this data set's cache until `size` more bytes fit."""
-        files = [p for p in self.cache.glob("*") if p.suffix not in (".lock", ".part", ".last")]
-        stats = sorted(((p.stat().st_mtime, p.stat().st_size, p) for p in files), key=lambda t: t[0])
+        stats = sorted((st.st_mtime, st.st_size, p) for p in self.cache.glob("*")
+                       if p.suffix not in (".lock", ".part", ".last") for st in (p.stat(),))
         total = sum(s for _, s, _ in stats)
         for _, s, p in stats:
             if total + size <= self.cache_bytes:
