@@ -5,7 +5,7 @@ side in one process.
 
 For each model: a ViT with AdamW state (fp32 weights + two moments, as a run checkpoints them), trained on random
 112-px images. Each round, in alternating order, saves once the synchronous way and once the asynchronous way
-through `visiondist.engine.checkpoint.save_checkpoint` (what the trainer calls), then trains `--steps` steps:
+through `visiondist.checkpoint.dcp.save_checkpoint` (what the trainer calls), then trains `--steps` steps:
 
 - stall: seconds from the save's call until training may go on (sync: the whole write; async: the copy to host
   memory, plus waiting for a previous save, of which there is none here);
@@ -29,7 +29,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from visiondist.engine.checkpoint import PendingSave, init_optimizer_state, save_checkpoint
+from visiondist.checkpoint.dcp import PendingSave, save_checkpoint
+from visiondist.checkpoint.state import init_optimizer_state
 from visiondist.models.vit import VisionTransformer
 
 SHAPES = {"base": (768, 12, 12), "large": (1024, 24, 16)}  # embed dim, depth, heads (patch 16)

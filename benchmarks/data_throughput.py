@@ -220,7 +220,7 @@ def per_image_split(root: Path, count: int = 128) -> dict[str, float]:
 def vit_train_flops() -> dict[str, float]:
     """Training FLOPs per 224-px image (forward + backward) of ViT-S/B/L-16, counted on the meta device."""
     from visiondist.cli import load_config
-    from visiondist.engine.measure import train_flops_per_image
+    from visiondist.bench.measure import train_flops_per_image
 
     out = {}
     for name in ("vit_small", "vit_base", "vit_large"):

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from visiondist.engine.optim import KERNELS, param_groups
+from visiondist.train.optim import KERNELS, param_groups
 from visiondist.models.vit import VisionTransformer
 
 SHAPES = {"tiny": (192, 3), "small": (384, 6), "base": (768, 12)}  # embed dim, heads; 12 blocks, 224 px, 100 classes

@@ -96,7 +96,7 @@ def train_ok(*args: str, timeout: float = 300, script: Path = TRAIN) -> str:
 
 def evals_of(run: Path, *columns: str) -> dict[int, tuple]:
     """step -> the given evaluation columns (e.g. val_loss, val_top1) from a run's metrics.csv."""
-    from visiondist.engine.logging import read_metrics
+    from visiondist.observe.metrics import read_metrics
 
     return {int(r["step"]): tuple(r[c] for c in columns) for r in read_metrics(run / "metrics.csv")
             if r.get("val_loss") is not None}
@@ -158,7 +158,7 @@ def bf16_box_distances(model, device: str):
 
 def losses_of(run: Path) -> dict[int, float]:
     """step -> training loss from a run's metrics.csv."""
-    from visiondist.engine.logging import read_metrics
+    from visiondist.observe.metrics import read_metrics
 
     return {int(r["step"]): r["loss"] for r in read_metrics(run / "metrics.csv") if r["loss"] is not None}
 

@@ -31,7 +31,7 @@ TOOL = Tool(
 
 
 def run(cfg) -> int:
-    from visiondist.engine.benchmark import run_benchmark
+    from visiondist.bench.harness import run_benchmark
     from visiondist.launch import launch
 
     launch(run_benchmark, cfg)  # Ctrl-C / SIGTERM: the step in flight finishes, nothing is recorded (launch.JobStopped)

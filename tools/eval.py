@@ -16,7 +16,8 @@ from typing import Optional
 
 from visiondist.cli import Command, Tool, checked, config_text, load_config, load_run_config, main as cli_main
 from visiondist.config import ConfigError
-from visiondist.engine.checkpoint import is_complete, latest_checkpoint, resolve_checkpoint
+from visiondist.checkpoint.files import latest_checkpoint, resolve_checkpoint
+from visiondist.utils.dcp import is_complete
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TOOL = Tool(
@@ -51,7 +52,7 @@ def evaluate(cmd: Command) -> int:
         print(config_text(cfg, cmd.package))
         return 0
     checked(cfg, "eval")  # the val split and the weights against the model, before any rank starts
-    from visiondist.engine.run import evaluate_checkpoint
+    from visiondist.train.run import evaluate_checkpoint
     from visiondist.launch import launch
 
     if not any(o.startswith("trainer.run_dir=") for o in cmd.overrides):  # eval/<date>_<time> under `base`

@@ -3,7 +3,7 @@
     python tools/export.py run_dir=<run dir> [step=<N>] [format=safetensors|onnx|torchscript] [out=<path>]
 
 safetensors (default): one consolidated file in timm's (ViT) or torchvision's (detectors) key names, loadable with
-strict=True without visiondist, plus <out>.json saying how to build the model (see visiondist/engine/export.py).
+strict=True without visiondist, plus <out>.json saying how to build the model (see visiondist/checkpoint/export/).
 onnx: the class names (detectors: label -> COCO category id) in its metadata, checked against PyTorch with ONNX
 Runtime when it is installed (detectors: on 3 val images of the run's data when it is here; the number of boxes
 compared is printed). Weights come from the run's latest checkpoint
@@ -54,8 +54,9 @@ def export(cmd: Command) -> int:
         return 0
     out = Path(args.get("out") or run_dir / "export" / f"model{SUFFIX[fmt]}")
 
-    from visiondist.engine.export import export as export_run, load_trained
-    from visiondist.engine.export_onnx import check_onnx
+    from visiondist.checkpoint.export import export as export_run
+    from visiondist.checkpoint.export.trained import load_trained
+    from visiondist.checkpoint.export.onnx_check import check_onnx
 
     if not args.get("step", "0").isdigit() and args["step"] != "best":
         raise ConfigError(f"step={args['step']}: give a checkpoint's step number, e.g. step=500, or step=best")

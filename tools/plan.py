@@ -11,7 +11,7 @@ same config groups as train.py. Exits 1 when no layout fits (naming the smallest
 `verify=chosen` (or `verify=all`: every layout that fits) then dry-runs the layout: the first, a middle and the
 last rank of the full world are built by the training code on torch's fake process group, with no memory behind the
 tensors, and step once; their measured bytes are printed beside the plan's. Exits 1 when a rank cannot be built or a
-figure is off the plan (`visiondist.engine.dryrun`). With a layout named by hand (parallel=tp4 ..., not auto),
+figure is off the plan (`visiondist.verify.dryrun`). With a layout named by hand (parallel=tp4 ..., not auto),
 `verify=chosen` checks that layout.
 """
 
@@ -137,7 +137,8 @@ def dry_run(cfg, devices: int, nodes: int, name: str, overrides, console) -> boo
     """Dry-run one layout; print its table and verdict; True when every figure is within the plan's bounds."""
     import time
 
-    from visiondist.engine.dryrun import TOLERANCE, DryRunError, chosen_ranks, dry_run as run_ranks, report_table
+    from visiondist.verify.dryrun import DryRunError, chosen_ranks, dry_run as run_ranks
+    from visiondist.verify.report import TOLERANCE, report_table
     from visiondist.models.registry import spec_of
     from visiondist.plan import resolve_on
 

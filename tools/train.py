@@ -14,7 +14,7 @@ TOOL = Tool()  # the defaults are this tool's
 
 
 def run(cfg) -> int:
-    from visiondist.engine.run import train  # heavy imports only once the config is known to be good
+    from visiondist.train.run import train  # heavy imports only once the config is known to be good
     from visiondist.launch import launch
     from visiondist.runs import completed_step
 

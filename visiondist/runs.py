@@ -92,7 +92,7 @@ def record_attempt(run_dir: Path, saved: DictConfig, cfg: DictConfig, run=None) 
 
 def completed_step(cfg: DictConfig) -> Optional[int]:
     """The last step of a complete run that `cfg` continues unchanged in length; None otherwise."""
-    from visiondist.engine.checkpoint import latest_checkpoint, read_trainer_state
+    from visiondist.checkpoint.files import latest_checkpoint, read_trainer_state
 
     if not cfg.trainer.run_dir or cfg.trainer.resume != "auto":
         return None

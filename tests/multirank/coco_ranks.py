@@ -74,7 +74,7 @@ def loader(dataset: CocoDetection, dp_rank: int, dp: int, batch: int = 3) -> Dat
 
 def run(root: str, out_dir: str, claimed_images: int = 0) -> dict:
     """Entry of every rank: evaluate the stand-in over a dp=world mesh; rank 0 writes detections.json."""
-    from visiondist.engine.coco_eval import evaluate_detection
+    from visiondist.evaluation.coco import evaluate_detection
     from visiondist.parallel import build_layout
 
     dist.init_process_group("gloo")

@@ -34,7 +34,7 @@ def inputs(cfg):
 
 def run(root: str) -> dict:
     from visiondist.data import build_classification_data
-    from visiondist.engine.evaluate import evaluate_classification
+    from visiondist.evaluation.classification import evaluate_classification
     from visiondist.parallel import build_layout
 
     dist.init_process_group("gloo")

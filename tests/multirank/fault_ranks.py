@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from visiondist.engine.faults import set_collective_timeout
+from visiondist.faults.health import set_collective_timeout
 
 
 @record
@@ -39,8 +39,8 @@ def skip_a_collective(timeout_s: float) -> None:
 def nonfinite_on_one_rank(overrides: list[str], bad_rank: int, bad_step: int) -> dict:
     """The real Trainer on 2 DP ranks; `bad_rank`'s loss is NaN at optimizer step `bad_step`."""
     from visiondist.config import compose
-    from visiondist.engine.build import prepare_rank
-    from visiondist.engine.trainer import Trainer
+    from visiondist.train.build import prepare_rank
+    from visiondist.train.trainer import Trainer
     from visiondist.plan import rank_layout
 
     dist.init_process_group("gloo")

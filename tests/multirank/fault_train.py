@@ -57,7 +57,7 @@ def _patch_getitem() -> None:
 
 
 def _patch_eval() -> None:
-    from visiondist.engine import tasks
+    from visiondist.train import tasks
 
     def evaluate(self, *args, **kwargs):
         raise RuntimeError("injected failure during evaluation")
@@ -66,7 +66,7 @@ def _patch_eval() -> None:
 
 
 def _patch_save() -> None:
-    from visiondist.engine import checkpoint
+    from visiondist.checkpoint import dcp as checkpoint
 
     original, calls = checkpoint.dcp.save, [0]
 
@@ -83,7 +83,7 @@ def _patch_save() -> None:
 def _patch_rank_hang() -> None:
     import torch.distributed as dist
 
-    from visiondist.engine.trainer import Trainer
+    from visiondist.train.trainer import Trainer
 
     original = Trainer.train_step
 
@@ -96,7 +96,7 @@ def _patch_rank_hang() -> None:
 
 
 def _patch_slow_step() -> None:
-    from visiondist.engine.trainer import Trainer
+    from visiondist.train.trainer import Trainer
 
     original, seconds = Trainer.train_step, float(os.environ.get("VISIONDIST_SLOW_S", "40"))
 
@@ -123,13 +123,13 @@ def _slowly(original):
 
 
 def _patch_slow_eval() -> None:
-    from visiondist.engine import tasks
+    from visiondist.train import tasks
 
     tasks.ClassificationTask.evaluate = _slowly(tasks.ClassificationTask.evaluate)
 
 
 def _patch_slow_export() -> None:
-    from visiondist.engine import export
+    from visiondist.checkpoint import export
 
     export.export = _slowly(export.export)
 

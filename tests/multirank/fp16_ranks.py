@@ -17,8 +17,8 @@ def _fit(overrides: list[str], overflow_at: int = 0, nan_at: int = 0) -> dict:
     inf in the gradient of the final norm's weight, a parameter every TP rank holds whole, at that optimizer step:
     its own gradient norm is inf, TP rank 0's is finite. With `nan_at`, TP rank 1's loss is NaN at that step."""
     from visiondist.config import compose
-    from visiondist.engine.build import prepare_rank
-    from visiondist.engine.trainer import Trainer
+    from visiondist.train.build import prepare_rank
+    from visiondist.train.trainer import Trainer
     from visiondist.parallel import unwrap
     from visiondist.plan import rank_layout
 

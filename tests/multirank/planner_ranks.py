@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from visiondist.engine.optim import build_optimizer
+from visiondist.train.optim import build_optimizer
 from visiondist.models.vit import VisionTransformer
 from visiondist.parallel import PipelineSpec, build_layout, local_numel, parallelize
 from visiondist.parallel.memory import saved_activation_bytes

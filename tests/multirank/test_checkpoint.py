@@ -10,11 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from visiondist.engine.checkpoint import (
-    latest_checkpoint,
-    list_checkpoints,
-    read_trainer_state,
-)
+from visiondist.checkpoint.files import latest_checkpoint, read_trainer_state
+from visiondist.utils.dcp import list_checkpoints
 from helpers import REPO, losses_of, run_cli, train_args, train_ok
 
 
@@ -82,7 +79,7 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path, tiny_shapes, monkeypatch)
     _train(*_args(tiny_shapes, run, "model.num_heads=2", "trainer.max_steps=1"))
     checkpoint = latest_checkpoint(run)
     (checkpoint / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
-    from visiondist.engine.export import load_trained
+    from visiondist.checkpoint.export.trained import load_trained
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(pickle.UnpicklingError, match="refused to load posix.system"):
@@ -107,7 +104,7 @@ def _export(run, *args):
 def test_export_from_tp2_loads_in_timm(tp2_run, tmp_path):
     import timm
 
-    from visiondist.engine.export import load_trained
+    from visiondist.checkpoint.export.trained import load_trained
 
     out = tmp_path / "vit.safetensors"
     _export(tp2_run, f"out={out}")
@@ -139,7 +136,7 @@ def test_exported_model_brings_its_preprocessing_to_timm(tp2_run, tiny_shapes, t
 
     from visiondist.data.imagefolder import ImageFolder
     from visiondist.data.transforms import ClassificationTransform, Normalize
-    from visiondist.engine.logging import read_metrics
+    from visiondist.observe.metrics import read_metrics
 
     out = tmp_path / "vit.safetensors"
     _export(tp2_run, f"out={out}")
@@ -180,7 +177,7 @@ def test_exported_model_brings_its_preprocessing_to_timm(tp2_run, tiny_shapes, t
 def test_export_onnx_and_torchscript(tp2_run, tmp_path):
     import onnxruntime as ort
 
-    from visiondist.engine.export import load_trained
+    from visiondist.checkpoint.export.trained import load_trained
 
     out = tmp_path / "vit.onnx"
     stdout = _export(tp2_run, "format=onnx", f"out={out}")

@@ -7,8 +7,9 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from visiondist.engine.checkpoint import list_checkpoints, read_best, read_trainer_state
-from visiondist.engine.logging import read_metrics
+from visiondist.checkpoint.files import read_best, read_trainer_state
+from visiondist.utils.dcp import list_checkpoints
+from visiondist.observe.metrics import read_metrics
 from helpers import REPO, assert_same_weights, losses_of, train_args, train_ok
 
 COMMON = ["model.num_heads=2", "parallel.dp=2", "model.drop_path_rate=0.2", "trainer.max_steps=10",

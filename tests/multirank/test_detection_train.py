@@ -4,7 +4,7 @@ eval.py on that run reproduces the final evaluation exactly."""
 import json
 import re
 
-from visiondist.engine.logging import read_metrics
+from visiondist.observe.metrics import read_metrics
 from helpers import REPO, assert_png, run_cli
 
 DETECT = ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "data.synthetic.train_images=16",
@@ -53,7 +53,7 @@ def _export_loads_in_torchvision(run, tmp_path):
     import torchvision.models.detection as tvd
     from safetensors.torch import load_file
 
-    from visiondist.engine.export import load_trained
+    from visiondist.checkpoint.export.trained import load_trained
 
     out = tmp_path / "detector.safetensors"
     exported = run_cli([f"run_dir={run}", f"out={out}"], timeout=300, script=REPO / "tools" / "export.py")
@@ -96,7 +96,8 @@ def _export_loads_in_torchvision(run, tmp_path):
         assert ((labels >= 1) & (labels <= 6)).all() and ((scores >= 0) & (scores <= 1)).all()
 
     # A threshold that no box passes: the file's graph is checked again with its thresholds at 0, and says so
-    from visiondist.engine.export import check_onnx, export
+    from visiondist.checkpoint.export import export
+    from visiondist.checkpoint.export.onnx_check import check_onnx
 
     trained.model.roi_heads.score_thresh = 1.0
     strict = tmp_path / "strict.onnx"

@@ -3,8 +3,8 @@
 import pytest
 
 from visiondist.cli import load_config
-from visiondist.engine.logging import read_metrics
-from visiondist.engine.run import train
+from visiondist.observe.metrics import read_metrics
+from visiondist.train.run import train
 from visiondist.launch import launch
 from helpers import REPO, TINY_DATA
 

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from helpers import REPO, TINY_DATA, TRAIN, finish_job, job_env, losses_of, start_job
-from visiondist.engine.checkpoint import latest_checkpoint, list_checkpoints
+from visiondist.checkpoint.files import latest_checkpoint
+from visiondist.utils.dcp import list_checkpoints
 
 pytestmark = pytest.mark.xdist_group("faults")
 
@@ -105,7 +106,7 @@ def test_a_worker_killed_by_the_oom_killer_ends_the_job(tmp_path, tiny_shapes):
 
 
 def test_a_failure_during_evaluation_ends_the_job_after_saving(tmp_path, tiny_shapes):
-    """A checkpoint due at an evaluation step is written first (engine/hooks.py's order): the failing evaluation
+    """A checkpoint due at an evaluation step is written first (train/hooks.py's order): the failing evaluation
     loses nothing of step 3."""
     run = tmp_path / "run"
     code, out, seconds = run_job(args(tiny_shapes, run, "parallel.dp=2", "trainer.eval_every=3",
@@ -117,9 +118,9 @@ def test_a_failure_during_evaluation_ends_the_job_after_saving(tmp_path, tiny_sh
 
 
 def test_a_failing_checkpoint_write_keeps_the_newest_complete_one(tmp_path, tiny_shapes):
-    from visiondist.engine.checkpoint import load_model_state
+    from visiondist.checkpoint.dcp import load_model_state
     from visiondist.models import build_model
-    from visiondist.engine.export import load_trained
+    from visiondist.checkpoint.export.trained import load_trained
 
     run = tmp_path / "run"
     code, out, seconds = run_job(args(tiny_shapes, run, "parallel.dp=2", "trainer.checkpoint_every=2"), "save_fail:2")

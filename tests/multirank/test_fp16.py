@@ -75,7 +75,7 @@ def test_fp16_trains_like_fp32(layout_runs, name):
 
 
 def _column(run, key: str) -> dict[int, float]:
-    from visiondist.engine.logging import read_metrics
+    from visiondist.observe.metrics import read_metrics
 
     return {int(r["step"]): r[key] for r in read_metrics(run / "metrics.csv") if r.get(key) is not None}
 
@@ -119,7 +119,7 @@ def test_an_overflow_on_one_tp_rank_skips_the_step_on_every_rank(overflow_runs):
 def test_the_loss_scale_survives_a_stop_and_resume(overflow_runs):
     from safetensors.torch import load_file
 
-    from visiondist.engine.checkpoint import read_trainer_state
+    from visiondist.checkpoint.files import read_trainer_state
 
     root, ranks = overflow_runs
     saved = read_trainer_state(root / "split" / "checkpoints" / "step_3")["grad_scaler"]

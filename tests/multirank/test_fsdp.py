@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 import fsdp_ranks
 from helpers import assert_same_training, assert_same_weights, evals_of, losses_of, spawn_ranks, train_args, train_ok
-from visiondist.engine.checkpoint import latest_checkpoint
+from visiondist.checkpoint.files import latest_checkpoint
 
 
 EVALS = ("val_loss", "val_top1", "val_ema_loss")  # the evaluation columns compared

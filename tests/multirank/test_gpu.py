@@ -63,8 +63,8 @@ def _steps_without_sync(cfg, layout, run_dir):
     sync debug mode warns at each, from the Python line that caused it): none may happen."""
     import warnings
 
-    from visiondist.engine.build import prepare_rank
-    from visiondist.engine.trainer import Trainer
+    from visiondist.train.build import prepare_rank
+    from visiondist.train.trainer import Trainer
 
     prepare_rank(cfg, layout, run_dir)
     trainer = Trainer(cfg, layout, run_dir)

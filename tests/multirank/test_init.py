@@ -17,7 +17,7 @@ TINY = ["model=vit_tiny", "model.depth=4", "model.num_heads=4", "data.img_size=3
 def _reference(overrides: list[str]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The initial weights of `build_model` in one process after the trainer's seeding, and the generator state."""
     from visiondist.cli import load_config
-    from visiondist.engine.build import seed_everything
+    from visiondist.train.build import seed_everything
     from visiondist.models import build_model
 
     cfg = load_config(REPO / "configs", overrides, inputs=None)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from visiondist.engine.checkpoint import latest_checkpoint, read_trainer_state
+from visiondist.checkpoint.files import latest_checkpoint, read_trainer_state
 from helpers import REPO, assert_same_training, assert_same_weights, evals_of, losses_of, train_args, train_ok
 
 # 4 blocks: 2 stages, or 4 virtual stages for zero-bubble. 16 images per step in 4 micro-batches of 4.

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from visiondist.engine.logging import read_metrics
+from visiondist.observe.metrics import read_metrics
 from helpers import REPO, hf_cache_with, losses_of, train_args, train_ok
 
 NAME = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"

@@ -6,7 +6,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from visiondist.engine.logging import read_metrics
+from visiondist.observe.metrics import read_metrics
 from helpers import REPO, losses_of, train_args, train_ok
 
 

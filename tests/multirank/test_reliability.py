@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 import fault_ranks
 from helpers import (REPO, TINY_DATA, TRAIN, RanksFailed, finish_job, job_env, losses_of, spawn_ranks, start_job,
                      train_args, train_ok, wait_for)
-from visiondist.engine.checkpoint import CHECKPOINTS, list_checkpoints
+from visiondist.utils.dcp import CHECKPOINTS, list_checkpoints
 
 # Timing-sensitive (kills, signals, hangs): one worker runs them in turn when the suite runs in parallel.
 pytestmark = pytest.mark.xdist_group("faults")
@@ -210,7 +210,7 @@ def test_ten_kills_while_writing_checkpoints_never_leave_an_unloadable_newest(tm
     """A checkpoint every step, so the job spends most of its time writing them (async: one always in flight while
     the next steps run); SIGKILL at a random moment, ten times, each time resuming. After every kill the newest
     complete checkpoint loads in full."""
-    from visiondist.engine.export import load_trained
+    from visiondist.checkpoint.export.trained import load_trained
 
     run = tmp_path / "run"
     args = train_args(tiny_shapes, run, "model.num_heads=2", "trainer.max_steps=1000", "trainer.max_epochs=1000",

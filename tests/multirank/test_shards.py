@@ -134,7 +134,7 @@ def test_coco_from_shards_trains_evaluates_and_resumes_as_from_the_tree(tmp_path
 
     from helpers import REPO
     from visiondist.data.shards.coco import pack_coco
-    from visiondist.engine.logging import read_metrics
+    from visiondist.observe.metrics import read_metrics
 
     def evals_of(run, *columns):
         return {r["step"]: tuple(r[c] for c in columns) for r in read_metrics(run / "metrics.csv")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, assert_same_weights, finish_job, job_env, losses_of, start_job, train_args, train_ok, wait_for
-from visiondist.engine.checkpoint import list_checkpoints
+from visiondist.utils.dcp import list_checkpoints
 
 pytestmark = [pytest.mark.xdist_group("faults"), pytest.mark.slow]  # timed signals: one after another
 

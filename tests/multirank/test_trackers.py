@@ -10,7 +10,7 @@ import pytest
 from helpers import TINY_DATA, assert_png, finish_job, job_env, start_job, TRAIN
 from tracking import FOREIGN, metric_rows, offline_env, wandb_run
 
-from visiondist.engine.logging import METRIC_COLUMNS, read_metrics
+from visiondist.observe.metrics import METRIC_COLUMNS, read_metrics
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")

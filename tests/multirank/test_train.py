@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from visiondist.engine.logging import read_metrics
+from visiondist.observe.metrics import read_metrics
 from helpers import REPO, TINY_DATA, TRAIN, assert_png, evals_of, losses_of, run_cli, run_together
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from visiondist.engine.optim import build_optimizer
+from visiondist.train.optim import build_optimizer
 from visiondist.models.vit import VisionTransformer, to_timm_state_dict
 from visiondist.parallel import build_layout, clip_grad_norm, finish_gradients, full_state_dict, parallelize, unwrap
 

@@ -67,7 +67,8 @@ def test_e_init_from_resamples_the_position_embedding_like_timm(tmp_path, caplog
 def test_g_safetensors_files_follow_the_umask(tmp_path):
     """safetensors writes 0o600; weights and exports get 0o644 under umask 022, like every other output."""
     from visiondist.cli import load_config
-    from visiondist.engine.export import Trained, export
+    from visiondist.checkpoint.export import export
+    from visiondist.checkpoint.export.trained import Trained
     from visiondist.models import build_model
     from visiondist.models.weights import save_weights
 
@@ -115,9 +116,9 @@ def test_h_evaluation_shows_a_progress_bar_when_progress_is_on(monkeypatch):
 
     import rich.progress
 
-    from visiondist.engine.coco_eval import predict
-    from visiondist.engine.evaluate import evaluate_classification
-    from visiondist.engine.report import progress_bar
+    from visiondist.evaluation.coco import predict
+    from visiondist.evaluation.classification import evaluate_classification
+    from visiondist.observe.progress import progress_bar
     from visiondist.models.vit import VisionTransformer
 
     bars = []

@@ -175,7 +175,7 @@ def test_config_dir_adds_options(tmp_path, capsys):
 def fake_run(tmp_path):
     """A run dir as far as the command line looks: config.yaml, model.safetensors, a complete step_3 checkpoint."""
     from visiondist.cli import load_config
-    from visiondist.engine.checkpoint import METADATA, STATE_FILE
+    from visiondist.utils.dcp import METADATA, STATE_FILE
 
     run = tmp_path / "run"
     run.mkdir()
@@ -204,7 +204,7 @@ def test_eval_takes_its_old_positional_path_with_a_deprecation_line(capsys, fake
 
 
 def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
-    from visiondist.engine.report import next_commands
+    from visiondist.observe.console import next_commands
 
     (tmp_path / "outputs" / "r").mkdir(parents=True)
     monkeypatch.chdir(REPO)  # where the README's commands run: the tools as tools/<name>.py
@@ -249,8 +249,8 @@ def test_a_class_count_with_nothing_to_count(capsys, tmp_path):
 
 
 def test_eval_and_benchmark_dirs_are_named_as_what_they_are(tmp_path):
-    from visiondist.engine.benchmark import run_benchmark
-    from visiondist.engine.run import evaluate_checkpoint, train
+    from visiondist.bench.harness import run_benchmark
+    from visiondist.train.run import evaluate_checkpoint, train
     from visiondist.launch import default_run_dir, run_kind
 
     cfg = OmegaConf.create({"trainer": {"output_dir": str(tmp_path)}})

@@ -139,7 +139,8 @@ def test_coco_image_whose_upright_size_is_not_the_annotations_is_an_error(tmp_pa
 
 def test_export_records_the_decode_policy():
     from visiondist.cli import load_config
-    from visiondist.engine.export import Trained, sidecar
+    from visiondist.checkpoint.export.preprocessing import sidecar
+    from visiondist.checkpoint.export.trained import Trained
     from helpers import REPO
 
     cfg = load_config(REPO / "configs", ["model.depth=1", "model.num_heads=2"], inputs=None)

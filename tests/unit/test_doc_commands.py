@@ -224,7 +224,8 @@ def _fake_run(run: Path, step: str | None) -> None:
     """A run dir as far as the command line looks: a default run's config.yaml, model.safetensors, a complete
     checkpoint of `step` (step=best: of step 3, recorded as the best)."""
     from visiondist.cli import load_config
-    from visiondist.engine.checkpoint import BEST, METADATA, STATE_FILE
+    from visiondist.checkpoint.files import BEST
+    from visiondist.utils.dcp import METADATA, STATE_FILE
 
     run.mkdir(parents=True, exist_ok=True)
     if not (run / "config.yaml").exists():

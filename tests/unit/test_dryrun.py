@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from visiondist.config import compose
-from visiondist.engine.dryrun import TOLERANCE, DryRunError, Figure, chosen_ranks, dry_run
+from visiondist.verify.dryrun import DryRunError, chosen_ranks, dry_run
+from visiondist.verify.report import TOLERANCE, Figure
 from visiondist.models.registry import spec_of
 from visiondist.parallel.planner import Candidate
 from visiondist.plan import plan_for, resolve_on
@@ -93,7 +94,7 @@ def test_a_detector_on_16_ranks_of_ddp():
 
 
 def test_a_layout_the_code_cannot_build_fails_in_the_dry_run(monkeypatch):
-    import visiondist.engine.dryrun as dryrun
+    import visiondist.verify.measure as measure
 
     cfg = _cfg("model=vit_base", "parallel.tp=2")
     run = resolve_on(cfg, 8, 1)
@@ -101,7 +102,7 @@ def test_a_layout_the_code_cannot_build_fails_in_the_dry_run(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the TP plan does not apply")
 
-    monkeypatch.setattr(dryrun, "parallelize", broken)
+    monkeypatch.setattr(measure, "parallelize", broken)
     with pytest.raises(DryRunError, match=r"rank 0 of dp=4 tp=2 .* the TP plan does not apply"):
         dry_run(cfg, spec_of(cfg.model).planner_shape(cfg.model), run)
 
@@ -120,7 +121,7 @@ def _plan_tool():
 
 
 def test_plan_verify_prints_the_comparison_and_exits_1_when_a_figure_is_off(monkeypatch, capsys):
-    import visiondist.engine.dryrun as dryrun
+    import visiondist.verify.dryrun as dryrun
 
     args = ["verify=chosen", "model=vit_small", "trainer.devices=4", "parallel.device_memory_gb=80",
             "data.num_classes=10"]

@@ -39,7 +39,9 @@ def _safetensors_metadata(path: Path) -> dict[str, str]:
 
 
 def test_classifier_exports_carry_the_class_names(tmp_path):
-    from visiondist.engine.export import Trained, export, check_onnx
+    from visiondist.checkpoint.export import export
+    from visiondist.checkpoint.export.onnx_check import check_onnx
+    from visiondist.checkpoint.export.trained import Trained
     from visiondist.models import build_model
 
     cfg = load_config(REPO / "configs", ["model.depth=1", "model.num_heads=2"], inputs=None)
@@ -91,7 +93,8 @@ def _detector(root: Path):
 
 def test_detector_exports_map_labels_to_the_annotation_files_category_ids(nested_coco, tmp_path):
     from visiondist.data.coco import CocoDetection
-    from visiondist.engine.export import Trained, coco_categories, export
+    from visiondist.checkpoint.export import export
+    from visiondist.checkpoint.export.trained import Trained, coco_categories
 
     cfg, model = _detector(nested_coco)
     loader = CocoDetection(nested_coco / "val", nested_coco / "annotations" / "instances_val.json", train=False)
@@ -118,7 +121,7 @@ def _run_with_checkpoint(run: Path, cfg, model, record: dict) -> Path:
 
     from omegaconf import OmegaConf
 
-    from visiondist.engine.checkpoint import save_checkpoint
+    from visiondist.checkpoint.dcp import save_checkpoint
 
     run.mkdir(parents=True)
     OmegaConf.save(cfg, run / "config.yaml")
@@ -131,7 +134,8 @@ def _run_with_checkpoint(run: Path, cfg, model, record: dict) -> Path:
 def test_the_export_takes_the_category_ids_a_checkpoint_records(nested_coco, tmp_path, caplog):
     """The record wins (here it differs from the data on purpose); a checkpoint without it gets the annotation
     file's, in the loader's order; without either the export carries no map and says so."""
-    from visiondist.engine.export import label_map, load_trained, sidecar
+    from visiondist.checkpoint.export.preprocessing import label_map, sidecar
+    from visiondist.checkpoint.export.trained import load_trained
 
     cfg, model = _detector(nested_coco)
     recorded = _run_with_checkpoint(tmp_path / "recorded", cfg, model,
@@ -152,7 +156,9 @@ def test_the_export_takes_the_category_ids_a_checkpoint_records(nested_coco, tmp
 
 
 def test_onnx_check_names_nested_val_images_by_their_paths(nested_coco, tmp_path):
-    from visiondist.engine.export import Trained, check_onnx, export
+    from visiondist.checkpoint.export import export
+    from visiondist.checkpoint.export.onnx_check import check_onnx
+    from visiondist.checkpoint.export.trained import Trained
 
     cfg, model = _detector(nested_coco)
     trained = Trained(cfg, model, tmp_path / "step_2", 2, ["car", "Cat", "toothbrush"])

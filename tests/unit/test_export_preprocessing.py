@@ -62,7 +62,8 @@ def test_exported_create_kwargs_give_timm_the_runs_data_config(overrides, expect
     import timm
     from PIL import Image
 
-    from visiondist.engine.export import Trained, sidecar
+    from visiondist.checkpoint.export.preprocessing import sidecar
+    from visiondist.checkpoint.export.trained import Trained
 
     cfg = load_config(REPO / "configs", ["model.depth=1", "model.num_heads=2", *overrides], inputs=None)
     classes = ["circle", "square", "triangle", "star", "cross", "ring"]
@@ -83,7 +84,7 @@ def test_exported_create_kwargs_give_timm_the_runs_data_config(overrides, expect
 
 
 def test_onnx_check_says_what_it_compared():
-    from visiondist.engine.export_onnx import OnnxCheck
+    from visiondist.checkpoint.export.onnx_check import OnnxCheck
 
     assert OnnxCheck(2.1e-5, "3 val images (a.jpg, b.jpg, c.jpg in val)", boxes=37, onnx_boxes=37).summary() == (
         "ONNX Runtime vs PyTorch: 37 boxes compared, max abs difference 2.10e-05 "
@@ -100,7 +101,7 @@ def test_onnx_check_says_what_it_compared():
 
 
 def test_detections_are_compared_as_sets():
-    from visiondist.engine.export_onnx import _box_diff
+    from visiondist.checkpoint.export.onnx_check import _box_diff
 
     g = torch.Generator().manual_seed(0)
     boxes, labels, scores = torch.rand(6, 4, generator=g) * 50, torch.tensor([1, 2, 1, 3, 2, 1]), torch.rand(6)

@@ -15,7 +15,11 @@ LAYERS = [
     {"parallel"},  # generic: mesh, TP styles, pipeline runtime, FSDP, planner; never the models
     {"models"},  # models and what they declare to parallel (TP plan, blocks)
     {"plan", "data"},  # the one layout resolver; loaders
-    {"preflight", "engine"},  # input checks before launch; trainer, checkpoints, evaluation, export, benchmark
+    {"preflight", "checkpoint", "observe"},  # input checks; what is saved and exported; what people see (reads only)
+    {"faults", "evaluation"},  # a failing rank's record (into the run's log); scoring (with progress bars)
+    {"train"},  # the loop and every part it is built from: reads checkpoints, shows, fails, scores
+    {"bench"},  # times the trainer's own step beside plain loops
+    {"verify"},  # the dry run: the training code stepped on a fake group, with the benchmark's synthetic batches
     {"runs"},  # continuing a run
     {"launch"},  # run dir, self-launch, ranks
     {"cli"},  # the tools' command line and multirun sweeps
@@ -79,11 +83,11 @@ def test_imports_go_down_only():
 
 def test_a_back_edge_inside_a_function_is_caught():
     sources = {
-        "visiondist.data.loader": "import os\n\ndef f():\n    from visiondist.engine.trainer import Trainer\n",
-        "visiondist.engine.trainer": "from visiondist.data import loader\n",
+        "visiondist.data.loader": "import os\n\ndef f():\n    from visiondist.train.trainer import Trainer\n",
+        "visiondist.train.trainer": "from visiondist.data import loader\n",
         "visiondist.config": "import visiondist.parallel.mesh\n",
     }
-    assert back_edges(sources) == {("data", "engine"): ["visiondist.data.loader -> visiondist.engine.trainer"],
+    assert back_edges(sources) == {("data", "train"): ["visiondist.data.loader -> visiondist.train.trainer"],
                                    ("config", "parallel"): ["visiondist.config -> visiondist.parallel.mesh"]}
 
 
@@ -97,3 +101,57 @@ def test_a_unit_test_cannot_start_a_process():
         with pytest.raises(AssertionError, match="move the test to tests/multirank/"):
             subprocess.run(command, shell=isinstance(command, str))
     assert subprocess.run(["true"]).returncode == 0
+
+
+# -- sizes: they drift where nothing checks them -------------------------------------------------------------------
+MAX_FILE_LINES = 450  # split a file along its responsibilities well before this (the aim is ~400)
+MAX_FUNCTION_LINES = 60
+MAX_PACKAGE_SHARE = 0.2  # of all of visiondist's lines, subpackages included
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_no_file_is_over_the_size_limit():
+    big = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := _lines(p)) > MAX_FILE_LINES}
+    assert not big, f"files over {MAX_FILE_LINES} lines, split along their responsibilities: {big}"
+
+
+def test_no_function_is_over_the_size_limit():
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_no_package_holds_more_than_a_fifth_of_the_code():
+    sizes: dict[str, int] = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).parts
+        key = parts[0] if len(parts) > 1 else path.name
+        sizes[key] = sizes.get(key, 0) + _lines(path)
+    total = sum(sizes.values())
+    over = {k: f"{v / total:.1%}" for k, v in sizes.items() if v > MAX_PACKAGE_SHARE * total}
+    assert not over, f"packages over {MAX_PACKAGE_SHARE:.0%} of {total} lines: give a question its own package: {over}"
+
+
+def test_every_package_says_its_job():
+    """Each package's __init__.py starts with a docstring: what question it answers (and, for the engine's rooms,
+    what it may import)."""
+    silent = [str(p.parent.relative_to(PACKAGE)) for p in PACKAGE.rglob("__init__.py")
+              if not ast.get_docstring(ast.parse(p.read_text()))]
+    assert not silent, f"packages without a docstring: {silent}"
+
+
+def test_the_hooks_import_the_trainer_for_its_type_only():
+    """train/hooks.py and train/trainer.py would import each other; the hooks' side stays under TYPE_CHECKING."""
+    tree = ast.parse((PACKAGE / "train" / "hooks.py").read_text())
+    guarded = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and ast.unparse(block.test) ==
+               "TYPE_CHECKING" for n in ast.walk(block)}
+    runtime = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "visiondist.train.trainer"
+               and id(n) not in guarded]
+    assert not runtime, f"train/hooks.py imports the trainer at run time (lines {runtime})"

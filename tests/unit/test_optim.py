@@ -3,7 +3,7 @@ from types import SimpleNamespace
 
 import torch
 
-from visiondist.engine.optim import build_optimizer, lr_factor, param_groups
+from visiondist.train.optim import build_optimizer, lr_factor, param_groups
 from visiondist.models.vit import VisionTransformer
 
 

@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from visiondist.engine.faults import StepHealth
-from visiondist.engine.bench_report import ratio_check
-from visiondist.engine.optim import build_optimizer, describe_optimizer, resolve_impl
-from visiondist.engine.peaks import datasheet_tflops, peak_kind
+from visiondist.faults.health import StepHealth
+from visiondist.bench.report import ratio_check
+from visiondist.train.optim import build_optimizer, describe_optimizer, resolve_impl
+from visiondist.bench.peaks import datasheet_tflops, peak_kind
 from visiondist.models.vit import VisionTransformer, select_attention
 from visiondist.parallel import enable_activation_checkpointing
 

@@ -11,7 +11,7 @@ from helpers import REPO, assert_png
 from tracking import FOREIGN, metric_rows, offline_env, wandb_run
 
 from visiondist.config import ConfigError
-from visiondist.engine.logging import METRIC_COLUMNS, MetricsLogger, read_metrics
+from visiondist.observe.metrics import METRIC_COLUMNS, MetricsLogger, read_metrics
 
 CONFIGS = REPO / "configs"
 
@@ -40,7 +40,7 @@ def _cfg(out: Path, *overrides: str):
 
 
 def _plot(path: Path) -> Path:
-    from visiondist.engine.plots import plot_curves
+    from visiondist.observe.plots import plot_curves
 
     rows = [{"step": s, **m} for s, m in ROWS]
     return plot_curves(rows, path, "a run", (("val_top1", "top-1"),))
@@ -157,7 +157,7 @@ def test_mlflow_continued_run_logs_into_the_same_run(offline, monkeypatch):
 @pytest.mark.parametrize("name", ["wandb", "mlflow"])
 def test_a_missing_extra_is_one_line_before_the_ranks_start(name, monkeypatch, tmp_path):
     from visiondist.cli import load_config
-    from visiondist.engine.trackers import open_trackers
+    from visiondist.observe.trackers import open_trackers
 
     monkeypatch.setitem(sys.modules, name, None)  # `import <name>` fails as if it were not installed
     line = f'trainer.loggers has {name} but {name} is not installed: pip install -e ".[{name}]"'
@@ -179,7 +179,7 @@ def test_an_unknown_logger_names_the_choices():
 
 
 def test_a_failing_tracker_is_dropped_and_the_csv_goes_on(tmp_path, caplog):
-    from visiondist.engine.trackers import Tracker, Trackers
+    from visiondist.observe.trackers import Tracker, Trackers
 
     class Broken(Tracker):
         name = "broken"

@@ -187,7 +187,7 @@ class TrainerConfig:
     run_dir: Optional[str] = None  # default: <output_dir>/<date>/<time>
     progress: bool = True  # rank 0: the live bar in a terminal, evaluation bars and spinners
     # where rank 0 sends the metrics: csv (metrics.csv, always written), tensorboard, wandb, mlflow
-    # (engine/trackers.py; wandb and mlflow are the extras of those names)
+    # (observe/trackers.py; wandb and mlflow are the extras of those names)
     loggers: list[str] = field(default_factory=lambda: ["csv", "tensorboard"])
     project: str = "visiondist"  # the W&B project / MLflow experiment of wandb / mlflow runs
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: only at the end

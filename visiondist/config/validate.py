@@ -21,7 +21,7 @@ _PRECISIONS = ("32", "bf16", "16")
 _OPTIMIZERS = ("adamw", "sgd")
 _SCHEDULES = ("cosine", "step")
 # trainer.loggers: metrics.csv (always written: the summary and the plots read it), TensorBoard, and the experiment
-# trackers, each an optional package installed by the extra of its name (visiondist/engine/trackers.py)
+# trackers, each an optional package installed by the extra of its name (visiondist/observe/trackers.py)
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 TRACKERS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker -> the module it imports (the extra has its name)
 

@@ -30,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from visiondist.config import ConfigError, from_container, to_container
 from visiondist.config.layout import RunLayout
-from visiondist.engine.precision import set_tf32
+from visiondist.train.precision import set_tf32
 from visiondist.launch.rundir import (  # noqa: F401 (re-exported: the tools' and tests' API)
     _shared_run_dir,
     _write_plan,
@@ -93,11 +93,12 @@ def cuda_index(local_rank: int, visible: int) -> int:
 def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str], auto_plan: Any = None,
              top_level: bool = False) -> Any:
     """Body of every rank: process group, device, mesh, then `entry`. Whatever happens, the rank's loader workers
-    end with it; a failure leaves `<run>/failure/rank<k>.txt` (see `visiondist.engine.failures`). `top_level`: this
+    end with it; a failure leaves `<run>/failure/rank<k>.txt` (see `visiondist.faults.failures`). `top_level`: this
     process is what the user started (one rank, or a torchrun / srun task), so a hang's line is printed here."""
     from visiondist.data.workers import close_loaders
-    from visiondist.engine.failures import PROGRESS, RANK_ERRORS
-    from visiondist.engine.faults import STOP, StopNow
+    from visiondist.faults.failures import RANK_ERRORS
+    from visiondist.utils.heartbeat import PROGRESS
+    from visiondist.utils.signals import STOP, StopNow
     from visiondist.parallel import build_layout
 
     cfg = from_container(cfg_dict)
@@ -134,7 +135,7 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
 
 
 def _stopped_now(signal_name: str, run_dir: Optional[Path]) -> dict:
-    from visiondist.engine.failures import PROGRESS
+    from visiondist.utils.heartbeat import PROGRESS
 
     return {"stopped at step": PROGRESS.step, "stopped by": signal_name, "at once": True, "run dir": str(run_dir)}
 
@@ -144,7 +145,7 @@ def _flight_recorder(run_dir: Path, accelerator: str) -> None:
     recorder). Set before the process group exists; a user's own settings win."""
     if accelerator != "cuda":
         return
-    from visiondist.engine.failures import HANG_DIR
+    from visiondist.utils.signals import HANG_DIR
 
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
@@ -158,7 +159,7 @@ def _start_watchdog(run_dir: Path, top_level: bool):
     import sys
 
     from visiondist.data.workers import worker_pids
-    from visiondist.engine.failures import EXIT_HANG, Watchdog
+    from visiondist.faults.failures import EXIT_HANG, Watchdog
     from visiondist.utils.signals import RANK_ENV, RUN_DIR_ENV
 
     os.environ[RUN_DIR_ENV], os.environ[RANK_ENV] = str(run_dir), str(dist.get_rank())
@@ -174,14 +175,8 @@ def _start_watchdog(run_dir: Path, top_level: bool):
 
 
 def _record(run_dir: Optional[Path], exc: BaseException) -> None:
-    from visiondist.engine.failures import (
-        FAILURE_DIR,
-        HANG_DIR,
-        dump_stacks,
-        is_collective_timeout,
-        one_line,
-        record_failure,
-    )
+    from visiondist.faults.failures import FAILURE_DIR, dump_stacks, is_collective_timeout, one_line, record_failure
+    from visiondist.utils.signals import HANG_DIR
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     cause = ""
@@ -261,7 +256,7 @@ def _one_line_failure(run_dir: Optional[Path], stop: Optional[LauncherStop] = No
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from visiondist.engine.failures import RANK_ERRORS, first_failure, one_line
+    from visiondist.faults.failures import RANK_ERRORS, first_failure, one_line
 
     try:
         yield

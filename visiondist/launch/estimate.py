@@ -7,7 +7,7 @@ it there anyway (`trainer.accelerator=cpu`). Under torchrun / srun the ranks wer
 said or refused there.
 
 The estimate is the planner's (`visiondist.parallel.planner.step_seconds`: FLOPs over the device rate, plus the
-collectives' bytes over the link) with this CPU's measured dense matmul rate (`visiondist.engine.peaks`) shared by the
+collectives' bytes over the link) with this CPU's measured dense matmul rate (`visiondist.bench.peaks`) shared by the
 node's ranks, and `CPU_LINK_GBS` between them. It covers training steps of ViT classifiers (the planner's models);
 for a detector or an evaluation the line says there is no estimate.
 """
@@ -75,7 +75,7 @@ def measured_tflops(cfg: DictConfig) -> float:
     """This machine's dense matmul rate (all of this process's threads) in the precision the step's matmuls run in."""
     import torch
 
-    from visiondist.engine.peaks import matmul_tflops, peak_kind
+    from visiondist.bench.peaks import matmul_tflops, peak_kind
 
     cpu = torch.device("cpu")
     return matmul_tflops(cpu, peak_kind(str(cfg.trainer.precision), bool(cfg.trainer.tf32), cpu), repeats=1)
@@ -103,9 +103,9 @@ def step_seconds_on_cpu(cfg: DictConfig, run: RunLayout, tflops_per_rank: float)
 
 def run_steps(cfg: DictConfig) -> tuple[Optional[int], str]:
     """(optimizer steps of the whole run, which limit sets them) as the trainer counts them
-    (`visiondist.engine.build.run_length`), the epoch's length from the training split's images; an epoch of unknown
+    (`visiondist.train.build.run_length`), the epoch's length from the training split's images; an epoch of unknown
     length: `trainer.max_steps` alone; (None, "") when neither can be counted."""
-    from visiondist.engine.build import run_length
+    from visiondist.train.build import run_length
 
     t, d = cfg.trainer, cfg.data
     images = train_images(d) if t.max_epochs > 0 else None

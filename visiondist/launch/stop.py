@@ -13,7 +13,7 @@ SIGQUIT, `compat.launch_config`):
   that continues the run when a checkpoint of the stopping step is complete; otherwise the step since which nothing
   was saved.
 
-A job that has no step to finish (evaluation) asks its ranks to stop at once (`engine.faults.StopSignals.at_once`).
+A job that has no step to finish (evaluation) asks its ranks to stop at once (`visiondist.utils.signals.StopSignals.at_once`).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def continue_command(run_dir: str | Path, under_torchrun: bool = False) -> str:
     """The one command that continues the run in `run_dir` (its config.yaml is the base: nothing else to repeat)."""
     if under_torchrun:
         return f"the same torchrun / srun command with trainer.run_dir={shlex.quote(str(run_dir))}"
-    from visiondist.engine.report import shown_path, tool_path
+    from visiondist.observe.console import shown_path, tool_path
 
     return f"python {tool_path('train')} trainer.run_dir={shlex.quote(shown_path(Path(run_dir)))}"
 

@@ -1,5 +1,5 @@
 """What a rank's loader workers need of the rank's fault handling, below every other layer (the data package uses
-it; `visiondist.engine.faults` / `failures` build the rank's side on it): which signals stop a run, the environment
+it; `visiondist.faults.health` / `failures` build the rank's side on it): which signals stop a run, the environment
 variables naming the run dir and rank, and the worker's stack dump into the run's hang folder; and how a process
 takes a stop signal (`StopSignals`: the rank's `STOP`, and the tools' own while they work in the launching process)."""
 
@@ -11,7 +11,7 @@ import signal
 import traceback
 from pathlib import Path
 
-log = logging.getLogger("visiondist.engine.faults")  # the rank's stop lines read as its fault handling's
+log = logging.getLogger("visiondist.faults.health")  # the rank's stop lines read as its fault handling's
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # a stop at the next step boundary, with a checkpoint
 RUN_DIR_ENV = "VISIONDIST_RUN_DIR"  # the run dir, for the loader workers of this rank (fork or spawn)

@@ -1,0 +1,141 @@
+"""The baselines of `tools/benchmark.py`: a training loop as a plain PyTorch user writes it, built from one benchmark
+configuration (precision, optimizer and its kernels, clipping, channels-last, activation checkpointing, compiled
+blocks), on one of two models:
+
+- `reference`: the architecture as people get it elsewhere: timm's ViT of the config's shape (random init, nothing
+  downloaded). ours / plain-on-reference is what a user gains or loses by switching, model and harness together.
+- `same_model`: visiondist's own model, built as `Trainer` builds it (same seed, so the same initial weights). ours /
+  plain-on-same-model is the harness's overhead alone; plain-on-same-model / plain-on-reference is the model's
+  difference. A torchvision detector *is* visiondist's model, and a ViTDet has no reference elsewhere: they get
+  this baseline only.
+
+visiondist compiles each transformer block (`trainer.compile`), never the whole model, so the plain loop compiles
+its model's blocks one by one too: the compiled unit is the same, and the row says so (`compile_scope`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+
+from visiondist.data.transforms import Normalize, unit_float
+from visiondist.train.precision import autocast_dtype, autocast_for
+
+def baseline_roles(cfg: DictConfig) -> list[str]:
+    """The plain loops one configuration gets: both for a ViT classifier with a timm name, else `same_model`."""
+    m = cfg.model
+    return ["same_model", "reference"] if m.family == "vit" and m.timm_name else ["same_model"]
+
+
+class _Checkpointed(nn.Module):
+    """A timm block that keeps only its input for the backward, as visiondist's `Block.checkpointing` does
+    (non-reentrant), so that compiling it compiles the same unit as ours."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        return self.block(x)
+
+
+def _timm_vit(cfg: DictConfig) -> nn.Module:
+    import timm
+
+    m = cfg.model
+    return timm.create_model(m.timm_name, pretrained=False, num_classes=m.num_classes, img_size=m.img_size,
+                             patch_size=m.patch_size, embed_dim=m.embed_dim, depth=m.depth, num_heads=m.num_heads,
+                             mlp_ratio=m.mlp_ratio, qkv_bias=m.qkv_bias, drop_rate=m.drop_rate,
+                             drop_path_rate=m.drop_path_rate)
+
+
+def _blocks_checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: str, switches) -> int:
+    """Apply the activation checkpointing of `switches` (the variant's `RunLayout`) and the configuration's
+    compilation to the model's transformer blocks; returns how many blocks were compiled."""
+    from visiondist.parallel import compile_blocks, enable_activation_checkpointing
+
+    p, compile_ = switches, bool(cfg.trainer.compile)
+    if role == "same_model":  # the model's own switches, without the layout around them
+        if p.activation_checkpointing:
+            enable_activation_checkpointing(model, p.checkpoint_blocks)
+        return compile_blocks(model) if compile_ else 0
+    blocks = model.blocks  # timm: an nn.Sequential
+    if p.activation_checkpointing:
+        for i in range(p.checkpoint_blocks):
+            blocks[i] = _Checkpointed(blocks[i])
+    if compile_:
+        for block in blocks:
+            block.compile()
+    return len(blocks) if compile_ else 0
+
+
+class PlainLoop:
+    """forward under autocast, loss, backward, `clip_grad_norm_`, `optimizer.step()`: on one device, with one
+    parameter group."""
+
+    def __init__(self, cfg: DictConfig, role: str, device: torch.device, switches):
+        from visiondist.train.optim import KERNELS, describe_optimizer, resolve_impl
+        from visiondist.train.build import seed_everything
+        from visiondist.models import build_model, select_attention
+
+        seed_everything(cfg.trainer.seed)  # same_model: the initial weights of `Trainer`'s model
+        m = cfg.model
+        if role == "same_model":
+            select_attention(m.sdpa)
+            model = build_model(m).to(device)
+            if m.channels_last:
+                model = model.to(memory_format=torch.channels_last)
+            self.model_name = (f"torchvision {m.arch} (visiondist's model)" if m.family == "torchvision"
+                               else f"visiondist {type(model).__name__}")
+        else:
+            model = _timm_vit(cfg).to(device)
+            if m.channels_last:
+                model = model.to(memory_format=torch.channels_last)
+            self.model_name = f"timm {m.timm_name}"
+        self.role, self.model = role, model.train()
+        compiled = _blocks_checkpointed_and_compiled(model, cfg, role, switches)
+        self.compile_scope = f"per block ({compiled} blocks)" if compiled else "none"
+        o, t = cfg.optim, cfg.trainer
+        kernels = KERNELS[resolve_impl(o.impl, o.name, model.parameters())]
+        if o.name == "adamw":
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                               weight_decay=o.weight_decay, **kernels)
+        else:
+            self.optimizer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
+                                             weight_decay=o.weight_decay, **kernels)
+        self.optimizer_name = describe_optimizer(self.optimizer, o.impl)
+        dtype = autocast_dtype(t.precision)
+        self.autocast = autocast_for(t.precision, device)
+        self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+        self.clip, self.smoothing = t.clip_grad, t.label_smoothing
+        self.classification = m.family == "vit"
+        # the batches are uint8, as the loaders yield them: normalised on the device, as the trainer's step does
+        self.inputs = Normalize(cfg.data.mean, cfg.data.std) if self.classification else unit_float
+        self.device = device
+
+    def step(self, batches: list[tuple]) -> None:
+        """One optimizer step over the micro-batches (gradient accumulation)."""
+        for images, targets, *_ in batches:  # a plain loop augments in its loader: device augmentation rows unused
+            images = self.inputs(images, self.device)
+            with self.autocast:
+                out = self.model(images) if self.classification else self.model(images, targets)
+            if self.classification:
+                loss = F.cross_entropy(out.float(), targets, label_smoothing=self.smoothing)
+            else:
+                loss = sum(v.float() for v in out.values())
+            loss = loss / len(batches)
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)

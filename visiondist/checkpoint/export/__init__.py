@@ -1,0 +1,43 @@
+"""Export a trained run: one consolidated file that the model's own library loads without visiondist.
+
+- `safetensors` (`state_dict.py`): the unsharded weights under the anchor library's key names (timm's for ViTs: fused
+  `qkv`; torchvision's for torchvision detectors) plus `<out>.json` (`preprocessing.py`), saying how to build the
+  model that loads them (`create` / `builder` + `kwargs`), the input size, the normalisation and the class names; a
+  detector's also `labels`, the COCO category id and name of each label it predicts. The file's own metadata holds
+  the names too.
+- `onnx` (`onnx.py`): the eval-mode model (classifier: images -> logits with a dynamic batch; torchvision detector:
+  one image -> boxes, labels, scores), the names in its metadata, checked against PyTorch with ONNX Runtime when it
+  is installed (`onnx_check.py`).
+- `torchscript` (`torchscript.py`): traced (classifiers) or scripted (torchvision detectors).
+
+Weights come from a run's checkpoint (any parallel layout; DCP reads the shards into this one process) or, for a run
+without checkpoints, its `model.safetensors` (`trained.py`). A new format is a module with a
+`write(trained, path, out) -> [other files written]` function and a row of `WRITERS`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from visiondist.checkpoint.export.onnx import write_onnx
+from visiondist.checkpoint.export.state_dict import write_safetensors
+from visiondist.checkpoint.export.torchscript import write_torchscript
+from visiondist.checkpoint.export.trained import Trained, load_trained
+
+__all__ = ["FORMATS", "WRITERS", "Trained", "export", "load_trained"]
+
+# format -> its writer: (the trained model, a temporary path, the final path) -> the other files it wrote
+WRITERS = {"safetensors": write_safetensors, "onnx": write_onnx, "torchscript": write_torchscript}
+FORMATS = tuple(WRITERS)
+
+
+def export(trained: Trained, fmt: str, out: Path) -> list[Path]:
+    """Write the export; returns the files written (the main one to a temporary name, then renamed)."""
+    if fmt not in WRITERS:
+        raise ValueError(f"format={fmt!r}: choose one of {', '.join(FORMATS)}")
+    out = Path(out).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    others = WRITERS[fmt](trained, tmp, out)
+    tmp.replace(out)
+    return [out, *others]

@@ -1,0 +1,199 @@
+"""The check of an ONNX export: ONNX Runtime against PyTorch, on the logits of random images (classifiers) or the
+detections on the run's val images (detectors), reported as one line (`OnnxCheck.summary`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from visiondist.checkpoint.export.onnx import THRESH_METADATA, set_score_thresholds, thresholds_set
+from visiondist.checkpoint.export.trained import Trained, example_images
+
+
+@dataclass
+class OnnxCheck:
+    """What `check_onnx` compared and how far ONNX Runtime was from PyTorch."""
+
+    max_diff: float  # largest |ONNX Runtime - PyTorch| over the outputs; inf when they differ in shape
+    example: str  # the input: "2 random images", "a random image" or the val images' paths
+    boxes: Optional[int] = None  # detectors: the boxes PyTorch returned, compared with ONNX Runtime's
+    onnx_boxes: Optional[int] = None  # detectors: the boxes ONNX Runtime returned
+    failed: Optional[str] = None  # detectors: the first image ONNX Runtime failed on, and its error
+    lowered_from: Optional[dict] = None  # set when the file's graph was compared with its score thresholds at 0
+
+    def summary(self) -> str:
+        """One line, e.g. "ONNX Runtime vs PyTorch: 37 boxes compared, max abs difference 2.1e-05 (on ...)"."""
+        head = "ONNX Runtime vs PyTorch:"
+        if self.boxes is None:
+            return f"{head} logits of {self.example} compared, max abs difference {self.max_diff:.2e}"
+        where = f"on {self.example}"
+        if self.lowered_from is not None:
+            file = ", ".join(f"{role} {value:g}" for role, value in self.lowered_from.items())
+            where += (f"; at the file's score thresholds ({file}) no box came out, so its graph was compared with "
+                      "them set to 0")
+        if self.failed:
+            rest = (f"; elsewhere {self.onnx_boxes} boxes compared, max abs difference {self.max_diff:.2e}"
+                    if self.onnx_boxes else "")
+            return f"{head} ONNX Runtime failed on {self.failed} ({where}){rest}"
+        if self.onnx_boxes != self.boxes:
+            return (f"{head} the outputs differ: ONNX Runtime returned {self.onnx_boxes} boxes, PyTorch {self.boxes} "
+                    f"({where}; near-tied scores can make top-k and NMS keep other boxes)")
+        if not self.boxes:
+            return f"{head} 0 boxes compared ({where}): both returned no box, which checks nothing of the outputs"
+        line = f"{head} {self.boxes} boxes compared, max abs difference {self.max_diff:.2e} ({where})"
+        if self.max_diff > BOX_ROUND_OFF:
+            line += (f"; warning: more than float round-off ({BOX_ROUND_OFF:g} px): the boxes differ, which a barely "
+                     "trained model's near-tied scores can cause; check the export on a trained model's weights")
+        return line
+
+
+BOX_ROUND_OFF = 1e-2  # px: the largest box difference of a trained detector's export (3.8e-05 measured) and then some
+
+
+def _max_diff(ref: list[torch.Tensor], got: list) -> float:
+    diffs = []
+    for r, g in zip(ref, got):
+        g = torch.from_numpy(g)
+        if r.shape != g.shape:
+            return float("inf")
+        diffs.append(float((r.double() - g.double()).abs().max()) if r.numel() else 0.0)
+    return max(diffs)
+
+
+def _box_diff(ref: list[torch.Tensor], got: list) -> float:
+    """Largest difference between PyTorch's detections and ONNX Runtime's, taken as sets (the order of boxes whose
+    scores tie is arbitrary): each box, on either side, against the nearest box of its label on the other side, and
+    the scores of those pairs; inf when the counts differ or a label has no counterpart."""
+    boxes, labels, scores = (r.double() for r in ref)
+    other_boxes, other_labels, other_scores = (torch.from_numpy(g).double() for g in got)
+    if other_boxes.shape != boxes.shape:
+        return float("inf")
+    if not len(boxes):
+        return 0.0
+    cost = (boxes[:, None] - other_boxes[None]).abs().amax(-1)
+    cost[labels[:, None] != other_labels[None]] = float("inf")
+    to_other, to_ref = cost.argmin(1), cost.argmin(0)
+    return float(max(cost.amin(1).max(), cost.amin(0).max(), (scores - other_scores[to_other]).abs().max(),
+                     (other_scores - scores[to_ref]).abs().max()))
+
+
+def _val_images(cfg: DictConfig, limit: int) -> list[tuple[str, torch.Tensor]]:
+    """(path, float CHW image in [0, 1]) of up to `limit` images of the run's val split that hold objects, in the
+    annotation file's order; none when the data is not on this machine."""
+    try:
+        from visiondist.data import coco_paths
+        from visiondist.data.coco import safe_image_path
+        from visiondist.data.decode import read_rgb
+
+        folder, annotations = coco_paths(cfg.data, cfg.data.val_split)
+        coco = json.loads(annotations.read_text())
+        with_objects = {a["image_id"] for a in coco.get("annotations", ()) if not a.get("iscrowd", 0)}
+        files = [safe_image_path(folder, i["file_name"]) for i in coco.get("images", ()) if i["id"] in with_objects]
+    except Exception:  # no data here (or not COCO-format): a random image serves
+        return []
+    images = []
+    for path in files:
+        try:
+            image = read_rgb(str(path))
+        except OSError:
+            continue
+        images.append((str(path), torch.from_numpy(image).permute(2, 0, 1).float().div_(255)))
+        if len(images) == limit:
+            break
+    return images
+
+
+def _proposals(model: nn.Module, image: torch.Tensor) -> Optional[int]:
+    """How many boxes a two-stage detector's RPN proposes on `image` (None: no RPN)."""
+    if not hasattr(model, "rpn"):
+        return None
+    with torch.no_grad():
+        images, _ = model.transform([image])
+        proposals, _ = model.rpn(images, model.backbone(images.tensors))
+    return len(proposals[0])
+
+
+def _compare_detector(model: nn.Module, session, examples: list[tuple[str, torch.Tensor]]) -> OnnxCheck:
+    """PyTorch's and ONNX Runtime's detections on each example; where ONNX Runtime fails, the boxes of that image
+    are left out of the comparison and the first failure is reported."""
+    boxes = onnx_boxes = 0
+    diff, failed = 0.0, None
+    what, names = _describe([name for name, _ in examples])
+    for name, (_, image) in zip(names, examples):
+        with torch.no_grad():
+            out = model([image])[0]
+        ref = [out["boxes"], out["labels"], out["scores"]]
+        try:
+            got = session.run(None, {session.get_inputs()[0].name: image.numpy()})
+        except Exception as exc:  # onnxruntime's own error types
+            if failed is None:
+                why = ("the RPN proposes no box there, which torchvision's exported graph does not handle: "
+                       if _proposals(model, image) == 0 else "")
+                message = ". ".join(str(exc).strip().splitlines()[-1].split(". ")[-2:])[-200:]  # ONNX Runtime's
+                failed = f"{name}: {why}{message}"
+            continue
+        boxes += len(ref[0])
+        onnx_boxes += len(got[0])
+        diff = max(diff, _box_diff(ref, got))
+    return OnnxCheck(diff, what, boxes=boxes, onnx_boxes=onnx_boxes, failed=failed)
+
+
+def _describe(paths: list[str]) -> tuple[str, list[str]]:
+    """What the examples are, in one phrase, and each one's name in it: one image by its path; several by their
+    paths below the folder that holds them all (annotation file names may hold sub-folders), then that folder."""
+    if len(paths) == 1:
+        return paths[0], [Path(paths[0]).name]
+    folder = Path(os.path.commonpath([str(Path(p).parent) for p in paths]))
+    names = [Path(p).relative_to(folder).as_posix() for p in paths]
+    return f"{len(paths)} val images ({', '.join(names)} in {folder})", names
+
+
+def check_onnx(trained: Trained, path: Path, images: int = 3) -> Optional[OnnxCheck]:
+    """ONNX Runtime against PyTorch on example inputs; None when onnxruntime is not installed.
+
+    Classifier: the logits of 2 random images. Detector: the boxes, labels and scores of up to `images` of the run's
+    val images that hold objects (a trained detector finds boxes there), else of a random image; boxes are matched
+    as sets. The exported file is compared at its own score thresholds (baked into the graph). Where no box comes
+    out there, its graph is compared again with the thresholds set to 0 (in memory, PyTorch likewise), and the
+    result says so: an empty output checks nothing."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # a failing run is reported in the result, not logged
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    if trained.cfg.model.family == "vit":
+        x = example_images(trained.cfg)
+        with torch.no_grad():
+            ref = [trained.model(x)]
+        got = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+        return OnnxCheck(_max_diff(ref, got), f"{len(x)} random images")
+
+    model = trained.model
+    examples = _val_images(trained.cfg, images) or [("a random image", example_images(trained.cfg, 1)[0])]
+    check = _compare_detector(model, session, examples)
+    if check.boxes or check.onnx_boxes or check.failed:
+        return check
+    try:
+        import onnx
+
+        proto = onnx.load(str(path))
+        meta = json.loads({p.key: p.value for p in proto.metadata_props}[THRESH_METADATA])
+    except (ImportError, KeyError):  # no onnx package, or a graph without its thresholds named
+        return check
+    zero = {role: 0.0 for role in meta}
+    set_score_thresholds(proto, zero, meta)
+    lowered = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    with thresholds_set(model, zero):
+        check = _compare_detector(model, lowered, examples)
+    check.lowered_from = {role: m["value"] for role, m in meta.items()}
+    return check
+

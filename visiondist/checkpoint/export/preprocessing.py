@@ -1,0 +1,109 @@
+"""The preprocessing record of an export: what the exported file's own metadata names (classes, a detector's label ->
+COCO category map) and the sidecar JSON beside it (how to rebuild the model that loads the weights, its input size,
+normalisation, crop, interpolation and decoding; timm's `pretrained_cfg` entries for a ViT)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from visiondist.checkpoint.export.trained import Trained, input_size
+from visiondist.models import TASKS
+
+log = logging.getLogger(__name__)
+
+
+def label_map(trained: Trained) -> Optional[dict[str, dict[str, Any]]]:
+    """A detector's labels: {"<k>": {"category_id": the annotation file's category id, "name": its name}} for each
+    label k = 1..K the model predicts (0 is the background); the COCO loader numbers the annotation file's category
+    ids in increasing order. None for classifiers and for runs whose category ids are unknown."""
+    if TASKS[trained.cfg.model.family] != "detection" or trained.categories is None:
+        return None
+    names = trained.classes or [None] * len(trained.categories)
+    return {str(label): {"category_id": int(cat), "name": name}
+            for label, (cat, name) in enumerate(zip(trained.categories, names), start=1)}
+
+
+def name_metadata(trained: Trained) -> dict[str, str]:
+    """What the exported file's own metadata says of the model's outputs (JSON text): "classes", the names of a
+    classifier's logits in order; "labels", a detector's `label_map`."""
+    if TASKS[trained.cfg.model.family] == "detection":
+        labels = label_map(trained)
+        return {} if labels is None else {"labels": json.dumps(labels)}
+    if not trained.classes:
+        log.warning("the run records no class names (exported from %s): the file's metadata names no classes",
+                    trained.source)
+        return {}
+    return {"classes": json.dumps(list(trained.classes))}
+
+
+def timm_data_config(trained: Trained) -> dict[str, Any]:
+    """The run's eval preprocessing as entries of timm's `pretrained_cfg` (`create["pretrained_cfg_overlay"]`): what
+    `timm.data.resolve_model_data_config(model)` reads (input size, interpolation, crop, mean / std; the test-time
+    ones equal to them), plus the head's size and the class names."""
+    cfg, size = trained.cfg, int(trained.cfg.model.img_size)
+    crop_pct = float(cfg.data.crop_pct)
+    overlay: dict[str, Any] = {
+        "input_size": [3, size, size], "test_input_size": [3, size, size], "fixed_input_size": True,
+        "interpolation": str(cfg.data.get("interpolation", "bilinear")), "crop_pct": crop_pct,
+        "test_crop_pct": crop_pct, "crop_mode": "center",
+        "mean": [float(v) for v in cfg.data.mean], "std": [float(v) for v in cfg.data.std],
+        "num_classes": int(cfg.model.num_classes)}
+    if trained.classes:
+        overlay["label_names"] = list(trained.classes)
+    return overlay
+
+
+def sidecar(trained: Trained) -> dict[str, Any]:
+    """How to rebuild the model that loads the exported weights, and what its inputs are (how the run decoded its
+    images included)."""
+    from visiondist.data.decode import POLICY
+
+    cfg, m = trained.cfg, trained.cfg.model
+    info: dict[str, Any] = {
+        "model": m.name,
+        "task": TASKS[m.family],
+        "num_classes": int(m.num_classes),
+        "classes": trained.classes,
+        "input_size": input_size(cfg),
+        "mean": list(cfg.data.mean),
+        "std": list(cfg.data.std),
+        "decode": dict(POLICY),
+        "source": {"path": str(trained.source), "step": trained.step},
+    }
+    labels = label_map(trained)
+    if labels is not None:  # detectors: label k -> the annotation file's category id and name
+        info["labels"] = labels
+    if m.family == "vit":
+        info.update(interpolation=str(cfg.data.get("interpolation", "bilinear")), crop_pct=float(cfg.data.crop_pct))
+        create = {"model_name": m.timm_name or "vit_base_patch16_224", "num_classes": int(m.num_classes),
+                  "img_size": int(m.img_size), "patch_size": int(m.patch_size), "embed_dim": int(m.embed_dim),
+                  "depth": int(m.depth), "num_heads": int(m.num_heads), "mlp_ratio": float(m.mlp_ratio),
+                  "qkv_bias": bool(m.qkv_bias),
+                  # timm.data.resolve_model_data_config(model) then gives the run's preprocessing, not timm's
+                  # defaults for model_name (224 px, its mean / std and crop)
+                  "pretrained_cfg_overlay": timm_data_config(trained)}
+        info.update(library="timm", create=create,
+                    usage="model = timm.create_model(**create, pretrained=False); model.load_state_dict("
+                          "safetensors.torch.load_file(path), strict=True); the run's eval preprocessing: "
+                          "timm.data.create_transform(**timm.data.resolve_model_data_config(model))")
+    elif m.family == "torchvision":
+        kwargs = {"weights": None, "weights_backbone": None, "num_classes": int(m.num_classes) + 1,
+                  "min_size": int(m.min_size), "max_size": int(m.max_size),
+                  **OmegaConf.to_container(m.kwargs, resolve=True)}
+        info.update(library="torchvision", builder=f"torchvision.models.detection.{m.arch}", kwargs=kwargs,
+                    usage="builder(**kwargs).load_state_dict(safetensors.torch.load_file(path), strict=True); "
+                          "labels are 1..num_classes (0 is the background); labels[str(k)] holds label k's COCO "
+                          "category_id and name")
+        if float(m.anchor_scale) != 1.0 or m.roi_sampling_ratio is not None:
+            info["not_in_kwargs"] = {
+                "anchor_scale": float(m.anchor_scale), "roi_sampling_ratio": m.roi_sampling_ratio,
+                "note": "the weights load unchanged; to reproduce the outputs exactly, scale the builder's anchor "
+                        "sizes (rpn_anchor_generator) and set box_roi_pool's sampling_ratio likewise"}
+    else:
+        info.update(library="visiondist", usage="visiondist.models.build_model(config.model), then load_state_dict; "
+                                                "no other library has this architecture")
+    return info

@@ -1,0 +1,20 @@
+"""format=torchscript: a ViT traced on example images, a torchvision detector scripted."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from visiondist.checkpoint.export.trained import Trained, example_images
+
+
+def write_torchscript(trained: Trained, path: Path, out: Path) -> list[Path]:
+    """The TorchScript file at `path` (a temporary name of `out`); nothing else."""
+    model, family = trained.model, trained.cfg.model.family
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the input-size check is constant for the trace
+        scripted = torch.jit.trace(model, example_images(trained.cfg)) if family == "vit" else torch.jit.script(model)
+    torch.jit.save(scripted, str(path))
+    return []

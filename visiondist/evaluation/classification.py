@@ -1,0 +1,94 @@
+"""Exact distributed classification metrics: each rank scores its shard, sums are reduced over data parallel."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from visiondist.observe.progress import tracked
+from visiondist.parallel import Layout, PipelinedViT, blank_forwards, forwards_needed
+
+
+def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]) -> list[torch.Tensor]:
+    """Number of samples whose label is among the top-k logits, for each k (k capped at the class count)."""
+    kmax = min(max(ks), logits.shape[1])
+    top = logits.topk(kmax, dim=1).indices
+    hits = top == labels[:, None]
+    return [hits[:, : min(k, kmax)].any(dim=1).sum() for k in ks]
+
+
+@torch.no_grad()
+def evaluate_classification(
+    model: nn.Module,
+    loader: DataLoader,
+    layout: Layout,
+    autocast: AbstractContextManager | None = None,
+    num_classes: int | None = None,
+    progress: bool = False,
+    inputs=None,
+) -> dict[str, float]:
+    """val_loss, val_top1, val_top5 (percent) and val_count over the whole val set, identical on every rank; with
+    `num_classes`, also val_class_top1 (percent per class, None for a class without images) and val_class_count.
+    `progress`: a progress bar over this rank's batches (give it on the main rank only). `inputs(images, device)`
+    turns loader images into the model's input on the device (default: a copy; the task's `Normalize` for uint8).
+
+    A pipelined model runs each batch through the pipeline (`PipelinedViT.predict`); the last stage scores it and its
+    sums reach the other stages in the final reduction."""
+    was_training = model.training
+    model.eval()
+    pipelined = isinstance(model, PipelinedViT)
+    k = num_classes or 0
+    sums = torch.zeros(4 + 2 * k, dtype=torch.float64, device=layout.device)  # loss, top1, top5, count, per class
+    needed, forwards = forwards_needed(model, layout, len(loader)), 0  # FSDP: every rank runs as many forwards
+    inputs = inputs or (lambda images, device: images.to(device, non_blocking=True))
+    for images, labels in tracked(loader, progress):
+        forwards += 1
+        images = None if images is None else inputs(images, layout.device)
+        if pipelined:
+            logits = model.predict(images, None if labels is None else len(labels), loader.batch_sampler.batch_size,
+                                   autocast)
+            if logits is None:
+                continue
+        else:
+            with autocast or nullcontext():
+                logits = model(images)
+        _score(sums, logits.float(), labels.to(layout.device, non_blocking=True), k)
+    blank_forwards(model, layout, needed - forwards, autocast)
+    layout.all_reduce_dp(sums)
+    if pipelined:
+        sums = model.from_last_stage(sums)
+    model.train(was_training)
+    return _metrics(sums.tolist(), k)
+
+
+def _score(sums: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, k: int) -> None:
+    """Add one batch's loss, top-1 / top-5 hits and count (and per-class hits and counts over k classes) to `sums`."""
+    top1, top5 = topk_correct(logits, labels, (1, 5))
+    loss = F.cross_entropy(logits, labels, reduction="sum")
+    count = torch.tensor(float(len(labels)), dtype=torch.float64, device=sums.device)
+    sums[:4] += torch.stack([loss.double(), top1.double(), top5.double(), count])
+    if k:
+        hit = logits.argmax(dim=1) == labels
+        sums[4 : 4 + k] += torch.bincount(labels[hit], minlength=k).double()
+        sums[4 + k :] += torch.bincount(labels, minlength=k).double()
+
+
+def _metrics(values: list[float], k: int) -> dict:
+    """The reduced sums as metrics (see `evaluate_classification`)."""
+    loss, top1, top5, count = values[:4]
+    count_safe = max(count, 1.0)
+    metrics = {
+        "val_loss": loss / count_safe,
+        "val_top1": 100.0 * top1 / count_safe,
+        "val_top5": 100.0 * top5 / count_safe,
+        "val_count": int(count),
+    }
+    if k:
+        hits, counts = values[4 : 4 + k], values[4 + k :]
+        metrics["val_class_top1"] = [100.0 * h / c if c else None for h, c in zip(hits, counts)]
+        metrics["val_class_count"] = [int(c) for c in counts]
+    return metrics

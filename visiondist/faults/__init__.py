@@ -1,0 +1,6 @@
+"""What goes wrong and how a rank ends: the step's health (`health.py`: non-finite loss or gradient, stop signals, the
+collective timeout) and the failure record and hang watchdog (`failures.py`: one line naming the rank, the step and
+the cause; stacks of a hung rank).
+
+Imports: `compat`, `utils` and `observe` (the run's log file gets the failure line).
+"""

@@ -1,0 +1,100 @@
+"""The console and the run's log file: rank 0's log lines (through rich in a terminal, plain lines into a pipe) and
+`train.log` / `eval.log` / `benchmark.log` in the run dir, and the paths and commands the run prints for people."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LOG_FILE = "train.log"  # the run dir's log: train.log, or eval.log / benchmark.log for those jobs (setup_logging)
+
+
+class _Stdout(logging.StreamHandler):
+    """Writes to whatever `sys.stdout` is at the time, as rich's console does (a library's chatter that a caller
+    silences with `contextlib.redirect_stdout` stays silenced)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+class _Plain(logging.Formatter):
+    """A message per line; warnings and errors say so."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if record.levelno < logging.WARNING else f"{record.levelname}: {text}"
+
+
+def in_terminal() -> bool:
+    """Whether rank 0's console is a terminal (rich's console, which the log lines and the progress bars share)."""
+    from rich import get_console
+
+    return get_console().is_terminal
+
+
+def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> None:
+    """Rank 0 logs INFO to the console (in a terminal through rich, so progress bars stay intact; otherwise plain
+    lines) and to `log_file` in the run dir (train.log; eval.log, benchmark.log for those jobs)."""
+    global LOG_FILE
+    LOG_FILE = log_file
+    from rich.logging import RichHandler
+
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    if not is_main:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+        return
+    if in_terminal():  # rich's columns; into a pipe or a file, plain lines that do not wrap at 80 columns
+        console = RichHandler(show_path=False, show_time=False, markup=False, rich_tracebacks=False)
+        console.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        console = _Stdout()
+        console.setFormatter(_Plain("%(message)s"))
+    file = logging.FileHandler(run_dir / log_file)
+    file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(console)
+    root.addHandler(file)
+    root.setLevel(logging.INFO)
+
+
+
+def next_commands(run_dir: Path) -> str:
+    """Where a training run is, and what to run on it next, in the tools' key=value convention."""
+    import shlex
+
+    run = shlex.quote(shown_path(run_dir))
+    return (f"run dir: {run}\n"
+            f"  evaluate: python {tool_path('eval')} run_dir={run}\n"
+            f"  export:   python {tool_path('export')} run_dir={run}   (format=onnx or format=torchscript for those)")
+
+
+def tool_path(name: str) -> str:
+    """`tools/<name>.py` as the user can type it from where they are (relative inside the working directory, else
+    absolute); `tools/<name>.py` when the package was installed without its tools."""
+    import shlex
+
+    import visiondist
+
+    path = Path(visiondist.__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    return shlex.quote(shown_path(path)) if path.is_file() else f"tools/{name}.py"
+
+
+def shown_path(path: Path) -> str:
+    """`path` relative to the working directory when it is inside it (what a user types), else as it is."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

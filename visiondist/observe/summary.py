@@ -1,0 +1,74 @@
+"""What rank 0 leaves at the end of a run: summary.json, the summary table, the PNG plots (`plots.py`), the task's
+final line and the commands that evaluate and export the run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from visiondist.observe.console import next_commands
+from visiondist.observe.plots import plot_curves
+
+log = logging.getLogger(__name__)
+
+
+def summary_table(summary: dict[str, Any]):
+    """A two-column rich Table of the run's summary."""
+    from rich.table import Table
+
+    table = Table(title="training summary", show_header=False, title_justify="left")
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")  # long paths wrap whole into a narrow (non-terminal) console, never cut
+    for key, value in summary.items():
+        if value is None:
+            value = "-"
+        elif isinstance(value, float):
+            value = f"{value:.4g}" if math.isfinite(value) else str(value)
+        table.add_row(key, str(value))
+    return table
+
+
+def best_evaluation(rows: list[dict[str, Any]], key: str, label: str) -> dict[str, Any]:
+    """The best value of the headline metric over the run's evaluations (the earliest on ties) and its step."""
+    scored = [(r[key], int(r["step"])) for r in rows if r.get(key) is not None]
+    if not scored:
+        return {}
+    value, step = max(scored, key=lambda vs: (vs[0], -vs[1]))
+    return {f"best {label}": value, "best at step": step}
+
+
+def draw_evaluation(task, metrics: dict[str, Any], run_dir: Path, title: str,
+                    rows: list[dict[str, Any]] | None = None) -> list[Path]:
+    """The run's PNGs: `curves.png` from the metrics rows (training runs), then the task's per-class bars and, for
+    detectors, val images with their predicted boxes."""
+    pngs = []
+    if rows is not None:
+        pngs.append(plot_curves(rows, run_dir / "curves.png", title, task.plot_series, task.plot_title))
+    pngs += task.plots(metrics, run_dir, title)
+    pngs = [p for p in pngs if p is not None]
+    if pngs:
+        log.info("plots: %s", ", ".join(p.name for p in pngs))
+    return pngs
+
+
+
+def report_run(run_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], task, last_eval: dict[str, Any],
+               title: str, written: Optional[Callable[[list[Path]], Any]] = None) -> list[Path]:
+    """summary.json, the plots, the summary table, the task's final line, then the run dir and the commands that
+    evaluate and export it (rank 0). `written(pngs)` runs once the files are written, before anything is printed
+    (the trackers take the plots and close there, so that the run's next commands stay its last lines). Returns the
+    PNGs."""
+    from rich.console import Console
+
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    pngs = draw_evaluation(task, last_eval, run_dir, title, rows)
+    if written is not None:
+        written(pngs)
+    Console(width=max(100, Console().width)).print(summary_table(summary))
+    print(task.final_line(last_eval), flush=True)
+    print(next_commands(run_dir), flush=True)
+    return pngs
+

@@ -1,0 +1,120 @@
+"""Building a rank's parts: the laid-out model (meta-device build, TP / pipeline / FSDP, weights drawn or read per
+shard), the seeds, the logging and the data, and the start-up texts that describe them."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from visiondist.data import prepare_data
+from visiondist.observe.console import setup_logging
+from visiondist.train.precision import autocast_dtype
+from visiondist.models import build_deferred, build_model, select_attention
+from visiondist.models.init import is_meta, materialize
+from visiondist.parallel import Layout, PipelineSpec, local_part, parallelize
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def check_val_images(loader) -> None:
+    """This rank's share of the val split, checked for unreadable files (a rank that reads no images has none)."""
+    from visiondist.data.robust import check_images
+
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None or hasattr(dataset, "packed"):  # packed shards: `tools/data.py pack` checked every image
+        return
+    index = [i for batch in loader.batch_sampler for i in batch]
+    check_images([dataset.paths[i] for i in index], "val images")  # ImageFolder and COCO: a `PathIndex` each
+
+
+def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool = True) -> torch.nn.Module:
+    """This rank's model under the layout, with the attention kernel chosen (`model.sdpa`, process-wide).
+
+    A ViT is built on the meta device, laid out (TP shards, pipeline stages, FSDP shards), and only then are this
+    rank's tensors allocated on its device and drawn (or read from `model.weights` / `model.init_from`), each equal
+    to what one process draws for the same seed: no rank ever holds the whole model. `weights=False` leaves them
+    for a checkpoint to fill. Other models are built whole on the CPU, moved to the device, then laid out."""
+    m, p = cfg.model, run_of(layout)
+    select_attention(m.sdpa)
+    model, source = build_deferred(m, weights)
+    fill = None
+    if is_meta(model):
+        device = torch.device("cpu") if p.fsdp and p.offload else layout.device  # FSDP offload: shards on the host
+
+        def fill_shards(laid_out: torch.nn.Module) -> None:
+            materialize(laid_out, device, source, local_part(layout))
+
+        fill = fill_shards
+    else:
+        model = model.to(layout.device)
+        if m.sync_bn and layout.dp > 1:
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=layout.dp_group)
+    if m.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return parallelize(model, layout, p.sequence_parallel, PipelineSpec.from_layout(p), loss_fn, fsdp=p.fsdp,
+                       shard_size=p.shard_size,
+                       offload=p.offload, activation_checkpointing=p.activation_checkpointing,
+                       checkpoint_blocks=p.checkpoint_blocks, compile=cfg.trainer.compile,
+                       param_dtype=autocast_dtype(cfg.trainer.precision), materialize=fill)
+
+
+def run_of(layout: Layout):
+    if layout.run is None:
+        raise ValueError("this Layout carries no RunLayout: build it with visiondist.plan.rank_layout(cfg) (or "
+                         "build_layout(..., run=visiondist.plan.resolve(cfg)[0]))")
+    return layout.run
+
+
+def num_params(model_cfg: DictConfig) -> int:
+    """Parameters of the whole model, counted on the meta device."""
+    bare = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None, "backbone_weights": None})
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(bare).parameters())
+
+
+def prepare_rank(cfg: DictConfig, layout: Layout, run_dir: Path, log_file: str = "train.log") -> None:
+    """Logging on every rank (rank 0 into `log_file` in the run dir); the data generated once per node while the other
+    ranks wait."""
+    import torch.distributed as dist
+
+    setup_logging(run_dir, layout.is_main, log_file)
+    if layout.local_rank == 0:
+        prepare_data(cfg.data, show_progress=layout.is_main and cfg.trainer.progress)
+    dist.barrier()
+
+
+def consolidate(model_cfg: DictConfig, checkpoint: Path, path: Path, is_main: bool) -> Path:
+    """The model of a checkpoint as one canonical safetensors file at `path`, whatever the layout it was saved under
+    (TP shards and pipeline stages are read back into one full model on the CPU); written by rank 0 to a temporary
+    name and renamed, so the file is always whole."""
+    from visiondist.checkpoint.dcp import load_model_state
+    from visiondist.models.weights import save_weights
+
+    if is_main:
+        model, _ = build_deferred(model_cfg, weights=False)  # every tensor comes from the checkpoint
+        if is_meta(model):
+            materialize(model, "cpu", None)
+        load_model_state(checkpoint, model, no_dist=True)
+        tmp = path.with_suffix(".tmp")
+        save_weights({k: v.detach().contiguous() for k, v in model.state_dict().items()}, tmp)
+        tmp.replace(path)
+    return path
+
+
+def run_length(t: DictConfig, steps_per_epoch: int) -> tuple[int, str]:
+    """(optimizer steps of the run, which limit sets them): `trainer.max_steps`, ended sooner by `trainer.max_epochs`
+    of `steps_per_epoch` global batches; either is off at 0."""
+    by_epochs = t.max_epochs * steps_per_epoch if t.max_epochs > 0 else None
+    if t.max_steps > 0 and (by_epochs is None or t.max_steps <= by_epochs):
+        return t.max_steps, f"trainer.max_steps={t.max_steps} ends the run"
+    epochs = f"trainer.max_epochs={t.max_epochs} of {steps_per_epoch} step{'s' if steps_per_epoch != 1 else ''}"
+    if t.max_steps > 0:
+        return by_epochs, f"{epochs} ends the run before trainer.max_steps={t.max_steps}"
+    return by_epochs, f"{epochs} ends the run"

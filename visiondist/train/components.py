@@ -1,0 +1,53 @@
+"""A rank's training parts, built once in the order that fails earliest: seeds, the task and its data (a missing
+folder stops the run before a model is built), the val images checked, the laid-out model, then the optimizer over
+this rank's shards, the EMA, the run's length, the LR schedule, autocast and fp16's loss scaler. The `Trainer` takes
+them as they are; it builds nothing itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig
+
+from visiondist.parallel import Layout, unwrap
+from visiondist.train.build import build_laid_out, check_val_images, num_params, run_length, run_of, seed_everything
+from visiondist.train.ema import ModelEma
+from visiondist.train.optim import build_optimizer, build_scheduler
+from visiondist.train.precision import LossScaler, autocast_for, precision_name
+from visiondist.train.tasks import build_task
+
+
+@dataclass
+class Components:
+    task: Any  # `tasks.ClassificationTask` or `tasks.DetectionTask`: data, loss, evaluation, plots
+    model: torch.nn.Module  # laid out: DDP / FSDP / TP / a pipeline stage
+    optimizer: torch.optim.Optimizer  # over this rank's shards
+    ema: Optional[ModelEma]
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    autocast: Any  # a reusable context manager: autocast in trainer.precision on this device (or nothing)
+    scaler: Optional[LossScaler]  # fp16 only
+    total_steps: int
+    length: str  # how the run's length was decided (for the start-up line)
+    num_params: int  # the whole model's
+
+
+def build_components(cfg: DictConfig, layout: Layout, weights: bool = True) -> Components:
+    """Every part a rank trains with. `weights=False`: the model's tensors are left for a checkpoint to fill (no
+    initial weights drawn or read)."""
+    run_of(layout)  # every parallel switch is read from the resolved layout, never from cfg.parallel
+    t = cfg.trainer
+    seed_everything(t.seed)  # the same on every rank: identical initial weights before any broadcast
+    task = build_task(cfg, layout)  # the data first: a missing folder stops the run before a model is built
+    check_val_images(task.data.val_loader)  # before step 1, not at the first evaluation
+    model = build_laid_out(cfg, layout, getattr(task, "criterion", None), weights=weights)  # a pipeline's last stage
+    optimizer = build_optimizer(cfg.optim, unwrap(model), cfg.model.depth)  # over this rank's shards
+    ema = ModelEma(unwrap(model), t.ema_decay) if t.ema_decay > 0 else None
+    total_steps, length = run_length(t, task.data.train_sampler.steps_per_epoch)
+    return Components(
+        task=task, model=model, optimizer=optimizer, ema=ema,
+        scheduler=build_scheduler(cfg.schedule, optimizer, total_steps),
+        autocast=autocast_for(t.precision, layout.device),
+        scaler=LossScaler(layout.device) if precision_name(t.precision) == "16" else None,
+        total_steps=total_steps, length=length, num_params=num_params(cfg.model))

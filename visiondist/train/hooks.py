@@ -1,0 +1,356 @@
+"""The training loop's periodic and cross-cutting concerns, one class each, each owning its cadence.
+
+`Trainer.fit` runs `before_train`, then for every step the step inside each hook's `step_context` and then
+`after_step`, then `after_train` (and `close` in any case), calling the hooks in the order `default_hooks` gives
+(detectron2's HookBase, torchtitan's components deciding their own cadence). A hook that sets `trainer.stopping` ends
+the loop after the current step: the hooks after it do not see that step (a stopped job logs its last step, but
+neither records its timeline nor evaluates it; it checkpoints it in `after_train`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Any, ContextManager
+
+import torch
+
+from visiondist.faults.health import set_collective_timeout
+from visiondist.observe.console import in_terminal
+from visiondist.observe.progress import progress_bar
+
+if TYPE_CHECKING:
+    from visiondist.train.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+class Hook:
+    def before_train(self, trainer: "Trainer") -> None: ...
+
+    def step_context(self, trainer: "Trainer") -> ContextManager:
+        """Entered around the next step (e.g. to record its timeline)."""
+        return contextlib.nullcontext()
+
+    def after_step(self, trainer: "Trainer", loss: torch.Tensor, grad_norm: torch.Tensor) -> None: ...
+
+    def after_train(self, trainer: "Trainer", complete: bool) -> None:
+        """`complete`: the run reached its last step (otherwise it stopped early: a signal or trainer.stop_at_step)."""
+
+    def close(self, trainer: "Trainer") -> None:
+        """Always called, also when a step raised."""
+
+
+class StepTimer:
+    """Sum of this rank's losses and the training seconds since the last log line; evaluations, checkpoints and the
+    timeline's gathering are not training time (`with trainer.untimed()`)."""
+
+    def __init__(self, device: torch.device):
+        self.loss = torch.zeros((), device=device)
+        self.steps, self.seconds, self.total_seconds = 0, 0.0, 0.0
+        self._since = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss += loss
+        self.steps += 1
+
+    def pause(self) -> None:
+        elapsed = time.perf_counter() - self._since
+        self.seconds += elapsed
+        self.total_seconds += elapsed
+
+    def resume(self) -> None:
+        self._since = time.perf_counter()
+
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.steps, self.seconds = 0, 0.0
+        self.resume()
+
+
+class ProgressHook(Hook):
+    """The rich progress bar on the main rank (`trainer.progress`), in a terminal: into a pipe or a file a bar is one
+    cut-off line at the end, and the log lines already say how far the run is."""
+
+    def before_train(self, trainer):
+        shown = trainer.cfg.trainer.progress and trainer.layout.is_main and in_terminal()
+        trainer.progress = progress_bar(shown, trainer.total_steps)
+
+    def after_step(self, trainer, loss, grad_norm):
+        if trainer.progress is not None:
+            trainer.progress.update(0, completed=trainer.step)
+
+    def close(self, trainer):
+        if trainer.progress is not None:
+            trainer.progress.stop()
+
+
+class TimeoutHook(Hook):
+    """After the first step of this process (start-up, compilation and first collectives are over), collectives time
+    out after `trainer.dist_timeout_s`: a hang fails fast."""
+
+    def after_step(self, trainer, loss, grad_norm):
+        if trainer.step == trainer.resumed_from_step + 1:
+            set_collective_timeout(trainer.cfg.trainer.dist_timeout_s, trainer.groups())
+
+
+class StopHook(Hook):
+    """A stop signal on any rank (the step's all-reduced flags) ends the loop after this step."""
+
+    def after_step(self, trainer, loss, grad_norm):
+        if trainer.stop_requested and trainer.step < trainer.total_steps:
+            trainer.stopping = True
+
+
+class TrafficHook(Hook):
+    """Bytes one step moves through TP collectives and pipeline sends, noted once (every step moves the same). A
+    pipeline's first step also runs the schedule's shape inference, so its second step is counted."""
+
+    def __init__(self):
+        self.noted = False
+
+    def before_train(self, trainer):
+        trainer.reset_traffic()
+
+    def after_step(self, trainer, loss, grad_norm):
+        if self.noted:
+            return
+        comm, pipe = trainer.layout.tp_comm, trainer.pipeline
+        if pipe is not None and trainer.step == trainer.resumed_from_step + 1:
+            trainer.reset_traffic()
+            return
+        self.noted = True
+        if comm is not None:
+            trainer.tp_bytes_per_step = comm.ring_bytes()
+            calls = ", ".join(f"{n} {kind}" for kind, n in sorted(comm.calls.items()))
+            log.info("tensor parallel traffic: %.2f MB sent per rank per step (%s)", trainer.tp_bytes_per_step / 1e6,
+                     calls)
+        if pipe is not None:
+            trainer.pp_bytes_per_step = pipe.p2p.bytes
+            log.info("pipeline traffic: %.2f MB sent per rank per step (%d sends to neighbouring stages)",
+                     pipe.p2p.bytes / 1e6, pipe.p2p.sends)
+
+
+class LogHook(Hook):
+    """Every `trainer.log_every` steps, at the last and at a stop (signal or `trainer.stop_at_step`): the mean loss
+    over DP, grad norm, LR and images/s to the metrics (CSV, TensorBoard), the console and the progress bar."""
+
+    def before_train(self, trainer):
+        trainer.timer = StepTimer(trainer.layout.device)
+
+    def after_step(self, trainer, loss, grad_norm):
+        timer = trainer.timer
+        timer.add(loss)
+        t = trainer.cfg.trainer
+        if (trainer.step % t.log_every == 0 or trainer.step in (trainer.total_steps, t.stop_at_step)
+                or trainer.stop_requested):
+            timer.pause()
+            trainer.final_loss = self._log(trainer, timer, grad_norm)
+            timer.reset()
+
+    @staticmethod
+    def _log(trainer, timer: StepTimer, grad_norm: torch.Tensor) -> float:
+        """Reduce the window's loss and the grad norm over DP (every rank calls this), log on rank 0."""
+        stats = torch.stack([timer.loss / timer.steps, grad_norm.to(timer.loss)])
+        mean_loss, norm = (trainer.layout.all_reduce_dp(stats) / trainer.layout.dp).tolist()
+        rate = timer.steps * trainer.cfg.data.batch_size / max(timer.seconds, 1e-9)
+        lr = trainer.optimizer.param_groups[0]["lr"]
+        trainer.metrics.log(trainer.step, epoch=trainer.epoch, loss=mean_loss, lr=lr, grad_norm=norm, images_per_s=rate)
+        peak = trainer.peak_gpu_gib()
+        memory = f" | {peak:.1f} GiB peak" if peak is not None else ""
+        epochs = math.ceil(trainer.total_steps / trainer.data.train_sampler.steps_per_epoch)
+        log.info("step %d/%d | epoch %d/%d | loss %.4f | lr %.2e | %.3g img/s%s", trainer.step, trainer.total_steps,
+                 trainer.epoch + 1, epochs, mean_loss, lr, rate, memory)
+        if trainer.progress is not None:
+            trainer.progress.update(0, completed=trainer.step, stats=(
+                f"epoch {trainer.epoch + 1}/{epochs}  loss {mean_loss:.4f}  lr {lr:.2e}  {rate:.3g} img/s"
+                f"{memory.replace(' | ', '  ')}"))
+        return mean_loss
+
+
+class TimelineHook(Hook):
+    """Records one pipeline step's actions on every rank (`parallel.timeline`): the second step of this process (the
+    first also sets up the schedule's buffers), or the only one; rank 0 writes pipeline_timeline.json / .png and the
+    bubble fraction."""
+
+    def __init__(self):
+        self.recording = False
+
+    def step_context(self, trainer):
+        start, pipe = trainer.resumed_from_step, trainer.pipeline
+        wanted = start + (2 if trainer.total_steps - start >= 2 else 1)
+        self.recording = pipe is not None and trainer.layout.run.timeline and trainer.step + 1 == wanted
+        return pipe.timeline() if self.recording else contextlib.nullcontext()
+
+    def after_step(self, trainer, loss, grad_norm):
+        if self.recording:
+            self.recording = False
+            with trainer.untimed():
+                self._save(trainer)
+
+    @staticmethod
+    def _save(trainer) -> None:
+        import torch.distributed as dist
+
+        from visiondist.parallel.timeline import bubble_fraction, plot_timeline, to_json
+
+        lay, p = trainer.layout, trainer.pipeline
+        if lay.dp_rank or lay.tp_rank:  # one pipeline group (rank 0's) draws the picture
+            return
+        events: Any = [None] * lay.pp if lay.is_main else None
+        dist.gather_object(p.recorder.events, events, dst=0, group=lay.pp_group)
+        if not lay.is_main:
+            return
+        events = [e for rank_events in events for e in rank_events]
+        stats = bubble_fraction(events, lay.pp)
+        trainer.bubble = stats["bubble"]
+        title = (f"{trainer.cfg.model.name} {p.schedule_name}: pp={lay.pp}, {p.n_stages} stages, "
+                 f"{p.microbatches} micro-batches")
+        (trainer.run_dir / "pipeline_timeline.json").write_text(
+            json.dumps({"title": title, "step": trainer.step, **stats, "events": to_json(events)}, indent=1))
+        png = plot_timeline(events, trainer.run_dir / "pipeline_timeline.png", title)
+        log.info("pipeline step %d: bubble %.1f%% of %.0f ms (per rank: %s); timeline %s", trainer.step,
+                 100 * stats["bubble"], 1e3 * stats["span_s"],
+                 ", ".join(f"{100 * b:.0f}%" for b in stats["bubble_per_rank"]), png)
+
+
+class CheckpointHook(Hook):
+    """Every `trainer.checkpoint_every` steps before the last, and at the end of the run (complete or stopped) unless
+    that step is saved already. Under `trainer.checkpoint_async` a save overlaps the next steps; the end of the run,
+    a stop and a failure wait for it (a failure at most `trainer.dist_timeout_s`)."""
+
+    def after_step(self, trainer, loss, grad_norm):
+        every = trainer.cfg.trainer.checkpoint_every
+        if every and trainer.step % every == 0 and trainer.step < trainer.total_steps:
+            with trainer.untimed():
+                trainer.save_checkpoint()
+
+    def close(self, trainer):
+        """Also after a failure: the save in flight is finished, so that a restart resumes from it."""
+        if trainer.pending_save is not None:
+            try:
+                trainer.pending_save.wait(trainer.cfg.trainer.dist_timeout_s)
+            except Exception as exc:  # after_train raises it on a run that did not fail otherwise
+                log.warning("%s", exc)
+
+    def after_train(self, trainer, complete):
+        trainer.wait_checkpoint()
+        if trainer.saved_step != trainer.step:
+            trainer.save_checkpoint(wait=True)
+
+
+class BestCheckpointHook(Hook):
+    """`trainer.best_metric`: after each evaluation that improves the metric, that step's checkpoint (saved now if
+    the cadence did not) is recorded in checkpoints/best.json and kept beside the newest `trainer.keep_last`
+    (detectron2's BestCheckpointer). A resumed run continues from the best it had."""
+
+    def before_train(self, trainer):
+        from visiondist.checkpoint.files import read_best
+
+        t = trainer.cfg.trainer
+        self.metric, self.checked = t.best_metric, trainer.step
+        if self.metric is None:
+            return
+        self.mode = t.best_mode if t.best_mode != "auto" else ("min" if "loss" in self.metric else "max")
+        best = read_best(trainer.run_dir)
+        self.best = best["value"] if best and best.get("metric") == self.metric else None
+
+    def after_step(self, trainer, loss, grad_norm):
+        self._check(trainer)
+
+    def after_train(self, trainer, complete):
+        self._check(trainer)
+
+    def _check(self, trainer) -> None:
+        if self.metric is None or trainer.last_eval.get("step") != trainer.step or self.checked == trainer.step:
+            return
+        self.checked = trainer.step
+        value = trainer.last_eval.get(self.metric)
+        if value is None or not math.isfinite(value):
+            return
+        if self.best is not None and (value <= self.best if self.mode == "max" else value >= self.best):
+            return
+        self.best = value
+        from visiondist.checkpoint.files import mark_best
+
+        with trainer.untimed():
+            if trainer.saved_step != trainer.step:
+                trainer.save_checkpoint()
+        record = {"metric": self.metric, "mode": self.mode, "value": value, "step": trainer.step}
+        trainer.best = record
+        log.info("best %s so far: %.6g at step %d", self.metric, value, trainer.step)
+        if not trainer.layout.is_main:
+            return
+        keep = trainer.cfg.trainer.keep_last
+        if trainer.pending_save is not None and trainer.pending_save.step == trainer.step:
+            trainer.pending_save.then(lambda: mark_best(trainer.run_dir, record, keep))
+        else:
+            mark_best(trainer.run_dir, record, keep)
+
+
+class WeightsHook(Hook):
+    """A complete run's model.safetensors, consolidated by rank 0 from the final checkpoint while the other ranks
+    wait (under the start-up timeout: minutes for a huge model)."""
+
+    def after_train(self, trainer, complete):
+        if not complete:
+            return
+        t = trainer.cfg.trainer
+        trainer.weights = trainer.save_weights()
+        if trainer.layout.world_size > 1:
+            set_collective_timeout(t.startup_timeout_s, trainer.groups(), quiet=True, key="trainer.startup_timeout_s")
+            torch.distributed.barrier()
+            set_collective_timeout(t.dist_timeout_s, trainer.groups(), quiet=True)
+
+
+def stop_agreed(trainer: "Trainer") -> bool:
+    """Whether a stop signal has reached any rank by now, agreed by all (one all-reduce: every rank asks at the same
+    step). Asked before long work between steps (an evaluation), which the step flags, read a step late, would not
+    spare."""
+    flag = torch.tensor([float(trainer.signals_received())], device=trainer.layout.device)
+    if trainer.layout.world_size > 1:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    trainer.stop_requested = trainer.stop_requested or bool(flag.item())
+    return trainer.stop_requested
+
+
+class EvalHook(Hook):
+    """`trainer.eval_at_start`; every `trainer.eval_every` steps (0: every epoch); and at the end of a complete run
+    unless its last step was evaluated."""
+
+    def before_train(self, trainer):
+        if trainer.cfg.trainer.eval_at_start and trainer.step == 0:
+            trainer.evaluate()
+
+    def after_step(self, trainer, loss, grad_norm):
+        every = trainer.cfg.trainer.eval_every
+        end_of_epoch = trainer.step % trainer.data.train_sampler.steps_per_epoch == 0
+        if (every and trainer.step % every == 0) or (not every and end_of_epoch):
+            if trainer.step < trainer.total_steps and stop_agreed(trainer):  # a stop: its checkpoint, not a pass
+                trainer.stopping = True  # over the val set first (the signal may have come during this step)
+                return
+            with trainer.untimed():
+                trainer.evaluate()
+
+    def after_train(self, trainer, complete):
+        if complete and trainer.last_eval.get("step") != trainer.step:
+            trainer.evaluate()
+
+
+def default_hooks() -> list[Hook]:
+    """In this order, for a reason each:
+    - progress first, so the bar shows the step even if a later hook fails on it;
+    - the collective timeout right after the first step, before anything else can hang on a collective;
+    - traffic and the log line next: they describe the step just run (a stopped job's last step too: metrics.csv
+      has every step the checkpoint holds);
+    - the stop check before the rest of the per-step work, so a stopped job spends nothing more than its checkpoint;
+    - the timeline after them: its gathering is not training time;
+    - the checkpoint before the evaluation, and (at the end) the weights between them: a failing evaluation loses
+      neither the checkpoint nor the weights;
+    - the best checkpoint after the evaluation it is chosen by.
+    """
+    return [ProgressHook(), TimeoutHook(), TrafficHook(), LogHook(), StopHook(), TimelineHook(), CheckpointHook(),
+            WeightsHook(), EvalHook(), BestCheckpointHook()]

@@ -1,0 +1,63 @@
+"""The entry points every rank runs: `train` (tools/train.py) and `evaluate_checkpoint` (tools/eval.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from visiondist.data.workers import close_loaders
+from visiondist.train.build import build_laid_out, prepare_rank, seed_everything
+from visiondist.checkpoint.dcp import load_model_state
+from visiondist.utils.heartbeat import PROGRESS
+from visiondist.train.precision import autocast_for
+from visiondist.observe.console import shown_path
+from visiondist.observe.summary import draw_evaluation
+from visiondist.train.tasks import build_task
+from visiondist.train.trainer import Trainer
+from visiondist.parallel import Layout, unwrap
+
+log = logging.getLogger(__name__)
+
+
+def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
+    """Entry point of every rank: prepare the data once per node, then fit."""
+    prepare_rank(cfg, layout, run_dir)
+    trainer = Trainer(cfg, layout, run_dir)
+    try:
+        return trainer.fit()
+    finally:
+        close_loaders()  # while the trainer still holds its loaders: their workers are ended, not waited for
+
+
+def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
+    """Entry point of every rank of `tools/eval.py`: the model with `cfg.model.weights`, evaluated on the val split.
+    Rank 0 prints the result (the 12-line COCOeval summary for detectors) and writes eval.json (and, for
+    detectors, detections.json) into `run_dir` (by default `<output dir>/eval/<date>_<time>/`, with eval.log), and
+    says where."""
+    prepare_rank(cfg, layout, run_dir, "eval.log")
+    seed_everything(cfg.trainer.seed)
+    PROGRESS.at("loading the weights")
+    checkpoint = Path(cfg.model.weights) if cfg.model.weights and Path(cfg.model.weights).is_dir() else None
+    model = build_laid_out(cfg, layout, weights=checkpoint is None)  # a checkpoint fills the tensors itself
+    if checkpoint is not None:  # a DCP checkpoint directory: read into whatever layout this run has
+        load_model_state(checkpoint, unwrap(model), layout)
+    task = build_task(cfg, layout, train=False)
+    PROGRESS.at("evaluating")
+    try:
+        metrics = task.evaluate(unwrap(model), layout, autocast_for(cfg.trainer.precision, layout.device), run_dir)
+    finally:
+        close_loaders()  # while the task holds its loader: its workers are ended, not waited for
+    if layout.is_main:
+        (run_dir / "eval.json").write_text(json.dumps({"weights": cfg.model.weights, **metrics}, indent=2))
+        log.info("eval | %s", task.describe(metrics))
+        draw_evaluation(task, metrics, run_dir, f"{cfg.model.name} on {cfg.data.name}")
+        print(task.final_line(metrics), flush=True)
+        print(f"eval dir: {shown_path(run_dir)} (eval.json, eval.log)", flush=True)
+    return metrics
+
+
+evaluate_checkpoint.run_kind = "eval"  # type: ignore[attr-defined]  # its default run dir: <output dir>/eval/...

@@ -1,0 +1,209 @@
+"""What differs between training a classifier and a detector: the data, the loss of a batch, the evaluation and how
+its result is reported. The trainer holds one task and never branches on which."""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import nn
+
+from visiondist.observe.metrics import TRAIN_COLUMNS
+from visiondist.models import EVAL_METRICS
+from visiondist.parallel import Layout
+
+log = logging.getLogger(__name__)
+
+
+class ClassificationTask:
+    columns = (*TRAIN_COLUMNS, *EVAL_METRICS["classification"])
+    headline = ("val_top1", "val top-1 (%)")
+    plot_series = (("val_top1", "top-1"), ("val_top5", "top-5"), ("val_ema_top1", "EMA top-1"))
+    plot_title = "val accuracy (%)"
+    ema_keys = ("val_loss", "val_top1", "val_top5")
+
+    def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
+        from visiondist.data import build_classification_data
+        from visiondist.data.augment_ops import DeviceAugment
+        from visiondist.data.device_decode import FallbackCount
+        from visiondist.data.transforms import Normalize
+
+        t, d = cfg.trainer, cfg.data
+        self.inputs = Normalize(d.mean, d.std)  # (uint8 loader images, device) -> the model's input there
+        self.label_smoothing = float(t.label_smoothing)
+        self.mixing = None  # timm's Mixup / CutMix, each draw keyed by (step, micro-batch): see data.mixing
+        if d.mixup > 0 or d.cutmix > 0:
+            from visiondist.data.mixing import Mixing
+
+            self.mixing = Mixing(d, cfg.model.num_classes, self.label_smoothing, t.seed, layout.dp_rank)
+            if train and layout.is_main:
+                kinds = [f"{name} (alpha {a:g})" for name, a in (("mixup", d.mixup), ("cutmix", d.cutmix)) if a]
+                switch = f"; cutmix with probability {d.mixup_switch_prob:g}" if len(kinds) == 2 else ""
+                smoothing = f", label smoothing {self.label_smoothing:g} folded in" if self.label_smoothing else ""
+                log.info("%s: a micro-batch mixed with probability %g%s; soft targets%s", " or ".join(kinds),
+                         d.mixup_prob, switch, smoothing)
+        self.image_shape = (3, cfg.model.img_size, cfg.model.img_size)
+        self.augment = DeviceAugment(d, cfg.model.img_size) if train else None
+        self.worker_decoded = FallbackCount()  # data.decode_on=device: the images the device could not decode
+        self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating
+        self.data = build_classification_data(
+            cfg.data, cfg.model.img_size, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
+            pin_memory=layout.device.type == "cuda", reads_images=layout.reads_images, reads_labels=layout.reads_labels,
+            train=train,  # evaluation reads the val split only
+        )
+
+    def prepare(self, batch: Any, device: torch.device, key: tuple[int, int] | None = None) -> tuple[Any, Any]:
+        """(model input, target) of a loader batch on `device`; either side may be None (pipeline ranks that hold
+        only one). `key` = (step, micro-batch) mixes them (training with mixup / cutmix): soft targets then."""
+        from visiondist.data.device_decode import EncodedBatch
+
+        images, labels, *rows = batch  # rows: the samples' augmentation parameters (`visiondist.data.augment`)
+        if isinstance(images, EncodedBatch):  # data.decode_on=device: count what the workers decoded
+            self.worker_decoded.add(images, device)
+        if images is not None:
+            images = self.inputs(images, device) if not rows else self.augment(images, rows[0], device, self.inputs)
+        labels = None if labels is None else labels.to(device, non_blocking=True)
+        if self.mixing is not None and key is not None:
+            images = None if images is None else self.mixing.images(images, key)
+            labels = None if labels is None else self.mixing.targets(labels, key, self.image_shape)
+        return images, labels
+
+    def criterion(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The training loss of logits against class indices or (mixed) soft targets; a pipeline's last stage
+        computes it too."""
+        if target.dim() == 2:  # soft targets: label smoothing is folded into them
+            from timm.loss import SoftTargetCrossEntropy
+
+            return SoftTargetCrossEntropy()(logits.float(), target)
+        return F.cross_entropy(logits.float(), target, label_smoothing=self.label_smoothing)
+
+    def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager,
+             key: tuple[int, int] = (0, 0)) -> torch.Tensor:
+        images, target = self.prepare(batch, device, key if model.training else None)
+        with autocast:
+            logits = model(images)
+        return self.criterion(logits, target)
+
+    def evaluate(self, model: nn.Module, layout: Layout, autocast, run_dir: Path) -> dict[str, Any]:
+        from visiondist.evaluation.classification import evaluate_classification
+
+        metrics = evaluate_classification(model, self.data.val_loader, layout, autocast, len(self.data.classes),
+                                          self.progress, self.inputs)
+        if layout.is_main:  # per-class top-1 of the latest evaluation, by class name
+            per_class = {name: {"top1": acc, "images": n} for name, acc, n in
+                         zip(self.data.classes, metrics["val_class_top1"], metrics["val_class_count"])}
+            (run_dir / "per_class.json").write_text(json.dumps(per_class, indent=1))
+        return metrics
+
+    def plots(self, m: dict[str, Any], run_dir: Path, title: str) -> list[Path]:
+        """Top-1 per class of the latest evaluation, as bars."""
+        from visiondist.observe.plots import plot_per_class
+
+        values = dict(zip(self.data.classes, m.get("val_class_top1") or []))
+        png = plot_per_class(values, run_dir / "per_class_top1.png", f"{title}: top-1 per class{_at_step(m)}",
+                             "val top-1 (%)")
+        return [png] if png is not None else []
+
+    @staticmethod
+    def describe(m: dict[str, Any]) -> str:
+        ema = f" | EMA top-1 {m['val_ema_top1']:.2f}%" if m.get("val_ema_top1") is not None else ""
+        return (f"val loss {m['val_loss']:.4f} | top-1 {m['val_top1']:.2f}% | top-5 {m['val_top5']:.2f}%{ema} | "
+                f"{m['val_count']} images")
+
+    @staticmethod
+    def summary(m: dict[str, Any]) -> dict[str, Any]:
+        scored = [a for a in m.get("val_class_top1", []) if a is not None]
+        worst = {"val top-1, worst class (%)": round(min(scored), 2)} if scored else {}
+        ema = {"val top-1, EMA (%)": m["val_ema_top1"]} if m.get("val_ema_top1") is not None else {}
+        return {"val loss": m["val_loss"], "val top-1 (%)": m["val_top1"], "val top-5 (%)": m["val_top5"], **worst,
+                **ema, "val images": m["val_count"]}
+
+    @staticmethod
+    def final_line(m: dict[str, Any]) -> str:
+        return f"val top-1: {m['val_top1']:.2f}%  top-5: {m['val_top5']:.2f}%"
+
+
+class DetectionTask:
+    columns = (*TRAIN_COLUMNS, *EVAL_METRICS["detection"])
+    headline = ("val_mAP", "val box mAP@[.5:.95]")
+    plot_series = (("val_mAP", "AP@[.5:.95]"), ("val_AP50", "AP50"), ("val_AP75", "AP75"), ("val_AR100", "AR100"),
+                   ("val_ema_mAP", "EMA AP@[.5:.95]"))
+    plot_title = "val box AP / AR"
+    ema_keys = ("val_mAP",)
+
+    def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
+        from visiondist.data import build_detection_data
+        from visiondist.data.transforms import unit_float
+
+        t = cfg.trainer
+        self.inputs = unit_float  # (uint8 loader images, device) -> float in [0, 1] there, as torchvision takes
+        self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating, a spinner while scoring
+        self.data = build_detection_data(cfg.data, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
+                                         pin_memory=layout.device.type == "cuda", train=train)
+        self.val_image = self.data.val_loader.dataset.image_by_id  # the plots' images, from a tree or from shards
+
+    def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager,
+             key: tuple[int, int] = (0, 0)) -> torch.Tensor:
+        images, targets = batch
+        images = self.inputs(images, device)
+        targets = [{"boxes": t["boxes"].to(device), "labels": t["labels"].to(device)} for t in targets]
+        with autocast:
+            losses = model(images, targets)
+        return sum(loss.float() for loss in losses.values())
+
+    def evaluate(self, model: nn.Module, layout: Layout, autocast, run_dir: Path) -> dict[str, Any]:
+        from visiondist.evaluation.coco import evaluate_detection
+
+        d = self.data
+        metrics = evaluate_detection(model, d.val_loader, layout, d.val_annotations, d.cat_of_label, d.num_val,
+                                     autocast, run_dir / "detections.json" if layout.is_main else None, self.progress)
+        if layout.is_main:  # per-category AP of the latest evaluation, by category name
+            (run_dir / "per_class.json").write_text(json.dumps(metrics["val_class_AP"], indent=1))
+        return metrics
+
+    def plots(self, m: dict[str, Any], run_dir: Path, title: str) -> list[Path]:
+        """The per-category AP bars and a few val images with their predicted boxes, of the latest evaluation."""
+        from visiondist.observe.plots import plot_per_class, plot_predictions
+
+        d = self.data
+        ap = {name: None if v is None else 100 * v for name, v in (m.get("val_class_AP") or {}).items()}
+        pngs = [plot_per_class(ap, run_dir / "per_class_ap.png", f"{title}: AP per category{_at_step(m)}",
+                               "AP@[.5:.95] (%)"),
+                plot_predictions(run_dir / "detections.json", d.val_annotations, self.val_image,
+                                 run_dir / "val_predictions.png", title)]
+        return [p for p in pngs if p is not None]
+
+    @staticmethod
+    def describe(m: dict[str, Any]) -> str:
+        return (f"box mAP {m['val_mAP']:.4f} | AP50 {m['val_AP50']:.4f} | AP75 {m['val_AP75']:.4f} | "
+                f"AR100 {m['val_AR100']:.4f} | {m['val_count']} images, {m['val_detections']} detections")
+
+    @staticmethod
+    def summary(m: dict[str, Any]) -> dict[str, Any]:
+        return {"val box mAP@[.5:.95]": m["val_mAP"], "val AP50": m["val_AP50"], "val AP75": m["val_AP75"],
+                "val AR100": m["val_AR100"], "val images": m["val_count"]}
+
+    @staticmethod
+    def final_line(m: dict[str, Any]) -> str:
+        from visiondist.evaluation.coco import summary_lines
+
+        stats = {k[4:]: v for k, v in m.items() if k.startswith("val_")}
+        return f"{summary_lines(stats)}\nval box mAP@[.5:.95]: {m['val_mAP']:.4f}"
+
+
+def _at_step(m: dict[str, Any]) -> str:
+    return f" at step {m['step']}" if m.get("step") is not None else ""
+
+
+def build_task(cfg: DictConfig, layout: Layout, train: bool = True):
+    """The task of the model's family; `train=False` reads only what evaluation needs."""
+    from visiondist.models import TASKS
+
+    task = {"classification": ClassificationTask, "detection": DetectionTask}[TASKS[cfg.model.family]]
+    return task(cfg, layout, train)

@@ -1,0 +1,78 @@
+"""The dry run's report: each rank's figures (measured, planned, their ratio, flagged when off) and the table.
+Parameters, gradients and optimizer state must match the planner exactly, the rest within `TOLERANCE`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from visiondist.parallel.memory import GB
+
+TOLERANCE = 0.10  # a measured figure further than this from the plan is flagged
+EXACT = ("parameters", "gradients", "optimizer")  # the planner counts these exactly: any difference is flagged
+
+
+@dataclass
+class Figure:
+    name: str
+    measured: int
+    planned: Optional[int]
+
+    @property
+    def ratio(self) -> Optional[float]:
+        if self.planned is None:
+            return None
+        if self.planned == 0:
+            return 1.0 if self.measured == 0 else math.inf
+        return self.measured / self.planned
+
+    @property
+    def off(self) -> bool:
+        if self.planned is None:
+            return False
+        if self.name in EXACT:
+            return self.measured != self.planned
+        return abs(self.ratio - 1) > TOLERANCE
+
+
+@dataclass
+class RankReport:
+    rank: int
+    coordinate: tuple[int, int, int]  # (pp, dp, tp)
+    figures: list[Figure] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def flagged(self) -> list[Figure]:
+        return [f for f in self.figures if f.off]
+
+    def figure(self, name: str) -> Figure:
+        return next(f for f in self.figures if f.name == name)
+
+
+def _gb(n: int) -> str:
+    if n >= 1e8 or n == 0:
+        return f"{n / GB:.4g}"
+    return f"{n / 1e6:.3g} MB" if n >= 1e4 else f"{n} B"
+
+
+def report_table(reports: list[RankReport], title: str = ""):
+    """A rich Table: per rank and figure, measured GB, planned GB, ratio; flagged rows in red."""
+    from rich.table import Table
+
+    table = Table(title=title or None, title_justify="left", caption=(
+        f"GB per rank (unless marked MB or B); collectives: bytes per optimizer step, each call's payload; parameters, "
+        f"gradients and optimizer state must match exactly, the rest within {100 * TOLERANCE:.0f}%"),
+        caption_justify="left")
+    for col, justify in (("rank (pp, dp, tp)", "left"), ("figure", "left"), ("measured", "right"),
+                         ("planned", "right"), ("ratio", "right"), ("", "left")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    for report in reports:
+        for i, f in enumerate(report.figures):
+            who = f"{report.rank} {report.coordinate}" if i == 0 else ""
+            ratio = "-" if f.ratio is None else f"{f.ratio:.3f}"
+            table.add_row(who, f.name, _gb(f.measured), "-" if f.planned is None else _gb(f.planned), ratio,
+                          "OFF" if f.off else "", style="bold red" if f.off else None,
+                          end_section=i == len(report.figures) - 1)
+    return table
