@@ -133,8 +133,7 @@ def open_trackers(cfg: DictConfig, run_dir: Path, loggers: Iterable[str]) -> Tra
     opened: list[Tracker] = []
     try:
         for name in names:
-            kind = WandbTracker if name == "wandb" else MlflowTracker
-            opened.append(kind(cfg, run_dir, config, saved.get(name) or {}))
+            opened.append(KINDS[name](cfg, run_dir, config, saved.get(name) or {}))
     except BaseException:
         Trackers(opened).finish("failed")
         raise
@@ -327,3 +326,7 @@ class MlflowTracker(Tracker):
 
     def finish(self, status: str) -> None:
         self.client.set_terminated(self.run_id, _MLFLOW_STATUS[status])
+
+
+# trainer.loggers name -> its tracker; the name is also a key of config.validate.TRACKERS (the module it imports)
+KINDS: dict[str, type[Tracker]] = {"wandb": WandbTracker, "mlflow": MlflowTracker}
