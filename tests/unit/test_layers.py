@@ -26,6 +26,14 @@ LAYERS = [
 ]
 
 
+# rooms that promise less than their layer allows (their docstrings say so): what each may import, at most
+NARROWER = {
+    "observe": {"compat", "utils", "config"},  # shows what others measured; measures nothing itself
+    "faults": {"compat", "utils", "observe"},  # the failure line goes into the run's log
+    "evaluation": {"compat", "utils", "data", "parallel", "models", "observe"},  # never the trainer or checkpoints
+    "checkpoint": {"compat", "utils", "config", "parallel", "models", "plan", "data"},  # never the trainer or observe
+}
+
 def layer_of(package: str) -> int:
     return next(i for i, names in enumerate(LAYERS) if package in names)
 
@@ -79,6 +87,17 @@ def test_every_package_is_in_the_layer_table():
 def test_imports_go_down_only():
     found = back_edges(_modules())
     assert not found, "imports that go up or sideways:\n" + "\n".join(w for ws in found.values() for w in ws)
+
+
+def test_rooms_import_only_what_they_promise():
+    found = []
+    for name, source in _modules().items():
+        here = package_of(name)
+        for target in imported(source):
+            there = package_of(target)
+            if here in NARROWER and there and there != here and there not in NARROWER[here]:
+                found.append(f"{name} -> {target} ({here} may import only {sorted(NARROWER[here])})")
+    assert not found, "\n".join(found)
 
 
 def test_a_back_edge_inside_a_function_is_caught():

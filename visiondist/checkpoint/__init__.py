@@ -15,7 +15,8 @@ unpickles an object. A directory named `step_<N>` is always whole: a crash mid-w
 hidden directory, which the next save replaces and which resume never looks at.
 
 - `state.py`: the canonical state dicts (model, optimizer, EMA) and the RNG states as JSON;
-- `files.py`: finding checkpoints in a run dir (latest, by step, the best), `best.json`, pruning;
+- `files.py`: finding checkpoints in a run dir (latest, by step, the best), `best.json`, pruning (the folder names
+  and the completeness test are `visiondist.utils.dcp`'s, which the launcher and the runs read too);
 - `dcp.py`: save (synchronous or asynchronous) and load, on every rank;
 - `export/`: one consolidated file per format for the model's own library (state dicts, ONNX, TorchScript) and the
   preprocessing record beside it.

@@ -1,4 +1,12 @@
-"""Data: datasets, transforms and DP-rank-keyed samplers, assembled into loaders."""
+"""Data: datasets, transforms and DP-rank-keyed samplers, assembled into loaders.
+
+Here: `build_classification_data` and `build_detection_data` (a task's train and val loaders, sharded by DP rank),
+`prepare_data` (built-in sets generated once per node), `coco_paths`. Datasets: `imagefolder.py` (ImageNet layout),
+`coco.py` (COCO instances), `shards/` (packed tars, local or streamed); `builtin.py` generates `shapes` and
+`shapes_coco`. Reading: `decode.py`, `robust.py` (bad files), `index.py` (file lists in arrays); augmentation:
+`transforms.py`, `augment.py` / `augment_ops.py` (on the device), `mixing.py` (mixup / cutmix), `device_decode.py`
+(nvJPEG); order: `sampler.py`; loader workers: `workers.py`.
+"""
 
 from __future__ import annotations
 

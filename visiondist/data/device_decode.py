@@ -10,7 +10,7 @@ library OpenCV decodes with, so that on the CPU the device path gives the loader
 
 Files the device path does not take are decoded, cropped and flipped in the worker as on the loader path and travel
 as pixels in the same batch: anything but an 8-bit baseline or progressive JPEG with 1 or 3 components, and JPEGs
-with an EXIF orientation other than upright (the decoders do not apply it on the device). `DeviceCrop` counts them.
+with an EXIF orientation other than upright (the decoders do not apply it on the device). `FallbackCount` counts them.
 """
 
 from __future__ import annotations

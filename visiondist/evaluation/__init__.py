@@ -1,8 +1,10 @@
 """How a rank scores a model: one module per kind of data set, each exact under any number of ranks.
 
-- `classification.py`: top-1 / top-5 and the val loss over ImageFolder-style splits (every sample counted once);
+- `classification.py`: top-1 / top-5, the val loss and per-class top-1 over ImageFolder-style splits (every sample
+  counted once);
 - `coco.py`: COCO box mAP, every rank's detections gathered and scored once on rank 0 with COCOeval (12 stats).
 
-A new metric is a new module here that the task (`visiondist.train.tasks`) calls. Imports: data, parallel, models and
-`observe` (progress bars); never the trainer.
+A new metric is a new module here that the task (`visiondist.train.tasks`) calls; a scalar it reports also needs its
+name in `visiondist.models.EVAL_METRICS` (the metrics.csv columns and the metrics `trainer.best_metric` may name).
+Imports: `data`, `parallel` and `observe` (progress bars); never the trainer (tests/unit/test_layers.py).
 """

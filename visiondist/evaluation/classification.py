@@ -1,4 +1,5 @@
-"""Exact distributed classification metrics: each rank scores its shard, sums are reduced over data parallel."""
+"""Exact distributed classification metrics (top-1, top-5, val loss, per-class top-1): each rank scores its shard,
+sums are reduced over data parallel."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Left to itself, torch's elastic agent turns SIGTERM / SIGINT into "signal every rank, wait 30 s, SIGKILL", and while
 it waits the ranks cannot hand their results back: a step or a checkpoint longer than 30 s was lost, and Ctrl-C took
 30 s to return the prompt. A self-launched job handles the two signals here instead (the agent keeps SIGHUP and
-SIGQUIT, `compat.launch_config`):
+SIGQUIT, `compat.agent_signals`):
 
 - the first signal is forwarded to every rank, which finishes its step, writes a checkpoint and returns; the agent
   collects the results as for a finished job, so the prompt returns as soon as the checkpoint is on disk;

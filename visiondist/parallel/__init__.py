@@ -1,7 +1,7 @@
 """Turn a finished single-device model into one laid out over the device mesh.
 
-`parallelize` applies, in order: tensor-parallel plan -> pipeline stages -> data parallel. Models never import this
-package.
+`parallelize` applies, in order: tensor-parallel plan -> pipeline stages -> data parallel. This package never imports
+the models: they declare their plans to it (`visiondist.models.vit_parallel`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The world a job has: accelerator, ranks and ranks per node, from the config, the environment (torchrun / srun)
-and the GPUs present; and the loader workers each rank's share of the node's cores allows (`loader_workers`, asked on
-the rank, which knows its node's rank count). The one place these are decided; pure given `env`, the GPU count and
+and the GPUs present (the loader workers each rank's share of the node's cores allows are the rank's own question:
+`visiondist.data.workers.loader_workers`). The one place these are decided; pure given `env`, the GPU count and
 the core count, so every branch is testable without GPUs."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
 
 Weights come from a run's checkpoint (any parallel layout; DCP reads the shards into this one process) or, for a run
 without checkpoints, its `model.safetensors` (`trained.py`). A new format is a module with a
-`write(trained, path, out) -> [other files written]` function and a row of `WRITERS`.
+`write_<format>(trained, path, out) -> [other files written]` function and a row of `WRITERS`.
 """
 
 from __future__ import annotations
