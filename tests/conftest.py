@@ -14,7 +14,7 @@ def tiny_shapes(tmp_path_factory) -> Path:
     """A small generated shapes dataset, shared by the tests of one session."""
     from types import SimpleNamespace
 
-    from visiondist.data.builtin import ensure_shapes
+    from visiondist.synthetic.shapes import ensure_shapes
 
     overrides = dict(a.split("=", 1) for a in TINY_DATA if a.startswith("data.synthetic."))
     synthetic = SimpleNamespace(
@@ -31,7 +31,7 @@ def shapes_coco(tmp_path_factory):
     """A generated COCO-format set of 23 val images, shared by the COCO evaluation tests."""
     from types import SimpleNamespace
 
-    from visiondist.data.builtin import ensure_shapes_coco
+    from visiondist.synthetic.shapes_coco import ensure_shapes_coco
 
     spec = SimpleNamespace(train_images=8, val_images=23, image_size=64, seed=0)  # 23: no even split over 2 or 3
     return ensure_shapes_coco(tmp_path_factory.mktemp("data") / "shapes_coco", spec)
@@ -45,7 +45,7 @@ def single_process(shapes_coco):
     from visiondist.evaluation.coco import deduplicate, predict, score
 
     data = coco_ranks.val_set(shapes_coco)
-    detections, seen = predict(coco_ranks.StandInDetector(data), coco_ranks.loader(data, 0, 1), "cpu", data.cat_of)
-    dets, count = deduplicate([(detections, seen)], expected=len(data))
+    detections, seen, _ = predict(coco_ranks.StandInDetector(data), coco_ranks.loader(data, 0, 1), "cpu", data.cat_of)
+    dets, count, _ = deduplicate([(detections, seen)], expected=len(data))
     assert count == 23 and len(dets) > 23
     return dets, score(data.ann_file, dets, backend="pycocotools"), data

@@ -61,7 +61,7 @@ def _with_a_model(overrides: list[str]) -> list[str]:
 
 
 def pack(cmd: Command) -> int:
-    from visiondist.data import prepare_data
+    from visiondist.synthetic import prepare_data
     from visiondist.data.shards.pack import PackError, PackOptions, pack_image_folder
 
     if cmd.paths != ["pack"]:

@@ -44,7 +44,7 @@ def check_inputs(cfg, purpose: str = "train") -> None:
         root = _data_root(d)
         found, where, what = [_check_split(d, root, split) for split in splits][0]  # train's (eval: val's)
     else:
-        from visiondist.data.builtin import SHAPE_CLASSES  # the classes of every built-in set
+        from visiondist.synthetic.shapes import SHAPE_CLASSES  # the classes of every built-in set
 
         found, where, what = len(SHAPE_CLASSES), f"data={d.name} (built in)", "classes"
     if found != d.num_classes:

@@ -25,10 +25,14 @@ def _key(image: torch.Tensor) -> str:
 
 
 def fake_predictions(target: dict, num_classes: int) -> dict:
-    """Ground truth jittered, some missed, some with the wrong class, plus false positives; seeded by image id."""
+    """Ground truth jittered, some missed, some with the wrong class, plus false positives; seeded by image id. With
+    the target's masks, also mask probabilities: each kept object's mask shifted by a pixel or two (probability 0.9
+    inside, 0.2 at the rim), a false positive's its box filled at 0.7."""
     rng = np.random.default_rng(int(target["image_id"]))
     boxes, labels, scores = [], [], []
-    for box, label in zip(target["boxes"].numpy(), target["labels"].numpy()):
+    gt_masks = target["masks"].numpy() if "masks" in target else None
+    masks = []
+    for k, (box, label) in enumerate(zip(target["boxes"].numpy(), target["labels"].numpy())):
         if rng.random() < 0.15:
             continue
         size = box[2:] - box[:2]
@@ -36,16 +40,29 @@ def fake_predictions(target: dict, num_classes: int) -> dict:
         boxes.append(box + jitter)
         labels.append(label if rng.random() < 0.9 else rng.integers(1, num_classes + 1))
         scores.append(rng.uniform(0.3, 1.0))
+        if gt_masks is not None:
+            shifted = np.roll(gt_masks[k], tuple(rng.integers(-2, 3, 2)), axis=(0, 1)).astype(np.float32)
+            rim = np.roll(shifted, 1, axis=0) != shifted
+            masks.append(np.where(rim, 0.2, 0.9 * shifted))
     for _ in range(rng.integers(0, 4)):
         x, y = rng.uniform(0, 100, 2)
         boxes.append([x, y, x + rng.uniform(5, 40), y + rng.uniform(5, 40)])
         labels.append(rng.integers(1, num_classes + 1))
         scores.append(rng.uniform(0.0, 0.5))
-    return {
+        if gt_masks is not None:
+            fill = np.zeros(gt_masks.shape[1:], dtype=np.float32)
+            x1, y1, x2, y2 = (int(v) for v in boxes[-1])
+            fill[y1:y2, x1:x2] = 0.7
+            masks.append(fill)
+    out = {
         "boxes": torch.tensor(np.array(boxes, dtype=np.float32).reshape(-1, 4)),
         "labels": torch.tensor(np.array(labels, dtype=np.int64)),
         "scores": torch.tensor(np.array(scores, dtype=np.float32)),
     }
+    if gt_masks is not None:
+        shape = (len(masks), 1, *gt_masks.shape[1:])
+        out["masks"] = torch.tensor(np.array(masks, dtype=np.float32).reshape(shape))
+    return out
 
 
 class StandInDetector(nn.Module):
@@ -63,8 +80,9 @@ class StandInDetector(nn.Module):
         return [self.answers[_key(img)] for img in images]
 
 
-def val_set(root: str) -> CocoDetection:
-    return CocoDetection(Path(root) / "val", Path(root) / "annotations" / "instances_val.json", train=False)
+def val_set(root: str, masks: bool = False) -> CocoDetection:
+    return CocoDetection(Path(root) / "val", Path(root) / "annotations" / "instances_val.json", train=False,
+                         masks=masks)
 
 
 def loader(dataset: CocoDetection, dp_rank: int, dp: int, batch: int = 3) -> DataLoader:
@@ -72,8 +90,9 @@ def loader(dataset: CocoDetection, dp_rank: int, dp: int, batch: int = 3) -> Dat
                       collate_fn=collate_detection)
 
 
-def run(root: str, out_dir: str, claimed_images: int = 0) -> dict:
-    """Entry of every rank: evaluate the stand-in over a dp=world mesh; rank 0 writes detections.json."""
+def run(root: str, out_dir: str, claimed_images: int = 0, masks: bool = False) -> dict:
+    """Entry of every rank: evaluate the stand-in over a dp=world mesh; rank 0 writes detections.json (and, with
+    `masks`, segmentations.json)."""
     from visiondist.evaluation.coco import evaluate_detection
     from visiondist.parallel import build_layout
 
@@ -81,7 +100,7 @@ def run(root: str, out_dir: str, claimed_images: int = 0) -> dict:
     try:
         world = dist.get_world_size()
         layout = build_layout(world, 1, 1, torch.device("cpu"), int(os.environ.get("LOCAL_RANK", 0)))
-        data = val_set(root)
+        data = val_set(root, masks)
         results = Path(out_dir) / "detections.json" if layout.rank == 0 else None
         try:
             stats = evaluate_detection(StandInDetector(data), loader(data, layout.dp_rank, world), layout,

@@ -137,7 +137,7 @@ def test_h_evaluation_shows_a_progress_bar_when_progress_is_on(monkeypatch):
     assert len(bars) == 1
 
     loader = [([torch.zeros(3, 8, 8)], [{"image_id": torch.tensor(i)}]) for i in range(4)]
-    _, seen = predict(_NoBoxes(), loader, torch.device("cpu"), {}, progress=True)
+    _, seen, _ = predict(_NoBoxes(), loader, torch.device("cpu"), {}, progress=True)
     assert seen == [0, 1, 2, 3] and bars[-1] == dict(description="eval", total=4, transient=True)
 
 

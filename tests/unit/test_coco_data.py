@@ -141,7 +141,7 @@ def test_unreadable_images_are_replaced_logged_once_and_bounded(tmp_path, caplog
 
 
 def test_shapes_coco_is_deterministic_coco_format(tmp_path):
-    from visiondist.data.builtin import ensure_shapes_coco
+    from visiondist.synthetic.shapes_coco import ensure_shapes_coco
 
     spec = SimpleNamespace(train_images=24, val_images=12, image_size=64, seed=0)
     a, b = ensure_shapes_coco(tmp_path / "a", spec), ensure_shapes_coco(tmp_path / "b", spec)

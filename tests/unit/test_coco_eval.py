@@ -19,7 +19,7 @@ def test_stats_are_meaningful_and_backends_agree(single_process):
 def test_missing_or_duplicated_images_are_caught():
     a = (np.array([[1, 0, 0, 5, 5, 0.9, 1]]), [1, 2])
     b = (np.array([[2, 0, 0, 5, 5, 0.8, 1], [3, 0, 0, 5, 5, 0.7, 1]]), [2, 3])  # image 2 reported twice
-    dets, count = deduplicate([a, b], expected=3)
+    dets, count, _ = deduplicate([a, b], expected=3)
     assert count == 3 and sorted(dets[:, 0].tolist()) == [1, 3]  # image 2's rows from the first report (none)
     with pytest.raises(RuntimeError, match="saw 2 distinct images, expected 3"):
         deduplicate([a], expected=3)

@@ -10,7 +10,7 @@ from PIL import Image
 
 from visiondist.config import compose
 from visiondist.data import build_classification_data
-from visiondist.data.builtin import SHAPE_CLASSES, ensure_shapes
+from visiondist.synthetic.shapes import SHAPE_CLASSES, ensure_shapes
 from visiondist.data.imagefolder import ImageFolder, read_rgb
 from helpers import REPO
 

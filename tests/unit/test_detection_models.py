@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from visiondist.data.transforms import DetectionTransform, resize_keep_aspect
 from visiondist.models import build_model
-from visiondist.models.detection import TORCHVISION_DETECTORS
+from visiondist.models.detection import BUILDERS
 from helpers import bf16_box_distances
 
 
@@ -19,14 +19,19 @@ def _cfg(**over):
     return OmegaConf.create({**base, **over})
 
 
-@pytest.mark.parametrize("arch", sorted(TORCHVISION_DETECTORS))
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
 def test_every_torchvision_detector_builds_offline_and_trains(arch):
     torch.manual_seed(0)
     model = build_model(_cfg(arch=arch))
     images = [torch.rand(3, 64, 64), torch.rand(3, 48, 64)]
     targets = [{"boxes": torch.tensor([[4.0, 4.0, 30.0, 40.0]]), "labels": torch.tensor([3])},
                {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64)}]  # an image with no box
+    if arch.startswith("maskrcnn"):  # a mask per box, at the image's size
+        mask = torch.zeros(1, 64, 64, dtype=torch.uint8)
+        mask[0, 4:40, 4:30] = 1
+        targets[0]["masks"], targets[1]["masks"] = mask, torch.zeros(0, 48, 64, dtype=torch.uint8)
     losses = model(images, targets)
+    assert ("loss_mask" in losses) == arch.startswith("maskrcnn")
     total = sum(losses.values())
     assert torch.isfinite(total) and total > 0
     total.backward()

@@ -15,6 +15,7 @@ LAYERS = [
     {"parallel"},  # generic: mesh, TP styles, pipeline runtime, FSDP, planner; never the models
     {"models"},  # models and what they declare to parallel (TP plan, blocks)
     {"plan", "data"},  # the one layout resolver; loaders
+    {"synthetic"},  # the built-in data sets, written in the real ones' formats (COCO's mask encoding from data)
     {"preflight", "checkpoint", "observe"},  # input checks; what is saved and exported; what people see (reads only)
     {"faults", "evaluation"},  # a failing rank's record (into the run's log); scoring (with progress bars)
     {"train"},  # the loop and every part it is built from: reads checkpoints, shows, fails, scores

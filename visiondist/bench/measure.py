@@ -138,7 +138,10 @@ def synthetic_batch(cfg: DictConfig, family: str, micro_batch: int, device: torc
         images = _jpegs(micro_batch, size, seed, d) if d.get("decode_on", "loader") == "device" else images.to(device)
         rows = _augment_rows(micro_batch, size, seed, d)
         return (images, labels.to(device)) if rows is None else (images, labels.to(device), rows)
+    from visiondist.models.detection import has_masks
+
     size = cfg.data.min_size  # detectors resize internally; square images of the short side
+    masks = has_masks(cfg.model)  # Mask R-CNN: each object's mask fills its box
     images, targets = [], []
     for _ in range(micro_batch):
         images.append(torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=g).to(device))
@@ -148,6 +151,11 @@ def synthetic_batch(cfg: DictConfig, family: str, micro_batch: int, device: torc
         boxes = torch.cat([xy, xy + wh], dim=1)
         labels = torch.randint(1, cfg.model.num_classes + 1, (n,), generator=g)
         targets.append({"boxes": boxes.to(device), "labels": labels.to(device)})
+        if masks:
+            fill = torch.zeros(n, size, size, dtype=torch.uint8)
+            for k, (x1, y1, x2, y2) in enumerate(boxes.round().int().tolist()):
+                fill[k, y1:y2, x1:x2] = 1
+            targets[-1]["masks"] = fill.to(device)
     return images, targets
 
 

@@ -12,7 +12,10 @@ Rules, each counted and logged when the dataset is built:
   16-bit scaled to 8, grey / CMYK / palette / RGBA converted to RGB; an image whose decoded size differs from the
   annotation file's width / height is an error naming the file (its boxes would not fit it), in training too;
 - a training image that cannot be read is logged (once per file) and replaced by the next readable index; a run of
-  `max_bad_images` consecutive unreadable images is an error. In evaluation an unreadable image is an error.
+  `max_bad_images` consecutive unreadable images is an error. In evaluation an unreadable image is an error;
+- with `masks` (a model with a mask head) every kept annotation's `segmentation` (polygons or RLE) is kept as text
+  (`visiondist.data.masks.SegmentationIndex`) and decoded to masks at the image's size when the image is read; an
+  annotation without one is an error naming it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from torch.utils.data import Dataset
 
 from visiondist.data.decode import exif_orientation, read_rgb
+from visiondist.data.masks import decode
 from visiondist.data.robust import BadImages
 
 log = logging.getLogger(__name__)
@@ -61,6 +65,7 @@ class ImageRecord:
     height: int
     boxes: np.ndarray  # (n, 4) float32 xyxy, clipped
     labels: np.ndarray  # (n,) int64, contiguous 1..K (0 is the background)
+    segmentations: Optional[list] = None  # with masks: the n annotations' COCO segmentations
 
 
 def safe_image_path(root: Path, file_name: str) -> Path:
@@ -78,8 +83,10 @@ def load_coco(ann_file: Path, quiet: bool = True):
         return COCO(str(ann_file))
 
 
-def read_records(coco, image_root: Path, train: bool) -> tuple[list[ImageRecord], dict[int, int], CocoCounts]:
-    """Image records with their usable boxes, the category id -> label map, and the counts of what was left out."""
+def read_records(coco, image_root: Path, train: bool, masks: bool = False
+                 ) -> tuple[list[ImageRecord], dict[int, int], CocoCounts]:
+    """Image records with their usable boxes (and, with `masks`, their segmentations), the category id -> label map,
+    and the counts of what was left out."""
     cat_ids = sorted(coco.getCatIds())
     label_of = {cat: i + 1 for i, cat in enumerate(cat_ids)}
     counts = CocoCounts()
@@ -89,7 +96,7 @@ def read_records(coco, image_root: Path, train: bool) -> tuple[list[ImageRecord]
         info = coco.imgs[image_id]
         width, height = int(info["width"]), int(info["height"])
         path = safe_image_path(image_root, info["file_name"])
-        boxes, labels = [], []
+        boxes, labels, segmentations = [], [], []
         for ann in coco.imgToAnns.get(image_id, []):
             if ann["category_id"] not in label_of:
                 raise ValueError(
@@ -108,24 +115,39 @@ def read_records(coco, image_root: Path, train: bool) -> tuple[list[ImageRecord]
                 continue
             boxes.append([x1, y1, x2, y2])
             labels.append(label_of[ann["category_id"]])
+            if masks:
+                segmentations.append(_segmentation(ann, coco))
         if train and not boxes:
             counts.images_without_boxes += 1
             continue
         records.append(ImageRecord(
             image_id, path, width, height,
             np.asarray(boxes, dtype=np.float32).reshape(-1, 4), np.asarray(labels, dtype=np.int64),
+            segmentations if masks else None,
         ))
         counts.boxes += len(boxes)
     counts.images = len(records)
     return records, label_of, counts
 
 
+def _segmentation(ann: dict, coco) -> Any:
+    segmentation = ann.get("segmentation")
+    if not segmentation:
+        raise ValueError(f"annotation {ann.get('id')} (image {ann['image_id']}) of "
+                         f"{coco.dataset.get('_file', 'the annotation file')} has no segmentation, which a model with a "
+                         "mask head trains on: use an annotation file with masks, or a box model (e.g. "
+                         "model=fasterrcnn_r50 for model=maskrcnn_r50)")
+    return segmentation
+
+
 class CocoIndex:
     """The records of a split in arrays (no Python object per image or box, so forked loader workers share the
     parent's pages instead of copying them): image ids and sizes, paths (`PathIndex`), and every image's boxes and
-    labels as one slice of the concatenated `boxes` / `labels`."""
+    labels as one slice of the concatenated `boxes` / `labels` (and, with masks, of `segmentations`)."""
 
     def __init__(self, records: list[ImageRecord], image_root: Path):
+        from visiondist.data.masks import SegmentationIndex
+
         from visiondist.data.index import PathIndex
 
         root = str(image_root)
@@ -137,6 +159,9 @@ class CocoIndex:
         np.cumsum(counts, out=self.offsets[1:])
         self.boxes = (np.concatenate([r.boxes for r in records]) if records else np.zeros((0, 4))).astype(np.float32)
         self.labels = (np.concatenate([r.labels for r in records]) if records else np.zeros(0)).astype(np.int64)
+        with_masks = bool(records) and records[0].segmentations is not None
+        self.segmentations = (SegmentationIndex([s for r in records for s in r.segmentations]) if with_masks
+                              else None)
 
     def __len__(self) -> int:
         return len(self.image_ids)
@@ -144,7 +169,8 @@ class CocoIndex:
     def record(self, i: int) -> ImageRecord:
         a, b = self.offsets[i], self.offsets[i + 1]
         return ImageRecord(int(self.image_ids[i]), Path(self.paths[i]), int(self.sizes[i, 0]), int(self.sizes[i, 1]),
-                           self.boxes[a:b], self.labels[a:b])
+                           self.boxes[a:b], self.labels[a:b],
+                           self.segmentations.get(a, b) if self.segmentations is not None else None)
 
 
 class ImageSizeMismatch(RuntimeError):
@@ -155,7 +181,8 @@ class ImageSizeMismatch(RuntimeError):
 class CocoDetection(Dataset):
     """Items are (image tensor uint8 CHW, target dict) for torchvision detectors (`unit_float` makes the image float
     in [0, 1] on the device); indexed by int or by a sampler's (index, epoch) key. `transform(image, boxes, labels,
-    index, epoch)` returns the three, augmented."""
+    index, epoch)` returns the three, augmented; with `masks`, `transform(..., masks=)` the four, and the target has
+    "masks" (n, H, W) uint8 at the (augmented) image's size."""
 
     def __init__(
         self,
@@ -164,13 +191,15 @@ class CocoDetection(Dataset):
         train: bool,
         transform: Optional[Callable] = None,
         max_bad_images: int = 10,
+        masks: bool = False,
     ):
         self.image_root, self.ann_file, self.train = Path(image_root), Path(ann_file), train
         if not self.ann_file.is_file():
             raise FileNotFoundError(f"no COCO annotation file at {self.ann_file}: check data.root and data.annotations")
         coco = load_coco(self.ann_file)  # not kept: the workers need only the index (and COCOeval reads the file)
         coco.dataset["_file"] = str(self.ann_file)
-        records, self.label_of, self.counts = read_records(coco, self.image_root, train)
+        self.masks = masks
+        records, self.label_of, self.counts = read_records(coco, self.image_root, train, masks)
         self.index = CocoIndex(records, self.image_root)
         self.cat_of = {label: cat for cat, label in self.label_of.items()}
         self.classes = [coco.cats[cat]["name"] for cat in sorted(self.label_of)]
@@ -200,7 +229,10 @@ class CocoDetection(Dataset):
         index, image = self._load(index)
         record = self.index.record(index)
         boxes, labels = record.boxes, record.labels
-        if self.transform is not None:
+        masks = (decode(record.segmentations, record.height, record.width) if self.masks else None)
+        if self.transform is not None and masks is not None:
+            image, boxes, labels, masks = self.transform(image, boxes, labels, index, epoch, masks=masks)
+        elif self.transform is not None:
             image, boxes, labels = self.transform(image, boxes, labels, index, epoch)
         tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).contiguous()  # uint8: `unit_float`
         target = {
@@ -208,6 +240,8 @@ class CocoDetection(Dataset):
             "labels": torch.as_tensor(np.asarray(labels, dtype=np.int64)),
             "image_id": record.image_id,
         }
+        if masks is not None:
+            target["masks"] = torch.from_numpy(np.ascontiguousarray(masks, dtype=np.uint8))
         return tensor, target
 
     def _load(self, index: int) -> tuple[int, np.ndarray]:

@@ -163,21 +163,26 @@ def unit_float(images: list[torch.Tensor], device: torch.device) -> list[torch.T
     return out
 
 
-def resize_keep_aspect(image: np.ndarray, boxes: np.ndarray, min_size: int, max_size: int):
+def resize_keep_aspect(image: np.ndarray, boxes: np.ndarray, min_size: int, max_size: int, masks=None):
     """torchvision's detection resize: scale the short side to `min_size` unless the long side would pass
-    `max_size`; boxes scaled with it."""
+    `max_size`; boxes scaled with it, and (n, H, W) `masks` (nearest neighbour, as torchvision resizes them) when
+    given, then returned fourth."""
     h, w = image.shape[:2]
     scale = min(min_size / min(h, w), max_size / max(h, w))
     size = (max(1, round(w * scale)), max(1, round(h * scale)))
     image = cv2.resize(image, size, interpolation=cv2.INTER_LINEAR if scale > 1 else cv2.INTER_AREA)
-    return image, boxes * np.float32(scale)
+    if masks is None:
+        return image, boxes * np.float32(scale)
+    resized = [cv2.resize(m, size, interpolation=cv2.INTER_NEAREST) for m in masks]
+    masks = np.stack(resized) if resized else np.zeros((0, size[1], size[0]), dtype=np.uint8)
+    return image, boxes * np.float32(scale), masks
 
 
 class DetectionTransform:
     """Training augmentation for detection, with boxes: resize keeping the aspect ratio (min_size / max_size),
     optional large-scale jitter (random rescale, then pad / crop to a min_size square), horizontal flip and colour
-    jitter. Drawn from the sample's stream (`SampleRandom`) like `ClassificationTransform`. Boxes a crop removes (or leaves < 1 px) go, with
-    their labels."""
+    jitter. Drawn from the sample's stream (`SampleRandom`) like `ClassificationTransform`. Boxes a crop removes (or
+    leaves < 1 px) go, with their labels and masks; masks follow every geometric step exactly as the boxes do."""
 
     def __init__(self, cfg, seed: int):
         self.min_size, self.max_size, self.seed = cfg.min_size, cfg.max_size, seed
@@ -195,14 +200,26 @@ class DetectionTransform:
         if cfg.color_jitter > 0:
             j = cfg.color_jitter
             steps.append(A.ColorJitter(brightness=j, contrast=j, saturation=j, hue=min(0.5, j / 4), p=0.8))
-        bbox = A.BboxParams(format="pascal_voc", label_fields=["labels"], min_width=1, min_height=1, clip=True)
+        bbox = A.BboxParams(format="pascal_voc", label_fields=["labels", "ids"], min_width=1, min_height=1, clip=True)
         self.augment = A.Compose(steps, bbox_params=bbox)
         self.random = SampleRandom()
         self.augment.set_random_state(self.random.numpy, self.random.python)
 
-    def __call__(self, image: np.ndarray, boxes: np.ndarray, labels: np.ndarray, index: int, epoch: int):
-        image, boxes = resize_keep_aspect(image, boxes, self.min_size, self.max_size)
+    def __call__(self, image: np.ndarray, boxes: np.ndarray, labels: np.ndarray, index: int, epoch: int,
+                 masks: np.ndarray | None = None):
+        """(image, boxes, labels), augmented; with (n, H, W) `masks`, (image, boxes, labels, masks)."""
+        if masks is None:
+            image, boxes = resize_keep_aspect(image, boxes, self.min_size, self.max_size)
+        else:
+            image, boxes, masks = resize_keep_aspect(image, boxes, self.min_size, self.max_size, masks)
         self.random.reset(self.seed, epoch, index)
-        out = self.augment(image=image, bboxes=boxes, labels=labels)
+        extra = {"masks": masks} if masks is not None and len(masks) else {}
+        out = self.augment(image=image, bboxes=boxes, labels=labels, ids=np.arange(len(labels)), **extra)
         boxes = np.asarray(out["bboxes"], dtype=np.float32).reshape(-1, 4)
-        return out["image"], boxes, np.asarray(out["labels"], dtype=np.int64)
+        labels = np.asarray(out["labels"], dtype=np.int64)
+        if masks is None:
+            return out["image"], boxes, labels
+        kept = np.asarray(out["ids"], dtype=np.int64)
+        h, w = out["image"].shape[:2]
+        masks = np.asarray(out["masks"])[kept] if extra else np.zeros((0, h, w), dtype=np.uint8)
+        return out["image"], boxes, labels, masks.reshape(-1, h, w)

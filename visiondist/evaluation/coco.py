@@ -1,9 +1,10 @@
-"""Exact distributed COCO box evaluation.
+"""Exact distributed COCO evaluation: boxes (`bbox`) and, for models with a mask head, masks (`segm`) from one pass.
 
-Each data-parallel rank predicts its shard (every val image exactly once over the ranks). Detections travel to global
-rank 0 as compact arrays over the DP group, are de-duplicated by image id, their image count is checked against the
-val set, and they are scored by COCOeval: faster-coco-eval when installed (the same numbers, several times faster),
-pycocotools otherwise. While rank 0 scores, the other ranks wait in a single broadcast that carries the result, or
+Each data-parallel rank predicts its shard (every val image exactly once over the ranks); a predicted mask is
+thresholded at 0.5 and encoded to an RLE on the rank that predicted it (pycocotools' mask API), so only compact
+runs travel. Detections travel to global rank 0 as compact arrays (with their RLEs) over the DP group, are
+de-duplicated by image id, their image count is checked against the val set, and they are scored by COCOeval:
+faster-coco-eval when installed (the same numbers, several times faster), pycocotools otherwise. While rank 0 scores, the other ranks wait in a single broadcast that carries the result, or
 the error, back to them: nobody is left in a collective that could time out or hang.
 """
 
@@ -24,6 +25,7 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+MASK_THRESHOLD = 0.5  # a pixel belongs to a predicted instance where its mask probability is above this (torchvision's)
 STAT_NAMES = ("mAP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 _SUMMARY_LINES = (
     "Average Precision  (AP) @[ IoU=0.50:0.95 | area=   all | maxDets=100 ]",
@@ -56,10 +58,11 @@ def backend_name() -> str:
 
 
 def score(ann_file: str | Path, detections: np.ndarray, backend: Optional[str] = None,
-          per_class: bool = False) -> dict[str, Any]:
-    """The 12 COCOeval box stats of `detections` (rows: image_id, x, y, w, h, score, category_id) against `ann_file`.
-    No detection at all scores 0 everywhere (COCOeval cannot load an empty result list). `per_class` adds
-    `class_AP`: {category name: AP@[.5:.95] over all areas, up to 100 detections; None without ground truth}."""
+          per_class: bool = False, segmentations: Optional[list[dict]] = None) -> dict[str, Any]:
+    """The 12 COCOeval box stats of `detections` (rows: image_id, x, y, w, h, score, category_id) against `ann_file`;
+    with `segmentations` (an RLE per row), the 12 mask stats of the same detections instead. No detection at all
+    scores 0 everywhere (COCOeval cannot load an empty result list). `per_class` adds `class_AP`: {category name:
+    AP@[.5:.95] over all areas, up to 100 detections; None without ground truth}."""
     backend = backend or backend_name()
     if len(detections) == 0:
         zeros: dict[str, Any] = {name: 0.0 for name in STAT_NAMES}
@@ -76,7 +79,10 @@ def score(ann_file: str | Path, detections: np.ndarray, backend: Optional[str] =
         raise ValueError(f"unknown COCO scoring backend {backend!r}: faster-coco-eval or pycocotools")
     with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO(str(ann_file))
-        evaluator = COCOeval(gt, gt.loadRes(np.asarray(detections, dtype=np.float64)), iouType="bbox")
+        if segmentations is None:
+            evaluator = COCOeval(gt, gt.loadRes(np.asarray(detections, dtype=np.float64)), iouType="bbox")
+        else:
+            evaluator = COCOeval(gt, gt.loadRes(segm_results(detections, segmentations)), iouType="segm")
         evaluator.evaluate()
         evaluator.accumulate()
         evaluator.summarize()
@@ -108,6 +114,19 @@ def to_results_json(detections: np.ndarray) -> list[dict[str, Any]]:
     ]
 
 
+def segm_results(detections: np.ndarray, segmentations: list[dict]) -> list[dict[str, Any]]:
+    """COCO's results format for masks: each detection's image, category, score and RLE."""
+    return [{"image_id": int(d[0]), "category_id": int(d[6]), "segmentation": rle, "score": float(d[5])}
+            for d, rle in zip(detections, segmentations)]
+
+
+def _masks_of(output: dict) -> list[dict]:
+    """The RLEs of one image's predicted masks (probabilities (n, 1, H, W) at the image's size), thresholded."""
+    from visiondist.data.masks import encode
+
+    return encode((output["masks"][:, 0] > MASK_THRESHOLD).cpu().numpy())
+
+
 @torch.no_grad()
 def predict(
     model: nn.Module,
@@ -116,15 +135,16 @@ def predict(
     cat_of_label: dict[int, int],
     autocast: Optional[AbstractContextManager] = None,
     progress: bool = False,
-) -> tuple[np.ndarray, list[int]]:
-    """Detections of this rank's shard as (n, 7) rows (image_id, x, y, w, h, score, category_id), and the ids of the
-    images it saw (with or without detections); `progress`: a progress bar over the batches."""
+) -> tuple[np.ndarray, list[int], Optional[list[dict]]]:
+    """Detections of this rank's shard as (n, 7) rows (image_id, x, y, w, h, score, category_id), the ids of the
+    images it saw (with or without detections) and, for a model that predicts masks, an RLE per row (else None);
+    `progress`: a progress bar over the batches."""
     from visiondist.data.transforms import unit_float
     from visiondist.observe.progress import tracked
 
     was_training = model.training
     model.eval()
-    rows, seen = [], []
+    rows, seen, rles = [], [], None
     for images, targets in tracked(loader, progress):
         images = unit_float(images, device)
         with autocast or nullcontext():
@@ -139,37 +159,49 @@ def predict(
             cats = np.array([cat_of_label[int(label)] for label in output["labels"].cpu()], dtype=np.float64)
             scores = output["scores"].float().cpu().numpy()
             rows.append(np.column_stack([np.full(len(boxes), image_id), xywh, scores, cats]))
+            if "masks" in output:
+                rles = (rles or []) + _masks_of(output)
     model.train(was_training)
     detections = np.concatenate(rows) if rows else np.zeros((0, 7))
-    return detections, seen
+    if rles is None and getattr(getattr(model, "roi_heads", None), "has_mask", lambda: False)():
+        rles = []  # a mask model that detected nothing
+    return detections, seen, rles
 
 
-Part = tuple[np.ndarray, list[int]]  # one rank's (detections, ids of the images it saw)
+Part = tuple[np.ndarray, list[int], Optional[list[dict]]]  # one rank's (detections, ids of the images it saw, RLEs)
 
 
-def gather_detections(detections: np.ndarray, seen: list[int], layout) -> Optional[list[Part]]:
+def gather_detections(detections: np.ndarray, seen: list[int], layout,
+                      rles: Optional[list[dict]] = None) -> Optional[list[Part]]:
     """Every DP rank's part, on DP-rank 0 of the group (None elsewhere). TP / PP peers hold the same predictions;
     each DP group gathers its own and only global rank 0 goes on to score."""
     if layout.dp == 1:
-        return [(detections, seen)]
+        return [(detections, seen, rles)]
     parts: Optional[list] = [None] * layout.dp if layout.dp_rank == 0 else None
     group = layout.dp_group
-    dist.gather_object((detections, seen), parts, dst=dist.get_global_rank(group, 0), group=group)
+    dist.gather_object((detections, seen, rles), parts, dst=dist.get_global_rank(group, 0), group=group)
     return parts
 
 
-def deduplicate(parts: list[Part], expected: int) -> tuple[np.ndarray, int]:
-    """One report per image (the first part that saw it wins); every val image must have been seen."""
+def deduplicate(parts: list[Part], expected: int) -> tuple[np.ndarray, int, Optional[list[dict]]]:
+    """One report per image (the first part that saw it wins); every val image must have been seen. Returns the
+    detections, the image count and (mask models) the detections' RLEs."""
     taken: set[int] = set()
-    keep = []
-    for detections, seen in parts:
+    keep, keep_rles = [], None
+    for detections, seen, *rest in parts:
+        rles = rest[0] if rest else None
         new = set(seen) - taken
         if new:
-            keep.append(detections[np.isin(detections[:, 0], list(new))])
+            mine = np.isin(detections[:, 0], list(new))
+            keep.append(detections[mine])
+            if rles is not None:
+                keep_rles = (keep_rles or []) + [rle for rle, kept in zip(rles, mine) if kept]
+        if rles is not None and keep_rles is None:
+            keep_rles = []
         taken |= new
     if len(taken) != expected:
         raise RuntimeError(f"COCO evaluation saw {len(taken)} distinct images, expected {expected}")
-    return (np.concatenate(keep) if keep else np.zeros((0, 7))), len(taken)
+    return (np.concatenate(keep) if keep else np.zeros((0, 7))), len(taken), keep_rles
 
 
 def evaluate_detection(
@@ -183,24 +215,16 @@ def evaluate_detection(
     results_path: Optional[Path] = None,
     progress: bool = False,
 ) -> dict[str, float]:
-    """The 12 COCO stats (as `val_<name>`, plus val_count and val_detections) of `model` on the val set, on every
-    rank. Rank 0 also writes `results_path` (COCO results JSON) when given. `progress` (main rank): a progress bar
-    over the batches, then a spinner while COCOeval scores."""
-    from visiondist.observe.progress import status
-
-    detections, seen = predict(model, loader, layout.device, cat_of_label, autocast, progress)
-    gathered = gather_detections(detections, seen, layout)
+    """The 12 COCO box stats (as `val_<name>`, plus val_count and val_detections) of `model` on the val set and, for
+    a model that predicts masks, the 12 mask stats of the same detections (`val_segm_<name>`), on every rank. Rank 0
+    also writes `results_path` (COCO results JSON of the boxes) when given, and `segmentations.json` beside it (of
+    the masks). `progress` (main rank): a progress bar over the batches, then a spinner while COCOeval scores."""
+    detections, seen, rles = predict(model, loader, layout.device, cat_of_label, autocast, progress)
+    gathered = gather_detections(detections, seen, layout, rles)
     box: list[Any] = [None]
     if layout.rank == 0:
         try:
-            dets, count = deduplicate(gathered, expected=num_images)
-            with status(progress, f"COCO scoring of {len(dets)} detections on {count} images ({backend_name()})"):
-                stats = score(ann_file, dets, per_class=True)
-            if results_path is not None:
-                tmp = results_path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(to_results_json(dets)))
-                tmp.replace(results_path)
-            box[0] = {**{f"val_{k}": v for k, v in stats.items()}, "val_count": count, "val_detections": len(dets)}
+            box[0] = _score_gathered(gathered, ann_file, num_images, results_path, progress)
         except Exception as exc:  # every rank must learn of it, not wait forever
             box[0] = exc
     if layout.world_size > 1:
@@ -208,3 +232,28 @@ def evaluate_detection(
     if isinstance(box[0], Exception):
         raise box[0]
     return box[0]
+
+
+def _score_gathered(gathered: list[Part], ann_file: str | Path, num_images: int, results_path: Optional[Path],
+                    progress: bool) -> dict[str, Any]:
+    """Rank 0: every part de-duplicated, scored (boxes, then masks), the results files written."""
+    from visiondist.observe.progress import status
+
+    dets, count, rles = deduplicate(gathered, expected=num_images)
+    what = "detections" if rles is None else "detections and masks"
+    with status(progress, f"COCO scoring of {len(dets)} {what} on {count} images ({backend_name()})"):
+        stats = {f"val_{k}": v for k, v in score(ann_file, dets, per_class=True).items()}
+        if rles is not None:
+            stats.update({f"val_segm_{k}": v for k, v in score(ann_file, dets, per_class=True,
+                                                               segmentations=rles).items()})
+    if results_path is not None:
+        _write_json(results_path, to_results_json(dets))
+        if rles is not None:
+            _write_json(results_path.with_name("segmentations.json"), segm_results(dets, rles))
+    return {**stats, "val_count": count, "val_detections": len(dets)}
+
+
+def _write_json(path: Path, value: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)

@@ -124,7 +124,7 @@ def train_images(d: DictConfig) -> Optional[int]:
     if d.format != "imagefolder":
         return None
     if d.synthetic is not None:
-        from visiondist.data.builtin import SHAPE_CLASSES
+        from visiondist.synthetic.shapes import SHAPE_CLASSES
 
         return int(d.synthetic.train_per_class) * len(SHAPE_CLASSES)
     from visiondist.data.imagefolder import IMG_EXTENSIONS

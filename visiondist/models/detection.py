@@ -2,8 +2,10 @@
 simple feature pyramid over this project's ViT blocks, so the tensor-parallel plan of the ViT applies to it).
 
 Every detector is a torchvision detection model: `model(images, targets)` returns a dict of losses in training and
-`model(images)` a list of {boxes, labels, scores} in eval, boxes in the input images' pixel coordinates. It resizes
-(`min_size` / `max_size`) and normalises internally. Labels are 1..num_classes; 0 is the background.
+`model(images)` a list of {boxes, labels, scores} in eval, boxes in the input images' pixel coordinates. A model
+with a mask head (torchvision's Mask R-CNN, `maskrcnn_mobilenet_v3_large_fpn`, ViTDet with `model.masks=true`:
+`has_masks`) also takes each target's "masks" and returns each image's "masks" (n, 1, H, W), probabilities at the
+input's size. It resizes (`min_size` / `max_size`) and normalises internally. Labels are 1..num_classes; 0 is the background.
 
 Under bf16 autocast the boxes stay fp32 (`keep_boxes_fp32`): bf16 holds 8 significant bits, so an anchor or box
 corner near 1000 px is off by up to 4 px and one past 1024 by up to 8; the backbone and heads still run in bf16.
@@ -37,15 +39,42 @@ TORCHVISION_DETECTORS = {
         "retinanet_resnet50_fpn",
         "retinanet_resnet50_fpn_v2",
         "fcos_resnet50_fpn",
+        "maskrcnn_resnet50_fpn",
+        "maskrcnn_resnet50_fpn_v2",
     )
 }
 
 
+def has_masks(cfg: Any) -> bool:
+    """Whether the model predicts instance masks: torchvision's `maskrcnn_*` architectures, or ViTDet with
+    `model.masks=true`."""
+    return bool(cfg.get("masks")) or str(cfg.get("arch") or "").startswith("maskrcnn")
+
+
+def maskrcnn_mobilenet_v3_large_fpn(*, weights=None, weights_backbone=None, num_classes: int = 91,
+                                    **kwargs) -> nn.Module:
+    """Mask R-CNN (torchvision's `MaskRCNN`) on the MobileNetV3-Large FPN backbone, anchors and RPN threshold that
+    `fasterrcnn_mobilenet_v3_large_fpn` builds; torchvision has no builder of this name. Random weights only."""
+    from torchvision.models import mobilenet_v3_large
+    from torchvision.models.detection.backbone_utils import _mobilenet_extractor
+
+    if weights is not None or weights_backbone is not None:
+        raise ValueError("maskrcnn_mobilenet_v3_large_fpn has no pretrained weights: start from model.weights=<local "
+                         "state dict of this model>")
+    backbone = _mobilenet_extractor(mobilenet_v3_large(weights=None), True, 6)  # every stage trains
+    anchor_sizes = ((32, 64, 128, 256, 512),) * 3
+    anchors = AnchorGenerator(anchor_sizes, ((0.5, 1.0, 2.0),) * len(anchor_sizes))
+    return tvd.MaskRCNN(backbone, num_classes, rpn_anchor_generator=anchors, **{"rpn_score_thresh": 0.05, **kwargs})
+
+
+BUILDERS = {**TORCHVISION_DETECTORS, "maskrcnn_mobilenet_v3_large_fpn": maskrcnn_mobilenet_v3_large_fpn}
+
+
 def build_torchvision_detector(cfg: Any) -> nn.Module:
-    if cfg.arch not in TORCHVISION_DETECTORS:
-        raise ValueError(f"model.arch={cfg.arch!r} is not a known torchvision detector: {', '.join(TORCHVISION_DETECTORS)}")
+    if cfg.arch not in BUILDERS:
+        raise ValueError(f"model.arch={cfg.arch!r} is not a known torchvision detector: {', '.join(BUILDERS)}")
     kwargs = dict(cfg.kwargs or {})
-    model = TORCHVISION_DETECTORS[cfg.arch](
+    model = BUILDERS[cfg.arch](
         weights=None,
         weights_backbone=None,
         num_classes=cfg.num_classes + 1,
@@ -70,7 +99,7 @@ def build_torchvision_detector(cfg: Any) -> nn.Module:
 # the class-dependent tensors of torchvision's detectors: a start from weights of another class count (COCO's 91)
 # leaves them at their initialisation
 _CLASS_HEADS = ("roi_heads.box_predictor.cls_score.", "roi_heads.box_predictor.bbox_pred.",
-                "head.classification_head.cls_logits.")
+                "roi_heads.mask_predictor.mask_fcn_logits.", "head.classification_head.cls_logits.")
 
 
 def load_pretrained_detector(model: nn.Module, cfg: Any) -> None:
@@ -161,7 +190,7 @@ def load_backbone(model: nn.Module, path: str, trainable_layers: int, frozen_bn:
 def adapt_detector(model: nn.Module, cfg: Any) -> None:
     """Settings that change no parameter shape, so weights stay interchangeable with torchvision's model:
     `anchor_scale` multiplies every anchor size (small objects: 0.5 turns 32..512 into 16..256) and
-    `roi_sampling_ratio` sets RoIAlign's samples per bin side."""
+    `roi_sampling_ratio` sets RoIAlign's samples per bin side (box and mask RoIAlign)."""
     scale = float(getattr(cfg, "anchor_scale", 1.0))  # ranges are checked by config.validate
     owner = model.rpn if hasattr(model, "rpn") else model
     generator = owner.anchor_generator
@@ -175,6 +204,9 @@ def adapt_detector(model: nn.Module, cfg: Any) -> None:
             raise ValueError(f"model.roi_sampling_ratio applies to R-CNN detectors; {type(model).__name__} has no RoI "
                              "pooling: leave it unset")
         pool.sampling_ratio = int(ratio)
+        mask_pool = getattr(model.roi_heads, "mask_roi_pool", None)  # Mask R-CNN: its RoIAlign likewise
+        if mask_pool is not None:
+            mask_pool.sampling_ratio = int(ratio)
 
 
 def _float(out: Any) -> Any:
@@ -203,6 +235,7 @@ def keep_boxes_fp32(model: nn.Module) -> None:
     handles = [owner.anchor_generator.register_forward_pre_hook(_anchors_in_fp32)]
     heads = [getattr(getattr(model, "rpn", None), "head", None),
              getattr(getattr(model, "roi_heads", None), "box_predictor", None),
+             getattr(getattr(model, "roi_heads", None), "mask_predictor", None),  # mask logits, pasted in fp32
              model.head if hasattr(model, "head") and not hasattr(model, "rpn") else None]
     handles += [head.register_forward_hook(lambda _module, _inputs, out: _float(out)) for head in heads
                 if head is not None]
@@ -295,11 +328,13 @@ class SimpleFeaturePyramid(nn.Module):
 
 
 def build_vitdet(cfg: Any) -> nn.Module:
-    """Faster R-CNN (torchvision's RPN and RoI heads) on a ViT backbone with a simple feature pyramid."""
+    """Faster R-CNN (torchvision's RPN and RoI heads) on a ViT backbone with a simple feature pyramid; Mask R-CNN
+    (its mask head too) with `model.masks=true`, as in the ViTDet paper."""
     backbone = ViTBackbone(cfg.img_size, cfg.patch_size, cfg.embed_dim, cfg.depth, cfg.num_heads, cfg.mlp_ratio,
                            cfg.drop_path_rate)
     pyramid = SimpleFeaturePyramid(backbone, cfg.fpn_channels)
-    model = tvd.FasterRCNN(pyramid, num_classes=cfg.num_classes + 1, min_size=cfg.min_size, max_size=cfg.max_size,
+    detector = tvd.MaskRCNN if cfg.get("masks") else tvd.FasterRCNN
+    model = detector(pyramid, num_classes=cfg.num_classes + 1, min_size=cfg.min_size, max_size=cfg.max_size,
                            **dict(cfg.kwargs or {}))
     adapt_detector(model, cfg)
     keep_boxes_fp32(model)

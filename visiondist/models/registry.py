@@ -97,11 +97,22 @@ def _check_vitdet(cfg: DictConfig) -> None:
 def _check_torchvision(cfg: DictConfig) -> None:
     if cfg.model.backbone_weights is not None and "resnet50" not in str(cfg.model.arch):
         raise ConfigError(_REFUSALS[BACKBONE_WEIGHTS](cfg))
+    if cfg.model.get("masks") and not str(cfg.model.arch).startswith("maskrcnn"):
+        raise ConfigError(f"model.masks=true adds a mask head to ViTDet; {cfg.model.name} is torchvision's "
+                          f"{cfg.model.arch}: use model=maskrcnn_r50, maskrcnn_r50_v2 or maskrcnn_mobilenet_v3")
+
+
+def _check_classifier(cfg: DictConfig) -> None:
+    if cfg.model.get("masks"):
+        raise ConfigError(f"model.masks=true adds a mask head to a detector; {cfg.model.name} is a classifier: use "
+                          "model=maskrcnn_mobilenet_v3 (or a vitdet_* model with model.masks=true) and "
+                          "data=shapes_coco or coco")
+    _check_blocks(cfg)
 
 
 _VIT = frozenset({TP, PP, FSDP, AC, COMPILE, CLASSIFICATION_AUG, INIT_FROM})
 SPECS: dict[str, ModelSpec] = {  # how each family is built: visiondist.models.FAMILIES
-    "vit": ModelSpec("vit", "classification", "imagefolder", _VIT, True, _check_blocks, ViTShape.from_config),
+    "vit": ModelSpec("vit", "classification", "imagefolder", _VIT, True, _check_classifier, ViTShape.from_config),
     "vitdet": ModelSpec("vitdet", "detection", "coco", frozenset({TP, AC, COMPILE}), True, _check_vitdet),
     "torchvision": ModelSpec("torchvision", "detection", "coco", frozenset({BACKBONE_WEIGHTS}), False,
                              _check_torchvision),

@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 
 def _pyplot():
     import matplotlib
@@ -130,6 +132,49 @@ def plot_predictions(detections_json: Path, ann_file: Path, read_image, png: Pat
                  else f"{len(predicted[image['id']])} predicted")
         ax.set_title(f"image {image['id']}: {len(truth[image['id']])} true, {shown}", fontsize=9)
     fig.suptitle(f"{title} (green: ground truth, red: predictions with score >= {min_score})")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+def plot_masks(segmentations_json: Path, ann_file: Path, read_image, png: Path, title: str, images: int = 4,
+               min_score: float = 0.3) -> Optional[Path]:
+    """The first `images` val images (by id) with the predicted masks scoring at least `min_score` laid over them,
+    one colour per instance (the best ones, as many as the true objects, where none is that sure), and the
+    ground-truth count, from a COCO segm results file."""
+    if not Path(segmentations_json).is_file():
+        return None
+    from pycocotools import mask as mask_utils
+
+    gt = json.loads(Path(ann_file).read_text())
+    chosen = sorted(gt["images"], key=lambda im: im["id"])[:images]
+    if not chosen:
+        return None
+    truth = {im["id"]: sum(a["image_id"] == im["id"] and not a.get("iscrowd", 0) for a in gt["annotations"])
+             for im in chosen}
+    found: dict[int, list] = {im["id"]: [] for im in chosen}
+    for det in json.loads(Path(segmentations_json).read_text()):
+        if det["image_id"] in found:
+            found[det["image_id"]].append(det)
+    plt = _pyplot()
+    colours = plt.get_cmap("tab10")
+    cols = min(len(chosen), 4)
+    rows = math.ceil(len(chosen) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 4 * rows + 0.4), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image in zip(axes.flat, chosen):
+        dets = sorted(found[image["id"]], key=lambda d: -d["score"])
+        sure = [d for d in dets if d["score"] >= min_score] or dets[:max(1, truth[image["id"]])]
+        pixels = np.asarray(read_image(image), dtype=np.float32) / 255
+        for k, det in enumerate(sure):
+            rle = dict(det["segmentation"], counts=det["segmentation"]["counts"].encode())
+            mask = mask_utils.decode(rle).astype(bool)
+            pixels[mask] = 0.55 * pixels[mask] + 0.45 * np.asarray(colours(k % 10)[:3], dtype=np.float32)
+        ax.imshow(pixels)
+        ax.set_title(f"image {image['id']}: {truth[image['id']]} true, {len(sure)} masks shown", fontsize=9)
+    fig.suptitle(f"{title} (predicted masks, score >= {min_score} or the best ones)")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

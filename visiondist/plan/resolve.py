@@ -258,12 +258,13 @@ def rank_layout(cfg: DictConfig, device=None, local_rank: int = 0):
 
 def _check_best_metric(cfg: DictConfig) -> None:
     """trainer.best_metric names an evaluation metric of the model's task (a metrics.csv column)."""
-    from visiondist.models import EVAL_METRICS, TASKS
+    from visiondist.models import TASKS, eval_metrics
 
     metric, task = cfg.trainer.best_metric, TASKS.get(cfg.model.family)
-    if metric is not None and task in EVAL_METRICS and metric not in EVAL_METRICS[task]:
+    names = eval_metrics(cfg.model) if task is not None else ()
+    if metric is not None and task is not None and metric not in names:
         raise ConfigError(f"trainer.best_metric={metric} is not an evaluation metric of {task}: use one of "
-                          f"{', '.join(EVAL_METRICS[task])}")
+                          f"{', '.join(names)}")
     if metric is not None and metric.startswith("val_ema_") and not cfg.trainer.ema_decay:
         raise ConfigError(f"trainer.best_metric={metric} is the EMA's, and this run keeps none: set "
                           f"trainer.ema_decay (e.g. 0.9998) or use {metric.replace('val_ema_', 'val_')}")

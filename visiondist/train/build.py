@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from visiondist.data import prepare_data
+from visiondist.synthetic import prepare_data
 from visiondist.observe.console import setup_logging
 from visiondist.train.precision import autocast_dtype
 from visiondist.models import build_deferred, build_model, select_attention

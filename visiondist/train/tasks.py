@@ -140,19 +140,28 @@ class DetectionTask:
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
         from visiondist.data import build_detection_data
         from visiondist.data.transforms import unit_float
+        from visiondist.models import eval_metrics
+        from visiondist.models.detection import has_masks
 
         t = cfg.trainer
+        self.masks = has_masks(cfg.model)  # Mask R-CNN: targets carry masks; evaluation scores masks too
+        self.columns = (*TRAIN_COLUMNS, *eval_metrics(cfg.model))
+        if self.masks:
+            self.ema_keys = ("val_mAP", "val_segm_mAP")
+            self.plot_series = (*self.plot_series, ("val_segm_mAP", "mask AP@[.5:.95]"))
+            self.plot_title = "val box / mask AP, box AR"
         self.inputs = unit_float  # (uint8 loader images, device) -> float in [0, 1] there, as torchvision takes
         self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating, a spinner while scoring
         self.data = build_detection_data(cfg.data, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
-                                         pin_memory=layout.device.type == "cuda", train=train)
+                                         pin_memory=layout.device.type == "cuda", train=train, masks=self.masks)
         self.val_image = self.data.val_loader.dataset.image_by_id  # the plots' images, from a tree or from shards
 
     def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager,
              key: tuple[int, int] = (0, 0)) -> torch.Tensor:
         images, targets = batch
         images = self.inputs(images, device)
-        targets = [{"boxes": t["boxes"].to(device), "labels": t["labels"].to(device)} for t in targets]
+        keys = ("boxes", "labels", "masks") if self.masks else ("boxes", "labels")
+        targets = [{k: t[k].to(device) for k in keys} for t in targets]
         with autocast:
             losses = model(images, targets)
         return sum(loss.float() for loss in losses.values())
@@ -168,8 +177,9 @@ class DetectionTask:
         return metrics
 
     def plots(self, m: dict[str, Any], run_dir: Path, title: str) -> list[Path]:
-        """The per-category AP bars and a few val images with their predicted boxes, of the latest evaluation."""
-        from visiondist.observe.plots import plot_per_class, plot_predictions
+        """The per-category AP bars and a few val images with their predicted boxes (and masks), of the latest
+        evaluation."""
+        from visiondist.observe.plots import plot_masks, plot_per_class, plot_predictions
 
         d = self.data
         ap = {name: None if v is None else 100 * v for name, v in (m.get("val_class_AP") or {}).items()}
@@ -177,24 +187,35 @@ class DetectionTask:
                                "AP@[.5:.95] (%)"),
                 plot_predictions(run_dir / "detections.json", d.val_annotations, self.val_image,
                                  run_dir / "val_predictions.png", title)]
+        if self.masks:
+            pngs.append(plot_masks(run_dir / "segmentations.json", d.val_annotations, self.val_image,
+                                   run_dir / "val_masks.png", title))
         return [p for p in pngs if p is not None]
 
     @staticmethod
     def describe(m: dict[str, Any]) -> str:
+        masks = f" | mask mAP {m['val_segm_mAP']:.4f}" if "val_segm_mAP" in m else ""
         return (f"box mAP {m['val_mAP']:.4f} | AP50 {m['val_AP50']:.4f} | AP75 {m['val_AP75']:.4f} | "
-                f"AR100 {m['val_AR100']:.4f} | {m['val_count']} images, {m['val_detections']} detections")
+                f"AR100 {m['val_AR100']:.4f}{masks} | {m['val_count']} images, {m['val_detections']} detections")
 
     @staticmethod
     def summary(m: dict[str, Any]) -> dict[str, Any]:
+        masks = ({"val mask mAP@[.5:.95]": m["val_segm_mAP"], "val mask AP50": m["val_segm_AP50"]}
+                 if "val_segm_mAP" in m else {})
         return {"val box mAP@[.5:.95]": m["val_mAP"], "val AP50": m["val_AP50"], "val AP75": m["val_AP75"],
-                "val AR100": m["val_AR100"], "val images": m["val_count"]}
+                "val AR100": m["val_AR100"], **masks, "val images": m["val_count"]}
 
     @staticmethod
     def final_line(m: dict[str, Any]) -> str:
+        """The 12-line COCOeval summary of the boxes (and of the masks) and the headline figure(s)."""
         from visiondist.evaluation.coco import summary_lines
 
-        stats = {k[4:]: v for k, v in m.items() if k.startswith("val_")}
-        return f"{summary_lines(stats)}\nval box mAP@[.5:.95]: {m['val_mAP']:.4f}"
+        box = {k[4:]: v for k, v in m.items() if k.startswith("val_") and not k.startswith("val_segm_")}
+        if "val_segm_mAP" not in m:
+            return f"{summary_lines(box)}\nval box mAP@[.5:.95]: {m['val_mAP']:.4f}"
+        segm = {k[9:]: v for k, v in m.items() if k.startswith("val_segm_")}
+        return (f"bbox:\n{summary_lines(box)}\nsegm:\n{summary_lines(segm)}\n"
+                f"val box mAP@[.5:.95]: {m['val_mAP']:.4f}  mask mAP@[.5:.95]: {m['val_segm_mAP']:.4f}")
 
 
 def _at_step(m: dict[str, Any]) -> str:

@@ -75,18 +75,22 @@ class thresholds_set:
 
 
 def _export_detector_onnx(model: nn.Module, example: torch.Tensor, path: Path, metadata: dict[str, str]) -> None:
-    """torchvision's detectors through the TorchScript-based exporter (opset >= 11), one image per call. Traced with
+    """torchvision's detectors through the TorchScript-based exporter (opset >= 11), one image per call (a Mask R-CNN
+    also returns "masks", (detections, 1, height, width) probabilities at the image's size). Traced with
     score thresholds that every box passes, then the graph's threshold constants are set to the model's and named in
     its metadata (`THRESH_METADATA`, beside `metadata`); without the onnx package, traced with the model's own
     thresholds and no metadata."""
+
+    outputs = ["boxes", "labels", "scores", *(["masks"] if has_mask_head(model) else [])]
+    axes = {"image": {1: "height", 2: "width"}, **{name: {0: "detections"} for name in outputs}}
+    if "masks" in outputs:
+        axes["masks"] = {0: "detections", 2: "height", 3: "width"}
 
     def trace(target: Path) -> None:
         with warnings.catch_warnings():  # the tracer's notes on torchvision's code: check_onnx tests the graph
             warnings.simplefilter("ignore")
             torch.onnx.export(model, ([example],), str(target), dynamo=False, opset_version=17,
-                              input_names=["image"], output_names=["boxes", "labels", "scores"],
-                              dynamic_axes={"image": {1: "height", 2: "width"}, "boxes": {0: "detections"},
-                                            "labels": {0: "detections"}, "scores": {0: "detections"}})
+                              input_names=["image"], output_names=outputs, dynamic_axes=axes)
 
     try:
         import onnx
@@ -112,6 +116,12 @@ def _export_detector_onnx(model: nn.Module, example: torch.Tensor, path: Path, m
     for key, value in metadata.items():
         proto.metadata_props.add(key=key, value=value)
     onnx.save(proto, str(path))
+
+
+def has_mask_head(model: nn.Module) -> bool:
+    """A torchvision R-CNN with a mask head (Mask R-CNN)."""
+    heads = getattr(model, "roi_heads", None)
+    return heads is not None and heads.has_mask()
 
 
 def _constants_equal(proto, value: float) -> list:

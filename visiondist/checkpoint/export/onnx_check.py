@@ -13,7 +13,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from visiondist.checkpoint.export.onnx import THRESH_METADATA, set_score_thresholds, thresholds_set
+from visiondist.checkpoint.export.onnx import THRESH_METADATA, has_mask_head, set_score_thresholds, thresholds_set
 from visiondist.checkpoint.export.trained import Trained, example_images
 
 
@@ -27,6 +27,8 @@ class OnnxCheck:
     onnx_boxes: Optional[int] = None  # detectors: the boxes ONNX Runtime returned
     failed: Optional[str] = None  # detectors: the first image ONNX Runtime failed on, and its error
     lowered_from: Optional[dict] = None  # set when the file's graph was compared with its score thresholds at 0
+    masks: Optional[int] = None  # mask models: the masks compared (those of boxes matched on both sides)
+    mask_diff: float = 0.0  # mask models: largest |ONNX Runtime - PyTorch| of a mask probability
 
     def summary(self) -> str:
         """One line, e.g. "ONNX Runtime vs PyTorch: 37 boxes compared, max abs difference 2.1e-05 (on ...)"."""
@@ -48,6 +50,8 @@ class OnnxCheck:
         if not self.boxes:
             return f"{head} 0 boxes compared ({where}): both returned no box, which checks nothing of the outputs"
         line = f"{head} {self.boxes} boxes compared, max abs difference {self.max_diff:.2e} ({where})"
+        if self.masks is not None:
+            line += f"; {self.masks} masks compared, max abs difference {self.mask_diff:.2e}"
         if self.max_diff > BOX_ROUND_OFF:
             line += (f"; warning: more than float round-off ({BOX_ROUND_OFF:g} px): the boxes differ, which a barely "
                      "trained model's near-tied scores can cause; check the export on a trained model's weights")
@@ -82,6 +86,21 @@ def _box_diff(ref: list[torch.Tensor], got: list) -> float:
     to_other, to_ref = cost.argmin(1), cost.argmin(0)
     return float(max(cost.amin(1).max(), cost.amin(0).max(), (scores - other_scores[to_other]).abs().max(),
                      (other_scores - scores[to_ref]).abs().max()))
+
+
+def _mask_diff(ref: list[torch.Tensor], got: list) -> tuple[int, float]:
+    """(masks compared, largest probability difference): each PyTorch detection's mask against the mask of the ONNX
+    Runtime detection of its label with the nearest box (`_box_diff`'s pairing)."""
+    boxes, labels = ref[0].double(), ref[1]
+    other_boxes, other_labels = torch.from_numpy(got[0]).double(), torch.from_numpy(got[1])
+    if not len(boxes) or not len(other_boxes):
+        return 0, 0.0
+    cost = (boxes[:, None] - other_boxes[None]).abs().amax(-1)
+    cost[labels[:, None] != other_labels[None]] = float("inf")
+    pairs = [(i, int(j)) for i, j in enumerate(cost.argmin(1)) if torch.isfinite(cost[i, j])]
+    other = torch.from_numpy(got[3])
+    diffs = [float((ref[3][i].double() - other[j].double()).abs().max()) for i, j in pairs]
+    return len(pairs), max(diffs, default=0.0)
 
 
 def _val_images(cfg: DictConfig, limit: int) -> list[tuple[str, torch.Tensor]]:
@@ -125,11 +144,12 @@ def _compare_detector(model: nn.Module, session, examples: list[tuple[str, torch
     are left out of the comparison and the first failure is reported."""
     boxes = onnx_boxes = 0
     diff, failed = 0.0, None
+    masks, mask_diff = (0, 0.0) if has_mask_head(model) else (None, 0.0)
     what, names = _describe([name for name, _ in examples])
     for name, (_, image) in zip(names, examples):
         with torch.no_grad():
             out = model([image])[0]
-        ref = [out["boxes"], out["labels"], out["scores"]]
+        ref = [out["boxes"], out["labels"], out["scores"], *([out["masks"]] if masks is not None else [])]
         try:
             got = session.run(None, {session.get_inputs()[0].name: image.numpy()})
         except Exception as exc:  # onnxruntime's own error types
@@ -141,8 +161,11 @@ def _compare_detector(model: nn.Module, session, examples: list[tuple[str, torch
             continue
         boxes += len(ref[0])
         onnx_boxes += len(got[0])
-        diff = max(diff, _box_diff(ref, got))
-    return OnnxCheck(diff, what, boxes=boxes, onnx_boxes=onnx_boxes, failed=failed)
+        diff = max(diff, _box_diff(ref[:3], got[:3]))
+        if masks is not None:
+            compared, worst = _mask_diff(ref, got)
+            masks, mask_diff = masks + compared, max(mask_diff, worst)
+    return OnnxCheck(diff, what, boxes=boxes, onnx_boxes=onnx_boxes, failed=failed, masks=masks, mask_diff=mask_diff)
 
 
 def _describe(paths: list[str]) -> tuple[str, list[str]]:

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from visiondist.checkpoint.export.trained import Trained, input_size
 from visiondist.models import TASKS
+from visiondist.models.detection import TORCHVISION_DETECTORS
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +99,25 @@ def sidecar(trained: Trained) -> dict[str, Any]:
                     usage="builder(**kwargs).load_state_dict(safetensors.torch.load_file(path), strict=True); "
                           "labels are 1..num_classes (0 is the background); labels[str(k)] holds label k's COCO "
                           "category_id and name")
+        if m.arch not in TORCHVISION_DETECTORS:  # torchvision's classes, assembled as no builder of its does
+            info.update(builder="torchvision.models.detection.MaskRCNN", kwargs=_without_weights(kwargs), usage=(
+                "backbone = torchvision.models.detection.backbone_utils._mobilenet_extractor(torchvision.models."
+                "mobilenet_v3_large(), True, 6); anchors = torchvision.models.detection.anchor_utils.AnchorGenerator("
+                "((32, 64, 128, 256, 512),) * 3, ((0.5, 1.0, 2.0),) * 3); model = MaskRCNN(backbone, "
+                "rpn_anchor_generator=anchors, rpn_score_thresh=0.05, **kwargs); model.load_state_dict("
+                "safetensors.torch.load_file(path), strict=True); labels are 1..num_classes (0 is the background)"))
         if float(m.anchor_scale) != 1.0 or m.roi_sampling_ratio is not None:
             info["not_in_kwargs"] = {
                 "anchor_scale": float(m.anchor_scale), "roi_sampling_ratio": m.roi_sampling_ratio,
                 "note": "the weights load unchanged; to reproduce the outputs exactly, scale the builder's anchor "
-                        "sizes (rpn_anchor_generator) and set box_roi_pool's sampling_ratio likewise"}
+                        "sizes (rpn_anchor_generator) and set box_roi_pool's (and mask_roi_pool's) sampling_ratio "
+                        "likewise"}
     else:
         info.update(library="visiondist", usage="visiondist.models.build_model(config.model), then load_state_dict; "
                                                 "no other library has this architecture")
     return info
+
+
+def _without_weights(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The builder's keyword arguments that torchvision's model classes take (not a builder's `weights`)."""
+    return {k: v for k, v in kwargs.items() if k not in ("weights", "weights_backbone")}

@@ -61,13 +61,13 @@ class ShardCoco(CocoDetection):
     """`CocoDetection` over a packed split: the same records, rules and transform; images from the shards."""
 
     def __init__(self, store: ShardStore, split: str, train: bool, transform: Optional[Callable] = None,
-                 max_bad_images: int = 10, meta: Optional[dict] = None):
+                 max_bad_images: int = 10, meta: Optional[dict] = None, masks: bool = False):
         meta = meta or read_meta(store)
         if meta.get("kind") != "detection":
             raise ShardError(f"{store.url('dataset.json')} holds {meta.get('kind')} data: a detector needs a "
                              "packed COCO data set (tools/data.py pack data=coco ...)")
         self.packed = PackedImages(store, split, meta)
-        super().__init__(Path(split), self.packed.file("annotations"), train, transform, max_bad_images)
+        super().__init__(Path(split), self.packed.file("annotations"), train, transform, max_bad_images, masks)
         self.store = store
         order = np.argsort(self.packed.labels, kind="stable")  # packed in image-id order already; kept general
         self._position = order[np.searchsorted(self.packed.labels, self.index.image_ids, sorter=order)]

@@ -21,8 +21,8 @@ from PIL import Image, ImageDraw, ImageFilter
 log = logging.getLogger(__name__)
 
 SHAPE_CLASSES = ("circle", "square", "triangle", "star", "cross", "ring")
-_SPLITS = {"train": 0, "val": 1}
-_SUPERSAMPLE = 2  # draw at 2x and downsample, for anti-aliased edges
+SPLITS = {"train": 0, "val": 1}
+SUPERSAMPLE = 2  # draw at 2x and downsample, for anti-aliased edges
 
 
 def _polygon(cx: float, cy: float, r: float, corners: int, angle: float, inner: float | None = None) -> list:
@@ -43,7 +43,7 @@ def _cross(cx: float, cy: float, r: float, angle: float) -> list:
     return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in arm]
 
 
-def _background(rng: np.random.Generator, size: int) -> Image.Image:
+def background(rng: np.random.Generator, size: int) -> Image.Image:
     """Smooth colour gradient + stripes + noise, so the class is never readable from the background."""
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
     c0, c1 = rng.uniform(0, 120, 3), rng.uniform(0, 120, 3)  # darker than any shape
@@ -90,8 +90,8 @@ def draw_shape(draw: ImageDraw.ImageDraw, name: str, cx: float, cy: float, r: fl
 
 def render_shape(label: int, rng: np.random.Generator, size: int) -> Image.Image:
     """One image of class `label`, fully determined by `rng`'s state."""
-    big = size * _SUPERSAMPLE
-    img = _background(rng, big)
+    big = size * SUPERSAMPLE
+    img = background(rng, big)
     draw = ImageDraw.Draw(img)
     r = rng.uniform(0.28, 0.42) * big
     jitter = big / 2 - r  # the shape stays inside; its centre lies in the middle half of the free range
@@ -117,7 +117,7 @@ def _write_split(tmp: Path, split: str, per_class: int, spec: dict, progress) ->
         (tmp / split / name).mkdir(parents=True)
     for n in progress(range(per_class * len(SHAPE_CLASSES)), f"generating shapes/{split}"):
         label = n % len(SHAPE_CLASSES)
-        rng = np.random.default_rng([spec["seed"], _SPLITS[split], n])
+        rng = np.random.default_rng([spec["seed"], SPLITS[split], n])
         img = render_shape(label, rng, spec["image_size"])
         img.save(tmp / split / SHAPE_CLASSES[label] / f"{n:06d}.jpg", quality=92)
 
@@ -137,19 +137,21 @@ def _tracker(show_progress: bool):
     return progress
 
 
-def _ensure(root: str | os.PathLike, spec: dict, write, show_progress: bool) -> Path:
+def ensure(root: str | os.PathLike, spec: dict, write, show_progress: bool) -> Path:
     """Build a dataset with `write(tmp_dir, progress)` unless a complete copy with the same spec is at `root`. Written
     to a temporary folder and renamed into place, so a folder at `root` is always complete."""
     root = Path(root).expanduser()
     meta = root / "dataset.json"
     if meta.exists():
         found = json.loads(meta.read_text())
-        if found != spec:
+        if found == spec:
+            return root
+        if not _older_version(found, spec):
             raise ValueError(
                 f"{root} holds a {found.get('dataset')} dataset generated with {found}, not the requested {spec}: "
                 "delete that folder or point data.root elsewhere"
             )
-        return root
+        return _regenerate(root, spec, write, show_progress)
     if root.exists() and any(root.iterdir()):
         raise ValueError(f"{root} exists and is not a generated {spec['dataset']} dataset: point data.root elsewhere")
 
@@ -178,91 +180,35 @@ def ensure_shapes(root: str | os.PathLike, synthetic, show_progress: bool = Fals
         _write_split(tmp, "train", spec["train_per_class"], spec, progress)
         _write_split(tmp, "val", spec["val_per_class"], spec, progress)
 
-    return _ensure(root, spec, write, show_progress)
+    return ensure(root, spec, write, show_progress)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# shapes_coco: several shapes per image, boxes in a COCO instances file.
-
-_ASPECTS = ((1.0, 1.0), (1.0, 0.75), (0.75, 1.0))  # (width, height) factors: landscape and portrait images too
 
 
-def _iou(a: list[float], b: list[float]) -> float:
-    ix = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    iy = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = ix * iy
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
+def _older_version(found: dict, spec: dict) -> bool:
+    """`found` is the same built-in set made by an earlier generator (e.g. shapes_coco before it had masks)."""
+    rest = {k: v for k, v in spec.items() if k != "version"}
+    return ({k: v for k, v in found.items() if k != "version"} == rest
+            and int(found.get("version", 1)) < int(spec.get("version", 1)))
 
 
-def render_scene(rng: np.random.Generator, size: int, max_objects: int = 4) -> tuple[Image.Image, list]:
-    """An image with 0..max_objects shapes (about 1 in 12 empty) of varied sizes, overlapping a little at most;
-    returns the image and [(class index, [x1, y1, x2, y2])] in pixels."""
-    fw, fh = _ASPECTS[rng.integers(len(_ASPECTS))]
-    w, h = int(size * fw), int(size * fh)
-    big_w, big_h = w * _SUPERSAMPLE, h * _SUPERSAMPLE
-    img = _background(rng, max(big_w, big_h)).crop((0, 0, big_w, big_h))
-    draw = ImageDraw.Draw(img)
-    count = 0 if rng.random() < 1 / 12 else int(rng.integers(1, max_objects + 1))
-    objects: list = []
-    for _ in range(count):
-        for _attempt in range(10):  # place it where it overlaps earlier shapes by IoU <= 0.3
-            r = rng.uniform(0.09, 0.26) * min(big_w, big_h)
-            cx, cy = rng.uniform(0.6 * r, big_w - 0.6 * r), rng.uniform(0.6 * r, big_h - 0.6 * r)
-            guess = [cx - r, cy - r, cx + r, cy + r]
-            if all(_iou(guess, [c * _SUPERSAMPLE for c in box]) <= 0.3 for _, box in objects):
-                break
-        else:
-            continue
-        label = int(rng.integers(len(SHAPE_CLASSES)))
-        points = np.array(draw_shape(draw, SHAPE_CLASSES[label], cx, cy, r, rng))
-        x1, y1 = np.clip(points.min(0), 0, [big_w, big_h]) / _SUPERSAMPLE
-        x2, y2 = np.clip(points.max(0), 0, [big_w, big_h]) / _SUPERSAMPLE
-        objects.append((label, [float(x1), float(y1), float(x2), float(y2)]))
-    img = img.filter(ImageFilter.GaussianBlur(radius=rng.uniform(0, 1.0)))
-    return img.resize((w, h), Image.Resampling.LANCZOS), objects
+def _regenerate(root: Path, spec: dict, write, show_progress: bool) -> Path:
+    """Replace an older generator's copy at `root` (under a lock, so that concurrent jobs on a node do it once): the new
+    one is written beside it, then swapped in."""
+    import fcntl
 
-
-def _coco_spec(synthetic) -> dict:
-    return {
-        "dataset": "shapes_coco",
-        "classes": list(SHAPE_CLASSES),
-        "train_images": int(synthetic.train_images),
-        "val_images": int(synthetic.val_images),
-        "image_size": int(synthetic.image_size),
-        "seed": int(synthetic.seed),
-    }
-
-
-def _write_coco_split(tmp: Path, split: str, count: int, spec: dict, progress) -> None:
-    (tmp / split).mkdir(parents=True)
-    (tmp / "annotations").mkdir(exist_ok=True)
-    images, annotations = [], []
-    for n in progress(range(count), f"generating shapes_coco/{split}"):
-        rng = np.random.default_rng([spec["seed"], 10 + _SPLITS[split], n])
-        img, objects = render_scene(rng, spec["image_size"])
-        name = f"{n:06d}.jpg"
-        img.save(tmp / split / name, quality=92)
-        images.append({"id": n + 1, "file_name": name, "width": img.width, "height": img.height})
-        for label, (x1, y1, x2, y2) in objects:
-            w, h = round(x2 - x1, 2), round(y2 - y1, 2)
-            annotations.append({
-                "id": len(annotations) + 1, "image_id": n + 1, "category_id": label + 1,
-                "bbox": [round(x1, 2), round(y1, 2), w, h], "area": round(w * h, 2), "iscrowd": 0,
-            })
-    categories = [{"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(SHAPE_CLASSES)]
-    coco = {"info": {"description": "visiondist built-in shapes_coco"}, "images": images,
-            "annotations": annotations, "categories": categories}
-    (tmp / "annotations" / f"instances_{split}.json").write_text(json.dumps(coco))
-
-
-def ensure_shapes_coco(root: str | os.PathLike, synthetic, show_progress: bool = False) -> Path:
-    """Generate the detection set at `root` (`<split>/*.jpg` + `annotations/instances_<split>.json`, COCO format)
-    unless a complete copy with the same spec is already there."""
-    spec = _coco_spec(synthetic)
-
-    def write(tmp: Path, progress) -> None:
-        _write_coco_split(tmp, "train", spec["train_images"], spec, progress)
-        _write_coco_split(tmp, "val", spec["val_images"], spec, progress)
-
-    return _ensure(root, spec, write, show_progress)
+    with open(root.parent / f".{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if json.loads((root / "dataset.json").read_text()) == spec:  # another job replaced it meanwhile
+            return root
+        log.info("the built-in %s dataset in %s is from an earlier version: generating it again", spec["dataset"], root)
+        tmp = root.parent / f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write(tmp, _tracker(show_progress))
+        (tmp / "dataset.json").write_text(json.dumps(spec, indent=2))
+        old = root.parent / f".{root.name}.old-{socket.gethostname()}-{os.getpid()}"
+        os.rename(root, old)
+        os.rename(tmp, root)
+        shutil.rmtree(old, ignore_errors=True)
+    return root

@@ -1,0 +1,23 @@
+"""The built-in data sets, generated on first use in the formats of the real ones and read by the same loaders:
+`shapes` (ImageNet's folder layout, `shapes.py`) and `shapes_coco` (COCO instances with boxes and masks,
+`shapes_coco.py`). Generation is deterministic and atomic (a folder is whole or absent); a copy made by an earlier
+generator version is made again.
+
+Imports: `data` (COCO's mask encoding), `utils`.
+"""
+
+from __future__ import annotations
+
+from visiondist.synthetic.shapes import ensure_shapes
+from visiondist.synthetic.shapes_coco import ensure_shapes_coco
+
+GENERATORS = {"shapes": ensure_shapes, "shapes_coco": ensure_shapes_coco}  # built-in datasets, generated on first use
+
+
+def prepare_data(cfg, show_progress: bool = False) -> None:
+    """Generate a built-in dataset if it is missing. Call on one rank per node, then barrier."""
+    if cfg.synthetic is None:
+        return
+    if cfg.name not in GENERATORS:
+        raise ValueError(f"data.synthetic is set but there is no built-in dataset named {cfg.name!r}")
+    GENERATORS[cfg.name](cfg.root, cfg.synthetic, show_progress=show_progress)
