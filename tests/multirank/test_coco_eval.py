@@ -53,7 +53,7 @@ def test_mask_eval_on_2_and_3_ranks_equals_1_rank_and_pycocotools_on_the_written
         runs[world] = (out, spawn_ranks(coco_ranks.run, world, str(shapes_coco), str(out), 0, True)[0]["stats"])
     one = runs[1][1]
     segm = {k: one[f"val_segm_{k}"] for k in STAT_NAMES}
-    assert 0.2 < segm["mAP"] < 0.95 and segm["mAP"] != one["val_mAP"]  # a real score, not a trivial one
+    assert 0.05 < segm["mAP"] < 0.95 and segm["mAP"] != one["val_mAP"]  # a real score, not a trivial one
     for world in (2, 3):
         assert {k: v for k, v in runs[world][1].items() if k.startswith("val_") and "class" not in k} == \
             {k: v for k, v in one.items() if k.startswith("val_") and "class" not in k}

@@ -3,7 +3,7 @@ instance masks in a COCO instances file (`<root>/<split>/*.jpg`, `<root>/annotat
 by the same loader as COCO itself.
 
 Masks are what the image shows: a shape's polygon (circles as 32-gons), a ring's annulus as an RLE, and, where a
-later shape covers part of an earlier one, the visible part as an RLE. About 1 image in 8 also holds a crowd region
+later shape covers part of an earlier one, the visible part as an RLE. About 1 image in 6 also holds a crowd region
 (a cluster of small shapes of one class, `iscrowd: 1`, an uncompressed RLE as COCO's crowds are), drawn under the
 other shapes from a stream of its own, so the other shapes, their boxes and their places are those of version 1
 (boxes only). An annotation's `area` is its mask's pixel count, as in COCO.
@@ -26,7 +26,7 @@ from visiondist.synthetic.shapes import SPLITS, SUPERSAMPLE, SHAPE_CLASSES, back
 
 VERSION = 2  # 1: boxes only; 2: masks and crowd regions
 _ASPECTS = ((1.0, 1.0), (1.0, 0.75), (0.75, 1.0))  # (width, height) factors: landscape and portrait images too
-CROWD_SHARE = 1 / 8
+CROWD_SHARE = 1 / 6
 
 
 def _iou(a: list[float], b: list[float]) -> float:
@@ -71,7 +71,7 @@ def _crowd(draw: ImageDraw.ImageDraw, rng: np.random.Generator, big_w: int, big_
 def render_scene(rng: np.random.Generator, size: int, max_objects: int = 4, crowd_rng: np.random.Generator | None = None
                  ) -> tuple[Image.Image, list, list]:
     """An image with 0..max_objects shapes (about 1 in 12 empty) of varied sizes, overlapping a little at most, and,
-    drawn first with `crowd_rng` in about 1 image of 8, a crowd region. Returns the image, [(class index, [x1, y1,
+    drawn first with `crowd_rng` in about 1 image of 6, a crowd region. Returns the image, [(class index, [x1, y1,
     x2, y2], full segmentation)] of the shapes in drawing order, and [(class index, mask)] of the crowd regions."""
     fw, fh = _ASPECTS[rng.integers(len(_ASPECTS))]
     w, h = int(size * fw), int(size * fh)
