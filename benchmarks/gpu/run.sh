@@ -32,6 +32,10 @@ if [[ $what == short ]]; then
         data=shapes_coco data.min_size=800 data.max_size=1333 data.batch_size=8 trainer.precision=bf16 \
         2>&1 | tee "$out/bench_frcnn_r50.txt"
     [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
+    timeout -k 5 130 python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out" model=maskrcnn_r50 \
+        data=shapes_coco data.min_size=800 data.max_size=1333 data.batch_size=8 trainer.precision=bf16 \
+        2>&1 | tee "$out/bench_maskrcnn_r50.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
 fi
 if [[ $what == tests || $what == all ]]; then
     python3 -m pytest -p no:cacheprovider -n 0 -m gpu -rA tests/unit/test_gpu.py tests/multirank/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
@@ -63,6 +67,8 @@ if [[ $what == bench || $what == all ]]; then
     [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
     bench frcnn_r50 model=fasterrcnn_r50 data=shapes_coco data.min_size=800 data.max_size=1333 data.batch_size=8 \
         trainer.precision=bf16 "bench.variants=['model.channels_last=true']"
+    bench maskrcnn_r50 model=maskrcnn_r50 data=shapes_coco data.min_size=800 data.max_size=1333 data.batch_size=8 \
+        trainer.precision=bf16
 fi
 echo "parts failed: $failed"
 exit "$failed"

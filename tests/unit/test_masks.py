@@ -189,3 +189,30 @@ def test_a_mask_model_reports_mask_metrics_and_may_keep_its_best_by_them():
     assert "val_segm_mAP" in eval_metrics(vitdet.model)
     assert "val_segm_mAP" not in eval_metrics(compose(CONFIGS, ["model=fasterrcnn_mobilenet_v3",
                                                                 "data=shapes_coco"]).model)
+
+
+def test_a_mask_rcnn_export_loads_strictly_into_torchvisions_builder(tmp_path):
+    import torchvision.models.detection as tvd
+    from safetensors.torch import load_file
+
+    from visiondist.checkpoint.export import export
+    from visiondist.checkpoint.export.trained import Trained
+    from visiondist.config import compose
+    from visiondist.models import build_model
+
+    cfg = compose(CONFIGS, ["model=maskrcnn_r50", "data=shapes_coco", "data.min_size=64", "data.max_size=96"])
+    torch.manual_seed(0)
+    model = build_model(cfg.model).eval()
+    names = ["circle", "square", "triangle", "star", "cross", "ring"]
+    export(Trained(cfg, model, tmp_path, 1, names, [1, 2, 3, 4, 5, 6]), "safetensors", tmp_path / "m.safetensors")
+    info = json.loads((tmp_path / "m.json").read_text())
+    assert info["builder"] == "torchvision.models.detection.maskrcnn_resnet50_fpn"
+    theirs = getattr(tvd, info["builder"].rsplit(".", 1)[1])(**info["kwargs"]).eval()
+    theirs.load_state_dict(load_file(tmp_path / "m.safetensors"), strict=True)
+    model.roi_heads.score_thresh = theirs.roi_heads.score_thresh = 0.0  # random weights: every box counts
+    image = [torch.rand(3, 64, 80, generator=torch.Generator().manual_seed(1))]
+    with torch.no_grad():
+        mine, out = model(image)[0], theirs(image)[0]
+    assert len(mine["masks"]) > 0
+    for key in ("boxes", "labels", "scores", "masks"):
+        assert torch.equal(mine[key], out[key]), key

@@ -61,7 +61,9 @@ def maskrcnn_mobilenet_v3_large_fpn(*, weights=None, weights_backbone=None, num_
     if weights is not None or weights_backbone is not None:
         raise ValueError("maskrcnn_mobilenet_v3_large_fpn has no pretrained weights: start from model.weights=<local "
                          "state dict of this model>")
-    backbone = _mobilenet_extractor(mobilenet_v3_large(weights=None), True, 6)  # every stage trains
+    # plain BatchNorm2d (not MobileNetV3's eps 1e-3 / momentum 0.01), every stage training: as torchvision builds
+    # the backbone of its detectors from random weights
+    backbone = _mobilenet_extractor(mobilenet_v3_large(weights=None, norm_layer=nn.BatchNorm2d), True, 6)
     anchor_sizes = ((32, 64, 128, 256, 512),) * 3
     anchors = AnchorGenerator(anchor_sizes, ((0.5, 1.0, 2.0),) * len(anchor_sizes))
     return tvd.MaskRCNN(backbone, num_classes, rpn_anchor_generator=anchors, **{"rpn_score_thresh": 0.05, **kwargs})

@@ -51,7 +51,7 @@ class OnnxCheck:
             return f"{head} 0 boxes compared ({where}): both returned no box, which checks nothing of the outputs"
         line = f"{head} {self.boxes} boxes compared, max abs difference {self.max_diff:.2e} ({where})"
         if self.masks is not None:
-            line += f"; {self.masks} masks compared, max abs difference {self.mask_diff:.2e}"
+            line += f"; {self.masks} masks (of the same boxes) compared, max abs difference {self.mask_diff:.2e}"
         if self.max_diff > BOX_ROUND_OFF:
             line += (f"; warning: more than float round-off ({BOX_ROUND_OFF:g} px): the boxes differ, which a barely "
                      "trained model's near-tied scores can cause; check the export on a trained model's weights")
@@ -90,14 +90,15 @@ def _box_diff(ref: list[torch.Tensor], got: list) -> float:
 
 def _mask_diff(ref: list[torch.Tensor], got: list) -> tuple[int, float]:
     """(masks compared, largest probability difference): each PyTorch detection's mask against the mask of the ONNX
-    Runtime detection of its label with the nearest box (`_box_diff`'s pairing)."""
+    Runtime detection of its label whose box is the same to float round-off (`BOX_ROUND_OFF`); a detection without
+    such a counterpart (near-tied scores kept other boxes) is the box check's to report."""
     boxes, labels = ref[0].double(), ref[1]
     other_boxes, other_labels = torch.from_numpy(got[0]).double(), torch.from_numpy(got[1])
     if not len(boxes) or not len(other_boxes):
         return 0, 0.0
     cost = (boxes[:, None] - other_boxes[None]).abs().amax(-1)
     cost[labels[:, None] != other_labels[None]] = float("inf")
-    pairs = [(i, int(j)) for i, j in enumerate(cost.argmin(1)) if torch.isfinite(cost[i, j])]
+    pairs = [(i, int(j)) for i, j in enumerate(cost.argmin(1)) if cost[i, j] <= BOX_ROUND_OFF]
     other = torch.from_numpy(got[3])
     diffs = [float((ref[3][i].double() - other[j].double()).abs().max()) for i, j in pairs]
     return len(pairs), max(diffs, default=0.0)

@@ -102,8 +102,9 @@ def sidecar(trained: Trained) -> dict[str, Any]:
         if m.arch not in TORCHVISION_DETECTORS:  # torchvision's classes, assembled as no builder of its does
             info.update(builder="torchvision.models.detection.MaskRCNN", kwargs=_without_weights(kwargs), usage=(
                 "backbone = torchvision.models.detection.backbone_utils._mobilenet_extractor(torchvision.models."
-                "mobilenet_v3_large(), True, 6); anchors = torchvision.models.detection.anchor_utils.AnchorGenerator("
-                "((32, 64, 128, 256, 512),) * 3, ((0.5, 1.0, 2.0),) * 3); model = MaskRCNN(backbone, "
+                "mobilenet_v3_large(norm_layer=torch.nn.BatchNorm2d), True, 6); anchors = torchvision.models."
+                "detection.anchor_utils.AnchorGenerator(((32, 64, 128, 256, 512),) * 3, ((0.5, 1.0, 2.0),) * 3); "
+                "model = MaskRCNN(backbone, "
                 "rpn_anchor_generator=anchors, rpn_score_thresh=0.05, **kwargs); model.load_state_dict("
                 "safetensors.torch.load_file(path), strict=True); labels are 1..num_classes (0 is the background)"))
         if float(m.anchor_scale) != 1.0 or m.roi_sampling_ratio is not None:
