@@ -105,6 +105,7 @@ def test_masks_follow_the_boxes_through_resize_jitter_crop_and_flip(jitter):
     assert dropped > 0 if jitter else dropped == 0
 
 
+@pytest.mark.smoke
 def test_the_loader_keeps_segmentations_as_text_and_decodes_them_per_image(masked_set, tmp_path):
     ann_file = masked_set / "annotations" / "instances_train.json"
     data = CocoDetection(masked_set / "train", ann_file, train=True, masks=True)
@@ -144,6 +145,7 @@ def test_the_ground_truth_as_predictions_scores_1_for_masks_and_boxes(masked_set
     assert worse["mAP"] < 0.9 and set(worse) == set(STAT_NAMES)  # masks scored as masks, not as boxes
 
 
+@pytest.mark.smoke  # torch 2.11's torchvision builds and trains it too
 def test_mask_rcnn_on_mobilenet_trains_on_masks_and_predicts_them():
     from visiondist.models.detection import build_torchvision_detector, has_masks
 
