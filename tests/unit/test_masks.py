@@ -218,3 +218,20 @@ def test_a_mask_rcnn_export_loads_strictly_into_torchvisions_builder(tmp_path):
     assert len(mine["masks"]) > 0
     for key in ("boxes", "labels", "scores", "masks"):
         assert torch.equal(mine[key], out[key]), key
+
+
+def test_a_packed_split_gives_the_trees_masks(masked_set, tmp_path):
+    """COCO packed into shards (its annotation file beside them): the same targets, masks included, as the tree."""
+    from visiondist.data.shards import ShardStore
+    from visiondist.data.shards.coco import ShardCoco, pack_coco
+    from visiondist.data.shards.pack import PackOptions
+
+    splits = {s: (masked_set / s, masked_set / "annotations" / f"instances_{s}.json") for s in ("train", "val")}
+    pack_coco(splits, tmp_path / "packed", PackOptions(shard_mb=0.05, workers=1, progress=False), masked_set)
+    packed = ShardCoco(ShardStore(str(tmp_path / "packed"), cache_dir=str(tmp_path / "cache")), "train", train=True,
+                       masks=True)
+    tree = CocoDetection(*splits["train"], train=True, masks=True)
+    assert len(packed) == len(tree)
+    for i in (0, 5, len(tree) - 1):
+        (a, ta), (b, tb) = packed[i], tree[i]
+        assert torch.equal(a, b) and all(torch.equal(ta[k], tb[k]) for k in ("boxes", "labels", "masks"))
