@@ -4,8 +4,9 @@ Each data-parallel rank predicts its shard (every val image exactly once over th
 thresholded at 0.5 and encoded to an RLE on the rank that predicted it (pycocotools' mask API), so only compact
 runs travel. Detections travel to global rank 0 as compact arrays (with their RLEs) over the DP group, are
 de-duplicated by image id, their image count is checked against the val set, and they are scored by COCOeval:
-faster-coco-eval when installed (the same numbers, several times faster), pycocotools otherwise. While rank 0 scores, the other ranks wait in a single broadcast that carries the result, or
-the error, back to them: nobody is left in a collective that could time out or hang.
+faster-coco-eval when installed (the same numbers, several times faster), pycocotools otherwise. While rank 0
+scores, the other ranks wait in a single broadcast that carries the result, or the error, back to them: nobody is
+left in a collective that could time out or hang.
 """
 
 from __future__ import annotations
@@ -144,7 +145,9 @@ def predict(
 
     was_training = model.training
     model.eval()
-    rows, seen, rles = [], [], None
+    rows, seen = [], []
+    heads = getattr(model, "roi_heads", None)
+    rles: Optional[list[dict]] = [] if heads is not None and heads.has_mask() else None  # one per row: mask models
     for images, targets in tracked(loader, progress):
         images = unit_float(images, device)
         with autocast or nullcontext():
@@ -160,11 +163,10 @@ def predict(
             scores = output["scores"].float().cpu().numpy()
             rows.append(np.column_stack([np.full(len(boxes), image_id), xywh, scores, cats]))
             if "masks" in output:
-                rles = (rles or []) + _masks_of(output)
+                rles = rles if rles is not None else []  # a stand-in model without roi_heads
+                rles.extend(_masks_of(output))
     model.train(was_training)
     detections = np.concatenate(rows) if rows else np.zeros((0, 7))
-    if rles is None and getattr(getattr(model, "roi_heads", None), "has_mask", lambda: False)():
-        rles = []  # a mask model that detected nothing
     return detections, seen, rles
 
 
@@ -187,17 +189,18 @@ def deduplicate(parts: list[Part], expected: int) -> tuple[np.ndarray, int, Opti
     """One report per image (the first part that saw it wins); every val image must have been seen. Returns the
     detections, the image count and (mask models) the detections' RLEs."""
     taken: set[int] = set()
-    keep, keep_rles = [], None
+    keep: list[np.ndarray] = []
+    keep_rles: Optional[list[dict]] = None
     for detections, seen, *rest in parts:
         rles = rest[0] if rest else None
+        if rles is not None and keep_rles is None:
+            keep_rles = []
         new = set(seen) - taken
         if new:
             mine = np.isin(detections[:, 0], list(new))
             keep.append(detections[mine])
             if rles is not None:
-                keep_rles = (keep_rles or []) + [rle for rle, kept in zip(rles, mine) if kept]
-        if rles is not None and keep_rles is None:
-            keep_rles = []
+                keep_rles.extend(rle for rle, kept in zip(rles, mine) if kept)
         taken |= new
     if len(taken) != expected:
         raise RuntimeError(f"COCO evaluation saw {len(taken)} distinct images, expected {expected}")
