@@ -171,6 +171,10 @@ def test_mask_rcnn_on_mobilenet_trains_on_masks_and_predicts_them():
                                              "classifier"),
     (["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "model.masks=true"],
      "use model=maskrcnn_r50, maskrcnn_r50_v2 or maskrcnn_mobilenet_v3"),
+    (["model=maskrcnn_mobilenet_v3", "data=shapes_coco", "model.masks=false"],
+     "always predicts masks; for boxes only use model=fasterrcnn_mobilenet_v3"),
+    (["model=fasterrcnn_r50", "data=shapes_coco", "trainer.best_metric=val_segm_mAP"],
+     r"val_segm_mAP is a mask metric, and fasterrcnn_r50 predicts no masks: .*model=maskrcnn_mobilenet_v3"),
 ])
 def test_masks_asked_of_a_model_without_a_mask_head_are_refused(overrides, message):
     from visiondist.config import ConfigError, compose

@@ -40,7 +40,7 @@ class ModelConfig:
     min_size: int = II("data.min_size")  # the detector's internal resize
     max_size: int = II("data.max_size")
     fpn_channels: int = 256  # vitdet: channels of the simple feature pyramid
-    masks: bool = False  # vitdet: a Mask R-CNN mask head (torchvision's maskrcnn_* architectures always have one)
+    masks: Optional[bool] = None  # a mask head: vitdet's is off unless true; torchvision's maskrcnn_* always have one
     anchor_scale: float = 1.0  # multiplies the detector's anchor sizes (same anchors per location, same weights)
     roi_sampling_ratio: Optional[int] = None  # RoIAlign samples per bin side (torchvision: 2)
     sync_bn: bool = False  # convert BatchNorm to SyncBatchNorm under data parallelism (CUDA)

@@ -97,9 +97,14 @@ def _check_vitdet(cfg: DictConfig) -> None:
 def _check_torchvision(cfg: DictConfig) -> None:
     if cfg.model.backbone_weights is not None and "resnet50" not in str(cfg.model.arch):
         raise ConfigError(_REFUSALS[BACKBONE_WEIGHTS](cfg))
-    if cfg.model.get("masks") and not str(cfg.model.arch).startswith("maskrcnn"):
+    masks, mask_arch = cfg.model.get("masks"), str(cfg.model.arch).startswith("maskrcnn")
+    if masks and not mask_arch:
         raise ConfigError(f"model.masks=true adds a mask head to ViTDet; {cfg.model.name} is torchvision's "
                           f"{cfg.model.arch}: use model=maskrcnn_r50, maskrcnn_r50_v2 or maskrcnn_mobilenet_v3")
+    if masks is False and mask_arch:
+        box_model = str(cfg.model.name).replace("maskrcnn", "fasterrcnn")
+        raise ConfigError(f"model.masks=false: {cfg.model.name} is torchvision's Mask R-CNN, which always predicts "
+                          f"masks; for boxes only use model={box_model}")
 
 
 def _check_classifier(cfg: DictConfig) -> None:

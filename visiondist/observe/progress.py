@@ -3,9 +3,12 @@ evaluation's batches (which also feeds the rank's hang watchdog), a spinner over
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 
 from visiondist.utils.heartbeat import PROGRESS
+
+log = logging.getLogger(__name__)
 
 
 def progress_bar(enabled: bool, total: int):
@@ -47,8 +50,10 @@ def tracked(items, enabled: bool, description: str = "eval"):
 
 
 def status(enabled: bool, text: str):
-    """A transient spinner with `text` while a long step without batches runs (e.g. COCO scoring on rank 0)."""
+    """A transient spinner with `text` while a long step without batches runs (e.g. COCO scoring on rank 0); without
+    a spinner (`trainer.progress=false`, a pipe) the text is logged once instead, so a long wait is explained."""
     if not enabled:
+        log.info("%s ...", text)
         return nullcontext()
     from rich import get_console
 

@@ -258,10 +258,14 @@ def rank_layout(cfg: DictConfig, device=None, local_rank: int = 0):
 
 def _check_best_metric(cfg: DictConfig) -> None:
     """trainer.best_metric names an evaluation metric of the model's task (a metrics.csv column)."""
-    from visiondist.models import TASKS, eval_metrics
+    from visiondist.models import EVAL_METRICS, TASKS, eval_metrics
 
     metric, task = cfg.trainer.best_metric, TASKS.get(cfg.model.family)
     names = eval_metrics(cfg.model) if task is not None else ()
+    if metric is not None and metric in EVAL_METRICS["segmentation"] and metric not in names:
+        raise ConfigError(f"trainer.best_metric={metric} is a mask metric, and {cfg.model.name} predicts no masks: "
+                          "train a model with a mask head (model=maskrcnn_mobilenet_v3, maskrcnn_r50, or a vitdet_* "
+                          "model with model.masks=true), or keep the best by box AP (trainer.best_metric=val_mAP)")
     if metric is not None and task is not None and metric not in names:
         raise ConfigError(f"trainer.best_metric={metric} is not an evaluation metric of {task}: use one of "
                           f"{', '.join(names)}")

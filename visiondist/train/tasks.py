@@ -183,7 +183,7 @@ class DetectionTask:
 
         d = self.data
         ap = {name: None if v is None else 100 * v for name, v in (m.get("val_class_AP") or {}).items()}
-        pngs = [plot_per_class(ap, run_dir / "per_class_ap.png", f"{title}: AP per category{_at_step(m)}",
+        pngs = [plot_per_class(ap, run_dir / "per_class_ap.png", f"{title}: box AP per category{_at_step(m)}",
                                "AP@[.5:.95] (%)"),
                 plot_predictions(run_dir / "detections.json", d.val_annotations, self.val_image,
                                  run_dir / "val_predictions.png", title)]

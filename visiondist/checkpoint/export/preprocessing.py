@@ -95,24 +95,27 @@ def sidecar(trained: Trained) -> dict[str, Any]:
         kwargs = {"weights": None, "weights_backbone": None, "num_classes": int(m.num_classes) + 1,
                   "min_size": int(m.min_size), "max_size": int(m.max_size),
                   **OmegaConf.to_container(m.kwargs, resolve=True)}
+        sampling = _sampling_statements(m)
         info.update(library="torchvision", builder=f"torchvision.models.detection.{m.arch}", kwargs=kwargs,
-                    usage="builder(**kwargs).load_state_dict(safetensors.torch.load_file(path), strict=True); "
-                          "labels are 1..num_classes (0 is the background); labels[str(k)] holds label k's COCO "
-                          "category_id and name")
+                    usage=f"model = builder(**kwargs){sampling}; model.load_state_dict(safetensors.torch.load_file("
+                          "path), strict=True); labels are 1..num_classes (0 is the background); labels[str(k)] holds "
+                          "label k's COCO category_id and name")
         if m.arch not in TORCHVISION_DETECTORS:  # torchvision's classes, assembled as no builder of its does
             info.update(builder="torchvision.models.detection.MaskRCNN", kwargs=_without_weights(kwargs), usage=(
-                "backbone = torchvision.models.detection.backbone_utils._mobilenet_extractor(torchvision.models."
-                "mobilenet_v3_large(norm_layer=torch.nn.BatchNorm2d), True, 6); anchors = torchvision.models."
-                "detection.anchor_utils.AnchorGenerator(((32, 64, 128, 256, 512),) * 3, ((0.5, 1.0, 2.0),) * 3); "
-                "model = MaskRCNN(backbone, "
-                "rpn_anchor_generator=anchors, rpn_score_thresh=0.05, **kwargs); model.load_state_dict("
-                "safetensors.torch.load_file(path), strict=True); labels are 1..num_classes (0 is the background)"))
+                "import torch, torchvision, safetensors.torch; from torchvision.models.detection import MaskRCNN; "
+                "from torchvision.models.detection.anchor_utils import AnchorGenerator; "
+                "from torchvision.models.detection.backbone_utils import _mobilenet_extractor; "
+                "backbone = _mobilenet_extractor(torchvision.models.mobilenet_v3_large(norm_layer="
+                "torch.nn.BatchNorm2d), True, 6); anchors = AnchorGenerator(((32, 64, 128, 256, 512),) * 3, "
+                "((0.5, 1.0, 2.0),) * 3); model = MaskRCNN(backbone, rpn_anchor_generator=anchors, "
+                f"rpn_score_thresh=0.05, **kwargs){sampling}; model.load_state_dict(safetensors.torch.load_file(path), "
+                "strict=True)  (kwargs: this file's kwargs; path: the .safetensors file; labels are 1..num_classes, "
+                "0 is the background)"))
         if float(m.anchor_scale) != 1.0 or m.roi_sampling_ratio is not None:
             info["not_in_kwargs"] = {
                 "anchor_scale": float(m.anchor_scale), "roi_sampling_ratio": m.roi_sampling_ratio,
                 "note": "the weights load unchanged; to reproduce the outputs exactly, scale the builder's anchor "
-                        "sizes (rpn_anchor_generator) and set box_roi_pool's (and mask_roi_pool's) sampling_ratio "
-                        "likewise"}
+                        "sizes (rpn_anchor_generator) by anchor_scale; usage sets RoIAlign's sampling_ratio"}
     else:
         info.update(library="visiondist", usage="visiondist.models.build_model(config.model), then load_state_dict; "
                                                 "no other library has this architecture")
@@ -122,3 +125,13 @@ def sidecar(trained: Trained) -> dict[str, Any]:
 def _without_weights(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The builder's keyword arguments that torchvision's model classes take (not a builder's `weights`)."""
     return {k: v for k, v in kwargs.items() if k not in ("weights", "weights_backbone")}
+
+
+
+def _sampling_statements(m) -> str:
+    """`model.roi_sampling_ratio` as the statements that set it on torchvision's model (box and mask RoIAlign), so
+    that the usage reproduces the run's outputs exactly; "" when the run used torchvision's own."""
+    if m.roi_sampling_ratio is None:
+        return ""
+    pools = ["box_roi_pool", *(["mask_roi_pool"] if str(m.arch).startswith("maskrcnn") else [])]
+    return "".join(f"; model.roi_heads.{pool}.sampling_ratio = {int(m.roi_sampling_ratio)}" for pool in pools)
