@@ -92,33 +92,41 @@ def sidecar(trained: Trained) -> dict[str, Any]:
                           "safetensors.torch.load_file(path), strict=True); the run's eval preprocessing: "
                           "timm.data.create_transform(**timm.data.resolve_model_data_config(model))")
     elif m.family == "torchvision":
-        kwargs = {"weights": None, "weights_backbone": None, "num_classes": int(m.num_classes) + 1,
-                  "min_size": int(m.min_size), "max_size": int(m.max_size),
-                  **OmegaConf.to_container(m.kwargs, resolve=True)}
-        sampling = _sampling_statements(m)
-        info.update(library="torchvision", builder=f"torchvision.models.detection.{m.arch}", kwargs=kwargs,
-                    usage=f"model = builder(**kwargs){sampling}; model.load_state_dict(safetensors.torch.load_file("
-                          "path), strict=True); labels are 1..num_classes (0 is the background); labels[str(k)] holds "
-                          "label k's COCO category_id and name")
-        if m.arch not in TORCHVISION_DETECTORS:  # torchvision's classes, assembled as no builder of its does
-            info.update(builder="torchvision.models.detection.MaskRCNN", kwargs=_without_weights(kwargs), usage=(
-                "import torch, torchvision, safetensors.torch; from torchvision.models.detection import MaskRCNN; "
-                "from torchvision.models.detection.anchor_utils import AnchorGenerator; "
-                "from torchvision.models.detection.backbone_utils import _mobilenet_extractor; "
-                "backbone = _mobilenet_extractor(torchvision.models.mobilenet_v3_large(norm_layer="
-                "torch.nn.BatchNorm2d), True, 6); anchors = AnchorGenerator(((32, 64, 128, 256, 512),) * 3, "
-                "((0.5, 1.0, 2.0),) * 3); model = MaskRCNN(backbone, rpn_anchor_generator=anchors, "
-                f"rpn_score_thresh=0.05, **kwargs){sampling}; model.load_state_dict(safetensors.torch.load_file(path), "
-                "strict=True)  (kwargs: this file's kwargs; path: the .safetensors file; labels are 1..num_classes, "
-                "0 is the background)"))
-        if float(m.anchor_scale) != 1.0 or m.roi_sampling_ratio is not None:
-            info["not_in_kwargs"] = {
-                "anchor_scale": float(m.anchor_scale), "roi_sampling_ratio": m.roi_sampling_ratio,
-                "note": "the weights load unchanged; to reproduce the outputs exactly, scale the builder's anchor "
-                        "sizes (rpn_anchor_generator) by anchor_scale; usage sets RoIAlign's sampling_ratio"}
+        info.update(_torchvision_info(m))
     else:
         info.update(library="visiondist", usage="visiondist.models.build_model(config.model), then load_state_dict; "
                                                 "no other library has this architecture")
+    return info
+
+
+def _torchvision_info(m) -> dict[str, Any]:
+    """A torchvision detector's sidecar entries: the builder (or, where torchvision has none, its classes assembled by
+    `usage`, Python to run as written), its keyword arguments, and what the keyword arguments cannot carry."""
+    info: dict[str, Any] = {}
+    kwargs = {"weights": None, "weights_backbone": None, "num_classes": int(m.num_classes) + 1,
+              "min_size": int(m.min_size), "max_size": int(m.max_size),
+              **OmegaConf.to_container(m.kwargs, resolve=True)}
+    sampling = _sampling_statements(m)
+    info.update(library="torchvision", builder=f"torchvision.models.detection.{m.arch}", kwargs=kwargs,
+                usage=f"model = builder(**kwargs){sampling}; model.load_state_dict(safetensors.torch.load_file("
+                      "path), strict=True); labels are 1..num_classes (0 is the background); labels[str(k)] holds "
+                      "label k's COCO category_id and name")
+    if m.arch not in TORCHVISION_DETECTORS:  # torchvision's classes, assembled as no builder of its does
+        info.update(builder="torchvision.models.detection.MaskRCNN", kwargs=_without_weights(kwargs), usage=(
+            "import torch, torchvision, safetensors.torch; from torchvision.models.detection import MaskRCNN; "
+            "from torchvision.models.detection.anchor_utils import AnchorGenerator; "
+            "from torchvision.models.detection.backbone_utils import _mobilenet_extractor; "
+            "backbone = _mobilenet_extractor(torchvision.models.mobilenet_v3_large(norm_layer="
+            "torch.nn.BatchNorm2d), True, 6); anchors = AnchorGenerator(((32, 64, 128, 256, 512),) * 3, "
+            "((0.5, 1.0, 2.0),) * 3); model = MaskRCNN(backbone, rpn_anchor_generator=anchors, "
+            f"rpn_score_thresh=0.05, **kwargs){sampling}; model.load_state_dict(safetensors.torch.load_file(path), "
+            "strict=True)  (kwargs: this file's kwargs; path: the .safetensors file; labels are 1..num_classes, "
+            "0 is the background)"))
+    if float(m.anchor_scale) != 1.0 or m.roi_sampling_ratio is not None:
+        info["not_in_kwargs"] = {
+            "anchor_scale": float(m.anchor_scale), "roi_sampling_ratio": m.roi_sampling_ratio,
+            "note": "the weights load unchanged; to reproduce the outputs exactly, scale the builder's anchor "
+                    "sizes (rpn_anchor_generator) by anchor_scale; usage sets RoIAlign's sampling_ratio"}
     return info
 
 
