@@ -112,11 +112,7 @@ def plot_predictions(detections_json: Path, ann_file: Path, read_image, png: Pat
     plt = _pyplot()
     from matplotlib.patches import Rectangle
 
-    cols = min(len(chosen), 4)
-    rows = math.ceil(len(chosen) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 4 * rows + 0.4), squeeze=False)
-    for ax in axes.flat:
-        ax.axis("off")
+    fig, axes = _image_grid(plt, len(chosen))
     for ax, image in zip(axes.flat, chosen):
         ax.imshow(read_image(image))  # upright, as the boxes were annotated
         for ann in truth[image["id"]]:
@@ -159,11 +155,7 @@ def plot_masks(segmentations_json: Path, ann_file: Path, read_image, png: Path, 
             found[det["image_id"]].append(det)
     plt = _pyplot()
     colours = plt.get_cmap("tab10")
-    cols = min(len(chosen), 4)
-    rows = math.ceil(len(chosen) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 4 * rows + 0.4), squeeze=False)
-    for ax in axes.flat:
-        ax.axis("off")
+    fig, axes = _image_grid(plt, len(chosen))
     for ax, image in zip(axes.flat, chosen):
         dets = sorted(found[image["id"]], key=lambda d: -d["score"])
         sure = [d for d in dets if d["score"] >= min_score] or dets[:max(1, truth[image["id"]])]
@@ -179,3 +171,13 @@ def plot_masks(segmentations_json: Path, ann_file: Path, read_image, png: Path, 
     fig.savefig(png, dpi=100)
     plt.close(fig)
     return png
+
+
+def _image_grid(plt, n: int):
+    """A figure of `n` image panels, up to 4 a row, without axes."""
+    cols = min(n, 4)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 4 * rows + 0.4), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    return fig, axes
