@@ -1,7 +1,7 @@
 """Instance segmentation end to end: a Mask R-CNN trained by train.py on the built-in COCO-format set reports the 12
 box and the 12 mask stats, eval.py reproduces them, the export loads strictly into torchvision's classes and detects
 the same boxes and masks, and its ONNX masks match PyTorch's under ONNX Runtime; ViTDet with a mask head trains
-under tensor parallelism."""
+under tensor parallelism and exports to ONNX."""
 
 import json
 import re
@@ -62,19 +62,24 @@ def _export_loads_in_torchvision(run, tmp_path):
     for key in ("boxes", "labels", "scores", "masks"):
         assert torch.equal(mine[key], theirs[key]), key
 
-    onnx = tmp_path / "masks.onnx"
+    # a model trained for 2 steps scores its boxes nearly alike, so top-k and NMS ties keep some other boxes in ONNX
+    # Runtime (the box check says so); the masks of the boxes both keep are compared
+    _onnx_masks_match(run, tmp_path / "masks.onnx")
+
+
+def _onnx_masks_match(run, onnx) -> str:
+    """Export `run` to `onnx` with tools/export.py; its check compared masks and they match. Returns the check line."""
     exported = run_cli([f"run_dir={run}", "format=onnx", f"out={onnx}"], timeout=300,
                        script=REPO / "tools" / "export.py")
     assert exported.returncode == 0, exported.stdout[-4000:]
-    # a model trained for 2 steps scores its boxes nearly alike, so top-k and NMS ties keep some other boxes in ONNX
-    # Runtime (the box check says so); the masks of the boxes both keep are compared
     check = re.search(r"(\d+) boxes compared, .*; (\d+) masks \(of the same boxes\) compared, max abs difference "
                       r"([0-9.e+-]+)", exported.stdout)
     assert check and int(check[2]) > 0 and float(check[3]) < 1e-3, exported.stdout[-2000:]
+    return check[0]
 
 
 @pytest.mark.slow
-def test_vitdet_with_a_mask_head_trains_under_tensor_parallelism(tmp_path):
+def test_vitdet_with_a_mask_head_trains_under_tensor_parallelism_and_exports_to_onnx(tmp_path):
     run = tmp_path / "run"
     args = [*MASKS, "model=vitdet_tiny", "model.masks=true", "model.depth=2", "model.fpn_channels=32",
             "parallel.tp=2", f"data.root={tmp_path / 'data'}", f"trainer.run_dir={run}"]
@@ -83,3 +88,7 @@ def test_vitdet_with_a_mask_head_trains_under_tensor_parallelism(tmp_path):
     assert "tp=2" in result.stdout and "segm:" in result.stdout
     final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_segm_mAP") is not None][-1]
     assert final["val_detections"] > 0
+
+    # the consolidated weights of the tp=2 run as one ONNX graph with masks, checked in ONNX Runtime on val images
+    check = _onnx_masks_match(run, tmp_path / "vitdet.onnx")
+    assert "val images" in check, check

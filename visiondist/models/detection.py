@@ -286,7 +286,9 @@ class ViTBackbone(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def _pos_embed(self, h: int, w: int) -> torch.Tensor:
-        if (h, w) == (self.grid, self.grid):
+        # a trace (ONNX export) keeps the interpolation whatever the example's size, so that the graph takes any size;
+        # bicubic to the same grid is the identity, so eager runs skip it
+        if (h, w) == (self.grid, self.grid) and not torch.jit.is_tracing():
             return self.pos_embed
         grid = self.pos_embed.reshape(1, self.grid, self.grid, -1).permute(0, 3, 1, 2)
         grid = F.interpolate(grid, size=(h, w), mode="bicubic", align_corners=False)

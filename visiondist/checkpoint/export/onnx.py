@@ -1,6 +1,7 @@
 """format=onnx: the eval-mode model as an ONNX graph (classifier: images -> logits with a dynamic batch, dynamo
-exporter; torchvision detector: one image of any size -> boxes, labels, scores, TorchScript-based exporter) with the
-names of what it predicts in the graph's metadata. `onnx_check.py` runs the file under ONNX Runtime against PyTorch.
+exporter; torchvision detector or ViTDet: one image of any size -> boxes, labels, scores (and masks), TorchScript-based
+exporter, with the eager model's resize: `onnx_resize.py`) with the names of what it predicts in the graph's
+metadata. `onnx_check.py` runs the file under ONNX Runtime against PyTorch.
 
 Metadata keys (`onnx.load(path).metadata_props`, `onnxruntime.InferenceSession(path).get_modelmeta()
 .custom_metadata_map`): `classes` (a classifier: JSON list, logit i is class i), `labels` (a detector: JSON object,
@@ -19,6 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from visiondist.checkpoint.export.onnx_resize import exact_resize
 from visiondist.checkpoint.export.preprocessing import name_metadata
 from visiondist.checkpoint.export.trained import Trained, example_images
 
@@ -36,7 +38,7 @@ def write_onnx(trained: Trained, path: Path, out: Path) -> list[Path]:
                                     output_names=["logits"], dynamic_shapes={"x": {0: batch}}, external_data=False)
         program.model.metadata_props.update(metadata)
         program.save(str(path))
-    elif family == "torchvision":
+    elif family in ("torchvision", "vitdet"):
         _export_detector_onnx(model, example_images(trained.cfg, 1)[0], path, metadata)
     else:
         raise ValueError(f"format=onnx is not supported for model.family={family}: export format=safetensors")
@@ -75,8 +77,9 @@ class thresholds_set:
 
 
 def _export_detector_onnx(model: nn.Module, example: torch.Tensor, path: Path, metadata: dict[str, str]) -> None:
-    """torchvision's detectors through the TorchScript-based exporter (opset >= 11), one image per call (a Mask R-CNN
-    also returns "masks", (detections, 1, height, width) probabilities at the image's size). Traced with
+    """torchvision's detectors (ViTDet is one, on its own backbone) through the TorchScript-based exporter (opset
+    17), one image per call (a Mask R-CNN also returns "masks", (detections, 1, height, width) probabilities at the
+    image's size), resized to the sizes the eager model takes (`exact_resize`). Traced with
     score thresholds that every box passes, then the graph's threshold constants are set to the model's and named in
     its metadata (`THRESH_METADATA`, beside `metadata`); without the onnx package, traced with the model's own
     thresholds and no metadata."""
@@ -87,7 +90,7 @@ def _export_detector_onnx(model: nn.Module, example: torch.Tensor, path: Path, m
         axes["masks"] = {0: "detections", 2: "height", 3: "width"}
 
     def trace(target: Path) -> None:
-        with warnings.catch_warnings():  # the tracer's notes on torchvision's code: check_onnx tests the graph
+        with exact_resize(), warnings.catch_warnings():  # the tracer's notes: check_onnx tests the graph
             warnings.simplefilter("ignore")
             torch.onnx.export(model, ([example],), str(target), dynamo=False, opset_version=17,
                               input_names=["image"], output_names=outputs, dynamic_axes=axes)

@@ -95,7 +95,8 @@ def sidecar(trained: Trained) -> dict[str, Any]:
         info.update(_torchvision_info(m))
     else:
         info.update(library="visiondist", usage="visiondist.models.build_model(config.model), then load_state_dict; "
-                                                "no other library has this architecture")
+                                                "no other library has this architecture (format=onnx runs without "
+                                                "visiondist, in ONNX Runtime)")
     return info
 
 

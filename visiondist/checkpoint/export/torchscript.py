@@ -1,4 +1,4 @@
-"""format=torchscript: a ViT traced on example images, a torchvision detector scripted."""
+"""format=torchscript: a ViT traced on example images, a torchvision detector scripted; ViTDet refused (format=onnx)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ from visiondist.checkpoint.export.trained import Trained, example_images
 def write_torchscript(trained: Trained, path: Path, out: Path) -> list[Path]:
     """The TorchScript file at `path` (a temporary name of `out`); nothing else."""
     model, family = trained.model, trained.cfg.model.family
+    if family == "vitdet":
+        raise ValueError("format=torchscript is not supported for ViTDet (torch.jit.script cannot compile its ViT "
+                         "blocks, and a trace would fix the image size): export format=onnx (any image size) or "
+                         "format=safetensors")
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the input-size check is constant for the trace
         scripted = torch.jit.trace(model, example_images(trained.cfg)) if family == "vit" else torch.jit.script(model)
