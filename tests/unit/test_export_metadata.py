@@ -1,6 +1,6 @@
 """The export names what the model predicts: a classifier's class names and a detector's label -> COCO category id
 map, in model.json and in the metadata of the safetensors and ONNX files; the ONNX check names nested val images by
-their real paths; docs/checkpoints.md's scoring by name is right where timm orders the class folders otherwise."""
+their real paths, and reads a shard run's from its shards; docs/checkpoints.md's scoring by name is right where timm orders the class folders otherwise."""
 
 import json
 import re
@@ -155,21 +155,46 @@ def test_the_export_takes_the_category_ids_a_checkpoint_records(nested_coco, tmp
     assert "the export carries no label -> category id map" in caplog.text
 
 
-def test_onnx_check_names_nested_val_images_by_their_paths(nested_coco, tmp_path):
+def _exported_detector(root: Path, tmp_path: Path):
+    """(trained detector on the data at `root`, its ONNX file)."""
     from visiondist.checkpoint.export import export
-    from visiondist.checkpoint.export.onnx_check import check_onnx
     from visiondist.checkpoint.export.trained import Trained
 
-    cfg, model = _detector(nested_coco)
+    cfg, model = _detector(root)
     trained = Trained(cfg, model, tmp_path / "step_2", 2, ["car", "Cat", "toothbrush"])
     onnx_path = tmp_path / "detector.onnx"
     export(trained, "onnx", onnx_path)
-    check = check_onnx(trained, onnx_path)
+    return trained, onnx_path
+
+
+def test_onnx_check_names_nested_val_images_by_their_paths(nested_coco, tmp_path):
+    from visiondist.checkpoint.export.onnx_check import check_onnx
+
+    check = check_onnx(*_exported_detector(nested_coco, tmp_path))
     folder = nested_coco / "val"
     assert check.example == f"3 val images ({', '.join(NESTED)} in {folder})", check.example
     assert f"on 3 val images ({', '.join(NESTED)} in {folder})" in check.summary()
     named = re.fullmatch(r"3 val images \((.*) in (.*)\)", check.example)
     assert all((Path(named[2]) / name).is_file() for name in named[1].split(", "))
+
+
+def test_onnx_check_of_a_shard_run_reads_the_val_images_from_the_packed_split(nested_coco, tmp_path):
+    """A run trained from shards (data.format=shards) is checked on the val images it evaluated, read from the shards
+    (the pack holds no image folder), named by their file names: the same detections as from the tree."""
+    from visiondist.checkpoint.export.onnx_check import check_onnx
+    from visiondist.data.shards.coco import pack_coco
+    from visiondist.data.shards.pack import PackOptions
+
+    trained, onnx_path = _exported_detector(nested_coco, tmp_path)
+    from_tree = check_onnx(trained, onnx_path)
+
+    packed = tmp_path / "packed"
+    splits = {s: (nested_coco / "val", nested_coco / "annotations" / f"instances_{s}.json") for s in ("train", "val")}
+    pack_coco(splits, packed, PackOptions(shard_mb=0.01, workers=1, progress=False), nested_coco)
+    trained.cfg.data.format, trained.cfg.data.root = "shards", str(packed)
+    from_shards = check_onnx(trained, onnx_path)
+    assert from_shards.example == f"3 val images ({', '.join(NESTED)} from the packed val split of {packed})"
+    assert (from_shards.boxes, from_shards.max_diff) == (from_tree.boxes, from_tree.max_diff) and from_tree.boxes
 
 
 def _doc_block(marker: str) -> str:

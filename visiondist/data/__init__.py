@@ -189,7 +189,7 @@ def build_detection_data(
     from visiondist.data.coco import collate_detection
 
     options = _loader_options(cfg, pin_memory, collate_detection)
-    splits = _detection_splits(cfg)
+    splits = detection_splits(cfg)
     val_set = splits(cfg.val_split, train=False)
     val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, options)
     if not train:
@@ -211,7 +211,7 @@ def build_detection_data(
                          val_set.ann_file, val_set.cat_of, getattr(train_set, "store", None))
 
 
-def _detection_splits(cfg):
+def detection_splits(cfg):
     """split name, options -> a `CocoDetection` of the tree, or of a packed split (`data.format=shards`)."""
     if cfg.get("format", "imagefolder") != "shards":
         from visiondist.data.coco import CocoDetection

@@ -104,30 +104,34 @@ def _mask_diff(ref: list[torch.Tensor], got: list) -> tuple[int, float]:
     return len(pairs), max(diffs, default=0.0)
 
 
-def _val_images(cfg: DictConfig, limit: int) -> list[tuple[str, torch.Tensor]]:
-    """(path, float CHW image in [0, 1]) of up to `limit` images of the run's val split that hold objects, in the
-    annotation file's order; none when the data is not on this machine."""
+def _val_images(cfg: DictConfig, limit: int) -> tuple[list[tuple[str, torch.Tensor]], Optional[str]]:
+    """(name, float CHW image in [0, 1]) of up to `limit` images of the run's val split that hold objects, in the
+    annotation file's order, read as the run read them (a folder tree, or a packed split of `data.format=shards`),
+    and where they come from: None for a tree (the names are the files' paths), else the packed split; none when the
+    data is not on this machine."""
     try:
-        from visiondist.data import coco_paths
+        from visiondist.data import detection_splits
         from visiondist.data.coco import safe_image_path
-        from visiondist.data.decode import read_rgb
 
-        folder, annotations = coco_paths(cfg.data, cfg.data.val_split)
-        coco = json.loads(annotations.read_text())
+        val = detection_splits(cfg.data)(cfg.data.val_split, train=False)
+        coco = json.loads(Path(val.ann_file).read_text())
         with_objects = {a["image_id"] for a in coco.get("annotations", ()) if not a.get("iscrowd", 0)}
-        files = [safe_image_path(folder, i["file_name"]) for i in coco.get("images", ()) if i["id"] in with_objects]
+        entries = [i for i in coco.get("images", ()) if i["id"] in with_objects]
     except Exception:  # no data here (or not COCO-format): a random image serves
-        return []
+        return [], None
+    store = getattr(val, "store", None)
+    source = None if store is None else f"the packed {cfg.data.val_split} split of {store.root}"
     images = []
-    for path in files:
+    for entry in entries:
         try:
-            image = read_rgb(str(path))
-        except OSError:
+            image = val.image_by_id(entry)
+        except (OSError, ValueError):  # unreadable: the next one
             continue
-        images.append((str(path), torch.from_numpy(image).permute(2, 0, 1).float().div_(255)))
+        name = entry["file_name"] if store is not None else str(safe_image_path(val.image_root, entry["file_name"]))
+        images.append((name, torch.from_numpy(image).permute(2, 0, 1).float().div_(255)))
         if len(images) == limit:
             break
-    return images
+    return images, source
 
 
 def _proposals(model: nn.Module, image: torch.Tensor) -> Optional[int]:
@@ -140,13 +144,14 @@ def _proposals(model: nn.Module, image: torch.Tensor) -> Optional[int]:
     return len(proposals[0])
 
 
-def _compare_detector(model: nn.Module, session, examples: list[tuple[str, torch.Tensor]]) -> OnnxCheck:
-    """PyTorch's and ONNX Runtime's detections on each example; where ONNX Runtime fails, the boxes of that image
-    are left out of the comparison and the first failure is reported."""
+def _compare_detector(model: nn.Module, session, examples: list[tuple[str, torch.Tensor]],
+                      source: Optional[str] = None) -> OnnxCheck:
+    """PyTorch's and ONNX Runtime's detections on each example (named, from `source` where not a path); where ONNX
+    Runtime fails, the boxes of that image are left out of the comparison and the first failure is reported."""
     boxes = onnx_boxes = 0
     diff, failed = 0.0, None
     masks, mask_diff = (0, 0.0) if has_mask_head(model) else (None, 0.0)
-    what, names = _describe([name for name, _ in examples])
+    what, names = _describe([name for name, _ in examples], source)
     for name, (_, image) in zip(names, examples):
         with torch.no_grad():
             out = model([image])[0]
@@ -169,9 +174,13 @@ def _compare_detector(model: nn.Module, session, examples: list[tuple[str, torch
     return OnnxCheck(diff, what, boxes=boxes, onnx_boxes=onnx_boxes, failed=failed, masks=masks, mask_diff=mask_diff)
 
 
-def _describe(paths: list[str]) -> tuple[str, list[str]]:
+def _describe(paths: list[str], source: Optional[str] = None) -> tuple[str, list[str]]:
     """What the examples are, in one phrase, and each one's name in it: one image by its path; several by their
-    paths below the folder that holds them all (annotation file names may hold sub-folders), then that folder."""
+    paths below the folder that holds them all (annotation file names may hold sub-folders), then that folder; images
+    of a `source` (a packed split) by their names, then the source."""
+    if source is not None:
+        noun = "val image" if len(paths) == 1 else f"{len(paths)} val images"
+        return f"{noun} ({', '.join(paths)} from {source})", paths
     if len(paths) == 1:
         return paths[0], [Path(paths[0]).name]
     folder = Path(os.path.commonpath([str(Path(p).parent) for p in paths]))
@@ -202,8 +211,9 @@ def check_onnx(trained: Trained, path: Path, images: int = 3) -> Optional[OnnxCh
         return OnnxCheck(_max_diff(ref, got), f"{len(x)} random images")
 
     model = trained.model
-    examples = _val_images(trained.cfg, images) or [("a random image", example_images(trained.cfg, 1)[0])]
-    check = _compare_detector(model, session, examples)
+    examples, source = _val_images(trained.cfg, images)
+    examples = examples or [("a random image", example_images(trained.cfg, 1)[0])]
+    check = _compare_detector(model, session, examples, source)
     if check.boxes or check.onnx_boxes or check.failed:
         return check
     try:
@@ -217,7 +227,7 @@ def check_onnx(trained: Trained, path: Path, images: int = 3) -> Optional[OnnxCh
     set_score_thresholds(proto, zero, meta)
     lowered = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
     with thresholds_set(model, zero):
-        check = _compare_detector(model, lowered, examples)
+        check = _compare_detector(model, lowered, examples, source)
     check.lowered_from = {role: m["value"] for role, m in meta.items()}
     return check
 
