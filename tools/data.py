@@ -22,7 +22,8 @@ TOOL = Tool(
     about=("Prepare data: `pack` writes the train and val splits of the data config's ImageFolder or COCO tree as WebDataset "
            "tar shards with an index, in parallel, resumable; train from them with data.format=shards."),
     keys=(("out=<dir>", "where the shards go (required)"),
-          ("shard_mb=<MB>", "source bytes per shard (default: 256, or less so that a split has at least 64 shards)"),
+          ("shard_mb=<MB>", "source bytes per shard (default: 256, or a 64th of a smaller split: about 64 shards, "
+                            "fewer where a split has few images)"),
           ("max_side=<px>", "re-encode every image as JPEG with its longer side at most this (default: the files as "
                             "they are)"),
           ("quality=<1-100>", "JPEG quality of re-encoded images (default 90)"),
@@ -93,7 +94,10 @@ def pack(cmd: Command) -> int:
     root = Path(d.root).expanduser()
     if d.synthetic is not None and not root.is_dir():
         print(f"generating the built-in {d.name} set in {root} first", flush=True)
-    prepare_data(d, show_progress=sys.stderr.isatty())  # a built-in set: generated first
+    try:
+        prepare_data(d, show_progress=sys.stderr.isatty())  # a built-in set: generated first
+    except ValueError as exc:  # data.root holds another copy of it, or other files
+        raise ConfigError(str(exc)) from None
     if not root.is_dir():
         raise ConfigError(f"data.root={d.root}: no such directory")
     try:

@@ -36,6 +36,7 @@ def check_inputs(cfg, purpose: str = "train") -> None:
         check_trackers_installed(cfg.trainer.loggers)
     d = cfg.data
     _not_a_pack(d)
+    _generated_here(d)
     if d.format == "shards":
         splits = [d.train_split, d.val_split] if purpose == "train" else [d.val_split]
         found, where, what = _packed(d, splits, int(d.batch_size) if purpose == "train" else None, _task(cfg))
@@ -140,6 +141,16 @@ def _not_a_pack(d) -> None:
         return
     if packed:
         raise ConfigError(f"data.root={d.root} holds packed shards (tools/data.py pack): add data.format=shards")
+
+
+def _generated_here(d) -> None:
+    """A built-in set's data.root holding another copy or other files: one line now, not a rank's failure later."""
+    from visiondist.synthetic import check_generated
+
+    try:
+        check_generated(d)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _task(cfg) -> str:

@@ -260,3 +260,24 @@ def test_eval_and_benchmark_dirs_are_named_as_what_they_are(tmp_path):
         assert path.parent == tmp_path / kind and len(path.name.split("_")) == 2, path
     trained = default_run_dir(cfg)
     assert trained.parent.parent == tmp_path and trained.parent.name.count("-") == 2
+
+
+def test_a_built_in_set_made_with_other_settings_is_refused_before_any_rank(capsys, tmp_path):
+    """data.root holding the built-in set generated with other data.synthetic settings: train.py and `data.py pack`
+    stop with one line naming the fix, before a rank starts or a run dir is made (it was a rank's failure)."""
+    from visiondist.cli import load_config, run_tool
+    from visiondist.synthetic import prepare_data
+
+    root = tmp_path / "shapes_coco"
+    small = ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", f"data.root={root}", "data.synthetic.train_images=8",
+             "data.synthetic.val_images=4", "data.synthetic.image_size=32"]
+    prepare_data(load_config(CONFIGS, small, inputs=None).data)
+    other = [*small[:3], "data.synthetic.train_images=9", "data.synthetic.val_images=4", "data.synthetic.image_size=32"]
+    ran = []
+    code = run_tool(_tool("train").TOOL, CONFIGS, [*other, f"trainer.run_dir={tmp_path / 'run'}"], ran.append)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and not ran and not (tmp_path / "run").exists(), err
+    assert len(err) == 1 and "not the requested" in err[0] and "delete that folder or point data.root" in err[0], err
+    code, out, err = _call(capsys, "data", "pack", *other, f"out={tmp_path / 'packed'}")
+    assert code == 2 and len(err) == 1 and "not the requested" in err[0], (code, out, err)
+    assert not (tmp_path / "packed").exists() and json.loads((root / "dataset.json").read_text())["train_images"] == 8

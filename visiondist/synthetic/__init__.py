@@ -8,10 +8,23 @@ Imports: `data` (COCO's mask encoding), `utils`.
 
 from __future__ import annotations
 
-from visiondist.synthetic.shapes import ensure_shapes
-from visiondist.synthetic.shapes_coco import ensure_shapes_coco
+from pathlib import Path
+
+from visiondist.synthetic.shapes import conflict, ensure_shapes, spec_of_shapes
+from visiondist.synthetic.shapes_coco import ensure_shapes_coco, spec_of_shapes_coco
 
 GENERATORS = {"shapes": ensure_shapes, "shapes_coco": ensure_shapes_coco}  # built-in datasets, generated on first use
+SPECS = {"shapes": spec_of_shapes, "shapes_coco": spec_of_shapes_coco}  # data.synthetic -> the copy's dataset.json
+
+
+def check_generated(cfg) -> None:
+    """Before any rank starts: a ValueError naming the fix where `data.root` holds something the built-in set of
+    `cfg` (a data config) cannot be generated into or read from (another spec's copy, other files)."""
+    if cfg.synthetic is None or cfg.name not in SPECS:
+        return
+    problem = conflict(Path(cfg.root).expanduser(), SPECS[cfg.name](cfg.synthetic))
+    if problem:
+        raise ValueError(problem)
 
 
 def prepare_data(cfg, show_progress: bool = False) -> None:

@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
@@ -101,7 +102,7 @@ def render_shape(label: int, rng: np.random.Generator, size: int) -> Image.Image
     return img.resize((size, size), Image.Resampling.LANCZOS)
 
 
-def _spec(synthetic) -> dict:
+def spec_of_shapes(synthetic) -> dict:
     return {
         "dataset": "shapes",
         "classes": list(SHAPE_CLASSES),
@@ -141,19 +142,14 @@ def ensure(root: str | os.PathLike, spec: dict, write, show_progress: bool) -> P
     """Build a dataset with `write(tmp_dir, progress)` unless a complete copy with the same spec is at `root`. Written
     to a temporary folder and renamed into place, so a folder at `root` is always complete."""
     root = Path(root).expanduser()
+    problem = conflict(root, spec)
+    if problem:
+        raise ValueError(problem)
     meta = root / "dataset.json"
     if meta.exists():
-        found = json.loads(meta.read_text())
-        if found == spec:
+        if json.loads(meta.read_text()) == spec:
             return root
-        if not _older_version(found, spec):
-            raise ValueError(
-                f"{root} holds a {found.get('dataset')} dataset generated with {found}, not the requested {spec}: "
-                "delete that folder or point data.root elsewhere"
-            )
         return _regenerate(root, spec, write, show_progress)
-    if root.exists() and any(root.iterdir()):
-        raise ValueError(f"{root} exists and is not a generated {spec['dataset']} dataset: point data.root elsewhere")
 
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = root.parent / f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}"
@@ -174,7 +170,7 @@ def ensure(root: str | os.PathLike, spec: dict, write, show_progress: bool) -> P
 
 def ensure_shapes(root: str | os.PathLike, synthetic, show_progress: bool = False) -> Path:
     """Generate the classification set at `root` unless a complete copy with the same spec is already there."""
-    spec = _spec(synthetic)
+    spec = spec_of_shapes(synthetic)
 
     def write(tmp: Path, progress) -> None:
         _write_split(tmp, "train", spec["train_per_class"], spec, progress)
@@ -184,6 +180,22 @@ def ensure_shapes(root: str | os.PathLike, synthetic, show_progress: bool = Fals
 
 
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def conflict(root: Path, spec: dict) -> Optional[str]:
+    """Why the folder at `root` cannot hold the built-in set `spec` (another spec's copy, or other files), with the
+    fix; None where it can: absent, empty, the same copy, or an earlier generator's (made again)."""
+    meta = root / "dataset.json"
+    if meta.exists():
+        found = json.loads(meta.read_text())
+        if found == spec or _older_version(found, spec):
+            return None
+        return (f"{root} holds a {found.get('dataset')} dataset generated with {found}, not the requested {spec}: "
+                "delete that folder or point data.root elsewhere (or give the data.synthetic settings it was made "
+                "with)")
+    if root.exists() and any(root.iterdir()):
+        return f"{root} exists and is not a generated {spec['dataset']} dataset: point data.root elsewhere"
+    return None
 
 
 def _older_version(found: dict, spec: dict) -> bool:

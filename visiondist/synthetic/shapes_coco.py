@@ -135,7 +135,7 @@ def scene_annotations(objects: list, crowds: list, h: int, w: int) -> list[dict]
     return out
 
 
-def _coco_spec(synthetic) -> dict:
+def spec_of_shapes_coco(synthetic) -> dict:
     return {
         "dataset": "shapes_coco",
         "version": VERSION,
@@ -169,7 +169,7 @@ def _write_coco_split(tmp: Path, split: str, count: int, spec: dict, progress) -
 def ensure_shapes_coco(root: str | os.PathLike, synthetic, show_progress: bool = False) -> Path:
     """Generate the detection set at `root` (`<split>/*.jpg` + `annotations/instances_<split>.json`, COCO format)
     unless a complete copy with the same spec is already there (an earlier version's copy is generated again)."""
-    spec = _coco_spec(synthetic)
+    spec = spec_of_shapes_coco(synthetic)
 
     def write(tmp: Path, progress) -> None:
         _write_coco_split(tmp, "train", spec["train_images"], spec, progress)

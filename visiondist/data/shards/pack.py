@@ -42,7 +42,7 @@ class PackError(ValueError):
 
 @dataclass
 class PackOptions:
-    shard_mb: Optional[float] = None  # source MB per shard; None: 256, or less so that a split has >= MIN_SHARDS
+    shard_mb: Optional[float] = None  # source MB per shard; None: 256, or a MIN_SHARDS-th of a smaller split
     max_side: Optional[int] = None  # re-encode images whose longer side exceeds this (JPEG at `quality`)
     quality: int = 90
     workers: int = -1  # processes; -1: every core
