@@ -51,10 +51,7 @@ def plot_curves(rows: list[dict[str, Any]], png: Path, title: str,
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    return _save(plt, fig, png)
 
 
 def plot_per_class(values: dict[str, Optional[float]], png: Path, title: str, xlabel: str) -> Optional[Path]:
@@ -76,10 +73,7 @@ def plot_per_class(values: dict[str, Optional[float]], png: Path, title: str, xl
     ax.legend(loc="lower right")
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    return _save(plt, fig, png)
 
 
 def plot_predictions(detections_json: Path, ann_file: Path, read_image, png: Path, title: str,
@@ -98,17 +92,7 @@ def plot_predictions(detections_json: Path, ann_file: Path, read_image, png: Pat
     for ann in gt["annotations"]:
         if ann["image_id"] in ids:
             truth[ann["image_id"]].append(ann)
-    candidates: dict[int, list] = {i: [] for i in ids}
-    for det in json.loads(Path(detections_json).read_text()):
-        if det["image_id"] in ids:
-            candidates[det["image_id"]].append(det)
-    predicted, unsure = {}, set()
-    for i, dets in candidates.items():
-        dets.sort(key=lambda d: -d["score"])
-        predicted[i] = [d for d in dets if d["score"] >= min_score]
-        if not predicted[i] and dets:
-            predicted[i] = dets[:max(1, len(truth[i]))]
-            unsure.add(i)
+    predicted, unsure = _shown(detections_json, {i: len(anns) for i, anns in truth.items()}, min_score)
     plt = _pyplot()
     from matplotlib.patches import Rectangle
 
@@ -128,10 +112,7 @@ def plot_predictions(detections_json: Path, ann_file: Path, read_image, png: Pat
                  else f"{len(predicted[image['id']])} predicted")
         ax.set_title(f"image {image['id']}: {len(truth[image['id']])} true, {shown}", fontsize=9)
     fig.suptitle(f"{title} (green: ground truth, red: predictions with score >= {min_score})")
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    return _save(plt, fig, png)
 
 
 def plot_masks(segmentations_json: Path, ann_file: Path, read_image, png: Path, title: str, images: int = 4,
@@ -149,16 +130,12 @@ def plot_masks(segmentations_json: Path, ann_file: Path, read_image, png: Path, 
         return None
     truth = {im["id"]: sum(a["image_id"] == im["id"] and not a.get("iscrowd", 0) for a in gt["annotations"])
              for im in chosen}
-    found: dict[int, list] = {im["id"]: [] for im in chosen}
-    for det in json.loads(Path(segmentations_json).read_text()):
-        if det["image_id"] in found:
-            found[det["image_id"]].append(det)
+    shown, _ = _shown(segmentations_json, truth, min_score)
     plt = _pyplot()
     colours = plt.get_cmap("tab10")
     fig, axes = _image_grid(plt, len(chosen))
     for ax, image in zip(axes.flat, chosen):
-        dets = sorted(found[image["id"]], key=lambda d: -d["score"])
-        sure = [d for d in dets if d["score"] >= min_score] or dets[:max(1, truth[image["id"]])]
+        sure = shown[image["id"]]
         pixels = np.asarray(read_image(image), dtype=np.float32) / 255
         for k, det in enumerate(sure):
             rle = dict(det["segmentation"], counts=det["segmentation"]["counts"].encode())
@@ -167,6 +144,29 @@ def plot_masks(segmentations_json: Path, ann_file: Path, read_image, png: Path, 
         ax.imshow(pixels)
         ax.set_title(f"image {image['id']}: {truth[image['id']]} true, {len(sure)} masks shown", fontsize=9)
     fig.suptitle(f"{title} (predicted masks, score >= {min_score} or the best ones)")
+    return _save(plt, fig, png)
+
+
+def _shown(results_json: Path, true_counts: dict[int, int], min_score: float) -> tuple[dict[int, list], set[int]]:
+    """Per image id of `true_counts`, the results of a COCO results file to draw, best first: those scoring at least
+    `min_score`; where none does, the best ones, as many as the image's true objects (at least 1), and the image is
+    in the second value (an early model's guesses stay visible)."""
+    found: dict[int, list] = {i: [] for i in true_counts}
+    for det in json.loads(Path(results_json).read_text()):
+        if det["image_id"] in found:
+            found[det["image_id"]].append(det)
+    shown, unsure = {}, set()
+    for i, dets in found.items():
+        dets.sort(key=lambda d: -d["score"])
+        shown[i] = [d for d in dets if d["score"] >= min_score]
+        if not shown[i] and dets:
+            shown[i] = dets[:max(1, true_counts[i])]
+            unsure.add(i)
+    return shown, unsure
+
+
+def _save(plt, fig, png: Path) -> Path:
+    """Lay out `fig`, write it to `png` and free it."""
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
