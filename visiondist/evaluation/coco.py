@@ -141,13 +141,13 @@ def predict(
     images it saw (with or without detections) and, for a model that predicts masks, an RLE per row (else None);
     `progress`: a progress bar over the batches."""
     from visiondist.data.transforms import unit_float
+    from visiondist.models.detection import has_mask_head
     from visiondist.observe.progress import tracked
 
     was_training = model.training
     model.eval()
     rows, seen = [], []
-    heads = getattr(model, "roi_heads", None)
-    rles: Optional[list[dict]] = [] if heads is not None and heads.has_mask() else None  # one per row: mask models
+    rles: Optional[list[dict]] = [] if has_mask_head(model) else None  # one per row: mask models
     for images, targets in tracked(loader, progress):
         images = unit_float(images, device)
         with autocast or nullcontext():

@@ -51,6 +51,12 @@ def has_masks(cfg: Any) -> bool:
     return bool(cfg.get("masks")) or str(cfg.get("arch") or "").startswith("maskrcnn")
 
 
+def has_mask_head(model: nn.Module) -> bool:
+    """A built detector predicts masks: a torchvision R-CNN (ViTDet included) whose RoI heads have a mask head."""
+    heads = getattr(model, "roi_heads", None)
+    return heads is not None and heads.has_mask()
+
+
 def maskrcnn_mobilenet_v3_large_fpn(*, weights=None, weights_backbone=None, num_classes: int = 91,
                                     **kwargs) -> nn.Module:
     """Mask R-CNN (torchvision's `MaskRCNN`) on the MobileNetV3-Large FPN backbone, anchors and RPN threshold that

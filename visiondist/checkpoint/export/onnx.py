@@ -23,6 +23,7 @@ from torch import nn
 from visiondist.checkpoint.export.onnx_resize import exact_resize
 from visiondist.checkpoint.export.preprocessing import name_metadata
 from visiondist.checkpoint.export.trained import Trained, example_images
+from visiondist.models.detection import has_mask_head
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +120,6 @@ def _export_detector_onnx(model: nn.Module, example: torch.Tensor, path: Path, m
     for key, value in metadata.items():
         proto.metadata_props.add(key=key, value=value)
     onnx.save(proto, str(path))
-
-
-def has_mask_head(model: nn.Module) -> bool:
-    """A torchvision R-CNN with a mask head (Mask R-CNN)."""
-    heads = getattr(model, "roi_heads", None)
-    return heads is not None and heads.has_mask()
 
 
 def _constants_equal(proto, value: float) -> list:

@@ -13,8 +13,9 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from visiondist.checkpoint.export.onnx import THRESH_METADATA, has_mask_head, set_score_thresholds, thresholds_set
+from visiondist.checkpoint.export.onnx import THRESH_METADATA, set_score_thresholds, thresholds_set
 from visiondist.checkpoint.export.trained import Trained, example_images
+from visiondist.models.detection import has_mask_head
 
 
 @dataclass
