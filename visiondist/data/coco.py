@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import Dataset
 
 from visiondist.data.decode import exif_orientation, read_rgb
-from visiondist.data.masks import decode
+from visiondist.data.masks import SegmentationIndex, decode
 from visiondist.data.robust import BadImages
 
 log = logging.getLogger(__name__)
@@ -146,8 +146,6 @@ class CocoIndex:
     labels as one slice of the concatenated `boxes` / `labels` (and, with masks, of `segmentations`)."""
 
     def __init__(self, records: list[ImageRecord], image_root: Path):
-        from visiondist.data.masks import SegmentationIndex
-
         from visiondist.data.index import PathIndex
 
         root = str(image_root)

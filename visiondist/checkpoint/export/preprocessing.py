@@ -136,7 +136,6 @@ def _without_weights(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k not in ("weights", "weights_backbone")}
 
 
-
 def _sampling_statements(m) -> str:
     """`model.roi_sampling_ratio` as the statements that set it on torchvision's model (box and mask RoIAlign), so
     that the usage reproduces the run's outputs exactly; "" when the run used torchvision's own."""
