@@ -163,3 +163,87 @@ def test_a_torchcodec_that_cannot_decode_on_the_device_gives_way_to_torchvision(
         assert device_decode.decoder_name(torch.device("cpu")) == "torchvision.io.decode_jpeg"
     finally:
         device_decode._torchcodec_decode.cache_clear()
+
+
+def _encoded_batches(root: Path, count: int) -> list:
+    """`count` loader batches of the tree's training images under decode_on=device (11 images each)."""
+    data = build_classification_data(_cfg(root, decode_on="device", batch_size=11), 64, 0, 1, 1, 0, False)
+    data.train_sampler.set_epoch(0)
+    batches = iter(data.train_loader)
+    return [next(batches) for _ in range(count)]
+
+
+def test_decode_ahead_hands_over_the_batches_in_order_decoded_as_the_step_would(tmp_path):
+    """On the CPU the thread and its hand-over run as on CUDA, with no stream or event to order: every batch comes in
+    the source's order with the images the step's own decode gives; a batch object that comes twice (the
+    benchmark's) is handed over twice, each time with images of its own; batches of pixels pass as they are."""
+    from visiondist.data.device_decode import DecodeAhead
+
+    batches = _encoded_batches(_tree(tmp_path), 3)
+    cpu = torch.device("cpu")
+    plain = (torch.zeros(2, 64, 64, 3, dtype=torch.uint8), torch.tensor([1, 2]))
+    source = [batches[0], batches[1], plain, batches[2], batches[2]]
+    with DecodeAhead(iter(source), cpu) as ahead:
+        handed = list(ahead)
+    assert len(handed) == 5 and handed[2] is plain
+    for got, want in zip([handed[i] for i in (0, 1, 3, 4)], [batches[i] for i in (0, 1, 2, 2)]):
+        assert got[0] is not want[0] and got[0].ready is not None and want[0].ready is None
+        assert torch.equal(got[0].images(cpu), want[0].decode(cpu))
+        assert all(torch.equal(a, b) for a, b in zip(got[1:], want[1:]))  # labels and augmentation rows
+    assert handed[3][0].images(cpu).data_ptr() != handed[4][0].images(cpu).data_ptr()
+
+
+def test_decode_ahead_raises_the_sources_error_after_the_batches_before_it_and_closes_mid_epoch(tmp_path):
+    from visiondist.data.device_decode import DecodeAhead
+
+    batches = _encoded_batches(_tree(tmp_path), 2)
+
+    def failing():
+        yield from batches
+        raise OSError("shard 3 is gone")
+
+    ahead = DecodeAhead(failing(), torch.device("cpu"))
+    assert [b[1].tolist() for b in (next(ahead), next(ahead))] == [b[1].tolist() for b in batches]
+    with pytest.raises(OSError, match="shard 3 is gone"):
+        next(ahead)
+    with pytest.raises(StopIteration):
+        next(ahead)
+
+    endless = DecodeAhead(iter(lambda: batches[0], None), torch.device("cpu"))  # the loop stops mid-epoch
+    next(endless)
+    endless.close()
+    assert not endless._thread.is_alive()
+    with pytest.raises(StopIteration):
+        next(endless)
+
+
+def test_evaluation_decodes_with_the_training_decoder_and_gives_the_loader_paths_batch(tmp_path):
+    """Under data.decode_on=device the val split is decoded on the device too (one decoder per run: nvJPEG and OpenCV
+    differ by up to 48 levels on real photos): the resize of the short side and the centre crop as albumentations
+    makes them (sizes and offsets tested on a grid of shapes), the pixels within one grey level of the loader path's;
+    the three files the device cannot take are decoded in the workers, identical."""
+    import albumentations as A
+
+    from visiondist.data.transforms import ClassificationTransform
+
+    transform = ClassificationTransform(_cfg(tmp_path), train=False, size=224, seed=0)
+    for h in range(230, 520, 13):
+        for w in range(230, 620, 17):
+            top, left, rh, rw = transform._centre_crop(h, w)
+            resized = A.SmallestMaxSize(max_size=256)(image=np.zeros((h, w, 3), np.uint8))["image"]
+            assert (rh, rw) == resized.shape[:2] and (top, left) == ((rh - 224) // 2, (rw - 224) // 2)
+
+    root = _tree(tmp_path)
+    out = {}
+    for decode_on in ("loader", "device"):
+        data = build_classification_data(_cfg(root, decode_on=decode_on, num_workers=0), 96, 0, 1, 1, 0, False,
+                                          train=False)
+        images, labels = next(iter(data.val_loader))
+        out[decode_on] = (images, to_device(images, torch.device("cpu")), labels)
+    (_, a, labels_a), (encoded, b, labels_b) = out["loader"], out["device"]
+    assert isinstance(encoded, EncodedBatch) and torch.equal(labels_a, labels_b)
+    assert set(encoded.crops[:, 0].tolist()) == {0.0, 2.0} and int((encoded.crops[:, 0] == 0).sum()) == 3
+    diff = (a.int() - b.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 0.25, (int(diff.max()), float((diff > 0).float().mean()))
+    in_worker = (encoded.crops[:, 0] == 0).nonzero().flatten()
+    assert torch.equal(a[in_worker], b[in_worker])

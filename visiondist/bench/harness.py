@@ -1,7 +1,9 @@
 """`tools/benchmark.py`: the training step's speed against the hardware and against plain PyTorch loops.
 
 Every rank builds the real `Trainer` (model, layout, optimizer, fast-path switches) and times `Trainer.train_step` on
-synthetic batches that already sit on the device, so the figure is the step's and not the loader's. On one device,
+synthetic batches that already sit on the device, so the figure is the step's and not the loader's (under
+`data.decode_on=device`, the JPEG bytes of the run's own first batches, decoded ahead as in training: nvJPEG's time
+depends on the files). Steps are timed with CUDA events, back to back, as the training log times them. On one device,
 each configuration (the run's, then each of `bench.variants`) also gets its own plain loops, built from that
 configuration (`visiondist.bench.plain_loop`): one on timm's model of the same shape and one on visiondist's own
 model, so that ours / plain splits into the harness's overhead and the model's difference. Every loop gets its own
@@ -11,7 +13,7 @@ other (warm caches, clock drift); the order run is recorded.
 
 Reported next to it: FLOPs per image counted by `torch.utils.flop_counter` on the unsharded model (forward +
 backward), the achieved TFLOP/s per device, MFU against the datasheet's dense peak and against the dense matmul rate
-measured in the run (both in the step's matmul precision: `visiondist.bench.peaks`), peak memory, the TP / pipeline
+measured in the run (both in the step's matmul precision: `visiondist.utils.peaks`), peak memory, the TP / pipeline
 traffic per step from their counters, and the real train loader's images/s on its own. A ratio whose step times are
 too few or too spread to mean anything is marked so (`visiondist.bench.report`).
 """
@@ -19,6 +21,7 @@ too few or too spread to mean anything is marked so (`visiondist.bench.report`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import statistics
@@ -31,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from visiondist.bench.measure import (
     device_input_work,
+    decoded_batch,
     device_name,
     loader_images_per_s,
     PeakMemory,
@@ -40,7 +44,7 @@ from visiondist.bench.measure import (
     train_flops_per_image,
 )
 from visiondist.bench.report import ratio_check, result_table, step_summary, write_results
-from visiondist.bench.peaks import datasheet_tflops, matmul_tflops, peak_kind
+from visiondist.utils.peaks import datasheet_tflops, matmul_tflops, peak_kind
 from visiondist.bench.plain_loop import PlainLoop, baseline_roles
 from visiondist.utils.signals import STOP
 from visiondist.models import select_attention
@@ -81,7 +85,13 @@ class OursRun:
         self.trainer = Trainer(cfg, layout, run_dir)
         self.optimizer_name = describe_optimizer(self.trainer.optimizer, cfg.optim.impl)
         micro = self.trainer.data.train_sampler.micro_batch  # per DP rank and accumulation step
-        self.batches = [synthetic_batch(cfg, family, micro, self.device, seed=i) for i in range(cfg.trainer.grad_accum)]
+        accum = cfg.trainer.grad_accum
+        if family == "classification" and cfg.data.get("decode_on", "loader") == "device" and layout.reads_images:
+            self.batches = self._own_jpegs(accum)  # nvJPEG's time depends on the files: the run's own first batches
+        else:
+            self.batches = [synthetic_batch(cfg, family, micro, self.device, seed=i) for i in range(accum)]
+        self.plain_batches = [decoded_batch(b, self.device) for b in self.batches]  # plain loops decode in loaders
+        self.feed = self.trainer.task.feed(itertools.cycle(self.batches), self.device)  # as the trainer's batches
         pipelined = self.trainer.pipeline is not None
         self.trainer.reset_traffic()
         time_steps(self.step, max(cfg.bench.warmup, 2 if pipelined else 1), self.device)
@@ -92,9 +102,23 @@ class OursRun:
         self.peak_memory_gb = memory.increase_gb()
         self.idle()
 
+    def _own_jpegs(self, count: int) -> list[tuple]:
+        """The train loader's first `count` batches (data.decode_on=device: the JPEG bytes of the run's own images and
+        their crops and augmentation rows), the labels on the device."""
+        loader = iter(self.trainer.data.train_loader)
+        batches = []
+        for _ in range(count):
+            images, labels, *rows = next(loader)
+            batches.append((images, labels.to(self.device), *rows))
+        return batches
+
     def step(self) -> None:
-        self.trainer.train_step(iter(self.batches))
+        self.trainer.train_step(self.feed)
         self.trainer.step += 1
+
+    def close(self) -> None:
+        if hasattr(self.feed, "close"):  # data.decode_on=device: its decoding thread
+            self.feed.close()
 
     def idle(self) -> None:
         """Free the gradients while other loops run (the next step starts by dropping them anyway)."""
@@ -173,9 +197,9 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     baselines = b.baseline and layout.world_size == 1
     if b.baseline and not baselines and layout.is_main:
         log.info("baselines skipped: the plain loops run on one device (this run has %d ranks)", layout.world_size)
-    plains = [plain_loops(run.cfg, run.batches, device, run.layout.run) if baselines else {} for run in runs]
+    plains = [plain_loops(run.cfg, run.plain_batches, device, run.layout.run) if baselines else {} for run in runs]
     groups = [[Timed(f"{i}:ours", run.cfg, run.step, run.idle)]
-              + [Timed(f"{i}:plain_{role}", run.cfg, lambda loop=loop, run=run: loop.step(run.batches))
+              + [Timed(f"{i}:plain_{role}", run.cfg, lambda loop=loop, run=run: loop.step(run.plain_batches))
                  for role, loop in plains[i].items()] for i, run in enumerate(runs)]
     try:
         order = time_rounds(groups, b.rounds, b.steps, device, _stop_check(layout, runs))
@@ -184,6 +208,9 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
         # nothing recorded: the launcher's last line says so (`visiondist.launch.stop`)
         return {"stopped at step": sum(len(t.times) for g in groups for t in g), "stopped by": signal_name,
                 "run dir": str(run_dir)}
+    finally:
+        for run in runs:
+            run.close()
     for run in runs:
         run.trainer.settle()
 

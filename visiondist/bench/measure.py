@@ -1,4 +1,4 @@
-"""What the benchmark measures with: step timing with the device drained, peak memory, FLOPs per image, the device's
+"""What the benchmark measures with: step timing on the device's stream, peak memory, FLOPs per image, the device's
 name, the loader's own rate, and synthetic batches that already sit on the device."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -29,41 +28,39 @@ class Stopped(Exception):
 
 def time_steps(step: Callable[[], Any], n: int, device: torch.device,
                stop: Optional[Callable[[], bool]] = None) -> list[float]:
-    """Seconds of each of `n` calls, the device drained before and after each; `stop()` true after a call raises
-    `Stopped`."""
-    times = []
+    """Seconds of each of `n` calls on the device (`DeviceClock`: CUDA events on the current stream), the device
+    drained before the first and after the last call but not between them: the host queues a step while the device
+    runs the one before, as in training, so that a step's figure is the training log's (a host-timed step with the
+    device drained around it also counts the launch gap at its start). `stop()` true after a call raises `Stopped`."""
+    from visiondist.utils.clock import DeviceClock
+
+    synchronize(device)
+    clocks = []
     for _ in range(n):
-        synchronize(device)
-        start = time.perf_counter()
+        clock = DeviceClock(device)
+        clock.start()
         step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
+        clock.stop()
+        clocks.append(clock)
         if stop is not None and stop():
+            synchronize(device)
             raise Stopped
-    return times
+    synchronize(device)
+    return [clock.seconds() for clock in clocks]
 
 
 def train_flops_per_image(model_cfg: DictConfig, batch: tuple, family: str) -> float:
-    """FLOPs of one forward + backward per image, counted by `FlopCounterMode` on the unsharded model (a ViT on the
-    meta device, costing nothing; a detector on the CPU, since its box sampling needs real values)."""
+    """FLOPs of one forward + backward per image: a classifier's counted on the meta device (costing nothing,
+    `classifier_train_flops`), a detector's on the CPU on the batch's first image, since its box sampling needs real
+    values."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from visiondist.models import build_model
+    from visiondist.models.flops import classifier_train_flops
 
-    cfg = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None})  # the run's config is read-only
     if family == "classification":
-        images, labels, *_ = batch
-        from visiondist.data.device_decode import EncodedBatch
-
-        if isinstance(images, EncodedBatch):  # data.decode_on=device: the model sees N, C, S, S
-            images = torch.zeros(1, model_cfg.img_size, model_cfg.img_size, 3, dtype=torch.uint8)
-        with torch.device("meta"):
-            model = build_model(cfg)
-        images = images[:1].permute(0, 3, 1, 2) if images.dtype == torch.uint8 else images[:1]  # loader: N, H, W, C
-        images, labels = images.float().to("meta"), labels[:1].to("meta")
-        with FlopCounterMode(display=False) as counter:
-            F.cross_entropy(model(images), labels).backward()
-        return float(counter.get_total_flops())
+        return classifier_train_flops(model_cfg)
+    cfg = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None})  # the run's config is read-only
     images, targets = batch
     model = build_model(cfg).train()
     with FlopCounterMode(display=False) as counter:
@@ -157,6 +154,18 @@ def synthetic_batch(cfg: DictConfig, family: str, micro_batch: int, device: torc
                 fill[k, y1:y2, x1:x2] = 1
             targets[-1]["masks"] = fill.to(device)
     return images, targets
+
+
+def decoded_batch(batch, device: torch.device):
+    """`batch` with its JPEGs (`data.decode_on=device`) decoded once, as H, W, C pixels on `device`, as a loader that
+    decodes in its workers gives them; other batches as they are. What the plain loops step on."""
+    from visiondist.data.device_decode import EncodedBatch
+
+    if not isinstance(batch, tuple) or not isinstance(batch[0], EncodedBatch):
+        return batch
+    images = batch[0].decode(device).permute(0, 2, 3, 1).contiguous()
+    synchronize(device)
+    return (images, *batch[1:])
 
 
 def device_input_work(d: DictConfig) -> list[str]:

@@ -109,19 +109,20 @@ def build_classification_data(
     With `train=False` only the val split is read (evaluation of weights: no train split needed)."""
     val_tf = ClassificationTransform(cfg, train=False, size=img_size, seed=seed)
     splits = _classification_splits(cfg)
-    val_set = splits(cfg.val_split, val_tf)
+    reader, collate = None, None
+    if cfg.get("decode_on", "loader") == "device":  # the workers read bytes; the rank decodes them on its device,
+        from visiondist.data.device_decode import collate_encoded, read_encoded  # train and val: one decoder
+
+        reader, collate = read_encoded, collate_encoded(img_size, cfg.get("interpolation", "bilinear"))
+    val_set = splits(cfg.val_split, val_tf, reader=reader)
+    val_options = {**_loader_options(cfg, pin_memory), **({"collate_fn": collate} if collate else {})}
     if not train:
         _check_num_classes(cfg, len(val_set.classes), val_set.root, "class folders")
-        val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, _loader_options(cfg, pin_memory))
+        val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, val_options)
         if not reads_images:
             val_loader = LabelBatches(val_loader.batch_sampler, val_set.targets if reads_labels else None)
         return ClassificationData(None, val_loader, None, val_set.classes, 0, len(val_set))
     train_tf = ClassificationTransform(cfg, train=True, size=img_size, seed=seed)
-    reader, collate = None, None
-    if cfg.get("decode_on", "loader") == "device":  # the workers read bytes; the rank decodes them on its device
-        from visiondist.data.device_decode import collate_encoded, read_encoded
-
-        reader, collate = read_encoded, collate_encoded(img_size, cfg.get("interpolation", "bilinear"))
     train_set = splits(cfg.train_split, train_tf, train=True, max_bad_images=cfg.get("max_bad_images", 10),
                        reader=reader)
     _check_num_classes(cfg, len(train_set.classes), train_set.root, "class folders")
@@ -134,7 +135,7 @@ def build_classification_data(
     sampler = TrainBatchSampler(len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed, **streams)
     options = _loader_options(cfg, pin_memory)
     train_loader = register(DataLoader(train_set, batch_sampler=sampler, **{**options, "collate_fn": collate}))
-    val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, options)
+    val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, val_options)
     if not reads_images:
         train_loader = LabelBatches(sampler, train_set.targets if reads_labels else None)
         val_loader = LabelBatches(val_loader.batch_sampler, val_set.targets if reads_labels else None)

@@ -11,14 +11,29 @@ library OpenCV decodes with, so that on the CPU the device path gives the loader
 Files the device path does not take are decoded, cropped and flipped in the worker as on the loader path and travel
 as pixels in the same batch: anything but an 8-bit baseline or progressive JPEG with 1 or 3 components, and JPEGs
 with an EXIF orientation other than upright (the decoders do not apply it on the device). `FallbackCount` counts them.
+
+Decoding never runs on the training step's stream: `DecodeAhead` decodes each batch in a thread of its own, on a CUDA
+stream of its own, and hands the images over with an event. nvJPEG writes its output on a stream of its own (the
+hardware engine ignores stream order altogether: torchcodec#1634), while the caching allocator hands the decoder
+blocks freed on the caller's stream that queued kernels may still read (pytorch/vision#9606): decoded on the step's
+stream, a ViT-B/16 step's gradients came out non-finite at step 2. On a stream of its own, the decoder's blocks come
+from that stream's pool; the thread waits on the host for that stream alone before each decode, so no block of the
+pool is still in use, and the step's stream never waits on the host. `record_stream` keeps a handed-over batch's
+block from returning to the pool before the step's kernels that read it have run.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
+import queue
+import threading
+import time
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -28,7 +43,11 @@ from visiondist.data.decode import decode_rgb, exif_orientation, jpeg_frame
 
 log = logging.getLogger(__name__)
 
-CROP_FIELDS = 6  # a sample's crop row: encoded (1) or pixels (0), top, left, height, width, flipped
+# A sample's crop row: kind, top, left, height, width, flipped. Kind 1 (training): crop the box of the decoded image,
+# resize it to the input size, flip; kind 2 (evaluation): resize the whole image to height x width, take the input
+# size's square at top, left; kind 0: the worker decoded the file and the batch carries its pixels.
+CROP_FIELDS = 6
+CROP, RESIZE_CENTRE = 1, 2
 
 
 @dataclass
@@ -113,6 +132,7 @@ class EncodedBatch:
     def __init__(self, data, offsets, pixels, crops, size: int, interpolation: str):
         self.data, self.offsets, self.pixels, self.crops = data, offsets, pixels, crops
         self.size, self.interpolation = size, interpolation
+        self.ready = None  # (images, event): decoded ahead by `DecodeAhead`, the event marking them done
 
     def __len__(self) -> int:
         return len(self.crops)
@@ -122,7 +142,19 @@ class EncodedBatch:
         return self
 
     def images(self, device: torch.device) -> torch.Tensor:
-        """Decode, crop, resize and flip on `device`: uint8 N, C, S, S."""
+        """Decode, crop, resize and flip on `device`: uint8 N, C, S, S. A batch `DecodeAhead` decoded already gives
+        its images, once the current stream has waited for their event."""
+        if self.ready is not None:
+            images, event = self.ready
+            if event is not None:
+                stream = torch.cuda.current_stream(images.device)
+                stream.wait_event(event)
+                images.record_stream(stream)  # its block stays out of the decoder's pool until this stream used it
+            return images
+        return self.decode(device)
+
+    def decode(self, device: torch.device) -> torch.Tensor:
+        """`images` on the current stream, without looking for a batch decoded ahead."""
         n, s = len(self.crops), self.size
         out = torch.empty((n, 3, s, s), dtype=torch.uint8, device=device)
         crops = self.crops.tolist()
@@ -135,7 +167,6 @@ class EncodedBatch:
             out[host_to(encoded, device)] = self._decode_resize(encoded, crops, device)
         return out
 
-
     def _decode_resize(self, encoded: list[int], crops: list, device: torch.device) -> torch.Tensor:
         """The encoded samples decoded (one batched call), each crop resized into one float batch (one launch per
         sample), then rounded, flipped and made uint8 for the whole batch."""
@@ -144,7 +175,7 @@ class EncodedBatch:
             images = decode_jpegs([self.data[offsets[k]:offsets[k + 1]] for k in range(len(encoded))], device)
         except RuntimeError as exc:
             raise RuntimeError(
-                f"a training JPEG could not be decoded on {device} ({exc}); its header and end marker looked "
+                f"a JPEG could not be decoded on {device} ({exc}); its header and end marker looked "
                 "valid, so the workers passed it on. data.decode_on=loader decodes in the workers, where an "
                 "unreadable file is named, counted and replaced by the next image of its class") from exc
         s = self.size
@@ -153,7 +184,12 @@ class EncodedBatch:
         resized = torch.empty((len(encoded), 3, s, s), dtype=torch.float32, device=device)
         flipped = []
         for j, (i, image) in enumerate(zip(encoded, images)):
-            _, top, left, h, w, flip = (int(v) for v in crops[i])
+            kind, top, left, h, w, flip = (int(v) for v in crops[i])
+            if kind == RESIZE_CENTRE:  # as the eval transform: the whole image resized, then the centre crop
+                whole = resize(image[None].float(), [h, w], False, None, None,
+                               out=torch.empty((1, 3, h, w), dtype=torch.float32, device=device))
+                resized[j] = whole[0, :, top:top + s, left:left + s]
+                continue
             resize(image[None, :, top:top + h, left:left + w].float(), [s, s], False, None, None,
                    out=resized[j:j + 1])
             if flip:
@@ -162,6 +198,101 @@ class EncodedBatch:
             where = host_to(flipped, device)
             resized[where] = resized[where].flip(-1)
         return resized.round_().clamp_(0, 255).to(torch.uint8)
+
+
+class DecodeAhead:
+    """The batches of `source` (a loader's iterator), each `EncodedBatch` among them decoded on `device` by a thread
+    of its own, one batch ahead of the step (see the module docstring for why). On CUDA the thread works on a stream
+    of its own (high priority: its short kernels slot in between the step's) and waits for that stream alone on the
+    host before each decode; the step's stream waits on an event (`EncodedBatch.images`). On the CPU the thread
+    decodes with libjpeg-turbo beside the step and nothing needs ordering. Errors of the source or of a decode are
+    raised by `next`, in the order of the batches. `close()` (or the end of the source) ends the thread."""
+
+    def __init__(self, source: Iterator, device: torch.device, ahead: int = 1):
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # the thread's own current device is 0
+        self.source, self.device = source, device
+        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        self._queue: queue.Queue = queue.Queue(maxsize=ahead)
+        self._closed = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(target=self._work, name="visiondist-decode", daemon=True)
+        self._thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        kind, item = self._queue.get()
+        if kind == "batch":
+            return item
+        self._done = True
+        self._thread.join()
+        if kind == "error":
+            raise item
+        raise StopIteration
+
+    def _work(self) -> None:
+        try:
+            if self.stream is not None:
+                torch.cuda.set_device(self.device)  # the current device is the thread's own (0 by default)
+            with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+                for batch in self.source:
+                    if self._closed.is_set() or not self._put(("batch", self._decoded(batch))):
+                        return
+            self._put(("end", None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which raises it
+            self._put(("error", exc))
+
+    def _decoded(self, batch):
+        images = batch[0] if isinstance(batch, (tuple, list)) and batch else None
+        if not isinstance(images, EncodedBatch):
+            return batch
+        ahead = copy.copy(images)  # a batch object may come again (the benchmark's): each hand-over its own images
+        event = None
+        if self.stream is not None:  # no block of this stream's pool is still read or written by queued work
+            drained = torch.cuda.Event()
+            drained.record(self.stream)
+            drained.synchronize()  # (an event's wait, unlike a stream's, is not what torch's sync-debug mode flags)
+        decoded = ahead.decode(self.device)
+        if self.stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        ahead.ready = (decoded, event)
+        return (ahead, *batch[1:]) if isinstance(batch, tuple) else [ahead, *batch[1:]]
+
+    def _put(self, item) -> bool:
+        """Queue `item` unless `close()` comes first (False then)."""
+        while not self._closed.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def close(self, timeout: float = 120.0) -> None:
+        """End the thread (it may be waiting to hand over a batch, or for the source's next one) and drop what it
+        decoded."""
+        self._closed.set()
+        self._done = True
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            try:
+                self._queue.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        if self._thread.is_alive():
+            log.warning("the decoding thread did not end within %.0f s of its close: its source gave no batch", timeout)
+        self._queue = queue.Queue()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class collate_encoded:  # noqa: N801 - used as the DataLoader's collate function; a class so that it pickles

@@ -73,7 +73,9 @@ class ClassificationTransform:
         get = cfg.get if hasattr(cfg, "get") else lambda key, default=None: getattr(cfg, key, default)
         self.policy = AugmentPolicy.from_config(cfg, size) if train else None
         self.on_loader = get("augment_on", "device") == "loader"
-        self.decode_on_device = train and get("decode_on", "loader") == "device"
+        self.decode_on_device = get("decode_on", "loader") == "device"  # train and eval: one decoder per run
+        self.train, self.size = train, size
+        self.eval_resize = math.floor(size / cfg.crop_pct) if not train else None
         self.seed = seed
         self.random = SampleRandom()
         self.transform = classification_transforms(cfg, train, size)
@@ -96,13 +98,17 @@ class ClassificationTransform:
         return torch.from_numpy(np.ascontiguousarray(self.transform(image=image)["image"]))
 
     def _for_device(self, image) -> tuple[torch.Tensor, torch.Tensor]:
-        """`data.decode_on=device`: a JPEG's bytes with its crop row (drawn from the sample's stream as the loader
-        path's albumentations crop and flip draw them), or a file the device cannot decode cropped here, with an
-        empty crop row; then the augmentation row (`visiondist.data.device_decode`)."""
+        """`data.decode_on=device`: a JPEG's bytes with its crop row (train: drawn from the sample's stream as the
+        loader path's albumentations crop and flip draw them; eval: the resize and centre crop), or a file the device
+        cannot decode cropped here, with an empty crop row; then the augmentation row
+        (`visiondist.data.device_decode`)."""
         from visiondist.data.device_decode import CROP_FIELDS, Encoded
 
         row = np.zeros(CROP_FIELDS)
-        if isinstance(image, Encoded):  # the Compose's draws in its order: whether it runs (p=1), crop, flip
+        if isinstance(image, Encoded) and not self.train:  # eval: resize the short side, then the centre crop
+            row[:] = (2, *self._centre_crop(image.height, image.width), 0)
+            payload = torch.frombuffer(bytearray(image.data), dtype=torch.uint8)
+        elif isinstance(image, Encoded):  # the Compose's draws in its order: whether it runs (p=1), crop, flip
             self.random.python.random()
             crop, *rest = self.transform.transforms
             x0, y0, x1, y1 = crop.get_params_dependent_on_data({"shape": (image.height, image.width)}, {})["crop_coords"]
@@ -114,6 +120,14 @@ class ClassificationTransform:
         if self.policy is not None and self.policy.active:
             row = np.concatenate([row, self.policy.draw(self.random.python)])
         return payload, torch.from_numpy(row)
+
+
+    def _centre_crop(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """(top, left, resized height, resized width) of the eval transform on a `height` x `width` image, as
+        albumentations' SmallestMaxSize and CenterCrop compute them (tested against them)."""
+        scale = self.eval_resize / min(height, width)
+        h, w = round(height * scale), round(width * scale)
+        return (h - self.size) // 2, (w - self.size) // 2, h, w
 
 
 class Normalize:

@@ -31,11 +31,14 @@ def evaluate_classification(
     num_classes: int | None = None,
     progress: bool = False,
     inputs=None,
+    feed=None,
 ) -> dict[str, float]:
     """val_loss, val_top1, val_top5 (percent) and val_count over the whole val set, identical on every rank; with
     `num_classes`, also val_class_top1 (percent per class, None for a class without images) and val_class_count.
     `progress`: a progress bar over this rank's batches (give it on the main rank only). `inputs(images, device)`
     turns loader images into the model's input on the device (default: a copy; the task's `Normalize` for uint8).
+    `feed(batches)` gives the loader's batches as the step takes them (data.decode_on=device: decoded ahead, off the
+    model's stream; closed at the end).
 
     A pipelined model runs each batch through the pipeline (`PipelinedViT.predict`); the last stage scores it and its
     sums reach the other stages in the final reduction."""
@@ -44,9 +47,27 @@ def evaluate_classification(
     pipelined = isinstance(model, PipelinedViT)
     k = num_classes or 0
     sums = torch.zeros(4 + 2 * k, dtype=torch.float64, device=layout.device)  # loss, top1, top5, count, per class
-    needed, forwards = forwards_needed(model, layout, len(loader)), 0  # FSDP: every rank runs as many forwards
+    needed = forwards_needed(model, layout, len(loader))  # FSDP: every rank runs as many forwards
     inputs = inputs or (lambda images, device: images.to(device, non_blocking=True))
-    for images, labels in tracked(loader, progress):
+    batches = feed(iter(loader)) if feed is not None else loader
+    try:
+        forwards = _forward_all(model, loader, batches, layout, autocast, inputs, pipelined, sums, k, progress)
+    finally:
+        if hasattr(batches, "close"):
+            batches.close()
+    blank_forwards(model, layout, needed - forwards, autocast)
+    layout.all_reduce_dp(sums)
+    if pipelined:
+        sums = model.from_last_stage(sums)
+    model.train(was_training)
+    return _metrics(sums.tolist(), k)
+
+
+def _forward_all(model, loader, batches, layout: Layout, autocast, inputs, pipelined: bool, sums: torch.Tensor, k: int,
+                 progress: bool) -> int:
+    """Score every batch of this rank into `sums`; returns the forwards run."""
+    forwards = 0
+    for images, labels in tracked(batches, progress, total=len(loader)):
         forwards += 1
         images = None if images is None else inputs(images, layout.device)
         if pipelined:
@@ -58,12 +79,7 @@ def evaluate_classification(
             with autocast or nullcontext():
                 logits = model(images)
         _score(sums, logits.float(), labels.to(layout.device, non_blocking=True), k)
-    blank_forwards(model, layout, needed - forwards, autocast)
-    layout.all_reduce_dp(sums)
-    if pipelined:
-        sums = model.from_last_stage(sums)
-    model.train(was_training)
-    return _metrics(sums.tolist(), k)
+    return forwards
 
 
 def _score(sums: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, k: int) -> None:

@@ -7,7 +7,7 @@ it there anyway (`trainer.accelerator=cpu`). Under torchrun / srun the ranks wer
 said or refused there.
 
 The estimate is the planner's (`visiondist.parallel.planner.step_seconds`: FLOPs over the device rate, plus the
-collectives' bytes over the link) with this CPU's measured dense matmul rate (`visiondist.bench.peaks`) shared by the
+collectives' bytes over the link) with this CPU's measured dense matmul rate (`visiondist.utils.peaks`) shared by the
 node's ranks, and `CPU_LINK_GBS` between them. It covers training steps of ViT classifiers (the planner's models);
 for a detector or an evaluation the line says there is no estimate.
 """
@@ -75,7 +75,7 @@ def measured_tflops(cfg: DictConfig) -> float:
     """This machine's dense matmul rate (all of this process's threads) in the precision the step's matmuls run in."""
     import torch
 
-    from visiondist.bench.peaks import matmul_tflops, peak_kind
+    from visiondist.utils.peaks import matmul_tflops, peak_kind
 
     cpu = torch.device("cpu")
     return matmul_tflops(cpu, peak_kind(str(cfg.trainer.precision), bool(cfg.trainer.tf32), cpu), repeats=1)

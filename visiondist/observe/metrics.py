@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-TRAIN_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm", "images_per_s")
+TRAIN_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm", "images_per_s", "mfu")  # mfu: on a known GPU
 METRIC_COLUMNS = (*TRAIN_COLUMNS, "val_loss", "val_top1", "val_top5")  # classification
 
 log = logging.getLogger(__name__)

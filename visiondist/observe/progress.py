@@ -32,10 +32,10 @@ def progress_bar(enabled: bool, total: int):
     return progress
 
 
-def tracked(items, enabled: bool, description: str = "eval"):
+def tracked(items, enabled: bool, description: str = "eval", total: int | None = None):
     """`items` with a transient rich progress bar while they are consumed (rank 0 with `trainer.progress`), e.g. an
     evaluation's batches; under the live training bar it shows beneath it. Every item also tells the rank's hang
-    watchdog that the work moves (on every rank)."""
+    watchdog that the work moves (on every rank). `total`: the count, for items without a length."""
 
     def beating(iterable):
         for item in iterable:
@@ -46,7 +46,8 @@ def tracked(items, enabled: bool, description: str = "eval"):
         return beating(items)
     from rich.progress import track
 
-    return beating(track(items, description=description, total=len(items), transient=True))
+    return beating(track(items, description=description, total=total if total is not None else len(items),
+                          transient=True))
 
 
 def status(enabled: bool, text: str):

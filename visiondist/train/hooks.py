@@ -45,30 +45,56 @@ class Hook:
 
 
 class StepTimer:
-    """Sum of this rank's losses and the training seconds since the last log line; evaluations, checkpoints and the
+    """This rank's losses and training seconds since the last log line, and every log window's seconds. Seconds are
+    the device's (`DeviceClock`: CUDA events, read when the log line's all-reduce has the host wait anyway), so that a
+    window's rate is the device's, not the rate at which the host queued its steps. Evaluations, checkpoints and the
     timeline's gathering are not training time (`with trainer.untimed()`)."""
 
     def __init__(self, device: torch.device):
+        from visiondist.utils.clock import DeviceClock
+
         self.loss = torch.zeros((), device=device)
-        self.steps, self.seconds, self.total_seconds = 0, 0.0, 0.0
-        self._since = time.perf_counter()
+        self.steps = 0
+        self.clock = DeviceClock(device)
+        self.windows: list[tuple[int, int, float]] = []  # (first step, last step, seconds) of each logged window
+        self._logged_seconds = 0.0
+        self.clock.start()
 
     def add(self, loss: torch.Tensor) -> None:
         self.loss += loss
         self.steps += 1
 
     def pause(self) -> None:
-        elapsed = time.perf_counter() - self._since
-        self.seconds += elapsed
-        self.total_seconds += elapsed
+        self.clock.stop()
 
     def resume(self) -> None:
-        self._since = time.perf_counter()
+        self.clock.start()
+
+    def close_window(self, last_step: int) -> float:
+        """The seconds of the window that ends with `last_step` (paused before), recorded in `windows`."""
+        seconds = self.clock.seconds()
+        self.windows.append((last_step - self.steps + 1, last_step, seconds))
+        self._logged_seconds += seconds
+        return seconds
+
+    @property
+    def total_seconds(self) -> float:
+        """Training seconds so far: the logged windows and the current one up to its last pause."""
+        return self._logged_seconds + self.clock.seconds()
 
     def reset(self) -> None:
         self.loss.zero_()
-        self.steps, self.seconds = 0, 0.0
-        self.resume()
+        self.steps = 0
+        self.clock.reset()
+        self.clock.start()
+
+    def steady_state(self) -> tuple[int, int, float] | None:
+        """(first step, last step, seconds) of the windows after the first (which holds the start-up: compilation,
+        cuDNN's autotuning, the loader's first batches), or None with fewer than two windows."""
+        later = self.windows[1:]
+        if not later:
+            return None
+        return later[0][0], later[-1][1], sum(w[2] for w in later)
 
 
 class ProgressHook(Hook):
@@ -156,18 +182,22 @@ class LogHook(Hook):
         """Reduce the window's loss and the grad norm over DP (every rank calls this), log on rank 0."""
         stats = torch.stack([timer.loss / timer.steps, grad_norm.to(timer.loss)])
         mean_loss, norm = (trainer.layout.all_reduce_dp(stats) / trainer.layout.dp).tolist()
-        rate = timer.steps * trainer.cfg.data.batch_size / max(timer.seconds, 1e-9)
+        steps = timer.steps
+        rate = steps * trainer.cfg.data.batch_size / max(timer.close_window(trainer.step), 1e-9)
         lr = trainer.optimizer.param_groups[0]["lr"]
-        trainer.metrics.log(trainer.step, epoch=trainer.epoch, loss=mean_loss, lr=lr, grad_norm=norm, images_per_s=rate)
+        mfu = trainer.mfu(rate)
+        trainer.metrics.log(trainer.step, epoch=trainer.epoch, loss=mean_loss, lr=lr, grad_norm=norm, images_per_s=rate,
+                            **({"mfu": mfu} if mfu is not None else {}))
         peak = trainer.peak_gpu_gib()
         memory = f" | {peak:.1f} GiB peak" if peak is not None else ""
+        utilisation = f" | MFU {100 * mfu:.1f}%" if mfu is not None else ""
         epochs = math.ceil(trainer.total_steps / trainer.data.train_sampler.steps_per_epoch)
-        log.info("step %d/%d | epoch %d/%d | loss %.4f | lr %.2e | %.3g img/s%s", trainer.step, trainer.total_steps,
-                 trainer.epoch + 1, epochs, mean_loss, lr, rate, memory)
+        log.info("step %d/%d | epoch %d/%d | loss %.4f | lr %.2e | %.4g img/s%s%s", trainer.step, trainer.total_steps,
+                 trainer.epoch + 1, epochs, mean_loss, lr, rate, utilisation, memory)
         if trainer.progress is not None:
             trainer.progress.update(0, completed=trainer.step, stats=(
-                f"epoch {trainer.epoch + 1}/{epochs}  loss {mean_loss:.4f}  lr {lr:.2e}  {rate:.3g} img/s"
-                f"{memory.replace(' | ', '  ')}"))
+                f"epoch {trainer.epoch + 1}/{epochs}  loss {mean_loss:.4f}  lr {lr:.2e}  {rate:.4g} img/s"
+                f"{utilisation.replace(' | ', '  ')}{memory.replace(' | ', '  ')}"))
         return mean_loss
 
 

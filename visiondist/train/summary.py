@@ -80,6 +80,7 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
         "throughput (img/s)": rate(tr.step, whole),
         **({"this attempt": f"steps {tr.resumed_from_step + 1}-{tr.step}: {train_time:.1f} s, "
                             f"{rate(ran, train_time)} img/s"} if tr.resumed_from_step else {}),
+        **_steady_state(tr, batch),
         "final train loss": None if math.isnan(final_loss) else final_loss,
         **best_evaluation(tr.metrics.rows, *tr.task.headline),
         **({"skipped steps (non-finite)": tr.skipped_steps} if tr.skipped_steps else {}),
@@ -103,6 +104,20 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
         "run dir": str(tr.run_dir),
     }
     return summary
+
+
+def _steady_state(tr, batch: int) -> dict[str, Any]:
+    """The rate of this process's log windows after its first (which holds the start-up: compilation, autotuning,
+    the loader's first batches), timed on the device, and its MFU on a known GPU; nothing with a single window."""
+    steady = tr.timer.steady_state() if tr.timer is not None else None
+    if steady is None:
+        return {}
+    first, last, seconds = steady
+    rate = (last - first + 1) * batch / seconds
+    mfu = tr.mfu(rate)
+    return {"throughput, steady state (img/s)": float(f"{rate:.4g}"),
+            "steady state": f"steps {first}-{last} (the log windows after the first)",
+            **({"MFU, steady state (%)": round(100 * mfu, 1)} if mfu is not None else {})}
 
 
 def _best_row(tr) -> dict[str, Any]:

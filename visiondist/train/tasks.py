@@ -7,7 +7,7 @@ import json
 import logging
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,7 @@ class ClassificationTask:
                 log.info("%s: a micro-batch mixed with probability %g%s; soft targets%s", " or ".join(kinds),
                          d.mixup_prob, switch, smoothing)
         self.image_shape = (3, cfg.model.img_size, cfg.model.img_size)
+        self.decode_ahead = d.get("decode_on", "loader") == "device"  # JPEGs decoded ahead of the step (and eval)
         self.augment = DeviceAugment(d, cfg.model.img_size) if train else None
         self.worker_decoded = FallbackCount()  # data.decode_on=device: the images the device could not decode
         self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating
@@ -57,6 +58,20 @@ class ClassificationTask:
             pin_memory=layout.device.type == "cuda", reads_images=layout.reads_images, reads_labels=layout.reads_labels,
             train=train,  # evaluation reads the val split only
         )
+
+    def train_batches(self, device: torch.device) -> Iterator:
+        """An epoch's training batches (`feed`). The loader's iterator is made here, in the main thread: the loader
+        watches its workers from there."""
+        return self.feed(iter(self.data.train_loader), device)
+
+    def feed(self, batches: Iterator, device: torch.device) -> Iterator:
+        """`batches` as the step takes them: under data.decode_on=device each batch's JPEGs decoded on `device` one
+        batch ahead of the step, off its stream (`DecodeAhead`: close it when done)."""
+        if not self.decode_ahead:
+            return batches
+        from visiondist.data.device_decode import DecodeAhead
+
+        return DecodeAhead(batches, device)
 
     def prepare(self, batch: Any, device: torch.device, key: tuple[int, int] | None = None) -> tuple[Any, Any]:
         """(model input, target) of a loader batch on `device`; either side may be None (pipeline ranks that hold
@@ -94,7 +109,7 @@ class ClassificationTask:
         from visiondist.evaluation.classification import evaluate_classification
 
         metrics = evaluate_classification(model, self.data.val_loader, layout, autocast, len(self.data.classes),
-                                          self.progress, self.inputs)
+                                          self.progress, self.inputs, lambda batches: self.feed(batches, layout.device))
         if layout.is_main:  # per-class top-1 of the latest evaluation, by class name
             per_class = {name: {"top1": acc, "images": n} for name, acc, n in
                          zip(self.data.classes, metrics["val_class_top1"], metrics["val_class_count"])}
@@ -155,6 +170,14 @@ class DetectionTask:
         self.data = build_detection_data(cfg.data, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
                                          pin_memory=layout.device.type == "cuda", train=train, masks=self.masks)
         self.val_image = self.data.val_loader.dataset.image_by_id  # the plots' images, from a tree or from shards
+
+    def train_batches(self, device: torch.device) -> Iterator:
+        """An epoch's training batches."""
+        return iter(self.data.train_loader)
+
+    @staticmethod
+    def feed(batches: Iterator, device: torch.device) -> Iterator:
+        return batches
 
     def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager,
              key: tuple[int, int] = (0, 0)) -> torch.Tensor:

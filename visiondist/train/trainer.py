@@ -57,6 +57,7 @@ class Trainer(Checkpointing, OptimizerStep):
         self.pp_bytes_per_step: int | None = None  # bytes one rank sends to its pipeline neighbours per step
         self.progress = None  # the progress bar (rank 0, trainer.progress) while fit runs
         self.timer = None  # the step timer of the log lines (hooks.StepTimer) while fit runs
+        self._peak_flops: tuple[float, float] | None = None  # (datasheet FLOP/s, training FLOPs per image): `mfu`
         self.stopping = False  # a hook asked the loop to end after this step
         self.final_loss = math.nan  # the last logged mean train loss
         self.weights: Path | None = None  # model.safetensors, once a complete run wrote it
@@ -119,19 +120,22 @@ class Trainer(Checkpointing, OptimizerStep):
             while self.step < end and not self.stopping:
                 self.epoch, start = divmod(self.step, sampler.steps_per_epoch)
                 sampler.set_epoch(self.epoch, start)
-                batches = iter(self.data.train_loader)
-                for _ in range(min(sampler.steps_per_epoch - start, end - self.step)):
-                    with contextlib.ExitStack() as around:
+                with contextlib.ExitStack() as epoch:
+                    batches = self.task.train_batches(self.layout.device)
+                    if hasattr(batches, "close"):  # data.decode_on=device: its decoding thread
+                        epoch.callback(batches.close)
+                    for _ in range(min(sampler.steps_per_epoch - start, end - self.step)):
+                        with contextlib.ExitStack() as around:
+                            for hook in hooks:
+                                around.enter_context(hook.step_context(self))
+                            loss, grad_norm = self.train_step(batches)
+                        self.step += 1
                         for hook in hooks:
-                            around.enter_context(hook.step_context(self))
-                        loss, grad_norm = self.train_step(batches)
-                    self.step += 1
-                    for hook in hooks:
-                        hook.after_step(self, loss, grad_norm)
+                            hook.after_step(self, loss, grad_norm)
+                            if self.stopping:
+                                break
                         if self.stopping:
                             break
-                    if self.stopping:
-                        break
                 self.epoch = self.step // sampler.steps_per_epoch
             self.settle()
         finally:
@@ -173,6 +177,24 @@ class Trainer(Checkpointing, OptimizerStep):
         """The most tensor memory this rank's GPU has held so far (None on the CPU)."""
         device = self.layout.device
         return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+    def mfu(self, images_per_s: float) -> float | None:
+        """Model FLOPs utilisation of a training rate (images/s of the whole job): the model's training FLOPs per
+        image (counted once) times the rate per device, over the device's dense datasheet peak in the step's matmul
+        precision. None on the CPU, on a GPU the datasheet table does not know, and for detectors (their FLOPs change
+        with each image's size)."""
+        device = self.layout.device
+        if device.type != "cuda" or self.cfg.model.family != "vit":
+            return None
+        if self._peak_flops is None:
+            from visiondist.models.flops import classifier_train_flops
+            from visiondist.utils.peaks import datasheet_tflops, peak_kind
+
+            t = self.cfg.trainer
+            peak = datasheet_tflops(torch.cuda.get_device_name(device), peak_kind(t.precision, t.tf32, device))
+            self._peak_flops = (peak * 1e12, classifier_train_flops(self.cfg.model)) if peak else (0.0, 0.0)
+        peak, per_image = self._peak_flops
+        return per_image * images_per_s / self.layout.world_size / peak if peak else None
 
     def save_weights(self) -> Path:
         """model.safetensors in the run dir, consolidated by rank 0 from the final checkpoint (`consolidate`)."""

@@ -1,5 +1,5 @@
-"""The two MFU denominators of `tools/benchmark.py`: the device's dense peak from its datasheet, and the dense matmul
-rate measured in the run.
+"""The two MFU denominators of `tools/benchmark.py` (the training log lines use the first): the device's dense peak
+from its datasheet, and the dense matmul rate measured in the run.
 
 Both in the precision the step's matmuls run in (`peak_kind`): bf16 autocast runs bf16 matmuls, `trainer.precision=16`
 fp16 ones, fp32 runs TF32 on CUDA while `trainer.tf32` is on (the default) and full fp32 otherwise. The datasheet
@@ -13,8 +13,6 @@ import re
 import time
 
 import torch
-
-from visiondist.train.precision import precision_name
 
 # Dense (no 2:4 sparsity) peak TFLOP/s per GPU: (fp32 without tensor cores, tf32, bf16, fp16). The first pattern that
 # matches torch.cuda.get_device_name() wins, so the NVL / PCIe boards come before the plain name (H100 SXM reports
@@ -49,7 +47,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32,
 def peak_kind(precision: str, tf32: bool, device: torch.device) -> str:
     """The matmul precision of a step: "bf16", "fp16" (`trainer.precision=16`), "tf32" (fp32 on CUDA with
     `trainer.tf32`) or "fp32"."""
-    precision = precision_name(precision)
+    precision = str(precision)  # Hydra hands `trainer.precision=16` over as the int 16
     if precision == "bf16":
         return "bf16"
     if precision == "16":
@@ -77,10 +75,9 @@ def matmul_tflops(device: torch.device, kind: str, repeats: int = 10) -> float:
     "tf32" and "fp32" multiply fp32 tensors with TF32 on and off (the process's switch is restored after)."""
     if device.type != "cuda" or kind not in ("tf32", "fp32"):
         return _best_matmul(device, _DTYPES[kind], repeats)
-    from visiondist.train.precision import set_tf32
-
     before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
-    set_tf32(kind == "tf32")
+    torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = (
+        "tf32" if kind == "tf32" else "ieee")
     try:
         return _best_matmul(device, torch.float32, repeats)
     finally:
