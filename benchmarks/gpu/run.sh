@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # On one GPU machine with torch preinstalled and no network: install the wheels benchmarks/gpu/fetch_wheels.sh
 # brought along (.whl/ at the repository root), then run the GPU tests (`pytest -m gpu`, which CI skips) and the GPU
-# benchmark rows. Everything it prints also goes to $OUT (default benchmarks/gpu/out): device.txt, gpu_tests.txt,
+# benchmark rows. Everything it prints also goes to $OUT (default benchmarks/gpu/out): device.txt, gpu_*.txt,
 # bench_*.txt and the benchmark's results.jsonl / results.md. Each part runs even when an earlier one failed; the
-# exit code is the number of parts that failed. Takes about 15 minutes on an H100; `short` fits 8 minutes (the input
-# path's GPU figures, the GPU tests, the Faster R-CNN row; each part bounded in time).
+# exit code is the number of parts that failed. Every mode first writes a tree of real photos and trains on it
+# (the DeiT recipe, 30 steps, JPEGs decoded in the workers and on the device: under 2 minutes), so that a lent GPU
+# runs the training path before anything else. `short` (4 minutes on an H200: the training check, the decode stress,
+# step-rate and sync tests, ViT-B/16's step with decode_on=device against decoded batches) and `tests` (5 minutes:
+# every GPU test) bound each part in time; `all` adds the benchmark rows (about 15 minutes on an H100).
 #   usage: bash benchmarks/gpu/run.sh [tests|bench|all|short]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,25 +24,27 @@ failed=0
 '| CUDA', torch.version.cuda, '|', torch.cuda.get_device_name())"
 } 2>&1 | tee "$out/device.txt"
 
+part() {  # seconds, log name, command...: run it bounded in time, its output to the screen and to $out/<log name>
+    local seconds=$1 name=$2; shift 2
+    timeout -k 5 "$seconds" "$@" 2>&1 | tee "$out/$name"
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
+}
+photos="$VISIONDIST_DATA/photos-10240"  # what tests/multirank/test_gpu.py's photos fixture reads
+part 120 photos.txt python3 benchmarks/photos.py "$photos" --train 10240 --val 256
+# the training path on real photos first: DeiT recipe, decode in the workers (two seeds) and on the device
+part 230 gpu_training.txt python3 -m pytest -p no:cacheprovider -n 0 -m gpu -rA \
+    "tests/multirank/test_gpu.py::test_decode_on_device_trains_the_deit_recipe_as_the_loader_path_does"
+
 if [[ $what == short ]]; then
-    timeout -k 5 120 python3 benchmarks/data_throughput.py --gpu-only --images 256 --json "$out/data_throughput.json" \
-        2>&1 | tee "$out/bench_data_throughput.txt"
-    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
-    timeout -k 5 240 python3 -m pytest -p no:cacheprovider -n 0 --timeout 100 -m gpu -rA tests/unit/test_gpu.py \
-        tests/multirank/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
-    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
-    timeout -k 5 130 python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out" model=fasterrcnn_r50 \
-        data=shapes_coco data.min_size=800 data.max_size=1333 data.batch_size=8 trainer.precision=bf16 \
-        2>&1 | tee "$out/bench_frcnn_r50.txt"
-    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
-    timeout -k 5 130 python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out" model=maskrcnn_r50 \
-        data=shapes_coco data.min_size=800 data.max_size=1333 data.batch_size=8 trainer.precision=bf16 \
-        2>&1 | tee "$out/bench_maskrcnn_r50.txt"
-    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
+    part 200 gpu_tests.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 150 -m gpu -rA \
+        tests/unit/test_gpu.py tests/multirank/test_gpu.py -k "never_writes or agree_on_the_step_rate or never_waits"
+    part 170 bench_vit_base_decode.txt python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out" \
+        experiment=vit_b16_imagenet data.root="$photos" data.batch_size=256 bench.baseline=false \
+        "bench.variants=['data.decode_on=device']"
 fi
 if [[ $what == tests || $what == all ]]; then
-    python3 -m pytest -p no:cacheprovider -n 0 -m gpu -rA tests/unit/test_gpu.py tests/multirank/test_gpu.py 2>&1 | tee "$out/gpu_tests.txt"
-    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
+    part 900 gpu_tests.txt python3 -m pytest -p no:cacheprovider -n 0 -m gpu -rA tests/unit/test_gpu.py \
+        tests/multirank/test_gpu.py -k "not deit_recipe"  # the training check ran first
 fi
 
 bench() {  # name, then tools/benchmark.py arguments

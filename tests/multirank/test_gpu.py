@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,46 @@ CONFIGS = REPO / "configs"
 
 
 ON_GPU = ["trainer.accelerator=cuda", "data.num_workers=2"]  # the shipped loader settings
+PHOTO_TRAIN, PHOTO_VAL = 10240, 256  # 40 steps of 256 in one epoch: no epoch's start inside a timed window
+
+
+@pytest.fixture(scope="module")
+def photos() -> Path:
+    """Real photographs (benchmarks/photos.py) in an ImageFolder tree: 5 classes, ~440 x 390 px JPEGs, written once
+    per machine under $VISIONDIST_DATA (benchmarks/gpu/run.sh writes them first)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from photos import ensure_photo_set
+
+    root = Path(os.environ.get("VISIONDIST_DATA", "/tmp/visiondist-data")) / f"photos-{PHOTO_TRAIN}"
+    return ensure_photo_set(root, PHOTO_TRAIN, PHOTO_VAL, processes=min(16, os.cpu_count() or 1))
+
+
+# the DeiT recipe as vit_b16_imagenet sets it, at batch 256 on one GPU, every loader setting the shipped default
+DEIT = ["experiment=vit_b16_imagenet", "data.batch_size=256", "data.eval_batch_size=256", "trainer.max_steps=30",
+        "schedule.warmup_steps=10", "trainer.eval_every=1000", "trainer.accelerator=cuda", "trainer.loggers=[csv]"]
+
+
+def test_decode_on_device_trains_the_deit_recipe_as_the_loader_path_does(tmp_path, photos):
+    """30 steps of the DeiT recipe at batch 256 under the default logging (a loss read every 10 steps: the host runs
+    ahead of the device in between), where decoding on the step's stream made the gradients non-finite at step 2:
+    every step finite (a non-finite one stops the run), and the logged losses within one run-to-run spread (two
+    seeds of the loader path) of the loader path's."""
+    runs = {}
+    for name, extra in (("device", ["data.decode_on=device"]), ("loader", []), ("loader_seed1", ["trainer.seed=1"])):
+        out = train_ok(*DEIT, f"data.root={photos}", f"trainer.run_dir={tmp_path / name}", *extra, timeout=240)
+        runs[name] = losses_of(tmp_path / name)
+        assert sorted(runs[name]) == [10, 20, 30], out[-3000:]
+        assert all(math.isfinite(v) for v in runs[name].values())
+    summary = json.loads((tmp_path / "device" / "summary.json").read_text())
+    assert summary["decode_on=device (rank 0)"].startswith("7680 of 7680 images by"), summary
+    # the same weights evaluated through OpenCV's decoder instead of the training decoder (nvJPEG): printed
+    out = train_ok(f"run_dir={tmp_path / 'device'}", "data.decode_on=loader", script=REPO / "tools" / "eval.py")
+    print(f"device-decoded run: val top-1 {summary['val top-1 (%)']} decoded by nvJPEG, {out.strip().splitlines()[-3:]} "
+          "decoded by OpenCV")
+    for step in (10, 20, 30):
+        loader = (runs["loader"][step], runs["loader_seed1"][step])
+        spread = max(abs(loader[0] - loader[1]), 0.02)
+        assert min(loader) - spread <= runs["device"][step] <= max(loader) + spread, (step, runs)
 
 
 def _gpu_args(data: Path, run: Path, *extra: str) -> list[str]:
@@ -58,9 +100,16 @@ def test_a_cuda_checkpoint_exports_to_timm_on_the_cpu(tmp_path, tiny_shapes):
     model.load_state_dict(load_file(out), strict=True)
 
 
+# what torch's sync debug mode says at a synchronising call (its first use also warns that the mode is a prototype
+# "that does not yet detect all synchronizing operations": not a synchronisation)
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 def _steps_without_sync(cfg, layout, run_dir):
     """Rank entry: two warm-up steps, then three steps with every host-device synchronisation recorded (torch's
-    sync debug mode warns at each, from the Python line that caused it): none may happen."""
+    sync debug mode warns at each, from the Python line that caused it): none may happen in the step's thread.
+    Under data.decode_on=device the decoding thread's are listed apart: it may wait for its own stream."""
+    import threading
     import warnings
 
     from visiondist.train.build import prepare_rank
@@ -68,12 +117,18 @@ def _steps_without_sync(cfg, layout, run_dir):
 
     prepare_rank(cfg, layout, run_dir)
     trainer = Trainer(cfg, layout, run_dir)
-    batches = iter(trainer.data.train_loader)
+    batches = trainer.task.train_batches(layout.device)  # as the loop takes them (decode_on=device: decoded ahead)
     for _ in range(2):
         trainer.train_step(batches)
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    caught = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        caught.append((threading.current_thread() is threading.main_thread(), str(message), f"{filename}:{lineno}"))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(3):
@@ -81,17 +136,22 @@ def _steps_without_sync(cfg, layout, run_dir):
                 trainer.step += 1
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    syncs = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)})
+    if hasattr(batches, "close"):
+        batches.close()
+    syncs = sorted({where for main, text, where in caught if main and SYNC_WARNING in text})
+    others = sorted({where for main, text, where in caught if not main and SYNC_WARNING in text})
+    print(f"the decoding thread synchronised at: {others}")
     assert not syncs, f"the training step synchronised with the GPU at: {syncs}"
     return True
 
 
-def test_the_training_step_never_waits_for_the_gpu(tmp_path, tiny_shapes):
+@pytest.mark.parametrize("decode_on", ["loader", "device"])
+def test_the_training_step_never_waits_for_the_gpu(tmp_path, tiny_shapes, decode_on):
     from visiondist.cli import load_config
     from visiondist.launch import launch
 
     cfg = load_config(CONFIGS, _gpu_args(tiny_shapes, tmp_path / "run", "trainer.precision=bf16",
-                                         "trainer.max_steps=20", "data.num_workers=0"))
+                                         "trainer.max_steps=20", "data.num_workers=0", f"data.decode_on={decode_on}"))
     launch(_steps_without_sync, cfg)  # data.num_workers=0: the loader is not what is being checked here
 
 
@@ -117,3 +177,31 @@ def test_planner_memory_is_within_15_percent_of_the_gpu(tmp_path, tiny_shapes):
     cfg = load_config(CONFIGS, model, inputs=None)
     planned = rank_memory(ViTShape.from_config(cfg.model), 1, 1, 1, 64, precision="bf16").device
     assert abs(planned - measured) / measured <= 0.15, (planned / 2**30, measured / 2**30)
+
+
+def test_log_lines_summary_and_benchmark_agree_on_the_step_rate(tmp_path, photos):
+    """ViT-B/16, bf16, batch 256 on real photos (the loader keeps up: the rate is the step's): the log lines' img/s
+    of the windows after the first, the summary's steady-state figure and tools/benchmark.py's within 5% of each
+    other; MFU printed beside img/s."""
+    from visiondist.observe.metrics import read_metrics
+
+    common = ["model=vit_base", "data=imagenet", f"data.root={photos}", "data.batch_size=256", "data.img_size=224",
+              "trainer.precision=bf16", "trainer.accelerator=cuda", "trainer.loggers=[csv]"]
+    run = tmp_path / "run"
+    out = train_ok(*common, "trainer.max_steps=40", "trainer.eval_every=1000", "data.eval_batch_size=256",
+                   f"trainer.run_dir={run}", timeout=300)
+    assert "MFU" in out, out[-3000:]
+    logged = {int(r["step"]): r["images_per_s"] for r in read_metrics(run / "metrics.csv") if r["images_per_s"]}
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steady state"].startswith("steps 11-40"), summary
+    steady = summary["throughput, steady state (img/s)"]
+    results = tmp_path / "bench"
+    bench = run_cli([*common, "bench.baseline=false", "bench.peak=false", "bench.loader_batches=0", "bench.steps=10",
+                     f"bench.results_dir={results}", f"trainer.output_dir={tmp_path / 'runs'}"], timeout=300,
+                    script=REPO / "tools" / "benchmark.py")
+    assert bench.returncode == 0, bench.stdout[-4000:]
+    benchmark = json.loads((results / "results.jsonl").read_text().splitlines()[0])["images_per_s"]
+    print(f"img/s: log lines {logged}, summary steady state {steady}, benchmark {benchmark:.0f}")
+    for step in (20, 30, 40):
+        assert logged[step] == pytest.approx(benchmark, rel=0.05), (logged, steady, benchmark)
+    assert steady == pytest.approx(benchmark, rel=0.05), (logged, steady, benchmark)
