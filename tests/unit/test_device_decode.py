@@ -173,6 +173,7 @@ def _encoded_batches(root: Path, count: int) -> list:
     return [next(batches) for _ in range(count)]
 
 
+@pytest.mark.smoke  # the GPU machines' torch 2.11 as well as the newest
 def test_decode_ahead_hands_over_the_batches_in_order_decoded_as_the_step_would(tmp_path):
     """On the CPU the thread and its hand-over run as on CUDA, with no stream or event to order: every batch comes in
     the source's order with the images the step's own decode gives; a batch object that comes twice (the
