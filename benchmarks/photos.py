@@ -81,4 +81,6 @@ if __name__ == "__main__":
     parser.add_argument("--train", type=int, default=10240)
     parser.add_argument("--val", type=int, default=256)
     args = parser.parse_args()
-    print(ensure_photo_set(args.root, args.train, args.val, processes=min(16, os.cpu_count() or 1)))
+    root = ensure_photo_set(args.root, args.train, args.val, processes=min(16, os.cpu_count() or 1))
+    print(f"{root}: {(root / 'done').read_text().strip()} photos in 5 classes; train on them with\n"
+          f"  python tools/train.py data=imagenet data.root={root} ...")

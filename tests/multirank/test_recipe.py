@@ -66,7 +66,7 @@ def test_jpeg_decoding_on_the_device_trains_as_the_loader_path(tmp_path, tiny_sh
     out = train_ok(*train_args(tiny_shapes, device, *recipe, "parallel.dp=2", "data.decode_on=device",
                                "data.num_workers=2"))
     assert "decoded in the loader workers" not in out  # every built-in image is a baseline JPEG
-    assert "training JPEGs are decoded on cpu by torch" in out  # torchcodec's or torchvision's decoder
+    assert "training and val JPEGs are decoded on cpu by torch" in out  # torchcodec's or torchvision's decoder
     summary = json.loads((device / "summary.json").read_text())["decode_on=device (rank 0)"]
     assert summary.startswith("48 of 48 images by torch") and summary.endswith(", 0 in the loader workers")
     a, b = losses_of(loader), losses_of(device)

@@ -116,8 +116,9 @@ def _keeps_up(r: dict[str, Any]) -> str:
 
 
 def _variant_loaders(results: list[dict[str, Any]]) -> str:
-    rest = [f"{r['variant']}: {_fmt(r['loader_images_per_s'], '.4g')}{_keeps_up(r)}" for r in results[1:]
-            if r.get("loader_images_per_s") is not None]
+    rest = [f"{r['variant']}: {_fmt(r['loader_images_per_s'], '.4g')}{_keeps_up(r)}"
+            + (" of JPEG bytes, the decode on the device" if "JPEG decode + crop + resize" in r.get("device_input", [])
+               else "") for r in results[1:] if r.get("loader_images_per_s") is not None]
     return f" ({'; '.join(rest)})" if rest else ""
 
 
@@ -141,7 +142,7 @@ def result_table(results: list[dict[str, Any]]):
                f"{first['memory_kind']}"]
     for r in results:
         if r.get("device_input"):
-            caption.append(f"{_name(r)}: ours' step includes the input work done on the device: "
+            caption.append(f"{_name(r)}: visiondist's step includes the input work done on the device: "
                            f"{', '.join(r['device_input'])} (the plain loops leave decoding and augmentation to "
                            "their loaders)")
     for r in results:

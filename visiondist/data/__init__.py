@@ -115,7 +115,8 @@ def build_classification_data(
 
         reader, collate = read_encoded, collate_encoded(img_size, cfg.get("interpolation", "bilinear"))
     val_set = splits(cfg.val_split, val_tf, reader=reader)
-    val_options = {**_loader_options(cfg, pin_memory), **({"collate_fn": collate} if collate else {})}
+    options = _loader_options(cfg, pin_memory)
+    val_options = {**options, **({"collate_fn": collate} if collate else {})}
     if not train:
         _check_num_classes(cfg, len(val_set.classes), val_set.root, "class folders")
         val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, val_options)
@@ -133,8 +134,7 @@ def build_classification_data(
     if cfg.get("format") == "shards":  # each rank reads about 1 / ranks of the shards per epoch
         streams = dict(streams=int(cfg.streams), shard_starts=train_set.shard_starts)
     sampler = TrainBatchSampler(len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed, **streams)
-    options = _loader_options(cfg, pin_memory)
-    train_loader = register(DataLoader(train_set, batch_sampler=sampler, **{**options, "collate_fn": collate}))
+    train_loader = register(DataLoader(train_set, batch_sampler=sampler, **val_options))
     val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, val_options)
     if not reads_images:
         train_loader = LabelBatches(sampler, train_set.targets if reads_labels else None)

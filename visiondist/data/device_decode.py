@@ -329,7 +329,8 @@ class FallbackCount:
 
     def add(self, batch: EncodedBatch, device: torch.device) -> None:
         if not self.images:
-            log.info("data.decode_on=device: training JPEGs are decoded on %s by %s", device, decoder_name(device))
+            log.info("data.decode_on=device: training and val JPEGs are decoded on %s by %s", device,
+                     decoder_name(device))
         self.images += len(batch)
         self.fallbacks += int((batch.crops[:, 0] == 0).sum())
         if self.fallbacks >= self._next:

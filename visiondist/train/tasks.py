@@ -73,6 +73,14 @@ class ClassificationTask:
 
         return DecodeAhead(batches, device)
 
+    def decoded_by(self, device: torch.device) -> str:
+        """Which decoder reads the images (data.decode_on): the evaluation says it, since nvJPEG and OpenCV differ."""
+        if not self.decode_ahead:
+            return "OpenCV in the loader workers (data.decode_on=loader)"
+        from visiondist.data.device_decode import decoder_name
+
+        return f"{decoder_name(device)} on {device} (data.decode_on=device; other files in the loader workers)"
+
     def prepare(self, batch: Any, device: torch.device, key: tuple[int, int] | None = None) -> tuple[Any, Any]:
         """(model input, target) of a loader batch on `device`; either side may be None (pipeline ranks that hold
         only one). `key` = (step, micro-batch) mixes them (training with mixup / cutmix): soft targets then."""
@@ -178,6 +186,10 @@ class DetectionTask:
     @staticmethod
     def feed(batches: Iterator, device: torch.device) -> Iterator:
         return batches
+
+    @staticmethod
+    def decoded_by(device: torch.device) -> str:
+        return "OpenCV in the loader workers"
 
     def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager,
              key: tuple[int, int] = (0, 0)) -> torch.Tensor:
