@@ -3,7 +3,11 @@ config it was started with, not the defaults.
 
 - The run's `config.yaml` is the base; the command line's overrides go on top (the printed continue command
   `trainer.resume=auto trainer.run_dir=<run>` changes nothing else). A group switch (`parallel=tp2`) replaces that
-  group. Changing the model, the data or the global batch of a run is refused unless `trainer.allow_changes=true`.
+  group; a recipe (`experiment=`, `tuned=`) applies what it sets. Changing the model, the data or the global batch of
+  a run is refused unless `trainer.allow_changes=true`.
+- What the command leaves unset (`???`) is not asked: a value the run inferred (`data.num_classes` from the class
+  folders) stays. Running the command that started a run again, after a crash, a stop or its end, continues it or
+  says it is complete.
 - `config.yaml` is never rewritten; each continuation appends what it changed to `attempts.jsonl`.
 - A run whose newest checkpoint is its last step and which has its summary is complete: running its command again
   says so and changes nothing.
@@ -39,6 +43,7 @@ def continue_config(fresh: DictConfig, saved: DictConfig, overrides: list[str]) 
     """The run's own config with the command line's choices on top (read from `fresh`, the command line composed on
     the defaults, so that their values are typed and resolved as usual)."""
     from visiondist.config import TrainConfig
+    from visiondist.config.compose import flatten
 
     cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), saved)
     for key in PER_PROCESS:  # what one process was asked to do, not the run
@@ -48,11 +53,16 @@ def continue_config(fresh: DictConfig, saved: DictConfig, overrides: list[str]) 
         if "=" not in override or key.startswith("hydra"):
             continue
         if "." not in key:  # a group switch: model=..., parallel=tp2
-            if key in ("experiment", "tuned"):
-                raise ConfigError(f"{key}=... cannot be applied to a run being continued: give its keys one by one")
-            cfg[key] = fresh[key]
+            if key in ("experiment", "tuned"):  # a recipe: group switches and keys, whatever it sets
+                asked = flatten(OmegaConf.to_container(fresh, resolve=True))
+                for changed in changed_keys(saved, fresh):
+                    if asked.get(changed, "???") != "???":  # unset: the run's value stays (`_keep_inferred`)
+                        OmegaConf.update(cfg, changed, asked[changed], merge=False)
+            else:
+                cfg[key] = fresh[key]
         else:
             OmegaConf.update(cfg, key, OmegaConf.select(fresh, key), merge=False)
+    _keep_inferred(cfg, saved)
     changes = changed_keys(saved, cfg)
     fixed = [k for k in changes if k.startswith(FIXED)]
     if fixed and not cfg.trainer.allow_changes:
@@ -64,6 +74,18 @@ def continue_config(fresh: DictConfig, saved: DictConfig, overrides: list[str]) 
             f"{more}: drop the override to continue the run as it was, start a new run dir, or add "
             "trainer.allow_changes=true")
     return cfg  # type: ignore[return-value]
+
+
+def _keep_inferred(cfg: DictConfig, saved: DictConfig) -> None:
+    """Every key `cfg` leaves unset (`???`) takes the run's value: the command did not ask for one, the run inferred
+    it (`data.num_classes` from the class folders; the model's follows by interpolation)."""
+    from visiondist.config.compose import flatten
+
+    for key, value in flatten(OmegaConf.to_container(saved, resolve=True)).items():
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if isinstance(node, DictConfig) and leaf in node.keys() and OmegaConf.is_missing(node, leaf):
+            OmegaConf.update(cfg, key, value, merge=False)
 
 
 def changed_keys(a: DictConfig, b: DictConfig) -> list[str]:

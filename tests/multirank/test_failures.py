@@ -241,7 +241,7 @@ def test_an_unreadable_val_image_stops_the_run_before_step_one(tmp_path, tiny_sh
     code, out, seconds = run_job(args(data, run), script=TRAIN)
     line = error_line(out)
     assert code == 1 and seconds < 60, (code, seconds)
-    assert "failed at step 0" in line and f"1 of 30 val images cannot be read, e.g. {bad}: the file is empty" in line
+    assert "failed at step 0" in line and f"1 of 30 val images cannot be read: {bad}: the file is empty" in line
     assert not (run / "checkpoints").exists() and not (run / "metrics.csv").exists()
 
 

@@ -105,13 +105,62 @@ def test_reencoded_pack_bounds_the_longer_side(tmp_path):
         assert max(image.shape[:2]) == 32 and split.image_bytes(i)[:2] == b"\xff\xd8"
 
 
-def test_unreadable_images_are_refused_with_a_count(tmp_path):
+def _break(source: Path) -> dict[Path, bytes]:
+    """Four unreadable images of four kinds, in three shards' worth of the tree; returns their good bytes."""
+    broken = {source / "train" / "dog" / "3.jpg": b"",  # empty
+              source / "val" / "cat" / "2.jpg": None,  # truncated: no end marker
+              source / "train" / "cat" / "5.jpg": b"not an image at all",  # text
+              source / "train" / "eel" / "7.jpg": None}  # a valid header and end marker around a broken stream
+    good = {path: path.read_bytes() for path in broken}
+    broken[source / "val" / "cat" / "2.jpg"] = good[source / "val" / "cat" / "2.jpg"][:300]
+    body = bytearray(good[source / "train" / "eel" / "7.jpg"])
+    body[200:-200] = bytes(len(body) - 400)
+    broken[source / "train" / "eel" / "7.jpg"] = bytes(body)
+    for path, data in broken.items():
+        path.write_bytes(data)
+    return good
+
+
+def test_one_pack_names_every_unreadable_image_and_a_fixed_tree_writes_only_their_shards(tmp_path):
+    """A pack decodes every image as the loaders will: all four unreadable images of the tree (empty, truncated,
+    not an image, a broken stream between a valid header and end marker) are named in one error with their
+    reasons, with no Python object in the text; the shards without them are written. Fixed in place, the same call
+    writes only the shards that held them and finishes."""
     source = _tree(tmp_path / "tree")
-    (source / "train" / "dog" / "3.jpg").write_bytes(b"")
-    (source / "val" / "cat" / "2.jpg").write_bytes((source / "val" / "cat" / "1.jpg").read_bytes()[:300])
-    with pytest.raises(PackError, match=r"2 images cannot be read, e.g. .*: (the file is empty|truncated JPEG)"):
-        pack_image_folder(source, ["train", "val"], tmp_path / "out", _options())
-    assert not (tmp_path / "out" / "dataset.json").exists()
+    good = _break(source)
+    out = tmp_path / "out"
+    with pytest.raises(PackError) as error:
+        pack_image_folder(source, ["train", "val"], out, _options())
+    text = str(error.value)
+    assert text.startswith("4 of 48 images cannot be read: ") and "object at 0x" not in text, text
+    for path, reason in ((source / "train" / "dog" / "3.jpg", "the file is empty"),
+                         (source / "val" / "cat" / "2.jpg", "truncated JPEG"),
+                         (source / "train" / "cat" / "5.jpg", "not an image OpenCV or Pillow can read"),
+                         (source / "train" / "eel" / "7.jpg", "")):
+        assert f"{path}: {reason}" in text, (path, text)
+    assert not (out / "dataset.json").exists() and not (out / packing.UNREADABLE).exists()  # four: named above
+    written = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tar")}
+    assert written
+    for path, data in good.items():
+        path.write_bytes(data)
+    meta = pack_image_folder(source, ["train", "val"], out, _options())
+    assert meta["splits"]["train"]["samples"] == 36 and meta["splits"]["val"]["samples"] == 12
+    again = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tar")}
+    assert {name: again[name] for name in written} == written  # kept, not written again
+    assert 1 <= len(set(again) - set(written)) <= 4
+
+
+def test_more_than_ten_unreadable_images_are_listed_in_a_file(tmp_path):
+    source = _tree(tmp_path / "tree")
+    bad = sorted((source / "train").rglob("*.jpg"))[:12]
+    for path in bad:
+        path.write_bytes(b"")
+    out = tmp_path / "out"
+    with pytest.raises(PackError, match=rf"12 of 48 images cannot be read: .* and 2 more \(all 12 in "
+                                        rf"{out / packing.UNREADABLE}\)"):
+        pack_image_folder(source, ["train", "val"], out, _options())
+    listed = (out / packing.UNREADABLE).read_text().splitlines()
+    assert listed == [f"{path}\tthe file is empty" for path in bad]
 
 
 @pytest.mark.smoke
@@ -232,3 +281,21 @@ def test_a_tree_config_on_a_pack_and_shards_on_a_tree_say_what_to_change(packed)
     with pytest.raises(ConfigError, match=r"with data.format=shards, data.root is a directory `tools/data.py pack` "
                                           r"wrote .*or drop data.format=shards"):
         load_config(configs, ["data=imagenet", "data.format=shards", f"data.root={source}"], inputs="train")
+
+
+def test_the_pack_command_names_every_unreadable_image_in_one_run(capsys, tmp_path):
+    """`python tools/data.py pack data=imagenet data.root=<tree> out=<dir>` on a tree with four unreadable images:
+    one error line naming all four, exit 2; fixed in place, the same command finishes the pack."""
+    from helpers import call_tool
+
+    source = _tree(tmp_path / "tree")
+    good = _break(source)
+    command = ["pack", "data=imagenet", f"data.root={source}", f"out={tmp_path / 'out'}", "workers=2"]
+    code, out, lines = call_tool(capsys, "data", *command)
+    errors = [line for line in lines if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and errors[0].startswith("error: 4 of 48 images cannot be read: "), lines
+    assert all(str(path) in errors[0] for path in good) and "the finished ones are kept" in errors[0], lines
+    for path, data in good.items():
+        path.write_bytes(data)
+    code, out, err = call_tool(capsys, "data", *command)
+    assert code == 0 and (tmp_path / "out" / "dataset.json").is_file(), (out, err)

@@ -84,7 +84,7 @@ def decode_opencv(data: bytes, jpeg: bool) -> np.ndarray | None:
 def decode_pillow(data: bytes, path: str | Path) -> np.ndarray:
     """The upright pixels as HxWx3 uint8 RGB through Pillow (TIFF, and formats this OpenCV build cannot read);
     `ImageOps.exif_transpose` applies the orientation (Pillow's TIFF decoder may already have)."""
-    from PIL import Image, ImageOps
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as source:
@@ -95,7 +95,9 @@ def decode_pillow(data: bytes, path: str | Path) -> np.ndarray:
                 return np.ascontiguousarray(np.repeat(grey[..., None], 3, axis=2))
             return np.array(im.convert("RGB"))  # writable, as OpenCV's
     except Exception as exc:  # Pillow raises many kinds on a broken file (OSError, SyntaxError, DecompressionBomb)
-        raise OSError(f"cannot decode image {path}: {exc}") from exc
+        reason = ("not an image OpenCV or Pillow can read" if isinstance(exc, UnidentifiedImageError)
+                  else str(exc))  # (Pillow's own text names the in-memory buffer, not the file)
+        raise OSError(f"cannot decode image {path}: {reason}") from exc
 
 
 def exif_orientation(data: bytes) -> int:

@@ -106,9 +106,25 @@ def unreadable_reason(path: str | Path) -> str | None:
 
 
 def check_images(paths: list[str], what: str) -> None:
-    """Raise one error naming the first unreadable file and the count, before any work depends on them."""
+    """Raise one error naming every unreadable file (`name_bad`) and the count, before any work depends on them."""
     bad = [(p, reason) for p in paths if (reason := unreadable_reason(p)) is not None]
     if bad:
-        first, reason = bad[0]
-        raise RuntimeError(f"{len(bad)} of {len(paths)} {what} cannot be read, e.g. {first}: {reason}; fix or "
-                           "remove them first (every evaluation image is scored; a pack holds only readable ones)")
+        raise RuntimeError(f"{len(bad)} of {len(paths)} {what} cannot be read: {name_bad(bad)}; fix or remove them "
+                           "first (every evaluation image is scored; a pack holds only readable ones)")
+
+
+SHOWN_BAD = 10  # unreadable files a message names; a list file holds the rest
+
+
+def name_bad(bad: list[tuple[str, str]], listed: Path | None = None) -> str:
+    """`path: reason` of each unreadable file, sorted; past `SHOWN_BAD`, the first ones and how many more, with every
+    one written to `listed` (a file, one `path<TAB>reason` a line) when given."""
+    bad = sorted(bad)
+    shown = "; ".join(f"{path}: {reason}" for path, reason in bad[:SHOWN_BAD])
+    if len(bad) <= SHOWN_BAD:
+        return shown
+    more = f" and {len(bad) - SHOWN_BAD} more"
+    if listed is not None:
+        listed.write_text("".join(f"{path}\t{reason}\n" for path, reason in bad))
+        more += f" (all {len(bad)} in {listed})"
+    return shown + more

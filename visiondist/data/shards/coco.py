@@ -44,7 +44,7 @@ def pack_coco(splits: dict[str, tuple[Path, Path]], out: Path, options: PackOpti
         plans[split] = plan(split, paths, np.asarray([im["id"] for im in entries], np.int64), options, shuffle=False,
                             kind="detection")
     claim(out, options.overwrite)
-    check_plan(out, plans, options)
+    plans = check_plan(out, plans, options)
     records = write_all(out, [job for split in splits for job in plans[split]], options)
     meta = describe_pack("detection", [name for _, name in categories], source, options)
     meta["categories"] = [{"id": cid, "name": name} for cid, name in categories]

@@ -9,9 +9,11 @@ Layout of the output directory (docs/data.md):
   length of every sample's image (random access without reading the tars);
 - `dataset.json`, written last: classes in the loader's order, counts, and how the images were re-encoded.
 
-Packing runs on `workers` processes with a progress bar. Each finished shard is recorded in `.pack/`: an interrupted
-pack, run again with the same arguments, writes only the shards it lacks. A directory holding a finished pack is
-not overwritten without `overwrite`.
+Packing runs on `workers` processes with a progress bar. Every image is decoded as the loaders will decode it; a
+shard holding an unreadable one is not written, the others are, and the pack then stops naming every unreadable
+image (all of them in `unreadable.txt` past ten). Each finished shard is recorded in `.pack/`: an interrupted or
+stopped pack, run again with the same arguments, writes only the shards it lacks. A directory holding a finished pack
+is not overwritten without `overwrite`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 FORMAT = "visiondist-shards"
 MIN_SHARDS = 64  # the automatic shard size's floor on a split's shards: enough for data.streams x nodes
 VERSION = 1
+UNREADABLE = "unreadable.txt"  # every image a pack could not read, one `path<TAB>reason` a line (many of them)
 EXTENSIONS = {".jpeg": ".jpg", ".jpg": ".jpg", ".png": ".png", ".webp": ".webp", ".bmp": ".bmp", ".tif": ".tif",
               ".tiff": ".tif", ".ppm": ".ppm", ".pgm": ".pgm"}
 
@@ -63,8 +66,7 @@ def pack_image_folder(source: Path, splits: list[str], out: Path, options: PackO
         if listed[split][0] != classes:
             raise PackError(f"the class folders of {Path(source) / split} differ from those of "
                             f"{Path(source) / splits[0]}: every split must have the same classes")
-    plans = {split: plan(split, *listed[split][1:], options) for split in splits}
-    check_plan(out, plans, options)
+    plans = check_plan(out, {split: plan(split, *listed[split][1:], options) for split in splits}, options)
     records = write_all(out, [job for split in splits for job in plans[split]], options)
     meta = describe_pack("classification", classes, source, options)
     for split in splits:
@@ -122,17 +124,38 @@ def plan(split: str, paths, labels, options: PackOptions, shuffle: bool = True, 
                  quality=options.quality, kind=kind) for k, samples in enumerate(jobs)]
 
 
-def check_plan(out: Path, plans: dict, options: PackOptions) -> None:
-    """An interrupted pack continues only with the same plan (same sources, order and options); else it restarts."""
-    digest = hashlib.sha256(json.dumps(
-        [[(j["name"], j["samples"]) for j in plans[s]] for s in plans] + [options.max_side, options.quality],
+def check_plan(out: Path, plans: dict, options: PackOptions) -> dict:
+    """The plan to pack by: an interrupted or stopped pack of the same listing (sources, order, labels) and options
+    keeps the shards it cut then, even where files changed size since (unreadable ones fixed in place), so that its
+    finished shards stay valid; another listing or other options restart it."""
+    listing = hashlib.sha256(json.dumps(
+        [[sample for j in plans[s] for sample in j["samples"]] for s in plans]
+        + [options.max_side, options.quality, options.shard_mb],
     ).encode()).hexdigest()
     state = out / ".pack"
-    plan_file = state / "plan"
-    if plan_file.is_file() and plan_file.read_text() != digest:
+    plan_file = state / "plan.json"
+    if plan_file.is_file():
+        saved = json.loads(plan_file.read_text())
+        if saved.get("listing") == listing:
+            return {split: _recut(jobs, saved["counts"][split]) for split, jobs in plans.items()}
+    if state.exists():
         shutil.rmtree(state)
-    state.mkdir(exist_ok=True)
-    plan_file.write_text(digest)
+    state.mkdir()
+    plan_file.write_text(json.dumps({"listing": listing,
+                                     "counts": {split: [len(j["samples"]) for j in jobs] for split, jobs in plans.items()}}))
+    return plans
+
+
+def _recut(jobs: list[dict], counts: list[int]) -> list[dict]:
+    """`jobs`' samples, in their order, cut into shards of `counts` samples (the names follow the new cut)."""
+    if not jobs:
+        return jobs
+    samples = [sample for job in jobs for sample in job["samples"]]
+    bounds = np.cumsum([0, *counts]).tolist()
+    template = {k: v for k, v in jobs[0].items() if k not in ("name", "samples")}
+    split = template["split"]
+    return [dict(template, name=f"{split}-{k:06d}.tar", samples=samples[a:b])
+            for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
 
 
 def write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, dict]:
@@ -159,7 +182,8 @@ def write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, di
         try:
             for record in written:
                 if record.get("bad"):
-                    bad += record["bad"]
+                    bad += [(path, reason, record["name"]) for path, reason in record["bad"]]
+                    bar.advance(task, record["nsamples"])
                     continue
                 records[record["name"]] = record
                 bar.advance(task, record["nsamples"])
@@ -170,10 +194,15 @@ def write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, di
         if pool is not None:
             pool.close()
             pool.join()
-    if bad:  # what training would stop at or evaluation refuse; the shards without them are kept for a rerun
-        path, reason = sorted(bad)[0]
-        raise PackError(f"{len(bad)} images cannot be read, e.g. {path}: {reason}; fix or remove them and run the "
-                        "same command again (the finished shards are kept)")
+    if bad:  # what training would replace or evaluation refuse; the shards without them are written
+        from visiondist.data.robust import name_bad
+
+        named = name_bad([(path, reason) for path, reason, _ in bad], out / UNREADABLE)
+        raise PackError(f"{len(bad)} of {total} images cannot be read: {named}. Fix them "
+                        f"in place and run the same command again: it writes only the {len({b[2] for b in bad})} "
+                        "shards that hold them (the finished ones are kept); removing files changes the plan, and "
+                        "the pack starts over")
+    (out / UNREADABLE).unlink(missing_ok=True)
     return records
 
 
@@ -186,17 +215,21 @@ def _quiet_worker() -> None:
 
 
 def _write_shard(args) -> dict:
-    from visiondist.data.robust import unreadable_reason
-
+    """Decode every image of the shard (as the loaders will), then write the shard; a shard holding an unreadable
+    image is not written, and every such image of it is named."""
     out, job = Path(args[0]), args[1]
-    bad = [(path, reason) for _, path, _ in job["samples"] if (reason := unreadable_reason(path)) is not None]
+    images, bad = [], []
+    for key, path, label in job["samples"]:
+        try:
+            images.append(_image_bytes(path, job["max_side"], job["quality"]))
+        except OSError as exc:
+            bad.append((str(path), _reason(exc, path)))
     if bad:
-        return {"name": job["name"], "bad": bad}
+        return {"name": job["name"], "bad": bad, "nsamples": len(job["samples"])}
     tmp = out / f"{job['name']}.part"
     offsets, sizes = [], []
     with open(tmp, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for key, path, label in job["samples"]:
-            data, ext = _image_bytes(path, job["max_side"], job["quality"])
+        for (key, path, label), (data, ext) in zip(job["samples"], images):
             offsets.append(_add(tar, f"{key:09d}{ext}", data))
             sizes.append(len(data))
             if job["kind"] == "detection":  # the COCO image id; its boxes are in <split>-annotations.json
@@ -222,18 +255,30 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> int:
     return start
 
 
+def _reason(exc: OSError, path) -> str:
+    """Why a file cannot be read, without the path the message repeats."""
+    if isinstance(exc, FileNotFoundError):
+        return "the file does not exist"
+    text = str(exc)
+    for prefix in (f"cannot decode image {path}: ", f"truncated JPEG {path}: "):
+        if text.startswith(prefix):
+            return ("truncated JPEG: " if prefix.startswith("truncated") else "") + text[len(prefix):]
+    return text
+
+
 def _image_bytes(path: str, max_side: Optional[int], quality: int) -> tuple[bytes, str]:
     """The image file's bytes as they are, or re-encoded as JPEG at `quality` with its longer side at most
-    `max_side` (decoded under the loaders' policy: EXIF orientation applied, so the shard needs none)."""
+    `max_side`; decoded in either case under the loaders' policy (EXIF orientation applied, so a re-encoded shard
+    needs none): an image the loaders could not read raises OSError."""
+    from visiondist.data.decode import decode_rgb
+
     data = Path(path).read_bytes()
     ext = EXTENSIONS.get(Path(path).suffix.lower(), Path(path).suffix.lower())
+    image = decode_rgb(data, path)
     if not max_side:
         return data, ext
     import cv2
 
-    from visiondist.data.decode import decode_rgb
-
-    image = decode_rgb(data, path)
     h, w = image.shape[:2]
     if max(h, w) > max_side:
         scale = max_side / max(h, w)

@@ -1,0 +1,125 @@
+"""Running the command that started a run again, as a user does after a crash and as a SLURM requeue does: it
+continues the run, or says it is complete, although the run inferred values the command leaves open (the class
+count from the class folders, the loader workers from the cores, the layout under parallel=auto), and a recipe
+(`experiment=`) is part of the command."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+
+from helpers import REPO, TRAIN, job_env, losses_of, run_cli, run_together, start_job, finish_job
+
+FAULT_TRAIN = REPO / "tests" / "multirank" / "fault_train.py"
+STEPS = 6
+
+
+def _command(root, run, *extra):
+    """data=imagenet on the tiny shapes tree (classes inferred), workers and layout left to the run."""
+    return ["data=imagenet", f"data.root={root}", "model=vit_tiny", "model.depth=2", "model.num_heads=2",
+            "data.img_size=32", "data.batch_size=8", "data.eval_batch_size=8", "data.num_workers=-1", "parallel=auto",
+            f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=2", "trainer.eval_every=1000", "trainer.log_every=1",
+            "trainer.accelerator=cpu", "trainer.loggers=[csv]", "trainer.progress=false", f"trainer.run_dir={run}",
+            *extra]
+
+
+def _crashed(command, fault="save_fail:2"):
+    """The command under tests/multirank/fault_train.py: the second checkpoint write fails (step 4), the job ends."""
+    proc = start_job([sys.executable, str(FAULT_TRAIN), *command], job_env(VISIONDIST_FAULT=fault))
+    out = finish_job(proc, 240, "the crashing run")
+    assert proc.returncode != 0 and "injected write error" in out, out[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, tiny_shapes):
+    run = tmp_path_factory.mktemp("straight") / "run"
+    result = run_cli(_command(tiny_shapes, run, "trainer.devices=2"))
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "data.num_classes=6: inferred from the 6 class folders" in result.stdout
+    assert "parallel=auto chose plain DDP on 2 ranks" in result.stdout
+    return run
+
+
+@pytest.mark.parametrize("recipe", [[], ["experiment=vit_b16_imagenet", "trainer.precision=32", "data.mixup=0",
+                                         "data.cutmix=0", "data.auto_augment=none", "data.random_erasing=0"]],
+                         ids=["groups", "experiment"])
+def test_the_same_command_continues_a_crashed_run_then_says_it_is_complete(tmp_path, tiny_shapes, straight, recipe):
+    """The command (2 self-launched ranks) crashes at step 4's checkpoint; the same command again continues from
+    step 2 with the uninterrupted run's losses; once more, it says the run is complete and changes nothing."""
+    run = tmp_path / "run"
+    command = _command(tiny_shapes, run, "trainer.devices=2", *recipe)
+    _crashed(command)
+    result = run_cli(command)
+    assert result.returncode == 0 and "resumed from" in result.stdout, result.stdout[-3000:]
+    assert "was trained with" not in result.stdout
+    if not recipe:  # the recipe's own settings (EMA, label smoothing, schedule) train other numbers
+        assert [losses_of(run)[s] for s in range(3, STEPS + 1)] == pytest.approx(
+            [losses_of(straight)[s] for s in range(3, STEPS + 1)], rel=1e-6)
+    assert sorted(losses_of(run)) == list(range(1, STEPS + 1))
+    kept = {name: (run / name).read_bytes() for name in ("summary.json", "metrics.csv", "model.safetensors")}
+    result = run_cli(command)
+    assert result.returncode == 0 and f"is complete at step {STEPS}: nothing to do" in result.stdout, \
+        result.stdout[-3000:]
+    assert kept == {name: (run / name).read_bytes() for name in kept}
+
+
+def test_a_changed_command_is_still_refused(tmp_path, tiny_shapes, straight):
+    """What the command asks is compared, not what the run inferred: another class count is a change."""
+    result = run_cli(_command(tiny_shapes, straight, "trainer.devices=2", "data.num_classes=5"))
+    assert result.returncode == 2
+    assert "was trained with data.num_classes=6, this command asks data.num_classes=5" in result.stdout
+
+
+# The stand-in srun of tests/multirank/test_train.py, which can also run the requeued job's first attempt under
+# fault_train.py (SRUN_SCRIPT): one task per node x tasks per node, each with the variables srun gives its tasks.
+FAKE_SRUN = """#!{python}
+import os, subprocess, sys
+script = os.environ.get("SRUN_SCRIPT")
+command = [script if script and a.endswith("tools/train.py") else a for a in sys.argv[1:] if not a.startswith("--")]
+nodes, per_node = int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
+tasks = []
+for rank in range(nodes * per_node):
+    env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node), SLURM_NODEID=str(rank // per_node),
+               SLURM_STEP_NUM_TASKS=str(nodes * per_node), SLURM_STEP_TASKS_PER_NODE=f"{{per_node}}(x{{nodes}})",
+               SLURM_STEP_NODELIST=os.environ["SLURM_JOB_NODELIST"])
+    tasks.append(subprocess.Popen(command, env=env))
+sys.exit(max(task.wait() for task in tasks))
+"""
+
+
+def test_a_requeued_slurm_job_continues_its_run_then_says_it_is_complete(tmp_path, tiny_shapes, straight):
+    """tools/slurm_train.sh under a stand-in srun (2 nodes x 1 task): the first attempt crashes at step 4's
+    checkpoint; the requeued job, the same script and arguments, continues with the uninterrupted run's losses; a
+    third submission says the run is complete."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    run = tmp_path / "slurm_run"
+    args = [a for a in _command(tiny_shapes, run) if not a.startswith("trainer.run_dir")]
+
+    def submit(**extra):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4243", "SLURM_JOB_NODELIST": "node[1-2]",
+               "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "1", "MASTER_PORT": str(port), "RUN_DIR": str(run),
+               **extra}
+        (result,) = run_together([["bash", str(REPO / "tools" / "slurm_train.sh"), *args]], timeout=300, envs=[env])
+        return result
+
+    first = submit(SRUN_SCRIPT=str(FAULT_TRAIN), VISIONDIST_FAULT="save_fail:2")
+    assert first.returncode != 0 and "injected write error" in first.stdout, first.stdout[-3000:]
+    requeued = submit()
+    assert requeued.returncode == 0 and "resumed from" in requeued.stdout, requeued.stdout[-3000:]
+    assert [losses_of(run)[s] for s in range(3, STEPS + 1)] == pytest.approx(
+        [losses_of(straight)[s] for s in range(3, STEPS + 1)], rel=1e-6)
+    again = submit()
+    assert again.returncode == 0 and f"is complete at step {STEPS}: nothing to do" in again.stdout, \
+        again.stdout[-3000:]
