@@ -2,6 +2,7 @@
 under a pipeline, mixup / cutmix through timm (also under a pipeline), and fine-tuning from an exported run."""
 
 import json
+import re
 
 import pytest
 from safetensors.torch import load_file
@@ -120,3 +121,36 @@ def test_fine_tuning_from_an_exported_run_starts_at_its_accuracy(tmp_path, tiny_
     assert start["step"] == 0
     assert start["val_top1"] == final["val_top1"] and start["val_top5"] == final["val_top5"]
     assert start["val_loss"] == pytest.approx(final["val_loss"], rel=1e-6)
+
+
+def test_files_the_device_cannot_decode_are_named_once_and_the_count_says_why_it_is_larger(tmp_path, tiny_shapes):
+    """The built-in tree plus a PNG, a CMYK JPEG and an EXIF-turned JPEG, data.decode_on=device with the shipped
+    2 workers, 3 epochs: the log names each of the three once with why, worker_decoded.txt lists them, and the
+    summary counts the reads (each file every epoch) beside the files."""
+    import shutil
+
+    from PIL import Image
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_shapes, data)
+    folder = sorted(p for p in (data / "train").iterdir() if p.is_dir())[0]
+    source = sorted(folder.glob("*.jpg"))
+    Image.open(source[0]).save(folder / "odd_png.png")
+    Image.open(source[1]).convert("CMYK").save(folder / "odd_cmyk.jpg")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.open(source[2]).save(folder / "odd_exif.jpg", exif=exif)
+    run = tmp_path / "run"
+    out = train_ok(*train_args(data, run, "data.decode_on=device", "data.num_workers=2", "model.num_heads=2",
+                               "trainer.max_epochs=3", "trainer.max_steps=0", "trainer.eval_every=1000"))
+    odd = {"odd_png.png": "not a JPEG", "odd_cmyk.jpg": "JPEG of 4 components (CMYK)",
+           "odd_exif.jpg": "EXIF orientation 6"}
+    for name, why in odd.items():
+        line = f"{folder / name} is decoded in the loader workers ({why})"
+        assert out.count(line) == 1, (line, out[-3000:])
+    listed = (run / "worker_decoded.txt").read_text().splitlines()
+    assert sorted(listed) == sorted(f"{folder / name}\t{why}" for name, why in odd.items())
+    summary = json.loads((run / "summary.json").read_text())["decode_on=device (rank 0)"]
+    reads = re.search(r", (\d+) in the loader workers \(3 files of any rank, each counted every time it is read: "
+                      r"worker_decoded.txt\)$", summary)
+    assert reads and 3 < int(reads[1]) <= 9, summary  # 3 epochs; an epoch's batches leave 3 of 99 images out

@@ -65,14 +65,36 @@ def read_encoded(path) -> Encoded | np.ndarray:
         return encoded_or_decoded(f.read(), path)
 
 
+# (name, why) of each image this process decoded itself since its last batch was collated: the batch carries them to
+# the rank, which names each file once (`FallbackCount`)
+_DECODED_HERE: list[tuple[str, str]] = []
+
+
 def encoded_or_decoded(data: bytes, path) -> Encoded | np.ndarray:
     """`read_encoded` of an image file's bytes (`path` names it in errors)."""
     frame = jpeg_frame(data) if data[:2] == b"\xff\xd8" and b"\xff\xd9" in data[-4096:] else None
-    if frame is None or frame.precision != 8 or frame.components not in (1, 3) or frame.sof not in (0, 1, 2):
-        return decode_rgb(data, path)
-    if frame.app1 and exif_orientation(data) != 1:
-        return decode_rgb(data, path)
+    why = _not_for_the_device(frame, data)
+    if why is not None:
+        image = decode_rgb(data, path)
+        _DECODED_HERE.append((str(path), why))
+        return image
     return Encoded(data, frame.height, frame.width)
+
+
+def _not_for_the_device(frame, data: bytes) -> str | None:
+    """Why the device decoder does not take this file, or None when it does."""
+    if frame is None:
+        return "not a JPEG"
+    if frame.precision != 8:
+        return f"{frame.precision}-bit JPEG"
+    if frame.components not in (1, 3):
+        return f"JPEG of {frame.components} components (CMYK)" if frame.components == 4 else \
+            f"JPEG of {frame.components} components"
+    if frame.sof not in (0, 1, 2):
+        return "lossless or arithmetic-coded JPEG"
+    if frame.app1 and (orientation := exif_orientation(data)) != 1:
+        return f"EXIF orientation {orientation}"
+    return None
 
 
 def decoder_name(device: torch.device | None = None) -> str:
@@ -133,6 +155,7 @@ class EncodedBatch:
         self.data, self.offsets, self.pixels, self.crops = data, offsets, pixels, crops
         self.size, self.interpolation = size, interpolation
         self.ready = None  # (images, event): decoded ahead by `DecodeAhead`, the event marking them done
+        self.decoded_by_worker: list[tuple[str, str]] = []  # (name, why) of the samples the worker decoded
 
     def __len__(self) -> int:
         return len(self.crops)
@@ -313,6 +336,8 @@ class collate_encoded:  # noqa: N801 - used as the DataLoader's collate function
         data = torch.cat(encoded) if encoded else torch.empty(0, dtype=torch.uint8)
         stacked = torch.stack(pixels) if pixels else torch.empty((0, self.size, self.size, 3), dtype=torch.uint8)
         batch = EncodedBatch(data, offsets, stacked, rows[:, :CROP_FIELDS].contiguous(), self.size, self.interpolation)
+        batch.decoded_by_worker = _DECODED_HERE[:]  # this batch's: a worker reads a whole batch, then collates it
+        _DECODED_HERE.clear()
         labels = torch.tensor(labels, dtype=torch.int64)
         if rows.shape[1] > CROP_FIELDS:
             return batch, labels, rows[:, CROP_FIELDS:].contiguous()
@@ -320,12 +345,17 @@ class collate_encoded:  # noqa: N801 - used as the DataLoader's collate function
 
 
 class FallbackCount:
-    """How many training images the workers had to decode under `data.decode_on=device` (logged the first time, then
-    at each power of ten), so that a data set the device cannot take shows up in the log."""
+    """The training images the workers had to decode under `data.decode_on=device`: counted (logged the first time,
+    then at each power of ten), and each file named once per rank, in the log (the first `NAMED`) and in
+    `<run>/worker_decoded.txt` (`path<TAB>why`, a line per file and rank). A file counts once per time it is read,
+    every epoch."""
+
+    NAMED = 10
 
     def __init__(self):
         self.images = self.fallbacks = 0
         self._next = 1
+        self.named: set[str] = set()
 
     def add(self, batch: EncodedBatch, device: torch.device) -> None:
         if not self.images:
@@ -333,7 +363,44 @@ class FallbackCount:
                      decoder_name(device))
         self.images += len(batch)
         self.fallbacks += int((batch.crops[:, 0] == 0).sum())
+        self._name(getattr(batch, "decoded_by_worker", []))
         if self.fallbacks >= self._next:
-            log.info("data.decode_on=device: %d of %d training images so far were decoded in the loader workers "
-                     "(not an 8-bit JPEG of 1 or 3 components, or turned by EXIF)", self.fallbacks, self.images)
+            log.info("data.decode_on=device: %d of %d training images read so far were decoded in the loader "
+                     "workers (%d files: %s)", self.fallbacks, self.images, len(self.named), WORKER_DECODED)
             self._next *= 10
+
+    def _name(self, decoded: list[tuple[str, str]]) -> None:
+        new = [(name, why) for name, why in dict(decoded).items() if name not in self.named]
+        if not new:
+            return
+        for name, why in new:
+            self.named.add(name)
+            if len(self.named) <= self.NAMED:
+                log.info("data.decode_on=device: %s is decoded in the loader workers (%s)%s", name, why,
+                         "; further files: " + WORKER_DECODED if len(self.named) == self.NAMED else "")
+        listed = worker_decoded_file()
+        if listed is not None:
+            with listed.open("a") as f:
+                f.write("".join(f"{name}\t{why}\n" for name, why in new))
+
+
+WORKER_DECODED = "worker_decoded.txt"
+
+
+def worker_decoded_file():
+    """`<run>/worker_decoded.txt` of the run this process belongs to (None outside a run)."""
+    import os
+    from pathlib import Path
+
+    from visiondist.utils.signals import RUN_DIR_ENV
+
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    return Path(run_dir) / WORKER_DECODED if run_dir else None
+
+
+def count_worker_decoded(run_dir) -> int:
+    """The files any rank had the workers decode (each listed once per rank that met it)."""
+    from pathlib import Path
+
+    path = Path(run_dir) / WORKER_DECODED
+    return len({line.split("\t", 1)[0] for line in path.read_text().splitlines()}) if path.is_file() else 0

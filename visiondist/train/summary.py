@@ -134,10 +134,14 @@ def _device_decoding(tr) -> dict:
     count = getattr(tr.task, "worker_decoded", None)
     if count is None or not count.images:
         return {}
-    from visiondist.data.device_decode import decoder_name
+    from visiondist.data.device_decode import WORKER_DECODED, count_worker_decoded, decoder_name
 
+    files = count_worker_decoded(tr.run_dir)
+    named = (f" ({files} file{'s' if files != 1 else ''} of any rank, each counted every time it is read: "
+             f"{WORKER_DECODED})") if files else ""
     return {"decode_on=device (rank 0)": f"{count.images - count.fallbacks} of {count.images} images by "
-                                         f"{decoder_name(tr.layout.device)}, {count.fallbacks} in the loader workers"}
+                                         f"{decoder_name(tr.layout.device)}, {count.fallbacks} in the loader "
+                                         f"workers{named}"}
 
 
 def _shard_fetches(tr) -> dict:
