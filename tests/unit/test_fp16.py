@@ -21,12 +21,42 @@ def test_precision_16_is_accepted_as_int_or_string(value):
     assert autocast_dtype("bf16") == torch.bfloat16
 
 
+@pytest.mark.parametrize("spelling, value", [("fp32", "32"), ("32", "32"), ("fp16", "16"), ("bf16", "bf16")])
+def test_the_spellings_the_summary_prints_are_taken(spelling, value):
+    from visiondist.cli import load_config
+
+    assert load_config(REPO / "configs", [f"trainer.precision={spelling}"], inputs=None).trainer.precision == value
+
+
 def test_other_precisions_are_refused_with_the_choices():
     from visiondist.cli import load_config
     from visiondist.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"trainer.precision='fp16' is not supported: use one of 32, bf16, 16"):
-        load_config(REPO / "configs", ["trainer.precision=fp16"], inputs=None)
+    with pytest.raises(ConfigError, match=r"trainer.precision='half' is not supported: use one of 32 \(or fp32\), "
+                                          r"bf16, 16 \(or fp16"):
+        load_config(REPO / "configs", ["trainer.precision=half"], inputs=None)
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_says_so_before_training(monkeypatch, caplog):
+    """The DeiT recipe sets bf16: where the CPU emulates bf16 (a ViT-Ti step over 8x fp32), the start-up names
+    trainer.precision=32; where it has AVX512-BF16 or AMX, nothing is said."""
+    import logging
+    from types import SimpleNamespace
+
+    from visiondist.cli import load_config
+    from visiondist.train import summary
+
+    cfg = load_config(REPO / "configs", ["trainer.precision=bf16", "trainer.max_steps=4"], inputs=None)
+    layout = SimpleNamespace(device=torch.device("cpu"), is_main=True, world_size=1)
+    sampler = SimpleNamespace(micro_batch=8, dropped_per_epoch=0, groups=None)
+    trainer = SimpleNamespace(cfg=cfg, layout=layout, data=SimpleNamespace(train_sampler=sampler), num_params=5e6,
+                              rank_params=5e6, layout_text="dp=1", total_steps=4, length="4 steps", pipeline=None)
+    for has_bf16, said in ((False, True), (True, False)):
+        monkeypatch.setattr(summary, "cpu_has_bf16", lambda: has_bf16)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=summary.log.name):
+            summary.announce(trainer)
+        assert any("use trainer.precision=32" in r.message for r in caplog.records) == said, caplog.text
 
 
 def _model_and_optimizer(fused: bool = False):

@@ -36,7 +36,14 @@ def compose(config_dir: str | Path, overrides: list[str], config_name: str = "tr
     with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
         cfg = hydra_compose(config_name=config_name, overrides=overrides)
     OmegaConf.resolve(cfg)
+    spelling = PRECISION_SPELLINGS.get(str(OmegaConf.select(cfg, "trainer.precision", default="32")))
+    if spelling is not None:  # fp32 / fp16, as the summary prints them, are 32 / 16
+        cfg.trainer.precision = spelling
     return cfg
+
+
+# trainer.precision: the spellings taken, and the value each means
+PRECISION_SPELLINGS = {"32": "32", "fp32": "32", "bf16": "bf16", "16": "16", "fp16": "16"}
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

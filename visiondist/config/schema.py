@@ -174,7 +174,7 @@ class TrainerConfig:
     max_steps: int = -1
     max_epochs: int = 10
     seed: int = 0
-    precision: str = "32"  # 32 | bf16 | 16 (fp16 autocast with dynamic loss scaling)
+    precision: str = "32"  # 32 (or fp32) | bf16 | 16 (or fp16: autocast with dynamic loss scaling)
     tf32: bool = True  # CUDA: fp32 matmuls / convolutions in TF32 (10-bit mantissa, several times faster); false: ieee
     compile: bool = False  # torch.compile each transformer block (ViT and ViTDet)
     grad_accum: int = 1

@@ -206,7 +206,9 @@ def _check_schedule(s: DictConfig) -> None:
 
 def _check_trainer(t: DictConfig) -> None:
     _one_of("trainer.accelerator", t.accelerator, _ACCELERATORS)
-    _one_of("trainer.precision", str(t.precision), _PRECISIONS)
+    if str(t.precision) not in _PRECISIONS:  # compose() makes fp32 / fp16 32 / 16
+        raise ConfigError(f"trainer.precision={t.precision!r} is not supported: use one of 32 (or fp32), bf16, "
+                          "16 (or fp16: autocast with loss scaling)")
     _one_of("trainer.on_nonfinite", t.on_nonfinite, ("raise", "skip"))
     unknown = [name for name in t.loggers if name not in LOGGERS]
     if unknown:

@@ -73,6 +73,22 @@ class LossScaler(torch.amp.GradScaler):
             flag.copy_(nonfinite.reshape(flag.shape))
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (x86: AVX512-BF16 or AMX; Arm: the BF16 extension); without it
+    torch emulates bf16 matmuls, many times slower than fp32."""
+    import torch.cpu
+
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if any(check is not None and check() for check in checks):
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
 def set_tf32(enabled: bool) -> None:
     """fp32 matmuls and convolutions on CUDA in TF32 (`trainer.tf32`): several times the fp32 rate on A100 / H100,
     with a 10-bit mantissa; off: full fp32 ("ieee")."""

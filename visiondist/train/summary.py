@@ -12,7 +12,7 @@ from typing import Any
 from visiondist.checkpoint.files import read_best
 from visiondist.observe.summary import best_evaluation
 from visiondist.train.optim import warmup_length
-from visiondist.train.precision import precision_name, precision_text
+from visiondist.train.precision import cpu_has_bf16, precision_name, precision_text
 from visiondist.utils.dcp import CHECKPOINTS
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,10 @@ def announce(tr) -> None:
         log.warning("trainer.precision=16 on the CPU: CPUs have no fp16 matrix units, so a step takes many times "
                     "the fp32 one (18.9x for ViT-Ti on 2 AMD EPYC cores, benchmarks/RESULTS.md); fp16 is for GPUs "
                     "without bf16 (V100, T4): here use trainer.precision=bf16 or 32")
+    if precision_name(t.precision) == "bf16" and tr.layout.device.type == "cpu" and not cpu_has_bf16():
+        log.warning("trainer.precision=bf16 on a CPU without bf16 instructions (AVX512-BF16, AMX): torch emulates "
+                    "bf16 matmuls, a ViT-Ti DeiT step took over 8x the fp32 one; on this machine use "
+                    "trainer.precision=32")
     if sampler.dropped_per_epoch:
         log.info("training uses %d of %d images per epoch (%d global batches of %d); %d, a different random set "
                  "each epoch, wait for the next%s", sampler.steps_per_epoch * tr.cfg.data.batch_size,
