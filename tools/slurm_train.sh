@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train on a SLURM cluster: one task per GPU, started by srun; each task reads its rank from SLURM's environment
-# (SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID, SLURM_STEP_NUM_TASKS; see visiondist/launch.py), so neither torchrun
+# (SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID, SLURM_STEP_NUM_TASKS; see visiondist/launch/slurm.py), so neither torchrun
 # nor a wrapper is needed. Arguments are tools/train.py's:
 #
 #   sbatch tools/slurm_train.sh model=vit_huge parallel=tp4 data=imagenet data.root=/data/imagenet

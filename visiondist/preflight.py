@@ -54,7 +54,7 @@ def check_inputs(cfg, purpose: str = "train") -> None:
     if d.format == "shards":  # packing counted and checked a pack's samples; `_packed` its batch
         pass
     elif d.synthetic is None:
-        check_images(d, root, purpose)
+        check_images(d, root, purpose, _has_masks(cfg.model))
     elif purpose == "train":
         _check_builtin_batch(d, found)
     if not (purpose == "train" and _resumes(cfg.trainer)):  # a resumed run reads its checkpoint, not these
@@ -210,7 +210,13 @@ def _split_key(d, split: str) -> str:
 # -- images: none missing from a class, at least one global batch to train on ---------------------------------------
 
 
-def check_images(d, root: Path, purpose: str = "train") -> None:
+def _has_masks(model_cfg) -> bool:
+    from visiondist.models.detection import has_masks
+
+    return has_masks(model_cfg)
+
+
+def check_images(d, root: Path, purpose: str = "train", masks: bool = False) -> None:
     """What the ranks' datasets would refuse, said before they start: a class folder without images (in each split
     read), train and val class folders that differ, and for training a split with fewer images than one global batch
     (`data.batch_size`): no optimizer step could be drawn from it. COCO: the usable training images (at least one box
@@ -218,7 +224,7 @@ def check_images(d, root: Path, purpose: str = "train") -> None:
     group."""
     if d.format == "coco":
         if purpose == "train":
-            _check_coco_batch(d)
+            _check_coco_batch(d, masks)
         return
     need = int(d.batch_size) if purpose == "train" else 0
     classes = {}
@@ -272,8 +278,9 @@ def _check_builtin_batch(d, num_classes: int) -> None:
                           f"data.batch_size={_fitting_batch(images)}) or raise {key}")
 
 
-def _check_coco_batch(d) -> None:
-    """A COCO training split with at least one global batch of usable images (per aspect group when grouped)."""
+def _check_coco_batch(d, masks: bool = False) -> None:
+    """A COCO training split with at least one global batch of usable images (per aspect group when grouped); for a
+    mask model, the instances left out for want of a valid segmentation said in one line, before any rank starts."""
     from visiondist.data import coco_paths
 
     images_dir, annotations = coco_paths(d, d.train_split)
@@ -282,9 +289,15 @@ def _check_coco_batch(d) -> None:
     from visiondist.data.coco import load_coco, read_records
 
     try:
-        records, _, counts = read_records(load_coco(annotations), images_dir, train=True)
+        coco = load_coco(annotations)
+        coco.dataset["_file"] = str(annotations)
+        records, _, counts = read_records(coco, images_dir, train=True, masks=masks)
     except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{annotations}: {type(exc).__name__}: {exc}") from None
+        raise ConfigError(f"{annotations}: {exc}" if isinstance(exc, ValueError) else
+                          f"{annotations}: {type(exc).__name__}: {exc}") from None
+    if counts.without_mask and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(f"{annotations.name}: {counts.without_mask} instances without a valid segmentation are left out of "
+              f"training, as detectron2 leaves them out ({counts.named_without_mask()})", flush=True)
     batch, usable = int(d.batch_size), len(records)
     if usable < batch:
         raise ConfigError(f"data.root={d.root}: the training split {d.train_split} has {usable} images with a usable "

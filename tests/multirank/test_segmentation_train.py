@@ -92,3 +92,34 @@ def test_vitdet_with_a_mask_head_trains_under_tensor_parallelism_and_exports_to_
     # the consolidated weights of the tp=2 run as one ONNX graph with masks, checked in ONNX Runtime on val images
     check = _onnx_masks_match(run, tmp_path / "vitdet.onnx")
     assert "val images" in check, check
+
+
+def test_a_messy_annotation_file_trains_a_mask_model_leaving_out_what_has_no_mask(tmp_path):
+    """`data=coco` on the built-in set with one `segmentation: []` and one polygon of 2 points (a run stopped at a rank
+    on the first and trained the second as an empty mask): both are said before any rank starts, left out, counted
+    in the summary; the run trains and leaves no failure record."""
+    import shutil
+
+    from visiondist.cli import load_config
+    from visiondist.synthetic import prepare_data
+
+    built = tmp_path / "built"
+    prepare_data(load_config(REPO / "configs", [*MASKS[:5], f"data.root={built}"], inputs=None).data)
+    root = tmp_path / "messy"
+    shutil.copytree(built, root)
+    ann_file = root / "annotations" / "instances_train.json"
+    coco = json.loads(ann_file.read_text())
+    polygons = [a for a in coco["annotations"] if not a["iscrowd"] and isinstance(a["segmentation"], list)]
+    polygons[0]["segmentation"], polygons[1]["segmentation"] = [], [[2.0, 2.0, 9.0, 9.0]]
+    ann_file.write_text(json.dumps(coco))
+    run = tmp_path / "run"
+    args = ["model=maskrcnn_mobilenet_v3", "data=coco", f"data.root={root}", "data.train_split=train",
+            "data.val_split=val", *MASKS[5:], f"trainer.run_dir={run}"]
+    result = run_cli(args, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    ids = f"annotation ids {polygons[0]['id']}, {polygons[1]['id']}: empty, or polygons of fewer than 3 points"
+    line = f"instances_train.json: 2 instances without a valid segmentation are left out of training"
+    assert line in result.stdout and ids in result.stdout
+    assert result.stdout.index(line) < result.stdout.index("parallel=auto chose")  # before the ranks
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["instances without a valid mask (left out)"] == 2 and not (run / "failure").exists()

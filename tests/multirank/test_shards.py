@@ -161,3 +161,16 @@ def test_coco_from_shards_trains_evaluates_and_resumes_as_from_the_tree(tmp_path
     train_ok(*shards, f"trainer.run_dir={split}", "trainer.stop_at_step=2")
     train_ok(f"trainer.run_dir={split}")  # the same world size: a detector's loss is a mean per rank's images
     assert losses_of(split)[4] == pytest.approx(losses_of(run)[4], rel=1e-5)
+
+
+def test_a_run_from_the_cache_with_the_server_down_says_so_in_one_line(tmp_path, packed, one_process):
+    """Every shard in the node's cache and the server gone: the run trains from the cache, says so in one line, and
+    prints no retry warnings (it printed 40 before step 1: each process retried each small file)."""
+    cache = tmp_path / "cache"
+    with serve(packed) as url:
+        train_ok(*_args(url, tmp_path / "first", "parallel.dp=2", f"data.cache_dir={cache}"))
+    out = train_ok(*_args(url, tmp_path / "offline", "parallel.dp=2", f"data.cache_dir={cache}"))
+    assert out.count(f"{url} cannot be reached") == 1 and "training from this node's cached copy" in out, out[-3000:]
+    assert "attempt" not in out and "fetching" not in out, out[-3000:]
+    b = losses_of(tmp_path / "offline")
+    assert [b[s] for s in b] == pytest.approx([losses_of(one_process)[s] for s in b], rel=1e-5) and len(b) == STEPS

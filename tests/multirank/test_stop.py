@@ -4,7 +4,9 @@ torch's elastic agent gives ranks 30 s after a stop signal before it kills them;
 evaluation, an export) last longer than that with an injected sleep (`fault_train.py`), with the shipped loader
 settings (2 workers), and signal the job the way a user or a scheduler does."""
 
+import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, assert_same_weights, finish_job, job_env, losses_of, start_job, train_args, train_ok, wait_for
+from helpers import REPO, assert_same_weights, evals_of, finish_job, job_env, losses_of, start_job, train_args, train_ok, wait_for
 from visiondist.utils.dcp import list_checkpoints
 
 pytestmark = [pytest.mark.xdist_group("faults"), pytest.mark.slow]  # timed signals: one after another
@@ -73,7 +75,8 @@ def test_sigterm_during_a_step_longer_than_the_agents_grace_keeps_the_run(tmp_pa
     command ends the run with the weights of the uninterrupted one."""
     run = tmp_path / "run"
     proc = start_job([sys.executable, str(FAULT_TRAIN),
-                      *_shipped_workers(train_args(tiny_shapes, run, *RUN, "trainer.eval_every=4"))],
+                      *_shipped_workers(train_args(tiny_shapes, run, *RUN, "trainer.eval_every=4",
+                                                   "trainer.best_metric=val_loss"))],
                      job_env(VISIONDIST_FAULT="slow_step:4", VISIONDIST_SLOW_S="40"))
     wait_for(lambda: len(losses_of(run)) >= 3 if (run / "metrics.csv").exists() else False, proc, 240, "step 3")
     time.sleep(1.0)
@@ -97,6 +100,12 @@ def test_sigterm_during_a_step_longer_than_the_agents_grace_keeps_the_run(tmp_pa
     assert f"resumed from {path}: step {step}" in (run / "train.log").read_text()
     assert sorted(losses_of(run)) == list(range(1, 11))
     assert_same_weights(reference, run)
+    # the evaluation the stop skipped runs when the run continues, and the best checkpoint is chosen among all three
+    assert "step 4's evaluation did not run before the run stopped" in (run / "train.log").read_text()
+    evaluated = evals_of(run, "val_loss")
+    assert sorted(evaluated) == [4, 8, 10], evaluated
+    best = json.loads((run / "checkpoints" / "best.json").read_text())
+    assert best["value"] == min(v for v, in evaluated.values()) and best["step"] in evaluated
 
 
 def test_the_wait_for_a_stopping_step_is_bounded_and_the_loss_said(tmp_path, tiny_shapes):
@@ -142,9 +151,10 @@ def test_a_stop_signal_ends_an_evaluation_at_once(tmp_path, reference, ranks, ho
     out = finish_job(proc, 60, "the stopped evaluation")
     name = "SIGINT" if how == "Ctrl-C" else "SIGTERM"
     assert proc.returncode == 128 + int(getattr(signal, name)) and time.time() - sent < 15, out[-3000:]
-    assert _last_line(out) == f"evaluation stopped by {name}: nothing written", out[-3000:]
-    assert "Traceback" not in out and "stopping after this step" not in out, out[-3000:]
-    assert not list((reference / "eval").glob("*/eval.json"))
+    removed = re.fullmatch(rf"evaluation stopped by {name}: nothing evaluated; its directory (\S+) \(config.yaml "
+                           r"and the log only\) was removed", _last_line(out))
+    assert removed and "Traceback" not in out and "stopping after this step" not in out, out[-3000:]
+    assert removed[1].startswith(str(reference / "eval")) and not Path(removed[1]).exists()  # no half-made eval dir
     wait_for(lambda: _gone(spawned), proc, 10, "the ranks ended")
 
 

@@ -173,9 +173,9 @@ SECONDS = {"ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0, "days": 86400.0}
 def test_a_gpu_layout_without_a_gpu_stops_before_any_rank_with_its_estimate(tmp_path, capsys, monkeypatch):
     """`python tools/train.py model=vit_huge parallel=tp4` (trainer.accelerator=auto) where no GPU is visible: one
     line saying so, with the time model's step and whole-run time on this CPU and the setting that runs it anyway."""
-    import visiondist.launch
+    import visiondist.launch.ranks
 
-    monkeypatch.setattr(visiondist.launch, "cuda_device_count", lambda: 0)
+    monkeypatch.setattr(visiondist.launch.ranks, "cuda_device_count", lambda: 0)
     line = _refused(capsys, tmp_path, "train", "model=vit_huge", "parallel=tp4")
     assert line.startswith("error: no GPU was found, so trainer.accelerator=auto would run vit_huge on 4 ranks "
                            "(dp=1 tp=4 pp=1) as 4 processes on this machine's CPU: about "), line
@@ -235,7 +235,7 @@ def test_loader_workers_follow_the_cores_per_rank(monkeypatch):
     import visiondist.data.workers as world
     from visiondist.config import ConfigError
     from visiondist.cli import load_config
-    from visiondist.data import _loader_options
+    from visiondist.data.loaders import _loader_options
 
     loader_workers = world.loader_workers
     # (8, 112): a DGX H100, 14 cores per GPU, 13 workers each; (1, 64): capped at 16

@@ -82,7 +82,7 @@ def test_pipeline_batch_must_split_into_microbatches():
         (["+trainer.foo=1"], "trainer.foo is not a setting (trainer has"),
         (["data.root"], "data.root: not an override; write key=value or group=option"),
         (["parallel.tp=2"], "use parallel.tp in {1, 3}, or model.num_heads=4 (a multiple of 2 that divides"),
-        (["trainer.precision=fp16"], "trainer.precision='fp16' is not supported"),
+        (["trainer.precision=half"], "trainer.precision='half' is not supported"),
         (["model.img_size=70"], "not a multiple of model.patch_size=16"),
         (["parallel.pp=20"], "parallel.pp=20 pipeline stages exceed model.depth=12"),
         (["parallel=pp4", "parallel.schedule=zero_bubble", "parallel.stages_per_rank=4"],

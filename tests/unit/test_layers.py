@@ -111,6 +111,62 @@ def test_a_back_edge_inside_a_function_is_caught():
                                    ("config", "parallel"): ["visiondist.config -> visiondist.parallel.mesh"]}
 
 
+def _runtime_imports(source: str) -> set[str]:
+    """`imported`, without the imports under `if TYPE_CHECKING:` (annotations only: nothing runs them)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = [ast.Pass()]
+    return imported(ast.unparse(tree))
+
+
+def module_cycles(modules: dict[str, str]) -> list[list[str]]:
+    """The cycles of imports between modules of one package (an import of the package itself is one of its
+    `__init__`, its face), each as its modules in order; type-only imports do not count."""
+    graph: dict[str, set[str]] = {}
+    for name, source in modules.items():
+        for target in _runtime_imports(source):
+            while target not in modules and "." in target:  # `from visiondist.data import loaders`: the module
+                target = target.rsplit(".", 1)[0]
+            if target != name and package_of(target) == package_of(name) and package_of(name):
+                graph.setdefault(name, set()).add(target)
+    cycles, done = [], set()
+
+    def walk(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                cycle = path[path.index(nxt):]
+                if frozenset(cycle) not in done:
+                    done.add(frozenset(cycle))
+                    cycles.append(cycle)
+            elif len(path) < len(graph) + 1:
+                walk(nxt, [*path, nxt])
+
+    for start in sorted(graph):
+        walk(start, [start])
+    return cycles
+
+
+def test_modules_of_a_package_do_not_import_each_other_in_a_circle():
+    """A cycle inside a package works only in the import order that happens to run first (the layer test looks at
+    packages and cannot see it); a module below the others breaks it."""
+    cycles = module_cycles(_modules())
+    assert not cycles, "import cycles inside a package:\n" + "\n".join(" -> ".join([*c, c[0]]) for c in cycles)
+
+
+def test_a_cycle_through_a_function_level_import_is_caught():
+    sources = {
+        "visiondist.data.augment_ops": "def f():\n    from visiondist.data.transforms import to_device\n",
+        "visiondist.data.transforms": "from visiondist.data.device_decode import EncodedBatch\n",
+        "visiondist.data.device_decode": "from visiondist.data.augment_ops import host_to\n",
+        "visiondist.train.hooks": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                  "    from visiondist.train.trainer import Trainer\n",
+        "visiondist.train.trainer": "from visiondist.train.hooks import default_hooks\n",
+    }
+    assert module_cycles(sources) == [["visiondist.data.augment_ops", "visiondist.data.transforms",
+                                       "visiondist.data.device_decode"]]
+
+
 def test_a_unit_test_cannot_start_a_process():
     """tests/unit/conftest.py keeps this directory to one process: a command line run fails the test at once; a system
     tool a library runs for itself (matplotlib's first font scan runs `fc-list`) does not."""
@@ -131,6 +187,16 @@ MAX_PACKAGE_SHARE = 0.2  # of all of visiondist's lines, subpackages included
 
 def _lines(path: Path) -> int:
     return len(path.read_text().splitlines())
+
+
+MAX_FACE_LINES = 60  # a package's __init__ is its face: its docstring and the names it hands on
+
+
+def test_every_package_init_is_a_face():
+    """Opening a package's folder shows its job as a module named for it; `__init__.py` says what the package is and
+    hands names on (a dispatch table at most), it does not hold the logic (cli's was 372 lines, launch's 362)."""
+    big = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("__init__.py") if (n := _lines(p)) > MAX_FACE_LINES}
+    assert not big, f"__init__.py files over {MAX_FACE_LINES} lines: move the logic to a module named for its job: {big}"
 
 
 def test_no_file_is_over_the_size_limit():

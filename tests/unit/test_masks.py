@@ -124,8 +124,30 @@ def test_the_loader_keeps_segmentations_as_text_and_decodes_them_per_image(maske
         a.pop("segmentation")
     boxes_only = tmp_path / "boxes.json"
     boxes_only.write_text(json.dumps(coco))
-    with pytest.raises(ValueError, match=r"annotation 1 \(image 1\) .* has no segmentation.*or a box model"):
+    with pytest.raises(ValueError, match=r"boxes.json has no valid segmentation \(annotation ids 1, 2, .* and \d+ "
+                                         r"more: .*\), which a model with a mask head trains on: .*or a box model"):
         CocoDetection(masked_set / "train", boxes_only, train=True, masks=True)
+
+
+def test_instances_without_a_valid_segmentation_are_left_out_counted_and_named(masked_set, tmp_path):
+    """An empty segmentation and a polygon of 2 points are treated alike (detectron2's rule): the instance is left out
+    of mask training, box and all, counted and named; a short polygon beside a valid one is dropped from it."""
+    ann_file = masked_set / "annotations" / "instances_train.json"
+    coco = json.loads(ann_file.read_text())
+    polygons = [a for a in coco["annotations"] if not a["iscrowd"] and isinstance(a["segmentation"], list)]
+    empty, two_points, mixed = polygons[0], polygons[1], polygons[2]
+    empty["segmentation"] = []
+    two_points["segmentation"] = [[1.0, 1.0, 5.0, 5.0]]
+    mixed["segmentation"] = [*mixed["segmentation"], [0.0, 0.0, 3.0, 3.0]]
+    messy = tmp_path / "messy.json"
+    messy.write_text(json.dumps(coco))
+    clean = CocoDetection(masked_set / "train", ann_file, train=True, masks=True)
+    data = CocoDetection(masked_set / "train", messy, train=True, masks=True)
+    assert data.counts.without_mask == 2 and data.counts.without_mask_ids == [empty["id"], two_points["id"]]
+    assert data.counts.boxes == clean.counts.boxes - 2
+    assert f"annotation ids {empty['id']}, {two_points['id']}: empty, or polygons" in data.counts.describe()
+    kept = [s for s in (data.index.segmentations.get(0, len(data.index.segmentations)))]
+    assert [[0.0, 0.0, 3.0, 3.0]] not in kept and all(len(p) >= 6 for s in kept if isinstance(s, list) for p in s)
 
 
 def test_the_ground_truth_as_predictions_scores_1_for_masks_and_boxes(masked_set):

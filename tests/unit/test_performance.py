@@ -159,7 +159,7 @@ def test_channels_last_detector_computes_the_same_losses():
 
 
 def test_loader_options_follow_the_config():
-    from visiondist.data import _loader_options
+    from visiondist.data.loaders import _loader_options
 
     cfg = OmegaConf.create({"num_workers": 2, "pin_memory": False, "prefetch_factor": 6})
     options = _loader_options(cfg, pin_memory=True)

@@ -71,7 +71,16 @@ def test_the_last_line_says_what_the_run_dir_holds(tmp_path):
     line = stopped_line("SIGINT", run, None, {"stopped at step": 7})
     assert line.startswith("stopped by SIGINT after step 7 with a checkpoint; continue with: python ")
     assert line.endswith(f"trainer.run_dir={run}")
-    assert stopped_line("SIGINT", run, "eval") == "evaluation stopped by SIGINT: nothing written"
+    # an evaluation's own directory: removed when it holds only its start-up files; anything else is named, kept
+    evaluation = tmp_path / "eval" / "2026-11-26_10-00-00"
+    evaluation.mkdir(parents=True)
+    for name in ("config.yaml", "eval.log", "layout.json"):
+        (evaluation / name).write_text("")
+    assert stopped_line("SIGINT", evaluation, "eval") == (f"evaluation stopped by SIGINT: nothing evaluated; its "
+                                                          f"directory {evaluation} (config.yaml and the log only) "
+                                                          "was removed") and not evaluation.exists()
+    assert stopped_line("SIGINT", run, "eval") == (f"evaluation stopped by SIGINT: nothing evaluated; {run} holds "
+                                                   "checkpoints") and run.is_dir()
     # ranks ended after writing their checkpoint (no result from them): metrics.csv's last step says which it was
     (run / "metrics.csv").write_text("step,epoch,loss\n6,0,0.5\n7,0,0.4\n")
     line = stopped_line("SIGINT", run, None, why="a second stop signal ended the ranks at once")

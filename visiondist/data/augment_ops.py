@@ -17,15 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from visiondist.data.augment import OPS, AugmentParams, AugmentPolicy
-
-
-def host_to(values, device: torch.device, dtype=None) -> torch.Tensor:
-    """Host values on `device` without a host-device synchronisation: a CUDA copy from pinned memory is asynchronous
-    (one from pageable memory waits for the stream first)."""
-    t = torch.as_tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+from visiondist.data.host import host_to
 
 
 def apply_operations(images: torch.Tensor, rows: torch.Tensor, layout: AugmentParams) -> torch.Tensor:

@@ -14,8 +14,10 @@ Rules, each counted and logged when the dataset is built:
 - a training image that cannot be read is logged (once per file) and replaced by the next readable index; a run of
   `max_bad_images` consecutive unreadable images is an error. In evaluation an unreadable image is an error;
 - with `masks` (a model with a mask head) every kept annotation's `segmentation` (polygons or RLE) is kept as text
-  (`visiondist.data.masks.SegmentationIndex`) and decoded to masks at the image's size when the image is read; an
-  annotation without one is an error naming it.
+  (`visiondist.data.masks.SegmentationIndex`) and decoded to masks at the image's size when the image is read. In
+  training, an instance without a valid segmentation (none, an empty list, or only polygons of fewer than 3 points)
+  is left out, box and all, as detectron2 leaves it out: counted, and named in the log; a polygon of fewer than 3
+  points beside valid ones is dropped from its instance.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Optional
 
@@ -48,13 +50,25 @@ class CocoCounts:
     degenerate_boxes: int = 0
     images_without_boxes: int = 0
     orphan_annotations: int = 0  # image_id not among `images`
+    without_mask: int = 0  # mask training: instances without a valid segmentation
+    without_mask_ids: list = field(default_factory=list)  # their annotation ids (the first `NAMED`)
+
+    NAMED = 10
 
     def describe(self) -> str:
+        masks = (f", {self.without_mask} instances without a valid segmentation ({self.named_without_mask()})"
+                 if self.without_mask else "")
         return (
             f"{self.images} images, {self.boxes} boxes; left out: {self.crowd_boxes} crowd boxes, "
             f"{self.degenerate_boxes} degenerate boxes, {self.images_without_boxes} images without usable boxes, "
-            f"{self.orphan_annotations} annotations whose image_id has no image"
+            f"{self.orphan_annotations} annotations whose image_id has no image{masks}"
         )
+
+    def named_without_mask(self) -> str:
+        more = self.without_mask - len(self.without_mask_ids)
+        ids = ", ".join(map(str, self.without_mask_ids))
+        return f"annotation id{'s' if self.without_mask > 1 else ''} {ids}{f' and {more} more' if more else ''}: " \
+               "empty, or polygons of fewer than 3 points"
 
 
 @dataclass
@@ -113,10 +127,16 @@ def read_records(coco, image_root: Path, train: bool, masks: bool = False
             if x2 - x1 < 1 or y2 - y1 < 1:
                 counts.degenerate_boxes += 1
                 continue
+            segmentation = _segmentation(ann) if masks else None
+            if masks and segmentation is None:
+                counts.without_mask += 1
+                if len(counts.without_mask_ids) < counts.NAMED:
+                    counts.without_mask_ids.append(ann.get("id"))
+                continue
             boxes.append([x1, y1, x2, y2])
             labels.append(label_of[ann["category_id"]])
             if masks:
-                segmentations.append(_segmentation(ann, coco))
+                segmentations.append(segmentation)
         if train and not boxes:
             counts.images_without_boxes += 1
             continue
@@ -127,17 +147,24 @@ def read_records(coco, image_root: Path, train: bool, masks: bool = False
         ))
         counts.boxes += len(boxes)
     counts.images = len(records)
+    if masks and counts.without_mask and not counts.boxes:
+        raise ValueError(f"{coco.dataset.get('_file', 'the annotation file')} has no valid segmentation ("
+                         f"{counts.named_without_mask()}), which a model with a mask head trains on: use an "
+                         "annotation file with masks, or a box model (e.g. model=fasterrcnn_r50 for "
+                         "model=maskrcnn_r50)")
     return records, label_of, counts
 
 
-def _segmentation(ann: dict, coco) -> Any:
+def _segmentation(ann: dict) -> Any:
+    """The annotation's segmentation as a mask model trains on it: an RLE as it is, polygons of at least 3 points
+    (6 coordinates, an even count); None when nothing valid is left (detectron2's rule)."""
     segmentation = ann.get("segmentation")
-    if not segmentation:
-        raise ValueError(f"annotation {ann.get('id')} (image {ann['image_id']}) of "
-                         f"{coco.dataset.get('_file', 'the annotation file')} has no segmentation, which a model with a "
-                         "mask head trains on: use an annotation file with masks, or a box model (e.g. "
-                         "model=fasterrcnn_r50 for model=maskrcnn_r50)")
-    return segmentation
+    if isinstance(segmentation, dict):
+        return segmentation if segmentation.get("counts") else None
+    if not isinstance(segmentation, list):
+        return None
+    polygons = [p for p in segmentation if isinstance(p, list) and len(p) >= 6 and len(p) % 2 == 0]
+    return polygons or None
 
 
 class CocoIndex:

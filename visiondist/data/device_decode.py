@@ -38,7 +38,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from visiondist.data.augment_ops import host_to
+from visiondist.data.host import host_to
 from visiondist.data.decode import decode_rgb, exif_orientation, jpeg_frame
 
 log = logging.getLogger(__name__)

@@ -141,8 +141,10 @@ def stopped_line(signal_name: str, run_dir: str | Path, kind: Optional[str], res
     `why`: why the ranks were ended."""
     if kind == "benchmark":
         return f"benchmark stopped by {signal_name}: nothing recorded"
+    if kind == "eval":
+        return f"evaluation stopped by {signal_name}: nothing evaluated; {_clear_unfinished(Path(run_dir))}"
     if kind is not None:
-        return f"{'evaluation' if kind == 'eval' else kind} stopped by {signal_name}: nothing written"
+        return f"{kind} stopped by {signal_name}: nothing written"
     from visiondist.utils.dcp import list_checkpoints
 
     kept = list_checkpoints(Path(run_dir))
@@ -157,6 +159,25 @@ def stopped_line(signal_name: str, run_dir: str | Path, kind: Optional[str], res
                 "starts the run again from step 0")
     return (f"stopped by {signal_name}: nothing was saved since step {newest} ({why}); continue from step {newest} "
             f"with: {command}")
+
+
+# what an evaluation's directory holds before its result: the job's own start-up files
+EVAL_START_FILES = {"config.yaml", "eval.log", "layout.json", "plan.json", "plan.txt"}
+
+
+def _clear_unfinished(run_dir: Path) -> str:
+    """A stopped evaluation's directory: removed when it holds only the job's start-up files (no eval.json); else
+    left, naming what is in it."""
+    import shutil
+
+    try:
+        names = sorted(p.name for p in run_dir.iterdir())
+    except OSError:
+        return "no directory was left"
+    if "eval.json" not in names and set(names) <= EVAL_START_FILES:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return f"its directory {run_dir} (config.yaml and the log only) was removed"
+    return f"{run_dir} holds {', '.join(names)}"
 
 
 def _last_logged_step(run_dir: Path) -> Optional[int]:

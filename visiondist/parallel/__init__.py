@@ -1,19 +1,12 @@
 """Turn a finished single-device model into one laid out over the device mesh.
 
-`parallelize` applies, in order: tensor-parallel plan -> pipeline stages -> data parallel. This package never imports
-the models: they declare their plans to it (`visiondist.models.vit_parallel`).
+`parallelize` (`apply.py`) applies, in order: tensor-parallel plan -> pipeline stages -> data parallel. This package
+never imports the models: they declare their plans to it (`visiondist.models.vit_parallel`).
 """
 
-from __future__ import annotations
-
-from typing import Callable, Optional
-
-import torch
-from torch import nn
-
-from visiondist.parallel.data import unwrap, wrap_data_parallel
+from visiondist.parallel.apply import local_part, parallelize
+from visiondist.parallel.data import unwrap
 from visiondist.parallel.fsdp import (
-    apply_fsdp,
     compile_blocks,
     enable_activation_checkpointing,
     is_fully_sharded,
@@ -25,7 +18,7 @@ from visiondist.parallel.fsdp import (
 from visiondist.parallel.grad import average_over_data_parallel, clip_grad_norm, finish_gradients
 from visiondist.parallel.mesh import Layout, build_layout
 from visiondist.parallel.pipeline import PipelinedViT, PipelineSpec
-from visiondist.parallel.tensor import SHARD_DIM, apply_tensor_parallel, full_state_dict
+from visiondist.parallel.tensor import full_state_dict
 
 __all__ = [
     "Layout",
@@ -47,73 +40,3 @@ __all__ = [
     "reshard",
     "unwrap",
 ]
-
-
-def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = False,
-                pipeline: Optional[PipelineSpec] = None, loss_fn: Optional[Callable] = None, fsdp: bool = False,
-                offload: bool = False, activation_checkpointing: bool = False, checkpoint_blocks: int = -1,
-                compile: bool = False, param_dtype: Optional[torch.dtype] = None,
-                materialize: Optional[Callable[[nn.Module], None]] = None, wrap: bool = True,
-                shard_size: int = 0) -> nn.Module:
-    """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out over the mesh.
-
-    A model on the meta device is laid out first and then handed to `materialize`, before any wrapper that needs
-    real tensors (DDP broadcasts them): it allocates and fills this rank's tensors (`local_part` says which part of
-    each full tensor that is).
-
-    With `layout.pp > 1` the result is this rank's `PipelinedViT` (its stages, TP-sharded inside when tp > 1); its
-    gradients are averaged over data parallel by `average_over_data_parallel` after the schedule's backward, as
-    Megatron does, instead of by a DDP wrapper; its last stage computes `loss_fn(logits, labels)` (default: cross
-    entropy). With `fsdp` it is the model fully sharded over DP (FSDP2; `offload` keeps the shards in host memory).
-    `param_dtype` (bf16, fp16 runs): FSDP gathers the weights in that dtype; `shard_size` < dp: HSDP (shard inside
-    groups of that many DP ranks, replicate across them). Otherwise it is the model, under DDP when
-    dp > 1 (`wrap=False`: bare, for the dry run, whose meta tensors DDP cannot broadcast). `activation_checkpointing` recomputes each block's activations
-    in the backward (`checkpoint_blocks` > 0: only the first that many blocks), under any layout; `compile` compiles
-    each block (before any sharding wrapper, as FSDP2 expects).
-    """
-    if activation_checkpointing:
-        enable_activation_checkpointing(model, checkpoint_blocks)
-    if compile:
-        compile_blocks(model)
-    materialize = materialize or (lambda _model: None)
-    if fsdp:
-        if layout.tp > 1 or layout.pp > 1:
-            raise ValueError("FSDP shards over data parallel only here: use tp=1 and pp=1 with fsdp")
-        model = apply_fsdp(model, layout, offload, param_dtype, shard_size)
-        materialize(model)
-        return model
-    if layout.tp > 1:
-        model = apply_tensor_parallel(model, layout.tp_comm, sequence_parallel)
-    if layout.pp > 1:
-        if not hasattr(model, "blocks") or not hasattr(model, "patch_embed") or not hasattr(model, "head"):
-            raise ValueError(f"pipeline parallelism cuts a ViT classifier into stages of blocks; "
-                             f"{type(model).__name__} is not one: use parallel.pp=1")
-        kwargs = {"loss_fn": loss_fn} if loss_fn is not None else {}
-        model = PipelinedViT(model, layout, pipeline or PipelineSpec.of(layout.pp), sequence_parallel=sequence_parallel, **kwargs)
-        materialize(model)
-        return model
-    materialize(model)
-    return wrap_data_parallel(model, layout) if wrap else model
-
-
-def local_part(layout: Layout) -> Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """(name, this rank's parameter, the parameter's full value) -> the part this rank holds: the tensor-parallel
-    shard along the dim the plan cut, the DTensor's local shard (FSDP: `torch.chunk` along each sharded dim, as
-    DTensor cuts), or all of it (replicated, or a pipeline stage's own)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    def part(name: str, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        if isinstance(param, DTensor):
-            coordinate = param.device_mesh.get_coordinate()
-            for mesh_dim, placement in enumerate(param.placements):
-                if isinstance(placement, Shard):
-                    chunks = full.chunk(param.device_mesh.size(mesh_dim), dim=placement.dim)
-                    index = coordinate[mesh_dim]
-                    full = chunks[index] if index < len(chunks) else full.narrow(placement.dim, 0, 0)
-            return full
-        dim = getattr(param, SHARD_DIM, None)
-        if dim is not None and layout.tp_comm is not None:
-            return full.chunk(layout.tp_comm.size, dim=dim)[layout.tp_comm.rank]
-        return full
-
-    return part

@@ -287,6 +287,9 @@ class BestCheckpointHook(Hook):
         self.mode = t.best_mode if t.best_mode != "auto" else ("min" if "loss" in self.metric else "max")
         best = read_best(trainer.run_dir)
         self.best = best["value"] if best and best.get("metric") == self.metric else None
+        if trainer.step and trainer.last_eval.get("step") == trainer.step:  # the evaluation a stop skipped, run now
+            self.checked = -1
+            self._check(trainer)
 
     def after_step(self, trainer, loss, grad_norm):
         self._check(trainer)
@@ -354,11 +357,35 @@ class EvalHook(Hook):
     def before_train(self, trainer):
         if trainer.cfg.trainer.eval_at_start and trainer.step == 0:
             trainer.evaluate()
+        elif 0 < trainer.step < trainer.total_steps and self.due(trainer) and self._skipped(trainer):
+            log.info("step %d's evaluation did not run before the run stopped (a stop signal during that step): "
+                     "it runs now, before step %d", trainer.step, trainer.step + 1)
+            with trainer.untimed():
+                trainer.evaluate()
 
-    def after_step(self, trainer, loss, grad_norm):
+    @staticmethod
+    def due(trainer) -> bool:
+        """Whether the step just run is one the cadence evaluates after."""
         every = trainer.cfg.trainer.eval_every
         end_of_epoch = trainer.step % trainer.data.train_sampler.steps_per_epoch == 0
-        if (every and trainer.step % every == 0) or (not every and end_of_epoch):
+        return bool((every and trainer.step % every == 0) or (not every and end_of_epoch))
+
+    @staticmethod
+    def _skipped(trainer) -> bool:
+        """A run continued in its own run dir whose metrics.csv (rank 0's) has no evaluation of this step, agreed by
+        every rank (one all-reduce: the evaluation is collective)."""
+        same_run = trainer.resumed_from is not None and trainer.resumed_from.parent.parent == trainer.run_dir
+        if not same_run:
+            return False
+        key = trainer.task.headline[0]
+        logged = any(r.get("step") == trainer.step and r.get(key) is not None for r in trainer.metrics.rows)
+        missing = torch.tensor([0.0 if trainer.layout.is_main and logged else 1.0], device=trainer.layout.device)
+        if trainer.layout.world_size > 1:  # rank 0 holds the rows: its "logged" decides
+            torch.distributed.all_reduce(missing, op=torch.distributed.ReduceOp.MIN)
+        return bool(missing.item())
+
+    def after_step(self, trainer, loss, grad_norm):
+        if self.due(trainer):
             if trainer.step < trainer.total_steps and stop_agreed(trainer):  # a stop: its checkpoint, not a pass
                 trainer.stopping = True  # over the val set first (the signal may have come during this step)
                 return

@@ -92,6 +92,7 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
         **({"fp16 loss scale": _exact(tr.scaler.get_scale())} if tr.scaler is not None else {}),
         **({"unreadable train images (replaced)": bad} if (bad := count_bad_images(tr.run_dir)) else {}),
         **_device_decoding(tr),
+        **_without_masks(tr),
         **_shard_fetches(tr),
         **({"TP traffic per step (MB)": round(tr.tp_bytes_per_step / 1e6, 2)} if tr.tp_bytes_per_step else {}),
         **({"PP traffic per step (MB)": round(tr.pp_bytes_per_step / 1e6, 2)} if tr.pp_bytes_per_step else {}),
@@ -146,6 +147,14 @@ def _device_decoding(tr) -> dict:
     return {"decode_on=device (rank 0)": f"{count.images - count.fallbacks} of {count.images} images by "
                                          f"{decoder_name(tr.layout.device)}, {count.fallbacks} in the loader "
                                          f"workers{named}"}
+
+
+def _without_masks(tr) -> dict:
+    """A mask model on COCO: the training instances left out for want of a valid segmentation."""
+    counts = getattr(getattr(getattr(tr.data, "train_loader", None), "dataset", None), "counts", None)
+    if not getattr(counts, "without_mask", 0):
+        return {}
+    return {"instances without a valid mask (left out)": counts.without_mask}
 
 
 def _shard_fetches(tr) -> dict:

@@ -37,6 +37,9 @@ def is_url(root: str) -> bool:
     return "://" in str(root) and not str(root).startswith("file://")
 
 
+SERVER_AWAY = "VISIONDIST_SHARD_SERVER_AWAY"  # set to data.root when a job found its server away and used the cache
+
+
 def default_cache() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "visiondist" / "shards"
@@ -77,14 +80,19 @@ class ShardStore:
                                  "tree)")
             return path.read_bytes()
         cached = self.cache / f"{name}.last"
-        try:
-            data = self._download(self.url(name), None)[0]
-        except ShardError:
+        if cached.is_file() and os.environ.get(SERVER_AWAY) == self.root:  # this job found the server away
+            return cached.read_bytes()
+        try:  # with a cached copy to fall back on: one attempt, no retries
+            data = self._download(self.url(name), None, retries=0 if cached.is_file() else None)[0]
+        except ShardError as exc:
             if not cached.is_file():
                 raise
-            log.warning("%s cannot be fetched: using the copy fetched on %s (the shards it lists are checked "
-                        "against it)", self.url(name), time.strftime("%Y-%m-%d %H:%M", time.localtime(
-                            cached.stat().st_mtime)))
+            if os.environ.get(SERVER_AWAY) != self.root:  # said once per job: its ranks and workers inherit this
+                os.environ[SERVER_AWAY] = self.root
+                log.warning("%s cannot be reached (%s): training from this node's cached copy of the data set in %s "
+                            "(its index fetched on %s; every shard is checked against it)", self.root,
+                            str(exc).split(" (", 1)[-1].split(")", 1)[0], self.cache,
+                            time.strftime("%Y-%m-%d %H:%M", time.localtime(cached.stat().st_mtime)))
             return cached.read_bytes()
         self.cache.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_name(f"{cached.name}.{os.getpid()}.part")
@@ -142,10 +150,12 @@ class ShardStore:
     def __getstate__(self):  # no open descriptors into another process
         return {**self.__dict__, "_open": {}}
 
-    def _download(self, url: str, dest: Optional[Path]) -> tuple[bytes, str]:
-        """(content if `dest` is None, SHA-256) of `url`, written to `dest` when given; retried, then ShardError."""
+    def _download(self, url: str, dest: Optional[Path], retries: Optional[int] = None) -> tuple[bytes, str]:
+        """(content if `dest` is None, SHA-256) of `url`, written to `dest` when given; retried (`retries`, default
+        the store's), then ShardError."""
         last: Exception | None = None
-        for attempt in range(self.retries + 1):
+        retries = self.retries if retries is None else retries
+        for attempt in range(retries + 1):
             if attempt:
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
             try:
@@ -155,8 +165,10 @@ class ShardStore:
                 if _missing(exc):  # there is nothing to wait for
                     raise ShardError(f"cannot fetch {url}: {exc}; data.root must be where `tools/data.py pack` "
                                      "wrote the data set") from None
-                log.warning("fetching %s failed (%s): attempt %d of %d", url, exc, attempt + 1, self.retries + 1)
-        raise ShardError(f"cannot fetch {url} ({last}) after {self.retries + 1} attempts: check that the server "
+                if attempt < retries:
+                    log.warning("fetching %s failed (%s): attempt %d of %d", url, exc, attempt + 1, retries + 1)
+        raise ShardError(f"cannot fetch {url} ({last}) after {retries + 1} attempt{'s' if retries else ''}: check "
+                         "that the server "
                          "is up and reachable from this node (a flaky one: raise data.fetch_retries)")
 
     def _make_room(self, size: int) -> None:

@@ -1,0 +1,348 @@
+"""Starting the ranks of a job (`launch`): self-launched through torch's elastic launcher, or joined under torchrun /
+srun; each rank's set-up (`run_rank`: process group, device, threads, run dir, watchdog, failure records), and a
+failing or stopped job's one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import uuid
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from visiondist.config import ConfigError, from_container, to_container
+from visiondist.config.layout import RunLayout
+from visiondist.train.precision import set_tf32
+from visiondist.launch.rundir import _shared_run_dir, _write_plan, new_run_dir, run_kind
+from visiondist.launch.slurm import slurm_env
+from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stopped_line
+from visiondist.plan import announce, cuda_device_count, resolve
+from visiondist.launch.estimate import check_gpu_layout
+
+log = logging.getLogger(__name__)
+
+Entry = Callable[[DictConfig, Any, Path], Any]
+
+
+def _set_threads(local_world: int) -> None:
+    """Split the CPU cores between the ranks of a node unless the user chose (OMP_NUM_THREADS)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def _init_rank(run: RunLayout, single: bool, startup_timeout_s: float = 1800.0,
+               tf32: bool = True) -> tuple[torch.device, int]:
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    _set_threads(run.per_node)
+    device_id = None
+    if run.accelerator == "cuda":
+        device = device_id = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+        set_tf32(tf32)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=startup_timeout_s)  # shortened to trainer.dist_timeout_s after the first step
+        # device_id (NCCL): the communicator is created now, and mesh sub-groups split from it instead of each
+        # building its own
+        if single:  # one process: an in-memory store, no ports
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+                                    device_id=device_id)
+        else:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout, device_id=device_id)
+    return device, local_rank
+
+
+def cuda_index(local_rank: int, visible: int) -> int:
+    """The GPU of a rank: its local rank, or the only visible GPU when each task is bound to one (SLURM
+    `--gpus-per-task=1`, or CUDA_VISIBLE_DEVICES set per rank), whatever its local rank."""
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise ConfigError(f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs: start at most {visible} ranks "
+                      "per node, or bind one GPU per task")
+
+
+def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str], auto_plan: Any = None,
+             top_level: bool = False) -> Any:
+    """Body of every rank: process group, device, mesh, then `entry`. Whatever happens, the rank's loader workers
+    end with it; a failure leaves `<run>/failure/rank<k>.txt` (see `visiondist.faults.failures`). `top_level`: this
+    process is what the user started (one rank, or a torchrun / srun task), so a hang's line is printed here."""
+    from visiondist.data.workers import close_loaders
+    from visiondist.faults.failures import RANK_ERRORS
+    from visiondist.utils.heartbeat import PROGRESS
+    from visiondist.utils.signals import STOP, StopNow
+    from visiondist.parallel import build_layout
+
+    cfg = from_container(cfg_dict)
+    OmegaConf.set_readonly(cfg, True)  # resolved once, in the launching process: nothing below changes it
+    PROGRESS.reset(cfg.trainer.startup_timeout_s)
+    if run_dir is not None:
+        _flight_recorder(Path(run_dir), run.accelerator)
+    # from the start: a stop asked for while the process group forms is still a stop; one voice per job: this
+    # process when it is what the user started (global rank 0 of it), else the launcher (`launch.stop`)
+    signals = STOP.install(at_once=run_kind(entry) == "eval", speak=top_level and os.environ.get("RANK", "0") == "0")
+    device, local_rank = _init_rank(run, single=run.world_size == 1 and not run.under_torchrun,
+                                    startup_timeout_s=cfg.trainer.startup_timeout_s, tf32=cfg.trainer.tf32)
+    path, watchdog = (Path(run_dir) if run_dir else None), None
+    try:
+        path = path or _shared_run_dir(cfg, run, run_kind(entry))
+        watchdog = _start_watchdog(path, top_level)
+        if auto_plan is not None and run_dir is None and dist.get_rank() == 0:
+            _write_plan(path, auto_plan)
+        layout = build_layout(run.dp, run.tp, run.pp, device, local_rank, run=run)
+        return entry(cfg, layout, path)
+    except StopNow as stop:  # a second signal, or an evaluation's first: this rank leaves now, unsaved
+        return _stopped_now(stop.signal_name, path)
+    except RANK_ERRORS as exc:
+        if STOP.received is not None and (STOP.at_once or STOP.count > 1):  # a peer that left at once
+            return _stopped_now(STOP.received, path)
+        _record(path, exc)
+        raise
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+        close_loaders()
+        signals.restore(ignore=not top_level)  # a spawned rank: its launcher takes any later signal
+        dist.destroy_process_group()
+
+
+def _stopped_now(signal_name: str, run_dir: Optional[Path]) -> dict:
+    from visiondist.utils.heartbeat import PROGRESS
+
+    return {"stopped at step": PROGRESS.step, "stopped by": signal_name, "at once": True, "run dir": str(run_dir)}
+
+
+def _flight_recorder(run_dir: Path, accelerator: str) -> None:
+    """NCCL: keep a trace of the last collectives and dump it into `<run>/hang/` when one times out (torch's flight
+    recorder). Set before the process group exists; a user's own settings win."""
+    if accelerator != "cuda":
+        return
+    from visiondist.utils.signals import HANG_DIR
+
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ:
+        (run_dir / HANG_DIR).mkdir(exist_ok=True)
+        os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(run_dir / HANG_DIR / "nccl_trace_rank_")
+
+
+def _start_watchdog(run_dir: Path, top_level: bool):
+    """The rank's hang watchdog; the loader workers it starts later learn the run dir from the environment."""
+    import sys
+
+    from visiondist.data.workers import worker_pids
+    from visiondist.faults.failures import EXIT_HANG, Watchdog
+    from visiondist.utils.signals import RANK_ENV, RUN_DIR_ENV
+
+    os.environ[RUN_DIR_ENV], os.environ[RANK_ENV] = str(run_dir), str(dist.get_rank())
+
+    def end_rank(line: str) -> None:  # the main thread is stuck: leave without it (the workers die with us)
+        if top_level:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_HANG)
+
+    return Watchdog(run_dir, dist.get_rank(), worker_pids, end_rank).start()
+
+
+def _record(run_dir: Optional[Path], exc: BaseException) -> None:
+    from visiondist.faults.failures import FAILURE_DIR, dump_stacks, is_collective_timeout, one_line, record_failure
+    from visiondist.utils.signals import HANG_DIR
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    cause = ""
+    if run_dir is not None and is_collective_timeout(exc):
+        try:
+            dump_stacks(run_dir, rank, one_line(exc))
+            cause = f"{one_line(exc)}; the stacks of every thread are in {run_dir / HANG_DIR}"
+        except OSError:
+            pass
+    line = record_failure(run_dir, rank, exc, cause)
+    where = f" (traceback: {run_dir / FAILURE_DIR / f'rank{rank}.txt'})" if run_dir is not None else ""
+    exc.visiondist_line = line + where  # type: ignore[attr-defined]
+
+
+@record  # a failing rank's traceback reaches the launcher's error report, not just its exit code
+def _elastic_worker(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: str) -> Any:
+    return run_rank(entry, cfg_dict, run, run_dir)
+
+
+def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayout:
+    """Resolve the layout (once, here), then run `entry` on every rank. Errors surface before any spawn."""
+    if env is None:  # srun's tasks become a torch.distributed job (init_process_group reads os.environ)
+        os.environ.update(slurm_env(os.environ))
+    env = dict(os.environ) if env is None else env
+    run, auto_plan = resolve(cfg, env, cuda_device_count())
+    check_gpu_layout(cfg, run, run_kind(entry))  # several ranks, no GPU found under accelerator=auto: stop, estimated
+    if run.chosen_by == "parallel=auto" and env.get("RANK", "0") == "0":
+        announce(cfg, run, auto_plan)
+    cfg_dict = to_container(cfg)
+    kind = run_kind(entry)
+    if run.under_torchrun:  # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
+        with _one_line_failure(None):
+            _report_stop(run_rank(entry, cfg_dict, run, None, auto_plan, top_level=True), kind, True)
+        return run
+    run_dir = new_run_dir(cfg, run, kind)
+    if auto_plan is not None:
+        _write_plan(run_dir, auto_plan)
+    if run.world_size == 1:
+        with _one_line_failure(run_dir):
+            _report_stop(run_rank(entry, cfg_dict, run, str(run_dir), top_level=True), kind)
+        return run
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    stop = LauncherStop(*_stop_wait(cfg, run, kind), kind=kind)
+    try:
+        with _one_line_failure(run_dir, stop), _quiet_agent(), stop:
+            results = spawn_local(_elastic_worker, run.per_node, entry, cfg_dict, run, str(run_dir),
+                                  max_restarts=cfg.trainer.max_restarts)
+        _report_stop(results.get(0), kind)
+    except SignalException as exc:  # the ranks were ended before they finished (module visiondist.launch.stop)
+        name = stop.received or signal.Signals(exc.sigval).name
+        raise JobStopped(name, stopped_line(name, run_dir, kind, why=stop.why() if stop.ended else "")) from None
+    return run
+
+
+def _stop_wait(cfg: DictConfig, run: RunLayout, kind: Optional[str]) -> tuple[float, str]:
+    """How long the launcher waits for its ranks after a stop signal, and what it waits for."""
+    if kind == "eval":
+        return 30.0, "the ranks stop (nothing to save)"
+    if kind == "benchmark":
+        return grace_seconds(cfg, run), "the ranks finish the step in flight"
+    return grace_seconds(cfg, run), "the ranks finish their step and write a checkpoint"
+
+
+class RunFailed(Exception):
+    """A rank failed. The message is one line: the rank, the step, the cause, and where the traceback is."""
+
+    exit_code = 1
+
+
+@contextmanager
+def _one_line_failure(run_dir: Optional[Path], stop: Optional[LauncherStop] = None):
+    """Turn a rank's exception (this process's, or the elastic launcher's report of a spawned rank's) into
+    `RunFailed` with the earliest rank's line from the run dir's failure records; ranks that ended while the job
+    was stopping (`stop`) stopped, they did not fail."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from visiondist.faults.failures import RANK_ERRORS, first_failure, one_line
+
+    try:
+        yield
+    except (JobStopped, RunFailed, SignalException):  # a stop signal is not a failure
+        raise
+    except ChildFailedError as exc:
+        if stop is not None and stop.received is not None and run_dir is not None:
+            raise JobStopped(stop.received, stopped_line(stop.received, run_dir, stop.kind,
+                                                         why=stop.why() if stop.ended else "")) from None
+        found = first_failure(run_dir) if run_dir is not None else None
+        if found is None:
+            rank, failure = exc.get_first_failure()
+            why = (f"killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
+                   else f"exit code {failure.exitcode}")
+            raise RunFailed(f"rank {rank} ended ({why}) without a report: see the output above") from None
+        raise RunFailed(f"{found.line} (traceback: {found.file}){_continue_hint(run_dir, found.line)}") from None
+    except RANK_ERRORS as exc:  # this process's own rank: its line (torchrun: each rank says its own)
+        line = getattr(exc, "visiondist_line", None) or one_line(exc)
+        raise RunFailed(line + _continue_hint(run_dir, line)) from exc
+
+
+def _continue_hint(run_dir: Optional[Path], line: str) -> str:
+    """A training failure after a checkpoint (a data server gone, a node lost): how to continue once it is fixed."""
+    if run_dir is None or not ("(training)" in line or "(evaluating)" in line):
+        return ""
+    from visiondist.launch.stop import continue_command
+    from visiondist.utils.dcp import list_checkpoints
+
+    kept = list_checkpoints(Path(run_dir))
+    if not kept:
+        return ""
+    return f"; once fixed, continue from step {kept[-1][0]} with: {continue_command(run_dir, False)}"
+
+
+@contextmanager
+def _quiet_agent():
+    """The elastic agent's own warnings and its failure table repeat what `RunFailed` or `JobStopped` says in one
+    line."""
+    import torch.distributed.launcher.api  # noqa: F401 (its modules' loggers exist from here on)
+
+    names = [name for name in logging.root.manager.loggerDict  # torch sets the level of each of its modules' loggers
+             if name.startswith(("torch.distributed.elastic", "torch.multiprocessing.spawn"))]
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn", *names)]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _report_stop(result: Any, kind: Optional[str], under_torchrun: bool = False) -> None:
+    """A job that stopped early says what it kept and how to continue, in one unwrapped line: raised for a signal
+    (exit 128 + signal), printed for `trainer.stop_at_step` (exit 0). Under torchrun only global rank 0 speaks."""
+    if not isinstance(result, dict) or "stopped at step" not in result:
+        return
+    speaks = os.environ.get("RANK", "0") == "0"
+    if result.get("stopped by"):
+        line = stopped_line(result["stopped by"], result["run dir"], kind, result, under_torchrun)
+        raise JobStopped(result["stopped by"], line if speaks else "")
+    if speaks:
+        from visiondist.launch.stop import continue_command
+
+        print(f"stopped after step {result['stopped at step']} (trainer.stop_at_step); continue with: "
+              f"{continue_command(result['run dir'], under_torchrun)}", flush=True)
+
+
+_TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
+
+
+def spawn_local(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0) -> dict[int, Any]:
+    """Run `fn(*args)` in `nprocs` fresh processes on this machine through torch's elastic launcher (c10d rendezvous
+    on a free localhost port); each sees RANK / WORLD_SIZE / MASTER_* in its environment. After a rank fails, every
+    rank is restarted up to `max_restarts` times. Returns every rank's return value; a failing rank raises here with
+    its traceback."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+    # Each restart gets a fresh store for the ranks' process group: with the rendezvous store shared, a restarted
+    # rank can read a peer address left by the previous attempt (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    from visiondist.compat import agent_signals
+
+    # Ranks ended at once (a stop that outlasted trainer.stop_timeout_s) leave their loader queues' semaphores to
+    # multiprocessing's resource tracker, which frees them and would print a "leaked semaphore" warning after the
+    # job's last line; the tracker takes this process's -W options when it starts.
+    if _TRACKER_QUIET not in sys.warnoptions:
+        sys.warnoptions.append(_TRACKER_QUIET)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=f"visiondist-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        **agent_signals({f.name for f in dataclasses.fields(LaunchConfig)}),  # SIGTERM / SIGINT: launch.stop's
+    )
+    return elastic_launch(config, fn)(*args)

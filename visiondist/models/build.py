@@ -1,0 +1,101 @@
+"""The model registry's builders: `build_model(cfg.model)` (a plain `nn.Module` of a family: ViT, torchvision
+detector, ViTDet), `build_deferred` (a ViT on the meta device and the source of its initial values), and what each
+family is trained for and evaluated by (`TASKS`, `EVAL_METRICS`, `eval_metrics`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from visiondist.models.init import InitSource, materialize
+from visiondist.models.registry import SPECS
+import visiondist.models.vit_parallel  # noqa: F401 (registers the ViT's TP plan and blocks with visiondist.parallel)
+from visiondist.models.vit import VisionTransformer, init_source
+
+
+def _build_vit(cfg: Any) -> nn.Module:
+    """Under `torch.device("meta")` the bare meta model (its values come from `init_source`); otherwise the model
+    with its initial values: `model.weights`, `model.init_from` or the init rules."""
+    device = torch.get_default_device()
+    with torch.device("meta"):
+        model = VisionTransformer(
+            img_size=cfg.img_size,
+            patch_size=cfg.patch_size,
+            num_classes=cfg.num_classes,
+            embed_dim=cfg.embed_dim,
+            depth=cfg.depth,
+            num_heads=cfg.num_heads,
+            mlp_ratio=cfg.mlp_ratio,
+            qkv_bias=cfg.qkv_bias,
+            drop_rate=cfg.drop_rate,
+            drop_path_rate=cfg.drop_path_rate,
+        )
+    return model if device.type == "meta" else materialize(model, device, init_source(cfg, model))
+
+
+def _build_torchvision(cfg: Any) -> nn.Module:
+    from visiondist.models.detection import build_torchvision_detector
+
+    return build_torchvision_detector(cfg)
+
+
+def _build_vitdet(cfg: Any) -> nn.Module:
+    from visiondist.models.detection import build_vitdet
+
+    return build_vitdet(cfg)
+
+
+FAMILIES: dict[str, Callable[[Any], nn.Module]] = {"vit": _build_vit, "torchvision": _build_torchvision,
+                                                    "vitdet": _build_vitdet}
+TASKS = {family: spec.task for family, spec in SPECS.items()}  # what each family is trained for
+# each task's evaluation metrics, as metrics.csv names them (trainer.best_metric picks one)
+EVAL_METRICS = {
+    "classification": ("val_loss", "val_top1", "val_top5", "val_ema_loss", "val_ema_top1", "val_ema_top5"),
+    "detection": ("val_mAP", "val_AP50", "val_AP75", "val_APs", "val_APm", "val_APl", "val_AR1", "val_AR10",
+                  "val_AR100", "val_ARs", "val_ARm", "val_ARl", "val_detections", "val_ema_mAP"),
+    # a detector with a mask head reports these beside the box stats (`detection.has_masks`)
+    "segmentation": ("val_segm_mAP", "val_segm_AP50", "val_segm_AP75", "val_segm_APs", "val_segm_APm", "val_segm_APl",
+                     "val_segm_AR1", "val_segm_AR10", "val_segm_AR100", "val_segm_ARs", "val_segm_ARm",
+                     "val_segm_ARl", "val_ema_segm_mAP"),
+}
+
+
+def eval_metrics(cfg: Any) -> tuple[str, ...]:
+    """The evaluation metrics a model (its `ModelConfig`) reports: its task's, and the mask stats of a mask model."""
+    from visiondist.models.detection import has_masks
+
+    names = EVAL_METRICS[TASKS[cfg.family]]
+    return (*names, *EVAL_METRICS["segmentation"]) if has_masks(cfg) else names
+
+
+def build_model(cfg: Any) -> nn.Module:
+    """Build the model a `ModelConfig` describes (random init or local weights, nothing downloaded)."""
+    if cfg.family not in FAMILIES:
+        raise ValueError(f"unknown model.family={cfg.family!r}: known families are {', '.join(FAMILIES)}")
+    return FAMILIES[cfg.family](cfg)
+
+
+DEFERRED_INIT = {"vit": init_source}  # families built on the meta device and initialised per rank after the layout
+
+
+def build_deferred(cfg: Any, weights: bool = True) -> tuple[nn.Module, Optional[InitSource]]:
+    """A ViT: the model on the meta device and the source of its initial values (`weights=False`: None, the tensors
+    are left for a checkpoint to fill); `visiondist.models.init.materialize` allocates what a rank keeps. Other
+    families: the model built on the CPU and None. Tell the two apart with `visiondist.models.init.is_meta`."""
+    structure = cfg
+    if not weights:  # no weights file is read (a checkpoint fills the tensors); pretrained ones still shape the model
+        cfg = OmegaConf.merge(cfg, {"weights": None, "init_from": None, "backbone_weights": None})  # a copy
+    if cfg.family not in DEFERRED_INIT:
+        model = build_model(cfg)
+        if not weights and cfg.family == "torchvision":
+            from visiondist.models.detection import pretrained_structure
+
+            pretrained_structure(model, structure)
+        return model, None
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return model, DEFERRED_INIT[cfg.family](cfg, model) if weights else None
