@@ -124,9 +124,10 @@ def test_fine_tuning_from_an_exported_run_starts_at_its_accuracy(tmp_path, tiny_
 
 
 def test_files_the_device_cannot_decode_are_named_once_and_the_count_says_why_it_is_larger(tmp_path, tiny_shapes):
-    """The built-in tree plus a PNG, a CMYK JPEG and an EXIF-turned JPEG, data.decode_on=device with the shipped
-    2 workers, 3 epochs: the log names each of the three once with why, worker_decoded.txt lists them, and the
-    summary counts the reads (each file every epoch) beside the files."""
+    """The built-in tree plus a PNG, a CMYK JPEG and an EXIF-turned JPEG, and a PNG among the val images,
+    data.decode_on=device with the shipped 2 workers, 3 epochs: the log names each of the four once with why,
+    worker_decoded.txt lists them, and the summary counts the training reads (each file every epoch) beside the
+    files."""
     import shutil
 
     from PIL import Image
@@ -140,6 +141,8 @@ def test_files_the_device_cannot_decode_are_named_once_and_the_count_says_why_it
     exif = Image.Exif()
     exif[0x0112] = 6
     Image.open(source[2]).save(folder / "odd_exif.jpg", exif=exif)
+    val_folder = data / "val" / folder.name
+    Image.open(sorted(val_folder.glob("*.jpg"))[0]).save(val_folder / "odd_val.png")  # evaluation decodes alike
     run = tmp_path / "run"
     out = train_ok(*train_args(data, run, "data.decode_on=device", "data.num_workers=2", "model.num_heads=2",
                                "trainer.max_epochs=3", "trainer.max_steps=0", "trainer.eval_every=1000"))
@@ -148,9 +151,11 @@ def test_files_the_device_cannot_decode_are_named_once_and_the_count_says_why_it
     for name, why in odd.items():
         line = f"{folder / name} is decoded in the loader workers ({why})"
         assert out.count(line) == 1, (line, out[-3000:])
+    assert out.count(f"{val_folder / 'odd_val.png'} is decoded in the loader workers (not a JPEG)") == 1
     listed = (run / "worker_decoded.txt").read_text().splitlines()
-    assert sorted(listed) == sorted(f"{folder / name}\t{why}" for name, why in odd.items())
+    assert sorted(listed) == sorted([*(f"{folder / name}\t{why}" for name, why in odd.items()),
+                                     f"{val_folder / 'odd_val.png'}\tnot a JPEG"])
     summary = json.loads((run / "summary.json").read_text())["decode_on=device (rank 0)"]
-    reads = re.search(r", (\d+) in the loader workers \(3 files of any rank, each counted every time it is read: "
-                      r"worker_decoded.txt\)$", summary)
+    reads = re.search(r", (\d+) in the loader workers \(4 files of any rank, training's and evaluation's, in "
+                      r"worker_decoded.txt; a training file counts each time it is read\)$", summary)
     assert reads and 3 < int(reads[1]) <= 9, summary  # 3 epochs; an epoch's batches leave 3 of 99 images out

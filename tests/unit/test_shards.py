@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tarfile
 from pathlib import Path
 
@@ -299,3 +300,5 @@ def test_the_pack_command_names_every_unreadable_image_in_one_run(capsys, tmp_pa
         path.write_bytes(data)
     code, out, err = call_tool(capsys, "data", *command)
     assert code == 0 and (tmp_path / "out" / "dataset.json").is_file(), (out, err)
+    assert re.search(r"(\d+) of (\d+) shards were written by an earlier run of this pack: writing the other [1-4]\b",
+                     out), out

@@ -345,10 +345,10 @@ class collate_encoded:  # noqa: N801 - used as the DataLoader's collate function
 
 
 class FallbackCount:
-    """The training images the workers had to decode under `data.decode_on=device`: counted (logged the first time,
-    then at each power of ten), and each file named once per rank, in the log (the first `NAMED`) and in
-    `<run>/worker_decoded.txt` (`path<TAB>why`, a line per file and rank). A file counts once per time it is read,
-    every epoch."""
+    """The images the workers had to decode under `data.decode_on=device`: training's counted (logged the first time,
+    then at each power of ten), and each file, training's and evaluation's, named once per rank, in the log (the
+    first `NAMED`) and in `<run>/worker_decoded.txt` (`path<TAB>why`, a line per file and rank). A training file
+    counts once per time it is read, every epoch."""
 
     NAMED = 10
 
@@ -368,6 +368,13 @@ class FallbackCount:
             log.info("data.decode_on=device: %d of %d training images read so far were decoded in the loader "
                      "workers (%d files: %s)", self.fallbacks, self.images, len(self.named), WORKER_DECODED)
             self._next *= 10
+
+    def naming(self, batches):
+        """`batches` (evaluation's), each one's worker-decoded files named as training's are, none counted."""
+        for batch in batches:
+            if batch and isinstance(batch[0], EncodedBatch):
+                self._name(batch[0].decoded_by_worker)
+            yield batch
 
     def _name(self, decoded: list[tuple[str, str]]) -> None:
         new = [(name, why) for name, why in dict(decoded).items() if name not in self.named]

@@ -142,8 +142,8 @@ def _device_decoding(tr) -> dict:
     from visiondist.data.device_decode import WORKER_DECODED, count_worker_decoded, decoder_name
 
     files = count_worker_decoded(tr.run_dir)
-    named = (f" ({files} file{'s' if files != 1 else ''} of any rank, each counted every time it is read: "
-             f"{WORKER_DECODED})") if files else ""
+    named = (f" ({files} file{'s' if files != 1 else ''} of any rank, training's and evaluation's, in "
+             f"{WORKER_DECODED}; a training file counts each time it is read)") if files else ""
     return {"decode_on=device (rank 0)": f"{count.images - count.fallbacks} of {count.images} images by "
                                          f"{decoder_name(tr.layout.device)}, {count.fallbacks} in the loader "
                                          f"workers{named}"}

@@ -117,7 +117,8 @@ class ClassificationTask:
         from visiondist.evaluation.classification import evaluate_classification
 
         metrics = evaluate_classification(model, self.data.val_loader, layout, autocast, len(self.data.classes),
-                                          self.progress, self.inputs, lambda batches: self.feed(batches, layout.device))
+                                          self.progress, self.inputs,
+                                          lambda batches: self.feed(self.worker_decoded.naming(batches), layout.device))
         if layout.is_main:  # per-class top-1 of the latest evaluation, by class name
             per_class = {name: {"top1": acc, "images": n} for name, acc, n in
                          zip(self.data.classes, metrics["val_class_top1"], metrics["val_class_count"])}

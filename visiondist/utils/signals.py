@@ -82,8 +82,8 @@ class StopSignals:
             if self.at_once:
                 raise StopNow(name)
             if self.speak:
-                log.warning("%s received: stopping after this step with a checkpoint (Ctrl-C again stops at once, "
-                            "without it)", name)
+                log.warning("%s received: stopping with a checkpoint after this step or the next, the first every "
+                            "rank has heard of it (Ctrl-C again stops at once, without it)", name)
         elif time.monotonic() - self._first > self.SAME_REQUEST_S and self.count == 1 and not self.at_once:
             self.count = 2
             raise StopNow(name)

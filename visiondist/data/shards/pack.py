@@ -172,8 +172,13 @@ def write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, di
             todo.append(job)
     workers = options.workers if options.workers > 0 else len(os.sched_getaffinity(0))
     total = sum(len(j["samples"]) for j in jobs)
+    kept = len(jobs) - len(todo)
+    if kept:
+        print(f"{kept} of {len(jobs)} shards were written by an earlier run of this pack: writing the other "
+              f"{len(todo)}", flush=True)
     with Progress(disable=not options.progress, transient=False) as bar:
-        task = bar.add_task(f"packing {len(jobs)} shards", total=total,
+        task = bar.add_task(f"packing {len(todo)} of {len(jobs)} shards" if kept else f"packing {len(jobs)} shards",
+                            total=total,
                             completed=sum(len(j["samples"]) for j in jobs if j["name"] in records))
         pool = (get_context("fork").Pool(min(workers, len(todo)), initializer=_quiet_worker)
                 if workers > 1 and len(todo) > 1 else None)
