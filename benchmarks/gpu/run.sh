@@ -5,10 +5,11 @@
 # bench_*.txt and the benchmark's results.jsonl / results.md. Each part runs even when an earlier one failed; the
 # exit code is the number of parts that failed. Every mode first writes a tree of real photos and trains on it
 # (the DeiT recipe, 30 steps, JPEGs decoded in the workers and on the device: under 2 minutes), so that a lent GPU
-# runs the training path before anything else. `short` (4 minutes on an H200: the training check, the decode stress,
+# runs the training path before anything else. `short` (4-7 minutes on an H200: the training check, the decode stress,
 # step-rate and sync tests, ViT-B/16's step with decode_on=device against decoded batches) and `tests` (5 minutes:
 # every GPU test) bound each part in time; `all` adds the benchmark rows (about 15 minutes on an H100).
-#   usage: bash benchmarks/gpu/run.sh [tests|bench|all|short]
+# `mfu`: the step-rate rows (ViT-S/B/L/H, eager and compiled, plain and the DeiT recipe, each against its plain loops).
+#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|all|short]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
@@ -32,11 +33,11 @@ part() {  # seconds, log name, command...: run it bounded in time, its output to
 photos="$VISIONDIST_DATA/photos-10240"  # what tests/multirank/test_gpu.py's photos fixture reads
 part 120 photos.txt python3 benchmarks/photos.py "$photos" --train 10240 --val 256
 # the training path on real photos first: DeiT recipe, decode in the workers (two seeds) and on the device
-part 230 gpu_training.txt python3 -m pytest -p no:cacheprovider -n 0 -m gpu -rA \
+part 330 gpu_training.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 320 -m gpu -rA \
     "tests/multirank/test_gpu.py::test_decode_on_device_trains_the_deit_recipe_as_the_loader_path_does"
 
 if [[ $what == short ]]; then
-    part 200 gpu_tests.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 150 -m gpu -rA \
+    part 260 gpu_tests.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 200 -m gpu -rA \
         tests/unit/test_gpu.py tests/multirank/test_gpu.py -k "never_writes or agree_on_the_step_rate or never_waits"
     part 170 bench_vit_base_decode.txt python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out" \
         experiment=vit_b16_imagenet data.root="$photos" data.batch_size=256 bench.baseline=false \
@@ -52,20 +53,29 @@ bench() {  # name, then tools/benchmark.py arguments
     python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out" "$@" 2>&1 | tee "$out/bench_$name.txt"
     [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
 }
-if [[ $what == bench || $what == all ]]; then
-    bench vit_base model=vit_base data.img_size=224 data.batch_size=256 trainer.precision=bf16 \
+if [[ $what == mfu || $what == bench || $what == all ]]; then
+    # eager and compiled per block (trainer.compile=auto compiles on CUDA: eager is asked for by name), each against
+    # its own plain loops; ViT-S/B/L plain, then ViT-B/16 with the whole DeiT recipe on real photos
+    for row in "vit_small 256" "vit_base 256" "vit_large 128"; do
+        set -- $row
+        bench "$1" model="$1" data.img_size=224 data.batch_size="$2" trainer.precision=bf16 trainer.compile=false \
+            "bench.variants=['trainer.compile=true']"
+    done
+    bench vit_b16_deit experiment=vit_b16_imagenet data.root="$photos" data.batch_size=256 trainer.compile=false \
         "bench.variants=['trainer.compile=true']"
     # Every configuration keeps three loops alive (ours and the plain loops on timm's and on our model), each with
     # ViT-H's weights, gradients and AdamW state (~10 GB); with 64 images' activations two configurations do not fit
     # in 80 GB: below 100 GB each runs on its own (the compiled one's "/ first" ratio is then not measured).
     if (( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) < 100000 )); then
-        bench vit_huge model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16
+        bench vit_huge model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 trainer.compile=false
         bench vit_huge_compiled model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 \
             trainer.compile=true
     else
-        bench vit_huge model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 \
+        bench vit_huge model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 trainer.compile=false \
             "bench.variants=['trainer.compile=true']"
     fi
+fi
+if [[ $what == bench || $what == all ]]; then
     # the input path: per-core loader rates on real photos, nvJPEG and the device augmentation's share of a step
     python3 benchmarks/data_throughput.py --images 640 --rounds 3 --markdown "$out/data_throughput.md" \
         --json "$out/data_throughput.json" 2>&1 | tee "$out/bench_data_throughput.txt"

@@ -145,13 +145,20 @@ def _steps_without_sync(cfg, layout, run_dir):
     return True
 
 
-@pytest.mark.parametrize("decode_on", ["loader", "device"])
-def test_the_training_step_never_waits_for_the_gpu(tmp_path, tiny_shapes, decode_on):
+# the DeiT recipe's device work (vit_b16_imagenet's settings): RandAugment and erasing on the device, mixup / cutmix,
+# soft targets with label smoothing, the EMA
+RECIPE = ["data.auto_augment=rand", "data.random_erasing=0.25", "data.mixup=0.8", "data.cutmix=1.0",
+          "trainer.label_smoothing=0.1", "trainer.ema_decay=0.99996"]
+
+
+@pytest.mark.parametrize("extra", [["data.decode_on=loader"], ["data.decode_on=device"],
+                                   ["data.decode_on=device", *RECIPE]], ids=["loader", "device", "device+deit"])
+def test_the_training_step_never_waits_for_the_gpu(tmp_path, tiny_shapes, extra):
     from visiondist.cli import load_config
     from visiondist.launch import launch
 
     cfg = load_config(CONFIGS, _gpu_args(tiny_shapes, tmp_path / "run", "trainer.precision=bf16",
-                                         "trainer.max_steps=20", "data.num_workers=0", f"data.decode_on={decode_on}"))
+                                         "trainer.max_steps=20", "data.num_workers=0", *extra))
     launch(_steps_without_sync, cfg)  # data.num_workers=0: the loader is not what is being checked here
 
 

@@ -185,3 +185,24 @@ def test_the_run_says_at_start_which_limit_ends_it(tmp_path, tiny_shapes):
     assert sorted(losses_of(run)) == list(range(1, 7))
     out = train_ok(*train_args(tiny_shapes, tmp_path / "short", "model.num_heads=2", "trainer.max_steps=2"))
     assert "| 2 steps (trainer.max_steps=2 ends the run)" in out and "is not reached" not in out
+
+
+def test_compiled_blocks_train_as_eager_and_say_what_compiling_cost(tmp_path, tiny_shapes):
+    """trainer.compile=true on the CPU (auto leaves it eager there): the layout says the blocks are compiled, the
+    first step's line says how long it took and where Inductor's caches are, and the losses are eager's."""
+    from helpers import finish_job, job_env, start_job
+
+    args = ["model.num_heads=2", "trainer.max_steps=3", "trainer.eval_every=1000"]
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    out = run_cli(_args(tmp_path / "unused", tiny_shapes, *args, f"trainer.run_dir={eager}"))
+    assert out.returncode == 0 and "+compiled blocks" not in out.stdout, out.stdout[-3000:]
+    cache = tmp_path / "inductor"
+    proc = start_job([sys.executable, str(TRAIN), *_args(tmp_path / "unused", tiny_shapes, *args, "trainer.compile=true",
+                                                         f"trainer.run_dir={compiled}")],
+                     job_env(TORCHINDUCTOR_CACHE_DIR=str(cache)))
+    text = finish_job(proc, 600, "the compiled run")
+    assert proc.returncode == 0, text[-3000:]
+    assert "+compiled blocks" in text and "compiled blocks: the first step took" in text and str(cache) in text
+    a, b = losses_of(eager), losses_of(compiled)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert [b[s] for s in a] == pytest.approx([a[s] for s in a], rel=1e-4)

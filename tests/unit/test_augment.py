@@ -195,3 +195,64 @@ def test_the_worker_ships_parameters_and_applies_them_only_on_the_loader_path():
         diff = (on_device.int() - b.int()).abs()
         assert diff.max() <= 1 and (diff > 0).float().mean() < 0.005
     assert isinstance(_transform()(photo, 0, 0), torch.Tensor)  # nothing to ship: the image alone
+
+
+def test_the_device_augmentation_runs_as_many_operations_for_any_batch_size():
+    """The DeiT recipe's device work (RandAugment 2 rounds, normalisation, random erasing) launches a number of
+    operations that does not grow with the batch: every operation is applied to all the samples that drew it at once,
+    every erased box of a chunk in one pass. Counted as the aten calls torch dispatches (one launch each on a GPU), for
+    batches of 28 and 112 whose samples draw each of the 14 operations in both rounds and are all erased."""
+    from omegaconf import OmegaConf
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from visiondist.data.augment_ops import DeviceAugment
+    from visiondist.data.transforms import Normalize
+
+    class Count(TorchDispatchMode):  # the calls that compute (a view launches nothing)
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if torch.Tag.view_copy not in func.tags and not func.is_view and func.namespace == "aten":
+                self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    d = OmegaConf.create(dict(auto_augment="rand", random_erasing=1.0, random_erasing_mode="pixel",
+                              augment_on="device"))
+    augment, normalize = DeviceAugment(d, 32), Normalize([0.5] * 3, [0.25] * 3)
+
+    def calls(n: int) -> int:
+        rows = np.stack([augment.policy.draw(random.Random(i)) for i in range(n)])
+        for k in range(augment.policy.layout.rounds):  # every operation in every round, whatever n
+            rows[:, 2 * k] = np.arange(n) % len(OPS)
+        rows[:, 2 * augment.policy.layout.rounds] = 1.0  # every sample erased (its drawn box)
+        rows[:, 2 * augment.policy.layout.rounds + 1:2 * augment.policy.layout.rounds + 5] = [4, 4, 8, 8]
+        images = torch.randint(0, 256, (n, 32, 32, 3), dtype=torch.uint8)
+        with Count() as count:
+            augment(images, torch.from_numpy(rows), torch.device("cpu"), normalize)
+        return count.calls
+
+    calls(14)  # first calls initialise (torchvision's version checks)
+    small, large = calls(28), calls(112)
+    assert small == large and small < 500, (small, large)  # 2 rounds x 14 operations + normalising + erasing
+
+
+def test_the_soft_target_loss_is_timms_in_one_call():
+    """Mixed targets go through `F.cross_entropy` with class probabilities, one call instead of timm's
+    `SoftTargetCrossEntropy` (log-softmax, product, sum, mean): the same loss and gradient."""
+    from timm.data.mixup import mixup_target
+    from timm.loss import SoftTargetCrossEntropy
+
+    from visiondist.train.tasks import ClassificationTask
+
+    logits = torch.randn(16, 10, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    target = mixup_target(torch.arange(16) % 10, 10, lam=0.7, smoothing=0.1)
+    task = ClassificationTask.__new__(ClassificationTask)
+    task.label_smoothing = 0.1
+    ours = task.criterion(logits, target)
+    (grad,) = torch.autograd.grad(ours, logits)
+    theirs = SoftTargetCrossEntropy()(logits, target)
+    (their_grad,) = torch.autograd.grad(theirs, logits)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, their_grad, rtol=1e-5, atol=1e-8)

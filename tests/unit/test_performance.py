@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from helpers import REPO
 from visiondist.faults.health import StepHealth
 from visiondist.bench.report import ratio_check
 from visiondist.train.optim import build_optimizer, describe_optimizer, resolve_impl
@@ -166,3 +167,34 @@ def test_loader_options_follow_the_config():
     assert options["prefetch_factor"] == 6 and options["pin_memory"] is False and options["persistent_workers"]
     options = _loader_options(OmegaConf.create({"num_workers": 0, "pin_memory": True, "prefetch_factor": 6}), True)
     assert options["prefetch_factor"] is None and options["pin_memory"] is True
+
+
+def test_compile_auto_compiles_blocks_on_cuda_only_where_it_can(monkeypatch):
+    """trainer.compile=auto (the default): the blocks of a ViT on CUDA with Triton; never on the CPU, never a
+    detector (no blocks: not refused either), never under the zero-bubble schedule or without Triton; each time with
+    the reason. true / false are as asked, and the layout says so."""
+    import torch.utils._triton as triton
+
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+    from visiondist.config.layout import RunLayout
+    from visiondist.plan.resolve import compile_choice
+
+    def cfg(*extra):
+        return load_config(REPO / "configs", list(extra), inputs=None)
+
+    monkeypatch.setattr(triton, "has_triton", lambda: True)
+    assert cfg().trainer.compile == "auto"
+    assert compile_choice(cfg("model=vit_base"), "cuda") == (True, "each transformer block compiled on CUDA (1.28x "
+                                                                   "for ViT-B/16 on an H200)")
+    assert compile_choice(cfg("model=vit_base"), "cpu")[0] is False
+    assert "no transformer blocks" in compile_choice(cfg("model=fasterrcnn_r50", "data=shapes_coco"), "cuda")[1]
+    assert "zero-bubble" in compile_choice(cfg("model=vit_base", "parallel=pp2", "parallel.schedule=zero_bubble"),
+                                           "cuda")[1]
+    assert compile_choice(cfg("model=vit_base", "trainer.compile=false"), "cuda")[0] is False
+    assert compile_choice(cfg("model=vit_base", "trainer.compile=true"), "cpu")[0] is True
+    monkeypatch.setattr(triton, "has_triton", lambda: False)
+    assert "Triton" in compile_choice(cfg("model=vit_base"), "cuda")[1]
+    with pytest.raises(ConfigError, match=r"trainer.compile='sometimes': use auto"):
+        cfg("trainer.compile=sometimes")
+    assert RunLayout("cuda", 1, 1, 1, compile=True).describe() == "dp=1 tp=1 pp=1 (1 rank on cuda) +compiled blocks"

@@ -90,3 +90,23 @@ def test_init_from_skips_a_head_of_another_size(tmp_path):
     deeper = VisionTransformer(img_size=32, patch_size=8, num_classes=10, embed_dim=32, depth=2, num_heads=2)
     with pytest.raises(ValueError, match="does not fit VisionTransformer: missing blocks.1"):
         init_from(deeper, str(tmp_path / "w.safetensors"))
+
+
+def test_the_one_call_ema_update_is_timms_model_ema():
+    """The EMA updates every parameter in one multi-tensor lerp (`torch._foreach_lerp_`), and after 20 optimizer
+    steps holds what timm's `ModelEmaV3` (what the benchmark's plain loop uses) holds."""
+    from timm.utils import ModelEmaV3
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    ours, theirs = ModelEma(model, 0.9), ModelEmaV3(model, decay=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(20):
+        optimizer.zero_grad()
+        model(torch.randn(5, 8)).square().mean().backward()
+        optimizer.step()
+        ours.update()
+        theirs.update(model)
+    for (name, shadow, _), (their_name, value) in zip(ours.named_shadows(), theirs.module.named_parameters()):
+        assert name == their_name
+        torch.testing.assert_close(shadow, value, rtol=1e-6, atol=1e-7)

@@ -297,9 +297,9 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
         timed_plain = dict(zip(plains[i], groups[i][1:]))
         results.append({
             **common, "variant": run.name or "-", "precision": str(c.trainer.precision),
-            # input work the step does on the device (timed in ours; the plain loops augment in their loaders)
+            # input work the step does on the device (timed in ours and in the plain loops, which get decoded images)
             "device_input": device_input_work(c.data) if family == "classification" else [],
-            "compile": bool(c.trainer.compile), "compile_scope": _compile_scope(run), "optimizer": run.optimizer_name,
+            "compile": run.layout.run.compile, "compile_scope": _compile_scope(run), "optimizer": run.optimizer_name,
             "sdpa": c.model.sdpa, "activation_checkpointing": switches.activation_checkpointing,
             "channels_last": bool(c.model.channels_last), "steps_timed": len(ours.times),
             "images_per_s": images_per_s, "step": step_summary(ours.times), "gflops_per_image": gflops,
@@ -324,4 +324,4 @@ def _compile_scope(run: OursRun) -> str:
     from visiondist.models.vit import Block
 
     blocks = sum(isinstance(m, Block) for m in run.trainer.model.modules())
-    return f"per block ({blocks} blocks)" if run.cfg.trainer.compile else "none"
+    return f"per block ({blocks} blocks)" if run.layout.run.compile else "none"

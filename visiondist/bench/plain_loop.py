@@ -58,7 +58,7 @@ def _blocks_checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: s
     compilation to the model's transformer blocks; returns how many blocks were compiled."""
     from visiondist.parallel import compile_blocks, enable_activation_checkpointing
 
-    p, compile_ = switches, bool(cfg.trainer.compile)
+    p, compile_ = switches, bool(switches.compile)
     if role == "same_model":  # the model's own switches, without the layout around them
         if p.activation_checkpointing:
             enable_activation_checkpointing(model, p.checkpoint_blocks)
@@ -97,6 +97,7 @@ class PlainLoop:
                 model = model.to(memory_format=torch.channels_last)
             self.model_name = f"timm {m.timm_name}"
         self.role, self.model = role, model.train()
+        self._recipe(cfg)  # before compiling: timm's EMA deep-copies the model
         compiled = _blocks_checkpointed_and_compiled(model, cfg, role, switches)
         self.compile_scope = f"per block ({compiled} blocks)" if compiled else "none"
         o, t = cfg.optim, cfg.trainer
@@ -117,16 +118,49 @@ class PlainLoop:
         self.inputs = Normalize(cfg.data.mean, cfg.data.std) if self.classification else unit_float
         self.device = device
 
+    def _recipe(self, cfg: DictConfig) -> None:
+        """The recipe's work beyond the model, done as a user of timm does it, so that a ratio compares equal work:
+        the device augmentation the batches' rows ask for (the same batched ops: there is no other), timm's `Mixup`
+        and `SoftTargetCrossEntropy`, timm's `ModelEmaV3`."""
+        from visiondist.data.augment_ops import DeviceAugment
+
+        d, t = cfg.data, cfg.trainer
+        self.classification = cfg.model.family == "vit"
+        self.augment = DeviceAugment(d, cfg.model.img_size) if self.classification else None
+        self.mixup = None
+        if self.classification and (d.get("mixup", 0) > 0 or d.get("cutmix", 0) > 0):
+            from timm.data import Mixup
+
+            self.mixup = Mixup(mixup_alpha=d.mixup, cutmix_alpha=d.cutmix, prob=d.mixup_prob,
+                               switch_prob=d.mixup_switch_prob, label_smoothing=t.label_smoothing,
+                               num_classes=cfg.model.num_classes)
+        self.ema = None
+        if t.get("ema_decay", 0) > 0:
+            from timm.utils import ModelEmaV3
+
+            self.ema = ModelEmaV3(self.model, decay=t.ema_decay)
+
+    def _loss(self, images, targets, rows) -> torch.Tensor:
+        if self.classification and rows:
+            images = self.augment(images, rows[0], self.device, self.inputs)
+        else:
+            images = self.inputs(images, self.device)
+        if self.mixup is not None:
+            images, targets = self.mixup(images, targets)
+        with self.autocast:
+            out = self.model(images) if self.classification else self.model(images, targets)
+        if not self.classification:
+            return sum(v.float() for v in out.values())
+        if self.mixup is not None:
+            from timm.loss import SoftTargetCrossEntropy
+
+            return SoftTargetCrossEntropy()(out.float(), targets)
+        return F.cross_entropy(out.float(), targets, label_smoothing=self.smoothing)
+
     def step(self, batches: list[tuple]) -> None:
         """One optimizer step over the micro-batches (gradient accumulation)."""
-        for images, targets, *_ in batches:  # a plain loop augments in its loader: device augmentation rows unused
-            images = self.inputs(images, self.device)
-            with self.autocast:
-                out = self.model(images) if self.classification else self.model(images, targets)
-            if self.classification:
-                loss = F.cross_entropy(out.float(), targets, label_smoothing=self.smoothing)
-            else:
-                loss = sum(v.float() for v in out.values())
+        for images, targets, *rows in batches:
+            loss = self._loss(images, targets, rows)
             loss = loss / len(batches)
             (self.scaler.scale(loss) if self.scaler else loss).backward()
         if self.scaler:
@@ -138,4 +172,6 @@ class PlainLoop:
             self.scaler.update()
         else:
             self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update(self.model)
         self.optimizer.zero_grad(set_to_none=True)

@@ -143,8 +143,8 @@ def result_table(results: list[dict[str, Any]]):
     for r in results:
         if r.get("device_input"):
             caption.append(f"{_name(r)}: visiondist's step includes the input work done on the device: "
-                           f"{', '.join(r['device_input'])} (the plain loops leave decoding and augmentation to "
-                           "their loaders)")
+                           f"{', '.join(r['device_input'])} (the plain loops do the same augmentation on the device, "
+                           "with timm's Mixup and EMA where the recipe has them; they get decoded images)")
     for r in results:
         if r.get("loader_over_step") is not None and r["loader_over_step"] < LOADER_MARGIN:
             caption.append(f"WARNING {_name(r)}: the loader delivers {r['loader_over_step']:.2f}x the images the step "

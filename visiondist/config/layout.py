@@ -85,6 +85,7 @@ class RunLayout:
     activation_checkpointing: bool = False
     checkpoint_blocks: int = 0  # blocks that recompute their activations (0 without activation checkpointing)
     timeline: bool = False  # record one pipeline step's timeline
+    compile: bool = False  # torch.compile each transformer block (`trainer.compile`, auto: on CUDA where it wins)
     under_torchrun: bool = False  # this process is one rank of a torchrun / srun job
     chosen_by: str = "config"  # "config", or "parallel=auto" (the planner)
     reason: str = ""  # why parallel=auto chose it
@@ -109,7 +110,7 @@ class RunLayout:
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''} on {self.accelerator}"
         fsdp = f"+HSDP (shard {self.shard_size} x replicate {self.dp // self.shard_size})" if self.hsdp else "+FSDP"
         extras = [("+SP", self.sequence_parallel), (fsdp, self.fsdp), ("+offload", self.offload),
-                  ("+activation checkpointing", self.activation_checkpointing)]
+                  ("+activation checkpointing", self.activation_checkpointing), ("+compiled blocks", self.compile)]
         return " ".join([f"dp={self.dp} tp={self.tp} pp={self.pp} ({ranks})", *(t for t, on in extras if on)])
 
     def parallel_overrides(self) -> dict[str, Any]:

@@ -176,7 +176,7 @@ class TrainerConfig:
     seed: int = 0
     precision: str = "32"  # 32 (or fp32) | bf16 | 16 (or fp16: autocast with dynamic loss scaling)
     tf32: bool = True  # CUDA: fp32 matmuls / convolutions in TF32 (10-bit mantissa, several times faster); false: ieee
-    compile: bool = False  # torch.compile each transformer block (ViT and ViTDet)
+    compile: Any = "auto"  # torch.compile each transformer block (ViT, ViTDet): auto (on CUDA) | true | false
     grad_accum: int = 1
     clip_grad: float = 0.0  # max global grad norm; 0 disables clipping
     label_smoothing: float = 0.0  # classification cross-entropy

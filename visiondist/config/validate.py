@@ -210,6 +210,8 @@ def _check_trainer(t: DictConfig) -> None:
         raise ConfigError(f"trainer.precision={t.precision!r} is not supported: use one of 32 (or fp32), bf16, "
                           "16 (or fp16: autocast with loss scaling)")
     _one_of("trainer.on_nonfinite", t.on_nonfinite, ("raise", "skip"))
+    if t.compile not in (True, False, "auto"):
+        raise ConfigError(f"trainer.compile={t.compile!r}: use auto (compile the blocks on CUDA), true or false")
     unknown = [name for name in t.loggers if name not in LOGGERS]
     if unknown:
         raise ConfigError(f"trainer.loggers has {', '.join(map(repr, unknown))}: use any of {', '.join(LOGGERS)}, "
@@ -291,7 +293,7 @@ def _check_parallel(p: DictConfig) -> None:
 def _check_across(cfg: DictConfig) -> None:
     """Rules between groups that hold for every model family."""
     p, t = cfg.parallel, cfg.trainer
-    if t.compile and p.pp > 1 and p.schedule == "zero_bubble":
+    if t.compile is True and p.pp > 1 and p.schedule == "zero_bubble":
         raise ConfigError("trainer.compile=true with parallel.schedule=zero_bubble: the schedule splits each block's "
                           "backward into input and weight gradients, which a compiled block's backward cannot do; "
                           "use parallel.schedule=1f1b or interleaved_1f1b, or drop trainer.compile")

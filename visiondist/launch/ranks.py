@@ -28,6 +28,7 @@ from visiondist.launch.rundir import _shared_run_dir, _write_plan, new_run_dir, 
 from visiondist.launch.slurm import slurm_env
 from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stopped_line
 from visiondist.plan import announce, cuda_device_count, resolve
+from visiondist.plan.resolve import compile_choice
 from visiondist.launch.estimate import check_gpu_layout
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,12 @@ def _elastic_worker(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: str) 
     return run_rank(entry, cfg_dict, run, run_dir)
 
 
+def inductor_cache_dir() -> Path:
+    """Where compiled blocks are cached across runs: `$XDG_CACHE_HOME/visiondist/inductor` (else ~/.cache/...)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "visiondist" / "inductor"
+
+
 def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayout:
     """Resolve the layout (once, here), then run `entry` on every rank. Errors surface before any spawn."""
     if env is None:  # srun's tasks become a torch.distributed job (init_process_group reads os.environ)
@@ -191,6 +198,11 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
     check_gpu_layout(cfg, run, run_kind(entry))  # several ranks, no GPU found under accelerator=auto: stop, estimated
     if run.chosen_by == "parallel=auto" and env.get("RANK", "0") == "0":
         announce(cfg, run, auto_plan)
+    if run.compile:  # Inductor's caches (FX graphs, autograd, kernels) kept across runs, not in /tmp
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+    if cfg.trainer.compile == "auto" and run.accelerator == "cuda" and env.get("RANK", "0") == "0":
+        print(f"trainer.compile=auto: {'compiling' if run.compile else 'not compiling'}: "
+              f"{compile_choice(cfg, run.accelerator)[1]}", flush=True)
     cfg_dict = to_container(cfg)
     kind = run_kind(entry)
     if run.under_torchrun:  # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal

@@ -43,7 +43,7 @@ def _requested(cfg: DictConfig) -> dict[str, bool]:
     m, d, p, t = cfg.model, cfg.data, cfg.parallel, cfg.trainer
     return {
         TP: p.tp > 1, PP: p.pp > 1, FSDP: bool(p.fsdp), AC: bool(p.activation_checkpointing),
-        COMPILE: bool(t.compile), INIT_FROM: m.init_from is not None,
+        COMPILE: t.compile is True, INIT_FROM: m.init_from is not None,  # auto compiles only what has blocks
         CLASSIFICATION_AUG: d.mixup > 0 or d.cutmix > 0 or t.label_smoothing > 0 or d.auto_augment != "none",
         BACKBONE_WEIGHTS: m.backbone_weights is not None,
     }

@@ -43,6 +43,8 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool 
     for a checkpoint to fill. Other models are built whole on the CPU, moved to the device, then laid out."""
     m, p = cfg.model, run_of(layout)
     select_attention(m.sdpa)
+    if p.compile and cfg.trainer.compile == "auto":  # chosen, not asked: a block that fails to compile runs eager
+        torch._dynamo.config.suppress_errors = True  # (torch logs why); trainer.compile=true lets the error stop
     model, source = build_deferred(m, weights)
     fill = None
     if is_meta(model):
@@ -61,7 +63,7 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool 
     return parallelize(model, layout, p.sequence_parallel, PipelineSpec.from_layout(p), loss_fn, fsdp=p.fsdp,
                        shard_size=p.shard_size,
                        offload=p.offload, activation_checkpointing=p.activation_checkpointing,
-                       checkpoint_blocks=p.checkpoint_blocks, compile=cfg.trainer.compile,
+                       checkpoint_blocks=p.checkpoint_blocks, compile=p.compile,
                        param_dtype=autocast_dtype(cfg.trainer.precision), materialize=fill)
 
 

@@ -97,6 +97,27 @@ class StepTimer:
         return later[0][0], later[-1][1], sum(w[2] for w in later)
 
 
+class CompileHook(Hook):
+    """Under compiled blocks (`trainer.compile`), how long this process's first step took, compilation included,
+    and where Inductor keeps what it compiled for the next run of the same shapes."""
+
+    def step_context(self, trainer):
+        if not trainer.layout.run.compile or trainer.step != trainer.resumed_from_step:
+            return contextlib.nullcontext()
+        return self._timed(trainer)
+
+    @contextlib.contextmanager
+    def _timed(self, trainer):
+        import os
+
+        started = time.perf_counter()
+        yield
+        if trainer.layout.is_main:
+            log.info("compiled blocks: the first step took %.1f s, compilation included (the blocks share one graph; "
+                     "Inductor's caches in %s make a run of the same shapes start sooner)",
+                     time.perf_counter() - started, os.environ.get("TORCHINDUCTOR_CACHE_DIR", "its temporary folder"))
+
+
 class ProgressHook(Hook):
     """The rich progress bar on the main rank (`trainer.progress`), in a terminal: into a pipe or a file a bar is one
     cut-off line at the end, and the log lines already say how far the run is."""
@@ -407,7 +428,8 @@ def default_hooks() -> list[Hook]:
     - the timeline after them: its gathering is not training time;
     - the checkpoint before the evaluation, and (at the end) the weights between them: a failing evaluation loses
       neither the checkpoint nor the weights;
-    - the best checkpoint after the evaluation it is chosen by.
+    - the best checkpoint after the evaluation it is chosen by;
+    - the compile timer last: it times the first step alone.
     """
     return [ProgressHook(), TimeoutHook(), TrafficHook(), LogHook(), StopHook(), TimelineHook(), CheckpointHook(),
-            WeightsHook(), EvalHook(), BestCheckpointHook()]
+            WeightsHook(), EvalHook(), BestCheckpointHook(), CompileHook()]

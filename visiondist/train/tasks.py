@@ -100,10 +100,8 @@ class ClassificationTask:
     def criterion(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The training loss of logits against class indices or (mixed) soft targets; a pipeline's last stage
         computes it too."""
-        if target.dim() == 2:  # soft targets: label smoothing is folded into them
-            from timm.loss import SoftTargetCrossEntropy
-
-            return SoftTargetCrossEntropy()(logits.float(), target)
+        if target.dim() == 2:  # soft targets (label smoothing folded in): timm's SoftTargetCrossEntropy, in one call
+            return F.cross_entropy(logits.float(), target)
         return F.cross_entropy(logits.float(), target, label_smoothing=self.label_smoothing)
 
     def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager,
