@@ -35,6 +35,34 @@ def test_attention_runs_a_fused_kernel_never_math():
     assert ops & fused and "aten::_scaled_dot_product_attention_math" not in ops, sorted(o for o in ops if "dot" in o)
 
 
+def test_auto_attention_runs_the_kernel_it_timed_fastest():
+    """model.sdpa=auto on CUDA: the kernels timed at ViT-B/16's shape in bf16, torch given them fastest first, and the
+    fastest is the one a ViT-B block's forward and backward then run (eager and compiled)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from visiondist.models.sdpa import fastest_first, select_attention, time_kernels
+    from visiondist.models.vit import VisionTransformer
+
+    op = {"flash": "aten::_scaled_dot_product_flash_attention", "cudnn": "aten::_scaled_dot_product_cudnn_attention",
+          "efficient": "aten::_scaled_dot_product_efficient_attention"}
+    times = time_kernels((32, 12, 197, 64), torch.bfloat16, torch.device("cuda"))
+    order = fastest_first(times)
+    print("attention kernels at 32x12x197x64 bf16:", {n: t and round(t * 1e3, 3) for n, t in times.items()})
+    assert order, times
+    try:
+        select_attention("auto", order)
+        model = VisionTransformer(img_size=224, patch_size=16, num_classes=10, embed_dim=768, depth=2,
+                                  num_heads=12).cuda()
+        x = torch.randn(32, 3, 224, 224, device="cuda")
+        for run in (model, torch.compile(model)):
+            with torch.autocast("cuda", dtype=torch.bfloat16), profile(activities=[ProfilerActivity.CPU]) as prof:
+                run(x).float().sum().backward()
+            ops = {e.key for e in prof.key_averages()}
+            assert op[order[0]] in ops and not ({op[n] for n in order[1:]} & ops), sorted(o for o in ops if "dot" in o)
+    finally:
+        select_attention("auto")
+
+
 def test_pipeline_timeline_reads_cuda_events_after_the_step():
     """On CUDA the timeline puts events around each action and reads them once the step is over: no action waits for
     the device (any synchronisation inside raises), and the intervals come back in order and positive."""

@@ -14,7 +14,8 @@ from visiondist.faults.health import StepHealth
 from visiondist.bench.report import ratio_check
 from visiondist.train.optim import build_optimizer, describe_optimizer, resolve_impl
 from visiondist.utils.peaks import datasheet_tflops, peak_kind
-from visiondist.models.vit import VisionTransformer, select_attention
+from visiondist.models.sdpa import select_attention
+from visiondist.models.vit import VisionTransformer
 from visiondist.parallel import enable_activation_checkpointing
 
 

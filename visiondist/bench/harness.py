@@ -47,7 +47,7 @@ from visiondist.bench.report import ratio_check, result_table, step_summary, wri
 from visiondist.utils.peaks import datasheet_tflops, matmul_tflops, peak_kind
 from visiondist.bench.plain_loop import PlainLoop, baseline_roles
 from visiondist.utils.signals import STOP
-from visiondist.models import select_attention
+from visiondist.models.sdpa import current_order, select_attention
 from visiondist.parallel import Layout
 
 log = logging.getLogger(__name__)
@@ -62,11 +62,12 @@ def _task_family(cfg: DictConfig) -> str:
 # -- the run -------------------------------------------------------------------------------------------------------
 
 
-def apply_switches(cfg: DictConfig, device: torch.device) -> None:
-    """The process-wide switches a configuration's steps run under: the attention kernel, and TF32 on CUDA."""
+def apply_switches(cfg: DictConfig, device: torch.device, attention: Optional[list[str]] = None) -> None:
+    """The process-wide switches a configuration's steps run under: the attention kernel (in `attention`'s order: what
+    `model.sdpa=auto` measured for the trainer; the plain loops get torch's own), and TF32 on CUDA."""
     from visiondist.train.precision import set_tf32
 
-    select_attention(cfg.model.sdpa)
+    select_attention(cfg.model.sdpa, attention)
     if device.type == "cuda":
         set_tf32(cfg.trainer.tf32)
 
@@ -83,6 +84,7 @@ class OursRun:
         memory = PeakMemory(self.device)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.trainer = Trainer(cfg, layout, run_dir)
+        self.attention = current_order()  # model.sdpa=auto on CUDA: the order the build measured
         self.optimizer_name = describe_optimizer(self.trainer.optimizer, cfg.optim.impl)
         micro = self.trainer.data.train_sampler.micro_batch  # per DP rank and accumulation step
         accum = cfg.trainer.grad_accum
@@ -129,8 +131,9 @@ class Timed:
     """One loop of one configuration as the rounds see it: its label ("<configuration>:<loop>"), its steps and the
     seconds they took."""
 
-    def __init__(self, label: str, cfg: DictConfig, step: Callable[[], Any], idle: Callable[[], Any] = lambda: None):
-        self.label, self.cfg, self.step, self.idle = label, cfg, step, idle
+    def __init__(self, label: str, cfg: DictConfig, step: Callable[[], Any], idle: Callable[[], Any] = lambda: None,
+                 attention: Optional[list[str]] = None):
+        self.label, self.cfg, self.step, self.idle, self.attention = label, cfg, step, idle, attention
         self.times: list[float] = []
 
 
@@ -163,7 +166,7 @@ def time_rounds(groups: list[list[Timed]], rounds: int, steps: int, device: torc
     for index in range(rounds):
         ran = []
         for loop in round_order(groups, index):
-            apply_switches(loop.cfg, device)
+            apply_switches(loop.cfg, device, loop.attention)
             loop.times += time_steps(loop.step, steps, device, stop)
             loop.idle()
             ran.append(loop.label)
@@ -198,7 +201,7 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     if b.baseline and not baselines and layout.is_main:
         log.info("baselines skipped: the plain loops run on one device (this run has %d ranks)", layout.world_size)
     plains = [plain_loops(run.cfg, run.plain_batches, device, run.layout.run) if baselines else {} for run in runs]
-    groups = [[Timed(f"{i}:ours", run.cfg, run.step, run.idle)]
+    groups = [[Timed(f"{i}:ours", run.cfg, run.step, run.idle, run.attention)]
               + [Timed(f"{i}:plain_{role}", run.cfg, lambda loop=loop, run=run: loop.step(run.plain_batches))
                  for role, loop in plains[i].items()] for i, run in enumerate(runs)]
     try:
@@ -300,7 +303,7 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
             # input work the step does on the device (timed in ours and in the plain loops, which get decoded images)
             "device_input": device_input_work(c.data) if family == "classification" else [],
             "compile": run.layout.run.compile, "compile_scope": _compile_scope(run), "optimizer": run.optimizer_name,
-            "sdpa": c.model.sdpa, "activation_checkpointing": switches.activation_checkpointing,
+            "sdpa": c.model.sdpa, "attention_order": run.attention, "activation_checkpointing": switches.activation_checkpointing,
             "channels_last": bool(c.model.channels_last), "steps_timed": len(ours.times),
             "images_per_s": images_per_s, "step": step_summary(ours.times), "gflops_per_image": gflops,
             # whether the input path keeps up: the real loader's images/s over what this step consumes

@@ -5,11 +5,12 @@ Models hold no distributed code; each declares what `visiondist.parallel` needs 
 
 `build.py`: `build_model`, `build_deferred`, `TASKS`, `EVAL_METRICS`; families: `vit.py` (+ `vit_parallel.py`, its TP
 plan and blocks), `detection.py` (torchvision's detectors, ViTDet); `registry.py` (what each family supports),
-`init.py` (initial values, per rank), `weights.py` (pretrained files), `flops.py` (training FLOPs for MFU).
+`init.py` (initial values, per rank), `weights.py` (pretrained files), `flops.py` (training FLOPs for MFU), `sdpa.py`
+(which attention kernel runs).
 """
 
 from visiondist.models import vit_parallel  # noqa: F401 (registers the ViT's TP plan and blocks with visiondist.parallel)
 from visiondist.models.build import EVAL_METRICS, TASKS, build_deferred, build_model, eval_metrics
-from visiondist.models.vit import select_attention
+from visiondist.models.sdpa import select_attention
 
 __all__ = ["EVAL_METRICS", "TASKS", "build_deferred", "build_model", "eval_metrics", "select_attention"]

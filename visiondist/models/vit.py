@@ -23,23 +23,6 @@ from torch import nn
 
 from visiondist.models.init import InitSource, Rule, draw_seed, materialize
 
-_SDPA_SWITCHES = {"flash": "enable_flash_sdp", "efficient": "enable_mem_efficient_sdp", "cudnn": "enable_cudnn_sdp",
-                  "math": "enable_math_sdp"}
-
-
-def select_attention(kernel: str = "auto") -> None:
-    """Which kernel `scaled_dot_product_attention` may use in this process (`model.sdpa`): `auto` allows all and lets
-    torch pick per call (flash / memory-efficient / cuDNN on GPUs, the fused CPU kernel on the CPU); a name allows
-    only that one (`math`: the unfused reference). The switches are torch's process-wide ones, so compiled graphs
-    obey them too; a kernel that cannot run a call is an error from torch there."""
-    if kernel != "auto" and kernel not in _SDPA_SWITCHES:
-        raise ValueError(f"model.sdpa={kernel!r}: use auto or one of {', '.join(_SDPA_SWITCHES)}")
-    for name, switch in _SDPA_SWITCHES.items():
-        setter = getattr(torch.backends.cuda, switch, None)
-        if setter is not None:
-            setter(kernel in ("auto", name))
-
-
 class Attention(nn.Module):
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True):
         super().__init__()

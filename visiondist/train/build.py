@@ -43,6 +43,8 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool 
     for a checkpoint to fill. Other models are built whole on the CPU, moved to the device, then laid out."""
     m, p = cfg.model, run_of(layout)
     select_attention(m.sdpa)
+    if m.sdpa == "auto" and layout.device.type == "cuda":
+        order_attention(cfg, layout)
     if p.compile and cfg.trainer.compile == "auto":  # chosen, not asked: a block that fails to compile runs eager
         torch._dynamo.config.suppress_errors = True  # (torch logs why); trainer.compile=true lets the error stop
     model, source = build_deferred(m, weights)
@@ -65,6 +67,35 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool 
                        offload=p.offload, activation_checkpointing=p.activation_checkpointing,
                        checkpoint_blocks=p.checkpoint_blocks, compile=p.compile,
                        param_dtype=autocast_dtype(cfg.trainer.precision), materialize=fill)
+
+
+def order_attention(cfg: DictConfig, layout: Layout) -> None:
+    """`model.sdpa=auto` on CUDA for a model whose blocks the planner knows (a ViT): time each fused attention kernel
+    at this run's shape and let torch try them fastest first (`visiondist.models.sdpa`). The times are summed over
+    the ranks, so every rank puts the kernels in the same order; rank 0 logs them."""
+    import logging
+
+    import torch.distributed as dist
+
+    from visiondist.models.registry import spec_of
+    from visiondist.models.sdpa import describe, fastest_first, time_kernels
+
+    planner_shape = spec_of(cfg.model).planner_shape
+    if planner_shape is None:
+        return
+    s, p = planner_shape(cfg.model), run_of(layout)
+    micro = max(1, int(cfg.data.batch_size) // p.dp // int(cfg.trainer.grad_accum) // p.microbatches)
+    shape = (micro, s.num_heads // p.tp, s.tokens, s.embed_dim // s.num_heads)
+    dtype = autocast_dtype(cfg.trainer.precision) or torch.float32
+    names = ("flash", "cudnn", "efficient")
+    times = time_kernels(shape, dtype, layout.device, names)
+    summed = torch.tensor([times[n] if times[n] is not None else float("inf") for n in names], device=layout.device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(summed)
+    times = {n: (None if t == float("inf") else t) for n, t in zip(names, summed.tolist())}
+    select_attention("auto", fastest_first(times))
+    if layout.is_main:
+        logging.getLogger(__name__).info(describe(times, shape, dtype))
 
 
 def run_of(layout: Layout):
