@@ -18,7 +18,7 @@ download() {
 }
 download "hydra-core==1.3.2" "omegaconf==2.3.0" "albumentations==2.0.8" "albucore==0.0.24" "pydantic>=2" \
     "pydantic-core" "annotated-types" "typing-inspection" "stringzilla" "simsimd" "pycocotools>=2.0.8" \
-    "faster-coco-eval>=1.6"
+    "faster-coco-eval>=1.6" "torchao==0.18.0"
 python3 -m pip wheel --quiet --no-deps -w .whl "antlr4-python3-runtime==4.9.3"
 # pydantic pins pydantic-core exactly: keep the matching one only
 python3 - <<'PY'

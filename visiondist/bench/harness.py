@@ -303,7 +303,8 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
             # input work the step does on the device (timed in ours and in the plain loops, which get decoded images)
             "device_input": device_input_work(c.data) if family == "classification" else [],
             "compile": run.layout.run.compile, "compile_scope": _compile_scope(run), "optimizer": run.optimizer_name,
-            "sdpa": c.model.sdpa, "attention_order": run.attention, "activation_checkpointing": switches.activation_checkpointing,
+            "sdpa": c.model.sdpa, "attention_order": run.attention, "fp8": c.trainer.fp8,
+            "activation_checkpointing": switches.activation_checkpointing,
             "channels_last": bool(c.model.channels_last), "steps_timed": len(ours.times),
             "images_per_s": images_per_s, "step": step_summary(ours.times), "gflops_per_image": gflops,
             # whether the input path keeps up: the real loader's images/s over what this step consumes

@@ -96,6 +96,11 @@ class PlainLoop:
             if m.channels_last:
                 model = model.to(memory_format=torch.channels_last)
             self.model_name = f"timm {m.timm_name}"
+        if cfg.trainer.fp8 != "off":  # the trainer's float8 layers, converted as a user of torchao converts them
+            from visiondist.parallel import transformer_blocks
+            from visiondist.train.fp8 import to_float8
+
+            to_float8(transformer_blocks(model) if role == "same_model" else list(model.blocks), cfg.trainer.fp8)
         self.role, self.model = role, model.train()
         self._recipe(cfg)  # before compiling: timm's EMA deep-copies the model
         compiled = _blocks_checkpointed_and_compiled(model, cfg, role, switches)

@@ -175,6 +175,7 @@ class TrainerConfig:
     max_epochs: int = 10
     seed: int = 0
     precision: str = "32"  # 32 (or fp32) | bf16 | 16 (or fp16: autocast with dynamic loss scaling)
+    fp8: str = "off"  # off | tensorwise | rowwise: the blocks' linear layers in float8 (torchao), with precision=bf16
     tf32: bool = True  # CUDA: fp32 matmuls / convolutions in TF32 (10-bit mantissa, several times faster); false: ieee
     compile: Any = "auto"  # torch.compile each transformer block (ViT, ViTDet): auto (on CUDA) | true | false
     grad_accum: int = 1

@@ -210,6 +210,10 @@ def _check_trainer(t: DictConfig) -> None:
         raise ConfigError(f"trainer.precision={t.precision!r} is not supported: use one of 32 (or fp32), bf16, "
                           "16 (or fp16: autocast with loss scaling)")
     _one_of("trainer.on_nonfinite", t.on_nonfinite, ("raise", "skip"))
+    _one_of("trainer.fp8", t.fp8, ("off", "tensorwise", "rowwise"))
+    if t.fp8 != "off" and str(t.precision) != "bf16":
+        raise ConfigError(f"trainer.fp8={t.fp8} runs the blocks' linear layers in float8 and the rest in bf16: set "
+                          f"trainer.precision=bf16 too (not {t.precision})")
     if t.compile not in (True, False, "auto"):
         raise ConfigError(f"trainer.compile={t.compile!r}: use auto (compile the blocks on CUDA), true or false")
     unknown = [name for name in t.loggers if name not in LOGGERS]
@@ -297,6 +301,15 @@ def _check_across(cfg: DictConfig) -> None:
         raise ConfigError("trainer.compile=true with parallel.schedule=zero_bubble: the schedule splits each block's "
                           "backward into input and weight gradients, which a compiled block's backward cannot do; "
                           "use parallel.schedule=1f1b or interleaved_1f1b, or drop trainer.compile")
+    if t.fp8 != "off" and p.tp > 1:
+        raise ConfigError(f"trainer.fp8={t.fp8} with parallel.tp={p.tp}: float8 layers are not tensor parallel here; "
+                          "use DDP, FSDP or a pipeline (parallel.tp=1), or drop trainer.fp8")
+    if t.fp8 != "off":
+        import importlib.util
+
+        if importlib.util.find_spec("torchao") is None:
+            raise ConfigError(f"trainer.fp8={t.fp8} trains in float8 with torchao, which is not installed: "
+                              "pip install -e '.[fp8]' (or pip install torchao)")
 
 
 def _check_bench(cfg: DictConfig) -> None:

@@ -16,8 +16,8 @@ from visiondist.config.layout import check_pipeline, divisors
 from visiondist.parallel.memory import ViTShape
 
 # switches a family may support: what each is, for the refusal message
-TP, PP, FSDP, AC, COMPILE, CLASSIFICATION_AUG, INIT_FROM, BACKBONE_WEIGHTS = (
-    "tp", "pp", "fsdp", "ac", "compile", "classification_aug", "init_from", "backbone_weights")
+TP, PP, FSDP, AC, COMPILE, CLASSIFICATION_AUG, INIT_FROM, BACKBONE_WEIGHTS, FP8 = (
+    "tp", "pp", "fsdp", "ac", "compile", "classification_aug", "init_from", "backbone_weights", "fp8")
 
 
 @dataclass(frozen=True)
@@ -45,12 +45,14 @@ def _requested(cfg: DictConfig) -> dict[str, bool]:
         TP: p.tp > 1, PP: p.pp > 1, FSDP: bool(p.fsdp), AC: bool(p.activation_checkpointing),
         COMPILE: t.compile is True, INIT_FROM: m.init_from is not None,  # auto compiles only what has blocks
         CLASSIFICATION_AUG: d.mixup > 0 or d.cutmix > 0 or t.label_smoothing > 0 or d.auto_augment != "none",
-        BACKBONE_WEIGHTS: m.backbone_weights is not None,
+        BACKBONE_WEIGHTS: m.backbone_weights is not None, FP8: str(t.get("fp8", "off")) != "off",
     }
 
 
 _REFUSALS: dict[str, Callable[[DictConfig], str]] = {
     TP: lambda c: f"parallel.tp={c.parallel.tp}: tensor parallelism shards ViT blocks; {c.model.name} has none",
+    FP8: lambda c: (f"trainer.fp8={c.trainer.fp8} runs transformer blocks' linear layers in float8; {c.model.name} "
+                    "has none: drop it"),
     COMPILE: lambda c: f"trainer.compile=true compiles transformer blocks; {c.model.name} has none: drop it",
     CLASSIFICATION_AUG: lambda c: ("data.mixup / data.cutmix / data.auto_augment / trainer.label_smoothing are for "
                                    f"classification; {c.model.name} is a detector: drop them"),
@@ -115,10 +117,11 @@ def _check_classifier(cfg: DictConfig) -> None:
     _check_blocks(cfg)
 
 
-_VIT = frozenset({TP, PP, FSDP, AC, COMPILE, CLASSIFICATION_AUG, INIT_FROM})
+_VIT = frozenset({TP, PP, FSDP, AC, COMPILE, CLASSIFICATION_AUG, INIT_FROM, FP8})
 SPECS: dict[str, ModelSpec] = {  # how each family is built: visiondist.models.FAMILIES
     "vit": ModelSpec("vit", "classification", "imagefolder", _VIT, True, _check_classifier, ViTShape.from_config),
-    "vitdet": ModelSpec("vitdet", "detection", "coco", frozenset({TP, AC, COMPILE}), True, _check_vitdet),
+    "vitdet": ModelSpec("vitdet", "detection", "coco", frozenset({TP, AC, COMPILE, FP8}), True,
+                        _check_vitdet),
     "torchvision": ModelSpec("torchvision", "detection", "coco", frozenset({BACKBONE_WEIGHTS}), False,
                              _check_torchvision),
 }

@@ -14,6 +14,7 @@ from visiondist.parallel.fsdp import (
     blank_forwards,
     forwards_needed,
     reshard,
+    transformer_blocks,
 )
 from visiondist.parallel.grad import average_over_data_parallel, clip_grad_norm, finish_gradients
 from visiondist.parallel.mesh import Layout, build_layout
@@ -38,5 +39,6 @@ __all__ = [
     "local_part",
     "parallelize",
     "reshard",
+    "transformer_blocks",
     "unwrap",
 ]

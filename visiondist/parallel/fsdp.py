@@ -33,7 +33,8 @@ def register_block(cls: type) -> None:
     _BLOCKS.add(cls)
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks (the classes `register_block` named), in module order."""
     return [m for m in model.modules() if isinstance(m, tuple(_BLOCKS))]
 
 
@@ -41,7 +42,7 @@ def enable_activation_checkpointing(model: nn.Module, blocks: int = -1) -> int:
     """Recompute transformer blocks' activations in the backward (each such block keeps only its input): all blocks,
     or only the first `blocks` (selective: memory for time, block by block). Returns the number of checkpointed
     blocks; a model without blocks is an error."""
-    found = _blocks(model)
+    found = transformer_blocks(model)
     if not found:
         raise ValueError(f"activation checkpointing works per transformer block; {type(model).__name__} has none: "
                          "drop parallel.activation_checkpointing")
@@ -54,7 +55,7 @@ def enable_activation_checkpointing(model: nn.Module, blocks: int = -1) -> int:
 def compile_blocks(model: nn.Module, backend=None) -> int:
     """`torch.compile` each transformer block in place (its checkpointing, if any, included). The blocks share one
     compiled graph: their parameters and buffers are graph inputs. Returns the number of blocks."""
-    found = _blocks(model)
+    found = transformer_blocks(model)
     if not found:
         raise ValueError(f"trainer.compile compiles transformer blocks; {type(model).__name__} has none: drop it")
     for block in found:
@@ -78,7 +79,7 @@ def apply_fsdp(model: nn.Module, layout: Layout, offload: bool = False,
         mesh = split_mesh(mesh, (layout.dp // shard_size, shard_size), ("dp_replicate", "dp_shard"))
     policy = CPUOffloadPolicy(pin_memory=layout.device.type == "cuda") if offload else OffloadPolicy()
     mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-    for block in _blocks(model):
+    for block in transformer_blocks(model):
         fully_shard(block, mesh=mesh, offload_policy=policy, mp_policy=mixed)
     fully_shard(model, mesh=mesh, offload_policy=policy, mp_policy=mixed)
     return model

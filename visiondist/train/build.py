@@ -15,7 +15,7 @@ from visiondist.observe.console import setup_logging
 from visiondist.train.precision import autocast_dtype
 from visiondist.models import build_deferred, build_model, select_attention
 from visiondist.models.init import is_meta, materialize
-from visiondist.parallel import Layout, PipelineSpec, local_part, parallelize
+from visiondist.parallel import Layout, PipelineSpec, local_part, parallelize, transformer_blocks
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -48,6 +48,10 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool 
     if p.compile and cfg.trainer.compile == "auto":  # chosen, not asked: a block that fails to compile runs eager
         torch._dynamo.config.suppress_errors = True  # (torch logs why); trainer.compile=true lets the error stop
     model, source = build_deferred(m, weights)
+    if cfg.trainer.fp8 != "off":  # before the layout: FSDP shards and pipeline stages keep the float8 layers
+        from visiondist.train.fp8 import apply_fp8
+
+        apply_fp8(model, cfg.trainer.fp8, layout.device, transformer_blocks(model), layout.is_main)
     fill = None
     if is_meta(model):
         device = torch.device("cpu") if p.fsdp and p.offload else layout.device  # FSDP offload: shards on the host

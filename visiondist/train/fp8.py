@@ -1,0 +1,90 @@
+"""`trainer.fp8`: the transformer blocks' linear layers trained in float8 (torchao's `Float8Linear`), the rest in bf16.
+
+Each chosen `nn.Linear` becomes a `Float8Linear` (a subclass, same parameter names: checkpoints, EMA, export and
+resuming without fp8 are unchanged) whose matmuls cast their operands to float8 with dynamic scales: `tensorwise` one
+scale per tensor (e4m3 forward, e5m2 gradients), `rowwise` one per row (e4m3 throughout; more accurate, slower per
+matmul). Only the blocks' layers are converted (attention's q, k, v and output projections, the MLP's two): the patch
+embedding is a convolution and the head is small. A layer whose in or out features are not multiples of 16 stays as
+it is (float8 matmuls need them). The casts are worth it only compiled (`trainer.compile`, auto on CUDA): torchao's
+scaling is elementwise work Inductor fuses into the matmuls' neighbours.
+
+Speed is the GPU's: float8 tensor cores exist from compute capability 8.9 (L4, L40S, H100, H200); an older GPU is
+refused before step 1. On the CPU torch's float8 matmul is a reference path (~150x slower than bf16 on 2 cores; tensorwise on torch 2.11,
+which has no rowwise CPU kernel): for tests, with a warning.
+Tensor parallelism is refused (its row-parallel layers are not `nn.Linear`s; torchao's float8 TP styles expect
+DTensor's). Public figures say float8 gains little at ViT-B/L widths (torchao: 0.80x bf16 at 1024x2048x1024, +4% at
+~1600 wide): `benchmarks/fp8_layers.py` times each of a model's linear shapes in bf16 and float8 on the GPU at hand.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from visiondist.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+RECIPES = ("tensorwise", "rowwise")
+MIN_CAPABILITY = (8, 9)
+
+
+def _float8():
+    """torchao.float8, imported without the warning torch logs about an Enum torchao registers with pytree."""
+    quiet = logging.getLogger("torch.utils._pytree")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        import torchao.float8 as float8
+    finally:
+        quiet.setLevel(level)
+    return float8
+
+
+def float8_config(recipe: str):
+    """torchao's `Float8LinearConfig` for `recipe`, padding a matmul's inner dimension to a multiple of 16 where the
+    tokens of a batch are not (the weight gradient's inner dimension is batch x tokens)."""
+    import dataclasses
+
+    return dataclasses.replace(_float8().Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
+
+
+def eligible(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def to_float8(blocks: list[nn.Module], recipe: str) -> tuple[int, int]:
+    """Convert the eligible linear layers inside `blocks` in place; returns (converted, linear layers seen)."""
+    convert_to_float8_training = _float8().convert_to_float8_training
+    config = float8_config(recipe)
+    seen = converted = 0
+    for block in blocks:
+        linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
+        seen += len(linears)
+        converted += sum(eligible(m) for m in linears)
+        convert_to_float8_training(block, config=config, module_filter_fn=lambda m, _name: eligible(m))
+    return converted, seen
+
+
+def check_device(recipe: str, device: torch.device) -> None:
+    """Refuse a CUDA device without float8 tensor cores; warn on the CPU."""
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < MIN_CAPABILITY:
+            raise ConfigError(f"trainer.fp8={recipe} needs float8 tensor cores (compute capability 8.9+: L4, L40S, "
+                              f"H100, H200); {torch.cuda.get_device_name(device)} is "
+                              f"{capability[0]}.{capability[1]}: drop trainer.fp8")
+    elif device.type == "cpu":
+        log.warning("trainer.fp8=%s on the CPU: torch's CPU float8 matmul is a reference path (~150x slower than "
+                    "bf16 here), for testing; float8 is faster only on GPUs with float8 tensor cores", recipe)
+
+
+def apply_fp8(model: nn.Module, recipe: str, device: torch.device, blocks: list[nn.Module], is_main: bool) -> None:
+    """`trainer.fp8=recipe` on this rank's (not yet laid out) model."""
+    check_device(recipe, device)
+    converted, seen = to_float8(blocks, recipe)
+    if is_main:
+        log.info("fp8 (trainer.fp8=%s): %d of the blocks' %d linear layers in float8 (torchao), the patch embedding, "
+                 "head and the rest in bf16", recipe, converted, seen)
