@@ -199,3 +199,44 @@ def test_compile_auto_compiles_blocks_on_cuda_only_where_it_can(monkeypatch):
     with pytest.raises(ConfigError, match=r"trainer.compile='sometimes': use auto"):
         cfg("trainer.compile=sometimes")
     assert RunLayout("cuda", 1, 1, 1, compile=True).describe() == "dp=1 tp=1 pp=1 (1 rank on cuda) +compiled blocks"
+
+
+def test_checkpoint_keep_matmuls_saves_the_matmuls_recomputes_the_rest_with_the_same_gradients():
+    """parallel.checkpoint_keep=matmuls: per block the backward reuses what the 6 linear layers and the attention
+    kernel returned (saved in the forward, not run again) and recomputes the norms, GELU and drop path, replaying
+    the drop-path draws: gradients equal the unchecked model's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    plain, full, keep = _tiny_vit(drop_path=0.2), _tiny_vit(drop_path=0.2), _tiny_vit(drop_path=0.2)
+    enable_activation_checkpointing(full)
+    assert enable_activation_checkpointing(keep, keep="matmuls") == 3
+    images, labels = _batch()
+    counts = {}
+    for name, model in (("plain", plain), ("input", full), ("matmuls", keep)):
+        torch.manual_seed(5)
+        loss = F.cross_entropy(model(images), labels)
+        with Count() as count:
+            loss.backward()
+        counts[name] = count.ops
+    aten = torch.ops.aten
+    matmuls = lambda ops: sum(op in (aten.addmm.default, aten.mm.default) for op in ops)  # noqa: E731
+    attention = lambda ops: sum("scaled_dot_product" in str(op) and "backward" not in str(op) for op in ops)  # noqa: E731
+    gelus = lambda ops: sum(op is aten.gelu.default for op in ops)  # noqa: E731
+    # input: each block's linear layers (but where torch stops recomputing once the backward has what it needs: the
+    # last fc2 at most) and its attention run again in the backward; matmuls: none of them do
+    assert matmuls(counts["input"]) - matmuls(counts["plain"]) >= 3 * 6 - 1 and attention(counts["input"]) == 3
+    assert matmuls(counts["matmuls"]) == matmuls(counts["plain"]) and attention(counts["matmuls"]) == 0
+    assert gelus(counts["matmuls"]) == 3 and gelus(counts["plain"]) == 0  # the elementwise work is recomputed
+    for (name, a), b in zip(plain.named_parameters(), keep.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+    with pytest.raises(ValueError, match="parallel.checkpoint_keep='all'"):
+        enable_activation_checkpointing(_tiny_vit(), keep="all")

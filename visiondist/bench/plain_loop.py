@@ -33,13 +33,18 @@ class _Checkpointed(nn.Module):
     """A timm block that keeps only its input for the backward, as visiondist's `Block.checkpointing` does
     (non-reentrant), so that compiling it compiles the same unit as ours."""
 
-    def __init__(self, block: nn.Module):
+    def __init__(self, block: nn.Module, keep: str = "input"):
         super().__init__()
         self.block = block
+        self.context = {}
+        if keep == "matmuls":  # parallel.checkpoint_keep=matmuls: torch's selective checkpointing, the same policy
+            from visiondist.parallel import keep_matmuls_context
+
+            self.context = {"context_fn": keep_matmuls_context}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False, **self.context)
         return self.block(x)
 
 
@@ -61,12 +66,12 @@ def _blocks_checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: s
     p, compile_ = switches, bool(switches.compile)
     if role == "same_model":  # the model's own switches, without the layout around them
         if p.activation_checkpointing:
-            enable_activation_checkpointing(model, p.checkpoint_blocks)
+            enable_activation_checkpointing(model, p.checkpoint_blocks, p.checkpoint_keep)
         return compile_blocks(model) if compile_ else 0
     blocks = model.blocks  # timm: an nn.Sequential
     if p.activation_checkpointing:
         for i in range(p.checkpoint_blocks):
-            blocks[i] = _Checkpointed(blocks[i])
+            blocks[i] = _Checkpointed(blocks[i], p.checkpoint_keep)
     if compile_:
         for block in blocks:
             block.compile()

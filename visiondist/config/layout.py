@@ -84,6 +84,7 @@ class RunLayout:
     offload: bool = False
     activation_checkpointing: bool = False
     checkpoint_blocks: int = 0  # blocks that recompute their activations (0 without activation checkpointing)
+    checkpoint_keep: str = "input"  # what a checkpointed block keeps: its input, or also its matmuls' outputs
     timeline: bool = False  # record one pipeline step's timeline
     compile: bool = False  # torch.compile each transformer block (`trainer.compile`, auto: on CUDA where it wins)
     under_torchrun: bool = False  # this process is one rank of a torchrun / srun job
@@ -110,7 +111,8 @@ class RunLayout:
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''} on {self.accelerator}"
         fsdp = f"+HSDP (shard {self.shard_size} x replicate {self.dp // self.shard_size})" if self.hsdp else "+FSDP"
         extras = [("+SP", self.sequence_parallel), (fsdp, self.fsdp), ("+offload", self.offload),
-                  ("+activation checkpointing", self.activation_checkpointing), ("+compiled blocks", self.compile)]
+                  (f"+activation checkpointing{' (keeps matmuls)' if self.checkpoint_keep == 'matmuls' else ''}",
+                   self.activation_checkpointing), ("+compiled blocks", self.compile)]
         return " ".join([f"dp={self.dp} tp={self.tp} pp={self.pp} ({ranks})", *(t for t, on in extras if on)])
 
     def parallel_overrides(self) -> dict[str, Any]:
@@ -123,7 +125,8 @@ class RunLayout:
         if self.fsdp:
             out.update(fsdp=True, offload=self.offload, shard_size=self.shard_size)
         if self.activation_checkpointing:
-            out.update(activation_checkpointing=True, checkpoint_blocks=self.checkpoint_blocks)
+            out.update(activation_checkpointing=True, checkpoint_blocks=self.checkpoint_blocks,
+                       checkpoint_keep=self.checkpoint_keep)
         return out
 
     def replace(self, **changes: Any) -> "RunLayout":

@@ -130,6 +130,7 @@ class ParallelConfig:
     offload: bool = False  # with fsdp: shards, gradients and optimizer state in host memory, optimizer on the CPU
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (keeps its input)
     checkpoint_blocks: int = -1  # selective: only the first N blocks recompute (-1: all of them)
+    checkpoint_keep: str = "input"  # input: a block keeps its input | matmuls: also its matmuls' and attention's outputs
     # parallel=auto: choose dp / tp / pp / fsdp / offload / activation checkpointing from the memory and time model
     auto: bool = False
     device_memory_gb: float = 0.0  # per device; 0: the GPU's own (CUDA), or host memory / ranks (CPU)

@@ -275,6 +275,10 @@ def _check_parallel(p: DictConfig) -> None:
         if not p.activation_checkpointing:
             raise ConfigError(f"parallel.checkpoint_blocks={p.checkpoint_blocks} selects the blocks that recompute: "
                               "set parallel.activation_checkpointing=true too")
+    _one_of("parallel.checkpoint_keep", p.checkpoint_keep, ("input", "matmuls"))
+    if p.checkpoint_keep != "input" and not p.activation_checkpointing:
+        raise ConfigError(f"parallel.checkpoint_keep={p.checkpoint_keep} says what checkpointed blocks keep: set "
+                          "parallel.activation_checkpointing=true too")
     if p.fsdp and (p.tp > 1 or p.pp > 1):
         raise ConfigError(f"parallel.fsdp=true shards over data parallel and does not combine with tp={p.tp} / "
                           f"pp={p.pp} here: use parallel.fsdp=false, or tp=1 and pp=1")

@@ -87,11 +87,13 @@ class Block(nn.Module):
         self.drop_path = DropPath(drop_path)
         self.checkpointing = False  # keep only the input for the backward and recompute the rest there
         self.recompute_context = None  # () -> (forward context, recomputation context), torch's `context_fn`
+        self.checkpoint_options: dict = {}  # more keyword arguments of torch's checkpoint (the dry run's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.checkpointing and torch.is_grad_enabled():  # non-reentrant: RNG (drop path) replayed, kwargs-safe
             context = {"context_fn": self.recompute_context} if self.recompute_context is not None else {}
-            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False, **context)
+            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False, **context,
+                                                     **self.checkpoint_options)
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:

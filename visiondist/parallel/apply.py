@@ -18,7 +18,7 @@ from visiondist.parallel.tensor import SHARD_DIM, apply_tensor_parallel
 def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = False,
                 pipeline: Optional[PipelineSpec] = None, loss_fn: Optional[Callable] = None, fsdp: bool = False,
                 offload: bool = False, activation_checkpointing: bool = False, checkpoint_blocks: int = -1,
-                compile: bool = False, param_dtype: Optional[torch.dtype] = None,
+                checkpoint_keep: str = "input", compile: bool = False, param_dtype: Optional[torch.dtype] = None,
                 materialize: Optional[Callable[[nn.Module], None]] = None, wrap: bool = True,
                 shard_size: int = 0) -> nn.Module:
     """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out over the mesh.
@@ -34,11 +34,12 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
     `param_dtype` (bf16, fp16 runs): FSDP gathers the weights in that dtype; `shard_size` < dp: HSDP (shard inside
     groups of that many DP ranks, replicate across them). Otherwise it is the model, under DDP when
     dp > 1 (`wrap=False`: bare, for the dry run, whose meta tensors DDP cannot broadcast). `activation_checkpointing` recomputes each block's activations
-    in the backward (`checkpoint_blocks` > 0: only the first that many blocks), under any layout; `compile` compiles
+    in the backward (`checkpoint_blocks` > 0: only the first that many blocks; `checkpoint_keep="matmuls"`: each
+    keeps its matmuls' outputs too), under any layout; `compile` compiles
     each block (before any sharding wrapper, as FSDP2 expects).
     """
     if activation_checkpointing:
-        enable_activation_checkpointing(model, checkpoint_blocks)
+        enable_activation_checkpointing(model, checkpoint_blocks, checkpoint_keep)
     if compile:
         compile_blocks(model)
     materialize = materialize or (lambda _model: None)

@@ -38,10 +38,37 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, tuple(_BLOCKS))]
 
 
-def enable_activation_checkpointing(model: nn.Module, blocks: int = -1) -> int:
-    """Recompute transformer blocks' activations in the backward (each such block keeps only its input): all blocks,
-    or only the first `blocks` (selective: memory for time, block by block). Returns the number of checkpointed
-    blocks; a model without blocks is an error."""
+CHECKPOINT_KEEPS = ("input", "matmuls")
+
+
+def keep_matmuls_context():
+    """torch's selective checkpointing contexts for `parallel.checkpoint_keep=matmuls`: a checkpointed block keeps
+    what its matmuls, attention kernels and tensor-parallel collectives returned (the costly work) and recomputes the
+    rest in the backward (norms, GELU, residual adds, drop path, casts: elementwise passes over memory)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    keep = {aten.mm.default, aten.addmm.default, aten.bmm.default}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, name):
+            keep.add(getattr(aten, name).default)
+
+    def policy(_ctx, op, *args, **kwargs):
+        saved = op in keep or str(getattr(op, "namespace", "")) == "visiondist"  # the TP collectives' custom ops
+        return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def enable_activation_checkpointing(model: nn.Module, blocks: int = -1, keep: str = "input") -> int:
+    """Recompute transformer blocks' activations in the backward: all blocks, or only the first `blocks` (selective
+    by block: memory for time, block by block). Each such block keeps its input (`keep="input"`), or also its
+    matmuls' and attention's outputs (`"matmuls"`: selective by operation, torch's `create_selective_checkpoint_
+    contexts`; the backward recomputes only elementwise work). Returns the number of checkpointed blocks; a model
+    without blocks is an error."""
+    if keep not in CHECKPOINT_KEEPS:
+        raise ValueError(f"parallel.checkpoint_keep={keep!r}: use one of {', '.join(CHECKPOINT_KEEPS)}")
     found = transformer_blocks(model)
     if not found:
         raise ValueError(f"activation checkpointing works per transformer block; {type(model).__name__} has none: "
@@ -49,6 +76,8 @@ def enable_activation_checkpointing(model: nn.Module, blocks: int = -1) -> int:
     chosen = found if blocks < 0 else found[:blocks]
     for block in chosen:
         block.checkpointing = True
+        if keep == "matmuls":
+            block.recompute_context = keep_matmuls_context
     return len(chosen)
 
 

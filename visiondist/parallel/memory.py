@@ -166,6 +166,24 @@ def block_activation_bytes(s: ViTShape, micro_batch: int, tp: int, precision: st
     return micro_batch * (norms + inputs + sharded)
 
 
+def block_matmul_bytes(s: ViTShape, micro_batch: int, tp: int, precision: str = "32",
+                       sequence_parallel: bool = False) -> int:
+    """What `parallel.checkpoint_keep=matmuls` keeps of one block besides its input: the matmuls' outputs (q, k, v
+    and fc1 column-sharded by tp; the output projection's and fc2's partial sums, full size), the attention output and
+    its log-sum-exp, and under tensor parallelism the collectives' outputs (the two partial sums all-reduced; under
+    SP the two sub-blocks' gathered inputs, fp32, and the two reduce-scattered token slices)."""
+    a = act_size(precision)
+    t, d, h = s.tokens, s.embed_dim, s.hidden
+    sharded = (3 * t * d * a + t * d * a + s.num_heads * t * FLOAT + t * h * a) // tp
+    collectives = 0
+    if tp > 1 and sequence_parallel:  # the gathers' outputs are the norms' (fp32), of the tokens padded to tp
+        padded = -(-t // tp) * tp
+        collectives = 2 * padded * d * FLOAT + 2 * (padded // tp) * d * a
+    elif tp > 1:
+        collectives = 2 * t * d * a
+    return micro_batch * (sharded + 2 * t * d * a + collectives)
+
+
 def weight_copies(s: ViTShape, tp: int, blocks: int, precision: str = "32") -> int:
     """Autocast's 16-bit copies of the blocks' weight matrices, saved for the backward by the layers that use them
     (cast once per forward region and kept until its backward): zero in fp32 and under FSDP, whose gathered weights
@@ -197,14 +215,16 @@ def ends_activation_bytes(s: ViTShape, micro_batch: int, precision: str, first: 
 
 def saved_per_microbatch(s: ViTShape, micro_batch: int, tp: int, blocks: int, precision: str = "32",
                          checkpointing: bool = False, sequence_parallel: bool = False, first: bool = True,
-                         last: bool = True, fsdp: bool = False) -> int:
+                         last: bool = True, fsdp: bool = False, keep: str = "input") -> int:
     """What one micro-batch's forward through `blocks` blocks (and the first / last stage's parts) leaves saved for
     its backward: every block's tensors and autocast's weight copies, or with activation checkpointing only each
-    block's input (token-sharded under sequence parallelism)."""
+    block's input (token-sharded under sequence parallelism), and with `keep="matmuls"` its matmuls' outputs."""
     ends = ends_activation_bytes(s, micro_batch, precision, first, last, fsdp)
     residual = residual_size(precision, fsdp)
     if checkpointing:
         kept = micro_batch * s.tokens * s.embed_dim * residual // (tp if sequence_parallel else 1)
+        if keep == "matmuls":
+            kept += block_matmul_bytes(s, micro_batch, tp, precision, sequence_parallel)
         return blocks * kept + ends
     copies = 0 if fsdp else weight_copies(s, tp, blocks, precision)
     return blocks * block_activation_bytes(s, micro_batch, tp, precision, sequence_parallel) + copies + ends
@@ -259,7 +279,8 @@ def rank_memory(s: ViTShape, dp: int, tp: int, pp: int, global_batch: int, grad_
                 optimizer: str = "adamw", ema: bool = False, precision: str = "32", schedule: str = "1f1b",
                 stages_per_rank: int = -1, microbatches: int = -1, pp_rank: Optional[int] = None,
                 fsdp: bool = False, offload: bool = False, checkpointing: bool = False,
-                sequence_parallel: bool = False, dp_rank: int = 0, shard_size: int = 0) -> RankMemory:
+                sequence_parallel: bool = False, dp_rank: int = 0, shard_size: int = 0,
+                keep: str = "input") -> RankMemory:
     """Bytes on the busiest rank (or on `pp_rank`'s ranks; under FSDP on `dp_rank`, default the first, which holds
     the most) of the layout. `shard_size` < dp under FSDP: HSDP, sharded inside groups of that many DP ranks."""
     spr = stages_per_rank_for(schedule, stages_per_rank) if pp > 1 else 1
@@ -274,7 +295,8 @@ def rank_memory(s: ViTShape, dp: int, tp: int, pp: int, global_batch: int, grad_
     blocks = sum(b - a for stage, (a, b) in enumerate(ranges) if stage % pp == rank)
     in_flight = microbatches_in_flight(schedule, pp, m)
     first, last = rank == 0, rank == pp - 1  # looped placement: stage 0 on rank 0, the last on rank pp - 1
-    one = saved_per_microbatch(s, micro, tp, blocks, precision, checkpointing, sequence_parallel, first, last, fsdp)
+    one = saved_per_microbatch(s, micro, tp, blocks, precision, checkpointing, sequence_parallel, first, last, fsdp,
+                               keep)
     copies = 0 if fsdp or checkpointing else weight_copies(s, tp, blocks, precision)
     act = in_flight * (one - copies) + copies  # autocast's weight copies are made once per step, not per micro-batch
     if checkpointing:  # and one block's full set (and weight copies) while it is recomputed
@@ -345,7 +367,9 @@ def collective_bytes(s: ViTShape, mem: RankMemory, dp: int, tp: int, pp: int, gr
     """Bytes each collective kind moves per optimizer step on the rank `mem` describes, as the payload of each call
     (the full tensor an all-reduce reduces, an all-gather returns or a reduce-scatter takes; the tensor a send or
     receive carries), keyed "<mesh dim> <kind>". The tensors are what the code hands over: the residual stream and
-    the gradients of fp32 tensors stay fp32 under autocast, the row-parallel outputs are in the autocast dtype."""
+    the gradients of fp32 tensors stay fp32 under autocast, the row-parallel outputs are in the autocast dtype.
+    `checkpointing`: the blocks run their collectives again when they recompute (not under `checkpoint_keep=matmuls`,
+    which keeps the collectives' outputs)."""
     a, t, d = act_size(precision), s.tokens, s.embed_dim
     blocks, micro = mem.detail["blocks"], mem.detail["micro_batch"]
     passes = grad_accum * (mem.detail["microbatches"] if pp > 1 else 1)  # micro-batches through this rank per step

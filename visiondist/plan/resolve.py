@@ -72,7 +72,7 @@ def layout_memory(cfg: DictConfig, run: RunLayout, pp_rank: Optional[int] = None
                        int(t.grad_accum), str(cfg.optim.name), float(t.ema_decay) > 0, str(t.precision), run.schedule,
                        run.stages_per_rank, run.microbatches, pp_rank=pp_rank, fsdp=run.fsdp, offload=run.offload,
                        checkpointing=run.activation_checkpointing, sequence_parallel=run.sequence_parallel,
-                       dp_rank=dp_rank, shard_size=run.shard_size)
+                       dp_rank=dp_rank, shard_size=run.shard_size, keep=run.checkpoint_keep)
 
 
 def _continued_layout(cfg: DictConfig, world: World) -> Optional[RunLayout]:
@@ -187,7 +187,8 @@ def with_switches(run: RunLayout, cfg: DictConfig, p: Optional[DictConfig] = Non
         microbatches=microbatches_for(run.pp, p.microbatches) if pipelined else 1,
         fsdp=bool(p.fsdp), shard_size=shard_size_for(run, p), offload=bool(p.offload),
         activation_checkpointing=bool(p.activation_checkpointing),
-        checkpoint_blocks=blocks, timeline=bool(timeline), compile=compile_choice(cfg, run.accelerator, p)[0])
+        checkpoint_blocks=blocks, checkpoint_keep=str(p.checkpoint_keep) if p.activation_checkpointing else "input",
+        timeline=bool(timeline), compile=compile_choice(cfg, run.accelerator, p)[0])
 
 
 def compile_choice(cfg: DictConfig, accelerator: str, p: Optional[DictConfig] = None) -> tuple[bool, str]:

@@ -69,7 +69,7 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool 
     return parallelize(model, layout, p.sequence_parallel, PipelineSpec.from_layout(p), loss_fn, fsdp=p.fsdp,
                        shard_size=p.shard_size,
                        offload=p.offload, activation_checkpointing=p.activation_checkpointing,
-                       checkpoint_blocks=p.checkpoint_blocks, compile=p.compile,
+                       checkpoint_blocks=p.checkpoint_blocks, checkpoint_keep=p.checkpoint_keep, compile=p.compile,
                        param_dtype=autocast_dtype(cfg.trainer.precision), materialize=fill)
 
 

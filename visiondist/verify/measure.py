@@ -5,6 +5,7 @@ same coordinate."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from contextlib import nullcontext
 from dataclasses import replace
@@ -36,6 +37,29 @@ from visiondist.parallel.memory import (
 )
 from visiondist.parallel.stages import stage_indices
 from visiondist.verify.world import AsOnDevice, Traffic, fake_world, nbytes
+
+
+# torch 2.14+: tensors selective checkpointing keeps can pass through saved-tensor hooks, which the measurement is;
+# on older torch they bypass them and a `checkpoint_keep=matmuls` layout's activations are measured short
+_SAC_HOOKS = "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
+
+
+def _emulating(saved, emulate):
+    """A checkpointed block's `recompute_context` that recomputes as the forward ran on the emulated device (autocast
+    and fused attention as there), around the block's own contexts (`parallel.checkpoint_keep=matmuls`) if any."""
+    from contextlib import ExitStack, contextmanager
+
+    @contextmanager
+    def both(inner):
+        with ExitStack() as stack:
+            stack.enter_context(inner)
+            stack.enter_context(AsOnDevice(*emulate))
+            yield
+
+    def contexts():
+        forward, recompute = saved() if saved is not None else (nullcontext(), nullcontext())
+        return forward, both(recompute)
+    return contexts
 
 
 def _local_bytes(tensors) -> int:
@@ -117,14 +141,16 @@ def measure_rank(cfg: DictConfig, run: RunLayout, rank: int) -> tuple[tuple[int,
         model = parallelize(model, layout, run.sequence_parallel, PipelineSpec.from_layout(run), fsdp=run.fsdp,
                             shard_size=run.shard_size,
                             offload=run.offload, activation_checkpointing=run.activation_checkpointing,
-                            checkpoint_blocks=run.checkpoint_blocks, param_dtype=autocast_dtype(cfg.trainer.precision),
-                            wrap=False)
+                            checkpoint_blocks=run.checkpoint_blocks, checkpoint_keep=run.checkpoint_keep,
+                            param_dtype=autocast_dtype(cfg.trainer.precision), wrap=False)
         fake = FakeTensorMode(allow_non_fake_inputs=True) if run.fsdp else nullcontext()
         emulate = (autocast_dtype(cfg.trainer.precision), str(cfg.model.sdpa) != "math")
         autocast = AsOnDevice(*emulate)
         for module in model.modules():  # a checkpointed block recomputes (on autograd's thread) as it ran forward
             if getattr(module, "checkpointing", False):
-                module.recompute_context = lambda: (nullcontext(), AsOnDevice(*emulate))
+                if module.recompute_context is not None and _SAC_HOOKS:  # keep=matmuls: count what it keeps
+                    module.checkpoint_options = {"respect_saved_tensors_hooks": True}
+                module.recompute_context = _emulating(module.recompute_context, emulate)
         groups = {id(layout.mesh.get_group(dim)): dim for dim in ("pp", "dp", "tp")}
         with fake:
             if run.fsdp:
@@ -208,10 +234,11 @@ def planned_rank(cfg: DictConfig, shape: ViTShape, run: RunLayout,
     figures = {"parameters": mem.params, "gradients": mem.grads, "optimizer": mem.optimizer,
                "activations": saved_per_microbatch(shape, mem.detail["micro_batch"], run.tp, blocks, str(t.precision),
                                                    run.activation_checkpointing, run.sequence_parallel,
-                                                   pp_rank == 0, pp_rank == run.pp - 1, run.fsdp),
+                                                   pp_rank == 0, pp_rank == run.pp - 1, run.fsdp, run.checkpoint_keep),
                "start-up": mem.params + FLOAT * max(math.prod(x) for x in tensor_shapes(shape))}
     stages = tuple(stage_indices(pp_rank, run.pp, run.stages_per_rank)) if run.pp > 1 else (0,)
+    recompute_collectives = run.activation_checkpointing and run.checkpoint_keep == "input"  # matmuls: kept
     traffic = collective_bytes(shape, mem, run.dp, run.tp, run.pp, int(t.grad_accum), str(t.precision), run.fsdp,
-                               run.activation_checkpointing, run.sequence_parallel, stages,
+                               recompute_collectives, run.sequence_parallel, stages,
                                run.pp * run.stages_per_rank)
     return figures, traffic
