@@ -9,7 +9,12 @@
 # step-rate and sync tests, ViT-B/16's step with decode_on=device against decoded batches) and `tests` (5 minutes:
 # every GPU test) bound each part in time; `all` adds the benchmark rows (about 15 minutes on an H100).
 # `mfu`: the step-rate rows (ViT-S/B/L/H, eager and compiled, plain and the DeiT recipe, each against its plain loops).
-#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|all|short]
+# `kernels`: the switches toward the hardware's rate, each beside its default in one benchmark run: the attention
+# kernels (model.sdpa auto against flash / cuDNN / memory-efficient, ViT-B/16), selective activation checkpointing
+# (ViT-H/14 at batch 64 as is and at 128 with checkpoint_keep=matmuls), float8 (benchmarks/fp8_layers.py's table,
+# ViT-L/H compiled in bf16 and both float8 recipes, and a 150-step run on the photos in bf16 and in float8, their
+# losses side by side in fp8_loss.png). About 10 minutes on an H200.
+#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|all|short]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
@@ -74,6 +79,26 @@ if [[ $what == mfu || $what == bench || $what == all ]]; then
         bench vit_huge model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 trainer.compile=false \
             "bench.variants=['trainer.compile=true']"
     fi
+fi
+if [[ $what == kernels || $what == all ]]; then
+    bench vit_base_attention model=vit_base data.img_size=224 data.batch_size=256 trainer.precision=bf16 \
+        bench.baseline=false "bench.variants=['model.sdpa=flash','model.sdpa=cudnn','model.sdpa=efficient']"
+    bench vit_huge_b64 model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 bench.baseline=false
+    bench vit_huge_b128_keep_matmuls model=vit_huge data.img_size=224 data.batch_size=128 trainer.precision=bf16 \
+        bench.baseline=false parallel.activation_checkpointing=true parallel.checkpoint_keep=matmuls
+    part 240 bench_fp8_layers.txt python3 benchmarks/fp8_layers.py --markdown "$out/fp8_layers.md"
+    for row in "vit_large 128" "vit_huge 64"; do
+        set -- $row
+        bench "$1_fp8" model="$1" data.img_size=224 data.batch_size="$2" trainer.precision=bf16 bench.baseline=false \
+            "bench.variants=['trainer.fp8=tensorwise','trainer.fp8=rowwise']"
+    done
+    for recipe in off rowwise; do
+        part 240 "train_fp8_$recipe.txt" python3 tools/train.py experiment=vit_b16_imagenet data.root="$photos" \
+            trainer.max_steps=150 trainer.eval_every=0 trainer.log_every=10 trainer.fp8=$recipe \
+            trainer.run_dir="$out/train_fp8_$recipe"
+    done
+    part 60 fp8_loss.txt python3 benchmarks/loss_curves.py "$out/train_fp8_off" "$out/train_fp8_rowwise" \
+        --labels bf16 "fp8 rowwise" --png "$out/fp8_loss.png"
 fi
 if [[ $what == bench || $what == all ]]; then
     # the input path: per-core loader rates on real photos, nvJPEG and the device augmentation's share of a step

@@ -63,6 +63,37 @@ def test_auto_attention_runs_the_kernel_it_timed_fastest():
         select_attention("auto")
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_blocks_compile_and_follow_bf16(recipe):
+    """trainer.fp8 on a GPU with float8 tensor cores: two ViT-B/16 blocks' linear layers as torchao's Float8Linear,
+    compiled, give gradients aligned with bf16's (cosine > 0.98 per converted weight)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from visiondist.models.vit import VisionTransformer
+    from visiondist.parallel import transformer_blocks
+    from visiondist.train.fp8 import MIN_CAPABILITY, to_float8
+
+    if torch.cuda.get_device_capability() < MIN_CAPABILITY:
+        pytest.skip("no float8 tensor cores")
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    ref = VisionTransformer(img_size=224, patch_size=16, num_classes=10, embed_dim=768, depth=2, num_heads=12).cuda()
+    fp8 = copy.deepcopy(ref)
+    assert to_float8(transformer_blocks(fp8), recipe) == (12, 12)
+    x, y = torch.randn(32, 3, 224, 224, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
+    grads = []
+    for model in (ref, torch.compile(fp8)):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            F.cross_entropy(model(x).float(), y).backward()
+        grads.append({n: p.grad.float().flatten() for n, p in
+                      (ref if model is ref else fp8).named_parameters() if n.endswith("weight") and ".blocks." in f".{n}"})
+    for name, g in grads[0].items():
+        if g.numel() > 768:  # the linear layers' weights (not the norms')
+            assert F.cosine_similarity(g, grads[1][name], dim=0) > 0.98, name
+
+
 def test_pipeline_timeline_reads_cuda_events_after_the_step():
     """On CUDA the timeline puts events around each action and reads them once the step is over: no action waits for
     the device (any synchronisation inside raises), and the intervals come back in order and positive."""
