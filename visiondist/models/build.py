@@ -49,8 +49,14 @@ def _build_vitdet(cfg: Any) -> nn.Module:
     return build_vitdet(cfg)
 
 
+def _build_detr(cfg: Any) -> nn.Module:
+    from visiondist.models.detr import build_detr
+
+    return build_detr(cfg)
+
+
 FAMILIES: dict[str, Callable[[Any], nn.Module]] = {"vit": _build_vit, "torchvision": _build_torchvision,
-                                                    "vitdet": _build_vitdet}
+                                                    "vitdet": _build_vitdet, "detr": _build_detr}
 TASKS = {family: spec.task for family, spec in SPECS.items()}  # what each family is trained for
 # each task's evaluation metrics, as metrics.csv names them (trainer.best_metric picks one)
 EVAL_METRICS = {

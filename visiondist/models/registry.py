@@ -96,6 +96,28 @@ def _check_vitdet(cfg: DictConfig) -> None:
     _check_blocks(cfg)
 
 
+def _check_detr(cfg: DictConfig) -> None:
+    from visiondist.models.detr import ARCHS
+
+    if cfg.model.arch not in ARCHS:
+        raise ConfigError(f"model.arch={cfg.model.arch!r} is not a DETR-class detector here: use one of "
+                          f"{', '.join(ARCHS)}")
+    size, queries = int(cfg.model.img_size), int((cfg.model.kwargs or {}).get("num_queries", 300))
+    anchors = sum((size // stride) ** 2 for stride in (8, 16, 32))  # the encoder's candidate positions
+    if anchors < queries:
+        raise ConfigError(f"model.img_size={size} gives {cfg.model.name} {anchors} candidate positions (strides 8, "
+                          f"16, 32), fewer than its {queries} queries: raise model.img_size (>= 320 for 300 queries) "
+                          f"or set +model.kwargs.num_queries={anchors}")
+    if cfg.model.get("masks"):
+        raise ConfigError(f"model.masks=true: {cfg.model.name} predicts boxes only; for masks use "
+                          "model=maskrcnn_mobilenet_v3 (or maskrcnn_r50)")
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError(f"{cfg.model.name} is a transformers model, and transformers is not installed: "
+                          "pip install -e '.[detr]'")
+
+
 def _check_torchvision(cfg: DictConfig) -> None:
     if cfg.model.backbone_weights is not None and "resnet50" not in str(cfg.model.arch):
         raise ConfigError(_REFUSALS[BACKBONE_WEIGHTS](cfg))
@@ -124,6 +146,7 @@ SPECS: dict[str, ModelSpec] = {  # how each family is built: visiondist.models.F
                         _check_vitdet),
     "torchvision": ModelSpec("torchvision", "detection", "coco", frozenset({BACKBONE_WEIGHTS}), False,
                              _check_torchvision),
+    "detr": ModelSpec("detr", "detection", "coco", frozenset(), False, _check_detr),
 }
 
 

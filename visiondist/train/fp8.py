@@ -33,13 +33,10 @@ MIN_CAPABILITY = (8, 9)
 
 def _float8():
     """torchao.float8, imported without the warning torch logs about an Enum torchao registers with pytree."""
-    quiet = logging.getLogger("torch.utils._pytree")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
+    from visiondist.compat import quiet_pytree
+
+    with quiet_pytree():
         import torchao.float8 as float8
-    finally:
-        quiet.setLevel(level)
     return float8
 
 

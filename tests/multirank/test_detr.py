@@ -1,0 +1,85 @@
+"""DETR-class detectors (transformers' RT-DETRv2) end to end through the tools: training, exact resume, evaluation on
+1, 2 and 3 ranks equal to each other and to pycocotools on the written detections, the exported weights."""
+
+import json
+
+import pytest
+
+from visiondist.observe.metrics import read_metrics
+from helpers import REPO, losses_of, run_cli
+
+pytest.importorskip("transformers")
+
+# 64 px images: 84 candidate positions at strides 8 / 16 / 32, so 50 queries (the published models: 640 px, 300)
+DETR = ["model=rtdetr_v2_r18", "model.img_size=64", "+model.kwargs.num_queries=50", "data=shapes_coco",
+        "data.synthetic.train_images=16", "data.synthetic.val_images=10", "data.synthetic.image_size=64",
+        "data.min_size=64", "data.max_size=64", "data.batch_size=4", "data.eval_batch_size=4", "data.num_workers=0",
+        "trainer.max_steps=3", "trainer.log_every=1", "trainer.accelerator=cpu", "trainer.progress=false",
+        "trainer.loggers=[csv]", "schedule.warmup_steps=1"]
+
+
+def _stats(path):
+    return {k: v for k, v in json.loads(path.read_text()).items() if k.startswith("val_") and "class" not in k}
+
+
+def test_rtdetr_trains_resumes_exactly_evaluates_the_same_on_1_2_3_ranks_and_exports(tmp_path):
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    from visiondist.evaluation.coco import STAT_NAMES
+
+    data = tmp_path / "shapes_coco"
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    out = run_cli([*DETR, f"data.root={data}", f"trainer.run_dir={whole}"], timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "20.08M parameters" in out.stdout or "M parameters" in out.stdout
+    final = [r for r in read_metrics(whole / "metrics.csv") if r.get("val_mAP") is not None][-1]
+    assert final["val_detections"] == 10 * 50  # every query of every val image, as the library post-processes
+
+    # stopped after step 2 (the schedule still spans 3 steps) and continued: step 3's loss is the uninterrupted one's
+    out = run_cli([*DETR, f"data.root={data}", f"trainer.run_dir={stopped}", "trainer.stop_at_step=2"], timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:]
+    out = run_cli([*DETR, f"data.root={data}", f"trainer.run_dir={stopped}"], timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:]
+    a, b = losses_of(whole), losses_of(stopped)
+    assert sorted(a) == sorted(b) == [1, 2, 3] and b == pytest.approx(a, rel=1e-5)
+
+    # evaluation on 1, 2 and 3 ranks: the same detections and the same 12 stats, which pycocotools gives too (one
+    # image per batch on every rank: a batch's size changes the convolutions' rounding in the last bits, and the test
+    # compares every detection's float)
+    gt = COCO(str(data / "annotations" / "instances_val.json"))
+    seen = {}
+    for ranks in (1, 2, 3):
+        out = run_cli([f"run_dir={whole}", f"trainer.devices={ranks}", f"parallel.dp={ranks}", "data.batch_size=12",
+                       f"data.eval_batch_size={ranks}"], timeout=300, script=REPO / "tools" / "eval.py")
+        assert out.returncode == 0, out.stdout[-4000:]
+        run = sorted((whole / "eval").iterdir())[-1]
+        detections = json.loads((run / "detections.json").read_text())
+        key = sorted((d["image_id"], d["category_id"], tuple(d["bbox"]), d["score"]) for d in detections)
+        evaluator = COCOeval(gt, gt.loadRes(str(run / "detections.json")), iouType="bbox")
+        evaluator.evaluate()
+        evaluator.accumulate()
+        evaluator.summarize()
+        stats = _stats(run / "eval.json")
+        assert dict(zip(STAT_NAMES, map(float, evaluator.stats))) == {k: stats[f"val_{k}"] for k in STAT_NAMES}
+        seen[ranks] = (key, stats)
+    assert seen[1] == seen[2] == seen[3]
+    assert {k: v for k, v in final.items() if k in seen[1][1]} == {k: seen[1][1][k] for k in final if k in seen[1][1]}
+
+    # the exported file loads strictly into the model the config builds and predicts what the run's weights do
+    import torch
+    from omegaconf import OmegaConf
+
+    from visiondist.checkpoint.export.trained import load_trained
+    from visiondist.models import build_model
+
+    exported = tmp_path / "rtdetr.safetensors"
+    out = run_cli([f"run_dir={whole}", f"out={exported}"], timeout=300, script=REPO / "tools" / "export.py")
+    assert out.returncode == 0, out.stdout[-4000:]
+    trained = load_trained(whole)
+    fresh = build_model(OmegaConf.merge(trained.cfg.model, {"weights": str(exported)})).eval()
+    image = [torch.rand(3, 64, 80, generator=torch.Generator().manual_seed(0))]
+    with torch.no_grad():
+        want, got = trained.model.eval()(image)[0], fresh(image)[0]
+    for k in ("boxes", "scores", "labels"):
+        assert torch.equal(want[k], got[k]), k
