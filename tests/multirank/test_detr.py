@@ -2,6 +2,7 @@
 1, 2 and 3 ranks equal to each other and to pycocotools on the written detections, the exported weights."""
 
 import json
+import re
 
 import pytest
 
@@ -32,7 +33,7 @@ def test_rtdetr_trains_resumes_exactly_evaluates_the_same_on_1_2_3_ranks_and_exp
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     out = run_cli([*DETR, f"data.root={data}", f"trainer.run_dir={whole}"], timeout=300)
     assert out.returncode == 0, out.stdout[-4000:]
-    assert "20.08M parameters" in out.stdout or "M parameters" in out.stdout
+    assert "model rtdetr_v2_r18: 20.08M parameters" in out.stdout  # 20.2M at COCO's 80 classes (published: 20M)
     final = [r for r in read_metrics(whole / "metrics.csv") if r.get("val_mAP") is not None][-1]
     assert final["val_detections"] == 10 * 50  # every query of every val image, as the library post-processes
 
@@ -83,3 +84,32 @@ def test_rtdetr_trains_resumes_exactly_evaluates_the_same_on_1_2_3_ranks_and_exp
         want, got = trained.model.eval()(image)[0], fresh(image)[0]
     for k in ("boxes", "scores", "labels"):
         assert torch.equal(want[k], got[k]), k
+
+
+def test_dfine_trains_evaluates_and_exports(tmp_path):
+    """D-FINE-S through the same wrapper: its loss (with the fine-grained distribution terms) trains, every val image
+    gets the queries' detections, and the exported file loads strictly into the config's model."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from visiondist.checkpoint.export.trained import load_trained
+    from visiondist.models import build_model
+
+    run = tmp_path / "run"
+    args = [a if a != "model=rtdetr_v2_r18" else "model=dfine_s" for a in DETR if not a.startswith("trainer.max_steps")]
+    out = run_cli([*args, "trainer.max_steps=2", f"data.root={tmp_path / 'data'}", f"trainer.run_dir={run}"],
+                  timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert re.search(r"model dfine_s: 10\.\d+M parameters", out.stdout)  # 10.3M at 80 classes (published: 10M)
+    losses = losses_of(run)
+    assert sorted(losses) == [1, 2] and all(v == v and v > 0 for v in losses.values())
+    final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_mAP") is not None][-1]
+    assert final["val_detections"] == 10 * 50
+    exported = tmp_path / "dfine.safetensors"
+    out = run_cli([f"run_dir={run}", f"out={exported}"], timeout=300, script=REPO / "tools" / "export.py")
+    assert out.returncode == 0, out.stdout[-4000:]
+    trained = load_trained(run)
+    fresh = build_model(OmegaConf.merge(trained.cfg.model, {"weights": str(exported)})).eval()
+    image = [torch.rand(3, 64, 80, generator=torch.Generator().manual_seed(0))]
+    with torch.no_grad():
+        assert torch.equal(trained.model.eval()(image)[0]["boxes"], fresh(image)[0]["boxes"])
