@@ -8,8 +8,8 @@ that knows, by feature detection (never a version string), and the rest of the c
   release: checked by name).
 - `PIPELINE_STAGE_OVERRIDES`: the private `PipelineStage` methods the timed stage wraps, with the parameters it
   passes; `check_pipeline_stage` (and a test) fails loudly when a release changes them.
-- `quiet_pytree`: imports torchao (directly, or through transformers) without the warning newer torch logs about the
-  Enums torchao registers with pytree (2.14+ handles Enums natively), which says nothing to a user.
+- `quiet_pytree`: silences the warnings newer torch logs when a library (torchao, imported directly or by transformers,
+  at import or later) registers an Enum with pytree (2.14+ handles Enums natively): nothing a user can act on.
 - `agent_signals`: the elastic agent leaves SIGTERM / SIGINT to the launching process (`visiondist.launch.stop`):
   `LaunchConfig.signals_to_handle` where it exists, which sets the environment variable every supported release's
   process context reads, `TORCHELASTIC_SIGNALS_TO_HANDLE`.
@@ -27,18 +27,11 @@ import torch.distributed as dist
 SUPPORTED = "torch 2.11 through 2.15"
 
 
-class quiet_pytree:
-    """Within: torch's pytree logger at ERROR (see the module docstring)."""
+def quiet_pytree() -> None:
+    """torch's pytree logger at ERROR in this process, from now on (see the module docstring)."""
+    import logging
 
-    def __enter__(self):
-        import logging
-
-        self.logger = logging.getLogger("torch.utils._pytree")
-        self.level = self.logger.level
-        self.logger.setLevel(logging.ERROR)
-
-    def __exit__(self, *exc):
-        self.logger.setLevel(self.level)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
 def set_pg_timeout(timeout: timedelta, group: Optional[Any] = None) -> None:

@@ -51,10 +51,8 @@ def _transformers():
     from visiondist.compat import quiet_pytree
 
     try:
-        with quiet_pytree():  # transformers imports torchao where it is installed
-            import transformers
-            import transformers.models.d_fine  # noqa: F401 (imported lazily otherwise: here, under the guard)
-            import transformers.models.rt_detr_v2  # noqa: F401
+        quiet_pytree()  # transformers imports torchao where it is installed (here, or when it builds a model)
+        import transformers
     except ImportError as e:  # the optional extra
         raise ImportError("DETR-class detectors are transformers' models: pip install -e '.[detr]'") from e
     return transformers

@@ -35,8 +35,9 @@ def _float8():
     """torchao.float8, imported without the warning torch logs about an Enum torchao registers with pytree."""
     from visiondist.compat import quiet_pytree
 
-    with quiet_pytree():
-        import torchao.float8 as float8
+    quiet_pytree()
+    import torchao.float8 as float8
+
     return float8
 
 
