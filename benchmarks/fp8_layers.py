@@ -91,6 +91,7 @@ def main() -> None:
     lines = [f"float8 per linear layer on {name}, torch {torch.__version__}, {args.img} px, forward + backward, "
              f"{'eager' if args.no_compile else 'compiled'}, median of {args.rounds} x {args.steps} steps",
              "", "| model | layer | rows x in x out | bf16 ms | tensorwise | rowwise |", "|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)  # the rows follow as they are measured
     for spec in args.models:
         model, batch = spec.split(":")
         for layer, rows, fan_in, fan_out in layer_shapes(model, int(batch), args.img):
@@ -98,9 +99,8 @@ def main() -> None:
             lines.append(f"| {model} | {layer} | {rows} x {fan_in} x {fan_out} | {t['bf16'] * 1e3:.3f} | "
                          f"{t['bf16'] / t['tensorwise']:.2f}x | {t['bf16'] / t['rowwise']:.2f}x |")
             print(lines[-1], flush=True)
-    lines.append("")
-    lines.append("tensorwise / rowwise: bf16's time over float8's (above 1: float8 is faster)")
-    print("\n".join(lines))
+    lines += ["", "tensorwise / rowwise: bf16's time over float8's (above 1: float8 is faster)"]
+    print("\n".join(lines[-2:]))
     if args.markdown:
         args.markdown.write_text("\n".join(lines) + "\n")
 

@@ -1,5 +1,6 @@
 """Training losses of runs side by side: one PNG, and a table of the loss every `--every` steps with each run's
-relative difference from the first (the reference). `benchmarks/gpu/run.sh fp8` compares a float8 run with bf16's.
+relative difference from the first (the reference). `benchmarks/gpu/run.sh kernels` compares a float8 run with
+bf16's.
 
     python benchmarks/loss_curves.py outputs/bf16_run outputs/fp8_run --labels bf16 fp8 --png fp8_loss.png
 """
@@ -35,7 +36,7 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, curve in zip(labels, curves):
-        ax.plot(list(curve), list(curve.values()), label=label, linewidth=1)
+        ax.plot(list(curve), list(curve.values()), label=label, linewidth=1, marker="." if len(curve) < 30 else None)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.legend()
@@ -43,7 +44,10 @@ def main() -> None:
     fig.tight_layout()
     args.png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.png, dpi=120)
-    steps = [s for s in sorted(curves[0]) if s % args.every == 0 and all(s in c for c in curves)]
+    common = [s for s in sorted(curves[0]) if all(s in c for c in curves)]
+    if not common:
+        raise SystemExit(f"the runs share no logged step ({', '.join(f'{len(c)} steps' for c in curves)})")
+    steps = [s for s in common if s % args.every == 0] or common  # a short run: every step it logged
     print("| step | " + " | ".join(labels) + " |")
     print("|---" * (len(labels) + 1) + "|")
     for s in steps:

@@ -114,6 +114,10 @@ def test_pipeline_batch_must_split_into_microbatches():
         (["data.prefetch_factor=0"], "data.prefetch_factor=0 must be > 0"),
         (["bench.steps=0"], "bench.steps=0 must be > 0"),
         (["bench.variants=[trainer.precision]"], "give key=value overrides separated by spaces"),
+        (["bench.variants=['trainer.fp8=rowwise']"],  # the fix is the entry's: the run's precision is the rows' too
+         "bench.variants entry 'trainer.fp8=rowwise': trainer.fp8=rowwise runs the blocks' linear layers in float8"),
+        (["bench.variants=[['trainer.fp8=rowwise','model.sdpa=fast']]"],  # a list of overrides is one entry too
+         "bench.variants entry 'trainer.fp8=rowwise model.sdpa=fast'"),
         (["trainer.max_steps=-1", "trainer.max_epochs=0"], "set trainer.max_steps or trainer.max_epochs"),
         (["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "model.anchor_scale=0"],
          "model.anchor_scale=0.0 must be > 0"),

@@ -78,3 +78,15 @@ def test_a_run_measures_its_own_shape_micro_batch_heads_per_tp_rank_and_dtype(mo
     detector = load_config(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco"], inputs=None)
     order_attention(detector, layout)  # no blocks the planner knows: nothing timed, torch's order kept
     assert len(seen) == 2
+
+
+@pytest.mark.parametrize("kernel", ["efficient", "cudnn"])
+def test_a_cuda_only_kernel_on_the_cpu_is_refused_before_the_ranks_start(kernel):
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+    from visiondist.plan import resolve
+
+    cfg = load_config(CONFIGS, [f"model.sdpa={kernel}", "trainer.accelerator=cpu"], inputs=None)
+    with pytest.raises(ConfigError, match=f"model.sdpa={kernel} is a CUDA attention kernel .* use model.sdpa=auto"):
+        resolve(cfg, env={}, cuda_devices=0)
+    resolve(load_config(CONFIGS, ["model.sdpa=flash", "trainer.accelerator=cpu"], inputs=None), env={}, cuda_devices=0)

@@ -192,7 +192,8 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     b, device = cfg.bench, layout.device
     prepare_rank(cfg, layout, run_dir, "benchmark.log")
     family = _task_family(cfg)
-    configs = [("", cfg)] + [(v, variant_config(cfg, v)) for v in b.variants]
+    configs = [("", cfg)] + [(v if isinstance(v, str) else " ".join(map(str, v)), variant_config(cfg, v))
+                             for v in b.variants]
     from visiondist.plan import with_switches
 
     runs = [OursRun(name, c, dataclasses.replace(layout, run=with_switches(layout.run, c)),  # same ranks, c's switches

@@ -328,9 +328,12 @@ _LAYOUT_KEYS = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.auto", "t
                 "data.batch_size", "trainer.grad_accum", "bench.")
 
 
-def variant_config(cfg: DictConfig, overrides: str) -> DictConfig:
-    """`cfg` with one benchmark variant's key=value overrides, validated. The ranks, the mesh and the batch are the
-    run's: a variant changes how a step computes, not what it computes over."""
+def variant_config(cfg: DictConfig, overrides) -> DictConfig:
+    """`cfg` with one benchmark variant's key=value overrides (a string of them separated by spaces, or a list),
+    validated. The ranks, the mesh and the batch are the run's: a variant changes how a step computes, not what it
+    computes over."""
+    if not isinstance(overrides, str):  # ['a=1','b=2'] inside bench.variants' list
+        overrides = " ".join(str(o) for o in overrides)
     pairs = overrides.split()
     bad = [p for p in pairs if "=" not in p]
     if not pairs or bad:
@@ -344,5 +347,8 @@ def variant_config(cfg: DictConfig, overrides: str) -> DictConfig:
     except Exception as exc:  # an unknown key or a wrong type, from the schema
         raise ConfigError(f"bench.variants entry {overrides!r}: {str(exc).splitlines()[0]}") from None
     merged = OmegaConf.merge(merged, {"bench": {"variants": []}})  # a new object: the run's config is read-only
-    validate(merged)
+    try:
+        validate(merged)
+    except ConfigError as exc:  # the fix belongs in this entry, not in the run's keys
+        raise ConfigError(f"bench.variants entry {overrides!r}: {exc} (in this entry)") from None
     return merged  # type: ignore[return-value]

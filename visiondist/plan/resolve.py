@@ -37,7 +37,16 @@ def resolve(cfg: DictConfig, env: Optional[dict] = None, cuda_devices: Optional[
         check(OmegaConf.merge(cfg, {"parallel": {**parallel, "auto": False}}))  # the chosen layout against the model
     parallel["auto"] = False
     run = _layout(cfg, OmegaConf.create(parallel), world)
+    _check_on(cfg, run.accelerator)
     return (run.replace(chosen_by="parallel=auto", reason=reason) if auto else run), plan
+
+
+def _check_on(cfg: DictConfig, accelerator: str) -> None:
+    """What the config asks of the device the run got: the memory-efficient and cuDNN attention kernels exist on CUDA
+    only (on the CPU torch would fail at step 1 with no fix named)."""
+    if accelerator != "cuda" and cfg.model.get("sdpa") in ("efficient", "cudnn"):
+        raise ConfigError(f"model.sdpa={cfg.model.sdpa} is a CUDA attention kernel and this run is on the "
+                          f"{accelerator}: use model.sdpa=auto, flash (the CPU's fused kernel) or math")
 
 
 LAYOUT_SWITCHES = ("tp", "pp", "fsdp", "offload", "activation_checkpointing", "sequence_parallel")

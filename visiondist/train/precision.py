@@ -103,4 +103,6 @@ PRECISIONS = {"32": "fp32", "bf16": "bf16 autocast", "16": "fp16 autocast + loss
 def precision_text(trainer_cfg: DictConfig, device: torch.device) -> str:
     """What `trainer.precision` (and `trainer.tf32`) run as, for the start-up line and the summary."""
     text = PRECISIONS[precision_name(trainer_cfg.precision)]
+    if trainer_cfg.get("fp8", "off") != "off":
+        text += f" + fp8 {trainer_cfg.fp8} (the blocks' linear layers)"
     return text + " (TF32 matmuls)" if text == "fp32" and device.type == "cuda" and trainer_cfg.tf32 else text
