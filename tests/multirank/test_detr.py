@@ -67,17 +67,21 @@ def test_rtdetr_trains_resumes_exactly_evaluates_the_same_on_1_2_3_ranks_and_exp
     assert seen[1] == seen[2] == seen[3]
     assert {k: v for k, v in final.items() if k in seen[1][1]} == {k: seen[1][1][k] for k in final if k in seen[1][1]}
 
-    # the exported file loads strictly into the model the config builds and predicts what the run's weights do
+    _exported_predicts_as_trained(whole, tmp_path / "rtdetr.safetensors")
+
+
+def _exported_predicts_as_trained(run, exported):
+    """tools/export.py's file loads strictly into the model the config builds and predicts exactly what the run's
+    weights do."""
     import torch
     from omegaconf import OmegaConf
 
     from visiondist.checkpoint.export.trained import load_trained
     from visiondist.models import build_model
 
-    exported = tmp_path / "rtdetr.safetensors"
-    out = run_cli([f"run_dir={whole}", f"out={exported}"], timeout=300, script=REPO / "tools" / "export.py")
+    out = run_cli([f"run_dir={run}", f"out={exported}"], timeout=300, script=REPO / "tools" / "export.py")
     assert out.returncode == 0, out.stdout[-4000:]
-    trained = load_trained(whole)
+    trained = load_trained(run)
     fresh = build_model(OmegaConf.merge(trained.cfg.model, {"weights": str(exported)})).eval()
     image = [torch.rand(3, 64, 80, generator=torch.Generator().manual_seed(0))]
     with torch.no_grad():
@@ -89,12 +93,6 @@ def test_rtdetr_trains_resumes_exactly_evaluates_the_same_on_1_2_3_ranks_and_exp
 def test_dfine_trains_evaluates_and_exports(tmp_path):
     """D-FINE-S through the same wrapper: its loss (with the fine-grained distribution terms) trains, every val image
     gets the queries' detections, and the exported file loads strictly into the config's model."""
-    import torch
-    from omegaconf import OmegaConf
-
-    from visiondist.checkpoint.export.trained import load_trained
-    from visiondist.models import build_model
-
     run = tmp_path / "run"
     args = [a if a != "model=rtdetr_v2_r18" else "model=dfine_s" for a in DETR if not a.startswith("trainer.max_steps")]
     out = run_cli([*args, "trainer.max_steps=2", f"data.root={tmp_path / 'data'}", f"trainer.run_dir={run}"],
@@ -105,11 +103,4 @@ def test_dfine_trains_evaluates_and_exports(tmp_path):
     assert sorted(losses) == [1, 2] and all(v == v and v > 0 for v in losses.values())
     final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_mAP") is not None][-1]
     assert final["val_detections"] == 10 * 50
-    exported = tmp_path / "dfine.safetensors"
-    out = run_cli([f"run_dir={run}", f"out={exported}"], timeout=300, script=REPO / "tools" / "export.py")
-    assert out.returncode == 0, out.stdout[-4000:]
-    trained = load_trained(run)
-    fresh = build_model(OmegaConf.merge(trained.cfg.model, {"weights": str(exported)})).eval()
-    image = [torch.rand(3, 64, 80, generator=torch.Generator().manual_seed(0))]
-    with torch.no_grad():
-        assert torch.equal(trained.model.eval()(image)[0]["boxes"], fresh(image)[0]["boxes"])
+    _exported_predicts_as_trained(run, tmp_path / "dfine.safetensors")

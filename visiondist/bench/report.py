@@ -82,8 +82,9 @@ MD_HEADER = ("| date | device | model | px | layout | variant | precision | comp
 def markdown_row(r: dict[str, Any]) -> str:
     s, plain = r["step"], r["plain_reference"] or r["plain_same_model"]
     plain_text = f"{plain['images_per_s']:.4g} ({plain['model']})" if plain else "-"
+    precision = r["precision"] + (f" + fp8 {r['fp8']}" if r.get("fp8", "off") != "off" else "")
     return (f"| {r['date']} | {r['device']} | {r['model']} | {r['img_size']} | {r['layout']} | {r['variant']} | "
-            f"{r['precision']}{' + fp8 ' + r['fp8'] if r.get('fp8', 'off') != 'off' else ''} | {r['compile_scope']} | {r['optimizer']} | {r['batch']} | "
+            f"{precision} | {r['compile_scope']} | {r['optimizer']} | {r['batch']} | "
             f"{r['images_per_s']:.4g} | {s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | "
             f"{r['gflops_per_image']:.4g} | {r['tflops_per_device']:.3g} | {_pct(r['mfu_datasheet'])} | "
             f"{_pct(r['mfu_matmul'])} | {_fmt(r['peak_memory_gb'], '.2f')} | {plain_text} | "

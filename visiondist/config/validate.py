@@ -305,12 +305,12 @@ def _check_across(cfg: DictConfig) -> None:
         raise ConfigError("trainer.compile=true with parallel.schedule=zero_bubble: the schedule splits each block's "
                           "backward into input and weight gradients, which a compiled block's backward cannot do; "
                           "use parallel.schedule=1f1b or interleaved_1f1b, or drop trainer.compile")
-    if t.fp8 != "off" and p.tp > 1:
-        raise ConfigError(f"trainer.fp8={t.fp8} with parallel.tp={p.tp}: float8 layers are not tensor parallel here; "
-                          "use DDP, FSDP or a pipeline (parallel.tp=1), or drop trainer.fp8")
     if t.fp8 != "off":
         import importlib.util
 
+        if p.tp > 1:
+            raise ConfigError(f"trainer.fp8={t.fp8} with parallel.tp={p.tp}: float8 layers are not tensor parallel "
+                              "here; use DDP, FSDP or a pipeline (parallel.tp=1), or drop trainer.fp8")
         if importlib.util.find_spec("torchao") is None:
             raise ConfigError(f"trainer.fp8={t.fp8} trains in float8 with torchao, which is not installed: "
                               "pip install -e '.[fp8]' (or pip install torchao)")

@@ -88,7 +88,7 @@ def build_detr(cfg: Any) -> nn.Module:
 class DetrDetector(nn.Module):
     """A transformers DETR-class detector with torchvision's detector interface (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, img_size: int, mean: Optional[tuple] = None, std: Optional[tuple] = None):
+    def __init__(self, model: nn.Module, img_size: int):
         super().__init__()
         self.model = model
         self.img_size = int(img_size)
@@ -98,18 +98,12 @@ class DetrDetector(nn.Module):
         self.aliases = _aliases(self)
         self.register_state_dict_post_hook(_drop_aliases)
         self.register_load_state_dict_pre_hook(_fill_aliases)
-        self.normalize = mean is not None
-        if self.normalize:
-            self.register_buffer("mean", torch.tensor(mean).view(1, 3, 1, 1), persistent=False)
-            self.register_buffer("std", torch.tensor(std).view(1, 3, 1, 1), persistent=False)
 
     def _inputs(self, images) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         sizes = [(int(im.shape[-2]), int(im.shape[-1])) for im in images]
         size = (self.img_size, self.img_size)
         pixels = torch.cat([F.interpolate(im[None].float(), size=size, mode="bilinear", align_corners=False)
                             for im in images])
-        if self.normalize:
-            pixels = (pixels - self.mean) / self.std
         return pixels, sizes
 
     def forward(self, images, targets: Optional[list[dict]] = None):
@@ -164,13 +158,13 @@ def _global_box_scale(labels: list[dict], device: torch.device) -> torch.Tensor:
     over data-parallel ranks of the whole batch's boxes. The factor turning one into the other (1 on one rank)."""
     import torch.distributed as dist
 
-    local = max(sum(len(t["class_labels"]) for t in labels), 1)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return torch.ones((), device=device)
-    total = torch.tensor(float(sum(len(t["class_labels"]) for t in labels)), device=device)
+    boxes = sum(len(t["class_labels"]) for t in labels)
+    total = torch.tensor(float(boxes), device=device)
     dist.all_reduce(total)  # over every rank: DP ranks hold different images, TP / PP ranks the same (none here)
     mean = torch.clamp(total / dist.get_world_size(), min=1.0)
-    return local / mean
+    return max(boxes, 1) / mean
 
 
 def _detections(out, sizes: list[tuple[int, int]]) -> list[dict]:

@@ -12,7 +12,6 @@ process-wide ones, so compiled graphs obey them too.
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -55,33 +54,27 @@ def current_order() -> list[str]:
     return [names[b] for b in _GET_ORDER() if b in names]
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], None], int], float]:
-    def timed(work: Callable[[], None], steps: int) -> float:
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(steps):
-                work()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1000 / steps
-        began = time.perf_counter()
-        for _ in range(steps):
-            work()
-        return (time.perf_counter() - began) / steps
-    return timed
+def _seconds_per_step(step: Callable[[], None], steps: int, device: torch.device) -> float:
+    """`steps` calls back to back, timed on the device (CUDA events on its stream; the host's clock on the CPU)."""
+    from visiondist.utils.clock import DeviceClock
+
+    clock = DeviceClock(device)
+    clock.start()
+    for _ in range(steps):
+        step()
+    clock.stop()
+    return clock.seconds() / steps
 
 
 def time_kernels(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device,
-                 candidates: Sequence[str] = ("flash", "cudnn", "efficient"), steps: int = 10, warmup: int = 3,
-                 timer: Optional[Callable] = None) -> dict[str, Optional[float]]:
+                 candidates: Sequence[str] = ("flash", "cudnn", "efficient"), steps: int = 10,
+                 warmup: int = 3) -> dict[str, Optional[float]]:
     """Seconds per forward + backward of attention on (batch, heads, tokens, head size) q, k, v for each candidate
     kernel; None where the kernel cannot run that shape, dtype or device (torch's "no available kernel")."""
     from torch.nn.attention import sdpa_kernel
 
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     grad = torch.randn(shape, device=device, dtype=dtype)
-    timer = timer or _timer(device)
     out: dict[str, Optional[float]] = {}
     for name in candidates:
         def step() -> None:
@@ -90,7 +83,7 @@ def time_kernels(shape: tuple[int, int, int, int], dtype: torch.dtype, device: t
             with sdpa_kernel([_backend(name)]):
                 for _ in range(warmup):
                     step()
-                out[name] = float(timer(step, steps))
+                out[name] = _seconds_per_step(step, steps, device)
         except RuntimeError:
             out[name] = None
     return out
