@@ -1,12 +1,13 @@
 """Export a trained run for use outside visiondist:
 
-    python tools/export.py run_dir=<run dir> [step=<N>] [format=safetensors|onnx|torchscript] [out=<path>]
+    python tools/export.py run_dir=<run dir> [step=<N>] [format=safetensors|onnx|torchscript|hf] [out=<path>]
 
 safetensors (default): one consolidated file in timm's (ViT) or torchvision's (detectors) key names, loadable with
 strict=True without visiondist, plus <out>.json saying how to build the model (see visiondist/checkpoint/export/).
 onnx: the class names (detectors: label -> COCO category id) in its metadata, checked against PyTorch with ONNX
 Runtime when it is installed (detectors: on 3 val images of the run's data when it is here; the number of boxes
-compared is printed). Weights come from the run's latest checkpoint
+compared is printed). hf (DETR-class detectors): the directory transformers' from_pretrained reads (config.json,
+model.safetensors, preprocessor_config.json). Weights come from the run's latest checkpoint
 (or `step`), whatever parallel layout wrote it, else its model.safetensors. Default out: <run dir>/export/model.<ext>.
 """
 
@@ -17,21 +18,23 @@ from visiondist.cli import Command, Tool, config_text, load_run_config, main as 
 from visiondist.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SUFFIX = {"safetensors": ".safetensors", "onnx": ".onnx", "torchscript": ".pt"}
-EXPECTED = "expected run_dir=<dir> [step=<N>|best] [format=safetensors|onnx|torchscript] [out=<path>]"
+SUFFIX = {"safetensors": ".safetensors", "onnx": ".onnx", "torchscript": ".pt", "hf": "_hf"}
+EXPECTED = "expected run_dir=<dir> [step=<N>|best] [format=safetensors|onnx|torchscript|hf] [out=<path>]"
 TOOL = Tool(
     name="export.py",
     about=("Export a trained run for use outside visiondist: one consolidated file that timm (ViT) or torchvision "
            "(detectors) loads with strict=True, or ONNX (checked against PyTorch with ONNX Runtime when installed), "
-           "or TorchScript. Takes no config overrides: the model comes from the run's config.yaml."),
+           "or TorchScript, or (DETR-class detectors) the directory transformers' from_pretrained reads. Takes no config overrides: the model comes from the run's config.yaml."),
     keys=(("run_dir=<dir>", "the training run to export (required)"),
           ("step=<N>", "its checkpoint checkpoints/step_<N> (default: the latest checkpoint, else model.safetensors), "
                    "whatever parallel layout wrote it; step=best: the best one by trainer.best_metric"),
-          ("format=<format>", "safetensors (default; plus <out>.json saying how to build the model), onnx or "
-                              "torchscript"),
-          ("out=<path>", "the file to write (default: <run>/export/model.<safetensors|onnx|pt>)")),
+          ("format=<format>", "safetensors (default; plus <out>.json saying how to build the model), onnx, "
+                              "torchscript or hf (DETR-class detectors: a from_pretrained directory)"),
+          ("out=<path>", "the file (hf: directory) to write (default: <run>/export/model.<safetensors|onnx|pt>, "
+                         "hf: <run>/export/model_hf)")),
     reads="<run>/config.yaml and the run's newest checkpoint (or step=), else its model.safetensors",
-    writes="<run>/export/model.<ext> (safetensors: and model.json), or out=<path>; prints the files",
+    writes="<run>/export/model.<ext> (safetensors: and model.json; hf: the directory model_hf), or out=<path>; "
+           "prints the files",
     examples=("python tools/export.py run_dir=outputs/2026-11-21/21-10-24",
               "python tools/export.py run_dir=outputs/2026-11-21/21-10-24 format=onnx out=vit.onnx",
               "python tools/export.py run_dir=outputs/2026-11-21/21-10-24 step=500 format=torchscript"),
@@ -52,7 +55,7 @@ def export(cmd: Command) -> int:
     if cmd.show:
         print(config_text(load_run_config(run_dir, [], inputs=None), cmd.package))
         return 0
-    out = Path(args.get("out") or run_dir / "export" / f"model{SUFFIX[fmt]}")
+    out = Path(args.get("out") or run_dir / "export" / f"model{SUFFIX[fmt]}")  # hf: the directory model_hf
 
     from visiondist.checkpoint.export import export as export_run
     from visiondist.checkpoint.export.trained import load_trained

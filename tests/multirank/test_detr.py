@@ -1,5 +1,7 @@
-"""DETR-class detectors (transformers' RT-DETRv2) end to end through the tools: training, exact resume, evaluation on
-1, 2 and 3 ranks equal to each other and to pycocotools on the written detections, the exported weights."""
+"""DETR-class detectors (transformers' RT-DETRv2, D-FINE, RF-DETR) end to end through the tools: training with the
+multi-scale schedule, exact resume, evaluation on 1, 2 and 3 ranks equal to each other and to pycocotools on the
+written detections, the exported weights; DDP with accumulation under fp16 / bf16, resumed on another world size,
+the from_pretrained directory and the ONNX file."""
 
 import json
 import re
@@ -11,8 +13,10 @@ from helpers import REPO, losses_of, run_cli
 
 pytest.importorskip("transformers")
 
-# 64 px images: 84 candidate positions at strides 8 / 16 / 32, so 50 queries (the published models: 640 px, 300)
-DETR = ["model=rtdetr_v2_r18", "model.img_size=64", "+model.kwargs.num_queries=50", "data=shapes_coco",
+# 64 px images: 84 candidate positions at strides 8 / 16 / 32, so 50 queries (the published models: 640 px, 300);
+# training batches at 64 or 96 px (the multi-scale schedule's draw; the published one: 480-800 around 640)
+DETR = ["model=rtdetr_v2_r18", "model.img_size=64", "model.multi_scale=[64,96]", "+model.kwargs.num_queries=50",
+        "data=shapes_coco",
         "data.synthetic.train_images=16", "data.synthetic.val_images=10", "data.synthetic.image_size=64",
         "data.min_size=64", "data.max_size=64", "data.batch_size=4", "data.eval_batch_size=4", "data.num_workers=0",
         "trainer.max_steps=3", "trainer.log_every=1", "trainer.accelerator=cpu", "trainer.progress=false",
@@ -104,3 +108,51 @@ def test_dfine_trains_evaluates_and_exports(tmp_path):
     final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_mAP") is not None][-1]
     assert final["val_detections"] == 10 * 50
     _exported_predicts_as_trained(run, tmp_path / "dfine.safetensors")
+
+
+@pytest.mark.parametrize("model,precision,queries", [("rfdetr_nano", "16", 16), ("dfine_n", "bf16", 20)])
+def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exports(tmp_path, model, precision,
+                                                                                    queries):
+    """RF-DETR-N under fp16 (dynamic loss scaling), D-FINE-N under bf16: 2 ranks with 2 accumulation steps, stopped
+    after step 1, continued on 1 rank (the checkpoint reshards; the schedule and data order go on), evaluated; the
+    run exported as the directory transformers' from_pretrained reads (strict, and predicting what the run's
+    weights do) and as ONNX checked by ONNX Runtime on the run's val images. (64 px: RF-DETR's 4 x 4 patch grid
+    gives 16 candidate positions, D-FINE-N's strides 16 / 32 give 20.)"""
+    import torch
+
+    run = tmp_path / "run"
+    args = [a for a in DETR if not a.startswith(("model=", "+model.kwargs", "model.multi_scale"))]
+    args = [f"model={model}", f"+model.kwargs.num_queries={queries}", "model.multi_scale=null", *args,
+            f"data.root={tmp_path / 'data'}", f"trainer.run_dir={run}", f"trainer.precision={precision}",
+            "trainer.grad_accum=2", "data.batch_size=8"]
+    out = run_cli([*args, "trainer.devices=2", "parallel.dp=2", "trainer.stop_at_step=1"], timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:]
+    out = run_cli([*args, "trainer.max_steps=2", "trainer.devices=1", "parallel.dp=1"], timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:]
+    losses = losses_of(run)
+    assert sorted(losses) == [1, 2] and all(v == v and v > 0 for v in losses.values())
+    final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_mAP") is not None][-1]
+    assert final["val_detections"] == 10 * queries
+
+    from transformers import AutoImageProcessor, AutoModelForObjectDetection
+
+    from visiondist.checkpoint.export.trained import load_trained
+
+    hf = tmp_path / "hf"
+    out = run_cli([f"run_dir={run}", "format=hf", f"out={hf}"], timeout=300, script=REPO / "tools" / "export.py")
+    assert out.returncode == 0, out.stdout[-4000:]
+    library, info = AutoModelForObjectDetection.from_pretrained(hf, output_loading_info=True)
+    assert not any(info.values())
+    processor = AutoImageProcessor.from_pretrained(hf)
+    trained = load_trained(run)
+    image = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = trained.model([image])[0]
+        got = processor.post_process_object_detection(library.eval()(pixel_values=trained.model.pixels([image])),
+                                                      threshold=0.0, target_sizes=[(64, 64)])[0]
+    assert torch.equal(want["scores"], got["scores"]) and torch.equal(want["labels"], got["labels"] + 1)
+
+    out = run_cli([f"run_dir={run}", "format=onnx", f"out={tmp_path / 'm.onnx'}"], timeout=300,
+                  script=REPO / "tools" / "export.py")
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert re.search(rf"ONNX Runtime vs PyTorch: {3 * queries} boxes compared", out.stdout), out.stdout[-2000:]

@@ -46,6 +46,8 @@ class ModelConfig:
     sync_bn: bool = False  # convert BatchNorm to SyncBatchNorm under data parallelism (CUDA)
     sdpa: str = "auto"  # attention kernel: auto (torch picks) | flash | efficient | cudnn | math
     channels_last: bool = False  # convolutions in NHWC memory layout (CNN detectors on tensor cores)
+    # DETR-class detectors: the square sides a training batch is drawn from (RT-DETR's schedule: 480-800 around 640)
+    multi_scale: Optional[list[int]] = None
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the torchvision detector, e.g. box_score_thresh
 
 

@@ -106,6 +106,12 @@ def _check_named(m: DictConfig) -> None:
             continue
         if named.is_timm_name(spec) and key != "init_from":
             raise ConfigError(f"model.{key}={spec}: timm names start a fine-tune: use model.init_from={spec}")
+        if named.is_hf_repo(spec):
+            if key != "weights" or m.family != "detr":
+                raise ConfigError(f"model.{key}={spec}: no such file; a Hugging Face repo name is read only for "
+                                  "model.weights of a DETR-class detector (model=rtdetr_v2_r18, dfine_s, rfdetr_nano, "
+                                  "...); give a local file here")
+            continue
         if named.is_enum_name(spec) and key == "init_from":
             raise ConfigError(f"model.init_from={spec}: init_from takes timm names (timm/<architecture>.<tag>); "
                               f"torchvision's weights go in model.weights (whole detector) or model.backbone_weights")

@@ -176,11 +176,13 @@ def coco_paths(cfg, split: str) -> tuple[Path, Path]:
 
 def build_detection_data(
     cfg, dp_rank: int, dp_size: int, grad_accum: int, seed: int, pin_memory: bool, train: bool = True,
-    masks: bool = False,
+    masks: bool = False, square: "int | None" = None, antialias: bool = True,
 ):
     """COCO-format train / val loaders for this DP rank (batches are lists: images differ in size). With
     `train=False` only the val split is read (evaluation of a checkpoint). `masks`: the training targets carry
-    instance masks (a model with a mask head; COCOeval reads the val masks from the annotation file)."""
+    instance masks (a model with a mask head; COCOeval reads the val masks from the annotation file). `square`: training
+    images are resized to that square (a DETR-class detector's input) instead of by data.min_size / max_size,
+    antialiased when they shrink unless `antialias` is off (as the model's image processor resizes)."""
     from visiondist.data.coco import collate_detection
 
     options = _loader_options(cfg, pin_memory, collate_detection)
@@ -190,7 +192,7 @@ def build_detection_data(
     if not train:
         return DetectionData(None, val_loader, None, val_set.classes, 0, len(val_set), val_set.ann_file,
                              val_set.cat_of)
-    train_set = splits(cfg.train_split, train=True, transform=DetectionTransform(cfg, seed),
+    train_set = splits(cfg.train_split, train=True, transform=DetectionTransform(cfg, seed, square, antialias),
                        max_bad_images=cfg.max_bad_images, masks=masks)
     _check_num_classes(cfg, len(train_set.classes), train_set.ann_file, "categories")
     if val_set.label_of != train_set.label_of:

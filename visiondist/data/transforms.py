@@ -192,14 +192,30 @@ def resize_keep_aspect(image: np.ndarray, boxes: np.ndarray, min_size: int, max_
     return image, boxes * np.float32(scale), masks
 
 
+def resize_square(image: np.ndarray, boxes: np.ndarray, side: int, antialias: bool = True):
+    """The image resized to side x side, aspect not kept (a DETR-class detector's input), boxes scaled with it: as
+    the model's image processor resizes, to rounding (bilinear; antialiased when it shrinks, through PIL, where the
+    processor antialiases, which RF-DETR's does not)."""
+    h, w = image.shape[:2]
+    if antialias and side < max(h, w):
+        from PIL import Image
+
+        image = np.array(Image.fromarray(image).resize((side, side), Image.BILINEAR))
+    else:
+        image = cv2.resize(image, (side, side), interpolation=cv2.INTER_LINEAR)
+    return image, boxes * np.array([side / w, side / h, side / w, side / h], dtype=np.float32)
+
+
 class DetectionTransform:
-    """Training augmentation for detection, with boxes: resize keeping the aspect ratio (min_size / max_size),
+    """Training augmentation for detection, with boxes: resize keeping the aspect ratio (min_size / max_size; with
+    `square`, to that square instead: a DETR-class detector's input),
     optional large-scale jitter (random rescale, then pad / crop to a min_size square), horizontal flip and colour
     jitter. Drawn from the sample's stream (`SampleRandom`) like `ClassificationTransform`. Boxes a crop removes (or
     leaves < 1 px) go, with their labels and masks; masks follow every geometric step exactly as the boxes do."""
 
-    def __init__(self, cfg, seed: int):
-        self.min_size, self.max_size, self.seed = cfg.min_size, cfg.max_size, seed
+    def __init__(self, cfg, seed: int, square: int | None = None, antialias: bool = True):
+        self.min_size, self.max_size, self.seed, self.square = cfg.min_size, cfg.max_size, seed, square
+        self.antialias = antialias
         steps: list = []
         if cfg.large_scale_jitter:
             lo, hi = cfg.lsj_scale
@@ -222,7 +238,9 @@ class DetectionTransform:
     def __call__(self, image: np.ndarray, boxes: np.ndarray, labels: np.ndarray, index: int, epoch: int,
                  masks: np.ndarray | None = None):
         """(image, boxes, labels), augmented; with (n, H, W) `masks`, (image, boxes, labels, masks)."""
-        if masks is None:
+        if self.square and masks is None:
+            image, boxes = resize_square(image, boxes, self.square, self.antialias)
+        elif masks is None:
             image, boxes = resize_keep_aspect(image, boxes, self.min_size, self.max_size)
         else:
             image, boxes, masks = resize_keep_aspect(image, boxes, self.min_size, self.max_size, masks)

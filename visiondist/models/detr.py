@@ -19,32 +19,77 @@ by this rank's boxes; the wrapper rescales).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
+import random
+import zlib
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-# model.arch -> (transformers config class, model class, architecture values of the published variant; a model built
-# from them has the published parameter count: RT-DETRv2-S 20.2M, -L 42.9M, D-FINE-S 10.3M at COCO's 80 classes)
-ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class Arch:
+    """How one published variant is built and fed."""
+
+    config: str  # transformers' configuration class
+    model: str  # its ...ForObjectDetection class
+    processor: str  # its image processor: the resize the published weights expect, and the post-processing
+    model_type: str  # config.json's model_type of weights in the library's layout
+    values: dict[str, Any]  # the published variant's architecture values (the rest are the configuration's defaults)
+    strides: tuple[int, ...]  # feature strides whose positions the encoder's top-k query selection draws from
+    normalize: bool = False  # ImageNet mean / std after the resize (RF-DETR's DINOv2); else pixels in [0, 1]
+    antialias: bool = True  # the processor's resize antialiases when it shrinks (torchvision's default; RF-DETR: off)
+    multiple: int = 1  # model.img_size must be a multiple of it (RF-DETR: patch 16 x 2 windows a side)
+
+
+_HGNET_B0 = {"model_type": "hgnet_v2", "stem_channels": [3, 16, 16], "stage_in_channels": [16, 64, 256, 512],
+             "stage_mid_channels": [16, 32, 64, 128], "stage_out_channels": [64, 256, 512, 1024],
+             "stage_num_blocks": [1, 1, 2, 1], "stage_downsample": [False, True, True, True],
+             "stage_light_block": [False, False, True, True], "stage_kernel_size": [3, 3, 5, 5],
+             "stage_numb_of_layers": [3, 3, 3, 3], "use_learnable_affine_block": True}
+# RF-DETR's windowed DINOv2-S backbone (patch 16, 2 x 2 windows, features of blocks 3, 6, 9, 12), at the published
+# variant's resolution (the size of its position-embedding grid; other sizes interpolate it)
+_DINOV2_S = {"model_type": "rf_detr_dinov2", "hidden_size": 384, "num_attention_heads": 6, "num_hidden_layers": 12,
+             "mlp_ratio": 4, "patch_size": 16, "num_windows": 2, "out_indices": [3, 6, 9, 12],
+             "num_register_tokens": 0}
+
+# model.arch -> how it is built; a model built from these values has the published parameter count at COCO's 80
+# classes: RT-DETRv2-S 20.2M, -L 42.9M, D-FINE-N 3.8M, -S 10.3M, RF-DETR-N 30.4M, -S 32.1M
+ARCHS: dict[str, Arch] = {
     # RT-DETRv2 (lyuwenyu/RT-DETR, Apache-2.0): ResNet-vd backbones, hybrid encoder, deformable decoder
-    "rtdetr_v2_r18": ("RTDetrV2Config", "RTDetrV2ForObjectDetection", {
+    "rtdetr_v2_r18": Arch("RTDetrV2Config", "RTDetrV2ForObjectDetection", "RTDetrImageProcessor", "rt_detr_v2", {
         "backbone_config": {"model_type": "rt_detr_resnet", "hidden_sizes": [64, 128, 256, 512],
                             "depths": [2, 2, 2, 2], "layer_type": "basic", "out_indices": [2, 3, 4]},
-        "encoder_in_channels": [128, 256, 512], "hidden_expansion": 0.5, "decoder_layers": 3}),
-    "rtdetr_v2_r50": ("RTDetrV2Config", "RTDetrV2ForObjectDetection", {}),
+        "encoder_in_channels": [128, 256, 512], "hidden_expansion": 0.5, "decoder_layers": 3}, (8, 16, 32)),
+    "rtdetr_v2_r50": Arch("RTDetrV2Config", "RTDetrV2ForObjectDetection", "RTDetrImageProcessor", "rt_detr_v2", {},
+                          (8, 16, 32)),
     # D-FINE (Peterande/D-FINE, Apache-2.0): HGNetV2 backbones, fine-grained distribution refinement of the boxes
-    "dfine_s": ("DFineConfig", "DFineForObjectDetection", {
-        "backbone_config": {"model_type": "hgnet_v2", "stem_channels": [3, 16, 16],
-                            "stage_in_channels": [16, 64, 256, 512], "stage_mid_channels": [16, 32, 64, 128],
-                            "stage_out_channels": [64, 256, 512, 1024], "stage_num_blocks": [1, 1, 2, 1],
-                            "stage_downsample": [False, True, True, True],
-                            "stage_light_block": [False, False, True, True], "stage_kernel_size": [3, 3, 5, 5],
-                            "stage_numb_of_layers": [3, 3, 3, 3], "use_learnable_affine_block": True,
-                            "hidden_sizes": [64, 256, 512, 1024], "out_indices": [2, 3, 4]},
-        "encoder_in_channels": [256, 512, 1024], "hidden_expansion": 0.5, "depth_mult": 0.34, "decoder_layers": 3}),
+    "dfine_n": Arch("DFineConfig", "DFineForObjectDetection", "RTDetrImageProcessor", "d_fine", {
+        "backbone_config": {**_HGNET_B0, "hidden_sizes": [128, 256, 512, 1024], "out_indices": [3, 4]},
+        "num_feature_levels": 2, "encoder_ffn_dim": 512, "encode_proj_layers": [1], "d_model": 128,
+        "encoder_hidden_dim": 128, "decoder_ffn_dim": 512, "encoder_in_channels": [512, 1024],
+        "decoder_n_points": [6, 6], "decoder_in_channels": [128, 128], "feat_strides": [16, 32], "depth_mult": 0.5,
+        "decoder_layers": 3, "hidden_expansion": 0.34}, (16, 32)),
+    "dfine_s": Arch("DFineConfig", "DFineForObjectDetection", "RTDetrImageProcessor", "d_fine", {
+        "backbone_config": {**_HGNET_B0, "hidden_sizes": [64, 256, 512, 1024], "out_indices": [2, 3, 4]},
+        "encoder_in_channels": [256, 512, 1024], "hidden_expansion": 0.5, "depth_mult": 0.34, "decoder_layers": 3},
+        (8, 16, 32)),
+    # RF-DETR (roboflow/rf-detr, Apache-2.0 for N-L): windowed DINOv2 backbone, one P4 projector, LW-DETR's decoder
+    # with 13 query groups in training
+    "rfdetr_nano": Arch("RfDetrConfig", "RfDetrForObjectDetection", "RfDetrImageProcessor", "rf_detr", {
+        "backbone_config": {**_DINOV2_S, "image_size": 384}, "decoder_layers": 2, "decoder_n_points": 2},
+        (16,), normalize=True, antialias=False, multiple=32),
+    "rfdetr_small": Arch("RfDetrConfig", "RfDetrForObjectDetection", "RfDetrImageProcessor", "rf_detr", {
+        "backbone_config": {**_DINOV2_S, "image_size": 512}, "decoder_layers": 3, "decoder_n_points": 2},
+        (16,), normalize=True, antialias=False, multiple=32),
 }
+_MEAN, _STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, as RF-DETR's processor normalises
 
 
 def _transformers():
@@ -58,64 +103,222 @@ def _transformers():
     return transformers
 
 
+def arch_of(name: str) -> Arch:
+    if name not in ARCHS:
+        raise ValueError(f"model.arch={name!r} is not a DETR-class detector here: use one of {', '.join(ARCHS)}")
+    return ARCHS[name]
+
+
 def build_hf_detector(arch: str, num_classes: int, overrides: Optional[dict] = None) -> nn.Module:
     """transformers' model of `arch` for `num_classes` object classes (no background class), random weights."""
-    if arch not in ARCHS:
-        raise ValueError(f"model.arch={arch!r} is not a DETR-class detector here: use one of {', '.join(ARCHS)}")
+    spec = arch_of(arch)
     transformers = _transformers()
-    config_name, model_name, values = ARCHS[arch]
-    values = {**values, **(overrides or {})}
+    values = {**spec.values, **(overrides or {})}
     backbone = values.pop("backbone_config", None)
-    config = getattr(transformers, config_name)(num_labels=num_classes, **values)
+    config = getattr(transformers, spec.config)(num_labels=num_classes, **values)
     if backbone is not None:
         kind = dict(backbone)
         config.backbone_config = transformers.AutoConfig.for_model(kind.pop("model_type"), **kind)
-    return getattr(transformers, model_name)(config)
+    return getattr(transformers, spec.model)(config)
 
 
 def build_detr(cfg: Any) -> nn.Module:
     """`model.family=detr`: the `DetrDetector` of `model.arch` for `model.num_classes` classes at `model.img_size`,
-    random weights or `model.weights` (a local state dict of this wrapper's keys)."""
+    random weights or `model.weights`: a local state dict of this wrapper's keys, a directory in the library's
+    layout (config.json + model.safetensors, as `from_pretrained` reads and format=hf writes) or a Hugging Face
+    repo name read from the local cache (`hub_weights`)."""
+    spec = arch_of(str(cfg.arch))
+    scales = [int(s) for s in cfg.get("multi_scale") or []]
     model = DetrDetector(build_hf_detector(str(cfg.arch), int(cfg.num_classes), dict(cfg.kwargs or {})),
-                         int(cfg.img_size))
+                         int(cfg.img_size), spec, scales)
     if cfg.weights:
         from visiondist.models.weights import load_local_weights
+        from visiondist.utils.pretrained import local_file
 
-        load_local_weights(model, str(cfg.weights))
+        where = local_file(str(cfg.weights), "model.weights")  # a repo name: its snapshot in the cache
+        if is_library_dir(where):
+            state, fresh = library_state(model, where, str(cfg.weights), str(cfg.name))
+            if fresh:
+                log.info("model.weights=%s: %s classes there, %d here: the class heads (%s) start afresh",
+                         cfg.weights, _labels_of(where), int(cfg.num_classes), ", ".join(fresh))
+            model.load_state_dict({**model.state_dict(), **state}, strict=True)
+        else:
+            load_local_weights(model, str(where))
     return model
+
+
+# -- weights in the library's layout: a from_pretrained directory (config.json + model.safetensors) --------------
+
+
+def is_library_dir(path) -> bool:
+    from pathlib import Path
+
+    where = Path(path)
+    return where.is_dir() and (where / "config.json").is_file() and (where / "model.safetensors").is_file()
+
+
+def _library_config(where) -> dict:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(where) / "config.json").read_text())
+
+
+def _labels_of(where) -> int:
+    config = _library_config(where)
+    return int(len(config.get("id2label") or {}) or config.get("num_labels") or 0)
+
+
+def library_state(model: "DetrDetector", where, spec: str, name: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The weights of a directory in the library's layout under `model`'s keys, checked against it: the same kind of
+    model (config.json's model_type), every tensor present with the model's shape; the class heads of another class
+    count are left out (they start afresh: the names are returned). `model` may live on the meta device. A
+    ValueError names the fix."""
+    config = _library_config(where)
+    kind = config.get("model_type")
+    if kind != model.arch.model_type:
+        same = [n for n, a in ARCHS.items() if a.model_type == kind]
+        use = f"use model={' or model='.join(same)}" if same else f"the models here are {', '.join(ARCHS)}"
+        raise ValueError(f"model.weights={spec} holds a {kind} model, not model={name}'s {model.arch.model_type}: "
+                         f"{use}")
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs_labels, ours = _labels_of(where), int(model.model.config.num_labels)
+    stored = _from_pretrained(model.arch, where)  # the library reads its own layout (its renamed keys included)
+    state, fresh, unknown, wrong = {}, [], [], []
+    for key, tensor in stored.items():
+        ours_key = model.aliases.get("model." + key, "model." + key)
+        if ours_key not in own:
+            unknown.append(key)
+        elif tuple(tensor.shape) == own[ours_key]:
+            state[ours_key] = tensor
+        elif _class_head(tuple(tensor.shape), own[ours_key], theirs_labels, ours):
+            fresh.append(ours_key)
+        else:
+            wrong.append((key, tuple(tensor.shape), own[ours_key]))
+    missing = sorted(set(own) - set(state) - set(fresh))
+    if wrong or unknown or missing:
+        what = (f"{wrong[0][0]} is {list(wrong[0][1])} there but {list(wrong[0][2])} here" if wrong else
+                f"{(unknown or missing)[0]} is {'there but not here' if unknown else 'here but not there'}")
+        raise ValueError(f"model.weights={spec} is another variant than model={name} ({what}; {len(wrong)} tensors "
+                         f"differ, {len(unknown)} unknown, {len(missing)} missing): pick the model config of the "
+                         f"weights' variant")
+    return state, sorted({k[len("model."):].rsplit(".", 1)[0] for k in fresh})
+
+
+@contextlib.contextmanager
+def _quiet():
+    """transformers without its progress bars and notes (reading or writing a directory here is one log line)."""
+    transformers = _transformers()
+    logging_ = transformers.utils.logging
+    verbosity, bars = logging_.get_verbosity(), logging_.is_progress_bar_enabled()
+    logging_.set_verbosity_error()
+    logging_.disable_progress_bar()
+    try:
+        yield transformers
+    finally:
+        logging_.set_verbosity(verbosity)
+        if bars:
+            logging_.enable_progress_bar()
+
+
+def _from_pretrained(arch: Arch, where) -> dict[str, torch.Tensor]:
+    """The state dict of the library's model read from `where` by its `from_pretrained` (quietly; no download)."""
+    with _quiet() as transformers:
+        loaded, info = getattr(transformers, arch.model).from_pretrained(str(where), local_files_only=True,
+                                                                          output_loading_info=True)
+    if info.get("missing_keys") or info.get("mismatched_keys"):
+        what = sorted(info.get("missing_keys") or info.get("mismatched_keys"))
+        raise ValueError(f"model.weights={where}: its model.safetensors does not fit its own config.json ({len(what)} "
+                         f"tensors, e.g. {what[0]}): the directory is damaged or mixed; export it again")
+    return loaded.state_dict()
+
+
+def _class_head(theirs: tuple, ours: tuple, theirs_labels: int, our_labels: int) -> bool:
+    """A tensor sized by the class count (a classifier's rows; the denoising label embedding has one more)."""
+    return (len(theirs) == len(ours) and theirs[1:] == ours[1:] and theirs[0] - theirs_labels in (0, 1)
+            and ours[0] - our_labels == theirs[0] - theirs_labels)
+
+
+def save_library_dir(model: "DetrDetector", out, classes: Optional[list[str]] = None) -> list:
+    """`model` as a directory transformers' `from_pretrained` reads: config.json (with the class names),
+    model.safetensors, and preprocessor_config.json (the library's image processor at model.img_size)."""
+    from pathlib import Path
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    inner = model.model
+    if classes:
+        inner.config.id2label = dict(enumerate(classes))
+        inner.config.label2id = {c: i for i, c in enumerate(classes)}
+    with _quiet() as transformers:
+        inner.save_pretrained(str(out), safe_serialization=True)
+        processor = getattr(transformers, model.arch.processor)(
+            size={"height": model.img_size, "width": model.img_size}, do_normalize=model.arch.normalize)
+        processor.save_pretrained(str(out))
+    return [out / "config.json", out / "model.safetensors", out / "preprocessor_config.json"]
 
 
 class DetrDetector(nn.Module):
     """A transformers DETR-class detector with torchvision's detector interface (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, img_size: int):
+    def __init__(self, model: nn.Module, img_size: int, arch: Optional[Arch] = None,
+                 multi_scale: Optional[list[int]] = None):
         super().__init__()
         self.model = model
         self.img_size = int(img_size)
+        self.arch = arch or next(a for a in ARCHS.values() if a.model == type(model).__name__)
+        self.multi_scale = list(multi_scale or [])
         # the library ties modules under two names (the heads: `class_embed` is `model.decoder.class_embed`): the
         # state dict keeps one name per tensor, so safetensors files and checkpoints hold each once, and loading
         # fills the other name from it
         self.aliases = _aliases(self)
+        # parameters detection never uses stay out of training (no gradient, so no optimizer state a checkpoint
+        # could lack): the masked-image-modelling token of RF-DETR's DINOv2
+        for name, param in self.named_parameters():
+            if name.endswith("embeddings.mask_token"):
+                param.requires_grad_(False)
         self.register_state_dict_post_hook(_drop_aliases)
         self.register_load_state_dict_pre_hook(_fill_aliases)
 
-    def _inputs(self, images) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        sizes = [(int(im.shape[-2]), int(im.shape[-1])) for im in images]
-        size = (self.img_size, self.img_size)
-        pixels = torch.cat([F.interpolate(im[None].float(), size=size, mode="bilinear", align_corners=False)
-                            for im in images])
-        return pixels, sizes
+    def input_size(self, targets: Optional[list[dict]] = None) -> int:
+        """The square side the model sees: model.img_size, or in training with model.multi_scale one of its sizes,
+        drawn per batch from its images' ids (the same batch gets the same size, so a resumed run repeats the
+        uninterrupted one; RT-DETR's collate draws one size per batch too)."""
+        if not (self.training and self.multi_scale and targets):
+            return self.img_size
+        ids = [int(t["image_id"]) for t in targets if "image_id" in t]
+        seed = zlib.crc32(" ".join(map(str, ids)).encode())
+        return self.multi_scale[random.Random(seed).randrange(len(self.multi_scale))]
+
+    def pixels(self, images, size: Optional[int] = None) -> torch.Tensor:
+        """The batch as the model takes it: each image (float in [0, 1], any size) resized to the square side as the
+        library's image processor does (bilinear; antialiased when shrinking where the processor does), then
+        normalised where the model is (RF-DETR)."""
+        side = size or self.img_size
+        out = []
+        for im in images:
+            im = im[None].float()
+            if tuple(im.shape[-2:]) != (side, side):
+                im = F.interpolate(im, size=(side, side), mode="bilinear", align_corners=False,
+                                   antialias=self.arch.antialias)
+            out.append(im)
+        pixels = torch.cat(out)
+        if self.arch.normalize:
+            mean = pixels.new_tensor(_MEAN).view(1, 3, 1, 1)
+            std = pixels.new_tensor(_STD).view(1, 3, 1, 1)
+            pixels = (pixels - mean) / std
+        return pixels
 
     def forward(self, images, targets: Optional[list[dict]] = None):
-        pixels, sizes = self._inputs(images)
+        sizes = [(int(im.shape[-2]), int(im.shape[-1])) for im in images]
         if self.training:
             if targets is None:
                 raise ValueError("a DETR-class detector in training mode takes targets (boxes, labels)")
             labels = [_relative(t, h, w) for t, (h, w) in zip(targets, sizes)]
-            out = self.model(pixel_values=pixels, labels=labels)
+            out = self.model(pixel_values=self.pixels(images, self.input_size(targets)), labels=labels)
             return {"loss": out.loss * _global_box_scale(labels, out.loss.device)}
-        out = self.model(pixel_values=pixels)
-        return _detections(out, sizes)
+        out = self.model(pixel_values=self.pixels(images))
+        return _detections(out, sizes, self.arch.processor)
 
 
 def _aliases(module: nn.Module) -> dict[str, str]:
@@ -167,8 +370,43 @@ def _global_box_scale(labels: list[dict], device: torch.device) -> torch.Tensor:
     return max(boxes, 1) / mean
 
 
-def _detections(out, sizes: list[tuple[int, int]]) -> list[dict]:
-    from transformers import RTDetrImageProcessor
+@functools.lru_cache(maxsize=None)
+def _processor(name: str):
+    return getattr(_transformers(), name)()
 
-    processed = RTDetrImageProcessor().post_process_object_detection(out, threshold=0.0, target_sizes=sizes)
+
+def _detections(out, sizes: list[tuple[int, int]], processor: str) -> list[dict]:
+    """The library's post-processing (the top `num_queries` of the sigmoid scores over queries x classes, boxes in
+    each image's pixels), labels 1-based."""
+    processed = _processor(processor).post_process_object_detection(out, threshold=0.0, target_sizes=sizes)
     return [{"boxes": p["boxes"], "scores": p["scores"], "labels": p["labels"] + 1} for p in processed]
+
+
+class DetrForExport(nn.Module):
+    """The eval-mode detector as one traceable function for ONNX, in the torchvision detectors' exported form: one
+    image (3, H, W), float in [0, 1], any H, W -> boxes (K, 4: x1, y1, x2, y2 in its pixels), labels (K, 1-based),
+    scores (K), K = the model's queries: what `DetrDetector` returns for it (the library's post-processing, written
+    with tensor ops only)."""
+
+    def __init__(self, detector: DetrDetector):
+        super().__init__()
+        self.detector = detector
+
+    def forward(self, image: torch.Tensor):
+        detector = self.detector
+        height, width = image.shape[-2], image.shape[-1]
+        side = detector.img_size
+        pixels = F.interpolate(image[None].float(), size=(side, side), mode="bilinear", align_corners=False,
+                               antialias=detector.arch.antialias)
+        if detector.arch.normalize:
+            pixels = (pixels - pixels.new_tensor(_MEAN).view(1, 3, 1, 1)) / pixels.new_tensor(_STD).view(1, 3, 1, 1)
+        out = detector.model(pixel_values=pixels)
+        logits, centres = out.logits[0], out.pred_boxes[0]
+        classes = logits.shape[-1]
+        scores, index = logits.sigmoid().flatten().topk(logits.shape[0])
+        cx, cy, w, h = centres.unbind(-1)
+        corners = torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], dim=-1)
+        one = corners.new_ones(())  # the input's size as tensors (symbolic under export)
+        scale = torch.stack([one * width, one * height, one * width, one * height])
+        boxes = corners[index // classes] * scale
+        return boxes, index % classes + 1, scores

@@ -99,22 +99,37 @@ def _check_vitdet(cfg: DictConfig) -> None:
 def _check_detr(cfg: DictConfig) -> None:
     from visiondist.models.detr import ARCHS
 
-    if cfg.model.arch not in ARCHS:
-        raise ConfigError(f"model.arch={cfg.model.arch!r} is not a DETR-class detector here: use one of "
-                          f"{', '.join(ARCHS)}")
-    size, queries = int(cfg.model.img_size), int((cfg.model.kwargs or {}).get("num_queries", 300))
-    anchors = sum((size // stride) ** 2 for stride in (8, 16, 32))  # the encoder's candidate positions
-    if anchors < queries:
-        raise ConfigError(f"model.img_size={size} gives {cfg.model.name} {anchors} candidate positions (strides 8, "
-                          f"16, 32), fewer than its {queries} queries: raise model.img_size (>= 320 for 300 queries) "
-                          f"or set +model.kwargs.num_queries={anchors}")
-    if cfg.model.get("masks"):
-        raise ConfigError(f"model.masks=true: {cfg.model.name} predicts boxes only; for masks use "
+    m = cfg.model
+    if m.arch not in ARCHS:
+        raise ConfigError(f"model.arch={m.arch!r} is not a DETR-class detector here: use one of {', '.join(ARCHS)}")
+    arch = ARCHS[m.arch]
+    scales = [int(s) for s in m.get("multi_scale") or []]
+    queries = int((m.kwargs or {}).get("num_queries", 300))
+    if scales and int(m.img_size) not in scales:
+        raise ConfigError(f"model.multi_scale={scales} does not hold model.img_size={m.img_size}: the schedule draws "
+                          "training sizes around the evaluation size; set model.multi_scale=null, or a list around "
+                          f"{m.img_size}")
+    for size, key in [(int(m.img_size), "model.img_size"), *((s, "model.multi_scale") for s in scales)]:
+        if size % arch.multiple:
+            raise ConfigError(f"{key}: {size} is not a multiple of {arch.multiple} (patch 16 x 2 windows a side for "
+                              f"{m.name}): use {size // arch.multiple * arch.multiple or arch.multiple}")
+        positions = sum((size // stride) ** 2 for stride in arch.strides)  # the encoder's candidate positions
+        if positions < queries:
+            need = next(s for s in range(32, 100000, 32) if sum((s // t) ** 2 for t in arch.strides) >= queries)
+            raise ConfigError(f"{key}: {size} px gives {m.name} {positions} candidate positions (strides "
+                              f"{', '.join(map(str, arch.strides))}), fewer than its {queries} queries: use >= {need} "
+                              f"px or set +model.kwargs.num_queries={positions}")
+    if m.get("masks"):
+        raise ConfigError(f"model.masks=true: {m.name} predicts boxes only; for masks use "
                           "model=maskrcnn_mobilenet_v3 (or maskrcnn_r50)")
+    if cfg.data.get("large_scale_jitter"):
+        raise ConfigError(f"data.large_scale_jitter=true crops torchvision-style squares of data.min_size; {m.name} "
+                          "takes its own square input (model.img_size) and scales (model.multi_scale): set "
+                          "data.large_scale_jitter=false")
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
-        raise ConfigError(f"{cfg.model.name} is a transformers model, and transformers is not installed: "
+        raise ConfigError(f"{m.name} is a transformers model, and transformers is not installed: "
                           "pip install -e '.[detr]'")
 
 

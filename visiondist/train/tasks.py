@@ -175,7 +175,8 @@ class DetectionTask:
         self.inputs = unit_float  # (uint8 loader images, device) -> float in [0, 1] there, as torchvision takes
         self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating, a spinner while scoring
         self.data = build_detection_data(cfg.data, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
-                                         pin_memory=layout.device.type == "cuda", train=train, masks=self.masks)
+                                         pin_memory=layout.device.type == "cuda", train=train, masks=self.masks,
+                                         **square_input(cfg.model))
         self.val_image = self.data.val_loader.dataset.image_by_id  # the plots' images, from a tree or from shards
 
     def train_batches(self, device: torch.device) -> Iterator:
@@ -250,6 +251,16 @@ class DetectionTask:
         segm = {k[9:]: v for k, v in m.items() if k.startswith("val_segm_")}
         return (f"bbox:\n{summary_lines(box)}\nsegm:\n{summary_lines(segm)}\n"
                 f"val box mAP@[.5:.95]: {m['val_mAP']:.4f}  mask mAP@[.5:.95]: {m['val_segm_mAP']:.4f}")
+
+
+def square_input(model_cfg) -> dict[str, Any]:
+    """A DETR-class detector's training images: resized by the loader straight to its square input, as its image
+    processor resizes (antialiased when shrinking where it is); other detectors: none (data.min_size / max_size)."""
+    if model_cfg.family != "detr":
+        return {}
+    from visiondist.models.detr import ARCHS
+
+    return {"square": int(model_cfg.img_size), "antialias": ARCHS[model_cfg.arch].antialias}
 
 
 def _at_step(m: dict[str, Any]) -> str:

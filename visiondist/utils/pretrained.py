@@ -9,6 +9,9 @@
   `FasterRCNN_ResNet50_FPN_Weights.COCO_V1`): the file its URL names in torch hub's cache (`$TORCH_HOME/hub/checkpoints`,
   by default ~/.cache/torch/hub/checkpoints), downloaded there (hash checked) unless `HF_HUB_OFFLINE=1` or
   `VISIONDIST_OFFLINE=1`.
+- `model.weights=<owner>/<name>` for a DETR-class detector: a Hugging Face repo in the library's layout (config.json +
+  model.safetensors, as transformers' `from_pretrained` reads), e.g. `PekingU/rtdetr_v2_r18vd`: its snapshot in
+  huggingface_hub's cache, downloaded there when the network allows (not with `HF_HUB_OFFLINE=1`).
 
 Resolution happens in the launching process before any rank starts (`local_file(..., download=True)`); ranks only
 read the cache. A name that is not cached where nothing can be downloaded is one line naming the file looked for and
@@ -24,6 +27,9 @@ from typing import Any, Optional
 
 TIMM = "timm/"
 _ENUM = re.compile(r"^([A-Za-z0-9_]+_Weights)\.([A-Za-z0-9_]+)$")
+_REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".json")
+HF_FILES = ("config.json", "model.safetensors")  # what a repo in transformers' layout holds that a model needs
 
 
 class WeightsNotFound(ValueError):
@@ -38,8 +44,15 @@ def is_enum_name(spec: Optional[str]) -> bool:
     return bool(spec) and _ENUM.match(str(spec)) is not None and not Path(str(spec)).expanduser().exists()
 
 
+def is_hf_repo(spec: Optional[str]) -> bool:
+    """`owner/name` that is not a local path, a timm name or a file name: a Hugging Face repo."""
+    text = str(spec or "")
+    return (bool(_REPO.match(text)) and not text.startswith(TIMM) and not text.lower().endswith(_FILE_SUFFIXES)
+            and not Path(text).expanduser().exists())
+
+
 def is_named(spec: Optional[str]) -> bool:
-    return is_timm_name(spec) or is_enum_name(spec)
+    return is_timm_name(spec) or is_enum_name(spec) or is_hf_repo(spec)
 
 
 def _offline_flag() -> str:
@@ -204,12 +217,48 @@ def _hub_file(url: str, key: str, spec: str, download: bool) -> Path:
     return file
 
 
+# -- Hugging Face repos in transformers' layout ---------------------------------------------------------------------
+
+
+def _hf_repo_dir(spec: str, key: str, download: bool) -> Path:
+    """The cached snapshot of repo `spec` holding config.json and model.safetensors (downloaded first when allowed)."""
+    from huggingface_hub import constants, snapshot_download
+
+    cache = constants.HF_HUB_CACHE
+    fetch = (f"fetch it where there is network with `hf download {spec} {' '.join(HF_FILES)}` (huggingface_hub's CLI) "
+             f"and copy that machine's {cache} here, or point HF_HUB_CACHE at a copy")
+    try:
+        where = Path(snapshot_download(spec, allow_patterns=list(HF_FILES), local_files_only=True))
+    except Exception:  # not cached (huggingface_hub's LocalEntryNotFoundError and friends)
+        where = None
+    if where is not None and all((where / f).is_file() for f in HF_FILES):
+        return where
+    if not download or offline():
+        why = _offline_flag() or "ranks read only the cache"
+        raise WeightsNotFound(f"{key}={spec}: no local file or directory of that name, and the Hugging Face repo "
+                              f"{spec} is not in the cache {cache} ({why}): {fetch}")
+    try:
+        where = Path(snapshot_download(spec, allow_patterns=list(HF_FILES)))
+    except Exception as exc:  # no network, no such repo, refused
+        raise WeightsNotFound(f"{key}={spec}: no local file or directory of that name, and the Hugging Face repo "
+                              f"{spec} is not in the cache {cache} and could not be downloaded "
+                              f"({type(exc).__name__}): {fetch}") from None
+    missing = [f for f in HF_FILES if not (where / f).is_file()]
+    if missing:
+        raise WeightsNotFound(f"{key}={spec}: the repo has no {', '.join(missing)}: it is not a model in transformers' "
+                              "layout with safetensors weights")
+    return where
+
+
 # -- either ----------------------------------------------------------------------------------------------------------
 
 
 def local_file(spec: str, key: str, download: bool = False) -> Path:
-    """The local file of `spec`: a path as given, or a timm / torchvision name resolved through its cache
-    (`download`: fetch it when it is not cached and the network allows; only the launching process does)."""
+    """The local file of `spec`: a path as given, or a timm / torchvision name resolved through its cache, or a
+    Hugging Face repo's cached snapshot directory (`download`: fetch it when it is not cached and the network allows;
+    only the launching process does)."""
+    if is_hf_repo(spec):
+        return _hf_repo_dir(spec, key, download)
     if is_timm_name(spec):
         return _timm_file(spec, key, download)
     if is_enum_name(spec):

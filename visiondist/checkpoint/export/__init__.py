@@ -9,6 +9,7 @@
   one image -> boxes, labels, scores), the names in its metadata, checked against PyTorch with ONNX Runtime when it
   is installed (`onnx_check.py`).
 - `torchscript` (`torchscript.py`): traced (classifiers) or scripted (torchvision detectors).
+- `hf` (`hf.py`): a DETR-class detector as the directory transformers' `from_pretrained` reads.
 
 Weights come from a run's checkpoint (any parallel layout; DCP reads the shards into this one process) or, for a run
 without checkpoints, its `model.safetensors` (`trained.py`). A new format is a module with a
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from visiondist.checkpoint.export.hf import write_hf
 from visiondist.checkpoint.export.onnx import write_onnx
 from visiondist.checkpoint.export.state_dict import write_safetensors
 from visiondist.checkpoint.export.torchscript import write_torchscript
@@ -27,17 +29,22 @@ from visiondist.checkpoint.export.trained import Trained, load_trained
 __all__ = ["FORMATS", "WRITERS", "Trained", "export", "load_trained"]
 
 # format -> its writer: (the trained model, a temporary path, the final path) -> the other files it wrote
-WRITERS = {"safetensors": write_safetensors, "onnx": write_onnx, "torchscript": write_torchscript}
+WRITERS = {"safetensors": write_safetensors, "onnx": write_onnx, "torchscript": write_torchscript, "hf": write_hf}
 FORMATS = tuple(WRITERS)
 
 
 def export(trained: Trained, fmt: str, out: Path) -> list[Path]:
-    """Write the export; returns the files written (the main one to a temporary name, then renamed)."""
+    """Write the export; returns the files written (the main one, or the directory, to a temporary name, then
+    renamed)."""
     if fmt not in WRITERS:
         raise ValueError(f"format={fmt!r}: choose one of {', '.join(FORMATS)}")
     out = Path(out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     others = WRITERS[fmt](trained, tmp, out)
+    if tmp.is_dir() and out.is_dir():  # a directory export (hf) replaces the previous one whole
+        import shutil
+
+        shutil.rmtree(out)
     tmp.replace(out)
     return [out, *others]

@@ -41,9 +41,38 @@ def write_onnx(trained: Trained, path: Path, out: Path) -> list[Path]:
         program.save(str(path))
     elif family in ("torchvision", "vitdet"):
         _export_detector_onnx(model, example_images(trained.cfg, 1)[0], path, metadata)
+    elif family == "detr":
+        _export_detr_onnx(model, path, metadata)
     else:
         raise ValueError(f"format=onnx is not supported for model.family={family}: export format=safetensors")
     return []
+
+
+def _export_detr_onnx(model: nn.Module, path: Path, metadata: dict[str, str]) -> None:
+    """A DETR-class detector (`DetrForExport`: one image of any size -> boxes, labels, scores of every query) with
+    torch.export and a dynamic height and width. The library's shape assertions are switched off while it is traced
+    (its own switch, TRANSFORMERS_DISABLE_TORCH_CHECK): ONNX has no operator for them."""
+    import os
+
+    from visiondist.models.detr import DetrForExport
+
+    height, width = torch.export.Dim("height", min=32, max=8192), torch.export.Dim("width", min=32, max=8192)
+    example = torch.rand(3, 480, 640, generator=torch.Generator().manual_seed(0))
+    before = os.environ.get("TRANSFORMERS_DISABLE_TORCH_CHECK")
+    os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(DetrForExport(model).eval(), (example,), dynamo=True, input_names=["image"],
+                                        output_names=["boxes", "labels", "scores"], external_data=False,
+                                        dynamic_shapes={"image": {1: height, 2: width}}, verbose=False)
+    finally:
+        if before is None:
+            os.environ.pop("TRANSFORMERS_DISABLE_TORCH_CHECK", None)
+        else:
+            os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = before
+    program.model.metadata_props.update(metadata)
+    program.save(str(path))
 
 
 # Score thresholds a torchvision detector's graph is traced with, replaced by the model's own afterwards: below 0, so
