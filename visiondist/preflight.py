@@ -359,6 +359,8 @@ def check_weights(model_cfg) -> None:
     from visiondist.models.weights import weight_shapes
     from visiondist.utils.pretrained import is_named
 
+    if model_cfg.family == "detr" and _check_library_weights(model_cfg):
+        return
     if is_named(model_cfg.weights):  # a detector starting from torchvision's: a head of another class count is new
         return
     path = Path(model_cfg.weights).expanduser()
@@ -383,6 +385,31 @@ def check_weights(model_cfg) -> None:
         raise ConfigError(f"model.weights={model_cfg.weights} does not fit model={model_cfg.name}: {key} is "
                           f"{list(stored[key])} there but {list(own[key])} here: use the model (and data.img_size) "
                           "the weights were trained with")
+
+
+def _check_library_weights(model_cfg) -> bool:
+    """A DETR-class detector's `model.weights` in the library's layout (a from_pretrained directory, or a Hugging Face
+    repo name, cached by now): its kind and variant fit the model (built on the meta device). False: not that
+    layout (a state dict file, checked as any other)."""
+    import torch
+
+    from visiondist.models import build_model
+    from visiondist.models.detr import is_library_dir, library_state
+    from visiondist.utils.pretrained import WeightsNotFound, local_file
+
+    try:
+        where = local_file(str(model_cfg.weights), "model.weights")
+    except WeightsNotFound as exc:
+        raise ConfigError(str(exc)) from None
+    if not is_library_dir(where):
+        return False
+    with torch.device("meta"):
+        model = build_model(OmegaConf.merge(model_cfg, {"weights": None}))
+    try:
+        library_state(model, where, str(model_cfg.weights), str(model_cfg.name))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return True
 
 
 def _model_shapes(model_cfg) -> dict[str, tuple[int, ...]]:

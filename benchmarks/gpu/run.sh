@@ -14,7 +14,9 @@
 # (ViT-H/14 at batch 64 as is and at 128 with checkpoint_keep=matmuls), float8 (benchmarks/fp8_layers.py's table,
 # ViT-L/H compiled in bf16 and both float8 recipes, and a 150-step run on the photos in bf16 and in float8, their
 # losses side by side in fp8_loss.png). About 10 minutes on an H200.
-#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|all|short]
+# `detr`: RT-DETRv2-S, D-FINE-S and RF-DETR-N at their published input, bf16, batch 16, against plain loops over
+# the transformers model (about 3 minutes).
+#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
@@ -109,6 +111,14 @@ if [[ $what == bench || $what == all ]]; then
         trainer.precision=bf16 "bench.variants=['model.channels_last=true']"
     bench maskrcnn_r50 model=maskrcnn_r50 data=shapes_coco data.min_size=800 data.max_size=1333 data.batch_size=8 \
         trainer.precision=bf16
+fi
+if [[ $what == detr || $what == all ]]; then
+    # DETR-class detectors at their published input (640 px; RF-DETR-N 384), bf16, batch 16, fixed size (the
+    # multi-scale draw off, so ours and the plain loops see the same pixels), each against the transformers model
+    # in a plain loop and against our own model in one
+    for model in rtdetr_v2_r18 dfine_s rfdetr_nano; do
+        bench "$model" model="$model" data=shapes_coco data.batch_size=16 trainer.precision=bf16 model.multi_scale=null
+    done
 fi
 echo "parts failed: $failed"
 exit "$failed"

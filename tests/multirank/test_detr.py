@@ -152,6 +152,17 @@ def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exp
                                                       threshold=0.0, target_sizes=[(64, 64)])[0]
     assert torch.equal(want["scores"], got["scores"]) and torch.equal(want["labels"], got["labels"] + 1)
 
+    # the directory starts a new run (model.weights=, checked before any rank starts); another variant is refused
+    other = "rfdetr_small" if model == "rfdetr_nano" else "dfine_s"
+    args = [a for a in args if not a.startswith("trainer.run_dir=")]
+    refused = run_cli([*[a for a in args if a != f"model={model}"], f"model={other}", f"model.weights={hf}",
+                       f"trainer.run_dir={tmp_path / 'refused'}"], timeout=300)
+    assert refused.returncode == 2 and f"is another variant than model={other}" in refused.stdout + refused.stderr
+    assert f"use model={model}" in refused.stdout + refused.stderr
+    again = run_cli([*args, f"model.weights={hf}", "trainer.max_steps=1", f"trainer.run_dir={tmp_path / 'again'}"],
+                    timeout=300)
+    assert again.returncode == 0, again.stdout[-4000:]
+
     out = run_cli([f"run_dir={run}", "format=onnx", f"out={tmp_path / 'm.onnx'}"], timeout=300,
                   script=REPO / "tools" / "export.py")
     assert out.returncode == 0, out.stdout[-4000:]

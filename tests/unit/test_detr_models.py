@@ -26,21 +26,21 @@ def _cfg(arch, **kw):
 
 
 def _trained_like(model):
-    """A fresh model in evaluation is degenerate: its BatchNorms' running statistics are the initial ones, under
-    which the encoder's features barely vary over an image, so most queries tie and which of them top-k keeps is
-    arbitrary. Training forwards on photographs (no step) give the statistics a trained model has, and the
-    weights are nudged off their initial symmetries."""
+    """A fresh model in evaluation is degenerate: its encoder's features barely vary over an image (BatchNorms at
+    their initial statistics, score heads at zero), so most queries tie and which of them top-k keeps is
+    arbitrary. 30 AdamW steps on two photographs give it the spread of a trained model."""
     from skimage import data
 
     torch.manual_seed(1)
     images = [torch.from_numpy(getattr(data, n)()).permute(2, 0, 1).float() / 255 for n in ("astronaut", "rocket")]
-    targets = [{"boxes": torch.tensor([[40.0, 30.0, 300.0, 400.0]]), "labels": torch.tensor([1])}] * 2
+    targets = [{"boxes": torch.tensor([[40.0, 30.0, 300.0, 400.0], [200.0, 50.0, 260.0, 120.0]]),
+                "labels": torch.tensor([1, 2])}] * 2
     model.train()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-        for _ in range(8):
-            model(images, targets)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(30):
+        model(images, targets)["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
     return model.eval()
 
 
@@ -155,7 +155,7 @@ def test_weights_from_a_from_pretrained_directory_and_from_the_hub_cache(tmp_pat
     with pytest.raises(ValueError, match=r"holds a d_fine model, not model=rfdetr_nano's rf_detr: use model=dfine_n "
                                          r"or model=dfine_s"):
         build_detr(_cfg("rfdetr_nano", weights="someone/dfine-n-shapes"))
-    with pytest.raises(ValueError, match=r"is another variant than model=dfine_s .*: pick the model config"):
+    with pytest.raises(ValueError, match=r"is another variant than model=dfine_s .*: use model=dfine_n$"):
         build_detr(_cfg("dfine_s", weights="someone/dfine-n-shapes"))
     with pytest.raises(WeightsNotFound, match=r"someone/absent is not in the cache .*HF_HUB_OFFLINE=1.*hf download "
                                               r"someone/absent config.json model.safetensors"):
@@ -165,10 +165,8 @@ def test_weights_from_a_from_pretrained_directory_and_from_the_hub_cache(tmp_pat
 @pytest.mark.parametrize("arch", ["rfdetr_nano", "rtdetr_v2_r18", "dfine_n"])
 def test_onnx_graph_takes_any_image_size_and_equals_pytorch(arch, tmp_path):
     """The exported graph (one image of any size -> every query's box, label, score) under ONNX Runtime against the
-    PyTorch detector, on two real photographs of other sizes than the one it was traced with. RF-DETR: every
-    detection, matched as tools/export.py's check matches them. RT-DETR and D-FINE: an untrained model's encoder
-    scores the queries of these weights within 1e-3 of each other, so which of them top-k keeps is the runtime's
-    choice: the scores and labels are compared as sorted lists."""
+    PyTorch detector, on two real photographs of other sizes than the one it was traced with: every detection,
+    matched as tools/export.py's check matches them (near-tied scores may come out in another order)."""
     ort = pytest.importorskip("onnxruntime")
     from skimage import data
 
@@ -186,14 +184,7 @@ def test_onnx_graph_takes_any_image_size_and_equals_pytorch(arch, tmp_path):
             want = model([image])[0]
         got = session.run(None, {"image": image.numpy()})
         assert got[0].shape == (20, 4) and got[1].shape == got[2].shape == (20,)
-        if arch == "rfdetr_nano":
-            assert _box_diff([want["boxes"], want["labels"], want["scores"]], got) < BOX_ROUND_OFF
-            continue
-        scores = want["scores"].numpy()
-        # ONNX Runtime's graph of these two differs from PyTorch beyond round-off (1.2e-3 in scores measured; the
-        # torch.export program itself is exact, RF-DETR's graph too): bounded here, documented in docs/detection.md
-        assert np.abs(np.sort(got[2]) - np.sort(scores)).max() < 3e-3
-        assert sorted(got[1].tolist()) == sorted(want["labels"].tolist())
+        assert _box_diff([want["boxes"], want["labels"], want["scores"]], got) < BOX_ROUND_OFF
 
 
 def _checked(overrides):

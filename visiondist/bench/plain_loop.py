@@ -7,7 +7,8 @@ blocks), on one of two models:
 - `same_model`: visiondist's own model, built as `Trainer` builds it (same seed, so the same initial weights). ours /
   plain-on-same-model is the harness's overhead alone; plain-on-same-model / plain-on-reference is the model's
   difference. A torchvision detector *is* visiondist's model, and a ViTDet has no reference elsewhere: they get
-  this baseline only.
+  this baseline only. A DETR-class detector's `reference` is the transformers model itself, fed as its users feed
+  it (the square batch stacked, boxes made relative, `model(pixel_values=, labels=).loss`).
 
 visiondist compiles each transformer block (`trainer.compile`), never the whole model, so the plain loop compiles
 its model's blocks one by one too: the compiled unit is the same, and the row says so (`compile_scope`).
@@ -26,7 +27,7 @@ from visiondist.train.precision import autocast_dtype, autocast_for
 def baseline_roles(cfg: DictConfig) -> list[str]:
     """The plain loops one configuration gets: both for a ViT classifier with a timm name, else `same_model`."""
     m = cfg.model
-    return ["same_model", "reference"] if m.family == "vit" and m.timm_name else ["same_model"]
+    return ["same_model", "reference"] if (m.family == "vit" and m.timm_name) or m.family == "detr" else ["same_model"]
 
 
 class _Checkpointed(nn.Module):
@@ -96,6 +97,11 @@ class PlainLoop:
                 model = model.to(memory_format=torch.channels_last)
             self.model_name = (f"torchvision {m.arch} (visiondist's model)" if m.family == "torchvision"
                                else f"visiondist {type(model).__name__}")
+        elif m.family == "detr":
+            from visiondist.models.detr import build_hf_detector
+
+            model = build_hf_detector(str(m.arch), int(m.num_classes), dict(m.kwargs or {})).to(device)
+            self.model_name = f"transformers {type(model).__name__}"
         else:
             model = _timm_vit(cfg).to(device)
             if m.channels_last:
@@ -124,6 +130,7 @@ class PlainLoop:
         self.scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
         self.clip, self.smoothing = t.clip_grad, t.label_smoothing
         self.classification = m.family == "vit"
+        self.library = role == "reference" and m.family == "detr"
         # the batches are uint8, as the loaders yield them: normalised on the device, as the trainer's step does
         self.inputs = Normalize(cfg.data.mean, cfg.data.std) if self.classification else unit_float
         self.device = device
@@ -157,6 +164,13 @@ class PlainLoop:
             images = self.inputs(images, self.device)
         if self.mixup is not None:
             images, targets = self.mixup(images, targets)
+        if self.library:  # the loader's squares, stacked; boxes relative (cx, cy, w, h), labels 0-based
+            from visiondist.models.detr import _relative
+
+            labels = [_relative(t, im.shape[-2], im.shape[-1]) for t, im in zip(targets, images)]
+            labels = [{k: v.to(self.device) for k, v in t.items()} for t in labels]
+            with self.autocast:
+                return self.model(pixel_values=torch.stack(images), labels=labels).loss.float()
         with self.autocast:
             out = self.model(images) if self.classification else self.model(images, targets)
         if not self.classification:

@@ -199,9 +199,10 @@ def library_state(model: "DetrDetector", where, spec: str, name: str) -> tuple[d
     if wrong or unknown or missing:
         what = (f"{wrong[0][0]} is {list(wrong[0][1])} there but {list(wrong[0][2])} here" if wrong else
                 f"{(unknown or missing)[0]} is {'there but not here' if unknown else 'here but not there'}")
+        fits = _variant_of(stored, kind, theirs_labels, {k: config[k] for k in ('num_queries',) if k in config})
+        use = f"use model={fits}" if fits else "pick the model config of the weights' variant"
         raise ValueError(f"model.weights={spec} is another variant than model={name} ({what}; {len(wrong)} tensors "
-                         f"differ, {len(unknown)} unknown, {len(missing)} missing): pick the model config of the "
-                         f"weights' variant")
+                         f"differ, {len(unknown)} unknown, {len(missing)} missing): {use}")
     return state, sorted({k[len("model."):].rsplit(".", 1)[0] for k in fresh})
 
 
@@ -231,6 +232,20 @@ def _from_pretrained(arch: Arch, where) -> dict[str, torch.Tensor]:
         raise ValueError(f"model.weights={where}: its model.safetensors does not fit its own config.json ({len(what)} "
                          f"tensors, e.g. {what[0]}): the directory is damaged or mixed; export it again")
     return loaded.state_dict()
+
+
+def _variant_of(stored: dict[str, torch.Tensor], kind: str, labels: int, overrides: dict) -> Optional[str]:
+    """The model config whose architecture (with the stored config's `overrides`, e.g. its queries) has exactly the
+    stored tensors' names and shapes (built on the meta device), if one has."""
+    shapes = {k: tuple(v.shape) for k, v in stored.items()}
+    for name, arch in ARCHS.items():
+        if arch.model_type != kind:
+            continue
+        with torch.device("meta"):
+            candidate = build_hf_detector(name, labels, overrides)
+        if {k: tuple(v.shape) for k, v in candidate.state_dict().items()} == shapes:
+            return name
+    return None
 
 
 def _class_head(theirs: tuple, ours: tuple, theirs_labels: int, our_labels: int) -> bool:
