@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 # 64 px images: 84 candidate positions at strides 8 / 16 / 32, so 50 queries (the published models: 640 px, 300);
 # training batches at 64 or 96 px (the multi-scale schedule's draw; the published one: 480-800 around 640)
-DETR = ["model=rtdetr_v2_r18", "model.img_size=64", "model.multi_scale=[64,96]", "+model.kwargs.num_queries=50",
+DETR = ["model=rtdetr_v2_r18", "model.img_size=64", "model.multi_scale=[64,96]", "model.num_queries=50",
         "data=shapes_coco",
         "data.synthetic.train_images=16", "data.synthetic.val_images=10", "data.synthetic.image_size=64",
         "data.min_size=64", "data.max_size=64", "data.batch_size=4", "data.eval_batch_size=4", "data.num_workers=0",
@@ -49,16 +49,28 @@ def test_rtdetr_trains_resumes_exactly_evaluates_the_same_on_1_2_3_ranks_and_exp
     a, b = losses_of(whole), losses_of(stopped)
     assert sorted(a) == sorted(b) == [1, 2, 3] and b == pytest.approx(a, rel=1e-5)
 
-    # evaluation on 1, 2 and 3 ranks: the same detections and the same 12 stats, which pycocotools gives too (one
-    # image per batch on every rank: a batch's size changes the convolutions' rounding in the last bits, and the test
-    # compares every detection's float)
+    stats = _evaluated_alike_on_1_2_3_ranks(whole, data)
+    assert {k: v for k, v in final.items() if k in stats} == {k: stats[k] for k in final if k in stats}
+
+    _exported_predicts_as_trained(whole, tmp_path / "rtdetr.safetensors")
+
+
+def _evaluated_alike_on_1_2_3_ranks(run_dir, data) -> dict:
+    """tools/eval.py on 1, 2 and 3 ranks: the same detections (every float) and the same 12 stats, which pycocotools
+    gives too on the written detections.json (one image per batch on every rank: a batch's size changes the
+    convolutions' rounding in the last bits, and the test compares every detection's float). Returns the stats."""
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+
+    from visiondist.evaluation.coco import STAT_NAMES
+
     gt = COCO(str(data / "annotations" / "instances_val.json"))
     seen = {}
     for ranks in (1, 2, 3):
-        out = run_cli([f"run_dir={whole}", f"trainer.devices={ranks}", f"parallel.dp={ranks}", "data.batch_size=12",
+        out = run_cli([f"run_dir={run_dir}", f"trainer.devices={ranks}", f"parallel.dp={ranks}", "data.batch_size=12",
                        f"data.eval_batch_size={ranks}"], timeout=300, script=REPO / "tools" / "eval.py")
         assert out.returncode == 0, out.stdout[-4000:]
-        run = sorted((whole / "eval").iterdir())[-1]
+        run = sorted((run_dir / "eval").iterdir())[-1]
         detections = json.loads((run / "detections.json").read_text())
         key = sorted((d["image_id"], d["category_id"], tuple(d["bbox"]), d["score"]) for d in detections)
         evaluator = COCOeval(gt, gt.loadRes(str(run / "detections.json")), iouType="bbox")
@@ -69,9 +81,7 @@ def test_rtdetr_trains_resumes_exactly_evaluates_the_same_on_1_2_3_ranks_and_exp
         assert dict(zip(STAT_NAMES, map(float, evaluator.stats))) == {k: stats[f"val_{k}"] for k in STAT_NAMES}
         seen[ranks] = (key, stats)
     assert seen[1] == seen[2] == seen[3]
-    assert {k: v for k, v in final.items() if k in seen[1][1]} == {k: seen[1][1][k] for k in final if k in seen[1][1]}
-
-    _exported_predicts_as_trained(whole, tmp_path / "rtdetr.safetensors")
+    return seen[1][1]
 
 
 def _exported_predicts_as_trained(run, exported):
@@ -114,15 +124,16 @@ def test_dfine_trains_evaluates_and_exports(tmp_path):
 def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exports(tmp_path, model, precision,
                                                                                     queries):
     """RF-DETR-N under fp16 (dynamic loss scaling), D-FINE-N under bf16: 2 ranks with 2 accumulation steps, stopped
-    after step 1, continued on 1 rank (the checkpoint reshards; the schedule and data order go on), evaluated; the
+    after step 1, continued on 1 rank (the checkpoint reshards; the schedule and data order go on), evaluated alike
+    on 1, 2 and 3 ranks and as pycocotools scores the written detections; the
     run exported as the directory transformers' from_pretrained reads (strict, and predicting what the run's
     weights do) and as ONNX checked by ONNX Runtime on the run's val images. (64 px: RF-DETR's 4 x 4 patch grid
     gives 16 candidate positions, D-FINE-N's strides 16 / 32 give 20.)"""
     import torch
 
     run = tmp_path / "run"
-    args = [a for a in DETR if not a.startswith(("model=", "+model.kwargs", "model.multi_scale"))]
-    args = [f"model={model}", f"+model.kwargs.num_queries={queries}", "model.multi_scale=null", *args,
+    args = [a for a in DETR if not a.startswith(("model=", "model.num_queries", "model.multi_scale"))]
+    args = [f"model={model}", f"model.num_queries={queries}", "model.multi_scale=null", *args,
             f"data.root={tmp_path / 'data'}", f"trainer.run_dir={run}", f"trainer.precision={precision}",
             "trainer.grad_accum=2", "data.batch_size=8"]
     out = run_cli([*args, "trainer.devices=2", "parallel.dp=2", "trainer.stop_at_step=1"], timeout=300)
@@ -133,6 +144,7 @@ def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exp
     assert sorted(losses) == [1, 2] and all(v == v and v > 0 for v in losses.values())
     final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_mAP") is not None][-1]
     assert final["val_detections"] == 10 * queries
+    _evaluated_alike_on_1_2_3_ranks(run, tmp_path / "data")
 
     from transformers import AutoImageProcessor, AutoModelForObjectDetection
 

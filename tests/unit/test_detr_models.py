@@ -20,7 +20,7 @@ PUBLISHED = {"rtdetr_v2_r18": (20, 20.17), "rtdetr_v2_r50": (42, 42.9), "dfine_n
 
 
 def _cfg(arch, **kw):
-    base = {"name": arch, "arch": arch, "num_classes": 3, "img_size": 128, "kwargs": {"num_queries": 20},
+    base = {"name": arch, "arch": arch, "num_classes": 3, "img_size": 128, "kwargs": {}, "num_queries": 20,
             "weights": None, "multi_scale": None}
     return OmegaConf.create({**base, **kw})
 
@@ -47,9 +47,33 @@ def _trained_like(model):
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_built_from_the_published_configs_with_their_sizes(arch):
     with torch.device("meta"):
-        model = build_detr(_cfg(arch, num_classes=80, img_size=640, kwargs={}))
+        model = build_detr(_cfg(arch, num_classes=80, img_size=640, num_queries=None))
     millions = sum(p.numel() for p in model.parameters()) / 1e6
     assert millions == pytest.approx(PUBLISHED[arch][1], abs=0.01)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_every_variant_trains_and_predicts_through_the_wrapper(arch):
+    """One training step at 64 px (the variants share their family's code; this runs each one's own values), every
+    trainable tensor given a gradient, then one detection per query for each image of any size, labels 1-based."""
+    queries = {"dfine_n": 20, "rfdetr_nano": 16, "rfdetr_small": 16}.get(arch, 50)  # the candidate positions at 64 px
+    torch.manual_seed(0)
+    model = build_detr(_cfg(arch, img_size=64, num_queries=queries))
+    images = [torch.rand(3, 64, 64), torch.rand(3, 64, 64)]
+    targets = [{"boxes": torch.tensor([[4.0, 6.0, 40.0, 50.0]]), "labels": torch.tensor([3]), "image_id": 1},
+               {"boxes": torch.tensor([[10.0, 10.0, 30.0, 20.0], [0.0, 0.0, 64.0, 64.0]]),
+                "labels": torch.tensor([1, 2]), "image_id": 2}]
+    loss = model(images, targets)["loss"]
+    loss.backward()
+    assert torch.isfinite(loss) and loss > 0
+    idle = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not idle, idle[:5]
+    model.eval()
+    with torch.no_grad():
+        out = model([torch.rand(3, 48, 80), torch.rand(3, 90, 60)])
+    for det in out:
+        assert det["boxes"].shape == (queries, 4) and det["scores"].shape == det["labels"].shape == (queries,)
+        assert 1 <= int(det["labels"].min()) and int(det["labels"].max()) <= 3
 
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")  # 512x512, 400x600, 300x451, 427x640
@@ -206,7 +230,7 @@ def test_config_checks_name_the_fix():
                                                                        "model.multi_scale=null"])
     assert ("model.multi_scale=[480, 512, 544, 576, 608, 640, 640, 640, 672, 704, 736, 768, 800] does not hold "
             "model.img_size=320") in _checked(["model=rtdetr_v2_r18", "model.img_size=320"])
-    message = _checked(["model=dfine_n", "model.img_size=128", "model.multi_scale=null"])
-    assert "128 px gives dfine_n 80 candidate positions (strides 16, 32), fewer than its 300 queries: use >= 256" \
+    message = _checked(["model=dfine_n", "model.img_size=128", "model.multi_scale=null", "model.num_queries=null"])
+    assert "128 px gives dfine_n 80 candidate positions (strides 16, 32), fewer than its 300 queries: use >= 256 px or set model.num_queries=80" \
         in message
     assert "data.large_scale_jitter=true" in _checked(["model=dfine_s", "data.large_scale_jitter=true"])

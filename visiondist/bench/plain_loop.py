@@ -98,9 +98,9 @@ class PlainLoop:
             self.model_name = (f"torchvision {m.arch} (visiondist's model)" if m.family == "torchvision"
                                else f"visiondist {type(model).__name__}")
         elif m.family == "detr":
-            from visiondist.models.detr import build_hf_detector
+            from visiondist.models.detr import build_hf_detector, library_values
 
-            model = build_hf_detector(str(m.arch), int(m.num_classes), dict(m.kwargs or {})).to(device)
+            model = build_hf_detector(str(m.arch), int(m.num_classes), library_values(m)).to(device)
             self.model_name = f"transformers {type(model).__name__}"
         else:
             model = _timm_vit(cfg).to(device)
@@ -165,9 +165,9 @@ class PlainLoop:
         if self.mixup is not None:
             images, targets = self.mixup(images, targets)
         if self.library:  # the loader's squares, stacked; boxes relative (cx, cy, w, h), labels 0-based
-            from visiondist.models.detr import _relative
+            from visiondist.models.detr import library_target
 
-            labels = [_relative(t, im.shape[-2], im.shape[-1]) for t, im in zip(targets, images)]
+            labels = [library_target(t, im.shape[-2], im.shape[-1]) for t, im in zip(targets, images)]
             labels = [{k: v.to(self.device) for k, v in t.items()} for t in labels]
             with self.autocast:
                 return self.model(pixel_values=torch.stack(images), labels=labels).loss.float()

@@ -48,6 +48,7 @@ class ModelConfig:
     channels_last: bool = False  # convolutions in NHWC memory layout (CNN detectors on tensor cores)
     # DETR-class detectors: the square sides a training batch is drawn from (RT-DETR's schedule: 480-800 around 640)
     multi_scale: Optional[list[int]] = None
+    num_queries: Optional[int] = None  # DETR-class detectors: object queries (null: the published 300)
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the torchvision detector, e.g. box_score_thresh
 
 

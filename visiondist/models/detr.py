@@ -122,6 +122,14 @@ def build_hf_detector(arch: str, num_classes: int, overrides: Optional[dict] = N
     return getattr(transformers, spec.model)(config)
 
 
+def library_values(cfg: Any) -> dict[str, Any]:
+    """The library configuration's values the model config sets: `model.kwargs` (any key), `model.num_queries`."""
+    values = dict(cfg.get("kwargs") or {})
+    if cfg.get("num_queries"):
+        values["num_queries"] = int(cfg.num_queries)
+    return values
+
+
 def build_detr(cfg: Any) -> nn.Module:
     """`model.family=detr`: the `DetrDetector` of `model.arch` for `model.num_classes` classes at `model.img_size`,
     random weights or `model.weights`: a local state dict of this wrapper's keys, a directory in the library's
@@ -129,7 +137,7 @@ def build_detr(cfg: Any) -> nn.Module:
     repo name read from the local cache (`hub_weights`)."""
     spec = arch_of(str(cfg.arch))
     scales = [int(s) for s in cfg.get("multi_scale") or []]
-    model = DetrDetector(build_hf_detector(str(cfg.arch), int(cfg.num_classes), dict(cfg.kwargs or {})),
+    model = DetrDetector(build_hf_detector(str(cfg.arch), int(cfg.num_classes), library_values(cfg)),
                          int(cfg.img_size), spec, scales)
     if cfg.weights:
         from visiondist.models.weights import load_local_weights
@@ -329,7 +337,7 @@ class DetrDetector(nn.Module):
         if self.training:
             if targets is None:
                 raise ValueError("a DETR-class detector in training mode takes targets (boxes, labels)")
-            labels = [_relative(t, h, w) for t, (h, w) in zip(targets, sizes)]
+            labels = [library_target(t, h, w) for t, (h, w) in zip(targets, sizes)]
             out = self.model(pixel_values=self.pixels(images, self.input_size(targets)), labels=labels)
             return {"loss": out.loss * _global_box_scale(labels, out.loss.device)}
         out = self.model(pixel_values=self.pixels(images))
@@ -361,7 +369,7 @@ def _fill_aliases(module: "DetrDetector", state: dict, prefix: str, *_args) -> N
             state[prefix + alias] = state[prefix + name]
 
 
-def _relative(target: dict, height: int, width: int) -> dict:
+def library_target(target: dict, height: int, width: int) -> dict:
     """torchvision's target (absolute x1, y1, x2, y2; 1-based labels) as the library's (relative cx, cy, w, h;
     0-based class labels)."""
     boxes = target["boxes"].float()

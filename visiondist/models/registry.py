@@ -104,7 +104,7 @@ def _check_detr(cfg: DictConfig) -> None:
         raise ConfigError(f"model.arch={m.arch!r} is not a DETR-class detector here: use one of {', '.join(ARCHS)}")
     arch = ARCHS[m.arch]
     scales = [int(s) for s in m.get("multi_scale") or []]
-    queries = int((m.kwargs or {}).get("num_queries", 300))
+    queries = int(m.get("num_queries") or 300)
     if scales and int(m.img_size) not in scales:
         raise ConfigError(f"model.multi_scale={scales} does not hold model.img_size={m.img_size}: the schedule draws "
                           "training sizes around the evaluation size; set model.multi_scale=null, or a list around "
@@ -118,7 +118,7 @@ def _check_detr(cfg: DictConfig) -> None:
             need = next(s for s in range(32, 100000, 32) if sum((s // t) ** 2 for t in arch.strides) >= queries)
             raise ConfigError(f"{key}: {size} px gives {m.name} {positions} candidate positions (strides "
                               f"{', '.join(map(str, arch.strides))}), fewer than its {queries} queries: use >= {need} "
-                              f"px or set +model.kwargs.num_queries={positions}")
+                              f"px or set model.num_queries={positions}")
     if m.get("masks"):
         raise ConfigError(f"model.masks=true: {m.name} predicts boxes only; for masks use "
                           "model=maskrcnn_mobilenet_v3 (or maskrcnn_r50)")

@@ -70,14 +70,16 @@ def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> 
 
 
 
-def next_commands(run_dir: Path) -> str:
-    """Where a training run is, and what to run on it next, in the tools' key=value convention."""
+def next_commands(run_dir: Path, family: str = "") -> str:
+    """Where a training run is, and what to run on it next, in the tools' key=value convention (the export formats
+    the model `family` has)."""
     import shlex
 
     run = shlex.quote(shown_path(run_dir))
+    formats = "format=hf or format=onnx" if family == "detr" else "format=onnx or format=torchscript"
     return (f"run dir: {run}\n"
             f"  evaluate: python {tool_path('eval')} run_dir={run}\n"
-            f"  export:   python {tool_path('export')} run_dir={run}   (format=onnx or format=torchscript for those)")
+            f"  export:   python {tool_path('export')} run_dir={run}   ({formats} for those)")
 
 
 def tool_path(name: str) -> str:

@@ -69,6 +69,6 @@ def report_run(run_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]
         written(pngs)
     Console(width=max(100, Console().width)).print(summary_table(summary))
     print(task.final_line(last_eval), flush=True)
-    print(next_commands(run_dir), flush=True)
+    print(next_commands(run_dir, getattr(task, "family", "")), flush=True)
     return pngs
 

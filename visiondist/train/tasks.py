@@ -166,6 +166,7 @@ class DetectionTask:
         from visiondist.models.detection import has_masks
 
         t = cfg.trainer
+        self.family = str(cfg.model.family)  # the export formats the run's closing lines name
         self.masks = has_masks(cfg.model)  # Mask R-CNN: targets carry masks; evaluation scores masks too
         self.columns = (*TRAIN_COLUMNS, *eval_metrics(cfg.model))
         if self.masks:

@@ -17,6 +17,10 @@ def write_torchscript(trained: Trained, path: Path, out: Path) -> list[Path]:
         raise ValueError("format=torchscript is not supported for ViTDet (torch.jit.script cannot compile its ViT "
                          "blocks, and a trace would fix the image size): export format=onnx (any image size) or "
                          "format=safetensors")
+    if family == "detr":
+        raise ValueError("format=torchscript is not supported for DETR-class detectors (torch.jit.script cannot compile "
+                         "transformers' models): export format=onnx (any image size) or format=hf (transformers' "
+                         "from_pretrained directory)")
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the input-size check is constant for the trace
         scripted = torch.jit.trace(model, example_images(trained.cfg)) if family == "vit" else torch.jit.script(model)
