@@ -211,11 +211,11 @@ def test_onnx_graph_takes_any_image_size_and_equals_pytorch(arch, tmp_path):
         assert _box_diff([want["boxes"], want["labels"], want["scores"]], got) < BOX_ROUND_OFF
 
 
-def _checked(overrides):
+def _checked(overrides, data="shapes_coco"):
     from visiondist.config import ConfigError, compose
     from visiondist.models.registry import check_support
 
-    cfg = compose(Path(__file__).resolve().parents[2] / "configs", ["data=shapes_coco", *overrides])
+    cfg = compose(Path(__file__).resolve().parents[2] / "configs", [f"data={data}", *overrides])
     try:
         check_support(cfg)
     except ConfigError as exc:
@@ -229,8 +229,9 @@ def test_config_checks_name_the_fix():
     assert "model.img_size: 400 is not a multiple of 32" in _checked(["model=rfdetr_nano", "model.img_size=400",
                                                                        "model.multi_scale=null"])
     assert ("model.multi_scale=[480, 512, 544, 576, 608, 640, 640, 640, 672, 704, 736, 768, 800] does not hold "
-            "model.img_size=320") in _checked(["model=rtdetr_v2_r18", "model.img_size=320"])
+            "model.img_size=320") in _checked(["model=rtdetr_v2_r18", "model.img_size=320"], data="coco")
     message = _checked(["model=dfine_n", "model.img_size=128", "model.multi_scale=null", "model.num_queries=null"])
     assert "128 px gives dfine_n 80 candidate positions (strides 16, 32), fewer than its 300 queries: use >= 256 px or set model.num_queries=80" \
         in message
+    assert "model.num_queries=0: give at least 1" in _checked(["model=dfine_n", "model.num_queries=0"])
     assert "data.large_scale_jitter=true" in _checked(["model=dfine_s", "data.large_scale_jitter=true"])

@@ -69,6 +69,8 @@ def _blocks_checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: s
         if p.activation_checkpointing:
             enable_activation_checkpointing(model, p.checkpoint_blocks, p.checkpoint_keep)
         return compile_blocks(model) if compile_ else 0
+    if cfg.model.family == "detr":  # the transformers model: no blocks the trainer would checkpoint or compile
+        return 0
     blocks = model.blocks  # timm: an nn.Sequential
     if p.activation_checkpointing:
         for i in range(p.checkpoint_blocks):

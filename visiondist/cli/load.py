@@ -34,9 +34,29 @@ def load_config(config_dir: Path, overrides: list[str], inputs: Optional[str] = 
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain(exc)) from exc
     cfg = checked(cfg, inputs)
-    if pretrained and saved is None and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        print(pretrained, file=sys.stdout if inputs is not None else sys.stderr, flush=True)
+    if saved is None and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        for line in (pretrained, tuned_line(config_dir, cfg, overrides)):
+            if line:
+                print(line, file=sys.stdout if inputs is not None else sys.stderr, flush=True)
     return cfg
+
+
+def tuned_line(config_dir: Path, cfg: DictConfig, overrides: list[str]) -> Optional[str]:
+    """The settings `configs/tuned/<model>_<data>.yaml` gave this run (those the command line did not set), in one
+    line, or None when there is no such file."""
+    from visiondist.config.compose import flatten
+
+    file = Path(config_dir) / "tuned" / f"{cfg.model.name}_{cfg.data.name}.yaml"
+    if not file.is_file():
+        return None
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    tree = OmegaConf.to_container(OmegaConf.load(file))
+    shown = lambda value: "null" if value is None else str(value).replace(" ", "")  # noqa: E731 (as typed)
+    kept = [f"{key}={shown(OmegaConf.select(cfg, key))}" for key in flatten(tree) if key not in given]
+    if not kept:
+        return None
+    return f"configs/tuned/{file.name} sets {' '.join(kept)} (tuned for {cfg.model.name} on {cfg.data.name}; any " \
+           "of them given on the command line wins)"
 
 
 def _pretrained_defaults(cfg: DictConfig, overrides: list[str]) -> Optional[str]:

@@ -69,7 +69,7 @@ def _check_model(m: DictConfig) -> None:
     _positive("model.anchor_scale", m.anchor_scale)
     if m.roi_sampling_ratio is not None:
         _positive("model.roi_sampling_ratio", m.roi_sampling_ratio)
-    if m.img_size % m.patch_size:
+    if m.family in ("vit", "vitdet") and m.img_size % m.patch_size:  # DETR-class: its own rules (registry)
         raise ConfigError(
             f"model.img_size={m.img_size} is not a multiple of model.patch_size={m.patch_size} ({m.name}): "
             f"use e.g. model.img_size={max(1, round(m.img_size / m.patch_size)) * m.patch_size}")

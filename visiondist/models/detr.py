@@ -1,20 +1,25 @@
-"""DETR-class detectors (RT-DETRv2, D-FINE) from Hugging Face transformers, behind torchvision's detector contract.
+"""DETR-class detectors (RT-DETRv2, D-FINE, RF-DETR) from Hugging Face transformers, behind torchvision's detector
+contract.
 
-The models, their Hungarian-matching losses and their post-processing are transformers' (`visiondist[detr]`);
-nothing is downloaded: a model is built from its configuration (`ARCHS`: the published variants' architecture
-values) with random weights. `DetrDetector` makes one behave as the torchvision detectors the trainer, the evaluator
-and the exports already drive: `model(images, targets)` in training returns a dict of losses, `model(images)` in
-evaluation one dict per image with `boxes` (x1, y1, x2, y2 in that image's pixels), `scores` and `labels`.
+The models, their Hungarian-matching losses, image processors and post-processing are transformers'
+(`visiondist[detr]`); nothing is downloaded: a model is built from its configuration (`ARCHS`: the published
+variants' architecture values) with random weights, or reads `model.weights` (a local state dict of this wrapper's
+keys, a directory in the library's `from_pretrained` layout, or a Hugging Face repo name from the local cache).
+`DetrDetector` makes one behave as the torchvision detectors the trainer, the evaluator and the exports already drive:
+`model(images, targets)` in training returns a dict of losses, `model(images)` in evaluation one dict per image with
+`boxes` (x1, y1, x2, y2 in that image's pixels), `scores` and `labels`.
 
 What the wrapper does: each image (float in [0, 1], any size) is resized to the model's square input
-(`model.img_size`, 640 for the published models), as the library's image processor does (bilinear, no aspect kept,
-no normalisation for RT-DETR and D-FINE); the targets' boxes become (cx, cy, w, h) relative to their image and the
-labels 0-based (the data's are 1-based, torchvision's convention with 0 the background); the predictions go through
-the library's `post_process_object_detection` (the top `num_queries` of the sigmoid scores over queries x classes)
-and back to 1-based labels. The loss is the library's weighted sum (focal / varifocal classification, L1 and GIoU
-boxes, and for D-FINE the fine-grained distribution terms, over the decoder layers and denoising groups), normalised
-by the boxes of the whole batch over every data-parallel rank as the original implementations do (the library divides
-by this rank's boxes; the wrapper rescales).
+(`model.img_size`; in training with `model.multi_scale`, a size drawn per batch) as the model's image processor does
+(bilinear, no aspect kept, antialiased when shrinking except for RF-DETR, ImageNet mean / std for RF-DETR only); the
+targets' boxes become (cx, cy, w, h) relative to their image and the labels 0-based (the data's are 1-based,
+torchvision's convention with 0 the background); the predictions go through the library's
+`post_process_object_detection` (the top `num_queries` of the sigmoid scores over queries x classes) and back to
+1-based labels. The loss is the library's weighted sum (focal / varifocal classification, L1 and GIoU boxes, D-FINE's
+distribution terms, over the decoder layers, denoising or query groups), normalised by the boxes of the whole batch
+over every data-parallel rank as the original implementations do (the library divides by this rank's boxes; the
+wrapper rescales). `DetrForExport` is the same evaluation as one traceable function (ONNX); `save_library_dir`
+writes the library's layout (format=hf).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import random
 import zlib
 from dataclasses import dataclass
@@ -150,6 +156,8 @@ def build_detr(cfg: Any) -> nn.Module:
                 log.info("model.weights=%s: %s classes there, %d here: the class heads (%s) start afresh",
                          cfg.weights, _labels_of(where), int(cfg.num_classes), ", ".join(fresh))
             model.load_state_dict({**model.state_dict(), **state}, strict=True)
+            log.info("model.weights=%s: %d of the model's %d tensors loaded from %s", cfg.weights, len(state),
+                     len(model.state_dict()), where)
         else:
             load_local_weights(model, str(where))
     return model
@@ -278,7 +286,12 @@ def save_library_dir(model: "DetrDetector", out, classes: Optional[list[str]] = 
         processor = getattr(transformers, model.arch.processor)(
             size={"height": model.img_size, "width": model.img_size}, do_normalize=model.arch.normalize)
         processor.save_pretrained(str(out))
-    return [out / "config.json", out / "model.safetensors", out / "preprocessor_config.json"]
+    files = [out / "config.json", out / "model.safetensors", out / "preprocessor_config.json"]
+    umask = os.umask(0)
+    os.umask(umask)
+    for file in files:  # safetensors writes 0o600; every other output gets 0o666 less the umask
+        os.chmod(file, 0o666 & ~umask)
+    return files
 
 
 class DetrDetector(nn.Module):

@@ -104,7 +104,9 @@ def _check_detr(cfg: DictConfig) -> None:
         raise ConfigError(f"model.arch={m.arch!r} is not a DETR-class detector here: use one of {', '.join(ARCHS)}")
     arch = ARCHS[m.arch]
     scales = [int(s) for s in m.get("multi_scale") or []]
-    queries = int(m.get("num_queries") or 300)
+    if m.get("num_queries") is not None and int(m.num_queries) < 1:
+        raise ConfigError(f"model.num_queries={m.num_queries}: give at least 1 (null: the published 300)")
+    queries = int(m.num_queries or 300)
     if scales and int(m.img_size) not in scales:
         raise ConfigError(f"model.multi_scale={scales} does not hold model.img_size={m.img_size}: the schedule draws "
                           "training sizes around the evaluation size; set model.multi_scale=null, or a list around "
