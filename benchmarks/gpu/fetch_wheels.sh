@@ -20,6 +20,13 @@ download "hydra-core==1.3.2" "omegaconf==2.3.0" "albumentations==2.0.8" "albucor
     "pydantic-core" "annotated-types" "typing-inspection" "stringzilla" "simsimd" "pycocotools>=2.0.8" \
     "faster-coco-eval>=1.6" "torchao==0.18.0"
 python3 -m pip wheel --quiet --no-deps -w .whl "antlr4-python3-runtime==4.9.3"
+# the DETR-class detectors' extra (transformers and what it needs), apart: run.sh installs them for its detr part only,
+# so that a newer huggingface_hub never shadows the one timm uses elsewhere
+mkdir -p .whl/detr
+python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platform[@]}" -d .whl/detr "transformers==5.24.0" "huggingface-hub==2.4.0" "tokenizers==0.23.3" "hf-xet" \
+    "httpx2" "httpcore2" "h11>=0.16" "anyio" "idna" "truststore" "typing-extensions>=4.16" "regex" "typer" \
+    "click>=8.4.2" "shellingham" "annotated-doc" "safetensors>=0.8.0" "fsspec" "filelock" "scipy"
 # pydantic pins pydantic-core exactly: keep the matching one only
 python3 - <<'PY'
 import pathlib, re, zipfile

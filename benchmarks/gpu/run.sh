@@ -116,8 +116,12 @@ if [[ $what == detr || $what == all ]]; then
     # DETR-class detectors at their published input (640 px; RF-DETR-N 384), bf16, batch 16, fixed size (the
     # multi-scale draw off, so ours and the plain loops see the same pixels), each against the transformers model
     # in a plain loop and against our own model in one
-    for model in rtdetr_v2_r18 dfine_s rfdetr_nano; do
-        bench "$model" model="$model" data=shapes_coco data.batch_size=16 trainer.precision=bf16 model.multi_scale=null
+    python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-detr \
+        .whl/detr/*.whl || echo "the DETR wheels in .whl/detr did not install: run benchmarks/gpu/fetch_wheels.sh"
+    for model_size in rtdetr_v2_r18:640 dfine_s:640 rfdetr_nano:384; do  # the published input, over the tuned
+        model=${model_size%:*}                                               # shapes_coco file's CPU sizes
+        PYTHONPATH=/tmp/site-detr:$PYTHONPATH bench "$model" model="$model" data=shapes_coco data.batch_size=16 \
+            trainer.precision=bf16 model.img_size="${model_size#*:}" model.num_queries=null model.multi_scale=null
     done
 fi
 echo "parts failed: $failed"

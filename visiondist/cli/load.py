@@ -35,7 +35,8 @@ def load_config(config_dir: Path, overrides: list[str], inputs: Optional[str] = 
         raise ConfigError(_explain(exc)) from exc
     cfg = checked(cfg, inputs)
     if saved is None and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        for line in (pretrained, tuned_line(config_dir, cfg, overrides)):
+        tuned = tuned_line(config_dir, cfg, overrides) if inputs is not None else None  # a run's, not a printout's
+        for line in (pretrained, tuned):
             if line:
                 print(line, file=sys.stdout if inputs is not None else sys.stderr, flush=True)
     return cfg
