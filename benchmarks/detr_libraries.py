@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def _ours(model: str, size: int) -> torch.nn.Module:
     from omegaconf import OmegaConf
 
-    from visiondist.models.detr import build_detr
+    from visiondist.models.detr_library import build_detr
 
     name = f"rfdetr_{model}"
     cfg = OmegaConf.create({"name": name, "arch": name, "num_classes": 80, "img_size": size, "kwargs": {},

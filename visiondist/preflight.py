@@ -394,7 +394,7 @@ def _check_library_weights(model_cfg) -> bool:
     import torch
 
     from visiondist.models import build_model
-    from visiondist.models.detr import is_library_dir, library_state
+    from visiondist.models.detr_library import is_library_dir, library_state
     from visiondist.utils.pretrained import WeightsNotFound, local_file
 
     try:

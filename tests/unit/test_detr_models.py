@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 
 pytest.importorskip("transformers")
 
-from visiondist.models.detr import ARCHS, DetrDetector, build_detr, save_library_dir  # noqa: E402
+from visiondist.models.detr import ARCHS, DetrDetector  # noqa: E402
+from visiondist.models.detr_library import build_detr, save_library_dir  # noqa: E402
 
 # published parameter counts (the papers' and model cards' rounding) and what the built models have at 80 classes
 PUBLISHED = {"rtdetr_v2_r18": (20, 20.17), "rtdetr_v2_r50": (42, 42.9), "dfine_n": (4, 3.77), "dfine_s": (10, 10.31),

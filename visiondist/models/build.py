@@ -50,7 +50,7 @@ def _build_vitdet(cfg: Any) -> nn.Module:
 
 
 def _build_detr(cfg: Any) -> nn.Module:
-    from visiondist.models.detr import build_detr
+    from visiondist.models.detr_library import build_detr
 
     return build_detr(cfg)
 

@@ -57,6 +57,11 @@ def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike, metada
     from safetensors.torch import save_file
 
     save_file(state, str(path), metadata=metadata)
+    output_mode(path)
+
+
+def output_mode(path: str | os.PathLike) -> None:
+    """Give a written file the mode every other output gets: 0o666 less the umask (safetensors writes 0o600)."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)

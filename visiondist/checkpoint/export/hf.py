@@ -14,7 +14,7 @@ def write_hf(trained: Trained, path: Path, out: Path) -> list[Path]:
     if trained.cfg.model.family != "detr":
         raise ValueError(f"format=hf writes transformers' layout, which model={trained.cfg.model.name} is not in: "
                          "export format=safetensors (or onnx)")
-    from visiondist.models.detr import save_library_dir
+    from visiondist.models.detr_library import save_library_dir
 
     files = save_library_dir(trained.model, path, list(trained.classes) if trained.classes else None)
     return [out / f.name for f in files]
