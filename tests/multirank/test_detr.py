@@ -13,6 +13,8 @@ from helpers import REPO, losses_of, run_cli
 
 pytest.importorskip("transformers")
 
+# Loader workers off (data.num_workers=0): these tests are about the model's path through the tools; the workers' square
+# resize is the same function, tested against the image processors in tests/unit/test_detr_models.py.
 # 64 px images: 84 candidate positions at strides 8 / 16 / 32, so 50 queries (the published models: 640 px, 300);
 # training batches at 64 or 96 px (the multi-scale schedule's draw; the published one: 480-800 around 640)
 DETR = ["model=rtdetr_v2_r18", "model.img_size=64", "model.multi_scale=[64,96]", "model.num_queries=50",

@@ -176,12 +176,13 @@ class DetrDetector(nn.Module):
                 im = F.interpolate(im, size=(side, side), mode="bilinear", align_corners=False,
                                    antialias=self.arch.antialias)
             out.append(im)
-        pixels = torch.cat(out)
-        if self.arch.normalize:
-            mean = pixels.new_tensor(_MEAN).view(1, 3, 1, 1)
-            std = pixels.new_tensor(_STD).view(1, 3, 1, 1)
-            pixels = (pixels - mean) / std
-        return pixels
+        return self.normalized(torch.cat(out))
+
+    def normalized(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The resized batch in the model's input units: ImageNet mean / std for RF-DETR, as it is for the others."""
+        if not self.arch.normalize:
+            return pixels
+        return (pixels - pixels.new_tensor(_MEAN).view(1, 3, 1, 1)) / pixels.new_tensor(_STD).view(1, 3, 1, 1)
 
     def forward(self, images, targets: Optional[list[dict]] = None):
         sizes = [(int(im.shape[-2]), int(im.shape[-1])) for im in images]
@@ -271,10 +272,8 @@ class DetrForExport(nn.Module):
         height, width = image.shape[-2], image.shape[-1]
         side = detector.img_size
         pixels = F.interpolate(image[None].float(), size=(side, side), mode="bilinear", align_corners=False,
-                               antialias=detector.arch.antialias)
-        if detector.arch.normalize:
-            pixels = (pixels - pixels.new_tensor(_MEAN).view(1, 3, 1, 1)) / pixels.new_tensor(_STD).view(1, 3, 1, 1)
-        out = detector.model(pixel_values=pixels)
+                               antialias=detector.arch.antialias)  # always: a size test would not trace
+        out = detector.model(pixel_values=detector.normalized(pixels))
         logits, centres = out.logits[0], out.pred_boxes[0]
         classes = logits.shape[-1]
         scores, index = logits.sigmoid().flatten().topk(logits.shape[0])
