@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,17 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "multirank")]  # the helpers; the rank-side modules the multi-rank tests import
 
 from helpers import TINY_DATA  # noqa: E402
+
+
+def pytest_configure(config):
+    """One thread per test process under xdist, as the rank processes the tests start have (OMP_NUM_THREADS=1 in
+    helpers.env): two workers on two cores that each run torch's default thread pool, beside a multi-rank test's
+    ranks, oversubscribe the cores, and torch's OpenMP threads then spin at every barrier: a 5 s model test took
+    over 300 s that way."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -137,6 +137,7 @@ def _hub_cache(root, repo, source):
     (entry / "refs" / "main").write_text("0" * 40)
 
 
+@pytest.mark.timeout(600)  # as the ONNX test's
 def test_weights_from_a_from_pretrained_directory_and_from_the_hub_cache(tmp_path, monkeypatch, caplog):
     import transformers
     from huggingface_hub import constants
@@ -187,6 +188,7 @@ def test_weights_from_a_from_pretrained_directory_and_from_the_hub_cache(tmp_pat
         build_detr(_cfg("dfine_n", weights="someone/absent"))
 
 
+@pytest.mark.timeout(600)  # ~25 s alone; several times that beside another worker's ranks on 2 cores
 @pytest.mark.parametrize("arch", ["rfdetr_nano", "dfine_n"])
 def test_onnx_graph_takes_any_image_size_and_equals_pytorch(arch, tmp_path):
     """The exported graph (one image of any size -> every query's box, label, score) under ONNX Runtime against the
