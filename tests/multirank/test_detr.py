@@ -106,24 +106,32 @@ def _exported_predicts_as_trained(run, exported):
         assert torch.equal(want[k], got[k]), k
 
 
-def test_dfine_trains_resumes_evaluates_and_exports(tmp_path):
-    """D-FINE-S through the same wrapper: its loss (with the fine-grained distribution terms) trains, stopped after
-    step 1 and continued, every val image gets the queries' detections, and the exported file loads strictly into
-    the config's model."""
-    run = tmp_path / "run"
-    args = [a if a != "model=rtdetr_v2_r18" else "model=dfine_s" for a in DETR if not a.startswith("trainer.max_steps")]
-    args = [*args, "trainer.max_steps=2", f"data.root={tmp_path / 'data'}", f"trainer.run_dir={run}"]
+@pytest.mark.parametrize("model,queries,size", [("dfine_s", 50, r"10\.\d+M"), ("rtdetr_v2_r50", 50, r"4\d\.\d+M"),
+                                                ("rfdetr_small", 16, r"3\d\.\d+M")])
+def test_the_larger_variants_train_resume_evaluate_on_1_2_3_ranks_and_export(tmp_path, model, queries, size):
+    """D-FINE-S, RT-DETRv2-L and RF-DETR-S through the same tools (the other three: the tests above and below):
+    stopped after step 1 and continued, every val image gets the queries' detections, evaluated alike on 1, 2 and 3
+    ranks and as pycocotools scores the written detections, and the exported file loads strictly into the config's
+    model. One training layout each (plain, one rank): the layouts are the wrapper's, tested on the smaller variants;
+    these runs are about each variant's own values. (64 px: RF-DETR-S's 4 x 4 patch grid gives 16 candidate
+    positions.)"""
+    run, data = tmp_path / "run", tmp_path / "data"
+    args = [a for a in DETR if not a.startswith(("model=", "model.num_queries", "model.multi_scale", "trainer.max_steps"))]
+    multi_scale = "model.multi_scale=[64,96]" if model.startswith("rtdetr") else "model.multi_scale=null"
+    args = [f"model={model}", f"model.num_queries={queries}", multi_scale, *args, "trainer.max_steps=2",
+            f"data.root={data}", f"trainer.run_dir={run}"]
     out = run_cli([*args, "trainer.stop_at_step=1"], timeout=300)
     assert out.returncode == 0, out.stdout[-4000:]
     out = run_cli(args, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:]
     assert "resum" in out.stdout.lower(), out.stdout[-2000:]
-    assert re.search(r"model dfine_s: 10\.\d+M parameters", out.stdout)  # 10.3M at 80 classes (published: 10M)
+    assert re.search(rf"model {model}: {size} parameters", out.stdout), out.stdout[-2000:]
     losses = losses_of(run)
     assert sorted(losses) == [1, 2] and all(v == v and v > 0 for v in losses.values())
     final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_mAP") is not None][-1]
-    assert final["val_detections"] == 10 * 50
-    _exported_predicts_as_trained(run, tmp_path / "dfine.safetensors")
+    assert final["val_detections"] == 10 * queries
+    _evaluated_alike_on_1_2_3_ranks(run, data)
+    _exported_predicts_as_trained(run, tmp_path / f"{model}.safetensors")
 
 
 @pytest.mark.parametrize("model,precision,queries", [("rfdetr_nano", "16", 16), ("dfine_n", "bf16", 20)])
