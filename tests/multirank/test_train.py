@@ -100,6 +100,41 @@ def test_two_torchrun_agents_train_like_one_node(tmp_path, tiny_shapes, dp2_tp2_
            "tp groups [0, 1] [2, 3]: each inside one node" in log
 
 
+def _pod_envs(contract: str, port: int) -> list[dict]:
+    """What each Kubernetes operator sets in the two pods of a 2-pod job (visiondist/launch/pods.py), the address
+    being this machine's loopback."""
+    if contract == "trainjob":  # Kubeflow Trainer v2 (and PyTorchJob from Training Operator 1.7)
+        return [{"PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": str(pod),
+                 "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)} for pod in (0, 1)]
+    if contract == "pytorchjob-pods":  # WORLD_SIZE = the pods (the Training Operator before 1.7, PAI-DLC)
+        return [{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(pod)}
+                for pod in (0, 1)]
+    return [{"PET_NNODES": "1:2", "PET_NPROC_PER_NODE": "2", "PET_RDZV_BACKEND": "c10d", "PET_RDZV_ID": "pods",
+             "PET_RDZV_ENDPOINT": f"127.0.0.1:{port}", "PET_MAX_RESTARTS": "0"}] * 2  # an elasticPolicy
+
+
+@pytest.mark.parametrize("contract", ["trainjob", "pytorchjob-pods", "pytorchjob-elastic"])
+def test_kubernetes_pods_started_as_python_train_like_one_node(tmp_path, tiny_shapes, dp2_tp2_run, contract):
+    """Two "pods" on this machine, each `python tools/train.py` with the environment its operator gives it, 2 ranks
+    each, dp2 x tp2: the single-node 4-rank run's losses and evaluations, in one run dir, each TP group inside a pod.
+    (The pods' count of ranks is the contract's, or for WORLD_SIZE-as-pods dp x tp over the pods.)"""
+    out = tmp_path / "pods"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pod = [sys.executable, str(TRAIN), *_args(out, tiny_shapes, *DP2_TP2)]
+    results = run_together([pod, pod], timeout=300, envs=_pod_envs(contract, port))
+    for result in results:
+        assert result.returncode == 0, result.stdout[-4000:]
+    assert "this pod is" in results[0].stdout and "it starts its node's ranks (2 per pod)" in results[0].stdout
+    run = _one_run(out)
+    single = dp2_tp2_run[0]
+    assert losses_of(run) == losses_of(single)
+    assert evals_of(run, "val_loss", "val_top1") == evals_of(single, "val_loss", "val_top1")
+    log = (run / "train.log").read_text()
+    assert "tp groups [0, 1] [2, 3]: each inside one node" in log and "over 2 nodes" in log
+
+
 def test_srun_tasks_read_their_ranks_from_slurm(tmp_path, tiny_shapes, dp1_run):
     """tools/slurm_train.sh under a stand-in `srun` that starts one task per rank with SLURM's variables (2 nodes x 1
     task): the tasks form one dp=2 job, equal to dp=1, in the script's run dir."""

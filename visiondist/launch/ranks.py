@@ -24,10 +24,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from visiondist.config import ConfigError, from_container, to_container
 from visiondist.config.layout import RunLayout
 from visiondist.train.precision import set_tf32
+from visiondist.launch.pods import PodJob, pod_job
 from visiondist.launch.rundir import _shared_run_dir, _write_plan, new_run_dir, run_kind
 from visiondist.launch.slurm import slurm_env
 from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stopped_line
 from visiondist.plan import announce, cuda_device_count, resolve
+from visiondist.plan.world import find_accelerator, under_torchrun
 from visiondist.plan.resolve import compile_choice
 from visiondist.launch.estimate import check_gpu_layout
 
@@ -183,6 +185,14 @@ def _elastic_worker(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: str) 
     return run_rank(entry, cfg_dict, run, run_dir)
 
 
+@record
+def _pod_worker(entry: Entry, cfg_dict: dict) -> Any:
+    """A rank of a pod's node (`launch_pod`): it resolves the layout from the world the rendezvous made (an elastic
+    job's node count is known only then), as a rank under torchrun does, and finds the run dir with its peers."""
+    run, auto_plan = resolve(from_container(cfg_dict), dict(os.environ), cuda_device_count())
+    return run_rank(entry, cfg_dict, run, None, auto_plan)
+
+
 def inductor_cache_dir() -> Path:
     """Where compiled blocks are cached across runs: `$XDG_CACHE_HOME/visiondist/inductor` (else ~/.cache/...)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -194,6 +204,9 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
     if env is None:  # srun's tasks become a torch.distributed job (init_process_group reads os.environ)
         os.environ.update(slurm_env(os.environ))
     env = dict(os.environ) if env is None else env
+    pod = None if under_torchrun(env) else pod_job(env)
+    if pod is not None:
+        return launch_pod(entry, cfg, pod)
     run, auto_plan = resolve(cfg, env, cuda_device_count())
     check_gpu_layout(cfg, run, run_kind(entry))  # several ranks, no GPU found under accelerator=auto: stop, estimated
     if run.chosen_by == "parallel=auto" and env.get("RANK", "0") == "0":
@@ -228,6 +241,60 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
     except SignalException as exc:  # the ranks were ended before they finished (module visiondist.launch.stop)
         name = stop.received or signal.Signals(exc.sigval).name
         raise JobStopped(name, stopped_line(name, run_dir, kind, why=stop.why() if stop.ended else "")) from None
+    return run
+
+
+def pod_ranks(cfg: DictConfig, pod: PodJob, cuda_devices: int) -> int:
+    """The ranks each pod starts: the contract's count, else trainer.devices, else the pod's GPUs, else (CPU pods)
+    dp x tp x pp over the nodes, else tp x pp."""
+    t, p = cfg.trainer, cfg.parallel
+    if pod.nproc:
+        if t.devices > 0 and t.devices != pod.nproc:
+            raise ConfigError(f"trainer.devices={t.devices} but the job starts {pod.nproc} ranks per pod "
+                              "(PET_NPROC_PER_NODE): drop trainer.devices")
+        return pod.nproc
+    if t.devices > 0:
+        return t.devices
+    if find_accelerator(cfg, cuda_devices) == "cuda":
+        return cuda_devices
+    if p.dp > 0:
+        ranks = p.dp * p.tp * p.pp
+        if ranks % pod.max_nodes:
+            raise ConfigError(f"dp x tp x pp = {ranks} ranks do not split over {pod.max_nodes} pods: set "
+                              "trainer.devices to the ranks per pod")
+        return ranks // pod.max_nodes
+    return p.tp * p.pp
+
+
+def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> Optional[RunLayout]:
+    """This pod is one node of a Kubernetes job (`visiondist.launch.pods`): start its ranks through torch's elastic
+    agent, as torchrun would, but with this project's stop handling (SIGTERM: every rank of every pod finishes its
+    step and checkpoints, within trainer.stop_timeout_s). The layout is checked here for the largest node count
+    (errors before any rank starts), and resolved by each rank for the world the rendezvous made."""
+    kind = run_kind(entry)
+    per_node = pod_ranks(cfg, pod, cuda_device_count())
+    ranks_cfg = OmegaConf.merge(cfg, {"trainer": {"max_restarts": 0}})  # restarts are the agent's, as torchrun's
+    world = {"WORLD_SIZE": str(per_node * pod.max_nodes), "LOCAL_WORLD_SIZE": str(per_node), "LOCAL_RANK": "0"}
+    run, _ = resolve(ranks_cfg, world, cuda_device_count())
+    check_gpu_layout(cfg, run, kind)
+    print(pod.line() + f" ({per_node} per pod)", flush=True)
+    run_dir = Path(cfg.trainer.run_dir).expanduser() if cfg.trainer.run_dir else None
+    restarts = cfg.trainer.max_restarts if pod.max_restarts is None else pod.max_restarts
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    stop = LauncherStop(*_stop_wait(cfg, run, kind), kind=kind)
+    try:
+        with _one_line_failure(run_dir, stop), _quiet_agent(), stop:
+            results = spawn_ranks(_pod_worker, per_node, entry, to_container(ranks_cfg), max_restarts=restarts,
+                                  pod=pod)
+        _report_stop(results[min(results)] if results else None, kind, under_torchrun=True)
+    except SignalException as exc:
+        name = stop.received or signal.Signals(exc.sigval).name
+        why = stop.why() if stop.ended else ""
+        if run_dir is None:
+            raise JobStopped(name, f"stopped by {name}: the ranks were ended ({why or 'the agent was stopped'})") \
+                from None
+        raise JobStopped(name, stopped_line(name, run_dir, kind, why=why, under_torchrun=True)) from None
     return run
 
 
@@ -332,6 +399,13 @@ def spawn_local(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0) ->
     on a free localhost port); each sees RANK / WORLD_SIZE / MASTER_* in its environment. After a rank fails, every
     rank is restarted up to `max_restarts` times. Returns every rank's return value; a failing rank raises here with
     its traceback."""
+    return spawn_ranks(fn, nprocs, *args, max_restarts=max_restarts)
+
+
+def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
+                pod: Optional[PodJob] = None) -> dict[int, Any]:
+    """`spawn_local`, or with `pod` this node's ranks of a job of several nodes (its rendezvous); the return values
+    are keyed by global rank."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
@@ -345,13 +419,16 @@ def spawn_local(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0) ->
     # job's last line; the tracker takes this process's -W options when it starts.
     if _TRACKER_QUIET not in sys.warnoptions:
         sys.warnoptions.append(_TRACKER_QUIET)
+    if pod is None:
+        rdzv = dict(min_nodes=1, max_nodes=1, run_id=f"visiondist-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                    rdzv_endpoint="localhost:0")
+    else:
+        rdzv = dict(min_nodes=pod.min_nodes, max_nodes=pod.max_nodes, run_id=pod.run_id,
+                    rdzv_backend=pod.rdzv_backend, rdzv_endpoint=pod.rdzv_endpoint,
+                    rdzv_configs={"rank": pod.node_rank} if pod.node_rank is not None else {})
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
         nproc_per_node=nprocs,
-        run_id=f"visiondist-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
+        **rdzv,
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",

@@ -128,7 +128,7 @@ def _rank_pids() -> list[int]:
 def continue_command(run_dir: str | Path, under_torchrun: bool = False) -> str:
     """The one command that continues the run in `run_dir` (its config.yaml is the base: nothing else to repeat)."""
     if under_torchrun:
-        return f"the same torchrun / srun command with trainer.run_dir={shlex.quote(str(run_dir))}"
+        return f"the same torchrun / srun / pod command with trainer.run_dir={shlex.quote(str(run_dir))}"
     from visiondist.observe.console import shown_path, tool_path
 
     return f"python {tool_path('train')} trainer.run_dir={shlex.quote(shown_path(Path(run_dir)))}"

@@ -283,10 +283,10 @@ def rank_layout(cfg: DictConfig, device=None, local_rank: int = 0):
 
     from visiondist.parallel import build_layout
 
-    from visiondist.plan.world import _accelerator
+    from visiondist.plan.world import find_accelerator
 
     size = dist.get_world_size()
-    run = _layout(cfg, cfg.parallel, World(_accelerator(cfg, cuda_device_count()), size, size, False))
+    run = _layout(cfg, cfg.parallel, World(find_accelerator(cfg, cuda_device_count()), size, size, False))
     device = device if device is not None else torch.device("cpu")
     return build_layout(run.dp, run.tp, run.pp, device, local_rank, run=run)
 

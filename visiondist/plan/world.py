@@ -45,7 +45,7 @@ def device_memory_gb(accelerator: str, per_node: int) -> float:
     return host_memory_gb() / per_node
 
 
-def _accelerator(cfg: DictConfig, cuda_devices: int) -> str:
+def find_accelerator(cfg: DictConfig, cuda_devices: int) -> str:
     accelerator = cfg.trainer.accelerator
     if accelerator == "auto":
         accelerator = "cuda" if cuda_devices > 0 else "cpu"
@@ -60,7 +60,7 @@ def find_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
     """The ranks this job runs: torchrun's / srun's, else trainer.devices, else dp x tp x pp, else every GPU (or
     tp x pp processes on the CPU)."""
     t, p = cfg.trainer, cfg.parallel
-    accelerator = _accelerator(cfg, cuda_devices)
+    accelerator = find_accelerator(cfg, cuda_devices)
     model_parallel = p.tp * p.pp
     torchrun = under_torchrun(env)
     if torchrun:
