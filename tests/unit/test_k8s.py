@@ -1,0 +1,114 @@
+"""tools/k8s.py's manifests: validated against the operators' published API models (Kubeflow Trainer's
+kubeflow-trainer-api for TrainJob, the Training Operator's kubeflow-training with the Kubernetes client's models for
+PyTorchJob; no cluster and no kubectl here: what a model does not hold, a misspelt or misplaced key, fails the round
+trip), the shipped examples in tools/k8s/ equal to what the tool writes, and what the pods get read back into the
+job the manifest describes."""
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from helpers import REPO
+from visiondist.launch.pods import pod_job
+
+EXAMPLE = ["image=registry.example.com/visiondist:1", "nodes=2", "gpus=8", "data_pvc=imagenet", "model=vit_huge",
+           "parallel=tp4", "data=imagenet", "data.root=/data/imagenet", "trainer.precision=bf16"]
+
+
+def _write(tmp_path, *args):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import k8s
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "job.yaml"
+    assert k8s.main([*args, f"out={out}"]) == 0
+    return yaml.safe_load(out.read_text()), out.read_text()
+
+
+def _trainjob_round_trip(manifest):
+    from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+
+    assert TrainerV1alpha1TrainJob.from_dict(manifest).to_dict() == manifest
+
+
+def _pytorchjob_round_trip(manifest):
+    from kubeflow.training.api_client import ApiClient
+
+    client = ApiClient()
+    job = client.deserialize(SimpleNamespace(data=json.dumps(manifest)), "KubeflowOrgV1PyTorchJob")
+    assert client.sanitize_for_serialization(job) == manifest
+
+
+@pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
+def test_the_shipped_manifests_are_the_tools_and_valid(tmp_path, kind):
+    pytest.importorskip("kubeflow_trainer_api")
+    pytest.importorskip("kubeflow.training")
+    manifest, text = _write(tmp_path, f"kind={kind}", *EXAMPLE)
+    assert (REPO / "tools" / "k8s" / f"vit_huge_tp4_{kind}.yaml").read_text() == text  # regenerate: see docs
+    (_trainjob_round_trip if kind == "trainjob" else _pytorchjob_round_trip)(manifest)
+    if kind == "trainjob":
+        trainer = manifest["spec"]["trainer"]
+        args = trainer["args"]
+        assert trainer["numNodes"] == 2 and trainer["numProcPerNode"] == 8
+        pod = manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+        pod = pod["template"]["spec"]["template"]["spec"]
+    else:
+        master = manifest["spec"]["pytorchReplicaSpecs"]["Master"]
+        assert master["replicas"] == 1 and manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+        assert manifest["spec"]["nprocPerNode"] == "8"
+        pod = master["template"]["spec"]
+        args = pod["containers"][0]["command"][2:]
+    assert "trainer.run_dir=/runs/vit-huge-tp4" in args and "model=vit_huge" in args
+    stop = int(next(a for a in args if a.startswith("trainer.stop_timeout_s=")).split("=")[1])
+    assert pod["terminationGracePeriodSeconds"] == stop + 60 and stop > 300  # a step, then the checkpoint's write
+    claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]}
+    assert claims == {"runs": "visiondist-runs", "dshm": None, "data": "imagenet"}
+
+
+def test_a_misplaced_key_fails_the_validation(tmp_path):
+    """The round trip is a check: a key the published model does not hold fails it."""
+    pytest.importorskip("kubeflow_trainer_api")
+    pytest.importorskip("kubeflow.training")
+    manifest, _ = _write(tmp_path, "kind=trainjob", *EXAMPLE)
+    manifest["spec"]["trainer"]["numProcsPerNode"] = 8
+    with pytest.raises(AssertionError):
+        _trainjob_round_trip(manifest)
+    manifest, _ = _write(tmp_path, "kind=pytorchjob", *EXAMPLE)
+    manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["terminationGracePeriod"] = 60
+    with pytest.raises(AssertionError):
+        _pytorchjob_round_trip(manifest)
+
+
+def test_what_the_pods_of_a_trainjob_get_is_read_as_the_manifests_job(tmp_path):
+    """The torch-distributed runtime's variables for the manifest's numNodes / numProcPerNode (PET_*), read by the
+    pods' launcher: 2 nodes of 8 ranks, each pod its own node rank."""
+    manifest, _ = _write(tmp_path, "kind=trainjob", *EXAMPLE)
+    trainer = manifest["spec"]["trainer"]
+    for node in range(trainer["numNodes"]):
+        env = {"PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+               "PET_NODE_RANK": str(node), "PET_MASTER_ADDR": "vit-huge-tp4-node-0-0.vit-huge-tp4",
+               "PET_MASTER_PORT": "29500"}
+        job = pod_job(env)
+        assert (job.max_nodes, job.nproc, job.node_rank) == (2, 8, node)
+
+
+@pytest.mark.parametrize("args,says", [
+    (["nodes=2", "model=vit_huge"], "image= is required"),
+    (["image=x", "kind=job"], "kind=job: use kind=trainjob"),
+    (["image=x", "name=Vit_Huge"], "is not a Kubernetes name"),
+    (["image=x", "gpus=0"], "gpus=0: a whole number of at least 1"),
+])
+def test_bad_keys_are_one_line_naming_the_fix(tmp_path, capsys, args, says):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import k8s
+    finally:
+        sys.path.pop(0)
+    assert k8s.main(args) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1, err

@@ -1,0 +1,91 @@
+"""Write the Kubernetes manifest of a training job:
+
+    python tools/k8s.py image=registry.example.com/visiondist:1 nodes=2 gpus=8 model=vit_huge parallel=tp4 out=job.yaml
+    kubectl apply -f job.yaml
+
+kind=trainjob (default): a Kubeflow Trainer v2 TrainJob on the torch-distributed runtime; kind=pytorchjob: a Training
+Operator PyTorchJob. Each pod runs `python tools/train.py <the overrides>`, which reads its place in the job from the
+operator's variables and starts its node's ranks. The run dir is on the claim `pvc=` (mounted at /runs, named by the
+job), so a restarted pod continues the run; the pods' grace period after SIGTERM is the time for a step and a
+checkpoint (trainer.stop_timeout_s) plus a minute. The overrides are checked as tools/train.py checks them.
+tools/k8s/ holds the two manifests of the example above (`visiondist.launch.k8s`).
+"""
+
+import sys
+from pathlib import Path
+
+import yaml
+from omegaconf import OmegaConf
+
+from visiondist.cli import Command, Tool, config_text, load_config, main as cli_main
+from visiondist.config import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TOOL = Tool(
+    name="k8s.py",
+    about=("Write a Kubernetes manifest (Kubeflow Trainer TrainJob, or Training Operator PyTorchJob) that trains with "
+           "the given overrides on nodes x gpus, the run dir on a shared volume, the grace period after SIGTERM "
+           "long enough for a step and a checkpoint."),
+    reads="configs/ as tools/train.py (the overrides are checked; no data is read)",
+    writes="the manifest as YAML on standard output, or to out=FILE",
+    examples=("python tools/k8s.py image=registry.example.com/visiondist:1 nodes=2 gpus=8 model=vit_huge parallel=tp4",
+              "python tools/k8s.py kind=pytorchjob image=registry.example.com/visiondist:1 nodes=2 gpus=8 "
+              "model=vit_huge parallel=tp4 out=vit-huge-tp4.yaml"),
+    keys=(("kind=trainjob|pytorchjob", "the operator's API (default trainjob)"),
+          ("image=<image>", "the container image: visiondist installed, the project at workdir= (required)"),
+          ("nodes=<n>", "pods, one per node (default 2)"),
+          ("gpus=<n>", "GPUs (ranks) per node (default 8)"),
+          ("name=<name>", "the job's name, and its run dir's under /runs (default: from model= and parallel=)"),
+          ("pvc=<claim>", "the PersistentVolumeClaim that holds the run dirs (default visiondist-runs)"),
+          ("data_pvc=<claim>", "a claim with the data, mounted read-only at /data (default: none)"),
+          ("workdir=<dir>", "where the image holds the project (default /workspace/visiondist)"),
+          ("out=<file>", "write the manifest there instead of standard output")),
+    run_dir=False,
+    multirun=False,
+)
+DEFAULT_CLASSES = 1000  # data.num_classes when it is unset and there is no data to count (the checkpoint's size)
+
+
+def _count(cmd: Command, key: str, default: int) -> int:
+    value = cmd.args.get(key, str(default))
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"{key}={value}: a whole number of at least 1")
+    return int(value)
+
+
+def k8s(cmd: Command) -> int:
+    from visiondist.launch.k8s import JobSpec, default_name, grace_for, manifest
+
+    image = cmd.args.get("image")
+    if not image:
+        raise ConfigError("image= is required: the container image with visiondist installed, e.g. "
+                          "image=registry.example.com/visiondist:1")
+    nodes, gpus = _count(cmd, "nodes", 2), _count(cmd, "gpus", 8)
+    cfg = load_config(CONFIGS, cmd.overrides + cmd.search, inputs=None)
+    if cmd.show:
+        print(config_text(cfg, cmd.package))
+        return 0
+    if OmegaConf.is_missing(cfg.data, "num_classes"):
+        cfg.data.num_classes = cfg.model.num_classes = DEFAULT_CLASSES
+    stop = float(cfg.trainer.stop_timeout_s)
+    spec = JobSpec(name=cmd.args.get("name") or default_name(cmd.overrides), image=image, nodes=nodes, gpus=gpus,
+                   overrides=[o for o in cmd.overrides if not o.startswith(("trainer.run_dir=", "trainer.stop_timeout_s="))],
+                   grace_s=int(stop) if stop >= 0 else grace_for(cfg, nodes, gpus),
+                   pvc=cmd.args.get("pvc", "visiondist-runs"), data_pvc=cmd.args.get("data_pvc", ""),
+                   workdir=cmd.args.get("workdir", "/workspace/visiondist"))
+    text = yaml.safe_dump(manifest(cmd.args.get("kind", "trainjob"), spec), sort_keys=False, width=120)
+    if cmd.args.get("out"):
+        Path(cmd.args["out"]).write_text(text)
+        print(f"wrote {cmd.args['out']}: {spec.nodes} pods x {spec.gpus} GPUs, run dir {spec.run_dir} on claim "
+              f"{spec.pvc}, {spec.termination_grace_s} s grace after SIGTERM", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    return cli_main(TOOL, CONFIGS, argv, k8s)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
