@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import traceback
 from pathlib import Path
 
@@ -68,7 +69,11 @@ class StopSignals:
         self._previous = {}
 
     def install(self, at_once: bool = False, speak: bool = True) -> "StopSignals":
+        """Handle the stop signals from now on; where this is not the main thread (a Ray Train worker runs the
+        training function in one of its own), the host's handlers stay: signals reach only a main thread."""
         self.received, self.count, self.at_once, self.speak = None, 0, at_once, speak
+        if threading.current_thread() is not threading.main_thread():
+            return self
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
