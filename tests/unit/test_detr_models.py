@@ -45,6 +45,19 @@ def _trained_like(model):
     return model.eval()
 
 
+_TRAINED: dict = {}
+
+
+def _trained(arch):
+    """`_trained_like` of a fresh `arch` model at 128 px: trained once per process, a fresh copy each call."""
+    if arch not in _TRAINED:
+        torch.manual_seed(0)
+        _TRAINED[arch] = {k: v.clone() for k, v in _trained_like(build_detr(_cfg(arch))).state_dict().items()}
+    model = build_detr(_cfg(arch))
+    model.load_state_dict(_TRAINED[arch])
+    return model.eval()
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_built_from_the_published_configs_with_their_sizes(arch):
     with torch.device("meta"):
@@ -138,6 +151,7 @@ def _hub_cache(root, repo, source):
 
 
 @pytest.mark.timeout(600)  # as the ONNX test's
+@pytest.mark.xdist_group("trained_dfine_n")  # on the ONNX test's worker: D-FINE-N trained once (`_trained`)
 def test_weights_from_a_from_pretrained_directory_and_from_the_hub_cache(tmp_path, monkeypatch, caplog):
     import transformers
     from huggingface_hub import constants
@@ -145,7 +159,7 @@ def test_weights_from_a_from_pretrained_directory_and_from_the_hub_cache(tmp_pat
     from visiondist.utils.pretrained import WeightsNotFound
 
     torch.manual_seed(0)
-    trained = _trained_like(build_detr(_cfg("dfine_n"))).eval()
+    trained = _trained("dfine_n")
     files = save_library_dir(trained, tmp_path / "hf", ["circle", "square", "triangle"])
     assert [f.name for f in files] == ["config.json", "model.safetensors", "preprocessor_config.json"]
     # transformers alone reads it: strictly, with the class names, and predicts what the run's model does
@@ -189,6 +203,7 @@ def test_weights_from_a_from_pretrained_directory_and_from_the_hub_cache(tmp_pat
 
 
 @pytest.mark.timeout(600)  # ~25 s alone; several times that beside another worker's ranks on 2 cores
+@pytest.mark.xdist_group("trained_dfine_n")
 @pytest.mark.parametrize("arch", ["rfdetr_nano", "dfine_n"])
 def test_onnx_graph_takes_any_image_size_and_equals_pytorch(arch, tmp_path):
     """The exported graph (one image of any size -> every query's box, label, score) under ONNX Runtime against the
@@ -204,7 +219,7 @@ def test_onnx_graph_takes_any_image_size_and_equals_pytorch(arch, tmp_path):
     from visiondist.checkpoint.export.onnx_check import BOX_ROUND_OFF, _box_diff
 
     torch.manual_seed(0)
-    model = _trained_like(build_detr(_cfg(arch, img_size=128))).eval()
+    model = _trained(arch)
     _export_detr_onnx(model, tmp_path / "m.onnx", {"labels": json.dumps({"1": "a"})})
     session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     assert session.get_modelmeta().custom_metadata_map["labels"] == json.dumps({"1": "a"})
