@@ -19,6 +19,7 @@ one line. Needs `pip install visiondist[ray]`.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 from pathlib import Path
 from typing import Any, Optional
@@ -69,8 +70,6 @@ def fit(overrides: list[str], num_workers: Optional[int] = None, use_gpu: Option
     summary = run_dir / "summary.json"  # written by global rank 0, as for any run
     if not summary.is_file():
         raise RuntimeError(f"Ray Train finished but {run_dir} holds no summary.json: see the workers' output above")
-    import json
-
     return json.loads(summary.read_text())
 
 

@@ -2,7 +2,8 @@
 agent (torchrun) or one pod's `python tools/train.py` (visiondist/launch/pods.py), one rank each, gloo.
 
 - Node loss: under torchrun with elastic membership (--nnodes=1:2 --max-restarts=1), the second node's agent and its
-  rank are killed mid-run; the first node's agent restarts its rank, the rendezvous closes with one node, and the run
+  rank are killed mid-run; the first node's agent restarts its rank, the rendezvous closes with one node (after the
+  rendezvous' last call for more nodes: 2 s here, 30 s by default), and the run
   goes on from its last checkpoint on one rank, ending with the losses of a run that changed world size at that step.
 - Preemption: SIGTERM to one pod's launcher during a step longer than torchrun's 30 s shutdown wait; every rank of both
   pods finishes the step and writes its checkpoint, both pods end with the stop's exit code, and the same pod
@@ -74,7 +75,7 @@ def test_a_lost_node_leaves_the_job_to_the_other_from_the_last_checkpoint(tmp_pa
     def agent(host: bool) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=lose-a-node",
-                f"--rdzv-conf=is_host={int(host)}", "--max-restarts=1", str(FAULT_TRAIN),
+                f"--rdzv-conf=is_host={int(host)},last_call_timeout=2", "--max-restarts=1", str(FAULT_TRAIN),
                 *train_args(tiny_shapes, run, *RUN)]
 
     first = start_job(agent(True), job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))

@@ -24,6 +24,7 @@ LAYERS = [
     {"runs"},  # continuing a run
     {"launch"},  # run dir, self-launch, ranks
     {"cli"},  # the tools' command line and multirun sweeps
+    {"ray"},  # Ray Train's entry: a tool's config loading and the launcher, inside Ray's workers
 ]
 
 
