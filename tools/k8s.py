@@ -11,6 +11,7 @@ checkpoint (trainer.stop_timeout_s) plus a minute. The overrides are checked as 
 tools/k8s/ holds the two manifests of the example above (`visiondist.launch.k8s`).
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ TOOL = Tool(
     examples=("python tools/k8s.py image=registry.example.com/visiondist:1 nodes=2 gpus=8 model=vit_huge parallel=tp4",
               "python tools/k8s.py kind=pytorchjob image=registry.example.com/visiondist:1 nodes=2 gpus=8 "
               "model=vit_huge parallel=tp4 out=vit-huge-tp4.yaml"),
-    keys=(("kind=trainjob|pytorchjob", "the operator's API (default trainjob)"),
+    keys=(("kind=<kind>", "trainjob (Kubeflow Trainer v2, the default) or pytorchjob (Training Operator)"),
           ("image=<image>", "the container image: visiondist installed, the project at workdir= (required)"),
           ("nodes=<n>", "pods, one per node (default 2)"),
           ("gpus=<n>", "GPUs (ranks) per node (default 8)"),
@@ -53,6 +54,33 @@ def _count(cmd: Command, key: str, default: int) -> int:
     return int(value)
 
 
+def _check(cmd: Command, cfg, gpus: int) -> None:
+    """What the pods would only find out at start (and be restarted for, again and again): one line each, here."""
+    t, data = cfg.trainer, cfg.data
+    given = [o.split("=", 1)[0] for o in cmd.overrides]
+    if "trainer.run_dir" in given or "hydra.run.dir" in given:
+        raise ConfigError("the run dir is the job's: /runs/<name> on the claim pvc=; drop trainer.run_dir and choose "
+                          "it with name= (and pvc=)")
+    if OmegaConf.is_missing(data, "root"):
+        raise ConfigError(f"data={data.name} needs data.root: its path inside the pods (data_pvc=<claim> mounts a "
+                          "claim at /data, e.g. data.root=/data/imagenet)")
+    if cmd.args.get("data_pvc") and not str(data.root).startswith("/data"):
+        raise ConfigError(f"data_pvc= mounts its claim at /data but data.root={data.root}: use a path under /data")
+    if t.accelerator == "cpu":
+        raise ConfigError("trainer.accelerator=cpu: the pods ask for GPUs (gpus=); drop trainer.accelerator")
+    if t.devices > 0 and t.devices != gpus:
+        raise ConfigError(f"trainer.devices={t.devices} but each pod starts gpus={gpus} ranks: drop trainer.devices")
+    missing = sorted(OmegaConf.missing_keys(cfg) - {"data.num_classes", "model.num_classes"})
+    if missing:
+        raise ConfigError(f"{', '.join(missing)} must be given (???)")
+    if not cmd.args["image"].strip() or any(c.isspace() for c in cmd.args["image"]):
+        raise ConfigError(f"image={cmd.args['image']!r} is not an image reference (no spaces)")
+    for key in ("pvc", "data_pvc"):
+        value = cmd.args.get(key)
+        if value and not re.fullmatch(r"[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?", value):
+            raise ConfigError(f"{key}={value} is not a Kubernetes claim name: lower-case letters, digits, '-' and '.'")
+
+
 def k8s(cmd: Command) -> int:
     from visiondist.launch.k8s import JobSpec, default_name, grace_for, manifest
 
@@ -67,16 +95,22 @@ def k8s(cmd: Command) -> int:
         return 0
     if OmegaConf.is_missing(cfg.data, "num_classes"):
         cfg.data.num_classes = cfg.model.num_classes = DEFAULT_CLASSES
+    _check(cmd, cfg, gpus)
     stop = float(cfg.trainer.stop_timeout_s)
     spec = JobSpec(name=cmd.args.get("name") or default_name(cmd.overrides), image=image, nodes=nodes, gpus=gpus,
-                   overrides=[o for o in cmd.overrides if not o.startswith(("trainer.run_dir=", "trainer.stop_timeout_s="))],
+                   overrides=[o for o in cmd.overrides if not o.startswith("trainer.stop_timeout_s=")],
                    grace_s=int(stop) if stop >= 0 else grace_for(cfg, nodes, gpus),
                    pvc=cmd.args.get("pvc", "visiondist-runs"), data_pvc=cmd.args.get("data_pvc", ""),
                    workdir=cmd.args.get("workdir", "/workspace/visiondist"))
     text = yaml.safe_dump(manifest(cmd.args.get("kind", "trainjob"), spec), sort_keys=False, width=120)
     if cmd.args.get("out"):
-        Path(cmd.args["out"]).write_text(text)
-        print(f"wrote {cmd.args['out']}: {spec.nodes} pods x {spec.gpus} GPUs, run dir {spec.run_dir} on claim "
+        out = Path(cmd.args["out"])
+        try:
+            out.write_text(text)
+        except OSError as exc:
+            raise ConfigError(f"out={out}: cannot write it ({exc.strerror}): give a file in an existing directory") \
+                from None
+        print(f"wrote {out}: {spec.nodes} pods x {spec.gpus} GPUs, run dir {spec.run_dir} on claim "
               f"{spec.pvc}, {spec.termination_grace_s} s grace after SIGTERM", file=sys.stderr)
     else:
         print(text, end="")

@@ -48,14 +48,25 @@ def fit(overrides: list[str], num_workers: Optional[int] = None, use_gpu: Option
     if any(o.startswith(("trainer.run_dir=", "hydra.run.dir=")) for o in overrides):
         raise ConfigError("the run dir is Ray's: drop trainer.run_dir and give storage_path= / name= instead")
     cfg = load_config(CONFIGS, list(overrides), inputs="train")  # one line for a bad override, before any worker
+    workers = num_workers or _ranks(cfg)
+    from omegaconf import OmegaConf
+
+    from visiondist.plan import resolve_on
+    from visiondist.runs import completed_step
+
+    resolve_on(cfg, workers, 1)  # a layout the workers cannot run (dp x tp x pp != num_workers, ...): its line, here
+    storage = Path((storage_path or "~/ray_results").removeprefix("file://")).expanduser().resolve()
+    name = name or f"visiondist-{dt.datetime.now():%Y-%m-%d_%H-%M-%S}"
+    run_dir = storage / name / "run"
+    step = completed_step(OmegaConf.merge(cfg, {"trainer": {"run_dir": str(run_dir)}}))
+    if step is not None:  # the same call again: nothing to do, nothing rewritten (as tools/train.py)
+        print(f"{run_dir} is complete at step {step}: nothing to do (to train longer, raise trainer.max_steps or "
+              "trainer.max_epochs)", flush=True)
+        return json.loads((run_dir / "summary.json").read_text())
     if not ray.is_initialized():
         ray.init()
     if use_gpu is None:
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-    workers = num_workers or _ranks(cfg)
-    storage = Path((storage_path or "~/ray_results").removeprefix("file://")).expanduser().resolve()
-    name = name or f"visiondist-{dt.datetime.now():%Y-%m-%d_%H-%M-%S}"
-    run_dir = storage / name / "run"
     trainer = TorchTrainer(
         _worker,
         train_loop_config={"overrides": [*overrides, f"trainer.run_dir={run_dir}",

@@ -57,8 +57,15 @@ def test_ray_train_workers_train_like_the_self_launched_run(tmp_path, tiny_shape
     log = (run / "train.log").read_text()
     assert "dp=2 tp=1 pp=1 (2 ranks on cpu)" in log
 
+    code, out, _ = _fit(tmp_path, overrides)  # the same call again: the run is complete, nothing is rewritten
+    assert code == 0 and "is complete at step 6: nothing to do" in out, out[-3000:]
+    assert json.loads(out.split("SUMMARY ", 1)[1].splitlines()[0]) == summary
+    assert len(losses_of(run)) == 6 and (run / "train.log").read_text() == log
 
-def test_a_bad_override_is_refused_before_any_worker(tmp_path, tiny_shapes):
-    code, out, storage = _fit(tmp_path, [*TINY_DATA, f"data.root={tiny_shapes}", "parallel.tp=3", "model.num_heads=2"])
-    assert code == 3 and "FIT FAILED: ConfigError" in out and "tp=3" in out, out[-3000:]
-    assert not (storage / "job").exists()
+
+@pytest.mark.parametrize("bad,says", [("parallel.tp=3", "parallel.tp=3 does not divide model.num_heads=2"),
+                                       ("parallel.dp=4", "but the world size is 2")])
+def test_a_bad_override_is_refused_before_any_worker(tmp_path, tiny_shapes, bad, says):
+    code, out, storage = _fit(tmp_path, [*TINY_DATA, f"data.root={tiny_shapes}", bad, "model.num_heads=2"])
+    assert code == 3 and "FIT FAILED: ConfigError" in out and says in out, out[-3000:]
+    assert not (storage / "job").exists() and "RayTrainWorker" not in out  # no worker started

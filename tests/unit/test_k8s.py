@@ -102,6 +102,14 @@ def test_what_the_pods_of_a_trainjob_get_is_read_as_the_manifests_job(tmp_path):
     (["image=x", "kind=job"], "kind=job: use kind=trainjob"),
     (["image=x", "name=Vit_Huge"], "is not a Kubernetes name"),
     (["image=x", "gpus=0"], "gpus=0: a whole number of at least 1"),
+    (["image=x", "trainer.run_dir=/foo"], "the run dir is the job's"),
+    (["image=x", "data=imagenet"], "data=imagenet needs data.root"),
+    (["image=x", "data_pvc=imagenet", "data=imagenet", "data.root=/mnt/imagenet"], "use a path under /data"),
+    (["image=x", "trainer.accelerator=cpu"], "the pods ask for GPUs"),
+    (["image=x", "gpus=8", "trainer.devices=2"], "trainer.devices=2 but each pod starts gpus=8 ranks"),
+    (["image=bad image"], "is not an image reference"),
+    (["image=x", "pvc=Bad_Claim"], "pvc=Bad_Claim is not a Kubernetes claim name"),
+    (["image=x", "out=/nonexistent/dir/job.yaml"], "cannot write it"),
 ])
 def test_bad_keys_are_one_line_naming_the_fix(tmp_path, capsys, args, says):
     sys.path.insert(0, str(REPO / "tools"))
