@@ -103,8 +103,7 @@ def _worker(config: dict) -> None:
     from visiondist.launch import launch
     from visiondist.train.run import train
 
-    context = ray.train.get_context()
-    os.environ.setdefault("LOCAL_WORLD_SIZE", str(context.get_local_world_size()))  # what the layout reads per node
+    context = ray.train.get_context()  # Ray sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE; the node's index:
     os.environ.setdefault("GROUP_RANK", str(context.get_node_rank()))
     assert dist.is_initialized(), "Ray Train's TorchTrainer initialises the process group"
     cfg = load_config(CONFIGS, config["overrides"], inputs="train")
@@ -122,7 +121,6 @@ def _keep(entry, box: dict):
         return box["result"]
 
     kept.__name__ = getattr(entry, "__name__", "train")
-    for attribute in ("run_kind",):
-        if hasattr(entry, attribute):
-            setattr(kept, attribute, getattr(entry, attribute))
+    if hasattr(entry, "run_kind"):  # what the run dir holds (`visiondist.launch.run_kind`)
+        kept.run_kind = entry.run_kind  # type: ignore[attr-defined]
     return kept

@@ -5,12 +5,10 @@ failing or stopped job's one line.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
 import sys
-import uuid
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +25,7 @@ from visiondist.train.precision import set_tf32
 from visiondist.launch.pods import PodJob, pod_job
 from visiondist.launch.rundir import _shared_run_dir, _write_plan, new_run_dir, run_kind
 from visiondist.launch.slurm import slurm_env
+from visiondist.launch.spawn import _quiet_agent, spawn_local, spawn_ranks
 from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stopped_line
 from visiondist.plan import announce, cuda_device_count, resolve
 from visiondist.plan.world import find_accelerator, under_torchrun
@@ -230,18 +229,30 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
             _report_stop(run_rank(entry, cfg_dict, run, str(run_dir), top_level=True), kind)
         return run
 
+    _run_agent(lambda: spawn_local(_elastic_worker, run.per_node, entry, cfg_dict, run, str(run_dir),
+                                   max_restarts=cfg.trainer.max_restarts), cfg, run, kind, run_dir)
+    return run
+
+
+def _run_agent(spawn: Callable[[], dict[int, Any]], cfg: DictConfig, run: RunLayout, kind: Optional[str],
+               run_dir: Optional[Path], under_torchrun: bool = False) -> None:
+    """`spawn()` (the elastic agent and this node's ranks) under the launcher's stop handling: a failed rank's one
+    line, a stop's last line (from the lowest global rank's result, or from the run dir when the ranks were ended:
+    module visiondist.launch.stop). `run_dir` None: a pod's run dir, which its ranks chose."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     stop = LauncherStop(*_stop_wait(cfg, run, kind), kind=kind)
     try:
         with _one_line_failure(run_dir, stop), _quiet_agent(), stop:
-            results = spawn_local(_elastic_worker, run.per_node, entry, cfg_dict, run, str(run_dir),
-                                  max_restarts=cfg.trainer.max_restarts)
-        _report_stop(results.get(0), kind)
-    except SignalException as exc:  # the ranks were ended before they finished (module visiondist.launch.stop)
+            results = spawn()
+        _report_stop(results[min(results)] if results else None, kind, under_torchrun)
+    except SignalException as exc:  # the ranks were ended before they finished
         name = stop.received or signal.Signals(exc.sigval).name
-        raise JobStopped(name, stopped_line(name, run_dir, kind, why=stop.why() if stop.ended else "")) from None
-    return run
+        why = stop.why() if stop.ended else ""
+        if run_dir is None:
+            raise JobStopped(name, f"stopped by {name}: the ranks were ended ({why or 'the agent was stopped'})") \
+                from None
+        raise JobStopped(name, stopped_line(name, run_dir, kind, why=why, under_torchrun=under_torchrun)) from None
 
 
 def pod_ranks(cfg: DictConfig, pod: PodJob, cuda_devices: int) -> int:
@@ -280,21 +291,8 @@ def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> Optional[RunLayout
     print(pod.line() + f" ({per_node} per pod)", flush=True)
     run_dir = Path(cfg.trainer.run_dir).expanduser() if cfg.trainer.run_dir else None
     restarts = cfg.trainer.max_restarts if pod.max_restarts is None else pod.max_restarts
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    stop = LauncherStop(*_stop_wait(cfg, run, kind), kind=kind)
-    try:
-        with _one_line_failure(run_dir, stop), _quiet_agent(), stop:
-            results = spawn_ranks(_pod_worker, per_node, entry, to_container(ranks_cfg), max_restarts=restarts,
-                                  pod=pod)
-        _report_stop(results[min(results)] if results else None, kind, under_torchrun=True)
-    except SignalException as exc:
-        name = stop.received or signal.Signals(exc.sigval).name
-        why = stop.why() if stop.ended else ""
-        if run_dir is None:
-            raise JobStopped(name, f"stopped by {name}: the ranks were ended ({why or 'the agent was stopped'})") \
-                from None
-        raise JobStopped(name, stopped_line(name, run_dir, kind, why=why, under_torchrun=True)) from None
+    _run_agent(lambda: spawn_ranks(_pod_worker, per_node, entry, to_container(ranks_cfg), max_restarts=restarts,
+                                   pod=pod), cfg, run, kind, run_dir, under_torchrun=True)
     return run
 
 
@@ -356,25 +354,6 @@ def _continue_hint(run_dir: Optional[Path], line: str) -> str:
     return f"; once fixed, continue from step {kept[-1][0]} with: {continue_command(run_dir, False)}"
 
 
-@contextmanager
-def _quiet_agent():
-    """The elastic agent's own warnings and its failure table repeat what `RunFailed` or `JobStopped` says in one
-    line."""
-    import torch.distributed.launcher.api  # noqa: F401 (its modules' loggers exist from here on)
-
-    names = [name for name in logging.root.manager.loggerDict  # torch sets the level of each of its modules' loggers
-             if name.startswith(("torch.distributed.elastic", "torch.multiprocessing.spawn"))]
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn", *names)]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
 def _report_stop(result: Any, kind: Optional[str], under_torchrun: bool = False) -> None:
     """A job that stopped early says what it kept and how to continue, in one unwrapped line: raised for a signal
     (exit 128 + signal), printed for `trainer.stop_at_step` (exit 0). Under torchrun only global rank 0 speaks."""
@@ -389,49 +368,3 @@ def _report_stop(result: Any, kind: Optional[str], under_torchrun: bool = False)
 
         print(f"stopped after step {result['stopped at step']} (trainer.stop_at_step); continue with: "
               f"{continue_command(result['run dir'], under_torchrun)}", flush=True)
-
-
-_TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
-
-
-def spawn_local(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0) -> dict[int, Any]:
-    """Run `fn(*args)` in `nprocs` fresh processes on this machine through torch's elastic launcher (c10d rendezvous
-    on a free localhost port); each sees RANK / WORLD_SIZE / MASTER_* in its environment. After a rank fails, every
-    rank is restarted up to `max_restarts` times. Returns every rank's return value; a failing rank raises here with
-    its traceback."""
-    return spawn_ranks(fn, nprocs, *args, max_restarts=max_restarts)
-
-
-def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
-                pod: Optional[PodJob] = None) -> dict[int, Any]:
-    """`spawn_local`, or with `pod` this node's ranks of a job of several nodes (its rendezvous); the return values
-    are keyed by global rank."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
-    # Each restart gets a fresh store for the ranks' process group: with the rendezvous store shared, a restarted
-    # rank can read a peer address left by the previous attempt (pytorch/pytorch#135712).
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    from visiondist.compat import agent_signals
-
-    # Ranks ended at once (a stop that outlasted trainer.stop_timeout_s) leave their loader queues' semaphores to
-    # multiprocessing's resource tracker, which frees them and would print a "leaked semaphore" warning after the
-    # job's last line; the tracker takes this process's -W options when it starts.
-    if _TRACKER_QUIET not in sys.warnoptions:
-        sys.warnoptions.append(_TRACKER_QUIET)
-    if pod is None:
-        rdzv = dict(min_nodes=1, max_nodes=1, run_id=f"visiondist-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                    rdzv_endpoint="localhost:0")
-    else:
-        rdzv = dict(min_nodes=pod.min_nodes, max_nodes=pod.max_nodes, run_id=pod.run_id,
-                    rdzv_backend=pod.rdzv_backend, rdzv_endpoint=pod.rdzv_endpoint,
-                    rdzv_configs={"rank": pod.node_rank} if pod.node_rank is not None else {})
-    config = LaunchConfig(
-        nproc_per_node=nprocs,
-        **rdzv,
-        max_restarts=max_restarts,
-        monitor_interval=0.1,
-        start_method="spawn",
-        **agent_signals({f.name for f in dataclasses.fields(LaunchConfig)}),  # SIGTERM / SIGINT: launch.stop's
-    )
-    return elastic_launch(config, fn)(*args)

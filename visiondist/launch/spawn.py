@@ -1,0 +1,81 @@
+"""The elastic agent that starts a node's ranks (`spawn_ranks`): on this machine alone (`spawn_local`, a c10d
+rendezvous on a free localhost port), or as one node of a pod's job (`visiondist.launch.pods`); its own log lines kept
+quiet (`_quiet_agent`), since the launcher says what happened in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import uuid
+from contextlib import contextmanager
+from typing import Any, Callable, Optional
+
+from visiondist.launch.pods import PodJob
+
+
+@contextmanager
+def _quiet_agent():
+    """The elastic agent's own warnings and its failure table repeat what `RunFailed` or `JobStopped` says in one
+    line."""
+    import torch.distributed.launcher.api  # noqa: F401 (its modules' loggers exist from here on)
+
+    names = [name for name in logging.root.manager.loggerDict  # torch sets the level of each of its modules' loggers
+             if name.startswith(("torch.distributed.elastic", "torch.multiprocessing.spawn"))]
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn", *names)]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+
+_TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
+
+
+def spawn_local(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0) -> dict[int, Any]:
+    """Run `fn(*args)` in `nprocs` fresh processes on this machine through torch's elastic launcher (c10d rendezvous
+    on a free localhost port); each sees RANK / WORLD_SIZE / MASTER_* in its environment. After a rank fails, every
+    rank is restarted up to `max_restarts` times. Returns every rank's return value; a failing rank raises here with
+    its traceback."""
+    return spawn_ranks(fn, nprocs, *args, max_restarts=max_restarts)
+
+
+def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
+                pod: Optional[PodJob] = None) -> dict[int, Any]:
+    """`spawn_local`, or with `pod` this node's ranks of a job of several nodes (its rendezvous); the return values
+    are keyed by global rank."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+    # Each restart gets a fresh store for the ranks' process group: with the rendezvous store shared, a restarted
+    # rank can read a peer address left by the previous attempt (pytorch/pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    from visiondist.compat import agent_signals
+
+    # Ranks ended at once (a stop that outlasted trainer.stop_timeout_s) leave their loader queues' semaphores to
+    # multiprocessing's resource tracker, which frees them and would print a "leaked semaphore" warning after the
+    # job's last line; the tracker takes this process's -W options when it starts.
+    if _TRACKER_QUIET not in sys.warnoptions:
+        sys.warnoptions.append(_TRACKER_QUIET)
+    if pod is None:
+        rdzv = dict(min_nodes=1, max_nodes=1, run_id=f"visiondist-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
+                    rdzv_endpoint="localhost:0")
+    else:
+        rdzv = dict(min_nodes=pod.min_nodes, max_nodes=pod.max_nodes, run_id=pod.run_id,
+                    rdzv_backend=pod.rdzv_backend, rdzv_endpoint=pod.rdzv_endpoint,
+                    rdzv_configs={"rank": pod.node_rank} if pod.node_rank is not None else {})
+    config = LaunchConfig(
+        nproc_per_node=nprocs,
+        **rdzv,
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
+        **agent_signals({f.name for f in dataclasses.fields(LaunchConfig)}),  # SIGTERM / SIGINT: launch.stop's
+    )
+    return elastic_launch(config, fn)(*args)
