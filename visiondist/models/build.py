@@ -72,9 +72,11 @@ EVAL_METRICS = {
 
 def eval_metrics(cfg: Any) -> tuple[str, ...]:
     """The evaluation metrics a model (its `ModelConfig`) reports: its task's, and the mask stats of a mask model."""
-    from visiondist.models.detection import has_masks
-
     names = EVAL_METRICS[TASKS[cfg.family]]
+    if TASKS[cfg.family] != "detection":
+        return names
+    from visiondist.models.detection import has_masks  # torchvision: only where a detector is asked about
+
     return (*names, *EVAL_METRICS["segmentation"]) if has_masks(cfg) else names
 
 

@@ -25,7 +25,9 @@ from torch import nn
 from torchvision.models.detection.anchor_utils import AnchorGenerator
 
 from visiondist.models.vit import Block
+from visiondist.models.vit_parallel import VIT_PLAN
 from visiondist.models.weights import freeze_batchnorms, load_local_weights
+from visiondist.parallel.tensor import register_plan
 
 log = logging.getLogger(__name__)
 
@@ -352,3 +354,8 @@ def build_vitdet(cfg: Any) -> nn.Module:
         load_local_weights(model, cfg.weights)
     return model
 
+
+
+# ViTDet's backbone takes the ViT's tensor-parallel plan: the same blocks, no class token, the same token-sharded
+# region (registered here rather than in vit_parallel, so that a ViT classifier's processes never import torchvision)
+register_plan(ViTBackbone, VIT_PLAN)

@@ -15,7 +15,6 @@ norm and head with the last). The parallel package applies these and never impor
 
 from __future__ import annotations
 
-from visiondist.models.detection import ViTBackbone
 from visiondist.models.vit import Block, VisionTransformer
 from visiondist.parallel.fsdp import register_block
 from visiondist.parallel.stages import StageCut, register_stage_cut
@@ -44,7 +43,6 @@ VIT_PLAN: dict[str, Style] = {
 }
 
 register_plan(VisionTransformer, VIT_PLAN)
-register_plan(ViTBackbone, VIT_PLAN)  # ViTDet's backbone: the same blocks, no class token, same token-sharded region
 register_block(Block)
 
 
