@@ -12,7 +12,7 @@ results.md in its run dir (outputs/benchmark/<date>_<time>/, or bench.results_di
 import sys
 from pathlib import Path
 
-from visiondist.cli import Tool, run_tool
+from visiondist.cli import Tool, exit_now, run_tool
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TOOL = Tool(
@@ -43,4 +43,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))  # without the interpreter's teardown (visiondist.utils.exit)

@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from visiondist.cli import Command, Tool, checked, config_text, load_config, load_run_config, main as cli_main
+from visiondist.cli import (Command, Tool, checked, config_text, exit_now, load_config, load_run_config,
+                            main as cli_main)
 from visiondist.config import ConfigError
 from visiondist.checkpoint.files import latest_checkpoint, resolve_checkpoint
 from visiondist.utils.dcp import is_complete
@@ -138,4 +139,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))  # without the interpreter's teardown (visiondist.utils.exit)

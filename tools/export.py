@@ -14,7 +14,7 @@ model.safetensors, preprocessor_config.json). Weights come from the run's latest
 import sys
 from pathlib import Path
 
-from visiondist.cli import Command, Tool, config_text, load_run_config, main as cli_main
+from visiondist.cli import Command, Tool, config_text, exit_now, load_run_config, main as cli_main
 from visiondist.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -86,4 +86,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))  # without the interpreter's teardown (visiondist.utils.exit)

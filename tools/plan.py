@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from visiondist.cli import Command, Tool, config_text, load_config, main as cli_main
+from visiondist.cli import Command, Tool, config_text, exit_now, load_config, main as cli_main
 from visiondist.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -170,4 +170,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))  # without the interpreter's teardown (visiondist.utils.exit)

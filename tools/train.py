@@ -7,7 +7,7 @@ Runs its own ranks (parallel.dp / tp / pp, or all GPUs), or joins a torchrun job
 import sys
 from pathlib import Path
 
-from visiondist.cli import Tool, run_tool
+from visiondist.cli import Tool, exit_now, run_tool
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TOOL = Tool()  # the defaults are this tool's
@@ -33,4 +33,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))  # without the interpreter's teardown (visiondist.utils.exit)

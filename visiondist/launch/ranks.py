@@ -28,6 +28,7 @@ from visiondist.launch.slurm import slurm_env
 from visiondist.launch.spawn import _quiet_agent, spawn_local, spawn_ranks
 from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stopped_line
 from visiondist.plan import announce, cuda_device_count, resolve
+from visiondist.utils.exit import leave_quickly_when_done
 from visiondist.plan.world import find_accelerator, under_torchrun
 from visiondist.plan.resolve import compile_choice
 from visiondist.launch.estimate import check_gpu_layout
@@ -181,15 +182,21 @@ def _record(run_dir: Optional[Path], exc: BaseException) -> None:
 
 @record  # a failing rank's traceback reaches the launcher's error report, not just its exit code
 def _elastic_worker(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: str) -> Any:
-    return run_rank(entry, cfg_dict, run, run_dir)
+    done = leave_quickly_when_done()
+    result = run_rank(entry, cfg_dict, run, run_dir)
+    done()
+    return result
 
 
 @record
 def _pod_worker(entry: Entry, cfg_dict: dict) -> Any:
     """A rank of a pod's node (`launch_pod`): it resolves the layout from the world the rendezvous made (an elastic
     job's node count is known only then), as a rank under torchrun does, and finds the run dir with its peers."""
+    done = leave_quickly_when_done()
     run, auto_plan = resolve(from_container(cfg_dict), dict(os.environ), cuda_device_count())
-    return run_rank(entry, cfg_dict, run, None, auto_plan)
+    result = run_rank(entry, cfg_dict, run, None, auto_plan)
+    done()
+    return result
 
 
 def inductor_cache_dir() -> Path:

@@ -88,13 +88,16 @@ def match_frozen_batchnorms(model: nn.Module, stored: Iterable[str]) -> None:
 def freeze_batchnorms(model: nn.Module, which: Optional[Callable[[str], bool]] = None) -> None:
     """Replace the BatchNorm2d modules of `model` (those whose name `which` accepts; default all) by torchvision's
     FrozenBatchNorm2d with the same eps, on the same device; their statistics and affine values are loaded next."""
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.BatchNorm2d) and (which is None or which(name))]
+    if not targets:
+        return  # a ViT's processes need not import torchvision for this
     from torchvision.ops.misc import FrozenBatchNorm2d
 
-    for name, module in list(model.named_modules()):
-        if isinstance(module, nn.BatchNorm2d) and (which is None or which(name)):
-            parent_name, _, child = name.rpartition(".")
-            frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps).to(module.weight.device)
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, frozen)
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps).to(module.weight.device)
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, frozen)
 
 
 class LazyState(Mapping):
