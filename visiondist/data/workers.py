@@ -10,6 +10,10 @@ forever. So
 - `close_loaders()` runs on every exit of a rank, error or not, and ends each loader's workers at once (a worker
   stuck in `__getitem__` included).
 
+A worker that dies (the OOM killer) surfaces in the rank as torch's "DataLoader worker ... killed by signal", or, when
+the rank was receiving a batch whose memory the dead worker still had to hand over, as a bare EOFError from
+multiprocessing: `watched` turns the latter into the former.
+
 How many: `loader_workers` makes `data.num_workers=-1` concrete from the cores this process may use.
 """
 
@@ -19,7 +23,9 @@ import ctypes
 import logging
 import os
 import signal
+import time
 import weakref
+from typing import Any, Iterator
 
 import cv2
 from torch.utils.data import DataLoader
@@ -64,6 +70,47 @@ def worker_pids() -> list[int]:
             if worker.is_alive():
                 pids.append(worker.pid)
     return pids
+
+
+class watched:  # noqa: N801 (used as a function: `watched(iter(loader))`)
+    """A loader's batch iterator whose failures from a worker's death name the worker. A batch's tensors reach the
+    rank through file descriptors its worker sends on request; a worker killed after queueing a batch leaves the
+    rank an EOFError (or a reset connection) in place of them, before the worker's exit is seen. The dead worker is
+    then waited for (up to 2 s) and named, with how it ended."""
+
+    def __init__(self, batches: Iterator) -> None:
+        self._batches = batches
+
+    def __iter__(self) -> "watched":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._batches)
+        except (EOFError, ConnectionError) as exc:
+            dead = _dead_workers(getattr(self._batches, "_workers", None) or [])
+            if not dead:
+                raise
+            raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(str(w.pid) for w in dead)}) exited "
+                               f"unexpectedly: {_how(dead[0].exitcode)}") from exc
+
+
+def _dead_workers(workers: list, wait: float = 2.0) -> list:
+    deadline = time.monotonic() + wait
+    while True:
+        dead = [w for w in workers if not w.is_alive()]
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.02)
+
+
+def _how(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        why = " (what the kernel's OOM killer sends: lower data.num_workers or data.batch_size, or give the job more " \
+              "memory)" if -exitcode == signal.SIGKILL else ""
+        return f"killed by signal {name}{why}"
+    return f"exit code {exitcode}"
 
 
 def close_loaders() -> None:

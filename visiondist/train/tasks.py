@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from visiondist.data.workers import watched
 from visiondist.observe.metrics import TRAIN_COLUMNS
 from visiondist.models import EVAL_METRICS
 from visiondist.parallel import Layout
@@ -62,7 +63,7 @@ class ClassificationTask:
     def train_batches(self, device: torch.device) -> Iterator:
         """An epoch's training batches (`feed`). The loader's iterator is made here, in the main thread: the loader
         watches its workers from there."""
-        return self.feed(iter(self.data.train_loader), device)
+        return self.feed(watched(iter(self.data.train_loader)), device)
 
     def feed(self, batches: Iterator, device: torch.device) -> Iterator:
         """`batches` as the step takes them: under data.decode_on=device each batch's JPEGs decoded on `device` one
@@ -182,7 +183,7 @@ class DetectionTask:
 
     def train_batches(self, device: torch.device) -> Iterator:
         """An epoch's training batches."""
-        return iter(self.data.train_loader)
+        return watched(iter(self.data.train_loader))
 
     @staticmethod
     def feed(batches: Iterator, device: torch.device) -> Iterator:
