@@ -141,7 +141,7 @@ def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exp
     after step 1, continued on 1 rank (the checkpoint reshards; the schedule and data order go on), evaluated alike
     on 1, 2 and 3 ranks and as pycocotools scores the written detections; the
     run exported as the directory transformers' from_pretrained reads (strict, and predicting what the run's
-    weights do) and as ONNX checked by ONNX Runtime on the run's val images. (64 px: RF-DETR's 4 x 4 patch grid
+    weights do) and (D-FINE-N) as ONNX checked by ONNX Runtime on the run's val images. (64 px: RF-DETR's 4 x 4 patch grid
     gives 16 candidate positions, D-FINE-N's strides 16 / 32 give 20.)"""
     import torch
 
@@ -191,7 +191,9 @@ def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exp
         assert again.returncode == 0, again.stdout[-4000:]
         assert f"tensors loaded from {hf}" in again.stdout + again.stderr
 
-    out = run_cli([f"run_dir={run}", "format=onnx", f"out={tmp_path / 'm.onnx'}"], timeout=300,
-                  script=REPO / "tools" / "export.py")
-    assert out.returncode == 0, out.stdout[-4000:]
-    assert re.search(rf"ONNX Runtime vs PyTorch: {3 * queries} boxes compared", out.stdout), out.stdout[-2000:]
+    if model == "dfine_n":  # the tool's ONNX path is one for every family, whose graphs tests/unit/test_detr_models.py
+        # compares with PyTorch each: once here is enough for CI's time
+        out = run_cli([f"run_dir={run}", "format=onnx", f"out={tmp_path / 'm.onnx'}"], timeout=300,
+                      script=REPO / "tools" / "export.py")
+        assert out.returncode == 0, out.stdout[-4000:]
+        assert re.search(rf"ONNX Runtime vs PyTorch: {3 * queries} boxes compared", out.stdout), out.stdout[-2000:]
