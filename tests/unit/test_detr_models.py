@@ -259,4 +259,12 @@ def test_config_checks_name_the_fix():
     assert "128 px gives dfine_n 80 candidate positions (strides 16, 32), fewer than its 300 queries: use >= 256 px or set model.num_queries=80" \
         in message
     assert "model.num_queries=0: give at least 1" in _checked(["model=dfine_n", "model.num_queries=0"])
+    # sizes the library's feature pyramid cannot join (they failed at the first step with a tensor-shape error)
+    assert ("model.img_size: 170 is not a multiple of 32 (its stride-32 features are upsampled onto the finer ones "
+            "for dfine_n): use 160") in _checked(["model=dfine_n", "model.img_size=170"])
+    assert "model.multi_scale: 176 is not a multiple of 32" in _checked(["model=rtdetr_v2_r18", "model.img_size=160",
+                                                                        "model.multi_scale=[160,176]"])
+    assert "use parallel.tp=1 (parallel=ddp)" in _checked(["model=dfine_n", "parallel=tp2"])
+    assert "is a detector: use DDP (parallel=ddp, or drop parallel.fsdp)" in _checked(["model=dfine_n",
+                                                                                       "parallel.fsdp=true"])
     assert "data.large_scale_jitter=true" in _checked(["model=dfine_s", "data.large_scale_jitter=true"])

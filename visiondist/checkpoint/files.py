@@ -30,8 +30,9 @@ def resolve_checkpoint(spec: str, step: "Optional[int | str]" = None) -> Path:
         if step == "best":
             best = read_best(path)
             if best is None:
-                raise FileNotFoundError(f"{path} kept no best checkpoint: train with trainer.best_metric=<metric>, "
-                                        "e.g. val_top1 or val_mAP")
+                raise FileNotFoundError(f"{path} kept no best checkpoint: train with trainer.best_metric=<metric> "
+                                        "(val_top1 for a classifier, val_mAP for a detector), or give step=<N> (no "
+                                        "step: the newest)")
             step = int(best["step"])
         if step is not None:
             if step not in found:

@@ -197,8 +197,10 @@ def build_detection_data(
     _check_num_classes(cfg, len(train_set.classes), train_set.ann_file, "categories")
     if val_set.label_of != train_set.label_of:
         raise ValueError(f"the categories of {val_set.ann_file} differ from those of {train_set.ann_file}")
-    # grouping by aspect ratio keeps a batch's padding small; square inputs (DETR-class) have none to save
-    groups = (train_set.aspect_ratios() >= 1).astype(np.int64) if cfg.aspect_grouping and not square else None
+    # grouping by aspect ratio keeps a batch's padding small. Square inputs (DETR-class) have none to save, but keep
+    # it: it decides which images share a batch, and D-FINE-N's shapes_coco result (benchmarks/RESULTS.md) was
+    # measured with it; another sample order left that run on its loss plateau for all 4 epochs
+    groups = (train_set.aspect_ratios() >= 1).astype(np.int64) if cfg.aspect_grouping else None
     streams = {}
     if cfg.get("format") == "shards" and groups is None:  # grouping by aspect draws each batch from the whole epoch
         streams = dict(streams=int(cfg.streams), shard_starts=train_set.shard_starts)

@@ -47,7 +47,9 @@ class Arch:
     strides: tuple[int, ...]  # feature strides whose positions the encoder's top-k query selection draws from
     normalize: bool = False  # ImageNet mean / std after the resize (RF-DETR's DINOv2); else pixels in [0, 1]
     antialias: bool = True  # the processor's resize antialiases when it shrinks (torchvision's default; RF-DETR: off)
-    multiple: int = 1  # model.img_size must be a multiple of it (RF-DETR: patch 16 x 2 windows a side)
+    # model.img_size must be a multiple of it: RF-DETR's patch 16 x 2 windows a side; RT-DETR's and D-FINE's
+    # stride-32 features, upsampled and joined with the finer ones (other sizes fail at their first step)
+    multiple: int = 32
 
 
 _HGNET_B0 = {"model_type": "hgnet_v2", "stem_channels": [3, 16, 16], "stage_in_channels": [16, 64, 256, 512],

@@ -50,7 +50,8 @@ def _requested(cfg: DictConfig) -> dict[str, bool]:
 
 
 _REFUSALS: dict[str, Callable[[DictConfig], str]] = {
-    TP: lambda c: f"parallel.tp={c.parallel.tp}: tensor parallelism shards ViT blocks; {c.model.name} has none",
+    TP: lambda c: (f"parallel.tp={c.parallel.tp}: tensor parallelism shards ViT blocks; {c.model.name} has none: use "
+                   "parallel.tp=1 (parallel=ddp)"),
     FP8: lambda c: (f"trainer.fp8={c.trainer.fp8} runs transformer blocks' linear layers in float8; {c.model.name} "
                     "has none: drop it"),
     COMPILE: lambda c: f"trainer.compile=true compiles transformer blocks; {c.model.name} has none: drop it",
@@ -59,7 +60,8 @@ _REFUSALS: dict[str, Callable[[DictConfig], str]] = {
     INIT_FROM: lambda c: f"model.init_from is for ViT classifiers; for {c.model.name} use model.weights",
     BACKBONE_WEIGHTS: lambda c: (f"model.backbone_weights is for the ResNet-50 FPN detectors; {c.model.name} has no "
                                  "ResNet-50 backbone (use model.weights for a whole model)"),
-    FSDP: lambda c: f"parallel.fsdp=true shards ViT classifiers; {c.model.name} is a detector: use DDP",
+    FSDP: lambda c: (f"parallel.fsdp=true shards ViT classifiers; {c.model.name} is a detector: use DDP "
+                     "(parallel=ddp, or drop parallel.fsdp)"),
     AC: lambda c: f"parallel.activation_checkpointing recomputes transformer blocks; {c.model.name} has none",
     PP: lambda c: (f"parallel.pp={c.parallel.pp}: pipeline parallelism cuts ViT classifiers into stages of blocks; "
                    f"{c.model.name} is a detector: use parallel.pp=1"),
@@ -113,8 +115,10 @@ def _check_detr(cfg: DictConfig) -> None:
                           f"{m.img_size}")
     for size, key in [(int(m.img_size), "model.img_size"), *((s, "model.multi_scale") for s in scales)]:
         if size % arch.multiple:
-            raise ConfigError(f"{key}: {size} is not a multiple of {arch.multiple} (patch 16 x 2 windows a side for "
-                              f"{m.name}): use {size // arch.multiple * arch.multiple or arch.multiple}")
+            why = ("patch 16 x 2 windows a side" if arch.normalize else
+                   f"its stride-{max(arch.strides)} features are upsampled onto the finer ones")
+            raise ConfigError(f"{key}: {size} is not a multiple of {arch.multiple} ({why} for {m.name}): use "
+                              f"{size // arch.multiple * arch.multiple or arch.multiple}")
         positions = sum((size // stride) ** 2 for stride in arch.strides)  # the encoder's candidate positions
         if positions < queries:
             need = next(s for s in range(32, 100000, 32) if sum((s // t) ** 2 for t in arch.strides) >= queries)

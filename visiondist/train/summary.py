@@ -23,10 +23,10 @@ def announce(tr) -> None:
     t, sampler = tr.cfg.trainer, tr.data.train_sampler
     log.info(
         "model %s: %.2fM parameters (%.2fM on this rank) | layout %s | precision %s | global batch %d (%d per rank "
-        "x %d accumulation) | %d steps (%s)",
+        "x %d accumulation) | %d step%s (%s)",
         tr.cfg.model.name, tr.num_params / 1e6, tr.rank_params / 1e6, tr.layout_text,
         precision_text(t, tr.layout.device), tr.cfg.data.batch_size, sampler.micro_batch, t.grad_accum,
-        tr.total_steps, tr.length,
+        tr.total_steps, "" if tr.total_steps == 1 else "s", tr.length,
     )
     if t.max_steps > tr.total_steps and tr.layout.is_main:
         log.warning("trainer.max_steps=%d is not reached: %s; raise trainer.max_epochs (or set it to 0) to train "

@@ -93,6 +93,16 @@ def sidecar(trained: Trained) -> dict[str, Any]:
                           "timm.data.create_transform(**timm.data.resolve_model_data_config(model))")
     elif m.family == "torchvision":
         info.update(_torchvision_info(m))
+    elif m.family == "detr":
+        from visiondist.models.detr import _MEAN, _STD, ARCHS
+
+        arch = ARCHS[m.arch]  # the square resize and the normalisation happen inside the model (DetrDetector)
+        info.update(mean=list(_MEAN) if arch.normalize else [0.0, 0.0, 0.0],
+                    std=list(_STD) if arch.normalize else [1.0, 1.0, 1.0], library="visiondist",
+                    usage="visiondist.models.build_model(config.model), then load_state_dict (images in [0, 1] of "
+                          "any size: the model resizes and normalises); tools/export.py format=hf writes the "
+                          f"directory transformers' {arch.model}.from_pretrained reads; format=onnx runs in ONNX "
+                          "Runtime")
     else:
         info.update(library="visiondist", usage="visiondist.models.build_model(config.model), then load_state_dict; "
                                                 "no other library has this architecture (format=onnx runs without "
