@@ -98,6 +98,14 @@ def _exported_predicts_as_trained(run, exported):
     out = run_cli([f"run_dir={run}", f"out={exported}"], timeout=300, script=REPO / "tools" / "export.py")
     assert out.returncode == 0, out.stdout[-4000:]
     trained = load_trained(run)
+    # the sidecar gives the model's own input scaling: ImageNet's mean / std for RF-DETR, pixels in [0, 1] for the rest
+    sidecar = json.loads(exported.with_suffix(".json").read_text())
+    normalizes = trained.cfg.model.arch.startswith("rfdetr")
+    assert (sidecar["mean"], sidecar["std"]) == (([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]) if normalizes else
+                                                 ([0.0, 0.0, 0.0], [1.0, 1.0, 1.0]))
+    from visiondist.models.detr import ARCHS
+
+    assert f"{ARCHS[trained.cfg.model.arch].model}.from_pretrained" in sidecar["usage"]  # which class format=hf feeds
     fresh = build_model(OmegaConf.merge(trained.cfg.model, {"weights": str(exported)})).eval()
     image = [torch.rand(3, 64, 80, generator=torch.Generator().manual_seed(0))]
     with torch.no_grad():

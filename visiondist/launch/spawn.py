@@ -34,7 +34,6 @@ def _quiet_agent():
             logger.setLevel(level)
 
 
-
 _TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
 
 

@@ -355,7 +355,6 @@ def build_vitdet(cfg: Any) -> nn.Module:
     return model
 
 
-
 # ViTDet's backbone takes the ViT's tensor-parallel plan: the same blocks, no class token, the same token-sharded
 # region (registered here rather than in vit_parallel, so that a ViT classifier's processes never import torchvision)
 register_plan(ViTBackbone, VIT_PLAN)

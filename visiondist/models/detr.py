@@ -47,9 +47,14 @@ class Arch:
     strides: tuple[int, ...]  # feature strides whose positions the encoder's top-k query selection draws from
     normalize: bool = False  # ImageNet mean / std after the resize (RF-DETR's DINOv2); else pixels in [0, 1]
     antialias: bool = True  # the processor's resize antialiases when it shrinks (torchvision's default; RF-DETR: off)
-    # model.img_size must be a multiple of it: RF-DETR's patch 16 x 2 windows a side; RT-DETR's and D-FINE's
-    # stride-32 features, upsampled and joined with the finer ones (other sizes fail at their first step)
+    # model.img_size must be a multiple of it, for this reason (RT-DETR's and D-FINE's feature pyramid: other sizes
+    # fail at their first step)
     multiple: int = 32
+    multiple_why: str = "its stride-32 features are upsampled onto the finer ones"
+
+    def mean_std(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """The input scaling after the resize: ImageNet's mean / std where the model normalises, else none."""
+        return (_MEAN, _STD) if self.normalize else ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
 
 
 _HGNET_B0 = {"model_type": "hgnet_v2", "stem_channels": [3, 16, 16], "stage_in_channels": [16, 64, 256, 512],
@@ -88,10 +93,10 @@ ARCHS: dict[str, Arch] = {
     # with 13 query groups in training
     "rfdetr_nano": Arch("RfDetrConfig", "RfDetrForObjectDetection", "RfDetrImageProcessor", "rf_detr", {
         "backbone_config": {**_DINOV2_S, "image_size": 384}, "decoder_layers": 2, "decoder_n_points": 2},
-        (16,), normalize=True, antialias=False, multiple=32),
+        (16,), normalize=True, antialias=False, multiple_why="patch 16 x 2 windows a side"),
     "rfdetr_small": Arch("RfDetrConfig", "RfDetrForObjectDetection", "RfDetrImageProcessor", "rf_detr", {
         "backbone_config": {**_DINOV2_S, "image_size": 512}, "decoder_layers": 3, "decoder_n_points": 2},
-        (16,), normalize=True, antialias=False, multiple=32),
+        (16,), normalize=True, antialias=False, multiple_why="patch 16 x 2 windows a side"),
 }
 _MEAN, _STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, as RF-DETR's processor normalises
 
@@ -184,7 +189,8 @@ class DetrDetector(nn.Module):
         """The resized batch in the model's input units: ImageNet mean / std for RF-DETR, as it is for the others."""
         if not self.arch.normalize:
             return pixels
-        return (pixels - pixels.new_tensor(_MEAN).view(1, 3, 1, 1)) / pixels.new_tensor(_STD).view(1, 3, 1, 1)
+        mean, std = self.arch.mean_std()
+        return (pixels - pixels.new_tensor(mean).view(1, 3, 1, 1)) / pixels.new_tensor(std).view(1, 3, 1, 1)
 
     def forward(self, images, targets: Optional[list[dict]] = None):
         sizes = [(int(im.shape[-2]), int(im.shape[-1])) for im in images]

@@ -115,10 +115,8 @@ def _check_detr(cfg: DictConfig) -> None:
                           f"{m.img_size}")
     for size, key in [(int(m.img_size), "model.img_size"), *((s, "model.multi_scale") for s in scales)]:
         if size % arch.multiple:
-            why = ("patch 16 x 2 windows a side" if arch.normalize else
-                   f"its stride-{max(arch.strides)} features are upsampled onto the finer ones")
-            raise ConfigError(f"{key}: {size} is not a multiple of {arch.multiple} ({why} for {m.name}): use "
-                              f"{size // arch.multiple * arch.multiple or arch.multiple}")
+            raise ConfigError(f"{key}: {size} is not a multiple of {arch.multiple} ({arch.multiple_why} for "
+                              f"{m.name}): use {size // arch.multiple * arch.multiple or arch.multiple}")
         positions = sum((size // stride) ** 2 for stride in arch.strides)  # the encoder's candidate positions
         if positions < queries:
             need = next(s for s in range(32, 100000, 32) if sum((s // t) ** 2 for t in arch.strides) >= queries)

@@ -94,11 +94,11 @@ def sidecar(trained: Trained) -> dict[str, Any]:
     elif m.family == "torchvision":
         info.update(_torchvision_info(m))
     elif m.family == "detr":
-        from visiondist.models.detr import _MEAN, _STD, ARCHS
+        from visiondist.models.detr import ARCHS
 
         arch = ARCHS[m.arch]  # the square resize and the normalisation happen inside the model (DetrDetector)
-        info.update(mean=list(_MEAN) if arch.normalize else [0.0, 0.0, 0.0],
-                    std=list(_STD) if arch.normalize else [1.0, 1.0, 1.0], library="visiondist",
+        mean, std = arch.mean_std()
+        info.update(mean=list(mean), std=list(std), library="visiondist",
                     usage="visiondist.models.build_model(config.model), then load_state_dict (images in [0, 1] of "
                           "any size: the model resizes and normalises); tools/export.py format=hf writes the "
                           f"directory transformers' {arch.model}.from_pretrained reads; format=onnx runs in ONNX "
