@@ -12,7 +12,7 @@ forever. So
 
 A worker that dies (the OOM killer) surfaces in the rank as torch's "DataLoader worker ... killed by signal", or, when
 the rank was receiving a batch whose memory the dead worker still had to hand over, as a bare EOFError from
-multiprocessing: `watched` turns the latter into the former.
+multiprocessing: `watched` (around the training batches and the evaluations' alike) turns the latter into the former.
 
 How many: `loader_workers` makes `data.num_workers=-1` concrete from the cores this process may use.
 """

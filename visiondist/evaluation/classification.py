@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
+from visiondist.data.workers import watched
 from visiondist.observe.progress import tracked
 from visiondist.parallel import Layout, PipelinedViT, blank_forwards, forwards_needed
 
@@ -49,7 +50,8 @@ def evaluate_classification(
     sums = torch.zeros(4 + 2 * k, dtype=torch.float64, device=layout.device)  # loss, top1, top5, count, per class
     needed = forwards_needed(model, layout, len(loader))  # FSDP: every rank runs as many forwards
     inputs = inputs or (lambda images, device: images.to(device, non_blocking=True))
-    batches = feed(iter(loader)) if feed is not None else loader
+    batches = watched(iter(loader))  # a loader worker's death names the worker (not a bare EOFError)
+    batches = feed(batches) if feed is not None else batches
     try:
         forwards = _forward_all(model, loader, batches, layout, autocast, inputs, pipelined, sums, k, progress)
     finally:

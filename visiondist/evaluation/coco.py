@@ -141,6 +141,7 @@ def predict(
     images it saw (with or without detections) and, for a model that predicts masks, an RLE per row (else None);
     `progress`: a progress bar over the batches."""
     from visiondist.data.transforms import unit_float
+    from visiondist.data.workers import watched
     from visiondist.models.detection import has_mask_head
     from visiondist.observe.progress import tracked
 
@@ -148,7 +149,7 @@ def predict(
     model.eval()
     rows, seen = [], []
     rles: Optional[list[dict]] = [] if has_mask_head(model) else None  # one per row: mask models
-    for images, targets in tracked(loader, progress):
+    for images, targets in tracked(watched(iter(loader)), progress, total=len(loader)):
         images = unit_float(images, device)
         with autocast or nullcontext():
             outputs = model(images)
