@@ -57,10 +57,11 @@ def test_rtdetr_trains_resumes_exactly_evaluates_the_same_on_1_2_3_ranks_and_exp
     _exported_predicts_as_trained(whole, tmp_path / "rtdetr.safetensors")
 
 
-def _evaluated_alike_on_1_2_3_ranks(run_dir, data) -> dict:
-    """tools/eval.py on 1, 2 and 3 ranks: the same detections (every float) and the same 12 stats, which pycocotools
-    gives too on the written detections.json (one image per batch on every rank: a batch's size changes the
-    convolutions' rounding in the last bits, and the test compares every detection's float). Returns the stats."""
+def _evaluated_alike_on_1_2_3_ranks(run_dir, data, ranks=(1, 2, 3)) -> dict:
+    """tools/eval.py on 1, 2 and 3 ranks (or `ranks`): the same detections (every float) and the same 12 stats, which
+    pycocotools gives too on the written detections.json (one image per batch on every rank: a batch's size changes
+    the convolutions' rounding in the last bits, and the test compares every detection's float). Returns the
+    stats."""
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
@@ -68,9 +69,9 @@ def _evaluated_alike_on_1_2_3_ranks(run_dir, data) -> dict:
 
     gt = COCO(str(data / "annotations" / "instances_val.json"))
     seen = {}
-    for ranks in (1, 2, 3):
-        out = run_cli([f"run_dir={run_dir}", f"trainer.devices={ranks}", f"parallel.dp={ranks}", "data.batch_size=12",
-                       f"data.eval_batch_size={ranks}"], timeout=300, script=REPO / "tools" / "eval.py")
+    for n in ranks:
+        out = run_cli([f"run_dir={run_dir}", f"trainer.devices={n}", f"parallel.dp={n}", "data.batch_size=12",
+                       f"data.eval_batch_size={n}"], timeout=300, script=REPO / "tools" / "eval.py")
         assert out.returncode == 0, out.stdout[-4000:]
         run = sorted((run_dir / "eval").iterdir())[-1]
         detections = json.loads((run / "detections.json").read_text())
@@ -81,8 +82,8 @@ def _evaluated_alike_on_1_2_3_ranks(run_dir, data) -> dict:
         evaluator.summarize()
         stats = _stats(run / "eval.json")
         assert dict(zip(STAT_NAMES, map(float, evaluator.stats))) == {k: stats[f"val_{k}"] for k in STAT_NAMES}
-        seen[ranks] = (key, stats)
-    assert seen[1] == seen[2] == seen[3]
+        seen[n] = (key, stats)
+    assert all(seen[n] == seen[1] for n in ranks)
     return seen[1][1]
 
 
@@ -116,13 +117,13 @@ def _exported_predicts_as_trained(run, exported):
 
 @pytest.mark.parametrize("model,queries,size", [("dfine_s", 50, r"10\.\d+M"), ("rtdetr_v2_r50", 50, r"4\d\.\d+M"),
                                                 ("rfdetr_small", 16, r"3\d\.\d+M")])
-def test_the_larger_variants_train_resume_evaluate_on_1_2_3_ranks_and_export(tmp_path, model, queries, size):
+def test_the_larger_variants_train_resume_evaluate_on_1_and_3_ranks_and_export(tmp_path, model, queries, size):
     """D-FINE-S, RT-DETRv2-L and RF-DETR-S through the same tools (the other three: the tests above and below):
-    stopped after step 1 and continued, every val image gets the queries' detections, evaluated alike on 1, 2 and 3
-    ranks and as pycocotools scores the written detections, and the exported file loads strictly into the config's
-    model. One training layout each (plain, one rank): the layouts are the wrapper's, tested on the smaller variants;
-    these runs are about each variant's own values. (64 px: RF-DETR-S's 4 x 4 patch grid gives 16 candidate
-    positions.)"""
+    stopped after step 1 and continued, every val image gets the queries' detections, evaluated alike on 1 and 3
+    ranks (10 images: shards of 4, 3 and 3; 2 ranks: the smaller variants' tests) and as pycocotools
+    scores the written detections, and the exported file loads strictly into the config's model. One training
+    layout each (plain, one rank): the layouts are the wrapper's, tested on the smaller variants; these runs are
+    about each variant's own values. (64 px: RF-DETR-S's 4 x 4 patch grid gives 16 candidate positions.)"""
     run, data = tmp_path / "run", tmp_path / "data"
     args = [a for a in DETR if not a.startswith(("model=", "model.num_queries", "model.multi_scale", "trainer.max_steps"))]
     multi_scale = "model.multi_scale=[64,96]" if model.startswith("rtdetr") else "model.multi_scale=null"
@@ -138,7 +139,7 @@ def test_the_larger_variants_train_resume_evaluate_on_1_2_3_ranks_and_export(tmp
     assert sorted(losses) == [1, 2] and all(v == v and v > 0 for v in losses.values())
     final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_mAP") is not None][-1]
     assert final["val_detections"] == 10 * queries
-    _evaluated_alike_on_1_2_3_ranks(run, data)
+    _evaluated_alike_on_1_2_3_ranks(run, data, ranks=(1, 3))
     _exported_predicts_as_trained(run, tmp_path / f"{model}.safetensors")
 
 
