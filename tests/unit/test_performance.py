@@ -170,40 +170,75 @@ def test_loader_options_follow_the_config():
     assert options["prefetch_factor"] is None and options["pin_memory"] is True
 
 
-def test_compile_auto_compiles_blocks_on_cuda_only_where_it_can(monkeypatch):
-    """trainer.compile=auto (the default): the blocks of a ViT on CUDA with Triton; never on the CPU, never a
-    detector (no blocks: not refused either), never under the zero-bubble schedule or without Triton; each time with
-    the reason. true / false are as asked, and the layout says so."""
+def test_compile_auto_compiles_on_cuda_only_where_it_can_the_whole_model_where_the_layout_keeps_it(monkeypatch):
+    """trainer.compile=auto (the default): on CUDA with Triton; never on the CPU, never a detector without blocks
+    (not refused either), never under the zero-bubble schedule or without Triton; each time with the reason. The scope
+    is the whole model on one device and under DDP, each block under TP, a pipeline, FSDP, or for ViTDet; model /
+    blocks name it, and model under TP is refused naming blocks. CUDA graphs (auto) for a ViT up to 384 wide on one
+    GPU with one micro-batch a step; true where they cannot run is refused with the reason. The layout says it all."""
     import torch.utils._triton as triton
 
     from visiondist.cli import load_config
     from visiondist.config import ConfigError
     from visiondist.config.layout import RunLayout
-    from visiondist.plan.resolve import compile_choice
+    from visiondist.plan.resolve import compile_choice, compile_plan
 
     def cfg(*extra):
         return load_config(REPO / "configs", list(extra), inputs=None)
 
+    def plan(*extra, run=RunLayout("cuda", 1, 1, 1)):
+        compiled, scope, graphs, _ = compile_plan(cfg(*extra), run)
+        return compiled, scope, graphs
+
     monkeypatch.setattr(triton, "has_triton", lambda: True)
-    assert cfg().trainer.compile == "auto"
-    assert compile_choice(cfg("model=vit_base"), "cuda") == (True, "each transformer block compiled on CUDA (1.28x "
-                                                                   "for ViT-B/16 on an H200)")
+    assert cfg().trainer.compile == "auto" and cfg().trainer.cuda_graphs == "auto"
+    assert compile_choice(cfg("model=vit_base"), "cuda") == (True, "compiled on CUDA")
     assert compile_choice(cfg("model=vit_base"), "cpu")[0] is False
     assert "no transformer blocks" in compile_choice(cfg("model=fasterrcnn_r50", "data=shapes_coco"), "cuda")[1]
     assert "zero-bubble" in compile_choice(cfg("model=vit_base", "parallel=pp2", "parallel.schedule=zero_bubble"),
                                            "cuda")[1]
     assert compile_choice(cfg("model=vit_base", "trainer.compile=false"), "cuda")[0] is False
     assert compile_choice(cfg("model=vit_base", "trainer.compile=true"), "cpu")[0] is True
+
+    # the scope, and CUDA graphs where the step is launch-bound
+    assert plan("model=vit_small") == (True, "model", True)
+    assert plan("model=vit_tiny") == (True, "model", True)
+    assert plan("model=vit_base") == (True, "model", False)  # 768 wide: the GPU is busy
+    assert plan("model=vit_small", run=RunLayout("cuda", 2, 2, 2)) == (True, "model", False)  # DDP: one GPU only
+    assert plan("model=vit_small", "trainer.grad_accum=2", "data.batch_size=64") == (True, "model", False)
+    assert plan("model=vit_small", "trainer.fp8=rowwise", "trainer.precision=bf16") == (True, "model", False)
+    assert plan("model=vit_small", "trainer.cuda_graphs=false") == (True, "model", False)
+    assert plan("model=vit_base", "trainer.cuda_graphs=true") == (True, "model", True)
+    assert plan("model=vit_base", "parallel=tp2", run=RunLayout("cuda", 2, 2, 1, tp=2)) == (True, "blocks", False)
+    assert plan("model=vit_base", "parallel=pp2", run=RunLayout("cuda", 2, 2, 1, pp=2)) == (True, "blocks", False)
+    assert plan("model=vit_base", "parallel.fsdp=true",
+                run=RunLayout("cuda", 2, 2, 2, fsdp=True)) == (True, "blocks", False)
+    assert plan("model=vitdet_small", "data=shapes_coco") == (True, "blocks", False)
+    assert plan("model=vit_small", "trainer.compile=blocks") == (True, "blocks", False)
+    assert plan("model=vit_small", "trainer.compile=false") == (False, "blocks", False)
+    assert "the whole model compiled in one graph" in compile_plan(cfg("model=vit_base"), RunLayout("cuda", 1, 1, 1))[3]
+    assert "CUDA graphs" in compile_plan(cfg("model=vit_small"), RunLayout("cuda", 1, 1, 1))[3]
+    with pytest.raises(ConfigError, match=r"trainer.compile=model .* tensor parallelism .* use trainer.compile=blocks"):
+        plan("model=vit_base", "parallel=tp2", "trainer.compile=model", run=RunLayout("cuda", 2, 2, 1, tp=2))
+    with pytest.raises(ConfigError, match=r"trainer.cuda_graphs=true: it runs on one GPU only \(2 ranks here\)"):
+        plan("model=vit_small", "trainer.cuda_graphs=true", run=RunLayout("cuda", 2, 2, 2))
+    with pytest.raises(ConfigError, match=r"trainer.cuda_graphs=true: it compiles the whole model only"):
+        plan("model=vit_small", "trainer.cuda_graphs=true", "trainer.compile=blocks")
+    with pytest.raises(ConfigError, match=r"trainer.cuda_graphs=true replays the compiled model"):
+        cfg("trainer.cuda_graphs=true", "trainer.compile=false")
+
     monkeypatch.setattr(triton, "has_triton", lambda: False)
     assert "Triton" in compile_choice(cfg("model=vit_base"), "cuda")[1]
     with pytest.raises(ConfigError, match=r"trainer.compile='sometimes': use auto"):
         cfg("trainer.compile=sometimes")
     assert RunLayout("cuda", 1, 1, 1, compile=True).describe() == "dp=1 tp=1 pp=1 (1 rank on cuda) +compiled blocks"
+    assert (RunLayout("cuda", 1, 1, 1, compile=True, compile_scope="model", cuda_graphs=True).describe()
+            == "dp=1 tp=1 pp=1 (1 rank on cuda) +compiled model +CUDA graphs")
 
 
 def test_checkpoint_keep_matmuls_saves_the_matmuls_recomputes_the_rest_with_the_same_gradients():
-    """parallel.checkpoint_keep=matmuls: per block the backward reuses what the 6 linear layers and the attention
-    kernel returned (saved in the forward, not run again) and recomputes the norms, GELU and drop path, replaying
+    """parallel.checkpoint_keep=matmuls: per block the backward reuses what the 4 GEMMs (q, k and v fused, the output
+    projection, the MLP's two) and the attention kernel returned (saved in the forward, not run again) and recomputes the norms, GELU and drop path, replaying
     the drop-path draws: gradients equal the unchecked model's."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -231,12 +266,55 @@ def test_checkpoint_keep_matmuls_saves_the_matmuls_recomputes_the_rest_with_the_
     matmuls = lambda ops: sum(op in (aten.addmm.default, aten.mm.default) for op in ops)  # noqa: E731
     attention = lambda ops: sum("scaled_dot_product" in str(op) and "backward" not in str(op) for op in ops)  # noqa: E731
     gelus = lambda ops: sum(op is aten.gelu.default for op in ops)  # noqa: E731
-    # input: each block's linear layers (but where torch stops recomputing once the backward has what it needs: the
-    # last fc2 at most) and its attention run again in the backward; matmuls: none of them do
-    assert matmuls(counts["input"]) - matmuls(counts["plain"]) >= 3 * 6 - 1 and attention(counts["input"]) == 3
+    # input: each block's 4 GEMMs (but where torch stops recomputing once the backward has what it needs: the last
+    # fc2 at most) and its attention run again in the backward; matmuls: none of them do
+    assert matmuls(counts["input"]) - matmuls(counts["plain"]) >= 3 * 4 - 1 and attention(counts["input"]) == 3
     assert matmuls(counts["matmuls"]) == matmuls(counts["plain"]) and attention(counts["matmuls"]) == 0
     assert gelus(counts["matmuls"]) == 3 and gelus(counts["plain"]) == 0  # the elementwise work is recomputed
     for (name, a), b in zip(plain.named_parameters(), keep.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
     with pytest.raises(ValueError, match="parallel.checkpoint_keep='all'"):
         enable_activation_checkpointing(_tiny_vit(), keep="all")
+
+
+def test_compile_watch_names_graph_breaks_recompile_limit_hits_and_compiling_while_timed(monkeypatch):
+    """The benchmark's CompileWatch (and the trainer's warning) read dynamo's counters: a graph break, a frame past
+    the recompile limit (which then runs eager) and, for timed steps, any new graph are faults naming the cause; a
+    clean compiled loop has none."""
+    import torch._dynamo
+
+    from visiondist.bench.harness import CompileWatch
+
+    torch._dynamo.reset()
+
+    def clean(x):
+        return (x * 2).sin()
+
+    def broken(x):
+        x = x * 2
+        torch._dynamo.graph_break()
+        return x.sin()
+
+    def specialised(x, scale: float):  # a float argument: one graph per value
+        return x * scale
+
+    x = torch.randn(4)
+    compiled_clean = torch.compile(clean, backend="eager")
+    with CompileWatch() as watch:
+        compiled_clean(x)
+    assert watch.faults == []
+    with CompileWatch(timed=True) as watch:  # compiled already: nothing new while timed
+        compiled_clean(x)
+    assert watch.faults == []
+    with CompileWatch() as watch:
+        torch.compile(broken, backend="eager")(x)
+    assert len(watch.faults) == 1 and "graph_break" in watch.faults[0].lower().replace(" ", "_")
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
+    compiled_specialised = torch.compile(specialised, backend="eager")
+    with CompileWatch(timed=True) as watch:
+        for scale in (1.5, 2.5, 3.5, 4.5):
+            compiled_specialised(x, scale)
+    assert any("recompile limit hit" in f for f in watch.faults), watch.faults
+    assert any("compiled while timed" in f for f in watch.faults), watch.faults
+    torch._dynamo.reset()

@@ -1,8 +1,9 @@
 """Vision Transformer in plain PyTorch, numerically identical to timm's `VisionTransformer`.
 
-Differences from timm are deliberate and layout-only: attention keeps separate `q`, `k` and `v` projections so a tensor
-parallel plan can shard them by whole heads (a fused qkv weight cannot be column-split naively), and the number of
-heads a module computes is derived from its weight shape, so a sharded copy runs unchanged. `to_timm_state_dict` /
+Differences from timm are deliberate and layout-only: attention keeps separate `q`, `k` and `v` parameters so a tensor
+parallel plan can shard them by whole heads (a fused qkv weight cannot be column-split naively) and runs them as one
+GEMM as timm does (`Attention`), and the number of heads a module computes is derived from its weight shape, so a
+sharded copy runs unchanged. `to_timm_state_dict` /
 `from_timm_state_dict` convert to and from timm's keys (fused `qkv`) exactly.
 
 Initialisation is timm's (truncated normal Linear weights, lecun-normal patch embedding, ...), but each parameter is
@@ -23,7 +24,48 @@ from torch import nn
 
 from visiondist.models.init import InitSource, Rule, draw_seed, materialize
 
+class _FusedQKV(torch.autograd.Function):
+    """y = x W^T + b with W = [Wq; Wk; Wv], b = [bq; bk; bv] in one GEMM, saving the three weights rather than their
+    concatenation: a saved concatenation would hold 3 x dim x dim more per block until the backward (in fp32 where
+    autocast is off; under FSDP, a copy of the gathered weights FSDP frees after the forward), while the weights are
+    parameters, held anyway. The backward concatenates them again (a copy of the weights, not of activations). Under
+    autocast the GEMM runs in its dtype as any linear layer's does, and x is saved in that dtype: one 16-bit copy,
+    as autocast's linear saves."""
+
+    @staticmethod
+    def forward(ctx, x, wq, wk, wv, bq, bk, bv):
+        bias = None if bq is None else torch.cat([bq, bk, bv])
+        out = F.linear(x, torch.cat([wq, wk, wv]), bias)
+        xc = x.to(out.dtype)  # autocast's cast of x (the same values its linear multiplied); x itself without it
+        ctx.save_for_backward(xc, wq, wk, wv)
+        ctx.x_dtype, ctx.has_bias = x.dtype, bq is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        xc, wq, wk, wv = ctx.saved_tensors
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad @ torch.cat([wq, wk, wv]).to(grad.dtype)).to(ctx.x_dtype)
+        rows = grad.reshape(-1, grad.shape[-1])
+        if any(ctx.needs_input_grad[1:4]):
+            grad_w = (rows.t() @ xc.reshape(-1, xc.shape[-1]).to(grad.dtype)).to(wq.dtype).chunk(3)
+        if ctx.has_bias and any(ctx.needs_input_grad[4:7]):
+            grad_b = rows.sum(0, dtype=torch.float32).to(wq.dtype).chunk(3)
+        return (grad_x, *(grad_w or (None,) * 3), *(grad_b or (None,) * 3))
+
+
 class Attention(nn.Module):
+    """Self-attention with `q`, `k` and `v` kept as three `Linear` modules (the tensor-parallel plan splits each by
+    whole heads, and checkpoints name them apart) but run as one GEMM, as timm's fused `qkv`: the three weights are
+    concatenated in the forward (rows q, k, v; under tensor parallelism each holds this rank's heads, so the
+    concatenation is this rank's fused qkv) by `_FusedQKV`, which saves the weights and not their concatenation. On
+    an H100 the three GEMMs cost ViT-S/16 2.3% more GPU time a step and 252 more kernel launches (benchmarks/
+    RESULTS.md). `fuse_qkv = False` runs the three projections apart; projections that are not plain `Linear`
+    (float8's) always run apart."""
+
+    fuse_qkv = True
+
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True):
         super().__init__()
         self.head_dim = dim // num_heads
@@ -34,8 +76,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
+        q, k, v = self.q, self.k, self.v
         # (B, N, H*hd) -> (B, H, N, hd); H is whatever this (possibly sharded) projection holds.
-        q, k, v = (proj(x).view(b, n, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        if self.fuse_qkv and type(q) is nn.Linear and type(k) is nn.Linear and type(v) is nn.Linear:
+            qkv = _FusedQKV.apply(x, q.weight, k.weight, v.weight, q.bias, k.bias, v.bias)
+            q, k, v = qkv.view(b, n, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q, k, v = (p(x).view(b, n, -1, self.head_dim).transpose(1, 2) for p in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(b, n, -1))
 
@@ -102,16 +149,28 @@ class Block(nn.Module):
 
 
 class PatchEmbed(nn.Module):
+    """The patch embedding: timm's `Conv2d` (kernel = stride = patch; its weight and keys, so exports load unchanged),
+    run as the GEMM it is: the image cut into patches (a reshape and one transposing copy) times the flattened
+    weight. On an H100 the convolution's cuDNN kernel (`implicit_convolve_sgemm`) took 1.65 ms of a 32 ms ViT-S/16
+    step at batch 256; the GEMM does the same products in a fraction of that (benchmarks/RESULTS.md)."""
+
     def __init__(self, img_size: int, patch_size: int, dim: int):
         super().__init__()
         self.img_size = img_size
+        self.patch_size = patch_size
         self.num_patches = (img_size // patch_size) ** 2
         self.proj = nn.Conv2d(3, dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-2:] != (self.img_size, self.img_size):
             raise ValueError(f"expected {self.img_size}x{self.img_size} images, got {tuple(x.shape[-2:])}")
-        return self.proj(x).flatten(2).transpose(1, 2)
+        p = self.patch_size
+        if x.shape[-1] % p:  # the convolution's stride leaves the last pixels out
+            x = x[..., : x.shape[-2] - x.shape[-2] % p, : x.shape[-1] - x.shape[-1] % p]
+        b, c, h, w = x.shape
+        # (B, C, H, W) -> (B, H/p * W/p, C * p * p): each row one patch, its values ordered as the kernel's (c, i, j)
+        patches = x.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // p) * (w // p), -1)
+        return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)
 
 
 class VisionTransformer(nn.Module):

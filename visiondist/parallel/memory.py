@@ -150,18 +150,15 @@ def act_size(precision: str) -> int:
 def block_activation_bytes(s: ViTShape, micro_batch: int, tp: int, precision: str = "32",
                            sequence_parallel: bool = False) -> int:
     """Tensors one block saves for its backward, for one micro-batch, as the dry run measures them: the two norms'
-    inputs (fp32, the residual stream; token-sharded under SP) and statistics; the input of q, k and v (one fp32
-    tensor, or under autocast one cast per projection) and of fc1; q, k, v, the attention output and its
+    inputs (fp32, the residual stream; token-sharded under SP) and statistics; the input of the fused q, k, v GEMM
+    (`Attention`: one tensor, cast once under autocast) and of fc1; q, k, v, the attention output and its
     log-sum-exp (fused attention keeps no tokens x tokens matrix); fc1's output and the GELU's (fc2's input). The
     tensors inside the TP region are divided by tp."""
     a = act_size(precision)
     t, d, h = s.tokens, s.embed_dim, s.hidden
     sp = tp if sequence_parallel else 1
     norms = (2 * t * d * FLOAT + 4 * t * FLOAT) // sp  # autocast runs norms in fp32: their inputs are fp32
-    # q/k/v's input: one tensor, or a copy per projection (autocast's cast, or the reshape of the SP gather's
-    # token slice when padding made it non-contiguous); fc1's input
-    copies = 3 if a != FLOAT or (sequence_parallel and t % tp) else 1
-    inputs = copies * t * d * a + t * d * a
+    inputs = t * d * a + t * d * a  # the qkv GEMM's input and fc1's
     sharded = (4 * t * d * a + 2 * t * h * a + s.num_heads * t * FLOAT) // tp
     return micro_batch * (norms + inputs + sharded)
 
@@ -185,14 +182,15 @@ def block_matmul_bytes(s: ViTShape, micro_batch: int, tp: int, precision: str = 
 
 
 def weight_copies(s: ViTShape, tp: int, blocks: int, precision: str = "32") -> int:
-    """Autocast's 16-bit copies of the blocks' weight matrices, saved for the backward by the layers that use them
-    (cast once per forward region and kept until its backward): zero in fp32 and under FSDP, whose gathered weights
-    are already 16-bit."""
+    """Autocast's 16-bit copies of the blocks' output projection and MLP weights, saved for the backward by the layers
+    that use them (autocast casts a parameter once per forward region and keeps it until its backward): zero in fp32
+    and under FSDP, whose gathered weights are already 16-bit. The fused q, k, v GEMM saves the weights themselves
+    (`visiondist.models.vit._FusedQKV`): no copy of them is kept."""
     a = act_size(precision)
     if a == FLOAT:
         return 0
     d, h = s.embed_dim, s.hidden
-    return blocks * (4 * d * d + 2 * d * h) // tp * a
+    return blocks * (d * d + 2 * d * h) // tp * a
 
 
 def ends_activation_bytes(s: ViTShape, micro_batch: int, precision: str, first: bool, last: bool,
