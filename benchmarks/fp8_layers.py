@@ -44,12 +44,18 @@ def layer_shapes(model: str, batch: int, img: int) -> list[tuple[str, int, int, 
 
 def time_layer(rows: int, fan_in: int, fan_out: int, device: torch.device, steps: int, rounds: int,
                compile_: bool) -> dict[str, float]:
-    """Median seconds per forward + backward of one layer: bf16 autocast, float8 tensorwise, float8 rowwise."""
+    """Median seconds per forward + backward of one layer: bf16 autocast, float8 tensorwise, float8 rowwise (each
+    converted whatever torchao's filter says: the table shows both). Dynamo's caches are reset first: every layer
+    compiles the same `forward` code, and the rows before would otherwise reach the recompile limit (8), after which
+    torch runs the layer eager. A graph break, a recompile-limit hit or a compilation while timed raises."""
+    from visiondist.bench.harness import CompileWatch
+
+    torch._dynamo.reset()
     base = nn.Sequential(nn.Linear(fan_in, fan_out)).to(device)
     variants = {"bf16": base}
     for recipe in ("tensorwise", "rowwise"):
         layer = copy.deepcopy(base)
-        to_float8([layer], recipe)
+        to_float8([layer], recipe, "all")
         variants[recipe] = layer
     x = torch.randn(rows, fan_in, device=device, requires_grad=True)
     grad = torch.randn(rows, fan_out, device=device, dtype=torch.bfloat16)
@@ -62,17 +68,31 @@ def time_layer(rows: int, fan_in: int, fan_out: int, device: torch.device, steps
                 out = run(x)
             out.backward(grad.to(out.dtype))
         steps_of[name] = step
-    for step in steps_of.values():
-        time_steps(step, 3, device)  # compile and warm up
+    watches = [CompileWatch()]
+    with watches[0]:
+        for step in steps_of.values():
+            time_steps(step, 3, device)  # compile and warm up
     times: dict[str, list[float]] = {name: [] for name in steps_of}
     for r in range(rounds):
         names = list(steps_of) if r % 2 == 0 else list(steps_of)[::-1]
         for name in names:
-            times[name] += time_steps(steps_of[name], steps, device)
+            with CompileWatch(timed=compile_) as watch:
+                times[name] += time_steps(steps_of[name], steps, device)
+            watches.append(watch)
+    faults = [f for w in watches for f in w.faults]
+    if faults:
+        raise RuntimeError(f"{rows} x {fan_in} x {fan_out}: torch.compile {'; '.join(faults)}: not a compiled time")
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def main() -> None:
+def torchao_picks(fan_in: int, fan_out: int, recipe: str) -> bool:
+    """Whether trainer.fp8_layers=auto (torchao's filter) converts a layer of this shape."""
+    from visiondist.train.fp8 import layer_filter
+
+    return bool(layer_filter(recipe)(nn.Linear(fan_in, fan_out, device="meta"), "layer"))
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["vit_base:256", "vit_large:128", "vit_huge:64"],
                         help="model:batch pairs (batch per GPU)")
@@ -91,19 +111,30 @@ def main() -> None:
     lines = [f"float8 per linear layer on {name}, torch {torch.__version__}, {args.img} px, forward + backward, "
              f"{'eager' if args.no_compile else 'compiled'}, median of {args.rounds} x {args.steps} steps",
              "", "| model | layer | rows x in x out | bf16 ms | tensorwise | rowwise |", "|---|---|---|---|---|---|"]
+    failed = 0
     print("\n".join(lines), flush=True)  # the rows follow as they are measured
     for spec in args.models:
         model, batch = spec.split(":")
         for layer, rows, fan_in, fan_out in layer_shapes(model, int(batch), args.img):
-            t = time_layer(rows, fan_in, fan_out, device, args.steps, args.rounds, not args.no_compile)
-            lines.append(f"| {model} | {layer} | {rows} x {fan_in} x {fan_out} | {t['bf16'] * 1e3:.3f} | "
-                         f"{t['bf16'] / t['tensorwise']:.2f}x | {t['bf16'] / t['rowwise']:.2f}x |")
+            picks = {r: " (auto: converts)" if torchao_picks(fan_in, fan_out, r) else " (auto: bf16)"
+                     for r in ("tensorwise", "rowwise")}
+            try:
+                t = time_layer(rows, fan_in, fan_out, device, args.steps, args.rounds, not args.no_compile)
+            except RuntimeError as error:  # the row failed, naming why; the others run on
+                failed += 1
+                lines.append(f"| {model} | {layer} | {rows} x {fan_in} x {fan_out} | FAILED: {error} | | |")
+            else:
+                lines.append(f"| {model} | {layer} | {rows} x {fan_in} x {fan_out} | {t['bf16'] * 1e3:.3f} | "
+                             f"{t['bf16'] / t['tensorwise']:.2f}x{picks['tensorwise']} | "
+                             f"{t['bf16'] / t['rowwise']:.2f}x{picks['rowwise']} |")
             print(lines[-1], flush=True)
-    lines += ["", "tensorwise / rowwise: bf16's time over float8's (above 1: float8 is faster)"]
+    lines += ["", "tensorwise / rowwise: bf16's time over float8's (above 1: float8 is faster); auto: what "
+              "trainer.fp8_layers=auto (torchao's filter) does with such a layer"]
     print("\n".join(lines[-2:]))
     if args.markdown:
         args.markdown.write_text("\n".join(lines) + "\n")
+    return failed
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,12 +3,17 @@
 # brought along (.whl/ at the repository root), then run the GPU tests (`pytest -m gpu`, which CI skips) and the GPU
 # benchmark rows. Everything it prints also goes to $OUT (default benchmarks/gpu/out): device.txt, gpu_*.txt,
 # bench_*.txt and the benchmark's results.jsonl / results.md. Each part runs even when an earlier one failed; the
-# exit code is the number of parts that failed. Every mode first writes a tree of real photos and trains on it
-# (the DeiT recipe, 30 steps, JPEGs decoded in the workers and on the device: under 2 minutes), so that a lent GPU
-# runs the training path before anything else. `short` (4-7 minutes on an H200: the training check, the decode stress,
-# step-rate and sync tests, ViT-B/16's step with decode_on=device against decoded batches) and `tests` (5 minutes:
-# every GPU test) bound each part in time; `all` adds the benchmark rows (about 15 minutes on an H100).
-# `mfu`: the step-rate rows (ViT-S/B/L/H, eager and compiled, plain and the DeiT recipe, each against its plain loops).
+# exit code is the number of parts that failed. Modes combine with '+' (`cudagraphs+mfu`).
+# The test and benchmark modes first write a tree of real photos and train on it (the DeiT recipe, 30 steps, JPEGs
+# decoded in the workers and on the device: under 2 minutes), so that a lent GPU runs the training path before anything
+# else. `short` (4-7 minutes on an H200: the training check, the decode stress, step-rate and sync tests, ViT-B/16's
+# step with decode_on=device against decoded batches) and `tests` (5 minutes: every GPU test) bound each part in time;
+# `all` adds the benchmark rows (about 15 minutes on an H100).
+# `mfu`: the goal rows, each against the best plain loop (timm's ViT compiled whole, as timm's train.py does): ViT-S/16,
+# ViT-B/16 with the DeiT recipe (on 2,048 real photos), ViT-H/14, and ViT-H/14 in float8 beside bf16; then one table
+# (benchmarks/gpu/table.py: row, img/s, MFU, ours / best plain, goal) that fails on any row that compiled with a graph
+# break, a recompile-limit hit or compiled while timed. Bounded to 6 minutes; it skips the training check, so that one
+# 15-minute lease covers the machine's start, `mfu` and `detr`.
 # `kernels`: the switches toward the hardware's rate, each beside its default in one benchmark run: the attention
 # kernels (model.sdpa auto against flash / cuDNN / memory-efficient, ViT-B/16), selective activation checkpointing
 # (ViT-H/14 at batch 64 as is and at 128 with checkpoint_keep=matmuls), float8 (benchmarks/fp8_layers.py's table,
@@ -16,10 +21,15 @@
 # losses side by side in fp8_loss.png). About 10 minutes on an H200.
 # `detr`: RT-DETRv2-S, D-FINE-S and RF-DETR-N at their published input, bf16, batch 16, against plain loops over
 # the transformers model (about 3 minutes).
-#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short]
+# `cudagraphs`: the CUDA-graph checks (the replayed model trains as the compiled one; the DeiT recipe's step with CUDA
+# graphs never waits for the GPU), about 2 minutes. `profile`: benchmarks/vit_profile.py, where a ViT-S and a ViT-B
+# step's time goes (ours against timm's, eager, per block and whole-model compiled, CUDA graphs): kernels by kind, top
+# kernels, idle share (about 5 minutes). Both skip the training check, as `mfu` does.
+#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short|cudagraphs|profile][+mode...]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
+has() { [[ "+$what+" == *"+$1+"* ]]; }  # this mode was asked for (alone, or in a+b)
 out=${OUT:-benchmarks/gpu/out}
 mkdir -p "$out"
 python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -37,20 +47,31 @@ part() {  # seconds, log name, command...: run it bounded in time, its output to
     timeout -k 5 "$seconds" "$@" 2>&1 | tee "$out/$name"
     [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
 }
+if has cudagraphs; then  # the CUDA-graph checks alone: the replay test and a recipe run without syncs
+    part 200 gpu_cudagraphs.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 190 -m gpu -rA \
+        "tests/unit/test_gpu.py::test_cuda_graphs_train_as_the_compiled_model_launched_kernel_by_kernel" \
+        "tests/multirank/test_gpu.py::test_the_training_step_never_waits_for_the_gpu[device+deit]"
+fi
+if has profile; then
+    part 330 vit_profile.txt python3 benchmarks/vit_profile.py --out "$out" --rows vit_small:256 \
+        vit_base:256:timm_whole,split_blocks,ours_blocks,ours_whole
+fi
 photos="$VISIONDIST_DATA/photos-10240"  # what tests/multirank/test_gpu.py's photos fixture reads
-part 120 photos.txt python3 benchmarks/photos.py "$photos" --train 10240 --val 256
-# the training path on real photos first: DeiT recipe, decode in the workers (two seeds) and on the device
-part 330 gpu_training.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 320 -m gpu -rA \
-    "tests/multirank/test_gpu.py::test_decode_on_device_trains_the_deit_recipe_as_the_loader_path_does"
+if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|profile|cudagraphs') ]]; then
+    part 120 photos.txt python3 benchmarks/photos.py "$photos" --train 10240 --val 256
+    # the training path on real photos first: DeiT recipe, decode in the workers (two seeds) and on the device
+    part 330 gpu_training.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 320 -m gpu -rA \
+        "tests/multirank/test_gpu.py::test_decode_on_device_trains_the_deit_recipe_as_the_loader_path_does"
+fi
 
-if [[ $what == short ]]; then
+if has short; then
     part 260 gpu_tests.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 200 -m gpu -rA \
         tests/unit/test_gpu.py tests/multirank/test_gpu.py -k "never_writes or agree_on_the_step_rate or never_waits"
     part 170 bench_vit_base_decode.txt python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out" \
         experiment=vit_b16_imagenet data.root="$photos" data.batch_size=256 bench.baseline=false \
         "bench.variants=['data.decode_on=device']"
 fi
-if [[ $what == tests || $what == all ]]; then
+if has tests || has all; then
     part 900 gpu_tests.txt python3 -m pytest -p no:cacheprovider -n 0 -m gpu -rA tests/unit/test_gpu.py \
         tests/multirank/test_gpu.py -k "not deit_recipe"  # the training check ran first
 fi
@@ -60,29 +81,41 @@ bench() {  # name, then tools/benchmark.py arguments
     python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out" "$@" 2>&1 | tee "$out/bench_$name.txt"
     [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
 }
-if [[ $what == mfu || $what == bench || $what == all ]]; then
-    # eager and compiled per block (trainer.compile=auto compiles on CUDA: eager is asked for by name), each against
-    # its own plain loops; ViT-S/B/L plain, then ViT-B/16 with the whole DeiT recipe on real photos
-    for row in "vit_small 256" "vit_base 256" "vit_large 128"; do
+mfu_rows() {  # the goal rows, each against the best plain loop (timm's model compiled whole), then one table
+    local small="$VISIONDIST_DATA/photos-2048" t0=$SECONDS
+    part 60 photos_small.txt python3 benchmarks/photos.py "$small" --train 2048 --val 64
+    timed_bench 100 vit_small model=vit_small data.img_size=224 data.batch_size=256 trainer.precision=bf16 \
+        "bench.plain_loops=[reference]"
+    timed_bench 110 vit_b16_deit experiment=vit_b16_imagenet data.root="$small" data.batch_size=256 \
+        "bench.plain_loops=[reference]"
+    timed_bench 150 vit_huge model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 \
+        "bench.plain_loops=[reference]"
+    # float8 beside bf16 (the bf16 graph is in Inductor's cache from the row above)
+    timed_bench 110 vit_huge_fp8 model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 \
+        bench.baseline=false "bench.variants=['trainer.fp8=rowwise']"
+    python3 benchmarks/gpu/table.py "$out/results.jsonl" --markdown "$out/mfu.md" 2>&1 | tee "$out/mfu.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
+    echo "mfu rows: $((SECONDS - t0)) s"
+}
+timed_bench() {  # seconds, name, then tools/benchmark.py arguments: bench, bounded in time
+    local seconds=$1 name=$2; shift 2
+    timeout -k 5 "$seconds" python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out" "$@" 2>&1 \
+        | tee "$out/bench_$name.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
+}
+if has bench || has all; then
+    # eager and compiled (trainer.compile=auto compiles on CUDA: eager is asked for by name), each against its own
+    # plain loops; ViT-B/L plain
+    for row in "vit_base 256" "vit_large 128"; do
         set -- $row
         bench "$1" model="$1" data.img_size=224 data.batch_size="$2" trainer.precision=bf16 trainer.compile=false \
             "bench.variants=['trainer.compile=true']"
     done
-    bench vit_b16_deit experiment=vit_b16_imagenet data.root="$photos" data.batch_size=256 trainer.compile=false \
-        "bench.variants=['trainer.compile=true']"
-    # Every configuration keeps three loops alive (ours and the plain loops on timm's and on our model), each with
-    # ViT-H's weights, gradients and AdamW state (~10 GB); with 64 images' activations two configurations do not fit
-    # in 80 GB: below 100 GB each runs on its own (the compiled one's "/ first" ratio is then not measured).
-    if (( $(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) < 100000 )); then
-        bench vit_huge model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 trainer.compile=false
-        bench vit_huge_compiled model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 \
-            trainer.compile=true
-    else
-        bench vit_huge model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 trainer.compile=false \
-            "bench.variants=['trainer.compile=true']"
-    fi
 fi
-if [[ $what == kernels || $what == all ]]; then
+if has mfu || has bench || has all; then
+    mfu_rows
+fi
+if has kernels || has all; then
     bench vit_base_attention model=vit_base data.img_size=224 data.batch_size=256 trainer.precision=bf16 \
         bench.baseline=false "bench.variants=['model.sdpa=flash','model.sdpa=cudnn','model.sdpa=efficient']"
     bench vit_huge_b64 model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 bench.baseline=false
@@ -102,7 +135,7 @@ if [[ $what == kernels || $what == all ]]; then
     part 60 fp8_loss.txt python3 benchmarks/loss_curves.py "$out/train_fp8_off" "$out/train_fp8_rowwise" \
         --labels bf16 "fp8 rowwise" --png "$out/fp8_loss.png"
 fi
-if [[ $what == bench || $what == all ]]; then
+if has bench || has all; then
     # the input path: per-core loader rates on real photos, nvJPEG and the device augmentation's share of a step
     python3 benchmarks/data_throughput.py --images 640 --rounds 3 --markdown "$out/data_throughput.md" \
         --json "$out/data_throughput.json" 2>&1 | tee "$out/bench_data_throughput.txt"
@@ -112,7 +145,7 @@ if [[ $what == bench || $what == all ]]; then
     bench maskrcnn_r50 model=maskrcnn_r50 data=shapes_coco data.min_size=800 data.max_size=1333 data.batch_size=8 \
         trainer.precision=bf16
 fi
-if [[ $what == detr || $what == all ]]; then
+if has detr || has all; then
     # DETR-class detectors at their published input (640 px; RF-DETR-N 384), bf16, batch 16, fixed size (the
     # multi-scale draw off, so ours and the plain loops see the same pixels), each against the transformers model
     # in a plain loop and against our own model in one

@@ -30,10 +30,7 @@ def _stats(path):
 
 
 def test_rtdetr_trains_resumes_exactly_evaluates_the_same_on_1_2_3_ranks_and_exports(tmp_path):
-    from pycocotools.coco import COCO
-    from pycocotools.cocoeval import COCOeval
 
-    from visiondist.evaluation.coco import STAT_NAMES
 
     data = tmp_path / "shapes_coco"
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"

@@ -167,7 +167,7 @@ def test_a_worker_stuck_in_getitem_is_diagnosed(tmp_path, tiny_shapes):
     code, out, seconds = run_job(args(tiny_shapes, run, "trainer.dist_timeout_s=5"), "getitem_hang:40")
     line = error_line(out)
     assert code != 0 and seconds < 5 + 60, (code, seconds)
-    assert f"no progress for" in line and "trainer.dist_timeout_s=5" in line and str(run / "hang") in line, line
+    assert "no progress for" in line and "trainer.dist_timeout_s=5" in line and str(run / "hang") in line, line
     assert "_next_data" in (run / "hang" / "rank0.txt").read_text()
     workers = [p.read_text() for p in (run / "hang").glob("rank0-worker*.txt")]
     assert any("time.sleep(10_000)" in text for text in workers), workers

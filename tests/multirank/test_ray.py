@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, TINY_DATA, job_env, losses_of, run_cli, start_job, finish_job
+from helpers import TINY_DATA, job_env, losses_of, run_cli, start_job, finish_job
 
 pytest.importorskip("ray")
 

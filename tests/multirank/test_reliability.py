@@ -244,7 +244,7 @@ def test_hydra_targets_are_never_instantiated(tmp_path):
     assert result.returncode == 2 and "_target_" in result.stdout
     marker = tmp_path / "pwned"
     result = run_cli(["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", f"data.root={tmp_path}/d",
-                      f"+model.kwargs._target_=os.system", f"+model.kwargs._args_=[touch {marker}]",
+                      "+model.kwargs._target_=os.system", f"+model.kwargs._args_=[touch {marker}]",
                       "trainer.max_steps=1", "trainer.accelerator=cpu", f"trainer.run_dir={tmp_path}/r",
                       "data.synthetic.train_images=4", "data.synthetic.val_images=2", "trainer.progress=false"],
                      timeout=120)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, TRAIN, job_env, losses_of, run_cli, run_together, start_job, finish_job
+from helpers import REPO, job_env, losses_of, run_cli, run_together, start_job, finish_job
 
 FAULT_TRAIN = REPO / "tests" / "multirank" / "fault_train.py"
 STEPS = 6

@@ -118,7 +118,7 @@ def test_a_messy_annotation_file_trains_a_mask_model_leaving_out_what_has_no_mas
     result = run_cli(args, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
     ids = f"annotation ids {polygons[0]['id']}, {polygons[1]['id']}: empty, or polygons of fewer than 3 points"
-    line = f"instances_train.json: 2 instances without a valid segmentation are left out of training"
+    line = "instances_train.json: 2 instances without a valid segmentation are left out of training"
     assert line in result.stdout and ids in result.stdout
     assert result.stdout.index(line) < result.stdout.index("parallel=auto chose")  # before the ranks
     summary = json.loads((run / "summary.json").read_text())

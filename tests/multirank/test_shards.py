@@ -97,7 +97,7 @@ def test_a_server_killed_mid_epoch_ends_the_job_naming_the_shard_and_the_run_con
     line = [l for l in result.stdout.splitlines() if l.startswith("error:")][-1]
     assert f"cannot fetch http://127.0.0.1:{port}/" in line and "Connection refused" in line, line
     assert "after 2 attempts" in line, line
-    assert f"once fixed, continue from step" in line and f"trainer.run_dir={run}" in line, line
+    assert "once fixed, continue from step" in line and f"trainer.run_dir={run}" in line, line
     with serve(packed, port=port):
         train_ok(f"trainer.run_dir={run}")
     a, b = losses_of(one_process), losses_of(run)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shlex
 import subprocess

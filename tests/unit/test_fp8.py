@@ -35,13 +35,42 @@ def test_only_the_blocks_linear_layers_become_float8_under_their_own_names():
 
     model = _vit()
     keys = list(model.state_dict())
-    converted, seen = to_float8(transformer_blocks(model), "tensorwise")
+    converted, seen = to_float8(transformer_blocks(model), "tensorwise", "all")
     assert (converted, seen) == (12, 12)  # q, k, v, proj, fc1, fc2 in each of 2 blocks
     assert sorted(_float8(model)) == sorted(f"blocks.{b}.{layer}" for b in range(2) for layer in
                                             ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc1", "mlp.fc2"))
     assert list(model.state_dict()) == keys  # checkpoints, EMA and export see the same tensors
     narrow = _vit(embed_dim=40)  # 40 features: not a multiple of 16, which float8 matmuls need
-    assert to_float8(transformer_blocks(narrow), "tensorwise") == (0, 12) and not _float8(narrow)
+    assert to_float8(transformer_blocks(narrow), "tensorwise", "all") == (0, 12) and not _float8(narrow)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_auto_converts_the_layers_torchaos_filter_picks(recipe):
+    """trainer.fp8_layers=auto (the default) converts exactly the layers torchao's own filter picks for the recipe,
+    named here for ViT-B/L/H (rowwise: ViT-B and ViT-L none, ViT-H fc1; tensorwise: fc1 for ViT-B and ViT-L, every
+    layer of ViT-H). The models are built on the meta device: no memory, no matmul."""
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
+    from visiondist.models import build_model
+    from visiondist.cli import load_config
+    from visiondist.train.fp8 import to_float8
+
+    expected = {("rowwise", "vit_base"): set(), ("rowwise", "vit_large"): set(),
+                ("rowwise", "vit_huge"): {"mlp.fc1"}, ("tensorwise", "vit_base"): {"mlp.fc1"},
+                ("tensorwise", "vit_large"): {"mlp.fc1"},
+                ("tensorwise", "vit_huge"): {"attn.q", "attn.k", "attn.v", "attn.proj", "mlp.fc1", "mlp.fc2"}}
+    torchaos = _auto_filter_for_recipe(recipe, filter_fqns=[])
+    for name in ("vit_base", "vit_large", "vit_huge"):
+        cfg = load_config(CONFIGS, [f"model={name}"], inputs=None)
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        blocks = transformer_blocks(model)
+        picked = {f"blocks.{i}.{n}" for i, b in enumerate(blocks) for n, m in b.named_modules()
+                  if isinstance(m, torch.nn.Linear) and torchaos(m, f"blocks.{i}.{n}")}
+        converted, seen = to_float8(blocks, recipe)
+        assert set(_float8(model)) == picked, name
+        assert {n.split(".", 2)[2] for n in picked} == expected[(recipe, name)], name
+        assert (converted, seen) == (len(picked), 6 * len(blocks))
 
 
 def test_float8_training_follows_bf16():
@@ -53,7 +82,7 @@ def test_float8_training_follows_bf16():
     batches = [(torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g))] * 5  # fit one
     ref = _vit()
     fp8 = copy.deepcopy(ref)
-    to_float8(transformer_blocks(fp8), "tensorwise")
+    to_float8(transformer_blocks(fp8), "tensorwise", "all")  # 64 wide: torchao's filter would keep them bf16
 
     def train(model):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -6,7 +6,6 @@ job the manifest describes."""
 
 import json
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from visiondist.data import masks as masks_lib
 from visiondist.data.coco import CocoDetection

@@ -1,7 +1,6 @@
 """Pretrained weights by name, resolved offline from caches built here in the layouts huggingface_hub and torch hub
 write (the real resolution code runs; nothing is downloaded)."""
 
-from pathlib import Path
 
 import pytest
 import torch

@@ -96,7 +96,9 @@ class OursRun:
         self.feed = self.trainer.task.feed(itertools.cycle(self.batches), self.device)  # as the trainer's batches
         pipelined = self.trainer.pipeline is not None
         self.trainer.reset_traffic()
-        time_steps(self.step, max(cfg.bench.warmup, 2 if pipelined else 1), self.device)
+        with CompileWatch() as watch:  # compiling happens here: a graph break or a recompile-limit hit fails the row
+            time_steps(self.step, max(cfg.bench.warmup, 2 if pipelined else 1), self.device)
+        self.compile_faults = watch.faults
         self.trainer.reset_traffic()
         time_steps(self.step, 1, self.device)  # one step's traffic (every step moves the same)
         self.tp_bytes = layout.tp_comm.ring_bytes() if layout.tp_comm is not None else 0.0
@@ -127,14 +129,40 @@ class OursRun:
         self.trainer.optimizer.zero_grad(set_to_none=True)
 
 
+class CompileWatch:
+    """What torch.compile did while the block ran, read from dynamo's counters: graph breaks and recompile-limit hits
+    (code that then runs eager), and with `timed`, any graph compiled at all (a timed step that compiles is not a
+    step's time). `faults` names each, with torch's reason."""
+
+    def __init__(self, timed: bool = False):
+        self.timed, self.faults = timed, []
+
+    def __enter__(self) -> "CompileWatch":
+        from visiondist.train.compiled import compile_counts
+
+        self.graphs, self.reasons = compile_counts()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from visiondist.train.compiled import compile_counts
+
+        graphs, reasons = compile_counts()
+        for reason, n in reasons.items():
+            if n > self.reasons.get(reason, 0):
+                self.faults.append(f"{n - self.reasons.get(reason, 0)}x {reason}")
+        if self.timed and graphs > self.graphs:
+            self.faults.append(f"{graphs - self.graphs} graph(s) compiled while timed (a recompilation)")
+
+
 class Timed:
-    """One loop of one configuration as the rounds see it: its label ("<configuration>:<loop>"), its steps and the
-    seconds they took."""
+    """One loop of one configuration as the rounds see it: its label ("<configuration>:<loop>"), its steps, the
+    seconds they took and what went wrong compiling it (`CompileWatch`), warm-up included."""
 
     def __init__(self, label: str, cfg: DictConfig, step: Callable[[], Any], idle: Callable[[], Any] = lambda: None,
-                 attention: Optional[list[str]] = None):
+                 attention: Optional[list[str]] = None, faults: Optional[list[str]] = None):
         self.label, self.cfg, self.step, self.idle, self.attention = label, cfg, step, idle, attention
         self.times: list[float] = []
+        self.faults = list(faults or [])
 
 
 def plain_loops(cfg: DictConfig, batches: list[tuple], device: torch.device, switches) -> dict[str, PlainLoop]:
@@ -144,7 +172,9 @@ def plain_loops(cfg: DictConfig, batches: list[tuple], device: torch.device, swi
         apply_switches(cfg, device)
         memory = PeakMemory(device)
         loop = PlainLoop(cfg, role, device, switches)
-        time_steps(lambda: loop.step(batches), max(cfg.bench.warmup, 1), device)
+        with CompileWatch() as watch:
+            time_steps(lambda: loop.step(batches), max(cfg.bench.warmup, 1), device)
+        loop.compile_faults = watch.faults
         loop.peak_memory_gb = memory.increase_gb()
         loops[role] = loop
     return loops
@@ -167,7 +197,9 @@ def time_rounds(groups: list[list[Timed]], rounds: int, steps: int, device: torc
         ran = []
         for loop in round_order(groups, index):
             apply_switches(loop.cfg, device, loop.attention)
-            loop.times += time_steps(loop.step, steps, device, stop)
+            with CompileWatch(timed=True) as watch:
+                loop.times += time_steps(loop.step, steps, device, stop)
+            loop.faults += watch.faults
             loop.idle()
             ran.append(loop.label)
         order.append(ran)
@@ -202,9 +234,9 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     if b.baseline and not baselines and layout.is_main:
         log.info("baselines skipped: the plain loops run on one device (this run has %d ranks)", layout.world_size)
     plains = [plain_loops(run.cfg, run.plain_batches, device, run.layout.run) if baselines else {} for run in runs]
-    groups = [[Timed(f"{i}:ours", run.cfg, run.step, run.idle, run.attention)]
-              + [Timed(f"{i}:plain_{role}", run.cfg, lambda loop=loop, run=run: loop.step(run.plain_batches))
-                 for role, loop in plains[i].items()] for i, run in enumerate(runs)]
+    groups = [[Timed(f"{i}:ours", run.cfg, run.step, run.idle, run.attention, run.compile_faults)]
+              + [Timed(f"{i}:plain_{role}", run.cfg, lambda loop=loop, run=run: loop.step(run.plain_batches),
+                       faults=loop.compile_faults) for role, loop in plains[i].items()] for i, run in enumerate(runs)]
     try:
         order = time_rounds(groups, b.rounds, b.steps, device, _stop_check(layout, runs))
     except Stopped:
@@ -237,7 +269,19 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     Console(width=None if sys.stdout.isatty() else 240).print(result_table(results))  # logs get the whole table
     print(f"results: {shown_path(results_dir / 'results.jsonl')}, {shown_path(results_dir / 'results.md')}; run dir: "
           f"{shown_path(run_dir)} (benchmark.json, benchmark.log)", flush=True)
+    faulted = [f"{_row_name(r)}: {'; '.join(r['compile_faults'])}" for r in results if r["compile_faults"]]
+    if faulted:  # recorded (the rows say so too), but the run failed: those figures time eager code or compiling
+        raise CompileFaults(f"{len(faulted)} of {len(results)} rows compiled with faults, their rates are not the "
+                            f"compiled step's: {' | '.join(faulted)}")
     return results
+
+
+class CompileFaults(RuntimeError):
+    """A benchmark row whose compiled loops broke their graphs, hit the recompile limit or compiled while timed."""
+
+
+def _row_name(r: dict[str, Any]) -> str:
+    return f"{r['model']} {'' if r['variant'] == '-' else r['variant']}".strip()
 
 
 run_benchmark.run_kind = "benchmark"  # type: ignore[attr-defined]  # its default run dir: <output dir>/benchmark/...
@@ -265,6 +309,7 @@ def _ratios(ours: Timed, plain: dict[str, Timed], first: Timed | None) -> dict[s
 
 def _plain_summary(loop: PlainLoop, timed: Timed, built_from: str, batch: int) -> dict[str, Any]:
     return {"model": loop.model_name, "built_from": built_from, "compile_scope": loop.compile_scope,
+            "compile_faults": timed.faults,
             "optimizer": loop.optimizer_name, "steps_timed": len(timed.times), "step": step_summary(timed.times),
             "images_per_s": batch / statistics.median(timed.times), "peak_memory_gb": loop.peak_memory_gb}
 
@@ -304,6 +349,8 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
             # input work the step does on the device (timed in ours and in the plain loops, which get decoded images)
             "device_input": device_input_work(c.data) if family == "classification" else [],
             "compile": run.layout.run.compile, "compile_scope": _compile_scope(run), "optimizer": run.optimizer_name,
+            # graph breaks, recompile-limit hits, compiling while timed, in ours or its plain loops: the row failed
+            "compile_faults": [f"{t.label.split(':')[1]}: {f}" for t in groups[i] for f in t.faults],
             "sdpa": c.model.sdpa, "attention_order": run.attention, "fp8": c.trainer.fp8,
             "activation_checkpointing": switches.activation_checkpointing,
             "channels_last": bool(c.model.channels_last), "steps_timed": len(ours.times),
@@ -325,8 +372,13 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
 
 
 def _compile_scope(run: OursRun) -> str:
-    """What `trainer.compile` compiled: each transformer block (on this rank), never the whole model."""
-    from visiondist.models.vit import Block
+    """What `trainer.compile` compiled: the whole model (replayed as CUDA graphs or not), or each transformer block
+    (on this rank)."""
+    from visiondist.parallel import transformer_blocks
 
-    blocks = sum(isinstance(m, Block) for m in run.trainer.model.modules())
-    return f"per block ({blocks} blocks)" if run.layout.run.compile else "none"
+    switches = run.layout.run
+    if not switches.compile:
+        return "none"
+    if switches.compile_scope == "model":
+        return "whole model" + (", CUDA graphs" if switches.cuda_graphs else "")
+    return f"per block ({len(transformer_blocks(run.trainer.model))} blocks)"

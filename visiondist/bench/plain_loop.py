@@ -10,8 +10,11 @@ blocks), on one of two models:
   this baseline only. A DETR-class detector's `reference` is the transformers model itself, fed as its users feed
   it (the square batch stacked, boxes made relative, `model(pixel_values=, labels=).loss`).
 
-visiondist compiles each transformer block (`trainer.compile`), never the whole model, so the plain loop compiles
-its model's blocks one by one too: the compiled unit is the same, and the row says so (`compile_scope`).
+When the configuration compiles (`trainer.compile`), the plain loop on timm's model compiles the whole model, as
+timm's train.py does (`torch.compile(model)`; with `mode="reduce-overhead"` where visiondist replays CUDA graphs):
+the fastest loop timm documents, whatever visiondist's scope. The plain loop on our model compiles what visiondist
+compiles (the whole model, or each block), so that ours / it is the harness's overhead alone. The row says each
+scope (`compile_scope`).
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from visiondist.data.transforms import Normalize, unit_float
 from visiondist.train.precision import autocast_dtype, autocast_for
 
 def baseline_roles(cfg: DictConfig) -> list[str]:
-    """The plain loops one configuration gets: both for a ViT classifier with a timm name, else `same_model`."""
+    """The plain loops one configuration gets: both for a ViT classifier with a timm name and a DETR, else
+    `same_model`; of those, the ones `bench.plain_loops` names."""
     m = cfg.model
-    return ["same_model", "reference"] if (m.family == "vit" and m.timm_name) or m.family == "detr" else ["same_model"]
+    roles = ["same_model", "reference"] if (m.family == "vit" and m.timm_name) or m.family == "detr" else ["same_model"]
+    return [role for role in roles if role in cfg.bench.get("plain_loops", roles)]
 
 
 class _Checkpointed(nn.Module):
@@ -59,26 +64,30 @@ def _timm_vit(cfg: DictConfig) -> nn.Module:
                              drop_path_rate=m.drop_path_rate)
 
 
-def _blocks_checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: str, switches) -> int:
+def _checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: str, switches) -> str:
     """Apply the activation checkpointing of `switches` (the variant's `RunLayout`) and the configuration's
-    compilation to the model's transformer blocks; returns how many blocks were compiled."""
-    from visiondist.parallel import compile_blocks, enable_activation_checkpointing
+    compilation to the model; returns what was compiled (the row's `compile_scope`)."""
+    from visiondist.parallel import compile_blocks, compile_model, enable_activation_checkpointing
 
-    p, compile_ = switches, bool(switches.compile)
+    p = switches
+    graphs = ", CUDA graphs" if p.compile and p.cuda_graphs else ""
     if role == "same_model":  # the model's own switches, without the layout around them
         if p.activation_checkpointing:
             enable_activation_checkpointing(model, p.checkpoint_blocks, p.checkpoint_keep)
-        return compile_blocks(model) if compile_ else 0
+        if p.compile and p.compile_scope == "model":
+            compile_model(model, p.cuda_graphs)
+            return "whole model" + graphs
+        return f"per block ({compile_blocks(model)} blocks)" if p.compile else "none"
     if cfg.model.family == "detr":  # the transformers model: no blocks the trainer would checkpoint or compile
-        return 0
+        return "none"
     blocks = model.blocks  # timm: an nn.Sequential
     if p.activation_checkpointing:
         for i in range(p.checkpoint_blocks):
             blocks[i] = _Checkpointed(blocks[i], p.checkpoint_keep)
-    if compile_:
-        for block in blocks:
-            block.compile()
-    return len(blocks) if compile_ else 0
+    if not p.compile:
+        return "none"
+    compile_model(model, p.cuda_graphs)  # timm's train.py: torch.compile(model)
+    return "whole model" + graphs
 
 
 class PlainLoop:
@@ -113,11 +122,12 @@ class PlainLoop:
             from visiondist.parallel import transformer_blocks
             from visiondist.train.fp8 import to_float8
 
-            to_float8(transformer_blocks(model) if role == "same_model" else list(model.blocks), cfg.trainer.fp8)
+            to_float8(transformer_blocks(model) if role == "same_model" else list(model.blocks), cfg.trainer.fp8,
+                      cfg.trainer.fp8_layers)
         self.role, self.model = role, model.train()
         self._recipe(cfg)  # before compiling: timm's EMA deep-copies the model
-        compiled = _blocks_checkpointed_and_compiled(model, cfg, role, switches)
-        self.compile_scope = f"per block ({compiled} blocks)" if compiled else "none"
+        self.compile_scope = _checkpointed_and_compiled(model, cfg, role, switches)
+        self.cuda_graphs = "CUDA graphs" in self.compile_scope
         o, t = cfg.optim, cfg.trainer
         kernels = KERNELS[resolve_impl(o.impl, o.name, model.parameters())]
         if o.name == "adamw":
@@ -186,6 +196,8 @@ class PlainLoop:
     def step(self, batches: list[tuple]) -> None:
         """One optimizer step over the micro-batches (gradient accumulation)."""
         for images, targets, *rows in batches:
+            if self.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             loss = self._loss(images, targets, rows)
             loss = loss / len(batches)
             (self.scaler.scale(loss) if self.scaler else loss).backward()

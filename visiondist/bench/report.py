@@ -84,7 +84,8 @@ def markdown_row(r: dict[str, Any]) -> str:
     plain_text = f"{plain['images_per_s']:.4g} ({plain['model']})" if plain else "-"
     precision = r["precision"] + (f" + fp8 {r['fp8']}" if r.get("fp8", "off") != "off" else "")
     return (f"| {r['date']} | {r['device']} | {r['model']} | {r['img_size']} | {r['layout']} | {r['variant']} | "
-            f"{precision} | {r['compile_scope']} | {r['optimizer']} | {r['batch']} | "
+            f"{precision} | {r['compile_scope']}{' (FAILED: compile faults)' if r.get('compile_faults') else ''} | "
+            f"{r['optimizer']} | {r['batch']} | "
             f"{r['images_per_s']:.4g} | {s['median_ms']:.1f} ({s['min_ms']:.1f}-{s['max_ms']:.1f}) | "
             f"{r['gflops_per_image']:.4g} | {r['tflops_per_device']:.3g} | {_pct(r['mfu_datasheet'])} | "
             f"{_pct(r['mfu_matmul'])} | {_fmt(r['peak_memory_gb'], '.2f')} | {plain_text} | "
@@ -152,6 +153,9 @@ def result_table(results: list[dict[str, Any]]):
                            f"consumes, less than the {LOADER_MARGIN}x margin: the device may wait for data; raise "
                            "data.num_workers, or move work to the device (data.augment_on=device, "
                            "data.decode_on=device: docs/performance.md, \"Feeding the GPU\")")
+    for r in results:
+        for fault in r.get("compile_faults", []):
+            caption.append(f"FAILED {_name(r)}: {fault} (torch.compile: that loop's rate is not the compiled step's)")
     for r in results:
         for why in dict.fromkeys(r["ratio_warnings"].values()):
             keys = ", ".join(_with_uncertainty(r, key) for key, reason in r["ratio_warnings"].items() if reason == why)

@@ -86,7 +86,9 @@ class RunLayout:
     checkpoint_blocks: int = 0  # blocks that recompute their activations (0 without activation checkpointing)
     checkpoint_keep: str = "input"  # what a checkpointed block keeps: its input, or also its matmuls' outputs
     timeline: bool = False  # record one pipeline step's timeline
-    compile: bool = False  # torch.compile each transformer block (`trainer.compile`, auto: on CUDA where it wins)
+    compile: bool = False  # torch.compile (`trainer.compile`, auto: on CUDA where it wins)
+    compile_scope: str = "blocks"  # with compile: "model" (the whole model, one graph) or "blocks" (each block)
+    cuda_graphs: bool = False  # the compiled model replayed as CUDA graphs (`trainer.cuda_graphs`)
     under_torchrun: bool = False  # this process is one rank of a torchrun / srun job
     chosen_by: str = "config"  # "config", or "parallel=auto" (the planner)
     reason: str = ""  # why parallel=auto chose it
@@ -112,7 +114,8 @@ class RunLayout:
         fsdp = f"+HSDP (shard {self.shard_size} x replicate {self.dp // self.shard_size})" if self.hsdp else "+FSDP"
         extras = [("+SP", self.sequence_parallel), (fsdp, self.fsdp), ("+offload", self.offload),
                   (f"+activation checkpointing{' (keeps matmuls)' if self.checkpoint_keep == 'matmuls' else ''}",
-                   self.activation_checkpointing), ("+compiled blocks", self.compile)]
+                   self.activation_checkpointing), (f"+compiled {self.compile_scope}", self.compile),
+                  ("+CUDA graphs", self.compile and self.cuda_graphs)]
         return " ".join([f"dp={self.dp} tp={self.tp} pp={self.pp} ({ranks})", *(t for t, on in extras if on)])
 
     def parallel_overrides(self) -> dict[str, Any]:

@@ -180,8 +180,10 @@ class TrainerConfig:
     seed: int = 0
     precision: str = "32"  # 32 (or fp32) | bf16 | 16 (or fp16: autocast with dynamic loss scaling)
     fp8: str = "off"  # off | tensorwise | rowwise: the blocks' linear layers in float8 (torchao), with precision=bf16
+    fp8_layers: str = "auto"  # auto: the layers torchao's filter picks for the recipe | all: every one it can run
     tf32: bool = True  # CUDA: fp32 matmuls / convolutions in TF32 (10-bit mantissa, several times faster); false: ieee
-    compile: Any = "auto"  # torch.compile each transformer block (ViT, ViTDet): auto (on CUDA) | true | false
+    compile: Any = "auto"  # torch.compile: auto (on CUDA) | true | false | model | blocks (see plan.resolve)
+    cuda_graphs: Any = "auto"  # the compiled model replayed as CUDA graphs: auto (narrow ViTs on one GPU) | true | false
     grad_accum: int = 1
     clip_grad: float = 0.0  # max global grad norm; 0 disables clipping
     label_smoothing: float = 0.0  # classification cross-entropy
@@ -221,6 +223,8 @@ class BenchConfig:
     steps: int = 10  # timed steps of each loop per round (a ratio of fewer than 5 steps in all is flagged)
     rounds: int = 2  # rounds over every loop, each round in the reverse order of the last (keep it even)
     baseline: bool = True  # per configuration, plain-PyTorch loops on timm's model and on ours (single rank)
+    # which of them: reference (timm's model; the transformers model for DETRs), same_model (visiondist's model)
+    plain_loops: list[str] = field(default_factory=lambda: ["reference", "same_model"])
     peak: bool = True  # also measure the device's dense matmul rate in the run (MFU beside the datasheet's)
     loader_batches: int = 20  # batches of the real train loader timed on their own; 0: skip
     # appends results.jsonl and results.md here; null: the benchmark's run dir (`bench.results_dir=benchmarks` adds

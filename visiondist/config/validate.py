@@ -217,11 +217,17 @@ def _check_trainer(t: DictConfig) -> None:
                           "16 (or fp16: autocast with loss scaling)")
     _one_of("trainer.on_nonfinite", t.on_nonfinite, ("raise", "skip"))
     _one_of("trainer.fp8", t.fp8, ("off", "tensorwise", "rowwise"))
+    _one_of("trainer.fp8_layers", t.fp8_layers, ("auto", "all"))
     if t.fp8 != "off" and str(t.precision) != "bf16":
         raise ConfigError(f"trainer.fp8={t.fp8} runs the blocks' linear layers in float8 and the rest in bf16: set "
                           f"trainer.precision=bf16 too (not {t.precision})")
-    if t.compile not in (True, False, "auto"):
-        raise ConfigError(f"trainer.compile={t.compile!r}: use auto (compile the blocks on CUDA), true or false")
+    if t.compile not in (True, False, "auto", "model", "blocks"):
+        raise ConfigError(f"trainer.compile={t.compile!r}: use auto (compile on CUDA), true, false, model (the whole "
+                          "model in one graph) or blocks (each transformer block)")
+    if t.cuda_graphs not in (True, False, "auto"):
+        raise ConfigError(f"trainer.cuda_graphs={t.cuda_graphs!r}: use auto, true or false")
+    if t.cuda_graphs is True and t.compile is False:
+        raise ConfigError("trainer.cuda_graphs=true replays the compiled model: drop trainer.compile=false")
     unknown = [name for name in t.loggers if name not in LOGGERS]
     if unknown:
         raise ConfigError(f"trainer.loggers has {', '.join(map(repr, unknown))}: use any of {', '.join(LOGGERS)}, "
@@ -307,10 +313,10 @@ def _check_parallel(p: DictConfig) -> None:
 def _check_across(cfg: DictConfig) -> None:
     """Rules between groups that hold for every model family."""
     p, t = cfg.parallel, cfg.trainer
-    if t.compile is True and p.pp > 1 and p.schedule == "zero_bubble":
-        raise ConfigError("trainer.compile=true with parallel.schedule=zero_bubble: the schedule splits each block's "
-                          "backward into input and weight gradients, which a compiled block's backward cannot do; "
-                          "use parallel.schedule=1f1b or interleaved_1f1b, or drop trainer.compile")
+    if t.compile in (True, "model", "blocks") and p.pp > 1 and p.schedule == "zero_bubble":
+        raise ConfigError(f"trainer.compile={str(t.compile).lower()} with parallel.schedule=zero_bubble: the schedule "
+                          "splits each block's backward into input and weight gradients, which a compiled block's "
+                          "backward cannot do; use parallel.schedule=1f1b or interleaved_1f1b, or drop trainer.compile")
     if t.fp8 != "off":
         import importlib.util
 
@@ -328,6 +334,10 @@ def _check_bench(cfg: DictConfig) -> None:
     _positive("bench.steps", b.steps)
     _positive("bench.rounds", b.rounds)
     _positive("bench.loader_batches", b.loader_batches, allow_zero=True)  # each variant: `variant_config`
+    unknown = [str(r) for r in b.plain_loops if r not in ("reference", "same_model")]
+    if unknown:
+        raise ConfigError(f"bench.plain_loops has {', '.join(unknown)}: use reference (timm's model, or transformers' "
+                          "for a DETR) and / or same_model (visiondist's model), e.g. bench.plain_loops=[reference]")
 
 
 _LAYOUT_KEYS = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.auto", "trainer.devices", "trainer.accelerator",

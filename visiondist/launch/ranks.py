@@ -30,7 +30,7 @@ from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stop
 from visiondist.plan import announce, cuda_device_count, resolve
 from visiondist.utils.exit import leave_quickly_when_done
 from visiondist.plan.world import find_accelerator, under_torchrun
-from visiondist.plan.resolve import compile_choice
+from visiondist.plan.resolve import compile_plan
 from visiondist.launch.estimate import check_gpu_layout
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,6 @@ def _flight_recorder(run_dir: Path, accelerator: str) -> None:
 
 def _start_watchdog(run_dir: Path, top_level: bool):
     """The rank's hang watchdog; the loader workers it starts later learn the run dir from the environment."""
-    import sys
 
     from visiondist.data.workers import worker_pids
     from visiondist.faults.failures import EXIT_HANG, Watchdog
@@ -221,7 +220,7 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     if cfg.trainer.compile == "auto" and run.accelerator == "cuda" and env.get("RANK", "0") == "0":
         print(f"trainer.compile=auto: {'compiling' if run.compile else 'not compiling'}: "
-              f"{compile_choice(cfg, run.accelerator)[1]}", flush=True)
+              f"{compile_plan(cfg, run)[3]}", flush=True)
     cfg_dict = to_container(cfg)
     kind = run_kind(entry)
     if run.under_torchrun:  # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal

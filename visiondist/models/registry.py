@@ -43,7 +43,7 @@ def _requested(cfg: DictConfig) -> dict[str, bool]:
     m, d, p, t = cfg.model, cfg.data, cfg.parallel, cfg.trainer
     return {
         TP: p.tp > 1, PP: p.pp > 1, FSDP: bool(p.fsdp), AC: bool(p.activation_checkpointing),
-        COMPILE: t.compile is True, INIT_FROM: m.init_from is not None,  # auto compiles only what has blocks
+        COMPILE: t.compile in (True, "model", "blocks"), INIT_FROM: m.init_from is not None,  # auto compiles only what has blocks
         CLASSIFICATION_AUG: d.mixup > 0 or d.cutmix > 0 or t.label_smoothing > 0 or d.auto_augment != "none",
         BACKBONE_WEIGHTS: m.backbone_weights is not None, FP8: str(t.get("fp8", "off")) != "off",
     }
@@ -54,7 +54,8 @@ _REFUSALS: dict[str, Callable[[DictConfig], str]] = {
                    "parallel.tp=1 (parallel=ddp)"),
     FP8: lambda c: (f"trainer.fp8={c.trainer.fp8} runs transformer blocks' linear layers in float8; {c.model.name} "
                     "has none: drop it"),
-    COMPILE: lambda c: f"trainer.compile=true compiles transformer blocks; {c.model.name} has none: drop it",
+    COMPILE: lambda c: (f"trainer.compile={str(c.trainer.compile).lower()} compiles transformer blocks; "
+                        f"{c.model.name} has none: drop it"),
     CLASSIFICATION_AUG: lambda c: ("data.mixup / data.cutmix / data.auto_augment / trainer.label_smoothing are for "
                                    f"classification; {c.model.name} is a detector: drop them"),
     INIT_FROM: lambda c: f"model.init_from is for ViT classifiers; for {c.model.name} use model.weights",

@@ -8,6 +8,7 @@ from visiondist.parallel.apply import local_part, parallelize
 from visiondist.parallel.data import unwrap
 from visiondist.parallel.fsdp import (
     compile_blocks,
+    compile_model,
     enable_activation_checkpointing,
     is_fully_sharded,
     keep_matmuls_context,
@@ -31,6 +32,7 @@ __all__ = [
     "build_layout",
     "clip_grad_norm",
     "compile_blocks",
+    "compile_model",
     "enable_activation_checkpointing",
     "finish_gradients",
     "forwards_needed",

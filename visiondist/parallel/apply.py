@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from visiondist.parallel.data import wrap_data_parallel
-from visiondist.parallel.fsdp import apply_fsdp, compile_blocks, enable_activation_checkpointing
+from visiondist.parallel.fsdp import apply_fsdp, compile_blocks, compile_model, enable_activation_checkpointing
 from visiondist.parallel.mesh import Layout
 from visiondist.parallel.pipeline import PipelinedViT, PipelineSpec
 from visiondist.parallel.tensor import SHARD_DIM, apply_tensor_parallel
@@ -18,9 +18,9 @@ from visiondist.parallel.tensor import SHARD_DIM, apply_tensor_parallel
 def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = False,
                 pipeline: Optional[PipelineSpec] = None, loss_fn: Optional[Callable] = None, fsdp: bool = False,
                 offload: bool = False, activation_checkpointing: bool = False, checkpoint_blocks: int = -1,
-                checkpoint_keep: str = "input", compile: bool = False, param_dtype: Optional[torch.dtype] = None,
-                materialize: Optional[Callable[[nn.Module], None]] = None, wrap: bool = True,
-                shard_size: int = 0) -> nn.Module:
+                checkpoint_keep: str = "input", compile: bool | str = False,
+                param_dtype: Optional[torch.dtype] = None, materialize: Optional[Callable[[nn.Module], None]] = None,
+                wrap: bool = True, shard_size: int = 0, cuda_graphs: bool = False) -> nn.Module:
     """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out over the mesh.
 
     A model on the meta device is laid out first and then handed to `materialize`, before any wrapper that needs
@@ -35,12 +35,18 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
     groups of that many DP ranks, replicate across them). Otherwise it is the model, under DDP when
     dp > 1 (`wrap=False`: bare, for the dry run, whose meta tensors DDP cannot broadcast). `activation_checkpointing` recomputes each block's activations
     in the backward (`checkpoint_blocks` > 0: only the first that many blocks; `checkpoint_keep="matmuls"`: each
-    keeps its matmuls' outputs too), under any layout; `compile` compiles
-    each block (before any sharding wrapper, as FSDP2 expects).
+    keeps its matmuls' outputs too), under any layout; `compile` ("blocks" or True) compiles each block (before any
+    sharding wrapper, as FSDP2 expects), "model" the whole model (one device or DDP only), replayed as CUDA graphs
+    with `cuda_graphs`.
     """
     if activation_checkpointing:
         enable_activation_checkpointing(model, checkpoint_blocks, checkpoint_keep)
-    if compile:
+    if compile == "model":
+        if fsdp or layout.tp > 1 or layout.pp > 1:
+            raise ValueError("compile='model' compiles a model whole on each rank (one device or DDP): use "
+                             "compile='blocks' with tensor or pipeline parallelism or FSDP")
+        compile_model(model, cuda_graphs)
+    elif compile:
         compile_blocks(model)
     materialize = materialize or (lambda _model: None)
     if fsdp:

@@ -92,6 +92,18 @@ def compile_blocks(model: nn.Module, backend=None) -> int:
     return len(found)
 
 
+def compile_model(model: nn.Module, cuda_graphs: bool = False, backend=None) -> None:
+    """`torch.compile` the whole model in place (`nn.Module.compile`: its parameter names and state dict unchanged),
+    one graph for all its blocks. Under DDP (wrapped after this) torch's DDPOptimizer cuts the graph at the gradient
+    buckets, so their all-reduces still overlap the backward. `cuda_graphs`: mode="reduce-overhead", the graph
+    replayed as CUDA graphs (torch's CUDA graph trees); the step marks each iteration
+    (`torch.compiler.cudagraph_mark_step_begin`)."""
+    options = {"backend": backend} if backend is not None else {}
+    if cuda_graphs:
+        options["mode"] = "reduce-overhead"
+    model.compile(**options)
+
+
 def apply_fsdp(model: nn.Module, layout: Layout, offload: bool = False,
                param_dtype: Optional[torch.dtype] = None, shard_size: int = 0) -> nn.Module:
     """Shard `model` over the DP ranks in place: one FSDP unit per block, the root over the rest. With `param_dtype`

@@ -51,7 +51,8 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool 
     if cfg.trainer.fp8 != "off":  # before the layout: FSDP shards and pipeline stages keep the float8 layers
         from visiondist.train.fp8 import apply_fp8
 
-        apply_fp8(model, cfg.trainer.fp8, layout.device, transformer_blocks(model), layout.is_main)
+        apply_fp8(model, cfg.trainer.fp8, layout.device, transformer_blocks(model), layout.is_main,
+                  cfg.trainer.fp8_layers)
     fill = None
     if is_meta(model):
         device = torch.device("cpu") if p.fsdp and p.offload else layout.device  # FSDP offload: shards on the host
@@ -69,7 +70,8 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool 
     return parallelize(model, layout, p.sequence_parallel, PipelineSpec.from_layout(p), loss_fn, fsdp=p.fsdp,
                        shard_size=p.shard_size,
                        offload=p.offload, activation_checkpointing=p.activation_checkpointing,
-                       checkpoint_blocks=p.checkpoint_blocks, checkpoint_keep=p.checkpoint_keep, compile=p.compile,
+                       checkpoint_blocks=p.checkpoint_blocks, checkpoint_keep=p.checkpoint_keep,
+                       compile=p.compile_scope if p.compile else False, cuda_graphs=p.cuda_graphs,
                        param_dtype=autocast_dtype(cfg.trainer.precision), materialize=fill)
 
 

@@ -13,35 +13,19 @@ import contextlib
 import json
 import logging
 import math
-import time
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from visiondist.faults.health import set_collective_timeout
 from visiondist.observe.console import in_terminal
 from visiondist.observe.progress import progress_bar
+from visiondist.train.hook import Hook
 
 if TYPE_CHECKING:
     from visiondist.train.trainer import Trainer
 
 log = logging.getLogger(__name__)
-
-
-class Hook:
-    def before_train(self, trainer: "Trainer") -> None: ...
-
-    def step_context(self, trainer: "Trainer") -> ContextManager:
-        """Entered around the next step (e.g. to record its timeline)."""
-        return contextlib.nullcontext()
-
-    def after_step(self, trainer: "Trainer", loss: torch.Tensor, grad_norm: torch.Tensor) -> None: ...
-
-    def after_train(self, trainer: "Trainer", complete: bool) -> None:
-        """`complete`: the run reached its last step (otherwise it stopped early: a signal or trainer.stop_at_step)."""
-
-    def close(self, trainer: "Trainer") -> None:
-        """Always called, also when a step raised."""
 
 
 class StepTimer:
@@ -95,27 +79,6 @@ class StepTimer:
         if not later:
             return None
         return later[0][0], later[-1][1], sum(w[2] for w in later)
-
-
-class CompileHook(Hook):
-    """Under compiled blocks (`trainer.compile`), how long this process's first step took, compilation included,
-    and where Inductor keeps what it compiled for the next run of the same shapes."""
-
-    def step_context(self, trainer):
-        if not trainer.layout.run.compile or trainer.step != trainer.resumed_from_step:
-            return contextlib.nullcontext()
-        return self._timed(trainer)
-
-    @contextlib.contextmanager
-    def _timed(self, trainer):
-        import os
-
-        started = time.perf_counter()
-        yield
-        if trainer.layout.is_main:
-            log.info("compiled blocks: the first step took %.1f s, compilation included (the blocks share one graph; "
-                     "Inductor's caches in %s make a run of the same shapes start sooner)",
-                     time.perf_counter() - started, os.environ.get("TORCHINDUCTOR_CACHE_DIR", "its temporary folder"))
 
 
 class ProgressHook(Hook):
@@ -431,5 +394,7 @@ def default_hooks() -> list[Hook]:
     - the best checkpoint after the evaluation it is chosen by;
     - the compile timer last: it times the first step alone.
     """
+    from visiondist.train.compiled import CompileHook
+
     return [ProgressHook(), TimeoutHook(), TrafficHook(), LogHook(), StopHook(), TimelineHook(), CheckpointHook(),
             WeightsHook(), EvalHook(), BestCheckpointHook(), CompileHook()]

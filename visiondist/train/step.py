@@ -116,6 +116,8 @@ class OptimizerStep:
             batch = next(batches)
             last = i == accum - 1
             sync = nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            if self.layout.run.cuda_graphs:  # a new iteration of the CUDA graphs: the last one's outputs are dead
+                torch.compiler.cudagraph_mark_step_begin()
             with sync:
                 loss = self.task.loss(self.model, batch, self.layout.device, self.autocast, (self.step, i)) / accum
                 (loss if self.scaler is None else self.scaler.scale(loss)).backward()
