@@ -93,14 +93,14 @@ mfu_rows() {  # the goal rows, each against the best plain loop (timm's model co
     # float8 beside bf16 (the bf16 graph is in Inductor's cache from the row above)
     timed_bench 110 vit_huge_fp8 model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 \
         bench.baseline=false "bench.variants=['trainer.fp8=rowwise']"
-    python3 benchmarks/gpu/table.py "$out/results.jsonl" --markdown "$out/mfu.md" 2>&1 | tee "$out/mfu.txt"
-    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
+    python3 benchmarks/gpu/table.py "$out/results.jsonl" --markdown "$out/mfu.md" || failed=$((failed + 1))
     echo "mfu rows: $((SECONDS - t0)) s"
 }
-timed_bench() {  # seconds, name, then tools/benchmark.py arguments: bench, bounded in time
+timed_bench() {  # seconds, name, then tools/benchmark.py arguments: bench, bounded in time, logged in one file
     local seconds=$1 name=$2; shift 2
+    echo "== $name: $*" | tee -a "$out/bench_mfu.txt"
     timeout -k 5 "$seconds" python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out" "$@" 2>&1 \
-        | tee "$out/bench_$name.txt"
+        | tee -a "$out/bench_mfu.txt"
     [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
 }
 if has bench || has all; then
