@@ -248,3 +248,33 @@ def test_evaluation_decodes_with_the_training_decoder_and_gives_the_loader_paths
     assert diff.max() <= 1 and (diff > 0).float().mean() < 0.25, (int(diff.max()), float((diff > 0).float().mean()))
     in_worker = (encoded.crops[:, 0] == 0).nonzero().flatten()
     assert torch.equal(a[in_worker], b[in_worker])
+
+
+def test_decode_on_auto_decodes_on_the_device_only_where_the_workers_cannot_feed_the_step():
+    """data.decode_on=auto (visiondist.data.decode_choice): on an H100, a ViT-S/16 fed by 15 workers (a 16-core host) decodes
+    in the workers, by 5 on the device; a ViT-B/16 needs 2 or fewer for the device; the CPU, COCO data and a GPU
+    the peak table does not know stay in the loader; loader / device as asked; each choice says why, with figures."""
+    from helpers import REPO
+    from visiondist.cli import load_config
+    from visiondist.config.layout import RunLayout
+    from visiondist.data.decode_choice import decode_plan
+
+    h100, gpu = "NVIDIA H100 80GB HBM3", RunLayout("cuda", 1, 1, 1)
+
+    def choice(*extra, run=gpu, name=h100):
+        cfg = load_config(REPO / "configs", ["data.num_classes=10", "data.img_size=224", *extra], inputs=None)
+        return decode_plan(cfg, run, name)
+
+    assert load_config(REPO / "configs", [], inputs=None).data.decode_on == "auto"
+    for workers, expected in ((15, "loader"), (6, "loader"), (5, "device"), (0, "device")):
+        got, why = choice("model=vit_small", "trainer.precision=bf16", f"data.num_workers={workers}")
+        assert got == expected, (workers, why)
+        assert f"{workers} loader worker" in why and "images/s" in why
+    assert choice("model=vit_base", "trainer.precision=bf16", "data.num_workers=3")[0] == "loader"
+    assert choice("model=vit_base", "trainer.precision=bf16", "data.num_workers=2")[0] == "device"
+    assert choice("model=vit_small", "data.num_workers=0", run=RunLayout("cpu", 1, 1, 1))[0] == "loader"
+    assert "unknown" in choice("model=vit_small", "data.num_workers=0", name="Some Future GPU")[1]
+    assert choice("model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "data.num_workers=0")[0] == "loader"
+    assert choice("model=vit_small", "data.decode_on=device", "data.num_workers=15") == ("device",
+                                                                                          "data.decode_on=device")
+    assert choice("model=vit_small", "data.decode_on=loader", "data.num_workers=0")[0] == "loader"

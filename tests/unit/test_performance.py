@@ -277,7 +277,7 @@ def test_checkpoint_keep_matmuls_saves_the_matmuls_recomputes_the_rest_with_the_
         enable_activation_checkpointing(_tiny_vit(), keep="all")
 
 
-def test_compile_watch_names_graph_breaks_recompile_limit_hits_and_compiling_while_timed(monkeypatch):
+def test_compile_watch_names_graph_breaks_recompile_limit_hits_and_compiling_while_timed():
     """The benchmark's CompileWatch (and the trainer's warning) read dynamo's counters: a graph break, a frame past
     the recompile limit (which then runs eager) and, for timed steps, any new graph are faults naming the cause; a
     clean compiled loop has none."""
@@ -309,10 +309,9 @@ def test_compile_watch_names_graph_breaks_recompile_limit_hits_and_compiling_whi
     with CompileWatch() as watch:
         torch.compile(broken, backend="eager")(x)
     assert len(watch.faults) == 1 and "graph_break" in watch.faults[0].lower().replace(" ", "_")
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
     compiled_specialised = torch.compile(specialised, backend="eager")
-    with CompileWatch(timed=True) as watch:
+    with torch._dynamo.config.patch(recompile_limit=2, automatic_dynamic_shapes=False), \
+            CompileWatch(timed=True) as watch:  # torch's own patch: it restores its config as it was
         for scale in (1.5, 2.5, 3.5, 4.5):
             compiled_specialised(x, scale)
     assert any("recompile limit hit" in f for f in watch.faults), watch.faults

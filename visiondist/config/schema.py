@@ -82,7 +82,9 @@ class DataConfig:
     hflip: float = 0.5
     auto_augment: str = "none"  # classification training: none | rand (RandAugment 2 ops, magnitude 9) | trivial
     augment_on: str = "device"  # where auto_augment runs: device (the whole batch after the copy) | loader (workers)
-    decode_on: str = "loader"  # training JPEGs decoded by: loader (OpenCV in the workers) | device (nvJPEG, batched)
+    # training JPEGs decoded by: loader (OpenCV in the workers) | device (nvJPEG, batched) | auto (visiondist.data.decode_choice:
+    # the device only where the workers cannot feed the step; the loader on the CPU)
+    decode_on: str = "auto"
     random_erasing: float = 0.0  # timm's random erasing: probability per image (DeiT: 0.25); 0: off. On the device
     random_erasing_mode: str = "pixel"  # pixel (per-pixel normal noise) | rand (one normal colour) | const (zeros)
     mixup: float = 0.0  # mixup alpha (timm's Mixup); 0: off

@@ -171,7 +171,7 @@ def _check_data(d: DictConfig) -> None:
     _one_of("data.auto_augment", d.auto_augment, ("none", "rand", "trivial"))
     _one_of("data.interpolation", d.interpolation, ("bilinear", "bicubic"))
     _one_of("data.augment_on", d.augment_on, ("device", "loader"))
-    _one_of("data.decode_on", d.decode_on, ("loader", "device"))
+    _one_of("data.decode_on", d.decode_on, ("auto", "loader", "device"))
     if d.decode_on == "device" and d.augment_on == "loader" and d.auto_augment != "none":
         raise ConfigError("data.decode_on=device leaves the images encoded until they reach the device, where "
                           "data.augment_on=loader cannot augment them: use data.augment_on=device")

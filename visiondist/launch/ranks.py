@@ -221,7 +221,7 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
     if cfg.trainer.compile == "auto" and run.accelerator == "cuda" and env.get("RANK", "0") == "0":
         print(f"trainer.compile=auto: {'compiling' if run.compile else 'not compiling'}: "
               f"{compile_plan(cfg, run)[3]}", flush=True)
-    cfg_dict = to_container(cfg)
+    cfg_dict = with_decode_choice(cfg, run, to_container(cfg), env.get("RANK", "0") == "0")
     kind = run_kind(entry)
     if run.under_torchrun:  # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
         with _one_line_failure(None):
@@ -238,6 +238,20 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
     _run_agent(lambda: spawn_local(_elastic_worker, run.per_node, entry, cfg_dict, run, str(run_dir),
                                    max_restarts=cfg.trainer.max_restarts), cfg, run, kind, run_dir)
     return run
+
+
+def with_decode_choice(cfg: DictConfig, run: RunLayout, cfg_dict: dict, main: bool) -> dict:
+    """The ranks' config with `data.decode_on=auto` made concrete for this node (`visiondist.data.decode_choice`), the
+    choice and its figures printed by the main process on a GPU; the run dir's config.yaml keeps `auto`, as asked."""
+    if str(cfg.data.get("decode_on", "loader")) != "auto":
+        return cfg_dict
+    from visiondist.data.decode_choice import decode_plan
+
+    choice, why = decode_plan(cfg, run)
+    if main and run.accelerator == "cuda":  # on the CPU auto is the loader, as it always was: nothing to say
+        print(f"data.decode_on=auto: {why}", flush=True)
+    cfg_dict["data"]["decode_on"] = choice
+    return cfg_dict
 
 
 def _run_agent(spawn: Callable[[], dict[int, Any]], cfg: DictConfig, run: RunLayout, kind: Optional[str],
@@ -297,7 +311,8 @@ def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> Optional[RunLayout
     print(pod.line() + f" ({per_node} per pod)", flush=True)
     run_dir = Path(cfg.trainer.run_dir).expanduser() if cfg.trainer.run_dir else None
     restarts = cfg.trainer.max_restarts if pod.max_restarts is None else pod.max_restarts
-    _run_agent(lambda: spawn_ranks(_pod_worker, per_node, entry, to_container(ranks_cfg), max_restarts=restarts,
+    ranks_dict = with_decode_choice(ranks_cfg, run, to_container(ranks_cfg), pod.node_rank in (0, None))
+    _run_agent(lambda: spawn_ranks(_pod_worker, per_node, entry, ranks_dict, max_restarts=restarts,
                                    pod=pod), cfg, run, kind, run_dir, under_torchrun=True)
     return run
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from visiondist.models.init import InitSource, Rule, draw_seed, materialize
 
+
 class _FusedQKV(torch.autograd.Function):
     """y = x W^T + b with W = [Wq; Wk; Wv], b = [bq; bk; bv] in one GEMM, saving the three weights rather than their
     concatenation: a saved concatenation would hold 3 x dim x dim more per block until the backward (in fp32 where
@@ -79,7 +80,11 @@ class Attention(nn.Module):
         q, k, v = self.q, self.k, self.v
         # (B, N, H*hd) -> (B, H, N, hd); H is whatever this (possibly sharded) projection holds.
         if self.fuse_qkv and type(q) is nn.Linear and type(k) is nn.Linear and type(v) is nn.Linear:
-            qkv = _FusedQKV.apply(x, q.weight, k.weight, v.weight, q.bias, k.bias, v.bias)
+            if torch.is_grad_enabled() and not torch.jit.is_tracing():
+                qkv = _FusedQKV.apply(x, q.weight, k.weight, v.weight, q.bias, k.bias, v.bias)
+            else:  # inference and export (TorchScript cannot hold a Python autograd function): nothing is saved
+                bias = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias])
+                qkv = F.linear(x, torch.cat([q.weight, k.weight, v.weight]), bias)
             q, k, v = qkv.view(b, n, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         else:
             q, k, v = (p(x).view(b, n, -1, self.head_dim).transpose(1, 2) for p in (q, k, v))
