@@ -215,7 +215,11 @@ def test_compile_auto_compiles_on_cuda_only_where_it_can_the_whole_model_where_t
                 run=RunLayout("cuda", 2, 2, 2, fsdp=True)) == (True, "blocks", False)
     assert plan("model=vitdet_small", "data=shapes_coco") == (True, "blocks", False)
     assert plan("model=vit_small", "trainer.compile=blocks") == (True, "blocks", False)
-    assert plan("model=vit_small", "trainer.compile=false") == (False, "blocks", False)
+    assert plan("model=vit_small", "trainer.compile=false") == (False, "none", False)
+    assert plan("model=vit_small", run=RunLayout("cpu", 1, 1, 1)) == (False, "none", False)  # auto: eager on the CPU
+    with pytest.raises(ConfigError, match=r"trainer.cuda_graphs=true replays the compiled model, and nothing is "
+                                          r"compiled here \(on the CPU"):
+        plan("model=vit_small", "trainer.cuda_graphs=true", run=RunLayout("cpu", 1, 1, 1))
     assert "the whole model compiled in one graph" in compile_plan(cfg("model=vit_base"), RunLayout("cuda", 1, 1, 1))[3]
     assert "CUDA graphs" in compile_plan(cfg("model=vit_small"), RunLayout("cuda", 1, 1, 1))[3]
     with pytest.raises(ConfigError, match=r"trainer.compile=model .* tensor parallelism .* use trainer.compile=blocks"):

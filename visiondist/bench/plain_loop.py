@@ -32,7 +32,8 @@ def baseline_roles(cfg: DictConfig) -> list[str]:
     `same_model`; of those, the ones `bench.plain_loops` names."""
     m = cfg.model
     roles = ["same_model", "reference"] if (m.family == "vit" and m.timm_name) or m.family == "detr" else ["same_model"]
-    return [role for role in roles if role in cfg.bench.get("plain_loops", roles)]
+    named = cfg.bench.get("plain_loops", roles)
+    return [role for role in roles if role in ([named] if isinstance(named, str) else named)]
 
 
 class _Checkpointed(nn.Module):

@@ -87,7 +87,9 @@ class RunLayout:
     checkpoint_keep: str = "input"  # what a checkpointed block keeps: its input, or also its matmuls' outputs
     timeline: bool = False  # record one pipeline step's timeline
     compile: bool = False  # torch.compile (`trainer.compile`, auto: on CUDA where it wins)
-    compile_scope: str = "blocks"  # with compile: "model" (the whole model, one graph) or "blocks" (each block)
+    # with compile: "model" (the whole model, one graph) or "blocks" (each block; also what a layout.json from before
+    # the scope existed meant); "none" when nothing is compiled
+    compile_scope: str = "blocks"
     cuda_graphs: bool = False  # the compiled model replayed as CUDA graphs (`trainer.cuda_graphs`)
     under_torchrun: bool = False  # this process is one rank of a torchrun / srun job
     chosen_by: str = "config"  # "config", or "parallel=auto" (the planner)

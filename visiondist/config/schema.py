@@ -226,7 +226,7 @@ class BenchConfig:
     rounds: int = 2  # rounds over every loop, each round in the reverse order of the last (keep it even)
     baseline: bool = True  # per configuration, plain-PyTorch loops on timm's model and on ours (single rank)
     # which of them: reference (timm's model; the transformers model for DETRs), same_model (visiondist's model)
-    plain_loops: list[str] = field(default_factory=lambda: ["reference", "same_model"])
+    plain_loops: Any = field(default_factory=lambda: ["reference", "same_model"])  # a list, or one name
     peak: bool = True  # also measure the device's dense matmul rate in the run (MFU beside the datasheet's)
     loader_batches: int = 20  # batches of the real train loader timed on their own; 0: skip
     # appends results.jsonl and results.md here; null: the benchmark's run dir (`bench.results_dir=benchmarks` adds

@@ -334,7 +334,8 @@ def _check_bench(cfg: DictConfig) -> None:
     _positive("bench.steps", b.steps)
     _positive("bench.rounds", b.rounds)
     _positive("bench.loader_batches", b.loader_batches, allow_zero=True)  # each variant: `variant_config`
-    unknown = [str(r) for r in b.plain_loops if r not in ("reference", "same_model")]
+    loops = [b.plain_loops] if isinstance(b.plain_loops, str) else b.plain_loops  # bench.plain_loops=reference
+    unknown = [str(r) for r in loops if r not in ("reference", "same_model")]
     if unknown:
         raise ConfigError(f"bench.plain_loops has {', '.join(unknown)}: use reference (timm's model, or transformers' "
                           "for a DETR) and / or same_model (visiondist's model), e.g. bench.plain_loops=[reference]")

@@ -226,7 +226,10 @@ def compile_plan(cfg: DictConfig, run: RunLayout, p: Optional[DictConfig] = None
     t = cfg.trainer
     asked = t.compile
     if not compiled:
-        return False, "blocks", False, why
+        if t.get("cuda_graphs", "auto") is True:
+            raise ConfigError(f"trainer.cuda_graphs=true replays the compiled model, and nothing is compiled here "
+                              f"({why}): CUDA graphs need a GPU and trainer.compile=true or auto there")
+        return False, "none", False, why
     apart = ("tensor parallelism: each block compiled with its collectives" if run.tp > 1 else
              "pipeline parallelism: each stage's blocks compiled" if run.pp > 1 else
              "FSDP2: each block compiled inside its own gather and reduce-scatter" if run.fsdp else

@@ -100,9 +100,13 @@ def set_tf32(enabled: bool) -> None:
 PRECISIONS = {"32": "fp32", "bf16": "bf16 autocast", "16": "fp16 autocast + loss scaling"}
 
 
-def precision_text(trainer_cfg: DictConfig, device: torch.device) -> str:
-    """What `trainer.precision` (and `trainer.tf32`) run as, for the start-up line and the summary."""
+def precision_text(trainer_cfg: DictConfig, device: torch.device, model: torch.nn.Module | None = None) -> str:
+    """What `trainer.precision` (and `trainer.tf32`) run as, for the start-up line and the summary; with `model`, how
+    many of its linear layers float8 converted (`trainer.fp8_layers` may pick none)."""
     text = PRECISIONS[precision_name(trainer_cfg.precision)]
     if trainer_cfg.get("fp8", "off") != "off":
-        text += f" + fp8 {trainer_cfg.fp8} (the blocks' linear layers)"
+        count = None if model is None else sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        text += (f" + fp8 {trainer_cfg.fp8} (the blocks' linear layers)" if count is None else
+                 f" + fp8 {trainer_cfg.fp8} ({count} linear layers)" if count else
+                 f" (trainer.fp8={trainer_cfg.fp8} converted no layer)")
     return text + " (TF32 matmuls)" if text == "fp32" and device.type == "cuda" and trainer_cfg.tf32 else text

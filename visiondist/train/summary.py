@@ -25,7 +25,7 @@ def announce(tr) -> None:
         "model %s: %.2fM parameters (%.2fM on this rank) | layout %s | precision %s | global batch %d (%d per rank "
         "x %d accumulation) | %d step%s (%s)",
         tr.cfg.model.name, tr.num_params / 1e6, tr.rank_params / 1e6, tr.layout_text,
-        precision_text(t, tr.layout.device), tr.cfg.data.batch_size, sampler.micro_batch, t.grad_accum,
+        precision_text(t, tr.layout.device, tr.model), tr.cfg.data.batch_size, sampler.micro_batch, t.grad_accum,
         tr.total_steps, "" if tr.total_steps == 1 else "s", tr.length,
     )
     if t.max_steps > tr.total_steps and tr.layout.is_main:
@@ -75,7 +75,7 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
         "parameters (M)": round(tr.num_params / 1e6, 3),
         "parameters per rank (M)": round(tr.rank_params / 1e6, 3),
         "layout": tr.layout_text,
-        "precision": precision_text(tr.cfg.trainer, tr.layout.device),
+        "precision": precision_text(tr.cfg.trainer, tr.layout.device, tr.model),
         "data": f"{tr.cfg.data.name}: {tr.data.num_train} train / {tr.data.num_val} val images"
                 + (f" (shards of {tr.cfg.data.root})" if tr.cfg.data.get("format") == "shards" else ""),
         "steps": tr.step,
