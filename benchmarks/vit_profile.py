@@ -251,7 +251,8 @@ def markdown(rows: list[dict], device: str) -> str:
         ratio = f"{r['img_per_s'] / best[r['row']]:.3f}" if best.get(r["row"]) else ""
         share = lambda k: f"{100 * kinds.get(k, 0):.1f}%"  # noqa: E731
         lines.append(f"| {r['row']} | {r['variant']} | {r['img_per_s']:,.0f} | {ratio} | {r.get('compile_s', '')} | "
-                     f"{r.get('graphs', '')} | {p.get('kernels_per_step', 0):.0f} | {100 * p.get('idle_share', 0):.1f}% | "
+                     f"{r.get('graphs', '')} | {p.get('kernels_per_step', 0):.0f} | "
+                     f"{100 * p.get('idle_share', 0):.1f}% | "
                      f"{share('matmul')} | {share('attention')} | {share('fused triton')} | "
                      f"{share('eager elementwise / norm')} | {share('optimizer')} | {share('copies')} |")
     lines += ["", "Top kernels per variant (ms per step, share of GPU time):", ""]

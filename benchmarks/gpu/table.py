@@ -37,7 +37,8 @@ def main() -> int:
         if args.results.exists() else []
     device = rows[0]["device"] if rows else "?"
     lines = [f"{device}, torch {rows[0]['torch'] if rows else '?'}", "",
-             "| row | compile | img/s | MFU (datasheet) | ours / best plain | goal | met |", "|---|---|---|---|---|---|---|"]
+             "| row | compile | img/s | MFU (datasheet) | ours / best plain | goal | met |",
+             "|---|---|---|---|---|---|---|"]
     failed = 0
     for r in rows:
         goal, test = GOALS.get((r["model"], r["variant"]), ("every row >= 1.0x the best plain loop", lambda _r: True))

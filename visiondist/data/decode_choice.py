@@ -36,7 +36,7 @@ def decode_plan(cfg: DictConfig, run: RunLayout, gpu_name: Optional[str] = None)
     asked = str(d.get("decode_on", "loader"))
     if asked != "auto":
         return asked, f"data.decode_on={asked}"
-    if d.get("format") not in ("imagefolder", "shards") or cfg.model.family not in ("vit",):
+    if d.get("format") not in ("imagefolder", "shards") or cfg.model.family != "vit":
         return "loader", f"data.format={d.get('format')} with {cfg.model.name}: decoded in the loader workers"
     if d.get("augment_on", "device") == "loader" and d.get("auto_augment", "none") != "none":
         return "loader", "data.augment_on=loader augments decoded images in the workers"

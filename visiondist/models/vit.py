@@ -170,7 +170,7 @@ class PatchEmbed(nn.Module):
         if x.shape[-2:] != (self.img_size, self.img_size):
             raise ValueError(f"expected {self.img_size}x{self.img_size} images, got {tuple(x.shape[-2:])}")
         p = self.patch_size
-        if x.shape[-1] % p:  # the convolution's stride leaves the last pixels out
+        if x.shape[-2] % p or x.shape[-1] % p:  # the convolution's stride leaves the last pixels out
             x = x[..., : x.shape[-2] - x.shape[-2] % p, : x.shape[-1] - x.shape[-1] % p]
         b, c, h, w = x.shape
         # (B, C, H, W) -> (B, H/p * W/p, C * p * p): each row one patch, its values ordered as the kernel's (c, i, j)
