@@ -19,8 +19,9 @@
 # (ViT-H/14 at batch 64 as is and at 128 with checkpoint_keep=matmuls), float8 (benchmarks/fp8_layers.py's table,
 # ViT-L/H compiled in bf16 and both float8 recipes, and a 150-step run on the photos in bf16 and in float8, their
 # losses side by side in fp8_loss.png). About 10 minutes on an H200.
-# `detr`: RT-DETRv2-S, D-FINE-S and RF-DETR-N at their published input, bf16, batch 16, against plain loops over
-# the transformers model (about 3 minutes).
+# `detr`: the DETR criterion's one-synchronisation test, then RT-DETRv2-S, D-FINE-S and RF-DETR-N at their published
+# input, bf16, batch 16, against plain loops over the transformers model (with its own loss) and over ours, each row
+# with the Hungarian matching's host time beside the step's and the loader's rate (about 4 minutes).
 # `cudagraphs`: the CUDA-graph checks (the replayed model trains as the compiled one; the DeiT recipe's step with CUDA
 # graphs never waits for the GPU), about 2 minutes. `profile`: benchmarks/vit_profile.py, where a ViT-S and a ViT-B
 # step's time goes (ours against timm's, eager, per block and whole-model compiled, CUDA graphs): kernels by kind, top
@@ -150,6 +151,9 @@ if has detr || has all; then
     # in a plain loop and against our own model in one
     python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-detr \
         .whl/detr/*.whl || echo "the DETR wheels in .whl/detr did not install: run benchmarks/gpu/fetch_wheels.sh"
+    # the criterion's step on the GPU under CUDA's sync debug mode: one synchronisation (the cost matrices' transfer)
+    PYTHONPATH=/tmp/site-detr:$PYTHONPATH part 120 gpu_detr_sync.txt python3 -m pytest -p no:cacheprovider -n 0 \
+        -m gpu -rA tests/unit/test_detr_criterion.py
     for model_size in rtdetr_v2_r18:640 dfine_s:640 rfdetr_nano:384; do  # the published input, over the tuned
         model=${model_size%:*}                                               # shapes_coco file's CPU sizes
         PYTHONPATH=/tmp/site-detr:$PYTHONPATH bench "$model" model="$model" data=shapes_coco data.batch_size=16 \

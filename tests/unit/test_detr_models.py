@@ -268,3 +268,30 @@ def test_config_checks_name_the_fix():
     assert "is a detector: use DDP (parallel=ddp, or drop parallel.fsdp)" in _checked(["model=dfine_n",
                                                                                        "parallel.fsdp=true"])
     assert "data.large_scale_jitter=true" in _checked(["model=dfine_s", "data.large_scale_jitter=true"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,size", [("rtdetr_v2_r18", 640), ("dfine_n", 640), ("rfdetr_nano", 384)])
+def test_each_family_at_its_published_input_trains_evaluates_and_runs_the_plain_loop(arch, size):
+    """At the published input and the published 300 queries (RF-DETR-N at 384 px: 576 candidate positions), the
+    benchmark's batch is the model's square, on which our step and the library's own plain loop both train (the
+    plain loop was fed the data's 160-px squares, where RF-DETR-N's 100 positions cannot give 300 queries), and
+    evaluation returns one detection per query."""
+    from visiondist.bench.measure import synthetic_batch
+    from visiondist.models.detr import build_hf_detector, library_target
+
+    cfg = OmegaConf.create({"model": {**_cfg(arch, img_size=size, num_queries=None), "family": "detr"},
+                            "data": {"min_size": 160}})
+    images, targets = synthetic_batch(cfg, "detection", 1, torch.device("cpu"))
+    assert images[0].shape == (3, size, size)
+    images = [im.float() / 255 for im in images]
+    torch.manual_seed(0)
+    model = build_detr(cfg.model).train()
+    model(images, targets)["loss"].backward()
+    if arch == "rfdetr_nano":  # the plain loop's model, fed the same squares (a forward: the other two took 160 px)
+        library = build_hf_detector(arch, 3).train()
+        labels = [library_target(t, size, size) for t in targets]
+        assert torch.isfinite(library(pixel_values=torch.stack(images), labels=labels).loss)
+    with torch.no_grad():
+        detections = model.eval()(images)
+    assert detections[0]["boxes"].shape == (300, 4)

@@ -329,7 +329,8 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
     cpu = device.type == "cpu"
     common = {"date": datetime.now().strftime("%Y-%m-%d"), "device": name, "torch": torch.__version__,
               "model": cfg.model.name,
-              "img_size": cfg.model.img_size if family == "classification" else cfg.data.min_size,
+              "img_size": cfg.model.img_size if family == "classification" or cfg.model.get("family") == "detr"
+              else cfg.data.min_size,
               "layout": runs[0].trainer.layout_text, "ranks": layout.world_size, "batch": batch,
               "configurations": [run.name or "-" for run in runs], "order": order,
               "memory_kind": "peak RSS of the whole process (every loop)" if cpu else "max allocated (each loop)"}
@@ -358,6 +359,7 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
             # whether the input path keeps up: the real loader's images/s over what this step consumes
             "loader_images_per_s": loader_rates[i],
             "loader_over_step": loader_rates[i] / images_per_s if loader_rates[i] else None,
+            **_matcher_share(run.trainer.model, batch / images_per_s),
             "tflops_per_device": achieved, "peak_kind": kind, "peak_tflops_datasheet": datasheet,
             "mfu_datasheet": achieved / datasheet if datasheet else None,
             "peak_tflops_matmul": measured.get(kind), "mfu_matmul": achieved / measured[kind] if measured else None,
@@ -369,6 +371,18 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
             **_ratios(ours, timed_plain, groups[0][0] if i else None),
         })
     return results
+
+
+def _matcher_share(model: torch.nn.Module, step_s: float) -> dict[str, Any]:
+    """A DETR-class detector's Hungarian matching per step (the criterion's host time: scipy's solving, and the wait
+    for the cost matrices, which on a GPU holds the forward queued before them) beside the step's time."""
+    criterion = next((m.criterion for m in model.modules() if getattr(m, "criterion", None) is not None), None)
+    if criterion is None or not criterion.calls:
+        return {}
+    solve_ms = 1e3 * criterion.host_seconds["solve"] / criterion.calls
+    wait_ms = 1e3 * criterion.host_seconds["wait"] / criterion.calls
+    return {"matcher_solve_ms": solve_ms, "matcher_wait_ms": wait_ms,
+            "matcher_solve_share": solve_ms / (1e3 * step_s) if step_s else None}
 
 
 def _compile_scope(run: OursRun) -> str:

@@ -137,7 +137,9 @@ def synthetic_batch(cfg: DictConfig, family: str, micro_batch: int, device: torc
         return (images, labels.to(device)) if rows is None else (images, labels.to(device), rows)
     from visiondist.models.detection import has_masks
 
-    size = cfg.data.min_size  # detectors resize internally; square images of the short side
+    # torchvision's detectors resize internally: square images of the short side; a DETR-class detector takes its
+    # own square input, model.img_size, which the loader's square images have (and the library's plain loop takes)
+    size = cfg.model.img_size if cfg.model.get("family") == "detr" else cfg.data.min_size
     masks = has_masks(cfg.model)  # Mask R-CNN: each object's mask fills its box
     images, targets = [], []
     for _ in range(micro_batch):

@@ -148,6 +148,11 @@ def result_table(results: list[dict[str, Any]]):
                            f"{', '.join(r['device_input'])} (the plain loops do the same augmentation on the device, "
                            "with timm's Mixup and EMA where the recipe has them; they get decoded images)")
     for r in results:
+        if r.get("matcher_solve_ms") is not None:
+            caption.append(f"{_name(r)}: Hungarian matching {r['matcher_solve_ms']:.2f} ms a step on the host "
+                           f"({_pct(r['matcher_solve_share'])} of the step), after waiting "
+                           f"{r['matcher_wait_ms']:.2f} ms for the cost matrices (one transfer a step)")
+    for r in results:
         if r.get("loader_over_step") is not None and r["loader_over_step"] < LOADER_MARGIN:
             caption.append(f"WARNING {_name(r)}: the loader delivers {r['loader_over_step']:.2f}x the images the step "
                            f"consumes, less than the {LOADER_MARGIN}x margin: the device may wait for data; raise "

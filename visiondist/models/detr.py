@@ -1,8 +1,8 @@
 """DETR-class detectors (RT-DETRv2, D-FINE, RF-DETR) from Hugging Face transformers, behind torchvision's detector
 contract.
 
-The models, their Hungarian-matching losses, image processors and post-processing are transformers'
-(`visiondist[detr]`); nothing is downloaded: a model is built from its configuration (`ARCHS`: the published
+The models, image processors and post-processing are transformers' (`visiondist[detr]`), the loss is ours
+(`detr_criterion.py`); nothing is downloaded: a model is built from its configuration (`ARCHS`: the published
 variants' architecture values) with random weights, or reads `model.weights` (a local state dict of this wrapper's
 keys, a directory in the library's `from_pretrained` layout, or a Hugging Face repo name from the local cache).
 `DetrDetector` makes one behave as the torchvision detectors the trainer, the evaluator and the exports already drive:
@@ -16,10 +16,10 @@ What the wrapper does: each image (float in [0, 1], any size) is resized to the 
 targets' boxes become (cx, cy, w, h) relative to their image and the labels 0-based (the data's are 1-based,
 torchvision's convention with 0 the background); the predictions go through the library's
 `post_process_object_detection` (the top `num_queries` of the sigmoid scores over queries x classes) and back to
-1-based labels. The loss is the library's weighted sum (focal / varifocal classification, L1 and GIoU boxes, D-FINE's
-distribution terms, over the decoder layers, denoising or query groups), normalised by the boxes of the whole batch
-over every data-parallel rank as the original implementations do (the library divides by this rank's boxes; the
-wrapper rescales). `DetrForExport` is the same evaluation as one traceable function (ONNX).
+1-based labels. The loss is the original implementations' weighted sum (varifocal or IoU-aware classification, L1
+and GIoU boxes, D-FINE's distribution terms, over the decoder layers, denoising or query groups), normalised by the
+boxes of the whole batch over every data-parallel rank, with one host transfer a step (`detr_criterion.py`).
+`DetrForExport` is the same evaluation as one traceable function (ONNX).
 """
 
 from __future__ import annotations
@@ -159,6 +159,11 @@ class DetrDetector(nn.Module):
             if name.endswith("embeddings.mask_token"):
                 param.requires_grad_(False)
         self.register_state_dict_post_hook(_drop_aliases)
+        # the loss is ours (detr_criterion.py): the matching of every layer batched with one host transfer a step,
+        # D-FINE's as its paper defines it; the library's model calls it with its raw outputs
+        from visiondist.models.detr_criterion import install
+
+        self.criterion = install(model)
         self.register_load_state_dict_pre_hook(_fill_aliases)
 
     def input_size(self, targets: Optional[list[dict]] = None) -> int:
@@ -199,7 +204,7 @@ class DetrDetector(nn.Module):
                 raise ValueError("a DETR-class detector in training mode takes targets (boxes, labels)")
             labels = [library_target(t, h, w) for t, (h, w) in zip(targets, sizes)]
             out = self.model(pixel_values=self.pixels(images, self.input_size(targets)), labels=labels)
-            return {"loss": out.loss * _global_box_scale(labels, out.loss.device)}
+            return {"loss": out.loss}
         out = self.model(pixel_values=self.pixels(images))
         return _detections(out, sizes, self.arch.processor)
 
@@ -237,20 +242,6 @@ def library_target(target: dict, height: int, width: int) -> dict:
     x1, y1, x2, y2 = (boxes / scale).unbind(-1)
     relative = torch.stack([(x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1], dim=-1)
     return {"class_labels": target["labels"].long() - 1, "boxes": relative}
-
-
-def _global_box_scale(labels: list[dict], device: torch.device) -> torch.Tensor:
-    """The library divides its losses by this rank's boxes (at least 1); the original implementations by the mean
-    over data-parallel ranks of the whole batch's boxes. The factor turning one into the other (1 on one rank)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return torch.ones((), device=device)
-    boxes = sum(len(t["class_labels"]) for t in labels)
-    total = torch.tensor(float(boxes), device=device)
-    dist.all_reduce(total)  # over every rank: DP ranks hold different images, TP / PP ranks the same (none here)
-    mean = torch.clamp(total / dist.get_world_size(), min=1.0)
-    return max(boxes, 1) / mean
 
 
 @functools.lru_cache(maxsize=None)
