@@ -2,7 +2,7 @@
 
     python tools/eval.py run_dir=<run dir> [key=value ...]          # the run's config.yaml + model.safetensors
     python tools/eval.py run_dir=<run dir> step=<N> [key=value ...] # its checkpoints/step_<N>, any layout
-    python tools/eval.py weights=<file> model=... data=... [key=value ...]
+    python tools/eval.py weights=<file or folder> model=... data=... [key=value ...]
 
 Prints the result (for detectors the 12-line COCOeval summary) and writes eval.json (and detections.json, COCO
 results format) into <run dir>/eval/<date>_<time>/ (weights=: outputs/eval/<date>_<time>/), or trainer.run_dir.
@@ -30,8 +30,10 @@ TOOL = Tool(
                             "group=option"),
           ("step=<N>", "with run_dir: its checkpoint checkpoints/step_<N> instead, whatever layout wrote it; "
                        "step=best: the best one by trainer.best_metric"),
-          ("weights=<path>", "a weights file (.safetensors or torch) or a checkpoint directory, evaluated under the "
-                             "config composed from group=option / group.key=value as in tools/train.py")),
+          ("weights=<path>", "what model.weights takes (a .safetensors or torch file in this project's, timm's or "
+                             "torchvision's keys; a DETR-class detector's from_pretrained directory, format=hf's "
+                             "model_hf/) or a checkpoint directory, evaluated under the config composed from "
+                             "group=option / group.key=value as in tools/train.py")),
     reads="the weights, the run's config.yaml (or configs/), the val split of the data",
     writes=("eval.json (detectors: detections.json), per_class.json, the plots, config.yaml and eval.log into "
             "<run>/eval/<date>_<time>/ (run_dir=<run>) or outputs/eval/<date>_<time>/ (weights=; trainer.output_dir), "
@@ -52,7 +54,12 @@ def evaluate(cmd: Command) -> int:
     if cmd.show:
         print(config_text(cfg, cmd.package))
         return 0
-    checked(cfg, "eval")  # the val split and the weights against the model, before any rank starts
+    try:  # the val split and the weights against the model, before any rank starts
+        checked(cfg, "eval")
+    except ConfigError as exc:
+        if base is not None:  # run_dir=: the run's own weights
+            raise
+        raise ConfigError(str(exc).replace("model.weights=", "weights=")) from None  # this tool's key
     from visiondist.train.run import evaluate_checkpoint
     from visiondist.launch import launch
 
@@ -111,7 +118,7 @@ def _arguments(cmd: Command) -> dict:
     if is_complete(path) and re.fullmatch(r"checkpoints/step_\d+", f"{path.parent.name}/{path.name}") and (
             run / "config.yaml").is_file():
         new = {"run_dir": str(run), "step": path.name[len("step_"):]}
-    elif path.is_dir() and not is_complete(path):
+    elif path.is_dir() and not is_complete(path) and not (path / "config.json").is_file():  # not from_pretrained's
         new = {"run_dir": cmd.paths[0]}
     else:
         new = {"weights": cmd.paths[0]}

@@ -1,8 +1,9 @@
 """Checks of the inputs on disk, in the launching process before any rank starts: the data directory and its splits,
 the class count against the data, a class folder without images, a training split smaller than one global batch,
-exact weights against the model, the trackers' packages. Each failure is one `ConfigError` naming the fix, instead of
-a traceback from every rank after the run directory was made. Each purpose checks only what it reads: training both
-splits, evaluation the val split alone (a val split smaller than the eval batch is one partial batch, not an error).
+exact weights against the model (`visiondist.models.fit`), the trackers' packages. Each failure is one `ConfigError`
+naming the fix, instead of a traceback from every rank after the run directory was made. Each purpose checks only
+what it reads: training both splits, evaluation the val split alone (a val split smaller than the eval batch is one
+partial batch, not an error).
 
 Cheap by design: directory listings (`os.scandir`; a class folder is listed until its first image, and images are
 counted only up to one global batch), the `categories` of COCO annotation files (read from the file's tail, not the
@@ -17,8 +18,6 @@ import json
 import os
 from pathlib import Path
 from typing import Any, Optional
-
-from omegaconf import OmegaConf
 
 from visiondist.config import ConfigError
 
@@ -60,7 +59,9 @@ def check_inputs(cfg, purpose: str = "train") -> None:
     if not (purpose == "train" and _resumes(cfg.trainer)):  # a resumed run reads its checkpoint, not these
         fetch_named_weights(cfg.model)
     if cfg.model.weights:
-        check_weights(cfg.model)
+        from visiondist.models.fit import check_weights
+
+        check_weights(cfg.model, purpose)
 
 
 def _resumes(t) -> bool:
@@ -344,81 +345,3 @@ def coco_categories(path: Path) -> list[dict[str, Any]]:
         return json.loads(path.read_text())["categories"]
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"{path} is not a COCO annotation file ({type(exc).__name__}: {exc})") from None
-
-
-# -- weights ---------------------------------------------------------------------------------------------------------
-
-# the classifier of each family: its first dimension counts the classes (detectors: plus the background, times the
-# anchors per location for RetinaNet / FCOS)
-_HEADS = ("head.weight", "roi_heads.box_predictor.cls_score.weight", "head.classification_head.cls_logits.weight")
-
-
-def check_weights(model_cfg) -> None:
-    """`model.weights` (a file or a checkpoint directory) exists and its tensors have the model's shapes; a
-    classifier of another size names the class count the weights were trained for."""
-    from visiondist.models.weights import weight_shapes
-    from visiondist.utils.pretrained import is_named
-
-    if model_cfg.family == "detr" and _check_library_weights(model_cfg):
-        return
-    if is_named(model_cfg.weights):  # a detector starting from torchvision's: a head of another class count is new
-        return
-    path = Path(model_cfg.weights).expanduser()
-    if not path.exists():
-        raise ConfigError(f"model.weights={model_cfg.weights}: no such file or checkpoint directory")
-    try:
-        stored = weight_shapes(path)
-    except Exception as exc:  # not a weights file at all
-        raise ConfigError(f"model.weights={model_cfg.weights} cannot be read as weights ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-    own = _model_shapes(model_cfg)
-    wrong = [k for k in own if k in stored and tuple(stored[k]) != own[k]]
-    head = next((k for k in _HEADS if k in wrong), None)
-    if head is not None:
-        background = 0 if model_cfg.family == "vit" else 1
-        classes = stored[head][0] * (model_cfg.num_classes + background) // own[head][0] - background
-        raise ConfigError(f"model.weights={model_cfg.weights} is a {classes}-class {model_cfg.name} but "
-                          f"data.num_classes={model_cfg.num_classes}: set data.num_classes={classes} (and use data "
-                          f"with those {classes} classes)")
-    if wrong:
-        key = wrong[0]
-        raise ConfigError(f"model.weights={model_cfg.weights} does not fit model={model_cfg.name}: {key} is "
-                          f"{list(stored[key])} there but {list(own[key])} here: use the model (and data.img_size) "
-                          "the weights were trained with")
-
-
-def _check_library_weights(model_cfg) -> bool:
-    """A DETR-class detector's `model.weights` in the library's layout (a from_pretrained directory, or a Hugging Face
-    repo name, cached by now): its kind and variant fit the model (built on the meta device). False: not that
-    layout (a state dict file, checked as any other)."""
-    import torch
-
-    from visiondist.models import build_model
-    from visiondist.models.detr_library import is_library_dir, library_state
-    from visiondist.utils.pretrained import WeightsNotFound, local_file
-
-    try:
-        where = local_file(str(model_cfg.weights), "model.weights")
-    except WeightsNotFound as exc:
-        raise ConfigError(str(exc)) from None
-    if not is_library_dir(where):
-        return False
-    with torch.device("meta"):
-        model = build_model(OmegaConf.merge(model_cfg, {"weights": None}))
-    try:
-        library_state(model, where, str(model_cfg.weights), str(model_cfg.name))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    return True
-
-
-def _model_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
-    """The model's parameter and buffer shapes, built on the meta device (no memory, no initialisation cost)."""
-    import torch
-
-    from visiondist.models import build_model
-
-    bare = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None, "backbone_weights": None})
-    with torch.device("meta"):
-        model = build_model(bare)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -101,5 +101,5 @@ def detector6(tmp_path_factory):
 def test_d_eval_of_weights_for_other_classes_names_their_class_count(tmp_path, detector6):
     root = _coco(tmp_path / "coco", 80, splits=("val2017",))  # evaluation needs only the val split
     _refused([f"weights={detector6}", "model=fasterrcnn_mobilenet_v3", "data=coco", f"data.root={root}"],
-             tmp_path / "out", f"model.weights={detector6} is a 6-class fasterrcnn_mobilenet_v3 but "
+             tmp_path / "out", f"error: weights={detector6} is a 6-class fasterrcnn_mobilenet_v3 but "
              "data.num_classes=80: set data.num_classes=6", script=EVAL)

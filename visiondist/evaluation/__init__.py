@@ -1,7 +1,7 @@
 """How a rank scores a model: one module per kind of data set, each exact under any number of ranks.
 
-- `classification.py`: top-1 / top-5, the val loss and per-class top-1 over ImageFolder-style splits (every sample
-  counted once);
+- `classification.py`: top-1 / top-5 (top-5 reported above 10 classes), the val loss and per-class top-1 over
+  ImageFolder-style splits (every sample counted once);
 - `coco.py`: COCO box mAP, every rank's detections gathered and scored once on rank 0 with COCOeval (12 stats).
 
 A new metric is a new module here that the task (`visiondist.train.tasks`) calls; a scalar it reports also needs its

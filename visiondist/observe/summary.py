@@ -1,5 +1,5 @@
-"""What rank 0 leaves at the end of a run: summary.json, the summary table, the PNG plots (`plots.py`), the task's
-final line and the commands that evaluate and export the run."""
+"""What rank 0 leaves at the end of a run: summary.json, the summary table (its paths below it, whole), the PNG plots
+(`plots.py`), the task's final line and the commands that evaluate and export the run."""
 
 from __future__ import annotations
 
@@ -15,20 +15,44 @@ from visiondist.observe.plots import plot_curves
 log = logging.getLogger(__name__)
 
 
+# rows whose value is a path: printed whole below the table, one per line (a table cell would break them mid-name);
+# the run dir closes the run's output with the commands that use it (`next_commands`)
+PATH_ROWS = ("checkpoint", "best checkpoint", "weights")
+LAST_LINES = ("run dir",)
+
+
 def summary_table(summary: dict[str, Any]):
-    """A two-column rich Table of the run's summary."""
+    """A two-column rich Table of the run's summary, less its paths (`summary_paths`)."""
     from rich.table import Table
 
     table = Table(title="training summary", show_header=False, title_justify="left")
     table.add_column(style="bold", no_wrap=True)
-    table.add_column(overflow="fold")  # long paths wrap whole into a narrow (non-terminal) console, never cut
+    table.add_column(overflow="fold")  # text wraps at its spaces
     for key, value in summary.items():
+        if key in PATH_ROWS or key in LAST_LINES:
+            continue
         if value is None:
             value = "-"
         elif isinstance(value, float):
             value = f"{value:.4g}" if math.isfinite(value) else str(value)
         table.add_row(key, str(value))
     return table
+
+
+def summary_paths(summary: dict[str, Any]) -> str:
+    """The summary's paths, "key: path" a line, never wrapped by us (a terminal may fold them; copied, they are
+    whole)."""
+    return "\n".join(f"{key}: {summary[key]}" for key in PATH_ROWS if summary.get(key) not in (None, "None"))
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """The summary table, then its paths."""
+    from rich.console import Console
+
+    Console(width=max(100, Console().width)).print(summary_table(summary))
+    paths = summary_paths(summary)
+    if paths:
+        print(paths, flush=True)
 
 
 def best_evaluation(rows: list[dict[str, Any]], key: str, label: str) -> dict[str, Any]:
@@ -61,13 +85,11 @@ def report_run(run_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]
     evaluate and export it (rank 0). `written(pngs)` runs once the files are written, before anything is printed
     (the trackers take the plots and close there, so that the run's next commands stay its last lines). Returns the
     PNGs."""
-    from rich.console import Console
-
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     pngs = draw_evaluation(task, last_eval, run_dir, title, rows)
     if written is not None:
         written(pngs)
-    Console(width=max(100, Console().width)).print(summary_table(summary))
+    print_summary(summary)
     print(task.final_line(last_eval), flush=True)
     print(next_commands(run_dir, getattr(task, "family", "")), flush=True)
     return pngs

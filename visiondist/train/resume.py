@@ -4,6 +4,7 @@ saving this step (synchronously or in the background under `trainer.checkpoint_a
 from __future__ import annotations
 
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -24,6 +25,16 @@ def resume_path(cfg: DictConfig, run_dir: Path) -> Path | None:
     if spec is None:
         return None
     return latest_checkpoint(run_dir) if spec == "auto" else resolve_checkpoint(str(spec))
+
+
+def epoch_position(step: int, steps_per_epoch: int, total_steps: int) -> str:
+    """Where `step` stands, in the log lines' terms (epochs counted from 1 of the run's): "epoch 2/3, 60 of its 93
+    steps done", or "the end of epoch 1/3"."""
+    epochs = max(1, math.ceil(total_steps / steps_per_epoch))
+    done, within = divmod(step, steps_per_epoch)
+    if within == 0 and done > 0:
+        return f"the end of epoch {done}/{epochs}"
+    return f"epoch {done + 1}/{epochs}, {within} of its {steps_per_epoch} steps done"
 
 
 class Checkpointing:
@@ -50,8 +61,8 @@ class Checkpointing:
         if saved.get("total_steps") != self.total_steps:
             log.warning("the checkpoint's run had %s steps, this one has %d: the LR schedule follows this run's",
                         saved.get("total_steps"), self.total_steps)
-        log.info("resumed from %s: step %d, epoch %d + %d steps%s", path, self.step, self.epoch,
-                 self.step % self.data.train_sampler.steps_per_epoch,
+        log.info("resumed from %s: step %d (%s)%s", path, self.step,
+                 epoch_position(self.step, self.data.train_sampler.steps_per_epoch, self.total_steps),
                  "" if saved["rng_restored"] else
                  f" (saved with layout {saved.get('layout')}: random states restart from the seed)")
         if not saved["rng_restored"]:

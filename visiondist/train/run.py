@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from visiondist.data.workers import close_loaders
 from visiondist.train.build import build_laid_out, prepare_rank, seed_everything
 from visiondist.checkpoint.dcp import load_model_state
+from visiondist.utils.dcp import is_complete
 from visiondist.utils.heartbeat import PROGRESS
 from visiondist.train.precision import autocast_for
 from visiondist.observe.console import shown_path
@@ -41,9 +42,11 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     prepare_rank(cfg, layout, run_dir, "eval.log")
     seed_everything(cfg.trainer.seed)
     PROGRESS.at("loading the weights")
-    checkpoint = Path(cfg.model.weights) if cfg.model.weights and Path(cfg.model.weights).is_dir() else None
+    # a DCP checkpoint directory is read into whatever layout this run has; any other weights (a file, a DETR-class
+    # detector's from_pretrained directory) are loaded as training's model.weights are
+    checkpoint = Path(cfg.model.weights) if cfg.model.weights and is_complete(Path(cfg.model.weights)) else None
     model = build_laid_out(cfg, layout, weights=checkpoint is None)  # a checkpoint fills the tensors itself
-    if checkpoint is not None:  # a DCP checkpoint directory: read into whatever layout this run has
+    if checkpoint is not None:
         load_model_state(checkpoint, unwrap(model), layout)
     task = build_task(cfg, layout, train=False)
     PROGRESS.at("evaluating")

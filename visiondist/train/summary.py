@@ -130,8 +130,8 @@ def _best_row(tr) -> dict[str, Any]:
     best = tr.best or (read_best(tr.run_dir) if tr.cfg.trainer.best_metric else None)
     if not best:
         return {}
-    return {f"best {best['metric']}": f"{best['value']:.6g} at step {best['step']} "
-                                      f"({tr.run_dir / CHECKPOINTS / ('step_' + str(best['step']))})"}
+    return {f"best {best['metric']}": f"{best['value']:.6g} at step {best['step']}",
+            "best checkpoint": str(tr.run_dir / CHECKPOINTS / f"step_{best['step']}")}
 
 
 def _device_decoding(tr) -> dict:

@@ -34,6 +34,7 @@ class ClassificationTask:
         from visiondist.data.augment_ops import DeviceAugment
         from visiondist.data.device_decode import FallbackCount
         from visiondist.data.transforms import Normalize
+        from visiondist.evaluation.classification import reports_top5
 
         t, d = cfg.trainer, cfg.data
         self.inputs = Normalize(d.mean, d.std)  # (uint8 loader images, device) -> the model's input there
@@ -59,6 +60,11 @@ class ClassificationTask:
             pin_memory=layout.device.type == "cuda", reads_images=layout.reads_images, reads_labels=layout.reads_labels,
             train=train,  # evaluation reads the val split only
         )
+        self.top5 = reports_top5(len(self.data.classes))
+        if not self.top5:  # a few classes: top-5 says nothing (evaluation.classification.reports_top5)
+            self.columns = tuple(c for c in self.columns if c not in ("val_top5", "val_ema_top5"))
+            self.plot_series = tuple(s for s in self.plot_series if s[0] != "val_top5")
+            self.ema_keys = tuple(k for k in self.ema_keys if k != "val_top5")
 
     def train_batches(self, device: torch.device) -> Iterator:
         """An epoch's training batches (`feed`). The loader's iterator is made here, in the main thread: the loader
@@ -118,6 +124,8 @@ class ClassificationTask:
         metrics = evaluate_classification(model, self.data.val_loader, layout, autocast, len(self.data.classes),
                                           self.progress, self.inputs,
                                           lambda batches: self.feed(self.worker_decoded.naming(batches), layout.device))
+        if not self.top5:
+            del metrics["val_top5"]
         if layout.is_main:  # per-class top-1 of the latest evaluation, by class name
             per_class = {name: {"top1": acc, "images": n} for name, acc, n in
                          zip(self.data.classes, metrics["val_class_top1"], metrics["val_class_count"])}
@@ -133,23 +141,26 @@ class ClassificationTask:
                              "val top-1 (%)")
         return [png] if png is not None else []
 
+    # describe / summary / final_line show top-5 where the metrics hold it (`reports_top5`)
     @staticmethod
     def describe(m: dict[str, Any]) -> str:
+        top5 = f" | top-5 {m['val_top5']:.2f}%" if "val_top5" in m else ""
         ema = f" | EMA top-1 {m['val_ema_top1']:.2f}%" if m.get("val_ema_top1") is not None else ""
-        return (f"val loss {m['val_loss']:.4f} | top-1 {m['val_top1']:.2f}% | top-5 {m['val_top5']:.2f}%{ema} | "
-                f"{m['val_count']} images")
+        return f"val loss {m['val_loss']:.4f} | top-1 {m['val_top1']:.2f}%{top5}{ema} | {m['val_count']} images"
 
     @staticmethod
     def summary(m: dict[str, Any]) -> dict[str, Any]:
         scored = [a for a in m.get("val_class_top1", []) if a is not None]
         worst = {"val top-1, worst class (%)": round(min(scored), 2)} if scored else {}
         ema = {"val top-1, EMA (%)": m["val_ema_top1"]} if m.get("val_ema_top1") is not None else {}
-        return {"val loss": m["val_loss"], "val top-1 (%)": m["val_top1"], "val top-5 (%)": m["val_top5"], **worst,
-                **ema, "val images": m["val_count"]}
+        top5 = {"val top-5 (%)": m["val_top5"]} if "val_top5" in m else {}
+        return {"val loss": m["val_loss"], "val top-1 (%)": m["val_top1"], **top5, **worst, **ema,
+                "val images": m["val_count"]}
 
     @staticmethod
     def final_line(m: dict[str, Any]) -> str:
-        return f"val top-1: {m['val_top1']:.2f}%  top-5: {m['val_top5']:.2f}%"
+        top5 = f"  top-5: {m['val_top5']:.2f}%" if "val_top5" in m else ""
+        return f"val top-1: {m['val_top1']:.2f}%{top5}"
 
 
 class DetectionTask:

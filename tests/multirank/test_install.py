@@ -1,0 +1,86 @@
+"""The plain install (`pip install -e .`, no extra) trains the default run: tools/train.py runs with every package
+outside the project's required dependencies (and theirs) made unimportable (Ray, MLflow, W&B, moto, the Kubeflow
+models, transformers, ONNX, torchao, boto3, ...), as a machine with only the plain install has them."""
+
+import importlib.metadata as metadata
+import re
+import sys
+
+from helpers import REPO, TINY_DATA, finish_job, job_env, start_job
+
+# install tools every environment has (site and torch may import them); never blocked
+_TOOLING = {"pip", "setuptools", "pkg_resources", "_distutils_hack", "wheel"}
+
+
+# sitecustomize.py of the job: every finder wrapped so that it finds none of the blocked packages, as if they were not
+# installed (an import raises ModuleNotFoundError, importlib.util.find_spec returns None, as torch's probes expect)
+BLOCKER = """\
+import sys
+
+BLOCKED = set(NAMES)
+
+
+class NotInstalled:
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in BLOCKED or not hasattr(self.finder, "find_spec"):
+            return None
+        return self.finder.find_spec(name, path, target)
+
+    def __getattr__(self, name):
+        return getattr(self.finder, name)
+
+
+sys.meta_path[:] = [NotInstalled(finder) for finder in sys.meta_path]
+"""
+
+
+def _plain_install() -> set[str]:
+    """The distributions `pip install -e .` brings: visiondist's required dependencies and theirs, no extra."""
+    from packaging.requirements import Requirement
+
+    seen, todo = set(), ["visiondist"]
+    while todo:
+        name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = metadata.distribution(name).requires or []
+        except metadata.PackageNotFoundError:
+            continue
+        for text in requires:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return seen
+
+
+def _blocked() -> set[str]:
+    """The top-level modules of every installed distribution outside the plain install."""
+    plain = _plain_install()
+    blocked = set()
+    for module, dists in metadata.packages_distributions().items():
+        if not any(re.sub(r"[-_.]+", "-", d).lower() in plain for d in dists) and module not in _TOOLING:
+            blocked.add(module)
+    return blocked
+
+
+def test_the_plain_install_trains_the_default_run(tmp_path):
+    blocked = _blocked()
+    assert {"ray", "mlflow", "wandb", "moto", "transformers", "onnx"} <= blocked  # the extras of `.[dev]`
+    assert {"torch", "timm", "albumentations", "tensorboard", "scipy"}.isdisjoint(blocked)  # required, or theirs
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER.replace("NAMES", repr(sorted(blocked))))
+    env = job_env(PYTHONPATH=str(site))
+    probe = finish_job(start_job([sys.executable, "-c", "import wandb"], env), 60, "import wandb")
+    assert "ModuleNotFoundError: No module named 'wandb'" in probe, probe
+    run = tmp_path / "run"
+    proc = start_job([sys.executable, str(REPO / "tools" / "train.py"), *TINY_DATA, "trainer.max_steps=2",
+                      f"data.root={tmp_path / 'shapes'}", f"trainer.run_dir={run}"], env)
+    out = finish_job(proc, 240, "the default run under the plain install")
+    assert proc.returncode == 0, out[-4000:]
+    assert "val top-1:" in out and (run / "model.safetensors").is_file() and (run / "curves.png").is_file(), out[-3000:]
