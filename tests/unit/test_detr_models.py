@@ -295,3 +295,29 @@ def test_each_family_at_its_published_input_trains_evaluates_and_runs_the_plain_
     with torch.no_grad():
         detections = model.eval()(images)
     assert detections[0]["boxes"].shape == (300, 4)
+
+
+def test_detections_are_clipped_to_the_image_in_evaluation_and_export():
+    """Boxes reaching past the border (the predicted sizes scaled 10x by a hook on the library's model) come back inside
+    the image, as torchvision's detectors return theirs, from evaluation and from the exported function alike."""
+    from visiondist.models.detr import DetrForExport
+
+    model = _trained("dfine_n")
+
+    def wider(_module, _inputs, out):
+        out.pred_boxes = torch.cat([out.pred_boxes[..., :2], out.pred_boxes[..., 2:] * 10], dim=-1)
+        return out
+
+    model.model.register_forward_hook(wider)
+    image = torch.rand(3, 90, 150)
+    with torch.no_grad():
+        raw = model.model(pixel_values=model.pixels([image]))
+        evaluated = model([image])[0]["boxes"]
+        exported = DetrForExport(model)(image)[0]
+    cx, w = raw.pred_boxes[0, :, 0], raw.pred_boxes[0, :, 2]
+    assert bool(((cx + w / 2) > 1).any()), "the hook should push boxes past the border"
+    for boxes in (evaluated, exported):
+        assert float(boxes[:, 0::2].min()) >= 0 and float(boxes[:, 0::2].max()) <= 150
+        assert float(boxes[:, 1::2].min()) >= 0 and float(boxes[:, 1::2].max()) <= 90
+        assert float(boxes[:, 2].max()) == 150  # clipped, not dropped
+    torch.testing.assert_close(evaluated.sort(dim=0).values, exported.sort(dim=0).values, rtol=1e-4, atol=1e-3)

@@ -7,7 +7,8 @@ variants' architecture values) with random weights, or reads `model.weights` (a 
 keys, a directory in the library's `from_pretrained` layout, or a Hugging Face repo name from the local cache).
 `DetrDetector` makes one behave as the torchvision detectors the trainer, the evaluator and the exports already drive:
 `model(images, targets)` in training returns a dict of losses, `model(images)` in evaluation one dict per image with
-`boxes` (x1, y1, x2, y2 in that image's pixels), `scores` and `labels`. `detr_library.py` builds it from a config
+`boxes` (x1, y1, x2, y2 in that image's pixels, clipped to it as torchvision's detectors clip theirs), `scores` and
+`labels`. `detr_library.py` builds it from a config
 and reads and writes the library's own layout.
 
 What the wrapper does: each image (float in [0, 1], any size) is resized to the model's square input
@@ -253,7 +254,18 @@ def _detections(out, sizes: list[tuple[int, int]], processor: str) -> list[dict]
     """The library's post-processing (the top `num_queries` of the sigmoid scores over queries x classes, boxes in
     each image's pixels), labels 1-based."""
     processed = _processor(processor).post_process_object_detection(out, threshold=0.0, target_sizes=sizes)
-    return [{"boxes": p["boxes"], "scores": p["scores"], "labels": p["labels"] + 1} for p in processed]
+    return [{"boxes": clip_boxes(p["boxes"], h, w), "scores": p["scores"], "labels": p["labels"] + 1}
+            for p, (h, w) in zip(processed, sizes)]
+
+
+def clip_boxes(boxes: torch.Tensor, height, width) -> torch.Tensor:
+    """Boxes (x1, y1, x2, y2) clipped to the image, as torchvision's detectors clip theirs (a DETR's box may reach
+    past the border); `height` / `width` may be tensors (symbolic under export)."""
+    x = boxes[..., 0::2].clamp(min=0)
+    y = boxes[..., 1::2].clamp(min=0)
+    x = torch.minimum(x, torch.as_tensor(width, dtype=boxes.dtype, device=boxes.device))
+    y = torch.minimum(y, torch.as_tensor(height, dtype=boxes.dtype, device=boxes.device))
+    return torch.stack([x[..., 0], y[..., 0], x[..., 1], y[..., 1]], dim=-1)
 
 
 class DetrForExport(nn.Module):
@@ -281,4 +293,7 @@ class DetrForExport(nn.Module):
         one = corners.new_ones(())  # the input's size as tensors (symbolic under export)
         scale = torch.stack([one * width, one * height, one * width, one * height])
         boxes = corners[index // classes] * scale
+        x = torch.minimum(boxes[:, 0::2].clamp(min=0), one * width)  # inside the image, as `clip_boxes`
+        y = torch.minimum(boxes[:, 1::2].clamp(min=0), one * height)
+        boxes = torch.stack([x[:, 0], y[:, 0], x[:, 1], y[:, 1]], dim=-1)
         return boxes, index % classes + 1, scores
