@@ -209,6 +209,11 @@ def test_compile_auto_compiles_on_cuda_only_where_it_can_the_whole_model_where_t
     assert plan("model=vit_small", "trainer.fp8=rowwise", "trainer.precision=bf16") == (True, "model", False)
     assert plan("model=vit_small", "trainer.cuda_graphs=false") == (True, "model", False)
     assert plan("model=vit_base", "trainer.cuda_graphs=true") == (True, "model", True)
+    # ViT-L / H: per block (GPU-bound either way; one block compiles in seconds, the whole graph in minutes)
+    assert plan("model=vit_huge") == (True, "blocks", False)
+    assert plan("model=vit_large", "trainer.compile=true") == (True, "blocks", False)
+    assert plan("model=vit_huge", "trainer.compile=model") == (True, "model", False)
+    assert "one block in seconds" in compile_plan(cfg("model=vit_huge"), RunLayout("cuda", 1, 1, 1))[3]
     assert plan("model=vit_base", "parallel=tp2", run=RunLayout("cuda", 2, 2, 1, tp=2)) == (True, "blocks", False)
     assert plan("model=vit_base", "parallel=pp2", run=RunLayout("cuda", 2, 2, 1, pp=2)) == (True, "blocks", False)
     assert plan("model=vit_base", "parallel.fsdp=true",
