@@ -321,3 +321,52 @@ def test_detections_are_clipped_to_the_image_in_evaluation_and_export():
         assert float(boxes[:, 1::2].min()) >= 0 and float(boxes[:, 1::2].max()) <= 90
         assert float(boxes[:, 2].max()) == 150  # clipped, not dropped
     torch.testing.assert_close(evaluated.sort(dim=0).values, exported.sort(dim=0).values, rtol=1e-4, atol=1e-3)
+
+
+def test_compile_model_compiles_the_library_network_the_loss_stays_eager():
+    """trainer.compile=model for a DETR: the library's network (backbone, encoder, decoder) compiled whole (RF-DETR's
+    in one graph, no break), the loss and its host matching eager; the compiled step's loss equals eager's.
+    (aot_eager: what dynamo captures, without Inductor's minutes of CPU code generation.)"""
+    from torch._dynamo.utils import counters
+
+    from visiondist.parallel import compile_model
+
+    torch.manual_seed(0)
+    model = build_detr(_cfg("rfdetr_nano", img_size=64, num_queries=16)).train()
+    images = [torch.rand(3, 64, 64), torch.rand(3, 64, 64)]
+    targets = [{"boxes": torch.tensor([[4.0, 6.0, 40.0, 50.0]]), "labels": torch.tensor([3]), "image_id": 1},
+               {"boxes": torch.tensor([[10.0, 10.0, 30.0, 20.0]]), "labels": torch.tensor([1]), "image_id": 2}]
+    torch.manual_seed(1)  # the same draws (the library's dropout) in both steps
+    eager = model(images, targets)["loss"]
+    torch._dynamo.reset()
+    counters.clear()
+    compile_model(model, backend="aot_eager")
+    torch.manual_seed(1)
+    compiled = model(images, targets)["loss"]
+    compiled.backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(compiled, eager)
+    assert model.model.model._compiled_call_impl is not None and getattr(model, "_compiled_call_impl", None) is None
+
+
+def test_compile_plan_for_detr():
+    """trainer.compile for a DETR: auto leaves it eager (not yet measured on a GPU), model / true compile the
+    network whole, blocks and CUDA graphs are refused naming why."""
+    from helpers import REPO
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+    from visiondist.config.layout import RunLayout
+    from visiondist.plan.resolve import compile_plan
+
+    def plan(*extra):
+        cfg = load_config(REPO / "configs", ["model=dfine_n", "data=shapes_coco", *extra], inputs=None)
+        return compile_plan(cfg, RunLayout("cuda", 1, 1, 1))[:3]
+
+    assert plan() == (False, "none", False)  # auto: eager until measured
+    assert plan("trainer.compile=model") == (True, "model", False)
+    assert plan("trainer.compile=true") == (True, "model", False)
+    with pytest.raises(ConfigError, match="compile=model compiles its network"):
+        plan("trainer.compile=blocks")
+    with pytest.raises(ConfigError, match="cuda_graphs=true: dfine_n's denoising"):
+        plan("trainer.compile=model", "trainer.cuda_graphs=true")

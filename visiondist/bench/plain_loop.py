@@ -79,8 +79,11 @@ def _checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: str, swi
             compile_model(model, p.cuda_graphs)
             return "whole model" + graphs
         return f"per block ({compile_blocks(model)} blocks)" if p.compile else "none"
-    if cfg.model.family == "detr":  # the transformers model: no blocks the trainer would checkpoint or compile
-        return "none"
+    if cfg.model.family == "detr":  # the transformers model: its network compiled as the run compiles ours
+        if not p.compile:
+            return "none"
+        model.model.compile()  # `...ForObjectDetection.model`: backbone, encoder, decoder (the loss eager)
+        return "whole model"
     blocks = model.blocks  # timm: an nn.Sequential
     if p.activation_checkpointing:
         for i in range(p.checkpoint_blocks):

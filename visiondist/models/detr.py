@@ -167,6 +167,11 @@ class DetrDetector(nn.Module):
         self.criterion = install(model)
         self.register_load_state_dict_pre_hook(_fill_aliases)
 
+    def compile_region(self) -> nn.Module:
+        """What `trainer.compile=model` compiles: the library's network (backbone, encoder, decoder), not the
+        per-image resizes before it nor the loss, whose matching runs on the host."""
+        return self.model.model
+
     def input_size(self, targets: Optional[list[dict]] = None) -> int:
         """The square side the model sees: model.img_size, or in training with model.multi_scale one of its sizes,
         drawn per batch from its images' ids (the same batch gets the same size, so a resumed run repeats the

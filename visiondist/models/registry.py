@@ -166,7 +166,7 @@ SPECS: dict[str, ModelSpec] = {  # how each family is built: visiondist.models.F
                         _check_vitdet),
     "torchvision": ModelSpec("torchvision", "detection", "coco", frozenset({BACKBONE_WEIGHTS}), False,
                              _check_torchvision),
-    "detr": ModelSpec("detr", "detection", "coco", frozenset(), False, _check_detr),
+    "detr": ModelSpec("detr", "detection", "coco", frozenset({COMPILE}), False, _check_detr),
 }
 
 

@@ -101,7 +101,8 @@ def compile_model(model: nn.Module, cuda_graphs: bool = False, backend=None) -> 
     options = {"backend": backend} if backend is not None else {}
     if cuda_graphs:
         options["mode"] = "reduce-overhead"
-    model.compile(**options)
+    region = getattr(model, "compile_region", None)  # a DETR: the library's network, not its loss and resizes
+    (region() if region is not None else model).compile(**options)
 
 
 def apply_fsdp(model: nn.Module, layout: Layout, offload: bool = False,

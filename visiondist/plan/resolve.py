@@ -235,6 +235,16 @@ def compile_plan(cfg: DictConfig, run: RunLayout, p: Optional[DictConfig] = None
             raise ConfigError(f"trainer.cuda_graphs=true replays the compiled model, and nothing is compiled here "
                               f"({why}): CUDA graphs need a GPU and trainer.compile=true or auto there")
         return False, "none", False, why
+    if cfg.model.family == "detr":
+        if asked == "blocks":
+            raise ConfigError(f"trainer.compile=blocks: {cfg.model.name} has no transformer blocks; "
+                              "trainer.compile=model compiles its network (backbone, encoder, decoder) whole")
+        if t.get("cuda_graphs", "auto") is True:
+            raise ConfigError(f"trainer.cuda_graphs=true: {cfg.model.name}'s denoising queries and matching read the "
+                              "device each step, which a CUDA graph cannot replay; use trainer.cuda_graphs=auto or "
+                              "false")
+        return True, "model", False, ("its network (backbone, encoder, decoder) compiled whole, the loss and its "
+                                      "matching eager")
     apart = ("tensor parallelism: each block compiled with its collectives" if run.tp > 1 else
              "pipeline parallelism: each stage's blocks compiled" if run.pp > 1 else
              "FSDP2: each block compiled inside its own gather and reduce-scatter" if run.fsdp else
@@ -289,6 +299,10 @@ def compile_choice(cfg: DictConfig, accelerator: str, p: Optional[DictConfig] = 
     asked, p = cfg.trainer.compile, cfg.parallel if p is None else p
     if asked in (True, False, "model", "blocks"):
         return asked is not False, "trainer.compile=" + str(asked).lower()
+    if cfg.model.family == "detr":
+        return False, (f"{cfg.model.name} runs eager unless trainer.compile=model asks (its network compiled whole; "
+                       "not measured on a GPU yet, and the library's RT-DETR and D-FINE break the graph at their "
+                       "denoising queries)")
     if not spec_of(cfg.model).has_blocks:
         return False, f"{cfg.model.name} has no transformer blocks to compile"
     if accelerator != "cuda":
