@@ -27,7 +27,7 @@ TOOL = Tool(
           ("max_side=<px>", "re-encode every image as JPEG with its longer side at most this (default: the files as "
                             "they are)"),
           ("quality=<1-100>", "JPEG quality of re-encoded images (default 90)"),
-          ("workers=<N>", "packing processes (default: every core)"),
+          ("workers=<N>", "packing processes (default: every CPU this process may use: its affinity and container quota)"),
           ("overwrite=true", "replace a finished pack in out=")),
     reads="the data config's ImageFolder or COCO tree (data.root, data.train_split, data.val_split, data.annotations)",
     writes="<out>/<split>-NNNNNN.tar, <out>/<split>.json, <out>/<split>-index.npz, <out>/dataset.json",

@@ -7,7 +7,8 @@ kind=trainjob (default): a Kubeflow Trainer v2 TrainJob on the torch-distributed
 Operator PyTorchJob. Each pod runs `python tools/train.py <the overrides>`, which reads its place in the job from the
 operator's variables and starts its node's ranks. The run dir is on the claim `pvc=` (mounted at /runs, named by the
 job), so a restarted pod continues the run; the pods' grace period after SIGTERM is the time for a step and a
-checkpoint (trainer.stop_timeout_s) plus a minute. The overrides are checked as tools/train.py checks them.
+checkpoint (trainer.stop_timeout_s) plus a minute; each pod requests (and is limited to) the CPUs and memory of its
+ranks and loader workers (cpu=, memory=) and a sized /dev/shm. The overrides are checked as tools/train.py checks them.
 tools/k8s/ holds the two manifests of the example above (`visiondist.launch.k8s`).
 """
 
@@ -38,7 +39,13 @@ TOOL = Tool(
           ("gpus=<n>", "GPUs (ranks) per node (default 8)"),
           ("name=<name>", "the job's name, and its run dir's under /runs (default: from model= and parallel=)"),
           ("pvc=<claim>", "the PersistentVolumeClaim that holds the run dirs (default visiondist-runs)"),
-          ("data_pvc=<claim>", "a claim with the data, mounted read-only at /data (default: none)"),
+          ("data_pvc=<claim>", "a claim with the data, mounted read-only at /data (default: none; required for a "
+                               "data.root under /data)"),
+          ("cpu=<cpus>", "CPUs each pod requests and is limited to (default: one per rank and one per loader worker, "
+                         "data.num_workers, or 7 per rank for -1)"),
+          ("memory=<quantity>", "memory each pod requests and is limited to, e.g. 256Gi (default: 6Gi a rank, 1Gi a "
+                                "loader worker, plus /dev/shm)"),
+          ("image_pull_secret=<name>", "a Secret with the registry's credentials, for a private image"),
           ("workdir=<dir>", "where the image holds the project (default /workspace/visiondist)"),
           ("out=<file>", "write the manifest there instead of standard output")),
     run_dir=False,
@@ -64,8 +71,12 @@ def _check(cmd: Command, cfg, gpus: int) -> None:
     if OmegaConf.is_missing(data, "root"):
         raise ConfigError(f"data={data.name} needs data.root: its path inside the pods (data_pvc=<claim> mounts a "
                           "claim at /data, e.g. data.root=/data/imagenet)")
-    if cmd.args.get("data_pvc") and not str(data.root).startswith("/data"):
+    under_data = str(data.root) == "/data" or str(data.root).startswith("/data/")
+    if cmd.args.get("data_pvc") and not under_data:
         raise ConfigError(f"data_pvc= mounts its claim at /data but data.root={data.root}: use a path under /data")
+    if under_data and not cmd.args.get("data_pvc"):
+        raise ConfigError(f"data.root={data.root} is under /data, where data_pvc=<claim> mounts the data: give "
+                          "data_pvc= (the PersistentVolumeClaim that holds it), or a data.root the image holds")
     if t.accelerator == "cpu":
         raise ConfigError("trainer.accelerator=cpu: the pods ask for GPUs (gpus=); drop trainer.accelerator")
     if t.devices > 0 and t.devices != gpus:
@@ -75,14 +86,15 @@ def _check(cmd: Command, cfg, gpus: int) -> None:
         raise ConfigError(f"{', '.join(missing)} must be given (???)")
     if not cmd.args["image"].strip() or any(c.isspace() for c in cmd.args["image"]):
         raise ConfigError(f"image={cmd.args['image']!r} is not an image reference (no spaces)")
-    for key in ("pvc", "data_pvc"):
+    for key, what in (("pvc", "claim"), ("data_pvc", "claim"), ("image_pull_secret", "Secret")):
         value = cmd.args.get(key)
         if value and not re.fullmatch(r"[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?", value):
-            raise ConfigError(f"{key}={value} is not a Kubernetes claim name: lower-case letters, digits, '-' and '.'")
+            raise ConfigError(f"{key}={value} is not a Kubernetes {what} name: lower-case letters, digits, '-' and "
+                              "'.'")
 
 
 def k8s(cmd: Command) -> int:
-    from visiondist.launch.k8s import JobSpec, default_name, grace_for, manifest
+    from visiondist.launch.k8s import JobSpec, default_name, grace_for, job_layout, manifest, pod_resources
 
     image = cmd.args.get("image")
     if not image:
@@ -96,12 +108,15 @@ def k8s(cmd: Command) -> int:
     if OmegaConf.is_missing(cfg.data, "num_classes"):
         cfg.data.num_classes = cfg.model.num_classes = DEFAULT_CLASSES
     _check(cmd, cfg, gpus)
+    run = job_layout(cfg, nodes, gpus)
     stop = float(cfg.trainer.stop_timeout_s)
     spec = JobSpec(name=cmd.args.get("name") or default_name(cmd.overrides), image=image, nodes=nodes, gpus=gpus,
                    overrides=[o for o in cmd.overrides if not o.startswith("trainer.stop_timeout_s=")],
-                   grace_s=int(stop) if stop >= 0 else grace_for(cfg, nodes, gpus),
+                   grace_s=int(stop) if stop >= 0 else grace_for(cfg, run),
                    pvc=cmd.args.get("pvc", "visiondist-runs"), data_pvc=cmd.args.get("data_pvc", ""),
-                   workdir=cmd.args.get("workdir", "/workspace/visiondist"))
+                   workdir=cmd.args.get("workdir", "/workspace/visiondist"),
+                   resources=pod_resources(cfg, gpus, run.dp, cmd.args.get("cpu", ""), cmd.args.get("memory", "")),
+                   pull_secret=cmd.args.get("image_pull_secret", ""))
     text = yaml.safe_dump(manifest(cmd.args.get("kind", "trainjob"), spec), sort_keys=False, width=120)
     if cmd.args.get("out"):
         out = Path(cmd.args["out"])
@@ -110,8 +125,10 @@ def k8s(cmd: Command) -> int:
         except OSError as exc:
             raise ConfigError(f"out={out}: cannot write it ({exc.strerror}): give a file in an existing directory") \
                 from None
-        print(f"wrote {out}: {spec.nodes} pods x {spec.gpus} GPUs, run dir {spec.run_dir} on claim "
-              f"{spec.pvc}, {spec.termination_grace_s} s grace after SIGTERM", file=sys.stderr)
+        r = spec.resources
+        print(f"wrote {out}: {spec.nodes} pods x {spec.gpus} GPUs, {r.cpu} CPUs and {r.memory} memory each "
+              f"({r.workers} loader workers a rank, /dev/shm {r.shm}), run dir {spec.run_dir} on claim {spec.pvc}, "
+              f"{spec.termination_grace_s} s grace after SIGTERM", file=sys.stderr)
     else:
         print(text, end="")
     return 0

@@ -9,7 +9,11 @@ that knows, by feature detection (never a version string), and the rest of the c
 - `PIPELINE_STAGE_OVERRIDES`: the private `PipelineStage` methods the timed stage wraps, with the parameters it
   passes; `check_pipeline_stage` (and a test) fails loudly when a release changes them.
 - `quiet_pytree`: silences the warnings newer torch logs when a library (torchao, imported directly or by transformers,
-  at import or later) registers an Enum with pytree (2.14+ handles Enums natively): nothing a user can act on.
+  at import or later) registers an Enum with pytree (2.14+ handles Enums natively), and the invalid-escape
+  SyntaxWarning (a DeprecationWarning before Python 3.12) that compiling torchao's own sources prints where no
+  bytecode is cached: nothing a user can act on. Only those, only from torchao's files.
+- `flight_recorder_env`: the name of the flight recorder's buffer-size variable: `TORCH_FR_BUFFER_SIZE` where this
+  torch reads it (it warns that the old `TORCH_NCCL_TRACE_BUFFER_SIZE` is deprecated), else the old one.
 - `agent_signals`: the elastic agent leaves SIGTERM / SIGINT to the launching process (`visiondist.launch.stop`):
   `LaunchConfig.signals_to_handle` where it exists, which sets the environment variable every supported release's
   process context reads, `TORCHELASTIC_SIGNALS_TO_HANDLE`.
@@ -28,10 +32,33 @@ SUPPORTED = "torch 2.11 through 2.15"
 
 
 def quiet_pytree() -> None:
-    """torch's pytree logger at ERROR in this process, from now on (see the module docstring)."""
+    """torch's pytree logger at ERROR in this process, from now on, and torchao's invalid escape sequences unwarned
+    (see the module docstring); call it before importing torchao or what imports it."""
     import logging
+    import warnings
 
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    for category in (SyntaxWarning, DeprecationWarning):  # a compile-time warning's module is its file's path
+        warnings.filterwarnings("ignore", message="invalid escape sequence", category=category,
+                                module=r".*[/\\]torchao[/\\]")
+
+
+def flight_recorder_env() -> str:
+    """`TORCH_FR_BUFFER_SIZE` where this torch reads it, else `TORCH_NCCL_TRACE_BUFFER_SIZE` (torch's C++ reads
+    them, so the check is on the sources torch ships: its headers, else its library)."""
+    import mmap
+    from pathlib import Path
+
+    new = "TORCH_FR_BUFFER_SIZE"
+    root = Path(torch.__file__).parent
+    header = root / "include" / "torch" / "csrc" / "distributed" / "c10d" / "FlightRecorder.hpp"
+    if header.is_file():
+        return new if new in header.read_text(errors="replace") else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+    for library in sorted((root / "lib").glob("libtorch_c*.so")):  # libtorch_cpu / libtorch_cuda
+        with library.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data.find(new.encode()) >= 0:
+                return new
+    return "TORCH_NCCL_TRACE_BUFFER_SIZE"
 
 
 def set_pg_timeout(timeout: timedelta, group: Optional[Any] = None) -> None:

@@ -175,13 +175,17 @@ def test_exported_model_brings_its_preprocessing_to_timm(tp2_run, tiny_shapes, t
 
 @pytest.mark.smoke
 def test_export_onnx_and_torchscript(tp2_run, tmp_path):
+    """Both formats load and match PyTorch; each command prints what it exported and the file it wrote, nothing of
+    torch.onnx's progress or torch.jit's deprecation warnings."""
     import onnxruntime as ort
 
     from visiondist.checkpoint.export.trained import load_trained
 
     out = tmp_path / "vit.onnx"
     stdout = _export(tp2_run, "format=onnx", f"out={out}")
-    assert "ONNX Runtime vs PyTorch" in stdout
+    lines = stdout.splitlines()
+    assert lines[:2] == [lines[0], f"  {out}"] and lines[0].startswith("exported vit_tiny from "), stdout
+    assert len(lines) == 3 and lines[2].startswith("  ONNX Runtime vs PyTorch"), stdout
     trained = load_trained(tp2_run)
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     for batch in (1, 5):  # the batch dimension is dynamic
@@ -192,7 +196,8 @@ def test_export_onnx_and_torchscript(tp2_run, tmp_path):
         assert torch.allclose(got, ref, atol=1e-4, rtol=0)
 
     script = tmp_path / "vit.pt"
-    _export(tp2_run, "format=torchscript", f"out={script}")
+    stdout = _export(tp2_run, "format=torchscript", f"out={script}")
+    assert stdout.splitlines()[1:] == [f"  {script}"] and "Warning" not in stdout, stdout
     loaded = torch.jit.load(str(script))
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():

@@ -100,3 +100,39 @@ def test_each_rank_finds_its_gpu_also_when_bound_to_one():
     assert cuda_index(3, 1) == 0  # SLURM --gpus-per-task=1: every task sees its own GPU as cuda:0
     with pytest.raises(ConfigError, match="LOCAL_RANK=3 but this process sees 2 GPUs"):
         cuda_index(3, 2)
+
+
+def test_the_flight_recorder_variable_is_the_one_this_torch_reads(tmp_path, monkeypatch):
+    """The new name where torch's sources read it (no deprecation warning at every NCCL start), else the old."""
+    from types import SimpleNamespace
+
+    name = compat.flight_recorder_env()
+    header = next(iter(torch.__path__)) + "/include/torch/csrc/distributed/c10d/FlightRecorder.hpp"
+    from pathlib import Path
+
+    if Path(header).is_file():  # the installed torch's own reading of it
+        assert name in Path(header).read_text()
+    fake = tmp_path / "torch"
+    (fake / "include/torch/csrc/distributed/c10d").mkdir(parents=True)
+    (fake / "include/torch/csrc/distributed/c10d/FlightRecorder.hpp").write_text(
+        'max_entries_ = getCvarInt({"TORCH_NCCL_TRACE_BUFFER_SIZE"}, 0);')
+    monkeypatch.setattr(compat, "torch", SimpleNamespace(__file__=str(fake / "__init__.py")))
+    assert compat.flight_recorder_env() == "TORCH_NCCL_TRACE_BUFFER_SIZE"
+    (fake / "include/torch/csrc/distributed/c10d/FlightRecorder.hpp").write_text(
+        'max_entries_ = getCvarInt({"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"}, 2000);')
+    assert compat.flight_recorder_env() == "TORCH_FR_BUFFER_SIZE"
+
+
+def test_torchaos_invalid_escapes_are_not_warned_and_nothing_else_is_hidden():
+    """Compiling torchao's sources (where no bytecode is cached) warns of an invalid escape sequence: not shown
+    after quiet_pytree; the same in another file still is."""
+    import warnings
+
+    source = 'pattern = "a\\.b"\n'
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compat.quiet_pytree()
+        compile(source, "/site-packages/torchao/quantization/quant_api.py", "exec")
+        assert not seen
+        compile(source, "/home/me/train.py", "exec")
+        assert len(seen) == 1 and "invalid escape sequence" in str(seen[0].message)

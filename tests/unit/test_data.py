@@ -55,8 +55,8 @@ def _jpeg(path, value):
 
 
 def test_unreadable_training_images_are_replaced_within_their_class(tmp_path, caplog):
-    """Empty, truncated, missing and non-image files: each is logged once and replaced by the next readable image
-    of the same class (labels unchanged); a run of max_bad_images is an error; in evaluation any is an error."""
+    """Empty, truncated, missing and non-image files: each is replaced by the next readable image of the same class
+    (labels unchanged), the first one logged; a run of max_bad_images is an error; in evaluation any is an error."""
     import logging
 
     for name in ("a", "b"):
@@ -80,14 +80,39 @@ def test_unreadable_training_images_are_replaced_within_their_class(tmp_path, ca
     assert abs(values[1] - 40) <= 2 and abs(values[2] - 40) <= 2  # a/1 and a/2 -> a/3
     assert abs(values[5] - 90) <= 2 and abs(values[6] - 90) <= 2  # b/1 and b/2 wrap round to b/0, not to class a
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 4 and all(any(f"{c}/{n}.jpg" in w for w in warnings) for c, n in
-                                      [("a", 1), ("a", 2), ("b", 1), ("b", 2)])
-    assert "file is empty" in warnings[0] and "truncated JPEG" in warnings[1]
+    assert len(warnings) == 1 and "a/1.jpg" in warnings[0] and "the file is empty" in warnings[0]
+    assert "warned once per run" in warnings[0]
 
     with pytest.raises(RuntimeError, match="2 consecutive images from index 1 could not be read"):
         ImageFolder(tmp_path, train=True, max_bad_images=2)[1]
     with pytest.raises(RuntimeError, match="cannot read evaluation image .*a/1.jpg"):
         ImageFolder(tmp_path)[1]
+
+
+def test_unreadable_images_are_warned_once_per_run_and_each_listed(tmp_path, caplog, monkeypatch):
+    """Two loader workers of one run (two copies of the data set) meet three bad files: one warning in all,
+    bad_images.txt lists each file once, and the summary's count says 3."""
+    import logging
+
+    from visiondist.data.robust import count_bad_images
+    from visiondist.utils.signals import RUN_DIR_ENV
+
+    root, run = tmp_path / "data", tmp_path / "run"
+    (root / "a").mkdir(parents=True)
+    run.mkdir()
+    for i in range(3):
+        (root / "a" / f"{i}.jpg").write_bytes(b"")
+    _jpeg(root / "a" / "3.jpg", 40)
+    monkeypatch.setenv(RUN_DIR_ENV, str(run))
+    workers = [ImageFolder(root, train=True, max_bad_images=5) for _ in range(2)]
+    with caplog.at_level(logging.WARNING):
+        for worker in workers:
+            for i in range(3):
+                worker[i]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "0.jpg" in warnings[0], warnings
+    assert sorted((run / "bad_images.txt").read_text().splitlines()) == [str(root / "a" / f"{i}.jpg") for i in range(3)]
+    assert count_bad_images(run) == 3
 
 
 def test_empty_class_folder_is_an_error(tmp_path, tiny_shapes):

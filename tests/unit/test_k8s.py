@@ -67,6 +67,40 @@ def test_the_shipped_manifests_are_the_tools_and_valid(tmp_path, kind):
     assert pod["terminationGracePeriodSeconds"] == stop + 60 and stop > 300  # a step, then the checkpoint's write
     claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]}
     assert claims == {"runs": "visiondist-runs", "dshm": None, "data": "imagenet"}
+    resources = trainer["resourcesPerNode"] if kind == "trainjob" else pod["containers"][0]["resources"]
+    # 8 ranks x (1 + 7 loader workers) CPUs (data=imagenet: num_workers=-1); Guaranteed: requests = limits
+    assert resources["requests"] == resources["limits"] == {"cpu": "64", "memory": "113Gi", "nvidia.com/gpu": "8"}
+
+
+def _pod_of(manifest: dict) -> tuple[dict, dict]:
+    """(pod spec, resources) of a manifest of either kind."""
+    if manifest["kind"] == "TrainJob":
+        pod = manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+        return pod["template"]["spec"]["template"]["spec"], manifest["spec"]["trainer"]["resourcesPerNode"]
+    pod = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    return pod, pod["containers"][0]["resources"]
+
+
+@pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
+def test_pods_request_cpu_and_memory_from_their_ranks_and_workers(tmp_path, kind):
+    """CPU: a rank and its loader workers one each; memory: 6Gi a rank, 1Gi a worker, plus /dev/shm, whose
+    sizeLimit holds the workers' ready batches twice; cpu= / memory= replace the figures; image_pull_secret= names
+    the registry's Secret. Both manifests stay valid for their operator's API."""
+    pytest.importorskip("kubeflow_trainer_api")
+    pytest.importorskip("kubeflow.training")
+    base = ["image=x", f"kind={kind}", "nodes=1", "gpus=4", "model=vit_small", "data.batch_size=1024",
+            "data.img_size=224"]
+    manifest, _ = _write(tmp_path, *base, "data.num_workers=3")
+    pod, resources = _pod_of(manifest)
+    # /dev/shm: 4 ranks (dp4) x 3 workers x 2 batches ready x 256 images x 3 x 224 x 224 bytes, twice: 1.72 GiB
+    assert resources["requests"] == resources["limits"] == {"cpu": "16", "memory": "38Gi", "nvidia.com/gpu": "4"}
+    assert {v["name"]: v.get("emptyDir") for v in pod["volumes"]}["dshm"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert "imagePullSecrets" not in pod
+    manifest, _ = _write(tmp_path, *base, "cpu=24", "memory=200Gi", "image_pull_secret=regcred")
+    pod, resources = _pod_of(manifest)
+    assert resources["requests"] == resources["limits"] == {"cpu": "24", "memory": "200Gi", "nvidia.com/gpu": "4"}
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    (_trainjob_round_trip if kind == "trainjob" else _pytorchjob_round_trip)(manifest)
 
 
 def test_a_misplaced_key_fails_the_validation(tmp_path):
@@ -104,6 +138,16 @@ def test_what_the_pods_of_a_trainjob_get_is_read_as_the_manifests_job(tmp_path):
     (["image=x", "trainer.run_dir=/foo"], "the run dir is the job's"),
     (["image=x", "data=imagenet"], "data=imagenet needs data.root"),
     (["image=x", "data_pvc=imagenet", "data=imagenet", "data.root=/mnt/imagenet"], "use a path under /data"),
+    (["image=x", "data=imagenet", "data.root=/data/imagenet"],
+     "data.root=/data/imagenet is under /data, where data_pvc=<claim> mounts the data: give data_pvc="),
+    (["image=x", "gpus=3", "model=vit_small", "parallel=tp2"], "parallel.tp=2 does not divide the 3 ranks per node: a tensor-parallel "
+                                            "group must sit inside one node; run a multiple of 2 ranks per node "
+                                            "(gpus=, the ranks of each pod)"),
+    (["image=x", "nodes=1", "gpus=6", "model=vit_base", "parallel=tp4"],
+     "world size 6 is not divisible by parallel.tp x parallel.pp = 4: run a multiple of 4 ranks (nodes= x gpus=)"),
+    (["image=x", "cpu=lots"], "cpu=lots: give the CPUs of each pod as Kubernetes writes them"),
+    (["image=x", "memory=512Mi"], "memory=512Mi is less than the pod's /dev/shm"),
+    (["image=x", "image_pull_secret=Reg_Cred"], "image_pull_secret=Reg_Cred is not a Kubernetes Secret name"),
     (["image=x", "trainer.accelerator=cpu"], "the pods ask for GPUs"),
     (["image=x", "gpus=8", "trainer.devices=2"], "trainer.devices=2 but each pod starts gpus=8 ranks"),
     (["image=bad image"], "is not an image reference"),
@@ -119,3 +163,4 @@ def test_bad_keys_are_one_line_naming_the_fix(tmp_path, capsys, args, says):
     assert k8s.main(args) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1, err
+    assert "torchrun" not in err and "(trainer.devices" not in err, err  # the pods' knobs are this tool's keys

@@ -1,6 +1,7 @@
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from visiondist.train.optim import build_optimizer, lr_factor, param_groups
@@ -27,6 +28,29 @@ def test_warmup_then_cosine():
     assert all(a >= b for a, b in zip(f[10:], f[11:]))
     assert math.isclose(f[-1], 0.01)
     assert math.isclose(f[60], 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * 50 / 99)))
+
+
+def test_the_default_warmup_is_a_tenth_of_the_run_up_to_its_cap():
+    """configs/schedule/*.yaml's warmup_steps=-1: a 6-step example run gets 1 step (and no warning that the warmup
+    is cut), the default run (279 steps) and longer ones the cap; a count the user gives is kept, cut only to leave
+    the last step out."""
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+    from visiondist.train.optim import warmup_length
+
+    from helpers import REPO
+
+    cosine = load_config(REPO / "configs", [], inputs=None).schedule
+    step = load_config(REPO / "configs", ["schedule=step"], inputs=None).schedule
+    assert cosine.warmup_steps == step.warmup_steps == -1
+    assert [warmup_length(cosine, n) for n in (4, 6, 20, 100, 279, 5000)] == [0, 1, 4, 20, 30, 30]
+    assert [warmup_length(step, n) for n in (6, 100, 5000)] == [1, 20, 50]
+    given = load_config(REPO / "configs", ["schedule.warmup_steps=30"], inputs=None).schedule
+    assert [warmup_length(given, n) for n in (6, 100)] == [5, 30]
+    f = [lr_factor(s, 6, cosine) for s in range(6)]
+    assert f[0] == cosine.warmup_start_factor and f[1] == 1.0 and math.isclose(f[-1], cosine.min_lr_ratio)
+    with pytest.raises(ConfigError, match=r"0 \(no warmup\) or -1 \(a fifth of the run"):
+        load_config(REPO / "configs", ["schedule.warmup_steps=-2"], inputs=None)
 
 
 def test_step_schedule():

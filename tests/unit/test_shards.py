@@ -302,3 +302,19 @@ def test_the_pack_command_names_every_unreadable_image_in_one_run(capsys, tmp_pa
     assert code == 0 and (tmp_path / "out" / "dataset.json").is_file(), (out, err)
     assert re.search(r"(\d+) of (\d+) shards were written by an earlier run of this pack: writing the other [1-4]\b",
                      out), out
+
+
+def test_a_corrupt_jpeg_that_decodes_is_packed_and_libjpegs_warning_names_it(capfd, tmp_path):
+    """libjpeg prints "Corrupt JPEG data: ..." to the process's stderr itself, naming no file: the pack's workers
+    put the file's path in front of it; the image is packed (the loaders decode it the same way)."""
+    from helpers import call_tool
+
+    source = _tree(tmp_path / "tree", train=4, val=2)
+    corrupt = source / "train" / "dog" / "2.jpg"
+    data = corrupt.read_bytes()
+    corrupt.write_bytes(data[:len(data) // 2] + b"\xff\xd9")  # the scan cut short, the end marker kept
+    command = ["pack", "data=imagenet", f"data.root={source}", f"out={tmp_path / 'out'}", "workers=2"]
+    code, _, lines = call_tool(capfd, "data", *command)
+    assert code == 0, lines
+    warned = [line for line in lines if "Corrupt JPEG data" in line]
+    assert warned == [f"{corrupt}: Corrupt JPEG data: premature end of data segment"], lines

@@ -166,7 +166,8 @@ class OptimConfig:
 @dataclass
 class ScheduleConfig:
     name: str = "cosine"
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # -1 (configs/schedule/'s default): a fifth of the run's steps, at most warmup_auto_max
+    warmup_auto_max: int = 30
     warmup_start_factor: float = 0.01  # lr multiplier at step 0 of the warmup
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of optim.lr
     milestones: list[float] = field(default_factory=lambda: [0.66, 0.88])  # step: fractions of the run

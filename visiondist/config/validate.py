@@ -205,7 +205,10 @@ def _check_optim(o: DictConfig) -> None:
 
 def _check_schedule(s: DictConfig) -> None:
     _one_of("schedule", s.name, _SCHEDULES)
-    _positive("schedule.warmup_steps", s.warmup_steps, allow_zero=True)
+    if s.warmup_steps < -1:
+        raise ConfigError(f"schedule.warmup_steps={s.warmup_steps}: give a count of steps, 0 (no warmup) or -1 (a "
+                          "fifth of the run, at most schedule.warmup_auto_max)")
+    _positive("schedule.warmup_auto_max", s.warmup_auto_max, allow_zero=True)
     if not 0 <= s.min_lr_ratio <= 1:
         raise ConfigError(f"schedule.min_lr_ratio={s.min_lr_ratio} must be in [0, 1]")
 

@@ -345,16 +345,15 @@ class collate_encoded:  # noqa: N801 - used as the DataLoader's collate function
 
 
 class FallbackCount:
-    """The images the workers had to decode under `data.decode_on=device`: training's counted (logged the first time,
-    then at each power of ten), and each file, training's and evaluation's, named once per rank, in the log (the
-    first `NAMED`) and in `<run>/worker_decoded.txt` (`path<TAB>why`, a line per file and rank). A training file
-    counts once per time it is read, every epoch."""
+    """The images the workers had to decode under `data.decode_on=device`: training's counted (the run's summary
+    gives the count), each file, training's and evaluation's, listed once per rank in `<run>/worker_decoded.txt`
+    (`path<TAB>why`, a line per file and rank), and one log line the first time there are any: their count so far
+    and the first `NAMED` names. A training file counts once per time it is read, every epoch."""
 
-    NAMED = 10
+    NAMED = 3
 
     def __init__(self):
         self.images = self.fallbacks = 0
-        self._next = 1
         self.named: set[str] = set()
 
     def add(self, batch: EncodedBatch, device: torch.device) -> None:
@@ -364,10 +363,6 @@ class FallbackCount:
         self.images += len(batch)
         self.fallbacks += int((batch.crops[:, 0] == 0).sum())
         self._name(getattr(batch, "decoded_by_worker", []))
-        if self.fallbacks >= self._next:
-            log.info("data.decode_on=device: %d of %d training images read so far were decoded in the loader "
-                     "workers (%d files: %s)", self.fallbacks, self.images, len(self.named), WORKER_DECODED)
-            self._next *= 10
 
     def naming(self, batches):
         """`batches` (evaluation's), each one's worker-decoded files named as training's are, none counted."""
@@ -380,11 +375,13 @@ class FallbackCount:
         new = [(name, why) for name, why in dict(decoded).items() if name not in self.named]
         if not new:
             return
-        for name, why in new:
-            self.named.add(name)
-            if len(self.named) <= self.NAMED:
-                log.info("data.decode_on=device: %s is decoded in the loader workers (%s)%s", name, why,
-                         "; further files: " + WORKER_DECODED if len(self.named) == self.NAMED else "")
+        if not self.named:  # the one line: what the device cannot decode is not an error, and rarely one file
+            names = ", ".join(f"{name} ({why})" for name, why in new[:self.NAMED])
+            more = f", and {len(new) - self.NAMED} more" if len(new) > self.NAMED else ""
+            log.info("data.decode_on=device: %d file%s so far %s decoded in the loader workers, not on the device: "
+                     "%s%s (%s lists every one; the run's summary counts them)", len(new), "" if len(new) == 1 else "s",
+                     "is" if len(new) == 1 else "are", names, more, WORKER_DECODED)
+        self.named.update(name for name, _ in new)
         listed = worker_decoded_file()
         if listed is not None:
             with listed.open("a") as f:

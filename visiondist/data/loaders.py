@@ -46,8 +46,8 @@ def _num_workers(requested: int) -> int:
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # this node's ranks (torchrun, srun, the self-launch)
     workers = loader_workers(requested, ranks)
     if requested < 0:
-        log.info("data.num_workers=-1: %d loader worker%s per rank (%d cores, %d rank%s on this node, one core each "
-                 "for the rank itself; at most %d)", workers, "" if workers == 1 else "s", usable_cores(), ranks,
+        log.info("data.num_workers=-1: %d loader worker%s per rank (%d CPUs this process may use, %d rank%s on this "
+                 "node, one CPU each for the rank itself; at most %d)", workers, "" if workers == 1 else "s", usable_cores(), ranks,
                  "" if ranks == 1 else "s", AUTO_WORKERS_MAX)
     return workers
 

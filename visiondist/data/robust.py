@@ -2,15 +2,15 @@
 
 A training sample whose file is missing, empty, truncated or not an image is replaced by the next candidate the
 dataset names (for classification: the next image of the same class, so labels and class balance are unchanged; for
-detection: the next image). Each bad file is logged once per run (the workers share `<run>/bad_images.txt`, and the
-run's summary counts its lines); `limit`
-consecutive unreadable candidates stop the run with the last path and the fix. Evaluation never replaces: an
+detection: the next image). The run's first bad file is logged, once per run; every one is listed in
+`<run>/bad_images.txt` (shared by the workers), whose lines the run's summary counts; `limit` consecutive unreadable candidates stop the run with the last path and the fix. Evaluation never replaces: an
 unreadable validation image is an error, since every image must be scored exactly once.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -27,23 +27,30 @@ class BadImages:
         self.seen: set[str] = set()
         self.replaced = 0
 
-    def _first_sighting(self, path: str) -> bool:
-        """Whether no loader worker of this run has reported `path` yet. Workers share `<run>/bad_images.txt` (one
-        path a line; the run's summary counts it), so each bad file is warned about once per run, not per worker."""
+    def _first_of_run(self, path: str) -> bool:
+        """Record `path` in `<run>/bad_images.txt` (one path a line, shared by the workers; the run's summary counts
+        it) unless it is there; True only for the run's first bad file, whichever worker meets it (the file created
+        exclusively). Outside a run, True for this process's first."""
+        first = not self.seen
         if path in self.seen:
             return False
         self.seen.add(path)
         record = bad_images_file()
         if record is None:
-            return True
+            return first
         try:
-            if record.is_file() and path in record.read_text().splitlines():
-                return False
+            try:
+                os.close(os.open(record, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                first = True
+            except FileExistsError:
+                first = False
+                if path in record.read_text().splitlines():
+                    return False
             with record.open("a") as f:
                 f.write(path + "\n")
         except OSError:
             pass
-        return True
+        return first
 
     def read(self, candidates: Iterable[tuple[int, str | Path]], read: Callable[[str], np.ndarray]
              ) -> tuple[int, np.ndarray]:
@@ -60,17 +67,16 @@ class BadImages:
                 if not self.train:
                     raise RuntimeError(f"cannot read evaluation image {path}: {exc}") from exc
                 self.replaced += 1
-                if self._first_sighting(str(path)):
+                if self._first_of_run(str(path)):
                     log.warning("cannot read %s (%s): using the next image instead (warned once per run; the "
-                                "summary counts them, bad_images.txt lists them)", path, exc)
+                                "summary counts the unreadable images, bad_images.txt in the run dir lists each)",
+                                path, exc)
         raise RuntimeError(f"{self.limit} consecutive images from index {first} could not be read (last: {last}): "
                            "check the image folder, or raise data.max_bad_images")
 
 
 def bad_images_file() -> Path | None:
     """`<run>/bad_images.txt` of the run this process belongs to (None outside a run)."""
-    import os
-
     from visiondist.utils.signals import RUN_DIR_ENV
 
     run_dir = os.environ.get(RUN_DIR_ENV)

@@ -145,17 +145,18 @@ AUTO_WORKERS_MAX = 16  # data.num_workers=-1: at most this many loader workers p
 
 
 def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity: a SLURM allocation or taskset, not the whole machine)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform
-        return os.cpu_count() or 1
+    """The CPUs this process may run on: its affinity (a SLURM allocation, taskset) and its container's CPU quota,
+    not the whole machine (`visiondist.utils.procenv.usable_cpus`)."""
+    from visiondist.utils.procenv import usable_cpus
+
+    return usable_cpus()
 
 
 def loader_workers(requested: int, ranks_per_node: int, cores: int | None = None) -> int:
-    """`data.num_workers` made concrete on a rank: as given when >= 0; -1 (auto): what the node's cores allow each of
-    its `ranks_per_node` ranks, one core for the rank's own work and the rest for its loader workers, at most
-    `AUTO_WORKERS_MAX`; 0 (the rank loads its batches itself) where a rank has a single core or less."""
+    """`data.num_workers` made concrete on a rank: as given when >= 0; -1 (auto): what the CPUs this process may use
+    (`usable_cores`) allow each of its node's `ranks_per_node` ranks, one for the rank's own work and the rest for
+    its loader workers, at most `AUTO_WORKERS_MAX`; 0 (the rank loads its batches itself) where a rank has a single
+    CPU or less."""
     if requested >= 0:
         return requested
     cores = usable_cores() if cores is None else cores

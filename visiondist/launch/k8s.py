@@ -9,7 +9,13 @@ What every manifest holds:
 - `trainer.stop_timeout_s` and the pods' `terminationGracePeriodSeconds` from one figure, the time a step and a
   checkpoint take (`visiondist.launch.stop.grace_seconds`), plus the launcher's own exit: Kubernetes' SIGTERM then
   leaves every rank its checkpoint before the SIGKILL;
-- shared memory for the loader workers (an in-memory emptyDir at /dev/shm; a container's default is 64 MB).
+- shared memory for the loader workers (an in-memory emptyDir at /dev/shm; a container's default is 64 MB), with a
+  `sizeLimit` from the batches the workers keep ready;
+- CPU and memory requested, equal to their limits (`pod_resources`), so that the pods are Guaranteed, the last the
+  kubelet evicts: one CPU per rank and one per loader worker, the memory of the ranks, their workers and /dev/shm
+  (which counts against the pod's memory). The limit is the container's CPU quota, which `data.num_workers=-1` and
+  the ranks' threads follow (`visiondist.utils.procenv.usable_cpus`);
+- `imagePullSecrets` where the image is in a private registry.
 """
 
 from __future__ import annotations
@@ -17,12 +23,78 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from visiondist.config import ConfigError
 
 EXIT_MARGIN_S = 60  # the launcher's own exit after the ranks' checkpoint: the agent's shutdown, the logs flushed
 KINDS = ("trainjob", "pytorchjob")
+AUTO_WORKERS = 7  # data.num_workers=-1 without cpu=: the loader workers per rank a pod is sized for (8 CPUs a GPU)
+RANK_GIB = 6.0  # host memory of a GPU rank: torch and CUDA libraries and context, pinned batches, checkpoint staging
+WORKER_GIB = 1.0  # one loader worker: decoders, augmentation buffers, the pages of the index it writes to
+SHM_MIN_GIB = 1  # /dev/shm at least this
+GIB = 1024 ** 3
+_CPU = re.compile(r"(\d+(\.\d+)?)(m?)")
+_MEMORY = re.compile(r"(\d+(\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?")
+_UNITS = {None: 1, "Ki": 1024, "Mi": 1024 ** 2, "Gi": GIB, "Ti": 1024 ** 4, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+
+
+@dataclass(frozen=True)
+class PodResources:
+    """What each pod requests (and is limited to), as Kubernetes quantities, and what it was sized for."""
+    cpu: str
+    memory: str
+    shm: str  # the /dev/shm volume's sizeLimit (inside `memory`)
+    ranks: int
+    workers: int  # loader workers per rank
+
+
+def cpu_count_of(value: str) -> float:
+    """`cpu=` as CPUs ("16", "7.5", "15500m"), or a one-line refusal."""
+    match = _CPU.fullmatch(value.strip())
+    if not match or float(match.group(1)) <= 0:
+        raise ConfigError(f"cpu={value}: give the CPUs of each pod as Kubernetes writes them, e.g. cpu=64 or "
+                          "cpu=63500m")
+    return float(match.group(1)) / (1000 if match.group(3) else 1)
+
+
+def bytes_of(value: str) -> float:
+    """`memory=` in bytes ("256Gi", "200G", "512Mi"), or a one-line refusal."""
+    match = _MEMORY.fullmatch(value.strip())
+    if not match or float(match.group(1)) <= 0:
+        raise ConfigError(f"memory={value}: give the memory of each pod as Kubernetes writes it, e.g. memory=256Gi")
+    return float(match.group(1)) * _UNITS[match.group(3)]
+
+
+def pod_resources(cfg: Any, ranks: int, dp: int, cpu: str = "", memory: str = "") -> PodResources:
+    """A pod of `ranks` ranks (`dp` data-parallel groups in the job): its CPUs (`cpu=`, else one per rank and one per
+    loader worker: data.num_workers, or `AUTO_WORKERS` for -1), its /dev/shm (the batches its workers keep ready,
+    twice over, at least `SHM_MIN_GIB`) and its memory (`memory=`, else `RANK_GIB` a rank, `WORKER_GIB` a worker,
+    plus /dev/shm)."""
+    from visiondist.data.workers import loader_workers
+
+    d = cfg.data
+    requested = int(d.num_workers)
+    if cpu:
+        cpus = cpu_count_of(cpu)
+        workers = loader_workers(requested, ranks, cores=int(cpus))  # -1: what the pods' CPU quota gives them
+    else:
+        workers = requested if requested >= 0 else AUTO_WORKERS
+        cpus = ranks * (1 + workers)
+    per_rank_batch = -(-int(d.batch_size) // max(1, dp * int(cfg.trainer.grad_accum)))
+    image = 3 * (int(d.min_size) * int(d.max_size) if d.format == "coco" else int(d.img_size) ** 2)  # uint8
+    ready = ranks * workers * int(d.get("prefetch_factor", 2)) * per_rank_batch * image
+    shm_gib = max(SHM_MIN_GIB, math.ceil(2 * ready / GIB))
+    if memory:
+        if bytes_of(memory) < shm_gib * GIB:
+            raise ConfigError(f"memory={memory} is less than the pod's /dev/shm ({shm_gib}Gi: {ranks} ranks x "
+                              f"{workers} loader workers x their ready batches), which counts against it: give "
+                              f"memory={shm_gib + math.ceil(ranks * (RANK_GIB + workers * WORKER_GIB))}Gi or more, "
+                              "or fewer workers (data.num_workers)")
+    else:
+        memory = f"{math.ceil(ranks * (RANK_GIB + workers * WORKER_GIB)) + shm_gib}Gi"
+    cpu = cpu.strip() if cpu else str(int(cpus))
+    return PodResources(cpu=cpu, memory=memory.strip(), shm=f"{shm_gib}Gi", ranks=ranks, workers=workers)
 
 
 @dataclass(frozen=True)
@@ -38,6 +110,8 @@ class JobSpec:
     workdir: str = "/workspace/visiondist"  # where the image holds the project (tools/train.py, configs/)
     data_pvc: str = ""  # a claim with the data, mounted read-only at /data
     env: dict[str, str] = field(default_factory=dict)
+    resources: Optional[PodResources] = None  # None: GPUs only
+    pull_secret: str = ""  # imagePullSecrets: a Secret with the registry's credentials
 
     def __post_init__(self):
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.name):
@@ -68,8 +142,8 @@ def default_name(overrides: list[str]) -> str:
 
 
 def _volumes(spec: JobSpec) -> tuple[list[dict], list[dict]]:
-    volumes = [{"name": "runs", "persistentVolumeClaim": {"claimName": spec.pvc}},
-               {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    shm = {"medium": "Memory", **({"sizeLimit": spec.resources.shm} if spec.resources else {})}
+    volumes = [{"name": "runs", "persistentVolumeClaim": {"claimName": spec.pvc}}, {"name": "dshm", "emptyDir": shm}]
     mounts = [{"name": "runs", "mountPath": spec.mount}, {"name": "dshm", "mountPath": "/dev/shm"}]
     if spec.data_pvc:
         volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data_pvc, "readOnly": True}})
@@ -81,20 +155,33 @@ def _env(spec: JobSpec) -> list[dict]:
     return [{"name": k, "value": v} for k, v in sorted(spec.env.items())]
 
 
+def _resources(spec: JobSpec) -> dict[str, Any]:
+    """Requests equal to limits (the Guaranteed class); quantities are strings."""
+    amounts = {"cpu": spec.resources.cpu, "memory": spec.resources.memory} if spec.resources else {}
+    amounts["nvidia.com/gpu"] = str(spec.gpus)
+    return {"requests": dict(amounts), "limits": dict(amounts)} if spec.resources else {"limits": amounts}
+
+
+def _pod(spec: JobSpec, containers: list[dict], volumes: list[dict]) -> dict[str, Any]:
+    pod: dict[str, Any] = {"terminationGracePeriodSeconds": spec.termination_grace_s}
+    if spec.pull_secret:
+        pod["imagePullSecrets"] = [{"name": spec.pull_secret}]
+    return {**pod, "containers": containers, "volumes": volumes}
+
+
 def trainjob(spec: JobSpec) -> dict[str, Any]:
     """A Kubeflow Trainer v2 TrainJob on the `torch-distributed` runtime (which sets PET_NNODES, PET_NPROC_PER_NODE,
     PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT in each pod); the volumes and the grace period through a
     runtime patch of its `node` job (Trainer 2.3's runtimePatches)."""
     volumes, mounts = _volumes(spec)
-    container = {"name": "node", "volumeMounts": mounts}
-    pod = {"terminationGracePeriodSeconds": spec.termination_grace_s, "volumes": volumes, "containers": [container]}
+    pod = _pod(spec, [{"name": "node", "volumeMounts": mounts}], volumes)
     trainer: dict[str, Any] = {
         "image": spec.image,
         "command": ["python", f"{spec.workdir}/tools/train.py"],
         "args": spec.args,
         "numNodes": spec.nodes,
         "numProcPerNode": spec.gpus,
-        "resourcesPerNode": {"limits": {"nvidia.com/gpu": str(spec.gpus)}},  # a quantity: a string
+        "resourcesPerNode": _resources(spec),
     }
     if spec.env:
         trainer["env"] = _env(spec)
@@ -122,14 +209,12 @@ def pytorchjob(spec: JobSpec) -> dict[str, Any]:
             "name": "pytorch",  # the operator's container name
             "image": spec.image,
             "command": ["python", f"{spec.workdir}/tools/train.py", *spec.args],
-            "resources": {"limits": {"nvidia.com/gpu": str(spec.gpus)}},
+            "resources": _resources(spec),
             "volumeMounts": mounts,
         }
         if spec.env:
             container["env"] = _env(spec)
-        return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": {
-            "terminationGracePeriodSeconds": spec.termination_grace_s, "containers": [container],
-            "volumes": volumes}}}
+        return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": _pod(spec, [container], volumes)}}
 
     replica_specs = {"Master": replicas(1)}
     if spec.nodes > 1:
@@ -150,11 +235,27 @@ def manifest(kind: str, spec: JobSpec) -> dict[str, Any]:
     return trainjob(spec) if kind == "trainjob" else pytorchjob(spec)
 
 
-def grace_for(cfg: Any, nodes: int, gpus: int) -> int:
-    """trainer.stop_timeout_s for the job: the user's, else the planned wait for a step and this node's share of
-    the checkpoint (`grace_seconds`) on the layout the job resolves to, rounded up to a whole second."""
-    from visiondist.launch.stop import grace_seconds
+# the launcher's knobs that a layout's refusal names, and this tool's for the same thing
+_KNOBS = {"(trainer.devices, or torchrun's --nproc-per-node)": "(gpus=, the ranks of each pod)",
+          "(trainer.devices; under torchrun, --nproc-per-node x --nnodes)": "(nodes= x gpus=)"}
+
+
+def job_layout(cfg: Any, nodes: int, gpus: int) -> Any:
+    """The layout the job's pods resolve to (`RunLayout`); a refusal names this tool's keys (gpus=, nodes=)."""
     from visiondist.plan import resolve_on
 
-    run = resolve_on(cfg, nodes * gpus, nodes)
+    try:
+        return resolve_on(cfg, nodes * gpus, nodes)
+    except ConfigError as exc:
+        line = str(exc)
+        for theirs, ours in _KNOBS.items():
+            line = line.replace(theirs, ours)
+        raise ConfigError(line) from None
+
+
+def grace_for(cfg: Any, run: Any) -> int:
+    """trainer.stop_timeout_s for the job: the planned wait for a step and this node's share of the checkpoint
+    (`grace_seconds`) on the job's layout `run` (`job_layout`), rounded up to a whole second."""
+    from visiondist.launch.stop import grace_seconds
+
     return int(math.ceil(grace_seconds(cfg, run)))

@@ -29,6 +29,7 @@ from visiondist.launch.spawn import _quiet_agent, spawn_local, spawn_ranks
 from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stopped_line
 from visiondist.plan import announce, cuda_device_count, resolve
 from visiondist.utils.exit import leave_quickly_when_done
+from visiondist.utils.procenv import threads_per_rank
 from visiondist.plan.world import find_accelerator, under_torchrun
 from visiondist.plan.resolve import compile_plan
 from visiondist.launch.estimate import check_gpu_layout
@@ -39,9 +40,10 @@ Entry = Callable[[DictConfig, Any, Path], Any]
 
 
 def _set_threads(local_world: int) -> None:
-    """Split the CPU cores between the ranks of a node unless the user chose (OMP_NUM_THREADS)."""
+    """Split this process's CPUs (affinity and container quota) between the ranks of a node unless the user chose
+    (OMP_NUM_THREADS)."""
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(threads_per_rank(local_world))
 
 
 def _init_rank(run: RunLayout, single: bool, startup_timeout_s: float = 1800.0,
@@ -134,9 +136,11 @@ def _flight_recorder(run_dir: Path, accelerator: str) -> None:
     recorder). Set before the process group exists; a user's own settings win."""
     if accelerator != "cuda":
         return
+    from visiondist.compat import flight_recorder_env
     from visiondist.utils.signals import HANG_DIR
 
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:  # the old name, set by the user, is theirs
+        os.environ.setdefault(flight_recorder_env(), "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     if "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in os.environ:
         (run_dir / HANG_DIR).mkdir(exist_ok=True)

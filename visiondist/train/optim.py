@@ -101,7 +101,11 @@ def build_optimizer(cfg, model: nn.Module, depth: int = 0) -> torch.optim.Optimi
 
 
 def warmup_length(cfg, total_steps: int) -> int:
-    """The steps of warmup a run of `total_steps` gets: `schedule.warmup_steps`, cut to leave the last step out."""
+    """The steps of warmup a run of `total_steps` gets: `schedule.warmup_steps`, cut to leave the last step out;
+    -1 (the schedules' default): a fifth of the run, at most `schedule.warmup_auto_max` (the default run's 279 steps
+    get the whole 30; a 6-step example 1)."""
+    if cfg.warmup_steps < 0:
+        return min(int(getattr(cfg, "warmup_auto_max", 30)), total_steps // 5)
     return min(cfg.warmup_steps, max(total_steps - 1, 0))
 
 

@@ -36,7 +36,8 @@ def write_onnx(trained: Trained, path: Path, out: Path) -> list[Path]:
     if family == "vit":
         batch = torch.export.Dim("batch", min=1, max=4096)
         program = torch.onnx.export(model, (example_images(trained.cfg),), dynamo=True, input_names=["images"],
-                                    output_names=["logits"], dynamic_shapes={"x": {0: batch}}, external_data=False)
+                                    output_names=["logits"], dynamic_shapes={"x": {0: batch}}, external_data=False,
+                                    verbose=False)  # torch.onnx's progress lines: the tool prints the file written
         program.model.metadata_props.update(metadata)
         program.save(str(path))
     elif family in ("torchvision", "vitdet"):

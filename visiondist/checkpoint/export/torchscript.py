@@ -23,6 +23,8 @@ def write_torchscript(trained: Trained, path: Path, out: Path) -> list[Path]:
                          "from_pretrained directory)")
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the input-size check is constant for the trace
+        # newer torch calls torch.jit deprecated at each call: the user asked for this format, the tool says so once
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=FutureWarning)
         scripted = torch.jit.trace(model, example_images(trained.cfg)) if family == "vit" else torch.jit.script(model)
-    torch.jit.save(scripted, str(path))
+        torch.jit.save(scripted, str(path))
     return []

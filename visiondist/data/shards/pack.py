@@ -23,13 +23,18 @@ import io
 import json
 import os
 import shutil
+import sys
 import tarfile
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
+
+from visiondist.utils.procenv import usable_cpus
 
 FORMAT = "visiondist-shards"
 MIN_SHARDS = 64  # the automatic shard size's floor on a split's shards: enough for data.streams x nodes
@@ -170,7 +175,7 @@ def write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, di
             records[job["name"]] = json.loads(record.read_text())
         else:
             todo.append(job)
-    workers = options.workers if options.workers > 0 else len(os.sched_getaffinity(0))
+    workers = options.workers if options.workers > 0 else usable_cpus()
     total = sum(len(j["samples"]) for j in jobs)
     kept = len(jobs) - len(todo)
     if kept:
@@ -279,7 +284,8 @@ def _image_bytes(path: str, max_side: Optional[int], quality: int) -> tuple[byte
 
     data = Path(path).read_bytes()
     ext = EXTENSIONS.get(Path(path).suffix.lower(), Path(path).suffix.lower())
-    image = decode_rgb(data, path)
+    with decoder_messages_named(path):
+        image = decode_rgb(data, path)
     if not max_side:
         return data, ext
     import cv2
@@ -292,6 +298,38 @@ def _image_bytes(path: str, max_side: Optional[int], quality: int) -> tuple[byte
     if not ok:
         raise PackError(f"cannot encode {path} as JPEG")
     return encoded.tobytes(), ".jpg"
+
+
+_CAPTURE: list = []  # this process's file that the decoder's stderr goes to while it decodes (made once)
+
+
+@contextmanager
+def decoder_messages_named(path) -> Iterator[None]:
+    """libjpeg writes its warnings ("Corrupt JPEG data: premature end of data segment") straight to the process's
+    stderr, naming no file: while the body decodes `path`, they go to a file, and come out on stderr after it, each
+    line with the path in front (other text on stderr meanwhile, e.g. a progress bar's, unchanged)."""
+    if not _CAPTURE:
+        _CAPTURE.append(tempfile.TemporaryFile())
+    capture = _CAPTURE[0]
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(capture.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        size = os.lseek(capture.fileno(), 0, os.SEEK_END)
+        if size:
+            text = os.pread(capture.fileno(), size, 0).decode(errors="replace")
+            os.ftruncate(capture.fileno(), 0)
+            sys.stderr.write("".join(f"{path}: {line}\n" if line.startswith(_DECODER_WARNINGS) else line + "\n"
+                                     for line in text.splitlines()))
+            sys.stderr.flush()
+
+
+_DECODER_WARNINGS = ("Corrupt JPEG data", "Premature end of JPEG file", "Invalid SOS parameters", "libpng warning",
+                     "Warning:", "Unknown Adobe")
 
 
 def write_index(out: Path, split: str, jobs: list[dict], records: dict, extra: Optional[dict] = None) -> dict:

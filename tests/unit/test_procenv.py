@@ -1,0 +1,73 @@
+"""The CPUs a process may use (affinity and container quota) and the environment every process gets. The started
+processes themselves (a tool, its ranks, their loader workers): tests/multirank/test_procenv.py."""
+
+import os
+
+from visiondist.utils import procenv
+
+
+def _cgroup(tmp_path, proc: str, files: dict[str, str]):
+    """A fake cgroup mount (`files`: path under it -> text) and /proc/self/cgroup (`proc`)."""
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (tmp_path / "proc_cgroup").write_text(proc)
+    return root, tmp_path / "proc_cgroup"
+
+
+def test_the_cgroup_v2_quota_in_whole_cpus(tmp_path):
+    root, proc = _cgroup(tmp_path, "0::/\n", {"cpu.max": "max 100000\n"})
+    assert procenv.cgroup_cpus(root, proc) is None  # no limit
+    (root / "cpu.max").write_text("400000 100000\n")
+    assert procenv.cgroup_cpus(root, proc) == 4
+    (root / "cpu.max").write_text("150000 100000\n")
+    assert procenv.cgroup_cpus(root, proc) == 1  # 1.5 CPUs: one whole
+    (root / "cpu.max").write_text("20000 100000\n")
+    assert procenv.cgroup_cpus(root, proc) == 1  # at least one
+
+
+def test_the_smallest_quota_of_the_cgroup_and_its_parents(tmp_path):
+    """A pod's cgroup under a node's kubepods: the pod's 4 CPUs, not the parent's 64 nor an unlimited child."""
+    root, proc = _cgroup(tmp_path, "0::/kubepods/pod1/ctr\n", {
+        "kubepods/cpu.max": "6400000 100000", "kubepods/pod1/cpu.max": "400000 100000",
+        "kubepods/pod1/ctr/cpu.max": "max 100000"})
+    assert procenv.cgroup_cpus(root, proc) == 4
+
+
+def test_the_cgroup_v1_quota(tmp_path):
+    root, proc = _cgroup(tmp_path, "4:memory:/x\n2:cpu,cpuacct:/docker/abc\n", {
+        "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "800000", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000"})
+    assert procenv.cgroup_cpus(root, proc) == 8
+    (root / "cpu,cpuacct/docker/abc/cpu.cfs_quota_us").write_text("-1")
+    assert procenv.cgroup_cpus(root, proc) is None
+    # a container that sees its own cgroup at the mount point, whatever /proc names
+    root, proc = _cgroup(tmp_path / "c", "2:cpu,cpuacct:/kubepods/gone\n", {
+        "cpu/cpu.cfs_quota_us": "300000", "cpu/cpu.cfs_period_us": "100000"})
+    assert procenv.cgroup_cpus(root, proc) == 3
+
+
+def test_usable_cpus_is_the_smaller_of_affinity_and_quota(tmp_path, monkeypatch):
+    """A pod limited to 4 CPUs on a 64-core node: 4, so data.num_workers=-1 starts 3 workers, not 15 (or 63)."""
+    from visiondist.data import workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    root, proc = _cgroup(tmp_path, "0::/\n", {"cpu.max": "400000 100000"})
+    assert procenv.usable_cpus(root, proc) == 4
+    monkeypatch.setattr(procenv, "CGROUP_ROOT", root)
+    monkeypatch.setattr(procenv, "PROC_CGROUP", proc)
+    assert workers.loader_workers(-1, 1) == 3 and procenv.threads_per_rank(2) == 2
+    (root / "cpu.max").write_text("max 100000")
+    assert procenv.usable_cpus(root, proc) == 64
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # taskset -c 0,1 under a larger quota
+    (root / "cpu.max").write_text("800000 100000")
+    assert procenv.usable_cpus(root, proc) == 2
+
+
+def test_the_defaults_are_set_unless_the_user_chose():
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    procenv.set_process_defaults(env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE", "NO_ALBUMENTATIONS_UPDATE": "1"}
+    env = {}
+    procenv.set_process_defaults(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "NO_ALBUMENTATIONS_UPDATE": "1"}
