@@ -82,9 +82,12 @@ def run_together(commands: list[list[str]], timeout: float = 300, envs: Optional
 
 
 def train_args(data_root: Path, run: Path, *extra: str) -> list[str]:
-    """The tiny set at 16 images per step, a loss row every step, on the CPU, into `run`."""
-    return [*TINY_DATA, f"data.root={data_root}", "data.batch_size=16", "trainer.log_every=1",
-            "trainer.accelerator=cpu", "trainer.loggers=[csv]", f"trainer.run_dir={run}", *extra]
+    """The tiny set at 16 images per step, a loss row every step, on the CPU (or the test device:
+    `devices.on_test_device`), into `run`."""
+    from devices import on_test_device
+
+    return on_test_device([*TINY_DATA, f"data.root={data_root}", "data.batch_size=16", "trainer.log_every=1",
+                           "trainer.accelerator=cpu", "trainer.loggers=[csv]", f"trainer.run_dir={run}", *extra])
 
 
 def train_ok(*args: str, timeout: float = 300, script: Path = TRAIN) -> str:
@@ -172,13 +175,16 @@ class RanksFailed(AssertionError):
 
 
 def spawn_ranks(fn, nprocs: int, *args, timeout: float = 240, **kwargs):
-    """Run `fn(*args, **kwargs)` (a module-level function of a tests/ module) on `nprocs` gloo ranks in a fresh
-    process group under torch's elastic launcher. Returns {rank: return value}. A failing rank raises `RanksFailed`
-    naming every failing rank with its traceback; past `timeout` seconds every process of the group is killed and
-    the test fails with their output."""
+    """Run `fn(*args, **kwargs)` (a module-level function of a tests/ module) on `nprocs` ranks (gloo processes, or
+    on the test device: `devices.init_test_rank`) under torch's elastic launcher. Returns {rank: return value}. A
+    failing rank raises `RanksFailed` naming every failing rank with its traceback; past `timeout` seconds every
+    process of the group is killed and the test fails with their output."""
     import pickle
     import tempfile
 
+    from devices import spawned
+
+    spawned(nprocs)  # the test device has room for them (or the test is skipped)
     with tempfile.TemporaryDirectory() as tmp:
         args_file, result_file = Path(tmp) / "args.pkl", Path(tmp) / "result.pkl"
         args_file.write_bytes(pickle.dumps((args, kwargs)))

@@ -26,7 +26,18 @@
 # graphs never waits for the GPU), about 2 minutes. `profile`: benchmarks/vit_profile.py, where a ViT-S and a ViT-B
 # step's time goes (ours against timm's, eager, per block and whole-model compiled, CUDA graphs): kernels by kind, top
 # kernels, idle share (about 5 minutes). Both skip the training check, as `mfu` does.
-#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short|cudagraphs|profile][+mode...]
+# `layouts`: every layout's ranks on the machine's one GPU, sharing it over gloo (`trainer.share_gpu`; NCCL refuses two
+# ranks on one device), each against one process on the same GPU: the multi-rank tests marked `layouts`
+# (tests/devices.py, VISIONDIST_TEST_DEVICE=cuda-shared): dp2; tp2 with and without sequence parallelism; pp2 under
+# GPipe, 1F1B, interleaved 1F1B and zero-bubble; FSDP2 and HSDP; dp2 x tp2; ViTDet's backbone under tp2; Faster R-CNN
+# and RT-DETR under dp2; compiled tensor-parallel blocks; fp32 within the CPU tests' tolerances (TF32 off), bf16 within
+# its stated one; a tp2 checkpoint written on the GPU resumed by one process and on the CPU; a 2-rank COCO evaluation
+# equal to pycocotools; a rank killed ends the job within 60 s naming it; SIGTERM checkpoints every rank. Correctness
+# only (not NCCL, not speed), in under 6 minutes; it skips the training check.
+# `multi`: for a machine of 2-8 GPUs, one GPU per rank over NCCL (VISIONDIST_TEST_DEVICE=cuda): the same tests (those
+# of more ranks than GPUs skip), then ViT-H/14 under tp4 (tp2 on 2-3 GPUs) timed by tools/benchmark.py, and the bytes
+# its collectives moved per step against the planner's (benchmarks/gpu/traffic.py). Under 8 minutes; not run yet.
+#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short|cudagraphs|profile|layouts|multi][+...]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
@@ -48,6 +59,26 @@ part() {  # seconds, log name, command...: run it bounded in time, its output to
     timeout -k 5 "$seconds" "$@" 2>&1 | tee "$out/$name"
     [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
 }
+layout_tests=(-m layouts tests/multirank)  # each layout against one process (tests/devices.py)
+if has layouts || has multi; then  # RT-DETR's layout test needs the DETR wheels
+    python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-detr \
+        .whl/detr/*.whl || echo "no DETR wheels in .whl/detr: the RT-DETR test skips (benchmarks/gpu/fetch_wheels.sh)"
+fi
+if has layouts; then  # the layouts' ranks sharing the one GPU over gloo
+    VISIONDIST_TEST_DEVICE=cuda-shared PYTHONPATH=/tmp/site-detr:$PYTHONPATH part 345 gpu_layouts.txt \
+        python3 -m pytest -p no:cacheprovider -n 4 --timeout 300 -rA "${layout_tests[@]}"
+fi
+if has multi; then  # a GPU per rank over NCCL: the same tests, ViT-H/14's TP step rate and its bytes against the plan
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    tp=$((gpus >= 4 ? 4 : 2))
+    vith=(model=vit_huge data.img_size=224 data.batch_size=64 trainer.precision=bf16 "parallel=tp$tp")
+    VISIONDIST_TEST_DEVICE=cuda PYTHONPATH=/tmp/site-detr:$PYTHONPATH part 300 gpu_multi_layouts.txt \
+        python3 -m pytest -p no:cacheprovider -n 2 --timeout 280 -rA "${layout_tests[@]}"
+    mkdir -p "$out/multi"
+    part 150 bench_vit_huge_tp.txt python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out/multi" \
+        "${vith[@]}" "trainer.devices=$tp" bench.baseline=false bench.loader_batches=0
+    part 30 multi_traffic.txt python3 benchmarks/gpu/traffic.py "$out/multi/results.jsonl" "${vith[@]}"
+fi
 if has cudagraphs; then  # the CUDA-graph checks alone: the replay test and a recipe run without syncs
     part 200 gpu_cudagraphs.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 190 -m gpu -rA \
         "tests/multirank/test_gpu.py::test_cuda_graphs_train_as_the_compiled_model_launched_kernel_by_kernel" \
@@ -58,7 +89,7 @@ if has profile; then
         vit_base:256:timm_whole,split_blocks,ours_blocks,ours_whole
 fi
 photos="$VISIONDIST_DATA/photos-10240"  # what tests/multirank/test_gpu.py's photos fixture reads
-if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|profile|cudagraphs') ]]; then
+if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|profile|cudagraphs|layouts|multi') ]]; then
     part 120 photos.txt python3 benchmarks/photos.py "$photos" --train 10240 --val 256
     # the training path on real photos first: DeiT recipe, decode in the workers (two seeds) and on the device
     part 330 gpu_training.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 320 -m gpu -rA \

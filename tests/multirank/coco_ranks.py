@@ -1,5 +1,6 @@
 """Rank-side code of the COCO evaluation tests: a stand-in detector whose predictions depend only on the image, so
-any split of the val set over ranks must give the same detections and the same stats."""
+any split of the val set over ranks must give the same detections and the same stats. The ranks run on the test
+device (`devices`): the images reach the stand-in there, its answers come back from there."""
 
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
+from devices import init_test_rank
 from visiondist.data.coco import CocoDetection, collate_detection
 from visiondist.data.sampler import EvalBatchSampler
 
 
 def _key(image: torch.Tensor) -> str:
-    """The image's pixels as the detector sees them (float in [0, 1]; the dataset yields uint8)."""
-    if image.dtype == torch.uint8:
-        image = image.float().div_(255)
-    return hashlib.sha1(image.numpy().tobytes()).hexdigest()
+    """The image's pixels as the dataset yields them (uint8; the detector sees float in [0, 1], rounded back here:
+    exact on any device, whichever way it divided by 255)."""
+    if image.dtype != torch.uint8:
+        image = image.mul(255).round().to(torch.uint8)
+    return hashlib.sha1(image.cpu().numpy().tobytes()).hexdigest()
 
 
 def fake_predictions(target: dict, num_classes: int) -> dict:
@@ -77,7 +80,7 @@ class StandInDetector(nn.Module):
             self.answers[_key(image)] = fake_predictions(target, k)
 
     def forward(self, images):
-        return [self.answers[_key(img)] for img in images]
+        return [{k: v.to(img.device) for k, v in self.answers[_key(img)].items()} for img in images]
 
 
 def val_set(root: str, masks: bool = False) -> CocoDetection:
@@ -96,10 +99,10 @@ def run(root: str, out_dir: str, claimed_images: int = 0, masks: bool = False) -
     from visiondist.evaluation.coco import evaluate_detection
     from visiondist.parallel import build_layout
 
-    dist.init_process_group("gloo")
+    device = init_test_rank()
     try:
         world = dist.get_world_size()
-        layout = build_layout(world, 1, 1, torch.device("cpu"), int(os.environ.get("LOCAL_RANK", 0)))
+        layout = build_layout(world, 1, 1, device, int(os.environ.get("LOCAL_RANK", 0)))
         data = val_set(root, masks)
         results = Path(out_dir) / "detections.json" if layout.rank == 0 else None
         try:

@@ -13,6 +13,7 @@ again as `__mp_main__`) and in their loader workers (forked from the ranks). Not
 | `eval_raise` | the evaluation raises |
 | `save_fail:n` | the n-th checkpoint write (1-based) raises an OSError after writing part of its files |
 | `rank_hang:n` | rank 1 stops at optimizer step n and never joins the next collective |
+| `rank_kill:n` | rank 1 SIGKILLs itself at optimizer step n (as the OOM killer does), touching VISIONDIST_SLOW_MARK.<pid> |
 | `slow_step:n` | optimizer step n takes VISIONDIST_SLOW_S seconds longer (default 40) on every rank |
 | `slow_eval` | an evaluation takes VISIONDIST_SLOW_S seconds longer on every rank (each touches VISIONDIST_SLOW_MARK.<pid>) |
 | `slow_export` | an export takes VISIONDIST_SLOW_S seconds longer (touching VISIONDIST_SLOW_MARK.<pid>) |
@@ -95,6 +96,24 @@ def _patch_rank_hang() -> None:
     Trainer.train_step = train_step
 
 
+def _patch_rank_kill() -> None:
+    import torch.distributed as dist
+
+    from visiondist.train.trainer import Trainer
+
+    original = Trainer.train_step
+
+    def train_step(self, batches):
+        if dist.get_rank() == 1 and self.step + 1 == N:
+            mark = os.environ.get("VISIONDIST_SLOW_MARK")
+            if mark:
+                Path(f"{mark}.{os.getpid()}").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, batches)
+
+    Trainer.train_step = train_step
+
+
 def _patch_slow_step() -> None:
     from visiondist.train.trainer import Trainer
 
@@ -136,6 +155,7 @@ def _patch_slow_export() -> None:
 
 PATCHES = {"getitem_raise": _patch_getitem, "getitem_hang": _patch_getitem, "worker_kill": _patch_getitem,
            "eval_raise": _patch_eval, "save_fail": _patch_save, "rank_hang": _patch_rank_hang,
+           "rank_kill": _patch_rank_kill,
            "slow_step": _patch_slow_step, "slow_eval": _patch_slow_eval, "slow_export": _patch_slow_export}
 if KIND:
     PATCHES[KIND]()

@@ -1,5 +1,6 @@
 """Rank-side code of the pipeline tests: a depth-8 tiny ViT laid out by `parallelize` over a (pp, dp, tp) mesh and
-trained for a few steps with each of torch's schedules, or in one process (the reference)."""
+trained for a few steps with each of torch's schedules, or in one process (the reference), on the test device
+(`devices`); what comes back is on the CPU."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from devices import init_test_rank, reference_device
 from visiondist.models.vit import VisionTransformer
 from visiondist.parallel import (
     PipelineSpec,
@@ -29,14 +31,14 @@ def make_model() -> VisionTransformer:
     return VisionTransformer(**TINY)
 
 
-def make_batches():
+def make_batches(device: torch.device = torch.device("cpu")):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 6, (BATCH,), generator=g))
-            for _ in range(STEPS)]
+    return [(torch.randn(BATCH, 3, 32, 32, generator=g).to(device),
+             torch.randint(0, 6, (BATCH,), generator=g).to(device)) for _ in range(STEPS)]
 
 
-def eval_images() -> torch.Tensor:
-    return torch.randn(EVAL_IMAGES, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+def eval_images(device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    return torch.randn(EVAL_IMAGES, 3, 32, 32, generator=torch.Generator().manual_seed(2)).to(device)
 
 
 def _optimizer(params):
@@ -48,10 +50,11 @@ def _optimizer(params):
 def train_reference() -> dict:
     """One process with the same micro-batching: the global batch cut into CHUNKS contiguous pieces (dp ranks x
     micro-batches), each piece's mean loss backpropagated, the summed gradients divided by CHUNKS."""
-    model = make_model()
+    device = reference_device()
+    model = make_model().to(device)
     opt = _optimizer(model.parameters())
     losses, norms, logits = [], [], None
-    for step, (images, labels) in enumerate(make_batches(), 1):
+    for step, (images, labels) in enumerate(make_batches(device), 1):
         opt.zero_grad()
         micro = []
         for x, y in zip(images.chunk(CHUNKS), labels.chunk(CHUNKS)):
@@ -63,19 +66,22 @@ def train_reference() -> dict:
         losses.append(torch.stack(micro).sum().item())
         if step == EVAL_AFTER:
             with torch.no_grad():
-                logits = model.eval()(eval_images())
+                logits = model.eval()(eval_images(device)).cpu()
             model.train()
-    return {"losses": losses, "norms": norms, "logits": logits, "state": model.state_dict()}
+    return {"losses": losses, "norms": norms, "logits": logits,
+            "state": {k: v.cpu() for k, v in model.state_dict().items()}}
 
 
-def _train(layout, schedule: str, stages_per_rank: int, microbatches: int, sequence_parallel: bool) -> dict:
+def _train(layout, schedule: str, stages_per_rank: int, microbatches: int, sequence_parallel: bool,
+           host_boundary: bool = None) -> dict:
+    """`host_boundary`: the stages exchange host tensors (what ranks sharing a GPU over gloo do), here asked for."""
     assert layout.dp * microbatches == CHUNKS
-    spec = PipelineSpec(schedule, stages_per_rank, microbatches)
-    model = parallelize(make_model(), layout, sequence_parallel, spec)
+    spec = PipelineSpec(schedule, stages_per_rank, microbatches, host_boundary)
+    model = parallelize(make_model().to(layout.device), layout, sequence_parallel, spec)
     opt = _optimizer(model.parameters())
     local = BATCH // layout.dp
     losses, norms, logits, p2p = [], [], None, None
-    for step, (images, labels) in enumerate(make_batches(), 1):
+    for step, (images, labels) in enumerate(make_batches(layout.device), 1):
         opt.zero_grad()
         model.p2p.reset()
         mine = slice(layout.dp_rank * local, (layout.dp_rank + 1) * local)  # the DP rank's part of the batch
@@ -90,21 +96,21 @@ def _train(layout, schedule: str, stages_per_rank: int, microbatches: int, seque
         losses.append((layout.all_reduce_dp(loss.clone()) / layout.dp).item())
         if step == EVAL_AFTER:
             model.eval()
-            out = model.predict(eval_images() if layout.reads_images else None, EVAL_IMAGES, BATCH)
-            logits = None if out is None else out.clone()
+            out = model.predict(eval_images(layout.device) if layout.reads_images else None, EVAL_IMAGES, BATCH)
+            logits = None if out is None else out.cpu()
             model.train()
     return {"stages": model.stage_ids, "n_stages": model.n_stages, "p2p": p2p, "losses": losses, "norms": norms,
-            "is_last": model.is_last,
-            "logits": logits, "state": full_state_dict(model, layout.tp_comm)}
+            "is_last": model.is_last, "host_boundary": model.host_boundary, "logits": logits,
+            "state": {k: v.cpu() for k, v in full_state_dict(model, layout.tp_comm).items()}}
 
 
 def run(dims: tuple[int, int, int], cases: list[tuple[str, int, int, bool]]) -> dict:
-    """dims: (pp, dp, tp); cases: (schedule, stages_per_rank, microbatches, sequence_parallel)."""
-    dist.init_process_group("gloo")
+    """dims: (pp, dp, tp); cases: (schedule, stages_per_rank, microbatches, sequence_parallel[, host_boundary])."""
+    device = init_test_rank()
     torch.set_num_threads(1)
     try:
         pp, dp, tp = dims
-        layout = build_layout(dp, tp, pp, torch.device("cpu"), 0)
+        layout = build_layout(dp, tp, pp, device, 0)
         return {case: _train(layout, *case) for case in cases}
     finally:
         dist.destroy_process_group()

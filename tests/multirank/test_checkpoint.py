@@ -1,6 +1,7 @@
 """Checkpoints through `python tools/train.py`: an interrupted and resumed run equals an uninterrupted one bit for bit;
 a checkpoint saved under one layout resumes under another; a killed writer never leaves a broken checkpoint behind;
-loading never runs pickled code."""
+loading never runs pickled code. The tests marked `layouts` also run with the ranks on a GPU (tests/devices.py), where
+the TP checkpoint also resumes on the CPU."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from devices import TEST_DEVICE
 from visiondist.checkpoint.files import latest_checkpoint, read_trainer_state
 from visiondist.utils.dcp import list_checkpoints
 from helpers import REPO, losses_of, run_cli, train_args, train_ok
@@ -53,16 +55,22 @@ def reference_losses(tmp_path_factory, tiny_shapes):
     return _losses(run)
 
 
-@pytest.mark.parametrize("saved_under", [pytest.param("parallel=tp2", marks=pytest.mark.smoke), "parallel=dp2_tp2"])
+# on a GPU, the TP checkpoint is also resumed by one process on the CPU
+ON_CPU = ("parallel.dp=1", "trainer.accelerator=cpu", "trainer.share_gpu=false")
+
+
+@pytest.mark.parametrize("saved_under", [pytest.param("parallel=tp2", marks=[pytest.mark.smoke, pytest.mark.layouts]),
+                                         "parallel=dp2_tp2"])
 def test_checkpoint_reshards_to_other_layouts(tmp_path, tiny_shapes, reference_losses, saved_under):
-    """Save at step 2 under TP, resume under dp=1 and tp=4: step 3's loss is the uninterrupted run's."""
+    """Save at step 2 under TP, resume under dp=1 and tp=4 (and, where the ranks ran on a GPU, on the CPU): step 3's
+    loss is the uninterrupted run's."""
     saved = tmp_path / "saved"
     _train(*_args(tiny_shapes, saved, *RESHARD, saved_under, "trainer.stop_at_step=2"))
     state = read_trainer_state(latest_checkpoint(saved))
     assert state["step"] == 2 and state["layout"]["tp"] == 2
-    for layout in ("parallel.dp=1", "parallel=tp4"):
-        run = tmp_path / layout.replace("=", "_")
-        out = _train(*_args(tiny_shapes, run, *RESHARD, layout, f"trainer.resume={latest_checkpoint(saved)}"))
+    for layout in [("parallel.dp=1",), ("parallel=tp4",), *([ON_CPU] if TEST_DEVICE != "cpu" else [])]:
+        run = tmp_path / "_".join(layout).replace("=", "_")
+        out = _train(*_args(tiny_shapes, run, *RESHARD, *layout, f"trainer.resume={latest_checkpoint(saved)}"))
         assert "random states restart from the seed" in out  # another layout: RNG streams cannot carry over
         losses = _losses(run)
         assert sorted(losses) == [3]

@@ -10,7 +10,7 @@ from visiondist.evaluation.coco import STAT_NAMES
 from helpers import spawn_ranks
 
 
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.smoke), 3])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=[pytest.mark.smoke, pytest.mark.layouts]), 3])
 def test_distributed_eval_equals_one_process_and_pycocotools(tmp_path, shapes_coco, single_process, world):
     dets, single, data = single_process
     results = spawn_ranks(coco_ranks.run, world, str(shapes_coco), str(tmp_path))

@@ -4,7 +4,7 @@ These run the real CLI with the shipped loader settings (2 persistent workers pe
 `data.num_workers`), because the workers are what used to keep a failed job alive. Faults are injected by
 `tests/multirank/fault_train.py` (VISIONDIST_FAULT). Each test runs the job in its own session under a hard timeout that kills
 the session, and asserts the exit code, the message, the time to exit, that no process of the session survives,
-and which files are kept.
+and which files are kept. The tests marked `layouts` also run with the ranks on a GPU (tests/devices.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from devices import on_test_device
 from helpers import REPO, TINY_DATA, TRAIN, finish_job, job_env, losses_of, start_job
 from visiondist.checkpoint.files import latest_checkpoint
 from visiondist.utils.dcp import list_checkpoints
@@ -33,14 +34,15 @@ WORKERS_ON = [a for a in TINY_DATA if not a.startswith("data.num_workers")]  # t
 
 
 def args(data: Path, run: Path, *extra: str) -> list[str]:
-    return [*WORKERS_ON, f"data.root={data}", "data.batch_size=16", "trainer.accelerator=cpu", "trainer.log_every=1",
-            "trainer.loggers=[csv]", f"trainer.run_dir={run}", "trainer.max_steps=6", *extra]
+    return on_test_device([*WORKERS_ON, f"data.root={data}", "data.batch_size=16", "trainer.accelerator=cpu",
+                           "trainer.log_every=1", "trainer.loggers=[csv]", f"trainer.run_dir={run}",
+                           "trainer.max_steps=6", *extra])
 
 
-def run_job(argv: list[str], fault: str = "", timeout: float = 150, script: Path = FAULT_TRAIN):
+def run_job(argv: list[str], fault: str = "", timeout: float = 150, script: Path = FAULT_TRAIN, **env: str):
     """(exit code, output, seconds to exit). Fails if any process of the job's session is alive a second later."""
     start = time.monotonic()
-    proc = start_job([sys.executable, str(script), *argv], job_env(VISIONDIST_FAULT=fault))
+    proc = start_job([sys.executable, str(script), *argv], job_env(VISIONDIST_FAULT=fault, **env))
     out = finish_job(proc, timeout, f"{script.name} {fault or '(no fault)'}")
     seconds = time.monotonic() - start
     print(f"{script.name} {fault or '(no fault)'}: exit code {proc.returncode} after {seconds:.1f} s")  # RELIABILITY.md
@@ -84,6 +86,21 @@ def test_a_nan_ends_the_job_with_one_line(tmp_path, tiny_shapes, dp):
     assert "optim.lr" in line
     assert (tmp_path / "run" / "failure" / "rank0.txt").is_file()
     assert "ERROR rank 0 failed at step 2 (training): NonFiniteStep" in (tmp_path / "run" / "train.log").read_text()
+
+
+@pytest.mark.layouts
+def test_a_killed_rank_ends_the_job_within_a_minute_naming_it(tmp_path, tiny_shapes):
+    """Rank 1 of a dp2 run SIGKILLed at step 4 (the OOM killer's way: no report, no checkpoint): the job ends with
+    exit code 1 within 60 s of the kill, its one line names rank 1 and the signal (gloo's rank 0 fails at once on
+    the closed connection and records that; NCCL's waits until the launcher ends it), and nothing is left running."""
+    mark = tmp_path / "killed"
+    code, out, _ = run_job(args(tiny_shapes, tmp_path / "run", "parallel.dp=2", "trainer.max_steps=30"), "rank_kill:4",
+                           VISIONDIST_SLOW_MARK=str(mark))
+    ended = time.time()
+    line = error_line(out)
+    (killed,) = tmp_path.glob("killed.*")
+    assert code == 1 and ended - killed.stat().st_mtime < 60, (code, ended - killed.stat().st_mtime)
+    assert line.startswith("error: rank 1 ended (killed by SIGKILL) without a report"), line
 
 
 @pytest.mark.parametrize("fault,dp", [("getitem_raise:0", 2), ("getitem_raise:40", 1)], ids=["first-batch", "mid-epoch"])

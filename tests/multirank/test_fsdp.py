@@ -31,6 +31,7 @@ def test_an_fsdp_rank_that_runs_out_of_evaluation_batches_keeps_the_others_going
     assert max(max(e) for e in errors.values()) < 1e-5  # sharded forwards equal the unsharded model
 
 
+@pytest.mark.layouts
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [["parallel.activation_checkpointing=true"], ["parallel.offload=true"]],
                          ids=["fsdp2+ckpt", "fsdp2+offload"])
@@ -43,6 +44,7 @@ def test_fsdp_run_equals_ddp(tmp_path, tiny_shapes, ddp2, extra):
     assert summary["parameters per rank (M)"] < 0.55 * summary["parameters (M)"]
 
 
+@pytest.mark.layouts
 @pytest.mark.slow
 @pytest.mark.smoke
 def test_fsdp_checkpoint_resumes_under_ddp(tmp_path, tiny_shapes, ddp2):
@@ -88,6 +90,7 @@ def test_parallel_auto_chooses_a_sharded_layout_says_why_and_trains(tmp_path, ti
                                                                       ran["fsdp"])
 
 
+@pytest.mark.layouts
 @pytest.mark.slow
 def test_hsdp_2x2_run_equals_one_process(tmp_path, tiny_shapes):
     # no drop path: one process and four ranks draw it differently; everything else as the FSDP tests above

@@ -1,10 +1,13 @@
 """Pipeline stages: balanced cuts with canonical parameter names; every torch schedule (GPipe, 1F1B, interleaved 1F1B,
-interleaved zero-bubble) on 2 and 4 gloo ranks trains exactly like one process with the same global batch."""
+interleaved zero-bubble) on 2 and 4 gloo ranks trains exactly like one process with the same global batch, also with
+the stages exchanging host tensors (as ranks sharing a GPU over gloo do). The tests marked `layouts` also run with the
+ranks on a GPU (tests/devices.py)."""
 
 import pytest
 import torch
 
 import pp_ranks
+from devices import SHARED, TEST_DEVICE
 from helpers import spawn_ranks
 from visiondist.parallel.pipeline import p2p_bytes_per_step
 
@@ -33,6 +36,8 @@ def _check(results: dict, ranks: int, case: tuple, reference: dict) -> None:
     name = f"{case}"
     per_rank = [results[r][case] for r in range(ranks)]
     for r in per_rank:  # every rank reports the global loss and the global gradient norm
+        # host tensors between the stages where asked, else where the ranks share a GPU over gloo
+        assert r["host_boundary"] == (case[4] if len(case) > 4 else SHARED), name
         assert r["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
         assert r["norms"] == pytest.approx(reference["norms"], rel=1e-5), name
     last = [r for r in per_rank if r["is_last"]]
@@ -51,17 +56,23 @@ def _check(results: dict, ranks: int, case: tuple, reference: dict) -> None:
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
 
 
+@pytest.mark.layouts
 @pytest.mark.parametrize("pp", [2, 4])
 def test_every_schedule_matches_one_process(pp, reference):
     """GPipe and 1F1B with one stage per rank, interleaved 1F1B and zero-bubble with two: three steps with an
-    evaluation pass in between equal one process with the same micro-batching."""
+    evaluation pass in between equal one process with the same micro-batching. At pp=2, 1F1B and zero-bubble also
+    with the stages' tensors passed through host memory (`HostBoundary`: each stage copies its input in and its
+    output out, autograd through both, the zero-bubble schedule's split backward included)."""
     cases = [(name, spr, pp_ranks.CHUNKS, False) for name, spr in SCHEDULES]
+    if pp == 2 and TEST_DEVICE != "cuda":  # (NCCL sends device memory only)
+        cases += [("1f1b", 1, pp_ranks.CHUNKS, False, True), ("zero_bubble", 2, pp_ranks.CHUNKS, False, True)]
     results = spawn_ranks(pp_ranks.run, pp, (pp, 1, 1), cases)
     for case in cases:
         _check(results, pp, case, reference)
         assert sorted(s for r in range(pp) for s in results[r][case]["stages"]) == list(range(pp * case[1]))
 
 
+@pytest.mark.layouts
 def test_pipeline_composes_with_tensor_and_data_parallel(reference):
     """tp2 x pp2 (with and without sequence parallelism, 1F1B and zero-bubble) and dp2 x pp2 on 4 ranks."""
     tp_cases = [("1f1b", 1, 4, False), ("zero_bubble", 2, 4, False), ("1f1b", 1, 4, True)]

@@ -22,6 +22,7 @@ def one_process(tmp_path_factory, tiny_shapes):
     return run
 
 
+@pytest.mark.layouts
 @pytest.mark.smoke
 @pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
 def test_pipelined_run_equals_one_process(tmp_path, tiny_shapes, one_process, schedule):

@@ -68,6 +68,7 @@ def reference(tmp_path_factory, tiny_shapes):
     return run
 
 
+@pytest.mark.layouts
 def test_sigterm_during_a_step_longer_than_the_agents_grace_keeps_the_run(tmp_path, tiny_shapes, reference):
     """Step 4 takes 40 s more on every rank; SIGTERM to the launcher 1 s into it. Every rank finishes the step and
     writes a checkpoint (the agent alone killed them at 30 s, with nothing saved) instead of the evaluation due at

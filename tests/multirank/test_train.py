@@ -1,5 +1,5 @@
 """End to end through `python tools/train.py`: self-launched ranks, one run dir, dp=2 and dp=2 x tp=2 (+SP) equal to
-dp=1."""
+dp=1. The tests marked `layouts` also run with the ranks on a GPU (tests/devices.py)."""
 
 import json
 import os
@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from visiondist.observe.metrics import read_metrics
+from devices import on_test_device, ranks_on
 from helpers import REPO, TINY_DATA, TRAIN, assert_png, evals_of, losses_of, run_cli, run_together
 
 
@@ -17,9 +18,9 @@ STEPS = 6
 
 
 def _args(out, tiny_shapes, *extra):
-    return [*TINY_DATA, "model.num_heads=2", f"data.root={tiny_shapes}", "data.batch_size=16",
-            f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.eval_every=3", "trainer.accelerator=cpu",
-            f"trainer.output_dir={out}", *extra]
+    return on_test_device([*TINY_DATA, "model.num_heads=2", f"data.root={tiny_shapes}", "data.batch_size=16",
+                           f"trainer.max_steps={STEPS}", "trainer.log_every=1", "trainer.eval_every=3",
+                           "trainer.accelerator=cpu", f"trainer.output_dir={out}", *extra])
 
 
 def _train(tmp_path, tiny_shapes, name, *extra):
@@ -66,9 +67,10 @@ def dp2_tp2_run(tmp_path_factory, tiny_shapes):
     return _train(tmp_path_factory.mktemp("dp2tp2"), tiny_shapes, "dp2tp2", *DP2_TP2)
 
 
+@pytest.mark.layouts
 def test_dp2_tp2_with_sequence_parallel_equals_dp1(dp2_tp2_run, dp1_run):
     run, stdout = dp2_tp2_run
-    assert "dp=2 tp=2 pp=1 (4 ranks on cpu) +SP" in stdout
+    assert f"dp=2 tp=2 pp=1 ({ranks_on(4)}) +SP" in stdout
     _same_training(dp1_run, run)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["val images"] == 30 and summary["TP traffic per step (MB)"] > 0
@@ -173,10 +175,11 @@ sys.exit(max(task.wait() for task in tasks))
 """
 
 
+@pytest.mark.layouts
 def test_dp2_equals_dp1_and_writes_one_run_dir(tmp_path, tiny_shapes, dp1_run):
     run1 = dp1_run
     run2, stdout = _train(tmp_path, tiny_shapes, "dp2", "parallel.dp=2")
-    assert "dp=2 tp=1 pp=1 (2 ranks on cpu)" in stdout
+    assert f"dp=2 tp=1 pp=1 ({ranks_on(2)})" in stdout
 
     cfg = yaml.safe_load((run2 / "config.yaml").read_text())
     assert cfg["parallel"]["dp"] == 2 and cfg["data"]["root"] == str(tiny_shapes)

@@ -1,5 +1,6 @@
 """Rank-side code of the tensor-parallel tests: a tiny ViT trained for a few steps from fixed weights and data, in one
-process (the reference) or laid out over a mesh (run on every rank by `visiondist.launch.spawn_local`)."""
+process (the reference) or laid out over a mesh (run on every rank by `visiondist.launch.spawn_local`), on the test
+device (`devices`: the CPU, or a GPU shared by the ranks, or one each); what comes back is on the CPU."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from devices import init_test_rank, reference_device
 from visiondist.train.optim import build_optimizer
 from visiondist.models.vit import VisionTransformer, to_timm_state_dict
 from visiondist.parallel import build_layout, clip_grad_norm, finish_gradients, full_state_dict, parallelize, unwrap
@@ -25,42 +27,56 @@ def make_model() -> VisionTransformer:
     return VisionTransformer(**TINY)
 
 
-def make_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_batches(device: torch.device = torch.device("cpu")) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, TINY["num_classes"], (BATCH,), generator=g))
+        (torch.randn(BATCH, 3, 32, 32, generator=g).to(device),
+         torch.randint(0, TINY["num_classes"], (BATCH,), generator=g).to(device))
         for _ in range(STEPS)
     ]
 
 
-def train_reference() -> dict:
-    """The single-process run every layout must reproduce."""
-    model = make_model()
-    logits = model(make_batches()[0][0]).detach()
+def autocast(device: torch.device, bf16: bool):
+    """bf16 autocast on `device` (the bf16 cases), or nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+
+def train_reference(bf16: bool = False) -> dict:
+    """The single-process run every layout must reproduce (on the test device; returned on the CPU)."""
+    device = reference_device()
+    model = make_model().to(device)
+    batches = make_batches(device)
+    with autocast(device, bf16):
+        logits = model(batches[0][0]).detach().float()
     opt = build_optimizer(OPTIM, model)
     losses, norms = [], []
-    for images, labels in make_batches():
+    for images, labels in batches:
         opt.zero_grad()
-        loss = F.cross_entropy(model(images), labels)
+        with autocast(device, bf16):
+            loss = F.cross_entropy(model(images).float(), labels)
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         losses.append(loss.item())
-    return {"logits": logits, "losses": losses, "norms": norms, "state": model.state_dict()}
+    return {"logits": logits.cpu(), "losses": losses, "norms": norms,
+            "state": {k: v.cpu() for k, v in model.state_dict().items()}}
 
 
-def _train_layout(dp: int, tp: int, sp: bool, compile: bool = False) -> dict:
-    layout = build_layout(dp, tp, 1, torch.device("cpu"), int(os.environ.get("LOCAL_RANK", 0)))
-    model = parallelize(make_model(), layout, sp, compile=compile)
-    logits = unwrap(model)(make_batches()[0][0]).detach()
+def _train_layout(device: torch.device, dp: int, tp: int, sp: bool, compile: bool = False, bf16: bool = False) -> dict:
+    layout = build_layout(dp, tp, 1, device, int(os.environ.get("LOCAL_RANK", 0)))
+    model = parallelize(make_model().to(device), layout, sp, compile=compile)
+    batches = make_batches(device)
+    with autocast(device, bf16):
+        logits = unwrap(model)(batches[0][0]).detach().float()
     opt = build_optimizer(OPTIM, unwrap(model))
     local = BATCH // dp
     rows = slice(layout.dp_rank * local, (layout.dp_rank + 1) * local)
     losses, norms, traffic = [], [], None
     layout.tp_comm.reset()
-    for images, labels in make_batches():
+    for images, labels in batches:
         opt.zero_grad()
-        loss = F.cross_entropy(model(images[rows]), labels[rows])
+        with autocast(device, bf16):
+            loss = F.cross_entropy(model(images[rows]).float(), labels[rows])
         loss.backward()
         finish_gradients(model.parameters(), layout)
         norms.append(clip_grad_norm(model.parameters(), CLIP, layout).item())
@@ -69,26 +85,26 @@ def _train_layout(dp: int, tp: int, sp: bool, compile: bool = False) -> dict:
         if traffic is None:
             traffic = {"payload": dict(layout.tp_comm.payload), "calls": dict(layout.tp_comm.calls)}
     return {
-        "dp": dp, "tp": tp, "sp": sp, "compile": compile, "dp_rank": layout.dp_rank, "tp_rank": layout.tp_rank,
-        "logits": logits, "losses": losses, "norms": norms, "traffic": traffic,
+        "dp": dp, "tp": tp, "sp": sp, "compile": compile, "bf16": bf16, "dp_rank": layout.dp_rank,
+        "tp_rank": layout.tp_rank, "logits": logits.cpu(), "losses": losses, "norms": norms, "traffic": traffic,
         "rank_params": sum(p.numel() for p in model.parameters()),
-        "state": full_state_dict(unwrap(model), layout.tp_comm),
+        "state": {k: v.cpu() for k, v in full_state_dict(unwrap(model), layout.tp_comm).items()},
     }
 
 
-def naive_fused_qkv_logits(tp: int) -> torch.Tensor:
+def naive_fused_qkv_logits(device: torch.device, tp: int) -> torch.Tensor:
     """What a plan that column-splits timm's fused qkv (rows q|k|v) into `tp` contiguous pieces computes: rank 0 gets
     all of q and part of k, reads the first third of its piece as q, and so on. Nothing raises."""
-    layout = build_layout(1, tp, 1, torch.device("cpu"), 0)
-    fused = to_timm_state_dict(make_model().state_dict())
-    model = parallelize(make_model(), layout)
+    layout = build_layout(1, tp, 1, device, 0)
+    fused = to_timm_state_dict(make_model().to(device).state_dict())
+    model = parallelize(make_model().to(device), layout)
     with torch.no_grad():
         for i, block in enumerate(model.blocks):
             for kind in ("weight", "bias"):
                 piece = fused[f"blocks.{i}.attn.qkv.{kind}"].chunk(tp, dim=0)[layout.tp_rank]
                 for name, part in zip(("q", "k", "v"), piece.chunk(3, dim=0)):
                     getattr(getattr(block.attn, name), kind).copy_(part)
-    return model(make_batches()[0][0]).detach()
+    return model(make_batches(device)[0][0]).detach().cpu()
 
 
 def loader_batches(root: str, dp: int, tp: int) -> dict:
@@ -117,21 +133,32 @@ def make_vitdet():
     return SimpleFeaturePyramid(ViTBackbone(img_size=64, patch_size=16, embed_dim=32, depth=2, num_heads=4), 16)
 
 
-def vitdet_images() -> torch.Tensor:
-    return torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(2))  # 4 x 6 grid: 24 tokens, no cls
+def vitdet_images(device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    # a 4 x 6 grid: 24 tokens, no cls
+    return torch.randn(2, 3, 64, 96, generator=torch.Generator().manual_seed(2)).to(device)
 
 
 def vitdet_loss(features: dict) -> torch.Tensor:
     """A fixed random projection of every level (a sum of squares would be constant after the final LayerNorms,
     with a gradient of pure round-off)."""
     g = torch.Generator().manual_seed(3)
-    return sum((f * torch.randn(f.shape, generator=g)).sum() for _, f in sorted(features.items()))
+    return sum((f * torch.randn(f.shape, generator=g).to(f.device)).sum() for _, f in sorted(features.items()))
 
 
-def vitdet_features(tp: int, sp: bool) -> dict:
-    layout = build_layout(1, tp, 1, torch.device("cpu"), 0)
-    model = parallelize(make_vitdet(), layout, sp)
-    features = model(vitdet_images())
+def vitdet_reference() -> tuple[dict, dict, torch.nn.Module]:
+    """One process's pyramid and gradients on the test device (returned on the CPU), and its model."""
+    device = reference_device()
+    model = make_vitdet().to(device)
+    features = model(vitdet_images(device))
+    vitdet_loss(features).backward()
+    grads = {n: p.grad.cpu() for n, p in model.named_parameters()}
+    return {k: v.detach().cpu() for k, v in features.items()}, grads, model
+
+
+def vitdet_features(device: torch.device, tp: int, sp: bool) -> dict:
+    layout = build_layout(1, tp, 1, device, 0)
+    model = parallelize(make_vitdet().to(device), layout, sp)
+    features = model(vitdet_images(device))
     vitdet_loss(features).backward()
     finish_gradients(model.parameters(), layout)
     grads = {n: p.grad for n, p in model.named_parameters()}
@@ -145,20 +172,21 @@ def vitdet_features(tp: int, sp: bool) -> dict:
             pieces = [torch.empty_like(param.grad) for _ in range(tp)]
             dist.all_gather(pieces, param.grad.contiguous(), group=layout.tp_comm.group)
             gathered_grads[name] = torch.cat(pieces, dim=dim)
-    return {"features": {k: v.detach() for k, v in features.items()}, "grads": gathered_grads,
+    return {"features": {k: v.detach().cpu() for k, v in features.items()},
+            "grads": {k: v.cpu() for k, v in gathered_grads.items()},
             "params": sum(p.numel() for p in model.parameters()), "state_keys": sorted(full)}
 
 
 def run(cases: list[tuple[int, int, bool]], extras: dict) -> dict:
     """Entry of every spawned rank: each case on its own mesh over all ranks, then the extra checks asked for."""
-    dist.init_process_group("gloo")
+    device = init_test_rank()
     torch.set_num_threads(1)
     try:
-        out = {"cases": [_train_layout(*case) for case in cases]}
+        out = {"cases": [_train_layout(device, *case) for case in cases]}
         if "naive_tp" in extras:
-            out["naive_logits"] = naive_fused_qkv_logits(extras["naive_tp"])
+            out["naive_logits"] = naive_fused_qkv_logits(device, extras["naive_tp"])
         if "vitdet_tp" in extras:
-            out["vitdet"] = {sp: vitdet_features(extras["vitdet_tp"], sp) for sp in (False, True)}
+            out["vitdet"] = {sp: vitdet_features(device, extras["vitdet_tp"], sp) for sp in (False, True)}
         if "loader" in extras:
             out["loader"] = loader_batches(*extras["loader"])
         return out

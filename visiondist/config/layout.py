@@ -92,6 +92,7 @@ class RunLayout:
     compile_scope: str = "blocks"
     cuda_graphs: bool = False  # the compiled model replayed as CUDA graphs (`trainer.cuda_graphs`)
     under_torchrun: bool = False  # this process is one rank of a torchrun / srun job
+    share_gpu: bool = False  # a node's ranks on its GPU 0, over gloo (`trainer.share_gpu`: a correctness test)
     chosen_by: str = "config"  # "config", or "parallel=auto" (the planner)
     reason: str = ""  # why parallel=auto chose it
 
@@ -113,6 +114,8 @@ class RunLayout:
     def describe(self) -> str:
         """`dp=2 tp=2 pp=1 (4 ranks on cpu) +SP +FSDP`, as the start-up line and the summary show it."""
         ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''} on {self.accelerator}"
+        if self.share_gpu:
+            ranks += ", sharing GPU 0 over gloo"
         fsdp = f"+HSDP (shard {self.shard_size} x replicate {self.dp // self.shard_size})" if self.hsdp else "+FSDP"
         extras = [("+SP", self.sequence_parallel), (fsdp, self.fsdp), ("+offload", self.offload),
                   (f"+activation checkpointing{' (keeps matmuls)' if self.checkpoint_keep == 'matmuls' else ''}",

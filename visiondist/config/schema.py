@@ -178,6 +178,9 @@ class ScheduleConfig:
 class TrainerConfig:
     accelerator: str = "auto"
     devices: int = -1  # ranks per node; -1: all visible GPUs, or what the mesh needs on the CPU
+    # a node's ranks on its first GPU, over gloo: a test of a layout's correctness on fewer GPUs than ranks (never
+    # faster; NCCL, which refuses two ranks on one GPU, is not what runs). Without it, more ranks than GPUs is refused
+    share_gpu: bool = False
     max_steps: int = -1
     max_epochs: int = 10
     seed: int = 0

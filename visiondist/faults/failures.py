@@ -100,11 +100,23 @@ def read_failures(run_dir: Path) -> list[Failure]:
 def first_failure(run_dir: Path) -> Optional[Failure]:
     """The root cause: the earliest record, but a peer's lost connection only if nothing else was recorded."""
     found = read_failures(run_dir)
-    primary = [f for f in found if not _is_follow_on(f.line)]
+    primary = [f for f in found if not is_follow_on(f.line)]
     return (primary or found or [None])[0]
 
 
-def _is_follow_on(line: str) -> bool:
+def killed_rank(exit_codes: dict[int, int], recorded: Optional[Failure]) -> Optional[tuple[int, str]]:
+    """(rank, signal name) of the lowest rank a signal ended (exit code -N: the OOM killer, a `kill -9`), which left
+    no record, when that is the root cause: nothing was recorded, or only what followed it (`recorded`, the first
+    record, a peer's lost connection: gloo's peers fail on the closed socket at once and record that)."""
+    if recorded is not None and not is_follow_on(recorded.line):
+        return None
+    for rank, code in sorted(exit_codes.items()):
+        if code < 0 and (recorded is None or rank != recorded.rank):
+            return rank, signal.Signals(-code).name
+    return None
+
+
+def is_follow_on(line: str) -> bool:
     text = line.lower()
     return any(s in text for s in ("connection closed by peer", "connection reset by peer", "broken pipe",
                                    "stopped by sigterm", "has been aborted"))

@@ -11,7 +11,8 @@ for training, `<trainer.output_dir>/<kind>/<date>_<time>/` for an entry with a `
 
 `ranks.py`: `launch`, each rank's set-up and the job's last line; `spawn.py`: the elastic agent of a node's ranks;
 `pods.py`: a Kubernetes pod's place in its job; `k8s.py`: its manifests; `rundir.py`: the run directory; `slurm.py`:
-srun tasks' ranks; `stop.py`: stop signals and what a stopped job kept; `estimate.py`: a GPU layout's time on the CPU.
+srun tasks' ranks; `stop.py`: stop signals and what a stopped job kept; `estimate.py`: a GPU layout's time on the CPU;
+`shared.py`: ranks sharing one GPU (`trainer.share_gpu`), the line that says so and their memory together.
 """
 
 from visiondist.launch.ranks import RunFailed, cuda_index, launch

@@ -30,9 +30,10 @@ from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stop
 from visiondist.plan import announce, cuda_device_count, resolve
 from visiondist.utils.exit import leave_quickly_when_done
 from visiondist.utils.procenv import threads_per_rank
-from visiondist.plan.world import find_accelerator, under_torchrun
+from visiondist.plan.world import backend_for, cuda_index, device_memory_gb, find_accelerator, under_torchrun
 from visiondist.plan.resolve import compile_plan
 from visiondist.launch.estimate import check_gpu_layout
+from visiondist.launch.shared import shared_gpu_line
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +52,14 @@ def _init_rank(run: RunLayout, single: bool, startup_timeout_s: float = 1800.0,
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     _set_threads(run.per_node)
     device_id = None
+    backend = backend_for(run.accelerator, run.share_gpu)
     if run.accelerator == "cuda":
-        device = device_id = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count()))
+        device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count(), run.share_gpu))
         torch.cuda.set_device(device)
-        backend = "nccl"
+        device_id = device if backend == "nccl" else None
         set_tf32(tf32)
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        device = torch.device("cpu")
     if not dist.is_initialized():
         timeout = timedelta(seconds=startup_timeout_s)  # shortened to trainer.dist_timeout_s after the first step
         # device_id (NCCL): the communicator is created now, and mesh sub-groups split from it instead of each
@@ -68,17 +70,6 @@ def _init_rank(run: RunLayout, single: bool, startup_timeout_s: float = 1800.0,
         else:
             dist.init_process_group(backend, init_method="env://", timeout=timeout, device_id=device_id)
     return device, local_rank
-
-
-def cuda_index(local_rank: int, visible: int) -> int:
-    """The GPU of a rank: its local rank, or the only visible GPU when each task is bound to one (SLURM
-    `--gpus-per-task=1`, or CUDA_VISIBLE_DEVICES set per rank), whatever its local rank."""
-    if local_rank < visible:
-        return local_rank
-    if visible == 1:
-        return 0
-    raise ConfigError(f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs: start at most {visible} ranks "
-                      "per node, or bind one GPU per task")
 
 
 def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str], auto_plan: Any = None,
@@ -218,6 +209,8 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
         return launch_pod(entry, cfg, pod)
     run, auto_plan = resolve(cfg, env, cuda_device_count())
     check_gpu_layout(cfg, run, run_kind(entry))  # several ranks, no GPU found under accelerator=auto: stop, estimated
+    if run.share_gpu and env.get("RANK", "0") == "0":  # a test of correctness: said, and its memory summed
+        print(shared_gpu_line(cfg, run, device_memory_gb("cuda", 1)), flush=True)
     if run.chosen_by == "parallel=auto" and env.get("RANK", "0") == "0":
         announce(cfg, run, auto_plan)
     if run.compile:  # Inductor's caches (FX graphs, autograd, kernels) kept across runs, not in /tmp
@@ -344,7 +337,7 @@ def _one_line_failure(run_dir: Optional[Path], stop: Optional[LauncherStop] = No
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from visiondist.faults.failures import RANK_ERRORS, first_failure, one_line
+    from visiondist.faults.failures import RANK_ERRORS, first_failure, killed_rank, one_line
 
     try:
         yield
@@ -355,6 +348,11 @@ def _one_line_failure(run_dir: Optional[Path], stop: Optional[LauncherStop] = No
             raise JobStopped(stop.received, stopped_line(stop.received, run_dir, stop.kind,
                                                          why=stop.why() if stop.ended else "")) from None
         found = first_failure(run_dir) if run_dir is not None else None
+        killed = killed_rank({rank: f.exitcode for rank, f in exc.failures.items()}, found)
+        if killed is not None:  # no report of its own; what its peers recorded (a lost connection) followed it
+            after = f"; rank {found.rank} then lost its connection (traceback: {found.file})" if found else ""
+            raise RunFailed(f"rank {killed[0]} ended (killed by {killed[1]}) without a report{after}"
+                            f"{_continue_hint(run_dir, found.line if found else '')}") from None
         if found is None:
             rank, failure = exc.get_first_failure()
             why = (f"killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0

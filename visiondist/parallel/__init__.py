@@ -5,7 +5,7 @@ never imports the models: they declare their plans to it (`visiondist.models.vit
 """
 
 from visiondist.parallel.apply import local_part, parallelize
-from visiondist.parallel.data import unwrap
+from visiondist.parallel.data import same_buffers, unwrap
 from visiondist.parallel.fsdp import (
     compile_blocks,
     compile_model,
@@ -43,6 +43,7 @@ __all__ = [
     "local_part",
     "parallelize",
     "reshard",
+    "same_buffers",
     "transformer_blocks",
     "unwrap",
 ]

@@ -20,6 +20,9 @@ this module cuts, places, validates, and wraps them in `PipelinedViT`:
   bubble fraction and the PNG of `visiondist.parallel.timeline`.
 - tensor parallelism composes inside a stage (the TP plan is applied before cutting); under sequence parallelism
   the token split / gather wraps each stage's blocks.
+- ranks sharing one GPU over gloo (`trainer.share_gpu`): gloo's send and receive hand a tensor's data pointer to its
+  TCP transport, host memory only, so there the stages exchange host tensors (`HostBoundary`): the schedule, its
+  buffers and its shape exchange see CPU tensors, and each stage copies its input to the GPU and its output back.
 """
 
 from __future__ import annotations
@@ -145,6 +148,26 @@ def build_schedule(name: str, stages: Sequence[nn.Module], stage_ids: Sequence[i
     return cls(pipe_stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
 
 
+def through_host(device: torch.device, backend: str) -> bool:
+    """Whether the stages' neighbours exchange host tensors: CUDA stages over gloo (ranks sharing one GPU), whose
+    send and receive take host memory only."""
+    return device.type == "cuda" and backend == "gloo"
+
+
+class HostBoundary(nn.Module):
+    """A stage as the schedule sees it when its neighbours' tensors travel through host memory: its input copied to
+    `device` and its output back to the host, both as autograd copies, so the input gradient the schedule sends
+    back is a host tensor too. The parameters are the stage's own (`inner`)."""
+
+    def __init__(self, inner: nn.Module, device: torch.device):
+        super().__init__()
+        self.inner, self.device = inner, device
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        out = self.inner(*(a.to(self.device, copy=True) for a in args))
+        return out.to("cpu", copy=True)
+
+
 # -- the pipelined model -------------------------------------------------------------------------------------------
 
 
@@ -155,6 +178,7 @@ class PipelineSpec:
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     microbatches: int = 2
+    host_boundary: Optional[bool] = None  # the stages exchange host tensors; None: where `through_host` says
 
     @classmethod
     def of(cls, pp: int, schedule: str = "1f1b", stages_per_rank: int = -1, microbatches: int = -1) -> "PipelineSpec":
@@ -188,6 +212,9 @@ class PipelinedViT(nn.Module):
         self.schedule_name, self.stages_per_rank = spec.schedule, spr
         self.n_stages = pp * spr
         self.layout, self.device, self.group = layout, layout.device, layout.mesh.get_group("pp")
+        self.host_boundary = (through_host(self.device, dist.get_backend(self.group)) if spec.host_boundary is None
+                              else spec.host_boundary)
+        self.wire = torch.device("cpu") if self.host_boundary else self.device  # where the schedule's tensors are
         self.stage_ids = stage_indices(layout.pp_rank, pp, spr)
         self.ranges = block_ranges(model, self.n_stages)
         self.is_first, self.is_last = 0 in self.stage_ids, self.n_stages - 1 in self.stage_ids
@@ -203,11 +230,12 @@ class PipelinedViT(nn.Module):
             for stage in stages:
                 SequenceRegion().apply(stage.blocks, layout.tp_comm, True)
         self._stages = stages  # a plain list: their parameters are already registered above
+        self._scheduled = [HostBoundary(s, self.device) for s in stages] if self.host_boundary else stages
         self._loss_fn, self._loss_scale = loss_fn, 1.0
         self.recorder = Recorder(layout.pp_rank, layout.device)
         self.p2p = P2PCounter()  # sends of the training schedule
-        self._schedule = build_schedule(spec.schedule, stages, self.stage_ids, self.n_stages, self.microbatches,
-                                        layout.device, self.group, self._scaled_loss, self.recorder,
+        self._schedule = build_schedule(spec.schedule, self._scheduled, self.stage_ids, self.n_stages,
+                                        self.microbatches, self.wire, self.group, self._scaled_loss, self.recorder,
                                         scale_grads=False, counter=self.p2p)
         self._eval_schedule = None
         self._enter = None
@@ -226,8 +254,8 @@ class PipelinedViT(nn.Module):
         for stage, index in zip(self._stages, self.stage_ids):
             given = images if index == 0 else boundary
             shapes.append((given, stage(given)))
-        self._schedule = build_schedule(self.schedule_name, self._stages, self.stage_ids, self.n_stages,
-                                        self.microbatches, self.device, self.group, self._scaled_loss, self.recorder,
+        self._schedule = build_schedule(self.schedule_name, self._scheduled, self.stage_ids, self.n_stages,
+                                        self.microbatches, self.wire, self.group, self._scaled_loss, self.recorder,
                                         scale_grads=False, counter=self.p2p, shapes=shapes)
 
     def no_weight_decay(self) -> set[str]:
@@ -239,6 +267,8 @@ class PipelinedViT(nn.Module):
                 f"{self.microbatches} micro-batches | {blocks}")
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.host_boundary:  # the loss where the model computes
+            output, target = output.to(self.device), target.to(self.device)
         return self._loss_fn(output.float(), target) * self._loss_scale
 
     def forward(self, *args, **kwargs):
@@ -257,8 +287,9 @@ class PipelinedViT(nn.Module):
             raise ValueError("the last pipeline stage needs the labels")
         self._loss_scale = scale / self.microbatches
         losses: list[torch.Tensor] = []
-        args = (images.to(self.device, non_blocking=True),) if self.is_first else ()
-        target = labels.to(self.device, non_blocking=True) if self.is_last else None
+        fast = not self.host_boundary  # a copy to the host must have landed before the schedule reads it
+        args = (images.to(self.wire, non_blocking=fast),) if self.is_first else ()
+        target = labels.to(self.wire, non_blocking=fast) if self.is_last else None
         with autocast or nullcontext():
             self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
         loss = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((), device=self.device)
@@ -283,18 +314,18 @@ class PipelinedViT(nn.Module):
         if self.is_first:
             if len(images) > padded:
                 raise ValueError(f"an evaluation batch of {len(images)} exceeds the batch size {batch_size}")
-            images = images.to(self.device, non_blocking=True)
+            images = images.to(self.wire, non_blocking=not self.host_boundary)
             if len(images) < padded:
                 images = torch.cat([images, images.new_zeros((padded - len(images), *images.shape[1:]))])
             args = (images,)
         if self._eval_schedule is None:  # forward only: the same stages, no loss
-            self._eval_schedule = build_schedule(self.schedule_name, self._stages, self.stage_ids, self.n_stages,
-                                                 self.microbatches, self.device, self.group, None)
+            self._eval_schedule = build_schedule(self.schedule_name, self._scheduled, self.stage_ids, self.n_stages,
+                                                 self.microbatches, self.wire, self.group, None)
         with autocast or nullcontext():
             out = self._eval_schedule.step(*args)
         if not self.is_last:
             return None
-        return out[:count]
+        return out[:count].to(self.device)
 
     @contextmanager
     def timeline(self):

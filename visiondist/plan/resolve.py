@@ -65,7 +65,7 @@ def resolve_on(cfg: DictConfig, devices: int, nodes: int, overrides: Optional[di
     parallel = {**(overrides or {}), "auto": False} if overrides is not None or cfg.parallel.auto else {}
     per_node = devices // nodes
     cfg = OmegaConf.merge(cfg, {"parallel": parallel, "trainer": {"accelerator": "cpu", "devices": per_node,
-                                                                   "max_restarts": 0}})
+                                                                   "max_restarts": 0, "share_gpu": False}})
     check(cfg, mandatory=False)
     env = {"WORLD_SIZE": str(devices), "LOCAL_WORLD_SIZE": str(per_node), "LOCAL_RANK": "0"}
     return resolve(cfg, env=env, cuda_devices=0)[0]
@@ -136,8 +136,9 @@ def host_budget(cfg: DictConfig) -> tuple[float, str]:
     return host_memory_gb(), "this machine's; parallel.host_memory_gb sets it"
 
 
-def memory_budget(cfg: DictConfig, accelerator: str, per_node: int) -> tuple[float, str]:
-    """GB of one device for the planner, and where the figure comes from."""
+def memory_budget(cfg: DictConfig, accelerator: str, per_node: int, share_gpu: bool = False) -> tuple[float, str]:
+    """GB of one rank's device for the planner, and where the figure comes from (ranks sharing a GPU get their
+    part of it)."""
     if cfg.parallel.device_memory_gb:
         return float(cfg.parallel.device_memory_gb), "parallel.device_memory_gb"
     if accelerator == "cuda":
@@ -145,14 +146,16 @@ def memory_budget(cfg: DictConfig, accelerator: str, per_node: int) -> tuple[flo
 
         if not torch.cuda.is_available():
             raise ConfigError("parallel=auto cannot read the GPU's memory here: set parallel.device_memory_gb")
-        return device_memory_gb(accelerator, per_node), f"the GPU's memory ({torch.cuda.get_device_name(0)})"
+        shared = f" / {per_node} ranks sharing it (trainer.share_gpu)" if share_gpu else ""
+        return (device_memory_gb(accelerator, per_node, share_gpu),
+                f"the GPU's memory ({torch.cuda.get_device_name(0)}){shared}")
     memory = device_memory_gb(accelerator, per_node)
     ranks = f"{per_node} rank{'s' if per_node > 1 else ''}"
     return memory, f"the host's {memory * per_node:.3g} GB / {ranks} per node (CPU)"
 
 
 def _plan_auto(cfg: DictConfig, world: World):
-    memory, source = memory_budget(cfg, world.accelerator, world.per_node)
+    memory, source = memory_budget(cfg, world.accelerator, world.per_node, world.share_gpu)
     plan = plan_for(cfg, world.world_size, max(1, world.world_size // world.per_node), memory, world.accelerator)
     plan.reason += f"; device memory: {source}"
     if plan.choice is None:
@@ -177,7 +180,8 @@ def _layout(cfg: DictConfig, p: DictConfig, world: World) -> RunLayout:
                           f"must sit inside one node; run a multiple of {p.tp} ranks per node (trainer.devices, or "
                           "torchrun's --nproc-per-node)")
     _check_batch(cfg, p, dp)
-    base = RunLayout(world.accelerator, world_size, per_node, dp, p.tp, p.pp, under_torchrun=world.under_torchrun)
+    base = RunLayout(world.accelerator, world_size, per_node, dp, p.tp, p.pp, under_torchrun=world.under_torchrun,
+                     share_gpu=world.share_gpu)
     return with_switches(base, cfg, p)
 
 

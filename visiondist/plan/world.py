@@ -1,7 +1,13 @@
 """The world a job has: accelerator, ranks and ranks per node, from the config, the environment (torchrun / srun)
 and the GPUs present (the loader workers each rank's share of the node's cores allows are the rank's own question:
 `visiondist.data.workers.loader_workers`). The one place these are decided; pure given `env`, the GPU count and
-the core count, so every branch is testable without GPUs."""
+the core count, so every branch is testable without GPUs. Where each rank's device is and which backend joins the
+ranks (`cuda_index`, `backend_for`) are decided here too, as pure functions the ranks call.
+
+`trainer.share_gpu=true` runs a node's ranks on one GPU (its first): a test mode for layouts on fewer GPUs than ranks.
+NCCL refuses two ranks on one device ("Duplicate GPU detected"), so these ranks join over gloo, which carries CUDA
+tensors through host memory for its collectives. It checks the parallel code on CUDA memory and streams; it says
+nothing of NCCL or of speed."""
 
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ class World:
     world_size: int
     per_node: int
     under_torchrun: bool
+    share_gpu: bool = False  # every rank of a node on its GPU 0, over gloo (trainer.share_gpu: a correctness test)
 
 
 def under_torchrun(env: dict[str, str]) -> bool:
@@ -36,13 +43,36 @@ def host_memory_gb() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
 
 
-def device_memory_gb(accelerator: str, per_node: int) -> float:
-    """Memory of one device: the GPU's, or on the CPU the host's divided between the node's ranks."""
+def device_memory_gb(accelerator: str, per_node: int, share_gpu: bool = False) -> float:
+    """Memory of one rank's device: the GPU's (divided between the node's ranks when they share it), or on the CPU
+    the host's divided between the node's ranks."""
     if accelerator == "cuda":
         import torch
 
-        return torch.cuda.get_device_properties(0).total_memory / 1e9
+        return torch.cuda.get_device_properties(0).total_memory / 1e9 / (per_node if share_gpu else 1)
     return host_memory_gb() / per_node
+
+
+SHARE_HINT = ("or, to test the layout's correctness on fewer GPUs, trainer.share_gpu=true (every rank on GPU 0 over "
+              "gloo: never faster, and NCCL untested)")
+
+
+def cuda_index(local_rank: int, visible: int, share_gpu: bool = False) -> int:
+    """The GPU of a rank: its local rank; the only visible GPU when each task is bound to one (SLURM
+    `--gpus-per-task=1`, or CUDA_VISIBLE_DEVICES set per rank), whatever its local rank; GPU 0 for every rank of a
+    node that shares it (`trainer.share_gpu`)."""
+    if share_gpu or visible == 1:
+        return 0
+    if local_rank < visible:
+        return local_rank
+    raise ConfigError(f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs: start at most {visible} ranks "
+                      "per node, or bind one GPU per task")
+
+
+def backend_for(accelerator: str, share_gpu: bool = False) -> str:
+    """The process group's backend: NCCL between GPUs; gloo on the CPU and between ranks that share one GPU (NCCL
+    refuses two ranks on one device)."""
+    return "nccl" if accelerator == "cuda" and not share_gpu else "gloo"
 
 
 def find_accelerator(cfg: DictConfig, cuda_devices: int) -> str:
@@ -51,6 +81,10 @@ def find_accelerator(cfg: DictConfig, cuda_devices: int) -> str:
         accelerator = "cuda" if cuda_devices > 0 else "cpu"
     if accelerator == "cuda" and cuda_devices == 0:
         raise ConfigError("trainer.accelerator=cuda but no CUDA device is visible: use trainer.accelerator=cpu")
+    if cfg.trainer.get("share_gpu", False) and accelerator != "cuda":
+        where = "no CUDA device is visible" if cuda_devices == 0 else f"trainer.accelerator={cfg.trainer.accelerator}"
+        raise ConfigError(f"trainer.share_gpu=true puts a node's ranks on one GPU, and {where}: drop "
+                          "trainer.share_gpu (CPU ranks share the cores without it) or use trainer.accelerator=cuda")
     if cfg.model.sync_bn and accelerator != "cuda":
         raise ConfigError("model.sync_bn=true needs CUDA (SyncBatchNorm does not run on the CPU): drop it on the CPU")
     return accelerator
@@ -58,9 +92,10 @@ def find_accelerator(cfg: DictConfig, cuda_devices: int) -> str:
 
 def find_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World:
     """The ranks this job runs: torchrun's / srun's, else trainer.devices, else dp x tp x pp, else every GPU (or
-    tp x pp processes on the CPU)."""
+    tp x pp processes on the CPU or on one shared GPU)."""
     t, p = cfg.trainer, cfg.parallel
     accelerator = find_accelerator(cfg, cuda_devices)
+    share = bool(t.get("share_gpu", False))
     model_parallel = p.tp * p.pp
     torchrun = under_torchrun(env)
     if torchrun:
@@ -77,20 +112,20 @@ def find_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
         world = per_node = t.devices
     elif p.dp > 0:
         world = per_node = p.dp * model_parallel
-    elif accelerator == "cuda":
+    elif accelerator == "cuda" and not share:
         world = per_node = cuda_devices
         if cuda_devices < model_parallel:
             raise ConfigError(
                 f"parallel.tp x parallel.pp = {p.tp} x {p.pp} needs {model_parallel} GPUs on this node but only "
                 f"{cuda_devices} {'is' if cuda_devices == 1 else 'are'} visible: lower parallel.tp/pp, run on more "
-                "GPUs, or use trainer.accelerator=cpu to run the ranks as CPU processes")
+                f"GPUs, or use trainer.accelerator=cpu to run the ranks as CPU processes, {SHARE_HINT}")
     else:
         world = per_node = model_parallel
-    if accelerator == "cuda" and per_node > cuda_devices:
+    if accelerator == "cuda" and per_node > cuda_devices and not share:
         raise ConfigError(f"{per_node} ranks per node need {per_node} GPUs but only {cuda_devices} "
                           f"{'is' if cuda_devices == 1 else 'are'} visible: lower parallel.dp/tp/pp or "
-                          "trainer.devices, or use trainer.accelerator=cpu")
-    return World(accelerator, world, per_node, torchrun)
+                          f"trainer.devices, or use trainer.accelerator=cpu, {SHARE_HINT}")
+    return World(accelerator, world, per_node, torchrun, share)
 
 
 def planning_world(cfg: DictConfig, cuda_devices: int) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from visiondist.checkpoint.dcp import PendingSave, async_group
 from visiondist.faults.health import StepHealth
 from visiondist.observe.metrics import MetricsLogger
 from visiondist.observe.summary import report_run
-from visiondist.parallel import Layout, PipelinedViT, local_numel, reshard, unwrap
+from visiondist.parallel import Layout, PipelinedViT, local_numel, reshard, same_buffers, unwrap
 from visiondist.train.build import consolidate
 from visiondist.train.components import Components, build_components
 from visiondist.train.hooks import default_hooks
@@ -84,6 +84,7 @@ class Trainer(Checkpointing, OptimizerStep):
 
     def evaluate(self) -> dict[str, Any]:
         PROGRESS.at("evaluating", self.step)
+        same_buffers(self.model, self.layout)  # the first replica's BatchNorm statistics, which the checkpoint keeps
         ema_metrics = {}
         if self.ema is not None:  # first, so that files the evaluation writes (per_class.json) are the model's
             with self.ema.swapped(self.model):
