@@ -1,5 +1,5 @@
-"""The DETR-class criterion (visiondist/models/detr_criterion.py): the batched assignment against scipy's on 1,000
-random cost matrices, the RT-DETR and RF-DETR losses against transformers' on the same outputs, D-FINE's against a
+"""The DETR-class criterion (visiondist/models/detr_criterion.py, detr_matching.py): the batched assignment against
+scipy's on 1,000 random cost matrices, the RT-DETR and RF-DETR losses against transformers' on the same outputs, D-FINE's against a
 direct transcription of the original implementation's equations (GO-LSD union matching, FGL, DDF), and a step's
 host synchronisations counted."""
 
@@ -15,8 +15,8 @@ pytest.importorskip("scipy")
 
 from scipy.optimize import linear_sum_assignment  # noqa: E402
 
-from visiondist.models import detr_criterion  # noqa: E402
-from visiondist.models.detr_criterion import assign_batched, go_union  # noqa: E402
+from visiondist.models import detr_matching  # noqa: E402
+from visiondist.models.detr_matching import assign_batched, go_union  # noqa: E402
 from visiondist.models.detr_library import build_detr  # noqa: E402
 
 
@@ -294,7 +294,7 @@ def test_a_step_reads_the_device_once(arch, monkeypatch):
     no other host read in the loss and its backward (the CUDA step is checked by the GPU test)."""
     criterion, args, kwargs = _outputs(arch)
     transfers = {"to_host": 0, "to_device": 0}
-    to_host, to_device = detr_criterion._to_host, detr_criterion._to_device
+    to_host, to_device = detr_matching.to_host, detr_matching.to_device
 
     def counted_host(values):
         transfers["to_host"] += 1
@@ -304,8 +304,8 @@ def test_a_step_reads_the_device_once(arch, monkeypatch):
         transfers["to_device"] += 1
         return to_device(values, device)
 
-    monkeypatch.setattr(detr_criterion, "_to_host", counted_host)
-    monkeypatch.setattr(detr_criterion, "_to_device", counted_device)
+    monkeypatch.setattr(detr_matching, "to_host", counted_host)
+    monkeypatch.setattr(detr_matching, "to_device", counted_device)
     with _HostReads() as reads:
         total, _, _ = criterion(*args, **kwargs)
         total.backward()
@@ -331,7 +331,7 @@ def test_a_cuda_step_synchronises_once(arch, monkeypatch):
     """On the GPU, under CUDA's sync debug mode set to fail on any synchronisation: the loss and its backward run
     with the one transfer of the cost matrices as their only synchronisation (50 steps' worth of calls)."""
     criterion, args, kwargs = _outputs(arch, device="cuda")
-    to_host, transfers = detr_criterion._to_host, []
+    to_host, transfers = detr_matching.to_host, []
 
     def allowed(values):
         torch.cuda.set_sync_debug_mode(0)
@@ -341,7 +341,7 @@ def test_a_cuda_step_synchronises_once(arch, monkeypatch):
         finally:
             torch.cuda.set_sync_debug_mode("error")
 
-    monkeypatch.setattr(detr_criterion, "_to_host", allowed)
+    monkeypatch.setattr(detr_matching, "to_host", allowed)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

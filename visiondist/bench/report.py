@@ -128,6 +128,13 @@ def _name(r: dict[str, Any]) -> str:
     return "the base configuration" if r["variant"] == "-" else r["variant"]
 
 
+def _matcher_lines(results: list[dict[str, Any]]) -> list[str]:
+    """A DETR's Hungarian matching beside its step (the criterion's host time)."""
+    return [f"{_name(r)}: Hungarian matching {r['matcher_solve_ms']:.2f} ms a step on the host "
+            f"({_pct(r['matcher_solve_share'])} of the step), after waiting {r['matcher_wait_ms']:.2f} ms for the "
+            "cost matrices (one transfer a step)" for r in results if r.get("matcher_solve_ms") is not None]
+
+
 def result_table(results: list[dict[str, Any]]):
     """One row per configuration, each followed by its own plain loops; shared figures and warnings in the
     caption."""
@@ -147,11 +154,7 @@ def result_table(results: list[dict[str, Any]]):
             caption.append(f"{_name(r)}: visiondist's step includes the input work done on the device: "
                            f"{', '.join(r['device_input'])} (the plain loops do the same augmentation on the device, "
                            "with timm's Mixup and EMA where the recipe has them; they get decoded images)")
-    for r in results:
-        if r.get("matcher_solve_ms") is not None:
-            caption.append(f"{_name(r)}: Hungarian matching {r['matcher_solve_ms']:.2f} ms a step on the host "
-                           f"({_pct(r['matcher_solve_share'])} of the step), after waiting "
-                           f"{r['matcher_wait_ms']:.2f} ms for the cost matrices (one transfer a step)")
+    caption += _matcher_lines(results)
     for r in results:
         if r.get("loader_over_step") is not None and r["loader_over_step"] < LOADER_MARGIN:
             caption.append(f"WARNING {_name(r)}: the loader delivers {r['loader_over_step']:.2f}x the images the step "
