@@ -40,6 +40,7 @@ def on_test_device(args: list[str]) -> list[str]:
     dp4 x tp2), and a command line of more ranks than GPUs skips the test."""
     if TEST_DEVICE == "cpu":
         return list(args)
+    _need_cuda()
     out = [a for arg in args for a in (device_overrides() if arg == "trainer.accelerator=cpu" else [arg])]
     if TEST_DEVICE == "cuda":
         ranks = cpu_ranks(args)
@@ -59,6 +60,14 @@ def cpu_ranks(args: list[str]) -> int:
     return resolve(cfg, {}, 0)[0].world_size
 
 
+def _need_cuda() -> None:
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip(f"VISIONDIST_TEST_DEVICE={TEST_DEVICE} needs a CUDA device; none here")
+
+
 def _need_gpus(ranks: int) -> None:
     import pytest
     import torch
@@ -74,7 +83,10 @@ def ranks_on(n: int) -> str:
 
 
 def spawned(nprocs: int) -> None:
-    """Before `helpers.spawn_ranks` starts `nprocs` ranks: under `cuda`, skip where there are fewer GPUs."""
+    """Before `helpers.spawn_ranks` starts `nprocs` ranks: on a CUDA test device, skip where there is no GPU (or,
+    under `cuda`, fewer GPUs than ranks)."""
+    if TEST_DEVICE != "cpu":
+        _need_cuda()
     if TEST_DEVICE == "cuda":
         _need_gpus(nprocs)
 
@@ -104,6 +116,7 @@ def reference_device():
 
     if TEST_DEVICE == "cpu":
         return torch.device("cpu")
+    _need_cuda()
     _exact()
     return torch.device("cuda", 0)
 

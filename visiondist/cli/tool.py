@@ -309,7 +309,8 @@ def usage(tool: Tool, config_dir: Path) -> str:
     lines = [f"usage: python tools/{tool.name} {form}", "", _wrap(tool.about), ""]
     if tool.keys:
         lines += ["keys of this tool (plain key=value, no dot):"]
-        lines += [_wrap(text, f"  {key:<18}") for key, text in tool.keys] + [""]
+        width = max(18, *(len(key) + 1 for key, _ in tool.keys))  # a long key keeps a space before its text
+        lines += [_wrap(text, f"  {key:<{width}}") for key, text in tool.keys] + [""]
     lines += [_wrap(tool.reads, "reads:  "), _wrap(tool.writes, "writes: "), ""]
     if tool.config:
         lines += [_wrap("config (as tools/train.py): group=option picks configs/<group>/<option>.yaml, group.key=value "

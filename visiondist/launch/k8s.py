@@ -87,10 +87,11 @@ def pod_resources(cfg: Any, ranks: int, dp: int, cpu: str = "", memory: str = ""
     shm_gib = max(SHM_MIN_GIB, math.ceil(2 * ready / GIB))
     if memory:
         if bytes_of(memory) < shm_gib * GIB:
+            planned = shm_gib + math.ceil(ranks * (RANK_GIB + workers * WORKER_GIB))
             raise ConfigError(f"memory={memory} is less than the pod's /dev/shm ({shm_gib}Gi: {ranks} ranks x "
                               f"{workers} loader workers x their ready batches), which counts against it: give "
-                              f"memory={shm_gib + math.ceil(ranks * (RANK_GIB + workers * WORKER_GIB))}Gi or more, "
-                              "or fewer workers (data.num_workers)")
+                              f"more than {shm_gib}Gi (the default plans memory={planned}Gi: {RANK_GIB}Gi a rank, "
+                              f"{WORKER_GIB}Gi a loader worker and /dev/shm), or fewer workers (data.num_workers)")
     else:
         memory = f"{math.ceil(ranks * (RANK_GIB + workers * WORKER_GIB)) + shm_gib}Gi"
     cpu = cpu.strip() if cpu else str(int(cpus))

@@ -82,9 +82,12 @@ def find_accelerator(cfg: DictConfig, cuda_devices: int) -> str:
     if accelerator == "cuda" and cuda_devices == 0:
         raise ConfigError("trainer.accelerator=cuda but no CUDA device is visible: use trainer.accelerator=cpu")
     if cfg.trainer.get("share_gpu", False) and accelerator != "cuda":
-        where = "no CUDA device is visible" if cuda_devices == 0 else f"trainer.accelerator={cfg.trainer.accelerator}"
-        raise ConfigError(f"trainer.share_gpu=true puts a node's ranks on one GPU, and {where}: drop "
-                          "trainer.share_gpu (CPU ranks share the cores without it) or use trainer.accelerator=cuda")
+        if cuda_devices == 0:
+            raise ConfigError("trainer.share_gpu=true puts a node's ranks on one GPU, and this machine has no CUDA "
+                              "device: drop trainer.share_gpu (CPU ranks share the cores without it)")
+        raise ConfigError(f"trainer.share_gpu=true puts a node's ranks on one GPU, and trainer.accelerator="
+                          f"{cfg.trainer.accelerator} runs them on the CPU: drop trainer.share_gpu, or use "
+                          "trainer.accelerator=cuda")
     if cfg.model.sync_bn and accelerator != "cuda":
         raise ConfigError("model.sync_bn=true needs CUDA (SyncBatchNorm does not run on the CPU): drop it on the CPU")
     return accelerator

@@ -170,7 +170,8 @@ class LogHook(Hook):
         rate = steps * trainer.cfg.data.batch_size / max(timer.close_window(trainer.step), 1e-9)
         lr = trainer.optimizer.param_groups[0]["lr"]
         mfu = trainer.mfu(rate)
-        trainer.metrics.log(trainer.step, epoch=trainer.epoch, loss=mean_loss, lr=lr, grad_norm=norm, images_per_s=rate,
+        trainer.metrics.log(trainer.step, epoch=trainer.epoch + 1, loss=mean_loss, lr=lr, grad_norm=norm,
+                            images_per_s=rate,
                             **({"mfu": mfu} if mfu is not None else {}))
         peak = trainer.peak_gpu_gib()
         memory = f" | {peak:.1f} GiB peak" if peak is not None else ""

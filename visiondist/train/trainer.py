@@ -93,7 +93,7 @@ class Trainer(Checkpointing, OptimizerStep):
         metrics = {**self.task.evaluate(unwrap(self.model), self.layout, self.autocast, self.run_dir), **ema_metrics}
         reshard(self.model)  # FSDP keeps the root's gathered weights after a forward without backward: free them
         self.last_eval = {**metrics, "step": self.step}
-        self.metrics.log(self.step, epoch=self.epoch, **metrics)
+        self.metrics.log(self.step, epoch=self.epoch + 1, **metrics)  # counted from 1, as the log lines count
         log.info("eval  step %d | %s", self.step, self.task.describe(metrics))
         return metrics
 
