@@ -13,8 +13,11 @@ from visiondist.checkpoint.files import latest_checkpoint
 EVALS = ("val_loss", "val_top1", "val_ema_loss")  # the evaluation columns compared
 
 
+# the schedule pinned (3 warm-up steps of the 4), whatever the default's share of a run: these runs compare layouts,
+# and their fp32 tolerances were set on this trajectory (at the full rate from step 1, HSDP's reduce-scatter then
+# all-reduce left one weight of 147,456 2.1e-6 from one process's, over the 1e-6 the other layouts keep)
 COMMON = ["model.num_heads=2", "model.depth=3", "model.drop_path_rate=0.1", "trainer.max_steps=4",
-          "trainer.eval_every=2", "trainer.ema_decay=0.9", "data.eval_batch_size=8"]
+          "trainer.eval_every=2", "trainer.ema_decay=0.9", "data.eval_batch_size=8", "schedule.warmup_steps=3"]
 
 
 @pytest.fixture(scope="module")
