@@ -199,6 +199,21 @@ def spawn_ranks(fn, nprocs: int, *args, timeout: float = 240, **kwargs):
     return outcome["ok"]
 
 
+def random_imagefolder(root: Path, classes: int, train_per_class: int = 1, val_per_class: int = 1) -> Path:
+    """An ImageFolder tree of random 24 x 24 JPEGs under `root` (train/ and val/, `class00`...), seeded."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
+        for c in range(classes):
+            folder = root / split / f"class{c:02d}"
+            folder.mkdir(parents=True)
+            for i in range(count):
+                Image.fromarray(rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(folder / f"{i}.jpg")
+    return root
+
+
 def assert_png(path: Path, min_width: int = 400, min_height: int = 250, min_bytes: int = 8000) -> None:
     """A real plot: a PNG that decodes, of a useful size, and not one flat colour."""
     import numpy as np

@@ -3,30 +3,17 @@ so curves.png, the summary, the final line), on the built-in 6-class set and on 
 
 import json
 
-import numpy as np
 import pytest
-from PIL import Image
 
-from helpers import TINY_DATA, run_cli
+from helpers import TINY_DATA, random_imagefolder, run_cli
 from visiondist.observe.metrics import read_metrics
-
-
-def _imagefolder(root, classes: int):
-    rng = np.random.default_rng(0)
-    for split, count in (("train", 2), ("val", 1)):
-        for c in range(classes):
-            folder = root / split / f"class{c:02d}"
-            folder.mkdir(parents=True)
-            for i in range(count):
-                Image.fromarray(rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(folder / f"{i}.jpg")
-    return root
 
 
 @pytest.mark.parametrize("classes", [6, 20])
 def test_top5_is_reported_only_above_ten_classes(tmp_path, tiny_shapes, classes):
     data = ([*TINY_DATA, f"data.root={tiny_shapes}"] if classes == 6 else
             [*(a for a in TINY_DATA if not a.startswith("data.synthetic.")), "data=imagenet",
-             f"data.root={_imagefolder(tmp_path / 'data', classes)}", "data.batch_size=8", "data.eval_batch_size=8"])
+             f"data.root={random_imagefolder(tmp_path / 'data', classes, train_per_class=2)}", "data.batch_size=8", "data.eval_batch_size=8"])
     run = tmp_path / "run"
     result = run_cli([*data, "trainer.max_steps=2", "trainer.eval_every=1", "trainer.loggers=[csv]",
                       "trainer.accelerator=cpu", f"trainer.run_dir={run}"], timeout=180)

@@ -4,24 +4,11 @@ summary prints its paths whole below the table."""
 
 import json
 
-import numpy as np
 import pytest
-from PIL import Image
 
-from helpers import REPO, call_tool
+from helpers import REPO, call_tool, random_imagefolder
 
 CONFIGS = REPO / "configs"
-
-
-def _imagefolder(root, classes: int, per_class: int = 1):
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        for c in range(classes):
-            folder = root / split / f"class{c:02d}"
-            folder.mkdir(parents=True)
-            for i in range(per_class):
-                Image.fromarray(rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(folder / f"{i}.jpg")
-    return root
 
 
 @pytest.mark.parametrize("classes", [6, 20])
@@ -30,7 +17,7 @@ def test_eval_reports_top5_only_above_ten_classes(tmp_path, capsys, classes):
     from visiondist.models import build_model
     from visiondist.models.weights import save_weights
 
-    root = _imagefolder(tmp_path / "data", classes)
+    root = random_imagefolder(tmp_path / "data", classes)
     args = ["model=vit_tiny", "model.depth=1", "data=imagenet", f"data.root={root}", "data.img_size=32",
             "data.num_workers=0", "trainer.accelerator=cpu", "trainer.progress=false"]
     cfg = load_config(CONFIGS, args, inputs="eval")
