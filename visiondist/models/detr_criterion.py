@@ -128,7 +128,7 @@ class DetrCriterion:
         heads = (self._lw_heads(logits, pred_boxes, outputs_class, outputs_coord, *args[:2], **kwargs)
                  if self.family == "lw_detr" else
                  self._rt_heads(outputs_class, outputs_coord, *args, **kwargs))
-        terms = self.losses(heads, labels)
+        terms = self.losses(heads, labels, kwargs.get("denoising_meta_values"))
         total = sum(terms.values())
         return total, terms, None
 
@@ -155,7 +155,6 @@ class DetrCriterion:
                 if meta is not None:
                     heads += [Head(f"dn{i}", dn_class[:, i], dn_coord[:, i], match="dn", box_match="dn")
                               for i in range(layers)]
-            self._dn_meta = meta
             return heads
         # D-FINE: logits / boxes hold the pre-decoder prediction first, then one per layer; corners and reference
         # points one per layer
@@ -181,7 +180,6 @@ class DetrCriterion:
                 heads += layer_heads(dn_class, dn_coord, dn_corners, dn_refs, "dn_", "dn")
         if not aux:  # one layer's terms: its own matching
             heads[0].box_match = "own"
-        self._dn_meta = meta
         return heads
 
     def _lw_heads(self, logits, pred_boxes, outputs_class, outputs_coord, enc_class=None, enc_coord=None, **_):
@@ -193,7 +191,6 @@ class DetrCriterion:
                       for i in range(outputs_class.shape[0] - 1)]
         if enc_class is not None:
             heads.append(Head("enc", enc_class, enc_coord, groups=groups))
-        self._dn_meta = None
         return heads
 
     # ---------------------------------------------------------------------------------------------------- the cost
@@ -215,7 +212,7 @@ class DetrCriterion:
         g = head.groups
         return cost.view(b, g, q // g, t).reshape(b * g, q // g, t)
 
-    def match(self, heads: list[Head], labels: list[dict]) -> dict:
+    def match(self, heads: list[Head], labels: list[dict], meta: Optional[dict] = None) -> dict:
         """Fill each head's `matched` with (batch, query, flat target) index tensors: the Hungarian matchings (one
         transfer to the host for all of them), the denoising assignment and D-FINE's union. Returns the host-known
         counts the losses normalise by."""
@@ -245,9 +242,9 @@ class DetrCriterion:
                     cols.append(c)
                 per_image.append((np.concatenate(rows), np.concatenate(cols)))
             host[(id(h), "own")] = per_image
-        if any(h.box_match == "go" for h in heads):
+        uses_go = any(h.box_match == "go" for h in heads)
+        if uses_go:
             go = [go_union([host[(id(h), "own")][b] for h in own]) for b in range(len(counts))]
-        meta = self._dn_meta
         if meta is not None:
             groups = int(meta["dn_num_group"])
             dn = [(np.array([g * 2 * most + j for g in range(groups) for j in range(n)], np.int64),
@@ -267,13 +264,13 @@ class DetrCriterion:
         for h, kind, n in plan:
             h.matched[kind] = (flat[start:start + n], flat[start + n:start + 2 * n], flat[start + 2 * n:start + 3 * n])
             start += 3 * n
-        stats = {"boxes": sum(counts), "go": sum(len(r) for r, _ in go) if any(h.box_match == "go" for h in heads)
-                 else 0, "dn_groups": int(meta["dn_num_group"]) if meta is not None else 1}
-        return stats
+        return {"boxes": sum(counts), "go": sum(len(r) for r, _ in go) if uses_go else 0,
+                "dn_groups": int(meta["dn_num_group"]) if meta is not None else 1}
 
     # --------------------------------------------------------------------------------------------------- the losses
-    def losses(self, heads: list[Head], labels: list[dict]) -> dict[str, Tensor]:
-        stats = self.match(heads, labels)
+    def losses(self, heads: list[Head], labels: list[dict], meta: Optional[dict] = None) -> dict[str, Tensor]:
+        """The weighted terms of every head; `meta`: the model's denoising values (RT-DETR, D-FINE in training)."""
+        stats = self.match(heads, labels, meta)
         device = heads[0].logits.device
         target_labels = (torch.cat([t["class_labels"] for t in labels]) if labels else
                          torch.zeros(0, dtype=torch.long, device=device))
