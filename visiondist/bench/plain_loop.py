@@ -82,7 +82,7 @@ def _checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: str, swi
     if cfg.model.family == "detr":  # the transformers model: its network compiled as the run compiles ours
         if not p.compile:
             return "none"
-        model.model.compile()  # `...ForObjectDetection.model`: backbone, encoder, decoder (the loss eager)
+        compile_model(model.model)  # `...ForObjectDetection.model`: backbone, encoder, decoder (the loss eager)
         return "whole model"
     blocks = model.blocks  # timm: an nn.Sequential
     if p.activation_checkpointing:
