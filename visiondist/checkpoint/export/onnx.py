@@ -35,9 +35,13 @@ def write_onnx(trained: Trained, path: Path, out: Path) -> list[Path]:
     model, family = trained.model, trained.cfg.model.family
     if family == "vit":
         batch = torch.export.Dim("batch", min=1, max=4096)
-        program = torch.onnx.export(model, (example_images(trained.cfg),), dynamo=True, input_names=["images"],
-                                    output_names=["logits"], dynamic_shapes={"x": {0: batch}}, external_data=False,
-                                    verbose=False)  # torch.onnx's progress lines: the tool prints the file written
+        # torch.onnx's progress lines and its internals' deprecation notes (torch 2.11: LeafSpec, from a copy of the
+        # exported program) are left out: the tool prints the file written, and check_onnx tests the graph
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(model, (example_images(trained.cfg),), dynamo=True, input_names=["images"],
+                                        output_names=["logits"], dynamic_shapes={"x": {0: batch}},
+                                        external_data=False, verbose=False)
         program.model.metadata_props.update(metadata)
         program.save(str(path))
     elif family in ("torchvision", "vitdet"):
