@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-import visiondist  # noqa: F401 (first, as in every tool: the test processes' OpenMP waits passively, see procenv)
+import visiondist  # noqa: F401 (first, as in every tool: the test processes' OpenMP waiting chosen as there, see procenv)
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE / "multirank")]  # the helpers; the rank-side modules the multi-rank tests import

@@ -2,6 +2,9 @@
 processes themselves (a tool, its ranks, their loader workers): tests/multirank/test_procenv.py."""
 
 import os
+import subprocess
+import time
+from pathlib import Path
 
 from visiondist.utils import procenv
 
@@ -64,10 +67,71 @@ def test_usable_cpus_is_the_smaller_of_affinity_and_quota(tmp_path, monkeypatch)
     assert procenv.usable_cpus(root, proc) == 2
 
 
-def test_the_defaults_are_set_unless_the_user_chose():
+def _never() -> float:
+    raise AssertionError("the CPUs were sampled where the choice was already made")
+
+
+def test_a_users_own_wait_policy_or_spin_count_is_kept_and_nothing_is_sampled():
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    procenv.set_process_defaults(env)
-    assert env == {"OMP_WAIT_POLICY": "ACTIVE", "NO_ALBUMENTATIONS_UPDATE": "1"}
+    procenv.set_process_defaults(env, others_busy=_never)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE", "NO_ALBUMENTATIONS_UPDATE": "1",
+                   procenv.WAIT_RECORD: "ACTIVE: set by you"}
+    env = {"GOMP_SPINCOUNT": "1000"}  # libgomp's own spin count: no policy added, which would change it
+    procenv.set_process_defaults(env, others_busy=_never)
+    assert "OMP_WAIT_POLICY" not in env and env[procenv.WAIT_RECORD] == "GOMP_SPINCOUNT=1000: set by you"
+    assert procenv.omp_wait_text(env) == "GOMP_SPINCOUNT=1000 (set by you)"
+
+
+def test_a_started_process_inherits_its_parents_choice_without_looking_again():
+    env = {procenv.WAIT_RECORD: "spin: torch's default", "NO_ALBUMENTATIONS_UPDATE": "1"}
+    procenv.set_process_defaults(env, others_busy=_never)
+    assert "OMP_WAIT_POLICY" not in env and env[procenv.WAIT_RECORD] == "spin: torch's default"
+
+
+def test_busy_cpus_at_start_wait_passively_idle_ones_keep_torchs_default(monkeypatch, tmp_path):
+    root, proc = _cgroup(tmp_path, "0::/\n", {"cpu.max": "max 100000\n"})
+    monkeypatch.setattr(procenv, "CGROUP_ROOT", root)
+    monkeypatch.setattr(procenv, "PROC_CGROUP", proc)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     env = {}
-    procenv.set_process_defaults(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "NO_ALBUMENTATIONS_UPDATE": "1"}
+    procenv.set_process_defaults(env, others_busy=lambda: 1.0)  # one busy process beside
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert procenv.omp_wait_text(env) == "sleep (other processes kept 1.0 of this process's 2 CPUs busy at start)"
+    env = {}
+    procenv.set_process_defaults(env, others_busy=lambda: 0.1)
+    assert "OMP_WAIT_POLICY" not in env and procenv.omp_wait_text(env).startswith("spin (torch's default; other "
+                                                                                   "processes kept 0.1 of")
+    env = {}
+    procenv.set_process_defaults(env, others_busy=lambda: None)  # no /proc/stat: the choice that cannot lose much
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+    env = {"LOCAL_WORLD_SIZE": "8"}  # torchrun's ranks of one node: each would see the others start
+    procenv.set_process_defaults(env, others_busy=_never)
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "8 ranks share" in env[procenv.WAIT_RECORD]
+    (root / "cpu.max").write_text("150000 100000\n")  # a pod limited to 1.5 of its 2 CPUs: throttled
+    env = {}
+    procenv.set_process_defaults(env, others_busy=_never)
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "quota (1.5 CPUs) is below its 2 CPUs" in env[procenv.WAIT_RECORD]
+
+
+def test_several_ranks_started_from_one_process_wait_passively_unless_the_user_chose():
+    env = {procenv.WAIT_RECORD: "spin: torch's default"}
+    procenv.ranks_share_cpus(1, env)
+    assert env == {procenv.WAIT_RECORD: "spin: torch's default"}
+    procenv.ranks_share_cpus(2, env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", procenv.WAIT_RECORD: "PASSIVE: 2 ranks share this node's CPUs"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE", procenv.WAIT_RECORD: "ACTIVE: set by you"}
+    procenv.ranks_share_cpus(4, env)
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_the_sample_sees_a_busy_process_on_this_process_cpus():
+    """A spinning process (it inherits this process's CPUs) is counted; this process's own sleep is not."""
+    spinner = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+    try:
+        time.sleep(0.3)  # started
+        busy = procenv.others_cpu_use(0.3)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy is not None and 0.7 <= busy <= len(os.sched_getaffinity(0)) + 0.1, busy
+    assert procenv.others_cpu_use(0.05, stat=Path("/nonexistent/stat")) is None

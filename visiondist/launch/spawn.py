@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 from visiondist.launch.pods import PodJob
-from visiondist.utils.procenv import threads_per_rank
+from visiondist.utils.procenv import ranks_share_cpus, threads_per_rank
 
 
 @contextmanager
@@ -52,9 +52,10 @@ def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
     are keyed by global rank."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # the ranks' threads share this process's CPUs (affinity and container quota); OpenMP's waiting, the albumentations
-    # check and the rest of `visiondist.utils.procenv`'s environment were set when visiondist was imported
+    # the ranks' threads share this process's CPUs (affinity and container quota), and wait passively where there are
+    # several; the rest of `visiondist.utils.procenv`'s environment was set when visiondist was imported
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nprocs)))
+    ranks_share_cpus(nprocs)
     # Each restart gets a fresh store for the ranks' process group: with the rendezvous store shared, a restarted
     # rank can read a peer address left by the previous attempt (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")

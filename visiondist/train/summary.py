@@ -9,11 +9,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from visiondist.checkpoint.files import read_best
 from visiondist.observe.summary import best_evaluation
 from visiondist.train.optim import warmup_length
 from visiondist.train.precision import cpu_has_bf16, precision_name, precision_text
 from visiondist.utils.dcp import CHECKPOINTS
+from visiondist.utils.procenv import omp_wait_text
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +31,9 @@ def announce(tr) -> None:
         precision_text(t, tr.layout.device, tr.model), tr.cfg.data.batch_size, sampler.micro_batch, t.grad_accum,
         tr.total_steps, "" if tr.total_steps == 1 else "s", tr.length,
     )
+    if tr.layout.device.type == "cpu":
+        log.info("CPU: %d thread%s per rank; OpenMP's waiting threads %s", torch.get_num_threads(),
+                 "" if torch.get_num_threads() == 1 else "s", omp_wait_text())
     if t.max_steps > tr.total_steps and tr.layout.is_main:
         log.warning("trainer.max_steps=%d is not reached: %s; raise trainer.max_epochs (or set it to 0) to train "
                     "%d steps", t.max_steps, tr.length, t.max_steps)

@@ -4,9 +4,14 @@
 imported in any tool (tools/*.py import visiondist first) or rank under torchrun / srun; the ranks the launcher
 starts and their loader workers inherit the environment. A user's own value of each variable is kept.
 
-- `OMP_WAIT_POLICY=PASSIVE`: an OpenMP thread that waits for work sleeps instead of spinning. Spinning only pays on
-  cores nothing else wants; beside one other busy process on 2 cores, a ViT-Ti step ran 13x slower with the
-  spinning default (benchmarks/omp_wait.py, docs/performance.md). OpenMP reads it once, when torch loads it.
+- OpenMP's waiting (`wait_policy`): a thread that runs out of work spins for a while (torch's default) or sleeps
+  (`OMP_WAIT_POLICY=PASSIVE`). Spinning is fastest on CPUs nothing else wants (passive cost 12-18% on an idle
+  2-core machine); on CPUs another process wants it loses 1.7-16x (a ViT-Ti step beside one busy process:
+  benchmarks/omp_wait.py, docs/performance.md). So the first visiondist process of a job looks before torch starts
+  OpenMP: it waits passively where its CPUs are shared (a container's CPU quota below its CPUs, several ranks on the
+  node, or other processes keeping at least half a CPU of its CPUs busy over `SAMPLE_S`), and leaves torch's
+  default otherwise. The choice and its reason go into `VISIONDIST_OMP_WAIT`, which the processes it starts inherit
+  (they do not look again) and the run's log prints. OpenMP reads the policy once, when torch loads it.
 - `NO_ALBUMENTATIONS_UPDATE=1`: albumentations asks PyPI for its newest version at import, and on a machine without
   the internet prints the failed request at every start of every rank and loader worker.
 
@@ -18,28 +23,117 @@ pod limited to 4 CPUs on a 64-core node. Thread counts and `data.num_workers=-1`
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
-from typing import MutableMapping, Optional
+from typing import Callable, MutableMapping, Optional
 
-DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "NO_ALBUMENTATIONS_UPDATE": "1"}
+DEFAULTS = {"NO_ALBUMENTATIONS_UPDATE": "1"}
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
+PROC_STAT = Path("/proc/stat")
+WAIT_RECORD = "VISIONDIST_OMP_WAIT"  # the choice and its reason, for the processes started from here and the log
+SAMPLE_S = 0.1  # how long the first process watches its CPUs
+SHARED_CPUS = 0.5  # other processes' use of this process's CPUs (in CPUs) that makes them shared
+USER_SET = "set by you"
 
 
-def set_process_defaults(env: MutableMapping[str, str] = os.environ) -> None:
-    """`DEFAULTS` into `env` wherever the user has not set the variable."""
+def set_process_defaults(env: MutableMapping[str, str] = os.environ,
+                         others_busy: Optional[Callable[[], Optional[float]]] = None) -> None:
+    """`DEFAULTS` into `env` wherever the user has not set the variable, and OpenMP's waiting (`wait_policy`) unless
+    the user or a parent process chose it."""
     for name, value in DEFAULTS.items():
         env.setdefault(name, value)
+    if WAIT_RECORD in env:
+        return  # a parent visiondist process chose, and its choice is in env
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        env[WAIT_RECORD] = f"{env.get('OMP_WAIT_POLICY') or 'GOMP_SPINCOUNT=' + env['GOMP_SPINCOUNT']}: {USER_SET}"
+        return
+    policy, why = wait_policy(env, others_busy or others_cpu_use)
+    if policy is not None:
+        env["OMP_WAIT_POLICY"] = policy
+    env[WAIT_RECORD] = f"{policy or 'spin'}: {why}"
+
+
+def ranks_share_cpus(ranks: int, env: MutableMapping[str, str] = os.environ) -> None:
+    """Before `ranks` ranks start on this node from this process: with more than one they share its CPUs, so they
+    wait passively, unless the user chose the policy."""
+    if ranks > 1 and not env.get(WAIT_RECORD, "").endswith(USER_SET):
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+        env[WAIT_RECORD] = f"PASSIVE: {ranks} ranks share this node's CPUs"
+
+
+def wait_policy(env: MutableMapping[str, str],
+                others_busy: Callable[[], Optional[float]]) -> tuple[Optional[str], str]:
+    """("PASSIVE" or None for torch's default spinning, why) for a process whose user set neither OMP_WAIT_POLICY
+    nor GOMP_SPINCOUNT. `others_busy()`: the CPUs other processes keep busy of this process's CPUs (None: unknown)."""
+    ranks = int(env.get("LOCAL_WORLD_SIZE") or 1)
+    if ranks > 1:
+        return "PASSIVE", f"{ranks} ranks share this node's CPUs"
+    affinity = _affinity()
+    quota = cgroup_quota()
+    if quota is not None and quota < affinity:
+        return "PASSIVE", (f"the container's CPU quota ({quota:g} CPUs) is below its {affinity} CPUs: they are "
+                           "throttled, not idle")
+    busy = others_busy()
+    if busy is None:
+        return "PASSIVE", "other processes' use of the CPUs cannot be read here"
+    if busy >= SHARED_CPUS:
+        return "PASSIVE", f"other processes kept {busy:.1f} of this process's {affinity} CPUs busy at start"
+    return None, (f"torch's default; other processes kept {busy:.1f} of this process's {affinity} CPUs busy at "
+                  "start; set OMP_WAIT_POLICY=PASSIVE where other work will share them")
+
+
+def omp_wait_text(env: MutableMapping[str, str] = os.environ) -> str:
+    """How this process's OpenMP threads wait and why, for the log."""
+    policy, _, why = env.get(WAIT_RECORD, "").partition(": ")
+    if not policy:
+        return f"follow OMP_WAIT_POLICY={env.get('OMP_WAIT_POLICY', '(unset)')}"
+    return f"{'sleep' if policy.upper() == 'PASSIVE' else 'spin' if policy in ('spin', 'ACTIVE') else policy} ({why})"
+
+
+def others_cpu_use(seconds: float = SAMPLE_S, stat: Optional[Path] = None) -> Optional[float]:
+    """The CPUs (of this process's affinity) that other processes kept busy over `seconds`, from the per-CPU lines
+    of /proc/stat (None where it cannot be read); this process sleeps meanwhile."""
+    try:
+        cpus = os.sched_getaffinity(0)
+    except AttributeError:
+        return None
+    path = Path(stat or PROC_STAT)
+
+    def busy() -> Optional[float]:
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            return None
+        total = 0
+        for line in lines:
+            name, *fields = line.split() or [""]
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                user, nice, system, _, _, irq, softirq, steal = (list(map(int, fields)) + [0] * 8)[:8]
+                total += user + nice + system + irq + softirq + steal
+        return total / os.sysconf("SC_CLK_TCK")
+
+    own, start, before = time.process_time(), time.perf_counter(), busy()
+    if before is None:
+        return None
+    time.sleep(seconds)
+    after = busy()
+    if after is None:
+        return None
+    return max(0.0, (after - before) - (time.process_time() - own)) / (time.perf_counter() - start)
+
+
+def _affinity() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 def usable_cpus(root: Optional[Path] = None, proc_cgroup: Optional[Path] = None) -> int:
     """The CPUs this process may use: its affinity, or its cgroup's CPU quota where that is smaller (at least 1)."""
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform
-        affinity = os.cpu_count() or 1
     quota = cgroup_cpus(root, proc_cgroup)
-    return max(1, min(affinity, quota) if quota is not None else affinity)
+    return max(1, min(_affinity(), quota) if quota is not None else _affinity())
 
 
 def cgroup_cpus(root: Optional[Path] = None, proc_cgroup: Optional[Path] = None) -> Optional[int]:
@@ -47,9 +141,15 @@ def cgroup_cpus(root: Optional[Path] = None, proc_cgroup: Optional[Path] = None)
     none is set. cgroup v2: `cpu.max` ("max 100000": none; "400000 100000": 4 CPUs); v1: `cpu.cfs_quota_us` (-1:
     none) over `cpu.cfs_period_us`. `root`: where the cgroup file systems are mounted; `proc_cgroup`: the process's
     `/proc/<pid>/cgroup`, naming its cgroup under them (a container sees its own cgroup as the root)."""
+    quota = cgroup_quota(root, proc_cgroup)
+    return max(1, int(quota)) if quota is not None else None
+
+
+def cgroup_quota(root: Optional[Path] = None, proc_cgroup: Optional[Path] = None) -> Optional[float]:
+    """`cgroup_cpus`'s quota as the CPUs it allows (1.5: one and a half), or None."""
     dirs = _cgroup_dirs(Path(root or CGROUP_ROOT), Path(proc_cgroup or PROC_CGROUP))
     quotas = [q for d in dirs if (q := _quota(d)) is not None]
-    return max(1, int(min(quotas))) if quotas else None
+    return min(quotas) if quotas else None
 
 
 def _cgroup_dirs(root: Path, proc_cgroup: Path) -> list[Path]:
