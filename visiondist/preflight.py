@@ -61,7 +61,7 @@ def check_inputs(cfg, purpose: str = "train") -> None:
     if cfg.model.weights:
         from visiondist.models.fit import check_weights
 
-        check_weights(cfg.model, purpose)
+        check_weights(cfg.model, purpose, cfg.data.get("num_classes"))
 
 
 def _resumes(t) -> bool:

@@ -2,6 +2,7 @@
 so curves.png, the summary, the final line), on the built-in 6-class set and on a 20-class ImageFolder tree."""
 
 import json
+import re
 
 import pytest
 
@@ -30,3 +31,23 @@ def test_top5_is_reported_only_above_ten_classes(tmp_path, tiny_shapes, classes)
     else:
         assert not any("top-5" in line for line in evals) and "top-5" not in final
         assert "val top-5 (%)" not in summary and "val_top5" not in header and "val_ema_top5" not in header
+
+
+def test_an_epoch_limited_run_writes_its_checkpoint_and_weights_before_the_last_evaluation(tmp_path, tiny_shapes):
+    """README's "nothing is lost": at the end of the last epoch (an evaluation is due there too) the checkpoint and
+    model.safetensors come first; the evaluation after an earlier epoch still runs at once. train.log also holds the
+    layout line the console printed before the run dir existed (once on the console), and every rate has one
+    decimal."""
+    run = tmp_path / "run"
+    result = run_cli([*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16", "trainer.max_epochs=2",
+                      "trainer.log_every=2", "trainer.loggers=[csv]", "trainer.accelerator=cpu",
+                      f"trainer.run_dir={run}"], timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:]
+    log = [line.split(": ", 1)[1] for line in (run / "train.log").read_text().splitlines() if ": " in line]
+    order = [i for i, line in enumerate(log) if line.startswith(("eval  step", "saved checkpoint"))]
+    assert [log[i].split(" |")[0] for i in order] == ["eval  step 6", f"saved checkpoint {run}/checkpoints/step_12",
+                                                      "eval  step 12"], [log[i] for i in order]
+    assert sum(line.startswith("parallel=auto chose dp=1 tp=1 pp=1") for line in log) == 1
+    assert result.stdout.count("parallel=auto chose") == 1
+    rates = [line.rsplit("| ", 1)[1] for line in log if line.startswith("step ")]
+    assert rates and all(re.fullmatch(r"\d+\.\d img/s", r) for r in rates), rates

@@ -79,7 +79,7 @@ def test_a_users_own_wait_policy_or_spin_count_is_kept_and_nothing_is_sampled():
     env = {"GOMP_SPINCOUNT": "1000"}  # libgomp's own spin count: no policy added, which would change it
     procenv.set_process_defaults(env, others_busy=_never)
     assert "OMP_WAIT_POLICY" not in env and env[procenv.WAIT_RECORD] == "GOMP_SPINCOUNT=1000: set by you"
-    assert procenv.omp_wait_text(env) == "GOMP_SPINCOUNT=1000 (set by you)"
+    assert procenv.omp_wait_text(env) == "spin 1000 rounds, then sleep (GOMP_SPINCOUNT, set by you)"
 
 
 def test_a_started_process_inherits_its_parents_choice_without_looking_again():

@@ -55,6 +55,35 @@ def test_only_the_class_count_differs(tmp_path, capsys):
                     "data.num_classes=4 (and use data with those 4 classes)")
 
 
+def test_the_class_count_fix_names_the_key_the_user_set(tmp_path, capsys):
+    weights = _vit_file(tmp_path / "w.safetensors", "model=vit_tiny", "model.depth=1", "data.num_classes=4")
+    line = _refused(capsys, tmp_path, "train", "model=vit_tiny", "model.depth=1", "model.num_classes=10",
+                    f"model.weights={weights}", *SHAPES)
+    assert line == (f"error: model.weights={weights} is a 4-class vit_tiny but model.num_classes=10: set "
+                    "model.num_classes=4")
+
+
+def test_an_exported_graph_or_a_pickle_of_objects_is_named_not_unpickled(tmp_path, capsys, recwarn):
+    """An export's ONNX graph or TorchScript archive given as weights: what it is and the file to give instead, and
+    no torch warning; a pickle of objects: refused without torch's advice to unpickle it."""
+    onnx = tmp_path / "model.onnx"
+    onnx.write_bytes(b"\x08\x07\x12\x07pytorch")  # the first bytes of a torch.onnx file
+    line = _refused(capsys, tmp_path, "train", f"model.weights={onnx}", *SHAPES)
+    assert line == (f"error: model.weights={onnx} is an ONNX graph (tools/export.py format=onnx), which runs the model "
+                    "but is not read as weights: give a weights file, e.g. <run>/model.safetensors or "
+                    "tools/export.py's model.safetensors")
+    script = tmp_path / "model.pt"
+    torch.jit.save(torch.jit.trace(torch.nn.Linear(2, 2), torch.zeros(1, 2)), str(script))
+    recwarn.clear()
+    line = _refused(capsys, tmp_path, "train", f"model.weights={script}", *SHAPES)
+    assert "is a TorchScript archive (tools/export.py format=torchscript)" in line, line
+    assert not [w for w in recwarn if "TorchScript" in str(w.message)], [str(w.message) for w in recwarn]
+    objects = tmp_path / "objects.pt"
+    torch.save({"model": torch.nn.Linear(2, 2)}, objects)  # a whole module: unpickling it would run its class
+    line = _refused(capsys, tmp_path, "train", f"model.weights={objects}", *SHAPES)
+    assert "is a pickle holding more than tensors, which is never unpickled here" in line and "Re-running" not in line
+
+
 def test_a_file_with_no_name_in_common_says_what_it_holds(tmp_path, capsys):
     weights = _vit_file(tmp_path / "w.safetensors", "model=vit_small", "model.depth=2")
     line = _refused(capsys, tmp_path, "train", "model=fasterrcnn_mobilenet_v3", "data=shapes_coco",

@@ -26,10 +26,11 @@ _BLOCK = re.compile(r"^blocks\.(\d+)\.")
 _FUSED = re.compile(r"^(.*\.attn)\.qkv\.(weight|bias)$")
 
 
-def check_weights(model_cfg, purpose: str = "train") -> None:
+def check_weights(model_cfg, purpose: str = "train", data_classes: Optional[int] = None) -> None:
     """`model.weights` (a file, a checkpoint directory for evaluation, a DETR-class detector's from_pretrained
     directory) exists and fits the model: the same family and shape, every tensor present with the model's shape;
-    otherwise one line saying what the file is and what to set."""
+    otherwise one line saying what the file is and what to set. `data_classes`: data.num_classes, to name the key
+    that set the class count."""
     from visiondist.models.weights import weight_shapes
     from visiondist.utils.pretrained import is_named
 
@@ -45,6 +46,8 @@ def check_weights(model_cfg, purpose: str = "train") -> None:
         _check_directory(model_cfg, path, purpose)
     try:
         stored = weight_shapes(path)
+    except ValueError as exc:  # an export's graph, a pickle of objects: the message names it
+        raise ConfigError(str(exc).replace(f"model.weights={path}", f"model.weights={spec}", 1)) from None
     except Exception as exc:  # not a weights file at all
         raise ConfigError(f"model.weights={spec} cannot be read as weights ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
@@ -60,9 +63,10 @@ def check_weights(model_cfg, purpose: str = "train") -> None:
     if head is not None and all(k.startswith(_CLASS_TENSORS) for k in wrong):
         background = 0 if model_cfg.family == "vit" else 1
         classes = stored[head][0] * (model_cfg.num_classes + background) // own[head][0] - background
+        key = _classes_key(model_cfg, data_classes)
         raise ConfigError(f"model.weights={spec} is a {classes}-class {model_cfg.name} but "
-                          f"data.num_classes={model_cfg.num_classes}: set data.num_classes={classes} (and use data "
-                          f"with those {classes} classes)")
+                          f"{key}={model_cfg.num_classes}: set {key}={classes}"
+                          f"{f' (and use data with those {classes} classes)' if key == 'data.num_classes' else ''}")
     if wrong:
         key = wrong[0]
         raise ConfigError(f"model.weights={spec} does not fit model={model_cfg.name}: {key} is "
@@ -75,6 +79,13 @@ def check_weights(model_cfg, purpose: str = "train") -> None:
         raise ConfigError(f"model.weights={spec} does not fit model={model_cfg.name}: {len(missing)} of the model's "
                           f"tensors are not there ({_some(missing)}) and {len(unknown)} of its are not the model's "
                           f"({_some(unknown)}): use the model the weights were trained with")
+
+
+def _classes_key(model_cfg, data_classes: Optional[int]) -> str:
+    """The key that set the model's class count: data.num_classes (model.num_classes follows it), or
+    model.num_classes where the user set that to another count."""
+    return "model.num_classes" if data_classes is not None and model_cfg.num_classes != data_classes else \
+        "data.num_classes"
 
 
 def _check_directory(model_cfg, path: Path, purpose: str) -> None:

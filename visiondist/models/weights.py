@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
+import zipfile
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Optional
 
@@ -24,8 +26,35 @@ def read_state(path: str, key: str = "model.weights") -> dict[str, torch.Tensor]
         from safetensors.torch import load_file
 
         return load_file(str(file))
-    state = torch.load(file, map_location="cpu", weights_only=True)
+    state = _torch_load(file, key)
     return state.get("model", state) if isinstance(state, dict) else state
+
+
+def not_weights(file: Path) -> Optional[str]:
+    """What a file that runs a model but holds no weights to read is (an export's ONNX graph or TorchScript
+    archive), or None."""
+    if file.suffix == ".onnx":
+        return "an ONNX graph (tools/export.py format=onnx)"
+    if zipfile.is_zipfile(file):
+        with zipfile.ZipFile(file) as archive:
+            names = archive.namelist()
+        if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
+            return "a TorchScript archive (tools/export.py format=torchscript)"
+    return None
+
+
+def _torch_load(file: Path, key: str, **kwargs) -> object:
+    """torch.load with weights_only=True, after refusing the files it cannot read as weights, naming them."""
+    foreign = not_weights(file)
+    if foreign is not None:
+        raise ValueError(f"{key}={file} is {foreign}, which runs the model but is not read as weights: give a "
+                         "weights file, e.g. <run>/model.safetensors or tools/export.py's model.safetensors")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, **kwargs)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{key}={file} is a pickle holding more than tensors, which is never unpickled here (it "
+                         "could run code): give a .safetensors file or a torch file of tensors (torch.save of a "
+                         "state_dict)") from None
 
 
 def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
@@ -44,9 +73,9 @@ def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
         with safe_open(str(file), framework="pt") as f:
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        state = _torch_load(file, "model.weights", mmap=True)
     except RuntimeError:  # a file in torch's legacy format cannot be memory-mapped
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        state = _torch_load(file, "model.weights")
     state = state.get("model", state) if isinstance(state, dict) else state
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
@@ -115,9 +144,9 @@ class LazyState(Mapping):
             self._keys, self._read = list(handle.keys()), handle.get_tensor
         else:
             try:
-                state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+                state = _torch_load(file, key, mmap=True)
             except RuntimeError:  # a file in torch's legacy format cannot be memory-mapped
-                state = torch.load(file, map_location="cpu", weights_only=True)
+                state = _torch_load(file, key)
             state = state.get("model", state) if isinstance(state, dict) else state
             self._keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
             self._read = state.__getitem__

@@ -42,7 +42,8 @@ def in_terminal() -> bool:
 
 def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> None:
     """Rank 0 logs INFO to the console (in a terminal through rich, so progress bars stay intact; otherwise plain
-    lines) and to `log_file` in the run dir (train.log; eval.log, benchmark.log for those jobs)."""
+    lines) and to `log_file` in the run dir (train.log; eval.log, benchmark.log for those jobs). A record logged with
+    `extra={"file_only": True}` (what the console printed before the run dir existed) goes to the file alone."""
     global LOG_FILE
     LOG_FILE = log_file
     from rich.logging import RichHandler
@@ -62,6 +63,7 @@ def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> 
     else:
         console = _Stdout()
         console.setFormatter(_Plain("%(message)s"))
+    console.addFilter(lambda record: not getattr(record, "file_only", False))
     file = logging.FileHandler(run_dir / log_file)
     file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(console)

@@ -177,11 +177,12 @@ class LogHook(Hook):
         memory = f" | {peak:.1f} GiB peak" if peak is not None else ""
         utilisation = f" | MFU {100 * mfu:.1f}%" if mfu is not None else ""
         epochs = math.ceil(trainer.total_steps / trainer.data.train_sampler.steps_per_epoch)
-        log.info("step %d/%d | epoch %d/%d | loss %.4f | lr %.2e | %.4g img/s%s%s", trainer.step, trainer.total_steps,
-                 trainer.epoch + 1, epochs, mean_loss, lr, rate, utilisation, memory)
+        rate_text = f"{rate:.1f}" if rate >= 10 else f"{rate:.2f}"  # one decimal (two below 10), every line alike
+        log.info("step %d/%d | epoch %d/%d | loss %.4f | lr %.2e | %s img/s%s%s", trainer.step, trainer.total_steps,
+                 trainer.epoch + 1, epochs, mean_loss, lr, rate_text, utilisation, memory)
         if trainer.progress is not None:
             trainer.progress.update(0, completed=trainer.step, stats=(
-                f"epoch {trainer.epoch + 1}/{epochs}  loss {mean_loss:.4f}  lr {lr:.2e}  {rate:.4g} img/s"
+                f"epoch {trainer.epoch + 1}/{epochs}  loss {mean_loss:.4f}  lr {lr:.2e}  {rate_text} img/s"
                 f"{utilisation.replace(' | ', '  ')}{memory.replace(' | ', '  ')}"))
         return mean_loss
 
@@ -370,8 +371,9 @@ class EvalHook(Hook):
         return bool(missing.item())
 
     def after_step(self, trainer, loss, grad_norm):
-        if self.due(trainer):
-            if trainer.step < trainer.total_steps and stop_agreed(trainer):  # a stop: its checkpoint, not a pass
+        # the last step's evaluation runs in after_train, once the checkpoint and the weights are written
+        if self.due(trainer) and trainer.step < trainer.total_steps:
+            if stop_agreed(trainer):  # a stop: its checkpoint, not a pass
                 trainer.stopping = True  # over the val set first (the signal may have come during this step)
                 return
             with trainer.untimed():

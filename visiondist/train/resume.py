@@ -102,7 +102,7 @@ class Checkpointing:
                 self.wait_checkpoint()
         else:
             self.last_checkpoint = saved
-            log.info("checkpoint: %s", saved)
+            log.info("saved checkpoint %s", saved)
         self.checkpoint_stall_s.append(time.perf_counter() - started)
         return saved.path if isinstance(saved, PendingSave) else saved
 
@@ -113,5 +113,5 @@ class Checkpointing:
             return
         self.last_checkpoint = pending.wait()
         self.pending_save = None
-        log.info("checkpoint: %s (written in the background)", pending.path)
+        log.info("saved checkpoint %s (written in the background)", pending.path)
 

@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 def announce(tr) -> None:
     """The start-up lines of the trainer `tr`'s run (rank 0 logs them)."""
     t, sampler = tr.cfg.trainer, tr.data.train_sampler
+    run = tr.layout.run
+    if run is not None and run.chosen_by == "parallel=auto":  # printed on the console before the run dir existed
+        log.info("parallel=auto chose %s: %s", tr.layout_text, run.reason, extra={"file_only": True})
     log.info(
         "model %s: %.2fM parameters (%.2fM on this rank) | layout %s | precision %s | global batch %d (%d per rank "
         "x %d accumulation) | %d step%s (%s)",

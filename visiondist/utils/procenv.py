@@ -88,6 +88,8 @@ def omp_wait_text(env: MutableMapping[str, str] = os.environ) -> str:
     policy, _, why = env.get(WAIT_RECORD, "").partition(": ")
     if not policy:
         return f"follow OMP_WAIT_POLICY={env.get('OMP_WAIT_POLICY', '(unset)')}"
+    if policy.startswith("GOMP_SPINCOUNT="):
+        return f"spin {policy.partition('=')[2]} rounds, then sleep (GOMP_SPINCOUNT, {why})"
     return f"{'sleep' if policy.upper() == 'PASSIVE' else 'spin' if policy in ('spin', 'ACTIVE') else policy} ({why})"
 
 
