@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 def announce(tr) -> None:
     """The start-up lines of the trainer `tr`'s run (rank 0 logs them)."""
     t, sampler = tr.cfg.trainer, tr.data.train_sampler
-    run = tr.layout.run
+    run = getattr(tr.layout, "run", None)
     if run is not None and run.chosen_by == "parallel=auto":  # printed on the console before the run dir existed
         log.info("parallel=auto chose %s: %s", tr.layout_text, run.reason, extra={"file_only": True})
     log.info(
