@@ -68,3 +68,15 @@ def test_a_users_own_wait_policy_is_kept():
                             env=_env(OMP_WAIT_POLICY="ACTIVE"), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.startswith("visiondist"), result.stderr
     assert re.findall(r"GOMP_SPINCOUNT = '(\d+)'", result.stderr) == ["30000000000"], result.stderr
+
+
+def test_two_jobs_started_together_both_wait_passively(tmp_path):
+    """Two tools started at the same moment each sleep through the other's 0.1 s sample of the CPUs: the note each
+    leaves first (in its own TMPDIR here, away from this test run's processes) makes both wait passively."""
+    code = "import os, visiondist; print(os.environ['VISIONDIST_OMP_WAIT'])"
+    env = {**_env(TMPDIR=str(tmp_path)), "OMP_DISPLAY_ENV": "FALSE"}
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    said = [p.communicate(timeout=60)[0].strip() for p in procs]
+    assert all(s.startswith("PASSIVE: ") for s in said), said  # each other's note, or a busy machine's sample
+    assert not [n for d in tmp_path.glob("visiondist-jobs-*") for n in d.iterdir()]  # each note removed at exit

@@ -135,3 +135,18 @@ def test_the_sample_sees_a_busy_process_on_this_process_cpus():
         spinner.wait()
     assert busy is not None and 0.7 <= busy <= len(os.sched_getaffinity(0)) + 0.1, busy
     assert procenv.others_cpu_use(0.05, stat=Path("/nonexistent/stat")) is None
+
+
+def test_jobs_started_together_find_each_others_note(tmp_path, monkeypatch):
+    """Two jobs that start at the same moment each sleep through the other's sample of the CPUs: the note each
+    leaves first (its pid and CPUs) makes both wait passively; notes of ended jobs and of other CPUs do not count."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    procenv.register_job(tmp_path)
+    assert (tmp_path / str(os.getpid())).read_text() == "0 1" and procenv.other_jobs(tmp_path) == 0  # itself
+    (tmp_path / str(os.getppid())).write_text("1 2")  # a live job on CPU 1 too
+    (tmp_path / "4999999").write_text("0 1")  # beyond any pid: a job that was killed
+    assert procenv.other_jobs(tmp_path) == 1 and not (tmp_path / "4999999").exists()
+    (tmp_path / str(os.getppid())).write_text("6 7")  # pinned to other CPUs: not sharing
+    assert procenv.other_jobs(tmp_path) == 0
+    policy, why = procenv.wait_policy({}, lambda: 0.0, lambda: 1)
+    assert policy == "PASSIVE" and why == "1 other visiondist job shares this process's CPUs"

@@ -9,7 +9,8 @@ starts and their loader workers inherit the environment. A user's own value of e
   2-core machine); on CPUs another process wants it loses 1.7-16x (a ViT-Ti step beside one busy process:
   benchmarks/omp_wait.py, docs/performance.md). So the first visiondist process of a job looks before torch starts
   OpenMP: it waits passively where its CPUs are shared (a container's CPU quota below its CPUs, several ranks on the
-  node, or other processes keeping at least half a CPU of its CPUs busy over `SAMPLE_S`), and leaves torch's
+  node, another visiondist job noted on them (`register_job`: two jobs started together sleep through each other's
+  sample), or other processes keeping at least half a CPU of its CPUs busy over `SAMPLE_S`), and leaves torch's
   default otherwise. The choice and its reason go into `VISIONDIST_OMP_WAIT`, which the processes it starts inherit
   (they do not look again) and the run's log prints. OpenMP reads the policy once, when torch loads it.
 - `NO_ALBUMENTATIONS_UPDATE=1`: albumentations asks PyPI for its newest version at import, and on a machine without
@@ -22,7 +23,9 @@ pod limited to 4 CPUs on a 64-core node. Thread counts and `data.num_workers=-1`
 
 from __future__ import annotations
 
+import atexit
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, MutableMapping, Optional
@@ -48,7 +51,9 @@ def set_process_defaults(env: MutableMapping[str, str] = os.environ,
     if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
         env[WAIT_RECORD] = f"{env.get('OMP_WAIT_POLICY') or 'GOMP_SPINCOUNT=' + env['GOMP_SPINCOUNT']}: {USER_SET}"
         return
-    policy, why = wait_policy(env, others_busy or others_cpu_use)
+    if others_busy is None:
+        register_job()  # before the sample: jobs starting at the same moment see each other here
+    policy, why = wait_policy(env, others_busy or others_cpu_use, other_jobs if others_busy is None else None)
     if policy is not None:
         env["OMP_WAIT_POLICY"] = policy
     env[WAIT_RECORD] = f"{policy or 'spin'}: {why}"
@@ -62,10 +67,11 @@ def ranks_share_cpus(ranks: int, env: MutableMapping[str, str] = os.environ) -> 
         env[WAIT_RECORD] = f"PASSIVE: {ranks} ranks share this node's CPUs"
 
 
-def wait_policy(env: MutableMapping[str, str],
-                others_busy: Callable[[], Optional[float]]) -> tuple[Optional[str], str]:
+def wait_policy(env: MutableMapping[str, str], others_busy: Callable[[], Optional[float]],
+                jobs: Optional[Callable[[], int]] = None) -> tuple[Optional[str], str]:
     """("PASSIVE" or None for torch's default spinning, why) for a process whose user set neither OMP_WAIT_POLICY
-    nor GOMP_SPINCOUNT. `others_busy()`: the CPUs other processes keep busy of this process's CPUs (None: unknown)."""
+    nor GOMP_SPINCOUNT. `others_busy()`: the CPUs other processes keep busy of this process's CPUs (None: unknown);
+    `jobs()`: the other visiondist jobs on these CPUs (`register_job`)."""
     ranks = int(env.get("LOCAL_WORLD_SIZE") or 1)
     if ranks > 1:
         return "PASSIVE", f"{ranks} ranks share this node's CPUs"
@@ -75,10 +81,14 @@ def wait_policy(env: MutableMapping[str, str],
         return "PASSIVE", (f"the container's CPU quota ({quota:g} CPUs) is below its {affinity} CPUs: they are "
                            "throttled, not idle")
     busy = others_busy()
+    if busy is not None and busy >= SHARED_CPUS:
+        return "PASSIVE", f"other processes kept {busy:.1f} of this process's {affinity} CPUs busy at start"
+    others = jobs() if jobs is not None else 0
+    if others:
+        return "PASSIVE", (f"{others} other visiondist job{'s share' if others > 1 else ' shares'} this process's "
+                           "CPUs")
     if busy is None:
         return "PASSIVE", "other processes' use of the CPUs cannot be read here"
-    if busy >= SHARED_CPUS:
-        return "PASSIVE", f"other processes kept {busy:.1f} of this process's {affinity} CPUs busy at start"
     return None, (f"torch's default; other processes kept {busy:.1f} of this process's {affinity} CPUs busy at "
                   "start; set OMP_WAIT_POLICY=PASSIVE where other work will share them")
 
@@ -91,6 +101,54 @@ def omp_wait_text(env: MutableMapping[str, str] = os.environ) -> str:
     if policy.startswith("GOMP_SPINCOUNT="):
         return f"spin {policy.partition('=')[2]} rounds, then sleep (GOMP_SPINCOUNT, {why})"
     return f"{'sleep' if policy.upper() == 'PASSIVE' else 'spin' if policy in ('spin', 'ACTIVE') else policy} ({why})"
+
+
+def _jobs_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"visiondist-jobs-{os.getuid() if hasattr(os, 'getuid') else 0}"
+
+
+def register_job(directory: Optional[Path] = None) -> None:
+    """Note this process (the first visiondist process of a job) and its CPUs in a per-user directory, removed when
+    it exits: two jobs that start together each sleep through the other's sample of the CPUs, but find its note."""
+    directory = Path(directory or _jobs_dir())
+    try:
+        directory.mkdir(mode=0o700, exist_ok=True)
+        note = directory / str(os.getpid())
+        note.write_text(" ".join(map(str, sorted(_cpus()))))
+    except OSError:
+        return
+    atexit.register(lambda: note.unlink(missing_ok=True))
+
+
+def other_jobs(directory: Optional[Path] = None) -> int:
+    """The other live jobs `register_job` noted whose CPUs overlap this process's (notes of ended ones removed)."""
+    directory = Path(directory or _jobs_dir())
+    mine, count = _cpus(), 0
+    try:
+        notes = [n for n in directory.iterdir() if n.name.isdigit() and int(n.name) != os.getpid()]
+    except OSError:
+        return 0
+    for note in notes:
+        try:
+            os.kill(int(note.name), 0)
+        except ProcessLookupError:  # ended without removing its note (killed)
+            note.unlink(missing_ok=True)
+            continue
+        except OSError:  # alive, another user's (cannot happen in a per-user directory, but costs nothing)
+            pass
+        try:
+            theirs = {int(c) for c in note.read_text().split()}
+        except (OSError, ValueError):
+            continue
+        count += bool(theirs & mine) or not theirs
+    return count
+
+
+def _cpus() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:
+        return set(range(os.cpu_count() or 1))
 
 
 def others_cpu_use(seconds: float = SAMPLE_S, stat: Optional[Path] = None) -> Optional[float]:
