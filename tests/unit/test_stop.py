@@ -121,3 +121,18 @@ def test_a_stopped_job_stops_its_sweep_with_its_line(tmp_path, capsys):
     assert f"continue with: python tools/train.py trainer.run_dir={tmp_path / '1'}" in capsys.readouterr().err
     statuses = [r["status"] for r in json.loads((tmp_path / "sweep.json").read_text())["jobs"]]
     assert statuses == ["done", "stopped (exit 130)"]
+
+
+def test_the_hang_dump_signals_only_processes_that_catch_it():
+    """A loader worker installs its SIGUSR1 stack dump in worker_init, after it starts: the watchdog signals only
+    processes whose caught-signal mask has SIGUSR1 (a worker still starting would be ended, its rank failing with
+    "DataLoader worker ... killed by signal" instead of the hang's stacks)."""
+    from visiondist.faults.failures import catches_sigusr1
+
+    before = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    try:
+        assert not catches_sigusr1(os.getpid())
+        signal.signal(signal.SIGUSR1, lambda *_: None)
+        assert catches_sigusr1(os.getpid())
+    finally:
+        signal.signal(signal.SIGUSR1, before)

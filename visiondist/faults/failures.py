@@ -142,6 +142,17 @@ def dump_stacks(run_dir: Path, rank: int, reason: str) -> Path:
     return path
 
 
+def catches_sigusr1(pid: int) -> bool:
+    """Whether process `pid` has a SIGUSR1 handler (a loader worker installs its stack dump in worker_init, after
+    it starts): its caught-signal mask in /proc; True where that cannot be read (not Linux)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return not Path("/proc/self/status").exists()
+    caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), None)
+    return caught is None or bool(int(caught, 16) >> (signal.SIGUSR1 - 1) & 1)
+
+
 class Watchdog:
     """Ends this rank when `PROGRESS` has not moved for `timeout_s`, after writing the stacks (see module doc)."""
 
@@ -171,6 +182,8 @@ class Watchdog:
         try:
             dump_stacks(self.run_dir, self.rank, reason)
             for pid in self._workers():
+                if not catches_sigusr1(pid):  # still starting: SIGUSR1 would end it, not dump its stack
+                    continue
                 try:
                     os.kill(pid, signal.SIGUSR1)
                 except ProcessLookupError:

@@ -110,7 +110,8 @@ def set_collective_timeout(seconds: float, groups, quiet: bool = False, key: str
     from visiondist.utils.heartbeat import PROGRESS
 
     timeout = timedelta(seconds=seconds)
-    PROGRESS.limit_s, PROGRESS.limit_key = seconds, key  # the watchdog's limit too
+    PROGRESS.limit_s, PROGRESS.limit_key = seconds, key  # the watchdog's limit too,
+    PROGRESS.at()  # counted from now (a slow first step is not a hang of the new limit's length)
     set_pg_timeout(timeout)
     for group in groups:
         if group is not None and group != dist.GroupMember.WORLD:
