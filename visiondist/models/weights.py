@@ -43,14 +43,20 @@ def not_weights(file: Path) -> Optional[str]:
     return None
 
 
-def _torch_load(file: Path, key: str, **kwargs) -> object:
-    """torch.load with weights_only=True, after refusing the files it cannot read as weights, naming them."""
+def _torch_load(file: Path, key: str, mmap: bool = False) -> object:
+    """torch.load with weights_only=True (`mmap`: memory-mapped where the file's format allows), after refusing the
+    files it cannot read as weights, naming them."""
     foreign = not_weights(file)
     if foreign is not None:
         raise ValueError(f"{key}={file} is {foreign}, which runs the model but is not read as weights: give a "
                          "weights file, e.g. <run>/model.safetensors or tools/export.py's model.safetensors")
     try:
-        return torch.load(file, map_location="cpu", weights_only=True, **kwargs)
+        if mmap:
+            try:
+                return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError:  # a file in torch's legacy format cannot be memory-mapped
+                pass
+        return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise ValueError(f"{key}={file} is a pickle holding more than tensors, which is never unpickled here (it "
                          "could run code): give a .safetensors file or a torch file of tensors (torch.save of a "
@@ -72,10 +78,7 @@ def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
 
         with safe_open(str(file), framework="pt") as f:
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    try:
-        state = _torch_load(file, "model.weights", mmap=True)
-    except RuntimeError:  # a file in torch's legacy format cannot be memory-mapped
-        state = _torch_load(file, "model.weights")
+    state = _torch_load(file, "model.weights", mmap=True)
     state = state.get("model", state) if isinstance(state, dict) else state
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
@@ -143,10 +146,7 @@ class LazyState(Mapping):
             handle = safe_open(str(file), framework="pt")
             self._keys, self._read = list(handle.keys()), handle.get_tensor
         else:
-            try:
-                state = _torch_load(file, key, mmap=True)
-            except RuntimeError:  # a file in torch's legacy format cannot be memory-mapped
-                state = _torch_load(file, key)
+            state = _torch_load(file, key, mmap=True)
             state = state.get("model", state) if isinstance(state, dict) else state
             self._keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
             self._read = state.__getitem__

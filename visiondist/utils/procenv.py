@@ -145,20 +145,17 @@ def other_jobs(directory: Optional[Path] = None) -> int:
 
 
 def _cpus() -> set[int]:
+    """This process's CPUs: its affinity, or every CPU where the platform has none."""
     try:
         return set(os.sched_getaffinity(0))
-    except AttributeError:
+    except AttributeError:  # no affinity on this platform
         return set(range(os.cpu_count() or 1))
 
 
 def others_cpu_use(seconds: float = SAMPLE_S, stat: Optional[Path] = None) -> Optional[float]:
     """The CPUs (of this process's affinity) that other processes kept busy over `seconds`, from the per-CPU lines
     of /proc/stat (None where it cannot be read); this process sleeps meanwhile."""
-    try:
-        cpus = os.sched_getaffinity(0)
-    except AttributeError:
-        return None
-    path = Path(stat or PROC_STAT)
+    cpus, path = _cpus(), Path(stat or PROC_STAT)  # no /proc/stat where there is no affinity either
 
     def busy() -> Optional[float]:
         try:
@@ -184,10 +181,7 @@ def others_cpu_use(seconds: float = SAMPLE_S, stat: Optional[Path] = None) -> Op
 
 
 def _affinity() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform
-        return os.cpu_count() or 1
+    return len(_cpus())
 
 
 def usable_cpus(root: Optional[Path] = None, proc_cgroup: Optional[Path] = None) -> int:
