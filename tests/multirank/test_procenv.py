@@ -73,7 +73,8 @@ def test_a_users_own_wait_policy_is_kept():
 def test_two_jobs_started_together_both_wait_passively(tmp_path):
     """Two tools started at the same moment each sleep through the other's 0.1 s sample of the CPUs: the note each
     leaves first (in its own TMPDIR here, away from this test run's processes) makes both wait passively."""
-    code = "import os, visiondist; print(os.environ['VISIONDIST_OMP_WAIT'])"
+    # each stays alive a second after its choice, as a job does (one that ended has removed its note)
+    code = "import os, time, visiondist; print(os.environ['VISIONDIST_OMP_WAIT'], flush=True); time.sleep(1)"
     env = {**_env(TMPDIR=str(tmp_path)), "OMP_DISPLAY_ENV": "FALSE"}
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(2)]
