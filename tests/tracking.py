@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,8 @@ def wandb_records(path: Path) -> list[Any]:
         if kind == 0 and length == 0:  # zero padding to the block's end
             pos += left
             continue
+        if pos + 7 + length > len(data):  # a record still being written
+            break
         chunk = data[pos + 7:pos + 7 + length]
         pos += 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
@@ -66,7 +69,7 @@ def wandb_run(run_dir: Path) -> dict[str, Any]:
                            "artifacts": [], "exit_codes": [], "dirs": runs}
     for run in runs:
         (file,) = run.glob("run-*.wandb")
-        for record in wandb_records(file):
+        for record in _finished_records(file):
             kind = record.WhichOneof("record_type")
             if kind == "run":
                 out["ids"].append(record.run.run_id)
@@ -92,6 +95,18 @@ def wandb_run(run_dir: Path) -> dict[str, Any]:
             elif kind == "exit":
                 out["exit_codes"].append(record.exit.exit_code)
     return out
+
+
+def _finished_records(file: Path, wait_s: float = 60.0) -> list[Any]:
+    """The file's records once its exit record is on disk: W&B's service process writes the offline file, and
+    `run.finish()` returns when the exit is handed to it, a moment before the record is written (seen under load).
+    A run that never ended gives its records as they are after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = wandb_records(file)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
 
 
 def metric_rows(history: list[dict[str, Any]], columns) -> list[dict[str, Any]]:
