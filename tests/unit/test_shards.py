@@ -304,17 +304,38 @@ def test_the_pack_command_names_every_unreadable_image_in_one_run(capsys, tmp_pa
                      out), out
 
 
-def test_a_corrupt_jpeg_that_decodes_is_packed_and_libjpegs_warning_names_it(capfd, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_corrupt_jpegs_that_decode_are_packed_and_libjpegs_warnings_name_them(capfd, tmp_path, workers):
     """libjpeg prints "Corrupt JPEG data: ..." to the process's stderr itself, naming no file: the pack's workers
-    put the file's path in front of it; the image is packed (the loaders decode it the same way)."""
+    put the file's path in front of each; the images are packed (the loaders decode them the same way). Two corrupt
+    files: one worker meets both (each warning named, the second too); two workers fork from a process that has
+    decoded under the capture before (as an earlier one-worker pack in it does), and each captures into its own file."""
     from helpers import call_tool
+    from visiondist.data.shards.pack import decoder_messages_named
 
+    with decoder_messages_named("an earlier image"):
+        pass
     source = _tree(tmp_path / "tree", train=4, val=2)
-    corrupt = source / "train" / "dog" / "2.jpg"
-    data = corrupt.read_bytes()
-    corrupt.write_bytes(data[:len(data) // 2] + b"\xff\xd9")  # the scan cut short, the end marker kept
-    command = ["pack", "data=imagenet", f"data.root={source}", f"out={tmp_path / 'out'}", "workers=2"]
+    corrupt = [source / "train" / "dog" / "2.jpg", source / "train" / "cat" / "3.jpg"]
+    for path in corrupt:
+        data = path.read_bytes()
+        path.write_bytes(data[:len(data) // 2] + b"\xff\xd9")  # the scan cut short, the end marker kept
+    command = ["pack", "data=imagenet", f"data.root={source}", f"out={tmp_path / 'out'}", f"workers={workers}"]
     code, _, lines = call_tool(capfd, "data", *command)
     assert code == 0, lines
-    warned = [line for line in lines if "Corrupt JPEG data" in line]
-    assert warned == [f"{corrupt}: Corrupt JPEG data: premature end of data segment"], lines
+    warned = sorted(line for line in lines if "Corrupt JPEG data" in line)
+    assert warned == sorted(f"{p}: Corrupt JPEG data: premature end of data segment" for p in corrupt), lines
+
+
+def test_each_decoder_message_of_a_process_is_named_after_its_file(capfd):
+    """What libjpeg writes to the process's stderr (file descriptor 2) while each file decodes comes out with that
+    file's path in front, the second file's as the first's (the capture file is emptied and written from its start)."""
+    import os
+
+    from visiondist.data.shards.pack import decoder_messages_named
+
+    for name in ("a.jpg", "b.jpg", "c.jpg"):
+        with decoder_messages_named(name):
+            os.write(2, b"Corrupt JPEG data: premature end of data segment\n")
+    assert capfd.readouterr().err.splitlines() == [
+        f"{name}: Corrupt JPEG data: premature end of data segment" for name in ("a.jpg", "b.jpg", "c.jpg")]

@@ -300,7 +300,7 @@ def _image_bytes(path: str, max_side: Optional[int], quality: int) -> tuple[byte
     return encoded.tobytes(), ".jpg"
 
 
-_CAPTURE: list = []  # this process's file that the decoder's stderr goes to while it decodes (made once)
+_CAPTURE: dict = {}  # pid -> this process's file that the decoder's stderr goes to while it decodes (made once)
 
 
 @contextmanager
@@ -308,9 +308,11 @@ def decoder_messages_named(path) -> Iterator[None]:
     """libjpeg writes its warnings ("Corrupt JPEG data: premature end of data segment") straight to the process's
     stderr, naming no file: while the body decodes `path`, they go to a file, and come out on stderr after it, each
     line with the path in front (other text on stderr meanwhile, e.g. a progress bar's, unchanged)."""
-    if not _CAPTURE:
-        _CAPTURE.append(tempfile.TemporaryFile())
-    capture = _CAPTURE[0]
+    pid = os.getpid()  # a forked worker makes its own: one inherited would be shared with its sibling workers
+    if pid not in _CAPTURE:
+        _CAPTURE.clear()
+        _CAPTURE[pid] = tempfile.TemporaryFile()
+    capture = _CAPTURE[pid]
     sys.stderr.flush()
     saved = os.dup(2)
     os.dup2(capture.fileno(), 2)
@@ -323,6 +325,7 @@ def decoder_messages_named(path) -> Iterator[None]:
         if size:
             text = os.pread(capture.fileno(), size, 0).decode(errors="replace")
             os.ftruncate(capture.fileno(), 0)
+            os.lseek(capture.fileno(), 0, os.SEEK_SET)  # the next message at the start, not after a hole of NULs
             sys.stderr.write("".join(f"{path}: {line}\n" if line.startswith(_DECODER_WARNINGS) else line + "\n"
                                      for line in text.splitlines()))
             sys.stderr.flush()
