@@ -113,9 +113,11 @@ class PlainLoop:
             self.model_name = (f"torchvision {m.arch} (visiondist's model)" if m.family == "torchvision"
                                else f"visiondist {type(model).__name__}")
         elif m.family == "detr":
-            from visiondist.models.detr import build_hf_detector, library_values
+            from visiondist.models.detr import build_hf_detector
+            from visiondist.models.detr_library import model_values
 
-            model = build_hf_detector(str(m.arch), int(m.num_classes), library_values(m)).to(device)
+            # the network the run trains (its backbone's BatchNorms training from random weights, as ours)
+            model = build_hf_detector(str(m.arch), int(m.num_classes), model_values(m)).to(device)
             self.model_name = f"transformers {type(model).__name__}"
         else:
             model = _timm_vit(cfg).to(device)

@@ -31,7 +31,7 @@ def build_detr(cfg: Any) -> nn.Module:
     repo name read from the local cache."""
     spec = arch_of(str(cfg.arch))
     scales = [int(s) for s in cfg.get("multi_scale") or []]
-    model = DetrDetector(build_hf_detector(str(cfg.arch), int(cfg.num_classes), library_values(cfg)),
+    model = DetrDetector(build_hf_detector(str(cfg.arch), int(cfg.num_classes), model_values(cfg)),
                          int(cfg.img_size), spec, scales)
     if cfg.weights:
         from visiondist.models.weights import load_local_weights
@@ -50,6 +50,45 @@ def build_detr(cfg: Any) -> nn.Module:
         else:
             load_local_weights(model, str(where))
     return model
+
+
+FROZEN_BN = "freeze_backbone_batch_norms"  # RT-DETR's and D-FINE's configs: the backbone's BatchNorms frozen
+
+
+def model_values(cfg: Any) -> dict[str, Any]:
+    """The library configuration's values for the model config `cfg`: `library_values` (model.kwargs,
+    model.num_queries) and whether the backbone's BatchNorms are frozen (`_frozen_backbone_batchnorms`)."""
+    values = library_values(cfg)
+    if FROZEN_BN not in values and _has_frozen_bn_setting(arch_of(str(cfg.arch))):
+        values[FROZEN_BN] = _frozen_backbone_batchnorms(cfg)
+    return values
+
+
+def _has_frozen_bn_setting(arch: Arch) -> bool:
+    return hasattr(getattr(_transformers(), arch.config)(), FROZEN_BN)
+
+
+def _frozen_backbone_batchnorms(cfg: Any) -> bool:
+    """Whether the backbone's BatchNorms are frozen (the library's default) or train: frozen only where the model
+    starts from weights that had them frozen (a directory's config.json says; a state dict without their
+    `num_batches_tracked`). From random weights they train, as D-FINE-N/S and RT-DETRv2-R18 train theirs: frozen
+    at their initial statistics they normalise nothing, the backbone's activations shrink about 10x a layer and its
+    first gradients reach 1e12 (measured for D-FINE-N), and the detector sits on the DETR loss plateau for epochs.
+    `model.kwargs.freeze_backbone_batch_norms` sets it either way."""
+    if not cfg.weights:
+        return False
+    from visiondist.utils.pretrained import local_file
+
+    where = local_file(str(cfg.weights), "model.weights")
+    if is_library_dir(where):
+        return bool(_library_config(where).get(FROZEN_BN, True))
+    from visiondist.models.weights import LazyState
+
+    try:
+        keys = list(LazyState(str(where)).keys())
+    except Exception:  # noqa: BLE001 - the load that follows names what is wrong with the file
+        return False
+    return not any(".backbone." in k and k.endswith("num_batches_tracked") for k in keys)
 
 
 # -- weights in the library's layout: a from_pretrained directory (config.json + model.safetensors) --------------
@@ -87,6 +126,8 @@ def library_state(model: "DetrDetector", where, spec: str, name: str) -> tuple[d
     state, fresh, unknown, wrong = {}, [], [], []
     for key, tensor in stored.items():
         ours_key = model.aliases.get("model." + key, "model." + key)
+        if ours_key not in own and key.endswith("num_batches_tracked"):
+            continue  # trained BatchNorms there, frozen ones here (model.kwargs.freeze_backbone_batch_norms=true)
         if ours_key not in own:
             unknown.append(key)
         elif tuple(tensor.shape) == own[ours_key]:
@@ -95,7 +136,7 @@ def library_state(model: "DetrDetector", where, spec: str, name: str) -> tuple[d
             fresh.append(ours_key)
         else:
             wrong.append((key, tuple(tensor.shape), own[ours_key]))
-    missing = sorted(set(own) - set(state) - set(fresh))
+    missing = sorted(k for k in set(own) - set(state) - set(fresh) if not k.endswith("num_batches_tracked"))
     if wrong or unknown or missing:
         what = (f"{wrong[0][0]} is {list(wrong[0][1])} there but {list(wrong[0][2])} here" if wrong else
                 f"{(unknown or missing)[0]} is {'there but not here' if unknown else 'here but not there'}")
@@ -137,13 +178,16 @@ def _from_pretrained(arch: Arch, where) -> dict[str, torch.Tensor]:
 def _variant_of(stored: dict[str, torch.Tensor], kind: str, labels: int, overrides: dict) -> Optional[str]:
     """The model config whose architecture (with the stored config's `overrides`, e.g. its queries) has exactly the
     stored tensors' names and shapes (built on the meta device), if one has."""
-    shapes = {k: tuple(v.shape) for k, v in stored.items()}
+    def shapes_of(state: dict) -> dict:  # BatchNorms frozen or not alike
+        return {k: tuple(v.shape) for k, v in state.items() if not k.endswith("num_batches_tracked")}
+
+    shapes = shapes_of(stored)
     for name, arch in ARCHS.items():
         if arch.model_type != kind:
             continue
         with torch.device("meta"):
             candidate = build_hf_detector(name, labels, overrides)
-        if {k: tuple(v.shape) for k, v in candidate.state_dict().items()} == shapes:
+        if shapes_of(candidate.state_dict()) == shapes:
             return name
     return None
 
