@@ -282,3 +282,12 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float, what: str) -> No
                 os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError(f"never saw {what} (exit code {proc.poll()}):\n{proc.communicate()[0][-4000:]}")
         time.sleep(0.02)
+
+
+def detr_model_cfg(arch: str, **kw):
+    """A DETR-class model config (`model.family=detr`'s keys) for `arch` at 128 px, 3 classes, 20 queries."""
+    from omegaconf import OmegaConf
+
+    base = {"name": arch, "arch": arch, "num_classes": 3, "img_size": 128, "kwargs": {}, "num_queries": 20,
+            "weights": None, "multi_scale": None}
+    return OmegaConf.create({**base, **kw})

@@ -70,8 +70,9 @@ def _has_frozen_bn_setting(arch: Arch) -> bool:
 
 def _frozen_backbone_batchnorms(cfg: Any) -> bool:
     """Whether the backbone's BatchNorms are frozen (the library's default) or train: frozen only where the model
-    starts from weights that had them frozen (a directory's config.json says; a state dict without their
-    `num_batches_tracked`). From random weights they train, as D-FINE-N/S and RT-DETRv2-R18 train theirs: frozen
+    starts from a directory in the library's layout whose config.json has them frozen. A state dict of this
+    wrapper's keys needs nothing here: its loader (`load_local_weights`) freezes the BatchNorms saved without their
+    `num_batches_tracked`. From random weights they train, as D-FINE-N/S and RT-DETRv2-R18 train theirs: frozen
     at their initial statistics they normalise nothing, the backbone's activations shrink about 10x a layer and its
     first gradients reach 1e12 (measured for D-FINE-N), and the detector sits on the DETR loss plateau for epochs.
     `model.kwargs.freeze_backbone_batch_norms` sets it either way."""
@@ -80,15 +81,7 @@ def _frozen_backbone_batchnorms(cfg: Any) -> bool:
     from visiondist.utils.pretrained import local_file
 
     where = local_file(str(cfg.weights), "model.weights")
-    if is_library_dir(where):
-        return bool(_library_config(where).get(FROZEN_BN, True))
-    from visiondist.models.weights import LazyState
-
-    try:
-        keys = list(LazyState(str(where)).keys())
-    except Exception:  # noqa: BLE001 - the load that follows names what is wrong with the file
-        return False
-    return not any(".backbone." in k and k.endswith("num_batches_tracked") for k in keys)
+    return is_library_dir(where) and bool(_library_config(where).get(FROZEN_BN, True))
 
 
 # -- weights in the library's layout: a from_pretrained directory (config.json + model.safetensors) --------------
@@ -126,10 +119,9 @@ def library_state(model: "DetrDetector", where, spec: str, name: str) -> tuple[d
     state, fresh, unknown, wrong = {}, [], [], []
     for key, tensor in stored.items():
         ours_key = model.aliases.get("model." + key, "model." + key)
-        if ours_key not in own and key.endswith("num_batches_tracked"):
-            continue  # trained BatchNorms there, frozen ones here (model.kwargs.freeze_backbone_batch_norms=true)
         if ours_key not in own:
-            unknown.append(key)
+            if not key.endswith("num_batches_tracked"):  # trained BatchNorms there, frozen ones here: nothing lost
+                unknown.append(key)
         elif tuple(tensor.shape) == own[ours_key]:
             state[ours_key] = tensor
         elif _class_head(tuple(tensor.shape), own[ours_key], theirs_labels, ours):
