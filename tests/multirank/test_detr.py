@@ -126,11 +126,21 @@ def test_the_larger_variants_train_resume_evaluate_on_1_and_3_ranks_and_export(t
     multi_scale = "model.multi_scale=[64,96]" if model.startswith("rtdetr") else "model.multi_scale=null"
     args = [f"model={model}", f"model.num_queries={queries}", multi_scale, *args, "trainer.max_steps=2",
             f"data.root={data}", f"trainer.run_dir={run}"]
+    if model == "dfine_s":  # fine-tuned from a from_pretrained directory with the library's frozen BatchNorms,
+        # which a resume (reading no weights but the checkpoint's) builds frozen again from the checkpoint's keys
+        from helpers import detr_model_cfg
+        from visiondist.models.detr_library import build_detr
+
+        build_detr(detr_model_cfg(model, kwargs={"freeze_backbone_batch_norms": True})).model.save_pretrained(
+            tmp_path / "pretrained")
+        args.append(f"model.weights={tmp_path / 'pretrained'}")
     out = run_cli([*args, "trainer.stop_at_step=1"], timeout=300)
     assert out.returncode == 0, out.stdout[-4000:]
     out = run_cli(args, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:]
     assert "resum" in out.stdout.lower(), out.stdout[-2000:]
+    assert bool(re.search(r"step_1 saved \d+ BatchNorms frozen: the model has them frozen too", out.stdout)) == (
+        model == "dfine_s"), out.stdout[-2000:]
     assert re.search(rf"model {model}: {size} parameters", out.stdout), out.stdout[-2000:]
     losses = losses_of(run)
     assert sorted(losses) == [1, 2] and all(v == v and v > 0 for v in losses.values())

@@ -64,3 +64,40 @@ def test_the_backbones_batchnorms_train_from_random_weights_and_stay_as_given_we
     assert _all_frozen(from_frozen)
     stat = "model." + key
     assert torch.equal(from_frozen.state_dict()[stat], frozen.state_dict()[stat])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_with_frozen_batchnorms_resumes_into_the_model_built_as_it_saved_them(tmp_path):
+    """A run trained with the backbone's BatchNorms frozen, continued by a command whose config does not name the
+    setting (the model would build them trainable): the trainer builds the model from the checkpoint's keys first
+    (`freeze_as_saved`, called by `build_laid_out` with the checkpoint a resume reads), so its tensors and AdamW
+    state load exactly; built trainable, the load fails naming the checkpoint."""
+    from types import SimpleNamespace
+
+    from visiondist.checkpoint.dcp import freeze_as_saved, load_checkpoint, save_checkpoint
+
+    layout = SimpleNamespace(is_main=True, rank=0, world_size=1, dp=1, tp=1, pp=1)
+    torch.manual_seed(0)
+    frozen = build_detr(_cfg("dfine_n", kwargs={"freeze_backbone_batch_norms": True}))
+    optimizer = torch.optim.AdamW(frozen.parameters(), lr=1e-4)
+    _backbone_grad_norm(frozen)  # one step's gradients
+    optimizer.step()
+    path = save_checkpoint(tmp_path, 1, frozen, optimizer, {"epoch": 0}, layout)
+
+    def resumed(freeze_first: bool):
+        model = build_detr(_cfg("dfine_n"))
+        assert _backbone_norms(model) == {"BatchNorm2d"}
+        frozen_count = freeze_as_saved(path, model) if freeze_first else 0
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        load_checkpoint(path, model, optimizer, layout)
+        return model, optimizer, frozen_count
+
+    with pytest.raises(RuntimeError, match=r"could not load checkpoint .*step_1; it lacks .*num_batches_tracked"):
+        resumed(freeze_first=False)
+    model, again, count = resumed(freeze_first=True)
+    assert _all_frozen(model) and count == sum("Frozen" in type(m).__name__ for m in frozen.modules()) > 0
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), frozen.state_dict().values()))
+    assert list(model.state_dict()) == list(frozen.state_dict())
+    stepped = [(p, q) for p, q in zip(model.parameters(), frozen.parameters()) if q in optimizer.state]
+    assert len(stepped) > 100 and all(torch.equal(again.state[p]["exp_avg"], optimizer.state[q]["exp_avg"])
+                                      for p, q in stepped)

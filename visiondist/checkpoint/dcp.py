@@ -153,13 +153,21 @@ def async_group(layout) -> Any:
 
 
 
+def freeze_as_saved(path: Path, model: nn.Module) -> int:
+    """Freeze the BatchNorms of `model` (a whole one, under its canonical names) that the checkpoint at `path` saved
+    frozen (`match_frozen_batchnorms`: a DETR-class detector trained with `freeze_backbone_batch_norms`, a
+    torchvision detector started from pretrained weights), so that its tensors and optimizer state load as saved;
+    before a wrapper or an optimizer holds the model. Returns how many were frozen."""
+    from visiondist.models.weights import match_frozen_batchnorms
+
+    return match_frozen_batchnorms(model, [k[len("model."):] for k in read_metadata(path).state_dict_metadata
+                                           if k.startswith("model.")])
+
+
 def load_model_state(path: Path, model: nn.Module, layout=None, no_dist: bool = False) -> None:
     """Load a checkpoint's model tensors into `model` (whatever layout either was saved or is in). Without a
     process group (export, eval), or with `no_dist`, this process reads everything on its own."""
-    from visiondist.models.weights import match_frozen_batchnorms
-
-    match_frozen_batchnorms(model, [k[len("model."):] for k in read_metadata(path).state_dict_metadata
-                                    if k.startswith("model.")])
+    freeze_as_saved(path, model)
     state = {"model": model_state(model, layout)}
     _dcp_load(state, path, no_dist)
 

@@ -108,28 +108,30 @@ def load_local_weights(model: nn.Module, path: str, convert: Optional[Callable[[
     model.load_state_dict(state, strict=True)
 
 
-def match_frozen_batchnorms(model: nn.Module, stored: Iterable[str]) -> None:
+def match_frozen_batchnorms(model: nn.Module, stored: Iterable[str]) -> int:
     """Weights saved from a model whose BatchNorms were frozen (torchvision's FrozenBatchNorm2d, which a detector
     started from pretrained weights has: no `num_batches_tracked`) load into a model built with trainable ones by
-    freezing those BatchNorms first, as the saved model had them."""
+    freezing those BatchNorms first, as the saved model had them. Returns how many were frozen."""
     stored = set(stored)
-    freeze_batchnorms(model, lambda name: f"{name}.running_mean" in stored and
-                      f"{name}.num_batches_tracked" not in stored)
+    return freeze_batchnorms(model, lambda name: f"{name}.running_mean" in stored and
+                             f"{name}.num_batches_tracked" not in stored)
 
 
-def freeze_batchnorms(model: nn.Module, which: Optional[Callable[[str], bool]] = None) -> None:
+def freeze_batchnorms(model: nn.Module, which: Optional[Callable[[str], bool]] = None) -> int:
     """Replace the BatchNorm2d modules of `model` (those whose name `which` accepts; default all) by torchvision's
-    FrozenBatchNorm2d with the same eps, on the same device; their statistics and affine values are loaded next."""
+    FrozenBatchNorm2d with the same eps, on the same device; their statistics and affine values are loaded next.
+    Returns how many were replaced."""
     targets = [(name, module) for name, module in model.named_modules()
                if isinstance(module, nn.BatchNorm2d) and (which is None or which(name))]
     if not targets:
-        return  # a ViT's processes need not import torchvision for this
+        return 0  # a ViT's processes need not import torchvision for this
     from torchvision.ops.misc import FrozenBatchNorm2d
 
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         frozen = FrozenBatchNorm2d(module.num_features, eps=module.eps).to(module.weight.device)
         setattr(model.get_submodule(parent_name) if parent_name else model, child, frozen)
+    return len(targets)
 
 
 class LazyState(Mapping):

@@ -34,20 +34,30 @@ def check_val_images(loader) -> None:
     check_images([dataset.paths[i] for i in index], "val images")  # ImageFolder and COCO: a `PathIndex` each
 
 
-def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, weights: bool = True) -> torch.nn.Module:
+def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, checkpoint: Path | None = None) -> torch.nn.Module:
     """This rank's model under the layout, with the attention kernel chosen (`model.sdpa`, process-wide).
 
     A ViT is built on the meta device, laid out (TP shards, pipeline stages, FSDP shards), and only then are this
     rank's tensors allocated on its device and drawn (or read from `model.weights` / `model.init_from`), each equal
     to what one process draws for the same seed: no rank ever holds the whole model. `weights=False` leaves them
-    for a checkpoint to fill. Other models are built whole on the CPU, moved to the device, then laid out."""
+    for a checkpoint to fill. Other models are built whole on the CPU, moved to the device, then laid out.
+    `checkpoint`: the checkpoint that fills the tensors next (no initial weights are drawn or read); BatchNorms it
+    saved frozen are built frozen (`freeze_as_saved`), so a run resumes with the model it was trained with."""
     m, p = cfg.model, run_of(layout)
     select_attention(m.sdpa)
     if m.sdpa == "auto" and layout.device.type == "cuda":
         order_attention(cfg, layout)
     if p.compile and cfg.trainer.compile == "auto":  # chosen, not asked: a block that fails to compile runs eager
         torch._dynamo.config.suppress_errors = True  # (torch logs why); trainer.compile=true lets the error stop
-    model, source = build_deferred(m, weights)
+    model, source = build_deferred(m, checkpoint is None)
+    if checkpoint is not None and not is_meta(model):
+        from visiondist.checkpoint.dcp import freeze_as_saved
+
+        if (frozen := freeze_as_saved(checkpoint, model)) and layout.is_main:
+            import logging
+
+            logging.getLogger(__name__).info("%s saved %d BatchNorms frozen: the model has them frozen too",
+                                             checkpoint, frozen)
     if cfg.trainer.fp8 != "off":  # before the layout: FSDP shards and pipeline stages keep the float8 layers
         from visiondist.train.fp8 import apply_fp8
 

@@ -6,6 +6,7 @@ them as they are; it builds nothing itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -33,15 +34,15 @@ class Components:
     num_params: int  # the whole model's
 
 
-def build_components(cfg: DictConfig, layout: Layout, weights: bool = True) -> Components:
-    """Every part a rank trains with. `weights=False`: the model's tensors are left for a checkpoint to fill (no
-    initial weights drawn or read)."""
+def build_components(cfg: DictConfig, layout: Layout, checkpoint: Optional[Path] = None) -> Components:
+    """Every part a rank trains with. `checkpoint`: the model's tensors are left for it to fill (no initial weights
+    drawn or read), and the model is built as it saved it (`build_laid_out`)."""
     run_of(layout)  # every parallel switch is read from the resolved layout, never from cfg.parallel
     t = cfg.trainer
     seed_everything(t.seed)  # the same on every rank: identical initial weights before any broadcast
     task = build_task(cfg, layout)  # the data first: a missing folder stops the run before a model is built
     check_val_images(task.data.val_loader)  # before step 1, not at the first evaluation
-    model = build_laid_out(cfg, layout, getattr(task, "criterion", None), weights=weights)  # a pipeline's last stage
+    model = build_laid_out(cfg, layout, getattr(task, "criterion", None), checkpoint)  # a pipeline's last stage
     optimizer = build_optimizer(cfg.optim, unwrap(model), cfg.model.depth)  # over this rank's shards
     ema = ModelEma(unwrap(model), t.ema_decay) if t.ema_decay > 0 else None
     total_steps, length = run_length(t, task.data.train_sampler.steps_per_epoch)

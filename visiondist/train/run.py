@@ -45,7 +45,7 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     # a DCP checkpoint directory is read into whatever layout this run has; any other weights (a file, a DETR-class
     # detector's from_pretrained directory) are loaded as training's model.weights are
     checkpoint = Path(cfg.model.weights) if cfg.model.weights and is_complete(Path(cfg.model.weights)) else None
-    model = build_laid_out(cfg, layout, weights=checkpoint is None)  # a checkpoint fills the tensors itself
+    model = build_laid_out(cfg, layout, checkpoint=checkpoint)  # a checkpoint fills the tensors itself
     if checkpoint is not None:
         load_model_state(checkpoint, unwrap(model), layout)
     task = build_task(cfg, layout, train=False)

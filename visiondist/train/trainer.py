@@ -41,7 +41,7 @@ class Trainer(Checkpointing, OptimizerStep):
         self.cfg, self.layout, self.run_dir = cfg, layout, run_dir
         resume_from = resume_path(cfg, run_dir)
         if parts is None:
-            parts = build_components(cfg, layout, weights=resume_from is None)
+            parts = build_components(cfg, layout, checkpoint=resume_from)
         self.task, self.data = parts.task, parts.task.data
         self.model, self.optimizer, self.ema = parts.model, parts.optimizer, parts.ema
         self.scheduler, self.autocast, self.scaler = parts.scheduler, parts.autocast, parts.scaler
