@@ -326,3 +326,41 @@ def test_compile_watch_names_graph_breaks_recompile_limit_hits_and_compiling_whi
     assert any("recompile limit hit" in f for f in watch.faults), watch.faults
     assert any("compiled while timed" in f for f in watch.faults), watch.faults
     torch._dynamo.reset()
+
+
+def test_the_mfu_table_fails_a_row_compiled_with_faults_and_a_missing_goal_row(tmp_path, capsys, monkeypatch):
+    """benchmarks/gpu/table.py, `run.sh mfu`'s last word: a line per row with its goal and whether it is met; its exit
+    code counts the rows compiled with faults (a graph break, a recompile-limit hit: eager code timed) and the goal
+    rows missing, so such a run never passes for a measurement."""
+    import json
+    import runpy
+
+    def row(model, variant="-", **values):
+        return {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "model": model, "variant": variant,
+                "img_size": 224, "batch": 64 if model == "vit_huge" else 256, "compile_scope": "model",
+                "images_per_s": 1000.0, "mfu_datasheet": 0.4, "ours_over_plain": 1.0, "over_first": 1.0,
+                "compile_faults": [], **values}
+
+    rows = [row("vit_small", images_per_s=10_500.0, ours_over_plain=0.95), row("vit_base", images_per_s=3_000.0),
+            row("vit_huge", mfu_datasheet=0.51), row("vit_huge", "trainer.fp8=rowwise", over_first=1.1)]
+
+    def table(rows) -> tuple[int, str]:
+        results = tmp_path / "results.jsonl"
+        results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        monkeypatch.setattr("sys.argv", ["table.py", str(results), "--markdown", str(tmp_path / "mfu.md")])
+        with pytest.raises(SystemExit) as ended:
+            runpy.run_path(str(REPO / "benchmarks" / "gpu" / "table.py"), run_name="__main__")
+        capsys.readouterr()
+        return ended.value.code, (tmp_path / "mfu.md").read_text()
+
+    code, text = table(rows)
+    assert code == 0, text
+    met = {line.split("|")[1].strip(): line.split("|")[-2].strip() for line in text.splitlines() if "| vit_" in line}
+    assert met == {"vit_small 224 b256": "yes", "vit_base 224 b256": "no", "vit_huge 224 b64": "yes",
+                   "vit_huge 224 b64 trainer.fp8=rowwise": "no"}, text  # ViT-S at 1.05x plain: the goals' 1.0x too
+    rows[1]["compile_faults"] = ["ours: recompile limit hit (8) in forward"]
+    code, text = table(rows)
+    assert code == 1 and "FAILED: ours: recompile limit hit (8) in forward" in text, text
+    code, text = table(rows[:2])
+    assert code == 3 and ("missing rows (not run or failed before recording): vit_huge -, "
+                          "vit_huge trainer.fp8=rowwise") in text, text
