@@ -211,13 +211,14 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
     assert next_commands(tmp_path / "outputs" / "r").splitlines() == [
         f"run dir: {tmp_path}/outputs/r",
         f"  evaluate: python tools/eval.py run_dir={tmp_path}/outputs/r",
-        f"  export:   python tools/export.py run_dir={tmp_path}/outputs/r   (format=onnx or format=torchscript for "
-        "those)"]
+        f"  export:   python tools/export.py run_dir={tmp_path}/outputs/r   (safetensors; format=onnx or "
+        "format=torchscript)"]
     monkeypatch.chdir(tmp_path)  # elsewhere: the commands still run as printed (the tools by their full path)
     assert next_commands(tmp_path / "outputs" / "r").splitlines() == [
         "run dir: outputs/r",
         f"  evaluate: python {REPO}/tools/eval.py run_dir=outputs/r",
-        f"  export:   python {REPO}/tools/export.py run_dir=outputs/r   (format=onnx or format=torchscript for those)"]
+        f"  export:   python {REPO}/tools/export.py run_dir=outputs/r   (safetensors; format=onnx or "
+        "format=torchscript)"]
 
 
 def test_imagenet_data_takes_its_class_count_from_the_class_folders(capsys, tiny_shapes):

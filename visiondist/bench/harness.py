@@ -25,6 +25,7 @@ import itertools
 import json
 import logging
 import statistics
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -190,8 +191,10 @@ def round_order(groups: list[list[Timed]], index: int) -> list[Timed]:
 
 
 def time_rounds(groups: list[list[Timed]], rounds: int, steps: int, device: torch.device,
-                stop: Optional[Callable[[], bool]] = None) -> list[list[str]]:
-    """Time every loop `steps` steps per round; returns the labels in the order they ran, round by round."""
+                stop: Optional[Callable[[], bool]] = None,
+                after_round: Optional[Callable[[int], None]] = None) -> list[list[str]]:
+    """Time every loop `steps` steps per round; returns the labels in the order they ran, round by round.
+    `after_round(index)`: called as each round ends."""
     order = []
     for index in range(rounds):
         ran = []
@@ -203,6 +206,8 @@ def time_rounds(groups: list[list[Timed]], rounds: int, steps: int, device: torc
             loop.idle()
             ran.append(loop.label)
         order.append(ran)
+        if after_round is not None:
+            after_round(index)
     return order
 
 
@@ -223,6 +228,10 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
 
     b, device = cfg.bench, layout.device
     prepare_rank(cfg, layout, run_dir, "benchmark.log")
+    if layout.is_main:  # the table comes at the end: into a pipe or a log, these lines say how far it is
+        log.info("benchmark: building %d configuration%s and warming up each loop (%d step%s), then %d rounds of %d "
+                 "timed steps (bench.warmup, bench.rounds, bench.steps)", 1 + len(b.variants),
+                 "s" if b.variants else "", b.warmup, "s" if b.warmup != 1 else "", b.rounds, b.steps)
     family = _task_family(cfg)
     configs = [("", cfg)] + [(v if isinstance(v, str) else " ".join(map(str, v)), variant_config(cfg, v))
                              for v in b.variants]
@@ -238,7 +247,15 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
               + [Timed(f"{i}:plain_{role}", run.cfg, lambda loop=loop, run=run: loop.step(run.plain_batches),
                        faults=loop.compile_faults) for role, loop in plains[i].items()] for i, run in enumerate(runs)]
     try:
-        order = time_rounds(groups, b.rounds, b.steps, device, _stop_check(layout, runs))
+        loops = sum(len(g) for g in groups)
+        started = time.perf_counter()
+
+        def after_round(index: int) -> None:
+            if layout.is_main:
+                log.info("benchmark: round %d of %d timed (%d loop%s, %.0f s)", index + 1, b.rounds, loops,
+                         "s" if loops != 1 else "", time.perf_counter() - started)
+
+        order = time_rounds(groups, b.rounds, b.steps, device, _stop_check(layout, runs), after_round)
     except Stopped:
         signal_name = STOP.received or "SIGTERM"  # another rank's signal reaches this one through the step flags
         # nothing recorded: the launcher's last line says so (`visiondist.launch.stop`)

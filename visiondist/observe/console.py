@@ -78,10 +78,11 @@ def next_commands(run_dir: Path, family: str = "") -> str:
     import shlex
 
     run = shlex.quote(shown_path(run_dir))
-    formats = "format=hf or format=onnx" if family == "detr" else "format=onnx or format=torchscript"
+    formats = ("format=hf: transformers' from_pretrained directory; format=onnx" if family == "detr" else
+               "format=onnx or format=torchscript")
     return (f"run dir: {run}\n"
             f"  evaluate: python {tool_path('eval')} run_dir={run}\n"
-            f"  export:   python {tool_path('export')} run_dir={run}   ({formats} for those)")
+            f"  export:   python {tool_path('export')} run_dir={run}   (safetensors; {formats})")
 
 
 def tool_path(name: str) -> str:

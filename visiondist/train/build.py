@@ -11,7 +11,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from visiondist.synthetic import prepare_data
-from visiondist.observe.console import setup_logging
+from visiondist.observe.console import in_terminal, setup_logging
 from visiondist.train.precision import autocast_dtype
 from visiondist.models import build_deferred, build_model, select_attention
 from visiondist.models.init import is_meta, materialize
@@ -135,7 +135,8 @@ def prepare_rank(cfg: DictConfig, layout: Layout, run_dir: Path, log_file: str =
 
     setup_logging(run_dir, layout.is_main, log_file)
     if layout.local_rank == 0:
-        prepare_data(cfg.data, show_progress=layout.is_main and cfg.trainer.progress)
+        # a bar in a terminal; into a pipe or a file rich would leave an empty line per bar
+        prepare_data(cfg.data, show_progress=layout.is_main and cfg.trainer.progress and in_terminal())
     dist.barrier()
 
 

@@ -83,15 +83,34 @@ class StepTimer:
 
 class ProgressHook(Hook):
     """The rich progress bar on the main rank (`trainer.progress`), in a terminal: into a pipe or a file a bar is one
-    cut-off line at the end, and the log lines already say how far the run is."""
+    cut-off line at the end, and the log lines already say how far the run is; there, this process's first step gets
+    a line of its own when it has no log line (`trainer.log_every` apart, the first can be minutes away) and no
+    compile line (`CompileHook`)."""
+
+    def __init__(self):
+        self.started: float | None = None  # when training began, until the first step's line
 
     def before_train(self, trainer):
-        shown = trainer.cfg.trainer.progress and trainer.layout.is_main and in_terminal()
+        import time
+
+        t = trainer.cfg.trainer
+        shown = t.progress and trainer.layout.is_main and in_terminal()
         trainer.progress = progress_bar(shown, trainer.total_steps)
+        quiet = not shown and trainer.layout.is_main and t.log_every > 1 and not trainer.layout.run.compile
+        self.started = time.perf_counter() if quiet else None
 
     def after_step(self, trainer, loss, grad_norm):
         if trainer.progress is not None:
             trainer.progress.update(0, completed=trainer.step)
+        if self.started is not None:
+            import time
+
+            t = trainer.cfg.trainer
+            if trainer.step % t.log_every and trainer.step not in (trainer.total_steps, t.stop_at_step):
+                log.info("step %d/%d done %.1f s after training started (the first batches included); a line "
+                         "every %d steps (trainer.log_every)", trainer.step, trainer.total_steps,
+                         time.perf_counter() - self.started, t.log_every)
+            self.started = None
 
     def close(self, trainer):
         if trainer.progress is not None:
