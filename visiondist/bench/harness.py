@@ -219,43 +219,56 @@ def _stop_check(layout: Layout, runs: list) -> Callable[[], bool]:
     return lambda: any(run.trainer.stop_requested for run in runs)
 
 
+def _progress_lines(b: DictConfig, is_main: bool) -> Callable[[int], Callable[[int], None]]:
+    """The table comes at the end: into a pipe or a log, these lines (main rank) say how far the benchmark is. Says
+    what it builds now; returns, for the count of loops, what to call as each timed round ends."""
+    if is_main:
+        log.info("benchmark: building %d configuration%s and warming up each loop (%d step%s), then %d rounds of %d "
+                 "timed steps (bench.warmup, bench.rounds, bench.steps)", 1 + len(b.variants),
+                 "s" if b.variants else "", b.warmup, "s" if b.warmup != 1 else "", b.rounds, b.steps)
+
+    def rounds(loops: int) -> Callable[[int], None]:
+        started = time.perf_counter()
+
+        def after_round(index: int) -> None:
+            if is_main:
+                log.info("benchmark: round %d of %d timed (%d loop%s, %.0f s)", index + 1, b.rounds, loops,
+                         "s" if loops != 1 else "", time.perf_counter() - started)
+        return after_round
+    return rounds
+
+
+def _timed_loops(runs: list, plains: list[dict]) -> list[list[Timed]]:
+    """Each configuration's loops as the rounds time them: ours, then its plain loops."""
+    return [[Timed(f"{i}:ours", run.cfg, run.step, run.idle, run.attention, run.compile_faults)]
+            + [Timed(f"{i}:plain_{role}", run.cfg, lambda loop=loop, run=run: loop.step(run.plain_batches),
+                     faults=loop.compile_faults) for role, loop in plains[i].items()] for i, run in enumerate(runs)]
+
+
 def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[str, Any]] | dict | None:
     """Entry point of every rank of `tools/benchmark.py`. Rank 0 prints the table, appends one result per configuration
     to `results.jsonl` and `results.md` in `bench.results_dir` (default: the run dir), and returns them. A stop signal
     ends it after the step in flight with nothing recorded (the launcher then exits 128 + the signal)."""
     from visiondist.config import variant_config
+    from visiondist.plan import with_switches
     from visiondist.train.build import prepare_rank
 
     b, device = cfg.bench, layout.device
     prepare_rank(cfg, layout, run_dir, "benchmark.log")
-    if layout.is_main:  # the table comes at the end: into a pipe or a log, these lines say how far it is
-        log.info("benchmark: building %d configuration%s and warming up each loop (%d step%s), then %d rounds of %d "
-                 "timed steps (bench.warmup, bench.rounds, bench.steps)", 1 + len(b.variants),
-                 "s" if b.variants else "", b.warmup, "s" if b.warmup != 1 else "", b.rounds, b.steps)
+    say = _progress_lines(b, layout.is_main)
     family = _task_family(cfg)
     configs = [("", cfg)] + [(v if isinstance(v, str) else " ".join(map(str, v)), variant_config(cfg, v))
                              for v in b.variants]
-    from visiondist.plan import with_switches
-
     runs = [OursRun(name, c, dataclasses.replace(layout, run=with_switches(layout.run, c)),  # same ranks, c's switches
                     run_dir if i == 0 else run_dir / "variants" / str(i), family) for i, (name, c) in enumerate(configs)]
     baselines = b.baseline and layout.world_size == 1
     if b.baseline and not baselines and layout.is_main:
         log.info("baselines skipped: the plain loops run on one device (this run has %d ranks)", layout.world_size)
     plains = [plain_loops(run.cfg, run.plain_batches, device, run.layout.run) if baselines else {} for run in runs]
-    groups = [[Timed(f"{i}:ours", run.cfg, run.step, run.idle, run.attention, run.compile_faults)]
-              + [Timed(f"{i}:plain_{role}", run.cfg, lambda loop=loop, run=run: loop.step(run.plain_batches),
-                       faults=loop.compile_faults) for role, loop in plains[i].items()] for i, run in enumerate(runs)]
+    groups = _timed_loops(runs, plains)
     try:
-        loops = sum(len(g) for g in groups)
-        started = time.perf_counter()
-
-        def after_round(index: int) -> None:
-            if layout.is_main:
-                log.info("benchmark: round %d of %d timed (%d loop%s, %.0f s)", index + 1, b.rounds, loops,
-                         "s" if loops != 1 else "", time.perf_counter() - started)
-
-        order = time_rounds(groups, b.rounds, b.steps, device, _stop_check(layout, runs), after_round)
+        order = time_rounds(groups, b.rounds, b.steps, device, _stop_check(layout, runs),
+                            say(sum(len(g) for g in groups)))
     except Stopped:
         signal_name = STOP.received or "SIGTERM"  # another rank's signal reaches this one through the step flags
         # nothing recorded: the launcher's last line says so (`visiondist.launch.stop`)

@@ -107,8 +107,8 @@ class ProgressHook(Hook):
 
             t = trainer.cfg.trainer
             if trainer.step % t.log_every and trainer.step not in (trainer.total_steps, t.stop_at_step):
-                log.info("step %d/%d done %.1f s after training started (the first batches included); a line "
-                         "every %d steps (trainer.log_every)", trainer.step, trainer.total_steps,
+                log.info("training: step %d/%d done after %.1f s (the first batches included); a line every %d "
+                         "steps (trainer.log_every)", trainer.step, trainer.total_steps,
                          time.perf_counter() - self.started, t.log_every)
             self.started = None
 
