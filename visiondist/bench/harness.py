@@ -191,11 +191,10 @@ def round_order(groups: list[list[Timed]], index: int) -> list[Timed]:
 
 
 def time_rounds(groups: list[list[Timed]], rounds: int, steps: int, device: torch.device,
-                stop: Optional[Callable[[], bool]] = None,
-                after_round: Optional[Callable[[int], None]] = None) -> list[list[str]]:
-    """Time every loop `steps` steps per round; returns the labels in the order they ran, round by round.
-    `after_round(index)`: called as each round ends."""
-    order = []
+                stop: Optional[Callable[[], bool]] = None, say: bool = False) -> list[list[str]]:
+    """Time every loop `steps` steps per round; returns the labels in the order they ran, round by round. `say`: a
+    line as each round ends (the table comes at the end: into a pipe or a log, these say how far it is)."""
+    order, loops, started = [], sum(len(g) for g in groups), time.perf_counter()
     for index in range(rounds):
         ran = []
         for loop in round_order(groups, index):
@@ -206,8 +205,9 @@ def time_rounds(groups: list[list[Timed]], rounds: int, steps: int, device: torc
             loop.idle()
             ran.append(loop.label)
         order.append(ran)
-        if after_round is not None:
-            after_round(index)
+        if say:
+            log.info("benchmark: round %d of %d timed (%d loop%s, %.0f s)", index + 1, rounds, loops,
+                     "s" if loops != 1 else "", time.perf_counter() - started)
     return order
 
 
@@ -219,23 +219,11 @@ def _stop_check(layout: Layout, runs: list) -> Callable[[], bool]:
     return lambda: any(run.trainer.stop_requested for run in runs)
 
 
-def _progress_lines(b: DictConfig, is_main: bool) -> Callable[[int], Callable[[int], None]]:
-    """The table comes at the end: into a pipe or a log, these lines (main rank) say how far the benchmark is. Says
-    what it builds now; returns, for the count of loops, what to call as each timed round ends."""
-    if is_main:
-        log.info("benchmark: building %d configuration%s and warming up each loop (%d step%s), then %d rounds of %d "
-                 "timed steps (bench.warmup, bench.rounds, bench.steps)", 1 + len(b.variants),
-                 "s" if b.variants else "", b.warmup, "s" if b.warmup != 1 else "", b.rounds, b.steps)
-
-    def rounds(loops: int) -> Callable[[int], None]:
-        started = time.perf_counter()
-
-        def after_round(index: int) -> None:
-            if is_main:
-                log.info("benchmark: round %d of %d timed (%d loop%s, %.0f s)", index + 1, b.rounds, loops,
-                         "s" if loops != 1 else "", time.perf_counter() - started)
-        return after_round
-    return rounds
+def _announce(b: DictConfig) -> None:
+    """What the benchmark does before its first timed step (the table comes at the end)."""
+    log.info("benchmark: building %d configuration%s and warming up each loop (%d step%s), then %d rounds of %d "
+             "timed steps (bench.warmup, bench.rounds, bench.steps)", 1 + len(b.variants),
+             "s" if b.variants else "", b.warmup, "s" if b.warmup != 1 else "", b.rounds, b.steps)
 
 
 def _timed_loops(runs: list, plains: list[dict]) -> list[list[Timed]]:
@@ -255,7 +243,8 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
 
     b, device = cfg.bench, layout.device
     prepare_rank(cfg, layout, run_dir, "benchmark.log")
-    say = _progress_lines(b, layout.is_main)
+    if layout.is_main:
+        _announce(b)
     family = _task_family(cfg)
     configs = [("", cfg)] + [(v if isinstance(v, str) else " ".join(map(str, v)), variant_config(cfg, v))
                              for v in b.variants]
@@ -267,8 +256,7 @@ def run_benchmark(cfg: DictConfig, layout: Layout, run_dir: Path) -> list[dict[s
     plains = [plain_loops(run.cfg, run.plain_batches, device, run.layout.run) if baselines else {} for run in runs]
     groups = _timed_loops(runs, plains)
     try:
-        order = time_rounds(groups, b.rounds, b.steps, device, _stop_check(layout, runs),
-                            say(sum(len(g) for g in groups)))
+        order = time_rounds(groups, b.rounds, b.steps, device, _stop_check(layout, runs), say=layout.is_main)
     except Stopped:
         signal_name = STOP.received or "SIGTERM"  # another rank's signal reaches this one through the step flags
         # nothing recorded: the launcher's last line says so (`visiondist.launch.stop`)

@@ -3,6 +3,7 @@ shard), the seeds, the logging and the data, and the start-up texts that describ
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from visiondist.train.precision import autocast_dtype
 from visiondist.models import build_deferred, build_model, select_attention
 from visiondist.models.init import is_meta, materialize
 from visiondist.parallel import Layout, PipelineSpec, local_part, parallelize, transformer_blocks
+
+log = logging.getLogger(__name__)
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -39,10 +43,10 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, checkpoint: Pa
 
     A ViT is built on the meta device, laid out (TP shards, pipeline stages, FSDP shards), and only then are this
     rank's tensors allocated on its device and drawn (or read from `model.weights` / `model.init_from`), each equal
-    to what one process draws for the same seed: no rank ever holds the whole model. `weights=False` leaves them
-    for a checkpoint to fill. Other models are built whole on the CPU, moved to the device, then laid out.
-    `checkpoint`: the checkpoint that fills the tensors next (no initial weights are drawn or read); BatchNorms it
-    saved frozen are built frozen (`freeze_as_saved`), so a run resumes with the model it was trained with."""
+    to what one process draws for the same seed: no rank ever holds the whole model. Other models are built whole
+    on the CPU, moved to the device, then laid out. `checkpoint`: the checkpoint that fills the tensors next (no
+    initial weights are drawn or read); BatchNorms it saved frozen are built frozen (`freeze_as_saved`), so a run
+    resumes with the model it was trained with."""
     m, p = cfg.model, run_of(layout)
     select_attention(m.sdpa)
     if m.sdpa == "auto" and layout.device.type == "cuda":
@@ -54,10 +58,7 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, checkpoint: Pa
         from visiondist.checkpoint.dcp import freeze_as_saved
 
         if (frozen := freeze_as_saved(checkpoint, model)) and layout.is_main:
-            import logging
-
-            logging.getLogger(__name__).info("%s saved %d BatchNorms frozen: the model has them frozen too",
-                                             checkpoint, frozen)
+            log.info("%s saved %d BatchNorms frozen: the model has them frozen too", checkpoint, frozen)
     if cfg.trainer.fp8 != "off":  # before the layout: FSDP shards and pipeline stages keep the float8 layers
         from visiondist.train.fp8 import apply_fp8
 
@@ -89,8 +90,6 @@ def order_attention(cfg: DictConfig, layout: Layout) -> None:
     """`model.sdpa=auto` on CUDA for a model whose blocks the planner knows (a ViT): time each fused attention kernel
     at this run's shape and let torch try them fastest first (`visiondist.models.sdpa`). The times are summed over
     the ranks, so every rank puts the kernels in the same order; rank 0 logs them."""
-    import logging
-
     import torch.distributed as dist
 
     from visiondist.models.registry import spec_of
@@ -111,7 +110,7 @@ def order_attention(cfg: DictConfig, layout: Layout) -> None:
     times = {n: (None if t == float("inf") else t) for n, t in zip(names, summed.tolist())}
     select_attention("auto", fastest_first(times))
     if layout.is_main:
-        logging.getLogger(__name__).info(describe(times, shape, dtype))
+        log.info(describe(times, shape, dtype))
 
 
 def run_of(layout: Layout):

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import math
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -91,8 +92,6 @@ class ProgressHook(Hook):
         self.started: float | None = None  # when training began, until the first step's line
 
     def before_train(self, trainer):
-        import time
-
         t = trainer.cfg.trainer
         shown = t.progress and trainer.layout.is_main and in_terminal()
         trainer.progress = progress_bar(shown, trainer.total_steps)
@@ -103,8 +102,6 @@ class ProgressHook(Hook):
         if trainer.progress is not None:
             trainer.progress.update(0, completed=trainer.step)
         if self.started is not None:
-            import time
-
             t = trainer.cfg.trainer
             if trainer.step % t.log_every and trainer.step not in (trainer.total_steps, t.stop_at_step):
                 log.info("training: step %d/%d done after %.1f s (the first batches included); a line every %d "
