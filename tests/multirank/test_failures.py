@@ -123,7 +123,7 @@ def test_a_worker_killed_by_the_oom_killer_ends_the_job(tmp_path, tiny_shapes):
 
 
 def test_a_failure_during_evaluation_ends_the_job_after_saving(tmp_path, tiny_shapes):
-    """A checkpoint due at an evaluation step is written first (train/hooks.py's order): the failing evaluation
+    """A checkpoint due at an evaluation step is written first (train/hooks.py's `default_hooks` order): the failing evaluation
     loses nothing of step 3."""
     run = tmp_path / "run"
     code, out, seconds = run_job(args(tiny_shapes, run, "parallel.dp=2", "trainer.eval_every=3",

@@ -4,7 +4,8 @@
 - `components.py`: a rank's parts built once (task and data, laid-out model, optimizer, EMA, schedule, precision);
   `build.py` (the laid-out model, seeds, the rank's logging and data), `optim.py`, `precision.py`, `ema.py`;
 - `trainer.py`: the loop; `step.py`: one optimizer step and its health verdicts; `resume.py`: the trainer's
-  checkpoints; `hooks.py`: the periodic concerns, one class each (logging, evaluation, checkpoints, timeline, ...);
+  checkpoints; `hooks.py`: the periodic concerns, one class each (progress, logging, timeline, ...) and their order;
+  `results_hooks.py`: those that decide what a run leaves (checkpoints, the best, weights, evaluation);
 - `tasks.py`: what differs between classification and detection (data, loss, evaluation, plots);
 - `summary.py`: what the trainer says at start-up and in the end-of-run summary.
 
