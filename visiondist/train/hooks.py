@@ -22,6 +22,12 @@ from visiondist.faults.health import set_collective_timeout
 from visiondist.observe.console import in_terminal
 from visiondist.observe.progress import progress_bar
 from visiondist.train.hook import Hook
+from visiondist.train.results_hooks import (
+    BestCheckpointHook,
+    CheckpointHook,
+    EvalHook,
+    WeightsHook,
+)
 
 log = logging.getLogger(__name__)
 
@@ -260,12 +266,6 @@ def default_hooks() -> list[Hook]:
     - the compile timer last: it times the first step alone.
     """
     from visiondist.train.compiled import CompileHook
-    from visiondist.train.results_hooks import (
-        BestCheckpointHook,
-        CheckpointHook,
-        EvalHook,
-        WeightsHook,
-    )
 
     return [ProgressHook(), TimeoutHook(), TrafficHook(), LogHook(), StopHook(), TimelineHook(), CheckpointHook(),
             WeightsHook(), EvalHook(), BestCheckpointHook(), CompileHook()]
