@@ -84,16 +84,30 @@ def matmul_tflops(device: torch.device, kind: str, repeats: int = 10) -> float:
         torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
 
 
+SLOW_PRODUCT_S = 0.5  # on the CPU, a kind whose 1024-square product would take longer is measured at 512
+
+
 def _best_matmul(device: torch.device, dtype: torch.dtype, repeats: int) -> float:
     best = 0.0
-    for size in (8192,) if device.type == "cuda" else (1024, 2048):
-        a = torch.randn(size, size, device=device, dtype=dtype)
-        b = torch.randn(size, size, device=device, dtype=dtype)
-        for i in range(repeats + 2):  # the first two warm up
-            _synchronize(device)
-            start = time.perf_counter()
-            a @ b
-            _synchronize(device)
-            if i >= 2:
-                best = max(best, 2 * size**3 / (time.perf_counter() - start) / 1e12)
+    sizes = (8192,) if device.type == "cuda" else (1024, 2048)
+    if device.type != "cuda" and 2 * 1024**3 / (1e12 * _rate(device, dtype, 256, 0)) > SLOW_PRODUCT_S:
+        sizes = (512,)  # e.g. bf16 on a CPU without its instructions (1 GFLOP/s here): 2048 would take minutes
+    for size in sizes:
+        best = max(best, _rate(device, dtype, size, repeats))
+    return best
+
+
+def _rate(device: torch.device, dtype: torch.dtype, size: int, repeats: int) -> float:
+    """The best TFLOP/s of `repeats` square products of `size` after two warm-up products (one product when 0)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    best = 0.0
+    warm = 2 if repeats else 0
+    for i in range(max(1, repeats) + warm):
+        _synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        _synchronize(device)
+        if i >= warm:
+            best = max(best, 2 * size**3 / (time.perf_counter() - start) / 1e12)
     return best
