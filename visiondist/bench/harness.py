@@ -99,7 +99,7 @@ class OursRun:
         time_steps(self.step, 1, self.device)  # one step's traffic (every step moves the same)
         self.tp_bytes = layout.tp_comm.ring_bytes() if layout.tp_comm is not None else 0.0
         self.pp_bytes = self.trainer.pipeline.p2p.bytes if pipelined else 0
-        self.peak_memory_gb = memory.increase_gb()
+        self.peak_memory_gb, self.peak_reserved_gb = memory.increase_gb(), memory.reserved_gb()
         self.idle()
 
     def _own_jpegs(self, count: int) -> list[tuple]:

@@ -75,15 +75,22 @@ class PeakMemory:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.before = 0
+        self.before = self.reserved_before = 0
         if device.type == "cuda":
             self.before = torch.cuda.memory_allocated(device)
+            self.reserved_before = torch.cuda.memory_reserved(device)
             torch.cuda.reset_peak_memory_stats(device)
 
     def increase_gb(self) -> float | None:
         if self.device.type != "cuda":
             return None
         return (torch.cuda.max_memory_allocated(self.device) - self.before) / 1e9
+
+    def reserved_gb(self) -> float | None:
+        """The caching allocator's peak reservation above what it held before (what the device must have free)."""
+        if self.device.type != "cuda":
+            return None
+        return (torch.cuda.max_memory_reserved(self.device) - self.reserved_before) / 1e9
 
     @staticmethod
     def rss_gb() -> float:

@@ -175,7 +175,7 @@ def result_table(results: list[dict[str, Any]]):
     table = Table(title=f"{first['model']} | {first['layout']} | batch {first['batch']} | {first['device']}",
                   caption="\n".join(caption), show_header=True)
     for name in ("", "optimizer", "compile", "images/s", "step ms", "min-max", "/ plain", "harness", "model",
-                 "/ first", "TFLOP/s", "MFU sheet", "MFU matmul", "peak GB"):
+                 "/ first", "TFLOP/s", "MFU sheet", "MFU matmul", "peak GB", "planned GB"):
         table.add_column(name, justify="left" if name in ("", "optimizer", "compile") else "right")
     for r in results:
         s = r["step"]
@@ -184,7 +184,7 @@ def result_table(results: list[dict[str, Any]]):
                       f"{s['min_ms']:.1f}-{s['max_ms']:.1f}", ratio_text(r, "ours_over_plain"),
                       ratio_text(r, "harness_overhead"), ratio_text(r, "model_difference"),
                       ratio_text(r, "over_first"), f"{r['tflops_per_device']:.3g}", _pct(r["mfu_datasheet"]),
-                      _pct(r["mfu_matmul"]), _fmt(r["peak_memory_gb"], ".2f"))
+                      _pct(r["mfu_matmul"]), _fmt(r["peak_memory_gb"], ".2f"), _fmt(r.get("planned_gb"), ".2f"))
         for role in ("plain_same_model", "plain_reference"):
             p = r[role]
             if p:
@@ -192,5 +192,5 @@ def result_table(results: list[dict[str, Any]]):
                 table.add_row(f"  plain loop, {p['model']}", p["optimizer"], p["compile_scope"],
                               f"{p['images_per_s']:.4g}", f"{s['median_ms']:.1f}",
                               f"{s['min_ms']:.1f}-{s['max_ms']:.1f}", "", "", "", "", "", "", "",
-                              _fmt(p["peak_memory_gb"], ".2f"))
+                              _fmt(p["peak_memory_gb"], ".2f"), "")
     return table

@@ -102,6 +102,7 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
             "mfu_datasheet": achieved / datasheet if datasheet else None,
             "peak_tflops_matmul": measured.get(kind), "mfu_matmul": achieved / measured[kind] if measured else None,
             "peak_memory_gb": PeakMemory.rss_gb() if cpu else run.peak_memory_gb,
+            "peak_reserved_gb": run.peak_reserved_gb, "planned_gb": _planned_gb(c, switches, layout),
             "tp_bytes_per_step": run.tp_bytes, "pp_bytes_per_step": run.pp_bytes,
             "dp_bytes_per_step": dp_bytes,  # DDP's gradient all-reduce, ring: 2(n-1)/n of the gradients (analytic)
             **{f"plain_{role}": (_plain_summary(plains[i][role], timed_plain[role], run.name or "-", batch)
@@ -109,6 +110,18 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
             **_ratios(ours, timed_plain, groups[0][0] if i else None),
         })
     return results
+
+
+def _planned_gb(cfg: DictConfig, run, layout: Layout) -> float | None:
+    """The memory plan's bytes on this rank's device (its pipeline stage, its FSDP shard) for the configuration (ViTs:
+    what `tools/plan.py` and the fit of a named layout count), in GB; None for a model the planner does not model."""
+    from visiondist.models.registry import spec_of
+    from visiondist.plan.budget import layout_memory
+
+    if spec_of(cfg.model).planner_shape is None:
+        return None
+    run = run.replace(grad_accum=int(cfg.trainer.grad_accum))  # a variant's accumulation is its config's
+    return layout_memory(cfg, run, layout.pp_rank, layout.dp_rank).device / 1e9
 
 
 def _matcher_share(model: torch.nn.Module, step_s: float) -> dict[str, Any]:
