@@ -131,7 +131,20 @@ def k8s(cmd: Command) -> int:
               f"{spec.termination_grace_s} s grace after SIGTERM", file=sys.stderr)
     else:
         print(text, end="")
+    _say_fit(cfg, run)
     return 0
+
+
+def _say_fit(cfg, run) -> None:
+    """On stderr: how the pods will fit the named layout to their GPUs (each does the same at its start), or that only
+    they can check it (no parallel.device_memory_gb here)."""
+    from visiondist.models.registry import spec_of
+
+    if run.fitted:
+        print(f"parallel.fit=auto (each pod fits it the same way at its start): {run.fitted}", file=sys.stderr)
+    elif spec_of(cfg.model).planner_shape is not None and not cfg.parallel.device_memory_gb:
+        print("the layout's memory is checked by each pod against its GPUs at start; parallel.device_memory_gb=<GB> "
+              "(the GPUs' memory) checks it here, before the job is submitted", file=sys.stderr)
 
 
 def main(argv: list[str]) -> int:

@@ -11,8 +11,10 @@ same config groups as train.py. Exits 1 when no layout fits (naming the smallest
 `verify=chosen` (or `verify=all`: every layout that fits) then dry-runs the layout: the first, a middle and the
 last rank of the full world are built by the training code on torch's fake process group, with no memory behind the
 tensors, and step once; their measured bytes are printed beside the plan's. Exits 1 when a rank cannot be built or a
-figure is off the plan (`visiondist.verify.dryrun`). With a layout named by hand (parallel=tp4 ..., not auto),
-`verify=chosen` checks that layout.
+figure is off the plan (`visiondist.verify.dryrun`). With a layout named by hand (parallel=tp4 ..., not auto), the
+named layout is planned as tools/train.py plans it before any rank starts (`visiondist.plan.fit`): fitted to the
+budget with gradient accumulation or activation checkpointing, or refused (exit 1); `verify=chosen` checks it as it
+would run.
 """
 
 import sys
@@ -53,9 +55,8 @@ def plan(cmd: Command) -> int:
     from rich.console import Console
 
     from visiondist.models.registry import spec_of
-    from visiondist.plan import cuda_device_count, plan_for, planning_world
-    from visiondist.plan import resolve_on
-    from visiondist.plan.resolve import host_budget, layout_memory, memory_budget, named_layout
+    from visiondist.plan import cuda_device_count, plan_for, planning_world, resolve_on
+    from visiondist.plan.resolve import host_budget, memory_budget, named_layout
 
     verify = cmd.args.get("verify")
     if verify not in (None, "chosen", "all"):
@@ -72,56 +73,73 @@ def plan(cmd: Command) -> int:
     devices, nodes = planning_world(cfg, cuda_device_count())
     t = cfg.trainer
     accelerator = "cuda" if t.accelerator != "cpu" and cuda_device_count() else "cpu"
-    memory, _ = memory_budget(cfg, accelerator, devices // nodes)
+    memory, source = memory_budget(cfg, accelerator, devices // nodes)
     console = Console(width=max(120, Console().width))
-    named = None  # the layout the user named (parallel=tp4, parallel.tp=4 on top of auto, ...), checked up front
-    if not cfg.parallel.auto or named_layout(cfg.parallel):
-        named = resolve_on(cfg, devices, nodes)
+    named = not cfg.parallel.auto or named_layout(cfg.parallel)  # parallel=tp4, parallel.tp=4 on auto, ...
+    if named:  # what the world cannot run at all is refused before any table, as tools/train.py refuses it
+        resolve_on(cfg, devices, nodes, fit_named=False)
     if spec_of(cfg.model).planner_shape is None:  # a detector: DDP on every device
         console.print(f"{cfg.model.name} is a detector: parallel=auto runs it data parallel on all {devices} devices "
                       "(the memory planner lays out ViT classifiers)", soft_wrap=True)
         console.print(f"planned for: {inputs_line(cfg)}", soft_wrap=True)
-        ddp = None if named_layout(cfg.parallel) else {"dp": devices}
+        ddp = None if named else ({"dp": devices}, None)
         return 0 if verify is None or dry_run(cfg, devices, nodes, "DDP", ddp, console) else 1
     try:
         result = plan_for(cfg, devices, nodes, memory, accelerator)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    on = f"{devices} {'GPU' if accelerator == 'cuda' else 'device'}s ({nodes} node{'s' if nodes > 1 else ''} of " \
+         f"{devices // nodes}), {memory:.3g} GB each ({source})"
     console.print(result.table(f"{cfg.model.name} ({result.layer_state / 1e9:.3g} GB of training state per block): "
-                               f"{devices} devices ({nodes} node{'s' if nodes > 1 else ''} of {devices // nodes}), "
-                               f"{memory:.3g} GB each"))
+                               + on))
     console.print(f"planned for: {inputs_line(cfg)}", soft_wrap=True)
-    host, source = host_budget(cfg)
-    console.print(f"host memory for offloaded state: {host:.4g} GB per node ({source})", soft_wrap=True)
+    host, host_source = host_budget(cfg)
+    console.print(f"host memory for offloaded state: {host:.4g} GB per node ({host_source})", soft_wrap=True)
     if result.choice is None:
         console.print(f"[bold red]nothing fits[/bold red]: {result.reason}")
         return 1
     c = result.choice.candidate
     console.print(f"parallel=auto would choose [bold]{c.name}[/bold]: {result.reason}", soft_wrap=True)
-    fields = " ".join(f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in c.overrides().items())
-    console.print(f"the same layout by hand: {fields}", soft_wrap=True)
-    fits = True
-    if named is not None:  # what the named layout needs, which training runs as named
-        need = layout_memory(cfg, named).device
-        fits = need <= result.hardware.budget
-        console.print(f"you named [bold]{named.describe()}[/bold], which runs as named: {need / 1e9:.3g} GB per device "
-                      + ("fits" if fits else "[bold red]does not fit[/bold red]")
-                      + f" the {result.hardware.budget / 1e9:.3g} GB budget", soft_wrap=True)
+    console.print(f"the same layout by hand: {c.settings()}", soft_wrap=True)
+    if named and not _named_fits(cfg, devices, nodes, memory, console):
+        return 1
     if verify is None:
-        return 0 if fits else 1
+        return 0
     if verify == "all":
-        layouts = [(r.candidate.name, r.candidate.overrides()) for r in result.rows if r.fits]
-    elif named is None:
-        layouts = [(c.name, c.overrides())]
+        layouts = [(r.candidate.name, (r.candidate.overrides(), r.candidate.accum)) for r in result.rows if r.fits]
+    elif not named:
+        layouts = [(c.name, (c.overrides(), c.accum))]
     else:
         layouts = [("the named layout", None)]
-    checked = [dry_run(cfg, devices, nodes, name, o, console) for name, o in layouts]  # every one, failed or not
+    checked = [dry_run(cfg, devices, nodes, name, o, console, memory) for name, o in layouts]  # every one, failed or not
     if len(checked) > 1:
         console.print(f"{sum(checked)} of {len(checked)} layouts within the plan's bounds")
-    if not fits:
-        console.print("[bold red]the named layout does not fit the budget[/bold red]: choose another (above), or let "
-                      "parallel=auto choose", soft_wrap=True)
-    return 0 if all(checked) and fits else 1
+    return 0 if all(checked) else 1
+
+
+def _named_fits(cfg, devices: int, nodes: int, memory: float, console) -> bool:
+    """Print what the named layout plans and how it was fitted to the budget (train.py fits it the same way before
+    any rank starts); False when it cannot run (refused, or nothing fits)."""
+    from visiondist.plan import resolve_on
+    from visiondist.plan.fit import devices_text
+    from visiondist.plan.resolve import layout_memory
+
+    try:
+        run = resolve_on(cfg, devices, nodes)
+    except ConfigError as exc:
+        console.print(f"[bold red]the named layout cannot run[/bold red]: {exc}", soft_wrap=True)
+        return False
+    if run.fitted:
+        console.print(f"parallel.fit=auto (as tools/train.py): {run.fitted}", soft_wrap=True)
+        console.print(f"it runs as [bold]{run.describe(on=devices_text(run, memory))}[/bold]", soft_wrap=True)
+    else:
+        need = layout_memory(cfg, run).device
+        console.print(f"you named [bold]{run.describe(on=devices_text(run, memory))}[/bold]: {need / 1e9:.3g} GB per "
+                      f"device, within the {cfg.parallel.headroom * memory:.3g} GB budget"
+                      + ("" if cfg.parallel.device_memory_gb or cfg.trainer.accelerator != "cpu" else
+                         " (on the CPU a named layout is checked only against parallel.device_memory_gb)"),
+                      soft_wrap=True)
+    return True
 
 
 def inputs_line(cfg) -> str:
@@ -133,20 +151,28 @@ def inputs_line(cfg) -> str:
             f"optim={cfg.optim.name}" + (", EMA" if t.ema_decay > 0 else ""))
 
 
-def dry_run(cfg, devices: int, nodes: int, name: str, overrides, console) -> bool:
-    """Dry-run one layout; print its table and verdict; True when every figure is within the plan's bounds."""
+def dry_run(cfg, devices: int, nodes: int, name: str, chosen, console, memory: float = 0.0) -> bool:
+    """Dry-run one layout (`chosen`: its parallel.* overrides and accumulation, or None: the named layout); print its
+    table and verdict; True when every figure is within the plan's bounds."""
     import time
 
     from visiondist.verify.dryrun import DryRunError, chosen_ranks, dry_run as run_ranks
     from visiondist.verify.report import TOLERANCE, report_table
     from visiondist.models.registry import spec_of
     from visiondist.plan import resolve_on
+    from visiondist.plan.fit import devices_text
 
     start = time.perf_counter()
+    overrides = None
+    if chosen is not None:
+        overrides, accum = chosen
+        if accum is not None:
+            cfg = OmegaConf.merge(cfg, {"trainer": {"grad_accum": accum}})
     run = resolve_on(cfg, devices, nodes, overrides)
     ranks = chosen_ranks(run)
-    console.print(f"\n[bold]dry run[/bold] of {name} ({run.describe()}): ranks {', '.join(map(str, ranks))} built "
-                  "on a fake process group, one step each", soft_wrap=True)
+    where = run.describe(on=devices_text(run, memory)) if memory else run.describe()
+    console.print(f"\n[bold]dry run[/bold] of {name} ({where}): ranks {', '.join(map(str, ranks))} built "
+                  "on a fake process group on this machine's CPU, one step each", soft_wrap=True)
     try:
         shape = spec_of(cfg.model).planner_shape
         reports = run_ranks(cfg, shape(cfg.model) if shape is not None else None, run, ranks)
@@ -154,6 +180,8 @@ def dry_run(cfg, devices: int, nodes: int, name: str, overrides, console) -> boo
         console.print(f"[bold red]the training code cannot run this layout[/bold red]: {exc}", soft_wrap=True)
         return False
     console.print(report_table(reports))
+    if spec_of(cfg.model).planner_shape is not None:
+        console.print(_peak_note(cfg, run), soft_wrap=True)
     off = [(r.rank, f.name) for r in reports for f in r.flagged]
     seconds = time.perf_counter() - start
     if off:
@@ -163,6 +191,20 @@ def dry_run(cfg, devices: int, nodes: int, name: str, overrides, console) -> boo
         return False
     console.print(f"every figure within the plan's bounds ({seconds:.1f} s)")
     return True
+
+
+def _peak_note(cfg, run) -> str:
+    """How the dry run's activations (one micro-batch) make the plan table's (the rank's peak)."""
+    from visiondist.plan.fit import as_run
+    from visiondist.plan.resolve import layout_memory
+
+    mem = layout_memory(as_run(cfg, run), run)
+    flight = mem.detail["in_flight"]
+    held = (f"{flight} micro-batches of {mem.detail['micro_batch']} images in flight ({run.schedule} on pp={run.pp})"
+            if flight > 1 else f"one micro-batch of {mem.detail['micro_batch']} images")
+    extra = ", plus one block's full set while it recomputes" if run.activation_checkpointing else ""
+    return (f"activations above: what one micro-batch leaves saved on the rank; the plan's activations at the peak "
+            f"of its busiest rank (the table's column): {held}{extra}, {mem.activations / 1e9:.4g} GB")
 
 
 def main(argv: list[str]) -> int:

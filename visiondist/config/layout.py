@@ -85,6 +85,10 @@ class RunLayout:
     activation_checkpointing: bool = False
     checkpoint_blocks: int = 0  # blocks that recompute their activations (0 without activation checkpointing)
     checkpoint_keep: str = "input"  # what a checkpointed block keeps: its input, or also its matmuls' outputs
+    # micro-batches (pipeline steps) accumulated per optimizer step: trainer.grad_accum, or more where a named layout
+    # was fitted to the device (`visiondist.plan.fit`); the ranks' trainer.grad_accum is this. 0: the config's (a
+    # layout.json from before the field, a layout built by hand)
+    grad_accum: int = 0
     timeline: bool = False  # record one pipeline step's timeline
     compile: bool = False  # torch.compile (`trainer.compile`, auto: on CUDA where it wins)
     # with compile: "model" (the whole model, one graph) or "blocks" (each block; also what a layout.json from before
@@ -95,6 +99,7 @@ class RunLayout:
     share_gpu: bool = False  # a node's ranks on its GPU 0, over gloo (`trainer.share_gpu`: a correctness test)
     chosen_by: str = "config"  # "config", or "parallel=auto" (the planner)
     reason: str = ""  # why parallel=auto chose it
+    fitted: str = ""  # what was added to a named layout to fit the device, and why (`visiondist.plan.fit`)
 
     def __post_init__(self) -> None:
         if self.dp * self.tp * self.pp != self.world_size or min(self.dp, self.tp, self.pp) < 1:
@@ -111,15 +116,17 @@ class RunLayout:
     def nodes(self) -> int:
         return max(1, self.world_size // self.per_node)
 
-    def describe(self) -> str:
-        """`dp=2 tp=2 pp=1 (4 ranks on cpu) +SP +FSDP`, as the start-up line and the summary show it."""
-        ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''} on {self.accelerator}"
+    def describe(self, on: str = "") -> str:
+        """`dp=2 tp=2 pp=1 (4 ranks on cpu) +SP +FSDP`, as the start-up line and the summary show it; `on`: where the
+        ranks are, for a layout planned for devices this process does not have ("4 GPUs of 80 GB")."""
+        ranks = on or f"{self.world_size} rank{'s' if self.world_size > 1 else ''} on {self.accelerator}"
         if self.share_gpu:
             ranks += ", sharing GPU 0 over gloo"
         fsdp = f"+HSDP (shard {self.shard_size} x replicate {self.dp // self.shard_size})" if self.hsdp else "+FSDP"
         extras = [("+SP", self.sequence_parallel), (fsdp, self.fsdp), ("+offload", self.offload),
                   (f"+activation checkpointing{' (keeps matmuls)' if self.checkpoint_keep == 'matmuls' else ''}",
-                   self.activation_checkpointing), (f"+compiled {self.compile_scope}", self.compile),
+                   self.activation_checkpointing), (f"+accumulation x{self.grad_accum}", self.grad_accum > 1),
+                  (f"+compiled {self.compile_scope}", self.compile),
                   ("+CUDA graphs", self.compile and self.cuda_graphs)]
         return " ".join([f"dp={self.dp} tp={self.tp} pp={self.pp} ({ranks})", *(t for t, on in extras if on)])
 

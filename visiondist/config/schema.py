@@ -136,6 +136,10 @@ class ParallelConfig:
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (keeps its input)
     checkpoint_blocks: int = -1  # selective: only the first N blocks recompute (-1: all of them)
     checkpoint_keep: str = "input"  # input: a block keeps its input | matmuls: also its matmuls' and attention's outputs
+    # a named layout whose plan does not fit the device (its memory, or device_memory_gb): auto adds what fits it at
+    # the least cost in the time model (more gradient accumulation, selective or whole-block checkpointing) and says
+    # so; refuse stops before any rank starts, naming the settings that fit; off runs it as named (a warning)
+    fit: str = "auto"
     # parallel=auto: choose dp / tp / pp / fsdp / offload / activation checkpointing from the memory and time model
     auto: bool = False
     device_memory_gb: float = 0.0  # per device; 0: the GPU's own (CUDA), or host memory / ranks (CPU)

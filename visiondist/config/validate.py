@@ -279,6 +279,9 @@ def check_trackers_installed(loggers) -> None:
                               f'pip install -e ".[{name}]" (or drop {name} from trainer.loggers)')
 
 
+FIT_MODES = ("auto", "refuse", "off")  # parallel.fit: visiondist.plan.fit
+
+
 def _check_parallel(p: DictConfig) -> None:
     _one_of("parallel.schedule", p.schedule, SCHEDULES)
     for key in ("tp", "pp"):
@@ -307,6 +310,7 @@ def _check_parallel(p: DictConfig) -> None:
     for key in ("device_memory_gb", "host_memory_gb", "device_tflops", "intra_node_gbs", "inter_node_gbs", "host_gbs"):
         _positive(f"parallel.{key}", p[key], allow_zero=key.endswith("memory_gb"))
     _positive("parallel.nodes", p.nodes)
+    _one_of("parallel.fit", p.fit, FIT_MODES)
     if not 0 < p.headroom <= 1:
         raise ConfigError(f"parallel.headroom={p.headroom} must be in (0, 1]")
     if p.sequence_parallel and p.tp == 1:

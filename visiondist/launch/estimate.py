@@ -89,15 +89,13 @@ def step_seconds_on_cpu(cfg: DictConfig, run: RunLayout, tflops_per_rank: float)
     from visiondist.plan.resolve import layout_memory
     from visiondist.plan.world import host_memory_gb
 
-    shard = run.shard_size if run.fsdp and run.shard_size < run.dp else 0
-    candidate = Candidate(run.dp, run.tp, run.pp, run.fsdp, run.offload, run.activation_checkpointing,
-                          run.microbatches if run.pp > 1 else 1, shard)
+    candidate = Candidate.of(run if run.grad_accum else run.replace(grad_accum=int(cfg.trainer.grad_accum)))
     hardware = replace(hardware_from_config(cfg.parallel, run.world_size, 1, host_memory_gb() / run.per_node,
                                             shared_host=True),
                        tflops=tflops_per_rank, intra_node_gbs=CPU_LINK_GBS, inter_node_gbs=CPU_LINK_GBS)
     t = cfg.trainer
     seconds = step_seconds(spec_of(cfg.model).planner_shape(cfg.model), candidate, hardware, int(cfg.data.batch_size),
-                           layout_memory(cfg, run), str(t.precision), int(t.grad_accum))
+                           layout_memory(cfg, run), str(t.precision))
     return seconds["total"]
 
 

@@ -82,8 +82,10 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
     from visiondist.utils.heartbeat import PROGRESS
     from visiondist.utils.signals import STOP, StopNow
     from visiondist.parallel import build_layout
+    from visiondist.plan.fit import as_run
 
-    cfg = from_container(cfg_dict)
+    asked = from_container(cfg_dict)  # what a run dir this rank creates records (config.yaml: the run as asked)
+    cfg = as_run(asked, run)  # a named layout fitted by accumulation: the run's trainer.grad_accum
     OmegaConf.set_readonly(cfg, True)  # resolved once, in the launching process: nothing below changes it
     PROGRESS.reset(cfg.trainer.startup_timeout_s)
     if run_dir is not None:
@@ -95,7 +97,7 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
                                     startup_timeout_s=cfg.trainer.startup_timeout_s, tf32=cfg.trainer.tf32)
     path, watchdog = (Path(run_dir) if run_dir else None), None
     try:
-        path = path or _shared_run_dir(cfg, run, run_kind(entry))
+        path = path or _shared_run_dir(asked, run, run_kind(entry))
         watchdog = _start_watchdog(path, top_level)
         if auto_plan is not None and run_dir is None and dist.get_rank() == 0:
             _write_plan(path, auto_plan)
@@ -106,7 +108,7 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
     except RANK_ERRORS as exc:
         if STOP.received is not None and (STOP.at_once or STOP.count > 1):  # a peer that left at once
             return _stopped_now(STOP.received, path)
-        _record(path, exc)
+        _record(path, exc, cfg, run)
         raise
     finally:
         if watchdog is not None:
@@ -157,12 +159,18 @@ def _start_watchdog(run_dir: Path, top_level: bool):
     return Watchdog(run_dir, dist.get_rank(), worker_pids, end_rank).start()
 
 
-def _record(run_dir: Optional[Path], exc: BaseException) -> None:
+def _record(run_dir: Optional[Path], exc: BaseException, cfg: DictConfig, run: RunLayout) -> None:
     from visiondist.faults.failures import FAILURE_DIR, dump_stacks, is_collective_timeout, one_line, record_failure
+    from visiondist.plan.fit import is_out_of_memory, out_of_memory_cause
     from visiondist.utils.signals import HANG_DIR
 
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
     cause = ""
+    if is_out_of_memory(exc):  # the plan's figure for this layout and what would fit, not the allocator's essay
+        try:
+            cause = out_of_memory_cause(cfg, run, exc)
+        except Exception:  # noqa: BLE001 - the failure must be recorded whatever the plan says
+            cause = ""
     if run_dir is not None and is_collective_timeout(exc):
         try:
             dump_stacks(run_dir, rank, one_line(exc))
@@ -207,7 +215,10 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
     pod = None if under_torchrun(env) else pod_job(env)
     if pod is not None:
         return launch_pod(entry, cfg, pod)
-    run, auto_plan = resolve(cfg, env, cuda_device_count())
+    # an evaluation holds no training state: a named layout is not fitted for it (nor refused)
+    run, auto_plan = resolve(cfg, env, cuda_device_count(), fit_named=run_kind(entry) != "eval")
+    if run.fitted and env.get("RANK", "0") == "0":  # a named layout fitted to the device (visiondist.plan.fit)
+        print(f"parallel.fit=auto: {run.fitted}", flush=True)
     check_gpu_layout(cfg, run, run_kind(entry))  # several ranks, no GPU found under accelerator=auto: stop, estimated
     if run.share_gpu and env.get("RANK", "0") == "0":  # a test of correctness: said, and its memory summed
         print(shared_gpu_line(cfg, run, device_memory_gb("cuda", 1)), flush=True)
@@ -306,6 +317,8 @@ def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> Optional[RunLayout
     run, _ = resolve(ranks_cfg, world, cuda_device_count())
     check_gpu_layout(cfg, run, kind)
     print(pod.line() + f" ({per_node} per pod)", flush=True)
+    if run.fitted and pod.node_rank in (0, None):
+        print(f"parallel.fit=auto: {run.fitted}", flush=True)
     run_dir = Path(cfg.trainer.run_dir).expanduser() if cfg.trainer.run_dir else None
     restarts = cfg.trainer.max_restarts if pod.max_restarts is None else pod.max_restarts
     ranks_dict = with_decode_choice(ranks_cfg, run, to_container(ranks_cfg), pod.node_rank in (0, None))

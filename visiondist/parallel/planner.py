@@ -1,12 +1,15 @@
 """The layout search over the memory model of `visiondist.parallel.memory`.
 
 `plan` enumerates the layouts the trainer can run on a number of devices (TP inside a node, dividing the heads;
-pipeline stages with their best micro-batch count; FSDP with or without offload; activation checkpointing), keeps
-those whose busiest rank fits the device with headroom, and ranks them by a simple time model: FLOPs / device rate
-(lower for matmuls of few rows, i.e. small micro-batches), with the pipeline bubble, plus collective bytes / link
-bandwidth (NVLink-class inside a node, network between nodes, PCIe to the host); data-parallel traffic is hidden under
-the backward (DDP) or the whole step (FSDP) up to the compute time. The model ranks layouts; it does not predict wall
-time.
+pipeline stages with their best micro-batch count; FSDP with or without offload), each with its memory levers:
+activation checkpointing (selective, `checkpoint_keep=matmuls`, or whole blocks) and gradient accumulation (the
+global batch kept, the micro-batch lowered: each row takes the least accumulation that makes it fit). It keeps those
+whose busiest rank fits the device with headroom, and ranks them by a simple time model: FLOPs / device rate (lower
+for matmuls of few rows, i.e. small micro-batches), with the pipeline bubble and what checkpointing recomputes, plus
+collective bytes / link bandwidth (NVLink-class inside a node, network between nodes, PCIe to the host);
+data-parallel traffic is hidden under the backward (DDP) or the whole step (FSDP) up to the compute time. The model
+ranks layouts; it does not predict wall time. `levers` ranks the same levers for one layout named by hand
+(`visiondist.plan.fit`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ from visiondist.parallel.memory import (
 HOST_MEMORY_GBS = 50.0  # host memory bandwidth for the offloaded (CPU) optimizer step
 HOST_FULL = "host"  # a row's note: it fits the devices, but its offloaded state does not fit the node's host memory
 GEMM_HALF_ROWS = 512  # a matmul with this many rows (tokens of a micro-batch) runs at half the device's rate
+# What `checkpoint_keep=matmuls` recomputes, as a fraction of the step: the forward's elementwise work (norms, GELU,
+# residual adds). ViT-H/14's compiled bf16 step on an H100 spent 32% in fused elementwise and norm kernels, forward
+# and backward (benchmarks/RESULTS.md); the forward's share of that is about a third.
+ELEMENTWISE_RECOMPUTE = 0.11
+CHECKPOINTING = ((False, "input"), (True, "matmuls"), (True, "input"))  # none, selective, whole blocks
+ACCUMULATION_FACTORS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # times the configured trainer.grad_accum
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -89,6 +98,15 @@ class Candidate:
     checkpointing: bool = False
     microbatches: int = 1
     shard: int = 0  # FSDP's shard group (HSDP when < dp); 0: every DP rank
+    accum: int = 1  # micro-batches (pipeline steps) accumulated per optimizer step: trainer.grad_accum
+    keep: str = "input"  # with checkpointing, what a block keeps: its input, or its matmuls' outputs too
+
+    @classmethod
+    def of(cls, run) -> "Candidate":
+        """The candidate of a resolved `RunLayout` (its accumulation: `run.grad_accum`)."""
+        return cls(run.dp, run.tp, run.pp, run.fsdp, run.offload, run.activation_checkpointing,
+                   run.microbatches if run.pp > 1 else 1, run.shard_size if run.hsdp else 0,
+                   max(1, run.grad_accum), run.checkpoint_keep if run.activation_checkpointing else "input")
 
     @property
     def name(self) -> str:
@@ -104,33 +122,48 @@ class Candidate:
         if self.pp > 1:
             parts.append(f"pp{self.pp}(m={self.microbatches})")
         text = " x ".join(parts)
-        return text + (" +offload" if self.offload else "") + (" +ckpt" if self.checkpointing else "")
+        ckpt = (" +ckpt(matmuls)" if self.keep == "matmuls" else " +ckpt") if self.checkpointing else ""
+        return (text + (" +offload" if self.offload else "") + ckpt
+                + (f" +accum{self.accum}" if self.accum > 1 else ""))
 
     def overrides(self) -> dict:
-        """The `parallel.*` fields that select this layout."""
+        """The `parallel.*` fields that select this layout (its accumulation is `trainer.grad_accum`: `settings`)."""
         out = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "fsdp": self.fsdp, "offload": self.offload,
                "activation_checkpointing": self.checkpointing, "shard_size": self.shard if self.fsdp else 0}
+        if self.checkpointing:
+            out["checkpoint_keep"] = self.keep
         if self.pp > 1:
             out.update(schedule="1f1b", stages_per_rank=1, microbatches=self.microbatches)
         return out
 
+    def settings(self) -> str:
+        """The command-line settings that select this layout by hand, accumulation included."""
+        fields = " ".join(f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                          for k, v in self.overrides().items())
+        return fields + f" trainer.grad_accum={self.accum}"
+
 
 def step_seconds(s: ViTShape, c: Candidate, hw: Hardware, global_batch: int, mem: RankMemory,
-                 precision: str = "32", grad_accum: int = 1) -> dict:
-    """Estimated seconds per optimizer step: compute (with the 1F1B bubble), plus each collective's bytes
-    (`collective_bytes`, the dry run's figures) over the link it crosses as ring algorithms move them (TP inside a
-    node; DP / PP over the network once they span nodes; offload over PCIe), less what overlaps with compute."""
+                 precision: str = "32") -> dict:
+    """Estimated seconds per optimizer step: compute (with the 1F1B bubble, what checkpointing recomputes, and the
+    lower rate of small micro-batches, which accumulation makes), plus each collective's bytes (`collective_bytes`,
+    the dry run's figures) over the link it crosses as ring algorithms move them (TP inside a node; DP / PP over the
+    network once they span nodes; offload over PCIe), less what overlaps with compute."""
     world = c.dp * c.tp * c.pp
     rate = hw.tflops * 1e12
+    grad_accum = c.accum
     micro_tokens = mem.detail["micro_batch"] * s.tokens  # rows of every matmul: small ones run below the peak
     efficiency = micro_tokens / (micro_tokens + GEMM_HALF_ROWS)
-    compute = global_batch * train_flops_per_image(s, c.checkpointing) / (world * rate * efficiency)
+    whole_blocks = c.checkpointing and c.keep != "matmuls"  # matmuls kept: only elementwise work runs again
+    compute = global_batch * train_flops_per_image(s, whole_blocks) / (world * rate * efficiency)
+    if c.checkpointing and c.keep == "matmuls":
+        compute *= 1 + ELEMENTWISE_RECOMPUTE
     if c.pp > 1:
         compute *= (c.microbatches + c.pp - 1) / c.microbatches
     multi_node = world > hw.per_node
     dp_bw = (hw.inter_node_gbs if c.dp * c.tp > hw.per_node else hw.intra_node_gbs) * GB
     rank = mem.detail["rank"]
-    moved = collective_bytes(s, mem, c.dp, c.tp, c.pp, grad_accum, precision, c.fsdp, c.checkpointing,
+    moved = collective_bytes(s, mem, c.dp, c.tp, c.pp, grad_accum, precision, c.fsdp, whole_blocks,
                              stage_ids=(rank,), n_stages=c.pp)
     shard = c.shard or c.dp
 
@@ -166,8 +199,11 @@ class PlanRow:
     note: str = ""
 
 
-def candidates(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1) -> list[tuple[Candidate, str]]:
-    """Every layout the trainer runs on `hw.devices` devices; a non-empty string says why one cannot run."""
+def layouts(s: ViTShape, hw: Hardware) -> list[Candidate]:
+    """Every mesh and sharding the trainer runs on `hw.devices` devices (TP inside a node dividing the heads, pipeline
+    depths, FSDP with and without offload, HSDP across nodes), each without checkpointing, with selective
+    (`matmuls`) and with whole-block checkpointing; accumulation and micro-batch counts are chosen per row
+    (`_fitted_row`)."""
     out = []
     for tp in divisors(hw.per_node):
         if s.num_heads % tp or s.hidden % tp:
@@ -176,25 +212,27 @@ def candidates(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1
             if pp > s.depth:
                 continue
             dp = hw.devices // (tp * pp)
-            layouts = [(False, False, 0)]
+            shardings = [(False, False, 0)]
             if tp == 1 and pp == 1:
-                layouts += [(True, False, 0), (True, True, 0)] if dp > 1 else [(True, True, 0)]
+                shardings += [(True, False, 0), (True, True, 0)] if dp > 1 else [(True, True, 0)]
                 if hw.nodes > 1 and hw.per_node > 1:  # HSDP: shard inside a node, replicate across nodes
-                    layouts.append((True, False, hw.per_node))
-            for fsdp, offload, shard in layouts:
-                for ckpt in (False, True):
-                    local = global_batch // dp // grad_accum if global_batch % (dp * grad_accum) == 0 else 0
-                    if not local:
-                        why = f"batch {global_batch} is not divisible by dp x grad_accum = {dp * grad_accum}"
-                        out.append((Candidate(dp, tp, pp, fsdp, offload, ckpt, 2 * pp if pp > 1 else 1, shard), why))
-                    elif pp == 1:
-                        out.append((Candidate(dp, tp, pp, fsdp, offload, ckpt, 1, shard), ""))
-                    else:
-                        counts = [k * pp for k in (1, 2, 4, 8) if local % (k * pp) == 0]
-                        if not counts:
-                            why = f"{local} images per DP rank do not split into a multiple of {pp} micro-batches"
-                            out.append((Candidate(dp, tp, pp, fsdp, offload, ckpt, 2 * pp), why))
-                        out += [(Candidate(dp, tp, pp, fsdp, offload, ckpt, m), "") for m in counts]
+                    shardings.append((True, False, hw.per_node))
+            for fsdp, offload, shard in shardings:
+                out += [Candidate(dp, tp, pp, fsdp, offload, ckpt, 1, shard, keep=keep) for ckpt, keep in CHECKPOINTING]
+    return out
+
+
+def splits(global_batch: int, dp: int, pp: int, grad_accum: int) -> list[tuple[int, list[int]]]:
+    """(accumulation, micro-batch counts of a pipeline step) that split `global_batch` evenly over `dp` ranks, least
+    accumulation first: `grad_accum` x 1, 2, 4, ...; under a pipeline 1, 2, 4 or 8 x pp micro-batches a step (an
+    accumulation with no count that splits is listed with none)."""
+    out = []
+    for factor in ACCUMULATION_FACTORS:
+        accum = grad_accum * factor
+        if global_batch % (dp * accum):
+            break
+        local = global_batch // (dp * accum)
+        out.append((accum, [k * pp for k in (1, 2, 4, 8) if local % (k * pp) == 0] if pp > 1 else [1]))
     return out
 
 
@@ -211,24 +249,34 @@ class Plan:
     choice: Optional[PlanRow]
     reason: str
     layer_state: int = 0  # bytes of one whole block's parameters, gradients, optimizer state (and EMA)
+    grad_accum: int = 1  # the configured accumulation, which plain DDP keeps
+
+    @property
+    def plain_ddp(self) -> bool:
+        """Whether the choice is plain DDP as configured (no checkpointing, no more accumulation)."""
+        return self.choice is not None and self.choice.candidate == Candidate(self.hardware.devices,
+                                                                               accum=self.grad_accum)
 
     def table(self, title: str = ""):
         """A rich Table: per-rank GB by component, estimated step time, fits."""
         from rich.table import Table
 
-        table = Table(title=title or None, title_justify="left", caption="GB per device (busiest rank); state = "
-                      "parameters + gradients + optimizer (+ EMA); step: time model", caption_justify="left")
+        table = Table(title=title or None, title_justify="left", caption="GB per device (busiest rank); micro: images "
+                      "a rank computes at once (global batch / dp / accumulation / pipeline micro-batches); state = "
+                      "parameters + gradients + optimizer (+ EMA); activations: at the rank's peak (every micro-batch "
+                      "in flight); step: time model", caption_justify="left")
         table.add_column("layout", no_wrap=True)
-        for col in ("state", "activations", "buffers", "device", "host", "step", "fits"):
+        for col in ("micro", "state", "activations", "buffers", "device", "host", "step", "fits"):
             table.add_column(col, justify="right")
         for row in self.rows:
             m = row.memory
             chosen = row is self.choice
             cells = [row.candidate.name]
             if m is None:
-                cells += ["-"] * 5 + ["-", f"no: {row.note}"]
+                cells += ["-"] * 6 + ["-", f"no: {row.note}"]
             else:
-                cells += [f"{m.state / GB:.2f}", f"{m.activations / GB:.2f}", f"{m.buffers / GB:.2f}",
+                cells += [str(m.detail["micro_batch"]), f"{m.state / GB:.2f}", f"{m.activations / GB:.2f}",
+                          f"{m.buffers / GB:.2f}",
                           f"{m.device / GB:.2f}", f"{m.host / GB:.2f}" if m.offloaded else "-",
                           _duration(row.seconds["total"]), "yes" if row.fits else f"no: {row.note}" if row.note
                           else "no"]
@@ -250,40 +298,68 @@ class Plan:
             "choice": None if self.choice is None else self.choice.candidate.__dict__,
             "reason": self.reason,
             "rows": [{"layout": r.candidate.name, **r.candidate.__dict__, "fits": r.fits, "note": r.note,
-                      **({"device_gb": r.memory.device / GB, "host_gb": r.memory.host / GB,
+                      **({"micro_batch": r.memory.detail["micro_batch"], "device_gb": r.memory.device / GB,
+                          "host_gb": r.memory.host / GB,
                           "state_gb": r.memory.state / GB, "activations_gb": r.memory.activations / GB,
                           "buffers_gb": r.memory.buffers / GB, "step_s": r.seconds["total"]} if r.memory else {})}
                      for r in self.rows],
         }
 
 
+def _row(s, hw, c: Candidate, global_batch, optimizer, ema, precision) -> PlanRow:
+    mem = rank_memory(s, c.dp, c.tp, c.pp, global_batch, c.accum, optimizer, ema, precision,
+                      microbatches=c.microbatches if c.pp > 1 else -1, fsdp=c.fsdp, offload=c.offload,
+                      checkpointing=c.checkpointing, shard_size=c.shard, keep=c.keep)
+    if mem.detail["micro_batch"] < 1:
+        return PlanRow(c, None, None, False, "fewer than one image per micro-batch")
+    device_fits, host_fits = mem.device <= hw.budget, hw.host_fits(mem)
+    return PlanRow(c, mem, step_seconds(s, c, hw, global_batch, mem, precision), device_fits and host_fits,
+                   "" if host_fits or not device_fits else HOST_FULL)
+
+
+def _rank(row: PlanRow) -> tuple:
+    return row.memory is None, not row.fits, row.seconds["total"] if row.seconds else 0
+
+
+def _fitted_row(s, hw, layout: Candidate, global_batch, grad_accum, optimizer, ema, precision) -> PlanRow:
+    """`layout`'s row with the least accumulation at which it fits (from `grad_accum` up: more only lowers the
+    micro-batch, and with it the rate), under a pipeline with its best micro-batch count there (fits first, then
+    time); when it fits at none, its row at `grad_accum`."""
+    split = splits(global_batch, layout.dp, layout.pp, grad_accum)
+    if not split:
+        why = f"batch {global_batch} is not divisible by dp x grad_accum = {layout.dp * grad_accum}"
+        return PlanRow(replace(layout, microbatches=2 * layout.pp if layout.pp > 1 else 1, accum=grad_accum), None,
+                       None, False, why)
+
+    def best_of(accum: int, counts: list[int]) -> Optional[PlanRow]:
+        rows = [_row(s, hw, replace(layout, accum=accum, microbatches=m), global_batch, optimizer, ema, precision)
+                for m in counts]
+        return min(rows, key=_rank) if rows else None
+
+    first = best_of(*split[0])
+    if first is None:
+        local = global_batch // (layout.dp * grad_accum)
+        why = f"{local} images per DP rank do not split into a multiple of {layout.pp} micro-batches"
+        first = PlanRow(replace(layout, microbatches=2 * layout.pp, accum=grad_accum), None, None, False, why)
+    if first.fits or len(split) == 1:
+        return first
+    least = best_of(*split[-1])  # the least memory accumulation gives: when even that does not fit, none does
+    if least is None or not least.fits:
+        return first
+    for accum, counts in split[1:-1]:
+        row = best_of(accum, counts)
+        if row is not None and row.fits:
+            return row
+    return least
+
+
 def _evaluate(s, hw, global_batch, grad_accum, optimizer, ema, precision) -> list[PlanRow]:
-    rows = []
-    for c, why in candidates(s, hw, global_batch, grad_accum):
-        if why:
-            rows.append(PlanRow(c, None, None, False, why))
-            continue
-        mem = rank_memory(s, c.dp, c.tp, c.pp, global_batch, grad_accum, optimizer, ema, precision,
-                          microbatches=c.microbatches if c.pp > 1 else -1, fsdp=c.fsdp, offload=c.offload,
-                          checkpointing=c.checkpointing, shard_size=c.shard)
-        if mem.detail["micro_batch"] < 1:
-            rows.append(PlanRow(c, None, None, False, "fewer than one image per micro-batch"))
-            continue
-        device_fits, host_fits = mem.device <= hw.budget, hw.host_fits(mem)
-        rows.append(PlanRow(c, mem, step_seconds(s, c, hw, global_batch, mem, precision, grad_accum),
-                            device_fits and host_fits, "" if host_fits or not device_fits else HOST_FULL))
-    best: dict[Candidate, PlanRow] = {}  # a pipeline: only its best micro-batch count (fits first, then time)
-    for row in rows:
-        key = replace(row.candidate, microbatches=1)
-        rank = (row.memory is None, not row.fits, row.seconds["total"] if row.seconds else 0)
-        if key not in best or rank < (best[key].memory is None, not best[key].fits,
-                                      best[key].seconds["total"] if best[key].seconds else 0):
-            best[key] = row
-    return list(best.values())
+    return [_fitted_row(s, hw, c, global_batch, grad_accum, optimizer, ema, precision) for c in layouts(s, hw)]
 
 
 def _complexity(c: Candidate) -> tuple:
-    return (c.offload, c.fsdp, c.shard > 0, c.pp > 1, c.tp > 1, c.checkpointing, c.pp, c.tp)
+    return (c.offload, c.fsdp, c.shard > 0, c.pp > 1, c.tp > 1, c.checkpointing, c.keep == "input", c.accum, c.pp,
+            c.tp)
 
 
 def plan(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1, optimizer: str = "adamw",
@@ -298,11 +374,13 @@ def plan(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1, opti
     rows.sort(key=lambda r: (r.memory is None, not r.fits, r.seconds["total"] if r.seconds else 0,
                              _complexity(r.candidate)))
     budget = f"{hw.budget / GB:.3g} GB ({100 * hw.headroom:.0f}% of {hw.memory_gb:.3g} GB)"
-    ddp = next((r for r in rows if r.memory and r.candidate == Candidate(hw.devices)), None)
+    plain = Candidate(hw.devices, accum=grad_accum)  # DDP as configured: no checkpointing, no more accumulation
+    ddp = (_row(s, hw, plain, global_batch, optimizer, ema, precision)
+           if global_batch % (hw.devices * grad_accum) == 0 else None)
     if fit:  # plain DDP whenever it fits; otherwise the fastest layout that fits (ties: the simpler)
-        best = ddp if ddp is not None and ddp.fits else min(
+        best = next(r for r in rows if r.candidate == plain) if ddp is not None and ddp.fits else min(
             fit, key=lambda r: (round(r.seconds["total"], 12), _complexity(r.candidate)))
-        if best.candidate == Candidate(hw.devices):
+        if best.candidate == plain:
             m = best.memory
             reason = (f"the training state and activations fit each device under DDP, {m.device / GB:.3g} GB needed "
                       f"({m.state / GB:.3g} GB of state, {(m.activations + m.buffers) / GB:.3g} GB of activations and "
@@ -310,12 +388,14 @@ def plan(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1, opti
         else:
             why_not = (f"DDP would need {ddp.memory.device / GB:.3g} GB per device, over the {budget} budget"
                        if ddp is not None and ddp.memory is not None else
-                       f"DDP cannot run: {ddp.note}" if ddp is not None else "DDP cannot run here")
+                       f"DDP cannot run: {ddp.note}" if ddp is not None else
+                       f"DDP cannot run: batch {global_batch} is not divisible by dp x grad_accum = "
+                       f"{hw.devices * grad_accum}")
             of = f"the fastest of {len(fit)} layouts that fit" if len(fit) > 1 else "the only layout that fits"
             reason = (f"{why_not}; {best.candidate.name} is {of}: "
                       f"{best.memory.device / GB:.3g} GB per device, about {_duration(best.seconds['total'])} per step "
                       "in the time model")
-        return Plan(s, hw, global_batch, rows, best, reason, layer)
+        return Plan(s, hw, global_batch, rows, best, reason, layer, grad_accum)
     smallest = None
     per_node = hw.per_node
     for nodes in range(hw.nodes + 1, max_nodes + 1):
@@ -333,7 +413,7 @@ def plan(s: ViTShape, hw: Hardware, global_batch: int, grad_accum: int = 1, opti
     else:
         reason = (f"no layout fits {hw.devices} devices of {budget}{host}, nor any count up to {max_nodes} nodes of "
                   f"{per_node}: use larger devices, a smaller batch or model, or bf16 precision")
-    return Plan(s, hw, global_batch, rows, None, reason, layer)
+    return Plan(s, hw, global_batch, rows, None, reason, layer, grad_accum)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -12,33 +12,45 @@ from omegaconf import DictConfig, OmegaConf
 from visiondist.config import ConfigError, validate
 from visiondist.models.registry import check_support, spec_of
 from visiondist.config.layout import RunLayout, microbatches_for, stages_per_rank_for
-from visiondist.plan.world import World, cuda_device_count, device_memory_gb, find_world, host_memory_gb
+from visiondist.plan.budget import host_budget, layout_memory, memory_budget, plan_for
+from visiondist.plan.world import World, cuda_device_count, find_world
+
+__all__ = ["host_budget", "layout_memory", "memory_budget", "plan_for"]  # also here, where the resolver uses them
 
 
-def resolve(cfg: DictConfig, env: Optional[dict] = None, cuda_devices: Optional[int] = None) -> tuple[RunLayout, Any]:
+def resolve(cfg: DictConfig, env: Optional[dict] = None, cuda_devices: Optional[int] = None,
+            fit_named: bool = True) -> tuple[RunLayout, Any]:
     """The layout this job runs under, and the planner's table when `parallel=auto` chose it (else None). Raises
-    ConfigError naming the fix."""
+    ConfigError naming the fix. `fit_named=False`: a named layout as named, unchecked against the device (a tool
+    that reports the fit itself)."""
+    from visiondist.plan.fit import fit
+
     env = dict(os.environ) if env is None else env
     world = find_world(cfg, env, cuda_device_count() if cuda_devices is None else cuda_devices)
     parallel, plan, reason = OmegaConf.to_container(cfg.parallel), None, ""
+    accum = int(cfg.trainer.grad_accum)
     auto = cfg.parallel.auto and not named_layout(cfg.parallel)
     if auto:
         _layout(cfg, OmegaConf.merge(cfg.parallel, {"auto": False}), world)  # what was asked (dp, batch) must hold
         before = _continued_layout(cfg, world)
         if before is not None:  # continuing a run: the layout its first attempt chose, not a fresh plan
             parallel.update(before.parallel_overrides())
+            accum = before.grad_accum or accum
             reason = f"the layout this run started with ({before.describe()}, layout.json)"
         elif spec_of(cfg.model).planner_shape is None:  # detectors: data parallel, as asked of them
             reason = f"{cfg.model.name} is a detector, which runs data parallel (the planner lays out ViT classifiers)"
         else:
             plan = _plan_auto(cfg, world)
             parallel.update(plan.choice.candidate.overrides())
-            reason = plan.reason
+            accum, reason = plan.choice.candidate.accum, plan.reason
         check(OmegaConf.merge(cfg, {"parallel": {**parallel, "auto": False}}))  # the chosen layout against the model
     parallel["auto"] = False
-    run = _layout(cfg, OmegaConf.create(parallel), world)
+    run = _layout(cfg, OmegaConf.create(parallel), world, accum)
     _check_on(cfg, run.accelerator)
-    return (run.replace(chosen_by="parallel=auto", reason=reason) if auto else run), plan
+    if auto:
+        return run.replace(chosen_by="parallel=auto", reason=reason), plan
+    fitted = fit(cfg, run) if fit_named else run  # a named layout: checked against the device before any rank starts
+    return (run if fitted is run else fitted.replace(**compile_switches(cfg, fitted))), plan
 
 
 def _check_on(cfg: DictConfig, accelerator: str) -> None:
@@ -54,34 +66,25 @@ LAYOUT_SWITCHES = ("tp", "pp", "fsdp", "offload", "activation_checkpointing", "s
 
 def named_layout(p: DictConfig) -> bool:
     """Whether the user named a layout (tensor or pipeline parallel, FSDP, offload, checkpointing, SP) on top of
-    `parallel=auto`: that layout runs as named; auto only chooses when the layout is left to it."""
+    `parallel=auto`: that layout runs as named (fitted to the device: `visiondist.plan.fit`); auto only chooses when
+    the layout is left to it."""
     return p.tp > 1 or p.pp > 1 or any(bool(p[k]) for k in LAYOUT_SWITCHES[2:])
 
 
-def resolve_on(cfg: DictConfig, devices: int, nodes: int, overrides: Optional[dict] = None) -> RunLayout:
+def resolve_on(cfg: DictConfig, devices: int, nodes: int, overrides: Optional[dict] = None,
+               fit_named: bool = True) -> RunLayout:
     """The layout `cfg` (with `parallel.*` `overrides`, e.g. a planner candidate's) runs under on `devices` devices
     over `nodes` nodes, as if torchrun had started them, without having them: for the dry run, which builds such a
-    world's ranks on this machine's CPU."""
+    world's ranks on this machine's CPU. A config left to `parallel=auto` with no `overrides` resolves to DDP, as a
+    stand-in for what the job's ranks will plan on their devices (not fitted: nobody named it)."""
+    stand_in = overrides is None and cfg.parallel.auto and not named_layout(cfg.parallel)
     parallel = {**(overrides or {}), "auto": False} if overrides is not None or cfg.parallel.auto else {}
     per_node = devices // nodes
     cfg = OmegaConf.merge(cfg, {"parallel": parallel, "trainer": {"accelerator": "cpu", "devices": per_node,
                                                                    "max_restarts": 0, "share_gpu": False}})
     check(cfg, mandatory=False)
     env = {"WORLD_SIZE": str(devices), "LOCAL_WORLD_SIZE": str(per_node), "LOCAL_RANK": "0"}
-    return resolve(cfg, env=env, cuda_devices=0)[0]
-
-
-def layout_memory(cfg: DictConfig, run: RunLayout, pp_rank: Optional[int] = None, dp_rank: int = 0):
-    """The memory model's bytes for `cfg`'s ViT under `run`: on its busiest rank, or on the rank at pipeline stage
-    `pp_rank` and DP rank `dp_rank` (`visiondist.parallel.memory.rank_memory`)."""
-    from visiondist.parallel.memory import rank_memory
-
-    t = cfg.trainer
-    return rank_memory(spec_of(cfg.model).planner_shape(cfg.model), run.dp, run.tp, run.pp, int(cfg.data.batch_size),
-                       int(t.grad_accum), str(cfg.optim.name), float(t.ema_decay) > 0, str(t.precision), run.schedule,
-                       run.stages_per_rank, run.microbatches, pp_rank=pp_rank, fsdp=run.fsdp, offload=run.offload,
-                       checkpointing=run.activation_checkpointing, sequence_parallel=run.sequence_parallel,
-                       dp_rank=dp_rank, shard_size=run.shard_size, keep=run.checkpoint_keep)
+    return resolve(cfg, env=env, cuda_devices=0, fit_named=fit_named and not stand_in)[0]
 
 
 def _continued_layout(cfg: DictConfig, world: World) -> Optional[RunLayout]:
@@ -109,51 +112,6 @@ def check(cfg: DictConfig, mandatory: bool = True) -> None:
         check_support(variant_config(cfg, variant))  # validated as it is built
 
 
-def plan_for(cfg: DictConfig, devices: int, nodes: int, memory_gb: float, accelerator: str = "cuda"):
-    """The memory planner's table for `cfg` on `devices` over `nodes` of `memory_gb` each, with the model shape its
-    family declares (`ModelSpec.planner_shape`). Offloaded state must fit `parallel.host_memory_gb` per node (0: this
-    machine's memory), together with the devices' bytes where the devices are the host (the CPU, not emulated)."""
-    from visiondist.models.registry import spec_of
-    from visiondist.parallel.planner import plan_config
-
-    spec = spec_of(cfg.model)
-    if spec.planner_shape is None:
-        raise ConfigError(f"the memory planner plans ViT classifiers; {cfg.model.name} is a detector: name a layout "
-                          "(parallel=ddp)")
-    return plan_config(spec.planner_shape(cfg.model), cfg, devices, nodes, memory_gb, host_budget(cfg)[0],
-                       _devices_are_host(cfg, accelerator))
-
-
-def _devices_are_host(cfg: DictConfig, accelerator: str) -> bool:
-    """Whether the planner's devices are this host's memory (the CPU, unless parallel.device_memory_gb emulates)."""
-    return accelerator != "cuda" and not cfg.parallel.device_memory_gb
-
-
-def host_budget(cfg: DictConfig) -> tuple[float, str]:
-    """GB of host memory per node for offloaded state, and where the figure comes from."""
-    if cfg.parallel.host_memory_gb:
-        return float(cfg.parallel.host_memory_gb), "parallel.host_memory_gb"
-    return host_memory_gb(), "this machine's; parallel.host_memory_gb sets it"
-
-
-def memory_budget(cfg: DictConfig, accelerator: str, per_node: int, share_gpu: bool = False) -> tuple[float, str]:
-    """GB of one rank's device for the planner, and where the figure comes from (ranks sharing a GPU get their
-    part of it)."""
-    if cfg.parallel.device_memory_gb:
-        return float(cfg.parallel.device_memory_gb), "parallel.device_memory_gb"
-    if accelerator == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("parallel=auto cannot read the GPU's memory here: set parallel.device_memory_gb")
-        shared = f" / {per_node} ranks sharing it (trainer.share_gpu)" if share_gpu else ""
-        return (device_memory_gb(accelerator, per_node, share_gpu),
-                f"the GPU's memory ({torch.cuda.get_device_name(0)}){shared}")
-    memory = device_memory_gb(accelerator, per_node)
-    ranks = f"{per_node} rank{'s' if per_node > 1 else ''}"
-    return memory, f"the host's {memory * per_node:.3g} GB / {ranks} per node (CPU)"
-
-
 def _plan_auto(cfg: DictConfig, world: World):
     memory, source = memory_budget(cfg, world.accelerator, world.per_node, world.share_gpu)
     plan = plan_for(cfg, world.world_size, max(1, world.world_size // world.per_node), memory, world.accelerator)
@@ -163,8 +121,10 @@ def _plan_auto(cfg: DictConfig, world: World):
     return plan
 
 
-def _layout(cfg: DictConfig, p: DictConfig, world: World) -> RunLayout:
-    """The mesh degrees of `p` on `world`, checked against it and the global batch, with every switch concrete."""
+def _layout(cfg: DictConfig, p: DictConfig, world: World, grad_accum: Optional[int] = None) -> RunLayout:
+    """The mesh degrees of `p` on `world`, checked against it and the global batch (split into `grad_accum`
+    accumulated micro-batches, default trainer.grad_accum), with every switch concrete."""
+    ga = int(cfg.trainer.grad_accum) if grad_accum is None else grad_accum
     world_size, per_node, model_parallel = world.world_size, world.per_node, p.tp * p.pp
     if world_size % model_parallel:
         raise ConfigError(f"world size {world_size} is not divisible by parallel.tp x parallel.pp = {model_parallel}: "
@@ -179,9 +139,9 @@ def _layout(cfg: DictConfig, p: DictConfig, world: World) -> RunLayout:
         raise ConfigError(f"parallel.tp={p.tp} does not divide the {per_node} ranks per node: a tensor-parallel group "
                           f"must sit inside one node; run a multiple of {p.tp} ranks per node (trainer.devices, or "
                           "torchrun's --nproc-per-node)")
-    _check_batch(cfg, p, dp)
-    base = RunLayout(world.accelerator, world_size, per_node, dp, p.tp, p.pp, under_torchrun=world.under_torchrun,
-                     share_gpu=world.share_gpu)
+    _check_batch(cfg, p, dp, ga)
+    base = RunLayout(world.accelerator, world_size, per_node, dp, p.tp, p.pp, grad_accum=ga,
+                     under_torchrun=world.under_torchrun, share_gpu=world.share_gpu)
     return with_switches(base, cfg, p)
 
 
@@ -276,13 +236,14 @@ def compile_plan(cfg: DictConfig, run: RunLayout, p: Optional[DictConfig] = None
 
 def _cuda_graphs(cfg: DictConfig, run: RunLayout, scope: str) -> tuple[bool, str]:
     t, m = cfg.trainer, cfg.model
+    accum = run.grad_accum or int(t.grad_accum)
     asked = t.get("cuda_graphs", "auto")
     if asked is False:
         return False, ""
     blocker = ("it compiles the whole model only (trainer.compile=blocks here)" if scope != "model" else
                "it needs CUDA" if run.accelerator != "cuda" else
                f"it runs on one GPU only ({run.world_size} ranks here)" if run.world_size > 1 else
-               f"it runs one micro-batch per step (trainer.grad_accum={t.grad_accum})" if t.grad_accum > 1 else "")
+               f"it runs one micro-batch per step (trainer.grad_accum={accum})" if accum > 1 else "")
     if asked is True:
         if blocker:
             raise ConfigError(f"trainer.cuda_graphs=true: {blocker}; use trainer.cuda_graphs=auto or false")
@@ -335,8 +296,8 @@ def shard_size_for(run: RunLayout, p: DictConfig) -> int:
     return size
 
 
-def _check_batch(cfg: DictConfig, p: DictConfig, dp: int) -> None:
-    d, ga = cfg.data, cfg.trainer.grad_accum
+def _check_batch(cfg: DictConfig, p: DictConfig, dp: int, ga: int) -> None:
+    d = cfg.data
     if p.pp > 1:
         m = microbatches_for(p.pp, p.microbatches)
         step = dp * ga * m
@@ -361,10 +322,8 @@ def announce(cfg: DictConfig, run: RunLayout, plan: Any) -> None:
     plain DDP; the planner's table too when the training state did not fit and it chose another layout."""
     from rich.console import Console
 
-    from visiondist.parallel.planner import Candidate
-
     console = Console(width=120)
-    if plan is None or plan.choice.candidate == Candidate(run.world_size):  # plain DDP (or a detector's)
+    if plan is None or plan.plain_ddp:  # plain DDP (or a detector's)
         ranks = f"{run.world_size} rank{'s' if run.world_size > 1 else ''}"
         console.print(f"parallel=auto chose plain DDP on {ranks} ({run.accelerator}): {run.reason}", soft_wrap=True,
                       highlight=False)

@@ -47,7 +47,11 @@ def chosen_ranks(run: RunLayout) -> list[int]:
 def dry_run(cfg: DictConfig, shape: Optional[ViTShape], run: RunLayout, ranks: Optional[list[int]] = None,
             progress=None) -> list[RankReport]:
     """Measure `ranks` (default `chosen_ranks`) of `run` and set each beside the plan; `shape`: the model family's
-    planner shape (None: a detector, planned from its tensors)."""
+    planner shape (None: a detector, planned from its tensors). The step accumulates what `run` does (a named
+    layout fitted by accumulation: more than `cfg`'s trainer.grad_accum)."""
+    from visiondist.plan.fit import as_run
+
+    cfg = as_run(cfg, run)
     reports = []
     for rank in ranks if ranks is not None else chosen_ranks(run):
         start = time.perf_counter()
