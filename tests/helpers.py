@@ -291,3 +291,38 @@ def detr_model_cfg(arch: str, **kw):
     base = {"name": arch, "arch": arch, "num_classes": 3, "img_size": 128, "kwargs": {}, "num_queries": 20,
             "weights": None, "multi_scale": None}
     return OmegaConf.create({**base, **kw})
+
+
+# A stand-in for srun: one task per node x tasks per node, each with the variables srun gives its tasks; with
+# SRUN_SCRIPT set, that script runs in place of tools/train.py (e.g. tests/multirank/fault_train.py).
+FAKE_SRUN = """#!{python}
+import os, subprocess, sys
+script = os.environ.get("SRUN_SCRIPT")
+command = [script if script and a.endswith("tools/train.py") else a for a in sys.argv[1:] if not a.startswith("--")]
+nodes, per_node = int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
+tasks = []
+for rank in range(nodes * per_node):
+    env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node), SLURM_NODEID=str(rank // per_node),
+               SLURM_STEP_NUM_TASKS=str(nodes * per_node), SLURM_STEP_TASKS_PER_NODE=f"{{per_node}}(x{{nodes}})",
+               SLURM_STEP_NODELIST=os.environ["SLURM_JOB_NODELIST"])
+    tasks.append(subprocess.Popen(command, env=env))
+sys.exit(max(task.wait() for task in tasks))
+"""
+
+
+def fake_slurm(bin_dir: Path, job_id: str, nodes: int, per_node: int, run_dir: Path) -> dict:
+    """Stand-ins for `srun` and `scontrol` in `bin_dir`, and the environment under which `bash tools/slurm_train.sh`
+    runs as sbatch would run it (`nodes` x `per_node` tasks on this machine, the script's run dir `run_dir`)."""
+    import socket
+
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (bin_dir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": job_id,
+            "SLURM_JOB_NODELIST": f"node[1-{nodes}]" if nodes > 1 else "node1", "SLURM_NNODES": str(nodes),
+            "SLURM_NTASKS_PER_NODE": str(per_node), "MASTER_PORT": str(port), "RUN_DIR": str(run_dir)}

@@ -5,13 +5,11 @@ count from the class folders, the loader workers from the cores, the layout unde
 
 from __future__ import annotations
 
-import os
-import socket
 import sys
 
 import pytest
 
-from helpers import REPO, job_env, losses_of, run_cli, run_together, start_job, finish_job
+from helpers import REPO, fake_slurm, job_env, losses_of, run_cli, run_together, start_job, finish_job
 
 FAULT_TRAIN = REPO / "tests" / "multirank" / "fault_train.py"
 STEPS = 6
@@ -74,43 +72,15 @@ def test_a_changed_command_is_still_refused(tmp_path, tiny_shapes, straight):
     assert "was trained with data.num_classes=6, this command asks data.num_classes=5" in result.stdout
 
 
-# The stand-in srun of tests/multirank/test_train.py, which can also run the requeued job's first attempt under
-# fault_train.py (SRUN_SCRIPT): one task per node x tasks per node, each with the variables srun gives its tasks.
-FAKE_SRUN = """#!{python}
-import os, subprocess, sys
-script = os.environ.get("SRUN_SCRIPT")
-command = [script if script and a.endswith("tools/train.py") else a for a in sys.argv[1:] if not a.startswith("--")]
-nodes, per_node = int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
-tasks = []
-for rank in range(nodes * per_node):
-    env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node), SLURM_NODEID=str(rank // per_node),
-               SLURM_STEP_NUM_TASKS=str(nodes * per_node), SLURM_STEP_TASKS_PER_NODE=f"{{per_node}}(x{{nodes}})",
-               SLURM_STEP_NODELIST=os.environ["SLURM_JOB_NODELIST"])
-    tasks.append(subprocess.Popen(command, env=env))
-sys.exit(max(task.wait() for task in tasks))
-"""
-
-
 def test_a_requeued_slurm_job_continues_its_run_then_says_it_is_complete(tmp_path, tiny_shapes, straight):
     """tools/slurm_train.sh under a stand-in srun (2 nodes x 1 task): the first attempt crashes at step 4's
     checkpoint; the requeued job, the same script and arguments, continues with the uninterrupted run's losses; a
     third submission says the run is complete."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
-    for tool in ("srun", "scontrol"):
-        (bin_dir / tool).chmod(0o755)
     run = tmp_path / "slurm_run"
     args = [a for a in _command(tiny_shapes, run) if not a.startswith("trainer.run_dir")]
 
     def submit(**extra):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4243", "SLURM_JOB_NODELIST": "node[1-2]",
-               "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "1", "MASTER_PORT": str(port), "RUN_DIR": str(run),
-               **extra}
+        env = {**fake_slurm(tmp_path / "bin", "4243", nodes=2, per_node=1, run_dir=run), **extra}
         (result,) = run_together([["bash", str(REPO / "tools" / "slurm_train.sh"), *args]], timeout=300, envs=[env])
         return result
 

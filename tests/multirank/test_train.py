@@ -2,7 +2,6 @@
 dp=1. The tests marked `layouts` also run with the ranks on a GPU (tests/devices.py)."""
 
 import json
-import os
 import socket
 import sys
 
@@ -11,7 +10,7 @@ import yaml
 
 from visiondist.observe.metrics import read_metrics
 from devices import on_test_device, ranks_on
-from helpers import REPO, TINY_DATA, TRAIN, assert_png, evals_of, losses_of, run_cli, run_together
+from helpers import REPO, TINY_DATA, TRAIN, assert_png, evals_of, fake_slurm, losses_of, run_cli, run_together
 
 
 STEPS = 6
@@ -140,39 +139,14 @@ def test_kubernetes_pods_started_as_python_train_like_one_node(tmp_path, tiny_sh
 def test_srun_tasks_read_their_ranks_from_slurm(tmp_path, tiny_shapes, dp1_run):
     """tools/slurm_train.sh under a stand-in `srun` that starts one task per rank with SLURM's variables (2 nodes x 1
     task): the tasks form one dp=2 job, equal to dp=1, in the script's run dir."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
-    for tool in ("srun", "scontrol"):
-        (bin_dir / tool).chmod(0o755)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     run = tmp_path / "slurm_run"
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]",
-           "SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "1", "MASTER_PORT": str(port), "RUN_DIR": str(run)}
+    env = fake_slurm(tmp_path / "bin", "4242", nodes=2, per_node=1, run_dir=run)
     args = [a for a in _args(tmp_path / "unused", tiny_shapes, "parallel.dp=2") if not a.startswith("trainer.output")]
     (result,) = run_together([["bash", str(REPO / "tools" / "slurm_train.sh"), *args]], timeout=300, envs=[env])
     assert result.returncode == 0, result.stdout[-4000:]
     _same_training(dp1_run, run)
     log = (run / "train.log").read_text()
     assert "dp=2 tp=1 pp=1 (2 ranks on cpu)" in log and "dp groups [0, 1]: across 2 nodes" in log
-
-
-# A stand-in for srun: one task per node x tasks per node, each with the variables srun gives its tasks.
-FAKE_SRUN = """#!{python}
-import os, subprocess, sys
-command = [a for a in sys.argv[1:] if not a.startswith("--")]
-nodes, per_node = int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
-tasks = []
-for rank in range(nodes * per_node):
-    env = dict(os.environ, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % per_node), SLURM_NODEID=str(rank // per_node),
-               SLURM_STEP_NUM_TASKS=str(nodes * per_node), SLURM_STEP_TASKS_PER_NODE=f"{{per_node}}(x{{nodes}})",
-               SLURM_STEP_NODELIST=os.environ["SLURM_JOB_NODELIST"])
-    tasks.append(subprocess.Popen(command, env=env))
-sys.exit(max(task.wait() for task in tasks))
-"""
 
 
 @pytest.mark.layouts
