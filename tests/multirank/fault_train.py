@@ -14,6 +14,7 @@ again as `__mp_main__`) and in their loader workers (forked from the ranks). Not
 | `save_fail:n` | the n-th checkpoint write (1-based) raises an OSError after writing part of its files |
 | `rank_hang:n` | rank 1 stops at optimizer step n and never joins the next collective |
 | `rank_kill:n` | rank 1 SIGKILLs itself at optimizer step n (as the OOM killer does), touching VISIONDIST_SLOW_MARK.<pid> |
+| `cuda_oom:n` | rank 1 raises the CUDA caching allocator's out-of-memory error (its message) at optimizer step n |
 | `slow_step:n` | optimizer step n takes VISIONDIST_SLOW_S seconds longer (default 40) on every rank |
 | `slow_eval` | an evaluation takes VISIONDIST_SLOW_S seconds longer on every rank (each touches VISIONDIST_SLOW_MARK.<pid>) |
 | `slow_export` | an export takes VISIONDIST_SLOW_S seconds longer (touching VISIONDIST_SLOW_MARK.<pid>) |
@@ -114,6 +115,30 @@ def _patch_rank_kill() -> None:
     Trainer.train_step = train_step
 
 
+def _patch_cuda_oom() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from visiondist.train.trainer import Trainer
+
+    original = Trainer.train_step
+
+    from visiondist.utils.heartbeat import PROGRESS
+
+    def train_step(self, batches):
+        if dist.get_rank() == 1 and self.step + 1 == N:  # what the allocator raises, word for word (torch 2.11)
+            PROGRESS.at("training", self.step + 1)
+            raise torch.cuda.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.19 GiB of which "
+                "1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the "
+                "allocated memory 75.31 GiB is allocated by PyTorch, and 1.33 GiB is reserved by PyTorch but "
+                "unallocated. If reserved but unallocated memory is large try setting "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+        return original(self, batches)
+
+    Trainer.train_step = train_step
+
+
 def _patch_slow_step() -> None:
     from visiondist.train.trainer import Trainer
 
@@ -155,7 +180,7 @@ def _patch_slow_export() -> None:
 
 PATCHES = {"getitem_raise": _patch_getitem, "getitem_hang": _patch_getitem, "worker_kill": _patch_getitem,
            "eval_raise": _patch_eval, "save_fail": _patch_save, "rank_hang": _patch_rank_hang,
-           "rank_kill": _patch_rank_kill,
+           "rank_kill": _patch_rank_kill, "cuda_oom": _patch_cuda_oom,
            "slow_step": _patch_slow_step, "slow_eval": _patch_slow_eval, "slow_export": _patch_slow_export}
 if KIND:
     PATCHES[KIND]()

@@ -304,3 +304,21 @@ def test_an_image_folder_of_unreadable_files_ends_the_job(tmp_path):
     line = error_line(out)
     assert code == 1 and seconds < 60, (code, seconds)
     assert "10 consecutive images" in line and "data.max_bad_images" in line, line
+
+
+@pytest.mark.layouts
+def test_a_cuda_out_of_memory_ends_the_job_in_one_line_with_the_plan(tmp_path, tiny_shapes):
+    """Rank 1 of a dp2 run raises the CUDA allocator's out-of-memory error at step 3: the job's one line names rank 1
+    and the step, says what the allocator said in a clause (not its paragraph), the plan's figure for the layout and
+    what would be planned at three quarters of it (for ViT-Ti at 32 px, whose state is most of it, nothing: the
+    unit tests cover a layout with settings to name); the traceback stays in the rank's failure record."""
+    code, out, seconds = run_job(args(tiny_shapes, tmp_path / "run", "parallel.dp=2", "parallel.device_memory_gb=80",
+                                      "trainer.max_steps=30"), "cuda_oom:3")
+    line = error_line(out)
+    assert code == 1 and seconds < 60, (code, seconds)
+    assert re.match(r"error: rank 1 failed at step 3 \(training\): CUDA out of memory \(tried to allocate 2\.00 GiB; "
+                    r"1\.06 GiB of 79\.19 GiB free\): the plan put dp=2 tp=1 pp=1 \(2 (devices|GPUs) of 80 GB\) at "
+                    r"0\.0\d+ GB a device \(72 GB budget\); no accumulation or checkpointing plans it smaller: "
+                    r"tools/plan.py lists the layouts that fit \(traceback: ", line), line
+    assert "expandable_segments" not in line
+    assert "OutOfMemoryError" in (tmp_path / "run" / "failure" / "rank1.txt").read_text()
