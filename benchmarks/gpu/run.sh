@@ -37,7 +37,11 @@
 # `multi`: for a machine of 2-8 GPUs, one GPU per rank over NCCL (VISIONDIST_TEST_DEVICE=cuda): the same tests (those
 # of more ranks than GPUs skip), then ViT-H/14 under tp4 (tp2 on 2-3 GPUs) timed by tools/benchmark.py, and the bytes
 # its collectives moved per step against the planner's (benchmarks/gpu/traffic.py). Under 8 minutes; not run yet.
-#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short|cudagraphs|profile|layouts|multi][+...]
+# `memory`: the memory plan against the allocator (benchmarks/memory_model.py --device cuda): ViT-B/16, ViT-L/16 and
+# ViT-H/14 training steps, plain, accumulated and checkpointed, and ViT-B/16 under tp2 and pp2 with both ranks on the
+# GPU, each planned GB beside max_memory_allocated and max_memory_reserved (a row more than 10% off fails the part).
+# About 5 minutes; it skips the training check. Not run yet.
+#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short|cudagraphs|profile|layouts|multi|memory][+...]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
@@ -68,6 +72,9 @@ if has layouts; then  # the layouts' ranks sharing the one GPU over gloo
     VISIONDIST_TEST_DEVICE=cuda-shared PYTHONPATH=/tmp/site-detr:$PYTHONPATH part 345 gpu_layouts.txt \
         python3 -m pytest -p no:cacheprovider -n 4 --timeout 300 -rA "${layout_tests[@]}"
 fi
+if has memory; then  # the plan's GB against the caching allocator's peaks, the trainer's own steps
+    part 420 memory_model.txt python3 benchmarks/memory_model.py --device cuda --out "$out/memory"
+fi
 if has multi; then  # a GPU per rank over NCCL: the same tests, ViT-H/14's TP step rate and its bytes against the plan
     gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
     tp=$((gpus >= 4 ? 4 : 2))
@@ -89,7 +96,7 @@ if has profile; then
         vit_base:256:timm_whole,split_blocks,ours_blocks,ours_whole
 fi
 photos="$VISIONDIST_DATA/photos-10240"  # what tests/multirank/test_gpu.py's photos fixture reads
-if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|profile|cudagraphs|layouts|multi') ]]; then
+if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|profile|cudagraphs|layouts|multi|memory') ]]; then
     part 120 photos.txt python3 benchmarks/photos.py "$photos" --train 10240 --val 256
     # the training path on real photos first: DeiT recipe, decode in the workers (two seeds) and on the device
     part 330 gpu_training.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 320 -m gpu -rA \

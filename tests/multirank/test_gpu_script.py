@@ -20,7 +20,7 @@ import pytest
 from helpers import REPO
 
 RUN_SH = REPO / "benchmarks" / "gpu" / "run.sh"
-MODES = "all+short+cudagraphs+profile+layouts+multi"  # `all`: tests, bench, mfu, kernels and detr
+MODES = "all+short+cudagraphs+profile+layouts+multi+memory"  # `all`: tests, bench, mfu, kernels and detr
 GPUS = 2  # what the stand-in says torch.cuda.device_count() is (run.sh multi: 2 GPUs -> tp2)
 
 # `python3` as run.sh calls it: logs its arguments; `-m pytest` collects (--collect-only) the tests the command would
@@ -102,7 +102,8 @@ def test_every_mode_runs_with_stand_ins_and_every_command_it_gives_holds(tmp_pat
     assert {c[0] for c in tools} == {"tools/benchmark.py", "tools/train.py"}, tools
     assert len(tools) >= 15 and len(tests) >= 6, calls
     assert {Path(c[0]).name for c in scripts} >= {"photos.py", "vit_profile.py", "fp8_layers.py", "loss_curves.py",
-                                                 "data_throughput.py", "table.py", "traffic.py"}, scripts
+                                                 "data_throughput.py", "table.py", "traffic.py",
+                                                 "memory_model.py"}, scripts
     for call in tools:
         overrides = [*call[1:], "parallel.device_memory_gb=80"]  # the smaller of the lent GPUs, an H100's
         try:
@@ -118,3 +119,17 @@ def test_every_mode_runs_with_stand_ins_and_every_command_it_gives_holds(tmp_pat
             _accepts(REPO / call[0], call[1:])
         except SystemExit as exc:
             pytest.fail(f"{' '.join(call)}: its arguments are refused (exit {exc.code})")
+
+
+def test_the_memory_rows_run_end_to_end_on_the_cpu(tmp_path):
+    """benchmarks/memory_model.py's CUDA rows (run.sh memory) with a tiny ViT on the CPU, two of them (an accumulated
+    one, a tensor-parallel one with its variant): each row's tools/benchmark.py command runs and its results carry
+    the plan's figure for the layout beside the measured peak."""
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "memory_model.py"), "--smoke",
+                             "--rows", "vit_base+accum,vit_base+tp2", "--out", str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, (result.stdout[-4000:], result.stderr[-3000:])
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| vit_base")]
+    assert [r.split(" | ")[:2] for r in rows] == [["| vit_base+accum", "-"], ["| vit_base+tp2", "-"],
+                                                  ["| vit_base+tp2", "parallel.activation_checkpointing=true"]]
+    assert all(float(r.split(" | ")[3]) > 0 for r in rows)  # planned GB
