@@ -126,7 +126,7 @@ def k8s(cmd: Command) -> int:
             raise ConfigError(f"out={out}: cannot write it ({exc.strerror}): give a file in an existing directory") \
                 from None
         r = spec.resources
-        print(f"wrote {out}: {spec.nodes} pods x {spec.gpus} GPUs, {r.cpu} CPUs and {r.memory} memory each "
+        print(f"wrote {out}: {spec.nodes} pod{'s' if spec.nodes > 1 else ''} x {spec.gpus} GPUs, {r.cpu} CPUs and {r.memory} memory each "
               f"({r.workers} loader workers a rank, /dev/shm {r.shm}), run dir {spec.run_dir} on claim {spec.pvc}, "
               f"{spec.termination_grace_s} s grace after SIGTERM", file=sys.stderr)
     else:
@@ -141,7 +141,7 @@ def _say_fit(cfg, run) -> None:
     from visiondist.models.registry import spec_of
 
     if run.fitted:
-        print(f"parallel.fit=auto (each pod fits it the same way at its start): {run.fitted}", file=sys.stderr)
+        print(f"{run.fitted} (each pod decides the same at its start)", file=sys.stderr)
     elif spec_of(cfg.model).planner_shape is not None and not cfg.parallel.device_memory_gb:
         print("the layout's memory is checked by each pod against its GPUs at start; parallel.device_memory_gb=<GB> "
               "(the GPUs' memory) checks it here, before the job is submitted", file=sys.stderr)

@@ -111,15 +111,15 @@ def plan(cmd: Command) -> int:
         layouts = [(c.name, (c.overrides(), c.accum))]
     else:
         layouts = [("the named layout", None)]
-    checked = [dry_run(cfg, devices, nodes, name, o, console, memory) for name, o in layouts]  # every one, failed or not
+    checked = [dry_run(cfg, devices, nodes, name, o, console, memory) for name, o in layouts]  # each, failed or not
     if len(checked) > 1:
         console.print(f"{sum(checked)} of {len(checked)} layouts within the plan's bounds")
     return 0 if all(checked) else 1
 
 
 def _named_fits(cfg, devices: int, nodes: int, memory: float, console) -> bool:
-    """Print what the named layout plans and how it was fitted to the budget (train.py fits it the same way before
-    any rank starts); False when it cannot run (refused, or nothing fits)."""
+    """Print what the named layout plans and how it runs against the budget (tools/train.py decides the same before
+    any rank starts); False where it cannot run (refused, nothing fits) or runs over the budget (parallel.fit=off)."""
     from visiondist.plan import resolve_on
     from visiondist.plan.fit import devices_text
     from visiondist.plan.resolve import layout_memory
@@ -127,18 +127,19 @@ def _named_fits(cfg, devices: int, nodes: int, memory: float, console) -> bool:
     try:
         run = resolve_on(cfg, devices, nodes)
     except ConfigError as exc:
-        console.print(f"[bold red]the named layout cannot run[/bold red]: {exc}", soft_wrap=True)
+        console.print(f"[bold red]error[/bold red]: {exc}", soft_wrap=True)
         return False
+    where = run.describe(on=devices_text(run, memory))
     if run.fitted:
-        console.print(f"parallel.fit=auto (as tools/train.py): {run.fitted}", soft_wrap=True)
-        console.print(f"it runs as [bold]{run.describe(on=devices_text(run, memory))}[/bold]", soft_wrap=True)
-    else:
-        need = layout_memory(cfg, run).device
-        console.print(f"you named [bold]{run.describe(on=devices_text(run, memory))}[/bold]: {need / 1e9:.3g} GB per "
-                      f"device, within the {cfg.parallel.headroom * memory:.3g} GB budget"
-                      + ("" if cfg.parallel.device_memory_gb or cfg.trainer.accelerator != "cpu" else
-                         " (on the CPU a named layout is checked only against parallel.device_memory_gb)"),
-                      soft_wrap=True)
+        console.print(f"{run.fitted} (as tools/train.py decides)", soft_wrap=True)
+        console.print(f"it runs as [bold]{where}[/bold]", soft_wrap=True)
+        return not run.fitted.startswith("parallel.fit=off")
+    need = layout_memory(cfg, run).device
+    console.print(f"you named [bold]{where}[/bold]: {need / 1e9:.3g} GB per device, within the "
+                  f"{cfg.parallel.headroom * memory:.3g} GB budget"
+                  + ("" if cfg.parallel.device_memory_gb or cfg.trainer.accelerator != "cpu" else
+                     " (on the CPU a named layout is checked only against parallel.device_memory_gb)"),
+                  soft_wrap=True)
     return True
 
 

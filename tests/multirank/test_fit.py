@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import fit_ranks
-from helpers import REPO, evals_of, fake_slurm, losses_of, run_together, spawn_ranks, train_args
+from helpers import REPO, evals_of, fake_slurm, losses_of, random_imagefolder, run_together, spawn_ranks, train_args
 
 pytestmark = pytest.mark.xdist_group("fit")  # one launch of ranks for the module's runs, on one worker
 FP32_ROUND_OFF = 1e-5  # every layout matches one process in fp32 within this (tests/multirank/test_tensor_parallel.py)
@@ -78,8 +78,8 @@ def test_a_run_fitted_by_accumulation_trains_as_the_same_settings_asked_by_hand(
 
 def test_slurm_script_fits_each_task_alike_and_refuses_before_any_rank(tmp_path, tiny_shapes, fit_runs):
     """tools/slurm_train.sh under a stand-in srun (2 nodes x 1 task): every task fits the named layout alike (rank 0
-    says so once) and the job trains as the fitted run launched here; with parallel.fit=refuse every task stops
-    before a rank starts, with the refusal's one line."""
+    says so once) and the job trains as the fitted run launched here; the README's command at ImageNet scale with
+    parallel.fit=refuse (1 node x 4 tasks): every task stops before a rank starts, with the refusal's one line."""
     root, _ = fit_runs
     run = tmp_path / "slurm_run"
     gb = _between_accumulations(train_args(tiny_shapes, run, *COMMON, "parallel.dp=2"), 2)
@@ -94,9 +94,15 @@ def test_slurm_script_fits_each_task_alike_and_refuses_before_any_rank(tmp_path,
     asked = yaml.safe_load((run / "config.yaml").read_text())
     ran = json.loads((run / "layout.json").read_text())
     assert asked["trainer"]["grad_accum"] == 1 and ran["grad_accum"] == 2  # config.yaml: as asked; layout.json: as run
+    # the README's command at ImageNet scale, 4 tasks of one node planning 80 GB GPUs: every task refuses it before
+    # its rank starts, naming the settings that fit
+    imagenet = random_imagefolder(tmp_path / "imagenet", 4, train_per_class=256)  # one global batch of 1024
+    readme = ["model=vit_huge", "parallel=tp4", "data=imagenet", f"data.root={imagenet}", "trainer.precision=bf16",
+              "trainer.accelerator=cpu", "parallel.device_memory_gb=80", "parallel.fit=refuse"]
     refused_dir = tmp_path / "refused"
-    (refused,) = run_together([[*script, *args, "parallel.fit=refuse"]], timeout=120,
-                              envs=[fake_slurm(tmp_path / "bin", "4245", nodes=2, per_node=1, run_dir=refused_dir)])
+    (refused,) = run_together([[*script, *readme]], timeout=120,
+                              envs=[fake_slurm(tmp_path / "bin", "4245", nodes=1, per_node=4, run_dir=refused_dir)])
     assert refused.returncode == 2, refused.stdout[-4000:]
-    assert refused.stdout.count("error: parallel.fit=refuse: the named layout dp=2 tp=1 pp=1") == 2  # each task
-    assert "settings that fit: trainer.grad_accum=2" in refused.stdout and not refused_dir.exists()
+    line = ("error: parallel.fit=refuse: the named layout dp=1 tp=4 pp=1 (4 devices of 80 GB) plans 199 GB a device, "
+            "over the 72 GB budget (90% of 80 GB: parallel.device_memory_gb); settings that fit: trainer.grad_accum=4 ")
+    assert refused.stdout.count(line) == 4 and not refused_dir.exists(), refused.stdout[-4000:]  # each task, no rank

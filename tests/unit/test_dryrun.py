@@ -166,7 +166,7 @@ def test_plan_checks_a_named_layout_against_the_budget_and_the_world(capsys):
     assert tool.main(["model=vit_small", "parallel=ddp", "trainer.devices=4", "parallel.device_memory_gb=0.05",
                       "data.num_classes=10"]) == 1
     out = capsys.readouterr().out  # ViT-S's AdamW state alone is 0.35 GB: neither accumulation nor checkpointing
-    assert "the named layout cannot run: the named layout dp=4 tp=1 pp=1 (4 devices of 0.05 GB) plans 0.514 GB a " \
+    assert "error: the named layout dp=4 tp=1 pp=1 (4 devices of 0.05 GB) plans 0.514 GB a " \
         "device, over the 0.045 GB budget" in out and "no accumulation or checkpointing fits it" in out
     # refused before any table, as tools/train.py refuses it
     assert tool.main(["verify=chosen", "model=vit_huge", "parallel.tp=4", "parallel.pp=2", "trainer.devices=4"]) == 2

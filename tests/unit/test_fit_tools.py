@@ -11,7 +11,7 @@ import pytest
 from helpers import REPO, random_imagefolder
 
 README = ["model=vit_huge", "parallel=tp4", "data=imagenet", "trainer.precision=bf16", "parallel.device_memory_gb=80"]
-FITTED = ("the named layout dp=1 tp=4 pp=1 (4 devices of 80 GB) plans 199 GB a device, over the 72 GB budget (90% of "
+FITTED = ("parallel.fit=auto: the named layout dp=1 tp=4 pp=1 (4 devices of 80 GB) plans 199 GB a device, over the 72 GB budget (90% of "
           "80 GB: parallel.device_memory_gb): fitted with trainer.grad_accum=4 (micro-batch 256 a rank): 51.8 GB "
           "planned, about 1.00x the step time in the time model (parallel.fit=refuse stops instead); parallel=auto "
           "would choose ddp4 +accum2 on these devices, about 0.50x this step in the time model")
@@ -35,13 +35,15 @@ def test_train_fits_the_readme_command_before_any_rank_starts(imagenet, tmp_path
     args = [*README, f"data.root={imagenet}", "trainer.devices=4", f"trainer.run_dir={run_dir}"]
     assert _tool("train").main(args) == 2  # fitted, then stopped: no GPU here, the CPU would take days a step
     captured = capsys.readouterr()
-    assert f"parallel.fit=auto: {FITTED}" in captured.out.replace("\n", " ")
+    assert FITTED in captured.out.replace("\n", " ")
     assert "no GPU was found" in captured.err and not run_dir.exists()  # nothing started, nothing written
     assert _tool("train").main([*args, "parallel.fit=refuse"]) == 2
     refused = capsys.readouterr()
     assert "error: parallel.fit=refuse: the named layout dp=1 tp=4 pp=1 (4 devices of 80 GB) plans 199 GB a device" \
         in refused.err and "settings that fit: trainer.grad_accum=4 (51.8 GB" in refused.err
     assert "parallel.fit=auto:" not in refused.out
+    assert _tool("train").main([*args, "parallel.fit=off"]) == 2  # runs as named, said in one line (then no GPU here)
+    assert "parallel.fit=off: the named layout dp=1 tp=4 pp=1" in capsys.readouterr().out
 
 
 def test_plan_fits_it_and_the_dry_run_of_the_fitted_layout_matches_the_plan(capsys):
@@ -52,11 +54,13 @@ def test_plan_fits_it_and_the_dry_run_of_the_fitted_layout_matches_the_plan(caps
 
     assert _tool("plan").main([*README, "trainer.devices=4"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert f"parallel.fit=auto (as tools/train.py): {FITTED}" in out
+    assert f"{FITTED} (as tools/train.py decides)" in out
     assert "it runs as dp=1 tp=4 pp=1 (4 devices of 80 GB) +accumulation x4" in out
     assert "tp4 +accum4 │ 256 │" in out  # the table's row for the layout as it runs, with its micro-batch
     assert _tool("plan").main([*README, "trainer.devices=4", "parallel.fit=refuse"]) == 1
-    assert "the named layout cannot run: parallel.fit=refuse" in capsys.readouterr().out
+    assert "error: parallel.fit=refuse: the named layout" in capsys.readouterr().out
+    assert _tool("plan").main([*README, "trainer.devices=4", "parallel.fit=off"]) == 1  # it would run over the budget
+    assert "; it runs as named, unfitted (as tools/train.py decides)" in " ".join(capsys.readouterr().out.split())
     # what `verify=chosen` runs on every rank it picks (here one of the four identical TP ranks): the training code's
     # step accumulates 4 micro-batches of 256, and every figure is the plan's
     cfg = compose(REPO / "configs", [*README, "data.root=/data", "data.num_classes=1000"])
@@ -71,7 +75,7 @@ def test_k8s_writes_the_job_that_each_pod_fits_alike(tmp_path, capsys):
               "data.root=/data/imagenet", *README, f"out={out}"]
     assert _tool("k8s").main(common) == 0
     err = " ".join(capsys.readouterr().err.split())
-    assert f"parallel.fit=auto (each pod fits it the same way at its start): {FITTED}" in err
+    assert f"{FITTED} (each pod decides the same at its start)" in err
     assert "- parallel.device_memory_gb=80" in out.read_text()  # the pods plan with the same figure
     assert _tool("k8s").main([*common, "parallel.fit=refuse"]) == 2
     assert "error: parallel.fit=refuse: the named layout" in capsys.readouterr().err

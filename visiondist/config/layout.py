@@ -99,7 +99,9 @@ class RunLayout:
     share_gpu: bool = False  # a node's ranks on its GPU 0, over gloo (`trainer.share_gpu`: a correctness test)
     chosen_by: str = "config"  # "config", or "parallel=auto" (the planner)
     reason: str = ""  # why parallel=auto chose it
-    fitted: str = ""  # what was added to a named layout to fit the device, and why (`visiondist.plan.fit`)
+    # a named layout over its device's budget: what was added to fit it, or that it runs as named
+    # (`visiondist.plan.fit`), one line beginning with its parallel.fit
+    fitted: str = ""
 
     def __post_init__(self) -> None:
         if self.dp * self.tp * self.pp != self.world_size or min(self.dp, self.tp, self.pp) < 1:

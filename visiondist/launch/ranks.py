@@ -217,8 +217,8 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
         return launch_pod(entry, cfg, pod)
     # an evaluation holds no training state: a named layout is not fitted for it (nor refused)
     run, auto_plan = resolve(cfg, env, cuda_device_count(), fit_named=run_kind(entry) != "eval")
-    if run.fitted and env.get("RANK", "0") == "0":  # a named layout fitted to the device (visiondist.plan.fit)
-        print(f"parallel.fit=auto: {run.fitted}", flush=True)
+    if run.fitted and env.get("RANK", "0") == "0":  # a named layout over the device's budget (visiondist.plan.fit)
+        print(run.fitted, flush=True)
     check_gpu_layout(cfg, run, run_kind(entry))  # several ranks, no GPU found under accelerator=auto: stop, estimated
     if run.share_gpu and env.get("RANK", "0") == "0":  # a test of correctness: said, and its memory summed
         print(shared_gpu_line(cfg, run, device_memory_gb("cuda", 1)), flush=True)
@@ -318,7 +318,7 @@ def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> Optional[RunLayout
     check_gpu_layout(cfg, run, kind)
     print(pod.line() + f" ({per_node} per pod)", flush=True)
     if run.fitted and pod.node_rank in (0, None):
-        print(f"parallel.fit=auto: {run.fitted}", flush=True)
+        print(run.fitted, flush=True)
     run_dir = Path(cfg.trainer.run_dir).expanduser() if cfg.trainer.run_dir else None
     restarts = cfg.trainer.max_restarts if pod.max_restarts is None else pod.max_restarts
     ranks_dict = with_decode_choice(ranks_cfg, run, to_container(ranks_cfg), pod.node_rank in (0, None))

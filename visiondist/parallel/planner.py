@@ -137,10 +137,10 @@ class Candidate:
         return out
 
     def settings(self) -> str:
-        """The command-line settings that select this layout by hand, accumulation included."""
-        fields = " ".join(f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}"
-                          for k, v in self.overrides().items())
-        return fields + f" trainer.grad_accum={self.accum}"
+        """The command-line settings that select this layout by hand, accumulation included (what is off left out)."""
+        shown = {k: v for k, v in self.overrides().items() if v is not False and not (k == "shard_size" and not v)}
+        fields = " ".join(f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in shown.items())
+        return fields + (f" trainer.grad_accum={self.accum}" if self.accum > 1 else "")
 
 
 def step_seconds(s: ViTShape, c: Candidate, hw: Hardware, global_batch: int, mem: RankMemory,
@@ -237,7 +237,7 @@ def splits(global_batch: int, dp: int, pp: int, grad_accum: int) -> list[tuple[i
 
 
 def _duration(seconds: float) -> str:
-    return f"{seconds:.3g} s" if seconds >= 1 else f"{1e3 * seconds:.3g} ms"
+    return f"{seconds:.3g} s" if seconds >= 10 else f"{seconds:.2f} s" if seconds >= 1 else f"{1e3 * seconds:.3g} ms"
 
 
 @dataclass
@@ -261,8 +261,9 @@ class Plan:
         """A rich Table: per-rank GB by component, estimated step time, fits."""
         from rich.table import Table
 
-        table = Table(title=title or None, title_justify="left", caption="GB per device (busiest rank); micro: images "
-                      "a rank computes at once (global batch / dp / accumulation / pipeline micro-batches); state = "
+        table = Table(title=title or None, title_justify="left", caption="GB per device (busiest rank, 1 GB = 1e9 "
+                      "bytes); each layout with the least accumulation (+accumN) that fits it; micro: images a rank "
+                      "computes at once (global batch / dp / accumulation / pipeline micro-batches); state = "
                       "parameters + gradients + optimizer (+ EMA); activations: at the rank's peak (every micro-batch "
                       "in flight); step: time model", caption_justify="left")
         table.add_column("layout", no_wrap=True)

@@ -21,10 +21,11 @@ def layout_memory(cfg: DictConfig, run: RunLayout, pp_rank: Optional[int] = None
 
     t = cfg.trainer
     return rank_memory(spec_of(cfg.model).planner_shape(cfg.model), run.dp, run.tp, run.pp, int(cfg.data.batch_size),
-                       run.grad_accum or int(t.grad_accum), str(cfg.optim.name), float(t.ema_decay) > 0, str(t.precision), run.schedule,
-                       run.stages_per_rank, run.microbatches, pp_rank=pp_rank, fsdp=run.fsdp, offload=run.offload,
-                       checkpointing=run.activation_checkpointing, sequence_parallel=run.sequence_parallel,
-                       dp_rank=dp_rank, shard_size=run.shard_size, keep=run.checkpoint_keep)
+                       run.grad_accum or int(t.grad_accum), str(cfg.optim.name), float(t.ema_decay) > 0,
+                       str(t.precision), run.schedule, run.stages_per_rank, run.microbatches, pp_rank=pp_rank,
+                       fsdp=run.fsdp, offload=run.offload, checkpointing=run.activation_checkpointing,
+                       sequence_parallel=run.sequence_parallel, dp_rank=dp_rank, shard_size=run.shard_size,
+                       keep=run.checkpoint_keep)
 
 
 def plan_for(cfg: DictConfig, devices: int, nodes: int, memory_gb: float, accelerator: str = "cuda"):

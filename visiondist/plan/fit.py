@@ -65,9 +65,7 @@ def budget(cfg: DictConfig, run: RunLayout) -> Optional[tuple[float, str]]:
     is checked (a detector; the CPU without parallel.device_memory_gb)."""
     if spec_of(cfg.model).planner_shape is None:
         return None
-    if cfg.parallel.device_memory_gb:
-        return memory_budget(cfg, run.accelerator, run.per_node, run.share_gpu)
-    if run.accelerator != "cuda" or not _cuda_readable():
+    if not cfg.parallel.device_memory_gb and (run.accelerator != "cuda" or not _cuda_readable()):
         return None
     return memory_budget(cfg, run.accelerator, run.per_node, run.share_gpu)
 
@@ -88,7 +86,8 @@ def as_run(cfg: DictConfig, run: RunLayout) -> DictConfig:
 
 def fit(cfg: DictConfig, run: RunLayout) -> RunLayout:
     """`run`, a named layout, as it will run: unchanged where it fits its device or nothing is checked, else fitted
-    (`parallel.fit=auto`, with `fitted` saying how) or refused (ConfigError naming the fix)."""
+    (`parallel.fit=auto`), run as named (`off`), each with `fitted` saying so in one line, or refused (ConfigError
+    naming the fix)."""
     found = budget(cfg, run)
     if found is None:
         return run
@@ -97,14 +96,11 @@ def fit(cfg: DictConfig, run: RunLayout) -> RunLayout:
     asked = _option(cfg, run, hw)
     if asked.device <= hw.budget:
         return run
-    where = (f"the named layout {run.describe(on=devices_text(run, memory))} plans {asked.device / GB:.3g} GB a device, over the "
-             f"{hw.budget / GB:.3g} GB budget ({100 * hw.headroom:.0f}% of {memory:.3g} GB: {source})")
+    where = (f"the named layout {run.describe(on=devices_text(run, memory))} plans {asked.device / GB:.3g} GB a "
+             f"device, over the {hw.budget / GB:.3g} GB budget ({100 * hw.headroom:.0f}% of {memory:.3g} GB: {source})")
     mode = str(cfg.parallel.fit)
-    if mode == "off":
-        import sys
-
-        print(f"warning: parallel.fit=off: {where}; it runs as named", file=sys.stderr, flush=True)
-        return run
+    if mode == "off":  # said by the launcher (once a job) and recorded in layout.json, as a fit is
+        return run.replace(fitted=f"parallel.fit=off: {where}; it runs as named, unfitted")
     fitting = [o for o in options(cfg, run, hw) if o.device <= hw.budget]
     if not fitting:
         raise ConfigError(f"{where}, and no accumulation or checkpointing fits it: {_elsewhere(cfg, run, memory)}")
@@ -112,7 +108,7 @@ def fit(cfg: DictConfig, run: RunLayout) -> RunLayout:
         raise ConfigError(f"parallel.fit=refuse: {where}; settings that fit: {_listed(fitting, asked)} "
                           "(parallel.fit=auto adds the first)")
     best = fitting[0]
-    line = (f"{where}: fitted with {best.settings(run)} ({_micro_text(cfg, best.run)}): "
+    line = (f"parallel.fit=auto: {where}: fitted with {best.settings(run)} ({_micro_text(cfg, best.run)}): "
             f"{best.device / GB:.3g} GB planned, about {best.seconds / asked.seconds:.2f}x the step time in the time "
             f"model (parallel.fit=refuse stops instead){_faster(cfg, run, memory, best)}")
     return best.run.replace(fitted=line)  # the resolver makes its compile switches concrete again

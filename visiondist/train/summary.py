@@ -28,7 +28,7 @@ def announce(tr) -> None:
     if run is not None and run.chosen_by == "parallel=auto":  # printed on the console before the run dir existed
         log.info("parallel=auto chose %s: %s", tr.layout_text, run.reason, extra={"file_only": True})
     if run is not None and run.fitted:
-        log.info("parallel.fit=auto: %s", run.fitted, extra={"file_only": True})
+        log.info(run.fitted, extra={"file_only": True})
     log.info(
         "model %s: %.2fM parameters (%.2fM on this rank) | layout %s | precision %s | global batch %d (%d per rank "
         "x %d accumulation) | %d step%s (%s)",
