@@ -117,10 +117,37 @@ def assert_same_weights(a: Path, b: Path) -> None:
             torch.testing.assert_close(wa[key], wb[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
 
+# Two layouts of one training sum in other orders: fp32 round-off that AdamW, dividing each gradient element by its
+# own running magnitude, turns into weight differences of up to 3.3e-5 of a tensor's norm (measured: tp4 + SP,
+# tests/multirank/test_tensor_parallel.py), where a wrong gradient moves weights by whole steps (lr, over 1e-2 of a
+# tensor's norm). The same round-off can flip the argmax of a val image whose top two logits are that close.
+LAYOUT_PARAM_TOL = 1e-4
+TINY_VAL_IMAGES = 6 * 5  # TINY_DATA's val split: 6 shape classes x data.synthetic.val_per_class
+
+
+def assert_same_top1(a: float, b: float, images: int = TINY_VAL_IMAGES) -> None:
+    """Two top-1 accuracies (percent) of one training under two layouts or input paths: equal, or one image apart
+    (a near-tied image's argmax, decided by round-off); the val loss beside it is the exact check."""
+    assert abs(a - b) <= 100.0 / images + 1e-9, (a, b)
+
+
+def assert_close_weights(a: Path, b: Path) -> None:
+    """Two layouts' model.safetensors hold the same tensors within LAYOUT_PARAM_TOL of each tensor's norm."""
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        if not key.endswith("attn.k.bias"):  # its gradient is round-off only (attention ignores a key bias)
+            error = ((wa[key].double() - wb[key].double()).norm() / wb[key].double().norm().clamp_min(1e-12)).item()
+            assert error <= LAYOUT_PARAM_TOL, (key, error)
+
+
 def assert_same_training(ref: Path, run: Path, ema: bool = False) -> None:
-    """`run` trained as `ref` did (the 4-step, evaluate-every-2 runs of the layout tests): the loss of steps 1-4
-    within fp32 round-off (1e-5 relative), the evaluations at steps 2 and 4 equal (val loss within round-off, top-1
-    exactly; with `ema`, the EMA's val loss too) and the final weights equal (`assert_same_weights`)."""
+    """`run` trained as `ref` did under another layout (the 4-step, evaluate-every-2 runs of the layout tests): the
+    loss of steps 1-4 within fp32 round-off (1e-5 relative), the evaluations at steps 2 and 4 (val loss within
+    round-off, top-1 to one image: `assert_same_top1`; with `ema`, the EMA's val loss too) and the final weights
+    (`assert_close_weights`)."""
     import pytest
 
     ref_losses, losses = losses_of(ref), losses_of(run)
@@ -131,10 +158,10 @@ def assert_same_training(ref: Path, run: Path, ema: bool = False) -> None:
     assert sorted(evals) == [2, 4]
     for step in evals:
         assert evals[step][0] == pytest.approx(ref_evals[step][0], rel=1e-5)  # the model
-        assert evals[step][1] == ref_evals[step][1]
+        assert_same_top1(evals[step][1], ref_evals[step][1])
         if ema:
             assert evals[step][2] == pytest.approx(ref_evals[step][2], rel=1e-5)  # its EMA
-    assert_same_weights(ref, run)
+    assert_close_weights(ref, run)
 
 
 def bf16_box_distances(model, device: str):

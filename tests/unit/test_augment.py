@@ -61,9 +61,9 @@ def _cases(policy: str, op: str, count: int, seed: int):
 @pytest.mark.parametrize("policy", ["rand", "trivial"])
 def test_device_ops_give_the_loader_ops_pixels(policy):
     """Each op, 24 samples of 4 photos at random bins and signs: the loader op equals torchvision's policy applying
-    that magnitude, exactly; the batched device op equals the loader op exactly, except Color (saturation), where
-    torchvision's `alpha` add rounds once and the batched blend may round once more: at most 1 grey level on at most
-    0.5% of the values."""
+    that magnitude, exactly; the batched device op equals the loader op to at most 1 grey level on at most 0.5% of
+    the values: a blend (Color, Contrast, Brightness, Sharpness) may round once more than torchvision's `alpha` add,
+    which Color's shows on these photos on every CPU seen so far, and the others could on another."""
     photos = _photos()
     tv = _torchvision(policy)
     from torchvision.transforms.v2 import InterpolationMode
@@ -82,11 +82,12 @@ def test_device_ops_give_the_loader_ops_pixels(policy):
             rows.append(row)
         batch = torch.stack([photos[j % 4] for j in range(24)])
         out = apply_operations(batch.clone(), torch.from_numpy(np.stack(rows)), layout)
+        # a blend's float result is truncated to uint8: where it lands on a whole level, one rounding more or less
+        # (a fused multiply-add in one kernel and not the other, which the CPU's vector width decides) moves it a
+        # level; Color meets it on these photos, the others may on another CPU. A wrong op moves many pixels by many
         diff = (out.int() - torch.stack(expected).int()).abs()
-        if op == "Color":
-            assert diff.max() <= 1 and (diff > 0).float().mean() <= 0.005, (op, diff.max(), (diff > 0).float().mean())
-        else:
-            assert diff.max() == 0, (op, int(diff.max()), float((diff > 0).float().mean()))
+        assert diff.max() <= 1 and (diff > 0).float().mean() <= 0.005, (op, int(diff.max()),
+                                                                        float((diff > 0).float().mean()))
 
 
 def test_a_policy_row_applies_the_same_in_the_worker_and_on_the_device():
