@@ -81,6 +81,35 @@ def run_together(commands: list[list[str]], timeout: float = 300, envs: Optional
     return results
 
 
+def _children_of(pid: int) -> list[tuple[int, bytes]]:
+    """(pid, command line) of each live child of `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                found.append((int(entry.name), (entry / "cmdline").read_bytes()))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def children(pid: int, marker: bytes) -> list[int]:
+    """Children of `pid` whose command line holds `marker` (e.g. the script, for torchrun's workers)."""
+    return [child for child, cmdline in _children_of(pid) if marker in cmdline]
+
+
+def rank_processes(launcher: int) -> list[int]:
+    """The rank processes a self-launching job's process `launcher` started: spawned children (ranks on a GPU), or
+    the children of its fork server (ranks on the CPU: visiondist.launch.spawn)."""
+    found = children(launcher, b"spawn_main")
+    for server in children(launcher, b"multiprocessing.forkserver"):
+        found += [child for child, _ in _children_of(server)]
+    return found
+
+
 def train_args(data_root: Path, run: Path, *extra: str) -> list[str]:
     """The tiny set at 16 images per step, a loss row every step, on the CPU (or the test device:
     `devices.on_test_device`), into `run`."""
@@ -353,3 +382,29 @@ def fake_slurm(bin_dir: Path, job_id: str, nodes: int, per_node: int, run_dir: P
     return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": job_id,
             "SLURM_JOB_NODELIST": f"node[1-{nodes}]" if nodes > 1 else "node1", "SLURM_NNODES": str(nodes),
             "SLURM_NTASKS_PER_NODE": str(per_node), "MASTER_PORT": str(port), "RUN_DIR": str(run_dir)}
+
+
+def assert_same_detections(ours: dict, theirs: dict, box_atol: float, score_atol: float) -> list[tuple[int, int]]:
+    """Two detectors' outputs (boxes, labels, scores) as sets, order aside: each detection on either side has a
+    counterpart of its label on the other with its box within `box_atol` and its score within `score_atol`. A barely
+    trained detector's scores tie to within float round-off, and which of them comes first (or makes the last place
+    of the top k, or survives NMS beside a near twin) depends on the CPU's rounding and the library's sort: the
+    detections within `score_atol` of the lowest kept score may have no counterpart and are left out. Returns the
+    pairs (index in `ours`, index in `theirs`) matched, for comparing what else each detection holds (masks)."""
+    import torch
+
+    ours, theirs = ({k: torch.as_tensor(d[k]) for k in ("boxes", "labels", "scores")} for d in (ours, theirs))
+    assert len(ours["scores"]) and len(theirs["scores"]), (len(ours["scores"]), len(theirs["scores"]))
+    cut = max(ours["scores"].min(), theirs["scores"].min()) + 2 * score_atol
+    pairs = []
+    for forward, (a, b) in ((True, (ours, theirs)), (False, (theirs, ours))):
+        for i, (box, label, score) in enumerate(zip(a["boxes"], a["labels"], a["scores"])):
+            if score <= cut:
+                continue
+            near = ((b["labels"] == label) & ((b["boxes"] - box).abs().amax(-1) <= box_atol)
+                    & ((b["scores"] - score).abs() <= score_atol))
+            assert near.any(), (label, box, score)
+            if forward:
+                j = int(torch.where(near, (b["boxes"] - box).abs().amax(-1), float("inf")).argmin())
+                pairs.append((i, j))
+    return pairs

@@ -5,6 +5,7 @@ pickle every rank's return value, or each failing rank's error, to a file.
 """
 
 import importlib
+import os
 import pickle
 import sys
 from pathlib import Path
@@ -22,7 +23,9 @@ def main() -> None:
     fn = getattr(importlib.import_module(module), function)
     args, kwargs = pickle.loads(Path(args_file).read_bytes())
     try:
-        result = {"ok": spawn_local(fn, int(nprocs), *args, **kwargs)}
+        # ranks on the CPU are forked from a preloaded fork server, as the product's are (visiondist.launch.spawn)
+        cuda = os.environ.get("VISIONDIST_TEST_DEVICE", "cpu") != "cpu"
+        result = {"ok": spawn_local(fn, int(nprocs), *args, cuda=cuda, **kwargs)}
     except ChildFailedError as exc:
         failures = {}
         for rank, f in exc.failures.items():

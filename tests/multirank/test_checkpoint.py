@@ -174,11 +174,17 @@ def test_exported_model_brings_its_preprocessing_to_timm(tp2_run, tiny_shapes, t
     with torch.no_grad():
         logits, reference = model(theirs), model(ours)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-4)
-    assert torch.equal(logits.argmax(1), reference.argmax(1))
+    # the predictions are equal wherever round-off cannot decide them: the two inputs, and the run's evaluation under
+    # tp2, differ by about 1e-6 in the logits; an image whose two best logits are nearer than 1e-4 may go either way
+    best = reference.topk(2, 1).values
+    clear = best[:, 0] - best[:, 1] > 1e-4
+    assert int(clear.sum()) >= len(clear) - 1, (best[:, 0] - best[:, 1]).min()
+    assert torch.equal(logits.argmax(1)[clear], reference.argmax(1)[clear])
     top1 = 100 * float((logits.argmax(1) == labels).double().mean())
     final = [r for r in read_metrics(tp2_run / "metrics.csv") if r["val_top1"] is not None][-1]
     assert final["step"] == 2 and len(val) == 30
-    assert top1 == pytest.approx(final["val_top1"], abs=1e-9)  # 30 images: one disagreement would be 3.3 points
+    # 30 images: one disagreement would be 3.3 points
+    assert top1 == pytest.approx(final["val_top1"], abs=100 * int((~clear).sum()) / len(val) + 1e-9)
 
 
 @pytest.mark.smoke

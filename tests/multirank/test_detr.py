@@ -9,7 +9,7 @@ import re
 import pytest
 
 from visiondist.observe.metrics import read_metrics
-from helpers import REPO, losses_of, run_cli
+from helpers import REPO, assert_same_detections, losses_of, run_cli
 
 pytest.importorskip("transformers")
 
@@ -192,7 +192,9 @@ def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exp
         want = trained.model([image])[0]
         got = processor.post_process_object_detection(library.eval()(pixel_values=trained.model.pixels([image])),
                                                       threshold=0.0, target_sizes=[(64, 64)])[0]
-    assert torch.equal(want["scores"], got["scores"]) and torch.equal(want["labels"], got["labels"] + 1)
+    # two implementations of one network on one input: equal to round-off, compared as sets (near-tied scores of a
+    # barely trained detector may come out in another order)
+    assert_same_detections(want, dict(got, labels=got["labels"] + 1), box_atol=1e-3, score_atol=1e-5)
 
     # the directory starts a new run (model.weights=, checked before any rank starts); another variant is refused
     other = "rfdetr_small" if model == "rfdetr_nano" else "dfine_s"

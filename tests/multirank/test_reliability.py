@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 import fault_ranks
-from helpers import (REPO, TINY_DATA, TRAIN, RanksFailed, finish_job, job_env, losses_of, spawn_ranks, start_job,
+from helpers import (REPO, TINY_DATA, TRAIN, RanksFailed, children, finish_job, job_env, losses_of, rank_processes,
+                     spawn_ranks, start_job,
                      train_args, train_ok, wait_for)
 from visiondist.utils.dcp import CHECKPOINTS, list_checkpoints
 
@@ -35,23 +36,6 @@ def _start(args: list[str]) -> subprocess.Popen:
 def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     out = finish_job(proc, timeout, "the job")
     return proc.returncode, out
-
-
-def _children(pid: int, marker: bytes = b"spawn_main") -> list[int]:
-    """Worker processes an elastic launcher started: children of `pid` whose command line holds `marker`
-    (multiprocessing's spawn for the self-launch, the script for torchrun)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and marker in cmdline:
-            found.append(int(entry.name))
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -82,9 +66,9 @@ def uninterrupted(tmp_path_factory, tiny_shapes):
 def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_identical(tmp_path, tiny_shapes, uninterrupted):
     run = tmp_path / "run"
     proc = _start(train_args(tiny_shapes, run, *LONG, "trainer.checkpoint_every=20", "trainer.max_restarts=1"))
-    wait_for(lambda: len(list_checkpoints(run)) >= 1 and len(_children(proc.pid)) == 2, proc, 180,
+    wait_for(lambda: len(list_checkpoints(run)) >= 1 and len(rank_processes(proc.pid)) == 2, proc, 180,
              "a first checkpoint")
-    victim = random.choice(_children(proc.pid))
+    victim = random.choice(rank_processes(proc.pid))
     os.kill(victim, signal.SIGKILL)
     code, out = _finish(proc, 300)
     assert code == 0, out[-4000:]
@@ -103,10 +87,10 @@ def test_under_torchrun_a_killed_rank_restarts_in_the_same_run_dir(tmp_path, tin
                      job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
 
     def first_checkpoint():
-        return any(out.rglob("step_20/.metadata")) and len(_children(proc.pid, b"train.py")) == 2
+        return any(out.rglob("step_20/.metadata")) and len(children(proc.pid, b"train.py")) == 2
 
     wait_for(first_checkpoint, proc, 180, "a first checkpoint")
-    os.kill(random.choice(_children(proc.pid, b"train.py")), signal.SIGKILL)
+    os.kill(random.choice(children(proc.pid, b"train.py")), signal.SIGKILL)
     code, output = _finish(proc, 300)
     assert code == 0, output[-4000:]
     runs = [p.parent for p in out.rglob("config.yaml")]

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, assert_same_weights, evals_of, finish_job, job_env, losses_of, start_job, train_args, train_ok, wait_for
+from helpers import (REPO, assert_same_weights, evals_of, finish_job, job_env, losses_of, rank_processes, start_job,
+                     train_args, train_ok, wait_for)
 from visiondist.utils.dcp import list_checkpoints
 
 pytestmark = [pytest.mark.xdist_group("faults"), pytest.mark.slow]  # timed signals: one after another
@@ -31,19 +32,6 @@ def _shipped_workers(args: list[str]) -> list[str]:
     return [a for a in args if not a.startswith("data.num_workers")]
 
 
-
-
-def _ranks_of(pid: int) -> list[int]:
-    """The rank processes the launcher `pid` spawned (multiprocessing's spawn)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == pid and b"spawn_main" in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
 
 
 def _gone(pids: list[int]) -> bool:
@@ -119,7 +107,7 @@ def test_the_wait_for_a_stopping_step_is_bounded_and_the_loss_said(tmp_path, tin
     proc = start_job([sys.executable, str(FAULT_TRAIN), *args],
                      job_env(VISIONDIST_FAULT="slow_step:4", VISIONDIST_SLOW_S="60"))
     wait_for(lambda: len(losses_of(run)) >= 3 if (run / "metrics.csv").exists() else False, proc, 240, "step 3")
-    ranks = _ranks_of(proc.pid)
+    ranks = rank_processes(proc.pid)
     assert len(ranks) == 2
     sent = time.time()
     os.kill(proc.pid, signal.SIGTERM)
@@ -143,7 +131,7 @@ def test_a_stop_signal_ends_an_evaluation_at_once(tmp_path, reference, ranks, ho
                      job_env(VISIONDIST_TOOL="eval", VISIONDIST_FAULT="slow_eval", VISIONDIST_SLOW_S="120",
                              VISIONDIST_SLOW_MARK=str(mark)))
     wait_for(lambda: len(list(tmp_path.glob("slow.*"))) == ranks, proc, 240, "every rank evaluating")
-    spawned = _ranks_of(proc.pid)
+    spawned = rank_processes(proc.pid)
     sent = time.time()
     if how == "Ctrl-C":
         os.killpg(proc.pid, signal.SIGINT)

@@ -110,7 +110,7 @@ def test_losses_equal_transformers_where_they_agree(arch):
     ours, terms, _ = criterion(*args, **kwargs)
     theirs = theirs_fn(*args, **kwargs)[0]
     assert len(terms) > 6
-    torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)  # sums of its terms in other orders
     grads_ours = torch.autograd.grad(ours, leaves, retain_graph=True, allow_unused=True)
     grads_theirs = torch.autograd.grad(theirs, leaves, allow_unused=True)
     for a, b in zip(grads_ours, grads_theirs):
@@ -262,7 +262,7 @@ def test_dfine_loss_equals_the_original_implementations_equations(seed):
     ours, terms, _ = criterion(*args, **kwargs)
     assert {"fgl_last", "ddf_layer0", "ddf_dn_layer0", "giou_pre", "class_enc"} <= set(terms)
     original = _original_dfine(args, kwargs, criterion.config)
-    torch.testing.assert_close(ours, original, rtol=2e-6, atol=1e-5)
+    torch.testing.assert_close(ours, original, rtol=1e-5, atol=1e-5)  # sums of its terms in other orders
     transformers_total = LOSS_MAPPING["DFineForObjectDetection"](*args, **kwargs)[0]
     assert abs(float(transformers_total.detach()) - float(ours.detach())) > 1e-3
     assert all(float(terms[k].detach()) > 0 for k in ("fgl_last", "ddf_layer0", "ddf_dn_layer0"))

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 pytest.importorskip("transformers")
 
+from helpers import assert_same_detections  # noqa: E402
 from helpers import detr_model_cfg as _cfg  # noqa: E402
 from visiondist.models.detr import ARCHS, DetrDetector  # noqa: E402
 from visiondist.models.detr_library import build_detr, save_library_dir  # noqa: E402
@@ -156,22 +157,6 @@ def _hub_cache(root, repo, source):
 
 @pytest.mark.timeout(600)  # as the ONNX test's
 @pytest.mark.xdist_group("trained_dfine_n")  # on the ONNX test's worker: D-FINE-N trained once (`_trained`)
-def _same_detections(ours: dict, theirs: dict, box_atol: float, score_atol: float) -> None:
-    """Two detectors' outputs as sets, order aside: each detection on either side has a counterpart of its label on
-    the other with its box within `box_atol` and its score within `score_atol`. A barely trained detector's scores
-    tie to within float round-off, and which of them comes first (or makes the last place of the top k) depends on
-    the CPU's rounding and the library's sort: the detections within `score_atol` of the lowest kept score may have no
-    counterpart and are left out."""
-    cut = max(ours["scores"].min(), theirs["scores"].min()) + 2 * score_atol
-    for a, b in ((ours, theirs), (theirs, ours)):
-        for box, label, score in zip(a["boxes"], a["labels"], a["scores"]):
-            if score <= cut:
-                continue
-            near = ((b["labels"] == label) & ((b["boxes"] - box).abs().amax(-1) <= box_atol)
-                    & ((b["scores"] - score).abs() <= score_atol))
-            assert near.any(), (label, box, score)
-
-
 def test_weights_from_a_from_pretrained_directory_and_from_the_hub_cache(tmp_path, monkeypatch, caplog):
     import transformers
     from huggingface_hub import constants
@@ -206,7 +191,7 @@ def test_weights_from_a_from_pretrained_directory_and_from_the_hub_cache(tmp_pat
                                                          threshold=0.0, target_sizes=[photo.shape[:2]])[0]
     theirs = {**theirs, "labels": theirs["labels"] + 1}  # transformers' labels count from 0, ours from 1 (background)
     assert len(ours["scores"]) == len(theirs["scores"])
-    _same_detections(ours, theirs, box_atol=1e-3, score_atol=1e-5)  # the same network on the same input
+    assert_same_detections(ours, theirs, box_atol=1e-3, score_atol=1e-5)  # the same network on the same input
 
     # model.weights= the directory, or a repo name whose snapshot is in the cache: the same predictions
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))

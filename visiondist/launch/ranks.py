@@ -244,7 +244,8 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
         return run
 
     _run_agent(lambda: spawn_local(_elastic_worker, run.per_node, entry, cfg_dict, run, str(run_dir),
-                                   max_restarts=cfg.trainer.max_restarts), cfg, run, kind, run_dir)
+                                   max_restarts=cfg.trainer.max_restarts, cuda=run.accelerator == "cuda"),
+               cfg, run, kind, run_dir)
     return run
 
 
@@ -323,7 +324,8 @@ def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> Optional[RunLayout
     restarts = cfg.trainer.max_restarts if pod.max_restarts is None else pod.max_restarts
     ranks_dict = with_decode_choice(ranks_cfg, run, to_container(ranks_cfg), pod.node_rank in (0, None))
     _run_agent(lambda: spawn_ranks(_pod_worker, per_node, entry, ranks_dict, max_restarts=restarts,
-                                   pod=pod), cfg, run, kind, run_dir, under_torchrun=True)
+                                   pod=pod, cuda=run.accelerator == "cuda"), cfg, run, kind, run_dir,
+               under_torchrun=True)
     return run
 
 
