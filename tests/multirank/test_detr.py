@@ -155,7 +155,7 @@ def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exp
                                                                                     queries):
     """RF-DETR-N under fp16 (dynamic loss scaling), D-FINE-N under bf16: 2 ranks with 2 accumulation steps, stopped
     after step 1, continued on 1 rank (the checkpoint reshards; the schedule and data order go on), evaluated alike
-    on 1, 2 and 3 ranks and as pycocotools scores the written detections; the
+    on 1 and 3 ranks (shards of 4, 3 and 3) and as pycocotools scores the written detections; the
     run exported as the directory transformers' from_pretrained reads (strict, and predicting what the run's
     weights do) and (D-FINE-N) as ONNX checked by ONNX Runtime on the run's val images. (64 px: RF-DETR's 4 x 4 patch grid
     gives 16 candidate positions, D-FINE-N's strides 16 / 32 give 20.)"""
@@ -174,7 +174,7 @@ def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exp
     assert sorted(losses) == [1, 2] and all(v == v and v > 0 for v in losses.values())
     final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_mAP") is not None][-1]
     assert final["val_detections"] == 10 * queries
-    _evaluated_alike_on_1_2_3_ranks(run, tmp_path / "data")
+    _evaluated_alike_on_1_2_3_ranks(run, tmp_path / "data", ranks=(1, 3))  # 2 ranks: the RT-DETR test's
 
     from transformers import AutoImageProcessor, AutoModelForObjectDetection
 
