@@ -81,35 +81,6 @@ def run_together(commands: list[list[str]], timeout: float = 300, envs: Optional
     return results
 
 
-def _children_of(pid: int) -> list[tuple[int, bytes]]:
-    """(pid, command line) of each live child of `pid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == pid:
-                found.append((int(entry.name), (entry / "cmdline").read_bytes()))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
-
-
-def children(pid: int, marker: bytes) -> list[int]:
-    """Children of `pid` whose command line holds `marker` (e.g. the script, for torchrun's workers)."""
-    return [child for child, cmdline in _children_of(pid) if marker in cmdline]
-
-
-def rank_processes(launcher: int) -> list[int]:
-    """The rank processes a self-launching job's process `launcher` started: spawned children (ranks on a GPU), or
-    the children of its fork server (ranks on the CPU: visiondist.launch.spawn)."""
-    found = children(launcher, b"spawn_main")
-    for server in children(launcher, b"multiprocessing.forkserver"):
-        found += [child for child, _ in _children_of(server)]
-    return found
-
-
 def train_args(data_root: Path, run: Path, *extra: str) -> list[str]:
     """The tiny set at 16 images per step, a loss row every step, on the CPU (or the test device:
     `devices.on_test_device`), into `run`."""

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 import fault_ranks
-from helpers import (REPO, TINY_DATA, TRAIN, RanksFailed, children, finish_job, job_env, losses_of, rank_processes,
-                     spawn_ranks, start_job,
+from helpers import (REPO, TINY_DATA, TRAIN, RanksFailed, finish_job, job_env, losses_of, spawn_ranks, start_job,
                      train_args, train_ok, wait_for)
+from processes import children, rank_processes
 from visiondist.utils.dcp import CHECKPOINTS, list_checkpoints
 
 # Timing-sensitive (kills, signals, hangs): one worker runs them in turn when the suite runs in parallel.

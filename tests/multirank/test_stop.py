@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (REPO, assert_same_weights, evals_of, finish_job, job_env, losses_of, rank_processes, start_job,
-                     train_args, train_ok, wait_for)
+from helpers import REPO, assert_same_weights, evals_of, finish_job, job_env, losses_of, start_job, train_args, train_ok, wait_for
+from processes import rank_processes
 from visiondist.utils.dcp import list_checkpoints
 
 pytestmark = [pytest.mark.xdist_group("faults"), pytest.mark.slow]  # timed signals: one after another

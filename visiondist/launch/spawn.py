@@ -46,19 +46,22 @@ def spawn_local(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0, cu
     return spawn_ranks(fn, nprocs, *args, max_restarts=max_restarts, cuda=cuda)
 
 
-def start_method(fn: Callable, args: tuple, cuda: bool) -> str:
+def start_method(cuda: bool) -> str:
     """How the agent starts the ranks. Ranks that use no GPU are forked from one fork server that imported torch,
-    torchvision and the ranks' own modules once (multiprocessing's `forkserver`, preloaded), instead of each rank
-    importing them again (about 5 s of CPU a rank on two cores, most of a small job's start). Ranks on a GPU are
-    spawned: a fork server that touched CUDA while importing would leave every rank unable to use it."""
-    if cuda:
-        return "spawn"
+    torchvision and the ranks' own modules once (multiprocessing's `forkserver`, preloaded by `_preload`), instead of
+    each rank importing them again (about 5 s of CPU a rank on two cores, most of a small job's start). Ranks on a
+    GPU are spawned: a fork server that touched CUDA while importing would leave every rank unable to use it."""
+    return "spawn" if cuda else "forkserver"
+
+
+def _preload(fn: Callable, args: tuple) -> None:
+    """What the fork server imports before it forks the ranks: torch, torchvision, and the modules of `fn` and of
+    the functions among `args` (the entry a rank runs)."""
     import multiprocessing
 
     modules = {getattr(f, "__module__", None) for f in (fn, *args) if callable(f)}
     multiprocessing.set_forkserver_preload(
         ["__main__", "torch", "torchvision", *sorted(m for m in modules if m and m != "__main__")])
-    return "forkserver"
 
 
 def _as_spawned(fn: Callable, *args: Any) -> Any:
@@ -98,7 +101,7 @@ def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
         rdzv = dict(min_nodes=pod.min_nodes, max_nodes=pod.max_nodes, run_id=pod.run_id,
                     rdzv_backend=pod.rdzv_backend, rdzv_endpoint=pod.rdzv_endpoint,
                     rdzv_configs={"rank": pod.node_rank} if pod.node_rank is not None else {})
-    method = start_method(fn, args, cuda)
+    method = start_method(cuda)
     config = LaunchConfig(
         nproc_per_node=nprocs,
         **rdzv,
@@ -108,5 +111,6 @@ def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
         **agent_signals({f.name for f in dataclasses.fields(LaunchConfig)}),  # SIGTERM / SIGINT: launch.stop's
     )
     if method == "forkserver":
+        _preload(fn, args)
         return elastic_launch(config, _as_spawned)(fn, *args)
     return elastic_launch(config, fn)(*args)
