@@ -110,7 +110,32 @@ def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
         start_method=method,
         **agent_signals({f.name for f in dataclasses.fields(LaunchConfig)}),  # SIGTERM / SIGINT: launch.stop's
     )
-    if method == "forkserver":
-        _preload(fn, args)
-        return elastic_launch(config, _as_spawned)(fn, *args)
-    return elastic_launch(config, fn)(*args)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        if method == "forkserver":
+            _preload(fn, args)
+            return elastic_launch(config, _as_spawned)(fn, *args)
+        return elastic_launch(config, fn)(*args)
+    except ChildFailedError as exc:
+        raise _every_report(exc) from None
+
+
+def _every_report(exc: Any) -> Any:
+    """The elastic agent reports the first rank it saw end, which is often a peer that lost its connection to the
+    rank that failed (gloo's peers fail on its closed socket at once); the failing rank's own report was written
+    beside it, in its error file of this attempt. The returned error names every rank that left one."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = dict(exc.failures)
+    for rank, seen in exc.failures.items():
+        if not seen.error_file or seen.error_file == os.devnull:
+            continue
+        attempt = os.path.dirname(os.path.dirname(seen.error_file))  # <run>/attempt_<n>/<local rank>/error.json
+        for entry in sorted(os.listdir(attempt)) if os.path.isdir(attempt) else []:
+            error_file = os.path.join(attempt, entry, "error.json")
+            other = rank - seen.local_rank + int(entry) if entry.isdigit() else None
+            if other is not None and other not in failures and os.path.isfile(error_file):
+                # it raised (its report is there); the agent then ended it, or it exited with code 1 first
+                failures[other] = ProcessFailure(local_rank=int(entry), pid=-1, exitcode=1, error_file=error_file)
+    return exc if len(failures) == len(exc.failures) else ChildFailedError(exc.name, failures)
