@@ -49,6 +49,11 @@ from visiondist.utils.signals import STOP
 log = logging.getLogger(__name__)
 
 
+# what a benchmark rank imports once started, which the fork server of CPU ranks imports once for all of them
+# (visiondist.launch.spawn): the loaders' augmentations (albumentations, about 0.5 s a rank)
+RANK_IMPORTS = ("visiondist.data.transforms",)
+
+
 def _task_family(cfg: DictConfig) -> str:
     from visiondist.models import TASKS
 

@@ -26,8 +26,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from visiondist.utils.heartbeat import PROGRESS
 from visiondist.utils.signals import HANG_DIR
 
@@ -37,8 +35,12 @@ FAILURE_DIR = "failure"
 EXIT_HANG = 3  # exit code of a rank ended by its watchdog
 
 
-# what a failing rank can raise: torch.distributed.checkpoint's exception derives from BaseException
-RANK_ERRORS = (Exception, CheckpointException)
+def rank_errors() -> tuple[type[BaseException], ...]:
+    """What a failing rank can raise, for an `except` clause (evaluated once something was raised):
+    torch.distributed.checkpoint's exception derives from BaseException, and can only have been raised where that
+    module was imported (the launcher itself never imports it: DTensor comes with it, about 0.8 s)."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return (Exception,) if api is None else (Exception, api.CheckpointException)
 
 
 def one_line(exc: BaseException) -> str:

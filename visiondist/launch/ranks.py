@@ -78,7 +78,7 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
     end with it; a failure leaves `<run>/failure/rank<k>.txt` (see `visiondist.faults.failures`). `top_level`: this
     process is what the user started (one rank, or a torchrun / srun task), so a hang's line is printed here."""
     from visiondist.data.workers import close_loaders
-    from visiondist.faults.failures import RANK_ERRORS
+    from visiondist.faults.failures import rank_errors
     from visiondist.utils.heartbeat import PROGRESS
     from visiondist.utils.signals import STOP, StopNow
     from visiondist.parallel import build_layout
@@ -105,7 +105,7 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
         return entry(cfg, layout, path)
     except StopNow as stop:  # a second signal, or an evaluation's first: this rank leaves now, unsaved
         return _stopped_now(stop.signal_name, path)
-    except RANK_ERRORS as exc:
+    except rank_errors() as exc:
         if STOP.received is not None and (STOP.at_once or STOP.count > 1):  # a peer that left at once
             return _stopped_now(STOP.received, path)
         _record(path, exc, cfg, run)
@@ -352,7 +352,7 @@ def _one_line_failure(run_dir: Optional[Path], stop: Optional[LauncherStop] = No
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from visiondist.faults.failures import RANK_ERRORS, first_failure, killed_rank, one_line
+    from visiondist.faults.failures import first_failure, killed_rank, one_line, rank_errors
 
     try:
         yield
@@ -374,7 +374,7 @@ def _one_line_failure(run_dir: Optional[Path], stop: Optional[LauncherStop] = No
                    else f"exit code {failure.exitcode}")
             raise RunFailed(f"rank {rank} ended ({why}) without a report: see the output above") from None
         raise RunFailed(f"{found.line} (traceback: {found.file}){_continue_hint(run_dir, found.line)}") from None
-    except RANK_ERRORS as exc:  # this process's own rank: its line (torchrun: each rank says its own)
+    except rank_errors() as exc:  # this process's own rank: its line (torchrun: each rank says its own)
         line = getattr(exc, "visiondist_line", None) or one_line(exc)
         raise RunFailed(line + _continue_hint(run_dir, line)) from exc
 

@@ -55,22 +55,25 @@ def start_method(cuda: bool) -> str:
 
 
 def _preload(fn: Callable, args: tuple) -> None:
-    """What the fork server imports before it forks the ranks: torch, torchvision, and the modules of `fn` and of
-    the functions among `args` (the entry a rank runs)."""
+    """What the fork server imports before it forks the ranks: torch, torchvision, the modules of `fn` and of the
+    functions among `args` (the entry a rank runs), and what those modules list in `RANK_IMPORTS` (what their ranks
+    import once started, e.g. the loaders' augmentation library)."""
+    import importlib
     import multiprocessing
 
-    modules = {getattr(f, "__module__", None) for f in (fn, *args) if callable(f)}
-    multiprocessing.set_forkserver_preload(
-        ["__main__", "torch", "torchvision", *sorted(m for m in modules if m and m != "__main__")])
+    modules = sorted({m for f in (fn, *args) if callable(f) and (m := getattr(f, "__module__", None))} - {"__main__"})
+    extra = [name for m in modules for name in getattr(importlib.import_module(m), "RANK_IMPORTS", ())]
+    multiprocessing.set_forkserver_preload(["__main__", "torch", "torchvision", *modules, *extra])
 
 
 def _as_spawned(fn: Callable, *args: Any) -> Any:
-    """A rank forked from the fork server starts its own processes (loader workers) as a spawned rank does: a child
-    of the fork server would otherwise start them through a fork server of its own, whose children outlive a killed
-    rank (torch's loader workers watch their parent process, which would be that server)."""
+    """A rank forked from the fork server starts its own processes (loader workers) as a spawned rank does on
+    Linux: forked from the rank, so that they inherit its imports (a spawned worker imports torch again, about 3 s)
+    and end with it (torch's loader workers watch their parent process). Left to multiprocessing, a child of the fork
+    server would start them through a fork server of its own, whose children outlive a killed rank."""
     import multiprocessing
 
-    multiprocessing.set_start_method("spawn", force=True)
+    multiprocessing.set_start_method("fork", force=True)
     return fn(*args)
 
 

@@ -1,6 +1,6 @@
 """The model registry's builders: `build_model(cfg.model)` (a plain `nn.Module` of a family: ViT, torchvision
 detector, ViTDet), `build_deferred` (a ViT on the meta device and the source of its initial values), and what each
-family is trained for and evaluated by (`TASKS`, `EVAL_METRICS`, `eval_metrics`).
+family is trained for and evaluated by (`TASKS`, `EVAL_METRICS`, `eval_metrics`, defined in `registry.py`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from visiondist.models.init import InitSource, materialize
-from visiondist.models.registry import SPECS
-import visiondist.models.vit_parallel  # noqa: F401 (registers the ViT's TP plan and blocks with visiondist.parallel)
+from visiondist.models.registry import EVAL_METRICS, SPECS, TASKS, eval_metrics  # noqa: F401 (re-exported)
 from visiondist.models.vit import VisionTransformer, init_source
 
 
@@ -57,29 +56,6 @@ def _build_detr(cfg: Any) -> nn.Module:
 
 FAMILIES: dict[str, Callable[[Any], nn.Module]] = {"vit": _build_vit, "torchvision": _build_torchvision,
                                                     "vitdet": _build_vitdet, "detr": _build_detr}
-TASKS = {family: spec.task for family, spec in SPECS.items()}  # what each family is trained for
-# each task's evaluation metrics, as metrics.csv names them (trainer.best_metric picks one)
-EVAL_METRICS = {
-    "classification": ("val_loss", "val_top1", "val_top5", "val_ema_loss", "val_ema_top1", "val_ema_top5"),
-    "detection": ("val_mAP", "val_AP50", "val_AP75", "val_APs", "val_APm", "val_APl", "val_AR1", "val_AR10",
-                  "val_AR100", "val_ARs", "val_ARm", "val_ARl", "val_detections", "val_ema_mAP"),
-    # a detector with a mask head reports these beside the box stats (`detection.has_masks`)
-    "segmentation": ("val_segm_mAP", "val_segm_AP50", "val_segm_AP75", "val_segm_APs", "val_segm_APm", "val_segm_APl",
-                     "val_segm_AR1", "val_segm_AR10", "val_segm_AR100", "val_segm_ARs", "val_segm_ARm",
-                     "val_segm_ARl", "val_ema_segm_mAP"),
-}
-
-
-def eval_metrics(cfg: Any) -> tuple[str, ...]:
-    """The evaluation metrics a model (its `ModelConfig`) reports: its task's, and the mask stats of a mask model."""
-    names = EVAL_METRICS[TASKS[cfg.family]]
-    if TASKS[cfg.family] != "detection":
-        return names
-    from visiondist.models.detection import has_masks  # torchvision: only where a detector is asked about
-
-    return (*names, *EVAL_METRICS["segmentation"]) if has_masks(cfg) else names
-
-
 def build_model(cfg: Any) -> nn.Module:
     """Build the model a `ModelConfig` describes (random init or local weights, nothing downloaded)."""
     if cfg.family not in FAMILIES:

@@ -169,6 +169,29 @@ SPECS: dict[str, ModelSpec] = {  # how each family is built: visiondist.models.F
     "detr": ModelSpec("detr", "detection", "coco", frozenset({COMPILE}), False, _check_detr),
 }
 
+TASKS = {family: spec.task for family, spec in SPECS.items()}  # what each family is trained for
+# each task's evaluation metrics, as metrics.csv names them (trainer.best_metric picks one)
+EVAL_METRICS = {
+    "classification": ("val_loss", "val_top1", "val_top5", "val_ema_loss", "val_ema_top1", "val_ema_top5"),
+    "detection": ("val_mAP", "val_AP50", "val_AP75", "val_APs", "val_APm", "val_APl", "val_AR1", "val_AR10",
+                  "val_AR100", "val_ARs", "val_ARm", "val_ARl", "val_detections", "val_ema_mAP"),
+    # a detector with a mask head reports these beside the box stats (`detection.has_masks`)
+    "segmentation": ("val_segm_mAP", "val_segm_AP50", "val_segm_AP75", "val_segm_APs", "val_segm_APm", "val_segm_APl",
+                     "val_segm_AR1", "val_segm_AR10", "val_segm_AR100", "val_segm_ARs", "val_segm_ARm",
+                     "val_segm_ARl", "val_ema_segm_mAP"),
+}
+
+
+def eval_metrics(cfg: Any) -> tuple[str, ...]:
+    """The evaluation metrics a model (its `ModelConfig`) reports: its task's, and the mask stats of a mask model."""
+    names = EVAL_METRICS[TASKS[cfg.family]]
+    if TASKS[cfg.family] != "detection":
+        return names
+    from visiondist.models.detection import has_masks  # torchvision: only where a detector is asked about
+
+    return (*names, *EVAL_METRICS["segmentation"]) if has_masks(cfg) else names
+
+
 
 def spec_of(model_cfg: Any) -> ModelSpec:
     if model_cfg.family not in SPECS:

@@ -347,3 +347,8 @@ def init_source(cfg, model: VisionTransformer) -> InitSource:
                                       type(model).__name__)
         return InitSource(model, state, tuple(fresh))
     return InitSource(model)
+
+
+# What the ViT declares to `visiondist.parallel` (its TP plan, its block, its stage cut) comes with the model wherever
+# it is made; imported last, as it imports this module's classes.
+from visiondist.models import vit_parallel  # noqa: E402,F401

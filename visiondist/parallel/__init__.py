@@ -4,24 +4,31 @@
 never imports the models: they declare their plans to it (`visiondist.models.vit_parallel`).
 """
 
-from visiondist.parallel.apply import local_part, parallelize
-from visiondist.parallel.data import same_buffers, unwrap
-from visiondist.parallel.fsdp import (
-    compile_blocks,
-    compile_model,
-    enable_activation_checkpointing,
-    is_fully_sharded,
-    keep_matmuls_context,
-    local_numel,
-    blank_forwards,
-    forwards_needed,
-    reshard,
-    transformer_blocks,
-)
-from visiondist.parallel.grad import average_over_data_parallel, clip_grad_norm, finish_gradients
-from visiondist.parallel.mesh import Layout, build_layout
-from visiondist.parallel.pipeline import PipelinedViT, PipelineSpec
-from visiondist.parallel.tensor import full_state_dict
+import importlib
+
+# Imported on first use (PEP 562): the launcher plans a layout with `visiondist.parallel.memory` and `planner`, and
+# needs neither DTensor nor the rest of torch.distributed that these bring (about 1 s of a launch).
+_WHERE = {
+    "apply": ["local_part", "parallelize"],
+    "data": ["same_buffers", "unwrap"],
+    "fsdp": ["blank_forwards", "compile_blocks", "compile_model", "enable_activation_checkpointing",
+             "forwards_needed", "is_fully_sharded", "keep_matmuls_context", "local_numel", "reshard",
+             "transformer_blocks"],
+    "grad": ["average_over_data_parallel", "clip_grad_norm", "finish_gradients"],
+    "mesh": ["Layout", "build_layout"],
+    "pipeline": ["PipelineSpec", "PipelinedViT"],
+    "tensor": ["full_state_dict"],
+}
+_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Layout",

@@ -7,25 +7,28 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING
 
-from visiondist.data.workers import close_loaders
-from visiondist.train.build import build_laid_out, prepare_rank, seed_everything
-from visiondist.checkpoint.dcp import load_model_state
-from visiondist.utils.dcp import is_complete
-from visiondist.utils.heartbeat import PROGRESS
-from visiondist.train.precision import autocast_for
-from visiondist.observe.console import shown_path
-from visiondist.observe.summary import draw_evaluation
-from visiondist.train.tasks import build_task
-from visiondist.train.trainer import Trainer
-from visiondist.parallel import Layout, unwrap
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from visiondist.parallel import Layout
 
 log = logging.getLogger(__name__)
+
+# What a rank imports once started. The launcher imports this module for its entry points only, so these wait for
+# the rank (about 1 s of torch.distributed, DTensor and albumentations a launch saves); the fork server of CPU ranks
+# imports them once for all of them (visiondist.launch.spawn).
+RANK_IMPORTS = ("visiondist.train.trainer", "visiondist.train.tasks", "visiondist.train.build",
+                "visiondist.checkpoint.dcp", "visiondist.observe.summary", "visiondist.data.transforms")
 
 
 def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
     """Entry point of every rank: prepare the data once per node, then fit."""
+    from visiondist.data.workers import close_loaders
+    from visiondist.train.build import prepare_rank
+    from visiondist.train.trainer import Trainer
+
     prepare_rank(cfg, layout, run_dir)
     trainer = Trainer(cfg, layout, run_dir)
     try:
@@ -39,6 +42,17 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     Rank 0 prints the result (the 12-line COCOeval summary for detectors) and writes eval.json (and, for
     detectors, detections.json) into `run_dir` (by default `<output dir>/eval/<date>_<time>/`, with eval.log), and
     says where."""
+    from visiondist.checkpoint.dcp import load_model_state
+    from visiondist.data.workers import close_loaders
+    from visiondist.observe.console import shown_path
+    from visiondist.observe.summary import draw_evaluation
+    from visiondist.parallel import unwrap
+    from visiondist.train.build import build_laid_out, prepare_rank, seed_everything
+    from visiondist.train.precision import autocast_for
+    from visiondist.train.tasks import build_task
+    from visiondist.utils.dcp import is_complete
+    from visiondist.utils.heartbeat import PROGRESS
+
     prepare_rank(cfg, layout, run_dir, "eval.log")
     seed_everything(cfg.trainer.seed)
     PROGRESS.at("loading the weights")

@@ -5,13 +5,11 @@ before launch both ask."""
 
 from __future__ import annotations
 
+import functools
 import pickle
 import re
 from pathlib import Path
 from typing import Any
-
-import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 _SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
 _SAFE_GLOBALS = {
@@ -27,6 +25,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     anything else (a function, a class that runs code when rebuilt) is refused."""
 
     def find_class(self, module: str, name: str) -> Any:
+        import torch
+
         if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
@@ -36,22 +36,36 @@ class _MetadataUnpickler(pickle.Unpickler):
                                      "it is not part of a DCP checkpoint")
 
 
-class SafeFileSystemReader(FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
+@functools.cache
+def _safe_reader() -> type:
+    """DCP's `FileSystemReader` reading `.metadata` through `_MetadataUnpickler`; made on first use, since
+    torch.distributed.checkpoint brings DTensor (about 0.8 s), which listing a run's checkpoints needs none of."""
+    from torch.distributed.checkpoint import FileSystemReader
 
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            rank = kwargs.get("rank")
+            path = self._get_metadata_path(rank)
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = _MetadataUnpickler(stream).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                from torch.distributed.checkpoint.metadata import StorageMeta
+
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SafeFileSystemReader":
+        return _safe_reader()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def read_metadata(path: Path):
-    return SafeFileSystemReader(str(path)).read_metadata()
+    return _safe_reader()(str(path)).read_metadata()
 
 
 CHECKPOINTS = "checkpoints"  # <run>/checkpoints/step_<N>/
