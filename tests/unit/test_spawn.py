@@ -42,3 +42,4 @@ def test_the_failing_rank_is_reported_when_the_agent_saw_its_peer_end_first(tmp_
 def test_a_report_without_error_files_is_left_as_it_is(tmp_path):
     exc = ChildFailedError("fn", {0: ProcessFailure(local_rank=0, pid=1, exitcode=-9, error_file=os.devnull)})
     assert _every_report(exc) is exc
+
