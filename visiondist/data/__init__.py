@@ -9,15 +9,11 @@ cutmix), `device_decode.py` (nvJPEG, decoded ahead of the step), `host.py` (host
 `sampler.py`; loader workers: `workers.py`.
 """
 
-import importlib
+from visiondist.utils.lazy import lazy_exports
 
-__all__ = ["ClassificationData", "DetectionData", "build_classification_data", "build_detection_data", "coco_paths",
-           "detection_splits"]
-
-
-def __getattr__(name: str):
-    """The loaders' names, imported on first use: a process that reads one data module (the generators, the launcher's
-    checks) does not pay for the loaders' imports (albumentations, OpenCV)."""
-    if name in __all__:
-        return getattr(importlib.import_module("visiondist.data.loaders"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The loaders' names, imported on first use: a process that reads one data module (the generators, the launcher's
+# checks) does not pay for the loaders' imports (albumentations, OpenCV).
+__getattr__, __all__ = lazy_exports(__name__, {
+    "loaders": ("ClassificationData", "DetectionData", "build_classification_data", "build_detection_data",
+                "coco_paths", "detection_splits"),
+})

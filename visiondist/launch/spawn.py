@@ -135,10 +135,9 @@ def _every_report(exc: Any) -> Any:
         if not seen.error_file or seen.error_file == os.devnull:
             continue
         attempt = os.path.dirname(os.path.dirname(seen.error_file))  # <run>/attempt_<n>/<local rank>/error.json
-        for entry in sorted(os.listdir(attempt)) if os.path.isdir(attempt) else []:
-            error_file = os.path.join(attempt, entry, "error.json")
-            other = rank - seen.local_rank + int(entry) if entry.isdigit() else None
-            if other is not None and other not in failures and os.path.isfile(error_file):
+        for local in sorted(int(e) for e in os.listdir(attempt) if e.isdigit()) if os.path.isdir(attempt) else []:
+            other, error_file = rank - seen.local_rank + local, os.path.join(attempt, str(local), "error.json")
+            if other not in failures and os.path.isfile(error_file):
                 # it raised (its report is there); the agent then ended it, or it exited with code 1 first
-                failures[other] = ProcessFailure(local_rank=int(entry), pid=-1, exitcode=1, error_file=error_file)
+                failures[other] = ProcessFailure(local_rank=local, pid=-1, exitcode=1, error_file=error_file)
     return exc if len(failures) == len(exc.failures) else ChildFailedError(exc.name, failures)

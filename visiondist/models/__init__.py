@@ -9,20 +9,12 @@ plan and blocks), `detection.py` (torchvision's detectors, ViTDet), `detr.py` (t
 `flops.py` (training FLOPs for MFU), `sdpa.py` (which attention kernel runs).
 """
 
-import importlib
+from visiondist.utils.lazy import lazy_exports
 
-# Imported on first use (PEP 562): the launcher reads `visiondist.models.registry` to plan a run, without torch's
-# models, DTensor or torchvision. The ViT brings its TP plan and blocks (`vit_parallel`) wherever it is imported.
-_MODULE_OF = {"EVAL_METRICS": "registry", "TASKS": "registry", "build_deferred": "build", "build_model": "build",
-              "eval_metrics": "registry", "select_attention": "sdpa"}
-
-
-def __getattr__(name: str):
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-__all__ = ["EVAL_METRICS", "TASKS", "build_deferred", "build_model", "eval_metrics", "select_attention"]
+# Imported on first use: the launcher reads `visiondist.models.registry` to plan a run, without torch's models,
+# DTensor or torchvision. The ViT brings its TP plan and blocks (`vit_parallel`) wherever it is imported.
+__getattr__, __all__ = lazy_exports(__name__, {
+    "registry": ("EVAL_METRICS", "TASKS", "eval_metrics"),
+    "build": ("build_deferred", "build_model"),
+    "sdpa": ("select_attention",),
+})

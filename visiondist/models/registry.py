@@ -192,7 +192,6 @@ def eval_metrics(cfg: Any) -> tuple[str, ...]:
     return (*names, *EVAL_METRICS["segmentation"]) if has_masks(cfg) else names
 
 
-
 def spec_of(model_cfg: Any) -> ModelSpec:
     if model_cfg.family not in SPECS:
         raise ConfigError(f"model.family={model_cfg.family!r} is not supported: use one of {', '.join(SPECS)}")
