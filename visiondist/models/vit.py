@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from visiondist.models import vit_parallel
 from visiondist.models.init import InitSource, Rule, draw_seed, materialize
 
 
@@ -350,5 +351,5 @@ def init_source(cfg, model: VisionTransformer) -> InitSource:
 
 
 # What the ViT declares to `visiondist.parallel` (its TP plan, its block, its stage cut) comes with the model wherever
-# it is made; imported last, as it imports this module's classes.
-from visiondist.models import vit_parallel  # noqa: E402,F401
+# it is made.
+vit_parallel.declare(VisionTransformer, Block)

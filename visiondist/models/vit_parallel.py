@@ -15,7 +15,6 @@ norm and head with the last). The parallel package applies these and never impor
 
 from __future__ import annotations
 
-from visiondist.models.vit import Block, VisionTransformer
 from visiondist.parallel.fsdp import register_block
 from visiondist.parallel.stages import StageCut, register_stage_cut
 from visiondist.parallel.tensor import (
@@ -42,12 +41,13 @@ VIT_PLAN: dict[str, Style] = {
     "blocks.*.mlp.fc2": RowwiseParallel(),
 }
 
-register_plan(VisionTransformer, VIT_PLAN)
-register_block(Block)
-
-
-# the stage holds the model's own parts under their names, so the model's own methods run on it
-register_stage_cut(VisionTransformer, StageCut(first=("patch_embed", "cls_token", "pos_embed"),
-                                               last=("norm", "head_drop", "head"), enter=VisionTransformer.embed,
-                                               leave=VisionTransformer.forward_head,
-                                               no_weight_decay=tuple(sorted(VisionTransformer.no_weight_decay()))))
+def declare(model: type, block: type) -> None:
+    """Declare the ViT (`visiondist.models.vit` calls this with its classes, so that a ViT made anywhere brings its
+    declarations): its TP plan, its transformer block, and its stage cut. The stage holds the model's own parts under
+    their names, so the model's own methods run on it."""
+    register_plan(model, VIT_PLAN)
+    register_block(block)
+    register_stage_cut(model, StageCut(first=("patch_embed", "cls_token", "pos_embed"),
+                                       last=("norm", "head_drop", "head"), enter=model.embed,
+                                       leave=model.forward_head,
+                                       no_weight_decay=tuple(sorted(model.no_weight_decay()))))
