@@ -1,6 +1,6 @@
 """DETR-class detectors (transformers' RT-DETRv2, D-FINE, RF-DETR) end to end through the tools: training with the
 multi-scale schedule, exact resume, evaluation on 1, 2 and 3 ranks equal to each other and to pycocotools on the
-written detections, the exported weights; DDP with accumulation under fp16 / bf16, resumed on another world size,
+written detections, the exported weights; DDP with accumulation (under fp16 and fp32), resumed on another world size,
 the from_pretrained directory and the ONNX file."""
 
 import json
@@ -80,8 +80,34 @@ def _evaluated_alike_on_1_2_3_ranks(run_dir, data, ranks=(1, 2, 3)) -> dict:
         stats = _stats(run / "eval.json")
         assert dict(zip(STAT_NAMES, map(float, evaluator.stats))) == {k: stats[f"val_{k}"] for k in STAT_NAMES}
         seen[n] = (key, stats)
-    assert all(seen[n] == seen[1] for n in ranks)
-    return seen[1][1]
+    assert all(seen[n] == seen[ranks[0]] for n in ranks)
+    return seen[ranks[0]][1]
+
+
+def _evaluated_on_2_ranks_as_in_training(run_dir, data) -> None:
+    """tools/eval.py on 2 ranks against the run's own evaluation after its last step (one rank, batches of 4): the
+    same stats, which pycocotools gives too on the detections eval.py wrote, and the same detections of every image,
+    compared as sets within round-off (another batch size rounds the convolutions otherwise in the last bits). Every
+    float of 1, 2 and 3 ranks (shards of 4, 3 and 3) at one batch size: the RT-DETR test's
+    `_evaluated_alike_on_1_2_3_ranks`; the sharding and gathering are the same code for every variant, the
+    post-processing each variant's own."""
+    import collections
+
+    stats = _evaluated_alike_on_1_2_3_ranks(run_dir, data, ranks=(2,))
+    final = [r for r in read_metrics(run_dir / "metrics.csv") if r.get("val_mAP") is not None][-1]
+    assert {k: v for k, v in final.items() if k in stats} == {k: stats[k] for k in final if k in stats}
+    by_image = []
+    for path in (run_dir / "detections.json", sorted((run_dir / "eval").iterdir())[-1] / "detections.json"):
+        images = collections.defaultdict(lambda: {"boxes": [], "labels": [], "scores": []})
+        for d in json.loads(path.read_text()):
+            images[d["image_id"]]["boxes"].append(d["bbox"])
+            images[d["image_id"]]["labels"].append(d["category_id"])
+            images[d["image_id"]]["scores"].append(d["score"])
+        by_image.append(images)
+    trained, evaluated = by_image
+    assert sorted(trained) == sorted(evaluated) and len(trained) == 10
+    for image in trained:
+        assert_same_detections(trained[image], evaluated[image], box_atol=1e-3, score_atol=1e-4)
 
 
 def _exported_predicts_as_trained(run, exported):
@@ -114,13 +140,14 @@ def _exported_predicts_as_trained(run, exported):
 
 @pytest.mark.parametrize("model,queries,size", [("dfine_s", 50, r"10\.\d+M"), ("rtdetr_v2_r50", 50, r"4\d\.\d+M"),
                                                 ("rfdetr_small", 16, r"3\d\.\d+M")])
-def test_the_larger_variants_train_resume_evaluate_on_1_and_3_ranks_and_export(tmp_path, model, queries, size):
+def test_the_larger_variants_train_evaluate_on_2_ranks_and_export(tmp_path, model, queries, size):
     """D-FINE-S, RT-DETRv2-L and RF-DETR-S through the same tools (the other three: the tests above and below):
-    stopped after step 1 and continued, every val image gets the queries' detections, evaluated alike on 1 and 3
-    ranks (10 images: shards of 4, 3 and 3; 2 ranks: the smaller variants' tests) and as pycocotools
-    scores the written detections, and the exported file loads strictly into the config's model. One training
-    layout each (plain, one rank): the layouts are the wrapper's, tested on the smaller variants; these runs are
-    about each variant's own values. (64 px: RF-DETR-S's 4 x 4 patch grid gives 16 candidate positions.)"""
+    every val image gets the queries' detections, evaluated on 2 ranks as in training and as pycocotools scores the
+    written detections, and the exported file loads strictly into the config's model. One training layout each
+    (plain, one rank): the layouts are the wrapper's, tested on the smaller variants; these runs are about each
+    variant's own values. Stopped after step 1 and continued: D-FINE-S, whose frozen BatchNorms are its own state
+    to resume; the others resume as their family's smaller variant does (RT-DETRv2-S, RF-DETR-N: the tests above
+    and below). (64 px: RF-DETR-S's 4 x 4 patch grid gives 16 candidate positions.)"""
     run, data = tmp_path / "run", tmp_path / "data"
     args = [a for a in DETR if not a.startswith(("model=", "model.num_queries", "model.multi_scale", "trainer.max_steps"))]
     multi_scale = "model.multi_scale=[64,96]" if model.startswith("rtdetr") else "model.multi_scale=null"
@@ -134,11 +161,12 @@ def test_the_larger_variants_train_resume_evaluate_on_1_and_3_ranks_and_export(t
         build_detr(detr_model_cfg(model, kwargs={"freeze_backbone_batch_norms": True})).model.save_pretrained(
             tmp_path / "pretrained")
         args.append(f"model.weights={tmp_path / 'pretrained'}")
-    out = run_cli([*args, "trainer.stop_at_step=1"], timeout=300)
-    assert out.returncode == 0, out.stdout[-4000:]
+    if model == "dfine_s":
+        out = run_cli([*args, "trainer.stop_at_step=1"], timeout=300)
+        assert out.returncode == 0, out.stdout[-4000:]
     out = run_cli(args, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:]
-    assert "resum" in out.stdout.lower(), out.stdout[-2000:]
+    assert ("resum" in out.stdout.lower()) == (model == "dfine_s"), out.stdout[-2000:]
     assert bool(re.search(r"step_1 saved \d+ BatchNorms frozen: the model has them frozen too", out.stdout)) == (
         model == "dfine_s"), out.stdout[-2000:]
     assert re.search(rf"model {model}: {size} parameters", out.stdout), out.stdout[-2000:]
@@ -146,16 +174,17 @@ def test_the_larger_variants_train_resume_evaluate_on_1_and_3_ranks_and_export(t
     assert sorted(losses) == [1, 2] and all(v == v and v > 0 for v in losses.values())
     final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_mAP") is not None][-1]
     assert final["val_detections"] == 10 * queries
-    _evaluated_alike_on_1_2_3_ranks(run, data, ranks=(1, 3))
+    _evaluated_on_2_ranks_as_in_training(run, data)
     _exported_predicts_as_trained(run, tmp_path / f"{model}.safetensors")
 
 
-@pytest.mark.parametrize("model,precision,queries", [("rfdetr_nano", "16", 16), ("dfine_n", "bf16", 20)])
+@pytest.mark.parametrize("model,precision,queries", [("rfdetr_nano", "32", 16), ("dfine_n", "16", 20)])
 def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exports(tmp_path, model, precision,
                                                                                     queries):
-    """RF-DETR-N under fp16 (dynamic loss scaling), D-FINE-N under bf16: 2 ranks with 2 accumulation steps, stopped
-    after step 1, continued on 1 rank (the checkpoint reshards; the schedule and data order go on), evaluated alike
-    on 1 and 3 ranks (shards of 4, 3 and 3) and as pycocotools scores the written detections; the
+    """D-FINE-N under fp16 (autocast and dynamic loss scaling, whose state the checkpoint carries), RF-DETR-N in fp32:
+    2 ranks with 2 accumulation steps, stopped after step 1, continued on 1 rank (the checkpoint reshards; the
+    schedule and data order go on), evaluated on 2 ranks as in training and as pycocotools scores the written
+    detections; the
     run exported as the directory transformers' from_pretrained reads (strict, and predicting what the run's
     weights do) and (D-FINE-N) as ONNX checked by ONNX Runtime on the run's val images. (64 px: RF-DETR's 4 x 4 patch grid
     gives 16 candidate positions, D-FINE-N's strides 16 / 32 give 20.)"""
@@ -174,7 +203,7 @@ def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exp
     assert sorted(losses) == [1, 2] and all(v == v and v > 0 for v in losses.values())
     final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_mAP") is not None][-1]
     assert final["val_detections"] == 10 * queries
-    _evaluated_alike_on_1_2_3_ranks(run, tmp_path / "data", ranks=(1, 3))  # 2 ranks: the RT-DETR test's
+    _evaluated_on_2_ranks_as_in_training(run, tmp_path / "data")
 
     from transformers import AutoImageProcessor, AutoModelForObjectDetection
 

@@ -190,10 +190,10 @@ def test_a_stop_signal_checkpoints_every_rank_and_resume_continues(tmp_path, tin
 # 6 -----------------------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("saves", ["sync", "async"])
-def test_ten_kills_while_writing_checkpoints_never_leave_an_unloadable_newest(tmp_path, tiny_shapes, saves):
-    """A checkpoint every step, so the job spends most of its time writing them (async: one always in flight while
-    the next steps run); SIGKILL at a random moment, ten times, each time resuming. After every kill the newest
-    complete checkpoint loads in full."""
+def test_kills_while_writing_checkpoints_never_leave_an_unloadable_newest(tmp_path, tiny_shapes, saves):
+    """A checkpoint every step (async: one always in flight while the next steps run); SIGKILL while one is being
+    written (its `.step_<N>.tmp` directory is there), at a random point of the write, five times, each time
+    resuming. After every kill the newest complete checkpoint loads in full."""
     from visiondist.checkpoint.export.trained import load_trained
 
     run = tmp_path / "run"
@@ -201,13 +201,12 @@ def test_ten_kills_while_writing_checkpoints_never_leave_an_unloadable_newest(tm
                       "trainer.checkpoint_every=1", "trainer.keep_last=2", "trainer.eval_every=10000",
                       "trainer.log_every=1000", f"trainer.checkpoint_async={saves == 'async'}")
     rng = random.Random()
-    newest = 0
-    for kill in range(10):
+    newest, during_a_write = 0, 0
+    for kill in range(5):
         proc = _start(args)
         wait_for(lambda: list_checkpoints(run) and list_checkpoints(run)[-1][0] >= newest + 2, proc, 120,
                  f"two new checkpoints (kill {kill})")
-        time.sleep(rng.uniform(0.0, 0.3))
-        os.killpg(proc.pid, signal.SIGKILL)
+        during_a_write += _kill_during_a_write(proc, run / CHECKPOINTS, rng)
         proc.communicate()
         found = list_checkpoints(run)
         assert found, f"kill {kill}: no checkpoint left"
@@ -218,6 +217,22 @@ def test_ten_kills_while_writing_checkpoints_never_leave_an_unloadable_newest(tm
             assert entry.name.startswith(".step_") or (entry / ".metadata").is_file(), entry
         assert step >= newest
         newest = step
+    assert during_a_write >= 3, during_a_write  # most kills cut a write short (else the test tested little)
+
+
+def _kill_during_a_write(proc: subprocess.Popen, checkpoints: Path, rng: random.Random) -> bool:
+    """SIGKILL the job's process group while a checkpoint is being written (a `.step_<N>.tmp` directory is there),
+    up to 20 ms into it; after 2 s without one seen, wherever it is. Returns whether one was seen."""
+    deadline = time.monotonic() + 2.0
+    seen = False
+    while not seen and time.monotonic() < deadline:
+        try:
+            seen = any(e.name.endswith(".tmp") and e.name.startswith(".step_") for e in checkpoints.iterdir())
+        except FileNotFoundError:
+            pass
+        time.sleep(rng.uniform(0.0, 0.02) if seen else 0.002)
+    os.killpg(proc.pid, signal.SIGKILL)
+    return seen
 
 
 # 7 -----------------------------------------------------------------------------------------------------------------
