@@ -84,17 +84,16 @@ def _evaluated_alike_on_1_2_3_ranks(run_dir, data, ranks=(1, 2, 3)) -> dict:
     return seen[ranks[0]][1]
 
 
-def _evaluated_on_2_ranks_as_in_training(run_dir, data) -> None:
+def _evaluated_on_2_ranks_as_in_training(run_dir, data, final: dict) -> None:
     """tools/eval.py on 2 ranks against the run's own evaluation after its last step (one rank, batches of 4): the
     same stats, which pycocotools gives too on the detections eval.py wrote, and the same detections of every image,
     compared as sets within round-off (another batch size rounds the convolutions otherwise in the last bits). Every
     float of 1, 2 and 3 ranks (shards of 4, 3 and 3) at one batch size: the RT-DETR test's
     `_evaluated_alike_on_1_2_3_ranks`; the sharding and gathering are the same code for every variant, the
-    post-processing each variant's own."""
+    post-processing each variant's own. `final`: the metrics.csv row of the run's last evaluation."""
     import collections
 
     stats = _evaluated_alike_on_1_2_3_ranks(run_dir, data, ranks=(2,))
-    final = [r for r in read_metrics(run_dir / "metrics.csv") if r.get("val_mAP") is not None][-1]
     assert {k: v for k, v in final.items() if k in stats} == {k: stats[k] for k in final if k in stats}
     by_image = []
     for path in (run_dir / "detections.json", sorted((run_dir / "eval").iterdir())[-1] / "detections.json"):
@@ -174,7 +173,7 @@ def test_the_larger_variants_train_evaluate_on_2_ranks_and_export(tmp_path, mode
     assert sorted(losses) == [1, 2] and all(v == v and v > 0 for v in losses.values())
     final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_mAP") is not None][-1]
     assert final["val_detections"] == 10 * queries
-    _evaluated_on_2_ranks_as_in_training(run, data)
+    _evaluated_on_2_ranks_as_in_training(run, data, final)
     _exported_predicts_as_trained(run, tmp_path / f"{model}.safetensors")
 
 
@@ -184,10 +183,9 @@ def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exp
     """D-FINE-N under fp16 (autocast and dynamic loss scaling, whose state the checkpoint carries), RF-DETR-N in fp32:
     2 ranks with 2 accumulation steps, stopped after step 1, continued on 1 rank (the checkpoint reshards; the
     schedule and data order go on), evaluated on 2 ranks as in training and as pycocotools scores the written
-    detections; the
-    run exported as the directory transformers' from_pretrained reads (strict, and predicting what the run's
-    weights do) and (D-FINE-N) as ONNX checked by ONNX Runtime on the run's val images. (64 px: RF-DETR's 4 x 4 patch grid
-    gives 16 candidate positions, D-FINE-N's strides 16 / 32 give 20.)"""
+    detections; the run exported as the directory transformers' from_pretrained reads (strict, and predicting what
+    the run's weights do) and (D-FINE-N) as ONNX checked by ONNX Runtime on the run's val images. (64 px: RF-DETR's
+    4 x 4 patch grid gives 16 candidate positions, D-FINE-N's strides 16 / 32 give 20.)"""
     import torch
 
     run = tmp_path / "run"
@@ -203,7 +201,7 @@ def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exp
     assert sorted(losses) == [1, 2] and all(v == v and v > 0 for v in losses.values())
     final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_mAP") is not None][-1]
     assert final["val_detections"] == 10 * queries
-    _evaluated_on_2_ranks_as_in_training(run, tmp_path / "data")
+    _evaluated_on_2_ranks_as_in_training(run, tmp_path / "data", final)
 
     from transformers import AutoImageProcessor, AutoModelForObjectDetection
 
