@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -108,7 +109,7 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
     except rank_errors() as exc:
         if STOP.received is not None and (STOP.at_once or STOP.count > 1):  # a peer that left at once
             return _stopped_now(STOP.received, path)
-        _record(path, exc, cfg, run)
+        _wait_for_the_launcher_after_a_lost_peer(_record(path, exc, cfg, run), STOP)
         raise
     finally:
         if watchdog is not None:
@@ -159,7 +160,7 @@ def _start_watchdog(run_dir: Path, top_level: bool):
     return Watchdog(run_dir, dist.get_rank(), worker_pids, end_rank).start()
 
 
-def _record(run_dir: Optional[Path], exc: BaseException, cfg: DictConfig, run: RunLayout) -> None:
+def _record(run_dir: Optional[Path], exc: BaseException, cfg: DictConfig, run: RunLayout) -> str:
     from visiondist.faults.failures import FAILURE_DIR, dump_stacks, is_collective_timeout, one_line, record_failure
     from visiondist.plan.fit import is_out_of_memory, out_of_memory_cause
     from visiondist.utils.signals import HANG_DIR
@@ -180,6 +181,25 @@ def _record(run_dir: Optional[Path], exc: BaseException, cfg: DictConfig, run: R
     line = record_failure(run_dir, rank, exc, cause)
     where = f" (traceback: {run_dir / FAILURE_DIR / f'rank{rank}.txt'})" if run_dir is not None else ""
     exc.visiondist_line = line + where  # type: ignore[attr-defined]
+    return line
+
+
+LOST_PEER_WAIT_S = 3.0
+
+
+def _wait_for_the_launcher_after_a_lost_peer(line: str, stop: Any) -> None:
+    """A rank that failed only because a peer's connection closed (gloo's ranks fail on it at once) waits, up to
+    `LOST_PEER_WAIT_S`, for its launcher to end it. The elastic agent reports one rank's end, the first it sees at
+    its 0.1 s poll; a peer that a signal ended (the OOM killer, `kill -9`) leaves no record of its own, so only its exit
+    status, seen first, names the cause. The wait ends at the launcher's SIGTERM (`stop.received`); a lost peer on
+    another node, which this node's launcher cannot see, costs the wait once."""
+    from visiondist.faults.failures import is_follow_on
+
+    if not is_follow_on(line):
+        return
+    deadline = time.monotonic() + LOST_PEER_WAIT_S
+    while stop.received is None and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 @record  # a failing rank's traceback reaches the launcher's error report, not just its exit code
