@@ -25,9 +25,11 @@ def children(pid: int, marker: bytes) -> list[int]:
 
 
 def rank_processes(launcher: int) -> list[int]:
-    """The rank processes a self-launching job's process `launcher` started: spawned children (ranks on a GPU), or
-    the children of its fork server (ranks on the CPU: visiondist.launch.spawn)."""
+    """The rank processes a self-launching job's process `launcher` started (visiondist.launch.spawn): spawned
+    children (ranks on a GPU), forked children, whose command line is the launcher's (ranks on the CPU with one
+    thread each), or the children of its fork server (ranks on the CPU with more)."""
     table = _processes()
+    own = next((cmdline for pid, _, cmdline in table if pid == launcher), None)
     servers = {pid for pid, parent, cmdline in table if parent == launcher and b"multiprocessing.forkserver" in cmdline}
     return [pid for pid, parent, cmdline in table
-            if (parent == launcher and b"spawn_main" in cmdline) or parent in servers]
+            if (parent == launcher and (b"spawn_main" in cmdline or cmdline == own)) or parent in servers]

@@ -23,7 +23,7 @@ def main() -> None:
     fn = getattr(importlib.import_module(module), function)
     args, kwargs = pickle.loads(Path(args_file).read_bytes())
     try:
-        # ranks on the CPU are forked from a preloaded fork server, as the product's are (visiondist.launch.spawn)
+        # ranks on the CPU are forked, from this process or a fork server, as the product's are (launch.spawn)
         cuda = os.environ.get("VISIONDIST_TEST_DEVICE", "cpu") != "cpu"
         result = {"ok": spawn_local(fn, int(nprocs), *args, cuda=cuda, **kwargs)}
     except ChildFailedError as exc:

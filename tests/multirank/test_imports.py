@@ -8,7 +8,7 @@ import sys
 def test_the_launching_process_imports_only_what_it_plans_with():
     """What tools/train.py imports before its ranks start (the CLI, the planner, the entry point, the launcher) leaves
     out what only ranks use: DTensor and DCP, torchvision, albumentations, transformers, matplotlib (about 1 s of each
-    multi-rank launch; the ranks' fork server imports them once for all ranks)."""
+    multi-rank launch; they are imported once for all ranks, only once the launch is planned and starts them)."""
     heavy = ["torch.distributed.tensor", "torch.distributed.checkpoint", "torchvision", "albumentations",
              "transformers", "matplotlib"]
     code = ("import sys\n"

@@ -55,8 +55,10 @@ def test_beside_a_busy_process_every_process_waits_passively_and_starts_quietly_
 
 def test_the_ranks_of_a_two_rank_run_wait_passively(tiny_shapes, tmp_path):
     """Two ranks started by the tool share its CPUs: whatever the tool chose for itself (it may have found them
-    idle), both ranks and their loader workers wait passively and say why."""
-    out = _train(tiny_shapes, tmp_path, "parallel.dp=2", env=_env())
+    idle), both ranks and their loader workers wait passively and say why. Two threads a rank (the suite's jobs run
+    one): ranks with threads that wait start OpenMP afresh, from the fork server (visiondist.launch.spawn)."""
+    out = _train(tiny_shapes, tmp_path, "parallel.dp=2", env=_env(OMP_NUM_THREADS="2"))
+    assert "CPU: 2 threads per rank" in out, out[-4000:]
     policies = re.findall(r"OMP_WAIT_POLICY = '(\w+)'", out)
     assert policies.count("PASSIVE") >= 2, policies  # both ranks (the tool's own line may say either)
     assert "OpenMP's waiting threads sleep (2 ranks share this node's CPUs)" in out, out[-4000:]

@@ -43,9 +43,10 @@ Entry = Callable[[DictConfig, Any, Path], Any]
 
 def _set_threads(local_world: int) -> None:
     """Split this process's CPUs (affinity and container quota) between the ranks of a node unless the user chose
-    (OMP_NUM_THREADS)."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(threads_per_rank(local_world))
+    (OMP_NUM_THREADS). Set here, not left to torch's reading of OMP_NUM_THREADS: a rank forked from its launcher
+    inherits the launcher's count, read before the launcher knew how many ranks it would start."""
+    chosen = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(chosen) if chosen.isdigit() and int(chosen) > 0 else threads_per_rank(local_world))
 
 
 def _init_rank(run: RunLayout, single: bool, startup_timeout_s: float = 1800.0,

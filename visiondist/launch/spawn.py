@@ -46,33 +46,62 @@ def spawn_local(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0, cu
     return spawn_ranks(fn, nprocs, *args, max_restarts=max_restarts, cuda=cuda)
 
 
-def start_method(cuda: bool) -> str:
-    """How the agent starts the ranks. Ranks that use no GPU are forked from one fork server that imported torch,
-    torchvision and the ranks' own modules once (multiprocessing's `forkserver`, preloaded by `_preload`), instead of
-    each rank importing them again (about 5 s of CPU a rank on two cores, most of a small job's start). Ranks on a
-    GPU are spawned: a fork server that touched CUDA while importing would leave every rank unable to use it."""
-    return "spawn" if cuda else "forkserver"
+def start_method(cuda: bool, threads: int) -> str:
+    """How the agent starts the ranks, each running `threads` intra-op threads.
+
+    - On a GPU: spawned. A process that touched CUDA cannot hand it to a forked child.
+    - On the CPU with one thread a rank: forked from this process, once it has imported what the ranks import
+      (`_preload`: torchvision, the ranks' modules). No rank imports anything again, and no second interpreter
+      starts: a 2-rank tiny run takes about 7.8 s of CPU this way, 11.6 s from a fork server. A single-threaded
+      rank never starts an OpenMP team, so it does not matter what OpenMP did in this process before the fork,
+      nor how OpenMP's threads wait.
+    - On the CPU with several threads a rank: forked from a fork server (multiprocessing's `forkserver`, preloaded
+      the same way) that started afresh. libgomp's thread pool does not survive a fork: a child of a process that ran
+      a parallel region hangs in its own first one. A fresh server also loads OpenMP with the ranks' environment
+      (`OMP_WAIT_POLICY`, read once when torch loads)."""
+    if cuda:
+        return "spawn"
+    return "fork" if threads == 1 else "forkserver"
 
 
-def _preload(fn: Callable, args: tuple) -> None:
-    """What the fork server imports before it forks the ranks: torch, torchvision, the modules of `fn` and of the
-    functions among `args` (the entry a rank runs), and what those modules list in `RANK_IMPORTS` (what their ranks
-    import once started, e.g. the loaders' augmentation library)."""
+def _rank_modules(fn: Callable, args: tuple) -> list[str]:
+    """What the ranks import once started: torch, torchvision, the modules of `fn` and of the functions among `args`
+    (the entry a rank runs), and what those modules list in `RANK_IMPORTS` (e.g. the loaders' augmentation
+    library)."""
     import importlib
-    import multiprocessing
 
     modules = sorted({m for f in (fn, *args) if callable(f) and (m := getattr(f, "__module__", None))} - {"__main__"})
     extra = [name for m in modules for name in getattr(importlib.import_module(m), "RANK_IMPORTS", ())]
-    multiprocessing.set_forkserver_preload(["__main__", "torch", "torchvision", *modules, *extra])
+    return ["torch", "torchvision", *modules, *extra]
+
+
+def _preload(method: str, fn: Callable, args: tuple) -> None:
+    """Import what the ranks import before they start: here, for ranks forked from this process; in the fork
+    server (with this process's `__main__`), for ranks forked from it."""
+    import importlib
+    import multiprocessing
+
+    modules = _rank_modules(fn, args)
+    if method == "fork":
+        for name in modules:
+            importlib.import_module(name)
+    elif method == "forkserver":
+        multiprocessing.set_forkserver_preload(["__main__", *modules])
 
 
 def _as_spawned(fn: Callable, *args: Any) -> Any:
-    """A rank forked from the fork server starts its own processes (loader workers) as a spawned rank does on
-    Linux: forked from the rank, so that they inherit its imports (a spawned worker imports torch again, about 3 s)
-    and end with it (torch's loader workers watch their parent process). Left to multiprocessing, a child of the fork
-    server would start them through a fork server of its own, whose children outlive a killed rank."""
+    """A forked rank (from this process or from the fork server) starts as a spawned rank does:
+    - its own processes (loader workers) are forked from the rank, so that they inherit its imports (a spawned worker
+      imports torch again, about 3 s) and end with it (torch's loader workers watch their parent process). Left to
+      multiprocessing, a child of the fork server would start them through a fork server of its own, whose children
+      outlive a killed rank;
+    - with Python's own handlers of the stop signals, not this process's (the launcher's stop, the agent's)."""
     import multiprocessing
+    import signal
 
+    for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     multiprocessing.set_start_method("fork", force=True)
     return fn(*args)
 
@@ -85,7 +114,8 @@ def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
 
     # the ranks' threads share this process's CPUs (affinity and container quota), and wait passively where there are
     # several; the rest of `visiondist.utils.procenv`'s environment was set when visiondist was imported
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nprocs)))
+    chosen = os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nprocs)))
+    threads = int(chosen) if chosen.isdigit() else 0  # a nested OpenMP list ("4,2"): not one thread
     ranks_share_cpus(nprocs)
     # Each restart gets a fresh store for the ranks' process group: with the rendezvous store shared, a restarted
     # rank can read a peer address left by the previous attempt (pytorch/pytorch#135712).
@@ -104,7 +134,7 @@ def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
         rdzv = dict(min_nodes=pod.min_nodes, max_nodes=pod.max_nodes, run_id=pod.run_id,
                     rdzv_backend=pod.rdzv_backend, rdzv_endpoint=pod.rdzv_endpoint,
                     rdzv_configs={"rank": pod.node_rank} if pod.node_rank is not None else {})
-    method = start_method(cuda)
+    method = start_method(cuda, threads)
     config = LaunchConfig(
         nproc_per_node=nprocs,
         **rdzv,
@@ -116,10 +146,10 @@ def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        if method == "forkserver":
-            _preload(fn, args)
-            return elastic_launch(config, _as_spawned)(fn, *args)
-        return elastic_launch(config, fn)(*args)
+        if method == "spawn":
+            return elastic_launch(config, fn)(*args)
+        _preload(method, fn, args)
+        return elastic_launch(config, _as_spawned)(fn, *args)
     except ChildFailedError as exc:
         raise _every_report(exc) from None
 
