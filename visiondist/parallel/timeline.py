@@ -139,10 +139,7 @@ def from_json(rows: Sequence[dict]) -> list[Event]:
 def plot_timeline(events: Sequence[Event], path: Path, title: str) -> Path:
     """Ranks (rows) x time, one box per action coloured by phase and labelled with its micro-batch; the later
     virtual stages of a rank are drawn lighter."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # drawn by Agg when saved; no pyplot
     from matplotlib.patches import Patch
 
     stats = bubble_fraction(events)
@@ -150,7 +147,8 @@ def plot_timeline(events: Sequence[Event], path: Path, title: str) -> Path:
     begin = min(e.start for e in events)
     scale = 1e3  # ms
     first_stage = {r: min(e.stage for e in events if e.rank == r) for r in range(ranks)}
-    fig, ax = plt.subplots(figsize=(12, 0.7 * ranks + 1.6))
+    fig = Figure(figsize=(12, 0.7 * ranks + 1.6))
+    ax = fig.subplots()
     for e in events:
         x0, width = (e.start - begin) * scale, (e.end - e.start) * scale
         later = e.stage != first_stage[e.rank]
@@ -170,5 +168,4 @@ def plot_timeline(events: Sequence[Event], path: Path, title: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
