@@ -150,3 +150,15 @@ def test_jobs_started_together_find_each_others_note(tmp_path, monkeypatch):
     assert procenv.other_jobs(tmp_path) == 0
     policy, why = procenv.wait_policy({}, lambda: 0.0, lambda: 1)
     assert policy == "PASSIVE" and why == "1 other visiondist job shares this process's CPUs"
+
+
+def test_omp_num_threads_is_one_count_or_left_to_openmp():
+    """One positive count is read as the ranks' thread count (and one thread a rank forks the ranks from the
+    launcher: visiondist.launch.spawn); unset, zero or a nested list ("4,2") is not one count."""
+    from visiondist.launch.spawn import start_method
+
+    counts = {v: procenv.omp_threads({"OMP_NUM_THREADS": v}) for v in ("1", "4", "0", "4,2", "")}
+    assert counts == {"1": 1, "4": 4, "0": None, "4,2": None, "": None}
+    assert procenv.omp_threads({}) is None
+    assert [start_method(False, n) for n in (1, 4, None)] == ["fork", "forkserver", "forkserver"]
+    assert start_method(True, 1) == "spawn"

@@ -9,13 +9,15 @@ The run directory is created once, by the launching process or by global rank 0,
 the resolved config as a plain dict, never a fresh composition. Its default is `<trainer.output_dir>/<date>/<time>/`
 for training, `<trainer.output_dir>/<kind>/<date>_<time>/` for an entry with a `run_kind` (`eval`, `benchmark`).
 
-`ranks.py`: `launch`, each rank's set-up and the job's last line; `spawn.py`: the elastic agent of a node's ranks;
-`pods.py`: a Kubernetes pod's place in its job; `k8s.py`: its manifests; `rundir.py`: the run directory; `slurm.py`:
-srun tasks' ranks; `stop.py`: stop signals and what a stopped job kept; `estimate.py`: a GPU layout's time on the CPU;
-`shared.py`: ranks sharing one GPU (`trainer.share_gpu`), the line that says so and their memory together.
+`ranks.py`: `launch`, each rank's set-up and a stopped job's last line; `failed.py`: a failed job's last line and
+each rank's failure record; `spawn.py`: the elastic agent of a node's ranks; `pods.py`: a Kubernetes pod's place in
+its job; `k8s.py`: its manifests; `rundir.py`: the run directory; `slurm.py`: srun tasks' ranks; `stop.py`: stop
+signals and what a stopped job kept; `estimate.py`: a GPU layout's time on the CPU; `shared.py`: ranks sharing one GPU
+(`trainer.share_gpu`), the line that says so and their memory together.
 """
 
-from visiondist.launch.ranks import RunFailed, cuda_index, launch
+from visiondist.launch.failed import RunFailed
+from visiondist.launch.ranks import cuda_index, launch
 from visiondist.launch.spawn import spawn_local
 from visiondist.launch.rundir import default_run_dir, run_kind, unique_dir
 from visiondist.launch.slurm import first_host, slurm_env

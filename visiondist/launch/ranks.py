@@ -1,6 +1,6 @@
 """Starting the ranks of a job (`launch`): self-launched through torch's elastic launcher, or joined under torchrun /
 srun; each rank's set-up (`run_rank`: process group, device, threads, run dir, watchdog, failure records), and a
-failing or stopped job's one line.
+stopped job's one line (a failed job's: `visiondist.launch.failed`).
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ import logging
 import os
 import signal
 import sys
-import time
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -30,10 +28,11 @@ from visiondist.launch.spawn import _quiet_agent, spawn_local, spawn_ranks
 from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stopped_line
 from visiondist.plan import announce, cuda_device_count, resolve
 from visiondist.utils.exit import leave_quickly_when_done
-from visiondist.utils.procenv import threads_per_rank
+from visiondist.utils.procenv import omp_threads, threads_per_rank
 from visiondist.plan.world import backend_for, cuda_index, device_memory_gb, find_accelerator, under_torchrun
 from visiondist.plan.resolve import compile_plan
 from visiondist.launch.estimate import check_gpu_layout
+from visiondist.launch.failed import one_line_failure, record_rank_failure, wait_for_the_launcher_after_a_lost_peer
 from visiondist.launch.shared import shared_gpu_line
 
 log = logging.getLogger(__name__)
@@ -45,8 +44,10 @@ def _set_threads(local_world: int) -> None:
     """Split this process's CPUs (affinity and container quota) between the ranks of a node unless the user chose
     (OMP_NUM_THREADS). Set here, not left to torch's reading of OMP_NUM_THREADS: a rank forked from its launcher
     inherits the launcher's count, read before the launcher knew how many ranks it would start."""
-    chosen = os.environ.get("OMP_NUM_THREADS", "")
-    torch.set_num_threads(int(chosen) if chosen.isdigit() and int(chosen) > 0 else threads_per_rank(local_world))
+    threads = omp_threads()
+    if threads is None and "OMP_NUM_THREADS" in os.environ:
+        return  # a nested list: OpenMP read it as this rank loaded it (spawned, or forked from a fresh fork server)
+    torch.set_num_threads(threads or threads_per_rank(local_world))
 
 
 def _init_rank(run: RunLayout, single: bool, startup_timeout_s: float = 1800.0,
@@ -110,7 +111,7 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
     except rank_errors() as exc:
         if STOP.received is not None and (STOP.at_once or STOP.count > 1):  # a peer that left at once
             return _stopped_now(STOP.received, path)
-        _wait_for_the_launcher_after_a_lost_peer(_record(path, exc, cfg, run), STOP)
+        wait_for_the_launcher_after_a_lost_peer(record_rank_failure(path, exc, cfg, run), STOP)
         raise
     finally:
         if watchdog is not None:
@@ -159,48 +160,6 @@ def _start_watchdog(run_dir: Path, top_level: bool):
         os._exit(EXIT_HANG)
 
     return Watchdog(run_dir, dist.get_rank(), worker_pids, end_rank).start()
-
-
-def _record(run_dir: Optional[Path], exc: BaseException, cfg: DictConfig, run: RunLayout) -> str:
-    from visiondist.faults.failures import FAILURE_DIR, dump_stacks, is_collective_timeout, one_line, record_failure
-    from visiondist.plan.fit import is_out_of_memory, out_of_memory_cause
-    from visiondist.utils.signals import HANG_DIR
-
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-    cause = ""
-    if is_out_of_memory(exc):  # the plan's figure for this layout and what would fit, not the allocator's essay
-        try:
-            cause = out_of_memory_cause(cfg, run, exc)
-        except Exception:  # noqa: BLE001 - the failure must be recorded whatever the plan says
-            cause = ""
-    if run_dir is not None and is_collective_timeout(exc):
-        try:
-            dump_stacks(run_dir, rank, one_line(exc))
-            cause = f"{one_line(exc)}; the stacks of every thread are in {run_dir / HANG_DIR}"
-        except OSError:
-            pass
-    line = record_failure(run_dir, rank, exc, cause)
-    where = f" (traceback: {run_dir / FAILURE_DIR / f'rank{rank}.txt'})" if run_dir is not None else ""
-    exc.visiondist_line = line + where  # type: ignore[attr-defined]
-    return line
-
-
-LOST_PEER_WAIT_S = 3.0
-
-
-def _wait_for_the_launcher_after_a_lost_peer(line: str, stop: Any) -> None:
-    """A rank that failed only because a peer's connection closed (gloo's ranks fail on it at once) waits, up to
-    `LOST_PEER_WAIT_S`, for its launcher to end it. The elastic agent reports one rank's end, the first it sees at
-    its 0.1 s poll; a peer that a signal ended (the OOM killer, `kill -9`) leaves no record of its own, so only its exit
-    status, seen first, names the cause. The wait ends at the launcher's SIGTERM (`stop.received`); a lost peer on
-    another node, which this node's launcher cannot see, costs the wait once."""
-    from visiondist.faults.failures import is_follow_on
-
-    if not is_follow_on(line):
-        return
-    deadline = time.monotonic() + LOST_PEER_WAIT_S
-    while stop.received is None and time.monotonic() < deadline:
-        time.sleep(0.02)
 
 
 @record  # a failing rank's traceback reaches the launcher's error report, not just its exit code
@@ -253,14 +212,14 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
     cfg_dict = with_decode_choice(cfg, run, to_container(cfg), env.get("RANK", "0") == "0")
     kind = run_kind(entry)
     if run.under_torchrun:  # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
-        with _one_line_failure(None):
+        with one_line_failure(None):
             _report_stop(run_rank(entry, cfg_dict, run, None, auto_plan, top_level=True), kind, True)
         return run
     run_dir = new_run_dir(cfg, run, kind)
     if auto_plan is not None:
         _write_plan(run_dir, auto_plan)
     if run.world_size == 1:
-        with _one_line_failure(run_dir):
+        with one_line_failure(run_dir):
             _report_stop(run_rank(entry, cfg_dict, run, str(run_dir), top_level=True), kind)
         return run
 
@@ -293,7 +252,7 @@ def _run_agent(spawn: Callable[[], dict[int, Any]], cfg: DictConfig, run: RunLay
 
     stop = LauncherStop(*_stop_wait(cfg, run, kind), kind=kind)
     try:
-        with _one_line_failure(run_dir, stop), _quiet_agent(), stop:
+        with one_line_failure(run_dir, stop), _quiet_agent(), stop:
             results = spawn()
         _report_stop(results[min(results)] if results else None, kind, under_torchrun)
     except SignalException as exc:  # the ranks were ended before they finished
@@ -357,60 +316,6 @@ def _stop_wait(cfg: DictConfig, run: RunLayout, kind: Optional[str]) -> tuple[fl
     if kind == "benchmark":
         return grace_seconds(cfg, run), "the ranks finish the step in flight"
     return grace_seconds(cfg, run), "the ranks finish their step and write a checkpoint"
-
-
-class RunFailed(Exception):
-    """A rank failed. The message is one line: the rank, the step, the cause, and where the traceback is."""
-
-    exit_code = 1
-
-
-@contextmanager
-def _one_line_failure(run_dir: Optional[Path], stop: Optional[LauncherStop] = None):
-    """Turn a rank's exception (this process's, or the elastic launcher's report of a spawned rank's) into
-    `RunFailed` with the earliest rank's line from the run dir's failure records; ranks that ended while the job
-    was stopping (`stop`) stopped, they did not fail."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from visiondist.faults.failures import first_failure, killed_rank, one_line, rank_errors
-
-    try:
-        yield
-    except (JobStopped, RunFailed, SignalException):  # a stop signal is not a failure
-        raise
-    except ChildFailedError as exc:
-        if stop is not None and stop.received is not None and run_dir is not None:
-            raise JobStopped(stop.received, stopped_line(stop.received, run_dir, stop.kind,
-                                                         why=stop.why() if stop.ended else "")) from None
-        found = first_failure(run_dir) if run_dir is not None else None
-        killed = killed_rank({rank: f.exitcode for rank, f in exc.failures.items()}, found)
-        if killed is not None:  # no report of its own; what its peers recorded (a lost connection) followed it
-            after = f"; rank {found.rank} then lost its connection (traceback: {found.file})" if found else ""
-            raise RunFailed(f"rank {killed[0]} ended (killed by {killed[1]}) without a report{after}"
-                            f"{_continue_hint(run_dir, found.line if found else '')}") from None
-        if found is None:
-            rank, failure = exc.get_first_failure()
-            why = (f"killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
-                   else f"exit code {failure.exitcode}")
-            raise RunFailed(f"rank {rank} ended ({why}) without a report: see the output above") from None
-        raise RunFailed(f"{found.line} (traceback: {found.file}){_continue_hint(run_dir, found.line)}") from None
-    except rank_errors() as exc:  # this process's own rank: its line (torchrun: each rank says its own)
-        line = getattr(exc, "visiondist_line", None) or one_line(exc)
-        raise RunFailed(line + _continue_hint(run_dir, line)) from exc
-
-
-def _continue_hint(run_dir: Optional[Path], line: str) -> str:
-    """A training failure after a checkpoint (a data server gone, a node lost): how to continue once it is fixed."""
-    if run_dir is None or not ("(training)" in line or "(evaluating)" in line):
-        return ""
-    from visiondist.launch.stop import continue_command
-    from visiondist.utils.dcp import list_checkpoints
-
-    kept = list_checkpoints(Path(run_dir))
-    if not kept:
-        return ""
-    return f"; once fixed, continue from step {kept[-1][0]} with: {continue_command(run_dir, False)}"
 
 
 def _report_stop(result: Any, kind: Optional[str], under_torchrun: bool = False) -> None:

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 from visiondist.launch.pods import PodJob
-from visiondist.utils.procenv import ranks_share_cpus, threads_per_rank
+from visiondist.utils.procenv import omp_threads, ranks_share_cpus, threads_per_rank
 
 
 @contextmanager
@@ -46,15 +46,16 @@ def spawn_local(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0, cu
     return spawn_ranks(fn, nprocs, *args, max_restarts=max_restarts, cuda=cuda)
 
 
-def start_method(cuda: bool, threads: int) -> str:
-    """How the agent starts the ranks, each running `threads` intra-op threads.
+def start_method(cuda: bool, threads: Optional[int]) -> str:
+    """How the agent starts the ranks, each running `threads` intra-op threads (None: not one count, e.g. a nested
+    OMP_NUM_THREADS list).
 
     - On a GPU: spawned. A process that touched CUDA cannot hand it to a forked child.
     - On the CPU with one thread a rank: forked from this process, once it has imported what the ranks import
       (`_preload`: torchvision, the ranks' modules). No rank imports anything again, and no second interpreter
-      starts: a 2-rank tiny run takes about 7.8 s of CPU this way, 11.6 s from a fork server. A single-threaded
-      rank never starts an OpenMP team, so it does not matter what OpenMP did in this process before the fork,
-      nor how OpenMP's threads wait.
+      starts: a 2-rank tiny run took 7.0-8.3 s of CPU this way, 11.0-12.4 s from a fork server (2 cores). A
+      single-threaded rank never starts an OpenMP team, so it does not matter what OpenMP did in this process
+      before the fork, nor how OpenMP's threads wait.
     - On the CPU with several threads a rank: forked from a fork server (multiprocessing's `forkserver`, preloaded
       the same way) that started afresh. libgomp's thread pool does not survive a fork: a child of a process that ran
       a parallel region hangs in its own first one. A fresh server also loads OpenMP with the ranks' environment
@@ -114,8 +115,7 @@ def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
 
     # the ranks' threads share this process's CPUs (affinity and container quota), and wait passively where there are
     # several; the rest of `visiondist.utils.procenv`'s environment was set when visiondist was imported
-    chosen = os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nprocs)))
-    threads = int(chosen) if chosen.isdigit() else 0  # a nested OpenMP list ("4,2"): not one thread
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nprocs)))
     ranks_share_cpus(nprocs)
     # Each restart gets a fresh store for the ranks' process group: with the rendezvous store shared, a restarted
     # rank can read a peer address left by the previous attempt (pytorch/pytorch#135712).
@@ -134,7 +134,7 @@ def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
         rdzv = dict(min_nodes=pod.min_nodes, max_nodes=pod.max_nodes, run_id=pod.run_id,
                     rdzv_backend=pod.rdzv_backend, rdzv_endpoint=pod.rdzv_endpoint,
                     rdzv_configs={"rank": pod.node_rank} if pod.node_rank is not None else {})
-    method = start_method(cuda, threads)
+    method = start_method(cuda, omp_threads())
     config = LaunchConfig(
         nproc_per_node=nprocs,
         **rdzv,

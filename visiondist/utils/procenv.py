@@ -250,6 +250,13 @@ def _quota(directory: Path) -> Optional[float]:
     return quota / period if quota > 0 and period > 0 else None
 
 
+def omp_threads(env: MutableMapping[str, str] = os.environ) -> Optional[int]:
+    """OMP_NUM_THREADS as one positive thread count; None where it is unset or is not one count (a nested list such as
+    "4,2", which OpenMP reads itself as it loads)."""
+    value = env.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def threads_per_rank(ranks_per_node: int) -> int:
     """The intra-op threads of each of a node's ranks: this process's CPUs shared between them, at least one."""
     return max(1, usable_cpus() // max(1, ranks_per_node))
