@@ -19,7 +19,7 @@ def test_multirun_runs_each_job_with_its_own_ranks_into_its_own_run_dir(tmp_path
     out = tmp_path / "out"
     args = ["-m", "optim.lr=1e-3,3e-4", "trainer.max_steps=3", *TINY_DATA, f"data.root={tiny_shapes}",
             "data.batch_size=16", "trainer.log_every=1", "trainer.accelerator=cpu", "trainer.loggers=[csv]",
-            "parallel.dp=2", f"trainer.output_dir={out}"]
+            "parallel.dp=2", f"trainer.output_dir={out}", "trainer.plots=true"]
     result = run_cli(args, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
     sweeps = list((out / "multirun").glob("*/*"))

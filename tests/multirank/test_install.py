@@ -79,8 +79,9 @@ def test_the_plain_install_trains_the_default_run(tmp_path):
     probe = finish_job(start_job([sys.executable, "-c", "import wandb"], env), 60, "import wandb")
     assert "ModuleNotFoundError: No module named 'wandb'" in probe, probe
     run = tmp_path / "run"
-    proc = start_job([sys.executable, str(REPO / "tools" / "train.py"), *TINY_DATA, "trainer.max_steps=2",
-                      f"data.root={tmp_path / 'shapes'}", f"trainer.run_dir={run}"], env)
+    proc = start_job([sys.executable, str(REPO / "tools" / "train.py"), *TINY_DATA, "trainer.plots=true", "trainer.max_steps=2",
+                      f"data.root={tmp_path / 'shapes'}", f"trainer.run_dir={run}"], env,
+                     fresh=True)  # what the tool imports is the subject
     out = finish_job(proc, 240, "the default run under the plain install")
     assert proc.returncode == 0, out[-4000:]
     assert "val top-1:" in out and (run / "model.safetensors").is_file() and (run / "curves.png").is_file(), out[-3000:]

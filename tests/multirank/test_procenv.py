@@ -27,7 +27,8 @@ def _train(tiny_shapes, tmp_path, *overrides: str, env: dict) -> str:
     args = [a for a in TINY_DATA if not a.startswith("data.num_workers")]
     proc = start_job([sys.executable, str(REPO / "tools" / "train.py"), *args, f"data.root={tiny_shapes}",
                       "data.batch_size=16", "data.num_workers=1", "trainer.accelerator=cpu", "trainer.loggers=[csv]",
-                      "trainer.max_steps=4", f"trainer.run_dir={tmp_path / 'run'}", *overrides], env=env)
+                      "trainer.max_steps=4", f"trainer.run_dir={tmp_path / 'run'}", *overrides], env=env,
+                     fresh=True)  # what a process does as it starts is the subject
     out = finish_job(proc, 300, "the run")
     assert proc.returncode == 0, out[-4000:]
     return out

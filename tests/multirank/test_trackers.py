@@ -36,7 +36,7 @@ def test_a_stopped_and_continued_run_logs_the_csv_plots_and_weights_to_wandb_and
     args = [*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16", "trainer.log_every=1",
             "trainer.accelerator=cpu", "parallel.dp=2", "trainer.max_steps=4", "trainer.eval_every=2",
             f"trainer.output_dir={out}", f"trainer.run_dir={run}", "trainer.loggers=[csv,wandb,mlflow]",
-            "trainer.project=tiny"]
+            "trainer.project=tiny", "trainer.plots=true"]
     first = _train([*args, "trainer.stop_at_step=2"], env)
     ids = json.loads((run / "trackers.json").read_text())
     assert (f"tracking: wandb: run {ids['wandb']['id']} offline in {run / 'wandb'}/offline-run-" in first

@@ -38,7 +38,7 @@ def _one_run(out):
 
 @pytest.fixture(scope="module")
 def dp1_run(tmp_path_factory, tiny_shapes):
-    return _train(tmp_path_factory.mktemp("ref"), tiny_shapes, "dp1")[0]
+    return _train(tmp_path_factory.mktemp("ref"), tiny_shapes, "dp1", "trainer.plots=true")[0]
 
 
 def _same_training(run1, run2):
@@ -76,6 +76,7 @@ def test_dp2_tp2_with_sequence_parallel_equals_dp1(dp2_tp2_run, dp1_run):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["val images"] == 30 and summary["TP traffic per step (MB)"] > 0
     assert summary["parameters per rank (M)"] < summary["parameters (M)"]
+    assert not list(run.glob("*.png")) and (dp1_run / "curves.png").is_file()  # trainer.plots=false / true
     log = (run / "train.log").read_text()
     assert "mesh (pp, dp, tp) over 1 node: dp groups [0, 2] [1, 3]: each inside one node; tp groups [0, 1] [2, 3]" in log
 
@@ -154,7 +155,7 @@ def test_srun_tasks_read_their_ranks_from_slurm(tmp_path, tiny_shapes, dp1_run):
 @pytest.mark.layouts
 def test_dp2_equals_dp1_and_writes_one_run_dir(tmp_path, tiny_shapes, dp1_run):
     run1 = dp1_run
-    run2, stdout = _train(tmp_path, tiny_shapes, "dp2", "parallel.dp=2")
+    run2, stdout = _train(tmp_path, tiny_shapes, "dp2", "parallel.dp=2", "trainer.plots=true")
     assert f"dp=2 tp=1 pp=1 ({ranks_on(2)})" in stdout
 
     cfg = yaml.safe_load((run2 / "config.yaml").read_text())

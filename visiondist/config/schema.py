@@ -204,6 +204,7 @@ class TrainerConfig:
     output_dir: str = "outputs"
     run_dir: Optional[str] = None  # default: <output_dir>/<date>/<time>
     progress: bool = True  # rank 0: the live bar in a terminal, evaluation bars and spinners
+    plots: bool = True  # rank 0: curves.png and the per-class (and detectors' val image) PNGs; false: none
     # where rank 0 sends the metrics: csv (metrics.csv, always written), tensorboard, wandb, mlflow
     # (observe/trackers.py; wandb and mlflow are the extras of those names)
     loggers: list[str] = field(default_factory=lambda: ["csv", "tensorboard"])

@@ -71,7 +71,8 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
         (run_dir / "eval.json").write_text(json.dumps({"weights": cfg.model.weights, "images decoded by": decoded_by,
                                                        **metrics}, indent=2))
         log.info("eval | %s | images decoded by %s", task.describe(metrics), decoded_by)
-        draw_evaluation(task, metrics, run_dir, f"{cfg.model.name} on {cfg.data.name}")
+        if cfg.trainer.plots:
+            draw_evaluation(task, metrics, run_dir, f"{cfg.model.name} on {cfg.data.name}")
         print(task.final_line(metrics), flush=True)
         print(f"eval dir: {shown_path(run_dir)} (eval.json, eval.log)", flush=True)
     return metrics

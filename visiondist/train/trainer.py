@@ -211,6 +211,6 @@ class Trainer(Checkpointing, OptimizerStep):
 
         if self.layout.is_main:
             report_run(self.run_dir, summary, self.metrics.rows, self.task, self.last_eval,
-                       f"{self.cfg.model.name} on {self.cfg.data.name}", written)
+                       f"{self.cfg.model.name} on {self.cfg.data.name}", written, self.cfg.trainer.plots)
         self.metrics.close()
         return summary
