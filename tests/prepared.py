@@ -99,7 +99,8 @@ def _run(request: dict, out: int) -> None:
         else:
             print(exc.code, file=sys.stderr)
             code = 1
-    except KeyboardInterrupt:  # as the interpreter ends: by SIGINT itself
+    except KeyboardInterrupt:  # as the interpreter ends: its traceback, then by SIGINT itself
+        sys.excepthook(*sys.exc_info())
         _finish()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
