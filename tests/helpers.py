@@ -106,9 +106,17 @@ def _prepared() -> dict:
         line = proc.stdout.readline()
         log.seek(0)
         assert line.strip() == "ready", f"the prepared interpreter did not start: {line!r}\n{log.read()[-3000:]}"
-        atexit.register(proc.kill)
+        atexit.register(_end_prepared, proc, folder)
         _server.update(path=path, at_start=_at_start(env), proc=proc)
     return _server
+
+
+def _end_prepared(proc: subprocess.Popen, folder: str) -> None:
+    import shutil
+
+    proc.kill()
+    proc.wait()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 class PreparedRun:
