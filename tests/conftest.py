@@ -101,7 +101,7 @@ def pytest_runtest_protocol(item, nextitem):
             except ChildProcessError:
                 break
         t = os.times()
-        from helpers import PREPARED_CPU  # the runs the prepared interpreter forked (tests/prepared.py)
+        from prepared import PREPARED_CPU  # the runs the prepared interpreter forked
 
         return t.user + t.system + t.children_user + t.children_system + PREPARED_CPU[0]
 

@@ -37,8 +37,10 @@ def start_job(command: list[str], env: Optional[dict] = None, cwd: Path = REPO, 
     text pipe. A `python <script> ...` or `python -m <module> ...` is forked from this test process's prepared
     interpreter (`PreparedRun`: the same process tree, signals and exit codes, without the 5 s of imports), unless
     `fresh` or VISIONDIST_TEST_FRESH=1 asks for a new interpreter, or `env` differs where start-up reads it."""
+    from prepared import PreparedRun, prepared_for
+
     env = env or job_env()
-    if not fresh and command[0] == sys.executable and prepared_for(command[1:], env):
+    if not fresh and command[0] == sys.executable and prepared_for(command[1:], env, job_env()):
         return PreparedRun(command[1:], env, cwd)
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -63,120 +65,6 @@ def run_cli(
     proc = start_job([sys.executable, *launcher, str(script), *args])
     out = finish_job(proc, timeout, f"{script.name} {' '.join(args)}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
-
-
-# Variables read when torch, OpenMP, Python or a library start: a run whose environment differs from the prepared
-# interpreter's in one of these starts a fresh interpreter (TORCHINDUCTOR_CACHE_DIR: read where it is used).
-_READ_AT_START = ("OMP_", "GOMP_", "KMP_", "MKL_", "TORCH", "PYTORCH", "CUDA", "NCCL", "PYTHON", "LD_", "MALLOC",
-                  "NO_ALBUMENTATIONS", "VISIONDIST_OMP_WAIT", "TRITON", "INDUCTOR", "HF_", "HUGGINGFACE",
-                  "TRANSFORMERS", "TIMM", "XDG_", "HOME", "MPL", "TMPDIR")
-_READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR",)
-_server: dict = {}
-PREPARED_CPU = [0.0]  # CPU seconds of the runs forked by this process's prepared interpreter (measurement mode)
-
-
-def _at_start(env: dict) -> dict:
-    return {n: v for n, v in env.items() if n.startswith(_READ_AT_START) and n not in _READ_WHEN_USED}
-
-
-def prepared_for(command: list[str], env: dict) -> bool:
-    """Whether a run of `command` (after `python`) with `env` can be forked from the prepared interpreter
-    (tests/prepared.py): a script, or `-m` and a module, with the environment the interpreter started under as far
-    as start-up reads it. Where this test process's own environment has changed there since (a test that called the
-    launcher in this process), the interpreter is started again under the new one."""
-    if os.environ.get("VISIONDIST_TEST_FRESH") or not (command[0] == "-m" or not command[0].startswith("-")):
-        return False
-    wanted = _at_start(env)
-    if _server and _server["at_start"] != wanted and wanted == _at_start(job_env()):
-        _server.clear()  # the old one ends with this process, once the runs it forked have ended
-    return _prepared()["at_start"] == wanted
-
-
-def _prepared() -> dict:
-    """This test process's prepared interpreter, started on first use; it ends when this process does."""
-    if not _server:
-        import atexit
-        import tempfile
-
-        folder = tempfile.mkdtemp(prefix="vd-prep-")
-        path, env = os.path.join(folder, "s"), job_env()
-        log = open(os.path.join(folder, "log"), "w+")  # its imports' warnings, not in the test's output
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("prepared.py")), path], env=env,
-                                stdout=subprocess.PIPE, stderr=log, text=True)
-        line = proc.stdout.readline()
-        log.seek(0)
-        assert line.strip() == "ready", f"the prepared interpreter did not start: {line!r}\n{log.read()[-3000:]}"
-        atexit.register(_end_prepared, proc, folder)
-        _server.update(path=path, at_start=_at_start(env), proc=proc)
-    return _server
-
-
-def _end_prepared(proc: subprocess.Popen, folder: str) -> None:
-    import shutil
-
-    proc.kill()
-    proc.wait()
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-class PreparedRun:
-    """A tool run forked by the prepared interpreter (tests/prepared.py), with the part of `subprocess.Popen`'s
-    interface the helpers use: `pid` (also its process group), `args`, `returncode`, `poll`, `wait`, `communicate`
-    (output and errors in one text)."""
-
-    def __init__(self, command: list[str], env: dict, cwd: Path):
-        import json
-        import socket
-
-        self.args, self.returncode, self._chunks = [sys.executable, *command], None, []
-        read, write = os.pipe()
-        self._out = read
-        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._conn.connect(_prepared()["path"])
-        body = json.dumps({"argv": command, "env": env, "cwd": str(cwd)}).encode()
-        socket.send_fds(self._conn, [len(body).to_bytes(8, "big")], [write])
-        self._conn.sendall(body)
-        os.close(write)
-        self._lines = self._conn.makefile("r")
-        self.pid = int(self._lines.readline())
-
-    def _status(self, timeout: Optional[float]) -> Optional[int]:
-        import select
-
-        if self.returncode is None and select.select([self._conn], [], [], timeout)[0]:
-            line = self._lines.readline()
-            assert line, f"the prepared interpreter ended before run {self.pid} did"
-            code, cpu = line.split()
-            self.returncode = int(code)
-            PREPARED_CPU[0] += float(cpu)
-            self._conn.close()
-        return self.returncode
-
-    def poll(self) -> Optional[int]:
-        return self._status(0)
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        if self._status(timeout) is None:
-            raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.returncode
-
-    def communicate(self, timeout: Optional[float] = None) -> tuple[str, None]:
-        import select
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._out is not None:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([self._out], [], [], left)[0]:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            chunk = os.read(self._out, 1 << 16)
-            if chunk:
-                self._chunks.append(chunk)
-            else:
-                os.close(self._out)
-                self._out = None
-        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        text = b"".join(self._chunks).decode(errors="replace")
-        return text.replace("\r\n", "\n").replace("\r", "\n"), None
 
 
 def run_together(commands: list[list[str]], timeout: float = 300, envs: Optional[list[dict]] = None,

@@ -1,4 +1,4 @@
-"""The prepared interpreter the tests fork tool runs from (tests/prepared.py, helpers.PreparedRun) gives what a fresh
+"""The prepared interpreter the tests fork tool runs from (tests/prepared.py: PreparedRun) gives what a fresh
 `python <script>` gives: the command line, working directory, environment, `__name__`, sys.path[0], output, exit
 code, a traceback's exit, a signal's end and Ctrl-C's."""
 
@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from helpers import PreparedRun, job_env, prepared_for, start_job
+from helpers import job_env, start_job
+from prepared import PreparedRun, prepared_for
 
 SCRIPT = """
 import os, signal, sys, time
@@ -33,7 +34,7 @@ def _both(tmp_path, *args, signal_after=None):
     script.write_text(SCRIPT)
     env = job_env(PREPARED_TEST="yes")
     command = [str(script), *args]
-    assert prepared_for(command, env)
+    assert prepared_for(command, env, job_env())
     results = []
     for proc in (PreparedRun(command, env, tmp_path), start_job([sys.executable, *command], env, tmp_path, fresh=True)):
         if signal_after is not None:
@@ -65,6 +66,6 @@ def test_sigterm_ends_a_forked_run_as_a_fresh_one(tmp_path):
 
 
 def test_a_run_whose_start_up_environment_differs_starts_fresh(tmp_path):
-    assert not prepared_for([str(tmp_path / "x.py")], job_env(OMP_NUM_THREADS="2"))
-    assert not prepared_for(["-c", "pass"], job_env())
-    assert prepared_for(["-m", "json.tool"], job_env(SOMETHING_ELSE="1"))
+    assert not prepared_for([str(tmp_path / "x.py")], job_env(OMP_NUM_THREADS="2"), job_env())
+    assert not prepared_for(["-c", "pass"], job_env(), job_env())
+    assert prepared_for(["-m", "json.tool"], job_env(SOMETHING_ELSE="1"), job_env())
