@@ -41,7 +41,10 @@
 # ViT-H/14 training steps, plain, accumulated and checkpointed, and ViT-B/16 under tp2 and pp2 with both ranks on the
 # GPU, each planned GB beside max_memory_allocated and max_memory_reserved (a row more than 10% off fails the part).
 # About 5 minutes; it skips the training check. Not run yet.
-#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short|cudagraphs|profile|layouts|multi|memory][+...]
+# `predict`: tools/predict.py's path against a plain PyTorch loop over the same model, batches and files, and the
+# model alone on images decoded beforehand (benchmarks/predict.py): ViT-B/16 in bf16, compiled as the tool runs it,
+# 2,048 real photos, batch 256. About 2 minutes; it skips the training check. Not run yet.
+#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short|cudagraphs|profile|layouts|multi|memory|predict][+...]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
@@ -95,8 +98,12 @@ if has profile; then
     part 330 vit_profile.txt python3 benchmarks/vit_profile.py --out "$out" --rows vit_small:256 \
         vit_base:256:timm_whole,split_blocks,ours_blocks,ours_whole
 fi
+if has predict; then  # prediction's images/s against a plain loop (its own DataLoader) and the model alone
+    part 240 bench_predict.txt python3 benchmarks/predict.py --device cuda --precision bf16 --compile \
+        --model vit_base --images 2048 --batch 256 --rounds 3 --markdown "$out/predict.md"
+fi
 photos="$VISIONDIST_DATA/photos-10240"  # what tests/multirank/test_gpu.py's photos fixture reads
-if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|profile|cudagraphs|layouts|multi|memory') ]]; then
+if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|profile|cudagraphs|layouts|multi|memory|predict') ]]; then
     part 120 photos.txt python3 benchmarks/photos.py "$photos" --train 10240 --val 256
     # the training path on real photos first: DeiT recipe, decode in the workers (two seeds) and on the device
     part 330 gpu_training.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 320 -m gpu -rA \

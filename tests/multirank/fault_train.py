@@ -18,6 +18,7 @@ again as `__mp_main__`) and in their loader workers (forked from the ranks). Not
 | `slow_step:n` | optimizer step n takes VISIONDIST_SLOW_S seconds longer (default 40) on every rank |
 | `slow_eval` | an evaluation takes VISIONDIST_SLOW_S seconds longer on every rank (each touches VISIONDIST_SLOW_MARK.<pid>) |
 | `slow_export` | an export takes VISIONDIST_SLOW_S seconds longer (touching VISIONDIST_SLOW_MARK.<pid>) |
+| `predict_kill:n` | tools/predict.py: once rank 0 has written its n-th batch, the whole job is SIGKILLed |
 """
 
 import importlib.util
@@ -178,10 +179,27 @@ def _patch_slow_export() -> None:
     export.export = _slowly(export.export)
 
 
+def _patch_predict_kill() -> None:
+    import torch.distributed as dist
+
+    from visiondist.predict.outputs import PartWriter
+
+    original, written = PartWriter.write, [0]
+
+    def write(self, records):
+        original(self, records)
+        written[0] += 1
+        if dist.get_rank() == 0 and written[0] == N:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    PartWriter.write = write
+
+
 PATCHES = {"getitem_raise": _patch_getitem, "getitem_hang": _patch_getitem, "worker_kill": _patch_getitem,
            "eval_raise": _patch_eval, "save_fail": _patch_save, "rank_hang": _patch_rank_hang,
            "rank_kill": _patch_rank_kill, "cuda_oom": _patch_cuda_oom,
-           "slow_step": _patch_slow_step, "slow_eval": _patch_slow_eval, "slow_export": _patch_slow_export}
+           "slow_step": _patch_slow_step, "slow_eval": _patch_slow_eval, "slow_export": _patch_slow_export,
+           "predict_kill": _patch_predict_kill}
 if KIND:
     PATCHES[KIND]()
 

@@ -11,7 +11,7 @@ from helpers import REPO, TINY_DATA, run_cli, train_ok
 
 
 def test_help_from_the_command_line():
-    for name in ("eval", "export"):
+    for name in ("eval", "export", "predict"):
         result = subprocess.run([sys.executable, str(REPO / "tools" / f"{name}.py"), "--help"], cwd=REPO,
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0 and result.stdout.startswith(f"usage: python tools/{name}.py"), result.stderr

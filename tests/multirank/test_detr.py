@@ -91,22 +91,25 @@ def _evaluated_on_2_ranks_as_in_training(run_dir, data, final: dict) -> None:
     float of 1, 2 and 3 ranks (shards of 4, 3 and 3) at one batch size: the RT-DETR test's
     `_evaluated_alike_on_1_2_3_ranks`; the sharding and gathering are the same code for every variant, the
     post-processing each variant's own. `final`: the metrics.csv row of the run's last evaluation."""
-    import collections
-
     stats = _evaluated_alike_on_1_2_3_ranks(run_dir, data, ranks=(2,))
     assert {k: v for k, v in final.items() if k in stats} == {k: stats[k] for k in final if k in stats}
-    by_image = []
-    for path in (run_dir / "detections.json", sorted((run_dir / "eval").iterdir())[-1] / "detections.json"):
-        images = collections.defaultdict(lambda: {"boxes": [], "labels": [], "scores": []})
-        for d in json.loads(path.read_text()):
-            images[d["image_id"]]["boxes"].append(d["bbox"])
-            images[d["image_id"]]["labels"].append(d["category_id"])
-            images[d["image_id"]]["scores"].append(d["score"])
-        by_image.append(images)
-    trained, evaluated = by_image
+    trained, evaluated = (by_image(p) for p in (run_dir / "detections.json",
+                                                 sorted((run_dir / "eval").iterdir())[-1] / "detections.json"))
     assert sorted(trained) == sorted(evaluated) and len(trained) == 10
     for image in trained:
         assert_same_detections(trained[image], evaluated[image], box_atol=1e-3, score_atol=1e-4)
+
+
+def by_image(path) -> dict:
+    """A COCO results file's detections as {image id: {"boxes", "labels" (category ids), "scores"}}."""
+    import collections
+
+    images = collections.defaultdict(lambda: {"boxes": [], "labels": [], "scores": []})
+    for d in json.loads(path.read_text()):
+        images[d["image_id"]]["boxes"].append(d["bbox"])
+        images[d["image_id"]]["labels"].append(d["category_id"])
+        images[d["image_id"]]["scores"].append(d["score"])
+    return images
 
 
 def _exported_predicts_as_trained(run, exported):
@@ -235,6 +238,19 @@ def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exp
                          f"trainer.run_dir={tmp_path / 'again'}"], timeout=300)
         assert again.returncode == 0, again.stdout[-4000:]
         assert f"tensors loaded from {hf}" in again.stdout + again.stderr
+
+    if model == "dfine_n":  # tools/predict.py on the exported directory, as a user of it would: the run's own
+        # detections of its val images (the class names from config.json, the category ids from the annotation file)
+        out = tmp_path / "predicted"
+        predicted = run_cli([*args, f"weights={hf}", f"source={tmp_path / 'data' / 'val'}", f"out={out}",
+                             "score_thresh=0", "batch=4", "save_images=1"], timeout=300,
+                            script=REPO / "tools" / "predict.py")
+        assert predicted.returncode == 0, predicted.stdout[-4000:]
+        trained, predicted = by_image(run / "detections.json"), by_image(out / "results.json")
+        assert sorted(trained) == sorted(predicted) and len(predicted) == 10
+        for image in trained:
+            assert_same_detections(trained[image], predicted[image], box_atol=1e-3, score_atol=1e-4)
+        assert len(list((out / "images").iterdir())) == 1
 
     if model == "dfine_n":  # the tool's ONNX path is one for every family, whose graphs tests/unit/test_detr_models.py
         # compares with PyTorch each: once here is enough for CI's time

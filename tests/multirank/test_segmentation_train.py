@@ -35,6 +35,18 @@ def test_train_eval_and_export_a_mask_model(tmp_path):
     for key, value in final.items():
         if key.startswith("val_") and value is not None:
             assert stats[key] == value, key  # the same weights, the same masks, the same numbers
+
+    # tools/predict.py on the val folder, at the evaluation's batch, everything kept: the evaluation's masks
+    out = tmp_path / "predicted"
+    predicted = run_cli([f"run_dir={run}", f"source={tmp_path / 'data' / 'val'}", f"out={out}", "score_thresh=0",
+                         "batch=4", "save_images=2"], timeout=300, script=REPO / "tools" / "predict.py")
+    assert predicted.returncode == 0, predicted.stdout[-4000:]
+    ours = json.loads((out / "results.json").read_text())
+    assert [{k: d[k] for k in ("image_id", "category_id", "segmentation", "score")} for d in ours] == json.loads(
+        (run / "segmentations.json").read_text())
+    assert all("mask" in d for line in (out / "detections.jsonl").read_text().splitlines()
+               for d in json.loads(line)["detections"])
+    assert len(list((out / "images").iterdir())) == 2
     _export_loads_in_torchvision(run, tmp_path)
 
 

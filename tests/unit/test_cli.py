@@ -13,14 +13,17 @@ from helpers import REPO, call_tool, load_tool
 CONFIGS = REPO / "configs"
 
 
-TOOLS = ("train", "eval", "export", "plan", "benchmark")
+TOOLS = ("train", "eval", "export", "plan", "benchmark", "predict")
 
 
 _tool, _call = load_tool, call_tool
 
 
 KEYS = {"train": (), "eval": ("run_dir=<dir>", "step=<N>", "weights=<path>"), "plan": (), "benchmark": (),
-        "export": ("run_dir=<dir>", "step=<N>", "format=<format>", "out=<path>")}
+        "export": ("run_dir=<dir>", "step=<N>", "format=<format>", "out=<path>"),
+        "predict": ("run_dir=<dir>", "step=<N>", "weights=<path>", "source=<path>", "out=<dir>", "topk=<k>",
+                    "score_thresh=<s>", "max_det=<n>", "classes=<a,b>", "save_images=<n>", "vid_stride=<n>",
+                    "batch=<n>")}
 
 
 @pytest.mark.parametrize("name", TOOLS)
@@ -211,12 +214,15 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
     assert next_commands(tmp_path / "outputs" / "r").splitlines() == [
         f"run dir: {tmp_path}/outputs/r",
         f"  evaluate: python tools/eval.py run_dir={tmp_path}/outputs/r",
+        f"  predict:  python tools/predict.py run_dir={tmp_path}/outputs/r source=<images, folder, glob, list or "
+        "video>",
         f"  export:   python tools/export.py run_dir={tmp_path}/outputs/r   (safetensors; format=onnx or "
         "format=torchscript)"]
     monkeypatch.chdir(tmp_path)  # elsewhere: the commands still run as printed (the tools by their full path)
     assert next_commands(tmp_path / "outputs" / "r").splitlines() == [
         "run dir: outputs/r",
         f"  evaluate: python {REPO}/tools/eval.py run_dir=outputs/r",
+        f"  predict:  python {REPO}/tools/predict.py run_dir=outputs/r source=<images, folder, glob, list or video>",
         f"  export:   python {REPO}/tools/export.py run_dir=outputs/r   (safetensors; format=onnx or "
         "format=torchscript)"]
 

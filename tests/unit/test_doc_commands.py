@@ -130,7 +130,7 @@ def test_the_pages_commands_are_found():
     assert kinds == {"fence", "prompt", "table", "sentence"}, kinds
     tools = {c.text for c in COMMANDS if TOOL_START.match(c.text)}
     assert len(tools) >= 40, len(tools)
-    for tool in ("train", "eval", "export", "plan", "benchmark", "slurm_train"):
+    for tool in ("train", "eval", "export", "predict", "plan", "benchmark", "slurm_train"):
         assert any(f"tools/{tool}." in t for t in tools), tool
     assert all(c.prints for c in COMMANDS if c.kind == "prompt")  # each prompt with what it prints
     multi = [c for c in COMMANDS if c.page == "docs/memory-planning.md" and "vit_22b" in c.text]
@@ -202,7 +202,7 @@ def _stand_ins(tool: str, argv: list[str]) -> None:
     from visiondist.utils.pretrained import is_named
 
     args = dict(a.split("=", 1) for a in argv if "=" in a)
-    if tool in ("eval", "export") and "run_dir" in args:
+    if tool in ("eval", "export", "predict") and "run_dir" in args:
         _fake_run(Path(args["run_dir"]), args.get("step"))
     if "weights" in args:
         path = Path(args["weights"])

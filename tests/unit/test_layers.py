@@ -19,7 +19,7 @@ LAYERS = [
     {"preflight", "checkpoint", "observe"},  # input checks; what is saved and exported; what people see (reads only)
     {"faults", "evaluation"},  # a failing rank's record (into the run's log); scoring (with progress bars)
     {"train"},  # the loop and every part it is built from: reads checkpoints, shows, fails, scores
-    {"bench"},  # times the trainer's own step beside plain loops
+    {"bench", "predict"},  # times the trainer's own step beside plain loops; a trained model's answers for new images
     {"verify"},  # the dry run: the training code stepped on a fake group, with the benchmark's synthetic batches
     {"runs"},  # continuing a run
     {"launch"},  # run dir, self-launch, ranks

@@ -247,6 +247,21 @@ class BenchConfig:
 
 
 @dataclass
+class PredictConfig:
+    """tools/predict.py: what to predict and what to write (the training runs read none of it)."""
+
+    source: Optional[str] = None  # an image, a folder (recursively), a glob, a .txt list of paths, or a video file
+    out: Optional[str] = None  # the output folder; null: <run>/predict/<date>_<time>/ (outputs/predict/... for weights=)
+    topk: int = 5  # classifiers: the labels (and probabilities) kept per image, at most the class count
+    score_thresh: float = 0.25  # detectors: the detections kept (every output) score at least this
+    max_det: int = 100  # detectors: at most this many detections per image, highest scores first
+    classes: Optional[list[str]] = None  # detectors: keep only these class names (or COCO category ids)
+    save_images: str = "32"  # the first N images drawn into images/ ("all": every one; "0": none)
+    vid_stride: int = 1  # a video: every n-th frame predicted
+    batch_size: int = 0  # images per batch over all ranks; 0: data.eval_batch_size
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -255,6 +270,7 @@ class TrainConfig:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
 
 
 def upgrade_saved(saved: Any) -> Any:

@@ -20,7 +20,7 @@ from visiondist.data.workers import register, worker_init
 
 log = logging.getLogger(__name__)
 
-def _loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:
+def loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:
     # Augmentation is seeded per sample; the loader's own generator only keeps it from drawing worker seeds from
     # the global torch RNG, whose state a checkpoint restores.
     # Workers stay alive across epochs and each prepares `data.prefetch_factor` batches ahead; on a GPU the batches
@@ -115,7 +115,7 @@ def build_classification_data(
 
         reader, collate = read_encoded, collate_encoded(img_size, cfg.get("interpolation", "bilinear"))
     val_set = splits(cfg.val_split, val_tf, reader=reader)
-    options = _loader_options(cfg, pin_memory)
+    options = loader_options(cfg, pin_memory)
     val_options = {**options, **({"collate_fn": collate} if collate else {})}
     if not train:
         _check_num_classes(cfg, len(val_set.classes), val_set.root, "class folders")
@@ -185,7 +185,7 @@ def build_detection_data(
     antialiased when they shrink unless `antialias` is off (as the model's image processor resizes)."""
     from visiondist.data.coco import collate_detection
 
-    options = _loader_options(cfg, pin_memory, collate_detection)
+    options = loader_options(cfg, pin_memory, collate_detection)
     splits = detection_splits(cfg)
     val_set = splits(cfg.val_split, train=False)
     val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, options)

@@ -22,7 +22,7 @@ from visiondist.config import ConfigError, from_container, to_container
 from visiondist.config.layout import RunLayout
 from visiondist.train.precision import set_tf32
 from visiondist.launch.pods import PodJob, pod_job
-from visiondist.launch.rundir import _shared_run_dir, _write_plan, new_run_dir, run_kind
+from visiondist.launch.rundir import STATELESS, _shared_run_dir, _write_plan, new_run_dir, run_kind
 from visiondist.launch.slurm import slurm_env
 from visiondist.launch.spawn import _quiet_agent, spawn_local, spawn_ranks
 from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stopped_line
@@ -95,7 +95,7 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
         _flight_recorder(Path(run_dir), run.accelerator)
     # from the start: a stop asked for while the process group forms is still a stop; one voice per job: this
     # process when it is what the user started (global rank 0 of it), else the launcher (`launch.stop`)
-    signals = STOP.install(at_once=run_kind(entry) == "eval", speak=top_level and os.environ.get("RANK", "0") == "0")
+    signals = STOP.install(at_once=run_kind(entry) in STATELESS, speak=top_level and os.environ.get("RANK", "0") == "0")
     device, local_rank = _init_rank(run, single=run.world_size == 1 and not run.under_torchrun,
                                     startup_timeout_s=cfg.trainer.startup_timeout_s, tf32=cfg.trainer.tf32)
     path, watchdog = (Path(run_dir) if run_dir else None), None
@@ -175,7 +175,8 @@ def _pod_worker(entry: Entry, cfg_dict: dict) -> Any:
     """A rank of a pod's node (`launch_pod`): it resolves the layout from the world the rendezvous made (an elastic
     job's node count is known only then), as a rank under torchrun does, and finds the run dir with its peers."""
     done = leave_quickly_when_done()
-    run, auto_plan = resolve(from_container(cfg_dict), dict(os.environ), cuda_device_count())
+    run, auto_plan = resolve(from_container(cfg_dict), dict(os.environ), cuda_device_count(),
+                             training=run_kind(entry) not in STATELESS)
     result = run_rank(entry, cfg_dict, run, None, auto_plan)
     done()
     return result
@@ -196,7 +197,8 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
     if pod is not None:
         return launch_pod(entry, cfg, pod)
     # an evaluation holds no training state: a named layout is not fitted for it (nor refused)
-    run, auto_plan = resolve(cfg, env, cuda_device_count(), fit_named=run_kind(entry) != "eval")
+    stateless = run_kind(entry) in STATELESS
+    run, auto_plan = resolve(cfg, env, cuda_device_count(), fit_named=not stateless, training=not stateless)
     if run.fitted and env.get("RANK", "0") == "0":  # a named layout over the device's budget (visiondist.plan.fit)
         print(run.fitted, flush=True)
     check_gpu_layout(cfg, run, run_kind(entry))  # several ranks, no GPU found under accelerator=auto: stop, estimated
@@ -295,7 +297,7 @@ def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> Optional[RunLayout
     per_node = pod_ranks(cfg, pod, cuda_device_count())
     ranks_cfg = OmegaConf.merge(cfg, {"trainer": {"max_restarts": 0}})  # restarts are the agent's, as torchrun's
     world = {"WORLD_SIZE": str(per_node * pod.max_nodes), "LOCAL_WORLD_SIZE": str(per_node), "LOCAL_RANK": "0"}
-    run, _ = resolve(ranks_cfg, world, cuda_device_count())
+    run, _ = resolve(ranks_cfg, world, cuda_device_count(), training=kind not in STATELESS)
     check_gpu_layout(cfg, run, kind)
     print(pod.line() + f" ({per_node} per pod)", flush=True)
     if run.fitted and pod.node_rank in (0, None):
@@ -311,7 +313,7 @@ def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> Optional[RunLayout
 
 def _stop_wait(cfg: DictConfig, run: RunLayout, kind: Optional[str]) -> tuple[float, str]:
     """How long the launcher waits for its ranks after a stop signal, and what it waits for."""
-    if kind == "eval":
+    if kind in STATELESS:
         return 30.0, "the ranks stop (nothing to save)"
     if kind == "benchmark":
         return grace_seconds(cfg, run), "the ranks finish the step in flight"

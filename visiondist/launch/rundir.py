@@ -51,8 +51,12 @@ def default_run_dir(cfg: DictConfig, kind: Optional[str] = None) -> Path:
 
 
 def run_kind(entry: Callable) -> Optional[str]:
-    """What an entry's run dir holds (its `run_kind` attribute: "eval", "benchmark"); None: a training run."""
+    """What an entry's run dir holds (its `run_kind` attribute: "eval", "predict", "benchmark"); None: a training
+    run."""
     return getattr(entry, "run_kind", None)
+
+
+STATELESS = ("eval", "predict")  # kinds that hold no training state: stopped at once, their layout never fitted
 
 
 def unique_dir(parent: Path, pattern: str = "%Y-%m-%d/%H-%M-%S") -> Path:

@@ -143,6 +143,9 @@ def stopped_line(signal_name: str, run_dir: str | Path, kind: Optional[str], res
         return f"benchmark stopped by {signal_name}: nothing recorded"
     if kind == "eval":
         return f"evaluation stopped by {signal_name}: nothing evaluated; {_clear_unfinished(Path(run_dir))}"
+    if kind == "predict":
+        return (f"prediction stopped by {signal_name}: what its ranks predicted is kept in {run_dir}/parts; the same "
+                "command continues it")
     if kind is not None:
         return f"{kind} stopped by {signal_name}: nothing written"
     from visiondist.utils.dcp import list_checkpoints

@@ -82,6 +82,7 @@ def next_commands(run_dir: Path, family: str = "") -> str:
                "format=onnx or format=torchscript")
     return (f"run dir: {run}\n"
             f"  evaluate: python {tool_path('eval')} run_dir={run}\n"
+            f"  predict:  python {tool_path('predict')} run_dir={run} source=<images, folder, glob, list or video>\n"
             f"  export:   python {tool_path('export')} run_dir={run}   (safetensors; {formats})")
 
 

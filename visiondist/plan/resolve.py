@@ -19,10 +19,11 @@ __all__ = ["host_budget", "layout_memory", "memory_budget", "plan_for"]  # also 
 
 
 def resolve(cfg: DictConfig, env: Optional[dict] = None, cuda_devices: Optional[int] = None,
-            fit_named: bool = True) -> tuple[RunLayout, Any]:
+            fit_named: bool = True, training: bool = True) -> tuple[RunLayout, Any]:
     """The layout this job runs under, and the planner's table when `parallel=auto` chose it (else None). Raises
     ConfigError naming the fix. `fit_named=False`: a named layout as named, unchecked against the device (a tool
-    that reports the fit itself)."""
+    that reports the fit itself). `training=False` (an evaluation, a prediction): the training batch is not split
+    over the ranks, so it is not checked against them."""
     from visiondist.plan.fit import fit
 
     env = dict(os.environ) if env is None else env
@@ -45,7 +46,7 @@ def resolve(cfg: DictConfig, env: Optional[dict] = None, cuda_devices: Optional[
             accum, reason = plan.choice.candidate.accum, plan.reason
         check(OmegaConf.merge(cfg, {"parallel": {**parallel, "auto": False}}))  # the chosen layout against the model
     parallel["auto"] = False
-    run = _layout(cfg, OmegaConf.create(parallel), world, accum)
+    run = _layout(cfg, OmegaConf.create(parallel), world, accum, training)
     _check_on(cfg, run.accelerator)
     if auto:
         return run.replace(chosen_by="parallel=auto", reason=reason), plan
@@ -121,7 +122,8 @@ def _plan_auto(cfg: DictConfig, world: World):
     return plan
 
 
-def _layout(cfg: DictConfig, p: DictConfig, world: World, grad_accum: Optional[int] = None) -> RunLayout:
+def _layout(cfg: DictConfig, p: DictConfig, world: World, grad_accum: Optional[int] = None,
+            training: bool = True) -> RunLayout:
     """The mesh degrees of `p` on `world`, checked against it and the global batch (split into `grad_accum`
     accumulated micro-batches, default trainer.grad_accum), with every switch concrete."""
     ga = int(cfg.trainer.grad_accum) if grad_accum is None else grad_accum
@@ -139,7 +141,8 @@ def _layout(cfg: DictConfig, p: DictConfig, world: World, grad_accum: Optional[i
         raise ConfigError(f"parallel.tp={p.tp} does not divide the {per_node} ranks per node: a tensor-parallel group "
                           f"must sit inside one node; run a multiple of {p.tp} ranks per node (trainer.devices, or "
                           "torchrun's --nproc-per-node)")
-    _check_batch(cfg, p, dp, ga)
+    if training:
+        _check_batch(cfg, p, dp, ga)
     base = RunLayout(world.accelerator, world_size, per_node, dp, p.tp, p.pp, grad_accum=ga,
                      under_torchrun=world.under_torchrun, share_gpu=world.share_gpu)
     return with_switches(base, cfg, p)

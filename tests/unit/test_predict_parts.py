@@ -1,0 +1,113 @@
+"""tools/predict.py's parts in process: what each kind of source resolves to (and what is refused), how the parts of
+a stopped prediction are read and merged, and the batches that make the files independent of the ranks. The tool
+itself, run as a user runs it: tests/multirank/test_predict.py."""
+
+import json
+
+import numpy as np
+import pytest
+
+from visiondist.config import ConfigError
+from visiondist.predict.outputs import PartWriter, batches, done, drawn_name, merged, remaining
+from visiondist.predict.sources import resolve_source
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """b/2.png, a/1.JPG, a/deep/3.webp, and files that are not images."""
+    for name in ("b/2.png", "a/1.JPG", "a/deep/3.webp", "a/notes.txt", "c/clip.json"):
+        path = tmp_path / "images" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+    return tmp_path / "images"
+
+
+def test_a_folder_is_searched_recursively_for_images_in_sorted_order(tree):
+    source = resolve_source(str(tree))
+    assert source.kind == "folder" and len(source) == 3
+    assert [source.name(i) for i in range(3)] == ["a/1.JPG", "a/deep/3.webp", "b/2.png"]
+
+
+def test_a_glob_a_list_and_one_image(tree, tmp_path):
+    source = resolve_source(f"{tree}/**/*.png")
+    assert source.kind == "glob" and source.paths == [str(tree / "b" / "2.png")]
+    listed = tmp_path / "paths.txt"
+    listed.write_text(f"# the photos\nimages/b/2.png\n\n{tree / 'a' / '1.JPG'}\nimages/missing.jpg\n")
+    source = resolve_source(str(listed))
+    assert source.kind == "list"  # in the list's order, relative to its folder; a missing file is the rank's to name
+    assert source.paths == [str(tmp_path / "images/b/2.png"), str(tree / "a" / "1.JPG"),
+                            str(tmp_path / "images/missing.jpg")]
+    one = resolve_source(str(tree / "a" / "1.JPG"))
+    assert one.kind == "image" and len(one) == 1
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("nowhere", "no such file or folder"),
+    ("images/a/notes.txt", "the list names no image"),
+    ("images/c/clip.json", "not an image"),
+    ("images/c", "the folder holds no images"),
+    ("images/*.gif", "the glob matches no images"),
+    ("", "give source=<path>"),
+])
+def test_what_is_refused_names_the_fix(tree, monkeypatch, spec, expected):
+    monkeypatch.chdir(tree.parent)
+    (tree / "a" / "notes.txt").write_text("# nothing listed\n")
+    with pytest.raises(ConfigError, match=expected):
+        resolve_source(spec)
+
+
+def test_a_video_gives_every_strided_frame(tmp_path):
+    import cv2
+
+    video = tmp_path / "clip.mp4"
+    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"mp4v"), 5, (32, 24))
+    for k in range(7):
+        writer.write(np.full((24, 32, 3), 30 * k, dtype=np.uint8))
+    writer.release()
+    source = resolve_source(str(video), vid_stride=3)
+    assert source.kind == "video" and source.frames == [0, 3, 6] and source.size == (32, 24)
+    assert [source.name(i) for i in range(3)] == ["clip.mp4#0", "clip.mp4#3", "clip.mp4#6"]
+    from visiondist.predict.sources import VideoFrames
+
+    frames = VideoFrames(str(video))
+    means = [int(frames.read(f).mean()) for f in (0, 3, 6, 2)]  # in order, then a jump back
+    frames.close()
+    assert abs(means[0] - 0) <= 3 and abs(means[1] - 90) <= 3 and abs(means[2] - 180) <= 3 and abs(means[3] - 60) <= 3
+    with pytest.raises(ConfigError, match="vid_stride=0"):
+        resolve_source(str(video), vid_stride=0)
+
+
+def test_batches_do_not_depend_on_the_ranks():
+    assert [list(b) for b in batches(7, 3)] == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_a_stopped_prediction_continues_from_its_complete_batches(tmp_path):
+    """Two attempts' parts: a half-written last line is not counted, a batch with a missing item is predicted again,
+    and the merge gives each item once, in order, the first attempt's line winning."""
+    first = PartWriter(tmp_path, 0)
+    first.write([{"index": 0, "file": "a", "v": 1}, {"index": 1, "file": "b", "v": 1}])
+    first.write([{"index": 2, "file": "c", "v": 1}])
+    first.file.write('{"index": 3, "fi')  # killed mid-line
+    first.close()
+    other = PartWriter(tmp_path, 1)
+    other.write([{"index": 6, "file": "g", "v": 1}])
+    other.close()
+    seen = done(tmp_path, 7)
+    assert seen.tolist() == [True, True, True, False, False, False, True]
+    todo = remaining(batches(7, 2), seen)
+    assert [list(b) for b in todo] == [[2, 3], [4, 5]]
+    again = PartWriter(tmp_path, 0)
+    assert again.path.name == "rank0-1.jsonl"  # a new attempt's part: the first stays as it was
+    again.write([{"index": 2, "file": "c", "v": 2}, {"index": 3, "file": "d", "v": 2}])
+    again.write([{"index": 4, "file": "e", "v": 2}, {"index": 5, "file": "f", "v": 2}])
+    again.close()
+    records = list(merged(tmp_path))
+    assert [r["index"] for r in records] == list(range(7))
+    assert [r["v"] for r in records] == [1, 1, 1, 2, 2, 2, 1]
+    assert json.loads((tmp_path / "parts" / "rank0-0.jsonl").read_text().splitlines()[0])["file"] == "a"
+
+
+def test_drawn_names_keep_the_position_and_the_folder():
+    assert drawn_name(12, "cat/0042.jpg") == "000012_cat_0042.jpg"
+    assert drawn_name(3, "/abs/path/x.png") == "000003_path_x.jpg"
+    assert drawn_name(0, "clip.mp4#25") == "000000_clip_frame25.jpg"

@@ -1,0 +1,57 @@
+"""What a prediction is asked to do, in the launching process's terms (no torch): the weights of a run, the images
+per forward, how many are drawn, and the request that tells one prediction from another (a stopped one is continued
+only under the same request)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from visiondist.predict.sources import Source
+
+
+def run_weights(run: Path, step=None) -> Path:
+    """A run's weights: checkpoint `step` (a number or "best"), else its model.safetensors, else its newest
+    checkpoint (a run stopped early); ConfigError when it holds none."""
+    from visiondist.checkpoint.files import latest_checkpoint, resolve_checkpoint
+    from visiondist.config import ConfigError
+
+    if step is not None:
+        try:
+            return resolve_checkpoint(str(run), step)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"step={step}: {exc}") from None
+    weights = run / "model.safetensors"
+    if not weights.is_file():
+        weights = latest_checkpoint(run) or weights
+    if not weights.exists():
+        raise ConfigError(f"run_dir={run} holds no model.safetensors and no complete checkpoint: give weights=<file> "
+                          "or a run that saved its weights")
+    return weights
+
+
+def batch_size(cfg: DictConfig) -> int:
+    """Images per forward on each rank: predict.batch_size, else data.eval_batch_size."""
+    return int(cfg.predict.batch_size) or int(cfg.data.eval_batch_size)
+
+
+def drawn_count(cfg: DictConfig, count: int) -> int:
+    value = str(cfg.predict.save_images).strip().lower()
+    return count if value == "all" else min(count, int(value))
+
+
+def request(cfg: DictConfig, source: Source) -> dict[str, Any]:
+    """What makes two predictions the same one (a stopped one continues only under the same request): the source,
+    the weights (path, size and time), and every setting that changes an output."""
+    weights = Path(cfg.model.weights)
+    inside = [weights / name for name in (".metadata", "model.safetensors") if (weights / name).is_file()]
+    stat = (inside[0] if weights.is_dir() and inside else weights).stat()  # a checkpoint's, a from_pretrained dir's
+    p = cfg.predict
+    return {"source": str(Path(source.spec).expanduser().resolve()) if not any(c in source.spec for c in "*?[")
+            else source.spec, "items": len(source), "weights": str(weights), "weights_size": stat.st_size,
+            "weights_mtime": int(stat.st_mtime), "topk": int(p.topk), "score_thresh": float(p.score_thresh),
+            "max_det": int(p.max_det), "classes": list(p.classes) if p.classes else None,
+            "save_images": str(p.save_images), "vid_stride": int(p.vid_stride), "batch_size": batch_size(cfg),
+            "precision": str(cfg.trainer.precision)}

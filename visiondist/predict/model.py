@@ -1,0 +1,269 @@
+"""The model a prediction runs: built and loaded as `tools/eval.py` loads it (a run's model.safetensors or a
+checkpoint of any layout, a weights file in this project's, timm's or torchvision's keys, a from_pretrained
+directory), whole on one device in eval mode, with the names of what it predicts; and one batch turned into
+per-image results.
+
+Each image is prepared as the run's evaluation prepares it (`visiondist.data`): decoded by the one reader (EXIF
+orientation, grey / CMYK / 16-bit / alpha), then a classifier's resize and centre crop (`ClassificationTransform`,
+train=False) and normalisation on the device, or a detector's image whole (the model resizes it, and gives its boxes
+in the pixels of the image it was given)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from visiondist.models import TASKS
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Names:
+    """What the model's outputs are called: a classifier's logits 0..K-1, or a detector's labels 1..K (with the COCO
+    category id each stands for), and where the names were read."""
+
+    classes: list[str]
+    categories: Optional[list[int]]  # detectors: label k -> categories[k - 1]
+    read_from: str
+
+
+class Predictor:
+    """A loaded model with its preprocessing and names; `prepare` runs in the loader workers, `__call__` on the
+    device."""
+
+    def __init__(self, cfg: DictConfig, model: nn.Module, device: torch.device, names: Names):
+        from visiondist.train.precision import autocast_for
+
+        self.cfg, self.model, self.device, self.names = cfg, model, device, names
+        self.task = TASKS[cfg.model.family]
+        self.autocast = autocast_for(cfg.trainer.precision, device) or nullcontext()
+        p = cfg.predict
+        self.topk = max(1, min(int(p.topk), len(names.classes)))
+        self.score_thresh, self.max_det = float(p.score_thresh), int(p.max_det)
+        self.keep = None if not p.classes else kept_labels(list(p.classes), names)
+        self.transform = None
+        if self.task == "classification":
+            from visiondist.data.transforms import ClassificationTransform, Normalize
+
+            data = dict(cfg.data)
+            data["decode_on"] = "loader"  # decoded by the one reader in the workers, as a CPU evaluation decodes
+            self.transform = ClassificationTransform(_Fields(data), train=False, size=int(cfg.model.img_size),
+                                                     seed=int(cfg.trainer.seed))
+            self.normalize = Normalize(cfg.data.mean, cfg.data.std)
+
+    def prepare(self, image: np.ndarray, index: int) -> torch.Tensor:
+        """An upright HxWx3 uint8 RGB image -> the loader's tensor: a classifier's crop (uint8 H, W, C), a detector's
+        whole image (uint8 C, H, W)."""
+        if self.transform is not None:
+            return self.transform(image, index, 0)
+        return torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).contiguous()
+
+    @torch.no_grad()
+    def __call__(self, images: list[torch.Tensor]) -> list[dict[str, Any]]:
+        """One batch of prepared images -> a result per image (`results`' fields without the item's own)."""
+        if self.task == "classification":
+            batch = self.normalize(torch.stack(images), self.device)
+            with self.autocast:
+                logits = self.model(batch)
+            probs = logits.float().softmax(dim=1)
+            top = probs.topk(self.topk, dim=1)
+            values, labels = top.values.cpu().tolist(), top.indices.cpu().tolist()
+            return [{"top": [{"label": k, "name": self.names.classes[k], "prob": p} for k, p in zip(ks, ps)]}
+                    for ks, ps in zip(labels, values)]
+        from visiondist.data.transforms import unit_float
+
+        with self.autocast:
+            outputs = self.model(unit_float(images, self.device))
+        return [{"detections": self._detections(output)} for output in outputs]
+
+    def _detections(self, output: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+        scores = output["scores"].float()
+        keep = scores >= self.score_thresh
+        if self.keep is not None:
+            keep &= torch.isin(output["labels"], torch.tensor(self.keep, device=scores.device))
+        index = torch.nonzero(keep).flatten()
+        index = index[scores[index].argsort(descending=True, stable=True)][: self.max_det]
+        boxes = output["boxes"].float()[index].cpu().tolist()
+        labels = output["labels"][index].cpu().tolist()
+        kept = scores[index].cpu().tolist()
+        rles = None
+        if "masks" in output:
+            from visiondist.data.masks import encode
+            from visiondist.evaluation.coco import MASK_THRESHOLD
+
+            rles = encode((output["masks"][index, 0] > MASK_THRESHOLD).cpu().numpy())
+        cats, classes = self.names.categories, self.names.classes
+        found = []
+        for j, (box, label, score) in enumerate(zip(boxes, labels, kept)):
+            item = {"box": box, "score": score, "label": int(label),
+                    "name": classes[label - 1] if 0 < label <= len(classes) else f"label {label}",
+                    "category_id": cats[label - 1] if cats and 0 < label <= len(cats) else int(label)}
+            if rles is not None:
+                item["mask"] = rles[j]
+            found.append(item)
+        return found
+
+
+class _Fields(dict):
+    """A data config as a dict that also reads by attribute (what the transforms take)."""
+
+    __getattr__ = dict.__getitem__
+
+
+def kept_labels(wanted: list[str], names: Names) -> list[int]:
+    """The detector labels of `predict.classes` (class names, or COCO category ids); ConfigError naming the model's
+    classes when one is not among them."""
+    from visiondist.config import ConfigError
+
+    out = []
+    for value in wanted:
+        value = str(value)
+        if value in names.classes:
+            out.append(names.classes.index(value) + 1)
+        elif value.isdigit() and names.categories and int(value) in names.categories:
+            out.append(names.categories.index(int(value)) + 1)
+        else:
+            ids = f" (COCO category ids {', '.join(map(str, names.categories))})" if names.categories else ""
+            raise ConfigError(f"classes={value}: this model was trained for {', '.join(names.classes)}{ids}: give "
+                              "some of those")
+    return out
+
+
+def load_model(cfg: DictConfig, device: torch.device) -> nn.Module:
+    """The model of `cfg.model` with the weights of `cfg.model.weights` (a checkpoint directory of any layout, or
+    what training's model.weights takes), whole, on `device`, in eval mode."""
+    from visiondist.checkpoint.dcp import freeze_as_saved, load_model_state
+    from visiondist.models import build_deferred, select_attention
+    from visiondist.models.init import is_meta, materialize
+    from visiondist.utils.dcp import is_complete
+
+    weights = Path(cfg.model.weights) if cfg.model.weights else None
+    checkpoint = weights if weights is not None and is_complete(weights) else None
+    select_attention(cfg.model.sdpa)
+    torch.manual_seed(int(cfg.trainer.seed))
+    model, source = build_deferred(cfg.model, weights=checkpoint is None)
+    if checkpoint is not None and not is_meta(model):
+        freeze_as_saved(checkpoint, model)
+    if is_meta(model):
+        materialize(model, device, source)
+    if checkpoint is not None:
+        load_model_state(checkpoint, model, no_dist=True)
+    model = model.to(device).eval()
+    if cfg.model.get("channels_last"):
+        model = model.to(memory_format=torch.channels_last)
+    if compiles(cfg, device):  # a ViT's fixed shapes: one graph (and one more for a last, smaller batch)
+        model = torch.compile(model)
+    return model
+
+
+def compiles(cfg: DictConfig, device: torch.device) -> bool:
+    """Whether a prediction compiles its model: a ViT on a GPU unless trainer.compile=false (a detector's input
+    sizes change from image to image: eager)."""
+    return device.type == "cuda" and cfg.model.family == "vit" and str(cfg.trainer.compile).lower() not in (
+        "false", "0", "none")
+
+
+def read_names(cfg: DictConfig) -> Names:
+    """The names of the model's outputs: what its weights record (a checkpoint's trainer state, an export's
+    metadata or sidecar, a from_pretrained directory's config.json), else the run's data (class folders, the
+    annotation file), else `class <k>`."""
+    k = int(cfg.model.num_classes)
+    detector = TASKS[cfg.model.family] == "detection"
+    weights = Path(cfg.model.weights) if cfg.model.weights else None
+    recorded = _recorded(weights) if weights is not None else None
+    if recorded is not None and recorded.classes and (not detector or recorded.categories):
+        return recorded
+    from_data = _from_data(cfg)
+    if from_data is not None and len(from_data.classes) == k:
+        if recorded is not None and recorded.classes:  # names from the weights, category ids from the data
+            return Names(recorded.classes, from_data.categories, f"{recorded.read_from} and {from_data.read_from}")
+        return from_data
+    if recorded is not None and recorded.classes:
+        return recorded
+    log.warning("the weights record no class names and the run's data is not here: classes are called class 0.. "
+                "class %d", k - 1)
+    classes = [f"class {i}" for i in range(k)]
+    return Names(classes, None, "nowhere (numbered)")
+
+
+def _recorded(weights: Path) -> Optional[Names]:
+    from visiondist.utils.dcp import is_complete
+
+    try:
+        if is_complete(weights):
+            from visiondist.checkpoint.files import read_trainer_state
+
+            state = read_trainer_state(weights)
+            return Names(list(state["classes"]), state.get("category_ids"), f"{weights}") if state.get(
+                "classes") else None
+        if weights.is_dir() and (weights / "config.json").is_file():  # a from_pretrained directory
+            config = json.loads((weights / "config.json").read_text())
+            labels = config.get("id2label") or {}
+            classes = [labels[key] for key in sorted(labels, key=int)] if labels else []
+            cats = config.get("category_ids")
+            return Names(classes, list(cats) if cats else None, str(weights / "config.json")) if classes else None
+        meta = _file_metadata(weights)
+        if "labels" in meta:
+            labels = json.loads(meta["labels"])
+            order = sorted(labels, key=int)
+            return Names([labels[k]["name"] for k in order], [int(labels[k]["category_id"]) for k in order],
+                         str(weights))
+        if "classes" in meta:
+            return Names(list(json.loads(meta["classes"])), None, str(weights))
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("%s: its recorded class names cannot be read (%s)", weights, exc)
+    return None
+
+
+def _file_metadata(weights: Path) -> dict[str, str]:
+    """A .safetensors file's own metadata, else its sidecar `<stem>.json` (tools/export.py writes both)."""
+    meta: dict[str, str] = {}
+    if weights.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+    sidecar = weights.with_suffix(".json")
+    if not meta and sidecar.is_file():
+        info = json.loads(sidecar.read_text())
+        if info.get("labels"):
+            meta["labels"] = json.dumps(info["labels"])
+        elif info.get("classes"):
+            meta["classes"] = json.dumps(info["classes"])
+    return meta
+
+
+def _from_data(cfg: DictConfig) -> Optional[Names]:
+    """The run's class folders (or its packed set's classes), or its val annotation file's categories; None when
+    the data is not here."""
+    d = cfg.data
+    try:
+        if TASKS[cfg.model.family] == "detection":
+            from visiondist.checkpoint.export.trained import coco_categories
+
+            cats, names = coco_categories(cfg)
+            return Names(names, cats, "the run's annotation file") if names else None
+        if d.get("format") == "shards":
+            from visiondist.data.shards import open_store, read_meta
+
+            return Names(list(read_meta(open_store(d))["classes"]), None, "the run's packed set")
+        from visiondist.data.index import list_image_folder
+
+        root = Path(str(d.root)).expanduser()
+        for split in (d.val_split, d.train_split):
+            if (root / split).is_dir():
+                classes, _, _ = list_image_folder(root / split, cache=False)
+                return Names(list(classes), None, f"the class folders of {root / split}")
+    except Exception as exc:  # the data is someone else's machine's: numbered names, said once
+        log.debug("no class names from the run's data: %s", exc)
+    return None

@@ -1,0 +1,261 @@
+"""Predicting: the batch loop both entries share, `predict` (a generator of per-image results, for a notebook or a
+script) and `predict_ranks` (every rank of `tools/predict.py`: its share of the source's batches, written as parts,
+then merged by rank 0; module `visiondist.predict.outputs`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.utils.data import DataLoader, Dataset
+
+from visiondist.predict.model import Predictor, load_model, read_names
+from visiondist.predict.outputs import (PartWriter, batches, done, drawn_name, draw, merged, read_manifest, remaining,
+                                        save_drawn, write_classifications, write_detections, write_manifest,
+                                        write_video)
+from visiondist.predict.job import batch_size, drawn_count, request, run_weights
+from visiondist.predict.sources import Source, VideoFrames, resolve_source
+
+log = logging.getLogger(__name__)
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+class Items(Dataset):
+    """Item i of a source, read by the one reader and prepared as the run's evaluation prepares it: (index, tensor,
+    (width, height), error, the upright image when it is to be drawn). An unreadable file gives its reason instead."""
+
+    def __init__(self, source: Source, predictor: Predictor, drawn: int):
+        self.source, self.predictor, self.drawn = source, predictor, drawn
+        self.frames: Optional[VideoFrames] = None
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int):
+        from visiondist.data.decode import read_rgb
+        from visiondist.data.robust import READ_ERRORS
+
+        try:
+            if self.source.video:
+                self.frames = self.frames or VideoFrames(self.source.video)
+                image = self.frames.read(self.source.frames[i])
+            else:
+                image = read_rgb(self.source.paths[i])
+        except READ_ERRORS as exc:
+            return i, None, (0, 0), _reason(exc), None
+        size = (int(image.shape[1]), int(image.shape[0]))
+        return i, self.predictor.prepare(image, i), size, None, image if i < self.drawn else None
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc)
+    if isinstance(exc, FileNotFoundError):
+        return "no such file"
+    return text.split(": ", 1)[-1] if text.startswith("cannot decode image ") else text
+
+
+def _collate(items: list) -> list:
+    return items
+
+
+def loader(source: Source, predictor: Predictor, mine: Sequence[range], drawn: int, workers: int) -> DataLoader:
+    """The loader of this rank's batches (whole batches of the source's order), with the run's loader options; a
+    video is read by one worker, in order."""
+    from visiondist.data.loaders import loader_options
+    from visiondist.data.workers import register
+
+    data = predictor.cfg.data
+    options = loader_options(OmegaConf.merge(data, {"num_workers": workers}) if workers >= 0 else data,
+                             pin_memory=predictor.device.type == "cuda", collate_fn=_collate)
+    if source.video and options["num_workers"] > 1:
+        options.update(num_workers=1)
+    return register(DataLoader(Items(source, predictor, drawn), batch_sampler=[list(b) for b in mine], **options))
+
+
+def run_batches(predictor: Predictor, source: Source, batches_in: DataLoader, draw_into: Optional[Path],
+                progress: bool = False, total: Optional[int] = None) -> Iterator[list[dict[str, Any]]]:
+    """Each batch's records, in order: the result of every readable item, the `error` of every other (named once in
+    the log). Items to be drawn are drawn into `draw_into`."""
+    from visiondist.data.workers import watched
+    from visiondist.observe.progress import tracked
+
+    for items in tracked(watched(iter(batches_in)), progress, "predict", total=total or len(batches_in)):
+        good = [item for item in items if item[1] is not None]
+        results = predictor([item[1] for item in good]) if good else []
+        by_index = {item[0]: result for item, result in zip(good, results)}
+        records = []
+        for i, _, (width, height), error, image in items:
+            record: dict[str, Any] = {"index": i, "file": source.name(i)}
+            if error is not None:
+                log.warning("skipped %s: %s", source.name(i), error)
+                record["error"] = error
+            else:
+                record.update(width=width, height=height, **by_index[i])
+                if image is not None and draw_into is not None:
+                    save_drawn(draw_into / drawn_name(i, source.name(i)), draw(image, record))
+            records.append(record)
+        yield records
+
+
+def predict(source: str, run_dir: Optional[str] = None, weights: Optional[str] = None, step=None,
+            overrides: Sequence[str] = (), device: Optional[str] = None, **settings: Any) -> Iterator[dict[str, Any]]:
+    """Per-image results of a trained model on `source` (an image, a folder, a glob, a .txt list or a video), one
+    dict per item in the source's order: `file`, `width`, `height` and a classifier's `top` ([{label, name, prob}])
+    or a detector's `detections` ([{box (x0, y0, x1, y1 in pixels), score, label, name, category_id, mask (COCO
+    RLE)}]), or `error` for a file that cannot be read. The model comes from `run_dir` (its model.safetensors, or its
+    checkpoint `step`) or `weights` (with `overrides` such as "model=vit_small", "data=imagenet"); `settings` are
+    predict's (topk, score_thresh, max_det, classes, batch_size). `device`: "cuda", "cpu" (default: the GPU when
+    there is one). Nothing is written.
+
+        from visiondist.predict import predict
+        for r in predict("photos/", run_dir="outputs/2026-11-21/21-10-24"):
+            print(r["file"], r["top"][0]["name"])
+    """
+    cfg = prediction_config(run_dir, weights, step, overrides, {"source": source, **settings})
+    device_ = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    items = resolve_source(source, int(cfg.predict.vid_stride))
+    predictor = Predictor(cfg, load_model(cfg, device_), device_, read_names(cfg))
+    from visiondist.data.workers import close_loaders
+
+    try:
+        for records in run_batches(predictor, items, loader(items, predictor, batches(len(items), batch_size(cfg)), 0,
+                                                            -1), None):
+            for record in records:
+                record.pop("index")
+                yield record
+    finally:
+        close_loaders()
+
+
+def prediction_config(run_dir: Optional[str], weights: Optional[str], step, overrides: Sequence[str],
+                      settings: dict[str, Any]) -> DictConfig:
+    """The config a prediction runs under: a run's config.yaml with its weights (model.safetensors, else its newest
+    checkpoint, or checkpoint `step`), or configs/ composed with `overrides` for `weights`; `settings` into
+    `predict`. Checked as tools/predict.py checks it (ConfigError)."""
+    from visiondist.config import ConfigError
+    from visiondist.config.compose import compose, run_config
+    from visiondist.plan import check
+
+    if (run_dir is None) == (weights is None):
+        raise ConfigError("give run_dir=<run> (a training run) or weights=<file> with model=... data=...")
+    if run_dir is not None:
+        cfg = run_config(run_dir, list(overrides))
+        cfg.model.weights = str(run_weights(Path(run_dir), step))
+    else:
+        cfg = compose(CONFIGS, list(overrides))
+        cfg.model.weights = str(Path(weights).expanduser().resolve())
+    cfg.model.init_from = None
+    cfg = OmegaConf.merge(cfg, {"predict": settings})
+    check(cfg, mandatory=False)
+    return cfg
+
+
+def predict_ranks(cfg: DictConfig, layout, out: Path) -> dict[str, Any]:
+    """Entry point of every rank of tools/predict.py (module doc of `visiondist.predict.outputs`)."""
+    import torch.distributed as dist
+
+    from visiondist.data.sampler import eval_shard
+    from visiondist.data.workers import close_loaders
+    from visiondist.observe.console import setup_logging
+    from visiondist.utils.heartbeat import PROGRESS
+
+    setup_logging(out, layout.is_main, "predict.log")
+    source = resolve_source(cfg.predict.source, int(cfg.predict.vid_stride))
+    PROGRESS.at("loading the weights")
+    names = read_names(cfg)
+    predictor = Predictor(cfg, load_model(cfg, layout.device), layout.device, names)
+    size, ask = batch_size(cfg), request(cfg, source)
+    if layout.is_main:
+        before = read_manifest(out)
+        started = before.get("started") if before and before.get("request") == ask else None
+        write_manifest(out, {"request": ask, "state": "running", "started": started or time.time(),
+                             "names from": names.read_from})
+        log.info("predicting %s with %s (classes from %s)", source.describe(), cfg.model.weights, names.read_from)
+    dist.barrier()
+    all_batches = batches(len(source), size)
+    todo = remaining(all_batches, done(out, len(source)))
+    if layout.is_main and len(todo) < len(all_batches):
+        log.info("continuing: %d of %d batches were predicted before; %d to go", len(all_batches) - len(todo),
+                 len(all_batches), len(todo))
+    mine = [todo[k] for k in eval_shard(len(todo), layout.dp_rank, layout.dp)] if layout.tp == layout.pp == 1 \
+        else []
+    drawn = drawn_count(cfg, len(source)) if not source.video else 0
+    writer = PartWriter(out, layout.rank)
+    start = time.perf_counter()
+    PROGRESS.at("predicting")
+    try:
+        for records in run_batches(predictor, source, loader(source, predictor, mine, drawn, -1),
+                                   out / "images" if drawn else None, bool(cfg.trainer.progress) and layout.is_main):
+            writer.write(records)
+    finally:
+        writer.close()
+        close_loaders()
+    seconds = time.perf_counter() - start
+    dist.barrier()
+    if not layout.is_main:
+        return {}
+    return finish(cfg, out, source, predictor, names, seconds, sum(len(b) for b in todo), layout.world_size)
+
+
+def finish(cfg: DictConfig, out: Path, source: Source, predictor: Predictor, names, seconds: float, predicted: int,
+           ranks: int) -> dict[str, Any]:
+    """Rank 0, once every rank is done: the parts merged into the outputs, the manifest marked complete, the summary
+    printed."""
+    from visiondist.observe.console import shown_path
+
+    if predictor.task == "classification":
+        counts = write_classifications(merged(out), out, predictor.topk)
+        files = ["predictions.csv"]
+    else:
+        ids = _val_image_ids(cfg, source)
+        counts = write_detections(merged(out), out, lambda r: ids.get(r["file"], r["index"] + 1))
+        files = ["detections.jsonl", "results.json"]
+    if source.video and cfg.predict.save_images != "0":
+        video = out / f"{Path(source.video).stem}_predicted.mp4"
+        if write_video(merged(out), source.video, source.frames, source.fps, video):
+            files.append(video.name)
+    drawn = drawn_count(cfg, len(source)) if not source.video else 0
+    if drawn:
+        files.append(f"images/ ({min(drawn, counts['images'])} drawn)")
+    if counts["unreadable"]:
+        files.append("unreadable.txt")
+    manifest = read_manifest(out) or {}
+    manifest.update(state="complete", finished=time.time(), counts=counts)
+    write_manifest(out, manifest)
+    rate = predicted / seconds if seconds > 0 else 0.0
+    found = f", {counts['detections']} detections (score >= {float(cfg.predict.score_thresh):g})" \
+        if "detections" in counts else ""
+    bad = f"; {counts['unreadable']} unreadable, skipped (unreadable.txt)" if counts["unreadable"] else ""
+    log.info("predicted %d %s%s%s: %d this attempt in %.1f s (%.1f images/s on %d rank%s)", counts["images"],
+             "frames" if source.video else "images", found, bad, predicted, seconds, rate, ranks,
+             "" if ranks == 1 else "s")
+    print(f"predict dir: {shown_path(out)} ({', '.join([*files, 'predict.log'])})", flush=True)
+    return {"counts": counts, "seconds": seconds}
+
+
+def _val_image_ids(cfg: DictConfig, source: Source) -> dict[str, int]:
+    """The annotation file's image id of each source file that is one of the run's val images (so that
+    results.json scores against that file as eval.py's detections.json does); empty when none is."""
+    if source.video or cfg.data.get("format") == "shards":
+        return {}
+    try:
+        from visiondist.data import coco_paths
+
+        images, ann = coco_paths(cfg.data, cfg.data.val_split)
+        if not ann.is_file():
+            return {}
+        by_path = {str((images / im["file_name"]).resolve()): int(im["id"])
+                   for im in json.loads(ann.read_text())["images"]}
+    except (OSError, ValueError, KeyError, AttributeError):
+        return {}
+    return {source.name(i): by_path[p] for i, p in enumerate(map(lambda s: str(Path(s).resolve()), source.paths))
+            if p in by_path}
+
+
+predict_ranks.run_kind = "predict"  # type: ignore[attr-defined]  # its default run dir: <output dir>/predict/...
