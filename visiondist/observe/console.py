@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Optional
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +73,20 @@ def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> 
 
 
 
-def next_commands(run_dir: Path, family: str = "") -> str:
+def next_commands(run_dir: Path, family: str = "", images: Optional[Path] = None) -> str:
     """Where a training run is, and what to run on it next, in the tools' key=value convention (the export formats
-    the model `family` has)."""
+    the model `family` has; `images`: a folder of the run's own val images, which the predict line names as its
+    example source)."""
     import shlex
 
     run = shlex.quote(shown_path(run_dir))
     formats = ("format=hf: transformers' from_pretrained directory; format=onnx" if family == "detr" else
                "format=onnx or format=torchscript")
+    source = (f"source={shlex.quote(shown_path(images))}   (or any image, folder, glob, .txt list or video)"
+              if images is not None else "source=<images, folder, glob, list or video>")
     return (f"run dir: {run}\n"
             f"  evaluate: python {tool_path('eval')} run_dir={run}\n"
-            f"  predict:  python {tool_path('predict')} run_dir={run} source=<images, folder, glob, list or video>\n"
+            f"  predict:  python {tool_path('predict')} run_dir={run} {source}\n"
             f"  export:   python {tool_path('export')} run_dir={run}   (safetensors; {formats})")
 
 

@@ -91,6 +91,13 @@ def report_run(run_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]
         written(pngs)
     print_summary(summary)
     print(task.final_line(last_eval), flush=True)
-    print(next_commands(run_dir, getattr(task, "family", "")), flush=True)
+    print(next_commands(run_dir, getattr(task, "family", ""), _val_folder(task)), flush=True)
     return pngs
+
+
+def _val_folder(task) -> Optional[Path]:
+    """The folder of the task's val images (an ImageFolder split, a COCO image folder); None for packed shards."""
+    dataset = getattr(getattr(getattr(task, "data", None), "val_loader", None), "dataset", None)
+    folder = getattr(dataset, "root", None) or getattr(dataset, "image_root", None)
+    return Path(folder) if folder is not None and Path(folder).is_dir() else None
 
