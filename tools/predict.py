@@ -91,11 +91,12 @@ def predict(cmd: Command) -> int:
     if str(p.save_images).lower() != "all" and not str(p.save_images).isdigit():
         raise ConfigError(f"save_images={p.save_images}: give a count (0: none) or all")
     source = resolve_source(p.source, int(p.vid_stride))  # a missing or empty source: refused here, in one line
-    from visiondist.predict.model import kept_labels, read_names
+    from visiondist.predict.model import read_names
+    from visiondist.predict.run import check_classes
 
     names = read_names(cfg)
     if p.classes:
-        kept_labels(list(p.classes), names)  # classes the model was not trained for: refused here
+        check_classes(cfg, names)  # a classifier's, or classes the detector was not trained for: refused here
     out, state = _choose_out(cfg, base, source)
     if state == "complete":
         print(f"complete: {out} already holds this prediction (predict.json); give out=<dir> to predict again",

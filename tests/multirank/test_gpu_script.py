@@ -103,7 +103,7 @@ def test_every_mode_runs_with_stand_ins_and_every_command_it_gives_holds(tmp_pat
     assert len(tools) >= 15 and len(tests) >= 6, calls
     assert {Path(c[0]).name for c in scripts} >= {"photos.py", "vit_profile.py", "fp8_layers.py", "loss_curves.py",
                                                  "data_throughput.py", "table.py", "traffic.py",
-                                                 "memory_model.py"}, scripts
+                                                 "memory_model.py", "predict.py"}, scripts
     for call in tools:
         overrides = [*call[1:], "parallel.device_memory_gb=80"]  # the smaller of the lent GPUs, an H100's
         try:

@@ -64,7 +64,7 @@ def test_a_classifier_predicts_what_its_evaluation_scored_on_1_2_and_3_ranks(cla
         out = tmp_path / f"r{ranks}"
         printed = predict_ok(f"run_dir={run}", f"source={val}", f"out={out}", f"trainer.devices={ranks}",
                              "save_images=3", "topk=2", "batch=4", "trainer.progress=false")
-        assert f"predict dir: {out} (predictions.csv, images/ (3 drawn), predict.log)" in printed
+        assert f"predict dir: {out} (predictions.csv, images/ (3 drawn), predict.json, predict.log)" in printed
         outs.append(out)
     table = rows(outs[0])
     for out in outs[1:]:
@@ -112,6 +112,7 @@ def test_a_killed_prediction_continues_to_the_same_files_and_then_says_it_is_com
     (stopped,) = (run / "predict").iterdir()
     parts = list((stopped / "parts").glob("rank*.jsonl"))
     assert parts and not (stopped / "predictions.csv").exists()
+    assert json.loads((stopped / "predict.json").read_text())["state"] == "running"  # SIGKILL: nobody could say
 
     again = predict_ok(*args)
     assert f"continuing the prediction in {stopped}" in again
@@ -121,11 +122,15 @@ def test_a_killed_prediction_continues_to_the_same_files_and_then_says_it_is_com
     reasons = (stopped / "unreadable.txt").read_text().splitlines()
     assert reasons[0] == "coffee/empty.JPEG: the file is empty", reasons
     assert reasons[1].startswith("rocket/broken.JPEG: "), reasons
-    assert "2 unreadable, skipped (unreadable.txt)" in again
+    assert "predicted 20 images (2 unreadable files skipped: unreadable.txt); this attempt: " in again
 
     third = predict_ok(*args)
     assert f"complete: {stopped} already holds this prediction" in third
     assert [p.name for p in (run / "predict").iterdir()] == [stopped.name]
+    (source / "val" / "coffee" / "empty.JPEG").unlink()  # the same count of files, one of them another
+    (source / "val" / "coffee" / "new.JPEG").write_bytes(b"")
+    changed = predict_ok(*args)
+    assert "complete:" not in changed and len(list((run / "predict").iterdir())) == 2
 
 
 def test_bad_input_is_refused_before_any_rank_starts(classifier, tmp_path):
@@ -140,6 +145,7 @@ def test_bad_input_is_refused_before_any_rank_starts(classifier, tmp_path):
         ([f"run_dir={run}"], "give source=<path>"),
         ([f"source={empty}"], "give run_dir=<run>"),
         ([f"run_dir={run}", f"source={data / 'val'}", "save_images=some"], "save_images=some: give a count"),
+        ([f"run_dir={run}", f"source={data / 'val'}", "classes=circle"], "keeps a detector's classes"),
     ]
     for args, expected in cases:
         result = run_cli(args, timeout=120, script=PREDICT)

@@ -61,7 +61,8 @@ def cpu_estimate_seconds(cfg: DictConfig, run: RunLayout, kind: Optional[str] = 
     if spec_of(cfg.model).planner_shape is None:
         return f"no time estimate ({cfg.model.name} is a detector; the time model covers ViT classifiers)", None
     if kind in ("eval", "predict"):
-        return "no time estimate (the time model estimates training steps, not an evaluation)", None
+        what = "a prediction" if kind == "predict" else "an evaluation"
+        return f"no time estimate (the time model estimates training steps, not {what})", None
     machine = measured_tflops(cfg) if tflops is None else tflops
     step = step_seconds_on_cpu(cfg, run, machine / run.per_node)
     basis = (f"the time model at this CPU's {machine * 1e3:.3g} GFLOP/s dense matmul rate, measured now, shared by "

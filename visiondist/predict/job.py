@@ -4,6 +4,7 @@ only under the same request)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +50,26 @@ def request(cfg: DictConfig, source: Source) -> dict[str, Any]:
     inside = [weights / name for name in (".metadata", "model.safetensors") if (weights / name).is_file()]
     stat = (inside[0] if weights.is_dir() and inside else weights).stat()  # a checkpoint's, a from_pretrained dir's
     p = cfg.predict
+    saved = str(p.save_images).strip().lower()
     return {"source": str(Path(source.spec).expanduser().resolve()) if not any(c in source.spec for c in "*?[")
-            else source.spec, "items": len(source), "weights": str(weights), "weights_size": stat.st_size,
-            "weights_mtime": int(stat.st_mtime), "topk": int(p.topk), "score_thresh": float(p.score_thresh),
-            "max_det": int(p.max_det), "classes": list(p.classes) if p.classes else None,
-            "save_images": str(p.save_images), "vid_stride": int(p.vid_stride), "batch_size": batch_size(cfg),
-            "precision": str(cfg.trainer.precision)}
+            else source.spec, "items": len(source), "files": fingerprint(source), "weights": str(weights),
+            "weights_size": stat.st_size, "weights_mtime": int(stat.st_mtime), "topk": int(p.topk),
+            "score_thresh": float(p.score_thresh), "max_det": int(p.max_det),
+            "classes": list(p.classes) if p.classes else None, "save_images": saved if saved == "all" else int(saved),
+            "vid_stride": int(p.vid_stride), "batch_size": batch_size(cfg), "precision": str(cfg.trainer.precision)}
+
+
+def fingerprint(source: Source) -> str:
+    """A digest of the source's files: each one's path, size and modification time (a video: its own), so that a
+    folder whose files changed is a new prediction, not a complete or continued one. A file that is gone counts as
+    such (the rank names it)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in [source.video] if source.video else source.paths:
+        try:
+            st = os.stat(path)
+            digest.update(f"{path}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+        except OSError:
+            digest.update(f"{path}\tmissing\n".encode())
+    return digest.hexdigest()[:32]

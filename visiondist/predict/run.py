@@ -79,9 +79,10 @@ def loader(source: Source, predictor: Predictor, mine: Sequence[range], drawn: i
 
 
 def run_batches(predictor: Predictor, source: Source, batches_in: DataLoader, draw_into: Optional[Path],
-                progress: bool = False, total: Optional[int] = None) -> Iterator[list[dict[str, Any]]]:
+                progress: bool = False, total: Optional[int] = None,
+                name_bad: bool = True) -> Iterator[list[dict[str, Any]]]:
     """Each batch's records, in order: the result of every readable item, the `error` of every other (named once in
-    the log). Items to be drawn are drawn into `draw_into`."""
+    the log unless not `name_bad`). Items to be drawn are drawn into `draw_into`."""
     from visiondist.data.workers import watched
     from visiondist.observe.progress import tracked
 
@@ -93,7 +94,8 @@ def run_batches(predictor: Predictor, source: Source, batches_in: DataLoader, dr
         for i, _, (width, height), error, image in items:
             record: dict[str, Any] = {"index": i, "file": source.name(i)}
             if error is not None:
-                log.warning("skipped %s: %s", source.name(i), error)
+                if name_bad:
+                    log.warning("skipped %s: %s", source.name(i), error)
                 record["error"] = error
             else:
                 record.update(width=width, height=height, **by_index[i])
@@ -116,21 +118,43 @@ def predict(source: str, run_dir: Optional[str] = None, weights: Optional[str] =
         from visiondist.predict import predict
         for r in predict("photos/", run_dir="outputs/2026-11-21/21-10-24"):
             print(r["file"], r["top"][0]["name"])
+
+    A bad source, weights or setting raises ConfigError here, before the model is loaded.
     """
     cfg = prediction_config(run_dir, weights, step, overrides, {"source": source, **settings})
-    device_ = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     items = resolve_source(source, int(cfg.predict.vid_stride))
-    predictor = Predictor(cfg, load_model(cfg, device_), device_, read_names(cfg))
+    device_ = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    names = read_names(cfg)
+    if cfg.predict.classes:
+        check_classes(cfg, names)
+    return _records(Predictor(cfg, load_model(cfg, device_), device_, names), items)
+
+
+def _records(predictor: Predictor, items: Source) -> Iterator[dict[str, Any]]:
     from visiondist.data.workers import close_loaders
 
-    try:
-        for records in run_batches(predictor, items, loader(items, predictor, batches(len(items), batch_size(cfg)), 0,
-                                                            -1), None):
+    order = batches(len(items), batch_size(predictor.cfg))
+    try:  # no log line per unreadable file: its record carries the error
+        for records in run_batches(predictor, items, loader(items, predictor, order, 0, -1), None, name_bad=False):
             for record in records:
                 record.pop("index")
                 yield record
     finally:
         close_loaders()
+
+
+def check_classes(cfg: DictConfig, names) -> None:
+    """`predict.classes` against the model: a detector's classes it was trained for (else ConfigError naming them);
+    a classifier takes none."""
+    from visiondist.config import ConfigError
+    from visiondist.models import TASKS
+    from visiondist.predict.model import kept_labels
+
+    if TASKS[cfg.model.family] != "detection":
+        raise ConfigError(f"classes={','.join(map(str, cfg.predict.classes))}: keeps a detector's classes; "
+                          f"{cfg.model.name} is a classifier, whose predictions.csv ranks every class (topk=<k> keeps "
+                          "the k most likely)")
+    kept_labels(list(cfg.predict.classes), names)
 
 
 def prediction_config(run_dir: Optional[str], weights: Optional[str], step, overrides: Sequence[str],
@@ -189,13 +213,20 @@ def predict_ranks(cfg: DictConfig, layout, out: Path) -> dict[str, Any]:
     writer = PartWriter(out, layout.rank)
     start = time.perf_counter()
     PROGRESS.at("predicting")
+    finished = False
     try:
         for records in run_batches(predictor, source, loader(source, predictor, mine, drawn, -1),
                                    out / "images" if drawn else None, bool(cfg.trainer.progress) and layout.is_main):
             writer.write(records)
+        finished = True
     finally:
         writer.close()
         close_loaders()
+        if not finished and layout.is_main:  # a stop or a failure: what the parts hold is kept for the next attempt
+            manifest = read_manifest(out) or {}
+            manifest.update(state="stopped", stopped=time.time())
+            write_manifest(out, manifest)
+            log.info("prediction stopped: the batches written to %s/parts are kept; the same command continues", out)
     seconds = time.perf_counter() - start
     dist.barrier()
     if not layout.is_main:
@@ -229,14 +260,19 @@ def finish(cfg: DictConfig, out: Path, source: Source, predictor: Predictor, nam
     manifest.update(state="complete", finished=time.time(), counts=counts)
     write_manifest(out, manifest)
     rate = predicted / seconds if seconds > 0 else 0.0
-    found = f", {counts['detections']} detections (score >= {float(cfg.predict.score_thresh):g})" \
+    kind = "frame" if source.video else "image"
+    found = f", {_count(counts['detections'], 'detection')} (score >= {float(cfg.predict.score_thresh):g})" \
         if "detections" in counts else ""
-    bad = f"; {counts['unreadable']} unreadable, skipped (unreadable.txt)" if counts["unreadable"] else ""
-    log.info("predicted %d %s%s%s: %d this attempt in %.1f s (%.1f images/s on %d rank%s)", counts["images"],
-             "frames" if source.video else "images", found, bad, predicted, seconds, rate, ranks,
-             "" if ranks == 1 else "s")
-    print(f"predict dir: {shown_path(out)} ({', '.join([*files, 'predict.log'])})", flush=True)
+    bad = (f" ({_count(counts['unreadable'], 'unreadable file')} skipped: unreadable.txt)" if counts["unreadable"]
+           else "")
+    log.info("predicted %s%s%s; this attempt: %s in %.1f s, %.1f %ss/s on %s", _count(counts["images"], kind), found,
+             bad, _count(predicted, "item"), seconds, rate, kind, _count(ranks, "rank"))
+    print(f"predict dir: {shown_path(out)} ({', '.join([*files, 'predict.json', 'predict.log'])})", flush=True)
     return {"counts": counts, "seconds": seconds}
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 def _val_image_ids(cfg: DictConfig, source: Source) -> dict[str, int]:

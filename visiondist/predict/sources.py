@@ -51,7 +51,7 @@ class Source:
     def describe(self) -> str:
         if self.video:
             stride = self.frames[1] - self.frames[0] if len(self.frames) > 1 else 1
-            every = f", every {stride}th frame" if stride > 1 else ""
+            every = f", 1 frame in {stride}" if stride > 1 else ""
             return f"{len(self)} frames of {self.video} ({self.size[0]}x{self.size[1]}, {self.fps:g} fps{every})"
         return f"{len(self)} image{'' if len(self) == 1 else 's'} ({self.kind} {self.spec})"
 
