@@ -77,8 +77,17 @@ def predict(cmd: Command) -> int:
             raise ConfigError(f"weights={args['weights']}: no such file or checkpoint directory")
         cfg = load_config(CONFIGS, cmd.overrides + cmd.search, inputs=None)
     settings = {field: _value(key, args[key], kind) for key, (field, kind) in SETTINGS.items() if key in args}
+    data = {}
+    if base is None:  # an export: the run's own eval preprocessing, as its sidecar recorded it
+        from visiondist.predict.job import recorded_preprocessing
+
+        data = recorded_preprocessing(weights)
+        if data:
+            print(f"preprocessing as {weights.with_suffix('.json').name} records the run's: "
+                  + " ".join(f"data.{k}={v}" for k, v in data.items()), flush=True)
     # one model a rank: prediction shards the images, never the model (whatever layout trained it)
-    cfg = OmegaConf.merge(cfg, {"predict": settings, "model": {"weights": str(weights.resolve()), "init_from": None},
+    cfg = OmegaConf.merge(cfg, {"predict": settings, "data": data,
+                                "model": {"weights": str(weights.resolve()), "init_from": None},
                                 "parallel": {"name": "ddp", "dp": -1, "tp": 1, "pp": 1, "sequence_parallel": False,
                                              "fsdp": False, "offload": False, "auto": False,
                                              "activation_checkpointing": False}})

@@ -82,6 +82,17 @@ def test_a_classifier_predicts_what_its_evaluation_scored_on_1_2_and_3_ranks(cla
     manifest = json.loads((outs[0] / "predict.json").read_text())
     assert manifest["state"] == "complete" and manifest["counts"] == {"images": 30, "unreadable": 0}
 
+    # the run exported (safetensors and its model.json), predicted from the file under other data settings: the
+    # export's record of the run's preprocessing and class names gives the run's predictions
+    exported = tmp_path / "vit.safetensors"
+    run_cli([f"run_dir={run}", f"out={exported}"], timeout=240, script=REPO / "tools" / "export.py")
+    out = tmp_path / "export"
+    printed = predict_ok(f"weights={exported}", "model=vit_tiny", "model.depth=2", "data=imagenet", "data.img_size=32",
+                         "data.num_classes=6", f"source={val}", f"out={out}", "save_images=0", "topk=2", "batch=4",
+                         "trainer.progress=false")
+    assert "preprocessing as vit.json records the run's: data.mean=[0.5, 0.5, 0.5]" in printed
+    assert (out / "predictions.csv").read_bytes() == (outs[0] / "predictions.csv").read_bytes()
+
     yielded = list(predict(str(val), run_dir=str(run), topk=2, batch_size=4, device="cpu"))
     assert [(r["file"], r["top"][0]["name"]) for r in yielded] == [(r[0], r[1]) for r in table[1:]]
     assert [f"{r['top'][1]['prob']:.6f}" for r in yielded] == [r[4] for r in table[1:]]

@@ -73,3 +73,21 @@ def fingerprint(source: Source) -> str:
         except OSError:
             digest.update(f"{path}\tmissing\n".encode())
     return digest.hexdigest()[:32]
+
+
+PREPROCESSING = ("mean", "std", "crop_pct", "interpolation")  # what an export's sidecar records of the run's eval
+
+
+def recorded_preprocessing(weights: Path) -> dict[str, Any]:
+    """The run's evaluation preprocessing as an export recorded it beside its weights (tools/export.py's
+    `<name>.json`: mean, std, crop_pct, interpolation), as `data` overrides; empty where nothing is recorded."""
+    import json
+
+    sidecar = weights.with_suffix(".json") if weights.is_file() else None
+    if sidecar is None or not sidecar.is_file():
+        return {}
+    try:
+        info = json.loads(sidecar.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: info[k] for k in PREPROCESSING if k in info}

@@ -55,7 +55,9 @@ class Predictor:
         if self.task == "classification":
             from visiondist.data.transforms import ClassificationTransform, Normalize
 
-            data = dict(cfg.data)
+            from omegaconf import OmegaConf
+
+            data = OmegaConf.to_container(cfg.data, resolve=True, throw_on_missing=False)  # (data.root: not read)
             data["decode_on"] = "loader"  # decoded by the one reader in the workers, as a CPU evaluation decodes
             self.transform = ClassificationTransform(_Fields(data), train=False, size=int(cfg.model.img_size),
                                                      seed=int(cfg.trainer.seed))

@@ -18,7 +18,7 @@ from visiondist.predict.model import Predictor, load_model, read_names
 from visiondist.predict.outputs import (PartWriter, batches, done, drawn_name, draw, merged, read_manifest, remaining,
                                         save_drawn, write_classifications, write_detections, write_manifest,
                                         write_video)
-from visiondist.predict.job import batch_size, drawn_count, request, run_weights
+from visiondist.predict.job import batch_size, drawn_count, recorded_preprocessing, request, run_weights
 from visiondist.predict.sources import Source, VideoFrames, resolve_source
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,7 @@ def prediction_config(run_dir: Optional[str], weights: Optional[str], step, over
     else:
         cfg = compose(CONFIGS, list(overrides))
         cfg.model.weights = str(Path(weights).expanduser().resolve())
+        cfg = OmegaConf.merge(cfg, {"data": recorded_preprocessing(Path(cfg.model.weights))})  # an export's record
     cfg.model.init_from = None
     cfg = OmegaConf.merge(cfg, {"predict": settings})
     check(cfg, mandatory=False)
