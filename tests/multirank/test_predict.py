@@ -51,6 +51,7 @@ def rows(out: Path) -> list[list[str]]:
         return list(csv.reader(f))
 
 
+@pytest.mark.smoke  # the GPU machines' torch 2.11 as well as the newest
 def test_a_classifier_predicts_what_its_evaluation_scored_on_1_2_and_3_ranks(classifier, tmp_path):
     """The val folder predicted on 1, 2 and 3 ranks: byte-identical predictions.csv, in the folder's order, whose
     top-1 labels score exactly the run's final val top-1; the first images drawn; the Python entry yields the same."""

@@ -235,7 +235,7 @@ def test_loader_workers_follow_the_cores_per_rank(monkeypatch):
     import visiondist.data.workers as world
     from visiondist.config import ConfigError
     from visiondist.cli import load_config
-    from visiondist.data.loaders import _loader_options
+    from visiondist.data.loaders import loader_options
 
     loader_workers = world.loader_workers
     # (8, 112): a DGX H100, 14 cores per GPU, 13 workers each; (1, 64): capped at 16
@@ -247,10 +247,10 @@ def test_loader_workers_follow_the_cores_per_rank(monkeypatch):
     assert cfg.data.num_workers == -1  # the shipped default
     monkeypatch.setattr(world, "usable_cores", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # the rank's node runs 2 ranks
-    options = _loader_options(OmegaConf.create({"num_workers": -1, "pin_memory": False, "prefetch_factor": 2}), False)
+    options = loader_options(OmegaConf.create({"num_workers": -1, "pin_memory": False, "prefetch_factor": 2}), False)
     assert (options["num_workers"], options["persistent_workers"], options["prefetch_factor"]) == (3, True, 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    options = _loader_options(OmegaConf.create({"num_workers": -1, "pin_memory": False, "prefetch_factor": 2}), False)
+    options = loader_options(OmegaConf.create({"num_workers": -1, "pin_memory": False, "prefetch_factor": 2}), False)
     assert (options["num_workers"], options["persistent_workers"], options["prefetch_factor"]) == (0, False, None)
     with pytest.raises(ConfigError, match=r"data.num_workers=-2: use a count of loader workers per rank, 0 .* or -1"):
         load_config(CONFIGS, ["data.num_workers=-2"], inputs=None)

@@ -160,13 +160,13 @@ def test_channels_last_detector_computes_the_same_losses():
     assert losses[1] == pytest.approx(losses[0], rel=1e-4, abs=1e-6)
 
 
-def test_loader_options_follow_the_config():
-    from visiondist.data.loaders import _loader_options
+def testloader_options_follow_the_config():
+    from visiondist.data.loaders import loader_options
 
     cfg = OmegaConf.create({"num_workers": 2, "pin_memory": False, "prefetch_factor": 6})
-    options = _loader_options(cfg, pin_memory=True)
+    options = loader_options(cfg, pin_memory=True)
     assert options["prefetch_factor"] == 6 and options["pin_memory"] is False and options["persistent_workers"]
-    options = _loader_options(OmegaConf.create({"num_workers": 0, "pin_memory": True, "prefetch_factor": 6}), True)
+    options = loader_options(OmegaConf.create({"num_workers": 0, "pin_memory": True, "prefetch_factor": 6}), True)
     assert options["prefetch_factor"] is None and options["pin_memory"] is True
 
 
