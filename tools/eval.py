@@ -17,7 +17,6 @@ from typing import Optional
 from visiondist.cli import (Command, Tool, checked, config_text, exit_now, load_config, load_run_config,
                             main as cli_main)
 from visiondist.config import ConfigError
-from visiondist.checkpoint.files import latest_checkpoint, resolve_checkpoint
 from visiondist.utils.dcp import is_complete
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -90,19 +89,9 @@ def _source(cmd: Command):
         raise ConfigError("-cd: run_dir= evaluates under the run's own config.yaml; -cd adds options for weights=")
     run = Path(args["run_dir"]).expanduser()
     cfg = load_run_config(run, cmd.overrides, inputs=None)
-    if "step" in args:
-        try:
-            weights = resolve_checkpoint(str(run), _step(args["step"]))
-        except FileNotFoundError as exc:
-            raise ConfigError(f"step={args['step']}: {exc}") from None
-    else:
-        weights = run / "model.safetensors"
-        if not weights.is_file():  # e.g. a run stopped early: its newest checkpoint, if it has one
-            weights = latest_checkpoint(run) or weights
-    if not weights.exists():
-        raise ConfigError(f"run_dir={args['run_dir']} holds no model.safetensors and no complete checkpoint: give "
-                          "weights=<file> or a run that saved its weights")
-    return cfg, weights, run
+    from visiondist.predict.job import run_weights  # the run's weights as tools/predict.py takes them
+
+    return cfg, run_weights(run, _step(args["step"]) if "step" in args else None), run
 
 
 def _arguments(cmd: Command) -> dict:
