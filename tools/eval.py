@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from visiondist.cli import (Command, Tool, checked, config_text, exit_now, load_config, load_run_config,
+from visiondist.cli import (Command, Tool, checked, config_text, exit_now, load_run_config, load_weights_config,
                             main as cli_main)
 from visiondist.config import ConfigError
 from visiondist.utils.dcp import is_complete
@@ -81,7 +81,8 @@ def _source(cmd: Command):
         weights = Path(args["weights"]).expanduser()
         if not weights.exists():
             raise ConfigError(f"weights={args['weights']}: no such file or checkpoint directory")
-        return load_config(CONFIGS, cmd.overrides + cmd.search, inputs=None), weights, None
+        return load_weights_config(CONFIGS, weights, cmd.overrides + cmd.search, "eval.py", data_needed=True), \
+            weights, None
     if "run_dir" not in args:
         raise ConfigError("give run_dir=<run dir> (a training run) or weights=<file> with model=... data=...: "
                           "--help shows both")

@@ -12,7 +12,8 @@ The same command again continues a stopped prediction, or says that it is comple
 import sys
 from pathlib import Path
 
-from visiondist.cli import Command, Tool, config_text, exit_now, load_config, load_run_config, main as cli_main
+from visiondist.cli import (Command, Tool, config_text, exit_now, load_run_config, load_weights_config,
+                            main as cli_main)
 from visiondist.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -75,7 +76,7 @@ def predict(cmd: Command) -> int:
         base, weights = None, Path(args["weights"]).expanduser()
         if not weights.exists():
             raise ConfigError(f"weights={args['weights']}: no such file or checkpoint directory")
-        cfg = load_config(CONFIGS, cmd.overrides + cmd.search, inputs=None)
+        cfg = load_weights_config(CONFIGS, weights, cmd.overrides + cmd.search, "predict.py", data_needed=False)
     settings = {field: _value(key, args[key], kind) for key, (field, kind) in SETTINGS.items() if key in args}
     data = {}
     if base is None:  # an export: the run's own eval preprocessing, as its sidecar recorded it

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from visiondist.cli import load_config
@@ -242,3 +243,74 @@ def test_docs_score_by_name_where_timm_orders_the_classes_otherwise(tmp_path, mo
     assert sum(int(model(image[None]).argmax(1)) == target for image, target in mapped) == len(mapped) == 12
     assert "ImageDataset(\"data/val\", class_map={name: i for i, name in enumerate(names)})" in (
         REPO / "docs" / "checkpoints.md").read_text()
+
+
+def _detection_doc_block(marker: str) -> str:
+    text = (REPO / "docs" / "detection.md").read_text()
+    blocks = [re.sub(r"^  ", "", b, flags=re.M) for b in re.findall(r"```python\n(.*?)```", text, re.S)]
+    found = [b for b in blocks if marker in b]
+    assert len(found) == 1, f"docs/detection.md: {len(found)} python blocks with {marker!r}"
+    return found[0]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_hf_export_carries_the_category_ids_and_the_docs_code_maps_labels_to_them(nested_coco, tmp_path,
+                                                                                      capsys):
+    """`tools/export.py format=hf` of a D-FINE-N run on a set whose category ids are 3 / 17 / 90: config.json names
+    each 0-based library label and gives its COCO category id (`category_ids`, which transformers keeps as
+    `model.config.category_ids`); docs/detection.md's transformers code, run on the directory, writes COCO results
+    with those ids; prediction here reads the same map from the directory."""
+    from transformers import AutoConfig
+
+    from helpers import load_tool
+    from visiondist.models import build_model
+    from visiondist.predict.model import read_names
+
+    cfg = load_config(REPO / "configs", [
+        "model=dfine_n", "model.img_size=64", "model.num_queries=10", "data=shapes_coco", f"data.root={nested_coco}",
+        "data.num_classes=3", "data.min_size=64", "data.max_size=64"], inputs=None)
+    torch.manual_seed(0)
+    run = tmp_path / "run"
+    _run_with_checkpoint(run, cfg, build_model(cfg.model).eval(),
+                         {"classes": ["car", "Cat", "toothbrush"], "category_ids": [3, 17, 90]})
+    hf = tmp_path / "model_hf"
+    assert load_tool("export").main([f"run_dir={run}", "format=hf", f"out={hf}"]) == 0  # the command, in-process
+    config = json.loads((hf / "config.json").read_text())
+    assert config["category_ids"] == [3, 17, 90]
+    assert config["id2label"] == {"0": "car", "1": "Cat", "2": "toothbrush"}
+    assert AutoConfig.from_pretrained(hf).category_ids == [3, 17, 90]
+    cfg.model.weights, cfg.data.root = str(hf), str(tmp_path / "elsewhere")  # the data is not here: the directory's
+    names = read_names(cfg)
+    assert (names.classes, names.categories) == (["car", "Cat", "toothbrush"], [3, 17, 90])
+    assert names.read_from == str(hf / "config.json")
+
+    # eval.py and predict.py read the model off the directory (its variant by its tensors' shapes, its classes,
+    # queries and input size) and ask only for what it cannot say: the data to evaluate on (printed configs: no rank
+    # starts in a unit test)
+    capsys.readouterr()
+    assert load_tool("eval").main([f"weights={hf}"]) == 2
+    assert f"weights={hf} is a dfine_n with 3 classes (its config.json says so): give the data to evaluate it on, " \
+           "e.g. data=coco data.root=<COCO-format root>" in capsys.readouterr().err
+    assert load_tool("eval").main([f"weights={hf}", "data=shapes_coco", f"data.root={nested_coco}",
+                                   "model.num_queries=8", "--cfg", "job"]) == 0
+    out = capsys.readouterr().out
+    printed = yaml.safe_load(out[out.index("model:"):])
+    assert (printed["model"]["name"], printed["model"]["num_classes"], printed["model"]["img_size"],
+            printed["model"]["num_queries"]) == ("dfine_n", 3, 64, 8)  # the command line wins
+    assert f"eval.py weights={hf}: model=dfine_n data.num_classes=3 model.img_size=64 as its config.json says" in out
+    assert load_tool("predict").main([f"weights={hf}", f"source={nested_coco / 'val'}", "--cfg", "job"]) == 0
+    out = capsys.readouterr().out
+    printed = yaml.safe_load(out[out.index("model:"):])
+    assert (printed["model"]["name"], printed["data"]["name"], printed["model"]["num_classes"]) == (
+        "dfine_n", "shapes_coco", 3)
+    assert "data=shapes_coco for its settings (prediction reads no data)" in out
+
+    # the docs' code on one of the set's images, its results as COCO would score them
+    code = _detection_doc_block("category_ids").replace("outputs/.../export/model_hf", str(hf))
+    code = code.replace('"photo.jpg"', repr(str(nested_coco / "val" / NESTED[0])))
+    scope = {}
+    exec(code, scope)
+    results = scope["results"]
+    assert results and {r["category_id"] for r in results} <= {3, 17, 90}
+    assert all(set(r) == {"image_id", "category_id", "bbox", "score"} for r in results)
+    assert all(r["bbox"][2] >= 0 and r["bbox"][3] >= 0 for r in results)

@@ -13,13 +13,13 @@ input reported in one clear line (exit code 2).
   visiondist composes its config with Hydra but runs no Hydra app, so they would do nothing.
 
 `tool.py`: the convention (`Tool`, `parse`, `main`, `run_tool`, usage); `load.py`: a tool's config composed, checked
-and its inputs looked at (`load_config`, `load_run_config`, `checked`); `sweep.py`: `-m` multiruns; a tool's
-`__main__` ends with `exit_now(main(...))` (`visiondist.utils.exit`).
+and its inputs looked at (`load_config`, `load_run_config`, `load_weights_config`, `checked`); `sweep.py`: `-m`
+multiruns; a tool's `__main__` ends with `exit_now(main(...))` (`visiondist.utils.exit`).
 """
 
-from visiondist.cli.load import checked, load_config, load_run_config
+from visiondist.cli.load import checked, load_config, load_run_config, load_weights_config
 from visiondist.cli.tool import Command, Tool, config_text, main, parse, run_tool
 from visiondist.utils.exit import exit_now
 
-__all__ = ["Command", "Tool", "checked", "config_text", "exit_now", "load_config", "load_run_config", "main", "parse",
-           "run_tool"]
+__all__ = ["Command", "Tool", "checked", "config_text", "exit_now", "load_config", "load_run_config",
+           "load_weights_config", "main", "parse", "run_tool"]

@@ -184,21 +184,55 @@ def _variant_of(stored: dict[str, torch.Tensor], kind: str, labels: int, overrid
     return None
 
 
+def library_settings(where) -> Optional[dict[str, Any]]:
+    """What a from_pretrained directory says of the model config that reads it, as overrides: `model` (its variant,
+    the config whose tensors have exactly the stored names and shapes), `data.num_classes` (id2label's count),
+    `model.num_queries` and `model.img_size` (the image processor's square side). None where it is no DETR-class
+    model of this project's, or no model config here fits its tensors."""
+    config = _library_config(where)
+    kind = config.get("model_type")
+    arch = next((a for a in ARCHS.values() if a.model_type == kind), None)
+    if arch is None:
+        return None
+    labels = _labels_of(where)
+    queries = {k: config[k] for k in ("num_queries",) if k in config}
+    name = _variant_of(_from_pretrained(arch, where), kind, labels, queries)
+    if name is None:
+        return None
+    settings: dict[str, Any] = {"model": name, "data.num_classes": labels}
+    if "num_queries" in config:
+        settings["model.num_queries"] = int(config["num_queries"])
+    processor = Path(where) / "preprocessor_config.json"
+    size = json.loads(processor.read_text()).get("size") if processor.is_file() else None
+    if isinstance(size, dict) and size.get("height") and size.get("height") == size.get("width"):
+        settings["model.img_size"] = int(size["height"])
+    return settings
+
+
 def _class_head(theirs: tuple, ours: tuple, theirs_labels: int, our_labels: int) -> bool:
     """A tensor sized by the class count (a classifier's rows; the denoising label embedding has one more)."""
     return (len(theirs) == len(ours) and theirs[1:] == ours[1:] and theirs[0] - theirs_labels in (0, 1)
             and ours[0] - our_labels == theirs[0] - theirs_labels)
 
 
-def save_library_dir(model: "DetrDetector", out, classes: Optional[list[str]] = None) -> list:
-    """`model` as a directory transformers' `from_pretrained` reads: config.json (with the class names),
-    model.safetensors, and preprocessor_config.json (the library's image processor at model.img_size)."""
+def save_library_dir(model: "DetrDetector", out, classes: Optional[list[str]] = None,
+                     category_ids: Optional[list[int]] = None) -> list:
+    """`model` as a directory transformers' `from_pretrained` reads: config.json (with the class names and, for a
+    COCO-trained model, `category_ids`: the COCO category id of each 0-based library label, which transformers keeps
+    as `model.config.category_ids`), model.safetensors, and preprocessor_config.json (the library's image processor
+    at model.img_size)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     inner = model.model
     if classes:
         inner.config.id2label = dict(enumerate(classes))
         inner.config.label2id = {c: i for i, c in enumerate(classes)}
+    if category_ids:
+        if classes and len(category_ids) != len(classes):
+            raise ValueError(f"{len(category_ids)} category ids for {len(classes)} classes")
+        inner.config.category_ids = [int(c) for c in category_ids]
+    elif hasattr(inner.config, "category_ids"):  # read with weights of another data set: not this model's map
+        del inner.config.category_ids
     with _quiet() as transformers:
         inner.save_pretrained(str(out), safe_serialization=True)
         processor = getattr(transformers, model.arch.processor)(

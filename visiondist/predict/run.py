@@ -172,8 +172,12 @@ def prediction_config(run_dir: Optional[str], weights: Optional[str], step, over
         cfg = run_config(run_dir, list(overrides))
         cfg.model.weights = str(run_weights(Path(run_dir), step))
     else:
-        cfg = compose(CONFIGS, list(overrides))
-        cfg.model.weights = str(Path(weights).expanduser().resolve())
+        from visiondist.cli.load import weights_settings
+
+        path = Path(weights).expanduser().resolve()
+        said = weights_settings(path, list(overrides), "predict()", data_needed=False)
+        cfg = compose(CONFIGS, said + list(overrides))
+        cfg.model.weights = str(path)
         cfg = OmegaConf.merge(cfg, {"data": recorded_preprocessing(Path(cfg.model.weights))})  # an export's record
     cfg.model.init_from = None
     cfg = OmegaConf.merge(cfg, {"predict": settings})
