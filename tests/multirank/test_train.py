@@ -200,6 +200,8 @@ def test_the_run_says_at_start_which_limit_ends_it(tmp_path, tiny_shapes):
     assert sorted(losses_of(run)) == list(range(1, 7))
     out = train_ok(*train_args(tiny_shapes, tmp_path / "short", "model.num_heads=2", "trainer.max_steps=2"))
     assert "| 2 steps (trainer.max_steps=2 ends the run)" in out and "is not reached" not in out
+    # one rank: no line about the collectives' timeout, which would wait on nobody
+    assert "parallel=auto chose plain DDP on 1 rank" in out and "collective timeout" not in out
 
 
 def test_compiled_model_trains_as_eager_and_says_what_compiling_cost(tmp_path, tiny_shapes):

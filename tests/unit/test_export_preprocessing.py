@@ -94,8 +94,12 @@ def test_onnx_check_says_what_it_compared():
     lowered = OnnxCheck(1e-5, "a random image", boxes=5, onnx_boxes=5, lowered_from={"rpn": 0.05, "box": 0.9})
     assert "5 boxes compared" in lowered.summary() and "(rpn 0.05, box 0.9) no box came out" in lowered.summary()
     assert "the outputs differ" in OnnxCheck(float("inf"), "x", boxes=5, onnx_boxes=4).summary()
-    far = OnnxCheck(26.3, "3 val images", boxes=300, onnx_boxes=300).summary()  # a 4-step detector's export
-    assert "max abs difference 2.63e+01" in far and "warning: more than float round-off (0.01 px)" in far
+    far = OnnxCheck(26.3, "3 val images", boxes=300, onnx_boxes=300, score_spread=0.81).summary()
+    assert "max abs difference 2.63e+01" in far and "warning: more than float round-off (0.01 px), with scores " \
+        "spread over 0.81: the exported graph does not compute what PyTorch does" in far
+    # a 4-step detector's export: its scores tie, and top-k's choice among them is no fault of the export
+    tied = OnnxCheck(26.3, "3 val images", boxes=300, onnx_boxes=300, score_spread=2.9e-3).summary()
+    assert "warning" not in tied and "expected for these weights: every score lies within 2.9e-03" in tied
     assert OnnxCheck(1e-6, "2 random images").summary() == (
         "ONNX Runtime vs PyTorch: logits of 2 random images compared, max abs difference 1.00e-06")
 

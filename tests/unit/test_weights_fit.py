@@ -147,3 +147,4 @@ def test_detr_weights_file_of_an_hf_export_and_eval_of_the_folder(tmp_path, caps
     metrics = json.loads(result.read_text())
     assert metrics["weights"] == str(dfine_export.resolve()) and metrics["val_count"] == 3
     assert "val box mAP@[.5:.95]:" in stdout
+    assert "parallel=auto chose" not in stdout  # a training layout's choice: nothing an evaluation can act on

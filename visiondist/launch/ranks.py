@@ -204,7 +204,8 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
     check_gpu_layout(cfg, run, run_kind(entry))  # several ranks, no GPU found under accelerator=auto: stop, estimated
     if run.share_gpu and env.get("RANK", "0") == "0":  # a test of correctness: said, and its memory summed
         print(shared_gpu_line(cfg, run, device_memory_gb("cuda", 1)), flush=True)
-    if run.chosen_by == "parallel=auto" and env.get("RANK", "0") == "0":
+    plain = auto_plan is None or auto_plan.plain_ddp  # an evaluation on plain DDP: nothing chosen to say
+    if run.chosen_by == "parallel=auto" and not (stateless and plain) and env.get("RANK", "0") == "0":
         announce(cfg, run, auto_plan)
     if run.compile:  # Inductor's caches (FX graphs, autograd, kernels) kept across runs, not in /tmp
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))

@@ -119,11 +119,13 @@ class ProgressHook(Hook):
 
 class TimeoutHook(Hook):
     """After the first step of this process (start-up, compilation and first collectives are over), collectives time
-    out after `trainer.dist_timeout_s`: a hang fails fast."""
+    out after `trainer.dist_timeout_s`: a hang fails fast. Said on the console where there are ranks to wait for
+    (one rank's collectives wait on nobody)."""
 
     def after_step(self, trainer, loss, grad_norm):
         if trainer.step == trainer.resumed_from_step + 1:
-            set_collective_timeout(trainer.cfg.trainer.dist_timeout_s, trainer.groups())
+            set_collective_timeout(trainer.cfg.trainer.dist_timeout_s, trainer.groups(),
+                                   quiet=trainer.layout.world_size == 1)
 
 
 class StopHook(Hook):
