@@ -54,8 +54,11 @@ def check_inputs(cfg, purpose: str = "train") -> None:
         pass
     elif d.synthetic is None:
         check_images(d, root, purpose, _has_masks(cfg.model))
-    elif purpose == "train":
-        _check_builtin_batch(d, found)
+        check_val_readable(d, root)
+    else:
+        if purpose == "train":
+            _check_builtin_batch(d, found)
+        check_val_readable(d, Path(d.root).expanduser())  # a built-in set generated earlier: its files as they are
     if not (purpose == "train" and _resumes(cfg.trainer)):  # a resumed run reads its checkpoint, not these
         fetch_named_weights(cfg.model)
     if cfg.model.weights:
@@ -265,6 +268,59 @@ def _count_images(d, root: Path, split: str, need: int) -> tuple[list[str], int]
                               f"({', '.join(IMG_EXTENSIONS)}): add images or remove the folder")
         total += found
     return classes, total
+
+
+def check_val_readable(d, root: Path) -> None:
+    """Every image of the val split (a folder tree's, or each one a COCO annotation file lists) readable, from its
+    size, header and end marker (`unreadable_reason`; no decoding): one error naming the unreadable ones and their
+    reasons, before any rank starts, since each val image is scored. Once a machine (`LOCAL_RANK` unset or 0: under
+    torchrun one process a node checks, and its exit stops the others); a rank checks its share again before step 1
+    (`visiondist.train.build.check_val_images`)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from visiondist.data.robust import name_bad, unreadable_reason
+
+    paths = _val_paths(d, root) if _val_present(d, root) else []
+    if not paths:
+        return
+    workers = min(32, 4 * (os.cpu_count() or 1))  # the reads wait on the disk, not the CPU
+    with ThreadPoolExecutor(workers) as pool:
+        reasons = list(pool.map(unreadable_reason, paths, chunksize=64))
+    bad = [(str(path), reason) for path, reason in zip(paths, reasons) if reason is not None]
+    if bad:
+        them = "it" if len(bad) == 1 else "them"
+        coco = "; remove an image's entry from the annotation file too" if d.format == "coco" else ""
+        raise ConfigError(f"{len(bad)} of {len(paths)} val images cannot be read: {name_bad(bad)}: fix or remove "
+                          f"{them} (every val image is scored{coco})")
+
+
+def _val_present(d, root: Path) -> bool:
+    """The val split's listing is there (a built-in set's may not be generated yet)."""
+    if d.format == "coco":
+        from visiondist.data import coco_paths
+
+        return coco_paths(d, d.val_split)[1].is_file()
+    return (root / d.val_split).is_dir()
+
+
+def _val_paths(d, root: Path) -> list[Path]:
+    """The val split's image files: a folder tree's listing, or the `images` of a COCO annotation file."""
+    if d.format == "coco":
+        from visiondist.data import coco_paths
+        from visiondist.data.coco import safe_image_path
+
+        images_dir, annotations = coco_paths(d, d.val_split)
+        try:
+            entries = json.loads(annotations.read_text()).get("images", ())
+            return [safe_image_path(images_dir, str(e["file_name"])) for e in entries]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # the dataset's own error says what
+            return []
+    from visiondist.data.index import list_image_folder
+
+    _, index, _ = list_image_folder(root / d.val_split)
+    return [Path(index[i]) for i in range(len(index))]
 
 
 def _check_builtin_batch(d, num_classes: int) -> None:

@@ -249,23 +249,28 @@ def test_the_end_of_run_evaluation_failing_keeps_weights_and_checkpoint(tmp_path
     assert (run / "model.safetensors").is_file() and [s for s, _ in list_checkpoints(run)] == [2]
 
 
-def test_an_unreadable_val_image_stops_the_run_before_step_one(tmp_path, tiny_shapes):
+def test_unreadable_val_images_are_refused_before_launch(tmp_path, tiny_shapes):
+    """Every unreadable val image named with its reason, exit 2, no run dir (no rank started). (eval.py's check, and
+    a COCO set's: tests/unit/test_bad_input.py)"""
     data = tmp_path / "data"
     shutil.copytree(tiny_shapes, data)
-    bad = sorted((data / "val").rglob("*.jpg"))[3]
-    bad.write_bytes(b"")
+    bad = sorted((data / "val").rglob("*.jpg"))[3:5]
+    bad[0].write_bytes(b"")
+    bad[1].write_bytes(b"<html>not found</html>")
     run = tmp_path / "run"
     code, out, seconds = run_job(args(data, run), script=TRAIN)
     line = error_line(out)
-    assert code == 1 and seconds < 60, (code, seconds)
-    assert "failed at step 0" in line and f"1 of 30 val images cannot be read: {bad}: the file is empty" in line
-    assert not (run / "checkpoints").exists() and not (run / "metrics.csv").exists()
+    assert code == 2 and seconds < 60, (code, seconds, out[-2000:])
+    assert line.startswith(f"error: 2 of 30 val images cannot be read: {bad[0]}: the file is empty; {bad[1]}: "
+                           "not an image ("), line
+    assert line.endswith("fix or remove them (every val image is scored)"), line
+    assert not run.exists()
 
 
 def test_each_unreadable_training_image_is_warned_once_and_counted(tmp_path, tiny_shapes):
-    """Two persistent workers over four epochs meet each bad file several times: one warning in the run (its first
-    bad file), bad_images.txt names both, and the summary counts them; model.safetensors is written with the same
-    file mode as every other output."""
+    """Two persistent workers over four epochs meet each bad file several times: one warning for each file in the
+    run, on the console and in train.log, bad_images.txt names both with their reasons, and the summary counts them;
+    model.safetensors is written with the same file mode as every other output."""
     data = tmp_path / "data"
     shutil.copytree(tiny_shapes, data)
     bad = sorted((data / "train").rglob("*.jpg"))[::40][:2]
@@ -275,9 +280,9 @@ def test_each_unreadable_training_image_is_warned_once_and_counted(tmp_path, tin
     code, out, _ = run_job(args(data, run, "trainer.max_steps=24"), script=TRAIN)
     assert code == 0, out[-3000:]
     log = (run / "train.log").read_text()
-    assert sum(log.count(f"cannot read {path}") for path in bad) == 1, log[-3000:]
-    listed = (run / "bad_images.txt").read_text()
-    assert all(str(path) in listed for path in bad), listed
+    assert all(log.count(f"cannot read {path}") == 1 == out.count(f"cannot read {path}") for path in bad), out[-3000:]
+    listed = dict(line.split("\t") for line in (run / "bad_images.txt").read_text().splitlines())
+    assert sorted(listed) == sorted(map(str, bad)) and all(reason for reason in listed.values()), listed
     assert json.loads((run / "summary.json").read_text())["unreadable train images (replaced)"] == 2
     umask = os.umask(0)
     os.umask(umask)

@@ -129,8 +129,9 @@ def test_unreadable_images_are_replaced_logged_once_and_bounded(tmp_path, caplog
         again, _ = data[1]
     assert first[0, 0, 0] == 30 and again.equal(first)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1  # the run's first broken file, once, though two are read twice each
-    assert "bad.png" in warnings[0] and "warned once per run" in warnings[0]
+    assert len(warnings) == 2  # each broken file once, though each is read twice
+    assert "bad.png" in warnings[0] and "missing.png" in warnings[1]
+    assert all("each unreadable file is named once" in w for w in warnings)
     assert data._bad.replaced == 4
 
     strict = CocoDetection(root, ann, train=True, max_bad_images=2)
@@ -169,3 +170,28 @@ def test_grouped_batches_hold_one_group_and_split_by_dp_rank():
         sampler.set_epoch(1)
     together = [[i for i, _ in a] + [i for i, _ in b] for a, b in zip(*halves)]
     assert together == [b.tolist() for b in batches]
+
+
+def test_unreadable_val_images_of_a_coco_set_are_named_before_any_rank_starts(tmp_path):
+    """tools/eval.py's and train.py's check (`load_config`), on a COCO-format set generated earlier: every
+    unreadable val image with its reason, and the annotation file's part of the fix."""
+    from helpers import REPO
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+    from visiondist.synthetic.shapes_coco import ensure_shapes_coco
+
+    overrides = ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", f"data.root={tmp_path / 'coco'}",
+                 "data.synthetic.train_images=8", "data.synthetic.val_images=6", "data.synthetic.image_size=64",
+                 "data.batch_size=4"]
+    cfg = load_config(REPO / "configs", overrides, inputs=None)
+    root = ensure_shapes_coco(cfg.data.root, cfg.data.synthetic)
+    load_config(REPO / "configs", overrides, inputs="eval")  # all readable
+    (root / "val" / "000002.jpg").write_bytes(b"\xff\xd8 cut short")
+    (root / "val" / "000005.jpg").unlink()
+    for inputs in ("eval", "train"):
+        with pytest.raises(ConfigError) as refused:
+            load_config(REPO / "configs", overrides, inputs=inputs)
+        assert str(refused.value) == (
+            f"2 of 6 val images cannot be read: {root / 'val' / '000002.jpg'}: truncated JPEG (no end-of-image "
+            f"marker); {root / 'val' / '000005.jpg'}: the file does not exist: fix or remove them (every val image "
+            "is scored; remove an image's entry from the annotation file too)")

@@ -2,9 +2,11 @@
 
 A training sample whose file is missing, empty, truncated or not an image is replaced by the next candidate the
 dataset names (for classification: the next image of the same class, so labels and class balance are unchanged; for
-detection: the next image). The run's first bad file is logged, once per run; every one is listed in
-`<run>/bad_images.txt` (shared by the workers), whose lines the run's summary counts; `limit` consecutive unreadable candidates stop the run with the last path and the fix. Evaluation never replaces: an
-unreadable validation image is an error, since every image must be scored exactly once.
+detection: the next image). Each bad file is logged once per run with its reason, the first `SHOWN_BAD` of them;
+every one is listed with its reason in `<run>/bad_images.txt` (shared by the workers), whose files the run's summary
+counts; `limit` consecutive unreadable candidates stop the run with the last path and the fix. Evaluation never
+replaces: an unreadable validation image is an error, since every image must be scored exactly once (the launcher
+names every one before any rank starts: `visiondist.preflight.check_val_readable`).
 """
 
 from __future__ import annotations
@@ -27,30 +29,25 @@ class BadImages:
         self.seen: set[str] = set()
         self.replaced = 0
 
-    def _first_of_run(self, path: str) -> bool:
-        """Record `path` in `<run>/bad_images.txt` (one path a line, shared by the workers; the run's summary counts
-        it) unless it is there; True only for the run's first bad file, whichever worker meets it (the file created
-        exclusively). Outside a run, True for this process's first."""
-        first = not self.seen
+    def _record(self, path: str, reason: str) -> int | None:
+        """Record `path` and why it is unreadable in `<run>/bad_images.txt` (a `path<TAB>reason` line, shared by the
+        workers and ranks; the run's summary counts the files) unless it is there. Returns how many files were
+        recorded before it (outside a run: this process's count), None when it is no news."""
         if path in self.seen:
-            return False
+            return None
         self.seen.add(path)
         record = bad_images_file()
         if record is None:
-            return first
+            return len(self.seen) - 1
         try:
-            try:
-                os.close(os.open(record, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                first = True
-            except FileExistsError:
-                first = False
-                if path in record.read_text().splitlines():
-                    return False
+            listed = [line.split("\t", 1)[0] for line in record.read_text().splitlines()] if record.exists() else []
+            if path in listed:
+                return None
             with record.open("a") as f:
-                f.write(path + "\n")
+                f.write(f"{path}\t{reason}\n")
+            return len(set(listed))
         except OSError:
-            pass
-        return first
+            return len(self.seen) - 1
 
     def read(self, candidates: Iterable[tuple[int, str | Path]], read: Callable[[str], np.ndarray]
              ) -> tuple[int, np.ndarray]:
@@ -67,12 +64,24 @@ class BadImages:
                 if not self.train:
                     raise RuntimeError(f"cannot read evaluation image {path}: {exc}") from exc
                 self.replaced += 1
-                if self._first_of_run(str(path)):
-                    log.warning("cannot read %s (%s): using the next image instead (warned once per run; the "
-                                "summary counts the unreadable images, bad_images.txt in the run dir lists each)",
-                                path, exc)
+                reason = _reason(exc, str(path))
+                before = self._record(str(path), reason)
+                if before is not None and before < SHOWN_BAD:
+                    log.warning("cannot read %s (%s): using the next image instead (each unreadable file is named "
+                                "once, the first %d here; bad_images.txt in the run dir lists every one with its "
+                                "reason and the summary counts them)", path, reason, SHOWN_BAD)
+                elif before == SHOWN_BAD:
+                    log.warning("more than %d unreadable training images: the others are listed in bad_images.txt "
+                                "in the run dir only (the summary counts them)", SHOWN_BAD)
         raise RuntimeError(f"{self.limit} consecutive images from index {first} could not be read (last: {last}): "
                            "check the image folder, or raise data.max_bad_images")
+
+
+def _reason(exc: BaseException, path: str) -> str:
+    """A read error in one line (decoders' messages can run over several), without the path it names first."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    named = text.find(f"{path}: ")
+    return (text[named + len(path) + 2:] if named >= 0 else text)[:300]
 
 
 def bad_images_file() -> Path | None:
@@ -85,7 +94,7 @@ def bad_images_file() -> Path | None:
 
 def count_bad_images(run_dir: Path) -> int:
     path = Path(run_dir) / "bad_images.txt"
-    return len(set(path.read_text().splitlines())) if path.is_file() else 0
+    return len({line.split("\t", 1)[0] for line in path.read_text().splitlines()}) if path.is_file() else 0
 
 
 def unreadable_reason(path: str | Path) -> str | None:
