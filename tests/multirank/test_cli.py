@@ -27,12 +27,30 @@ def hydra_run(tmp_path_factory, tiny_shapes):
     return run, out
 
 
-def test_hydra_run_dir_puts_the_run_there_and_the_end_names_the_next_commands(hydra_run):
+def test_hydra_run_dir_puts_the_run_there_and_the_end_names_the_next_commands(hydra_run, tmp_path):
+    """The start names the command that continues the run after a crash; the end, the one that trains it on, which
+    does: from its checkpoint at step 2 to step 4, on its own config."""
+    import shlex
+    import shutil
+
+    from helpers import losses_of
+
     run, out = hydra_run
     assert (run / "config.yaml").is_file() and (run / "model.safetensors").is_file() and (run / "train.log").is_file()
     assert OmegaConf.load(run / "config.yaml").trainer.run_dir == str(run)
-    assert f"run dir: {run}\n  evaluate: python tools/eval.py run_dir={run}\n" in out
+    assert (f"run dir {run}: if the job dies (a crash, a kill, a lost node), python tools/train.py "
+            f"trainer.run_dir={run} continues it from its newest checkpoint") in out
+    assert (f"run dir: {run}\n  train on: python tools/train.py trainer.run_dir={run} trainer.max_steps=4   (from its "
+            f"last checkpoint, its config as it was)\n  evaluate: python tools/eval.py run_dir={run}\n") in out
     assert f"python tools/export.py run_dir={run}" in out
+
+    copy = tmp_path / "run"  # the module's other tests read the 2-step run
+    shutil.copytree(run, copy)
+    (line,) = [line for line in out.splitlines() if line.startswith("  train on: ")]
+    argv = shlex.split(line.split(": ", 1)[1].split("   (")[0].replace(str(run), str(copy)))
+    assert argv[:2] == ["python", "tools/train.py"]
+    longer = train_ok(*argv[2:])
+    assert f"resumed from {copy}/checkpoints/step_2: step 2" in longer and max(losses_of(copy)) == 4
 
 
 def test_eval_of_a_run_by_its_old_spelling_writes_an_eval_dir_and_says_where(hydra_run):

@@ -107,7 +107,7 @@ def _continue_hint(run_dir: Optional[Path], line: str) -> str:
     """A training failure after a checkpoint (a data server gone, a node lost): how to continue once it is fixed."""
     if run_dir is None or not ("(training)" in line or "(evaluating)" in line):
         return ""
-    from visiondist.launch.stop import continue_command
+    from visiondist.observe.console import continue_command
     from visiondist.utils.dcp import list_checkpoints
 
     kept = list_checkpoints(Path(run_dir))

@@ -331,7 +331,7 @@ def _report_stop(result: Any, kind: Optional[str], under_torchrun: bool = False)
         line = stopped_line(result["stopped by"], result["run dir"], kind, result, under_torchrun)
         raise JobStopped(result["stopped by"], line if speaks else "")
     if speaks:
-        from visiondist.launch.stop import continue_command
+        from visiondist.observe.console import continue_command
 
         print(f"stopped after step {result['stopped at step']} (trainer.stop_at_step); continue with: "
               f"{continue_command(result['run dir'], under_torchrun)}", flush=True)

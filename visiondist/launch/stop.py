@@ -21,7 +21,6 @@ from __future__ import annotations
 import _thread
 import multiprocessing
 import os
-import shlex
 import signal
 import sys
 import threading
@@ -125,15 +124,6 @@ def _rank_pids() -> list[int]:
     return [p.pid for p in multiprocessing.active_children() if p.pid is not None]
 
 
-def continue_command(run_dir: str | Path, under_torchrun: bool = False) -> str:
-    """The one command that continues the run in `run_dir` (its config.yaml is the base: nothing else to repeat)."""
-    if under_torchrun:
-        return f"the same torchrun / srun / pod command with trainer.run_dir={shlex.quote(str(run_dir))}"
-    from visiondist.observe.console import shown_path, tool_path
-
-    return f"python {tool_path('train')} trainer.run_dir={shlex.quote(shown_path(Path(run_dir)))}"
-
-
 def stopped_line(signal_name: str, run_dir: str | Path, kind: Optional[str], result: Any = None,
                  under_torchrun: bool = False, why: str = "") -> str:
     """The job's last line after a stop signal, from what `run_dir` holds (module doc). `result`: rank 0's return
@@ -152,6 +142,8 @@ def stopped_line(signal_name: str, run_dir: str | Path, kind: Optional[str], res
 
     kept = list_checkpoints(Path(run_dir))
     newest = kept[-1][0] if kept else None
+    from visiondist.observe.console import continue_command
+
     command = continue_command(run_dir, under_torchrun)
     step = result.get("stopped at step") if isinstance(result, dict) else _last_logged_step(Path(run_dir))
     if newest is not None and step is not None and newest >= step:

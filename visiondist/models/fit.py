@@ -338,3 +338,33 @@ def _some(names: list[str], shown: int = 3) -> str:
     if not names:
         return "none"
     return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def weights_settings(weights: Path, overrides: list[str], tool: str, data_needed: bool) -> list[str]:
+    """The overrides `weights` give themselves, to go before the command line's. A from_pretrained directory says
+    which model reads it (`library_settings`: the variant, its classes, queries and input size): those settings are
+    taken where `overrides` do not give them, in one line saying so, and only what it cannot say is asked for: the
+    data to evaluate on (`data_needed`: a ConfigError naming it; prediction reads no data and gets the built-in
+    COCO-format set's settings). Anything else: none."""
+    from visiondist.models.detr_library import is_library_dir
+
+    if not is_library_dir(weights):
+        return []
+    from visiondist.models.detr_library import library_settings
+
+    said = library_settings(weights) or {}
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    if "model.num_classes" in given:
+        given.add("data.num_classes")
+    taken = {k: v for k, v in said.items() if k not in given}
+    parts = [f"{' '.join(f'{k}={v}' for k, v in taken.items())} as its config.json says"] if taken else []
+    if said and "data" not in given:
+        if data_needed:
+            raise ConfigError(f"weights={weights} is a {said['model']} with {said['data.num_classes']} classes (its "
+                              f"config.json says so): give the data to evaluate it on, e.g. data=coco "
+                              f"data.root=<COCO-format root> (data=shapes_coco: the built-in set)")
+        taken["data"] = "shapes_coco"
+        parts.append("data=shapes_coco for its settings (prediction reads no data)")
+    if parts:
+        print(f"{tool} weights={weights}: {'; '.join(parts)} (any of them given on the command line wins)", flush=True)
+    return [f"{k}={v}" for k, v in taken.items()]

@@ -73,10 +73,10 @@ def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> 
 
 
 
-def next_commands(run_dir: Path, family: str = "", images: Optional[Path] = None) -> str:
+def next_commands(run_dir: Path, family: str = "", images: Optional[Path] = None, longer: str = "") -> str:
     """Where a training run is, and what to run on it next, in the tools' key=value convention (the export formats
     the model `family` has; `images`: a folder of the run's own val images, which the predict line names as its
-    example source)."""
+    example source; `longer`: the length setting that trains it on, e.g. `trainer.max_epochs=20`)."""
     import shlex
 
     run = shlex.quote(shown_path(run_dir))
@@ -84,10 +84,22 @@ def next_commands(run_dir: Path, family: str = "", images: Optional[Path] = None
                "format=onnx or format=torchscript")
     source = (f"source={shlex.quote(shown_path(images))}   (or any image, folder, glob, .txt list or video)"
               if images is not None else "source=<images, folder, glob, list or video>")
+    train_on = (f"  train on: python {tool_path('train')} trainer.run_dir={run} {longer}   (from its last checkpoint, "
+                "its config as it was)\n") if longer else ""
     return (f"run dir: {run}\n"
+            f"{train_on}"
             f"  evaluate: python {tool_path('eval')} run_dir={run}\n"
             f"  predict:  python {tool_path('predict')} run_dir={run} {source}\n"
             f"  export:   python {tool_path('export')} run_dir={run}   (safetensors; {formats})")
+
+
+def continue_command(run_dir: "str | Path", under_torchrun: bool = False) -> str:
+    """The one command that continues the run in `run_dir` (its config.yaml is the base: nothing else to repeat)."""
+    import shlex
+
+    if under_torchrun:
+        return f"the same torchrun / srun / pod command with trainer.run_dir={shlex.quote(str(run_dir))}"
+    return f"python {tool_path('train')} trainer.run_dir={shlex.quote(shown_path(Path(run_dir)))}"
 
 
 def tool_path(name: str) -> str:

@@ -80,18 +80,19 @@ def draw_evaluation(task, metrics: dict[str, Any], run_dir: Path, title: str,
 
 
 def report_run(run_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], task, last_eval: dict[str, Any],
-               title: str, written: Optional[Callable[[list[Path]], Any]] = None, plots: bool = True) -> list[Path]:
+               title: str, written: Optional[Callable[[list[Path]], Any]] = None, plots: bool = True,
+               longer: str = "") -> list[Path]:
     """summary.json, the plots (unless not `plots`), the summary table, the task's final line, then the run dir and
-    the commands that evaluate and export it (rank 0). `written(pngs)` runs once the files are written, before
-    anything is printed (the trackers take the plots and close there, so that the run's next commands stay its last
-    lines). Returns the PNGs."""
+    the commands that train it on (`longer`: the length setting that does), evaluate and export it (rank 0).
+    `written(pngs)` runs once the files are written, before anything is printed (the trackers take the plots and
+    close there, so that the run's next commands stay its last lines). Returns the PNGs."""
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     pngs = draw_evaluation(task, last_eval, run_dir, title, rows) if plots else []
     if written is not None:
         written(pngs)
     print_summary(summary)
     print(task.final_line(last_eval), flush=True)
-    print(next_commands(run_dir, getattr(task, "family", ""), _val_folder(task)), flush=True)
+    print(next_commands(run_dir, getattr(task, "family", ""), _val_folder(task), longer), flush=True)
     return pngs
 
 

@@ -36,6 +36,12 @@ def announce(tr) -> None:
         precision_text(t, tr.layout.device, tr.model), tr.cfg.data.batch_size, sampler.micro_batch, t.grad_accum,
         tr.total_steps, "" if tr.total_steps == 1 else "s", tr.length,
     )
+    if tr.layout.is_main:  # the default run dir is new each time: the same command would start afresh
+        from visiondist.observe.console import continue_command, shown_path
+
+        log.info("run dir %s: if the job dies (a crash, a kill, a lost node), %s continues it from its newest "
+                 "checkpoint", shown_path(tr.run_dir),
+                 continue_command(tr.run_dir, bool(run is not None and run.under_torchrun)))
     if tr.layout.device.type == "cpu":
         log.info("CPU: %d thread%s per rank; OpenMP's waiting threads %s", torch.get_num_threads(),
                  "" if torch.get_num_threads() == 1 else "s", omp_wait_text())

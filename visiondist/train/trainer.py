@@ -210,7 +210,10 @@ class Trainer(Checkpointing, OptimizerStep):
             self.metrics.close()
 
         if self.layout.is_main:
+            t = self.cfg.trainer  # twice the length that ended the run
+            longer = (f"trainer.max_steps={2 * t.max_steps}" if self.length.startswith("trainer.max_steps") else
+                      f"trainer.max_epochs={2 * t.max_epochs}")
             report_run(self.run_dir, summary, self.metrics.rows, self.task, self.last_eval,
-                       f"{self.cfg.model.name} on {self.cfg.data.name}", written, self.cfg.trainer.plots)
+                       f"{self.cfg.model.name} on {self.cfg.data.name}", written, self.cfg.trainer.plots, longer)
         self.metrics.close()
         return summary
