@@ -131,8 +131,22 @@ def k8s(cmd: Command) -> int:
               f"{spec.termination_grace_s} s grace after SIGTERM", file=sys.stderr)
     else:
         print(text, end="")
+    if spec.resources.short:
+        print(spec.resources.short, file=sys.stderr)
+    print(_on_failure(cmd.args.get("kind", "trainjob"), spec.name, cmd.args.get("out") or "<the manifest>"),
+          file=sys.stderr)
     _say_fit(cfg, run)
     return 0
+
+
+def _on_failure(kind: str, name: str, out: str) -> str:
+    """What happens when a pod of the job fails, in one line."""
+    if kind == "pytorchjob":
+        return ("a failed pod restarts (restartPolicy OnFailure, backoffLimit 3) and continues the run from its newest "
+                "checkpoint")
+    return (f"a failed pod fails the TrainJob (the torch-distributed runtime sets no restarts, and a TrainJob cannot): "
+            f"kubectl delete trainjob {name} && kubectl apply -f {out} continues the run from its newest checkpoint; "
+            "kind=pytorchjob restarts failed pods by itself")
 
 
 def _say_fit(cfg, run) -> None:

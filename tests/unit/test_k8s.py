@@ -146,7 +146,10 @@ def test_what_the_pods_of_a_trainjob_get_is_read_as_the_manifests_job(tmp_path):
     (["image=x", "nodes=1", "gpus=6", "model=vit_base", "parallel=tp4"],
      "world size 6 is not divisible by parallel.tp x parallel.pp = 4: run a multiple of 4 ranks (nodes= x gpus=)"),
     (["image=x", "cpu=lots"], "cpu=lots: give the CPUs of each pod as Kubernetes writes them"),
-    (["image=x", "memory=512Mi"], "memory=512Mi is less than the pod's /dev/shm"),
+    (["image=x", "memory=512Mi"], "memory=512Mi is below what the pod's 8 ranks need: 6Gi a rank"),
+    (["image=x", "model=vit_huge", "memory=4Gi"], "make 49Gi without a loader worker: give memory=65Gi (the planned "
+                                                  "figure, with 2 loader workers a rank at 1Gi each), or at least "
+                                                  "49Gi with fewer workers (data.num_workers)"),
     (["image=x", "image_pull_secret=Reg_Cred"], "image_pull_secret=Reg_Cred is not a Kubernetes Secret name"),
     (["image=x", "trainer.accelerator=cpu"], "the pods ask for GPUs"),
     (["image=x", "gpus=8", "trainer.devices=2"], "trainer.devices=2 but each pod starts gpus=8 ranks"),
@@ -164,3 +167,37 @@ def test_bad_keys_are_one_line_naming_the_fix(tmp_path, capsys, args, says):
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1, err
     assert "torchrun" not in err and "(trainer.devices" not in err, err  # the pods' knobs are this tool's keys
+
+
+def test_memory_between_the_ranks_floor_and_the_plan_says_what_it_holds(tmp_path, capsys):
+    """8 ranks of the built-in set's 2 loader workers: 49Gi without workers, 65Gi planned; 60Gi holds one worker a
+    rank, which the tool's line says with the setting that fits it (the manifest keeps the user's figure)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import k8s
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "job.yaml"
+    assert k8s.main(["image=x", "model=vit_huge", "memory=60Gi", f"out={out}"]) == 0
+    err = capsys.readouterr().err
+    assert ("memory=60Gi is below the planned 65Gi (2 loader workers a rank at 1Gi each): it holds 1 a rank; add "
+            "data.num_workers=1 (or give memory=65Gi), else the pods may be killed for memory") in err, err
+    assert "memory: 60Gi" in out.read_text()
+
+
+@pytest.mark.parametrize("kind,says", [
+    ("trainjob", "a failed pod fails the TrainJob (the torch-distributed runtime sets no restarts, and a TrainJob "
+                 "cannot): kubectl delete trainjob vit-huge && kubectl apply -f {out} continues the run from its newest "
+                 "checkpoint; kind=pytorchjob restarts failed pods by itself"),
+    ("pytorchjob", "a failed pod restarts (restartPolicy OnFailure, backoffLimit 3) and continues the run from its "
+                   "newest checkpoint")])
+def test_the_tool_says_what_a_pod_failure_does_to_each_kind_of_job(tmp_path, capsys, kind, says):
+    """What the manifest holds for it: a PyTorchJob's restart policy; a TrainJob has no such field (the published
+    model would refuse one), so the line says what its runtime does and how to continue."""
+    manifest, _ = _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}")
+    assert says.format(out=tmp_path / "job.yaml") in capsys.readouterr().err
+    if kind == "pytorchjob":
+        assert manifest["spec"]["runPolicy"]["backoffLimit"] == 3
+        assert manifest["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "OnFailure"
+    else:
+        assert "restartPolicy" not in str(manifest) and "failurePolicy" not in str(manifest)

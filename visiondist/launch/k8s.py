@@ -47,6 +47,7 @@ class PodResources:
     shm: str  # the /dev/shm volume's sizeLimit (inside `memory`)
     ranks: int
     workers: int  # loader workers per rank
+    short: str = ""  # `memory=` below the planned figure: what it holds instead, said on the tool's line
 
 
 def cpu_count_of(value: str) -> float:
@@ -85,17 +86,27 @@ def pod_resources(cfg: Any, ranks: int, dp: int, cpu: str = "", memory: str = ""
     image = 3 * (int(d.min_size) * int(d.max_size) if d.format == "coco" else int(d.img_size) ** 2)  # uint8
     ready = ranks * workers * int(d.get("prefetch_factor", 2)) * per_rank_batch * image
     shm_gib = max(SHM_MIN_GIB, math.ceil(2 * ready / GIB))
+    planned = shm_gib + math.ceil(ranks * (RANK_GIB + workers * WORKER_GIB))
+    floor = shm_gib + math.ceil(ranks * RANK_GIB)  # the ranks and /dev/shm, no loader worker
+    short = ""
     if memory:
-        if bytes_of(memory) < shm_gib * GIB:
-            planned = shm_gib + math.ceil(ranks * (RANK_GIB + workers * WORKER_GIB))
-            raise ConfigError(f"memory={memory} is less than the pod's /dev/shm ({shm_gib}Gi: {ranks} ranks x "
-                              f"{workers} loader workers x their ready batches), which counts against it: give "
-                              f"more than {shm_gib}Gi (the default plans memory={planned}Gi: {RANK_GIB}Gi a rank, "
-                              f"{WORKER_GIB}Gi a loader worker and /dev/shm), or fewer workers (data.num_workers)")
+        given = bytes_of(memory) / GIB
+        if given < floor:
+            raise ConfigError(f"memory={memory} is below what the pod's {ranks} ranks need: {RANK_GIB:g}Gi a rank "
+                              f"(torch and CUDA, pinned batches, checkpoint staging) and /dev/shm {shm_gib}Gi (which "
+                              f"counts against it) make {floor}Gi without a loader worker: give memory={planned}Gi "
+                              f"(the planned figure, with {workers} loader workers a rank at {WORKER_GIB:g}Gi each), "
+                              f"or at least {floor}Gi with fewer workers (data.num_workers)")
+        if given < planned:
+            fit = int((given - floor) // (ranks * WORKER_GIB))
+            short = (f"memory={memory} is below the planned {planned}Gi ({workers} loader workers a rank at "
+                     f"{WORKER_GIB:g}Gi each): it holds {fit} a rank; add data.num_workers={fit} (or give "
+                     f"memory={planned}Gi), else the pods may be killed for memory")
     else:
-        memory = f"{math.ceil(ranks * (RANK_GIB + workers * WORKER_GIB)) + shm_gib}Gi"
+        memory = f"{planned}Gi"
     cpu = cpu.strip() if cpu else str(int(cpus))
-    return PodResources(cpu=cpu, memory=memory.strip(), shm=f"{shm_gib}Gi", ranks=ranks, workers=workers)
+    return PodResources(cpu=cpu, memory=memory.strip(), shm=f"{shm_gib}Gi", ranks=ranks, workers=workers,
+                        short=short)
 
 
 @dataclass(frozen=True)
