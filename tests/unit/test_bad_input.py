@@ -146,3 +146,35 @@ class _NoBoxes(torch.nn.Module):
 
     def forward(self, images):
         return [{"boxes": torch.zeros(0, 4), "labels": torch.zeros(0), "scores": torch.zeros(0)} for _ in images]
+
+
+def test_i_a_file_without_its_head_is_pointed_to_init_from_which_fine_tunes_from_it(tmp_path, caplog):
+    """A ViT saved without its classification head (a backbone to fine-tune): model.weights= refuses it before
+    launch naming model.init_from=, which loads every tensor the file has and starts the head afresh (one line)."""
+    import logging
+
+    import pytest
+    from safetensors.torch import save_file
+
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+    from visiondist.models import build_model
+
+    cfg = load_config(CONFIGS, ["model.depth=1"], inputs=None)
+    torch.manual_seed(0)
+    state = {k: v for k, v in build_model(cfg.model).state_dict().items() if not k.startswith("head.")}
+    file = tmp_path / "backbone.safetensors"
+    save_file(state, str(file))
+    with pytest.raises(ConfigError) as refused:
+        load_config(CONFIGS, ["model.depth=1", f"model.weights={file}", f"data.root={tmp_path / 'shapes'}"])
+    assert str(refused.value) == (
+        f"model.weights={file} is model=vit_tiny without its class head (head.weight, head.bias): model.weights loads "
+        f"a whole model; to fine-tune from these weights give model.init_from={file} instead (every tensor it has is "
+        "loaded and the head starts afresh)")
+    tuned = load_config(CONFIGS, ["model.depth=1", f"model.init_from={file}"], inputs=None)
+    torch.manual_seed(1)
+    with caplog.at_level(logging.INFO, logger="visiondist.models.weights"):
+        model = build_model(tuned.model)
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert "model.init_from: head.weight, head.bias re-initialised (the file has no classification head)" in caplog.text

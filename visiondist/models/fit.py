@@ -75,10 +75,24 @@ def check_weights(model_cfg, purpose: str = "train", data_classes: Optional[int]
     # a model saved with frozen BatchNorms stores no num_batches_tracked (the loader freezes those BatchNorms)
     missing = [k for k in own if k not in stored and not k.endswith("num_batches_tracked")]
     unknown = [k for k in stored if k not in names]
+    if missing and not unknown and all(k.startswith(_CLASS_TENSORS) for k in missing):
+        raise ConfigError(_headless(model_cfg, spec, missing))
     if missing or unknown:
         raise ConfigError(f"model.weights={spec} does not fit model={model_cfg.name}: {len(missing)} of the model's "
                           f"tensors are not there ({_some(missing)}) and {len(unknown)} of its are not the model's "
                           f"({_some(unknown)}): use the model the weights were trained with")
+
+
+def _headless(model_cfg, spec: str, missing: list[str]) -> str:
+    """The message for a file that is the model without its class head (a backbone to fine-tune): the path that
+    reads it."""
+    what = f"model.weights={spec} is model={model_cfg.name} without its class head ({_some(missing)})"
+    if model_cfg.family == "vit":
+        return (f"{what}: model.weights loads a whole model; to fine-tune from these weights give "
+                f"model.init_from={spec} instead (every tensor it has is loaded and the head starts afresh)")
+    return (f"{what}: model.weights loads a whole detector, and only ViT classifiers fine-tune from a file without "
+            "its head (model.init_from); give the file the trained model's head (tools/export.py writes the whole "
+            "model), or start from torchvision's weights by name")
 
 
 def _classes_key(model_cfg, data_classes: Optional[int]) -> str:

@@ -205,17 +205,20 @@ def check_fits(state: Mapping, own: Mapping[str, torch.Tensor], key: str, path: 
 def plan_init_from(weights: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], path: str, model: str,
                    new_head: tuple[str, ...] = ("head.weight", "head.bias")) -> tuple[Overlay, list[str]]:
     """Fine-tuning from local weights: every tensor must match `own` (the model's, by shape; meta tensors do), except
-    the classifier (`new_head`), which keeps its fresh initialisation when the class count differs, and a ViT's
-    position embedding, resampled to the model's image size. Returns the weights to load and the names left at their
-    initialisation."""
+    the classifier (`new_head`), which keeps its fresh initialisation when the class count differs or the file has
+    none (a backbone saved without its head), and a ViT's position embedding, resampled to the model's image size.
+    Returns the weights to load and the names left at their initialisation."""
     state = Overlay(weights)
     resample_pos_embed(state, own)
-    skipped = [k for k in new_head if k in own and k in state and state[k].shape != own[k].shape]
-    for key in skipped:
+    absent = [k for k in new_head if k in own and k not in state]
+    resized = [k for k in new_head if k in own and k in state and state[k].shape != own[k].shape]
+    for key in resized:
         del state[key]
+    skipped = [k for k in new_head if k in absent or k in resized]
     check_fits(state, own, "model.init_from", path, model, tuple(skipped))
     if skipped:
-        log.info("model.init_from: %s re-initialised (the file has another number of classes)", ", ".join(skipped))
+        why = "the file has another number of classes" if resized else "the file has no classification head"
+        log.info("model.init_from: %s re-initialised (%s)", ", ".join(skipped), why)
     return state, skipped
 
 
