@@ -23,27 +23,36 @@ RUN_SH = REPO / "benchmarks" / "gpu" / "run.sh"
 MODES = "all+short+cudagraphs+profile+layouts+multi+memory+predict"  # `all`: tests, bench, mfu, kernels and detr
 GPUS = 2  # what the stand-in says torch.cuda.device_count() is (run.sh multi: 2 GPUs -> tp2)
 
-# `python3` as run.sh calls it: logs its arguments; `-m pytest` collects (--collect-only) the tests the command would
-# run and fails where it selects none; `-c` answers the device questions; everything else (pip, tools, scripts) only
-# logs: they are checked after the run, in the test's process
+# `python3` as run.sh calls it: logs its arguments; `-c` answers the device questions; everything else (pytest, pip,
+# tools, scripts) only logs: they are checked after the run, in the test's process and (pytest) in `COLLECT`
 STAND_IN = r'''#!{python}
-import json, os, subprocess, sys
+import json, os, sys
 
 args = sys.argv[1:]
 with open(os.environ["RUN_SH_LOG"], "a") as log:
     log.write(json.dumps({{"cwd": os.getcwd(), "args": args}}) + "\n")
 if args[:1] == ["-c"]:
     print({gpus} if "device_count" in args[1] else "torch 2.11.0 torchvision 0.26.0 | CUDA 13.0 | stand-in")
-elif args[:2] == ["-m", "pytest"]:
-    keep = args[2:]
-    for flag in ("-n", "--timeout"):  # the workers' count and the time limit: collected here, in one process
+'''
+
+# every `python3 -m pytest ...` run.sh gave, collected (--collect-only, one process: no workers, no time limit) in one
+# interpreter, one pytest session after another: the commands whose selection fails or selects no test, with the code
+COLLECT = r'''
+import json, sys
+
+import pytest
+
+failed = []
+for args in json.loads(sys.argv[1]):
+    keep = list(args)
+    for flag in ("-n", "--timeout"):
         while flag in keep:
             at = keep.index(flag)
             del keep[at:at + 2]
-    found = subprocess.run([{python!r}, "-m", "pytest", "--collect-only", "-q", "-n", "0", *keep],
-                           capture_output=True, text=True)
-    print(found.stdout[-3000:], found.stderr[-3000:])
-    sys.exit(found.returncode)
+    code = pytest.main(["--collect-only", "-q", "-n", "0", *keep])
+    if code != 0:
+        failed.append([args, int(code)])
+print("FAILED=" + json.dumps(failed))
 '''
 
 
@@ -98,6 +107,11 @@ def test_every_mode_runs_with_stand_ins_and_every_command_it_gives_holds(tmp_pat
     tools = [c for c in calls if c and c[0].startswith("tools/")]
     scripts = [c for c in calls if c and c[0].startswith("benchmarks/")]
     tests = [c for c in calls if c[:2] == ["-m", "pytest"]]
+    collected = subprocess.run([sys.executable, "-c", COLLECT, json.dumps([c[2:] for c in tests])], cwd=REPO,
+                               capture_output=True, text=True, timeout=240)
+    failed = [line for line in collected.stdout.splitlines() if line.startswith("FAILED=")]
+    assert failed and json.loads(failed[-1][len("FAILED="):]) == [], (collected.stdout[-4000:],
+                                                                       collected.stderr[-2000:])
     # what `all` and the other modes promise: the goal rows, the kernels' rows, the DETR rows, the layouts
     assert {c[0] for c in tools} == {"tools/benchmark.py", "tools/train.py"}, tools
     assert len(tools) >= 15 and len(tests) >= 6, calls
