@@ -198,11 +198,12 @@ def test_onnx_check_of_a_shard_run_reads_the_val_images_from_the_packed_split(ne
     assert (from_shards.boxes, from_shards.max_diff) == (from_tree.boxes, from_tree.max_diff) and from_tree.boxes
 
 
-def _doc_block(marker: str) -> str:
-    text = (REPO / "docs" / "checkpoints.md").read_text()
+def _doc_block(marker: str, doc: str = "checkpoints.md") -> str:
+    """The one python block of docs/`doc` that holds `marker`, unindented."""
+    text = (REPO / "docs" / doc).read_text()
     blocks = [re.sub(r"^  ", "", b, flags=re.M) for b in re.findall(r"```python\n(.*?)```", text, re.S)]
     found = [b for b in blocks if marker in b]
-    assert len(found) == 1, f"docs/checkpoints.md: {len(found)} python blocks with {marker!r}"
+    assert len(found) == 1, f"docs/{doc}: {len(found)} python blocks with {marker!r}"
     return found[0]
 
 
@@ -243,14 +244,6 @@ def test_docs_score_by_name_where_timm_orders_the_classes_otherwise(tmp_path, mo
     assert sum(int(model(image[None]).argmax(1)) == target for image, target in mapped) == len(mapped) == 12
     assert "ImageDataset(\"data/val\", class_map={name: i for i, name in enumerate(names)})" in (
         REPO / "docs" / "checkpoints.md").read_text()
-
-
-def _detection_doc_block(marker: str) -> str:
-    text = (REPO / "docs" / "detection.md").read_text()
-    blocks = [re.sub(r"^  ", "", b, flags=re.M) for b in re.findall(r"```python\n(.*?)```", text, re.S)]
-    found = [b for b in blocks if marker in b]
-    assert len(found) == 1, f"docs/detection.md: {len(found)} python blocks with {marker!r}"
-    return found[0]
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -306,7 +299,7 @@ def test_the_hf_export_carries_the_category_ids_and_the_docs_code_maps_labels_to
     assert "data=shapes_coco for its settings (prediction reads no data)" in out
 
     # the docs' code on one of the set's images, its results as COCO would score them
-    code = _detection_doc_block("category_ids").replace("outputs/.../export/model_hf", str(hf))
+    code = _doc_block("category_ids", "detection.md").replace("outputs/.../export/model_hf", str(hf))
     code = code.replace('"photo.jpg"', repr(str(nested_coco / "val" / NESTED[0])))
     scope = {}
     exec(code, scope)
