@@ -133,19 +133,21 @@ def k8s(cmd: Command) -> int:
         print(text, end="")
     if spec.resources.short:
         print(spec.resources.short, file=sys.stderr)
-    print(_on_failure(cmd.args.get("kind", "trainjob"), spec.name, cmd.args.get("out") or "<the manifest>"),
-          file=sys.stderr)
+    print(_on_failure(cmd.args.get("kind", "trainjob"), spec.name, cmd.args.get("out") or "<the manifest>",
+                      int(cfg.trainer.checkpoint_every)), file=sys.stderr)
     _say_fit(cfg, run)
     return 0
 
 
-def _on_failure(kind: str, name: str, out: str) -> str:
-    """What happens when a pod of the job fails, in one line."""
+def _on_failure(kind: str, name: str, out: str, every: int) -> str:
+    """What happens when a pod of the job fails, in one line; `every`: trainer.checkpoint_every."""
+    kept = (f"its newest checkpoint (one every {every} steps)" if every > 0 else
+            "step 1: the pods checkpoint only when the run ends or is stopped (trainer.checkpoint_every=0), so add "
+            "trainer.checkpoint_every=<steps> to bound what a lost pod costs")
     if kind == "pytorchjob":
-        return ("a failed pod restarts (restartPolicy OnFailure, backoffLimit 3) and continues the run from its newest "
-                "checkpoint")
+        return f"a failed pod restarts (restartPolicy OnFailure, backoffLimit 3) and continues the run from {kept}"
     return (f"a failed pod fails the TrainJob (the torch-distributed runtime sets no restarts, and a TrainJob cannot): "
-            f"kubectl delete trainjob {name} && kubectl apply -f {out} continues the run from its newest checkpoint; "
+            f"kubectl delete trainjob {name} && kubectl apply -f {out} continues the run from {kept}; "
             "kind=pytorchjob restarts failed pods by itself")
 
 

@@ -65,6 +65,10 @@ def check_inputs(cfg, purpose: str = "train") -> None:
         from visiondist.models.fit import check_weights
 
         check_weights(cfg.model, purpose, cfg.data.get("num_classes"))
+    if purpose == "train" and cfg.model.get("init_from") and not _resumes(cfg.trainer):
+        from visiondist.models.fit import check_init_from
+
+        check_init_from(cfg.model)
 
 
 def _resumes(t) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -124,7 +124,24 @@ def completed_step(cfg: DictConfig) -> Optional[int]:
         return None
     state = read_trainer_state(newest)
     step, total = int(state["step"]), state.get("total_steps")
-    saved = OmegaConf.load(run_dir / "config.yaml")
-    same_length = all(OmegaConf.select(saved, k) == OmegaConf.select(cfg, k)
-                      for k in ("trainer.max_steps", "trainer.max_epochs"))
+    length = _last_length(run_dir)
+    same_length = all(length[k] == OmegaConf.select(cfg, k) for k in length)
     return step if total is not None and step >= int(total) and same_length else None
+
+
+def _last_length(run_dir: Path) -> dict[str, Any]:
+    """trainer.max_steps and trainer.max_epochs as the run's last attempt had them: config.yaml's, with what that
+    continuation changed (`attempts.jsonl`, each line against config.yaml; a run trained on with a longer length is
+    complete at that length)."""
+    keys = ("trainer.max_steps", "trainer.max_epochs")
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    length: dict[str, Any] = {k: OmegaConf.select(saved, k) for k in keys}
+    attempts = run_dir / ATTEMPTS
+    last: dict[str, Any] = {}
+    if attempts.is_file():
+        for line in attempts.read_text().splitlines():
+            try:
+                last = json.loads(line).get("changes", {})
+            except ValueError:  # a line cut short by a kill: the attempts before it stand
+                continue
+    return {**length, **{k: last[k] for k in keys if k in last}}

@@ -28,8 +28,9 @@ def hydra_run(tmp_path_factory, tiny_shapes):
 
 
 def test_hydra_run_dir_puts_the_run_there_and_the_end_names_the_next_commands(hydra_run, tmp_path):
-    """The start names the command that continues the run after a crash; the end, the one that trains it on, which
-    does: from its checkpoint at step 2 to step 4, on its own config."""
+    """The start names the command that continues the run, and when it can (the default checkpoints only at the
+    end); the end, the one that trains it on, which does: from its checkpoint at step 2 to step 4, on its own config,
+    and says the run is complete when given again."""
     import shlex
     import shutil
 
@@ -38,8 +39,9 @@ def test_hydra_run_dir_puts_the_run_there_and_the_end_names_the_next_commands(hy
     run, out = hydra_run
     assert (run / "config.yaml").is_file() and (run / "model.safetensors").is_file() and (run / "train.log").is_file()
     assert OmegaConf.load(run / "config.yaml").trainer.run_dir == str(run)
-    assert (f"run dir {run}: if the job dies (a crash, a kill, a lost node), python tools/train.py "
-            f"trainer.run_dir={run} continues it from its newest checkpoint") in out
+    assert (f"run dir {run}: a checkpoint is written when the run ends or is stopped (SIGTERM, Ctrl-C), not during "
+            f"it (trainer.checkpoint_every=0): python tools/train.py trainer.run_dir={run} continues a stopped job; "
+            "one that dies outright starts again at step 1 unless trainer.checkpoint_every=<steps> is set") in out
     assert (f"run dir: {run}\n  train on: python tools/train.py trainer.run_dir={run} trainer.max_steps=4   (from its "
             f"last checkpoint, its config as it was)\n  evaluate: python tools/eval.py run_dir={run}\n") in out
     assert f"python tools/export.py run_dir={run}" in out
@@ -51,6 +53,15 @@ def test_hydra_run_dir_puts_the_run_there_and_the_end_names_the_next_commands(hy
     assert argv[:2] == ["python", "tools/train.py"]
     longer = train_ok(*argv[2:])
     assert f"resumed from {copy}/checkpoints/step_2: step 2" in longer and max(losses_of(copy)) == 4
+    again = train_ok(*argv[2:])  # the same command once more: the run is complete at its new length
+    assert f"{copy} is complete at step 4: nothing to do" in again, again[-2000:]
+
+    # a job that died before its first checkpoint (checkpoint_every=0): the continuing command says it starts over
+    died = tmp_path / "died"
+    shutil.copytree(run, died, ignore=shutil.ignore_patterns("checkpoints", "summary.json", "model.safetensors"))
+    over = train_ok(f"trainer.run_dir={died}")
+    assert (f"{died} holds no complete checkpoint (an earlier attempt ended before writing one; "
+            "trainer.checkpoint_every=0): training starts again at step 1") in over, over[-3000:]
 
 
 def test_eval_of_a_run_by_its_old_spelling_writes_an_eval_dir_and_says_where(hydra_run):

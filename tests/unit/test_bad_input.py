@@ -150,7 +150,8 @@ class _NoBoxes(torch.nn.Module):
 
 def test_i_a_file_without_its_head_is_pointed_to_init_from_which_fine_tunes_from_it(tmp_path, caplog):
     """A ViT saved without its classification head (a backbone to fine-tune): model.weights= refuses it before
-    launch naming model.init_from=, which loads every tensor the file has and starts the head afresh (one line)."""
+    launch naming model.init_from=, which loads every tensor the file has and starts the head afresh (one line);
+    model.init_from= of another ViT is refused before launch too."""
     import logging
 
     import pytest
@@ -178,3 +179,9 @@ def test_i_a_file_without_its_head_is_pointed_to_init_from_which_fine_tunes_from
     loaded = model.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
     assert "model.init_from: head.weight, head.bias re-initialised (the file has no classification head)" in caplog.text
+    # a file of another ViT: refused before launch, naming the model config of its shape
+    with pytest.raises(ConfigError) as refused:
+        load_config(CONFIGS, ["model=vit_small", "model.depth=1", f"model.init_from={file}",
+                              f"data.root={tmp_path / 'shapes'}"])
+    assert str(refused.value) == (f"model.init_from={file} is a ViT (width 192, depth 1, patch 16, no classification "
+                                  "head) but model=vit_small is 384 wide: use model=vit_tiny")

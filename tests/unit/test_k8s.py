@@ -180,22 +180,28 @@ def test_memory_between_the_ranks_floor_and_the_plan_says_what_it_holds(tmp_path
     out = tmp_path / "job.yaml"
     assert k8s.main(["image=x", "model=vit_huge", "memory=60Gi", f"out={out}"]) == 0
     err = capsys.readouterr().err
-    assert ("memory=60Gi is below the planned 65Gi (2 loader workers a rank at 1Gi each): it holds 1 a rank; add "
-            "data.num_workers=1 (or give memory=65Gi), else the pods may be killed for memory") in err, err
+    assert ("memory=60Gi is below the planned 65Gi: beside the 8 ranks (48Gi) and /dev/shm (1Gi) it leaves room for 1 "
+            "of the 2 loader workers a rank the pods would start (1Gi each): add data.num_workers=1 to the command or "
+            "give memory=65Gi, else the pods may be killed for memory") in err, err
     assert "memory: 60Gi" in out.read_text()
 
 
 @pytest.mark.parametrize("kind,says", [
     ("trainjob", "a failed pod fails the TrainJob (the torch-distributed runtime sets no restarts, and a TrainJob "
-                 "cannot): kubectl delete trainjob vit-huge && kubectl apply -f {out} continues the run from its newest "
-                 "checkpoint; kind=pytorchjob restarts failed pods by itself"),
-    ("pytorchjob", "a failed pod restarts (restartPolicy OnFailure, backoffLimit 3) and continues the run from its "
-                   "newest checkpoint")])
+                 "cannot): kubectl delete trainjob vit-huge && kubectl apply -f {out} "
+                 "continues the run from {kept}; kind=pytorchjob restarts failed pods by itself"),
+    ("pytorchjob", "a failed pod restarts (restartPolicy OnFailure, backoffLimit 3) and continues the run from "
+                   "{kept}")])
 def test_the_tool_says_what_a_pod_failure_does_to_each_kind_of_job(tmp_path, capsys, kind, says):
     """What the manifest holds for it: a PyTorchJob's restart policy; a TrainJob has no such field (the published
-    model would refuse one), so the line says what its runtime does and how to continue."""
-    manifest, _ = _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}")
-    assert says.format(out=tmp_path / "job.yaml") in capsys.readouterr().err
+    model would refuse one), so the line says what its runtime does and how to continue, and from where: the
+    newest checkpoint of trainer.checkpoint_every, or step 1 without it."""
+    manifest, _ = _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}", "trainer.checkpoint_every=500")
+    kept = "its newest checkpoint (one every 500 steps)"
+    assert says.format(out=tmp_path / "job.yaml", kept=kept) in capsys.readouterr().err
+    _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}")
+    assert "continues the run from step 1: the pods checkpoint only when the run ends or is stopped " \
+           "(trainer.checkpoint_every=0), so add trainer.checkpoint_every=<steps>" in capsys.readouterr().err
     if kind == "pytorchjob":
         assert manifest["spec"]["runPolicy"]["backoffLimit"] == 3
         assert manifest["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "OnFailure"

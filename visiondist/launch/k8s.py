@@ -99,9 +99,10 @@ def pod_resources(cfg: Any, ranks: int, dp: int, cpu: str = "", memory: str = ""
                               f"or at least {floor}Gi with fewer workers (data.num_workers)")
         if given < planned:
             fit = int((given - floor) // (ranks * WORKER_GIB))
-            short = (f"memory={memory} is below the planned {planned}Gi ({workers} loader workers a rank at "
-                     f"{WORKER_GIB:g}Gi each): it holds {fit} a rank; add data.num_workers={fit} (or give "
-                     f"memory={planned}Gi), else the pods may be killed for memory")
+            short = (f"memory={memory} is below the planned {planned}Gi: beside the {ranks} ranks "
+                     f"({ranks * RANK_GIB:g}Gi) and /dev/shm ({shm_gib}Gi) it leaves room for {fit} of the {workers} "
+                     f"loader workers a rank the pods would start ({WORKER_GIB:g}Gi each): add data.num_workers={fit} "
+                     f"to the command or give memory={planned}Gi, else the pods may be killed for memory")
     else:
         memory = f"{planned}Gi"
     cpu = cpu.strip() if cpu else str(int(cpus))

@@ -248,18 +248,21 @@ def vit_fix(vit: dict[str, Any], model_cfg=None) -> str:
     return "use " + " ".join(([f"model={variant}"] if switch else []) + settings)
 
 
-def _compare_vits(model_cfg, stored: dict, own: dict) -> None:
-    """The file's ViT shape against the model's: what differs, named with the settings that fix it."""
+def _compare_vits(model_cfg, stored: dict, own: dict, key: str = "model.weights") -> None:
+    """The file's ViT shape against the model's: what differs, named with the settings that fix it. `key`:
+    model.init_from resamples another image size's position embedding, so only the architecture must agree."""
     theirs, ours = vit_shape(stored), vit_shape(own)
     if theirs is None or ours is None:
         return
-    spec, name = model_cfg.weights, model_cfg.name
+    spec, name = model_cfg.get(key.split(".")[1]), model_cfg.name
     texts = {"width": "{} wide", "patch": "patch {}", "depth": "{} blocks deep", "mlp_ratio": "MLP ratio {:g}",
              "qkv_bias": "qkv bias {}"}
     differ = [texts[field].format(ours[field]) for field, _, _ in _VIT_KEYS if theirs[field] != ours[field]]
     if differ:
-        raise ConfigError(f"model.weights={spec} is {_vit_text(theirs)} but model={name} is {', '.join(differ)}: "
+        raise ConfigError(f"{key}={spec} is {_vit_text(theirs)} but model={name} is {', '.join(differ)}: "
                           f"{vit_fix(theirs, model_cfg)}")
+    if key == "model.init_from":
+        return
     if theirs["grid"] != ours["grid"]:
         size = theirs["grid"] * theirs["patch"]
         raise ConfigError(f"model.weights={spec} is a ViT for {size} px images ({theirs['grid']} x {theirs['grid']} "
@@ -273,7 +276,8 @@ def _vit_text(vit: dict[str, Any]) -> str:
     for a shape no model config has."""
     variant = named_vit(vit)
     named = variant is not None and _vit_configs()[variant].depth == vit["depth"]
-    shape = f"width {vit['width']}, depth {vit['depth']}, patch {vit['patch']}, {vit['classes']} classes"
+    head = f"{vit['classes']} classes" if vit["classes"] else "no classification head"
+    shape = f"width {vit['width']}, depth {vit['depth']}, patch {vit['patch']}, {head}"
     return f"a {variant if named else 'ViT'} ({shape})"
 
 
@@ -382,3 +386,34 @@ def weights_settings(weights: Path, overrides: list[str], tool: str, data_needed
     if parts:
         print(f"{tool} weights={weights}: {'; '.join(parts)} (any of them given on the command line wins)", flush=True)
     return [f"{k}={v}" for k, v in taken.items()]
+
+
+def check_init_from(model_cfg) -> None:
+    """`model.init_from` (a local file; a timm name is fetched and read by its own checks) fits the model as
+    fine-tuning reads it, before any rank starts: the same ViT (width, depth, patch, MLP, bias: naming the model
+    config of the file's shape), every tensor but the classification head (another class count, or none) and the
+    position embedding (resampled to another image size) with the model's shape, nothing the model lacks."""
+    from visiondist.models.weights import weight_shapes
+    from visiondist.utils.pretrained import is_named
+
+    spec = str(model_cfg.init_from)
+    path = Path(spec).expanduser()
+    if is_named(spec) or not path.is_file():
+        return
+    try:
+        stored = split_fused(weight_shapes(path))
+    except Exception:  # not weights at all: the loader's own error names it
+        return
+    own, names = model_shapes(model_cfg)
+    _compare_vits(model_cfg, stored, own, "model.init_from")
+    free = ("head.weight", "head.bias", "pos_embed")
+    wrong = [k for k in own if k in stored and tuple(stored[k]) != own[k] and k not in free]
+    missing = [k for k in own if k not in stored and k not in free and not k.endswith("num_batches_tracked")]
+    unknown = [k for k in stored if k not in names]
+    if wrong or missing or unknown:
+        what = (f"{wrong[0]} is {list(stored[wrong[0]])} there but {list(own[wrong[0]])} here" if wrong else
+                f"{len(missing)} of the model's tensors are not there ({_some(missing)}) and {len(unknown)} of its "
+                f"are not the model's ({_some(unknown)})")
+        raise ConfigError(f"model.init_from={spec} does not fit model={model_cfg.name}: {what}: fine-tuning reads "
+                          "every tensor but the head and the position embedding; use the model the weights were "
+                          "trained with")

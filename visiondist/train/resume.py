@@ -44,6 +44,11 @@ class Checkpointing:
         """Load `path` (`_resume_path`) into model, optimizer, schedule, step / data position and, under the same
         layout, the RNG states."""
         if path is None:
+            continued = (Path(self.run_dir) / "attempts.jsonl").is_file()  # an earlier attempt ran here
+            if self.cfg.trainer.resume == "auto" and continued and self.layout.is_main:
+                log.warning("%s holds no complete checkpoint (an earlier attempt ended before writing one; "
+                            "trainer.checkpoint_every=%d): training starts again at step 1", self.run_dir,
+                            self.cfg.trainer.checkpoint_every)
             return None
         saved = load_checkpoint(path, unwrap(self.model), self.optimizer, self.layout, self.ema)
         if self.ema is not None and not saved["ema_restored"]:

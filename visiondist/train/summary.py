@@ -39,9 +39,15 @@ def announce(tr) -> None:
     if tr.layout.is_main:  # the default run dir is new each time: the same command would start afresh
         from visiondist.observe.console import continue_command, shown_path
 
-        log.info("run dir %s: if the job dies (a crash, a kill, a lost node), %s continues it from its newest "
-                 "checkpoint", shown_path(tr.run_dir),
-                 continue_command(tr.run_dir, bool(run is not None and run.under_torchrun)))
+        command = continue_command(tr.run_dir, bool(run is not None and run.under_torchrun))
+        if t.checkpoint_every > 0:
+            log.info("run dir %s: if the job dies (a crash, a kill, a lost node), %s continues it from its newest "
+                     "checkpoint (one every %d steps)", shown_path(tr.run_dir), command, t.checkpoint_every)
+        else:
+            log.info("run dir %s: a checkpoint is written when the run ends or is stopped (SIGTERM, Ctrl-C), not "
+                     "during it (trainer.checkpoint_every=0): %s continues a stopped job; one that dies outright "
+                     "starts again at step 1 unless trainer.checkpoint_every=<steps> is set", shown_path(tr.run_dir),
+                     command)
     if tr.layout.device.type == "cpu":
         log.info("CPU: %d thread%s per rank; OpenMP's waiting threads %s", torch.get_num_threads(),
                  "" if torch.get_num_threads() == 1 else "s", omp_wait_text())
