@@ -284,7 +284,9 @@ def test_a_built_in_set_made_with_other_settings_is_refused_before_any_rank(caps
     code = run_tool(_tool("train").TOOL, CONFIGS, [*other, f"trainer.run_dir={tmp_path / 'run'}"], ran.append)
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and not ran and not (tmp_path / "run").exists(), err
-    assert len(err) == 1 and "not the requested" in err[0] and "delete that folder or point data.root" in err[0], err
+    assert len(err) == 1 and err[0].endswith(
+        f"{root} holds the shapes_coco dataset generated with other settings: add data.synthetic.train_images=8 to "
+        "read it as it is, or point data.root elsewhere (or delete that folder) to generate the requested one"), err
     code, out, err = _call(capsys, "data", "pack", *other, f"out={tmp_path / 'packed'}")
-    assert code == 2 and len(err) == 1 and "not the requested" in err[0], (code, out, err)
+    assert code == 2 and len(err) == 1 and "add data.synthetic.train_images=8" in err[0], (code, out, err)
     assert not (tmp_path / "packed").exists() and json.loads((root / "dataset.json").read_text())["train_images"] == 8

@@ -33,7 +33,8 @@ def test_shapes_are_deterministic_jpeg_files(tmp_path, tiny_shapes):
 
 def test_a_different_spec_is_refused_not_overwritten(tiny_shapes):
     syn = SimpleNamespace(train_per_class=17, val_per_class=5, image_size=32, seed=0)
-    with pytest.raises(ValueError, match="delete that folder or point data.root elsewhere"):
+    with pytest.raises(ValueError, match="add data.synthetic.train_per_class=16 to read it as it is, or point "
+                                         r"data.root elsewhere \(or delete that folder\)"):
         ensure_shapes(tiny_shapes, syn)
 
 

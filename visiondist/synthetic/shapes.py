@@ -190,6 +190,12 @@ def conflict(root: Path, spec: dict) -> Optional[str]:
         found = json.loads(meta.read_text())
         if found == spec or _older_version(found, spec):
             return None
+        made = " ".join(f"data.synthetic.{k}={found[k]}" for k in spec if k not in ("dataset", "version")
+                        and k in found and found[k] != spec[k])
+        if found.get("dataset") == spec.get("dataset") and made:
+            return (f"{root} holds the {found.get('dataset')} dataset generated with other settings: add {made} to "
+                    "read it as it is, or point data.root elsewhere (or delete that folder) to generate the requested "
+                    "one")
         return (f"{root} holds a {found.get('dataset')} dataset generated with {found}, not the requested {spec}: "
                 "delete that folder or point data.root elsewhere (or give the data.synthetic settings it was made "
                 "with)")
