@@ -71,6 +71,6 @@ def test_eval_of_a_run_by_its_old_spelling_writes_an_eval_dir_and_says_where(hyd
     assert result.stdout.count("a bare path is deprecated") == 1
     assert f"tools/eval.py {run}: a bare path is deprecated: write tools/eval.py run_dir={run}" in result.stdout
     (out,) = (run / "eval").iterdir()
-    assert f"eval dir: {out} (eval.json, eval.log)" in result.stdout
+    assert f"eval dir: {out} (eval.json, eval.log)" in result.stdout  # trainer.plots=false: no PNG
     assert {"eval.json", "eval.log", "config.yaml"} <= {p.name for p in out.iterdir()}
     assert not (out / "train.log").exists()

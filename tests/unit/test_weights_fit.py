@@ -4,6 +4,7 @@ a file with no tensor name in common says what it holds, a checkpoint directory 
 evaluates transformers' from_pretrained folder (format=hf's model_hf/) as training reads it."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -148,3 +149,4 @@ def test_detr_weights_file_of_an_hf_export_and_eval_of_the_folder(tmp_path, caps
     assert metrics["weights"] == str(dfine_export.resolve()) and metrics["val_count"] == 3
     assert "val box mAP@[.5:.95]:" in stdout
     assert "parallel=auto chose" not in stdout  # a training layout's choice: nothing an evaluation can act on
+    assert re.search(r"eval dir: .* \(eval\.json, detections\.json, .*\.png.*, eval\.log\)", stdout), stdout[-2000:]

@@ -71,10 +71,12 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
         (run_dir / "eval.json").write_text(json.dumps({"weights": cfg.model.weights, "images decoded by": decoded_by,
                                                        **metrics}, indent=2))
         log.info("eval | %s | images decoded by %s", task.describe(metrics), decoded_by)
-        if cfg.trainer.plots:
-            draw_evaluation(task, metrics, run_dir, f"{cfg.model.name} on {cfg.data.name}")
+        pngs = draw_evaluation(task, metrics, run_dir, f"{cfg.model.name} on {cfg.data.name}") if cfg.trainer.plots \
+            else []
         print(task.final_line(metrics), flush=True)
-        print(f"eval dir: {shown_path(run_dir)} (eval.json, eval.log)", flush=True)
+        written = ["eval.json", *(["detections.json"] if (run_dir / "detections.json").is_file() else []),
+                   *(p.name for p in pngs), "eval.log"]
+        print(f"eval dir: {shown_path(run_dir)} ({', '.join(written)})", flush=True)
     return metrics
 
 
