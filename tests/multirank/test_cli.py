@@ -53,6 +53,8 @@ def test_hydra_run_dir_puts_the_run_there_and_the_end_names_the_next_commands(hy
     assert argv[:2] == ["python", "tools/train.py"]
     longer = train_ok(*argv[2:])
     assert f"resumed from {copy}/checkpoints/step_2: step 2" in longer and max(losses_of(copy)) == 4
+    # its own continuing command keeps the length it trains to (config.yaml still says 2 steps)
+    assert f"python tools/train.py trainer.run_dir={copy} trainer.max_steps=4 continues a stopped job" in longer
     again = train_ok(*argv[2:])  # the same command once more: the run is complete at its new length
     assert f"{copy} is complete at step 4: nothing to do" in again, again[-2000:]
 

@@ -94,12 +94,33 @@ def next_commands(run_dir: Path, family: str = "", images: Optional[Path] = None
 
 
 def continue_command(run_dir: "str | Path", under_torchrun: bool = False) -> str:
-    """The one command that continues the run in `run_dir` (its config.yaml is the base: nothing else to repeat)."""
+    """The one command that continues the run in `run_dir`: its config.yaml is the base, so nothing else is repeated
+    but the length the latest attempt trained to where it changed it (`attempts.jsonl`), so that the continuation
+    ends where that attempt would have."""
     import shlex
 
     if under_torchrun:
         return f"the same torchrun / srun / pod command with trainer.run_dir={shlex.quote(str(run_dir))}"
-    return f"python {tool_path('train')} trainer.run_dir={shlex.quote(shown_path(Path(run_dir)))}"
+    length = "".join(f" {k}={v}" for k, v in _latest_length(Path(run_dir)).items())
+    return f"python {tool_path('train')} trainer.run_dir={shlex.quote(shown_path(Path(run_dir)))}{length}"
+
+
+def _latest_length(run_dir: Path) -> dict:
+    """trainer.max_steps / trainer.max_epochs as the run's latest attempt changed them (each line of attempts.jsonl
+    holds what that attempt changed against config.yaml); empty where it changed neither."""
+    import json
+
+    try:
+        lines = (run_dir / "attempts.jsonl").read_text().splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            changes = json.loads(line).get("changes", {})
+        except ValueError:  # a line cut short by a kill
+            continue
+        return {k: changes[k] for k in ("trainer.max_steps", "trainer.max_epochs") if k in changes}
+    return {}
 
 
 def tool_path(name: str) -> str:
