@@ -131,17 +131,9 @@ def completed_step(cfg: DictConfig) -> Optional[int]:
 
 def _last_length(run_dir: Path) -> dict[str, Any]:
     """trainer.max_steps and trainer.max_epochs as the run's last attempt had them: config.yaml's, with what that
-    continuation changed (`attempts.jsonl`, each line against config.yaml; a run trained on with a longer length is
-    complete at that length)."""
-    keys = ("trainer.max_steps", "trainer.max_epochs")
+    continuation changed (a run trained on with a longer length is complete at that length)."""
+    from visiondist.observe.console import latest_length
+
     saved = OmegaConf.load(run_dir / "config.yaml")
-    length: dict[str, Any] = {k: OmegaConf.select(saved, k) for k in keys}
-    attempts = run_dir / ATTEMPTS
-    last: dict[str, Any] = {}
-    if attempts.is_file():
-        for line in attempts.read_text().splitlines():
-            try:
-                last = json.loads(line).get("changes", {})
-            except ValueError:  # a line cut short by a kill: the attempts before it stand
-                continue
-    return {**length, **{k: last[k] for k in keys if k in last}}
+    return {**{k: OmegaConf.select(saved, k) for k in ("trainer.max_steps", "trainer.max_epochs")},
+            **latest_length(run_dir)}

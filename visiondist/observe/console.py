@@ -101,11 +101,11 @@ def continue_command(run_dir: "str | Path", under_torchrun: bool = False) -> str
 
     if under_torchrun:
         return f"the same torchrun / srun / pod command with trainer.run_dir={shlex.quote(str(run_dir))}"
-    length = "".join(f" {k}={v}" for k, v in _latest_length(Path(run_dir)).items())
+    length = "".join(f" {k}={v}" for k, v in latest_length(Path(run_dir)).items())
     return f"python {tool_path('train')} trainer.run_dir={shlex.quote(shown_path(Path(run_dir)))}{length}"
 
 
-def _latest_length(run_dir: Path) -> dict:
+def latest_length(run_dir: Path) -> dict:
     """trainer.max_steps / trainer.max_epochs as the run's latest attempt changed them (each line of attempts.jsonl
     holds what that attempt changed against config.yaml); empty where it changed neither."""
     import json
