@@ -63,7 +63,7 @@ def reference():
 def two_ranks():
     # the third: each block under torch.compile; the fourth: under bf16 autocast
     cases = [(1, 2, False), (1, 2, True), (1, 2, False, True), (1, 2, False, False, True)]
-    return spawn_ranks(tp_ranks.run, 2, cases, {"naive_tp": 2, "vitdet_tp": 2})
+    return spawn_ranks(tp_ranks.run, 2, cases, {"naive_tp": 2, "vitdet_tp": 2, "native_tp": 2})
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +201,19 @@ def test_vitdet_backbone_under_tp_gives_the_single_process_features(two_ranks, s
             assert rel_err(got["grads"][name], grads[name]) <= TOL, name
         assert got["state_keys"] == sorted(n for n, _ in model.named_parameters())
         assert got["params"] < sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
+def test_native_resolution_sequences_under_tp_match_one_process(two_ranks, sp):
+    """Images at their own sizes, packed two to a sequence, attention kept inside each image: the logits and every
+    gradient under tp2 (and SP, which splits the masked sequence) are one process's."""
+    logits, grads = tp_ranks.native_reference()
+    assert logits.shape == (4, tp_ranks.TINY["num_classes"])
+    for result in two_ranks.values():
+        got = result["native"][sp]
+        assert rel_err(got["logits"], logits) <= TOL
+        assert got["grads"].keys() == grads.keys()
+        for name, value in grads.items():
+            if _round_off_only(name):
+                continue
+            assert rel_err(got["grads"][name], value) <= TOL, name

@@ -161,20 +161,56 @@ def vitdet_features(device: torch.device, tp: int, sp: bool) -> dict:
     features = model(vitdet_images(device))
     vitdet_loss(features).backward()
     finish_gradients(model.parameters(), layout)
-    grads = {n: p.grad for n, p in model.named_parameters()}
     full = full_state_dict(model, layout.tp_comm)
-    gathered_grads = {}
+    return {"features": {k: v.detach().cpu() for k, v in features.items()}, "grads": _gathered_grads(model, layout),
+            "params": sum(p.numel() for p in model.parameters()), "state_keys": sorted(full)}
+
+
+def _gathered_grads(model: torch.nn.Module, layout) -> dict:
+    """Every parameter's whole gradient (the TP shards' gathered), on the CPU."""
+    out = {}
     for name, param in model.named_parameters():
         dim = getattr(param, "tp_shard_dim", None)
         if dim is None:
-            gathered_grads[name] = grads[name].clone()
+            out[name] = param.grad.clone()
         else:
-            pieces = [torch.empty_like(param.grad) for _ in range(tp)]
+            pieces = [torch.empty_like(param.grad) for _ in range(layout.tp)]
             dist.all_gather(pieces, param.grad.contiguous(), group=layout.tp_comm.group)
-            gathered_grads[name] = torch.cat(pieces, dim=dim)
-    return {"features": {k: v.detach().cpu() for k, v in features.items()},
-            "grads": {k: v.cpu() for k, v in gathered_grads.items()},
-            "params": sum(p.numel() for p in model.parameters()), "state_keys": sorted(full)}
+            out[name] = torch.cat(pieces, dim=dim)
+    return {k: v.cpu() for k, v in out.items()}
+
+
+def native_batch(device: torch.device = torch.device("cpu")):
+    """Four images at their own sizes (16, 15, 12 and 9 patches of 8 px) packed into three sequences of 24 tokens,
+    one holding two images (2 class slots + 24 = 26 tokens: SP splits them evenly), and their labels in the batch's
+    image order."""
+    from visiondist.models.native import pack
+
+    g = torch.Generator().manual_seed(4)
+    images = [torch.randn(3, h, w, generator=g) for h, w in ((32, 32), (40, 24), (16, 48), (24, 24))]
+    labels = torch.randint(0, TINY["num_classes"], (4,), generator=g)
+    batch = pack(images, TINY["patch_size"], 24, [[1], [2, 3], [0]])
+    return batch.to(device), labels[[1, 2, 3, 0]].to(device)
+
+
+def native_reference() -> tuple[torch.Tensor, dict]:
+    """One process's logits and gradients on `native_batch` (on the test device; returned on the CPU)."""
+    device = reference_device()
+    model = make_model().to(device)
+    batch, labels = native_batch(device)
+    logits = model(batch)
+    F.cross_entropy(logits, labels).backward()
+    return logits.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
+
+
+def native_tp(device: torch.device, tp: int, sp: bool) -> dict:
+    layout = build_layout(1, tp, 1, device, 0)
+    model = parallelize(make_model().to(device), layout, sp)
+    batch, labels = native_batch(device)
+    logits = model(batch)
+    F.cross_entropy(logits, labels).backward()
+    finish_gradients(model.parameters(), layout)
+    return {"logits": logits.detach().cpu(), "grads": _gathered_grads(model, layout)}
 
 
 def run(cases: list[tuple[int, int, bool]], extras: dict) -> dict:
@@ -187,6 +223,8 @@ def run(cases: list[tuple[int, int, bool]], extras: dict) -> dict:
             out["naive_logits"] = naive_fused_qkv_logits(device, extras["naive_tp"])
         if "vitdet_tp" in extras:
             out["vitdet"] = {sp: vitdet_features(device, extras["vitdet_tp"], sp) for sp in (False, True)}
+        if "native_tp" in extras:
+            out["native"] = {sp: native_tp(device, extras["native_tp"], sp) for sp in (False, True)}
         if "loader" in extras:
             out["loader"] = loader_batches(*extras["loader"])
         return out

@@ -24,6 +24,7 @@ from torch import nn
 
 from visiondist.models import vit_parallel
 from visiondist.models.init import InitSource, Rule, draw_seed, materialize
+from visiondist.models.native import Patches, native_forward
 
 
 class _FusedQKV(torch.autograd.Function):
@@ -76,7 +77,9 @@ class Attention(nn.Module):
         self.v = nn.Linear(dim, dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask`: None (every token sees every token) or a boolean (B, 1, N or 1, N) of the pairs that attend
+        (native-resolution sequences: `visiondist.models.native`)."""
         b, n, _ = x.shape
         q, k, v = self.q, self.k, self.v
         # (B, N, H*hd) -> (B, H, N, hd); H is whatever this (possibly sharded) projection holds.
@@ -89,7 +92,7 @@ class Attention(nn.Module):
             q, k, v = qkv.view(b, n, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         else:
             q, k, v = (p(x).view(b, n, -1, self.head_dim).transpose(1, 2) for p in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
@@ -142,16 +145,26 @@ class Block(nn.Module):
         self.recompute_context = None  # () -> (forward context, recomputation context), torch's `context_fn`
         self.checkpoint_options: dict = {}  # more keyword arguments of torch's checkpoint (the dry run's)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.checkpointing and torch.is_grad_enabled():  # non-reentrant: RNG (drop path) replayed, kwargs-safe
             context = {"context_fn": self.recompute_context} if self.recompute_context is not None else {}
-            return torch.utils.checkpoint.checkpoint(self._forward, x, use_reentrant=False, **context,
+            return torch.utils.checkpoint.checkpoint(self._forward, x, mask, use_reentrant=False, **context,
                                                      **self.checkpoint_options)
-        return self._forward(x)
+        return self._forward(x, mask)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x)))
+    def _forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x), mask) if mask is not None else self.attn(self.norm1(x)))
         return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class Blocks(nn.Sequential):
+    """The transformer blocks in order; an attention mask (native-resolution sequences) goes to each. One module, so
+    that the sequence-parallel region (`visiondist.models.vit_parallel`) wraps all of them either way."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        for block in self:
+            x = block(x) if mask is None else block(x, mask)
+        return x
 
 
 class PatchEmbed(nn.Module):
@@ -206,7 +219,7 @@ class VisionTransformer(nn.Module):
             self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
             self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
             rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # linear, as timm
-            self.blocks = nn.Sequential(*(Block(embed_dim, num_heads, mlp_ratio, qkv_bias, r) for r in rates))
+            self.blocks = Blocks(*(Block(embed_dim, num_heads, mlp_ratio, qkv_bias, r) for r in rates))
             self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
             self.head_drop = nn.Dropout(drop_rate)
             self.head = nn.Linear(embed_dim, num_classes)
@@ -257,7 +270,11 @@ class VisionTransformer(nn.Module):
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.head_drop(self.norm(x)[:, 0]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | "Patches") -> torch.Tensor:
+        """Logits of a batch of square images (B, 3, img_size, img_size), or of the images in a batch of
+        native-resolution patch sequences (`visiondist.models.native.Patches`), in the batch's image order."""
+        if isinstance(x, Patches):
+            return native_forward(self, x)
         return self.forward_head(self.blocks(self.embed(x)))
 
 
