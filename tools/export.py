@@ -18,8 +18,9 @@ from visiondist.cli import Command, Tool, config_text, exit_now, load_run_config
 from visiondist.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SUFFIX = {"safetensors": ".safetensors", "onnx": ".onnx", "torchscript": ".pt", "hf": "_hf"}
-EXPECTED = "expected run_dir=<dir> [step=<N>|best] [format=safetensors|onnx|torchscript|hf] [out=<path>]"
+SUFFIX = {"safetensors": ".safetensors", "onnx": ".onnx", "torchscript": ".pt", "hf": "_hf",
+          "naflex": "_naflex.safetensors"}
+EXPECTED = "expected run_dir=<dir> [step=<N>|best] [format=safetensors|onnx|torchscript|hf|naflex] [out=<path>]"
 TOOL = Tool(
     name="export.py",
     about=("Export a trained run for use outside visiondist: one consolidated file that timm (ViT) or torchvision "
@@ -29,9 +30,10 @@ TOOL = Tool(
           ("step=<N>", "its checkpoint checkpoints/step_<N> (default: the latest checkpoint, else model.safetensors), "
                    "whatever parallel layout wrote it; step=best: the best one by trainer.best_metric"),
           ("format=<format>", "safetensors (default; plus <out>.json saying how to build the model), onnx, "
-                              "torchscript or hf (DETR-class detectors: a from_pretrained directory)"),
+                              "torchscript, hf (DETR-class detectors: a from_pretrained directory) or naflex (ViTs: "
+                              "timm's NaFlexVit, images at their own size and aspect ratio; plus <out>.json)"),
           ("out=<path>", "the file (hf: directory) to write (default: <run>/export/model.<safetensors|onnx|pt>, "
-                         "hf: <run>/export/model_hf)")),
+                         "hf: <run>/export/model_hf, naflex: <run>/export/model_naflex.safetensors)")),
     reads="<run>/config.yaml and the run's newest checkpoint (or step=), else its model.safetensors",
     writes="<run>/export/model.<ext> (safetensors: and model.json; hf: the directory model_hf), or out=<path>; "
            "prints the files",

@@ -2,6 +2,8 @@
 square model's logits for a square image, packing that changes nothing an image computes, and timm's NaFlexVit
 predicting what it does from the converted weights."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -131,3 +133,116 @@ def test_patches_move_as_one_batch():
     batch = pack(_images()[:2], 8, 16)
     moved = batch.to("cpu")
     assert isinstance(moved, Patches) and moved.grids == batch.grids and moved.padded == batch.padded
+
+
+# --- the loader (visiondist.data.native) ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("height,width", [(480, 640), (640, 480), (100, 2000), (33, 33), (224, 224), (7, 900)])
+@pytest.mark.parametrize("seq_len", [49, 196, 256])
+def test_the_grid_keeps_the_aspect_ratio_and_fills_the_sequence(height, width, seq_len):
+    from visiondist.data.native import fit_grid
+
+    rows, cols = fit_grid(height, width, 16, seq_len)
+    assert 1 <= rows * cols <= seq_len
+    # the largest such grid: one more row or column (at the image's aspect) would not fit
+    assert (rows + 1) * (cols + 1) > seq_len or rows * cols == seq_len
+    if min(rows, cols) > 2:  # the aspect kept to a patch
+        assert abs(cols / rows - width / height) <= max(width / height / rows, 1 / rows) + 1e-9
+
+
+def test_every_rank_gets_the_same_steps_and_each_image_once_an_epoch():
+    """Steps of varying length and image count, the same on every DP rank; over the ranks each image of the epoch's
+    steps once; the same images whatever the number of ranks (the one-process run's)."""
+    from visiondist.data.native import NativeBatchSampler
+
+    def keys(dp, accum, epoch):
+        out = []
+        for rank in range(dp):
+            sampler = NativeBatchSampler(1000, 32, 196, [98, 196, 392], rank, dp, accum, seed=3)
+            sampler.set_epoch(epoch)
+            out.append(list(sampler))
+        return sampler, out
+
+    one, (alone,) = keys(1, 1, 0)
+    assert sorted(set(one.lens)) == [98, 196, 392] and one.steps_per_epoch == len(alone)
+    assert {one.step_images[i] for i, n in enumerate(one.lens) if n == 98} == {64}  # 32 x 196 tokens / 98
+    assert {one.step_images[i] for i, n in enumerate(one.lens) if n == 392} == {16}
+    for dp, accum in ((2, 1), (4, 2)):
+        sampler, ranks = keys(dp, accum, 0)
+        assert sampler.lens == one.lens and len({len(r) for r in ranks}) == 1  # the same steps on every rank
+        for step in range(one.steps_per_epoch):
+            micro = [ranks[r][step * accum + a] for r in range(dp) for a in range(accum)]
+            assert {len(m) for m in micro} == {one.step_images[step] // (dp * accum)}
+            assert {k[2] for m in micro for k in m} == {one.lens[step]}
+            assert [k for m in micro for k in m] == alone[step]  # the one-process step's images, in its order
+    seen = [k[0] for m in alone for k in m]
+    assert len(seen) == len(set(seen)) == 1000 - one.dropped_per_epoch
+    _, (other,) = keys(1, 1, 1)
+    assert [len(m) for m in other] == [len(m) for m in alone] and other != alone  # reshuffled, same steps
+    assert one.images(0, one.steps_per_epoch) == 1000 - one.dropped_per_epoch
+    assert one.images(1, 3) == one.step_images[1] + one.step_images[2]
+    assert one.images(one.steps_per_epoch - 1, one.steps_per_epoch + 1) == one.step_images[-1] + one.step_images[0]
+
+
+def test_a_resumed_epoch_continues_with_the_steps_not_taken():
+    from visiondist.data.native import NativeBatchSampler
+
+    whole = NativeBatchSampler(500, 16, 196, [98, 196, 392], 0, 1, seed=0)
+    whole.set_epoch(2)
+    resumed = NativeBatchSampler(500, 16, 196, [98, 196, 392], 0, 1, seed=0)
+    resumed.set_epoch(2, start_step=3)
+    assert list(resumed) == list(whole)[3:] and len(resumed) == whole.steps_per_epoch - 3
+
+
+def test_the_transform_is_the_samples_own_and_keeps_its_aspect():
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    from visiondist.data.native import NativeTransform
+
+    cfg = OmegaConf.create({"train_crop_scale": [0.5, 1.0], "hflip": 0.5, "interpolation": "bilinear",
+                            "auto_augment": "none", "random_erasing": 0.0})
+    image = np.random.default_rng(0).integers(0, 255, (300, 500, 3), dtype=np.uint8)
+    train = NativeTransform(cfg, True, 16, seed=1, eval_seq_len=196)
+    a, b, c = train(image, 7, 0, 98), train(image, 7, 0, 98), train(image, 8, 0, 98)
+    assert torch.equal(a, b) and a.dtype == torch.uint8 and a.shape[2] == 3
+    assert not (a.shape == c.shape and torch.equal(a, c))  # another sample, another crop
+    assert a.shape[0] % 16 == 0 and a.shape[1] % 16 == 0 and (a.shape[0] // 16) * (a.shape[1] // 16) <= 98
+    evaluated = NativeTransform(cfg, False, 16, seed=1, eval_seq_len=196)(image, 7, 0)
+    rows, cols = evaluated.shape[0] // 16, evaluated.shape[1] // 16
+    assert rows * cols <= 196 and (rows, cols) == (10, 18)  # the whole 3:5 image, no crop
+
+
+def test_the_collate_pads_or_packs_a_batch_with_its_labels_in_order():
+    from visiondist.data.native import NativeCollate
+
+    g = torch.Generator().manual_seed(0)
+    samples = [(torch.randint(0, 255, (h, w, 3), dtype=torch.uint8, generator=g), label)
+               for (h, w), label in (((32, 48), 0), ((16, 16), 1), ((48, 32), 2), ((16, 32), 3))]
+    padded, labels = NativeCollate(16, [4, 8])(samples)
+    assert padded.patches.shape == (4, 8, 16 * 16 * 3) and labels.tolist() == [0, 1, 2, 3]
+    assert (padded.segments > 0).sum(1).tolist() == [6, 1, 6, 2]
+    packed, labels = NativeCollate(16, [4, 8], pack_images=True)(samples)
+    assert packed.patches.shape[:2] == (2, 8) and packed.num_images == 4
+    # first fit: 6 + 1 patches in the first sequence; 6 opens the second, where 2 still fits
+    assert labels.tolist() == [0, 1, 2, 3] and packed.segments.tolist() == [[1] * 6 + [2, 0], [1] * 6 + [2] * 2]
+    # the pixels of an image's first patch, in (row, column, channel) order
+    assert torch.equal(packed.patches[1, 0].view(16, 16, 3), samples[2][0][:16, :16])
+
+
+@pytest.mark.parametrize("override,says", [
+    ("model=fasterrcnn_mobilenet_v3", "model=fasterrcnn_mobilenet_v3 takes images"),
+    ("data.mixup=0.8", "data.mixup / data.cutmix mix images of one size"),
+    ("data.random_erasing=0.25", "data.random_erasing=0"),
+    ("data.auto_augment=rand", "data.augment_on=loader"),
+    ("parallel.pp=2", "use parallel.pp=1"),
+    ("data.native.seq_lens=[0,196]", "token counts are positive"),
+])
+def test_settings_native_resolution_cannot_take_are_refused_naming_the_fix(override, says):
+    from visiondist.cli import load_config
+    from visiondist.config.schema import ConfigError
+    from visiondist.config.validate import validate
+    from helpers import REPO
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        validate(load_config(REPO / "configs", ["data.resolution=native", override], inputs=None), mandatory=False)

@@ -53,6 +53,17 @@ class ModelConfig:
 
 
 @dataclass
+class NativeConfig:
+    """data.resolution=native (a ViT classifier): each image at its own aspect ratio, as a sequence of patches
+    (visiondist.data.native)."""
+    # training sequence lengths, one drawn per step; each step holds data.batch_size x (the square model's token count)
+    # tokens. Empty: half, once and twice the square model's count (98, 196, 392 for 224 px / 16)
+    seq_lens: list[int] = field(default_factory=list)
+    eval_seq_len: int = -1  # the evaluation's sequence length; -1: the square model's token count
+    pack: bool = False  # several images to a sequence (attention kept inside each), instead of one padded
+
+
+@dataclass
 class SyntheticConfig:
     """How a built-in dataset is generated on first use."""
 
@@ -62,6 +73,9 @@ class SyntheticConfig:
     val_images: int = 300
     image_size: int = 64
     seed: int = 0
+    # shapes: images of aspect ratios (width / height) log-uniform in [1 / max_aspect, max_aspect], each of the area of
+    # an image_size square; 1: all square
+    max_aspect: float = 1.0
 
 
 @dataclass
@@ -92,6 +106,10 @@ class DataConfig:
     mixup_prob: float = 1.0  # probability of mixing a batch at all
     mixup_switch_prob: float = 0.5  # with both on: probability of cutmix instead of mixup
     crop_pct: float = 0.875
+    # classification with a ViT: square (each image cropped and resized to model.img_size) | native (its own aspect
+    # ratio, as many patches as its step's sequence length holds: data.native)
+    resolution: str = "square"
+    native: NativeConfig = field(default_factory=NativeConfig)
     # classification resize filter (OpenCV), train crop and eval resize alike: bilinear | bicubic; written into the
     # export's timm config, so that timm's eval transform resizes the same way
     interpolation: str = "bilinear"

@@ -40,6 +40,8 @@ def decode_plan(cfg: DictConfig, run: RunLayout, gpu_name: Optional[str] = None)
         return "loader", f"data.format={d.get('format')} with {cfg.model.name}: decoded in the loader workers"
     if d.get("augment_on", "device") == "loader" and d.get("auto_augment", "none") != "none":
         return "loader", "data.augment_on=loader augments decoded images in the workers"
+    if d.get("resolution", "square") == "native":
+        return "loader", "data.resolution=native resizes each image to its own grid in the workers"
     if run.accelerator != "cuda":
         return "loader", "on the CPU the rank would decode what its workers decode now"
     from visiondist.data.workers import loader_workers

@@ -61,12 +61,12 @@ class LabelledImages(Dataset):
             yield i, self._name(i)
 
     def __getitem__(self, key):
-        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        index, epoch, *more = key if isinstance(key, tuple) else (key, 0)  # more: a native step's sequence length
         _, image = self._bad.read(self._candidates(index), self._read)
         label = int(self.targets[index])
         if self.transform is None:
             return image, label
-        out = self.transform(image, index, epoch)
+        out = self.transform(image, index, epoch, *more)
         if isinstance(out, tuple):  # (image, augmentation parameters): see `visiondist.data.augment`
             return out[0], label, out[1]
         return out, label

@@ -102,11 +102,15 @@ class ClassificationData(TaskData):
 
 def build_classification_data(
     cfg, img_size: int, dp_rank: int, dp_size: int, grad_accum: int, seed: int, pin_memory: bool,
-    reads_images: bool = True, reads_labels: bool = True, train: bool = True,
+    reads_images: bool = True, reads_labels: bool = True, train: bool = True, patch_size: int = 16,
 ):
     """Train and val loaders for this DP rank, at the model's input size. `cfg` is the data config; batch sizes in it
     are global. A rank that does not read images (a later pipeline stage) gets `LabelBatches` of the same samples.
-    With `train=False` only the val split is read (evaluation of weights: no train split needed)."""
+    With `train=False` only the val split is read (evaluation of weights: no train split needed). Under
+    `data.resolution=native` the images keep their aspect ratio and come as patch sequences of `patch_size` pixels
+    (`visiondist.data.native`)."""
+    if cfg.get("resolution", "square") == "native":
+        return _native_data(cfg, img_size, patch_size, dp_rank, dp_size, grad_accum, seed, pin_memory, train)
     val_tf = ClassificationTransform(cfg, train=False, size=img_size, seed=seed)
     splits = _classification_splits(cfg)
     reader, collate = None, None
@@ -139,6 +143,33 @@ def build_classification_data(
     if not reads_images:
         train_loader = LabelBatches(sampler, train_set.targets if reads_labels else None)
         val_loader = LabelBatches(val_loader.batch_sampler, val_set.targets if reads_labels else None)
+    return ClassificationData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set),
+                              getattr(train_set, "store", None))
+
+
+def _native_data(cfg, img_size: int, patch: int, dp_rank: int, dp_size: int, grad_accum: int, seed: int,
+                 pin_memory: bool, train: bool) -> ClassificationData:
+    """`build_classification_data` under data.resolution=native: the same splits, each image resized to its grid."""
+    from visiondist.data.native import NativeBatchSampler, NativeCollate, NativeTransform, native_settings
+
+    seq_lens, eval_len = native_settings(cfg, img_size, patch)
+    packs = bool((cfg.get("native") or {}).get("pack", False))
+    splits = _classification_splits(cfg)
+    val_set = splits(cfg.val_split, NativeTransform(cfg, False, patch, seed, eval_len, img_size))
+    val_loader = _val_loader(cfg, val_set, dp_rank, dp_size,
+                             loader_options(cfg, pin_memory, NativeCollate(patch, [eval_len], packs)))
+    if not train:
+        _check_num_classes(cfg, len(val_set.classes), val_set.root, "class folders")
+        return ClassificationData(None, val_loader, None, val_set.classes, 0, len(val_set))
+    train_set = splits(cfg.train_split, NativeTransform(cfg, True, patch, seed, eval_len, img_size), train=True,
+                       max_bad_images=cfg.get("max_bad_images", 10))
+    _check_num_classes(cfg, len(train_set.classes), train_set.root, "class folders")
+    if val_set.classes != train_set.classes:
+        raise ValueError(f"class folders of {val_set.root} differ from those of {train_set.root}")
+    sampler = NativeBatchSampler(len(train_set), cfg.batch_size, (img_size // patch) ** 2, seq_lens, dp_rank, dp_size,
+                                 grad_accum, seed)
+    train_loader = register(DataLoader(train_set, batch_sampler=sampler,
+                                       **loader_options(cfg, pin_memory, NativeCollate(patch, seq_lens, packs))))
     return ClassificationData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set),
                               getattr(train_set, "store", None))
 

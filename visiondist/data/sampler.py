@@ -113,6 +113,10 @@ class TrainBatchSampler:
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.start_step) * self.grad_accum
 
+    def images(self, first: int, last: int) -> int:
+        """The images of the run's steps first + 1 .. last (counted from 1), over all ranks."""
+        return (last - first) * self.global_batch
+
     def __iter__(self) -> Iterator[list[SampleKey]]:
         epoch = self.epoch
         batches = self.global_batches(epoch)

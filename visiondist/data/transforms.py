@@ -143,6 +143,16 @@ class Normalize:
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, images: torch.Tensor, device: torch.device) -> torch.Tensor:
+        from visiondist.models.native import Patches
+
+        if isinstance(images, Patches):  # data.resolution=native: uint8 patches, each pixel's channels together
+            images = images.to(device, non_blocking=True)
+            pixels = images.patches
+            if pixels.dtype != torch.uint8:
+                return images
+            mean, std = (t.to(device).view(-1) for t in (self.mean, self.std))
+            shape = pixels.shape
+            return images._replace(patches=pixels.view(*shape[:-1], -1, 3).float().sub_(mean).div_(std).view(shape))
         return self.normalize(to_device(images, device))
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:

@@ -89,17 +89,22 @@ def draw_shape(draw: ImageDraw.ImageDraw, name: str, cx: float, cy: float, r: fl
     return points
 
 
-def render_shape(label: int, rng: np.random.Generator, size: int) -> Image.Image:
-    """One image of class `label`, fully determined by `rng`'s state."""
-    big = size * SUPERSAMPLE
-    img = background(rng, big)
+def render_shape(label: int, rng: np.random.Generator, size: int, aspect: float = 1.0) -> Image.Image:
+    """One image of class `label`, fully determined by `rng`'s state: `size` x `size`, or with `aspect` (width over
+    height) `size` * sqrt(aspect) wide and `size` / sqrt(aspect) high, the shape sized to the short side."""
+    width, height = (size, size) if aspect == 1.0 else (max(8, round(size * math.sqrt(aspect))),
+                                                        max(8, round(size / math.sqrt(aspect))))
+    big_w, big_h = width * SUPERSAMPLE, height * SUPERSAMPLE
+    img = background(rng, max(big_w, big_h))
+    if (big_w, big_h) != img.size:
+        img = img.crop((0, 0, big_w, big_h))
     draw = ImageDraw.Draw(img)
-    r = rng.uniform(0.28, 0.42) * big
-    jitter = big / 2 - r  # the shape stays inside; its centre lies in the middle half of the free range
-    cx, cy = big / 2 + jitter * rng.uniform(-1, 1) * 0.5, big / 2 + jitter * rng.uniform(-1, 1) * 0.5
+    r = rng.uniform(0.28, 0.42) * min(big_w, big_h)
+    jx, jy = big_w / 2 - r, big_h / 2 - r  # the shape stays inside; its centre in the middle half of the free range
+    cx, cy = big_w / 2 + jx * rng.uniform(-1, 1) * 0.5, big_h / 2 + jy * rng.uniform(-1, 1) * 0.5
     draw_shape(draw, SHAPE_CLASSES[label], cx, cy, r, rng)
     img = img.filter(ImageFilter.GaussianBlur(radius=rng.uniform(0, 1.0)))
-    return img.resize((size, size), Image.Resampling.LANCZOS)
+    return img.resize((width, height), Image.Resampling.LANCZOS)
 
 
 def spec_of_shapes(synthetic) -> dict:
@@ -110,6 +115,8 @@ def spec_of_shapes(synthetic) -> dict:
         "val_per_class": int(synthetic.val_per_class),
         "image_size": int(synthetic.image_size),
         "seed": int(synthetic.seed),
+        # images of mixed aspect ratios (data.resolution=native): only in the spec of such a set
+        **({"max_aspect": float(a)} if (a := getattr(synthetic, "max_aspect", 1.0) or 1.0) != 1.0 else {}),
     }
 
 
@@ -119,7 +126,11 @@ def _write_split(tmp: Path, split: str, per_class: int, spec: dict, progress) ->
     for n in progress(range(per_class * len(SHAPE_CLASSES)), f"generating shapes/{split}"):
         label = n % len(SHAPE_CLASSES)
         rng = np.random.default_rng([spec["seed"], SPLITS[split], n])
-        img = render_shape(label, rng, spec["image_size"])
+        aspect = 1.0
+        if spec.get("max_aspect", 1.0) != 1.0:  # its own stream: the square set's images stay as they were
+            ratio = math.log(spec["max_aspect"])
+            aspect = math.exp(np.random.default_rng([spec["seed"], SPLITS[split], n, 1]).uniform(-ratio, ratio))
+        img = render_shape(label, rng, spec["image_size"], aspect)
         img.save(tmp / split / SHAPE_CLASSES[label] / f"{n:06d}.jpg", quality=92)
 
 
@@ -190,8 +201,8 @@ def conflict(root: Path, spec: dict) -> Optional[str]:
         found = json.loads(meta.read_text())
         if found == spec or _older_version(found, spec):
             return None
-        made = " ".join(f"data.synthetic.{k}={found[k]}" for k in spec if k not in ("dataset", "version")
-                        and k in found and found[k] != spec[k])
+        made = " ".join(f"data.synthetic.{k}={found[k]}" for k in found if k not in ("dataset", "version", "classes")
+                        and found[k] != spec.get(k))
         if found.get("dataset") == spec.get("dataset") and made:
             return (f"{root} holds the {found.get('dataset')} dataset generated with other settings: add {made} to "
                     "read it as it is, or point data.root elsewhere (or delete that folder) to generate the requested "

@@ -188,7 +188,8 @@ class LogHook(Hook):
         stats = torch.stack([timer.loss / timer.steps, grad_norm.to(timer.loss)])
         mean_loss, norm = (trainer.layout.all_reduce_dp(stats) / trainer.layout.dp).tolist()
         steps = timer.steps
-        rate = steps * trainer.cfg.data.batch_size / max(timer.close_window(trainer.step), 1e-9)
+        images = trainer.data.train_sampler.images(trainer.step - steps, trainer.step)
+        rate = images / max(timer.close_window(trainer.step), 1e-9)
         lr = trainer.optimizer.param_groups[0]["lr"]
         mfu = trainer.mfu(rate)
         trainer.metrics.log(trainer.step, epoch=trainer.epoch + 1, loss=mean_loss, lr=lr, grad_norm=norm,

@@ -63,10 +63,22 @@ def announce(tr) -> None:
                     "bf16 matmuls, a ViT-Ti DeiT step took over 8x the fp32 one; on this machine use "
                     "trainer.precision=32")
     if sampler.dropped_per_epoch:
-        log.info("training uses %d of %d images per epoch (%d global batches of %d); %d, a different random set "
-                 "each epoch, wait for the next%s", sampler.steps_per_epoch * tr.cfg.data.batch_size,
-                 tr.data.num_train, sampler.steps_per_epoch, tr.cfg.data.batch_size, sampler.dropped_per_epoch,
-                 " (incomplete aspect-ratio batches)" if sampler.groups is not None else "")
+        batches = (f"{sampler.steps_per_epoch} global batches of {tr.cfg.data.batch_size}"
+                   if not hasattr(sampler, "step_images") else f"{sampler.steps_per_epoch} native steps of "
+                   f"{min(sampler.step_images)}-{max(sampler.step_images)} images")
+        log.info("training uses %d of %d images per epoch (%s); %d, a different random set each epoch, wait for the "
+                 "next%s", tr.data.num_train - sampler.dropped_per_epoch, tr.data.num_train, batches,
+                 sampler.dropped_per_epoch, " (incomplete aspect-ratio batches)" if sampler.groups is not None else "")
+    if hasattr(sampler, "step_images"):  # data.resolution=native
+        from visiondist.data.native import native_settings
+
+        d = tr.cfg.data
+        _, eval_len = native_settings(d, tr.cfg.model.img_size, tr.cfg.model.patch_size)
+        log.info("native resolution: each image at its own aspect ratio, in sequences of %s patches (one length a "
+                 "step, drawn from the seed), %d-%d images a step for %d tokens; evaluation at %d; %s",
+                 "/".join(map(str, sampler.seq_lens)), min(sampler.step_images), max(sampler.step_images),
+                 sampler.tokens_per_step, eval_len, "several images to a sequence (data.native.pack)"
+                 if d.native.pack else "one image to a sequence, padded (data.native.pack=true packs them)")
     s, warmup = tr.cfg.schedule, warmup_length(tr.cfg.schedule, tr.total_steps)
     if warmup < s.warmup_steps and tr.layout.is_main:
         log.warning("schedule.warmup_steps=%d is not shorter than the run (%d step%s): the warmup is cut to %d "
@@ -87,11 +99,11 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
     if math.isnan(final_loss):  # nothing trained in this process (resumed at the end): the run's last logged loss
         final_loss = next((r["loss"] for r in reversed(tr.metrics.rows) if r.get("loss") is not None), math.nan)
     ran = tr.step - tr.resumed_from_step
-    batch = tr.cfg.data.batch_size
+    sampler = tr.data.train_sampler
     whole = tr.earlier_seconds + train_time if tr.earlier_seconds is not None else None  # every attempt's
 
     def rate(steps: int, seconds: float | None) -> float | None:
-        return float(f"{steps * batch / seconds:.3g}") if steps and seconds else None
+        return float(f"{sampler.images(tr.step - steps, tr.step) / seconds:.3g}") if steps and seconds else None
 
     summary = {
         "model": tr.cfg.model.name,
@@ -107,7 +119,7 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
         "throughput (img/s)": rate(tr.step, whole),
         **({"this attempt": f"steps {tr.resumed_from_step + 1}-{tr.step}: {train_time:.1f} s, "
                             f"{rate(ran, train_time)} img/s"} if tr.resumed_from_step else {}),
-        **_steady_state(tr, batch),
+        **_steady_state(tr),
         "final train loss": None if math.isnan(final_loss) else final_loss,
         **best_evaluation(tr.metrics.rows, *tr.task.headline),
         **({"skipped steps (non-finite)": tr.skipped_steps} if tr.skipped_steps else {}),
@@ -134,14 +146,14 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
     return summary
 
 
-def _steady_state(tr, batch: int) -> dict[str, Any]:
+def _steady_state(tr) -> dict[str, Any]:
     """The rate of this process's log windows after its first (which holds the start-up: compilation, autotuning,
     the loader's first batches), timed on the device, and its MFU on a known GPU; nothing with a single window."""
     steady = tr.timer.steady_state() if tr.timer is not None else None
     if steady is None:
         return {}
     first, last, seconds = steady
-    rate = (last - first + 1) * batch / seconds
+    rate = tr.data.train_sampler.images(first - 1, last) / seconds
     mfu = tr.mfu(rate)
     return {"throughput, steady state (img/s)": float(f"{rate:.4g}"),
             "steady state": f"steps {first}-{last} (the log windows after the first)",

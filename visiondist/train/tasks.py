@@ -59,6 +59,7 @@ class ClassificationTask:
             cfg.data, cfg.model.img_size, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
             pin_memory=layout.device.type == "cuda", reads_images=layout.reads_images, reads_labels=layout.reads_labels,
             train=train,  # evaluation reads the val split only
+            patch_size=cfg.model.get("patch_size", 16),
         )
         self.top5 = reports_top5(len(self.data.classes))
         if not self.top5:  # a few classes: top-5 says nothing (evaluation.classification.reports_top5)

@@ -182,10 +182,10 @@ class Trainer(Checkpointing, OptimizerStep):
     def mfu(self, images_per_s: float) -> float | None:
         """Model FLOPs utilisation of a training rate (images/s of the whole job): the model's training FLOPs per
         image (counted once) times the rate per device, over the device's dense datasheet peak in the step's matmul
-        precision. None on the CPU, on a GPU the datasheet table does not know, and for detectors (their FLOPs change
-        with each image's size)."""
+        precision. None on the CPU, on a GPU the datasheet table does not know, and for detectors and native-resolution
+        ViTs (their FLOPs change with each image's size)."""
         device = self.layout.device
-        if device.type != "cuda" or self.cfg.model.family != "vit":
+        if device.type != "cuda" or self.cfg.model.family != "vit" or self.cfg.data.get("resolution") == "native":
             return None
         if self._peak_flops is None:
             from visiondist.models.flops import classifier_train_flops

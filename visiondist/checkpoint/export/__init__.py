@@ -10,6 +10,7 @@
   is installed (`onnx_check.py`).
 - `torchscript` (`torchscript.py`): traced (classifiers) or scripted (torchvision detectors).
 - `hf` (`hf.py`): a DETR-class detector as the directory transformers' `from_pretrained` reads.
+- `naflex` (`naflex.py`): a ViT as timm's NaFlexVit holds it (images at their own size and aspect ratio).
 
 Weights come from a run's checkpoint (any parallel layout; DCP reads the shards into this one process) or, for a run
 without checkpoints, its `model.safetensors` (`trained.py`). A new format is a module with a
@@ -21,6 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from visiondist.checkpoint.export.hf import write_hf
+from visiondist.checkpoint.export.naflex import write_naflex
 from visiondist.checkpoint.export.onnx import write_onnx
 from visiondist.checkpoint.export.state_dict import write_safetensors
 from visiondist.checkpoint.export.torchscript import write_torchscript
@@ -29,7 +31,8 @@ from visiondist.checkpoint.export.trained import Trained, load_trained
 __all__ = ["FORMATS", "WRITERS", "Trained", "export", "load_trained"]
 
 # format -> its writer: (the trained model, a temporary path, the final path) -> the other files it wrote
-WRITERS = {"safetensors": write_safetensors, "onnx": write_onnx, "torchscript": write_torchscript, "hf": write_hf}
+WRITERS = {"safetensors": write_safetensors, "onnx": write_onnx, "torchscript": write_torchscript, "hf": write_hf,
+           "naflex": write_naflex}
 FORMATS = tuple(WRITERS)
 
 

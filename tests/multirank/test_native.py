@@ -1,0 +1,80 @@
+"""data.resolution=native from the command line: images of mixed aspect ratios (the built-in set with
+data.synthetic.max_aspect) trained at their own shapes on 1 and 2 ranks and under tp2, stopped and continued, evaluated
+by tools/eval.py on 2 ranks, exported for timm's NaFlexVit."""
+
+import json
+
+import pytest
+
+from helpers import REPO, TINY_DATA, assert_same_training, evals_of, losses_of, run_cli, train_ok
+
+# patch 8 on 32 px images: the square model's 16 tokens, sequences of 8, 16 and 32; images from 3:1 to 1:3
+NATIVE = [*TINY_DATA, "data.synthetic.max_aspect=3", "model.patch_size=8", "model.num_heads=2",
+          "data.resolution=native", "data.batch_size=8", "trainer.max_steps=4", "trainer.eval_every=2",
+          "trainer.log_every=1", "trainer.accelerator=cpu", "trainer.loggers=[csv]"]
+
+
+@pytest.fixture(scope="module")
+def native_reference(tmp_path_factory):
+    """The one-process run every layout must reproduce, and its data."""
+    root = tmp_path_factory.mktemp("native")
+    run = root / "reference"
+    out = train_ok(*NATIVE, f"data.root={root / 'data'}", f"trainer.run_dir={run}", "trainer.devices=1")
+    assert "native resolution" in out, out[-3000:]
+    return root / "data", run
+
+
+def test_a_native_run_on_2_ranks_stopped_and_continued_is_the_one_process_run(tmp_path, native_reference):
+    data, reference = native_reference
+    run = tmp_path / "run"
+    args = [*NATIVE, f"data.root={data}", f"trainer.run_dir={run}", "parallel.dp=2", "data.num_workers=2"]
+    train_ok(*args, "trainer.stop_at_step=2")
+    assert sorted(losses_of(run)) == [1, 2]
+    out = train_ok(*args)
+    assert "resumed from" in out
+    assert_same_training(reference, run)  # the losses, both evaluations and the final weights
+
+    # tools/eval.py on 2 ranks scores the val set as the run did at its end, to the last digit
+    evaluated = run_cli([f"run_dir={run}", "trainer.devices=2"], timeout=300, script=REPO / "tools" / "eval.py")
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:]
+    stats = json.loads((next((run / "eval").iterdir()) / "eval.json").read_text())
+    (loss, top1), = [v for s, v in evals_of(run, "val_loss", "val_top1").items() if s == 4]
+    assert stats["val_loss"] == pytest.approx(loss, rel=1e-6) and stats["val_top1"] == top1
+
+
+def test_a_native_run_under_tp2_trains_as_one_process(tmp_path, native_reference):
+    data, reference = native_reference
+    run = tmp_path / "run"
+    train_ok(*NATIVE, f"data.root={data}", f"trainer.run_dir={run}", "parallel.tp=2")
+    assert_same_training(reference, run)
+
+
+def test_the_export_loads_in_timms_naflexvit_and_predicts_what_the_run_does(tmp_path, native_reference):
+    import torch
+    from safetensors.torch import load_file
+
+    timm = pytest.importorskip("timm")
+    from visiondist.checkpoint.export.trained import load_trained
+    from visiondist.models.native import pack
+
+    _, run = native_reference
+    out = tmp_path / "naflex.safetensors"
+    exported = run_cli([f"run_dir={run}", "format=naflex", f"out={out}"], timeout=300,
+                       script=REPO / "tools" / "export.py")
+    assert exported.returncode == 0, exported.stdout[-3000:]
+    info = json.loads(out.with_suffix(".json").read_text())
+    model = timm.create_model(info["timm_model"], pretrained=False, **info["kwargs"]).eval()
+    model.load_state_dict(load_file(out), strict=True)
+    trained = load_trained(run).model.eval()
+    g = torch.Generator().manual_seed(0)
+    images = [torch.randn(3, h, w, generator=g) for h, w in ((16, 48), (32, 32), (56, 16))]
+    batch = pack(images, 8, 16)
+    coords = torch.zeros(3, 16, 2, dtype=torch.long)
+    for i, image in enumerate(images):
+        rows, cols = image.shape[1] // 8, image.shape[2] // 8
+        coords[i, : rows * cols] = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"),
+                                               -1).reshape(-1, 2)
+    with torch.no_grad():
+        want = trained(batch)
+        got = model({"patches": batch.patches, "patch_coord": coords, "patch_valid": batch.segments > 0})
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

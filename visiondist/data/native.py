@@ -1,0 +1,223 @@
+"""Classification data at each image's own aspect ratio (`data.resolution=native`, a ViT only): each image is
+resized, aspect kept, to the largest grid of patches that fits its batch's sequence length, and the batch goes to the
+model as patch sequences (`visiondist.models.native.Patches`).
+
+- Training draws each step's sequence length from `data.native.seq_lens`; the step's image count is the token budget
+  (`data.batch_size` x the square model's token count, so a native step costs what a square one does) over that
+  length, rounded down to a multiple of dp x grad_accum. The lengths are drawn once from the seed, the same every
+  epoch, so that every epoch has the same number of steps; the images are shuffled per epoch as always, and each DP
+  rank takes its contiguous slice of every step's images (`NativeBatchSampler`): a dp=N run sees the images of a
+  one-process run, each image once per epoch.
+- The train transform crops as RandomResizedCrop draws (`data.train_crop_scale`, aspect 3/4 to 4/3), from the
+  sample's own random stream, and resizes the crop to its grid, then flips; evaluation resizes the whole image to
+  the grid of `data.native.eval_seq_len` tokens (no crop).
+- A batch's images are one to a sequence, padded to its length, or with `data.native.pack` several to a sequence
+  (first fit, in order), so that little of the step is padding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Sequence
+
+import cv2
+import numpy as np
+import torch
+
+from visiondist.data.sampler import SampleKey, TrainBatchSampler
+from visiondist.data.transforms import SampleRandom, interpolation
+from visiondist.models.native import Patches, pack
+
+
+def fit_grid(height: int, width: int, patch: int, seq_len: int) -> tuple[int, int]:
+    """The largest (rows, cols) grid of `patch`-pixel patches with the image's aspect ratio (to a patch) and at most
+    `seq_len` patches; at least one patch each way."""
+    scale = math.sqrt(seq_len / ((height / patch) * (width / patch)))
+    rows = min(seq_len, max(1, math.floor(height / patch * scale)))
+    cols = min(seq_len // rows, max(1, math.floor(width / patch * scale)))
+    return rows, cols
+
+
+def native_settings(data_cfg, img_size: int, patch: int) -> tuple[list[int], int]:
+    """(training sequence lengths, evaluation sequence length): `data.native.seq_lens` / `eval_seq_len`, or by
+    default half, once and twice the square model's token count, and that count."""
+    base = (img_size // patch) ** 2
+    native = data_cfg.get("native") or {}
+    lens = list(native.get("seq_lens") or [base // 2, base, 2 * base])
+    eval_len = int(native.get("eval_seq_len") or -1)
+    return sorted(int(n) for n in lens), (base if eval_len <= 0 else eval_len)
+
+
+def check_native(cfg) -> None:
+    """data.resolution=native's rules between groups (`visiondist.config.validate`); raises ConfigError."""
+    from visiondist.config.schema import ConfigError
+
+    d, m = cfg.data, cfg.model
+    if d.resolution != "native":
+        raise ConfigError(f"data.resolution={d.resolution}: use square or native")
+    if m.family != "vit":
+        raise ConfigError(f"data.resolution=native trains a ViT classifier on patch sequences; model={m.name} takes "
+                          "images: use data.resolution=square")
+    lens = list(d.native.seq_lens)
+    if any(int(n) <= 0 for n in lens) or (d.native.eval_seq_len == 0 or d.native.eval_seq_len < -1):
+        raise ConfigError(f"data.native.seq_lens={lens}, eval_seq_len={d.native.eval_seq_len}: token counts are "
+                          "positive (eval_seq_len=-1: the square model's count)")
+    refused = [(d.mixup > 0 or d.cutmix > 0, "data.mixup / data.cutmix mix images of one size",
+                "data.mixup=0 data.cutmix=0"),
+               (d.random_erasing > 0, "data.random_erasing erases square batches on the device",
+                "data.random_erasing=0"),
+               (d.auto_augment != "none" and d.augment_on == "device", "data.augment_on=device augments square batches",
+                "data.augment_on=loader (each image augmented in the workers)"),
+               (d.decode_on == "device", "data.decode_on=device decodes to one square size", "data.decode_on=loader"),
+               (cfg.parallel.pp > 1, "a pipeline's stages pass one tensor of one shape between ranks, and a native "
+                "batch is patches, masks and positions of a shape that changes each step", "parallel.pp=1 (DDP, FSDP "
+                "or parallel.tp)")]
+    for refuse, why, fix in refused:
+        if refuse:
+            raise ConfigError(f"data.resolution=native: {why}; use {fix}, or data.resolution=square")
+
+
+class NativeTransform:
+    """uint8 H x W x 3 -> uint8 rows*p x cols*p x 3 tensor, its aspect kept (module doc). Called with the sample's
+    (index, epoch) and, in training, the sequence length of its step."""
+
+    def __init__(self, cfg, train: bool, patch: int, seed: int, eval_seq_len: int, size: int = 224):
+        from visiondist.data.augment import AugmentPolicy
+
+        self.train, self.patch, self.seed, self.eval_seq_len = train, patch, seed, eval_seq_len
+        # data.auto_augment (with data.augment_on=loader: check_native) on each resized image, here in the worker
+        self.policy = AugmentPolicy.from_config(cfg, size) if train else None
+        self.scale = tuple(cfg.train_crop_scale)
+        self.hflip = float(cfg.hflip)
+        self.flag = interpolation(cfg)
+        self.random = SampleRandom()
+
+    def crop(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """(top, left, height, width): RandomResizedCrop's draw (area in `scale`, aspect log-uniform in 3/4..4/3, ten
+        tries, then the whole image's centre at the nearest allowed aspect), from the sample's stream."""
+        rng = self.random.numpy
+        area = height * width
+        for _ in range(10):
+            target = area * rng.uniform(*self.scale)
+            aspect = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+            w = round(math.sqrt(target * aspect))
+            h = round(math.sqrt(target / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                return int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1)), h, w
+        aspect = width / height
+        if aspect < 3 / 4:
+            w, h = width, round(width / (3 / 4))
+        elif aspect > 4 / 3:
+            h, w = height, round(height * (4 / 3))
+        else:
+            h, w = height, width
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def __call__(self, image: np.ndarray, index: int, epoch: int, seq_len: int | None = None) -> torch.Tensor:
+        seq_len = self.eval_seq_len if seq_len is None else seq_len
+        if self.train:
+            self.random.reset(self.seed, epoch, index)
+            top, left, h, w = self.crop(*image.shape[:2])
+            image = image[top:top + h, left:left + w]
+        rows, cols = fit_grid(image.shape[0], image.shape[1], self.patch, seq_len)
+        size = (cols * self.patch, rows * self.patch)
+        if (image.shape[1], image.shape[0]) != size:
+            shrink = size[0] * size[1] < image.shape[0] * image.shape[1]
+            image = cv2.resize(image, size, interpolation=cv2.INTER_AREA if shrink else self.flag)
+        if self.train and self.hflip > 0 and self.random.numpy.random() < self.hflip:
+            image = image[:, ::-1]
+        image = torch.from_numpy(np.ascontiguousarray(image))
+        if self.policy is not None and self.policy.active:
+            row = self.policy.draw(self.random.python)
+            image = self.policy.apply_loader(image.permute(2, 0, 1), row).permute(1, 2, 0).contiguous()
+        return image
+
+
+class NativeCollate:
+    """Loader samples (uint8 H x W x 3 image, label) -> (uint8 `Patches`, labels in the batch's image order): one
+    image to a sequence, or packed first-fit (`pack_images`), in sequences of the shortest of `seq_lens` that holds
+    the batch's longest image."""
+
+    def __init__(self, patch: int, seq_lens: Sequence[int], pack_images: bool = False):
+        self.patch, self.seq_lens, self.pack_images = patch, sorted(seq_lens), pack_images
+
+    def __call__(self, samples: Sequence[tuple]) -> tuple[Patches, torch.Tensor]:
+        images = [s[0].permute(2, 0, 1) for s in samples]  # C, H, W views: `pack` cuts them into patches
+        labels = torch.tensor([int(s[1]) for s in samples])
+        lengths = [(im.shape[1] // self.patch) * (im.shape[2] // self.patch) for im in images]
+        # the shortest length that holds the longest image: the step's (its images were sized for it, or less)
+        seq_len = next((n for n in self.seq_lens if n >= max(lengths)), max(lengths))
+        sequences = first_fit(lengths, seq_len) if self.pack_images else None
+        batch = pack(images, self.patch, seq_len, sequences)
+        order = [i for seq in sequences for i in seq] if sequences else list(range(len(images)))
+        return batch, labels[order]
+
+
+def first_fit(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
+    """Each item (in order) into the first sequence with room for it."""
+    sequences: list[list[int]] = []
+    room: list[int] = []
+    for i, n in enumerate(lengths):
+        for k, free in enumerate(room):
+            if n <= free:
+                sequences[k].append(i)
+                room[k] -= n
+                break
+        else:
+            sequences.append([i])
+            room.append(seq_len - n)
+    return sequences
+
+
+class NativeBatchSampler(TrainBatchSampler):
+    """This DP rank's micro-batches of (index, epoch, sequence length) keys (module doc): step s of every epoch has
+    the length `lens[s]` and `step_images[s]` images, a multiple of dp x grad_accum."""
+
+    def __init__(self, num_samples: int, global_batch: int, base_len: int, seq_lens: Sequence[int], dp_rank: int,
+                 dp_size: int, grad_accum: int = 1, seed: int = 0):
+        super().__init__(num_samples, global_batch, dp_rank, dp_size, grad_accum, seed)
+        unit = dp_size * grad_accum
+        budget = global_batch * base_len
+        self.seq_lens = sorted(int(n) for n in seq_lens)
+        per_len = {n: max(unit, budget // n // unit * unit) for n in self.seq_lens}
+        rng = np.random.default_rng([seed, 0x6E617469])  # the lengths: the seed's alone, every epoch alike
+        lens, images, used = [], [], 0
+        while True:
+            n = int(rng.choice(self.seq_lens))
+            if used + per_len[n] > num_samples:
+                break
+            lens.append(n)
+            images.append(per_len[n])
+            used += per_len[n]
+        if not lens:
+            raise ValueError(f"the training set has {num_samples} samples, fewer than one native step's "
+                             f"{max(per_len.values())}: lower data.batch_size")
+        self.lens, self.step_images = lens, images
+        self.starts = np.concatenate([[0], np.cumsum(images)])
+        self.steps_per_epoch = len(lens)
+        self.dropped_per_epoch = num_samples - used
+        self.tokens_per_step = budget
+
+    def images(self, first: int, last: int) -> int:
+        """The images of the run's steps first + 1 .. last (counted from 1), over all ranks."""
+        whole, start = divmod(first, self.steps_per_epoch)
+        end_whole, end = divmod(last, self.steps_per_epoch)
+        per_epoch = int(self.starts[-1])
+        return int((end_whole - whole) * per_epoch + self.starts[end] - self.starts[start])
+
+    def global_batches(self, epoch: int) -> list[np.ndarray]:
+        order = self.order(epoch)
+        return [order[self.starts[s]:self.starts[s + 1]] for s in range(self.steps_per_epoch)]
+
+    def __len__(self) -> int:
+        return (self.steps_per_epoch - self.start_step) * self.grad_accum
+
+    def __iter__(self) -> Iterator[list[SampleKey]]:
+        epoch = self.epoch
+        batches = self.global_batches(epoch)
+        for step in range(self.start_step, self.steps_per_epoch):
+            local = self.step_images[step] // self.dp_size
+            micro = local // self.grad_accum
+            mine = batches[step][self.dp_rank * local:(self.dp_rank + 1) * local]
+            for a in range(self.grad_accum):
+                yield [(int(i), epoch, self.lens[step]) for i in mine[a * micro:(a + 1) * micro]]
