@@ -78,3 +78,39 @@ def test_the_export_loads_in_timms_naflexvit_and_predicts_what_the_run_does(tmp_
         want = trained(batch)
         got = model({"patches": batch.patches, "patch_coord": coords, "patch_valid": batch.segments > 0})
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_native_run_predicts_new_images_as_its_evaluation_scored_them(tmp_path, native_reference):
+    """tools/predict.py on the val folder of a native run: each image at its own shape, as the evaluation read it;
+    the top-1 labels score exactly the run's final val top-1."""
+    from pathlib import Path
+
+    data, run = native_reference
+    out = tmp_path / "predicted"
+    printed = run_cli([f"run_dir={run}", f"source={data / 'val'}", f"out={out}", "save_images=0", "batch=4",
+                       "trainer.progress=false", "trainer.devices=2"], timeout=300,
+                      script=REPO / "tools" / "predict.py")
+    assert printed.returncode == 0, printed.stdout[-3000:]
+    table = [line.split(",") for line in (out / "predictions.csv").read_text().splitlines()[1:]]
+    assert len(table) == 30
+    correct = sum(Path(r[0]).parts[0] == r[1] for r in table)
+    (top1,), = [v for s, v in evals_of(run, "val_top1").items() if s == 4]
+    assert 100.0 * correct / len(table) == pytest.approx(top1, abs=1e-9)
+
+    # each image's probability as the evaluation's loader and the model give it (a square crop gives others)
+    import torch
+    from omegaconf import OmegaConf
+
+    from visiondist.checkpoint.export.trained import load_trained
+    from visiondist.data.imagefolder import ImageFolder
+    from visiondist.data.native import NativeCollate, NativeTransform
+    from visiondist.data.transforms import Normalize
+
+    cfg = OmegaConf.load(run / "config.yaml")
+    val = ImageFolder(data / "val", NativeTransform(cfg.data, False, 8, 0, 16))
+    model = load_trained(run).model.eval()
+    with torch.no_grad():
+        batch = NativeCollate(8, [16])([val[i] for i in range(len(val))])[0]
+        probs = model(Normalize(cfg.data.mean, cfg.data.std)(batch, torch.device("cpu"))).softmax(1).max(1).values
+    want = {str(Path(name).relative_to(data / "val")): float(p) for (name, _), p in zip(val.samples, probs)}
+    assert {r[0]: float(r[2]) for r in table} == pytest.approx(want, abs=1e-5)

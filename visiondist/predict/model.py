@@ -62,6 +62,14 @@ class Predictor:
             self.transform = ClassificationTransform(_Fields(data), train=False, size=int(cfg.model.img_size),
                                                      seed=int(cfg.trainer.seed))
             self.normalize = Normalize(cfg.data.mean, cfg.data.std)
+            self.collate = None
+            if data.get("resolution", "square") == "native":  # as the run evaluated: each image at its own shape
+                from visiondist.data.native import NativeCollate, NativeTransform, native_settings
+
+                size, patch = int(cfg.model.img_size), int(cfg.model.patch_size)
+                _, eval_len = native_settings(data, size, patch)
+                self.transform = NativeTransform(_Fields(data), False, patch, int(cfg.trainer.seed), eval_len, size)
+                self.collate = NativeCollate(patch, [eval_len])
 
     def prepare(self, image: np.ndarray, index: int) -> torch.Tensor:
         """An upright HxWx3 uint8 RGB image -> the loader's tensor: a classifier's crop (uint8 H, W, C), a detector's
@@ -74,7 +82,10 @@ class Predictor:
     def __call__(self, images: list[torch.Tensor]) -> list[dict[str, Any]]:
         """One batch of prepared images -> a result per image (`results`' fields without the item's own)."""
         if self.task == "classification":
-            batch = self.normalize(torch.stack(images), self.device)
+            if self.collate is not None:  # data.resolution=native: patch sequences, in the images' order
+                batch = self.normalize(self.collate([(image, 0) for image in images])[0], self.device)
+            else:
+                batch = self.normalize(torch.stack(images), self.device)
             with self.autocast:
                 logits = self.model(batch)
             probs = logits.float().softmax(dim=1)
@@ -172,7 +183,7 @@ def compiles(cfg: DictConfig, device: torch.device) -> bool:
     """Whether a prediction compiles its model: a ViT on a GPU unless trainer.compile=false (a detector's input
     sizes change from image to image: eager)."""
     return device.type == "cuda" and cfg.model.family == "vit" and str(cfg.trainer.compile).lower() not in (
-        "false", "0", "none")
+        "false", "0", "none") and cfg.data.get("resolution", "square") != "native"  # native: shapes change
 
 
 def read_names(cfg: DictConfig) -> Names:
