@@ -246,3 +246,45 @@ def test_settings_native_resolution_cannot_take_are_refused_naming_the_fix(overr
 
     with pytest.raises(ConfigError, match=re.escape(says)):
         validate(load_config(REPO / "configs", ["data.resolution=native", override], inputs=None), mandatory=False)
+
+
+def test_native_runs_compile_each_block_and_refuse_the_whole_model_graph(monkeypatch):
+    """trainer.compile=auto on CUDA compiles a native run's blocks (the embedding's grids change every batch, the
+    blocks see a few lengths); compile=model and CUDA graphs are refused naming blocks. The compiled blocks take the
+    packed sequences of three lengths in at most two graphs (the second dynamic) and give eager's logits."""
+    import torch.utils._triton as triton
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from helpers import REPO
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+    from visiondist.config.layout import RunLayout
+    from visiondist.parallel import compile_blocks
+    from visiondist.plan.resolve import compile_plan
+
+    monkeypatch.setattr(triton, "has_triton", lambda: True)
+
+    def plan(*extra):
+        return compile_plan(load_config(REPO / "configs", ["data.resolution=native", *extra], inputs=None),
+                            RunLayout("cuda", 1, 1, 1))
+
+    assert plan("model=vit_small")[:3] == (True, "blocks", False)
+    for asked in ("trainer.compile=model", "trainer.cuda_graphs=true"):
+        with pytest.raises(ConfigError, match="use trainer.compile=blocks"):
+            plan("model=vit_small", asked)
+
+    torch._dynamo.reset()
+    model = _model()
+    images = _images()
+    # one run packs or pads throughout: here packed, at three lengths and batch sizes
+    batches = [pack(images, 8, 32, [[1, 3], [0], [2, 4]]), pack(images, 8, 48, [[0, 1, 2], [3, 4]]),
+               pack(images[:4], 8, 40, [[0, 2], [1, 3]])]
+    with torch.no_grad():
+        want = [model(b) for b in batches]
+        counter = CompileCounterWithBackend("aot_eager")
+        compile_blocks(model, backend=counter)
+        got = [model(b) for b in batches]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert 1 <= counter.frame_count <= 2
+    torch._dynamo.reset()

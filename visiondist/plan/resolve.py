@@ -212,6 +212,14 @@ def compile_plan(cfg: DictConfig, run: RunLayout, p: Optional[DictConfig] = None
                               "false")
         return True, "model", False, ("its network (backbone, encoder, decoder) compiled whole, the loss and its "
                                       "matching eager")
+    if cfg.data.get("resolution", "square") == "native":
+        if asked == "model" or t.get("cuda_graphs", "auto") is True:
+            raise ConfigError(f"trainer.{'compile=model' if asked == 'model' else 'cuda_graphs=true'} with "
+                              "data.resolution=native: the batch's image grids and sequence lengths change from step "
+                              "to step, a graph for each; use trainer.compile=blocks (or auto, which chooses it) and "
+                              "trainer.cuda_graphs=auto")
+        return True, "blocks", False, ("data.resolution=native: each block compiled (its sequence lengths come from "
+                                       "a few buckets); the embedding, resampled to each batch's image grids, eager")
     apart = ("tensor parallelism: each block compiled with its collectives" if run.tp > 1 else
              "pipeline parallelism: each stage's blocks compiled" if run.pp > 1 else
              "FSDP2: each block compiled inside its own gather and reduce-scatter" if run.fsdp else
