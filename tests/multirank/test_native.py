@@ -42,10 +42,15 @@ def test_a_native_run_on_2_ranks_stopped_and_continued_is_the_one_process_run(tm
     assert stats["val_loss"] == pytest.approx(loss, rel=1e-6) and stats["val_top1"] == top1
 
 
-def test_a_native_run_under_tp2_trains_as_one_process(tmp_path, native_reference):
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
+                                    ["parallel.dp=2", "parallel.fsdp=true"]], ids=["tp2", "tp2-sp", "fsdp2"])
+def test_a_native_run_under_tp_sp_and_fsdp_trains_as_one_process(tmp_path, native_reference, layout):
+    """Heads split over 2 ranks (and with SP the masked sequences' tokens), or the weights sharded: the same
+    losses, evaluations and weights."""
     data, reference = native_reference
     run = tmp_path / "run"
-    train_ok(*NATIVE, f"data.root={data}", f"trainer.run_dir={run}", "parallel.tp=2")
+    out = train_ok(*NATIVE, f"data.root={data}", f"trainer.run_dir={run}", *layout)
+    assert ("tp=2" if "parallel.tp=2" in layout else "fsdp") in out.lower()
     assert_same_training(reference, run)
 
 
