@@ -237,6 +237,7 @@ def test_the_collate_pads_or_packs_a_batch_with_its_labels_in_order():
     ("data.auto_augment=rand", "data.augment_on=loader"),
     ("parallel.pp=2", "use parallel.pp=1"),
     ("data.native.seq_lens=[0,196]", "token counts are positive"),
+    ("model.sdpa=flash", "model.sdpa=flash takes no attention mask"),
 ])
 def test_settings_native_resolution_cannot_take_are_refused_naming_the_fix(override, says):
     from visiondist.cli import load_config
@@ -288,3 +289,26 @@ def test_native_runs_compile_each_block_and_refuse_the_whole_model_graph(monkeyp
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert 1 <= counter.frame_count <= 2
     torch._dynamo.reset()
+
+
+def test_the_memory_plan_of_a_native_run_counts_its_most_costly_steps_tokens():
+    """A native step holds data.batch_size x the square grid's tokens, plus a class token per image: at the shortest
+    length (half the grid) twice the images, so a little more than the square step. The plan counts that, not the
+    square images; the parameters are the square model's."""
+    from helpers import REPO
+    from visiondist.cli import load_config
+    from visiondist.config.layout import RunLayout
+    from visiondist.data.native import planned_tokens
+    from visiondist.plan.budget import layout_memory, planned_shape
+
+    square = load_config(REPO / "configs", ["model=vit_base", "data.img_size=224", "data.batch_size=256"], inputs=None)
+    native = load_config(REPO / "configs", ["model=vit_base", "data.img_size=224", "data.batch_size=256", "data.resolution=native"],
+                         inputs=None)
+    assert planned_tokens(native) == 196 + 2  # 512 images of 98 patches + a class token each, over 256
+    long = load_config(REPO / "configs", ["model=vit_base", "data.img_size=224", "data.batch_size=256", "data.resolution=native",
+                                          "data.native.seq_lens=[49]"], inputs=None)
+    assert planned_tokens(long) == 196 + 4
+    run = RunLayout("cuda", 1, 1, 1)
+    a, b = layout_memory(square, run), layout_memory(native, run)
+    assert b.state == a.state and planned_shape(native).pos_tokens == planned_shape(square).tokens == 197
+    assert b.activations == pytest.approx(a.activations * 198 / 197, rel=0.01) and b.activations > a.activations

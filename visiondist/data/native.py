@@ -69,12 +69,24 @@ def check_native(cfg) -> None:
                (d.auto_augment != "none" and d.augment_on == "device", "data.augment_on=device augments square batches",
                 "data.augment_on=loader (each image augmented in the workers)"),
                (d.decode_on == "device", "data.decode_on=device decodes to one square size", "data.decode_on=loader"),
+               (m.sdpa == "flash", "model.sdpa=flash takes no attention mask, and padded or packed sequences need one",
+                "model.sdpa=auto (or efficient)"),
                (cfg.parallel.pp > 1, "a pipeline's stages pass one tensor of one shape between ranks, and a native "
                 "batch is patches, masks and positions of a shape that changes each step", "parallel.pp=1 (DDP, FSDP "
                 "or parallel.tp)")]
     for refuse, why, fix in refused:
         if refuse:
             raise ConfigError(f"data.resolution=native: {why}; use {fix}, or data.resolution=square")
+
+
+def planned_tokens(cfg) -> int:
+    """The tokens per image of data.batch_size that the most costly native step computes (each of its images'
+    sequence and class token, over the global batch, rounded up): the memory plan's tokens per image."""
+    m = cfg.model
+    seq_lens, _ = native_settings(cfg.data, int(m.img_size), int(m.patch_size))
+    batch = int(cfg.data.batch_size)
+    budget = batch * (int(m.img_size) // int(m.patch_size)) ** 2
+    return max(-(-max(1, budget // n) * (n + 1) // batch) for n in seq_lens)
 
 
 class NativeTransform:

@@ -38,6 +38,9 @@ class ViTShape:
     img_size: int
     num_classes: int
     qkv_bias: bool = True
+    # tokens an image computes where not its square grid's and a class token: under data.resolution=native, the most
+    # of any step per image of data.batch_size (`visiondist.data.native.planned_tokens`); 0: the square grid's
+    seq_tokens: int = 0
 
     @classmethod
     def from_config(cls, m) -> "ViTShape":
@@ -50,6 +53,12 @@ class ViTShape:
 
     @property
     def tokens(self) -> int:
+        """Tokens per image in the activations and matmuls."""
+        return self.seq_tokens or self.pos_tokens
+
+    @property
+    def pos_tokens(self) -> int:
+        """The position embedding's rows: the square grid and the class token."""
         return (self.img_size // self.patch_size) ** 2 + 1
 
 
@@ -77,7 +86,7 @@ def block_params(s: ViTShape, tp: int = 1) -> Tensors:
 
 def embed_params(s: ViTShape) -> Tensors:
     d = s.embed_dim
-    return Tensors(3 * s.patch_size**2 * d + d + d + s.tokens * d, 4)  # conv weight + bias, cls token, pos embed
+    return Tensors(3 * s.patch_size**2 * d + d + d + s.pos_tokens * d, 4)  # conv weight + bias, cls token, pos embed
 
 
 def head_params(s: ViTShape) -> Tensors:
@@ -87,7 +96,7 @@ def head_params(s: ViTShape) -> Tensors:
 
 def tensor_shapes(s: ViTShape) -> list[tuple[int, ...]]:
     """Every parameter's shape, in the model's order (embedding, blocks, norm, head)."""
-    d, h, t = s.embed_dim, s.hidden, s.tokens
+    d, h, t = s.embed_dim, s.hidden, s.pos_tokens
     block = [(d,), (d,)]  # norm1
     for _ in range(3):  # q, k, v
         block += [(d, d)] + ([(d,)] if s.qkv_bias else [])

@@ -14,13 +14,29 @@ from visiondist.models.registry import spec_of
 from visiondist.plan.world import device_memory_gb, host_memory_gb
 
 
+def planned_shape(cfg: DictConfig):
+    """The model shape the memory plan counts (its family's `planner_shape`; None for detectors): under
+    data.resolution=native with the tokens per image of its most costly step, so that the plan budgets tokens."""
+    shape_of = spec_of(cfg.model).planner_shape
+    if shape_of is None:
+        return None
+    shape = shape_of(cfg.model)
+    if cfg.data.get("resolution", "square") == "native":
+        from dataclasses import replace
+
+        from visiondist.data.native import planned_tokens
+
+        shape = replace(shape, seq_tokens=planned_tokens(cfg))
+    return shape
+
+
 def layout_memory(cfg: DictConfig, run: RunLayout, pp_rank: Optional[int] = None, dp_rank: int = 0):
     """The memory model's bytes for `cfg`'s ViT under `run`: on its busiest rank, or on the rank at pipeline stage
     `pp_rank` and DP rank `dp_rank` (`visiondist.parallel.memory.rank_memory`)."""
     from visiondist.parallel.memory import rank_memory
 
     t = cfg.trainer
-    return rank_memory(spec_of(cfg.model).planner_shape(cfg.model), run.dp, run.tp, run.pp, int(cfg.data.batch_size),
+    return rank_memory(planned_shape(cfg), run.dp, run.tp, run.pp, int(cfg.data.batch_size),
                        run.grad_accum or int(t.grad_accum), str(cfg.optim.name), float(t.ema_decay) > 0,
                        str(t.precision), run.schedule, run.stages_per_rank, run.microbatches, pp_rank=pp_rank,
                        fsdp=run.fsdp, offload=run.offload, checkpointing=run.activation_checkpointing,
@@ -38,7 +54,7 @@ def plan_for(cfg: DictConfig, devices: int, nodes: int, memory_gb: float, accele
     if spec.planner_shape is None:
         raise ConfigError(f"the memory planner plans ViT classifiers; {cfg.model.name} is a detector: name a layout "
                           "(parallel=ddp)")
-    return plan_config(spec.planner_shape(cfg.model), cfg, devices, nodes, memory_gb, host_budget(cfg)[0],
+    return plan_config(planned_shape(cfg), cfg, devices, nodes, memory_gb, host_budget(cfg)[0],
                        _devices_are_host(cfg, accelerator))
 
 

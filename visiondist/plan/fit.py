@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from visiondist.config import ConfigError
 from visiondist.config.layout import RunLayout
 from visiondist.models.registry import spec_of
-from visiondist.plan.budget import layout_memory, memory_budget, plan_for
+from visiondist.plan.budget import layout_memory, memory_budget, plan_for, planned_shape
 
 GB = 1e9
 LEVER_ORDER = {(False, "input"): 0, (True, "matmuls"): 1, (True, "input"): 2}  # ties: accumulation, then the least
@@ -164,7 +164,7 @@ def _option(cfg: DictConfig, run: RunLayout, hw) -> Option:
 
     run = run if run.grad_accum else run.replace(grad_accum=int(cfg.trainer.grad_accum))
     mem = layout_memory(cfg, run)
-    seconds = step_seconds(spec_of(cfg.model).planner_shape(cfg.model), Candidate.of(run), hw,
+    seconds = step_seconds(planned_shape(cfg), Candidate.of(run), hw,
                            int(cfg.data.batch_size), mem, str(cfg.trainer.precision))["total"]
     return Option(run, mem.device, seconds)
 

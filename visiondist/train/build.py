@@ -96,7 +96,7 @@ def order_attention(cfg: DictConfig, layout: Layout) -> None:
     from visiondist.models.sdpa import describe, fastest_first, time_kernels
 
     planner_shape = spec_of(cfg.model).planner_shape
-    if planner_shape is None:
+    if planner_shape is None or cfg.data.get("resolution", "square") == "native":  # masked: torch's own choice
         return
     s, p = planner_shape(cfg.model), run_of(layout)
     micro = max(1, int(cfg.data.batch_size) // p.dp // int(cfg.trainer.grad_accum) // p.microbatches)
