@@ -301,12 +301,11 @@ def test_the_memory_plan_of_a_native_run_counts_its_most_costly_steps_tokens():
     from visiondist.data.native import planned_tokens
     from visiondist.plan.budget import layout_memory, planned_shape
 
-    square = load_config(REPO / "configs", ["model=vit_base", "data.img_size=224", "data.batch_size=256"], inputs=None)
-    native = load_config(REPO / "configs", ["model=vit_base", "data.img_size=224", "data.batch_size=256", "data.resolution=native"],
-                         inputs=None)
+    base = ["model=vit_base", "data.img_size=224", "data.batch_size=256"]
+    square = load_config(REPO / "configs", base, inputs=None)
+    native = load_config(REPO / "configs", [*base, "data.resolution=native"], inputs=None)
     assert planned_tokens(native) == 196 + 2  # 512 images of 98 patches + a class token each, over 256
-    long = load_config(REPO / "configs", ["model=vit_base", "data.img_size=224", "data.batch_size=256", "data.resolution=native",
-                                          "data.native.seq_lens=[49]"], inputs=None)
+    long = load_config(REPO / "configs", [*base, "data.resolution=native", "data.native.seq_lens=[49]"], inputs=None)
     assert planned_tokens(long) == 196 + 4
     run = RunLayout("cuda", 1, 1, 1)
     a, b = layout_memory(square, run), layout_memory(native, run)
