@@ -209,6 +209,11 @@ def test_ddp_accumulation_precision_resume_on_another_world_size_and_library_exp
     assert out.returncode == 0, out.stdout[-4000:]
     losses = losses_of(run)
     assert sorted(losses) == [1, 2] and all(v == v and v > 0 for v in losses.values())
+    if precision == "16":  # the loss scale went on from the checkpoint: 2^16 halved once per overflow, over both
+        overflows = (run / "train.log").read_text().count("fp16 gradient overflow at step")  # attempts
+        summary = json.loads((run / "summary.json").read_text())
+        assert overflows >= 1 and summary["fp16 loss scale"] == 2.0 ** 16 / 2 ** overflows, (overflows, summary)
+        assert summary["skipped steps (fp16 overflow)"] == overflows
     final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_mAP") is not None][-1]
     assert final["val_detections"] == 10 * queries
     _evaluated_on_2_ranks_as_in_training(run, tmp_path / "data", final)

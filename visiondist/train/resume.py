@@ -57,6 +57,8 @@ class Checkpointing:
         self.scheduler.load_state_dict({"lr_lambdas": [None] * len(self.optimizer.param_groups), **saved["scheduler"]})
         self.step = int(saved["step"])
         self.earlier_seconds = saved.get("train_seconds")  # absent: a checkpoint that did not count them
+        self.skipped_steps = int(saved.get("skipped_steps", 0))
+        self.overflow_steps = int(saved.get("overflow_steps", 0))
         self.epoch = self.step // self.data.train_sampler.steps_per_epoch
         if self.scaler is not None:
             if saved.get("grad_scaler"):  # one value for the whole job, whatever the layout either run had
@@ -97,6 +99,8 @@ class Checkpointing:
             **({"category_ids": [cat for _, cat in sorted(self.data.cat_of_label.items())]}
                if hasattr(self.data, "cat_of_label") else {}),
             **({"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {}),  # scale, growth tracker
+            # steps skipped so far, over every attempt (the summary counts the run's)
+            "skipped_steps": self.skipped_steps, "overflow_steps": self.overflow_steps,
         }
         saved = save_checkpoint(self.run_dir, self.step, unwrap(self.model), self.optimizer, state, self.layout,
                                 self.cfg.trainer.keep_last, self.ema, async_group=self._async_group)
