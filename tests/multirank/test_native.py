@@ -119,3 +119,25 @@ def test_a_native_run_predicts_new_images_as_its_evaluation_scored_them(tmp_path
         probs = model(Normalize(cfg.data.mean, cfg.data.std)(batch, torch.device("cpu"))).softmax(1).max(1).values
     want = {str(Path(name).relative_to(data / "val")): float(p) for (name, _), p in zip(val.samples, probs)}
     assert {r[0]: float(r[2]) for r in table} == pytest.approx(want, abs=1e-5)
+
+
+def test_a_square_runs_weights_continue_native_and_back(tmp_path, native_reference):
+    """The same tensors either way: a square run's model.safetensors starts a native run (model.weights=), whose
+    step-0 evaluation is tools/eval.py's native evaluation of that file; a native run's starts a square one alike."""
+    data, _ = native_reference
+    args = [*NATIVE, f"data.root={data}", "trainer.eval_at_start=true", "trainer.max_steps=2"]
+    plain = [a for a in args if a != "data.resolution=native"]
+    square, native, back = tmp_path / "square", tmp_path / "native", tmp_path / "back"
+    train_ok(*plain, f"trainer.run_dir={square}")
+    train_ok(*args, f"trainer.run_dir={native}", f"model.weights={square / 'model.safetensors'}")
+    train_ok(*plain, f"trainer.run_dir={back}", f"model.weights={native / 'model.safetensors'}")
+    for run, weights, settings in ((native, square, args), (back, native, plain)):
+        out = tmp_path / f"eval_{run.name}"
+        keep = [a for a in settings if a.startswith(("data.", "model."))]
+        evaluated = run_cli([f"weights={weights / 'model.safetensors'}", *keep, f"trainer.run_dir={out}"],
+                            timeout=300, script=REPO / "tools" / "eval.py")
+        assert evaluated.returncode == 0, evaluated.stdout[-3000:]
+        stats = json.loads((out / "eval.json").read_text())
+        (loss, top1), = [v for s, v in evals_of(run, "val_loss", "val_top1").items() if s == 0]
+        assert stats["val_loss"] == pytest.approx(loss, rel=1e-6) and stats["val_top1"] == top1, run.name
+    assert evals_of(native, "val_loss")[0] != evals_of(square, "val_loss")[2]  # the images read another way
