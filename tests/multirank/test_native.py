@@ -141,3 +141,15 @@ def test_a_square_runs_weights_continue_native_and_back(tmp_path, native_referen
         (loss, top1), = [v for s, v in evals_of(run, "val_loss", "val_top1").items() if s == 0]
         assert stats["val_loss"] == pytest.approx(loss, rel=1e-6) and stats["val_top1"] == top1, run.name
     assert evals_of(native, "val_loss")[0] != evals_of(square, "val_loss")[2]  # the images read another way
+
+
+def test_a_packed_native_run_on_2_ranks_is_the_one_process_run(tmp_path, native_reference):
+    """data.native.pack=true: images of drawn sizes packed several to a sequence, attention inside each; 2 ranks
+    (with loader workers) train as one process."""
+    data, _ = native_reference
+    packed = [*NATIVE, f"data.root={data}", "data.native.pack=true"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    out = train_ok(*packed, f"trainer.run_dir={one}", "trainer.devices=1")
+    assert "several images to a sequence (data.native.pack)" in out
+    train_ok(*packed, f"trainer.run_dir={two}", "parallel.dp=2", "data.num_workers=2")
+    assert_same_training(one, two)

@@ -204,8 +204,8 @@ def test_the_transform_is_the_samples_own_and_keeps_its_aspect():
                             "auto_augment": "none", "random_erasing": 0.0})
     image = np.random.default_rng(0).integers(0, 255, (300, 500, 3), dtype=np.uint8)
     train = NativeTransform(cfg, True, 16, seed=1, eval_seq_len=196)
-    a, b, c = train(image, 7, 0, 98), train(image, 7, 0, 98), train(image, 8, 0, 98)
-    assert torch.equal(a, b) and a.dtype == torch.uint8 and a.shape[2] == 3
+    (a, n), (b, _), (c, _) = train(image, 7, 0, 98), train(image, 7, 0, 98), train(image, 8, 0, 98)
+    assert torch.equal(a, b) and a.dtype == torch.uint8 and a.shape[2] == 3 and n == 98
     assert not (a.shape == c.shape and torch.equal(a, c))  # another sample, another crop
     assert a.shape[0] % 16 == 0 and a.shape[1] % 16 == 0 and (a.shape[0] // 16) * (a.shape[1] // 16) <= 98
     evaluated = NativeTransform(cfg, False, 16, seed=1, eval_seq_len=196)(image, 7, 0)
@@ -224,8 +224,8 @@ def test_the_collate_pads_or_packs_a_batch_with_its_labels_in_order():
     assert (padded.segments > 0).sum(1).tolist() == [6, 1, 6, 2]
     packed, labels = NativeCollate(16, [4, 8], pack_images=True)(samples)
     assert packed.patches.shape[:2] == (2, 8) and packed.num_images == 4
-    # first fit: 6 + 1 patches in the first sequence; 6 opens the second, where 2 still fits
-    assert labels.tolist() == [0, 1, 2, 3] and packed.segments.tolist() == [[1] * 6 + [2, 0], [1] * 6 + [2] * 2]
+    # first fit, largest first: 6 (image 0), 6 (image 2) open two sequences; 2 (image 3) joins the first, 1 the second
+    assert labels.tolist() == [0, 3, 2, 1] and packed.segments.tolist() == [[1] * 6 + [2] * 2, [1] * 6 + [2, 0]]
     # the pixels of an image's first patch, in (row, column, channel) order
     assert torch.equal(packed.patches[1, 0].view(16, 16, 3), samples[2][0][:16, :16])
 
@@ -311,3 +311,29 @@ def test_the_memory_plan_of_a_native_run_counts_its_most_costly_steps_tokens():
     a, b = layout_memory(square, run), layout_memory(native, run)
     assert b.state == a.state and planned_shape(native).pos_tokens == planned_shape(square).tokens == 197
     assert b.activations == pytest.approx(a.activations * 198 / 197, rel=0.01) and b.activations > a.activations
+
+
+def test_packed_training_draws_each_images_size_and_packs_into_its_steps_length():
+    """data.native.pack: each training image's patch count drawn in PACK_SHARE of its step's length, so that several
+    share a sequence of that length; a step holds 1 / mean share as many images for the same tokens."""
+    import numpy as np
+    from omegaconf import OmegaConf
+
+    from visiondist.data.native import PACK_SHARE, NativeBatchSampler, NativeCollate, NativeTransform
+
+    cfg = OmegaConf.create({"train_crop_scale": [0.5, 1.0], "hflip": 0.5, "interpolation": "bilinear",
+                            "auto_augment": "none", "random_erasing": 0.0})
+    image = np.random.default_rng(0).integers(0, 255, (300, 500, 3), dtype=np.uint8)
+    transform = NativeTransform(cfg, True, 16, seed=1, eval_seq_len=196, pack=True)
+    samples = [(*transform(image, i, 0, 196), i % 3) for i in range(12)]
+    samples = [(im, label, n) for im, n, label in samples]
+    sizes = [(im.shape[0] // 16) * (im.shape[1] // 16) for im, _, _ in samples]
+    assert all(1 <= n <= PACK_SHARE[1] * 196 for n in sizes) and len(set(sizes)) > 3  # drawn, not filled
+    batch, labels = NativeCollate(16, [98, 196, 392], pack_images=True)(samples)
+    assert batch.patches.shape[1] == 196 and batch.num_images == 12 and batch.patches.shape[0] < 12
+    assert sorted(labels.tolist()) == sorted(s[1] for s in samples)
+    one = NativeBatchSampler(10_000, 64, 196, [98, 196, 392], 0, 1)
+    packed = NativeBatchSampler(10_000, 64, 196, [98, 196, 392], 0, 1, packed=True)
+    assert packed.lens == one.lens[: len(packed.lens)]  # the same draws of the lengths
+    for a, b in zip(one.step_images, packed.step_images):
+        assert b == int(a / (sum(PACK_SHARE) / 2))

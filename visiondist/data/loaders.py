@@ -155,19 +155,19 @@ def _native_data(cfg, img_size: int, patch: int, dp_rank: int, dp_size: int, gra
     seq_lens, eval_len = native_settings(cfg, img_size, patch)
     packs = bool((cfg.get("native") or {}).get("pack", False))
     splits = _classification_splits(cfg)
-    val_set = splits(cfg.val_split, NativeTransform(cfg, False, patch, seed, eval_len, img_size))
+    val_set = splits(cfg.val_split, NativeTransform(cfg, False, patch, seed, eval_len, img_size))  # whole grids
     val_loader = _val_loader(cfg, val_set, dp_rank, dp_size,
                              loader_options(cfg, pin_memory, NativeCollate(patch, [eval_len], packs)))
     if not train:
         _check_num_classes(cfg, len(val_set.classes), val_set.root, "class folders")
         return ClassificationData(None, val_loader, None, val_set.classes, 0, len(val_set))
-    train_set = splits(cfg.train_split, NativeTransform(cfg, True, patch, seed, eval_len, img_size), train=True,
-                       max_bad_images=cfg.get("max_bad_images", 10))
+    train_tf = NativeTransform(cfg, True, patch, seed, eval_len, img_size, packs)
+    train_set = splits(cfg.train_split, train_tf, train=True, max_bad_images=cfg.get("max_bad_images", 10))
     _check_num_classes(cfg, len(train_set.classes), train_set.root, "class folders")
     if val_set.classes != train_set.classes:
         raise ValueError(f"class folders of {val_set.root} differ from those of {train_set.root}")
     sampler = NativeBatchSampler(len(train_set), cfg.batch_size, (img_size // patch) ** 2, seq_lens, dp_rank, dp_size,
-                                 grad_accum, seed)
+                                 grad_accum, seed, packs)
     train_loader = register(DataLoader(train_set, batch_sampler=sampler,
                                        **loader_options(cfg, pin_memory, NativeCollate(patch, seq_lens, packs))))
     return ClassificationData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set),

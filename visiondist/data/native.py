@@ -12,7 +12,11 @@ model as patch sequences (`visiondist.models.native.Patches`).
   sample's own random stream, and resizes the crop to its grid, then flips; evaluation resizes the whole image to
   the grid of `data.native.eval_seq_len` tokens (no crop).
 - A batch's images are one to a sequence, padded to its length, or with `data.native.pack` several to a sequence
-  (first fit, in order), so that little of the step is padding.
+  (first fit, largest first), so that little of the step is padding. Packing pays only for images smaller than a
+  sequence, so with it each training image's patch count is drawn between `PACK_SHARE` of its step's length (NaViT's
+  resolution sampling), from the sample's own stream, and a step holds 1 / mean(that share) as many images for the
+  same tokens: on real photographs 2% of the tokens are padding, against 7% one image to a sequence
+  (benchmarks/native.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ import torch
 from visiondist.data.sampler import SampleKey, TrainBatchSampler
 from visiondist.data.transforms import SampleRandom, interpolation
 from visiondist.models.native import Patches, pack
+
+
+# data.native.pack: a training image takes this share of its step's length (uniform); the mean, 1/4, makes a packed
+# step's image count 4x the unpacked one's, a multiple of dp x grad_accum wherever that is
+PACK_SHARE = (0.1, 0.4)
 
 
 def fit_grid(height: int, width: int, patch: int, seq_len: int) -> tuple[int, int]:
@@ -86,17 +95,20 @@ def planned_tokens(cfg) -> int:
     seq_lens, _ = native_settings(cfg.data, int(m.img_size), int(m.patch_size))
     batch = int(cfg.data.batch_size)
     budget = batch * (int(m.img_size) // int(m.patch_size)) ** 2
-    return max(-(-max(1, budget // n) * (n + 1) // batch) for n in seq_lens)
+    share = sum(PACK_SHARE) / 2 if (cfg.data.get("native") or {}).get("pack", False) else 1.0
+    return max(math.ceil(max(1, int(budget / (n * share))) * (n * share + 1) / batch) for n in seq_lens)
 
 
 class NativeTransform:
     """uint8 H x W x 3 -> uint8 rows*p x cols*p x 3 tensor, its aspect kept (module doc). Called with the sample's
     (index, epoch) and, in training, the sequence length of its step."""
 
-    def __init__(self, cfg, train: bool, patch: int, seed: int, eval_seq_len: int, size: int = 224):
+    def __init__(self, cfg, train: bool, patch: int, seed: int, eval_seq_len: int, size: int = 224,
+                 pack: bool = False):
         from visiondist.data.augment import AugmentPolicy
 
         self.train, self.patch, self.seed, self.eval_seq_len = train, patch, seed, eval_seq_len
+        self.sizes_drawn = train and pack  # each image's share of its sequence drawn (module doc)
         # data.auto_augment (with data.augment_on=loader: check_native) on each resized image, here in the worker
         self.policy = AugmentPolicy.from_config(cfg, size) if train else None
         self.scale = tuple(cfg.train_crop_scale)
@@ -125,12 +137,17 @@ class NativeTransform:
             h, w = height, width
         return (height - h) // 2, (width - w) // 2, h, w
 
-    def __call__(self, image: np.ndarray, index: int, epoch: int, seq_len: int | None = None) -> torch.Tensor:
+    def __call__(self, image: np.ndarray, index: int, epoch: int, seq_len: int | None = None):
+        """The resized image; in training with its step's sequence length, `(image, seq_len)` (the collate packs
+        into sequences of that length)."""
         seq_len = self.eval_seq_len if seq_len is None else seq_len
+        step_len = seq_len
         if self.train:
             self.random.reset(self.seed, epoch, index)
             top, left, h, w = self.crop(*image.shape[:2])
             image = image[top:top + h, left:left + w]
+            if self.sizes_drawn:
+                seq_len = max(1, int(seq_len * self.random.numpy.uniform(*PACK_SHARE)))
         rows, cols = fit_grid(image.shape[0], image.shape[1], self.patch, seq_len)
         size = (cols * self.patch, rows * self.patch)
         if (image.shape[1], image.shape[0]) != size:
@@ -142,7 +159,7 @@ class NativeTransform:
         if self.policy is not None and self.policy.active:
             row = self.policy.draw(self.random.python)
             image = self.policy.apply_loader(image.permute(2, 0, 1), row).permute(1, 2, 0).contiguous()
-        return image
+        return (image, step_len) if self.train else image
 
 
 class NativeCollate:
@@ -154,11 +171,13 @@ class NativeCollate:
         self.patch, self.seq_lens, self.pack_images = patch, sorted(seq_lens), pack_images
 
     def __call__(self, samples: Sequence[tuple]) -> tuple[Patches, torch.Tensor]:
+        """`samples`: (image, label), or in training (image, label, its step's sequence length)."""
         images = [s[0].permute(2, 0, 1) for s in samples]  # C, H, W views: `pack` cuts them into patches
         labels = torch.tensor([int(s[1]) for s in samples])
         lengths = [(im.shape[1] // self.patch) * (im.shape[2] // self.patch) for im in images]
-        # the shortest length that holds the longest image: the step's (its images were sized for it, or less)
-        seq_len = next((n for n in self.seq_lens if n >= max(lengths)), max(lengths))
+        # the step's length; else the shortest of `seq_lens` that holds the longest image
+        seq_len = max((int(s[2]) for s in samples if len(s) > 2), default=0) or next(
+            (n for n in self.seq_lens if n >= max(lengths)), max(lengths))
         sequences = first_fit(lengths, seq_len) if self.pack_images else None
         batch = pack(images, self.patch, seq_len, sequences)
         order = [i for seq in sequences for i in seq] if sequences else list(range(len(images)))
@@ -166,10 +185,11 @@ class NativeCollate:
 
 
 def first_fit(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
-    """Each item (in order) into the first sequence with room for it."""
+    """The items into sequences of `seq_len`: the largest first, each into the first sequence with room for it."""
     sequences: list[list[int]] = []
     room: list[int] = []
-    for i, n in enumerate(lengths):
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
         for k, free in enumerate(room):
             if n <= free:
                 sequences[k].append(i)
@@ -186,12 +206,14 @@ class NativeBatchSampler(TrainBatchSampler):
     the length `lens[s]` and `step_images[s]` images, a multiple of dp x grad_accum."""
 
     def __init__(self, num_samples: int, global_batch: int, base_len: int, seq_lens: Sequence[int], dp_rank: int,
-                 dp_size: int, grad_accum: int = 1, seed: int = 0):
+                 dp_size: int, grad_accum: int = 1, seed: int = 0, packed: bool = False):
         super().__init__(num_samples, global_batch, dp_rank, dp_size, grad_accum, seed)
         unit = dp_size * grad_accum
         budget = global_batch * base_len
         self.seq_lens = sorted(int(n) for n in seq_lens)
-        per_len = {n: max(unit, budget // n // unit * unit) for n in self.seq_lens}
+        share = sum(PACK_SHARE) / 2 if packed else 1.0  # an image's mean share of a sequence
+        # images a step: the same under every layout where budget / n is a multiple of dp x grad_accum (docs)
+        per_len = {n: max(unit, round(budget / (n * share)) // unit * unit) for n in self.seq_lens}
         rng = np.random.default_rng([seed, 0x6E617469])  # the lengths: the seed's alone, every epoch alike
         lens, images, used = [], [], 0
         while True:
