@@ -98,20 +98,21 @@ def rate(folder: Path, batch: int, rounds: int) -> list[dict]:
     normalize = Normalize([0.5] * 3, [0.25] * 3)
     square_tf = ClassificationTransform(data_cfg(), True, SIZE, 0)
     native_tf = NativeTransform(data_cfg(), True, PATCH, 0, 196)
+    packing_tf = NativeTransform(data_cfg(), True, PATCH, 0, 196, pack=True)  # sizes drawn: 4x the images
     files = ImageFolder(folder, None)
     raw = [files[i][0] for i in range(len(files))]
     budget = batch * (SIZE // PATCH) ** 2
     cases = {"square 224 px": (batch, None, False)}
     for n in LENS:
         cases[f"native {n}"] = (max(1, budget // n), n, False)
-        cases[f"native {n} packed"] = (max(1, budget // n), n, True)
+        cases[f"native {n} packed"] = (4 * max(1, budget // n), n, True)
     prepared = {}
     for name, (count, n, packs) in cases.items():
         if n is None:
             images = torch.stack([square_tf._crop(raw[i % len(raw)]) for i in range(count)])
             prepared[name] = (normalize(images, torch.device("cpu")), count * (SIZE // PATCH) ** 2)
         else:
-            crops = [native_tf(raw[i % len(raw)], i, 0, n)[0] for i in range(count)]
+            crops = [(packing_tf if packs else native_tf)(raw[i % len(raw)], i, 0, n)[0] for i in range(count)]
             patches, _ = NativeCollate(PATCH, [n], packs)([(c, 0) for c in crops])
             prepared[name] = (normalize(patches, torch.device("cpu")), int((patches.segments > 0).sum()))
     labels = {name: torch.zeros(cases[name][0], dtype=torch.long) for name in cases}

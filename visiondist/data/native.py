@@ -150,9 +150,8 @@ class NativeTransform:
                 seq_len = max(1, int(seq_len * self.random.numpy.uniform(*PACK_SHARE)))
         rows, cols = fit_grid(image.shape[0], image.shape[1], self.patch, seq_len)
         size = (cols * self.patch, rows * self.patch)
-        if (image.shape[1], image.shape[0]) != size:
-            shrink = size[0] * size[1] < image.shape[0] * image.shape[1]
-            image = cv2.resize(image, size, interpolation=cv2.INTER_AREA if shrink else self.flag)
+        if (image.shape[1], image.shape[0]) != size:  # data.interpolation, as the square crop resizes
+            image = cv2.resize(image, size, interpolation=self.flag)
         if self.train and self.hflip > 0 and self.random.numpy.random() < self.hflip:
             image = image[:, ::-1]
         image = torch.from_numpy(np.ascontiguousarray(image))
