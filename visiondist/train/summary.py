@@ -29,13 +29,14 @@ def announce(tr) -> None:
         log.info("parallel=auto chose %s: %s", tr.layout_text, run.reason, extra={"file_only": True})
     if run is not None and run.fitted:
         log.info(run.fitted, extra={"file_only": True})
-    log.info(
-        "model %s: %.2fM parameters (%.2fM on this rank) | layout %s | precision %s | global batch %d (%d per rank "
-        "x %d accumulation) | %d step%s (%s)",
-        tr.cfg.model.name, tr.num_params / 1e6, tr.rank_params / 1e6, tr.layout_text,
-        precision_text(t, tr.layout.device, tr.model), tr.cfg.data.batch_size, sampler.micro_batch, t.grad_accum,
-        tr.total_steps, "" if tr.total_steps == 1 else "s", tr.length,
-    )
+    batch = (f"global batch {tr.cfg.data.batch_size} ({sampler.micro_batch} per rank x {t.grad_accum} accumulation)"
+             if not hasattr(sampler, "step_images") else  # data.resolution=native: the images vary, the tokens not
+             f"{sampler.tokens_per_step} patch tokens a step (data.batch_size={tr.cfg.data.batch_size} square images' "
+             f"worth; {min(sampler.step_images)}-{max(sampler.step_images)} images) over {t.grad_accum} accumulation")
+    log.info("model %s: %.2fM parameters (%.2fM on this rank) | layout %s | precision %s | %s | %d step%s (%s)",
+             tr.cfg.model.name, tr.num_params / 1e6, tr.rank_params / 1e6, tr.layout_text,
+             precision_text(t, tr.layout.device, tr.model), batch, tr.total_steps, "" if tr.total_steps == 1 else "s",
+             tr.length)
     if tr.layout.is_main:  # the default run dir is new each time: the same command would start afresh
         from visiondist.observe.console import continue_command, shown_path
 
