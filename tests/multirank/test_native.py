@@ -52,6 +52,16 @@ def test_a_native_run_under_tp_sp_and_fsdp_trains_as_one_process(tmp_path, nativ
     out = train_ok(*NATIVE, f"data.root={data}", f"trainer.run_dir={run}", *layout)
     assert ("tp=2" if "parallel.tp=2" in layout else "fsdp") in out.lower()
     assert_same_training(reference, run)
+    if layout == ["parallel.tp=2"]:  # its checkpoint's shards exported whole, for timm's NaFlexVit
+        from safetensors.torch import load_file
+
+        timm = pytest.importorskip("timm")
+        out = tmp_path / "naflex.safetensors"
+        exported = run_cli([f"run_dir={run}", "format=naflex", f"out={out}"], timeout=300,
+                           script=REPO / "tools" / "export.py")
+        assert exported.returncode == 0, exported.stdout[-3000:]
+        info = json.loads(out.with_suffix(".json").read_text())
+        timm.create_model(info["timm_model"], pretrained=False, **info["kwargs"]).load_state_dict(load_file(out))
 
 
 def test_the_export_loads_in_timms_naflexvit_and_predicts_what_the_run_does(tmp_path, native_reference):

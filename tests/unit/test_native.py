@@ -337,3 +337,10 @@ def test_packed_training_draws_each_images_size_and_packs_into_its_steps_length(
     assert packed.lens == one.lens[: len(packed.lens)]  # the same draws of the lengths
     for a, b in zip(one.step_images, packed.step_images):
         assert b == int(a / (sum(PACK_SHARE) / 2))
+
+
+def test_tools_benchmark_refuses_native_resolution_naming_the_benchmark_that_measures_it(capsys):
+    from helpers import call_tool
+
+    code, out, err = call_tool(capsys, "benchmark", "data.resolution=native", "trainer.accelerator=cpu")
+    assert code == 2 and "benchmarks/native.py" in (out + "\n".join(err)), (code, out, err)
