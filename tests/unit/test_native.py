@@ -137,15 +137,19 @@ def test_patches_move_as_one_batch():
 
 # --- the loader (visiondist.data.native) ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("height,width", [(480, 640), (640, 480), (100, 2000), (33, 33), (224, 224), (7, 900)])
-@pytest.mark.parametrize("seq_len", [49, 196, 256])
-def test_the_grid_keeps_the_aspect_ratio_and_fills_the_sequence(height, width, seq_len):
+@pytest.mark.parametrize("height,width", [(480, 640), (640, 480), (100, 2000), (33, 33), (224, 224), (7, 900),
+                                          (62, 66), (42, 97)])
+@pytest.mark.parametrize("seq_len", [16, 49, 196, 256])
+def test_the_grid_keeps_the_aspect_ratio_and_is_timms(height, width, seq_len):
+    """The grid an image is resized to fits the length, keeps the aspect ratio to a patch, and is the one timm's
+    NaFlex transforms choose (so that timm's loader feeds a `format=naflex` export the run's grids)."""
+    from timm.data.naflex_transforms import get_image_size_for_seq
+
     from visiondist.data.native import fit_grid
 
     rows, cols = fit_grid(height, width, 16, seq_len)
     assert 1 <= rows * cols <= seq_len
-    # the largest such grid: one more row or column (at the image's aspect) would not fit
-    assert (rows + 1) * (cols + 1) > seq_len or rows * cols == seq_len
+    assert (rows * 16, cols * 16) == get_image_size_for_seq((height, width), 16, seq_len)[1]
     if min(rows, cols) > 2:  # the aspect kept to a patch
         assert abs(cols / rows - width / height) <= max(width / height / rows, 1 / rows) + 1e-9
 
@@ -198,7 +202,7 @@ def test_the_transform_is_the_samples_own_and_keeps_its_aspect():
     import numpy as np
     from omegaconf import OmegaConf
 
-    from visiondist.data.native import NativeTransform
+    from visiondist.data.native import NativeTransform, fit_grid
 
     cfg = OmegaConf.create({"train_crop_scale": [0.5, 1.0], "hflip": 0.5, "interpolation": "bilinear",
                             "auto_augment": "none", "random_erasing": 0.0})
@@ -210,7 +214,7 @@ def test_the_transform_is_the_samples_own_and_keeps_its_aspect():
     assert a.shape[0] % 16 == 0 and a.shape[1] % 16 == 0 and (a.shape[0] // 16) * (a.shape[1] // 16) <= 98
     evaluated = NativeTransform(cfg, False, 16, seed=1, eval_seq_len=196)(image, 7, 0)
     rows, cols = evaluated.shape[0] // 16, evaluated.shape[1] // 16
-    assert rows * cols <= 196 and (rows, cols) == (10, 18)  # the whole 3:5 image, no crop
+    assert rows * cols <= 196 and (rows, cols) == fit_grid(300, 500, 16, 196)  # the whole image, no crop
 
 
 def test_the_collate_pads_or_packs_a_batch_with_its_labels_in_order():

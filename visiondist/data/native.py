@@ -39,12 +39,13 @@ PACK_SHARE = (0.1, 0.4)
 
 
 def fit_grid(height: int, width: int, patch: int, seq_len: int) -> tuple[int, int]:
-    """The largest (rows, cols) grid of `patch`-pixel patches with the image's aspect ratio (to a patch) and at most
-    `seq_len` patches; at least one patch each way."""
-    scale = math.sqrt(seq_len / ((height / patch) * (width / patch)))
-    rows = min(seq_len, max(1, math.floor(height / patch * scale)))
-    cols = min(seq_len // rows, max(1, math.floor(width / patch * scale)))
-    return rows, cols
+    """The (rows, cols) grid of `patch`-pixel patches an image is resized to: the largest scale of the image whose
+    sides, each rounded up to whole patches, hold at most `seq_len` patches; timm's NaFlex transforms' rule
+    (`get_image_size_for_seq`), so that an export predicts in timm on the grids the run used."""
+    from timm.data.naflex_transforms import get_image_size_for_seq
+
+    _, (h, w) = get_image_size_for_seq((height, width), patch, seq_len)
+    return h // patch, w // patch
 
 
 def native_settings(data_cfg, img_size: int, patch: int) -> tuple[list[int], int]:

@@ -38,6 +38,8 @@ class ClassificationTask:
 
         t, d = cfg.trainer, cfg.data
         self.inputs = Normalize(d.mean, d.std)  # (uint8 loader images, device) -> the model's input there
+        # the export formats the run's closing lines name: a native run's timm model is NaFlexVit
+        self.family = "native" if d.get("resolution", "square") == "native" else ""
         self.label_smoothing = float(t.label_smoothing)
         self.mixing = None  # timm's Mixup / CutMix, each draw keyed by (step, micro-batch): see data.mixing
         if d.mixup > 0 or d.cutmix > 0:

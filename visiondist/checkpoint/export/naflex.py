@@ -26,17 +26,23 @@ def write_naflex(trained: Trained, path: Path, out: Path) -> list[Path]:
     kwargs = timm_naflex_kwargs(int(m.img_size), int(m.patch_size), int(m.embed_dim), int(m.depth), int(m.num_heads),
                                 float(m.mlp_ratio), int(m.num_classes))
     kwargs["pos_embed_grid_size"] = list(kwargs["pos_embed_grid_size"])
-    info = {key: value for key, value in sidecar(trained).items() if key not in ("create", "usage")}
+    # the square model's preprocessing fields (create, usage, input size, crop) say nothing of this one
+    info = {key: value for key, value in sidecar(trained).items()
+            if key not in ("create", "usage", "input_size", "crop_pct")}
     from visiondist.data.native import native_settings
 
     _, eval_len = native_settings(trained.cfg.data, int(m.img_size), int(m.patch_size))
     info.update(library="timm", timm_model=TIMM_NAFLEX, kwargs=kwargs, patch_size=int(m.patch_size),
                 eval_seq_len=eval_len,
+                timm_model_note=f"{TIMM_NAFLEX} is the registered NaFlexVit without layer scale or register tokens; "
+                                "kwargs make it this run's model (width, depth, heads, patch, classes, pooling)",
                 usage="model = timm.create_model(timm_model, pretrained=False, **kwargs); model.load_state_dict("
                       "safetensors.torch.load_file(path), strict=True); model({'patches': (B, N, p*p*3) pixels "
                       "normalised with mean / std, each patch's in (row, column, channel) order, 'patch_coord': (B, "
-                      "N, 2) (row, column) of each patch, 'patch_valid': (B, N) bool}): each image resized, aspect "
-                      "kept, to the largest grid of eval_seq_len patches or fewer, as timm's NaFlex loader does")
+                      "N, 2) (row, column) of each patch, 'patch_valid': (B, N) bool}). Each image resized, aspect "
+                      "kept, to the grid timm.data.naflex_transforms.get_image_size_for_seq(image_hw, patch_size, "
+                      "eval_seq_len) gives, as the run's evaluation did (its resize: OpenCV with interpolation; "
+                      "timm's own resize moves the probabilities by about 1e-3)")
     meta = out.with_suffix(".json")
     meta.write_text(json.dumps(info, indent=2))
     return [meta]
