@@ -89,6 +89,9 @@ REFUSED = [
     (("hydra.run.dir=/tmp/a", "trainer.run_dir=/tmp/b"), "name the same directory: give one of them"),
     (("-cd", "/nonexistent/conf"), "-cd /nonexistent/conf: no such directory"),
     (("max_steps=3",), "max_steps is not a setting: did you mean trainer.max_steps?"),
+    # an optional group (None in the schema): its fields from the annotations
+    (("data.synthetic.max_aspekt=3",), "data.synthetic.max_aspekt is not a setting: did you mean "
+                                       "data.synthetic.max_aspect?"),
 ]
 
 

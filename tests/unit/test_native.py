@@ -302,7 +302,7 @@ def test_the_memory_plan_of_a_native_run_counts_its_most_costly_steps_tokens():
     from helpers import REPO
     from visiondist.cli import load_config
     from visiondist.config.layout import RunLayout
-    from visiondist.data.native import planned_tokens
+    from visiondist.config.native import planned_tokens
     from visiondist.plan.budget import layout_memory, planned_shape
 
     base = ["model=vit_base", "data.img_size=224", "data.batch_size=256"]

@@ -185,11 +185,27 @@ def not_a_setting(key: str) -> str:
                 if leaf.rsplit(".", 1)[-1] == key]
         return f"{key} is not a setting: did you mean {' or '.join(same)}?" if same else ""
     node = OmegaConf.select(schema, parent)
-    known = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    known = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else _optional_fields(TrainConfig, parent)
     close = difflib.get_close_matches(name, known, n=1)
     if close:
         return f"{key} is not a setting: did you mean {parent}.{close[0]}?"
     return f"{key} is not a setting ({parent} has {len(known)}: --cfg prints them)"
+
+
+def _optional_fields(schema: type, path: str) -> list[str]:
+    """The fields of the dataclass at `path` in `schema` where the schema's value there is None (an optional group,
+    e.g. data.synthetic), read from the annotations; [] where there is none."""
+    import dataclasses
+    import typing
+
+    kind: object = schema
+    for part in path.split("."):
+        if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
+            return []
+        kind = typing.get_type_hints(kind).get(part)
+        kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)  # Optional[X] -> X
+    found = isinstance(kind, type) and dataclasses.is_dataclass(kind)
+    return [f.name for f in dataclasses.fields(kind)] if found else []
 
 
 def _leaves(tree: object, prefix: str = "") -> list[str]:

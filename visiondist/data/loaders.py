@@ -150,7 +150,8 @@ def build_classification_data(
 def _native_data(cfg, img_size: int, patch: int, dp_rank: int, dp_size: int, grad_accum: int, seed: int,
                  pin_memory: bool, train: bool) -> ClassificationData:
     """`build_classification_data` under data.resolution=native: the same splits, each image resized to its grid."""
-    from visiondist.data.native import NativeBatchSampler, NativeCollate, NativeTransform, native_settings
+    from visiondist.config.native import native_settings
+    from visiondist.data.native import NativeBatchSampler, NativeCollate, NativeTransform
 
     seq_lens, eval_len = native_settings(cfg, img_size, patch)
     packs = bool((cfg.get("native") or {}).get("pack", False))

@@ -24,7 +24,7 @@ def planned_shape(cfg: DictConfig):
     if cfg.data.get("resolution", "square") == "native":
         from dataclasses import replace
 
-        from visiondist.data.native import planned_tokens
+        from visiondist.config.native import planned_tokens
 
         shape = replace(shape, seq_tokens=planned_tokens(cfg))
     return shape

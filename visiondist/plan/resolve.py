@@ -213,13 +213,7 @@ def compile_plan(cfg: DictConfig, run: RunLayout, p: Optional[DictConfig] = None
         return True, "model", False, ("its network (backbone, encoder, decoder) compiled whole, the loss and its "
                                       "matching eager")
     if cfg.data.get("resolution", "square") == "native":
-        if asked == "model" or t.get("cuda_graphs", "auto") is True:
-            raise ConfigError(f"trainer.{'compile=model' if asked == 'model' else 'cuda_graphs=true'} with "
-                              "data.resolution=native: the batch's image grids and sequence lengths change from step "
-                              "to step, a graph for each; use trainer.compile=blocks (or auto, which chooses it) and "
-                              "trainer.cuda_graphs=auto")
-        return True, "blocks", False, ("data.resolution=native: each block compiled (its sequence lengths come from "
-                                       "a few buckets); the embedding, resampled to each batch's image grids, eager")
+        return _native_compile(asked, t.get("cuda_graphs", "auto"))
     apart = ("tensor parallelism: each block compiled with its collectives" if run.tp > 1 else
              "pipeline parallelism: each stage's blocks compiled" if run.pp > 1 else
              "FSDP2: each block compiled inside its own gather and reduce-scatter" if run.fsdp else
@@ -243,6 +237,17 @@ def compile_plan(cfg: DictConfig, run: RunLayout, p: Optional[DictConfig] = None
                "trainer.compile=model")
     graphs, graphs_why = _cuda_graphs(cfg, run, scope)
     return True, scope, graphs, why + ("; " + graphs_why if graphs_why else "")
+
+
+def _native_compile(asked, cuda_graphs) -> tuple[bool, str, bool, str]:
+    """`compile_plan` under data.resolution=native: each block compiled; the whole model and CUDA graphs refused."""
+    if asked == "model" or cuda_graphs is True:
+        raise ConfigError(f"trainer.{'compile=model' if asked == 'model' else 'cuda_graphs=true'} with "
+                          "data.resolution=native: the batch's image grids and sequence lengths change from step to "
+                          "step, a graph for each; use trainer.compile=blocks (or auto, which chooses it) and "
+                          "trainer.cuda_graphs=auto")
+    return True, "blocks", False, ("data.resolution=native: each block compiled (its sequence lengths come from a few "
+                                   "buckets); the embedding, resampled to each batch's image grids, eager")
 
 
 def _cuda_graphs(cfg: DictConfig, run: RunLayout, scope: str) -> tuple[bool, str]:

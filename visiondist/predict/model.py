@@ -64,7 +64,8 @@ class Predictor:
             self.normalize = Normalize(cfg.data.mean, cfg.data.std)
             self.collate = None
             if data.get("resolution", "square") == "native":  # as the run evaluated: each image at its own shape
-                from visiondist.data.native import NativeCollate, NativeTransform, native_settings
+                from visiondist.config.native import native_settings
+                from visiondist.data.native import NativeCollate, NativeTransform
 
                 size, patch = int(cfg.model.img_size), int(cfg.model.patch_size)
                 _, eval_len = native_settings(data, size, patch)

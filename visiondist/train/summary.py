@@ -21,6 +21,27 @@ from visiondist.utils.procenv import omp_wait_text
 log = logging.getLogger(__name__)
 
 
+def _batch_text(tr) -> str:
+    """The start line's batch: the global batch, or under data.resolution=native the step's tokens and images."""
+    t, sampler = tr.cfg.trainer, tr.data.train_sampler
+    if not hasattr(sampler, "step_images"):
+        return f"global batch {tr.cfg.data.batch_size} ({sampler.micro_batch} per rank x {t.grad_accum} accumulation)"
+    return (f"{sampler.tokens_per_step} patch tokens a step (data.batch_size={tr.cfg.data.batch_size} square images' "
+            f"worth; {min(sampler.step_images)}-{max(sampler.step_images)} images) over {t.grad_accum} accumulation")
+
+
+def _announce_native(tr, sampler) -> None:
+    from visiondist.config.native import native_settings
+
+    d = tr.cfg.data
+    _, eval_len = native_settings(d, tr.cfg.model.img_size, tr.cfg.model.patch_size)
+    log.info("native resolution: each image at its own aspect ratio, in sequences of %s patches (one length a step, "
+             "drawn from the seed), %d-%d images a step for %d tokens; evaluation at %d; %s",
+             "/".join(map(str, sampler.seq_lens)), min(sampler.step_images), max(sampler.step_images),
+             sampler.tokens_per_step, eval_len, "several images to a sequence (data.native.pack)"
+             if d.native.pack else "one image to a sequence, padded (data.native.pack=true packs them)")
+
+
 def announce(tr) -> None:
     """The start-up lines of the trainer `tr`'s run (rank 0 logs them)."""
     t, sampler = tr.cfg.trainer, tr.data.train_sampler
@@ -29,14 +50,10 @@ def announce(tr) -> None:
         log.info("parallel=auto chose %s: %s", tr.layout_text, run.reason, extra={"file_only": True})
     if run is not None and run.fitted:
         log.info(run.fitted, extra={"file_only": True})
-    batch = (f"global batch {tr.cfg.data.batch_size} ({sampler.micro_batch} per rank x {t.grad_accum} accumulation)"
-             if not hasattr(sampler, "step_images") else  # data.resolution=native: the images vary, the tokens not
-             f"{sampler.tokens_per_step} patch tokens a step (data.batch_size={tr.cfg.data.batch_size} square images' "
-             f"worth; {min(sampler.step_images)}-{max(sampler.step_images)} images) over {t.grad_accum} accumulation")
     log.info("model %s: %.2fM parameters (%.2fM on this rank) | layout %s | precision %s | %s | %d step%s (%s)",
              tr.cfg.model.name, tr.num_params / 1e6, tr.rank_params / 1e6, tr.layout_text,
-             precision_text(t, tr.layout.device, tr.model), batch, tr.total_steps, "" if tr.total_steps == 1 else "s",
-             tr.length)
+             precision_text(t, tr.layout.device, tr.model), _batch_text(tr), tr.total_steps,
+             "" if tr.total_steps == 1 else "s", tr.length)
     if tr.layout.is_main:  # the default run dir is new each time: the same command would start afresh
         from visiondist.observe.console import continue_command, shown_path
 
@@ -71,15 +88,7 @@ def announce(tr) -> None:
                  "next%s", tr.data.num_train - sampler.dropped_per_epoch, tr.data.num_train, batches,
                  sampler.dropped_per_epoch, " (incomplete aspect-ratio batches)" if sampler.groups is not None else "")
     if hasattr(sampler, "step_images"):  # data.resolution=native
-        from visiondist.data.native import native_settings
-
-        d = tr.cfg.data
-        _, eval_len = native_settings(d, tr.cfg.model.img_size, tr.cfg.model.patch_size)
-        log.info("native resolution: each image at its own aspect ratio, in sequences of %s patches (one length a "
-                 "step, drawn from the seed), %d-%d images a step for %d tokens; evaluation at %d; %s",
-                 "/".join(map(str, sampler.seq_lens)), min(sampler.step_images), max(sampler.step_images),
-                 sampler.tokens_per_step, eval_len, "several images to a sequence (data.native.pack)"
-                 if d.native.pack else "one image to a sequence, padded (data.native.pack=true packs them)")
+        _announce_native(tr, sampler)
     s, warmup = tr.cfg.schedule, warmup_length(tr.cfg.schedule, tr.total_steps)
     if warmup < s.warmup_steps and tr.layout.is_main:
         log.warning("schedule.warmup_steps=%d is not shorter than the run (%d step%s): the warmup is cut to %d "

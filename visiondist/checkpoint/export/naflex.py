@@ -29,7 +29,7 @@ def write_naflex(trained: Trained, path: Path, out: Path) -> list[Path]:
     # the square model's preprocessing fields (create, usage, input size, crop) say nothing of this one
     info = {key: value for key, value in sidecar(trained).items()
             if key not in ("create", "usage", "input_size", "crop_pct")}
-    from visiondist.data.native import native_settings
+    from visiondist.config.native import native_settings
 
     _, eval_len = native_settings(trained.cfg.data, int(m.img_size), int(m.patch_size))
     info.update(library="timm", timm_model=TIMM_NAFLEX, kwargs=kwargs, patch_size=int(m.patch_size),

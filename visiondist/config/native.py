@@ -1,0 +1,63 @@
+"""data.resolution=native's settings, resolved without torch: the sequence lengths (`native_settings`), the tokens
+the memory plan counts per image (`planned_tokens`) and the rules between config groups (`check_native`). The loader
+that applies them is `visiondist.data.native`."""
+
+from __future__ import annotations
+
+import math
+
+# data.native.pack: a training image takes this share of its step's length (uniform); the mean, 1/4, makes a packed
+# step's image count 4x the unpacked one's, a multiple of dp x grad_accum wherever that is
+PACK_SHARE = (0.1, 0.4)
+
+
+def native_settings(data_cfg, img_size: int, patch: int) -> tuple[list[int], int]:
+    """(training sequence lengths, evaluation sequence length): `data.native.seq_lens` / `eval_seq_len`, or by
+    default half, once and twice the square model's token count, and that count."""
+    base = (img_size // patch) ** 2
+    native = data_cfg.get("native") or {}
+    lens = list(native.get("seq_lens") or [base // 2, base, 2 * base])
+    eval_len = int(native.get("eval_seq_len") or -1)
+    return sorted(int(n) for n in lens), (base if eval_len <= 0 else eval_len)
+
+
+def check_native(cfg) -> None:
+    """data.resolution=native's rules between groups (`visiondist.config.validate`); raises ConfigError."""
+    from visiondist.config.schema import ConfigError
+
+    d, m = cfg.data, cfg.model
+    if d.resolution != "native":
+        raise ConfigError(f"data.resolution={d.resolution}: use square or native")
+    if m.family != "vit":
+        raise ConfigError(f"data.resolution=native trains a ViT classifier on patch sequences; model={m.name} takes "
+                          "images: use data.resolution=square")
+    lens = list(d.native.seq_lens)
+    if any(int(n) <= 0 for n in lens) or (d.native.eval_seq_len == 0 or d.native.eval_seq_len < -1):
+        raise ConfigError(f"data.native.seq_lens={lens}, eval_seq_len={d.native.eval_seq_len}: token counts are "
+                          "positive (eval_seq_len=-1: the square model's count)")
+    refused = [(d.mixup > 0 or d.cutmix > 0, "data.mixup / data.cutmix mix images of one size",
+                "data.mixup=0 data.cutmix=0"),
+               (d.random_erasing > 0, "data.random_erasing erases square batches on the device",
+                "data.random_erasing=0"),
+               (d.auto_augment != "none" and d.augment_on == "device", "data.augment_on=device augments square batches",
+                "data.augment_on=loader (each image augmented in the workers)"),
+               (d.decode_on == "device", "data.decode_on=device decodes to one square size", "data.decode_on=loader"),
+               (m.sdpa == "flash", "model.sdpa=flash takes no attention mask, and padded or packed sequences need one",
+                "model.sdpa=auto (or efficient)"),
+               (cfg.parallel.pp > 1, "a pipeline's stages pass one tensor of one shape between ranks, and a native "
+                "batch is patches, masks and positions of a shape that changes each step", "parallel.pp=1 (DDP, FSDP "
+                "or parallel.tp)")]
+    for refuse, why, fix in refused:
+        if refuse:
+            raise ConfigError(f"data.resolution=native: {why}; use {fix}, or data.resolution=square")
+
+
+def planned_tokens(cfg) -> int:
+    """The tokens per image of data.batch_size that the most costly native step computes (each of its images'
+    sequence and class token, over the global batch, rounded up): the memory plan's tokens per image."""
+    m = cfg.model
+    seq_lens, _ = native_settings(cfg.data, int(m.img_size), int(m.patch_size))
+    batch = int(cfg.data.batch_size)
+    budget = batch * (int(m.img_size) // int(m.patch_size)) ** 2
+    share = sum(PACK_SHARE) / 2 if (cfg.data.get("native") or {}).get("pack", False) else 1.0
+    return max(math.ceil(max(1, int(budget / (n * share))) * (n * share + 1) / batch) for n in seq_lens)
