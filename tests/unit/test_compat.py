@@ -136,3 +136,32 @@ def test_torchaos_invalid_escapes_are_not_warned_and_nothing_else_is_hidden():
         assert not seen
         compile(source, "/home/me/train.py", "exec")
         assert len(seen) == 1 and "invalid escape sequence" in str(seen[0].message)
+
+
+def test_the_rendezvous_names_its_events_as_before_without_reading_sources(monkeypatch):
+    """`quick_rendezvous_names` gives the name torch's own `get_method_name` gives (the caller `depth` frames up),
+    at any depth, without `inspect.stack()` (each call of which read every frame's source: over a second of every
+    launch of several ranks)."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    original = dynamic_rendezvous.get_method_name
+    monkeypatch.setattr(dynamic_rendezvous, "get_method_name", original)
+    assert compat.quick_rendezvous_names() and dynamic_rendezvous.get_method_name is not original
+    assert compat.quick_rendezvous_names()  # once patched, left as it is
+    quick = dynamic_rendezvous.get_method_name
+
+    def record(name_of, depth):  # as the rendezvous' _record calls it, inside one of its methods
+        return name_of() if depth is None else name_of(depth)
+
+    def next_rendezvous(name_of, depth=None):
+        return record(name_of, depth)
+
+    for depth in (None, 1, 2, 3, 10_000):
+        assert next_rendezvous(quick, depth) == next_rendezvous(original, depth), depth
+    assert next_rendezvous(quick) == "next_rendezvous"
+    stack = []
+    monkeypatch.setattr(inspect, "stack", lambda *a: stack.append(a) or [])
+    next_rendezvous(quick)
+    assert not stack

@@ -120,7 +120,9 @@ def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
     # Each restart gets a fresh store for the ranks' process group: with the rendezvous store shared, a restarted
     # rank can read a peer address left by the previous attempt (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    from visiondist.compat import agent_signals
+    from visiondist.compat import agent_signals, quick_rendezvous_names
+
+    quick_rendezvous_names()  # over a second of every launch (visiondist.compat)
 
     # Ranks ended at once (a stop that outlasted trainer.stop_timeout_s) leave their loader queues' semaphores to
     # multiprocessing's resource tracker, which frees them and would print a "leaked semaphore" warning after the
