@@ -40,6 +40,19 @@ def test_a_native_run_on_2_ranks_stopped_and_continued_is_the_one_process_run(tm
     stats = json.loads((next((run / "eval").iterdir()) / "eval.json").read_text())
     (loss, top1), = [v for s, v in evals_of(run, "val_loss", "val_top1").items() if s == 4]
     assert stats["val_loss"] == pytest.approx(loss, rel=1e-6) and stats["val_top1"] == top1
+    # both say how the images were read, with the defaults resolved (config.yaml keeps them as asked: -1 / null)
+    assert stats["resolution"].startswith("native") and stats["val patches per image"] == 16, stats
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["train sequence lengths (patches)"] == [8, 16, 32] and summary["val patches per image"] == 16
+    assert summary["packed"] is False and summary["resolution"] == stats["resolution"]
+    # at another length, as a user compares them: the same images read at 32 patches each
+    longer = run / "eval_32"
+    evaluated = run_cli([f"run_dir={run}", "data.native.eval_seq_len=32", f"trainer.run_dir={longer}"], timeout=300,
+                        script=REPO / "tools" / "eval.py")
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:]
+    at_32 = json.loads((longer / "eval.json").read_text())
+    assert at_32["val patches per image"] == 32 and at_32["val_count"] == stats["val_count"]
+    assert at_32["val_loss"] != stats["val_loss"]
 
 
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
@@ -150,6 +163,8 @@ def test_a_square_runs_weights_continue_native_and_back(tmp_path, native_referen
         stats = json.loads((out / "eval.json").read_text())
         (loss, top1), = [v for s, v in evals_of(run, "val_loss", "val_top1").items() if s == 0]
         assert stats["val_loss"] == pytest.approx(loss, rel=1e-6) and stats["val_top1"] == top1, run.name
+        assert stats["resolution"] == ("square, 32 px" if settings is plain else
+                                       "native (each image at its own aspect ratio)"), stats
     assert evals_of(native, "val_loss")[0] != evals_of(square, "val_loss")[2]  # the images read another way
 
 

@@ -2,6 +2,7 @@
 square model's logits for a square image, packing that changes nothing an image computes, and timm's NaFlexVit
 predicting what it does from the converted weights."""
 
+import math
 import re
 
 import pytest
@@ -212,6 +213,11 @@ def test_the_transform_is_the_samples_own_and_keeps_its_aspect():
     assert torch.equal(a, b) and a.dtype == torch.uint8 and a.shape[2] == 3 and n == 98
     assert not (a.shape == c.shape and torch.equal(a, c))  # another sample, another crop
     assert a.shape[0] % 16 == 0 and a.shape[1] % 16 == 0 and (a.shape[0] // 16) * (a.shape[1] // 16) <= 98
+    for index in range(200):  # RandomResizedCrop's draw: the area in the scale, the aspect in 3/4..4/3
+        train.random.reset(1, 0, index)
+        top, left, h, w = train.crop(300, 500)
+        assert 0 <= top <= 300 - h and 0 <= left <= 500 - w
+        assert 0.5 * 0.98 <= h * w / (300 * 500) <= 1.0 and 3 / 4 * 0.97 <= w / h <= 4 / 3 * 1.03, (h, w)
     evaluated = NativeTransform(cfg, False, 16, seed=1, eval_seq_len=196)(image, 7, 0)
     rows, cols = evaluated.shape[0] // 16, evaluated.shape[1] // 16
     assert rows * cols <= 196 and (rows, cols) == fit_grid(300, 500, 16, 196)  # the whole image, no crop
@@ -315,6 +321,25 @@ def test_the_memory_plan_of_a_native_run_counts_its_most_costly_steps_tokens():
     a, b = layout_memory(square, run), layout_memory(native, run)
     assert b.state == a.state and planned_shape(native).pos_tokens == planned_shape(square).tokens == 197
     assert b.activations == pytest.approx(a.activations * 198 / 197, rel=0.01) and b.activations > a.activations
+
+
+def test_the_plan_counts_the_images_the_sampler_puts_in_a_step():
+    """The memory plan's tokens per image come from the sampler's own image count (`step_images`), rounded as the
+    sampler rounds: 40 patch tokens over sequences of 7 is 5.7 images, which the sampler makes 6, not 5."""
+    from helpers import REPO
+    from visiondist.cli import load_config
+    from visiondist.config.native import PACK_SHARE, planned_tokens
+    from visiondist.data.native import NativeBatchSampler
+
+    for packed, lens in ((False, [7]), (False, [2, 7, 9]), (True, [5, 7])):
+        cfg = load_config(REPO / "configs", ["model=vit_tiny", "data.img_size=32", "model.patch_size=16",
+                                             "data.batch_size=10", "data.resolution=native",
+                                             f"data.native.seq_lens={lens}", f"data.native.pack={packed}"], inputs=None)
+        share = sum(PACK_SHARE) / 2 if packed else 1.0
+        sampler = NativeBatchSampler(1000, 10, 4, lens, 0, 1, packed=packed)
+        most = max(math.ceil(k * (n * share + 1) / 10) for k, n in zip(sampler.step_images, sampler.lens))
+        assert planned_tokens(cfg) == most, (packed, lens)
+    assert NativeBatchSampler(1000, 10, 4, [7], 0, 1).step_images[0] == 6
 
 
 def test_packed_training_draws_each_images_size_and_packs_into_its_steps_length():

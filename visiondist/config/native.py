@@ -52,12 +52,22 @@ def check_native(cfg) -> None:
             raise ConfigError(f"data.resolution=native: {why}; use {fix}, or data.resolution=square")
 
 
+def step_images(budget: int, seq_len: int, packed: bool, unit: int = 1) -> int:
+    """The images of a training step of `seq_len` tokens under a budget of `budget` patch tokens: budget / seq_len
+    (packed: over the mean share an image takes of its sequence, `PACK_SHARE`), rounded to the nearest and then down
+    to a multiple of `unit` (dp x grad_accum), at least one unit. The sampler's count; with unit 1, the most any
+    layout's step holds (the memory plan's)."""
+    share = sum(PACK_SHARE) / 2 if packed else 1.0
+    return max(unit, round(budget / (seq_len * share)) // unit * unit)
+
+
 def planned_tokens(cfg) -> int:
     """The tokens per image of data.batch_size that the most costly native step computes (each of its images'
-    sequence and class token, over the global batch, rounded up): the memory plan's tokens per image."""
+    patches and class token, over the global batch, rounded up): the memory plan's tokens per image."""
     m = cfg.model
     seq_lens, _ = native_settings(cfg.data, int(m.img_size), int(m.patch_size))
     batch = int(cfg.data.batch_size)
     budget = batch * (int(m.img_size) // int(m.patch_size)) ** 2
-    share = sum(PACK_SHARE) / 2 if (cfg.data.get("native") or {}).get("pack", False) else 1.0
-    return max(math.ceil(max(1, int(budget / (n * share))) * (n * share + 1) / batch) for n in seq_lens)
+    packed = bool((cfg.data.get("native") or {}).get("pack", False))
+    share = sum(PACK_SHARE) / 2 if packed else 1.0
+    return max(math.ceil(step_images(budget, n, packed) * (n * share + 1) / batch) for n in seq_lens)

@@ -8,27 +8,26 @@ model as patch sequences (`visiondist.models.native.Patches`).
   epoch, so that every epoch has the same number of steps; the images are shuffled per epoch as always, and each DP
   rank takes its contiguous slice of every step's images (`NativeBatchSampler`): a dp=N run sees the images of a
   one-process run, each image once per epoch.
-- The train transform crops as RandomResizedCrop draws (`data.train_crop_scale`, aspect 3/4 to 4/3), from the
-  sample's own random stream, and resizes the crop to its grid, then flips; evaluation resizes the whole image to
+- The train transform crops where albumentations' RandomResizedCrop draws (`data.train_crop_scale`, aspect 3/4 to
+  4/3), from the sample's own random stream, and resizes the crop to its grid, then flips; evaluation resizes the whole image to
   the grid of `data.native.eval_seq_len` tokens (no crop).
-- A batch's images are one to a sequence, padded to its length, or with `data.native.pack` several to a sequence
-  (first fit, largest first), so that little of the step is padding. Packing pays only for images smaller than a
-  sequence, so with it each training image's patch count is drawn between `PACK_SHARE` of its step's length (NaViT's
-  resolution sampling), from the sample's own stream, and a step holds 1 / mean(that share) as many images for the
-  same tokens: on real photographs 2% of the tokens are padding, against 7% one image to a sequence
-  (benchmarks/native.py).
+- A batch's images are one to a sequence, padded to its length (3.1% of the tokens on real photographs,
+  benchmarks/native.py), or with `data.native.pack` several to a sequence (first fit, largest first; 4.7%). Packing
+  pays only for images smaller than a sequence, so with it each training image's patch count is drawn between
+  `PACK_SHARE` of its step's length (NaViT's resolution sampling), from the sample's own stream, and a step holds
+  1 / mean(that share) as many images for the same tokens.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Iterator, Sequence
 
+import albumentations as A
 import cv2
 import numpy as np
 import torch
 
-from visiondist.config.native import PACK_SHARE
+from visiondist.config.native import PACK_SHARE, step_images
 from visiondist.data.sampler import SampleKey, TrainBatchSampler
 from visiondist.data.transforms import SampleRandom, interpolation
 from visiondist.models.native import Patches, pack
@@ -60,27 +59,15 @@ class NativeTransform:
         self.hflip = float(cfg.hflip)
         self.flag = interpolation(cfg)
         self.random = SampleRandom()
+        self.draw = A.RandomResizedCrop(size=(patch, patch), scale=self.scale)  # its crop draw, not its resize
+        self.draw.set_random_state(self.random.numpy, self.random.python)
 
     def crop(self, height: int, width: int) -> tuple[int, int, int, int]:
-        """(top, left, height, width): RandomResizedCrop's draw (area in `scale`, aspect log-uniform in 3/4..4/3, ten
-        tries, then the whole image's centre at the nearest allowed aspect), from the sample's stream."""
-        rng = self.random.numpy
-        area = height * width
-        for _ in range(10):
-            target = area * rng.uniform(*self.scale)
-            aspect = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
-            w = round(math.sqrt(target * aspect))
-            h = round(math.sqrt(target / aspect))
-            if 0 < w <= width and 0 < h <= height:
-                return int(rng.integers(0, height - h + 1)), int(rng.integers(0, width - w + 1)), h, w
-        aspect = width / height
-        if aspect < 3 / 4:
-            w, h = width, round(width / (3 / 4))
-        elif aspect > 4 / 3:
-            h, w = height, round(height * (4 / 3))
-        else:
-            h, w = height, width
-        return (height - h) // 2, (width - w) // 2, h, w
+        """(top, left, height, width): albumentations' RandomResizedCrop draw (area in `data.train_crop_scale`,
+        aspect log-uniform in 3/4..4/3, ten tries, then the centre at the nearest allowed aspect), from the sample's
+        stream; only the draw, the resize is to the image's own grid."""
+        x0, y0, x1, y1 = self.draw.get_params_dependent_on_data({"shape": (height, width)}, {})["crop_coords"]
+        return y0, x0, y1 - y0, x1 - x0
 
     def __call__(self, image: np.ndarray, index: int, epoch: int, seq_len: int | None = None):
         """The resized image; in training with its step's sequence length, `(image, seq_len)` (the collate packs
@@ -155,9 +142,8 @@ class NativeBatchSampler(TrainBatchSampler):
         unit = dp_size * grad_accum
         budget = global_batch * base_len
         self.seq_lens = sorted(int(n) for n in seq_lens)
-        share = sum(PACK_SHARE) / 2 if packed else 1.0  # an image's mean share of a sequence
         # images a step: the same under every layout where budget / n is a multiple of dp x grad_accum (docs)
-        per_len = {n: max(unit, round(budget / (n * share)) // unit * unit) for n in self.seq_lens}
+        per_len = {n: step_images(budget, n, packed, unit) for n in self.seq_lens}
         rng = np.random.default_rng([seed, 0x6E617469])  # the lengths: the seed's alone, every epoch alike
         lens, images, used = [], [], 0
         while True:

@@ -92,9 +92,7 @@ class Attention(nn.Module):
             q, k, v = qkv.view(b, n, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         else:
             q, k, v = (p(x).view(b, n, -1, self.head_dim).transpose(1, 2) for p in (q, k, v))
-        # no attn_mask argument at all without a mask: the dry run's stand-in kernel (visiondist.verify) takes none
-        out = (F.scaled_dot_product_attention(q, k, v) if mask is None else
-               F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(b, n, -1))
 
 

@@ -69,7 +69,7 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     if layout.is_main:
         decoded_by = task.decoded_by(layout.device)
         (run_dir / "eval.json").write_text(json.dumps({"weights": cfg.model.weights, "images decoded by": decoded_by,
-                                                       **metrics}, indent=2))
+                                                       **task.input_fields, **metrics}, indent=2))
         log.info("eval | %s | images decoded by %s", task.describe(metrics), decoded_by)
         pngs = draw_evaluation(task, metrics, run_dir, f"{cfg.model.name} on {cfg.data.name}") if cfg.trainer.plots \
             else []

@@ -40,6 +40,7 @@ class ClassificationTask:
         self.inputs = Normalize(d.mean, d.std)  # (uint8 loader images, device) -> the model's input there
         # the export formats the run's closing lines name: a native run's timm model is NaFlexVit
         self.family = "native" if d.get("resolution", "square") == "native" else ""
+        self.input_fields = self._input_fields(cfg, train)  # eval.json and summary.json say how images were read
         self.label_smoothing = float(t.label_smoothing)
         self.mixing = None  # timm's Mixup / CutMix, each draw keyed by (step, micro-batch): see data.mixing
         if d.mixup > 0 or d.cutmix > 0:
@@ -68,6 +69,20 @@ class ClassificationTask:
             self.columns = tuple(c for c in self.columns if c not in ("val_top5", "val_ema_top5"))
             self.plot_series = tuple(s for s in self.plot_series if s[0] != "val_top5")
             self.ema_keys = tuple(k for k in self.ema_keys if k != "val_top5")
+
+    def _input_fields(self, cfg: DictConfig, train: bool) -> dict[str, Any]:
+        """The input's resolution as eval.json and summary.json state it: the square size, or under
+        data.resolution=native the sequence lengths (resolved: the config keeps -1 / null for the defaults)."""
+        if self.family != "native":
+            return {"resolution": f"square, {cfg.model.img_size} px"}
+        from visiondist.config.native import native_settings
+
+        lens, eval_len = native_settings(cfg.data, cfg.model.img_size, cfg.model.get("patch_size", 16))
+        fields = {"resolution": "native (each image at its own aspect ratio)", "val patches per image": eval_len}
+        if train:
+            fields["train sequence lengths (patches)"] = lens
+            fields["packed"] = bool(cfg.data.native.pack)
+        return fields
 
     def train_batches(self, device: torch.device) -> Iterator:
         """An epoch's training batches (`feed`). The loader's iterator is made here, in the main thread: the loader
@@ -168,6 +183,7 @@ class ClassificationTask:
 
 class DetectionTask:
     columns = (*TRAIN_COLUMNS, *EVAL_METRICS["detection"])
+    input_fields: dict[str, Any] = {}  # the input's resolution is the model's own (min_size / max_size)
     headline = ("val_mAP", "val box mAP@[.5:.95]")
     plot_series = (("val_mAP", "AP@[.5:.95]"), ("val_AP50", "AP50"), ("val_AP75", "AP75"), ("val_AR100", "AR100"),
                    ("val_ema_mAP", "EMA AP@[.5:.95]"))

@@ -136,6 +136,7 @@ class AsOnDevice(TorchFunctionMode):
 
             args = tuple(widen(a) for a in args)
             kwargs = {k: widen(v) for k, v in kwargs.items()}
-        if func is F.scaled_dot_product_attention and self.fused_attention and not kwargs and len(args) == 3:
+        if (func is F.scaled_dot_product_attention and self.fused_attention and len(args) == 3
+                and all(v is None for v in kwargs.values())):  # no mask, no dropout, no scale
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args)[0]
         return func(*args, **kwargs)
