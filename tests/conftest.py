@@ -4,6 +4,9 @@ from pathlib import Path
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per test process (pytest_configure), for every library that
+    os.environ["OMP_NUM_THREADS"] = "1"  # reads it as it loads (OpenMP, OpenBLAS, OpenCV) and for in-process ranks
+
 import visiondist  # noqa: F401 (first, as in every tool: the test processes' OpenMP waiting chosen as there, see procenv)
 
 HERE = Path(__file__).resolve().parent
