@@ -15,6 +15,7 @@ Three parts (`--part`, default all):
 
     python benchmarks/native.py                       # all three, on the CPU
     python benchmarks/native.py --part top1 --steps 200 --seeds 0 1 2
+    python benchmarks/native.py --part rate --model vit_base --device cuda --precision bf16 --batch 256  # a GPU's row
 """
 
 from __future__ import annotations
@@ -84,17 +85,28 @@ def padding(folder: Path, batch: int) -> list[dict]:
     return rows
 
 
-def rate(folder: Path, batch: int, rounds: int) -> list[dict]:
-    """Images and patch tokens a second of a narrow ViT/16's training step, square against native, and the loaders'
-    transforms alone."""
+# --model: the ViT/16 the rate part times (embed_dim, depth, num_heads); "narrow" is the CPU's
+MODELS = {"narrow": (192, 4, 3), "vit_small": (384, 12, 6), "vit_base": (768, 12, 12)}
+
+
+def rate(folder: Path, batch: int, rounds: int, model_name: str = "narrow", device: str = "cpu",
+         precision: str = "32") -> list[dict]:
+    """Images and patch tokens a second of a ViT/16's training step (`MODELS`), square against native, and the
+    loaders' transforms alone. On a GPU every step is timed to its end (synchronised), under bf16 autocast with
+    `precision=bf16`; the attention kernel is each case's own (SDPA picks flash for square batches, a masked kernel
+    for native ones)."""
     from visiondist.data.imagefolder import ImageFolder
     from visiondist.data.native import NativeCollate, NativeTransform
     from visiondist.data.transforms import ClassificationTransform, Normalize
     from visiondist.models.vit import VisionTransformer
 
     torch.manual_seed(0)
-    model = VisionTransformer(img_size=SIZE, patch_size=PATCH, num_classes=10, embed_dim=192, depth=4, num_heads=3)
+    dev = torch.device(device)
+    width, depth, heads = MODELS[model_name]
+    model = VisionTransformer(img_size=SIZE, patch_size=PATCH, num_classes=10, embed_dim=width, depth=depth,
+                              num_heads=heads).to(dev)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     normalize = Normalize([0.5] * 3, [0.25] * 3)
     square_tf = ClassificationTransform(data_cfg(), True, SIZE, 0)
     native_tf = NativeTransform(data_cfg(), True, PATCH, 0, 196)
@@ -110,19 +122,22 @@ def rate(folder: Path, batch: int, rounds: int) -> list[dict]:
     for name, (count, n, packs) in cases.items():
         if n is None:
             images = torch.stack([square_tf._crop(raw[i % len(raw)]) for i in range(count)])
-            prepared[name] = (normalize(images, torch.device("cpu")), count * (SIZE // PATCH) ** 2)
+            prepared[name] = (normalize(images, dev), count * (SIZE // PATCH) ** 2)
         else:
             crops = [(packing_tf if packs else native_tf)(raw[i % len(raw)], i, 0, n)[0] for i in range(count)]
             patches, _ = NativeCollate(PATCH, [n], packs)([(c, 0) for c in crops])
-            prepared[name] = (normalize(patches, torch.device("cpu")), int((patches.segments > 0).sum()))
-    labels = {name: torch.zeros(cases[name][0], dtype=torch.long) for name in cases}
+            prepared[name] = (normalize(patches, dev), int((patches.segments > 0).sum()))
+    labels = {name: torch.zeros(cases[name][0], dtype=torch.long, device=dev) for name in cases}
 
     def step(name):
         x, _ = prepared[name]
-        loss = torch.nn.functional.cross_entropy(model(x), labels[name])
+        with autocast:
+            loss = torch.nn.functional.cross_entropy(model(x), labels[name])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
 
     def transform(name):
         count, n, _ = cases[name]
@@ -151,12 +166,17 @@ def rate(folder: Path, batch: int, rounds: int) -> list[dict]:
     square = statistics.median(times["square 224 px"])
     for name, (count, n, packs) in cases.items():
         t = statistics.median(times[name])
-        rows.append({"case": name, "images a step": count, "patch tokens a step": prepared[name][1],
+        rows.append({"case": name, "model": model_name, "device": _device_name(dev), "precision": precision,
+                     "images a step": count, "patch tokens a step": prepared[name][1],
                      "images/s": round(count / t, 1), "tokens/s": round(prepared[name][1] / t),
                      "step / square step": round(t / square, 3)})
     rows.append({"loader transform (images/s, one core)": {k: round(statistics.median(v), 1)
                                                           for k, v in loader.items()}})
     return rows
+
+
+def _device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
 
 
 def top1(work: Path, steps: int, seeds: list[int]) -> list[dict]:
@@ -194,6 +214,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150, help="top1: training steps of every run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--model", choices=sorted(MODELS), default="narrow", help="rate: the ViT/16 timed")
+    parser.add_argument("--device", default="cpu", help="rate: cpu or cuda")
+    parser.add_argument("--precision", choices=("32", "bf16"), default="32", help="rate: bf16 autocast or fp32")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="native-bench-"))
     print(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "work": str(work)}))
@@ -203,7 +226,7 @@ def main() -> None:
         for row in padding(folder, 64):
             print(json.dumps({"part": "padding", **row}), flush=True)
     if args.part in ("rate", "all"):
-        for row in rate(folder, args.batch, args.rounds):
+        for row in rate(folder, args.batch, args.rounds, args.model, args.device, args.precision):
             print(json.dumps({"part": "rate", **row}), flush=True)
     if args.part in ("top1", "all"):
         for row in top1(work, args.steps, args.seeds):

@@ -44,7 +44,11 @@
 # `predict`: tools/predict.py's path against a plain PyTorch loop over the same model, batches and files, and the
 # model alone on images decoded beforehand (benchmarks/predict.py): ViT-B/16 in bf16, compiled as the tool runs it,
 # 2,048 real photos, batch 256. About 2 minutes; it skips the training check. Not run yet.
-#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short|cudagraphs|profile|layouts|multi|memory|predict][+...]
+# `native`: data.resolution=native against square 224 px crops at the same token budget (benchmarks/native.py --part
+# rate): ViT-B/16 in bf16, eager, batch 256's tokens a step, one image to a sequence and packed, at 98, 196 and 392
+# patches, on 512 real photographs; images and tokens a second. About 2 minutes; it skips the training check. Not
+# run yet.
+#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short|cudagraphs|profile|layouts|multi|memory|predict|native][+...]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
@@ -102,8 +106,12 @@ if has predict; then  # prediction's images/s against a plain loop (its own Data
     part 240 bench_predict.txt python3 benchmarks/predict.py --device cuda --precision bf16 --compile \
         --model vit_base --images 2048 --batch 256 --rounds 3 --markdown "$out/predict.md"
 fi
+if has native; then  # data.resolution=native: ViT-B/16's images and tokens a second against square 224 px batches
+    part 240 bench_native.txt python3 benchmarks/native.py --part rate --model vit_base --device cuda \
+        --precision bf16 --batch 256 --rounds 10 --photos 512 --work /tmp/native-bench
+fi
 photos="$VISIONDIST_DATA/photos-10240"  # what tests/multirank/test_gpu.py's photos fixture reads
-if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|profile|cudagraphs|layouts|multi|memory|predict') ]]; then
+if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|profile|cudagraphs|layouts|multi|memory|predict|native') ]]; then
     part 120 photos.txt python3 benchmarks/photos.py "$photos" --train 10240 --val 256
     # the training path on real photos first: DeiT recipe, decode in the workers (two seeds) and on the device
     part 330 gpu_training.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 320 -m gpu -rA \

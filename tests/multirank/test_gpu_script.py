@@ -20,7 +20,7 @@ import pytest
 from helpers import REPO
 
 RUN_SH = REPO / "benchmarks" / "gpu" / "run.sh"
-MODES = "all+short+cudagraphs+profile+layouts+multi+memory+predict"  # `all`: tests, bench, mfu, kernels and detr
+MODES = "all+short+cudagraphs+profile+layouts+multi+memory+predict+native"  # `all`: tests, bench, mfu, kernels and detr
 GPUS = 2  # what the stand-in says torch.cuda.device_count() is (run.sh multi: 2 GPUs -> tp2)
 
 # `python3` as run.sh calls it: logs its arguments; `-c` answers the device questions; everything else (pytest, pip,
@@ -117,7 +117,7 @@ def test_every_mode_runs_with_stand_ins_and_every_command_it_gives_holds(tmp_pat
     assert len(tools) >= 15 and len(tests) >= 6, calls
     assert {Path(c[0]).name for c in scripts} >= {"photos.py", "vit_profile.py", "fp8_layers.py", "loss_curves.py",
                                                  "data_throughput.py", "table.py", "traffic.py",
-                                                 "memory_model.py", "predict.py"}, scripts
+                                                 "memory_model.py", "predict.py", "native.py"}, scripts
     for call in tools:
         overrides = [*call[1:], "parallel.device_memory_gb=80"]  # the smaller of the lent GPUs, an H100's
         try:
