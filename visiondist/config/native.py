@@ -52,13 +52,17 @@ def check_native(cfg) -> None:
             raise ConfigError(f"data.resolution=native: {why}; use {fix}, or data.resolution=square")
 
 
+def mean_share(packed: bool) -> float:
+    """An image's mean share of its sequence's length: 1, or packed the middle of `PACK_SHARE`."""
+    return sum(PACK_SHARE) / 2 if packed else 1.0
+
+
 def step_images(budget: int, seq_len: int, packed: bool, unit: int = 1) -> int:
     """The images of a training step of `seq_len` tokens under a budget of `budget` patch tokens: budget / seq_len
     (packed: over the mean share an image takes of its sequence, `PACK_SHARE`), rounded to the nearest and then down
     to a multiple of `unit` (dp x grad_accum), at least one unit. The sampler's count; with unit 1, the most any
     layout's step holds (the memory plan's)."""
-    share = sum(PACK_SHARE) / 2 if packed else 1.0
-    return max(unit, round(budget / (seq_len * share)) // unit * unit)
+    return max(unit, round(budget / (seq_len * mean_share(packed))) // unit * unit)
 
 
 def planned_tokens(cfg) -> int:
@@ -69,5 +73,4 @@ def planned_tokens(cfg) -> int:
     batch = int(cfg.data.batch_size)
     budget = batch * (int(m.img_size) // int(m.patch_size)) ** 2
     packed = bool((cfg.data.get("native") or {}).get("pack", False))
-    share = sum(PACK_SHARE) / 2 if packed else 1.0
-    return max(math.ceil(step_images(budget, n, packed) * (n * share + 1) / batch) for n in seq_lens)
+    return max(math.ceil(step_images(budget, n, packed) * (n * mean_share(packed) + 1) / batch) for n in seq_lens)

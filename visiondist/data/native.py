@@ -9,8 +9,8 @@ model as patch sequences (`visiondist.models.native.Patches`).
   rank takes its contiguous slice of every step's images (`NativeBatchSampler`): a dp=N run sees the images of a
   one-process run, each image once per epoch.
 - The train transform crops where albumentations' RandomResizedCrop draws (`data.train_crop_scale`, aspect 3/4 to
-  4/3), from the sample's own random stream, and resizes the crop to its grid, then flips; evaluation resizes the whole image to
-  the grid of `data.native.eval_seq_len` tokens (no crop).
+  4/3), from the sample's own random stream, and resizes the crop to its grid, then flips; evaluation resizes the
+  whole image to the grid of `data.native.eval_seq_len` tokens (no crop).
 - A batch's images are one to a sequence, padded to its length (3.1% of the tokens on real photographs,
   benchmarks/native.py), or with `data.native.pack` several to a sequence (first fit, largest first; 4.7%). Packing
   pays only for images smaller than a sequence, so with it each training image's patch count is drawn between
@@ -55,11 +55,11 @@ class NativeTransform:
         self.sizes_drawn = train and pack  # each image's share of its sequence drawn (module doc)
         # data.auto_augment (with data.augment_on=loader: check_native) on each resized image, here in the worker
         self.policy = AugmentPolicy.from_config(cfg, size) if train else None
-        self.scale = tuple(cfg.train_crop_scale)
         self.hflip = float(cfg.hflip)
         self.flag = interpolation(cfg)
         self.random = SampleRandom()
-        self.draw = A.RandomResizedCrop(size=(patch, patch), scale=self.scale)  # its crop draw, not its resize
+        # its crop draw, not its resize
+        self.draw = A.RandomResizedCrop(size=(patch, patch), scale=tuple(cfg.train_crop_scale))
         self.draw.set_random_state(self.random.numpy, self.random.python)
 
     def crop(self, height: int, width: int) -> tuple[int, int, int, int]:

@@ -123,7 +123,7 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
         "precision": precision_text(tr.cfg.trainer, tr.layout.device, tr.model),
         "data": f"{tr.cfg.data.name}: {tr.data.num_train} train / {tr.data.num_val} val images"
                 + (f" (shards of {tr.cfg.data.root})" if tr.cfg.data.get("format") == "shards" else ""),
-        **{k: v for k, v in tr.task.input_fields.items() if k != "val patches per image"},
+        **tr.task.input_fields,  # the resolution (native: the resolved sequence lengths)
         "steps": tr.step,
         "epochs": float(f"{tr.step / tr.data.train_sampler.steps_per_epoch:.3g}"),
         "train time (s)": round(whole, 1) if whole is not None else None,  # the whole run's, over its attempts
@@ -146,7 +146,6 @@ def run_summary(tr, final_loss: float, train_time: float, weights: Path) -> dict
            if tr.pipeline is not None else {}),
         **({"pipeline bubble (%)": round(100 * tr.bubble, 1)} if tr.bubble is not None else {}),
         **tr.task.summary(tr.last_eval),
-        **{k: v for k, v in tr.task.input_fields.items() if k == "val patches per image"},
         **({"peak GPU memory (GiB)": round(tr.peak_gpu_gib(), 2)} if tr.layout.device.type == "cuda" else {}),
         "checkpoint": str(tr.last_checkpoint),
         **({"checkpoint stall (s, mean)": round(sum(tr.checkpoint_stall_s) / len(tr.checkpoint_stall_s), 3)}
