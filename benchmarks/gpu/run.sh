@@ -46,8 +46,9 @@
 # 2,048 real photos, batch 256. About 2 minutes; it skips the training check. Not run yet.
 # `native`: data.resolution=native against square 224 px crops at the same token budget (benchmarks/native.py --part
 # rate): ViT-B/16 in bf16, eager, batch 256's tokens a step, one image to a sequence and packed, at 98, 196 and 392
-# patches, on 512 real photographs; images and tokens a second. About 2 minutes; it skips the training check. Not
-# run yet.
+# patches, on 512 real photographs; images and tokens a second. Then the native GPU tests: its training step never
+# waits for the GPU, and batches copied ahead train as copies waited for. About 6 minutes; it skips the training
+# check. Not run yet.
 #   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short|cudagraphs|profile|layouts|multi|memory|predict|native][+...]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -109,6 +110,10 @@ fi
 if has native; then  # data.resolution=native: ViT-B/16's images and tokens a second against square 224 px batches
     part 240 bench_native.txt python3 benchmarks/native.py --part rate --model vit_base --device cuda \
         --precision bf16 --batch 256 --rounds 10 --photos 512 --work /tmp/native-bench
+    # its steps never wait for the GPU (one image a sequence, packed), and batches copied ahead train as copies waited
+    # for (ViT-S/16, 30 steps on real photos, three runs)
+    part 420 gpu_native.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 400 -m gpu -rA \
+        tests/multirank/test_gpu.py -k native
 fi
 photos="$VISIONDIST_DATA/photos-10240"  # what tests/multirank/test_gpu.py's photos fixture reads
 if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|profile|cudagraphs|layouts|multi|memory|predict|native') ]]; then

@@ -37,6 +37,16 @@ def photos() -> Path:
     return ensure_photo_set(root, PHOTO_TRAIN, PHOTO_VAL, processes=min(16, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="module")
+def few_photos() -> Path:
+    """2,048 of the same photographs (the set `run.sh mfu` writes): for checks that need real shapes, not an epoch."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from photos import ensure_photo_set
+
+    root = Path(os.environ.get("VISIONDIST_DATA", "/tmp/visiondist-data")) / "photos-2048"
+    return ensure_photo_set(root, 2048, 64, processes=min(16, os.cpu_count() or 1))
+
+
 # the DeiT recipe as vit_b16_imagenet sets it, at batch 256 on one GPU, every loader setting the shipped default
 DEIT = ["experiment=vit_b16_imagenet", "data.batch_size=256", "data.eval_batch_size=256", "trainer.max_steps=30",
         "schedule.warmup_steps=10", "trainer.eval_every=1000", "trainer.accelerator=cuda", "trainer.loggers=[csv]"]
@@ -151,15 +161,50 @@ RECIPE = ["data.auto_augment=rand", "data.random_erasing=0.25", "data.mixup=0.8"
           "trainer.label_smoothing=0.1", "trainer.ema_decay=0.99996"]
 
 
+# data.resolution=native on images from 3:1 to 1:3 (their own set: tiny_shapes is square), one image a sequence and
+# packed (the CPU test of the same steps: tests/unit/test_native.py)
+NATIVE = ["data.synthetic.max_aspect=3", "model.patch_size=8", "model.num_heads=2", "data.resolution=native"]
+
+
 @pytest.mark.parametrize("extra", [["data.decode_on=loader"], ["data.decode_on=device"],
-                                   ["data.decode_on=device", *RECIPE]], ids=["loader", "device", "device+deit"])
+                                   ["data.decode_on=device", *RECIPE], NATIVE,
+                                   [*NATIVE, "data.native.pack=true", "data.batch_size=4"]],
+                         ids=["loader", "device", "device+deit", "native", "native+packed"])
 def test_the_training_step_never_waits_for_the_gpu(tmp_path, tiny_shapes, extra):
     from visiondist.cli import load_config
     from visiondist.launch import launch
 
-    cfg = load_config(CONFIGS, _gpu_args(tiny_shapes, tmp_path / "run", "trainer.precision=bf16",
+    data = tmp_path / "native" if "data.resolution=native" in extra else tiny_shapes
+    cfg = load_config(CONFIGS, _gpu_args(data, tmp_path / "run", "trainer.precision=bf16",
                                          "trainer.max_steps=20", "data.num_workers=0", *extra))
     launch(_steps_without_sync, cfg)  # data.num_workers=0: the loader is not what is being checked here
+
+
+def test_native_batches_copied_ahead_train_as_copies_that_wait(tmp_path, few_photos):
+    """ViT-S/16 on real photographs at their own aspect ratios (one image a sequence), 30 steps at batch 256's tokens
+    in bf16, the shipped loader (2 workers, pinned batches, each copied to the GPU without waiting: the host queues
+    steps ahead of the device): every step finite, and the logged losses within one run-to-run spread (two seeds) of
+    the same run with every launch and copy waited for (CUDA_LAUNCH_BLOCKING=1), where a pinned batch reused before
+    its copy ended would train on other pixels or labels."""
+    from helpers import finish_job, job_env, start_job
+
+    args = ["data=imagenet", "model=vit_small", "data.img_size=224", "data.batch_size=256", "data.resolution=native",
+            "trainer.precision=bf16", "trainer.max_steps=30", "trainer.eval_every=1000", "trainer.accelerator=cuda",
+            "trainer.loggers=[csv]", f"data.root={few_photos}"]
+    runs = {}
+    for name, extra, env in (("ahead", [], {}), ("waited", [], {"CUDA_LAUNCH_BLOCKING": "1"}),
+                             ("waited_seed1", ["trainer.seed=1"], {"CUDA_LAUNCH_BLOCKING": "1"})):
+        proc = start_job([sys.executable, str(REPO / "tools" / "train.py"), *args,
+                          f"trainer.run_dir={tmp_path / name}", *extra], env=job_env(**env))
+        out = finish_job(proc, 300, name)
+        assert proc.returncode == 0, out[-3000:]
+        runs[name] = losses_of(tmp_path / name)
+        assert sorted(runs[name]) == [10, 20, 30] and all(math.isfinite(v) for v in runs[name].values()), out[-3000:]
+    print(runs)
+    for step in (10, 20, 30):
+        waited = (runs["waited"][step], runs["waited_seed1"][step])
+        spread = max(abs(waited[0] - waited[1]), 0.02)
+        assert abs(runs["ahead"][step] - waited[0]) <= spread, (step, runs)
 
 
 def test_fsdp_at_world_size_one(tmp_path, tiny_shapes):

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers")
 pytest.importorskip("scipy")
 
+from host_reads import HostReads  # noqa: E402
 from scipy.optimize import linear_sum_assignment  # noqa: E402
 
 from visiondist.models import detr_matching  # noqa: E402
@@ -268,26 +268,6 @@ def test_dfine_loss_equals_the_original_implementations_equations(seed):
     assert all(float(terms[k].detach()) > 0 for k in ("fgl_last", "ddf_layer0", "ddf_dn_layer0"))
 
 
-class _HostReads(TorchDispatchMode):
-    """The operators that read a device tensor on the host (a synchronisation on CUDA): scalars, bool(), nonzero and
-    boolean-mask indexing, torch.equal, unique, copies to another device."""
-
-    SYNCING = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "_unique2", "unique_dim",
-               "unique_consecutive", "item"}
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
-        bool_index = name in ("index", "index_put", "index_put_") and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else []) or [])
-        if name in self.SYNCING or bool_index:
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("arch", ["rtdetr_v2_r18", "dfine_n", "rfdetr_nano"])
 def test_a_step_reads_the_device_once(arch, monkeypatch):
     """Every layer's, the encoder's and the denoising groups' matching in one transfer to the host and one back, and
@@ -306,7 +286,7 @@ def test_a_step_reads_the_device_once(arch, monkeypatch):
 
     monkeypatch.setattr(detr_matching, "to_host", counted_host)
     monkeypatch.setattr(detr_matching, "to_device", counted_device)
-    with _HostReads() as reads:
+    with HostReads() as reads:
         total, _, _ = criterion(*args, **kwargs)
         total.backward()
     assert transfers == {"to_host": 1, "to_device": 1}
@@ -316,7 +296,7 @@ def test_a_step_reads_the_device_once(arch, monkeypatch):
 def test_the_host_read_check_sees_what_it_should():
     """The stand-in above counts the reads that sync a CUDA step: .item(), bool(), torch.equal, mask indexing."""
     x = torch.rand(5)
-    with _HostReads() as reads:
+    with HostReads() as reads:
         x.sum().item()
         bool(x.max() > 0)
         torch.equal(x, x)

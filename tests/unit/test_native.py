@@ -63,6 +63,7 @@ def test_packed_sequences_compute_each_image_as_alone_forward_and_backward():
     alone = pack(images, 8, 16)
     packed = pack(images, 8, 32, [[1, 3], [0], [2, 4]])
     assert packed.slots.tolist() == [[True, True], [True, False], [True, True]] and packed.num_images == 5
+    assert packed.order.tolist() == [0, 1, 2, 4, 5]  # the filled slots of the flattened (3 x 2) slots
     order = [1, 3, 0, 2, 4]
 
     def run(batch, labels):
@@ -236,8 +237,50 @@ def test_the_collate_pads_or_packs_a_batch_with_its_labels_in_order():
     assert packed.patches.shape[:2] == (2, 8) and packed.num_images == 4
     # first fit, largest first: 6 (image 0), 6 (image 2) open two sequences; 2 (image 3) joins the first, 1 the second
     assert labels.tolist() == [0, 3, 2, 1] and packed.segments.tolist() == [[1] * 6 + [2] * 2, [1] * 6 + [2, 0]]
+    assert packed.order.tolist() == [0, 1, 2, 3] and padded.order.tolist() == [0, 1, 2, 3]
     # the pixels of an image's first patch, in (row, column, channel) order
     assert torch.equal(packed.patches[1, 0].view(16, 16, 3), samples[2][0][:16, :16])
+
+
+def _steps_reading_the_host(cfg, layout, run_dir):
+    """Rank entry: two steps, then three more with every host read of a tensor recorded (`HostReads`)."""
+    from host_reads import HostReads
+
+    from visiondist.train.build import prepare_rank
+    from visiondist.train.trainer import Trainer
+
+    prepare_rank(cfg, layout, run_dir)
+    trainer = Trainer(cfg, layout, run_dir)
+    batches = trainer.task.train_batches(layout.device)
+    for _ in range(2):
+        trainer.train_step(batches)
+    with HostReads() as reads:
+        for _ in range(3):
+            trainer.train_step(batches)
+            trainer.step += 1
+    assert reads.where == [], f"the step read device values on the host: {sorted(set(reads.where))}"
+    return True
+
+
+@pytest.mark.parametrize("native,packed", [(False, False), (True, False), (True, True)],
+                         ids=["square", "one_image_a_sequence", "packed"])
+def test_a_native_training_step_never_reads_the_device_on_the_host(tmp_path, native, packed):
+    """The trainer's step on native batches (the collate, the normalisation of the patches, the forward, the loss per
+    image, the backward, clipping and the optimizer), recorded on the CPU: no operator that would make the host wait
+    for a GPU (a boolean mask's indexing picking the images' logits did, forward and backward), as none in the square
+    step the GPU test checks (tests/multirank/test_gpu.py, `never_waits`). The default
+    logging reads the loss every 10 steps, so the recorded steps read none. data.num_workers=0: the collate runs in
+    this process, where its reads would be recorded too (in workers they are host tensors and cost nothing)."""
+    from helpers import REPO, TINY_DATA
+    from visiondist.cli import load_config
+    from visiondist.launch import launch
+
+    args = [*TINY_DATA, "data.synthetic.max_aspect=3", "model.patch_size=8", "model.num_heads=2",
+            f"data.resolution={'native' if native else 'square'}", f"data.batch_size={2 if packed else 8}",
+            f"data.native.pack={packed}",
+            f"data.root={tmp_path / 'data'}", f"trainer.run_dir={tmp_path / 'run'}", "trainer.accelerator=cpu",
+            "trainer.devices=1", "trainer.max_steps=20"]
+    launch(_steps_reading_the_host, load_config(REPO / "configs", args))
 
 
 @pytest.mark.parametrize("override,says", [

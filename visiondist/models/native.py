@@ -31,8 +31,10 @@ class Patches(NamedTuple):
     patches    (B, N, p * p * C) each patch's pixels in (row, column, channel) order
     segments   (B, N) long: 0 for padding, k >= 1 for the k-th image of its sequence
     pos_index  (B, N) long: each token's row in the position table of `grids` (concatenated, row-major)
-    slots      (B, S) bool: image slot k - 1 of sequence b holds an image; the model's logits come in the order of
-               the True entries (sequence by sequence)
+    slots      (B, S) bool: image slot k - 1 of sequence b holds an image
+    order      (images,) long: the filled slots' positions in the flattened (B * S) slots, sequence by sequence: the
+               order of the model's logits (a gather by index: no read of the slots on the host, as a boolean
+               mask's indexing would be on a GPU)
     grids      the distinct (rows, columns) grids of the batch's images, in the position table's order
     padded     some token is padding, or a sequence holds more than one image (attention needs a mask)
     """
@@ -41,20 +43,22 @@ class Patches(NamedTuple):
     segments: torch.Tensor
     pos_index: torch.Tensor
     slots: torch.Tensor
+    order: torch.Tensor
     grids: tuple[tuple[int, int], ...]
     padded: bool
 
+    TENSORS = ("patches", "segments", "pos_index", "slots", "order")
+
     @property
     def num_images(self) -> int:
-        return int(self.slots.sum())
+        return len(self.order)
 
     def to(self, device, non_blocking: bool = False) -> "Patches":
         return self._replace(**{name: getattr(self, name).to(device, non_blocking=non_blocking)
-                                for name in ("patches", "segments", "pos_index", "slots")})
+                                for name in self.TENSORS})
 
     def pin_memory(self) -> "Patches":
-        return self._replace(**{name: getattr(self, name).pin_memory()
-                                for name in ("patches", "segments", "pos_index", "slots")})
+        return self._replace(**{name: getattr(self, name).pin_memory() for name in self.TENSORS})
 
 
 def patchify(image: torch.Tensor, patch: int) -> torch.Tensor:
@@ -86,6 +90,7 @@ def pack(images: Sequence[torch.Tensor], patch: int, seq_len: int, sequences: Se
     segments = torch.zeros(b, seq_len, dtype=torch.long)
     pos_index = torch.zeros(b, seq_len, dtype=torch.long)
     slots = torch.zeros(b, s, dtype=torch.bool)
+    padded = s > 1
     for row, seq in enumerate(sequences):
         start = 0
         for k, i in enumerate(seq):
@@ -97,8 +102,9 @@ def pack(images: Sequence[torch.Tensor], patch: int, seq_len: int, sequences: Se
             pos_index[row, start:start + n] = torch.arange(offsets[grids[i]], offsets[grids[i]] + n)
             slots[row, k] = True
             start += n
-    padded = s > 1 or bool((segments == 0).any())
-    return Patches(patches, segments, pos_index, slots, tuple(distinct), padded)
+        padded = padded or start < seq_len
+    order = torch.tensor([row * s + k for row, seq in enumerate(sequences) for k in range(len(seq))], dtype=torch.long)
+    return Patches(patches, segments, pos_index, slots, order, tuple(distinct), padded)
 
 
 def position_table(pos_embed: torch.Tensor, grid: tuple[int, int], grids: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -148,7 +154,7 @@ def native_forward(model, batch: Patches) -> torch.Tensor:
     x = model.blocks(native_embed(model, batch), attention_mask(batch))
     s = batch.slots.shape[1]
     logits = model.head(model.head_drop(model.norm(x[:, :s])))
-    return logits[batch.slots]
+    return logits.flatten(0, 1).index_select(0, batch.order)
 
 
 def to_timm_naflex(state: dict[str, torch.Tensor], grid: tuple[int, int]) -> dict[str, torch.Tensor]:
