@@ -4,6 +4,7 @@ the CPU here and with the ranks on a GPU by `benchmarks/gpu/run.sh layouts` / `m
 - a detector (Faster R-CNN, and RT-DETR of the DETR class) trained under dp2 evaluates on one rank exactly as its
   run's own 2-rank evaluation did. A device run's extra: on the CPU (for CI's time) only with VISIONDIST_TEST_DEVICE
   set (`VISIONDIST_TEST_DEVICE=cpu` runs it here);
+- no layout's training step reads a device tensor on the host (a synchronisation of every step on a GPU);
 - benchmarks/gpu/run.sh's `layouts` and `multi` modes parse and run the `layouts` tests, and the ViT-H/14 benchmark of
   `multi` resolves to its TP layout, whose traffic benchmarks/gpu/traffic.py plans.
 """
@@ -19,7 +20,7 @@ import sys
 import pytest
 
 from devices import on_test_device
-from helpers import REPO, losses_of, run_cli
+from helpers import REPO, TINY_DATA, losses_of, run_cli
 from visiondist.observe.metrics import read_metrics
 
 RUN_SH = REPO / "benchmarks" / "gpu" / "run.sh"
@@ -34,6 +35,29 @@ DETECTORS = {
     "rtdetr": ["model=rtdetr_v2_r18", "model.img_size=64", "model.multi_scale=null", "model.num_queries=50",
                "schedule.warmup_steps=1"],
 }
+
+
+LAYOUTS = {"dp2": ["parallel.dp=2"], "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+           "fsdp2": ["parallel.dp=2", "parallel.fsdp=true"], "pp2": ["parallel.pp=2"],
+           "tp2_native_packed": ["parallel.tp=2", "data.resolution=native", "model.patch_size=8",
+                                 "data.native.pack=true", "data.batch_size=2"]}
+
+
+@pytest.mark.layouts
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_no_layouts_training_step_reads_the_device_on_the_host(tmp_path, name):
+    """Each layout's step (its collectives, clipping over its shards, the pipeline's schedule, the optimizer) on 2
+    ranks, with every operator that reads a tensor's values on the host recorded on each rank (`HostReads`): none.
+    On a GPU each would hold the host until the device caught up, every step; the CPU shows them without one.
+    data.num_workers=0: the collate runs in the rank, where its host tensors' reads would count."""
+    from host_reads import steps_reading_the_host
+    from visiondist.cli import load_config
+    from visiondist.launch import launch
+
+    args = on_test_device([*TINY_DATA, "data.synthetic.max_aspect=3", "model.num_heads=2", "data.batch_size=8",
+                           f"data.root={tmp_path / 'data'}", f"trainer.run_dir={tmp_path / 'run'}",
+                           "trainer.accelerator=cpu", "trainer.devices=2", "trainer.max_steps=20", *LAYOUTS[name]])
+    launch(steps_reading_the_host, load_config(REPO / "configs", args))
 
 
 @DEVICE_RUN

@@ -242,26 +242,6 @@ def test_the_collate_pads_or_packs_a_batch_with_its_labels_in_order():
     assert torch.equal(packed.patches[1, 0].view(16, 16, 3), samples[2][0][:16, :16])
 
 
-def _steps_reading_the_host(cfg, layout, run_dir):
-    """Rank entry: two steps, then three more with every host read of a tensor recorded (`HostReads`)."""
-    from host_reads import HostReads
-
-    from visiondist.train.build import prepare_rank
-    from visiondist.train.trainer import Trainer
-
-    prepare_rank(cfg, layout, run_dir)
-    trainer = Trainer(cfg, layout, run_dir)
-    batches = trainer.task.train_batches(layout.device)
-    for _ in range(2):
-        trainer.train_step(batches)
-    with HostReads() as reads:
-        for _ in range(3):
-            trainer.train_step(batches)
-            trainer.step += 1
-    assert reads.where == [], f"the step read device values on the host: {sorted(set(reads.where))}"
-    return True
-
-
 @pytest.mark.parametrize("native,packed", [(False, False), (True, False), (True, True)],
                          ids=["square", "one_image_a_sequence", "packed"])
 def test_a_native_training_step_never_reads_the_device_on_the_host(tmp_path, native, packed):
@@ -270,8 +250,10 @@ def test_a_native_training_step_never_reads_the_device_on_the_host(tmp_path, nat
     for a GPU (a boolean mask's indexing picking the images' logits did, forward and backward), as none in the square
     step the GPU test checks (tests/multirank/test_gpu.py, `never_waits`). The default
     logging reads the loss every 10 steps, so the recorded steps read none. data.num_workers=0: the collate runs in
-    this process, where its reads would be recorded too (in workers they are host tensors and cost nothing)."""
+    this process, where its reads would be recorded too (in workers they are host tensors and cost nothing). The
+    layouts' steps: tests/multirank/test_layouts.py."""
     from helpers import REPO, TINY_DATA
+    from host_reads import steps_reading_the_host
     from visiondist.cli import load_config
     from visiondist.launch import launch
 
@@ -280,7 +262,7 @@ def test_a_native_training_step_never_reads_the_device_on_the_host(tmp_path, nat
             f"data.native.pack={packed}",
             f"data.root={tmp_path / 'data'}", f"trainer.run_dir={tmp_path / 'run'}", "trainer.accelerator=cpu",
             "trainer.devices=1", "trainer.max_steps=20"]
-    launch(_steps_reading_the_host, load_config(REPO / "configs", args))
+    launch(steps_reading_the_host, load_config(REPO / "configs", args))
 
 
 @pytest.mark.parametrize("override,says", [
