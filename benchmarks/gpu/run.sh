@@ -49,7 +49,13 @@
 # patches, on 512 real photographs; images and tokens a second. Then the native GPU tests: its training step never
 # waits for the GPU, and batches copied ahead train as copies waited for. About 6 minutes; it skips the training
 # check. Not run yet.
-#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short|cudagraphs|profile|layouts|multi|memory|predict|native][+...]
+# `levers`: what might take ViT-B/16 (DeiT recipe, 2,048 real photos) toward its goal, each beside the configuration as
+# it ships in one benchmark run, compile counters read: float8 on the MLPs' linear layers only (trainer.fp8_layers=mlp,
+# both recipes); Inductor's GEMM templates with the pointwise work fused into them (trainer.compile_autotune, a run of
+# its own: minutes of compiling); batch 384 (a run of its own: a variant shares the batch). One table, each row's speed
+# over its run's first (benchmarks/gpu/table.py --levers), failing on any compile fault. Bounded to 6.5 minutes.
+# `levers_s`: the same for ViT-S/16 (autotuning; batch 512), 4.5 minutes. Both skip the training check; not run yet.
+#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short|cudagraphs|profile|layouts|multi|memory|predict|native|levers|levers_s][+...]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
@@ -116,7 +122,7 @@ if has native; then  # data.resolution=native: ViT-B/16's images and tokens a se
         tests/multirank/test_gpu.py -k native
 fi
 photos="$VISIONDIST_DATA/photos-10240"  # what tests/multirank/test_gpu.py's photos fixture reads
-if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|profile|cudagraphs|layouts|multi|memory|predict|native') ]]; then
+if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|profile|cudagraphs|layouts|multi|memory|predict|native|levers|levers_s') ]]; then
     part 120 photos.txt python3 benchmarks/photos.py "$photos" --train 10240 --val 256
     # the training path on real photos first: DeiT recipe, decode in the workers (two seeds) and on the device
     part 330 gpu_training.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 320 -m gpu -rA \
@@ -161,6 +167,34 @@ timed_bench() {  # seconds, name, then tools/benchmark.py arguments: bench, boun
         | tee -a "$out/bench_mfu.txt"
     [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
 }
+levers() {  # name, seconds, then tools/benchmark.py arguments: a lever's run, its rows in $out/levers
+    local name=$1 seconds=$2; shift 2
+    echo "== $name: $*" | tee -a "$out/bench_levers.txt"
+    timeout -k 5 "$seconds" python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out/levers" \
+        bench.baseline=false "$@" 2>&1 | tee -a "$out/bench_levers.txt"
+    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
+}
+if has levers || has levers_s; then
+    t0=$SECONDS
+    if has levers; then  # ViT-B/16, the DeiT recipe on real photos
+        small="$VISIONDIST_DATA/photos-2048"
+        part 60 photos_small.txt python3 benchmarks/photos.py "$small" --train 2048 --val 64
+        deit=(experiment=vit_b16_imagenet data.root="$small")
+        levers vit_b16_fp8_mlp 150 "${deit[@]}" data.batch_size=256 \
+            "bench.variants=['trainer.fp8=rowwise trainer.fp8_layers=mlp','trainer.fp8=tensorwise trainer.fp8_layers=mlp']"
+        # autotuning compiles for minutes: a run of its own, so that running out of time loses no other row
+        levers vit_b16_autotune 210 "${deit[@]}" data.batch_size=256 "bench.variants=['trainer.compile_autotune=true']"
+        levers vit_b16_batch384 70 "${deit[@]}" data.batch_size=384
+    fi
+    if has levers_s; then  # ViT-S/16 on its goal row's settings
+        vits=(model=vit_small data.img_size=224 trainer.precision=bf16)
+        levers vit_s16_autotune 180 "${vits[@]}" data.batch_size=256 "bench.variants=['trainer.compile_autotune=true']"
+        levers vit_s16_batch512 70 "${vits[@]}" data.batch_size=512
+    fi
+    python3 benchmarks/gpu/table.py "$out/levers/results.jsonl" --levers --markdown "$out/levers.md" \
+        || failed=$((failed + 1))
+    echo "levers: $((SECONDS - t0)) s"
+fi
 if has bench || has all; then
     # eager and compiled (trainer.compile=auto compiles on CUDA: eager is asked for by name), each against its own
     # plain loops; ViT-B/L plain

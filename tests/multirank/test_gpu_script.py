@@ -20,7 +20,7 @@ import pytest
 from helpers import REPO
 
 RUN_SH = REPO / "benchmarks" / "gpu" / "run.sh"
-MODES = "all+short+cudagraphs+profile+layouts+multi+memory+predict+native"  # `all`: tests, bench, mfu, kernels and detr
+MODES = "all+short+cudagraphs+profile+layouts+multi+memory+predict+native+levers+levers_s"  # `all`: tests, bench, mfu, kernels and detr
 GPUS = 2  # what the stand-in says torch.cuda.device_count() is (run.sh multi: 2 GPUs -> tp2)
 
 # `python3` as run.sh calls it: logs its arguments; `-c` answers the device questions; everything else (pytest, pip,

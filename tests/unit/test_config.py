@@ -110,6 +110,8 @@ def test_pipeline_batch_must_split_into_microbatches():
          "trainer.compile=true compiles transformer blocks; fasterrcnn_mobilenet_v3 has none"),
         (["parallel=pp2", "parallel.schedule=zero_bubble", "trainer.compile=true"],
          "a compiled block's backward cannot do"),
+        (["trainer.compile_autotune=true", "trainer.compile=false"],
+         "trainer.compile_autotune=true tunes the compiled kernels: drop trainer.compile=false"),
         (["parallel.checkpoint_blocks=3"], "set parallel.activation_checkpointing=true too"),
         (["data.prefetch_factor=0"], "data.prefetch_factor=0 must be > 0"),
         (["bench.steps=0"], "bench.steps=0 must be > 0"),

@@ -42,6 +42,9 @@ def test_only_the_blocks_linear_layers_become_float8_under_their_own_names():
     assert list(model.state_dict()) == keys  # checkpoints, EMA and export see the same tensors
     narrow = _vit(embed_dim=40)  # 40 features: not a multiple of 16, which float8 matmuls need
     assert to_float8(transformer_blocks(narrow), "tensorwise", "all") == (0, 12) and not _float8(narrow)
+    mlp = _vit()  # trainer.fp8_layers=mlp: fc1 and fc2 alone, the attention's projections bf16
+    assert to_float8(transformer_blocks(mlp), "rowwise", "mlp") == (4, 12)
+    assert sorted(_float8(mlp)) == sorted(f"blocks.{b}.mlp.{layer}" for b in range(2) for layer in ("fc1", "fc2"))
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

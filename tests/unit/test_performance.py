@@ -344,10 +344,10 @@ def test_the_mfu_table_fails_a_row_compiled_with_faults_and_a_missing_goal_row(t
     rows = [row("vit_small", images_per_s=10_500.0, ours_over_plain=0.95), row("vit_base", images_per_s=3_000.0),
             row("vit_huge", mfu_datasheet=0.51), row("vit_huge", "trainer.fp8=rowwise", over_first=1.1)]
 
-    def table(rows) -> tuple[int, str]:
+    def table(rows, *flags) -> tuple[int, str]:
         results = tmp_path / "results.jsonl"
         results.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        monkeypatch.setattr("sys.argv", ["table.py", str(results), "--markdown", str(tmp_path / "mfu.md")])
+        monkeypatch.setattr("sys.argv", ["table.py", str(results), "--markdown", str(tmp_path / "mfu.md"), *flags])
         with pytest.raises(SystemExit) as ended:
             runpy.run_path(str(REPO / "benchmarks" / "gpu" / "table.py"), run_name="__main__")
         capsys.readouterr()
@@ -364,3 +364,32 @@ def test_the_mfu_table_fails_a_row_compiled_with_faults_and_a_missing_goal_row(t
     code, text = table(rows[:2])
     assert code == 3 and ("missing rows (not run or failed before recording): vit_huge -, "
                           "vit_huge trainer.fp8=rowwise") in text, text
+    # `run.sh levers`: each row's speed over its run's first (a step-time ratio in the JSON), no goals, no missing rows
+    levers = [row("vit_base"), row("vit_base", "trainer.compile_autotune=true", over_first=0.8,
+                                   ratio_uncertainty={"over_first": 0.012})]
+    code, text = table(levers, "--levers")
+    speeds = {line.split("|")[1].strip(): line.split("|")[5].strip() for line in text.splitlines() if "| vit_" in line}
+    assert code == 0 and speeds == {"vit_base 224 b256": "1.000",
+                                    "vit_base 224 b256 trainer.compile_autotune=true": "1.250 (+-1.2%)"}, text
+    levers[1]["compile_faults"] = ["ours: graph break in forward"]
+    assert table(levers, "--levers")[0] == 1
+
+
+def test_compile_autotune_sets_inductor_as_torchs_max_autotune_mode_does(caplog):
+    """trainer.compile_autotune=true: Inductor's settings are what torch.compile's mode "max-autotune-no-cudagraphs"
+    sets (read from torch, so a torch that changes the mode changes them too); a run that compiles nothing is told
+    so and changes nothing."""
+    import torch._inductor as inductor
+
+    from visiondist.train.build import tune_compiler
+
+    mode = inductor.list_mode_options("max-autotune-no-cudagraphs")
+    assert mode and "triton.cudagraphs" not in mode  # CUDA graphs stay trainer.cuda_graphs' choice
+    with inductor.config.patch({key: False for key in mode}):
+        tune_compiler(True, compiled=False)
+        assert not any(getattr(inductor.config, key) for key in mode)
+        assert "nothing to tune" in caplog.text
+        tune_compiler(False, compiled=True)
+        assert not any(getattr(inductor.config, key) for key in mode)
+        tune_compiler(True, compiled=True)
+        assert {key: getattr(inductor.config, key) for key in mode} == mode

@@ -209,9 +209,11 @@ class TrainerConfig:
     precision: str = "32"  # 32 (or fp32) | bf16 | 16 (or fp16: autocast with dynamic loss scaling)
     fp8: str = "off"  # off | tensorwise | rowwise: the blocks' linear layers in float8 (torchao), with precision=bf16
     fp8_layers: str = "auto"  # auto: the layers torchao's filter picks for the recipe | all: every one it can run
+    # | mlp: the MLPs' fc1 and fc2 only
     tf32: bool = True  # CUDA: fp32 matmuls / convolutions in TF32 (10-bit mantissa, several times faster); false: ieee
     compile: Any = "auto"  # torch.compile: auto (on CUDA) | true | false | model | blocks (see plan.resolve)
     cuda_graphs: Any = "auto"  # the compiled model replayed as CUDA graphs: auto (narrow ViTs on one GPU) | true | false
+    compile_autotune: bool = False  # Inductor's GEMM templates timed against cuBLAS, epilogues fused (minutes more)
     grad_accum: int = 1
     clip_grad: float = 0.0  # max global grad norm; 0 disables clipping
     label_smoothing: float = 0.0  # classification cross-entropy

@@ -220,7 +220,7 @@ def _check_trainer(t: DictConfig) -> None:
                           "16 (or fp16: autocast with loss scaling)")
     _one_of("trainer.on_nonfinite", t.on_nonfinite, ("raise", "skip"))
     _one_of("trainer.fp8", t.fp8, ("off", "tensorwise", "rowwise"))
-    _one_of("trainer.fp8_layers", t.fp8_layers, ("auto", "all"))
+    _one_of("trainer.fp8_layers", t.fp8_layers, ("auto", "all", "mlp"))
     if t.fp8 != "off" and str(t.precision) != "bf16":
         raise ConfigError(f"trainer.fp8={t.fp8} runs the blocks' linear layers in float8 and the rest in bf16: set "
                           f"trainer.precision=bf16 too (not {t.precision})")
@@ -231,6 +231,8 @@ def _check_trainer(t: DictConfig) -> None:
         raise ConfigError(f"trainer.cuda_graphs={t.cuda_graphs!r}: use auto, true or false")
     if t.cuda_graphs is True and t.compile is False:
         raise ConfigError("trainer.cuda_graphs=true replays the compiled model: drop trainer.compile=false")
+    if t.get("compile_autotune", False) and t.compile is False:
+        raise ConfigError("trainer.compile_autotune=true tunes the compiled kernels: drop trainer.compile=false")
     unknown = [name for name in t.loggers if name not in LOGGERS]
     if unknown:
         raise ConfigError(f"trainer.loggers has {', '.join(map(repr, unknown))}: use any of {', '.join(LOGGERS)}, "

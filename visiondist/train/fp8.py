@@ -50,7 +50,7 @@ def float8_config(recipe: str):
     return dataclasses.replace(_float8().Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
 
 
-LAYER_CHOICES = ("auto", "all")
+LAYER_CHOICES = ("auto", "all", "mlp")
 
 
 def eligible(module: nn.Module) -> bool:
@@ -63,9 +63,12 @@ def layer_filter(recipe: str, layers: str = "auto"):
     what torchtitan uses), which keeps bf16 the layers whose matmuls float8 makes slower on an H100: rowwise only
     where out > 2048 and in > 1024 (and not both out <= 4096 and in <= 2048), tensorwise not where in <= 4096 and
     out <= 1024. Rowwise converts fc1 alone in ViT-H and nothing in ViT-B or ViT-L; tensorwise fc1 alone in ViT-B
-    and ViT-L, every layer in ViT-H. `all`: every layer whose features are multiples of 16."""
+    and ViT-L, every layer in ViT-H. `all`: every layer whose features are multiples of 16. `mlp`: the MLP's two
+    (fc1, fc2: two thirds of a block's matmul FLOPs), the attention's projections in bf16."""
     if layers == "all":
         return lambda module, _name: eligible(module)
+    if layers == "mlp":
+        return lambda module, name: eligible(module) and name.split(".")[0] == "mlp"
     from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
     chooses = _auto_filter_for_recipe(recipe, filter_fqns=[])
@@ -107,7 +110,8 @@ def apply_fp8(model: nn.Module, recipe: str, device: torch.device, blocks: list[
     converted, seen = to_float8(blocks, recipe, layers)
     if not is_main:
         return
-    which = "torchao's filter for the recipe" if layers == "auto" else "every layer with features in multiples of 16"
+    which = {"auto": "torchao's filter for the recipe", "all": "every layer with features in multiples of 16",
+             "mlp": "the MLPs' layers"}[layers]
     if converted == 0:
         log.warning("trainer.fp8=%s converts none of the blocks' %d linear layers (trainer.fp8_layers=%s: %s keeps "
                     "bf16 where float8 would be slower): the run is bf16; drop trainer.fp8, or force it with "
