@@ -375,21 +375,32 @@ def test_the_mfu_table_fails_a_row_compiled_with_faults_and_a_missing_goal_row(t
     assert table(levers, "--levers")[0] == 1
 
 
-def test_compile_autotune_sets_inductor_as_torchs_max_autotune_mode_does(caplog):
-    """trainer.compile_autotune=true: Inductor's settings are what torch.compile's mode "max-autotune-no-cudagraphs"
-    sets (read from torch, so a torch that changes the mode changes them too); a run that compiles nothing is told
-    so and changes nothing."""
+def test_compile_autotune_is_each_compiled_modules_own_mode(monkeypatch):
+    """trainer.compile_autotune=true: torch.compile's autotuning mode on what is compiled (each block, or the whole
+    model, "max-autotune" where CUDA graphs replay it), never Inductor's process-wide settings, so that a benchmark's
+    variants compiled side by side keep their own. Each mode is one torch knows, and the one without CUDA graphs
+    leaves them to trainer.cuda_graphs."""
     import torch._inductor as inductor
 
-    from visiondist.train.build import tune_compiler
+    from visiondist.models.vit import VisionTransformer
+    from visiondist.parallel.fsdp import compile_blocks, compile_mode, compile_model
 
-    mode = inductor.list_mode_options("max-autotune-no-cudagraphs")
-    assert mode and "triton.cudagraphs" not in mode  # CUDA graphs stay trainer.cuda_graphs' choice
-    with inductor.config.patch({key: False for key in mode}):
-        tune_compiler(True, compiled=False)
-        assert not any(getattr(inductor.config, key) for key in mode)
-        assert "nothing to tune" in caplog.text
-        tune_compiler(False, compiled=True)
-        assert not any(getattr(inductor.config, key) for key in mode)
-        tune_compiler(True, compiled=True)
-        assert {key: getattr(inductor.config, key) for key in mode} == mode
+    assert [compile_mode(g, a) for g in (False, True) for a in (False, True)] == [
+        None, "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"]
+    assert inductor.list_mode_options("max-autotune-no-cudagraphs").get("max_autotune") is True
+    assert not inductor.list_mode_options("max-autotune-no-cudagraphs").get("triton.cudagraphs")
+    assert inductor.list_mode_options("max-autotune").get("triton.cudagraphs") is True
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
+
+    def vit():
+        return VisionTransformer(img_size=32, patch_size=16, num_classes=3, embed_dim=32, depth=2, num_heads=2)
+
+    compile_blocks(vit(), autotune=True)
+    compile_blocks(vit())
+    compile_model(vit(), autotune=True)
+    compile_model(vit(), cuda_graphs=True, autotune=True)
+    compile_model(vit(), cuda_graphs=True)
+    assert seen == [{"mode": "max-autotune-no-cudagraphs"}] * 2 + [{}] * 2 + [
+        {"mode": "max-autotune-no-cudagraphs"}, {"mode": "max-autotune"}, {"mode": "reduce-overhead"}]
+    assert not inductor.config.max_autotune

@@ -213,7 +213,7 @@ class TrainerConfig:
     tf32: bool = True  # CUDA: fp32 matmuls / convolutions in TF32 (10-bit mantissa, several times faster); false: ieee
     compile: Any = "auto"  # torch.compile: auto (on CUDA) | true | false | model | blocks (see plan.resolve)
     cuda_graphs: Any = "auto"  # the compiled model replayed as CUDA graphs: auto (narrow ViTs on one GPU) | true | false
-    compile_autotune: bool = False  # Inductor's GEMM templates timed against cuBLAS, epilogues fused (minutes more)
+    compile_autotune: bool = False  # torch.compile's max-autotune mode: GEMM templates timed against cuBLAS (minutes)
     grad_accum: int = 1
     clip_grad: float = 0.0  # max global grad norm; 0 disables clipping
     label_smoothing: float = 0.0  # classification cross-entropy

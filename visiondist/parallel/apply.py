@@ -20,7 +20,8 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
                 offload: bool = False, activation_checkpointing: bool = False, checkpoint_blocks: int = -1,
                 checkpoint_keep: str = "input", compile: bool | str = False,
                 param_dtype: Optional[torch.dtype] = None, materialize: Optional[Callable[[nn.Module], None]] = None,
-                wrap: bool = True, shard_size: int = 0, cuda_graphs: bool = False) -> nn.Module:
+                wrap: bool = True, shard_size: int = 0, cuda_graphs: bool = False,
+                compile_autotune: bool = False) -> nn.Module:
     """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out over the mesh.
 
     A model on the meta device is laid out first and then handed to `materialize`, before any wrapper that needs
@@ -37,7 +38,7 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
     in the backward (`checkpoint_blocks` > 0: only the first that many blocks; `checkpoint_keep="matmuls"`: each
     keeps its matmuls' outputs too), under any layout; `compile` ("blocks" or True) compiles each block (before any
     sharding wrapper, as FSDP2 expects), "model" the whole model (one device or DDP only), replayed as CUDA graphs
-    with `cuda_graphs`.
+    with `cuda_graphs`; `compile_autotune`: Inductor's autotuning modes (`fsdp.compile_mode`).
     """
     if activation_checkpointing:
         enable_activation_checkpointing(model, checkpoint_blocks, checkpoint_keep)
@@ -45,9 +46,9 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
         if fsdp or layout.tp > 1 or layout.pp > 1:
             raise ValueError("compile='model' compiles a model whole on each rank (one device or DDP): use "
                              "compile='blocks' with tensor or pipeline parallelism or FSDP")
-        compile_model(model, cuda_graphs)
+        compile_model(model, cuda_graphs, autotune=compile_autotune)
     elif compile:
-        compile_blocks(model)
+        compile_blocks(model, autotune=compile_autotune)
     materialize = materialize or (lambda _model: None)
     if fsdp:
         if layout.tp > 1 or layout.pp > 1:

@@ -81,26 +81,39 @@ def enable_activation_checkpointing(model: nn.Module, blocks: int = -1, keep: st
     return len(chosen)
 
 
-def compile_blocks(model: nn.Module, backend=None) -> int:
+def compile_mode(cuda_graphs: bool = False, autotune: bool = False) -> str | None:
+    """torch.compile's mode. `cuda_graphs`: the graph replayed as CUDA graphs ("reduce-overhead"); `autotune`
+    (`trainer.compile_autotune`): Inductor times each matmul among cuBLAS and its own GEMM templates, which take the
+    pointwise work after the matmul (bias, GELU, residual add) into the same kernel, and tunes the other kernels'
+    launch settings ("max-autotune-no-cudagraphs", "max-autotune" with CUDA graphs). A mode is the compiled
+    module's own: a benchmark's variants compile side by side, each with its own."""
+    if autotune:
+        return "max-autotune" if cuda_graphs else "max-autotune-no-cudagraphs"
+    return "reduce-overhead" if cuda_graphs else None
+
+
+def _compile_options(backend, mode: str | None) -> dict:
+    return {**({"backend": backend} if backend is not None else {}), **({"mode": mode} if mode else {})}
+
+
+def compile_blocks(model: nn.Module, backend=None, autotune: bool = False) -> int:
     """`torch.compile` each transformer block in place (its checkpointing, if any, included). The blocks share one
     compiled graph: their parameters and buffers are graph inputs. Returns the number of blocks."""
     found = transformer_blocks(model)
     if not found:
         raise ValueError(f"trainer.compile compiles transformer blocks; {type(model).__name__} has none: drop it")
     for block in found:
-        block.compile(**({"backend": backend} if backend is not None else {}))
+        block.compile(**_compile_options(backend, compile_mode(autotune=autotune)))
     return len(found)
 
 
-def compile_model(model: nn.Module, cuda_graphs: bool = False, backend=None) -> None:
+def compile_model(model: nn.Module, cuda_graphs: bool = False, backend=None, autotune: bool = False) -> None:
     """`torch.compile` the whole model in place (`nn.Module.compile`: its parameter names and state dict unchanged),
     one graph for all its blocks. Under DDP (wrapped after this) torch's DDPOptimizer cuts the graph at the gradient
-    buckets, so their all-reduces still overlap the backward. `cuda_graphs`: mode="reduce-overhead", the graph
-    replayed as CUDA graphs (torch's CUDA graph trees); the step marks each iteration
-    (`torch.compiler.cudagraph_mark_step_begin`)."""
-    options = {"backend": backend} if backend is not None else {}
-    if cuda_graphs:
-        options["mode"] = "reduce-overhead"
+    buckets, so their all-reduces still overlap the backward. `cuda_graphs`: the graph replayed as CUDA graphs
+    (torch's CUDA graph trees); the step marks each iteration (`torch.compiler.cudagraph_mark_step_begin`).
+    `autotune`: `compile_mode`."""
+    options = _compile_options(backend, compile_mode(cuda_graphs, autotune))
     region = getattr(model, "compile_region", None)  # a DETR: the library's network, not its loss and resizes
     (region() if region is not None else model).compile(**options)
 

@@ -53,7 +53,9 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, checkpoint: Pa
         order_attention(cfg, layout)
     if p.compile and cfg.trainer.compile == "auto":  # chosen, not asked: a block that fails to compile runs eager
         torch._dynamo.config.suppress_errors = True  # (torch logs why); trainer.compile=true lets the error stop
-    tune_compiler(cfg.trainer.compile_autotune, p.compile, layout.is_main)
+    if cfg.trainer.compile_autotune and not p.compile and layout.is_main:
+        log.warning("trainer.compile_autotune=true has nothing to tune: this run compiles nothing "
+                    "(trainer.compile=auto compiles on CUDA only; trainer.compile=true compiles anywhere)")
     model, source = build_deferred(m, checkpoint is None)
     if checkpoint is not None and not is_meta(model):
         from visiondist.checkpoint.dcp import freeze_as_saved
@@ -84,26 +86,8 @@ def build_laid_out(cfg: DictConfig, layout: Layout, loss_fn=None, checkpoint: Pa
                        offload=p.offload, activation_checkpointing=p.activation_checkpointing,
                        checkpoint_blocks=p.checkpoint_blocks, checkpoint_keep=p.checkpoint_keep,
                        compile=p.compile_scope if p.compile else False, cuda_graphs=p.cuda_graphs,
+                       compile_autotune=cfg.trainer.compile_autotune,
                        param_dtype=autocast_dtype(cfg.trainer.precision), materialize=fill)
-
-
-def tune_compiler(autotune: bool, compiled: bool, is_main: bool = True) -> None:
-    """`trainer.compile_autotune`: Inductor as torch.compile's mode "max-autotune-no-cudagraphs" sets it, for every
-    graph of the process: each matmul timed at the first step among cuBLAS and Inductor's own GEMM templates, which
-    take the pointwise work after them (bias, GELU, residual add) into the same kernel, and the other kernels' launch
-    settings tuned (coordinate descent). Minutes more of compiling on a ViT; cached with the rest (Inductor's cache).
-    CUDA graphs stay `trainer.cuda_graphs`' choice."""
-    if not autotune:
-        return
-    if not compiled:
-        if is_main:
-            log.warning("trainer.compile_autotune=true has nothing to tune: this run compiles nothing "
-                        "(trainer.compile=auto compiles on CUDA only; trainer.compile=true compiles anywhere)")
-        return
-    import torch._inductor.config as inductor
-
-    inductor.max_autotune = True
-    inductor.coordinate_descent_tuning = True
 
 
 def order_attention(cfg: DictConfig, layout: Layout) -> None:
