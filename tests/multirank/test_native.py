@@ -53,6 +53,7 @@ def test_a_native_run_on_2_ranks_stopped_and_continued_is_the_one_process_run(tm
     at_32 = json.loads((longer / "eval.json").read_text())
     assert at_32["val patches per image"] == 32 and at_32["val_count"] == stats["val_count"]
     assert at_32["val_loss"] != stats["val_loss"]
+    assert "read native at 32 patches an image" in evaluated.stdout, evaluated.stdout[-2000:]  # its log line says so
 
 
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"],
@@ -119,6 +120,7 @@ def test_a_native_run_predicts_new_images_as_its_evaluation_scored_them(tmp_path
                        "trainer.progress=false", "trainer.devices=2"], timeout=300,
                       script=REPO / "tools" / "predict.py")
     assert printed.returncode == 0, printed.stdout[-3000:]
+    assert json.loads((out / "predict.json").read_text())["images read"] == "native at 16 patches an image"
     table = [line.split(",") for line in (out / "predictions.csv").read_text().splitlines()[1:]]
     assert len(table) == 30
     correct = sum(Path(r[0]).parts[0] == r[1] for r in table)
@@ -126,6 +128,15 @@ def test_a_native_run_predicts_new_images_as_its_evaluation_scored_them(tmp_path
     assert 100.0 * correct / len(table) == pytest.approx(top1, abs=1e-9)
 
     # each image's probability as the evaluation's loader and the model give it (a square crop gives others)
+    want = {name: prob for name, (_, prob) in _evaluation_reading(data, run).items()}
+    assert {r[0]: float(r[2]) for r in table} == pytest.approx(want, abs=1e-5)
+
+
+def _evaluation_reading(data, run) -> dict:
+    """val image (relative path) -> (top class index, its probability), each image read by the evaluation's loader
+    (`NativeTransform`, `NativeCollate`, `Normalize`) at the run's length (16 patches) and given to the run's model."""
+    from pathlib import Path
+
     import torch
     from omegaconf import OmegaConf
 
@@ -139,9 +150,43 @@ def test_a_native_run_predicts_new_images_as_its_evaluation_scored_them(tmp_path
     model = load_trained(run).model.eval()
     with torch.no_grad():
         batch = NativeCollate(8, [16])([val[i] for i in range(len(val))])[0]
-        probs = model(Normalize(cfg.data.mean, cfg.data.std)(batch, torch.device("cpu"))).softmax(1).max(1).values
-    want = {str(Path(name).relative_to(data / "val")): float(p) for (name, _), p in zip(val.samples, probs)}
-    assert {r[0]: float(r[2]) for r in table} == pytest.approx(want, abs=1e-5)
+        probs, top = model(Normalize(cfg.data.mean, cfg.data.std)(batch, torch.device("cpu"))).softmax(1).max(1)
+    return {str(Path(name).relative_to(data / "val")): (int(k), float(p))
+            for (name, _), k, p in zip(val.samples, top, probs)}
+
+
+def test_the_docs_timm_code_reads_an_image_as_the_run_did(tmp_path, native_reference):
+    """The python block of docs/native-resolution.md ("Export and prediction"), run on the run's naflex export and on
+    the val images of the most elongated shapes (each resized to its grid, most of them shrunk): the class and
+    probability it prints are the run's evaluation's, to 1e-5."""
+    import contextlib
+    import io
+    import re
+
+    pytest.importorskip("timm")
+    data, run = native_reference
+    out = tmp_path / "model_naflex.safetensors"
+    exported = run_cli([f"run_dir={run}", "format=naflex", f"out={out}"], timeout=300,
+                       script=REPO / "tools" / "export.py")
+    assert exported.returncode == 0, exported.stdout[-3000:]
+    docs = (REPO / "docs" / "native-resolution.md").read_text()
+    code = re.search(r"## Export and prediction.*?```python\n(.*?)```", docs, re.S).group(1)
+    assert '"model_naflex.safetensors"' in code and '"photo.jpg"' in code
+    from PIL import Image
+
+    reading = _evaluation_reading(data, run)
+    sizes = {name: Image.open(data / "val" / name).size for name in reading}
+    elongated = sorted(sizes, key=lambda n: max(sizes[n]) / min(sizes[n]))[-4:]
+    assert all(max(sizes[n]) / min(sizes[n]) >= 2 for n in elongated), sizes
+    classes = json.loads(out.with_suffix(".json").read_text())["classes"]
+    for name in elongated:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(code.replace('"model_naflex.safetensors"', repr(str(out)))
+                 .replace('"photo.jpg"', repr(str(data / "val" / name))), {})
+        label, prob = printed.getvalue().split()
+        want_class, want_prob = reading[name]
+        assert label == classes[want_class] and float(prob) == pytest.approx(want_prob, abs=1e-5), (name, sizes[name])
 
 
 def test_a_square_runs_weights_continue_native_and_back(tmp_path, native_reference):

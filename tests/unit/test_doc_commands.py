@@ -202,8 +202,8 @@ def _stand_ins(tool: str, argv: list[str]) -> None:
     from visiondist.utils.pretrained import is_named
 
     args = dict(a.split("=", 1) for a in argv if "=" in a)
-    if tool in ("eval", "export", "predict") and "run_dir" in args:
-        _fake_run(Path(args["run_dir"]), args.get("step"))
+    if tool in ("eval", "export", "predict") and "run_dir" in args:  # data.native.* read a native run
+        _fake_run(Path(args["run_dir"]), args.get("step"), any(key.startswith("data.native.") for key in args))
     if "weights" in args:
         path = Path(args["weights"])
         if not path.exists():
@@ -219,17 +219,18 @@ def _stand_ins(tool: str, argv: list[str]) -> None:
             Path(value).touch()
 
 
-def _fake_run(run: Path, step: str | None) -> None:
-    """A run dir as far as the command line looks: a default run's config.yaml, model.safetensors, a complete
-    checkpoint of `step` (step=best: of step 3, recorded as the best)."""
+def _fake_run(run: Path, step: str | None, native: bool = False) -> None:
+    """A run dir as far as the command line looks: a default run's config.yaml (`native`: with
+    data.resolution=native), model.safetensors, a complete checkpoint of `step` (step=best: of step 3, recorded as
+    the best)."""
     from visiondist.cli import load_config
     from visiondist.checkpoint.files import BEST
     from visiondist.utils.dcp import METADATA, STATE_FILE
 
     run.mkdir(parents=True, exist_ok=True)
     if not (run / "config.yaml").exists():
-        OmegaConf.save(load_config(CONFIGS, [f"trainer.run_dir={run}"], inputs=None), run / "config.yaml",
-                       resolve=True)
+        OmegaConf.save(load_config(CONFIGS, [f"trainer.run_dir={run}", *(["data.resolution=native"] if native else [])],
+                                   inputs=None), run / "config.yaml", resolve=True)
     (run / "model.safetensors").touch()
     if step is None:
         return

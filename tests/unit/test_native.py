@@ -271,7 +271,11 @@ def test_a_native_training_step_never_reads_the_device_on_the_host(tmp_path, nat
     ("data.random_erasing=0.25", "data.random_erasing=0"),
     ("data.auto_augment=rand", "data.augment_on=loader"),
     ("parallel.pp=2", "use parallel.pp=1"),
-    ("data.native.seq_lens=[0,196]", "token counts are positive"),
+    ("data.native.seq_lens=[0,196]", "data.native.seq_lens=[0, 196]: token counts are positive"),
+    ("data.native.eval_seq_len=0", "data.native.eval_seq_len=0: a token count is positive"),
+    ("data.native.seq_lens=[100000]", "data.native.seq_lens has 100000 patches, more than a step's token budget of "
+                                      "1024 (data.batch_size=64 square images of 16 patches): use lengths up to "
+                                      "1024, or a larger data.batch_size"),
     ("model.sdpa=flash", "model.sdpa=flash takes no attention mask"),
 ])
 def test_settings_native_resolution_cannot_take_are_refused_naming_the_fix(override, says):
@@ -282,6 +286,21 @@ def test_settings_native_resolution_cannot_take_are_refused_naming_the_fix(overr
 
     with pytest.raises(ConfigError, match=re.escape(says)):
         validate(load_config(REPO / "configs", ["data.resolution=native", override], inputs=None), mandatory=False)
+
+
+@pytest.mark.parametrize("override", ["data.native.pack=true", "data.native.seq_lens=[98]",
+                                      "data.native.eval_seq_len=98"])
+def test_native_settings_on_a_square_run_are_refused_naming_the_fix(override):
+    """A data.native.* setting without data.resolution=native would change nothing the run does: refused, naming
+    both fixes."""
+    from visiondist.cli import load_config
+    from visiondist.config.schema import ConfigError
+    from visiondist.config.validate import validate
+    from helpers import REPO
+
+    with pytest.raises(ConfigError, match=re.escape(f"{override} reads images at their own shape: add "
+                                                    "data.resolution=native, or drop it")):
+        validate(load_config(REPO / "configs", [override], inputs=None), mandatory=False)
 
 
 def test_native_runs_compile_each_block_and_refuse_the_whole_model_graph(monkeypatch):

@@ -22,19 +22,39 @@ def native_settings(data_cfg, img_size: int, patch: int) -> tuple[list[int], int
 
 
 def check_native(cfg) -> None:
-    """data.resolution=native's rules between groups (`visiondist.config.validate`); raises ConfigError."""
+    """data.resolution's rules between groups (`visiondist.config.validate`): data.native.* only with
+    data.resolution=native, and native's own; raises ConfigError."""
     from visiondist.config.schema import ConfigError
 
     d, m = cfg.data, cfg.model
+    native = d.get("native") or {}
+    if d.get("resolution", "square") == "square":
+        asked = [f"data.native.{key}={str(value).lower() if isinstance(value, bool) else value}"
+                 for key, value, default in
+                 (("pack", native.get("pack", False), False), ("seq_lens", list(native.get("seq_lens") or []), []),
+                  ("eval_seq_len", native.get("eval_seq_len", -1), -1)) if value != default]
+        if asked:
+            raise ConfigError(f"{' '.join(asked)} reads images at their own shape: add data.resolution=native, or "
+                              "drop it (this run reads square crops)")
+        return
     if d.resolution != "native":
         raise ConfigError(f"data.resolution={d.resolution}: use square or native")
     if m.family != "vit":
         raise ConfigError(f"data.resolution=native trains a ViT classifier on patch sequences; model={m.name} takes "
                           "images: use data.resolution=square")
-    lens = list(d.native.seq_lens)
-    if any(int(n) <= 0 for n in lens) or (d.native.eval_seq_len == 0 or d.native.eval_seq_len < -1):
-        raise ConfigError(f"data.native.seq_lens={lens}, eval_seq_len={d.native.eval_seq_len}: token counts are "
-                          "positive (eval_seq_len=-1: the square model's count)")
+    lens = [int(n) for n in d.native.seq_lens]
+    if any(n <= 0 for n in lens):
+        raise ConfigError(f"data.native.seq_lens={lens}: token counts are positive ([] or unset: half, once and "
+                          "twice the square model's count)")
+    if d.native.eval_seq_len == 0 or d.native.eval_seq_len < -1:
+        raise ConfigError(f"data.native.eval_seq_len={d.native.eval_seq_len}: a token count is positive (-1: the "
+                          "square model's count)")
+    side = int(m.img_size) // int(m.patch_size)
+    budget = int(d.batch_size) * side * side
+    if lens and max(lens) > budget:
+        raise ConfigError(f"data.native.seq_lens has {max(lens)} patches, more than a step's token budget of {budget} "
+                          f"(data.batch_size={d.batch_size} square images of {side * side} patches): use lengths up "
+                          f"to {budget}, or a larger data.batch_size")
     refused = [(d.mixup > 0 or d.cutmix > 0, "data.mixup / data.cutmix mix images of one size",
                 "data.mixup=0 data.cutmix=0"),
                (d.random_erasing > 0, "data.random_erasing erases square batches on the device",

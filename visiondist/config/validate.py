@@ -322,10 +322,9 @@ def _check_parallel(p: DictConfig) -> None:
 def _check_across(cfg: DictConfig) -> None:
     """Rules between groups that hold for every model family."""
     p, t = cfg.parallel, cfg.trainer
-    if cfg.data.get("resolution", "square") != "square":
-        from visiondist.config.native import check_native
+    from visiondist.config.native import check_native
 
-        check_native(cfg)
+    check_native(cfg)
     if t.compile in (True, "model", "blocks") and p.pp > 1 and p.schedule == "zero_bubble":
         raise ConfigError(f"trainer.compile={str(t.compile).lower()} with parallel.schedule=zero_bubble: the schedule "
                           "splits each block's backward into input and weight gradients, which a compiled block's "

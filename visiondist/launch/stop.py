@@ -95,8 +95,8 @@ class LauncherStop:
                     os.kill(pid, signum)
                 except ProcessLookupError:
                     pass
-            print(f"{self.received}: {self.what} (at most {self.grace_s:.0f} s, trainer.stop_timeout_s; Ctrl-C again "
-                  "ends them at once)", file=sys.stderr, flush=True)
+            print(f"{self.received}: {self.what} (at most {self.grace_s:.0f} s, trainer.stop_timeout_s; a second "
+                  "Ctrl-C or SIGTERM ends them at once)", file=sys.stderr, flush=True)
             self._timer = threading.Timer(self.grace_s, self._expire)
             self._timer.daemon = True
             self._timer.start()

@@ -204,8 +204,10 @@ def predict_ranks(cfg: DictConfig, layout, out: Path) -> dict[str, Any]:
         before = read_manifest(out)
         started = before.get("started") if before and before.get("request") == ask else None
         write_manifest(out, {"request": ask, "state": "running", "started": started or time.time(),
-                             "names from": names.read_from})
-        log.info("predicting %s with %s (classes from %s)", source.describe(), cfg.model.weights, names.read_from)
+                             "names from": names.read_from,
+                             **({"images read": predictor.reads} if predictor.reads else {})})
+        log.info("predicting %s with %s (classes from %s%s)", source.describe(), cfg.model.weights, names.read_from,
+                 f"; images read {predictor.reads}" if predictor.reads else "")
     dist.barrier()
     all_batches = batches(len(source), size)
     todo = remaining(all_batches, done(out, len(source)))

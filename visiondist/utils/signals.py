@@ -88,7 +88,7 @@ class StopSignals:
                 raise StopNow(name)
             if self.speak:
                 log.warning("%s received: stopping with a checkpoint after this step or the next, the first every "
-                            "rank has heard of it (Ctrl-C again stops at once, without it)", name)
+                            "rank has heard of it (a second Ctrl-C or SIGTERM stops at once, without it)", name)
         elif time.monotonic() - self._first > self.SAME_REQUEST_S and self.count == 1 and not self.at_once:
             self.count = 2
             raise StopNow(name)

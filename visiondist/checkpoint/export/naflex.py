@@ -41,8 +41,10 @@ def write_naflex(trained: Trained, path: Path, out: Path) -> list[Path]:
                       "normalised with mean / std, each patch's in (row, column, channel) order, 'patch_coord': (B, "
                       "N, 2) (row, column) of each patch, 'patch_valid': (B, N) bool}). Each image resized, aspect "
                       "kept, to the grid timm.data.naflex_transforms.get_image_size_for_seq(image_hw, patch_size, "
-                      "eval_seq_len) gives, as the run's evaluation did (its resize: OpenCV with interpolation; "
-                      "timm's own resize moves the probabilities by about 1e-3)")
+                      "eval_seq_len) gives, with OpenCV's resize (interpolation) as the run's evaluation did, then "
+                      "cut by timm.data.naflex_transforms.patchify_image: docs/native-resolution.md has the code. "
+                      "timm's ResizeToSequence picks the same grid but antialiases where it shrinks: about 1e-3 "
+                      "apart on an image near its grid's size, and a shrunk image can change class")
     meta = out.with_suffix(".json")
     meta.write_text(json.dumps(info, indent=2))
     return [meta]
