@@ -160,5 +160,6 @@ def quick_rendezvous_names() -> bool:
             return "no_method_name"
 
     get_method_name.quick = True  # type: ignore[attr-defined]
+    get_method_name.original = original  # type: ignore[attr-defined]
     dynamic_rendezvous.get_method_name = get_method_name
     return True
