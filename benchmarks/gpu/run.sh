@@ -161,18 +161,16 @@ mfu_rows() {  # the goal rows, each against the best plain loop (timm's model co
     echo "mfu rows: $((SECONDS - t0)) s"
 }
 timed_bench() {  # seconds, name, then tools/benchmark.py arguments: bench, bounded in time, logged in one file
-    local seconds=$1 name=$2; shift 2
-    echo "== $name: $*" | tee -a "$out/bench_mfu.txt"
-    timeout -k 5 "$seconds" python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out" "$@" 2>&1 \
-        | tee -a "$out/bench_mfu.txt"
+    # ($bench_log, default bench_mfu.txt), its rows in $bench_results (default $out)
+    local seconds=$1 name=$2 log="$out/${bench_log:-bench_mfu.txt}"; shift 2
+    echo "== $name: $*" | tee -a "$log"
+    timeout -k 5 "$seconds" python3 tools/benchmark.py trainer.accelerator=cuda \
+        bench.results_dir="${bench_results:-$out}" "$@" 2>&1 | tee -a "$log"
     [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
 }
-levers() {  # name, seconds, then tools/benchmark.py arguments: a lever's run, its rows in $out/levers
+levers() {  # name, seconds, then tools/benchmark.py arguments: a lever's run (no plain loops), rows in $out/levers
     local name=$1 seconds=$2; shift 2
-    echo "== $name: $*" | tee -a "$out/bench_levers.txt"
-    timeout -k 5 "$seconds" python3 tools/benchmark.py trainer.accelerator=cuda bench.results_dir="$out/levers" \
-        bench.baseline=false "$@" 2>&1 | tee -a "$out/bench_levers.txt"
-    [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
+    bench_log=bench_levers.txt bench_results="$out/levers" timed_bench "$seconds" "$name" bench.baseline=false "$@"
 }
 if has levers || has levers_s; then
     t0=$SECONDS

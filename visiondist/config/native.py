@@ -21,21 +21,43 @@ def native_settings(data_cfg, img_size: int, patch: int) -> tuple[list[int], int
     return sorted(int(n) for n in lens), (base if eval_len <= 0 else eval_len)
 
 
+def token_budget(batch: int, img_size: int, patch: int) -> int:
+    """A native step's patch tokens: `batch` square images' worth (the sampler's and the plan's budget)."""
+    return int(batch) * (int(img_size) // int(patch)) ** 2
+
+
+def reading(data_cfg, img_size: int, patch: int) -> str:
+    """How a classifier reads an image at evaluation and prediction (their log lines, predict.json):
+    `square, 224 px` or `native at 196 patches an image`."""
+    if data_cfg.get("resolution", "square") != "native":
+        return f"square, {int(img_size)} px"
+    return f"native at {native_settings(data_cfg, img_size, patch)[1]} patches an image"
+
+
+def _check_square(native) -> None:
+    """A square run's data.native.*: its defaults (`NativeConfig`) only, since it would change nothing."""
+    import dataclasses
+
+    from visiondist.config.schema import ConfigError, NativeConfig
+
+    asked = []
+    for key, default in dataclasses.asdict(NativeConfig()).items():
+        value = native.get(key, default)
+        if (list(value) if isinstance(default, list) else value) != default:
+            asked.append(f"data.native.{key}={str(value).lower() if isinstance(value, bool) else value}")
+    if asked:
+        raise ConfigError(f"{' '.join(asked)} reads images at their own shape: add data.resolution=native, or drop "
+                          "it (this run reads square crops)")
+
+
 def check_native(cfg) -> None:
     """data.resolution's rules between groups (`visiondist.config.validate`): data.native.* only with
     data.resolution=native, and native's own; raises ConfigError."""
     from visiondist.config.schema import ConfigError
 
     d, m = cfg.data, cfg.model
-    native = d.get("native") or {}
     if d.get("resolution", "square") == "square":
-        asked = [f"data.native.{key}={str(value).lower() if isinstance(value, bool) else value}"
-                 for key, value, default in
-                 (("pack", native.get("pack", False), False), ("seq_lens", list(native.get("seq_lens") or []), []),
-                  ("eval_seq_len", native.get("eval_seq_len", -1), -1)) if value != default]
-        if asked:
-            raise ConfigError(f"{' '.join(asked)} reads images at their own shape: add data.resolution=native, or "
-                              "drop it (this run reads square crops)")
+        _check_square(d.get("native") or {})
         return
     if d.resolution != "native":
         raise ConfigError(f"data.resolution={d.resolution}: use square or native")
@@ -50,7 +72,7 @@ def check_native(cfg) -> None:
         raise ConfigError(f"data.native.eval_seq_len={d.native.eval_seq_len}: a token count is positive (-1: the "
                           "square model's count)")
     side = int(m.img_size) // int(m.patch_size)
-    budget = int(d.batch_size) * side * side
+    budget = token_budget(d.batch_size, m.img_size, m.patch_size)
     if lens and max(lens) > budget:
         raise ConfigError(f"data.native.seq_lens has {max(lens)} patches, more than a step's token budget of {budget} "
                           f"(data.batch_size={d.batch_size} square images of {side * side} patches): use lengths up "
@@ -91,6 +113,6 @@ def planned_tokens(cfg) -> int:
     m = cfg.model
     seq_lens, _ = native_settings(cfg.data, int(m.img_size), int(m.patch_size))
     batch = int(cfg.data.batch_size)
-    budget = batch * (int(m.img_size) // int(m.patch_size)) ** 2
+    budget = token_budget(batch, m.img_size, m.patch_size)
     packed = bool((cfg.data.get("native") or {}).get("pack", False))
     return max(math.ceil(step_images(budget, n, packed) * (n * mean_share(packed) + 1) / batch) for n in seq_lens)

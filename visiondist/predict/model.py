@@ -54,6 +54,7 @@ class Predictor:
         self.transform = None
         self.reads = None  # how a classifier reads an image (predict.json, the log)
         if self.task == "classification":
+            from visiondist.config.native import reading
             from visiondist.data.transforms import ClassificationTransform, Normalize
 
             from omegaconf import OmegaConf
@@ -64,7 +65,7 @@ class Predictor:
                                                      seed=int(cfg.trainer.seed))
             self.normalize = Normalize(cfg.data.mean, cfg.data.std)
             self.collate = None
-            self.reads = f"square, {int(cfg.model.img_size)} px"
+            self.reads = reading(data, int(cfg.model.img_size), int(cfg.model.get("patch_size", 16)))
             if data.get("resolution", "square") == "native":  # as the run evaluated: each image at its own shape
                 from visiondist.config.native import native_settings
                 from visiondist.data.native import NativeCollate, NativeTransform
@@ -73,7 +74,6 @@ class Predictor:
                 _, eval_len = native_settings(data, size, patch)
                 self.transform = NativeTransform(_Fields(data), False, patch, int(cfg.trainer.seed), eval_len, size)
                 self.collate = NativeCollate(patch, [eval_len])
-                self.reads = f"native at {eval_len} patches an image"
 
     def prepare(self, image: np.ndarray, index: int) -> torch.Tensor:
         """An upright HxWx3 uint8 RGB image -> the loader's tensor: a classifier's crop (uint8 H, W, C), a detector's

@@ -50,9 +50,6 @@ def float8_config(recipe: str):
     return dataclasses.replace(_float8().Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
 
 
-LAYER_CHOICES = ("auto", "all", "mlp")
-
-
 def eligible(module: nn.Module) -> bool:
     """A layer float8 matmuls can run: in and out features multiples of 16."""
     return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0

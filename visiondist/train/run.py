@@ -70,11 +70,8 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
         decoded_by = task.decoded_by(layout.device)
         (run_dir / "eval.json").write_text(json.dumps({"weights": cfg.model.weights, "images decoded by": decoded_by,
                                                        **task.input_fields, **metrics}, indent=2))
-        read = task.input_fields.get("resolution", "").split(" (")[0]  # square, 32 px | native
-        if "val patches per image" in task.input_fields:
-            read += f" at {task.input_fields['val patches per image']} patches an image"
-        log.info("eval | %s | %simages decoded by %s", task.describe(metrics), f"read {read} | " if read else "",
-                 decoded_by)
+        log.info("eval | %s | %simages decoded by %s", task.describe(metrics),
+                 f"read {task.reads} | " if task.reads else "", decoded_by)
         pngs = draw_evaluation(task, metrics, run_dir, f"{cfg.model.name} on {cfg.data.name}") if cfg.trainer.plots \
             else []
         print(task.final_line(metrics), flush=True)

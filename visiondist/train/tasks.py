@@ -32,6 +32,7 @@ class ClassificationTask:
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
         from visiondist.data import build_classification_data
         from visiondist.data.augment_ops import DeviceAugment
+        from visiondist.config.native import reading
         from visiondist.data.device_decode import FallbackCount
         from visiondist.data.transforms import Normalize
         from visiondist.evaluation.classification import reports_top5
@@ -41,6 +42,7 @@ class ClassificationTask:
         # the export formats the run's closing lines name: a native run's timm model is NaFlexVit
         self.family = "native" if d.get("resolution", "square") == "native" else ""
         self.input_fields = self._input_fields(cfg, train)  # eval.json and summary.json say how images were read
+        self.reads = reading(d, cfg.model.img_size, cfg.model.get("patch_size", 16))  # evaluation's log line
         self.label_smoothing = float(t.label_smoothing)
         self.mixing = None  # timm's Mixup / CutMix, each draw keyed by (step, micro-batch): see data.mixing
         if d.mixup > 0 or d.cutmix > 0:
@@ -184,6 +186,7 @@ class ClassificationTask:
 class DetectionTask:
     columns = (*TRAIN_COLUMNS, *EVAL_METRICS["detection"])
     input_fields: dict[str, Any] = {}  # the input's resolution is the model's own (min_size / max_size)
+    reads = None
     headline = ("val_mAP", "val box mAP@[.5:.95]")
     plot_series = (("val_mAP", "AP@[.5:.95]"), ("val_AP50", "AP50"), ("val_AP75", "AP75"), ("val_AR100", "AR100"),
                    ("val_ema_mAP", "EMA AP@[.5:.95]"))
