@@ -28,7 +28,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         import torch
 
         if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
+            from visiondist.compat import dcp_metadata_class
+
+            return dcp_metadata_class(super().find_class(module, name))
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
                                                                           torch.memory_format)):
             return getattr(torch, name)
