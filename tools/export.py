@@ -18,28 +18,30 @@ from visiondist.cli import Command, Tool, config_text, exit_now, load_run_config
 from visiondist.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SUFFIX = {"safetensors": ".safetensors", "onnx": ".onnx", "torchscript": ".pt", "hf": "_hf",
+SUFFIX = {"safetensors": ".safetensors", "onnx": ".onnx", "pt2": ".pt2", "torchscript": ".pt", "hf": "_hf",
           "naflex": "_naflex.safetensors"}
-EXPECTED = "expected run_dir=<dir> [step=<N>|best] [format=safetensors|onnx|torchscript|hf|naflex] [out=<path>]"
+EXPECTED = "expected run_dir=<dir> [step=<N>|best] [format=safetensors|onnx|pt2|torchscript|hf|naflex] [out=<path>]"
 TOOL = Tool(
     name="export.py",
     about=("Export a trained run for use outside visiondist: one consolidated file that timm (ViT) or torchvision "
            "(detectors) loads with strict=True, or ONNX (checked against PyTorch with ONNX Runtime when installed), "
-           "or TorchScript, or (DETR-class detectors) the directory transformers' from_pretrained reads. Takes no config overrides: the model comes from the run's config.yaml."),
+           "or torch.export's ExportedProgram (classifiers), or TorchScript, or (DETR-class detectors) the directory "
+           "transformers' from_pretrained reads. Takes no config overrides: the model comes from the run's "
+           "config.yaml."),
     keys=(("run_dir=<dir>", "the training run to export (required)"),
           ("step=<N>", "its checkpoint checkpoints/step_<N> (default: the latest checkpoint, else model.safetensors), "
                    "whatever parallel layout wrote it; step=best: the best one by trainer.best_metric"),
           ("format=<format>", "safetensors (default; plus <out>.json saying how to build the model), onnx, "
-                              "torchscript, hf (DETR-class detectors: a from_pretrained directory) or naflex (ViTs: "
-                              "timm's NaFlexVit, images at their own size and aspect ratio; plus <out>.json)"),
-          ("out=<path>", "the file (hf: directory) to write (default: <run>/export/model.<safetensors|onnx|pt>, "
+                              "pt2 (classifiers: torch.export, any batch), torchscript, hf (DETR-class detectors: "
+                              "a from_pretrained directory) or naflex (ViTs: timm's NaFlexVit, images at their own size and aspect ratio; plus <out>.json)"),
+          ("out=<path>", "the file (hf: directory) to write (default: <run>/export/model.<safetensors|onnx|pt2|pt>, "
                          "hf: <run>/export/model_hf, naflex: <run>/export/model_naflex.safetensors)")),
     reads="<run>/config.yaml and the run's newest checkpoint (or step=), else its model.safetensors",
     writes="<run>/export/model.<ext> (safetensors: and model.json; hf: the directory model_hf), or out=<path>; "
            "prints the files",
     examples=("python tools/export.py run_dir=outputs/2026-11-21/21-10-24",
               "python tools/export.py run_dir=outputs/2026-11-21/21-10-24 format=onnx out=vit.onnx",
-              "python tools/export.py run_dir=outputs/2026-11-21/21-10-24 step=500 format=torchscript"),
+              "python tools/export.py run_dir=outputs/2026-11-21/21-10-24 step=500 format=pt2"),
     config=False,
     run_dir=False,
     multirun=False,

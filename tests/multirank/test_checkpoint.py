@@ -7,6 +7,8 @@ import json
 import os
 import pickle
 
+import warnings
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -188,9 +190,10 @@ def test_exported_model_brings_its_preprocessing_to_timm(tp2_run, tiny_shapes, t
 
 
 @pytest.mark.smoke
-def test_export_onnx_and_torchscript(tp2_run, tmp_path):
-    """Both formats load and match PyTorch; each command prints what it exported and the file it wrote, nothing of
-    torch.onnx's progress or torch.jit's deprecation warnings."""
+def test_export_onnx_pt2_and_torchscript(tp2_run, tmp_path):
+    """The three formats load and match PyTorch from a run trained under tp2; each command prints what it exported and
+    the file it wrote, nothing of torch.onnx's progress or torch.jit's deprecation warnings. The pt2 program takes any
+    batch and carries the classes and preprocessing inside."""
     import onnxruntime as ort
 
     from visiondist.checkpoint.export.trained import load_trained
@@ -212,16 +215,42 @@ def test_export_onnx_and_torchscript(tp2_run, tmp_path):
     script = tmp_path / "vit.pt"
     stdout = _export(tp2_run, "format=torchscript", f"out={script}")
     assert stdout.splitlines()[1:] == [f"  {script}"] and "Warning" not in stdout, stdout
-    loaded = torch.jit.load(str(script))
+    with warnings.catch_warnings():  # torch 2.15 calls torch.jit.load deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        loaded = torch.jit.load(str(script))
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.allclose(loaded(x), trained.model(x), atol=1e-5, rtol=0)
+
+    program_file = tmp_path / "vit.pt2"
+    stdout = _export(tp2_run, "format=pt2", f"out={program_file}")
+    assert stdout.splitlines()[1:] == [f"  {program_file}"] and "Warning" not in stdout, stdout
+    extra = {"visiondist.json": ""}
+    program = torch.export.load(str(program_file), extra_files=extra)
+    info = json.loads(extra["visiondist.json"])
+    assert info["classes"] == trained.classes and len(info["classes"]) == 6
+    assert (info["input_size"], info["task"]) == (32, "classification") and len(info["mean"]) == 3
+    for batch in (1, 3, 7):  # exported with a batch of 2; the batch dimension is dynamic
+        x = torch.randn(batch, 3, 32, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(program.module()(x), trained.model(x), rtol=0, atol=1e-5)
+    # docs/checkpoints.md's code, as printed there, on this file
+    import re
+    import textwrap
+
+    docs = (REPO / "docs" / "checkpoints.md").read_text()
+    [block] = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?) *```", docs, re.S) if "torch.export.load" in b]
+    names = {"images": torch.randn(4, 3, 32, 32)}
+    exec(block.replace("outputs/small/export/model.pt2", str(program_file)), names)
+    assert names["info"]["classes"] == trained.classes
+    with torch.no_grad():
+        torch.testing.assert_close(names["logits"], trained.model(names["images"]), rtol=0, atol=1e-5)
 
 
 def test_export_errors_name_the_fix(tmp_path):
     result = run_cli(["format=onnx"], timeout=60, script=REPO / "tools" / "export.py")
     assert result.returncode == 2 and "run_dir= is missing" in result.stdout
     result = run_cli([f"run_dir={tmp_path}", "format=pdf"], timeout=60, script=REPO / "tools" / "export.py")
-    assert result.returncode == 2 and "choose one of safetensors, onnx, torchscript" in result.stdout
+    assert result.returncode == 2 and "choose one of safetensors, onnx, pt2, torchscript" in result.stdout
     result = run_cli([f"run_dir={tmp_path}"], timeout=60, script=REPO / "tools" / "export.py")
     assert result.returncode == 2 and "holds no config.yaml" in result.stdout

@@ -220,14 +220,14 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
         f"  predict:  python tools/predict.py run_dir={tmp_path}/outputs/r source=<images, folder, glob, list or "
         "video>",
         f"  export:   python tools/export.py run_dir={tmp_path}/outputs/r   (safetensors; format=onnx or "
-        "format=torchscript)"]
+        "format=pt2)"]
     monkeypatch.chdir(tmp_path)  # elsewhere: the commands still run as printed (the tools by their full path)
     assert next_commands(tmp_path / "outputs" / "r").splitlines() == [
         "run dir: outputs/r",
         f"  evaluate: python {REPO}/tools/eval.py run_dir=outputs/r",
         f"  predict:  python {REPO}/tools/predict.py run_dir=outputs/r source=<images, folder, glob, list or video>",
         f"  export:   python {REPO}/tools/export.py run_dir=outputs/r   (safetensors; format=onnx or "
-        "format=torchscript)"]
+        "format=pt2)"]
 
 
 def test_imagenet_data_takes_its_class_count_from_the_class_folders(capsys, tiny_shapes):

@@ -97,9 +97,12 @@ def test_vitdet_exports_to_onnx_and_matches_pytorch_at_other_sizes(tmp_path):
             np.testing.assert_allclose(masks[j], want["masks"][i].numpy(), atol=1e-3, err_msg=str((height, width)))
 
 
-def test_vitdet_torchscript_is_refused_naming_onnx(tmp_path):
+def test_vitdet_torchscript_and_pt2_are_refused_naming_onnx(tmp_path):
     from visiondist.checkpoint.export import export
 
+    vitdet = _vitdet(tmp_path, masks=False)
     with pytest.raises(ValueError, match="format=onnx"):
-        export(_vitdet(tmp_path, masks=False), "torchscript", tmp_path / "vitdet.pt")
+        export(vitdet, "torchscript", tmp_path / "vitdet.pt")
+    with pytest.raises(ValueError, match=r"format=pt2 exports classifiers: .* export format=onnx \(any image size\)$"):
+        export(vitdet, "pt2", tmp_path / "vitdet.pt2")
     assert not list(tmp_path.glob("vitdet*"))

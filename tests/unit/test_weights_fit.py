@@ -79,6 +79,10 @@ def test_an_exported_graph_or_a_pickle_of_objects_is_named_not_unpickled(tmp_pat
     line = _refused(capsys, tmp_path, "train", f"model.weights={script}", *SHAPES)
     assert "is a TorchScript archive (tools/export.py format=torchscript)" in line, line
     assert not [w for w in recwarn if "TorchScript" in str(w.message)], [str(w.message) for w in recwarn]
+    program = tmp_path / "model.pt2"
+    torch.export.save(torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),)), str(program))
+    line = _refused(capsys, tmp_path, "train", f"model.weights={program}", *SHAPES)
+    assert "is a torch.export program (tools/export.py format=pt2)" in line, line
     objects = tmp_path / "objects.pt"
     torch.save({"model": torch.nn.Linear(2, 2)}, objects)  # a whole module: unpickling it would run its class
     line = _refused(capsys, tmp_path, "train", f"model.weights={objects}", *SHAPES)

@@ -31,8 +31,8 @@ def read_state(path: str, key: str = "model.weights") -> dict[str, torch.Tensor]
 
 
 def not_weights(file: Path) -> Optional[str]:
-    """What a file that runs a model but holds no weights to read is (an export's ONNX graph or TorchScript
-    archive), or None."""
+    """What a file that runs a model but holds no weights to read is (an export's ONNX graph, TorchScript archive or
+    torch.export program), or None."""
     if file.suffix == ".onnx":
         return "an ONNX graph (tools/export.py format=onnx)"
     if zipfile.is_zipfile(file):
@@ -40,6 +40,8 @@ def not_weights(file: Path) -> Optional[str]:
             names = archive.namelist()
         if any(n.endswith("/constants.pkl") or "/code/" in n for n in names):
             return "a TorchScript archive (tools/export.py format=torchscript)"
+        if any(n.endswith("/archive_format") for n in names):
+            return "a torch.export program (tools/export.py format=pt2)"
     return None
 
 

@@ -82,7 +82,9 @@ def next_commands(run_dir: Path, family: str = "", images: Optional[Path] = None
     run = shlex.quote(shown_path(run_dir))
     formats = ("format=hf: transformers' from_pretrained directory; format=onnx" if family == "detr" else
                "format=naflex: timm's NaFlexVit, images at their own shapes; format=onnx" if family == "native" else
-               "format=onnx or format=torchscript")
+               "format=onnx" if family == "vitdet" else
+               "format=onnx or format=torchscript" if family == "torchvision" else
+               "format=onnx or format=pt2")
     source = (f"source={shlex.quote(shown_path(images))}   (or any image, folder, glob, .txt list or video)"
               if images is not None else "source=<images, folder, glob, list or video>")
     train_on = (f"  train on: python {tool_path('train')} trainer.run_dir={run} {longer}   (from its last checkpoint, "

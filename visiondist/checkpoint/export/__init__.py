@@ -8,6 +8,7 @@
 - `onnx` (`onnx.py`): the eval-mode model (classifier: images -> logits with a dynamic batch; torchvision detector:
   one image -> boxes, labels, scores), the names in its metadata, checked against PyTorch with ONNX Runtime when it
   is installed (`onnx_check.py`).
+- `pt2` (`pt2.py`): a classifier as torch.export's ExportedProgram (any batch), the sidecar inside the archive.
 - `torchscript` (`torchscript.py`): traced (classifiers) or scripted (torchvision detectors).
 - `hf` (`hf.py`): a DETR-class detector as the directory transformers' `from_pretrained` reads.
 - `naflex` (`naflex.py`): a ViT as timm's NaFlexVit holds it (images at their own size and aspect ratio).
@@ -24,6 +25,7 @@ from pathlib import Path
 from visiondist.checkpoint.export.hf import write_hf
 from visiondist.checkpoint.export.naflex import write_naflex
 from visiondist.checkpoint.export.onnx import write_onnx
+from visiondist.checkpoint.export.pt2 import write_pt2
 from visiondist.checkpoint.export.state_dict import write_safetensors
 from visiondist.checkpoint.export.torchscript import write_torchscript
 from visiondist.checkpoint.export.trained import Trained, load_trained
@@ -31,8 +33,8 @@ from visiondist.checkpoint.export.trained import Trained, load_trained
 __all__ = ["FORMATS", "WRITERS", "Trained", "export", "load_trained"]
 
 # format -> its writer: (the trained model, a temporary path, the final path) -> the other files it wrote
-WRITERS = {"safetensors": write_safetensors, "onnx": write_onnx, "torchscript": write_torchscript, "hf": write_hf,
-           "naflex": write_naflex}
+WRITERS = {"safetensors": write_safetensors, "onnx": write_onnx, "pt2": write_pt2, "torchscript": write_torchscript,
+           "hf": write_hf, "naflex": write_naflex}
 FORMATS = tuple(WRITERS)
 
 

@@ -1,0 +1,40 @@
+"""format=pt2: a classifier as torch.export's ExportedProgram, PyTorch's successor to TorchScript (torch 2.15 warns at
+every torch.jit call): normalised images (N, 3, S, S) at the run's input size -> logits, for any batch N. What the
+safetensors export's sidecar says of the inputs (classes, size, mean / std, interpolation, crop, decoding) travels
+inside the archive as `visiondist.json`, read with `torch.export.load(path, extra_files={"visiondist.json": ""})`.
+Detectors are refused: their post-processing (NMS, a number of boxes that depends on the image) does not export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from visiondist.checkpoint.export.preprocessing import sidecar
+from visiondist.checkpoint.export.trained import Trained, example_images
+from visiondist.models import TASKS
+
+SIDECAR = "visiondist.json"
+USAGE = ('extra = {"visiondist.json": ""}; program = torch.export.load(path, extra_files=extra); '
+         'info = json.loads(extra["visiondist.json"]); logits = program.module()(images), images (N, 3, S, S) '
+         'resized to info["input_size"] and normalised with info["mean"] / info["std"]')
+
+
+def write_pt2(trained: Trained, path: Path, out: Path) -> list[Path]:
+    """The ExportedProgram archive at `path` (a temporary name of `out`); nothing else."""
+    family = trained.cfg.model.family
+    if TASKS[family] != "classification":
+        other = "format=onnx (any image size) or format=hf" if family == "detr" else (
+            "format=onnx (any image size)" + (" or format=torchscript" if family == "torchvision" else ""))
+        raise ValueError(f"format=pt2 exports classifiers: a detector's post-processing (NMS, a number of boxes that "
+                         f"depends on the image) does not go through torch.export; export {other}")
+    example = example_images(trained.cfg)
+    batch = torch.export.Dim("batch", min=1)
+    with torch.no_grad():
+        program = torch.export.export(trained.model.eval(), (example,), dynamic_shapes=({0: batch},))
+    info = {k: v for k, v in sidecar(trained).items() if k not in ("library", "create", "usage")}
+    info["usage"] = USAGE
+    with open(path, "wb") as file:  # a file object: torch.export.save names no suffix then
+        torch.export.save(program, file, extra_files={SIDECAR: json.dumps(info, indent=2)})
+    return []
