@@ -60,6 +60,10 @@ def export(cmd: Command) -> int:
         print(config_text(load_run_config(run_dir, [], inputs=None), cmd.package))
         return 0
     out = Path(args.get("out") or run_dir / "export" / f"model{SUFFIX[fmt]}")  # hf: the directory model_hf
+    named = [name for name, suffix in SUFFIX.items() if suffix.endswith(out.suffix)] if out.suffix else []
+    if named and fmt not in named and fmt != "hf":  # format=pt2 out=model.onnx: a file named as what it is not
+        raise ConfigError(f"out={args['out']}: a {out.suffix} file is what format={named[0]} writes; format={fmt} "
+                          f"writes {SUFFIX[fmt]}: name it {out.stem}{SUFFIX[fmt]}, or give format={named[0]}")
 
     from visiondist.checkpoint.export import export as export_run
     from visiondist.checkpoint.export.trained import load_trained
@@ -82,6 +86,10 @@ def export(cmd: Command) -> int:
     if fmt == "onnx":
         check = check_onnx(trained, out)
         print("  onnxruntime not installed: output not checked" if check is None else f"  {check.summary()}")
+    if fmt == "pt2":
+        from visiondist.checkpoint.export.pt2 import check_pt2
+
+        print(f"  {check_pt2(trained, out)}")
     return 0
 
 

@@ -77,6 +77,8 @@ def predict(cmd: Command) -> int:
         if not weights.exists():
             raise ConfigError(f"weights={args['weights']}: no such file or checkpoint directory")
         cfg = load_weights_config(CONFIGS, weights, cmd.overrides + cmd.search, "predict.py", data_needed=False)
+        if not cmd.show:  # --cfg prints the config without reading the weights
+            _check_weights(cfg, weights)
     settings = {field: _value(key, args[key], kind) for key, (field, kind) in SETTINGS.items() if key in args}
     data = {}
     if base is None:  # an export: the run's own eval preprocessing, as its sidecar recorded it
@@ -125,6 +127,20 @@ def predict(cmd: Command) -> int:
 
     launch(predict_ranks, cfg)
     return 0
+
+
+def _check_weights(cfg, weights: Path) -> None:
+    """The file against the model, before anything is printed or any rank starts (as tools/eval.py does): an export's
+    graph or program, a file of another model, is refused in one line naming this tool's key."""
+    from omegaconf import OmegaConf
+
+    from visiondist.models.fit import check_weights
+
+    model = OmegaConf.merge(cfg.model, {"weights": str(weights.resolve())})
+    try:
+        check_weights(model, "eval", OmegaConf.select(cfg, "data.num_classes", default=None))
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("model.weights=", "weights=")) from None
 
 
 def _choose_out(cfg, base, source):

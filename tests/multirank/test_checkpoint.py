@@ -194,6 +194,8 @@ def test_export_onnx_pt2_and_torchscript(tp2_run, tmp_path):
     """The three formats load and match PyTorch from a run trained under tp2; each command prints what it exported and
     the file it wrote, nothing of torch.onnx's progress or torch.jit's deprecation warnings. The pt2 program takes any
     batch and carries the classes and preprocessing inside."""
+    import re
+
     import onnxruntime as ort
 
     from visiondist.checkpoint.export.trained import load_trained
@@ -224,7 +226,11 @@ def test_export_onnx_pt2_and_torchscript(tp2_run, tmp_path):
 
     program_file = tmp_path / "vit.pt2"
     stdout = _export(tp2_run, "format=pt2", f"out={program_file}")
-    assert stdout.splitlines()[1:] == [f"  {program_file}"] and "Warning" not in stdout, stdout
+    lines = stdout.splitlines()
+    assert lines[1] == f"  {program_file}" and len(lines) == 3 and "Warning" not in stdout, stdout
+    checked = re.fullmatch(r"  torch\.export program vs PyTorch: logits of 1 and 3 random images compared, max abs "
+                           r"difference (\S+)", lines[2])
+    assert checked and float(checked[1]) < 1e-5, stdout
     extra = {"visiondist.json": ""}
     program = torch.export.load(str(program_file), extra_files=extra)
     info = json.loads(extra["visiondist.json"])
@@ -235,13 +241,12 @@ def test_export_onnx_pt2_and_torchscript(tp2_run, tmp_path):
         with torch.no_grad():
             torch.testing.assert_close(program.module()(x), trained.model(x), rtol=0, atol=1e-5)
     # docs/checkpoints.md's code, as printed there, on this file
-    import re
     import textwrap
 
     docs = (REPO / "docs" / "checkpoints.md").read_text()
     [block] = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?) *```", docs, re.S) if "torch.export.load" in b]
     names = {"images": torch.randn(4, 3, 32, 32)}
-    exec(block.replace("outputs/small/export/model.pt2", str(program_file)), names)
+    exec(block.replace("outputs/small_ddp/export/model.pt2", str(program_file)), names)
     assert names["info"]["classes"] == trained.classes
     with torch.no_grad():
         torch.testing.assert_close(names["logits"], trained.model(names["images"]), rtol=0, atol=1e-5)
@@ -254,3 +259,16 @@ def test_export_errors_name_the_fix(tmp_path):
     assert result.returncode == 2 and "choose one of safetensors, onnx, pt2, torchscript" in result.stdout
     result = run_cli([f"run_dir={tmp_path}"], timeout=60, script=REPO / "tools" / "export.py")
     assert result.returncode == 2 and "holds no config.yaml" in result.stdout
+    result = run_cli([f"run_dir={tmp_path / 'nope'}"], timeout=60, script=REPO / "tools" / "export.py")
+    assert result.returncode == 2 and f"{tmp_path / 'nope'}: no such directory" in result.stdout
+    checkpoint = tmp_path / "checkpoints" / "step_7"  # a checkpoint given as the run
+    checkpoint.mkdir(parents=True)
+    (tmp_path / "config.yaml").write_text("{}")
+    result = run_cli([f"run_dir={checkpoint}"], timeout=60, script=REPO / "tools" / "export.py")
+    assert result.returncode == 2 and f"give run_dir={tmp_path} step=7" in result.stdout, result.stdout
+    # a file named as another format's: refused before anything is read or written
+    result = run_cli([f"run_dir={tmp_path}", "format=pt2", f"out={tmp_path / 'vit.onnx'}"], timeout=60,
+                     script=REPO / "tools" / "export.py")
+    assert result.returncode == 2 and "a .onnx file is what format=onnx writes; format=pt2 writes .pt2: name it " \
+        "vit.pt2, or give format=onnx" in result.stdout, result.stdout
+    assert not (tmp_path / "vit.onnx").exists()

@@ -150,7 +150,13 @@ def test_bad_input_is_refused_before_any_rank_starts(classifier, tmp_path):
     before = sorted((run / "predict").iterdir()) if (run / "predict").is_dir() else []
     empty = tmp_path / "empty"
     empty.mkdir()
+    import torch
+
+    program = tmp_path / "model.pt2"  # an export that runs a model but is not weights (format=pt2 writes such)
+    torch.export.save(torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),)), str(program))
     cases = [
+        ([f"weights={program}", "model=vit_tiny", "data=shapes", f"source={data / 'val'}"],
+         f"weights={program} is a torch.export program (tools/export.py format=pt2)"),
         ([f"run_dir={run}", f"source={tmp_path / 'nowhere'}"], "no such file or folder"),
         ([f"run_dir={run}", f"source={empty}"], "the folder holds no images"),
         ([f"run_dir={run}", f"source={tmp_path}/*.jpg"], "the glob matches no images"),

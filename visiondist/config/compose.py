@@ -3,6 +3,7 @@ process boundaries."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,12 @@ def run_config(run_dir: str | Path, overrides: list[str] = ()) -> DictConfig:
 
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
+        run = Path(run_dir).parent.parent
+        step = re.fullmatch(r"step_(\d+)", Path(run_dir).name)
+        if step and Path(run_dir).parent.name == "checkpoints" and (run / "config.yaml").is_file():
+            raise ConfigError(f"{run_dir} is a checkpoint of the run {run}: give run_dir={run} step={step[1]}")
+        if not Path(run_dir).exists():
+            raise ConfigError(f"{run_dir}: no such directory: give the directory of a training run")
         raise ConfigError(f"{run_dir} holds no config.yaml: give the directory of a training run")
     ran, as_it_ran = RunLayout.load(Path(run_dir)), {}
     if ran is not None and ran.chosen_by == "parallel=auto" and not any(o.startswith("parallel.") for o in overrides):

@@ -38,3 +38,17 @@ def write_pt2(trained: Trained, path: Path, out: Path) -> list[Path]:
     with open(path, "wb") as file:  # a file object: torch.export.save names no suffix then
         torch.export.save(program, file, extra_files={SIDECAR: json.dumps(info, indent=2)})
     return []
+
+
+def check_pt2(trained: Trained, path: Path) -> str:
+    """One line: the saved program, loaded back, against the PyTorch model on random images at batches 1 and 3 (the
+    program was traced at 2)."""
+    program = torch.export.load(str(path)).module()
+    size = example_images(trained.cfg).shape[1:]
+    generator = torch.Generator().manual_seed(1)
+    diff = 0.0
+    with torch.no_grad():
+        for batch in (1, 3):
+            images = torch.randn(batch, *size, generator=generator)
+            diff = max(diff, float((program(images) - trained.model(images)).abs().max()))
+    return f"torch.export program vs PyTorch: logits of 1 and 3 random images compared, max abs difference {diff:.3g}"
