@@ -66,7 +66,13 @@ def test_a_classifier_predicts_what_its_evaluation_scored_on_1_2_and_3_ranks(cla
         printed = predict_ok(f"run_dir={run}", f"source={val}", f"out={out}", f"trainer.devices={ranks}",
                              "save_images=3", "topk=2", "batch=4", "trainer.progress=false")
         assert f"predict dir: {out} (predictions.csv, images/ (3 drawn), predict.json, predict.log)" in printed
+        # the names come from the run's weights: model.safetensors records them, as an export's file does
+        assert f"with {run / 'model.safetensors'} (classes from {run / 'model.safetensors'};" in printed, printed
         outs.append(out)
+    from safetensors import safe_open
+
+    with safe_open(str(run / "model.safetensors"), "pt") as weights:
+        assert json.loads(weights.metadata()["classes"]) == sorted(p.name for p in val.iterdir() if p.is_dir())
     table = rows(outs[0])
     for out in outs[1:]:
         assert (out / "predictions.csv").read_bytes() == (outs[0] / "predictions.csv").read_bytes()
@@ -192,6 +198,11 @@ def test_a_detector_predicts_its_evaluation_and_writes_coco_results_drawn_images
     assert len(lines) == 9 and all({"file", "width", "height", "detections"} <= line.keys() for line in lines)
     from visiondist.synthetic.shapes import SHAPE_CLASSES
 
+    from safetensors import safe_open
+
+    with safe_open(str(run / "model.safetensors"), "pt") as weights:  # what names the predictions' classes
+        labels = json.loads(weights.metadata()["labels"])
+    assert labels == {str(k + 1): {"category_id": k + 1, "name": name} for k, name in enumerate(SHAPE_CLASSES)}
     names = set(SHAPE_CLASSES)
     for line in lines:
         for d in line["detections"]:

@@ -145,9 +145,12 @@ def prepare_rank(cfg: DictConfig, layout: Layout, run_dir: Path, log_file: str =
 
 def consolidate(model_cfg: DictConfig, checkpoint: Path, path: Path, is_main: bool) -> Path:
     """The model of a checkpoint as one canonical safetensors file at `path`, whatever the layout it was saved under
-    (TP shards and pipeline stages are read back into one full model on the CPU); written by rank 0 to a temporary
-    name and renamed, so the file is always whole."""
+    (TP shards and pipeline stages are read back into one full model on the CPU), its metadata naming the outputs as
+    an export's does; written by rank 0 to a temporary name and renamed, so the file is always whole."""
     from visiondist.checkpoint.dcp import load_model_state
+    from visiondist.checkpoint.export.preprocessing import outputs_metadata
+    from visiondist.checkpoint.files import read_trainer_state
+    from visiondist.models import TASKS
     from visiondist.models.weights import save_weights
 
     if is_main:
@@ -155,8 +158,12 @@ def consolidate(model_cfg: DictConfig, checkpoint: Path, path: Path, is_main: bo
         if is_meta(model):
             materialize(model, "cpu", None)
         load_model_state(checkpoint, model, no_dist=True)
+        state = read_trainer_state(checkpoint)  # the class names, as the export's file records them
+        names = outputs_metadata(TASKS[model_cfg.family] == "detection", state.get("classes"),
+                                 state.get("category_ids"))
         tmp = path.with_suffix(".tmp")
-        save_weights({k: v.detach().contiguous() for k, v in model.state_dict().items()}, tmp)
+        save_weights({k: v.detach().contiguous() for k, v in model.state_dict().items()}, tmp,
+                     metadata={"format": "pt", **names})
         tmp.replace(path)
     return path
 

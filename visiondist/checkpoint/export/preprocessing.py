@@ -23,22 +23,31 @@ def label_map(trained: Trained) -> Optional[dict[str, dict[str, Any]]]:
     ids in increasing order. None for classifiers and for runs whose category ids are unknown."""
     if TASKS[trained.cfg.model.family] != "detection" or trained.categories is None:
         return None
-    names = trained.classes or [None] * len(trained.categories)
+    return _labels(trained.classes, trained.categories)
+
+
+def _labels(classes: Optional[list[str]], categories: list[int]) -> dict[str, dict[str, Any]]:
+    names = classes or [None] * len(categories)
     return {str(label): {"category_id": int(cat), "name": name}
-            for label, (cat, name) in enumerate(zip(trained.categories, names), start=1)}
+            for label, (cat, name) in enumerate(zip(categories, names), start=1)}
+
+
+def outputs_metadata(detection: bool, classes: Optional[list[str]], categories: Optional[list[int]]) -> dict[str, str]:
+    """A weights file's metadata naming the model's outputs (JSON text): "classes", a classifier's logits in order;
+    "labels", a detector's label map (`label_map`); {} where they are unknown."""
+    if detection:
+        return {} if categories is None else {"labels": json.dumps(_labels(classes, categories))}
+    return {"classes": json.dumps(list(classes))} if classes else {}
 
 
 def name_metadata(trained: Trained) -> dict[str, str]:
     """What the exported file's own metadata says of the model's outputs (JSON text): "classes", the names of a
     classifier's logits in order; "labels", a detector's `label_map`."""
-    if TASKS[trained.cfg.model.family] == "detection":
-        labels = label_map(trained)
-        return {} if labels is None else {"labels": json.dumps(labels)}
-    if not trained.classes:
+    detection = TASKS[trained.cfg.model.family] == "detection"
+    if not detection and not trained.classes:
         log.warning("the run records no class names (exported from %s): the file's metadata names no classes",
                     trained.source)
-        return {}
-    return {"classes": json.dumps(list(trained.classes))}
+    return outputs_metadata(detection, trained.classes, trained.categories)
 
 
 def timm_data_config(trained: Trained) -> dict[str, Any]:
