@@ -1,6 +1,7 @@
 """What every process a command starts gets (visiondist.utils.procenv), read where it counts: OpenMP's own report of
-its settings (OMP_DISPLAY_ENV=VERBOSE makes each process print it as OpenMP starts), and a start that prints nothing
-a user cannot act on, on a machine without the internet. The CPU count's parts: tests/unit/test_procenv.py."""
+its settings (OMP_DISPLAY_ENV=VERBOSE makes each process print it as OpenMP starts), a start that prints nothing
+a user cannot act on, on a machine without the internet, and ranks that can run autograd whatever their launcher
+ran. The CPU count's parts: tests/unit/test_procenv.py."""
 
 import re
 import subprocess
@@ -84,3 +85,50 @@ def test_two_jobs_started_together_both_wait_passively(tmp_path):
     said = [p.communicate(timeout=60)[0].strip() for p in procs]
     assert all(s.startswith("PASSIVE: ") for s in said), said  # each other's note, or a busy machine's sample
     assert not [n for d in tmp_path.glob("visiondist-jobs-*") for n in d.iterdir()]  # each note removed at exit
+
+
+RANK_BACKWARD = '''
+def one_backward():
+    import torch
+
+    weight = torch.ones(3, requires_grad=True)
+    (weight * 2).sum().backward()
+    return weight.grad.tolist()
+'''
+AFTER_FAKE_BACKWARD = '''
+import torch
+
+from visiondist.launch.spawn import autograd_survives_fork, spawn_local
+
+
+def main():  # the fork server imports this file as __main__: its work only under the guard, as multiprocessing asks
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from rank_backward import one_backward
+
+    print("before:", autograd_survives_fork())
+    with FakeTensorMode():  # a backward on fake tensors, as `tools/plan.py verify=` measures a layout's step
+        fake = torch.ones(3, requires_grad=True)
+        (fake * 2).sum().backward()
+    print("after:", autograd_survives_fork())
+    print("ranks:", sorted(spawn_local(one_backward, 2, cuda=False).items()))
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_ranks_train_when_the_launching_process_ran_autograd_off_the_cpu(tmp_path):
+    """A process that ran a backward off the CPU (on fake tensors here) has started autograd's device threads, and a
+    child forked from it refuses every backward. Ranks launched from such a process (a notebook, a test process)
+    start from a fresh fork server instead of being forked from it, and run their backward. In a fresh interpreter,
+    since the process that did so stays so."""
+    (tmp_path / "rank_backward.py").write_text(RANK_BACKWARD)
+    (tmp_path / "launch.py").write_text(AFTER_FAKE_BACKWARD)
+    env = job_env(PYTHONPATH=f"{tmp_path}:{REPO}")
+    result = subprocess.run([sys.executable, str(tmp_path / "launch.py")], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.stdout.splitlines() == ["before: True", "after: False",
+                                          "ranks: [(0, [2.0, 2.0, 2.0]), (1, [2.0, 2.0, 2.0])]"], result.stdout

@@ -51,7 +51,8 @@ def start_method(cuda: bool, threads: Optional[int]) -> str:
     OMP_NUM_THREADS list).
 
     - On a GPU: spawned. A process that touched CUDA cannot hand it to a forked child.
-    - On the CPU with one thread a rank: forked from this process, once it has imported what the ranks import
+    - On the CPU with one thread a rank: forked from this process (unless it ran autograd off the CPU, which a forked
+      child cannot survive: `autograd_survives_fork`; then as below), once it has imported what the ranks import
       (`_preload`: torchvision, the ranks' modules). No rank imports anything again, and no second interpreter
       starts: a 2-rank tiny run took 7.0-8.3 s of CPU this way, 11.0-12.4 s from a fork server (2 cores). A
       single-threaded rank never starts an OpenMP team, so it does not matter what OpenMP did in this process
@@ -63,6 +64,27 @@ def start_method(cuda: bool, threads: Optional[int]) -> str:
     if cuda:
         return "spawn"
     return "fork" if threads == 1 else "forkserver"
+
+
+def autograd_survives_fork() -> bool:
+    """Whether a child forked from this process can run a backward. Not once this process has run one off the CPU
+    (on fake tensors too, as `tools/plan.py verify=` measures a layout's step): that starts autograd's device
+    threads, and every forked child then refuses a backward ("Unable to handle autograd's threading in combination
+    with fork-based multiprocessing"). Asked of a child forked for the purpose, which runs one tiny backward: a few
+    milliseconds a launch."""
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of the parent's (atexit, buffers) runs on its way out
+        code = 1
+        try:
+            import torch
+
+            probe = torch.ones(1, requires_grad=True)
+            probe.sum().backward()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
 
 
 def _rank_modules(fn: Callable, args: tuple) -> list[str]:
@@ -137,6 +159,8 @@ def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
                     rdzv_backend=pod.rdzv_backend, rdzv_endpoint=pod.rdzv_endpoint,
                     rdzv_configs={"rank": pod.node_rank} if pod.node_rank is not None else {})
     method = start_method(cuda, omp_threads())
+    if method == "fork" and not autograd_survives_fork():
+        method = "forkserver"  # this process ran autograd off the CPU: its forked children could not train
     config = LaunchConfig(
         nproc_per_node=nprocs,
         **rdzv,
