@@ -21,16 +21,14 @@ that knows, by feature detection (never a version string), and the rest of the c
   `inspect.stack()` twice an event, even where nothing records events (the default): each call reads the source of
   every frame and looks its module up among all those loaded. With torchvision and the tools' libraries imported
   that is 0.1-0.3 s an event, over a second of every launch of several ranks; the frame itself gives the same name.
-- `dcp_metadata_class`: torch 2.15's DCP records each tensor's strides in its checkpoint's metadata, a sixth field of
-  `TensorProperties` that 2.11-2.14 cannot unpickle ("too many values to unpack"); on those releases a checkpoint
-  written under 2.15 is read through a subclass that drops the strides (DCP reads a tensor's bytes by its chunk's
-  offsets and sizes, never by the strides), so a run trained under one supported torch resumes, evaluates and
-  exports under any other.
+
+One difference is met where it is read instead: torch 2.15's DCP records each tensor's strides in a checkpoint's
+metadata, which 2.11-2.14 cannot unpickle; `visiondist.utils.dcp.metadata_class` takes them (`visiondist.utils` sits
+in the lowest layer beside this module, and may not import it).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 from datetime import timedelta
 from typing import Any, Optional
@@ -169,23 +167,3 @@ def quick_rendezvous_names() -> bool:
     get_method_name.original = original  # type: ignore[attr-defined]
     dynamic_rendezvous.get_method_name = get_method_name
     return True
-
-
-def dcp_metadata_class(cls: type) -> type:
-    """The class to rebuild DCP metadata's `cls` with: `cls` itself, or for a `TensorProperties` without a `strides`
-    field (2.11-2.14) one that also takes the state torch 2.15 and newer pickle (module docstring)."""
-    if cls.__name__ != "TensorProperties" or "strides" in getattr(cls, "__dataclass_fields__", {"strides": None}):
-        return cls
-    return _properties_without_strides(cls)
-
-
-@functools.cache
-def _properties_without_strides(cls: type) -> type:
-    fields = len(cls().__getstate__())
-
-    class TensorProperties(cls):  # type: ignore[misc, valid-type]
-        def __setstate__(self, state: tuple) -> None:
-            super().__setstate__(tuple(state)[:fields])  # what follows (the strides) this torch has no use for
-
-    TensorProperties.__module__ = cls.__module__
-    return TensorProperties

@@ -28,14 +28,35 @@ class _MetadataUnpickler(pickle.Unpickler):
         import torch
 
         if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
-            from visiondist.compat import dcp_metadata_class
-
-            return dcp_metadata_class(super().find_class(module, name))
+            return metadata_class(super().find_class(module, name))
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
                                                                           torch.memory_format)):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"refused to load {module}.{name} from checkpoint metadata: "
                                      "it is not part of a DCP checkpoint")
+
+
+def metadata_class(cls: type) -> type:
+    """The class to rebuild DCP metadata's `cls` with: `cls` itself, or for a `TensorProperties` without a `strides`
+    field (torch 2.11-2.14) one that also takes the state torch 2.15 pickles. 2.15 records each tensor's strides as
+    a sixth field, which the older releases' class cannot unpickle ("too many values to unpack"); the subclass drops
+    them, since DCP reads a tensor's bytes by its chunk's offsets and sizes, never by its strides. So a run trained
+    under one supported torch resumes, evaluates and exports under any other."""
+    if cls.__name__ != "TensorProperties" or "strides" in getattr(cls, "__dataclass_fields__", {"strides": None}):
+        return cls
+    return _properties_without_strides(cls)
+
+
+@functools.cache
+def _properties_without_strides(cls: type) -> type:
+    fields = len(cls().__getstate__())
+
+    class TensorProperties(cls):  # type: ignore[misc, valid-type]
+        def __setstate__(self, state: tuple) -> None:
+            super().__setstate__(tuple(state)[:fields])  # what follows (the strides) this torch has no use for
+
+    TensorProperties.__module__ = cls.__module__
+    return TensorProperties
 
 
 @functools.cache
