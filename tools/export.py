@@ -33,7 +33,8 @@ TOOL = Tool(
                    "whatever parallel layout wrote it; step=best: the best one by trainer.best_metric"),
           ("format=<format>", "safetensors (default; plus <out>.json saying how to build the model), onnx, "
                               "pt2 (classifiers: torch.export, any batch), torchscript, hf (DETR-class detectors: "
-                              "a from_pretrained directory) or naflex (ViTs: timm's NaFlexVit, images at their own size and aspect ratio; plus <out>.json)"),
+                              "a from_pretrained directory) or naflex (ViTs: timm's NaFlexVit, images at their own "
+                              "size and aspect ratio; plus <out>.json)"),
           ("out=<path>", "the file (hf: directory) to write (default: <run>/export/model.<safetensors|onnx|pt2|pt>, "
                          "hf: <run>/export/model_hf, naflex: <run>/export/model_naflex.safetensors)")),
     reads="<run>/config.yaml and the run's newest checkpoint (or step=), else its model.safetensors",

@@ -190,12 +190,9 @@ def test_exported_model_brings_its_preprocessing_to_timm(tp2_run, tiny_shapes, t
 
 
 @pytest.mark.smoke
-def test_export_onnx_pt2_and_torchscript(tp2_run, tmp_path):
-    """The three formats load and match PyTorch from a run trained under tp2; each command prints what it exported and
-    the file it wrote, nothing of torch.onnx's progress or torch.jit's deprecation warnings. The pt2 program takes any
-    batch and carries the classes and preprocessing inside."""
-    import re
-
+def test_export_onnx_and_torchscript(tp2_run, tmp_path):
+    """Both formats load and match PyTorch; each command prints what it exported and the file it wrote, nothing of
+    torch.onnx's progress or torch.jit's deprecation warnings."""
     import onnxruntime as ort
 
     from visiondist.checkpoint.export.trained import load_trained
@@ -224,6 +221,17 @@ def test_export_onnx_pt2_and_torchscript(tp2_run, tmp_path):
     with torch.no_grad():
         assert torch.allclose(loaded(x), trained.model(x), atol=1e-5, rtol=0)
 
+
+@pytest.mark.smoke
+def test_export_pt2_takes_any_batch_and_carries_its_preprocessing(tp2_run, tmp_path):
+    """From a run trained under tp2: the program matches PyTorch at any batch, the tool prints its own check and no
+    warning, the archive carries the classes and preprocessing, and docs/checkpoints.md's code runs on it."""
+    import re
+    import textwrap
+
+    from visiondist.checkpoint.export.trained import load_trained
+
+    trained = load_trained(tp2_run)
     program_file = tmp_path / "vit.pt2"
     stdout = _export(tp2_run, "format=pt2", f"out={program_file}")
     lines = stdout.splitlines()
@@ -241,8 +249,6 @@ def test_export_onnx_pt2_and_torchscript(tp2_run, tmp_path):
         with torch.no_grad():
             torch.testing.assert_close(program.module()(x), trained.model(x), rtol=0, atol=1e-5)
     # docs/checkpoints.md's code, as printed there, on this file
-    import textwrap
-
     docs = (REPO / "docs" / "checkpoints.md").read_text()
     [block] = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?) *```", docs, re.S) if "torch.export.load" in b]
     names = {"images": torch.randn(4, 3, 32, 32)}

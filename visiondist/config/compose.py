@@ -3,7 +3,6 @@ process boundaries."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +75,11 @@ def run_config(run_dir: str | Path, overrides: list[str] = ()) -> DictConfig:
 
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
-        run = Path(run_dir).parent.parent
-        step = re.fullmatch(r"step_(\d+)", Path(run_dir).name)
-        if step and Path(run_dir).parent.name == "checkpoints" and (run / "config.yaml").is_file():
-            raise ConfigError(f"{run_dir} is a checkpoint of the run {run}: give run_dir={run} step={step[1]}")
+        from visiondist.utils.dcp import step_of
+
+        run, step = Path(run_dir).parent.parent, step_of(Path(run_dir))
+        if step is not None and (run / "config.yaml").is_file():
+            raise ConfigError(f"{run_dir} is a checkpoint of the run {run}: give run_dir={run} step={step}")
         if not Path(run_dir).exists():
             raise ConfigError(f"{run_dir}: no such directory: give the directory of a training run")
         raise ConfigError(f"{run_dir} holds no config.yaml: give the directory of a training run")

@@ -9,7 +9,7 @@ import functools
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 _SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
 _SAFE_GLOBALS = {
@@ -102,6 +102,12 @@ def is_complete(path: Path) -> bool:
     return (path / METADATA).is_file() and (path / STATE_FILE).is_file()
 
 
+def step_of(path: Path) -> Optional[int]:
+    """N for a path named as a run's checkpoint, <run>/checkpoints/step_<N>; else None."""
+    match = _STEP_DIR.match(Path(path).name)
+    return int(match.group(1)) if match and Path(path).parent.name == CHECKPOINTS else None
+
+
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """The complete checkpoints of a run, oldest first."""
     root = Path(run_dir) / CHECKPOINTS
@@ -109,7 +115,7 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and entry.is_dir() and is_complete(entry):
-            found.append((int(match.group(1)), entry))
+        step = step_of(entry)
+        if step is not None and entry.is_dir() and is_complete(entry):
+            found.append((step, entry))
     return sorted(found)
