@@ -4,7 +4,8 @@ import pytest
 
 import planner_ranks
 from helpers import spawn_ranks
-from visiondist.parallel.memory import ViTShape, rank_memory
+from visiondist.models.shape import ViTShape
+from visiondist.plan.memory import rank_memory
 
 
 SHAPE = ViTShape(embed_dim=32, depth=6, num_heads=4, mlp_ratio=3.0, patch_size=8, img_size=32, num_classes=5)
@@ -28,7 +29,7 @@ def test_parameter_gradient_and_optimizer_bytes_are_exact(dims):
 def test_fsdp_shards_are_exact_per_rank():
     """FSDP2 splits dim 0 of every tensor into ceil(rows / n) chunks: rank 0 holds the most, and the planner counts
     rank 0's bytes (what each rank's padded storage needs)."""
-    from visiondist.parallel.memory import FLOAT, fsdp_shard, optimizer_bytes
+    from visiondist.plan.memory import FLOAT, fsdp_shard, optimizer_bytes
 
     results = spawn_ranks(planner_ranks.run, 2, (1, 2, 1), True)
     for measured in results.values():

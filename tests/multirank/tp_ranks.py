@@ -184,7 +184,7 @@ def native_batch(device: torch.device = torch.device("cpu")):
     """Four images at their own sizes (16, 15, 12 and 9 patches of 8 px) packed into three sequences of 24 tokens,
     one holding two images (2 class slots + 24 = 26 tokens: SP splits them evenly), and their labels in the batch's
     image order."""
-    from visiondist.models.native import pack
+    from visiondist.models.patches import pack
 
     g = torch.Generator().manual_seed(4)
     images = [torch.randn(3, h, w, generator=g) for h, w in ((32, 32), (40, 24), (16, 48), (24, 24))]

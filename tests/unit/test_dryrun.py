@@ -11,7 +11,7 @@ from visiondist.config import compose
 from visiondist.verify.dryrun import DryRunError, chosen_ranks, dry_run
 from visiondist.verify.report import TOLERANCE, Figure
 from visiondist.models.registry import spec_of
-from visiondist.parallel.planner import Candidate
+from visiondist.plan.planner import Candidate
 from visiondist.plan import plan_for, resolve_on
 
 REPO = Path(__file__).resolve().parents[2]

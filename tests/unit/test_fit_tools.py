@@ -52,7 +52,7 @@ def test_train_fits_the_readme_command_before_any_rank_starts(imagenet, tmp_path
 def test_plan_fits_it_and_the_dry_run_of_the_fitted_layout_matches_the_plan(capsys):
     from visiondist.config import compose
     from visiondist.plan import resolve_on
-    from visiondist.parallel.memory import ViTShape
+    from visiondist.models.shape import ViTShape
     from visiondist.verify.dryrun import dry_run
 
     assert _tool("plan").main([*README, "trainer.devices=4"]) == 0

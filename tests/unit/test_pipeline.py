@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import pp_ranks
-from visiondist.parallel.stages import balance, block_ranges, build_stages
+from visiondist.config.layout import balance
+from visiondist.parallel.stages import block_ranges, build_stages
 
 
 def test_balance_minimises_the_largest_stage():

@@ -3,7 +3,7 @@ tests/multirank/test_planner.py."""
 
 import pytest
 
-from visiondist.parallel.memory import ViTShape
+from visiondist.models.shape import ViTShape
 
 
 @pytest.mark.parametrize("dim,depth,heads,img,patch,batch", [(64, 4, 4, 64, 8, 8), (192, 2, 3, 224, 16, 4),
@@ -12,7 +12,7 @@ def test_activation_estimate_is_within_a_quarter_of_the_saved_tensors(dim, depth
     import torch
 
     from visiondist.models.vit import VisionTransformer
-    from visiondist.parallel.memory import block_activation_bytes, saved_activation_bytes
+    from visiondist.plan.memory import block_activation_bytes, saved_activation_bytes
 
     torch.manual_seed(0)
     model = VisionTransformer(img_size=img, patch_size=patch, num_classes=10, embed_dim=dim, depth=depth,

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")  # several (virtual) stages per rank
@@ -63,6 +63,32 @@ def check_pipeline(pp: int, schedule: str, stages_per_rank: int, microbatches: i
             raise ValueError(f"parallel.schedule={schedule} runs micro-batches in rounds of parallel.pp={pp}: "
                              f"parallel.microbatches={m} must be a multiple of {rounds} (m // pp); "
                              f"use e.g. {', '.join(map(str, good))}")
+
+
+def balance(costs: Sequence[int], n: int) -> list[tuple[int, int]]:
+    """Cut `costs` into `n` non-empty contiguous ranges [start, end) minimising the largest range's sum."""
+    if n > len(costs):
+        raise ValueError(f"cannot cut {len(costs)} units into {n} stages")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[k][i]: the smallest max-load of cutting units [0, i) into k ranges; exact DP (N and n are small)
+    inf = float("inf")
+    best = [[inf] * (len(costs) + 1) for _ in range(n + 1)]
+    cut = [[0] * (len(costs) + 1) for _ in range(n + 1)]
+    best[0][0] = 0
+    for k in range(1, n + 1):
+        for i in range(k, len(costs) + 1):
+            for j in range(k - 1, i):
+                load = max(best[k - 1][j], prefix[i] - prefix[j])
+                if load < best[k][i]:
+                    best[k][i], cut[k][i] = load, j
+    ranges, i = [], len(costs)
+    for k in range(n, 0, -1):
+        j = cut[k][i]
+        ranges.append((j, i))
+        i = j
+    return ranges[::-1]
 
 
 @dataclass(frozen=True)

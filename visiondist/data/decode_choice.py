@@ -46,7 +46,7 @@ def decode_plan(cfg: DictConfig, run: RunLayout, gpu_name: Optional[str] = None)
         return "loader", "on the CPU the rank would decode what its workers decode now"
     from visiondist.data.workers import loader_workers
     from visiondist.models.registry import spec_of
-    from visiondist.parallel.planner import train_flops_per_image
+    from visiondist.models.flops import vit_train_flops
     from visiondist.utils.peaks import datasheet_tflops
 
     shape = spec_of(cfg.model).planner_shape
@@ -54,7 +54,7 @@ def decode_plan(cfg: DictConfig, run: RunLayout, gpu_name: Optional[str] = None)
     if shape is None or peak is None:
         return "loader", "the step's rate is unknown here (no datasheet peak or FLOP count): decoded in the workers"
     workers = loader_workers(int(d.num_workers), run.per_node)
-    step = ASSUMED_MFU * peak * 1e12 / train_flops_per_image(shape(cfg.model))
+    step = ASSUMED_MFU * peak * 1e12 / vit_train_flops(shape(cfg.model))
     loader = min(step, workers * WORKER_IMAGES_PER_S)
     device = 1.0 / (1.0 / step + 1.0 / DEVICE_DECODE_IMAGES_PER_S)
     figures = (f"the step ~{step:,.0f} images/s per GPU at {ASSUMED_MFU:.0%} MFU; {workers} loader worker"

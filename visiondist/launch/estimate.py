@@ -6,7 +6,7 @@ and of the whole run on this machine's CPU, and stops a run estimated at over an
 it there anyway (`trainer.accelerator=cpu`). Under torchrun / srun the ranks were started by the user: nothing is
 said or refused there.
 
-The estimate is the planner's (`visiondist.parallel.planner.step_seconds`: FLOPs over the device rate, plus the
+The estimate is the planner's (`visiondist.plan.planner.step_seconds`: FLOPs over the device rate, plus the
 collectives' bytes over the link) with this CPU's measured dense matmul rate (`visiondist.utils.peaks`) shared by the
 node's ranks, and `CPU_LINK_GBS` between them. It covers training steps of ViT classifiers (the planner's models);
 for a detector or an evaluation the line says there is no estimate.
@@ -86,7 +86,7 @@ def step_seconds_on_cpu(cfg: DictConfig, run: RunLayout, tflops_per_rank: float)
     """The planner's seconds per optimizer step of `cfg`'s ViT under `run`, each rank computing at `tflops_per_rank`
     and sending at `CPU_LINK_GBS`."""
     from visiondist.models.registry import spec_of
-    from visiondist.parallel.planner import Candidate, hardware_from_config, step_seconds
+    from visiondist.plan.planner import Candidate, hardware_from_config, step_seconds
     from visiondist.plan.resolve import layout_memory
     from visiondist.plan.world import host_memory_gb
 

@@ -1,16 +1,25 @@
-"""Training FLOPs of a classifier, counted rather than estimated: what model FLOPs utilisation (MFU) divides by."""
+"""Training FLOPs of a model per image: what model FLOPs utilisation (MFU) divides by and what the planner's time
+model runs at the device's rate. `classifier_train_flops` counts them on the model itself (any classifier);
+`vit_train_flops` is the same count written out for a ViT's shape (`visiondist.models.shape.ViTShape`), without
+torch, for planning before anything is built."""
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from visiondist.models.shape import ViTShape
 
 
 def classifier_train_flops(model_cfg: DictConfig) -> float:
     """FLOPs of one forward + backward of one image at `model_cfg.img_size`, counted by `FlopCounterMode` on the model
     built on the meta device (no memory, no arithmetic): the model's FLOPs, so activation checkpointing's recompute
     does not count, as MFU defines it."""
+    import torch
+    import torch.nn.functional as F
+    from omegaconf import OmegaConf
     from torch.utils.flop_counter import FlopCounterMode
 
     from visiondist.models import build_model
@@ -23,3 +32,14 @@ def classifier_train_flops(model_cfg: DictConfig) -> float:
     with FlopCounterMode(display=False) as counter:
         F.cross_entropy(model(images), labels).backward()
     return float(counter.get_total_flops())
+
+
+def vit_train_flops(s: ViTShape, checkpointing: bool = False) -> float:
+    """Forward + backward matmul FLOPs of one image of a ViT of shape `s`, as `torch.utils.flop_counter` counts them:
+    each block's and the head's backward costs 2 x their forward (input and weight gradients), the patch embedding's
+    1 x (the images need no gradient); activation checkpointing runs the blocks' forward once more."""
+    t, d, h = s.tokens, s.embed_dim, s.hidden
+    block = 2 * t * (4 * d * d + 2 * d * h) + 4 * t * t * d
+    patch = 2 * (t - 1) * 3 * s.patch_size**2 * d
+    head = 2 * d * s.num_classes
+    return s.depth * block * (4 if checkpointing else 3) + 2 * patch + 3 * head

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from visiondist.config import ConfigError
 from visiondist.config.layout import check_pipeline, divisors
-from visiondist.parallel.memory import ViTShape
+from visiondist.models.shape import ViTShape
 
 # switches a family may support: what each is, for the refusal message
 TP, PP, FSDP, AC, COMPILE, CLASSIFICATION_AUG, INIT_FROM, BACKBONE_WEIGHTS, FP8 = (

@@ -1,21 +1,35 @@
-"""Turn a finished single-device model into one laid out over the device mesh.
+"""Turn a finished single-device model into one laid out over the device mesh, at run time on every rank.
 
-`parallelize` (`apply.py`) applies, in order: tensor-parallel plan -> pipeline stages -> data parallel. This package
-never imports the models: they declare their plans to it (`visiondist.models.vit_parallel`).
+`parallelize` (`apply.py`) applies, in order: tensor-parallel plan -> pipeline stages -> data parallel. `mesh.py`: the
+mesh and the rank's `Layout`; `tensor.py` and `collectives.py`: the TP styles and their autograd collectives;
+`stages.py`, `pipeline.py` and `timeline.py`: the stage cut, torch's schedules and what a schedule did (the bubble, a
+PNG); `fsdp.py`: FSDP2, activation checkpointing, compile; `data.py`: DDP; `grad.py`: gradient averaging and the
+global norm. Which layout to run is decided before the ranks start, in `visiondist.plan`.
+
+Imports: `compat`, `utils` and `config` only; never the models, which declare their plans to it
+(`visiondist.models.vit_parallel`).
 """
 
-from visiondist.utils.lazy import lazy_exports
+from visiondist.parallel.apply import local_part, parallelize
+from visiondist.parallel.data import same_buffers, unwrap
+from visiondist.parallel.fsdp import (
+    blank_forwards,
+    compile_blocks,
+    compile_model,
+    enable_activation_checkpointing,
+    forwards_needed,
+    is_fully_sharded,
+    keep_matmuls_context,
+    local_numel,
+    reshard,
+    transformer_blocks,
+)
+from visiondist.parallel.grad import average_over_data_parallel, clip_grad_norm, finish_gradients
+from visiondist.parallel.mesh import Layout, build_layout
+from visiondist.parallel.pipeline import PipelineSpec, PipelinedViT
+from visiondist.parallel.tensor import full_state_dict
 
-# Imported on first use: the launcher plans a layout with `visiondist.parallel.memory` and `planner`, and needs
-# neither DTensor nor the rest of torch.distributed that these bring (about 1 s of a launch).
-__getattr__, __all__ = lazy_exports(__name__, {
-    "apply": ("local_part", "parallelize"),
-    "data": ("same_buffers", "unwrap"),
-    "fsdp": ("blank_forwards", "compile_blocks", "compile_model", "enable_activation_checkpointing",
-             "forwards_needed", "is_fully_sharded", "keep_matmuls_context", "local_numel", "reshard",
-             "transformer_blocks"),
-    "grad": ("average_over_data_parallel", "clip_grad_norm", "finish_gradients"),
-    "mesh": ("Layout", "build_layout"),
-    "pipeline": ("PipelineSpec", "PipelinedViT"),
-    "tensor": ("full_state_dict",),
-})
+__all__ = ["Layout", "PipelineSpec", "PipelinedViT", "average_over_data_parallel", "blank_forwards", "build_layout",
+           "clip_grad_norm", "compile_blocks", "compile_model", "enable_activation_checkpointing", "finish_gradients",
+           "forwards_needed", "full_state_dict", "is_fully_sharded", "keep_matmuls_context", "local_numel",
+           "local_part", "parallelize", "reshard", "same_buffers", "transformer_blocks", "unwrap"]

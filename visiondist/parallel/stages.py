@@ -1,8 +1,9 @@
 """Cutting a model of blocks into pipeline stages: the model declares what goes with the first and the last stage
-(`StageCut`, registered beside the model), the blocks are balanced by parameter count (`balance`, exact), and each
-`Stage` holds the model's own parts under the model's attribute names (`blocks` keeps the global block indices), so
-parameter names are the single-device ones whatever `pp` is. Rank `r` of the PP group holds stages r, r + pp, ...
-(`stage_indices`: the looped placement torch's interleaved and zero-bubble schedules expect)."""
+(`StageCut`, registered beside the model), the blocks are balanced by parameter count (`balance`, exact: the
+arithmetic the memory plan cuts by too, in `visiondist.config.layout`), and each `Stage` holds the model's own parts
+under the model's attribute names (`blocks` keeps the global block indices), so parameter names are the single-device
+ones whatever `pp` is. Rank `r` of the PP group holds stages r, r + pp, ... (`stage_indices`: the looped placement
+torch's interleaved and zero-bubble schedules expect)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
+
+from visiondist.config.layout import balance
 
 
 @dataclass(frozen=True)
@@ -51,32 +54,6 @@ def stage_costs(model: nn.Module) -> list[int]:
     cut = stage_cut(model)
     return [sum(_numel(getattr(model, name)) for name in cut.first), *(_numel(b) for b in model.blocks),
             sum(_numel(getattr(model, name)) for name in cut.last)]
-
-
-def balance(costs: Sequence[int], n: int) -> list[tuple[int, int]]:
-    """Cut `costs` into `n` non-empty contiguous ranges [start, end) minimising the largest range's sum."""
-    if n > len(costs):
-        raise ValueError(f"cannot cut {len(costs)} units into {n} stages")
-    prefix = [0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    # best[k][i]: the smallest max-load of cutting units [0, i) into k ranges; exact DP (N and n are small)
-    inf = float("inf")
-    best = [[inf] * (len(costs) + 1) for _ in range(n + 1)]
-    cut = [[0] * (len(costs) + 1) for _ in range(n + 1)]
-    best[0][0] = 0
-    for k in range(1, n + 1):
-        for i in range(k, len(costs) + 1):
-            for j in range(k - 1, i):
-                load = max(best[k - 1][j], prefix[i] - prefix[j])
-                if load < best[k][i]:
-                    best[k][i], cut[k][i] = load, j
-    ranges, i = [], len(costs)
-    for k in range(n, 0, -1):
-        j = cut[k][i]
-        ranges.append((j, i))
-        i = j
-    return ranges[::-1]
 
 
 def block_ranges(model: nn.Module, n_stages: int) -> list[tuple[int, int]]:

@@ -11,6 +11,8 @@ from omegaconf import DictConfig
 from visiondist.config import ConfigError
 from visiondist.config.layout import RunLayout
 from visiondist.models.registry import spec_of
+from visiondist.plan.memory import rank_memory
+from visiondist.plan.planner import plan_config
 from visiondist.plan.world import device_memory_gb, host_memory_gb
 
 
@@ -24,7 +26,7 @@ def planned_shape(cfg: DictConfig):
     if cfg.data.get("resolution", "square") == "native":
         from dataclasses import replace
 
-        from visiondist.config.native import planned_tokens
+        from visiondist.config.resolution import planned_tokens
 
         shape = replace(shape, seq_tokens=planned_tokens(cfg))
     return shape
@@ -32,9 +34,7 @@ def planned_shape(cfg: DictConfig):
 
 def layout_memory(cfg: DictConfig, run: RunLayout, pp_rank: Optional[int] = None, dp_rank: int = 0):
     """The memory model's bytes for `cfg`'s ViT under `run`: on its busiest rank, or on the rank at pipeline stage
-    `pp_rank` and DP rank `dp_rank` (`visiondist.parallel.memory.rank_memory`)."""
-    from visiondist.parallel.memory import rank_memory
-
+    `pp_rank` and DP rank `dp_rank` (`visiondist.plan.memory.rank_memory`)."""
     t = cfg.trainer
     return rank_memory(planned_shape(cfg), run.dp, run.tp, run.pp, int(cfg.data.batch_size),
                        run.grad_accum or int(t.grad_accum), str(cfg.optim.name), float(t.ema_decay) > 0,
@@ -48,8 +48,6 @@ def plan_for(cfg: DictConfig, devices: int, nodes: int, memory_gb: float, accele
     """The memory planner's table for `cfg` on `devices` over `nodes` of `memory_gb` each, with the model shape its
     family declares (`ModelSpec.planner_shape`). Offloaded state must fit `parallel.host_memory_gb` per node (0: this
     machine's memory), together with the devices' bytes where the devices are the host (the CPU, not emulated)."""
-    from visiondist.parallel.planner import plan_config
-
     spec = spec_of(cfg.model)
     if spec.planner_shape is None:
         raise ConfigError(f"the memory planner plans ViT classifiers; {cfg.model.name} is a detector: name a layout "

@@ -29,6 +29,7 @@ from visiondist.config import ConfigError
 from visiondist.config.layout import RunLayout
 from visiondist.models.registry import spec_of
 from visiondist.plan.budget import layout_memory, memory_budget, plan_for, planned_shape
+from visiondist.plan.planner import ACCUMULATION_FACTORS, Candidate, hardware_from_config, step_seconds
 
 GB = 1e9
 LEVER_ORDER = {(False, "input"): 0, (True, "matmuls"): 1, (True, "input"): 2}  # ties: accumulation, then the least
@@ -118,8 +119,6 @@ def options(cfg: DictConfig, run: RunLayout, hw) -> list:
     """Every way to run `run` with more accumulation (from trainer.grad_accum up), checkpointing where none was named
     (selective, whole blocks) and, under a pipeline whose micro-batch count was left to its default, more micro-batches
     a step: fastest first in the time model (ties: accumulation before checkpointing, the least of it)."""
-    from visiondist.parallel.planner import ACCUMULATION_FACTORS
-
     levers = ([(True, run.checkpoint_keep)] if run.activation_checkpointing
               else [(False, "input"), (True, "matmuls"), (True, "input")])
     counts = [run.microbatches * k for k in (1, 2, 4, 8)] if run.pp > 1 and cfg.parallel.microbatches == -1 else \
@@ -154,14 +153,10 @@ def _splits(cfg: DictConfig, dp: int, accum: int, microbatches: int) -> bool:
 
 
 def _hardware(cfg: DictConfig, run: RunLayout, memory: float):
-    from visiondist.parallel.planner import hardware_from_config
-
     return hardware_from_config(cfg.parallel, run.world_size, run.nodes, memory)
 
 
 def _option(cfg: DictConfig, run: RunLayout, hw) -> Option:
-    from visiondist.parallel.planner import Candidate, step_seconds
-
     run = run if run.grad_accum else run.replace(grad_accum=int(cfg.trainer.grad_accum))
     mem = layout_memory(cfg, run)
     seconds = step_seconds(planned_shape(cfg), Candidate.of(run), hw,

@@ -15,7 +15,7 @@ on fake tensors, which FSDP2 requires), so no rank's memory is ever allocated. E
 - start-up peak: with the meta-device build a rank allocates only its own shards, then draws each parameter's full
   value on the host one at a time to cut its part: its parameters on the device plus the largest full tensor.
 
-Beside each figure: the planner's (`visiondist.parallel.memory`) and the ratio; a figure more than `TOLERANCE` off
+Beside each figure: the planner's (`visiondist.plan.memory`) and the ratio; a figure more than `TOLERANCE` off
 is flagged. A layout the code cannot build or step fails here, naming the rank, not on the cluster. Under DDP the
 gradients are reduced by the same bucketed all-reduce the pipeline uses (DDP's reducer needs real tensors).
 """
@@ -28,7 +28,7 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from visiondist.config.layout import RunLayout
-from visiondist.parallel.memory import ViTShape
+from visiondist.models.shape import ViTShape
 from visiondist.verify.measure import measure_detector_rank, measure_rank, planned_detector, planned_rank
 from visiondist.verify.report import TOLERANCE, Figure, RankReport, report_table
 

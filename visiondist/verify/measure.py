@@ -27,15 +27,10 @@ from visiondist.parallel import (
     finish_gradients,
     parallelize,
 )
+from visiondist.models.shape import ViTShape
 from visiondist.parallel.grad import mean_over_group
-from visiondist.parallel.memory import (
-    FLOAT,
-    ViTShape,
-    collective_bytes,
-    saved_per_microbatch,
-    saved_storages,
-)
 from visiondist.parallel.stages import stage_indices
+from visiondist.plan.memory import FLOAT, collective_bytes, saved_per_microbatch, saved_storages
 from visiondist.verify.world import AsOnDevice, Traffic, fake_world, nbytes
 
 
@@ -117,7 +112,7 @@ def planned_detector(cfg: DictConfig, run: RunLayout) -> tuple[dict, dict]:
     from omegaconf import OmegaConf
 
     from visiondist.models import build_model
-    from visiondist.parallel.memory import module_state
+    from visiondist.plan.memory import module_state
 
     with torch.device("meta"):
         model = build_model(OmegaConf.merge(cfg.model, {"weights": None, "init_from": None}))
@@ -198,7 +193,7 @@ def _saved_one_microbatch(model: nn.Module, cfg: DictConfig, micro: int, device:
 
 
 def _train_step(model: nn.Module, layout, cfg: DictConfig, run: RunLayout, batch: int, device: str) -> None:
-    """What `Trainer.train_step` does to the gradients, with zeros for data: every accumulation step's forward and
+    """What `OptimizerStep.train_step` does to the gradients, with zeros for data: every accumulation step's forward and
     backward (or pipeline step), TP's partial gradients, the DP average, the global-norm clip."""
     accum = int(cfg.trainer.grad_accum)
     labels = torch.zeros(batch, dtype=torch.long, device=device)
@@ -224,7 +219,7 @@ def planned_rank(cfg: DictConfig, shape: ViTShape, run: RunLayout,
                  coordinate: tuple[int, int, int]) -> tuple[dict, dict]:
     """The planner's bytes by component and collective bytes for the rank at `coordinate`, for one micro-batch's
     saved activations."""
-    from visiondist.parallel.memory import tensor_shapes
+    from visiondist.plan.memory import tensor_shapes
     from visiondist.plan.resolve import layout_memory
 
     pp_rank, dp_rank, _ = coordinate

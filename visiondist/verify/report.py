@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from visiondist.parallel.memory import GB
+from visiondist.plan.memory import GB
 
 TOLERANCE = 0.10  # a measured figure further than this from the plan is flagged
 EXACT = ("parameters", "gradients", "optimizer")  # the planner counts these exactly: any difference is flagged

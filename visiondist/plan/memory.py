@@ -1,4 +1,4 @@
-"""Memory model of a ViT under a (dp, tp, pp) layout: bytes per rank, before anything is built.
+"""Memory model of a ViT (its `ViTShape`) under a (dp, tp, pp) layout: bytes per rank, before anything is built.
 
 Static state is counted exactly from the model's shape: parameters, gradients, optimizer state (AdamW: two moments
 and a step counter per tensor; SGD with momentum: one buffer) and the EMA copy, for the rank holding the largest
@@ -21,45 +21,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from visiondist.config.layout import MULTI_STAGE, microbatches_for, stages_per_rank_for
-from visiondist.parallel.stages import balance
+from visiondist.config.layout import MULTI_STAGE, balance, microbatches_for, stages_per_rank_for
+from visiondist.models.shape import ViTShape
 
 FLOAT = 4  # parameters, gradients and optimizer state are fp32 whatever the autocast precision
 GB = 1e9
-
-
-@dataclass(frozen=True)
-class ViTShape:
-    embed_dim: int
-    depth: int
-    num_heads: int
-    mlp_ratio: float
-    patch_size: int
-    img_size: int
-    num_classes: int
-    qkv_bias: bool = True
-    # tokens an image computes where not its square grid's and a class token: under data.resolution=native, the most
-    # of any step per image of data.batch_size (`visiondist.data.native.planned_tokens`); 0: the square grid's
-    seq_tokens: int = 0
-
-    @classmethod
-    def from_config(cls, m) -> "ViTShape":
-        return cls(int(m.embed_dim), int(m.depth), int(m.num_heads), float(m.mlp_ratio), int(m.patch_size),
-                   int(m.img_size), int(m.num_classes), bool(m.qkv_bias))
-
-    @property
-    def hidden(self) -> int:
-        return int(self.embed_dim * self.mlp_ratio)
-
-    @property
-    def tokens(self) -> int:
-        """Tokens per image in the activations and matmuls."""
-        return self.seq_tokens or self.pos_tokens
-
-    @property
-    def pos_tokens(self) -> int:
-        """The position embedding's rows: the square grid and the class token."""
-        return (self.img_size // self.patch_size) ** 2 + 1
 
 
 @dataclass(frozen=True)
@@ -116,7 +82,7 @@ def fsdp_shard(s: ViTShape, n: int, rank: int = 0) -> Tensors:
 
 
 def stage_ranges(s: ViTShape, tp: int, n_stages: int) -> list[tuple[int, int]]:
-    """Blocks [first, last) of each stage, cut as `pipeline.block_ranges` cuts the (TP-sharded) model."""
+    """Blocks [first, last) of each stage, cut as `parallel.stages.block_ranges` cuts the (TP-sharded) model."""
     if n_stages == 1:
         return [(0, s.depth)]
     costs = [block_params(s, tp).elements] * s.depth

@@ -1,15 +1,15 @@
-"""The layout search over the memory model of `visiondist.parallel.memory`.
+"""The layout search over the memory model of `visiondist.plan.memory`.
 
 `plan` enumerates the layouts the trainer can run on a number of devices (TP inside a node, dividing the heads;
 pipeline stages with their best micro-batch count; FSDP with or without offload), each with its memory levers:
 activation checkpointing (selective, `checkpoint_keep=matmuls`, or whole blocks) and gradient accumulation (the
 global batch kept, the micro-batch lowered: each row takes the least accumulation that makes it fit). It keeps those
-whose busiest rank fits the device with headroom, and ranks them by a simple time model: FLOPs / device rate (lower
-for matmuls of few rows, i.e. small micro-batches), with the pipeline bubble and what checkpointing recomputes, plus
-collective bytes / link bandwidth (NVLink-class inside a node, network between nodes, PCIe to the host);
-data-parallel traffic is hidden under the backward (DDP) or the whole step (FSDP) up to the compute time. The model
-ranks layouts; it does not predict wall time. `levers` ranks the same levers for one layout named by hand
-(`visiondist.plan.fit`).
+whose busiest rank fits the device with headroom, and ranks them by a simple time model: FLOPs
+(`visiondist.models.flops.vit_train_flops`) / device rate (lower for matmuls of few rows, i.e. small micro-batches),
+with the pipeline bubble and what checkpointing recomputes, plus collective bytes / link bandwidth (NVLink-class
+inside a node, network between nodes, PCIe to the host); data-parallel traffic is hidden under the backward (DDP) or
+the whole step (FSDP) up to the compute time. The model ranks layouts; it does not predict wall time.
+`visiondist.plan.fit` ranks the same levers for one layout named by hand.
 """
 
 from __future__ import annotations
@@ -18,16 +18,9 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from visiondist.config.layout import divisors
-from visiondist.parallel.memory import (
-    FLOAT,
-    GB,
-    RankMemory,
-    ViTShape,
-    block_params,
-    collective_bytes,
-    optimizer_bytes,
-    rank_memory,
-)
+from visiondist.models.flops import vit_train_flops
+from visiondist.models.shape import ViTShape
+from visiondist.plan.memory import FLOAT, GB, RankMemory, block_params, collective_bytes, optimizer_bytes, rank_memory
 
 HOST_MEMORY_GBS = 50.0  # host memory bandwidth for the offloaded (CPU) optimizer step
 HOST_FULL = "host"  # a row's note: it fits the devices, but its offloaded state does not fit the node's host memory
@@ -42,17 +35,6 @@ ACCUMULATION_FACTORS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # times the configure
 
 # ----------------------------------------------------------------------------------------------------------------
 # Time model and the layout search
-
-
-def train_flops_per_image(s: ViTShape, checkpointing: bool = False) -> float:
-    """Forward + backward matmul FLOPs of one image, as `torch.utils.flop_counter` counts them: each block's and the
-    head's backward costs 2 x their forward (input and weight gradients), the patch embedding's 1 x (the images need
-    no gradient); activation checkpointing runs the blocks' forward once more."""
-    t, d, h = s.tokens, s.embed_dim, s.hidden
-    block = 2 * t * (4 * d * d + 2 * d * h) + 4 * t * t * d
-    patch = 2 * (t - 1) * 3 * s.patch_size**2 * d
-    head = 2 * d * s.num_classes
-    return s.depth * block * (4 if checkpointing else 3) + 2 * patch + 3 * head
 
 
 @dataclass(frozen=True)
@@ -155,7 +137,7 @@ def step_seconds(s: ViTShape, c: Candidate, hw: Hardware, global_batch: int, mem
     micro_tokens = mem.detail["micro_batch"] * s.tokens  # rows of every matmul: small ones run below the peak
     efficiency = micro_tokens / (micro_tokens + GEMM_HALF_ROWS)
     whole_blocks = c.checkpointing and c.keep != "matmuls"  # matmuls kept: only elementwise work runs again
-    compute = global_batch * train_flops_per_image(s, whole_blocks) / (world * rate * efficiency)
+    compute = global_batch * vit_train_flops(s, whole_blocks) / (world * rate * efficiency)
     if c.checkpointing and c.keep == "matmuls":
         compute *= 1 + ELEMENTWISE_RECOMPUTE
     if c.pp > 1:
