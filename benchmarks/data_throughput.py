@@ -44,7 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from visiondist.data.decode import read_rgb  # noqa: E402
@@ -52,17 +51,11 @@ from visiondist.data.device_decode import collate_encoded, read_encoded  # noqa:
 from visiondist.data.imagefolder import ImageFolder  # noqa: E402
 from visiondist.data.transforms import ClassificationTransform, SampleRandom, classification_transforms  # noqa: E402
 
+from input_recipe import BATCH, SIZE, recipe_cfg  # noqa: E402  (benchmarks/input_recipe.py)
 from photos import build_photos  # noqa: E402  (benchmarks/photos.py)
 
 H100_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak, SXM
 MFU = 0.5
-SIZE, BATCH = 224, 64
-
-
-def recipe_cfg(auto_augment: str, **extra):
-    return OmegaConf.create(dict(train_crop_scale=[0.08, 1.0], hflip=0.5, crop_pct=0.875, interpolation="bilinear",
-                                 auto_augment=auto_augment, augment_on="device", random_erasing=0.0,
-                                 random_erasing_mode="pixel", **extra))
 
 
 class Variant:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from data_throughput import BATCH, SIZE, recipe_cfg
+from input_recipe import BATCH, SIZE, recipe_cfg
 from visiondist.data.device_decode import collate_encoded, read_encoded
 from visiondist.data.imagefolder import ImageFolder
 from visiondist.data.transforms import ClassificationTransform

@@ -32,7 +32,8 @@ import cv2  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from data_throughput import BATCH, SIZE, _pin, rate, recipe_cfg  # noqa: E402
+from data_throughput import _pin, rate  # noqa: E402
+from input_recipe import BATCH, SIZE, recipe_cfg  # noqa: E402
 from photos import build_photos  # noqa: E402
 from visiondist.data.imagefolder import ImageFolder  # noqa: E402
 from visiondist.data.sampler import TrainBatchSampler  # noqa: E402

@@ -72,7 +72,7 @@ def single_process(shapes_coco):
     """The reference: one process's detections of the stand-in detector on `shapes_coco`, scored by pycocotools."""
     import coco_ranks  # tests/multirank/, on the path (above)
 
-    from visiondist.evaluation.coco import deduplicate, predict, score
+    from visiondist.evaluation.detection import deduplicate, predict, score
 
     data = coco_ranks.val_set(shapes_coco)
     detections, seen, _ = predict(coco_ranks.StandInDetector(data), coco_ranks.loader(data, 0, 1), "cpu", data.cat_of)

@@ -103,7 +103,7 @@ def pack(cmd: Command) -> int:
     try:
         if d.format == "coco":
             from visiondist.data import coco_paths
-            from visiondist.data.shards.coco import pack_coco
+            from visiondist.data.shards.packed_coco import pack_coco
 
             meta = pack_coco({s: coco_paths(d, s) for s in (d.train_split, d.val_split)}, out, options, root)
         else:

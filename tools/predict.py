@@ -134,7 +134,7 @@ def _check_weights(cfg, weights: Path) -> None:
     graph or program, a file of another model, is refused in one line naming this tool's key."""
     from omegaconf import OmegaConf
 
-    from visiondist.models.fit import check_weights
+    from visiondist.models.weights_check import check_weights
 
     model = OmegaConf.merge(cfg.model, {"weights": str(weights.resolve())})
     try:

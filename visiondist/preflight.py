@@ -1,9 +1,9 @@
 """Checks of the inputs on disk, in the launching process before any rank starts: the data directory and its splits,
 the class count against the data, a class folder without images, a training split smaller than one global batch,
-exact weights against the model (`visiondist.models.fit`), the trackers' packages. Each failure is one `ConfigError`
-naming the fix, instead of a traceback from every rank after the run directory was made. Each purpose checks only
-what it reads: training both splits, evaluation the val split alone (a val split smaller than the eval batch is one
-partial batch, not an error).
+exact weights against the model (`visiondist.models.weights_check`), the trackers' packages. Each failure is one
+`ConfigError` naming the fix, instead of a traceback from every rank after the run directory was made. Each purpose
+checks only what it reads: training both splits, evaluation the val split alone (a val split smaller than the eval
+batch is one partial batch, not an error).
 
 Cheap by design: directory listings (`os.scandir`; a class folder is listed until its first image, and images are
 counted only up to one global batch), the `categories` of COCO annotation files (read from the file's tail, not the
@@ -62,11 +62,11 @@ def check_inputs(cfg, purpose: str = "train") -> None:
     if not (purpose == "train" and _resumes(cfg.trainer)):  # a resumed run reads its checkpoint, not these
         fetch_named_weights(cfg.model)
     if cfg.model.weights:
-        from visiondist.models.fit import check_weights
+        from visiondist.models.weights_check import check_weights
 
         check_weights(cfg.model, purpose, cfg.data.get("num_classes"))
     if purpose == "train" and cfg.model.get("init_from") and not _resumes(cfg.trainer):
-        from visiondist.models.fit import check_init_from
+        from visiondist.models.weights_check import check_init_from
 
         check_init_from(cfg.model)
 

@@ -1,8 +1,8 @@
-"""Ray Train: `visiondist.ray.fit(overrides)` trains inside Ray Train's TorchTrainer workers.
+"""Ray Train: `visiondist.ray.train(overrides)` trains inside Ray Train's TorchTrainer workers.
 
     import visiondist.ray
-    result = visiondist.ray.fit(["model=vit_base", "parallel=tp2", "data=imagenet", "data.root=/data/imagenet"],
-                                num_workers=16, use_gpu=True, storage_path="/mnt/shared/ray")
+    result = visiondist.ray.train(["model=vit_base", "parallel=tp2", "data=imagenet", "data.root=/data/imagenet"],
+                                  num_workers=16, use_gpu=True, storage_path="/mnt/shared/ray")
 
 Ray starts one worker per GPU (`num_workers`) and creates the process group itself; each worker then runs the same
 trainer as `tools/train.py` under torchrun does: it reads its rank and the world from the variables Ray sets, joins
@@ -29,8 +29,8 @@ from visiondist.config import ConfigError
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def fit(overrides: list[str], num_workers: Optional[int] = None, use_gpu: Optional[bool] = None,
-        storage_path: Optional[str] = None, name: Optional[str] = None, **run_config: Any) -> dict:
+def train(overrides: list[str], num_workers: Optional[int] = None, use_gpu: Optional[bool] = None,
+          storage_path: Optional[str] = None, name: Optional[str] = None, **run_config: Any) -> dict:
     """Train with `overrides` (tools/train.py's) on `num_workers` Ray Train workers (default: the ranks the config
     names, parallel.dp x tp x pp or trainer.devices, else 1). `use_gpu`: default whether the Ray cluster has GPUs.
     `storage_path` / `name` / `run_config`: Ray's RunConfig (where the run dir goes). Module doc."""
@@ -101,14 +101,14 @@ def _worker(config: dict) -> None:
 
     from visiondist.cli.load import load_config
     from visiondist.launch import launch
-    from visiondist.train.run import train
+    from visiondist.train.run import train as train_rank
 
     context = ray.train.get_context()  # Ray sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE; the node's index:
     os.environ.setdefault("GROUP_RANK", str(context.get_node_rank()))
     assert dist.is_initialized(), "Ray Train's TorchTrainer initialises the process group"
     cfg = load_config(CONFIGS, config["overrides"], inputs="train")
     box: dict[str, Any] = {}
-    launch(_keep(train, box), cfg)
+    launch(_keep(train_rank, box), cfg)
     summary = box.get("result")
     ray.train.report(summary if isinstance(summary, dict) and context.get_world_rank() == 0 else {})  # Ray's view
 

@@ -96,7 +96,7 @@ def loader(dataset: CocoDetection, dp_rank: int, dp: int, batch: int = 3) -> Dat
 def run(root: str, out_dir: str, claimed_images: int = 0, masks: bool = False) -> dict:
     """Entry of every rank: evaluate the stand-in over a dp=world mesh; rank 0 writes detections.json (and, with
     `masks`, segmentations.json)."""
-    from visiondist.evaluation.coco import evaluate_detection
+    from visiondist.evaluation.detection import evaluate_detection
     from visiondist.parallel import build_layout
 
     device = init_test_rank()

@@ -6,7 +6,7 @@ import json
 import pytest
 
 import coco_ranks
-from visiondist.evaluation.coco import STAT_NAMES
+from visiondist.evaluation.detection import STAT_NAMES
 from helpers import spawn_ranks
 
 

@@ -84,7 +84,7 @@ def test_the_export_loads_in_timms_naflexvit_and_predicts_what_the_run_does(tmp_
 
     timm = pytest.importorskip("timm")
     from visiondist.checkpoint.export.trained import load_trained
-    from visiondist.models.native import pack
+    from visiondist.models.patches import pack
 
     _, run = native_reference
     out = tmp_path / "naflex.safetensors"

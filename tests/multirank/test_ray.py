@@ -1,4 +1,4 @@
-"""Ray Train: `visiondist.ray.fit` on a local Ray cluster of 2 CPUs, 2 TorchTrainer workers joining the process group
+"""Ray Train: `visiondist.ray.train` on a local Ray cluster of 2 CPUs, 2 TorchTrainer workers joining the process group
 Ray made, equals the self-launched dp=2 run; the run dir is under Ray's storage path; a bad override is refused
 before any worker starts."""
 
@@ -14,7 +14,7 @@ pytest.importorskip("ray")
 STEPS = ["model.num_heads=2", "data.batch_size=16", "trainer.max_steps=6", "trainer.log_every=1",
          "trainer.eval_every=3", "trainer.loggers=[csv]"]
 
-# the driver: a local Ray cluster of 2 CPUs (no dashboard), then fit() once per call given (one cluster for all of
+# the driver: a local Ray cluster of 2 CPUs (no dashboard), then train() once per call given (one cluster for all of
 # them: a cluster's start is most of a call's time), each printing `CALL <k> SUMMARY <json>` or `CALL <k> FAILED ...`
 DRIVER = """
 import json, sys
@@ -24,7 +24,7 @@ ray.init(num_cpus=2, include_dashboard=False, log_to_driver=True)
 calls, storage = json.loads(sys.argv[1]), sys.argv[2]
 for k, (overrides, name) in enumerate(calls):
     try:
-        summary = visiondist.ray.fit(overrides, num_workers=2, storage_path=storage, name=name)
+        summary = visiondist.ray.train(overrides, num_workers=2, storage_path=storage, name=name)
     except Exception as exc:
         print(f"CALL {k} FAILED:", type(exc).__name__, exc, flush=True)
         continue
@@ -35,12 +35,12 @@ for k, (overrides, name) in enumerate(calls):
 
 
 def _fit(tmp_path, calls):
-    """visiondist.ray.fit for each (overrides, job name) of `calls`, in order, on one local Ray cluster: (exit code,
+    """visiondist.ray.train for each (overrides, job name) of `calls`, in order, on one local Ray cluster: (exit code,
     output, storage path, what each call printed: its summary, or None and the output for a failure)."""
     storage = tmp_path / "ray"
     proc = start_job([sys.executable, "-c", DRIVER, json.dumps(calls), str(storage)],
                      job_env(RAY_DISABLE_USAGE_STATS="1", RAY_USAGE_STATS_ENABLED="0"))
-    out = finish_job(proc, 300, "visiondist.ray.fit")
+    out = finish_job(proc, 300, "visiondist.ray.train")
     results = []
     for k in range(len(calls)):
         start = out.find(f"CALL {k} SUMMARY ")

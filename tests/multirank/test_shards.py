@@ -133,7 +133,7 @@ def test_coco_from_shards_trains_evaluates_and_resumes_as_from_the_tree(tmp_path
     from test_detection_train import DETECT
 
     from helpers import REPO
-    from visiondist.data.shards.coco import pack_coco
+    from visiondist.data.shards.packed_coco import pack_coco
     from visiondist.observe.metrics import read_metrics
 
     def evals_of(run, *columns):

@@ -116,7 +116,7 @@ def test_h_evaluation_shows_a_progress_bar_when_progress_is_on(monkeypatch):
 
     import rich.progress
 
-    from visiondist.evaluation.coco import predict
+    from visiondist.evaluation.detection import predict
     from visiondist.evaluation.classification import evaluate_classification
     from visiondist.observe.progress import progress_bar
     from visiondist.models.vit import VisionTransformer

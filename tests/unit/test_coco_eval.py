@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from visiondist.evaluation.coco import deduplicate, score, summary_lines
+from visiondist.evaluation.detection import deduplicate, score, summary_lines
 
 
 def test_stats_are_meaningful_and_backends_agree(single_process):

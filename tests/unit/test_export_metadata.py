@@ -183,7 +183,7 @@ def test_onnx_check_of_a_shard_run_reads_the_val_images_from_the_packed_split(ne
     """A run trained from shards (data.format=shards) is checked on the val images it evaluated, read from the shards
     (the pack holds no image folder), named by their file names: the same detections as from the tree."""
     from visiondist.checkpoint.export.onnx_check import check_onnx
-    from visiondist.data.shards.coco import pack_coco
+    from visiondist.data.shards.packed_coco import pack_coco
     from visiondist.data.shards.pack import PackOptions
 
     trained, onnx_path = _exported_detector(nested_coco, tmp_path)

@@ -68,7 +68,7 @@ def test_evaluation_names_a_dead_loader_worker_too():
     import torch
 
     from visiondist.evaluation.classification import evaluate_classification
-    from visiondist.evaluation.coco import predict
+    from visiondist.evaluation.detection import predict
     from visiondist.models.vit import VisionTransformer
 
     layout = SimpleNamespace(device=torch.device("cpu"), dp=1, is_main=True, all_reduce_dp=lambda t: t)

@@ -150,7 +150,7 @@ def test_instances_without_a_valid_segmentation_are_left_out_counted_and_named(m
 
 
 def test_the_ground_truth_as_predictions_scores_1_for_masks_and_boxes(masked_set):
-    from visiondist.evaluation.coco import STAT_NAMES, score
+    from visiondist.evaluation.detection import STAT_NAMES, score
 
     ann_file = masked_set / "annotations" / "instances_val.json"
     coco = json.loads(ann_file.read_text())
@@ -248,7 +248,7 @@ def test_a_mask_rcnn_export_loads_strictly_into_torchvisions_builder(tmp_path):
 def test_a_packed_split_gives_the_trees_masks(masked_set, tmp_path):
     """COCO packed into shards (its annotation file beside them): the same targets, masks included, as the tree."""
     from visiondist.data.shards import ShardStore
-    from visiondist.data.shards.coco import ShardCoco, pack_coco
+    from visiondist.data.shards.packed_coco import ShardCoco, pack_coco
     from visiondist.data.shards.pack import PackOptions
 
     splits = {s: (masked_set / s, masked_set / "annotations" / f"instances_{s}.json") for s in ("train", "val")}

@@ -1,4 +1,4 @@
-"""A ViT on native-resolution patch sequences (`visiondist.models.native`): the same weights as the square model, the
+"""A ViT on native-resolution patch sequences (`visiondist.models.patches`): the same weights as the square model, the
 square model's logits for a square image, packing that changes nothing an image computes, timm's NaFlexVit
 predicting what it does from the converted weights; the settings a native run refuses, its compilation and memory
 plan, and its training step reading nothing on the host. The loader: test_native_loader.py."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from visiondist.models.native import Patches, TIMM_NAFLEX, pack, patchify, timm_naflex_kwargs, to_timm_naflex
+from visiondist.models.patches import Patches, TIMM_NAFLEX, pack, patchify, timm_naflex_kwargs, to_timm_naflex
 from visiondist.models.vit import VisionTransformer, to_timm_state_dict
 
 TINY = dict(img_size=32, patch_size=8, num_classes=5, embed_dim=32, depth=2, num_heads=2, mlp_ratio=4.0)
@@ -250,7 +250,7 @@ def test_the_memory_plan_of_a_native_run_counts_its_most_costly_steps_tokens():
     from helpers import REPO
     from visiondist.cli import load_config
     from visiondist.config.layout import RunLayout
-    from visiondist.config.native import planned_tokens
+    from visiondist.config.resolution import planned_tokens
     from visiondist.plan.budget import layout_memory, planned_shape
 
     base = ["model=vit_base", "data.img_size=224", "data.batch_size=256"]

@@ -116,7 +116,7 @@ def test_the_plan_counts_the_images_the_sampler_puts_in_a_step():
     sampler rounds: 40 patch tokens over sequences of 7 is 5.7 images, which the sampler makes 6, not 5."""
     from helpers import REPO
     from visiondist.cli import load_config
-    from visiondist.config.native import PACK_SHARE, planned_tokens
+    from visiondist.config.resolution import PACK_SHARE, planned_tokens
     from visiondist.data.native import NativeBatchSampler
 
     for packed, lens in ((False, [7]), (False, [2, 7, 9]), (True, [5, 7])):

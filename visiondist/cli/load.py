@@ -75,7 +75,7 @@ def load_weights_config(config_dir: Path, weights: Path, overrides: list[str], t
                         data_needed: bool) -> DictConfig:
     """The config of a tool's `weights=` (eval, predict): composed as `load_config` with `inputs=None`, after what
     the weights say of their model (`weights_settings`)."""
-    from visiondist.models.fit import weights_settings
+    from visiondist.models.weights_check import weights_settings
 
     return load_config(config_dir, weights_settings(weights, overrides, tool, data_needed) + overrides, inputs=None)
 

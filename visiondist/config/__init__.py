@@ -1,5 +1,6 @@
 """The configuration: its schema (`schema`, the dataclasses behind `configs/`), composition (`compose`), validation
-(`validate`) and the resolved layout (`layout.RunLayout`). No torch at import time.
+(`validate`), the resolved layout (`layout.RunLayout`, with the pipeline arithmetic) and data.resolution=native's
+settings (`resolution`). No torch at import time.
 
 Hydra composes the YAML groups into the dataclasses, so a misspelt key or a value of the wrong type fails at
 composition; `validate` then checks what types cannot express (ranges, divisibility) and raises one `ConfigError`

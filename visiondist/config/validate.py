@@ -322,7 +322,7 @@ def _check_parallel(p: DictConfig) -> None:
 def _check_across(cfg: DictConfig) -> None:
     """Rules between groups that hold for every model family."""
     p, t = cfg.parallel, cfg.trainer
-    from visiondist.config.native import check_native
+    from visiondist.config.resolution import check_native
 
     check_native(cfg)
     if t.compile in (True, "model", "blocks") and p.pp > 1 and p.schedule == "zero_bubble":

@@ -285,7 +285,7 @@ class CocoDetection(Dataset):
         return index, image
 
 
-    # where images come from (a packed split reads them from its shards instead: `visiondist.data.shards.coco`)
+    # where images come from (a packed split reads them from its shards instead: `visiondist.data.shards.packed_coco`)
     def _candidates(self, index: int):
         """(index, name) of the sample and of its replacements in training: the next indexes, wrapping round."""
         n = len(self.index)

@@ -150,7 +150,7 @@ def build_classification_data(
 def _native_data(cfg, img_size: int, patch: int, dp_rank: int, dp_size: int, grad_accum: int, seed: int,
                  pin_memory: bool, train: bool) -> ClassificationData:
     """`build_classification_data` under data.resolution=native: the same splits, each image resized to its grid."""
-    from visiondist.config.native import native_settings
+    from visiondist.config.resolution import native_settings
     from visiondist.data.native import NativeBatchSampler, NativeCollate, NativeTransform
 
     seq_lens, eval_len = native_settings(cfg, img_size, patch)
@@ -250,7 +250,7 @@ def detection_splits(cfg):
 
         return lambda split, **kw: CocoDetection(*coco_paths(cfg, split), **kw)
     from visiondist.data.shards import open_store, read_meta
-    from visiondist.data.shards.coco import ShardCoco
+    from visiondist.data.shards.packed_coco import ShardCoco
 
     store = open_store(cfg)
     meta = read_meta(store)

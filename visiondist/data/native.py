@@ -1,6 +1,6 @@
 """Classification data at each image's own aspect ratio (`data.resolution=native`, a ViT only): each image is
 resized, aspect kept, to the largest grid of patches that fits its batch's sequence length, and the batch goes to the
-model as patch sequences (`visiondist.models.native.Patches`).
+model as patch sequences (`visiondist.models.patches.Patches`).
 
 - Training draws each step's sequence length from `data.native.seq_lens`; the step's image count is the token budget
   (`data.batch_size` x the square model's token count, so a native step costs what a square one does) over that
@@ -27,10 +27,10 @@ import cv2
 import numpy as np
 import torch
 
-from visiondist.config.native import PACK_SHARE, step_images
+from visiondist.config.resolution import PACK_SHARE, step_images
 from visiondist.data.sampler import SampleKey, TrainBatchSampler
 from visiondist.data.transforms import SampleRandom, interpolation
-from visiondist.models.native import Patches, pack
+from visiondist.models.patches import Patches, pack
 
 
 def fit_grid(height: int, width: int, patch: int, seq_len: int) -> tuple[int, int]:

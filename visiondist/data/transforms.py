@@ -143,7 +143,7 @@ class Normalize:
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, images: torch.Tensor, device: torch.device) -> torch.Tensor:
-        from visiondist.models.native import Patches
+        from visiondist.models.patches import Patches
 
         if isinstance(images, Patches):  # data.resolution=native: uint8 patches, each pixel's channels together
             images = images.to(device, non_blocking=True)

@@ -4,9 +4,15 @@ Models hold no distributed code; each declares what `visiondist.parallel` needs 
 `vit_parallel`), and `visiondist.parallel` transforms a finished model.
 
 `build.py`: `build_model`, `build_deferred`, `TASKS`, `EVAL_METRICS`; families: `vit.py` (+ `vit_parallel.py`, its TP
-plan and blocks), `detection.py` (torchvision's detectors, ViTDet), `detr.py` (transformers' DETR-class detectors);
-`registry.py` (what each family supports), `init.py` (initial values, per rank), `weights.py` (pretrained files),
-`flops.py` (training FLOPs for MFU), `sdpa.py` (which attention kernel runs).
+plan and blocks; `patches.py`, its native-resolution patch sequences), `detection.py` (torchvision's detectors,
+ViTDet), `detr.py` (transformers' DETR-class detectors); `registry.py` (what each family supports), `shape.py` (a
+ViT's shape as numbers, what the planner counts), `init.py` (initial values, per rank), `weights.py` (pretrained
+files), `weights_check.py` (a weights file checked against the model a config builds, before any rank starts),
+`flops.py` (training FLOPs per image: counted for MFU, analytic for the planner), `sdpa.py` (which attention kernel
+runs).
+
+Imports: `compat`, `utils`, `config` and `parallel` (what a model declares to it); never the planner
+(`visiondist.plan`).
 """
 
 from visiondist.utils.lazy import lazy_exports

@@ -24,7 +24,7 @@ from torch import nn
 
 from visiondist.models import vit_parallel
 from visiondist.models.init import InitSource, Rule, draw_seed, materialize
-from visiondist.models.native import Patches, native_forward
+from visiondist.models.patches import Patches, native_forward
 
 
 class _FusedQKV(torch.autograd.Function):
@@ -79,7 +79,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """`mask`: None (every token sees every token) or a boolean (B, 1, N or 1, N) of the pairs that attend
-        (native-resolution sequences: `visiondist.models.native`)."""
+        (native-resolution sequences: `visiondist.models.patches`)."""
         b, n, _ = x.shape
         q, k, v = self.q, self.k, self.v
         # (B, N, H*hd) -> (B, H, N, hd); H is whatever this (possibly sharded) projection holds.
@@ -272,7 +272,7 @@ class VisionTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor | "Patches") -> torch.Tensor:
         """Logits of a batch of square images (B, 3, img_size, img_size), or of the images in a batch of
-        native-resolution patch sequences (`visiondist.models.native.Patches`), in the batch's image order."""
+        native-resolution patch sequences (`visiondist.models.patches.Patches`), in the batch's image order."""
         if isinstance(x, Patches):
             return native_forward(self, x)
         return self.forward_head(self.blocks(self.embed(x)))

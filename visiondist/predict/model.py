@@ -54,7 +54,7 @@ class Predictor:
         self.transform = None
         self.reads = None  # how a classifier reads an image (predict.json, the log)
         if self.task == "classification":
-            from visiondist.config.native import reading
+            from visiondist.config.resolution import reading
             from visiondist.data.transforms import ClassificationTransform, Normalize
 
             from omegaconf import OmegaConf
@@ -67,7 +67,7 @@ class Predictor:
             self.collate = None
             self.reads = reading(data, int(cfg.model.img_size), int(cfg.model.get("patch_size", 16)))
             if data.get("resolution", "square") == "native":  # as the run evaluated: each image at its own shape
-                from visiondist.config.native import native_settings
+                from visiondist.config.resolution import native_settings
                 from visiondist.data.native import NativeCollate, NativeTransform
 
                 size, patch = int(cfg.model.img_size), int(cfg.model.patch_size)
@@ -116,7 +116,7 @@ class Predictor:
         rles = None
         if "masks" in output:
             from visiondist.data.masks import encode
-            from visiondist.evaluation.coco import MASK_THRESHOLD
+            from visiondist.evaluation.detection import MASK_THRESHOLD
 
             rles = encode((output["masks"][index, 0] > MASK_THRESHOLD).cpu().numpy())
         cats, classes = self.names.categories, self.names.classes

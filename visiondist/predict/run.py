@@ -172,7 +172,7 @@ def prediction_config(run_dir: Optional[str], weights: Optional[str], step, over
         cfg = run_config(run_dir, list(overrides))
         cfg.model.weights = str(run_weights(Path(run_dir), step))
     else:
-        from visiondist.models.fit import weights_settings
+        from visiondist.models.weights_check import weights_settings
 
         path = Path(weights).expanduser().resolve()
         said = weights_settings(path, list(overrides), "predict()", data_needed=False)

@@ -1,4 +1,4 @@
-"""format=naflex: a ViT's weights as timm's NaFlexVit holds them (`visiondist.models.native.to_timm_naflex`), which
+"""format=naflex: a ViT's weights as timm's NaFlexVit holds them (`visiondist.models.patches.to_timm_naflex`), which
 takes images at their own size and aspect ratio as patch sequences, as a run with data.resolution=native trained; and
 `<out>.json` with the `timm.create_model` call that loads them strictly. Any ViT run exports so (the weights are
 the square model's too)."""
@@ -11,7 +11,7 @@ from pathlib import Path
 from visiondist.checkpoint.export.preprocessing import name_metadata, sidecar
 from visiondist.checkpoint.export.state_dict import export_state_dict
 from visiondist.checkpoint.export.trained import Trained
-from visiondist.models.native import TIMM_NAFLEX, timm_naflex_kwargs, to_timm_naflex
+from visiondist.models.patches import TIMM_NAFLEX, timm_naflex_kwargs, to_timm_naflex
 from visiondist.models.weights import save_weights
 
 
@@ -29,7 +29,7 @@ def write_naflex(trained: Trained, path: Path, out: Path) -> list[Path]:
     # the square model's preprocessing fields (create, usage, input size, crop) say nothing of this one
     info = {key: value for key, value in sidecar(trained).items()
             if key not in ("create", "usage", "input_size", "crop_pct")}
-    from visiondist.config.native import native_settings
+    from visiondist.config.resolution import native_settings
 
     _, eval_len = native_settings(trained.cfg.data, int(m.img_size), int(m.patch_size))
     info.update(library="timm", timm_model=TIMM_NAFLEX, kwargs=kwargs, patch_size=int(m.patch_size),

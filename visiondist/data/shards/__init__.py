@@ -1,6 +1,7 @@
 """Packed shards (`data.format=shards`): `tools/data.py pack` writes them (`pack`), a directory or an http(s) URL
 serves them (`store`: fetch, cache, checksums, bytes fetched), `dataset.ShardSplit` reads a split as `ImageFolder`
-reads a tree, and the train sampler's `streams` order makes each rank read about 1 / ranks of the shards per epoch.
+reads a tree (`packed_coco`: a COCO-format set packed, and read back as `CocoDetection` reads it), and the train
+sampler's `streams` order makes each rank read about 1 / ranks of the shards per epoch.
 May import visiondist.data's readers and robust reading; nothing above the data package."""
 
 from __future__ import annotations
