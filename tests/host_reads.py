@@ -38,16 +38,16 @@ def steps_reading_the_host(cfg, layout, run_dir):
     """Rank entry (`visiondist.launch.launch`): two training steps, then three more with every host read of a tensor
     recorded: none may happen. The default logging reads the loss every 10 steps, so the recorded steps read none."""
     from visiondist.train.build import prepare_rank
-    from visiondist.train.trainer import Trainer
+    from visiondist.train.run import build_trainer
 
     prepare_rank(cfg, layout, run_dir)
-    trainer = Trainer(cfg, layout, run_dir)
-    batches = trainer.task.train_batches(layout.device)
+    trainer = build_trainer(cfg, layout, run_dir)
+    batches, step = trainer.parts.task.train_batches(layout.device), trainer.optimizer_step
     for _ in range(2):
-        trainer.train_step(batches)
+        step.train_step(batches)
     with HostReads() as reads:
         for _ in range(3):
-            trainer.train_step(batches)
-            trainer.step += 1
+            step.train_step(batches)
+            trainer.state.step += 1
     assert reads.where == [], f"the step read device values on the host: {sorted(set(reads.where))}"
     return True

@@ -40,7 +40,7 @@ def nonfinite_on_one_rank(overrides: list[str], bad_rank: int, bad_step: int) ->
     """The real Trainer on 2 DP ranks; `bad_rank`'s loss is NaN at optimizer step `bad_step`."""
     from visiondist.config import compose
     from visiondist.train.build import prepare_rank
-    from visiondist.train.trainer import Trainer
+    from visiondist.train.run import build_trainer, run_trainer
     from visiondist.plan import rank_layout
 
     dist.init_process_group("gloo")
@@ -51,18 +51,20 @@ def nonfinite_on_one_rank(overrides: list[str], bad_rank: int, bad_step: int) ->
         run_dir = Path(cfg.trainer.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         prepare_rank(cfg, layout, run_dir)  # logging into run_dir/train.log
-        trainer = Trainer(cfg, layout, run_dir)
-        loss = trainer.task.loss
+        trainer = build_trainer(cfg, layout, run_dir)
+        task = trainer.parts.task
+        loss = task.loss
 
         def poisoned(*args, **kwargs):
             value = loss(*args, **kwargs)
-            if layout.rank == bad_rank and trainer.step + 1 == bad_step:
+            if layout.rank == bad_rank and trainer.state.step + 1 == bad_step:
                 return value * float("nan")
             return value
 
-        trainer.task.loss = poisoned
-        summary = trainer.fit()
-        return {"summary": summary, "params": {n: p.detach().clone() for n, p in trainer.model.module.named_parameters()},
-                "adam_steps": sorted({float(s["step"]) for s in trainer.optimizer.state.values()})}
+        task.loss = poisoned
+        summary = run_trainer(trainer)
+        parts = trainer.parts
+        return {"summary": summary, "params": {n: p.detach().clone() for n, p in parts.model.module.named_parameters()},
+                "adam_steps": sorted({float(s["step"]) for s in parts.optimizer.state.values()})}
     finally:
         dist.destroy_process_group()

@@ -86,49 +86,49 @@ def _patch_save() -> None:
 def _patch_rank_hang() -> None:
     import torch.distributed as dist
 
-    from visiondist.train.trainer import Trainer
+    from visiondist.train.step import OptimizerStep
 
-    original = Trainer.train_step
+    original = OptimizerStep.train_step
 
     def train_step(self, batches):
-        if dist.get_rank() == 1 and self.step + 1 == N:
+        if dist.get_rank() == 1 and self.state.step + 1 == N:
             time.sleep(10_000)
         return original(self, batches)
 
-    Trainer.train_step = train_step
+    OptimizerStep.train_step = train_step
 
 
 def _patch_rank_kill() -> None:
     import torch.distributed as dist
 
-    from visiondist.train.trainer import Trainer
+    from visiondist.train.step import OptimizerStep
 
-    original = Trainer.train_step
+    original = OptimizerStep.train_step
 
     def train_step(self, batches):
-        if dist.get_rank() == 1 and self.step + 1 == N:
+        if dist.get_rank() == 1 and self.state.step + 1 == N:
             mark = os.environ.get("VISIONDIST_SLOW_MARK")
             if mark:
                 Path(f"{mark}.{os.getpid()}").touch()
             os.kill(os.getpid(), signal.SIGKILL)
         return original(self, batches)
 
-    Trainer.train_step = train_step
+    OptimizerStep.train_step = train_step
 
 
 def _patch_cuda_oom() -> None:
     import torch
     import torch.distributed as dist
 
-    from visiondist.train.trainer import Trainer
+    from visiondist.train.step import OptimizerStep
 
-    original = Trainer.train_step
+    original = OptimizerStep.train_step
 
     from visiondist.utils.heartbeat import PROGRESS
 
     def train_step(self, batches):
-        if dist.get_rank() == 1 and self.step + 1 == N:  # what the allocator raises, word for word (torch 2.11)
-            PROGRESS.at("training", self.step + 1)
+        if dist.get_rank() == 1 and self.state.step + 1 == N:  # what the allocator raises, word for word (torch 2.11)
+            PROGRESS.at("training", self.state.step + 1)
             raise torch.cuda.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.19 GiB of which "
                 "1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the "
@@ -137,21 +137,21 @@ def _patch_cuda_oom() -> None:
                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
         return original(self, batches)
 
-    Trainer.train_step = train_step
+    OptimizerStep.train_step = train_step
 
 
 def _patch_slow_step() -> None:
-    from visiondist.train.trainer import Trainer
+    from visiondist.train.step import OptimizerStep
 
-    original, seconds = Trainer.train_step, float(os.environ.get("VISIONDIST_SLOW_S", "40"))
+    original, seconds = OptimizerStep.train_step, float(os.environ.get("VISIONDIST_SLOW_S", "40"))
 
     def train_step(self, batches):
-        if self.step + 1 == N:
+        if self.state.step + 1 == N:
             print(f"step {N} is slow: {seconds:g} s", flush=True)
             time.sleep(seconds)
         return original(self, batches)
 
-    Trainer.train_step = train_step
+    OptimizerStep.train_step = train_step
 
 
 def _slowly(original):

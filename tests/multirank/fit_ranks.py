@@ -23,7 +23,7 @@ def _fit(overrides: list[str], device: torch.device) -> dict:
     from visiondist.plan import resolve
     from visiondist.plan.fit import as_run
     from visiondist.train.build import prepare_rank
-    from visiondist.train.trainer import Trainer
+    from visiondist.train.run import build_trainer, run_trainer
 
     cfg = load_config(CONFIGS, [*overrides, "trainer.max_restarts=0"])  # restarts are torchrun's
     run, _ = resolve(cfg, dict(os.environ))
@@ -33,7 +33,7 @@ def _fit(overrides: list[str], device: torch.device) -> dict:
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     prepare_rank(cfg, layout, run_dir)  # logging into run_dir/train.log
-    Trainer(cfg, layout, run_dir).fit()
+    run_trainer(build_trainer(cfg, layout, run_dir))
     return {"grad_accum": run.grad_accum, "fitted": run.fitted}
 
 

@@ -18,7 +18,7 @@ def _fit(overrides: list[str], overflow_at: int = 0, nan_at: int = 0) -> dict:
     its own gradient norm is inf, TP rank 0's is finite. With `nan_at`, TP rank 1's loss is NaN at that step."""
     from visiondist.config import compose
     from visiondist.train.build import prepare_rank
-    from visiondist.train.trainer import Trainer
+    from visiondist.train.run import build_trainer, run_trainer
     from visiondist.parallel import unwrap
     from visiondist.plan import rank_layout
 
@@ -27,32 +27,33 @@ def _fit(overrides: list[str], overflow_at: int = 0, nan_at: int = 0) -> dict:
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     prepare_rank(cfg, layout, run_dir)  # logging into run_dir/train.log
-    trainer = Trainer(cfg, layout, run_dir)
+    trainer = build_trainer(cfg, layout, run_dir)
+    parts, state, step = trainer.parts, trainer.state, trainer.optimizer_step
     if overflow_at:
-        accumulate = trainer._accumulate
+        accumulate = step._accumulate
 
         def overflowing(batches):
             total = accumulate(batches)
-            if layout.tp_rank == 1 and trainer.step + 1 == overflow_at:
-                unwrap(trainer.model).norm.weight.grad[0] = float("inf")
+            if layout.tp_rank == 1 and state.step + 1 == overflow_at:
+                unwrap(parts.model).norm.weight.grad[0] = float("inf")
             return total
 
-        trainer._accumulate = overflowing
+        step._accumulate = overflowing
     if nan_at:
-        loss = trainer.task.loss
+        loss = parts.task.loss
 
         def poisoned(*args, **kwargs):
             value = loss(*args, **kwargs)
-            return value * float("nan") if layout.tp_rank == 1 and trainer.step + 1 == nan_at else value
+            return value * float("nan") if layout.tp_rank == 1 and state.step + 1 == nan_at else value
 
-        trainer.task.loss = poisoned
-    summary = trainer.fit()
-    model = unwrap(trainer.model)
+        parts.task.loss = poisoned
+    summary = run_trainer(trainer)
+    model = unwrap(parts.model)
     return {"summary": summary, "tp_rank": layout.tp_rank,
             "replicated": {n: p.detach().clone() for n, p in model.named_parameters()
                            if getattr(p, "tp_shard_dim", None) is None},
-            "adam_steps": sorted({float(s["step"]) for s in trainer.optimizer.state.values()}),
-            "scaler": None if trainer.scaler is None else trainer.scaler.state_dict()}
+            "adam_steps": sorted({float(s["step"]) for s in parts.optimizer.state.values()}),
+            "scaler": None if parts.scaler is None else parts.scaler.state_dict()}
 
 
 @record

@@ -123,13 +123,14 @@ def _steps_without_sync(cfg, layout, run_dir):
     import warnings
 
     from visiondist.train.build import prepare_rank
-    from visiondist.train.trainer import Trainer
+    from visiondist.train.run import build_trainer
 
     prepare_rank(cfg, layout, run_dir)
-    trainer = Trainer(cfg, layout, run_dir)
-    batches = trainer.task.train_batches(layout.device)  # as the loop takes them (decode_on=device: decoded ahead)
+    trainer = build_trainer(cfg, layout, run_dir)
+    step = trainer.optimizer_step
+    batches = trainer.parts.task.train_batches(layout.device)  # as the loop takes them (decode_on=device: ahead)
     for _ in range(2):
-        trainer.train_step(batches)
+        step.train_step(batches)
     torch.cuda.synchronize()
     caught = []
 
@@ -142,8 +143,8 @@ def _steps_without_sync(cfg, layout, run_dir):
         torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(3):
-                trainer.train_step(batches)
-                trainer.step += 1
+                step.train_step(batches)
+                trainer.state.step += 1
         finally:
             torch.cuda.set_sync_debug_mode(0)
     if hasattr(batches, "close"):
@@ -217,7 +218,8 @@ def test_fsdp_at_world_size_one(tmp_path, tiny_shapes):
 def test_planner_memory_is_within_15_percent_of_the_gpu(tmp_path, tiny_shapes):
     """The planner's device bytes for ViT-S (all 12 blocks: the tiny set's arguments make it 2 deep), bf16, batch 64
     against torch's peak after a few steps."""
-    from visiondist.parallel.memory import ViTShape, rank_memory
+    from visiondist.models.shape import ViTShape
+    from visiondist.plan.memory import rank_memory
 
     run = tmp_path / "run"
     model = ["model=vit_small", "model.depth=12", "data.img_size=224"]

@@ -47,12 +47,11 @@ def test_bf16_on_a_cpu_without_bf16_instructions_says_so_before_training(monkeyp
     from visiondist.train import summary
 
     cfg = load_config(REPO / "configs", ["trainer.precision=bf16", "trainer.max_steps=4"], inputs=None)
-    layout = SimpleNamespace(device=torch.device("cpu"), is_main=True, world_size=1)
+    layout = SimpleNamespace(device=torch.device("cpu"), is_main=True, world_size=1, run=None)
     sampler = SimpleNamespace(micro_batch=8, dropped_per_epoch=0, groups=None)
-    trainer = SimpleNamespace(cfg=cfg, layout=layout, data=SimpleNamespace(train_sampler=sampler), num_params=5e6,
-                              run_dir=REPO / "outputs" / "r",
-                              rank_params=5e6, layout_text="dp=1", total_steps=4, length="4 steps", pipeline=None,
-                              model=torch.nn.Linear(2, 2))
+    parts = SimpleNamespace(data=SimpleNamespace(train_sampler=sampler), num_params=5e6, rank_params=5e6,
+                            total_steps=4, length="4 steps", pipeline=None, model=torch.nn.Linear(2, 2))
+    trainer = SimpleNamespace(cfg=cfg, layout=layout, parts=parts, run_dir=REPO / "outputs" / "r")
     for has_bf16, said in ((False, True), (True, False)):
         monkeypatch.setattr(summary, "cpu_has_bf16", lambda: has_bf16)
         caplog.clear()

@@ -1,6 +1,6 @@
 """A benchmark's result rows: each configuration's timed step against its own plain loops, the hardware's peaks
 (MFU against the datasheet and the measured matmul rate), FLOPs per image, memory, traffic per step, the loader's rate
-beside the step's and a DETR-class matcher's share. `harness.py` times the loops; `report.py` prints and records
+beside the step's and a DETR-class matcher's share. `harness.py` times the loops (`loops.py`); `report.py` prints and records
 the rows.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -19,13 +19,11 @@ from visiondist.bench.measure import (
     device_name,
     train_flops_per_image,
 )
+from visiondist.bench.loops import OursRun, Timed
 from visiondist.bench.plain_loop import PlainLoop
 from visiondist.bench.report import ratio_check, step_summary
 from visiondist.parallel import Layout
 from visiondist.utils.peaks import datasheet_tflops, matmul_tflops, peak_kind
-
-if TYPE_CHECKING:
-    from visiondist.bench.harness import OursRun, Timed
 
 
 def _ratios(ours: Timed, plain: dict[str, Timed], first: Timed | None) -> dict[str, Any]:
@@ -69,7 +67,7 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
               "model": cfg.model.name,
               "img_size": cfg.model.img_size if family == "classification" or cfg.model.get("family") == "detr"
               else cfg.data.min_size,
-              "layout": runs[0].trainer.layout_text, "ranks": layout.world_size, "batch": batch,
+              "layout": runs[0].layout.run.describe(), "ranks": layout.world_size, "batch": batch,
               "configurations": [run.name or "-" for run in runs], "order": order,
               "memory_kind": "peak RSS of the whole process (every loop)" if cpu else "max allocated (each loop)"}
     results = []
@@ -79,7 +77,7 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
         gflops = flops[OmegaConf.to_yaml(c.model)] / 1e9
         achieved = gflops * images_per_s / layout.world_size / 1e3  # TFLOP/s per device
         datasheet = datasheet_tflops(name, kind) if device.type == "cuda" else None
-        grad_bytes = sum(p.numel() * p.element_size() for p in run.trainer.model.parameters())
+        grad_bytes = sum(p.numel() * p.element_size() for p in run.parts.model.parameters())
         switches = run.layout.run
         dp_bytes = 2 * (layout.dp - 1) / layout.dp * grad_bytes if layout.dp > 1 and not switches.fsdp else 0.0
         timed_plain = dict(zip(plains[i], groups[i][1:]))
@@ -97,7 +95,7 @@ def collect_results(cfg: DictConfig, layout: Layout, runs: list[OursRun], plains
             # whether the input path keeps up: the real loader's images/s over what this step consumes
             "loader_images_per_s": loader_rates[i],
             "loader_over_step": loader_rates[i] / images_per_s if loader_rates[i] else None,
-            **_matcher_share(run.trainer.model, batch / images_per_s),
+            **_matcher_share(run.parts.model, batch / images_per_s),
             "tflops_per_device": achieved, "peak_kind": kind, "peak_tflops_datasheet": datasheet,
             "mfu_datasheet": achieved / datasheet if datasheet else None,
             "peak_tflops_matmul": measured.get(kind), "mfu_matmul": achieved / measured[kind] if measured else None,
@@ -146,4 +144,4 @@ def _compile_scope(run: OursRun) -> str:
         return "none"
     if switches.compile_scope == "model":
         return "whole model" + (", CUDA graphs" if switches.cuda_graphs else "")
-    return f"per block ({len(transformer_blocks(run.trainer.model))} blocks)"
+    return f"per block ({len(transformer_blocks(run.parts.model))} blocks)"

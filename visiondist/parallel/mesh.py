@@ -52,6 +52,10 @@ class Layout:
     def pp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("pp")
 
+    def groups(self) -> list[dist.ProcessGroup]:
+        """One process group per mesh dimension (pp, dp, tp): the groups a collective timeout applies to."""
+        return [self.mesh.get_group(dim) for dim in self.mesh.mesh_dim_names]
+
     @property
     def reads_images(self) -> bool:
         """Only the first pipeline stage (rank 0 of the PP group) reads images."""

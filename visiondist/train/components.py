@@ -1,7 +1,8 @@
 """A rank's training parts, built once in the order that fails earliest: seeds, the task and its data (a missing
 folder stops the run before a model is built), the val images checked, the laid-out model, then the optimizer over
-this rank's shards, the EMA, the run's length, the LR schedule, autocast and fp16's loss scaler. The `Trainer` takes
-them as they are; it builds nothing itself."""
+this rank's shards, the EMA, the run's length, the LR schedule, autocast and fp16's loss scaler. The training loop
+and its parts (`step.py`, `checkpointing.py`, `validation.py`) take them as they are; they build nothing themselves.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
-from visiondist.parallel import Layout, unwrap
+from visiondist.parallel import Layout, PipelinedViT, local_numel, unwrap
 from visiondist.train.build import build_laid_out, check_val_images, num_params, run_length, run_of, seed_everything
 from visiondist.train.ema import ModelEma
 from visiondist.train.optim import build_optimizer, build_scheduler
@@ -32,6 +33,21 @@ class Components:
     total_steps: int
     length: str  # how the run's length was decided (for the start-up line)
     num_params: int  # the whole model's
+
+    @property
+    def data(self) -> Any:
+        """The task's loaders, samplers and class names."""
+        return self.task.data
+
+    @property
+    def pipeline(self) -> Optional[PipelinedViT]:
+        """The model when it is a pipeline stage (it runs its own schedule), else None."""
+        return self.model if isinstance(self.model, PipelinedViT) else None
+
+    @property
+    def rank_params(self) -> int:
+        """The parameters this rank holds (its TP shards, its pipeline stage, its FSDP shard)."""
+        return sum(local_numel(p) for p in self.model.parameters())
 
 
 def build_components(cfg: DictConfig, layout: Layout, checkpoint: Optional[Path] = None) -> Components:

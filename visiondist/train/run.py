@@ -5,32 +5,102 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
     from visiondist.parallel import Layout
+    from visiondist.train.trainer import Hook, Trainer
 
 log = logging.getLogger(__name__)
 
 # What a rank imports once started. The launcher imports this module for its entry points only, so these wait for
 # the rank (about 1 s of torch.distributed, DTensor and albumentations a launch saves); the fork server of CPU ranks
 # imports them once for all of them (visiondist.launch.spawn).
-RANK_IMPORTS = ("visiondist.train.trainer", "visiondist.train.tasks", "visiondist.train.build",
-                "visiondist.checkpoint.dcp", "visiondist.observe.summary", "visiondist.data.transforms")
+RANK_IMPORTS = ("visiondist.train.trainer", "visiondist.train.hooks", "visiondist.train.summary",
+                "visiondist.train.tasks", "visiondist.train.build", "visiondist.checkpoint.dcp",
+                "visiondist.observe.summary", "visiondist.data.transforms")
+
+
+def build_trainer(cfg: DictConfig, layout: Layout, run_dir: Path,
+                  hooks: Optional[Sequence[Hook]] = None) -> Trainer:
+    """A rank's training loop with everything it holds: the parts (with no initial weights when a checkpoint is to
+    fill every tensor), the checkpoint resumed, the loop state it starts from, the optimizer step, the checkpoints,
+    the evaluation, the metrics and `hooks` (default: `hooks.default_hooks`)."""
+    from visiondist.observe.metrics import MetricsLogger
+    from visiondist.train.checkpointing import Checkpointing, resume, resume_path
+    from visiondist.train.components import build_components
+    from visiondist.train.hooks import default_hooks
+    from visiondist.train.state import LoopState
+    from visiondist.train.step import OptimizerStep
+    from visiondist.train.trainer import Trainer
+    from visiondist.train.utilisation import Utilisation
+    from visiondist.train.validation import Validation
+
+    checkpoint = resume_path(cfg, run_dir)
+    parts = build_components(cfg, layout, checkpoint=checkpoint)
+    resumed = resume(cfg, layout, run_dir, parts, checkpoint)
+    state = LoopState.starting_from(resumed, parts.data.train_sampler.steps_per_epoch)
+    t = cfg.trainer
+    metrics = MetricsLogger(run_dir, layout.is_main, t.loggers, parts.task.columns,
+                            continue_from=state.step if resumed.same_run(run_dir) else None)
+    optimizer_step = OptimizerStep(cfg, layout, parts, state)
+    return Trainer(cfg, layout, run_dir, parts, state, optimizer_step,
+                   Checkpointing(cfg, layout, run_dir, parts, state, settle=optimizer_step.settle),
+                   Validation(layout, run_dir, parts, state, metrics), metrics, Utilisation(cfg, layout),
+                   list(default_hooks() if hooks is None else hooks))
+
+
+def run_trainer(trainer: Trainer) -> dict[str, Any]:
+    """The trainer's run from its start-up lines to its report: rank 0's experiment trackers (`trainer.loggers`) run
+    for its duration and end as it does (finished, stopped or failed). Returns the summary of a complete run, or
+    where a stopped one stopped."""
+    from visiondist.observe.summary import report_run
+    from visiondist.train.summary import announce, run_summary
+    from visiondist.utils.signals import STOP
+
+    cfg, state, metrics = trainer.cfg, trainer.state, trainer.metrics
+    try:
+        metrics.start_trackers(cfg)
+        announce(trainer)
+        complete = trainer.train()
+    except BaseException:
+        metrics.close("failed")  # no tracker run (or its process) outlives a failed rank 0
+        raise
+    if not complete:
+        total = trainer.parts.total_steps
+        why = f"{STOP.received or 'a signal to another rank'}" if state.stop_requested else "trainer.stop_at_step"
+        log.info("stopped after step %d of %d (%s)", state.step, total, why)  # the launcher says how to go on
+        metrics.close("stopped")
+        return {"stopped at step": state.step, "run dir": str(trainer.run_dir),
+                **({"stopped by": STOP.received or "SIGTERM"} if state.stop_requested else {})}
+    assert state.timer is not None
+    summary = run_summary(trainer, state.timer.total_seconds)
+
+    def written(pngs: list[Path]) -> None:  # the trackers get the plots and the weights, then end their runs
+        metrics.log_files(pngs, state.weights, state.step)
+        metrics.close()
+
+    if trainer.layout.is_main:
+        t = cfg.trainer  # twice the length that ended the run
+        longer = (f"trainer.max_steps={2 * t.max_steps}" if trainer.parts.length.startswith("trainer.max_steps")
+                  else f"trainer.max_epochs={2 * t.max_epochs}")
+        report_run(trainer.run_dir, summary, metrics.rows, trainer.parts.task, state.last_eval,
+                   f"{cfg.model.name} on {cfg.data.name}", written, t.plots, longer)
+    metrics.close()
+    return summary
 
 
 def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
-    """Entry point of every rank: prepare the data once per node, then fit."""
+    """Entry point of every rank: prepare the data once per node, then build the trainer and run it."""
     from visiondist.data.workers import close_loaders
     from visiondist.train.build import prepare_rank
-    from visiondist.train.trainer import Trainer
 
     prepare_rank(cfg, layout, run_dir)
-    trainer = Trainer(cfg, layout, run_dir)
+    trainer = build_trainer(cfg, layout, run_dir)
     try:
-        return trainer.fit()
+        return run_trainer(trainer)
     finally:
         close_loaders()  # while the trainer still holds its loaders: their workers are ended, not waited for
 

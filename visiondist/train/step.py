@@ -1,7 +1,7 @@
-"""One optimizer step of the trainer: `trainer.grad_accum` micro-batches per DP rank (gradient sync only on the last,
-via DDP's `no_sync`) or pipeline steps, a global gradient norm (clipped if asked), the optimizer, the EMA and the LR
-schedule. Under fp16 (`trainer.precision=16`) the loss is scaled before the backward and the gradients unscaled
-before the norm; a step whose gradient overflowed is skipped on every rank (`precision.LossScaler`).
+"""One optimizer step of the training loop: `trainer.grad_accum` micro-batches per DP rank (gradient sync only on the
+last, via DDP's `no_sync`) or pipeline steps, a global gradient norm (clipped if asked), the optimizer, the EMA and
+the LR schedule. Under fp16 (`trainer.precision=16`) the loss is scaled before the backward and the gradients
+unscaled before the norm; a step whose gradient overflowed is skipped on every rank (`precision.LossScaler`).
 
 Every step's health (`visiondist.faults.health.StepHealth`: non-finite loss per rank, non-finite gradient, a stop
 signal) is one all-reduce; every rank takes the same decision on it (`trainer.on_nonfinite`: raise or skip)."""
@@ -13,22 +13,38 @@ from contextlib import nullcontext
 from typing import Iterator
 
 import torch
+from omegaconf import DictConfig
 
-from visiondist.faults.health import NonFiniteStep
-from visiondist.parallel import average_over_data_parallel, clip_grad_norm, finish_gradients
+from visiondist.faults.health import NonFiniteStep, StepHealth, Verdict
+from visiondist.parallel import Layout, average_over_data_parallel, clip_grad_norm, finish_gradients
+from visiondist.train.components import Components
+from visiondist.train.state import LoopState
 from visiondist.utils.heartbeat import PROGRESS
 from visiondist.utils.signals import STOP
 
 log = logging.getLogger(__name__)
 
 
+def signals_received() -> bool:
+    """Whether a stop signal (SIGTERM, SIGINT) reached this process."""
+    return STOP.received is not None
+
+
 class OptimizerStep:
-    """The `Trainer`'s step (a part of it: its model, optimizer, scaler, EMA, scheduler, task and step health)."""
+    """A part the loop holds: it steps the parts' model, optimizer, scaler, EMA and schedule, and owns the step
+    verdicts' fields of the loop state (`stop_requested`, `skipped_steps`, `overflow_steps`). It needs no run dir:
+    the benchmark times it as it is."""
+
+    def __init__(self, cfg: DictConfig, layout: Layout, parts: Components, state: LoopState):
+        self.cfg, self.layout, self.parts, self.state = cfg, layout, parts, state
+        self.health = StepHealth(layout.world_size, layout.device)
+        self.model, self.pipeline, self.optimizer = parts.model, parts.pipeline, parts.optimizer
+        self.scaler = parts.scaler
 
     def train_step(self, batches: Iterator) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward/backward over grad_accum micro-batches (or pipeline steps), then clip and step. Returns (mean loss
         of this DP rank's samples, global grad norm)."""
-        PROGRESS.at("training", self.step + 1)
+        PROGRESS.at("training", self.state.step + 1)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         if self.pipeline is None:
@@ -39,7 +55,7 @@ class OptimizerStep:
         if self.scaler is not None:  # the norm, clipping and the optimizer see the true gradients
             self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.trainer.clip_grad, self.layout)
-        self.health.submit(self.step + 1, self.layout.rank, total, grad_norm, self.signals_received())
+        self.health.submit(self.state.step + 1, self.layout.rank, total, grad_norm, signals_received())
         if self.scaler is not None:  # skip and back off on the job's verdict, never on this rank's alone
             self.scaler.agree(self.optimizer, self.health.nonfinite())
         if self.cfg.trainer.on_nonfinite == "skip":  # the optimizer step depends on this step's verdict: wait for it
@@ -53,7 +69,7 @@ class OptimizerStep:
                 self._act_on(self.health.verdict())
         if self.scaler is not None:
             self.scaler.update()
-        self.scheduler.step()
+        self.parts.scheduler.step()
         return total, grad_norm
 
     def _optimizer_step(self) -> None:
@@ -64,10 +80,10 @@ class OptimizerStep:
             self.optimizer.step()
         else:
             self.scaler.step(self.optimizer)
-        if self.ema is not None:
-            self.ema.update()
+        if self.parts.ema is not None:
+            self.parts.ema.update()
 
-    def _overflow(self, verdict) -> bool:
+    def _overflow(self, verdict: Verdict) -> bool:
         """fp16: a scaled gradient overflowed (every loss finite, the gradient not). Expected while the scale
         calibrates; the scaler skips the step on every rank and halves the scale."""
         return self.scaler is not None and verdict.bad_grad and not verdict.bad_loss_ranks
@@ -77,20 +93,27 @@ class OptimizerStep:
         while self.health.pending:
             self._act_on(self.health.verdict())
 
-    @staticmethod
-    def signals_received() -> bool:
-        return STOP.received is not None
+    def agree_stop(self) -> bool:
+        """Whether a stop signal has reached any rank by now, agreed by all (one all-reduce: every rank asks at the
+        same step). Asked before long work between steps (an evaluation), which the step flags, read a step late,
+        would not spare."""
+        flag = torch.tensor([float(signals_received())], device=self.layout.device)
+        if self.layout.world_size > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        self.state.stop_requested = self.state.stop_requested or bool(flag.item())
+        return self.state.stop_requested
 
-    def _act_on(self, verdict) -> None:
+    def _act_on(self, verdict: Verdict) -> None:
         """Every rank takes the same decision (the flags were all-reduced): stop after this step, raise, or skip this
         optimizer step."""
-        self.stop_requested = self.stop_requested or verdict.stop
+        state = self.state
+        state.stop_requested = state.stop_requested or verdict.stop
         if verdict.finite:
             return
         if self._overflow(verdict):  # already skipped by the scaler, on the device: count it, never raise
-            self.overflow_steps += 1
+            state.overflow_steps += 1
             log.info("fp16 gradient overflow at step %d: optimizer step skipped on every rank, loss scale halved "
-                     "(overflows so far: %d)", verdict.step, self.overflow_steps)
+                     "(overflows so far: %d)", verdict.step, state.overflow_steps)
             return
         ranks = verdict.bad_loss_ranks
         if ranks:
@@ -104,9 +127,9 @@ class OptimizerStep:
             raise NonFiniteStep(f"{where}: lower optim.lr, set trainer.clip_grad{fp16}, or trainer.on_nonfinite=skip "
                                 "to skip such steps")
         self.optimizer.zero_grad(set_to_none=True)
-        self.skipped_steps += 1
+        state.skipped_steps += 1
         log.warning("skipped the optimizer step (non-finite loss or gradient) at %s; %d skipped so far", where,
-                    self.skipped_steps)
+                    state.skipped_steps)
 
     def _accumulate(self, batches: Iterator) -> torch.Tensor:
         """Gradients of grad_accum micro-batches; DDP all-reduces during the last backward only."""
@@ -119,7 +142,8 @@ class OptimizerStep:
             if self.layout.run.cuda_graphs:  # a new iteration of the CUDA graphs: the last one's outputs are dead
                 torch.compiler.cudagraph_mark_step_begin()
             with sync:
-                loss = self.task.loss(self.model, batch, self.layout.device, self.autocast, (self.step, i)) / accum
+                loss = self.parts.task.loss(self.model, batch, self.layout.device, self.parts.autocast,
+                                            (self.state.step, i)) / accum
                 (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             total += loss.detach()
         return total
@@ -130,11 +154,11 @@ class OptimizerStep:
         total = torch.zeros((), device=self.layout.device)
         factor = None if self.scaler is None else self.scaler.factor(self.layout.device)
         for i in range(accum):  # the first stage prepares (and mixes) the images, the last the targets: same draw
-            images, target = self.task.prepare(next(batches), self.layout.device, (self.step, i))
+            images, target = self.parts.task.prepare(next(batches), self.layout.device, (self.state.step, i))
             if factor is None:
-                total += self.pipeline.train_step(images, target, 1.0 / accum, self.autocast)
+                total += self.pipeline.train_step(images, target, 1.0 / accum, self.parts.autocast)
             else:  # fp16: the loss inside the schedule carries the scale (a power of 2: dividing it out is exact)
-                total += self.pipeline.train_step(images, target, factor / accum, self.autocast) / factor
+                total += self.pipeline.train_step(images, target, factor / accum, self.parts.autocast) / factor
         average_over_data_parallel(self.model.parameters(), self.layout)
         return total
 

@@ -32,7 +32,7 @@ class ClassificationTask:
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
         from visiondist.data import build_classification_data
         from visiondist.data.augment_ops import DeviceAugment
-        from visiondist.config.native import reading
+        from visiondist.config.resolution import reading
         from visiondist.data.device_decode import FallbackCount
         from visiondist.data.transforms import Normalize
         from visiondist.evaluation.classification import reports_top5
@@ -77,7 +77,7 @@ class ClassificationTask:
         data.resolution=native the sequence lengths (resolved: the config keeps -1 / null for the defaults)."""
         if self.family != "native":
             return {"resolution": f"square, {cfg.model.img_size} px"}
-        from visiondist.config.native import native_settings
+        from visiondist.config.resolution import native_settings
 
         lens, eval_len = native_settings(cfg.data, cfg.model.img_size, cfg.model.get("patch_size", 16))
         fields = {"resolution": "native (each image at its own aspect ratio)", "val patches per image": eval_len}
@@ -237,7 +237,7 @@ class DetectionTask:
         return sum(loss.float() for loss in losses.values())
 
     def evaluate(self, model: nn.Module, layout: Layout, autocast, run_dir: Path) -> dict[str, Any]:
-        from visiondist.evaluation.coco import evaluate_detection
+        from visiondist.evaluation.detection import evaluate_detection
 
         d = self.data
         metrics = evaluate_detection(model, d.val_loader, layout, d.val_annotations, d.cat_of_label, d.num_val,
@@ -278,7 +278,7 @@ class DetectionTask:
     @staticmethod
     def final_line(m: dict[str, Any]) -> str:
         """The 12-line COCOeval summary of the boxes (and of the masks) and the headline figure(s)."""
-        from visiondist.evaluation.coco import summary_lines
+        from visiondist.evaluation.detection import summary_lines
 
         box = {k[4:]: v for k, v in m.items() if k.startswith("val_") and not k.startswith("val_segm_")}
         if "val_segm_mAP" not in m:

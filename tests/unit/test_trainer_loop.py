@@ -1,0 +1,145 @@
+"""The training loop built alone, with stand-in parts and recording hooks: which hook sees what and when, how a hook
+ends the loop, where a resumed run starts its epoch, and what a failing step still closes. The loop's parts and
+hooks are handed in (`visiondist.train.run.build_trainer` hands in the real ones), so nothing here trains."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from visiondist.train.state import LoopState, Resumed
+from visiondist.train.trainer import Hook, Trainer
+
+
+class Sampler:
+    def __init__(self, steps_per_epoch: int):
+        self.steps_per_epoch = steps_per_epoch
+        self.epochs: list[tuple[int, int]] = []
+
+    def set_epoch(self, epoch: int, start: int) -> None:
+        self.epochs.append((epoch, start))
+
+
+class Step:
+    """Stands in for `OptimizerStep`: each step takes one batch and returns its loss; `fail_at` raises there."""
+
+    def __init__(self, state: LoopState, fail_at: int = 0):
+        self.state, self.fail_at, self.batches, self.settled = state, fail_at, [], 0
+
+    def train_step(self, batches):
+        if self.state.step + 1 == self.fail_at:
+            raise RuntimeError(f"step {self.fail_at} failed")
+        self.batches.append(next(batches))
+        return torch.tensor(float(self.state.step + 1)), torch.tensor(1.0)
+
+    def settle(self) -> None:
+        self.settled += 1
+
+
+class Recorder(Hook):
+    """Records every call as (its name, the method, the step the loop state holds); `stop_after` ends the loop."""
+
+    def __init__(self, name: str, calls: list, stop_after: int = 0):
+        self.name, self.calls, self.stop_after = name, calls, stop_after
+
+    def before_train(self, trainer):
+        self.calls.append((self.name, "before_train", trainer.state.step))
+
+    def step_context(self, trainer):
+        @contextlib.contextmanager
+        def around():
+            self.calls.append((self.name, "enter", trainer.state.step))
+            yield
+            self.calls.append((self.name, "exit", trainer.state.step))
+
+        return around()
+
+    def after_step(self, trainer, loss, grad_norm):
+        self.calls.append((self.name, "after_step", trainer.state.step))
+        assert loss.item() == trainer.state.step  # the loss of the step just counted
+        return trainer.state.step == self.stop_after
+
+    def after_train(self, trainer, complete):
+        self.calls.append((self.name, f"after_train complete={complete}", trainer.state.step))
+
+    def close(self, trainer):
+        self.calls.append((self.name, "close", trainer.state.step))
+
+
+def _trainer(hooks, total=5, steps_per_epoch=2, stop_at_step=0, resumed_step=0, fail_at=0) -> Trainer:
+    sampler = Sampler(steps_per_epoch)
+
+    def train_batches(device):  # the epoch's batches, numbered from 100 x the epochs set before it
+        first = 100 * (len(sampler.epochs) - 1)
+        return iter(range(first, first + 100))
+
+    task = SimpleNamespace(train_batches=train_batches, data=SimpleNamespace(train_sampler=sampler))
+    parts = SimpleNamespace(task=task, data=task.data, total_steps=total)
+    state = LoopState.starting_from(Resumed(step=resumed_step), steps_per_epoch)
+    cfg = OmegaConf.create({"trainer": {"stop_at_step": stop_at_step}})
+    layout = SimpleNamespace(device=torch.device("cpu"))
+    return Trainer(cfg, layout, Path("unused"), parts, state, Step(state, fail_at), checkpoints=None,
+                   validation=None, metrics=None, utilisation=None, hooks=hooks)
+
+
+def test_every_hook_sees_every_step_in_order_and_the_epochs_follow_the_sampler():
+    calls: list = []
+    trainer = _trainer([Recorder("a", calls), Recorder("b", calls)], total=5, steps_per_epoch=2)
+    assert trainer.train() is True
+    assert trainer.state.step == 5 and trainer.state.epoch == 2  # 5 steps of 2 a epoch: the third epoch is under way
+    sampler = trainer.parts.data.train_sampler
+    assert sampler.epochs == [(0, 0), (1, 0), (2, 0)]
+    assert trainer.optimizer_step.batches == [0, 1, 100, 101, 200]  # each epoch's own batches, from their first
+    assert calls[:2] == [("a", "before_train", 0), ("b", "before_train", 0)]
+    per_step = [("a", "enter", 0), ("b", "enter", 0), ("b", "exit", 0), ("a", "exit", 0),
+                ("a", "after_step", 1), ("b", "after_step", 1)]
+    assert calls[2:8] == per_step
+    assert len(calls) == 2 + 6 * 5 + 4
+    assert calls[-4:] == [("a", "close", 5), ("b", "close", 5), ("a", "after_train complete=True", 5),
+                          ("b", "after_train complete=True", 5)]
+    assert trainer.optimizer_step.settled == 1  # the verdicts still in flight, acted on before the hooks end
+
+
+def test_a_hook_ends_the_loop_after_its_step_and_the_hooks_after_it_do_not_see_that_step():
+    calls: list = []
+    trainer = _trainer([Recorder("a", calls), Recorder("stop", calls, stop_after=3), Recorder("c", calls)], total=8)
+    assert trainer.train() is False
+    assert trainer.state.step == 3
+    after = [(name, step) for name, what, step in calls if what == "after_step"]
+    assert after == [("a", 1), ("stop", 1), ("c", 1), ("a", 2), ("stop", 2), ("c", 2), ("a", 3), ("stop", 3)]
+    assert ("c", "after_train complete=False", 3) in calls
+
+
+def test_stop_at_step_and_a_resumed_run_start_and_end_where_they_should():
+    trainer = _trainer([], total=9, steps_per_epoch=4, stop_at_step=7, resumed_step=5)
+    assert trainer.train() is False
+    assert trainer.state.step == 7
+    assert trainer.parts.data.train_sampler.epochs == [(1, 1)]  # epoch 1, its first step done before the stop
+    assert trainer.optimizer_step.batches == [0, 1]
+
+
+def test_a_failing_step_closes_every_hook_and_ends_no_run():
+    calls: list = []
+    trainer = _trainer([Recorder("a", calls)], total=5, fail_at=3)
+    with pytest.raises(RuntimeError, match="step 3 failed"):
+        trainer.train()
+    assert calls[-1] == ("a", "close", 2)
+    assert not [c for c in calls if c[1].startswith("after_train")]
+
+
+def test_untimed_work_is_not_training_time():
+    import time
+
+    class Slow(Hook):
+        def after_step(self, trainer, loss, grad_norm):
+            with trainer.untimed():
+                time.sleep(0.2)
+
+    trainer = _trainer([Slow()], total=3)
+    trainer.train()
+    assert trainer.state.timer.total_seconds < 0.2  # three untimed 0.2 s pauses left out
