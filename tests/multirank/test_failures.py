@@ -76,7 +76,7 @@ def error_line(out: str) -> str:
 
 @pytest.mark.parametrize("dp", [1, pytest.param(2, marks=pytest.mark.smoke)])
 def test_a_nan_ends_the_job_with_one_line(tmp_path, tiny_shapes, dp):
-    """The README's promise for `optim.lr=1e9`: non-finite at step 2, the job ends (it used to hang in the loader
+    """RELIABILITY.md's promise for `optim.lr=1e9`: non-finite at step 2, the job ends (it used to hang in the loader
     workers' exit)."""
     code, out, seconds = run_job(args(tiny_shapes, tmp_path / "run", "optim.lr=1e9", f"parallel.dp={dp}",
                                       "trainer.max_steps=30"), script=TRAIN)
@@ -123,7 +123,7 @@ def test_a_worker_killed_by_the_oom_killer_ends_the_job(tmp_path, tiny_shapes):
 
 
 def test_a_failure_during_evaluation_ends_the_job_after_saving(tmp_path, tiny_shapes):
-    """A checkpoint due at an evaluation step is written first (train/hooks.py's `default_hooks` order): the failing evaluation
+    """A checkpoint due at an evaluation step is written first (`default_hooks`' order, train/hooks/default.py): the failing evaluation
     loses nothing of step 3."""
     run = tmp_path / "run"
     code, out, seconds = run_job(args(tiny_shapes, run, "parallel.dp=2", "trainer.eval_every=3",

@@ -34,10 +34,10 @@ def test_top5_is_reported_only_above_ten_classes(tmp_path, tiny_shapes, classes)
 
 
 def test_an_epoch_limited_run_writes_its_checkpoint_and_weights_before_the_last_evaluation(tmp_path, tiny_shapes):
-    """README's "nothing is lost": at the end of the last epoch (an evaluation is due there too) the checkpoint and
-    model.safetensors come first; the evaluation after an earlier epoch still runs at once. train.log also holds the
-    layout line the console printed before the run dir existed (once on the console), and every rate has one
-    decimal."""
+    """RELIABILITY.md's "nothing is lost": at the end of the last epoch (an evaluation is due there too) the
+    checkpoint and model.safetensors come first; the evaluation after an earlier epoch still runs at once. train.log
+    also holds the layout line the console printed before the run dir existed (once on the console), and every rate
+    has one decimal."""
     run = tmp_path / "run"
     result = run_cli([*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16", "trainer.max_epochs=2",
                       "trainer.log_every=2", "trainer.loggers=[csv]", "trainer.accelerator=cpu",
