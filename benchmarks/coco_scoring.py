@@ -1,5 +1,6 @@
-"""COCO box scoring time: visiondist's evaluator backend (faster-coco-eval) vs plain pycocotools, on the same
-generated ground truth and detections. Prints both times, their ratio and whether the 12 stats are identical.
+"""COCO box scoring time: visiondist's evaluator backend (faster-coco-eval) vs plain pycocotools, on
+the same generated ground truth and detections. Prints both times, their ratio and whether the 12
+stats are identical.
 
     python benchmarks/coco_scoring.py                   # 1000 images, ~60k detections
     python benchmarks/coco_scoring.py --images 5000
@@ -22,19 +23,30 @@ from visiondist.evaluation.detection import score  # noqa: E402
 
 
 def generate(images: int, per_image: int, classes: int, seed: int = 0) -> tuple[dict, np.ndarray]:
-    """Ground truth of `images` 640x480 images (1-15 boxes each, all sizes) and about `per_image` detections per
-    image: jittered true boxes with wrong classes now and then, plus false positives."""
+    """Ground truth of `images` 640x480 images (1-15 boxes each, all sizes) and about `per_image`
+    detections per image: jittered true boxes with wrong classes now and then, plus false
+    positives."""
     rng = np.random.default_rng(seed)
     gt_images, anns, dets = [], [], []
     for image_id in range(1, images + 1):
-        gt_images.append({"id": image_id, "file_name": f"{image_id}.jpg", "width": 640, "height": 480})
+        gt_images.append(
+            {"id": image_id, "file_name": f"{image_id}.jpg", "width": 640, "height": 480}
+        )
         boxes = []
         for _ in range(rng.integers(1, 16)):
             w, h = np.exp(rng.uniform(np.log(8), np.log(400), 2))
             x, y = rng.uniform(0, 640 - min(w, 630)), rng.uniform(0, 480 - min(h, 470))
             cat = int(rng.integers(1, classes + 1))
-            anns.append({"id": len(anns) + 1, "image_id": image_id, "category_id": cat, "bbox": [x, y, w, h],
-                         "area": w * h, "iscrowd": int(rng.random() < 0.01)})
+            anns.append(
+                {
+                    "id": len(anns) + 1,
+                    "image_id": image_id,
+                    "category_id": cat,
+                    "bbox": [x, y, w, h],
+                    "area": w * h,
+                    "iscrowd": int(rng.random() < 0.01),
+                }
+            )
             boxes.append((x, y, w, h, cat))
         for i in range(per_image):
             if i < len(boxes) * 2:
@@ -45,14 +57,23 @@ def generate(images: int, per_image: int, classes: int, seed: int = 0) -> tuple[
                 s = rng.uniform(0.3, 1.0)
             else:
                 w, h = np.exp(rng.uniform(np.log(8), np.log(300), 2))
-                x, y, cat, s = rng.uniform(0, 600), rng.uniform(0, 440), int(rng.integers(1, classes + 1)), rng.uniform(0, 0.5)
+                x, y, cat, s = (
+                    rng.uniform(0, 600),
+                    rng.uniform(0, 440),
+                    int(rng.integers(1, classes + 1)),
+                    rng.uniform(0, 0.5),
+                )
             dets.append((image_id, x, y, w, h, s, cat))
     cats = [{"id": c, "name": f"c{c}"} for c in range(1, classes + 1)]
-    return {"images": gt_images, "annotations": anns, "categories": cats}, np.array(dets, dtype=np.float64)
+    return {"images": gt_images, "annotations": anns, "categories": cats}, np.array(
+        dets, dtype=np.float64
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--images", type=int, default=1000)
     parser.add_argument("--per-image", type=int, default=60)
     parser.add_argument("--classes", type=int, default=80)
@@ -67,11 +88,15 @@ def main() -> None:
             stats[backend] = score(ann, dets, backend=backend)
             times[backend] = time.perf_counter() - start
     same = stats["pycocotools"] == stats["faster-coco-eval"]
-    print(f"{args.images} images, {len(gt['annotations'])} ground-truth boxes, {len(dets)} detections, "
-          f"{args.classes} classes")
+    print(
+        f"{args.images} images, {len(gt['annotations'])} ground-truth boxes, {len(dets)} "
+        f"detections, {args.classes} classes"
+    )
     print("| scorer | seconds | speed-up |\n|---|---|---|")
     for backend in ("pycocotools", "faster-coco-eval"):
-        print(f"| {backend} | {times[backend]:.2f} | {times['pycocotools'] / times[backend]:.1f}x |")
+        print(
+            f"| {backend} | {times[backend]:.2f} | {times['pycocotools'] / times[backend]:.1f}x |"
+        )
     print(f"12 stats identical: {same} (mAP {stats['pycocotools']['mAP']:.4f})")
     if not same:
         for name in stats["pycocotools"]:

@@ -1,8 +1,9 @@
-"""Training losses of runs side by side: one PNG, and a table of the loss every `--every` steps with each run's
-relative difference from the first (the reference). `benchmarks/gpu/run.sh kernels` compares a float8 run with
-bf16's.
+"""Training losses of runs side by side: one PNG, and a table of the loss every `--every` steps with
+each run's relative difference from the first (the reference). `benchmarks/gpu/run.sh kernels`
+compares a float8 run with bf16's.
 
-    python benchmarks/loss_curves.py outputs/bf16_run outputs/fp8_run --labels bf16 fp8 --png fp8_loss.png
+    python benchmarks/loss_curves.py outputs/bf16_run outputs/fp8_run --labels bf16 fp8 \
+        --png fp8_loss.png
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ from visiondist.observe.metrics import read_metrics  # noqa: E402
 
 
 def losses(run: Path) -> dict[int, float]:
-    return {int(r["step"]): float(r["loss"]) for r in read_metrics(run / "metrics.csv") if r["loss"] is not None}
+    return {
+        int(r["step"]): float(r["loss"])
+        for r in read_metrics(run / "metrics.csv")
+        if r["loss"] is not None
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories (the first is the reference)")
+    parser.add_argument(
+        "runs", nargs="+", type=Path, help="run directories (the first is the reference)"
+    )
     parser.add_argument("--labels", nargs="+")
     parser.add_argument("--png", type=Path, required=True)
     parser.add_argument("--every", type=int, default=10)
@@ -36,7 +43,13 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, curve in zip(labels, curves):
-        ax.plot(list(curve), list(curve.values()), label=label, linewidth=1, marker="." if len(curve) < 30 else None)
+        ax.plot(
+            list(curve),
+            list(curve.values()),
+            label=label,
+            linewidth=1,
+            marker="." if len(curve) < 30 else None,
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.legend()
@@ -46,8 +59,11 @@ def main() -> None:
     fig.savefig(args.png, dpi=120)
     common = [s for s in sorted(curves[0]) if all(s in c for c in curves)]
     if not common:
-        raise SystemExit(f"the runs share no logged step ({', '.join(f'{len(c)} steps' for c in curves)})")
-    steps = [s for s in common if s % args.every == 0] or common  # a short run: every step it logged
+        raise SystemExit(
+            f"the runs share no logged step ({', '.join(f'{len(c)} steps' for c in curves)})"
+        )
+    # a short run: every step it logged
+    steps = [s for s in common if s % args.every == 0] or common
     print("| step | " + " | ".join(labels) + " |")
     print("|---" * (len(labels) + 1) + "|")
     for s in steps:

@@ -1,17 +1,19 @@
 """The memory plan against measurement.
 
-CPU (default): the bytes of the tensors autograd saves for the backward of a ViT's blocks (saved-tensor hooks,
-distinct storages, parameters left out), next to `block_activation_bytes`.
+CPU (default): the bytes of the tensors autograd saves for the backward of a ViT's blocks
+(saved-tensor hooks, distinct storages, parameters left out), next to `block_activation_bytes`.
 
-CUDA (`--device cuda`): the training step itself, through `tools/benchmark.py` (the real Trainer on synthetic
-batches on the device, eager, no plain loops): ViT-B/16, ViT-L/16 and ViT-H/14 at 224 px in bf16 in one process each,
-plain, accumulated (`trainer.grad_accum=4`), checkpointed (whole blocks) and checkpointed keeping the matmuls; then
-ViT-B/16 under tp2 and pp2 with both ranks on the one GPU (`trainer.share_gpu`, rank 0). Each row: the plan's bytes
-for the same layout (`planned_gb`, what tools/plan.py and the fit of a named layout count) against the step's peak
-`max_memory_allocated` and `max_memory_reserved`; a row whose allocated peak is more than 10% off the plan is
-marked, and the largest reserved / planned says what the budget's headroom (`parallel.headroom`, 0.9) must cover.
-The exit code is the number of marked rows. `--smoke` runs the same commands with a tiny ViT on the CPU (where the
-peak is the process's RSS, not comparable), to check them.
+CUDA (`--device cuda`): the training step itself, through `tools/benchmark.py` (the real Trainer on
+synthetic batches on the device, eager, no plain loops): ViT-B/16, ViT-L/16 and ViT-H/14 at 224 px
+in bf16 in one process each, plain, accumulated (`trainer.grad_accum=4`), checkpointed (whole
+blocks) and checkpointed keeping the matmuls; then ViT-B/16 under tp2 and pp2 with both ranks on the
+one GPU (`trainer.share_gpu`, rank 0). Each row: the plan's bytes for the same layout (`planned_gb`,
+what tools/plan.py and the fit of a named layout count) against the step's peak
+`max_memory_allocated` and `max_memory_reserved`; a row whose allocated peak is more than 10% off
+the plan is marked, and the largest reserved / planned says what the budget's headroom
+(`parallel.headroom`, 0.9) must cover. The exit code is the number of marked rows. `--smoke` runs
+the same commands with a tiny ViT on the CPU (where the peak is the process's RSS, not comparable),
+to check them.
 
     python benchmarks/memory_model.py                     # CPU, fp32
     python benchmarks/memory_model.py --device cuda --out benchmarks/gpu/out/memory
@@ -27,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from visiondist.models.vit import VisionTransformer  # noqa: E402
 from visiondist.models.shape import ViTShape  # noqa: E402
+from visiondist.models.vit import VisionTransformer  # noqa: E402
 from visiondist.plan.memory import block_activation_bytes, saved_activation_bytes  # noqa: E402
 
 SHAPES = {  # name: (embed_dim, depth, heads, img, patch, batch)
@@ -40,22 +42,44 @@ SHAPES = {  # name: (embed_dim, depth, heads, img, patch, batch)
 
 
 def cpu_row(name, dim, depth, heads, img, patch, batch) -> str:
-    model = VisionTransformer(img_size=img, patch_size=patch, num_classes=1000, embed_dim=dim, depth=depth,
-                              num_heads=heads)
+    model = VisionTransformer(
+        img_size=img,
+        patch_size=patch,
+        num_classes=1000,
+        embed_dim=dim,
+        depth=depth,
+        num_heads=heads,
+    )
     tokens = model.embed(torch.randn(batch, 3, img, img)).detach().requires_grad_()
     measured = saved_activation_bytes(model.blocks, tokens)
-    estimate = depth * block_activation_bytes(ViTShape(dim, depth, heads, 4.0, patch, img, 1000), batch, 1)
-    return f"| {name} | {batch} | {measured / 1e6:.1f} | {estimate / 1e6:.1f} | {estimate / measured:.3f} |"
+    estimate = depth * block_activation_bytes(
+        ViTShape(dim, depth, heads, 4.0, patch, img, 1000), batch, 1
+    )
+    return (
+        f"| {name} | {batch} | {measured / 1e6:.1f} | {estimate / 1e6:.1f} | "
+        f"{estimate / measured:.3f} |"
+    )
 
 
 REPO = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.10  # the allocated peak within this of the plan
-STEP = ["data.img_size=224", "trainer.precision=bf16", "trainer.compile=false", "bench.baseline=false",
-        "bench.peak=false", "bench.loader_batches=0", "bench.warmup=2", "bench.steps=3", "bench.rounds=1"]
-CHECKPOINTED = ["parallel.activation_checkpointing=true",
-                "parallel.activation_checkpointing=true parallel.checkpoint_keep=matmuls"]
-# name: tools/benchmark.py overrides and the variants timed beside them in the same process (accumulation changes the
-# batch the variants share: a process of its own)
+STEP = [
+    "data.img_size=224",
+    "trainer.precision=bf16",
+    "trainer.compile=false",
+    "bench.baseline=false",
+    "bench.peak=false",
+    "bench.loader_batches=0",
+    "bench.warmup=2",
+    "bench.steps=3",
+    "bench.rounds=1",
+]
+CHECKPOINTED = [
+    "parallel.activation_checkpointing=true",
+    "parallel.activation_checkpointing=true parallel.checkpoint_keep=matmuls",
+]
+# name: tools/benchmark.py overrides and the variants timed beside them in the same process
+# (accumulation changes the batch the variants share: a process of its own)
 ROWS = {
     "vit_base": (["model=vit_base", "data.batch_size=256"], CHECKPOINTED),
     "vit_base+accum": (["model=vit_base", "data.batch_size=256", "trainer.grad_accum=4"], []),
@@ -63,18 +87,29 @@ ROWS = {
     "vit_large+accum": (["model=vit_large", "data.batch_size=128", "trainer.grad_accum=4"], []),
     "vit_huge": (["model=vit_huge", "data.batch_size=64"], CHECKPOINTED),
     "vit_huge+accum": (["model=vit_huge", "data.batch_size=64", "trainer.grad_accum=4"], []),
-    "vit_base+tp2": (["model=vit_base", "data.batch_size=256", "parallel=tp2", "trainer.share_gpu=true"],
-                     CHECKPOINTED[:1]),  # both ranks on the one GPU: rank 0's peak
-    "vit_base+pp2": (["model=vit_base", "data.batch_size=256", "parallel=pp2", "trainer.share_gpu=true"],
-                     CHECKPOINTED[:1]),
+    "vit_base+tp2": (
+        ["model=vit_base", "data.batch_size=256", "parallel=tp2", "trainer.share_gpu=true"],
+        CHECKPOINTED[:1],
+    ),  # both ranks on the one GPU: rank 0's peak
+    "vit_base+pp2": (
+        ["model=vit_base", "data.batch_size=256", "parallel=pp2", "trainer.share_gpu=true"],
+        CHECKPOINTED[:1],
+    ),
 }
-SMOKE = ["model=vit_tiny", "model.depth=2", "model.num_heads=2", "data.img_size=32", "data.batch_size=8",
-         "trainer.precision=32", "trainer.accelerator=cpu"]
+SMOKE = [
+    "model=vit_tiny",
+    "model.depth=2",
+    "model.num_heads=2",
+    "data.img_size=32",
+    "data.batch_size=8",
+    "trainer.precision=32",
+    "trainer.accelerator=cpu",
+]
 
 
 def step_rows(device: str, out: Path, smoke: bool, names: list[str]) -> list[dict]:
-    """Run each of ROWS named (all: empty) through tools/benchmark.py, its variants beside it, and read back its
-    results rows."""
+    """Run each of ROWS named (all: empty) through tools/benchmark.py, its variants beside it, and
+    read back its results rows."""
     import json
     import subprocess
 
@@ -84,22 +119,36 @@ def step_rows(device: str, out: Path, smoke: bool, names: list[str]) -> list[dic
             continue
         results = out / name.replace("+", "_")
         if smoke:  # the CPU's ranks are processes of their own
-            overrides = [o.replace("trainer.share_gpu=true", "trainer.devices=2") for o in overrides]
-        args = [*STEP, *overrides, *(SMOKE if smoke else [f"trainer.accelerator={device}"]),
-                f"bench.results_dir={results}", f"bench.variants={json.dumps(variants)}"]
+            overrides = [
+                o.replace("trainer.share_gpu=true", "trainer.devices=2") for o in overrides
+            ]
+        args = [
+            *STEP,
+            *overrides,
+            *(SMOKE if smoke else [f"trainer.accelerator={device}"]),
+            f"bench.results_dir={results}",
+            f"bench.variants={json.dumps(variants)}",
+        ]
         print(f"$ python tools/benchmark.py {' '.join(args)}", flush=True)
-        done = subprocess.run([sys.executable, str(REPO / "tools" / "benchmark.py"), *args], cwd=REPO)
+        done = subprocess.run(
+            [sys.executable, str(REPO / "tools" / "benchmark.py"), *args], cwd=REPO
+        )
         if done.returncode:
             rows.append({"name": name, "failed": done.returncode})
             continue
-        rows += [{"name": name, **json.loads(line)} for line in (results / "results.jsonl").read_text().splitlines()]
+        rows += [
+            {"name": name, **json.loads(line)}
+            for line in (results / "results.jsonl").read_text().splitlines()
+        ]
     return rows
 
 
 def step_table(rows: list[dict]) -> int:
     """Print the plan against the peaks; the number of rows off the plan (or failed)."""
-    print("| run | variant | batch | planned GB | max allocated GB | allocated / planned | max reserved GB | "
-          "reserved / planned |")
+    print(
+        "| run | variant | batch | planned GB | max allocated GB | allocated / planned | max "
+        "reserved GB | reserved / planned |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     off, worst = 0, 0.0
     for r in rows:
@@ -107,17 +156,30 @@ def step_table(rows: list[dict]) -> int:
             print(f"| {r['name']} | FAILED (exit {r['failed']}) | | | | | | |")
             off += 1
             continue
-        planned, allocated, reserved = r.get("planned_gb"), r.get("peak_memory_gb"), r.get("peak_reserved_gb")
+        planned, allocated, reserved = (
+            r.get("planned_gb"),
+            r.get("peak_memory_gb"),
+            r.get("peak_reserved_gb"),
+        )
         ratio = allocated / planned if planned and allocated else None
-        marked = ratio is not None and abs(ratio - 1) > TOLERANCE and r["device"].startswith("CPU") is False
+        marked = (
+            ratio is not None
+            and abs(ratio - 1) > TOLERANCE
+            and r["device"].startswith("CPU") is False
+        )
         off += marked
         if planned and reserved:
             worst = max(worst, reserved / planned)
-        print(f"| {r['name']} | {r['variant']} | {r['batch']} | {_num(planned)} | {_num(allocated)} | "
-              f"{_num(ratio, '.3f')}{' OFF' if marked else ''} | {_num(reserved)} | "
-              f"{_num(reserved / planned if planned and reserved else None, '.3f')} |")
+        print(
+            f"| {r['name']} | {r['variant']} | {r['batch']} | {_num(planned)} | {_num(allocated)} "
+            f"| {_num(ratio, '.3f')}{' OFF' if marked else ''} | {_num(reserved)} | "
+            f"{_num(reserved / planned if planned and reserved else None, '.3f')} |"
+        )
     if worst:
-        print(f"largest reserved / planned: {worst:.3f}; parallel.headroom=0.9 covers up to {1 / 0.9:.3f}")
+        print(
+            f"largest reserved / planned: {worst:.3f}; parallel.headroom=0.9 covers up to "
+            f"{1 / 0.9:.3f}"
+        )
     return off
 
 
@@ -126,11 +188,21 @@ def _num(value, spec: str = ".2f") -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--out", default="outputs/memory_model", help="where the benchmark's results go (CUDA, --smoke)")
-    ap.add_argument("--smoke", action="store_true", help="the CUDA mode's commands, tiny, on the CPU")
-    ap.add_argument("--rows", default="", help=f"comma-separated, of {', '.join(ROWS)} (default: all)")
+    ap.add_argument(
+        "--out",
+        default="outputs/memory_model",
+        help="where the benchmark's results go (CUDA, --smoke)",
+    )
+    ap.add_argument(
+        "--smoke", action="store_true", help="the CUDA mode's commands, tiny, on the CPU"
+    )
+    ap.add_argument(
+        "--rows", default="", help=f"comma-separated, of {', '.join(ROWS)} (default: all)"
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.device == "cpu" and not args.smoke:

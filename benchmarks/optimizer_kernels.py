@@ -2,10 +2,10 @@
 
     python benchmarks/optimizer_kernels.py --model small --optimizer adamw [--fsdp] [--rounds 6]
 
-Random gradients, visiondist's decay / no-decay groups; each kernel steps 5 times per round, the kernels in
-alternating order from round to round; prints the median, min and max of each. `--fsdp` shards the model with
-FSDP2 over one rank first (DTensor parameters, as `parallel.fsdp` trains them). This is what `optim.impl=auto`
-was chosen from (benchmarks/RESULTS.md).
+Random gradients, visiondist's decay / no-decay groups; each kernel steps 5 times per round, the
+kernels in alternating order from round to round; prints the median, min and max of each. `--fsdp`
+shards the model with FSDP2 over one rank first (DTensor parameters, as `parallel.fsdp` trains
+them). This is what `optim.impl=auto` was chosen from (benchmarks/RESULTS.md).
 """
 
 import argparse
@@ -16,10 +16,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from visiondist.train.optim import KERNELS, param_groups
 from visiondist.models.vit import VisionTransformer
+from visiondist.train.optim import KERNELS, param_groups
 
-SHAPES = {"tiny": (192, 3), "small": (384, 6), "base": (768, 12)}  # embed dim, heads; 12 blocks, 224 px, 100 classes
+# embed dim, heads; 12 blocks, 224 px, 100 classes
+SHAPES = {"tiny": (192, 3), "small": (384, 6), "base": (768, 12)}
 
 
 def build(model: str, optimizer: str, kernel: str, fsdp: bool) -> torch.optim.Optimizer:
@@ -71,11 +72,15 @@ def main() -> None:
                     optimizer.step()
                     times.append(time.perf_counter() - start)
     where = " under FSDP" if args.fsdp else ""
-    print(f"ViT-{args.model[0].upper()}, {args.optimizer}{where}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {5 * args.rounds} steps each:")
+    print(
+        f"ViT-{args.model[0].upper()}, {args.optimizer}{where}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {5 * args.rounds} steps each:"
+    )
     for kernel, (_, times) in runs.items():
-        print(f"  {kernel:8s} median {1e3 * statistics.median(times):7.2f} ms, min {1e3 * min(times):7.2f}, "
-              f"max {1e3 * max(times):7.2f}")
+        print(
+            f"  {kernel:8s} median {1e3 * statistics.median(times):7.2f} ms, min "
+            f"{1e3 * min(times):7.2f}, max {1e3 * max(times):7.2f}"
+        )
     if args.fsdp:
         dist.destroy_process_group()
 

@@ -1,26 +1,28 @@
-"""Prediction speed on real photographs: `tools/predict.py`'s path against a plain PyTorch inference loop over the
-same model, the same batches and the same decoded images, with the loader's rate beside them.
+"""Prediction speed on real photographs: `tools/predict.py`'s path against a plain PyTorch inference
+loop over the same model, the same batches and the same decoded images, with the loader's rate
+beside them.
 
-The photographs are scikit-image's, cut at ImageNet's sizes and re-encoded as JPEG (`benchmarks/photos.py`), in one
-folder. Three loops, timed in alternating rounds (each round in the reverse order of the last: a slow spell of the
-machine hits every loop), median images/s of the rounds:
+The photographs are scikit-image's, cut at ImageNet's sizes and re-encoded as JPEG
+(`benchmarks/photos.py`), in one folder. Three loops, timed in alternating rounds (each round in the
+reverse order of the last: a slow spell of the machine hits every loop), median images/s of the
+rounds:
 
-- `predict`: what a rank of tools/predict.py runs, whole: the source read by its loader (the data config's workers,
-  decoding and the run's eval resize / crop in them), the model under the run's precision, softmax and top-k, each
-  batch's records written to a part file as the tool writes them;
-- `plain loop`: what a user writes by hand: a `DataLoader` with as many workers over the same files, each read by
-  the same reader and cropped by the same transform, batches stacked; then normalise, the model, softmax and top-k
-  to the host. `predict / plain loop` >= 0.95 says the tool's bookkeeping (records, part files, its loader's
-  error handling) costs nothing that matters;
-- `model alone`: the same batches decoded and cropped beforehand, only the model's part of the plain loop timed:
-  the ceiling, where the images cost nothing. On a CPU the loader workers decode on the cores the model's threads
-  use, so a small model loses to them what a GPU's host would not;
+- `predict`: what a rank of tools/predict.py runs, whole: the source read by its loader (the data
+  config's workers, decoding and the run's eval resize / crop in them), the model under the run's
+  precision, softmax and top-k, each batch's records written to a part file as the tool writes them;
+- `plain loop`: what a user writes by hand: a `DataLoader` with as many workers over the same files,
+  each read by the same reader and cropped by the same transform, batches stacked; then normalise,
+  the model, softmax and top-k to the host. `predict / plain loop` >= 0.95 says the tool's
+  bookkeeping (records, part files, its loader's error handling) costs nothing that matters;
+- `model alone`: the same batches decoded and cropped beforehand, only the model's part of the plain
+  loop timed: the ceiling, where the images cost nothing. On a CPU the loader workers decode on the
+  cores the model's threads use, so a small model loses to them what a GPU's host would not;
 - `loader`: the tool's loader alone (what it can feed).
 
-The threads and loader workers are the tool's on this machine (one rank: every usable CPU for the model,
-`data.num_workers=-1`).
+The threads and loader workers are the tool's on this machine (one rank: every usable CPU for the
+model, `data.num_workers=-1`).
 
-    python benchmarks/predict.py                                  # ViT-S/16 at 224 px, 192 photos, batch 32
+    python benchmarks/predict.py  # ViT-S/16 at 224 px, 192 photos, batch 32
     python benchmarks/predict.py --model vit_tiny --images 256 --rounds 5 --markdown out.md
     python benchmarks/predict.py --device cuda --precision bf16 --compile --images 2048 --batch 256
 """
@@ -39,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-
 from photos import build_photos  # noqa: E402  (benchmarks/photos.py)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -54,8 +55,12 @@ def main(argv=None) -> int:
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="32")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model (both loops share it)")
-    parser.add_argument("--workers", type=int, default=-1, help="data.num_workers (-1: the tool's automatic count)")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the model (both loops share it)"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=-1, help="data.num_workers (-1: the tool's automatic count)"
+    )
     parser.add_argument("--markdown", type=Path, help="append the table to this file")
     args = parser.parse_args(argv)
 
@@ -72,22 +77,37 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     work = Path(tempfile.mkdtemp(prefix="predict_bench_"))
     photos = build_photos(work / "photos", args.images, split="val")
-    cfg = compose(CONFIGS, [f"model={args.model}", "data=imagenet", f"data.root={work / 'photos'}",
-                            "data.num_classes=5", f"data.img_size={args.size}", f"data.num_workers={args.workers}",
-                            f"trainer.precision={args.precision}"])
+    cfg = compose(
+        CONFIGS,
+        [
+            f"model={args.model}",
+            "data=imagenet",
+            f"data.root={work / 'photos'}",
+            "data.num_classes=5",
+            f"data.img_size={args.size}",
+            f"data.num_workers={args.workers}",
+            f"trainer.precision={args.precision}",
+        ],
+    )
     cfg = OmegaConf.merge(cfg, {"predict": {"batch_size": args.batch, "topk": 5}})
     model = load_model(cfg, device)  # random weights: the speed does not depend on them
-    if args.compile and not hasattr(model, "_orig_mod"):  # (a ViT on a GPU comes compiled, as the tool runs it)
+    # (a ViT on a GPU comes compiled, as the tool runs it)
+    if args.compile and not hasattr(model, "_orig_mod"):
         model = torch.compile(model)
-    predictor = Predictor(cfg, model, device, Names([f"photo {k}" for k in range(5)], None, "benchmark"))
+    predictor = Predictor(
+        cfg, model, device, Names([f"photo {k}" for k in range(5)], None, "benchmark")
+    )
     source = resolve_source(str(work / "photos" / "val"))
     order = batches(len(source), args.batch)
-    decoded = [predictor.prepare(read_rgb(p), i) for i, p in enumerate(source.paths)]  # the plain loop's images
+    # the plain loop's images
+    decoded = [predictor.prepare(read_rgb(p), i) for i, p in enumerate(source.paths)]
 
     def predict_loop() -> int:
         writer = PartWriter(work / "out", 0)
         count = 0
-        for records in run_batches(predictor, source, loader(source, predictor, order, 0, args.workers), None):
+        for records in run_batches(
+            predictor, source, loader(source, predictor, order, 0, args.workers), None
+        ):
             writer.write(records)
             count += len(records)
         writer.close()
@@ -111,8 +131,13 @@ def main(argv=None) -> int:
     workers = loader_workers(int(cfg.data.num_workers), 1)
 
     def plain_loop() -> int:
-        plain = torch.utils.data.DataLoader(Files(), batch_size=args.batch, num_workers=workers,
-                                            pin_memory=device.type == "cuda", persistent_workers=False)
+        plain = torch.utils.data.DataLoader(
+            Files(),
+            batch_size=args.batch,
+            num_workers=workers,
+            pin_memory=device.type == "cuda",
+            persistent_workers=False,
+        )
         count = 0
         for batch in plain:
             classify(batch)
@@ -127,8 +152,12 @@ def main(argv=None) -> int:
     def loader_loop() -> int:
         return sum(len(items) for items in loader(source, predictor, order, 0, args.workers))
 
-    loops = {"predict (tools/predict.py's path)": predict_loop, "plain PyTorch loop (its own DataLoader)": plain_loop,
-             "model alone (images decoded beforehand)": model_alone, "loader alone": loader_loop}
+    loops = {
+        "predict (tools/predict.py's path)": predict_loop,
+        "plain PyTorch loop (its own DataLoader)": plain_loop,
+        "model alone (images decoded beforehand)": model_alone,
+        "loader alone": loader_loop,
+    }
     for fn in loops.values():  # warm-up: allocation, compilation, the workers' first start
         fn()
         close_loaders()
@@ -146,13 +175,25 @@ def main(argv=None) -> int:
             close_loaders()
     median = {name: statistics.median(v) for name, v in rates.items()}
     ratio, ceiling = median[names[0]] / median[names[1]], median[names[0]] / median[names[2]]
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    lines = [f"{args.model} at {args.size} px, batch {args.batch}, precision {args.precision}"
-             f"{', compiled' if args.compile else ''}, {args.images} photos (~{photos['mean_width']}x"
-             f"{photos['mean_height']} px JPEG), {where}, {workers} loader worker{'' if workers == 1 else 's'}, "
-             f"torch {torch.__version__}, median of {args.rounds} rounds",
-             "", "| loop | images/s | rounds |", "| --- | ---: | --- |"]
-    lines += [f"| {name} | {median[name]:.1f} | {', '.join(f'{v:.1f}' for v in rates[name])} |" for name in names]
+    where = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"CPU, {torch.get_num_threads()} threads"
+    )
+    lines = [
+        f"{args.model} at {args.size} px, batch {args.batch}, precision "
+        f"{args.precision}{', compiled' if args.compile else ''}, {args.images} photos "
+        f"(~{photos['mean_width']}x{photos['mean_height']} px JPEG), {where}, {workers} loader "
+        f"worker{'' if workers == 1 else 's'}, torch {torch.__version__}, median of {args.rounds} "
+        "rounds",
+        "",
+        "| loop | images/s | rounds |",
+        "| --- | ---: | --- |",
+    ]
+    lines += [
+        f"| {name} | {median[name]:.1f} | {', '.join(f'{v:.1f}' for v in rates[name])} |"
+        for name in names
+    ]
     lines += ["", f"predict / plain loop: {ratio:.3f}; predict / model alone: {ceiling:.3f}"]
     text = "\n".join(lines)
     print(text)

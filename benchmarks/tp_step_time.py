@@ -1,8 +1,9 @@
-"""Step time of tensor parallelism: visiondist's collective autograd functions (with and without sequence
-parallelism) vs DTensor `parallelize_module`.
+"""Step time of tensor parallelism: visiondist's collective autograd functions (with and without
+sequence parallelism) vs DTensor `parallelize_module`.
 
-Same model, same Megatron split (q/k/v and fc1 column-wise, proj and fc2 row-wise), forward + backward + AdamW, on
-`tp` local ranks (gloo on the CPU). Prints a table: median ms/step of each and their ratio.
+Same model, same Megatron split (q/k/v and fc1 column-wise, proj and fc2 row-wise), forward +
+backward + AdamW, on `tp` local ranks (gloo on the CPU). Prints a table: median ms/step of each and
+their ratio.
 
     python benchmarks/tp_step_time.py            # tp 2 and 4, a ViT-Ti-sized model with 4 heads
 """
@@ -31,13 +32,22 @@ MODEL = dict(img_size=64, patch_size=16, num_classes=10, embed_dim=192, depth=6,
 
 
 def _dtensor(model, layout):
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     plan = {}
     for i in range(len(model.blocks)):
         plan.update({f"blocks.{i}.attn.{n}": ColwiseParallel() for n in ("q", "k", "v")})
-        plan.update({f"blocks.{i}.attn.proj": RowwiseParallel(), f"blocks.{i}.mlp.fc1": ColwiseParallel(),
-                     f"blocks.{i}.mlp.fc2": RowwiseParallel()})
+        plan.update(
+            {
+                f"blocks.{i}.attn.proj": RowwiseParallel(),
+                f"blocks.{i}.mlp.fc1": ColwiseParallel(),
+                f"blocks.{i}.mlp.fc2": RowwiseParallel(),
+            }
+        )
     return parallelize_module(model, layout.mesh["tp"], plan)
 
 
@@ -46,8 +56,13 @@ def _time(kind: str, tp: int, steps: int, batch: int) -> list[float]:
     torch.manual_seed(0)
     model = VisionTransformer(**MODEL)
     ours = kind != "dtensor"
-    model = parallelize(model, layout, sequence_parallel=kind == "functions+SP") if ours else _dtensor(model, layout)
-    # DTensor parameters break foreach AdamW and the global-norm clip ("mixed torch.Tensor and DTensor")
+    model = (
+        parallelize(model, layout, sequence_parallel=kind == "functions+SP")
+        if ours
+        else _dtensor(model, layout)
+    )
+    # DTensor parameters break foreach AdamW and the global-norm clip ("mixed torch.Tensor and
+    # DTensor")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=ours)
     images, labels = torch.randn(batch, 3, 64, 64), torch.randint(0, 10, (batch,))
     times = []
@@ -74,13 +89,21 @@ def _rank(tp: int, steps: int, batch: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=32)
     args = parser.parse_args()
-    print(f"ViT {MODEL}, batch {args.batch}, fwd+bwd+AdamW, median of {args.steps} steps, {os.cpu_count()} CPU cores")
-    print("| tp | functions (ms/step) | functions + SP (ms/step) | DTensor (ms/step) | DTensor / functions |")
+    print(
+        f"ViT {MODEL}, batch {args.batch}, fwd+bwd+AdamW, median of {args.steps} steps, "
+        f"{os.cpu_count()} CPU cores"
+    )
+    print(
+        "| tp | functions (ms/step) | functions + SP (ms/step) | DTensor (ms/step) | DTensor / "
+        "functions |"
+    )
     print("|---|---|---|---|---|")
     for tp in args.tp:
         r = spawn_local(_rank, tp, tp, args.steps, args.batch)[0]

@@ -1,20 +1,24 @@
-"""Where a ViT training step's time goes on one GPU: visiondist's ViT against timm's, each in the same plain loop
-(forward under bf16 autocast, cross-entropy, backward, fused AdamW), under the ways of compiling it side by side.
+"""Where a ViT training step's time goes on one GPU: visiondist's ViT against timm's, each in the
+same plain loop (forward under bf16 autocast, cross-entropy, backward, fused AdamW), under the ways
+of compiling it side by side.
 
 Variants (`--variants`, any of):
-  timm_eager, timm_blocks, timm_whole      timm's ViT eager, compiled block by block, compiled whole (timm's train.py)
-  split_eager, split_blocks                 ours with q, k and v run as three GEMMs (`Attention.fuse_qkv = False`)
-  ours_eager, ours_blocks, ours_whole       ours as it runs (q, k, v as one GEMM)
-  ours_whole_cudagraphs                     ours compiled whole with mode="reduce-overhead" (CUDA graphs)
+- timm_eager, timm_blocks, timm_whole: timm's ViT eager, compiled block by block, compiled whole
+  (timm's train.py);
+- split_eager, split_blocks: ours with q, k and v run as three GEMMs (`Attention.fuse_qkv = False`);
+- ours_eager, ours_blocks, ours_whole: ours as it runs (q, k, v as one GEMM);
+- ours_whole_cudagraphs: ours compiled whole with mode="reduce-overhead" (CUDA graphs).
 
-Each row is timed in rounds that alternate between the variants (the median round is the row's rate), then profiled
-for a few steps: kernels per step, GPU time by kind (matmul, attention, fused Triton, eager elementwise / norm,
-optimizer, copies), the top kernels, and the GPU's idle share of the step. Dynamo's counters are read per variant: a
-graph break or a recompile-limit hit fails the variant naming the cause (torch's `fail_on_recompile_limit_hit`),
-instead of timing eager code as if it were compiled.
+Each row is timed in rounds that alternate between the variants (the median round is the row's
+rate), then profiled for a few steps: kernels per step, GPU time by kind (matmul, attention, fused
+Triton, eager elementwise / norm, optimizer, copies), the top kernels, and the GPU's idle share of
+the step. Dynamo's counters are read per variant: a graph break or a recompile-limit hit fails the
+variant naming the cause (torch's `fail_on_recompile_limit_hit`), instead of timing eager code as if
+it were compiled.
 
-    python benchmarks/vit_profile.py --rows vit_small:256 vit_base:256:timm_whole,ours_whole --out benchmarks/gpu/out
-    python benchmarks/vit_profile.py --tiny --device cpu           # the whole path on the CPU, tiny settings
+    python benchmarks/vit_profile.py --rows vit_small:256 vit_base:256:timm_whole,ours_whole \
+        --out benchmarks/gpu/out
+    python benchmarks/vit_profile.py --tiny --device cpu  # the whole path on the CPU, tiny settings
 """
 
 from __future__ import annotations
@@ -41,8 +45,17 @@ SHAPES = {  # name: (timm name, patch, dim, depth, heads)
     "vit_large": ("vit_large_patch16_224", 16, 1024, 24, 16),
     "vit_huge": ("vit_huge_patch14_224", 14, 1280, 32, 16),
 }
-VARIANTS = ("timm_eager", "timm_blocks", "timm_whole", "split_eager", "split_blocks", "ours_eager", "ours_blocks",
-            "ours_whole", "ours_whole_cudagraphs")
+VARIANTS = (
+    "timm_eager",
+    "timm_blocks",
+    "timm_whole",
+    "split_eager",
+    "split_blocks",
+    "ours_eager",
+    "ours_blocks",
+    "ours_whole",
+    "ours_whole_cudagraphs",
+)
 
 KINDS = [  # (kind, pattern on the kernel's name), first match wins
     ("attention", r"flash|fmha|attention|sdpa|mha"),
@@ -58,7 +71,14 @@ def build(variant: str, shape: str, tiny: bool, device: torch.device) -> torch.n
     from visiondist.models.vit import Attention, VisionTransformer
 
     timm_name, patch, dim, depth, heads = SHAPES[shape]
-    kwargs = dict(img_size=224, patch_size=patch, embed_dim=dim, depth=depth, num_heads=heads, num_classes=1000)
+    kwargs = dict(
+        img_size=224,
+        patch_size=patch,
+        embed_dim=dim,
+        depth=depth,
+        num_heads=heads,
+        num_classes=1000,
+    )
     if tiny:
         kwargs.update(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2, num_classes=10)
     if variant.startswith("timm"):
@@ -74,12 +94,14 @@ def build(variant: str, shape: str, tiny: bool, device: torch.device) -> torch.n
 
 
 class Loop:
-    """The plain step for one variant; the compiled parts are built here, compiled on the first steps."""
+    """The plain step for one variant; the compiled parts are built here, compiled on the first
+    steps."""
 
     def __init__(self, variant: str, model: torch.nn.Module, device: torch.device):
         self.variant, self.model, self.device = variant, model, device
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05,
-                                           fused=device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=1e-4, weight_decay=0.05, fused=device.type == "cuda"
+        )
         scope = variant.split("_", 1)[1]
         forward = self._forward
         if scope == "blocks":
@@ -113,16 +135,22 @@ def dynamo_counters() -> dict:
     from torch._dynamo.utils import counters
 
     breaks = {reason: n for reason, n in counters["graph_break"].items()}
-    return {"graphs": counters["stats"].get("unique_graphs", 0), "graph_breaks": sum(breaks.values()),
-            "break_reasons": dict(list(breaks.items())[:5]),
-            "cudagraph_skips": sum(v for k, v in counters["inductor"].items() if "cudagraph_skip" in k)}
+    return {
+        "graphs": counters["stats"].get("unique_graphs", 0),
+        "graph_breaks": sum(breaks.values()),
+        "break_reasons": dict(list(breaks.items())[:5]),
+        "cudagraph_skips": sum(v for k, v in counters["inductor"].items() if "cudagraph_skip" in k),
+    }
 
 
 def kernel_profile(loop: Loop, x, y, steps: int) -> dict:
-    """A few profiled steps: kernels per step, GPU time by kind, the top kernels, the GPU's idle share."""
+    """A few profiled steps: kernels per step, GPU time by kind, the top kernels, the GPU's idle
+    share."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if loop.device.type == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if loop.device.type == "cuda" else []
+    )
     sync(loop.device)
     with profile(activities=activities) as prof:
         for _ in range(steps):
@@ -132,7 +160,9 @@ def kernel_profile(loop: Loop, x, y, steps: int) -> dict:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    kernels = [
+        e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    ]
     if not kernels:
         return {"kernels_per_step": 0}
     spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels)
@@ -160,9 +190,19 @@ def kernel_profile(loop: Loop, x, y, steps: int) -> dict:
         "gpu_ms_per_step": total / steps / 1e3,
         "span_ms_per_step": wall / steps / 1e3,
         "idle_share": 1.0 - busy / wall if wall else 0.0,
-        "kinds": {k: round(v / total, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-        "top": [{"name": n[:90], "calls_per_step": c / steps, "ms_per_step": round(t / steps / 1e3, 3),
-                 "share": round(t / total, 4), "kind": k} for n, (c, t, k) in top],
+        "kinds": {
+            k: round(v / total, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+        },
+        "top": [
+            {
+                "name": n[:90],
+                "calls_per_step": c / steps,
+                "ms_per_step": round(t / steps / 1e3, 3),
+                "share": round(t / total, 4),
+                "kind": k,
+            }
+            for n, (c, t, k) in top
+        ],
     }
 
 
@@ -179,7 +219,8 @@ def run_row(shape: str, batch: int, variants: list[str], args) -> list[dict]:
     from torch._dynamo.utils import counters
 
     for variant in variants:
-        counters.clear()  # dynamo's caches stay: the variants are timed in turns after all were built
+        # dynamo's caches stay: the variants are timed in turns after all were built
+        counters.clear()
         row = {"row": f"{shape} b{batch}", "variant": variant}
         rows[variant] = row
         try:
@@ -206,7 +247,8 @@ def run_row(shape: str, batch: int, variants: list[str], args) -> list[dict]:
             print(f"{shape} {variant}: {row['error']}", flush=True)
         gc.collect()
     times: dict[str, list[float]] = {v: [] for v in loops}
-    for _ in range(args.rounds):  # alternate: every variant sees the same machine state in each round
+    # alternate: every variant sees the same machine state in each round
+    for _ in range(args.rounds):
         for variant, loop in list(loops.items()):
             graphs = counters["stats"].get("unique_graphs", 0)
             sync(device)
@@ -216,12 +258,17 @@ def run_row(shape: str, batch: int, variants: list[str], args) -> list[dict]:
                     loop.step(x, y)
                 sync(device)
             except Exception as error:  # e.g. the recompile limit, hit while timed
-                rows[variant]["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                rows[variant]["error"] = (
+                    f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+                )
                 del loops[variant], times[variant]
                 continue
             times[variant].append(time.perf_counter() - start)
-            if counters["stats"].get("unique_graphs", 0) > graphs:  # compiled again while timed: not a rate
-                rows[variant]["recompiled_while_timed"] = counters["stats"]["unique_graphs"] - graphs
+            # compiled again while timed: not a rate
+            if counters["stats"].get("unique_graphs", 0) > graphs:
+                rows[variant]["recompiled_while_timed"] = (
+                    counters["stats"]["unique_graphs"] - graphs
+                )
     for variant, loop in loops.items():
         row = rows[variant]
         row["img_per_s"] = round(batch * args.steps / statistics.median(times[variant]), 1)
@@ -236,10 +283,13 @@ def run_row(shape: str, batch: int, variants: list[str], args) -> list[dict]:
 
 
 def markdown(rows: list[dict], device: str) -> str:
-    lines = [f"Device: {device}", "",
-             "| row | variant | img/s | / timm_whole | compile s | graphs | kernels / step | GPU idle | matmul | "
-             "attention | fused triton | eager elementwise | optimizer | copies |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Device: {device}",
+        "",
+        "| row | variant | img/s | / timm_whole | compile s | graphs | kernels / step | GPU idle "
+        "| matmul | attention | fused triton | eager elementwise | optimizer | copies |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     best = {r["row"]: r.get("img_per_s") for r in rows if r["variant"] == "timm_whole"}
     for r in rows:
         if "recompiled_while_timed" in r:
@@ -249,36 +299,49 @@ def markdown(rows: list[dict], device: str) -> str:
             continue
         p, kinds = r.get("profile", {}), r.get("profile", {}).get("kinds", {})
         ratio = f"{r['img_per_s'] / best[r['row']]:.3f}" if best.get(r["row"]) else ""
-        share = lambda k: f"{100 * kinds.get(k, 0):.1f}%"  # noqa: E731
-        lines.append(f"| {r['row']} | {r['variant']} | {r['img_per_s']:,.0f} | {ratio} | {r.get('compile_s', '')} | "
-                     f"{r.get('graphs', '')} | {p.get('kernels_per_step', 0):.0f} | "
-                     f"{100 * p.get('idle_share', 0):.1f}% | "
-                     f"{share('matmul')} | {share('attention')} | {share('fused triton')} | "
-                     f"{share('eager elementwise / norm')} | {share('optimizer')} | {share('copies')} |")
+        share = lambda k, kinds=kinds: f"{100 * kinds.get(k, 0):.1f}%"  # noqa: E731
+        lines.append(
+            f"| {r['row']} | {r['variant']} | {r['img_per_s']:,.0f} | {ratio} | "
+            f"{r.get('compile_s', '')} | {r.get('graphs', '')} | "
+            f"{p.get('kernels_per_step', 0):.0f} | {100 * p.get('idle_share', 0):.1f}% | "
+            f"{share('matmul')} | {share('attention')} | {share('fused triton')} | "
+            f"{share('eager elementwise / norm')} | {share('optimizer')} | {share('copies')} |"
+        )
     lines += ["", "Top kernels per variant (ms per step, share of GPU time):", ""]
     for r in rows:
         for k in r.get("profile", {}).get("top", [])[:6]:
-            lines.append(f"- {r['row']} {r['variant']}: {k['ms_per_step']:.3f} ms ({100 * k['share']:.1f}%, "
-                         f"{k['calls_per_step']:.0f}x, {k['kind']}) `{k['name']}`")
+            lines.append(
+                f"- {r['row']} {r['variant']}: {k['ms_per_step']:.3f} ms ({100 * k['share']:.1f}%, "
+                f"{k['calls_per_step']:.0f}x, {k['kind']}) `{k['name']}`"
+            )
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", nargs="+", default=["vit_small:256", "vit_base:256"],
-                        help="model:batch[:variant,...], model one of " + ", ".join(SHAPES))
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        default=["vit_small:256", "vit_base:256"],
+        help="model:batch[:variant,...], model one of " + ", ".join(SHAPES),
+    )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="a 2-block ViT on 32 px images (a check of the path)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a 2-block ViT on 32 px images (a check of the path)"
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile-steps", type=int, default=3)
-    parser.add_argument("--out", default=None, help="folder for vit_profile.json and vit_profile.md")
+    parser.add_argument(
+        "--out", default=None, help="folder for vit_profile.json and vit_profile.md"
+    )
     args = parser.parse_args()
     import torch._dynamo.config as dynamo_config
 
-    if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):  # a hit raises instead of running eager
+    # a hit raises instead of running eager
+    if hasattr(dynamo_config, "fail_on_recompile_limit_hit"):
         dynamo_config.fail_on_recompile_limit_hit = True
     torch.backends.cuda.matmul.allow_tf32 = True
     device = torch.cuda.get_device_name() if args.device == "cuda" else args.device

@@ -4,26 +4,29 @@ from pathlib import Path
 
 import pytest
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per test process (pytest_configure), for every library that
-    os.environ["OMP_NUM_THREADS"] = "1"  # reads it as it loads (OpenMP, OpenBLAS, OpenCV) and for in-process ranks
+# one thread per test process (pytest_configure), for every library that
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # reads it as it loads (OpenMP, OpenBLAS, OpenCV) and for in-process ranks
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import visiondist  # noqa: F401 (first, as in every tool: the test processes' OpenMP waiting chosen as there, see procenv)
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE / "multirank")]  # the helpers; the rank-side modules the multi-rank tests import
+# the helpers; the rank-side modules the multi-rank tests import
+sys.path[:0] = [str(HERE), str(HERE / "multirank")]
 
 from helpers import TINY_DATA  # noqa: E402
 
 
 def pytest_configure(config):
-    """One thread per test process under xdist, as the rank processes the tests start have (OMP_NUM_THREADS=1 in
-    helpers.env): two workers on two cores that each run torch's default thread pool, beside a multi-rank test's
-    ranks, oversubscribe the cores, and torch's OpenMP threads then spin at every barrier: a 5 s model test took
-    over 300 s that way.
+    """One thread per test process under xdist, as the rank processes the tests start have
+    (OMP_NUM_THREADS=1 in helpers.env): two workers on two cores that each run torch's default
+    thread pool, beside a multi-rank test's ranks, oversubscribe the cores, and torch's OpenMP
+    threads then spin at every barrier: a 5 s model test took over 300 s that way.
 
-    The project's modules are compiled to bytecode once, first: the suite starts over a thousand Python processes
-    (launchers, ranks, tools), and where PYTHONDONTWRITEBYTECODE is set (as in many containers) each one compiled
-    visiondist's sources anew, about 1.2 s of CPU a process."""
+    The project's modules are compiled to bytecode once, first: the suite starts over a thousand
+    Python processes (launchers, ranks, tools), and where PYTHONDONTWRITEBYTECODE is set (as in many
+    containers) each one compiled visiondist's sources anew, about 1.2 s of CPU a process."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         import compileall
 
@@ -33,7 +36,8 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
-    if os.environ.get("VISIONDIST_TEST_CPU"):  # each test process adopts what a launcher leaves behind
+    # each test process adopts what a launcher leaves behind
+    if os.environ.get("VISIONDIST_TEST_CPU"):
         import ctypes
 
         ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
@@ -63,19 +67,23 @@ def shapes_coco(tmp_path_factory):
 
     from visiondist.synthetic.shapes_coco import ensure_shapes_coco
 
-    spec = SimpleNamespace(train_images=8, val_images=23, image_size=64, seed=0)  # 23: no even split over 2 or 3
+    # 23: no even split over 2 or 3
+    spec = SimpleNamespace(train_images=8, val_images=23, image_size=64, seed=0)
     return ensure_shapes_coco(tmp_path_factory.mktemp("data") / "shapes_coco", spec)
 
 
 @pytest.fixture(scope="session")
 def single_process(shapes_coco):
-    """The reference: one process's detections of the stand-in detector on `shapes_coco`, scored by pycocotools."""
+    """The reference: one process's detections of the stand-in detector on `shapes_coco`, scored by
+    pycocotools."""
     import coco_ranks  # tests/multirank/, on the path (above)
 
     from visiondist.evaluation.detection import deduplicate, predict, score
 
     data = coco_ranks.val_set(shapes_coco)
-    detections, seen, _ = predict(coco_ranks.StandInDetector(data), coco_ranks.loader(data, 0, 1), "cpu", data.cat_of)
+    detections, seen, _ = predict(
+        coco_ranks.StandInDetector(data), coco_ranks.loader(data, 0, 1), "cpu", data.cat_of
+    )
     dets, count, _ = deduplicate([(detections, seen)], expected=len(data))
     assert count == 23 and len(dets) > 23
     return dets, score(data.ann_file, dets, backend="pycocotools"), data
@@ -83,12 +91,13 @@ def single_process(shapes_coco):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """With VISIONDIST_TEST_CPU=<file>: each test's CPU seconds (its setup and teardown included), of the test process
-    and of every process it started and waited for (launchers, their ranks and loader workers), appended to the
-    file as `cpu wall node id`. Under xdist the wall time of `--durations` counts time a test waits beside another;
-    the CPU is what the suite's time on a machine of few cores is made of. The test process adopts the processes
-    whose parent ended first (a fork server outlives its launcher) and collects them at the test's end, so that their
-    CPU is counted: a measurement mode, not for a run whose results matter."""
+    """With VISIONDIST_TEST_CPU=<file>: each test's CPU seconds (its setup and teardown included),
+    of the test process and of every process it started and waited for (launchers, their ranks and
+    loader workers), appended to the file as `cpu wall node id`. Under xdist the wall time of
+    `--durations` counts time a test waits beside another; the CPU is what the suite's time on a
+    machine of few cores is made of. The test process adopts the processes whose parent ended first
+    (a fork server outlives its launcher) and collects them at the test's end, so that their CPU is
+    counted: a measurement mode, not for a run whose results matter."""
     path = os.environ.get("VISIONDIST_TEST_CPU")
     if not path:
         yield

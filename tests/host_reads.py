@@ -1,6 +1,7 @@
-"""`HostReads`: the operators that read a tensor's values on the host, recorded on the CPU. On a GPU each of them is a
-synchronisation of the host with the device, so a step that must never wait for the GPU can be checked without one
-(the GPU tests check the same steps under CUDA's sync debug mode)."""
+"""`HostReads`: the operators that read a tensor's values on the host, recorded on the CPU. On a GPU
+each of them is a synchronisation of the host with the device, so a step that must never wait for
+the GPU can be checked without one (the GPU tests check the same steps under CUDA's sync debug
+mode)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class HostReads(TorchDispatchMode):
-    """Scalars (.item(), bool(), int()), nonzero and boolean-mask indexing (forward and backward), torch.equal,
-    unique, masked_select, each recorded by name in `seen`, and with the project's innermost line in `where`."""
+    """Scalars (.item(), bool(), int()), nonzero and boolean-mask indexing (forward and backward),
+    torch.equal, unique, masked_select, each recorded by name in `seen`, and with the project's
+    innermost line in `where`."""
 
-    SYNCING = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "_unique2", "unique_dim",
-               "unique_consecutive", "item"}
+    SYNCING = {
+        "_local_scalar_dense",
+        "nonzero",
+        "equal",
+        "is_nonzero",
+        "masked_select",
+        "_unique2",
+        "unique_dim",
+        "unique_consecutive",
+        "item",
+    }
 
     def __init__(self):
         super().__init__()
@@ -25,18 +36,24 @@ class HostReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
         bool_index = name in ("index", "index_put", "index_put_") and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else []) or [])
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool
+            for i in (args[1] if len(args) > 1 else []) or []
+        )
         if name in self.SYNCING or bool_index:
             self.seen.append(name)
-            ours = [f"{f.filename.rsplit('visiondist/', 1)[-1]}:{f.lineno}" for f in traceback.extract_stack()
-                    if "/visiondist/" in f.filename and "/tests/" not in f.filename]
+            ours = [
+                f"{f.filename.rsplit('visiondist/', 1)[-1]}:{f.lineno}"
+                for f in traceback.extract_stack()
+                if "/visiondist/" in f.filename and "/tests/" not in f.filename
+            ]
             self.where.append(f"{name} at {ours[-1] if ours else '?'}")
         return func(*args, **(kwargs or {}))
 
 
 def steps_reading_the_host(cfg, layout, run_dir):
-    """Rank entry (`visiondist.launch.launch`): two training steps, then three more with every host read of a tensor
-    recorded: none may happen. The default logging reads the loss every 10 steps, so the recorded steps read none."""
+    """Rank entry (`visiondist.launch.launch`): two training steps, then three more with every host
+    read of a tensor recorded: none may happen. The default logging reads the loss every 10 steps,
+    so the recorded steps read none."""
     from visiondist.train.build import prepare_rank
     from visiondist.train.run import build_trainer
 

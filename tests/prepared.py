@@ -1,21 +1,24 @@
-"""A prepared interpreter, both ends: the server, `python tests/prepared.py <socket>`, imports what the tools import
-(torch, torchvision, the trainer, the evaluation, Hydra, ...) once, then forks one child per tool run a test asks for,
-which runs the tool's script as `python <script> <args>` would, with the test's command line, environment, working
-directory and output pipe, in its own session; the client (`prepared_for`, `PreparedRun`) is what helpers.start_job
-uses for a `python <script>` or `python -m <module>` run.
+"""A prepared interpreter, both ends: the server, `python tests/prepared.py <socket>`, imports what
+the tools import (torch, torchvision, the trainer, the evaluation, Hydra, ...) once, then forks one
+child per tool run a test asks for, which runs the tool's script as `python <script> <args>` would,
+with the test's command line, environment, working directory and output pipe, in its own session;
+the client (`prepared_for`, `PreparedRun`) is what helpers.start_job uses for a `python <script>` or
+`python -m <module>` run.
 
-Why: a tool run spends about 5 s of CPU importing before it does anything (torch alone ~3 s), and the suite runs
-about 250 of them on 2 cores. A forked run has the same process tree, signals and exit codes as a fresh one
-(tests/multirank/test_prepared.py); what it does not show is a fresh interpreter's imports and start-up. Those are
-shown by the runs that start fresh: the tests whose subject is a process's start (start_job(fresh=True)), runs whose
-environment differs where start-up reads it (`_READ_AT_START`), and every run under `VISIONDIST_TEST_FRESH=1`, which
-CI's torch 2.11 smoke subset sets.
+Why: a tool run spends about 5 s of CPU importing before it does anything (torch alone ~3 s), and
+the suite runs about 250 of them on 2 cores. A forked run has the same process tree, signals and
+exit codes as a fresh one (tests/multirank/test_prepared.py); what it does not show is a fresh
+interpreter's imports and start-up. Those are shown by the runs that start fresh: the tests whose
+subject is a process's start (start_job(fresh=True)), runs whose environment differs where start-up
+reads it (`_READ_AT_START`), and every run under `VISIONDIST_TEST_FRESH=1`, which CI's torch 2.11
+smoke subset sets.
 
 Protocol, one Unix-socket connection per run: the client sends an 8-byte length and a JSON request
-{"argv", "env", "cwd"} with the write end of its output pipe; the server answers the run's pid on a line, and when the
-run has ended, its exit code (negative: the signal that ended it) and its CPU seconds (with the processes it waited
-for: its ranks), on a second line. Each run is its own session, so that a test's timeout can kill its process group.
-The server leaves when its parent (the test process) has gone."""
+{"argv", "env", "cwd"} with the write end of its output pipe; the server answers the run's pid on a
+line, and when the run has ended, its exit code (negative: the signal that ended it) and its CPU
+seconds (with the processes it waited for: its ranks), on a second line. Each run is its own
+session, so that a test's timeout can kill its process group. The server leaves when its parent (the
+test process) has gone."""
 
 from __future__ import annotations
 
@@ -31,14 +34,31 @@ import threading
 import time
 from typing import Optional
 
-# Besides every visiondist module (visiondist first: its process defaults before torch), what the tools import from
-# other libraries when they need them: Hydra's machinery, the DETR-class models, timm, the ONNX exporter.
+# Besides every visiondist module (visiondist first: its process defaults before torch), what the
+# tools import from other libraries when they need them: Hydra's machinery, the DETR-class models,
+# timm, the ONNX exporter.
 LIBRARIES = (
-    "torch", "torchvision", "hydra", "hydra._internal.utils", "omegaconf", "torch.distributed.launcher.api",
-    "torch.distributed.checkpoint", "torch.utils.tensorboard", "safetensors.torch", "matplotlib.figure",
-    "matplotlib.backends.backend_agg", "albumentations", "scipy.optimize", "pycocotools.coco", "timm",
-    "transformers.models.rt_detr_v2.modeling_rt_detr_v2", "transformers.models.d_fine.modeling_d_fine",
-    "onnx", "onnxscript", "onnxruntime", "torch.onnx",
+    "torch",
+    "torchvision",
+    "hydra",
+    "hydra._internal.utils",
+    "omegaconf",
+    "torch.distributed.launcher.api",
+    "torch.distributed.checkpoint",
+    "torch.utils.tensorboard",
+    "safetensors.torch",
+    "matplotlib.figure",
+    "matplotlib.backends.backend_agg",
+    "albumentations",
+    "scipy.optimize",
+    "pycocotools.coco",
+    "timm",
+    "transformers.models.rt_detr_v2.modeling_rt_detr_v2",
+    "transformers.models.d_fine.modeling_d_fine",
+    "onnx",
+    "onnxscript",
+    "onnxruntime",
+    "torch.onnx",
 )
 
 
@@ -51,10 +71,13 @@ def _preload() -> None:
     for name in (*LIBRARIES, *names):
         try:
             importlib.import_module(name)
-        except ImportError:  # an extra this environment does not have: a run that needs it imports it (and fails)
+        # an extra this environment does not have: a run that needs it imports it (and fails)
+        except ImportError:
             pass
     threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
-    assert not threads, f"the prepared interpreter must fork with one thread; started by its imports: {threads}"
+    assert not threads, (
+        f"the prepared interpreter must fork with one thread; started by its imports: {threads}"
+    )
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -69,7 +92,8 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def _run(request: dict, out: int) -> None:
-    """In the forked child: become `python <argv>` (or `python -m <module> ...`) and never return."""
+    """In the forked child: become `python <argv>` (or `python -m <module> ...`) and never
+    return."""
     code = 1
     try:
         os.setsid()
@@ -119,7 +143,8 @@ def _run(request: dict, out: int) -> None:
 
 
 def _finish() -> None:
-    """The interpreter's own ending: non-daemon threads joined, atexit handlers run, streams flushed."""
+    """The interpreter's own ending: non-daemon threads joined, atexit handlers run, streams
+    flushed."""
     import atexit
 
     try:
@@ -173,8 +198,10 @@ def serve(path: str) -> None:
             conn = runs.pop(pid, None)
             if conn is not None:
                 try:
-                    conn.sendall(f"{os.waitstatus_to_exitcode(status)} {usage.ru_utime + usage.ru_stime:.3f}\n"
-                                 .encode())
+                    conn.sendall(
+                        f"{os.waitstatus_to_exitcode(status)} "
+                        f"{usage.ru_utime + usage.ru_stime:.3f}\n".encode()
+                    )
                 except OSError:
                     pass
                 conn.close()
@@ -185,26 +212,55 @@ def serve(path: str) -> None:
             pass
 
 
-# Variables read when torch, OpenMP, Python or a library start: a run whose environment differs from the prepared
-# interpreter's in one of these starts a fresh interpreter (TORCHINDUCTOR_CACHE_DIR: read where it is used).
-_READ_AT_START = ("OMP_", "GOMP_", "KMP_", "MKL_", "TORCH", "PYTORCH", "CUDA", "NCCL", "PYTHON", "LD_", "MALLOC",
-                  "NO_ALBUMENTATIONS", "VISIONDIST_OMP_WAIT", "TRITON", "INDUCTOR", "HF_", "HUGGINGFACE",
-                  "TRANSFORMERS", "TIMM", "XDG_", "HOME", "MPL", "TMPDIR")
+# Variables read when torch, OpenMP, Python or a library start: a run whose environment differs from
+# the prepared interpreter's in one of these starts a fresh interpreter (TORCHINDUCTOR_CACHE_DIR:
+# read where it is used).
+_READ_AT_START = (
+    "OMP_",
+    "GOMP_",
+    "KMP_",
+    "MKL_",
+    "TORCH",
+    "PYTORCH",
+    "CUDA",
+    "NCCL",
+    "PYTHON",
+    "LD_",
+    "MALLOC",
+    "NO_ALBUMENTATIONS",
+    "VISIONDIST_OMP_WAIT",
+    "TRITON",
+    "INDUCTOR",
+    "HF_",
+    "HUGGINGFACE",
+    "TRANSFORMERS",
+    "TIMM",
+    "XDG_",
+    "HOME",
+    "MPL",
+    "TMPDIR",
+)
 _READ_WHEN_USED = ("TORCHINDUCTOR_CACHE_DIR",)
 _server: dict = {}
-PREPARED_CPU = [0.0]  # CPU seconds of the runs forked by this process's prepared interpreter (measurement mode)
+# CPU seconds of the runs forked by this process's prepared interpreter (measurement mode)
+PREPARED_CPU = [0.0]
 
 
 def _at_start(env: dict) -> dict:
-    return {n: v for n, v in env.items() if n.startswith(_READ_AT_START) and n not in _READ_WHEN_USED}
+    return {
+        n: v for n, v in env.items() if n.startswith(_READ_AT_START) and n not in _READ_WHEN_USED
+    }
 
 
 def prepared_for(command: list[str], env: dict, own: dict) -> bool:
-    """Whether a run of `command` (after `python`) with `env` can be forked from the prepared interpreter: a script,
-    or `-m` and a module, with the environment the interpreter started under as far as start-up reads it. The
-    interpreter starts under `own` (the environment of this test process's jobs) on first use, and again where that
-    has changed since (a test that called the launcher in this process)."""
-    if os.environ.get("VISIONDIST_TEST_FRESH") or not (command[0] == "-m" or not command[0].startswith("-")):
+    """Whether a run of `command` (after `python`) with `env` can be forked from the prepared
+    interpreter: a script, or `-m` and a module, with the environment the interpreter started under
+    as far as start-up reads it. The interpreter starts under `own` (the environment of this test
+    process's jobs) on first use, and again where that has changed since (a test that called the
+    launcher in this process)."""
+    if os.environ.get("VISIONDIST_TEST_FRESH") or not (
+        command[0] == "-m" or not command[0].startswith("-")
+    ):
         return False
     wanted = _at_start(env)
     if _server and _server["at_start"] != wanted and wanted == _at_start(own):
@@ -213,19 +269,28 @@ def prepared_for(command: list[str], env: dict, own: dict) -> bool:
 
 
 def _prepared(env: dict) -> dict:
-    """This test process's prepared interpreter, started under `env` on first use; it ends when this process does."""
+    """This test process's prepared interpreter, started under `env` on first use; it ends when this
+    process does."""
     if not _server:
         import atexit
         import tempfile
 
         folder = tempfile.mkdtemp(prefix="vd-prep-")
         path = os.path.join(folder, "s")
-        log = open(os.path.join(folder, "log"), "w+")  # its imports' warnings, not in the test's output
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), path], env=env,
-                                stdout=subprocess.PIPE, stderr=log, text=True)
+        # its imports' warnings, not in the test's output
+        log = open(os.path.join(folder, "log"), "w+")
+        proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), path],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
         line = proc.stdout.readline()
         log.seek(0)
-        assert line.strip() == "ready", f"the prepared interpreter did not start: {line!r}\n{log.read()[-3000:]}"
+        assert line.strip() == "ready", (
+            f"the prepared interpreter did not start: {line!r}\n{log.read()[-3000:]}"
+        )
         atexit.register(_end_prepared, proc, folder)
         _server.update(path=path, at_start=_at_start(env), proc=proc)
     return _server
@@ -240,9 +305,9 @@ def _end_prepared(proc: subprocess.Popen, folder: str) -> None:
 
 
 class PreparedRun:
-    """A tool run forked by the prepared interpreter (after `prepared_for` said it can be), with the part of
-    `subprocess.Popen`'s interface the helpers use: `pid` (also its process group), `args`, `returncode`, `poll`,
-    `wait`, `communicate` (output and errors in one text)."""
+    """A tool run forked by the prepared interpreter (after `prepared_for` said it can be), with the
+    part of `subprocess.Popen`'s interface the helpers use: `pid` (also its process group), `args`,
+    `returncode`, `poll`, `wait`, `communicate` (output and errors in one text)."""
 
     def __init__(self, command: list[str], env: dict, cwd):
         self.args, self.returncode, self._chunks = [sys.executable, *command], None, []

@@ -1,4 +1,5 @@
-"""A running job's processes, found under /proc: what the fault tests kill and then check are gone."""
+"""A running job's processes, found under /proc: what the fault tests kill and then check are
+gone."""
 
 from __future__ import annotations
 
@@ -20,16 +21,26 @@ def _processes() -> list[tuple[int, int, bytes]]:
 
 
 def children(pid: int, marker: bytes) -> list[int]:
-    """Children of `pid` whose command line holds `marker` (e.g. the script, for torchrun's workers)."""
+    """Children of `pid` whose command line holds `marker` (e.g. the script, for torchrun's
+    workers)."""
     return [child for child, parent, cmdline in _processes() if parent == pid and marker in cmdline]
 
 
 def rank_processes(launcher: int) -> list[int]:
-    """The rank processes a self-launching job's process `launcher` started (visiondist.launch.spawn): spawned
-    children (ranks on a GPU), forked children, whose command line is the launcher's (ranks on the CPU with one
-    thread each), or the children of its fork server (ranks on the CPU with more)."""
+    """The rank processes a self-launching job's process `launcher` started
+    (visiondist.launch.spawn): spawned children (ranks on a GPU), forked children, whose command
+    line is the launcher's (ranks on the CPU with one thread each), or the children of its fork
+    server (ranks on the CPU with more)."""
     table = _processes()
     own = next((cmdline for pid, _, cmdline in table if pid == launcher), None)
-    servers = {pid for pid, parent, cmdline in table if parent == launcher and b"multiprocessing.forkserver" in cmdline}
-    return [pid for pid, parent, cmdline in table
-            if (parent == launcher and (b"spawn_main" in cmdline or cmdline == own)) or parent in servers]
+    servers = {
+        pid
+        for pid, parent, cmdline in table
+        if parent == launcher and b"multiprocessing.forkserver" in cmdline
+    }
+    return [
+        pid
+        for pid, parent, cmdline in table
+        if (parent == launcher and (b"spawn_main" in cmdline or cmdline == own))
+        or parent in servers
+    ]

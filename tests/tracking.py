@@ -1,6 +1,6 @@
-"""Test helpers for the experiment trackers: an environment in which W&B and MLflow stay on this machine (W&B offline,
-MLflow's file store, no telemetry), and readers of what they wrote (W&B's offline `.wandb` file, MLflow through its
-client)."""
+"""Test helpers for the experiment trackers: an environment in which W&B and MLflow stay on this
+machine (W&B offline, MLflow's file store, no telemetry), and readers of what they wrote (W&B's
+offline `.wandb` file, MLflow through its client)."""
 
 from __future__ import annotations
 
@@ -12,26 +12,44 @@ from typing import Any
 
 
 def offline_env(home: Path) -> dict[str, str]:
-    """Variables under which neither tracker reaches the network or the user's home: W&B offline, silent, without
-    git, code saving or error reports, its caches under `home`; MLflow without telemetry."""
+    """Variables under which neither tracker reaches the network or the user's home: W&B offline,
+    silent, without git, code saving or error reports, its caches under `home`; MLflow without
+    telemetry."""
     home.mkdir(parents=True, exist_ok=True)
     return {
-        "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true",
-        "WANDB_ERROR_REPORTING": "false", "WANDB_CONFIG_DIR": str(home / "config"),
-        "WANDB_CACHE_DIR": str(home / "cache"), "WANDB_DATA_DIR": str(home / "data"),
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_DISABLE_CODE": "true",
+        "WANDB_ERROR_REPORTING": "false",
+        "WANDB_CONFIG_DIR": str(home / "config"),
+        "WANDB_CACHE_DIR": str(home / "cache"),
+        "WANDB_DATA_DIR": str(home / "data"),
         "WANDB_ARTIFACT_DIR": str(home / "artifacts"),
-        "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "true",
     }
 
 
 # variables of the caller's that would send a test's runs elsewhere
-FOREIGN = ("WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_API_KEY",
-           "WANDB_BASE_URL", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID")
+FOREIGN = (
+    "WANDB_DIR",
+    "WANDB_PROJECT",
+    "WANDB_ENTITY",
+    "WANDB_RUN_ID",
+    "WANDB_RESUME",
+    "WANDB_API_KEY",
+    "WANDB_BASE_URL",
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_EXPERIMENT_NAME",
+    "MLFLOW_RUN_ID",
+)
 
 
 def wandb_records(path: Path) -> list[Any]:
-    """The records of a W&B `.wandb` file (its LevelDB-style log: a 7-byte header, then 32 KiB blocks of chunks, each
-    with a 7-byte header: checksum, length, type full / first / middle / last), as `wandb_internal_pb2.Record`s."""
+    """The records of a W&B `.wandb` file (its LevelDB-style log: a 7-byte header, then 32 KiB
+    blocks of chunks, each with a 7-byte header: checksum, length, type full / first / middle /
+    last), as `wandb_internal_pb2.Record`s."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = Path(path).read_bytes()
@@ -43,13 +61,13 @@ def wandb_records(path: Path) -> list[Any]:
         if left < 7:  # the block's tail is padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0 and length == 0:  # zero padding to the block's end
             pos += left
             continue
         if pos + 7 + length > len(data):  # a record still being written
             break
-        chunk = data[pos + 7:pos + 7 + length]
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
@@ -60,13 +78,23 @@ def wandb_records(path: Path) -> list[Any]:
 
 
 def wandb_run(run_dir: Path) -> dict[str, Any]:
-    """What the offline W&B runs under `<run_dir>/wandb/` hold, all of them in order (a continued run has one per
-    process): {"ids", "names", "projects", "config" (the last), "history" (rows of {key: value}), "images" (the
-    history's image keys and their files), "artifacts" ([(name, type, [file paths])]), "exit_codes"}."""
+    """What the offline W&B runs under `<run_dir>/wandb/` hold, all of them in order (a continued
+    run has one per process): {"ids", "names", "projects", "config" (the last), "history" (rows of
+    {key: value}), "images" (the history's image keys and their files), "artifacts" ([(name, type,
+    [file paths])]), "exit_codes"}."""
     runs = sorted((Path(run_dir) / "wandb").glob("offline-run-*"))
     assert runs, f"no offline W&B run under {run_dir}/wandb"
-    out: dict[str, Any] = {"ids": [], "names": [], "projects": [], "config": {}, "history": [], "images": {},
-                           "artifacts": [], "exit_codes": [], "dirs": runs}
+    out: dict[str, Any] = {
+        "ids": [],
+        "names": [],
+        "projects": [],
+        "config": {},
+        "history": [],
+        "images": {},
+        "artifacts": [],
+        "exit_codes": [],
+        "dirs": runs,
+    }
     for run in runs:
         (file,) = run.glob("run-*.wandb")
         for record in _finished_records(file):
@@ -98,13 +126,17 @@ def wandb_run(run_dir: Path) -> dict[str, Any]:
 
 
 def _finished_records(file: Path, wait_s: float = 60.0) -> list[Any]:
-    """The file's records once its exit record is on disk: W&B's service process writes the offline file, and
-    `run.finish()` returns when the exit is handed to it, a moment before the record is written (seen under load).
-    A run that never ended gives its records as they are after `wait_s`."""
+    """The file's records once its exit record is on disk: W&B's service process writes the offline
+    file, and `run.finish()` returns when the exit is handed to it, a moment before the record is
+    written (seen under load). A run that never ended gives its records as they are after
+    `wait_s`."""
     deadline = time.monotonic() + wait_s
     while True:
         records = wandb_records(file)
-        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+        if (
+            any(r.WhichOneof("record_type") == "exit" for r in records)
+            or time.monotonic() > deadline
+        ):
             return records
         time.sleep(0.1)
 

@@ -3,9 +3,9 @@
     python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/imagenet-shards
     python tools/data.py pack data=shapes out=/tmp/shapes-shards max_side=320 quality=90
 
-`pack` turns the train and val splits of an ImageFolder or COCO tree (data.root; a built-in set is generated first)
-into WebDataset tar shards with an index (docs/data.md); train from them with data.format=shards data.root=<out> (a
-directory, or the URL of a server that serves it).
+`pack` turns the train and val splits of an ImageFolder or COCO tree (data.root; a built-in set is
+generated first) into WebDataset tar shards with an index (docs/data.md); train from them with
+data.format=shards data.root=<out> (a directory, or the URL of a server that serves it).
 """
 
 import sys
@@ -13,26 +13,48 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from visiondist.cli import Command, Tool, config_text, exit_now, load_config, main as cli_main
+from visiondist.cli import Command, Tool, config_text, exit_now, load_config
+from visiondist.cli import main as cli_main
 from visiondist.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TOOL = Tool(
     name="data.py",
-    about=("Prepare data: `pack` writes the train and val splits of the data config's ImageFolder or COCO tree as WebDataset "
-           "tar shards with an index, in parallel, resumable; train from them with data.format=shards."),
-    keys=(("out=<dir>", "where the shards go (required)"),
-          ("shard_mb=<MB>", "source bytes per shard (default: 256, or a 64th of a smaller split: about 64 shards, "
-                            "fewer where a split has few images)"),
-          ("max_side=<px>", "re-encode every image as JPEG with its longer side at most this (default: the files as "
-                            "they are)"),
-          ("quality=<1-100>", "JPEG quality of re-encoded images (default 90)"),
-          ("workers=<N>", "packing processes (default: every CPU this process may use: its affinity and container quota)"),
-          ("overwrite=true", "replace a finished pack in out=")),
-    reads="the data config's ImageFolder or COCO tree (data.root, data.train_split, data.val_split, data.annotations)",
-    writes="<out>/<split>-NNNNNN.tar, <out>/<split>.json, <out>/<split>-index.npz, <out>/dataset.json",
-    examples=("python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/imagenet-shards",
-              "python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/imagenet-320 max_side=320"),
+    about=(
+        "Prepare data: `pack` writes the train and val splits of the data config's ImageFolder or "
+        "COCO tree as WebDataset tar shards with an index, in parallel, resumable; train from "
+        "them with data.format=shards."
+    ),
+    keys=(
+        ("out=<dir>", "where the shards go (required)"),
+        (
+            "shard_mb=<MB>",
+            "source bytes per shard (default: 256, or a 64th of a smaller split: about 64 shards, "
+            "fewer where a split has few images)",
+        ),
+        (
+            "max_side=<px>",
+            "re-encode every image as JPEG with its longer side at most this (default: the files "
+            "as they are)",
+        ),
+        ("quality=<1-100>", "JPEG quality of re-encoded images (default 90)"),
+        (
+            "workers=<N>",
+            "packing processes (default: every CPU this process may use: its affinity and "
+            "container quota)",
+        ),
+        ("overwrite=true", "replace a finished pack in out="),
+    ),
+    reads="the data config's ImageFolder or COCO tree (data.root, data.train_split, "
+    "data.val_split, data.annotations)",
+    writes="<out>/<split>-NNNNNN.tar, <out>/<split>.json, <out>/<split>-index.npz, "
+    "<out>/dataset.json",
+    examples=(
+        "python tools/data.py pack data=imagenet data.root=/data/imagenet "
+        "out=/data/imagenet-shards",
+        "python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/imagenet-320 "
+        "max_side=320",
+    ),
     run_dir=False,
     multirun=False,
     positional=True,
@@ -51,7 +73,8 @@ def _number(cmd: Command, key: str, kind, default):
 
 
 def _with_a_model(overrides: list[str]) -> list[str]:
-    """Packing reads no model, but the config composes one: a detector's for COCO-format data, unless named."""
+    """Packing reads no model, but the config composes one: a detector's for COCO-format data,
+    unless named."""
     if any(o.startswith("model=") for o in overrides):
         return overrides
     data = next((o.split("=", 1)[1] for o in overrides if o.startswith("data=")), None)
@@ -62,35 +85,51 @@ def _with_a_model(overrides: list[str]) -> list[str]:
 
 
 def pack(cmd: Command) -> int:
-    from visiondist.synthetic import prepare_data
     from visiondist.data.shards.pack import PackError, PackOptions, pack_image_folder
+    from visiondist.synthetic import prepare_data
 
     if cmd.paths != ["pack"]:
-        said = f"`{' '.join(cmd.paths)}` is not a command of tools/data.py" if cmd.paths else "tools/data.py needs a command"
-        raise ConfigError(f"{said}: use pack (e.g. python tools/data.py pack data=imagenet data.root=/data/imagenet "
-                          "out=/data/shards)")
+        said = (
+            f"`{' '.join(cmd.paths)}` is not a command of tools/data.py"
+            if cmd.paths
+            else "tools/data.py needs a command"
+        )
+        raise ConfigError(
+            f"{said}: use pack (e.g. python tools/data.py pack data=imagenet "
+            "data.root=/data/imagenet out=/data/shards)"
+        )
     cfg = load_config(CONFIGS, _with_a_model(cmd.overrides) + cmd.search, inputs=None)
     if cmd.show:
         print(config_text(cfg, cmd.package))
         return 0
     d = cfg.data
     if OmegaConf.is_missing(d, "root"):
-        raise ConfigError(f"data.root must be set (??? in the config): add data.root=/path/to/{d.name}")
+        raise ConfigError(
+            f"data.root must be set (??? in the config): add data.root=/path/to/{d.name}"
+        )
     if d.format == "shards":
-        raise ConfigError(f"data.format=shards: pack reads an ImageFolder or COCO tree (leave data.format as data={d.name} "
-                          "sets it)")
+        raise ConfigError(
+            "data.format=shards: pack reads an ImageFolder or COCO tree (leave data.format as "
+            f"data={d.name} sets it)"
+        )
     if "out" not in cmd.args:
         raise ConfigError("out=<dir> is required: where the shards go")
-    options = PackOptions(shard_mb=_number(cmd, "shard_mb", float, None), max_side=_number(cmd, "max_side", int, None),
-                          quality=_number(cmd, "quality", int, 90), workers=_number(cmd, "workers", int, -1),
-                          overwrite=cmd.args.get("overwrite", "false").lower() in ("1", "true", "yes"),
-                          progress=sys.stderr.isatty())
+    options = PackOptions(
+        shard_mb=_number(cmd, "shard_mb", float, None),
+        max_side=_number(cmd, "max_side", int, None),
+        quality=_number(cmd, "quality", int, 90),
+        workers=_number(cmd, "workers", int, -1),
+        overwrite=cmd.args.get("overwrite", "false").lower() in ("1", "true", "yes"),
+        progress=sys.stderr.isatty(),
+    )
     if not 1 <= options.quality <= 100 or (options.shard_mb is not None and options.shard_mb <= 0):
         raise ConfigError("quality= is 1-100 and shard_mb= above 0")
     out = Path(cmd.args["out"]).expanduser()
     if (out / "dataset.json").is_file() and not options.overwrite:  # before any work
-        raise ConfigError(f"{out} already holds a finished pack: add overwrite=true to replace it, or choose another "
-                          "out=")
+        raise ConfigError(
+            f"{out} already holds a finished pack: add overwrite=true to replace it, or choose "
+            "another out="
+        )
     root = Path(d.root).expanduser()
     if d.synthetic is not None and not root.is_dir():
         print(f"generating the built-in {d.name} set in {root} first", flush=True)
@@ -105,16 +144,24 @@ def pack(cmd: Command) -> int:
             from visiondist.data import coco_paths
             from visiondist.data.shards.packed_coco import pack_coco
 
-            meta = pack_coco({s: coco_paths(d, s) for s in (d.train_split, d.val_split)}, out, options, root)
+            meta = pack_coco(
+                {s: coco_paths(d, s) for s in (d.train_split, d.val_split)}, out, options, root
+            )
         else:
             meta = pack_image_folder(root, [d.train_split, d.val_split], out, options)
-    except (PackError, FileNotFoundError, NotADirectoryError) as exc:  # a split or annotation file missing
+    # a split or annotation file missing
+    except (PackError, FileNotFoundError, NotADirectoryError) as exc:
         raise ConfigError(str(exc)) from None
     for split, info in meta["splits"].items():
-        print(f"{split}: {info['samples']} samples in {info['shards']} shard{'' if info['shards'] == 1 else 's'}, "
-              f"{info['bytes'] / 1e6:.1f} MB")
-    print(f"{len(meta['classes'])} {'categories' if d.format == 'coco' else 'classes'}; train from it: python {Path(__file__).parent.name}/train.py "
-          f"data={d.name} data.format=shards data.root={cmd.args['out']}")
+        print(
+            f"{split}: {info['samples']} samples in {info['shards']} "
+            f"shard{'' if info['shards'] == 1 else 's'}, {info['bytes'] / 1e6:.1f} MB"
+        )
+    print(
+        f"{len(meta['classes'])} {'categories' if d.format == 'coco' else 'classes'}; train from "
+        f"it: python {Path(__file__).parent.name}/train.py data={d.name} data.format=shards "
+        f"data.root={cmd.args['out']}"
+    )
     return 0
 
 

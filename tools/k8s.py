@@ -1,15 +1,18 @@
 """Write the Kubernetes manifest of a training job:
 
-    python tools/k8s.py image=registry.example.com/visiondist:1 nodes=2 gpus=8 model=vit_huge parallel=tp4 out=job.yaml
+    python tools/k8s.py image=registry.example.com/visiondist:1 nodes=2 gpus=8 model=vit_huge \
+        parallel=tp4 out=job.yaml
     kubectl apply -f job.yaml
 
-kind=trainjob (default): a Kubeflow Trainer v2 TrainJob on the torch-distributed runtime; kind=pytorchjob: a Training
-Operator PyTorchJob. Each pod runs `python tools/train.py <the overrides>`, which reads its place in the job from the
-operator's variables and starts its node's ranks. The run dir is on the claim `pvc=` (mounted at /runs, named by the
-job), so a restarted pod continues the run; the pods' grace period after SIGTERM is the time for a step and a
-checkpoint (trainer.stop_timeout_s) plus a minute; each pod requests (and is limited to) the CPUs and memory of its
-ranks and loader workers (cpu=, memory=) and a sized /dev/shm. The overrides are checked as tools/train.py checks them.
-tools/k8s/ holds the two manifests of the example above (`visiondist.launch.k8s`).
+kind=trainjob (default): a Kubeflow Trainer v2 TrainJob on the torch-distributed runtime;
+kind=pytorchjob: a Training Operator PyTorchJob. Each pod runs `python tools/train.py <the
+overrides>`, which reads its place in the job from the operator's variables and starts its node's
+ranks. The run dir is on the claim `pvc=` (mounted at /runs, named by the job), so a restarted pod
+continues the run; the pods' grace period after SIGTERM is the time for a step and a checkpoint
+(trainer.stop_timeout_s) plus a minute; each pod requests (and is limited to) the CPUs and memory of
+its ranks and loader workers (cpu=, memory=) and a sized /dev/shm. The overrides are checked as
+tools/train.py checks them. tools/k8s/ holds the two manifests of the example above
+(`visiondist.launch.k8s`).
 """
 
 import re
@@ -19,39 +22,72 @@ from pathlib import Path
 import yaml
 from omegaconf import OmegaConf
 
-from visiondist.cli import Command, Tool, config_text, load_config, main as cli_main
+from visiondist.cli import Command, Tool, config_text, load_config
+from visiondist.cli import main as cli_main
 from visiondist.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TOOL = Tool(
     name="k8s.py",
-    about=("Write a Kubernetes manifest (Kubeflow Trainer TrainJob, or Training Operator PyTorchJob) that trains with "
-           "the given overrides on nodes x gpus, the run dir on a shared volume, the grace period after SIGTERM "
-           "long enough for a step and a checkpoint."),
+    about=(
+        "Write a Kubernetes manifest (Kubeflow Trainer TrainJob, or Training Operator PyTorchJob) "
+        "that trains with the given overrides on nodes x gpus, the run dir on a shared volume, "
+        "the grace period after SIGTERM long enough for a step and a checkpoint."
+    ),
     reads="configs/ as tools/train.py (the overrides are checked; no data is read)",
     writes="the manifest as YAML on standard output, or to out=FILE",
-    examples=("python tools/k8s.py image=registry.example.com/visiondist:1 nodes=2 gpus=8 model=vit_huge parallel=tp4",
-              "python tools/k8s.py kind=pytorchjob image=registry.example.com/visiondist:1 nodes=2 gpus=8 "
-              "model=vit_huge parallel=tp4 out=vit-huge-tp4.yaml"),
-    keys=(("kind=<kind>", "trainjob (Kubeflow Trainer v2, the default) or pytorchjob (Training Operator)"),
-          ("image=<image>", "the container image: visiondist installed, the project at workdir= (required)"),
-          ("nodes=<n>", "pods, one per node (default 2)"),
-          ("gpus=<n>", "GPUs (ranks) per node (default 8)"),
-          ("name=<name>", "the job's name, and its run dir's under /runs (default: from model= and parallel=)"),
-          ("pvc=<claim>", "the PersistentVolumeClaim that holds the run dirs (default visiondist-runs)"),
-          ("data_pvc=<claim>", "a claim with the data, mounted read-only at /data (default: none; required for a "
-                               "data.root under /data)"),
-          ("cpu=<cpus>", "CPUs each pod requests and is limited to (default: one per rank and one per loader worker, "
-                         "data.num_workers, or 7 per rank for -1)"),
-          ("memory=<quantity>", "memory each pod requests and is limited to, e.g. 256Gi (default: 6Gi a rank, 1Gi a "
-                                "loader worker, plus /dev/shm)"),
-          ("image_pull_secret=<name>", "a Secret with the registry's credentials, for a private image"),
-          ("workdir=<dir>", "where the image holds the project (default /workspace/visiondist)"),
-          ("out=<file>", "write the manifest there instead of standard output")),
+    examples=(
+        "python tools/k8s.py image=registry.example.com/visiondist:1 nodes=2 gpus=8 "
+        "model=vit_huge parallel=tp4",
+        "python tools/k8s.py kind=pytorchjob image=registry.example.com/visiondist:1 nodes=2 "
+        "gpus=8 model=vit_huge parallel=tp4 out=vit-huge-tp4.yaml",
+    ),
+    keys=(
+        (
+            "kind=<kind>",
+            "trainjob (Kubeflow Trainer v2, the default) or pytorchjob (Training Operator)",
+        ),
+        (
+            "image=<image>",
+            "the container image: visiondist installed, the project at workdir= (required)",
+        ),
+        ("nodes=<n>", "pods, one per node (default 2)"),
+        ("gpus=<n>", "GPUs (ranks) per node (default 8)"),
+        (
+            "name=<name>",
+            "the job's name, and its run dir's under /runs (default: from model= and parallel=)",
+        ),
+        (
+            "pvc=<claim>",
+            "the PersistentVolumeClaim that holds the run dirs (default visiondist-runs)",
+        ),
+        (
+            "data_pvc=<claim>",
+            "a claim with the data, mounted read-only at /data (default: none; required for a "
+            "data.root under /data)",
+        ),
+        (
+            "cpu=<cpus>",
+            "CPUs each pod requests and is limited to (default: one per rank and one per loader "
+            "worker, data.num_workers, or 7 per rank for -1)",
+        ),
+        (
+            "memory=<quantity>",
+            "memory each pod requests and is limited to, e.g. 256Gi (default: 6Gi a rank, 1Gi a "
+            "loader worker, plus /dev/shm)",
+        ),
+        (
+            "image_pull_secret=<name>",
+            "a Secret with the registry's credentials, for a private image",
+        ),
+        ("workdir=<dir>", "where the image holds the project (default /workspace/visiondist)"),
+        ("out=<file>", "write the manifest there instead of standard output"),
+    ),
     run_dir=False,
     multirun=False,
 )
-DEFAULT_CLASSES = 1000  # data.num_classes when it is unset and there is no data to count (the checkpoint's size)
+# data.num_classes when it is unset and there is no data to count (the checkpoint's size)
+DEFAULT_CLASSES = 1000
 
 
 def _count(cmd: Command, key: str, default: int) -> int:
@@ -62,25 +98,39 @@ def _count(cmd: Command, key: str, default: int) -> int:
 
 
 def _check(cmd: Command, cfg, gpus: int) -> None:
-    """What the pods would only find out at start (and be restarted for, again and again): one line each, here."""
+    """What the pods would only find out at start (and be restarted for, again and again): one line
+    each, here."""
     t, data = cfg.trainer, cfg.data
     given = [o.split("=", 1)[0] for o in cmd.overrides]
     if "trainer.run_dir" in given or "hydra.run.dir" in given:
-        raise ConfigError("the run dir is the job's: /runs/<name> on the claim pvc=; drop trainer.run_dir and choose "
-                          "it with name= (and pvc=)")
+        raise ConfigError(
+            "the run dir is the job's: /runs/<name> on the claim pvc=; drop trainer.run_dir and "
+            "choose it with name= (and pvc=)"
+        )
     if OmegaConf.is_missing(data, "root"):
-        raise ConfigError(f"data={data.name} needs data.root: its path inside the pods (data_pvc=<claim> mounts a "
-                          "claim at /data, e.g. data.root=/data/imagenet)")
+        raise ConfigError(
+            f"data={data.name} needs data.root: its path inside the pods (data_pvc=<claim> mounts "
+            "a claim at /data, e.g. data.root=/data/imagenet)"
+        )
     under_data = str(data.root) == "/data" or str(data.root).startswith("/data/")
     if cmd.args.get("data_pvc") and not under_data:
-        raise ConfigError(f"data_pvc= mounts its claim at /data but data.root={data.root}: use a path under /data")
+        raise ConfigError(
+            f"data_pvc= mounts its claim at /data but data.root={data.root}: use a path under /data"
+        )
     if under_data and not cmd.args.get("data_pvc"):
-        raise ConfigError(f"data.root={data.root} is under /data, where data_pvc=<claim> mounts the data: give "
-                          "data_pvc= (the PersistentVolumeClaim that holds it), or a data.root the image holds")
+        raise ConfigError(
+            f"data.root={data.root} is under /data, where data_pvc=<claim> mounts the data: give "
+            "data_pvc= (the PersistentVolumeClaim that holds it), or a data.root the image holds"
+        )
     if t.accelerator == "cpu":
-        raise ConfigError("trainer.accelerator=cpu: the pods ask for GPUs (gpus=); drop trainer.accelerator")
+        raise ConfigError(
+            "trainer.accelerator=cpu: the pods ask for GPUs (gpus=); drop trainer.accelerator"
+        )
     if t.devices > 0 and t.devices != gpus:
-        raise ConfigError(f"trainer.devices={t.devices} but each pod starts gpus={gpus} ranks: drop trainer.devices")
+        raise ConfigError(
+            f"trainer.devices={t.devices} but each pod starts gpus={gpus} ranks: drop "
+            "trainer.devices"
+        )
     missing = sorted(OmegaConf.missing_keys(cfg) - {"data.num_classes", "model.num_classes"})
     if missing:
         raise ConfigError(f"{', '.join(missing)} must be given (???)")
@@ -89,17 +139,28 @@ def _check(cmd: Command, cfg, gpus: int) -> None:
     for key, what in (("pvc", "claim"), ("data_pvc", "claim"), ("image_pull_secret", "Secret")):
         value = cmd.args.get(key)
         if value and not re.fullmatch(r"[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?", value):
-            raise ConfigError(f"{key}={value} is not a Kubernetes {what} name: lower-case letters, digits, '-' and "
-                              "'.'")
+            raise ConfigError(
+                f"{key}={value} is not a Kubernetes {what} name: lower-case letters, digits, '-' "
+                "and '.'"
+            )
 
 
 def k8s(cmd: Command) -> int:
-    from visiondist.launch.k8s import JobSpec, default_name, grace_for, job_layout, manifest, pod_resources
+    from visiondist.launch.k8s import (
+        JobSpec,
+        default_name,
+        grace_for,
+        job_layout,
+        manifest,
+        pod_resources,
+    )
 
     image = cmd.args.get("image")
     if not image:
-        raise ConfigError("image= is required: the container image with visiondist installed, e.g. "
-                          "image=registry.example.com/visiondist:1")
+        raise ConfigError(
+            "image= is required: the container image with visiondist installed, e.g. "
+            "image=registry.example.com/visiondist:1"
+        )
     nodes, gpus = _count(cmd, "nodes", 2), _count(cmd, "gpus", 8)
     cfg = load_config(CONFIGS, cmd.overrides + cmd.search, inputs=None)
     if cmd.show:
@@ -110,57 +171,92 @@ def k8s(cmd: Command) -> int:
     _check(cmd, cfg, gpus)
     run = job_layout(cfg, nodes, gpus)
     stop = float(cfg.trainer.stop_timeout_s)
-    spec = JobSpec(name=cmd.args.get("name") or default_name(cmd.overrides), image=image, nodes=nodes, gpus=gpus,
-                   overrides=[o for o in cmd.overrides if not o.startswith("trainer.stop_timeout_s=")],
-                   grace_s=int(stop) if stop >= 0 else grace_for(cfg, run),
-                   pvc=cmd.args.get("pvc", "visiondist-runs"), data_pvc=cmd.args.get("data_pvc", ""),
-                   workdir=cmd.args.get("workdir", "/workspace/visiondist"),
-                   resources=pod_resources(cfg, gpus, run.dp, cmd.args.get("cpu", ""), cmd.args.get("memory", "")),
-                   pull_secret=cmd.args.get("image_pull_secret", ""))
-    text = yaml.safe_dump(manifest(cmd.args.get("kind", "trainjob"), spec), sort_keys=False, width=120)
+    spec = JobSpec(
+        name=cmd.args.get("name") or default_name(cmd.overrides),
+        image=image,
+        nodes=nodes,
+        gpus=gpus,
+        overrides=[o for o in cmd.overrides if not o.startswith("trainer.stop_timeout_s=")],
+        grace_s=int(stop) if stop >= 0 else grace_for(cfg, run),
+        pvc=cmd.args.get("pvc", "visiondist-runs"),
+        data_pvc=cmd.args.get("data_pvc", ""),
+        workdir=cmd.args.get("workdir", "/workspace/visiondist"),
+        resources=pod_resources(
+            cfg, gpus, run.dp, cmd.args.get("cpu", ""), cmd.args.get("memory", "")
+        ),
+        pull_secret=cmd.args.get("image_pull_secret", ""),
+    )
+    text = yaml.safe_dump(
+        manifest(cmd.args.get("kind", "trainjob"), spec), sort_keys=False, width=120
+    )
     if cmd.args.get("out"):
         out = Path(cmd.args["out"])
         try:
             out.write_text(text)
         except OSError as exc:
-            raise ConfigError(f"out={out}: cannot write it ({exc.strerror}): give a file in an existing directory") \
-                from None
+            raise ConfigError(
+                f"out={out}: cannot write it ({exc.strerror}): give a file in an existing directory"
+            ) from None
         r = spec.resources
-        print(f"wrote {out}: {spec.nodes} pod{'s' if spec.nodes > 1 else ''} x {spec.gpus} GPUs, {r.cpu} CPUs and {r.memory} memory each "
-              f"({r.workers} loader workers a rank, /dev/shm {r.shm}), run dir {spec.run_dir} on claim {spec.pvc}, "
-              f"{spec.termination_grace_s} s grace after SIGTERM", file=sys.stderr)
+        print(
+            f"wrote {out}: {spec.nodes} pod{'s' if spec.nodes > 1 else ''} x {spec.gpus} GPUs, "
+            f"{r.cpu} CPUs and {r.memory} memory each ({r.workers} loader workers a rank, "
+            f"/dev/shm {r.shm}), run dir {spec.run_dir} on claim {spec.pvc}, "
+            f"{spec.termination_grace_s} s grace after SIGTERM",
+            file=sys.stderr,
+        )
     else:
         print(text, end="")
     if spec.resources.short:
         print(spec.resources.short, file=sys.stderr)
-    print(_on_failure(cmd.args.get("kind", "trainjob"), spec.name, cmd.args.get("out") or "<the manifest>",
-                      int(cfg.trainer.checkpoint_every)), file=sys.stderr)
+    print(
+        _on_failure(
+            cmd.args.get("kind", "trainjob"),
+            spec.name,
+            cmd.args.get("out") or "<the manifest>",
+            int(cfg.trainer.checkpoint_every),
+        ),
+        file=sys.stderr,
+    )
     _say_fit(cfg, run)
     return 0
 
 
 def _on_failure(kind: str, name: str, out: str, every: int) -> str:
     """What happens when a pod of the job fails, in one line; `every`: trainer.checkpoint_every."""
-    kept = (f"its newest checkpoint (one every {every} steps)" if every > 0 else
-            "step 1: the pods checkpoint only when the run ends or is stopped (trainer.checkpoint_every=0), so add "
-            "trainer.checkpoint_every=<steps> to bound what a lost pod costs")
+    kept = (
+        f"its newest checkpoint (one every {every} steps)"
+        if every > 0
+        else "step 1: the pods checkpoint only when the run ends or is stopped "
+        "(trainer.checkpoint_every=0), so add trainer.checkpoint_every=<steps> to bound what "
+        "a lost pod costs"
+    )
     if kind == "pytorchjob":
-        return f"a failed pod restarts (restartPolicy OnFailure, backoffLimit 3) and continues the run from {kept}"
-    return (f"a failed pod fails the TrainJob (the torch-distributed runtime sets no restarts, and a TrainJob cannot): "
-            f"kubectl delete trainjob {name} && kubectl apply -f {out} continues the run from {kept}; "
-            "kind=pytorchjob restarts failed pods by itself")
+        return (
+            "a failed pod restarts (restartPolicy OnFailure, backoffLimit 3) and continues "
+            f"the run from {kept}"
+        )
+    return (
+        "a failed pod fails the TrainJob (the torch-distributed runtime sets no restarts, and a "
+        f"TrainJob cannot): kubectl delete trainjob {name} && kubectl apply -f {out} continues "
+        f"the run from {kept}; kind=pytorchjob restarts failed pods by itself"
+    )
 
 
 def _say_fit(cfg, run) -> None:
-    """On stderr: how the pods will fit the named layout to their GPUs (each does the same at its start), or that only
-    they can check it (no parallel.device_memory_gb here)."""
+    """On stderr: how the pods will fit the named layout to their GPUs (each does the same at its
+    start), or that only they can check it (no parallel.device_memory_gb here)."""
     from visiondist.models.registry import spec_of
 
     if run.fitted:
         print(f"{run.fitted} (each pod decides the same at its start)", file=sys.stderr)
     elif spec_of(cfg.model).planner_shape is not None and not cfg.parallel.device_memory_gb:
-        print("the layout's memory is checked by each pod against its GPUs at start; parallel.device_memory_gb=<GB> "
-              "(the GPUs' memory) checks it here, before the job is submitted", file=sys.stderr)
+        print(
+            "the layout's memory is checked by each pod against its GPUs at start; "
+            "parallel.device_memory_gb=<GB> (the GPUs' memory) checks it here, before the job is "
+            "submitted",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str]) -> int:

@@ -1,20 +1,23 @@
 """Plan the parallel layout of a model without starting anything, and check it:
 
-    python tools/plan.py model=vit_giant trainer.devices=8 parallel.device_memory_gb=80 [parallel.nodes=4] [...]
+    python tools/plan.py model=vit_giant trainer.devices=8 parallel.device_memory_gb=80 \
+        [parallel.nodes=4] [...]
     python tools/plan.py verify=chosen model=vit_22b trainer.devices=8 parallel.nodes=8 ...
 
-Prints, for every layout the trainer can run on trainer.devices x parallel.nodes devices (or parallel.num_devices),
-the per-device GB by component, the estimated step time and whether it fits; then the layout `parallel=auto` would
-choose and the overrides that select it. The model, data (global batch), optimizer, EMA and precision come from the
-same config groups as train.py. Exits 1 when no layout fits (naming the smallest device count that would).
+Prints, for every layout the trainer can run on trainer.devices x parallel.nodes devices (or
+parallel.num_devices), the per-device GB by component, the estimated step time and whether it fits;
+then the layout `parallel=auto` would choose and the overrides that select it. The model, data
+(global batch), optimizer, EMA and precision come from the same config groups as train.py. Exits 1
+when no layout fits (naming the smallest device count that would).
 
-`verify=chosen` (or `verify=all`: every layout that fits) then dry-runs the layout: the first, a middle and the
-last rank of the full world are built by the training code on torch's fake process group, with no memory behind the
-tensors, and step once; their measured bytes are printed beside the plan's. Exits 1 when a rank cannot be built or a
-figure is off the plan (`visiondist.verify.dryrun`). With a layout named by hand (parallel=tp4 ..., not auto), the
-named layout is planned as tools/train.py plans it before any rank starts (`visiondist.plan.fit`): fitted to the
-budget with gradient accumulation or activation checkpointing, or refused (exit 1); `verify=chosen` checks it as it
-would run.
+`verify=chosen` (or `verify=all`: every layout that fits) then dry-runs the layout: the first, a
+middle and the last rank of the full world are built by the training code on torch's fake process
+group, with no memory behind the tensors, and step once; their measured bytes are printed beside the
+plan's. Exits 1 when a rank cannot be built or a figure is off the plan
+(`visiondist.verify.dryrun`). With a layout named by hand (parallel=tp4 ..., not auto), the named
+layout is planned as tools/train.py plans it before any rank starts (`visiondist.plan.fit`): fitted
+to the budget with gradient accumulation or activation checkpointing, or refused (exit 1);
+`verify=chosen` checks it as it would run.
 """
 
 import sys
@@ -22,33 +25,47 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from visiondist.cli import Command, Tool, config_text, exit_now, load_config, main as cli_main
+from visiondist.cli import Command, Tool, config_text, exit_now, load_config
+from visiondist.cli import main as cli_main
 from visiondist.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TOOL = Tool(
     name="plan.py",
-    about=("Plan the parallel layout of a model on N devices without starting anything: for a ViT, per-device memory "
-           "by component, estimated step time and fit for every layout, then what parallel=auto would choose and the "
-           "overrides that select it by hand (a detector runs DDP); a layout named by hand is checked against the "
-           "budget. verify= dry-runs it at full scale. Exits 1 when nothing fits, the named layout does not, or a "
-           "dry-run figure is off the plan."),
-    reads=("configs/ as tools/train.py: model, global batch (data.batch_size), optimizer, EMA, precision; the "
-           "devices from trainer.devices x parallel.nodes (or parallel.num_devices) and parallel.device_memory_gb "
-           "(default: this machine's GPU); no data"),
+    about=(
+        "Plan the parallel layout of a model on N devices without starting anything: for a ViT, "
+        "per-device memory by component, estimated step time and fit for every layout, then what "
+        "parallel=auto would choose and the overrides that select it by hand (a detector runs "
+        "DDP); a layout named by hand is checked against the budget. verify= dry-runs it at full "
+        "scale. Exits 1 when nothing fits, the named layout does not, or a dry-run figure is off "
+        "the plan."
+    ),
+    reads=(
+        "configs/ as tools/train.py: model, global batch (data.batch_size), optimizer, EMA, "
+        "precision; the devices from trainer.devices x parallel.nodes (or parallel.num_devices) "
+        "and parallel.device_memory_gb (default: this machine's GPU); no data"
+    ),
     writes="nothing: prints the table",
-    examples=("python tools/plan.py model=vit_22b data=imagenet trainer.precision=bf16 trainer.devices=8 "
-              "parallel.nodes=8 parallel.device_memory_gb=80",
-              "python tools/plan.py verify=chosen model=vit_22b data=imagenet trainer.precision=bf16 "
-              "trainer.devices=8 parallel.nodes=8 parallel.device_memory_gb=80",
-              "python tools/plan.py verify=chosen model=vit_huge parallel=tp4 parallel.pp=2 trainer.devices=8 "
-              "parallel.nodes=4"),
-    keys=(("verify=chosen|all", "dry-run the chosen layout (or every layout that fits) at full scale on this "
-                                "machine and compare its measured bytes per rank with the plan"),),
+    examples=(
+        "python tools/plan.py model=vit_22b data=imagenet trainer.precision=bf16 trainer.devices=8 "
+        "parallel.nodes=8 parallel.device_memory_gb=80",
+        "python tools/plan.py verify=chosen model=vit_22b data=imagenet trainer.precision=bf16 "
+        "trainer.devices=8 parallel.nodes=8 parallel.device_memory_gb=80",
+        "python tools/plan.py verify=chosen model=vit_huge parallel=tp4 parallel.pp=2 "
+        "trainer.devices=8 parallel.nodes=4",
+    ),
+    keys=(
+        (
+            "verify=chosen|all",
+            "dry-run the chosen layout (or every layout that fits) at full scale on this "
+            "machine and compare its measured bytes per rank with the plan",
+        ),
+    ),
     run_dir=False,
     multirun=False,
 )
-DEFAULT_CLASSES = 1000  # data.num_classes when it is unset and there is no data to count (the head's size)
+# data.num_classes when it is unset and there is no data to count (the head's size)
+DEFAULT_CLASSES = 1000
 
 
 def plan(cmd: Command) -> int:
@@ -60,27 +77,37 @@ def plan(cmd: Command) -> int:
 
     verify = cmd.args.get("verify")
     if verify not in (None, "chosen", "all"):
-        raise ConfigError(f"verify={verify}: use verify=chosen (the chosen layout) or verify=all (every layout that "
-                          "fits)")
+        raise ConfigError(
+            f"verify={verify}: use verify=chosen (the chosen layout) or verify=all (every layout "
+            "that fits)"
+        )
     cfg = load_config(CONFIGS, cmd.overrides + cmd.search, inputs=None)  # a plan reads no data
     if cmd.show:
         print(config_text(cfg, cmd.package))
         return 0
     if OmegaConf.is_missing(cfg.data, "num_classes"):
-        print(f"data.num_classes is unset and there is no data.root to count: planned with {DEFAULT_CLASSES} "
-              "classes (set data.num_classes for another head)", file=sys.stderr)
+        print(
+            "data.num_classes is unset and there is no data.root to count: planned with "
+            f"{DEFAULT_CLASSES} classes (set data.num_classes for another head)",
+            file=sys.stderr,
+        )
         cfg.data.num_classes = cfg.model.num_classes = DEFAULT_CLASSES
     devices, nodes = planning_world(cfg, cuda_device_count())
     t = cfg.trainer
     accelerator = "cuda" if t.accelerator != "cpu" and cuda_device_count() else "cpu"
     memory, source = memory_budget(cfg, accelerator, devices // nodes)
     console = Console(width=max(120, Console().width))
-    named = not cfg.parallel.auto or named_layout(cfg.parallel)  # parallel=tp4, parallel.tp=4 on auto, ...
-    if named:  # what the world cannot run at all is refused before any table, as tools/train.py refuses it
+    # parallel=tp4, parallel.tp=4 on auto, ...
+    named = not cfg.parallel.auto or named_layout(cfg.parallel)
+    # what the world cannot run at all is refused before any table, as tools/train.py refuses it
+    if named:
         resolve_on(cfg, devices, nodes, fit_named=False)
     if spec_of(cfg.model).planner_shape is None:  # a detector: DDP on every device
-        console.print(f"{cfg.model.name} is a detector: parallel=auto runs it data parallel on all {devices} devices "
-                      "(the memory planner lays out ViT classifiers)", soft_wrap=True)
+        console.print(
+            f"{cfg.model.name} is a detector: parallel=auto runs it data parallel on all "
+            f"{devices} devices (the memory planner lays out ViT classifiers)",
+            soft_wrap=True,
+        )
         console.print(f"planned for: {inputs_line(cfg)}", soft_wrap=True)
         ddp = None if named else ({"dp": devices}, None)
         return 0 if verify is None or dry_run(cfg, devices, nodes, "DDP", ddp, console) else 1
@@ -88,38 +115,54 @@ def plan(cmd: Command) -> int:
         result = plan_for(cfg, devices, nodes, memory, accelerator)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    on = f"{devices} {'GPU' if accelerator == 'cuda' else 'device'}s ({nodes} node{'s' if nodes > 1 else ''} of " \
-         f"{devices // nodes}), {memory:.3g} GB each ({source})"
-    console.print(result.table(f"{cfg.model.name} ({result.layer_state / 1e9:.3g} GB of training state per block): "
-                               + on))
+    on = (
+        f"{devices} {'GPU' if accelerator == 'cuda' else 'device'}s ({nodes} "
+        f"node{'s' if nodes > 1 else ''} of {devices // nodes}), {memory:.3g} GB each ({source})"
+    )
+    console.print(
+        result.table(
+            f"{cfg.model.name} ({result.layer_state / 1e9:.3g} GB of training state per block): "
+            + on
+        )
+    )
     console.print(f"planned for: {inputs_line(cfg)}", soft_wrap=True)
     host, host_source = host_budget(cfg)
-    console.print(f"host memory for offloaded state: {host:.4g} GB per node ({host_source})", soft_wrap=True)
+    console.print(
+        f"host memory for offloaded state: {host:.4g} GB per node ({host_source})", soft_wrap=True
+    )
     if result.choice is None:
         console.print(f"[bold red]nothing fits[/bold red]: {result.reason}")
         return 1
     c = result.choice.candidate
-    console.print(f"parallel=auto would choose [bold]{c.name}[/bold]: {result.reason}", soft_wrap=True)
+    console.print(
+        f"parallel=auto would choose [bold]{c.name}[/bold]: {result.reason}", soft_wrap=True
+    )
     console.print(f"the same layout by hand: {c.settings()}", soft_wrap=True)
     if named and not _named_fits(cfg, devices, nodes, memory, console):
         return 1
     if verify is None:
         return 0
     if verify == "all":
-        layouts = [(r.candidate.name, (r.candidate.overrides(), r.candidate.accum)) for r in result.rows if r.fits]
+        layouts = [
+            (r.candidate.name, (r.candidate.overrides(), r.candidate.accum))
+            for r in result.rows
+            if r.fits
+        ]
     elif not named:
         layouts = [(c.name, (c.overrides(), c.accum))]
     else:
         layouts = [("the named layout", None)]
-    checked = [dry_run(cfg, devices, nodes, name, o, console, memory) for name, o in layouts]  # each, failed or not
+    # each, failed or not
+    checked = [dry_run(cfg, devices, nodes, name, o, console, memory) for name, o in layouts]
     if len(checked) > 1:
         console.print(f"{sum(checked)} of {len(checked)} layouts within the plan's bounds")
     return 0 if all(checked) else 1
 
 
 def _named_fits(cfg, devices: int, nodes: int, memory: float, console) -> bool:
-    """Print what the named layout plans and how it runs against the budget (tools/train.py decides the same before
-    any rank starts); False where it cannot run (refused, nothing fits) or runs over the budget (parallel.fit=off)."""
+    """Print what the named layout plans and how it runs against the budget (tools/train.py decides
+    the same before any rank starts); False where it cannot run (refused, nothing fits) or runs over
+    the budget (parallel.fit=off)."""
     from visiondist.plan import resolve_on
     from visiondist.plan.fit import devices_text
     from visiondist.plan.resolve import layout_memory
@@ -135,33 +178,44 @@ def _named_fits(cfg, devices: int, nodes: int, memory: float, console) -> bool:
         console.print(f"it runs as [bold]{where}[/bold]", soft_wrap=True)
         return not run.fitted.startswith("parallel.fit=off")
     need = layout_memory(cfg, run).device
-    console.print(f"you named [bold]{where}[/bold]: {need / 1e9:.3g} GB per device, within the "
-                  f"{cfg.parallel.headroom * memory:.3g} GB budget"
-                  + ("" if cfg.parallel.device_memory_gb or cfg.trainer.accelerator != "cpu" else
-                     " (on the CPU a named layout is checked only against parallel.device_memory_gb)"),
-                  soft_wrap=True)
+    console.print(
+        f"you named [bold]{where}[/bold]: {need / 1e9:.3g} GB per device, within the "
+        f"{cfg.parallel.headroom * memory:.3g} GB budget"
+        + (
+            ""
+            if cfg.parallel.device_memory_gb or cfg.trainer.accelerator != "cpu"
+            else " (on the CPU a named layout is checked only against parallel.device_memory_gb)"
+        ),
+        soft_wrap=True,
+    )
     return True
 
 
 def inputs_line(cfg) -> str:
-    """What drives the choice besides the model: the data set and its image size, the global batch, the
-    precision, the optimizer."""
+    """What drives the choice besides the model: the data set and its image size, the global batch,
+    the precision, the optimizer."""
     t = cfg.trainer
-    batch = f"global batch {cfg.data.batch_size}" + (f" x {t.grad_accum} accumulation" if t.grad_accum > 1 else "")
-    return (f"data={cfg.data.name} ({cfg.model.img_size} px images), {batch}, trainer.precision={t.precision}, "
-            f"optim={cfg.optim.name}" + (", EMA" if t.ema_decay > 0 else ""))
+    batch = f"global batch {cfg.data.batch_size}" + (
+        f" x {t.grad_accum} accumulation" if t.grad_accum > 1 else ""
+    )
+    return (
+        f"data={cfg.data.name} ({cfg.model.img_size} px images), {batch}, "
+        f"trainer.precision={t.precision}, optim={cfg.optim.name}"
+        + (", EMA" if t.ema_decay > 0 else "")
+    )
 
 
 def dry_run(cfg, devices: int, nodes: int, name: str, chosen, console, memory: float = 0.0) -> bool:
-    """Dry-run one layout (`chosen`: its parallel.* overrides and accumulation, or None: the named layout); print its
-    table and verdict; True when every figure is within the plan's bounds."""
+    """Dry-run one layout (`chosen`: its parallel.* overrides and accumulation, or None: the named
+    layout); print its table and verdict; True when every figure is within the plan's bounds."""
     import time
 
-    from visiondist.verify.dryrun import DryRunError, chosen_ranks, dry_run as run_ranks
-    from visiondist.verify.report import TOLERANCE, report_table
     from visiondist.models.registry import spec_of
     from visiondist.plan import resolve_on
     from visiondist.plan.fit import devices_text
+    from visiondist.verify.dryrun import DryRunError, chosen_ranks
+    from visiondist.verify.dryrun import dry_run as run_ranks
+    from visiondist.verify.report import TOLERANCE, report_table
 
     start = time.perf_counter()
     overrides = None
@@ -172,13 +226,18 @@ def dry_run(cfg, devices: int, nodes: int, name: str, chosen, console, memory: f
     run = resolve_on(cfg, devices, nodes, overrides)
     ranks = chosen_ranks(run)
     where = run.describe(on=devices_text(run, memory)) if memory else run.describe()
-    console.print(f"\n[bold]dry run[/bold] of {name} ({where}): ranks {', '.join(map(str, ranks))} built "
-                  "on a fake process group on this machine's CPU, one step each", soft_wrap=True)
+    console.print(
+        f"\n[bold]dry run[/bold] of {name} ({where}): ranks {', '.join(map(str, ranks))} built "
+        "on a fake process group on this machine's CPU, one step each",
+        soft_wrap=True,
+    )
     try:
         shape = spec_of(cfg.model).planner_shape
         reports = run_ranks(cfg, shape(cfg.model) if shape is not None else None, run, ranks)
     except DryRunError as exc:
-        console.print(f"[bold red]the training code cannot run this layout[/bold red]: {exc}", soft_wrap=True)
+        console.print(
+            f"[bold red]the training code cannot run this layout[/bold red]: {exc}", soft_wrap=True
+        )
         return False
     console.print(report_table(reports))
     if spec_of(cfg.model).planner_shape is not None:
@@ -187,8 +246,11 @@ def dry_run(cfg, devices: int, nodes: int, name: str, chosen, console, memory: f
     seconds = time.perf_counter() - start
     if off:
         listed = ", ".join(f"rank {rank} {figure}" for rank, figure in off)
-        console.print(f"[bold red]{len(off)} figure(s) off the plan[/bold red] (exact for state, within "
-                      f"{100 * TOLERANCE:.0f}% otherwise): {listed} ({seconds:.1f} s)", soft_wrap=True)
+        console.print(
+            f"[bold red]{len(off)} figure(s) off the plan[/bold red] (exact for state, within "
+            f"{100 * TOLERANCE:.0f}% otherwise): {listed} ({seconds:.1f} s)",
+            soft_wrap=True,
+        )
         return False
     console.print(f"every figure within the plan's bounds ({seconds:.1f} s)")
     return True
@@ -201,11 +263,20 @@ def _peak_note(cfg, run) -> str:
 
     mem = layout_memory(as_run(cfg, run), run)
     flight = mem.detail["in_flight"]
-    held = (f"{flight} micro-batches of {mem.detail['micro_batch']} images in flight ({run.schedule} on pp={run.pp})"
-            if flight > 1 else f"one micro-batch of {mem.detail['micro_batch']} images")
-    extra = ", plus one block's full set while it recomputes" if run.activation_checkpointing else ""
-    return (f"activations above: what one micro-batch leaves saved on the rank; the plan's activations at the peak "
-            f"of its busiest rank (the table's column): {held}{extra}, {mem.activations / 1e9:.4g} GB")
+    held = (
+        f"{flight} micro-batches of {mem.detail['micro_batch']} images in flight ({run.schedule} "
+        f"on pp={run.pp})"
+        if flight > 1
+        else f"one micro-batch of {mem.detail['micro_batch']} images"
+    )
+    extra = (
+        ", plus one block's full set while it recomputes" if run.activation_checkpointing else ""
+    )
+    return (
+        "activations above: what one micro-batch leaves saved on the rank; the plan's "
+        f"activations at the peak of its busiest rank (the table's column): {held}{extra}, "
+        f"{mem.activations / 1e9:.4g} GB"
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -1,5 +1,5 @@
-"""Train a model: `python tools/train.py [flags] [group=option ...] [group.key=value ...]` (see configs/train.yaml
-and `--help`).
+"""Train a model: `python tools/train.py [flags] [group=option ...] [group.key=value ...]` (see
+configs/train.yaml and `--help`).
 
 Runs its own ranks (parallel.dp / tp / pp, or all GPUs), or joins a torchrun job; -m runs a sweep.
 """
@@ -14,17 +14,21 @@ TOOL = Tool()  # the defaults are this tool's
 
 
 def run(cfg) -> int:
-    from visiondist.train.run import train  # heavy imports only once the config is known to be good
     from visiondist.launch import launch
     from visiondist.runs import completed_step
+    from visiondist.train.run import train  # heavy imports only once the config is known to be good
 
     step = completed_step(cfg)
     if step is not None:  # e.g. a requeued cluster job: nothing to do, nothing rewritten
-        print(f"{cfg.trainer.run_dir} is complete at step {step}: nothing to do (to train longer, raise "
-              "trainer.max_steps or trainer.max_epochs)", flush=True)
+        print(
+            f"{cfg.trainer.run_dir} is complete at step {step}: nothing to do (to train longer, "
+            "raise trainer.max_steps or trainer.max_epochs)",
+            flush=True,
+        )
         return 0
 
-    launch(train, cfg)  # a stop signal: `launch.JobStopped`, whose line says what was kept (visiondist.cli prints it)
+    # a stop signal: `launch.JobStopped`, whose line says what was kept (visiondist.cli prints it)
+    launch(train, cfg)
     return 0
 
 

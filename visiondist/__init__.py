@@ -2,4 +2,5 @@
 
 from visiondist.utils.procenv import set_process_defaults
 
-set_process_defaults()  # before torch (OpenMP) and albumentations are imported here or in a process started from here
+# before torch (OpenMP) and albumentations are imported here or in a process started from here
+set_process_defaults()

@@ -1,30 +1,37 @@
-"""The PyTorch releases visiondist runs on (2.11 through 2.15) differ in a few APIs; this module is the one place
-that knows, by feature detection (never a version string), and the rest of the code calls it.
+"""The PyTorch releases visiondist runs on (2.11 through 2.15) differ in a few APIs; this module is
+the one place that knows, by feature detection (never a version string), and the rest of the code
+calls it.
 
-- `set_pg_timeout`: `torch.distributed.set_timeout` (newer) or `distributed_c10d._set_pg_timeout` (2.11).
-- `all_gather_into` / `reduce_scatter_into`: `all_gather_single` / `reduce_scatter_single` (newer) or
-  `all_gather_into_tensor` / `reduce_scatter_tensor` (2.11); the same argument order.
-- `split_mesh`: a 1-D `DeviceMesh` unflattened into named dims (`DeviceMesh._unflatten`, private in every supported
-  release: checked by name).
-- `PIPELINE_STAGE_OVERRIDES`: the private `PipelineStage` methods the timed stage wraps, with the parameters it
-  passes; `check_pipeline_stage` (and a test) fails loudly when a release changes them.
-- `quiet_pytree`: silences the warnings newer torch logs when a library (torchao, imported directly or by transformers,
-  at import or later) registers an Enum with pytree (2.14+ handles Enums natively), and the invalid-escape
-  SyntaxWarning (a DeprecationWarning before Python 3.12) that compiling torchao's own sources prints where no
-  bytecode is cached: nothing a user can act on. Only those, only from torchao's files.
-- `flight_recorder_env`: the name of the flight recorder's buffer-size variable: `TORCH_FR_BUFFER_SIZE` where this
-  torch reads it (it warns that the old `TORCH_NCCL_TRACE_BUFFER_SIZE` is deprecated), else the old one.
-- `agent_signals`: the elastic agent leaves SIGTERM / SIGINT to the launching process (`visiondist.launch.stop`):
-  `LaunchConfig.signals_to_handle` where it exists, which sets the environment variable every supported release's
-  process context reads, `TORCHELASTIC_SIGNALS_TO_HANDLE`.
-- `quick_rendezvous_names`: the elastic rendezvous names every event it records by its caller, found with
-  `inspect.stack()` twice an event, even where nothing records events (the default): each call reads the source of
-  every frame and looks its module up among all those loaded. With torchvision and the tools' libraries imported
-  that is 0.1-0.3 s an event, over a second of every launch of several ranks; the frame itself gives the same name.
+- `set_pg_timeout`: `torch.distributed.set_timeout` (newer) or `distributed_c10d._set_pg_timeout`
+  (2.11).
+- `all_gather_into` / `reduce_scatter_into`: `all_gather_single` / `reduce_scatter_single` (newer)
+  or `all_gather_into_tensor` / `reduce_scatter_tensor` (2.11); the same argument order.
+- `split_mesh`: a 1-D `DeviceMesh` unflattened into named dims (`DeviceMesh._unflatten`, private in
+  every supported release: checked by name).
+- `PIPELINE_STAGE_OVERRIDES`: the private `PipelineStage` methods the timed stage wraps, with the
+  parameters it passes; `check_pipeline_stage` (and a test) fails loudly when a release changes
+  them.
+- `quiet_pytree`: silences the warnings newer torch logs when a library (torchao, imported directly
+  or by transformers, at import or later) registers an Enum with pytree (2.14+ handles Enums
+  natively), and the invalid-escape SyntaxWarning (a DeprecationWarning before Python 3.12) that
+  compiling torchao's own sources prints where no bytecode is cached: nothing a user can act on.
+  Only those, only from torchao's files.
+- `flight_recorder_env`: the name of the flight recorder's buffer-size variable:
+  `TORCH_FR_BUFFER_SIZE` where this torch reads it (it warns that the old
+  `TORCH_NCCL_TRACE_BUFFER_SIZE` is deprecated), else the old one.
+- `agent_signals`: the elastic agent leaves SIGTERM / SIGINT to the launching process
+  (`visiondist.launch.stop`): `LaunchConfig.signals_to_handle` where it exists, which sets the
+  environment variable every supported release's process context reads,
+  `TORCHELASTIC_SIGNALS_TO_HANDLE`.
+- `quick_rendezvous_names`: the elastic rendezvous names every event it records by its caller, found
+  with `inspect.stack()` twice an event, even where nothing records events (the default): each call
+  reads the source of every frame and looks its module up among all those loaded. With torchvision
+  and the tools' libraries imported that is 0.1-0.3 s an event, over a second of every launch of
+  several ranks; the frame itself gives the same name.
 
-One difference is met where it is read instead: torch 2.15's DCP records each tensor's strides in a checkpoint's
-metadata, which 2.11-2.14 cannot unpickle; `visiondist.utils.dcp.metadata_class` takes them (`visiondist.utils` sits
-in the lowest layer beside this module, and may not import it).
+One difference is met where it is read instead: torch 2.15's DCP records each tensor's strides in a
+checkpoint's metadata, which 2.11-2.14 cannot unpickle; `visiondist.utils.dcp.metadata_class` takes
+them (`visiondist.utils` sits in the lowest layer beside this module, and may not import it).
 """
 
 from __future__ import annotations
@@ -40,20 +47,27 @@ SUPPORTED = "torch 2.11 through 2.15"
 
 
 def quiet_pytree() -> None:
-    """torch's pytree logger at ERROR in this process, from now on, and torchao's invalid escape sequences unwarned
-    (see the module docstring); call it before importing torchao or what imports it."""
+    """torch's pytree logger at ERROR in this process, from now on, and torchao's invalid escape
+    sequences unwarned (see the module docstring); call it before importing torchao or what imports
+    it."""
     import logging
     import warnings
 
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    for category in (SyntaxWarning, DeprecationWarning):  # a compile-time warning's module is its file's path
-        warnings.filterwarnings("ignore", message="invalid escape sequence", category=category,
-                                module=r".*[/\\]torchao[/\\]")
+    # a compile-time warning's module is its file's path
+    for category in (SyntaxWarning, DeprecationWarning):
+        warnings.filterwarnings(
+            "ignore",
+            message="invalid escape sequence",
+            category=category,
+            module=r".*[/\\]torchao[/\\]",
+        )
 
 
 def flight_recorder_env() -> str:
-    """`TORCH_FR_BUFFER_SIZE` where this torch reads it, else `TORCH_NCCL_TRACE_BUFFER_SIZE` (torch's C++ reads
-    them, so the check is on the sources torch ships: its headers, else its library)."""
+    """`TORCH_FR_BUFFER_SIZE` where this torch reads it, else `TORCH_NCCL_TRACE_BUFFER_SIZE`
+    (torch's C++ reads them, so the check is on the sources torch ships: its headers, else its
+    library)."""
     import mmap
     from pathlib import Path
 
@@ -92,15 +106,19 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 
 
 def split_mesh(mesh, sizes: tuple[int, ...], names: tuple[str, ...]):
-    """`mesh` (1-D) as a mesh of `sizes` with dims `names`, over the same ranks in the same order."""
+    """`mesh` (1-D) as a mesh of `sizes` with dims `names`, over the same ranks in the same
+    order."""
     unflatten = getattr(mesh, "_unflatten", None)
     if unflatten is None:
-        raise RuntimeError(f"torch {torch.__version__}: DeviceMesh._unflatten is gone; HSDP (parallel.shard_size) "
-                           f"needs it ({SUPPORTED} have it): use parallel.shard_size=0")
+        raise RuntimeError(
+            f"torch {torch.__version__}: DeviceMesh._unflatten is gone; HSDP (parallel.shard_size) "
+            f"needs it ({SUPPORTED} have it): use parallel.shard_size=0"
+        )
     return unflatten(0, sizes, names)
 
 
-# PipelineStage methods the timed stage overrides -> the parameters it passes on (private API: checked)
+# PipelineStage methods the timed stage overrides -> the parameters it passes on (private API:
+# checked)
 PIPELINE_STAGE_OVERRIDES = {
     "get_fwd_send_ops": ("fwd_chunk_id",),
     "get_bwd_send_ops": ("bwd_chunk_id",),
@@ -111,25 +129,32 @@ PIPELINE_STAGE_OVERRIDES = {
 
 
 def check_pipeline_stage() -> None:
-    """Raise if this torch's `PipelineStage` lacks a method the timed stage overrides or one of its parameters."""
+    """Raise if this torch's `PipelineStage` lacks a method the timed stage overrides or one of its
+    parameters."""
     from torch.distributed.pipelining import PipelineStage
 
     for name, params in PIPELINE_STAGE_OVERRIDES.items():
         method = getattr(PipelineStage, name, None)
         if method is None:
-            raise RuntimeError(f"torch {torch.__version__}: PipelineStage.{name} is gone; visiondist supports "
-                               f"{SUPPORTED}")
+            raise RuntimeError(
+                f"torch {torch.__version__}: PipelineStage.{name} is gone; visiondist supports "
+                f"{SUPPORTED}"
+            )
         missing = set(params) - set(inspect.signature(method).parameters)
         if missing:
-            raise RuntimeError(f"torch {torch.__version__}: PipelineStage.{name} lacks {sorted(missing)}; "
-                               f"visiondist supports {SUPPORTED}")
+            raise RuntimeError(
+                f"torch {torch.__version__}: PipelineStage.{name} lacks {sorted(missing)}; "
+                f"visiondist supports {SUPPORTED}"
+            )
 
 
-AGENT_SIGNALS = "SIGHUP,SIGQUIT"  # what torch's elastic agent still turns into "kill the ranks" itself
+# what torch's elastic agent still turns into "kill the ranks" itself
+AGENT_SIGNALS = "SIGHUP,SIGQUIT"
 
 
 def agent_signals(config_fields: set[str]) -> dict[str, str]:
-    """LaunchConfig's keyword for the agent's signals, or {} after setting the environment variable it would set."""
+    """LaunchConfig's keyword for the agent's signals, or {} after setting the environment variable
+    it would set."""
     import os
 
     if "signals_to_handle" in config_fields:
@@ -139,16 +164,17 @@ def agent_signals(config_fields: set[str]) -> dict[str, str]:
 
 
 def agent_reads_signal_list() -> bool:
-    """Whether this torch's elastic process context takes its signals from TORCHELASTIC_SIGNALS_TO_HANDLE."""
+    """Whether this torch's elastic process context takes its signals from
+    TORCHELASTIC_SIGNALS_TO_HANDLE."""
     from torch.distributed.elastic.multiprocessing import api
 
     return "TORCHELASTIC_SIGNALS_TO_HANDLE" in inspect.getsource(api)
 
 
 def quick_rendezvous_names() -> bool:
-    """The rendezvous' `get_method_name(depth)` from the frame `depth` levels up (`sys._getframe`), the name
-    `inspect.stack()[depth].function` gives, without reading any source (module docstring). False where this torch
-    has no such function (nothing to do)."""
+    """The rendezvous' `get_method_name(depth)` from the frame `depth` levels up (`sys._getframe`),
+    the name `inspect.stack()[depth].function` gives, without reading any source (module docstring).
+    False where this torch has no such function (nothing to do)."""
     import sys
 
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous

@@ -1,16 +1,17 @@
-"""Continuing a run: `trainer.run_dir=<run>` (with `trainer.resume=auto`, the default) continues that run with the
-config it was started with, not the defaults.
+"""Continuing a run: `trainer.run_dir=<run>` (with `trainer.resume=auto`, the default) continues
+that run with the config it was started with, not the defaults.
 
-- The run's `config.yaml` is the base; the command line's overrides go on top (the printed continue command
-  `trainer.resume=auto trainer.run_dir=<run>` changes nothing else). A group switch (`parallel=tp2`) replaces that
-  group; a recipe (`experiment=`, `tuned=`) applies what it sets. Changing the model, the data or the global batch of
-  a run is refused unless `trainer.allow_changes=true`.
-- What the command leaves unset (`???`) is not asked: a value the run inferred (`data.num_classes` from the class
-  folders) stays. Running the command that started a run again, after a crash, a stop or its end, continues it or
-  says it is complete.
+- The run's `config.yaml` is the base; the command line's overrides go on top (the printed continue
+  command `trainer.resume=auto trainer.run_dir=<run>` changes nothing else). A group switch
+  (`parallel=tp2`) replaces that group; a recipe (`experiment=`, `tuned=`) applies what it sets.
+  Changing the model, the data or the global batch of a run is refused unless
+  `trainer.allow_changes=true`.
+- What the command leaves unset (`???`) is not asked: a value the run inferred (`data.num_classes`
+  from the class folders) stays. Running the command that started a run again, after a crash, a stop
+  or its end, continues it or says it is complete.
 - `config.yaml` is never rewritten; each continuation appends what it changed to `attempts.jsonl`.
-- A run whose newest checkpoint is its last step and which has its summary is complete: running its command again
-  says so and changes nothing.
+- A run whose newest checkpoint is its last step and which has its summary is complete: running its
+  command again says so and changes nothing.
 """
 
 from __future__ import annotations
@@ -24,9 +25,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from visiondist.config import ConfigError
 
-# what a continued run may not change without trainer.allow_changes=true: the model, the data, the global batch
-FIXED = ("model.", "data.name", "data.root", "data.format", "data.num_classes", "data.img_size", "data.train_split",
-         "data.batch_size")
+# what a continued run may not change without trainer.allow_changes=true: the model, the data, the
+# global batch
+FIXED = (
+    "model.",
+    "data.name",
+    "data.root",
+    "data.format",
+    "data.num_classes",
+    "data.img_size",
+    "data.train_split",
+    "data.batch_size",
+)
 ATTEMPTS = "attempts.jsonl"
 PER_PROCESS = ("trainer.stop_at_step", "trainer.run_dir", "trainer.resume", "trainer.allow_changes")
 
@@ -40,8 +50,8 @@ def saved_config(cfg: DictConfig) -> Optional[DictConfig]:
 
 
 def continue_config(fresh: DictConfig, saved: DictConfig, overrides: list[str]) -> DictConfig:
-    """The run's own config with the command line's choices on top (read from `fresh`, the command line composed on
-    the defaults, so that their values are typed and resolved as usual)."""
+    """The run's own config with the command line's choices on top (read from `fresh`, the command
+    line composed on the defaults, so that their values are typed and resolved as usual)."""
     from visiondist.config import TrainConfig
     from visiondist.config.compose import flatten
 
@@ -53,10 +63,12 @@ def continue_config(fresh: DictConfig, saved: DictConfig, overrides: list[str]) 
         if "=" not in override or key.startswith("hydra"):
             continue
         if "." not in key:  # a group switch: model=..., parallel=tp2
-            if key in ("experiment", "tuned"):  # a recipe: group switches and keys, whatever it sets
+            # a recipe: group switches and keys, whatever it sets
+            if key in ("experiment", "tuned"):
                 asked = flatten(OmegaConf.to_container(fresh, resolve=True))
                 for changed in changed_keys(saved, fresh):
-                    if asked.get(changed, "???") != "???":  # unset: the run's value stays (`_keep_inferred`)
+                    # unset: the run's value stays (`_keep_inferred`)
+                    if asked.get(changed, "???") != "???":
                         OmegaConf.update(cfg, changed, asked[changed], merge=False)
             else:
                 cfg[key] = fresh[key]
@@ -70,21 +82,27 @@ def continue_config(fresh: DictConfig, saved: DictConfig, overrides: list[str]) 
         was, asked = OmegaConf.select(saved, first), OmegaConf.select(cfg, first)
         more = f" (and {len(fixed) - 1} more)" if len(fixed) > 1 else ""
         raise ConfigError(
-            f"trainer.run_dir={cfg.trainer.run_dir} was trained with {first}={was}, this command asks {first}={asked}"
-            f"{more}: drop the override to continue the run as it was, start a new run dir, or add "
-            "trainer.allow_changes=true")
+            f"trainer.run_dir={cfg.trainer.run_dir} was trained with {first}={was}, this command "
+            f"asks {first}={asked}{more}: drop the override to continue the run as it was, start "
+            "a new run dir, or add trainer.allow_changes=true"
+        )
     return cfg  # type: ignore[return-value]
 
 
 def _keep_inferred(cfg: DictConfig, saved: DictConfig) -> None:
-    """Every key `cfg` leaves unset (`???`) takes the run's value: the command did not ask for one, the run inferred
-    it (`data.num_classes` from the class folders; the model's follows by interpolation)."""
+    """Every key `cfg` leaves unset (`???`) takes the run's value: the command did not ask for one,
+    the run inferred it (`data.num_classes` from the class folders; the model's follows by
+    interpolation)."""
     from visiondist.config.compose import flatten
 
     for key, value in flatten(OmegaConf.to_container(saved, resolve=True)).items():
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(cfg, parent) if parent else cfg
-        if isinstance(node, DictConfig) and leaf in node.keys() and OmegaConf.is_missing(node, leaf):
+        if (
+            isinstance(node, DictConfig)
+            and leaf in node.keys()
+            and OmegaConf.is_missing(node, leaf)
+        ):
             OmegaConf.update(cfg, key, value, merge=False)
 
 
@@ -98,8 +116,9 @@ def changed_keys(a: DictConfig, b: DictConfig) -> list[str]:
 
 
 def record_attempt(run_dir: Path, saved: DictConfig, cfg: DictConfig, run=None) -> None:
-    """Append this continuation's changes to `<run>/attempts.jsonl` (config.yaml and layout.json keep the first
-    attempt's), and the layout it runs under when that differs from layout.json's (checkpoints reshard)."""
+    """Append this continuation's changes to `<run>/attempts.jsonl` (config.yaml and layout.json
+    keep the first attempt's), and the layout it runs under when that differs from layout.json's
+    (checkpoints reshard)."""
     from visiondist.config.layout import RunLayout
 
     changes = {k: OmegaConf.select(cfg, k) for k in changed_keys(saved, cfg)}
@@ -120,7 +139,11 @@ def completed_step(cfg: DictConfig) -> Optional[int]:
         return None
     run_dir = Path(cfg.trainer.run_dir).expanduser()
     newest = latest_checkpoint(run_dir)
-    if newest is None or not (run_dir / "summary.json").is_file() or not (run_dir / "model.safetensors").is_file():
+    if (
+        newest is None
+        or not (run_dir / "summary.json").is_file()
+        or not (run_dir / "model.safetensors").is_file()
+    ):
         return None
     state = read_trainer_state(newest)
     step, total = int(state["step"]), state.get("total_steps")
@@ -130,10 +153,13 @@ def completed_step(cfg: DictConfig) -> Optional[int]:
 
 
 def _last_length(run_dir: Path) -> dict[str, Any]:
-    """trainer.max_steps and trainer.max_epochs as the run's last attempt had them: config.yaml's, with what that
-    continuation changed (a run trained on with a longer length is complete at that length)."""
+    """trainer.max_steps and trainer.max_epochs as the run's last attempt had them: config.yaml's,
+    with what that continuation changed (a run trained on with a longer length is complete at that
+    length)."""
     from visiondist.observe.console import latest_length
 
     saved = OmegaConf.load(run_dir / "config.yaml")
-    return {**{k: OmegaConf.select(saved, k) for k in ("trainer.max_steps", "trainer.max_epochs")},
-            **latest_length(run_dir)}
+    return {
+        **{k: OmegaConf.select(saved, k) for k in ("trainer.max_steps", "trainer.max_epochs")},
+        **latest_length(run_dir),
+    }

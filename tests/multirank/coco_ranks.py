@@ -1,6 +1,7 @@
-"""Rank-side code of the COCO evaluation tests: a stand-in detector whose predictions depend only on the image, so
-any split of the val set over ranks must give the same detections and the same stats. The ranks run on the test
-device (`devices`): the images reach the stand-in there, its answers come back from there."""
+"""Rank-side code of the COCO evaluation tests: a stand-in detector whose predictions depend only on
+the image, so any split of the val set over ranks must give the same detections and the same stats.
+The ranks run on the test device (`devices`): the images reach the stand-in there, its answers come
+back from there."""
 
 from __future__ import annotations
 
@@ -11,26 +12,27 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from devices import init_test_rank
 from torch import nn
 from torch.utils.data import DataLoader
 
-from devices import init_test_rank
 from visiondist.data.coco import CocoDetection, collate_detection
 from visiondist.data.sampler import EvalBatchSampler
 
 
 def _key(image: torch.Tensor) -> str:
-    """The image's pixels as the dataset yields them (uint8; the detector sees float in [0, 1], rounded back here:
-    exact on any device, whichever way it divided by 255)."""
+    """The image's pixels as the dataset yields them (uint8; the detector sees float in [0, 1],
+    rounded back here: exact on any device, whichever way it divided by 255)."""
     if image.dtype != torch.uint8:
         image = image.mul(255).round().to(torch.uint8)
     return hashlib.sha1(image.cpu().numpy().tobytes()).hexdigest()
 
 
 def fake_predictions(target: dict, num_classes: int) -> dict:
-    """Ground truth jittered, some missed, some with the wrong class, plus false positives; seeded by image id. With
-    the target's masks, also mask probabilities: each kept object's mask shifted by a pixel or two (probability 0.9
-    inside, 0.2 at the rim), a false positive's its box filled at 0.7."""
+    """Ground truth jittered, some missed, some with the wrong class, plus false positives; seeded
+    by image id. With the target's masks, also mask probabilities: each kept object's mask shifted
+    by a pixel or two (probability 0.9 inside, 0.2 at the rim), a false positive's its box filled at
+    0.7."""
     rng = np.random.default_rng(int(target["image_id"]))
     boxes, labels, scores = [], [], []
     gt_masks = target["masks"].numpy() if "masks" in target else None
@@ -44,7 +46,9 @@ def fake_predictions(target: dict, num_classes: int) -> dict:
         labels.append(label if rng.random() < 0.9 else rng.integers(1, num_classes + 1))
         scores.append(rng.uniform(0.3, 1.0))
         if gt_masks is not None:
-            shifted = np.roll(gt_masks[k], tuple(rng.integers(-2, 3, 2)), axis=(0, 1)).astype(np.float32)
+            shifted = np.roll(gt_masks[k], tuple(rng.integers(-2, 3, 2)), axis=(0, 1)).astype(
+                np.float32
+            )
             rim = np.roll(shifted, 1, axis=0) != shifted
             masks.append(np.where(rim, 0.2, 0.9 * shifted))
     for _ in range(rng.integers(0, 4)):
@@ -84,18 +88,25 @@ class StandInDetector(nn.Module):
 
 
 def val_set(root: str, masks: bool = False) -> CocoDetection:
-    return CocoDetection(Path(root) / "val", Path(root) / "annotations" / "instances_val.json", train=False,
-                         masks=masks)
+    return CocoDetection(
+        Path(root) / "val",
+        Path(root) / "annotations" / "instances_val.json",
+        train=False,
+        masks=masks,
+    )
 
 
 def loader(dataset: CocoDetection, dp_rank: int, dp: int, batch: int = 3) -> DataLoader:
-    return DataLoader(dataset, batch_sampler=EvalBatchSampler(len(dataset), batch, dp_rank, dp),
-                      collate_fn=collate_detection)
+    return DataLoader(
+        dataset,
+        batch_sampler=EvalBatchSampler(len(dataset), batch, dp_rank, dp),
+        collate_fn=collate_detection,
+    )
 
 
 def run(root: str, out_dir: str, claimed_images: int = 0, masks: bool = False) -> dict:
-    """Entry of every rank: evaluate the stand-in over a dp=world mesh; rank 0 writes detections.json (and, with
-    `masks`, segmentations.json)."""
+    """Entry of every rank: evaluate the stand-in over a dp=world mesh; rank 0 writes
+    detections.json (and, with `masks`, segmentations.json)."""
     from visiondist.evaluation.detection import evaluate_detection
     from visiondist.parallel import build_layout
 
@@ -106,10 +117,20 @@ def run(root: str, out_dir: str, claimed_images: int = 0, masks: bool = False) -
         data = val_set(root, masks)
         results = Path(out_dir) / "detections.json" if layout.rank == 0 else None
         try:
-            stats = evaluate_detection(StandInDetector(data), loader(data, layout.dp_rank, world), layout,
-                                       data.ann_file, data.cat_of, claimed_images or len(data), results_path=results)
+            stats = evaluate_detection(
+                StandInDetector(data),
+                loader(data, layout.dp_rank, world),
+                layout,
+                data.ann_file,
+                data.cat_of,
+                claimed_images or len(data),
+                results_path=results,
+            )
         except RuntimeError as exc:  # reported back, so the test sees what every rank raised
             return {"error": str(exc)}
-        return {"stats": stats, "shard": len(loader(data, layout.dp_rank, world).batch_sampler.indices)}
+        return {
+            "stats": stats,
+            "shard": len(loader(data, layout.dp_rank, world).batch_sampler.indices),
+        }
     finally:
         dist.destroy_process_group()

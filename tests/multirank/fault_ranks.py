@@ -25,7 +25,8 @@ def raise_on_one_rank(failing: int, pid_dir: str) -> None:
 
 @record
 def skip_a_collective(timeout_s: float) -> None:
-    """After a first all-reduce the timeout drops to `timeout_s`; rank 1 then never joins the next one."""
+    """After a first all-reduce the timeout drops to `timeout_s`; rank 1 then never joins the next
+    one."""
     dist.init_process_group("gloo")
     x = torch.ones(1)
     dist.all_reduce(x)
@@ -39,9 +40,9 @@ def skip_a_collective(timeout_s: float) -> None:
 def nonfinite_on_one_rank(overrides: list[str], bad_rank: int, bad_step: int) -> dict:
     """The real Trainer on 2 DP ranks; `bad_rank`'s loss is NaN at optimizer step `bad_step`."""
     from visiondist.config import compose
+    from visiondist.plan import rank_layout
     from visiondist.train.build import prepare_rank
     from visiondist.train.run import build_trainer, run_trainer
-    from visiondist.plan import rank_layout
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -64,7 +65,10 @@ def nonfinite_on_one_rank(overrides: list[str], bad_rank: int, bad_step: int) ->
         task.loss = poisoned
         summary = run_trainer(trainer)
         parts = trainer.parts
-        return {"summary": summary, "params": {n: p.detach().clone() for n, p in parts.model.module.named_parameters()},
-                "adam_steps": sorted({float(s["step"]) for s in parts.optimizer.state.values()})}
+        return {
+            "summary": summary,
+            "params": {n: p.detach().clone() for n, p in parts.model.module.named_parameters()},
+            "adam_steps": sorted({float(s["step"]) for s in parts.optimizer.state.values()}),
+        }
     finally:
         dist.destroy_process_group()

@@ -1,24 +1,32 @@
-"""`python tests/multirank/fault_train.py [train.py arguments]`: tools/train.py with one fault injected into the real code path
-(VISIONDIST_TOOL=eval / export: tools/eval.py / tools/export.py instead).
+"""`python tests/multirank/fault_train.py [train.py arguments]`: tools/train.py with one fault
+injected into the real code path (VISIONDIST_TOOL=eval / export: tools/eval.py / tools/export.py
+instead).
 
-The fault is named by the environment variable VISIONDIST_FAULT, `<kind>[:<n>]`. The patches are applied when this
-module is imported: in the launching process, in the ranks the elastic launcher spawns (which import the main module
-again as `__mp_main__`) and in their loader workers (forked from the ranks). Nothing else differs from a user's run.
+The fault is named by the environment variable VISIONDIST_FAULT, `<kind>[:<n>]`. The patches are
+applied when this module is imported: in the launching process, in the ranks the elastic launcher
+spawns (which import the main module again as `__mp_main__`) and in their loader workers (forked
+from the ranks). Nothing else differs from a user's run.
 
-| kind | what happens |
-| --- | --- |
-| `getitem_raise:n` | a training sample's `__getitem__` raises once a worker has served `n` samples (0: the first batch) |
-| `getitem_hang:n` | ... sleeps forever instead (a hung file system) |
-| `worker_kill:n` | ... the worker SIGKILLs itself (what the OOM killer does) |
-| `eval_raise` | the evaluation raises |
-| `save_fail:n` | the n-th checkpoint write (1-based) raises an OSError after writing part of its files |
-| `rank_hang:n` | rank 1 stops at optimizer step n and never joins the next collective |
-| `rank_kill:n` | rank 1 SIGKILLs itself at optimizer step n (as the OOM killer does), touching VISIONDIST_SLOW_MARK.<pid> |
-| `cuda_oom:n` | rank 1 raises the CUDA caching allocator's out-of-memory error (its message) at optimizer step n |
-| `slow_step:n` | optimizer step n takes VISIONDIST_SLOW_S seconds longer (default 40) on every rank |
-| `slow_eval` | an evaluation takes VISIONDIST_SLOW_S seconds longer on every rank (each touches VISIONDIST_SLOW_MARK.<pid>) |
-| `slow_export` | an export takes VISIONDIST_SLOW_S seconds longer (touching VISIONDIST_SLOW_MARK.<pid>) |
-| `predict_kill:n` | tools/predict.py: once rank 0 has written its n-th batch, the whole job is SIGKILLed |
+The kinds, and what happens:
+- `getitem_raise:n`: a training sample's `__getitem__` raises once a worker has served `n` samples
+  (0: the first batch);
+- `getitem_hang:n`: ... sleeps forever instead (a hung file system);
+- `worker_kill:n`: ... the worker SIGKILLs itself (what the OOM killer does);
+- `eval_raise`: the evaluation raises;
+- `save_fail:n`: the n-th checkpoint write (1-based) raises an OSError after writing part of its
+  files;
+- `rank_hang:n`: rank 1 stops at optimizer step n and never joins the next collective;
+- `rank_kill:n`: rank 1 SIGKILLs itself at optimizer step n (as the OOM killer does), touching
+  VISIONDIST_SLOW_MARK.<pid>;
+- `cuda_oom:n`: rank 1 raises the CUDA caching allocator's out-of-memory error (its message) at
+  optimizer step n;
+- `slow_step:n`: optimizer step n takes VISIONDIST_SLOW_S seconds longer (default 40) on every rank;
+- `slow_eval`: an evaluation takes VISIONDIST_SLOW_S seconds longer on every rank (each touches
+  VISIONDIST_SLOW_MARK.<pid>);
+- `slow_export`: an export takes VISIONDIST_SLOW_S seconds longer (touching
+  VISIONDIST_SLOW_MARK.<pid>);
+- `predict_kill:n`: tools/predict.py: once rank 0 has written its n-th batch, the whole job is
+  SIGKILLed.
 """
 
 import importlib.util
@@ -127,14 +135,17 @@ def _patch_cuda_oom() -> None:
     from visiondist.utils.heartbeat import PROGRESS
 
     def train_step(self, batches):
-        if dist.get_rank() == 1 and self.state.step + 1 == N:  # what the allocator raises, word for word (torch 2.11)
+        # what the allocator raises, word for word (torch 2.11)
+        if dist.get_rank() == 1 and self.state.step + 1 == N:
             PROGRESS.at("training", self.state.step + 1)
             raise torch.cuda.OutOfMemoryError(
-                "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 79.19 GiB of which "
-                "1.06 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use. Of the "
-                "allocated memory 75.31 GiB is allocated by PyTorch, and 1.33 GiB is reserved by PyTorch but "
-                "unallocated. If reserved but unallocated memory is large try setting "
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+                "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of "
+                "79.19 GiB of which 1.06 GiB is free. Including non-PyTorch memory, this process "
+                "has 78.12 GiB memory in use. Of the allocated memory 75.31 GiB is allocated by "
+                "PyTorch, and 1.33 GiB is reserved by PyTorch but unallocated. If reserved but "
+                "unallocated memory is large try setting "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+            )
         return original(self, batches)
 
     OptimizerStep.train_step = train_step
@@ -158,7 +169,8 @@ def _slowly(original):
     seconds = float(os.environ.get("VISIONDIST_SLOW_S", "40"))
 
     def slow(*args, **kwargs):
-        mark = os.environ.get("VISIONDIST_SLOW_MARK")  # a file per process that reached the slow part
+        # a file per process that reached the slow part
+        mark = os.environ.get("VISIONDIST_SLOW_MARK")
         if mark:
             Path(f"{mark}.{os.getpid()}").touch()
         time.sleep(seconds)
@@ -195,17 +207,28 @@ def _patch_predict_kill() -> None:
     PartWriter.write = write
 
 
-PATCHES = {"getitem_raise": _patch_getitem, "getitem_hang": _patch_getitem, "worker_kill": _patch_getitem,
-           "eval_raise": _patch_eval, "save_fail": _patch_save, "rank_hang": _patch_rank_hang,
-           "rank_kill": _patch_rank_kill, "cuda_oom": _patch_cuda_oom,
-           "slow_step": _patch_slow_step, "slow_eval": _patch_slow_eval, "slow_export": _patch_slow_export,
-           "predict_kill": _patch_predict_kill}
+PATCHES = {
+    "getitem_raise": _patch_getitem,
+    "getitem_hang": _patch_getitem,
+    "worker_kill": _patch_getitem,
+    "eval_raise": _patch_eval,
+    "save_fail": _patch_save,
+    "rank_hang": _patch_rank_hang,
+    "rank_kill": _patch_rank_kill,
+    "cuda_oom": _patch_cuda_oom,
+    "slow_step": _patch_slow_step,
+    "slow_eval": _patch_slow_eval,
+    "slow_export": _patch_slow_export,
+    "predict_kill": _patch_predict_kill,
+}
 if KIND:
     PATCHES[KIND]()
 
 if __name__ == "__main__":
     tool_name = os.environ.get("VISIONDIST_TOOL", "train")
-    spec = importlib.util.spec_from_file_location(f"{tool_name}_tool", REPO / "tools" / f"{tool_name}.py")
+    spec = importlib.util.spec_from_file_location(
+        f"{tool_name}_tool", REPO / "tools" / f"{tool_name}.py"
+    )
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     sys.exit(tool.main(sys.argv[1:]))

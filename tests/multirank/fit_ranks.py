@@ -1,8 +1,9 @@
-"""Rank-side code of tests/multirank/test_fit.py (run by `helpers.spawn_ranks`): each case is a `tools/train.py`
-command line, resolved by every rank as under torchrun (`visiondist.plan.resolve`: the named layout fitted to the
-device alike on each rank), the rank's config given the fitted accumulation as the launcher gives it
-(`visiondist.plan.fit.as_run`), then trained by the real Trainer; the runs one after another in one process group
-(a launch costs seconds, a run of the tiny model about one)."""
+"""Rank-side code of tests/multirank/test_fit.py (run by `helpers.spawn_ranks`): each case is a
+`tools/train.py` command line, resolved by every rank as under torchrun (`visiondist.plan.resolve`:
+the named layout fitted to the device alike on each rank), the rank's config given the fitted
+accumulation as the launcher gives it (`visiondist.plan.fit.as_run`), then trained by the real
+Trainer; the runs one after another in one process group (a launch costs seconds, a run of the tiny
+model about one)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ def _fit(overrides: list[str], device: torch.device) -> dict:
     run, _ = resolve(cfg, dict(os.environ))
     cfg = as_run(cfg, run)
     OmegaConf.set_readonly(cfg, True)
-    layout = build_layout(run.dp, run.tp, run.pp, device, int(os.environ.get("LOCAL_RANK", 0)), run=run)
+    layout = build_layout(
+        run.dp, run.tp, run.pp, device, int(os.environ.get("LOCAL_RANK", 0)), run=run
+    )
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     prepare_rank(cfg, layout, run_dir)  # logging into run_dir/train.log

@@ -1,5 +1,6 @@
-"""Rank-side code of the fp16 tests (run by `helpers.spawn_ranks`): the real Trainer, several runs one after another in
-one process group (a launch costs seconds, a run of the tiny model about one)."""
+"""Rank-side code of the fp16 tests (run by `helpers.spawn_ranks`): the real Trainer, several runs
+one after another in one process group (a launch costs seconds, a run of the tiny model about
+one)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _fit(overrides: list[str], overflow_at: int = 0, nan_at: int = 0) -> dict:
-    """One run of `tools/train.py overrides` on this process group. With `overflow_at`, TP rank 1 (only) finds an
-    inf in the gradient of the final norm's weight, a parameter every TP rank holds whole, at that optimizer step:
-    its own gradient norm is inf, TP rank 0's is finite. With `nan_at`, TP rank 1's loss is NaN at that step."""
+    """One run of `tools/train.py overrides` on this process group. With `overflow_at`, TP rank 1
+    (only) finds an inf in the gradient of the final norm's weight, a parameter every TP rank holds
+    whole, at that optimizer step: its own gradient norm is inf, TP rank 0's is finite. With
+    `nan_at`, TP rank 1's loss is NaN at that step."""
     from visiondist.config import compose
-    from visiondist.train.build import prepare_rank
-    from visiondist.train.run import build_trainer, run_trainer
     from visiondist.parallel import unwrap
     from visiondist.plan import rank_layout
+    from visiondist.train.build import prepare_rank
+    from visiondist.train.run import build_trainer, run_trainer
 
     cfg = compose(CONFIGS, overrides)
     layout = rank_layout(cfg)
@@ -44,16 +46,24 @@ def _fit(overrides: list[str], overflow_at: int = 0, nan_at: int = 0) -> dict:
 
         def poisoned(*args, **kwargs):
             value = loss(*args, **kwargs)
-            return value * float("nan") if layout.tp_rank == 1 and state.step + 1 == nan_at else value
+            return (
+                value * float("nan") if layout.tp_rank == 1 and state.step + 1 == nan_at else value
+            )
 
         parts.task.loss = poisoned
     summary = run_trainer(trainer)
     model = unwrap(parts.model)
-    return {"summary": summary, "tp_rank": layout.tp_rank,
-            "replicated": {n: p.detach().clone() for n, p in model.named_parameters()
-                           if getattr(p, "tp_shard_dim", None) is None},
-            "adam_steps": sorted({float(s["step"]) for s in parts.optimizer.state.values()}),
-            "scaler": None if parts.scaler is None else parts.scaler.state_dict()}
+    return {
+        "summary": summary,
+        "tp_rank": layout.tp_rank,
+        "replicated": {
+            n: p.detach().clone()
+            for n, p in model.named_parameters()
+            if getattr(p, "tp_shard_dim", None) is None
+        },
+        "adam_steps": sorted({float(s["step"]) for s in parts.optimizer.state.values()}),
+        "scaler": None if parts.scaler is None else parts.scaler.state_dict(),
+    }
 
 
 @record

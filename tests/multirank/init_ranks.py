@@ -1,6 +1,6 @@
-"""Rank-side code of the initialisation tests: a model built on the meta device, laid out, and only this rank's
-tensors drawn (`visiondist.train.build.build_laid_out`), gathered back to full tensors; and the host memory a
-rank's start-up takes."""
+"""Rank-side code of the initialisation tests: a model built on the meta device, laid out, and only
+this rank's tensors drawn (`visiondist.train.build.build_laid_out`), gathered back to full tensors;
+and the host memory a rank's start-up takes."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import resource
 
 import torch
 import torch.distributed as dist
+from helpers import REPO
 from torch.distributed.tensor import DTensor
 
-from helpers import REPO
 from visiondist.cli import load_config
-from visiondist.train.build import build_laid_out, seed_everything
 from visiondist.parallel import unwrap
-from visiondist.plan import rank_layout
 from visiondist.parallel.tensor import SHARD_DIM
+from visiondist.plan import rank_layout
+from visiondist.train.build import build_laid_out, seed_everything
 
 
 def _layout(cfg):
@@ -23,8 +23,8 @@ def _layout(cfg):
 
 
 def _full(model, layout) -> dict[str, torch.Tensor]:
-    """Every parameter of the model as one process holds it, on every rank: TP shards and FSDP shards gathered,
-    pipeline stages merged."""
+    """Every parameter of the model as one process holds it, on every rank: TP shards and FSDP
+    shards gathered, pipeline stages merged."""
     mine = {}
     for name, param in unwrap(model).named_parameters():
         if isinstance(param, DTensor):
@@ -42,8 +42,8 @@ def _full(model, layout) -> dict[str, torch.Tensor]:
 
 
 def laid_out_weights(cases: list[list[str]]) -> list[dict]:
-    """For each case (config overrides naming a layout), the full initial weights its ranks drew, and whether every
-    drop-path buffer holds its rate again."""
+    """For each case (config overrides naming a layout), the full initial weights its ranks drew,
+    and whether every drop-path buffer holds its rate again."""
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:
@@ -53,10 +53,19 @@ def laid_out_weights(cases: list[list[str]]) -> list[dict]:
             layout = _layout(cfg)
             seed_everything(cfg.trainer.seed)
             model = build_laid_out(cfg, layout)
-            buffers_ok = all(torch.equal(m.keep_prob, torch.tensor(1.0 - m.p)) for m in unwrap(model).modules()
-                             if hasattr(m, "keep_prob"))
-            out.append({"overrides": overrides, "state": _full(model, layout), "buffers_ok": buffers_ok,
-                        "rng": torch.get_rng_state()})
+            buffers_ok = all(
+                torch.equal(m.keep_prob, torch.tensor(1.0 - m.p))
+                for m in unwrap(model).modules()
+                if hasattr(m, "keep_prob")
+            )
+            out.append(
+                {
+                    "overrides": overrides,
+                    "state": _full(model, layout),
+                    "buffers_ok": buffers_ok,
+                    "rng": torch.get_rng_state(),
+                }
+            )
         return out
     finally:
         dist.destroy_process_group()
@@ -68,8 +77,8 @@ def _rss() -> int:
 
 
 def start_memory(overrides: list[str]) -> dict:
-    """Host memory this rank's model build took (peak resident set above what the process held before it), and the
-    bytes of the tensors it keeps."""
+    """Host memory this rank's model build took (peak resident set above what the process held
+    before it), and the bytes of the tensors it keeps."""
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     try:

@@ -1,14 +1,13 @@
-"""Bad input stops the real CLI before any rank starts: exit code 2, one `error:` line that names the fix, no
-traceback, no run directory. Then the fixes that keep going instead: position embeddings resampled for fine-tuning,
-a sweep that runs past a failed job, weights files with the usual mode, a progress bar while evaluating."""
+"""Bad input stops the real CLI before any rank starts: exit code 2, one `error:` line that names
+the fix, no traceback, no run directory. Then the fixes that keep going instead: position embeddings
+resampled for fine-tuning, a sweep that runs past a failed job, weights files with the usual mode, a
+progress bar while evaluating."""
 
 import json
 import time
 
 import pytest
-
 from helpers import REPO, run_cli
-
 
 CONFIGS = REPO / "configs"
 
@@ -50,8 +49,11 @@ def _refused(args, out, expected, script=REPO / "tools" / "train.py"):
 
 
 def test_a_mandatory_value_is_asked_for(tmp_path):
-    _refused(["data=imagenet"], tmp_path / "out",
-             "data.root must be set (??? in the config): add data.root=/path/to/imagenet")
+    _refused(
+        ["data=imagenet"],
+        tmp_path / "out",
+        "data.root must be set (??? in the config): add data.root=/path/to/imagenet",
+    )
 
 
 def test_a_mandatory_value_of_any_sweep_job_is_asked_for_before_the_first_job(tmp_path):
@@ -59,11 +61,14 @@ def test_a_mandatory_value_of_any_sweep_job_is_asked_for_before_the_first_job(tm
     assert line.startswith("error: job 1 (data=imagenet ")
 
 
-@pytest.mark.parametrize("layout,expected", [
-    ("missing", "no such directory: set data.root to the imagenet dataset's directory"),
-    ("empty", "is empty: set data.root to the imagenet dataset's directory"),
-    ("no_val", "has no val split"),
-])
+@pytest.mark.parametrize(
+    "layout,expected",
+    [
+        ("missing", "no such directory: set data.root to the imagenet dataset's directory"),
+        ("empty", "is empty: set data.root to the imagenet dataset's directory"),
+        ("no_val", "has no val split"),
+    ],
+)
 def test_b_a_data_root_without_the_data(tmp_path, layout, expected):
     root = tmp_path / "imagenet"
     if layout == "empty":
@@ -75,22 +80,30 @@ def test_b_a_data_root_without_the_data(tmp_path, layout, expected):
 
 def test_c_num_classes_must_match_the_class_folders(tmp_path):
     root = _imagefolder(tmp_path / "imagenet", 7)
-    _refused(["data=imagenet", f"data.root={root}", "data.num_classes=10"], tmp_path / "out",
-             f"data.num_classes=10 but {root / 'train'} has 7 class folders: set data.num_classes=7")
+    _refused(
+        ["data=imagenet", f"data.root={root}", "data.num_classes=10"],
+        tmp_path / "out",
+        f"data.num_classes=10 but {root / 'train'} has 7 class folders: set data.num_classes=7",
+    )
 
 
 def test_c_num_classes_must_match_the_coco_categories(tmp_path):
     root = _coco(tmp_path / "coco", 6)
-    _refused(["model=fasterrcnn_mobilenet_v3", "data=coco", f"data.root={root}", "data.num_classes=80"],
-             tmp_path / "out", "has 6 categories: set data.num_classes=6")  # unset, it would be inferred: 6
+    _refused(
+        ["model=fasterrcnn_mobilenet_v3", "data=coco", f"data.root={root}", "data.num_classes=80"],
+        # unset, it would be inferred: 6
+        tmp_path / "out",
+        "has 6 categories: set data.num_classes=6",
+    )
 
 
 @pytest.fixture(scope="module")
 def detector6(tmp_path_factory):
     """The weights of a 6-class detector (shapes_coco's classes), as a training run leaves them."""
+    from safetensors.torch import save_file
+
     from visiondist.cli import load_config
     from visiondist.models import build_model
-    from safetensors.torch import save_file
 
     cfg = load_config(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco"])
     path = tmp_path_factory.mktemp("weights") / "model.safetensors"
@@ -100,6 +113,10 @@ def detector6(tmp_path_factory):
 
 def test_d_eval_of_weights_for_other_classes_names_their_class_count(tmp_path, detector6):
     root = _coco(tmp_path / "coco", 80, splits=("val2017",))  # evaluation needs only the val split
-    _refused([f"weights={detector6}", "model=fasterrcnn_mobilenet_v3", "data=coco", f"data.root={root}"],
-             tmp_path / "out", f"error: weights={detector6} is a 6-class fasterrcnn_mobilenet_v3 but "
-             "data.num_classes=80: set data.num_classes=6", script=EVAL)
+    _refused(
+        [f"weights={detector6}", "model=fasterrcnn_mobilenet_v3", "data=coco", f"data.root={root}"],
+        tmp_path / "out",
+        f"error: weights={detector6} is a 6-class fasterrcnn_mobilenet_v3 but "
+        "data.num_classes=80: set data.num_classes=6",
+        script=EVAL,
+    )

@@ -1,32 +1,38 @@
-"""Checkpoints through `python tools/train.py`: an interrupted and resumed run equals an uninterrupted one bit for bit;
-a checkpoint saved under one layout resumes under another; a killed writer never leaves a broken checkpoint behind;
-loading never runs pickled code. The tests marked `layouts` also run with the ranks on a GPU (tests/devices.py), where
-the TP checkpoint also resumes on the CPU."""
+"""Checkpoints through `python tools/train.py`: an interrupted and resumed run equals an
+uninterrupted one bit for bit; a checkpoint saved under one layout resumes under another; a killed
+writer never leaves a broken checkpoint behind; loading never runs pickled code. The tests marked
+`layouts` also run with the ranks on a GPU (tests/devices.py), where the TP checkpoint also resumes
+on the CPU."""
 
 import json
 import os
 import pickle
-
 import warnings
 
 import pytest
 import torch
+from devices import TEST_DEVICE
+from helpers import REPO, losses_of, run_cli, train_args, train_ok
 from safetensors.torch import load_file
 
-from devices import TEST_DEVICE
 from visiondist.checkpoint.files import latest_checkpoint, read_trainer_state
 from visiondist.utils.dcp import list_checkpoints
-from helpers import REPO, losses_of, run_cli, train_args, train_ok
-
 
 _args, _train, _losses = train_args, train_ok, losses_of
 
 
 def test_resume_mid_epoch_is_bitwise_exact(tmp_path, tiny_shapes):
-    """dp=2 with drop-path (so the RNG states matter): 8 steps straight vs 4, stop, resume=auto, 4 more. The tiny
-    set has 6 steps per epoch: the stop is mid-epoch and the resumed run crosses an epoch boundary."""
-    common = ["model.num_heads=2", "parallel.dp=2", "model.drop_path_rate=0.2", "trainer.max_steps=8",
-              "trainer.checkpoint_every=2", "trainer.keep_last=2"]
+    """dp=2 with drop-path (so the RNG states matter): 8 steps straight vs 4, stop, resume=auto, 4
+    more. The tiny set has 6 steps per epoch: the stop is mid-epoch and the resumed run crosses an
+    epoch boundary."""
+    common = [
+        "model.num_heads=2",
+        "parallel.dp=2",
+        "model.drop_path_rate=0.2",
+        "trainer.max_steps=8",
+        "trainer.checkpoint_every=2",
+        "trainer.keep_last=2",
+    ]
     straight, split = tmp_path / "straight", tmp_path / "split"
     _train(*_args(tiny_shapes, straight, *common))
     out = _train(*_args(tiny_shapes, split, *common, "trainer.stop_at_step=4"))
@@ -44,7 +50,9 @@ def test_resume_mid_epoch_is_bitwise_exact(tmp_path, tiny_shapes):
     wa, wb = load_file(straight / "model.safetensors"), load_file(split / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert [step for step, _ in list_checkpoints(straight)] == [6, 8]  # keep_last=2
-    assert (split / "config.yaml").is_file() and len((split / "attempts.jsonl").read_text().splitlines()) == 1
+    assert (split / "config.yaml").is_file() and len(
+        (split / "attempts.jsonl").read_text().splitlines()
+    ) == 1
 
 
 RESHARD = ["model.num_heads=4", "trainer.max_steps=3"]  # 4 heads: tp2 and tp4 both divide them
@@ -61,19 +69,33 @@ def reference_losses(tmp_path_factory, tiny_shapes):
 ON_CPU = ("parallel.dp=1", "trainer.accelerator=cpu", "trainer.share_gpu=false")
 
 
-@pytest.mark.parametrize("saved_under", [pytest.param("parallel=tp2", marks=[pytest.mark.smoke, pytest.mark.layouts]),
-                                         "parallel=dp2_tp2"])
+@pytest.mark.parametrize(
+    "saved_under",
+    [
+        pytest.param("parallel=tp2", marks=[pytest.mark.smoke, pytest.mark.layouts]),
+        "parallel=dp2_tp2",
+    ],
+)
 def test_checkpoint_reshards_to_other_layouts(tmp_path, tiny_shapes, reference_losses, saved_under):
-    """Save at step 2 under TP, resume under dp=1 and tp=4 (and, where the ranks ran on a GPU, on the CPU): step 3's
-    loss is the uninterrupted run's."""
+    """Save at step 2 under TP, resume under dp=1 and tp=4 (and, where the ranks ran on a GPU, on
+    the CPU): step 3's loss is the uninterrupted run's."""
     saved = tmp_path / "saved"
     _train(*_args(tiny_shapes, saved, *RESHARD, saved_under, "trainer.stop_at_step=2"))
     state = read_trainer_state(latest_checkpoint(saved))
     assert state["step"] == 2 and state["layout"]["tp"] == 2
-    for layout in [("parallel.dp=1",), ("parallel=tp4",), *([ON_CPU] if TEST_DEVICE != "cpu" else [])]:
+    for layout in [
+        ("parallel.dp=1",),
+        ("parallel=tp4",),
+        *([ON_CPU] if TEST_DEVICE != "cpu" else []),
+    ]:
         run = tmp_path / "_".join(layout).replace("=", "_")
-        out = _train(*_args(tiny_shapes, run, *RESHARD, *layout, f"trainer.resume={latest_checkpoint(saved)}"))
-        assert "random states restart from the seed" in out  # another layout: RNG streams cannot carry over
+        out = _train(
+            *_args(
+                tiny_shapes, run, *RESHARD, *layout, f"trainer.resume={latest_checkpoint(saved)}"
+            )
+        )
+        # another layout: RNG streams cannot carry over
+        assert "random states restart from the seed" in out
         losses = _losses(run)
         assert sorted(losses) == [3]
         assert losses[3] == pytest.approx(reference_losses[3], rel=1e-5)
@@ -119,12 +141,17 @@ def test_export_from_tp2_loads_in_timm(tp2_run, tmp_path):
     out = tmp_path / "vit.safetensors"
     _export(tp2_run, f"out={out}")
     info = json.loads(out.with_suffix(".json").read_text())
-    assert info["library"] == "timm" and info["classes"] and len(info["classes"]) == info["num_classes"]
+    assert (
+        info["library"] == "timm"
+        and info["classes"]
+        and len(info["classes"]) == info["num_classes"]
+    )
     model = timm.create_model(**info["create"], pretrained=False).eval()
     model.load_state_dict(load_file(out), strict=True)
 
     trained = load_trained(tp2_run)  # the tp2 checkpoint's shards, read into one process
-    gathered = load_file(tp2_run / "model.safetensors")  # what the tp2 run itself gathered at the end
+    # what the tp2 run itself gathered at the end
+    gathered = load_file(tp2_run / "model.safetensors")
     assert all(torch.equal(v, gathered[k]) for k, v in trained.model.state_dict().items())
     x = torch.randn(4, 3, info["input_size"], info["input_size"])
     with torch.no_grad():
@@ -132,14 +159,15 @@ def test_export_from_tp2_loads_in_timm(tp2_run, tmp_path):
 
 
 def test_exported_model_brings_its_preprocessing_to_timm(tp2_run, tiny_shapes, tmp_path):
-    """The export used as a new user would: timm.create_model(**create) and the weights, then timm's own data config
-    and eval transform on the val split's JPEG files (Pillow). The config is the run's, and top-1 is the run's own
-    evaluation of the same weights.
+    """The export used as a new user would: timm.create_model(**create) and the weights, then timm's
+    own data config and eval transform on the val split's JPEG files (Pillow). The config is the
+    run's, and top-1 is the run's own evaluation of the same weights.
 
-    On the tiny set nothing is resized (32 px images, model.img_size 32, crop_pct 1.0): the two pipelines differ only
-    in the JPEG decoder (OpenCV's vs Pillow's libjpeg-turbo) and in the order of the normalisation's float operations.
-    Measured here: the decoders give the same pixels and the inputs differ by 1.2e-7 (7.5e-6 of an 8-bit level), the
-    logits by 5.5e-7, so the predictions and top-1 are required to be equal, not within a point."""
+    On the tiny set nothing is resized (32 px images, model.img_size 32, crop_pct 1.0): the two
+    pipelines differ only in the JPEG decoder (OpenCV's vs Pillow's libjpeg-turbo) and in the order
+    of the normalisation's float operations. Measured here: the decoders give the same pixels and
+    the inputs differ by 1.2e-7 (7.5e-6 of an 8-bit level), the logits by 5.5e-7, so the predictions
+    and top-1 are required to be equal, not within a point."""
     import timm
     from omegaconf import OmegaConf
     from torchvision.datasets import ImageFolder as PillowFolder
@@ -156,28 +184,46 @@ def test_exported_model_brings_its_preprocessing_to_timm(tp2_run, tiny_shapes, t
     cfg = timm.data.resolve_model_data_config(model)
     run = OmegaConf.load(tp2_run / "config.yaml")
     size, mean, std = run.model.img_size, list(run.data.mean), list(run.data.std)
-    assert (size, mean, std, run.data.crop_pct, run.data.interpolation) == (32, [0.5] * 3, [0.25] * 3, 1.0, "bilinear")
+    assert (size, mean, std, run.data.crop_pct, run.data.interpolation) == (
+        32,
+        [0.5] * 3,
+        [0.25] * 3,
+        1.0,
+        "bilinear",
+    )
     assert tuple(cfg["input_size"]) == (3, size, size)
     assert list(cfg["mean"]) == mean and list(cfg["std"]) == std
     assert (cfg["crop_pct"], cfg["interpolation"], cfg["crop_mode"]) == (1.0, "bilinear", "center")
     assert timm.data.resolve_model_data_config(model, use_test_size=True) == cfg
-    assert (info["input_size"], info["mean"], info["std"], info["crop_pct"], info["interpolation"]) == (
-        size, mean, std, 1.0, "bilinear")
+    assert (
+        info["input_size"],
+        info["mean"],
+        info["std"],
+        info["crop_pct"],
+        info["interpolation"],
+    ) == (size, mean, std, 1.0, "bilinear")
     assert list(model.pretrained_cfg["label_names"]) == info["classes"]
 
     val = PillowFolder(str(tiny_shapes / "val"), transform=timm.data.create_transform(**cfg))
     theirs = torch.stack([image for image, _ in val])
     labels = torch.tensor(val.targets)
-    ours_set = ImageFolder(tiny_shapes / "val", ClassificationTransform(run.data, train=False, size=size, seed=0))
+    ours_set = ImageFolder(
+        tiny_shapes / "val", ClassificationTransform(run.data, train=False, size=size, seed=0)
+    )
     assert [label for _, label in ours_set.samples] == val.targets
-    ours = Normalize(mean, std)(torch.stack([ours_set[i][0] for i in range(len(ours_set))]), torch.device("cpu"))
+    ours = Normalize(mean, std)(
+        torch.stack([ours_set[i][0] for i in range(len(ours_set))]), torch.device("cpu")
+    )
     levels = float(((theirs - ours).abs() * torch.tensor(std).view(1, 3, 1, 1) * 255).max())
-    assert levels < 1e-3, f"the inputs differ by up to {levels:.3g} of an 8-bit level: the JPEG decoders disagree"
+    assert levels < 1e-3, (
+        f"the inputs differ by up to {levels:.3g} of an 8-bit level: the JPEG decoders disagree"
+    )
     with torch.no_grad():
         logits, reference = model(theirs), model(ours)
     torch.testing.assert_close(logits, reference, rtol=0, atol=1e-4)
-    # the predictions are equal wherever round-off cannot decide them: the two inputs, and the run's evaluation under
-    # tp2, differ by about 1e-6 in the logits; an image whose two best logits are nearer than 1e-4 may go either way
+    # the predictions are equal wherever round-off cannot decide them: the two inputs, and the run's
+    # evaluation under tp2, differ by about 1e-6 in the logits; an image whose two best logits are
+    # nearer than 1e-4 may go either way
     best = reference.topk(2, 1).values
     clear = best[:, 0] - best[:, 1] > 1e-4
     assert int(clear.sum()) >= len(clear) - 1, (best[:, 0] - best[:, 1]).min()
@@ -191,8 +237,8 @@ def test_exported_model_brings_its_preprocessing_to_timm(tp2_run, tiny_shapes, t
 
 @pytest.mark.smoke
 def test_export_onnx_and_torchscript(tp2_run, tmp_path):
-    """Both formats load and match PyTorch; each command prints what it exported and the file it wrote, nothing of
-    torch.onnx's progress or torch.jit's deprecation warnings."""
+    """Both formats load and match PyTorch; each command prints what it exported and the file it
+    wrote, nothing of torch.onnx's progress or torch.jit's deprecation warnings."""
     import onnxruntime as ort
 
     from visiondist.checkpoint.export.trained import load_trained
@@ -200,7 +246,9 @@ def test_export_onnx_and_torchscript(tp2_run, tmp_path):
     out = tmp_path / "vit.onnx"
     stdout = _export(tp2_run, "format=onnx", f"out={out}")
     lines = stdout.splitlines()
-    assert lines[:2] == [lines[0], f"  {out}"] and lines[0].startswith("exported vit_tiny from "), stdout
+    assert lines[:2] == [lines[0], f"  {out}"] and lines[0].startswith("exported vit_tiny from "), (
+        stdout
+    )
     assert len(lines) == 3 and lines[2].startswith("  ONNX Runtime vs PyTorch"), stdout
     trained = load_trained(tp2_run)
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
@@ -224,8 +272,9 @@ def test_export_onnx_and_torchscript(tp2_run, tmp_path):
 
 @pytest.mark.smoke
 def test_export_pt2_takes_any_batch_and_carries_its_preprocessing(tp2_run, tmp_path):
-    """From a run trained under tp2: the program matches PyTorch at any batch, the tool prints its own check and no
-    warning, the archive carries the classes and preprocessing, and docs/checkpoints.md's code runs on it."""
+    """From a run trained under tp2: the program matches PyTorch at any batch, the tool prints its
+    own check and no warning, the archive carries the classes and preprocessing, and
+    docs/checkpoints.md's code runs on it."""
     import re
     import textwrap
 
@@ -236,8 +285,11 @@ def test_export_pt2_takes_any_batch_and_carries_its_preprocessing(tp2_run, tmp_p
     stdout = _export(tp2_run, "format=pt2", f"out={program_file}")
     lines = stdout.splitlines()
     assert lines[1] == f"  {program_file}" and len(lines) == 3 and "Warning" not in stdout, stdout
-    checked = re.fullmatch(r"  torch\.export program vs PyTorch: logits of 1 and 3 random images compared, max abs "
-                           r"difference (\S+)", lines[2])
+    checked = re.fullmatch(
+        r"  torch\.export program vs PyTorch: logits of 1 and 3 random images compared, max abs "
+        r"difference (\S+)",
+        lines[2],
+    )
     assert checked and float(checked[1]) < 1e-5, stdout
     extra = {"visiondist.json": ""}
     program = torch.export.load(str(program_file), extra_files=extra)
@@ -250,31 +302,53 @@ def test_export_pt2_takes_any_batch_and_carries_its_preprocessing(tp2_run, tmp_p
             torch.testing.assert_close(program.module()(x), trained.model(x), rtol=0, atol=1e-5)
     # docs/checkpoints.md's code, as printed there, on this file
     docs = (REPO / "docs" / "checkpoints.md").read_text()
-    [block] = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?) *```", docs, re.S) if "torch.export.load" in b]
+    [block] = [
+        textwrap.dedent(b)
+        for b in re.findall(r"```python\n(.*?) *```", docs, re.S)
+        if "torch.export.load" in b
+    ]
     names = {"images": torch.randn(4, 3, 32, 32)}
     exec(block.replace("outputs/small_ddp/export/model.pt2", str(program_file)), names)
     assert names["info"]["classes"] == trained.classes
     with torch.no_grad():
-        torch.testing.assert_close(names["logits"], trained.model(names["images"]), rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            names["logits"], trained.model(names["images"]), rtol=0, atol=1e-5
+        )
 
 
 def test_export_errors_name_the_fix(tmp_path):
     result = run_cli(["format=onnx"], timeout=60, script=REPO / "tools" / "export.py")
     assert result.returncode == 2 and "run_dir= is missing" in result.stdout
-    result = run_cli([f"run_dir={tmp_path}", "format=pdf"], timeout=60, script=REPO / "tools" / "export.py")
-    assert result.returncode == 2 and "choose one of safetensors, onnx, pt2, torchscript" in result.stdout
+    result = run_cli(
+        [f"run_dir={tmp_path}", "format=pdf"], timeout=60, script=REPO / "tools" / "export.py"
+    )
+    assert (
+        result.returncode == 2
+        and "choose one of safetensors, onnx, pt2, torchscript" in result.stdout
+    )
     result = run_cli([f"run_dir={tmp_path}"], timeout=60, script=REPO / "tools" / "export.py")
     assert result.returncode == 2 and "holds no config.yaml" in result.stdout
-    result = run_cli([f"run_dir={tmp_path / 'nope'}"], timeout=60, script=REPO / "tools" / "export.py")
+    result = run_cli(
+        [f"run_dir={tmp_path / 'nope'}"], timeout=60, script=REPO / "tools" / "export.py"
+    )
     assert result.returncode == 2 and f"{tmp_path / 'nope'}: no such directory" in result.stdout
     checkpoint = tmp_path / "checkpoints" / "step_7"  # a checkpoint given as the run
     checkpoint.mkdir(parents=True)
     (tmp_path / "config.yaml").write_text("{}")
     result = run_cli([f"run_dir={checkpoint}"], timeout=60, script=REPO / "tools" / "export.py")
-    assert result.returncode == 2 and f"give run_dir={tmp_path} step=7" in result.stdout, result.stdout
+    assert result.returncode == 2 and f"give run_dir={tmp_path} step=7" in result.stdout, (
+        result.stdout
+    )
     # a file named as another format's: refused before anything is read or written
-    result = run_cli([f"run_dir={tmp_path}", "format=pt2", f"out={tmp_path / 'vit.onnx'}"], timeout=60,
-                     script=REPO / "tools" / "export.py")
-    assert result.returncode == 2 and "a .onnx file is what format=onnx writes; format=pt2 writes .pt2: name it " \
-        "vit.pt2, or give format=onnx" in result.stdout, result.stdout
+    result = run_cli(
+        [f"run_dir={tmp_path}", "format=pt2", f"out={tmp_path / 'vit.onnx'}"],
+        timeout=60,
+        script=REPO / "tools" / "export.py",
+    )
+    assert (
+        result.returncode == 2
+        and "a .onnx file is what format=onnx writes; format=pt2 writes .pt2: name it "
+        "vit.pt2, or give format=onnx"
+        in result.stdout
+    ), result.stdout
     assert not (tmp_path / "vit.onnx").exists()

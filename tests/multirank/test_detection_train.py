@@ -1,17 +1,32 @@
-"""Detection end to end: train.py on the built-in COCO-format set writes metrics with the 12 COCO stats and weights;
-eval.py on that run reproduces the final evaluation exactly."""
+"""Detection end to end: train.py on the built-in COCO-format set writes metrics with the 12 COCO
+stats and weights; eval.py on that run reproduces the final evaluation exactly."""
 
 import json
 import re
 
-from visiondist.observe.metrics import read_metrics
 from helpers import REPO, assert_png, run_cli
 
-DETECT = ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "data.synthetic.train_images=16",
-          "data.synthetic.val_images=10", "data.synthetic.image_size=64", "data.min_size=64", "data.max_size=64",
-          "data.batch_size=4", "data.eval_batch_size=4", "data.num_workers=0", "trainer.max_steps=2",
-          "trainer.log_every=1", "trainer.accelerator=cpu", "trainer.progress=false", "trainer.loggers=[csv]",
-          "+model.kwargs.box_score_thresh=0.0", "model.roi_sampling_ratio=null"]
+from visiondist.observe.metrics import read_metrics
+
+DETECT = [
+    "model=fasterrcnn_mobilenet_v3",
+    "data=shapes_coco",
+    "data.synthetic.train_images=16",
+    "data.synthetic.val_images=10",
+    "data.synthetic.image_size=64",
+    "data.min_size=64",
+    "data.max_size=64",
+    "data.batch_size=4",
+    "data.eval_batch_size=4",
+    "data.num_workers=0",
+    "trainer.max_steps=2",
+    "trainer.log_every=1",
+    "trainer.accelerator=cpu",
+    "trainer.progress=false",
+    "trainer.loggers=[csv]",
+    "+model.kwargs.box_score_thresh=0.0",
+    "model.roi_sampling_ratio=null",
+]
 
 
 def test_train_then_eval_a_detector(tmp_path):
@@ -40,14 +55,15 @@ def test_train_then_eval_a_detector(tmp_path):
     assert_png(out / "val_predictions.png", min_width=800)
     for key, value in final.items():
         if key.startswith("val_") and value is not None:  # val_ema_* stays empty without an EMA
-            assert stats[key] == value, key  # the same weights, the same detections, the same numbers
+            # the same weights, the same detections, the same numbers
+            assert stats[key] == value, key
 
     _export_loads_in_torchvision(run, tmp_path)
 
 
 def _export_loads_in_torchvision(run, tmp_path):
-    """tools/export.py: torchvision's own builder loads the file strictly and detects exactly what the trained
-    model does; the ONNX export matches under ONNX Runtime."""
+    """tools/export.py: torchvision's own builder loads the file strictly and detects exactly what
+    the trained model does; the ONNX export matches under ONNX Runtime."""
     import onnxruntime as ort
     import torch
     import torchvision.models.detection as tvd
@@ -56,17 +72,23 @@ def _export_loads_in_torchvision(run, tmp_path):
     from visiondist.checkpoint.export.trained import load_trained
 
     out = tmp_path / "detector.safetensors"
-    exported = run_cli([f"run_dir={run}", f"out={out}"], timeout=300, script=REPO / "tools" / "export.py")
+    exported = run_cli(
+        [f"run_dir={run}", f"out={out}"], timeout=300, script=REPO / "tools" / "export.py"
+    )
     assert exported.returncode == 0, exported.stdout[-4000:]
     info = json.loads(out.with_suffix(".json").read_text())
     assert info["library"] == "torchvision" and info["classes"][0] == "circle"
     # the checkpoint records the COCO category id of each label, and the export maps labels to them
     state = json.loads(next((run / "checkpoints").glob("step_*/trainer_state.json")).read_text())
-    assert state["category_ids"] == [1, 2, 3, 4, 5, 6] and info["labels"]["1"] == {"category_id": 1, "name": "circle"}
+    assert state["category_ids"] == [1, 2, 3, 4, 5, 6] and info["labels"]["1"] == {
+        "category_id": 1,
+        "name": "circle",
+    }
     builder = getattr(tvd, info["builder"].rsplit(".", 1)[1])
     model = builder(**info["kwargs"]).eval()
     model.load_state_dict(load_file(out), strict=True)
-    assert "not_in_kwargs" not in info  # torchvision's own RoIAlign sampling here (DETECT), so the builder is exact
+    # torchvision's own RoIAlign sampling here (DETECT), so the builder is exact
+    assert "not_in_kwargs" not in info
     trained = load_trained(run)
     images = [torch.rand(3, 64, 48, generator=torch.Generator().manual_seed(1))]
     with torch.no_grad():
@@ -76,26 +98,42 @@ def _export_loads_in_torchvision(run, tmp_path):
         assert torch.equal(mine[key], theirs[key]), key
 
     onnx = tmp_path / "detector.onnx"
-    exported = run_cli([f"run_dir={run}", "format=onnx", f"out={onnx}"], timeout=300,
-                       script=REPO / "tools" / "export.py")
+    exported = run_cli(
+        [f"run_dir={run}", "format=onnx", f"out={onnx}"],
+        timeout=300,
+        script=REPO / "tools" / "export.py",
+    )
     assert exported.returncode == 0, exported.stdout[-4000:]
-    # the check ran on the run's val images, where the model returns boxes (DETECT: score threshold 0)
-    check = re.search(r"ONNX Runtime vs PyTorch: (\d+) boxes compared, max abs difference \S+ \(on 3 val images",
-                      exported.stdout)
+    # the check ran on the run's val images, where the model returns boxes (DETECT: score threshold
+    # 0)
+    check = re.search(
+        r"ONNX Runtime vs PyTorch: (\d+) boxes compared, max abs difference \S+ \(on 3 val images",
+        exported.stdout,
+    )
     assert check and int(check[1]) > 0, exported.stdout[-2000:]
     session = ort.InferenceSession(str(onnx), providers=["CPUExecutionProvider"])
-    # A model trained for 2 steps scores its boxes nearly alike (about 1/7 each), so top-k and NMS ties can keep
-    # other boxes than PyTorch does: only the contract of the outputs is checked here, at the traced size and
-    # another one (the image axes are dynamic). Classifier ONNX outputs are compared exactly in test_checkpoint.py.
+    # A model trained for 2 steps scores its boxes nearly alike (about 1/7 each), so top-k and NMS
+    # ties can keep other boxes than PyTorch does: only the contract of the outputs is checked here,
+    # at the traced size and another one (the image axes are dynamic). Classifier ONNX outputs are
+    # compared exactly in test_checkpoint.py.
     for shape in ((3, 64, 64), (3, 64, 48)):
         image = torch.rand(*shape, generator=torch.Generator().manual_seed(2))
-        boxes, labels, scores = (torch.from_numpy(a) for a in session.run(None, {"image": image.numpy()}))
-        assert boxes.ndim == 2 and boxes.shape[1] == 4 and len(boxes) == len(labels) == len(scores) > 0, shape
-        assert (boxes[:, 0] >= 0).all() and (boxes[:, 2] <= shape[2]).all() and (boxes[:, 3] <= shape[1]).all()
+        boxes, labels, scores = (
+            torch.from_numpy(a) for a in session.run(None, {"image": image.numpy()})
+        )
+        assert (
+            boxes.ndim == 2 and boxes.shape[1] == 4 and len(boxes) == len(labels) == len(scores) > 0
+        ), shape
+        assert (
+            (boxes[:, 0] >= 0).all()
+            and (boxes[:, 2] <= shape[2]).all()
+            and (boxes[:, 3] <= shape[1]).all()
+        )
         assert (boxes[:, 2] >= boxes[:, 0]).all() and (boxes[:, 3] >= boxes[:, 1]).all()
         assert ((labels >= 1) & (labels <= 6)).all() and ((scores >= 0) & (scores <= 1)).all()
 
-    # A threshold that no box passes: the file's graph is checked again with its thresholds at 0, and says so
+    # A threshold that no box passes: the file's graph is checked again with its thresholds at 0,
+    # and says so
     from visiondist.checkpoint.export import export
     from visiondist.checkpoint.export.onnx_check import check_onnx
 
@@ -107,7 +145,8 @@ def _export_loads_in_torchvision(run, tmp_path):
     assert result.onnx_boxes == result.boxes and "no box came out" in result.summary()
     assert trained.model.roi_heads.score_thresh == 1.0  # the model's own thresholds are back
     session = ort.InferenceSession(str(strict), providers=["CPUExecutionProvider"])
-    assert all(len(session.run(None, {"image": image.numpy()})[0]) == 0 for image in images)  # the file keeps 1.0
+    # the file keeps 1.0
+    assert all(len(session.run(None, {"image": image.numpy()})[0]) == 0 for image in images)
 
 
 def test_eval_refuses_a_missing_run(tmp_path):

@@ -1,21 +1,34 @@
 """The training loop in this process (one rank): accumulation is exact, bf16 autocast runs."""
 
 import pytest
+from helpers import REPO, TINY_DATA
 
 from visiondist.cli import load_config
+from visiondist.launch import launch
 from visiondist.observe.metrics import read_metrics
 from visiondist.train.run import train
-from visiondist.launch import launch
-from helpers import REPO, TINY_DATA
 
 
 def _run(tmp_path, tiny_shapes, name, *extra):
-    cfg = load_config(REPO / "configs", [*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16",
-                                         "trainer.max_steps=4", "trainer.log_every=1", "trainer.accelerator=cpu",
-                                         "trainer.loggers=[csv]", f"trainer.run_dir={tmp_path / name}", *extra])
+    cfg = load_config(
+        REPO / "configs",
+        [
+            *TINY_DATA,
+            f"data.root={tiny_shapes}",
+            "data.batch_size=16",
+            "trainer.max_steps=4",
+            "trainer.log_every=1",
+            "trainer.accelerator=cpu",
+            "trainer.loggers=[csv]",
+            f"trainer.run_dir={tmp_path / name}",
+            *extra,
+        ],
+    )
     launch(train, cfg, env={})
     rows = read_metrics(tmp_path / name / "metrics.csv")
-    return [r for r in rows if r["loss"] is not None], [r for r in rows if r["val_top1"] is not None]
+    return [r for r in rows if r["loss"] is not None], [
+        r for r in rows if r["val_top1"] is not None
+    ]
 
 
 def test_grad_accumulation_equals_one_big_batch(tmp_path, tiny_shapes):
@@ -55,13 +68,23 @@ def _try_to_change_the_config(cfg, layout, run_dir):
 
 
 def test_ranks_get_the_resolved_layout_and_a_read_only_config(tmp_path, tiny_shapes):
-    """Resolved once in the launching process: a rank reads its layout from the RunLayout it was handed (written to
-    layout.json) and cannot change the config."""
-    cfg = load_config(REPO / "configs", [*TINY_DATA, f"data.root={tiny_shapes}", "trainer.accelerator=cpu",
-                                         f"trainer.run_dir={tmp_path / 'run'}"])
+    """Resolved once in the launching process: a rank reads its layout from the RunLayout it was
+    handed (written to layout.json) and cannot change the config."""
+    cfg = load_config(
+        REPO / "configs",
+        [
+            *TINY_DATA,
+            f"data.root={tiny_shapes}",
+            "trainer.accelerator=cpu",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+    )
     run = launch(_try_to_change_the_config, cfg, env={})
-    assert (tmp_path / "run" / "outcome.txt").read_text() == "read-only dp=1 tp=1 pp=1 (1 rank on cpu)"
+    assert (
+        tmp_path / "run" / "outcome.txt"
+    ).read_text() == "read-only dp=1 tp=1 pp=1 (1 rank on cpu)"
     from visiondist.config.layout import RunLayout
 
-    assert RunLayout.load(tmp_path / "run") == run and run.chosen_by == "parallel=auto"  # the default: DDP fits
+    # the default: DDP fits
+    assert RunLayout.load(tmp_path / "run") == run and run.chosen_by == "parallel=auto"
     assert "fit each device under DDP" in run.reason

@@ -1,13 +1,13 @@
-"""Classification metrics are exact under any number of ranks: 1, 2 and 3 ranks on 31 validation images give the
-same top-1 / top-5 / per-class numbers as scoring every image one by one in one process."""
+"""Classification metrics are exact under any number of ranks: 1, 2 and 3 ranks on 31 validation
+images give the same top-1 / top-5 / per-class numbers as scoring every image one by one in one
+process."""
 
+import eval_ranks
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
-import eval_ranks
 from helpers import spawn_ranks
+from PIL import Image
 
 
 @pytest.fixture(scope="module")
@@ -23,13 +23,17 @@ def val_root(tmp_path_factory):
 
 
 def _direct(root):
-    """One image at a time, top-k by sorting the logits: no shared code with the evaluator but the transform and the
-    normalisation."""
+    """One image at a time, top-k by sorting the logits: no shared code with the evaluator but the
+    transform and the normalisation."""
     from visiondist.data import build_classification_data
 
     cfg = eval_ranks.data_config(str(root))
     data = build_classification_data(cfg, 32, 0, 1, 1, 0, False)
-    model, dataset, normalize = eval_ranks.make_model(), data.val_loader.dataset, eval_ranks.inputs(cfg)
+    model, dataset, normalize = (
+        eval_ranks.make_model(),
+        data.val_loader.dataset,
+        eval_ranks.inputs(cfg),
+    )
     top1 = top5 = loss = 0.0
     per_class, margins = np.zeros((eval_ranks.CLASSES, 2)), []
     with torch.no_grad():
@@ -37,8 +41,9 @@ def _direct(root):
             image, label = dataset[i]
             logits = model(normalize(image[None], torch.device("cpu")))[0]
             order = torch.argsort(logits, descending=True).tolist()
-            # the ranks score batches of other sizes (other GEMM blockings: round-off near 1e-6); the exact
-            # comparisons below hold on any CPU because no decision of top-1 or top-5 is nearer than that
+            # the ranks score batches of other sizes (other GEMM blockings: round-off near 1e-6);
+            # the exact comparisons below hold on any CPU because no decision of top-1 or top-5 is
+            # nearer than that
             ranked = logits.sort(descending=True).values
             margins.append(float(min(ranked[0] - ranked[1], ranked[4] - ranked[5])))
             top1 += order[0] == label
@@ -47,9 +52,14 @@ def _direct(root):
             per_class[label] += (order[0] == label, 1)
     n = len(dataset)
     assert min(margins) > 1e-4, min(margins)  # 1.4e-3 on the CPU where it was written
-    return {"val_top1": 100 * top1 / n, "val_top5": 100 * top5 / n, "val_loss": loss / n, "val_count": n,
-            "val_class_top1": list(100 * per_class[:, 0] / per_class[:, 1]),
-            "val_class_count": [int(c) for c in per_class[:, 1]]}
+    return {
+        "val_top1": 100 * top1 / n,
+        "val_top5": 100 * top5 / n,
+        "val_loss": loss / n,
+        "val_count": n,
+        "val_class_top1": list(100 * per_class[:, 0] / per_class[:, 1]),
+        "val_class_count": [int(c) for c in per_class[:, 1]],
+    }
 
 
 def test_topk_is_exact_for_any_number_of_ranks(val_root):

@@ -1,5 +1,5 @@
-"""visiondist.utils.exit: a finished process leaves without the interpreter's teardown, after its atexit handlers and
-with its output flushed; one that failed leaves as usual, with its exit code."""
+"""visiondist.utils.exit: a finished process leaves without the interpreter's teardown, after its
+atexit handlers and with its output flushed; one that failed leaves as usual, with its exit code."""
 
 import subprocess
 import sys
@@ -15,7 +15,8 @@ SCRIPT = textwrap.dedent("""
         def __init__(self, path, who):
             self.path, self.who = path, who
 
-        def __del__(self, open=open):  # its own `open`: the teardown may have cleared the builtins by then
+        # its own `open`: the teardown may have cleared the builtins by then
+        def __del__(self, open=open):
             open(self.path, "a").write(f"{self.who} torn down\\n")
 
     def rank(path, succeed):
@@ -47,12 +48,22 @@ SCRIPT = textwrap.dedent("""
 def test_exit_now_runs_the_handlers_flushes_and_keeps_the_code(tmp_path):
     script, record = tmp_path / "tool.py", tmp_path / "record.txt"
     script.write_text(SCRIPT)
-    out = subprocess.run([sys.executable, str(script), str(record)], cwd=REPO, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(script), str(record)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 3, out.stderr
-    # the succeeding rank left with 0 after its handler and without the teardown; the failing one with 1, its
-    # traceback printed, torn down as usual; the tool after its handler, without the teardown
+    # the succeeding rank left with 0 after its handler and without the teardown; the failing one
+    # with 1, its traceback printed, torn down as usual; the tool after its handler, without the
+    # teardown
     assert out.stdout.splitlines() == ["logged [0, 1]", "no newline at the end"]
     assert "RuntimeError: the rank failed" in out.stderr
-    assert record.read_text().splitlines() == ["rank handler ran", "rank handler ran", "failing rank torn down",
-                                               "tool handler ran"]
+    assert record.read_text().splitlines() == [
+        "rank handler ran",
+        "rank handler ran",
+        "failing rank torn down",
+        "tool handler ran",
+    ]

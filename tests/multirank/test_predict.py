@@ -1,7 +1,8 @@
-"""tools/predict.py as a user runs it, on a tiny ViT classifier and a tiny Faster R-CNN trained here: predictions on
-the run's val images equal its evaluation's; 1, 2 and 3 ranks write identical files; a killed prediction continues
-to the files an uninterrupted one writes; unreadable files are named and skipped; bad input is refused before any
-rank starts; the Python entry gives what the files hold; a video gets its annotated copy."""
+"""tools/predict.py as a user runs it, on a tiny ViT classifier and a tiny Faster R-CNN trained
+here: predictions on the run's val images equal its evaluation's; 1, 2 and 3 ranks write identical
+files; a killed prediction continues to the files an uninterrupted one writes; unreadable files are
+named and skipped; bad input is refused before any rank starts; the Python entry gives what the
+files hold; a video gets its annotated copy."""
 
 import csv
 import json
@@ -9,31 +10,52 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import REPO, TINY_DATA, finish_job, job_env, run_cli, start_job, train_ok
 
 pytestmark = pytest.mark.xdist_group("predict")  # one worker: the classifier run is trained once
 PREDICT = REPO / "tools" / "predict.py"
 FAULT = REPO / "tests" / "multirank" / "fault_train.py"
-DETECT = ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "data.synthetic.train_images=8",
-          "data.synthetic.val_images=9", "data.synthetic.image_size=64", "data.min_size=64", "data.max_size=64",
-          "data.batch_size=4", "data.eval_batch_size=4", "data.num_workers=0", "trainer.max_steps=1",
-          "trainer.accelerator=cpu", "trainer.progress=false", "trainer.loggers=[csv]", "trainer.plots=false",
-          "+model.kwargs.box_score_thresh=0.0", "model.roi_sampling_ratio=null"]
+DETECT = [
+    "model=fasterrcnn_mobilenet_v3",
+    "data=shapes_coco",
+    "data.synthetic.train_images=8",
+    "data.synthetic.val_images=9",
+    "data.synthetic.image_size=64",
+    "data.min_size=64",
+    "data.max_size=64",
+    "data.batch_size=4",
+    "data.eval_batch_size=4",
+    "data.num_workers=0",
+    "trainer.max_steps=1",
+    "trainer.accelerator=cpu",
+    "trainer.progress=false",
+    "trainer.loggers=[csv]",
+    "trainer.plots=false",
+    "+model.kwargs.box_score_thresh=0.0",
+    "model.roi_sampling_ratio=null",
+]
 
 
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory, tiny_shapes):
     """A 2-step tiny ViT run on the shapes set (its end-of-run evaluation in metrics.csv)."""
     run = tmp_path_factory.mktemp("cls") / "run"
-    train_ok(*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16", "trainer.accelerator=cpu",
-             "trainer.loggers=[csv]", "trainer.max_steps=2", f"trainer.run_dir={run}")
+    train_ok(
+        *TINY_DATA,
+        f"data.root={tiny_shapes}",
+        "data.batch_size=16",
+        "trainer.accelerator=cpu",
+        "trainer.loggers=[csv]",
+        "trainer.max_steps=2",
+        f"trainer.run_dir={run}",
+    )
     return run, tiny_shapes
 
 
 @pytest.fixture(scope="module")
 def detector(tmp_path_factory):
-    """A 1-step Faster R-CNN run on a 9-image COCO-format val split (its evaluation's detections.json)."""
+    """A 1-step Faster R-CNN run on a 9-image COCO-format val split (its evaluation's
+    detections.json)."""
     root = tmp_path_factory.mktemp("det")
     run = root / "run"
     train_ok(*DETECT, f"data.root={root / 'data'}", f"trainer.run_dir={run}")
@@ -53,8 +75,9 @@ def rows(out: Path) -> list[list[str]]:
 
 @pytest.mark.smoke  # the GPU machines' torch 2.11 as well as the newest
 def test_a_classifier_predicts_what_its_evaluation_scored_on_1_2_and_3_ranks(classifier, tmp_path):
-    """The val folder predicted on 1, 2 and 3 ranks: byte-identical predictions.csv, in the folder's order, whose
-    top-1 labels score exactly the run's final val top-1; the first images drawn; the Python entry yields the same."""
+    """The val folder predicted on 1, 2 and 3 ranks: byte-identical predictions.csv, in the folder's
+    order, whose top-1 labels score exactly the run's final val top-1; the first images drawn; the
+    Python entry yields the same."""
     from visiondist.observe.metrics import read_metrics
     from visiondist.predict import predict
 
@@ -63,22 +86,40 @@ def test_a_classifier_predicts_what_its_evaluation_scored_on_1_2_and_3_ranks(cla
     outs = []
     for ranks in (1, 2, 3):
         out = tmp_path / f"r{ranks}"
-        printed = predict_ok(f"run_dir={run}", f"source={val}", f"out={out}", f"trainer.devices={ranks}",
-                             "save_images=3", "topk=2", "batch=4", "trainer.progress=false")
-        assert f"predict dir: {out} (predictions.csv, images/ (3 drawn), predict.json, predict.log)" in printed
-        # the names come from the run's weights: model.safetensors records them, as an export's file does
-        assert f"with {run / 'model.safetensors'} (classes from {run / 'model.safetensors'};" in printed, printed
+        printed = predict_ok(
+            f"run_dir={run}",
+            f"source={val}",
+            f"out={out}",
+            f"trainer.devices={ranks}",
+            "save_images=3",
+            "topk=2",
+            "batch=4",
+            "trainer.progress=false",
+        )
+        assert (
+            f"predict dir: {out} (predictions.csv, images/ (3 drawn), predict.json, predict.log)"
+            in printed
+        )
+        # the names come from the run's weights: model.safetensors records them, as an export's file
+        # does
+        assert (
+            f"with {run / 'model.safetensors'} (classes from {run / 'model.safetensors'};"
+            in printed
+        ), printed
         outs.append(out)
     from safetensors import safe_open
 
     with safe_open(str(run / "model.safetensors"), "pt") as weights:
-        assert json.loads(weights.metadata()["classes"]) == sorted(p.name for p in val.iterdir() if p.is_dir())
+        assert json.loads(weights.metadata()["classes"]) == sorted(
+            p.name for p in val.iterdir() if p.is_dir()
+        )
     table = rows(outs[0])
     for out in outs[1:]:
         assert (out / "predictions.csv").read_bytes() == (outs[0] / "predictions.csv").read_bytes()
     assert table[0] == ["file", "label_1", "prob_1", "label_2", "prob_2"]
     files = sorted(str(p.relative_to(val)) for p in val.rglob("*.png")) or sorted(
-        str(p.relative_to(val)) for p in val.rglob("*.jpg"))
+        str(p.relative_to(val)) for p in val.rglob("*.jpg")
+    )
     assert [r[0] for r in table[1:]] == files and len(files) == 30
     correct = sum(Path(r[0]).parts[0] == r[1] for r in table[1:])
     final = [r for r in read_metrics(run / "metrics.csv") if r.get("val_top1") is not None][-1]
@@ -89,14 +130,26 @@ def test_a_classifier_predicts_what_its_evaluation_scored_on_1_2_and_3_ranks(cla
     manifest = json.loads((outs[0] / "predict.json").read_text())
     assert manifest["state"] == "complete" and manifest["counts"] == {"images": 30, "unreadable": 0}
 
-    # the run exported (safetensors and its model.json), predicted from the file under other data settings: the
-    # export's record of the run's preprocessing and class names gives the run's predictions
+    # the run exported (safetensors and its model.json), predicted from the file under other data
+    # settings: the export's record of the run's preprocessing and class names gives the run's
+    # predictions
     exported = tmp_path / "vit.safetensors"
     run_cli([f"run_dir={run}", f"out={exported}"], timeout=240, script=REPO / "tools" / "export.py")
     out = tmp_path / "export"
-    printed = predict_ok(f"weights={exported}", "model=vit_tiny", "model.depth=2", "data=imagenet", "data.img_size=32",
-                         "data.num_classes=6", f"source={val}", f"out={out}", "save_images=0", "topk=2", "batch=4",
-                         "trainer.progress=false")
+    printed = predict_ok(
+        f"weights={exported}",
+        "model=vit_tiny",
+        "model.depth=2",
+        "data=imagenet",
+        "data.img_size=32",
+        "data.num_classes=6",
+        f"source={val}",
+        f"out={out}",
+        "save_images=0",
+        "topk=2",
+        "batch=4",
+        "trainer.progress=false",
+    )
     assert "preprocessing as vit.json records the run's: data.mean=[0.5, 0.5, 0.5]" in printed
     assert (out / "predictions.csv").read_bytes() == (outs[0] / "predictions.csv").read_bytes()
 
@@ -105,11 +158,13 @@ def test_a_classifier_predicts_what_its_evaluation_scored_on_1_2_and_3_ranks(cla
     assert [f"{r['top'][1]['prob']:.6f}" for r in yielded] == [r[4] for r in table[1:]]
 
 
-def test_a_killed_prediction_continues_to_the_same_files_and_then_says_it_is_complete(classifier, tmp_path):
-    """Real photographs (benchmarks/photos.py) on 2 ranks, the job SIGKILLed once rank 0 wrote its first batch; the
-    same command again (the default run dir under <run>/predict/) continues it, and the files equal an uninterrupted
-    run's; a third time says complete. An empty and a broken file in the folder are named with their reasons and
-    skipped, never fatal."""
+def test_a_killed_prediction_continues_to_the_same_files_and_then_says_it_is_complete(
+    classifier, tmp_path
+):
+    """Real photographs (benchmarks/photos.py) on 2 ranks, the job SIGKILLed once rank 0 wrote its
+    first batch; the same command again (the default run dir under <run>/predict/) continues it, and
+    the files equal an uninterrupted run's; a third time says complete. An empty and a broken file
+    in the folder are named with their reasons and skipped, never fatal."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from photos import build_photos
 
@@ -118,8 +173,14 @@ def test_a_killed_prediction_continues_to_the_same_files_and_then_says_it_is_com
     build_photos(source, 20, split="val")
     (source / "val" / "coffee" / "empty.JPEG").write_bytes(b"")
     (source / "val" / "rocket" / "broken.JPEG").write_bytes(b"\xff\xd8 not a JPEG \xff\xd9")
-    args = [f"run_dir={run}", f"source={source / 'val'}", "batch=2", "trainer.devices=2", "save_images=0",
-            "trainer.progress=false"]
+    args = [
+        f"run_dir={run}",
+        f"source={source / 'val'}",
+        "batch=2",
+        "trainer.devices=2",
+        "save_images=0",
+        "trainer.progress=false",
+    ]
     whole = tmp_path / "whole"
     predict_ok(*args, f"out={whole}")
 
@@ -130,7 +191,8 @@ def test_a_killed_prediction_continues_to_the_same_files_and_then_says_it_is_com
     (stopped,) = (run / "predict").iterdir()
     parts = list((stopped / "parts").glob("rank*.jsonl"))
     assert parts and not (stopped / "predictions.csv").exists()
-    assert json.loads((stopped / "predict.json").read_text())["state"] == "running"  # SIGKILL: nobody could say
+    # SIGKILL: nobody could say
+    assert json.loads((stopped / "predict.json").read_text())["state"] == "running"
 
     again = predict_ok(*args)
     assert f"continuing the prediction in {stopped}" in again
@@ -140,12 +202,15 @@ def test_a_killed_prediction_continues_to_the_same_files_and_then_says_it_is_com
     reasons = (stopped / "unreadable.txt").read_text().splitlines()
     assert reasons[0] == "coffee/empty.JPEG: the file is empty", reasons
     assert reasons[1].startswith("rocket/broken.JPEG: "), reasons
-    assert "predicted 20 images (2 unreadable files skipped: unreadable.txt); this attempt: " in again
+    assert (
+        "predicted 20 images (2 unreadable files skipped: unreadable.txt); this attempt: " in again
+    )
 
     third = predict_ok(*args)
     assert f"complete: {stopped} already holds this prediction" in third
     assert [p.name for p in (run / "predict").iterdir()] == [stopped.name]
-    (source / "val" / "coffee" / "empty.JPEG").unlink()  # the same count of files, one of them another
+    # the same count of files, one of them another
+    (source / "val" / "coffee" / "empty.JPEG").unlink()
     (source / "val" / "coffee" / "new.JPEG").write_bytes(b"")
     changed = predict_ok(*args)
     assert "complete:" not in changed and len(list((run / "predict").iterdir())) == 2
@@ -158,51 +223,80 @@ def test_bad_input_is_refused_before_any_rank_starts(classifier, tmp_path):
     empty.mkdir()
     import torch
 
-    program = tmp_path / "model.pt2"  # an export that runs a model but is not weights (format=pt2 writes such)
-    torch.export.save(torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),)), str(program))
+    # an export that runs a model but is not weights (format=pt2 writes such)
+    program = tmp_path / "model.pt2"
+    torch.export.save(
+        torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),)), str(program)
+    )
     cases = [
-        ([f"weights={program}", "model=vit_tiny", "data=shapes", f"source={data / 'val'}"],
-         f"weights={program} is a torch.export program (tools/export.py format=pt2)"),
+        (
+            [f"weights={program}", "model=vit_tiny", "data=shapes", f"source={data / 'val'}"],
+            f"weights={program} is a torch.export program (tools/export.py format=pt2)",
+        ),
         ([f"run_dir={run}", f"source={tmp_path / 'nowhere'}"], "no such file or folder"),
         ([f"run_dir={run}", f"source={empty}"], "the folder holds no images"),
         ([f"run_dir={run}", f"source={tmp_path}/*.jpg"], "the glob matches no images"),
         ([f"run_dir={run}"], "give source=<path>"),
         ([f"source={empty}"], "give run_dir=<run>"),
-        ([f"run_dir={run}", f"source={data / 'val'}", "save_images=some"], "save_images=some: give a count"),
-        ([f"run_dir={run}", f"source={data / 'val'}", "classes=circle"], "keeps a detector's classes"),
+        (
+            [f"run_dir={run}", f"source={data / 'val'}", "save_images=some"],
+            "save_images=some: give a count",
+        ),
+        (
+            [f"run_dir={run}", f"source={data / 'val'}", "classes=circle"],
+            "keeps a detector's classes",
+        ),
     ]
     for args, expected in cases:
         result = run_cli(args, timeout=120, script=PREDICT)
         assert result.returncode == 2, (args, result.stdout[-2000:])
-        assert expected in result.stdout and result.stdout.count("error:") == 1, (args, result.stdout[-2000:])
+        assert expected in result.stdout and result.stdout.count("error:") == 1, (
+            args,
+            result.stdout[-2000:],
+        )
     after = sorted((run / "predict").iterdir()) if (run / "predict").is_dir() else []
     assert after == before  # no run dir for a refused command
 
 
-def test_a_detector_predicts_its_evaluation_and_writes_coco_results_drawn_images_and_a_video(detector, tmp_path):
-    """The val folder at score_thresh=0 and the evaluation's batch: results.json equals the run's detections.json
-    (with file names added); detections.jsonl has boxes in the original image's pixels with names and category ids;
-    2 ranks write the same files; classes= keeps only that class; a video of the val images is predicted and drawn;
-    a class the model was not trained for is refused naming the run's classes."""
+def test_a_detector_predicts_its_evaluation_and_writes_coco_results_drawn_images_and_a_video(
+    detector, tmp_path
+):
+    """The val folder at score_thresh=0 and the evaluation's batch: results.json equals the run's
+    detections.json (with file names added); detections.jsonl has boxes in the original image's
+    pixels with names and category ids; 2 ranks write the same files; classes= keeps only that
+    class; a video of the val images is predicted and drawn; a class the model was not trained for
+    is refused naming the run's classes."""
     import cv2
 
     run, data = detector
     out = tmp_path / "one"
-    predict_ok(f"run_dir={run}", f"source={data / 'val'}", f"out={out}", "score_thresh=0", "batch=4",
-               "save_images=2", "trainer.progress=false")
+    predict_ok(
+        f"run_dir={run}",
+        f"source={data / 'val'}",
+        f"out={out}",
+        "score_thresh=0",
+        "batch=4",
+        "save_images=2",
+        "trainer.progress=false",
+    )
     theirs = json.loads((run / "detections.json").read_text())
     ours = json.loads((out / "results.json").read_text())
     assert len(ours) == len(theirs) > 0
     assert [{k: v for k, v in d.items() if k != "file_name"} for d in ours] == theirs
     lines = [json.loads(line) for line in (out / "detections.jsonl").read_text().splitlines()]
-    assert len(lines) == 9 and all({"file", "width", "height", "detections"} <= line.keys() for line in lines)
-    from visiondist.synthetic.shapes import SHAPE_CLASSES
-
+    assert len(lines) == 9 and all(
+        {"file", "width", "height", "detections"} <= line.keys() for line in lines
+    )
     from safetensors import safe_open
 
-    with safe_open(str(run / "model.safetensors"), "pt") as weights:  # what names the predictions' classes
+    from visiondist.synthetic.shapes import SHAPE_CLASSES
+
+    # what names the predictions' classes
+    with safe_open(str(run / "model.safetensors"), "pt") as weights:
         labels = json.loads(weights.metadata()["labels"])
-    assert labels == {str(k + 1): {"category_id": k + 1, "name": name} for k, name in enumerate(SHAPE_CLASSES)}
+    assert labels == {
+        str(k + 1): {"category_id": k + 1, "name": name} for k, name in enumerate(SHAPE_CLASSES)
+    }
     names = set(SHAPE_CLASSES)
     for line in lines:
         for d in line["detections"]:
@@ -212,18 +306,37 @@ def test_a_detector_predicts_its_evaluation_and_writes_coco_results_drawn_images
     assert len(list((out / "images").iterdir())) == 2
 
     two = tmp_path / "two"
-    predict_ok(f"run_dir={run}", f"source={data / 'val'}", f"out={two}", "score_thresh=0", "batch=4",
-               "save_images=0", "trainer.devices=2", "trainer.progress=false")
+    predict_ok(
+        f"run_dir={run}",
+        f"source={data / 'val'}",
+        f"out={two}",
+        "score_thresh=0",
+        "batch=4",
+        "save_images=0",
+        "trainer.devices=2",
+        "trainer.progress=false",
+    )
     assert (two / "results.json").read_bytes() == (out / "results.json").read_bytes()
 
     first = lines[0]["detections"][0]["name"]
     only = tmp_path / "only"
-    predict_ok(f"run_dir={run}", f"source={data / 'val'}", f"out={only}", "score_thresh=0", f"classes={first}",
-               "save_images=0", "trainer.progress=false")
+    predict_ok(
+        f"run_dir={run}",
+        f"source={data / 'val'}",
+        f"out={only}",
+        "score_thresh=0",
+        f"classes={first}",
+        "save_images=0",
+        "trainer.progress=false",
+    )
     kept = [json.loads(line) for line in (only / "detections.jsonl").read_text().splitlines()]
     assert {d["name"] for line in kept for d in line["detections"]} == {first}
-    refused = run_cli([f"run_dir={run}", f"source={data / 'val'}", "classes=zebra"], timeout=120, script=PREDICT)
-    assert refused.returncode == 2 and "classes=zebra: this model was trained for " in refused.stdout
+    refused = run_cli(
+        [f"run_dir={run}", f"source={data / 'val'}", "classes=zebra"], timeout=120, script=PREDICT
+    )
+    assert (
+        refused.returncode == 2 and "classes=zebra: this model was trained for " in refused.stdout
+    )
 
     video = tmp_path / "clip.mp4"
     writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"mp4v"), 10, (64, 64))
@@ -231,8 +344,14 @@ def test_a_detector_predicts_its_evaluation_and_writes_coco_results_drawn_images
         writer.write(cv2.resize(cv2.imread(str(image)), (64, 64)))
     writer.release()
     clip = tmp_path / "clip"
-    printed = predict_ok(f"run_dir={run}", f"source={video}", f"out={clip}", "vid_stride=2", "score_thresh=0",
-                         "trainer.progress=false")
+    printed = predict_ok(
+        f"run_dir={run}",
+        f"source={video}",
+        f"out={clip}",
+        "vid_stride=2",
+        "score_thresh=0",
+        "trainer.progress=false",
+    )
     frames = [json.loads(line) for line in (clip / "detections.jsonl").read_text().splitlines()]
     assert [f["file"] for f in frames] == ["clip.mp4#0", "clip.mp4#2", "clip.mp4#4"]
     assert "clip_predicted.mp4" in printed

@@ -1,6 +1,6 @@
-"""The prepared interpreter the tests fork tool runs from (tests/prepared.py: PreparedRun) gives what a fresh
-`python <script>` gives: the command line, working directory, environment, `__name__`, sys.path[0], output, exit
-code, a traceback's exit, a signal's end and Ctrl-C's."""
+"""The prepared interpreter the tests fork tool runs from (tests/prepared.py: PreparedRun) gives
+what a fresh `python <script>` gives: the command line, working directory, environment, `__name__`,
+sys.path[0], output, exit code, a traceback's exit, a signal's end and Ctrl-C's."""
 
 import os
 import signal
@@ -8,13 +8,13 @@ import sys
 import time
 
 import pytest
-
 from helpers import job_env, start_job
 from prepared import PreparedRun, prepared_for
 
 SCRIPT = """
 import os, signal, sys, time
-print("argv", sys.argv[1:], "cwd", os.getcwd(), "name", __name__, "path0", sys.path[0] == os.path.dirname(__file__))
+print("argv", sys.argv[1:], "cwd", os.getcwd(), "name", __name__,
+      "path0", sys.path[0] == os.path.dirname(__file__))
 print("env", os.environ.get("PREPARED_TEST"), "session", os.getsid(0) == os.getpid())
 print("to stderr", file=sys.stderr)
 how = sys.argv[1]
@@ -36,7 +36,10 @@ def _both(tmp_path, *args, signal_after=None):
     command = [str(script), *args]
     assert prepared_for(command, env, job_env())
     results = []
-    for proc in (PreparedRun(command, env, tmp_path), start_job([sys.executable, *command], env, tmp_path, fresh=True)):
+    for proc in (
+        PreparedRun(command, env, tmp_path),
+        start_job([sys.executable, *command], env, tmp_path, fresh=True),
+    ):
         if signal_after is not None:
             time.sleep(signal_after)
             os.kill(proc.pid, signal.SIGTERM)
@@ -45,7 +48,9 @@ def _both(tmp_path, *args, signal_after=None):
     return results
 
 
-@pytest.mark.parametrize("how, code", [("0", 0), ("3", 3), ("raise", 1), ("interrupt", -signal.SIGINT)])
+@pytest.mark.parametrize(
+    "how, code", [("0", 0), ("3", 3), ("raise", 1), ("interrupt", -signal.SIGINT)]
+)
 def test_a_forked_run_ends_as_a_fresh_one(tmp_path, how, code):
     prepared, fresh = _both(tmp_path, how)
     assert prepared[0] == fresh[0] == code

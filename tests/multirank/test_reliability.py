@@ -1,4 +1,5 @@
-"""Fault injection on the CPU (gloo): what each fault costs the user. RELIABILITY.md tabulates the outcomes.
+"""Fault injection on the CPU (gloo): what each fault costs the user. RELIABILITY.md tabulates the
+outcomes.
 
 Every multi-process test runs in its own process group with a hard timeout that kills the group
 (`helpers.run_cli` / `helpers.spawn_ranks`)."""
@@ -11,22 +12,41 @@ import sys
 import time
 from pathlib import Path
 
+import fault_ranks
 import pytest
 import torch
+from helpers import (
+    REPO,
+    TINY_DATA,
+    TRAIN,
+    RanksFailed,
+    finish_job,
+    job_env,
+    losses_of,
+    spawn_ranks,
+    start_job,
+    train_args,
+    train_ok,
+    wait_for,
+)
+from processes import children, rank_processes
 from safetensors.torch import load_file
 
-import fault_ranks
-from helpers import (REPO, TINY_DATA, TRAIN, RanksFailed, finish_job, job_env, losses_of, spawn_ranks, start_job,
-                     train_args, train_ok, wait_for)
-from processes import children, rank_processes
 from visiondist.utils.dcp import CHECKPOINTS, list_checkpoints
 
-# Timing-sensitive (kills, signals, hangs): one worker runs them in turn when the suite runs in parallel.
+# Timing-sensitive (kills, signals, hangs): one worker runs them in turn when the suite runs in
+# parallel.
 pytestmark = pytest.mark.xdist_group("faults")
 
 # ~0.05 s per step on 2 cores: long enough to be interrupted mid-run
-LONG = ["model.num_heads=2", "trainer.max_steps=100", "trainer.max_epochs=1000", "trainer.eval_every=1000",
-        "parallel.dp=2", "trainer.log_every=1"]
+LONG = [
+    "model.num_heads=2",
+    "trainer.max_steps=100",
+    "trainer.max_epochs=1000",
+    "trainer.eval_every=1000",
+    "parallel.dp=2",
+    "trainer.log_every=1",
+]
 
 
 def _start(args: list[str]) -> subprocess.Popen:
@@ -61,13 +81,22 @@ def uninterrupted(tmp_path_factory, tiny_shapes):
     return run
 
 
-# 1 -----------------------------------------------------------------------------------------------------------------
+# 1
+# --------------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_identical(tmp_path, tiny_shapes, uninterrupted):
+def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_identical(
+    tmp_path, tiny_shapes, uninterrupted
+):
     run = tmp_path / "run"
-    proc = _start(train_args(tiny_shapes, run, *LONG, "trainer.checkpoint_every=20", "trainer.max_restarts=1"))
-    wait_for(lambda: len(list_checkpoints(run)) >= 1 and len(rank_processes(proc.pid)) == 2, proc, 180,
-             "a first checkpoint")
+    proc = _start(
+        train_args(tiny_shapes, run, *LONG, "trainer.checkpoint_every=20", "trainer.max_restarts=1")
+    )
+    wait_for(
+        lambda: len(list_checkpoints(run)) >= 1 and len(rank_processes(proc.pid)) == 2,
+        proc,
+        180,
+        "a first checkpoint",
+    )
     victim = random.choice(rank_processes(proc.pid))
     os.kill(victim, signal.SIGKILL)
     code, out = _finish(proc, 300)
@@ -79,12 +108,30 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_identical(tmp_
 
 
 @pytest.mark.slow
-def test_under_torchrun_a_killed_rank_restarts_in_the_same_run_dir(tmp_path, tiny_shapes, uninterrupted):
+def test_under_torchrun_a_killed_rank_restarts_in_the_same_run_dir(
+    tmp_path, tiny_shapes, uninterrupted
+):
     out = tmp_path / "out"
-    args = [a for a in train_args(tiny_shapes, out, *LONG, "trainer.checkpoint_every=20") if "run_dir" not in a]
-    proc = start_job([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
-                      "--rdzv-endpoint=localhost:0", "--max-restarts=1", str(TRAIN), *args, f"trainer.output_dir={out}"],
-                     job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    args = [
+        a
+        for a in train_args(tiny_shapes, out, *LONG, "trainer.checkpoint_every=20")
+        if "run_dir" not in a
+    ]
+    proc = start_job(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=localhost:0",
+            "--max-restarts=1",
+            str(TRAIN),
+            *args,
+            f"trainer.output_dir={out}",
+        ],
+        job_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"),
+    )
 
     def first_checkpoint():
         return any(out.rglob("step_20/.metadata")) and len(children(proc.pid, b"train.py")) == 2
@@ -99,7 +146,8 @@ def test_under_torchrun_a_killed_rank_restarts_in_the_same_run_dir(tmp_path, tin
     _same_weights(uninterrupted, runs[0])
 
 
-# 2 -----------------------------------------------------------------------------------------------------------------
+# 2
+# --------------------------------------------------------------------------------------------------
 def test_one_rank_raising_stops_the_whole_job_fast_with_its_traceback(tmp_path):
     start = time.time()
     with pytest.raises(RanksFailed) as failed:
@@ -113,33 +161,59 @@ def test_one_rank_raising_stops_the_whole_job_fast_with_its_traceback(tmp_path):
     assert len(pids) == 3 and not any(_alive(pid) for pid in pids)  # no orphans
 
 
-# 3 -----------------------------------------------------------------------------------------------------------------
+# 3
+# --------------------------------------------------------------------------------------------------
 def test_a_collective_one_rank_skips_fails_within_the_timeout(tmp_path):
     start = time.time()
     with pytest.raises(RanksFailed) as failed:
         spawn_ranks(fault_ranks.skip_a_collective, 2, 3.0, timeout=150)
     elapsed = time.time() - start
     assert 0 in failed.value.failures
-    assert "timed out" in failed.value.failures[0].lower() or "timeout" in failed.value.failures[0].lower()
+    assert (
+        "timed out" in failed.value.failures[0].lower()
+        or "timeout" in failed.value.failures[0].lower()
+    )
     assert elapsed < 3.0 + 45, elapsed  # start-up of 2 ranks + 3 s, not the 10-minute default
 
 
 def test_the_trainer_shortens_the_collective_timeout_after_the_first_step(tmp_path, tiny_shapes):
     run = tmp_path / "run"
-    train_ok(*train_args(tiny_shapes, run, "trainer.max_steps=2", "parallel.dp=2", "trainer.dist_timeout_s=7"))
+    train_ok(
+        *train_args(
+            tiny_shapes, run, "trainer.max_steps=2", "parallel.dp=2", "trainer.dist_timeout_s=7"
+        )
+    )
     assert "collective timeout now 7s" in (run / "train.log").read_text()
 
 
-# 4 -----------------------------------------------------------------------------------------------------------------
+# 4
+# --------------------------------------------------------------------------------------------------
 def _nonfinite_overrides(data_root, run, policy):
-    return [*TINY_DATA, f"data.root={data_root}", "data.batch_size=16", "trainer.max_steps=4", "trainer.log_every=1",
-            "trainer.accelerator=cpu", "trainer.loggers=[csv]", f"trainer.run_dir={run}",
-            f"trainer.on_nonfinite={policy}", "trainer.eval_every=1000", "model.num_heads=2", "parallel.dp=2"]
+    return [
+        *TINY_DATA,
+        f"data.root={data_root}",
+        "data.batch_size=16",
+        "trainer.max_steps=4",
+        "trainer.log_every=1",
+        "trainer.accelerator=cpu",
+        "trainer.loggers=[csv]",
+        f"trainer.run_dir={run}",
+        f"trainer.on_nonfinite={policy}",
+        "trainer.eval_every=1000",
+        "model.num_heads=2",
+        "parallel.dp=2",
+    ]
 
 
 def test_a_nan_on_one_rank_is_one_decision_skip(tmp_path, tiny_shapes):
-    results = spawn_ranks(fault_ranks.nonfinite_on_one_rank, 2, _nonfinite_overrides(tiny_shapes, tmp_path, "skip"),
-                          1, 2, timeout=180)
+    results = spawn_ranks(
+        fault_ranks.nonfinite_on_one_rank,
+        2,
+        _nonfinite_overrides(tiny_shapes, tmp_path, "skip"),
+        1,
+        2,
+        timeout=180,
+    )
     a, b = results[0], results[1]
     for name in a["params"]:  # both ranks skipped the same step: the replicas are still identical
         assert torch.equal(a["params"][name], b["params"][name]), name
@@ -151,61 +225,100 @@ def test_a_nan_on_one_rank_is_one_decision_skip(tmp_path, tiny_shapes):
 
 def test_a_nan_on_one_rank_is_one_decision_raise(tmp_path, tiny_shapes):
     with pytest.raises(RanksFailed) as failed:
-        spawn_ranks(fault_ranks.nonfinite_on_one_rank, 2, _nonfinite_overrides(tiny_shapes, tmp_path, "raise"), 1, 2,
-                    timeout=180)
+        spawn_ranks(
+            fault_ranks.nonfinite_on_one_rank,
+            2,
+            _nonfinite_overrides(tiny_shapes, tmp_path, "raise"),
+            1,
+            2,
+            timeout=180,
+        )
     # every rank takes the decision; the launcher reports the first to fail (and stops the other)
     reported = list(failed.value.failures.values())
-    assert reported and all("non-finite loss at step 2 on rank 1:" in text for text in reported), reported
+    assert reported and all("non-finite loss at step 2 on rank 1:" in text for text in reported), (
+        reported
+    )
     assert "trainer.on_nonfinite=skip" in reported[0]
 
 
-# 5 -----------------------------------------------------------------------------------------------------------------
+# 5
+# --------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["SIGTERM to the launcher", "SIGINT to the process group"])
-def test_a_stop_signal_checkpoints_every_rank_and_resume_continues(tmp_path, tiny_shapes, uninterrupted, how):
+def test_a_stop_signal_checkpoints_every_rank_and_resume_continues(
+    tmp_path, tiny_shapes, uninterrupted, how
+):
     run = tmp_path / "run"
     args = train_args(tiny_shapes, run, *LONG)
     proc = _start(args)
-    wait_for(lambda: len(losses_of(run)) >= 3 if (run / "metrics.csv").exists() else False, proc, 180, "step 3")
+    wait_for(
+        lambda: len(losses_of(run)) >= 3 if (run / "metrics.csv").exists() else False,
+        proc,
+        180,
+        "step 3",
+    )
     sent = time.time()
     if how.startswith("SIGTERM"):
         os.kill(proc.pid, signal.SIGTERM)
     else:
         os.killpg(proc.pid, signal.SIGINT)
     code, out = _finish(proc, 90)
-    assert time.time() - sent < 20  # the prompt is back once the checkpoint is written (torch's agent alone: 32 s)
+    # the prompt is back once the checkpoint is written (torch's agent alone: 32 s)
+    assert time.time() - sent < 20
     assert code == (143 if how.startswith("SIGTERM") else 130), out[-3000:]
-    (step, path), = list_checkpoints(run)[-1:]
-    assert f"after step {step} with a checkpoint; continue with: python " in out, out[-3000:]  # a terminal's Ctrl-C
-    # reaches the launcher and every rank: one request, not a second one that would give the checkpoint up
+    ((step, path),) = list_checkpoints(run)[-1:]
+    # a terminal's Ctrl-C
+    assert f"after step {step} with a checkpoint; continue with: python " in out, out[-3000:]
+    # reaches the launcher and every rank: one request, not a second one that would give the
+    # checkpoint up
     assert 3 <= step < 100 and (path / ".metadata").is_file()
     assert f"stopped after step {step} of 100" in (run / "train.log").read_text()
-    if how.startswith("SIGINT"):  # the stop is the same for both signals; one resume check covers them
+    # the stop is the same for both signals; one resume check covers them
+    if how.startswith("SIGINT"):
         return
     train_ok(*args)  # trainer.resume=auto (the default) in the same run dir
     assert f"resumed from {path}: step {step}" in (run / "train.log").read_text()
     _same_weights(uninterrupted, run)
 
 
-# 6 -----------------------------------------------------------------------------------------------------------------
+# 6
+# --------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("saves", ["sync", "async"])
-def test_kills_while_writing_checkpoints_never_leave_an_unloadable_newest(tmp_path, tiny_shapes, saves):
-    """A checkpoint every step (async: one always in flight while the next steps run); SIGKILL while one is being
-    written (its `.step_<N>.tmp` directory is there), at a random point of the write, five times, each time
-    resuming. After every kill the newest complete checkpoint loads in full."""
+def test_kills_while_writing_checkpoints_never_leave_an_unloadable_newest(
+    tmp_path, tiny_shapes, saves
+):
+    """A checkpoint every step (async: one always in flight while the next steps run); SIGKILL while
+    one is being written (its `.step_<N>.tmp` directory is there), at a random point of the write,
+    five times, each time resuming. After every kill the newest complete checkpoint loads in
+    full."""
     from visiondist.checkpoint.export.trained import load_trained
 
     run = tmp_path / "run"
-    args = train_args(tiny_shapes, run, "model.num_heads=2", "trainer.max_steps=1000", "trainer.max_epochs=1000",
-                      "trainer.checkpoint_every=1", "trainer.keep_last=2", "trainer.eval_every=10000",
-                      "trainer.log_every=1000", f"trainer.checkpoint_async={saves == 'async'}")
+    args = train_args(
+        tiny_shapes,
+        run,
+        "model.num_heads=2",
+        "trainer.max_steps=1000",
+        "trainer.max_epochs=1000",
+        "trainer.checkpoint_every=1",
+        "trainer.keep_last=2",
+        "trainer.eval_every=10000",
+        "trainer.log_every=1000",
+        f"trainer.checkpoint_async={saves == 'async'}",
+    )
     rng = random.Random()
     newest, during_a_write = 0, 0
     for kill in range(5):
         proc = _start(args)
-        wait_for(lambda: list_checkpoints(run) and list_checkpoints(run)[-1][0] >= newest + 2, proc, 120,
-                 f"two new checkpoints (kill {kill})")
+        wait_for(
+            lambda newest=newest: (
+                list_checkpoints(run) and list_checkpoints(run)[-1][0] >= newest + 2
+            ),
+            proc,
+            120,
+            f"two new checkpoints (kill {kill})",
+        )
         during_a_write += _kill_during_a_write(proc, run / CHECKPOINTS, rng)
         proc.communicate()
         found = list_checkpoints(run)
@@ -213,21 +326,27 @@ def test_kills_while_writing_checkpoints_never_leave_an_unloadable_newest(tmp_pa
         step, path = found[-1]
         trained = load_trained(run, step)  # every tensor of the newest is there
         assert trained.step == step and trained.source == path
-        for entry in (run / CHECKPOINTS).iterdir():  # anything else is an unfinished write or removal
+        # anything else is an unfinished write or removal
+        for entry in (run / CHECKPOINTS).iterdir():
             assert entry.name.startswith(".step_") or (entry / ".metadata").is_file(), entry
         assert step >= newest
         newest = step
-    assert during_a_write >= 3, during_a_write  # most kills cut a write short (else the test tested little)
+    # most kills cut a write short (else the test tested little)
+    assert during_a_write >= 3, during_a_write
 
 
 def _kill_during_a_write(proc: subprocess.Popen, checkpoints: Path, rng: random.Random) -> bool:
-    """SIGKILL the job's process group while a checkpoint is being written (a `.step_<N>.tmp` directory is there),
-    up to 20 ms into it; after 2 s without one seen, wherever it is. Returns whether one was seen."""
+    """SIGKILL the job's process group while a checkpoint is being written (a `.step_<N>.tmp`
+    directory is there), up to 20 ms into it; after 2 s without one seen, wherever it is. Returns
+    whether one was seen."""
     deadline = time.monotonic() + 2.0
     seen = False
     while not seen and time.monotonic() < deadline:
         try:
-            seen = any(e.name.endswith(".tmp") and e.name.startswith(".step_") for e in checkpoints.iterdir())
+            seen = any(
+                e.name.endswith(".tmp") and e.name.startswith(".step_")
+                for e in checkpoints.iterdir()
+            )
         except FileNotFoundError:
             pass
         time.sleep(rng.uniform(0.0, 0.02) if seen else 0.002)
@@ -235,34 +354,62 @@ def _kill_during_a_write(proc: subprocess.Popen, checkpoints: Path, rng: random.
     return seen
 
 
-# 7 -----------------------------------------------------------------------------------------------------------------
+# 7
+# --------------------------------------------------------------------------------------------------
 def test_hydra_targets_are_never_instantiated(tmp_path):
     from helpers import run_cli
 
     result = run_cli(["+model._target_=os.system", "trainer.max_steps=1"], timeout=60)
     assert result.returncode == 2 and "_target_" in result.stdout
     marker = tmp_path / "pwned"
-    result = run_cli(["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", f"data.root={tmp_path}/d",
-                      "+model.kwargs._target_=os.system", f"+model.kwargs._args_=[touch {marker}]",
-                      "trainer.max_steps=1", "trainer.accelerator=cpu", f"trainer.run_dir={tmp_path}/r",
-                      "data.synthetic.train_images=4", "data.synthetic.val_images=2", "trainer.progress=false"],
-                     timeout=120)
+    result = run_cli(
+        [
+            "model=fasterrcnn_mobilenet_v3",
+            "data=shapes_coco",
+            f"data.root={tmp_path}/d",
+            "+model.kwargs._target_=os.system",
+            f"+model.kwargs._args_=[touch {marker}]",
+            "trainer.max_steps=1",
+            "trainer.accelerator=cpu",
+            f"trainer.run_dir={tmp_path}/r",
+            "data.synthetic.train_images=4",
+            "data.synthetic.val_images=2",
+            "trainer.progress=false",
+        ],
+        timeout=120,
+    )
     assert result.returncode != 0 and not marker.exists()
 
 
-# 9 -----------------------------------------------------------------------------------------------------------------
+# 9
+# --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_ctrl_c_stops_a_benchmark_after_the_step_in_flight(tmp_path, tiny_shapes, ranks):
-    """A benchmark used to note the signal and time every remaining step. Ctrl-C (SIGINT to the process group) ends
-    it after the step in flight, on every rank, with 130 and one line; nothing is appended to the results."""
+    """A benchmark used to note the signal and time every remaining step. Ctrl-C (SIGINT to the
+    process group) ends it after the step in flight, on every rank, with 130 and one line; nothing
+    is appended to the results."""
     results = tmp_path / "results"
-    args = [*TINY_DATA, f"data.root={tiny_shapes}", "trainer.accelerator=cpu", "trainer.loggers=[csv]",
-            f"trainer.output_dir={tmp_path / 'runs'}", f"parallel.dp={ranks}", "bench.warmup=1", "bench.steps=2000",
-            "bench.rounds=2", f"bench.results_dir={results}", "bench.loader_batches=0"]
+    args = [
+        *TINY_DATA,
+        f"data.root={tiny_shapes}",
+        "trainer.accelerator=cpu",
+        "trainer.loggers=[csv]",
+        f"trainer.output_dir={tmp_path / 'runs'}",
+        f"parallel.dp={ranks}",
+        "bench.warmup=1",
+        "bench.steps=2000",
+        "bench.rounds=2",
+        f"bench.results_dir={results}",
+        "bench.loader_batches=0",
+    ]
     proc = start_job([sys.executable, str(REPO / "tools" / "benchmark.py"), *args])
     logs = tmp_path / "runs"
-    wait_for(lambda: any("optimizer: adamw" in p.read_text() for p in logs.rglob("benchmark.log")), proc, 180,
-             "the benchmark's trainer")
+    wait_for(
+        lambda: any("optimizer: adamw" in p.read_text() for p in logs.rglob("benchmark.log")),
+        proc,
+        180,
+        "the benchmark's trainer",
+    )
     time.sleep(5)  # timing the steps by now
     sent = time.time()
     os.killpg(proc.pid, signal.SIGINT)

@@ -1,23 +1,41 @@
-"""What a training run reports, through tools/train.py: top-5 only above 10 classes (the log lines, metrics.csv and
-so curves.png, the summary, the final line), on the built-in 6-class set and on a 20-class ImageFolder tree."""
+"""What a training run reports, through tools/train.py: top-5 only above 10 classes (the log lines,
+metrics.csv and so curves.png, the summary, the final line), on the built-in 6-class set and on a
+20-class ImageFolder tree."""
 
 import json
 import re
 
 import pytest
-
 from helpers import TINY_DATA, random_imagefolder, run_cli
+
 from visiondist.observe.metrics import read_metrics
 
 
 @pytest.mark.parametrize("classes", [6, 20])
 def test_top5_is_reported_only_above_ten_classes(tmp_path, tiny_shapes, classes):
-    data = ([*TINY_DATA, f"data.root={tiny_shapes}"] if classes == 6 else
-            [*(a for a in TINY_DATA if not a.startswith("data.synthetic.")), "data=imagenet",
-             f"data.root={random_imagefolder(tmp_path / 'data', classes, train_per_class=2)}", "data.batch_size=8", "data.eval_batch_size=8"])
+    data = (
+        [*TINY_DATA, f"data.root={tiny_shapes}"]
+        if classes == 6
+        else [
+            *(a for a in TINY_DATA if not a.startswith("data.synthetic.")),
+            "data=imagenet",
+            f"data.root={random_imagefolder(tmp_path / 'data', classes, train_per_class=2)}",
+            "data.batch_size=8",
+            "data.eval_batch_size=8",
+        ]
+    )
     run = tmp_path / "run"
-    result = run_cli([*data, "trainer.max_steps=2", "trainer.eval_every=1", "trainer.loggers=[csv]",
-                      "trainer.accelerator=cpu", f"trainer.run_dir={run}"], timeout=180)
+    result = run_cli(
+        [
+            *data,
+            "trainer.max_steps=2",
+            "trainer.eval_every=1",
+            "trainer.loggers=[csv]",
+            "trainer.accelerator=cpu",
+            f"trainer.run_dir={run}",
+        ],
+        timeout=180,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     evals = [line for line in result.stdout.splitlines() if line.startswith("eval  step")]
     final = next(line for line in result.stdout.splitlines() if line.startswith("val top-1:"))
@@ -25,28 +43,58 @@ def test_top5_is_reported_only_above_ten_classes(tmp_path, tiny_shapes, classes)
     header = (run / "metrics.csv").read_text().splitlines()[0].split(",")
     assert len(evals) == 2 and "val_top1" in header
     if classes > 10:
-        assert all("| top-5 " in line for line in evals) and "top-5: " in final and "val top-5 (%)" in summary
-        assert [r["val_top5"] is not None for r in read_metrics(run / "metrics.csv") if r["val_top1"] is not None] \
-            == [True, True]
+        assert (
+            all("| top-5 " in line for line in evals)
+            and "top-5: " in final
+            and "val top-5 (%)" in summary
+        )
+        assert [
+            r["val_top5"] is not None
+            for r in read_metrics(run / "metrics.csv")
+            if r["val_top1"] is not None
+        ] == [True, True]
     else:
         assert not any("top-5" in line for line in evals) and "top-5" not in final
-        assert "val top-5 (%)" not in summary and "val_top5" not in header and "val_ema_top5" not in header
+        assert (
+            "val top-5 (%)" not in summary
+            and "val_top5" not in header
+            and "val_ema_top5" not in header
+        )
 
 
-def test_an_epoch_limited_run_writes_its_checkpoint_and_weights_before_the_last_evaluation(tmp_path, tiny_shapes):
-    """RELIABILITY.md's "nothing is lost": at the end of the last epoch (an evaluation is due there too) the
-    checkpoint and model.safetensors come first; the evaluation after an earlier epoch still runs at once. train.log
-    also holds the layout line the console printed before the run dir existed (once on the console), and every rate
-    has one decimal."""
+def test_an_epoch_limited_run_writes_its_checkpoint_and_weights_before_the_last_evaluation(
+    tmp_path, tiny_shapes
+):
+    """RELIABILITY.md's "nothing is lost": at the end of the last epoch (an evaluation is due there
+    too) the checkpoint and model.safetensors come first; the evaluation after an earlier epoch
+    still runs at once. train.log also holds the layout line the console printed before the run dir
+    existed (once on the console), and every rate has one decimal."""
     run = tmp_path / "run"
-    result = run_cli([*TINY_DATA, f"data.root={tiny_shapes}", "data.batch_size=16", "trainer.max_epochs=2",
-                      "trainer.log_every=2", "trainer.loggers=[csv]", "trainer.accelerator=cpu",
-                      f"trainer.run_dir={run}"], timeout=180)
+    result = run_cli(
+        [
+            *TINY_DATA,
+            f"data.root={tiny_shapes}",
+            "data.batch_size=16",
+            "trainer.max_epochs=2",
+            "trainer.log_every=2",
+            "trainer.loggers=[csv]",
+            "trainer.accelerator=cpu",
+            f"trainer.run_dir={run}",
+        ],
+        timeout=180,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
-    log = [line.split(": ", 1)[1] for line in (run / "train.log").read_text().splitlines() if ": " in line]
+    log = [
+        line.split(": ", 1)[1]
+        for line in (run / "train.log").read_text().splitlines()
+        if ": " in line
+    ]
     order = [i for i, line in enumerate(log) if line.startswith(("eval  step", "saved checkpoint"))]
-    assert [log[i].split(" |")[0] for i in order] == ["eval  step 6", f"saved checkpoint {run}/checkpoints/step_12",
-                                                      "eval  step 12"], [log[i] for i in order]
+    assert [log[i].split(" |")[0] for i in order] == [
+        "eval  step 6",
+        f"saved checkpoint {run}/checkpoints/step_12",
+        "eval  step 12",
+    ], [log[i] for i in order]
     assert sum(line.startswith("parallel=auto chose dp=1 tp=1 pp=1") for line in log) == 1
     assert result.stdout.count("parallel=auto chose") == 1
     rates = [line.rsplit("| ", 1)[1] for line in log if line.startswith("step ")]

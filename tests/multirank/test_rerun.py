@@ -1,31 +1,57 @@
-"""Running the command that started a run again, as a user does after a crash and as a SLURM requeue does: it
-continues the run, or says it is complete, although the run inferred values the command leaves open (the class
-count from the class folders, the loader workers from the cores, the layout under parallel=auto), and a recipe
-(`experiment=`) is part of the command."""
+"""Running the command that started a run again, as a user does after a crash and as a SLURM requeue
+does: it continues the run, or says it is complete, although the run inferred values the command
+leaves open (the class count from the class folders, the loader workers from the cores, the layout
+under parallel=auto), and a recipe (`experiment=`) is part of the command."""
 
 from __future__ import annotations
 
 import sys
 
 import pytest
-
-from helpers import REPO, fake_slurm, job_env, losses_of, run_cli, run_together, start_job, finish_job
+from helpers import (
+    REPO,
+    fake_slurm,
+    finish_job,
+    job_env,
+    losses_of,
+    run_cli,
+    run_together,
+    start_job,
+)
 
 FAULT_TRAIN = REPO / "tests" / "multirank" / "fault_train.py"
 STEPS = 6
 
 
 def _command(root, run, *extra):
-    """data=imagenet on the tiny shapes tree (classes inferred), workers and layout left to the run."""
-    return ["data=imagenet", f"data.root={root}", "model=vit_tiny", "model.depth=2", "model.num_heads=2",
-            "data.img_size=32", "data.batch_size=8", "data.eval_batch_size=8", "data.num_workers=-1", "parallel=auto",
-            f"trainer.max_steps={STEPS}", "trainer.checkpoint_every=2", "trainer.eval_every=1000", "trainer.log_every=1",
-            "trainer.accelerator=cpu", "trainer.loggers=[csv]", "trainer.progress=false", f"trainer.run_dir={run}",
-            *extra]
+    """data=imagenet on the tiny shapes tree (classes inferred), workers and layout left to the
+    run."""
+    return [
+        "data=imagenet",
+        f"data.root={root}",
+        "model=vit_tiny",
+        "model.depth=2",
+        "model.num_heads=2",
+        "data.img_size=32",
+        "data.batch_size=8",
+        "data.eval_batch_size=8",
+        "data.num_workers=-1",
+        "parallel=auto",
+        f"trainer.max_steps={STEPS}",
+        "trainer.checkpoint_every=2",
+        "trainer.eval_every=1000",
+        "trainer.log_every=1",
+        "trainer.accelerator=cpu",
+        "trainer.loggers=[csv]",
+        "trainer.progress=false",
+        f"trainer.run_dir={run}",
+        *extra,
+    ]
 
 
 def _crashed(command, fault="save_fail:2"):
-    """The command under tests/multirank/fault_train.py: the second checkpoint write fails (step 4), the job ends."""
+    """The command under tests/multirank/fault_train.py: the second checkpoint write fails (step 4),
+    the job ends."""
     proc = start_job([sys.executable, str(FAULT_TRAIN), *command], job_env(VISIONDIST_FAULT=fault))
     out = finish_job(proc, 240, "the crashing run")
     assert proc.returncode != 0 and "injected write error" in out, out[-3000:]
@@ -42,12 +68,27 @@ def straight(tmp_path_factory, tiny_shapes):
     return run
 
 
-@pytest.mark.parametrize("recipe", [[], ["experiment=vit_b16_imagenet", "trainer.precision=32", "data.mixup=0",
-                                         "data.cutmix=0", "data.auto_augment=none", "data.random_erasing=0"]],
-                         ids=["groups", "experiment"])
-def test_the_same_command_continues_a_crashed_run_then_says_it_is_complete(tmp_path, tiny_shapes, straight, recipe):
-    """The command (2 self-launched ranks) crashes at step 4's checkpoint; the same command again continues from
-    step 2 with the uninterrupted run's losses; once more, it says the run is complete and changes nothing."""
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        [],
+        [
+            "experiment=vit_b16_imagenet",
+            "trainer.precision=32",
+            "data.mixup=0",
+            "data.cutmix=0",
+            "data.auto_augment=none",
+            "data.random_erasing=0",
+        ],
+    ],
+    ids=["groups", "experiment"],
+)
+def test_the_same_command_continues_a_crashed_run_then_says_it_is_complete(
+    tmp_path, tiny_shapes, straight, recipe
+):
+    """The command (2 self-launched ranks) crashes at step 4's checkpoint; the same command again
+    continues from step 2 with the uninterrupted run's losses; once more, it says the run is
+    complete and changes nothing."""
     run = tmp_path / "run"
     command = _command(tiny_shapes, run, "trainer.devices=2", *recipe)
     _crashed(command)
@@ -56,32 +97,44 @@ def test_the_same_command_continues_a_crashed_run_then_says_it_is_complete(tmp_p
     assert "was trained with" not in result.stdout
     if not recipe:  # the recipe's own settings (EMA, label smoothing, schedule) train other numbers
         assert [losses_of(run)[s] for s in range(3, STEPS + 1)] == pytest.approx(
-            [losses_of(straight)[s] for s in range(3, STEPS + 1)], rel=1e-6)
+            [losses_of(straight)[s] for s in range(3, STEPS + 1)], rel=1e-6
+        )
     assert sorted(losses_of(run)) == list(range(1, STEPS + 1))
-    kept = {name: (run / name).read_bytes() for name in ("summary.json", "metrics.csv", "model.safetensors")}
+    kept = {
+        name: (run / name).read_bytes()
+        for name in ("summary.json", "metrics.csv", "model.safetensors")
+    }
     result = run_cli(command)
-    assert result.returncode == 0 and f"is complete at step {STEPS}: nothing to do" in result.stdout, \
-        result.stdout[-3000:]
+    assert (
+        result.returncode == 0 and f"is complete at step {STEPS}: nothing to do" in result.stdout
+    ), result.stdout[-3000:]
     assert kept == {name: (run / name).read_bytes() for name in kept}
 
 
 def test_a_changed_command_is_still_refused(tmp_path, tiny_shapes, straight):
-    """What the command asks is compared, not what the run inferred: another class count is a change."""
+    """What the command asks is compared, not what the run inferred: another class count is a
+    change."""
     result = run_cli(_command(tiny_shapes, straight, "trainer.devices=2", "data.num_classes=5"))
     assert result.returncode == 2
-    assert "was trained with data.num_classes=6, this command asks data.num_classes=5" in result.stdout
+    assert (
+        "was trained with data.num_classes=6, this command asks data.num_classes=5" in result.stdout
+    )
 
 
-def test_a_requeued_slurm_job_continues_its_run_then_says_it_is_complete(tmp_path, tiny_shapes, straight):
-    """tools/slurm_train.sh under a stand-in srun (2 nodes x 1 task): the first attempt crashes at step 4's
-    checkpoint; the requeued job, the same script and arguments, continues with the uninterrupted run's losses; a
-    third submission says the run is complete."""
+def test_a_requeued_slurm_job_continues_its_run_then_says_it_is_complete(
+    tmp_path, tiny_shapes, straight
+):
+    """tools/slurm_train.sh under a stand-in srun (2 nodes x 1 task): the first attempt crashes at
+    step 4's checkpoint; the requeued job, the same script and arguments, continues with the
+    uninterrupted run's losses; a third submission says the run is complete."""
     run = tmp_path / "slurm_run"
     args = [a for a in _command(tiny_shapes, run) if not a.startswith("trainer.run_dir")]
 
     def submit(**extra):
         env = {**fake_slurm(tmp_path / "bin", "4243", nodes=2, per_node=1, run_dir=run), **extra}
-        (result,) = run_together([["bash", str(REPO / "tools" / "slurm_train.sh"), *args]], timeout=300, envs=[env])
+        (result,) = run_together(
+            [["bash", str(REPO / "tools" / "slurm_train.sh"), *args]], timeout=300, envs=[env]
+        )
         return result
 
     first = submit(SRUN_SCRIPT=str(FAULT_TRAIN), VISIONDIST_FAULT="save_fail:2")
@@ -89,7 +142,9 @@ def test_a_requeued_slurm_job_continues_its_run_then_says_it_is_complete(tmp_pat
     requeued = submit()
     assert requeued.returncode == 0 and "resumed from" in requeued.stdout, requeued.stdout[-3000:]
     assert [losses_of(run)[s] for s in range(3, STEPS + 1)] == pytest.approx(
-        [losses_of(straight)[s] for s in range(3, STEPS + 1)], rel=1e-6)
+        [losses_of(straight)[s] for s in range(3, STEPS + 1)], rel=1e-6
+    )
     again = submit()
-    assert again.returncode == 0 and f"is complete at step {STEPS}: nothing to do" in again.stdout, \
-        again.stdout[-3000:]
+    assert (
+        again.returncode == 0 and f"is complete at step {STEPS}: nothing to do" in again.stdout
+    ), again.stdout[-3000:]

@@ -1,2 +1,2 @@
-"""Tests that start no process: one interpreter, no ranks, no command line run (tests/unit/conftest.py
-refuses a process start)."""
+"""Tests that start no process: one interpreter, no ranks, no command line run
+(tests/unit/conftest.py refuses a process start)."""

@@ -1,6 +1,7 @@
-"""Unit tests start no process of the project's: a command line run (Python, torchrun, srun) or a rank launch here
-fails the test, naming where it belongs (tests/multirank/). Loader worker processes are part of a unit (a DataLoader)
-and stay allowed, as do the system tools a library asks once (matplotlib's first font scan runs `fc-list`)."""
+"""Unit tests start no process of the project's: a command line run (Python, torchrun, srun) or a
+rank launch here fails the test, naming where it belongs (tests/multirank/). Loader worker processes
+are part of a unit (a DataLoader) and stay allowed, as do the system tools a library asks once
+(matplotlib's first font scan runs `fc-list`)."""
 
 import os
 import subprocess
@@ -36,5 +37,7 @@ def no_processes(monkeypatch):
         popen(self, *args, **kwargs)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
-    monkeypatch.setattr(torch.multiprocessing, "start_processes", _refuse("ranks (torch.multiprocessing)"))
+    monkeypatch.setattr(
+        torch.multiprocessing, "start_processes", _refuse("ranks (torch.multiprocessing)")
+    )
     yield

@@ -5,18 +5,27 @@ from pathlib import Path
 import pytest
 
 from visiondist.config import ConfigError, compose
-from visiondist.plan import resolve
 from visiondist.models.shape import ViTShape
+from visiondist.plan import plan_for, resolve
 from visiondist.plan.planner import Candidate, Hardware, plan
-from visiondist.plan import plan_for
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def _cfg(*overrides):
-    # host memory pinned (a GPU node's 2 TB): the default, this machine's memory, would make offload's fit vary
-    return compose(CONFIGS, ["data=imagenet", "data.root=/data", "data.num_classes=1000", "parallel=auto",
-                             "parallel.host_memory_gb=2000", *overrides])
+    # host memory pinned (a GPU node's 2 TB): the default, this machine's memory, would make
+    # offload's fit vary
+    return compose(
+        CONFIGS,
+        [
+            "data=imagenet",
+            "data.root=/data",
+            "data.num_classes=1000",
+            "parallel=auto",
+            "parallel.host_memory_gb=2000",
+            *overrides,
+        ],
+    )
 
 
 def test_ddp_for_vit_base_on_80gb_devices():
@@ -29,7 +38,8 @@ def test_fsdp_or_tp_inside_a_node_when_the_state_does_not_fit_one_device():
     cfg = _cfg("model=vit_giant", "data.batch_size=256", "trainer.precision=bf16")
     result = plan_for(cfg, devices=8, nodes=1, memory_gb=16)
     ddp = next(r for r in result.rows if r.candidate == Candidate(dp=8))
-    assert ddp.memory.state > result.hardware.budget  # parameters + gradients + AdamW alone exceed the device
+    # parameters + gradients + AdamW alone exceed the device
+    assert ddp.memory.state > result.hardware.budget
     c = result.choice.candidate
     assert c.fsdp or c.tp > 1
     assert c.pp == 1
@@ -41,15 +51,20 @@ def test_pipeline_across_nodes_when_tensor_parallel_inside_a_node_is_not_enough(
     cfg = _cfg("model=vit_22b", "trainer.precision=bf16")
     result = plan_for(cfg, devices=16, nodes=2, memory_gb=80)
     assert result.choice.candidate.pp > 1
-    within_node = [r for r in result.rows if r.candidate.pp == 1 and not r.candidate.fsdp and r.memory]
-    assert within_node and max(r.candidate.tp for r in within_node) == 8  # TP went as far as the node allows
-    # inside a node, TP fits the batch only by accumulating (smaller micro-batches), and the pipeline is faster
+    within_node = [
+        r for r in result.rows if r.candidate.pp == 1 and not r.candidate.fsdp and r.memory
+    ]
+    # TP went as far as the node allows
+    assert within_node and max(r.candidate.tp for r in within_node) == 8
+    # inside a node, TP fits the batch only by accumulating (smaller micro-batches), and the
+    # pipeline is faster
     assert all(r.candidate.accum > 1 for r in within_node if r.fits)
     assert all(r.seconds["total"] > result.choice.seconds["total"] for r in within_node if r.fits)
 
 
 def test_refuses_with_the_smallest_device_count_that_fits():
-    # 64 GB of host memory a node: offload cannot hold ViT-22B's state, and accumulation lowers only activations
+    # 64 GB of host memory a node: offload cannot hold ViT-22B's state, and accumulation lowers only
+    # activations
     cfg = _cfg("model=vit_22b", "trainer.precision=bf16", "parallel.host_memory_gb=64")
     result = plan_for(cfg, devices=8, nodes=1, memory_gb=16)
     assert result.choice is None
@@ -57,36 +72,64 @@ def test_refuses_with_the_smallest_device_count_that_fits():
     assert plan_for(cfg, devices=32, nodes=4, memory_gb=16).choice is not None
     assert plan_for(cfg, devices=24, nodes=3, memory_gb=16).choice is None
     with pytest.raises(ConfigError, match="smallest that fits is 32 devices"):
-        resolve(_cfg("model=vit_22b", "trainer.precision=bf16", "parallel.device_memory_gb=16",
-                     "parallel.host_memory_gb=64", "trainer.devices=8", "trainer.accelerator=cpu"), {}, 0)
+        resolve(
+            _cfg(
+                "model=vit_22b",
+                "trainer.precision=bf16",
+                "parallel.device_memory_gb=16",
+                "parallel.host_memory_gb=64",
+                "trainer.devices=8",
+                "trainer.accelerator=cpu",
+            ),
+            {},
+            0,
+        )
 
 
 def test_accumulation_or_checkpointing_whichever_the_time_model_finds_cheaper():
     # one device, vit_base, batches whose activations (not the state) overflow
     shape = ViTShape(768, 12, 12, 4.0, 16, 224, 1000)
     large = plan(shape, Hardware(devices=1, memory_gb=16), global_batch=256, precision="bf16")
-    assert large.choice.candidate == Candidate(dp=1, accum=2)  # 128 images a micro-batch keep the matmuls busy
+    # 128 images a micro-batch keep the matmuls busy
+    assert large.choice.candidate == Candidate(dp=1, accum=2)
     assert large.choice.memory.detail["micro_batch"] == 128
     ckpt = next(r for r in large.rows if r.candidate == Candidate(dp=1, checkpointing=True))
-    assert ckpt.fits and ckpt.seconds["total"] > large.choice.seconds["total"]  # recomputing costs a third more
+    # recomputing costs a third more
+    assert ckpt.fits and ckpt.seconds["total"] > large.choice.seconds["total"]
     small = plan(shape, Hardware(devices=1, memory_gb=1.8), global_batch=8, precision="bf16")
-    assert small.choice.candidate == Candidate(dp=1, checkpointing=True)  # accumulating would leave 1-image matmuls
-    accumulated = next(r for r in small.rows if r.candidate.accum > 1 and not r.candidate.checkpointing)
+    # accumulating would leave 1-image matmuls
+    assert small.choice.candidate == Candidate(dp=1, checkpointing=True)
+    accumulated = next(
+        r for r in small.rows if r.candidate.accum > 1 and not r.candidate.checkpointing
+    )
     assert accumulated.fits and accumulated.memory.detail["micro_batch"] == 1
     assert accumulated.seconds["total"] > 1.5 * small.choice.seconds["total"]
 
 
 def test_auto_resolves_to_a_concrete_layout_and_leaves_the_config_as_asked():
-    cfg = _cfg("model=vit_small", "data=shapes", "parallel.device_memory_gb=0.05", "trainer.devices=4",
-               "trainer.accelerator=cpu")
+    cfg = _cfg(
+        "model=vit_small",
+        "data=shapes",
+        "parallel.device_memory_gb=0.05",
+        "trainer.devices=4",
+        "trainer.accelerator=cpu",
+    )
     run, result = resolve(cfg, {}, 0)
     c = result.choice.candidate
-    assert (c.dp, c.tp, c.pp, c.fsdp) != (4, 1, 1, False)  # not DDP: its state alone is 0.35 GB per device
+    # not DDP: its state alone is 0.35 GB per device
+    assert (c.dp, c.tp, c.pp, c.fsdp) != (4, 1, 1, False)
     assert (run.dp, run.tp, run.pp, run.fsdp, run.offload, run.activation_checkpointing) == (
-        c.dp, c.tp, c.pp, c.fsdp, c.offload, c.checkpointing)
+        c.dp,
+        c.tp,
+        c.pp,
+        c.fsdp,
+        c.offload,
+        c.checkpointing,
+    )
     assert run.world_size == 4 and run.chosen_by == "parallel=auto" and run.reason == result.reason
     assert run.checkpoint_blocks in (0, cfg.model.depth)  # no -1 left
-    assert cfg.parallel.auto and cfg.parallel.dp == -1  # the config is not rewritten: config.yaml keeps the request
+    # the config is not rewritten: config.yaml keeps the request
+    assert cfg.parallel.auto and cfg.parallel.dp == -1
     assert result.choice.memory.device <= 0.9 * 0.05e9
 
 
@@ -95,59 +138,113 @@ def test_a_continued_auto_run_keeps_the_layout_it_started_with(tmp_path):
 
     first = RunLayout("cpu", 4, 4, dp=2, tp=2, chosen_by="parallel=auto")
     first.save(tmp_path)
-    cfg = _cfg("model=vit_small", "data=shapes", "trainer.devices=4", "trainer.accelerator=cpu",
-               f"trainer.run_dir={tmp_path}")
+    cfg = _cfg(
+        "model=vit_small",
+        "data=shapes",
+        "trainer.devices=4",
+        "trainer.accelerator=cpu",
+        f"trainer.run_dir={tmp_path}",
+    )
     run, plan = resolve(cfg, {}, 0)
     assert plan is None and (run.dp, run.tp, run.pp) == (2, 2, 1)  # not re-planned (DDP would fit)
     assert "layout.json" in run.reason
-    other = _cfg("model=vit_small", "data=shapes", "trainer.devices=2", "trainer.accelerator=cpu",
-                 f"trainer.run_dir={tmp_path}")
-    assert resolve(other, {}, 0)[1] is not None  # another world: planned afresh (checkpoints reshard)
+    other = _cfg(
+        "model=vit_small",
+        "data=shapes",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        f"trainer.run_dir={tmp_path}",
+    )
+    # another world: planned afresh (checkpoints reshard)
+    assert resolve(other, {}, 0)[1] is not None
 
 
 def test_auto_is_the_default_and_is_plain_ddp_when_the_state_fits():
     default = compose(CONFIGS, ["trainer.accelerator=cpu"])  # the README's main job
     assert default.parallel.auto
     run, result = resolve(default, {}, 0)
-    assert (run.world_size, run.dp, run.tp, run.pp, run.fsdp, run.activation_checkpointing) == (1, 1, 1, 1, False,
-                                                                                               False)
+    assert (run.world_size, run.dp, run.tp, run.pp, run.fsdp, run.activation_checkpointing) == (
+        1,
+        1,
+        1,
+        1,
+        False,
+        False,
+    )
     assert run.chosen_by == "parallel=auto" and "fit each device under DDP" in run.reason
-    assert "the host's" in run.reason and "1 rank per node (CPU)" in run.reason  # where the budget comes from
+    # where the budget comes from
+    assert "the host's" in run.reason and "1 rank per node (CPU)" in run.reason
     two, _ = resolve(compose(CONFIGS, ["trainer.accelerator=cpu", "parallel.dp=2"]), {}, 0)
     assert (two.world_size, two.dp, two.tp) == (2, 2, 1)  # parallel.dp=N: N ranks, still DDP
-    # every field the ranks read is what parallel=ddp gives: the default run is the DDP run, only its label differs
+    # every field the ranks read is what parallel=ddp gives: the default run is the DDP run, only
+    # its label differs
     for overrides in ([], ["parallel.dp=2"], ["model=vit_base", "data.batch_size=256"]):
         auto, _ = resolve(compose(CONFIGS, ["trainer.accelerator=cpu", *overrides]), {}, 0)
-        ddp, _ = resolve(compose(CONFIGS, ["trainer.accelerator=cpu", "parallel=ddp", *overrides]), {}, 0)
+        ddp, _ = resolve(
+            compose(CONFIGS, ["trainer.accelerator=cpu", "parallel=ddp", *overrides]), {}, 0
+        )
         assert auto.replace(chosen_by=ddp.chosen_by, reason=ddp.reason) == ddp, overrides
 
 
 def test_auto_shards_vit_huge_only_when_ddp_does_not_fit():
     def run_for(memory_gb):
-        return resolve(compose(CONFIGS, ["model=vit_huge", "parallel.dp=2", "trainer.accelerator=cpu",
-                                         f"parallel.device_memory_gb={memory_gb}"]), {}, 0)
+        return resolve(
+            compose(
+                CONFIGS,
+                [
+                    "model=vit_huge",
+                    "parallel.dp=2",
+                    "trainer.accelerator=cpu",
+                    f"parallel.device_memory_gb={memory_gb}",
+                ],
+            ),
+            {},
+            0,
+        )
 
     big, _ = run_for(80)
     assert (big.dp, big.tp, big.pp, big.fsdp) == (2, 1, 1, False)
     small, result = run_for(8)
-    assert (small.dp, small.tp, small.pp, small.fsdp, small.activation_checkpointing) != (2, 1, 1, False, False)
+    assert (small.dp, small.tp, small.pp, small.fsdp, small.activation_checkpointing) != (
+        2,
+        1,
+        1,
+        False,
+        False,
+    )
     assert "DDP would need 14 GB per device, over the 7.2 GB" in result.reason
     assert "parallel.device_memory_gb" in result.reason
 
 
 def test_detectors_under_auto_run_ddp():
-    cfg = compose(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "trainer.accelerator=cpu",
-                            "parallel.dp=2"])
+    cfg = compose(
+        CONFIGS,
+        [
+            "model=fasterrcnn_mobilenet_v3",
+            "data=shapes_coco",
+            "trainer.accelerator=cpu",
+            "parallel.dp=2",
+        ],
+    )
     run, result = resolve(cfg, {}, 0)
     assert result is None and (run.dp, run.tp, run.pp, run.fsdp) == (2, 1, 1, False)
     assert run.chosen_by == "parallel=auto" and "detector" in run.reason
 
 
 def test_offloaded_state_must_fit_the_nodes_host_memory():
-    # ViT-22B on 8 x 16 GB: FSDP + offload fits the devices, with 43.5 GB of state per rank in host memory
+    # ViT-22B on 8 x 16 GB: FSDP + offload fits the devices, with 43.5 GB of state per rank in host
+    # memory
     def result_for(host_gb, *more):
-        cfg = compose(CONFIGS, ["model=vit_22b", "data.num_classes=1000", "parallel.device_memory_gb=16",
-                                f"parallel.host_memory_gb={host_gb}", *more])
+        cfg = compose(
+            CONFIGS,
+            [
+                "model=vit_22b",
+                "data.num_classes=1000",
+                "parallel.device_memory_gb=16",
+                f"parallel.host_memory_gb={host_gb}",
+                *more,
+            ],
+        )
         return plan_for(cfg, devices=8, nodes=1, memory_gb=16)
 
     big = result_for(2000)
@@ -155,10 +252,15 @@ def test_offloaded_state_must_fit_the_nodes_host_memory():
     assert 8 * big.choice.memory.host <= 0.9 * 2000e9
     small = result_for(64)  # 348 GB a node cannot live in 64 GB
     assert small.choice is None
-    assert "and 57.6 GB (90% of 64 GB) of host memory per node (parallel.host_memory_gb)" in small.reason
+    assert (
+        "and 57.6 GB (90% of 64 GB) of host memory per node (parallel.host_memory_gb)"
+        in small.reason
+    )
     offloaded = [r for r in small.rows if r.candidate.offload and r.memory]
-    assert offloaded and all(r.note == "host" and not r.fits and r.memory.device <= small.hardware.budget
-                             for r in offloaded)
+    assert offloaded and all(
+        r.note == "host" and not r.fits and r.memory.device <= small.hardware.budget
+        for r in offloaded
+    )
 
 
 def test_on_the_cpu_offload_shares_the_hosts_memory_with_the_devices():
@@ -168,7 +270,10 @@ def test_on_the_cpu_offload_shares_the_hosts_memory_with_the_devices():
     apart = plan(shape, Hardware(devices=1, memory_gb=8, host_memory_gb=16), global_batch=8)
     assert apart.choice.candidate.offload  # the state goes to the host, the device holds the rest
     m = apart.choice.memory
-    shared = Hardware(devices=1, memory_gb=8, host_memory_gb=(m.host + m.device) / 0.9e9 * 0.99, shared_host=True)
+    shared = Hardware(
+        devices=1, memory_gb=8, host_memory_gb=(m.host + m.device) / 0.9e9 * 0.99, shared_host=True
+    )
     assert not shared.host_fits(m)  # the same bytes, but device and host are one memory
-    assert Hardware(devices=1, memory_gb=8, host_memory_gb=(m.host + m.device) / 0.9e9 * 1.01,
-                    shared_host=True).host_fits(m)
+    assert Hardware(
+        devices=1, memory_gb=8, host_memory_gb=(m.host + m.device) / 0.9e9 * 1.01, shared_host=True
+    ).host_fits(m)

@@ -1,16 +1,15 @@
-"""Bad input found in one process (a built-in set's class count without its files, a checkpoint's shapes from its
-metadata) and the fixes that keep going: position embeddings resampled for fine-tuning, a sweep past a failed job,
-weights files with the usual mode, a progress bar while evaluating. The command lines that stop with exit 2 and one
-`error:` line: tests/multirank/test_bad_input.py."""
+"""Bad input found in one process (a built-in set's class count without its files, a checkpoint's
+shapes from its metadata) and the fixes that keep going: position embeddings resampled for
+fine-tuning, a sweep past a failed job, weights files with the usual mode, a progress bar while
+evaluating. The command lines that stop with exit 2 and one `error:` line:
+tests/multirank/test_bad_input.py."""
 
 import json
 import os
 
 import pytest
 import torch
-
 from helpers import REPO
-
 
 CONFIGS = REPO / "configs"
 
@@ -19,25 +18,32 @@ def test_c_num_classes_of_a_built_in_set_is_checked_without_its_files():
     from visiondist.cli import load_config
     from visiondist.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"data.num_classes=4 but data=shapes \(built in\) has 6 classes: "
-                                          r"set data.num_classes=6"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.num_classes=4 but data=shapes \(built in\) has 6 classes: "
+        r"set data.num_classes=6",
+    ):
         load_config(CONFIGS, ["data.num_classes=4", "data.root=/nonexistent"])
 
 
 def test_d_checkpoint_shapes_are_read_from_its_metadata(tmp_path):
-    """A DCP checkpoint directory as model.weights: its tensor shapes come from the metadata alone."""
+    """A DCP checkpoint directory as model.weights: its tensor shapes come from the metadata
+    alone."""
     import torch.distributed.checkpoint as dcp
 
     from visiondist.models.weights import weight_shapes
 
-    dcp.save({"model": {"head.weight": torch.zeros(6, 4), "head.bias": torch.zeros(6)}, "optim": {}},
-             checkpoint_id=str(tmp_path / "step_1"), no_dist=True)
+    dcp.save(
+        {"model": {"head.weight": torch.zeros(6, 4), "head.bias": torch.zeros(6)}, "optim": {}},
+        checkpoint_id=str(tmp_path / "step_1"),
+        no_dist=True,
+    )
     assert weight_shapes(tmp_path / "step_1") == {"head.weight": (6, 4), "head.bias": (6,)}
 
 
 def test_e_init_from_resamples_the_position_embedding_like_timm(tmp_path, caplog):
-    """timm-layout weights made at 224 px start a 64-px model: its pos_embed is timm's resample of theirs (class
-    token kept), every other tensor is theirs, and one info line says so."""
+    """timm-layout weights made at 224 px start a 64-px model: its pos_embed is timm's resample of
+    theirs (class token kept), every other tensor is theirs, and one info line says so."""
     import logging
 
     from safetensors.torch import save_file
@@ -51,24 +57,35 @@ def test_e_init_from_resamples_the_position_embedding_like_timm(tmp_path, caplog
     torch.manual_seed(0)
     state = to_timm_state_dict(build_model(big.model).state_dict())
     save_file(state, str(tmp_path / "timm224.safetensors"))
-    small = load_config(CONFIGS, ["model.depth=1", "data.img_size=64",
-                                  f"model.init_from={tmp_path / 'timm224.safetensors'}"])
+    small = load_config(
+        CONFIGS,
+        [
+            "model.depth=1",
+            "data.img_size=64",
+            f"model.init_from={tmp_path / 'timm224.safetensors'}",
+        ],
+    )
     with caplog.at_level(logging.INFO, logger="visiondist.models.weights"):
         model = build_model(small.model)
     expected = resample_abs_pos_embed(state["pos_embed"], new_size=[4, 4], num_prefix_tokens=1)
     assert model.pos_embed.shape == (1, 17, 192)
     torch.testing.assert_close(model.pos_embed.detach(), expected, rtol=0, atol=0)
-    torch.testing.assert_close(model.pos_embed.detach()[:, 0], state["pos_embed"][:, 0], rtol=0, atol=0)
+    torch.testing.assert_close(
+        model.pos_embed.detach()[:, 0], state["pos_embed"][:, 0], rtol=0, atol=0
+    )
     torch.testing.assert_close(model.cls_token.detach(), state["cls_token"], rtol=0, atol=0)
-    torch.testing.assert_close(model.blocks[0].attn.q.weight.detach(), state["blocks.0.attn.qkv.weight"][:192])
+    torch.testing.assert_close(
+        model.blocks[0].attn.q.weight.detach(), state["blocks.0.attn.qkv.weight"][:192]
+    )
     assert "pos_embed resampled from 14 x 14 to 4 x 4 patches" in caplog.text
 
 
 def test_g_safetensors_files_follow_the_umask(tmp_path):
-    """safetensors writes 0o600; weights and exports get 0o644 under umask 022, like every other output."""
-    from visiondist.cli import load_config
+    """safetensors writes 0o600; weights and exports get 0o644 under umask 022, like every other
+    output."""
     from visiondist.checkpoint.export import export
     from visiondist.checkpoint.export.trained import Trained
+    from visiondist.cli import load_config
     from visiondist.models import build_model
     from visiondist.models.weights import save_weights
 
@@ -76,8 +93,11 @@ def test_g_safetensors_files_follow_the_umask(tmp_path):
     try:
         save_weights({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
         cfg = load_config(CONFIGS, ["model.depth=1"])
-        files = export(Trained(cfg, build_model(cfg.model).eval(), tmp_path, None, None), "safetensors",
-                       tmp_path / "export" / "model.safetensors")
+        files = export(
+            Trained(cfg, build_model(cfg.model).eval(), tmp_path, None, None),
+            "safetensors",
+            tmp_path / "export" / "model.safetensors",
+        )
     finally:
         os.umask(old)
     for path in (tmp_path / "model.safetensors", *files):
@@ -85,8 +105,8 @@ def test_g_safetensors_files_follow_the_umask(tmp_path):
 
 
 def test_f_a_failed_sweep_job_is_recorded_and_the_next_one_runs(tmp_path, capsys):
-    """Job 1 of 3 raises: jobs 0 and 2 still run, sweep.json and the table say which failed and why, the sweep
-    exits non-zero, and the banner numbers jobs as the directories do."""
+    """Job 1 of 3 raises: jobs 0 and 2 still run, sweep.json and the table say which failed and why,
+    the sweep exits non-zero, and the banner numbers jobs as the directories do."""
     from visiondist.cli.sweep import run_sweep
 
     ran = []
@@ -94,38 +114,53 @@ def test_f_a_failed_sweep_job_is_recorded_and_the_next_one_runs(tmp_path, capsys
     def run(cfg):
         ran.append(cfg.optim.lr)
         if cfg.optim.lr == 2e-3:
-            raise ValueError("data.num_classes=10 but the data has 7 classes: set data.num_classes=7\nmore detail")
+            raise ValueError(
+                "data.num_classes=10 but the data has 7 classes: set data.num_classes=7\nmore "
+                "detail"
+            )
         return 0
 
-    code = run_sweep("train.py", CONFIGS, ["optim.lr=1e-3,2e-3,3e-3", f"trainer.run_dir={tmp_path}"], run)
+    code = run_sweep(
+        "train.py", CONFIGS, ["optim.lr=1e-3,2e-3,3e-3", f"trainer.run_dir={tmp_path}"], run
+    )
     assert code != 0 and ran == [1e-3, 2e-3, 3e-3]
     jobs = json.loads((tmp_path / "sweep.json").read_text())["jobs"]
     assert [j["status"] for j in jobs] == ["done", "failed (exit 1)", "done"]
-    assert jobs[1]["error"] == "ValueError: data.num_classes=10 but the data has 7 classes: set data.num_classes=7"
+    assert (
+        jobs[1]["error"]
+        == "ValueError: data.num_classes=10 but the data has 7 classes: set data.num_classes=7"
+    )
     out = capsys.readouterr()
     assert "job 1 failed: ValueError: data.num_classes=10" in out.err
     assert "sweep: 3 of 3 jobs" in out.out and "failed (exit 1)" in out.out
-    assert "1 of 3 jobs failed:\n  job 1: ValueError: data.num_classes=10" in out.err  # unwrapped, after the table
+    # unwrapped, after the table
+    assert "1 of 3 jobs failed:\n  job 1: ValueError: data.num_classes=10" in out.err
     assert "job 0 (1 of 3): optim.lr=0.001" in out.out and "job 2 (3 of 3)" in out.out
 
 
 def test_h_evaluation_shows_a_progress_bar_when_progress_is_on(monkeypatch):
-    """Classification and detection evaluation draw a bar over their batches with trainer.progress on the main
-    rank (also under a live training bar), and none with it off."""
+    """Classification and detection evaluation draw a bar over their batches with trainer.progress
+    on the main rank (also under a live training bar), and none with it off."""
     from types import SimpleNamespace
 
     import rich.progress
 
-    from visiondist.evaluation.detection import predict
     from visiondist.evaluation.classification import evaluate_classification
-    from visiondist.observe.progress import progress_bar
+    from visiondist.evaluation.detection import predict
     from visiondist.models.vit import VisionTransformer
+    from visiondist.observe.progress import progress_bar
 
     bars = []
     real_track = rich.progress.track
-    monkeypatch.setattr(rich.progress, "track", lambda items, **kw: bars.append(kw) or real_track(items, **kw))
-    layout = SimpleNamespace(device=torch.device("cpu"), dp=1, is_main=True, all_reduce_dp=lambda t: t)
-    model = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=1, num_heads=2)
+    monkeypatch.setattr(
+        rich.progress, "track", lambda items, **kw: bars.append(kw) or real_track(items, **kw)
+    )
+    layout = SimpleNamespace(
+        device=torch.device("cpu"), dp=1, is_main=True, all_reduce_dp=lambda t: t
+    )
+    model = VisionTransformer(
+        img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=1, num_heads=2
+    )
     batches = [(torch.randn(2, 3, 16, 16), torch.tensor([0, 2])) for _ in range(3)]
     train_bar = progress_bar(True, 10)  # the training bar is live while the trainer evaluates
     try:
@@ -145,13 +180,18 @@ class _NoBoxes(torch.nn.Module):
     """A detector that finds nothing."""
 
     def forward(self, images):
-        return [{"boxes": torch.zeros(0, 4), "labels": torch.zeros(0), "scores": torch.zeros(0)} for _ in images]
+        return [
+            {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0), "scores": torch.zeros(0)}
+            for _ in images
+        ]
 
 
-def test_i_a_file_without_its_head_is_pointed_to_init_from_which_fine_tunes_from_it(tmp_path, caplog):
-    """A ViT saved without its classification head (a backbone to fine-tune): model.weights= refuses it before
-    launch naming model.init_from=, which loads every tensor the file has and starts the head afresh (one line);
-    model.init_from= of another ViT is refused before launch too."""
+def test_i_a_file_without_its_head_is_pointed_to_init_from_which_fine_tunes_from_it(
+    tmp_path, caplog
+):
+    """A ViT saved without its classification head (a backbone to fine-tune): model.weights= refuses
+    it before launch naming model.init_from=, which loads every tensor the file has and starts the
+    head afresh (one line); model.init_from= of another ViT is refused before launch too."""
     import logging
 
     import pytest
@@ -163,25 +203,43 @@ def test_i_a_file_without_its_head_is_pointed_to_init_from_which_fine_tunes_from
 
     cfg = load_config(CONFIGS, ["model.depth=1"], inputs=None)
     torch.manual_seed(0)
-    state = {k: v for k, v in build_model(cfg.model).state_dict().items() if not k.startswith("head.")}
+    state = {
+        k: v for k, v in build_model(cfg.model).state_dict().items() if not k.startswith("head.")
+    }
     file = tmp_path / "backbone.safetensors"
     save_file(state, str(file))
     with pytest.raises(ConfigError) as refused:
-        load_config(CONFIGS, ["model.depth=1", f"model.weights={file}", f"data.root={tmp_path / 'shapes'}"])
+        load_config(
+            CONFIGS, ["model.depth=1", f"model.weights={file}", f"data.root={tmp_path / 'shapes'}"]
+        )
     assert str(refused.value) == (
-        f"model.weights={file} is model=vit_tiny without its class head (head.weight, head.bias): model.weights loads "
-        f"a whole model; to fine-tune from these weights give model.init_from={file} instead (every tensor it has is "
-        "loaded and the head starts afresh)")
+        f"model.weights={file} is model=vit_tiny without its class head (head.weight, head.bias): "
+        "model.weights loads a whole model; to fine-tune from these weights give "
+        f"model.init_from={file} instead (every tensor it has is loaded and the head starts "
+        "afresh)"
+    )
     tuned = load_config(CONFIGS, ["model.depth=1", f"model.init_from={file}"], inputs=None)
     torch.manual_seed(1)
     with caplog.at_level(logging.INFO, logger="visiondist.models.weights"):
         model = build_model(tuned.model)
     loaded = model.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
-    assert "model.init_from: head.weight, head.bias re-initialised (the file has no classification head)" in caplog.text
+    assert (
+        "model.init_from: head.weight, head.bias re-initialised (the file has no classification "
+        "head)" in caplog.text
+    )
     # a file of another ViT: refused before launch, naming the model config of its shape
     with pytest.raises(ConfigError) as refused:
-        load_config(CONFIGS, ["model=vit_small", "model.depth=1", f"model.init_from={file}",
-                              f"data.root={tmp_path / 'shapes'}"])
-    assert str(refused.value) == (f"model.init_from={file} is a ViT (width 192, depth 1, patch 16, no classification "
-                                  "head) but model=vit_small is 384 wide: use model=vit_tiny")
+        load_config(
+            CONFIGS,
+            [
+                "model=vit_small",
+                "model.depth=1",
+                f"model.init_from={file}",
+                f"data.root={tmp_path / 'shapes'}",
+            ],
+        )
+    assert str(refused.value) == (
+        f"model.init_from={file} is a ViT (width 192, depth 1, patch 16, no classification "
+        "head) but model=vit_small is 384 wide: use model=vit_tiny"
+    )

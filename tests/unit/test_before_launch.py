@@ -1,18 +1,17 @@
-"""What is decided in the launching process before any rank starts, through the tools' `main(argv)` in this process:
-evaluation reads (and checks) only the val split; a class folder without images and a training split smaller than
-one global batch stop with exit 2 and one line, with no run directory; a layout of several ranks with no GPU found
-under `trainer.accelerator=auto` stops with the time model's estimate; `data.num_workers=-1` follows the cores per
-rank."""
+"""What is decided in the launching process before any rank starts, through the tools' `main(argv)`
+in this process: evaluation reads (and checks) only the val split; a class folder without images and
+a training split smaller than one global batch stop with exit 2 and one line, with no run directory;
+a layout of several ranks with no GPU found under `trainer.accelerator=auto` stops with the time
+model's estimate; `data.num_workers=-1` follows the cores per rank."""
 
 import json
 import re
 
 import numpy as np
 import pytest
+from helpers import REPO, call_tool, load_tool
 from omegaconf import OmegaConf
 from PIL import Image
-
-from helpers import REPO, call_tool, load_tool
 
 CONFIGS = REPO / "configs"
 EXTENSIONS = ".jpg, .jpeg, .png, .bmp, .webp, .tif, .tiff"
@@ -34,7 +33,8 @@ def _imagenet(root, train, val):
 
 
 def _refused(capsys, tmp_path, name, *argv):
-    """The one `error:` line of a tool that stopped before launch, having written nothing under its output dir."""
+    """The one `error:` line of a tool that stopped before launch, having written nothing under its
+    output dir."""
     out = tmp_path / "out"
     code, stdout, err = _call(capsys, name, *argv, f"trainer.output_dir={out}")
     assert code == 2, (stdout[-2000:], err)
@@ -43,21 +43,31 @@ def _refused(capsys, tmp_path, name, *argv):
     return err[0]
 
 
-TRAIN = ["model=vit_tiny", "data=imagenet", "trainer.accelerator=cpu", "data.num_workers=0", "trainer.loggers=[csv]",
-         "trainer.progress=false"]
+TRAIN = [
+    "model=vit_tiny",
+    "data=imagenet",
+    "trainer.accelerator=cpu",
+    "data.num_workers=0",
+    "trainer.loggers=[csv]",
+    "trainer.progress=false",
+]
 
 
-# -- 3: evaluation reads the val split only -------------------------------------------------------------------------
+# -- 3: evaluation reads the val split only --------------------------------------------------------
+
 
 def test_eval_of_weights_reads_only_the_val_split(tmp_path, capsys):
-    """tools/eval.py weights=<file> on data whose train split is smaller than the training batch (1024), then on data
-    without a train split: both evaluate the 4 val images (one partial eval batch)."""
+    """tools/eval.py weights=<file> on data whose train split is smaller than the training batch
+    (1024), then on data without a train split: both evaluate the 4 val images (one partial eval
+    batch)."""
     from visiondist.cli import load_config
     from visiondist.models import build_model
     from visiondist.models.weights import save_weights
 
     root = _imagenet(tmp_path / "imagenet", {"cat": 2, "dog": 2}, {"cat": 2, "dog": 2})
-    cfg = load_config(CONFIGS, ["model=vit_tiny", "data=imagenet", f"data.root={root}"], inputs=None)
+    cfg = load_config(
+        CONFIGS, ["model=vit_tiny", "data=imagenet", f"data.root={root}"], inputs=None
+    )
     save_weights(build_model(cfg.model).state_dict(), tmp_path / "w.safetensors")
     for run in ("with_train", "val_only"):
         if run == "val_only":
@@ -67,8 +77,14 @@ def test_eval_of_weights_reads_only_the_val_split(tmp_path, capsys):
                 d.rmdir()
             (root / "train").rmdir()
         out = tmp_path / run
-        code, stdout, err = _call(capsys, "eval", f"weights={tmp_path / 'w.safetensors'}", *TRAIN,
-                                  f"data.root={root}", f"trainer.output_dir={out}")
+        code, stdout, err = _call(
+            capsys,
+            "eval",
+            f"weights={tmp_path / 'w.safetensors'}",
+            *TRAIN,
+            f"data.root={root}",
+            f"trainer.output_dir={out}",
+        )
         assert code == 0, (stdout[-3000:], err)
         assert "val top-1:" in stdout
         (result,) = (out / "eval").glob("*/eval.json")
@@ -82,7 +98,9 @@ def test_eval_checks_only_the_val_split(tmp_path):
     from visiondist.config import ConfigError
 
     root = _imagenet(tmp_path / "imagenet", {"cat": 0, "dog": 2}, {"cat": 2, "dog": 2})
-    cfg = load_config(CONFIGS, ["model=vit_tiny", "data=imagenet", f"data.root={root}"], inputs=None)
+    cfg = load_config(
+        CONFIGS, ["model=vit_tiny", "data=imagenet", f"data.root={root}"], inputs=None
+    )
     checked(cfg, "eval")
     with pytest.raises(ConfigError, match=r"class folder train/cat holds no images"):
         checked(cfg, "train")
@@ -92,23 +110,34 @@ def test_eval_checks_only_the_val_split(tmp_path):
         checked(cfg, "eval")
 
 
-# -- 5: the data's images, before launch -----------------------------------------------------------------------------
+# -- 5: the data's images, before launch -----------------------------------------------------------
+
 
 def test_an_empty_class_folder_stops_training_before_launch(tmp_path, capsys):
-    root = _imagenet(tmp_path / "imagenet", {"cat": 3, "dog": 0, "eel": 3}, {"cat": 1, "dog": 1, "eel": 1})
+    root = _imagenet(
+        tmp_path / "imagenet", {"cat": 3, "dog": 0, "eel": 3}, {"cat": 1, "dog": 1, "eel": 1}
+    )
     line = _refused(capsys, tmp_path, "train", *TRAIN, f"data.root={root}", "data.batch_size=2")
-    assert line == (f"error: data.root={root}: class folder train/dog holds no images ({EXTENSIONS}): add images or "
-                    "remove the folder")
+    assert line == (
+        f"error: data.root={root}: class folder train/dog holds no images ({EXTENSIONS}): add "
+        "images or remove the folder"
+    )
 
 
 def test_a_training_split_smaller_than_one_global_batch_stops_before_launch(tmp_path, capsys):
     root = _imagenet(tmp_path / "imagenet", {"cat": 6, "dog": 6}, {"cat": 1, "dog": 1})
-    line = _refused(capsys, tmp_path, "train", *TRAIN, f"data.root={root}")  # imagenet's data.batch_size=1024
-    assert line == (f"error: data.root={root}: the training split train/ has 12 images, fewer than one global batch "
-                    "data.batch_size=1024: lower data.batch_size (e.g. data.batch_size=8) or add images")
+    # imagenet's data.batch_size=1024
+    line = _refused(capsys, tmp_path, "train", *TRAIN, f"data.root={root}")
+    assert line == (
+        f"error: data.root={root}: the training split train/ has 12 images, fewer than one global "
+        "batch data.batch_size=1024: lower data.batch_size (e.g. data.batch_size=8) or add images"
+    )
     from visiondist.cli import load_config
 
-    assert load_config(CONFIGS, [*TRAIN, f"data.root={root}", "data.batch_size=12"]).data.batch_size == 12
+    assert (
+        load_config(CONFIGS, [*TRAIN, f"data.root={root}", "data.batch_size=12"]).data.batch_size
+        == 12
+    )
 
 
 def test_train_and_val_class_folders_must_match(tmp_path):
@@ -116,8 +145,11 @@ def test_train_and_val_class_folders_must_match(tmp_path):
     from visiondist.config import ConfigError
 
     root = _imagenet(tmp_path / "imagenet", {"cat": 2, "dog": 2}, {"cat": 1, "eel": 1})
-    with pytest.raises(ConfigError, match=r"the class folders of val/ and train/ differ \(only in train/: dog; only "
-                                          r"in val/: eel\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"the class folders of val/ and train/ differ \(only in train/: dog; only "
+        r"in val/: eel\)",
+    ):
         load_config(CONFIGS, [*TRAIN, f"data.root={root}", "data.batch_size=4"])
 
 
@@ -125,24 +157,44 @@ def test_a_built_in_set_smaller_than_one_global_batch(tmp_path):
     from visiondist.cli import load_config
     from visiondist.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^data=shapes: data.synthetic.train_per_class gives 12 training images, "
-                                          r"fewer than one global batch data.batch_size=64: lower data.batch_size "
-                                          r"\(e.g. data.batch_size=8\) or raise data.synthetic.train_per_class$"):
-        load_config(CONFIGS, ["data.synthetic.train_per_class=2", f"data.root={tmp_path / 'shapes'}"])
+    with pytest.raises(
+        ConfigError,
+        match=r"^data=shapes: data.synthetic.train_per_class gives 12 training images, "
+        r"fewer than one global batch data.batch_size=64: lower data.batch_size "
+        r"\(e.g. data.batch_size=8\) or raise data.synthetic.train_per_class$",
+    ):
+        load_config(
+            CONFIGS, ["data.synthetic.train_per_class=2", f"data.root={tmp_path / 'shapes'}"]
+        )
 
 
 def _coco(root, sizes, boxed):
-    """A COCO training and val split: `sizes` (width, height) per image, the first `boxed` with a box."""
+    """A COCO training and val split: `sizes` (width, height) per image, the first `boxed` with a
+    box."""
     (root / "annotations").mkdir(parents=True)
-    images = [{"id": i + 1, "file_name": f"{i}.jpg", "width": w, "height": h} for i, (w, h) in enumerate(sizes)]
-    anns = [{"id": i + 1, "image_id": i + 1, "category_id": 1, "bbox": [1, 1, 8, 8], "area": 64, "iscrowd": 0}
-            for i in range(boxed)]
+    images = [
+        {"id": i + 1, "file_name": f"{i}.jpg", "width": w, "height": h}
+        for i, (w, h) in enumerate(sizes)
+    ]
+    anns = [
+        {
+            "id": i + 1,
+            "image_id": i + 1,
+            "category_id": 1,
+            "bbox": [1, 1, 8, 8],
+            "area": 64,
+            "iscrowd": 0,
+        }
+        for i in range(boxed)
+    ]
     from PIL import Image
 
     for split in ("train2017", "val2017"):
         (root / split).mkdir()
         for entry in images:  # the val images are read before launch (their headers)
-            Image.new("RGB", (entry["width"], entry["height"])).save(root / split / entry["file_name"])
+            Image.new("RGB", (entry["width"], entry["height"])).save(
+                root / split / entry["file_name"]
+            )
         coco = {"images": images, "annotations": anns, "categories": [{"id": 1, "name": "thing"}]}
         (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(coco))
     return root
@@ -152,38 +204,60 @@ def test_a_coco_training_split_smaller_than_one_global_batch(tmp_path):
     from visiondist.cli import load_config
     from visiondist.config import ConfigError
 
-    args = ["model=fasterrcnn_mobilenet_v3", "data=coco", "data.num_classes=1", "trainer.accelerator=cpu"]
+    args = [
+        "model=fasterrcnn_mobilenet_v3",
+        "data=coco",
+        "data.num_classes=1",
+        "trainer.accelerator=cpu",
+    ]
     root = _coco(tmp_path / "few", [(32, 24)] * 4, boxed=3)
-    with pytest.raises(ConfigError, match=r"the training split train2017 has 3 images with a usable box \(1 "
-                                          r"without\), fewer than one global batch data.batch_size=4: lower "
-                                          r"data.batch_size \(e.g. data.batch_size=2\) or add images"):
+    with pytest.raises(
+        ConfigError,
+        match=r"the training split train2017 has 3 images with a usable box \(1 "
+        r"without\), fewer than one global batch data.batch_size=4: lower "
+        r"data.batch_size \(e.g. data.batch_size=2\) or add images",
+    ):
         load_config(CONFIGS, [*args, f"data.root={root}", "data.batch_size=4"])
     root = _coco(tmp_path / "grouped", [(32, 24), (32, 24), (24, 32), (24, 32)], boxed=4)
-    with pytest.raises(ConfigError, match=r"has 2 landscape and 2 portrait images with a usable box; "
-                                          r"data.aspect_grouping draws each global batch from one of the two"):
+    with pytest.raises(
+        ConfigError,
+        match=r"has 2 landscape and 2 portrait images with a usable box; "
+        r"data.aspect_grouping draws each global batch from one of the two",
+    ):
         load_config(CONFIGS, [*args, f"data.root={root}", "data.batch_size=4"])
-    load_config(CONFIGS, [*args, f"data.root={root}", "data.batch_size=4", "data.aspect_grouping=false"])
+    load_config(
+        CONFIGS, [*args, f"data.root={root}", "data.batch_size=4", "data.aspect_grouping=false"]
+    )
     load_config(CONFIGS, [*args, f"data.root={root}", "data.batch_size=2"])
 
 
-# -- 6: a layout for GPUs on a machine without one ------------------------------------------------------------------
+# -- 6: a layout for GPUs on a machine without one -------------------------------------------------
 
-ESTIMATE = (r"about ([\d.]+) (ms|s|min|h) per step, ([\d.]+) (s|min|h|days) for the 279 steps "
-            r"\(trainer.max_epochs=3 of 93 steps ends the run\) \(the time model at this CPU's [\d.]+ GFLOP/s dense "
-            r"matmul rate, measured now, shared by 4 ranks: an estimate\)")
+ESTIMATE = (
+    r"about ([\d.]+) (ms|s|min|h) per step, ([\d.]+) (s|min|h|days) for the 279 steps "
+    r"\(trainer.max_epochs=3 of 93 steps ends the run\) \(the time model at this CPU's [\d.]+ "
+    r"GFLOP/s dense matmul rate, measured now, shared by 4 ranks: an estimate\)"
+)
 SECONDS = {"ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0, "days": 86400.0}
 
 
-def test_a_gpu_layout_without_a_gpu_stops_before_any_rank_with_its_estimate(tmp_path, capsys, monkeypatch):
-    """`python tools/train.py model=vit_huge parallel=tp4` (trainer.accelerator=auto) where no GPU is visible: one
-    line saying so, with the time model's step and whole-run time on this CPU and the setting that runs it anyway."""
+def test_a_gpu_layout_without_a_gpu_stops_before_any_rank_with_its_estimate(
+    tmp_path, capsys, monkeypatch
+):
+    """`python tools/train.py model=vit_huge parallel=tp4` (trainer.accelerator=auto) where no GPU
+    is visible: one line saying so, with the time model's step and whole-run time on this CPU and
+    the setting that runs it anyway."""
     import visiondist.launch.ranks
 
     monkeypatch.setattr(visiondist.launch.ranks, "cuda_device_count", lambda: 0)
     line = _refused(capsys, tmp_path, "train", "model=vit_huge", "parallel=tp4")
-    assert line.startswith("error: no GPU was found, so trainer.accelerator=auto would run vit_huge on 4 ranks "
-                           "(dp=1 tp=4 pp=1) as 4 processes on this machine's CPU: about "), line
-    assert line.endswith("; to run it here anyway add trainer.accelerator=cpu (or run it where GPUs are visible)")
+    assert line.startswith(
+        "error: no GPU was found, so trainer.accelerator=auto would run vit_huge on 4 ranks "
+        "(dp=1 tp=4 pp=1) as 4 processes on this machine's CPU: about "
+    ), line
+    assert line.endswith(
+        "; to run it here anyway add trainer.accelerator=cpu (or run it where GPUs are visible)"
+    )
     step, unit, total, total_unit = re.search(ESTIMATE, line).groups()
     per_step = float(step) * SECONDS[unit]
     assert per_step > 1.0  # ViT-H/14 at batch 64 on 4 processes sharing this CPU
@@ -192,8 +266,13 @@ def test_a_gpu_layout_without_a_gpu_stops_before_any_rank_with_its_estimate(tmp_
 
 def test_the_cpu_estimate_follows_the_layout_and_the_run_length(tmp_path, capsys):
     from visiondist.config import ConfigError, compose
+    from visiondist.launch.estimate import (
+        check_gpu_layout,
+        cpu_estimate,
+        run_steps,
+        step_seconds_on_cpu,
+    )
     from visiondist.plan import resolve
-    from visiondist.launch.estimate import check_gpu_layout, cpu_estimate, run_steps, step_seconds_on_cpu
 
     cfg = compose(CONFIGS, ["model=vit_huge", "parallel=tp4"])
     run = resolve(cfg, {}, 0)[0]
@@ -201,30 +280,50 @@ def test_the_cpu_estimate_follows_the_layout_and_the_run_length(tmp_path, capsys
     with pytest.raises(ConfigError, match="no GPU was found"):
         check_gpu_layout(cfg, run)
     check_gpu_layout(cfg, run, "eval")  # no estimate: said, not refused
-    assert "runs vit_huge on 4 ranks (dp=1 tp=4 pp=1) as 4 processes on this machine's CPU: no time estimate" in (
-        capsys.readouterr().err)
-    short = OmegaConf.merge(cfg, {"trainer": {"max_steps": 1}})  # well under an hour: said, then run
+    assert (
+        "runs vit_huge on 4 ranks (dp=1 tp=4 pp=1) as 4 processes on this machine's CPU: no time "
+        "estimate" in (capsys.readouterr().err)
+    )
+    # well under an hour: said, then run
+    short = OmegaConf.merge(cfg, {"trainer": {"max_steps": 1}})
     check_gpu_layout(short, run)
-    assert re.search(r"^warning: no GPU was found, so trainer.accelerator=auto runs vit_huge .* per step, .* for the 1 "
-                     r"steps \(trainer.max_steps=1 ends the run\)", capsys.readouterr().err, re.M)
+    assert re.search(
+        r"^warning: no GPU was found, so trainer.accelerator=auto runs vit_huge .* per step, .* "
+        r"for the 1 steps \(trainer.max_steps=1 ends the run\)",
+        capsys.readouterr().err,
+        re.M,
+    )
     explicit = compose(CONFIGS, ["model=vit_huge", "parallel=tp4", "trainer.accelerator=cpu"])
     check_gpu_layout(explicit, resolve(explicit, {}, 0)[0])  # asked for: runs
     one = compose(CONFIGS, ["model=vit_huge"])
     check_gpu_layout(one, resolve(one, {}, 0)[0])  # the default job: one rank on the CPU
-    torchrun = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"}
+    torchrun = {
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "4",
+        "LOCAL_RANK": "0",
+        "TORCHELASTIC_RUN_ID": "x",
+    }
     check_gpu_layout(cfg, resolve(cfg, torchrun, 0)[0])  # the user started these ranks
 
-    # half the rate per rank: at least the compute doubles; the run is 279 steps (6000 images / 64, 3 epochs)
+    # half the rate per rank: at least the compute doubles; the run is 279 steps (6000 images / 64,
+    # 3 epochs)
     fast, slow = step_seconds_on_cpu(cfg, run, 0.02), step_seconds_on_cpu(cfg, run, 0.01)
     assert 1.8 * fast < slow < 2.0 * fast + 1e-9
     assert run_steps(cfg) == (279, "trainer.max_epochs=3 of 93 steps ends the run")
-    assert run_steps(OmegaConf.merge(cfg, {"trainer": {"max_steps": 50}})) == (50, "trainer.max_steps=50 ends the run")
+    assert run_steps(OmegaConf.merge(cfg, {"trainer": {"max_steps": 50}})) == (
+        50,
+        "trainer.max_steps=50 ends the run",
+    )
     assert run_steps(OmegaConf.merge(cfg, {"trainer": {"max_steps": 500}})) == (
-        279, "trainer.max_epochs=3 of 93 steps ends the run before trainer.max_steps=500")
-    assert cpu_estimate(cfg, run, tflops=0.08).startswith(f"about {_duration(step_seconds_on_cpu(cfg, run, 0.02))} "
-                                                          "per step, ")
+        279,
+        "trainer.max_epochs=3 of 93 steps ends the run before trainer.max_steps=500",
+    )
+    assert cpu_estimate(cfg, run, tflops=0.08).startswith(
+        f"about {_duration(step_seconds_on_cpu(cfg, run, 0.02))} per step, "
+    )
     assert "(the time model at this CPU's 80 GFLOP/s" in cpu_estimate(cfg, run, tflops=0.08)
-    assert "per step (" in cpu_estimate(cfg, run, "benchmark", tflops=0.08)  # its own step count: no whole run
+    # its own step count: no whole run
+    assert "per step (" in cpu_estimate(cfg, run, "benchmark", tflops=0.08)
 
 
 def _duration(seconds):
@@ -233,28 +332,46 @@ def _duration(seconds):
     return duration(seconds)
 
 
-# -- 7: loader workers from the cores per rank ---------------------------------------------------------------------
+# -- 7: loader workers from the cores per rank -----------------------------------------------------
+
 
 def test_loader_workers_follow_the_cores_per_rank(monkeypatch):
     import visiondist.data.workers as world
-    from visiondist.config import ConfigError
     from visiondist.cli import load_config
+    from visiondist.config import ConfigError
     from visiondist.data.loaders import loader_options
 
     loader_workers = world.loader_workers
     # (8, 112): a DGX H100, 14 cores per GPU, 13 workers each; (1, 64): capped at 16
-    assert [loader_workers(-1, ranks, cores) for ranks, cores in ((1, 2), (2, 2), (4, 2), (2, 8), (8, 112), (1, 64))] \
-        == [1, 0, 0, 3, 13, 16]
+    assert [
+        loader_workers(-1, ranks, cores)
+        for ranks, cores in ((1, 2), (2, 2), (4, 2), (2, 8), (8, 112), (1, 64))
+    ] == [1, 0, 0, 3, 13, 16]
     assert loader_workers(5, 4, 2) == 5 and loader_workers(0, 1, 64) == 0  # a count given is kept
 
     cfg = load_config(CONFIGS, ["data=imagenet", "data.root=/data"], inputs=None)
     assert cfg.data.num_workers == -1  # the shipped default
     monkeypatch.setattr(world, "usable_cores", lambda: 8)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # the rank's node runs 2 ranks
-    options = loader_options(OmegaConf.create({"num_workers": -1, "pin_memory": False, "prefetch_factor": 2}), False)
-    assert (options["num_workers"], options["persistent_workers"], options["prefetch_factor"]) == (3, True, 2)
+    options = loader_options(
+        OmegaConf.create({"num_workers": -1, "pin_memory": False, "prefetch_factor": 2}), False
+    )
+    assert (options["num_workers"], options["persistent_workers"], options["prefetch_factor"]) == (
+        3,
+        True,
+        2,
+    )
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    options = loader_options(OmegaConf.create({"num_workers": -1, "pin_memory": False, "prefetch_factor": 2}), False)
-    assert (options["num_workers"], options["persistent_workers"], options["prefetch_factor"]) == (0, False, None)
-    with pytest.raises(ConfigError, match=r"data.num_workers=-2: use a count of loader workers per rank, 0 .* or -1"):
+    options = loader_options(
+        OmegaConf.create({"num_workers": -1, "pin_memory": False, "prefetch_factor": 2}), False
+    )
+    assert (options["num_workers"], options["persistent_workers"], options["prefetch_factor"]) == (
+        0,
+        False,
+        None,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"data.num_workers=-2: use a count of loader workers per rank, 0 .* or -1",
+    ):
         load_config(CONFIGS, ["data.num_workers=-2"], inputs=None)

@@ -1,5 +1,6 @@
-"""Loading a local weights file never runs pickled code; a checkpoint written under the newest supported torch loads
-under the oldest. Checkpoints written and resumed by real runs: tests/multirank/test_checkpoint.py."""
+"""Loading a local weights file never runs pickled code; a checkpoint written under the newest
+supported torch loads under the oldest. Checkpoints written and resumed by real runs:
+tests/multirank/test_checkpoint.py."""
 
 import os
 from pathlib import Path
@@ -19,22 +20,27 @@ def test_local_weights_cannot_run_code(tmp_path, monkeypatch):
     path = tmp_path / "weights.pt"
     torch.save({"model": _RunsCode()}, path)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match="is a pickle holding more than tensors, which is never unpickled here"):
+    with pytest.raises(
+        ValueError, match="is a pickle holding more than tensors, which is never unpickled here"
+    ):
         load_local_weights(torch.nn.Linear(2, 2), str(path))
     assert not (tmp_path / "pwned").exists()
 
 
-# written by torch 2.15.0's dcp.save: a Linear(3, 2) (weight = arange(6) / 10, bias = [-1, 2.5]) under "model" and its
-# weight's transpose, stored non-contiguous, as an optimizer moment under "optim", as visiondist groups a checkpoint
+# written by torch 2.15.0's dcp.save: a Linear(3, 2) (weight = arange(6) / 10, bias = [-1, 2.5])
+# under "model" and its weight's transpose, stored non-contiguous, as an optimizer moment under
+# "optim", as visiondist groups a checkpoint
 DCP_TORCH_2_15 = Path(__file__).parent / "data" / "dcp_torch2.15"
 
 
 @pytest.mark.smoke  # CI's smoke subset runs on torch 2.11, the release this matters for
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, as export and eval load
+# one process, as export and eval load
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_checkpoint_written_under_torch_2_15_loads_under_every_supported_torch():
-    """torch 2.15 pickles each tensor's strides into DCP's metadata, which the reader of 2.11-2.14 cannot unpickle
-    (a run trained on a newer cluster, resumed or exported where the GPU image has 2.11); through visiondist's reader
-    every value loads as written, under whichever supported torch runs this test."""
+    """torch 2.15 pickles each tensor's strides into DCP's metadata, which the reader of 2.11-2.14
+    cannot unpickle (a run trained on a newer cluster, resumed or exported where the GPU image has
+    2.11); through visiondist's reader every value loads as written, under whichever supported torch
+    runs this test."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorProperties
@@ -42,7 +48,8 @@ def test_a_checkpoint_written_under_torch_2_15_loads_under_every_supported_torch
     from visiondist.checkpoint.dcp import load_model_state
     from visiondist.utils.dcp import SafeFileSystemReader, read_metadata
 
-    if "strides" not in TensorProperties.__dataclass_fields__:  # torch's own reader fails here, ours must not
+    # torch's own reader fails here, ours must not
+    if "strides" not in TensorProperties.__dataclass_fields__:
         with pytest.raises(ValueError, match="too many values to unpack"):
             FileSystemReader(str(DCP_TORCH_2_15)).read_metadata()
     stored = read_metadata(DCP_TORCH_2_15).state_dict_metadata
@@ -52,7 +59,9 @@ def test_a_checkpoint_written_under_torch_2_15_loads_under_every_supported_torch
     weight = torch.arange(6, dtype=torch.float32).reshape(2, 3) / 10
     model = torch.nn.Linear(3, 2)
     load_model_state(DCP_TORCH_2_15, model)
-    assert torch.equal(model.weight.detach(), weight) and torch.equal(model.bias.detach(), torch.tensor([-1.0, 2.5]))
+    assert torch.equal(model.weight.detach(), weight) and torch.equal(
+        model.bias.detach(), torch.tensor([-1.0, 2.5])
+    )
     state = {"optim": {"state.weight.exp_avg": torch.zeros(2, 3)}}
     dcp.load(state, storage_reader=SafeFileSystemReader(str(DCP_TORCH_2_15)), no_dist=True)
     assert torch.equal(state["optim"]["state.weight.exp_avg"], weight)

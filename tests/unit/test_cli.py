@@ -1,14 +1,13 @@
-"""One command line for every tool, in process through each tool's `main(argv)`: each tool's --help, Hydra's keys and
-flags honoured or refused in one line (exit 2), the old spellings with a deprecation line, where each kind of job
-writes, a class count inferred from the class folders. The runs started as a user would: tests/multirank/test_cli.py."""
+"""One command line for every tool, in process through each tool's `main(argv)`: each tool's --help,
+Hydra's keys and flags honoured or refused in one line (exit 2), the old spellings with a
+deprecation line, where each kind of job writes, a class count inferred from the class folders. The
+runs started as a user would: tests/multirank/test_cli.py."""
 
 import json
 
 import pytest
-from omegaconf import OmegaConf
-
 from helpers import REPO, call_tool, load_tool
-
+from omegaconf import OmegaConf
 
 CONFIGS = REPO / "configs"
 
@@ -19,11 +18,27 @@ TOOLS = ("train", "eval", "export", "plan", "benchmark", "predict")
 _tool, _call = load_tool, call_tool
 
 
-KEYS = {"train": (), "eval": ("run_dir=<dir>", "step=<N>", "weights=<path>"), "plan": (), "benchmark": (),
-        "export": ("run_dir=<dir>", "step=<N>", "format=<format>", "out=<path>"),
-        "predict": ("run_dir=<dir>", "step=<N>", "weights=<path>", "source=<path>", "out=<dir>", "topk=<k>",
-                    "score_thresh=<s>", "max_det=<n>", "classes=<a,b>", "save_images=<n>", "vid_stride=<n>",
-                    "batch=<n>")}
+KEYS = {
+    "train": (),
+    "eval": ("run_dir=<dir>", "step=<N>", "weights=<path>"),
+    "plan": (),
+    "benchmark": (),
+    "export": ("run_dir=<dir>", "step=<N>", "format=<format>", "out=<path>"),
+    "predict": (
+        "run_dir=<dir>",
+        "step=<N>",
+        "weights=<path>",
+        "source=<path>",
+        "out=<dir>",
+        "topk=<k>",
+        "score_thresh=<s>",
+        "max_det=<n>",
+        "classes=<a,b>",
+        "save_images=<n>",
+        "vid_stride=<n>",
+        "batch=<n>",
+    ),
+}
 
 
 @pytest.mark.parametrize("name", TOOLS)
@@ -39,10 +54,19 @@ def test_each_tool_has_its_own_usage_with_its_keys_and_the_group_options(capsys,
         return
     groups, last = {}, None
     for line in out.split("The groups and their options:\n")[1].split("\n\n")[0].splitlines():
-        if not line.startswith("   "):  # "  model      vit_22b ...", then wrapped lines of more options
+        # " model vit_22b ...", then wrapped lines of more options
+        if not line.startswith("   "):
             last = line.split()[0]
-        groups.setdefault(last, []).extend(line.split()[0 if line.startswith("   ") else 1:])
-    assert set(groups) == {"model", "data", "parallel", "optim", "schedule", "trainer", "experiment"}, groups
+        groups.setdefault(last, []).extend(line.split()[0 if line.startswith("   ") else 1 :])
+    assert set(groups) == {
+        "model",
+        "data",
+        "parallel",
+        "optim",
+        "schedule",
+        "trainer",
+        "experiment",
+    }, groups
     assert {"vit_tiny", "vit_small", "fasterrcnn_r50"} <= set(groups["model"]), groups
     assert groups["parallel"] == sorted(p.stem for p in (CONFIGS / "parallel").glob("*.yaml"))
     assert "imagenet" in groups["data"] and "vit_b16_imagenet" in groups["experiment"]
@@ -55,43 +79,75 @@ def test_writes_of_each_tool():
 
 
 REFUSED = [
-    (("--info",), "--info: visiondist composes its config with Hydra but runs no Hydra app: --cfg job"),
+    (
+        ("--info",),
+        "--info: visiondist composes its config with Hydra but runs no Hydra app: --cfg job",
+    ),
     (("--info", "defaults"), "--info:"),
     (("--shell-completion",), "--shell-completion: visiondist installs no shell completion"),
-    (("-cn", "other"), "-cn: the tools compose configs/train.yaml: pick a recipe with experiment=<name>"),
+    (
+        ("-cn", "other"),
+        "-cn: the tools compose configs/train.yaml: pick a recipe with experiment=<name>",
+    ),
     (("--config-name=other",), "--config-name: the tools compose configs/train.yaml"),
     (("-cp", "conf"), "-cp: use -cd DIR"),
     (("--hydra-help",), "--hydra-help:"),
     (("-r",), "-r: one run is what a tool does without -m"),
-    (("--experimental-rerun", "x.pickle"), "--experimental-rerun: to continue a run, give trainer.run_dir="),
-    (("--cfg", "hydra"), "--cfg hydra: visiondist composes its config with Hydra but runs no Hydra app"),
+    (
+        ("--experimental-rerun", "x.pickle"),
+        "--experimental-rerun: to continue a run, give trainer.run_dir=",
+    ),
+    (
+        ("--cfg", "hydra"),
+        "--cfg hydra: visiondist composes its config with Hydra but runs no Hydra app",
+    ),
     (("--resolve",), "--resolve goes with --cfg"),
     (("-p", "trainer"), "-p goes with --cfg"),
     (("--foo",), "--foo: not a flag of tools/train.py: --help lists them"),
-    (("hydra.job.chdir=true",), "hydra.job.chdir: visiondist never changes directory; paths are relative to where "
-                                "you run"),
-    (("hydra/job_logging=disabled",), "hydra/job_logging: visiondist sets up its own logging (the console and the "
-                                      "run dir's train.log): use trainer.progress=false"),
+    (
+        ("hydra.job.chdir=true",),
+        "hydra.job.chdir: visiondist never changes directory; paths are relative to where you run",
+    ),
+    (
+        ("hydra/job_logging=disabled",),
+        "hydra/job_logging: visiondist sets up its own logging (the console and the "
+        "run dir's train.log): use trainer.progress=false",
+    ),
     (("hydra/hydra_logging=disabled",), "hydra/hydra_logging: visiondist sets up its own logging"),
     (("hydra.verbose=true",), "hydra.verbose: visiondist logs INFO on rank 0"),
     (("hydra.output_subdir=null",), "hydra.output_subdir: visiondist writes no .hydra/ folder"),
-    (("hydra/launcher=joblib",), "hydra/launcher: visiondist starts its own ranks: use parallel.dp=N"),
+    (
+        ("hydra/launcher=joblib",),
+        "hydra/launcher: visiondist starts its own ranks: use parallel.dp=N",
+    ),
     (("hydra/sweeper=optuna", "-m"), "hydra/sweeper: -m expands comma-separated values"),
     (("hydra.searchpath=[file:///x]",), "hydra.searchpath: use -cd DIR"),
     (("hydra.mode=MULTIRUN",), "hydra.mode: use -m for a sweep"),
-    (("hydra.job.name=x",), "hydra.job.name: visiondist composes its config with Hydra but runs no Hydra app"),
+    (
+        ("hydra.job.name=x",),
+        "hydra.job.name: visiondist composes its config with Hydra but runs no Hydra app",
+    ),
     (("+hydra.job.env_set.X=1",), "hydra.job.env_set.X: visiondist composes its config with Hydra"),
-    (("hydra.sweep.dir=/tmp/x",), "hydra.sweep.dir names the directory of a sweep (-m): for one run use "
-                                  "hydra.run.dir=DIR"),
-    (("-m", "hydra.run.dir=/tmp/x"), "hydra.run.dir: with -m each job goes to <sweep dir>/<job>: use "
-                                     "hydra.sweep.dir=DIR"),
+    (
+        ("hydra.sweep.dir=/tmp/x",),
+        "hydra.sweep.dir names the directory of a sweep (-m): for one run use hydra.run.dir=DIR",
+    ),
+    (
+        ("-m", "hydra.run.dir=/tmp/x"),
+        "hydra.run.dir: with -m each job goes to <sweep dir>/<job>: use hydra.sweep.dir=DIR",
+    ),
     (("-m", "hydra.sweep.subdir=x"), "hydra.sweep.subdir: job k of a sweep goes to <sweep dir>/k"),
-    (("hydra.run.dir=/tmp/a", "trainer.run_dir=/tmp/b"), "name the same directory: give one of them"),
+    (
+        ("hydra.run.dir=/tmp/a", "trainer.run_dir=/tmp/b"),
+        "name the same directory: give one of them",
+    ),
     (("-cd", "/nonexistent/conf"), "-cd /nonexistent/conf: no such directory"),
     (("max_steps=3",), "max_steps is not a setting: did you mean trainer.max_steps?"),
     # an optional group (None in the schema): its fields from the annotations
-    (("data.synthetic.max_aspekt=3",), "data.synthetic.max_aspekt is not a setting: did you mean "
-                                       "data.synthetic.max_aspect?"),
+    (
+        ("data.synthetic.max_aspekt=3",),
+        "data.synthetic.max_aspekt is not a setting: did you mean data.synthetic.max_aspect?",
+    ),
 ]
 
 
@@ -100,7 +156,8 @@ def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(caps
     from visiondist.cli import run_tool
 
     ran = []
-    code = run_tool(_tool("train").TOOL, CONFIGS, list(argv), ran.append)  # nothing runs, whatever happens
+    # nothing runs, whatever happens
+    code = run_tool(_tool("train").TOOL, CONFIGS, list(argv), ran.append)
     out = capsys.readouterr()
     err = [line for line in out.err.splitlines() if line.strip()]
     assert code == 2 and not ran and not out.out, out
@@ -108,21 +165,39 @@ def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(caps
     assert expected in err[0], err[0]
 
 
-@pytest.mark.parametrize("name,argv,expected", [
-    ("plan", ["hydra.run.dir=/tmp/x"], "hydra.run.dir: tools/plan.py writes no run directory"),
-    ("export", ["run_dir=/tmp", "hydra.run.dir=/tmp/x"], "tools/export.py writes no run directory (out=<path>"),
-    ("export", ["run_dir=/tmp", "model.depth=2"], "model.depth=2: tools/export.py takes run_dir=, step=, format=, "
-                                                  "out= only"),
-    ("export", ["/tmp/run"], "/tmp/run: not a key=value: tools/export.py takes run_dir=, step=, format=, out=, "
-                             "e.g. run_dir=/tmp/run"),
-    ("export", ["format=onnx"], "run_dir= is missing"),
-    ("eval", ["-m", "run_dir=/tmp"], "-m: tools/eval.py runs once per command"),
-    ("eval", ["runs_dir=/tmp"], "runs_dir is not a setting of tools/eval.py: did you mean run_dir?"),
-    ("eval", ["step=2"], "step=2 picks a checkpoint of a run: add run_dir=<run>"),
-    ("eval", [], "give run_dir=<run dir> (a training run) or weights=<file>"),
-    ("plan", ["--info"], "--info:"),
-    ("benchmark", ["hydra.verbose=true"], "hydra.verbose:"),
-])
+@pytest.mark.parametrize(
+    "name,argv,expected",
+    [
+        ("plan", ["hydra.run.dir=/tmp/x"], "hydra.run.dir: tools/plan.py writes no run directory"),
+        (
+            "export",
+            ["run_dir=/tmp", "hydra.run.dir=/tmp/x"],
+            "tools/export.py writes no run directory (out=<path>",
+        ),
+        (
+            "export",
+            ["run_dir=/tmp", "model.depth=2"],
+            "model.depth=2: tools/export.py takes run_dir=, step=, format=, out= only",
+        ),
+        (
+            "export",
+            ["/tmp/run"],
+            "/tmp/run: not a key=value: tools/export.py takes run_dir=, step=, format=, out=, "
+            "e.g. run_dir=/tmp/run",
+        ),
+        ("export", ["format=onnx"], "run_dir= is missing"),
+        ("eval", ["-m", "run_dir=/tmp"], "-m: tools/eval.py runs once per command"),
+        (
+            "eval",
+            ["runs_dir=/tmp"],
+            "runs_dir is not a setting of tools/eval.py: did you mean run_dir?",
+        ),
+        ("eval", ["step=2"], "step=2 picks a checkpoint of a run: add run_dir=<run>"),
+        ("eval", [], "give run_dir=<run dir> (a training run) or weights=<file>"),
+        ("plan", ["--info"], "--info:"),
+        ("benchmark", ["hydra.verbose=true"], "hydra.verbose:"),
+    ],
+)
 def test_every_tool_refuses_in_one_line(capsys, name, argv, expected):
     code, out, err = _call(capsys, name, *argv)
     assert code == 2 and not out and len(err) == 1 and expected in err[0], (code, out, err)
@@ -140,8 +215,12 @@ def test_hydra_sweep_dir_is_the_sweeps_directory(tmp_path, capsys):
     from visiondist.cli import run_tool
 
     ran = []
-    code = run_tool("train.py", CONFIGS, ["-m", "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={tmp_path}"],
-                    lambda cfg: ran.append(cfg.trainer.run_dir) or 0)
+    code = run_tool(
+        "train.py",
+        CONFIGS,
+        ["-m", "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={tmp_path}"],
+        lambda cfg: ran.append(cfg.trainer.run_dir) or 0,
+    )
     assert code == 0 and ran == [str(tmp_path / "0"), str(tmp_path / "1")]
     jobs = json.loads((tmp_path / "sweep.json").read_text())["jobs"]
     assert [j["run_dir"] for j in jobs] == ran
@@ -149,10 +228,14 @@ def test_hydra_sweep_dir_is_the_sweeps_directory(tmp_path, capsys):
 
 
 def test_cfg_job_all_resolve_and_package_print_the_composed_config(capsys):
-    code, out, err = _call(capsys, "train", "--cfg", "job", "--resolve", "model=vit_small", "-p", "model")
+    code, out, err = _call(
+        capsys, "train", "--cfg", "job", "--resolve", "model=vit_small", "-p", "model"
+    )
     assert code == 0 and not err
     assert OmegaConf.create(out).name == "vit_small"
-    code, out, _ = _call(capsys, "train", "--cfg", "all", "-p", "model.embed_dim", "model=vit_small")
+    code, out, _ = _call(
+        capsys, "train", "--cfg", "all", "-p", "model.embed_dim", "model=vit_small"
+    )
     assert (code, out.strip()) == (0, "384")
     code, out, _ = _call(capsys, "train", "--cfg", "trainer.max_steps=7")  # a bare --cfg, as before
     assert code == 0 and OmegaConf.create(out).trainer.max_steps == 7
@@ -162,24 +245,40 @@ def test_cfg_job_all_resolve_and_package_print_the_composed_config(capsys):
 
 def test_version_names_the_libraries(capsys):
     code, out, _ = _call(capsys, "export", "--version")
-    assert code == 0 and all(name in out for name in ("visiondist", "torch", "torchvision", "hydra"))
+    assert code == 0 and all(
+        name in out for name in ("visiondist", "torch", "torchvision", "hydra")
+    )
 
 
 def test_config_dir_adds_options(tmp_path, capsys):
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "my_vit.yaml").write_text("name: my_vit\nembed_dim: 96\ndepth: 3\nnum_heads: 3\n")
-    code, out, err = _call(capsys, "train", "-cd", str(tmp_path), "model=my_vit", "--cfg", "-p", "model")
+    (tmp_path / "model" / "my_vit.yaml").write_text(
+        "name: my_vit\nembed_dim: 96\ndepth: 3\nnum_heads: 3\n"
+    )
+    code, out, err = _call(
+        capsys, "train", "-cd", str(tmp_path), "model=my_vit", "--cfg", "-p", "model"
+    )
     assert code == 0 and not err, err
     model = OmegaConf.create(out)
     assert (model.name, model.depth, model.embed_dim, model.patch_size) == ("my_vit", 3, 96, 16)
-    code, out, _ = _call(capsys, "train", "--config-dir", str(tmp_path), "-m", "model=my_vit,vit_tiny", "--cfg",
-                         "-p", "model.depth")
+    code, out, _ = _call(
+        capsys,
+        "train",
+        "--config-dir",
+        str(tmp_path),
+        "-m",
+        "model=my_vit,vit_tiny",
+        "--cfg",
+        "-p",
+        "model.depth",
+    )
     assert code == 0 and "# job 0: model=my_vit\n3" in out and "# job 1: model=vit_tiny\n12" in out
 
 
 @pytest.fixture
 def fake_run(tmp_path):
-    """A run dir as far as the command line looks: config.yaml, model.safetensors, a complete step_3 checkpoint."""
+    """A run dir as far as the command line looks: config.yaml, model.safetensors, a complete step_3
+    checkpoint."""
     from visiondist.cli import load_config
     from visiondist.utils.dcp import METADATA, STATE_FILE
 
@@ -195,12 +294,17 @@ def fake_run(tmp_path):
     return run
 
 
-@pytest.mark.parametrize("old,new,weights", [
-    ("{run}", "run_dir={run}", "{run}/model.safetensors"),
-    ("{run}/checkpoints/step_3", "run_dir={run} step=3", "{run}/checkpoints/step_3"),
-    ("{run}/model.safetensors", "weights={run}/model.safetensors", "{run}/model.safetensors"),
-])
-def test_eval_takes_its_old_positional_path_with_a_deprecation_line(capsys, fake_run, old, new, weights):
+@pytest.mark.parametrize(
+    "old,new,weights",
+    [
+        ("{run}", "run_dir={run}", "{run}/model.safetensors"),
+        ("{run}/checkpoints/step_3", "run_dir={run} step=3", "{run}/checkpoints/step_3"),
+        ("{run}/model.safetensors", "weights={run}/model.safetensors", "{run}/model.safetensors"),
+    ],
+)
+def test_eval_takes_its_old_positional_path_with_a_deprecation_line(
+    capsys, fake_run, old, new, weights
+):
     old, new, weights = (s.format(run=fake_run) for s in (old, new, weights))
     code, out, err = _call(capsys, "eval", old, "--cfg", "-p", "model.weights")
     assert code == 0 and out.strip() == weights
@@ -217,17 +321,21 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
     assert next_commands(tmp_path / "outputs" / "r").splitlines() == [
         f"run dir: {tmp_path}/outputs/r",
         f"  evaluate: python tools/eval.py run_dir={tmp_path}/outputs/r",
-        f"  predict:  python tools/predict.py run_dir={tmp_path}/outputs/r source=<images, folder, glob, list or "
-        "video>",
-        f"  export:   python tools/export.py run_dir={tmp_path}/outputs/r   (safetensors; format=onnx or "
-        "format=pt2)"]
-    monkeypatch.chdir(tmp_path)  # elsewhere: the commands still run as printed (the tools by their full path)
+        f"  predict:  python tools/predict.py run_dir={tmp_path}/outputs/r source=<images, "
+        "folder, glob, list or video>",
+        f"  export:   python tools/export.py run_dir={tmp_path}/outputs/r   (safetensors; "
+        "format=onnx or format=pt2)",
+    ]
+    # elsewhere: the commands still run as printed (the tools by their full path)
+    monkeypatch.chdir(tmp_path)
     assert next_commands(tmp_path / "outputs" / "r").splitlines() == [
         "run dir: outputs/r",
         f"  evaluate: python {REPO}/tools/eval.py run_dir=outputs/r",
-        f"  predict:  python {REPO}/tools/predict.py run_dir=outputs/r source=<images, folder, glob, list or video>",
-        f"  export:   python {REPO}/tools/export.py run_dir=outputs/r   (safetensors; format=onnx or "
-        "format=pt2)"]
+        f"  predict:  python {REPO}/tools/predict.py run_dir=outputs/r source=<images, folder, "
+        "glob, list or video>",
+        f"  export:   python {REPO}/tools/export.py run_dir=outputs/r   (safetensors; format=onnx "
+        "or format=pt2)",
+    ]
 
 
 def test_imagenet_data_takes_its_class_count_from_the_class_folders(capsys, tiny_shapes):
@@ -236,19 +344,27 @@ def test_imagenet_data_takes_its_class_count_from_the_class_folders(capsys, tiny
     cfg = load_config(CONFIGS, ["data=imagenet", f"data.root={tiny_shapes}", "data.batch_size=16"])
     assert cfg.data.num_classes == cfg.model.num_classes == 6
     out = capsys.readouterr().out
-    assert f"data.num_classes=6: inferred from the 6 class folders of {tiny_shapes / 'train'}" in out
-    cfg = load_config(CONFIGS, ["data=imagenet", f"data.root={tiny_shapes}", "data.num_classes=6",
-                                "data.batch_size=16"])
-    assert cfg.model.num_classes == 6 and "inferred" not in capsys.readouterr().out  # a set value is only checked
+    assert (
+        f"data.num_classes=6: inferred from the 6 class folders of {tiny_shapes / 'train'}" in out
+    )
+    cfg = load_config(
+        CONFIGS,
+        ["data=imagenet", f"data.root={tiny_shapes}", "data.num_classes=6", "data.batch_size=16"],
+    )
+    # a set value is only checked
+    assert cfg.model.num_classes == 6 and "inferred" not in capsys.readouterr().out
 
 
 def test_a_class_count_with_nothing_to_count(capsys, tmp_path):
     from visiondist.cli import load_config
     from visiondist.preflight import infer_num_classes
 
-    cfg = load_config(CONFIGS, ["data=imagenet", "data.root=/nonexistent"], inputs=None)  # printing: stays unset
+    # printing: stays unset
+    cfg = load_config(CONFIGS, ["data=imagenet", "data.root=/nonexistent"], inputs=None)
     assert OmegaConf.is_missing(cfg.data, "num_classes")
-    code, out, err = _call(capsys, "plan", "data=imagenet", "trainer.devices=2", "parallel.device_memory_gb=80")
+    code, out, err = _call(
+        capsys, "plan", "data=imagenet", "trainer.devices=2", "parallel.device_memory_gb=80"
+    )
     assert code == 0 and any("planned with 1000 classes" in line for line in err), err
     for c in range(3):  # evaluation needs only the val split: its folders count then
         (tmp_path / "val" / f"n{c}").mkdir(parents=True)
@@ -260,11 +376,15 @@ def test_a_class_count_with_nothing_to_count(capsys, tmp_path):
 
 def test_eval_and_benchmark_dirs_are_named_as_what_they_are(tmp_path):
     from visiondist.bench.harness import run_benchmark
-    from visiondist.train.run import evaluate_checkpoint, train
     from visiondist.launch import default_run_dir, run_kind
+    from visiondist.train.run import evaluate_checkpoint, train
 
     cfg = OmegaConf.create({"trainer": {"output_dir": str(tmp_path)}})
-    assert (run_kind(train), run_kind(evaluate_checkpoint), run_kind(run_benchmark)) == (None, "eval", "benchmark")
+    assert (run_kind(train), run_kind(evaluate_checkpoint), run_kind(run_benchmark)) == (
+        None,
+        "eval",
+        "benchmark",
+    )
     for kind in ("eval", "benchmark"):
         path = default_run_dir(cfg, kind)
         assert path.parent == tmp_path / kind and len(path.name.split("_")) == 2, path
@@ -273,23 +393,46 @@ def test_eval_and_benchmark_dirs_are_named_as_what_they_are(tmp_path):
 
 
 def test_a_built_in_set_made_with_other_settings_is_refused_before_any_rank(capsys, tmp_path):
-    """data.root holding the built-in set generated with other data.synthetic settings: train.py and `data.py pack`
-    stop with one line naming the fix, before a rank starts or a run dir is made (it was a rank's failure)."""
+    """data.root holding the built-in set generated with other data.synthetic settings: train.py and
+    `data.py pack` stop with one line naming the fix, before a rank starts or a run dir is made (it
+    was a rank's failure)."""
     from visiondist.cli import load_config, run_tool
     from visiondist.synthetic import prepare_data
 
     root = tmp_path / "shapes_coco"
-    small = ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", f"data.root={root}", "data.synthetic.train_images=8",
-             "data.synthetic.val_images=4", "data.synthetic.image_size=32"]
+    small = [
+        "model=fasterrcnn_mobilenet_v3",
+        "data=shapes_coco",
+        f"data.root={root}",
+        "data.synthetic.train_images=8",
+        "data.synthetic.val_images=4",
+        "data.synthetic.image_size=32",
+    ]
     prepare_data(load_config(CONFIGS, small, inputs=None).data)
-    other = [*small[:3], "data.synthetic.train_images=9", "data.synthetic.val_images=4", "data.synthetic.image_size=32"]
+    other = [
+        *small[:3],
+        "data.synthetic.train_images=9",
+        "data.synthetic.val_images=4",
+        "data.synthetic.image_size=32",
+    ]
     ran = []
-    code = run_tool(_tool("train").TOOL, CONFIGS, [*other, f"trainer.run_dir={tmp_path / 'run'}"], ran.append)
+    code = run_tool(
+        _tool("train").TOOL, CONFIGS, [*other, f"trainer.run_dir={tmp_path / 'run'}"], ran.append
+    )
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and not ran and not (tmp_path / "run").exists(), err
     assert len(err) == 1 and err[0].endswith(
-        f"{root} holds the shapes_coco dataset generated with other settings: add data.synthetic.train_images=8 to "
-        "read it as it is, or point data.root elsewhere (or delete that folder) to generate the requested one"), err
+        f"{root} holds the shapes_coco dataset generated with other settings: add "
+        "data.synthetic.train_images=8 to read it as it is, or point data.root elsewhere (or "
+        "delete that folder) to generate the requested one"
+    ), err
     code, out, err = _call(capsys, "data", "pack", *other, f"out={tmp_path / 'packed'}")
-    assert code == 2 and len(err) == 1 and "add data.synthetic.train_images=8" in err[0], (code, out, err)
-    assert not (tmp_path / "packed").exists() and json.loads((root / "dataset.json").read_text())["train_images"] == 8
+    assert code == 2 and len(err) == 1 and "add data.synthetic.train_images=8" in err[0], (
+        code,
+        out,
+        err,
+    )
+    assert (
+        not (tmp_path / "packed").exists()
+        and json.loads((root / "dataset.json").read_text())["train_images"] == 8
+    )

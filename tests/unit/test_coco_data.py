@@ -1,4 +1,5 @@
-"""COCO-format data rules, each with its outcome and its logged count; the built-in shapes_coco set; grouped batches."""
+"""COCO-format data rules, each with its outcome and its logged count; the built-in shapes_coco set;
+grouped batches."""
 
 import json
 import logging
@@ -27,7 +28,11 @@ def _write_set(root, images, annotations, categories=((1, "a"), (3, "b"))):
             content.save(path)
         entries.append({"id": i, "file_name": name, "width": W, "height": H})
     anns = [{"id": k, "area": 1.0, "iscrowd": 0, **a} for k, a in enumerate(annotations, start=1)]
-    data = {"images": entries, "annotations": anns, "categories": [{"id": c, "name": n} for c, n in categories]}
+    data = {
+        "images": entries,
+        "annotations": anns,
+        "categories": [{"id": c, "name": n} for c, n in categories],
+    }
     (root / "ann.json").write_text(json.dumps(data))
     return root / "img", root / "ann.json"
 
@@ -39,9 +44,12 @@ def _rgb(value=(200, 10, 10)):
 def test_boxes_crowd_degenerate_and_empty_images(tmp_path, caplog):
     images = {"one.png": _rgb(), "two.png": _rgb(), "empty.png": _rgb(), "only_crowd.png": _rgb()}
     anns = [
-        {"image_id": 1, "category_id": 3, "bbox": [5, 6, 10, 8]},  # fine: xywh -> xyxy, label 2 (second category)
-        {"image_id": 1, "category_id": 1, "bbox": [30, 20, 20, 20]},  # leaves the image: clipped to 40 x 30
-        {"image_id": 1, "category_id": 1, "bbox": [-5, -5, 4, 30]},  # entirely left of the image: degenerate
+        # fine: xywh -> xyxy, label 2 (second category)
+        {"image_id": 1, "category_id": 3, "bbox": [5, 6, 10, 8]},
+        # leaves the image: clipped to 40 x 30
+        {"image_id": 1, "category_id": 1, "bbox": [30, 20, 20, 20]},
+        # entirely left of the image: degenerate
+        {"image_id": 1, "category_id": 1, "bbox": [-5, -5, 4, 30]},
         {"image_id": 2, "category_id": 1, "bbox": [1, 1, 0.5, 10]},  # 0.5 px wide: degenerate
         {"image_id": 2, "category_id": 3, "bbox": [2, 2, 5, 5]},
         {"image_id": 4, "category_id": 1, "bbox": [2, 2, 20, 20], "iscrowd": 1},
@@ -50,21 +58,31 @@ def test_boxes_crowd_degenerate_and_empty_images(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         train = CocoDetection(root, ann, train=True)
     assert "4 images" not in caplog.text
-    assert "2 images, 3 boxes; left out: 1 crowd boxes, 2 degenerate boxes, 2 images without usable boxes" in caplog.text
+    assert (
+        "2 images, 3 boxes; left out: 1 crowd boxes, 2 degenerate boxes, 2 images without usable "
+        "boxes" in caplog.text
+    )
     assert [r.image_id for r in train.records] == [1, 2]
     image, target = train[0]
-    assert image.shape == (3, H, W) and image.dtype == torch.uint8  # made float in [0, 1] on the device
+    # made float in [0, 1] on the device
+    assert image.shape == (3, H, W) and image.dtype == torch.uint8
     assert target["boxes"].tolist() == [[5, 6, 15, 14], [30, 20, 40, 30]]
     assert target["labels"].tolist() == [2, 1]
     assert train.cat_of == {1: 1, 2: 3}
 
-    evaluation = CocoDetection(root, ann, train=False)  # evaluation keeps every image, crowd boxes stay out
+    # evaluation keeps every image, crowd boxes stay out
+    evaluation = CocoDetection(root, ann, train=False)
     assert [r.image_id for r in evaluation.records] == [1, 2, 3, 4]
     assert evaluation[3][1]["boxes"].shape == (0, 4) and evaluation.counts.crowd_boxes == 1
-    # the index is arrays (no object per image or box for forked workers to copy), pycocotools' COCO is not kept
+    # the index is arrays (no object per image or box for forked workers to copy), pycocotools' COCO
+    # is not kept
     index = evaluation.index
     assert index.image_ids.tolist() == [1, 2, 3, 4] and index.offsets.tolist() == [0, 2, 3, 3, 3]
-    assert index.boxes.dtype == np.float32 and index.boxes.tolist() == [[5, 6, 15, 14], [30, 20, 40, 30], [2, 2, 7, 7]]
+    assert index.boxes.dtype == np.float32 and index.boxes.tolist() == [
+        [5, 6, 15, 14],
+        [30, 20, 40, 30],
+        [2, 2, 7, 7],
+    ]
     assert index.labels.tolist() == [2, 1, 2] and index.paths[1] == str(root / "two.png")
     assert not hasattr(evaluation, "coco")
 
@@ -79,8 +97,10 @@ def test_annotations_of_images_not_in_the_file_are_counted(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         data = CocoDetection(root, ann, train=True)
     assert data.counts.orphan_annotations == 2 and data.counts.boxes == 1
-    assert ("1 images, 1 boxes; left out: 0 crowd boxes, 0 degenerate boxes, 0 images without usable boxes, "
-            "2 annotations whose image_id has no image") in caplog.text
+    assert (
+        "1 images, 1 boxes; left out: 0 crowd boxes, 0 degenerate boxes, 0 images without usable "
+        "boxes, 2 annotations whose image_id has no image"
+    ) in caplog.text
 
 
 @pytest.mark.parametrize("mode", ["L", "CMYK", "RGBA", "P", "I;16"])
@@ -93,7 +113,9 @@ def test_any_image_mode_is_read_as_rgb(tmp_path, mode):
     else:
         image = source.convert(mode)
     suffix = "jpg" if mode == "CMYK" else "png"
-    root, ann = _write_set(tmp_path, {f"x.{suffix}": image}, [{"image_id": 1, "category_id": 1, "bbox": [1, 1, 9, 9]}])
+    root, ann = _write_set(
+        tmp_path, {f"x.{suffix}": image}, [{"image_id": 1, "category_id": 1, "bbox": [1, 1, 9, 9]}]
+    )
     tensor, _ = CocoDetection(root, ann, train=True)[0]
     assert tensor.shape == (3, H, W)
     if mode in ("RGBA", "P"):
@@ -102,27 +124,40 @@ def test_any_image_mode_is_read_as_rgb(tmp_path, mode):
         assert tensor[0].equal(tensor[1]) and tensor[1].equal(tensor[2])
 
 
-@pytest.mark.parametrize("name", ["../outside.png", "/etc/passwd", "img/../../x.png", "..\\evil.png"])
+@pytest.mark.parametrize(
+    "name", ["../outside.png", "/etc/passwd", "img/../../x.png", "..\\evil.png"]
+)
 def test_file_name_escaping_the_image_root_is_refused(tmp_path, name):
     (tmp_path / "img").mkdir()
-    data = {"images": [{"id": 1, "file_name": name, "width": W, "height": H}], "annotations": [],
-            "categories": [{"id": 1, "name": "a"}]}
+    data = {
+        "images": [{"id": 1, "file_name": name, "width": W, "height": H}],
+        "annotations": [],
+        "categories": [{"id": 1, "name": "a"}],
+    }
     (tmp_path / "ann.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="escapes the image folder"):
         CocoDetection(tmp_path / "img", tmp_path / "ann.json", train=False)
 
 
 def test_unknown_category_names_the_annotation(tmp_path):
-    root, ann = _write_set(tmp_path, {"a.png": _rgb()}, [{"image_id": 1, "category_id": 7, "bbox": [1, 1, 5, 5]}])
+    root, ann = _write_set(
+        tmp_path, {"a.png": _rgb()}, [{"image_id": 1, "category_id": 7, "bbox": [1, 1, 5, 5]}]
+    )
     with pytest.raises(ValueError, match=r"annotation 1 \(image 1\) has category_id 7"):
         CocoDetection(root, ann, train=True)
 
 
 def test_unreadable_images_are_replaced_logged_once_and_bounded(tmp_path, caplog):
     box = [1, 1, 9, 9]
-    images = {"ok0.png": _rgb((10, 10, 10)), "bad.png": b"not an image", "missing.png": None,
-              "ok3.png": _rgb((30, 30, 30))}
-    root, ann = _write_set(tmp_path, images, [{"image_id": i, "category_id": 1, "bbox": box} for i in range(1, 5)])
+    images = {
+        "ok0.png": _rgb((10, 10, 10)),
+        "bad.png": b"not an image",
+        "missing.png": None,
+        "ok3.png": _rgb((30, 30, 30)),
+    }
+    root, ann = _write_set(
+        tmp_path, images, [{"image_id": i, "category_id": 1, "bbox": box} for i in range(1, 5)]
+    )
     data = CocoDetection(root, ann, train=True, max_bad_images=3)
     with caplog.at_level(logging.WARNING):
         first, _ = data[1]  # bad.png -> missing.png -> ok3.png
@@ -152,7 +187,8 @@ def test_shapes_coco_is_deterministic_coco_format(tmp_path):
         assert (a / split / "000003.jpg").read_bytes() == (b / split / "000003.jpg").read_bytes()
     train = json.loads((a / "annotations" / "instances_train.json").read_text())
     per_image = np.bincount([x["image_id"] for x in train["annotations"]], minlength=25)[1:]
-    assert per_image.max() > 1 and (per_image == 0).any()  # several objects per image, some empty images
+    # several objects per image, some empty images
+    assert per_image.max() > 1 and (per_image == 0).any()
     assert len({x["category_id"] for x in train["annotations"]}) >= 4
     assert len({(i["width"], i["height"]) for i in train["images"]}) > 1
     data = CocoDetection(a / "train", a / "annotations" / "instances_train.json", train=True)
@@ -173,16 +209,23 @@ def test_grouped_batches_hold_one_group_and_split_by_dp_rank():
 
 
 def test_unreadable_val_images_of_a_coco_set_are_named_before_any_rank_starts(tmp_path):
-    """tools/eval.py's and train.py's check (`load_config`), on a COCO-format set generated earlier: every
-    unreadable val image with its reason, and the annotation file's part of the fix."""
+    """tools/eval.py's and train.py's check (`load_config`), on a COCO-format set generated earlier:
+    every unreadable val image with its reason, and the annotation file's part of the fix."""
     from helpers import REPO
+
     from visiondist.cli import load_config
     from visiondist.config import ConfigError
     from visiondist.synthetic.shapes_coco import ensure_shapes_coco
 
-    overrides = ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", f"data.root={tmp_path / 'coco'}",
-                 "data.synthetic.train_images=8", "data.synthetic.val_images=6", "data.synthetic.image_size=64",
-                 "data.batch_size=4"]
+    overrides = [
+        "model=fasterrcnn_mobilenet_v3",
+        "data=shapes_coco",
+        f"data.root={tmp_path / 'coco'}",
+        "data.synthetic.train_images=8",
+        "data.synthetic.val_images=6",
+        "data.synthetic.image_size=64",
+        "data.batch_size=4",
+    ]
     cfg = load_config(REPO / "configs", overrides, inputs=None)
     root = ensure_shapes_coco(cfg.data.root, cfg.data.synthetic)
     load_config(REPO / "configs", overrides, inputs="eval")  # all readable
@@ -192,6 +235,8 @@ def test_unreadable_val_images_of_a_coco_set_are_named_before_any_rank_starts(tm
         with pytest.raises(ConfigError) as refused:
             load_config(REPO / "configs", overrides, inputs=inputs)
         assert str(refused.value) == (
-            f"2 of 6 val images cannot be read: {root / 'val' / '000002.jpg'}: truncated JPEG (no end-of-image "
-            f"marker); {root / 'val' / '000005.jpg'}: the file does not exist: fix or remove them (every val image "
-            "is scored; remove an image's entry from the annotation file too)")
+            f"2 of 6 val images cannot be read: {root / 'val' / '000002.jpg'}: truncated JPEG (no "
+            f"end-of-image marker); {root / 'val' / '000005.jpg'}: the file does not exist: fix "
+            "or remove them (every val image is scored; remove an image's entry from the "
+            "annotation file too)"
+        )

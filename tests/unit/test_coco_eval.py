@@ -1,5 +1,6 @@
-"""COCO scoring in one process: the 12 stats are meaningful and faster-coco-eval equals pycocotools, missing or
-duplicated images are caught, per-class AP averages to the mAP. Across ranks: tests/multirank/test_coco_eval.py."""
+"""COCO scoring in one process: the 12 stats are meaningful and faster-coco-eval equals pycocotools,
+missing or duplicated images are caught, per-class AP averages to the mAP. Across ranks:
+tests/multirank/test_coco_eval.py."""
 
 import json
 
@@ -12,24 +13,28 @@ from visiondist.evaluation.detection import deduplicate, score, summary_lines
 def test_stats_are_meaningful_and_backends_agree(single_process):
     dets, stats, data = single_process
     assert 0.2 < stats["mAP"] < 0.9 and stats["AP50"] > stats["mAP"]  # neither trivial nor perfect
-    # the same detections, two implementations of COCOeval in double precision: equal to their last bits
+    # the same detections, two implementations of COCOeval in double precision: equal to their last
+    # bits
     assert score(data.ann_file, dets, backend="faster-coco-eval") == pytest.approx(stats, abs=1e-9)
     assert len(summary_lines(stats).splitlines()) == 12
 
 
 def test_missing_or_duplicated_images_are_caught():
     a = (np.array([[1, 0, 0, 5, 5, 0.9, 1]]), [1, 2])
-    b = (np.array([[2, 0, 0, 5, 5, 0.8, 1], [3, 0, 0, 5, 5, 0.7, 1]]), [2, 3])  # image 2 reported twice
+    # image 2 reported twice
+    b = (np.array([[2, 0, 0, 5, 5, 0.8, 1], [3, 0, 0, 5, 5, 0.7, 1]]), [2, 3])
     dets, count, _ = deduplicate([a, b], expected=3)
-    assert count == 3 and sorted(dets[:, 0].tolist()) == [1, 3]  # image 2's rows from the first report (none)
+    # image 2's rows from the first report (none)
+    assert count == 3 and sorted(dets[:, 0].tolist()) == [1, 3]
     with pytest.raises(RuntimeError, match="saw 2 distinct images, expected 3"):
         deduplicate([a], expected=3)
 
 
 @pytest.mark.parametrize("backend", ["pycocotools", "faster-coco-eval"])
 def test_per_class_ap_averages_to_the_map(single_process, backend):
-    """Per-category AP (the per-class bar chart) is COCOeval's own precision array split by category: its mean over
-    the categories is the overall AP, and the per-class values differ (the stand-in detector is better at some)."""
+    """Per-category AP (the per-class bar chart) is COCOeval's own precision array split by
+    category: its mean over the categories is the overall AP, and the per-class values differ (the
+    stand-in detector is better at some)."""
     dets, stats, data = single_process
     scored = score(data.ann_file, dets, backend=backend, per_class=True)
     per_class = scored.pop("class_AP")

@@ -1,14 +1,13 @@
-"""Bad input fails before anything starts, with one message that names the fix: composition, presets, the layout
-resolved against the world, per-group validation and the family's capabilities. The command line's exit code:
-tests/multirank/test_config.py."""
+"""Bad input fails before anything starts, with one message that names the fix: composition,
+presets, the layout resolved against the world, per-group validation and the family's capabilities.
+The command line's exit code: tests/multirank/test_config.py."""
 
 import pytest
+from helpers import REPO
 
 from visiondist.cli import load_config, run_tool
 from visiondist.config import ConfigError, compose
 from visiondist.plan import resolve
-from helpers import REPO
-
 
 CONFIGS = REPO / "configs"
 
@@ -21,52 +20,91 @@ def _error(overrides):
 
 def test_defaults_compose_and_follow_the_data():
     cfg = load_config(CONFIGS, [])
-    assert (cfg.model.name, cfg.data.name, cfg.parallel.name, cfg.optim.name, cfg.schedule.name) == (
-        "vit_tiny", "shapes", "auto", "adamw", "cosine")
+    assert (
+        cfg.model.name,
+        cfg.data.name,
+        cfg.parallel.name,
+        cfg.optim.name,
+        cfg.schedule.name,
+    ) == ("vit_tiny", "shapes", "auto", "adamw", "cosine")
     assert cfg.model.img_size == cfg.data.img_size and cfg.model.num_classes == cfg.data.num_classes
-    cfg = load_config(CONFIGS, ["model=vit_base", "model.img_size=96", "model.num_classes=3", "data.img_size=64"])
+    cfg = load_config(
+        CONFIGS, ["model=vit_base", "model.img_size=96", "model.num_classes=3", "data.img_size=64"]
+    )
     assert (cfg.model.img_size, cfg.model.num_classes, cfg.model.embed_dim) == (96, 3, 768)
 
 
 def test_a_tuned_pair_sets_its_defaults_and_the_command_line_still_wins():
-    base = load_config(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=coco", "data.root=/data"],
-                       inputs=None)  # no tuned file for this pair
+    base = load_config(
+        CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=coco", "data.root=/data"], inputs=None
+    )  # no tuned file for this pair
     assert (base.optim.lr, base.trainer.max_epochs, base.model.min_size) == (5e-4, 3, 800)
     tuned = load_config(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco"])
-    assert (tuned.optim.lr, tuned.trainer.max_epochs, tuned.data.min_size, tuned.model.min_size) == (1e-3, 2, 256, 256)
+    assert (
+        tuned.optim.lr,
+        tuned.trainer.max_epochs,
+        tuned.data.min_size,
+        tuned.model.min_size,
+    ) == (1e-3, 2, 256, 256)
     assert tuned.model.roi_sampling_ratio == 1
-    mine = load_config(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "optim.lr=2e-3",
-                                 "trainer.max_epochs=4", "data.min_size=160"])
+    mine = load_config(
+        CONFIGS,
+        [
+            "model=fasterrcnn_mobilenet_v3",
+            "data=shapes_coco",
+            "optim.lr=2e-3",
+            "trainer.max_epochs=4",
+            "data.min_size=160",
+        ],
+    )
     assert (mine.optim.lr, mine.trainer.max_epochs, mine.model.min_size) == (2e-3, 4, 160)
 
 
 def test_patch14_models_take_the_largest_fitting_input_size():
-    assert load_config(CONFIGS, ["model=vit_huge"]).model.img_size == 56  # 64-pixel shapes, 14-pixel patches
-    assert load_config(CONFIGS, ["model=vit_huge", "data=imagenet", "data.root=/data"],
-                       inputs=None).model.img_size == 224
+    # 64-pixel shapes, 14-pixel patches
+    assert load_config(CONFIGS, ["model=vit_huge"]).model.img_size == 56
+    assert (
+        load_config(
+            CONFIGS, ["model=vit_huge", "data=imagenet", "data.root=/data"], inputs=None
+        ).model.img_size
+        == 224
+    )
     assert load_config(CONFIGS, ["model=vit_tiny", "data.img_size=70"]).model.img_size == 64
 
 
-@pytest.mark.parametrize("name,tp,dp", [("tp2", 2, -1), ("tp4", 4, -1), ("tp8", 8, -1), ("dp2_tp2", 2, 2)])
+@pytest.mark.parametrize(
+    "name,tp,dp", [("tp2", 2, -1), ("tp4", 4, -1), ("tp8", 8, -1), ("dp2_tp2", 2, 2)]
+)
 def test_parallel_presets(name, tp, dp):
     cfg = load_config(CONFIGS, ["model=vit_huge", f"parallel={name}"])
-    assert (cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.sequence_parallel) == (tp, dp, 1, False)
+    assert (cfg.parallel.tp, cfg.parallel.dp, cfg.parallel.pp, cfg.parallel.sequence_parallel) == (
+        tp,
+        dp,
+        1,
+        False,
+    )
 
 
-@pytest.mark.parametrize("name,dp,tp,pp,micro", [("pp2", -1, 1, 2, 4), ("pp4", -1, 1, 4, 8), ("tp2_pp2", -1, 2, 2, 4),
-                                                  ("dp2_pp2", 2, 1, 2, 4)])
+@pytest.mark.parametrize(
+    "name,dp,tp,pp,micro",
+    [("pp2", -1, 1, 2, 4), ("pp4", -1, 1, 4, 8), ("tp2_pp2", -1, 2, 2, 4), ("dp2_pp2", 2, 1, 2, 4)],
+)
 def test_pipeline_presets(name, dp, tp, pp, micro):
     cfg = load_config(CONFIGS, ["model=vit_base", f"parallel={name}"])
     p = cfg.parallel
     assert (p.dp, p.tp, p.pp, p.schedule, p.microbatches) == (dp, tp, pp, "1f1b", micro)
     run, _ = resolve(cfg, {}, 0)
     assert run.world_size == max(dp, 1) * tp * pp
-    assert (run.schedule, run.stages_per_rank, run.microbatches) == ("1f1b", 1, micro)  # nothing left at -1
+    # nothing left at -1
+    assert (run.schedule, run.stages_per_rank, run.microbatches) == ("1f1b", 1, micro)
 
 
 def test_pipeline_batch_must_split_into_microbatches():
-    with pytest.raises(ConfigError, match=r"dp x trainer.grad_accum x parallel.microbatches = 2 x 1 x 4: .* "
-                                          r"use e.g. data.batch_size=24"):
+    with pytest.raises(
+        ConfigError,
+        match=r"dp x trainer.grad_accum x parallel.microbatches = 2 x 1 x 4: .* "
+        r"use e.g. data.batch_size=24",
+    ):
         _plan(["parallel=dp2_pp2", "data.batch_size=20"])
     assert _plan(["parallel=dp2_pp2", "data.batch_size=24"]).world_size == 4
 
@@ -78,53 +116,100 @@ def test_pipeline_batch_must_split_into_microbatches():
         (["model=vit_nope"], "Could not find 'model/vit_nope'"),
         (["optim.lr=-0.1"], "optim.lr=-0.1 must be > 0"),
         (["optim.lr=fast"], "optim.lr: Value 'fast' of type 'str' could not be converted to Float"),
-        (["trainer.max_stepz=3"], "trainer.max_stepz is not a setting: did you mean trainer.max_steps?"),
+        (
+            ["trainer.max_stepz=3"],
+            "trainer.max_stepz is not a setting: did you mean trainer.max_steps?",
+        ),
         (["+trainer.foo=1"], "trainer.foo is not a setting (trainer has"),
         (["data.root"], "data.root: not an override; write key=value or group=option"),
-        (["parallel.tp=2"], "use parallel.tp in {1, 3}, or model.num_heads=4 (a multiple of 2 that divides"),
+        (
+            ["parallel.tp=2"],
+            "use parallel.tp in {1, 3}, or model.num_heads=4 (a multiple of 2 that divides",
+        ),
         (["trainer.precision=half"], "trainer.precision='half' is not supported"),
         (["model.img_size=70"], "not a multiple of model.patch_size=16"),
         (["parallel.pp=20"], "parallel.pp=20 pipeline stages exceed model.depth=12"),
-        (["parallel=pp4", "parallel.schedule=zero_bubble", "parallel.stages_per_rank=4"],
-         "parallel.pp=4 x parallel.stages_per_rank=4 = 16 pipeline stages exceed model.depth=12"),
+        (
+            ["parallel=pp4", "parallel.schedule=zero_bubble", "parallel.stages_per_rank=4"],
+            "parallel.pp=4 x parallel.stages_per_rank=4 = 16 pipeline stages exceed model.depth=12",
+        ),
         (["parallel=pp4", "parallel.microbatches=2"], "parallel.microbatches=2 < parallel.pp=4"),
-        (["parallel=pp4", "parallel.schedule=interleaved_1f1b", "parallel.microbatches=9"],
-         "parallel.microbatches=9 must be a multiple of 2"),
-        (["parallel=pp2", "parallel.schedule=gpipe", "parallel.stages_per_rank=2"],
-         "parallel.schedule=gpipe runs one stage per rank"),
-        (["parallel=pp2", "parallel.schedule=pipedream"], "parallel.schedule='pipedream' is not supported"),
+        (
+            ["parallel=pp4", "parallel.schedule=interleaved_1f1b", "parallel.microbatches=9"],
+            "parallel.microbatches=9 must be a multiple of 2",
+        ),
+        (
+            ["parallel=pp2", "parallel.schedule=gpipe", "parallel.stages_per_rank=2"],
+            "parallel.schedule=gpipe runs one stage per rank",
+        ),
+        (
+            ["parallel=pp2", "parallel.schedule=pipedream"],
+            "parallel.schedule='pipedream' is not supported",
+        ),
         (["optim.layer_decay=0"], "optim.layer_decay=0.0 must be in (0, 1]"),
         (["trainer.ema_decay=1"], "trainer.ema_decay=1.0 must be in [0, 1)"),
         (["data.auto_augment=auto"], "data.auto_augment='auto' is not supported"),
-        (["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "trainer.label_smoothing=0.1"],
-         "are for classification"),
-        (["model.init_from=/nonexistent.safetensors"], "model.init_from=/nonexistent.safetensors: no such file"),
-        (["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "parallel=pp2"],
-         "pipeline parallelism cuts ViT classifiers into stages"),
-        (["model=vit_small", "model.embed_dim=390", "model.mlp_ratio=2.5", "parallel.tp=2"],
-         "parallel.tp=2 does not divide the MLP hidden size 975"),
-        (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=true needs parallel.tp > 1"),
+        (
+            ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "trainer.label_smoothing=0.1"],
+            "are for classification",
+        ),
+        (
+            ["model.init_from=/nonexistent.safetensors"],
+            "model.init_from=/nonexistent.safetensors: no such file",
+        ),
+        (
+            ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "parallel=pp2"],
+            "pipeline parallelism cuts ViT classifiers into stages",
+        ),
+        (
+            ["model=vit_small", "model.embed_dim=390", "model.mlp_ratio=2.5", "parallel.tp=2"],
+            "parallel.tp=2 does not divide the MLP hidden size 975",
+        ),
+        (
+            ["parallel.sequence_parallel=true"],
+            "parallel.sequence_parallel=true needs parallel.tp > 1",
+        ),
         (["optim.impl=apex"], "optim.impl='apex' is not supported"),
         (["model.sdpa=fast"], "model.sdpa='fast' is not supported"),
-        (["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "trainer.compile=true"],
-         "trainer.compile=true compiles transformer blocks; fasterrcnn_mobilenet_v3 has none"),
-        (["parallel=pp2", "parallel.schedule=zero_bubble", "trainer.compile=true"],
-         "a compiled block's backward cannot do"),
-        (["trainer.compile_autotune=true", "trainer.compile=false"],
-         "trainer.compile_autotune=true tunes the compiled kernels: drop trainer.compile=false"),
+        (
+            ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "trainer.compile=true"],
+            "trainer.compile=true compiles transformer blocks; fasterrcnn_mobilenet_v3 has none",
+        ),
+        (
+            ["parallel=pp2", "parallel.schedule=zero_bubble", "trainer.compile=true"],
+            "a compiled block's backward cannot do",
+        ),
+        (
+            ["trainer.compile_autotune=true", "trainer.compile=false"],
+            "trainer.compile_autotune=true tunes the compiled kernels: drop trainer.compile=false",
+        ),
         (["parallel.checkpoint_blocks=3"], "set parallel.activation_checkpointing=true too"),
         (["data.prefetch_factor=0"], "data.prefetch_factor=0 must be > 0"),
         (["bench.steps=0"], "bench.steps=0 must be > 0"),
         (["bench.variants=[trainer.precision]"], "give key=value overrides separated by spaces"),
-        (["bench.variants=['trainer.fp8=rowwise']"],  # the fix is the entry's: the run's precision is the rows' too
-         "bench.variants entry 'trainer.fp8=rowwise': trainer.fp8=rowwise runs the blocks' linear layers in float8"),
-        (["bench.variants=[['trainer.fp8=rowwise','model.sdpa=fast']]"],  # a list of overrides is one entry too
-         "bench.variants entry 'trainer.fp8=rowwise model.sdpa=fast'"),
-        (["trainer.max_steps=-1", "trainer.max_epochs=0"], "set trainer.max_steps or trainer.max_epochs"),
-        (["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "model.anchor_scale=0"],
-         "model.anchor_scale=0.0 must be > 0"),
-        (["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "model.roi_sampling_ratio=0"],
-         "model.roi_sampling_ratio=0 must be > 0"),
+        # the fix is the entry's: the run's precision is the rows' too
+        (
+            ["bench.variants=['trainer.fp8=rowwise']"],
+            "bench.variants entry 'trainer.fp8=rowwise': trainer.fp8=rowwise runs the blocks' "
+            "linear layers in float8",
+        ),
+        # a list of overrides is one entry too
+        (
+            ["bench.variants=[['trainer.fp8=rowwise','model.sdpa=fast']]"],
+            "bench.variants entry 'trainer.fp8=rowwise model.sdpa=fast'",
+        ),
+        (
+            ["trainer.max_steps=-1", "trainer.max_epochs=0"],
+            "set trainer.max_steps or trainer.max_epochs",
+        ),
+        (
+            ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "model.anchor_scale=0"],
+            "model.anchor_scale=0.0 must be > 0",
+        ),
+        (
+            ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "model.roi_sampling_ratio=0"],
+            "model.roi_sampling_ratio=0 must be > 0",
+        ),
     ],
 )
 def test_bad_config_has_one_clear_message(overrides, expected):
@@ -157,16 +242,30 @@ def test_tensor_parallel_world():
     plan = _plan(["model=vit_huge", "parallel=tp4", "trainer.accelerator=cpu"])
     assert (plan.world_size, plan.dp, plan.tp) == (4, 1, 4)  # four gloo processes
     plan = _plan(["model=vit_huge", "parallel=tp4"], gpus=8)
-    assert (plan.world_size, plan.dp, plan.tp) == (8, 2, 4)  # every GPU of the node, dp fills the rest
-    with pytest.raises(ConfigError, match="needs 4 GPUs on this node but only 1 is visible.*trainer.accelerator=cpu"):
+    # every GPU of the node, dp fills the rest
+    assert (plan.world_size, plan.dp, plan.tp) == (8, 2, 4)
+    with pytest.raises(
+        ConfigError,
+        match="needs 4 GPUs on this node but only 1 is visible.*trainer.accelerator=cpu",
+    ):
         _plan(["model=vit_huge", "parallel=tp4"], gpus=1)
     with pytest.raises(ConfigError, match="tensor-parallel group must sit inside one node"):
-        env = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"}
+        env = {
+            "WORLD_SIZE": "8",
+            "LOCAL_WORLD_SIZE": "2",
+            "LOCAL_RANK": "0",
+            "TORCHELASTIC_RUN_ID": "x",
+        }
         _plan(["model=vit_huge", "parallel=tp4"], env=env)
 
 
 def test_torchrun_world_is_checked_against_the_config():
-    env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"}
+    env = {
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "4",
+        "LOCAL_RANK": "0",
+        "TORCHELASTIC_RUN_ID": "x",
+    }
     plan = _plan([], env=env)
     assert plan.under_torchrun and plan.dp == 4
     with pytest.raises(ConfigError, match="set parallel.dp=4"):
@@ -174,7 +273,9 @@ def test_torchrun_world_is_checked_against_the_config():
 
 
 def test_mixup_needs_an_even_micro_batch():
-    with pytest.raises(ConfigError, match="need an even one, but data.batch_size=18 gives 9 per rank"):
+    with pytest.raises(
+        ConfigError, match="need an even one, but data.batch_size=18 gives 9 per rank"
+    ):
         _plan(["parallel.dp=2", "data.batch_size=18", "data.mixup=0.8"])
     assert _plan(["parallel.dp=2", "data.batch_size=20", "data.cutmix=1.0"]).dp == 2
 
@@ -191,14 +292,17 @@ def test_nothing_runs_on_bad_input():
 
 
 def test_validation_is_per_group_and_the_family_decides_what_it_supports():
-    """`validate` checks each group on its own; what a model family supports is its ModelSpec's to refuse."""
+    """`validate` checks each group on its own; what a model family supports is its ModelSpec's to
+    refuse."""
     from visiondist.config import validate
     from visiondist.models.registry import SPECS, check_support
     from visiondist.plan import check
 
     cfg = compose(CONFIGS, ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "parallel.tp=2"])
     validate(cfg)  # nothing wrong with any group on its own
-    with pytest.raises(ConfigError, match="tensor parallelism shards ViT blocks; fasterrcnn_mobilenet_v3 has none"):
+    with pytest.raises(
+        ConfigError, match="tensor parallelism shards ViT blocks; fasterrcnn_mobilenet_v3 has none"
+    ):
         check_support(cfg)
     with pytest.raises(ConfigError, match="has none"):
         check(cfg)

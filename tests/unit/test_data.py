@@ -1,4 +1,5 @@
-"""Built-in data is real, deterministic image files; the ImageFolder loader reads them with seeded augmentation."""
+"""Built-in data is real, deterministic image files; the ImageFolder loader reads them with seeded
+augmentation."""
 
 import hashlib
 from types import SimpleNamespace
@@ -6,18 +7,20 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import REPO
 from PIL import Image
 
 from visiondist.config import compose
 from visiondist.data import build_classification_data
-from visiondist.synthetic.shapes import SHAPE_CLASSES, ensure_shapes
 from visiondist.data.imagefolder import ImageFolder, read_rgb
-from helpers import REPO
+from visiondist.synthetic.shapes import SHAPE_CLASSES, ensure_shapes
 
 
 def _digest(root):
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*.jpg"))}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*.jpg"))
+    }
 
 
 def test_shapes_are_deterministic_jpeg_files(tmp_path, tiny_shapes):
@@ -33,8 +36,11 @@ def test_shapes_are_deterministic_jpeg_files(tmp_path, tiny_shapes):
 
 def test_a_different_spec_is_refused_not_overwritten(tiny_shapes):
     syn = SimpleNamespace(train_per_class=17, val_per_class=5, image_size=32, seed=0)
-    with pytest.raises(ValueError, match="add data.synthetic.train_per_class=16 to read it as it is, or point "
-                                         r"data.root elsewhere \(or delete that folder\)"):
+    with pytest.raises(
+        ValueError,
+        match="add data.synthetic.train_per_class=16 to read it as it is, or point "
+        r"data.root elsewhere \(or delete that folder\)",
+    ):
         ensure_shapes(tiny_shapes, syn)
 
 
@@ -56,8 +62,9 @@ def _jpeg(path, value):
 
 
 def test_unreadable_training_images_are_replaced_within_their_class(tmp_path, caplog):
-    """Empty, truncated, missing and non-image files: each is replaced by the next readable image of the same class
-    (labels unchanged), the first one logged; a run of max_bad_images is an error; in evaluation any is an error."""
+    """Empty, truncated, missing and non-image files: each is replaced by the next readable image of
+    the same class (labels unchanged), the first one logged; a run of max_bad_images is an error; in
+    evaluation any is an error."""
     import logging
 
     for name in ("a", "b"):
@@ -66,7 +73,8 @@ def test_unreadable_training_images_are_replaced_within_their_class(tmp_path, ca
     (tmp_path / "a" / "1.jpg").write_bytes(b"")  # zero bytes
     _jpeg(tmp_path / "a" / "2.jpg", 20)
     data = (tmp_path / "a" / "2.jpg").read_bytes()
-    (tmp_path / "a" / "2.jpg").write_bytes(data[: len(data) // 2])  # truncated (OpenCV alone would decode it)
+    # truncated (OpenCV alone would decode it)
+    (tmp_path / "a" / "2.jpg").write_bytes(data[: len(data) // 2])
     _jpeg(tmp_path / "a" / "3.jpg", 40)
     _jpeg(tmp_path / "b" / "0.jpg", 90)
     _jpeg(tmp_path / "b" / "1.jpg", 99)
@@ -79,11 +87,15 @@ def test_unreadable_training_images_are_replaced_within_their_class(tmp_path, ca
     labels = [label for _, label in got]
     assert labels == [0, 0, 0, 0, 1, 1, 1, 0]
     assert abs(values[1] - 40) <= 2 and abs(values[2] - 40) <= 2  # a/1 and a/2 -> a/3
-    assert abs(values[5] - 90) <= 2 and abs(values[6] - 90) <= 2  # b/1 and b/2 wrap round to b/0, not to class a
+    # b/1 and b/2 wrap round to b/0, not to class a
+    assert abs(values[5] - 90) <= 2 and abs(values[6] - 90) <= 2
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    named = ["a/1.jpg", "a/2.jpg", "b/1.jpg", "b/2.jpg"]  # each unreadable file once, a/1 though read twice
+    # each unreadable file once, a/1 though read twice
+    named = ["a/1.jpg", "a/2.jpg", "b/1.jpg", "b/2.jpg"]
     assert [next(n for n in named if n in w) for w in warnings] == named, warnings
-    assert "the file is empty" in warnings[0] and all("each unreadable file is named once" in w for w in warnings)
+    assert "the file is empty" in warnings[0] and all(
+        "each unreadable file is named once" in w for w in warnings
+    )
 
     with pytest.raises(RuntimeError, match="2 consecutive images from index 1 could not be read"):
         ImageFolder(tmp_path, train=True, max_bad_images=2)[1]
@@ -92,8 +104,9 @@ def test_unreadable_training_images_are_replaced_within_their_class(tmp_path, ca
 
 
 def test_unreadable_images_are_warned_once_per_run_and_each_listed(tmp_path, caplog, monkeypatch):
-    """Two loader workers of one run (two copies of the data set) meet three bad files: one warning for each file in
-    all, bad_images.txt lists each file once with its reason, and the summary's count says 3."""
+    """Two loader workers of one run (two copies of the data set) meet three bad files: one warning
+    for each file in all, bad_images.txt lists each file once with its reason, and the summary's
+    count says 3."""
     import logging
 
     from visiondist.data.robust import count_bad_images
@@ -112,7 +125,9 @@ def test_unreadable_images_are_warned_once_per_run_and_each_listed(tmp_path, cap
             for i in range(3):
                 worker[i]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert [w.split(" (")[0] for w in warnings] == [f"cannot read {root / 'a' / f'{i}.jpg'}" for i in range(3)]
+    assert [w.split(" (")[0] for w in warnings] == [
+        f"cannot read {root / 'a' / f'{i}.jpg'}" for i in range(3)
+    ]
     listed = [line.split("\t") for line in (run / "bad_images.txt").read_text().splitlines()]
     assert sorted(listed) == [[str(root / "a" / f"{i}.jpg"), "the file is empty"] for i in range(3)]
     assert count_bad_images(run) == 3
@@ -127,39 +142,57 @@ def test_empty_class_folder_is_an_error(tmp_path, tiny_shapes):
 
 
 def _data(tiny_shapes, dp_rank, dp, overrides=()):
-    cfg = compose(REPO / "configs", [f"data.root={tiny_shapes}", "data.img_size=32", "data.batch_size=12",
-                                     "data.num_workers=0", *overrides])
-    return build_classification_data(cfg.data, cfg.model.img_size, dp_rank, dp, grad_accum=1, seed=0, pin_memory=False), cfg
+    cfg = compose(
+        REPO / "configs",
+        [
+            f"data.root={tiny_shapes}",
+            "data.img_size=32",
+            "data.batch_size=12",
+            "data.num_workers=0",
+            *overrides,
+        ],
+    )
+    return build_classification_data(
+        cfg.data, cfg.model.img_size, dp_rank, dp, grad_accum=1, seed=0, pin_memory=False
+    ), cfg
 
 
 def test_augmentation_depends_on_sample_and_epoch_only(tiny_shapes):
-    """The same (index, epoch) gives the same pixels in any order, on any rank; another epoch differs."""
+    """The same (index, epoch) gives the same pixels in any order, on any rank; another epoch
+    differs."""
     data, _ = _data(tiny_shapes, 0, 1)
     ds = data.train_loader.dataset
     first = ds[(5, 0)][0]
     ds[(7, 0)], ds[(9, 3)]  # other samples in between
     assert torch.equal(ds[(5, 0)][0], first)
     assert not torch.equal(ds[(5, 1)][0], first)
-    assert first.shape == (32, 32, 3) and first.dtype == torch.uint8  # made C, H, W and normalised on the device
+    # made C, H, W and normalised on the device
+    assert first.shape == (32, 32, 3) and first.dtype == torch.uint8
 
 
 def test_device_normalisation_equals_normalising_in_the_loader(tiny_shapes):
-    """The loader yields uint8 N, H, W, C; `Normalize` on the device gives what normalising float C, H, W pixels in
-    the loader gave."""
+    """The loader yields uint8 N, H, W, C; `Normalize` on the device gives what normalising float C,
+    H, W pixels in the loader gave."""
     from visiondist.data.transforms import Normalize
 
     data, cfg = _data(tiny_shapes, 0, 1)
     images, _ = next(iter(data.train_loader))
     assert images.dtype == torch.uint8
-    mean, std = torch.tensor(cfg.data.mean).view(1, 3, 1, 1), torch.tensor(cfg.data.std).view(1, 3, 1, 1)
+    mean, std = (
+        torch.tensor(cfg.data.mean).view(1, 3, 1, 1),
+        torch.tensor(cfg.data.std).view(1, 3, 1, 1),
+    )
     expected = (images.permute(0, 3, 1, 2).float() / 255 - mean) / std
-    torch.testing.assert_close(Normalize(cfg.data.mean, cfg.data.std)(images, torch.device("cpu")), expected)
+    torch.testing.assert_close(
+        Normalize(cfg.data.mean, cfg.data.std)(images, torch.device("cpu")), expected
+    )
 
 
 def test_loader_batches_and_class_count(tiny_shapes):
     data, cfg = _data(tiny_shapes, 1, 2)
     images, labels = next(iter(data.train_loader))
-    assert images.shape == (6, 32, 32, 3) and labels.dtype == torch.int64  # H, W, C: made C, H, W on the device
+    # H, W, C: made C, H, W on the device
+    assert images.shape == (6, 32, 32, 3) and labels.dtype == torch.int64
     assert data.classes == sorted(SHAPE_CLASSES) and data.num_val == 30
     with pytest.raises(ValueError, match="set data.num_classes=6"):
         _data(tiny_shapes, 0, 1, ["data.num_classes=10"])

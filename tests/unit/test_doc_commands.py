@@ -1,35 +1,39 @@
-"""Every command README.md, RELIABILITY.md and docs/*.md show runs as written: bash accepts it and the tool accepts
-its arguments, so a page cannot drift from the command line.
+"""Every command README.md, RELIABILITY.md and docs/*.md show runs as written: bash accepts it and
+the tool accepts its arguments, so a page cannot drift from the command line.
 
 Which text is a command:
 - every line of a ```bash fence (`\\` continuations joined; comment-only lines skipped);
 - a `$ ` prompt line in any fence (the lines after it, up to a blank line, are what it prints);
-- an inline code span that starts with `python tools/`, `sbatch tools/` or `torchrun` (after `VAR=value`
-  assignments), in a table row or in a sentence.
+- an inline code span that starts with `python tools/`, `sbatch tools/` or `torchrun` (after
+  `VAR=value` assignments), in a table row or in a sentence.
 
-Placeholders (`<run>`, `<date>/<time>`, `<N>`): in a fence, after a prompt and in a table the command is there to be
-copied, so it must run as written; bash reads `<date>` as a redirection, so a placeholder there fails (write a
-concrete example such as `outputs/2026-11-21/21-10-24`, as the tools' --help does). Only in a sentence is a span a
-template: each `<name>` is replaced by the value in PLACEHOLDERS (a name missing there fails the test) and a `...`
-argument (more arguments of the reader's own) is dropped before the checks.
+Placeholders (`<run>`, `<date>/<time>`, `<N>`): in a fence, after a prompt and in a table the
+command is there to be copied, so it must run as written; bash reads `<date>` as a redirection, so a
+placeholder there fails (write a concrete example such as `outputs/2026-11-21/21-10-24`, as the
+tools' --help does). Only in a sentence is a span a template: each `<name>` is replaced by the value
+in PLACEHOLDERS (a name missing there fails the test) and a `...` argument (more arguments of the
+reader's own) is dropped before the checks.
 
 Each command is checked in three steps:
 1. `bash -n -c <command>`: no syntax bash would reject (an unquoted `range(0,3)`);
-2. `shlex.split` splits it as bash does; a leading `VAR=value` is set in the environment, `$VAR` is left as is;
-3. the tool's `main(argv + ["--cfg", "job"])` runs in this process, in a temporary working directory: the config is
-   composed and validated (keys, types, layout; a missing `data.root` such as /data/imagenet is checked only when a
-   run starts, not under --cfg) and printed, exit code 0; a sweep (-m) prints one config per job, as many jobs as
-   its values make. eval.py / export.py under --cfg load the run's config.yaml (with eval.py's overrides) and pick
-   the weights (`step=`, `weights=`) without reading data or weights. A `$ ` prompt
-   whose next line is `error: ...` must exit 2 with exactly that line. `sbatch tools/slurm_train.sh ARGS` is checked
-   as the script's own `python tools/train.py` line with ARGS; `torchrun OPTS tools/train.py ARGS` has OPTS parsed by
-   torchrun's parser and ARGS checked as train.py's. Other programs (pip, pytest, torchvision's references) get step
-   1 only.
-Paths a command reads before anything runs exist in the working directory as tiny stand-ins: the `run_dir=` of
-eval.py / export.py (a run dir with the config.yaml of a default run, an empty model.safetensors and the complete
-checkpoint `step=` names, `best.json` for step=best), a `trainer.resume=<run>/checkpoints/step_<N>`, a `weights=`
-file and a relative local weights file (`model.init_from=vit_base.safetensors`, the reader's own download; a timm or
-torchvision name is checked as a name). Nothing is trained, evaluated or exported: --cfg exits after printing.
+2. `shlex.split` splits it as bash does; a leading `VAR=value` is set in the environment, `$VAR` is
+   left as is;
+3. the tool's `main(argv + ["--cfg", "job"])` runs in this process, in a temporary working
+   directory: the config is composed and validated (keys, types, layout; a missing `data.root` such
+   as /data/imagenet is checked only when a run starts, not under --cfg) and printed, exit code 0; a
+   sweep (-m) prints one config per job, as many jobs as its values make. eval.py / export.py under
+   --cfg load the run's config.yaml (with eval.py's overrides) and pick the weights (`step=`,
+   `weights=`) without reading data or weights. A `$ ` prompt whose next line is `error: ...` must
+   exit 2 with exactly that line. `sbatch tools/slurm_train.sh ARGS` is checked as the script's own
+   `python tools/train.py` line with ARGS; `torchrun OPTS tools/train.py ARGS` has OPTS parsed by
+   torchrun's parser and ARGS checked as train.py's. Other programs (pip, pytest, torchvision's
+   references) get step 1 only.
+Paths a command reads before anything runs exist in the working directory as tiny stand-ins: the
+`run_dir=` of eval.py / export.py (a run dir with the config.yaml of a default run, an empty
+model.safetensors and the complete checkpoint `step=` names, `best.json` for step=best), a
+`trainer.resume=<run>/checkpoints/step_<N>`, a `weights=` file and a relative local weights file
+(`model.init_from=vit_base.safetensors`, the reader's own download; a timm or torchvision name is
+checked as a name). Nothing is trained, evaluated or exported: --cfg exits after printing.
 """
 
 from __future__ import annotations
@@ -43,16 +47,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
-
 from helpers import REPO
+from omegaconf import OmegaConf
 
 CONFIGS = REPO / "configs"
 PAGES = [REPO / "README.md", REPO / "RELIABILITY.md", *sorted((REPO / "docs").glob("*.md"))]
 RUN = "outputs/2026-11-21/21-10-24"  # the run dir the tools' --help examples name
-PLACEHOLDERS = {"<run>": RUN, "<run dir>": RUN, "<date>": "2026-11-21", "<time>": "21-10-24", "<N>": "3",
-                "<file>": f"{RUN}/model.safetensors", "<name>": "vit_b16_imagenet"}
-WEIGHT_KEYS = ("model.init_from", "model.weights", "model.backbone_weights")  # a local file, or a library's name
+PLACEHOLDERS = {
+    "<run>": RUN,
+    "<run dir>": RUN,
+    "<date>": "2026-11-21",
+    "<time>": "21-10-24",
+    "<N>": "3",
+    "<file>": f"{RUN}/model.safetensors",
+    "<name>": "vit_b16_imagenet",
+}
+# a local file, or a library's name
+WEIGHT_KEYS = ("model.init_from", "model.weights", "model.backbone_weights")
 TOOL_START = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S+\s+)*(?:python tools/|sbatch tools/|torchrun\s)")
 
 
@@ -90,14 +101,21 @@ def extract(page: Path) -> list[DocCommand]:
         fenced.update(range(start, i))
         if text.lstrip().startswith("$ "):
             prints = []
-            while i < len(lines) and lines[i].strip() and not lines[i].lstrip().startswith(("$ ", "```")):
+            while (
+                i < len(lines)
+                and lines[i].strip()
+                and not lines[i].lstrip().startswith(("$ ", "```"))
+            ):
                 prints.append(lines[i])
                 fenced.add(i)
                 i += 1
             found.append(DocCommand(name, start + 1, "prompt", text.lstrip()[2:], prints))
-        elif fence in ("bash", "sh", "shell") and text.strip() and not text.lstrip().startswith("#"):
+        elif (
+            fence in ("bash", "sh", "shell") and text.strip() and not text.lstrip().startswith("#")
+        ):
             found.append(DocCommand(name, start + 1, "fence", text.strip()))
-    body = "\n".join("" if n in fenced else line for n, line in enumerate(lines))  # inline spans: outside fences
+    # inline spans: outside fences
+    body = "\n".join("" if n in fenced else line for n, line in enumerate(lines))
     for span in re.finditer(r"`([^`]+)`", body):
         text = " ".join(span.group(1).split())
         if "\n\n" in span.group(1) or not TOOL_START.match(text) or "tools/" not in text:
@@ -119,13 +137,17 @@ def _joined(lines: list[str], i: int) -> tuple[str, int]:
 
 
 COMMANDS = [c for page in PAGES for c in extract(page)]
-IDS = [c.id + (f"#{n}" if n else "") for c, n in
-       ((c, [d.id for d in COMMANDS[:k]].count(c.id)) for k, c in enumerate(COMMANDS))]  # two on one line: #1
+IDS = [
+    c.id + (f"#{n}" if n else "")
+    for c, n in
+    # two on one line: #1
+    ((c, [d.id for d in COMMANDS[:k]].count(c.id)) for k, c in enumerate(COMMANDS))
+]
 
 
 def test_the_pages_commands_are_found():
-    """The extraction itself, so that the check below cannot pass by finding nothing: every kind of place a command
-    stands is read, continuations joined, each at its line."""
+    """The extraction itself, so that the check below cannot pass by finding nothing: every kind of
+    place a command stands is read, continuations joined, each at its line."""
     kinds = {c.kind for c in COMMANDS}
     assert kinds == {"fence", "prompt", "table", "sentence"}, kinds
     tools = {c.text for c in COMMANDS if TOOL_START.match(c.text)}
@@ -134,21 +156,30 @@ def test_the_pages_commands_are_found():
         assert any(f"tools/{tool}." in t for t in tools), tool
     assert all(c.prints for c in COMMANDS if c.kind == "prompt")  # each prompt with what it prints
     multi = [c for c in COMMANDS if c.page == "docs/memory-planning.md" and "vit_22b" in c.text]
-    assert len(multi) == 1 and "parallel.nodes=8 parallel.device_memory_gb=80" in multi[0].text, multi  # 2 lines
+    # 2 lines
+    assert len(multi) == 1 and "parallel.nodes=8 parallel.device_memory_gb=80" in multi[0].text, (
+        multi
+    )
     assert any(c.kind == "sentence" and "<" in c.text for c in COMMANDS)
-    assert not any(c.text.startswith("torchrun --max-restarts") for c in COMMANDS)  # an option named in a sentence
+    # an option named in a sentence
+    assert not any(c.text.startswith("torchrun --max-restarts") for c in COMMANDS)
     for c in COMMANDS:
         page = (REPO / c.page).read_text().splitlines()
-        start = " ".join(" ".join(page[c.line - 1:c.line + 1]).split())  # a span may wrap after its first word
+        # a span may wrap after its first word
+        start = " ".join(" ".join(page[c.line - 1 : c.line + 1]).split())
         assert " ".join(c.text.split()[:2]) in start, (c.id, c.text)
 
 
 def _filled(command: DocCommand) -> str:
-    """The command as bash gets it: as written, or for a sentence's template with its placeholders filled in."""
+    """The command as bash gets it: as written, or for a sentence's template with its placeholders
+    filled in."""
     holes = re.findall(r"<[^<>]*>", command.text)
     if command.kind != "sentence":
-        assert not holes, (f"{command.id}: {' '.join(holes)} in a command to copy: bash reads `<` as a redirection; "
-                           f"write a concrete example (e.g. {RUN}) or move the template into a sentence")
+        assert not holes, (
+            f"{command.id}: {' '.join(holes)} in a command to copy: bash reads `<` as a "
+            f"redirection; write a concrete example (e.g. {RUN}) or move the template into a "
+            "sentence"
+        )
         return command.text
     unknown = sorted(set(holes) - set(PLACEHOLDERS))
     assert not unknown, f"{command.id}: no value for {unknown}: add one to PLACEHOLDERS"
@@ -163,7 +194,9 @@ _TOOLS: dict = {}
 
 def _tool(name: str):
     if name not in _TOOLS:
-        spec = importlib.util.spec_from_file_location(f"doc_tool_{name}", REPO / "tools" / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(
+            f"doc_tool_{name}", REPO / "tools" / f"{name}.py"
+        )
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         _TOOLS[name] = module
@@ -172,16 +205,20 @@ def _tool(name: str):
 
 def _slurm_prefix() -> list[str]:
     """The arguments tools/slurm_train.sh puts before its own ("$@"), with its run dir filled in."""
-    line = next(line for line in (REPO / "tools" / "slurm_train.sh").read_text().splitlines()
-                if line.startswith("srun ") and "tools/train.py" in line)
+    line = next(
+        line
+        for line in (REPO / "tools" / "slurm_train.sh").read_text().splitlines()
+        if line.startswith("srun ") and "tools/train.py" in line
+    )
     words = shlex.split(line.replace("${RUN_DIR}", "outputs/slurm/1"))
-    return words[words.index("tools/train.py") + 1:words.index("$@")]
+    return words[words.index("tools/train.py") + 1 : words.index("$@")]
 
 
 def _tool_argv(words: list[str], where: str) -> tuple[str, list[str]] | None:
-    """(tool name, its arguments) of a command split into words, or None for a program that is not a tool."""
+    """(tool name, its arguments) of a command split into words, or None for a program that is not a
+    tool."""
     if words[:1] == ["python"] and len(words) > 1 and re.fullmatch(r"tools/\w+\.py", words[1]):
-        return words[1][len("tools/"):-len(".py")], words[2:]
+        return words[1][len("tools/") : -len(".py")], words[2:]
     if words[:2] == ["sbatch", "tools/slurm_train.sh"]:
         return "train", _slurm_prefix() + words[2:]
     if words[:1] == ["torchrun"]:
@@ -198,12 +235,18 @@ def _tool_argv(words: list[str], where: str) -> tuple[str, list[str]] | None:
 
 
 def _stand_ins(tool: str, argv: list[str]) -> None:
-    """The inputs the command names that are read before anything runs, as tiny stand-ins in the working dir."""
+    """The inputs the command names that are read before anything runs, as tiny stand-ins in the
+    working dir."""
     from visiondist.utils.pretrained import is_named
 
     args = dict(a.split("=", 1) for a in argv if "=" in a)
-    if tool in ("eval", "export", "predict") and "run_dir" in args:  # data.native.* read a native run
-        _fake_run(Path(args["run_dir"]), args.get("step"), any(key.startswith("data.native.") for key in args))
+    # data.native.* read a native run
+    if tool in ("eval", "export", "predict") and "run_dir" in args:
+        _fake_run(
+            Path(args["run_dir"]),
+            args.get("step"),
+            any(key.startswith("data.native.") for key in args),
+        )
     if "weights" in args:
         path = Path(args["weights"])
         if not path.exists():
@@ -212,7 +255,8 @@ def _stand_ins(tool: str, argv: list[str]) -> None:
     match = re.fullmatch(r"(.+)/checkpoints/step_(\d+)", args.get("trainer.resume", ""))
     if match:
         _fake_run(Path(match.group(1)), match.group(2))
-    for key in WEIGHT_KEYS:  # the reader's own weights file, e.g. model.init_from=vit_base.safetensors
+    # the reader's own weights file, e.g. model.init_from=vit_base.safetensors
+    for key in WEIGHT_KEYS:
         value = args.get(key)
         if value and not is_named(value) and not Path(value).is_absolute():
             Path(value).parent.mkdir(parents=True, exist_ok=True)
@@ -221,16 +265,23 @@ def _stand_ins(tool: str, argv: list[str]) -> None:
 
 def _fake_run(run: Path, step: str | None, native: bool = False) -> None:
     """A run dir as far as the command line looks: a default run's config.yaml (`native`: with
-    data.resolution=native), model.safetensors, a complete checkpoint of `step` (step=best: of step 3, recorded as
-    the best)."""
-    from visiondist.cli import load_config
+    data.resolution=native), model.safetensors, a complete checkpoint of `step` (step=best: of step
+    3, recorded as the best)."""
     from visiondist.checkpoint.files import BEST
+    from visiondist.cli import load_config
     from visiondist.utils.dcp import METADATA, STATE_FILE
 
     run.mkdir(parents=True, exist_ok=True)
     if not (run / "config.yaml").exists():
-        OmegaConf.save(load_config(CONFIGS, [f"trainer.run_dir={run}", *(["data.resolution=native"] if native else [])],
-                                   inputs=None), run / "config.yaml", resolve=True)
+        OmegaConf.save(
+            load_config(
+                CONFIGS,
+                [f"trainer.run_dir={run}", *(["data.resolution=native"] if native else [])],
+                inputs=None,
+            ),
+            run / "config.yaml",
+            resolve=True,
+        )
     (run / "model.safetensors").touch()
     if step is None:
         return
@@ -240,8 +291,9 @@ def _fake_run(run: Path, step: str | None, native: bool = False) -> None:
     (checkpoint / METADATA).write_bytes(b"")
     (checkpoint / STATE_FILE).write_text("{}")
     if step == "best":
-        (run / "checkpoints" / BEST).write_text(json.dumps({"metric": "val_top1", "mode": "max", "value": 0.5,
-                                                            "step": int(number)}))
+        (run / "checkpoints" / BEST).write_text(
+            json.dumps({"metric": "val_top1", "mode": "max", "value": 0.5, "step": int(number)})
+        )
 
 
 def _jobs(argv: list[str]) -> int:

@@ -1,5 +1,6 @@
-"""Named recipes (`experiment=`) against docs/recipes.md, the detector schedule, torchvision's backbone layout and
-the decay groups. Sweeps and run directories: tests/multirank/test_experiments.py."""
+"""Named recipes (`experiment=`) against docs/recipes.md, the detector schedule, torchvision's
+backbone layout and the decay groups. Sweeps and run directories:
+tests/multirank/test_experiments.py."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from helpers import REPO
-
 
 CONFIGS = REPO / "configs"
 
@@ -24,8 +23,9 @@ def _compose(*overrides: str):
 
 
 def _doc_rows(name: str) -> list[tuple[str, object]]:
-    """(config key, value) of the `visiondist` columns of docs/recipes.md's table for experiment `name`: rows whose
-    value is a number, a boolean, a list or one word (prose is a remark, not a value)."""
+    """(config key, value) of the `visiondist` columns of docs/recipes.md's table for experiment
+    `name`: rows whose value is a number, a boolean, a list or one word (prose is a remark, not a
+    value)."""
     text = (REPO / "docs" / "recipes.md").read_text()
     section = text.split(f"## `{name}`", 1)[1].split("\n## ", 1)[0]
     rows = []
@@ -42,7 +42,8 @@ def _doc_rows(name: str) -> list[tuple[str, object]]:
 
 @pytest.mark.parametrize("name, least", [("frcnn_r50_coco_1x", 20), ("vit_b16_imagenet", 18)])
 def test_experiment_matches_its_recipe_table(name, least):
-    """Every value docs/recipes.md lists next to the published recipe is what `experiment=<name>` composes to."""
+    """Every value docs/recipes.md lists next to the published recipe is what `experiment=<name>`
+    composes to."""
     cfg = _compose(f"experiment={name}", "data.root=/data")
     rows = _doc_rows(name)
     assert len(rows) >= least, rows
@@ -56,7 +57,8 @@ def test_experiment_matches_its_recipe_table(name, least):
 
 
 def test_frcnn_recipe_schedule_steps_at_epochs_16_and_22():
-    """torchvision's MultiStepLR([16, 22]) over 26 epochs after a 1000-iteration linear warm-up from 1/1000."""
+    """torchvision's MultiStepLR([16, 22]) over 26 epochs after a 1000-iteration linear warm-up from
+    1/1000."""
     from visiondist.train.optim import lr_factor
 
     s = _compose("experiment=frcnn_r50_coco_1x", "data.root=/data").schedule
@@ -72,8 +74,9 @@ def test_frcnn_recipe_schedule_steps_at_epochs_16_and_22():
 
 
 def test_backbone_weights_build_torchvisions_pretrained_backbone_layout(tmp_path):
-    """`model.backbone_weights` gives what torchvision builds for `weights_backbone`: the file's tensors in the
-    backbone, FrozenBatchNorm2d, conv1 + layer1 frozen (3 trainable stages), and the same state-dict keys."""
+    """`model.backbone_weights` gives what torchvision builds for `weights_backbone`: the file's
+    tensors in the backbone, FrozenBatchNorm2d, conv1 + layer1 frozen (3 trainable stages), and the
+    same state-dict keys."""
     from torchvision.models import resnet50
     from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
     from torchvision.models.detection.faster_rcnn import FasterRCNN
@@ -87,27 +90,47 @@ def test_backbone_weights_build_torchvisions_pretrained_backbone_layout(tmp_path
         imagenet.bn1.running_mean.uniform_()
     path = tmp_path / "resnet50.pth"
     torch.save(imagenet.state_dict(), path)
-    cfg = _compose("experiment=frcnn_r50_coco_1x", "data.root=/data", "data.num_classes=3",
-                   f"model.backbone_weights={path}").model
+    cfg = _compose(
+        "experiment=frcnn_r50_coco_1x",
+        "data.root=/data",
+        "data.num_classes=3",
+        f"model.backbone_weights={path}",
+    ).model
     model = build_model(cfg)
     body = model.backbone.body
     torch.testing.assert_close(body.conv1.weight, imagenet.conv1.weight)
     torch.testing.assert_close(body.layer3[0].conv2.weight, imagenet.layer3[0].conv2.weight)
     torch.testing.assert_close(body.bn1.running_mean, imagenet.bn1.running_mean)
-    assert isinstance(body.bn1, FrozenBatchNorm2d) and isinstance(body.layer4[2].bn3, FrozenBatchNorm2d)
+    assert isinstance(body.bn1, FrozenBatchNorm2d) and isinstance(
+        body.layer4[2].bn3, FrozenBatchNorm2d
+    )
 
-    reference = FasterRCNN(_resnet_fpn_extractor(resnet50(norm_layer=FrozenBatchNorm2d), 3), num_classes=4)
+    reference = FasterRCNN(
+        _resnet_fpn_extractor(resnet50(norm_layer=FrozenBatchNorm2d), 3), num_classes=4
+    )
     assert model.state_dict().keys() == reference.state_dict().keys()
     ours = {n: p.requires_grad for n, p in model.named_parameters()}
     theirs = {n: p.requires_grad for n, p in reference.named_parameters()}
-    assert ours == theirs and not ours["backbone.body.layer1.0.conv1.weight"] and ours["backbone.body.layer2.0.conv1.weight"]
+    assert (
+        ours == theirs
+        and not ours["backbone.body.layer1.0.conv1.weight"]
+        and ours["backbone.body.layer2.0.conv1.weight"]
+    )
 
     with pytest.raises(Exception, match="backbone_weights is for the ResNet-50 FPN detectors"):
-        _compose("model=fasterrcnn_mobilenet_v3", "data=shapes_coco", f"model.backbone_weights={path}")
+        _compose(
+            "model=fasterrcnn_mobilenet_v3", "data=shapes_coco", f"model.backbone_weights={path}"
+        )
     torch.save({"conv1.weight": imagenet.conv1.weight}, tmp_path / "partial.pth")
     with pytest.raises(ValueError, match="is not a resnet50 state dict: missing"):
-        build_model(_compose("experiment=frcnn_r50_coco_1x", "data.root=/data", "data.num_classes=80",
-                             f"model.backbone_weights={tmp_path / 'partial.pth'}").model)
+        build_model(
+            _compose(
+                "experiment=frcnn_r50_coco_1x",
+                "data.root=/data",
+                "data.num_classes=80",
+                f"model.backbone_weights={tmp_path / 'partial.pth'}",
+            ).model
+        )
 
 
 def test_decay_norm_bias_puts_every_parameter_in_the_decay_group():

@@ -1,6 +1,7 @@
-"""The export names what the model predicts: a classifier's class names and a detector's label -> COCO category id
-map, in model.json and in the metadata of the safetensors and ONNX files; the ONNX check names nested val images by
-their real paths, and reads a shard run's from its shards; docs/checkpoints.md's scoring by name is right where timm orders the class folders otherwise."""
+"""The export names what the model predicts: a classifier's class names and a detector's label ->
+COCO category id map, in model.json and in the metadata of the safetensors and ONNX files; the ONNX
+check names nested val images by their real paths, and reads a shard run's from its shards;
+docs/checkpoints.md's scoring by name is right where timm orders the class folders otherwise."""
 
 import json
 import re
@@ -10,15 +11,18 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from helpers import REPO
 from PIL import Image
 
 from visiondist.cli import load_config
-from helpers import REPO
 
-CLASSES = ["Zebra", "apple", "c10", "c9", "mango", "star"]  # the run's order: code-point sort of the folder names
-# (category id, name) in the annotation file's own order; the loader numbers the ids in increasing order
+# the run's order: code-point sort of the folder names
+CLASSES = ["Zebra", "apple", "c10", "c9", "mango", "star"]
+# (category id, name) in the annotation file's own order; the loader numbers the ids in increasing
+# order
 CATEGORIES = [(90, "toothbrush"), (3, "car"), (17, "Cat")]
-NESTED = ["2024/cam1/a.jpg", "2024/b.jpg", "other/c.jpg"]  # file_names with sub-folders, in the file's order
+# file_names with sub-folders, in the file's order
+NESTED = ["2024/cam1/a.jpg", "2024/b.jpg", "other/c.jpg"]
 
 
 def _metadata(onnx_path: Path) -> dict[str, str]:
@@ -52,7 +56,8 @@ def test_classifier_exports_carry_the_class_names(tmp_path):
     export(trained, "onnx", onnx_path)
     meta = _metadata(onnx_path)
     assert json.loads(meta["classes"]) == CLASSES and "labels" not in meta
-    assert check_onnx(trained, onnx_path).max_diff < 1e-4  # the metadata changes nothing of the graph
+    # the metadata changes nothing of the graph
+    assert check_onnx(trained, onnx_path).max_diff < 1e-4
 
     files = export(trained, "safetensors", tmp_path / "vit.safetensors")
     assert json.loads(_safetensors_metadata(files[0])["classes"]) == CLASSES
@@ -61,7 +66,8 @@ def test_classifier_exports_carry_the_class_names(tmp_path):
 
 @pytest.fixture(scope="module")
 def nested_coco(tmp_path_factory) -> Path:
-    """A COCO-format root: val images under sub-folders, categories with gaps in their ids, out of order."""
+    """A COCO-format root: val images under sub-folders, categories with gaps in their ids, out of
+    order."""
     root = tmp_path_factory.mktemp("nested_coco")
     rng = np.random.default_rng(0)
     images, annotations = [], []
@@ -69,11 +75,22 @@ def nested_coco(tmp_path_factory) -> Path:
         (root / "val" / name).parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(root / "val" / name)
         images.append({"id": n, "file_name": name, "width": 64, "height": 48})
-        annotations.append({"id": n, "image_id": n, "category_id": CATEGORIES[n - 1][0], "bbox": [8, 6, 30, 20],
-                            "area": 600, "iscrowd": 0})
+        annotations.append(
+            {
+                "id": n,
+                "image_id": n,
+                "category_id": CATEGORIES[n - 1][0],
+                "bbox": [8, 6, 30, 20],
+                "area": 600,
+                "iscrowd": 0,
+            }
+        )
     (root / "annotations").mkdir()
-    coco = {"images": images, "annotations": annotations,
-            "categories": [{"id": cat, "name": name} for cat, name in CATEGORIES]}
+    coco = {
+        "images": images,
+        "annotations": annotations,
+        "categories": [{"id": cat, "name": name} for cat, name in CATEGORIES],
+    }
     for split in ("train", "val"):
         (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(coco))
     return root
@@ -83,9 +100,19 @@ def _detector(root: Path):
     from visiondist.models import build_model
     from visiondist.models.detection import drop_fp32_hooks
 
-    cfg = load_config(REPO / "configs", [
-        "model=fasterrcnn_mobilenet_v3", "data=shapes_coco", f"data.root={root}", "data.num_classes=3",
-        "data.min_size=64", "data.max_size=64", "+model.kwargs.box_score_thresh=0.0"], inputs=None)
+    cfg = load_config(
+        REPO / "configs",
+        [
+            "model=fasterrcnn_mobilenet_v3",
+            "data=shapes_coco",
+            f"data.root={root}",
+            "data.num_classes=3",
+            "data.min_size=64",
+            "data.max_size=64",
+            "+model.kwargs.box_score_thresh=0.0",
+        ],
+        inputs=None,
+    )
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()
     drop_fp32_hooks(model)
@@ -93,16 +120,22 @@ def _detector(root: Path):
 
 
 def test_detector_exports_map_labels_to_the_annotation_files_category_ids(nested_coco, tmp_path):
-    from visiondist.data.coco import CocoDetection
     from visiondist.checkpoint.export import export
     from visiondist.checkpoint.export.trained import Trained, coco_categories
+    from visiondist.data.coco import CocoDetection
 
     cfg, model = _detector(nested_coco)
-    loader = CocoDetection(nested_coco / "val", nested_coco / "annotations" / "instances_val.json", train=False)
-    expected = {str(label): {"category_id": cat, "name": dict(CATEGORIES)[cat]}
-                for label, cat in sorted(loader.cat_of.items())}
-    assert [v["category_id"] for v in expected.values()] == [3, 17, 90]  # the loader's order: increasing ids
-    categories, names = coco_categories(cfg)  # what a checkpoint without the record gets, from the annotation file
+    loader = CocoDetection(
+        nested_coco / "val", nested_coco / "annotations" / "instances_val.json", train=False
+    )
+    expected = {
+        str(label): {"category_id": cat, "name": dict(CATEGORIES)[cat]}
+        for label, cat in sorted(loader.cat_of.items())
+    }
+    # the loader's order: increasing ids
+    assert [v["category_id"] for v in expected.values()] == [3, 17, 90]
+    # what a checkpoint without the record gets, from the annotation file
+    categories, names = coco_categories(cfg)
     assert (categories, names) == ([3, 17, 90], ["car", "Cat", "toothbrush"])
 
     # a checkpoint's record (trainer_state.json's category_ids) goes to every file as it is
@@ -113,11 +146,14 @@ def test_detector_exports_map_labels_to_the_annotation_files_category_ids(nested
     onnx_path = tmp_path / "detector.onnx"
     export(trained, "onnx", onnx_path)
     meta = _metadata(onnx_path)
-    assert json.loads(meta["labels"]) == expected and "score_thresh" in meta and "classes" not in meta
+    assert (
+        json.loads(meta["labels"]) == expected and "score_thresh" in meta and "classes" not in meta
+    )
 
 
 def _run_with_checkpoint(run: Path, cfg, model, record: dict) -> Path:
-    """A run dir holding `cfg` and one single-process checkpoint of `model` whose trainer state has `record`."""
+    """A run dir holding `cfg` and one single-process checkpoint of `model` whose trainer state has
+    `record`."""
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
@@ -133,26 +169,43 @@ def _run_with_checkpoint(run: Path, cfg, model, record: dict) -> Path:
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_the_export_takes_the_category_ids_a_checkpoint_records(nested_coco, tmp_path, caplog):
-    """The record wins (here it differs from the data on purpose); a checkpoint without it gets the annotation
-    file's, in the loader's order; without either the export carries no map and says so."""
+    """The record wins (here it differs from the data on purpose); a checkpoint without it gets the
+    annotation file's, in the loader's order; without either the export carries no map and says
+    so."""
     from visiondist.checkpoint.export.preprocessing import label_map, sidecar
     from visiondist.checkpoint.export.trained import load_trained
 
     cfg, model = _detector(nested_coco)
-    recorded = _run_with_checkpoint(tmp_path / "recorded", cfg, model,
-                                    {"classes": ["x", "y", "z"], "category_ids": [5, 6, 7]})
+    recorded = _run_with_checkpoint(
+        tmp_path / "recorded", cfg, model, {"classes": ["x", "y", "z"], "category_ids": [5, 6, 7]}
+    )
     trained = load_trained(recorded.parents[1])
     assert (trained.step, trained.categories, trained.classes) == (2, [5, 6, 7], ["x", "y", "z"])
-    assert sidecar(trained)["labels"] == {"1": {"category_id": 5, "name": "x"}, "2": {"category_id": 6, "name": "y"},
-                                          "3": {"category_id": 7, "name": "z"}}
+    assert sidecar(trained)["labels"] == {
+        "1": {"category_id": 5, "name": "x"},
+        "2": {"category_id": 6, "name": "y"},
+        "3": {"category_id": 7, "name": "z"},
+    }
 
-    older = _run_with_checkpoint(tmp_path / "older", cfg, model, {"classes": ["car", "Cat", "toothbrush"]})
-    assert [v["category_id"] for v in label_map(load_trained(older.parents[1])).values()] == [3, 17, 90]
+    older = _run_with_checkpoint(
+        tmp_path / "older", cfg, model, {"classes": ["car", "Cat", "toothbrush"]}
+    )
+    assert [v["category_id"] for v in label_map(load_trained(older.parents[1])).values()] == [
+        3,
+        17,
+        90,
+    ]
 
     cfg.data.root = str(tmp_path / "moved")
-    elsewhere = _run_with_checkpoint(tmp_path / "elsewhere", cfg, model, {"classes": ["car", "Cat", "toothbrush"]})
+    elsewhere = _run_with_checkpoint(
+        tmp_path / "elsewhere", cfg, model, {"classes": ["car", "Cat", "toothbrush"]}
+    )
     trained = load_trained(elsewhere.parents[1])
-    assert trained.categories is None and label_map(trained) is None and "labels" not in sidecar(trained)
+    assert (
+        trained.categories is None
+        and label_map(trained) is None
+        and "labels" not in sidecar(trained)
+    )
     assert "the export carries no label -> category id map" in caplog.text
 
 
@@ -179,37 +232,51 @@ def test_onnx_check_names_nested_val_images_by_their_paths(nested_coco, tmp_path
     assert all((Path(named[2]) / name).is_file() for name in named[1].split(", "))
 
 
-def test_onnx_check_of_a_shard_run_reads_the_val_images_from_the_packed_split(nested_coco, tmp_path):
-    """A run trained from shards (data.format=shards) is checked on the val images it evaluated, read from the shards
-    (the pack holds no image folder), named by their file names: the same detections as from the tree."""
+def test_onnx_check_of_a_shard_run_reads_the_val_images_from_the_packed_split(
+    nested_coco, tmp_path
+):
+    """A run trained from shards (data.format=shards) is checked on the val images it evaluated,
+    read from the shards (the pack holds no image folder), named by their file names: the same
+    detections as from the tree."""
     from visiondist.checkpoint.export.onnx_check import check_onnx
-    from visiondist.data.shards.packed_coco import pack_coco
     from visiondist.data.shards.pack import PackOptions
+    from visiondist.data.shards.packed_coco import pack_coco
 
     trained, onnx_path = _exported_detector(nested_coco, tmp_path)
     from_tree = check_onnx(trained, onnx_path)
 
     packed = tmp_path / "packed"
-    splits = {s: (nested_coco / "val", nested_coco / "annotations" / f"instances_{s}.json") for s in ("train", "val")}
+    splits = {
+        s: (nested_coco / "val", nested_coco / "annotations" / f"instances_{s}.json")
+        for s in ("train", "val")
+    }
     pack_coco(splits, packed, PackOptions(shard_mb=0.01, workers=1, progress=False), nested_coco)
     trained.cfg.data.format, trained.cfg.data.root = "shards", str(packed)
     from_shards = check_onnx(trained, onnx_path)
-    assert from_shards.example == f"3 val images ({', '.join(NESTED)} from the packed val split of {packed})"
-    assert (from_shards.boxes, from_shards.max_diff) == (from_tree.boxes, from_tree.max_diff) and from_tree.boxes
+    assert (
+        from_shards.example
+        == f"3 val images ({', '.join(NESTED)} from the packed val split of {packed})"
+    )
+    assert (from_shards.boxes, from_shards.max_diff) == (
+        from_tree.boxes,
+        from_tree.max_diff,
+    ) and from_tree.boxes
 
 
 def _doc_block(marker: str, doc: str = "checkpoints.md") -> str:
     """The one python block of docs/`doc` that holds `marker`, unindented."""
     text = (REPO / "docs" / doc).read_text()
-    blocks = [re.sub(r"^  ", "", b, flags=re.M) for b in re.findall(r"```python\n(.*?)```", text, re.S)]
+    blocks = [
+        re.sub(r"^  ", "", b, flags=re.M) for b in re.findall(r"```python\n(.*?)```", text, re.S)
+    ]
     found = [b for b in blocks if marker in b]
     assert len(found) == 1, f"docs/{doc}: {len(found)} python blocks with {marker!r}"
     return found[0]
 
 
 def test_docs_score_by_name_where_timm_orders_the_classes_otherwise(tmp_path, monkeypatch, capsys):
-    """Folders with capitals and numbers: timm's ImageDataset numbers them otherwise than the run; the docs' code
-    scores a model that is always right at 100%, where comparing indices does not."""
+    """Folders with capitals and numbers: timm's ImageDataset numbers them otherwise than the run;
+    the docs' code scores a model that is always right at 100%, where comparing indices does not."""
     from timm.data import ImageDataset
 
     from visiondist.data.imagefolder import scan_image_folder
@@ -223,9 +290,12 @@ def test_docs_score_by_name_where_timm_orders_the_classes_otherwise(tmp_path, mo
     timm_order = ImageDataset(str(folder)).reader.class_to_idx
     assert list(timm_order) == ["apple", "c9", "c10", "mango", "star", "Zebra"]
 
-    class Oracle(torch.nn.Module):  # the right class every time: its index in the run's order, from the red level
+    # the right class every time: its index in the run's order, from the red level
+    class Oracle(torch.nn.Module):
         def forward(self, x):
-            return torch.nn.functional.one_hot(((x[:, 0, 0, 0] - 20) / 30).round().long(), len(CLASSES)).float()
+            return torch.nn.functional.one_hot(
+                ((x[:, 0, 0, 0] - 20) / 30).round().long(), len(CLASSES)
+            ).float()
 
     def transform(image):
         return torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1)
@@ -240,66 +310,123 @@ def test_docs_score_by_name_where_timm_orders_the_classes_otherwise(tmp_path, mo
     assert capsys.readouterr().out.strip() == "top-1 100.00%"
 
     names = info["classes"]  # the docs' other way: timm numbers the folders in the model's order
-    mapped = ImageDataset(str(folder), transform=transform, class_map={name: i for i, name in enumerate(names)})
-    assert sum(int(model(image[None]).argmax(1)) == target for image, target in mapped) == len(mapped) == 12
-    assert "ImageDataset(\"data/val\", class_map={name: i for i, name in enumerate(names)})" in (
-        REPO / "docs" / "checkpoints.md").read_text()
+    mapped = ImageDataset(
+        str(folder), transform=transform, class_map={name: i for i, name in enumerate(names)}
+    )
+    assert (
+        sum(int(model(image[None]).argmax(1)) == target for image, target in mapped)
+        == len(mapped)
+        == 12
+    )
+    assert (
+        'ImageDataset("data/val", class_map={name: i for i, name in enumerate(names)})'
+        in (REPO / "docs" / "checkpoints.md").read_text()
+    )
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_the_hf_export_carries_the_category_ids_and_the_docs_code_maps_labels_to_them(nested_coco, tmp_path,
-                                                                                      capsys):
-    """`tools/export.py format=hf` of a D-FINE-N run on a set whose category ids are 3 / 17 / 90: config.json names
-    each 0-based library label and gives its COCO category id (`category_ids`, which transformers keeps as
-    `model.config.category_ids`); docs/detection.md's transformers code, run on the directory, writes COCO results
-    with those ids; prediction here reads the same map from the directory."""
+def test_the_hf_export_carries_the_category_ids_and_the_docs_code_maps_labels_to_them(
+    nested_coco, tmp_path, capsys
+):
+    """`tools/export.py format=hf` of a D-FINE-N run on a set whose category ids are 3 / 17 / 90:
+    config.json names each 0-based library label and gives its COCO category id (`category_ids`,
+    which transformers keeps as `model.config.category_ids`); docs/detection.md's transformers code,
+    run on the directory, writes COCO results with those ids; prediction here reads the same map
+    from the directory."""
+    from helpers import load_tool
     from transformers import AutoConfig
 
-    from helpers import load_tool
     from visiondist.models import build_model
     from visiondist.predict.model import read_names
 
-    cfg = load_config(REPO / "configs", [
-        "model=dfine_n", "model.img_size=64", "model.num_queries=10", "data=shapes_coco", f"data.root={nested_coco}",
-        "data.num_classes=3", "data.min_size=64", "data.max_size=64"], inputs=None)
+    cfg = load_config(
+        REPO / "configs",
+        [
+            "model=dfine_n",
+            "model.img_size=64",
+            "model.num_queries=10",
+            "data=shapes_coco",
+            f"data.root={nested_coco}",
+            "data.num_classes=3",
+            "data.min_size=64",
+            "data.max_size=64",
+        ],
+        inputs=None,
+    )
     torch.manual_seed(0)
     run = tmp_path / "run"
-    _run_with_checkpoint(run, cfg, build_model(cfg.model).eval(),
-                         {"classes": ["car", "Cat", "toothbrush"], "category_ids": [3, 17, 90]})
+    _run_with_checkpoint(
+        run,
+        cfg,
+        build_model(cfg.model).eval(),
+        {"classes": ["car", "Cat", "toothbrush"], "category_ids": [3, 17, 90]},
+    )
     hf = tmp_path / "model_hf"
-    assert load_tool("export").main([f"run_dir={run}", "format=hf", f"out={hf}"]) == 0  # the command, in-process
+    # the command, in-process
+    assert load_tool("export").main([f"run_dir={run}", "format=hf", f"out={hf}"]) == 0
     config = json.loads((hf / "config.json").read_text())
     assert config["category_ids"] == [3, 17, 90]
     assert config["id2label"] == {"0": "car", "1": "Cat", "2": "toothbrush"}
     assert AutoConfig.from_pretrained(hf).category_ids == [3, 17, 90]
-    cfg.model.weights, cfg.data.root = str(hf), str(tmp_path / "elsewhere")  # the data is not here: the directory's
+    # the data is not here: the directory's
+    cfg.model.weights, cfg.data.root = str(hf), str(tmp_path / "elsewhere")
     names = read_names(cfg)
     assert (names.classes, names.categories) == (["car", "Cat", "toothbrush"], [3, 17, 90])
     assert names.read_from == str(hf / "config.json")
 
-    # eval.py and predict.py read the model off the directory (its variant by its tensors' shapes, its classes,
-    # queries and input size) and ask only for what it cannot say: the data to evaluate on (printed configs: no rank
-    # starts in a unit test)
+    # eval.py and predict.py read the model off the directory (its variant by its tensors' shapes,
+    # its classes, queries and input size) and ask only for what it cannot say: the data to evaluate
+    # on (printed configs: no rank starts in a unit test)
     capsys.readouterr()
     assert load_tool("eval").main([f"weights={hf}"]) == 2
-    assert f"weights={hf} is a dfine_n with 3 classes (its config.json says so): give the data to evaluate it on, " \
-           "e.g. data=coco data.root=<COCO-format root>" in capsys.readouterr().err
-    assert load_tool("eval").main([f"weights={hf}", "data=shapes_coco", f"data.root={nested_coco}",
-                                   "model.num_queries=8", "--cfg", "job"]) == 0
+    assert (
+        f"weights={hf} is a dfine_n with 3 classes (its config.json says so): give the data to "
+        "evaluate it on, e.g. data=coco data.root=<COCO-format root>" in capsys.readouterr().err
+    )
+    assert (
+        load_tool("eval").main(
+            [
+                f"weights={hf}",
+                "data=shapes_coco",
+                f"data.root={nested_coco}",
+                "model.num_queries=8",
+                "--cfg",
+                "job",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    printed = yaml.safe_load(out[out.index("model:"):])
-    assert (printed["model"]["name"], printed["model"]["num_classes"], printed["model"]["img_size"],
-            printed["model"]["num_queries"]) == ("dfine_n", 3, 64, 8)  # the command line wins
-    assert f"eval.py weights={hf}: model=dfine_n data.num_classes=3 model.img_size=64 as its config.json says" in out
-    assert load_tool("predict").main([f"weights={hf}", f"source={nested_coco / 'val'}", "--cfg", "job"]) == 0
+    printed = yaml.safe_load(out[out.index("model:") :])
+    assert (
+        printed["model"]["name"],
+        printed["model"]["num_classes"],
+        printed["model"]["img_size"],
+        printed["model"]["num_queries"],
+    ) == ("dfine_n", 3, 64, 8)  # the command line wins
+    assert (
+        f"eval.py weights={hf}: model=dfine_n data.num_classes=3 model.img_size=64 as its "
+        "config.json says" in out
+    )
+    assert (
+        load_tool("predict").main(
+            [f"weights={hf}", f"source={nested_coco / 'val'}", "--cfg", "job"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    printed = yaml.safe_load(out[out.index("model:"):])
+    printed = yaml.safe_load(out[out.index("model:") :])
     assert (printed["model"]["name"], printed["data"]["name"], printed["model"]["num_classes"]) == (
-        "dfine_n", "shapes_coco", 3)
+        "dfine_n",
+        "shapes_coco",
+        3,
+    )
     assert "data=shapes_coco for its settings (prediction reads no data)" in out
 
     # the docs' code on one of the set's images, its results as COCO would score them
-    code = _doc_block("category_ids", "detection.md").replace("outputs/.../export/model_hf", str(hf))
+    code = _doc_block("category_ids", "detection.md").replace(
+        "outputs/.../export/model_hf", str(hf)
+    )
     code = code.replace('"photo.jpg"', repr(str(nested_coco / "val" / NESTED[0])))
     scope = {}
     exec(code, scope)

@@ -1,5 +1,5 @@
-"""Activation checkpointing gives the same gradients. FSDP runs against DDP: tests/multirank/test_fsdp.py."""
-
+"""Activation checkpointing gives the same gradients. FSDP runs against DDP:
+tests/multirank/test_fsdp.py."""
 
 import torch
 
@@ -11,8 +11,15 @@ def test_activation_checkpointing_gives_the_same_gradients():
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model = VisionTransformer(img_size=32, patch_size=8, num_classes=4, embed_dim=32, depth=3, num_heads=2,
-                                  drop_path_rate=0.3)
+        model = VisionTransformer(
+            img_size=32,
+            patch_size=8,
+            num_classes=4,
+            embed_dim=32,
+            depth=3,
+            num_heads=2,
+            drop_path_rate=0.3,
+        )
         if checkpointing:
             assert enable_activation_checkpointing(model) == 3
         torch.manual_seed(1)  # the same drop-path draws; the recompute must replay them

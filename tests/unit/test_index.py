@@ -1,5 +1,5 @@
-"""The ImageFolder index in arrays and its cached listing: the same paths and labels as a plain listing, a listing
-reused while the tree is unchanged and rebuilt when a file comes or goes."""
+"""The ImageFolder index in arrays and its cached listing: the same paths and labels as a plain
+listing, a listing reused while the tree is unchanged and rebuilt when a file comes or goes."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def _tree(root, names=("b", "a", "Ä"), per=3):
 
 
 def test_path_index_gives_back_every_path():
-    names = ["cat/1.jpg", "dög/ü.JPEG", "x/" + "long" * 50 + ".png", "bad/\udcff.jpg"]  # a non-UTF-8 byte too
+    # a non-UTF-8 byte too
+    names = ["cat/1.jpg", "dög/ü.JPEG", "x/" + "long" * 50 + ".png", "bad/\udcff.jpg"]
     index = PathIndex("/data/train", names)
     assert len(index) == 4 and [index.relative(i) for i in range(4)] == names
     assert index[1] == "/data/train/dög/ü.JPEG"
@@ -39,7 +40,9 @@ def test_listing_is_sorted_labelled_and_cached_until_the_tree_changes(tmp_path, 
     root = _tree(tmp_path / "train")
     classes, paths, labels = list_image_folder(root)
     assert classes == ["a", "b", "Ä"]  # code-point order, as torchvision's ImageFolder
-    assert [paths[i] for i in range(len(paths))] == [str(root / c / f"{i}-é.jpg") for c in classes for i in range(3)]
+    assert [paths[i] for i in range(len(paths))] == [
+        str(root / c / f"{i}-é.jpg") for c in classes for i in range(3)
+    ]
     assert labels.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2] and labels.dtype == np.int64
     assert scan_image_folder(root) == (classes, [(paths[i], int(labels[i])) for i in range(9)])
 
@@ -48,12 +51,20 @@ def test_listing_is_sorted_labelled_and_cached_until_the_tree_changes(tmp_path, 
 
     monkeypatch.setattr(index_module, "_scan", listed_again)
     again = list_image_folder(root)  # from the cache: nothing listed
-    assert again[0] == classes and np.array_equal(again[1].buffer, paths.buffer) and np.array_equal(again[2], labels)
+    assert (
+        again[0] == classes
+        and np.array_equal(again[1].buffer, paths.buffer)
+        and np.array_equal(again[2], labels)
+    )
     monkeypatch.undo()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     (root / "b" / "new.jpg").write_bytes(b"x")  # a file comes: its folder's time stamp changes
     _, paths, labels = list_image_folder(root)
-    assert len(paths) == 10 and paths[6] == str(root / "b" / "new.jpg") and labels.tolist().count(1) == 4
+    assert (
+        len(paths) == 10
+        and paths[6] == str(root / "b" / "new.jpg")
+        and labels.tolist().count(1) == 4
+    )
 
 
 def test_a_tree_changed_just_now_is_not_cached_and_a_broken_cache_is_ignored(tmp_path, monkeypatch):

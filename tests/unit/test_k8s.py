@@ -1,8 +1,8 @@
-"""tools/k8s.py's manifests: validated against the operators' published API models (Kubeflow Trainer's
-kubeflow-trainer-api for TrainJob, the Training Operator's kubeflow-training with the Kubernetes client's models for
-PyTorchJob; no cluster and no kubectl here: what a model does not hold, a misspelt or misplaced key, fails the round
-trip), the shipped examples in tools/k8s/ equal to what the tool writes, and what the pods get read back into the
-job the manifest describes."""
+"""tools/k8s.py's manifests: validated against the operators' published API models (Kubeflow
+Trainer's kubeflow-trainer-api for TrainJob, the Training Operator's kubeflow-training with the
+Kubernetes client's models for PyTorchJob; no cluster and no kubectl here: what a model does not
+hold, a misspelt or misplaced key, fails the round trip), the shipped examples in tools/k8s/ equal
+to what the tool writes, and what the pods get read back into the job the manifest describes."""
 
 import json
 import sys
@@ -10,12 +10,21 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-
 from helpers import REPO
+
 from visiondist.launch.pods import pod_job
 
-EXAMPLE = ["image=registry.example.com/visiondist:1", "nodes=2", "gpus=8", "data_pvc=imagenet", "model=vit_huge",
-           "parallel=tp4", "data=imagenet", "data.root=/data/imagenet", "trainer.precision=bf16"]
+EXAMPLE = [
+    "image=registry.example.com/visiondist:1",
+    "nodes=2",
+    "gpus=8",
+    "data_pvc=imagenet",
+    "model=vit_huge",
+    "parallel=tp4",
+    "data=imagenet",
+    "data.root=/data/imagenet",
+    "trainer.precision=bf16",
+]
 
 
 def _write(tmp_path, *args):
@@ -48,57 +57,97 @@ def test_the_shipped_manifests_are_the_tools_and_valid(tmp_path, kind):
     pytest.importorskip("kubeflow_trainer_api")
     pytest.importorskip("kubeflow.training")
     manifest, text = _write(tmp_path, f"kind={kind}", *EXAMPLE)
-    assert (REPO / "tools" / "k8s" / f"vit_huge_tp4_{kind}.yaml").read_text() == text  # regenerate: see docs
+    # regenerate: see docs
+    assert (REPO / "tools" / "k8s" / f"vit_huge_tp4_{kind}.yaml").read_text() == text
     (_trainjob_round_trip if kind == "trainjob" else _pytorchjob_round_trip)(manifest)
     if kind == "trainjob":
         trainer = manifest["spec"]["trainer"]
         args = trainer["args"]
         assert trainer["numNodes"] == 2 and trainer["numProcPerNode"] == 8
-        pod = manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+        pod = manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
+            "replicatedJobs"
+        ][0]
         pod = pod["template"]["spec"]["template"]["spec"]
     else:
         master = manifest["spec"]["pytorchReplicaSpecs"]["Master"]
-        assert master["replicas"] == 1 and manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+        assert (
+            master["replicas"] == 1
+            and manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 1
+        )
         assert manifest["spec"]["nprocPerNode"] == "8"
         pod = master["template"]["spec"]
         args = pod["containers"][0]["command"][2:]
     assert "trainer.run_dir=/runs/vit-huge-tp4" in args and "model=vit_huge" in args
     stop = int(next(a for a in args if a.startswith("trainer.stop_timeout_s=")).split("=")[1])
-    assert pod["terminationGracePeriodSeconds"] == stop + 60 and stop > 300  # a step, then the checkpoint's write
-    claims = {v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]}
+    # a step, then the checkpoint's write
+    assert pod["terminationGracePeriodSeconds"] == stop + 60 and stop > 300
+    claims = {
+        v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]
+    }
     assert claims == {"runs": "visiondist-runs", "dshm": None, "data": "imagenet"}
-    resources = trainer["resourcesPerNode"] if kind == "trainjob" else pod["containers"][0]["resources"]
-    # 8 ranks x (1 + 7 loader workers) CPUs (data=imagenet: num_workers=-1); Guaranteed: requests = limits
-    assert resources["requests"] == resources["limits"] == {"cpu": "64", "memory": "113Gi", "nvidia.com/gpu": "8"}
+    resources = (
+        trainer["resourcesPerNode"] if kind == "trainjob" else pod["containers"][0]["resources"]
+    )
+    # 8 ranks x (1 + 7 loader workers) CPUs (data=imagenet: num_workers=-1); Guaranteed: requests =
+    # limits
+    assert (
+        resources["requests"]
+        == resources["limits"]
+        == {"cpu": "64", "memory": "113Gi", "nvidia.com/gpu": "8"}
+    )
 
 
 def _pod_of(manifest: dict) -> tuple[dict, dict]:
     """(pod spec, resources) of a manifest of either kind."""
     if manifest["kind"] == "TrainJob":
-        pod = manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
-        return pod["template"]["spec"]["template"]["spec"], manifest["spec"]["trainer"]["resourcesPerNode"]
+        pod = manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
+            "replicatedJobs"
+        ][0]
+        return pod["template"]["spec"]["template"]["spec"], manifest["spec"]["trainer"][
+            "resourcesPerNode"
+        ]
     pod = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     return pod, pod["containers"][0]["resources"]
 
 
 @pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
 def test_pods_request_cpu_and_memory_from_their_ranks_and_workers(tmp_path, kind):
-    """CPU: a rank and its loader workers one each; memory: 6Gi a rank, 1Gi a worker, plus /dev/shm, whose
-    sizeLimit holds the workers' ready batches twice; cpu= / memory= replace the figures; image_pull_secret= names
-    the registry's Secret. Both manifests stay valid for their operator's API."""
+    """CPU: a rank and its loader workers one each; memory: 6Gi a rank, 1Gi a worker, plus /dev/shm,
+    whose sizeLimit holds the workers' ready batches twice; cpu= / memory= replace the figures;
+    image_pull_secret= names the registry's Secret. Both manifests stay valid for their operator's
+    API."""
     pytest.importorskip("kubeflow_trainer_api")
     pytest.importorskip("kubeflow.training")
-    base = ["image=x", f"kind={kind}", "nodes=1", "gpus=4", "model=vit_small", "data.batch_size=1024",
-            "data.img_size=224"]
+    base = [
+        "image=x",
+        f"kind={kind}",
+        "nodes=1",
+        "gpus=4",
+        "model=vit_small",
+        "data.batch_size=1024",
+        "data.img_size=224",
+    ]
     manifest, _ = _write(tmp_path, *base, "data.num_workers=3")
     pod, resources = _pod_of(manifest)
-    # /dev/shm: 4 ranks (dp4) x 3 workers x 2 batches ready x 256 images x 3 x 224 x 224 bytes, twice: 1.72 GiB
-    assert resources["requests"] == resources["limits"] == {"cpu": "16", "memory": "38Gi", "nvidia.com/gpu": "4"}
-    assert {v["name"]: v.get("emptyDir") for v in pod["volumes"]}["dshm"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    # /dev/shm: 4 ranks (dp4) x 3 workers x 2 batches ready x 256 images x 3 x 224 x 224 bytes,
+    # twice: 1.72 GiB
+    assert (
+        resources["requests"]
+        == resources["limits"]
+        == {"cpu": "16", "memory": "38Gi", "nvidia.com/gpu": "4"}
+    )
+    assert {v["name"]: v.get("emptyDir") for v in pod["volumes"]}["dshm"] == {
+        "medium": "Memory",
+        "sizeLimit": "2Gi",
+    }
     assert "imagePullSecrets" not in pod
     manifest, _ = _write(tmp_path, *base, "cpu=24", "memory=200Gi", "image_pull_secret=regcred")
     pod, resources = _pod_of(manifest)
-    assert resources["requests"] == resources["limits"] == {"cpu": "24", "memory": "200Gi", "nvidia.com/gpu": "4"}
+    assert (
+        resources["requests"]
+        == resources["limits"]
+        == {"cpu": "24", "memory": "200Gi", "nvidia.com/gpu": "4"}
+    )
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
     (_trainjob_round_trip if kind == "trainjob" else _pytorchjob_round_trip)(manifest)
 
@@ -112,51 +161,84 @@ def test_a_misplaced_key_fails_the_validation(tmp_path):
     with pytest.raises(AssertionError):
         _trainjob_round_trip(manifest)
     manifest, _ = _write(tmp_path, "kind=pytorchjob", *EXAMPLE)
-    manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["terminationGracePeriod"] = 60
+    manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+        "terminationGracePeriod"
+    ] = 60
     with pytest.raises(AssertionError):
         _pytorchjob_round_trip(manifest)
 
 
 def test_what_the_pods_of_a_trainjob_get_is_read_as_the_manifests_job(tmp_path):
-    """The torch-distributed runtime's variables for the manifest's numNodes / numProcPerNode (PET_*), read by the
-    pods' launcher: 2 nodes of 8 ranks, each pod its own node rank."""
+    """The torch-distributed runtime's variables for the manifest's numNodes / numProcPerNode
+    (PET_*), read by the pods' launcher: 2 nodes of 8 ranks, each pod its own node rank."""
     manifest, _ = _write(tmp_path, "kind=trainjob", *EXAMPLE)
     trainer = manifest["spec"]["trainer"]
     for node in range(trainer["numNodes"]):
-        env = {"PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
-               "PET_NODE_RANK": str(node), "PET_MASTER_ADDR": "vit-huge-tp4-node-0-0.vit-huge-tp4",
-               "PET_MASTER_PORT": "29500"}
+        env = {
+            "PET_NNODES": str(trainer["numNodes"]),
+            "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+            "PET_NODE_RANK": str(node),
+            "PET_MASTER_ADDR": "vit-huge-tp4-node-0-0.vit-huge-tp4",
+            "PET_MASTER_PORT": "29500",
+        }
         job = pod_job(env)
         assert (job.max_nodes, job.nproc, job.node_rank) == (2, 8, node)
 
 
-@pytest.mark.parametrize("args,says", [
-    (["nodes=2", "model=vit_huge"], "image= is required"),
-    (["image=x", "kind=job"], "kind=job: use kind=trainjob"),
-    (["image=x", "name=Vit_Huge"], "is not a Kubernetes name"),
-    (["image=x", "gpus=0"], "gpus=0: a whole number of at least 1"),
-    (["image=x", "trainer.run_dir=/foo"], "the run dir is the job's"),
-    (["image=x", "data=imagenet"], "data=imagenet needs data.root"),
-    (["image=x", "data_pvc=imagenet", "data=imagenet", "data.root=/mnt/imagenet"], "use a path under /data"),
-    (["image=x", "data=imagenet", "data.root=/data/imagenet"],
-     "data.root=/data/imagenet is under /data, where data_pvc=<claim> mounts the data: give data_pvc="),
-    (["image=x", "gpus=3", "model=vit_small", "parallel=tp2"], "parallel.tp=2 does not divide the 3 ranks per node: a tensor-parallel "
-                                            "group must sit inside one node; run a multiple of 2 ranks per node "
-                                            "(gpus=, the ranks of each pod)"),
-    (["image=x", "nodes=1", "gpus=6", "model=vit_base", "parallel=tp4"],
-     "world size 6 is not divisible by parallel.tp x parallel.pp = 4: run a multiple of 4 ranks (nodes= x gpus=)"),
-    (["image=x", "cpu=lots"], "cpu=lots: give the CPUs of each pod as Kubernetes writes them"),
-    (["image=x", "memory=512Mi"], "memory=512Mi is below what the pod's 8 ranks need: 6Gi a rank"),
-    (["image=x", "model=vit_huge", "memory=4Gi"], "make 49Gi without a loader worker: give memory=65Gi (the planned "
-                                                  "figure, with 2 loader workers a rank at 1Gi each), or at least "
-                                                  "49Gi with fewer workers (data.num_workers)"),
-    (["image=x", "image_pull_secret=Reg_Cred"], "image_pull_secret=Reg_Cred is not a Kubernetes Secret name"),
-    (["image=x", "trainer.accelerator=cpu"], "the pods ask for GPUs"),
-    (["image=x", "gpus=8", "trainer.devices=2"], "trainer.devices=2 but each pod starts gpus=8 ranks"),
-    (["image=bad image"], "is not an image reference"),
-    (["image=x", "pvc=Bad_Claim"], "pvc=Bad_Claim is not a Kubernetes claim name"),
-    (["image=x", "out=/nonexistent/dir/job.yaml"], "cannot write it"),
-])
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (["nodes=2", "model=vit_huge"], "image= is required"),
+        (["image=x", "kind=job"], "kind=job: use kind=trainjob"),
+        (["image=x", "name=Vit_Huge"], "is not a Kubernetes name"),
+        (["image=x", "gpus=0"], "gpus=0: a whole number of at least 1"),
+        (["image=x", "trainer.run_dir=/foo"], "the run dir is the job's"),
+        (["image=x", "data=imagenet"], "data=imagenet needs data.root"),
+        (
+            ["image=x", "data_pvc=imagenet", "data=imagenet", "data.root=/mnt/imagenet"],
+            "use a path under /data",
+        ),
+        (
+            ["image=x", "data=imagenet", "data.root=/data/imagenet"],
+            "data.root=/data/imagenet is under /data, where data_pvc=<claim> mounts the data: "
+            "give data_pvc=",
+        ),
+        (
+            ["image=x", "gpus=3", "model=vit_small", "parallel=tp2"],
+            "parallel.tp=2 does not divide the 3 ranks per node: a tensor-parallel "
+            "group must sit inside one node; run a multiple of 2 ranks per node "
+            "(gpus=, the ranks of each pod)",
+        ),
+        (
+            ["image=x", "nodes=1", "gpus=6", "model=vit_base", "parallel=tp4"],
+            "world size 6 is not divisible by parallel.tp x parallel.pp = 4: run a multiple of 4 "
+            "ranks (nodes= x gpus=)",
+        ),
+        (["image=x", "cpu=lots"], "cpu=lots: give the CPUs of each pod as Kubernetes writes them"),
+        (
+            ["image=x", "memory=512Mi"],
+            "memory=512Mi is below what the pod's 8 ranks need: 6Gi a rank",
+        ),
+        (
+            ["image=x", "model=vit_huge", "memory=4Gi"],
+            "make 49Gi without a loader worker: give memory=65Gi (the planned "
+            "figure, with 2 loader workers a rank at 1Gi each), or at least "
+            "49Gi with fewer workers (data.num_workers)",
+        ),
+        (
+            ["image=x", "image_pull_secret=Reg_Cred"],
+            "image_pull_secret=Reg_Cred is not a Kubernetes Secret name",
+        ),
+        (["image=x", "trainer.accelerator=cpu"], "the pods ask for GPUs"),
+        (
+            ["image=x", "gpus=8", "trainer.devices=2"],
+            "trainer.devices=2 but each pod starts gpus=8 ranks",
+        ),
+        (["image=bad image"], "is not an image reference"),
+        (["image=x", "pvc=Bad_Claim"], "pvc=Bad_Claim is not a Kubernetes claim name"),
+        (["image=x", "out=/nonexistent/dir/job.yaml"], "cannot write it"),
+    ],
+)
 def test_bad_keys_are_one_line_naming_the_fix(tmp_path, capsys, args, says):
     sys.path.insert(0, str(REPO / "tools"))
     try:
@@ -166,12 +248,14 @@ def test_bad_keys_are_one_line_naming_the_fix(tmp_path, capsys, args, says):
     assert k8s.main(args) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1, err
-    assert "torchrun" not in err and "(trainer.devices" not in err, err  # the pods' knobs are this tool's keys
+    # the pods' knobs are this tool's keys
+    assert "torchrun" not in err and "(trainer.devices" not in err, err
 
 
 def test_memory_between_the_ranks_floor_and_the_plan_says_what_it_holds(tmp_path, capsys):
-    """8 ranks of the built-in set's 2 loader workers: 49Gi without workers, 65Gi planned; 60Gi holds one worker a
-    rank, which the tool's line says with the setting that fits it (the manifest keeps the user's figure)."""
+    """8 ranks of the built-in set's 2 loader workers: 49Gi without workers, 65Gi planned; 60Gi
+    holds one worker a rank, which the tool's line says with the setting that fits it (the manifest
+    keeps the user's figure)."""
     sys.path.insert(0, str(REPO / "tools"))
     try:
         import k8s
@@ -180,28 +264,47 @@ def test_memory_between_the_ranks_floor_and_the_plan_says_what_it_holds(tmp_path
     out = tmp_path / "job.yaml"
     assert k8s.main(["image=x", "model=vit_huge", "memory=60Gi", f"out={out}"]) == 0
     err = capsys.readouterr().err
-    assert ("memory=60Gi is below the planned 65Gi: beside the 8 ranks (48Gi) and /dev/shm (1Gi) it leaves room for 1 "
-            "of the 2 loader workers a rank the pods would start (1Gi each): add data.num_workers=1 to the command or "
-            "give memory=65Gi, else the pods may be killed for memory") in err, err
+    assert (
+        "memory=60Gi is below the planned 65Gi: beside the 8 ranks (48Gi) and /dev/shm (1Gi) it "
+        "leaves room for 1 of the 2 loader workers a rank the pods would start (1Gi each): add "
+        "data.num_workers=1 to the command or give memory=65Gi, else the pods may be killed for "
+        "memory"
+    ) in err, err
     assert "memory: 60Gi" in out.read_text()
 
 
-@pytest.mark.parametrize("kind,says", [
-    ("trainjob", "a failed pod fails the TrainJob (the torch-distributed runtime sets no restarts, and a TrainJob "
-                 "cannot): kubectl delete trainjob vit-huge && kubectl apply -f {out} "
-                 "continues the run from {kept}; kind=pytorchjob restarts failed pods by itself"),
-    ("pytorchjob", "a failed pod restarts (restartPolicy OnFailure, backoffLimit 3) and continues the run from "
-                   "{kept}")])
+@pytest.mark.parametrize(
+    "kind,says",
+    [
+        (
+            "trainjob",
+            "a failed pod fails the TrainJob (the torch-distributed runtime sets no restarts, and "
+            "a TrainJob cannot): kubectl delete trainjob vit-huge && kubectl apply -f {out} "
+            "continues the run from {kept}; kind=pytorchjob restarts failed pods by itself",
+        ),
+        (
+            "pytorchjob",
+            "a failed pod restarts (restartPolicy OnFailure, backoffLimit 3) and continues the "
+            "run from {kept}",
+        ),
+    ],
+)
 def test_the_tool_says_what_a_pod_failure_does_to_each_kind_of_job(tmp_path, capsys, kind, says):
-    """What the manifest holds for it: a PyTorchJob's restart policy; a TrainJob has no such field (the published
-    model would refuse one), so the line says what its runtime does and how to continue, and from where: the
-    newest checkpoint of trainer.checkpoint_every, or step 1 without it."""
-    manifest, _ = _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}", "trainer.checkpoint_every=500")
+    """What the manifest holds for it: a PyTorchJob's restart policy; a TrainJob has no such field
+    (the published model would refuse one), so the line says what its runtime does and how to
+    continue, and from where: the newest checkpoint of trainer.checkpoint_every, or step 1 without
+    it."""
+    manifest, _ = _write(
+        tmp_path, "image=x", "model=vit_huge", f"kind={kind}", "trainer.checkpoint_every=500"
+    )
     kept = "its newest checkpoint (one every 500 steps)"
     assert says.format(out=tmp_path / "job.yaml", kept=kept) in capsys.readouterr().err
     _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}")
-    assert "continues the run from step 1: the pods checkpoint only when the run ends or is stopped " \
-           "(trainer.checkpoint_every=0), so add trainer.checkpoint_every=<steps>" in capsys.readouterr().err
+    assert (
+        "continues the run from step 1: the pods checkpoint only when the run ends or is stopped "
+        "(trainer.checkpoint_every=0), so add trainer.checkpoint_every=<steps>"
+        in capsys.readouterr().err
+    )
     if kind == "pytorchjob":
         assert manifest["spec"]["runPolicy"]["backoffLimit"] == 3
         assert manifest["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "OnFailure"

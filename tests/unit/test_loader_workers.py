@@ -1,6 +1,7 @@
-"""visiondist.data.workers.watched: a batch lost to a dead loader worker is reported as the worker's death, naming
-how it died, not as multiprocessing's bare EOFError (tests/multirank/test_failures.py kills a real worker; when the
-rank is receiving that worker's last batch, this is the error it gets), in training and in evaluation."""
+"""visiondist.data.workers.watched: a batch lost to a dead loader worker is reported as the worker's
+death, naming how it died, not as multiprocessing's bare EOFError (tests/multirank/test_failures.py
+kills a real worker; when the rank is receiving that worker's last batch, this is the error it
+gets), in training and in evaluation."""
 
 import signal
 from types import SimpleNamespace
@@ -32,8 +33,11 @@ def _worker(pid, alive_for, exitcode):
 def test_a_killed_worker_is_named_with_its_signal():
     batches = watched(Batches([_worker(11, 10_000, None), _worker(12, 3, -signal.SIGKILL)]))
     assert next(batches) == "batch 1"
-    with pytest.raises(RuntimeError, match=r"^DataLoader worker \(pid\(s\) 12\) exited unexpectedly: killed by signal "
-                                           r"SIGKILL \(what the kernel's OOM killer sends: lower data.num_workers") as e:
+    with pytest.raises(
+        RuntimeError,
+        match=r"^DataLoader worker \(pid\(s\) 12\) exited unexpectedly: killed by signal "
+        r"SIGKILL \(what the kernel's OOM killer sends: lower data.num_workers",
+    ) as e:
         next(batches)
     assert isinstance(e.value.__cause__, EOFError)
 
@@ -71,8 +75,12 @@ def test_evaluation_names_a_dead_loader_worker_too():
     from visiondist.evaluation.detection import predict
     from visiondist.models.vit import VisionTransformer
 
-    layout = SimpleNamespace(device=torch.device("cpu"), dp=1, is_main=True, all_reduce_dp=lambda t: t)
-    model = VisionTransformer(img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=1, num_heads=2)
+    layout = SimpleNamespace(
+        device=torch.device("cpu"), dp=1, is_main=True, all_reduce_dp=lambda t: t
+    )
+    model = VisionTransformer(
+        img_size=16, patch_size=8, num_classes=3, embed_dim=16, depth=1, num_heads=2
+    )
     dead = r"DataLoader worker \(pid\(s\) 21\) exited unexpectedly: killed by signal SIGKILL"
     with pytest.raises(RuntimeError, match=dead):
         evaluate_classification(model, _Loader(), layout, progress=False)

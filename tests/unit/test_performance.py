@@ -1,22 +1,22 @@
-"""The fast-path switches (each gives the same numbers as the path it replaces), the step-health verdicts, the
-datasheet peaks and the ratio checks. The benchmark tool's real runs: tests/multirank/test_performance.py."""
+"""The fast-path switches (each gives the same numbers as the path it replaces), the step-health
+verdicts, the datasheet peaks and the ratio checks. The benchmark tool's real runs:
+tests/multirank/test_performance.py."""
 
 from __future__ import annotations
-
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import REPO
 from omegaconf import OmegaConf
 
-from helpers import REPO
-from visiondist.faults.health import StepHealth
 from visiondist.bench.report import ratio_check
-from visiondist.train.optim import build_optimizer, describe_optimizer, resolve_impl
-from visiondist.utils.peaks import datasheet_tflops, peak_kind
+from visiondist.faults.health import StepHealth
 from visiondist.models.sdpa import select_attention
 from visiondist.models.vit import VisionTransformer
 from visiondist.parallel import enable_activation_checkpointing
+from visiondist.train.optim import build_optimizer, describe_optimizer, resolve_impl
+from visiondist.utils.peaks import datasheet_tflops, peak_kind
 
 
 def test_step_health_verdicts_arrive_in_order_and_one_step_late_on_request():
@@ -46,55 +46,101 @@ def _batch():
 @pytest.mark.parametrize("impl", ["fused", "foreach", "loop"])
 def test_optimizer_kernels_give_the_same_weights(impl):
     """optim.impl picks torch's kernels; after 3 AdamW steps all equal the default one."""
+
     def train(kind: str) -> dict:
         model = _tiny_vit()
-        cfg = OmegaConf.create({"name": "adamw", "lr": 1e-2, "weight_decay": 0.05, "betas": [0.9, 0.999],
-                                "eps": 1e-8, "impl": kind})
+        cfg = OmegaConf.create(
+            {
+                "name": "adamw",
+                "lr": 1e-2,
+                "weight_decay": 0.05,
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "impl": kind,
+            }
+        )
         opt = build_optimizer(cfg, model)
         images, labels = _batch()
         for _ in range(3):
             opt.zero_grad()
             F.cross_entropy(model(images), labels).backward()
             opt.step()
-        return {"state": model.state_dict(), "fused": opt.defaults.get("fused"), "foreach": opt.defaults["foreach"]}
+        return {
+            "state": model.state_dict(),
+            "fused": opt.defaults.get("fused"),
+            "foreach": opt.defaults["foreach"],
+        }
 
     ref, got = train("auto"), train(impl)
-    assert {"fused": got["fused"] is True, "foreach": got["foreach"] is True, "loop": got["foreach"] is False}[impl]
+    assert {
+        "fused": got["fused"] is True,
+        "foreach": got["foreach"] is True,
+        "loop": got["foreach"] is False,
+    }[impl]
     for name, value in ref["state"].items():
-        if name.endswith("attn.k.bias"):  # its gradient is round-off (softmax ignores a shift of all keys): AdamW
-            continue  # normalises that into steps of lr that differ between kernels; see test_tensor_parallel
+        # its gradient is round-off (softmax ignores a shift of all keys): AdamW
+        if name.endswith("attn.k.bias"):
+            # normalises that into steps of lr that differ between kernels; see test_tensor_parallel
+            continue
         torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_auto_resolves_to_the_kernel_the_optimizer_runs():
-    """On the CPU `auto` is fused (2-6x faster than foreach and the loop there, benchmarks/RESULTS.md), and the log
-    and the benchmark name the kernel from the optimizer itself."""
+    """On the CPU `auto` is fused (2-6x faster than foreach and the loop there,
+    benchmarks/RESULTS.md), and the log and the benchmark name the kernel from the optimizer
+    itself."""
     model = _tiny_vit()
     assert resolve_impl("auto", "adamw", model.parameters()) == "fused"
     assert resolve_impl("loop", "adamw", model.parameters()) == "loop"
-    cfg = OmegaConf.create({"name": "sgd", "lr": 0.1, "weight_decay": 0.0, "momentum": 0.9, "nesterov": False,
-                            "impl": "auto"})
+    cfg = OmegaConf.create(
+        {
+            "name": "sgd",
+            "lr": 0.1,
+            "weight_decay": 0.0,
+            "momentum": 0.9,
+            "nesterov": False,
+            "impl": "auto",
+        }
+    )
     opt = build_optimizer(cfg, model)
     assert opt.defaults["fused"] is True and describe_optimizer(opt, "auto") == "sgd (auto: fused)"
     foreach = build_optimizer(OmegaConf.merge(cfg, {"impl": "foreach"}), model)
     assert describe_optimizer(foreach, "foreach") == "sgd (foreach)"
 
 
-@pytest.mark.parametrize("name, kind, tflops", [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 80GB HBM3", "tf32", 494.7),
-    ("NVIDIA H100 PCIe", "bf16", 756.5), ("NVIDIA H100 NVL", "fp16", 835.5), ("NVIDIA H200", "bf16", 989.4),
-    ("NVIDIA H200 NVL", "tf32", 417.5), ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
-    ("NVIDIA A100-PCIE-40GB", "tf32", 156.0), ("NVIDIA A100 80GB PCIe", "fp32", 19.5), ("NVIDIA L40S", "bf16", 362.05), ("NVIDIA A10", "tf32", 62.5),
-    ("NVIDIA L4", "bf16", 121.0), ("NVIDIA A10G", "bf16", None), ("NVIDIA L40", "bf16", None),
-    ("CPU (AMD EPYC), 2 threads", "fp32", None)])
+@pytest.mark.parametrize(
+    "name, kind, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+        ("NVIDIA H100 80GB HBM3", "tf32", 494.7),
+        ("NVIDIA H100 PCIe", "bf16", 756.5),
+        ("NVIDIA H100 NVL", "fp16", 835.5),
+        ("NVIDIA H200", "bf16", 989.4),
+        ("NVIDIA H200 NVL", "tf32", 417.5),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA A100-PCIE-40GB", "tf32", 156.0),
+        ("NVIDIA A100 80GB PCIe", "fp32", 19.5),
+        ("NVIDIA L40S", "bf16", 362.05),
+        ("NVIDIA A10", "tf32", 62.5),
+        ("NVIDIA L4", "bf16", 121.0),
+        ("NVIDIA A10G", "bf16", None),
+        ("NVIDIA L40", "bf16", None),
+        ("CPU (AMD EPYC), 2 threads", "fp32", None),
+    ],
+)
 def test_datasheet_peak_by_device_name(name, kind, tflops):
     assert datasheet_tflops(name, kind) == tflops
 
 
 def test_the_peak_follows_the_precision_of_the_matmuls():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert [peak_kind("bf16", True, cuda), peak_kind("16", True, cuda), peak_kind("32", True, cuda),
-            peak_kind("32", False, cuda), peak_kind("32", True, cpu)] == ["bf16", "fp16", "tf32", "fp32", "fp32"]
+    assert [
+        peak_kind("bf16", True, cuda),
+        peak_kind("16", True, cuda),
+        peak_kind("32", True, cuda),
+        peak_kind("32", False, cuda),
+        peak_kind("32", True, cpu),
+    ] == ["bf16", "fp16", "tf32", "fp32", "fp32"]
 
 
 def test_a_ratio_of_spread_or_few_step_times_is_flagged_and_a_tight_one_is_not():
@@ -123,14 +169,17 @@ def test_selective_checkpointing_recomputes_only_the_first_blocks_with_the_same_
 
 
 def test_attention_kernel_switch():
-    """model.sdpa=math turns the fused kernels off (process-wide) and gives the same result; auto restores them."""
+    """model.sdpa=math turns the fused kernels off (process-wide) and gives the same result; auto
+    restores them."""
     model = _tiny_vit()
     images, _ = _batch()
     try:
         select_attention("auto")
         fused = model(images)
         select_attention("math")
-        assert not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+        assert (
+            not torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+        )
         torch.testing.assert_close(model(images), fused, rtol=1e-5, atol=1e-5)
         with pytest.raises(ValueError, match="model.sdpa='fast'"):
             select_attention("fast")
@@ -142,19 +191,35 @@ def test_attention_kernel_switch():
 def test_channels_last_detector_computes_the_same_losses():
     from visiondist.models import build_model
 
-    cfg = OmegaConf.create({"name": "frcnn", "family": "torchvision", "arch": "fasterrcnn_mobilenet_v3_large_fpn",
-                            "num_classes": 3, "weights": None, "min_size": 96, "max_size": 96, "kwargs": {},
-                            "anchor_scale": 1.0, "roi_sampling_ratio": None})
+    cfg = OmegaConf.create(
+        {
+            "name": "frcnn",
+            "family": "torchvision",
+            "arch": "fasterrcnn_mobilenet_v3_large_fpn",
+            "num_classes": 3,
+            "weights": None,
+            "min_size": 96,
+            "max_size": 96,
+            "kwargs": {},
+            "anchor_scale": 1.0,
+            "roi_sampling_ratio": None,
+        }
+    )
     g = torch.Generator().manual_seed(0)
     images = [torch.rand(3, 96, 96, generator=g) for _ in range(2)]
-    targets = [{"boxes": torch.tensor([[10.0, 10.0, 50.0, 60.0]]), "labels": torch.tensor([1])} for _ in range(2)]
+    targets = [
+        {"boxes": torch.tensor([[10.0, 10.0, 50.0, 60.0]]), "labels": torch.tensor([1])}
+        for _ in range(2)
+    ]
     losses = []
     for channels_last in (False, True):
         torch.manual_seed(0)
         model = build_model(cfg).train()
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
-            assert model.backbone.body["0"][0].weight.is_contiguous(memory_format=torch.channels_last)
+            assert model.backbone.body["0"][0].weight.is_contiguous(
+                memory_format=torch.channels_last
+            )
         torch.manual_seed(1)  # the same proposal sampling
         losses.append({k: v.item() for k, v in model(images, targets).items()})
     assert losses[1] == pytest.approx(losses[0], rel=1e-4, abs=1e-6)
@@ -165,17 +230,26 @@ def testloader_options_follow_the_config():
 
     cfg = OmegaConf.create({"num_workers": 2, "pin_memory": False, "prefetch_factor": 6})
     options = loader_options(cfg, pin_memory=True)
-    assert options["prefetch_factor"] == 6 and options["pin_memory"] is False and options["persistent_workers"]
-    options = loader_options(OmegaConf.create({"num_workers": 0, "pin_memory": True, "prefetch_factor": 6}), True)
+    assert (
+        options["prefetch_factor"] == 6
+        and options["pin_memory"] is False
+        and options["persistent_workers"]
+    )
+    options = loader_options(
+        OmegaConf.create({"num_workers": 0, "pin_memory": True, "prefetch_factor": 6}), True
+    )
     assert options["prefetch_factor"] is None and options["pin_memory"] is True
 
 
-def test_compile_auto_compiles_on_cuda_only_where_it_can_the_whole_model_where_the_layout_keeps_it(monkeypatch):
-    """trainer.compile=auto (the default): on CUDA with Triton; never on the CPU, never a detector without blocks
-    (not refused either), never under the zero-bubble schedule or without Triton; each time with the reason. The scope
-    is the whole model on one device and under DDP, each block under TP, a pipeline, FSDP, or for ViTDet; model /
-    blocks name it, and model under TP is refused naming blocks. CUDA graphs (auto) for a ViT up to 384 wide on one
-    GPU with one micro-batch a step; true where they cannot run is refused with the reason. The layout says it all."""
+def test_compile_auto_compiles_on_cuda_only_where_it_can_the_whole_model_where_the_layout_keeps_it(
+    monkeypatch,
+):
+    """trainer.compile=auto (the default): on CUDA with Triton; never on the CPU, never a detector
+    without blocks (not refused either), never under the zero-bubble schedule or without Triton;
+    each time with the reason. The scope is the whole model on one device and under DDP, each block
+    under TP, a pipeline, FSDP, or for ViTDet; model / blocks name it, and model under TP is refused
+    naming blocks. CUDA graphs (auto) for a ViT up to 384 wide on one GPU with one micro-batch a
+    step; true where they cannot run is refused with the reason. The layout says it all."""
     import torch.utils._triton as triton
 
     from visiondist.cli import load_config
@@ -194,9 +268,16 @@ def test_compile_auto_compiles_on_cuda_only_where_it_can_the_whole_model_where_t
     assert cfg().trainer.compile == "auto" and cfg().trainer.cuda_graphs == "auto"
     assert compile_choice(cfg("model=vit_base"), "cuda") == (True, "compiled on CUDA")
     assert compile_choice(cfg("model=vit_base"), "cpu")[0] is False
-    assert "no transformer blocks" in compile_choice(cfg("model=fasterrcnn_r50", "data=shapes_coco"), "cuda")[1]
-    assert "zero-bubble" in compile_choice(cfg("model=vit_base", "parallel=pp2", "parallel.schedule=zero_bubble"),
-                                           "cuda")[1]
+    assert (
+        "no transformer blocks"
+        in compile_choice(cfg("model=fasterrcnn_r50", "data=shapes_coco"), "cuda")[1]
+    )
+    assert (
+        "zero-bubble"
+        in compile_choice(
+            cfg("model=vit_base", "parallel=pp2", "parallel.schedule=zero_bubble"), "cuda"
+        )[1]
+    )
     assert compile_choice(cfg("model=vit_base", "trainer.compile=false"), "cuda")[0] is False
     assert compile_choice(cfg("model=vit_base", "trainer.compile=true"), "cpu")[0] is True
 
@@ -204,34 +285,74 @@ def test_compile_auto_compiles_on_cuda_only_where_it_can_the_whole_model_where_t
     assert plan("model=vit_small") == (True, "model", True)
     assert plan("model=vit_tiny") == (True, "model", True)
     assert plan("model=vit_base") == (True, "model", False)  # 768 wide: the GPU is busy
-    assert plan("model=vit_small", run=RunLayout("cuda", 2, 2, 2)) == (True, "model", False)  # DDP: one GPU only
-    assert plan("model=vit_small", "trainer.grad_accum=2", "data.batch_size=64") == (True, "model", False)
-    assert plan("model=vit_small", "trainer.fp8=rowwise", "trainer.precision=bf16") == (True, "model", False)
+    # DDP: one GPU only
+    assert plan("model=vit_small", run=RunLayout("cuda", 2, 2, 2)) == (True, "model", False)
+    assert plan("model=vit_small", "trainer.grad_accum=2", "data.batch_size=64") == (
+        True,
+        "model",
+        False,
+    )
+    assert plan("model=vit_small", "trainer.fp8=rowwise", "trainer.precision=bf16") == (
+        True,
+        "model",
+        False,
+    )
     assert plan("model=vit_small", "trainer.cuda_graphs=false") == (True, "model", False)
     assert plan("model=vit_base", "trainer.cuda_graphs=true") == (True, "model", True)
-    # ViT-L / H: per block (GPU-bound either way; one block compiles in seconds, the whole graph in minutes)
+    # ViT-L / H: per block (GPU-bound either way; one block compiles in seconds, the whole graph in
+    # minutes)
     assert plan("model=vit_huge") == (True, "blocks", False)
     assert plan("model=vit_large", "trainer.compile=true") == (True, "blocks", False)
     assert plan("model=vit_huge", "trainer.compile=model") == (True, "model", False)
-    assert "one block in seconds" in compile_plan(cfg("model=vit_huge"), RunLayout("cuda", 1, 1, 1))[3]
-    assert plan("model=vit_base", "parallel=tp2", run=RunLayout("cuda", 2, 2, 1, tp=2)) == (True, "blocks", False)
-    assert plan("model=vit_base", "parallel=pp2", run=RunLayout("cuda", 2, 2, 1, pp=2)) == (True, "blocks", False)
-    assert plan("model=vit_base", "parallel.fsdp=true",
-                run=RunLayout("cuda", 2, 2, 2, fsdp=True)) == (True, "blocks", False)
+    assert (
+        "one block in seconds" in compile_plan(cfg("model=vit_huge"), RunLayout("cuda", 1, 1, 1))[3]
+    )
+    assert plan("model=vit_base", "parallel=tp2", run=RunLayout("cuda", 2, 2, 1, tp=2)) == (
+        True,
+        "blocks",
+        False,
+    )
+    assert plan("model=vit_base", "parallel=pp2", run=RunLayout("cuda", 2, 2, 1, pp=2)) == (
+        True,
+        "blocks",
+        False,
+    )
+    assert plan(
+        "model=vit_base", "parallel.fsdp=true", run=RunLayout("cuda", 2, 2, 2, fsdp=True)
+    ) == (True, "blocks", False)
     assert plan("model=vitdet_small", "data=shapes_coco") == (True, "blocks", False)
     assert plan("model=vit_small", "trainer.compile=blocks") == (True, "blocks", False)
     assert plan("model=vit_small", "trainer.compile=false") == (False, "none", False)
-    assert plan("model=vit_small", run=RunLayout("cpu", 1, 1, 1)) == (False, "none", False)  # auto: eager on the CPU
-    with pytest.raises(ConfigError, match=r"trainer.cuda_graphs=true replays the compiled model, and nothing is "
-                                          r"compiled here \(on the CPU"):
+    # auto: eager on the CPU
+    assert plan("model=vit_small", run=RunLayout("cpu", 1, 1, 1)) == (False, "none", False)
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.cuda_graphs=true replays the compiled model, and nothing is "
+        r"compiled here \(on the CPU",
+    ):
         plan("model=vit_small", "trainer.cuda_graphs=true", run=RunLayout("cpu", 1, 1, 1))
-    assert "the whole model compiled in one graph" in compile_plan(cfg("model=vit_base"), RunLayout("cuda", 1, 1, 1))[3]
+    assert (
+        "the whole model compiled in one graph"
+        in compile_plan(cfg("model=vit_base"), RunLayout("cuda", 1, 1, 1))[3]
+    )
     assert "CUDA graphs" in compile_plan(cfg("model=vit_small"), RunLayout("cuda", 1, 1, 1))[3]
-    with pytest.raises(ConfigError, match=r"trainer.compile=model .* tensor parallelism .* use trainer.compile=blocks"):
-        plan("model=vit_base", "parallel=tp2", "trainer.compile=model", run=RunLayout("cuda", 2, 2, 1, tp=2))
-    with pytest.raises(ConfigError, match=r"trainer.cuda_graphs=true: it runs on one GPU only \(2 ranks here\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.compile=model .* tensor parallelism .* use trainer.compile=blocks",
+    ):
+        plan(
+            "model=vit_base",
+            "parallel=tp2",
+            "trainer.compile=model",
+            run=RunLayout("cuda", 2, 2, 1, tp=2),
+        )
+    with pytest.raises(
+        ConfigError, match=r"trainer.cuda_graphs=true: it runs on one GPU only \(2 ranks here\)"
+    ):
         plan("model=vit_small", "trainer.cuda_graphs=true", run=RunLayout("cuda", 2, 2, 2))
-    with pytest.raises(ConfigError, match=r"trainer.cuda_graphs=true: it compiles the whole model only"):
+    with pytest.raises(
+        ConfigError, match=r"trainer.cuda_graphs=true: it compiles the whole model only"
+    ):
         plan("model=vit_small", "trainer.cuda_graphs=true", "trainer.compile=blocks")
     with pytest.raises(ConfigError, match=r"trainer.cuda_graphs=true replays the compiled model"):
         cfg("trainer.cuda_graphs=true", "trainer.compile=false")
@@ -240,15 +361,21 @@ def test_compile_auto_compiles_on_cuda_only_where_it_can_the_whole_model_where_t
     assert "Triton" in compile_choice(cfg("model=vit_base"), "cuda")[1]
     with pytest.raises(ConfigError, match=r"trainer.compile='sometimes': use auto"):
         cfg("trainer.compile=sometimes")
-    assert RunLayout("cuda", 1, 1, 1, compile=True).describe() == "dp=1 tp=1 pp=1 (1 rank on cuda) +compiled blocks"
-    assert (RunLayout("cuda", 1, 1, 1, compile=True, compile_scope="model", cuda_graphs=True).describe()
-            == "dp=1 tp=1 pp=1 (1 rank on cuda) +compiled model +CUDA graphs")
+    assert (
+        RunLayout("cuda", 1, 1, 1, compile=True).describe()
+        == "dp=1 tp=1 pp=1 (1 rank on cuda) +compiled blocks"
+    )
+    assert (
+        RunLayout("cuda", 1, 1, 1, compile=True, compile_scope="model", cuda_graphs=True).describe()
+        == "dp=1 tp=1 pp=1 (1 rank on cuda) +compiled model +CUDA graphs"
+    )
 
 
 def test_checkpoint_keep_matmuls_saves_the_matmuls_recomputes_the_rest_with_the_same_gradients():
-    """parallel.checkpoint_keep=matmuls: per block the backward reuses what the 4 GEMMs (q, k and v fused, the output
-    projection, the MLP's two) and the attention kernel returned (saved in the forward, not run again) and recomputes the norms, GELU and drop path, replaying
-    the drop-path draws: gradients equal the unchecked model's."""
+    """parallel.checkpoint_keep=matmuls: per block the backward reuses what the 4 GEMMs (q, k and v
+    fused, the output projection, the MLP's two) and the attention kernel returned (saved in the
+    forward, not run again) and recomputes the norms, GELU and drop path, replaying the drop-path
+    draws: gradients equal the unchecked model's."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -273,13 +400,23 @@ def test_checkpoint_keep_matmuls_saves_the_matmuls_recomputes_the_rest_with_the_
         counts[name] = count.ops
     aten = torch.ops.aten
     matmuls = lambda ops: sum(op in (aten.addmm.default, aten.mm.default) for op in ops)  # noqa: E731
-    attention = lambda ops: sum("scaled_dot_product" in str(op) and "backward" not in str(op) for op in ops)  # noqa: E731
+
+    def attention(ops):
+        return sum("scaled_dot_product" in str(op) and "backward" not in str(op) for op in ops)
+
     gelus = lambda ops: sum(op is aten.gelu.default for op in ops)  # noqa: E731
-    # input: each block's 4 GEMMs (but where torch stops recomputing once the backward has what it needs: the last
-    # fc2 at most) and its attention run again in the backward; matmuls: none of them do
-    assert matmuls(counts["input"]) - matmuls(counts["plain"]) >= 3 * 4 - 1 and attention(counts["input"]) == 3
-    assert matmuls(counts["matmuls"]) == matmuls(counts["plain"]) and attention(counts["matmuls"]) == 0
-    assert gelus(counts["matmuls"]) == 3 and gelus(counts["plain"]) == 0  # the elementwise work is recomputed
+    # input: each block's 4 GEMMs (but where torch stops recomputing once the backward has what it
+    # needs: the last fc2 at most) and its attention run again in the backward; matmuls: none of
+    # them do
+    assert (
+        matmuls(counts["input"]) - matmuls(counts["plain"]) >= 3 * 4 - 1
+        and attention(counts["input"]) == 3
+    )
+    assert (
+        matmuls(counts["matmuls"]) == matmuls(counts["plain"]) and attention(counts["matmuls"]) == 0
+    )
+    # the elementwise work is recomputed
+    assert gelus(counts["matmuls"]) == 3 and gelus(counts["plain"]) == 0
     for (name, a), b in zip(plain.named_parameters(), keep.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
     with pytest.raises(ValueError, match="parallel.checkpoint_keep='all'"):
@@ -287,9 +424,9 @@ def test_checkpoint_keep_matmuls_saves_the_matmuls_recomputes_the_rest_with_the_
 
 
 def test_compile_watch_names_graph_breaks_recompile_limit_hits_and_compiling_while_timed():
-    """The benchmark's CompileWatch (and the trainer's warning) read dynamo's counters: a graph break, a frame past
-    the recompile limit (which then runs eager) and, for timed steps, any new graph are faults naming the cause; a
-    clean compiled loop has none."""
+    """The benchmark's CompileWatch (and the trainer's warning) read dynamo's counters: a graph
+    break, a frame past the recompile limit (which then runs eager) and, for timed steps, any new
+    graph are faults naming the cause; a clean compiled loop has none."""
     import torch._dynamo
 
     from visiondist.bench.harness import CompileWatch
@@ -319,8 +456,10 @@ def test_compile_watch_names_graph_breaks_recompile_limit_hits_and_compiling_whi
         torch.compile(broken, backend="eager")(x)
     assert len(watch.faults) == 1 and "graph_break" in watch.faults[0].lower().replace(" ", "_")
     compiled_specialised = torch.compile(specialised, backend="eager")
-    with torch._dynamo.config.patch(recompile_limit=2, automatic_dynamic_shapes=False), \
-            CompileWatch(timed=True) as watch:  # torch's own patch: it restores its config as it was
+    with (
+        torch._dynamo.config.patch(recompile_limit=2, automatic_dynamic_shapes=False),
+        CompileWatch(timed=True) as watch,
+    ):  # torch's own patch: it restores its config as it was
         for scale in (1.5, 2.5, 3.5, 4.5):
             compiled_specialised(x, scale)
     assert any("recompile limit hit" in f for f in watch.faults), watch.faults
@@ -329,17 +468,21 @@ def test_compile_watch_names_graph_breaks_recompile_limit_hits_and_compiling_whi
 
 
 def test_compile_autotune_is_each_compiled_modules_own_mode(monkeypatch):
-    """trainer.compile_autotune=true: torch.compile's autotuning mode on what is compiled (each block, or the whole
-    model, "max-autotune" where CUDA graphs replay it), never Inductor's process-wide settings, so that a benchmark's
-    variants compiled side by side keep their own. Each mode is one torch knows, and the one without CUDA graphs
-    leaves them to trainer.cuda_graphs."""
+    """trainer.compile_autotune=true: torch.compile's autotuning mode on what is compiled (each
+    block, or the whole model, "max-autotune" where CUDA graphs replay it), never Inductor's
+    process-wide settings, so that a benchmark's variants compiled side by side keep their own. Each
+    mode is one torch knows, and the one without CUDA graphs leaves them to trainer.cuda_graphs."""
     import torch._inductor as inductor
 
     from visiondist.models.vit import VisionTransformer
     from visiondist.parallel.fsdp import compile_blocks, compile_mode, compile_model
 
     assert [compile_mode(g, a) for g in (False, True) for a in (False, True)] == [
-        None, "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"]
+        None,
+        "max-autotune-no-cudagraphs",
+        "reduce-overhead",
+        "max-autotune",
+    ]
     assert inductor.list_mode_options("max-autotune-no-cudagraphs").get("max_autotune") is True
     assert not inductor.list_mode_options("max-autotune-no-cudagraphs").get("triton.cudagraphs")
     assert inductor.list_mode_options("max-autotune").get("triton.cudagraphs") is True
@@ -347,7 +490,9 @@ def test_compile_autotune_is_each_compiled_modules_own_mode(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: seen.append(kwargs) or fn)
 
     def vit():
-        return VisionTransformer(img_size=32, patch_size=16, num_classes=3, embed_dim=32, depth=2, num_heads=2)
+        return VisionTransformer(
+            img_size=32, patch_size=16, num_classes=3, embed_dim=32, depth=2, num_heads=2
+        )
 
     compile_blocks(vit(), autotune=True)
     compile_blocks(vit())
@@ -355,5 +500,8 @@ def test_compile_autotune_is_each_compiled_modules_own_mode(monkeypatch):
     compile_model(vit(), cuda_graphs=True, autotune=True)
     compile_model(vit(), cuda_graphs=True)
     assert seen == [{"mode": "max-autotune-no-cudagraphs"}] * 2 + [{}] * 2 + [
-        {"mode": "max-autotune-no-cudagraphs"}, {"mode": "max-autotune"}, {"mode": "reduce-overhead"}]
+        {"mode": "max-autotune-no-cudagraphs"},
+        {"mode": "max-autotune"},
+        {"mode": "reduce-overhead"},
+    ]
     assert not inductor.config.max_autotune

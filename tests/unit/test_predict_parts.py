@@ -1,6 +1,7 @@
-"""tools/predict.py's parts in process: what each kind of source resolves to (and what is refused), how the parts of
-a stopped prediction are read and merged, and the batches that make the files independent of the ranks. The tool
-itself, run as a user runs it: tests/multirank/test_predict.py."""
+"""tools/predict.py's parts in process: what each kind of source resolves to (and what is refused),
+how the parts of a stopped prediction are read and merged, and the batches that make the files
+independent of the ranks. The tool itself, run as a user runs it:
+tests/multirank/test_predict.py."""
 
 import json
 
@@ -32,23 +33,32 @@ def test_a_glob_a_list_and_one_image(tree, tmp_path):
     source = resolve_source(f"{tree}/**/*.png")
     assert source.kind == "glob" and source.paths == [str(tree / "b" / "2.png")]
     listed = tmp_path / "paths.txt"
-    listed.write_text(f"# the photos\nimages/b/2.png\n\n{tree / 'a' / '1.JPG'}\nimages/missing.jpg\n")
+    listed.write_text(
+        f"# the photos\nimages/b/2.png\n\n{tree / 'a' / '1.JPG'}\nimages/missing.jpg\n"
+    )
     source = resolve_source(str(listed))
-    assert source.kind == "list"  # in the list's order, relative to its folder; a missing file is the rank's to name
-    assert source.paths == [str(tmp_path / "images/b/2.png"), str(tree / "a" / "1.JPG"),
-                            str(tmp_path / "images/missing.jpg")]
+    # in the list's order, relative to its folder; a missing file is the rank's to name
+    assert source.kind == "list"
+    assert source.paths == [
+        str(tmp_path / "images/b/2.png"),
+        str(tree / "a" / "1.JPG"),
+        str(tmp_path / "images/missing.jpg"),
+    ]
     one = resolve_source(str(tree / "a" / "1.JPG"))
     assert one.kind == "image" and len(one) == 1
 
 
-@pytest.mark.parametrize("spec,expected", [
-    ("nowhere", "no such file or folder"),
-    ("images/a/notes.txt", "the list names no image"),
-    ("images/c/clip.json", "not an image"),
-    ("images/c", "the folder holds no images"),
-    ("images/*.gif", "the glob matches no images"),
-    ("", "give source=<path>"),
-])
+@pytest.mark.parametrize(
+    "spec,expected",
+    [
+        ("nowhere", "no such file or folder"),
+        ("images/a/notes.txt", "the list names no image"),
+        ("images/c/clip.json", "not an image"),
+        ("images/c", "the folder holds no images"),
+        ("images/*.gif", "the glob matches no images"),
+        ("", "give source=<path>"),
+    ],
+)
 def test_what_is_refused_names_the_fix(tree, monkeypatch, spec, expected):
     monkeypatch.chdir(tree.parent)
     (tree / "a" / "notes.txt").write_text("# nothing listed\n")
@@ -72,7 +82,12 @@ def test_a_video_gives_every_strided_frame(tmp_path):
     frames = VideoFrames(str(video))
     means = [int(frames.read(f).mean()) for f in (0, 3, 6, 2)]  # in order, then a jump back
     frames.close()
-    assert abs(means[0] - 0) <= 3 and abs(means[1] - 90) <= 3 and abs(means[2] - 180) <= 3 and abs(means[3] - 60) <= 3
+    assert (
+        abs(means[0] - 0) <= 3
+        and abs(means[1] - 90) <= 3
+        and abs(means[2] - 180) <= 3
+        and abs(means[3] - 60) <= 3
+    )
     with pytest.raises(ConfigError, match="vid_stride=0"):
         resolve_source(str(video), vid_stride=0)
 
@@ -82,8 +97,9 @@ def test_batches_do_not_depend_on_the_ranks():
 
 
 def test_a_stopped_prediction_continues_from_its_complete_batches(tmp_path):
-    """Two attempts' parts: a half-written last line is not counted, a batch with a missing item is predicted again,
-    and the merge gives each item once, in order, the first attempt's line winning."""
+    """Two attempts' parts: a half-written last line is not counted, a batch with a missing item is
+    predicted again, and the merge gives each item once, in order, the first attempt's line
+    winning."""
     first = PartWriter(tmp_path, 0)
     first.write([{"index": 0, "file": "a", "v": 1}, {"index": 1, "file": "b", "v": 1}])
     first.write([{"index": 2, "file": "c", "v": 1}])
@@ -104,7 +120,10 @@ def test_a_stopped_prediction_continues_from_its_complete_batches(tmp_path):
     records = list(merged(tmp_path))
     assert [r["index"] for r in records] == list(range(7))
     assert [r["v"] for r in records] == [1, 1, 1, 2, 2, 2, 1]
-    assert json.loads((tmp_path / "parts" / "rank0-0.jsonl").read_text().splitlines()[0])["file"] == "a"
+    assert (
+        json.loads((tmp_path / "parts" / "rank0-0.jsonl").read_text().splitlines()[0])["file"]
+        == "a"
+    )
 
 
 def test_drawn_names_keep_the_position_and_the_folder():

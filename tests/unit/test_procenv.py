@@ -1,5 +1,6 @@
-"""The CPUs a process may use (affinity and container quota) and the environment every process gets. The started
-processes themselves (a tool, its ranks, their loader workers): tests/multirank/test_procenv.py."""
+"""The CPUs a process may use (affinity and container quota) and the environment every process gets.
+The started processes themselves (a tool, its ranks, their loader workers):
+tests/multirank/test_procenv.py."""
 
 import os
 import subprocess
@@ -31,27 +32,44 @@ def test_the_cgroup_v2_quota_in_whole_cpus(tmp_path):
 
 
 def test_the_smallest_quota_of_the_cgroup_and_its_parents(tmp_path):
-    """A pod's cgroup under a node's kubepods: the pod's 4 CPUs, not the parent's 64 nor an unlimited child."""
-    root, proc = _cgroup(tmp_path, "0::/kubepods/pod1/ctr\n", {
-        "kubepods/cpu.max": "6400000 100000", "kubepods/pod1/cpu.max": "400000 100000",
-        "kubepods/pod1/ctr/cpu.max": "max 100000"})
+    """A pod's cgroup under a node's kubepods: the pod's 4 CPUs, not the parent's 64 nor an
+    unlimited child."""
+    root, proc = _cgroup(
+        tmp_path,
+        "0::/kubepods/pod1/ctr\n",
+        {
+            "kubepods/cpu.max": "6400000 100000",
+            "kubepods/pod1/cpu.max": "400000 100000",
+            "kubepods/pod1/ctr/cpu.max": "max 100000",
+        },
+    )
     assert procenv.cgroup_cpus(root, proc) == 4
 
 
 def test_the_cgroup_v1_quota(tmp_path):
-    root, proc = _cgroup(tmp_path, "4:memory:/x\n2:cpu,cpuacct:/docker/abc\n", {
-        "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "800000", "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000"})
+    root, proc = _cgroup(
+        tmp_path,
+        "4:memory:/x\n2:cpu,cpuacct:/docker/abc\n",
+        {
+            "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "800000",
+            "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000",
+        },
+    )
     assert procenv.cgroup_cpus(root, proc) == 8
     (root / "cpu,cpuacct/docker/abc/cpu.cfs_quota_us").write_text("-1")
     assert procenv.cgroup_cpus(root, proc) is None
     # a container that sees its own cgroup at the mount point, whatever /proc names
-    root, proc = _cgroup(tmp_path / "c", "2:cpu,cpuacct:/kubepods/gone\n", {
-        "cpu/cpu.cfs_quota_us": "300000", "cpu/cpu.cfs_period_us": "100000"})
+    root, proc = _cgroup(
+        tmp_path / "c",
+        "2:cpu,cpuacct:/kubepods/gone\n",
+        {"cpu/cpu.cfs_quota_us": "300000", "cpu/cpu.cfs_period_us": "100000"},
+    )
     assert procenv.cgroup_cpus(root, proc) == 3
 
 
 def test_usable_cpus_is_the_smaller_of_affinity_and_quota(tmp_path, monkeypatch):
-    """A pod limited to 4 CPUs on a 64-core node: 4, so data.num_workers=-1 starts 3 workers, not 15 (or 63)."""
+    """A pod limited to 4 CPUs on a 64-core node: 4, so data.num_workers=-1 starts 3 workers, not 15
+    (or 63)."""
     from visiondist.data import workers
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
@@ -62,7 +80,8 @@ def test_usable_cpus_is_the_smaller_of_affinity_and_quota(tmp_path, monkeypatch)
     assert workers.loader_workers(-1, 1) == 3 and procenv.threads_per_rank(2) == 2
     (root / "cpu.max").write_text("max 100000")
     assert procenv.usable_cpus(root, proc) == 64
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # taskset -c 0,1 under a larger quota
+    # taskset -c 0,1 under a larger quota
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     (root / "cpu.max").write_text("800000 100000")
     assert procenv.usable_cpus(root, proc) == 2
 
@@ -74,11 +93,18 @@ def _never() -> float:
 def test_a_users_own_wait_policy_or_spin_count_is_kept_and_nothing_is_sampled():
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
     procenv.set_process_defaults(env, others_busy=_never)
-    assert env == {"OMP_WAIT_POLICY": "ACTIVE", "NO_ALBUMENTATIONS_UPDATE": "1",
-                   procenv.WAIT_RECORD: "ACTIVE: set by you"}
-    env = {"GOMP_SPINCOUNT": "1000"}  # libgomp's own spin count: no policy added, which would change it
+    assert env == {
+        "OMP_WAIT_POLICY": "ACTIVE",
+        "NO_ALBUMENTATIONS_UPDATE": "1",
+        procenv.WAIT_RECORD: "ACTIVE: set by you",
+    }
+    # libgomp's own spin count: no policy added, which would change it
+    env = {"GOMP_SPINCOUNT": "1000"}
     procenv.set_process_defaults(env, others_busy=_never)
-    assert "OMP_WAIT_POLICY" not in env and env[procenv.WAIT_RECORD] == "GOMP_SPINCOUNT=1000: set by you"
+    assert (
+        "OMP_WAIT_POLICY" not in env
+        and env[procenv.WAIT_RECORD] == "GOMP_SPINCOUNT=1000: set by you"
+    )
     assert procenv.omp_wait_text(env) == "spin 1000 rounds, then sleep (GOMP_SPINCOUNT, set by you)"
 
 
@@ -96,21 +122,30 @@ def test_busy_cpus_at_start_wait_passively_idle_ones_keep_torchs_default(monkeyp
     env = {}
     procenv.set_process_defaults(env, others_busy=lambda: 1.0)  # one busy process beside
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"
-    assert procenv.omp_wait_text(env) == "sleep (other processes kept 1.0 of this process's 2 CPUs busy at start)"
+    assert (
+        procenv.omp_wait_text(env)
+        == "sleep (other processes kept 1.0 of this process's 2 CPUs busy at start)"
+    )
     env = {}
     procenv.set_process_defaults(env, others_busy=lambda: 0.1)
-    assert "OMP_WAIT_POLICY" not in env and procenv.omp_wait_text(env).startswith("spin (torch's default; other "
-                                                                                   "processes kept 0.1 of")
+    assert "OMP_WAIT_POLICY" not in env and procenv.omp_wait_text(env).startswith(
+        "spin (torch's default; other processes kept 0.1 of"
+    )
     env = {}
-    procenv.set_process_defaults(env, others_busy=lambda: None)  # no /proc/stat: the choice that cannot lose much
+    # no /proc/stat: the choice that cannot lose much
+    procenv.set_process_defaults(env, others_busy=lambda: None)
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"
     env = {"LOCAL_WORLD_SIZE": "8"}  # torchrun's ranks of one node: each would see the others start
     procenv.set_process_defaults(env, others_busy=_never)
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "8 ranks share" in env[procenv.WAIT_RECORD]
-    (root / "cpu.max").write_text("150000 100000\n")  # a pod limited to 1.5 of its 2 CPUs: throttled
+    # a pod limited to 1.5 of its 2 CPUs: throttled
+    (root / "cpu.max").write_text("150000 100000\n")
     env = {}
     procenv.set_process_defaults(env, others_busy=_never)
-    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "quota (1.5 CPUs) is below its 2 CPUs" in env[procenv.WAIT_RECORD]
+    assert (
+        env["OMP_WAIT_POLICY"] == "PASSIVE"
+        and "quota (1.5 CPUs) is below its 2 CPUs" in env[procenv.WAIT_RECORD]
+    )
 
 
 def test_several_ranks_started_from_one_process_wait_passively_unless_the_user_chose():
@@ -118,14 +153,18 @@ def test_several_ranks_started_from_one_process_wait_passively_unless_the_user_c
     procenv.ranks_share_cpus(1, env)
     assert env == {procenv.WAIT_RECORD: "spin: torch's default"}
     procenv.ranks_share_cpus(2, env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE", procenv.WAIT_RECORD: "PASSIVE: 2 ranks share this node's CPUs"}
+    assert env == {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        procenv.WAIT_RECORD: "PASSIVE: 2 ranks share this node's CPUs",
+    }
     env = {"OMP_WAIT_POLICY": "ACTIVE", procenv.WAIT_RECORD: "ACTIVE: set by you"}
     procenv.ranks_share_cpus(4, env)
     assert env["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 def test_the_sample_sees_a_busy_process_on_this_process_cpus():
-    """A spinning process (it inherits this process's CPUs) is counted; this process's own sleep is not."""
+    """A spinning process (it inherits this process's CPUs) is counted; this process's own sleep is
+    not."""
     spinner = subprocess.Popen(["sh", "-c", "while :; do :; done"])
     try:
         time.sleep(0.3)  # started
@@ -138,11 +177,13 @@ def test_the_sample_sees_a_busy_process_on_this_process_cpus():
 
 
 def test_jobs_started_together_find_each_others_note(tmp_path, monkeypatch):
-    """Two jobs that start at the same moment each sleep through the other's sample of the CPUs: the note each
-    leaves first (its pid and CPUs) makes both wait passively; notes of ended jobs and of other CPUs do not count."""
+    """Two jobs that start at the same moment each sleep through the other's sample of the CPUs: the
+    note each leaves first (its pid and CPUs) makes both wait passively; notes of ended jobs and of
+    other CPUs do not count."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     procenv.register_job(tmp_path)
-    assert (tmp_path / str(os.getpid())).read_text() == "0 1" and procenv.other_jobs(tmp_path) == 0  # itself
+    # itself
+    assert (tmp_path / str(os.getpid())).read_text() == "0 1" and procenv.other_jobs(tmp_path) == 0
     (tmp_path / str(os.getppid())).write_text("1 2")  # a live job on CPU 1 too
     (tmp_path / "4999999").write_text("0 1")  # beyond any pid: a job that was killed
     assert procenv.other_jobs(tmp_path) == 1 and not (tmp_path / "4999999").exists()
@@ -153,8 +194,9 @@ def test_jobs_started_together_find_each_others_note(tmp_path, monkeypatch):
 
 
 def test_omp_num_threads_is_one_count_or_left_to_openmp():
-    """One positive count is read as the ranks' thread count (and one thread a rank forks the ranks from the
-    launcher: visiondist.launch.spawn); unset, zero or a nested list ("4,2") is not one count."""
+    """One positive count is read as the ranks' thread count (and one thread a rank forks the ranks
+    from the launcher: visiondist.launch.spawn); unset, zero or a nested list ("4,2") is not one
+    count."""
     from visiondist.launch.spawn import start_method
 
     counts = {v: procenv.omp_threads({"OMP_NUM_THREADS": v}) for v in ("1", "4", "0", "4,2", "")}

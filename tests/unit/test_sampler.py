@@ -1,4 +1,5 @@
-"""Sharding by data-parallel rank: exact coverage, layout-independent global batches, exact eval shards."""
+"""Sharding by data-parallel rank: exact coverage, layout-independent global batches, exact eval
+shards."""
 
 from collections import Counter
 
@@ -43,7 +44,9 @@ def test_global_batch_is_the_same_for_any_dp(dp, accum):
     single = _epoch(n, batch, 1)[0]
     ranks = _epoch(n, batch, dp, accum)
     for step, ref in enumerate(single):
-        got = sorted(k for r in ranks for k in (x for mb in r[step * accum:(step + 1) * accum] for x in mb))
+        got = sorted(
+            k for r in ranks for k in (x for mb in r[step * accum : (step + 1) * accum] for x in mb)
+        )
         assert got == sorted(ref)
 
 

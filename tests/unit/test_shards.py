@@ -1,6 +1,6 @@
-"""Packed shards: tools/data.py pack's output (WebDataset tars, wids-format shard list, byte-offset index), reading
-it from a directory and from a loopback HTTP server (bytes fetched, checksums, retries, the cache's limit), and the
-train sampler's shard-aware order."""
+"""Packed shards: tools/data.py pack's output (WebDataset tars, wids-format shard list, byte-offset
+index), reading it from a directory and from a loopback HTTP server (bytes fetched, checksums,
+retries, the cache's limit), and the train sampler's shard-aware order."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-
 from shard_server import serve
+
 from visiondist.data.sampler import TrainBatchSampler
 from visiondist.data.shards import ShardError, ShardSplit, ShardStore
 from visiondist.data.shards import pack as packing
@@ -55,8 +55,11 @@ def test_pack_holds_every_image_once_as_webdataset_tars(packed):
     for split in ("train", "val"):
         entry = json.loads((out / f"{split}.json").read_text())
         assert entry["wids_version"] == 1 and sum(s["nsamples"] for s in entry["shardlist"]) == len(
-            list((source / split).rglob("*.*")))
-        expected = sorted((CLASSES.index(p.parent.name), p.read_bytes()) for p in (source / split).rglob("*.*"))
+            list((source / split).rglob("*.*"))
+        )
+        expected = sorted(
+            (CLASSES.index(p.parent.name), p.read_bytes()) for p in (source / split).rglob("*.*")
+        )
         found, keys = [], []
         for s in entry["shardlist"]:
             with tarfile.open(out / s["url"]) as tar:
@@ -68,9 +71,16 @@ def test_pack_holds_every_image_once_as_webdataset_tars(packed):
                     found.append((int(members[f"{key}.cls"]), data))
         assert sorted(found) == expected and sorted(keys) == list(range(len(expected)))
         split_set = ShardSplit(ShardStore(str(out)), split)
-        assert sorted((int(split_set.targets[i]), split_set.image_bytes(i)) for i in range(len(split_set))) == expected
+        assert (
+            sorted(
+                (int(split_set.targets[i]), split_set.image_bytes(i)) for i in range(len(split_set))
+            )
+            == expected
+        )
     train = ShardSplit(ShardStore(str(out)), "train")
-    classes_per_shard = [len(set(train.targets[train.packed.shard == k].tolist())) for k in range(3)]
+    classes_per_shard = [
+        len(set(train.targets[train.packed.shard == k].tolist())) for k in range(3)
+    ]
     assert max(classes_per_shard) > 1  # shuffled before cutting: a shard is not one class
 
 
@@ -78,7 +88,9 @@ def test_pack_refuses_a_finished_output_and_continues_an_interrupted_one(tmp_pat
     source = _tree(tmp_path / "tree")
     out = tmp_path / "shards"
     real = packing.write_index
-    monkeypatch.setattr(packing, "write_index", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(
+        packing, "write_index", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt())
+    )
     with pytest.raises(KeyboardInterrupt):  # stopped after the shards, before the index
         pack_image_folder(source, ["train", "val"], out, _options())
     assert not (out / "dataset.json").exists()
@@ -98,7 +110,9 @@ def test_pack_refuses_a_finished_output_and_continues_an_interrupted_one(tmp_pat
 
 def test_reencoded_pack_bounds_the_longer_side(tmp_path):
     source = _tree(tmp_path / "tree")
-    meta = pack_image_folder(source, ["train", "val"], tmp_path / "small", _options(max_side=32, quality=85))
+    meta = pack_image_folder(
+        source, ["train", "val"], tmp_path / "small", _options(max_side=32, quality=85)
+    )
     split = ShardSplit(ShardStore(str(tmp_path / "small")), "val")
     assert meta["reencoded"] == {"max_side": 32, "quality": 85}
     for i in range(len(split)):
@@ -107,11 +121,15 @@ def test_reencoded_pack_bounds_the_longer_side(tmp_path):
 
 
 def _break(source: Path) -> dict[Path, bytes]:
-    """Four unreadable images of four kinds, in three shards' worth of the tree; returns their good bytes."""
-    broken = {source / "train" / "dog" / "3.jpg": b"",  # empty
-              source / "val" / "cat" / "2.jpg": None,  # truncated: no end marker
-              source / "train" / "cat" / "5.jpg": b"not an image at all",  # text
-              source / "train" / "eel" / "7.jpg": None}  # a valid header and end marker around a broken stream
+    """Four unreadable images of four kinds, in three shards' worth of the tree; returns their good
+    bytes."""
+    broken = {
+        source / "train" / "dog" / "3.jpg": b"",  # empty
+        source / "val" / "cat" / "2.jpg": None,  # truncated: no end marker
+        source / "train" / "cat" / "5.jpg": b"not an image at all",  # text
+        # a valid header and end marker around a broken stream
+        source / "train" / "eel" / "7.jpg": None,
+    }
     good = {path: path.read_bytes() for path in broken}
     broken[source / "val" / "cat" / "2.jpg"] = good[source / "val" / "cat" / "2.jpg"][:300]
     body = bytearray(good[source / "train" / "eel" / "7.jpg"])
@@ -123,10 +141,11 @@ def _break(source: Path) -> dict[Path, bytes]:
 
 
 def test_one_pack_names_every_unreadable_image_and_a_fixed_tree_writes_only_their_shards(tmp_path):
-    """A pack decodes every image as the loaders will: all four unreadable images of the tree (empty, truncated,
-    not an image, a broken stream between a valid header and end marker) are named in one error with their
-    reasons, with no Python object in the text; the shards without them are written. Fixed in place, the same call
-    writes only the shards that held them and finishes."""
+    """A pack decodes every image as the loaders will: all four unreadable images of the tree
+    (empty, truncated, not an image, a broken stream between a valid header and end marker) are
+    named in one error with their reasons, with no Python object in the text; the shards without
+    them are written. Fixed in place, the same call writes only the shards that held them and
+    finishes."""
     source = _tree(tmp_path / "tree")
     good = _break(source)
     out = tmp_path / "out"
@@ -134,12 +153,15 @@ def test_one_pack_names_every_unreadable_image_and_a_fixed_tree_writes_only_thei
         pack_image_folder(source, ["train", "val"], out, _options())
     text = str(error.value)
     assert text.startswith("4 of 48 images cannot be read: ") and "object at 0x" not in text, text
-    for path, reason in ((source / "train" / "dog" / "3.jpg", "the file is empty"),
-                         (source / "val" / "cat" / "2.jpg", "truncated JPEG"),
-                         (source / "train" / "cat" / "5.jpg", "not an image OpenCV or Pillow can read"),
-                         (source / "train" / "eel" / "7.jpg", "")):
+    for path, reason in (
+        (source / "train" / "dog" / "3.jpg", "the file is empty"),
+        (source / "val" / "cat" / "2.jpg", "truncated JPEG"),
+        (source / "train" / "cat" / "5.jpg", "not an image OpenCV or Pillow can read"),
+        (source / "train" / "eel" / "7.jpg", ""),
+    ):
         assert f"{path}: {reason}" in text, (path, text)
-    assert not (out / "dataset.json").exists() and not (out / packing.UNREADABLE).exists()  # four: named above
+    # four: named above
+    assert not (out / "dataset.json").exists() and not (out / packing.UNREADABLE).exists()
     written = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tar")}
     assert written
     for path, data in good.items():
@@ -157,8 +179,11 @@ def test_more_than_ten_unreadable_images_are_listed_in_a_file(tmp_path):
     for path in bad:
         path.write_bytes(b"")
     out = tmp_path / "out"
-    with pytest.raises(PackError, match=rf"12 of 48 images cannot be read: .* and 2 more \(all 12 in "
-                                        rf"{out / packing.UNREADABLE}\)"):
+    with pytest.raises(
+        PackError,
+        match=rf"12 of 48 images cannot be read: .* and 2 more \(all 12 in "
+        rf"{out / packing.UNREADABLE}\)",
+    ):
         pack_image_folder(source, ["train", "val"], out, _options())
     listed = (out / packing.UNREADABLE).read_text().splitlines()
     assert listed == [f"{path}\tthe file is empty" for path in bad]
@@ -174,11 +199,17 @@ def test_http_shards_read_as_the_directory_and_count_the_bytes_fetched(packed, t
         index_bytes = store.fetched.value
         assert index_bytes == (out / "train-index.npz").stat().st_size
         first_shard = np.flatnonzero(remote.packed.shard == 0)
-        assert [remote.image_bytes(int(i)) for i in first_shard] == [local.image_bytes(int(i)) for i in first_shard]
-        assert store.fetched.value - index_bytes == remote.packed.shards[0]["filesize"]  # one shard, fetched once
-        assert [remote.image_bytes(i) for i in range(len(remote))] == [local.image_bytes(i) for i in range(len(local))]
+        assert [remote.image_bytes(int(i)) for i in first_shard] == [
+            local.image_bytes(int(i)) for i in first_shard
+        ]
+        # one shard, fetched once
+        assert store.fetched.value - index_bytes == remote.packed.shards[0]["filesize"]
+        assert [remote.image_bytes(i) for i in range(len(remote))] == [
+            local.image_bytes(i) for i in range(len(local))
+        ]
         assert store.fetched.value == index_bytes + sum(s["filesize"] for s in remote.packed.shards)
-        again = ShardStore(url, cache_dir=str(tmp_path / "cache"))  # another rank of the node: the cache serves it
+        # another rank of the node: the cache serves it
+        again = ShardStore(url, cache_dir=str(tmp_path / "cache"))
         ShardSplit(again, "train").image_bytes(0)
         assert again.fetched.value == 0
 
@@ -194,11 +225,17 @@ def test_a_changed_shard_is_refused_and_a_dead_server_named(packed, tmp_path):
     (served / "train-000000.tar").write_bytes(bytes(data))
     with serve(served) as url:
         split = ShardSplit(ShardStore(url, cache_dir=str(tmp_path / "cache"), retries=1), "train")
-        with pytest.raises(ShardError, match=r"train-000000\.tar: its SHA-256 .* differs from the index's"):
+        with pytest.raises(
+            ShardError, match=r"train-000000\.tar: its SHA-256 .* differs from the index's"
+        ):
             split.image_bytes(int(np.flatnonzero(split.packed.shard == 0)[0]))
-        kept = [p.name for p in (tmp_path / "cache").rglob("train-000000.tar*") if p.suffix != ".lock"]
+        kept = [
+            p.name for p in (tmp_path / "cache").rglob("train-000000.tar*") if p.suffix != ".lock"
+        ]
         assert not kept  # nothing half-kept
-    with pytest.raises(ShardError, match=rf"cannot fetch {url}/train-000001\.tar .* after 2 attempts"):
+    with pytest.raises(
+        ShardError, match=rf"cannot fetch {url}/train-000001\.tar .* after 2 attempts"
+    ):
         split.image_bytes(int(np.flatnonzero(split.packed.shard == 1)[0]))
 
 
@@ -211,9 +248,12 @@ def test_the_cache_keeps_under_its_limit(packed, tmp_path):
         split = ShardSplit(store, "train")
         for i in range(len(split)):
             split.image_bytes(i)
-            held = sum(p.stat().st_size for p in store.cache.iterdir() if p.suffix in (".tar", ".npz"))
+            held = sum(
+                p.stat().st_size for p in store.cache.iterdir() if p.suffix in (".tar", ".npz")
+            )
             assert held <= limit
-        assert store.fetched.value > sum(s["filesize"] for s in entry["shardlist"])  # it had to fetch some twice
+        # it had to fetch some twice
+        assert store.fetched.value > sum(s["filesize"] for s in entry["shardlist"])
 
 
 def _shard_starts(sizes):
@@ -225,7 +265,10 @@ def test_stream_order_is_the_same_for_any_ranks_and_splits_the_shards_between_th
     starts, shard_of = _shard_starts(sizes), np.repeat(np.arange(40), 50)
     kw = dict(seed=3, streams=8, shard_starts=starts)
     one = TrainBatchSampler(2000, 64, 0, 1, **kw)
-    assert one.steps_per_epoch == (2000 // 8) // 8 and one.dropped_per_epoch == 2000 - one.steps_per_epoch * 64
+    assert (
+        one.steps_per_epoch == (2000 // 8) // 8
+        and one.dropped_per_epoch == 2000 - one.steps_per_epoch * 64
+    )
     batches = one.global_batches(1)
     seen = np.concatenate(batches)
     assert len(set(seen.tolist())) == len(seen)  # no sample twice in an epoch
@@ -235,16 +278,19 @@ def test_stream_order_is_the_same_for_any_ranks_and_splits_the_shards_between_th
         for s in samplers:
             s.set_epoch(1)
         per_rank = [np.array([i for micro in s for i, _ in micro]) for s in samplers]
-        assert np.array_equal(np.concatenate([p.reshape(-1, 64 // ranks) for p in per_rank], axis=1).reshape(-1),
-                              seen)  # rank r's slice of every global batch: the one-process batches
+        assert np.array_equal(
+            np.concatenate([p.reshape(-1, 64 // ranks) for p in per_rank], axis=1).reshape(-1), seen
+        )  # rank r's slice of every global batch: the one-process batches
         touched = [len(set(shard_of[p].tolist())) for p in per_rank]
-        assert max(touched) <= 40 / ranks + 2, touched  # its part of the shards, plus the boundaries
+        # its part of the shards, plus the boundaries
+        assert max(touched) <= 40 / ranks + 2, touched
     with pytest.raises(ValueError, match="data.batch_size=60 is not divisible by data.streams=8"):
         TrainBatchSampler(2000, 60, 0, 1, **kw)
 
 
 def test_s3_shards_read_as_the_directory(packed, tmp_path, monkeypatch):
-    """s3:// through boto3 against moto's S3-compatible server: the same bytes, each shard fetched once."""
+    """s3:// through boto3 against moto's S3-compatible server: the same bytes, each shard fetched
+    once."""
     from shard_server import serve_s3
 
     _, out, _ = packed
@@ -252,10 +298,13 @@ def test_s3_shards_read_as_the_directory(packed, tmp_path, monkeypatch):
     with serve_s3(out, monkeypatch) as url:
         store = ShardStore(url, cache_dir=str(tmp_path / "cache"))
         remote = ShardSplit(store, "val")
-        assert [remote.image_bytes(i) for i in range(len(remote))] == [local.image_bytes(i) for i in range(len(local))]
+        assert [remote.image_bytes(i) for i in range(len(remote))] == [
+            local.image_bytes(i) for i in range(len(local))
+        ]
         shards = sum(s["filesize"] for s in remote.packed.shards)
         assert store.fetched.value == (out / "val-index.npz").stat().st_size + shards
-        with pytest.raises(ShardError, match=rf"cannot fetch {url}/nothing\.tar: .*NoSuchKey"):  # not retried
+        # not retried
+        with pytest.raises(ShardError, match=rf"cannot fetch {url}/nothing\.tar: .*NoSuchKey"):
             store.local("nothing.tar", "0" * 64, 10)
 
 
@@ -266,8 +315,12 @@ def test_a_node_with_the_shards_cached_trains_on_while_the_server_is_away(packed
         first = ShardSplit(ShardStore(url, cache_dir=cache), "val")
         expected = [first.image_bytes(i) for i in range(len(first))]
     again = ShardSplit(ShardStore(url, cache_dir=cache, retries=0), "val")  # the server is gone
-    assert [again.image_bytes(i) for i in range(len(again))] == expected and again.store.fetched.value == 0
-    with pytest.raises(ShardError, match=r"cannot fetch .*dataset\.json .* check that the server is up"):
+    assert [
+        again.image_bytes(i) for i in range(len(again))
+    ] == expected and again.store.fetched.value == 0
+    with pytest.raises(
+        ShardError, match=r"cannot fetch .*dataset\.json .* check that the server is up"
+    ):
         ShardSplit(ShardStore(url, cache_dir=str(tmp_path / "empty"), retries=0), "val")
 
 
@@ -277,40 +330,67 @@ def test_a_tree_config_on_a_pack_and_shards_on_a_tree_say_what_to_change(packed)
 
     source, out, _ = packed
     configs = Path(__file__).resolve().parents[2] / "configs"
-    with pytest.raises(ConfigError, match=rf"data.root={out} holds packed shards .*: add data.format=shards"):
+    with pytest.raises(
+        ConfigError, match=rf"data.root={out} holds packed shards .*: add data.format=shards"
+    ):
         load_config(configs, ["data=imagenet", f"data.root={out}"], inputs="train")
-    with pytest.raises(ConfigError, match=r"with data.format=shards, data.root is a directory `tools/data.py pack` "
-                                          r"wrote .*or drop data.format=shards"):
-        load_config(configs, ["data=imagenet", "data.format=shards", f"data.root={source}"], inputs="train")
+    with pytest.raises(
+        ConfigError,
+        match=r"with data.format=shards, data.root is a directory `tools/data.py pack` "
+        r"wrote .*or drop data.format=shards",
+    ):
+        load_config(
+            configs, ["data=imagenet", "data.format=shards", f"data.root={source}"], inputs="train"
+        )
 
 
 def test_the_pack_command_names_every_unreadable_image_in_one_run(capsys, tmp_path):
-    """`python tools/data.py pack data=imagenet data.root=<tree> out=<dir>` on a tree with four unreadable images:
-    one error line naming all four, exit 2; fixed in place, the same command finishes the pack."""
+    """`python tools/data.py pack data=imagenet data.root=<tree> out=<dir>` on a tree with four
+    unreadable images: one error line naming all four, exit 2; fixed in place, the same command
+    finishes the pack."""
     from helpers import call_tool
 
     source = _tree(tmp_path / "tree")
     good = _break(source)
-    command = ["pack", "data=imagenet", f"data.root={source}", f"out={tmp_path / 'out'}", "workers=2"]
+    command = [
+        "pack",
+        "data=imagenet",
+        f"data.root={source}",
+        f"out={tmp_path / 'out'}",
+        "workers=2",
+    ]
     code, out, lines = call_tool(capsys, "data", *command)
     errors = [line for line in lines if line.startswith("error:")]
-    assert code == 2 and len(errors) == 1 and errors[0].startswith("error: 4 of 48 images cannot be read: "), lines
-    assert all(str(path) in errors[0] for path in good) and "the finished ones are kept" in errors[0], lines
+    assert (
+        code == 2
+        and len(errors) == 1
+        and errors[0].startswith("error: 4 of 48 images cannot be read: ")
+    ), lines
+    assert (
+        all(str(path) in errors[0] for path in good) and "the finished ones are kept" in errors[0]
+    ), lines
     for path, data in good.items():
         path.write_bytes(data)
     code, out, err = call_tool(capsys, "data", *command)
     assert code == 0 and (tmp_path / "out" / "dataset.json").is_file(), (out, err)
-    assert re.search(r"(\d+) of (\d+) shards were written by an earlier run of this pack: writing the other [1-4]\b",
-                     out), out
+    assert re.search(
+        r"(\d+) of (\d+) shards were written by an earlier run of this pack: writing the other "
+        r"[1-4]\b",
+        out,
+    ), out
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_corrupt_jpegs_that_decode_are_packed_and_libjpegs_warnings_name_them(capfd, tmp_path, workers):
-    """libjpeg prints "Corrupt JPEG data: ..." to the process's stderr itself, naming no file: the pack's workers
-    put the file's path in front of each; the images are packed (the loaders decode them the same way). Two corrupt
-    files: one worker meets both (each warning named, the second too); two workers fork from a process that has
-    decoded under the capture before (as an earlier one-worker pack in it does), and each captures into its own file."""
+def test_corrupt_jpegs_that_decode_are_packed_and_libjpegs_warnings_name_them(
+    capfd, tmp_path, workers
+):
+    """libjpeg prints "Corrupt JPEG data: ..." to the process's stderr itself, naming no file: the
+    pack's workers put the file's path in front of each; the images are packed (the loaders decode
+    them the same way). Two corrupt files: one worker meets both (each warning named, the second
+    too); two workers fork from a process that has decoded under the capture before (as an earlier
+    one-worker pack in it does), and each captures into its own file."""
     from helpers import call_tool
+
     from visiondist.data.shards.pack import decoder_messages_named
 
     with decoder_messages_named("an earlier image"):
@@ -319,17 +399,27 @@ def test_corrupt_jpegs_that_decode_are_packed_and_libjpegs_warnings_name_them(ca
     corrupt = [source / "train" / "dog" / "2.jpg", source / "train" / "cat" / "3.jpg"]
     for path in corrupt:
         data = path.read_bytes()
-        path.write_bytes(data[:len(data) // 2] + b"\xff\xd9")  # the scan cut short, the end marker kept
-    command = ["pack", "data=imagenet", f"data.root={source}", f"out={tmp_path / 'out'}", f"workers={workers}"]
+        # the scan cut short, the end marker kept
+        path.write_bytes(data[: len(data) // 2] + b"\xff\xd9")
+    command = [
+        "pack",
+        "data=imagenet",
+        f"data.root={source}",
+        f"out={tmp_path / 'out'}",
+        f"workers={workers}",
+    ]
     code, _, lines = call_tool(capfd, "data", *command)
     assert code == 0, lines
     warned = sorted(line for line in lines if "Corrupt JPEG data" in line)
-    assert warned == sorted(f"{p}: Corrupt JPEG data: premature end of data segment" for p in corrupt), lines
+    assert warned == sorted(
+        f"{p}: Corrupt JPEG data: premature end of data segment" for p in corrupt
+    ), lines
 
 
 def test_each_decoder_message_of_a_process_is_named_after_its_file(capfd):
-    """What libjpeg writes to the process's stderr (file descriptor 2) while each file decodes comes out with that
-    file's path in front, the second file's as the first's (the capture file is emptied and written from its start)."""
+    """What libjpeg writes to the process's stderr (file descriptor 2) while each file decodes comes
+    out with that file's path in front, the second file's as the first's (the capture file is
+    emptied and written from its start)."""
     import os
 
     from visiondist.data.shards.pack import decoder_messages_named
@@ -338,4 +428,6 @@ def test_each_decoder_message_of_a_process_is_named_after_its_file(capfd):
         with decoder_messages_named(name):
             os.write(2, b"Corrupt JPEG data: premature end of data segment\n")
     assert capfd.readouterr().err.splitlines() == [
-        f"{name}: Corrupt JPEG data: premature end of data segment" for name in ("a.jpg", "b.jpg", "c.jpg")]
+        f"{name}: Corrupt JPEG data: premature end of data segment"
+        for name in ("a.jpg", "b.jpg", "c.jpg")
+    ]

@@ -1,6 +1,7 @@
-"""The training loop built alone, with stand-in parts and recording hooks: which hook sees what and when, how a hook
-ends the loop, where a resumed run starts its epoch, and what a failing step still closes. The loop's parts and
-hooks are handed in (`visiondist.train.run.build_trainer` hands in the real ones), so nothing here trains."""
+"""The training loop built alone, with stand-in parts and recording hooks: which hook sees what and
+when, how a hook ends the loop, where a resumed run starts its epoch, and what a failing step still
+closes. The loop's parts and hooks are handed in (`visiondist.train.run.build_trainer` hands in the
+real ones), so nothing here trains."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class Sampler:
 
 
 class Step:
-    """Stands in for `OptimizerStep`: each step takes one batch and returns its loss; `fail_at` raises there."""
+    """Stands in for `OptimizerStep`: each step takes one batch and returns its loss; `fail_at`
+    raises there."""
 
     def __init__(self, state: LoopState, fail_at: int = 0):
         self.state, self.fail_at, self.batches, self.settled = state, fail_at, [], 0
@@ -42,7 +44,8 @@ class Step:
 
 
 class Recorder(Hook):
-    """Records every call as (its name, the method, the step the loop state holds); `stop_after` ends the loop."""
+    """Records every call as (its name, the method, the step the loop state holds); `stop_after`
+    ends the loop."""
 
     def __init__(self, name: str, calls: list, stop_after: int = 0):
         self.name, self.calls, self.stop_after = name, calls, stop_after
@@ -71,7 +74,9 @@ class Recorder(Hook):
         self.calls.append((self.name, "close", trainer.state.step))
 
 
-def _trainer(hooks, total=5, steps_per_epoch=2, stop_at_step=0, resumed_step=0, fail_at=0) -> Trainer:
+def _trainer(
+    hooks, total=5, steps_per_epoch=2, stop_at_step=0, resumed_step=0, fail_at=0
+) -> Trainer:
     sampler = Sampler(steps_per_epoch)
 
     def train_batches(device):  # the epoch's batches, numbered from 100 x the epochs set before it
@@ -83,35 +88,70 @@ def _trainer(hooks, total=5, steps_per_epoch=2, stop_at_step=0, resumed_step=0, 
     state = LoopState.starting_from(Resumed(step=resumed_step), steps_per_epoch)
     cfg = OmegaConf.create({"trainer": {"stop_at_step": stop_at_step}})
     layout = SimpleNamespace(device=torch.device("cpu"))
-    return Trainer(cfg, layout, Path("unused"), parts, state, Step(state, fail_at), checkpoints=None,
-                   validation=None, metrics=None, utilisation=None, hooks=hooks)
+    return Trainer(
+        cfg,
+        layout,
+        Path("unused"),
+        parts,
+        state,
+        Step(state, fail_at),
+        checkpoints=None,
+        validation=None,
+        metrics=None,
+        utilisation=None,
+        hooks=hooks,
+    )
 
 
 def test_every_hook_sees_every_step_in_order_and_the_epochs_follow_the_sampler():
     calls: list = []
     trainer = _trainer([Recorder("a", calls), Recorder("b", calls)], total=5, steps_per_epoch=2)
     assert trainer.train() is True
-    assert trainer.state.step == 5 and trainer.state.epoch == 2  # 5 steps of 2 a epoch: the third epoch is under way
+    # 5 steps of 2 a epoch: the third epoch is under way
+    assert trainer.state.step == 5 and trainer.state.epoch == 2
     sampler = trainer.parts.data.train_sampler
     assert sampler.epochs == [(0, 0), (1, 0), (2, 0)]
-    assert trainer.optimizer_step.batches == [0, 1, 100, 101, 200]  # each epoch's own batches, from their first
+    # each epoch's own batches, from their first
+    assert trainer.optimizer_step.batches == [0, 1, 100, 101, 200]
     assert calls[:2] == [("a", "before_train", 0), ("b", "before_train", 0)]
-    per_step = [("a", "enter", 0), ("b", "enter", 0), ("b", "exit", 0), ("a", "exit", 0),
-                ("a", "after_step", 1), ("b", "after_step", 1)]
+    per_step = [
+        ("a", "enter", 0),
+        ("b", "enter", 0),
+        ("b", "exit", 0),
+        ("a", "exit", 0),
+        ("a", "after_step", 1),
+        ("b", "after_step", 1),
+    ]
     assert calls[2:8] == per_step
     assert len(calls) == 2 + 6 * 5 + 4
-    assert calls[-4:] == [("a", "close", 5), ("b", "close", 5), ("a", "after_train complete=True", 5),
-                          ("b", "after_train complete=True", 5)]
-    assert trainer.optimizer_step.settled == 1  # the verdicts still in flight, acted on before the hooks end
+    assert calls[-4:] == [
+        ("a", "close", 5),
+        ("b", "close", 5),
+        ("a", "after_train complete=True", 5),
+        ("b", "after_train complete=True", 5),
+    ]
+    # the verdicts still in flight, acted on before the hooks end
+    assert trainer.optimizer_step.settled == 1
 
 
 def test_a_hook_ends_the_loop_after_its_step_and_the_hooks_after_it_do_not_see_that_step():
     calls: list = []
-    trainer = _trainer([Recorder("a", calls), Recorder("stop", calls, stop_after=3), Recorder("c", calls)], total=8)
+    trainer = _trainer(
+        [Recorder("a", calls), Recorder("stop", calls, stop_after=3), Recorder("c", calls)], total=8
+    )
     assert trainer.train() is False
     assert trainer.state.step == 3
     after = [(name, step) for name, what, step in calls if what == "after_step"]
-    assert after == [("a", 1), ("stop", 1), ("c", 1), ("a", 2), ("stop", 2), ("c", 2), ("a", 3), ("stop", 3)]
+    assert after == [
+        ("a", 1),
+        ("stop", 1),
+        ("c", 1),
+        ("a", 2),
+        ("stop", 2),
+        ("c", 2),
+        ("a", 3),
+        ("stop", 3),
+    ]
     assert ("c", "after_train complete=False", 3) in calls
 
 
@@ -119,7 +159,8 @@ def test_stop_at_step_and_a_resumed_run_start_and_end_where_they_should():
     trainer = _trainer([], total=9, steps_per_epoch=4, stop_at_step=7, resumed_step=5)
     assert trainer.train() is False
     assert trainer.state.step == 7
-    assert trainer.parts.data.train_sampler.epochs == [(1, 1)]  # epoch 1, its first step done before the stop
+    # epoch 1, its first step done before the stop
+    assert trainer.parts.data.train_sampler.epochs == [(1, 1)]
     assert trainer.optimizer_step.batches == [0, 1]
 
 

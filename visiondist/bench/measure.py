@@ -1,5 +1,6 @@
-"""What the benchmark measures with: step timing on the device's stream, peak memory, FLOPs per image, the device's
-name, the loader's own rate, and synthetic batches that already sit on the device."""
+"""What the benchmark measures with: step timing on the device's stream, peak memory, FLOPs per
+image, the device's name, the loader's own rate, and synthetic batches that already sit on the
+device."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-
-# -- timing and memory ---------------------------------------------------------------------------------------------
+# -- timing and memory -----------------------------------------------------------------------------
 
 
 def synchronize(device: torch.device) -> None:
@@ -23,15 +23,18 @@ def synchronize(device: torch.device) -> None:
 
 
 class Stopped(Exception):
-    """A stop signal (SIGINT / SIGTERM) reached the benchmark: it ends after the step in flight, recording nothing."""
+    """A stop signal (SIGINT / SIGTERM) reached the benchmark: it ends after the step in flight,
+    recording nothing."""
 
 
-def time_steps(step: Callable[[], Any], n: int, device: torch.device,
-               stop: Optional[Callable[[], bool]] = None) -> list[float]:
-    """Seconds of each of `n` calls on the device (`DeviceClock`: CUDA events on the current stream), the device
-    drained before the first and after the last call but not between them: the host queues a step while the device
-    runs the one before, as in training, so that a step's figure is the training log's (a host-timed step with the
-    device drained around it also counts the launch gap at its start). `stop()` true after a call raises `Stopped`."""
+def time_steps(
+    step: Callable[[], Any], n: int, device: torch.device, stop: Optional[Callable[[], bool]] = None
+) -> list[float]:
+    """Seconds of each of `n` calls on the device (`DeviceClock`: CUDA events on the current
+    stream), the device drained before the first and after the last call but not between them: the
+    host queues a step while the device runs the one before, as in training, so that a step's figure
+    is the training log's (a host-timed step with the device drained around it also counts the
+    launch gap at its start). `stop()` true after a call raises `Stopped`."""
     from visiondist.utils.clock import DeviceClock
 
     synchronize(device)
@@ -50,9 +53,9 @@ def time_steps(step: Callable[[], Any], n: int, device: torch.device,
 
 
 def train_flops_per_image(model_cfg: DictConfig, batch: tuple, family: str) -> float:
-    """FLOPs of one forward + backward per image: a classifier's counted on the meta device (costing nothing,
-    `classifier_train_flops`), a detector's on the CPU on the batch's first image, since its box sampling needs real
-    values."""
+    """FLOPs of one forward + backward per image: a classifier's counted on the meta device (costing
+    nothing, `classifier_train_flops`), a detector's on the CPU on the batch's first image, since
+    its box sampling needs real values."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from visiondist.models import build_model
@@ -60,18 +63,22 @@ def train_flops_per_image(model_cfg: DictConfig, batch: tuple, family: str) -> f
 
     if family == "classification":
         return classifier_train_flops(model_cfg)
-    cfg = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None})  # the run's config is read-only
+    # the run's config is read-only
+    cfg = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None})
     images, targets = batch
     model = build_model(cfg).train()
     with FlopCounterMode(display=False) as counter:
-        losses = model([images[0].cpu().float() / 255], [{k: v.cpu() for k, v in targets[0].items()}])
+        losses = model(
+            [images[0].cpu().float() / 255], [{k: v.cpu() for k, v in targets[0].items()}]
+        )
         sum(losses.values()).backward()
     return float(counter.get_total_flops())
 
 
 class PeakMemory:
-    """CUDA: the peak of tensor memory since construction, above what was allocated then (what one configuration adds
-    to a process that may hold others). The CPU has no such counter: `rss_gb` is the whole process's peak."""
+    """CUDA: the peak of tensor memory since construction, above what was allocated then (what one
+    configuration adds to a process that may hold others). The CPU has no such counter: `rss_gb` is
+    the whole process's peak."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -87,7 +94,8 @@ class PeakMemory:
         return (torch.cuda.max_memory_allocated(self.device) - self.before) / 1e9
 
     def reserved_gb(self) -> float | None:
-        """The caching allocator's peak reservation above what it held before (what the device must have free)."""
+        """The caching allocator's peak reservation above what it held before (what the device must
+        have free)."""
         if self.device.type != "cuda":
             return None
         return (torch.cuda.max_memory_reserved(self.device) - self.reserved_before) / 1e9
@@ -112,7 +120,8 @@ def device_name(device: torch.device) -> str:
 
 
 def loader_images_per_s(loader, batches: int) -> float:
-    """Images per second the real train loader delivers on its own (after its first batch: worker start-up)."""
+    """Images per second the real train loader delivers on its own (after its first batch: worker
+    start-up)."""
     it = iter(loader)
     next(it)
     start, images = time.perf_counter(), 0
@@ -125,32 +134,43 @@ def loader_images_per_s(loader, batches: int) -> float:
     return images / max(time.perf_counter() - start, 1e-9)
 
 
-# -- synthetic batches ---------------------------------------------------------------------------------------------
+# -- synthetic batches -----------------------------------------------------------------------------
 
 
-def synthetic_batch(cfg: DictConfig, family: str, micro_batch: int, device: torch.device, seed: int = 0) -> tuple:
-    """One micro-batch of random images and targets at the model's input size, on `device`; the images uint8, as the
-    loaders yield them (the step normalises them on the device). What the configuration does on the device comes
-    with it, so that the step times it: each sample's augmentation row (`data.augment_on=device`, random erasing),
-    and under `data.decode_on=device` the images as JPEGs of 1.5x the input size (`device_input_work`)."""
+def synthetic_batch(
+    cfg: DictConfig, family: str, micro_batch: int, device: torch.device, seed: int = 0
+) -> tuple:
+    """One micro-batch of random images and targets at the model's input size, on `device`; the
+    images uint8, as the loaders yield them (the step normalises them on the device). What the
+    configuration does on the device comes with it, so that the step times it: each sample's
+    augmentation row (`data.augment_on=device`, random erasing), and under `data.decode_on=device`
+    the images as JPEGs of 1.5x the input size (`device_input_work`)."""
     g = torch.Generator().manual_seed(seed)
     if family == "classification":
         size = cfg.model.img_size
-        images = torch.randint(0, 256, (micro_batch, size, size, 3), dtype=torch.uint8, generator=g)  # as loaders
+        # as loaders
+        images = torch.randint(0, 256, (micro_batch, size, size, 3), dtype=torch.uint8, generator=g)
         labels = torch.randint(0, cfg.model.num_classes, (micro_batch,), generator=g)
         d = cfg.data
-        images = _jpegs(micro_batch, size, seed, d) if d.get("decode_on", "loader") == "device" else images.to(device)
+        images = (
+            _jpegs(micro_batch, size, seed, d)
+            if d.get("decode_on", "loader") == "device"
+            else images.to(device)
+        )
         rows = _augment_rows(micro_batch, size, seed, d)
         return (images, labels.to(device)) if rows is None else (images, labels.to(device), rows)
     from visiondist.models.detection import has_masks
 
-    # torchvision's detectors resize internally: square images of the short side; a DETR-class detector takes its
-    # own square input, model.img_size, which the loader's square images have (and the library's plain loop takes)
+    # torchvision's detectors resize internally: square images of the short side; a DETR-class
+    # detector takes its own square input, model.img_size, which the loader's square images have
+    # (and the library's plain loop takes)
     size = cfg.model.img_size if cfg.model.get("family") == "detr" else cfg.data.min_size
     masks = has_masks(cfg.model)  # Mask R-CNN: each object's mask fills its box
     images, targets = [], []
     for _ in range(micro_batch):
-        images.append(torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=g).to(device))
+        images.append(
+            torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=g).to(device)
+        )
         n = int(torch.randint(1, 5, (), generator=g))
         xy = torch.rand(n, 2, generator=g) * size * 0.6
         wh = torch.rand(n, 2, generator=g) * size * 0.3 + size * 0.05
@@ -166,8 +186,9 @@ def synthetic_batch(cfg: DictConfig, family: str, micro_batch: int, device: torc
 
 
 def decoded_batch(batch, device: torch.device):
-    """`batch` with its JPEGs (`data.decode_on=device`) decoded once, as H, W, C pixels on `device`, as a loader that
-    decodes in its workers gives them; other batches as they are. What the plain loops step on."""
+    """`batch` with its JPEGs (`data.decode_on=device`) decoded once, as H, W, C pixels on `device`,
+    as a loader that decodes in its workers gives them; other batches as they are. What the plain
+    loops step on."""
     from visiondist.data.device_decode import EncodedBatch
 
     if not isinstance(batch, tuple) or not isinstance(batch[0], EncodedBatch):
@@ -178,7 +199,8 @@ def decoded_batch(batch, device: torch.device):
 
 
 def device_input_work(d: DictConfig) -> list[str]:
-    """What a classification step does to its input on the device under the data config `d`, beyond normalising."""
+    """What a classification step does to its input on the device under the data config `d`, beyond
+    normalising."""
     work = ["JPEG decode + crop + resize"] if d.get("decode_on", "loader") == "device" else []
     if d.get("auto_augment", "none") != "none" and d.get("augment_on", "device") == "device":
         work.append(f"auto-augment ({d.auto_augment})")
@@ -195,12 +217,15 @@ def _augment_rows(n: int, size: int, seed: int, d: DictConfig) -> torch.Tensor |
     policy = AugmentPolicy.from_config(d, size)
     if not policy.active:
         return None
-    return torch.from_numpy(np.stack([policy.draw(random.Random(seed * 1_000_003 + i)) for i in range(n)]))
+    return torch.from_numpy(
+        np.stack([policy.draw(random.Random(seed * 1_000_003 + i)) for i in range(n)])
+    )
 
 
 def _jpegs(n: int, size: int, seed: int, d: DictConfig):
-    """n photo-like JPEGs (smooth colour fields and noise, quality 90) of 1.5x `size`, as `data.decode_on=device`'s
-    workers hand them over: each cropped whole and resized to `size` on the device."""
+    """n photo-like JPEGs (smooth colour fields and noise, quality 90) of 1.5x `size`, as
+    `data.decode_on=device`'s workers hand them over: each cropped whole and resized to `size` on
+    the device."""
     import cv2
 
     from visiondist.data.device_decode import CROP_FIELDS, collate_encoded

@@ -1,20 +1,22 @@
-"""The baselines of `tools/benchmark.py`: a training loop as a plain PyTorch user writes it, built from one benchmark
-configuration (precision, optimizer and its kernels, clipping, channels-last, activation checkpointing, compiled
-blocks), on one of two models:
+"""The baselines of `tools/benchmark.py`: a training loop as a plain PyTorch user writes it, built
+from one benchmark configuration (precision, optimizer and its kernels, clipping, channels-last,
+activation checkpointing, compiled blocks), on one of two models:
 
-- `reference`: the architecture as people get it elsewhere: timm's ViT of the config's shape (random init, nothing
-  downloaded). ours / plain-on-reference is what a user gains or loses by switching, model and harness together.
-- `same_model`: visiondist's own model, built as `Trainer` builds it (same seed, so the same initial weights). ours /
-  plain-on-same-model is the harness's overhead alone; plain-on-same-model / plain-on-reference is the model's
-  difference. A torchvision detector *is* visiondist's model, and a ViTDet has no reference elsewhere: they get
-  this baseline only. A DETR-class detector's `reference` is the transformers model itself, fed as its users feed
-  it (the square batch stacked, boxes made relative, `model(pixel_values=, labels=).loss`).
+- `reference`: the architecture as people get it elsewhere: timm's ViT of the config's shape (random
+  init, nothing downloaded). ours / plain-on-reference is what a user gains or loses by switching,
+  model and harness together.
+- `same_model`: visiondist's own model, built as `Trainer` builds it (same seed, so the same initial
+  weights). ours / plain-on-same-model is the harness's overhead alone; plain-on-same-model /
+  plain-on-reference is the model's difference. A torchvision detector *is* visiondist's model, and
+  a ViTDet has no reference elsewhere: they get this baseline only. A DETR-class detector's
+  `reference` is the transformers model itself, fed as its users feed it (the square batch stacked,
+  boxes made relative, `model(pixel_values=, labels=).loss`).
 
-When the configuration compiles (`trainer.compile`), the plain loop on timm's model compiles the whole model, as
-timm's train.py does (`torch.compile(model)`; with `mode="reduce-overhead"` where visiondist replays CUDA graphs):
-the fastest loop timm documents, whatever visiondist's scope. The plain loop on our model compiles what visiondist
-compiles (the whole model, or each block), so that ours / it is the harness's overhead alone. The row says each
-scope (`compile_scope`).
+When the configuration compiles (`trainer.compile`), the plain loop on timm's model compiles the
+whole model, as timm's train.py does (`torch.compile(model)`; with `mode="reduce-overhead"` where
+visiondist replays CUDA graphs): the fastest loop timm documents, whatever visiondist's scope. The
+plain loop on our model compiles what visiondist compiles (the whole model, or each block), so that
+ours / it is the harness's overhead alone. The row says each scope (`compile_scope`).
 """
 
 from __future__ import annotations
@@ -27,31 +29,40 @@ from torch import nn
 from visiondist.data.transforms import Normalize, unit_float
 from visiondist.train.precision import autocast_dtype, autocast_for
 
+
 def baseline_roles(cfg: DictConfig) -> list[str]:
-    """The plain loops one configuration gets: both for a ViT classifier with a timm name and a DETR, else
-    `same_model`; of those, the ones `bench.plain_loops` names."""
+    """The plain loops one configuration gets: both for a ViT classifier with a timm name and a
+    DETR, else `same_model`; of those, the ones `bench.plain_loops` names."""
     m = cfg.model
-    roles = ["same_model", "reference"] if (m.family == "vit" and m.timm_name) or m.family == "detr" else ["same_model"]
+    roles = (
+        ["same_model", "reference"]
+        if (m.family == "vit" and m.timm_name) or m.family == "detr"
+        else ["same_model"]
+    )
     named = cfg.bench.get("plain_loops", roles)
     return [role for role in roles if role in ([named] if isinstance(named, str) else named)]
 
 
 class _Checkpointed(nn.Module):
-    """A timm block that keeps only its input for the backward, as visiondist's `Block.checkpointing` does
-    (non-reentrant), so that compiling it compiles the same unit as ours."""
+    """A timm block that keeps only its input for the backward, as visiondist's
+    `Block.checkpointing` does (non-reentrant), so that compiling it compiles the same unit as
+    ours."""
 
     def __init__(self, block: nn.Module, keep: str = "input"):
         super().__init__()
         self.block = block
         self.context = {}
-        if keep == "matmuls":  # parallel.checkpoint_keep=matmuls: torch's selective checkpointing, the same policy
+        # parallel.checkpoint_keep=matmuls: torch's selective checkpointing, the same policy
+        if keep == "matmuls":
             from visiondist.parallel import keep_matmuls_context
 
             self.context = {"context_fn": keep_matmuls_context}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False, **self.context)
+            return torch.utils.checkpoint.checkpoint(
+                self.block, x, use_reentrant=False, **self.context
+            )
         return self.block(x)
 
 
@@ -59,15 +70,26 @@ def _timm_vit(cfg: DictConfig) -> nn.Module:
     import timm
 
     m = cfg.model
-    return timm.create_model(m.timm_name, pretrained=False, num_classes=m.num_classes, img_size=m.img_size,
-                             patch_size=m.patch_size, embed_dim=m.embed_dim, depth=m.depth, num_heads=m.num_heads,
-                             mlp_ratio=m.mlp_ratio, qkv_bias=m.qkv_bias, drop_rate=m.drop_rate,
-                             drop_path_rate=m.drop_path_rate)
+    return timm.create_model(
+        m.timm_name,
+        pretrained=False,
+        num_classes=m.num_classes,
+        img_size=m.img_size,
+        patch_size=m.patch_size,
+        embed_dim=m.embed_dim,
+        depth=m.depth,
+        num_heads=m.num_heads,
+        mlp_ratio=m.mlp_ratio,
+        qkv_bias=m.qkv_bias,
+        drop_rate=m.drop_rate,
+        drop_path_rate=m.drop_path_rate,
+    )
 
 
 def _checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: str, switches) -> str:
-    """Apply the activation checkpointing of `switches` (the variant's `RunLayout`) and the configuration's
-    compilation to the model; returns what was compiled (the row's `compile_scope`)."""
+    """Apply the activation checkpointing of `switches` (the variant's `RunLayout`) and the
+    configuration's compilation to the model; returns what was compiled (the row's
+    `compile_scope`)."""
     from visiondist.parallel import compile_blocks, compile_model, enable_activation_checkpointing
 
     p = switches
@@ -79,10 +101,12 @@ def _checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: str, swi
             compile_model(model, p.cuda_graphs)
             return "whole model" + graphs
         return f"per block ({compile_blocks(model)} blocks)" if p.compile else "none"
-    if cfg.model.family == "detr":  # the transformers model: its network compiled as the run compiles ours
+    # the transformers model: its network compiled as the run compiles ours
+    if cfg.model.family == "detr":
         if not p.compile:
             return "none"
-        compile_model(model.model)  # `...ForObjectDetection.model`: backbone, encoder, decoder (the loss eager)
+        # `...ForObjectDetection.model`: backbone, encoder, decoder (the loss eager)
+        compile_model(model.model)
         return "whole model"
     blocks = model.blocks  # timm: an nn.Sequential
     if p.activation_checkpointing:
@@ -95,13 +119,13 @@ def _checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: str, swi
 
 
 class PlainLoop:
-    """forward under autocast, loss, backward, `clip_grad_norm_`, `optimizer.step()`: on one device, with one
-    parameter group."""
+    """forward under autocast, loss, backward, `clip_grad_norm_`, `optimizer.step()`: on one device,
+    with one parameter group."""
 
     def __init__(self, cfg: DictConfig, role: str, device: torch.device, switches):
-        from visiondist.train.optim import KERNELS, describe_optimizer, resolve_impl
-        from visiondist.train.build import seed_everything
         from visiondist.models import build_model, select_attention
+        from visiondist.train.build import seed_everything
+        from visiondist.train.optim import KERNELS, describe_optimizer, resolve_impl
 
         seed_everything(cfg.trainer.seed)  # same_model: the initial weights of `Trainer`'s model
         m = cfg.model
@@ -110,13 +134,17 @@ class PlainLoop:
             model = build_model(m).to(device)
             if m.channels_last:
                 model = model.to(memory_format=torch.channels_last)
-            self.model_name = (f"torchvision {m.arch} (visiondist's model)" if m.family == "torchvision"
-                               else f"visiondist {type(model).__name__}")
+            self.model_name = (
+                f"torchvision {m.arch} (visiondist's model)"
+                if m.family == "torchvision"
+                else f"visiondist {type(model).__name__}"
+            )
         elif m.family == "detr":
             from visiondist.models.detr import build_hf_detector
             from visiondist.models.detr_library import model_values
 
-            # the network the run trains (its backbone's BatchNorms training from random weights, as ours)
+            # the network the run trains (its backbone's BatchNorms training from random weights, as
+            # ours)
             model = build_hf_detector(str(m.arch), int(m.num_classes), model_values(m)).to(device)
             self.model_name = f"transformers {type(model).__name__}"
         else:
@@ -124,12 +152,16 @@ class PlainLoop:
             if m.channels_last:
                 model = model.to(memory_format=torch.channels_last)
             self.model_name = f"timm {m.timm_name}"
-        if cfg.trainer.fp8 != "off":  # the trainer's float8 layers, converted as a user of torchao converts them
+        # the trainer's float8 layers, converted as a user of torchao converts them
+        if cfg.trainer.fp8 != "off":
             from visiondist.parallel import transformer_blocks
             from visiondist.train.fp8 import to_float8
 
-            to_float8(transformer_blocks(model) if role == "same_model" else list(model.blocks), cfg.trainer.fp8,
-                      cfg.trainer.fp8_layers)
+            to_float8(
+                transformer_blocks(model) if role == "same_model" else list(model.blocks),
+                cfg.trainer.fp8,
+                cfg.trainer.fp8_layers,
+            )
         self.role, self.model = role, model.train()
         self._recipe(cfg)  # before compiling: timm's EMA deep-copies the model
         self.compile_scope = _checkpointed_and_compiled(model, cfg, role, switches)
@@ -137,11 +169,22 @@ class PlainLoop:
         o, t = cfg.optim, cfg.trainer
         kernels = KERNELS[resolve_impl(o.impl, o.name, model.parameters())]
         if o.name == "adamw":
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                               weight_decay=o.weight_decay, **kernels)
+            self.optimizer = torch.optim.AdamW(
+                model.parameters(),
+                lr=o.lr,
+                betas=tuple(o.betas),
+                eps=o.eps,
+                weight_decay=o.weight_decay,
+                **kernels,
+            )
         else:
-            self.optimizer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
-                                             weight_decay=o.weight_decay, **kernels)
+            self.optimizer = torch.optim.SGD(
+                model.parameters(),
+                lr=o.lr,
+                momentum=o.momentum,
+                weight_decay=o.weight_decay,
+                **kernels,
+            )
         self.optimizer_name = describe_optimizer(self.optimizer, o.impl)
         dtype = autocast_dtype(t.precision)
         self.autocast = autocast_for(t.precision, device)
@@ -149,14 +192,16 @@ class PlainLoop:
         self.clip, self.smoothing = t.clip_grad, t.label_smoothing
         self.classification = m.family == "vit"
         self.library = role == "reference" and m.family == "detr"
-        # the batches are uint8, as the loaders yield them: normalised on the device, as the trainer's step does
+        # the batches are uint8, as the loaders yield them: normalised on the device, as the
+        # trainer's step does
         self.inputs = Normalize(cfg.data.mean, cfg.data.std) if self.classification else unit_float
         self.device = device
 
     def _recipe(self, cfg: DictConfig) -> None:
-        """The recipe's work beyond the model, done as a user of timm does it, so that a ratio compares equal work:
-        the device augmentation the batches' rows ask for (the same batched ops: there is no other), timm's `Mixup`
-        and `SoftTargetCrossEntropy`, timm's `ModelEmaV3`."""
+        """The recipe's work beyond the model, done as a user of timm does it, so that a ratio
+        compares equal work: the device augmentation the batches' rows ask for (the same batched
+        ops: there is no other), timm's `Mixup` and `SoftTargetCrossEntropy`, timm's
+        `ModelEmaV3`."""
         from visiondist.data.augment_ops import DeviceAugment
 
         d, t = cfg.data, cfg.trainer
@@ -166,9 +211,14 @@ class PlainLoop:
         if self.classification and (d.get("mixup", 0) > 0 or d.get("cutmix", 0) > 0):
             from timm.data import Mixup
 
-            self.mixup = Mixup(mixup_alpha=d.mixup, cutmix_alpha=d.cutmix, prob=d.mixup_prob,
-                               switch_prob=d.mixup_switch_prob, label_smoothing=t.label_smoothing,
-                               num_classes=cfg.model.num_classes)
+            self.mixup = Mixup(
+                mixup_alpha=d.mixup,
+                cutmix_alpha=d.cutmix,
+                prob=d.mixup_prob,
+                switch_prob=d.mixup_switch_prob,
+                label_smoothing=t.label_smoothing,
+                num_classes=cfg.model.num_classes,
+            )
         self.ema = None
         if t.get("ema_decay", 0) > 0:
             from timm.utils import ModelEmaV3
@@ -182,10 +232,13 @@ class PlainLoop:
             images = self.inputs(images, self.device)
         if self.mixup is not None:
             images, targets = self.mixup(images, targets)
-        if self.library:  # the loader's squares, stacked; boxes relative (cx, cy, w, h), labels 0-based
+        # the loader's squares, stacked; boxes relative (cx, cy, w, h), labels 0-based
+        if self.library:
             from visiondist.models.detr import library_target
 
-            labels = [library_target(t, im.shape[-2], im.shape[-1]) for t, im in zip(targets, images)]
+            labels = [
+                library_target(t, im.shape[-2], im.shape[-1]) for t, im in zip(targets, images)
+            ]
             labels = [{k: v.to(self.device) for k, v in t.items()} for t in labels]
             with self.autocast:
                 return self.model(pixel_values=torch.stack(images), labels=labels).loss.float()

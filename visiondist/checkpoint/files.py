@@ -1,5 +1,5 @@
-"""The checkpoints of a run directory: finding them (latest, by step, the best), the best one's record, and removing
-old ones so that no half-deleted `step_<N>` is ever visible."""
+"""The checkpoints of a run directory: finding them (latest, by step, the best), the best one's
+record, and removing old ones so that no half-deleted `step_<N>` is ever visible."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from visiondist.utils.dcp import CHECKPOINTS, METADATA, STATE_FILE, is_complete, list_checkpoints
 
-# -- finding checkpoints -------------------------------------------------------------------------------------------
+# -- finding checkpoints ---------------------------------------------------------------------------
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:
@@ -19,9 +19,9 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
-def resolve_checkpoint(spec: str, step: "Optional[int | str]" = None) -> Path:
-    """A checkpoint from a user's path: a `step_<N>` directory, or a run directory (its latest checkpoint, or
-    `step`: a number or "best", the best evaluated one the run kept)."""
+def resolve_checkpoint(spec: str, step: Optional[int | str] = None) -> Path:
+    """A checkpoint from a user's path: a `step_<N>` directory, or a run directory (its latest
+    checkpoint, or `step`: a number or "best", the best evaluated one the run kept)."""
     path = Path(spec).expanduser()
     if is_complete(path):
         return path
@@ -30,20 +30,26 @@ def resolve_checkpoint(spec: str, step: "Optional[int | str]" = None) -> Path:
         if step == "best":
             best = read_best(path)
             if best is None:
-                raise FileNotFoundError(f"{path} kept no best checkpoint: train with trainer.best_metric=<metric> "
-                                        "(val_top1 for a classifier, val_mAP for a detector), or give step=<N> (no "
-                                        "step: the newest)")
+                raise FileNotFoundError(
+                    f"{path} kept no best checkpoint: train with trainer.best_metric=<metric> "
+                    "(val_top1 for a classifier, val_mAP for a detector), or give step=<N> (no "
+                    "step: the newest)"
+                )
             step = int(best["step"])
         if step is not None:
             if step not in found:
-                raise FileNotFoundError(f"{path} has no complete checkpoint of step {step}; it has: "
-                                        f"{', '.join(map(str, found)) or 'none'}")
+                raise FileNotFoundError(
+                    f"{path} has no complete checkpoint of step {step}; it has: "
+                    f"{', '.join(map(str, found)) or 'none'}"
+                )
             return found[step]
         if found:
             return found[max(found)]
         raise FileNotFoundError(f"{path} has no complete checkpoint under {path / CHECKPOINTS}")
     if path.is_dir():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {METADATA} and {STATE_FILE}) nor a run dir")
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint (no {METADATA} and {STATE_FILE}) nor a run dir"
+        )
     raise FileNotFoundError(f"no checkpoint at {path}")
 
 
@@ -51,8 +57,7 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     return json.loads((Path(path) / STATE_FILE).read_text())
 
 
-# -- canonical state ---------------------------------------------------------------------------------------------
-
+# -- canonical state -------------------------------------------------------------------------------
 
 
 def fsync_write(path: Path, text: str) -> None:
@@ -62,19 +67,19 @@ def fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-
 BEST = "best.json"
 
 
 def read_best(run_dir: Path) -> Optional[dict[str, Any]]:
-    """`checkpoints/best.json`: {"metric", "mode", "value", "step"} of the best evaluated checkpoint, if any."""
+    """`checkpoints/best.json`: {"metric", "mode", "value", "step"} of the best evaluated
+    checkpoint, if any."""
     path = Path(run_dir) / CHECKPOINTS / BEST
     return json.loads(path.read_text()) if path.is_file() else None
 
 
 def mark_best(run_dir: Path, record: dict[str, Any], keep_last: int) -> None:
-    """Rank 0: record a complete checkpoint as the best (atomically), then drop the previous best unless it is among
-    the newest `keep_last`."""
+    """Rank 0: record a complete checkpoint as the best (atomically), then drop the previous best
+    unless it is among the newest `keep_last`."""
     root = Path(run_dir) / CHECKPOINTS
     tmp = root / f".{BEST}.tmp"
     fsync_write(tmp, json.dumps(record, indent=1))
@@ -84,8 +89,8 @@ def mark_best(run_dir: Path, record: dict[str, Any], keep_last: int) -> None:
 
 
 def prune(run_dir: Path, keep_last: int, keep: Optional[Path] = None) -> None:
-    """Remove the complete checkpoints older than the newest `keep_last` (0: keep all), sparing `keep` and the
-    best one."""
+    """Remove the complete checkpoints older than the newest `keep_last` (0: keep all), sparing
+    `keep` and the best one."""
     if keep_last <= 0:
         return
     best = read_best(run_dir)
@@ -95,8 +100,8 @@ def prune(run_dir: Path, keep_last: int, keep: Optional[Path] = None) -> None:
 
 
 def remove_checkpoint(checkpoint: Path) -> None:
-    """Delete a checkpoint so that no half-deleted `step_<N>` is ever visible: renamed out of the `step_<N>` names
-    first (one atomic rename), then removed file by file."""
+    """Delete a checkpoint so that no half-deleted `step_<N>` is ever visible: renamed out of the
+    `step_<N>` names first (one atomic rename), then removed file by file."""
     trash = checkpoint.with_name(f".{checkpoint.name}.deleting")
     shutil.rmtree(trash, ignore_errors=True)
     checkpoint.rename(trash)
@@ -115,4 +120,3 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-

@@ -1,6 +1,7 @@
-"""What a checkpoint holds, in canonical form: the model's and optimizer's tensors under their single-device names
-(a tensor-parallel shard as a DTensor over the TP mesh, so DCP stores its slice and any layout reads back what it
-needs), the optimizer's hyperparameters, and each rank's RNG states as JSON (`rng_rank<R>.json`)."""
+"""What a checkpoint holds, in canonical form: the model's and optimizer's tensors under their
+single-device names (a tensor-parallel shard as a DTensor over the TP mesh, so DCP stores its slice
+and any layout reads back what it needs), the optimizer's hyperparameters, and each rank's RNG
+states as JSON (`rng_rank<R>.json`)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from torch.distributed.tensor import DTensor, Shard
 
 from visiondist.parallel.tensor import SHARD_DIM, persistent_buffers
 
+
 def _tp_mesh(layout):
     return layout.mesh["tp"] if layout is not None and layout.tp > 1 else None
 
 
 def _canonical(tensor: torch.Tensor, like: torch.Tensor, mesh) -> torch.Tensor:
-    """`tensor` (this rank's part of something shaped like parameter `like`) as DCP should see it: a DTensor sharded
-    over TP when `like` is a TP shard, the tensor itself otherwise."""
+    """`tensor` (this rank's part of something shaped like parameter `like`) as DCP should see it: a
+    DTensor sharded over TP when `like` is a TP shard, the tensor itself otherwise."""
     dim = getattr(like, SHARD_DIM, None)
     if dim is None or mesh is None or tensor.shape != like.shape:
         return tensor
@@ -29,8 +31,8 @@ def _canonical(tensor: torch.Tensor, like: torch.Tensor, mesh) -> torch.Tensor:
 
 
 def model_state(model: nn.Module, layout=None) -> dict[str, torch.Tensor]:
-    """The model's parameters and buffers under canonical names; TP shards as DTensors (views of the live
-    tensors, so loading into this dict loads into the model)."""
+    """The model's parameters and buffers under canonical names; TP shards as DTensors (views of the
+    live tensors, so loading into this dict loads into the model)."""
     mesh = _tp_mesh(layout)
     state: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
@@ -41,21 +43,27 @@ def model_state(model: nn.Module, layout=None) -> dict[str, torch.Tensor]:
     return state
 
 
-def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, layout=None) -> dict[str, torch.Tensor]:
-    """Per-parameter optimizer state keyed `<param name>/<state key>`, sharded like its parameter."""
+def optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, layout=None
+) -> dict[str, torch.Tensor]:
+    """Per-parameter optimizer state keyed `<param name>/<state key>`, sharded like its
+    parameter."""
     mesh = _tp_mesh(layout)
     state: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():
         for key, value in optimizer.state.get(param, {}).items():
             if not isinstance(value, torch.Tensor):
-                raise TypeError(f"optimizer state {name}/{key} is a {type(value).__name__}, not a tensor")
+                raise TypeError(
+                    f"optimizer state {name}/{key} is a {type(value).__name__}, not a tensor"
+                )
             state[f"{name}/{key}"] = _canonical(value, param, mesh)
     return state
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's per-parameter state tensors (so a checkpoint has somewhere to load into) without
-    changing any parameter: one step at lr 0 from zero gradients, then the gradients are cleared again."""
+    """Create the optimizer's per-parameter state tensors (so a checkpoint has somewhere to load
+    into) without changing any parameter: one step at lr 0 from zero gradients, then the gradients
+    are cleared again."""
     if optimizer.state:
         return
     lrs = [group["lr"] for group in optimizer.param_groups]
@@ -71,20 +79,24 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
-            for g in optimizer.param_groups]
+    return [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
+        for g in optimizer.param_groups
+    ]
 
 
 def restore_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]]) -> None:
     if len(saved) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint has {len(saved)} optimizer parameter groups, this optimizer "
-                         f"{len(optimizer.param_groups)}: resume with the optimizer it was saved with")
+        raise ValueError(
+            f"the checkpoint has {len(saved)} optimizer parameter groups, this optimizer "
+            f"{len(optimizer.param_groups)}: resume with the optimizer it was saved with"
+        )
     for group, values in zip(optimizer.param_groups, saved):
         for key, value in values.items():
             group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
 
 
-# -- RNG states as JSON ---------------------------------------------------------------------------------------------
+# -- RNG states as JSON ----------------------------------------------------------------------------
 
 
 def rng_state() -> dict[str, Any]:
@@ -105,13 +117,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    torch.set_rng_state(
+        torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8)
+    )
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
+        torch.cuda.set_rng_state(
+            torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8)
+        )
 
 
-# -- save / load ----------------------------------------------------------------------------------------------------
-
+# -- save / load -----------------------------------------------------------------------------------
 
 
 def ema_state(ema, layout=None) -> dict[str, torch.Tensor]:

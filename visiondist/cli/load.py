@@ -1,5 +1,6 @@
-"""A tool's config: composed from configs/ (or a run's config.yaml), checked, its inputs looked at before any rank
-starts; every problem one `ConfigError` line (the CLI and the sweeps both load through here)."""
+"""A tool's config: composed from configs/ (or a run's config.yaml), checked, its inputs looked at
+before any rank starts; every problem one `ConfigError` line (the CLI and the sweeps both load
+through here)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,16 @@ from omegaconf import DictConfig, OmegaConf
 from visiondist.config import ConfigError, compose
 
 
-def load_config(config_dir: Path, overrides: list[str], inputs: Optional[str] = "train") -> DictConfig:
-    """Compose + validate, then check the inputs on disk for `inputs` ("train", "eval" or None: printing, planning);
-    raises ConfigError with a one-line reason for any problem."""
+def load_config(
+    config_dir: Path, overrides: list[str], inputs: Optional[str] = "train"
+) -> DictConfig:
+    """Compose + validate, then check the inputs on disk for `inputs` ("train", "eval" or None:
+    printing, planning); raises ConfigError with a one-line reason for any problem."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     from visiondist.config import from_container, to_container
     from visiondist.config.schema import upgrade_saved
-
     from visiondist.runs import continue_config, saved_config
 
     try:
@@ -30,12 +32,14 @@ def load_config(config_dir: Path, overrides: list[str], inputs: Optional[str] = 
         saved = saved_config(cfg)
         if saved is not None:  # trainer.run_dir=<a run>: continue it with its own config
             cfg = continue_config(cfg, upgrade_saved(saved), overrides)
-        from_container(to_container(cfg))  # what the ranks do: every key must be in the schema (`+key=` can add one)
+        # what the ranks do: every key must be in the schema (`+key=` can add one)
+        from_container(to_container(cfg))
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_explain(exc)) from exc
     cfg = checked(cfg, inputs)
     if saved is None and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        tuned = tuned_line(config_dir, cfg, overrides) if inputs is not None else None  # a run's, not a printout's
+        # a run's, not a printout's
+        tuned = tuned_line(config_dir, cfg, overrides) if inputs is not None else None
         for line in (pretrained, tuned):
             if line:
                 print(line, file=sys.stdout if inputs is not None else sys.stderr, flush=True)
@@ -43,8 +47,8 @@ def load_config(config_dir: Path, overrides: list[str], inputs: Optional[str] = 
 
 
 def tuned_line(config_dir: Path, cfg: DictConfig, overrides: list[str]) -> Optional[str]:
-    """The settings `configs/tuned/<model>_<data>.yaml` gave this run (those the command line did not set), in one
-    line, or None when there is no such file."""
+    """The settings `configs/tuned/<model>_<data>.yaml` gave this run (those the command line did
+    not set), in one line, or None when there is no such file."""
     from visiondist.config.compose import flatten
 
     file = Path(config_dir) / "tuned" / f"{cfg.model.name}_{cfg.data.name}.yaml"
@@ -53,16 +57,20 @@ def tuned_line(config_dir: Path, cfg: DictConfig, overrides: list[str]) -> Optio
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
     tree = OmegaConf.to_container(OmegaConf.load(file))
     shown = lambda value: "null" if value is None else str(value).replace(" ", "")  # noqa: E731 (as typed)
-    kept = [f"{key}={shown(OmegaConf.select(cfg, key))}" for key in flatten(tree) if key not in given]
+    kept = [
+        f"{key}={shown(OmegaConf.select(cfg, key))}" for key in flatten(tree) if key not in given
+    ]
     if not kept:
         return None
-    return f"configs/tuned/{file.name} sets {' '.join(kept)} (tuned for {cfg.model.name} on {cfg.data.name}; any " \
-           "of them given on the command line wins)"
+    return (
+        f"configs/tuned/{file.name} sets {' '.join(kept)} (tuned for {cfg.model.name} on "
+        f"{cfg.data.name}; any of them given on the command line wins)"
+    )
 
 
 def _pretrained_defaults(cfg: DictConfig, overrides: list[str]) -> Optional[str]:
-    """A fine-tune from a timm name takes its data settings from the weights' pretrained config (unless given on the
-    command line); the line that says so, or None."""
+    """A fine-tune from a timm name takes its data settings from the weights' pretrained config
+    (unless given on the command line); the line that says so, or None."""
     from visiondist.utils.pretrained import apply_data_defaults
 
     try:
@@ -71,25 +79,32 @@ def _pretrained_defaults(cfg: DictConfig, overrides: list[str]) -> Optional[str]
         raise ConfigError(str(exc)) from None
 
 
-def load_weights_config(config_dir: Path, weights: Path, overrides: list[str], tool: str,
-                        data_needed: bool) -> DictConfig:
-    """The config of a tool's `weights=` (eval, predict): composed as `load_config` with `inputs=None`, after what
-    the weights say of their model (`weights_settings`)."""
+def load_weights_config(
+    config_dir: Path, weights: Path, overrides: list[str], tool: str, data_needed: bool
+) -> DictConfig:
+    """The config of a tool's `weights=` (eval, predict): composed as `load_config` with
+    `inputs=None`, after what the weights say of their model (`weights_settings`)."""
     from visiondist.models.weights_check import weights_settings
 
-    return load_config(config_dir, weights_settings(weights, overrides, tool, data_needed) + overrides, inputs=None)
+    return load_config(
+        config_dir, weights_settings(weights, overrides, tool, data_needed) + overrides, inputs=None
+    )
 
 
-def load_run_config(run_dir: Path, overrides: list[str], inputs: Optional[str] = "eval") -> DictConfig:
-    """A finished run's resolved config.yaml with key=value overrides (no group switches), validated and its inputs
-    checked for `inputs` (as `load_config`)."""
+def load_run_config(
+    run_dir: Path, overrides: list[str], inputs: Optional[str] = "eval"
+) -> DictConfig:
+    """A finished run's resolved config.yaml with key=value overrides (no group switches), validated
+    and its inputs checked for `inputs` (as `load_config`)."""
     from omegaconf.errors import OmegaConfBaseException
 
     from visiondist.config.compose import run_config
 
     bad = [o for o in overrides if "=" not in o or "." not in o.split("=", 1)[0]]
     if bad:
-        raise ConfigError(f"{' '.join(bad)}: a run's config takes key=value overrides only (e.g. data.root=/path)")
+        raise ConfigError(
+            f"{' '.join(bad)}: a run's config takes key=value overrides only (e.g. data.root=/path)"
+        )
     try:
         cfg = run_config(run_dir, overrides)
     except OmegaConfBaseException as exc:
@@ -98,26 +113,29 @@ def load_run_config(run_dir: Path, overrides: list[str], inputs: Optional[str] =
 
 
 def checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
-    """Validate `cfg` and check its inputs on disk for `inputs` ("train", "eval"; None: nothing reads the data, so
-    `???` values may stay unset). A `data.num_classes` left unset is counted from the data's classes first (the class
-    folders of the train split), with one line saying so."""
+    """Validate `cfg` and check its inputs on disk for `inputs` ("train", "eval"; None: nothing
+    reads the data, so `???` values may stay unset). A `data.num_classes` left unset is counted from
+    the data's classes first (the class folders of the train split), with one line saying so."""
     from visiondist.config import check_mandatory
     from visiondist.plan import check
     from visiondist.preflight import check_inputs, infer_num_classes
 
-    if cfg.data.get("format") == "shards":  # a packed built-in set is read from its shards, not generated
+    # a packed built-in set is read from its shards, not generated
+    if cfg.data.get("format") == "shards":
         cfg.data.synthetic = None
     unset = OmegaConf.is_missing(cfg.data, "num_classes")
     if inputs is not None and unset:  # any other `???` (data.root) first, in its own words
         check_mandatory(_with_classes(cfg, 1))
     note = infer_num_classes(cfg, inputs)
-    if OmegaConf.is_missing(cfg.data, "num_classes"):  # printing, planning: still unknown, and nothing needs it
+    # printing, planning: still unknown, and nothing needs it
+    if OmegaConf.is_missing(cfg.data, "num_classes"):
         check(_with_classes(cfg, 1), mandatory=False)
         return cfg
     check(cfg, mandatory=inputs is not None)  # no inputs read: a `???` data.root may stay unset
     if inputs is not None:
         check_inputs(cfg, inputs)
-    if note and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # once per job, input all good
+    # once per job, input all good
+    if note and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         print(note, file=sys.stdout if inputs is not None else sys.stderr, flush=True)
     return cfg
 
@@ -132,8 +150,9 @@ def _with_classes(cfg: DictConfig, num_classes: int) -> DictConfig:
 
 
 def _explain(exc: BaseException) -> str:
-    """One line for a bad override: a key that is not a setting (with the closest one), a value of the wrong type;
-    otherwise Hydra's message without its search-path dump and '+key' hint, plus the underlying reason."""
+    """One line for a bad override: a key that is not a setting (with the closest one), a value of
+    the wrong type; otherwise Hydra's message without its search-path dump and '+key' hint, plus the
+    underlying reason."""
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
     error, seen = exc, set()
@@ -148,8 +167,10 @@ def _explain(exc: BaseException) -> str:
     text = str(exc).strip()
     if text.startswith("Error parsing override '"):  # e.g. a bare `data.root`
         override = text.split("'")[1]
-        return (f"{override}: not an override; write key=value or group=option, e.g. data.root=/path (Hydra's "
-                "override grammar)")
+        return (
+            f"{override}: not an override; write key=value or group=option, e.g. data.root=/path "
+            "(Hydra's override grammar)"
+        )
     lines = []
     for line in text.splitlines():
         if line.startswith("Config search path") or line.startswith("To append to your config"):
@@ -164,14 +185,16 @@ def _explain(exc: BaseException) -> str:
 
 
 # settings that were replaced, and what says the same now
-RENAMED = {"trainer.tensorboard": "use trainer.loggers, e.g. trainer.loggers=[csv] (no TensorBoard) or "
-                                  "trainer.loggers=[csv,tensorboard] (the default)"}
+RENAMED = {
+    "trainer.tensorboard": "use trainer.loggers, e.g. trainer.loggers=[csv] (no TensorBoard) or "
+    "trainer.loggers=[csv,tensorboard] (the default)"
+}
 
 
 def not_a_setting(key: str) -> str:
-    """The one line for a key the config does not have, with the closest setting: `trainer.max_step is not a setting:
-    did you mean trainer.max_steps?`; for a dotless key, the settings of that name anywhere (`max_steps` ->
-    `trainer.max_steps`), or '' when there is none."""
+    """The one line for a key the config does not have, with the closest setting: `trainer.max_step
+    is not a setting: did you mean trainer.max_steps?`; for a dotless key, the settings of that name
+    anywhere (`max_steps` -> `trainer.max_steps`), or '' when there is none."""
     import difflib
 
     from visiondist.config import TrainConfig
@@ -181,11 +204,18 @@ def not_a_setting(key: str) -> str:
     schema = OmegaConf.structured(TrainConfig)
     parent, _, name = key.rpartition(".")
     if not parent:
-        same = [leaf for leaf in _leaves(OmegaConf.to_container(schema, throw_on_missing=False))
-                if leaf.rsplit(".", 1)[-1] == key]
+        same = [
+            leaf
+            for leaf in _leaves(OmegaConf.to_container(schema, throw_on_missing=False))
+            if leaf.rsplit(".", 1)[-1] == key
+        ]
         return f"{key} is not a setting: did you mean {' or '.join(same)}?" if same else ""
     node = OmegaConf.select(schema, parent)
-    known = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else _optional_fields(TrainConfig, parent)
+    known = (
+        [str(k) for k in node.keys()]
+        if isinstance(node, DictConfig)
+        else _optional_fields(TrainConfig, parent)
+    )
     close = difflib.get_close_matches(name, known, n=1)
     if close:
         return f"{key} is not a setting: did you mean {parent}.{close[0]}?"
@@ -193,8 +223,8 @@ def not_a_setting(key: str) -> str:
 
 
 def _optional_fields(schema: type, path: str) -> list[str]:
-    """The fields of the dataclass at `path` in `schema` where the schema's value there is None (an optional group,
-    e.g. data.synthetic), read from the annotations; [] where there is none."""
+    """The fields of the dataclass at `path` in `schema` where the schema's value there is None (an
+    optional group, e.g. data.synthetic), read from the annotations; [] where there is none."""
     import dataclasses
     import typing
 
@@ -203,7 +233,8 @@ def _optional_fields(schema: type, path: str) -> list[str]:
         if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
             return []
         kind = typing.get_type_hints(kind).get(part)
-        kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)  # Optional[X] -> X
+        # Optional[X] -> X
+        kind = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
     found = isinstance(kind, type) and dataclasses.is_dataclass(kind)
     return [f.name for f in dataclasses.fields(kind)] if found else []
 
@@ -214,7 +245,4 @@ def _leaves(tree: object, prefix: str = "") -> list[str]:
     return [leaf for key, value in tree.items() for leaf in _leaves(value, f"{prefix}{key}.")]
 
 
-
-
-
-# -- running a tool ----------------------------------------------------------------------------------------------
+# -- running a tool --------------------------------------------------------------------------------

@@ -1,11 +1,13 @@
-"""Multirun (`tools/train.py -m optim.lr=1e-3,3e-4 ...`): Hydra's sweep syntax expanded into jobs that run one after
-another, each launching its own ranks, each in its own run directory `<sweep dir>/<job number>`.
+"""Multirun (`tools/train.py -m optim.lr=1e-3,3e-4 ...`): Hydra's sweep syntax expanded into jobs
+that run one after another, each launching its own ranks, each in its own run directory `<sweep
+dir>/<job number>`.
 
-Every job's config is composed and validated before the first job starts, so a typo in the third value fails in
-seconds, not after two trainings. The sweep directory holds `sweep.json` (each job's overrides, run dir, status and
-headline results, rewritten after every job) and the end prints one table of the jobs. A job that fails is recorded
-(`failed (exit N)` and its one-line cause) and the next one runs; the sweep then exits non-zero. A stop signal
-(SIGTERM, Ctrl-C) ends the whole sweep. Jobs are numbered from 0 everywhere: banner, run directories, table.
+Every job's config is composed and validated before the first job starts, so a typo in the third
+value fails in seconds, not after two trainings. The sweep directory holds `sweep.json` (each job's
+overrides, run dir, status and headline results, rewritten after every job) and the end prints one
+table of the jobs. A job that fails is recorded (`failed (exit N)` and its one-line cause) and the
+next one runs; the sweep then exits non-zero. A stop signal (SIGTERM, Ctrl-C) ends the whole sweep.
+Jobs are numbered from 0 everywhere: banner, run directories, table.
 """
 
 from __future__ import annotations
@@ -23,13 +25,19 @@ from visiondist.config import ConfigError
 from visiondist.plan.world import under_torchrun
 
 # summary.json keys shown in the sweep table, when the jobs have them
-RESULT_KEYS = ("final train loss", "val top-1 (%)", "val top-5 (%)", "val box mAP@[.5:.95]", "val AP50",
-               "throughput (img/s)")
+RESULT_KEYS = (
+    "final train loss",
+    "val top-1 (%)",
+    "val top-5 (%)",
+    "val box mAP@[.5:.95]",
+    "val AP50",
+    "throughput (img/s)",
+)
 
 
 def expand(overrides: list[str]) -> tuple[list[list[str]], list[str]]:
-    """(one override list per job, the swept keys), in Hydra's order: the cartesian product of the swept values,
-    the last key varying fastest."""
+    """(one override list per job, the swept keys), in Hydra's order: the cartesian product of the
+    swept values, the last key varying fastest."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -44,32 +52,60 @@ def expand(overrides: list[str]) -> tuple[list[list[str]], list[str]]:
             else:
                 options.append([override.input_line])
     except HydraException as exc:
-        raise ConfigError(f"-m: {str(exc).splitlines()[0]} (sweeps take comma-separated values or range(a,b))") from exc
+        raise ConfigError(
+            f"-m: {str(exc).splitlines()[0]} (sweeps take comma-separated values or range(a,b))"
+        ) from exc
     return [list(job) for job in itertools.product(*options)], swept
 
 
-def run_sweep(tool: str, config_dir: Path, overrides: list[str], run: Callable[[DictConfig], object],
-              show: Union[bool, Callable[[DictConfig], str], None] = False, search: Sequence[str] = ()) -> int:
-    """Every job's config checked, then each job run in turn; `show` (--cfg: True or the printer): print each job's
-    config instead. `search`: the overrides adding -cd's directory, for every job (not shown in its overrides).
-    `trainer.run_dir` (hydra.sweep.dir) is the sweep's directory."""
-    from rich.console import Console
-
+def _checked_configs(
+    config_dir: Path, jobs: list[list[str]], search: Sequence[str], shown: bool
+) -> list[DictConfig]:
+    """Every job's config, composed and checked before any job runs (a bad one names its job)."""
     from visiondist.cli.load import load_config
-    from visiondist.launch import unique_dir
 
-    if under_torchrun(os.environ):
-        raise ConfigError("-m runs its jobs one after another, each launching its own ranks: under torchrun, start "
-                          "one torchrun per job instead")
-    jobs, swept = expand(overrides)
-    run_dir = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+") == "trainer.run_dir"), None)
-    jobs = [[o for o in job if o.split("=", 1)[0].lstrip("+") != "trainer.run_dir"] for job in jobs]
     configs = []
     for num, job in enumerate(jobs):
         try:
-            configs.append(load_config(config_dir, [*job, *search], inputs=None if show else "train"))
+            configs.append(
+                load_config(config_dir, [*job, *search], inputs=None if shown else "train")
+            )
         except ConfigError as exc:
             raise ConfigError(f"job {num} ({' '.join(job)}): {exc}") from exc
+    return configs
+
+
+def run_sweep(
+    tool: str,
+    config_dir: Path,
+    overrides: list[str],
+    run: Callable[[DictConfig], object],
+    show: Union[bool, Callable[[DictConfig], str], None] = False,
+    search: Sequence[str] = (),
+) -> int:
+    """Every job's config checked, then each job run in turn; `show` (--cfg: True or the printer):
+    print each job's config instead. `search`: the overrides adding -cd's directory, for every job
+    (not shown in its overrides). `trainer.run_dir` (hydra.sweep.dir) is the sweep's directory."""
+    from rich.console import Console
+
+    from visiondist.launch import unique_dir
+
+    if under_torchrun(os.environ):
+        raise ConfigError(
+            "-m runs its jobs one after another, each launching its own ranks: under torchrun, "
+            "start one torchrun per job instead"
+        )
+    jobs, swept = expand(overrides)
+    run_dir = next(
+        (
+            o.split("=", 1)[1]
+            for o in overrides
+            if o.split("=", 1)[0].lstrip("+") == "trainer.run_dir"
+        ),
+        None,
+    )
+    jobs = [[o for o in job if o.split("=", 1)[0].lstrip("+") != "trainer.run_dir"] for job in jobs]
+    configs = _checked_configs(config_dir, jobs, search, bool(show))
     if show:
         for num, (job, cfg) in enumerate(zip(jobs, configs)):
             text = show(cfg) if callable(show) else OmegaConf.to_yaml(cfg)
@@ -84,13 +120,19 @@ def run_sweep(tool: str, config_dir: Path, overrides: list[str], run: Callable[[
     records, codes = [], []
     for num, (job, cfg) in enumerate(zip(jobs, configs)):
         job_dir = sweep_dir / str(num)
-        cfg = OmegaConf.merge(cfg, {"trainer": {"run_dir": str(job_dir)}})  # the job's config, a new object
+        # the job's config, a new object
+        cfg = OmegaConf.merge(cfg, {"trainer": {"run_dir": str(job_dir)}})
         records.append({"job": num, "overrides": job, "run_dir": str(job_dir), "status": "running"})
         _write(sweep_dir, swept, records)
-        console.rule(f"[bold]{tool} job {num} ({num + 1} of {len(jobs)}): {' '.join(job) or '(no overrides)'}")
+        console.rule(
+            f"[bold]{tool} job {num} ({num + 1} of {len(jobs)}): "
+            f"{' '.join(job) or '(no overrides)'}"
+        )
         code, cause = _run_job(run, cfg)
         codes.append(code)
-        records[-1]["status"] = "done" if code == 0 else f"{'stopped' if code in _STOPPED else 'failed'} (exit {code})"
+        records[-1]["status"] = (
+            "done" if code == 0 else f"{'stopped' if code in _STOPPED else 'failed'} (exit {code})"
+        )
         if cause:
             print(f"job {num} failed: {cause}", file=sys.stderr, flush=True)
             records[-1]["error"] = cause
@@ -115,7 +157,8 @@ def _run_job(run: Callable[[DictConfig], object], cfg: DictConfig) -> tuple[int,
     try:
         result = run(cfg)
     except Exception as exc:
-        if type(exc).__name__ == "JobStopped":  # a stop signal: its line says what the job kept; the sweep ends
+        # a stop signal: its line says what the job kept; the sweep ends
+        if type(exc).__name__ == "JobStopped":
             print(exc, file=sys.stderr, flush=True)
             return exc.exit_code, ""  # type: ignore[attr-defined]
         return 1, _cause(exc)
@@ -123,8 +166,8 @@ def _run_job(run: Callable[[DictConfig], object], cfg: DictConfig) -> tuple[int,
 
 
 def _cause(exc: Exception) -> str:
-    """One line: a failed job's own line (`launch.RunFailed`: rank, step, cause, traceback file), else the
-    exception."""
+    """One line: a failed job's own line (`launch.RunFailed`: rank, step, cause, traceback file),
+    else the exception."""
     text = str(exc) if type(exc).__name__ == "RunFailed" else f"{type(exc).__name__}: {exc}"
     return text.strip().splitlines()[0]
 
@@ -145,12 +188,18 @@ def _table(sweep_dir: Path, swept: list[str], records: list[dict], total: int):
     from rich.table import Table
 
     keys = [k for k in RESULT_KEYS if any(k in r for r in records)]
-    table = Table(title=f"sweep: {len(records)} of {total} jobs in {sweep_dir}", title_justify="left")
+    table = Table(
+        title=f"sweep: {len(records)} of {total} jobs in {sweep_dir}", title_justify="left"
+    )
     for column in ("job", *swept, "status", *keys):
         table.add_column(column)
     for r in records:
         values = dict(o.split("=", 1) for o in r["overrides"])
         status = r["status"]
-        table.add_row(str(r["job"]), *(values.get(k, "") for k in swept), status,
-                      *(f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys))
+        table.add_row(
+            str(r["job"]),
+            *(values.get(k, "") for k in swept),
+            status,
+            *(f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys),
+        )
     return table

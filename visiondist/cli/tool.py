@@ -1,6 +1,6 @@
-"""The tools' one command-line convention (`Tool`, `parse`, `main`, `run_tool`): flags, tool keys and config
-overrides told apart, Hydra's own flags and keys refused with the project's equivalent, usage and version text, and
-bad input as one `error:` line with exit code 2.
+"""The tools' one command-line convention (`Tool`, `parse`, `main`, `run_tool`): flags, tool keys
+and config overrides told apart, Hydra's own flags and keys refused with the project's equivalent,
+usage and version text, and bad input as one `error:` line with exit code 2.
 """
 
 from __future__ import annotations
@@ -20,22 +20,33 @@ from visiondist.config import ConfigError
 
 @dataclass(frozen=True)
 class Tool:
-    """What `tools/<name>` takes and does, for its parsing and its --help. The defaults are tools/train.py's."""
+    """What `tools/<name>` takes and does, for its parsing and its --help. The defaults are
+    tools/train.py's."""
 
     name: str = "train.py"
-    about: str = "Train a model: its own ranks (parallel.dp / tp / pp, or every GPU), or one rank of a torchrun job."
-    keys: tuple[tuple[str, str], ...] = ()  # ("key=<placeholder>", what it means): plain key=value without a dot
+    about: str = (
+        "Train a model: its own ranks (parallel.dp / tp / pp, or every GPU), or one "
+        "rank of a torchrun job."
+    )
+    # ("key=<placeholder>", what it means): plain key=value without a dot
+    keys: tuple[tuple[str, str], ...] = ()
     reads: str = "configs/ (train.yaml with one option of each group), the data under data.root"
-    writes: str = ("a run dir: outputs/<date>/<time>/ (trainer.output_dir), or hydra.run.dir=DIR / "
-                   "trainer.run_dir=DIR; -m: outputs/multirun/<date>/<time>/<job>/, or hydra.sweep.dir=DIR")
-    examples: tuple[str, ...] = ("python tools/train.py model=vit_small parallel=tp2 trainer.max_epochs=20",
-                                 "python tools/train.py -m optim.lr=1e-3,3e-4 trainer.max_steps=3",
-                                 "python tools/train.py --cfg job model=vit_huge -p model")
+    writes: str = (
+        "a run dir: outputs/<date>/<time>/ (trainer.output_dir), or hydra.run.dir=DIR / "
+        "trainer.run_dir=DIR; -m: outputs/multirun/<date>/<time>/<job>/, or hydra.sweep.dir=DIR"
+    )
+    examples: tuple[str, ...] = (
+        "python tools/train.py model=vit_small parallel=tp2 trainer.max_epochs=20",
+        "python tools/train.py -m optim.lr=1e-3,3e-4 trainer.max_steps=3",
+        "python tools/train.py --cfg job model=vit_huge -p model",
+    )
     config: bool = True  # takes the config's group=option / key=value
     run_dir: bool = True  # writes a run dir, which hydra.run.dir / trainer.run_dir choose
     multirun: bool = True  # -m
-    positional: bool = False  # takes a bare path (a deprecated spelling; the tool says which key it became)
-    command: str = ""  # a tool with subcommands: the usage line's first word (tools/data.py: "pack")
+    # takes a bare path (a deprecated spelling; the tool says which key it became)
+    positional: bool = False
+    # a tool with subcommands: the usage line's first word (tools/data.py: "pack")
+    command: str = ""
 
     @property
     def key_names(self) -> list[str]:
@@ -47,9 +58,11 @@ class Command:
     """One parsed command line."""
 
     args: dict[str, str] = field(default_factory=dict)  # tool keys
-    overrides: list[str] = field(default_factory=list)  # the config's, hydra.run.dir already trainer.run_dir
+    # the config's, hydra.run.dir already trainer.run_dir
+    overrides: list[str] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)  # bare arguments (only where Tool.positional)
-    show: Optional[str] = None  # --cfg: "job" or "all" (the same here: there is no Hydra config to add)
+    # --cfg: "job" or "all" (the same here: there is no Hydra config to add)
+    show: Optional[str] = None
     resolve: bool = False
     package: Optional[str] = None  # -p: print only this part of the config
     multirun: bool = False
@@ -57,49 +70,88 @@ class Command:
 
     @property
     def search(self) -> list[str]:
-        """The overrides that add -cd's directory to the config search path (after configs/, as Hydra's -cd)."""
-        return [f"hydra.searchpath=[file://{self.config_dir}]"] if self.config_dir is not None else []
+        """The overrides that add -cd's directory to the config search path (after configs/, as
+        Hydra's -cd)."""
+        return (
+            [f"hydra.searchpath=[file://{self.config_dir}]"] if self.config_dir is not None else []
+        )
 
 
 _NO_APP = "visiondist composes its config with Hydra but runs no Hydra app"
-_LOGGING = ("visiondist sets up its own logging (the console and the run dir's train.log): use trainer.progress=false "
-            "(no progress bar), trainer.log_every=N (step lines), trainer.loggers=[csv] (no TensorBoard)")
-_LAUNCHER = ("visiondist starts its own ranks: use parallel.dp=N or trainer.devices=N, or torchrun / srun "
-             "(docs/multi-node.md)")
-_OTHER_KEY = (f"{_NO_APP}, so this Hydra setting would do nothing: hydra.run.dir=DIR and, with -m, "
-              "hydra.sweep.dir=DIR are the ones it takes")
-_SWEEPER = "-m expands comma-separated values and range(a,b) itself: Hydra's sweeper plugins are not used"
-# Hydra flags that have no counterpart here, and why; honoured: --help, --version, --cfg, --resolve, -p, -cd, -m
+_LOGGING = (
+    "visiondist sets up its own logging (the console and the run dir's train.log): use "
+    "trainer.progress=false (no progress bar), trainer.log_every=N (step lines), "
+    "trainer.loggers=[csv] (no TensorBoard)"
+)
+_LAUNCHER = (
+    "visiondist starts its own ranks: use parallel.dp=N or trainer.devices=N, or torchrun / srun "
+    "(docs/multi-node.md)"
+)
+_OTHER_KEY = (
+    f"{_NO_APP}, so this Hydra setting would do nothing: hydra.run.dir=DIR and, with -m, "
+    "hydra.sweep.dir=DIR are the ones it takes"
+)
+_SWEEPER = (
+    "-m expands comma-separated values and range(a,b) itself: Hydra's sweeper plugins are not used"
+)
+# Hydra flags that have no counterpart here, and why; honoured: --help, --version, --cfg, --resolve,
+# -p, -cd, -m
 REFUSED_FLAGS = {
     "--info": f"{_NO_APP}: --cfg job prints the composed config and --help each group's options",
-    "--shell-completion": "visiondist installs no shell completion: --help lists each group's options",
-    "--config-name": ("the tools compose configs/train.yaml: pick a recipe with experiment=<name> "
-                      "(configs/experiment/), or add options with -cd DIR"),
+    "--shell-completion": "visiondist installs no shell completion: --help lists each group's "
+    "options",
+    "--config-name": (
+        "the tools compose configs/train.yaml: pick a recipe with experiment=<name> "
+        "(configs/experiment/), or add options with -cd DIR"
+    ),
     "--config-path": "use -cd DIR (--config-dir): its <group>/<option>.yaml files add to configs/",
     "--hydra-help": f"{_NO_APP}: --help is the tool's usage",
     "--run": "one run is what a tool does without -m: drop --run",
-    "--experimental-rerun": "to continue a run, give trainer.run_dir=<run dir> (trainer.resume=auto)",
+    "--experimental-rerun": "to continue a run, give trainer.run_dir=<run dir> "
+    "(trainer.resume=auto)",
 }
-_SHORT = {"-i": "--info", "-sc": "--shell-completion", "-cn": "--config-name", "-cp": "--config-path", "-r": "--run",
-          "-c": "--cfg", "-p": "--package", "-cd": "--config-dir", "-m": "--multirun", "-h": "--help"}
-# Hydra's own keys (hydra.<key> or the hydra/<group> options) and what to use instead; matched by prefix
+_SHORT = {
+    "-i": "--info",
+    "-sc": "--shell-completion",
+    "-cn": "--config-name",
+    "-cp": "--config-path",
+    "-r": "--run",
+    "-c": "--cfg",
+    "-p": "--package",
+    "-cd": "--config-dir",
+    "-m": "--multirun",
+    "-h": "--help",
+}
+# Hydra's own keys (hydra.<key> or the hydra/<group> options) and what to use instead; matched by
+# prefix
 REFUSED_KEYS = (
     ("hydra.job.chdir", "visiondist never changes directory; paths are relative to where you run"),
-    ("hydra.verbose", "visiondist logs INFO on rank 0 to the console and the run dir's train.log: "
-                      "use trainer.log_every=N for more or fewer step lines"),
-    ("hydra/job_logging", _LOGGING), ("hydra/hydra_logging", _LOGGING),
-    ("hydra.job_logging", _LOGGING), ("hydra.hydra_logging", _LOGGING),
-    ("hydra.output_subdir", "visiondist writes no .hydra/ folder: the run dir's config.yaml is the resolved config"),
+    (
+        "hydra.verbose",
+        "visiondist logs INFO on rank 0 to the console and the run dir's train.log: "
+        "use trainer.log_every=N for more or fewer step lines",
+    ),
+    ("hydra/job_logging", _LOGGING),
+    ("hydra/hydra_logging", _LOGGING),
+    ("hydra.job_logging", _LOGGING),
+    ("hydra.hydra_logging", _LOGGING),
+    (
+        "hydra.output_subdir",
+        "visiondist writes no .hydra/ folder: the run dir's config.yaml is the resolved config",
+    ),
     ("hydra.sweep.subdir", "job k of a sweep goes to <sweep dir>/k: set hydra.sweep.dir=DIR only"),
-    ("hydra/launcher", _LAUNCHER), ("hydra.launcher", _LAUNCHER),
-    ("hydra/sweeper", _SWEEPER), ("hydra.sweeper", _SWEEPER),
+    ("hydra/launcher", _LAUNCHER),
+    ("hydra.launcher", _LAUNCHER),
+    ("hydra/sweeper", _SWEEPER),
+    ("hydra.sweeper", _SWEEPER),
     ("hydra.mode", "use -m for a sweep"),
     ("hydra.searchpath", "use -cd DIR (--config-dir)"),
 )
 
 
 def parse(tool: Tool, config_dir: Path, argv: list[str]) -> Command:
-    """`argv` by the convention (see the module's docstring); raises ConfigError with a one-line fix."""
+    """`argv` by the convention (see the module's docstring); raises ConfigError with a one-line
+    fix."""
     cmd, rest = _flags(tool, list(argv))
     for token in rest:
         key = token.split("=", 1)[0].lstrip("+~") if "=" in token else None
@@ -109,11 +161,15 @@ def parse(tool: Tool, config_dir: Path, argv: list[str]) -> Command:
             elif tool.positional:
                 cmd.paths.append(token)
             elif not tool.config:
-                raise ConfigError(f"{token}: not a key=value: tools/{tool.name} takes {_key_list(tool)}, e.g. "
-                                  f"{tool.key_names[0]}={token}")
+                raise ConfigError(
+                    f"{token}: not a key=value: tools/{tool.name} takes {_key_list(tool)}, e.g. "
+                    f"{tool.key_names[0]}={token}"
+                )
             else:
-                raise ConfigError(f"{token}: not an override; write key=value or group=option, e.g. data.root=/path "
-                                  "(Hydra's override grammar)")
+                raise ConfigError(
+                    f"{token}: not an override; write key=value or group=option, e.g. "
+                    "data.root=/path (Hydra's override grammar)"
+                )
         elif key == "hydra" or key.startswith(("hydra.", "hydra/")):
             _hydra_key(tool, cmd, key, token.split("=", 1)[1])
         elif key in tool.key_names and key == token.split("=", 1)[0]:
@@ -121,14 +177,24 @@ def parse(tool: Tool, config_dir: Path, argv: list[str]) -> Command:
         elif "." not in key and "/" not in key and key not in _top_level(config_dir):
             raise ConfigError(_not_a_key(tool, config_dir, key))
         elif not tool.config:
-            raise ConfigError(f"{token}: tools/{tool.name} takes {_key_list(tool)} only (the model and its settings "
-                              "come from the run's config.yaml)")
+            raise ConfigError(
+                f"{token}: tools/{tool.name} takes {_key_list(tool)} only (the model and its "
+                "settings come from the run's config.yaml)"
+            )
         else:
             cmd.overrides.append(token)
-    dirs = sorted({o.split("=", 1)[1] for o in cmd.overrides if o.split("=", 1)[0].lstrip("+") == "trainer.run_dir"})
+    dirs = sorted(
+        {
+            o.split("=", 1)[1]
+            for o in cmd.overrides
+            if o.split("=", 1)[0].lstrip("+") == "trainer.run_dir"
+        }
+    )
     if len(dirs) > 1:  # e.g. hydra.run.dir=A trainer.run_dir=B
-        raise ConfigError(f"trainer.run_dir={dirs[0]} and {dirs[1]}: hydra.run.dir / hydra.sweep.dir and "
-                          "trainer.run_dir name the same directory: give one of them")
+        raise ConfigError(
+            f"trainer.run_dir={dirs[0]} and {dirs[1]}: hydra.run.dir / hydra.sweep.dir and "
+            "trainer.run_dir name the same directory: give one of them"
+        )
     return cmd
 
 
@@ -148,14 +214,20 @@ def _flags(tool: Tool, argv: list[str]) -> tuple[Command, list[str]]:
             if not value and argv and argv[0] in ("job", "all", "hydra"):
                 value = argv.pop(0)
             if value == "hydra":
-                raise ConfigError(f"--cfg hydra: {_NO_APP}, so there is no Hydra config: --cfg job prints the "
-                                  "composed config")
+                raise ConfigError(
+                    f"--cfg hydra: {_NO_APP}, so there is no Hydra config: --cfg job prints the "
+                    "composed config"
+                )
             if value not in ("", "job", "all"):
                 raise ConfigError(f"--cfg {value}: choose --cfg job or --cfg all (the same here)")
             cmd.show = value or "job"
         elif flag in ("--package", "--config-dir"):
             if not value and (not argv or argv[0].startswith("-") or "=" in argv[0]):
-                example = "a package, e.g. -p trainer" if flag == "--package" else "a directory, e.g. -cd my_configs"
+                example = (
+                    "a package, e.g. -p trainer"
+                    if flag == "--package"
+                    else "a directory, e.g. -cd my_configs"
+                )
                 raise ConfigError(f"{token}: give {example}")
             value = value or argv.pop(0)
             if flag == "--package":
@@ -166,45 +238,61 @@ def _flags(tool: Tool, argv: list[str]) -> tuple[Command, list[str]]:
             cmd.resolve = True
         elif flag == "--multirun" and not value:
             if not tool.multirun:
-                raise ConfigError(f"{token}: tools/{tool.name} runs once per command; sweeps are for tools/train.py "
-                                  "and tools/benchmark.py")
+                raise ConfigError(
+                    f"{token}: tools/{tool.name} runs once per command; sweeps are for "
+                    "tools/train.py and tools/benchmark.py"
+                )
             cmd.multirun = True
         else:
             raise ConfigError(f"{token}: not a flag of tools/{tool.name}: --help lists them")
     if (cmd.resolve or cmd.package) and cmd.show is None:
-        raise ConfigError(f"{'--resolve' if cmd.resolve else '-p'} goes with --cfg: e.g. --cfg job "
-                          f"{'--resolve' if cmd.resolve else '-p trainer'}")
+        raise ConfigError(
+            f"{'--resolve' if cmd.resolve else '-p'} goes with --cfg: e.g. --cfg job "
+            f"{'--resolve' if cmd.resolve else '-p trainer'}"
+        )
     return cmd, rest
 
 
 def _config_dir(tool: Tool, value: str) -> Path:
     if not tool.config:
-        raise ConfigError(f"-cd {value}: tools/{tool.name} reads the run's config.yaml, not configs/")
+        raise ConfigError(
+            f"-cd {value}: tools/{tool.name} reads the run's config.yaml, not configs/"
+        )
     path = Path(value).expanduser().resolve()
     if not path.is_dir():
-        raise ConfigError(f"-cd {value}: no such directory: give a folder of <group>/<option>.yaml files")
+        raise ConfigError(
+            f"-cd {value}: no such directory: give a folder of <group>/<option>.yaml files"
+        )
     return path
 
 
 def _hydra_key(tool: Tool, cmd: Command, key: str, value: str) -> None:
-    """hydra.run.dir (one run) and hydra.sweep.dir (-m) become trainer.run_dir; any other Hydra key is refused."""
+    """hydra.run.dir (one run) and hydra.sweep.dir (-m) become trainer.run_dir; any other Hydra key
+    is refused."""
     if key in ("hydra.run.dir", "hydra.sweep.dir") and not tool.run_dir:
         out = " (out=<path> names its file)" if "out" in tool.key_names else ""
         raise ConfigError(f"{key}: tools/{tool.name} writes no run directory{out}")
     if key == "hydra.run.dir" and cmd.multirun:
-        raise ConfigError("hydra.run.dir: with -m each job goes to <sweep dir>/<job>: use hydra.sweep.dir=DIR")
+        raise ConfigError(
+            "hydra.run.dir: with -m each job goes to <sweep dir>/<job>: use hydra.sweep.dir=DIR"
+        )
     if key == "hydra.sweep.dir" and not cmd.multirun:
-        raise ConfigError("hydra.sweep.dir names the directory of a sweep (-m): for one run use hydra.run.dir=DIR "
-                          "(or trainer.run_dir=DIR)")
+        raise ConfigError(
+            "hydra.sweep.dir names the directory of a sweep (-m): for one run use "
+            "hydra.run.dir=DIR (or trainer.run_dir=DIR)"
+        )
     if key in ("hydra.run.dir", "hydra.sweep.dir"):
         cmd.overrides.append(f"trainer.run_dir={value}")
         return
-    why = next((why for prefix, why in REFUSED_KEYS if key == prefix or key.startswith(prefix + ".")), None)
+    why = next(
+        (why for prefix, why in REFUSED_KEYS if key == prefix or key.startswith(prefix + ".")), None
+    )
     raise ConfigError(f"{key}: {why or _OTHER_KEY}")
 
 
 def _top_level(config_dir: Path) -> set[str]:
-    """The names a dotless key=value can start with: the config groups and the schema's top-level settings."""
+    """The names a dotless key=value can start with: the config groups and the schema's top-level
+    settings."""
     from visiondist.config import TrainConfig
 
     groups = {p.name for p in Path(config_dir).iterdir() if p.is_dir()}
@@ -212,7 +300,8 @@ def _top_level(config_dir: Path) -> set[str]:
 
 
 def _not_a_key(tool: Tool, config_dir: Path, key: str) -> str:
-    """`max_steps is not a setting: did you mean trainer.max_steps?`, or a tool key / group close to it."""
+    """`max_steps is not a setting: did you mean trainer.max_steps?`, or a tool key / group close to
+    it."""
     same = not_a_setting(key)
     if same:
         return same
@@ -220,8 +309,10 @@ def _not_a_key(tool: Tool, config_dir: Path, key: str) -> str:
     if close:
         return f"{key} is not a setting of tools/{tool.name}: did you mean {close[0]}?"
     takes = f"the keys {_key_list(tool)}, " if tool.keys else ""
-    return (f"{key} is not a setting: tools/{tool.name} takes {takes}group=option and group.key=value (--help lists "
-            "them)")
+    return (
+        f"{key} is not a setting: tools/{tool.name} takes {takes}group=option and group.key=value "
+        "(--help lists them)"
+    )
 
 
 def _key_list(tool: Tool) -> str:
@@ -229,15 +320,20 @@ def _key_list(tool: Tool) -> str:
 
 
 def groups(config_dir: Path) -> dict[str, list[str]]:
-    """Each config group a user picks from (not `tuned`, which follows the model and the data) and its options."""
-    found = {p.name: sorted(f.stem for f in p.glob("*.yaml")) for p in sorted(Path(config_dir).iterdir())
-             if p.is_dir() and p.name != "tuned"}
+    """Each config group a user picks from (not `tuned`, which follows the model and the data) and
+    its options."""
+    found = {
+        p.name: sorted(f.stem for f in p.glob("*.yaml"))
+        for p in sorted(Path(config_dir).iterdir())
+        if p.is_dir() and p.name != "tuned"
+    }
     return {name: options for name, options in found.items() if options}
 
 
 def main(tool: Tool, config_dir: Path, argv: list[str], body: Callable[[Command], object]) -> int:
-    """A tool's whole command line: --help and --version answered, else `body(parsed command)`. Exit code: `body`'s
-    integer, 0, 2 for bad input (one `error:` line), or a failed rank's code (`launch.RunFailed`'s one line)."""
+    """A tool's whole command line: --help and --version answered, else `body(parsed command)`. Exit
+    code: `body`'s integer, 0, 2 for bad input (one `error:` line), or a failed rank's code
+    (`launch.RunFailed`'s one line)."""
     if any(a in ("-h", "--help") for a in argv):
         print(usage(tool, config_dir))
         return 0
@@ -246,7 +342,8 @@ def main(tool: Tool, config_dir: Path, argv: list[str], body: Callable[[Command]
         return 0
     from visiondist.utils.signals import StopNow, StopSignals
 
-    signals = StopSignals().install(at_once=True)  # work in this process (export, start-up) stops at once; a rank
+    # work in this process (export, start-up) stops at once; a rank
+    signals = StopSignals().install(at_once=True)
     # and the launcher of several install their own on top
     try:
         code = body(parse(tool, config_dir, argv))
@@ -254,22 +351,34 @@ def main(tool: Tool, config_dir: Path, argv: list[str], body: Callable[[Command]
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except StopNow as stop:
-        print(f"{tool.name.removesuffix('.py')} stopped by {stop.signal_name}: nothing written", file=sys.stderr,
-              flush=True)
+        print(
+            f"{tool.name.removesuffix('.py')} stopped by {stop.signal_name}: nothing written",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + int(getattr(signal, stop.signal_name))
-    except Exception as exc:  # a rank failed: `launch.RunFailed` says which, where and why in one line; a stop signal
-        if type(exc).__name__ not in ("RunFailed", "JobStopped"):  # `launch.JobStopped` says what was kept
+    # a rank failed: `launch.RunFailed` says which, where and why in one line; a stop signal
+    except Exception as exc:
+        # `launch.JobStopped` says what was kept
+        if type(exc).__name__ not in ("RunFailed", "JobStopped"):
             raise
         if str(exc):
-            print(f"error: {exc}" if type(exc).__name__ == "RunFailed" else str(exc), file=sys.stderr, flush=True)
+            print(
+                f"error: {exc}" if type(exc).__name__ == "RunFailed" else str(exc),
+                file=sys.stderr,
+                flush=True,
+            )
         return exc.exit_code
     finally:
         signals.restore()
     return code if isinstance(code, int) else 0
 
 
-def run_tool(tool: Tool | str, config_dir: Path, argv: list[str], run: Callable[[DictConfig], object]) -> int:
-    """A tool that composes configs/ and runs `run(cfg)` (train, benchmark), once or per sweep job (-m)."""
+def run_tool(
+    tool: Tool | str, config_dir: Path, argv: list[str], run: Callable[[DictConfig], object]
+) -> int:
+    """A tool that composes configs/ and runs `run(cfg)` (train, benchmark), once or per sweep job
+    (-m)."""
     spec = tool if isinstance(tool, Tool) else Tool(name=tool)
 
     def body(cmd: Command) -> object:
@@ -288,14 +397,17 @@ def run_tool(tool: Tool | str, config_dir: Path, argv: list[str], run: Callable[
 
 
 def config_text(cfg: DictConfig, package: Optional[str] = None) -> str:
-    """--cfg: the composed config as YAML with its interpolations resolved, or only its `package` (-p)."""
+    """--cfg: the composed config as YAML with its interpolations resolved, or only its `package`
+    (-p)."""
     if not package:
         return OmegaConf.to_yaml(cfg, resolve=True)
     parent, _, leaf = package.rpartition(".")
     holder = OmegaConf.select(cfg, parent) if parent else cfg
     if not isinstance(holder, DictConfig) or leaf not in holder.keys():
-        raise ConfigError(f"-p {package}: the config has no such part: use one of {', '.join(map(str, cfg.keys()))} "
-                          "or a dotted key in them")
+        raise ConfigError(
+            f"-p {package}: the config has no such part: use one of "
+            f"{', '.join(map(str, cfg.keys()))} or a dotted key in them"
+        )
     if OmegaConf.is_missing(holder, leaf):
         return "???"
     node = holder[leaf]
@@ -303,20 +415,35 @@ def config_text(cfg: DictConfig, package: Optional[str] = None) -> str:
 
 
 def usage(tool: Tool, config_dir: Path) -> str:
-    """--help: the form, the tool's keys, what it reads and writes, the flags, each config group's options."""
-    form = " ".join([*([tool.command] if tool.command else []), "[flags]", *(f"[{key}]" for key, _ in tool.keys),
-                     *(["[group=option ...] [group.key=value ...]"] if tool.config else [])])
+    """--help: the form, the tool's keys, what it reads and writes, the flags, each config group's
+    options."""
+    form = " ".join(
+        [
+            *([tool.command] if tool.command else []),
+            "[flags]",
+            *(f"[{key}]" for key, _ in tool.keys),
+            *(["[group=option ...] [group.key=value ...]"] if tool.config else []),
+        ]
+    )
     lines = [f"usage: python tools/{tool.name} {form}", "", _wrap(tool.about), ""]
     if tool.keys:
         lines += ["keys of this tool (plain key=value, no dot):"]
-        width = max(18, *(len(key) + 1 for key, _ in tool.keys))  # a long key keeps a space before its text
+        # a long key keeps a space before its text
+        width = max(18, *(len(key) + 1 for key, _ in tool.keys))
         lines += [_wrap(text, f"  {key:<{width}}") for key, text in tool.keys] + [""]
     lines += [_wrap(tool.reads, "reads:  "), _wrap(tool.writes, "writes: "), ""]
     if tool.config:
-        lines += [_wrap("config (as tools/train.py): group=option picks configs/<group>/<option>.yaml, group.key=value "
-                        "sets one field (e.g. data.root=/path trainer.max_steps=100); --cfg job prints every field. "
-                        "The groups and their options:")]
-        lines += [_wrap(" ".join(options), f"  {name:<11}") for name, options in groups(config_dir).items()] + [""]
+        lines += [
+            _wrap(
+                "config (as tools/train.py): group=option picks configs/<group>/<option>.yaml, "
+                "group.key=value sets one field (e.g. data.root=/path trainer.max_steps=100); "
+                "--cfg job prints every field. The groups and their options:"
+            )
+        ]
+        lines += [
+            _wrap(" ".join(options), f"  {name:<11}")
+            for name, options in groups(config_dir).items()
+        ] + [""]
     lines += ["flags:", *_flag_lines(tool), "", "examples:", *(f"  {e}" for e in tool.examples)]
     return "\n".join(lines)
 
@@ -324,26 +451,62 @@ def usage(tool: Tool, config_dir: Path) -> str:
 def _wrap(text: str, head: str = "") -> str:
     import textwrap
 
-    return textwrap.fill(text, width=118, initial_indent=head, subsequent_indent=" " * len(head),
-                         break_on_hyphens=False, break_long_words=False)
+    return textwrap.fill(
+        text,
+        width=118,
+        initial_indent=head,
+        subsequent_indent=" " * len(head),
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
 
 
 def _flag_lines(tool: Tool) -> list[str]:
-    flags = [("-h, --help", "this text"), ("--version", "visiondist, torch, torchvision and hydra versions"),
-             ("--cfg [job|all]", "print the config as asked (interpolations resolved; the layout it resolves to is the run dir's layout.json) and exit; -p PKG: only that "
-                                 "part, e.g. -p trainer; --resolve: the same output (it is always resolved)")]
+    flags = [
+        ("-h, --help", "this text"),
+        ("--version", "visiondist, torch, torchvision and hydra versions"),
+        (
+            "--cfg [job|all]",
+            "print the config as asked (interpolations resolved; the layout it resolves to is the "
+            "run dir's layout.json) and exit; -p PKG: only that part, e.g. -p trainer; --resolve: "
+            "the same output (it is always resolved)",
+        ),
+    ]
     if tool.config:
-        flags += [("-cd, --config-dir DIR", "more options in DIR/<group>/<option>.yaml (DIR/model/my_vit.yaml: "
-                                            "model=my_vit)")]
+        flags += [
+            (
+                "-cd, --config-dir DIR",
+                "more options in DIR/<group>/<option>.yaml (DIR/model/my_vit.yaml: model=my_vit)",
+            )
+        ]
     if tool.multirun:
-        flags += [("-m, --multirun", "one job per combination of comma-separated values (range(a,b) too), one after "
-                                     "the other, each launching its own ranks")]
+        flags += [
+            (
+                "-m, --multirun",
+                "one job per combination of comma-separated values (range(a,b) too), one after "
+                "the other, each launching its own ranks",
+            )
+        ]
     if tool.run_dir:
-        flags += [("hydra.run.dir=DIR", "the same as trainer.run_dir=DIR"
-                   + ("; with -m, hydra.sweep.dir=DIR is the sweep's directory" if tool.multirun else ""))]
+        flags += [
+            (
+                "hydra.run.dir=DIR",
+                "the same as trainer.run_dir=DIR"
+                + (
+                    "; with -m, hydra.sweep.dir=DIR is the sweep's directory"
+                    if tool.multirun
+                    else ""
+                ),
+            )
+        ]
     lines = [_wrap(text, f"  {flag:<24}") for flag, text in flags]
-    return lines + [_wrap("other Hydra flags (--info, -cn, --shell-completion, ...) and hydra.* keys are refused, each "
-                          "with the setting to use instead (README.md: Command line)", "  ")]
+    return lines + [
+        _wrap(
+            "other Hydra flags (--info, -cn, --shell-completion, ...) and hydra.* keys are "
+            "refused, each with the setting to use instead (README.md: Command line)",
+            "  ",
+        )
+    ]
 
 
 def versions() -> str:
@@ -359,5 +522,7 @@ def versions() -> str:
         own = version("visiondist")
     except PackageNotFoundError:
         own = "(not installed: run from the source tree)"
-    return (f"visiondist {own}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
-            f"hydra {hydra.__version__}, omegaconf {omegaconf.__version__}")
+    return (
+        f"visiondist {own}, torch {torch.__version__}, torchvision {torchvision.__version__}, "
+        f"hydra {hydra.__version__}, omegaconf {omegaconf.__version__}"
+    )

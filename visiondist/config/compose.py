@@ -1,5 +1,5 @@
-"""Composition: `configs/` + command-line overrides -> a resolved, typed config; and the plain dict that crosses
-process boundaries."""
+"""Composition: `configs/` + command-line overrides -> a resolved, typed config; and the plain dict
+that crosses process boundaries."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from visiondist.config.schema import TrainConfig
 
 
 def _patch_multiple(size: int, patch: int) -> int:
-    """The largest multiple of the patch size not above `size` (at least one patch): a 64-pixel dataset feeds a
-    /16 model 64-pixel images and a /14 model 56-pixel ones."""
+    """The largest multiple of the patch size not above `size` (at least one patch): a 64-pixel
+    dataset feeds a /16 model 64-pixel images and a /14 model 56-pixel ones."""
     return max(1, int(size) // int(patch)) * int(patch)
 
 
@@ -28,7 +28,8 @@ def register_schema() -> None:
 
 
 def compose(config_dir: str | Path, overrides: list[str], config_name: str = "train") -> DictConfig:
-    """Compose `configs/<config_name>.yaml` with command-line overrides into a resolved, typed config."""
+    """Compose `configs/<config_name>.yaml` with command-line overrides into a resolved, typed
+    config."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
@@ -36,7 +37,9 @@ def compose(config_dir: str | Path, overrides: list[str], config_name: str = "tr
     with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
         cfg = hydra_compose(config_name=config_name, overrides=overrides)
     OmegaConf.resolve(cfg)
-    spelling = PRECISION_SPELLINGS.get(str(OmegaConf.select(cfg, "trainer.precision", default="32")))
+    spelling = PRECISION_SPELLINGS.get(
+        str(OmegaConf.select(cfg, "trainer.precision", default="32"))
+    )
     if spelling is not None:  # fp32 / fp16, as the summary prints them, are 32 / 16
         cfg.trainer.precision = spelling
     return cfg
@@ -47,7 +50,8 @@ PRECISION_SPELLINGS = {"32": "32", "fp32": "32", "bf16": "bf16", "16": "16", "fp
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """{"model.depth": 12, ...}: the leaves of a nested dict under dotted keys (lists stay whole)."""
+    """{"model.depth": 12, ...}: the leaves of a nested dict under dotted keys (lists stay
+    whole)."""
     if not isinstance(tree, dict):
         return {prefix[:-1]: tree}
     out: dict[str, Any] = {}
@@ -67,9 +71,10 @@ def from_container(data: dict[str, Any]) -> DictConfig:
 
 
 def run_config(run_dir: str | Path, overrides: list[str] = ()) -> DictConfig:
-    """A run's config.yaml (as asked) with key=value `overrides`, not yet checked. A `parallel=auto` run comes back in
-    the layout it ran under (its layout.json) unless the overrides name another, so that evaluating or exporting it
-    rebuilds the model that was trained. Raises ConfigError when the dir holds no run."""
+    """A run's config.yaml (as asked) with key=value `overrides`, not yet checked. A `parallel=auto`
+    run comes back in the layout it ran under (its layout.json) unless the overrides name another,
+    so that evaluating or exporting it rebuilds the model that was trained. Raises ConfigError when
+    the dir holds no run."""
     from visiondist.config.layout import RunLayout
     from visiondist.config.schema import ConfigError
 
@@ -79,15 +84,25 @@ def run_config(run_dir: str | Path, overrides: list[str] = ()) -> DictConfig:
 
         run, step = Path(run_dir).parent.parent, step_of(Path(run_dir))
         if step is not None and (run / "config.yaml").is_file():
-            raise ConfigError(f"{run_dir} is a checkpoint of the run {run}: give run_dir={run} step={step}")
+            raise ConfigError(
+                f"{run_dir} is a checkpoint of the run {run}: give run_dir={run} step={step}"
+            )
         if not Path(run_dir).exists():
             raise ConfigError(f"{run_dir}: no such directory: give the directory of a training run")
         raise ConfigError(f"{run_dir} holds no config.yaml: give the directory of a training run")
     ran, as_it_ran = RunLayout.load(Path(run_dir)), {}
-    if ran is not None and ran.chosen_by == "parallel=auto" and not any(o.startswith("parallel.") for o in overrides):
+    if (
+        ran is not None
+        and ran.chosen_by == "parallel=auto"
+        and not any(o.startswith("parallel.") for o in overrides)
+    ):
         as_it_ran = {"parallel": {**ran.parallel_overrides(), "auto": False}}
     from visiondist.config.schema import upgrade_saved
 
     saved = upgrade_saved(OmegaConf.load(path))  # a run from before trainer.loggers
-    return OmegaConf.merge(OmegaConf.structured(TrainConfig), saved, as_it_ran,  # type: ignore
-                           OmegaConf.from_dotlist(list(overrides)))
+    return OmegaConf.merge(
+        OmegaConf.structured(TrainConfig),
+        saved,
+        as_it_ran,  # type: ignore
+        OmegaConf.from_dotlist(list(overrides)),
+    )

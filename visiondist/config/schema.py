@@ -1,5 +1,5 @@
-"""The structured configs: the schema behind `configs/`. Hydra composes the YAML groups into these dataclasses, so a
-misspelt key or a value of the wrong type fails at composition."""
+"""The structured configs: the schema behind `configs/`. Hydra composes the YAML groups into these
+dataclasses, so a misspelt key or a value of the wrong type fails at composition."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ class ModelConfig:
     name: str = MISSING
     family: str = "vit"
     timm_name: Optional[str] = None  # the timm architecture whose state-dict layout we export to
-    img_size: int = II("patch_multiple:${data.img_size},${model.patch_size}")  # data.img_size, rounded down
+    # data.img_size, rounded down
+    img_size: int = II("patch_multiple:${data.img_size},${model.patch_size}")
     num_classes: int = II("data.num_classes")
     patch_size: int = 16
     embed_dim: int = 192
@@ -30,37 +31,49 @@ class ModelConfig:
     drop_path_rate: float = 0.0
     # detectors (family torchvision / vitdet)
     arch: Optional[str] = None  # torchvision builder, e.g. fasterrcnn_mobilenet_v3_large_fpn
-    weights: Optional[str] = None  # a local state dict (.safetensors or torch file); nothing is ever downloaded
-    init_from: Optional[str] = None  # ViT fine-tuning: local weights (ours or timm's); a head of another size is new
-    # ResNet-FPN detectors: the backbone's ImageNet weights, a local torchvision resnet50 state dict (e.g. the
-    # resnet50-0676ba61.pth file of ResNet50_Weights.IMAGENET1K_V1); as torchvision's weights_backbone does, its
-    # BatchNorms become frozen (v1 models) and only the last `trainable_backbone_layers` stages train
+    # a local state dict (.safetensors or torch file); nothing is ever downloaded
+    weights: Optional[str] = None
+    # ViT fine-tuning: local weights (ours or timm's); a head of another size is new
+    init_from: Optional[str] = None
+    # ResNet-FPN detectors: the backbone's ImageNet weights, a local torchvision resnet50 state dict
+    # (e.g. the resnet50-0676ba61.pth file of ResNet50_Weights.IMAGENET1K_V1); as torchvision's
+    # weights_backbone does, its BatchNorms become frozen (v1 models) and only the last
+    # `trainable_backbone_layers` stages train
     backbone_weights: Optional[str] = None
     trainable_backbone_layers: int = 3  # 0-5, with backbone_weights (torchvision's default: 3)
     min_size: int = II("data.min_size")  # the detector's internal resize
     max_size: int = II("data.max_size")
     fpn_channels: int = 256  # vitdet: channels of the simple feature pyramid
-    masks: Optional[bool] = None  # a mask head: vitdet's is off unless true; torchvision's maskrcnn_* always have one
-    anchor_scale: float = 1.0  # multiplies the detector's anchor sizes (same anchors per location, same weights)
+    # a mask head: vitdet's is off unless true; torchvision's maskrcnn_* always have one
+    masks: Optional[bool] = None
+    # multiplies the detector's anchor sizes (same anchors per location, same weights)
+    anchor_scale: float = 1.0
     roi_sampling_ratio: Optional[int] = None  # RoIAlign samples per bin side (torchvision: 2)
     sync_bn: bool = False  # convert BatchNorm to SyncBatchNorm under data parallelism (CUDA)
     sdpa: str = "auto"  # attention kernel: auto (torch picks) | flash | efficient | cudnn | math
-    channels_last: bool = False  # convolutions in NHWC memory layout (CNN detectors on tensor cores)
-    # DETR-class detectors: the square sides a training batch is drawn from (RT-DETR's schedule: 480-800 around 640)
+    # convolutions in NHWC memory layout (CNN detectors on tensor cores)
+    channels_last: bool = False
+    # DETR-class detectors: the square sides a training batch is drawn from (RT-DETR's schedule:
+    # 480-800 around 640)
     multi_scale: Optional[list[int]] = None
-    num_queries: Optional[int] = None  # DETR-class detectors: object queries (null: the published 300)
-    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the torchvision detector, e.g. box_score_thresh
+    # DETR-class detectors: object queries (null: the published 300)
+    num_queries: Optional[int] = None
+    # passed to the torchvision detector, e.g. box_score_thresh
+    kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class NativeConfig:
-    """data.resolution=native (a ViT classifier): each image at its own aspect ratio, as a sequence of patches
-    (visiondist.data.native)."""
-    # training sequence lengths, one drawn per step; each step holds data.batch_size x (the square model's token count)
-    # tokens. Empty: half, once and twice the square model's count (98, 196, 392 for 224 px / 16)
+    """data.resolution=native (a ViT classifier): each image at its own aspect ratio, as a sequence
+    of patches (visiondist.data.native)."""
+
+    # training sequence lengths, one drawn per step; each step holds data.batch_size x (the square
+    # model's token count) tokens. Empty: half, once and twice the square model's count (98, 196,
+    # 392 for 224 px / 16)
     seq_lens: list[int] = field(default_factory=list)
     eval_seq_len: int = -1  # the evaluation's sequence length; -1: the square model's token count
-    pack: bool = False  # several images to a sequence (attention kept inside each), instead of one padded
+    # several images to a sequence (attention kept inside each), instead of one padded
+    pack: bool = False
 
 
 @dataclass
@@ -73,8 +86,8 @@ class SyntheticConfig:
     val_images: int = 300
     image_size: int = 64
     seed: int = 0
-    # shapes: images of aspect ratios (width / height) log-uniform in [1 / max_aspect, max_aspect], each of the area of
-    # an image_size square; 1: all square
+    # shapes: images of aspect ratios (width / height) log-uniform in [1 / max_aspect, max_aspect],
+    # each of the area of an image_size square; 1: all square
     max_aspect: float = 1.0
 
 
@@ -94,26 +107,32 @@ class DataConfig:
     std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
     train_crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
     hflip: float = 0.5
-    auto_augment: str = "none"  # classification training: none | rand (RandAugment 2 ops, magnitude 9) | trivial
-    augment_on: str = "device"  # where auto_augment runs: device (the whole batch after the copy) | loader (workers)
-    # training JPEGs decoded by: loader (OpenCV in the workers) | device (nvJPEG, batched) | auto (visiondist.data.decode_choice:
-    # the device only where the workers cannot feed the step; the loader on the CPU)
+    # classification training: none | rand (RandAugment 2 ops, magnitude 9) | trivial
+    auto_augment: str = "none"
+    # where auto_augment runs: device (the whole batch after the copy) | loader (workers)
+    augment_on: str = "device"
+    # training JPEGs decoded by: loader (OpenCV in the workers) | device (nvJPEG, batched) | auto
+    # (visiondist.data.decode_choice: the device only where the workers cannot feed the step; the
+    # loader on the CPU)
     decode_on: str = "auto"
-    random_erasing: float = 0.0  # timm's random erasing: probability per image (DeiT: 0.25); 0: off. On the device
-    random_erasing_mode: str = "pixel"  # pixel (per-pixel normal noise) | rand (one normal colour) | const (zeros)
+    # timm's random erasing: probability per image (DeiT: 0.25); 0: off. On the device
+    random_erasing: float = 0.0
+    # pixel (per-pixel normal noise) | rand (one normal colour) | const (zeros)
+    random_erasing_mode: str = "pixel"
     mixup: float = 0.0  # mixup alpha (timm's Mixup); 0: off
     cutmix: float = 0.0  # cutmix alpha; 0: off
     mixup_prob: float = 1.0  # probability of mixing a batch at all
     mixup_switch_prob: float = 0.5  # with both on: probability of cutmix instead of mixup
     crop_pct: float = 0.875
-    # classification with a ViT: square (each image cropped and resized to model.img_size) | native (its own aspect
-    # ratio, as many patches as its step's sequence length holds: data.native)
+    # classification with a ViT: square (each image cropped and resized to model.img_size) | native
+    # (its own aspect ratio, as many patches as its step's sequence length holds: data.native)
     resolution: str = "square"
     native: NativeConfig = field(default_factory=NativeConfig)
-    # classification resize filter (OpenCV), train crop and eval resize alike: bilinear | bicubic; written into the
-    # export's timm config, so that timm's eval transform resizes the same way
+    # classification resize filter (OpenCV), train crop and eval resize alike: bilinear | bicubic;
+    # written into the export's timm config, so that timm's eval transform resizes the same way
     interpolation: str = "bilinear"
-    # detection (format coco): <root>/<images>/<file_name>, <root>/<annotations>; {split} is the split name
+    # detection (format coco): <root>/<images>/<file_name>, <root>/<annotations>; {split} is the
+    # split name
     annotations: str = "annotations/instances_{split}.json"
     images: str = "{split}"
     min_size: int = 800  # resize: short side to min_size unless the long side would pass max_size
@@ -126,9 +145,12 @@ class DataConfig:
     pin_memory: bool = True  # page-locked batches, copied to the GPU without blocking (CUDA only)
     prefetch_factor: int = 2  # batches each loader worker prepares ahead
     # format shards (tools/data.py pack): root is the packed directory or an http(s):// URL
-    streams: int = 8  # shard-aware order: parts of each epoch; a multiple of the nodes, a divisor of the batch
-    cache_dir: Optional[str] = None  # where remote shards are kept; null: $XDG_CACHE_HOME/visiondist/shards
-    cache_gb: float = 100.0  # per data set and node: least recently used shards are dropped beyond it
+    # shard-aware order: parts of each epoch; a multiple of the nodes, a divisor of the batch
+    streams: int = 8
+    # where remote shards are kept; null: $XDG_CACHE_HOME/visiondist/shards
+    cache_dir: Optional[str] = None
+    # per data set and node: least recently used shards are dropped beyond it
+    cache_gb: float = 100.0
     fetch_retries: int = 3  # more attempts per shard before the job ends naming its URL
     synthetic: Optional[SyntheticConfig] = None
 
@@ -139,33 +161,47 @@ class ParallelConfig:
     dp: int = -1  # -1: whatever the world size leaves after tp and pp
     tp: int = 1
     pp: int = 1
-    sequence_parallel: bool = False  # Megatron-SP: norms and residuals sharded along tokens (needs tp > 1)
+    # Megatron-SP: norms and residuals sharded along tokens (needs tp > 1)
+    sequence_parallel: bool = False
     schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved_1f1b | zero_bubble
-    stages_per_rank: int = -1  # virtual pipeline stages per rank; -1: 2 for interleaved_1f1b / zero_bubble, else 1
+    # virtual pipeline stages per rank; -1: 2 for interleaved_1f1b / zero_bubble, else 1
+    stages_per_rank: int = -1
     microbatches: int = -1  # micro-batches per pipeline step (per DP rank); -1: 2 x pp
-    # record one pipeline step's timeline (pipeline_timeline.png / .json, the bubble); null: on the CPU yes, on CUDA
-    # only when asked (true): it puts two CUDA events around every action of that step
+    # record one pipeline step's timeline (pipeline_timeline.png / .json, the bubble); null: on the
+    # CPU yes, on CUDA only when asked (true): it puts two CUDA events around every action of that
+    # step
     timeline: Optional[bool] = None
-    fsdp: bool = False  # shard parameters, gradients and optimizer state over the DP ranks (FSDP2, one unit per block)
-    # with fsdp: shard inside groups of this many DP ranks and replicate across the groups (HSDP): -1: the ranks of
-    # one node (replicate across nodes); 0: every DP rank (plain FSDP)
+    # shard parameters, gradients and optimizer state over the DP ranks (FSDP2, one unit per block)
+    fsdp: bool = False
+    # with fsdp: shard inside groups of this many DP ranks and replicate across the groups (HSDP):
+    # -1: the ranks of one node (replicate across nodes); 0: every DP rank (plain FSDP)
     shard_size: int = 0
-    offload: bool = False  # with fsdp: shards, gradients and optimizer state in host memory, optimizer on the CPU
-    activation_checkpointing: bool = False  # recompute each block's activations in the backward (keeps its input)
+    # with fsdp: shards, gradients and optimizer state in host memory, optimizer on the CPU
+    offload: bool = False
+    # recompute each block's activations in the backward (keeps its input)
+    activation_checkpointing: bool = False
     checkpoint_blocks: int = -1  # selective: only the first N blocks recompute (-1: all of them)
-    checkpoint_keep: str = "input"  # input: a block keeps its input | matmuls: also its matmuls' and attention's outputs
-    # a named layout whose plan does not fit the device (its memory, or device_memory_gb): auto adds what fits it at
-    # the least cost in the time model (more gradient accumulation, selective or whole-block checkpointing) and says
-    # so; refuse stops before any rank starts, naming the settings that fit; off runs it as named (a warning)
+    # input: a block keeps its input | matmuls: also its matmuls' and attention's outputs
+    checkpoint_keep: str = "input"
+    # a named layout whose plan does not fit the device (its memory, or device_memory_gb): auto adds
+    # what fits it at the least cost in the time model (more gradient accumulation, selective or
+    # whole-block checkpointing) and says so; refuse stops before any rank starts, naming the
+    # settings that fit; off runs it as named (a warning)
     fit: str = "auto"
-    # parallel=auto: choose dp / tp / pp / fsdp / offload / activation checkpointing from the memory and time model
+    # parallel=auto: choose dp / tp / pp / fsdp / offload / activation checkpointing from the memory
+    # and time model
     auto: bool = False
-    device_memory_gb: float = 0.0  # per device; 0: the GPU's own (CUDA), or host memory / ranks (CPU)
-    host_memory_gb: float = 0.0  # per node, for what offload keeps on the host; 0: this machine's memory
+    # per device; 0: the GPU's own (CUDA), or host memory / ranks (CPU)
+    device_memory_gb: float = 0.0
+    # per node, for what offload keeps on the host; 0: this machine's memory
+    host_memory_gb: float = 0.0
     num_devices: int = -1  # planning only (tools/plan.py): -1: trainer.devices x parallel.nodes
-    nodes: int = 1  # planning only: nodes of num_devices / nodes devices each (TP stays inside a node)
-    headroom: float = 0.9  # a layout fits when its estimate is at most this fraction of device_memory_gb
-    device_tflops: float = 400.0  # sustained dense rate per device (time model; ranks layouts, predicts no wall time)
+    # planning only: nodes of num_devices / nodes devices each (TP stays inside a node)
+    nodes: int = 1
+    # a layout fits when its estimate is at most this fraction of device_memory_gb
+    headroom: float = 0.9
+    # sustained dense rate per device (time model; ranks layouts, predicts no wall time)
+    device_tflops: float = 400.0
     intra_node_gbs: float = 300.0  # per-device link bandwidth inside a node, GB/s (NVLink class)
     inter_node_gbs: float = 25.0  # per-device bandwidth between nodes, GB/s (200 Gb/s InfiniBand)
     host_gbs: float = 25.0  # device <-> host copies (offload), GB/s
@@ -180,19 +216,24 @@ class OptimConfig:
     eps: float = 1e-8
     momentum: float = 0.9
     nesterov: bool = False
-    decay_norm_bias: bool = False  # true: weight decay on norms, biases, embeddings too (torchvision's references)
-    layer_decay: float = 1.0  # layer-wise LR decay (fine-tuning): block i gets lr x layer_decay^(depth - i); 1: off
-    impl: str = "auto"  # optimizer kernels: auto (the fastest torch has on the device) | fused | foreach | loop
+    # true: weight decay on norms, biases, embeddings too (torchvision's references)
+    decay_norm_bias: bool = False
+    # layer-wise LR decay (fine-tuning): block i gets lr x layer_decay^(depth - i); 1: off
+    layer_decay: float = 1.0
+    # optimizer kernels: auto (the fastest torch has on the device) | fused | foreach | loop
+    impl: str = "auto"
 
 
 @dataclass
 class ScheduleConfig:
     name: str = "cosine"
-    warmup_steps: int = 0  # -1 (configs/schedule/'s default): a fifth of the run's steps, at most warmup_auto_max
+    # -1 (configs/schedule/'s default): a fifth of the run's steps, at most warmup_auto_max
+    warmup_steps: int = 0
     warmup_auto_max: int = 30
     warmup_start_factor: float = 0.01  # lr multiplier at step 0 of the warmup
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of optim.lr
-    milestones: list[float] = field(default_factory=lambda: [0.66, 0.88])  # step: fractions of the run
+    # step: fractions of the run
+    milestones: list[float] = field(default_factory=lambda: [0.66, 0.88])
     gamma: float = 0.1
 
 
@@ -200,50 +241,67 @@ class ScheduleConfig:
 class TrainerConfig:
     accelerator: str = "auto"
     devices: int = -1  # ranks per node; -1: all visible GPUs, or what the mesh needs on the CPU
-    # a node's ranks on its first GPU, over gloo: a test of a layout's correctness on fewer GPUs than ranks (never
-    # faster; NCCL, which refuses two ranks on one GPU, is not what runs). Without it, more ranks than GPUs is refused
+    # a node's ranks on its first GPU, over gloo: a test of a layout's correctness on fewer GPUs
+    # than ranks (never faster; NCCL, which refuses two ranks on one GPU, is not what runs). Without
+    # it, more ranks than GPUs is refused
     share_gpu: bool = False
     max_steps: int = -1
     max_epochs: int = 10
     seed: int = 0
     precision: str = "32"  # 32 (or fp32) | bf16 | 16 (or fp16: autocast with dynamic loss scaling)
-    fp8: str = "off"  # off | tensorwise | rowwise: the blocks' linear layers in float8 (torchao), with precision=bf16
-    fp8_layers: str = "auto"  # auto: the layers torchao's filter picks for the recipe | all: every one it can run
+    # off | tensorwise | rowwise: the blocks' linear layers in float8 (torchao), with precision=bf16
+    fp8: str = "off"
+    # auto: the layers torchao's filter picks for the recipe | all: every one it can run
+    fp8_layers: str = "auto"
     # | mlp: the MLPs' fc1 and fc2 only
-    tf32: bool = True  # CUDA: fp32 matmuls / convolutions in TF32 (10-bit mantissa, several times faster); false: ieee
-    compile: Any = "auto"  # torch.compile: auto (on CUDA) | true | false | model | blocks (see plan.resolve)
-    cuda_graphs: Any = "auto"  # the compiled model replayed as CUDA graphs: auto (narrow ViTs on one GPU) | true | false
-    compile_autotune: bool = False  # torch.compile's max-autotune mode: GEMM templates timed against cuBLAS (minutes)
+    # CUDA: fp32 matmuls / convolutions in TF32 (10-bit mantissa, several times faster); false: ieee
+    tf32: bool = True
+    # torch.compile: auto (on CUDA) | true | false | model | blocks (see plan.resolve)
+    compile: Any = "auto"
+    # the compiled model replayed as CUDA graphs: auto (narrow ViTs on one GPU) | true | false
+    cuda_graphs: Any = "auto"
+    # torch.compile's max-autotune mode: GEMM templates timed against cuBLAS (minutes)
+    compile_autotune: bool = False
     grad_accum: int = 1
     clip_grad: float = 0.0  # max global grad norm; 0 disables clipping
     label_smoothing: float = 0.0  # classification cross-entropy
     ema_decay: float = 0.0  # model EMA, evaluated next to the model (e.g. 0.9998); 0: off
-    eval_at_start: bool = False  # evaluate before the first step (e.g. the weights of model.init_from)
+    # evaluate before the first step (e.g. the weights of model.init_from)
+    eval_at_start: bool = False
     eval_every: int = 0  # optimizer steps between evaluations; 0: at the end of every epoch
     log_every: int = 20
     output_dir: str = "outputs"
     run_dir: Optional[str] = None  # default: <output_dir>/<date>/<time>
     progress: bool = True  # rank 0: the live bar in a terminal, evaluation bars and spinners
-    plots: bool = True  # rank 0: curves.png and the per-class (and detectors' val image) PNGs; false: none
+    # rank 0: curves.png and the per-class (and detectors' val image) PNGs; false: none
+    plots: bool = True
     # where rank 0 sends the metrics: csv (metrics.csv, always written), tensorboard, wandb, mlflow
     # (observe/trackers.py; wandb and mlflow are the extras of those names)
     loggers: list[str] = field(default_factory=lambda: ["csv", "tensorboard"])
     project: str = "visiondist"  # the W&B project / MLflow experiment of wandb / mlflow runs
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: only at the end
     keep_last: int = 3  # complete checkpoints kept; 0: all
-    checkpoint_async: bool = False  # the step waits only for the copy to host memory; the write overlaps training
-    best_metric: Optional[str] = None  # also keep the best checkpoint by this evaluation metric (val_top1, val_mAP)
+    # the step waits only for the copy to host memory; the write overlaps training
+    checkpoint_async: bool = False
+    # also keep the best checkpoint by this evaluation metric (val_top1, val_mAP)
+    best_metric: Optional[str] = None
     best_mode: str = "auto"  # auto (min for a loss, else max) | max | min
-    resume: Optional[str] = "auto"  # auto: the run dir's latest checkpoint if any | a checkpoint or run dir | null
-    stop_at_step: int = -1  # > 0: checkpoint and end this process after this step (the schedule still spans the run)
-    max_restarts: int = 0  # self-launched: restart every rank this many times after a failure (resume=auto)
-    # self-launched: after SIGTERM / Ctrl-C, how long the ranks get to finish their step and write a checkpoint
-    # before they are ended; -1: 300 s plus the checkpoint's planned size at 50 MB/s
+    # auto: the run dir's latest checkpoint if any | a checkpoint or run dir | null
+    resume: Optional[str] = "auto"
+    # > 0: checkpoint and end this process after this step (the schedule still spans the run)
+    stop_at_step: int = -1
+    # self-launched: restart every rank this many times after a failure (resume=auto)
+    max_restarts: int = 0
+    # self-launched: after SIGTERM / Ctrl-C, how long the ranks get to finish their step and write a
+    # checkpoint before they are ended; -1: 300 s plus the checkpoint's planned size at 50 MB/s
     stop_timeout_s: float = -1.0
-    dist_timeout_s: float = 600.0  # a collective waiting longer than this fails (after the first step)
+    # a collective waiting longer than this fails (after the first step)
+    dist_timeout_s: float = 600.0
     startup_timeout_s: float = 1800.0  # the same during start-up (data generation, first step)
-    on_nonfinite: str = "raise"  # a non-finite loss or gradient on any rank: raise | skip (the step, on every rank)
-    allow_changes: bool = False  # continuing a run (trainer.run_dir): allow another model, data or global batch
+    # a non-finite loss or gradient on any rank: raise | skip (the step, on every rank)
+    on_nonfinite: str = "raise"
+    # continuing a run (trainer.run_dir): allow another model, data or global batch
+    allow_changes: bool = False
 
 
 @dataclass
@@ -251,18 +309,26 @@ class BenchConfig:
     """tools/benchmark.py: what to time (the training runs read none of it)."""
 
     warmup: int = 3  # untimed steps first (allocation, autotuning, compilation)
-    steps: int = 10  # timed steps of each loop per round (a ratio of fewer than 5 steps in all is flagged)
-    rounds: int = 2  # rounds over every loop, each round in the reverse order of the last (keep it even)
-    baseline: bool = True  # per configuration, plain-PyTorch loops on timm's model and on ours (single rank)
-    # which of them: reference (timm's model; the transformers model for DETRs), same_model (visiondist's model)
-    plain_loops: Any = field(default_factory=lambda: ["reference", "same_model"])  # a list, or one name
-    peak: bool = True  # also measure the device's dense matmul rate in the run (MFU beside the datasheet's)
+    # timed steps of each loop per round (a ratio of fewer than 5 steps in all is flagged)
+    steps: int = 10
+    # rounds over every loop, each round in the reverse order of the last (keep it even)
+    rounds: int = 2
+    # per configuration, plain-PyTorch loops on timm's model and on ours (single rank)
+    baseline: bool = True
+    # which of them: reference (timm's model; the transformers model for DETRs), same_model
+    # (visiondist's model)
+    # a list, or one name
+    plain_loops: Any = field(default_factory=lambda: ["reference", "same_model"])
+    # also measure the device's dense matmul rate in the run (MFU beside the datasheet's)
+    peak: bool = True
     loader_batches: int = 20  # batches of the real train loader timed on their own; 0: skip
-    # appends results.jsonl and results.md here; null: the benchmark's run dir (`bench.results_dir=benchmarks` adds
-    # the rows to the repository's record, benchmarks/results.md)
+    # appends results.jsonl and results.md here; null: the benchmark's run dir
+    # (`bench.results_dir=benchmarks` adds the rows to the repository's record,
+    # benchmarks/results.md)
     results_dir: Optional[str] = None
-    # more configurations timed side by side with the first, each a space-separated list of key=value overrides,
-    # e.g. ["trainer.compile=true", "trainer.precision=bf16 optim.impl=fused"] (the layout stays the same)
+    # more configurations timed side by side with the first, each a space-separated list of
+    # key=value overrides, e.g. ["trainer.compile=true", "trainer.precision=bf16 optim.impl=fused"]
+    # (the layout stays the same)
     variants: list[str] = field(default_factory=list)
 
 
@@ -270,12 +336,16 @@ class BenchConfig:
 class PredictConfig:
     """tools/predict.py: what to predict and what to write (the training runs read none of it)."""
 
-    source: Optional[str] = None  # an image, a folder (recursively), a glob, a .txt list of paths, or a video file
-    out: Optional[str] = None  # the output folder; null: <run>/predict/<date>_<time>/ (outputs/predict/... for weights=)
-    topk: int = 5  # classifiers: the labels (and probabilities) kept per image, at most the class count
+    # an image, a folder (recursively), a glob, a .txt list of paths, or a video file
+    source: Optional[str] = None
+    # the output folder; null: <run>/predict/<date>_<time>/ (outputs/predict/... for weights=)
+    out: Optional[str] = None
+    # classifiers: the labels (and probabilities) kept per image, at most the class count
+    topk: int = 5
     score_thresh: float = 0.25  # detectors: the detections kept (every output) score at least this
     max_det: int = 100  # detectors: at most this many detections per image, highest scores first
-    classes: Optional[list[str]] = None  # detectors: keep only these class names (or COCO category ids)
+    # detectors: keep only these class names (or COCO category ids)
+    classes: Optional[list[str]] = None
     save_images: str = "32"  # the first N images drawn into images/ ("all": every one; "0": none)
     vid_stride: int = 1  # a video: every n-th frame predicted
     batch_size: int = 0  # images per batch over all ranks; 0: data.eval_batch_size
@@ -294,9 +364,9 @@ class TrainConfig:
 
 
 def upgrade_saved(saved: Any) -> Any:
-    """A run's config.yaml from before `trainer.loggers` in today's keys: `trainer.tensorboard: <bool>` becomes
-    `trainer.loggers` ([csv, tensorboard] or [csv]), so that such a run can still be continued. `saved`: a
-    DictConfig, changed in place and returned."""
+    """A run's config.yaml from before `trainer.loggers` in today's keys: `trainer.tensorboard:
+    <bool>` becomes `trainer.loggers` ([csv, tensorboard] or [csv]), so that such a run can still be
+    continued. `saved`: a DictConfig, changed in place and returned."""
     trainer = saved.get("trainer") if hasattr(saved, "get") else None
     if trainer is None or "tensorboard" not in trainer:
         return saved

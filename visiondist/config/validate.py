@@ -1,6 +1,6 @@
-"""Validation: everything a type cannot say, one check per config group, each raising a `ConfigError` with the value,
-the reason and the fix. What a model family supports (TP, pipelines, FSDP, ...) is its `ModelSpec`'s to say
-(`visiondist.models.registry.check_support`)."""
+"""Validation: everything a type cannot say, one check per config group, each raising a
+`ConfigError` with the value, the reason and the fix. What a model family supports (TP, pipelines,
+FSDP, ...) is its `ModelSpec`'s to say (`visiondist.models.registry.check_support`)."""
 
 from __future__ import annotations
 
@@ -12,18 +12,20 @@ from omegaconf import DictConfig, OmegaConf
 from visiondist.config.layout import SCHEDULES
 from visiondist.config.schema import ConfigError
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# Validation: everything a type cannot say. Each check raises with the value, the reason and the fix.
+# --------------------------------------------------------------------------------------------------
+# Validation: everything a type cannot say. Each check raises with the value, the reason and the
+# fix.
 
 _ACCELERATORS = ("auto", "cpu", "cuda")
 _PRECISIONS = ("32", "bf16", "16")
 _OPTIMIZERS = ("adamw", "sgd")
 _SCHEDULES = ("cosine", "step")
-# trainer.loggers: metrics.csv (always written: the summary and the plots read it), TensorBoard, and the experiment
-# trackers, each an optional package installed by the extra of its name (visiondist/observe/trackers.py)
+# trainer.loggers: metrics.csv (always written: the summary and the plots read it), TensorBoard, and
+# the experiment trackers, each an optional package installed by the extra of its name
+# (visiondist/observe/trackers.py)
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
-TRACKERS = {"wandb": "wandb", "mlflow": "mlflow"}  # tracker -> the module it imports (the extra has its name)
+# tracker -> the module it imports (the extra has its name)
+TRACKERS = {"wandb": "wandb", "mlflow": "mlflow"}
 
 
 def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -47,8 +49,8 @@ def check_mandatory(cfg: DictConfig) -> None:
 
 def validate(cfg: DictConfig, mandatory: bool = True) -> None:
     """Check a composed config on its own (no devices, no model family's capabilities: those are
-    `visiondist.models.registry.check_support`'s). Raises ConfigError. `mandatory=False`: `???` values may stay
-    unset (printing the config, planning a layout: nothing reads the data)."""
+    `visiondist.models.registry.check_support`'s). Raises ConfigError. `mandatory=False`: `???`
+    values may stay unset (printing the config, planning a layout: nothing reads the data)."""
     if mandatory:
         check_mandatory(cfg)
     _check_model(cfg.model)
@@ -69,35 +71,56 @@ def _check_model(m: DictConfig) -> None:
     _positive("model.anchor_scale", m.anchor_scale)
     if m.roi_sampling_ratio is not None:
         _positive("model.roi_sampling_ratio", m.roi_sampling_ratio)
-    if m.family in ("vit", "vitdet") and m.img_size % m.patch_size:  # DETR-class: its own rules (registry)
+    # DETR-class: its own rules (registry)
+    if m.family in ("vit", "vitdet") and m.img_size % m.patch_size:
         raise ConfigError(
-            f"model.img_size={m.img_size} is not a multiple of model.patch_size={m.patch_size} ({m.name}): "
-            f"use e.g. model.img_size={max(1, round(m.img_size / m.patch_size)) * m.patch_size}")
+            f"model.img_size={m.img_size} is not a multiple of model.patch_size={m.patch_size} "
+            f"({m.name}): use e.g. "
+            f"model.img_size={max(1, round(m.img_size / m.patch_size)) * m.patch_size}"
+        )
     if m.embed_dim % m.num_heads:
-        raise ConfigError(f"model.num_heads={m.num_heads} does not divide model.embed_dim={m.embed_dim}")
+        raise ConfigError(
+            f"model.num_heads={m.num_heads} does not divide model.embed_dim={m.embed_dim}"
+        )
     for key in ("drop_rate", "drop_path_rate"):
         if not 0 <= m[key] < 1:
             raise ConfigError(f"model.{key}={m[key]} must be in [0, 1)")
     if m.init_from is not None and m.weights is not None:
-        raise ConfigError("set model.weights (exact weights) or model.init_from (fine-tuning start), not both")
+        raise ConfigError(
+            "set model.weights (exact weights) or model.init_from (fine-tuning start), not both"
+        )
     from visiondist.utils import pretrained as named
 
     _check_named(m)
-    if m.init_from is not None and not named.is_named(m.init_from) and not Path(m.init_from).expanduser().is_file():
-        raise ConfigError(f"model.init_from={m.init_from}: no such file (or a timm name: timm/<architecture>.<tag>)")
+    if (
+        m.init_from is not None
+        and not named.is_named(m.init_from)
+        and not Path(m.init_from).expanduser().is_file()
+    ):
+        raise ConfigError(
+            f"model.init_from={m.init_from}: no such file (or a timm name: "
+            "timm/<architecture>.<tag>)"
+        )
     if m.backbone_weights is not None:
-        if not named.is_named(m.backbone_weights) and not Path(m.backbone_weights).expanduser().is_file():
-            raise ConfigError(f"model.backbone_weights={m.backbone_weights}: no such file (or a torchvision weights "
-                              "name, e.g. ResNet50_Weights.IMAGENET1K_V2)")
+        if (
+            not named.is_named(m.backbone_weights)
+            and not Path(m.backbone_weights).expanduser().is_file()
+        ):
+            raise ConfigError(
+                f"model.backbone_weights={m.backbone_weights}: no such file (or a torchvision "
+                "weights name, e.g. ResNet50_Weights.IMAGENET1K_V2)"
+            )
         if not 0 <= m.trainable_backbone_layers <= 5:
-            raise ConfigError(f"model.trainable_backbone_layers={m.trainable_backbone_layers}: choose 0-5 (stages of "
-                              "the ResNet that train, from the last)")
+            raise ConfigError(
+                f"model.trainable_backbone_layers={m.trainable_backbone_layers}: choose 0-5 "
+                "(stages of the ResNet that train, from the last)"
+            )
 
 
 def _check_named(m: DictConfig) -> None:
-    """Weights given by name: a timm name for model.init_from, torchvision weights for the detectors' model.weights
-    and model.backbone_weights; each must exist in the installed library (whether it is cached is checked with the
-    inputs, where it may be downloaded)."""
+    """Weights given by name: a timm name for model.init_from, torchvision weights for the
+    detectors' model.weights and model.backbone_weights; each must exist in the installed library
+    (whether it is cached is checked with the inputs, where it may be downloaded)."""
     from visiondist.utils import pretrained as named
 
     for key in ("init_from", "weights", "backbone_weights"):
@@ -105,16 +128,23 @@ def _check_named(m: DictConfig) -> None:
         if spec is None or not named.is_named(spec):
             continue
         if named.is_timm_name(spec) and key != "init_from":
-            raise ConfigError(f"model.{key}={spec}: timm names start a fine-tune: use model.init_from={spec}")
+            raise ConfigError(
+                f"model.{key}={spec}: timm names start a fine-tune: use model.init_from={spec}"
+            )
         if named.is_hf_repo(spec):
             if key != "weights" or m.family != "detr":
-                raise ConfigError(f"model.{key}={spec}: no such file; a Hugging Face repo name is read only for "
-                                  "model.weights of a DETR-class detector (model=rtdetr_v2_r18, dfine_s, rfdetr_nano, "
-                                  "...); give a local file here")
+                raise ConfigError(
+                    f"model.{key}={spec}: no such file; a Hugging Face repo name is read only for "
+                    "model.weights of a DETR-class detector (model=rtdetr_v2_r18, dfine_s, "
+                    "rfdetr_nano, ...); give a local file here"
+                )
             continue
         if named.is_enum_name(spec) and key == "init_from":
-            raise ConfigError(f"model.init_from={spec}: init_from takes timm names (timm/<architecture>.<tag>); "
-                              f"torchvision's weights go in model.weights (whole detector) or model.backbone_weights")
+            raise ConfigError(
+                f"model.init_from={spec}: init_from takes timm names (timm/<architecture>.<tag>); "
+                "torchvision's weights go in model.weights (whole detector) or "
+                "model.backbone_weights"
+            )
         try:
             if named.is_timm_name(spec):
                 _check_timm_shape(m, spec)
@@ -136,34 +166,46 @@ def _check_timm_shape(m: DictConfig, spec: str) -> None:
         return
     arch = named.timm_pretrained_cfg(spec).architecture
     differ = [key for key in theirs if theirs[key] != ours[key]]
-    configs = Path(__file__).resolve().parents[2] / "configs" / "model"  # the model configs shipped beside the code
+    # the model configs shipped beside the code
+    configs = Path(__file__).resolve().parents[2] / "configs" / "model"
     same = sorted(f.stem for f in configs.glob("*.yaml") if f"timm_name: {arch}\n" in f.read_text())
     pick = f"model={same[0]}" if same else f"a model config with timm_name: {arch}"
-    raise ConfigError(f"model.init_from={spec}: {arch} has " + ", ".join(f"{k} {theirs[k]}" for k in differ) +
-                      f"; model={m.name} has " + ", ".join(f"{k} {ours[k]}" for k in differ) +
-                      f": use {pick}, or set " + " ".join(f"model.{k}={theirs[k]}" for k in differ))
+    raise ConfigError(
+        f"model.init_from={spec}: {arch} has "
+        + ", ".join(f"{k} {theirs[k]}" for k in differ)
+        + f"; model={m.name} has "
+        + ", ".join(f"{k} {ours[k]}" for k in differ)
+        + f": use {pick}, or set "
+        + " ".join(f"model.{k}={theirs[k]}" for k in differ)
+    )
 
 
 def _check_torchvision_weights(m: DictConfig, key: str, weights) -> None:
-    """torchvision weights by name are those of the detector's own builder (model.weights) or a ResNet-50
-    (model.backbone_weights)."""
+    """torchvision weights by name are those of the detector's own builder (model.weights) or a
+    ResNet-50 (model.backbone_weights)."""
     kind = type(weights).__name__
     if key == "backbone_weights":
         if kind != "ResNet50_Weights":
-            raise ConfigError(f"model.backbone_weights={kind}.{weights.name}: the ResNet-50 FPN detectors take "
-                              "ResNet50_Weights (e.g. ResNet50_Weights.IMAGENET1K_V2)")
+            raise ConfigError(
+                f"model.backbone_weights={kind}.{weights.name}: the ResNet-50 FPN detectors take "
+                "ResNet50_Weights (e.g. ResNet50_Weights.IMAGENET1K_V2)"
+            )
         return
     if m.family != "torchvision":
-        raise ConfigError(f"model.weights={kind}.{weights.name}: torchvision weight names are for the torchvision "
-                          f"detectors; {m.name} takes a local weights file (a ViT starts from timm's with "
-                          "model.init_from=timm/<name>)")
+        raise ConfigError(
+            f"model.weights={kind}.{weights.name}: torchvision weight names are for the "
+            f"torchvision detectors; {m.name} takes a local weights file (a ViT starts from "
+            "timm's with model.init_from=timm/<name>)"
+        )
     from torchvision.models import get_model_weights
 
     wanted = get_model_weights(m.arch)
     if type(weights) is not wanted:
-        raise ConfigError(f"model.weights={kind}.{weights.name} are torchvision's weights of another detector than "
-                          f"model={m.name} ({m.arch}): use {wanted.__name__}."
-                          f"{next(iter(wanted)).name} or the model config of those weights")
+        raise ConfigError(
+            f"model.weights={kind}.{weights.name} are torchvision's weights of another detector "
+            f"than model={m.name} ({m.arch}): use {wanted.__name__}.{next(iter(wanted)).name} or "
+            "the model config of those weights"
+        )
 
 
 def _check_data(d: DictConfig) -> None:
@@ -173,15 +215,21 @@ def _check_data(d: DictConfig) -> None:
     _one_of("data.augment_on", d.augment_on, ("device", "loader"))
     _one_of("data.decode_on", d.decode_on, ("auto", "loader", "device"))
     if d.decode_on == "device" and d.augment_on == "loader" and d.auto_augment != "none":
-        raise ConfigError("data.decode_on=device leaves the images encoded until they reach the device, where "
-                          "data.augment_on=loader cannot augment them: use data.augment_on=device")
+        raise ConfigError(
+            "data.decode_on=device leaves the images encoded until they reach the device, where "
+            "data.augment_on=loader cannot augment them: use data.augment_on=device"
+        )
     if d.decode_on == "device" and d.format not in ("imagefolder", "shards"):
-        raise ConfigError(f"data.decode_on=device decodes ImageFolder training images; data.format={d.format} "
-                          "decodes in the loader: use data.decode_on=loader")
+        raise ConfigError(
+            f"data.decode_on=device decodes ImageFolder training images; data.format={d.format} "
+            "decodes in the loader: use data.decode_on=loader"
+        )
     _one_of("data.random_erasing_mode", d.random_erasing_mode, ("pixel", "rand", "const"))
     if not 0 <= d.random_erasing <= 1:
-        raise ConfigError(f"data.random_erasing={d.random_erasing} is a probability per image: use a value in [0, 1] "
-                          "(DeiT's recipe: 0.25)")
+        raise ConfigError(
+            f"data.random_erasing={d.random_erasing} is a probability per image: use a value in "
+            "[0, 1] (DeiT's recipe: 0.25)"
+        )
     _positive("data.prefetch_factor", d.prefetch_factor)
     if d.format == "shards":
         _positive("data.streams", d.streams)
@@ -190,8 +238,11 @@ def _check_data(d: DictConfig) -> None:
     _positive("data.batch_size", d.batch_size)
     _positive("data.eval_batch_size", d.eval_batch_size)
     if d.num_workers < -1:
-        raise ConfigError(f"data.num_workers={d.num_workers}: use a count of loader workers per rank, 0 (the rank "
-                          "loads its batches itself) or -1 (as many as the cores per rank allow, at most 16)")
+        raise ConfigError(
+            f"data.num_workers={d.num_workers}: use a count of loader workers per rank, 0 (the "
+            "rank loads its batches itself) or -1 (as many as the cores per rank allow, at most "
+            "16)"
+        )
 
 
 def _check_optim(o: DictConfig) -> None:
@@ -206,8 +257,10 @@ def _check_optim(o: DictConfig) -> None:
 def _check_schedule(s: DictConfig) -> None:
     _one_of("schedule", s.name, _SCHEDULES)
     if s.warmup_steps < -1:
-        raise ConfigError(f"schedule.warmup_steps={s.warmup_steps}: give a count of steps, 0 (no warmup) or -1 (a "
-                          "fifth of the run, at most schedule.warmup_auto_max)")
+        raise ConfigError(
+            f"schedule.warmup_steps={s.warmup_steps}: give a count of steps, 0 (no warmup) or -1 "
+            "(a fifth of the run, at most schedule.warmup_auto_max)"
+        )
     _positive("schedule.warmup_auto_max", s.warmup_auto_max, allow_zero=True)
     if not 0 <= s.min_lr_ratio <= 1:
         raise ConfigError(f"schedule.min_lr_ratio={s.min_lr_ratio} must be in [0, 1]")
@@ -216,52 +269,71 @@ def _check_schedule(s: DictConfig) -> None:
 def _check_trainer(t: DictConfig) -> None:
     _one_of("trainer.accelerator", t.accelerator, _ACCELERATORS)
     if str(t.precision) not in _PRECISIONS:  # compose() makes fp32 / fp16 32 / 16
-        raise ConfigError(f"trainer.precision={t.precision!r} is not supported: use one of 32 (or fp32), bf16, "
-                          "16 (or fp16: autocast with loss scaling)")
+        raise ConfigError(
+            f"trainer.precision={t.precision!r} is not supported: use one of 32 (or fp32), bf16, "
+            "16 (or fp16: autocast with loss scaling)"
+        )
     _one_of("trainer.on_nonfinite", t.on_nonfinite, ("raise", "skip"))
     _one_of("trainer.fp8", t.fp8, ("off", "tensorwise", "rowwise"))
     _one_of("trainer.fp8_layers", t.fp8_layers, ("auto", "all", "mlp"))
     if t.fp8 != "off" and str(t.precision) != "bf16":
-        raise ConfigError(f"trainer.fp8={t.fp8} runs the blocks' linear layers in float8 and the rest in bf16: set "
-                          f"trainer.precision=bf16 too (not {t.precision})")
+        raise ConfigError(
+            f"trainer.fp8={t.fp8} runs the blocks' linear layers in float8 and the rest in bf16: "
+            f"set trainer.precision=bf16 too (not {t.precision})"
+        )
     if t.compile not in (True, False, "auto", "model", "blocks"):
-        raise ConfigError(f"trainer.compile={t.compile!r}: use auto (compile on CUDA), true, false, model (the whole "
-                          "model in one graph) or blocks (each transformer block)")
+        raise ConfigError(
+            f"trainer.compile={t.compile!r}: use auto (compile on CUDA), true, false, model (the "
+            "whole model in one graph) or blocks (each transformer block)"
+        )
     if t.cuda_graphs not in (True, False, "auto"):
         raise ConfigError(f"trainer.cuda_graphs={t.cuda_graphs!r}: use auto, true or false")
     if t.cuda_graphs is True and t.compile is False:
-        raise ConfigError("trainer.cuda_graphs=true replays the compiled model: drop trainer.compile=false")
+        raise ConfigError(
+            "trainer.cuda_graphs=true replays the compiled model: drop trainer.compile=false"
+        )
     if t.get("compile_autotune", False) and t.compile is False:
-        raise ConfigError("trainer.compile_autotune=true tunes the compiled kernels: drop trainer.compile=false")
+        raise ConfigError(
+            "trainer.compile_autotune=true tunes the compiled kernels: drop trainer.compile=false"
+        )
     unknown = [name for name in t.loggers if name not in LOGGERS]
     if unknown:
-        raise ConfigError(f"trainer.loggers has {', '.join(map(repr, unknown))}: use any of {', '.join(LOGGERS)}, "
-                          "e.g. trainer.loggers=[csv,tensorboard,wandb]")
+        raise ConfigError(
+            f"trainer.loggers has {', '.join(map(repr, unknown))}: use any of "
+            f"{', '.join(LOGGERS)}, e.g. trainer.loggers=[csv,tensorboard,wandb]"
+        )
     _positive("trainer.max_restarts", t.max_restarts, allow_zero=True)
     if t.max_restarts > 0 and t.resume != "auto":
-        raise ConfigError(f"trainer.max_restarts={t.max_restarts} restarts from the run's latest checkpoint: "
-                          f"keep trainer.resume=auto (not {t.resume})")
+        raise ConfigError(
+            f"trainer.max_restarts={t.max_restarts} restarts from the run's latest checkpoint: "
+            f"keep trainer.resume=auto (not {t.resume})"
+        )
     _positive("trainer.dist_timeout_s", t.dist_timeout_s)
     _positive("trainer.startup_timeout_s", t.startup_timeout_s)
     if not 0 <= t.label_smoothing < 1:
         raise ConfigError(f"trainer.label_smoothing={t.label_smoothing} must be in [0, 1)")
     if not 0 <= t.ema_decay < 1:
-        raise ConfigError(f"trainer.ema_decay={t.ema_decay} must be in [0, 1) (0: off), e.g. 0.9998")
+        raise ConfigError(
+            f"trainer.ema_decay={t.ema_decay} must be in [0, 1) (0: off), e.g. 0.9998"
+        )
     for key in ("grad_accum", "log_every"):
         _positive(f"trainer.{key}", t[key])
     for key in ("clip_grad", "eval_every", "checkpoint_every", "keep_last"):
         _positive(f"trainer.{key}", t[key], allow_zero=True)
     _one_of("trainer.best_mode", t.best_mode, ("auto", "max", "min"))
     if t.resume not in (None, "auto") and not Path(str(t.resume)).expanduser().exists():
-        raise ConfigError(f"trainer.resume={t.resume}: no such checkpoint or run directory "
-                          "(give checkpoints/step_<N> or a run dir, `auto`, or null)")
+        raise ConfigError(
+            f"trainer.resume={t.resume}: no such checkpoint or run directory "
+            "(give checkpoints/step_<N> or a run dir, `auto`, or null)"
+        )
     if t.max_steps <= 0 and t.max_epochs <= 0:
         raise ConfigError("set trainer.max_steps or trainer.max_epochs to a positive number")
 
 
 def check_trackers_installed(loggers) -> None:
-    """Each tracker in `loggers` (trainer.loggers) can be imported here; else one line naming the extra that installs
-    it. Looked up without importing it (find_spec), so that the check costs nothing before the ranks start."""
+    """Each tracker in `loggers` (trainer.loggers) can be imported here; else one line naming the
+    extra that installs it. Looked up without importing it (find_spec), so that the check costs
+    nothing before the ranks start."""
     import importlib.util
     import sys
 
@@ -277,8 +349,10 @@ def check_trackers_installed(loggers) -> None:
             except (ImportError, ValueError):
                 found = False
         if not found:
-            raise ConfigError(f"trainer.loggers has {name} but {module} is not installed: "
-                              f'pip install -e ".[{name}]" (or drop {name} from trainer.loggers)')
+            raise ConfigError(
+                f"trainer.loggers has {name} but {module} is not installed: "
+                f'pip install -e ".[{name}]" (or drop {name} from trainer.loggers)'
+            )
 
 
 FIT_MODES = ("auto", "refuse", "off")  # parallel.fit: visiondist.plan.fit
@@ -293,30 +367,53 @@ def _check_parallel(p: DictConfig) -> None:
     if p.checkpoint_blocks != -1:
         _positive("parallel.checkpoint_blocks", p.checkpoint_blocks)
         if not p.activation_checkpointing:
-            raise ConfigError(f"parallel.checkpoint_blocks={p.checkpoint_blocks} selects the blocks that recompute: "
-                              "set parallel.activation_checkpointing=true too")
+            raise ConfigError(
+                f"parallel.checkpoint_blocks={p.checkpoint_blocks} selects the blocks that "
+                "recompute: set parallel.activation_checkpointing=true too"
+            )
     _one_of("parallel.checkpoint_keep", p.checkpoint_keep, ("input", "matmuls"))
     if p.checkpoint_keep != "input" and not p.activation_checkpointing:
-        raise ConfigError(f"parallel.checkpoint_keep={p.checkpoint_keep} says what checkpointed blocks keep: set "
-                          "parallel.activation_checkpointing=true too")
+        raise ConfigError(
+            f"parallel.checkpoint_keep={p.checkpoint_keep} says what checkpointed blocks keep: set "
+            "parallel.activation_checkpointing=true too"
+        )
     if p.fsdp and (p.tp > 1 or p.pp > 1):
-        raise ConfigError(f"parallel.fsdp=true shards over data parallel and does not combine with tp={p.tp} / "
-                          f"pp={p.pp} here: use parallel.fsdp=false, or tp=1 and pp=1")
+        raise ConfigError(
+            f"parallel.fsdp=true shards over data parallel and does not combine with tp={p.tp} / "
+            f"pp={p.pp} here: use parallel.fsdp=false, or tp=1 and pp=1"
+        )
     if p.shard_size and not p.fsdp:
-        raise ConfigError(f"parallel.shard_size={p.shard_size} sets FSDP's shard groups (HSDP): set parallel.fsdp=true "
-                          "too")
+        raise ConfigError(
+            f"parallel.shard_size={p.shard_size} sets FSDP's shard groups (HSDP): set "
+            "parallel.fsdp=true too"
+        )
     if p.shard_size < -1:
-        raise ConfigError(f"parallel.shard_size={p.shard_size}: use -1 (one node), 0 (every DP rank) or a group size")
+        raise ConfigError(
+            f"parallel.shard_size={p.shard_size}: use -1 (one node), 0 (every DP rank) or a group "
+            "size"
+        )
     if p.offload and not p.fsdp:
-        raise ConfigError("parallel.offload=true moves FSDP's shards to host memory: set parallel.fsdp=true too")
-    for key in ("device_memory_gb", "host_memory_gb", "device_tflops", "intra_node_gbs", "inter_node_gbs", "host_gbs"):
+        raise ConfigError(
+            "parallel.offload=true moves FSDP's shards to host memory: set parallel.fsdp=true too"
+        )
+    for key in (
+        "device_memory_gb",
+        "host_memory_gb",
+        "device_tflops",
+        "intra_node_gbs",
+        "inter_node_gbs",
+        "host_gbs",
+    ):
         _positive(f"parallel.{key}", p[key], allow_zero=key.endswith("memory_gb"))
     _positive("parallel.nodes", p.nodes)
     _one_of("parallel.fit", p.fit, FIT_MODES)
     if not 0 < p.headroom <= 1:
         raise ConfigError(f"parallel.headroom={p.headroom} must be in (0, 1]")
     if p.sequence_parallel and p.tp == 1:
-        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it shards tokens across the TP group)")
+        raise ConfigError(
+            "parallel.sequence_parallel=true needs parallel.tp > 1 (it shards tokens across the "
+            "TP group)"
+        )
 
 
 def _check_across(cfg: DictConfig) -> None:
@@ -326,18 +423,25 @@ def _check_across(cfg: DictConfig) -> None:
 
     check_native(cfg)
     if t.compile in (True, "model", "blocks") and p.pp > 1 and p.schedule == "zero_bubble":
-        raise ConfigError(f"trainer.compile={str(t.compile).lower()} with parallel.schedule=zero_bubble: the schedule "
-                          "splits each block's backward into input and weight gradients, which a compiled block's "
-                          "backward cannot do; use parallel.schedule=1f1b or interleaved_1f1b, or drop trainer.compile")
+        raise ConfigError(
+            f"trainer.compile={str(t.compile).lower()} with parallel.schedule=zero_bubble: the "
+            "schedule splits each block's backward into input and weight gradients, which a "
+            "compiled block's backward cannot do; use parallel.schedule=1f1b or "
+            "interleaved_1f1b, or drop trainer.compile"
+        )
     if t.fp8 != "off":
         import importlib.util
 
         if p.tp > 1:
-            raise ConfigError(f"trainer.fp8={t.fp8} with parallel.tp={p.tp}: float8 layers are not tensor parallel "
-                              "here; use DDP, FSDP or a pipeline (parallel.tp=1), or drop trainer.fp8")
+            raise ConfigError(
+                f"trainer.fp8={t.fp8} with parallel.tp={p.tp}: float8 layers are not tensor "
+                "parallel here; use DDP, FSDP or a pipeline (parallel.tp=1), or drop trainer.fp8"
+            )
         if importlib.util.find_spec("torchao") is None:
-            raise ConfigError(f"trainer.fp8={t.fp8} trains in float8 with torchao, which is not installed: "
-                              "pip install -e '.[fp8]' (or pip install torchao)")
+            raise ConfigError(
+                f"trainer.fp8={t.fp8} trains in float8 with torchao, which is not installed: "
+                "pip install -e '.[fp8]' (or pip install torchao)"
+            )
 
 
 def _check_bench(cfg: DictConfig) -> None:
@@ -345,37 +449,58 @@ def _check_bench(cfg: DictConfig) -> None:
     _positive("bench.warmup", b.warmup, allow_zero=True)
     _positive("bench.steps", b.steps)
     _positive("bench.rounds", b.rounds)
-    _positive("bench.loader_batches", b.loader_batches, allow_zero=True)  # each variant: `variant_config`
-    loops = [b.plain_loops] if isinstance(b.plain_loops, str) else b.plain_loops  # bench.plain_loops=reference
+    # each variant: `variant_config`
+    _positive("bench.loader_batches", b.loader_batches, allow_zero=True)
+    # bench.plain_loops=reference
+    loops = [b.plain_loops] if isinstance(b.plain_loops, str) else b.plain_loops
     unknown = [str(r) for r in loops if r not in ("reference", "same_model")]
     if unknown:
-        raise ConfigError(f"bench.plain_loops has {', '.join(unknown)}: use reference (timm's model, or transformers' "
-                          "for a DETR) and / or same_model (visiondist's model), e.g. bench.plain_loops=[reference]")
+        raise ConfigError(
+            f"bench.plain_loops has {', '.join(unknown)}: use reference (timm's model, or "
+            "transformers' for a DETR) and / or same_model (visiondist's model), e.g. "
+            "bench.plain_loops=[reference]"
+        )
 
 
-_LAYOUT_KEYS = ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.auto", "trainer.devices", "trainer.accelerator",
-                "data.batch_size", "trainer.grad_accum", "bench.")
+_LAYOUT_KEYS = (
+    "parallel.dp",
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.auto",
+    "trainer.devices",
+    "trainer.accelerator",
+    "data.batch_size",
+    "trainer.grad_accum",
+    "bench.",
+)
 
 
 def variant_config(cfg: DictConfig, overrides) -> DictConfig:
-    """`cfg` with one benchmark variant's key=value overrides (a string of them separated by spaces, or a list),
-    validated. The ranks, the mesh and the batch are the run's: a variant changes how a step computes, not what it
-    computes over."""
+    """`cfg` with one benchmark variant's key=value overrides (a string of them separated by spaces,
+    or a list), validated. The ranks, the mesh and the batch are the run's: a variant changes how a
+    step computes, not what it computes over."""
     if not isinstance(overrides, str):  # ['a=1','b=2'] inside bench.variants' list
         overrides = " ".join(str(o) for o in overrides)
     pairs = overrides.split()
     bad = [p for p in pairs if "=" not in p]
     if not pairs or bad:
-        raise ConfigError(f"bench.variants entry {overrides!r}: give key=value overrides separated by spaces")
+        raise ConfigError(
+            f"bench.variants entry {overrides!r}: give key=value overrides separated by spaces"
+        )
     fixed = [p for p in pairs if p.split("=", 1)[0].startswith(_LAYOUT_KEYS)]
     if fixed:
-        raise ConfigError(f"bench.variants entry {overrides!r}: {', '.join(fixed)} would change the ranks, the mesh or "
-                          "the batch, which all variants share: benchmark it in a run of its own")
+        raise ConfigError(
+            f"bench.variants entry {overrides!r}: {', '.join(fixed)} would change the ranks, the "
+            "mesh or the batch, which all variants share: benchmark it in a run of its own"
+        )
     try:
         merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(pairs))
     except Exception as exc:  # an unknown key or a wrong type, from the schema
-        raise ConfigError(f"bench.variants entry {overrides!r}: {str(exc).splitlines()[0]}") from None
-    merged = OmegaConf.merge(merged, {"bench": {"variants": []}})  # a new object: the run's config is read-only
+        raise ConfigError(
+            f"bench.variants entry {overrides!r}: {str(exc).splitlines()[0]}"
+        ) from None
+    # a new object: the run's config is read-only
+    merged = OmegaConf.merge(merged, {"bench": {"variants": []}})
     try:
         validate(merged)
     except ConfigError as exc:  # the fix belongs in this entry, not in the run's keys

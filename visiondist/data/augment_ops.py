@@ -1,11 +1,12 @@
-"""The auto-augment operations and random erasing on a whole uint8 / float batch on the device, with one parameter
-per sample: what `visiondist.data.augment` applies after the copy.
+"""The auto-augment operations and random erasing on a whole uint8 / float batch on the device, with
+one parameter per sample: what `visiondist.data.augment` applies after the copy.
 
-Each operation follows torchvision's tensor kernel step by step (the same float32 arithmetic, grid and rounding), with
-the scalar argument replaced by a per-sample column, so that a sample comes out as torchvision's op makes it in a
-worker (tests/unit/test_augment.py states the bound). The samples that drew an operation go through it together: at
-most 14 calls per round whatever the batch size. Parameter rows stay on the host (grouping needs no device sync);
-only the per-sample arguments travel.
+Each operation follows torchvision's tensor kernel step by step (the same float32 arithmetic, grid
+and rounding), with the scalar argument replaced by a per-sample column, so that a sample comes out
+as torchvision's op makes it in a worker (tests/unit/test_augment.py states the bound). The samples
+that drew an operation go through it together: at most 14 calls per round whatever the batch size.
+Parameter rows stay on the host (grouping needs no device sync); only the per-sample arguments
+travel.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from visiondist.data.augment import OPS, AugmentParams, AugmentPolicy
 from visiondist.data.host import host_to
 
 
-def apply_operations(images: torch.Tensor, rows: torch.Tensor, layout: AugmentParams) -> torch.Tensor:
-    """`layout.rounds` rounds of auto-augmentation on uint8 `images` (N, C, H, W) by the host rows (N, width).
+def apply_operations(
+    images: torch.Tensor, rows: torch.Tensor, layout: AugmentParams
+) -> torch.Tensor:
+    """`layout.rounds` rounds of auto-augmentation on uint8 `images` (N, C, H, W) by the host rows
+    (N, width).
 
-    Per round, the samples are gathered in the order of the operation they drew (one gather, one pinned copy of the
-    order and the arguments), each operation works in place on its contiguous slice, and one scatter puts them back:
-    a fixed number of launches per operation whatever the batch size, and no host-device synchronisation."""
+    Per round, the samples are gathered in the order of the operation they drew (one gather, one
+    pinned copy of the order and the arguments), each operation works in place on its contiguous
+    slice, and one scatter puts them back: a fixed number of launches per operation whatever the
+    batch size, and no host-device synchronisation."""
     rows = rows.detach().cpu().double().numpy()
     for k in range(layout.rounds):
         ops, args = rows[:, 2 * k].astype(np.int64), rows[:, 2 * k + 1]
@@ -34,7 +39,8 @@ def apply_operations(images: torch.Tensor, rows: torch.Tensor, layout: AugmentPa
         groups = [(op, s, e) for op, s, e in _runs(ops) if OPS[op] != "Identity"]
         if not groups:
             continue
-        moved = host_to(np.stack([order.astype(np.float64), args]), images.device)  # (2, N) float64: exact
+        # (2, N) float64: exact
+        moved = host_to(np.stack([order.astype(np.float64), args]), images.device)
         where, device_args = moved[0].long(), moved[1]
         work = images[where]
         for op, s, e in groups:
@@ -56,9 +62,14 @@ def _column(values: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
 
 
 def _blend(image: torch.Tensor, other: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
-    """torchvision's `_blend` with a ratio per sample: ratio * image + (1 - ratio) * other, clamped, back to uint8.
-    (1 - ratio) is taken in double and rounded once, as torchvision's scalar alpha is."""
-    return torch.addcmul(image.float().mul_(_column(ratio)), other, _column(1.0 - ratio)).clamp_(0, 255).to(torch.uint8)
+    """torchvision's `_blend` with a ratio per sample: ratio * image + (1 - ratio) * other, clamped,
+    back to uint8. (1 - ratio) is taken in double and rounded once, as torchvision's scalar alpha
+    is."""
+    return (
+        torch.addcmul(image.float().mul_(_column(ratio)), other, _column(1.0 - ratio))
+        .clamp_(0, 255)
+        .to(torch.uint8)
+    )
 
 
 def _grey_floor(image: torch.Tensor) -> torch.Tensor:
@@ -83,7 +94,8 @@ def _sharpness(image, factor, _):
     if h <= 2 or w <= 2:
         return image
     kernel = torch.full((3, 3), 1.0 / 13.0, dtype=torch.float32, device=image.device)
-    kernel[1:2, 1:2].fill_(5.0 / 13.0)  # a fill, not an item assignment: that copies a host scalar and synchronises
+    # a fill, not an item assignment: that copies a host scalar and synchronises
+    kernel[1:2, 1:2].fill_(5.0 / 13.0)
     out = image.to(torch.float32, copy=True)
     blurred = F.conv2d(out, kernel.expand(c, 1, 3, 3), groups=c).round_()
     view = out[..., 1:-1, 1:-1]
@@ -114,7 +126,8 @@ def _equalize(image, *_):
 
 
 def _inverse_affine(center, angle, translate, shear) -> list[float]:
-    """torchvision's inverse affine matrix (scale 1) in pixel units about `center` (relative to the image centre)."""
+    """torchvision's inverse affine matrix (scale 1) in pixel units about `center` (relative to the
+    image centre)."""
     rot, sx, sy = math.radians(angle), math.radians(shear[0]), math.radians(shear[1])
     (cx, cy), (tx, ty) = center, translate
     a = math.cos(rot - sy) / math.cos(sy)
@@ -128,27 +141,35 @@ def _inverse_affine(center, angle, translate, shear) -> list[float]:
 
 
 def _warp(image: torch.Tensor, matrices: list[list[float]]) -> torch.Tensor:
-    """Nearest-neighbour resampling by one inverse matrix per sample, fill 0: torchvision's `_affine_grid` and
-    `_apply_grid_transform`, batched."""
+    """Nearest-neighbour resampling by one inverse matrix per sample, fill 0: torchvision's
+    `_affine_grid` and `_apply_grid_transform`, batched."""
     n, _, h, w = image.shape
     theta = host_to(np.asarray(matrices, dtype=np.float32), image.device).view(n, 2, 3)
     base = torch.empty(1, h, w, 3, dtype=torch.float32, device=image.device)
-    base[..., 0].copy_(torch.linspace((1.0 - w) * 0.5, (w - 1.0) * 0.5, steps=w, device=image.device))
-    base[..., 1].copy_(torch.linspace((1.0 - h) * 0.5, (h - 1.0) * 0.5, steps=h, device=image.device).unsqueeze_(-1))
+    base[..., 0].copy_(
+        torch.linspace((1.0 - w) * 0.5, (w - 1.0) * 0.5, steps=w, device=image.device)
+    )
+    base[..., 1].copy_(
+        torch.linspace((1.0 - h) * 0.5, (h - 1.0) * 0.5, steps=h, device=image.device).unsqueeze_(
+            -1
+        )
+    )
     base[..., 2].fill_(1)
     scaled = theta.transpose(1, 2).contiguous()
     scaled[..., 0].div_(0.5 * w)
     scaled[..., 1].div_(0.5 * h)
     grid = base.view(1, h * w, 3).expand(n, -1, -1).bmm(scaled).view(n, h, w, 2)
-    out = F.grid_sample(image.float(), grid, mode="nearest", padding_mode="zeros", align_corners=False)
+    out = F.grid_sample(
+        image.float(), grid, mode="nearest", padding_mode="zeros", align_corners=False
+    )
     return out.round_().to(torch.uint8)
 
 
 def _geometry(name: str):
     def op(image: torch.Tensor, _, args: np.ndarray) -> torch.Tensor:
-        """All samples warped at once (an angle of 0 is the identity matrix: nearest resampling returns the pixels);
-        a quarter turn of a square image is torchvision's exact rot90 fast path, one sample at a time (a policy's
-        magnitudes never draw one)."""
+        """All samples warped at once (an angle of 0 is the identity matrix: nearest resampling
+        returns the pixels); a quarter turn of a square image is torchvision's exact rot90 fast
+        path, one sample at a time (a policy's magnitudes never draw one)."""
         h, w = image.shape[-2:]
         matrices, turned = [], []
         for i, arg in enumerate(args.tolist()):
@@ -168,24 +189,39 @@ def _geometry(name: str):
         for i, k in turned:
             out[i] = torch.rot90(image[i], k=k, dims=(-2, -1))
         return out
+
     return op
 
 
-_OPERATIONS = {"Brightness": _brightness, "Color": _saturation, "Contrast": _contrast, "Sharpness": _sharpness,
-               "Posterize": _posterize, "Solarize": _solarize, "AutoContrast": _autocontrast, "Equalize": _equalize,
-               **{name: _geometry(name) for name in ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")}}
+_OPERATIONS = {
+    "Brightness": _brightness,
+    "Color": _saturation,
+    "Contrast": _contrast,
+    "Sharpness": _sharpness,
+    "Posterize": _posterize,
+    "Solarize": _solarize,
+    "AutoContrast": _autocontrast,
+    "Equalize": _equalize,
+    **{
+        name: _geometry(name) for name in ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")
+    },
+}
 
 
 class DeviceAugment:
-    """The device's part of the training augmentation (`visiondist.data.augment`): the auto-augment operations on the
-    uint8 batch after the copy (`data.augment_on=device`), then, after normalisation, random erasing."""
+    """The device's part of the training augmentation (`visiondist.data.augment`): the auto-augment
+    operations on the uint8 batch after the copy (`data.augment_on=device`), then, after
+    normalisation, random erasing."""
 
     def __init__(self, d, img_size: int):
         self.policy = AugmentPolicy.from_config(d, img_size)
         self.operations = d.augment_on == "device" and self.policy.layout.rounds > 0
 
-    def __call__(self, images: torch.Tensor, rows: torch.Tensor, device: torch.device, normalize) -> torch.Tensor:
-        """uint8 N, H, W, C loader images and their parameter rows -> the normalised, augmented model input."""
+    def __call__(
+        self, images: torch.Tensor, rows: torch.Tensor, device: torch.device, normalize
+    ) -> torch.Tensor:
+        """uint8 N, H, W, C loader images and their parameter rows -> the normalised, augmented
+        model input."""
         from visiondist.data.transforms import to_device
 
         images = to_device(images, device)  # a new tensor: the ops below work in place
@@ -193,18 +229,19 @@ class DeviceAugment:
             images = apply_operations(images, rows, self.policy.layout)
         images = normalize.normalize(images)
         if self.policy.erase_p > 0:
-            images = erase(images, rows, self.policy.layout, self.policy.erase_mode)  # a new tensor: Normalize's
+            # a new tensor: Normalize's
+            images = erase(images, rows, self.policy.layout, self.policy.erase_mode)
         return images
 
 
-# -- random erasing ------------------------------------------------------------------------------------------------
+# -- random erasing --------------------------------------------------------------------------------
 
 _M32 = 0xFFFFFFFF
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32) of int64 values in [0, 2^32), in int64 arithmetic: the same bits on every
-    device."""
+    """A 32-bit integer hash (lowbias32) of int64 values in [0, 2^32), in int64 arithmetic: the same
+    bits on every device."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _M32
     x = x ^ (x >> 15)
@@ -213,35 +250,41 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _normal(counter: torch.Tensor, n, key) -> torch.Tensor:
-    """Box-Muller on the hashes of counters `counter` and `counter + n` (offset by `key`): element `counter` of
-    `hash_normal`'s n values."""
-    u1 = (_hash32((counter + key) & _M32).double() + 0.5) / 2.0 ** 32
-    u2 = (_hash32((counter + n + key) & _M32).double() + 0.5) / 2.0 ** 32
+    """Box-Muller on the hashes of counters `counter` and `counter + n` (offset by `key`): element
+    `counter` of `hash_normal`'s n values."""
+    u1 = (_hash32((counter + key) & _M32).double() + 0.5) / 2.0**32
+    u2 = (_hash32((counter + n + key) & _M32).double() + 0.5) / 2.0**32
     return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)).float()
 
 
 def hash_normal(seed: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Standard-normal noise of `shape` that is a function of `seed` only (counter-based: a hash of (seed, element)
-    and Box-Muller), so that an erased box holds the same noise on any rank and in any batch."""
+    """Standard-normal noise of `shape` that is a function of `seed` only (counter-based: a hash of
+    (seed, element) and Box-Muller), so that an erased box holds the same noise on any rank and in
+    any batch."""
     n = math.prod(shape)
     key = int(_hash32(torch.tensor([seed & _M32])).item())
     return _normal(torch.arange(n, device=device, dtype=torch.int64), n, key).view(shape)
 
 
-def erase(images: torch.Tensor, rows: torch.Tensor, layout: AugmentParams, mode: str) -> torch.Tensor:
-    """timm's random erasing on normalised float `images` (N, C, H, W), in place, by the host rows: each erased
-    sample's box filled with per-pixel normal noise (`pixel`), one normal colour (`rand`) or zeros (`const`); the
-    noise of a box is `hash_normal(seed, box shape)`. The erased samples are done together, in chunks of about 8 M
-    values (one pinned copy of their boxes each, no host-device synchronisation)."""
+def erase(
+    images: torch.Tensor, rows: torch.Tensor, layout: AugmentParams, mode: str
+) -> torch.Tensor:
+    """timm's random erasing on normalised float `images` (N, C, H, W), in place, by the host rows:
+    each erased sample's box filled with per-pixel normal noise (`pixel`), one normal colour
+    (`rand`) or zeros (`const`); the noise of a box is `hash_normal(seed, box shape)`. The erased
+    samples are done together, in chunks of about 8 M values (one pinned copy of their boxes each,
+    no host-device synchronisation)."""
     box = rows.detach().cpu()[:, layout.erase_slice()].double().numpy()
     picked = np.flatnonzero(box[:, 0] > 0)
     c, height, width = images.shape[1:]
-    chunk = max(1, 2 ** 23 // (c * height * width))
+    chunk = max(1, 2**23 // (c * height * width))
     for s in range(0, len(picked), chunk):
-        index = picked[s:s + chunk]
+        index = picked[s : s + chunk]
         top, left, h, w, seed = box[index, 1:6].astype(np.int64).T
         keys = _hash32(torch.from_numpy(seed & _M32)).numpy()
-        params = host_to(np.stack([index, top, left, h, w, keys]), images.device).view(6, -1, 1, 1, 1)
+        params = host_to(np.stack([index, top, left, h, w, keys]), images.device).view(
+            6, -1, 1, 1, 1
+        )
         where, top, left, h, w, key = params
         ys = torch.arange(height, device=images.device).view(1, 1, -1, 1)
         xs = torch.arange(width, device=images.device).view(1, 1, 1, -1)

@@ -1,23 +1,28 @@
 """COCO-format detection data (real COCO and the built-in `shapes_coco` go through this same code).
 
 Rules, each counted and logged when the dataset is built:
-- boxes are COCO xywh, converted to xyxy, clipped to the image; a box with width or height < 1 px after clipping is
-  degenerate and dropped;
-- crowd annotations are left out of training targets (COCOeval reads them from the annotation file itself);
+- boxes are COCO xywh, converted to xyxy, clipped to the image; a box with width or height < 1 px
+  after clipping is degenerate and dropped;
+- crowd annotations are left out of training targets (COCOeval reads them from the annotation file
+  itself);
 - for training, images left without a usable box are dropped; evaluation keeps every image;
-- an annotation whose image_id is not among `images` is left out (there is no image to put its box on);
+- an annotation whose image_id is not among `images` is left out (there is no image to put its box
+  on);
 - an annotation whose category is not in `categories` is an error naming the annotation;
 - a `file_name` that is absolute or climbs out of the image folder (`..`) is refused;
-- images are decoded by `visiondist.data.decode.read_rgb`, as in classification: upright (EXIF orientation applied),
-  16-bit scaled to 8, grey / CMYK / palette / RGBA converted to RGB; an image whose decoded size differs from the
-  annotation file's width / height is an error naming the file (its boxes would not fit it), in training too;
-- a training image that cannot be read is logged (once per file) and replaced by the next readable index; a run of
-  `max_bad_images` consecutive unreadable images is an error. In evaluation an unreadable image is an error;
-- with `masks` (a model with a mask head) every kept annotation's `segmentation` (polygons or RLE) is kept as text
-  (`visiondist.data.masks.SegmentationIndex`) and decoded to masks at the image's size when the image is read. In
-  training, an instance without a valid segmentation (none, an empty list, or only polygons of fewer than 3 points)
-  is left out, box and all, as detectron2 leaves it out: counted, and named in the log; a polygon of fewer than 3
-  points beside valid ones is dropped from its instance.
+- images are decoded by `visiondist.data.decode.read_rgb`, as in classification: upright (EXIF
+  orientation applied), 16-bit scaled to 8, grey / CMYK / palette / RGBA converted to RGB; an image
+  whose decoded size differs from the annotation file's width / height is an error naming the file
+  (its boxes would not fit it), in training too;
+- a training image that cannot be read is logged (once per file) and replaced by the next readable
+  index; a run of `max_bad_images` consecutive unreadable images is an error. In evaluation an
+  unreadable image is an error;
+- with `masks` (a model with a mask head) every kept annotation's `segmentation` (polygons or RLE)
+  is kept as text (`visiondist.data.masks.SegmentationIndex`) and decoded to masks at the image's
+  size when the image is read. In training, an instance without a valid segmentation (none, an empty
+  list, or only polygons of fewer than 3 points) is left out, box and all, as detectron2 leaves it
+  out: counted, and named in the log; a polygon of fewer than 3 points beside valid ones is dropped
+  from its instance.
 """
 
 from __future__ import annotations
@@ -56,19 +61,27 @@ class CocoCounts:
     NAMED = 10
 
     def describe(self) -> str:
-        masks = (f", {self.without_mask} instances without a valid segmentation ({self.named_without_mask()})"
-                 if self.without_mask else "")
+        masks = (
+            f", {self.without_mask} instances without a valid segmentation "
+            f"({self.named_without_mask()})"
+            if self.without_mask
+            else ""
+        )
         return (
             f"{self.images} images, {self.boxes} boxes; left out: {self.crowd_boxes} crowd boxes, "
-            f"{self.degenerate_boxes} degenerate boxes, {self.images_without_boxes} images without usable boxes, "
-            f"{self.orphan_annotations} annotations whose image_id has no image{masks}"
+            f"{self.degenerate_boxes} degenerate boxes, {self.images_without_boxes} images "
+            f"without usable boxes, {self.orphan_annotations} annotations whose image_id has no "
+            f"image{masks}"
         )
 
     def named_without_mask(self) -> str:
         more = self.without_mask - len(self.without_mask_ids)
         ids = ", ".join(map(str, self.without_mask_ids))
-        return f"annotation id{'s' if self.without_mask > 1 else ''} {ids}{f' and {more} more' if more else ''}: " \
-               "empty, or polygons of fewer than 3 points"
+        return (
+            f"annotation id{'s' if self.without_mask > 1 else ''} "
+            f"{ids}{f' and {more} more' if more else ''}: empty, or polygons of fewer than 3 "
+            "points"
+        )
 
 
 @dataclass
@@ -86,7 +99,9 @@ def safe_image_path(root: Path, file_name: str) -> Path:
     """`root / file_name`, refusing names that are absolute or climb out of `root`."""
     name = PurePosixPath(file_name.replace("\\", "/"))
     if name.is_absolute() or ".." in name.parts or not name.parts:
-        raise ValueError(f"image file_name {file_name!r} escapes the image folder {root}: refusing to read it")
+        raise ValueError(
+            f"image file_name {file_name!r} escapes the image folder {root}: refusing to read it"
+        )
     return root.joinpath(*name.parts)
 
 
@@ -97,14 +112,17 @@ def load_coco(ann_file: Path, quiet: bool = True):
         return COCO(str(ann_file))
 
 
-def read_records(coco, image_root: Path, train: bool, masks: bool = False
-                 ) -> tuple[list[ImageRecord], dict[int, int], CocoCounts]:
-    """Image records with their usable boxes (and, with `masks`, their segmentations), the category id -> label map,
-    and the counts of what was left out."""
+def read_records(
+    coco, image_root: Path, train: bool, masks: bool = False
+) -> tuple[list[ImageRecord], dict[int, int], CocoCounts]:
+    """Image records with their usable boxes (and, with `masks`, their segmentations), the category
+    id -> label map, and the counts of what was left out."""
     cat_ids = sorted(coco.getCatIds())
     label_of = {cat: i + 1 for i, cat in enumerate(cat_ids)}
     counts = CocoCounts()
-    counts.orphan_annotations = sum(len(anns) for image_id, anns in coco.imgToAnns.items() if image_id not in coco.imgs)
+    counts.orphan_annotations = sum(
+        len(anns) for image_id, anns in coco.imgToAnns.items() if image_id not in coco.imgs
+    )
     records = []
     for image_id in sorted(coco.getImgIds()):
         info = coco.imgs[image_id]
@@ -114,8 +132,9 @@ def read_records(coco, image_root: Path, train: bool, masks: bool = False
         for ann in coco.imgToAnns.get(image_id, []):
             if ann["category_id"] not in label_of:
                 raise ValueError(
-                    f"annotation {ann.get('id')} (image {image_id}) has category_id {ann['category_id']}, which is "
-                    f"not among the categories of {coco.dataset.get('_file', 'the annotation file')}: "
+                    f"annotation {ann.get('id')} (image {image_id}) has category_id "
+                    f"{ann['category_id']}, which is not among the categories of "
+                    f"{coco.dataset.get('_file', 'the annotation file')}: "
                     f"{cat_ids[:10]}{'...' if len(cat_ids) > 10 else ''}"
                 )
             if ann.get("iscrowd", 0):
@@ -140,24 +159,33 @@ def read_records(coco, image_root: Path, train: bool, masks: bool = False
         if train and not boxes:
             counts.images_without_boxes += 1
             continue
-        records.append(ImageRecord(
-            image_id, path, width, height,
-            np.asarray(boxes, dtype=np.float32).reshape(-1, 4), np.asarray(labels, dtype=np.int64),
-            segmentations if masks else None,
-        ))
+        records.append(
+            ImageRecord(
+                image_id,
+                path,
+                width,
+                height,
+                np.asarray(boxes, dtype=np.float32).reshape(-1, 4),
+                np.asarray(labels, dtype=np.int64),
+                segmentations if masks else None,
+            )
+        )
         counts.boxes += len(boxes)
     counts.images = len(records)
     if masks and counts.without_mask and not counts.boxes:
-        raise ValueError(f"{coco.dataset.get('_file', 'the annotation file')} has no valid segmentation ("
-                         f"{counts.named_without_mask()}), which a model with a mask head trains on: use an "
-                         "annotation file with masks, or a box model (e.g. model=fasterrcnn_r50 for "
-                         "model=maskrcnn_r50)")
+        raise ValueError(
+            f"{coco.dataset.get('_file', 'the annotation file')} has no valid segmentation ("
+            f"{counts.named_without_mask()}), which a model with a mask head trains on: use an "
+            "annotation file with masks, or a box model (e.g. model=fasterrcnn_r50 for "
+            "model=maskrcnn_r50)"
+        )
     return records, label_of, counts
 
 
 def _segmentation(ann: dict) -> Any:
-    """The annotation's segmentation as a mask model trains on it: an RLE as it is, polygons of at least 3 points
-    (6 coordinates, an even count); None when nothing valid is left (detectron2's rule)."""
+    """The annotation's segmentation as a mask model trains on it: an RLE as it is, polygons of at
+    least 3 points (6 coordinates, an even count); None when nothing valid is left (detectron2's
+    rule)."""
     segmentation = ann.get("segmentation")
     if isinstance(segmentation, dict):
         return segmentation if segmentation.get("counts") else None
@@ -168,46 +196,61 @@ def _segmentation(ann: dict) -> Any:
 
 
 class CocoIndex:
-    """The records of a split in arrays (no Python object per image or box, so forked loader workers share the
-    parent's pages instead of copying them): image ids and sizes, paths (`PathIndex`), and every image's boxes and
-    labels as one slice of the concatenated `boxes` / `labels` (and, with masks, of `segmentations`)."""
+    """The records of a split in arrays (no Python object per image or box, so forked loader workers
+    share the parent's pages instead of copying them): image ids and sizes, paths (`PathIndex`), and
+    every image's boxes and labels as one slice of the concatenated `boxes` / `labels` (and, with
+    masks, of `segmentations`)."""
 
     def __init__(self, records: list[ImageRecord], image_root: Path):
         from visiondist.data.index import PathIndex
 
         root = str(image_root)
         self.image_ids = np.asarray([r.image_id for r in records], dtype=np.int64)
-        self.sizes = np.asarray([(r.width, r.height) for r in records], dtype=np.int32).reshape(-1, 2)
+        self.sizes = np.asarray([(r.width, r.height) for r in records], dtype=np.int32).reshape(
+            -1, 2
+        )
         self.paths = PathIndex(root, [str(r.path.relative_to(root)) for r in records])
         counts = [len(r.boxes) for r in records]
         self.offsets = np.zeros(len(records) + 1, dtype=np.int64)
         np.cumsum(counts, out=self.offsets[1:])
-        self.boxes = (np.concatenate([r.boxes for r in records]) if records else np.zeros((0, 4))).astype(np.float32)
-        self.labels = (np.concatenate([r.labels for r in records]) if records else np.zeros(0)).astype(np.int64)
+        self.boxes = (
+            np.concatenate([r.boxes for r in records]) if records else np.zeros((0, 4))
+        ).astype(np.float32)
+        self.labels = (
+            np.concatenate([r.labels for r in records]) if records else np.zeros(0)
+        ).astype(np.int64)
         with_masks = bool(records) and records[0].segmentations is not None
-        self.segmentations = (SegmentationIndex([s for r in records for s in r.segmentations]) if with_masks
-                              else None)
+        self.segmentations = (
+            SegmentationIndex([s for r in records for s in r.segmentations]) if with_masks else None
+        )
 
     def __len__(self) -> int:
         return len(self.image_ids)
 
     def record(self, i: int) -> ImageRecord:
         a, b = self.offsets[i], self.offsets[i + 1]
-        return ImageRecord(int(self.image_ids[i]), Path(self.paths[i]), int(self.sizes[i, 0]), int(self.sizes[i, 1]),
-                           self.boxes[a:b], self.labels[a:b],
-                           self.segmentations.get(a, b) if self.segmentations is not None else None)
+        return ImageRecord(
+            int(self.image_ids[i]),
+            Path(self.paths[i]),
+            int(self.sizes[i, 0]),
+            int(self.sizes[i, 1]),
+            self.boxes[a:b],
+            self.labels[a:b],
+            self.segmentations.get(a, b) if self.segmentations is not None else None,
+        )
 
 
 class ImageSizeMismatch(RuntimeError):
-    """A decoded image whose size is not the annotation file's: its boxes would be misplaced. Not a read error, so
-    training stops on it rather than replacing the image."""
+    """A decoded image whose size is not the annotation file's: its boxes would be misplaced. Not a
+    read error, so training stops on it rather than replacing the image."""
 
 
 class CocoDetection(Dataset):
-    """Items are (image tensor uint8 CHW, target dict) for torchvision detectors (`unit_float` makes the image float
-    in [0, 1] on the device); indexed by int or by a sampler's (index, epoch) key. `transform(image, boxes, labels,
-    index, epoch)` returns the three, augmented; with `masks`, `transform(..., masks=)` the four, and the target has
-    "masks" (n, H, W) uint8 at the (augmented) image's size."""
+    """Items are (image tensor uint8 CHW, target dict) for torchvision detectors (`unit_float` makes
+    the image float in [0, 1] on the device); indexed by int or by a sampler's (index, epoch) key.
+    `transform(image, boxes, labels, index, epoch)` returns the three, augmented; with `masks`,
+    `transform(..., masks=)` the four, and the target has "masks" (n, H, W) uint8 at the (augmented)
+    image's size."""
 
     def __init__(
         self,
@@ -220,8 +263,11 @@ class CocoDetection(Dataset):
     ):
         self.image_root, self.ann_file, self.train = Path(image_root), Path(ann_file), train
         if not self.ann_file.is_file():
-            raise FileNotFoundError(f"no COCO annotation file at {self.ann_file}: check data.root and data.annotations")
-        coco = load_coco(self.ann_file)  # not kept: the workers need only the index (and COCOeval reads the file)
+            raise FileNotFoundError(
+                f"no COCO annotation file at {self.ann_file}: check data.root and data.annotations"
+            )
+        # not kept: the workers need only the index (and COCOeval reads the file)
+        coco = load_coco(self.ann_file)
         coco.dataset["_file"] = str(self.ann_file)
         self.masks = masks
         records, self.label_of, self.counts = read_records(coco, self.image_root, train, masks)
@@ -231,7 +277,9 @@ class CocoDetection(Dataset):
         del coco, records
         self.transform = transform
         self._bad = BadImages(max_bad_images, train)
-        log.info("%s (%s): %s", self.ann_file.name, "train" if train else "eval", self.counts.describe())
+        log.info(
+            "%s (%s): %s", self.ann_file.name, "train" if train else "eval", self.counts.describe()
+        )
 
     def __len__(self) -> int:
         return len(self.index)
@@ -254,12 +302,15 @@ class CocoDetection(Dataset):
         index, image = self._load(index)
         record = self.index.record(index)
         boxes, labels = record.boxes, record.labels
-        masks = (decode(record.segmentations, record.height, record.width) if self.masks else None)
+        masks = decode(record.segmentations, record.height, record.width) if self.masks else None
         if self.transform is not None and masks is not None:
-            image, boxes, labels, masks = self.transform(image, boxes, labels, index, epoch, masks=masks)
+            image, boxes, labels, masks = self.transform(
+                image, boxes, labels, index, epoch, masks=masks
+            )
         elif self.transform is not None:
             image, boxes, labels = self.transform(image, boxes, labels, index, epoch)
-        tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).contiguous()  # uint8: `unit_float`
+        # uint8: `unit_float`
+        tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).contiguous()
         target = {
             "boxes": torch.as_tensor(np.asarray(boxes, dtype=np.float32).reshape(-1, 4)),
             "labels": torch.as_tensor(np.asarray(labels, dtype=np.int64)),
@@ -270,24 +321,33 @@ class CocoDetection(Dataset):
         return tensor, target
 
     def _load(self, index: int) -> tuple[int, np.ndarray]:
-        """Read the image at `index` and check its size against the annotation file's; in training an unreadable one
-        is replaced by the next readable index."""
+        """Read the image at `index` and check its size against the annotation file's; in training
+        an unreadable one is replaced by the next readable index."""
         index, image = self._bad.read(self._candidates(index), self._read)
         record = self.index.record(index)
         if image.shape[:2] != (record.height, record.width):
             h, w = image.shape[:2]
-            turned = (w, h) == (record.height, record.width) and exif_orientation(self._bytes(index)) >= 5
-            why = ("its EXIF orientation turns it by 90 degrees, and the annotations describe the pixels as stored; "
-                   "remove its orientation tag (exiftool -Orientation= <file>) or annotate the upright image" if turned
-                   else "fix the annotation file's width / height or the image")
-            raise ImageSizeMismatch(f"{self._where(index)} reads as {w}x{h} (upright) but {self.ann_file.name} says image "
-                                    f"{record.image_id} is {record.width}x{record.height}: {why}")
+            turned = (w, h) == (record.height, record.width) and exif_orientation(
+                self._bytes(index)
+            ) >= 5
+            why = (
+                "its EXIF orientation turns it by 90 degrees, and the annotations describe the "
+                "pixels as stored; remove its orientation tag (exiftool -Orientation= <file>) or "
+                "annotate the upright image"
+                if turned
+                else "fix the annotation file's width / height or the image"
+            )
+            raise ImageSizeMismatch(
+                f"{self._where(index)} reads as {w}x{h} (upright) but {self.ann_file.name} says "
+                f"image {record.image_id} is {record.width}x{record.height}: {why}"
+            )
         return index, image
 
-
-    # where images come from (a packed split reads them from its shards instead: `visiondist.data.shards.packed_coco`)
+    # where images come from (a packed split reads them from its shards instead:
+    # `visiondist.data.shards.packed_coco`)
     def _candidates(self, index: int):
-        """(index, name) of the sample and of its replacements in training: the next indexes, wrapping round."""
+        """(index, name) of the sample and of its replacements in training: the next indexes,
+        wrapping round."""
         n = len(self.index)
         return ((i % n, str(self.index.paths[i % n])) for i in range(index, index + n))
 

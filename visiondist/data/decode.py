@@ -1,17 +1,22 @@
-"""The one image reader of every loader (classification, detection, the val-prediction plots, the export's check): an
-image file -> HxWx3 uint8 RGB, the same pixels whichever loader asks.
+"""The one image reader of every loader (classification, detection, the val-prediction plots, the
+export's check): an image file -> HxWx3 uint8 RGB, the same pixels whichever loader asks.
 
-Policy (docs/classification.md and docs/detection.md, "How images are decoded"; recorded in the export's sidecar):
-- the EXIF orientation is applied (JPEG, PNG, WebP, TIFF): the image comes out upright, as a phone, a viewer and
-  COCO's tools show it and as detectron2 and Ultralytics read it, so boxes annotated on the upright image fit it;
-- 16-bit samples become 8-bit by their high byte (`value >> 8`: 28784 -> 112, 65535 -> 255), never clipped;
-- grey is replicated to three channels, palettes are expanded, CMYK is converted to RGB, and an alpha channel is
-  dropped: the colour channels as stored, not composited on any background (as Pillow's `convert("RGB")`).
+Policy (docs/classification.md and docs/detection.md, "How images are decoded"; recorded in the
+export's sidecar):
+- the EXIF orientation is applied (JPEG, PNG, WebP, TIFF): the image comes out upright, as a phone,
+  a viewer and COCO's tools show it and as detectron2 and Ultralytics read it, so boxes annotated on
+  the upright image fit it;
+- 16-bit samples become 8-bit by their high byte (`value >> 8`: 28784 -> 112, 65535 -> 255), never
+  clipped;
+- grey is replicated to three channels, palettes are expanded, CMYK is converted to RGB, and an
+  alpha channel is dropped: the colour channels as stored, not composited on any background (as
+  Pillow's `convert("RGB")`).
 
-OpenCV decodes (`imdecode`: the fastest CPU JPEG decoder we measured), ignoring its own EXIF handling, which depends
-on its version (PNG and WebP orientation came late); the orientation tag is read with Pillow and applied here, as
-`PIL.ImageOps.exif_transpose` would. TIFF files (which OpenCV turns by their orientation whatever the flags) and
-files OpenCV cannot decode go through Pillow, under the same policy.
+OpenCV decodes (`imdecode`: the fastest CPU JPEG decoder we measured), ignoring its own EXIF
+handling, which depends on its version (PNG and WebP orientation came late); the orientation tag is
+read with Pillow and applied here, as `PIL.ImageOps.exif_transpose` would. TIFF files (which OpenCV
+turns by their orientation whatever the flags) and files OpenCV cannot decode go through Pillow,
+under the same policy.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ _RGB = getattr(cv2, "IMREAD_COLOR_RGB", None)  # OpenCV >= 4.10 decodes straight
 _FLAGS = (cv2.IMREAD_COLOR if _RGB is None else _RGB) | cv2.IMREAD_IGNORE_ORIENTATION
 _ORIENTATION_TAG = 0x0112
 _TIFF = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # little / big endian, classic and BigTIFF
-# EXIF orientation -> the transform that makes the stored pixels upright (PIL.ImageOps.exif_transpose's table)
+# EXIF orientation -> the transform that makes the stored pixels upright
+# (PIL.ImageOps.exif_transpose's table)
 _UPRIGHT = {
     2: lambda a: cv2.flip(a, 1),
     3: lambda a: cv2.rotate(a, cv2.ROTATE_180),
@@ -47,18 +53,22 @@ POLICY = {
 
 
 def read_rgb(path: str | Path) -> np.ndarray:
-    """Decode an image file to an upright HxWx3 uint8 RGB array (the module's policy); OSError when it cannot."""
+    """Decode an image file to an upright HxWx3 uint8 RGB array (the module's policy); OSError when
+    it cannot."""
     return decode_rgb(Path(path).read_bytes(), path)
 
 
 def decode_rgb(data: bytes, path: str | Path) -> np.ndarray:
-    """`read_rgb` of an image file's bytes (`path` names it in errors: a file, or a member of a shard)."""
+    """`read_rgb` of an image file's bytes (`path` names it in errors: a file, or a member of a
+    shard)."""
     if not data:
         raise OSError(f"cannot decode image {path}: the file is empty")
     jpeg = data[:2] == b"\xff\xd8"
-    if jpeg and b"\xff\xd9" not in data[-4096:]:  # OpenCV would decode it, grey below the cut, with only a warning
+    # OpenCV would decode it, grey below the cut, with only a warning
+    if jpeg and b"\xff\xd9" not in data[-4096:]:
         raise OSError(f"truncated JPEG {path}: no end-of-image marker")
-    # OpenCV's TIFF decoder turns the image by its orientation tag whatever the flags: Pillow decodes TIFF
+    # OpenCV's TIFF decoder turns the image by its orientation tag whatever the flags: Pillow
+    # decodes TIFF
     image = None if data[:4] in _TIFF else decode_opencv(data, jpeg)
     if image is None:
         return decode_pillow(data, path)
@@ -67,12 +77,13 @@ def decode_rgb(data: bytes, path: str | Path) -> np.ndarray:
 
 
 def decode_opencv(data: bytes, jpeg: bool) -> np.ndarray | None:
-    """The stored pixels as HxWx3 uint8 RGB, or None when OpenCV cannot decode the bytes. 16-bit files are read at
-    full depth and scaled here (OpenCV's own 16 -> 8 bit conversion differs between codecs); JPEG is left to OpenCV
-    (a 12-bit JPEG is not a full-range 16-bit image)."""
+    """The stored pixels as HxWx3 uint8 RGB, or None when OpenCV cannot decode the bytes. 16-bit
+    files are read at full depth and scaled here (OpenCV's own 16 -> 8 bit conversion differs
+    between codecs); JPEG is left to OpenCV (a 12-bit JPEG is not a full-range 16-bit image)."""
     buffer = np.frombuffer(data, np.uint8)
     image = cv2.imdecode(buffer, _FLAGS if jpeg else _FLAGS | cv2.IMREAD_ANYDEPTH)
-    if image is not None and image.dtype not in (np.uint8, np.uint16):  # float or 32-bit: OpenCV's own conversion
+    # float or 32-bit: OpenCV's own conversion
+    if image is not None and image.dtype not in (np.uint8, np.uint16):
         image = cv2.imdecode(buffer, _FLAGS)
     if image is None:
         return None
@@ -82,26 +93,33 @@ def decode_opencv(data: bytes, jpeg: bool) -> np.ndarray | None:
 
 
 def decode_pillow(data: bytes, path: str | Path) -> np.ndarray:
-    """The upright pixels as HxWx3 uint8 RGB through Pillow (TIFF, and formats this OpenCV build cannot read);
-    `ImageOps.exif_transpose` applies the orientation (Pillow's TIFF decoder may already have)."""
+    """The upright pixels as HxWx3 uint8 RGB through Pillow (TIFF, and formats this OpenCV build
+    cannot read); `ImageOps.exif_transpose` applies the orientation (Pillow's TIFF decoder may
+    already have)."""
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as source:
             source.load()
             im = ImageOps.exif_transpose(source)
-            if im.mode.startswith("I"):  # I;16, I;16B, I (Pillow's 16-bit grey): the high byte of 16 bits
+            # I;16, I;16B, I (Pillow's 16-bit grey): the high byte of 16 bits
+            if im.mode.startswith("I"):
                 grey = (np.clip(np.asarray(im, dtype=np.int64), 0, 65535) >> 8).astype(np.uint8)
                 return np.ascontiguousarray(np.repeat(grey[..., None], 3, axis=2))
             return np.array(im.convert("RGB"))  # writable, as OpenCV's
-    except Exception as exc:  # Pillow raises many kinds on a broken file (OSError, SyntaxError, DecompressionBomb)
-        reason = ("not an image OpenCV or Pillow can read" if isinstance(exc, UnidentifiedImageError)
-                  else str(exc))  # (Pillow's own text names the in-memory buffer, not the file)
+    # Pillow raises many kinds on a broken file (OSError, SyntaxError, DecompressionBomb)
+    except Exception as exc:
+        reason = (
+            "not an image OpenCV or Pillow can read"
+            if isinstance(exc, UnidentifiedImageError)
+            else str(exc)
+        )  # (Pillow's own text names the in-memory buffer, not the file)
         raise OSError(f"cannot decode image {path}: {reason}") from exc
 
 
 def exif_orientation(data: bytes) -> int:
-    """The file's orientation tag (1-8, as Pillow's `getexif()` reads it, XMP included); 1 when absent or unreadable."""
+    """The file's orientation tag (1-8, as Pillow's `getexif()` reads it, XMP included); 1 when
+    absent or unreadable."""
     from PIL import Image
 
     try:
@@ -113,9 +131,9 @@ def exif_orientation(data: bytes) -> int:
 
 
 def _may_carry_orientation(data: bytes, jpeg: bool) -> bool:
-    """Whether the file can hold an orientation tag, from its segments alone: JPEG's APP1 (EXIF or XMP), PNG's eXIf
-    or XMP / EXIF text chunks; any other format is asked. Skips Pillow for the common untagged JPEG and PNG (Pillow
-    decodes a whole PNG to look for a late eXIf chunk)."""
+    """Whether the file can hold an orientation tag, from its segments alone: JPEG's APP1 (EXIF or
+    XMP), PNG's eXIf or XMP / EXIF text chunks; any other format is asked. Skips Pillow for the
+    common untagged JPEG and PNG (Pillow decodes a whole PNG to look for a late eXIf chunk)."""
     if jpeg:
         return _jpeg_has_app1(data)
     if data[:8] == b"\x89PNG\r\n\x1a\n":
@@ -128,8 +146,10 @@ def _jpeg_has_app1(data: bytes) -> bool:
 
 
 class JpegFrame(NamedTuple):
-    """What a JPEG's header says: the frame's size, sample precision and component count, which SOF marker (0:
-    baseline, 1: extended, 2: progressive, ...) and whether it has an APP1 (EXIF / XMP) segment."""
+    """What a JPEG's header says: the frame's size, sample precision and component count, which SOF
+    marker (0: baseline, 1: extended, 2: progressive, ...) and whether it has an APP1 (EXIF / XMP)
+    segment."""
+
     height: int
     width: int
     components: int
@@ -152,30 +172,39 @@ def _jpeg_segments(data: bytes):
         if marker == 0xDA:  # start of scan: the header segments are over
             return
         yield marker, i + 4
-        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
 
 
 def jpeg_frame(data: bytes) -> JpegFrame | None:
-    """The frame header of a JPEG's bytes (read from its segments, nothing decoded), or None when it has none."""
+    """The frame header of a JPEG's bytes (read from its segments, nothing decoded), or None when it
+    has none."""
     app1, frame = False, None
     for marker, at in _jpeg_segments(data):
         app1 = app1 or marker == 0xE1
         if frame is None and marker in _SOF and at + 6 <= len(data):
-            frame = (int.from_bytes(data[at + 1:at + 3], "big"), int.from_bytes(data[at + 3:at + 5], "big"),
-                     data[at + 5], data[at], marker - 0xC0)
+            frame = (
+                int.from_bytes(data[at + 1 : at + 3], "big"),
+                int.from_bytes(data[at + 3 : at + 5], "big"),
+                data[at + 5],
+                data[at],
+                marker - 0xC0,
+            )
     return None if frame is None else JpegFrame(*frame, app1=app1)
 
 
-_PNG_EXIF_TEXT = (b"XML:com.adobe.xmp\x00", b"Raw profile type exif\x00")  # text chunks Pillow takes orientation from
+# text chunks Pillow takes orientation from
+_PNG_EXIF_TEXT = (b"XML:com.adobe.xmp\x00", b"Raw profile type exif\x00")
 
 
 def _png_has_metadata(data: bytes) -> bool:
     i = 8
     while i + 8 <= len(data):
-        kind = data[i + 4:i + 8]
-        if kind == b"eXIf" or (kind in (b"iTXt", b"zTXt", b"tEXt") and data[i + 8:i + 30].startswith(_PNG_EXIF_TEXT)):
+        kind = data[i + 4 : i + 8]
+        if kind == b"eXIf" or (
+            kind in (b"iTXt", b"zTXt", b"tEXt") and data[i + 8 : i + 30].startswith(_PNG_EXIF_TEXT)
+        ):
             return True
         if kind == b"IEND":
             return False
-        i += 12 + int.from_bytes(data[i:i + 4], "big")
+        i += 12 + int.from_bytes(data[i : i + 4], "big")
     return False

@@ -1,25 +1,30 @@
-"""JPEG decoding on the device (`data.decode_on=device`): the training loader's workers read the file, parse its
-header and draw the crop and flip; the batch travels as encoded bytes; the rank decodes it with nvJPEG, crops,
-resizes and flips on the GPU. A worker then costs tens of microseconds per image instead of the ~0.7 ms of a CPU
-JPEG decode: what lets a few cores feed models that decode faster than any CPU can (ViT-S on an H100).
+"""JPEG decoding on the device (`data.decode_on=device`): the training loader's workers read the
+file, parse its header and draw the crop and flip; the batch travels as encoded bytes; the rank
+decodes it with nvJPEG, crops, resizes and flips on the GPU. A worker then costs tens of
+microseconds per image instead of the ~0.7 ms of a CPU JPEG decode: what lets a few cores feed
+models that decode faster than any CPU can (ViT-S on an H100).
 
-The decoder: TorchCodec's `decode_jpeg` (PyTorch's image decoding since torchvision 0.29 deprecated its own; the
-`gpu-decode` extra), else torchvision's `decode_jpeg`, which the torchvision of torch 2.11-2.15 still has. Both take a
-list of byte tensors and decode the batch in one nvJPEG call on CUDA, with libjpeg-turbo on the CPU (the same
-library OpenCV decodes with, so that on the CPU the device path gives the loader path's pixels; tested).
+The decoder: TorchCodec's `decode_jpeg` (PyTorch's image decoding since torchvision 0.29 deprecated
+its own; the `gpu-decode` extra), else torchvision's `decode_jpeg`, which the torchvision of torch
+2.11-2.15 still has. Both take a list of byte tensors and decode the batch in one nvJPEG call on
+CUDA, with libjpeg-turbo on the CPU (the same library OpenCV decodes with, so that on the CPU the
+device path gives the loader path's pixels; tested).
 
-Files the device path does not take are decoded, cropped and flipped in the worker as on the loader path and travel
-as pixels in the same batch: anything but an 8-bit baseline or progressive JPEG with 1 or 3 components, and JPEGs
-with an EXIF orientation other than upright (the decoders do not apply it on the device). `FallbackCount` counts them.
+Files the device path does not take are decoded, cropped and flipped in the worker as on the loader
+path and travel as pixels in the same batch: anything but an 8-bit baseline or progressive JPEG with
+1 or 3 components, and JPEGs with an EXIF orientation other than upright (the decoders do not apply
+it on the device). `FallbackCount` counts them.
 
-Decoding never runs on the training step's stream: `DecodeAhead` decodes each batch in a thread of its own, on a CUDA
-stream of its own, and hands the images over with an event. nvJPEG writes its output on a stream of its own (the
-hardware engine ignores stream order altogether: torchcodec#1634), while the caching allocator hands the decoder
-blocks freed on the caller's stream that queued kernels may still read (pytorch/vision#9606): decoded on the step's
-stream, a ViT-B/16 step's gradients came out non-finite at step 2. On a stream of its own, the decoder's blocks come
-from that stream's pool; the thread waits on the host for that stream alone before each decode, so no block of the
-pool is still in use, and the step's stream never waits on the host. `record_stream` keeps a handed-over batch's
-block from returning to the pool before the step's kernels that read it have run.
+Decoding never runs on the training step's stream: `DecodeAhead` decodes each batch in a thread of
+its own, on a CUDA stream of its own, and hands the images over with an event. nvJPEG writes its
+output on a stream of its own (the hardware engine ignores stream order altogether:
+torchcodec#1634), while the caching allocator hands the decoder blocks freed on the caller's stream
+that queued kernels may still read (pytorch/vision#9606): decoded on the step's stream, a ViT-B/16
+step's gradients came out non-finite at step 2. On a stream of its own, the decoder's blocks come
+from that stream's pool; the thread waits on the host for that stream alone before each decode, so
+no block of the pool is still in use, and the step's stream never waits on the host. `record_stream`
+keeps a handed-over batch's block from returning to the pool before the step's kernels that read it
+have run.
 """
 
 from __future__ import annotations
@@ -38,14 +43,15 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from visiondist.data.host import host_to
 from visiondist.data.decode import decode_rgb, exif_orientation, jpeg_frame
+from visiondist.data.host import host_to
 
 log = logging.getLogger(__name__)
 
-# A sample's crop row: kind, top, left, height, width, flipped. Kind 1 (training): crop the box of the decoded image,
-# resize it to the input size, flip; kind 2 (evaluation): resize the whole image to height x width, take the input
-# size's square at top, left; kind 0: the worker decoded the file and the batch carries its pixels.
+# A sample's crop row: kind, top, left, height, width, flipped. Kind 1 (training): crop the box of
+# the decoded image, resize it to the input size, flip; kind 2 (evaluation): resize the whole image
+# to height x width, take the input size's square at top, left; kind 0: the worker decoded the file
+# and the batch carries its pixels.
 CROP_FIELDS = 6
 CROP, RESIZE_CENTRE = 1, 2
 
@@ -53,20 +59,22 @@ CROP, RESIZE_CENTRE = 1, 2
 @dataclass
 class Encoded:
     """A JPEG's bytes and its size, as a worker hands it to the transform."""
+
     data: bytes
     height: int
     width: int
 
 
 def read_encoded(path) -> Encoded | np.ndarray:
-    """The file's bytes when the device can decode it (`Encoded`), else its pixels (`read_rgb`); OSError as
-    `read_rgb` raises it (an empty or truncated file is as bad here as on the loader path)."""
+    """The file's bytes when the device can decode it (`Encoded`), else its pixels (`read_rgb`);
+    OSError as `read_rgb` raises it (an empty or truncated file is as bad here as on the loader
+    path)."""
     with open(path, "rb") as f:
         return encoded_or_decoded(f.read(), path)
 
 
-# (name, why) of each image this process decoded itself since its last batch was collated: the batch carries them to
-# the rank, which names each file once (`FallbackCount`)
+# (name, why) of each image this process decoded itself since its last batch was collated: the batch
+# carries them to the rank, which names each file once (`FallbackCount`)
 _DECODED_HERE: list[tuple[str, str]] = []
 
 
@@ -88,8 +96,11 @@ def _not_for_the_device(frame, data: bytes) -> str | None:
     if frame.precision != 8:
         return f"{frame.precision}-bit JPEG"
     if frame.components not in (1, 3):
-        return f"JPEG of {frame.components} components (CMYK)" if frame.components == 4 else \
-            f"JPEG of {frame.components} components"
+        return (
+            f"JPEG of {frame.components} components (CMYK)"
+            if frame.components == 4
+            else f"JPEG of {frame.components} components"
+        )
     if frame.sof not in (0, 1, 2):
         return "lossless or arithmetic-coded JPEG"
     if frame.app1 and (orientation := exif_orientation(data)) != 1:
@@ -99,14 +110,16 @@ def _not_for_the_device(frame, data: bytes) -> str | None:
 
 def decoder_name(device: torch.device | None = None) -> str:
     """Which library `decode_jpegs` decodes with on `device` here."""
-    uses_torchcodec = _torchcodec_decode(device.type) if device is not None else _torchcodec_import()
+    uses_torchcodec = (
+        _torchcodec_decode(device.type) if device is not None else _torchcodec_import()
+    )
     return "torchcodec.decoders.decode_jpeg" if uses_torchcodec else "torchvision.io.decode_jpeg"
 
 
 @functools.cache
 def _torchcodec_import():
-    """TorchCodec's decode_jpeg, or None where it is missing or built for another torch (its import then raises an
-    OSError or RuntimeError from loading its library, not an ImportError)."""
+    """TorchCodec's decode_jpeg, or None where it is missing or built for another torch (its import
+    then raises an OSError or RuntimeError from loading its library, not an ImportError)."""
     try:
         from torchcodec.decoders import decode_jpeg
     except Exception:  # noqa: BLE001 - any failure to load means: use torchvision's
@@ -116,29 +129,36 @@ def _torchcodec_import():
 
 @functools.cache
 def _torchcodec_decode(device_type: str):
-    """TorchCodec's decode_jpeg where it decodes on this kind of device (the PyPI wheel has no CUDA decoder: CUDA
-    builds come from PyTorch's index), checked once on a tiny JPEG; else None: torchvision's decoder is used."""
+    """TorchCodec's decode_jpeg where it decodes on this kind of device (the PyPI wheel has no CUDA
+    decoder: CUDA builds come from PyTorch's index), checked once on a tiny JPEG; else None:
+    torchvision's decoder is used."""
     decode_jpeg = _torchcodec_import()
     if decode_jpeg is None:
         return None
     from torchvision.io import encode_jpeg
 
     try:
-        decode_jpeg([encode_jpeg(torch.zeros(3, 8, 8, dtype=torch.uint8))], mode="RGB", device=device_type)
+        decode_jpeg(
+            [encode_jpeg(torch.zeros(3, 8, 8, dtype=torch.uint8))], mode="RGB", device=device_type
+        )
     except Exception:  # noqa: BLE001 - this build cannot decode there
-        log.info("TorchCodec cannot decode JPEGs on %s here: torchvision's decoder is used", device_type)
+        log.info(
+            "TorchCodec cannot decode JPEGs on %s here: torchvision's decoder is used", device_type
+        )
         return None
     return decode_jpeg
 
 
 def decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """RGB uint8 C, H, W tensors of a list of JPEG byte tensors, decoded on `device` (one batched nvJPEG call on
-    CUDA)."""
+    """RGB uint8 C, H, W tensors of a list of JPEG byte tensors, decoded on `device` (one batched
+    nvJPEG call on CUDA)."""
     decode_jpeg = _torchcodec_decode(device.type)
     if decode_jpeg is None:
-        from torchvision.io import ImageReadMode, decode_jpeg as tv_decode_jpeg
+        from torchvision.io import ImageReadMode
+        from torchvision.io import decode_jpeg as tv_decode_jpeg
 
-        with warnings.catch_warnings():  # deprecated in torchvision 0.29 in favour of TorchCodec, still supported
+        # deprecated in torchvision 0.29 in favour of TorchCodec, still supported
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = tv_decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
     else:
@@ -147,32 +167,37 @@ def decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.T
 
 
 class EncodedBatch:
-    """A training batch whose images are still (mostly) encoded: the JPEG bytes of every encoded sample in one buffer
-    (`offsets` delimit them), the pixels of the others (`pixels`, N', S, S, C uint8, in batch order), and one crop row
-    per sample (`crops`, N x 6 float64). `size` / `interpolation` say what the device makes of them."""
+    """A training batch whose images are still (mostly) encoded: the JPEG bytes of every encoded
+    sample in one buffer (`offsets` delimit them), the pixels of the others (`pixels`, N', S, S, C
+    uint8, in batch order), and one crop row per sample (`crops`, N x 6 float64). `size` /
+    `interpolation` say what the device makes of them."""
 
     def __init__(self, data, offsets, pixels, crops, size: int, interpolation: str):
         self.data, self.offsets, self.pixels, self.crops = data, offsets, pixels, crops
         self.size, self.interpolation = size, interpolation
-        self.ready = None  # (images, event): decoded ahead by `DecodeAhead`, the event marking them done
-        self.decoded_by_worker: list[tuple[str, str]] = []  # (name, why) of the samples the worker decoded
+        # (images, event): decoded ahead by `DecodeAhead`, the event marking them done
+        self.ready = None
+        # (name, why) of the samples the worker decoded
+        self.decoded_by_worker: list[tuple[str, str]] = []
 
     def __len__(self) -> int:
         return len(self.crops)
 
-    def pin_memory(self, device=None):  # DataLoader's pin-memory thread calls it: the pixels are the only payload
+    # DataLoader's pin-memory thread calls it: the pixels are the only payload
+    def pin_memory(self, device=None):
         self.pixels = self.pixels.pin_memory() if len(self.pixels) else self.pixels
         return self
 
     def images(self, device: torch.device) -> torch.Tensor:
-        """Decode, crop, resize and flip on `device`: uint8 N, C, S, S. A batch `DecodeAhead` decoded already gives
-        its images, once the current stream has waited for their event."""
+        """Decode, crop, resize and flip on `device`: uint8 N, C, S, S. A batch `DecodeAhead`
+        decoded already gives its images, once the current stream has waited for their event."""
         if self.ready is not None:
             images, event = self.ready
             if event is not None:
                 stream = torch.cuda.current_stream(images.device)
                 stream.wait_event(event)
-                images.record_stream(stream)  # its block stays out of the decoder's pool until this stream used it
+                # its block stays out of the decoder's pool until this stream used it
+                images.record_stream(stream)
             return images
         return self.decode(device)
 
@@ -191,30 +216,51 @@ class EncodedBatch:
         return out
 
     def _decode_resize(self, encoded: list[int], crops: list, device: torch.device) -> torch.Tensor:
-        """The encoded samples decoded (one batched call), each crop resized into one float batch (one launch per
-        sample), then rounded, flipped and made uint8 for the whole batch."""
+        """The encoded samples decoded (one batched call), each crop resized into one float batch
+        (one launch per sample), then rounded, flipped and made uint8 for the whole batch."""
         offsets = self.offsets.tolist()
         try:
-            images = decode_jpegs([self.data[offsets[k]:offsets[k + 1]] for k in range(len(encoded))], device)
+            images = decode_jpegs(
+                [self.data[offsets[k] : offsets[k + 1]] for k in range(len(encoded))], device
+            )
         except RuntimeError as exc:
             raise RuntimeError(
-                f"a JPEG could not be decoded on {device} ({exc}); its header and end marker looked "
-                "valid, so the workers passed it on. data.decode_on=loader decodes in the workers, where an "
-                "unreadable file is named, counted and replaced by the next image of its class") from exc
+                f"a JPEG could not be decoded on {device} ({exc}); its header and end marker "
+                "looked valid, so the workers passed it on. data.decode_on=loader decodes in the "
+                "workers, where an unreadable file is named, counted and replaced by the next "
+                "image of its class"
+            ) from exc
         s = self.size
-        resize = (torch.ops.aten.upsample_bicubic2d.out if self.interpolation == "bicubic"
-                  else torch.ops.aten.upsample_bilinear2d.out)  # F.interpolate's kernels, writing into the batch
+        resize = (
+            torch.ops.aten.upsample_bicubic2d.out
+            if self.interpolation == "bicubic"
+            # F.interpolate's kernels, writing into the batch
+            else torch.ops.aten.upsample_bilinear2d.out
+        )
         resized = torch.empty((len(encoded), 3, s, s), dtype=torch.float32, device=device)
         flipped = []
         for j, (i, image) in enumerate(zip(encoded, images)):
             kind, top, left, h, w, flip = (int(v) for v in crops[i])
-            if kind == RESIZE_CENTRE:  # as the eval transform: the whole image resized, then the centre crop
-                whole = resize(image[None].float(), [h, w], False, None, None,
-                               out=torch.empty((1, 3, h, w), dtype=torch.float32, device=device))
-                resized[j] = whole[0, :, top:top + s, left:left + s]
+            # as the eval transform: the whole image resized, then the centre crop
+            if kind == RESIZE_CENTRE:
+                whole = resize(
+                    image[None].float(),
+                    [h, w],
+                    False,
+                    None,
+                    None,
+                    out=torch.empty((1, 3, h, w), dtype=torch.float32, device=device),
+                )
+                resized[j] = whole[0, :, top : top + s, left : left + s]
                 continue
-            resize(image[None, :, top:top + h, left:left + w].float(), [s, s], False, None, None,
-                   out=resized[j:j + 1])
+            resize(
+                image[None, :, top : top + h, left : left + w].float(),
+                [s, s],
+                False,
+                None,
+                None,
+                out=resized[j : j + 1],
+            )
             if flip:
                 flipped.append(j)
         if flipped:
@@ -224,16 +270,19 @@ class EncodedBatch:
 
 
 class DecodeAhead:
-    """The batches of `source` (a loader's iterator), each `EncodedBatch` among them decoded on `device` by a thread
-    of its own, one batch ahead of the step (see the module docstring for why). On CUDA the thread works on a stream
-    of its own (high priority: its short kernels slot in between the step's) and waits for that stream alone on the
-    host before each decode; the step's stream waits on an event (`EncodedBatch.images`). On the CPU the thread
-    decodes with libjpeg-turbo beside the step and nothing needs ordering. Errors of the source or of a decode are
-    raised by `next`, in the order of the batches. `close()` (or the end of the source) ends the thread."""
+    """The batches of `source` (a loader's iterator), each `EncodedBatch` among them decoded on
+    `device` by a thread of its own, one batch ahead of the step (see the module docstring for why).
+    On CUDA the thread works on a stream of its own (high priority: its short kernels slot in
+    between the step's) and waits for that stream alone on the host before each decode; the step's
+    stream waits on an event (`EncodedBatch.images`). On the CPU the thread decodes with
+    libjpeg-turbo beside the step and nothing needs ordering. Errors of the source or of a decode
+    are raised by `next`, in the order of the batches. `close()` (or the end of the source) ends the
+    thread."""
 
     def __init__(self, source: Iterator, device: torch.device, ahead: int = 1):
         if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())  # the thread's own current device is 0
+            # the thread's own current device is 0
+            device = torch.device("cuda", torch.cuda.current_device())
         self.source, self.device = source, device
         self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self._queue: queue.Queue = queue.Queue(maxsize=ahead)
@@ -260,7 +309,8 @@ class DecodeAhead:
     def _work(self) -> None:
         try:
             if self.stream is not None:
-                torch.cuda.set_device(self.device)  # the current device is the thread's own (0 by default)
+                # the current device is the thread's own (0 by default)
+                torch.cuda.set_device(self.device)
             with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
                 for batch in self.source:
                     if self._closed.is_set() or not self._put(("batch", self._decoded(batch))):
@@ -273,12 +323,15 @@ class DecodeAhead:
         images = batch[0] if isinstance(batch, (tuple, list)) and batch else None
         if not isinstance(images, EncodedBatch):
             return batch
-        ahead = copy.copy(images)  # a batch object may come again (the benchmark's): each hand-over its own images
+        # a batch object may come again (the benchmark's): each hand-over its own images
+        ahead = copy.copy(images)
         event = None
-        if self.stream is not None:  # no block of this stream's pool is still read or written by queued work
+        # no block of this stream's pool is still read or written by queued work
+        if self.stream is not None:
             drained = torch.cuda.Event()
             drained.record(self.stream)
-            drained.synchronize()  # (an event's wait, unlike a stream's, is not what torch's sync-debug mode flags)
+            # (an event's wait, unlike a stream's, is not what torch's sync-debug mode flags)
+            drained.synchronize()
         decoded = ahead.decode(self.device)
         if self.stream is not None:
             event = torch.cuda.Event()
@@ -297,8 +350,8 @@ class DecodeAhead:
         return False
 
     def close(self, timeout: float = 120.0) -> None:
-        """End the thread (it may be waiting to hand over a batch, or for the source's next one) and drop what it
-        decoded."""
+        """End the thread (it may be waiting to hand over a batch, or for the source's next one) and
+        drop what it decoded."""
         self._closed.set()
         self._done = True
         deadline = time.monotonic() + timeout
@@ -308,7 +361,11 @@ class DecodeAhead:
             except queue.Empty:
                 pass
         if self._thread.is_alive():
-            log.warning("the decoding thread did not end within %.0f s of its close: its source gave no batch", timeout)
+            log.warning(
+                "the decoding thread did not end within %.0f s of its close: its source gave no "
+                "batch",
+                timeout,
+            )
         self._queue = queue.Queue()
 
     def __enter__(self):
@@ -319,8 +376,9 @@ class DecodeAhead:
 
 
 class collate_encoded:  # noqa: N801 - used as the DataLoader's collate function; a class so that it pickles
-    """The train loader's collate under `data.decode_on=device`: (image or bytes, label, row) samples ->
-    (EncodedBatch, labels[, augmentation rows]); a row is the crop row, then the sample's augmentation row if any."""
+    """The train loader's collate under `data.decode_on=device`: (image or bytes, label, row)
+    samples -> (EncodedBatch, labels[, augmentation rows]); a row is the crop row, then the sample's
+    augmentation row if any."""
 
     def __init__(self, size: int, interpolation: str):
         self.size, self.interpolation = size, interpolation
@@ -332,11 +390,25 @@ class collate_encoded:  # noqa: N801 - used as the DataLoader's collate function
         encoded = [x for x, f in zip(images, flags) if f > 0]
         pixels = [x for x, f in zip(images, flags) if f == 0]
         sizes = [len(x) for x in encoded]
-        offsets = torch.tensor(np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]) if sizes else [0])
+        offsets = torch.tensor(
+            np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]) if sizes else [0]
+        )
         data = torch.cat(encoded) if encoded else torch.empty(0, dtype=torch.uint8)
-        stacked = torch.stack(pixels) if pixels else torch.empty((0, self.size, self.size, 3), dtype=torch.uint8)
-        batch = EncodedBatch(data, offsets, stacked, rows[:, :CROP_FIELDS].contiguous(), self.size, self.interpolation)
-        batch.decoded_by_worker = _DECODED_HERE[:]  # this batch's: a worker reads a whole batch, then collates it
+        stacked = (
+            torch.stack(pixels)
+            if pixels
+            else torch.empty((0, self.size, self.size, 3), dtype=torch.uint8)
+        )
+        batch = EncodedBatch(
+            data,
+            offsets,
+            stacked,
+            rows[:, :CROP_FIELDS].contiguous(),
+            self.size,
+            self.interpolation,
+        )
+        # this batch's: a worker reads a whole batch, then collates it
+        batch.decoded_by_worker = _DECODED_HERE[:]
         _DECODED_HERE.clear()
         labels = torch.tensor(labels, dtype=torch.int64)
         if rows.shape[1] > CROP_FIELDS:
@@ -345,10 +417,11 @@ class collate_encoded:  # noqa: N801 - used as the DataLoader's collate function
 
 
 class FallbackCount:
-    """The images the workers had to decode under `data.decode_on=device`: training's counted (the run's summary
-    gives the count), each file, training's and evaluation's, listed once per rank in `<run>/worker_decoded.txt`
-    (`path<TAB>why`, a line per file and rank), and one log line the first time there are any: their count so far
-    and the first `NAMED` names. A training file counts once per time it is read, every epoch."""
+    """The images the workers had to decode under `data.decode_on=device`: training's counted (the
+    run's summary gives the count), each file, training's and evaluation's, listed once per rank in
+    `<run>/worker_decoded.txt` (`path<TAB>why`, a line per file and rank), and one log line the
+    first time there are any: their count so far and the first `NAMED` names. A training file counts
+    once per time it is read, every epoch."""
 
     NAMED = 3
 
@@ -358,14 +431,18 @@ class FallbackCount:
 
     def add(self, batch: EncodedBatch, device: torch.device) -> None:
         if not self.images:
-            log.info("data.decode_on=device: training and val JPEGs are decoded on %s by %s", device,
-                     decoder_name(device))
+            log.info(
+                "data.decode_on=device: training and val JPEGs are decoded on %s by %s",
+                device,
+                decoder_name(device),
+            )
         self.images += len(batch)
         self.fallbacks += int((batch.crops[:, 0] == 0).sum())
         self._name(getattr(batch, "decoded_by_worker", []))
 
     def naming(self, batches):
-        """`batches` (evaluation's), each one's worker-decoded files named as training's are, none counted."""
+        """`batches` (evaluation's), each one's worker-decoded files named as training's are, none
+        counted."""
         for batch in batches:
             if batch and isinstance(batch[0], EncodedBatch):
                 self._name(batch[0].decoded_by_worker)
@@ -375,12 +452,20 @@ class FallbackCount:
         new = [(name, why) for name, why in dict(decoded).items() if name not in self.named]
         if not new:
             return
-        if not self.named:  # the one line: what the device cannot decode is not an error, and rarely one file
-            names = ", ".join(f"{name} ({why})" for name, why in new[:self.NAMED])
+        # the one line: what the device cannot decode is not an error, and rarely one file
+        if not self.named:
+            names = ", ".join(f"{name} ({why})" for name, why in new[: self.NAMED])
             more = f", and {len(new) - self.NAMED} more" if len(new) > self.NAMED else ""
-            log.info("data.decode_on=device: %d file%s so far %s decoded in the loader workers, not on the device: "
-                     "%s%s (%s lists every one; the run's summary counts them)", len(new), "" if len(new) == 1 else "s",
-                     "is" if len(new) == 1 else "are", names, more, WORKER_DECODED)
+            log.info(
+                "data.decode_on=device: %d file%s so far %s decoded in the loader workers, not on "
+                "the device: %s%s (%s lists every one; the run's summary counts them)",
+                len(new),
+                "" if len(new) == 1 else "s",
+                "is" if len(new) == 1 else "are",
+                names,
+                more,
+                WORKER_DECODED,
+            )
         self.named.update(name for name, _ in new)
         listed = worker_decoded_file()
         if listed is not None:
@@ -407,4 +492,8 @@ def count_worker_decoded(run_dir) -> int:
     from pathlib import Path
 
     path = Path(run_dir) / WORKER_DECODED
-    return len({line.split("\t", 1)[0] for line in path.read_text().splitlines()}) if path.is_file() else 0
+    return (
+        len({line.split("\t", 1)[0] for line in path.read_text().splitlines()})
+        if path.is_file()
+        else 0
+    )

@@ -1,5 +1,6 @@
-"""ImageFolder-layout classification data (`<root>/<split>/<class>/<image>`): ImageNet and the built-in sets. Images
-are decoded by `visiondist.data.decode.read_rgb`, the reader every loader shares."""
+"""ImageFolder-layout classification data (`<root>/<split>/<class>/<image>`): ImageNet and the
+built-in sets. Images are decoded by `visiondist.data.decode.read_rgb`, the reader every loader
+shares."""
 
 from __future__ import annotations
 
@@ -16,22 +17,24 @@ from visiondist.data.robust import BadImages
 
 
 def scan_image_folder(split_dir: Path) -> tuple[list[str], list[tuple[str, int]]]:
-    """Classes (sorted sub-folder names) and (path, label) samples, as a list (for small trees and tests; the
-    dataset keeps `visiondist.data.index`'s arrays); an empty class folder is an error."""
+    """Classes (sorted sub-folder names) and (path, label) samples, as a list (for small trees and
+    tests; the dataset keeps `visiondist.data.index`'s arrays); an empty class folder is an
+    error."""
     classes, paths, labels = list_image_folder(split_dir, cache=False)
     return classes, [(paths[i], int(labels[i])) for i in range(len(paths))]
 
 
 class LabelledImages(Dataset):
-    """What `ImageFolder` and a packed split (`visiondist.data.shards.ShardSplit`) share: indexed by an int or by a
-    `(index, epoch)` key (the key seeds the sample's augmentation); in training an unreadable image is replaced by the
-    next readable image of its class (`visiondist.data.robust`), in evaluation it is an error. A subclass sets
-    `targets`, `classes`, `transform` and `_bad`, calls `_index_classes()`, and says how a sample is named and read
-    (`_name`, `_read`)."""
+    """What `ImageFolder` and a packed split (`visiondist.data.shards.ShardSplit`) share: indexed by
+    an int or by a `(index, epoch)` key (the key seeds the sample's augmentation); in training an
+    unreadable image is replaced by the next readable image of its class (`visiondist.data.robust`),
+    in evaluation it is an error. A subclass sets `targets`, `classes`, `transform` and `_bad`,
+    calls `_index_classes()`, and says how a sample is named and read (`_name`, `_read`)."""
 
     def _index_classes(self) -> None:
-        """Each class's samples in index order, for the replacements: the class's run when the samples are grouped
-        by class (a tree's listing), else a stable sort by label (a shuffled pack)."""
+        """Each class's samples in index order, for the replacements: the class's run when the
+        samples are grouped by class (a tree's listing), else a stable sort by label (a shuffled
+        pack)."""
         grouped = bool(np.all(self.targets[1:] >= self.targets[:-1]))
         self._by_class = None if grouped else np.argsort(self.targets, kind="stable")
         if self._by_class is not None:
@@ -61,33 +64,45 @@ class LabelledImages(Dataset):
             yield i, self._name(i)
 
     def __getitem__(self, key):
-        index, epoch, *more = key if isinstance(key, tuple) else (key, 0)  # more: a native step's sequence length
+        # more: a native step's sequence length
+        index, epoch, *more = key if isinstance(key, tuple) else (key, 0)
         _, image = self._bad.read(self._candidates(index), self._read)
         label = int(self.targets[index])
         if self.transform is None:
             return image, label
         out = self.transform(image, index, epoch, *more)
-        if isinstance(out, tuple):  # (image, augmentation parameters): see `visiondist.data.augment`
+        # (image, augmentation parameters): see `visiondist.data.augment`
+        if isinstance(out, tuple):
             return out[0], label, out[1]
         return out, label
 
 
 class ImageFolder(LabelledImages):
-    """An ImageFolder tree's split (`<split>/<class>/<image>`), its index in arrays (`visiondist.data.index`)."""
+    """An ImageFolder tree's split (`<split>/<class>/<image>`), its index in arrays
+    (`visiondist.data.index`)."""
 
-    def __init__(self, split_dir: str | os.PathLike, transform: Optional[Callable] = None, train: bool = False,
-                 max_bad_images: int = 10, reader: Optional[Callable] = None):
+    def __init__(
+        self,
+        split_dir: str | os.PathLike,
+        transform: Optional[Callable] = None,
+        train: bool = False,
+        max_bad_images: int = 10,
+        reader: Optional[Callable] = None,
+    ):
         self.root = Path(split_dir)
-        self.reader = reader or read_rgb  # `visiondist.data.device_decode.read_encoded` under data.decode_on=device
-        self.classes, self.paths, self.targets = list_image_folder(self.root)  # arrays: see visiondist.data.index
+        # `visiondist.data.device_decode.read_encoded` under data.decode_on=device
+        self.reader = reader or read_rgb
+        # arrays: see visiondist.data.index
+        self.classes, self.paths, self.targets = list_image_folder(self.root)
         self.transform = transform
         self._bad = BadImages(max_bad_images, train)
-        self._index_classes()  # samples are grouped by class: a sample's replacements are the rest of its class
+        # samples are grouped by class: a sample's replacements are the rest of its class
+        self._index_classes()
 
     @property
     def samples(self) -> list[tuple[str, int]]:
-        """(path, label) of every image, as torchvision's ImageFolder has them: a list built on each call (the index
-        itself is `paths` and `targets`)."""
+        """(path, label) of every image, as torchvision's ImageFolder has them: a list built on each
+        call (the index itself is `paths` and `targets`)."""
         return [(self.paths[i], int(self.targets[i])) for i in range(len(self.paths))]
 
     def _name(self, index: int) -> str:

@@ -1,6 +1,6 @@
-"""A task's loaders: `build_classification_data` and `build_detection_data` (train and val loaders, sharded by DP
-rank, from a tree or from packed shards), with the loader options every split shares (workers, pinning, prefetch)
-and the COCO tree's paths (`coco_paths`, `detection_splits`).
+"""A task's loaders: `build_classification_data` and `build_detection_data` (train and val loaders,
+sharded by DP rank, from a tree or from packed shards), with the loader options every split shares
+(workers, pinning, prefetch) and the COCO tree's paths (`coco_paths`, `detection_splits`).
 """
 
 from __future__ import annotations
@@ -20,48 +20,74 @@ from visiondist.data.workers import register, worker_init
 
 log = logging.getLogger(__name__)
 
+
 def loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:
-    # Augmentation is seeded per sample; the loader's own generator only keeps it from drawing worker seeds from
-    # the global torch RNG, whose state a checkpoint restores.
-    # Workers stay alive across epochs and each prepares `data.prefetch_factor` batches ahead; on a GPU the batches
-    # come in page-locked memory (`data.pin_memory`) so that the rank's copy to the device does not block.
+    # Augmentation is seeded per sample; the loader's own generator only keeps it from drawing
+    # worker seeds from the global torch RNG, whose state a checkpoint restores. Workers stay alive
+    # across epochs and each prepares `data.prefetch_factor` batches ahead; on a GPU the batches
+    # come in page-locked memory (`data.pin_memory`) so that the rank's copy to the device does not
+    # block.
     num_workers = _num_workers(cfg.num_workers)
     workers = num_workers > 0
-    if workers:  # the rank's OpenCV thread pool, if it has started one, must not be copied into forked workers: a
-        import cv2  # worker's first resize would wait on threads it does not have. The rank decodes nothing itself.
+    # the rank's OpenCV thread pool, if it has started one, must not be copied into forked workers:
+    # a
+    if workers:
+        # worker's first resize would wait on threads it does not have. The rank decodes nothing
+        # itself.
+        import cv2
 
         cv2.setNumThreads(1)
-    return dict(num_workers=num_workers, pin_memory=pin_memory and cfg.get("pin_memory", True),
-                worker_init_fn=worker_init, persistent_workers=workers, collate_fn=collate_fn,
-                prefetch_factor=cfg.get("prefetch_factor", 2) if workers else None, generator=torch.Generator())
+    return dict(
+        num_workers=num_workers,
+        pin_memory=pin_memory and cfg.get("pin_memory", True),
+        worker_init_fn=worker_init,
+        persistent_workers=workers,
+        collate_fn=collate_fn,
+        prefetch_factor=cfg.get("prefetch_factor", 2) if workers else None,
+        generator=torch.Generator(),
+    )
 
 
 def _num_workers(requested: int) -> int:
-    """`data.num_workers`; -1: what this node's cores allow each of its ranks (`visiondist.data.workers.loader_workers`),
-    logged once per loader build."""
+    """`data.num_workers`; -1: what this node's cores allow each of its ranks
+    (`visiondist.data.workers.loader_workers`), logged once per loader build."""
     import os
 
     from visiondist.data.workers import AUTO_WORKERS_MAX, loader_workers, usable_cores
 
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # this node's ranks (torchrun, srun, the self-launch)
+    # this node's ranks (torchrun, srun, the self-launch)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     workers = loader_workers(requested, ranks)
     if requested < 0:
-        log.info("data.num_workers=-1: %d loader worker%s per rank (%d CPUs this process may use, %d rank%s on this "
-                 "node, one CPU each for the rank itself; at most %d)", workers, "" if workers == 1 else "s", usable_cores(), ranks,
-                 "" if ranks == 1 else "s", AUTO_WORKERS_MAX)
+        log.info(
+            "data.num_workers=-1: %d loader worker%s per rank (%d CPUs this process may use, %d "
+            "rank%s on this node, one CPU each for the rank itself; at most %d)",
+            workers,
+            "" if workers == 1 else "s",
+            usable_cores(),
+            ranks,
+            "" if ranks == 1 else "s",
+            AUTO_WORKERS_MAX,
+        )
     return workers
 
 
 def _val_loader(cfg, val_set, dp_rank: int, dp_size: int, options: dict) -> DataLoader:
     """This DP rank's exact share of the val set (no padding duplicates)."""
     eval_batch = -(-cfg.eval_batch_size // dp_size)
-    return register(DataLoader(val_set, batch_sampler=EvalBatchSampler(len(val_set), eval_batch, dp_rank, dp_size),
-                               **options))
+    return register(
+        DataLoader(
+            val_set,
+            batch_sampler=EvalBatchSampler(len(val_set), eval_batch, dp_rank, dp_size),
+            **options,
+        )
+    )
 
 
 class LabelBatches:
-    """The batches of a batch sampler as `(None, labels)`, without reading an image: what the last pipeline stage
-    consumes (the first reads the images). With `labels=None`, `(None, None)`: a middle stage only steps along."""
+    """The batches of a batch sampler as `(None, labels)`, without reading an image: what the last
+    pipeline stage consumes (the first reads the images). With `labels=None`, `(None, None)`: a
+    middle stage only steps along."""
 
     def __init__(self, batch_sampler, labels: np.ndarray | None):
         self.batch_sampler, self.labels = batch_sampler, labels
@@ -80,13 +106,17 @@ class LabelBatches:
 
 def _check_num_classes(cfg, found: int, source: Path, what: str) -> None:
     if found != cfg.num_classes:
-        raise ValueError(f"data.num_classes={cfg.num_classes} but {source} has {found} {what}: "
-                         f"set data.num_classes={found}")
+        raise ValueError(
+            f"data.num_classes={cfg.num_classes} but {source} has {found} {what}: "
+            f"set data.num_classes={found}"
+        )
 
 
 @dataclass
 class TaskData:
-    """A task's loaders and what the trainer reads off its data (no train loader / sampler: evaluation only)."""
+    """A task's loaders and what the trainer reads off its data (no train loader / sampler:
+    evaluation only)."""
+
     train_loader: DataLoader
     val_loader: DataLoader
     train_sampler: TrainBatchSampler
@@ -97,27 +127,46 @@ class TaskData:
 
 @dataclass
 class ClassificationData(TaskData):
-    store: object = None  # data.format=shards: the rank's `ShardStore` (its `fetched` bytes go into the summary)
+    # data.format=shards: the rank's `ShardStore` (its `fetched` bytes go into the summary)
+    store: object = None
 
 
 def build_classification_data(
-    cfg, img_size: int, dp_rank: int, dp_size: int, grad_accum: int, seed: int, pin_memory: bool,
-    reads_images: bool = True, reads_labels: bool = True, train: bool = True, patch_size: int = 16,
+    cfg,
+    img_size: int,
+    dp_rank: int,
+    dp_size: int,
+    grad_accum: int,
+    seed: int,
+    pin_memory: bool,
+    reads_images: bool = True,
+    reads_labels: bool = True,
+    train: bool = True,
+    patch_size: int = 16,
 ):
-    """Train and val loaders for this DP rank, at the model's input size. `cfg` is the data config; batch sizes in it
-    are global. A rank that does not read images (a later pipeline stage) gets `LabelBatches` of the same samples.
-    With `train=False` only the val split is read (evaluation of weights: no train split needed). Under
-    `data.resolution=native` the images keep their aspect ratio and come as patch sequences of `patch_size` pixels
-    (`visiondist.data.native`)."""
+    """Train and val loaders for this DP rank, at the model's input size. `cfg` is the data config;
+    batch sizes in it are global. A rank that does not read images (a later pipeline stage) gets
+    `LabelBatches` of the same samples. With `train=False` only the val split is read (evaluation of
+    weights: no train split needed). Under `data.resolution=native` the images keep their aspect
+    ratio and come as patch sequences of `patch_size` pixels (`visiondist.data.native`)."""
     if cfg.get("resolution", "square") == "native":
-        return _native_data(cfg, img_size, patch_size, dp_rank, dp_size, grad_accum, seed, pin_memory, train)
+        return _native_data(
+            cfg, img_size, patch_size, dp_rank, dp_size, grad_accum, seed, pin_memory, train
+        )
     val_tf = ClassificationTransform(cfg, train=False, size=img_size, seed=seed)
     splits = _classification_splits(cfg)
     reader, collate = None, None
-    if cfg.get("decode_on", "loader") == "device":  # the workers read bytes; the rank decodes them on its device,
-        from visiondist.data.device_decode import collate_encoded, read_encoded  # train and val: one decoder
+    # the workers read bytes; the rank decodes them on its device,
+    if cfg.get("decode_on", "loader") == "device":
+        from visiondist.data.device_decode import (  # train and val: one decoder
+            collate_encoded,
+            read_encoded,
+        )
 
-        reader, collate = read_encoded, collate_encoded(img_size, cfg.get("interpolation", "bilinear"))
+        reader, collate = (
+            read_encoded,
+            collate_encoded(img_size, cfg.get("interpolation", "bilinear")),
+        )
     val_set = splits(cfg.val_split, val_tf, reader=reader)
     options = loader_options(cfg, pin_memory)
     val_options = {**options, **({"collate_fn": collate} if collate else {})}
@@ -125,11 +174,18 @@ def build_classification_data(
         _check_num_classes(cfg, len(val_set.classes), val_set.root, "class folders")
         val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, val_options)
         if not reads_images:
-            val_loader = LabelBatches(val_loader.batch_sampler, val_set.targets if reads_labels else None)
+            val_loader = LabelBatches(
+                val_loader.batch_sampler, val_set.targets if reads_labels else None
+            )
         return ClassificationData(None, val_loader, None, val_set.classes, 0, len(val_set))
     train_tf = ClassificationTransform(cfg, train=True, size=img_size, seed=seed)
-    train_set = splits(cfg.train_split, train_tf, train=True, max_bad_images=cfg.get("max_bad_images", 10),
-                       reader=reader)
+    train_set = splits(
+        cfg.train_split,
+        train_tf,
+        train=True,
+        max_bad_images=cfg.get("max_bad_images", 10),
+        reader=reader,
+    )
     _check_num_classes(cfg, len(train_set.classes), train_set.root, "class folders")
     if val_set.classes != train_set.classes:
         raise ValueError(f"class folders of {val_set.root} differ from those of {train_set.root}")
@@ -137,50 +193,102 @@ def build_classification_data(
     streams = {}
     if cfg.get("format") == "shards":  # each rank reads about 1 / ranks of the shards per epoch
         streams = dict(streams=int(cfg.streams), shard_starts=train_set.shard_starts)
-    sampler = TrainBatchSampler(len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed, **streams)
+    sampler = TrainBatchSampler(
+        len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed, **streams
+    )
     train_loader = register(DataLoader(train_set, batch_sampler=sampler, **val_options))
     val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, val_options)
     if not reads_images:
         train_loader = LabelBatches(sampler, train_set.targets if reads_labels else None)
-        val_loader = LabelBatches(val_loader.batch_sampler, val_set.targets if reads_labels else None)
-    return ClassificationData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set),
-                              getattr(train_set, "store", None))
+        val_loader = LabelBatches(
+            val_loader.batch_sampler, val_set.targets if reads_labels else None
+        )
+    return ClassificationData(
+        train_loader,
+        val_loader,
+        sampler,
+        train_set.classes,
+        len(train_set),
+        len(val_set),
+        getattr(train_set, "store", None),
+    )
 
 
-def _native_data(cfg, img_size: int, patch: int, dp_rank: int, dp_size: int, grad_accum: int, seed: int,
-                 pin_memory: bool, train: bool) -> ClassificationData:
-    """`build_classification_data` under data.resolution=native: the same splits, each image resized to its grid."""
+def _native_data(
+    cfg,
+    img_size: int,
+    patch: int,
+    dp_rank: int,
+    dp_size: int,
+    grad_accum: int,
+    seed: int,
+    pin_memory: bool,
+    train: bool,
+) -> ClassificationData:
+    """`build_classification_data` under data.resolution=native: the same splits, each image resized
+    to its grid."""
     from visiondist.config.resolution import native_settings
     from visiondist.data.native import NativeBatchSampler, NativeCollate, NativeTransform
 
     seq_lens, eval_len = native_settings(cfg, img_size, patch)
     packs = bool((cfg.get("native") or {}).get("pack", False))
     splits = _classification_splits(cfg)
-    val_set = splits(cfg.val_split, NativeTransform(cfg, False, patch, seed, eval_len, img_size))  # whole grids
-    val_loader = _val_loader(cfg, val_set, dp_rank, dp_size,
-                             loader_options(cfg, pin_memory, NativeCollate(patch, [eval_len], packs)))
+    # whole grids
+    val_set = splits(cfg.val_split, NativeTransform(cfg, False, patch, seed, eval_len, img_size))
+    val_loader = _val_loader(
+        cfg,
+        val_set,
+        dp_rank,
+        dp_size,
+        loader_options(cfg, pin_memory, NativeCollate(patch, [eval_len], packs)),
+    )
     if not train:
         _check_num_classes(cfg, len(val_set.classes), val_set.root, "class folders")
         return ClassificationData(None, val_loader, None, val_set.classes, 0, len(val_set))
     train_tf = NativeTransform(cfg, True, patch, seed, eval_len, img_size, packs)
-    train_set = splits(cfg.train_split, train_tf, train=True, max_bad_images=cfg.get("max_bad_images", 10))
+    train_set = splits(
+        cfg.train_split, train_tf, train=True, max_bad_images=cfg.get("max_bad_images", 10)
+    )
     _check_num_classes(cfg, len(train_set.classes), train_set.root, "class folders")
     if val_set.classes != train_set.classes:
         raise ValueError(f"class folders of {val_set.root} differ from those of {train_set.root}")
-    sampler = NativeBatchSampler(len(train_set), cfg.batch_size, (img_size // patch) ** 2, seq_lens, dp_rank, dp_size,
-                                 grad_accum, seed, packs)
-    train_loader = register(DataLoader(train_set, batch_sampler=sampler,
-                                       **loader_options(cfg, pin_memory, NativeCollate(patch, seq_lens, packs))))
-    return ClassificationData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set),
-                              getattr(train_set, "store", None))
+    sampler = NativeBatchSampler(
+        len(train_set),
+        cfg.batch_size,
+        (img_size // patch) ** 2,
+        seq_lens,
+        dp_rank,
+        dp_size,
+        grad_accum,
+        seed,
+        packs,
+    )
+    train_loader = register(
+        DataLoader(
+            train_set,
+            batch_sampler=sampler,
+            **loader_options(cfg, pin_memory, NativeCollate(patch, seq_lens, packs)),
+        )
+    )
+    return ClassificationData(
+        train_loader,
+        val_loader,
+        sampler,
+        train_set.classes,
+        len(train_set),
+        len(val_set),
+        getattr(train_set, "store", None),
+    )
 
 
 def _classification_splits(cfg):
-    """split name, transform, options -> the split's dataset: an `ImageFolder` under `<root>/<split>`, or a packed
-    split (`data.format=shards`) read through one store per rank."""
+    """split name, transform, options -> the split's dataset: an `ImageFolder` under
+    `<root>/<split>`, or a packed split (`data.format=shards`) read through one store per rank."""
     if cfg.get("format", "imagefolder") != "shards":
         root = Path(cfg.root).expanduser()
-        return lambda split, transform, reader=None, **kw: ImageFolder(root / split, transform, reader=reader, **kw)
+        return lambda split, transform, reader=None, **kw: ImageFolder(
+            root / split, transform, reader=reader, **kw
+        )
     from visiondist.data.device_decode import encoded_or_decoded, read_encoded
     from visiondist.data.shards import ShardSplit, open_store, read_meta
 
@@ -190,6 +298,7 @@ def _classification_splits(cfg):
     def split_of(split, transform, reader=None, **kw):
         decode = encoded_or_decoded if reader is read_encoded else None
         return ShardSplit(store, split, transform, reader=decode, meta=meta, **kw)
+
     return split_of
 
 
@@ -207,14 +316,23 @@ def coco_paths(cfg, split: str) -> tuple[Path, Path]:
 
 
 def build_detection_data(
-    cfg, dp_rank: int, dp_size: int, grad_accum: int, seed: int, pin_memory: bool, train: bool = True,
-    masks: bool = False, square: "int | None" = None, antialias: bool = True,
+    cfg,
+    dp_rank: int,
+    dp_size: int,
+    grad_accum: int,
+    seed: int,
+    pin_memory: bool,
+    train: bool = True,
+    masks: bool = False,
+    square: int | None = None,
+    antialias: bool = True,
 ):
-    """COCO-format train / val loaders for this DP rank (batches are lists: images differ in size). With
-    `train=False` only the val split is read (evaluation of a checkpoint). `masks`: the training targets carry
-    instance masks (a model with a mask head; COCOeval reads the val masks from the annotation file). `square`: training
-    images are resized to that square (a DETR-class detector's input) instead of by data.min_size / max_size,
-    antialiased when they shrink unless `antialias` is off (as the model's image processor resizes)."""
+    """COCO-format train / val loaders for this DP rank (batches are lists: images differ in size).
+    With `train=False` only the val split is read (evaluation of a checkpoint). `masks`: the
+    training targets carry instance masks (a model with a mask head; COCOeval reads the val masks
+    from the annotation file). `square`: training images are resized to that square (a DETR-class
+    detector's input) instead of by data.min_size / max_size, antialiased when they shrink unless
+    `antialias` is off (as the model's image processor resizes)."""
     from visiondist.data.coco import collate_detection
 
     options = loader_options(cfg, pin_memory, collate_detection)
@@ -222,29 +340,64 @@ def build_detection_data(
     val_set = splits(cfg.val_split, train=False)
     val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, options)
     if not train:
-        return DetectionData(None, val_loader, None, val_set.classes, 0, len(val_set), val_set.ann_file,
-                             val_set.cat_of)
-    train_set = splits(cfg.train_split, train=True, transform=DetectionTransform(cfg, seed, square, antialias),
-                       max_bad_images=cfg.max_bad_images, masks=masks)
+        return DetectionData(
+            None,
+            val_loader,
+            None,
+            val_set.classes,
+            0,
+            len(val_set),
+            val_set.ann_file,
+            val_set.cat_of,
+        )
+    train_set = splits(
+        cfg.train_split,
+        train=True,
+        transform=DetectionTransform(cfg, seed, square, antialias),
+        max_bad_images=cfg.max_bad_images,
+        masks=masks,
+    )
     _check_num_classes(cfg, len(train_set.classes), train_set.ann_file, "categories")
     if val_set.label_of != train_set.label_of:
-        raise ValueError(f"the categories of {val_set.ann_file} differ from those of {train_set.ann_file}")
-    # grouping by aspect ratio keeps a batch's padding small. Square inputs (DETR-class) have none to save, but keep
-    # it: it decides which images share a batch, and D-FINE-N's shapes_coco result (benchmarks/RESULTS.md) was
-    # measured with it; another sample order left that run on its loss plateau for all 4 epochs
+        raise ValueError(
+            f"the categories of {val_set.ann_file} differ from those of {train_set.ann_file}"
+        )
+    # grouping by aspect ratio keeps a batch's padding small. Square inputs (DETR-class) have none
+    # to save, but keep it: it decides which images share a batch, and D-FINE-N's shapes_coco result
+    # (benchmarks/RESULTS.md) was measured with it; another sample order left that run on its loss
+    # plateau for all 4 epochs
     groups = (train_set.aspect_ratios() >= 1).astype(np.int64) if cfg.aspect_grouping else None
     streams = {}
-    if cfg.get("format") == "shards" and groups is None:  # grouping by aspect draws each batch from the whole epoch
+    # grouping by aspect draws each batch from the whole epoch
+    if cfg.get("format") == "shards" and groups is None:
         streams = dict(streams=int(cfg.streams), shard_starts=train_set.shard_starts)
-    sampler = TrainBatchSampler(len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed, groups=groups,
-                                **streams)
+    sampler = TrainBatchSampler(
+        len(train_set),
+        cfg.batch_size,
+        dp_rank,
+        dp_size,
+        grad_accum,
+        seed=seed,
+        groups=groups,
+        **streams,
+    )
     train_loader = register(DataLoader(train_set, batch_sampler=sampler, **options))
-    return DetectionData(train_loader, val_loader, sampler, train_set.classes, len(train_set), len(val_set),
-                         val_set.ann_file, val_set.cat_of, getattr(train_set, "store", None))
+    return DetectionData(
+        train_loader,
+        val_loader,
+        sampler,
+        train_set.classes,
+        len(train_set),
+        len(val_set),
+        val_set.ann_file,
+        val_set.cat_of,
+        getattr(train_set, "store", None),
+    )
 
 
 def detection_splits(cfg):
-    """split name, options -> a `CocoDetection` of the tree, or of a packed split (`data.format=shards`)."""
+    """split name, options -> a `CocoDetection` of the tree, or of a packed split
+    (`data.format=shards`)."""
     if cfg.get("format", "imagefolder") != "shards":
         from visiondist.data.coco import CocoDetection
 

@@ -1,10 +1,11 @@
 """Mixup / CutMix (timm's) that the images' side and the labels' side can apply apart.
 
-Under a pipeline the first stage holds the images and the last the labels; both must mix with the same draw. Every
-draw is therefore a pure function of (seed, data-parallel rank, step, micro-batch): each side draws it on its own, a
-resumed run draws what the uninterrupted one drew, and no random state has to travel or be checkpointed. The
-parameters come from timm's `Mixup` (its per-batch mode: each micro-batch mixed with its reverse) and its
-`cutmix_bbox_and_lam` / `mixup_target`, run on a numpy generator seeded with that key.
+Under a pipeline the first stage holds the images and the last the labels; both must mix with the
+same draw. Every draw is therefore a pure function of (seed, data-parallel rank, step, micro-batch):
+each side draws it on its own, a resumed run draws what the uninterrupted one drew, and no random
+state has to travel or be checkpointed. The parameters come from timm's `Mixup` (its per-batch mode:
+each micro-batch mixed with its reverse) and its `cutmix_bbox_and_lam` / `mixup_target`, run on a
+numpy generator seeded with that key.
 """
 
 from __future__ import annotations
@@ -27,28 +28,44 @@ def _numpy_seeded(key: tuple[int, ...]):
 
 
 class Mixing:
-    """`data.mixup` / `data.cutmix` for one data-parallel rank. `key` = (step, micro-batch index) names a draw."""
+    """`data.mixup` / `data.cutmix` for one data-parallel rank. `key` = (step, micro-batch index)
+    names a draw."""
 
     def __init__(self, d, num_classes: int, label_smoothing: float, seed: int, dp_rank: int):
         from timm.data import Mixup
 
-        self.mixup = Mixup(mixup_alpha=d.mixup, cutmix_alpha=d.cutmix, prob=d.mixup_prob,
-                           switch_prob=d.mixup_switch_prob, label_smoothing=label_smoothing, num_classes=num_classes)
+        self.mixup = Mixup(
+            mixup_alpha=d.mixup,
+            cutmix_alpha=d.cutmix,
+            prob=d.mixup_prob,
+            switch_prob=d.mixup_switch_prob,
+            label_smoothing=label_smoothing,
+            num_classes=num_classes,
+        )
         self.seed, self.dp_rank = int(seed), int(dp_rank)
 
-    def draw(self, key: tuple[int, int], shape: tuple[int, ...]) -> tuple[float, tuple[int, int, int, int] | None]:
-        """(lambda, cutmix box or None) of the draw `key` for images of `shape` (N, C, H, W): lambda is the share of
-        each image (and label) that stays its own."""
+    def draw(
+        self, key: tuple[int, int], shape: tuple[int, ...]
+    ) -> tuple[float, tuple[int, int, int, int] | None]:
+        """(lambda, cutmix box or None) of the draw `key` for images of `shape` (N, C, H, W): lambda
+        is the share of each image (and label) that stays its own."""
         from timm.data.mixup import cutmix_bbox_and_lam
 
         if shape[0] % 2:
-            raise ValueError(f"mixup / cutmix mix a micro-batch with its reverse and need an even one, not {shape[0]}")
+            raise ValueError(
+                "mixup / cutmix mix a micro-batch with its reverse and need an even one, not "
+                f"{shape[0]}"
+            )
         with _numpy_seeded((self.seed, self.dp_rank, *key)):
             lam, use_cutmix = self.mixup._params_per_batch()
             box = None
             if lam != 1.0 and use_cutmix:
-                box, lam = cutmix_bbox_and_lam(shape, lam, ratio_minmax=self.mixup.cutmix_minmax,
-                                               correct_lam=self.mixup.correct_lam)
+                box, lam = cutmix_bbox_and_lam(
+                    shape,
+                    lam,
+                    ratio_minmax=self.mixup.cutmix_minmax,
+                    correct_lam=self.mixup.correct_lam,
+                )
         return float(lam), box
 
     def images(self, x: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
@@ -62,9 +79,11 @@ class Mixing:
             x.mul_(lam).add_(flipped)
         return x
 
-    def targets(self, labels: torch.Tensor, key: tuple[int, int], image_shape: tuple[int, int, int]) -> torch.Tensor:
-        """Soft targets (N, classes) of `labels` under the draw `key` (label smoothing folded in); `image_shape` is
-        (C, H, W), all a CutMix box's clipping depends on."""
+    def targets(
+        self, labels: torch.Tensor, key: tuple[int, int], image_shape: tuple[int, int, int]
+    ) -> torch.Tensor:
+        """Soft targets (N, classes) of `labels` under the draw `key` (label smoothing folded in);
+        `image_shape` is (C, H, W), all a CutMix box's clipping depends on."""
         from timm.data.mixup import mixup_target
 
         lam, _ = self.draw(key, (len(labels), *image_shape))

@@ -1,22 +1,26 @@
 """Samplers keyed by the data-parallel rank.
 
-Training: one shuffled order per epoch, cut into global batches; data-parallel rank r takes the r-th contiguous slice
-of every global batch, split again into `grad_accum` micro-batches. The samples of one optimizer step are therefore the
-same whatever the number of DP ranks, which is what makes a dp=N run equal a one-process run. Each key carries the
-epoch, so per-sample augmentation can be seeded by (seed, epoch, index) and not by which rank or worker loads it.
+Training: one shuffled order per epoch, cut into global batches; data-parallel rank r takes the r-th
+contiguous slice of every global batch, split again into `grad_accum` micro-batches. The samples of
+one optimizer step are therefore the same whatever the number of DP ranks, which is what makes a
+dp=N run equal a one-process run. Each key carries the epoch, so per-sample augmentation can be
+seeded by (seed, epoch, index) and not by which rank or worker loads it.
 
-With `groups` (e.g. landscape / portrait images for detection), every global batch is drawn from one group: the
-epoch's shuffled order is walked and each sample joins its group's pending batch, which is emitted when full (as
-torchvision's GroupedBatchSampler does, but on global batches, so the DP split above still holds). A group's leftover
-(< one global batch) waits for the next epoch, so an epoch has sum over groups of floor(size / batch) steps.
+With `groups` (e.g. landscape / portrait images for detection), every global batch is drawn from one
+group: the epoch's shuffled order is walked and each sample joins its group's pending batch, which
+is emitted when full (as torchvision's GroupedBatchSampler does, but on global batches, so the DP
+split above still holds). A group's leftover (< one global batch) waits for the next epoch, so an
+epoch has sum over groups of floor(size / batch) steps.
 
-With `streams` (packed shards, `visiondist.data.shards`), the epoch's order is shard-aware: the shards are shuffled,
-the samples within each, and the sequence is cut into `streams` equal parts; global batch b is the b-th run of
-batch / streams samples of every part, in part order. The batch is still a function of the seed and the epoch only,
-and DP rank r's slice holds whole parts when the ranks divide the streams: each rank (and node) then reads about
-1 / ranks of the shards per epoch instead of all of them, as MosaicML Streaming's canonical nodes do.
+With `streams` (packed shards, `visiondist.data.shards`), the epoch's order is shard-aware: the
+shards are shuffled, the samples within each, and the sequence is cut into `streams` equal parts;
+global batch b is the b-th run of batch / streams samples of every part, in part order. The batch is
+still a function of the seed and the epoch only, and DP rank r's slice holds whole parts when the
+ranks divide the streams: each rank (and node) then reads about 1 / ranks of the shards per epoch
+instead of all of them, as MosaicML Streaming's canonical nodes do.
 
-Evaluation: every sample exactly once across ranks, as contiguous shards of near-equal size (no padding duplicates).
+Evaluation: every sample exactly once across ranks, as contiguous shards of near-equal size (no
+padding duplicates).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ SampleKey = tuple[int, int]  # (dataset index, epoch)
 
 
 class TrainBatchSampler:
-    """Yields this DP rank's micro-batches of `SampleKey`s; `grad_accum` of them make one optimizer step."""
+    """Yields this DP rank's micro-batches of `SampleKey`s; `grad_accum` of them make one optimizer
+    step."""
 
     def __init__(
         self,
@@ -45,11 +50,14 @@ class TrainBatchSampler:
         shard_starts: Optional[np.ndarray] = None,
     ):
         if global_batch % (dp_size * grad_accum):
-            raise ValueError(f"global batch {global_batch} is not divisible by dp x grad_accum = {dp_size * grad_accum}")
+            raise ValueError(
+                f"global batch {global_batch} is not divisible by dp x grad_accum = "
+                f"{dp_size * grad_accum}"
+            )
         if num_samples < global_batch:
             raise ValueError(
-                f"the training set has {num_samples} samples, fewer than one global batch of {global_batch}: "
-                "lower data.batch_size"
+                f"the training set has {num_samples} samples, fewer than one global batch of "
+                f"{global_batch}: lower data.batch_size"
             )
         self.num_samples, self.global_batch = num_samples, global_batch
         self.dp_rank, self.dp_size, self.grad_accum = dp_rank, dp_size, grad_accum
@@ -60,21 +68,27 @@ class TrainBatchSampler:
         self.streams, self.shard_starts = streams, shard_starts
         if streams:
             if global_batch % streams:
-                raise ValueError(f"data.batch_size={global_batch} is not divisible by data.streams={streams}: set "
-                                 "data.streams to a divisor of the batch (and a multiple of the number of nodes)")
+                raise ValueError(
+                    f"data.batch_size={global_batch} is not divisible by data.streams={streams}: "
+                    "set data.streams to a divisor of the batch (and a multiple of the number of "
+                    "nodes)"
+                )
             self.steps_per_epoch = (num_samples // streams) // (global_batch // streams)
         elif self.groups is None:
             self.steps_per_epoch = num_samples // global_batch
         else:
             if len(self.groups) != num_samples:
                 raise ValueError(f"{len(self.groups)} group ids for {num_samples} samples")
-            self.steps_per_epoch = int(sum(n // global_batch for n in np.unique(self.groups, return_counts=True)[1]))
+            self.steps_per_epoch = int(
+                sum(n // global_batch for n in np.unique(self.groups, return_counts=True)[1])
+            )
         self.dropped_per_epoch = num_samples - self.steps_per_epoch * global_batch
         self.epoch = 0
         self.start_step = 0
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
-        """Select the epoch's order; `start_step` skips optimizer steps already taken (mid-epoch resume)."""
+        """Select the epoch's order; `start_step` skips optimizer steps already taken (mid-epoch
+        resume)."""
         self.epoch, self.start_step = epoch, start_step
 
     def order(self, epoch: int) -> np.ndarray:
@@ -88,7 +102,10 @@ class TrainBatchSampler:
             return self._stream_batches(epoch)
         order = self.order(epoch)
         if self.groups is None:
-            return [order[i * self.global_batch : (i + 1) * self.global_batch] for i in range(self.steps_per_epoch)]
+            return [
+                order[i * self.global_batch : (i + 1) * self.global_batch]
+                for i in range(self.steps_per_epoch)
+            ]
         pending: dict[int, list[int]] = {}
         batches = []
         for i in order:
@@ -103,12 +120,21 @@ class TrainBatchSampler:
         starts = self.shard_starts
         rng = np.random.default_rng([self.seed, epoch])
         shards = rng.permutation(len(starts) - 1) if self.shuffle else np.arange(len(starts) - 1)
-        sequence = np.concatenate([starts[k] + (rng.permutation(starts[k + 1] - starts[k]) if self.shuffle
-                                                else np.arange(starts[k + 1] - starts[k])) for k in shards])
+        sequence = np.concatenate(
+            [
+                starts[k]
+                + (
+                    rng.permutation(starts[k + 1] - starts[k])
+                    if self.shuffle
+                    else np.arange(starts[k + 1] - starts[k])
+                )
+                for k in shards
+            ]
+        )
         per_part = self.num_samples // self.streams
         parts = sequence[: self.streams * per_part].reshape(self.streams, per_part)
         run = self.global_batch // self.streams
-        return [parts[:, b * run:(b + 1) * run].reshape(-1) for b in range(self.steps_per_epoch)]
+        return [parts[:, b * run : (b + 1) * run].reshape(-1) for b in range(self.steps_per_epoch)]
 
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.start_step) * self.grad_accum
@@ -134,7 +160,8 @@ def eval_shard(num_samples: int, dp_rank: int, dp_size: int) -> range:
 
 
 class EvalBatchSampler:
-    """Batches of this DP rank's evaluation shard, in order; shards differ in size by at most one sample."""
+    """Batches of this DP rank's evaluation shard, in order; shards differ in size by at most one
+    sample."""
 
     def __init__(self, num_samples: int, batch_size: int, dp_rank: int, dp_size: int):
         self.indices = eval_shard(num_samples, dp_rank, dp_size)

@@ -1,4 +1,5 @@
-"""Image transforms (albumentations + OpenCV: the fastest CPU path we measured) and per-sample seeding."""
+"""Image transforms (albumentations + OpenCV: the fastest CPU path we measured) and per-sample
+seeding."""
 
 from __future__ import annotations
 
@@ -10,70 +11,93 @@ import cv2
 import numpy as np
 import torch
 
-INTERPOLATIONS = {"bilinear": cv2.INTER_LINEAR, "bicubic": cv2.INTER_CUBIC}  # data.interpolation -> OpenCV's flag
+# data.interpolation -> OpenCV's flag
+INTERPOLATIONS = {"bilinear": cv2.INTER_LINEAR, "bicubic": cv2.INTER_CUBIC}
 
 
 def interpolation(cfg) -> int:
     """OpenCV's flag for `data.interpolation` (bilinear when the config has no such key)."""
-    name = cfg.get("interpolation", "bilinear") if hasattr(cfg, "get") else getattr(cfg, "interpolation", "bilinear")
+    name = (
+        cfg.get("interpolation", "bilinear")
+        if hasattr(cfg, "get")
+        else getattr(cfg, "interpolation", "bilinear")
+    )
     if name not in INTERPOLATIONS:
         raise ValueError(f"data.interpolation={name!r}: use one of {', '.join(INTERPOLATIONS)}")
     return INTERPOLATIONS[name]
 
 
 def classification_transforms(cfg, train: bool, size: int) -> A.Compose:
-    """The albumentations part. Train: random-resized crop + flip; eval: resize the short side to size / crop_pct,
-    centre crop. Both resize with `data.interpolation`. `size` is the model's input resolution. Normalisation
-    happens on the device (`Normalize`)."""
+    """The albumentations part. Train: random-resized crop + flip; eval: resize the short side to
+    size / crop_pct, centre crop. Both resize with `data.interpolation`. `size` is the model's input
+    resolution. Normalisation happens on the device (`Normalize`)."""
     flag = interpolation(cfg)
     if train:
-        steps = [A.RandomResizedCrop(size=(size, size), scale=tuple(cfg.train_crop_scale), interpolation=flag)]
+        steps = [
+            A.RandomResizedCrop(
+                size=(size, size), scale=tuple(cfg.train_crop_scale), interpolation=flag
+            )
+        ]
         if cfg.hflip > 0:
             steps.append(A.HorizontalFlip(p=cfg.hflip))
     else:
-        # timm's eval size, floor(size / crop_pct) (224 / 0.9 -> 248), so that its transform sees what we score
-        steps = [A.SmallestMaxSize(max_size=math.floor(size / cfg.crop_pct), interpolation=flag),
-                 A.CenterCrop(size, size)]
+        # timm's eval size, floor(size / crop_pct) (224 / 0.9 -> 248), so that its transform sees
+        # what we score
+        steps = [
+            A.SmallestMaxSize(max_size=math.floor(size / cfg.crop_pct), interpolation=flag),
+            A.CenterCrop(size, size),
+        ]
     return A.Compose(steps)
 
 
 class SampleRandom:
-    """The random stream of one sample: a numpy generator and a Python one, both set from (seed, epoch, index), that
-    every random choice for the sample draws from in turn (albumentations' crop, then its flip, then the auto-augment
-    and erasing parameters). One stream, not a seed per transform: transforms seeded alike draw alike (a flip would
-    follow the crop's area). Re-set for each sample in ~10 us (the generators are reused, not rebuilt)."""
+    """The random stream of one sample: a numpy generator and a Python one, both set from (seed,
+    epoch, index), that every random choice for the sample draws from in turn (albumentations' crop,
+    then its flip, then the auto-augment and erasing parameters). One stream, not a seed per
+    transform: transforms seeded alike draw alike (a flip would follow the crop's area). Re-set for
+    each sample in ~10 us (the generators are reused, not rebuilt)."""
 
     def __init__(self):
         self.numpy = np.random.Generator(np.random.PCG64(0))
         self.python = random.Random(0)
 
     def reset(self, seed: int, epoch: int, index: int) -> None:
-        words = [int(w) for w in np.random.SeedSequence([seed, epoch, index]).generate_state(4, np.uint64)]
-        self.numpy.bit_generator.state = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0,
-                                          "state": {"state": words[0] << 64 | words[1], "inc": words[2] << 64 | 1}}
+        words = [
+            int(w)
+            for w in np.random.SeedSequence([seed, epoch, index]).generate_state(4, np.uint64)
+        ]
+        self.numpy.bit_generator.state = {
+            "bit_generator": "PCG64",
+            "has_uint32": 0,
+            "uinteger": 0,
+            "state": {"state": words[0] << 64 | words[1], "inc": words[2] << 64 | 1},
+        }
         self.python.seed(words[3])
 
 
 class ClassificationTransform:
-    """uint8 HxWx3 RGB -> uint8 HxWx3 tensor (`Normalize` makes it CHW on the device): the crop / flip
-    (albumentations). In training with `data.auto_augment`
-    or `data.random_erasing`, also the sample's augmentation parameters (`visiondist.data.augment`): the worker
-    returns `(image, row)`, and applies the auto-augment operations itself only under `data.augment_on=loader`.
-    Normalisation happens on the device (`Normalize`): uint8 batches move a quarter of float32's bytes through the
-    workers' shared memory, pinning and the copy to the device.
+    """uint8 HxWx3 RGB -> uint8 HxWx3 tensor (`Normalize` makes it CHW on the device): the crop /
+    flip (albumentations). In training with `data.auto_augment` or `data.random_erasing`, also the
+    sample's augmentation parameters (`visiondist.data.augment`): the worker returns `(image, row)`,
+    and applies the auto-augment operations itself only under `data.augment_on=loader`.
+    Normalisation happens on the device (`Normalize`): uint8 batches move a quarter of float32's
+    bytes through the workers' shared memory, pinning and the copy to the device.
 
-    Every random choice is drawn from the sample's own stream (`SampleRandom`, set from (seed, epoch, index)): the
-    augmentation a sample gets does not depend on the rank, the worker or the order in which samples are loaded.
-    Runs with different layouts see identical pixels.
+    Every random choice is drawn from the sample's own stream (`SampleRandom`, set from (seed,
+    epoch, index)): the augmentation a sample gets does not depend on the rank, the worker or the
+    order in which samples are loaded. Runs with different layouts see identical pixels.
     """
 
     def __init__(self, cfg, train: bool, size: int, seed: int):
         from visiondist.data.augment import AugmentPolicy
 
-        get = cfg.get if hasattr(cfg, "get") else lambda key, default=None: getattr(cfg, key, default)
+        get = (
+            cfg.get if hasattr(cfg, "get") else lambda key, default=None: getattr(cfg, key, default)
+        )
         self.policy = AugmentPolicy.from_config(cfg, size) if train else None
         self.on_loader = get("augment_on", "device") == "loader"
-        self.decode_on_device = get("decode_on", "loader") == "device"  # train and eval: one decoder per run
+        # train and eval: one decoder per run
+        self.decode_on_device = get("decode_on", "loader") == "device"
         self.train, self.size = train, size
         self.eval_resize = math.floor(size / cfg.crop_pct) if not train else None
         self.seed = seed
@@ -90,7 +114,9 @@ class ClassificationTransform:
             return image
         row = self.policy.draw(self.random.python)
         if self.on_loader:  # torchvision's ops take C, H, W; handed over as H, W, C again
-            image = self.policy.apply_loader(image.permute(2, 0, 1), row).permute(1, 2, 0).contiguous()
+            image = (
+                self.policy.apply_loader(image.permute(2, 0, 1), row).permute(1, 2, 0).contiguous()
+            )
         return image, torch.from_numpy(row)
 
     def _crop(self, image: np.ndarray) -> torch.Tensor:
@@ -98,20 +124,24 @@ class ClassificationTransform:
         return torch.from_numpy(np.ascontiguousarray(self.transform(image=image)["image"]))
 
     def _for_device(self, image) -> tuple[torch.Tensor, torch.Tensor]:
-        """`data.decode_on=device`: a JPEG's bytes with its crop row (train: drawn from the sample's stream as the
-        loader path's albumentations crop and flip draw them; eval: the resize and centre crop), or a file the device
-        cannot decode cropped here, with an empty crop row; then the augmentation row
-        (`visiondist.data.device_decode`)."""
+        """`data.decode_on=device`: a JPEG's bytes with its crop row (train: drawn from the sample's
+        stream as the loader path's albumentations crop and flip draw them; eval: the resize and
+        centre crop), or a file the device cannot decode cropped here, with an empty crop row; then
+        the augmentation row (`visiondist.data.device_decode`)."""
         from visiondist.data.device_decode import CROP_FIELDS, Encoded
 
         row = np.zeros(CROP_FIELDS)
-        if isinstance(image, Encoded) and not self.train:  # eval: resize the short side, then the centre crop
+        # eval: resize the short side, then the centre crop
+        if isinstance(image, Encoded) and not self.train:
             row[:] = (2, *self._centre_crop(image.height, image.width), 0)
             payload = torch.frombuffer(bytearray(image.data), dtype=torch.uint8)
-        elif isinstance(image, Encoded):  # the Compose's draws in its order: whether it runs (p=1), crop, flip
+        # the Compose's draws in its order: whether it runs (p=1), crop, flip
+        elif isinstance(image, Encoded):
             self.random.python.random()
             crop, *rest = self.transform.transforms
-            x0, y0, x1, y1 = crop.get_params_dependent_on_data({"shape": (image.height, image.width)}, {})["crop_coords"]
+            x0, y0, x1, y1 = crop.get_params_dependent_on_data(
+                {"shape": (image.height, image.width)}, {}
+            )["crop_coords"]
             flip = any(isinstance(t, A.HorizontalFlip) and t.should_apply() for t in rest)
             row[:] = (1, y0, x0, y1 - y0, x1 - x0, flip)
             payload = torch.frombuffer(bytearray(image.data), dtype=torch.uint8)
@@ -121,21 +151,22 @@ class ClassificationTransform:
             row = np.concatenate([row, self.policy.draw(self.random.python)])
         return payload, torch.from_numpy(row)
 
-
     def _centre_crop(self, height: int, width: int) -> tuple[int, int, int, int]:
-        """(top, left, resized height, resized width) of the eval transform on a `height` x `width` image, as
-        albumentations' SmallestMaxSize and CenterCrop compute them (tested against them)."""
+        """(top, left, resized height, resized width) of the eval transform on a `height` x `width`
+        image, as albumentations' SmallestMaxSize and CenterCrop compute them (tested against
+        them)."""
         scale = self.eval_resize / min(height, width)
         h, w = round(height * scale), round(width * scale)
         return (h - self.size) // 2, (w - self.size) // 2, h, w
 
 
 class Normalize:
-    """Loader images -> the model's input on `device`. A classification loader hands over uint8 batches laid out
-    N, H, W, C (each worker's images stack with a plain memory copy; a CHW view of an HWC crop would be transposed
-    in the worker, 10x slower): they are copied without blocking, turned to N, C, H, W on the device (`to_device`),
-    and normalised there in float32, (x - 255 mean) / (255 std) per channel (`normalize`). Float input is taken as
-    the model's input already (N, C, H, W, normalised)."""
+    """Loader images -> the model's input on `device`. A classification loader hands over uint8
+    batches laid out N, H, W, C (each worker's images stack with a plain memory copy; a CHW view of
+    an HWC crop would be transposed in the worker, 10x slower): they are copied without blocking,
+    turned to N, C, H, W on the device (`to_device`), and normalised there in float32, (x - 255
+    mean) / (255 std) per channel (`normalize`). Float input is taken as the model's input already
+    (N, C, H, W, normalised)."""
 
     def __init__(self, mean, std):
         self.mean = torch.tensor(list(mean), dtype=torch.float32).view(1, 3, 1, 1) * 255
@@ -145,14 +176,17 @@ class Normalize:
     def __call__(self, images: torch.Tensor, device: torch.device) -> torch.Tensor:
         from visiondist.models.patches import Patches
 
-        if isinstance(images, Patches):  # data.resolution=native: uint8 patches, each pixel's channels together
+        # data.resolution=native: uint8 patches, each pixel's channels together
+        if isinstance(images, Patches):
             images = images.to(device, non_blocking=True)
             pixels = images.patches
             if pixels.dtype != torch.uint8:
                 return images
             mean, std = (t.to(device).view(-1) for t in (self.mean, self.std))
             shape = pixels.shape
-            return images._replace(patches=pixels.view(*shape[:-1], -1, 3).float().sub_(mean).div_(std).view(shape))
+            return images._replace(
+                patches=pixels.view(*shape[:-1], -1, 3).float().sub_(mean).div_(std).view(shape)
+            )
         return self.normalize(to_device(images, device))
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
@@ -166,9 +200,9 @@ class Normalize:
 
 
 def to_device(images, device: torch.device) -> torch.Tensor:
-    """A classification loader batch on `device`: uint8 N, H, W, C -> uint8 N, C, H, W (contiguous), after a
-    non-blocking copy; a batch of encoded JPEGs (`data.decode_on=device`) is decoded, cropped and flipped there;
-    float batches (already the model's input) are only copied."""
+    """A classification loader batch on `device`: uint8 N, H, W, C -> uint8 N, C, H, W (contiguous),
+    after a non-blocking copy; a batch of encoded JPEGs (`data.decode_on=device`) is decoded,
+    cropped and flipped there; float batches (already the model's input) are only copied."""
     from visiondist.data.device_decode import EncodedBatch
 
     if isinstance(images, EncodedBatch):
@@ -178,8 +212,9 @@ def to_device(images, device: torch.device) -> torch.Tensor:
 
 
 def unit_float(images: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Detection images (uint8 CHW, sizes differ) -> float in [0, 1] on `device`, what torchvision's detectors take
-    (they normalise inside); converted after a non-blocking copy of the uint8 bytes."""
+    """Detection images (uint8 CHW, sizes differ) -> float in [0, 1] on `device`, what torchvision's
+    detectors take (they normalise inside); converted after a non-blocking copy of the uint8
+    bytes."""
     out = []
     for image in images:
         image = image.to(device, non_blocking=True)
@@ -187,10 +222,12 @@ def unit_float(images: list[torch.Tensor], device: torch.device) -> list[torch.T
     return out
 
 
-def resize_keep_aspect(image: np.ndarray, boxes: np.ndarray, min_size: int, max_size: int, masks=None):
-    """torchvision's detection resize: scale the short side to `min_size` unless the long side would pass
-    `max_size`; boxes scaled with it, and (n, H, W) `masks` (nearest neighbour, as torchvision resizes them) when
-    given, then returned fourth."""
+def resize_keep_aspect(
+    image: np.ndarray, boxes: np.ndarray, min_size: int, max_size: int, masks=None
+):
+    """torchvision's detection resize: scale the short side to `min_size` unless the long side would
+    pass `max_size`; boxes scaled with it, and (n, H, W) `masks` (nearest neighbour, as torchvision
+    resizes them) when given, then returned fourth."""
     h, w = image.shape[:2]
     scale = min(min_size / min(h, w), max_size / max(h, w))
     size = (max(1, round(w * scale)), max(1, round(h * scale)))
@@ -203,9 +240,9 @@ def resize_keep_aspect(image: np.ndarray, boxes: np.ndarray, min_size: int, max_
 
 
 def resize_square(image: np.ndarray, boxes: np.ndarray, side: int, antialias: bool = True):
-    """The image resized to side x side, aspect not kept (a DETR-class detector's input), boxes scaled with it: as
-    the model's image processor resizes, to rounding (bilinear; antialiased when it shrinks, through PIL, where the
-    processor antialiases, which RF-DETR's does not)."""
+    """The image resized to side x side, aspect not kept (a DETR-class detector's input), boxes
+    scaled with it: as the model's image processor resizes, to rounding (bilinear; antialiased when
+    it shrinks, through PIL, where the processor antialiases, which RF-DETR's does not)."""
     h, w = image.shape[:2]
     if antialias and side < max(h, w):
         from PIL import Image
@@ -217,14 +254,20 @@ def resize_square(image: np.ndarray, boxes: np.ndarray, side: int, antialias: bo
 
 
 class DetectionTransform:
-    """Training augmentation for detection, with boxes: resize keeping the aspect ratio (min_size / max_size; with
-    `square`, to that square instead: a DETR-class detector's input),
-    optional large-scale jitter (random rescale, then pad / crop to a min_size square), horizontal flip and colour
-    jitter. Drawn from the sample's stream (`SampleRandom`) like `ClassificationTransform`. Boxes a crop removes (or
-    leaves < 1 px) go, with their labels and masks; masks follow every geometric step exactly as the boxes do."""
+    """Training augmentation for detection, with boxes: resize keeping the aspect ratio (min_size /
+    max_size; with `square`, to that square instead: a DETR-class detector's input), optional
+    large-scale jitter (random rescale, then pad / crop to a min_size square), horizontal flip and
+    colour jitter. Drawn from the sample's stream (`SampleRandom`) like `ClassificationTransform`.
+    Boxes a crop removes (or leaves < 1 px) go, with their labels and masks; masks follow every
+    geometric step exactly as the boxes do."""
 
     def __init__(self, cfg, seed: int, square: int | None = None, antialias: bool = True):
-        self.min_size, self.max_size, self.seed, self.square = cfg.min_size, cfg.max_size, seed, square
+        self.min_size, self.max_size, self.seed, self.square = (
+            cfg.min_size,
+            cfg.max_size,
+            seed,
+            square,
+        )
         self.antialias = antialias
         steps: list = []
         if cfg.large_scale_jitter:
@@ -232,31 +275,53 @@ class DetectionTransform:
             side = cfg.min_size
             steps += [
                 A.RandomScale(scale_limit=(lo - 1, hi - 1), p=1.0),
-                A.PadIfNeeded(min_height=side, min_width=side, position="top_left", border_mode=0, fill=0),
+                A.PadIfNeeded(
+                    min_height=side, min_width=side, position="top_left", border_mode=0, fill=0
+                ),
                 A.RandomCrop(height=side, width=side),
             ]
         if cfg.hflip > 0:
             steps.append(A.HorizontalFlip(p=cfg.hflip))
         if cfg.color_jitter > 0:
             j = cfg.color_jitter
-            steps.append(A.ColorJitter(brightness=j, contrast=j, saturation=j, hue=min(0.5, j / 4), p=0.8))
-        bbox = A.BboxParams(format="pascal_voc", label_fields=["labels", "ids"], min_width=1, min_height=1, clip=True)
+            steps.append(
+                A.ColorJitter(brightness=j, contrast=j, saturation=j, hue=min(0.5, j / 4), p=0.8)
+            )
+        bbox = A.BboxParams(
+            format="pascal_voc",
+            label_fields=["labels", "ids"],
+            min_width=1,
+            min_height=1,
+            clip=True,
+        )
         self.augment = A.Compose(steps, bbox_params=bbox)
         self.random = SampleRandom()
         self.augment.set_random_state(self.random.numpy, self.random.python)
 
-    def __call__(self, image: np.ndarray, boxes: np.ndarray, labels: np.ndarray, index: int, epoch: int,
-                 masks: np.ndarray | None = None):
-        """(image, boxes, labels), augmented; with (n, H, W) `masks`, (image, boxes, labels, masks)."""
+    def __call__(
+        self,
+        image: np.ndarray,
+        boxes: np.ndarray,
+        labels: np.ndarray,
+        index: int,
+        epoch: int,
+        masks: np.ndarray | None = None,
+    ):
+        """(image, boxes, labels), augmented; with (n, H, W) `masks`, (image, boxes, labels,
+        masks)."""
         if self.square and masks is None:
             image, boxes = resize_square(image, boxes, self.square, self.antialias)
         elif masks is None:
             image, boxes = resize_keep_aspect(image, boxes, self.min_size, self.max_size)
         else:
-            image, boxes, masks = resize_keep_aspect(image, boxes, self.min_size, self.max_size, masks)
+            image, boxes, masks = resize_keep_aspect(
+                image, boxes, self.min_size, self.max_size, masks
+            )
         self.random.reset(self.seed, epoch, index)
         extra = {"masks": masks} if masks is not None and len(masks) else {}
-        out = self.augment(image=image, bboxes=boxes, labels=labels, ids=np.arange(len(labels)), **extra)
+        out = self.augment(
+            image=image, bboxes=boxes, labels=labels, ids=np.arange(len(labels)), **extra
+        )
         boxes = np.asarray(out["bboxes"], dtype=np.float32).reshape(-1, 4)
         labels = np.asarray(out["labels"], dtype=np.int64)
         if masks is None:

@@ -1,18 +1,19 @@
 """Loader worker processes: how they start, and how a rank makes sure none outlives it.
 
-Workers ignore SIGTERM / SIGINT: a signal to the whole process group (Ctrl-C, SLURM's time-limit warning) is for
-the rank, which checkpoints and then stops its workers itself. Because of that, nothing may rely on SIGTERM to end
-a worker: multiprocessing's exit handler does exactly that (terminate, then join without a timeout) and would wait
-forever. So
+Workers ignore SIGTERM / SIGINT: a signal to the whole process group (Ctrl-C, SLURM's time-limit
+warning) is for the rank, which checkpoints and then stops its workers itself. Because of that,
+nothing may rely on SIGTERM to end a worker: multiprocessing's exit handler does exactly that
+(terminate, then join without a timeout) and would wait forever. So
 
-- every worker dies with its rank (`PR_SET_PDEATHSIG`: the kernel sends it SIGKILL when the rank's process ends,
-  however it ends, OOM killer included);
-- `close_loaders()` runs on every exit of a rank, error or not, and ends each loader's workers at once (a worker
-  stuck in `__getitem__` included).
+- every worker dies with its rank (`PR_SET_PDEATHSIG`: the kernel sends it SIGKILL when the rank's
+  process ends, however it ends, OOM killer included);
+- `close_loaders()` runs on every exit of a rank, error or not, and ends each loader's workers at
+  once (a worker stuck in `__getitem__` included).
 
-A worker that dies (the OOM killer) surfaces in the rank as torch's "DataLoader worker ... killed by signal", or, when
-the rank was receiving a batch whose memory the dead worker still had to hand over, as a bare EOFError from
-multiprocessing: `watched` (around the training batches and the evaluations' alike) turns the latter into the former.
+A worker that dies (the OOM killer) surfaces in the rank as torch's "DataLoader worker ... killed by
+signal", or, when the rank was receiving a batch whose memory the dead worker still had to hand
+over, as a bare EOFError from multiprocessing: `watched` (around the training batches and the
+evaluations' alike) turns the latter into the former.
 
 How many: `loader_workers` makes `data.num_workers=-1` concrete from the cores this process may use.
 """
@@ -34,7 +35,7 @@ from visiondist.utils.signals import ignore_stop_signals, install_worker_stack_d
 
 log = logging.getLogger(__name__)
 
-_LOADERS: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
+_LOADERS: weakref.WeakSet[DataLoader] = weakref.WeakSet()
 _PR_SET_PDEATHSIG = 1
 
 
@@ -47,8 +48,10 @@ def register(loader: DataLoader) -> DataLoader:
 
 def worker_init(_worker_id: int) -> None:
     _die_with_parent()
-    cv2.setNumThreads(1)  # loader workers are the parallelism; OpenCV's own threads would oversubscribe
-    ignore_stop_signals()  # a signal to the whole process group must not kill a worker under its rank
+    # loader workers are the parallelism; OpenCV's own threads would oversubscribe
+    cv2.setNumThreads(1)
+    # a signal to the whole process group must not kill a worker under its rank
+    ignore_stop_signals()
     install_worker_stack_dump()
 
 
@@ -56,7 +59,8 @@ def _die_with_parent() -> None:
     parent = os.getppid()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the workers' own parent check still ends them when idle
+    # not Linux: the workers' own parent check still ends them when idle
+    except (OSError, AttributeError):
         return
     if os.getppid() != parent:  # the rank ended before the request took effect
         os._exit(1)
@@ -73,15 +77,16 @@ def worker_pids() -> list[int]:
 
 
 class watched:  # noqa: N801 (used as a function: `watched(iter(loader))`)
-    """A loader's batch iterator whose failures from a worker's death name the worker. A batch's tensors reach the
-    rank through file descriptors its worker sends on request; a worker killed after queueing a batch leaves the
-    rank an EOFError (or a reset connection) in place of them, before the worker's exit is seen. The dead worker is
-    then waited for (up to 2 s) and named, with how it ended."""
+    """A loader's batch iterator whose failures from a worker's death name the worker. A batch's
+    tensors reach the rank through file descriptors its worker sends on request; a worker killed
+    after queueing a batch leaves the rank an EOFError (or a reset connection) in place of them,
+    before the worker's exit is seen. The dead worker is then waited for (up to 2 s) and named, with
+    how it ended."""
 
     def __init__(self, batches: Iterator) -> None:
         self._batches = batches
 
-    def __iter__(self) -> "watched":
+    def __iter__(self) -> watched:
         return self
 
     def __next__(self) -> Any:
@@ -91,8 +96,10 @@ class watched:  # noqa: N801 (used as a function: `watched(iter(loader))`)
             dead = _dead_workers(getattr(self._batches, "_workers", None) or [])
             if not dead:
                 raise
-            raise RuntimeError(f"DataLoader worker (pid(s) {', '.join(str(w.pid) for w in dead)}) exited "
-                               f"unexpectedly: {_how(dead[0].exitcode)}") from exc
+            raise RuntimeError(
+                f"DataLoader worker (pid(s) {', '.join(str(w.pid) for w in dead)}) exited "
+                f"unexpectedly: {_how(dead[0].exitcode)}"
+            ) from exc
 
 
 def _dead_workers(workers: list, wait: float = 2.0) -> list:
@@ -107,17 +114,22 @@ def _dead_workers(workers: list, wait: float = 2.0) -> list:
 def _how(exitcode: int | None) -> str:
     if exitcode is not None and exitcode < 0:
         name = signal.Signals(-exitcode).name
-        why = " (what the kernel's OOM killer sends: lower data.num_workers or data.batch_size, or give the job more " \
-              "memory)" if -exitcode == signal.SIGKILL else ""
+        why = (
+            " (what the kernel's OOM killer sends: lower data.num_workers or data.batch_size, or "
+            "give the job more memory)"
+            if -exitcode == signal.SIGKILL
+            else ""
+        )
         return f"killed by signal {name}{why}"
     return f"exit code {exitcode}"
 
 
 def close_loaders() -> None:
-    """End the workers of every tracked loader at once: the rank is done with them (a finished or stopped run, a
-    failure). They are killed rather than asked to leave: a worker left to exit on its own took seconds to do so,
-    seconds a stopped job waited for after its checkpoint was written. Their prefetched batches hold nothing that
-    matters; the loader's own shutdown then closes its queues."""
+    """End the workers of every tracked loader at once: the rank is done with them (a finished or
+    stopped run, a failure). They are killed rather than asked to leave: a worker left to exit on
+    its own took seconds to do so, seconds a stopped job waited for after its checkpoint was
+    written. Their prefetched batches hold nothing that matters; the loader's own shutdown then
+    closes its queues."""
     from torch.utils.data._utils import signal_handling
 
     for loader in list(_LOADERS):
@@ -125,7 +137,8 @@ def close_loaders() -> None:
         if iterator is None:
             continue
         workers = list(getattr(iterator, "_workers", []) or [])
-        if getattr(iterator, "_worker_pids_set", False):  # a killed worker is not a failure of this loader
+        # a killed worker is not a failure of this loader
+        if getattr(iterator, "_worker_pids_set", False):
             signal_handling._remove_worker_pids(id(iterator))
             iterator._worker_pids_set = False
         for worker in workers:
@@ -145,18 +158,18 @@ AUTO_WORKERS_MAX = 16  # data.num_workers=-1: at most this many loader workers p
 
 
 def usable_cores() -> int:
-    """The CPUs this process may run on: its affinity (a SLURM allocation, taskset) and its container's CPU quota,
-    not the whole machine (`visiondist.utils.procenv.usable_cpus`)."""
+    """The CPUs this process may run on: its affinity (a SLURM allocation, taskset) and its
+    container's CPU quota, not the whole machine (`visiondist.utils.procenv.usable_cpus`)."""
     from visiondist.utils.procenv import usable_cpus
 
     return usable_cpus()
 
 
 def loader_workers(requested: int, ranks_per_node: int, cores: int | None = None) -> int:
-    """`data.num_workers` made concrete on a rank: as given when >= 0; -1 (auto): what the CPUs this process may use
-    (`usable_cores`) allow each of its node's `ranks_per_node` ranks, one for the rank's own work and the rest for
-    its loader workers, at most `AUTO_WORKERS_MAX`; 0 (the rank loads its batches itself) where a rank has a single
-    CPU or less."""
+    """`data.num_workers` made concrete on a rank: as given when >= 0; -1 (auto): what the CPUs this
+    process may use (`usable_cores`) allow each of its node's `ranks_per_node` ranks, one for the
+    rank's own work and the rest for its loader workers, at most `AUTO_WORKERS_MAX`; 0 (the rank
+    loads its batches itself) where a rank has a single CPU or less."""
     if requested >= 0:
         return requested
     cores = usable_cores() if cores is None else cores

@@ -1,5 +1,6 @@
-"""Exact distributed classification metrics (top-1, top-5, val loss, per-class top-1): each rank scores its shard,
-sums are reduced over data parallel. Top-5 is computed always and reported above 10 classes (`reports_top5`)."""
+"""Exact distributed classification metrics (top-1, top-5, val loss, per-class top-1): each rank
+scores its shard, sums are reduced over data parallel. Top-5 is computed always and reported above
+10 classes (`reports_top5`)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,22 @@ from visiondist.data.workers import watched
 from visiondist.observe.progress import tracked
 from visiondist.parallel import Layout, PipelinedViT, blank_forwards, forwards_needed
 
-
 TOP5_MIN_CLASSES = 11  # top-5 is reported from 11 classes up (k at most about half the class count)
 
 
 def reports_top5(num_classes: int) -> bool:
-    """Whether top-5 is reported (the log, metrics.csv, the summary, the plots, eval.json): only where five guesses
-    are well below the class count, more than 10 classes. Of 6 classes, five guesses miss only when the true class
-    is ranked last: top-5 is about 100% for any model and says nothing."""
+    """Whether top-5 is reported (the log, metrics.csv, the summary, the plots, eval.json): only
+    where five guesses are well below the class count, more than 10 classes. Of 6 classes, five
+    guesses miss only when the true class is ranked last: top-5 is about 100% for any model and says
+    nothing."""
     return num_classes >= TOP5_MIN_CLASSES
 
 
-def topk_correct(logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]) -> list[torch.Tensor]:
-    """Number of samples whose label is among the top-k logits, for each k (k capped at the class count)."""
+def topk_correct(
+    logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]
+) -> list[torch.Tensor]:
+    """Number of samples whose label is among the top-k logits, for each k (k capped at the class
+    count)."""
     kmax = min(max(ks), logits.shape[1])
     top = logits.topk(kmax, dim=1).indices
     hits = top == labels[:, None]
@@ -44,26 +48,31 @@ def evaluate_classification(
     inputs=None,
     feed=None,
 ) -> dict[str, float]:
-    """val_loss, val_top1, val_top5 (percent) and val_count over the whole val set, identical on every rank; with
-    `num_classes`, also val_class_top1 (percent per class, None for a class without images) and val_class_count.
-    `progress`: a progress bar over this rank's batches (give it on the main rank only). `inputs(images, device)`
-    turns loader images into the model's input on the device (default: a copy; the task's `Normalize` for uint8).
-    `feed(batches)` gives the loader's batches as the step takes them (data.decode_on=device: decoded ahead, off the
-    model's stream; closed at the end).
+    """val_loss, val_top1, val_top5 (percent) and val_count over the whole val set, identical on
+    every rank; with `num_classes`, also val_class_top1 (percent per class, None for a class without
+    images) and val_class_count. `progress`: a progress bar over this rank's batches (give it on the
+    main rank only). `inputs(images, device)` turns loader images into the model's input on the
+    device (default: a copy; the task's `Normalize` for uint8). `feed(batches)` gives the loader's
+    batches as the step takes them (data.decode_on=device: decoded ahead, off the model's stream;
+    closed at the end).
 
-    A pipelined model runs each batch through the pipeline (`PipelinedViT.predict`); the last stage scores it and its
-    sums reach the other stages in the final reduction."""
+    A pipelined model runs each batch through the pipeline (`PipelinedViT.predict`); the last stage
+    scores it and its sums reach the other stages in the final reduction."""
     was_training = model.training
     model.eval()
     pipelined = isinstance(model, PipelinedViT)
     k = num_classes or 0
-    sums = torch.zeros(4 + 2 * k, dtype=torch.float64, device=layout.device)  # loss, top1, top5, count, per class
+    # loss, top1, top5, count, per class
+    sums = torch.zeros(4 + 2 * k, dtype=torch.float64, device=layout.device)
     needed = forwards_needed(model, layout, len(loader))  # FSDP: every rank runs as many forwards
     inputs = inputs or (lambda images, device: images.to(device, non_blocking=True))
-    batches = watched(iter(loader))  # a loader worker's death names the worker (not a bare EOFError)
+    # a loader worker's death names the worker (not a bare EOFError)
+    batches = watched(iter(loader))
     batches = feed(batches) if feed is not None else batches
     try:
-        forwards = _forward_all(model, loader, batches, layout, autocast, inputs, pipelined, sums, k, progress)
+        forwards = _forward_all(
+            model, loader, batches, layout, autocast, inputs, pipelined, sums, k, progress
+        )
     finally:
         if hasattr(batches, "close"):
             batches.close()
@@ -75,16 +84,30 @@ def evaluate_classification(
     return _metrics(sums.tolist(), k)
 
 
-def _forward_all(model, loader, batches, layout: Layout, autocast, inputs, pipelined: bool, sums: torch.Tensor, k: int,
-                 progress: bool) -> int:
+def _forward_all(
+    model,
+    loader,
+    batches,
+    layout: Layout,
+    autocast,
+    inputs,
+    pipelined: bool,
+    sums: torch.Tensor,
+    k: int,
+    progress: bool,
+) -> int:
     """Score every batch of this rank into `sums`; returns the forwards run."""
     forwards = 0
     for images, labels in tracked(batches, progress, total=len(loader)):
         forwards += 1
         images = None if images is None else inputs(images, layout.device)
         if pipelined:
-            logits = model.predict(images, None if labels is None else len(labels), loader.batch_sampler.batch_size,
-                                   autocast)
+            logits = model.predict(
+                images,
+                None if labels is None else len(labels),
+                loader.batch_sampler.batch_size,
+                autocast,
+            )
             if logits is None:
                 continue
         else:
@@ -95,7 +118,8 @@ def _forward_all(model, loader, batches, layout: Layout, autocast, inputs, pipel
 
 
 def _score(sums: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, k: int) -> None:
-    """Add one batch's loss, top-1 / top-5 hits and count (and per-class hits and counts over k classes) to `sums`."""
+    """Add one batch's loss, top-1 / top-5 hits and count (and per-class hits and counts over k
+    classes) to `sums`."""
     top1, top5 = topk_correct(logits, labels, (1, 5))
     loss = F.cross_entropy(logits, labels, reduction="sum")
     count = torch.tensor(float(len(labels)), dtype=torch.float64, device=sums.device)

@@ -1,12 +1,14 @@
-"""Exact distributed COCO evaluation: boxes (`bbox`) and, for models with a mask head, masks (`segm`) from one pass.
+"""Exact distributed COCO evaluation: boxes (`bbox`) and, for models with a mask head, masks
+(`segm`) from one pass.
 
-Each data-parallel rank predicts its shard (every val image exactly once over the ranks); a predicted mask is
-thresholded at 0.5 and encoded to an RLE on the rank that predicted it (pycocotools' mask API), so only compact
-runs travel. Detections travel to global rank 0 as compact arrays (with their RLEs) over the DP group, are
-de-duplicated by image id, their image count is checked against the val set, and they are scored by COCOeval:
-faster-coco-eval when installed (the same numbers, several times faster), pycocotools otherwise. While rank 0
-scores, the other ranks wait in a single broadcast that carries the result, or the error, back to them: nobody is
-left in a collective that could time out or hang.
+Each data-parallel rank predicts its shard (every val image exactly once over the ranks); a
+predicted mask is thresholded at 0.5 and encoded to an RLE on the rank that predicted it
+(pycocotools' mask API), so only compact runs travel. Detections travel to global rank 0 as compact
+arrays (with their RLEs) over the DP group, are de-duplicated by image id, their image count is
+checked against the val set, and they are scored by COCOeval: faster-coco-eval when installed (the
+same numbers, several times faster), pycocotools otherwise. While rank 0 scores, the other ranks
+wait in a single broadcast that carries the result, or the error, back to them: nobody is left in a
+collective that could time out or hang.
 """
 
 from __future__ import annotations
@@ -26,8 +28,22 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-MASK_THRESHOLD = 0.5  # a pixel belongs to a predicted instance where its mask probability is above this (torchvision's)
-STAT_NAMES = ("mAP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+# a pixel belongs to a predicted instance where its mask probability is above this (torchvision's)
+MASK_THRESHOLD = 0.5
+STAT_NAMES = (
+    "mAP",
+    "AP50",
+    "AP75",
+    "APs",
+    "APm",
+    "APl",
+    "AR1",
+    "AR10",
+    "AR100",
+    "ARs",
+    "ARm",
+    "ARl",
+)
 _SUMMARY_LINES = (
     "Average Precision  (AP) @[ IoU=0.50:0.95 | area=   all | maxDets=100 ]",
     "Average Precision  (AP) @[ IoU=0.50      | area=   all | maxDets=100 ]",
@@ -46,7 +62,9 @@ _SUMMARY_LINES = (
 
 def summary_lines(stats: dict[str, float]) -> str:
     """The 12-line COCOeval summary, as pycocotools prints it."""
-    return "\n".join(f" {line} = {stats[name]:0.3f}" for line, name in zip(_SUMMARY_LINES, STAT_NAMES))
+    return "\n".join(
+        f" {line} = {stats[name]:0.3f}" for line, name in zip(_SUMMARY_LINES, STAT_NAMES)
+    )
 
 
 def backend_name() -> str:
@@ -58,17 +76,25 @@ def backend_name() -> str:
         return "pycocotools"
 
 
-def score(ann_file: str | Path, detections: np.ndarray, backend: Optional[str] = None,
-          per_class: bool = False, segmentations: Optional[list[dict]] = None) -> dict[str, Any]:
-    """The 12 COCOeval box stats of `detections` (rows: image_id, x, y, w, h, score, category_id) against `ann_file`;
-    with `segmentations` (an RLE per row), the 12 mask stats of the same detections instead. No detection at all
-    scores 0 everywhere (COCOeval cannot load an empty result list). `per_class` adds `class_AP`: {category name:
-    AP@[.5:.95] over all areas, up to 100 detections; None without ground truth}."""
+def score(
+    ann_file: str | Path,
+    detections: np.ndarray,
+    backend: Optional[str] = None,
+    per_class: bool = False,
+    segmentations: Optional[list[dict]] = None,
+) -> dict[str, Any]:
+    """The 12 COCOeval box stats of `detections` (rows: image_id, x, y, w, h, score, category_id)
+    against `ann_file`; with `segmentations` (an RLE per row), the 12 mask stats of the same
+    detections instead. No detection at all scores 0 everywhere (COCOeval cannot load an empty
+    result list). `per_class` adds `class_AP`: {category name: AP@[.5:.95] over all areas, up to 100
+    detections; None without ground truth}."""
     backend = backend or backend_name()
     if len(detections) == 0:
         zeros: dict[str, Any] = {name: 0.0 for name in STAT_NAMES}
         if per_class:
-            zeros["class_AP"] = {c["name"]: 0.0 for c in json.loads(Path(ann_file).read_text())["categories"]}
+            zeros["class_AP"] = {
+                c["name"]: 0.0 for c in json.loads(Path(ann_file).read_text())["categories"]
+            }
         return zeros
     if backend == "faster-coco-eval":
         from faster_coco_eval import COCO
@@ -77,26 +103,35 @@ def score(ann_file: str | Path, detections: np.ndarray, backend: Optional[str] =
         from pycocotools.coco import COCO
         from pycocotools.cocoeval import COCOeval
     else:
-        raise ValueError(f"unknown COCO scoring backend {backend!r}: faster-coco-eval or pycocotools")
+        raise ValueError(
+            f"unknown COCO scoring backend {backend!r}: faster-coco-eval or pycocotools"
+        )
     with contextlib.redirect_stdout(io.StringIO()):
         gt = COCO(str(ann_file))
         if segmentations is None:
-            evaluator = COCOeval(gt, gt.loadRes(np.asarray(detections, dtype=np.float64)), iouType="bbox")
+            evaluator = COCOeval(
+                gt, gt.loadRes(np.asarray(detections, dtype=np.float64)), iouType="bbox"
+            )
         else:
-            evaluator = COCOeval(gt, gt.loadRes(segm_results(detections, segmentations)), iouType="segm")
+            evaluator = COCOeval(
+                gt, gt.loadRes(segm_results(detections, segmentations)), iouType="segm"
+            )
         evaluator.evaluate()
         evaluator.accumulate()
         evaluator.summarize()
-    stats: dict[str, Any] = {name: float(v) for name, v in zip(STAT_NAMES, list(evaluator.stats)[:12])}
+    stats: dict[str, Any] = {
+        name: float(v) for name, v in zip(STAT_NAMES, list(evaluator.stats)[:12])
+    }
     if per_class:
         stats["class_AP"] = _class_ap(evaluator, gt)
     return stats
 
 
 def _class_ap(evaluator, gt) -> dict[str, Optional[float]]:
-    """Per category: the mean precision over IoU thresholds and recall points (area all, the last max-detections
-    setting), as COCOeval's summary computes AP for all categories together."""
-    precision = np.asarray(evaluator.eval["precision"])  # [iou, recall, category, area, max detections]
+    """Per category: the mean precision over IoU thresholds and recall points (area all, the last
+    max-detections setting), as COCOeval's summary computes AP for all categories together."""
+    # [iou, recall, category, area, max detections]
+    precision = np.asarray(evaluator.eval["precision"])
     names = {c["id"]: c["name"] for c in gt.loadCats(gt.getCatIds())}
     result: dict[str, Optional[float]] = {}
     for k, cat_id in enumerate(evaluator.params.catIds):
@@ -107,22 +142,30 @@ def _class_ap(evaluator, gt) -> dict[str, Optional[float]]:
 
 
 def to_results_json(detections: np.ndarray) -> list[dict[str, Any]]:
-    """COCO results format (what `loadRes` and the evaluation server read), at full precision so that scoring the
-    file gives exactly the stats scored in memory."""
+    """COCO results format (what `loadRes` and the evaluation server read), at full precision so
+    that scoring the file gives exactly the stats scored in memory."""
     return [
-        {"image_id": int(d[0]), "category_id": int(d[6]), "bbox": [float(v) for v in d[1:5]], "score": float(d[5])}
+        {
+            "image_id": int(d[0]),
+            "category_id": int(d[6]),
+            "bbox": [float(v) for v in d[1:5]],
+            "score": float(d[5]),
+        }
         for d in detections
     ]
 
 
 def segm_results(detections: np.ndarray, segmentations: list[dict]) -> list[dict[str, Any]]:
     """COCO's results format for masks: each detection's image, category, score and RLE."""
-    return [{"image_id": int(d[0]), "category_id": int(d[6]), "segmentation": rle, "score": float(d[5])}
-            for d, rle in zip(detections, segmentations)]
+    return [
+        {"image_id": int(d[0]), "category_id": int(d[6]), "segmentation": rle, "score": float(d[5])}
+        for d, rle in zip(detections, segmentations)
+    ]
 
 
 def _masks_of(output: dict) -> list[dict]:
-    """The RLEs of one image's predicted masks (probabilities (n, 1, H, W) at the image's size), thresholded."""
+    """The RLEs of one image's predicted masks (probabilities (n, 1, H, W) at the image's size),
+    thresholded."""
     from visiondist.data.masks import encode
 
     return encode((output["masks"][:, 0] > MASK_THRESHOLD).cpu().numpy())
@@ -137,9 +180,9 @@ def predict(
     autocast: Optional[AbstractContextManager] = None,
     progress: bool = False,
 ) -> tuple[np.ndarray, list[int], Optional[list[dict]]]:
-    """Detections of this rank's shard as (n, 7) rows (image_id, x, y, w, h, score, category_id), the ids of the
-    images it saw (with or without detections) and, for a model that predicts masks, an RLE per row (else None);
-    `progress`: a progress bar over the batches."""
+    """Detections of this rank's shard as (n, 7) rows (image_id, x, y, w, h, score, category_id),
+    the ids of the images it saw (with or without detections) and, for a model that predicts masks,
+    an RLE per row (else None); `progress`: a progress bar over the batches."""
     from visiondist.data.transforms import unit_float
     from visiondist.data.workers import watched
     from visiondist.models.detection import has_mask_head
@@ -160,7 +203,9 @@ def predict(
             if len(boxes) == 0:
                 continue
             xywh = np.concatenate([boxes[:, :2], boxes[:, 2:] - boxes[:, :2]], axis=1)
-            cats = np.array([cat_of_label[int(label)] for label in output["labels"].cpu()], dtype=np.float64)
+            cats = np.array(
+                [cat_of_label[int(label)] for label in output["labels"].cpu()], dtype=np.float64
+            )
             scores = output["scores"].float().cpu().numpy()
             rows.append(np.column_stack([np.full(len(boxes), image_id), xywh, scores, cats]))
             if "masks" in output:
@@ -171,24 +216,28 @@ def predict(
     return detections, seen, rles
 
 
-Part = tuple[np.ndarray, list[int], Optional[list[dict]]]  # one rank's (detections, ids of the images it saw, RLEs)
+# one rank's (detections, ids of the images it saw, RLEs)
+Part = tuple[np.ndarray, list[int], Optional[list[dict]]]
 
 
-def gather_detections(detections: np.ndarray, seen: list[int], layout,
-                      rles: Optional[list[dict]] = None) -> Optional[list[Part]]:
-    """Every DP rank's part, on DP-rank 0 of the group (None elsewhere). TP / PP peers hold the same predictions;
-    each DP group gathers its own and only global rank 0 goes on to score."""
+def gather_detections(
+    detections: np.ndarray, seen: list[int], layout, rles: Optional[list[dict]] = None
+) -> Optional[list[Part]]:
+    """Every DP rank's part, on DP-rank 0 of the group (None elsewhere). TP / PP peers hold the same
+    predictions; each DP group gathers its own and only global rank 0 goes on to score."""
     if layout.dp == 1:
         return [(detections, seen, rles)]
     parts: Optional[list] = [None] * layout.dp if layout.dp_rank == 0 else None
     group = layout.dp_group
-    dist.gather_object((detections, seen, rles), parts, dst=dist.get_global_rank(group, 0), group=group)
+    dist.gather_object(
+        (detections, seen, rles), parts, dst=dist.get_global_rank(group, 0), group=group
+    )
     return parts
 
 
 def deduplicate(parts: list[Part], expected: int) -> tuple[np.ndarray, int, Optional[list[dict]]]:
-    """One report per image (the first part that saw it wins); every val image must have been seen. Returns the
-    detections, the image count and (mask models) the detections' RLEs."""
+    """One report per image (the first part that saw it wins); every val image must have been seen.
+    Returns the detections, the image count and (mask models) the detections' RLEs."""
     taken: set[int] = set()
     keep: list[np.ndarray] = []
     keep_rles: Optional[list[dict]] = None
@@ -219,10 +268,11 @@ def evaluate_detection(
     results_path: Optional[Path] = None,
     progress: bool = False,
 ) -> dict[str, float]:
-    """The 12 COCO box stats (as `val_<name>`, plus val_count and val_detections) of `model` on the val set and, for
-    a model that predicts masks, the 12 mask stats of the same detections (`val_segm_<name>`), on every rank. Rank 0
-    also writes `results_path` (COCO results JSON of the boxes) when given, and `segmentations.json` beside it (of
-    the masks). `progress` (main rank): a progress bar over the batches, then a spinner while COCOeval scores."""
+    """The 12 COCO box stats (as `val_<name>`, plus val_count and val_detections) of `model` on the
+    val set and, for a model that predicts masks, the 12 mask stats of the same detections
+    (`val_segm_<name>`), on every rank. Rank 0 also writes `results_path` (COCO results JSON of the
+    boxes) when given, and `segmentations.json` beside it (of the masks). `progress` (main rank): a
+    progress bar over the batches, then a spinner while COCOeval scores."""
     detections, seen, rles = predict(model, loader, layout.device, cat_of_label, autocast, progress)
     gathered = gather_detections(detections, seen, layout, rles)
     box: list[Any] = [None]
@@ -238,18 +288,29 @@ def evaluate_detection(
     return box[0]
 
 
-def _score_gathered(gathered: list[Part], ann_file: str | Path, num_images: int, results_path: Optional[Path],
-                    progress: bool) -> dict[str, Any]:
+def _score_gathered(
+    gathered: list[Part],
+    ann_file: str | Path,
+    num_images: int,
+    results_path: Optional[Path],
+    progress: bool,
+) -> dict[str, Any]:
     """Rank 0: every part de-duplicated, scored (boxes, then masks), the results files written."""
     from visiondist.observe.progress import status
 
     dets, count, rles = deduplicate(gathered, expected=num_images)
     what = "detections" if rles is None else "detections and masks"
-    with status(progress, f"COCO scoring of {len(dets)} {what} on {count} images ({backend_name()})"):
+    with status(
+        progress, f"COCO scoring of {len(dets)} {what} on {count} images ({backend_name()})"
+    ):
         stats = {f"val_{k}": v for k, v in score(ann_file, dets, per_class=True).items()}
         if rles is not None:
-            stats.update({f"val_segm_{k}": v for k, v in score(ann_file, dets, per_class=True,
-                                                               segmentations=rles).items()})
+            stats.update(
+                {
+                    f"val_segm_{k}": v
+                    for k, v in score(ann_file, dets, per_class=True, segmentations=rles).items()
+                }
+            )
     if results_path is not None:
         _write_json(results_path, to_results_json(dets))
         if rles is not None:

@@ -1,14 +1,17 @@
-"""How a failing rank ends the job: one line naming the rank, the step and the cause, and nothing left running.
+"""How a failing rank ends the job: one line naming the rank, the step and the cause, and nothing
+left running.
 
-- `PROGRESS` (`visiondist.utils.heartbeat`): what this rank is doing (phase and step), set by the trainer. It is the
-  watchdog's heartbeat and the "where" of a failure line.
-- `record_failure`: a rank that raises writes `<run>/failure/rank<k>.txt` (its one line, the time, the full
-  traceback) before it leaves. The launching process reads the earliest of them (`first_failure`) and prints its
-  line, so the user sees the cause, not the peers' follow-on errors ("connection closed by peer").
-- `Watchdog`: a thread per rank. When nothing progresses for the collective timeout (`trainer.startup_timeout_s`
-  until the first step ends, `trainer.dist_timeout_s` after), it writes the Python stacks of every thread of the rank
-  to `<run>/hang/rank<k>.txt`, asks the rank's loader workers for theirs (`rank<k>-worker<pid>.txt`), records the
-  failure and ends the rank. A rank stuck inside a C call (a collective, a queue) cannot be interrupted otherwise.
+- `PROGRESS` (`visiondist.utils.heartbeat`): what this rank is doing (phase and step), set by the
+  trainer. It is the watchdog's heartbeat and the "where" of a failure line.
+- `record_failure`: a rank that raises writes `<run>/failure/rank<k>.txt` (its one line, the time,
+  the full traceback) before it leaves. The launching process reads the earliest of them
+  (`first_failure`) and prints its line, so the user sees the cause, not the peers' follow-on errors
+  ("connection closed by peer").
+- `Watchdog`: a thread per rank. When nothing progresses for the collective timeout
+  (`trainer.startup_timeout_s` until the first step ends, `trainer.dist_timeout_s` after), it writes
+  the Python stacks of every thread of the rank to `<run>/hang/rank<k>.txt`, asks the rank's loader
+  workers for theirs (`rank<k>-worker<pid>.txt`), records the failure and ends the rank. A rank
+  stuck inside a C call (a collective, a queue) cannot be interrupted otherwise.
 - `dump_stacks`: the same stack file, also written when a collective times out with an error.
 """
 
@@ -37,15 +40,16 @@ EXIT_HANG = 3  # exit code of a rank ended by its watchdog
 
 def rank_errors() -> tuple[type[BaseException], ...]:
     """What a failing rank can raise, for an `except` clause (evaluated once something was raised):
-    torch.distributed.checkpoint's exception derives from BaseException, and can only have been raised where that
-    module was imported (the launcher itself never imports it: DTensor comes with it, about 0.8 s)."""
+    torch.distributed.checkpoint's exception derives from BaseException, and can only have been
+    raised where that module was imported (the launcher itself never imports it: DTensor comes with
+    it, about 0.8 s)."""
     api = sys.modules.get("torch.distributed.checkpoint.api")
     return (Exception,) if api is None else (Exception, api.CheckpointException)
 
 
 def one_line(exc: BaseException) -> str:
-    """`Type: message` in one line. An exception re-raised from a loader worker carries the worker's traceback in its
-    message: its last line is the cause."""
+    """`Type: message` in one line. An exception re-raised from a loader worker carries the worker's
+    traceback in its message: its last line is the cause."""
     text = str(exc).strip()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if lines and lines[0].startswith("Caught ") and "worker process" in lines[0]:
@@ -62,9 +66,11 @@ class Failure:
     file: Path
 
 
-def record_failure(run_dir: Optional[Path], rank: int, exc: Optional[BaseException], cause: str = "") -> str:
-    """Write this rank's failure record `<run>/failure/rank<k>.txt` (its line, the time, the traceback) unless one
-    exists (the first cause wins), and return the line."""
+def record_failure(
+    run_dir: Optional[Path], rank: int, exc: Optional[BaseException], cause: str = ""
+) -> str:
+    """Write this rank's failure record `<run>/failure/rank<k>.txt` (its line, the time, the
+    traceback) unless one exists (the first cause wins), and return the line."""
     line = f"rank {rank} failed at {PROGRESS.where}: {cause or one_line(exc)}"
     if run_dir is None:
         return line
@@ -93,23 +99,29 @@ def read_failures(run_dir: Path) -> list[Failure]:
     for path in (Path(run_dir) / FAILURE_DIR).glob("rank*.txt"):
         try:
             line, when = path.read_text().split("\n")[:2]
-            found.append(Failure(int(path.stem[4:]), line, datetime.fromisoformat(when).timestamp(), path))
+            found.append(
+                Failure(int(path.stem[4:]), line, datetime.fromisoformat(when).timestamp(), path)
+            )
         except (OSError, ValueError):
             continue
     return sorted(found, key=lambda f: f.time)
 
 
 def first_failure(run_dir: Path) -> Optional[Failure]:
-    """The root cause: the earliest record, but a peer's lost connection only if nothing else was recorded."""
+    """The root cause: the earliest record, but a peer's lost connection only if nothing else was
+    recorded."""
     found = read_failures(run_dir)
     primary = [f for f in found if not is_follow_on(f.line)]
     return (primary or found or [None])[0]
 
 
-def killed_rank(exit_codes: dict[int, int], recorded: Optional[Failure]) -> Optional[tuple[int, str]]:
-    """(rank, signal name) of the lowest rank a signal ended (exit code -N: the OOM killer, a `kill -9`), which left
-    no record, when that is the root cause: nothing was recorded, or only what followed it (`recorded`, the first
-    record, a peer's lost connection: gloo's peers fail on the closed socket at once and record that)."""
+def killed_rank(
+    exit_codes: dict[int, int], recorded: Optional[Failure]
+) -> Optional[tuple[int, str]]:
+    """(rank, signal name) of the lowest rank a signal ended (exit code -N: the OOM killer, a `kill
+    -9`), which left no record, when that is the root cause: nothing was recorded, or only what
+    followed it (`recorded`, the first record, a peer's lost connection: gloo's peers fail on the
+    closed socket at once and record that)."""
     if recorded is not None and not is_follow_on(recorded.line):
         return None
     for rank, code in sorted(exit_codes.items()):
@@ -120,8 +132,16 @@ def killed_rank(exit_codes: dict[int, int], recorded: Optional[Failure]) -> Opti
 
 def is_follow_on(line: str) -> bool:
     text = line.lower()
-    return any(s in text for s in ("connection closed by peer", "connection reset by peer", "broken pipe",
-                                   "stopped by sigterm", "has been aborted"))
+    return any(
+        s in text
+        for s in (
+            "connection closed by peer",
+            "connection reset by peer",
+            "broken pipe",
+            "stopped by sigterm",
+            "has been aborted",
+        )
+    )
 
 
 def is_collective_timeout(exc: BaseException) -> bool:
@@ -129,7 +149,7 @@ def is_collective_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text and ("collective" in text or "watchdog" in text)
 
 
-# -- hangs ---------------------------------------------------------------------------------------------------------
+# -- hangs -----------------------------------------------------------------------------------------
 
 
 def dump_stacks(run_dir: Path, rank: int, reason: str) -> Path:
@@ -139,32 +159,44 @@ def dump_stacks(run_dir: Path, rank: int, reason: str) -> Path:
     names = {t.ident: t.name for t in threading.enumerate()}
     parts = [f"rank {rank}, pid {os.getpid()}, {PROGRESS.where}: {reason}\n"]
     for ident, frame in sys._current_frames().items():
-        parts.append(f"\nthread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}")
+        parts.append(
+            f"\nthread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}"
+        )
     path.write_text("".join(parts))
     return path
 
 
 def catches_sigusr1(pid: int) -> bool:
-    """Whether process `pid` has a SIGUSR1 handler (a loader worker installs its stack dump in worker_init, after
-    it starts): its caught-signal mask in /proc; True where that cannot be read (not Linux)."""
+    """Whether process `pid` has a SIGUSR1 handler (a loader worker installs its stack dump in
+    worker_init, after it starts): its caught-signal mask in /proc; True where that cannot be read
+    (not Linux)."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return not Path("/proc/self/status").exists()
-    caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), None)
+    caught = next(
+        (line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), None
+    )
     return caught is None or bool(int(caught, 16) >> (signal.SIGUSR1 - 1) & 1)
 
 
 class Watchdog:
-    """Ends this rank when `PROGRESS` has not moved for `timeout_s`, after writing the stacks (see module doc)."""
+    """Ends this rank when `PROGRESS` has not moved for `timeout_s`, after writing the stacks (see
+    module doc)."""
 
-    def __init__(self, run_dir: Path, rank: int, workers: Callable[[], list[int]], on_fire: Callable[[str], None]):
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        workers: Callable[[], list[int]],
+        on_fire: Callable[[str], None],
+    ):
         self.run_dir, self.rank = Path(run_dir), rank
         self._workers, self._on_fire = workers, on_fire
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="visiondist-watchdog", daemon=True)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         PROGRESS.at()
         self._thread.start()
         return self
@@ -184,15 +216,19 @@ class Watchdog:
         try:
             dump_stacks(self.run_dir, self.rank, reason)
             for pid in self._workers():
-                if not catches_sigusr1(pid):  # still starting: SIGUSR1 would end it, not dump its stack
+                # still starting: SIGUSR1 would end it, not dump its stack
+                if not catches_sigusr1(pid):
                     continue
                 try:
                     os.kill(pid, signal.SIGUSR1)
                 except ProcessLookupError:
                     pass
-            time.sleep(1.0)  # the workers write their stacks; the peers' watchdogs fire about now too
+            # the workers write their stacks; the peers' watchdogs fire about now too
+            time.sleep(1.0)
         except OSError:
             pass
-        cause = (f"hang: {reason} (the limit is {PROGRESS.limit_key}={PROGRESS.limit_s:g}); the stacks of every "
-                 f"thread are in {self.run_dir / HANG_DIR}")
+        cause = (
+            f"hang: {reason} (the limit is {PROGRESS.limit_key}={PROGRESS.limit_s:g}); the stacks "
+            f"of every thread are in {self.run_dir / HANG_DIR}"
+        )
         self._on_fire(record_failure(self.run_dir, self.rank, None, cause))

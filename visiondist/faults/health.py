@@ -1,17 +1,19 @@
 """What a rank does when something goes wrong mid-run: signals, non-finite steps, hung collectives.
 
-- `StopSignals` (`visiondist.utils.signals`, shared with the loader workers): SIGTERM / SIGINT set a flag instead of
-  killing the rank. The training loop reads it once per step (in the same all-reduce as the step's health), so every rank stops after the same step, writes one checkpoint,
-  and leaves; `trainer.resume=auto` continues from it. A second signal, or the first one in a job without steps to
-  finish (evaluation), raises `StopNow` at once. The launching process's side (forwarding, the bound on the wait,
-  the final line) is `visiondist.launch.stop`.
-- `StepHealth`: one all-reduce per step of [per-rank "loss not finite" flags, "gradient not finite", stop]. Every
-  rank then takes the same decision: raise (naming the ranks) or skip the optimizer step (`trainer.on_nonfinite`).
-  With `raise` the host reads a step's flags one step later, so the loop never waits for the device; `skip` must
-  decide before the optimizer step and reads them at once. fp16's loss scaler skips a step on the device, on the
-  same all-reduced flags (`nonfinite`).
-- `set_collective_timeout`: the start-up timeout (long: data generation, compilation) is replaced after the first
-  step by `trainer.dist_timeout_s`, so a rank that never joins a collective turns into an error on the others.
+- `StopSignals` (`visiondist.utils.signals`, shared with the loader workers): SIGTERM / SIGINT set a
+  flag instead of killing the rank. The training loop reads it once per step (in the same all-reduce
+  as the step's health), so every rank stops after the same step, writes one checkpoint, and leaves;
+  `trainer.resume=auto` continues from it. A second signal, or the first one in a job without steps
+  to finish (evaluation), raises `StopNow` at once. The launching process's side (forwarding, the
+  bound on the wait, the final line) is `visiondist.launch.stop`.
+- `StepHealth`: one all-reduce per step of [per-rank "loss not finite" flags, "gradient not finite",
+  stop]. Every rank then takes the same decision: raise (naming the ranks) or skip the optimizer
+  step (`trainer.on_nonfinite`). With `raise` the host reads a step's flags one step later, so the
+  loop never waits for the device; `skip` must decide before the optimizer step and reads them at
+  once. fp16's loss scaler skips a step on the device, on the same all-reduced flags (`nonfinite`).
+- `set_collective_timeout`: the start-up timeout (long: data generation, compilation) is replaced
+  after the first step by `trainer.dist_timeout_s`, so a rank that never joins a collective turns
+  into an error on the others.
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ class NonFiniteStep(RuntimeError):
     """A step whose loss or gradient is not finite, with `trainer.on_nonfinite=raise`."""
 
 
-
-
 @dataclass(frozen=True)
 class Verdict:
     """The all-reduced health of one step."""
@@ -50,25 +50,29 @@ class Verdict:
 
 
 class StepHealth:
-    """The step's shared decision: which ranks' losses are not finite, whether the gradient is, whether any rank was
-    asked to stop.
+    """The step's shared decision: which ranks' losses are not finite, whether the gradient is,
+    whether any rank was asked to stop.
 
-    `submit` starts the all-reduce of a step's flags and a non-blocking copy to the host; `verdict` waits for the
-    oldest submitted step's result. Reading a step's verdict after the next step has been queued keeps the host
-    from waiting on the device in the hot loop (one step of lag); reading it at once (`submit` then `verdict`) is a
-    synchronous check, which skipping a bad step needs."""
+    `submit` starts the all-reduce of a step's flags and a non-blocking copy to the host; `verdict`
+    waits for the oldest submitted step's result. Reading a step's verdict after the next step has
+    been queued keeps the host from waiting on the device in the hot loop (one step of lag); reading
+    it at once (`submit` then `verdict`) is a synchronous check, which skipping a bad step needs."""
 
     def __init__(self, world_size: int, device: torch.device):
         self.world_size, self.device = world_size, device
         self._pending: list[tuple[int, torch.Tensor, Any]] = []
         self._last = torch.zeros(world_size + 2, device=device)
 
-    def submit(self, step: int, rank: int, loss: torch.Tensor, grad_norm: torch.Tensor, stop: bool) -> None:
+    def submit(
+        self, step: int, rank: int, loss: torch.Tensor, grad_norm: torch.Tensor, stop: bool
+    ) -> None:
         """Collective: every rank submits every step."""
-        flags = torch.zeros(self.world_size + 2, device=self.device)  # element copies and fills: no host sync
+        # element copies and fills: no host sync
+        flags = torch.zeros(self.world_size + 2, device=self.device)
         flags[rank] = (~torch.isfinite(loss.detach().float()).all()).float()
         flags[-2] = (~torch.isfinite(grad_norm.detach().float()).all()).float()
-        flags[-1:].fill_(float(stop))  # not `flags[-1] = x`: that copies a host scalar, which synchronises
+        # not `flags[-1] = x`: that copies a host scalar, which synchronises
+        flags[-1:].fill_(float(stop))
         if self.world_size > 1:
             dist.all_reduce(flags)
         self._last = flags  # on the device, for `nonfinite`
@@ -82,9 +86,10 @@ class StepHealth:
         self._pending.append((step, flags, event))
 
     def nonfinite(self) -> torch.Tensor:
-        """The last submitted step's verdict left on the device: a 0-dim tensor, 1.0 when some rank's loss or the
-        gradient was not finite, else 0.0, the same on every rank. For a decision the device takes without the host
-        waiting for it (fp16's skipped step: `visiondist.train.precision.LossScaler.agree`)."""
+        """The last submitted step's verdict left on the device: a 0-dim tensor, 1.0 when some
+        rank's loss or the gradient was not finite, else 0.0, the same on every rank. For a decision
+        the device takes without the host waiting for it (fp16's skipped step:
+        `visiondist.train.precision.LossScaler.agree`)."""
         return (self._last[:-1].sum() > 0).float()
 
     @property
@@ -104,9 +109,11 @@ class StepHealth:
         return Verdict(step, ranks, values[-2] > 0, values[-1] > 0)
 
 
-def set_collective_timeout(seconds: float, groups, quiet: bool = False, key: str = "trainer.dist_timeout_s") -> None:
-    """Every later collective on the default group and on `groups` fails after `seconds` instead of waiting; the
-    hang watchdog's limit follows."""
+def set_collective_timeout(
+    seconds: float, groups, quiet: bool = False, key: str = "trainer.dist_timeout_s"
+) -> None:
+    """Every later collective on the default group and on `groups` fails after `seconds` instead of
+    waiting; the hang watchdog's limit follows."""
     from visiondist.utils.heartbeat import PROGRESS
 
     timeout = timedelta(seconds=seconds)
@@ -118,5 +125,3 @@ def set_collective_timeout(seconds: float, groups, quiet: bool = False, key: str
             set_pg_timeout(timeout, group)
     if not quiet:
         log.info("collective timeout now %gs (trainer.dist_timeout_s)", seconds)
-
-

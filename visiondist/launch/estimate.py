@@ -1,15 +1,17 @@
-"""A layout written for GPUs on a machine without one. `trainer.accelerator=auto` runs on the CPU when no GPU is
-visible; for one rank (the default job) that is what a laptop is for, but a layout of several ranks (`parallel=tp4`,
-`parallel.dp=2`, ...) starts that many CPU processes, possibly for hours. The launcher (`visiondist.launch.launch`,
-once the layout is resolved, before the run directory or any rank) says so with the time model's estimate of a step
-and of the whole run on this machine's CPU, and stops a run estimated at over an hour, naming the setting that runs
-it there anyway (`trainer.accelerator=cpu`). Under torchrun / srun the ranks were started by the user: nothing is
-said or refused there.
+"""A layout written for GPUs on a machine without one. `trainer.accelerator=auto` runs on the CPU
+when no GPU is visible; for one rank (the default job) that is what a laptop is for, but a layout of
+several ranks (`parallel=tp4`, `parallel.dp=2`, ...) starts that many CPU processes, possibly for
+hours. The launcher (`visiondist.launch.launch`, once the layout is resolved, before the run
+directory or any rank) says so with the time model's estimate of a step and of the whole run on this
+machine's CPU, and stops a run estimated at over an hour, naming the setting that runs it there
+anyway (`trainer.accelerator=cpu`). Under torchrun / srun the ranks were started by the user:
+nothing is said or refused there.
 
-The estimate is the planner's (`visiondist.plan.planner.step_seconds`: FLOPs over the device rate, plus the
-collectives' bytes over the link) with this CPU's measured dense matmul rate (`visiondist.utils.peaks`) shared by the
-node's ranks, and `CPU_LINK_GBS` between them. It covers training steps of ViT classifiers (the planner's models);
-for a detector or an evaluation the line says there is no estimate.
+The estimate is the planner's (`visiondist.plan.planner.step_seconds`: FLOPs over the device rate,
+plus the collectives' bytes over the link) with this CPU's measured dense matmul rate
+(`visiondist.utils.peaks`) shared by the node's ranks, and `CPU_LINK_GBS` between them. It covers
+training steps of ViT classifiers (the planner's models); for a detector or an evaluation the line
+says there is no estimate.
 """
 
 from __future__ import annotations
@@ -23,87 +25,131 @@ from omegaconf import DictConfig
 from visiondist.config import ConfigError
 from visiondist.config.layout import RunLayout
 
-CPU_LINK_GBS = 2.0  # gloo between the processes of one machine, per rank (the time model's link on the CPU)
+# gloo between the processes of one machine, per rank (the time model's link on the CPU)
+CPU_LINK_GBS = 2.0
 
 
-REFUSE_OVER_S = 3600.0  # a whole run estimated longer than this on the CPU is refused unless asked for
+# a whole run estimated longer than this on the CPU is refused unless asked for
+REFUSE_OVER_S = 3600.0
 
 
 def check_gpu_layout(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None) -> None:
-    """A self-launched job of several ranks that `trainer.accelerator=auto` put on the CPU because no GPU was found:
-    one line saying so, with the estimated time per step and for the run, printed before any rank starts; refused
-    (`ConfigError`, nothing started) when the whole run is estimated at over an hour. `kind`: the entry's run kind
-    (`visiondist.launch.run_kind`): None for training, "benchmark" (no whole-run figure), "eval" (no estimate)."""
-    if cfg.trainer.accelerator != "auto" or run.accelerator != "cpu" or run.world_size == 1 or run.under_torchrun:
+    """A self-launched job of several ranks that `trainer.accelerator=auto` put on the CPU because
+    no GPU was found: one line saying so, with the estimated time per step and for the run, printed
+    before any rank starts; refused (`ConfigError`, nothing started) when the whole run is estimated
+    at over an hour. `kind`: the entry's run kind (`visiondist.launch.run_kind`): None for training,
+    "benchmark" (no whole-run figure), "eval" (no estimate)."""
+    if (
+        cfg.trainer.accelerator != "auto"
+        or run.accelerator != "cpu"
+        or run.world_size == 1
+        or run.under_torchrun
+    ):
         return
     text, whole = cpu_estimate_seconds(cfg, run, kind)
-    what = (f"no GPU was found, so trainer.accelerator=auto {{}} {cfg.model.name} on {run.world_size} ranks "
-            f"(dp={run.dp} tp={run.tp} pp={run.pp}) as {run.world_size} processes on this machine's CPU: {text}")
+    what = (
+        f"no GPU was found, so trainer.accelerator=auto {{}} {cfg.model.name} on {run.world_size} "
+        f"ranks (dp={run.dp} tp={run.tp} pp={run.pp}) as {run.world_size} processes on this "
+        f"machine's CPU: {text}"
+    )
     if whole is not None and whole > REFUSE_OVER_S:
-        raise ConfigError(what.format("would run") + "; to run it here anyway add trainer.accelerator=cpu (or run it "
-                          "where GPUs are visible)")
+        raise ConfigError(
+            what.format("would run")
+            + "; to run it here anyway add trainer.accelerator=cpu (or run it "
+            "where GPUs are visible)"
+        )
     import sys
 
-    print(f"warning: {what.format('runs')} (trainer.accelerator=cpu says this is meant)", file=sys.stderr, flush=True)
+    print(
+        f"warning: {what.format('runs')} (trainer.accelerator=cpu says this is meant)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
-def cpu_estimate(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None, tflops: Optional[float] = None) -> str:
-    """'about 1.73 min per step, 8.03 h for the 279 steps of trainer.max_epochs=3 (...)': the time model on this CPU
-    for `run`'s layout. `tflops`: this machine's dense matmul rate (default: measured now, about a second)."""
+def cpu_estimate(
+    cfg: DictConfig, run: RunLayout, kind: Optional[str] = None, tflops: Optional[float] = None
+) -> str:
+    """'about 1.73 min per step, 8.03 h for the 279 steps of trainer.max_epochs=3 (...)': the time
+    model on this CPU for `run`'s layout. `tflops`: this machine's dense matmul rate (default:
+    measured now, about a second)."""
     return cpu_estimate_seconds(cfg, run, kind, tflops)[0]
 
 
-def cpu_estimate_seconds(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None,
-                         tflops: Optional[float] = None) -> tuple[str, Optional[float]]:
+def cpu_estimate_seconds(
+    cfg: DictConfig, run: RunLayout, kind: Optional[str] = None, tflops: Optional[float] = None
+) -> tuple[str, Optional[float]]:
     """`cpu_estimate`'s text and the whole run's estimated seconds (None: no whole-run estimate)."""
     from visiondist.models.registry import spec_of
 
     if spec_of(cfg.model).planner_shape is None:
-        return f"no time estimate ({cfg.model.name} is a detector; the time model covers ViT classifiers)", None
+        return (
+            f"no time estimate ({cfg.model.name} is a detector; the time model covers ViT "
+            "classifiers)",
+            None,
+        )
     if kind in ("eval", "predict"):
         what = "a prediction" if kind == "predict" else "an evaluation"
         return f"no time estimate (the time model estimates training steps, not {what})", None
     machine = measured_tflops(cfg) if tflops is None else tflops
     step = step_seconds_on_cpu(cfg, run, machine / run.per_node)
-    basis = (f"the time model at this CPU's {machine * 1e3:.3g} GFLOP/s dense matmul rate, measured now, shared by "
-             f"{run.per_node} ranks: an estimate")
+    basis = (
+        f"the time model at this CPU's {machine * 1e3:.3g} GFLOP/s dense matmul rate, measured "
+        f"now, shared by {run.per_node} ranks: an estimate"
+    )
     steps, limit = run_steps(cfg) if kind is None else (None, "")  # a benchmark runs its own steps
     whole = f", {duration(step * steps)} for the {steps} steps ({limit})" if steps else ""
     return f"about {duration(step)} per step{whole} ({basis})", (step * steps if steps else None)
 
 
 def measured_tflops(cfg: DictConfig) -> float:
-    """This machine's dense matmul rate (all of this process's threads) in the precision the step's matmuls run in."""
+    """This machine's dense matmul rate (all of this process's threads) in the precision the step's
+    matmuls run in."""
     import torch
 
     from visiondist.utils.peaks import matmul_tflops, peak_kind
 
     cpu = torch.device("cpu")
-    return matmul_tflops(cpu, peak_kind(str(cfg.trainer.precision), bool(cfg.trainer.tf32), cpu), repeats=1)
+    return matmul_tflops(
+        cpu, peak_kind(str(cfg.trainer.precision), bool(cfg.trainer.tf32), cpu), repeats=1
+    )
 
 
 def step_seconds_on_cpu(cfg: DictConfig, run: RunLayout, tflops_per_rank: float) -> float:
-    """The planner's seconds per optimizer step of `cfg`'s ViT under `run`, each rank computing at `tflops_per_rank`
-    and sending at `CPU_LINK_GBS`."""
+    """The planner's seconds per optimizer step of `cfg`'s ViT under `run`, each rank computing at
+    `tflops_per_rank` and sending at `CPU_LINK_GBS`."""
     from visiondist.models.registry import spec_of
     from visiondist.plan.planner import Candidate, hardware_from_config, step_seconds
     from visiondist.plan.resolve import layout_memory
     from visiondist.plan.world import host_memory_gb
 
-    candidate = Candidate.of(run if run.grad_accum else run.replace(grad_accum=int(cfg.trainer.grad_accum)))
-    hardware = replace(hardware_from_config(cfg.parallel, run.world_size, 1, host_memory_gb() / run.per_node,
-                                            shared_host=True),
-                       tflops=tflops_per_rank, intra_node_gbs=CPU_LINK_GBS, inter_node_gbs=CPU_LINK_GBS)
+    candidate = Candidate.of(
+        run if run.grad_accum else run.replace(grad_accum=int(cfg.trainer.grad_accum))
+    )
+    hardware = replace(
+        hardware_from_config(
+            cfg.parallel, run.world_size, 1, host_memory_gb() / run.per_node, shared_host=True
+        ),
+        tflops=tflops_per_rank,
+        intra_node_gbs=CPU_LINK_GBS,
+        inter_node_gbs=CPU_LINK_GBS,
+    )
     t = cfg.trainer
-    seconds = step_seconds(spec_of(cfg.model).planner_shape(cfg.model), candidate, hardware, int(cfg.data.batch_size),
-                           layout_memory(cfg, run), str(t.precision))
+    seconds = step_seconds(
+        spec_of(cfg.model).planner_shape(cfg.model),
+        candidate,
+        hardware,
+        int(cfg.data.batch_size),
+        layout_memory(cfg, run),
+        str(t.precision),
+    )
     return seconds["total"]
 
 
 def run_steps(cfg: DictConfig) -> tuple[Optional[int], str]:
     """(optimizer steps of the whole run, which limit sets them) as the trainer counts them
-    (`visiondist.train.build.run_length`), the epoch's length from the training split's images; an epoch of unknown
-    length: `trainer.max_steps` alone; (None, "") when neither can be counted."""
+    (`visiondist.train.build.run_length`), the epoch's length from the training split's images; an
+    epoch of unknown length: `trainer.max_steps` alone; (None, "") when neither can be counted."""
     from visiondist.train.build import run_length
 
     t, d = cfg.trainer, cfg.data
@@ -116,8 +162,8 @@ def run_steps(cfg: DictConfig) -> tuple[Optional[int], str]:
 
 
 def train_images(d: DictConfig) -> Optional[int]:
-    """Images of the training split of an ImageFolder-layout set (a built-in one: as it is generated); None for
-    another format."""
+    """Images of the training split of an ImageFolder-layout set (a built-in one: as it is
+    generated); None for another format."""
     from pathlib import Path
 
     if d.format != "imagefolder":
@@ -134,7 +180,9 @@ def train_images(d: DictConfig) -> Optional[int]:
         for c in classes:
             if c.is_dir() and not c.name.startswith("."):
                 with os.scandir(c.path) as files:
-                    total += sum(1 for f in files if f.name.lower().endswith(IMG_EXTENSIONS) and f.is_file())
+                    total += sum(
+                        1 for f in files if f.name.lower().endswith(IMG_EXTENSIONS) and f.is_file()
+                    )
     return total
 
 

@@ -1,20 +1,22 @@
-"""Kubernetes manifests for a training job (`tools/k8s.py`): a Kubeflow Trainer v2 TrainJob or a Training Operator
-PyTorchJob whose pods each run `python tools/train.py <overrides>`, which reads the pod's place in the job from the
-operator's variables (`visiondist.launch.pods`) and starts the node's ranks.
+"""Kubernetes manifests for a training job (`tools/k8s.py`): a Kubeflow Trainer v2 TrainJob or a
+Training Operator PyTorchJob whose pods each run `python tools/train.py <overrides>`, which reads
+the pod's place in the job from the operator's variables (`visiondist.launch.pods`) and starts the
+node's ranks.
 
 What every manifest holds:
-- the run dir on a shared volume (a PersistentVolumeClaim mounted at `mount`), named by the job: a pod that restarts
-  (a node lost, a spot instance reclaimed) runs the same command, which continues the run from its newest checkpoint
-  (trainer.resume=auto);
-- `trainer.stop_timeout_s` and the pods' `terminationGracePeriodSeconds` from one figure, the time a step and a
-  checkpoint take (`visiondist.launch.stop.grace_seconds`), plus the launcher's own exit: Kubernetes' SIGTERM then
-  leaves every rank its checkpoint before the SIGKILL;
-- shared memory for the loader workers (an in-memory emptyDir at /dev/shm; a container's default is 64 MB), with a
-  `sizeLimit` from the batches the workers keep ready;
-- CPU and memory requested, equal to their limits (`pod_resources`), so that the pods are Guaranteed, the last the
-  kubelet evicts: one CPU per rank and one per loader worker, the memory of the ranks, their workers and /dev/shm
-  (which counts against the pod's memory). The limit is the container's CPU quota, which `data.num_workers=-1` and
-  the ranks' threads follow (`visiondist.utils.procenv.usable_cpus`);
+- the run dir on a shared volume (a PersistentVolumeClaim mounted at `mount`), named by the job: a
+  pod that restarts (a node lost, a spot instance reclaimed) runs the same command, which continues
+  the run from its newest checkpoint (trainer.resume=auto);
+- `trainer.stop_timeout_s` and the pods' `terminationGracePeriodSeconds` from one figure, the time a
+  step and a checkpoint take (`visiondist.launch.stop.grace_seconds`), plus the launcher's own exit:
+  Kubernetes' SIGTERM then leaves every rank its checkpoint before the SIGKILL;
+- shared memory for the loader workers (an in-memory emptyDir at /dev/shm; a container's default is
+  64 MB), with a `sizeLimit` from the batches the workers keep ready;
+- CPU and memory requested, equal to their limits (`pod_resources`), so that the pods are
+  Guaranteed, the last the kubelet evicts: one CPU per rank and one per loader worker, the memory of
+  the ranks, their workers and /dev/shm (which counts against the pod's memory). The limit is the
+  container's CPU quota, which `data.num_workers=-1` and the ranks' threads follow
+  (`visiondist.utils.procenv.usable_cpus`);
 - `imagePullSecrets` where the image is in a private registry.
 """
 
@@ -27,35 +29,55 @@ from typing import Any, Optional
 
 from visiondist.config import ConfigError
 
-EXIT_MARGIN_S = 60  # the launcher's own exit after the ranks' checkpoint: the agent's shutdown, the logs flushed
+# the launcher's own exit after the ranks' checkpoint: the agent's shutdown, the logs flushed
+EXIT_MARGIN_S = 60
 KINDS = ("trainjob", "pytorchjob")
-AUTO_WORKERS = 7  # data.num_workers=-1 without cpu=: the loader workers per rank a pod is sized for (8 CPUs a GPU)
-RANK_GIB = 6.0  # host memory of a GPU rank: torch and CUDA libraries and context, pinned batches, checkpoint staging
-WORKER_GIB = 1.0  # one loader worker: decoders, augmentation buffers, the pages of the index it writes to
+# data.num_workers=-1 without cpu=: the loader workers per rank a pod is sized for (8 CPUs a GPU)
+AUTO_WORKERS = 7
+# host memory of a GPU rank: torch and CUDA libraries and context, pinned batches, checkpoint
+# staging
+RANK_GIB = 6.0
+# one loader worker: decoders, augmentation buffers, the pages of the index it writes to
+WORKER_GIB = 1.0
 SHM_MIN_GIB = 1  # /dev/shm at least this
-GIB = 1024 ** 3
+GIB = 1024**3
 _CPU = re.compile(r"(\d+(\.\d+)?)(m?)")
 _MEMORY = re.compile(r"(\d+(\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?")
-_UNITS = {None: 1, "Ki": 1024, "Mi": 1024 ** 2, "Gi": GIB, "Ti": 1024 ** 4, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_UNITS = {
+    None: 1,
+    "Ki": 1024,
+    "Mi": 1024**2,
+    "Gi": GIB,
+    "Ti": 1024**4,
+    "k": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+}
 
 
 @dataclass(frozen=True)
 class PodResources:
-    """What each pod requests (and is limited to), as Kubernetes quantities, and what it was sized for."""
+    """What each pod requests (and is limited to), as Kubernetes quantities, and what it was sized
+    for."""
+
     cpu: str
     memory: str
     shm: str  # the /dev/shm volume's sizeLimit (inside `memory`)
     ranks: int
     workers: int  # loader workers per rank
-    short: str = ""  # `memory=` below the planned figure: what it holds instead, said on the tool's line
+    # `memory=` below the planned figure: what it holds instead, said on the tool's line
+    short: str = ""
 
 
 def cpu_count_of(value: str) -> float:
     """`cpu=` as CPUs ("16", "7.5", "15500m"), or a one-line refusal."""
     match = _CPU.fullmatch(value.strip())
     if not match or float(match.group(1)) <= 0:
-        raise ConfigError(f"cpu={value}: give the CPUs of each pod as Kubernetes writes them, e.g. cpu=64 or "
-                          "cpu=63500m")
+        raise ConfigError(
+            f"cpu={value}: give the CPUs of each pod as Kubernetes writes them, e.g. cpu=64 or "
+            "cpu=63500m"
+        )
     return float(match.group(1)) / (1000 if match.group(3) else 1)
 
 
@@ -63,27 +85,32 @@ def bytes_of(value: str) -> float:
     """`memory=` in bytes ("256Gi", "200G", "512Mi"), or a one-line refusal."""
     match = _MEMORY.fullmatch(value.strip())
     if not match or float(match.group(1)) <= 0:
-        raise ConfigError(f"memory={value}: give the memory of each pod as Kubernetes writes it, e.g. memory=256Gi")
+        raise ConfigError(
+            f"memory={value}: give the memory of each pod as Kubernetes writes it, e.g. "
+            "memory=256Gi"
+        )
     return float(match.group(1)) * _UNITS[match.group(3)]
 
 
 def pod_resources(cfg: Any, ranks: int, dp: int, cpu: str = "", memory: str = "") -> PodResources:
-    """A pod of `ranks` ranks (`dp` data-parallel groups in the job): its CPUs (`cpu=`, else one per rank and one per
-    loader worker: data.num_workers, or `AUTO_WORKERS` for -1), its /dev/shm (the batches its workers keep ready,
-    twice over, at least `SHM_MIN_GIB`) and its memory (`memory=`, else `RANK_GIB` a rank, `WORKER_GIB` a worker,
-    plus /dev/shm)."""
+    """A pod of `ranks` ranks (`dp` data-parallel groups in the job): its CPUs (`cpu=`, else one per
+    rank and one per loader worker: data.num_workers, or `AUTO_WORKERS` for -1), its /dev/shm (the
+    batches its workers keep ready, twice over, at least `SHM_MIN_GIB`) and its memory (`memory=`,
+    else `RANK_GIB` a rank, `WORKER_GIB` a worker, plus /dev/shm)."""
     from visiondist.data.workers import loader_workers
 
     d = cfg.data
     requested = int(d.num_workers)
     if cpu:
         cpus = cpu_count_of(cpu)
-        workers = loader_workers(requested, ranks, cores=int(cpus))  # -1: what the pods' CPU quota gives them
+        # -1: what the pods' CPU quota gives them
+        workers = loader_workers(requested, ranks, cores=int(cpus))
     else:
         workers = requested if requested >= 0 else AUTO_WORKERS
         cpus = ranks * (1 + workers)
     per_rank_batch = -(-int(d.batch_size) // max(1, dp * int(cfg.trainer.grad_accum)))
-    image = 3 * (int(d.min_size) * int(d.max_size) if d.format == "coco" else int(d.img_size) ** 2)  # uint8
+    # uint8
+    image = 3 * (int(d.min_size) * int(d.max_size) if d.format == "coco" else int(d.img_size) ** 2)
     ready = ranks * workers * int(d.get("prefetch_factor", 2)) * per_rank_batch * image
     shm_gib = max(SHM_MIN_GIB, math.ceil(2 * ready / GIB))
     planned = shm_gib + math.ceil(ranks * (RANK_GIB + workers * WORKER_GIB))
@@ -92,22 +119,34 @@ def pod_resources(cfg: Any, ranks: int, dp: int, cpu: str = "", memory: str = ""
     if memory:
         given = bytes_of(memory) / GIB
         if given < floor:
-            raise ConfigError(f"memory={memory} is below what the pod's {ranks} ranks need: {RANK_GIB:g}Gi a rank "
-                              f"(torch and CUDA, pinned batches, checkpoint staging) and /dev/shm {shm_gib}Gi (which "
-                              f"counts against it) make {floor}Gi without a loader worker: give memory={planned}Gi "
-                              f"(the planned figure, with {workers} loader workers a rank at {WORKER_GIB:g}Gi each), "
-                              f"or at least {floor}Gi with fewer workers (data.num_workers)")
+            raise ConfigError(
+                f"memory={memory} is below what the pod's {ranks} ranks need: {RANK_GIB:g}Gi a "
+                "rank (torch and CUDA, pinned batches, checkpoint staging) and /dev/shm "
+                f"{shm_gib}Gi (which counts against it) make {floor}Gi without a loader worker: "
+                f"give memory={planned}Gi (the planned figure, with {workers} loader workers a "
+                f"rank at {WORKER_GIB:g}Gi each), or at least {floor}Gi with fewer workers "
+                "(data.num_workers)"
+            )
         if given < planned:
             fit = int((given - floor) // (ranks * WORKER_GIB))
-            short = (f"memory={memory} is below the planned {planned}Gi: beside the {ranks} ranks "
-                     f"({ranks * RANK_GIB:g}Gi) and /dev/shm ({shm_gib}Gi) it leaves room for {fit} of the {workers} "
-                     f"loader workers a rank the pods would start ({WORKER_GIB:g}Gi each): add data.num_workers={fit} "
-                     f"to the command or give memory={planned}Gi, else the pods may be killed for memory")
+            short = (
+                f"memory={memory} is below the planned {planned}Gi: beside the {ranks} ranks "
+                f"({ranks * RANK_GIB:g}Gi) and /dev/shm ({shm_gib}Gi) it leaves room for {fit} of "
+                f"the {workers} loader workers a rank the pods would start ({WORKER_GIB:g}Gi "
+                f"each): add data.num_workers={fit} to the command or give memory={planned}Gi, "
+                "else the pods may be killed for memory"
+            )
     else:
         memory = f"{planned}Gi"
     cpu = cpu.strip() if cpu else str(int(cpus))
-    return PodResources(cpu=cpu, memory=memory.strip(), shm=f"{shm_gib}Gi", ranks=ranks, workers=workers,
-                        short=short)
+    return PodResources(
+        cpu=cpu,
+        memory=memory.strip(),
+        shm=f"{shm_gib}Gi",
+        ranks=ranks,
+        workers=workers,
+        short=short,
+    )
 
 
 @dataclass(frozen=True)
@@ -120,7 +159,8 @@ class JobSpec:
     grace_s: int  # trainer.stop_timeout_s
     pvc: str = "visiondist-runs"
     mount: str = "/runs"
-    workdir: str = "/workspace/visiondist"  # where the image holds the project (tools/train.py, configs/)
+    # where the image holds the project (tools/train.py, configs/)
+    workdir: str = "/workspace/visiondist"
     data_pvc: str = ""  # a claim with the data, mounted read-only at /data
     env: dict[str, str] = field(default_factory=dict)
     resources: Optional[PodResources] = None  # None: GPUs only
@@ -128,8 +168,10 @@ class JobSpec:
 
     def __post_init__(self):
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.name):
-            raise ConfigError(f"name={self.name!r} is not a Kubernetes name: lower-case letters, digits and '-', "
-                              "63 at most, starting and ending alphanumeric")
+            raise ConfigError(
+                f"name={self.name!r} is not a Kubernetes name: lower-case letters, digits and '-', "
+                "63 at most, starting and ending alphanumeric"
+            )
         if self.nodes < 1 or self.gpus < 1:
             raise ConfigError(f"nodes={self.nodes} gpus={self.gpus}: both must be at least 1")
 
@@ -139,8 +181,13 @@ class JobSpec:
 
     @property
     def args(self) -> list[str]:
-        """The training command's arguments: the user's overrides, then the run dir and the stop wait."""
-        return [*self.overrides, f"trainer.run_dir={self.run_dir}", f"trainer.stop_timeout_s={self.grace_s}"]
+        """The training command's arguments: the user's overrides, then the run dir and the stop
+        wait."""
+        return [
+            *self.overrides,
+            f"trainer.run_dir={self.run_dir}",
+            f"trainer.stop_timeout_s={self.grace_s}",
+        ]
 
     @property
     def termination_grace_s(self) -> int:
@@ -148,7 +195,8 @@ class JobSpec:
 
 
 def default_name(overrides: list[str]) -> str:
-    """A job name from the model and layout overrides (`model=vit_huge parallel=tp4` -> `vit-huge-tp4`)."""
+    """A job name from the model and layout overrides (`model=vit_huge parallel=tp4` ->
+    `vit-huge-tp4`)."""
     picked = [o.split("=", 1)[1] for o in overrides if o.startswith(("model=", "parallel="))]
     name = re.sub(r"[^a-z0-9]+", "-", "-".join(picked or ["visiondist"]).lower()).strip("-")
     return name[:63].rstrip("-")
@@ -156,10 +204,18 @@ def default_name(overrides: list[str]) -> str:
 
 def _volumes(spec: JobSpec) -> tuple[list[dict], list[dict]]:
     shm = {"medium": "Memory", **({"sizeLimit": spec.resources.shm} if spec.resources else {})}
-    volumes = [{"name": "runs", "persistentVolumeClaim": {"claimName": spec.pvc}}, {"name": "dshm", "emptyDir": shm}]
+    volumes = [
+        {"name": "runs", "persistentVolumeClaim": {"claimName": spec.pvc}},
+        {"name": "dshm", "emptyDir": shm},
+    ]
     mounts = [{"name": "runs", "mountPath": spec.mount}, {"name": "dshm", "mountPath": "/dev/shm"}]
     if spec.data_pvc:
-        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": spec.data_pvc, "readOnly": True}})
+        volumes.append(
+            {
+                "name": "data",
+                "persistentVolumeClaim": {"claimName": spec.data_pvc, "readOnly": True},
+            }
+        )
         mounts.append({"name": "data", "mountPath": "/data", "readOnly": True})
     return volumes, mounts
 
@@ -172,7 +228,11 @@ def _resources(spec: JobSpec) -> dict[str, Any]:
     """Requests equal to limits (the Guaranteed class); quantities are strings."""
     amounts = {"cpu": spec.resources.cpu, "memory": spec.resources.memory} if spec.resources else {}
     amounts["nvidia.com/gpu"] = str(spec.gpus)
-    return {"requests": dict(amounts), "limits": dict(amounts)} if spec.resources else {"limits": amounts}
+    return (
+        {"requests": dict(amounts), "limits": dict(amounts)}
+        if spec.resources
+        else {"limits": amounts}
+    )
 
 
 def _pod(spec: JobSpec, containers: list[dict], volumes: list[dict]) -> dict[str, Any]:
@@ -183,9 +243,10 @@ def _pod(spec: JobSpec, containers: list[dict], volumes: list[dict]) -> dict[str
 
 
 def trainjob(spec: JobSpec) -> dict[str, Any]:
-    """A Kubeflow Trainer v2 TrainJob on the `torch-distributed` runtime (which sets PET_NNODES, PET_NPROC_PER_NODE,
-    PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT in each pod); the volumes and the grace period through a
-    runtime patch of its `node` job (Trainer 2.3's runtimePatches)."""
+    """A Kubeflow Trainer v2 TrainJob on the `torch-distributed` runtime (which sets PET_NNODES,
+    PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT in each pod); the volumes
+    and the grace period through a runtime patch of its `node` job (Trainer 2.3's
+    runtimePatches)."""
     volumes, mounts = _volumes(spec)
     pod = _pod(spec, [{"name": "node", "volumeMounts": mounts}], volumes)
     trainer: dict[str, Any] = {
@@ -205,17 +266,34 @@ def trainjob(spec: JobSpec) -> dict[str, Any]:
         "spec": {
             "runtimeRef": {"name": "torch-distributed"},
             "trainer": trainer,
-            "runtimePatches": [{"manager": "visiondist", "trainingRuntimeSpec": {"template": {"spec": {
-                "replicatedJobs": [{"name": "node", "template": {"spec": {"template": {"spec": pod}}}}]}}}}],
+            "runtimePatches": [
+                {
+                    "manager": "visiondist",
+                    "trainingRuntimeSpec": {
+                        "template": {
+                            "spec": {
+                                "replicatedJobs": [
+                                    {
+                                        "name": "node",
+                                        "template": {"spec": {"template": {"spec": pod}}},
+                                    }
+                                ]
+                            }
+                        }
+                    },
+                }
+            ],
         },
     }
 
 
 def pytorchjob(spec: JobSpec) -> dict[str, Any]:
-    """A Training Operator PyTorchJob: one Master pod and nodes - 1 Worker pods, `nprocPerNode` ranks each. From
-    Training Operator 1.7 the pods get PET_NNODES / PET_NODE_RANK / PET_NPROC_PER_NODE; before it WORLD_SIZE counts
-    the pods and RANK is the pod's index, which visiondist reads as such. A failed pod restarts (OnFailure) and its
-    command continues the run."""
+    """A Training Operator PyTorchJob: one Master pod and nodes - 1 Worker pods, `nprocPerNode`
+    ranks each. From Training Operator 1.7 the pods get PET_NNODES / PET_NODE_RANK /
+    PET_NPROC_PER_NODE; before it WORLD_SIZE counts the pods and RANK is the pod's index, which
+    visiondist reads as such. A failed pod restarts (OnFailure) and its command continues the
+    run."""
+
     def replicas(count: int) -> dict[str, Any]:
         volumes, mounts = _volumes(spec)  # each replica its own (YAML would otherwise alias them)
         container: dict[str, Any] = {
@@ -227,7 +305,11 @@ def pytorchjob(spec: JobSpec) -> dict[str, Any]:
         }
         if spec.env:
             container["env"] = _env(spec)
-        return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": _pod(spec, [container], volumes)}}
+        return {
+            "replicas": count,
+            "restartPolicy": "OnFailure",
+            "template": {"spec": _pod(spec, [container], volumes)},
+        }
 
     replica_specs = {"Master": replicas(1)}
     if spec.nodes > 1:
@@ -236,25 +318,33 @@ def pytorchjob(spec: JobSpec) -> dict[str, Any]:
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
         "metadata": {"name": spec.name},
-        "spec": {"nprocPerNode": str(spec.gpus), "runPolicy": {"backoffLimit": 3},
-                 "pytorchReplicaSpecs": replica_specs},
+        "spec": {
+            "nprocPerNode": str(spec.gpus),
+            "runPolicy": {"backoffLimit": 3},
+            "pytorchReplicaSpecs": replica_specs,
+        },
     }
 
 
 def manifest(kind: str, spec: JobSpec) -> dict[str, Any]:
     if kind not in KINDS:
-        raise ConfigError(f"kind={kind}: use kind=trainjob (Kubeflow Trainer v2) or kind=pytorchjob (Training "
-                          "Operator v1)")
+        raise ConfigError(
+            f"kind={kind}: use kind=trainjob (Kubeflow Trainer v2) or kind=pytorchjob (Training "
+            "Operator v1)"
+        )
     return trainjob(spec) if kind == "trainjob" else pytorchjob(spec)
 
 
 # the launcher's knobs that a layout's refusal names, and this tool's for the same thing
-_KNOBS = {"(trainer.devices, or torchrun's --nproc-per-node)": "(gpus=, the ranks of each pod)",
-          "(trainer.devices; under torchrun, --nproc-per-node x --nnodes)": "(nodes= x gpus=)"}
+_KNOBS = {
+    "(trainer.devices, or torchrun's --nproc-per-node)": "(gpus=, the ranks of each pod)",
+    "(trainer.devices; under torchrun, --nproc-per-node x --nnodes)": "(nodes= x gpus=)",
+}
 
 
 def job_layout(cfg: Any, nodes: int, gpus: int) -> Any:
-    """The layout the job's pods resolve to (`RunLayout`); a refusal names this tool's keys (gpus=, nodes=)."""
+    """The layout the job's pods resolve to (`RunLayout`); a refusal names this tool's keys (gpus=,
+    nodes=)."""
     from visiondist.plan import resolve_on
 
     try:
@@ -267,8 +357,9 @@ def job_layout(cfg: Any, nodes: int, gpus: int) -> Any:
 
 
 def grace_for(cfg: Any, run: Any) -> int:
-    """trainer.stop_timeout_s for the job: the planned wait for a step and this node's share of the checkpoint
-    (`grace_seconds`) on the job's layout `run` (`job_layout`), rounded up to a whole second."""
+    """trainer.stop_timeout_s for the job: the planned wait for a step and this node's share of the
+    checkpoint (`grace_seconds`) on the job's layout `run` (`job_layout`), rounded up to a whole
+    second."""
     from visiondist.launch.stop import grace_seconds
 
     return int(math.ceil(grace_seconds(cfg, run)))

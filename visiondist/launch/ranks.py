@@ -1,6 +1,7 @@
-"""Starting the ranks of a job (`launch`): self-launched through torch's elastic launcher, or joined under torchrun /
-srun; each rank's set-up (`run_rank`: process group, device, threads, run dir, watchdog, failure records), and a
-stopped job's one line (a failed job's: `visiondist.launch.failed`).
+"""Starting the ranks of a job (`launch`): self-launched through torch's elastic launcher, or joined
+under torchrun / srun; each rank's set-up (`run_rank`: process group, device, threads, run dir,
+watchdog, failure records), and a stopped job's one line (a failed job's:
+`visiondist.launch.failed`).
 """
 
 from __future__ import annotations
@@ -20,20 +21,30 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from visiondist.config import ConfigError, from_container, to_container
 from visiondist.config.layout import RunLayout
-from visiondist.train.precision import set_tf32
+from visiondist.launch.estimate import check_gpu_layout
+from visiondist.launch.failed import (
+    one_line_failure,
+    record_rank_failure,
+    wait_for_the_launcher_after_a_lost_peer,
+)
 from visiondist.launch.pods import PodJob, pod_job
 from visiondist.launch.rundir import STATELESS, _shared_run_dir, _write_plan, new_run_dir, run_kind
+from visiondist.launch.shared import shared_gpu_line
 from visiondist.launch.slurm import slurm_env
 from visiondist.launch.spawn import _quiet_agent, spawn_local, spawn_ranks
 from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stopped_line
 from visiondist.plan import announce, cuda_device_count, resolve
+from visiondist.plan.resolve import compile_plan
+from visiondist.plan.world import (
+    backend_for,
+    cuda_index,
+    device_memory_gb,
+    find_accelerator,
+    under_torchrun,
+)
+from visiondist.train.precision import set_tf32
 from visiondist.utils.exit import leave_quickly_when_done
 from visiondist.utils.procenv import omp_threads, threads_per_rank
-from visiondist.plan.world import backend_for, cuda_index, device_memory_gb, find_accelerator, under_torchrun
-from visiondist.plan.resolve import compile_plan
-from visiondist.launch.estimate import check_gpu_layout
-from visiondist.launch.failed import one_line_failure, record_rank_failure, wait_for_the_launcher_after_a_lost_peer
-from visiondist.launch.shared import shared_gpu_line
 
 log = logging.getLogger(__name__)
 
@@ -41,63 +52,94 @@ Entry = Callable[[DictConfig, Any, Path], Any]
 
 
 def _set_threads(local_world: int) -> None:
-    """Split this process's CPUs (affinity and container quota) between the ranks of a node unless the user chose
-    (OMP_NUM_THREADS). Set here, not left to torch's reading of OMP_NUM_THREADS: a rank forked from its launcher
-    inherits the launcher's count, read before the launcher knew how many ranks it would start."""
+    """Split this process's CPUs (affinity and container quota) between the ranks of a node unless
+    the user chose (OMP_NUM_THREADS). Set here, not left to torch's reading of OMP_NUM_THREADS: a
+    rank forked from its launcher inherits the launcher's count, read before the launcher knew how
+    many ranks it would start."""
     threads = omp_threads()
     if threads is None and "OMP_NUM_THREADS" in os.environ:
-        return  # a nested list: OpenMP read it as this rank loaded it (spawned, or forked from a fresh fork server)
+        # a nested list: OpenMP read it as this rank loaded it (spawned, or forked from a fresh fork
+        # server)
+        return
     torch.set_num_threads(threads or threads_per_rank(local_world))
 
 
-def _init_rank(run: RunLayout, single: bool, startup_timeout_s: float = 1800.0,
-               tf32: bool = True) -> tuple[torch.device, int]:
+def _init_rank(
+    run: RunLayout, single: bool, startup_timeout_s: float = 1800.0, tf32: bool = True
+) -> tuple[torch.device, int]:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     _set_threads(run.per_node)
     device_id = None
     backend = backend_for(run.accelerator, run.share_gpu)
     if run.accelerator == "cuda":
-        device = torch.device("cuda", cuda_index(local_rank, torch.cuda.device_count(), run.share_gpu))
+        device = torch.device(
+            "cuda", cuda_index(local_rank, torch.cuda.device_count(), run.share_gpu)
+        )
         torch.cuda.set_device(device)
         device_id = device if backend == "nccl" else None
         set_tf32(tf32)
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        timeout = timedelta(seconds=startup_timeout_s)  # shortened to trainer.dist_timeout_s after the first step
-        # device_id (NCCL): the communicator is created now, and mesh sub-groups split from it instead of each
-        # building its own
+        # shortened to trainer.dist_timeout_s after the first step
+        timeout = timedelta(seconds=startup_timeout_s)
+        # device_id (NCCL): the communicator is created now, and mesh sub-groups split from it
+        # instead of each building its own
         if single:  # one process: an in-memory store, no ports
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
-                                    device_id=device_id)
+            dist.init_process_group(
+                backend,
+                store=dist.HashStore(),
+                rank=0,
+                world_size=1,
+                timeout=timeout,
+                device_id=device_id,
+            )
         else:
-            dist.init_process_group(backend, init_method="env://", timeout=timeout, device_id=device_id)
+            dist.init_process_group(
+                backend, init_method="env://", timeout=timeout, device_id=device_id
+            )
     return device, local_rank
 
 
-def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str], auto_plan: Any = None,
-             top_level: bool = False) -> Any:
-    """Body of every rank: process group, device, mesh, then `entry`. Whatever happens, the rank's loader workers
-    end with it; a failure leaves `<run>/failure/rank<k>.txt` (see `visiondist.faults.failures`). `top_level`: this
-    process is what the user started (one rank, or a torchrun / srun task), so a hang's line is printed here."""
+def run_rank(
+    entry: Entry,
+    cfg_dict: dict,
+    run: RunLayout,
+    run_dir: Optional[str],
+    auto_plan: Any = None,
+    top_level: bool = False,
+) -> Any:
+    """Body of every rank: process group, device, mesh, then `entry`. Whatever happens, the rank's
+    loader workers end with it; a failure leaves `<run>/failure/rank<k>.txt` (see
+    `visiondist.faults.failures`). `top_level`: this process is what the user started (one rank, or
+    a torchrun / srun task), so a hang's line is printed here."""
     from visiondist.data.workers import close_loaders
     from visiondist.faults.failures import rank_errors
-    from visiondist.utils.heartbeat import PROGRESS
-    from visiondist.utils.signals import STOP, StopNow
     from visiondist.parallel import build_layout
     from visiondist.plan.fit import as_run
+    from visiondist.utils.heartbeat import PROGRESS
+    from visiondist.utils.signals import STOP, StopNow
 
-    asked = from_container(cfg_dict)  # what a run dir this rank creates records (config.yaml: the run as asked)
+    # what a run dir this rank creates records (config.yaml: the run as asked)
+    asked = from_container(cfg_dict)
     cfg = as_run(asked, run)  # a named layout fitted by accumulation: the run's trainer.grad_accum
-    OmegaConf.set_readonly(cfg, True)  # resolved once, in the launching process: nothing below changes it
+    # resolved once, in the launching process: nothing below changes it
+    OmegaConf.set_readonly(cfg, True)
     PROGRESS.reset(cfg.trainer.startup_timeout_s)
     if run_dir is not None:
         _flight_recorder(Path(run_dir), run.accelerator)
-    # from the start: a stop asked for while the process group forms is still a stop; one voice per job: this
-    # process when it is what the user started (global rank 0 of it), else the launcher (`launch.stop`)
-    signals = STOP.install(at_once=run_kind(entry) in STATELESS, speak=top_level and os.environ.get("RANK", "0") == "0")
-    device, local_rank = _init_rank(run, single=run.world_size == 1 and not run.under_torchrun,
-                                    startup_timeout_s=cfg.trainer.startup_timeout_s, tf32=cfg.trainer.tf32)
+    # from the start: a stop asked for while the process group forms is still a stop; one voice per
+    # job: this process when it is what the user started (global rank 0 of it), else the launcher
+    # (`launch.stop`)
+    signals = STOP.install(
+        at_once=run_kind(entry) in STATELESS, speak=top_level and os.environ.get("RANK", "0") == "0"
+    )
+    device, local_rank = _init_rank(
+        run,
+        single=run.world_size == 1 and not run.under_torchrun,
+        startup_timeout_s=cfg.trainer.startup_timeout_s,
+        tf32=cfg.trainer.tf32,
+    )
     path, watchdog = (Path(run_dir) if run_dir else None), None
     try:
         path = path or _shared_run_dir(asked, run, run_kind(entry))
@@ -106,10 +148,12 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
             _write_plan(path, auto_plan)
         layout = build_layout(run.dp, run.tp, run.pp, device, local_rank, run=run)
         return entry(cfg, layout, path)
-    except StopNow as stop:  # a second signal, or an evaluation's first: this rank leaves now, unsaved
+    # a second signal, or an evaluation's first: this rank leaves now, unsaved
+    except StopNow as stop:
         return _stopped_now(stop.signal_name, path)
     except rank_errors() as exc:
-        if STOP.received is not None and (STOP.at_once or STOP.count > 1):  # a peer that left at once
+        # a peer that left at once
+        if STOP.received is not None and (STOP.at_once or STOP.count > 1):
             return _stopped_now(STOP.received, path)
         wait_for_the_launcher_after_a_lost_peer(record_rank_failure(path, exc, cfg, run), STOP)
         raise
@@ -124,12 +168,17 @@ def run_rank(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: Optional[str
 def _stopped_now(signal_name: str, run_dir: Optional[Path]) -> dict:
     from visiondist.utils.heartbeat import PROGRESS
 
-    return {"stopped at step": PROGRESS.step, "stopped by": signal_name, "at once": True, "run dir": str(run_dir)}
+    return {
+        "stopped at step": PROGRESS.step,
+        "stopped by": signal_name,
+        "at once": True,
+        "run dir": str(run_dir),
+    }
 
 
 def _flight_recorder(run_dir: Path, accelerator: str) -> None:
-    """NCCL: keep a trace of the last collectives and dump it into `<run>/hang/` when one times out (torch's flight
-    recorder). Set before the process group exists; a user's own settings win."""
+    """NCCL: keep a trace of the last collectives and dump it into `<run>/hang/` when one times out
+    (torch's flight recorder). Set before the process group exists; a user's own settings win."""
     if accelerator != "cuda":
         return
     from visiondist.compat import flight_recorder_env
@@ -144,7 +193,8 @@ def _flight_recorder(run_dir: Path, accelerator: str) -> None:
 
 
 def _start_watchdog(run_dir: Path, top_level: bool):
-    """The rank's hang watchdog; the loader workers it starts later learn the run dir from the environment."""
+    """The rank's hang watchdog; the loader workers it starts later learn the run dir from the
+    environment."""
 
     from visiondist.data.workers import worker_pids
     from visiondist.faults.failures import EXIT_HANG, Watchdog
@@ -152,7 +202,8 @@ def _start_watchdog(run_dir: Path, top_level: bool):
 
     os.environ[RUN_DIR_ENV], os.environ[RANK_ENV] = str(run_dir), str(dist.get_rank())
 
-    def end_rank(line: str) -> None:  # the main thread is stuck: leave without it (the workers die with us)
+    # the main thread is stuck: leave without it (the workers die with us)
+    def end_rank(line: str) -> None:
         if top_level:
             print(f"error: {line}", file=sys.stderr, flush=True)
         for handler in logging.getLogger().handlers:
@@ -172,25 +223,33 @@ def _elastic_worker(entry: Entry, cfg_dict: dict, run: RunLayout, run_dir: str) 
 
 @record
 def _pod_worker(entry: Entry, cfg_dict: dict) -> Any:
-    """A rank of a pod's node (`launch_pod`): it resolves the layout from the world the rendezvous made (an elastic
-    job's node count is known only then), as a rank under torchrun does, and finds the run dir with its peers."""
+    """A rank of a pod's node (`launch_pod`): it resolves the layout from the world the rendezvous
+    made (an elastic job's node count is known only then), as a rank under torchrun does, and finds
+    the run dir with its peers."""
     done = leave_quickly_when_done()
-    run, auto_plan = resolve(from_container(cfg_dict), dict(os.environ), cuda_device_count(),
-                             training=run_kind(entry) not in STATELESS)
+    run, auto_plan = resolve(
+        from_container(cfg_dict),
+        dict(os.environ),
+        cuda_device_count(),
+        training=run_kind(entry) not in STATELESS,
+    )
     result = run_rank(entry, cfg_dict, run, None, auto_plan)
     done()
     return result
 
 
 def inductor_cache_dir() -> Path:
-    """Where compiled blocks are cached across runs: `$XDG_CACHE_HOME/visiondist/inductor` (else ~/.cache/...)."""
+    """Where compiled blocks are cached across runs: `$XDG_CACHE_HOME/visiondist/inductor` (else
+    ~/.cache/...)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "visiondist" / "inductor"
 
 
 def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayout:
-    """Resolve the layout (once, here), then run `entry` on every rank. Errors surface before any spawn."""
-    if env is None:  # srun's tasks become a torch.distributed job (init_process_group reads os.environ)
+    """Resolve the layout (once, here), then run `entry` on every rank. Errors surface before any
+    spawn."""
+    # srun's tasks become a torch.distributed job (init_process_group reads os.environ)
+    if env is None:
         os.environ.update(slurm_env(os.environ))
     env = dict(os.environ) if env is None else env
     pod = None if under_torchrun(env) else pod_job(env)
@@ -198,25 +257,42 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
         return launch_pod(entry, cfg, pod)
     # an evaluation holds no training state: a named layout is not fitted for it (nor refused)
     stateless = run_kind(entry) in STATELESS
-    run, auto_plan = resolve(cfg, env, cuda_device_count(), fit_named=not stateless, training=not stateless)
-    if run.fitted and env.get("RANK", "0") == "0":  # a named layout over the device's budget (visiondist.plan.fit)
+    run, auto_plan = resolve(
+        cfg, env, cuda_device_count(), fit_named=not stateless, training=not stateless
+    )
+    # a named layout over the device's budget (visiondist.plan.fit)
+    if run.fitted and env.get("RANK", "0") == "0":
         print(run.fitted, flush=True)
-    check_gpu_layout(cfg, run, run_kind(entry))  # several ranks, no GPU found under accelerator=auto: stop, estimated
-    if run.share_gpu and env.get("RANK", "0") == "0":  # a test of correctness: said, and its memory summed
+    # several ranks, no GPU found under accelerator=auto: stop, estimated
+    check_gpu_layout(cfg, run, run_kind(entry))
+    # a test of correctness: said, and its memory summed
+    if run.share_gpu and env.get("RANK", "0") == "0":
         print(shared_gpu_line(cfg, run, device_memory_gb("cuda", 1)), flush=True)
-    plain = auto_plan is None or auto_plan.plain_ddp  # an evaluation on plain DDP: nothing chosen to say
-    if run.chosen_by == "parallel=auto" and not (stateless and plain) and env.get("RANK", "0") == "0":
+    # an evaluation on plain DDP: nothing chosen to say
+    plain = auto_plan is None or auto_plan.plain_ddp
+    if (
+        run.chosen_by == "parallel=auto"
+        and not (stateless and plain)
+        and env.get("RANK", "0") == "0"
+    ):
         announce(cfg, run, auto_plan)
-    if run.compile:  # Inductor's caches (FX graphs, autograd, kernels) kept across runs, not in /tmp
+    # Inductor's caches (FX graphs, autograd, kernels) kept across runs, not in /tmp
+    if run.compile:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     if cfg.trainer.compile == "auto" and run.accelerator == "cuda" and env.get("RANK", "0") == "0":
-        print(f"trainer.compile=auto: {'compiling' if run.compile else 'not compiling'}: "
-              f"{compile_plan(cfg, run)[3]}", flush=True)
+        print(
+            f"trainer.compile=auto: {'compiling' if run.compile else 'not compiling'}: "
+            f"{compile_plan(cfg, run)[3]}",
+            flush=True,
+        )
     cfg_dict = with_decode_choice(cfg, run, to_container(cfg), env.get("RANK", "0") == "0")
     kind = run_kind(entry)
-    if run.under_torchrun:  # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
+    # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
+    if run.under_torchrun:
         with one_line_failure(None):
-            _report_stop(run_rank(entry, cfg_dict, run, None, auto_plan, top_level=True), kind, True)
+            _report_stop(
+                run_rank(entry, cfg_dict, run, None, auto_plan, top_level=True), kind, True
+            )
         return run
     run_dir = new_run_dir(cfg, run, kind)
     if auto_plan is not None:
@@ -226,31 +302,53 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
             _report_stop(run_rank(entry, cfg_dict, run, str(run_dir), top_level=True), kind)
         return run
 
-    _run_agent(lambda: spawn_local(_elastic_worker, run.per_node, entry, cfg_dict, run, str(run_dir),
-                                   max_restarts=cfg.trainer.max_restarts, cuda=run.accelerator == "cuda"),
-               cfg, run, kind, run_dir)
+    _run_agent(
+        lambda: spawn_local(
+            _elastic_worker,
+            run.per_node,
+            entry,
+            cfg_dict,
+            run,
+            str(run_dir),
+            max_restarts=cfg.trainer.max_restarts,
+            cuda=run.accelerator == "cuda",
+        ),
+        cfg,
+        run,
+        kind,
+        run_dir,
+    )
     return run
 
 
 def with_decode_choice(cfg: DictConfig, run: RunLayout, cfg_dict: dict, main: bool) -> dict:
-    """The ranks' config with `data.decode_on=auto` made concrete for this node (`visiondist.data.decode_choice`), the
-    choice and its figures printed by the main process on a GPU; the run dir's config.yaml keeps `auto`, as asked."""
+    """The ranks' config with `data.decode_on=auto` made concrete for this node
+    (`visiondist.data.decode_choice`), the choice and its figures printed by the main process on a
+    GPU; the run dir's config.yaml keeps `auto`, as asked."""
     if str(cfg.data.get("decode_on", "loader")) != "auto":
         return cfg_dict
     from visiondist.data.decode_choice import decode_plan
 
     choice, why = decode_plan(cfg, run)
-    if main and run.accelerator == "cuda":  # on the CPU auto is the loader, as it always was: nothing to say
+    # on the CPU auto is the loader, as it always was: nothing to say
+    if main and run.accelerator == "cuda":
         print(f"data.decode_on=auto: {why}", flush=True)
     cfg_dict["data"]["decode_on"] = choice
     return cfg_dict
 
 
-def _run_agent(spawn: Callable[[], dict[int, Any]], cfg: DictConfig, run: RunLayout, kind: Optional[str],
-               run_dir: Optional[Path], under_torchrun: bool = False) -> None:
-    """`spawn()` (the elastic agent and this node's ranks) under the launcher's stop handling: a failed rank's one
-    line, a stop's last line (from the lowest global rank's result, or from the run dir when the ranks were ended:
-    module visiondist.launch.stop). `run_dir` None: a pod's run dir, which its ranks chose."""
+def _run_agent(
+    spawn: Callable[[], dict[int, Any]],
+    cfg: DictConfig,
+    run: RunLayout,
+    kind: Optional[str],
+    run_dir: Optional[Path],
+    under_torchrun: bool = False,
+) -> None:
+    """`spawn()` (the elastic agent and this node's ranks) under the launcher's stop handling: a
+    failed rank's one line, a stop's last line (from the lowest global rank's result, or from the
+    run dir when the ranks were ended: module visiondist.launch.stop). `run_dir` None: a pod's run
+    dir, which its ranks chose."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     stop = LauncherStop(*_stop_wait(cfg, run, kind), kind=kind)
@@ -262,19 +360,24 @@ def _run_agent(spawn: Callable[[], dict[int, Any]], cfg: DictConfig, run: RunLay
         name = stop.received or signal.Signals(exc.sigval).name
         why = stop.why() if stop.ended else ""
         if run_dir is None:
-            raise JobStopped(name, f"stopped by {name}: the ranks were ended ({why or 'the agent was stopped'})") \
-                from None
-        raise JobStopped(name, stopped_line(name, run_dir, kind, why=why, under_torchrun=under_torchrun)) from None
+            raise JobStopped(
+                name, f"stopped by {name}: the ranks were ended ({why or 'the agent was stopped'})"
+            ) from None
+        raise JobStopped(
+            name, stopped_line(name, run_dir, kind, why=why, under_torchrun=under_torchrun)
+        ) from None
 
 
 def pod_ranks(cfg: DictConfig, pod: PodJob, cuda_devices: int) -> int:
-    """The ranks each pod starts: the contract's count, else trainer.devices, else the pod's GPUs, else (CPU pods)
-    dp x tp x pp over the nodes, else tp x pp."""
+    """The ranks each pod starts: the contract's count, else trainer.devices, else the pod's GPUs,
+    else (CPU pods) dp x tp x pp over the nodes, else tp x pp."""
     t, p = cfg.trainer, cfg.parallel
     if pod.nproc:
         if t.devices > 0 and t.devices != pod.nproc:
-            raise ConfigError(f"trainer.devices={t.devices} but the job starts {pod.nproc} ranks per pod "
-                              "(PET_NPROC_PER_NODE): drop trainer.devices")
+            raise ConfigError(
+                f"trainer.devices={t.devices} but the job starts {pod.nproc} ranks per pod "
+                "(PET_NPROC_PER_NODE): drop trainer.devices"
+            )
         return pod.nproc
     if t.devices > 0:
         return t.devices
@@ -283,21 +386,29 @@ def pod_ranks(cfg: DictConfig, pod: PodJob, cuda_devices: int) -> int:
     if p.dp > 0:
         ranks = p.dp * p.tp * p.pp
         if ranks % pod.max_nodes:
-            raise ConfigError(f"dp x tp x pp = {ranks} ranks do not split over {pod.max_nodes} pods: set "
-                              "trainer.devices to the ranks per pod")
+            raise ConfigError(
+                f"dp x tp x pp = {ranks} ranks do not split over {pod.max_nodes} pods: set "
+                "trainer.devices to the ranks per pod"
+            )
         return ranks // pod.max_nodes
     return p.tp * p.pp
 
 
 def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> Optional[RunLayout]:
-    """This pod is one node of a Kubernetes job (`visiondist.launch.pods`): start its ranks through torch's elastic
-    agent, as torchrun would, but with this project's stop handling (SIGTERM: every rank of every pod finishes its
-    step and checkpoints, within trainer.stop_timeout_s). The layout is checked here for the largest node count
-    (errors before any rank starts), and resolved by each rank for the world the rendezvous made."""
+    """This pod is one node of a Kubernetes job (`visiondist.launch.pods`): start its ranks through
+    torch's elastic agent, as torchrun would, but with this project's stop handling (SIGTERM: every
+    rank of every pod finishes its step and checkpoints, within trainer.stop_timeout_s). The layout
+    is checked here for the largest node count (errors before any rank starts), and resolved by each
+    rank for the world the rendezvous made."""
     kind = run_kind(entry)
     per_node = pod_ranks(cfg, pod, cuda_device_count())
-    ranks_cfg = OmegaConf.merge(cfg, {"trainer": {"max_restarts": 0}})  # restarts are the agent's, as torchrun's
-    world = {"WORLD_SIZE": str(per_node * pod.max_nodes), "LOCAL_WORLD_SIZE": str(per_node), "LOCAL_RANK": "0"}
+    # restarts are the agent's, as torchrun's
+    ranks_cfg = OmegaConf.merge(cfg, {"trainer": {"max_restarts": 0}})
+    world = {
+        "WORLD_SIZE": str(per_node * pod.max_nodes),
+        "LOCAL_WORLD_SIZE": str(per_node),
+        "LOCAL_RANK": "0",
+    }
     run, _ = resolve(ranks_cfg, world, cuda_device_count(), training=kind not in STATELESS)
     check_gpu_layout(cfg, run, kind)
     print(pod.line() + f" ({per_node} per pod)", flush=True)
@@ -305,10 +416,25 @@ def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> Optional[RunLayout
         print(run.fitted, flush=True)
     run_dir = Path(cfg.trainer.run_dir).expanduser() if cfg.trainer.run_dir else None
     restarts = cfg.trainer.max_restarts if pod.max_restarts is None else pod.max_restarts
-    ranks_dict = with_decode_choice(ranks_cfg, run, to_container(ranks_cfg), pod.node_rank in (0, None))
-    _run_agent(lambda: spawn_ranks(_pod_worker, per_node, entry, ranks_dict, max_restarts=restarts,
-                                   pod=pod, cuda=run.accelerator == "cuda"), cfg, run, kind, run_dir,
-               under_torchrun=True)
+    ranks_dict = with_decode_choice(
+        ranks_cfg, run, to_container(ranks_cfg), pod.node_rank in (0, None)
+    )
+    _run_agent(
+        lambda: spawn_ranks(
+            _pod_worker,
+            per_node,
+            entry,
+            ranks_dict,
+            max_restarts=restarts,
+            pod=pod,
+            cuda=run.accelerator == "cuda",
+        ),
+        cfg,
+        run,
+        kind,
+        run_dir,
+        under_torchrun=True,
+    )
     return run
 
 
@@ -322,8 +448,9 @@ def _stop_wait(cfg: DictConfig, run: RunLayout, kind: Optional[str]) -> tuple[fl
 
 
 def _report_stop(result: Any, kind: Optional[str], under_torchrun: bool = False) -> None:
-    """A job that stopped early says what it kept and how to continue, in one unwrapped line: raised for a signal
-    (exit 128 + signal), printed for `trainer.stop_at_step` (exit 0). Under torchrun only global rank 0 speaks."""
+    """A job that stopped early says what it kept and how to continue, in one unwrapped line: raised
+    for a signal (exit 128 + signal), printed for `trainer.stop_at_step` (exit 0). Under torchrun
+    only global rank 0 speaks."""
     if not isinstance(result, dict) or "stopped at step" not in result:
         return
     speaks = os.environ.get("RANK", "0") == "0"
@@ -333,5 +460,8 @@ def _report_stop(result: Any, kind: Optional[str], under_torchrun: bool = False)
     if speaks:
         from visiondist.observe.console import continue_command
 
-        print(f"stopped after step {result['stopped at step']} (trainer.stop_at_step); continue with: "
-              f"{continue_command(result['run dir'], under_torchrun)}", flush=True)
+        print(
+            f"stopped after step {result['stopped at step']} (trainer.stop_at_step); continue "
+            f"with: {continue_command(result['run dir'], under_torchrun)}",
+            flush=True,
+        )

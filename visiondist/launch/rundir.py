@@ -1,7 +1,8 @@
-"""The run directory: created once per job (by the launching process, or by global rank 0 under torchrun, which
-tells the others), with `config.yaml` as asked and `layout.json` as resolved; reused only to continue a run. Its
-default is `<trainer.output_dir>/<date>/<time>/` for training, `<trainer.output_dir>/<kind>/<date>_<time>/` for an
-entry with a `run_kind` (`eval`, `benchmark`)."""
+"""The run directory: created once per job (by the launching process, or by global rank 0 under
+torchrun, which tells the others), with `config.yaml` as asked and `layout.json` as resolved; reused
+only to continue a run. Its default is `<trainer.output_dir>/<date>/<time>/` for training,
+`<trainer.output_dir>/<kind>/<date>_<time>/` for an entry with a `run_kind` (`eval`,
+`benchmark`)."""
 
 from __future__ import annotations
 
@@ -18,18 +19,23 @@ from visiondist.config import ConfigError
 from visiondist.config.layout import RunLayout
 
 
-def new_run_dir(cfg: DictConfig, run: Optional[RunLayout] = None, kind: Optional[str] = None) -> Path:
-    """Create the run directory and write `config.yaml` (the run as asked, e.g. `parallel.auto: true`) and
-    `layout.json` (the `RunLayout` it resolved to) into it. An existing run's directory is only reused to continue it
-    (`trainer.resume=auto`): its config.yaml and layout.json stay as they are, and what this continuation changes
-    (the layout included) is appended to `attempts.jsonl` (`visiondist.runs`). `kind`: see `default_run_dir`."""
+def new_run_dir(
+    cfg: DictConfig, run: Optional[RunLayout] = None, kind: Optional[str] = None
+) -> Path:
+    """Create the run directory and write `config.yaml` (the run as asked, e.g. `parallel.auto:
+    true`) and `layout.json` (the `RunLayout` it resolved to) into it. An existing run's directory
+    is only reused to continue it (`trainer.resume=auto`): its config.yaml and layout.json stay as
+    they are, and what this continuation changes (the layout included) is appended to
+    `attempts.jsonl` (`visiondist.runs`). `kind`: see `default_run_dir`."""
     if cfg.trainer.run_dir:
         run_dir = Path(cfg.trainer.run_dir).expanduser()
         previous = run_dir / "config.yaml"
         if previous.exists():
             if cfg.trainer.resume != "auto":
-                raise ConfigError(f"trainer.run_dir={run_dir} already holds a run: choose another directory, or "
-                                  "continue it with trainer.resume=auto")
+                raise ConfigError(
+                    f"trainer.run_dir={run_dir} already holds a run: choose another directory, or "
+                    "continue it with trainer.resume=auto"
+                )
             from visiondist.runs import record_attempt
 
             record_attempt(run_dir, OmegaConf.load(previous), cfg, run)  # type: ignore[arg-type]
@@ -44,24 +50,27 @@ def new_run_dir(cfg: DictConfig, run: Optional[RunLayout] = None, kind: Optional
 
 
 def default_run_dir(cfg: DictConfig, kind: Optional[str] = None) -> Path:
-    """A new `<trainer.output_dir>/<date>/<time>/` for a training run, `<trainer.output_dir>/<kind>/<date>_<time>/`
-    for another kind of job (`eval`, `benchmark`), so that only training runs look like training runs."""
+    """A new `<trainer.output_dir>/<date>/<time>/` for a training run,
+    `<trainer.output_dir>/<kind>/<date>_<time>/` for another kind of job (`eval`, `benchmark`), so
+    that only training runs look like training runs."""
     parent = Path(cfg.trainer.output_dir).expanduser()
     return unique_dir(parent) if kind is None else unique_dir(parent / kind, "%Y-%m-%d_%H-%M-%S")
 
 
 def run_kind(entry: Callable) -> Optional[str]:
-    """What an entry's run dir holds (its `run_kind` attribute: "eval", "predict", "benchmark"); None: a training
-    run."""
+    """What an entry's run dir holds (its `run_kind` attribute: "eval", "predict", "benchmark");
+    None: a training run."""
     return getattr(entry, "run_kind", None)
 
 
-STATELESS = ("eval", "predict")  # kinds that hold no training state: stopped at once, their layout never fitted
+# kinds that hold no training state: stopped at once, their layout never fitted
+STATELESS = ("eval", "predict")
 
 
 def unique_dir(parent: Path, pattern: str = "%Y-%m-%d/%H-%M-%S") -> Path:
-    """A new directory `<parent>/<date>/<time>` (`pattern`, strftime), or `<time>-1`, `-2`, ... when that exists:
-    created atomically, so jobs started in the same second (a sweep, two users, two launches) never share one."""
+    """A new directory `<parent>/<date>/<time>` (`pattern`, strftime), or `<time>-1`, `-2`, ... when
+    that exists: created atomically, so jobs started in the same second (a sweep, two users, two
+    launches) never share one."""
     base = parent / dt.datetime.now().strftime(pattern)
     base.parent.mkdir(parents=True, exist_ok=True)
     path, n = base, 0
@@ -75,8 +84,9 @@ def unique_dir(parent: Path, pattern: str = "%Y-%m-%d/%H-%M-%S") -> Path:
 
 
 def _shared_run_dir(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None) -> Path:
-    """Under torchrun: global rank 0 creates the run dir and tells the others (or tells them why it could not). After
-    a torchrun restart (--max-restarts) the job continues in the run dir its first attempt created."""
+    """Under torchrun: global rank 0 creates the run dir and tells the others (or tells them why it
+    could not). After a torchrun restart (--max-restarts) the job continues in the run dir its first
+    attempt created."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
@@ -105,5 +115,8 @@ def _torchrun_run_dir(cfg: DictConfig, run: RunLayout, kind: Optional[str] = Non
 def _write_plan(run_dir: Path, plan: Any) -> None:
     (run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=1))
     devices = plan.hardware.devices
-    (run_dir / "plan.txt").write_text(plan.text(f"parallel=auto on {devices} device{'s' if devices > 1 else ''}") + "\n"
-                                      + f"chose {plan.choice.candidate.name}: {plan.reason}\n")
+    (run_dir / "plan.txt").write_text(
+        plan.text(f"parallel=auto on {devices} device{'s' if devices > 1 else ''}")
+        + "\n"
+        + f"chose {plan.choice.candidate.name}: {plan.reason}\n"
+    )

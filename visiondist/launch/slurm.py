@@ -1,4 +1,5 @@
-"""srun tasks as a torch.distributed job: SLURM's variables translated to the ones init_process_group reads."""
+"""srun tasks as a torch.distributed job: SLURM's variables translated to the ones
+init_process_group reads."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ from visiondist.config import ConfigError
 
 
 def slurm_env(env: dict) -> dict:
-    """Under `srun` with several tasks (one per device) and no launcher's RANK, the torch.distributed variables
-    derived from SLURM's: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the node), and MASTER_ADDR /
-    MASTER_PORT unless set (the step's first node; a port from the job id). Empty when not under such a step."""
+    """Under `srun` with several tasks (one per device) and no launcher's RANK, the
+    torch.distributed variables derived from SLURM's: RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, GROUP_RANK (the node), and MASTER_ADDR / MASTER_PORT unless set (the step's
+    first node; a port from the job id). Empty when not under such a step."""
     if "RANK" in env or int(env.get("SLURM_STEP_NUM_TASKS", "1")) <= 1:
         return {}
-    per_node = re.match(r"\d+", env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS_PER_NODE", "1")))
+    per_node = re.match(
+        r"\d+", env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_NTASKS_PER_NODE", "1"))
+    )
     derived = {
         "RANK": env["SLURM_PROCID"],
         "WORLD_SIZE": env["SLURM_STEP_NUM_TASKS"],
@@ -22,16 +26,22 @@ def slurm_env(env: dict) -> dict:
         "GROUP_RANK": env.get("SLURM_NODEID", "0"),
     }
     if "MASTER_ADDR" not in env:
-        derived["MASTER_ADDR"] = first_host(env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", "")))
+        derived["MASTER_ADDR"] = first_host(
+            env.get("SLURM_STEP_NODELIST", env.get("SLURM_JOB_NODELIST", ""))
+        )
     if "MASTER_PORT" not in env:
         derived["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
     return derived
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list (`gpu[03-04,07],cpu1` -> `gpu03`), as `scontrol show hostnames` lists it."""
+    """The first host of a SLURM node list (`gpu[03-04,07],cpu1` -> `gpu03`), as `scontrol show
+    hostnames` lists it."""
     head = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if head is None:
-        raise ConfigError(f"cannot read a host from SLURM's node list {nodelist!r}: export MASTER_ADDR before srun")
+        raise ConfigError(
+            f"cannot read a host from SLURM's node list {nodelist!r}: export MASTER_ADDR before "
+            "srun"
+        )
     prefix, ranges = head.groups()
     return prefix + (re.split(r"[-,]", ranges)[0] if ranges else "")

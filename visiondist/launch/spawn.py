@@ -1,6 +1,7 @@
-"""The elastic agent that starts a node's ranks (`spawn_ranks`): on this machine alone (`spawn_local`, a c10d
-rendezvous on a free localhost port), or as one node of a pod's job (`visiondist.launch.pods`); its own log lines kept
-quiet (`_quiet_agent`), since the launcher says what happened in one line."""
+"""The elastic agent that starts a node's ranks (`spawn_ranks`): on this machine alone
+(`spawn_local`, a c10d rendezvous on a free localhost port), or as one node of a pod's job
+(`visiondist.launch.pods`); its own log lines kept quiet (`_quiet_agent`), since the launcher says
+what happened in one line."""
 
 from __future__ import annotations
 
@@ -18,13 +19,20 @@ from visiondist.utils.procenv import omp_threads, ranks_share_cpus, threads_per_
 
 @contextmanager
 def _quiet_agent():
-    """The elastic agent's own warnings and its failure table repeat what `RunFailed` or `JobStopped` says in one
-    line."""
+    """The elastic agent's own warnings and its failure table repeat what `RunFailed` or
+    `JobStopped` says in one line."""
     import torch.distributed.launcher.api  # noqa: F401 (its modules' loggers exist from here on)
 
-    names = [name for name in logging.root.manager.loggerDict  # torch sets the level of each of its modules' loggers
-             if name.startswith(("torch.distributed.elastic", "torch.multiprocessing.spawn"))]
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn", *names)]
+    # torch sets the level of each of its modules' loggers
+    names = [
+        name
+        for name in logging.root.manager.loggerDict
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing.spawn"))
+    ]
+    loggers = [
+        logging.getLogger(name)
+        for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn", *names)
+    ]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)
@@ -38,40 +46,45 @@ def _quiet_agent():
 _TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
 
 
-def spawn_local(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0, cuda: bool = True) -> dict[int, Any]:
-    """Run `fn(*args)` in `nprocs` fresh processes on this machine through torch's elastic launcher (c10d rendezvous
-    on a free localhost port); each sees RANK / WORLD_SIZE / MASTER_* in its environment. After a rank fails, every
-    rank is restarted up to `max_restarts` times. Returns every rank's return value; a failing rank raises here with
-    its traceback. `cuda=False`: the ranks will not use a GPU (`start_method`)."""
+def spawn_local(
+    fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0, cuda: bool = True
+) -> dict[int, Any]:
+    """Run `fn(*args)` in `nprocs` fresh processes on this machine through torch's elastic launcher
+    (c10d rendezvous on a free localhost port); each sees RANK / WORLD_SIZE / MASTER_* in its
+    environment. After a rank fails, every rank is restarted up to `max_restarts` times. Returns
+    every rank's return value; a failing rank raises here with its traceback. `cuda=False`: the
+    ranks will not use a GPU (`start_method`)."""
     return spawn_ranks(fn, nprocs, *args, max_restarts=max_restarts, cuda=cuda)
 
 
 def start_method(cuda: bool, threads: Optional[int]) -> str:
-    """How the agent starts the ranks, each running `threads` intra-op threads (None: not one count, e.g. a nested
-    OMP_NUM_THREADS list).
+    """How the agent starts the ranks, each running `threads` intra-op threads (None: not one count,
+    e.g. a nested OMP_NUM_THREADS list).
 
     - On a GPU: spawned. A process that touched CUDA cannot hand it to a forked child.
-    - On the CPU with one thread a rank: forked from this process (unless it ran autograd off the CPU, which a forked
-      child cannot survive: `autograd_survives_fork`; then as below), once it has imported what the ranks import
-      (`_preload`: torchvision, the ranks' modules). No rank imports anything again, and no second interpreter
-      starts: a 2-rank tiny run took 7.0-8.3 s of CPU this way, 11.0-12.4 s from a fork server (2 cores). A
-      single-threaded rank never starts an OpenMP team, so it does not matter what OpenMP did in this process
-      before the fork, nor how OpenMP's threads wait.
-    - On the CPU with several threads a rank: forked from a fork server (multiprocessing's `forkserver`, preloaded
-      the same way) that started afresh. libgomp's thread pool does not survive a fork: a child of a process that ran
-      a parallel region hangs in its own first one. A fresh server also loads OpenMP with the ranks' environment
-      (`OMP_WAIT_POLICY`, read once when torch loads)."""
+    - On the CPU with one thread a rank: forked from this process (unless it ran autograd off the
+      CPU, which a forked child cannot survive: `autograd_survives_fork`; then as below), once it
+      has imported what the ranks import (`_preload`: torchvision, the ranks' modules). No rank
+      imports anything again, and no second interpreter starts: a 2-rank tiny run took 7.0-8.3 s of
+      CPU this way, 11.0-12.4 s from a fork server (2 cores). A single-threaded rank never starts an
+      OpenMP team, so it does not matter what OpenMP did in this process before the fork, nor how
+      OpenMP's threads wait.
+    - On the CPU with several threads a rank: forked from a fork server (multiprocessing's
+      `forkserver`, preloaded the same way) that started afresh. libgomp's thread pool does not
+      survive a fork: a child of a process that ran a parallel region hangs in its own first one. A
+      fresh server also loads OpenMP with the ranks' environment (`OMP_WAIT_POLICY`, read once when
+      torch loads)."""
     if cuda:
         return "spawn"
     return "fork" if threads == 1 else "forkserver"
 
 
 def autograd_survives_fork() -> bool:
-    """Whether a child forked from this process can run a backward. Not once this process has run one off the CPU
-    (on fake tensors too, as `tools/plan.py verify=` measures a layout's step): that starts autograd's device
-    threads, and every forked child then refuses a backward ("Unable to handle autograd's threading in combination
-    with fork-based multiprocessing"). Asked of a child forked for the purpose, which runs one tiny backward: a few
-    milliseconds a launch."""
+    """Whether a child forked from this process can run a backward. Not once this process has run
+    one off the CPU (on fake tensors too, as `tools/plan.py verify=` measures a layout's step): that
+    starts autograd's device threads, and every forked child then refuses a backward ("Unable to
+    handle autograd's threading in combination with fork-based multiprocessing"). Asked of a child
+    forked for the purpose, which runs one tiny backward: a few milliseconds a launch."""
     pid = os.fork()
     if pid == 0:  # the child: nothing of the parent's (atexit, buffers) runs on its way out
         code = 1
@@ -88,19 +101,24 @@ def autograd_survives_fork() -> bool:
 
 
 def _rank_modules(fn: Callable, args: tuple) -> list[str]:
-    """What the ranks import once started: torch, torchvision, the modules of `fn` and of the functions among `args`
-    (the entry a rank runs), and what those modules list in `RANK_IMPORTS` (e.g. the loaders' augmentation
-    library)."""
+    """What the ranks import once started: torch, torchvision, the modules of `fn` and of the
+    functions among `args` (the entry a rank runs), and what those modules list in `RANK_IMPORTS`
+    (e.g. the loaders' augmentation library)."""
     import importlib
 
-    modules = sorted({m for f in (fn, *args) if callable(f) and (m := getattr(f, "__module__", None))} - {"__main__"})
-    extra = [name for m in modules for name in getattr(importlib.import_module(m), "RANK_IMPORTS", ())]
+    modules = sorted(
+        {m for f in (fn, *args) if callable(f) and (m := getattr(f, "__module__", None))}
+        - {"__main__"}
+    )
+    extra = [
+        name for m in modules for name in getattr(importlib.import_module(m), "RANK_IMPORTS", ())
+    ]
     return ["torch", "torchvision", *modules, *extra]
 
 
 def _preload(method: str, fn: Callable, args: tuple) -> None:
-    """Import what the ranks import before they start: here, for ranks forked from this process; in the fork
-    server (with this process's `__main__`), for ranks forked from it."""
+    """Import what the ranks import before they start: here, for ranks forked from this process; in
+    the fork server (with this process's `__main__`), for ranks forked from it."""
     import importlib
     import multiprocessing
 
@@ -114,11 +132,12 @@ def _preload(method: str, fn: Callable, args: tuple) -> None:
 
 def _as_spawned(fn: Callable, *args: Any) -> Any:
     """A forked rank (from this process or from the fork server) starts as a spawned rank does:
-    - its own processes (loader workers) are forked from the rank, so that they inherit its imports (a spawned worker
-      imports torch again, about 3 s) and end with it (torch's loader workers watch their parent process). Left to
-      multiprocessing, a child of the fork server would start them through a fork server of its own, whose children
-      outlive a killed rank;
-    - with Python's own handlers of the stop signals, not this process's (the launcher's stop, the agent's)."""
+    - its own processes (loader workers) are forked from the rank, so that they inherit its imports
+      (a spawned worker imports torch again, about 3 s) and end with it (torch's loader workers
+      watch their parent process). Left to multiprocessing, a child of the fork server would start
+      them through a fork server of its own, whose children outlive a killed rank;
+    - with Python's own handlers of the stop signals, not this process's (the launcher's stop, the
+      agent's)."""
     import multiprocessing
     import signal
 
@@ -129,45 +148,66 @@ def _as_spawned(fn: Callable, *args: Any) -> Any:
     return fn(*args)
 
 
-def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
-                pod: Optional[PodJob] = None, cuda: bool = True) -> dict[int, Any]:
-    """`spawn_local`, or with `pod` this node's ranks of a job of several nodes (its rendezvous); the return values
-    are keyed by global rank."""
+def spawn_ranks(
+    fn: Callable,
+    nprocs: int,
+    *args: Any,
+    max_restarts: int = 0,
+    pod: Optional[PodJob] = None,
+    cuda: bool = True,
+) -> dict[int, Any]:
+    """`spawn_local`, or with `pod` this node's ranks of a job of several nodes (its rendezvous);
+    the return values are keyed by global rank."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # the ranks' threads share this process's CPUs (affinity and container quota), and wait passively where there are
-    # several; the rest of `visiondist.utils.procenv`'s environment was set when visiondist was imported
+    # the ranks' threads share this process's CPUs (affinity and container quota), and wait
+    # passively where there are several; the rest of `visiondist.utils.procenv`'s environment was
+    # set when visiondist was imported
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nprocs)))
     ranks_share_cpus(nprocs)
-    # Each restart gets a fresh store for the ranks' process group: with the rendezvous store shared, a restarted
-    # rank can read a peer address left by the previous attempt (pytorch/pytorch#135712).
+    # Each restart gets a fresh store for the ranks' process group: with the rendezvous store
+    # shared, a restarted rank can read a peer address left by the previous attempt
+    # (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from visiondist.compat import agent_signals, quick_rendezvous_names
 
     quick_rendezvous_names()  # over a second of every launch (visiondist.compat)
 
-    # Ranks ended at once (a stop that outlasted trainer.stop_timeout_s) leave their loader queues' semaphores to
-    # multiprocessing's resource tracker, which frees them and would print a "leaked semaphore" warning after the
-    # job's last line; the tracker takes this process's -W options when it starts.
+    # Ranks ended at once (a stop that outlasted trainer.stop_timeout_s) leave their loader queues'
+    # semaphores to multiprocessing's resource tracker, which frees them and would print a "leaked
+    # semaphore" warning after the job's last line; the tracker takes this process's -W options when
+    # it starts.
     if _TRACKER_QUIET not in sys.warnoptions:
         sys.warnoptions.append(_TRACKER_QUIET)
     if pod is None:
-        rdzv = dict(min_nodes=1, max_nodes=1, run_id=f"visiondist-{uuid.uuid4().hex[:8]}", rdzv_backend="c10d",
-                    rdzv_endpoint="localhost:0")
+        rdzv = dict(
+            min_nodes=1,
+            max_nodes=1,
+            run_id=f"visiondist-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="c10d",
+            rdzv_endpoint="localhost:0",
+        )
     else:
-        rdzv = dict(min_nodes=pod.min_nodes, max_nodes=pod.max_nodes, run_id=pod.run_id,
-                    rdzv_backend=pod.rdzv_backend, rdzv_endpoint=pod.rdzv_endpoint,
-                    rdzv_configs={"rank": pod.node_rank} if pod.node_rank is not None else {})
+        rdzv = dict(
+            min_nodes=pod.min_nodes,
+            max_nodes=pod.max_nodes,
+            run_id=pod.run_id,
+            rdzv_backend=pod.rdzv_backend,
+            rdzv_endpoint=pod.rdzv_endpoint,
+            rdzv_configs={"rank": pod.node_rank} if pod.node_rank is not None else {},
+        )
     method = start_method(cuda, omp_threads())
     if method == "fork" and not autograd_survives_fork():
-        method = "forkserver"  # this process ran autograd off the CPU: its forked children could not train
+        # this process ran autograd off the CPU: its forked children could not train
+        method = "forkserver"
     config = LaunchConfig(
         nproc_per_node=nprocs,
         **rdzv,
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method=method,
-        **agent_signals({f.name for f in dataclasses.fields(LaunchConfig)}),  # SIGTERM / SIGINT: launch.stop's
+        # SIGTERM / SIGINT: launch.stop's
+        **agent_signals({f.name for f in dataclasses.fields(LaunchConfig)}),
     )
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -181,19 +221,31 @@ def spawn_ranks(fn: Callable, nprocs: int, *args: Any, max_restarts: int = 0,
 
 
 def _every_report(exc: Any) -> Any:
-    """The elastic agent reports the first rank it saw end, which is often a peer that lost its connection to the
-    rank that failed (gloo's peers fail on its closed socket at once); the failing rank's own report was written
-    beside it, in its error file of this attempt. The returned error names every rank that left one."""
+    """The elastic agent reports the first rank it saw end, which is often a peer that lost its
+    connection to the rank that failed (gloo's peers fail on its closed socket at once); the failing
+    rank's own report was written beside it, in its error file of this attempt. The returned error
+    names every rank that left one."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     failures = dict(exc.failures)
     for rank, seen in exc.failures.items():
         if not seen.error_file or seen.error_file == os.devnull:
             continue
-        attempt = os.path.dirname(os.path.dirname(seen.error_file))  # <run>/attempt_<n>/<local rank>/error.json
-        for local in sorted(int(e) for e in os.listdir(attempt) if e.isdigit()) if os.path.isdir(attempt) else []:
-            other, error_file = rank - seen.local_rank + local, os.path.join(attempt, str(local), "error.json")
+        # <run>/attempt_<n>/<local rank>/error.json
+        attempt = os.path.dirname(os.path.dirname(seen.error_file))
+        for local in (
+            sorted(int(e) for e in os.listdir(attempt) if e.isdigit())
+            if os.path.isdir(attempt)
+            else []
+        ):
+            other, error_file = (
+                rank - seen.local_rank + local,
+                os.path.join(attempt, str(local), "error.json"),
+            )
             if other not in failures and os.path.isfile(error_file):
-                # it raised (its report is there); the agent then ended it, or it exited with code 1 first
-                failures[other] = ProcessFailure(local_rank=local, pid=-1, exitcode=1, error_file=error_file)
+                # it raised (its report is there); the agent then ended it, or it exited with code 1
+                # first
+                failures[other] = ProcessFailure(
+                    local_rank=local, pid=-1, exitcode=1, error_file=error_file
+                )
     return exc if len(failures) == len(exc.failures) else ChildFailedError(exc.name, failures)

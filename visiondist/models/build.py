@@ -1,6 +1,7 @@
-"""The model registry's builders: `build_model(cfg.model)` (a plain `nn.Module` of a family: ViT, torchvision
-detector, ViTDet), `build_deferred` (a ViT on the meta device and the source of its initial values), and what each
-family is trained for and evaluated by (`TASKS`, `EVAL_METRICS`, `eval_metrics`, defined in `registry.py`).
+"""The model registry's builders: `build_model(cfg.model)` (a plain `nn.Module` of a family: ViT,
+torchvision detector, ViTDet), `build_deferred` (a ViT on the meta device and the source of its
+initial values), and what each family is trained for and evaluated by (`TASKS`, `EVAL_METRICS`,
+`eval_metrics`, defined in `registry.py`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from visiondist.models.vit import VisionTransformer, init_source
 
 
 def _build_vit(cfg: Any) -> nn.Module:
-    """Under `torch.device("meta")` the bare meta model (its values come from `init_source`); otherwise the model
-    with its initial values: `model.weights`, `model.init_from` or the init rules."""
+    """Under `torch.device("meta")` the bare meta model (its values come from `init_source`);
+    otherwise the model with its initial values: `model.weights`, `model.init_from` or the init
+    rules."""
     device = torch.get_default_device()
     with torch.device("meta"):
         model = VisionTransformer(
@@ -54,25 +56,39 @@ def _build_detr(cfg: Any) -> nn.Module:
     return build_detr(cfg)
 
 
-FAMILIES: dict[str, Callable[[Any], nn.Module]] = {"vit": _build_vit, "torchvision": _build_torchvision,
-                                                    "vitdet": _build_vitdet, "detr": _build_detr}
+FAMILIES: dict[str, Callable[[Any], nn.Module]] = {
+    "vit": _build_vit,
+    "torchvision": _build_torchvision,
+    "vitdet": _build_vitdet,
+    "detr": _build_detr,
+}
+
+
 def build_model(cfg: Any) -> nn.Module:
-    """Build the model a `ModelConfig` describes (random init or local weights, nothing downloaded)."""
+    """Build the model a `ModelConfig` describes (random init or local weights, nothing
+    downloaded)."""
     if cfg.family not in FAMILIES:
-        raise ValueError(f"unknown model.family={cfg.family!r}: known families are {', '.join(FAMILIES)}")
+        raise ValueError(
+            f"unknown model.family={cfg.family!r}: known families are {', '.join(FAMILIES)}"
+        )
     return FAMILIES[cfg.family](cfg)
 
 
-DEFERRED_INIT = {"vit": init_source}  # families built on the meta device and initialised per rank after the layout
+# families built on the meta device and initialised per rank after the layout
+DEFERRED_INIT = {"vit": init_source}
 
 
 def build_deferred(cfg: Any, weights: bool = True) -> tuple[nn.Module, Optional[InitSource]]:
-    """A ViT: the model on the meta device and the source of its initial values (`weights=False`: None, the tensors
-    are left for a checkpoint to fill); `visiondist.models.init.materialize` allocates what a rank keeps. Other
-    families: the model built on the CPU and None. Tell the two apart with `visiondist.models.init.is_meta`."""
+    """A ViT: the model on the meta device and the source of its initial values (`weights=False`:
+    None, the tensors are left for a checkpoint to fill); `visiondist.models.init.materialize`
+    allocates what a rank keeps. Other families: the model built on the CPU and None. Tell the two
+    apart with `visiondist.models.init.is_meta`."""
     structure = cfg
-    if not weights:  # no weights file is read (a checkpoint fills the tensors); pretrained ones still shape the model
-        cfg = OmegaConf.merge(cfg, {"weights": None, "init_from": None, "backbone_weights": None})  # a copy
+    # no weights file is read (a checkpoint fills the tensors); pretrained ones still shape the
+    # model
+    if not weights:
+        # a copy
+        cfg = OmegaConf.merge(cfg, {"weights": None, "init_from": None, "backbone_weights": None})
     if cfg.family not in DEFERRED_INIT:
         model = build_model(cfg)
         if not weights and cfg.family == "torchvision":

@@ -1,14 +1,18 @@
-"""Detectors: torchvision's, built with random weights (never downloaded), and a ViT-backbone Faster R-CNN (ViTDet's
-simple feature pyramid over this project's ViT blocks, so the tensor-parallel plan of the ViT applies to it).
+"""Detectors: torchvision's, built with random weights (never downloaded), and a ViT-backbone Faster
+R-CNN (ViTDet's simple feature pyramid over this project's ViT blocks, so the tensor-parallel plan
+of the ViT applies to it).
 
-Every detector is a torchvision detection model: `model(images, targets)` returns a dict of losses in training and
-`model(images)` a list of {boxes, labels, scores} in eval, boxes in the input images' pixel coordinates. A model
-with a mask head (torchvision's Mask R-CNN, `maskrcnn_mobilenet_v3_large_fpn`, ViTDet with `model.masks=true`:
-`has_masks`) also takes each target's "masks" and returns each image's "masks" (n, 1, H, W), probabilities at the
-input's size. It resizes (`min_size` / `max_size`) and normalises internally. Labels are 1..num_classes; 0 is the background.
+Every detector is a torchvision detection model: `model(images, targets)` returns a dict of losses
+in training and `model(images)` a list of {boxes, labels, scores} in eval, boxes in the input
+images' pixel coordinates. A model with a mask head (torchvision's Mask R-CNN,
+`maskrcnn_mobilenet_v3_large_fpn`, ViTDet with `model.masks=true`: `has_masks`) also takes each
+target's "masks" and returns each image's "masks" (n, 1, H, W), probabilities at the input's size.
+It resizes (`min_size` / `max_size`) and normalises internally. Labels are 1..num_classes; 0 is the
+background.
 
-Under bf16 autocast the boxes stay fp32 (`keep_boxes_fp32`): bf16 holds 8 significant bits, so an anchor or box
-corner near 1000 px is off by up to 4 px and one past 1024 by up to 8; the backbone and heads still run in bf16.
+Under bf16 autocast the boxes stay fp32 (`keep_boxes_fp32`): bf16 holds 8 significant bits, so an
+anchor or box corner near 1000 px is off by up to 4 px and one past 1024 by up to 8; the backbone
+and heads still run in bf16.
 """
 
 from __future__ import annotations
@@ -48,41 +52,55 @@ TORCHVISION_DETECTORS = {
 
 
 def has_masks(cfg: Any) -> bool:
-    """Whether the model predicts instance masks: torchvision's `maskrcnn_*` architectures, or ViTDet with
-    `model.masks=true`."""
+    """Whether the model predicts instance masks: torchvision's `maskrcnn_*` architectures, or
+    ViTDet with `model.masks=true`."""
     return bool(cfg.get("masks")) or str(cfg.get("arch") or "").startswith("maskrcnn")
 
 
 def has_mask_head(model: nn.Module) -> bool:
-    """A built detector predicts masks: a torchvision R-CNN (ViTDet included) whose RoI heads have a mask head."""
+    """A built detector predicts masks: a torchvision R-CNN (ViTDet included) whose RoI heads have a
+    mask head."""
     heads = getattr(model, "roi_heads", None)
     return heads is not None and heads.has_mask()
 
 
-def maskrcnn_mobilenet_v3_large_fpn(*, weights=None, weights_backbone=None, num_classes: int = 91,
-                                    **kwargs) -> nn.Module:
-    """Mask R-CNN (torchvision's `MaskRCNN`) on the MobileNetV3-Large FPN backbone, anchors and RPN threshold that
-    `fasterrcnn_mobilenet_v3_large_fpn` builds; torchvision has no builder of this name. Random weights only."""
+def maskrcnn_mobilenet_v3_large_fpn(
+    *, weights=None, weights_backbone=None, num_classes: int = 91, **kwargs
+) -> nn.Module:
+    """Mask R-CNN (torchvision's `MaskRCNN`) on the MobileNetV3-Large FPN backbone, anchors and RPN
+    threshold that `fasterrcnn_mobilenet_v3_large_fpn` builds; torchvision has no builder of this
+    name. Random weights only."""
     from torchvision.models import mobilenet_v3_large
     from torchvision.models.detection.backbone_utils import _mobilenet_extractor
 
     if weights is not None or weights_backbone is not None:
-        raise ValueError("maskrcnn_mobilenet_v3_large_fpn has no pretrained weights: start from model.weights=<local "
-                         "state dict of this model>")
-    # plain BatchNorm2d (not MobileNetV3's eps 1e-3 / momentum 0.01), every stage training: as torchvision builds
-    # the backbone of its detectors from random weights
-    backbone = _mobilenet_extractor(mobilenet_v3_large(weights=None, norm_layer=nn.BatchNorm2d), True, 6)
+        raise ValueError(
+            "maskrcnn_mobilenet_v3_large_fpn has no pretrained weights: start from "
+            "model.weights=<local state dict of this model>"
+        )
+    # plain BatchNorm2d (not MobileNetV3's eps 1e-3 / momentum 0.01), every stage training: as
+    # torchvision builds the backbone of its detectors from random weights
+    backbone = _mobilenet_extractor(
+        mobilenet_v3_large(weights=None, norm_layer=nn.BatchNorm2d), True, 6
+    )
     anchor_sizes = ((32, 64, 128, 256, 512),) * 3
     anchors = AnchorGenerator(anchor_sizes, ((0.5, 1.0, 2.0),) * len(anchor_sizes))
-    return tvd.MaskRCNN(backbone, num_classes, rpn_anchor_generator=anchors, **{"rpn_score_thresh": 0.05, **kwargs})
+    return tvd.MaskRCNN(
+        backbone, num_classes, rpn_anchor_generator=anchors, **{"rpn_score_thresh": 0.05, **kwargs}
+    )
 
 
-BUILDERS = {**TORCHVISION_DETECTORS, "maskrcnn_mobilenet_v3_large_fpn": maskrcnn_mobilenet_v3_large_fpn}
+BUILDERS = {
+    **TORCHVISION_DETECTORS,
+    "maskrcnn_mobilenet_v3_large_fpn": maskrcnn_mobilenet_v3_large_fpn,
+}
 
 
 def build_torchvision_detector(cfg: Any) -> nn.Module:
     if cfg.arch not in BUILDERS:
-        raise ValueError(f"model.arch={cfg.arch!r} is not a known torchvision detector: {', '.join(BUILDERS)}")
+        raise ValueError(
+            f"model.arch={cfg.arch!r} is not a known torchvision detector: {', '.join(BUILDERS)}"
+        )
     kwargs = dict(cfg.kwargs or {})
     model = BUILDERS[cfg.arch](
         weights=None,
@@ -97,7 +115,8 @@ def build_torchvision_detector(cfg: Any) -> nn.Module:
     from visiondist.utils.pretrained import is_enum_name, local_file
 
     if getattr(cfg, "backbone_weights", None):
-        path = str(local_file(cfg.backbone_weights, "model.backbone_weights"))  # a torchvision name: torch hub's cache
+        # a torchvision name: torch hub's cache
+        path = str(local_file(cfg.backbone_weights, "model.backbone_weights"))
         load_backbone(model, path, cfg.trainable_backbone_layers, frozen_bn=_frozen_bn(cfg))
     if cfg.weights and is_enum_name(cfg.weights):
         load_pretrained_detector(model, cfg)
@@ -106,50 +125,69 @@ def build_torchvision_detector(cfg: Any) -> nn.Module:
     return model
 
 
-# the class-dependent tensors of torchvision's detectors: a start from weights of another class count (COCO's 91)
-# leaves them at their initialisation
-_CLASS_HEADS = ("roi_heads.box_predictor.cls_score.", "roi_heads.box_predictor.bbox_pred.",
-                "roi_heads.mask_predictor.mask_fcn_logits.", "head.classification_head.cls_logits.")
+# the class-dependent tensors of torchvision's detectors: a start from weights of another class
+# count (COCO's 91) leaves them at their initialisation
+_CLASS_HEADS = (
+    "roi_heads.box_predictor.cls_score.",
+    "roi_heads.box_predictor.bbox_pred.",
+    "roi_heads.mask_predictor.mask_fcn_logits.",
+    "head.classification_head.cls_logits.",
+)
 
 
 def load_pretrained_detector(model: nn.Module, cfg: Any) -> None:
-    """`model.weights=<torchvision weights name>`, e.g. FasterRCNN_ResNet50_FPN_Weights.COCO_V1: the whole detector
-    as torchvision builds it with `weights=`: the backbone's BatchNorms frozen (FrozenBatchNorm2d; not in the v2
-    models), all but the last `trainable_backbone_layers` backbone stages frozen, and the classifier (and box
-    regressor) of another class count left at their initialisation."""
-    from visiondist.utils.pretrained import local_file
+    """`model.weights=<torchvision weights name>`, e.g. FasterRCNN_ResNet50_FPN_Weights.COCO_V1: the
+    whole detector as torchvision builds it with `weights=`: the backbone's BatchNorms frozen
+    (FrozenBatchNorm2d; not in the v2 models), all but the last `trainable_backbone_layers` backbone
+    stages frozen, and the classifier (and box regressor) of another class count left at their
+    initialisation."""
     from visiondist.models.weights import read_state
+    from visiondist.utils.pretrained import local_file
 
     state = read_state(str(local_file(cfg.weights, "model.weights")), "model.weights")
     body = model.backbone.body
     if _frozen_bn(cfg):
         freeze_batchnorms(body)
-        state = {k: v for k, v in state.items() if not (k.startswith("backbone.body.") and
-                                                        k.endswith("num_batches_tracked"))}
+        state = {
+            k: v
+            for k, v in state.items()
+            if not (k.startswith("backbone.body.") and k.endswith("num_batches_tracked"))
+        }
     own = model.state_dict()
-    fresh = [k for k in state if k in own and state[k].shape != own[k].shape and k.startswith(_CLASS_HEADS)]
+    fresh = [
+        k
+        for k in state
+        if k in own and state[k].shape != own[k].shape and k.startswith(_CLASS_HEADS)
+    ]
     for key in fresh:
         del state[key]
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in fresh]
     if missing or unexpected:
-        raise ValueError(f"model.weights={cfg.weights} does not fit model.arch={cfg.arch}: missing "
-                         f"{', '.join(missing[:5]) or 'nothing'}; unexpected {', '.join(unexpected[:5]) or 'nothing'}")
+        raise ValueError(
+            f"model.weights={cfg.weights} does not fit model.arch={cfg.arch}: missing "
+            f"{', '.join(missing[:5]) or 'nothing'}; unexpected "
+            f"{', '.join(unexpected[:5]) or 'nothing'}"
+        )
     freeze_backbone_stages(body, cfg.trainable_backbone_layers)
     if fresh:
-        log.info("model.weights=%s: %s re-initialised (the weights have another number of classes)", cfg.weights,
-                 ", ".join(sorted({k.rsplit(".", 1)[0] for k in fresh})))
+        log.info(
+            "model.weights=%s: %s re-initialised (the weights have another number of classes)",
+            cfg.weights,
+            ", ".join(sorted({k.rsplit(".", 1)[0] for k in fresh})),
+        )
 
 
 def _frozen_bn(cfg: Any) -> bool:
-    """torchvision builds its pretrained detectors with FrozenBatchNorm2d in the backbone, except the v2 models."""
+    """torchvision builds its pretrained detectors with FrozenBatchNorm2d in the backbone, except
+    the v2 models."""
     return not str(cfg.arch).endswith("_v2")
 
 
 def pretrained_structure(model: nn.Module, cfg: Any) -> None:
-    """What starting from pretrained weights (`model.weights` by name, `model.backbone_weights`) changes in a detector
-    besides its tensors, applied without reading them (a resumed run, eval, export): frozen BatchNorms and frozen
-    early stages."""
+    """What starting from pretrained weights (`model.weights` by name, `model.backbone_weights`)
+    changes in a detector besides its tensors, applied without reading them (a resumed run, eval,
+    export): frozen BatchNorms and frozen early stages."""
     from visiondist.utils.pretrained import is_enum_name
 
     if not (cfg.get("backbone_weights") or is_enum_name(cfg.get("weights"))):
@@ -161,8 +199,9 @@ def pretrained_structure(model: nn.Module, cfg: Any) -> None:
 
 
 def freeze_backbone_stages(body: nn.Module, trainable_layers: int) -> None:
-    """As torchvision does for pretrained backbones: only the last `trainable_layers` stages train (ResNet: conv1,
-    layer1..layer4, plus bn1 at 5; MobileNetV3: the stages between its strided blocks)."""
+    """As torchvision does for pretrained backbones: only the last `trainable_layers` stages train
+    (ResNet: conv1, layer1..layer4, plus bn1 at 5; MobileNetV3: the stages between its strided
+    blocks)."""
     if hasattr(body, "layer4"):
         trainable = ["layer4", "layer3", "layer2", "layer1", "conv1"][:trainable_layers]
         if trainable_layers == 5:
@@ -171,7 +210,9 @@ def freeze_backbone_stages(body: nn.Module, trainable_layers: int) -> None:
             param.requires_grad_(any(name.startswith(layer) for layer in trainable))
         return
     blocks = list(body.children())
-    stages = [0] + [i for i, b in enumerate(blocks) if getattr(b, "_is_cn", False)] + [len(blocks) - 1]
+    stages = (
+        [0] + [i for i, b in enumerate(blocks) if getattr(b, "_is_cn", False)] + [len(blocks) - 1]
+    )
     trainable_layers = min(trainable_layers, len(stages))
     freeze_before = len(blocks) if trainable_layers == 0 else stages[len(stages) - trainable_layers]
     for block in blocks[:freeze_before]:
@@ -180,27 +221,36 @@ def freeze_backbone_stages(body: nn.Module, trainable_layers: int) -> None:
 
 
 def load_backbone(model: nn.Module, path: str, trainable_layers: int, frozen_bn: bool) -> None:
-    """What torchvision's `weights_backbone` does, from a local resnet50 state dict: load it into the backbone (its
-    classifier `fc.*` is not part of a detector), turn the BatchNorms into FrozenBatchNorm2d (the v1 detectors) and
-    freeze all but the last `trainable_layers` of conv1, layer1..layer4."""
+    """What torchvision's `weights_backbone` does, from a local resnet50 state dict: load it into
+    the backbone (its classifier `fc.*` is not part of a detector), turn the BatchNorms into
+    FrozenBatchNorm2d (the v1 detectors) and freeze all but the last `trainable_layers` of conv1,
+    layer1..layer4."""
     from visiondist.models.weights import read_state
 
     body = model.backbone.body
-    state = {k: v for k, v in read_state(path, "model.backbone_weights").items() if not k.startswith("fc.")}
+    state = {
+        k: v
+        for k, v in read_state(path, "model.backbone_weights").items()
+        if not k.startswith("fc.")
+    }
     if frozen_bn:
         freeze_batchnorms(body)
         state = {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
     missing, unexpected = body.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"model.backbone_weights={path} is not a resnet50 state dict: missing "
-                         f"{', '.join(missing[:5]) or 'nothing'}; unexpected {', '.join(unexpected[:5]) or 'nothing'}")
+        raise ValueError(
+            f"model.backbone_weights={path} is not a resnet50 state dict: missing "
+            f"{', '.join(missing[:5]) or 'nothing'}; unexpected "
+            f"{', '.join(unexpected[:5]) or 'nothing'}"
+        )
     freeze_backbone_stages(body, trainable_layers)
 
 
 def adapt_detector(model: nn.Module, cfg: Any) -> None:
-    """Settings that change no parameter shape, so weights stay interchangeable with torchvision's model:
-    `anchor_scale` multiplies every anchor size (small objects: 0.5 turns 32..512 into 16..256) and
-    `roi_sampling_ratio` sets RoIAlign's samples per bin side (box and mask RoIAlign)."""
+    """Settings that change no parameter shape, so weights stay interchangeable with torchvision's
+    model: `anchor_scale` multiplies every anchor size (small objects: 0.5 turns 32..512 into
+    16..256) and `roi_sampling_ratio` sets RoIAlign's samples per bin side (box and mask
+    RoIAlign)."""
     scale = float(getattr(cfg, "anchor_scale", 1.0))  # ranges are checked by config.validate
     owner = model.rpn if hasattr(model, "rpn") else model
     generator = owner.anchor_generator
@@ -211,10 +261,13 @@ def adapt_detector(model: nn.Module, cfg: Any) -> None:
     if ratio is not None:
         pool = getattr(getattr(model, "roi_heads", None), "box_roi_pool", None)
         if pool is None:
-            raise ValueError(f"model.roi_sampling_ratio applies to R-CNN detectors; {type(model).__name__} has no RoI "
-                             "pooling: leave it unset")
+            raise ValueError(
+                f"model.roi_sampling_ratio applies to R-CNN detectors; {type(model).__name__} has "
+                "no RoI pooling: leave it unset"
+            )
         pool.sampling_ratio = int(ratio)
-        mask_pool = getattr(model.roi_heads, "mask_roi_pool", None)  # Mask R-CNN: its RoIAlign likewise
+        # Mask R-CNN: its RoIAlign likewise
+        mask_pool = getattr(model.roi_heads, "mask_roi_pool", None)
         if mask_pool is not None:
             mask_pool.sampling_ratio = int(ratio)
 
@@ -231,39 +284,47 @@ def _float(out: Any) -> Any:
 
 
 def _anchors_in_fp32(_generator: nn.Module, args: tuple) -> tuple:
-    """AnchorGenerator draws its anchors in the feature maps' dtype and reads nothing else of them but their shape
-    and device: hand it fp32 stand-ins of the same shapes (expanded scalars, no memory)."""
+    """AnchorGenerator draws its anchors in the feature maps' dtype and reads nothing else of them
+    but their shape and device: hand it fp32 stand-ins of the same shapes (expanded scalars, no
+    memory)."""
     image_list, feature_maps = args
     return image_list, [torch.zeros((), device=f.device).expand(f.shape) for f in feature_maps]
 
 
 def keep_boxes_fp32(model: nn.Module) -> None:
-    """Anchors, box regressions and therefore decoded proposals and boxes in fp32 under any autocast: a forward
-    pre-hook on the anchor generator, forward hooks casting the box heads' outputs (RPN head, RoI box predictor,
-    RetinaNet / FCOS head). Hooks change no parameter name, so the weights stay torchvision's."""
+    """Anchors, box regressions and therefore decoded proposals and boxes in fp32 under any
+    autocast: a forward pre-hook on the anchor generator, forward hooks casting the box heads'
+    outputs (RPN head, RoI box predictor, RetinaNet / FCOS head). Hooks change no parameter name, so
+    the weights stay torchvision's."""
     owner = model.rpn if hasattr(model, "rpn") else model
     handles = [owner.anchor_generator.register_forward_pre_hook(_anchors_in_fp32)]
-    heads = [getattr(getattr(model, "rpn", None), "head", None),
-             getattr(getattr(model, "roi_heads", None), "box_predictor", None),
-             getattr(getattr(model, "roi_heads", None), "mask_predictor", None),  # mask logits, pasted in fp32
-             model.head if hasattr(model, "head") and not hasattr(model, "rpn") else None]
-    handles += [head.register_forward_hook(lambda _module, _inputs, out: _float(out)) for head in heads
-                if head is not None]
+    heads = [
+        getattr(getattr(model, "rpn", None), "head", None),
+        getattr(getattr(model, "roi_heads", None), "box_predictor", None),
+        # mask logits, pasted in fp32
+        getattr(getattr(model, "roi_heads", None), "mask_predictor", None),
+        model.head if hasattr(model, "head") and not hasattr(model, "rpn") else None,
+    ]
+    handles += [
+        head.register_forward_hook(lambda _module, _inputs, out: _float(out))
+        for head in heads
+        if head is not None
+    ]
     _FP32_HOOKS[model] = handles
 
 
-_FP32_HOOKS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+_FP32_HOOKS: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
 
 
 def drop_fp32_hooks(model: nn.Module) -> nn.Module:
-    """Remove `keep_boxes_fp32`'s hooks (they change nothing in fp32): TorchScript cannot script Python hooks, and
-    ONNX export traces the model in fp32."""
+    """Remove `keep_boxes_fp32`'s hooks (they change nothing in fp32): TorchScript cannot script
+    Python hooks, and ONNX export traces the model in fp32."""
     for handle in _FP32_HOOKS.pop(model, []):
         handle.remove()
     return model
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # ViTDet-style detector
 
 
@@ -275,18 +336,29 @@ class LayerNorm2d(nn.LayerNorm):
 
 
 class ViTBackbone(nn.Module):
-    """ViT blocks over the patch tokens of an image of any size (multiple of the patch); no class token. The position
-    embedding is learned for `img_size` and interpolated to each input's grid. Returns the (B, C, H/p, W/p) map."""
+    """ViT blocks over the patch tokens of an image of any size (multiple of the patch); no class
+    token. The position embedding is learned for `img_size` and interpolated to each input's grid.
+    Returns the (B, C, H/p, W/p) map."""
 
-    def __init__(self, img_size: int, patch_size: int, embed_dim: int, depth: int, num_heads: int,
-                 mlp_ratio: float = 4.0, drop_path_rate: float = 0.0):
+    def __init__(
+        self,
+        img_size: int,
+        patch_size: int,
+        embed_dim: int,
+        depth: int,
+        num_heads: int,
+        mlp_ratio: float = 4.0,
+        drop_path_rate: float = 0.0,
+    ):
         super().__init__()
         self.patch_size, self.embed_dim, self.num_heads = patch_size, embed_dim, num_heads
         self.patch_embed = nn.Conv2d(3, embed_dim, kernel_size=patch_size, stride=patch_size)
         self.grid = img_size // patch_size
         self.pos_embed = nn.Parameter(torch.zeros(1, self.grid * self.grid, embed_dim))
         rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
-        self.blocks = nn.Sequential(*(Block(embed_dim, num_heads, mlp_ratio, True, r) for r in rates))
+        self.blocks = nn.Sequential(
+            *(Block(embed_dim, num_heads, mlp_ratio, True, r) for r in rates)
+        )
         nn.init.trunc_normal_(self.pos_embed, std=0.02)
         for m in self.blocks.modules():
             if isinstance(m, nn.Linear):
@@ -294,8 +366,8 @@ class ViTBackbone(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def _pos_embed(self, h: int, w: int) -> torch.Tensor:
-        # a trace (ONNX export) keeps the interpolation whatever the example's size, so that the graph takes any size;
-        # bicubic to the same grid is the identity, so eager runs skip it
+        # a trace (ONNX export) keeps the interpolation whatever the example's size, so that the
+        # graph takes any size; bicubic to the same grid is the identity, so eager runs skip it
         if (h, w) == (self.grid, self.grid) and not torch.jit.is_tracing():
             return self.pos_embed
         grid = self.pos_embed.reshape(1, self.grid, self.grid, -1).permute(0, 3, 1, 2)
@@ -311,43 +383,62 @@ class ViTBackbone(nn.Module):
 
 
 class SimpleFeaturePyramid(nn.Module):
-    """ViTDet's pyramid from the single stride-p map: strides p/4, p/2 (deconvolutions), p, 2p and 4p (max-pools),
-    each projected to `out_channels`. Keys "0".."3" and "pool", as torchvision's FPN backbones return."""
+    """ViTDet's pyramid from the single stride-p map: strides p/4, p/2 (deconvolutions), p, 2p and
+    4p (max-pools), each projected to `out_channels`. Keys "0".."3" and "pool", as torchvision's FPN
+    backbones return."""
 
     def __init__(self, backbone: ViTBackbone, out_channels: int = 256):
         super().__init__()
         self.body, self.out_channels = backbone, out_channels
         c = backbone.embed_dim
         self.up4 = nn.Sequential(
-            nn.ConvTranspose2d(c, c // 2, 2, stride=2), LayerNorm2d(c // 2), nn.GELU(),
+            nn.ConvTranspose2d(c, c // 2, 2, stride=2),
+            LayerNorm2d(c // 2),
+            nn.GELU(),
             nn.ConvTranspose2d(c // 2, c // 4, 2, stride=2),
         )
         self.up2 = nn.ConvTranspose2d(c, c // 2, 2, stride=2)
         self.project = nn.ModuleList(
             nn.Sequential(
-                nn.Conv2d(cin, out_channels, 1, bias=False), LayerNorm2d(out_channels),
-                nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False), LayerNorm2d(out_channels),
+                nn.Conv2d(cin, out_channels, 1, bias=False),
+                LayerNorm2d(out_channels),
+                nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False),
+                LayerNorm2d(out_channels),
             )
             for cin in (c // 4, c // 2, c, c)
         )
 
-    def forward(self, images: torch.Tensor) -> "OrderedDict[str, torch.Tensor]":
+    def forward(self, images: torch.Tensor) -> OrderedDict[str, torch.Tensor]:
         x = self.body(images)
         levels = [self.up4(x), self.up2(x), x, F.max_pool2d(x, 2)]
-        out = OrderedDict((str(i), proj(level)) for i, (proj, level) in enumerate(zip(self.project, levels)))
+        out = OrderedDict(
+            (str(i), proj(level)) for i, (proj, level) in enumerate(zip(self.project, levels))
+        )
         out["pool"] = F.max_pool2d(out["3"], 1, 2)
         return out
 
 
 def build_vitdet(cfg: Any) -> nn.Module:
-    """Faster R-CNN (torchvision's RPN and RoI heads) on a ViT backbone with a simple feature pyramid; Mask R-CNN
-    (its mask head too) with `model.masks=true`, as in the ViTDet paper."""
-    backbone = ViTBackbone(cfg.img_size, cfg.patch_size, cfg.embed_dim, cfg.depth, cfg.num_heads, cfg.mlp_ratio,
-                           cfg.drop_path_rate)
+    """Faster R-CNN (torchvision's RPN and RoI heads) on a ViT backbone with a simple feature
+    pyramid; Mask R-CNN (its mask head too) with `model.masks=true`, as in the ViTDet paper."""
+    backbone = ViTBackbone(
+        cfg.img_size,
+        cfg.patch_size,
+        cfg.embed_dim,
+        cfg.depth,
+        cfg.num_heads,
+        cfg.mlp_ratio,
+        cfg.drop_path_rate,
+    )
     pyramid = SimpleFeaturePyramid(backbone, cfg.fpn_channels)
     detector = tvd.MaskRCNN if cfg.get("masks") else tvd.FasterRCNN
-    model = detector(pyramid, num_classes=cfg.num_classes + 1, min_size=cfg.min_size, max_size=cfg.max_size,
-                           **dict(cfg.kwargs or {}))
+    model = detector(
+        pyramid,
+        num_classes=cfg.num_classes + 1,
+        min_size=cfg.min_size,
+        max_size=cfg.max_size,
+        **dict(cfg.kwargs or {}),
+    )
     adapt_detector(model, cfg)
     keep_boxes_fp32(model)
     if cfg.weights:
@@ -355,6 +446,7 @@ def build_vitdet(cfg: Any) -> nn.Module:
     return model
 
 
-# ViTDet's backbone takes the ViT's tensor-parallel plan: the same blocks, no class token, the same token-sharded
-# region (registered here rather than in vit_parallel, so that a ViT classifier's processes never import torchvision)
+# ViTDet's backbone takes the ViT's tensor-parallel plan: the same blocks, no class token, the same
+# token-sharded region (registered here rather than in vit_parallel, so that a ViT classifier's
+# processes never import torchvision)
 register_plan(ViTBackbone, VIT_PLAN)

@@ -1,26 +1,28 @@
-"""DETR-class detectors (RT-DETRv2, D-FINE, RF-DETR) from Hugging Face transformers, behind torchvision's detector
-contract.
+"""DETR-class detectors (RT-DETRv2, D-FINE, RF-DETR) from Hugging Face transformers, behind
+torchvision's detector contract.
 
-The models, image processors and post-processing are transformers' (`visiondist[detr]`), the loss is ours
-(`detr_criterion.py`); nothing is downloaded: a model is built from its configuration (`ARCHS`: the published
-variants' architecture values) with random weights, or reads `model.weights` (a local state dict of this wrapper's
-keys, a directory in the library's `from_pretrained` layout, or a Hugging Face repo name from the local cache).
-`DetrDetector` makes one behave as the torchvision detectors the trainer, the evaluator and the exports already drive:
-`model(images, targets)` in training returns a dict of losses, `model(images)` in evaluation one dict per image with
-`boxes` (x1, y1, x2, y2 in that image's pixels, clipped to it as torchvision's detectors clip theirs), `scores` and
-`labels`. `detr_library.py` builds it from a config
-and reads and writes the library's own layout.
+The models, image processors and post-processing are transformers' (`visiondist[detr]`), the loss is
+ours (`detr_criterion.py`); nothing is downloaded: a model is built from its configuration (`ARCHS`:
+the published variants' architecture values) with random weights, or reads `model.weights` (a local
+state dict of this wrapper's keys, a directory in the library's `from_pretrained` layout, or a
+Hugging Face repo name from the local cache). `DetrDetector` makes one behave as the torchvision
+detectors the trainer, the evaluator and the exports already drive: `model(images, targets)` in
+training returns a dict of losses, `model(images)` in evaluation one dict per image with `boxes`
+(x1, y1, x2, y2 in that image's pixels, clipped to it as torchvision's detectors clip theirs),
+`scores` and `labels`. `detr_library.py` builds it from a config and reads and writes the library's
+own layout.
 
 What the wrapper does: each image (float in [0, 1], any size) is resized to the model's square input
-(`model.img_size`; in training with `model.multi_scale`, a size drawn per batch) as the model's image processor does
-(bilinear, no aspect kept, antialiased when shrinking except for RF-DETR, ImageNet mean / std for RF-DETR only); the
-targets' boxes become (cx, cy, w, h) relative to their image and the labels 0-based (the data's are 1-based,
-torchvision's convention with 0 the background); the predictions go through the library's
-`post_process_object_detection` (the top `num_queries` of the sigmoid scores over queries x classes) and back to
-1-based labels. The loss is the original implementations' weighted sum (varifocal or IoU-aware classification, L1
-and GIoU boxes, D-FINE's distribution terms, over the decoder layers, denoising or query groups), normalised by the
-boxes of the whole batch over every data-parallel rank, with one host transfer a step (`detr_criterion.py`).
-`DetrForExport` is the same evaluation as one traceable function (ONNX).
+(`model.img_size`; in training with `model.multi_scale`, a size drawn per batch) as the model's
+image processor does (bilinear, no aspect kept, antialiased when shrinking except for RF-DETR,
+ImageNet mean / std for RF-DETR only); the targets' boxes become (cx, cy, w, h) relative to their
+image and the labels 0-based (the data's are 1-based, torchvision's convention with 0 the
+background); the predictions go through the library's `post_process_object_detection` (the top
+`num_queries` of the sigmoid scores over queries x classes) and back to 1-based labels. The loss is
+the original implementations' weighted sum (varifocal or IoU-aware classification, L1 and GIoU
+boxes, D-FINE's distribution terms, over the decoder layers, denoising or query groups), normalised
+by the boxes of the whole batch over every data-parallel rank, with one host transfer a step
+(`detr_criterion.py`). `DetrForExport` is the same evaluation as one traceable function (ONNX).
 """
 
 from __future__ import annotations
@@ -42,85 +44,198 @@ class Arch:
 
     config: str  # transformers' configuration class
     model: str  # its ...ForObjectDetection class
-    processor: str  # its image processor: the resize the published weights expect, and the post-processing
+    # its image processor: the resize the published weights expect, and the post-processing
+    processor: str
     model_type: str  # config.json's model_type of weights in the library's layout
-    values: dict[str, Any]  # the published variant's architecture values (the rest are the configuration's defaults)
-    strides: tuple[int, ...]  # feature strides whose positions the encoder's top-k query selection draws from
-    normalize: bool = False  # ImageNet mean / std after the resize (RF-DETR's DINOv2); else pixels in [0, 1]
-    antialias: bool = True  # the processor's resize antialiases when it shrinks (torchvision's default; RF-DETR: off)
-    # model.img_size must be a multiple of it, for this reason (RT-DETR's and D-FINE's feature pyramid: other sizes
-    # fail at their first step)
+    # the published variant's architecture values (the rest are the configuration's defaults)
+    values: dict[str, Any]
+    # feature strides whose positions the encoder's top-k query selection draws from
+    strides: tuple[int, ...]
+    # ImageNet mean / std after the resize (RF-DETR's DINOv2); else pixels in [0, 1]
+    normalize: bool = False
+    # the processor's resize antialiases when it shrinks (torchvision's default; RF-DETR: off)
+    antialias: bool = True
+    # model.img_size must be a multiple of it, for this reason (RT-DETR's and D-FINE's feature
+    # pyramid: other sizes fail at their first step)
     multiple: int = 32
     multiple_why: str = "its stride-32 features are upsampled onto the finer ones"
 
     def mean_std(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """The input scaling after the resize: ImageNet's mean / std where the model normalises, else none."""
+        """The input scaling after the resize: ImageNet's mean / std where the model normalises,
+        else none."""
         return (_MEAN, _STD) if self.normalize else ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
 
 
-_HGNET_B0 = {"model_type": "hgnet_v2", "stem_channels": [3, 16, 16], "stage_in_channels": [16, 64, 256, 512],
-             "stage_mid_channels": [16, 32, 64, 128], "stage_out_channels": [64, 256, 512, 1024],
-             "stage_num_blocks": [1, 1, 2, 1], "stage_downsample": [False, True, True, True],
-             "stage_light_block": [False, False, True, True], "stage_kernel_size": [3, 3, 5, 5],
-             "stage_numb_of_layers": [3, 3, 3, 3], "use_learnable_affine_block": True}
-# RF-DETR's windowed DINOv2-S backbone (patch 16, 2 x 2 windows, features of blocks 3, 6, 9, 12), at the published
-# variant's resolution (the size of its position-embedding grid; other sizes interpolate it)
-_DINOV2_S = {"model_type": "rf_detr_dinov2", "hidden_size": 384, "num_attention_heads": 6, "num_hidden_layers": 12,
-             "mlp_ratio": 4, "patch_size": 16, "num_windows": 2, "out_indices": [3, 6, 9, 12],
-             "num_register_tokens": 0}
-
-# model.arch -> how it is built; a model built from these values has the published parameter count at COCO's 80
-# classes: RT-DETRv2-S 20.2M, -L 42.9M, D-FINE-N 3.8M, -S 10.3M, RF-DETR-N 30.4M, -S 32.1M
-ARCHS: dict[str, Arch] = {
-    # RT-DETRv2 (lyuwenyu/RT-DETR, Apache-2.0): ResNet-vd backbones, hybrid encoder, deformable decoder
-    "rtdetr_v2_r18": Arch("RTDetrV2Config", "RTDetrV2ForObjectDetection", "RTDetrImageProcessor", "rt_detr_v2", {
-        "backbone_config": {"model_type": "rt_detr_resnet", "hidden_sizes": [64, 128, 256, 512],
-                            "depths": [2, 2, 2, 2], "layer_type": "basic", "out_indices": [2, 3, 4]},
-        "encoder_in_channels": [128, 256, 512], "hidden_expansion": 0.5, "decoder_layers": 3}, (8, 16, 32)),
-    "rtdetr_v2_r50": Arch("RTDetrV2Config", "RTDetrV2ForObjectDetection", "RTDetrImageProcessor", "rt_detr_v2", {},
-                          (8, 16, 32)),
-    # D-FINE (Peterande/D-FINE, Apache-2.0): HGNetV2 backbones, fine-grained distribution refinement of the boxes
-    "dfine_n": Arch("DFineConfig", "DFineForObjectDetection", "RTDetrImageProcessor", "d_fine", {
-        "backbone_config": {**_HGNET_B0, "hidden_sizes": [128, 256, 512, 1024], "out_indices": [3, 4]},
-        "num_feature_levels": 2, "encoder_ffn_dim": 512, "encode_proj_layers": [1], "d_model": 128,
-        "encoder_hidden_dim": 128, "decoder_ffn_dim": 512, "encoder_in_channels": [512, 1024],
-        "decoder_n_points": [6, 6], "decoder_in_channels": [128, 128], "feat_strides": [16, 32], "depth_mult": 0.5,
-        "decoder_layers": 3, "hidden_expansion": 0.34}, (16, 32)),
-    "dfine_s": Arch("DFineConfig", "DFineForObjectDetection", "RTDetrImageProcessor", "d_fine", {
-        "backbone_config": {**_HGNET_B0, "hidden_sizes": [64, 256, 512, 1024], "out_indices": [2, 3, 4]},
-        "encoder_in_channels": [256, 512, 1024], "hidden_expansion": 0.5, "depth_mult": 0.34, "decoder_layers": 3},
-        (8, 16, 32)),
-    # RF-DETR (roboflow/rf-detr, Apache-2.0 for N-L): windowed DINOv2 backbone, one P4 projector, LW-DETR's decoder
-    # with 13 query groups in training
-    "rfdetr_nano": Arch("RfDetrConfig", "RfDetrForObjectDetection", "RfDetrImageProcessor", "rf_detr", {
-        "backbone_config": {**_DINOV2_S, "image_size": 384}, "decoder_layers": 2, "decoder_n_points": 2},
-        (16,), normalize=True, antialias=False, multiple_why="patch 16 x 2 windows a side"),
-    "rfdetr_small": Arch("RfDetrConfig", "RfDetrForObjectDetection", "RfDetrImageProcessor", "rf_detr", {
-        "backbone_config": {**_DINOV2_S, "image_size": 512}, "decoder_layers": 3, "decoder_n_points": 2},
-        (16,), normalize=True, antialias=False, multiple_why="patch 16 x 2 windows a side"),
+_HGNET_B0 = {
+    "model_type": "hgnet_v2",
+    "stem_channels": [3, 16, 16],
+    "stage_in_channels": [16, 64, 256, 512],
+    "stage_mid_channels": [16, 32, 64, 128],
+    "stage_out_channels": [64, 256, 512, 1024],
+    "stage_num_blocks": [1, 1, 2, 1],
+    "stage_downsample": [False, True, True, True],
+    "stage_light_block": [False, False, True, True],
+    "stage_kernel_size": [3, 3, 5, 5],
+    "stage_numb_of_layers": [3, 3, 3, 3],
+    "use_learnable_affine_block": True,
 }
-_MEAN, _STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, as RF-DETR's processor normalises
+# RF-DETR's windowed DINOv2-S backbone (patch 16, 2 x 2 windows, features of blocks 3, 6, 9, 12), at
+# the published variant's resolution (the size of its position-embedding grid; other sizes
+# interpolate it)
+_DINOV2_S = {
+    "model_type": "rf_detr_dinov2",
+    "hidden_size": 384,
+    "num_attention_heads": 6,
+    "num_hidden_layers": 12,
+    "mlp_ratio": 4,
+    "patch_size": 16,
+    "num_windows": 2,
+    "out_indices": [3, 6, 9, 12],
+    "num_register_tokens": 0,
+}
+
+# model.arch -> how it is built; a model built from these values has the published parameter count
+# at COCO's 80 classes: RT-DETRv2-S 20.2M, -L 42.9M, D-FINE-N 3.8M, -S 10.3M, RF-DETR-N 30.4M, -S
+# 32.1M
+ARCHS: dict[str, Arch] = {
+    # RT-DETRv2 (lyuwenyu/RT-DETR, Apache-2.0): ResNet-vd backbones, hybrid encoder, deformable
+    # decoder
+    "rtdetr_v2_r18": Arch(
+        "RTDetrV2Config",
+        "RTDetrV2ForObjectDetection",
+        "RTDetrImageProcessor",
+        "rt_detr_v2",
+        {
+            "backbone_config": {
+                "model_type": "rt_detr_resnet",
+                "hidden_sizes": [64, 128, 256, 512],
+                "depths": [2, 2, 2, 2],
+                "layer_type": "basic",
+                "out_indices": [2, 3, 4],
+            },
+            "encoder_in_channels": [128, 256, 512],
+            "hidden_expansion": 0.5,
+            "decoder_layers": 3,
+        },
+        (8, 16, 32),
+    ),
+    "rtdetr_v2_r50": Arch(
+        "RTDetrV2Config",
+        "RTDetrV2ForObjectDetection",
+        "RTDetrImageProcessor",
+        "rt_detr_v2",
+        {},
+        (8, 16, 32),
+    ),
+    # D-FINE (Peterande/D-FINE, Apache-2.0): HGNetV2 backbones, fine-grained distribution refinement
+    # of the boxes
+    "dfine_n": Arch(
+        "DFineConfig",
+        "DFineForObjectDetection",
+        "RTDetrImageProcessor",
+        "d_fine",
+        {
+            "backbone_config": {
+                **_HGNET_B0,
+                "hidden_sizes": [128, 256, 512, 1024],
+                "out_indices": [3, 4],
+            },
+            "num_feature_levels": 2,
+            "encoder_ffn_dim": 512,
+            "encode_proj_layers": [1],
+            "d_model": 128,
+            "encoder_hidden_dim": 128,
+            "decoder_ffn_dim": 512,
+            "encoder_in_channels": [512, 1024],
+            "decoder_n_points": [6, 6],
+            "decoder_in_channels": [128, 128],
+            "feat_strides": [16, 32],
+            "depth_mult": 0.5,
+            "decoder_layers": 3,
+            "hidden_expansion": 0.34,
+        },
+        (16, 32),
+    ),
+    "dfine_s": Arch(
+        "DFineConfig",
+        "DFineForObjectDetection",
+        "RTDetrImageProcessor",
+        "d_fine",
+        {
+            "backbone_config": {
+                **_HGNET_B0,
+                "hidden_sizes": [64, 256, 512, 1024],
+                "out_indices": [2, 3, 4],
+            },
+            "encoder_in_channels": [256, 512, 1024],
+            "hidden_expansion": 0.5,
+            "depth_mult": 0.34,
+            "decoder_layers": 3,
+        },
+        (8, 16, 32),
+    ),
+    # RF-DETR (roboflow/rf-detr, Apache-2.0 for N-L): windowed DINOv2 backbone, one P4 projector,
+    # LW-DETR's decoder with 13 query groups in training
+    "rfdetr_nano": Arch(
+        "RfDetrConfig",
+        "RfDetrForObjectDetection",
+        "RfDetrImageProcessor",
+        "rf_detr",
+        {
+            "backbone_config": {**_DINOV2_S, "image_size": 384},
+            "decoder_layers": 2,
+            "decoder_n_points": 2,
+        },
+        (16,),
+        normalize=True,
+        antialias=False,
+        multiple_why="patch 16 x 2 windows a side",
+    ),
+    "rfdetr_small": Arch(
+        "RfDetrConfig",
+        "RfDetrForObjectDetection",
+        "RfDetrImageProcessor",
+        "rf_detr",
+        {
+            "backbone_config": {**_DINOV2_S, "image_size": 512},
+            "decoder_layers": 3,
+            "decoder_n_points": 2,
+        },
+        (16,),
+        normalize=True,
+        antialias=False,
+        multiple_why="patch 16 x 2 windows a side",
+    ),
+}
+# ImageNet's, as RF-DETR's processor normalises
+_MEAN, _STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def _transformers():
     from visiondist.compat import quiet_pytree
 
     try:
-        quiet_pytree()  # transformers imports torchao where it is installed (here, or when it builds a model)
+        # transformers imports torchao where it is installed (here, or when it builds a model)
+        quiet_pytree()
         import transformers
     except ImportError as e:  # the optional extra
-        raise ImportError("DETR-class detectors are transformers' models: pip install -e '.[detr]'") from e
+        raise ImportError(
+            "DETR-class detectors are transformers' models: pip install -e '.[detr]'"
+        ) from e
     return transformers
 
 
 def arch_of(name: str) -> Arch:
     if name not in ARCHS:
-        raise ValueError(f"model.arch={name!r} is not a DETR-class detector here: use one of {', '.join(ARCHS)}")
+        raise ValueError(
+            f"model.arch={name!r} is not a DETR-class detector here: use one of {', '.join(ARCHS)}"
+        )
     return ARCHS[name]
 
 
 def build_hf_detector(arch: str, num_classes: int, overrides: Optional[dict] = None) -> nn.Module:
-    """transformers' model of `arch` for `num_classes` object classes (no background class), random weights."""
+    """transformers' model of `arch` for `num_classes` object classes (no background class), random
+    weights."""
     spec = arch_of(arch)
     transformers = _transformers()
     values = {**spec.values, **(overrides or {})}
@@ -133,7 +248,8 @@ def build_hf_detector(arch: str, num_classes: int, overrides: Optional[dict] = N
 
 
 def library_values(cfg: Any) -> dict[str, Any]:
-    """The library configuration's values the model config sets: `model.kwargs` (any key), `model.num_queries`."""
+    """The library configuration's values the model config sets: `model.kwargs` (any key),
+    `model.num_queries`."""
     values = dict(cfg.get("kwargs") or {})
     if cfg.get("num_queries"):
         values["num_queries"] = int(cfg.num_queries)
@@ -141,41 +257,50 @@ def library_values(cfg: Any) -> dict[str, Any]:
 
 
 class DetrDetector(nn.Module):
-    """A transformers DETR-class detector with torchvision's detector interface (see the module docstring)."""
+    """A transformers DETR-class detector with torchvision's detector interface (see the module
+    docstring)."""
 
-    def __init__(self, model: nn.Module, img_size: int, arch: Optional[Arch] = None,
-                 multi_scale: Optional[list[int]] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        img_size: int,
+        arch: Optional[Arch] = None,
+        multi_scale: Optional[list[int]] = None,
+    ):
         super().__init__()
         self.model = model
         self.img_size = int(img_size)
         self.arch = arch or next(a for a in ARCHS.values() if a.model == type(model).__name__)
         self.multi_scale = list(multi_scale or [])
-        # the library ties modules under two names (the heads: `class_embed` is `model.decoder.class_embed`): the
-        # state dict keeps one name per tensor, so safetensors files and checkpoints hold each once, and loading
-        # fills the other name from it
+        # the library ties modules under two names (the heads: `class_embed` is
+        # `model.decoder.class_embed`): the state dict keeps one name per tensor, so safetensors
+        # files and checkpoints hold each once, and loading fills the other name from it
         self.aliases = _aliases(self)
-        # parameters detection never uses stay out of training (no gradient, so no optimizer state a checkpoint
-        # could lack): the masked-image-modelling token of RF-DETR's DINOv2
+        # parameters detection never uses stay out of training (no gradient, so no optimizer state a
+        # checkpoint could lack): the masked-image-modelling token of RF-DETR's DINOv2
         for name, param in self.named_parameters():
             if name.endswith("embeddings.mask_token"):
                 param.requires_grad_(False)
         self.register_state_dict_post_hook(_drop_aliases)
-        # the loss is ours (detr_criterion.py): the matching of every layer batched with one host transfer a step,
-        # D-FINE's as its paper defines it; the library's model calls it with its raw outputs
+        # the loss is ours (detr_criterion.py): the matching of every layer batched with one host
+        # transfer a step, D-FINE's as its paper defines it; the library's model calls it with its
+        # raw outputs
         from visiondist.models.detr_criterion import install
 
         self.criterion = install(model)
         self.register_load_state_dict_pre_hook(_fill_aliases)
 
     def compile_region(self) -> nn.Module:
-        """What `trainer.compile=model` compiles: the library's network (backbone, encoder, decoder), not the
-        per-image resizes before it nor the loss, whose matching runs on the host."""
+        """What `trainer.compile=model` compiles: the library's network (backbone, encoder,
+        decoder), not the per-image resizes before it nor the loss, whose matching runs on the
+        host."""
         return self.model.model
 
     def input_size(self, targets: Optional[list[dict]] = None) -> int:
-        """The square side the model sees: model.img_size, or in training with model.multi_scale one of its sizes,
-        drawn per batch from its images' ids (the same batch gets the same size, so a resumed run repeats the
-        uninterrupted one; RT-DETR's collate draws one size per batch too)."""
+        """The square side the model sees: model.img_size, or in training with model.multi_scale one
+        of its sizes, drawn per batch from its images' ids (the same batch gets the same size, so a
+        resumed run repeats the uninterrupted one; RT-DETR's collate draws one size per batch
+        too)."""
         if not (self.training and self.multi_scale and targets):
             return self.img_size
         ids = [int(t["image_id"]) for t in targets if "image_id" in t]
@@ -183,33 +308,45 @@ class DetrDetector(nn.Module):
         return self.multi_scale[random.Random(seed).randrange(len(self.multi_scale))]
 
     def pixels(self, images, size: Optional[int] = None) -> torch.Tensor:
-        """The batch as the model takes it: each image (float in [0, 1], any size) resized to the square side as the
-        library's image processor does (bilinear; antialiased when shrinking where the processor does), then
-        normalised where the model is (RF-DETR)."""
+        """The batch as the model takes it: each image (float in [0, 1], any size) resized to the
+        square side as the library's image processor does (bilinear; antialiased when shrinking
+        where the processor does), then normalised where the model is (RF-DETR)."""
         side = size or self.img_size
         out = []
         for im in images:
             im = im[None].float()
             if tuple(im.shape[-2:]) != (side, side):
-                im = F.interpolate(im, size=(side, side), mode="bilinear", align_corners=False,
-                                   antialias=self.arch.antialias)
+                im = F.interpolate(
+                    im,
+                    size=(side, side),
+                    mode="bilinear",
+                    align_corners=False,
+                    antialias=self.arch.antialias,
+                )
             out.append(im)
         return self.normalized(torch.cat(out))
 
     def normalized(self, pixels: torch.Tensor) -> torch.Tensor:
-        """The resized batch in the model's input units: ImageNet mean / std for RF-DETR, as it is for the others."""
+        """The resized batch in the model's input units: ImageNet mean / std for RF-DETR, as it is
+        for the others."""
         if not self.arch.normalize:
             return pixels
         mean, std = self.arch.mean_std()
-        return (pixels - pixels.new_tensor(mean).view(1, 3, 1, 1)) / pixels.new_tensor(std).view(1, 3, 1, 1)
+        return (pixels - pixels.new_tensor(mean).view(1, 3, 1, 1)) / pixels.new_tensor(std).view(
+            1, 3, 1, 1
+        )
 
     def forward(self, images, targets: Optional[list[dict]] = None):
         sizes = [(int(im.shape[-2]), int(im.shape[-1])) for im in images]
         if self.training:
             if targets is None:
-                raise ValueError("a DETR-class detector in training mode takes targets (boxes, labels)")
+                raise ValueError(
+                    "a DETR-class detector in training mode takes targets (boxes, labels)"
+                )
             labels = [library_target(t, h, w) for t, (h, w) in zip(targets, sizes)]
-            out = self.model(pixel_values=self.pixels(images, self.input_size(targets)), labels=labels)
+            out = self.model(
+                pixel_values=self.pixels(images, self.input_size(targets)), labels=labels
+            )
             return {"loss": out.loss}
         out = self.model(pixel_values=self.pixels(images))
         return _detections(out, sizes, self.arch.processor)
@@ -219,7 +356,10 @@ def _aliases(module: nn.Module) -> dict[str, str]:
     """Second name -> first name of each parameter or buffer registered under two names."""
     first: dict[int, str] = {}
     aliases = {}
-    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    tensors = [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
     for name, tensor in tensors:
         key = id(tensor)
         if key in first:
@@ -229,20 +369,20 @@ def _aliases(module: nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _drop_aliases(module: "DetrDetector", state: dict, prefix: str, _metadata) -> None:
+def _drop_aliases(module: DetrDetector, state: dict, prefix: str, _metadata) -> None:
     for alias in module.aliases:
         state.pop(prefix + alias, None)
 
 
-def _fill_aliases(module: "DetrDetector", state: dict, prefix: str, *_args) -> None:
+def _fill_aliases(module: DetrDetector, state: dict, prefix: str, *_args) -> None:
     for alias, name in module.aliases.items():
         if prefix + alias not in state and prefix + name in state:
             state[prefix + alias] = state[prefix + name]
 
 
 def library_target(target: dict, height: int, width: int) -> dict:
-    """torchvision's target (absolute x1, y1, x2, y2; 1-based labels) as the library's (relative cx, cy, w, h;
-    0-based class labels)."""
+    """torchvision's target (absolute x1, y1, x2, y2; 1-based labels) as the library's (relative cx,
+    cy, w, h; 0-based class labels)."""
     boxes = target["boxes"].float()
     scale = boxes.new_tensor([width, height, width, height])
     x1, y1, x2, y2 = (boxes / scale).unbind(-1)
@@ -250,22 +390,26 @@ def library_target(target: dict, height: int, width: int) -> dict:
     return {"class_labels": target["labels"].long() - 1, "boxes": relative}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _processor(name: str):
     return getattr(_transformers(), name)()
 
 
 def _detections(out, sizes: list[tuple[int, int]], processor: str) -> list[dict]:
-    """The library's post-processing (the top `num_queries` of the sigmoid scores over queries x classes, boxes in
-    each image's pixels), labels 1-based."""
-    processed = _processor(processor).post_process_object_detection(out, threshold=0.0, target_sizes=sizes)
-    return [{"boxes": clip_boxes(p["boxes"], h, w), "scores": p["scores"], "labels": p["labels"] + 1}
-            for p, (h, w) in zip(processed, sizes)]
+    """The library's post-processing (the top `num_queries` of the sigmoid scores over queries x
+    classes, boxes in each image's pixels), labels 1-based."""
+    processed = _processor(processor).post_process_object_detection(
+        out, threshold=0.0, target_sizes=sizes
+    )
+    return [
+        {"boxes": clip_boxes(p["boxes"], h, w), "scores": p["scores"], "labels": p["labels"] + 1}
+        for p, (h, w) in zip(processed, sizes)
+    ]
 
 
 def clip_boxes(boxes: torch.Tensor, height, width) -> torch.Tensor:
-    """Boxes (x1, y1, x2, y2) clipped to the image, as torchvision's detectors clip theirs (a DETR's box may reach
-    past the border); `height` / `width` may be tensors (symbolic under export)."""
+    """Boxes (x1, y1, x2, y2) clipped to the image, as torchvision's detectors clip theirs (a DETR's
+    box may reach past the border); `height` / `width` may be tensors (symbolic under export)."""
     x = boxes[..., 0::2].clamp(min=0)
     y = boxes[..., 1::2].clamp(min=0)
     x = torch.minimum(x, torch.as_tensor(width, dtype=boxes.dtype, device=boxes.device))
@@ -274,10 +418,10 @@ def clip_boxes(boxes: torch.Tensor, height, width) -> torch.Tensor:
 
 
 class DetrForExport(nn.Module):
-    """The eval-mode detector as one traceable function for ONNX, in the torchvision detectors' exported form: one
-    image (3, H, W), float in [0, 1], any H, W -> boxes (K, 4: x1, y1, x2, y2 in its pixels), labels (K, 1-based),
-    scores (K), K = the model's queries: what `DetrDetector` returns for it (the library's post-processing, written
-    with tensor ops only)."""
+    """The eval-mode detector as one traceable function for ONNX, in the torchvision detectors'
+    exported form: one image (3, H, W), float in [0, 1], any H, W -> boxes (K, 4: x1, y1, x2, y2 in
+    its pixels), labels (K, 1-based), scores (K), K = the model's queries: what `DetrDetector`
+    returns for it (the library's post-processing, written with tensor ops only)."""
 
     def __init__(self, detector: DetrDetector):
         super().__init__()
@@ -287,8 +431,14 @@ class DetrForExport(nn.Module):
         detector = self.detector
         height, width = image.shape[-2], image.shape[-1]
         side = detector.img_size
-        pixels = F.interpolate(image[None].float(), size=(side, side), mode="bilinear", align_corners=False,
-                               antialias=detector.arch.antialias)  # always: a size test would not trace
+        pixels = F.interpolate(
+            image[None].float(),
+            size=(side, side),
+            mode="bilinear",
+            align_corners=False,
+            # always: a size test would not trace
+            antialias=detector.arch.antialias,
+        )
         out = detector.model(pixel_values=detector.normalized(pixels))
         logits, centres = out.logits[0], out.pred_boxes[0]
         classes = logits.shape[-1]
@@ -298,7 +448,8 @@ class DetrForExport(nn.Module):
         one = corners.new_ones(())  # the input's size as tensors (symbolic under export)
         scale = torch.stack([one * width, one * height, one * width, one * height])
         boxes = corners[index // classes] * scale
-        x = torch.minimum(boxes[:, 0::2].clamp(min=0), one * width)  # inside the image, as `clip_boxes`
+        # inside the image, as `clip_boxes`
+        x = torch.minimum(boxes[:, 0::2].clamp(min=0), one * width)
         y = torch.minimum(boxes[:, 1::2].clamp(min=0), one * height)
         boxes = torch.stack([x[:, 0], y[:, 0], x[:, 1], y[:, 1]], dim=-1)
         return boxes, index % classes + 1, scores

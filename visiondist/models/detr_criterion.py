@@ -1,36 +1,42 @@
-"""The training loss of the DETR-class detectors (RT-DETRv2, D-FINE, RF-DETR / LW-DETR), built once for the three
-families and batched for the device.
+"""The training loss of the DETR-class detectors (RT-DETRv2, D-FINE, RF-DETR / LW-DETR), built once
+for the three families and batched for the device.
 
-Every set of predictions a family supervises is a `Head`: a decoder layer, D-FINE's pre-decoder boxes, the encoder's
-top-k proposals, a denoising layer (RT-DETR, D-FINE) or a layer's query groups (RF-DETR's 13 in training). The step:
+Every set of predictions a family supervises is a `Head`: a decoder layer, D-FINE's pre-decoder
+boxes, the encoder's top-k proposals, a denoising layer (RT-DETR, D-FINE) or a layer's query groups
+(RF-DETR's 13 in training). The step:
 
-1. Each head that is matched gets its Hungarian cost matrix (focal class cost, L1 and GIoU of the boxes, the weights
-   of the model's configuration) on the device, for every image at once (targets padded to the batch's most).
+1. Each head that is matched gets its Hungarian cost matrix (focal class cost, L1 and GIoU of the
+   boxes, the weights of the model's configuration) on the device, for every image at once (targets
+   padded to the batch's most).
 2. All of them go to the host in **one** transfer, the step's only host synchronisation; scipy's
-   `linear_sum_assignment` solves each (image, group) there. Denoising queries are assigned by construction (query
-   `g * 2 * max_gt + j` denoises target `j` in group `g`), D-FINE's GO-LSD union of every layer's matches is taken on
-   the host as well.
-3. Every index comes back in one host-to-device copy (pinned, asynchronous); the losses run on the device without a
-   `.item()`, `torch.equal`, `.any()` or boolean-mask indexing: the normalisation by the batch's boxes (averaged over
-   data-parallel ranks, as the original implementations do) is a device tensor, masked means are sums over counts.
+   `linear_sum_assignment` solves each (image, group) there. Denoising queries are assigned by
+   construction (query `g * 2 * max_gt + j` denoises target `j` in group `g`), D-FINE's GO-LSD union
+   of every layer's matches is taken on the host as well.
+3. Every index comes back in one host-to-device copy (pinned, asynchronous); the losses run on the
+   device without a `.item()`, `torch.equal`, `.any()` or boolean-mask indexing: the normalisation
+   by the batch's boxes (averaged over data-parallel ranks, as the original implementations do) is a
+   device tensor, masked means are sums over counts.
 
 The losses are the papers' and the original code's:
-- RT-DETRv2 (lyuwenyu/RT-DETR `rtdetrv2_criterion.py`): varifocal classification, L1 and GIoU boxes, for the last
-  layer, every other layer and the encoder proposals each with its own matching, the denoising groups with theirs.
-  transformers' `RTDetrLoss` computes the same (tested equal on the same outputs).
-- D-FINE (Peterande/D-FINE `dfine_criterion.py`): as RT-DETR for the classification; the box and fine-grained
-  localisation (FGL) terms of every layer use the union of all layers' matches (GO-LSD), normalised by its size; the
-  decoupled distillation focal (DDF) term distils the last layer's corner distributions into every earlier layer,
-  positives and negatives weighted by the square roots of their counts; the pre-decoder boxes and the denoising
-  layers as the original supervises them. transformers' `DFineLoss` differs (each layer's own matching, its aux
-  layers paired with the next layer's corners, no FGL on the last layer), so the test checks this one against a
-  direct transcription of the original's equations.
-- RF-DETR / LW-DETR (roboflow/rf-detr, Apache-2.0): IoU-aware BCE classification, L1 and GIoU boxes, each query group
-  matched on its own, for the last layer, every other layer and the encoder proposals; normalised by the boxes times
-  the groups. transformers' `LwDetrImageLoss` computes the same (tested equal).
+- RT-DETRv2 (lyuwenyu/RT-DETR `rtdetrv2_criterion.py`): varifocal classification, L1 and GIoU boxes,
+  for the last layer, every other layer and the encoder proposals each with its own matching, the
+  denoising groups with theirs. transformers' `RTDetrLoss` computes the same (tested equal on the
+  same outputs).
+- D-FINE (Peterande/D-FINE `dfine_criterion.py`): as RT-DETR for the classification; the box and
+  fine-grained localisation (FGL) terms of every layer use the union of all layers' matches
+  (GO-LSD), normalised by its size; the decoupled distillation focal (DDF) term distils the last
+  layer's corner distributions into every earlier layer, positives and negatives weighted by the
+  square roots of their counts; the pre-decoder boxes and the denoising layers as the original
+  supervises them. transformers' `DFineLoss` differs (each layer's own matching, its aux layers
+  paired with the next layer's corners, no FGL on the last layer), so the test checks this one
+  against a direct transcription of the original's equations.
+- RF-DETR / LW-DETR (roboflow/rf-detr, Apache-2.0): IoU-aware BCE classification, L1 and GIoU boxes,
+  each query group matched on its own, for the last layer, every other layer and the encoder
+  proposals; normalised by the boxes times the groups. transformers' `LwDetrImageLoss` computes the
+  same (tested equal).
 
-`install(model)` makes a transformers `...ForObjectDetection` use it: its forward calls `model.loss_function` with
-the raw outputs, so the model runs unchanged and only the loss is ours.
+`install(model)` makes a transformers `...ForObjectDetection` use it: its forward calls
+`model.loss_function` with the raw outputs, so the model runs unchanged and only the loss is ours.
 """
 
 from __future__ import annotations
@@ -59,12 +65,16 @@ class Head:
     box_match: str = "own"  # the matching the box terms use: "own", "go" (D-FINE's union), "dn"
     groups: int = 1  # query groups matched apart (RF-DETR in training)
     corners: Optional[Tensor] = None  # D-FINE: (B, Q, 4 * (bins + 1)) edge distributions
-    refs: Optional[Tensor] = None  # D-FINE: (B, Q, 4) the reference boxes the corners are measured from
-    teacher: Optional[tuple[Tensor, Tensor]] = None  # D-FINE: the last layer's (corners, logits) to distil from
-    matched: dict = field(default_factory=dict)  # filled in: matching name -> (batch, query, target) index tensors
+    # D-FINE: (B, Q, 4) the reference boxes the corners are measured from
+    refs: Optional[Tensor] = None
+    # D-FINE: the last layer's (corners, logits) to distil from
+    teacher: Optional[tuple[Tensor, Tensor]] = None
+    # filled in: matching name -> (batch, query, target) index tensors
+    matched: dict = field(default_factory=dict)
 
 
-# ------------------------------------------------------------------------------------------------------- box helpers
+# --------------------------------------------------------------------------------------------------
+# box helpers
 def _corners(boxes: Tensor) -> Tensor:
     cx, cy, w, h = boxes.unbind(-1)
     return torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], dim=-1)
@@ -77,12 +87,17 @@ def _iou_parts(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     lt, rb = torch.maximum(a[..., :2], b[..., :2]), torch.minimum(a[..., 2:], b[..., 2:])
     inter = (rb - lt).clamp(min=0).prod(-1)
     union = area_a + area_b - inter
-    hull = (torch.maximum(a[..., 2:], b[..., 2:]) - torch.minimum(a[..., :2], b[..., :2])).clamp(min=0).prod(-1)
+    hull = (
+        (torch.maximum(a[..., 2:], b[..., 2:]) - torch.minimum(a[..., :2], b[..., :2]))
+        .clamp(min=0)
+        .prod(-1)
+    )
     return inter, union, hull
 
 
 def box_iou(a: Tensor, b: Tensor) -> Tensor:
-    """IoU of corner boxes `a` and `b`, broadcast (pairs: equal shapes; all pairs: a[:, :, None], b[:, None])."""
+    """IoU of corner boxes `a` and `b`, broadcast (pairs: equal shapes; all pairs: a[:, :, None],
+    b[:, None])."""
     inter, union, _ = _iou_parts(a, b)
     return inter / union
 
@@ -93,10 +108,12 @@ def generalized_box_iou(a: Tensor, b: Tensor) -> Tensor:
     return inter / union - (hull - union) / hull
 
 
-# ------------------------------------------------------------------------------------------------------ the criterion
+# --------------------------------------------------------------------------------------------------
+# the criterion
 class DetrCriterion:
-    """The loss of one family (`rt_detr`, `d_fine`, `lw_detr`) with the weights of the model's configuration; called
-    by the transformers model's forward as its `loss_function` (see `install`)."""
+    """The loss of one family (`rt_detr`, `d_fine`, `lw_detr`) with the weights of the model's
+    configuration; called by the transformers model's forward as its `loss_function` (see
+    `install`)."""
 
     def __init__(self, family: str, config: Any):
         if family not in ("rt_detr", "d_fine", "lw_detr"):
@@ -105,37 +122,73 @@ class DetrCriterion:
         c = config
         if family == "lw_detr":
             self.cost = (float(c.class_cost), float(c.bbox_cost), float(c.giou_cost), 0.25, 2.0)
-            self.weights = {"class": float(c.class_loss_coefficient), "bbox": float(c.bbox_loss_coefficient),
-                            "giou": float(c.giou_loss_coefficient)}
+            self.weights = {
+                "class": float(c.class_loss_coefficient),
+                "bbox": float(c.bbox_loss_coefficient),
+                "giou": float(c.giou_loss_coefficient),
+            }
             self.alpha, self.gamma = float(c.focal_alpha), 2.0
         else:
-            self.cost = (float(c.matcher_class_cost), float(c.matcher_bbox_cost), float(c.matcher_giou_cost),
-                         float(c.matcher_alpha), float(c.matcher_gamma))
-            self.weights = {"class": float(c.weight_loss_vfl), "bbox": float(c.weight_loss_bbox),
-                            "giou": float(c.weight_loss_giou)}
+            self.cost = (
+                float(c.matcher_class_cost),
+                float(c.matcher_bbox_cost),
+                float(c.matcher_giou_cost),
+                float(c.matcher_alpha),
+                float(c.matcher_gamma),
+            )
+            self.weights = {
+                "class": float(c.weight_loss_vfl),
+                "bbox": float(c.weight_loss_bbox),
+                "giou": float(c.weight_loss_giou),
+            }
             if family == "d_fine":
                 self.weights.update(fgl=float(c.weight_loss_fgl), ddf=float(c.weight_loss_ddf))
             self.alpha, self.gamma = float(c.focal_loss_alpha), float(c.focal_loss_gamma)
-        # the host's share of the steps so far: waiting for the cost matrices (the forward before them, on a GPU),
-        # then solving them (scipy) and building the indices; what the benchmark reports beside the step
+        # the host's share of the steps so far: waiting for the cost matrices (the forward before
+        # them, on a GPU), then solving them (scipy) and building the indices; what the benchmark
+        # reports beside the step
         self.host_seconds = {"wait": 0.0, "solve": 0.0}
         self.calls = 0
 
-    # the model's forward calls this with its raw outputs; a compiled model runs it eagerly (the host's matching)
+    # the model's forward calls this with its raw outputs; a compiled model runs it eagerly (the
+    # host's matching)
     @torch.compiler.disable
-    def __call__(self, logits, labels, device, pred_boxes, config, outputs_class=None, outputs_coord=None, *args,
-                 **kwargs):
-        heads = (self._lw_heads(logits, pred_boxes, outputs_class, outputs_coord, *args[:2], **kwargs)
-                 if self.family == "lw_detr" else
-                 self._rt_heads(outputs_class, outputs_coord, *args, **kwargs))
+    def __call__(
+        self,
+        logits,
+        labels,
+        device,
+        pred_boxes,
+        config,
+        outputs_class=None,
+        outputs_coord=None,
+        *args,
+        **kwargs,
+    ):
+        heads = (
+            self._lw_heads(logits, pred_boxes, outputs_class, outputs_coord, *args[:2], **kwargs)
+            if self.family == "lw_detr"
+            else self._rt_heads(outputs_class, outputs_coord, *args, **kwargs)
+        )
         terms = self.losses(heads, labels, kwargs.get("denoising_meta_values"))
         total = sum(terms.values())
         return total, terms, None
 
-    # ------------------------------------------------------------------------------------------- the families' heads
-    def _rt_heads(self, outputs_class, outputs_coord, enc_topk_logits=None, enc_topk_bboxes=None,
-                  denoising_meta_values=None, predicted_corners=None, initial_reference_points=None, **_):
-        """RT-DETR and D-FINE: (B, layers, queries, ...) stacks; denoising queries first where there are any."""
+    # -------------------------------------------------------------------------------------------
+    # the families' heads
+    def _rt_heads(
+        self,
+        outputs_class,
+        outputs_coord,
+        enc_topk_logits=None,
+        enc_topk_bboxes=None,
+        denoising_meta_values=None,
+        predicted_corners=None,
+        initial_reference_points=None,
+        **_,
+    ):
+        """RT-DETR and D-FINE: (B, layers, queries, ...) stacks; denoising queries first where there
+        are any."""
         meta = denoising_meta_values
         split = list(meta["dn_num_split"]) if meta is not None else None
 
@@ -150,14 +203,18 @@ class DetrCriterion:
             layers = out_class.shape[1]
             heads.append(Head("last", out_class[:, -1], out_coord[:, -1]))
             if aux:
-                heads += [Head(f"layer{i}", out_class[:, i], out_coord[:, i]) for i in range(layers - 1)]
+                heads += [
+                    Head(f"layer{i}", out_class[:, i], out_coord[:, i]) for i in range(layers - 1)
+                ]
                 heads.append(Head("enc", enc_topk_logits, enc_topk_bboxes))
                 if meta is not None:
-                    heads += [Head(f"dn{i}", dn_class[:, i], dn_coord[:, i], match="dn", box_match="dn")
-                              for i in range(layers)]
+                    heads += [
+                        Head(f"dn{i}", dn_class[:, i], dn_coord[:, i], match="dn", box_match="dn")
+                        for i in range(layers)
+                    ]
             return heads
-        # D-FINE: logits / boxes hold the pre-decoder prediction first, then one per layer; corners and reference
-        # points one per layer
+        # D-FINE: logits / boxes hold the pre-decoder prediction first, then one per layer; corners
+        # and reference points one per layer
         dn_corners, out_corners = parts(predicted_corners)
         dn_refs, out_refs = parts(initial_reference_points)
         layers = out_corners.shape[1]
@@ -165,11 +222,31 @@ class DetrCriterion:
         def layer_heads(cls, coord, corners, refs, prefix, match):
             box = "dn" if match == "dn" else "go"
             teacher = (corners[:, -1], cls[:, -1])
-            hs = [Head(f"{prefix}last", cls[:, -1], coord[:, -1], match, box, corners=corners[:, -1],
-                       refs=refs[:, -1])]
+            hs = [
+                Head(
+                    f"{prefix}last",
+                    cls[:, -1],
+                    coord[:, -1],
+                    match,
+                    box,
+                    corners=corners[:, -1],
+                    refs=refs[:, -1],
+                )
+            ]
             if aux:
-                hs += [Head(f"{prefix}layer{i}", cls[:, i + 1], coord[:, i + 1], match, box, corners=corners[:, i],
-                            refs=refs[:, i], teacher=teacher) for i in range(layers - 1)]
+                hs += [
+                    Head(
+                        f"{prefix}layer{i}",
+                        cls[:, i + 1],
+                        coord[:, i + 1],
+                        match,
+                        box,
+                        corners=corners[:, i],
+                        refs=refs[:, i],
+                        teacher=teacher,
+                    )
+                    for i in range(layers - 1)
+                ]
                 hs.append(Head(f"{prefix}pre", cls[:, 0], coord[:, 0], match, box))
             return hs
 
@@ -182,27 +259,33 @@ class DetrCriterion:
             heads[0].box_match = "own"
         return heads
 
-    def _lw_heads(self, logits, pred_boxes, outputs_class, outputs_coord, enc_class=None, enc_coord=None, **_):
+    def _lw_heads(
+        self, logits, pred_boxes, outputs_class, outputs_coord, enc_class=None, enc_coord=None, **_
+    ):
         queries = int(self.config.num_queries)
         groups = logits.shape[1] // queries if logits.shape[1] % queries == 0 else 1
         heads = [Head("last", logits, pred_boxes, groups=groups)]
         if self.config.auxiliary_loss and outputs_class is not None:
-            heads += [Head(f"layer{i}", outputs_class[i], outputs_coord[i], groups=groups)
-                      for i in range(outputs_class.shape[0] - 1)]
+            heads += [
+                Head(f"layer{i}", outputs_class[i], outputs_coord[i], groups=groups)
+                for i in range(outputs_class.shape[0] - 1)
+            ]
         if enc_class is not None:
             heads.append(Head("enc", enc_class, enc_coord, groups=groups))
         return heads
 
-    # ---------------------------------------------------------------------------------------------------- the cost
+    # ----------------------------------------------------------------------------------------------
+    # the cost
     @torch.no_grad()
     def cost_matrix(self, head: Head, labels: Tensor, boxes: Tensor) -> Tensor:
-        """(B * groups, Q / groups, T) costs of `head` against the padded targets (labels (B, T), boxes (B, T, 4))."""
+        """(B * groups, Q / groups, T) costs of `head` against the padded targets (labels (B, T),
+        boxes (B, T, 4))."""
         w_class, w_bbox, w_giou, alpha, gamma = self.cost
         logits, pred = head.logits.float(), head.boxes.float()
         b, q, _ = logits.shape
         t = labels.shape[1]
         prob = logits.sigmoid().gather(2, labels[:, None, :].expand(b, q, t))
-        neg = (1 - alpha) * prob ** gamma * -(1 - prob + 1e-8).log()
+        neg = (1 - alpha) * prob**gamma * -(1 - prob + 1e-8).log()
         pos = alpha * (1 - prob) ** gamma * -(prob + 1e-8).log()
         l1 = torch.cdist(pred, boxes.float(), p=1)
         giou = generalized_box_iou(_corners(pred)[:, :, None], _corners(boxes.float())[:, None])
@@ -213,9 +296,9 @@ class DetrCriterion:
         return cost.view(b, g, q // g, t).reshape(b * g, q // g, t)
 
     def match(self, heads: list[Head], labels: list[dict], meta: Optional[dict] = None) -> dict:
-        """Fill each head's `matched` with (batch, query, flat target) index tensors: the Hungarian matchings (one
-        transfer to the host for all of them), the denoising assignment and D-FINE's union. Returns the host-known
-        counts the losses normalise by."""
+        """Fill each head's `matched` with (batch, query, flat target) index tensors: the Hungarian
+        matchings (one transfer to the host for all of them), the denoising assignment and D-FINE's
+        union. Returns the host-known counts the losses normalise by."""
         counts = [int(t["class_labels"].shape[0]) for t in labels]
         device = heads[0].logits.device
         most = max(counts) if counts else 0
@@ -226,12 +309,14 @@ class DetrCriterion:
             pad_labels = torch.zeros(len(counts), most, dtype=torch.long, device=device)
             pad_boxes = torch.full((len(counts), most, 4), 0.5, device=device)
             for i, t in enumerate(labels):
-                pad_labels[i, :counts[i]] = t["class_labels"]
-                pad_boxes[i, :counts[i]] = t["boxes"].float()
-            solved = assign_batched([self.cost_matrix(h, pad_labels, pad_boxes) for h in own], counts,
-                                    self.host_seconds)
+                pad_labels[i, : counts[i]] = t["class_labels"]
+                pad_boxes[i, : counts[i]] = t["boxes"].float()
+            solved = assign_batched(
+                [self.cost_matrix(h, pad_labels, pad_boxes) for h in own], counts, self.host_seconds
+            )
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        host: dict[tuple[int, str], list[tuple[np.ndarray, np.ndarray]]] = {}  # (head, kind) -> per image pairs
+        # (head, kind) -> per image pairs
+        host: dict[tuple[int, str], list[tuple[np.ndarray, np.ndarray]]] = {}
         for h, problems in zip(own, solved):
             per_image = []
             for b in range(len(counts)):
@@ -247,40 +332,67 @@ class DetrCriterion:
             go = [go_union([host[(id(h), "own")][b] for h in own]) for b in range(len(counts))]
         if meta is not None:
             groups = int(meta["dn_num_group"])
-            dn = [(np.array([g * 2 * most + j for g in range(groups) for j in range(n)], np.int64),
-                   np.tile(np.arange(n, dtype=np.int64), groups)) for n in counts]
+            dn = [
+                (
+                    np.array([g * 2 * most + j for g in range(groups) for j in range(n)], np.int64),
+                    np.tile(np.arange(n, dtype=np.int64), groups),
+                )
+                for n in counts
+            ]
         # every index array as one vector: one copy to the device
         plan, chunks = [], []
         for h in heads:
             for kind in dict.fromkeys((h.match, h.box_match)):
-                pairs = (host[(id(h), "own")] if kind == "own" else go if kind == "go" else dn)
-                batch = np.concatenate([np.full(len(r), b, np.int64) for b, (r, _) in enumerate(pairs)])
+                pairs = host[(id(h), "own")] if kind == "own" else go if kind == "go" else dn
+                batch = np.concatenate(
+                    [np.full(len(r), b, np.int64) for b, (r, _) in enumerate(pairs)]
+                )
                 query = np.concatenate([r for r, _ in pairs])
                 target = np.concatenate([c + offsets[b] for b, (_, c) in enumerate(pairs)])
                 plan.append((h, kind, len(batch)))
                 chunks += [batch, query, target]
-        flat = detr_matching.to_device(np.concatenate(chunks) if chunks else np.zeros(0, np.int64), device)
+        flat = detr_matching.to_device(
+            np.concatenate(chunks) if chunks else np.zeros(0, np.int64), device
+        )
         start = 0
         for h, kind, n in plan:
-            h.matched[kind] = (flat[start:start + n], flat[start + n:start + 2 * n], flat[start + 2 * n:start + 3 * n])
+            h.matched[kind] = (
+                flat[start : start + n],
+                flat[start + n : start + 2 * n],
+                flat[start + 2 * n : start + 3 * n],
+            )
             start += 3 * n
-        return {"boxes": sum(counts), "go": sum(len(r) for r, _ in go) if uses_go else 0,
-                "dn_groups": int(meta["dn_num_group"]) if meta is not None else 1}
+        return {
+            "boxes": sum(counts),
+            "go": sum(len(r) for r, _ in go) if uses_go else 0,
+            "dn_groups": int(meta["dn_num_group"]) if meta is not None else 1,
+        }
 
-    # --------------------------------------------------------------------------------------------------- the losses
-    def losses(self, heads: list[Head], labels: list[dict], meta: Optional[dict] = None) -> dict[str, Tensor]:
-        """The weighted terms of every head; `meta`: the model's denoising values (RT-DETR, D-FINE in training)."""
+    # ----------------------------------------------------------------------------------------------
+    # the losses
+    def losses(
+        self, heads: list[Head], labels: list[dict], meta: Optional[dict] = None
+    ) -> dict[str, Tensor]:
+        """The weighted terms of every head; `meta`: the model's denoising values (RT-DETR, D-FINE
+        in training)."""
         stats = self.match(heads, labels, meta)
         device = heads[0].logits.device
-        target_labels = (torch.cat([t["class_labels"] for t in labels]) if labels else
-                         torch.zeros(0, dtype=torch.long, device=device))
-        target_boxes = (torch.cat([t["boxes"] for t in labels]).float() if labels else
-                        torch.zeros(0, 4, device=device))
+        target_labels = (
+            torch.cat([t["class_labels"] for t in labels])
+            if labels
+            else torch.zeros(0, dtype=torch.long, device=device)
+        )
+        target_boxes = (
+            torch.cat([t["boxes"] for t in labels]).float()
+            if labels
+            else torch.zeros(0, 4, device=device)
+        )
         groups = max(h.groups for h in heads)
         num, num_go = _normalisers(float(stats["boxes"] * groups), float(stats["go"]), device)
         terms: dict[str, Tensor] = {}
         ddf_split = None
-        if self.family == "d_fine":  # DDF's positive / negative weights: the last layer's union matching's counts
+        # DDF's positive / negative weights: the last layer's union matching's counts
+        if self.family == "d_fine":
             first = heads[0]
             positives = 4 * stats["go"]
             negatives = 4 * first.logits.shape[0] * first.logits.shape[1] - positives
@@ -292,11 +404,13 @@ class DetrCriterion:
             n_box = num * stats["dn_groups"] if dn else (num_go if h.box_match == "go" else num)
             b, q, t = h.matched[h.match]
             if self.family == "lw_detr":
-                terms[f"class_{h.name}"] = self.weights["class"] * self._ia_bce(h, b, q, t, target_labels,
-                                                                                 target_boxes, n_class)
+                terms[f"class_{h.name}"] = self.weights["class"] * self._ia_bce(
+                    h, b, q, t, target_labels, target_boxes, n_class
+                )
             else:
-                terms[f"class_{h.name}"] = self.weights["class"] * self._vfl(h, b, q, t, target_labels,
-                                                                              target_boxes, n_class)
+                terms[f"class_{h.name}"] = self.weights["class"] * self._vfl(
+                    h, b, q, t, target_labels, target_boxes, n_class
+                )
             b, q, t = h.matched[h.box_match]
             pred, tgt = h.boxes[b, q].float(), target_boxes[t]
             terms[f"bbox_{h.name}"] = self.weights["bbox"] * (pred - tgt).abs().sum() / n_box
@@ -306,49 +420,64 @@ class DetrCriterion:
                 iou = box_iou(_corners(pred), _corners(tgt)).detach()
                 terms[f"fgl_{h.name}"] = self.weights["fgl"] * self._fgl(h, b, q, tgt, iou, n_box)
                 if h.teacher is not None:
-                    terms[f"ddf_{h.name}"] = self.weights["ddf"] * self._ddf(h, b, q, iou, ddf_split)
+                    terms[f"ddf_{h.name}"] = self.weights["ddf"] * self._ddf(
+                        h, b, q, iou, ddf_split
+                    )
         return terms
 
     def _vfl(self, h: Head, b, q, t, target_labels, target_boxes, num) -> Tensor:
-        """Varifocal loss: BCE towards the IoU at the matched (query, class), focal-weighted elsewhere."""
+        """Varifocal loss: BCE towards the IoU at the matched (query, class), focal-weighted
+        elsewhere."""
         logits = h.logits.float()
         iou = box_iou(_corners(h.boxes[b, q].detach().float()), _corners(target_boxes[t]))
         cls = target_labels[t]
         score = torch.zeros_like(logits).index_put((b, q, cls), iou)
         positive = torch.zeros_like(logits).index_put((b, q, cls), torch.ones_like(iou))
         weight = self.alpha * logits.detach().sigmoid().pow(self.gamma) * (1 - positive) + score
-        return F.binary_cross_entropy_with_logits(logits, score, weight=weight, reduction="sum") / num
+        return (
+            F.binary_cross_entropy_with_logits(logits, score, weight=weight, reduction="sum") / num
+        )
 
     def _ia_bce(self, h: Head, b, q, t, target_labels, target_boxes, num) -> Tensor:
-        """LW-DETR's IoU-aware BCE: positives towards prob^alpha * IoU^(1 - alpha) (at least 0.01), negatives
-        weighted by prob^2."""
+        """LW-DETR's IoU-aware BCE: positives towards prob^alpha * IoU^(1 - alpha) (at least 0.01),
+        negatives weighted by prob^2."""
         logits = h.logits.float()
         prob = logits.sigmoid()
         iou = box_iou(_corners(h.boxes[b, q].detach().float()), _corners(target_boxes[t]))
         where = (b, q, target_labels[t])
         quality = (prob[where].detach().pow(self.alpha) * iou.pow(1 - self.alpha)).clamp(min=0.01)
-        positive = torch.zeros_like(logits, dtype=torch.bool).index_put(where, torch.ones_like(iou, dtype=torch.bool))
+        positive = torch.zeros_like(logits, dtype=torch.bool).index_put(
+            where, torch.ones_like(iou, dtype=torch.bool)
+        )
         pos_w = torch.zeros_like(logits).index_put(where, quality)
         neg_w = torch.where(positive, 1 - pos_w, prob.pow(2))
         loss = -pos_w * F.logsigmoid(logits) - neg_w * F.logsigmoid(-logits)
         return loss.sum() / num
 
     def _fgl(self, h: Head, b, q, target, iou, num) -> Tensor:
-        """D-FINE's fine-grained localisation loss: each edge's distribution towards the two bins around the target
-        distance, IoU-weighted."""
+        """D-FINE's fine-grained localisation loss: each edge's distribution towards the two bins
+        around the target distance, IoU-weighted."""
         bins = int(self.config.max_num_bins)
         pred = h.corners[b, q].float().reshape(-1, bins + 1)
         with torch.no_grad():
-            left, w_right, w_left = edge_targets(h.refs[b, q].detach().float(), _corners(target), bins,
-                                                 float(self.config.reg_scale), float(self.config.up))
+            left, w_right, w_left = edge_targets(
+                h.refs[b, q].detach().float(),
+                _corners(target),
+                bins,
+                float(self.config.reg_scale),
+                float(self.config.up),
+            )
         left_bin = left.long()
-        loss = (F.cross_entropy(pred, left_bin, reduction="none") * w_left
-                + F.cross_entropy(pred, left_bin + 1, reduction="none") * w_right)
+        loss = (
+            F.cross_entropy(pred, left_bin, reduction="none") * w_left
+            + F.cross_entropy(pred, left_bin + 1, reduction="none") * w_right
+        )
         return (loss * iou.repeat_interleave(4)).sum() / num
 
     def _ddf(self, h: Head, b, q, iou, split, temperature: float = 5.0) -> Tensor:
-        """D-FINE's decoupled distillation focal loss: the last layer's edge distributions distilled into this one,
-        weighted by the teacher's confidence (the IoU at matched queries), matched and unmatched averaged apart."""
+        """D-FINE's decoupled distillation focal loss: the last layer's edge distributions distilled
+        into this one, weighted by the teacher's confidence (the IoU at matched queries), matched
+        and unmatched averaged apart."""
         bins = int(self.config.max_num_bins)
         teacher_corners, teacher_logits = h.teacher
         pred = h.corners.float().reshape(-1, bins + 1)
@@ -358,43 +487,67 @@ class DetrCriterion:
         matched = torch.zeros_like(weight).index_put((b, q), torch.ones_like(iou))
         weight = weight.repeat_interleave(4, dim=-1).reshape(-1)
         matched = matched.repeat_interleave(4, dim=-1).reshape(-1)
-        kl = F.kl_div(F.log_softmax(pred / temperature, dim=1), F.softmax(target / temperature, dim=1),
-                      reduction="none").sum(-1)
-        loss = weight * temperature ** 2 * kl
+        kl = F.kl_div(
+            F.log_softmax(pred / temperature, dim=1),
+            F.softmax(target / temperature, dim=1),
+            reduction="none",
+        ).sum(-1)
+        loss = weight * temperature**2 * kl
         pos = (loss * matched).sum() / matched.sum().clamp(min=1)
         neg = (loss * (1 - matched)).sum() / (1 - matched).sum().clamp(min=1)
         return pos * split[0] + neg * split[1]
 
 
 def edge_targets(refs: Tensor, target: Tensor, bins: int, reg_scale: float, up: float):
-    """D-FINE's distance targets of each box edge from its reference box (cx, cy, w, h) on the model's non-uniform
-    bins: (left bin as a float, weight of the right bin, weight of the left bin), one per edge (4 per box) -
-    `bbox2distance` / `translate_gt` of the original, written without boolean-mask indexing."""
+    """D-FINE's distance targets of each box edge from its reference box (cx, cy, w, h) on the
+    model's non-uniform bins: (left bin as a float, weight of the right bin, weight of the left
+    bin), one per edge (4 per box) - `bbox2distance` / `translate_gt` of the original, written
+    without boolean-mask indexing."""
     from transformers.loss.loss_d_fine import weighting_function
 
     scale = abs(reg_scale)
     cx, cy, w, h = refs.unbind(-1)
     x1, y1, x2, y2 = target.unbind(-1)
-    edges = torch.stack([(cx - x1) / (w / scale + 1e-16), (cy - y1) / (h / scale + 1e-16),
-                         (x2 - cx) / (w / scale + 1e-16), (y2 - cy) / (h / scale + 1e-16)], -1) - 0.5 * scale
+    edges = (
+        torch.stack(
+            [
+                (cx - x1) / (w / scale + 1e-16),
+                (cy - y1) / (h / scale + 1e-16),
+                (x2 - cx) / (w / scale + 1e-16),
+                (y2 - cy) / (h / scale + 1e-16),
+            ],
+            -1,
+        )
+        - 0.5 * scale
+    )
     edges = edges.reshape(-1)
-    values = weighting_function(bins, torch.tensor([up], device=refs.device), reg_scale).to(edges.dtype)
+    values = weighting_function(bins, torch.tensor([up], device=refs.device), reg_scale).to(
+        edges.dtype
+    )
     index = (values[None] <= edges[:, None]).sum(1) - 1
     inside = index.clamp(0, bins - 1)
     left_d = (edges - values[inside]).abs()
     right_d = (values[inside + 1] - edges).abs()
     right = left_d / (left_d + right_d)
     below, above = index < 0, index >= bins
-    w_right = torch.where(below, torch.zeros_like(right), torch.where(above, torch.ones_like(right), right))
-    w_left = torch.where(below, torch.ones_like(right), torch.where(above, torch.zeros_like(right), 1 - right))
-    left = torch.where(below, torch.zeros_like(edges),
-                       torch.where(above, torch.full_like(edges, bins - 0.1), index.to(edges.dtype)))
+    w_right = torch.where(
+        below, torch.zeros_like(right), torch.where(above, torch.ones_like(right), right)
+    )
+    w_left = torch.where(
+        below, torch.ones_like(right), torch.where(above, torch.zeros_like(right), 1 - right)
+    )
+    left = torch.where(
+        below,
+        torch.zeros_like(edges),
+        torch.where(above, torch.full_like(edges, bins - 0.1), index.to(edges.dtype)),
+    )
     return left.clamp(0, bins - 0.1), w_right, w_left
 
 
 def _normalisers(boxes: float, go: float, device: torch.device) -> tuple[Any, Any]:
-    """The boxes (and D-FINE's union matches) averaged over data-parallel ranks, at least 1: a device tensor under
-    torch.distributed (one all-reduce, no host read), plain numbers in one process."""
+    """The boxes (and D-FINE's union matches) averaged over data-parallel ranks, at least 1: a
+    device tensor under torch.distributed (one all-reduce, no host read), plain numbers in one
+    process."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -405,13 +558,18 @@ def _normalisers(boxes: float, go: float, device: torch.device) -> tuple[Any, An
     return max(boxes, 1.0), max(go, 1.0)
 
 
-FAMILIES = {"rt_detr": "rt_detr", "rt_detr_v2": "rt_detr", "d_fine": "d_fine", "rf_detr": "lw_detr",
-            "lw_detr": "lw_detr"}
+FAMILIES = {
+    "rt_detr": "rt_detr",
+    "rt_detr_v2": "rt_detr",
+    "d_fine": "d_fine",
+    "rf_detr": "lw_detr",
+    "lw_detr": "lw_detr",
+}
 
 
 def install(model) -> Optional[DetrCriterion]:
-    """Make a transformers DETR-class `...ForObjectDetection` train with this criterion (its forward calls
-    `loss_function` with the raw outputs); None for a model of no family here."""
+    """Make a transformers DETR-class `...ForObjectDetection` train with this criterion (its forward
+    calls `loss_function` with the raw outputs); None for a model of no family here."""
     family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
     if family is None:
         return None

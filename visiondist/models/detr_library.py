@@ -1,10 +1,12 @@
-"""DETR-class detectors' weights in transformers' own layout, and the model a config builds with them.
+"""DETR-class detectors' weights in transformers' own layout, and the model a config builds with
+them.
 
-`build_detr` (`model.family=detr`) builds `DetrDetector` and loads `model.weights`: a local state dict of the
-wrapper's keys, a directory in the library's `from_pretrained` layout (config.json + model.safetensors), or a Hugging
-Face repo name whose snapshot is in the local cache. `library_state` reads such a directory through the library
-(its renamed keys included) and checks it against the model: its kind, its variant (naming the config that fits),
-class heads of another count left to start afresh. `save_library_dir` writes that layout (`format=hf`).
+`build_detr` (`model.family=detr`) builds `DetrDetector` and loads `model.weights`: a local state
+dict of the wrapper's keys, a directory in the library's `from_pretrained` layout (config.json +
+model.safetensors), or a Hugging Face repo name whose snapshot is in the local cache.
+`library_state` reads such a directory through the library (its renamed keys included) and checks it
+against the model: its kind, its variant (naming the config that fits), class heads of another count
+left to start afresh. `save_library_dir` writes that layout (`format=hf`).
 """
 
 from __future__ import annotations
@@ -18,46 +20,71 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from visiondist.models.detr import ARCHS, Arch, DetrDetector, _transformers, arch_of, build_hf_detector, library_values
+from visiondist.models.detr import (
+    ARCHS,
+    Arch,
+    DetrDetector,
+    _transformers,
+    arch_of,
+    build_hf_detector,
+    library_values,
+)
 from visiondist.models.weights import output_mode
 
 log = logging.getLogger(__name__)
 
 
 def build_detr(cfg: Any) -> nn.Module:
-    """`model.family=detr`: the `DetrDetector` of `model.arch` for `model.num_classes` classes at `model.img_size`,
-    random weights or `model.weights`: a local state dict of this wrapper's keys, a directory in the library's
-    layout (config.json + model.safetensors, as `from_pretrained` reads and format=hf writes) or a Hugging Face
-    repo name read from the local cache."""
+    """`model.family=detr`: the `DetrDetector` of `model.arch` for `model.num_classes` classes at
+    `model.img_size`, random weights or `model.weights`: a local state dict of this wrapper's keys,
+    a directory in the library's layout (config.json + model.safetensors, as `from_pretrained` reads
+    and format=hf writes) or a Hugging Face repo name read from the local cache."""
     spec = arch_of(str(cfg.arch))
     scales = [int(s) for s in cfg.get("multi_scale") or []]
-    model = DetrDetector(build_hf_detector(str(cfg.arch), int(cfg.num_classes), model_values(cfg)),
-                         int(cfg.img_size), spec, scales)
+    model = DetrDetector(
+        build_hf_detector(str(cfg.arch), int(cfg.num_classes), model_values(cfg)),
+        int(cfg.img_size),
+        spec,
+        scales,
+    )
     if cfg.weights:
         from visiondist.models.weights import load_local_weights
         from visiondist.utils.pretrained import local_file
 
-
-        where = local_file(str(cfg.weights), "model.weights")  # a repo name: its snapshot in the cache
+        # a repo name: its snapshot in the cache
+        where = local_file(str(cfg.weights), "model.weights")
         if is_library_dir(where):
             state, fresh = library_state(model, where, str(cfg.weights), str(cfg.name))
             if fresh:
-                log.info("model.weights=%s: %s classes there, %d here: the class heads (%s) start afresh",
-                         cfg.weights, _labels_of(where), int(cfg.num_classes), ", ".join(fresh))
+                log.info(
+                    "model.weights=%s: %s classes there, %d here: the class heads (%s) start "
+                    "afresh",
+                    cfg.weights,
+                    _labels_of(where),
+                    int(cfg.num_classes),
+                    ", ".join(fresh),
+                )
             model.load_state_dict({**model.state_dict(), **state}, strict=True)
-            log.info("model.weights=%s: %d of the model's %d tensors loaded from %s", cfg.weights, len(state),
-                     len(model.state_dict()), where)
+            log.info(
+                "model.weights=%s: %d of the model's %d tensors loaded from %s",
+                cfg.weights,
+                len(state),
+                len(model.state_dict()),
+                where,
+            )
         else:
             load_local_weights(model, str(where))
     return model
 
 
-FROZEN_BN = "freeze_backbone_batch_norms"  # RT-DETR's and D-FINE's configs: the backbone's BatchNorms frozen
+# RT-DETR's and D-FINE's configs: the backbone's BatchNorms frozen
+FROZEN_BN = "freeze_backbone_batch_norms"
 
 
 def model_values(cfg: Any) -> dict[str, Any]:
-    """The library configuration's values for the model config `cfg`: `library_values` (model.kwargs,
-    model.num_queries) and whether the backbone's BatchNorms are frozen (`_frozen_backbone_batchnorms`)."""
+    """The library configuration's values for the model config `cfg`: `library_values`
+    (model.kwargs, model.num_queries) and whether the backbone's BatchNorms are frozen
+    (`_frozen_backbone_batchnorms`)."""
     values = library_values(cfg)
     if FROZEN_BN not in values and _has_frozen_bn_setting(arch_of(str(cfg.arch))):
         values[FROZEN_BN] = _frozen_backbone_batchnorms(cfg)
@@ -69,13 +96,14 @@ def _has_frozen_bn_setting(arch: Arch) -> bool:
 
 
 def _frozen_backbone_batchnorms(cfg: Any) -> bool:
-    """Whether the backbone's BatchNorms are frozen (the library's default) or train: frozen only where the model
-    starts from a directory in the library's layout whose config.json has them frozen. A state dict of this
-    wrapper's keys needs nothing here: its loader (`load_local_weights`) freezes the BatchNorms saved without their
-    `num_batches_tracked`. From random weights they train, as D-FINE-N/S and RT-DETRv2-R18 train theirs: frozen
-    at their initial statistics they normalise nothing, the backbone's activations shrink about 10x a layer and its
-    first gradients reach 1e12 (measured for D-FINE-N), and the detector sits on the DETR loss plateau for epochs.
-    `model.kwargs.freeze_backbone_batch_norms` sets it either way."""
+    """Whether the backbone's BatchNorms are frozen (the library's default) or train: frozen only
+    where the model starts from a directory in the library's layout whose config.json has them
+    frozen. A state dict of this wrapper's keys needs nothing here: its loader
+    (`load_local_weights`) freezes the BatchNorms saved without their `num_batches_tracked`. From
+    random weights they train, as D-FINE-N/S and RT-DETRv2-R18 train theirs: frozen at their initial
+    statistics they normalise nothing, the backbone's activations shrink about 10x a layer and its
+    first gradients reach 1e12 (measured for D-FINE-N), and the detector sits on the DETR loss
+    plateau for epochs. `model.kwargs.freeze_backbone_batch_norms` sets it either way."""
     if not cfg.weights:
         return False
     from visiondist.utils.pretrained import local_file
@@ -84,12 +112,16 @@ def _frozen_backbone_batchnorms(cfg: Any) -> bool:
     return is_library_dir(where) and bool(_library_config(where).get(FROZEN_BN, True))
 
 
-# -- weights in the library's layout: a from_pretrained directory (config.json + model.safetensors) --------------
+# -- weights in the library's layout: a from_pretrained directory (config.json + model.safetensors)
 
 
 def is_library_dir(path) -> bool:
     where = Path(path)
-    return where.is_dir() and (where / "config.json").is_file() and (where / "model.safetensors").is_file()
+    return (
+        where.is_dir()
+        and (where / "config.json").is_file()
+        and (where / "model.safetensors").is_file()
+    )
 
 
 def _library_config(where) -> dict:
@@ -101,26 +133,36 @@ def _labels_of(where) -> int:
     return int(len(config.get("id2label") or {}) or config.get("num_labels") or 0)
 
 
-def library_state(model: "DetrDetector", where, spec: str, name: str) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The weights of a directory in the library's layout under `model`'s keys, checked against it: the same kind of
-    model (config.json's model_type), every tensor present with the model's shape; the class heads of another class
-    count are left out (they start afresh: the names are returned). `model` may live on the meta device. A
-    ValueError names the fix."""
+def library_state(
+    model: DetrDetector, where, spec: str, name: str
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The weights of a directory in the library's layout under `model`'s keys, checked against it:
+    the same kind of model (config.json's model_type), every tensor present with the model's shape;
+    the class heads of another class count are left out (they start afresh: the names are returned).
+    `model` may live on the meta device. A ValueError names the fix."""
     config = _library_config(where)
     kind = config.get("model_type")
     if kind != model.arch.model_type:
         same = [n for n, a in ARCHS.items() if a.model_type == kind]
-        use = f"use model={' or model='.join(same)}" if same else f"the models here are {', '.join(ARCHS)}"
-        raise ValueError(f"model.weights={spec} holds a {kind} model, not model={name}'s {model.arch.model_type}: "
-                         f"{use}")
+        use = (
+            f"use model={' or model='.join(same)}"
+            if same
+            else f"the models here are {', '.join(ARCHS)}"
+        )
+        raise ValueError(
+            f"model.weights={spec} holds a {kind} model, not model={name}'s "
+            f"{model.arch.model_type}: {use}"
+        )
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     theirs_labels, ours = _labels_of(where), int(model.model.config.num_labels)
-    stored = _from_pretrained(model.arch, where)  # the library reads its own layout (its renamed keys included)
+    # the library reads its own layout (its renamed keys included)
+    stored = _from_pretrained(model.arch, where)
     state, fresh, unknown, wrong = {}, [], [], []
     for key, tensor in stored.items():
         ours_key = model.aliases.get("model." + key, "model." + key)
         if ours_key not in own:
-            if not key.endswith("num_batches_tracked"):  # trained BatchNorms there, frozen ones here: nothing lost
+            # trained BatchNorms there, frozen ones here: nothing lost
+            if not key.endswith("num_batches_tracked"):
                 unknown.append(key)
         elif tuple(tensor.shape) == own[ours_key]:
             state[ours_key] = tensor
@@ -128,20 +170,31 @@ def library_state(model: "DetrDetector", where, spec: str, name: str) -> tuple[d
             fresh.append(ours_key)
         else:
             wrong.append((key, tuple(tensor.shape), own[ours_key]))
-    missing = sorted(k for k in set(own) - set(state) - set(fresh) if not k.endswith("num_batches_tracked"))
+    missing = sorted(
+        k for k in set(own) - set(state) - set(fresh) if not k.endswith("num_batches_tracked")
+    )
     if wrong or unknown or missing:
-        what = (f"{wrong[0][0]} is {list(wrong[0][1])} there but {list(wrong[0][2])} here" if wrong else
-                f"{(unknown or missing)[0]} is {'there but not here' if unknown else 'here but not there'}")
-        fits = _variant_of(stored, kind, theirs_labels, {k: config[k] for k in ('num_queries',) if k in config})
+        what = (
+            f"{wrong[0][0]} is {list(wrong[0][1])} there but {list(wrong[0][2])} here"
+            if wrong
+            else f"{(unknown or missing)[0]} is "
+            f"{'there but not here' if unknown else 'here but not there'}"
+        )
+        fits = _variant_of(
+            stored, kind, theirs_labels, {k: config[k] for k in ("num_queries",) if k in config}
+        )
         use = f"use model={fits}" if fits else "pick the model config of the weights' variant"
-        raise ValueError(f"model.weights={spec} is another variant than model={name} ({what}; {len(wrong)} tensors "
-                         f"differ, {len(unknown)} unknown, {len(missing)} missing): {use}")
-    return state, sorted({k[len("model."):].rsplit(".", 1)[0] for k in fresh})
+        raise ValueError(
+            f"model.weights={spec} is another variant than model={name} ({what}; {len(wrong)} "
+            f"tensors differ, {len(unknown)} unknown, {len(missing)} missing): {use}"
+        )
+    return state, sorted({k[len("model.") :].rsplit(".", 1)[0] for k in fresh})
 
 
 @contextlib.contextmanager
 def _quiet():
-    """transformers without its progress bars and notes (reading or writing a directory here is one log line)."""
+    """transformers without its progress bars and notes (reading or writing a directory here is one
+    log line)."""
     transformers = _transformers()
     logging_ = transformers.utils.logging
     verbosity, bars = logging_.get_verbosity(), logging_.is_progress_bar_enabled()
@@ -156,22 +209,32 @@ def _quiet():
 
 
 def _from_pretrained(arch: Arch, where) -> dict[str, torch.Tensor]:
-    """The state dict of the library's model read from `where` by its `from_pretrained` (quietly; no download)."""
+    """The state dict of the library's model read from `where` by its `from_pretrained` (quietly; no
+    download)."""
     with _quiet() as transformers:
-        loaded, info = getattr(transformers, arch.model).from_pretrained(str(where), local_files_only=True,
-                                                                          output_loading_info=True)
+        loaded, info = getattr(transformers, arch.model).from_pretrained(
+            str(where), local_files_only=True, output_loading_info=True
+        )
     if info.get("missing_keys") or info.get("mismatched_keys"):
         what = sorted(info.get("missing_keys") or info.get("mismatched_keys"))
-        raise ValueError(f"model.weights={where}: its model.safetensors does not fit its own config.json ({len(what)} "
-                         f"tensors, e.g. {what[0]}): the directory is damaged or mixed; export it again")
+        raise ValueError(
+            f"model.weights={where}: its model.safetensors does not fit its own config.json "
+            f"({len(what)} tensors, e.g. {what[0]}): the directory is damaged or mixed; export it "
+            "again"
+        )
     return loaded.state_dict()
 
 
-def _variant_of(stored: dict[str, torch.Tensor], kind: str, labels: int, overrides: dict) -> Optional[str]:
-    """The model config whose architecture (with the stored config's `overrides`, e.g. its queries) has exactly the
-    stored tensors' names and shapes (built on the meta device), if one has."""
+def _variant_of(
+    stored: dict[str, torch.Tensor], kind: str, labels: int, overrides: dict
+) -> Optional[str]:
+    """The model config whose architecture (with the stored config's `overrides`, e.g. its queries)
+    has exactly the stored tensors' names and shapes (built on the meta device), if one has."""
+
     def shapes_of(state: dict) -> dict:  # BatchNorms frozen or not alike
-        return {k: tuple(v.shape) for k, v in state.items() if not k.endswith("num_batches_tracked")}
+        return {
+            k: tuple(v.shape) for k, v in state.items() if not k.endswith("num_batches_tracked")
+        }
 
     shapes = shapes_of(stored)
     for name, arch in ARCHS.items():
@@ -185,10 +248,11 @@ def _variant_of(stored: dict[str, torch.Tensor], kind: str, labels: int, overrid
 
 
 def library_settings(where) -> Optional[dict[str, Any]]:
-    """What a from_pretrained directory says of the model config that reads it, as overrides: `model` (its variant,
-    the config whose tensors have exactly the stored names and shapes), `data.num_classes` (id2label's count),
-    `model.num_queries` and `model.img_size` (the image processor's square side). None where it is no DETR-class
-    model of this project's, or no model config here fits its tensors."""
+    """What a from_pretrained directory says of the model config that reads it, as overrides:
+    `model` (its variant, the config whose tensors have exactly the stored names and shapes),
+    `data.num_classes` (id2label's count), `model.num_queries` and `model.img_size` (the image
+    processor's square side). None where it is no DETR-class model of this project's, or no model
+    config here fits its tensors."""
     config = _library_config(where)
     kind = config.get("model_type")
     arch = next((a for a in ARCHS.values() if a.model_type == kind), None)
@@ -210,17 +274,26 @@ def library_settings(where) -> Optional[dict[str, Any]]:
 
 
 def _class_head(theirs: tuple, ours: tuple, theirs_labels: int, our_labels: int) -> bool:
-    """A tensor sized by the class count (a classifier's rows; the denoising label embedding has one more)."""
-    return (len(theirs) == len(ours) and theirs[1:] == ours[1:] and theirs[0] - theirs_labels in (0, 1)
-            and ours[0] - our_labels == theirs[0] - theirs_labels)
+    """A tensor sized by the class count (a classifier's rows; the denoising label embedding has one
+    more)."""
+    return (
+        len(theirs) == len(ours)
+        and theirs[1:] == ours[1:]
+        and theirs[0] - theirs_labels in (0, 1)
+        and ours[0] - our_labels == theirs[0] - theirs_labels
+    )
 
 
-def save_library_dir(model: "DetrDetector", out, classes: Optional[list[str]] = None,
-                     category_ids: Optional[list[int]] = None) -> list:
-    """`model` as a directory transformers' `from_pretrained` reads: config.json (with the class names and, for a
-    COCO-trained model, `category_ids`: the COCO category id of each 0-based library label, which transformers keeps
-    as `model.config.category_ids`), model.safetensors, and preprocessor_config.json (the library's image processor
-    at model.img_size)."""
+def save_library_dir(
+    model: DetrDetector,
+    out,
+    classes: Optional[list[str]] = None,
+    category_ids: Optional[list[int]] = None,
+) -> list:
+    """`model` as a directory transformers' `from_pretrained` reads: config.json (with the class
+    names and, for a COCO-trained model, `category_ids`: the COCO category id of each 0-based
+    library label, which transformers keeps as `model.config.category_ids`), model.safetensors, and
+    preprocessor_config.json (the library's image processor at model.img_size)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     inner = model.model
@@ -231,12 +304,15 @@ def save_library_dir(model: "DetrDetector", out, classes: Optional[list[str]] = 
         if classes and len(category_ids) != len(classes):
             raise ValueError(f"{len(category_ids)} category ids for {len(classes)} classes")
         inner.config.category_ids = [int(c) for c in category_ids]
-    elif hasattr(inner.config, "category_ids"):  # read with weights of another data set: not this model's map
+    # read with weights of another data set: not this model's map
+    elif hasattr(inner.config, "category_ids"):
         del inner.config.category_ids
     with _quiet() as transformers:
         inner.save_pretrained(str(out), safe_serialization=True)
         processor = getattr(transformers, model.arch.processor)(
-            size={"height": model.img_size, "width": model.img_size}, do_normalize=model.arch.normalize)
+            size={"height": model.img_size, "width": model.img_size},
+            do_normalize=model.arch.normalize,
+        )
         processor.save_pretrained(str(out))
     files = [out / "config.json", out / "model.safetensors", out / "preprocessor_config.json"]
     for file in files:  # safetensors writes 0o600

@@ -1,7 +1,7 @@
-"""Training FLOPs of a model per image: what model FLOPs utilisation (MFU) divides by and what the planner's time
-model runs at the device's rate. `classifier_train_flops` counts them on the model itself (any classifier);
-`vit_train_flops` is the same count written out for a ViT's shape (`visiondist.models.shape.ViTShape`), without
-torch, for planning before anything is built."""
+"""Training FLOPs of a model per image: what model FLOPs utilisation (MFU) divides by and what the
+planner's time model runs at the device's rate. `classifier_train_flops` counts them on the model
+itself (any classifier); `vit_train_flops` is the same count written out for a ViT's shape
+(`visiondist.models.shape.ViTShape`), without torch, for planning before anything is built."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ if TYPE_CHECKING:
 
 
 def classifier_train_flops(model_cfg: DictConfig) -> float:
-    """FLOPs of one forward + backward of one image at `model_cfg.img_size`, counted by `FlopCounterMode` on the model
-    built on the meta device (no memory, no arithmetic): the model's FLOPs, so activation checkpointing's recompute
-    does not count, as MFU defines it."""
+    """FLOPs of one forward + backward of one image at `model_cfg.img_size`, counted by
+    `FlopCounterMode` on the model built on the meta device (no memory, no arithmetic): the model's
+    FLOPs, so activation checkpointing's recompute does not count, as MFU defines it."""
     import torch
     import torch.nn.functional as F
     from omegaconf import OmegaConf
@@ -24,7 +24,8 @@ def classifier_train_flops(model_cfg: DictConfig) -> float:
 
     from visiondist.models import build_model
 
-    cfg = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None})  # the run's config is read-only
+    # the run's config is read-only
+    cfg = OmegaConf.merge(model_cfg, {"weights": None, "init_from": None})
     size = model_cfg.img_size
     with torch.device("meta"):
         model = build_model(cfg)
@@ -35,9 +36,10 @@ def classifier_train_flops(model_cfg: DictConfig) -> float:
 
 
 def vit_train_flops(s: ViTShape, checkpointing: bool = False) -> float:
-    """Forward + backward matmul FLOPs of one image of a ViT of shape `s`, as `torch.utils.flop_counter` counts them:
-    each block's and the head's backward costs 2 x their forward (input and weight gradients), the patch embedding's
-    1 x (the images need no gradient); activation checkpointing runs the blocks' forward once more."""
+    """Forward + backward matmul FLOPs of one image of a ViT of shape `s`, as
+    `torch.utils.flop_counter` counts them: each block's and the head's backward costs 2 x their
+    forward (input and weight gradients), the patch embedding's 1 x (the images need no gradient);
+    activation checkpointing runs the blocks' forward once more."""
     t, d, h = s.tokens, s.embed_dim, s.hidden
     block = 2 * t * (4 * d * d + 2 * d * h) + 4 * t * t * d
     patch = 2 * (t - 1) * 3 * s.patch_size**2 * d

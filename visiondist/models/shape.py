@@ -1,6 +1,7 @@
-"""A ViT's shape as plain numbers (`ViTShape`), read off a model config without building the model: what the memory
-and time models of the planner count (`visiondist.plan.memory`, `visiondist.plan.planner`) and the analytic FLOPs
-per image (`visiondist.models.flops.vit_train_flops`). No torch here."""
+"""A ViT's shape as plain numbers (`ViTShape`), read off a model config without building the model:
+what the memory and time models of the planner count (`visiondist.plan.memory`,
+`visiondist.plan.planner`) and the analytic FLOPs per image
+(`visiondist.models.flops.vit_train_flops`). No torch here."""
 
 from __future__ import annotations
 
@@ -17,14 +18,23 @@ class ViTShape:
     img_size: int
     num_classes: int
     qkv_bias: bool = True
-    # tokens an image computes where not its square grid's and a class token: under data.resolution=native, the most
-    # of any step per image of data.batch_size (`visiondist.config.resolution.planned_tokens`); 0: the square grid's
+    # tokens an image computes where not its square grid's and a class token: under
+    # data.resolution=native, the most of any step per image of data.batch_size
+    # (`visiondist.config.resolution.planned_tokens`); 0: the square grid's
     seq_tokens: int = 0
 
     @classmethod
-    def from_config(cls, m) -> "ViTShape":
-        return cls(int(m.embed_dim), int(m.depth), int(m.num_heads), float(m.mlp_ratio), int(m.patch_size),
-                   int(m.img_size), int(m.num_classes), bool(m.qkv_bias))
+    def from_config(cls, m) -> ViTShape:
+        return cls(
+            int(m.embed_dim),
+            int(m.depth),
+            int(m.num_heads),
+            float(m.mlp_ratio),
+            int(m.patch_size),
+            int(m.img_size),
+            int(m.num_classes),
+            bool(m.qkv_bias),
+        )
 
     @property
     def hidden(self) -> int:

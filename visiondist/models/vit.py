@@ -1,14 +1,15 @@
 """Vision Transformer in plain PyTorch, numerically identical to timm's `VisionTransformer`.
 
-Differences from timm are deliberate and layout-only: attention keeps separate `q`, `k` and `v` parameters so a tensor
-parallel plan can shard them by whole heads (a fused qkv weight cannot be column-split naively) and runs them as one
-GEMM as timm does (`Attention`), and the number of heads a module computes is derived from its weight shape, so a
-sharded copy runs unchanged. `to_timm_state_dict` /
-`from_timm_state_dict` convert to and from timm's keys (fused `qkv`) exactly.
+Differences from timm are deliberate and layout-only: attention keeps separate `q`, `k` and `v`
+parameters so a tensor parallel plan can shard them by whole heads (a fused qkv weight cannot be
+column-split naively) and runs them as one GEMM as timm does (`Attention`), and the number of heads
+a module computes is derived from its weight shape, so a sharded copy runs unchanged.
+`to_timm_state_dict` / `from_timm_state_dict` convert to and from timm's keys (fused `qkv`) exactly.
 
-Initialisation is timm's (truncated normal Linear weights, lecun-normal patch embedding, ...), but each parameter is
-drawn from a generator of its own (`visiondist.models.init`), so a model built on the meta device can be laid out first
-and each rank draw only the tensors it keeps, equal to what one process draws.
+Initialisation is timm's (truncated normal Linear weights, lecun-normal patch embedding, ...), but
+each parameter is drawn from a generator of its own (`visiondist.models.init`), so a model built on
+the meta device can be laid out first and each rank draw only the tensors it keeps, equal to what
+one process draws.
 """
 
 from __future__ import annotations
@@ -28,18 +29,20 @@ from visiondist.models.patches import Patches, native_forward
 
 
 class _FusedQKV(torch.autograd.Function):
-    """y = x W^T + b with W = [Wq; Wk; Wv], b = [bq; bk; bv] in one GEMM, saving the three weights rather than their
-    concatenation: a saved concatenation would hold 3 x dim x dim more per block until the backward (in fp32 where
-    autocast is off; under FSDP, a copy of the gathered weights FSDP frees after the forward), while the weights are
-    parameters, held anyway. The backward concatenates them again (a copy of the weights, not of activations). Under
-    autocast the GEMM runs in its dtype as any linear layer's does, and x is saved in that dtype: one 16-bit copy,
-    as autocast's linear saves."""
+    """y = x W^T + b with W = [Wq; Wk; Wv], b = [bq; bk; bv] in one GEMM, saving the three weights
+    rather than their concatenation: a saved concatenation would hold 3 x dim x dim more per block
+    until the backward (in fp32 where autocast is off; under FSDP, a copy of the gathered weights
+    FSDP frees after the forward), while the weights are parameters, held anyway. The backward
+    concatenates them again (a copy of the weights, not of activations). Under autocast the GEMM
+    runs in its dtype as any linear layer's does, and x is saved in that dtype: one 16-bit copy, as
+    autocast's linear saves."""
 
     @staticmethod
     def forward(ctx, x, wq, wk, wv, bq, bk, bv):
         bias = None if bq is None else torch.cat([bq, bk, bv])
         out = F.linear(x, torch.cat([wq, wk, wv]), bias)
-        xc = x.to(out.dtype)  # autocast's cast of x (the same values its linear multiplied); x itself without it
+        # autocast's cast of x (the same values its linear multiplied); x itself without it
+        xc = x.to(out.dtype)
         ctx.save_for_backward(xc, wq, wk, wv)
         ctx.x_dtype, ctx.has_bias = x.dtype, bq is not None
         return out
@@ -59,12 +62,13 @@ class _FusedQKV(torch.autograd.Function):
 
 
 class Attention(nn.Module):
-    """Self-attention with `q`, `k` and `v` kept as three `Linear` modules (the tensor-parallel plan splits each by
-    whole heads, and checkpoints name them apart) but run as one GEMM, as timm's fused `qkv`: the three weights are
-    concatenated in the forward (rows q, k, v; under tensor parallelism each holds this rank's heads, so the
-    concatenation is this rank's fused qkv) by `_FusedQKV`, which saves the weights and not their concatenation. On
-    an H100 the three GEMMs cost ViT-S/16 2.3% more GPU time a step and 252 more kernel launches (benchmarks/
-    RESULTS.md). `fuse_qkv = False` runs the three projections apart; projections that are not plain `Linear`
+    """Self-attention with `q`, `k` and `v` kept as three `Linear` modules (the tensor-parallel plan
+    splits each by whole heads, and checkpoints name them apart) but run as one GEMM, as timm's
+    fused `qkv`: the three weights are concatenated in the forward (rows q, k, v; under tensor
+    parallelism each holds this rank's heads, so the concatenation is this rank's fused qkv) by
+    `_FusedQKV`, which saves the weights and not their concatenation. On an H100 the three GEMMs
+    cost ViT-S/16 2.3% more GPU time a step and 252 more kernel launches (benchmarks/ RESULTS.md).
+    `fuse_qkv = False` runs the three projections apart; projections that are not plain `Linear`
     (float8's) always run apart."""
 
     fuse_qkv = True
@@ -78,15 +82,17 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask`: None (every token sees every token) or a boolean (B, 1, N or 1, N) of the pairs that attend
-        (native-resolution sequences: `visiondist.models.patches`)."""
+        """`mask`: None (every token sees every token) or a boolean (B, 1, N or 1, N) of the pairs
+        that attend (native-resolution sequences: `visiondist.models.patches`)."""
         b, n, _ = x.shape
         q, k, v = self.q, self.k, self.v
         # (B, N, H*hd) -> (B, H, N, hd); H is whatever this (possibly sharded) projection holds.
         if self.fuse_qkv and type(q) is nn.Linear and type(k) is nn.Linear and type(v) is nn.Linear:
             if torch.is_grad_enabled() and not torch.jit.is_tracing():
                 qkv = _FusedQKV.apply(x, q.weight, k.weight, v.weight, q.bias, k.bias, v.bias)
-            else:  # inference and export (TorchScript cannot hold a Python autograd function): nothing is saved
+            # inference and export (TorchScript cannot hold a Python autograd function): nothing is
+            # saved
+            else:
                 bias = None if q.bias is None else torch.cat([q.bias, k.bias, v.bias])
                 qkv = F.linear(x, torch.cat([q.weight, k.weight, v.weight]), bias)
             q, k, v = qkv.view(b, n, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
@@ -110,9 +116,10 @@ class Mlp(nn.Module):
 class DropPath(nn.Module):
     """Stochastic depth: drop the whole residual branch per sample.
 
-    The keep probability is a (non-persistent) buffer, not a Python float: every block has its own rate, and
-    torch.compile specialises on float attributes, so a float would compile one graph per block and hit dynamo's
-    recompile limit (8) in deep models. With the buffer all blocks share one graph (two: with and without drop)."""
+    The keep probability is a (non-persistent) buffer, not a Python float: every block has its own
+    rate, and torch.compile specialises on float attributes, so a float would compile one graph per
+    block and hit dynamo's recompile limit (8) in deep models. With the buffer all blocks share one
+    graph (two: with and without drop)."""
 
     def __init__(self, p: float):
         super().__init__()
@@ -121,7 +128,8 @@ class DropPath(nn.Module):
         self.register_buffer("keep_prob", torch.tensor(1.0 - p), persistent=False)
 
     def reset_buffers(self) -> None:
-        """The buffer again from the rate (after the module's tensors were allocated anew, e.g. off the meta device)."""
+        """The buffer again from the rate (after the module's tensors were allocated anew, e.g. off
+        the meta device)."""
         with torch.no_grad():
             self.keep_prob.fill_(1.0 - self.p)
 
@@ -134,32 +142,44 @@ class DropPath(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, qkv_bias: bool, drop_path: float):
+    def __init__(
+        self, dim: int, num_heads: int, mlp_ratio: float, qkv_bias: bool, drop_path: float
+    ):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim, num_heads, qkv_bias)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.drop_path = DropPath(drop_path)
-        self.checkpointing = False  # keep only the input for the backward and recompute the rest there
-        self.recompute_context = None  # () -> (forward context, recomputation context), torch's `context_fn`
-        self.checkpoint_options: dict = {}  # more keyword arguments of torch's checkpoint (the dry run's)
+        # keep only the input for the backward and recompute the rest there
+        self.checkpointing = False
+        # () -> (forward context, recomputation context), torch's `context_fn`
+        self.recompute_context = None
+        # more keyword arguments of torch's checkpoint (the dry run's)
+        self.checkpoint_options: dict = {}
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.checkpointing and torch.is_grad_enabled():  # non-reentrant: RNG (drop path) replayed, kwargs-safe
-            context = {"context_fn": self.recompute_context} if self.recompute_context is not None else {}
-            return torch.utils.checkpoint.checkpoint(self._forward, x, mask, use_reentrant=False, **context,
-                                                     **self.checkpoint_options)
+        # non-reentrant: RNG (drop path) replayed, kwargs-safe
+        if self.checkpointing and torch.is_grad_enabled():
+            context = (
+                {"context_fn": self.recompute_context} if self.recompute_context is not None else {}
+            )
+            return torch.utils.checkpoint.checkpoint(
+                self._forward, x, mask, use_reentrant=False, **context, **self.checkpoint_options
+            )
         return self._forward(x, mask)
 
     def _forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.drop_path(self.attn(self.norm1(x), mask) if mask is not None else self.attn(self.norm1(x)))
+        x = x + self.drop_path(
+            self.attn(self.norm1(x), mask) if mask is not None else self.attn(self.norm1(x))
+        )
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
 class Blocks(nn.Sequential):
-    """The transformer blocks in order; an attention mask (native-resolution sequences) goes to each. One module, so
-    that the sequence-parallel region (`visiondist.models.vit_parallel`) wraps all of them either way."""
+    """The transformer blocks in order; an attention mask (native-resolution sequences) goes to
+    each. One module, so that the sequence-parallel region (`visiondist.models.vit_parallel`) wraps
+    all of them either way."""
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         for block in self:
@@ -168,10 +188,11 @@ class Blocks(nn.Sequential):
 
 
 class PatchEmbed(nn.Module):
-    """The patch embedding: timm's `Conv2d` (kernel = stride = patch; its weight and keys, so exports load unchanged),
-    run as the GEMM it is: the image cut into patches (a reshape and one transposing copy) times the flattened
-    weight. On an H100 the convolution's cuDNN kernel (`implicit_convolve_sgemm`) took 1.65 ms of a 32 ms ViT-S/16
-    step at batch 256; the GEMM does the same products in a fraction of that (benchmarks/RESULTS.md)."""
+    """The patch embedding: timm's `Conv2d` (kernel = stride = patch; its weight and keys, so
+    exports load unchanged), run as the GEMM it is: the image cut into patches (a reshape and one
+    transposing copy) times the flattened weight. On an H100 the convolution's cuDNN kernel
+    (`implicit_convolve_sgemm`) took 1.65 ms of a 32 ms ViT-S/16 step at batch 256; the GEMM does
+    the same products in a fraction of that (benchmarks/RESULTS.md)."""
 
     def __init__(self, img_size: int, patch_size: int, dim: int):
         super().__init__()
@@ -182,13 +203,21 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-2:] != (self.img_size, self.img_size):
-            raise ValueError(f"expected {self.img_size}x{self.img_size} images, got {tuple(x.shape[-2:])}")
+            raise ValueError(
+                f"expected {self.img_size}x{self.img_size} images, got {tuple(x.shape[-2:])}"
+            )
         p = self.patch_size
-        if x.shape[-2] % p or x.shape[-1] % p:  # the convolution's stride leaves the last pixels out
+        # the convolution's stride leaves the last pixels out
+        if x.shape[-2] % p or x.shape[-1] % p:
             x = x[..., : x.shape[-2] - x.shape[-2] % p, : x.shape[-1] - x.shape[-1] % p]
         b, c, h, w = x.shape
-        # (B, C, H, W) -> (B, H/p * W/p, C * p * p): each row one patch, its values ordered as the kernel's (c, i, j)
-        patches = x.view(b, c, h // p, p, w // p, p).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // p) * (w // p), -1)
+        # (B, C, H, W) -> (B, H/p * W/p, C * p * p): each row one patch, its values ordered as the
+        # kernel's (c, i, j)
+        patches = (
+            x.view(b, c, h // p, p, w // p, p)
+            .permute(0, 2, 4, 1, 3, 5)
+            .reshape(b, (h // p) * (w // p), -1)
+        )
         return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)
 
 
@@ -209,34 +238,45 @@ class VisionTransformer(nn.Module):
         drop_path_rate: float = 0.0,
     ):
         super().__init__()
-        self.init_seed = draw_seed()  # first: the weights depend on the global generator's state alone
+        # first: the weights depend on the global generator's state alone
+        self.init_seed = draw_seed()
         self.num_classes = num_classes
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         device = torch.get_default_device()
-        with torch.device("meta"):  # shapes only; the values are drawn below, or per rank after a layout
+        # shapes only; the values are drawn below, or per rank after a layout
+        with torch.device("meta"):
             self.patch_embed = PatchEmbed(img_size, patch_size, embed_dim)
             self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-            self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
-            rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]  # linear, as timm
-            self.blocks = Blocks(*(Block(embed_dim, num_heads, mlp_ratio, qkv_bias, r) for r in rates))
+            self.pos_embed = nn.Parameter(
+                torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim)
+            )
+            # linear, as timm
+            rates = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
+            self.blocks = Blocks(
+                *(Block(embed_dim, num_heads, mlp_ratio, qkv_bias, r) for r in rates)
+            )
             self.norm = nn.LayerNorm(embed_dim, eps=1e-6)
             self.head_drop = nn.Dropout(drop_rate)
             self.head = nn.Linear(embed_dim, num_classes)
-        if device.type != "meta":  # built under `torch.device("meta")`: stays there (see models.init)
+        # built under `torch.device("meta")`: stays there (see models.init)
+        if device.type != "meta":
             materialize(self, device, InitSource(self))
 
     def init_rules(self) -> dict[str, Rule]:
-        """Parameter name -> how its full value is drawn: timm's init for Linear layers and embeddings, the patch
-        embedding lecun-normal as in the JAX reference."""
+        """Parameter name -> how its full value is drawn: timm's init for Linear layers and
+        embeddings, the patch embedding lecun-normal as in the JAX reference."""
+
         def trunc_normal(std: float) -> Rule:
             return lambda t, g: nn.init.trunc_normal_(t, std=std, generator=g)
 
         def constant(value: float) -> Rule:
             return lambda t, g: nn.init.constant_(t, value)
 
-        rules: dict[str, Rule] = {"pos_embed": trunc_normal(0.02),
-                                  "cls_token": lambda t, g: nn.init.normal_(t, std=1e-6, generator=g)}
+        rules: dict[str, Rule] = {
+            "pos_embed": trunc_normal(0.02),
+            "cls_token": lambda t, g: nn.init.normal_(t, std=1e-6, generator=g),
+        }
         for path, module in self.named_modules():
             prefix = f"{path}." if path else ""
             if isinstance(module, nn.Linear):
@@ -270,15 +310,16 @@ class VisionTransformer(nn.Module):
     def forward_head(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.head_drop(self.norm(x)[:, 0]))
 
-    def forward(self, x: torch.Tensor | "Patches") -> torch.Tensor:
-        """Logits of a batch of square images (B, 3, img_size, img_size), or of the images in a batch of
-        native-resolution patch sequences (`visiondist.models.patches.Patches`), in the batch's image order."""
+    def forward(self, x: torch.Tensor | Patches) -> torch.Tensor:
+        """Logits of a batch of square images (B, 3, img_size, img_size), or of the images in a
+        batch of native-resolution patch sequences (`visiondist.models.patches.Patches`), in the
+        batch's image order."""
         if isinstance(x, Patches):
             return native_forward(self, x)
         return self.forward_head(self.blocks(self.embed(x)))
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # timm key layout: identical except attention's fused qkv (rows ordered q, k, v).
 
 _QKV = ("q", "k", "v")
@@ -292,7 +333,9 @@ def to_timm_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
         if len(parts) == 3 and parts[1] in _QKV and parts[0].endswith(".attn"):
             if parts[1] == "q":
                 prefix, kind = parts[0], parts[2]
-                out[f"{prefix}.qkv.{kind}"] = torch.cat([state[f"{prefix}.{n}.{kind}"] for n in _QKV], dim=0)
+                out[f"{prefix}.qkv.{kind}"] = torch.cat(
+                    [state[f"{prefix}.{n}.{kind}"] for n in _QKV], dim=0
+                )
             continue
         out[key] = value
     return out
@@ -315,8 +358,9 @@ _FUSED = re.compile(r"^(.*\.attn)\.qkv\.(weight|bias)$")
 
 
 class SplitFusedQKV(Mapping):
-    """timm-layout weights seen under our keys, read lazily: `blocks.<i>.attn.q.weight` is the first third of timm's
-    `blocks.<i>.attn.qkv.weight` (rows ordered q, k, v), read when asked for; every other key passes through."""
+    """timm-layout weights seen under our keys, read lazily: `blocks.<i>.attn.q.weight` is the first
+    third of timm's `blocks.<i>.attn.qkv.weight` (rows ordered q, k, v), read when asked for; every
+    other key passes through."""
 
     def __init__(self, state: Mapping[str, torch.Tensor]):
         self.state = state
@@ -344,9 +388,9 @@ class SplitFusedQKV(Mapping):
 
 
 def init_source(cfg, model: VisionTransformer) -> InitSource:
-    """Where the (meta) model's initial values come from: `model.weights` (exactly these tensors), `model.init_from`
-    (fine-tuning: a new head when the class count differs, the position embedding resampled), or the init rules.
-    Weights in timm's layout (fused `qkv`) are read as ours."""
+    """Where the (meta) model's initial values come from: `model.weights` (exactly these tensors),
+    `model.init_from` (fine-tuning: a new head when the class count differs, the position embedding
+    resampled), or the init rules. Weights in timm's layout (fused `qkv`) are read as ours."""
     from visiondist.models.weights import LazyState, check_fits, plan_init_from
 
     def ours(weights):
@@ -360,13 +404,15 @@ def init_source(cfg, model: VisionTransformer) -> InitSource:
     if cfg.get("init_from"):
         from visiondist.utils.pretrained import local_file
 
-        file = str(local_file(cfg.init_from, "model.init_from"))  # a timm name: its file in the Hugging Face cache
-        state, fresh = plan_init_from(ours(LazyState(file, "model.init_from")), own, cfg.init_from,
-                                      type(model).__name__)
+        # a timm name: its file in the Hugging Face cache
+        file = str(local_file(cfg.init_from, "model.init_from"))
+        state, fresh = plan_init_from(
+            ours(LazyState(file, "model.init_from")), own, cfg.init_from, type(model).__name__
+        )
         return InitSource(model, state, tuple(fresh))
     return InitSource(model)
 
 
-# What the ViT declares to `visiondist.parallel` (its TP plan, its block, its stage cut) comes with the model wherever
-# it is made.
+# What the ViT declares to `visiondist.parallel` (its TP plan, its block, its stage cut) comes with
+# the model wherever it is made.
 vit_parallel.declare(VisionTransformer, Block)

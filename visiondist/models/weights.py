@@ -13,7 +13,6 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-
 log = logging.getLogger(__name__)
 
 
@@ -31,8 +30,8 @@ def read_state(path: str, key: str = "model.weights") -> dict[str, torch.Tensor]
 
 
 def not_weights(file: Path) -> Optional[str]:
-    """What a file that runs a model but holds no weights to read is (an export's ONNX graph, TorchScript archive or
-    torch.export program), or None."""
+    """What a file that runs a model but holds no weights to read is (an export's ONNX graph,
+    TorchScript archive or torch.export program), or None."""
     if file.suffix == ".onnx":
         return "an ONNX graph (tools/export.py format=onnx)"
     if zipfile.is_zipfile(file):
@@ -46,12 +45,14 @@ def not_weights(file: Path) -> Optional[str]:
 
 
 def _torch_load(file: Path, key: str, mmap: bool = False) -> object:
-    """torch.load with weights_only=True (`mmap`: memory-mapped where the file's format allows), after refusing the
-    files it cannot read as weights, naming them."""
+    """torch.load with weights_only=True (`mmap`: memory-mapped where the file's format allows),
+    after refusing the files it cannot read as weights, naming them."""
     foreign = not_weights(file)
     if foreign is not None:
-        raise ValueError(f"{key}={file} is {foreign}, which runs the model but is not read as weights: give a "
-                         "weights file, e.g. <run>/model.safetensors or tools/export.py's model.safetensors")
+        raise ValueError(
+            f"{key}={file} is {foreign}, which runs the model but is not read as weights: give a "
+            "weights file, e.g. <run>/model.safetensors or tools/export.py's model.safetensors"
+        )
     try:
         if mmap:
             try:
@@ -60,21 +61,27 @@ def _torch_load(file: Path, key: str, mmap: bool = False) -> object:
                 pass
         return torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        raise ValueError(f"{key}={file} is a pickle holding more than tensors, which is never unpickled here (it "
-                         "could run code): give a .safetensors file or a torch file of tensors (torch.save of a "
-                         "state_dict)") from None
+        raise ValueError(
+            f"{key}={file} is a pickle holding more than tensors, which is never unpickled here "
+            "(it could run code): give a .safetensors file or a torch file of tensors "
+            "(torch.save of a state_dict)"
+        ) from None
 
 
 def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
-    """Tensor shapes of weights without reading the tensors: a safetensors header, a DCP checkpoint's metadata (its
-    model tensors, under their canonical names), or a torch file memory-mapped."""
+    """Tensor shapes of weights without reading the tensors: a safetensors header, a DCP
+    checkpoint's metadata (its model tensors, under their canonical names), or a torch file
+    memory-mapped."""
     file = Path(path).expanduser()
     if file.is_dir():
         from visiondist.utils.dcp import read_metadata
 
         stored = read_metadata(file).state_dict_metadata
-        return {k[len("model."):]: tuple(v.size) for k, v in stored.items() if k.startswith("model.") and
-                hasattr(v, "size")}
+        return {
+            k[len("model.") :]: tuple(v.size)
+            for k, v in stored.items()
+            if k.startswith("model.") and hasattr(v, "size")
+        }
     if file.suffix == ".safetensors":
         from safetensors import safe_open
 
@@ -85,9 +92,11 @@ def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike, metadata: Optional[dict] = None) -> None:
-    """`safetensors.torch.save_file`, then the file mode every other output gets (0o666 less the umask; safetensors
-    itself writes 0o600)."""
+def save_weights(
+    state: dict[str, torch.Tensor], path: str | os.PathLike, metadata: Optional[dict] = None
+) -> None:
+    """`safetensors.torch.save_file`, then the file mode every other output gets (0o666 less the
+    umask; safetensors itself writes 0o600)."""
     from safetensors.torch import save_file
 
     save_file(state, str(path), metadata=metadata)
@@ -95,15 +104,18 @@ def save_weights(state: dict[str, torch.Tensor], path: str | os.PathLike, metada
 
 
 def output_mode(path: str | os.PathLike) -> None:
-    """Give a written file the mode every other output gets: 0o666 less the umask (safetensors writes 0o600)."""
+    """Give a written file the mode every other output gets: 0o666 less the umask (safetensors
+    writes 0o600)."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
 
 
-def load_local_weights(model: nn.Module, path: str, convert: Optional[Callable[[dict], dict]] = None) -> None:
-    """Load a local state dict into `model`, strictly; `convert` maps foreign key layouts (e.g. timm's) onto the
-    model's first."""
+def load_local_weights(
+    model: nn.Module, path: str, convert: Optional[Callable[[dict], dict]] = None
+) -> None:
+    """Load a local state dict into `model`, strictly; `convert` maps foreign key layouts (e.g.
+    timm's) onto the model's first."""
     state = read_state(path)
     state = convert(state) if convert else state
     match_frozen_batchnorms(model, state.keys())
@@ -111,20 +123,28 @@ def load_local_weights(model: nn.Module, path: str, convert: Optional[Callable[[
 
 
 def match_frozen_batchnorms(model: nn.Module, stored: Iterable[str]) -> int:
-    """Weights saved from a model whose BatchNorms were frozen (torchvision's FrozenBatchNorm2d, which a detector
-    started from pretrained weights has: no `num_batches_tracked`) load into a model built with trainable ones by
-    freezing those BatchNorms first, as the saved model had them. Returns how many were frozen."""
+    """Weights saved from a model whose BatchNorms were frozen (torchvision's FrozenBatchNorm2d,
+    which a detector started from pretrained weights has: no `num_batches_tracked`) load into a
+    model built with trainable ones by freezing those BatchNorms first, as the saved model had them.
+    Returns how many were frozen."""
     stored = set(stored)
-    return freeze_batchnorms(model, lambda name: f"{name}.running_mean" in stored and
-                             f"{name}.num_batches_tracked" not in stored)
+    return freeze_batchnorms(
+        model,
+        lambda name: (
+            f"{name}.running_mean" in stored and f"{name}.num_batches_tracked" not in stored
+        ),
+    )
 
 
 def freeze_batchnorms(model: nn.Module, which: Optional[Callable[[str], bool]] = None) -> int:
-    """Replace the BatchNorm2d modules of `model` (those whose name `which` accepts; default all) by torchvision's
-    FrozenBatchNorm2d with the same eps, on the same device; their statistics and affine values are loaded next.
-    Returns how many were replaced."""
-    targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.BatchNorm2d) and (which is None or which(name))]
+    """Replace the BatchNorm2d modules of `model` (those whose name `which` accepts; default all) by
+    torchvision's FrozenBatchNorm2d with the same eps, on the same device; their statistics and
+    affine values are loaded next. Returns how many were replaced."""
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.BatchNorm2d) and (which is None or which(name))
+    ]
     if not targets:
         return 0  # a ViT's processes need not import torchvision for this
     from torchvision.ops.misc import FrozenBatchNorm2d
@@ -137,8 +157,9 @@ def freeze_batchnorms(model: nn.Module, which: Optional[Callable[[str], bool]] =
 
 
 class LazyState(Mapping):
-    """A local weights file's tensors, each read when asked for: a safetensors file one tensor per read, a torch file
-    memory-mapped. A rank that keeps a shard of each tensor thus never holds the whole file."""
+    """A local weights file's tensors, each read when asked for: a safetensors file one tensor per
+    read, a torch file memory-mapped. A rank that keeps a shard of each tensor thus never holds the
+    whole file."""
 
     def __init__(self, path: str, key: str = "model.weights"):
         file = Path(path).expanduser()
@@ -168,8 +189,8 @@ class LazyState(Mapping):
 
 
 class Overlay(Mapping):
-    """`base` with some tensors replaced (a resampled position embedding) or left out (a classifier of another size),
-    read lazily like `base`."""
+    """`base` with some tensors replaced (a resampled position embedding) or left out (a classifier
+    of another size), read lazily like `base`."""
 
     def __init__(self, base: Mapping[str, torch.Tensor]):
         self.base, self.replaced, self.removed = base, {}, set()
@@ -194,22 +215,37 @@ class Overlay(Mapping):
         return sum(1 for _ in self)
 
 
-def check_fits(state: Mapping, own: Mapping[str, torch.Tensor], key: str, path: str, model: str,
-               skipped: tuple[str, ...] = ()) -> None:
-    """Every tensor of the model in `state` and nothing else (`skipped` excepted), or an error naming both sides."""
+def check_fits(
+    state: Mapping,
+    own: Mapping[str, torch.Tensor],
+    key: str,
+    path: str,
+    model: str,
+    skipped: tuple[str, ...] = (),
+) -> None:
+    """Every tensor of the model in `state` and nothing else (`skipped` excepted), or an error
+    naming both sides."""
     missing = [k for k in own if k not in state and k not in skipped]
     unexpected = [k for k in state if k not in own]
     if missing or unexpected:
-        raise ValueError(f"{key}={path} does not fit {model}: missing {', '.join(missing[:5]) or 'nothing'}; "
-                         f"unexpected {', '.join(unexpected[:5]) or 'nothing'}")
+        raise ValueError(
+            f"{key}={path} does not fit {model}: missing {', '.join(missing[:5]) or 'nothing'}; "
+            f"unexpected {', '.join(unexpected[:5]) or 'nothing'}"
+        )
 
 
-def plan_init_from(weights: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor], path: str, model: str,
-                   new_head: tuple[str, ...] = ("head.weight", "head.bias")) -> tuple[Overlay, list[str]]:
-    """Fine-tuning from local weights: every tensor must match `own` (the model's, by shape; meta tensors do), except
-    the classifier (`new_head`), which keeps its fresh initialisation when the class count differs or the file has
-    none (a backbone saved without its head), and a ViT's position embedding, resampled to the model's image size.
-    Returns the weights to load and the names left at their initialisation."""
+def plan_init_from(
+    weights: Mapping[str, torch.Tensor],
+    own: Mapping[str, torch.Tensor],
+    path: str,
+    model: str,
+    new_head: tuple[str, ...] = ("head.weight", "head.bias"),
+) -> tuple[Overlay, list[str]]:
+    """Fine-tuning from local weights: every tensor must match `own` (the model's, by shape; meta
+    tensors do), except the classifier (`new_head`), which keeps its fresh initialisation when the
+    class count differs or the file has none (a backbone saved without its head), and a ViT's
+    position embedding, resampled to the model's image size. Returns the weights to load and the
+    names left at their initialisation."""
     state = Overlay(weights)
     resample_pos_embed(state, own)
     absent = [k for k in new_head if k in own and k not in state]
@@ -219,26 +255,40 @@ def plan_init_from(weights: Mapping[str, torch.Tensor], own: Mapping[str, torch.
     skipped = [k for k in new_head if k in absent or k in resized]
     check_fits(state, own, "model.init_from", path, model, tuple(skipped))
     if skipped:
-        why = "the file has another number of classes" if resized else "the file has no classification head"
+        why = (
+            "the file has another number of classes"
+            if resized
+            else "the file has no classification head"
+        )
         log.info("model.init_from: %s re-initialised (%s)", ", ".join(skipped), why)
     return state, skipped
 
 
-def init_from(model: nn.Module, path: str, convert: Optional[Callable[[Mapping], Mapping]] = None,
-              new_head: tuple[str, ...] = ("head.weight", "head.bias")) -> list[str]:
-    """`plan_init_from` applied to a built model: its weights loaded, the names left at their initialisation
-    returned."""
+def init_from(
+    model: nn.Module,
+    path: str,
+    convert: Optional[Callable[[Mapping], Mapping]] = None,
+    new_head: tuple[str, ...] = ("head.weight", "head.bias"),
+) -> list[str]:
+    """`plan_init_from` applied to a built model: its weights loaded, the names left at their
+    initialisation returned."""
     weights = LazyState(path, "model.init_from")
-    state, skipped = plan_init_from(convert(weights) if convert else weights, model.state_dict(), path,
-                                    type(model).__name__, new_head)
+    state, skipped = plan_init_from(
+        convert(weights) if convert else weights,
+        model.state_dict(),
+        path,
+        type(model).__name__,
+        new_head,
+    )
     model.load_state_dict({k: state[k] for k in state}, strict=False)
     return skipped
 
 
-def resample_pos_embed(state: Overlay, own: Mapping[str, torch.Tensor], key: str = "pos_embed",
-                       prefix_tokens: int = 1) -> None:
-    """ViT weights made for another image size: their position embedding resampled to the model's grid the way timm
-    does (bicubic, the class token kept), in `state`."""
+def resample_pos_embed(
+    state: Overlay, own: Mapping[str, torch.Tensor], key: str = "pos_embed", prefix_tokens: int = 1
+) -> None:
+    """ViT weights made for another image size: their position embedding resampled to the model's
+    grid the way timm does (bicubic, the class token kept), in `state`."""
     old, new = state.get(key), own.get(key)
     if old is None or new is None or old.shape == new.shape or old.shape[-1] != new.shape[-1]:
         return
@@ -247,6 +297,12 @@ def resample_pos_embed(state: Overlay, own: Mapping[str, torch.Tensor], key: str
         return  # not a square grid: the load reports the mismatch
     from timm.layers import resample_abs_pos_embed
 
-    state[key] = resample_abs_pos_embed(old, new_size=[sizes[1]] * 2, old_size=[sizes[0]] * 2,
-                                        num_prefix_tokens=prefix_tokens)
-    log.info("model.init_from: %s resampled from %d x %d to %d x %d patches", key, *[sizes[0]] * 2, *[sizes[1]] * 2)
+    state[key] = resample_abs_pos_embed(
+        old, new_size=[sizes[1]] * 2, old_size=[sizes[0]] * 2, num_prefix_tokens=prefix_tokens
+    )
+    log.info(
+        "model.init_from: %s resampled from %d x %d to %d x %d patches",
+        key,
+        *[sizes[0]] * 2,
+        *[sizes[1]] * 2,
+    )

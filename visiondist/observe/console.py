@@ -1,5 +1,6 @@
-"""The console and the run's log file: rank 0's log lines (through rich in a terminal, plain lines into a pipe) and
-`train.log` / `eval.log` / `benchmark.log` in the run dir, and the paths and commands the run prints for people."""
+"""The console and the run's log file: rank 0's log lines (through rich in a terminal, plain lines
+into a pipe) and `train.log` / `eval.log` / `benchmark.log` in the run dir, and the paths and
+commands the run prints for people."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 
-LOG_FILE = "train.log"  # the run dir's log: train.log, or eval.log / benchmark.log for those jobs (setup_logging)
+# the run dir's log: train.log, or eval.log / benchmark.log for those jobs (setup_logging)
+LOG_FILE = "train.log"
 
 
 class _Stdout(logging.StreamHandler):
-    """Writes to whatever `sys.stdout` is at the time, as rich's console does (a library's chatter that a caller
-    silences with `contextlib.redirect_stdout` stays silenced)."""
+    """Writes to whatever `sys.stdout` is at the time, as rich's console does (a library's chatter
+    that a caller silences with `contextlib.redirect_stdout` stays silenced)."""
 
     @property
     def stream(self):
@@ -35,16 +37,18 @@ class _Plain(logging.Formatter):
 
 
 def in_terminal() -> bool:
-    """Whether rank 0's console is a terminal (rich's console, which the log lines and the progress bars share)."""
+    """Whether rank 0's console is a terminal (rich's console, which the log lines and the progress
+    bars share)."""
     from rich import get_console
 
     return get_console().is_terminal
 
 
 def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> None:
-    """Rank 0 logs INFO to the console (in a terminal through rich, so progress bars stay intact; otherwise plain
-    lines) and to `log_file` in the run dir (train.log; eval.log, benchmark.log for those jobs). A record logged with
-    `extra={"file_only": True}` (what the console printed before the run dir existed) goes to the file alone."""
+    """Rank 0 logs INFO to the console (in a terminal through rich, so progress bars stay intact;
+    otherwise plain lines) and to `log_file` in the run dir (train.log; eval.log, benchmark.log for
+    those jobs). A record logged with `extra={"file_only": True}` (what the console printed before
+    the run dir existed) goes to the file alone."""
     global LOG_FILE
     LOG_FILE = log_file
     from rich.logging import RichHandler
@@ -56,9 +60,12 @@ def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> 
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else "?"
-        logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s"
+        )
         return
-    if in_terminal():  # rich's columns; into a pipe or a file, plain lines that do not wrap at 80 columns
+    # rich's columns; into a pipe or a file, plain lines that do not wrap at 80 columns
+    if in_terminal():
         console = RichHandler(show_path=False, show_time=False, markup=False, rich_tracebacks=False)
         console.setFormatter(logging.Formatter("%(message)s"))
     else:
@@ -72,45 +79,72 @@ def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> 
     root.setLevel(logging.INFO)
 
 
-
-def next_commands(run_dir: Path, family: str = "", images: Optional[Path] = None, longer: str = "") -> str:
-    """Where a training run is, and what to run on it next, in the tools' key=value convention (the export formats
-    the model `family` has; `images`: a folder of the run's own val images, which the predict line names as its
-    example source; `longer`: the length setting that trains it on, e.g. `trainer.max_epochs=20`)."""
+def next_commands(
+    run_dir: Path, family: str = "", images: Optional[Path] = None, longer: str = ""
+) -> str:
+    """Where a training run is, and what to run on it next, in the tools' key=value convention (the
+    export formats the model `family` has; `images`: a folder of the run's own val images, which the
+    predict line names as its example source; `longer`: the length setting that trains it on, e.g.
+    `trainer.max_epochs=20`)."""
     import shlex
 
     run = shlex.quote(shown_path(run_dir))
-    formats = ("format=hf: transformers' from_pretrained directory; format=onnx" if family == "detr" else
-               "format=naflex: timm's NaFlexVit, images at their own shapes; format=onnx" if family == "native" else
-               "format=onnx" if family == "vitdet" else
-               "format=onnx or format=torchscript" if family == "torchvision" else
-               "format=onnx or format=pt2")
-    source = (f"source={shlex.quote(shown_path(images))}   (or any image, folder, glob, .txt list or video)"
-              if images is not None else "source=<images, folder, glob, list or video>")
-    train_on = (f"  train on: python {tool_path('train')} trainer.run_dir={run} {longer}   (from its last checkpoint, "
-                "its config as it was)\n") if longer else ""
-    return (f"run dir: {run}\n"
-            f"{train_on}"
-            f"  evaluate: python {tool_path('eval')} run_dir={run}\n"
-            f"  predict:  python {tool_path('predict')} run_dir={run} {source}\n"
-            f"  export:   python {tool_path('export')} run_dir={run}   (safetensors; {formats})")
+    formats = (
+        "format=hf: transformers' from_pretrained directory; format=onnx"
+        if family == "detr"
+        else "format=naflex: timm's NaFlexVit, images at their own shapes; format=onnx"
+        if family == "native"
+        else "format=onnx"
+        if family == "vitdet"
+        else "format=onnx or format=torchscript"
+        if family == "torchvision"
+        else "format=onnx or format=pt2"
+    )
+    source = (
+        f"source={shlex.quote(shown_path(images))}   (or any image, folder, glob, .txt list or "
+        "video)"
+        if images is not None
+        else "source=<images, folder, glob, list or video>"
+    )
+    train_on = (
+        (
+            f"  train on: python {tool_path('train')} trainer.run_dir={run} {longer}   (from its "
+            "last checkpoint, its config as it was)\n"
+        )
+        if longer
+        else ""
+    )
+    return (
+        f"run dir: {run}\n"
+        f"{train_on}"
+        f"  evaluate: python {tool_path('eval')} run_dir={run}\n"
+        f"  predict:  python {tool_path('predict')} run_dir={run} {source}\n"
+        f"  export:   python {tool_path('export')} run_dir={run}   (safetensors; {formats})"
+    )
 
 
-def continue_command(run_dir: "str | Path", under_torchrun: bool = False) -> str:
-    """The one command that continues the run in `run_dir`: its config.yaml is the base, so nothing else is repeated
-    but the length the latest attempt trained to where it changed it (`attempts.jsonl`), so that the continuation
-    ends where that attempt would have."""
+def continue_command(run_dir: str | Path, under_torchrun: bool = False) -> str:
+    """The one command that continues the run in `run_dir`: its config.yaml is the base, so nothing
+    else is repeated but the length the latest attempt trained to where it changed it
+    (`attempts.jsonl`), so that the continuation ends where that attempt would have."""
     import shlex
 
     if under_torchrun:
-        return f"the same torchrun / srun / pod command with trainer.run_dir={shlex.quote(str(run_dir))}"
+        return (
+            "the same torchrun / srun / pod command with "
+            f"trainer.run_dir={shlex.quote(str(run_dir))}"
+        )
     length = "".join(f" {k}={v}" for k, v in latest_length(Path(run_dir)).items())
-    return f"python {tool_path('train')} trainer.run_dir={shlex.quote(shown_path(Path(run_dir)))}{length}"
+    return (
+        f"python {tool_path('train')} "
+        f"trainer.run_dir={shlex.quote(shown_path(Path(run_dir)))}{length}"
+    )
 
 
 def latest_length(run_dir: Path) -> dict:
-    """trainer.max_steps / trainer.max_epochs as the run's latest attempt changed them (each line of attempts.jsonl
-    holds what that attempt changed against config.yaml); empty where it changed neither."""
+    """trainer.max_steps / trainer.max_epochs as the run's latest attempt changed them (each line of
+    attempts.jsonl holds what that attempt changed against config.yaml); empty where it changed
+    neither."""
     import json
 
     try:
@@ -127,8 +161,9 @@ def latest_length(run_dir: Path) -> dict:
 
 
 def tool_path(name: str) -> str:
-    """`tools/<name>.py` as the user can type it from where they are (relative inside the working directory, else
-    absolute); `tools/<name>.py` when the package was installed without its tools."""
+    """`tools/<name>.py` as the user can type it from where they are (relative inside the working
+    directory, else absolute); `tools/<name>.py` when the package was installed without its
+    tools."""
     import shlex
 
     import visiondist
@@ -138,7 +173,8 @@ def tool_path(name: str) -> str:
 
 
 def shown_path(path: Path) -> str:
-    """`path` relative to the working directory when it is inside it (what a user types), else as it is."""
+    """`path` relative to the working directory when it is inside it (what a user types), else as it
+    is."""
     path = Path(path)
     try:
         return str(path.resolve().relative_to(Path.cwd().resolve()))

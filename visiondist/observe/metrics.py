@@ -1,5 +1,5 @@
-"""metrics.csv (always: the summary and the plots read it) and the metrics' other destinations, `trainer.loggers`:
-TensorBoard's scalars and the experiment trackers (`trackers.py`)."""
+"""metrics.csv (always: the summary and the plots read it) and the metrics' other destinations,
+`trainer.loggers`: TensorBoard's scalars and the experiment trackers (`trackers.py`)."""
 
 from __future__ import annotations
 
@@ -8,23 +8,30 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-TRAIN_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm", "images_per_s", "mfu")  # mfu: on a known GPU
+# mfu: on a known GPU
+TRAIN_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm", "images_per_s", "mfu")
 METRIC_COLUMNS = (*TRAIN_COLUMNS, "val_loss", "val_top1", "val_top5")  # classification
 
 log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
-    """Appends rows to `metrics.csv` and sends them on to `trainer.loggers`: TensorBoard's scalars and the experiment
-    trackers (`visiondist.observe.trackers`: W&B, MLflow), which also get the end-of-run plots and weights
-    (`log_files`). A no-op on every rank but the main one. metrics.csv is always written: the summary and the plots
-    read it."""
+    """Appends rows to `metrics.csv` and sends them on to `trainer.loggers`: TensorBoard's scalars
+    and the experiment trackers (`visiondist.observe.trackers`: W&B, MLflow), which also get the
+    end-of-run plots and weights (`log_files`). A no-op on every rank but the main one. metrics.csv
+    is always written: the summary and the plots read it."""
 
-    def __init__(self, run_dir: Path, enabled: bool, loggers: Sequence[str] = ("csv", "tensorboard"),
-                 columns: tuple[str, ...] = METRIC_COLUMNS, continue_from: Optional[int] = None):
-        """`continue_from`: the step a run is resumed from in the same directory; the rows up to it are kept and the
-        ones a lost process wrote after it are dropped. The trackers start with `start_trackers` (the training loop,
-        which also closes them), not here."""
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        loggers: Sequence[str] = ("csv", "tensorboard"),
+        columns: tuple[str, ...] = METRIC_COLUMNS,
+        continue_from: Optional[int] = None,
+    ):
+        """`continue_from`: the step a run is resumed from in the same directory; the rows up to it
+        are kept and the ones a lost process wrote after it are dropped. The trackers start with
+        `start_trackers` (the training loop, which also closes them), not here."""
         self.enabled, self.columns, self.loggers = enabled, columns, tuple(loggers)
         self.run_dir = run_dir
         self.path = run_dir / "metrics.csv"
@@ -34,7 +41,11 @@ class MetricsLogger:
         if not enabled:
             return
         if continue_from is not None and self.path.is_file():
-            self.rows = [r for r in read_metrics(self.path) if r.get("step") is not None and r["step"] <= continue_from]
+            self.rows = [
+                r
+                for r in read_metrics(self.path)
+                if r.get("step") is not None and r["step"] <= continue_from
+            ]
         with self.path.open("w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(columns)
@@ -46,7 +57,8 @@ class MetricsLogger:
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
 
     def start_trackers(self, cfg) -> None:
-        """Start (or, continuing a run, reopen) the run of each tracker in `trainer.loggers` (rank 0; once)."""
+        """Start (or, continuing a run, reopen) the run of each tracker in `trainer.loggers` (rank
+        0; once)."""
         if not self.enabled or self.trackers is not None:
             return
         from visiondist.observe.trackers import open_trackers
@@ -65,7 +77,9 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in row.items():
                 if key not in ("step", "epoch") and value is not None:
-                    self._tb.add_scalar(("val/" if key.startswith("val_") else "train/") + key, value, step)
+                    self._tb.add_scalar(
+                        ("val/" if key.startswith("val_") else "train/") + key, value, step
+                    )
         if self.trackers:
             self.trackers.log_metrics(row)
 
@@ -76,8 +90,8 @@ class MetricsLogger:
             self.trackers.log_weights(weights, step)
 
     def close(self, status: str = "finished") -> None:
-        """TensorBoard flushed; each tracker's run ended as `status`: finished (a complete run), stopped (to be
-        continued) or failed."""
+        """TensorBoard flushed; each tracker's run ended as `status`: finished (a complete run),
+        stopped (to be continued) or failed."""
         if self._tb is not None:
             self._tb.close()
             self._tb = None
@@ -96,5 +110,7 @@ def _fmt(value: Any) -> str:
 
 def read_metrics(path: Path) -> list[dict[str, Optional[float]]]:
     with Path(path).open() as f:
-        return [{k: (float(v) if v != "" else None) for k, v in row.items()} for row in csv.DictReader(f)]
-
+        return [
+            {k: (float(v) if v != "" else None) for k, v in row.items()}
+            for row in csv.DictReader(f)
+        ]

@@ -1,8 +1,10 @@
-"""PNG plots a run writes into its directory (rank 0, matplotlib's Agg canvas, nothing shown, pyplot not imported):
+"""PNG plots a run writes into its directory (rank 0, matplotlib's Agg canvas, nothing shown, pyplot
+not imported):
 
 - `curves.png`: training loss, learning rate and the evaluation metrics against the step;
-- classification: `per_class_top1.png`; detection: `per_class_ap.png` (AP@[.5:.95] of every category, from
-  COCOeval's precision array) and `val_predictions.png` (a few val images with ground truth and predicted boxes).
+- classification: `per_class_top1.png`; detection: `per_class_ap.png` (AP@[.5:.95] of every
+  category, from COCOeval's precision array) and `val_predictions.png` (a few val images with ground
+  truth and predicted boxes).
 """
 
 from __future__ import annotations
@@ -16,18 +18,22 @@ import numpy as np
 
 
 def _figure(**kw):
-    """A matplotlib Figure drawn by Agg when saved, without pyplot (its import and its figure registry: about a third
-    of a second a process)."""
+    """A matplotlib Figure drawn by Agg when saved, without pyplot (its import and its figure
+    registry: about a third of a second a process)."""
     from matplotlib.figure import Figure
 
     return Figure(**kw)
 
 
-def plot_curves(rows: list[dict[str, Any]], png: Path, title: str,
-                val_series: Sequence[tuple[str, str]] = (("val_top1", "top-1"),),
-                val_title: str = "val accuracy (%)") -> Optional[Path]:
-    """Loss, learning rate and the evaluation metrics (`val_series`: (metrics.csv column, legend label)) against the
-    step, side by side; None when there is nothing to draw."""
+def plot_curves(
+    rows: list[dict[str, Any]],
+    png: Path,
+    title: str,
+    val_series: Sequence[tuple[str, str]] = (("val_top1", "top-1"),),
+    val_title: str = "val accuracy (%)",
+) -> Optional[Path]:
+    """Loss, learning rate and the evaluation metrics (`val_series`: (metrics.csv column, legend
+    label)) against the step, side by side; None when there is nothing to draw."""
     train = [r for r in rows if r.get("loss") is not None]
     evals = [r for r in rows if any(r.get(key) is not None for key, _ in val_series)]
     if not train and not evals:
@@ -53,9 +59,11 @@ def plot_curves(rows: list[dict[str, Any]], png: Path, title: str,
     return _save(fig, png)
 
 
-def plot_per_class(values: dict[str, Optional[float]], png: Path, title: str, xlabel: str) -> Optional[Path]:
-    """Horizontal bars of a per-class metric in % (AP per category, top-1 per class), best first, with their mean;
-    classes without a value (no ground truth) are left out."""
+def plot_per_class(
+    values: dict[str, Optional[float]], png: Path, title: str, xlabel: str
+) -> Optional[Path]:
+    """Horizontal bars of a per-class metric in % (AP per category, top-1 per class), best first,
+    with their mean; classes without a value (no ground truth) are left out."""
     scored = sorted(((v, name) for name, v in values.items() if v is not None), reverse=True)
     if not scored:
         return None
@@ -63,7 +71,9 @@ def plot_per_class(values: dict[str, Optional[float]], png: Path, title: str, xl
     ax = fig.subplots()
     bars = [v for v, _ in scored]
     ax.barh(range(len(scored)), bars, color="tab:blue")
-    ax.set_yticks(range(len(scored)), [name for _, name in scored], fontsize=8 if len(scored) > 30 else 10)
+    ax.set_yticks(
+        range(len(scored)), [name for _, name in scored], fontsize=8 if len(scored) > 30 else 10
+    )
     ax.invert_yaxis()
     mean = sum(bars) / len(bars)
     ax.axvline(mean, color="tab:red", linestyle="--", label=f"mean {mean:.1f}")
@@ -75,12 +85,20 @@ def plot_per_class(values: dict[str, Optional[float]], png: Path, title: str, xl
     return _save(fig, png)
 
 
-def plot_predictions(detections_json: Path, ann_file: Path, read_image, png: Path, title: str,
-                     images: int = 4, min_score: float = 0.3) -> Optional[Path]:
-    """The first `images` val images (by id) with their ground-truth boxes (green) and the predicted boxes scoring at
-    least `min_score` (red, with category and score), from a COCO results file. An image with no prediction that
-    sure shows its best ones instead, as many as it has true boxes (dotted: an early model's guesses are visible).
-    `read_image(image entry of the annotation file)` gives its upright pixels (the val set's `image_by_id`)."""
+def plot_predictions(
+    detections_json: Path,
+    ann_file: Path,
+    read_image,
+    png: Path,
+    title: str,
+    images: int = 4,
+    min_score: float = 0.3,
+) -> Optional[Path]:
+    """The first `images` val images (by id) with their ground-truth boxes (green) and the predicted
+    boxes scoring at least `min_score` (red, with category and score), from a COCO results file. An
+    image with no prediction that sure shows its best ones instead, as many as it has true boxes
+    (dotted: an early model's guesses are visible). `read_image(image entry of the annotation file)`
+    gives its upright pixels (the val set's `image_by_id`)."""
     gt = json.loads(Path(ann_file).read_text())
     if not gt["images"] or not Path(detections_json).is_file():
         return None
@@ -91,7 +109,9 @@ def plot_predictions(detections_json: Path, ann_file: Path, read_image, png: Pat
     for ann in gt["annotations"]:
         if ann["image_id"] in ids:
             truth[ann["image_id"]].append(ann)
-    predicted, unsure = _shown(detections_json, {i: len(anns) for i, anns in truth.items()}, min_score)
+    predicted, unsure = _shown(
+        detections_json, {i: len(anns) for i, anns in truth.items()}, min_score
+    )
     from matplotlib.patches import Rectangle
 
     fig, axes = _image_grid(len(chosen))
@@ -102,22 +122,48 @@ def plot_predictions(detections_json: Path, ann_file: Path, read_image, png: Pat
             ax.add_patch(Rectangle((x, y), w, h, fill=False, edgecolor="lime", linewidth=1.5))
         for det in predicted[image["id"]]:
             x, y, w, h = det["bbox"]
-            ax.add_patch(Rectangle((x, y), w, h, fill=False, edgecolor="red", linewidth=1.2,
-                                   linestyle=":" if image["id"] in unsure else "--"))
-            ax.text(x, y, f"{names.get(det['category_id'], det['category_id'])} {det['score']:.2f}", color="white",
-                    fontsize=7, va="bottom", bbox={"facecolor": "red", "alpha": 0.6, "pad": 1, "linewidth": 0})
-        shown = (f"best {len(predicted[image['id']])} predicted, below {min_score}" if image["id"] in unsure
-                 else f"{len(predicted[image['id']])} predicted")
+            ax.add_patch(
+                Rectangle(
+                    (x, y),
+                    w,
+                    h,
+                    fill=False,
+                    edgecolor="red",
+                    linewidth=1.2,
+                    linestyle=":" if image["id"] in unsure else "--",
+                )
+            )
+            ax.text(
+                x,
+                y,
+                f"{names.get(det['category_id'], det['category_id'])} {det['score']:.2f}",
+                color="white",
+                fontsize=7,
+                va="bottom",
+                bbox={"facecolor": "red", "alpha": 0.6, "pad": 1, "linewidth": 0},
+            )
+        shown = (
+            f"best {len(predicted[image['id']])} predicted, below {min_score}"
+            if image["id"] in unsure
+            else f"{len(predicted[image['id']])} predicted"
+        )
         ax.set_title(f"image {image['id']}: {len(truth[image['id']])} true, {shown}", fontsize=9)
     fig.suptitle(f"{title} (green: ground truth, red: predictions with score >= {min_score})")
     return _save(fig, png)
 
 
-def plot_masks(segmentations_json: Path, ann_file: Path, read_image, png: Path, title: str, images: int = 4,
-               min_score: float = 0.3) -> Optional[Path]:
-    """The first `images` val images (by id) with the predicted masks scoring at least `min_score` laid over them,
-    one colour per instance (the best ones, as many as the true objects, where none is that sure), and the
-    ground-truth count, from a COCO segm results file."""
+def plot_masks(
+    segmentations_json: Path,
+    ann_file: Path,
+    read_image,
+    png: Path,
+    title: str,
+    images: int = 4,
+    min_score: float = 0.3,
+) -> Optional[Path]:
+    """The first `images` val images (by id) with the predicted masks scoring at least `min_score`
+    laid over them, one colour per instance (the best ones, as many as the true objects, where none
+    is that sure), and the ground-truth count, from a COCO segm results file."""
     if not Path(segmentations_json).is_file():
         return None
     from pycocotools import mask as mask_utils
@@ -126,8 +172,12 @@ def plot_masks(segmentations_json: Path, ann_file: Path, read_image, png: Path, 
     chosen = sorted(gt["images"], key=lambda im: im["id"])[:images]
     if not chosen:
         return None
-    truth = {im["id"]: sum(a["image_id"] == im["id"] and not a.get("iscrowd", 0) for a in gt["annotations"])
-             for im in chosen}
+    truth = {
+        im["id"]: sum(
+            a["image_id"] == im["id"] and not a.get("iscrowd", 0) for a in gt["annotations"]
+        )
+        for im in chosen
+    }
     shown, _ = _shown(segmentations_json, truth, min_score)
     from matplotlib import colormaps
 
@@ -139,17 +189,24 @@ def plot_masks(segmentations_json: Path, ann_file: Path, read_image, png: Path, 
         for k, det in enumerate(sure):
             rle = dict(det["segmentation"], counts=det["segmentation"]["counts"].encode())
             mask = mask_utils.decode(rle).astype(bool)
-            pixels[mask] = 0.55 * pixels[mask] + 0.45 * np.asarray(colours(k % 10)[:3], dtype=np.float32)
+            pixels[mask] = 0.55 * pixels[mask] + 0.45 * np.asarray(
+                colours(k % 10)[:3], dtype=np.float32
+            )
         ax.imshow(pixels)
-        ax.set_title(f"image {image['id']}: {truth[image['id']]} true, {len(sure)} masks shown", fontsize=9)
+        ax.set_title(
+            f"image {image['id']}: {truth[image['id']]} true, {len(sure)} masks shown", fontsize=9
+        )
     fig.suptitle(f"{title} (predicted masks, score >= {min_score} or the best ones)")
     return _save(fig, png)
 
 
-def _shown(results_json: Path, true_counts: dict[int, int], min_score: float) -> tuple[dict[int, list], set[int]]:
-    """Per image id of `true_counts`, the results of a COCO results file to draw, best first: those scoring at least
-    `min_score`; where none does, the best ones, as many as the image's true objects (at least 1), and the image is
-    in the second value (an early model's guesses stay visible)."""
+def _shown(
+    results_json: Path, true_counts: dict[int, int], min_score: float
+) -> tuple[dict[int, list], set[int]]:
+    """Per image id of `true_counts`, the results of a COCO results file to draw, best first: those
+    scoring at least `min_score`; where none does, the best ones, as many as the image's true
+    objects (at least 1), and the image is in the second value (an early model's guesses stay
+    visible)."""
     found: dict[int, list] = {i: [] for i in true_counts}
     for det in json.loads(Path(results_json).read_text()):
         if det["image_id"] in found:
@@ -159,7 +216,7 @@ def _shown(results_json: Path, true_counts: dict[int, int], min_score: float) ->
         dets.sort(key=lambda d: -d["score"])
         shown[i] = [d for d in dets if d["score"] >= min_score]
         if not shown[i] and dets:
-            shown[i] = dets[:max(1, true_counts[i])]
+            shown[i] = dets[: max(1, true_counts[i])]
             unsure.add(i)
     return shown, unsure
 

@@ -1,5 +1,6 @@
-"""What rank 0 leaves at the end of a run: summary.json, the summary table (its paths below it, whole), the PNG plots
-(`plots.py`), the task's final line and the commands that evaluate and export the run."""
+"""What rank 0 leaves at the end of a run: summary.json, the summary table (its paths below it,
+whole), the PNG plots (`plots.py`), the task's final line and the commands that evaluate and export
+the run."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from visiondist.observe.plots import plot_curves
 log = logging.getLogger(__name__)
 
 
-# rows whose value is a path: printed whole below the table, one per line (a table cell would break them mid-name);
-# the run dir closes the run's output with the commands that use it (`next_commands`)
+# rows whose value is a path: printed whole below the table, one per line (a table cell would break
+# them mid-name); the run dir closes the run's output with the commands that use it
+# (`next_commands`)
 PATH_ROWS = ("checkpoint", "best checkpoint", "weights")
 LAST_LINES = ("run dir",)
 
@@ -40,9 +42,11 @@ def summary_table(summary: dict[str, Any]):
 
 
 def summary_paths(summary: dict[str, Any]) -> str:
-    """The summary's paths, "key: path" a line, never wrapped by us (a terminal may fold them; copied, they are
-    whole)."""
-    return "\n".join(f"{key}: {summary[key]}" for key in PATH_ROWS if summary.get(key) not in (None, "None"))
+    """The summary's paths, "key: path" a line, never wrapped by us (a terminal may fold them;
+    copied, they are whole)."""
+    return "\n".join(
+        f"{key}: {summary[key]}" for key in PATH_ROWS if summary.get(key) not in (None, "None")
+    )
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -56,7 +60,8 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def best_evaluation(rows: list[dict[str, Any]], key: str, label: str) -> dict[str, Any]:
-    """The best value of the headline metric over the run's evaluations (the earliest on ties) and its step."""
+    """The best value of the headline metric over the run's evaluations (the earliest on ties) and
+    its step."""
     scored = [(r[key], int(r["step"])) for r in rows if r.get(key) is not None]
     if not scored:
         return {}
@@ -64,13 +69,20 @@ def best_evaluation(rows: list[dict[str, Any]], key: str, label: str) -> dict[st
     return {f"best {label}": value, "best at step": step}
 
 
-def draw_evaluation(task, metrics: dict[str, Any], run_dir: Path, title: str,
-                    rows: list[dict[str, Any]] | None = None) -> list[Path]:
-    """The run's PNGs: `curves.png` from the metrics rows (training runs), then the task's per-class bars and, for
-    detectors, val images with their predicted boxes."""
+def draw_evaluation(
+    task,
+    metrics: dict[str, Any],
+    run_dir: Path,
+    title: str,
+    rows: list[dict[str, Any]] | None = None,
+) -> list[Path]:
+    """The run's PNGs: `curves.png` from the metrics rows (training runs), then the task's per-class
+    bars and, for detectors, val images with their predicted boxes."""
     pngs = []
     if rows is not None:
-        pngs.append(plot_curves(rows, run_dir / "curves.png", title, task.plot_series, task.plot_title))
+        pngs.append(
+            plot_curves(rows, run_dir / "curves.png", title, task.plot_series, task.plot_title)
+        )
     pngs += task.plots(metrics, run_dir, title)
     pngs = [p for p in pngs if p is not None]
     if pngs:
@@ -78,27 +90,37 @@ def draw_evaluation(task, metrics: dict[str, Any], run_dir: Path, title: str,
     return pngs
 
 
-
-def report_run(run_dir: Path, summary: dict[str, Any], rows: list[dict[str, Any]], task, last_eval: dict[str, Any],
-               title: str, written: Optional[Callable[[list[Path]], Any]] = None, plots: bool = True,
-               longer: str = "") -> list[Path]:
-    """summary.json, the plots (unless not `plots`), the summary table, the task's final line, then the run dir and
-    the commands that train it on (`longer`: the length setting that does), evaluate and export it (rank 0).
-    `written(pngs)` runs once the files are written, before anything is printed (the trackers take the plots and
-    close there, so that the run's next commands stay its last lines). Returns the PNGs."""
+def report_run(
+    run_dir: Path,
+    summary: dict[str, Any],
+    rows: list[dict[str, Any]],
+    task,
+    last_eval: dict[str, Any],
+    title: str,
+    written: Optional[Callable[[list[Path]], Any]] = None,
+    plots: bool = True,
+    longer: str = "",
+) -> list[Path]:
+    """summary.json, the plots (unless not `plots`), the summary table, the task's final line, then
+    the run dir and the commands that train it on (`longer`: the length setting that does), evaluate
+    and export it (rank 0). `written(pngs)` runs once the files are written, before anything is
+    printed (the trackers take the plots and close there, so that the run's next commands stay its
+    last lines). Returns the PNGs."""
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     pngs = draw_evaluation(task, last_eval, run_dir, title, rows) if plots else []
     if written is not None:
         written(pngs)
     print_summary(summary)
     print(task.final_line(last_eval), flush=True)
-    print(next_commands(run_dir, getattr(task, "family", ""), _val_folder(task), longer), flush=True)
+    print(
+        next_commands(run_dir, getattr(task, "family", ""), _val_folder(task), longer), flush=True
+    )
     return pngs
 
 
 def _val_folder(task) -> Optional[Path]:
-    """The folder of the task's val images (an ImageFolder split, a COCO image folder); None for packed shards."""
+    """The folder of the task's val images (an ImageFolder split, a COCO image folder); None for
+    packed shards."""
     dataset = getattr(getattr(getattr(task, "data", None), "val_loader", None), "dataset", None)
     folder = getattr(dataset, "root", None) or getattr(dataset, "image_root", None)
     return Path(folder) if folder is not None and Path(folder).is_dir() else None
-

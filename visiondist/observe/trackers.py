@@ -1,20 +1,24 @@
-"""Experiment trackers (`trainer.loggers`: wandb, mlflow): rank 0 sends each one what the run leaves in its directory.
+"""Experiment trackers (`trainer.loggers`: wandb, mlflow): rank 0 sends each one what the run leaves
+in its directory.
 
-- the resolved config (W&B: the run's config; MLflow: its params, dotted keys, and config.yaml as an artifact);
-- every row `MetricsLogger` writes to metrics.csv, under the CSV's column names, at its step (W&B: `step` is the
-  x-axis of every metric, `define_metric`; MLflow: the metric's step);
-- the PNG plots of the end-of-run report (W&B: images under `plots/<name>`; MLflow: artifacts under `plots/`);
-- a complete run's model.safetensors (W&B: an Artifact `model-<run id>` of type model; MLflow: an artifact).
+- the resolved config (W&B: the run's config; MLflow: its params, dotted keys, and config.yaml as an
+  artifact);
+- every row `MetricsLogger` writes to metrics.csv, under the CSV's column names, at its step (W&B:
+  `step` is the x-axis of every metric, `define_metric`; MLflow: the metric's step);
+- the PNG plots of the end-of-run report (W&B: images under `plots/<name>`; MLflow: artifacts under
+  `plots/`);
+- a complete run's model.safetensors (W&B: an Artifact `model-<run id>` of type model; MLflow: an
+  artifact).
 
 Each is an optional package (the extras `wandb`, `mlflow`), checked before the ranks start
-(`visiondist.config.validate.check_trackers_installed`). Everything else is the tools' own environment variables
-(WANDB_MODE, WANDB_API_KEY, WANDB_ENTITY, MLFLOW_TRACKING_URI, ...), with two defaults of ours: W&B writes under the
-run dir (`<run>/wandb/`) unless WANDB_DIR is set, and MLflow, without MLFLOW_TRACKING_URI, uses the local file store
-`<trainer.output_dir>/mlruns`.
+(`visiondist.config.validate.check_trackers_installed`). Everything else is the tools' own
+environment variables (WANDB_MODE, WANDB_API_KEY, WANDB_ENTITY, MLFLOW_TRACKING_URI, ...), with two
+defaults of ours: W&B writes under the run dir (`<run>/wandb/`) unless WANDB_DIR is set, and MLflow,
+without MLFLOW_TRACKING_URI, uses the local file store `<trainer.output_dir>/mlruns`.
 
-The W&B run id and the MLflow run id are kept in `<run>/trackers.json`: a continued run (`trainer.run_dir=<run>`)
-logs into the same tracker runs. A tracker that fails while the run goes on is dropped with one warning: the run and
-its metrics.csv go on without it.
+The W&B run id and the MLflow run id are kept in `<run>/trackers.json`: a continued run
+(`trainer.run_dir=<run>`) logs into the same tracker runs. A tracker that fails while the run goes
+on is dropped with one warning: the run and its metrics.csv go on without it.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ from visiondist.config.validate import TRACKERS, check_trackers_installed
 
 log = logging.getLogger(__name__)
 
-RUN_IDS = "trackers.json"  # in the run dir: each tracker's run id, so that a continued run logs into the same run
+# in the run dir: each tracker's run id, so that a continued run logs into the same run
+RUN_IDS = "trackers.json"
 
 
 class Tracker:
-    """One tracker's run. `row`s are metrics.csv rows: {"step": N, column: value, ...}, values None or numbers."""
+    """One tracker's run. `row`s are metrics.csv rows: {"step": N, column: value, ...}, values None
+    or numbers."""
 
     name = ""
 
@@ -64,8 +70,9 @@ class Tracker:
 
 
 class Trackers:
-    """The trackers of one run (rank 0), each call sent to every one. A tracker that raises is dropped with a warning
-    (a tracking server that goes away does not end a training run); finishing is attempted on every one."""
+    """The trackers of one run (rank 0), each call sent to every one. A tracker that raises is
+    dropped with a warning (a tracking server that goes away does not end a training run); finishing
+    is attempted on every one."""
 
     def __init__(self, trackers: list[Tracker]):
         self.trackers = trackers
@@ -85,8 +92,15 @@ class Trackers:
             try:
                 call(tracker)
             except Exception as exc:  # noqa: BLE001 - any failure of an optional sink
-                log.warning("%s: %s failed (%s: %s); nothing more is sent to %s in this run (metrics.csv has "
-                            "everything)", tracker.name, what, type(exc).__name__, _first_line(exc), tracker.name)
+                log.warning(
+                    "%s: %s failed (%s: %s); nothing more is sent to %s in this run (metrics.csv "
+                    "has everything)",
+                    tracker.name,
+                    what,
+                    type(exc).__name__,
+                    _first_line(exc),
+                    tracker.name,
+                )
                 self.trackers.remove(tracker)
                 _finish_quietly(tracker, "failed")
 
@@ -112,7 +126,12 @@ def _finish_quietly(tracker: Tracker, status: str) -> None:
     try:
         tracker.finish(status)
     except Exception as exc:  # noqa: BLE001 - closing must not mask the run's own outcome
-        log.warning("%s: closing the run failed (%s: %s)", tracker.name, type(exc).__name__, _first_line(exc))
+        log.warning(
+            "%s: closing the run failed (%s: %s)",
+            tracker.name,
+            type(exc).__name__,
+            _first_line(exc),
+        )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -121,8 +140,9 @@ def _first_line(exc: BaseException) -> str:
 
 
 def open_trackers(cfg: DictConfig, run_dir: Path, loggers: Iterable[str]) -> Trackers:
-    """Start (or, for a continued run, reopen) a run in each tracker of `loggers` (rank 0 only). A missing package
-    raises the one-line `ConfigError` of the pre-launch check; a tracker that cannot start raises its own error."""
+    """Start (or, for a continued run, reopen) a run in each tracker of `loggers` (rank 0 only). A
+    missing package raises the one-line `ConfigError` of the pre-launch check; a tracker that cannot
+    start raises its own error."""
     names = [name for name in dict.fromkeys(loggers) if name in TRACKERS]
     if not names:
         return Trackers([])
@@ -158,8 +178,8 @@ def write_ids(run_dir: Path, ids: dict[str, Any]) -> None:
 
 
 def run_name(cfg: DictConfig, run_dir: Path) -> str:
-    """The tracker run's name: the run dir relative to trainer.output_dir (`2026-11-25/15-27-44`, a sweep's
-    `multirun/<date>/<time>/<job>`), or the run dir's own name when it lies elsewhere."""
+    """The tracker run's name: the run dir relative to trainer.output_dir (`2026-11-25/15-27-44`, a
+    sweep's `multirun/<date>/<time>/<job>`), or the run dir's own name when it lies elsewhere."""
     run_dir = Path(run_dir).resolve()
     try:
         return str(run_dir.relative_to(Path(cfg.trainer.output_dir).expanduser().resolve()))
@@ -172,16 +192,19 @@ def _values(row: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in row.items() if k != "step" and v is not None}
 
 
-# -- Weights & Biases ------------------------------------------------------------------------------------------------
+# -- Weights & Biases ------------------------------------------------------------------------------
+
 
 class WandbTracker(Tracker):
-    """A W&B run: `wandb.init(project=trainer.project, name=<run name>, id=<kept id>, resume="allow")` writing under
-    the run dir (WANDB_DIR otherwise). WANDB_MODE=offline keeps it on disk (`wandb sync <run>/wandb/offline-run-*`
-    uploads it later)."""
+    """A W&B run: `wandb.init(project=trainer.project, name=<run name>, id=<kept id>,
+    resume="allow")` writing under the run dir (WANDB_DIR otherwise). WANDB_MODE=offline keeps it on
+    disk (`wandb sync <run>/wandb/offline-run-*` uploads it later)."""
 
     name = "wandb"
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, config: dict[str, Any], saved: dict[str, Any]):
+    def __init__(
+        self, cfg: DictConfig, run_dir: Path, config: dict[str, Any], saved: dict[str, Any]
+    ):
         import wandb
 
         project = str(cfg.trainer.project)
@@ -189,10 +212,18 @@ class WandbTracker(Tracker):
         kwargs: dict[str, Any] = {}
         if not os.environ.get("WANDB_DIR"):
             kwargs["dir"] = str(run_dir)
-        self.run = wandb.init(project=project, name=run_name(cfg, run_dir), id=run_id,
-                              resume="allow", config=config, allow_val_change=True, **kwargs)
+        self.run = wandb.init(
+            project=project,
+            name=run_name(cfg, run_dir),
+            id=run_id,
+            resume="allow",
+            config=config,
+            allow_val_change=True,
+            **kwargs,
+        )
         self.run.define_metric("step")
-        self.run.define_metric("*", step_metric="step")  # every metric against the training step, as in the CSV
+        # every metric against the training step, as in the CSV
+        self.run.define_metric("*", step_metric="step")
         self._wandb = wandb
 
     def ids(self) -> dict[str, Any]:
@@ -200,25 +231,33 @@ class WandbTracker(Tracker):
 
     def describe(self) -> str:
         if getattr(self.run, "offline", False) or not getattr(self.run, "url", None):
-            return f"wandb: run {self.run.id} offline in {Path(self.run.dir).parent} (wandb sync uploads it)"
+            return (
+                f"wandb: run {self.run.id} offline in {Path(self.run.dir).parent} (wandb sync "
+                "uploads it)"
+            )
         return f"wandb: {self.run.url}"
 
     def log_metrics(self, row: dict[str, Any]) -> None:
         self.run.log({"step": int(row["step"]), **_values(row)})
 
     def log_images(self, paths: list[Path], step: int) -> None:
-        self.run.log({"step": int(step), **{f"plots/{p.stem}": self._wandb.Image(str(p)) for p in paths}})
+        self.run.log(
+            {"step": int(step), **{f"plots/{p.stem}": self._wandb.Image(str(p)) for p in paths}}
+        )
 
     def log_weights(self, path: Path, step: int) -> None:
-        artifact = self._wandb.Artifact(f"model-{self.run.id}", type="model", metadata={"step": int(step)})
-        artifact.add_file(str(path), name=path.name, policy="immutable", skip_cache=True)  # no copy of the weights
+        artifact = self._wandb.Artifact(
+            f"model-{self.run.id}", type="model", metadata={"step": int(step)}
+        )
+        # no copy of the weights
+        artifact.add_file(str(path), name=path.name, policy="immutable", skip_cache=True)
         self.run.log_artifact(artifact, aliases=["latest", f"step-{int(step)}"])
 
     def finish(self, status: str) -> None:
         self.run.finish(exit_code=1 if status == "failed" else 0)
 
 
-# -- MLflow ----------------------------------------------------------------------------------------------------------
+# -- MLflow ----------------------------------------------------------------------------------------
 
 _MLFLOW_STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 
@@ -233,10 +272,10 @@ def mlflow_uri(cfg: DictConfig) -> str:
 
 
 def _param_text(value: Any, limit: int = 500) -> str:
-    """A config value as an MLflow param: its text, cut to what every tracking server takes (500 characters; the
-    whole config is the run's config.yaml artifact)."""
+    """A config value as an MLflow param: its text, cut to what every tracking server takes (500
+    characters; the whole config is the run's config.yaml artifact)."""
     text = "" if value is None else str(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _user() -> str:
@@ -253,12 +292,15 @@ def _file_store(uri: str) -> bool:
 
 
 class MlflowTracker(Tracker):
-    """An MLflow run in the experiment `trainer.project`, named after the run dir, through `MlflowClient` (no global
-    active run). A file store gets MLFLOW_ALLOW_FILE_STORE=true unless that is set (MLflow 3 asks for it)."""
+    """An MLflow run in the experiment `trainer.project`, named after the run dir, through
+    `MlflowClient` (no global active run). A file store gets MLFLOW_ALLOW_FILE_STORE=true unless
+    that is set (MLflow 3 asks for it)."""
 
     name = "mlflow"
 
-    def __init__(self, cfg: DictConfig, run_dir: Path, config: dict[str, Any], saved: dict[str, Any]):
+    def __init__(
+        self, cfg: DictConfig, run_dir: Path, config: dict[str, Any], saved: dict[str, Any]
+    ):
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
@@ -272,7 +314,11 @@ class MlflowTracker(Tracker):
             try:
                 run = client.get_run(saved["run_id"])
             except MlflowException:
-                log.warning("mlflow: the run %s of %s is gone: starting a new one", saved["run_id"], self.uri)
+                log.warning(
+                    "mlflow: the run %s of %s is gone: starting a new one",
+                    saved["run_id"],
+                    self.uri,
+                )
             if run is not None and run.info.lifecycle_stage != "active":
                 run = None
         if run is None:
@@ -300,8 +346,9 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Param
 
         items = [Param(key, _param_text(value)) for key, value in params.items()]
-        for start in range(0, len(items), 100):  # the tracking API takes at most 100 params per batch
-            self.client.log_batch(self.run_id, params=items[start:start + 100])
+        # the tracking API takes at most 100 params per batch
+        for start in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[start : start + 100])
 
     def ids(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "tracking_uri": self.uri}
@@ -328,5 +375,6 @@ class MlflowTracker(Tracker):
         self.client.set_terminated(self.run_id, _MLFLOW_STATUS[status])
 
 
-# trainer.loggers name -> its tracker; the name is also a key of config.validate.TRACKERS (the module it imports)
+# trainer.loggers name -> its tracker; the name is also a key of config.validate.TRACKERS (the
+# module it imports)
 KINDS: dict[str, type[Tracker]] = {"wandb": WandbTracker, "mlflow": MlflowTracker}

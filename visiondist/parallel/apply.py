@@ -1,5 +1,6 @@
-"""`parallelize`: a finished single-device model laid out over the device mesh (tensor-parallel plan -> pipeline
-stages -> data parallel or FSDP), and `local_part`: which part of each full tensor a rank holds."""
+"""`parallelize`: a finished single-device model laid out over the device mesh (tensor-parallel plan
+-> pipeline stages -> data parallel or FSDP), and `local_part`: which part of each full tensor a
+rank holds."""
 
 from __future__ import annotations
 
@@ -9,61 +10,98 @@ import torch
 from torch import nn
 
 from visiondist.parallel.data import wrap_data_parallel
-from visiondist.parallel.fsdp import apply_fsdp, compile_blocks, compile_model, enable_activation_checkpointing
+from visiondist.parallel.fsdp import (
+    apply_fsdp,
+    compile_blocks,
+    compile_model,
+    enable_activation_checkpointing,
+)
 from visiondist.parallel.mesh import Layout
 from visiondist.parallel.pipeline import PipelinedViT, PipelineSpec
 from visiondist.parallel.tensor import SHARD_DIM, apply_tensor_parallel
 
 
-def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = False,
-                pipeline: Optional[PipelineSpec] = None, loss_fn: Optional[Callable] = None, fsdp: bool = False,
-                offload: bool = False, activation_checkpointing: bool = False, checkpoint_blocks: int = -1,
-                checkpoint_keep: str = "input", compile: bool | str = False,
-                param_dtype: Optional[torch.dtype] = None, materialize: Optional[Callable[[nn.Module], None]] = None,
-                wrap: bool = True, shard_size: int = 0, cuda_graphs: bool = False,
-                compile_autotune: bool = False) -> nn.Module:
-    """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out over the mesh.
+def parallelize(
+    model: nn.Module,
+    layout: Layout,
+    sequence_parallel: bool = False,
+    pipeline: Optional[PipelineSpec] = None,
+    loss_fn: Optional[Callable] = None,
+    fsdp: bool = False,
+    offload: bool = False,
+    activation_checkpointing: bool = False,
+    checkpoint_blocks: int = -1,
+    checkpoint_keep: str = "input",
+    compile: bool | str = False,
+    param_dtype: Optional[torch.dtype] = None,
+    materialize: Optional[Callable[[nn.Module], None]] = None,
+    wrap: bool = True,
+    shard_size: int = 0,
+    cuda_graphs: bool = False,
+    compile_autotune: bool = False,
+) -> nn.Module:
+    """Lay `model` (already on `layout.device`, with the same initial weights on every rank) out
+    over the mesh.
 
-    A model on the meta device is laid out first and then handed to `materialize`, before any wrapper that needs
-    real tensors (DDP broadcasts them): it allocates and fills this rank's tensors (`local_part` says which part of
-    each full tensor that is).
+    A model on the meta device is laid out first and then handed to `materialize`, before any
+    wrapper that needs real tensors (DDP broadcasts them): it allocates and fills this rank's
+    tensors (`local_part` says which part of each full tensor that is).
 
-    With `layout.pp > 1` the result is this rank's `PipelinedViT` (its stages, TP-sharded inside when tp > 1); its
-    gradients are averaged over data parallel by `average_over_data_parallel` after the schedule's backward, as
-    Megatron does, instead of by a DDP wrapper; its last stage computes `loss_fn(logits, labels)` (default: cross
-    entropy). With `fsdp` it is the model fully sharded over DP (FSDP2; `offload` keeps the shards in host memory).
-    `param_dtype` (bf16, fp16 runs): FSDP gathers the weights in that dtype; `shard_size` < dp: HSDP (shard inside
-    groups of that many DP ranks, replicate across them). Otherwise it is the model, under DDP when
-    dp > 1 (`wrap=False`: bare, for the dry run, whose meta tensors DDP cannot broadcast). `activation_checkpointing` recomputes each block's activations
-    in the backward (`checkpoint_blocks` > 0: only the first that many blocks; `checkpoint_keep="matmuls"`: each
-    keeps its matmuls' outputs too), under any layout; `compile` ("blocks" or True) compiles each block (before any
-    sharding wrapper, as FSDP2 expects), "model" the whole model (one device or DDP only), replayed as CUDA graphs
-    with `cuda_graphs`; `compile_autotune`: Inductor's autotuning modes (`fsdp.compile_mode`).
+    With `layout.pp > 1` the result is this rank's `PipelinedViT` (its stages, TP-sharded inside
+    when tp > 1); its gradients are averaged over data parallel by `average_over_data_parallel`
+    after the schedule's backward, as Megatron does, instead of by a DDP wrapper; its last stage
+    computes `loss_fn(logits, labels)` (default: cross entropy). With `fsdp` it is the model fully
+    sharded over DP (FSDP2; `offload` keeps the shards in host memory). `param_dtype` (bf16, fp16
+    runs): FSDP gathers the weights in that dtype; `shard_size` < dp: HSDP (shard inside groups of
+    that many DP ranks, replicate across them). Otherwise it is the model, under DDP when dp > 1
+    (`wrap=False`: bare, for the dry run, whose meta tensors DDP cannot broadcast).
+    `activation_checkpointing` recomputes each block's activations in the backward
+    (`checkpoint_blocks` > 0: only the first that many blocks; `checkpoint_keep="matmuls"`: each
+    keeps its matmuls' outputs too), under any layout; `compile` ("blocks" or True) compiles each
+    block (before any sharding wrapper, as FSDP2 expects), "model" the whole model (one device or
+    DDP only), replayed as CUDA graphs with `cuda_graphs`; `compile_autotune`: Inductor's autotuning
+    modes (`fsdp.compile_mode`).
     """
     if activation_checkpointing:
         enable_activation_checkpointing(model, checkpoint_blocks, checkpoint_keep)
     if compile == "model":
         if fsdp or layout.tp > 1 or layout.pp > 1:
-            raise ValueError("compile='model' compiles a model whole on each rank (one device or DDP): use "
-                             "compile='blocks' with tensor or pipeline parallelism or FSDP")
+            raise ValueError(
+                "compile='model' compiles a model whole on each rank (one device or DDP): use "
+                "compile='blocks' with tensor or pipeline parallelism or FSDP"
+            )
         compile_model(model, cuda_graphs, autotune=compile_autotune)
     elif compile:
         compile_blocks(model, autotune=compile_autotune)
     materialize = materialize or (lambda _model: None)
     if fsdp:
         if layout.tp > 1 or layout.pp > 1:
-            raise ValueError("FSDP shards over data parallel only here: use tp=1 and pp=1 with fsdp")
+            raise ValueError(
+                "FSDP shards over data parallel only here: use tp=1 and pp=1 with fsdp"
+            )
         model = apply_fsdp(model, layout, offload, param_dtype, shard_size)
         materialize(model)
         return model
     if layout.tp > 1:
         model = apply_tensor_parallel(model, layout.tp_comm, sequence_parallel)
     if layout.pp > 1:
-        if not hasattr(model, "blocks") or not hasattr(model, "patch_embed") or not hasattr(model, "head"):
-            raise ValueError(f"pipeline parallelism cuts a ViT classifier into stages of blocks; "
-                             f"{type(model).__name__} is not one: use parallel.pp=1")
+        if (
+            not hasattr(model, "blocks")
+            or not hasattr(model, "patch_embed")
+            or not hasattr(model, "head")
+        ):
+            raise ValueError(
+                f"pipeline parallelism cuts a ViT classifier into stages of blocks; "
+                f"{type(model).__name__} is not one: use parallel.pp=1"
+            )
         kwargs = {"loss_fn": loss_fn} if loss_fn is not None else {}
-        model = PipelinedViT(model, layout, pipeline or PipelineSpec.of(layout.pp), sequence_parallel=sequence_parallel, **kwargs)
+        model = PipelinedViT(
+            model,
+            layout,
+            pipeline or PipelineSpec.of(layout.pp),
+            sequence_parallel=sequence_parallel,
+            **kwargs,
+        )
         materialize(model)
         return model
     materialize(model)
@@ -71,9 +109,10 @@ def parallelize(model: nn.Module, layout: Layout, sequence_parallel: bool = Fals
 
 
 def local_part(layout: Layout) -> Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """(name, this rank's parameter, the parameter's full value) -> the part this rank holds: the tensor-parallel
-    shard along the dim the plan cut, the DTensor's local shard (FSDP: `torch.chunk` along each sharded dim, as
-    DTensor cuts), or all of it (replicated, or a pipeline stage's own)."""
+    """(name, this rank's parameter, the parameter's full value) -> the part this rank holds: the
+    tensor-parallel shard along the dim the plan cut, the DTensor's local shard (FSDP: `torch.chunk`
+    along each sharded dim, as DTensor cuts), or all of it (replicated, or a pipeline stage's
+    own)."""
     from torch.distributed.tensor import DTensor, Shard
 
     def part(name: str, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -83,7 +122,9 @@ def local_part(layout: Layout) -> Callable[[str, torch.Tensor, torch.Tensor], to
                 if isinstance(placement, Shard):
                     chunks = full.chunk(param.device_mesh.size(mesh_dim), dim=placement.dim)
                     index = coordinate[mesh_dim]
-                    full = chunks[index] if index < len(chunks) else full.narrow(placement.dim, 0, 0)
+                    full = (
+                        chunks[index] if index < len(chunks) else full.narrow(placement.dim, 0, 0)
+                    )
             return full
         dim = getattr(param, SHARD_DIM, None)
         if dim is not None and layout.tp_comm is not None:

@@ -18,10 +18,11 @@ def wrap_data_parallel(model: nn.Module, layout: Layout) -> nn.Module:
 
 
 def same_buffers(model: nn.Module, layout: Layout) -> None:
-    """Every DP replica takes the first one's buffers (BatchNorm's running statistics), as DDP does at the start of
-    each training forward. After a step each replica's statistics are its own batch's, so an evaluation sharded over
-    the replicas would score each shard with other statistics, none of them the checkpoint's (the first replica's):
-    called before an evaluation, so that its numbers are the saved model's on any number of ranks."""
+    """Every DP replica takes the first one's buffers (BatchNorm's running statistics), as DDP does
+    at the start of each training forward. After a step each replica's statistics are its own
+    batch's, so an evaluation sharded over the replicas would score each shard with other
+    statistics, none of them the checkpoint's (the first replica's): called before an evaluation, so
+    that its numbers are the saved model's on any number of ranks."""
     if not isinstance(model, DistributedDataParallel) or not model.broadcast_buffers:
         return
     first = dist.get_global_rank(layout.dp_group, 0)

@@ -1,11 +1,13 @@
-"""Gradients across the layout: finishing partial sums, averaging over data parallel, one global norm for clipping.
+"""Gradients across the layout: finishing partial sums, averaging over data parallel, one global
+norm for clipping.
 
-After the data-parallel average the gradients are identical on every replica, so only the model-parallel dims
-matter for the norm. A TP shard's gradient is a piece of the full gradient: its squares are summed over the TP group.
-A replicated parameter's gradient is the same on every TP rank: it is counted once. Pipeline stages hold disjoint
-parameters: their squares are summed over the PP group. FSDP's gradients are DTensor shards: DTensor reduces the
-norm over their mesh. Calling `clip_grad_norm_` per rank instead gives each rank
-a different (wrong) norm and clips the shards and stages inconsistently.
+After the data-parallel average the gradients are identical on every replica, so only the
+model-parallel dims matter for the norm. A TP shard's gradient is a piece of the full gradient: its
+squares are summed over the TP group. A replicated parameter's gradient is the same on every TP
+rank: it is counted once. Pipeline stages hold disjoint parameters: their squares are summed over
+the PP group. FSDP's gradients are DTensor shards: DTensor reduces the norm over their mesh. Calling
+`clip_grad_norm_` per rank instead gives each rank a different (wrong) norm and clips the shards and
+stages inconsistently.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from visiondist.parallel.mesh import Layout
 from visiondist.parallel.tensor import PARTIAL_GRAD, SHARD_DIM
 
 
-def _all_reduce_flat(grads: list[torch.Tensor], all_reduce: Callable[[torch.Tensor], object]) -> None:
-    """Run `all_reduce` (in place) once on the gradients flattened into one buffer and copy the result back."""
+def _all_reduce_flat(
+    grads: list[torch.Tensor], all_reduce: Callable[[torch.Tensor], object]
+) -> None:
+    """Run `all_reduce` (in place) once on the gradients flattened into one buffer and copy the
+    result back."""
     flat = torch.cat([g.reshape(-1) for g in grads])
     all_reduce(flat)
     offset = 0
@@ -31,7 +36,8 @@ def _all_reduce_flat(grads: list[torch.Tensor], all_reduce: Callable[[torch.Tens
 
 
 def finish_gradients(params: Iterable[torch.nn.Parameter], layout: Layout) -> None:
-    """Sum, over TP, the gradients that are partial over tokens (sequence parallelism), in one flat all-reduce."""
+    """Sum, over TP, the gradients that are partial over tokens (sequence parallelism), in one flat
+    all-reduce."""
     if layout.tp_comm is None:
         return
     grads = [p.grad for p in params if p.grad is not None and getattr(p, PARTIAL_GRAD, False)]
@@ -44,8 +50,8 @@ IN_FLIGHT = 2  # buckets reduced at once: one is copied back while the next is o
 
 
 def buckets(grads: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[torch.Tensor]]:
-    """Consecutive gradients of one dtype grouped into buckets of at most `limit` bytes; a gradient of `limit` or more
-    is a bucket of its own (reduced in place, no copy)."""
+    """Consecutive gradients of one dtype grouped into buckets of at most `limit` bytes; a gradient
+    of `limit` or more is a bucket of its own (reduced in place, no copy)."""
     out: list[list[torch.Tensor]] = []
     size = 0
     for g in grads:
@@ -59,10 +65,11 @@ def buckets(grads: list[torch.Tensor], limit: int = BUCKET_BYTES) -> list[list[t
 
 
 def mean_over_group(grads: list[torch.Tensor], group, size: int, limit: int = BUCKET_BYTES) -> int:
-    """Average `grads` (in place) over `group` of `size` ranks, bucket by bucket: each bucket flattened into a buffer
-    of its own (a gradient of a bucket's size or more reduced where it is) and all-reduced asynchronously, at most
-    `IN_FLIGHT` at a time, each copied back while the next is reduced. The extra memory is a few buckets, not a copy
-    of every gradient. Returns the most bytes of bucket buffers alive at once."""
+    """Average `grads` (in place) over `group` of `size` ranks, bucket by bucket: each bucket
+    flattened into a buffer of its own (a gradient of a bucket's size or more reduced where it is)
+    and all-reduced asynchronously, at most `IN_FLIGHT` at a time, each copied back while the next
+    is reduced. The extra memory is a few buckets, not a copy of every gradient. Returns the most
+    bytes of bucket buffers alive at once."""
     pending: list[tuple] = []
     alive = peak = 0
 
@@ -94,8 +101,9 @@ def mean_over_group(grads: list[torch.Tensor], group, size: int, limit: int = BU
 
 
 def average_over_data_parallel(params: Iterable[torch.nn.Parameter], layout: Layout) -> None:
-    """Mean of the gradients over the DP replicas (what DDP does, for models DDP does not wrap: pipeline stages,
-    whose backward runs inside torch's schedules), in buckets (`mean_over_group`), after the pipeline's flush."""
+    """Mean of the gradients over the DP replicas (what DDP does, for models DDP does not wrap:
+    pipeline stages, whose backward runs inside torch's schedules), in buckets (`mean_over_group`),
+    after the pipeline's flush."""
     if layout.dp == 1:
         return
     grads = [p.grad for p in params if p.grad is not None]
@@ -103,11 +111,14 @@ def average_over_data_parallel(params: Iterable[torch.nn.Parameter], layout: Lay
         mean_over_group(grads, layout.dp_group, layout.dp)
 
 
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, layout: Layout) -> torch.Tensor:
-    """Global L2 norm of the gradients over every shard, clipped to `max_norm` when it is > 0; returns the norm
-    before clipping (the same on every rank)."""
+def clip_grad_norm(
+    params: Iterable[torch.nn.Parameter], max_norm: float, layout: Layout
+) -> torch.Tensor:
+    """Global L2 norm of the gradients over every shard, clipped to `max_norm` when it is > 0;
+    returns the norm before clipping (the same on every rank)."""
     params = [p for p in params if p.grad is not None]
-    if any(isinstance(p.grad, DTensor) for p in params):  # FSDP: DTensor shards, reduced over their DP mesh
+    # FSDP: DTensor shards, reduced over their DP mesh
+    if any(isinstance(p.grad, DTensor) for p in params):
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=None)
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)

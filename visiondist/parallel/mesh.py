@@ -1,8 +1,8 @@
 """The device mesh and what the rest of the code asks of a layout.
 
-One `DeviceMesh` with named dims ("pp", "dp", "tp"), tensor parallel innermost (neighbouring ranks, fastest links),
-pipeline outermost. The engine never branches on the layout; it asks a `Layout` which rank logs, which group a metric
-is reduced over, and which DP rank and size the sampler uses.
+One `DeviceMesh` with named dims ("pp", "dp", "tp"), tensor parallel innermost (neighbouring ranks,
+fastest links), pipeline outermost. The engine never branches on the layout; it asks a `Layout`
+which rank logs, which group a metric is reduced over, and which DP rank and size the sampler uses.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ class Layout:
     tp_rank: int
     pp_rank: int
     tp_comm: Optional[TPComm] = None  # the TP group and its traffic counter; None when tp == 1
-    nodes: tuple[int, ...] = ()  # node index of every global rank (torchrun's GROUP_RANK, SLURM_NODEID)
-    run: Optional[RunLayout] = None  # the job's resolved layout (every switch concrete); the trainer needs it
+    # node index of every global rank (torchrun's GROUP_RANK, SLURM_NODEID)
+    nodes: tuple[int, ...] = ()
+    # the job's resolved layout (every switch concrete); the trainer needs it
+    run: Optional[RunLayout] = None
 
     @property
     def is_main(self) -> bool:
@@ -53,7 +55,8 @@ class Layout:
         return self.mesh.get_group("pp")
 
     def groups(self) -> list[dist.ProcessGroup]:
-        """One process group per mesh dimension (pp, dp, tp): the groups a collective timeout applies to."""
+        """One process group per mesh dimension (pp, dp, tp): the groups a collective timeout
+        applies to."""
         return [self.mesh.get_group(dim) for dim in self.mesh.mesh_dim_names]
 
     @property
@@ -63,7 +66,8 @@ class Layout:
 
     @property
     def reads_labels(self) -> bool:
-        """Only the last pipeline stage reads labels (with looped placement it is on the last PP rank)."""
+        """Only the last pipeline stage reads labels (with looped placement it is on the last PP
+        rank)."""
         return self.pp_rank == self.pp - 1
 
     def all_reduce_dp(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -73,20 +77,23 @@ class Layout:
         return tensor
 
     def placement(self) -> list[str]:
-        """Where each mesh dimension's groups sit: e.g. `tp groups [0, 1] [2, 3]: each inside one node`; under HSDP
-        the DP dimension as FSDP's shard groups and the replicas across them."""
+        """Where each mesh dimension's groups sit: e.g. `tp groups [0, 1] [2, 3]: each inside one
+        node`; under HSDP the DP dimension as FSDP's shard groups and the replicas across them."""
         grid, dims = np.asarray(self.mesh.mesh.tolist()), MESH_DIMS
-        if self.run is not None and self.run.hsdp:  # FSDP splits dp as (replicate, shard): shards are neighbours
+        # FSDP splits dp as (replicate, shard): shards are neighbours
+        if self.run is not None and self.run.hsdp:
             shard = self.run.shard_size
             grid = grid.reshape(self.pp, self.dp // shard, shard, self.tp)
             dims = ("pp", "dp replicate", "dp shard", "tp")
         return placement(grid.tolist(), self.nodes or (0,) * self.world_size, dims=dims)
 
 
-def placement(grid: list, nodes: tuple[int, ...], shown: int = 4, dims: tuple[str, ...] = MESH_DIMS) -> list[str]:
-    """For each mesh dimension of size > 1: its groups of global ranks (the first `shown`) and how many nodes one
-    group spans. `grid`: the nested list of global ranks over `dims` ((pp, dp, tp)); `nodes`: node index of each
-    global rank."""
+def placement(
+    grid: list, nodes: tuple[int, ...], shown: int = 4, dims: tuple[str, ...] = MESH_DIMS
+) -> list[str]:
+    """For each mesh dimension of size > 1: its groups of global ranks (the first `shown`) and how
+    many nodes one group spans. `grid`: the nested list of global ranks over `dims` ((pp, dp, tp));
+    `nodes`: node index of each global rank."""
     ranks = np.asarray(grid)
     lines = []
     for axis, dim in enumerate(dims):
@@ -95,28 +102,54 @@ def placement(grid: list, nodes: tuple[int, ...], shown: int = 4, dims: tuple[st
             continue
         groups = np.moveaxis(ranks, axis, -1).reshape(-1, size).tolist()
         spans = max(len({nodes[r] for r in group}) for group in groups)
-        listed = " ".join(str(g) for g in groups[:shown]) + (f" ... ({len(groups)} groups)" if len(groups) > shown else "")
-        lines.append(f"{dim} groups {listed}: " + ("each inside one node" if spans == 1 else f"across {spans} nodes"))
+        listed = " ".join(str(g) for g in groups[:shown]) + (
+            f" ... ({len(groups)} groups)" if len(groups) > shown else ""
+        )
+        lines.append(
+            f"{dim} groups {listed}: "
+            + ("each inside one node" if spans == 1 else f"across {spans} nodes")
+        )
     return lines
 
 
-def build_layout(dp: int, tp: int, pp: int, device: torch.device, local_rank: int,
-                 run: Optional[RunLayout] = None) -> Layout:
-    """Create the mesh over the initialised default process group (its world size must be dp*tp*pp); `run`: the
-    job's `RunLayout`, which the engine reads every parallel switch from."""
+def build_layout(
+    dp: int,
+    tp: int,
+    pp: int,
+    device: torch.device,
+    local_rank: int,
+    run: Optional[RunLayout] = None,
+) -> Layout:
+    """Create the mesh over the initialised default process group (its world size must be dp*tp*pp);
+    `run`: the job's `RunLayout`, which the engine reads every parallel switch from."""
     world = dist.get_world_size()
     if world != dp * tp * pp:
         raise ValueError(f"world size {world} != dp x tp x pp = {dp} x {tp} x {pp}")
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
     pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
     tp_comm = TPComm(mesh.get_group("tp")) if tp > 1 else None
-    if dist.get_backend() == "fake":  # the dry run: nothing to gather; the job's ranks fill whole nodes in order
+    # the dry run: nothing to gather; the job's ranks fill whole nodes in order
+    if dist.get_backend() == "fake":
         nodes = [r // run.per_node for r in range(world)] if run is not None else [0] * world
     else:
         nodes = [None] * world
         dist.all_gather_object(nodes, node_index(os.environ))
-    return Layout(mesh, device, dist.get_rank(), world, local_rank, dp, tp, pp, dp_rank, tp_rank, pp_rank, tp_comm,
-                  tuple(nodes), run)
+    return Layout(
+        mesh,
+        device,
+        dist.get_rank(),
+        world,
+        local_rank,
+        dp,
+        tp,
+        pp,
+        dp_rank,
+        tp_rank,
+        pp_rank,
+        tp_comm,
+        tuple(nodes),
+        run,
+    )
 
 
 def node_index(env) -> int:

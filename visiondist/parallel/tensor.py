@@ -1,15 +1,17 @@
 """Tensor parallelism (Megatron) and sequence parallelism, applied to a finished model by a plan.
 
-A plan is data: module path pattern -> style, registered by the model's own package for its class (the ViT's, with
-what each style does to a block: `visiondist.models.vit_parallel`). The styles: ColwiseParallel (output features
-split), RowwiseParallel (input features split, partial outputs all-reduced or reduce-scattered along tokens, the bias
-added once), ParallelInput (a sub-block's input enters the TP region), SequenceRegion (SP: tokens split on entry,
-gathered on exit), SequenceParallel (SP: replicated weights that see only this rank's tokens).
+A plan is data: module path pattern -> style, registered by the model's own package for its class
+(the ViT's, with what each style does to a block: `visiondist.models.vit_parallel`). The styles:
+ColwiseParallel (output features split), RowwiseParallel (input features split, partial outputs
+all-reduced or reduce-scattered along tokens, the bias added once), ParallelInput (a sub-block's
+input enters the TP region), SequenceRegion (SP: tokens split on entry, gathered on exit),
+SequenceParallel (SP: replicated weights that see only this rank's tokens).
 
-Parameters keep their names and are tagged: `tp_shard_dim` on shards (0: rows, 1: columns), `tp_partial_grad` on
-replicated parameters whose gradient is a partial sum over tokens (SP), to be all-reduced over TP after backward.
-Everything outside the plan (patch embedding, position embedding, cls token, final norm, head) stays replicated and,
-because every TP rank computes it from the same input, identical across the group.
+Parameters keep their names and are tagged: `tp_shard_dim` on shards (0: rows, 1: columns),
+`tp_partial_grad` on replicated parameters whose gradient is a partial sum over tokens (SP), to be
+all-reduced over TP after backward. Everything outside the plan (patch embedding, position
+embedding, cls token, final norm, head) stays replicated and, because every TP rank computes it from
+the same input, identical across the group.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def _mark_partial(param: nn.Parameter) -> None:
 
 
 class RowParallelLinear(nn.Module):
-    """A `Linear` holding this rank's slice of the input features. The partial products are summed over TP — by
-    all-reduce, or by reduce-scatter along tokens under SP — and the replicated bias is added once, after the sum."""
+    """A `Linear` holding this rank's slice of the input features. The partial products are summed
+    over TP — by all-reduce, or by reduce-scatter along tokens under SP — and the replicated bias is
+    added once, after the sum."""
 
     def __init__(self, linear: nn.Linear, comm: TPComm, sequence_parallel: bool):
         super().__init__()
@@ -73,10 +76,13 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features} (of {self.in_features * self.comm.size}), out_features={self.out_features}"
+        return (
+            f"in_features={self.in_features} (of {self.in_features * self.comm.size}), "
+            f"out_features={self.out_features}"
+        )
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Styles: each turns one module into its parallel form (in place, or by returning a replacement).
 
 
@@ -99,12 +105,17 @@ class RowwiseParallel:
 
 
 class ParallelInput:
-    """The module's first input enters the TP region (copy, or all-gather of the token chunks under SP)."""
+    """The module's first input enters the TP region (copy, or all-gather of the token chunks under
+    SP)."""
 
     def apply(self, module: nn.Module, comm: TPComm, sequence_parallel: bool) -> nn.Module:
         def enter(_module, args):
             x, *rest = args
-            x = all_gather_tokens(x, comm, comm.n_tokens) if sequence_parallel else copy_to_tp(x, comm)
+            x = (
+                all_gather_tokens(x, comm, comm.n_tokens)
+                if sequence_parallel
+                else copy_to_tp(x, comm)
+            )
             return (x, *rest)
 
         module.register_forward_pre_hook(enter)
@@ -132,7 +143,8 @@ class SequenceRegion:
 
 
 class SequenceParallel:
-    """Replicated parameters of a token-wise module inside the SP region: their gradients are partial sums."""
+    """Replicated parameters of a token-wise module inside the SP region: their gradients are
+    partial sums."""
 
     def apply(self, module: nn.Module, comm: TPComm, sequence_parallel: bool) -> nn.Module:
         if sequence_parallel:
@@ -143,6 +155,7 @@ class SequenceParallel:
 
 Style = ColwiseParallel | RowwiseParallel | ParallelInput | SequenceRegion | SequenceParallel
 
+
 def _matches(path: str, pattern: str) -> bool:
     """`*` stands for exactly one path component (a block index), as in torchtitan's plans."""
     parts, pats = path.split("."), pattern.split(".")
@@ -150,24 +163,37 @@ def _matches(path: str, pattern: str) -> bool:
 
 
 def apply_tensor_parallel(model: nn.Module, comm: TPComm, sequence_parallel: bool) -> nn.Module:
-    """Shard, in place, every part of `model` that has a registered plan (the model itself, or e.g. the ViT backbone
-    inside a detector); everything else stays replicated. A model with no such part is an error."""
-    targets = [(path, module) for path, module in model.named_modules() if _registered_plan(module) is not None]
+    """Shard, in place, every part of `model` that has a registered plan (the model itself, or e.g.
+    the ViT backbone inside a detector); everything else stays replicated. A model with no such part
+    is an error."""
+    targets = [
+        (path, module)
+        for path, module in model.named_modules()
+        if _registered_plan(module) is not None
+    ]
     if not targets:
-        raise ValueError(f"no tensor-parallel plan for {type(model).__name__} or any of its parts: use parallel.tp=1")
+        raise ValueError(
+            f"no tensor-parallel plan for {type(model).__name__} or any of its parts: use "
+            "parallel.tp=1"
+        )
     for _, module in targets:
         apply_plan(module, _registered_plan(module), comm, sequence_parallel)
     return model
 
 
-def apply_plan(module: nn.Module, plan: dict[str, Style], comm: TPComm, sequence_parallel: bool) -> nn.Module:
-    """Apply `plan` to `module`. Every pattern must match at least one submodule, so a renamed layer fails loudly
-    instead of silently staying replicated."""
+def apply_plan(
+    module: nn.Module, plan: dict[str, Style], comm: TPComm, sequence_parallel: bool
+) -> nn.Module:
+    """Apply `plan` to `module`. Every pattern must match at least one submodule, so a renamed layer
+    fails loudly instead of silently staying replicated."""
     modules = dict(module.named_modules())
     for pattern, style in plan.items():
         paths = [path for path in modules if _matches(path, pattern)]
         if not paths:
-            raise ValueError(f"tensor-parallel plan entry {pattern!r} matches no module of {type(module).__name__}")
+            raise ValueError(
+                f"tensor-parallel plan entry {pattern!r} matches no module of "
+                f"{type(module).__name__}"
+            )
         for path in paths:
             replacement = style.apply(modules[path], comm, sequence_parallel)
             if replacement is not modules[path]:
@@ -193,8 +219,8 @@ def _registered_plan(module: nn.Module) -> Optional[dict[str, Style]]:
 
 
 def persistent_buffers(model: nn.Module):
-    """(name, buffer) of the buffers a state dict holds: not the non-persistent ones (e.g. drop path's keep
-    probability), which are rebuilt from the config."""
+    """(name, buffer) of the buffers a state dict holds: not the non-persistent ones (e.g. drop
+    path's keep probability), which are rebuilt from the config."""
     for module_name, module in model.named_modules():
         for name, buffer in module.named_buffers(recurse=False):
             if buffer is not None and name not in module._non_persistent_buffers_set:
@@ -203,7 +229,8 @@ def persistent_buffers(model: nn.Module):
 
 @torch.no_grad()
 def full_state_dict(model: nn.Module, comm: Optional[TPComm]) -> dict[str, torch.Tensor]:
-    """The canonical (unsharded) state dict, identical to the single-device model's, on every TP rank."""
+    """The canonical (unsharded) state dict, identical to the single-device model's, on every TP
+    rank."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in [*model.named_parameters(), *persistent_buffers(model)]:
         dim = getattr(tensor, SHARD_DIM, None)

@@ -1,14 +1,16 @@
 """What a pipeline schedule did: per-rank compute intervals, the bubble fraction and a PNG timeline.
 
-Each rank records one interval per stage action (F: forward of a micro-batch; B: its backward, input and weight
-gradients together; I and W: the input-gradient and weight-gradient halves that zero-bubble schedules run apart),
-timed from the moment every rank left a barrier (host clock on the CPU, CUDA events on a GPU). Waiting for a
-neighbour's activations or gradients is not recorded: it is the bubble.
+Each rank records one interval per stage action (F: forward of a micro-batch; B: its backward, input
+and weight gradients together; I and W: the input-gradient and weight-gradient halves that
+zero-bubble schedules run apart), timed from the moment every rank left a barrier (host clock on the
+CPU, CUDA events on a GPU). Waiting for a neighbour's activations or gradients is not recorded: it
+is the bubble.
 
     bubble = 1 - sum of busy time over ranks / (ranks x span)
 
-where `span` runs from the first action's start to the last action's end on any rank. With equal stages and free
-communication GPipe and 1F1B give (p - 1) / (m + p - 1) for p ranks and m micro-batches.
+where `span` runs from the first action's start to the last action's end on any rank. With equal
+stages and free communication GPipe and 1F1B give (p - 1) / (m + p - 1) for p ranks and m
+micro-batches.
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-PHASES = {"F": "forward", "B": "backward", "I": "backward (input grad)", "W": "backward (weight grad)"}
+PHASES = {
+    "F": "forward",
+    "B": "backward",
+    "I": "backward (input grad)",
+    "W": "backward (weight grad)",
+}
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", "I": "#DD8452", "W": "#55A868"}
 
 
@@ -38,11 +45,11 @@ class Event:
 class Recorder:
     """Collects this rank's `Event`s while `record()` is active; the stages report to it.
 
-    On the CPU an action is timed by the host clock around it. On CUDA the host only queues work, so each action
-    gets a pair of CUDA events on the current stream instead, and they are read once the step is over: nothing in the
-    step waits for the device (a `synchronize` per action would serialise the step and can deadlock against queued
-    NCCL sends). A stage starts an action after waiting for its input, so the events exclude that wait, as the host
-    clock does on the CPU."""
+    On the CPU an action is timed by the host clock around it. On CUDA the host only queues work, so
+    each action gets a pair of CUDA events on the current stream instead, and they are read once the
+    step is over: nothing in the step waits for the device (a `synchronize` per action would
+    serialise the step and can deadlock against queued NCCL sends). A stage starts an action after
+    waiting for its input, so the events exclude that wait, as the host clock does on the CPU."""
 
     def __init__(self, rank: int, device: torch.device):
         self.rank, self.device = rank, device
@@ -59,9 +66,10 @@ class Recorder:
         return event
 
     @contextmanager
-    def record(self, barrier=None) -> Iterator["Recorder"]:
-        """Record the actions run inside the block; `barrier` (e.g. the pipeline group's) aligns the clocks. On CUDA
-        the device is drained once before (so its clock starts with the host's) and the events are read after."""
+    def record(self, barrier=None) -> Iterator[Recorder]:
+        """Record the actions run inside the block; `barrier` (e.g. the pipeline group's) aligns the
+        clocks. On CUDA the device is drained once before (so its clock starts with the host's) and
+        the events are read after."""
         self.events, self._queued = [], []
         if self._cuda:
             torch.cuda.synchronize(self.device)
@@ -80,11 +88,20 @@ class Recorder:
 
     def _read_events(self) -> None:
         if self._queued:
-            self._queued[-1][-1].synchronize()  # the stream's last event: every earlier one has completed too
+            # the stream's last event: every earlier one has completed too
+            self._queued[-1][-1].synchronize()
         start = self._start_event
         for stage, phase, microbatch, begin, end in self._queued:
-            self.events.append(Event(self.rank, stage, phase, microbatch, start.elapsed_time(begin) / 1e3,
-                                     start.elapsed_time(end) / 1e3))
+            self.events.append(
+                Event(
+                    self.rank,
+                    stage,
+                    phase,
+                    microbatch,
+                    start.elapsed_time(begin) / 1e3,
+                    start.elapsed_time(end) / 1e3,
+                )
+            )
         self._queued = []
 
     @contextmanager
@@ -103,12 +120,21 @@ class Recorder:
         try:
             yield
         finally:
-            self.events.append(Event(self.rank, stage, phase, microbatch, start - self._t0,
-                                     time.perf_counter() - self._t0))
+            self.events.append(
+                Event(
+                    self.rank,
+                    stage,
+                    phase,
+                    microbatch,
+                    start - self._t0,
+                    time.perf_counter() - self._t0,
+                )
+            )
 
 
 def bubble_fraction(events: Sequence[Event], ranks: Optional[int] = None) -> dict:
-    """Busy time per rank, the span and the bubble fraction (overall and per rank) of one recorded step."""
+    """Busy time per rank, the span and the bubble fraction (overall and per rank) of one recorded
+    step."""
     if not events:
         raise ValueError("no pipeline events were recorded")
     ranks = ranks or (max(e.rank for e in events) + 1)
@@ -137,8 +163,8 @@ def from_json(rows: Sequence[dict]) -> list[Event]:
 
 
 def plot_timeline(events: Sequence[Event], path: Path, title: str) -> Path:
-    """Ranks (rows) x time, one box per action coloured by phase and labelled with its micro-batch; the later
-    virtual stages of a rank are drawn lighter."""
+    """Ranks (rows) x time, one box per action coloured by phase and labelled with its micro-batch;
+    the later virtual stages of a rank are drawn lighter."""
     from matplotlib.figure import Figure  # drawn by Agg when saved; no pyplot
     from matplotlib.patches import Patch
 
@@ -152,17 +178,36 @@ def plot_timeline(events: Sequence[Event], path: Path, title: str) -> Path:
     for e in events:
         x0, width = (e.start - begin) * scale, (e.end - e.start) * scale
         later = e.stage != first_stage[e.rank]
-        ax.broken_barh([(x0, width)], (e.rank - 0.4, 0.8), facecolors=COLOURS[e.phase],
-                       alpha=0.55 if later else 1.0, edgecolor="white", linewidth=0.5)
+        ax.broken_barh(
+            [(x0, width)],
+            (e.rank - 0.4, 0.8),
+            facecolors=COLOURS[e.phase],
+            alpha=0.55 if later else 1.0,
+            edgecolor="white",
+            linewidth=0.5,
+        )
         if width > stats["span_s"] * scale / 150:
-            ax.text(x0 + width / 2, e.rank, str(e.microbatch), ha="center", va="center", fontsize=7, color="white")
+            ax.text(
+                x0 + width / 2,
+                e.rank,
+                str(e.microbatch),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+            )
     ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_xlim(0, stats["span_s"] * scale)
     phases = sorted({e.phase for e in events}, key="FBIW".index)
-    ax.legend(handles=[Patch(color=COLOURS[p], label=PHASES[p]) for p in phases], loc="upper center",
-              bbox_to_anchor=(0.5, -0.18 if ranks > 2 else -0.3), ncol=len(phases), frameon=False)
+    ax.legend(
+        handles=[Patch(color=COLOURS[p], label=PHASES[p]) for p in phases],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.18 if ranks > 2 else -0.3),
+        ncol=len(phases),
+        frameon=False,
+    )
     ax.set_title(f"{title} | bubble {100 * stats['bubble']:.1f}%")
     fig.tight_layout()
     path = Path(path)

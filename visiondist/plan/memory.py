@@ -1,17 +1,20 @@
-"""Memory model of a ViT (its `ViTShape`) under a (dp, tp, pp) layout: bytes per rank, before anything is built.
+"""Memory model of a ViT (its `ViTShape`) under a (dp, tp, pp) layout: bytes per rank, before
+anything is built.
 
-Static state is counted exactly from the model's shape: parameters, gradients, optimizer state (AdamW: two moments
-and a step counter per tensor; SGD with momentum: one buffer) and the EMA copy, for the rank holding the largest
-pipeline stage (stages are cut exactly as `visiondist.parallel.stages.block_ranges` cuts them). Tensor-parallel
-shards follow the plan in `visiondist.parallel.tensor`: q, k, v and fc1 split by rows (weight and bias), proj and fc2
-by columns (weight only); norms, embeddings and the head are replicated.
+Static state is counted exactly from the model's shape: parameters, gradients, optimizer state
+(AdamW: two moments and a step counter per tensor; SGD with momentum: one buffer) and the EMA copy,
+for the rank holding the largest pipeline stage (stages are cut exactly as
+`visiondist.parallel.stages.block_ranges` cuts them). Tensor-parallel shards follow the plan in
+`visiondist.parallel.tensor`: q, k, v and fc1 split by rows (weight and bias), proj and fc2 by
+columns (weight only); norms, embeddings and the head are replicated.
 
-Under FSDP each tensor is sharded along dim 0 (padded to equal chunks, as FSDP2 does) and the gathered weights of
-the blocks in flight are counted as buffers; with offload the shards, gradients and optimizer state are host memory.
+Under FSDP each tensor is sharded along dim 0 (padded to equal chunks, as FSDP2 does) and the
+gathered weights of the blocks in flight are counted as buffers; with offload the shards, gradients
+and optimizer state are host memory.
 
-Activations are an estimate: the tensors a block saves for its backward, per micro-batch in flight (with activation
-checkpointing: each block's input, plus one block's full set while it is recomputed); `saved_activation_bytes`
-measures them on a built module.
+Activations are an estimate: the tensors a block saves for its backward, per micro-batch in flight
+(with activation checkpointing: each block's input, plus one block's full set while it is
+recomputed); `saved_activation_bytes` measures them on a built module.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ class Tensors:
     elements: int = 0
     tensors: int = 0
 
-    def __add__(self, other: "Tensors") -> "Tensors":
+    def __add__(self, other: Tensors) -> Tensors:
         return Tensors(self.elements + other.elements, self.tensors + other.tensors)
 
 
@@ -52,7 +55,8 @@ def block_params(s: ViTShape, tp: int = 1) -> Tensors:
 
 def embed_params(s: ViTShape) -> Tensors:
     d = s.embed_dim
-    return Tensors(3 * s.patch_size**2 * d + d + d + s.pos_tokens * d, 4)  # conv weight + bias, cls token, pos embed
+    # conv weight + bias, cls token, pos embed
+    return Tensors(3 * s.patch_size**2 * d + d + d + s.pos_tokens * d, 4)
 
 
 def head_params(s: ViTShape) -> Tensors:
@@ -73,7 +77,8 @@ def tensor_shapes(s: ViTShape) -> list[tuple[int, ...]]:
 
 
 def fsdp_shard(s: ViTShape, n: int, rank: int = 0) -> Tensors:
-    """What FSDP2 stores on `rank` of `n`: its chunk of ceil(dim0 / n) rows of every tensor (rank 0 has the most)."""
+    """What FSDP2 stores on `rank` of `n`: its chunk of ceil(dim0 / n) rows of every tensor (rank 0
+    has the most)."""
     elements = 0
     for shape in tensor_shapes(s):
         chunk = math.ceil(shape[0] / n)
@@ -82,7 +87,8 @@ def fsdp_shard(s: ViTShape, n: int, rank: int = 0) -> Tensors:
 
 
 def stage_ranges(s: ViTShape, tp: int, n_stages: int) -> list[tuple[int, int]]:
-    """Blocks [first, last) of each stage, cut as `parallel.stages.block_ranges` cuts the (TP-sharded) model."""
+    """Blocks [first, last) of each stage, cut as `parallel.stages.block_ranges` cuts the
+    (TP-sharded) model."""
     if n_stages == 1:
         return [(0, s.depth)]
     costs = [block_params(s, tp).elements] * s.depth
@@ -112,7 +118,8 @@ def stage_params(s: ViTShape, tp: int, pp: int, stages_per_rank: int = 1) -> lis
 
 def optimizer_bytes(params: Tensors, optimizer: str, momentum: float = 0.9) -> int:
     if optimizer == "adamw":
-        return 2 * FLOAT * params.elements + FLOAT * params.tensors  # exp_avg, exp_avg_sq, a 0-dim step per tensor
+        # exp_avg, exp_avg_sq, a 0-dim step per tensor
+        return 2 * FLOAT * params.elements + FLOAT * params.tensors
     if optimizer == "sgd":
         return FLOAT * params.elements if momentum else 0
     raise ValueError(f"unknown optimizer {optimizer!r}")
@@ -122,33 +129,39 @@ def act_size(precision: str) -> int:
     return 2 if str(precision) in ("bf16", "16") else 4  # autocast saves 16-bit activations
 
 
-def block_activation_bytes(s: ViTShape, micro_batch: int, tp: int, precision: str = "32",
-                           sequence_parallel: bool = False) -> int:
-    """Tensors one block saves for its backward, for one micro-batch, as the dry run measures them: the two norms'
-    inputs (fp32, the residual stream; token-sharded under SP) and statistics; the input of the fused q, k, v GEMM
-    (`Attention`: one tensor, cast once under autocast) and of fc1; q, k, v, the attention output and its
-    log-sum-exp (fused attention keeps no tokens x tokens matrix); fc1's output and the GELU's (fc2's input). The
-    tensors inside the TP region are divided by tp."""
+def block_activation_bytes(
+    s: ViTShape, micro_batch: int, tp: int, precision: str = "32", sequence_parallel: bool = False
+) -> int:
+    """Tensors one block saves for its backward, for one micro-batch, as the dry run measures them:
+    the two norms' inputs (fp32, the residual stream; token-sharded under SP) and statistics; the
+    input of the fused q, k, v GEMM (`Attention`: one tensor, cast once under autocast) and of fc1;
+    q, k, v, the attention output and its log-sum-exp (fused attention keeps no tokens x tokens
+    matrix); fc1's output and the GELU's (fc2's input). The tensors inside the TP region are divided
+    by tp."""
     a = act_size(precision)
     t, d, h = s.tokens, s.embed_dim, s.hidden
     sp = tp if sequence_parallel else 1
-    norms = (2 * t * d * FLOAT + 4 * t * FLOAT) // sp  # autocast runs norms in fp32: their inputs are fp32
+    # autocast runs norms in fp32: their inputs are fp32
+    norms = (2 * t * d * FLOAT + 4 * t * FLOAT) // sp
     inputs = t * d * a + t * d * a  # the qkv GEMM's input and fc1's
     sharded = (4 * t * d * a + 2 * t * h * a + s.num_heads * t * FLOAT) // tp
     return micro_batch * (norms + inputs + sharded)
 
 
-def block_matmul_bytes(s: ViTShape, micro_batch: int, tp: int, precision: str = "32",
-                       sequence_parallel: bool = False) -> int:
-    """What `parallel.checkpoint_keep=matmuls` keeps of one block besides its input: the matmuls' outputs (q, k, v
-    and fc1 column-sharded by tp; the output projection's and fc2's partial sums, full size), the attention output and
-    its log-sum-exp, and under tensor parallelism the collectives' outputs (the two partial sums all-reduced; under
-    SP the two sub-blocks' gathered inputs, fp32, and the two reduce-scattered token slices)."""
+def block_matmul_bytes(
+    s: ViTShape, micro_batch: int, tp: int, precision: str = "32", sequence_parallel: bool = False
+) -> int:
+    """What `parallel.checkpoint_keep=matmuls` keeps of one block besides its input: the matmuls'
+    outputs (q, k, v and fc1 column-sharded by tp; the output projection's and fc2's partial sums,
+    full size), the attention output and its log-sum-exp, and under tensor parallelism the
+    collectives' outputs (the two partial sums all-reduced; under SP the two sub-blocks' gathered
+    inputs, fp32, and the two reduce-scattered token slices)."""
     a = act_size(precision)
     t, d, h = s.tokens, s.embed_dim, s.hidden
     sharded = (3 * t * d * a + t * d * a + s.num_heads * t * FLOAT + t * h * a) // tp
     collectives = 0
-    if tp > 1 and sequence_parallel:  # the gathers' outputs are the norms' (fp32), of the tokens padded to tp
+    # the gathers' outputs are the norms' (fp32), of the tokens padded to tp
+    if tp > 1 and sequence_parallel:
         padded = -(-t // tp) * tp
         collectives = 2 * padded * d * FLOAT + 2 * (padded // tp) * d * a
     elif tp > 1:
@@ -157,10 +170,11 @@ def block_matmul_bytes(s: ViTShape, micro_batch: int, tp: int, precision: str = 
 
 
 def weight_copies(s: ViTShape, tp: int, blocks: int, precision: str = "32") -> int:
-    """Autocast's 16-bit copies of the blocks' output projection and MLP weights, saved for the backward by the layers
-    that use them (autocast casts a parameter once per forward region and keeps it until its backward): zero in fp32
-    and under FSDP, whose gathered weights are already 16-bit. The fused q, k, v GEMM saves the weights themselves
-    (`visiondist.models.vit._FusedQKV`): no copy of them is kept."""
+    """Autocast's 16-bit copies of the blocks' output projection and MLP weights, saved for the
+    backward by the layers that use them (autocast casts a parameter once per forward region and
+    keeps it until its backward): zero in fp32 and under FSDP, whose gathered weights are already
+    16-bit. The fused q, k, v GEMM saves the weights themselves (`visiondist.models.vit._FusedQKV`):
+    no copy of them is kept."""
     a = act_size(precision)
     if a == FLOAT:
         return 0
@@ -168,30 +182,44 @@ def weight_copies(s: ViTShape, tp: int, blocks: int, precision: str = "32") -> i
     return blocks * (d * d + 2 * d * h) // tp * a
 
 
-def ends_activation_bytes(s: ViTShape, micro_batch: int, precision: str, first: bool, last: bool,
-                          fsdp: bool = False) -> int:
-    """What the parts around the blocks save: the images (cast under autocast) for the patch embedding on the first
-    stage; the final norm's input and statistics and the head's input on the last; autocast's weight copies."""
+def ends_activation_bytes(
+    s: ViTShape, micro_batch: int, precision: str, first: bool, last: bool, fsdp: bool = False
+) -> int:
+    """What the parts around the blocks save: the images (cast under autocast) for the patch
+    embedding on the first stage; the final norm's input and statistics and the head's input on the
+    last; autocast's weight copies."""
     a = act_size(precision)
-    copy = a if a != FLOAT and not fsdp else 0  # autocast's 16-bit copy of the weight (FSDP gathers 16-bit)
+    # autocast's 16-bit copy of the weight (FSDP gathers 16-bit)
+    copy = a if a != FLOAT and not fsdp else 0
     out = 0
     if first:
         out += micro_batch * 3 * s.img_size**2 * a + copy * 3 * s.patch_size**2 * s.embed_dim
     if last:
-        # the head's input is the class token of the norm's output: a view that keeps all of it in fp32, a cast
-        # copy of the token alone under autocast
+        # the head's input is the class token of the norm's output: a view that keeps all of it in
+        # fp32, a cast copy of the token alone under autocast
         head_input = s.tokens * s.embed_dim * FLOAT if a == FLOAT else s.embed_dim * a
         out += micro_batch * (s.tokens * s.embed_dim * FLOAT + 2 * s.tokens * FLOAT + head_input)
         out += copy * s.num_classes * s.embed_dim
     return out
 
 
-def saved_per_microbatch(s: ViTShape, micro_batch: int, tp: int, blocks: int, precision: str = "32",
-                         checkpointing: bool = False, sequence_parallel: bool = False, first: bool = True,
-                         last: bool = True, fsdp: bool = False, keep: str = "input") -> int:
-    """What one micro-batch's forward through `blocks` blocks (and the first / last stage's parts) leaves saved for
-    its backward: every block's tensors and autocast's weight copies, or with activation checkpointing only each
-    block's input (token-sharded under sequence parallelism), and with `keep="matmuls"` its matmuls' outputs."""
+def saved_per_microbatch(
+    s: ViTShape,
+    micro_batch: int,
+    tp: int,
+    blocks: int,
+    precision: str = "32",
+    checkpointing: bool = False,
+    sequence_parallel: bool = False,
+    first: bool = True,
+    last: bool = True,
+    fsdp: bool = False,
+    keep: str = "input",
+) -> int:
+    """What one micro-batch's forward through `blocks` blocks (and the first / last stage's parts)
+    leaves saved for its backward: every block's tensors and autocast's weight copies, or with
+    activation checkpointing only each block's input (token-sharded under sequence parallelism), and
+    with `keep="matmuls"` its matmuls' outputs."""
     ends = ends_activation_bytes(s, micro_batch, precision, first, last, fsdp)
     residual = residual_size(precision, fsdp)
     if checkpointing:
@@ -200,12 +228,16 @@ def saved_per_microbatch(s: ViTShape, micro_batch: int, tp: int, blocks: int, pr
             kept += block_matmul_bytes(s, micro_batch, tp, precision, sequence_parallel)
         return blocks * kept + ends
     copies = 0 if fsdp else weight_copies(s, tp, blocks, precision)
-    return blocks * block_activation_bytes(s, micro_batch, tp, precision, sequence_parallel) + copies + ends
+    return (
+        blocks * block_activation_bytes(s, micro_batch, tp, precision, sequence_parallel)
+        + copies
+        + ends
+    )
 
 
 def residual_size(precision: str, fsdp: bool = False) -> int:
-    """Bytes per element of the residual stream between blocks: fp32, except under FSDP with a 16-bit parameter
-    dtype, which casts each block's input to it."""
+    """Bytes per element of the residual stream between blocks: fp32, except under FSDP with a
+    16-bit parameter dtype, which casts each block's input to it."""
     return act_size(precision) if fsdp else FLOAT
 
 
@@ -220,14 +252,16 @@ def microbatches_in_flight(schedule: str, pp: int, microbatches: int) -> int:
 
 @dataclass
 class RankMemory:
-    """Bytes on one rank. `device` is what the accelerator must hold; offloaded state is in `host` instead."""
+    """Bytes on one rank. `device` is what the accelerator must hold; offloaded state is in `host`
+    instead."""
 
     params: int
     grads: int
     optimizer: int
     ema: int
     activations: int
-    buffers: int = 0  # DDP's gradient buckets / the flat all-reduce copy; FSDP's gathered blocks in flight
+    # DDP's gradient buckets / the flat all-reduce copy; FSDP's gathered blocks in flight
+    buffers: int = 0
     offloaded: bool = False
     detail: dict = field(default_factory=dict)
 
@@ -248,14 +282,31 @@ class RankMemory:
         return self.state + self.activations + self.buffers
 
 
-def rank_memory(s: ViTShape, dp: int, tp: int, pp: int, global_batch: int, grad_accum: int = 1,
-                optimizer: str = "adamw", ema: bool = False, precision: str = "32", schedule: str = "1f1b",
-                stages_per_rank: int = -1, microbatches: int = -1, pp_rank: Optional[int] = None,
-                fsdp: bool = False, offload: bool = False, checkpointing: bool = False,
-                sequence_parallel: bool = False, dp_rank: int = 0, shard_size: int = 0,
-                keep: str = "input") -> RankMemory:
-    """Bytes on the busiest rank (or on `pp_rank`'s ranks; under FSDP on `dp_rank`, default the first, which holds
-    the most) of the layout. `shard_size` < dp under FSDP: HSDP, sharded inside groups of that many DP ranks."""
+def rank_memory(
+    s: ViTShape,
+    dp: int,
+    tp: int,
+    pp: int,
+    global_batch: int,
+    grad_accum: int = 1,
+    optimizer: str = "adamw",
+    ema: bool = False,
+    precision: str = "32",
+    schedule: str = "1f1b",
+    stages_per_rank: int = -1,
+    microbatches: int = -1,
+    pp_rank: Optional[int] = None,
+    fsdp: bool = False,
+    offload: bool = False,
+    checkpointing: bool = False,
+    sequence_parallel: bool = False,
+    dp_rank: int = 0,
+    shard_size: int = 0,
+    keep: str = "input",
+) -> RankMemory:
+    """Bytes on the busiest rank (or on `pp_rank`'s ranks; under FSDP on `dp_rank`, default the
+    first, which holds the most) of the layout. `shard_size` < dp under FSDP: HSDP, sharded inside
+    groups of that many DP ranks."""
     spr = stages_per_rank_for(schedule, stages_per_rank) if pp > 1 else 1
     m = microbatches_for(pp, microbatches) if pp > 1 else grad_accum
     per_rank = stage_params(s, tp, pp, spr)
@@ -267,16 +318,22 @@ def rank_memory(s: ViTShape, dp: int, tp: int, pp: int, global_batch: int, grad_
     ranges = stage_ranges(s, tp, pp * spr)
     blocks = sum(b - a for stage, (a, b) in enumerate(ranges) if stage % pp == rank)
     in_flight = microbatches_in_flight(schedule, pp, m)
-    first, last = rank == 0, rank == pp - 1  # looped placement: stage 0 on rank 0, the last on rank pp - 1
-    one = saved_per_microbatch(s, micro, tp, blocks, precision, checkpointing, sequence_parallel, first, last, fsdp,
-                               keep)
+    # looped placement: stage 0 on rank 0, the last on rank pp - 1
+    first, last = rank == 0, rank == pp - 1
+    one = saved_per_microbatch(
+        s, micro, tp, blocks, precision, checkpointing, sequence_parallel, first, last, fsdp, keep
+    )
     copies = 0 if fsdp or checkpointing else weight_copies(s, tp, blocks, precision)
-    act = in_flight * (one - copies) + copies  # autocast's weight copies are made once per step, not per micro-batch
+    # autocast's weight copies are made once per step, not per micro-batch
+    act = in_flight * (one - copies) + copies
     if checkpointing:  # and one block's full set (and weight copies) while it is recomputed
         act += block_activation_bytes(s, micro, tp, precision, sequence_parallel) + (
-            0 if fsdp else weight_copies(s, tp, 1, precision))
+            0 if fsdp else weight_copies(s, tp, 1, precision)
+        )
     block = block_params(s, tp).elements
-    if fsdp:  # two blocks gathered (the running one and the prefetched next), one block's full gradient, the root
+    # two blocks gathered (the running one and the prefetched next), one block's full gradient, the
+    # root
+    if fsdp:
         root = embed_params(s).elements + head_params(s).elements
         buffers = FLOAT * (3 * block + 2 * root)
     elif dp > 1:  # DDP's buckets, or the pipeline's flat all-reduce: a copy of the gradients
@@ -291,17 +348,25 @@ def rank_memory(s: ViTShape, dp: int, tp: int, pp: int, global_batch: int, grad_
         activations=act,
         buffers=buffers,
         offloaded=offload,
-        detail={"rank": rank, "blocks": blocks, "micro_batch": micro, "in_flight": in_flight,
-                "param_tensors": params.tensors, "microbatches": m, "shard": shard},
+        detail={
+            "rank": rank,
+            "blocks": blocks,
+            "micro_batch": micro,
+            "in_flight": in_flight,
+            "param_tensors": params.tensors,
+            "microbatches": m,
+            "shard": shard,
+        },
     )
 
 
 @contextmanager
 def saved_storages(module) -> Iterator[dict]:
-    """Measured: the bytes of the distinct storages autograd saves for the backward of what runs inside the block,
-    `module`'s parameters and views of any parameter (e.g. FSDP's gathered weights) left out: what the activation
-    estimate models, in `["bytes"]` after the block. Storages are told apart by identity, which works for meta and
-    fake tensors too; the graphs must stay alive inside the block (a freed storage's identity can be reused)."""
+    """Measured: the bytes of the distinct storages autograd saves for the backward of what runs
+    inside the block, `module`'s parameters and views of any parameter (e.g. FSDP's gathered
+    weights) left out: what the activation estimate models, in `["bytes"]` after the block. Storages
+    are told apart by identity, which works for meta and fake tensors too; the graphs must stay
+    alive inside the block (a freed storage's identity can be reused)."""
     import torch
     from torch import nn
 
@@ -329,51 +394,76 @@ def saved_activation_bytes(module, *inputs) -> int:
 
 
 def _padded_elements(shapes: list[tuple[int, ...]], n: int) -> int:
-    """Elements of `shapes` with dim 0 padded to a multiple of `n` (what FSDP2 gathers and reduce-scatters)."""
+    """Elements of `shapes` with dim 0 padded to a multiple of `n` (what FSDP2 gathers and
+    reduce-scatters)."""
     return sum(math.ceil(shape[0] / n) * n * math.prod(shape[1:]) for shape in shapes)
 
 
-def collective_bytes(s: ViTShape, mem: RankMemory, dp: int, tp: int, pp: int, grad_accum: int = 1,
-                     precision: str = "32", fsdp: bool = False, checkpointing: bool = False,
-                     sequence_parallel: bool = False, stage_ids: tuple[int, ...] = (0,),
-                     n_stages: int = 1) -> dict[str, int]:
-    """Bytes each collective kind moves per optimizer step on the rank `mem` describes, as the payload of each call
-    (the full tensor an all-reduce reduces, an all-gather returns or a reduce-scatter takes; the tensor a send or
-    receive carries), keyed "<mesh dim> <kind>". The tensors are what the code hands over: the residual stream and
-    the gradients of fp32 tensors stay fp32 under autocast, the row-parallel outputs are in the autocast dtype.
-    `checkpointing`: the blocks run their collectives again when they recompute (not under `checkpoint_keep=matmuls`,
+def collective_bytes(
+    s: ViTShape,
+    mem: RankMemory,
+    dp: int,
+    tp: int,
+    pp: int,
+    grad_accum: int = 1,
+    precision: str = "32",
+    fsdp: bool = False,
+    checkpointing: bool = False,
+    sequence_parallel: bool = False,
+    stage_ids: tuple[int, ...] = (0,),
+    n_stages: int = 1,
+) -> dict[str, int]:
+    """Bytes each collective kind moves per optimizer step on the rank `mem` describes, as the
+    payload of each call (the full tensor an all-reduce reduces, an all-gather returns or a
+    reduce-scatter takes; the tensor a send or receive carries), keyed "<mesh dim> <kind>". The
+    tensors are what the code hands over: the residual stream and the gradients of fp32 tensors stay
+    fp32 under autocast, the row-parallel outputs are in the autocast dtype. `checkpointing`: the
+    blocks run their collectives again when they recompute (not under `checkpoint_keep=matmuls`,
     which keeps the collectives' outputs)."""
     a, t, d = act_size(precision), s.tokens, s.embed_dim
     blocks, micro = mem.detail["blocks"], mem.detail["micro_batch"]
-    passes = grad_accum * (mem.detail["microbatches"] if pp > 1 else 1)  # micro-batches through this rank per step
-    forwards = 2 if checkpointing else 1  # a checkpointed block runs its forward again in the backward,
-    recomputed = 1 if checkpointing else 0  # up to the last tensor its backward needs: the MLP's output is not
+    # micro-batches through this rank per step
+    passes = grad_accum * (mem.detail["microbatches"] if pp > 1 else 1)
+    # a checkpointed block runs its forward again in the backward,
+    forwards = 2 if checkpointing else 1
+    # up to the last tensor its backward needs: the MLP's output is not
+    recomputed = 1 if checkpointing else 0
     out: dict[str, int] = {}
     if tp > 1:
         if sequence_parallel:
             rows = micro * math.ceil(t / tp) * tp * d  # token-padded to a multiple of tp
-            per_block_gather = (2 * FLOAT * forwards + 2 * a) * rows  # norm outputs in; output gradients back
-            per_block_scatter = (2 * a + recomputed * a + 2 * FLOAT) * rows  # row outputs; input gradients back
+            # norm outputs in; output gradients back
+            per_block_gather = (2 * FLOAT * forwards + 2 * a) * rows
+            # row outputs; input gradients back
+            per_block_scatter = (2 * a + recomputed * a + 2 * FLOAT) * rows
             regions = len(stage_ids)  # the token split / gather around each stage's blocks
             out["tp all_gather"] = passes * (blocks * per_block_gather + regions * 2 * FLOAT * rows)
             out["tp reduce_scatter"] = passes * blocks * per_block_scatter
-            out["tp all_reduce"] = blocks * 6 * d * FLOAT + FLOAT  # the partial norm / bias gradients, the norm
+            # the partial norm / bias gradients, the norm
+            out["tp all_reduce"] = blocks * 6 * d * FLOAT + FLOAT
         else:
             rows = micro * t * d
-            out["tp all_reduce"] = passes * blocks * (2 * a + recomputed * a + 2 * FLOAT) * rows + FLOAT
+            out["tp all_reduce"] = (
+                passes * blocks * (2 * a + recomputed * a + 2 * FLOAT) * rows + FLOAT
+            )
     if pp > 1:
         boundary = micro * t * d * FLOAT  # the residual stream, fp32
         sends = sum(int(i < n_stages - 1) + int(i > 0) for i in stage_ids)
         out["pp send"] = out["pp recv"] = passes * sends * boundary
-        out["pp all_reduce"] = FLOAT * (grad_accum + 1)  # the loss of each schedule step, the gradient norm
+        # the loss of each schedule step, the gradient norm
+        out["pp all_reduce"] = FLOAT * (grad_accum + 1)
     shard = mem.detail.get("shard", dp)
     if dp > 1 and fsdp:
-        shapes = tensor_shapes(s)  # embedding (4 tensors), the blocks, norm and head (4): the root gathers once
+        # embedding (4 tensors), the blocks, norm and head (4): the root gathers once
+        shapes = tensor_shapes(s)
         block_shapes, root_shapes = shapes[4:-4], shapes[:4] + shapes[-4:]
         gathered = a if precision in ("bf16", "16") else FLOAT  # FSDP gathers in the autocast dtype
         if shard > 1:
-            out["dp all_gather"] = passes * gathered * (2 * _padded_elements(block_shapes, shard)
-                                                        + _padded_elements(root_shapes, shard))
+            out["dp all_gather"] = (
+                passes
+                * gathered
+                * (2 * _padded_elements(block_shapes, shard) + _padded_elements(root_shapes, shard))
+            )
             out["dp reduce_scatter"] = passes * FLOAT * _padded_elements(shapes, shard)
         if shard < dp:  # HSDP: each reduced gradient shard is averaged across the replicas
             out["dp all_reduce"] = passes * FLOAT * _padded_elements(shapes, shard) // shard
@@ -383,11 +473,16 @@ def collective_bytes(s: ViTShape, mem: RankMemory, dp: int, tp: int, pp: int, gr
 
 
 def module_state(module, optimizer: str, momentum: float = 0.9) -> RankMemory:
-    """Parameter, gradient and optimizer-state bytes of a whole module (any family: counted from its tensors, e.g. on
-    the meta device) under DDP: every parameter, gradients and optimizer state for the trainable ones only (frozen
-    layers get neither). Activations are not modelled here (0)."""
+    """Parameter, gradient and optimizer-state bytes of a whole module (any family: counted from its
+    tensors, e.g. on the meta device) under DDP: every parameter, gradients and optimizer state for
+    the trainable ones only (frozen layers get neither). Activations are not modelled here (0)."""
     params = list(module.parameters())
     trainable = [p for p in params if p.requires_grad]
     held = Tensors(sum(p.numel() for p in trainable), len(trainable))
-    return RankMemory(params=FLOAT * sum(p.numel() for p in params), grads=FLOAT * held.elements,
-                      optimizer=optimizer_bytes(held, optimizer, momentum), ema=0, activations=0)
+    return RankMemory(
+        params=FLOAT * sum(p.numel() for p in params),
+        grads=FLOAT * held.elements,
+        optimizer=optimizer_bytes(held, optimizer, momentum),
+        ema=0,
+        activations=0,
+    )

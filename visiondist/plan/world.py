@@ -1,13 +1,14 @@
-"""The world a job has: accelerator, ranks and ranks per node, from the config, the environment (torchrun / srun)
-and the GPUs present (the loader workers each rank's share of the node's cores allows are the rank's own question:
-`visiondist.data.workers.loader_workers`). The one place these are decided; pure given `env`, the GPU count and
-the core count, so every branch is testable without GPUs. Where each rank's device is and which backend joins the
-ranks (`cuda_index`, `backend_for`) are decided here too, as pure functions the ranks call.
+"""The world a job has: accelerator, ranks and ranks per node, from the config, the environment
+(torchrun / srun) and the GPUs present (the loader workers each rank's share of the node's cores
+allows are the rank's own question: `visiondist.data.workers.loader_workers`). The one place these
+are decided; pure given `env`, the GPU count and the core count, so every branch is testable without
+GPUs. Where each rank's device is and which backend joins the ranks (`cuda_index`, `backend_for`)
+are decided here too, as pure functions the ranks call.
 
-`trainer.share_gpu=true` runs a node's ranks on one GPU (its first): a test mode for layouts on fewer GPUs than ranks.
-NCCL refuses two ranks on one device ("Duplicate GPU detected"), so these ranks join over gloo, which carries CUDA
-tensors through host memory for its collectives. It checks the parallel code on CUDA memory and streams; it says
-nothing of NCCL or of speed."""
+`trainer.share_gpu=true` runs a node's ranks on one GPU (its first): a test mode for layouts on
+fewer GPUs than ranks. NCCL refuses two ranks on one device ("Duplicate GPU detected"), so these
+ranks join over gloo, which carries CUDA tensors through host memory for its collectives. It checks
+the parallel code on CUDA memory and streams; it says nothing of NCCL or of speed."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ class World:
     world_size: int
     per_node: int
     under_torchrun: bool
-    share_gpu: bool = False  # every rank of a node on its GPU 0, over gloo (trainer.share_gpu: a correctness test)
+    # every rank of a node on its GPU 0, over gloo (trainer.share_gpu: a correctness test)
+    share_gpu: bool = False
 
 
 def under_torchrun(env: dict[str, str]) -> bool:
@@ -44,34 +46,40 @@ def host_memory_gb() -> float:
 
 
 def device_memory_gb(accelerator: str, per_node: int, share_gpu: bool = False) -> float:
-    """Memory of one rank's device: the GPU's (divided between the node's ranks when they share it), or on the CPU
-    the host's divided between the node's ranks."""
+    """Memory of one rank's device: the GPU's (divided between the node's ranks when they share it),
+    or on the CPU the host's divided between the node's ranks."""
     if accelerator == "cuda":
         import torch
 
-        return torch.cuda.get_device_properties(0).total_memory / 1e9 / (per_node if share_gpu else 1)
+        return (
+            torch.cuda.get_device_properties(0).total_memory / 1e9 / (per_node if share_gpu else 1)
+        )
     return host_memory_gb() / per_node
 
 
-SHARE_HINT = ("or, to test the layout's correctness on fewer GPUs, trainer.share_gpu=true (every rank on GPU 0 over "
-              "gloo: never faster, and NCCL untested)")
+SHARE_HINT = (
+    "or, to test the layout's correctness on fewer GPUs, trainer.share_gpu=true (every rank on "
+    "GPU 0 over gloo: never faster, and NCCL untested)"
+)
 
 
 def cuda_index(local_rank: int, visible: int, share_gpu: bool = False) -> int:
     """The GPU of a rank: its local rank; the only visible GPU when each task is bound to one (SLURM
-    `--gpus-per-task=1`, or CUDA_VISIBLE_DEVICES set per rank), whatever its local rank; GPU 0 for every rank of a
-    node that shares it (`trainer.share_gpu`)."""
+    `--gpus-per-task=1`, or CUDA_VISIBLE_DEVICES set per rank), whatever its local rank; GPU 0 for
+    every rank of a node that shares it (`trainer.share_gpu`)."""
     if share_gpu or visible == 1:
         return 0
     if local_rank < visible:
         return local_rank
-    raise ConfigError(f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs: start at most {visible} ranks "
-                      "per node, or bind one GPU per task")
+    raise ConfigError(
+        f"LOCAL_RANK={local_rank} but this process sees {visible} GPUs: start at most {visible} "
+        "ranks per node, or bind one GPU per task"
+    )
 
 
 def backend_for(accelerator: str, share_gpu: bool = False) -> str:
-    """The process group's backend: NCCL between GPUs; gloo on the CPU and between ranks that share one GPU (NCCL
-    refuses two ranks on one device)."""
+    """The process group's backend: NCCL between GPUs; gloo on the CPU and between ranks that share
+    one GPU (NCCL refuses two ranks on one device)."""
     return "nccl" if accelerator == "cuda" and not share_gpu else "gloo"
 
 
@@ -80,22 +88,31 @@ def find_accelerator(cfg: DictConfig, cuda_devices: int) -> str:
     if accelerator == "auto":
         accelerator = "cuda" if cuda_devices > 0 else "cpu"
     if accelerator == "cuda" and cuda_devices == 0:
-        raise ConfigError("trainer.accelerator=cuda but no CUDA device is visible: use trainer.accelerator=cpu")
+        raise ConfigError(
+            "trainer.accelerator=cuda but no CUDA device is visible: use trainer.accelerator=cpu"
+        )
     if cfg.trainer.get("share_gpu", False) and accelerator != "cuda":
         if cuda_devices == 0:
-            raise ConfigError("trainer.share_gpu=true puts a node's ranks on one GPU, and this machine has no CUDA "
-                              "device: drop trainer.share_gpu (CPU ranks share the cores without it)")
-        raise ConfigError(f"trainer.share_gpu=true puts a node's ranks on one GPU, and trainer.accelerator="
-                          f"{cfg.trainer.accelerator} runs them on the CPU: drop trainer.share_gpu, or use "
-                          "trainer.accelerator=cuda")
+            raise ConfigError(
+                "trainer.share_gpu=true puts a node's ranks on one GPU, and this machine has no "
+                "CUDA device: drop trainer.share_gpu (CPU ranks share the cores without it)"
+            )
+        raise ConfigError(
+            f"trainer.share_gpu=true puts a node's ranks on one GPU, and trainer.accelerator="
+            f"{cfg.trainer.accelerator} runs them on the CPU: drop trainer.share_gpu, or use "
+            "trainer.accelerator=cuda"
+        )
     if cfg.model.sync_bn and accelerator != "cuda":
-        raise ConfigError("model.sync_bn=true needs CUDA (SyncBatchNorm does not run on the CPU): drop it on the CPU")
+        raise ConfigError(
+            "model.sync_bn=true needs CUDA (SyncBatchNorm does not run on the CPU): drop it on "
+            "the CPU"
+        )
     return accelerator
 
 
 def find_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World:
-    """The ranks this job runs: torchrun's / srun's, else trainer.devices, else dp x tp x pp, else every GPU (or
-    tp x pp processes on the CPU or on one shared GPU)."""
+    """The ranks this job runs: torchrun's / srun's, else trainer.devices, else dp x tp x pp, else
+    every GPU (or tp x pp processes on the CPU or on one shared GPU)."""
     t, p = cfg.trainer, cfg.parallel
     accelerator = find_accelerator(cfg, cuda_devices)
     share = bool(t.get("share_gpu", False))
@@ -105,12 +122,16 @@ def find_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
         world = int(env["WORLD_SIZE"])
         per_node = int(env.get("LOCAL_WORLD_SIZE", world))
         if t.max_restarts > 0:
-            raise ConfigError(f"trainer.max_restarts={t.max_restarts}: under torchrun the restarts are "
-                              "torchrun's: pass --max-restarts to torchrun (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-                              "set) and drop trainer.max_restarts")
+            raise ConfigError(
+                f"trainer.max_restarts={t.max_restarts}: under torchrun the restarts are "
+                "torchrun's: pass --max-restarts to torchrun (with "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set) and drop trainer.max_restarts"
+            )
         if t.devices > 0 and t.devices != per_node:
-            raise ConfigError(f"trainer.devices={t.devices} but torchrun started {per_node} ranks per node: "
-                              f"drop trainer.devices or pass --nproc-per-node={t.devices} to torchrun")
+            raise ConfigError(
+                f"trainer.devices={t.devices} but torchrun started {per_node} ranks per node: "
+                f"drop trainer.devices or pass --nproc-per-node={t.devices} to torchrun"
+            )
     elif t.devices > 0:
         world = per_node = t.devices
     elif p.dp > 0:
@@ -119,21 +140,25 @@ def find_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
         world = per_node = cuda_devices
         if cuda_devices < model_parallel:
             raise ConfigError(
-                f"parallel.tp x parallel.pp = {p.tp} x {p.pp} needs {model_parallel} GPUs on this node but only "
-                f"{cuda_devices} {'is' if cuda_devices == 1 else 'are'} visible: lower parallel.tp/pp, run on more "
-                f"GPUs, or use trainer.accelerator=cpu to run the ranks as CPU processes, {SHARE_HINT}")
+                f"parallel.tp x parallel.pp = {p.tp} x {p.pp} needs {model_parallel} GPUs on this "
+                f"node but only {cuda_devices} {'is' if cuda_devices == 1 else 'are'} visible: "
+                "lower parallel.tp/pp, run on more GPUs, or use trainer.accelerator=cpu to run "
+                f"the ranks as CPU processes, {SHARE_HINT}"
+            )
     else:
         world = per_node = model_parallel
     if accelerator == "cuda" and per_node > cuda_devices and not share:
-        raise ConfigError(f"{per_node} ranks per node need {per_node} GPUs but only {cuda_devices} "
-                          f"{'is' if cuda_devices == 1 else 'are'} visible: lower parallel.dp/tp/pp or "
-                          f"trainer.devices, or use trainer.accelerator=cpu, {SHARE_HINT}")
+        raise ConfigError(
+            f"{per_node} ranks per node need {per_node} GPUs but only {cuda_devices} "
+            f"{'is' if cuda_devices == 1 else 'are'} visible: lower parallel.dp/tp/pp or "
+            f"trainer.devices, or use trainer.accelerator=cpu, {SHARE_HINT}"
+        )
     return World(accelerator, world, per_node, torchrun, share)
 
 
 def planning_world(cfg: DictConfig, cuda_devices: int) -> tuple[int, int]:
-    """(devices, nodes) for `tools/plan.py`, which plans for devices it need not have: parallel.num_devices, else
-    trainer.devices (or this node's GPUs) x parallel.nodes."""
+    """(devices, nodes) for `tools/plan.py`, which plans for devices it need not have:
+    parallel.num_devices, else trainer.devices (or this node's GPUs) x parallel.nodes."""
     p, t = cfg.parallel, cfg.trainer
     per_node = t.devices if t.devices > 0 else cuda_devices
     if p.num_devices > 0:
@@ -141,8 +166,12 @@ def planning_world(cfg: DictConfig, cuda_devices: int) -> tuple[int, int]:
     elif per_node > 0:
         devices, nodes = per_node * p.nodes, p.nodes
     else:
-        raise ConfigError("no GPU here: say how many devices to plan for, e.g. trainer.devices=8 (per node) "
-                          "parallel.nodes=2, or parallel.num_devices=16")
+        raise ConfigError(
+            "no GPU here: say how many devices to plan for, e.g. trainer.devices=8 (per node) "
+            "parallel.nodes=2, or parallel.num_devices=16"
+        )
     if devices % nodes:
-        raise ConfigError(f"parallel.num_devices={devices} does not split over parallel.nodes={nodes}")
+        raise ConfigError(
+            f"parallel.num_devices={devices} does not split over parallel.nodes={nodes}"
+        )
     return devices, nodes

@@ -1,6 +1,6 @@
-"""What a prediction is asked to do, in the launching process's terms (no torch): the weights of a run, the images
-per forward, how many are drawn, and the request that tells one prediction from another (a stopped one is continued
-only under the same request)."""
+"""What a prediction is asked to do, in the launching process's terms (no torch): the weights of a
+run, the images per forward, how many are drawn, and the request that tells one prediction from
+another (a stopped one is continued only under the same request)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from visiondist.predict.sources import Source
 
 
 def run_weights(run: Path, step=None) -> Path:
-    """A run's weights: checkpoint `step` (a number or "best"), else its model.safetensors, else its newest
-    checkpoint (a run stopped early); ConfigError when it holds none."""
+    """A run's weights: checkpoint `step` (a number or "best"), else its model.safetensors, else its
+    newest checkpoint (a run stopped early); ConfigError when it holds none."""
     from visiondist.checkpoint.files import latest_checkpoint, resolve_checkpoint
     from visiondist.config import ConfigError
 
@@ -28,8 +28,10 @@ def run_weights(run: Path, step=None) -> Path:
     if not weights.is_file():
         weights = latest_checkpoint(run) or weights
     if not weights.exists():
-        raise ConfigError(f"run_dir={run} holds no model.safetensors and no complete checkpoint: give weights=<file> "
-                          "or a run that saved its weights")
+        raise ConfigError(
+            f"run_dir={run} holds no model.safetensors and no complete checkpoint: give "
+            "weights=<file> or a run that saved its weights"
+        )
     return weights
 
 
@@ -44,25 +46,41 @@ def drawn_count(cfg: DictConfig, count: int) -> int:
 
 
 def request(cfg: DictConfig, source: Source) -> dict[str, Any]:
-    """What makes two predictions the same one (a stopped one continues only under the same request): the source,
-    the weights (path, size and time), and every setting that changes an output."""
+    """What makes two predictions the same one (a stopped one continues only under the same
+    request): the source, the weights (path, size and time), and every setting that changes an
+    output."""
     weights = Path(cfg.model.weights)
-    inside = [weights / name for name in (".metadata", "model.safetensors") if (weights / name).is_file()]
-    stat = (inside[0] if weights.is_dir() and inside else weights).stat()  # a checkpoint's, a from_pretrained dir's
+    inside = [
+        weights / name for name in (".metadata", "model.safetensors") if (weights / name).is_file()
+    ]
+    # a checkpoint's, a from_pretrained dir's
+    stat = (inside[0] if weights.is_dir() and inside else weights).stat()
     p = cfg.predict
     saved = str(p.save_images).strip().lower()
-    return {"source": str(Path(source.spec).expanduser().resolve()) if not any(c in source.spec for c in "*?[")
-            else source.spec, "items": len(source), "files": fingerprint(source), "weights": str(weights),
-            "weights_size": stat.st_size, "weights_mtime": int(stat.st_mtime), "topk": int(p.topk),
-            "score_thresh": float(p.score_thresh), "max_det": int(p.max_det),
-            "classes": list(p.classes) if p.classes else None, "save_images": saved if saved == "all" else int(saved),
-            "vid_stride": int(p.vid_stride), "batch_size": batch_size(cfg), "precision": str(cfg.trainer.precision)}
+    return {
+        "source": str(Path(source.spec).expanduser().resolve())
+        if not any(c in source.spec for c in "*?[")
+        else source.spec,
+        "items": len(source),
+        "files": fingerprint(source),
+        "weights": str(weights),
+        "weights_size": stat.st_size,
+        "weights_mtime": int(stat.st_mtime),
+        "topk": int(p.topk),
+        "score_thresh": float(p.score_thresh),
+        "max_det": int(p.max_det),
+        "classes": list(p.classes) if p.classes else None,
+        "save_images": saved if saved == "all" else int(saved),
+        "vid_stride": int(p.vid_stride),
+        "batch_size": batch_size(cfg),
+        "precision": str(cfg.trainer.precision),
+    }
 
 
 def fingerprint(source: Source) -> str:
-    """A digest of the source's files: each one's path, size and modification time (a video: its own), so that a
-    folder whose files changed is a new prediction, not a complete or continued one. A file that is gone counts as
-    such (the rank names it)."""
+    """A digest of the source's files: each one's path, size and modification time (a video: its
+    own), so that a folder whose files changed is a new prediction, not a complete or continued one.
+    A file that is gone counts as such (the rank names it)."""
     import hashlib
 
     digest = hashlib.sha256()
@@ -75,12 +93,14 @@ def fingerprint(source: Source) -> str:
     return digest.hexdigest()[:32]
 
 
-PREPROCESSING = ("mean", "std", "crop_pct", "interpolation")  # what an export's sidecar records of the run's eval
+# what an export's sidecar records of the run's eval
+PREPROCESSING = ("mean", "std", "crop_pct", "interpolation")
 
 
 def recorded_preprocessing(weights: Path) -> dict[str, Any]:
-    """The run's evaluation preprocessing as an export recorded it beside its weights (tools/export.py's
-    `<name>.json`: mean, std, crop_pct, interpolation), as `data` overrides; empty where nothing is recorded."""
+    """The run's evaluation preprocessing as an export recorded it beside its weights
+    (tools/export.py's `<name>.json`: mean, std, crop_pct, interpolation), as `data` overrides;
+    empty where nothing is recorded."""
     import json
 
     sidecar = weights.with_suffix(".json") if weights.is_file() else None

@@ -1,12 +1,12 @@
-"""The model a prediction runs: built and loaded as `tools/eval.py` loads it (a run's model.safetensors or a
-checkpoint of any layout, a weights file in this project's, timm's or torchvision's keys, a from_pretrained
-directory), whole on one device in eval mode, with the names of what it predicts; and one batch turned into
-per-image results.
+"""The model a prediction runs: built and loaded as `tools/eval.py` loads it (a run's
+model.safetensors or a checkpoint of any layout, a weights file in this project's, timm's or
+torchvision's keys, a from_pretrained directory), whole on one device in eval mode, with the names
+of what it predicts; and one batch turned into per-image results.
 
-Each image is prepared as the run's evaluation prepares it (`visiondist.data`): decoded by the one reader (EXIF
-orientation, grey / CMYK / 16-bit / alpha), then a classifier's resize and centre crop (`ClassificationTransform`,
-train=False) and normalisation on the device, or a detector's image whole (the model resizes it, and gives its boxes
-in the pixels of the image it was given)."""
+Each image is prepared as the run's evaluation prepares it (`visiondist.data`): decoded by the one
+reader (EXIF orientation, grey / CMYK / 16-bit / alpha), then a classifier's resize and centre crop
+(`ClassificationTransform`, train=False) and normalisation on the device, or a detector's image
+whole (the model resizes it, and gives its boxes in the pixels of the image it was given)."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Names:
-    """What the model's outputs are called: a classifier's logits 0..K-1, or a detector's labels 1..K (with the COCO
-    category id each stands for), and where the names were read."""
+    """What the model's outputs are called: a classifier's logits 0..K-1, or a detector's labels
+    1..K (with the COCO category id each stands for), and where the names were read."""
 
     classes: list[str]
     categories: Optional[list[int]]  # detectors: label k -> categories[k - 1]
@@ -38,8 +38,8 @@ class Names:
 
 
 class Predictor:
-    """A loaded model with its preprocessing and names; `prepare` runs in the loader workers, `__call__` on the
-    device."""
+    """A loaded model with its preprocessing and names; `prepare` runs in the loader workers,
+    `__call__` on the device."""
 
     def __init__(self, cfg: DictConfig, model: nn.Module, device: torch.device, names: Names):
         from visiondist.train.precision import autocast_for
@@ -54,40 +54,52 @@ class Predictor:
         self.transform = None
         self.reads = None  # how a classifier reads an image (predict.json, the log)
         if self.task == "classification":
+            from omegaconf import OmegaConf
+
             from visiondist.config.resolution import reading
             from visiondist.data.transforms import ClassificationTransform, Normalize
 
-            from omegaconf import OmegaConf
-
-            data = OmegaConf.to_container(cfg.data, resolve=True, throw_on_missing=False)  # (data.root: not read)
-            data["decode_on"] = "loader"  # decoded by the one reader in the workers, as a CPU evaluation decodes
-            self.transform = ClassificationTransform(_Fields(data), train=False, size=int(cfg.model.img_size),
-                                                     seed=int(cfg.trainer.seed))
+            # (data.root: not read)
+            data = OmegaConf.to_container(cfg.data, resolve=True, throw_on_missing=False)
+            # decoded by the one reader in the workers, as a CPU evaluation decodes
+            data["decode_on"] = "loader"
+            self.transform = ClassificationTransform(
+                _Fields(data), train=False, size=int(cfg.model.img_size), seed=int(cfg.trainer.seed)
+            )
             self.normalize = Normalize(cfg.data.mean, cfg.data.std)
             self.collate = None
-            self.reads = reading(data, int(cfg.model.img_size), int(cfg.model.get("patch_size", 16)))
-            if data.get("resolution", "square") == "native":  # as the run evaluated: each image at its own shape
+            self.reads = reading(
+                data, int(cfg.model.img_size), int(cfg.model.get("patch_size", 16))
+            )
+            # as the run evaluated: each image at its own shape
+            if data.get("resolution", "square") == "native":
                 from visiondist.config.resolution import native_settings
                 from visiondist.data.native import NativeCollate, NativeTransform
 
                 size, patch = int(cfg.model.img_size), int(cfg.model.patch_size)
                 _, eval_len = native_settings(data, size, patch)
-                self.transform = NativeTransform(_Fields(data), False, patch, int(cfg.trainer.seed), eval_len, size)
+                self.transform = NativeTransform(
+                    _Fields(data), False, patch, int(cfg.trainer.seed), eval_len, size
+                )
                 self.collate = NativeCollate(patch, [eval_len])
 
     def prepare(self, image: np.ndarray, index: int) -> torch.Tensor:
-        """An upright HxWx3 uint8 RGB image -> the loader's tensor: a classifier's crop (uint8 H, W, C), a detector's
-        whole image (uint8 C, H, W)."""
+        """An upright HxWx3 uint8 RGB image -> the loader's tensor: a classifier's crop (uint8 H, W,
+        C), a detector's whole image (uint8 C, H, W)."""
         if self.transform is not None:
             return self.transform(image, index, 0)
         return torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).contiguous()
 
     @torch.no_grad()
     def __call__(self, images: list[torch.Tensor]) -> list[dict[str, Any]]:
-        """One batch of prepared images -> a result per image (`results`' fields without the item's own)."""
+        """One batch of prepared images -> a result per image (`results`' fields without the item's
+        own)."""
         if self.task == "classification":
-            if self.collate is not None:  # data.resolution=native: patch sequences, in the images' order
-                batch = self.normalize(self.collate([(image, 0) for image in images])[0], self.device)
+            # data.resolution=native: patch sequences, in the images' order
+            if self.collate is not None:
+                batch = self.normalize(
+                    self.collate([(image, 0) for image in images])[0], self.device
+                )
             else:
                 batch = self.normalize(torch.stack(images), self.device)
             with self.autocast:
@@ -95,8 +107,15 @@ class Predictor:
             probs = logits.float().softmax(dim=1)
             top = probs.topk(self.topk, dim=1)
             values, labels = top.values.cpu().tolist(), top.indices.cpu().tolist()
-            return [{"top": [{"label": k, "name": self.names.classes[k], "prob": p} for k, p in zip(ks, ps)]}
-                    for ks, ps in zip(labels, values)]
+            return [
+                {
+                    "top": [
+                        {"label": k, "name": self.names.classes[k], "prob": p}
+                        for k, p in zip(ks, ps)
+                    ]
+                }
+                for ks, ps in zip(labels, values)
+            ]
         from visiondist.data.transforms import unit_float
 
         with self.autocast:
@@ -122,9 +141,13 @@ class Predictor:
         cats, classes = self.names.categories, self.names.classes
         found = []
         for j, (box, label, score) in enumerate(zip(boxes, labels, kept)):
-            item = {"box": box, "score": score, "label": int(label),
-                    "name": classes[label - 1] if 0 < label <= len(classes) else f"label {label}",
-                    "category_id": cats[label - 1] if cats and 0 < label <= len(cats) else int(label)}
+            item = {
+                "box": box,
+                "score": score,
+                "label": int(label),
+                "name": classes[label - 1] if 0 < label <= len(classes) else f"label {label}",
+                "category_id": cats[label - 1] if cats and 0 < label <= len(cats) else int(label),
+            }
             if rles is not None:
                 item["mask"] = rles[j]
             found.append(item)
@@ -138,8 +161,8 @@ class _Fields(dict):
 
 
 def kept_labels(wanted: list[str], names: Names) -> list[int]:
-    """The detector labels of `predict.classes` (class names, or COCO category ids); ConfigError naming the model's
-    classes when one is not among them."""
+    """The detector labels of `predict.classes` (class names, or COCO category ids); ConfigError
+    naming the model's classes when one is not among them."""
     from visiondist.config import ConfigError
 
     out = []
@@ -150,15 +173,21 @@ def kept_labels(wanted: list[str], names: Names) -> list[int]:
         elif value.isdigit() and names.categories and int(value) in names.categories:
             out.append(names.categories.index(int(value)) + 1)
         else:
-            ids = f" (COCO category ids {', '.join(map(str, names.categories))})" if names.categories else ""
-            raise ConfigError(f"classes={value}: this model was trained for {', '.join(names.classes)}{ids}: give "
-                              "some of those")
+            ids = (
+                f" (COCO category ids {', '.join(map(str, names.categories))})"
+                if names.categories
+                else ""
+            )
+            raise ConfigError(
+                f"classes={value}: this model was trained for {', '.join(names.classes)}{ids}: "
+                "give some of those"
+            )
     return out
 
 
 def load_model(cfg: DictConfig, device: torch.device) -> nn.Module:
-    """The model of `cfg.model` with the weights of `cfg.model.weights` (a checkpoint directory of any layout, or
-    what training's model.weights takes), whole, on `device`, in eval mode."""
+    """The model of `cfg.model` with the weights of `cfg.model.weights` (a checkpoint directory of
+    any layout, or what training's model.weights takes), whole, on `device`, in eval mode."""
     from visiondist.checkpoint.dcp import freeze_as_saved, load_model_state
     from visiondist.models import build_deferred, select_attention
     from visiondist.models.init import is_meta, materialize
@@ -178,22 +207,33 @@ def load_model(cfg: DictConfig, device: torch.device) -> nn.Module:
     model = model.to(device).eval()
     if cfg.model.get("channels_last"):
         model = model.to(memory_format=torch.channels_last)
-    if compiles(cfg, device):  # a ViT's fixed shapes: one graph (and one more for a last, smaller batch)
+    # a ViT's fixed shapes: one graph (and one more for a last, smaller batch)
+    if compiles(cfg, device):
         model = torch.compile(model)
     return model
 
 
 def compiles(cfg: DictConfig, device: torch.device) -> bool:
-    """Whether a prediction compiles its model: a ViT on a GPU unless trainer.compile=false (a detector's input
-    sizes change from image to image: eager)."""
-    return device.type == "cuda" and cfg.model.family == "vit" and str(cfg.trainer.compile).lower() not in (
-        "false", "0", "none") and cfg.data.get("resolution", "square") != "native"  # native: shapes change
+    """Whether a prediction compiles its model: a ViT on a GPU unless trainer.compile=false (a
+    detector's input sizes change from image to image: eager)."""
+    return (
+        device.type == "cuda"
+        and cfg.model.family == "vit"
+        and str(cfg.trainer.compile).lower()
+        not in (
+            # native: shapes change
+            "false",
+            "0",
+            "none",
+        )
+        and cfg.data.get("resolution", "square") != "native"
+    )
 
 
 def read_names(cfg: DictConfig) -> Names:
-    """The names of the model's outputs: what its weights record (a checkpoint's trainer state, an export's
-    metadata or sidecar, a from_pretrained directory's config.json), else the run's data (class folders, the
-    annotation file), else `class <k>`."""
+    """The names of the model's outputs: what its weights record (a checkpoint's trainer state, an
+    export's metadata or sidecar, a from_pretrained directory's config.json), else the run's data
+    (class folders, the annotation file), else `class <k>`."""
     k = int(cfg.model.num_classes)
     detector = TASKS[cfg.model.family] == "detection"
     weights = Path(cfg.model.weights) if cfg.model.weights else None
@@ -202,13 +242,21 @@ def read_names(cfg: DictConfig) -> Names:
         return recorded
     from_data = _from_data(cfg)
     if from_data is not None and len(from_data.classes) == k:
-        if recorded is not None and recorded.classes:  # names from the weights, category ids from the data
-            return Names(recorded.classes, from_data.categories, f"{recorded.read_from} and {from_data.read_from}")
+        # names from the weights, category ids from the data
+        if recorded is not None and recorded.classes:
+            return Names(
+                recorded.classes,
+                from_data.categories,
+                f"{recorded.read_from} and {from_data.read_from}",
+            )
         return from_data
     if recorded is not None and recorded.classes:
         return recorded
-    log.warning("the weights record no class names and the run's data is not here: classes are called class 0.. "
-                "class %d", k - 1)
+    log.warning(
+        "the weights record no class names and the run's data is not here: classes are called "
+        "class 0.. class %d",
+        k - 1,
+    )
     classes = [f"class {i}" for i in range(k)]
     return Names(classes, None, "nowhere (numbered)")
 
@@ -221,20 +269,30 @@ def _recorded(weights: Path) -> Optional[Names]:
             from visiondist.checkpoint.files import read_trainer_state
 
             state = read_trainer_state(weights)
-            return Names(list(state["classes"]), state.get("category_ids"), f"{weights}") if state.get(
-                "classes") else None
+            return (
+                Names(list(state["classes"]), state.get("category_ids"), f"{weights}")
+                if state.get("classes")
+                else None
+            )
         if weights.is_dir() and (weights / "config.json").is_file():  # a from_pretrained directory
             config = json.loads((weights / "config.json").read_text())
             labels = config.get("id2label") or {}
             classes = [labels[key] for key in sorted(labels, key=int)] if labels else []
             cats = config.get("category_ids")
-            return Names(classes, list(cats) if cats else None, str(weights / "config.json")) if classes else None
+            return (
+                Names(classes, list(cats) if cats else None, str(weights / "config.json"))
+                if classes
+                else None
+            )
         meta = _file_metadata(weights)
         if "labels" in meta:
             labels = json.loads(meta["labels"])
             order = sorted(labels, key=int)
-            return Names([labels[k]["name"] for k in order], [int(labels[k]["category_id"]) for k in order],
-                         str(weights))
+            return Names(
+                [labels[k]["name"] for k in order],
+                [int(labels[k]["category_id"]) for k in order],
+                str(weights),
+            )
         if "classes" in meta:
             return Names(list(json.loads(meta["classes"])), None, str(weights))
     except (OSError, ValueError, KeyError) as exc:
@@ -243,7 +301,8 @@ def _recorded(weights: Path) -> Optional[Names]:
 
 
 def _file_metadata(weights: Path) -> dict[str, str]:
-    """A .safetensors file's own metadata, else its sidecar `<stem>.json` (tools/export.py writes both)."""
+    """A .safetensors file's own metadata, else its sidecar `<stem>.json` (tools/export.py writes
+    both)."""
     meta: dict[str, str] = {}
     if weights.suffix == ".safetensors":
         from safetensors import safe_open
@@ -261,8 +320,8 @@ def _file_metadata(weights: Path) -> dict[str, str]:
 
 
 def _from_data(cfg: DictConfig) -> Optional[Names]:
-    """The run's class folders (or its packed set's classes), or its val annotation file's categories; None when
-    the data is not here."""
+    """The run's class folders (or its packed set's classes), or its val annotation file's
+    categories; None when the data is not here."""
     d = cfg.data
     try:
         if TASKS[cfg.model.family] == "detection":

@@ -1,22 +1,25 @@
 """What a prediction writes, and how it continues after a stop.
 
-Each rank appends one JSON line per item of its share to `parts/rank<r>-<attempt>.jsonl` as its batches finish
-(flushed per batch: memory stays bounded on any number of images). An item's line is its result, or its `error`: an
-unreadable file is named once in the log, counted, and skipped. The parts of every attempt are what a continuation
-reads (`done`): a batch whose every item has a line is not predicted again. When every rank is done, rank 0 merges
-the parts in item order (one streaming k-way merge) into the outputs of the task (`WRITERS`):
+Each rank appends one JSON line per item of its share to `parts/rank<r>-<attempt>.jsonl` as its
+batches finish (flushed per batch: memory stays bounded on any number of images). An item's line is
+its result, or its `error`: an unreadable file is named once in the log, counted, and skipped. The
+parts of every attempt are what a continuation reads (`done`): a batch whose every item has a line
+is not predicted again. When every rank is done, rank 0 merges the parts in item order (one
+streaming k-way merge) into the outputs of the task (`WRITERS`):
 
 - classifiers: `predictions.csv` (file, then label / probability pairs, top-k);
-- detectors: `detections.jsonl` (one line per image: boxes in the pixels of the original image, scores, class names,
-  the COCO category ids the run was trained with, masks as COCO RLE) and `results.json` (COCO's results format,
-  each entry with its image's `file_name`; the image id is the annotation file's where the file is one of the run's
-  val images, else the item's position from 1);
+- detectors: `detections.jsonl` (one line per image: boxes in the pixels of the original image,
+  scores, class names, the COCO category ids the run was trained with, masks as COCO RLE) and
+  `results.json` (COCO's results format, each entry with its image's `file_name`; the image id is
+  the annotation file's where the file is one of the run's val images, else the item's position from
+  1);
 - `unreadable.txt`: each skipped file with its reason;
-- drawn images (`images/`, the first `predict.save_images` items, drawn by the rank that predicted them) and, for a
-  video, the annotated video.
+- drawn images (`images/`, the first `predict.save_images` items, drawn by the rank that predicted
+  them) and, for a video, the annotated video.
 
-The merged outputs do not depend on the number of ranks: items are predicted in the same batches whatever the ranks
-(`batches`: fixed-size batches of the source's order, whole batches to each rank)."""
+The merged outputs do not depend on the number of ranks: items are predicted in the same batches
+whatever the ranks (`batches`: fixed-size batches of the source's order, whole batches to each
+rank)."""
 
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ PARTS = "parts"
 MANIFEST = "predict.json"
 
 
-# -- batches and what is done -----------------------------------------------------------------------------------
+# -- batches and what is done ----------------------------------------------------------------------
 
 
 def batches(count: int, size: int) -> list[range]:
@@ -42,7 +45,8 @@ def batches(count: int, size: int) -> list[range]:
 
 
 def part_lines(path: Path) -> Iterator[str]:
-    """The complete lines of a part (a stop can leave a last line half written: it is not counted)."""
+    """The complete lines of a part (a stop can leave a last line half written: it is not
+    counted)."""
     with open(path, "rb") as f:
         for line in f:
             if line.endswith(b"\n"):
@@ -95,7 +99,8 @@ class PartWriter:
 
 
 def merged(out: Path) -> Iterator[dict[str, Any]]:
-    """Every item's record, in item order, once (a batch predicted again after a stop: its first lines win)."""
+    """Every item's record, in item order, once (a batch predicted again after a stop: its first
+    lines win)."""
     streams = [((line_index(line), line) for line in part_lines(p)) for p in part_files(out)]
     last = -1
     for index, line in heapq.merge(*streams, key=lambda pair: pair[0]):
@@ -104,7 +109,7 @@ def merged(out: Path) -> Iterator[dict[str, Any]]:
             yield json.loads(line)
 
 
-# -- the merged outputs -----------------------------------------------------------------------------------------
+# -- the merged outputs ----------------------------------------------------------------------------
 
 
 def write_classifications(records: Iterable[dict], out: Path, topk: int) -> dict[str, int]:
@@ -112,22 +117,31 @@ def write_classifications(records: Iterable[dict], out: Path, topk: int) -> dict
     counts = {"images": 0, "unreadable": 0}
     with _atomic(out / "predictions.csv", newline="") as f, _Unreadable(out) as bad:
         writer = csv.writer(f)
-        writer.writerow(["file", *[c for k in range(1, topk + 1) for c in (f"label_{k}", f"prob_{k}")]])
+        writer.writerow(
+            ["file", *[c for k in range(1, topk + 1) for c in (f"label_{k}", f"prob_{k}")]]
+        )
         for r in records:
             if "error" in r:
                 bad.add(r)
                 continue
             counts["images"] += 1
-            writer.writerow([r["file"], *[c for t in r["top"] for c in (t["name"], f"{t['prob']:.6f}")]])
+            writer.writerow(
+                [r["file"], *[c for t in r["top"] for c in (t["name"], f"{t['prob']:.6f}")]]
+            )
         counts["unreadable"] = bad.count
     return counts
 
 
-def write_detections(records: Iterable[dict], out: Path, image_ids: Callable[[dict], int]) -> dict[str, int]:
+def write_detections(
+    records: Iterable[dict], out: Path, image_ids: Callable[[dict], int]
+) -> dict[str, int]:
     """detections.jsonl (a line per image) and results.json (COCO results, written as a stream)."""
     counts = {"images": 0, "detections": 0, "unreadable": 0}
-    with _atomic(out / "detections.jsonl") as lines, _atomic(out / "results.json") as results, \
-            _Unreadable(out) as bad:
+    with (
+        _atomic(out / "detections.jsonl") as lines,
+        _atomic(out / "results.json") as results,
+        _Unreadable(out) as bad,
+    ):
         results.write("[")
         first = True
         for r in records:
@@ -139,9 +153,17 @@ def write_detections(records: Iterable[dict], out: Path, image_ids: Callable[[di
             image_id = image_ids(r)
             lines.write(json.dumps({k: v for k, v in r.items() if k != "index"}) + "\n")
             for d in r["detections"]:
-                x0, y0, x1, y1 = np.asarray(d["box"], dtype=np.float32)  # the model's float32 boxes, as COCO
-                entry = {"image_id": image_id, "file_name": r["file"], "category_id": d["category_id"],  # scoring
-                         "bbox": [float(v) for v in (x0, y0, x1 - x0, y1 - y0)], "score": d["score"]}  # takes them
+                # the model's float32 boxes, as COCO
+                x0, y0, x1, y1 = np.asarray(d["box"], dtype=np.float32)
+                # scoring
+                entry = {
+                    "image_id": image_id,
+                    "file_name": r["file"],
+                    "category_id": d["category_id"],
+                    # takes them
+                    "bbox": [float(v) for v in (x0, y0, x1 - x0, y1 - y0)],
+                    "score": d["score"],
+                }
                 if "mask" in d:
                     entry["segmentation"] = d["mask"]
                 results.write(("" if first else ",") + json.dumps(entry))
@@ -191,24 +213,25 @@ class _Unreadable:
             self.path.unlink(missing_ok=True)
 
 
-# -- drawing ----------------------------------------------------------------------------------------------------
+# -- drawing ---------------------------------------------------------------------------------------
 
 
 def drawn_name(index: int, name: str) -> str:
-    """The drawn image's file name: the item's position first (names from different folders never collide), then
-    its folder's and its own name (`000012_cat_0042.jpg`)."""
+    """The drawn image's file name: the item's position first (names from different folders never
+    collide), then its folder's and its own name (`000012_cat_0042.jpg`)."""
     base, _, frame = name.partition("#")  # a video's frame: <video>#<frame number>
     parts = Path(base).with_suffix("").parts[-2:]
     stem = "_".join(p for p in parts if p not in ("/", "..", "."))
     return f"{index:06d}_{stem}{'_frame' + frame if frame else ''}.jpg"
 
 
-DRAWN_MIN_SIDE = 320  # a smaller image is enlarged (by a whole factor, pixels kept sharp) before it is drawn on
+# a smaller image is enlarged (by a whole factor, pixels kept sharp) before it is drawn on
+DRAWN_MIN_SIDE = 320
 
 
 def draw(image: np.ndarray, result: dict[str, Any]) -> np.ndarray:
-    """An upright RGB image with its result drawn: boxes, class names, scores and masks (torchvision's drawing
-    utilities), or a classifier's top labels as a caption."""
+    """An upright RGB image with its result drawn: boxes, class names, scores and masks
+    (torchvision's drawing utilities), or a classifier's top labels as a caption."""
     import torch
     from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
@@ -231,8 +254,13 @@ def draw(image: np.ndarray, result: dict[str, Any]) -> np.ndarray:
         tensor = draw_segmentation_masks(tensor, stacked, alpha=0.45, colors=colours)
     boxes = torch.tensor([d["box"] for d in found], dtype=torch.float32)
     width = max(1, round(max(image.shape[:2]) / 300))
-    tensor = draw_bounding_boxes(tensor, boxes, labels=[f"{d['name']} {d['score']:.2f}" for d in found],
-                                 colors=colours, width=width)
+    tensor = draw_bounding_boxes(
+        tensor,
+        boxes,
+        labels=[f"{d['name']} {d['score']:.2f}" for d in found],
+        colors=colours,
+        width=width,
+    )
     return tensor.permute(1, 2, 0).numpy()
 
 
@@ -268,7 +296,9 @@ def _caption(image: np.ndarray, text: str) -> np.ndarray:
     scale = max(0.4, out.shape[1] / 640)
     (w, h), base = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
     cv2.rectangle(out, (0, 0), (min(out.shape[1], w + 8), h + base + 8), (0, 0, 0), thickness=-1)
-    cv2.putText(out, text, (4, h + 4), cv2.FONT_HERSHEY_SIMPLEX, scale, (255, 255, 255), 1, cv2.LINE_AA)
+    cv2.putText(
+        out, text, (4, h + 4), cv2.FONT_HERSHEY_SIMPLEX, scale, (255, 255, 255), 1, cv2.LINE_AA
+    )
     return out
 
 
@@ -280,8 +310,11 @@ def _colour(label: int) -> tuple[int, int, int]:
     return int(r * 255), int(g * 255), int(b * 255)
 
 
-def write_video(records: Iterable[dict], video: str, frames: list[int], fps: float, path: Path) -> int:
-    """The video's predicted frames with their results drawn, at its frame rate over the stride; the frames count."""
+def write_video(
+    records: Iterable[dict], video: str, frames: list[int], fps: float, path: Path
+) -> int:
+    """The video's predicted frames with their results drawn, at its frame rate over the stride; the
+    frames count."""
     import cv2
 
     from visiondist.predict.sources import VideoFrames
@@ -295,8 +328,12 @@ def write_video(records: Iterable[dict], video: str, frames: list[int], fps: flo
                 continue
             image = draw(reader.read(frames[r["index"]]), r)
             if writer is None:
-                writer = cv2.VideoWriter(str(tmp), cv2.VideoWriter_fourcc(*"mp4v"), max(fps / stride, 1.0),
-                                         (image.shape[1], image.shape[0]))
+                writer = cv2.VideoWriter(
+                    str(tmp),
+                    cv2.VideoWriter_fourcc(*"mp4v"),
+                    max(fps / stride, 1.0),
+                    (image.shape[1], image.shape[0]),
+                )
             writer.write(cv2.cvtColor(image, cv2.COLOR_RGB2BGR))
             written += 1
     finally:

@@ -1,6 +1,6 @@
-"""Predicting: the batch loop both entries share, `predict` (a generator of per-image results, for a notebook or a
-script) and `predict_ranks` (every rank of `tools/predict.py`: its share of the source's batches, written as parts,
-then merged by rank 0; module `visiondist.predict.outputs`)."""
+"""Predicting: the batch loop both entries share, `predict` (a generator of per-image results, for a
+notebook or a script) and `predict_ranks` (every rank of `tools/predict.py`: its share of the
+source's batches, written as parts, then merged by rank 0; module `visiondist.predict.outputs`)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,29 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
+from visiondist.predict.job import (
+    batch_size,
+    drawn_count,
+    recorded_preprocessing,
+    request,
+    run_weights,
+)
 from visiondist.predict.model import Predictor, load_model, read_names
-from visiondist.predict.outputs import (PartWriter, batches, done, drawn_name, draw, merged, read_manifest, remaining,
-                                        save_drawn, write_classifications, write_detections, write_manifest,
-                                        write_video)
-from visiondist.predict.job import batch_size, drawn_count, recorded_preprocessing, request, run_weights
+from visiondist.predict.outputs import (
+    PartWriter,
+    batches,
+    done,
+    draw,
+    drawn_name,
+    merged,
+    read_manifest,
+    remaining,
+    save_drawn,
+    write_classifications,
+    write_detections,
+    write_manifest,
+    write_video,
+)
 from visiondist.predict.sources import Source, VideoFrames, resolve_source
 
 log = logging.getLogger(__name__)
@@ -27,8 +45,9 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 class Items(Dataset):
-    """Item i of a source, read by the one reader and prepared as the run's evaluation prepares it: (index, tensor,
-    (width, height), error, the upright image when it is to be drawn). An unreadable file gives its reason instead."""
+    """Item i of a source, read by the one reader and prepared as the run's evaluation prepares it:
+    (index, tensor, (width, height), error, the upright image when it is to be drawn). An unreadable
+    file gives its reason instead."""
 
     def __init__(self, source: Source, predictor: Predictor, drawn: int):
         self.source, self.predictor, self.drawn = source, predictor, drawn
@@ -64,29 +83,46 @@ def _collate(items: list) -> list:
     return items
 
 
-def loader(source: Source, predictor: Predictor, mine: Sequence[range], drawn: int, workers: int) -> DataLoader:
-    """The loader of this rank's batches (whole batches of the source's order), with the run's loader options; a
-    video is read by one worker, in order."""
+def loader(
+    source: Source, predictor: Predictor, mine: Sequence[range], drawn: int, workers: int
+) -> DataLoader:
+    """The loader of this rank's batches (whole batches of the source's order), with the run's
+    loader options; a video is read by one worker, in order."""
     from visiondist.data.loaders import loader_options
     from visiondist.data.workers import register
 
     data = predictor.cfg.data
-    options = loader_options(OmegaConf.merge(data, {"num_workers": workers}) if workers >= 0 else data,
-                             pin_memory=predictor.device.type == "cuda", collate_fn=_collate)
+    options = loader_options(
+        OmegaConf.merge(data, {"num_workers": workers}) if workers >= 0 else data,
+        pin_memory=predictor.device.type == "cuda",
+        collate_fn=_collate,
+    )
     if source.video and options["num_workers"] > 1:
         options.update(num_workers=1)
-    return register(DataLoader(Items(source, predictor, drawn), batch_sampler=[list(b) for b in mine], **options))
+    return register(
+        DataLoader(
+            Items(source, predictor, drawn), batch_sampler=[list(b) for b in mine], **options
+        )
+    )
 
 
-def run_batches(predictor: Predictor, source: Source, batches_in: DataLoader, draw_into: Optional[Path],
-                progress: bool = False, total: Optional[int] = None,
-                name_bad: bool = True) -> Iterator[list[dict[str, Any]]]:
-    """Each batch's records, in order: the result of every readable item, the `error` of every other (named once in
-    the log unless not `name_bad`). Items to be drawn are drawn into `draw_into`."""
+def run_batches(
+    predictor: Predictor,
+    source: Source,
+    batches_in: DataLoader,
+    draw_into: Optional[Path],
+    progress: bool = False,
+    total: Optional[int] = None,
+    name_bad: bool = True,
+) -> Iterator[list[dict[str, Any]]]:
+    """Each batch's records, in order: the result of every readable item, the `error` of every other
+    (named once in the log unless not `name_bad`). Items to be drawn are drawn into `draw_into`."""
     from visiondist.data.workers import watched
     from visiondist.observe.progress import tracked
 
-    for items in tracked(watched(iter(batches_in)), progress, "predict", total=total or len(batches_in)):
+    for items in tracked(
+        watched(iter(batches_in)), progress, "predict", total=total or len(batches_in)
+    ):
         good = [item for item in items if item[1] is not None]
         results = predictor([item[1] for item in good]) if good else []
         by_index = {item[0]: result for item, result in zip(good, results)}
@@ -105,14 +141,22 @@ def run_batches(predictor: Predictor, source: Source, batches_in: DataLoader, dr
         yield records
 
 
-def predict(source: str, run_dir: Optional[str] = None, weights: Optional[str] = None, step=None,
-            overrides: Sequence[str] = (), device: Optional[str] = None, **settings: Any) -> Iterator[dict[str, Any]]:
-    """Per-image results of a trained model on `source` (an image, a folder, a glob, a .txt list or a video), one
-    dict per item in the source's order: `file`, `width`, `height` and a classifier's `top` ([{label, name, prob}])
-    or a detector's `detections` ([{box (x0, y0, x1, y1 in pixels), score, label, name, category_id, mask (COCO
-    RLE)}]), or `error` for a file that cannot be read. The model comes from `run_dir` (its model.safetensors, or its
-    checkpoint `step`) or `weights` (with `overrides` such as "model=vit_small", "data=imagenet"); `settings` are
-    predict's (topk, score_thresh, max_det, classes, batch_size). `device`: "cuda", "cpu" (default: the GPU when
+def predict(
+    source: str,
+    run_dir: Optional[str] = None,
+    weights: Optional[str] = None,
+    step=None,
+    overrides: Sequence[str] = (),
+    device: Optional[str] = None,
+    **settings: Any,
+) -> Iterator[dict[str, Any]]:
+    """Per-image results of a trained model on `source` (an image, a folder, a glob, a .txt list or
+    a video), one dict per item in the source's order: `file`, `width`, `height` and a classifier's
+    `top` ([{label, name, prob}]) or a detector's `detections` ([{box (x0, y0, x1, y1 in pixels),
+    score, label, name, category_id, mask (COCO RLE)}]), or `error` for a file that cannot be read.
+    The model comes from `run_dir` (its model.safetensors, or its checkpoint `step`) or `weights`
+    (with `overrides` such as "model=vit_small", "data=imagenet"); `settings` are predict's (topk,
+    score_thresh, max_det, classes, batch_size). `device`: "cuda", "cpu" (default: the GPU when
     there is one). Nothing is written.
 
         from visiondist.predict import predict
@@ -135,7 +179,9 @@ def _records(predictor: Predictor, items: Source) -> Iterator[dict[str, Any]]:
 
     order = batches(len(items), batch_size(predictor.cfg))
     try:  # no log line per unreadable file: its record carries the error
-        for records in run_batches(predictor, items, loader(items, predictor, order, 0, -1), None, name_bad=False):
+        for records in run_batches(
+            predictor, items, loader(items, predictor, order, 0, -1), None, name_bad=False
+        ):
             for record in records:
                 record.pop("index")
                 yield record
@@ -144,30 +190,39 @@ def _records(predictor: Predictor, items: Source) -> Iterator[dict[str, Any]]:
 
 
 def check_classes(cfg: DictConfig, names) -> None:
-    """`predict.classes` against the model: a detector's classes it was trained for (else ConfigError naming them);
-    a classifier takes none."""
+    """`predict.classes` against the model: a detector's classes it was trained for (else
+    ConfigError naming them); a classifier takes none."""
     from visiondist.config import ConfigError
     from visiondist.models import TASKS
     from visiondist.predict.model import kept_labels
 
     if TASKS[cfg.model.family] != "detection":
-        raise ConfigError(f"classes={','.join(map(str, cfg.predict.classes))}: keeps a detector's classes; "
-                          f"{cfg.model.name} is a classifier, whose predictions.csv ranks every class (topk=<k> keeps "
-                          "the k most likely)")
+        raise ConfigError(
+            f"classes={','.join(map(str, cfg.predict.classes))}: keeps a detector's classes; "
+            f"{cfg.model.name} is a classifier, whose predictions.csv ranks every class (topk=<k> "
+            "keeps the k most likely)"
+        )
     kept_labels(list(cfg.predict.classes), names)
 
 
-def prediction_config(run_dir: Optional[str], weights: Optional[str], step, overrides: Sequence[str],
-                      settings: dict[str, Any]) -> DictConfig:
-    """The config a prediction runs under: a run's config.yaml with its weights (model.safetensors, else its newest
-    checkpoint, or checkpoint `step`), or configs/ composed with `overrides` for `weights`; `settings` into
-    `predict`. Checked as tools/predict.py checks it (ConfigError)."""
+def prediction_config(
+    run_dir: Optional[str],
+    weights: Optional[str],
+    step,
+    overrides: Sequence[str],
+    settings: dict[str, Any],
+) -> DictConfig:
+    """The config a prediction runs under: a run's config.yaml with its weights (model.safetensors,
+    else its newest checkpoint, or checkpoint `step`), or configs/ composed with `overrides` for
+    `weights`; `settings` into `predict`. Checked as tools/predict.py checks it (ConfigError)."""
     from visiondist.config import ConfigError
     from visiondist.config.compose import compose, run_config
     from visiondist.plan import check
 
     if (run_dir is None) == (weights is None):
-        raise ConfigError("give run_dir=<run> (a training run) or weights=<file> with model=... data=...")
+        raise ConfigError(
+            "give run_dir=<run> (a training run) or weights=<file> with model=... data=..."
+        )
     if run_dir is not None:
         cfg = run_config(run_dir, list(overrides))
         cfg.model.weights = str(run_weights(Path(run_dir), step))
@@ -178,7 +233,8 @@ def prediction_config(run_dir: Optional[str], weights: Optional[str], step, over
         said = weights_settings(path, list(overrides), "predict()", data_needed=False)
         cfg = compose(CONFIGS, said + list(overrides))
         cfg.model.weights = str(path)
-        cfg = OmegaConf.merge(cfg, {"data": recorded_preprocessing(Path(cfg.model.weights))})  # an export's record
+        # an export's record
+        cfg = OmegaConf.merge(cfg, {"data": recorded_preprocessing(Path(cfg.model.weights))})
     cfg.model.init_from = None
     cfg = OmegaConf.merge(cfg, {"predict": settings})
     check(cfg, mandatory=False)
@@ -186,7 +242,8 @@ def prediction_config(run_dir: Optional[str], weights: Optional[str], step, over
 
 
 def predict_ranks(cfg: DictConfig, layout, out: Path) -> dict[str, Any]:
-    """Entry point of every rank of tools/predict.py (module doc of `visiondist.predict.outputs`)."""
+    """Entry point of every rank of tools/predict.py (module doc of
+    `visiondist.predict.outputs`)."""
     import torch.distributed as dist
 
     from visiondist.data.sampler import eval_shard
@@ -203,48 +260,87 @@ def predict_ranks(cfg: DictConfig, layout, out: Path) -> dict[str, Any]:
     if layout.is_main:
         before = read_manifest(out)
         started = before.get("started") if before and before.get("request") == ask else None
-        write_manifest(out, {"request": ask, "state": "running", "started": started or time.time(),
-                             "names from": names.read_from,
-                             **({"images read": predictor.reads} if predictor.reads else {})})
-        log.info("predicting %s with %s (classes from %s%s)", source.describe(), cfg.model.weights, names.read_from,
-                 f"; images read {predictor.reads}" if predictor.reads else "")
+        write_manifest(
+            out,
+            {
+                "request": ask,
+                "state": "running",
+                "started": started or time.time(),
+                "names from": names.read_from,
+                **({"images read": predictor.reads} if predictor.reads else {}),
+            },
+        )
+        log.info(
+            "predicting %s with %s (classes from %s%s)",
+            source.describe(),
+            cfg.model.weights,
+            names.read_from,
+            f"; images read {predictor.reads}" if predictor.reads else "",
+        )
     dist.barrier()
     all_batches = batches(len(source), size)
     todo = remaining(all_batches, done(out, len(source)))
     if layout.is_main and len(todo) < len(all_batches):
-        log.info("continuing: %d of %d batches were predicted before; %d to go", len(all_batches) - len(todo),
-                 len(all_batches), len(todo))
-    mine = [todo[k] for k in eval_shard(len(todo), layout.dp_rank, layout.dp)] if layout.tp == layout.pp == 1 \
+        log.info(
+            "continuing: %d of %d batches were predicted before; %d to go",
+            len(all_batches) - len(todo),
+            len(all_batches),
+            len(todo),
+        )
+    mine = (
+        [todo[k] for k in eval_shard(len(todo), layout.dp_rank, layout.dp)]
+        if layout.tp == layout.pp == 1
         else []
+    )
     drawn = drawn_count(cfg, len(source)) if not source.video else 0
     writer = PartWriter(out, layout.rank)
     start = time.perf_counter()
     PROGRESS.at("predicting")
     finished = False
     try:
-        for records in run_batches(predictor, source, loader(source, predictor, mine, drawn, -1),
-                                   out / "images" if drawn else None, bool(cfg.trainer.progress) and layout.is_main):
+        for records in run_batches(
+            predictor,
+            source,
+            loader(source, predictor, mine, drawn, -1),
+            out / "images" if drawn else None,
+            bool(cfg.trainer.progress) and layout.is_main,
+        ):
             writer.write(records)
         finished = True
     finally:
         writer.close()
         close_loaders()
-        if not finished and layout.is_main:  # a stop or a failure: what the parts hold is kept for the next attempt
+        # a stop or a failure: what the parts hold is kept for the next attempt
+        if not finished and layout.is_main:
             manifest = read_manifest(out) or {}
             manifest.update(state="stopped", stopped=time.time())
             write_manifest(out, manifest)
-            log.info("prediction stopped: the batches written to %s/parts are kept; the same command continues", out)
+            log.info(
+                "prediction stopped: the batches written to %s/parts are kept; the same command "
+                "continues",
+                out,
+            )
     seconds = time.perf_counter() - start
     dist.barrier()
     if not layout.is_main:
         return {}
-    return finish(cfg, out, source, predictor, names, seconds, sum(len(b) for b in todo), layout.world_size)
+    return finish(
+        cfg, out, source, predictor, names, seconds, sum(len(b) for b in todo), layout.world_size
+    )
 
 
-def finish(cfg: DictConfig, out: Path, source: Source, predictor: Predictor, names, seconds: float, predicted: int,
-           ranks: int) -> dict[str, Any]:
-    """Rank 0, once every rank is done: the parts merged into the outputs, the manifest marked complete, the summary
-    printed."""
+def finish(
+    cfg: DictConfig,
+    out: Path,
+    source: Source,
+    predictor: Predictor,
+    names,
+    seconds: float,
+    predicted: int,
+    ranks: int,
+) -> dict[str, Any]:
+    """Rank 0, once every rank is done: the parts merged into the outputs, the manifest marked
+    complete, the summary printed."""
     from visiondist.observe.console import shown_path
 
     if predictor.task == "classification":
@@ -268,13 +364,32 @@ def finish(cfg: DictConfig, out: Path, source: Source, predictor: Predictor, nam
     write_manifest(out, manifest)
     rate = predicted / seconds if seconds > 0 else 0.0
     kind = "frame" if source.video else "image"
-    found = f", {_count(counts['detections'], 'detection')} (score >= {float(cfg.predict.score_thresh):g})" \
-        if "detections" in counts else ""
-    bad = (f" ({_count(counts['unreadable'], 'unreadable file')} skipped: unreadable.txt)" if counts["unreadable"]
-           else "")
-    log.info("predicted %s%s%s; this attempt: %s in %.1f s, %.1f %ss/s on %s", _count(counts["images"], kind), found,
-             bad, _count(predicted, "item"), seconds, rate, kind, _count(ranks, "rank"))
-    print(f"predict dir: {shown_path(out)} ({', '.join([*files, 'predict.json', 'predict.log'])})", flush=True)
+    found = (
+        f", {_count(counts['detections'], 'detection')} (score >= "
+        f"{float(cfg.predict.score_thresh):g})"
+        if "detections" in counts
+        else ""
+    )
+    bad = (
+        f" ({_count(counts['unreadable'], 'unreadable file')} skipped: unreadable.txt)"
+        if counts["unreadable"]
+        else ""
+    )
+    log.info(
+        "predicted %s%s%s; this attempt: %s in %.1f s, %.1f %ss/s on %s",
+        _count(counts["images"], kind),
+        found,
+        bad,
+        _count(predicted, "item"),
+        seconds,
+        rate,
+        kind,
+        _count(ranks, "rank"),
+    )
+    print(
+        f"predict dir: {shown_path(out)} ({', '.join([*files, 'predict.json', 'predict.log'])})",
+        flush=True,
+    )
     return {"counts": counts, "seconds": seconds}
 
 
@@ -283,8 +398,9 @@ def _count(n: int, what: str) -> str:
 
 
 def _val_image_ids(cfg: DictConfig, source: Source) -> dict[str, int]:
-    """The annotation file's image id of each source file that is one of the run's val images (so that
-    results.json scores against that file as eval.py's detections.json does); empty when none is."""
+    """The annotation file's image id of each source file that is one of the run's val images (so
+    that results.json scores against that file as eval.py's detections.json does); empty when none
+    is."""
     if source.video or cfg.data.get("format") == "shards":
         return {}
     try:
@@ -293,12 +409,17 @@ def _val_image_ids(cfg: DictConfig, source: Source) -> dict[str, int]:
         images, ann = coco_paths(cfg.data, cfg.data.val_split)
         if not ann.is_file():
             return {}
-        by_path = {str((images / im["file_name"]).resolve()): int(im["id"])
-                   for im in json.loads(ann.read_text())["images"]}
+        by_path = {
+            str((images / im["file_name"]).resolve()): int(im["id"])
+            for im in json.loads(ann.read_text())["images"]
+        }
     except (OSError, ValueError, KeyError, AttributeError):
         return {}
-    return {source.name(i): by_path[p] for i, p in enumerate(map(lambda s: str(Path(s).resolve()), source.paths))
-            if p in by_path}
+    return {
+        source.name(i): by_path[p]
+        for i, p in enumerate(map(lambda s: str(Path(s).resolve()), source.paths))
+        if p in by_path
+    }
 
 
 predict_ranks.run_kind = "predict"  # type: ignore[attr-defined]  # its default run dir: <output dir>/predict/...

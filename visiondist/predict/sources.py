@@ -1,9 +1,11 @@
-"""What `predict.source=` names, as an ordered list of items: an image, a folder of images (recursively), a glob, a
-text file of paths, or a video file (its frames, every `vid_stride`-th). The order is fixed by the source alone
-(sorted paths; a list's own order; frame numbers), so that every rank and every attempt agrees on item `i`.
+"""What `predict.source=` names, as an ordered list of items: an image, a folder of images
+(recursively), a glob, a text file of paths, or a video file (its frames, every `vid_stride`-th).
+The order is fixed by the source alone (sorted paths; a list's own order; frame numbers), so that
+every rank and every attempt agrees on item `i`.
 
-A missing path or a source without images is refused here, in one line, before any rank starts; an unreadable file
-inside a source is not: the rank that meets it names it once, counts it and goes on (`read_item`)."""
+A missing path or a source without images is refused here, in one line, before any rank starts; an
+unreadable file inside a source is not: the rank that meets it names it once, counts it and goes on
+(`read_item`)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from visiondist.data.index import IMG_EXTENSIONS
 
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg", ".wmv")
 LIST_EXTENSIONS = (".txt", ".lst")
-KINDS = "an image, a folder of images, a glob ('photos/*.jpg'), a .txt file of image paths or a video"
+KINDS = (
+    "an image, a folder of images, a glob ('photos/*.jpg'), a .txt file of image paths or a video"
+)
 
 
 @dataclass
@@ -40,8 +44,8 @@ class Source:
         return len(self.frames) if self.video else len(self.paths)
 
     def name(self, i: int) -> str:
-        """Item `i` as the outputs key it: a path as the source gave it (relative to a folder source), or
-        `<video>#<frame number>`."""
+        """Item `i` as the outputs key it: a path as the source gave it (relative to a folder
+        source), or `<video>#<frame number>`."""
         if self.video:
             return f"{Path(self.video).name}#{self.frames[i]}"
         if self.root is not None:
@@ -52,12 +56,16 @@ class Source:
         if self.video:
             stride = self.frames[1] - self.frames[0] if len(self.frames) > 1 else 1
             every = f", 1 frame in {stride}" if stride > 1 else ""
-            return f"{len(self)} frames of {self.video} ({self.size[0]}x{self.size[1]}, {self.fps:g} fps{every})"
+            return (
+                f"{len(self)} frames of {self.video} ({self.size[0]}x{self.size[1]}, "
+                f"{self.fps:g} fps{every})"
+            )
         return f"{len(self)} image{'' if len(self) == 1 else 's'} ({self.kind} {self.spec})"
 
 
 def resolve_source(spec: Optional[str], vid_stride: int = 1) -> Source:
-    """The items of `spec` (module doc); ConfigError naming the fix for a missing path or a source without images."""
+    """The items of `spec` (module doc); ConfigError naming the fix for a missing path or a source
+    without images."""
     if not spec:
         raise ConfigError(f"give source=<path>: {KINDS}")
     if vid_stride < 1:
@@ -66,8 +74,10 @@ def resolve_source(spec: Optional[str], vid_stride: int = 1) -> Source:
     if path.is_dir():
         paths = _folder_images(path)
         if not paths:
-            raise ConfigError(f"source={spec}: the folder holds no images ({', '.join(IMG_EXTENSIONS)}), searched "
-                              "recursively: give a folder of images, or a video or list file")
+            raise ConfigError(
+                f"source={spec}: the folder holds no images ({', '.join(IMG_EXTENSIONS)}), "
+                "searched recursively: give a folder of images, or a video or list file"
+            )
         return Source(spec, "folder", paths, root=str(path))
     if path.is_file():
         suffix = path.suffix.lower()
@@ -76,15 +86,22 @@ def resolve_source(spec: Optional[str], vid_stride: int = 1) -> Source:
         if suffix in LIST_EXTENSIONS:
             return _listed(spec, path)
         if suffix not in IMG_EXTENSIONS:
-            raise ConfigError(f"source={spec}: not an image ({', '.join(IMG_EXTENSIONS)}), a video "
-                              f"({', '.join(VIDEO_EXTENSIONS)}) or a list of paths ({', '.join(LIST_EXTENSIONS)})")
+            raise ConfigError(
+                f"source={spec}: not an image ({', '.join(IMG_EXTENSIONS)}), a video "
+                f"({', '.join(VIDEO_EXTENSIONS)}) or a list of paths ({', '.join(LIST_EXTENSIONS)})"
+            )
         return Source(spec, "image", [str(path)])
     if glob.has_magic(spec):
-        paths = sorted(p for p in glob.glob(os.path.expanduser(spec), recursive=True)
-                       if p.lower().endswith(IMG_EXTENSIONS) and os.path.isfile(p))
+        paths = sorted(
+            p
+            for p in glob.glob(os.path.expanduser(spec), recursive=True)
+            if p.lower().endswith(IMG_EXTENSIONS) and os.path.isfile(p)
+        )
         if not paths:
-            raise ConfigError(f"source={spec}: the glob matches no images ({', '.join(IMG_EXTENSIONS)}); quote it so "
-                              "that the shell does not expand it, e.g. source='photos/**/*.jpg'")
+            raise ConfigError(
+                f"source={spec}: the glob matches no images ({', '.join(IMG_EXTENSIONS)}); quote "
+                "it so that the shell does not expand it, e.g. source='photos/**/*.jpg'"
+            )
         return Source(spec, "glob", paths)
     raise ConfigError(f"source={spec}: no such file or folder: give {KINDS}")
 
@@ -98,8 +115,8 @@ def _folder_images(folder: Path) -> list[str]:
 
 
 def _listed(spec: str, path: Path) -> Source:
-    """A text file of image paths, one a line (blank lines and `#` comments skipped); a relative path is read from
-    the list's own folder."""
+    """A text file of image paths, one a line (blank lines and `#` comments skipped); a relative
+    path is read from the list's own folder."""
     paths = []
     for line in path.read_text().splitlines():
         line = line.strip()
@@ -117,20 +134,28 @@ def _video(spec: str, path: Path, stride: int) -> Source:
     capture = cv2.VideoCapture(str(path))
     try:
         if not capture.isOpened():
-            raise ConfigError(f"source={spec}: OpenCV cannot open this video (its FFmpeg reads mp4, avi, mov, mkv, "
-                              "webm): convert it, e.g. ffmpeg -i in.xyz out.mp4")
+            raise ConfigError(
+                f"source={spec}: OpenCV cannot open this video (its FFmpeg reads mp4, avi, mov, "
+                "mkv, webm): convert it, e.g. ffmpeg -i in.xyz out.mp4"
+            )
         count = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
         fps = float(capture.get(cv2.CAP_PROP_FPS)) or 25.0
-        size = (int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)), int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT)))
+        size = (
+            int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)),
+            int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT)),
+        )
     finally:
         capture.release()
     if count <= 0:
         raise ConfigError(f"source={spec}: the video has no frames")
-    return Source(spec, "video", video=str(path), frames=list(range(0, count, stride)), fps=fps, size=size)
+    return Source(
+        spec, "video", video=str(path), frames=list(range(0, count, stride)), fps=fps, size=size
+    )
 
 
 class VideoFrames:
-    """Frames of one video read in increasing order (a rank's contiguous share), seeking only for a jump."""
+    """Frames of one video read in increasing order (a rank's contiguous share), seeking only for a
+    jump."""
 
     def __init__(self, path: str):
         self.path, self.capture, self.position = path, None, 0
@@ -150,7 +175,9 @@ class VideoFrames:
         ok, image = self.capture.read()
         self.position += 1
         if not ok or image is None:
-            raise OSError(f"frame {frame} of {self.path} cannot be decoded (past the video's end, or damaged)")
+            raise OSError(
+                f"frame {frame} of {self.path} cannot be decoded (past the video's end, or damaged)"
+            )
         return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
 
     def close(self) -> None:

@@ -1,8 +1,10 @@
-"""The built-in `shapes` dataset: coloured geometric shapes on textured backgrounds, written as real JPEG files in an
-ImageFolder tree (`<root>/<split>/<class>/<n>.jpg`), so the loader that reads it is the one that reads ImageNet.
+"""The built-in `shapes` dataset: coloured geometric shapes on textured backgrounds, written as real
+JPEG files in an ImageFolder tree (`<root>/<split>/<class>/<n>.jpg`), so the loader that reads it is
+the one that reads ImageNet.
 
-Generation is deterministic: image n of a split depends only on (seed, split, n). The tree is built in a temporary
-folder and renamed into place, so a folder at `root` is always complete, even with several processes racing.
+Generation is deterministic: image n of a split depends only on (seed, split, n). The tree is built
+in a temporary folder and renamed into place, so a folder at `root` is always complete, even with
+several processes racing.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ SPLITS = {"train": 0, "val": 1}
 SUPERSAMPLE = 2  # draw at 2x and downsample, for anti-aliased edges
 
 
-def _polygon(cx: float, cy: float, r: float, corners: int, angle: float, inner: float | None = None) -> list:
+def _polygon(
+    cx: float, cy: float, r: float, corners: int, angle: float, inner: float | None = None
+) -> list:
     """Vertices of a regular polygon (or a star when `inner` gives the inner radius ratio)."""
     points = []
     steps = corners * (2 if inner else 1)
@@ -39,16 +43,32 @@ def _polygon(cx: float, cy: float, r: float, corners: int, angle: float, inner: 
 
 def _cross(cx: float, cy: float, r: float, angle: float) -> list:
     w = 0.36 * r
-    arm = [(-w, -r), (w, -r), (w, -w), (r, -w), (r, w), (w, w), (w, r), (-w, r), (-w, w), (-r, w), (-r, -w), (-w, -w)]
+    arm = [
+        (-w, -r),
+        (w, -r),
+        (w, -w),
+        (r, -w),
+        (r, w),
+        (w, w),
+        (w, r),
+        (-w, r),
+        (-w, w),
+        (-r, w),
+        (-r, -w),
+        (-w, -w),
+    ]
     c, s = math.cos(angle), math.sin(angle)
     return [(cx + x * c - y * s, cy + x * s + y * c) for x, y in arm]
 
 
 def background(rng: np.random.Generator, size: int) -> Image.Image:
-    """Smooth colour gradient + stripes + noise, so the class is never readable from the background."""
+    """Smooth colour gradient + stripes + noise, so the class is never readable from the
+    background."""
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / size
     c0, c1 = rng.uniform(0, 120, 3), rng.uniform(0, 120, 3)  # darker than any shape
-    t = (xx * math.cos(rng.uniform(0, 2 * math.pi)) + yy * math.sin(rng.uniform(0, 2 * math.pi)) + 1) / 3
+    t = (
+        xx * math.cos(rng.uniform(0, 2 * math.pi)) + yy * math.sin(rng.uniform(0, 2 * math.pi)) + 1
+    ) / 3
     img = c0 * (1 - t[..., None]) + c1 * t[..., None]
     freq, phase = rng.uniform(2, 8), rng.uniform(0, 2 * math.pi)
     stripes = np.sin(2 * math.pi * freq * (xx if rng.random() < 0.5 else yy) + phase)
@@ -63,9 +83,11 @@ def _bright_colour(rng: np.random.Generator) -> tuple[int, int, int]:
     return tuple(int(c) for c in colour)
 
 
-def draw_shape(draw: ImageDraw.ImageDraw, name: str, cx: float, cy: float, r: float, rng: np.random.Generator) -> list:
-    """Draw one shape of radius `r` centred at (cx, cy) in a random bright colour and angle; return its outline
-    points (for the tight box)."""
+def draw_shape(
+    draw: ImageDraw.ImageDraw, name: str, cx: float, cy: float, r: float, rng: np.random.Generator
+) -> list:
+    """Draw one shape of radius `r` centred at (cx, cy) in a random bright colour and angle; return
+    its outline points (for the tight box)."""
     angle = rng.uniform(0, 2 * math.pi)
     fill = _bright_colour(rng)
     if name in ("circle", "ring"):
@@ -89,18 +111,25 @@ def draw_shape(draw: ImageDraw.ImageDraw, name: str, cx: float, cy: float, r: fl
     return points
 
 
-def render_shape(label: int, rng: np.random.Generator, size: int, aspect: float = 1.0) -> Image.Image:
-    """One image of class `label`, fully determined by `rng`'s state: `size` x `size`, or with `aspect` (width over
-    height) `size` * sqrt(aspect) wide and `size` / sqrt(aspect) high, the shape sized to the short side."""
-    width, height = (size, size) if aspect == 1.0 else (max(8, round(size * math.sqrt(aspect))),
-                                                        max(8, round(size / math.sqrt(aspect))))
+def render_shape(
+    label: int, rng: np.random.Generator, size: int, aspect: float = 1.0
+) -> Image.Image:
+    """One image of class `label`, fully determined by `rng`'s state: `size` x `size`, or with
+    `aspect` (width over height) `size` * sqrt(aspect) wide and `size` / sqrt(aspect) high, the
+    shape sized to the short side."""
+    width, height = (
+        (size, size)
+        if aspect == 1.0
+        else (max(8, round(size * math.sqrt(aspect))), max(8, round(size / math.sqrt(aspect))))
+    )
     big_w, big_h = width * SUPERSAMPLE, height * SUPERSAMPLE
     img = background(rng, max(big_w, big_h))
     if (big_w, big_h) != img.size:
         img = img.crop((0, 0, big_w, big_h))
     draw = ImageDraw.Draw(img)
     r = rng.uniform(0.28, 0.42) * min(big_w, big_h)
-    jx, jy = big_w / 2 - r, big_h / 2 - r  # the shape stays inside; its centre in the middle half of the free range
+    # the shape stays inside; its centre in the middle half of the free range
+    jx, jy = big_w / 2 - r, big_h / 2 - r
     cx, cy = big_w / 2 + jx * rng.uniform(-1, 1) * 0.5, big_h / 2 + jy * rng.uniform(-1, 1) * 0.5
     draw_shape(draw, SHAPE_CLASSES[label], cx, cy, r, rng)
     img = img.filter(ImageFilter.GaussianBlur(radius=rng.uniform(0, 1.0)))
@@ -116,20 +145,27 @@ def spec_of_shapes(synthetic) -> dict:
         "image_size": int(synthetic.image_size),
         "seed": int(synthetic.seed),
         # images of mixed aspect ratios (data.resolution=native): only in the spec of such a set
-        **({"max_aspect": float(a)} if (a := getattr(synthetic, "max_aspect", 1.0) or 1.0) != 1.0 else {}),
+        **(
+            {"max_aspect": float(a)}
+            if (a := getattr(synthetic, "max_aspect", 1.0) or 1.0) != 1.0
+            else {}
+        ),
     }
 
 
 def _write_split(tmp: Path, split: str, per_class: int, spec: dict, progress) -> None:
-    for label, name in enumerate(SHAPE_CLASSES):
+    for name in SHAPE_CLASSES:
         (tmp / split / name).mkdir(parents=True)
     for n in progress(range(per_class * len(SHAPE_CLASSES)), f"generating shapes/{split}"):
         label = n % len(SHAPE_CLASSES)
         rng = np.random.default_rng([spec["seed"], SPLITS[split], n])
         aspect = 1.0
-        if spec.get("max_aspect", 1.0) != 1.0:  # its own stream: the square set's images stay as they were
+        # its own stream: the square set's images stay as they were
+        if spec.get("max_aspect", 1.0) != 1.0:
             ratio = math.log(spec["max_aspect"])
-            aspect = math.exp(np.random.default_rng([spec["seed"], SPLITS[split], n, 1]).uniform(-ratio, ratio))
+            aspect = math.exp(
+                np.random.default_rng([spec["seed"], SPLITS[split], n, 1]).uniform(-ratio, ratio)
+            )
         img = render_shape(label, rng, spec["image_size"], aspect)
         img.save(tmp / split / SHAPE_CLASSES[label] / f"{n:06d}.jpg", quality=92)
 
@@ -150,8 +186,9 @@ def _tracker(show_progress: bool):
 
 
 def ensure(root: str | os.PathLike, spec: dict, write, show_progress: bool) -> Path:
-    """Build a dataset with `write(tmp_dir, progress)` unless a complete copy with the same spec is at `root`. Written
-    to a temporary folder and renamed into place, so a folder at `root` is always complete."""
+    """Build a dataset with `write(tmp_dir, progress)` unless a complete copy with the same spec is
+    at `root`. Written to a temporary folder and renamed into place, so a folder at `root` is always
+    complete."""
     root = Path(root).expanduser()
     problem = conflict(root, spec)
     if problem:
@@ -180,7 +217,8 @@ def ensure(root: str | os.PathLike, spec: dict, write, show_progress: bool) -> P
 
 
 def ensure_shapes(root: str | os.PathLike, synthetic, show_progress: bool = False) -> Path:
-    """Generate the classification set at `root` unless a complete copy with the same spec is already there."""
+    """Generate the classification set at `root` unless a complete copy with the same spec is
+    already there."""
     spec = spec_of_shapes(synthetic)
 
     def write(tmp: Path, progress) -> None:
@@ -190,48 +228,66 @@ def ensure_shapes(root: str | os.PathLike, synthetic, show_progress: bool = Fals
     return ensure(root, spec, write, show_progress)
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def conflict(root: Path, spec: dict) -> Optional[str]:
-    """Why the folder at `root` cannot hold the built-in set `spec` (another spec's copy, or other files), with the
-    fix; None where it can: absent, empty, the same copy, or an earlier generator's (made again)."""
+    """Why the folder at `root` cannot hold the built-in set `spec` (another spec's copy, or other
+    files), with the fix; None where it can: absent, empty, the same copy, or an earlier generator's
+    (made again)."""
     meta = root / "dataset.json"
     if meta.exists():
         found = json.loads(meta.read_text())
         if found == spec or _older_version(found, spec):
             return None
-        made = " ".join(f"data.synthetic.{k}={found[k]}" for k in found if k not in ("dataset", "version", "classes")
-                        and found[k] != spec.get(k))
+        made = " ".join(
+            f"data.synthetic.{k}={found[k]}"
+            for k in found
+            if k not in ("dataset", "version", "classes") and found[k] != spec.get(k)
+        )
         if found.get("dataset") == spec.get("dataset") and made:
-            return (f"{root} holds the {found.get('dataset')} dataset generated with other settings: add {made} to "
-                    "read it as it is, or point data.root elsewhere (or delete that folder) to generate the requested "
-                    "one")
-        return (f"{root} holds a {found.get('dataset')} dataset generated with {found}, not the requested {spec}: "
-                "delete that folder or point data.root elsewhere (or give the data.synthetic settings it was made "
-                "with)")
+            return (
+                f"{root} holds the {found.get('dataset')} dataset generated with other settings: "
+                f"add {made} to read it as it is, or point data.root elsewhere (or delete that "
+                "folder) to generate the requested one"
+            )
+        return (
+            f"{root} holds a {found.get('dataset')} dataset generated with {found}, not the "
+            f"requested {spec}: delete that folder or point data.root elsewhere (or give the "
+            "data.synthetic settings it was made with)"
+        )
     if root.exists() and any(root.iterdir()):
-        return f"{root} exists and is not a generated {spec['dataset']} dataset: point data.root elsewhere"
+        return (
+            f"{root} exists and is not a generated {spec['dataset']} dataset: point data.root "
+            "elsewhere"
+        )
     return None
 
 
 def _older_version(found: dict, spec: dict) -> bool:
-    """`found` is the same built-in set made by an earlier generator (e.g. shapes_coco before it had masks)."""
+    """`found` is the same built-in set made by an earlier generator (e.g. shapes_coco before it had
+    masks)."""
     rest = {k: v for k, v in spec.items() if k != "version"}
-    return ({k: v for k, v in found.items() if k != "version"} == rest
-            and int(found.get("version", 1)) < int(spec.get("version", 1)))
+    return {k: v for k, v in found.items() if k != "version"} == rest and int(
+        found.get("version", 1)
+    ) < int(spec.get("version", 1))
 
 
 def _regenerate(root: Path, spec: dict, write, show_progress: bool) -> Path:
-    """Replace an older generator's copy at `root` (under a lock, so that concurrent jobs on a node do it once): the new
-    one is written beside it, then swapped in."""
+    """Replace an older generator's copy at `root` (under a lock, so that concurrent jobs on a node
+    do it once): the new one is written beside it, then swapped in."""
     import fcntl
 
     with open(root.parent / f".{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if json.loads((root / "dataset.json").read_text()) == spec:  # another job replaced it meanwhile
+        # another job replaced it meanwhile
+        if json.loads((root / "dataset.json").read_text()) == spec:
             return root
-        log.info("the built-in %s dataset in %s is from an earlier version: generating it again", spec["dataset"], root)
+        log.info(
+            "the built-in %s dataset in %s is from an earlier version: generating it again",
+            spec["dataset"],
+            root,
+        )
         tmp = root.parent / f".{root.name}.tmp-{socket.gethostname()}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         write(tmp, _tracker(show_progress))

@@ -1,12 +1,13 @@
-"""The built-in `shapes_coco` set: several shapes per image on the textured backgrounds of `shapes`, with boxes and
-instance masks in a COCO instances file (`<root>/<split>/*.jpg`, `<root>/annotations/instances_<split>.json`), read
-by the same loader as COCO itself.
+"""The built-in `shapes_coco` set: several shapes per image on the textured backgrounds of `shapes`,
+with boxes and instance masks in a COCO instances file (`<root>/<split>/*.jpg`,
+`<root>/annotations/instances_<split>.json`), read by the same loader as COCO itself.
 
-Masks are what the image shows: a shape's polygon (circles as 32-gons), a ring's annulus as an RLE, and, where a
-later shape covers part of an earlier one, the visible part as an RLE. About 1 image in 6 also holds a crowd region
-(a cluster of small shapes of one class, `iscrowd: 1`, an uncompressed RLE as COCO's crowds are), drawn under the
-other shapes from a stream of its own, so the other shapes, their boxes and their places are those of version 1
-(boxes only). An annotation's `area` is its mask's pixel count, as in COCO.
+Masks are what the image shows: a shape's polygon (circles as 32-gons), a ring's annulus as an RLE,
+and, where a later shape covers part of an earlier one, the visible part as an RLE. About 1 image in
+6 also holds a crowd region (a cluster of small shapes of one class, `iscrowd: 1`, an uncompressed
+RLE as COCO's crowds are), drawn under the other shapes from a stream of its own, so the other
+shapes, their boxes and their places are those of version 1 (boxes only). An annotation's `area` is
+its mask's pixel count, as in COCO.
 
 Generation is deterministic: image n of a split depends only on (seed, split, n).
 """
@@ -22,10 +23,18 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 from visiondist.data import masks as masks_lib
-from visiondist.synthetic.shapes import SPLITS, SUPERSAMPLE, SHAPE_CLASSES, background, ensure, draw_shape
+from visiondist.synthetic.shapes import (
+    SHAPE_CLASSES,
+    SPLITS,
+    SUPERSAMPLE,
+    background,
+    draw_shape,
+    ensure,
+)
 
 VERSION = 2  # 1: boxes only; 2: masks and crowd regions
-_ASPECTS = ((1.0, 1.0), (1.0, 0.75), (0.75, 1.0))  # (width, height) factors: landscape and portrait images too
+# (width, height) factors: landscape and portrait images too
+_ASPECTS = ((1.0, 1.0), (1.0, 0.75), (0.75, 1.0))
 CROWD_SHARE = 1 / 6
 
 
@@ -38,8 +47,8 @@ def _iou(a: list[float], b: list[float]) -> float:
 
 
 def _segmentation(name: str, points: np.ndarray, cx: float, cy: float, r: float, h: int, w: int):
-    """The shape's full mask as COCO writes it, in the output image's pixels: polygons for polygons and circles (a
-    32-gon), a compressed RLE for a ring (an annulus as `draw_shape` draws it)."""
+    """The shape's full mask as COCO writes it, in the output image's pixels: polygons for polygons
+    and circles (a 32-gon), a compressed RLE for a ring (an annulus as `draw_shape` draws it)."""
     s = 1 / SUPERSAMPLE
     if name == "ring":
         width = max(2, int(0.3 * r))
@@ -47,13 +56,20 @@ def _segmentation(name: str, points: np.ndarray, cx: float, cy: float, r: float,
         d = np.hypot(xx + 0.5 - cx * s, yy + 0.5 - cy * s)
         return masks_lib.encode(((d <= r * s) & (d >= (r - width) * s))[None])[0]
     if name == "circle":
-        points = np.array([(cx + r * math.cos(a), cy + r * math.sin(a))
-                           for a in np.linspace(0, 2 * math.pi, 32, endpoint=False)])
+        points = np.array(
+            [
+                (cx + r * math.cos(a), cy + r * math.sin(a))
+                for a in np.linspace(0, 2 * math.pi, 32, endpoint=False)
+            ]
+        )
     return [[round(float(v), 2) for v in (points * s).reshape(-1)]]
 
 
-def _crowd(draw: ImageDraw.ImageDraw, rng: np.random.Generator, big_w: int, big_h: int, h: int, w: int):
-    """A cluster of 5-9 small shapes of one class (circles or squares) drawn with `rng`; (class index, mask)."""
+def _crowd(
+    draw: ImageDraw.ImageDraw, rng: np.random.Generator, big_w: int, big_h: int, h: int, w: int
+):
+    """A cluster of 5-9 small shapes of one class (circles or squares) drawn with `rng`; (class
+    index, mask)."""
     label = int(rng.integers(2))  # circle or square
     side = min(big_w, big_h)
     span = rng.uniform(0.25, 0.4) * side
@@ -68,11 +84,16 @@ def _crowd(draw: ImageDraw.ImageDraw, rng: np.random.Generator, big_w: int, big_
     return label, mask
 
 
-def render_scene(rng: np.random.Generator, size: int, max_objects: int = 4, crowd_rng: np.random.Generator | None = None
-                 ) -> tuple[Image.Image, list, list]:
-    """An image with 0..max_objects shapes (about 1 in 12 empty) of varied sizes, overlapping a little at most, and,
-    drawn first with `crowd_rng` in about 1 image of 6, a crowd region. Returns the image, [(class index, [x1, y1,
-    x2, y2], full segmentation)] of the shapes in drawing order, and [(class index, mask)] of the crowd regions."""
+def render_scene(
+    rng: np.random.Generator,
+    size: int,
+    max_objects: int = 4,
+    crowd_rng: np.random.Generator | None = None,
+) -> tuple[Image.Image, list, list]:
+    """An image with 0..max_objects shapes (about 1 in 12 empty) of varied sizes, overlapping a
+    little at most, and, drawn first with `crowd_rng` in about 1 image of 6, a crowd region. Returns
+    the image, [(class index, [x1, y1, x2, y2], full segmentation)] of the shapes in drawing order,
+    and [(class index, mask)] of the crowd regions."""
     fw, fh = _ASPECTS[rng.integers(len(_ASPECTS))]
     w, h = int(size * fw), int(size * fh)
     big_w, big_h = w * SUPERSAMPLE, h * SUPERSAMPLE
@@ -112,17 +133,24 @@ def _uncompressed_rle(mask: np.ndarray) -> dict:
 
 
 def scene_annotations(objects: list, crowds: list, h: int, w: int) -> list[dict]:
-    """The annotations of one image (without ids): each shape's visible mask (its full segmentation where nothing
-    covers it), then the crowd regions less whatever is drawn over them."""
+    """The annotations of one image (without ids): each shape's visible mask (its full segmentation
+    where nothing covers it), then the crowd regions less whatever is drawn over them."""
     full = [masks_lib.decode([seg], h, w)[0].astype(bool) for _, _, seg in objects]
     out = []
     for i, (label, (x1, y1, x2, y2), segmentation) in enumerate(objects):
-        covered = np.any(np.stack(full[i + 1:]), axis=0) & full[i] if i + 1 < len(full) else None
+        covered = np.any(np.stack(full[i + 1 :]), axis=0) & full[i] if i + 1 < len(full) else None
         if covered is not None and covered.any() and (full[i] & ~covered).any():
             segmentation = masks_lib.encode((full[i] & ~covered)[None])[0]
         bw, bh = round(x2 - x1, 2), round(y2 - y1, 2)
-        out.append({"category_id": label + 1, "bbox": [round(x1, 2), round(y1, 2), bw, bh],
-                    "segmentation": segmentation, "area": masks_lib.area(segmentation, h, w), "iscrowd": 0})
+        out.append(
+            {
+                "category_id": label + 1,
+                "bbox": [round(x1, 2), round(y1, 2), bw, bh],
+                "segmentation": segmentation,
+                "area": masks_lib.area(segmentation, h, w),
+                "iscrowd": 0,
+            }
+        )
     above = np.any(np.stack(full), axis=0) if full else np.zeros((h, w), dtype=bool)
     for label, mask in crowds:
         visible = mask & ~above
@@ -130,8 +158,15 @@ def scene_annotations(objects: list, crowds: list, h: int, w: int) -> list[dict]
             continue
         ys, xs = np.nonzero(visible)
         x1, y1, x2, y2 = float(xs.min()), float(ys.min()), float(xs.max() + 1), float(ys.max() + 1)
-        out.append({"category_id": label + 1, "bbox": [x1, y1, x2 - x1, y2 - y1],
-                    "segmentation": _uncompressed_rle(visible), "area": float(visible.sum()), "iscrowd": 1})
+        out.append(
+            {
+                "category_id": label + 1,
+                "bbox": [x1, y1, x2 - x1, y2 - y1],
+                "segmentation": _uncompressed_rle(visible),
+                "area": float(visible.sum()),
+                "iscrowd": 1,
+            }
+        )
     return out
 
 
@@ -160,15 +195,23 @@ def _write_coco_split(tmp: Path, split: str, count: int, spec: dict, progress) -
         images.append({"id": n + 1, "file_name": name, "width": img.width, "height": img.height})
         for ann in scene_annotations(objects, crowds, img.height, img.width):
             annotations.append({"id": len(annotations) + 1, "image_id": n + 1, **ann})
-    categories = [{"id": i + 1, "name": name, "supercategory": "shape"} for i, name in enumerate(SHAPE_CLASSES)]
-    coco = {"info": {"description": "visiondist built-in shapes_coco"}, "images": images,
-            "annotations": annotations, "categories": categories}
+    categories = [
+        {"id": i + 1, "name": name, "supercategory": "shape"}
+        for i, name in enumerate(SHAPE_CLASSES)
+    ]
+    coco = {
+        "info": {"description": "visiondist built-in shapes_coco"},
+        "images": images,
+        "annotations": annotations,
+        "categories": categories,
+    }
     (tmp / "annotations" / f"instances_{split}.json").write_text(json.dumps(coco))
 
 
 def ensure_shapes_coco(root: str | os.PathLike, synthetic, show_progress: bool = False) -> Path:
-    """Generate the detection set at `root` (`<split>/*.jpg` + `annotations/instances_<split>.json`, COCO format)
-    unless a complete copy with the same spec is already there (an earlier version's copy is generated again)."""
+    """Generate the detection set at `root` (`<split>/*.jpg` + `annotations/instances_<split>.json`,
+    COCO format) unless a complete copy with the same spec is already there (an earlier version's
+    copy is generated again)."""
     spec = spec_of_shapes_coco(synthetic)
 
     def write(tmp: Path, progress) -> None:

@@ -1,13 +1,13 @@
 """Exponential moving average of the weights (model EMA), for any layout.
 
-Each rank averages the parameters it holds: its TP shards, its pipeline stages, or the whole model under DDP (where
-every replica holds the same values). No rank needs the full model, so the EMA costs one extra copy of the rank's
-parameters, and it is checkpointed with canonical names like the parameters themselves. `timm.utils.ModelEmaV3`
-deep-copies the whole module instead, which a sharded or pipelined model (holding process groups and schedules)
-cannot be.
+Each rank averages the parameters it holds: its TP shards, its pipeline stages, or the whole model
+under DDP (where every replica holds the same values). No rank needs the full model, so the EMA
+costs one extra copy of the rank's parameters, and it is checkpointed with canonical names like the
+parameters themselves. `timm.utils.ModelEmaV3` deep-copies the whole module instead, which a sharded
+or pipelined model (holding process groups and schedules) cannot be.
 
-Evaluation swaps the averages into the live parameters and back (`swapped()`); buffers (BatchNorm statistics) are
-the live model's.
+Evaluation swaps the averages into the live parameters and back (`swapped()`); buffers (BatchNorm
+statistics) are the live model's.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ class ModelEma:
 
     @contextmanager
     def swapped(self, model: nn.Module | None = None):
-        """The averaged weights in the model for the duration of the block. Under FSDP, `model`'s gathered weights
-        are freed around each swap so that no forward sees stale copies."""
+        """The averaged weights in the model for the duration of the block. Under FSDP, `model`'s
+        gathered weights are freed around each swap so that no forward sees stale copies."""
         from visiondist.parallel.fsdp import reshard
 
         sync = (lambda: reshard(model)) if model is not None else (lambda: None)

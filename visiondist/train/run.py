@@ -1,4 +1,5 @@
-"""The entry points every rank runs: `train` (tools/train.py) and `evaluate_checkpoint` (tools/eval.py)."""
+"""The entry points every rank runs: `train` (tools/train.py) and `evaluate_checkpoint`
+(tools/eval.py)."""
 
 from __future__ import annotations
 
@@ -15,19 +16,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# What a rank imports once started. The launcher imports this module for its entry points only, so these wait for
-# the rank (about 1 s of torch.distributed, DTensor and albumentations a launch saves); the fork server of CPU ranks
-# imports them once for all of them (visiondist.launch.spawn).
-RANK_IMPORTS = ("visiondist.train.trainer", "visiondist.train.hooks", "visiondist.train.summary",
-                "visiondist.train.tasks", "visiondist.train.build", "visiondist.checkpoint.dcp",
-                "visiondist.observe.summary", "visiondist.data.transforms")
+# What a rank imports once started. The launcher imports this module for its entry points only, so
+# these wait for the rank (about 1 s of torch.distributed, DTensor and albumentations a launch
+# saves); the fork server of CPU ranks imports them once for all of them (visiondist.launch.spawn).
+RANK_IMPORTS = (
+    "visiondist.train.trainer",
+    "visiondist.train.hooks",
+    "visiondist.train.summary",
+    "visiondist.train.tasks",
+    "visiondist.train.build",
+    "visiondist.checkpoint.dcp",
+    "visiondist.observe.summary",
+    "visiondist.data.transforms",
+)
 
 
-def build_trainer(cfg: DictConfig, layout: Layout, run_dir: Path,
-                  hooks: Optional[Sequence[Hook]] = None) -> Trainer:
-    """A rank's training loop with everything it holds: the parts (with no initial weights when a checkpoint is to
-    fill every tensor), the checkpoint resumed, the loop state it starts from, the optimizer step, the checkpoints,
-    the evaluation, the metrics and `hooks` (default: `hooks.default_hooks`)."""
+def build_trainer(
+    cfg: DictConfig, layout: Layout, run_dir: Path, hooks: Optional[Sequence[Hook]] = None
+) -> Trainer:
+    """A rank's training loop with everything it holds: the parts (with no initial weights when a
+    checkpoint is to fill every tensor), the checkpoint resumed, the loop state it starts from, the
+    optimizer step, the checkpoints, the evaluation, the metrics and `hooks` (default:
+    `hooks.default_hooks`)."""
     from visiondist.observe.metrics import MetricsLogger
     from visiondist.train.checkpointing import Checkpointing, resume, resume_path
     from visiondist.train.components import build_components
@@ -43,19 +53,33 @@ def build_trainer(cfg: DictConfig, layout: Layout, run_dir: Path,
     resumed = resume(cfg, layout, run_dir, parts, checkpoint)
     state = LoopState.starting_from(resumed, parts.data.train_sampler.steps_per_epoch)
     t = cfg.trainer
-    metrics = MetricsLogger(run_dir, layout.is_main, t.loggers, parts.task.columns,
-                            continue_from=state.step if resumed.same_run(run_dir) else None)
+    metrics = MetricsLogger(
+        run_dir,
+        layout.is_main,
+        t.loggers,
+        parts.task.columns,
+        continue_from=state.step if resumed.same_run(run_dir) else None,
+    )
     optimizer_step = OptimizerStep(cfg, layout, parts, state)
-    return Trainer(cfg, layout, run_dir, parts, state, optimizer_step,
-                   Checkpointing(cfg, layout, run_dir, parts, state, settle=optimizer_step.settle),
-                   Validation(layout, run_dir, parts, state, metrics), metrics, Utilisation(cfg, layout),
-                   list(default_hooks() if hooks is None else hooks))
+    return Trainer(
+        cfg,
+        layout,
+        run_dir,
+        parts,
+        state,
+        optimizer_step,
+        Checkpointing(cfg, layout, run_dir, parts, state, settle=optimizer_step.settle),
+        Validation(layout, run_dir, parts, state, metrics),
+        metrics,
+        Utilisation(cfg, layout),
+        list(default_hooks() if hooks is None else hooks),
+    )
 
 
 def run_trainer(trainer: Trainer) -> dict[str, Any]:
-    """The trainer's run from its start-up lines to its report: rank 0's experiment trackers (`trainer.loggers`) run
-    for its duration and end as it does (finished, stopped or failed). Returns the summary of a complete run, or
-    where a stopped one stopped."""
+    """The trainer's run from its start-up lines to its report: rank 0's experiment trackers
+    (`trainer.loggers`) run for its duration and end as it does (finished, stopped or failed).
+    Returns the summary of a complete run, or where a stopped one stopped."""
     from visiondist.observe.summary import report_run
     from visiondist.train.summary import announce, run_summary
     from visiondist.utils.signals import STOP
@@ -70,30 +94,52 @@ def run_trainer(trainer: Trainer) -> dict[str, Any]:
         raise
     if not complete:
         total = trainer.parts.total_steps
-        why = f"{STOP.received or 'a signal to another rank'}" if state.stop_requested else "trainer.stop_at_step"
-        log.info("stopped after step %d of %d (%s)", state.step, total, why)  # the launcher says how to go on
+        why = (
+            f"{STOP.received or 'a signal to another rank'}"
+            if state.stop_requested
+            else "trainer.stop_at_step"
+        )
+        # the launcher says how to go on
+        log.info("stopped after step %d of %d (%s)", state.step, total, why)
         metrics.close("stopped")
-        return {"stopped at step": state.step, "run dir": str(trainer.run_dir),
-                **({"stopped by": STOP.received or "SIGTERM"} if state.stop_requested else {})}
+        return {
+            "stopped at step": state.step,
+            "run dir": str(trainer.run_dir),
+            **({"stopped by": STOP.received or "SIGTERM"} if state.stop_requested else {}),
+        }
     assert state.timer is not None
     summary = run_summary(trainer, state.timer.total_seconds)
 
-    def written(pngs: list[Path]) -> None:  # the trackers get the plots and the weights, then end their runs
+    # the trackers get the plots and the weights, then end their runs
+    def written(pngs: list[Path]) -> None:
         metrics.log_files(pngs, state.weights, state.step)
         metrics.close()
 
     if trainer.layout.is_main:
         t = cfg.trainer  # twice the length that ended the run
-        longer = (f"trainer.max_steps={2 * t.max_steps}" if trainer.parts.length.startswith("trainer.max_steps")
-                  else f"trainer.max_epochs={2 * t.max_epochs}")
-        report_run(trainer.run_dir, summary, metrics.rows, trainer.parts.task, state.last_eval,
-                   f"{cfg.model.name} on {cfg.data.name}", written, t.plots, longer)
+        longer = (
+            f"trainer.max_steps={2 * t.max_steps}"
+            if trainer.parts.length.startswith("trainer.max_steps")
+            else f"trainer.max_epochs={2 * t.max_epochs}"
+        )
+        report_run(
+            trainer.run_dir,
+            summary,
+            metrics.rows,
+            trainer.parts.task,
+            state.last_eval,
+            f"{cfg.model.name} on {cfg.data.name}",
+            written,
+            t.plots,
+            longer,
+        )
     metrics.close()
     return summary
 
 
 def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
-    """Entry point of every rank: prepare the data once per node, then build the trainer and run it."""
+    """Entry point of every rank: prepare the data once per node, then build the trainer and run
+    it."""
     from visiondist.data.workers import close_loaders
     from visiondist.train.build import prepare_rank
 
@@ -102,14 +148,15 @@ def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
     try:
         return run_trainer(trainer)
     finally:
-        close_loaders()  # while the trainer still holds its loaders: their workers are ended, not waited for
+        # while the trainer still holds its loaders: their workers are ended, not waited for
+        close_loaders()
 
 
 def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
-    """Entry point of every rank of `tools/eval.py`: the model with `cfg.model.weights`, evaluated on the val split.
-    Rank 0 prints the result (the 12-line COCOeval summary for detectors) and writes eval.json (and, for
-    detectors, detections.json) into `run_dir` (by default `<output dir>/eval/<date>_<time>/`, with eval.log), and
-    says where."""
+    """Entry point of every rank of `tools/eval.py`: the model with `cfg.model.weights`, evaluated
+    on the val split. Rank 0 prints the result (the 12-line COCOeval summary for detectors) and
+    writes eval.json (and, for detectors, detections.json) into `run_dir` (by default `<output
+    dir>/eval/<date>_<time>/`, with eval.log), and says where."""
     from visiondist.checkpoint.dcp import load_model_state
     from visiondist.data.workers import close_loaders
     from visiondist.observe.console import shown_path
@@ -124,29 +171,57 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     prepare_rank(cfg, layout, run_dir, "eval.log")
     seed_everything(cfg.trainer.seed)
     PROGRESS.at("loading the weights")
-    # a DCP checkpoint directory is read into whatever layout this run has; any other weights (a file, a DETR-class
-    # detector's from_pretrained directory) are loaded as training's model.weights are
-    checkpoint = Path(cfg.model.weights) if cfg.model.weights and is_complete(Path(cfg.model.weights)) else None
-    model = build_laid_out(cfg, layout, checkpoint=checkpoint)  # a checkpoint fills the tensors itself
+    # a DCP checkpoint directory is read into whatever layout this run has; any other weights (a
+    # file, a DETR-class detector's from_pretrained directory) are loaded as training's
+    # model.weights are
+    checkpoint = (
+        Path(cfg.model.weights)
+        if cfg.model.weights and is_complete(Path(cfg.model.weights))
+        else None
+    )
+    # a checkpoint fills the tensors itself
+    model = build_laid_out(cfg, layout, checkpoint=checkpoint)
     if checkpoint is not None:
         load_model_state(checkpoint, unwrap(model), layout)
     task = build_task(cfg, layout, train=False)
     PROGRESS.at("evaluating")
     try:
-        metrics = task.evaluate(unwrap(model), layout, autocast_for(cfg.trainer.precision, layout.device), run_dir)
+        metrics = task.evaluate(
+            unwrap(model), layout, autocast_for(cfg.trainer.precision, layout.device), run_dir
+        )
     finally:
         close_loaders()  # while the task holds its loader: its workers are ended, not waited for
     if layout.is_main:
         decoded_by = task.decoded_by(layout.device)
-        (run_dir / "eval.json").write_text(json.dumps({"weights": cfg.model.weights, "images decoded by": decoded_by,
-                                                       **task.input_fields, **metrics}, indent=2))
-        log.info("eval | %s | %simages decoded by %s", task.describe(metrics),
-                 f"read {task.reads} | " if task.reads else "", decoded_by)
-        pngs = draw_evaluation(task, metrics, run_dir, f"{cfg.model.name} on {cfg.data.name}") if cfg.trainer.plots \
+        (run_dir / "eval.json").write_text(
+            json.dumps(
+                {
+                    "weights": cfg.model.weights,
+                    "images decoded by": decoded_by,
+                    **task.input_fields,
+                    **metrics,
+                },
+                indent=2,
+            )
+        )
+        log.info(
+            "eval | %s | %simages decoded by %s",
+            task.describe(metrics),
+            f"read {task.reads} | " if task.reads else "",
+            decoded_by,
+        )
+        pngs = (
+            draw_evaluation(task, metrics, run_dir, f"{cfg.model.name} on {cfg.data.name}")
+            if cfg.trainer.plots
             else []
+        )
         print(task.final_line(metrics), flush=True)
-        written = ["eval.json", *(["detections.json"] if (run_dir / "detections.json").is_file() else []),
-                   *(p.name for p in pngs), "eval.log"]
+        written = [
+            "eval.json",
+            *(["detections.json"] if (run_dir / "detections.json").is_file() else []),
+            *(p.name for p in pngs),
+            "eval.log",
+        ]
         print(f"eval dir: {shown_path(run_dir)} ({', '.join(written)})", flush=True)
     return metrics
 

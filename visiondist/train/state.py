@@ -1,6 +1,6 @@
-"""What the training loop knows of its run while it runs: one typed `LoopState`, each field written by one owner
-(named beside it), read by everyone else: the hooks, the summary and the callbacks of the Python API. `StepTimer`
-is the loop's clock of training time.
+"""What the training loop knows of its run while it runs: one typed `LoopState`, each field written
+by one owner (named beside it), read by everyone else: the hooks, the summary and the callbacks of
+the Python API. `StepTimer` is the loop's clock of training time.
 """
 
 from __future__ import annotations
@@ -17,18 +17,21 @@ from visiondist.utils.clock import DeviceClock
 
 
 class StepTimer:
-    """This rank's losses and training seconds since the last log line, and every log window's seconds.
+    """This rank's losses and training seconds since the last log line, and every log window's
+    seconds.
 
-    Seconds are the device's (`DeviceClock`: CUDA events, read when the log line's all-reduce has the host wait
-    anyway), so that a window's rate is the device's, not the rate at which the host queued its steps. Evaluations,
-    checkpoints and the timeline's gathering are not training time (`untimed`).
+    Seconds are the device's (`DeviceClock`: CUDA events, read when the log line's all-reduce has
+    the host wait anyway), so that a window's rate is the device's, not the rate at which the host
+    queued its steps. Evaluations, checkpoints and the timeline's gathering are not training time
+    (`untimed`).
     """
 
     def __init__(self, device: torch.device):
         self.loss = torch.zeros((), device=device)
         self.steps = 0
         self.clock = DeviceClock(device)
-        self.windows: list[tuple[int, int, float]] = []  # (first step, last step, seconds) of each logged window
+        # (first step, last step, seconds) of each logged window
+        self.windows: list[tuple[int, int, float]] = []
         self._logged_seconds = 0.0
         self.clock.start()
 
@@ -44,7 +47,8 @@ class StepTimer:
 
     @contextlib.contextmanager
     def untimed(self) -> Iterator[None]:
-        """Work between steps that is not training time: evaluations, checkpoints, the timeline's gathering."""
+        """Work between steps that is not training time: evaluations, checkpoints, the timeline's
+        gathering."""
         self.pause()
         try:
             yield
@@ -52,7 +56,8 @@ class StepTimer:
             self.resume()
 
     def close_window(self, last_step: int) -> float:
-        """The seconds of the window that ends with `last_step` (paused before), recorded in `windows`."""
+        """The seconds of the window that ends with `last_step` (paused before), recorded in
+        `windows`."""
         seconds = self.clock.seconds()
         self.windows.append((last_step - self.steps + 1, last_step, seconds))
         self._logged_seconds += seconds
@@ -70,8 +75,9 @@ class StepTimer:
         self.clock.start()
 
     def steady_state(self) -> Optional[tuple[int, int, float]]:
-        """(first step, last step, seconds) of the windows after the first (which holds the start-up: compilation,
-        cuDNN's autotuning, the loader's first batches), or None with fewer than two windows."""
+        """(first step, last step, seconds) of the windows after the first (which holds the
+        start-up: compilation, cuDNN's autotuning, the loader's first batches), or None with fewer
+        than two windows."""
         later = self.windows[1:]
         if not later:
             return None
@@ -80,41 +86,61 @@ class StepTimer:
 
 @dataclass(frozen=True)
 class Resumed:
-    """Where this process started: the checkpoint it resumed from (None: step 0) and what that checkpoint said."""
+    """Where this process started: the checkpoint it resumed from (None: step 0) and what that
+    checkpoint said."""
 
     checkpoint: Optional[Path] = None
     step: int = 0
     skipped_steps: int = 0  # optimizer steps skipped before, over every attempt
     overflow_steps: int = 0
-    earlier_seconds: Optional[float] = 0.0  # training seconds of the attempts before this one (None: not counted)
+    # training seconds of the attempts before this one (None: not counted)
+    earlier_seconds: Optional[float] = 0.0
 
     def same_run(self, run_dir: Path) -> bool:
-        """The checkpoint is this run dir's own (a continued run, not a new one started from another's weights)."""
+        """The checkpoint is this run dir's own (a continued run, not a new one started from
+        another's weights)."""
         return self.checkpoint is not None and self.checkpoint.parent.parent == Path(run_dir)
 
 
 @dataclass
 class LoopState:
-    """The run so far, as the loop and its hooks see it. One owner writes each field; the rest only read it."""
+    """The run so far, as the loop and its hooks see it. One owner writes each field; the rest only
+    read it."""
 
-    resumed: Resumed = field(default_factory=Resumed)  # `checkpointing.Checkpointing.resume`, before the loop
+    # `checkpointing.Checkpointing.resume`, before the loop
+    resumed: Resumed = field(default_factory=Resumed)
     step: int = 0  # the loop: optimizer steps done (counted from 1 in the log lines)
     epoch: int = 0  # the loop: the epoch the next step is in, from 0
     timer: Optional[StepTimer] = None  # the loop, from its start
-    stop_requested: bool = False  # `step.OptimizerStep`: a stop signal reached some rank (agreed by all)
-    skipped_steps: int = 0  # `step.OptimizerStep`: optimizer steps skipped as non-finite, over every attempt
-    overflow_steps: int = 0  # `step.OptimizerStep`: fp16 steps skipped because a scaled gradient overflowed
-    last_eval: dict[str, Any] = field(default_factory=dict)  # `validation.Validation`: its metrics and "step"
+    # `step.OptimizerStep`: a stop signal reached some rank (agreed by all)
+    stop_requested: bool = False
+    # `step.OptimizerStep`: optimizer steps skipped as non-finite, over every attempt
+    skipped_steps: int = 0
+    # `step.OptimizerStep`: fp16 steps skipped because a scaled gradient overflowed
+    overflow_steps: int = 0
+    # `validation.Validation`: its metrics and "step"
+    last_eval: dict[str, Any] = field(default_factory=dict)
     final_loss: float = math.nan  # `hooks.LogHook`: the last logged mean train loss
     progress: Any = None  # `hooks.ProgressHook`: the progress bar (rank 0, `trainer.progress`)
-    tp_bytes_per_step: Optional[float] = None  # `hooks.TrafficHook`: ring bytes one rank sends in TP collectives
-    pp_bytes_per_step: Optional[int] = None  # `hooks.TrafficHook`: bytes one rank sends to its pipeline neighbours
-    bubble: Optional[float] = None  # `hooks.TimelineHook`: a pipeline step's idle fraction, measured once
-    best: Optional[dict[str, Any]] = None  # `hooks.BestCheckpointHook`: this process's best evaluated checkpoint
-    weights: Optional[Path] = None  # `hooks.WeightsHook`: model.safetensors, once a complete run wrote it
+    # `hooks.TrafficHook`: ring bytes one rank sends in TP collectives
+    tp_bytes_per_step: Optional[float] = None
+    # `hooks.TrafficHook`: bytes one rank sends to its pipeline neighbours
+    pp_bytes_per_step: Optional[int] = None
+    # `hooks.TimelineHook`: a pipeline step's idle fraction, measured once
+    bubble: Optional[float] = None
+    # `hooks.BestCheckpointHook`: this process's best evaluated checkpoint
+    best: Optional[dict[str, Any]] = None
+    # `hooks.WeightsHook`: model.safetensors, once a complete run wrote it
+    weights: Optional[Path] = None
 
     @classmethod
-    def starting_from(cls, resumed: Resumed, steps_per_epoch: int) -> "LoopState":
-        """The state at the start of this process: step 0, or the step of the checkpoint it resumed from."""
-        return cls(resumed=resumed, step=resumed.step, epoch=resumed.step // steps_per_epoch,
-                   skipped_steps=resumed.skipped_steps, overflow_steps=resumed.overflow_steps)
+    def starting_from(cls, resumed: Resumed, steps_per_epoch: int) -> LoopState:
+        """The state at the start of this process: step 0, or the step of the checkpoint it resumed
+        from."""
+        return cls(
+            resumed=resumed,
+            step=resumed.step,
+            epoch=resumed.step // steps_per_epoch,
+            skipped_steps=resumed.skipped_steps,
+            overflow_steps=resumed.overflow_steps,
+        )

@@ -1,5 +1,6 @@
-"""What differs between training a classifier and a detector: the data, the loss of a batch, the evaluation and how
-its result is reported. The trainer holds one task and never branches on which."""
+"""What differs between training a classifier and a detector: the data, the loss of a batch, the
+evaluation and how its result is reported. The trainer holds one task and never branches on
+which."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from visiondist.data.workers import watched
-from visiondist.observe.metrics import TRAIN_COLUMNS
 from visiondist.models import EVAL_METRICS
+from visiondist.observe.metrics import TRAIN_COLUMNS
 from visiondist.parallel import Layout
 
 log = logging.getLogger(__name__)
@@ -30,70 +31,108 @@ class ClassificationTask:
     ema_keys = ("val_loss", "val_top1", "val_top5")
 
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
+        from visiondist.config.resolution import reading
         from visiondist.data import build_classification_data
         from visiondist.data.augment_ops import DeviceAugment
-        from visiondist.config.resolution import reading
         from visiondist.data.device_decode import FallbackCount
         from visiondist.data.transforms import Normalize
         from visiondist.evaluation.classification import reports_top5
 
         t, d = cfg.trainer, cfg.data
-        self.inputs = Normalize(d.mean, d.std)  # (uint8 loader images, device) -> the model's input there
+        # (uint8 loader images, device) -> the model's input there
+        self.inputs = Normalize(d.mean, d.std)
         # the export formats the run's closing lines name: a native run's timm model is NaFlexVit
         self.family = "native" if d.get("resolution", "square") == "native" else ""
-        self.input_fields = self._input_fields(cfg, train)  # eval.json and summary.json say how images were read
-        self.reads = reading(d, cfg.model.img_size, cfg.model.get("patch_size", 16))  # evaluation's log line
+        # eval.json and summary.json say how images were read
+        self.input_fields = self._input_fields(cfg, train)
+        # evaluation's log line
+        self.reads = reading(d, cfg.model.img_size, cfg.model.get("patch_size", 16))
         self.label_smoothing = float(t.label_smoothing)
-        self.mixing = None  # timm's Mixup / CutMix, each draw keyed by (step, micro-batch): see data.mixing
+        # timm's Mixup / CutMix, each draw keyed by (step, micro-batch): see data.mixing
+        self.mixing = None
         if d.mixup > 0 or d.cutmix > 0:
             from visiondist.data.mixing import Mixing
 
-            self.mixing = Mixing(d, cfg.model.num_classes, self.label_smoothing, t.seed, layout.dp_rank)
+            self.mixing = Mixing(
+                d, cfg.model.num_classes, self.label_smoothing, t.seed, layout.dp_rank
+            )
             if train and layout.is_main:
-                kinds = [f"{name} (alpha {a:g})" for name, a in (("mixup", d.mixup), ("cutmix", d.cutmix)) if a]
-                switch = f"; cutmix with probability {d.mixup_switch_prob:g}" if len(kinds) == 2 else ""
-                smoothing = f", label smoothing {self.label_smoothing:g} folded in" if self.label_smoothing else ""
-                log.info("%s: a micro-batch mixed with probability %g%s; soft targets%s", " or ".join(kinds),
-                         d.mixup_prob, switch, smoothing)
+                kinds = [
+                    f"{name} (alpha {a:g})"
+                    for name, a in (("mixup", d.mixup), ("cutmix", d.cutmix))
+                    if a
+                ]
+                switch = (
+                    f"; cutmix with probability {d.mixup_switch_prob:g}" if len(kinds) == 2 else ""
+                )
+                smoothing = (
+                    f", label smoothing {self.label_smoothing:g} folded in"
+                    if self.label_smoothing
+                    else ""
+                )
+                log.info(
+                    "%s: a micro-batch mixed with probability %g%s; soft targets%s",
+                    " or ".join(kinds),
+                    d.mixup_prob,
+                    switch,
+                    smoothing,
+                )
         self.image_shape = (3, cfg.model.img_size, cfg.model.img_size)
-        self.decode_ahead = d.get("decode_on", "loader") == "device"  # JPEGs decoded ahead of the step (and eval)
+        # JPEGs decoded ahead of the step (and eval)
+        self.decode_ahead = d.get("decode_on", "loader") == "device"
         self.augment = DeviceAugment(d, cfg.model.img_size) if train else None
-        self.worker_decoded = FallbackCount()  # data.decode_on=device: the images the device could not decode
+        # data.decode_on=device: the images the device could not decode
+        self.worker_decoded = FallbackCount()
         self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating
         self.data = build_classification_data(
-            cfg.data, cfg.model.img_size, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
-            pin_memory=layout.device.type == "cuda", reads_images=layout.reads_images, reads_labels=layout.reads_labels,
+            cfg.data,
+            cfg.model.img_size,
+            layout.dp_rank,
+            layout.dp,
+            t.grad_accum,
+            t.seed,
+            pin_memory=layout.device.type == "cuda",
+            reads_images=layout.reads_images,
+            reads_labels=layout.reads_labels,
             train=train,  # evaluation reads the val split only
             patch_size=cfg.model.get("patch_size", 16),
         )
         self.top5 = reports_top5(len(self.data.classes))
-        if not self.top5:  # a few classes: top-5 says nothing (evaluation.classification.reports_top5)
+        # a few classes: top-5 says nothing (evaluation.classification.reports_top5)
+        if not self.top5:
             self.columns = tuple(c for c in self.columns if c not in ("val_top5", "val_ema_top5"))
             self.plot_series = tuple(s for s in self.plot_series if s[0] != "val_top5")
             self.ema_keys = tuple(k for k in self.ema_keys if k != "val_top5")
 
     def _input_fields(self, cfg: DictConfig, train: bool) -> dict[str, Any]:
         """The input's resolution as eval.json and summary.json state it: the square size, or under
-        data.resolution=native the sequence lengths (resolved: the config keeps -1 / null for the defaults)."""
+        data.resolution=native the sequence lengths (resolved: the config keeps -1 / null for the
+        defaults)."""
         if self.family != "native":
             return {"resolution": f"square, {cfg.model.img_size} px"}
         from visiondist.config.resolution import native_settings
 
-        lens, eval_len = native_settings(cfg.data, cfg.model.img_size, cfg.model.get("patch_size", 16))
-        fields = {"resolution": "native (each image at its own aspect ratio)", "val patches per image": eval_len}
+        lens, eval_len = native_settings(
+            cfg.data, cfg.model.img_size, cfg.model.get("patch_size", 16)
+        )
+        fields = {
+            "resolution": "native (each image at its own aspect ratio)",
+            "val patches per image": eval_len,
+        }
         if train:
             fields["train sequence lengths (patches)"] = lens
             fields["packed"] = bool(cfg.data.native.pack)
         return fields
 
     def train_batches(self, device: torch.device) -> Iterator:
-        """An epoch's training batches (`feed`). The loader's iterator is made here, in the main thread: the loader
-        watches its workers from there."""
+        """An epoch's training batches (`feed`). The loader's iterator is made here, in the main
+        thread: the loader watches its workers from there."""
         return self.feed(watched(iter(self.data.train_loader)), device)
 
     def feed(self, batches: Iterator, device: torch.device) -> Iterator:
-        """`batches` as the step takes them: under data.decode_on=device each batch's JPEGs decoded on `device` one
-        batch ahead of the step, off its stream (`DecodeAhead`: close it when done)."""
+        """`batches` as the step takes them: under data.decode_on=device each batch's JPEGs decoded
+        on `device` one batch ahead of the step, off its stream (`DecodeAhead`: close it when
+        done)."""
         if not self.decode_ahead:
             return batches
         from visiondist.data.device_decode import DecodeAhead
@@ -101,23 +140,36 @@ class ClassificationTask:
         return DecodeAhead(batches, device)
 
     def decoded_by(self, device: torch.device) -> str:
-        """Which decoder reads the images (data.decode_on): the evaluation says it, since nvJPEG and OpenCV differ."""
+        """Which decoder reads the images (data.decode_on): the evaluation says it, since nvJPEG and
+        OpenCV differ."""
         if not self.decode_ahead:
             return "OpenCV in the loader workers (data.decode_on=loader)"
         from visiondist.data.device_decode import decoder_name
 
-        return f"{decoder_name(device)} on {device} (data.decode_on=device; other files in the loader workers)"
+        return (
+            f"{decoder_name(device)} on {device} (data.decode_on=device; other files in the "
+            "loader workers)"
+        )
 
-    def prepare(self, batch: Any, device: torch.device, key: tuple[int, int] | None = None) -> tuple[Any, Any]:
-        """(model input, target) of a loader batch on `device`; either side may be None (pipeline ranks that hold
-        only one). `key` = (step, micro-batch) mixes them (training with mixup / cutmix): soft targets then."""
+    def prepare(
+        self, batch: Any, device: torch.device, key: tuple[int, int] | None = None
+    ) -> tuple[Any, Any]:
+        """(model input, target) of a loader batch on `device`; either side may be None (pipeline
+        ranks that hold only one). `key` = (step, micro-batch) mixes them (training with mixup /
+        cutmix): soft targets then."""
         from visiondist.data.device_decode import EncodedBatch
 
-        images, labels, *rows = batch  # rows: the samples' augmentation parameters (`visiondist.data.augment`)
-        if isinstance(images, EncodedBatch):  # data.decode_on=device: count what the workers decoded
+        # rows: the samples' augmentation parameters (`visiondist.data.augment`)
+        images, labels, *rows = batch
+        # data.decode_on=device: count what the workers decoded
+        if isinstance(images, EncodedBatch):
             self.worker_decoded.add(images, device)
         if images is not None:
-            images = self.inputs(images, device) if not rows else self.augment(images, rows[0], device, self.inputs)
+            images = (
+                self.inputs(images, device)
+                if not rows
+                else self.augment(images, rows[0], device, self.inputs)
+            )
         labels = None if labels is None else labels.to(device, non_blocking=True)
         if self.mixing is not None and key is not None:
             images = None if images is None else self.mixing.images(images, key)
@@ -125,14 +177,21 @@ class ClassificationTask:
         return images, labels
 
     def criterion(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The training loss of logits against class indices or (mixed) soft targets; a pipeline's last stage
-        computes it too."""
-        if target.dim() == 2:  # soft targets (label smoothing folded in): timm's SoftTargetCrossEntropy, in one call
+        """The training loss of logits against class indices or (mixed) soft targets; a pipeline's
+        last stage computes it too."""
+        # soft targets (label smoothing folded in): timm's SoftTargetCrossEntropy, in one call
+        if target.dim() == 2:
             return F.cross_entropy(logits.float(), target)
         return F.cross_entropy(logits.float(), target, label_smoothing=self.label_smoothing)
 
-    def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager,
-             key: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    def loss(
+        self,
+        model: nn.Module,
+        batch: Any,
+        device: torch.device,
+        autocast: AbstractContextManager,
+        key: tuple[int, int] = (0, 0),
+    ) -> torch.Tensor:
         images, target = self.prepare(batch, device, key if model.training else None)
         with autocast:
             logits = model(images)
@@ -141,14 +200,25 @@ class ClassificationTask:
     def evaluate(self, model: nn.Module, layout: Layout, autocast, run_dir: Path) -> dict[str, Any]:
         from visiondist.evaluation.classification import evaluate_classification
 
-        metrics = evaluate_classification(model, self.data.val_loader, layout, autocast, len(self.data.classes),
-                                          self.progress, self.inputs,
-                                          lambda batches: self.feed(self.worker_decoded.naming(batches), layout.device))
+        metrics = evaluate_classification(
+            model,
+            self.data.val_loader,
+            layout,
+            autocast,
+            len(self.data.classes),
+            self.progress,
+            self.inputs,
+            lambda batches: self.feed(self.worker_decoded.naming(batches), layout.device),
+        )
         if not self.top5:
             del metrics["val_top5"]
         if layout.is_main:  # per-class top-1 of the latest evaluation, by class name
-            per_class = {name: {"top1": acc, "images": n} for name, acc, n in
-                         zip(self.data.classes, metrics["val_class_top1"], metrics["val_class_count"])}
+            per_class = {
+                name: {"top1": acc, "images": n}
+                for name, acc, n in zip(
+                    self.data.classes, metrics["val_class_top1"], metrics["val_class_count"]
+                )
+            }
             (run_dir / "per_class.json").write_text(json.dumps(per_class, indent=1))
         return metrics
 
@@ -157,8 +227,12 @@ class ClassificationTask:
         from visiondist.observe.plots import plot_per_class
 
         values = dict(zip(self.data.classes, m.get("val_class_top1") or []))
-        png = plot_per_class(values, run_dir / "per_class_top1.png", f"{title}: top-1 per class{_at_step(m)}",
-                             "val top-1 (%)")
+        png = plot_per_class(
+            values,
+            run_dir / "per_class_top1.png",
+            f"{title}: top-1 per class{_at_step(m)}",
+            "val top-1 (%)",
+        )
         return [png] if png is not None else []
 
     # describe / summary / final_line show top-5 where the metrics hold it (`reports_top5`)
@@ -166,7 +240,10 @@ class ClassificationTask:
     def describe(m: dict[str, Any]) -> str:
         top5 = f" | top-5 {m['val_top5']:.2f}%" if "val_top5" in m else ""
         ema = f" | EMA top-1 {m['val_ema_top1']:.2f}%" if m.get("val_ema_top1") is not None else ""
-        return f"val loss {m['val_loss']:.4f} | top-1 {m['val_top1']:.2f}%{top5}{ema} | {m['val_count']} images"
+        return (
+            f"val loss {m['val_loss']:.4f} | top-1 {m['val_top1']:.2f}%{top5}{ema} | "
+            f"{m['val_count']} images"
+        )
 
     @staticmethod
     def summary(m: dict[str, Any]) -> dict[str, Any]:
@@ -174,8 +251,14 @@ class ClassificationTask:
         worst = {"val top-1, worst class (%)": round(min(scored), 2)} if scored else {}
         ema = {"val top-1, EMA (%)": m["val_ema_top1"]} if m.get("val_ema_top1") is not None else {}
         top5 = {"val top-5 (%)": m["val_top5"]} if "val_top5" in m else {}
-        return {"val loss": m["val_loss"], "val top-1 (%)": m["val_top1"], **top5, **worst, **ema,
-                "val images": m["val_count"]}
+        return {
+            "val loss": m["val_loss"],
+            "val top-1 (%)": m["val_top1"],
+            **top5,
+            **worst,
+            **ema,
+            "val images": m["val_count"],
+        }
 
     @staticmethod
     def final_line(m: dict[str, Any]) -> str:
@@ -185,11 +268,17 @@ class ClassificationTask:
 
 class DetectionTask:
     columns = (*TRAIN_COLUMNS, *EVAL_METRICS["detection"])
-    input_fields: dict[str, Any] = {}  # the input's resolution is the model's own (min_size / max_size)
+    # the input's resolution is the model's own (min_size / max_size)
+    input_fields: dict[str, Any] = {}
     reads = None
     headline = ("val_mAP", "val box mAP@[.5:.95]")
-    plot_series = (("val_mAP", "AP@[.5:.95]"), ("val_AP50", "AP50"), ("val_AP75", "AP75"), ("val_AR100", "AR100"),
-                   ("val_ema_mAP", "EMA AP@[.5:.95]"))
+    plot_series = (
+        ("val_mAP", "AP@[.5:.95]"),
+        ("val_AP50", "AP50"),
+        ("val_AP75", "AP75"),
+        ("val_AR100", "AR100"),
+        ("val_ema_mAP", "EMA AP@[.5:.95]"),
+    )
     plot_title = "val box AP / AR"
     ema_keys = ("val_mAP",)
 
@@ -201,18 +290,30 @@ class DetectionTask:
 
         t = cfg.trainer
         self.family = str(cfg.model.family)  # the export formats the run's closing lines name
-        self.masks = has_masks(cfg.model)  # Mask R-CNN: targets carry masks; evaluation scores masks too
+        # Mask R-CNN: targets carry masks; evaluation scores masks too
+        self.masks = has_masks(cfg.model)
         self.columns = (*TRAIN_COLUMNS, *eval_metrics(cfg.model))
         if self.masks:
             self.ema_keys = ("val_mAP", "val_segm_mAP")
             self.plot_series = (*self.plot_series, ("val_segm_mAP", "mask AP@[.5:.95]"))
             self.plot_title = "val box / mask AP, box AR"
-        self.inputs = unit_float  # (uint8 loader images, device) -> float in [0, 1] there, as torchvision takes
-        self.progress = bool(t.progress) and layout.is_main  # a bar while evaluating, a spinner while scoring
-        self.data = build_detection_data(cfg.data, layout.dp_rank, layout.dp, t.grad_accum, t.seed,
-                                         pin_memory=layout.device.type == "cuda", train=train, masks=self.masks,
-                                         **square_input(cfg.model))
-        self.val_image = self.data.val_loader.dataset.image_by_id  # the plots' images, from a tree or from shards
+        # (uint8 loader images, device) -> float in [0, 1] there, as torchvision takes
+        self.inputs = unit_float
+        # a bar while evaluating, a spinner while scoring
+        self.progress = bool(t.progress) and layout.is_main
+        self.data = build_detection_data(
+            cfg.data,
+            layout.dp_rank,
+            layout.dp,
+            t.grad_accum,
+            t.seed,
+            pin_memory=layout.device.type == "cuda",
+            train=train,
+            masks=self.masks,
+            **square_input(cfg.model),
+        )
+        # the plots' images, from a tree or from shards
+        self.val_image = self.data.val_loader.dataset.image_by_id
 
     def train_batches(self, device: torch.device) -> Iterator:
         """An epoch's training batches."""
@@ -226,8 +327,14 @@ class DetectionTask:
     def decoded_by(device: torch.device) -> str:
         return "OpenCV in the loader workers"
 
-    def loss(self, model: nn.Module, batch: Any, device: torch.device, autocast: AbstractContextManager,
-             key: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    def loss(
+        self,
+        model: nn.Module,
+        batch: Any,
+        device: torch.device,
+        autocast: AbstractContextManager,
+        key: tuple[int, int] = (0, 0),
+    ) -> torch.Tensor:
         images, targets = batch
         images = self.inputs(images, device)
         keys = ("boxes", "labels", "masks") if self.masks else ("boxes", "labels")
@@ -240,57 +347,105 @@ class DetectionTask:
         from visiondist.evaluation.detection import evaluate_detection
 
         d = self.data
-        metrics = evaluate_detection(model, d.val_loader, layout, d.val_annotations, d.cat_of_label, d.num_val,
-                                     autocast, run_dir / "detections.json" if layout.is_main else None, self.progress)
+        metrics = evaluate_detection(
+            model,
+            d.val_loader,
+            layout,
+            d.val_annotations,
+            d.cat_of_label,
+            d.num_val,
+            autocast,
+            run_dir / "detections.json" if layout.is_main else None,
+            self.progress,
+        )
         if layout.is_main:  # per-category AP of the latest evaluation, by category name
             (run_dir / "per_class.json").write_text(json.dumps(metrics["val_class_AP"], indent=1))
         return metrics
 
     def plots(self, m: dict[str, Any], run_dir: Path, title: str) -> list[Path]:
-        """The per-category AP bars and a few val images with their predicted boxes (and masks), of the latest
-        evaluation."""
+        """The per-category AP bars and a few val images with their predicted boxes (and masks), of
+        the latest evaluation."""
         from visiondist.observe.plots import plot_masks, plot_per_class, plot_predictions
 
         d = self.data
-        ap = {name: None if v is None else 100 * v for name, v in (m.get("val_class_AP") or {}).items()}
-        pngs = [plot_per_class(ap, run_dir / "per_class_ap.png", f"{title}: box AP per category{_at_step(m)}",
-                               "AP@[.5:.95] (%)"),
-                plot_predictions(run_dir / "detections.json", d.val_annotations, self.val_image,
-                                 run_dir / "val_predictions.png", title)]
+        ap = {
+            name: None if v is None else 100 * v
+            for name, v in (m.get("val_class_AP") or {}).items()
+        }
+        pngs = [
+            plot_per_class(
+                ap,
+                run_dir / "per_class_ap.png",
+                f"{title}: box AP per category{_at_step(m)}",
+                "AP@[.5:.95] (%)",
+            ),
+            plot_predictions(
+                run_dir / "detections.json",
+                d.val_annotations,
+                self.val_image,
+                run_dir / "val_predictions.png",
+                title,
+            ),
+        ]
         if self.masks:
-            pngs.append(plot_masks(run_dir / "segmentations.json", d.val_annotations, self.val_image,
-                                   run_dir / "val_masks.png", title))
+            pngs.append(
+                plot_masks(
+                    run_dir / "segmentations.json",
+                    d.val_annotations,
+                    self.val_image,
+                    run_dir / "val_masks.png",
+                    title,
+                )
+            )
         return [p for p in pngs if p is not None]
 
     @staticmethod
     def describe(m: dict[str, Any]) -> str:
         masks = f" | mask mAP {m['val_segm_mAP']:.4f}" if "val_segm_mAP" in m else ""
-        return (f"box mAP {m['val_mAP']:.4f} | AP50 {m['val_AP50']:.4f} | AP75 {m['val_AP75']:.4f} | "
-                f"AR100 {m['val_AR100']:.4f}{masks} | {m['val_count']} images, {m['val_detections']} detections")
+        return (
+            f"box mAP {m['val_mAP']:.4f} | AP50 {m['val_AP50']:.4f} | AP75 {m['val_AP75']:.4f} | "
+            f"AR100 {m['val_AR100']:.4f}{masks} | {m['val_count']} images, {m['val_detections']} "
+            "detections"
+        )
 
     @staticmethod
     def summary(m: dict[str, Any]) -> dict[str, Any]:
-        masks = ({"val mask mAP@[.5:.95]": m["val_segm_mAP"], "val mask AP50": m["val_segm_AP50"]}
-                 if "val_segm_mAP" in m else {})
-        return {"val box mAP@[.5:.95]": m["val_mAP"], "val AP50": m["val_AP50"], "val AP75": m["val_AP75"],
-                "val AR100": m["val_AR100"], **masks, "val images": m["val_count"]}
+        masks = (
+            {"val mask mAP@[.5:.95]": m["val_segm_mAP"], "val mask AP50": m["val_segm_AP50"]}
+            if "val_segm_mAP" in m
+            else {}
+        )
+        return {
+            "val box mAP@[.5:.95]": m["val_mAP"],
+            "val AP50": m["val_AP50"],
+            "val AP75": m["val_AP75"],
+            "val AR100": m["val_AR100"],
+            **masks,
+            "val images": m["val_count"],
+        }
 
     @staticmethod
     def final_line(m: dict[str, Any]) -> str:
-        """The 12-line COCOeval summary of the boxes (and of the masks) and the headline figure(s)."""
+        """The 12-line COCOeval summary of the boxes (and of the masks) and the headline
+        figure(s)."""
         from visiondist.evaluation.detection import summary_lines
 
-        box = {k[4:]: v for k, v in m.items() if k.startswith("val_") and not k.startswith("val_segm_")}
+        box = {
+            k[4:]: v for k, v in m.items() if k.startswith("val_") and not k.startswith("val_segm_")
+        }
         if "val_segm_mAP" not in m:
             return f"{summary_lines(box)}\nval box mAP@[.5:.95]: {m['val_mAP']:.4f}"
         segm = {k[9:]: v for k, v in m.items() if k.startswith("val_segm_")}
-        return (f"bbox:\n{summary_lines(box)}\nsegm:\n{summary_lines(segm)}\n"
-                f"val box mAP@[.5:.95]: {m['val_mAP']:.4f}  mask mAP@[.5:.95]: {m['val_segm_mAP']:.4f}")
+        return (
+            f"bbox:\n{summary_lines(box)}\nsegm:\n{summary_lines(segm)}\n"
+            f"val box mAP@[.5:.95]: {m['val_mAP']:.4f}  mask mAP@[.5:.95]: {m['val_segm_mAP']:.4f}"
+        )
 
 
 def square_input(model_cfg) -> dict[str, Any]:
-    """A DETR-class detector's training images: resized by the loader straight to its square input, as its image
-    processor resizes (antialiased when shrinking where it is); other detectors: none (data.min_size / max_size)."""
+    """A DETR-class detector's training images: resized by the loader straight to its square input,
+    as its image processor resizes (antialiased when shrinking where it is); other detectors: none
+    (data.min_size / max_size)."""
     if model_cfg.family != "detr":
         return {}
     from visiondist.models.detr import ARCHS
@@ -306,5 +461,7 @@ def build_task(cfg: DictConfig, layout: Layout, train: bool = True):
     """The task of the model's family; `train=False` reads only what evaluation needs."""
     from visiondist.models import TASKS
 
-    task = {"classification": ClassificationTask, "detection": DetectionTask}[TASKS[cfg.model.family]]
+    task = {"classification": ClassificationTask, "detection": DetectionTask}[
+        TASKS[cfg.model.family]
+    ]
     return task(cfg, layout, train)

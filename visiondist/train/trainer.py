@@ -1,10 +1,11 @@
 """The training loop and the interface of the hooks it runs.
 
-The loop is handed everything (`visiondist.train.run.build_trainer` builds it): the parts (model, optimizer, data,
-...), the optimizer step, the checkpoints, the evaluation, one `LoopState`, and the hooks in their order. It does not
-care which layout it got, names no hook, and decides nothing a hook decides: per step it runs the optimizer step
-inside each hook's `step_context`, then each hook's `after_step`, epoch by epoch, until the last step,
-`trainer.stop_at_step` or a hook ending the loop (a stop signal).
+The loop is handed everything (`visiondist.train.run.build_trainer` builds it): the parts (model,
+optimizer, data, ...), the optimizer step, the checkpoints, the evaluation, one `LoopState`, and the
+hooks in their order. It does not care which layout it got, names no hook, and decides nothing a
+hook decides: per step it runs the optimizer step inside each hook's `step_context`, then each
+hook's `after_step`, epoch by epoch, until the last step, `trainer.stop_at_step` or a hook ending
+the loop (a stop signal).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from visiondist.train.validation import Validation
 
 
 class Hook:
-    """One concern of the loop with its own cadence (detectron2's HookBase). Each method gets the `Trainer`: its
-    parts, its `state` (which a hook writes only in the fields it owns) and its `untimed()`."""
+    """One concern of the loop with its own cadence (detectron2's HookBase). Each method gets the
+    `Trainer`: its parts, its `state` (which a hook writes only in the fields it owns) and its
+    `untimed()`."""
 
     def before_train(self, trainer: Trainer) -> None:
         """Once, before the first step of this process."""
@@ -38,13 +40,16 @@ class Hook:
         """Entered around the next step (e.g. to record its timeline)."""
         return contextlib.nullcontext()
 
-    def after_step(self, trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor) -> Optional[bool]:
-        """After each step (`trainer.state.step` counts it). True ends the loop after this step: the hooks after
-        this one do not see it."""
+    def after_step(
+        self, trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor
+    ) -> Optional[bool]:
+        """After each step (`trainer.state.step` counts it). True ends the loop after this step: the
+        hooks after this one do not see it."""
         return None
 
     def after_train(self, trainer: Trainer, complete: bool) -> None:
-        """`complete`: the run reached its last step (otherwise it stopped early: a signal or trainer.stop_at_step)."""
+        """`complete`: the run reached its last step (otherwise it stopped early: a signal or
+        trainer.stop_at_step)."""
 
     def close(self, trainer: Trainer) -> None:
         """Always called when the loop ends, also when a step raised; before `after_train`."""
@@ -52,7 +57,8 @@ class Hook:
 
 @dataclass
 class Trainer:
-    """The loop and what it holds. Built by the layer above (`run.build_trainer`), which also reports the run."""
+    """The loop and what it holds. Built by the layer above (`run.build_trainer`), which also
+    reports the run."""
 
     cfg: DictConfig
     layout: Layout
@@ -67,8 +73,8 @@ class Trainer:
     hooks: Sequence[Hook] = field(default_factory=list)
 
     def train(self) -> bool:
-        """Step until the last step of this process (`trainer.stop_at_step` ends it sooner) or a hook ends the
-        loop; returns whether the run reached its last step."""
+        """Step until the last step of this process (`trainer.stop_at_step` ends it sooner) or a
+        hook ends the loop; returns whether the run reached its last step."""
         state, sampler, t = self.state, self.parts.data.train_sampler, self.cfg.trainer
         total = self.parts.total_steps
         end = min(total, t.stop_at_step) if t.stop_at_step > 0 else total
@@ -92,7 +98,8 @@ class Trainer:
         return complete
 
     def _epoch(self, steps: int) -> bool:
-        """`steps` steps of the epoch the sampler is set to; returns whether a hook ended the loop."""
+        """`steps` steps of the epoch the sampler is set to; returns whether a hook ended the
+        loop."""
         with contextlib.ExitStack() as epoch:
             batches = self.parts.task.train_batches(self.layout.device)
             if hasattr(batches, "close"):  # data.decode_on=device: its decoding thread
@@ -103,7 +110,8 @@ class Trainer:
                         around.enter_context(hook.step_context(self))
                     loss, grad_norm = self.optimizer_step.train_step(batches)
                 self.state.step += 1
-                if any(hook.after_step(self, loss, grad_norm) for hook in self.hooks):  # in order, up to the first
+                # in order, up to the first
+                if any(hook.after_step(self, loss, grad_norm) for hook in self.hooks):
                     return True
         return False
 

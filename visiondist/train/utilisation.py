@@ -1,4 +1,5 @@
-"""How much of the hardware a training rate uses: model FLOPs utilisation (MFU) and the GPU memory peak."""
+"""How much of the hardware a training rate uses: model FLOPs utilisation (MFU) and the GPU memory
+peak."""
 
 from __future__ import annotations
 
@@ -17,19 +18,27 @@ class Utilisation:
 
     def __init__(self, cfg: DictConfig, layout: Layout):
         self.cfg, self.layout = cfg, layout
-        self._peak: Optional[tuple[float, float]] = None  # (datasheet FLOP/s, training FLOPs per image)
+        # (datasheet FLOP/s, training FLOPs per image)
+        self._peak: Optional[tuple[float, float]] = None
 
     def mfu(self, images_per_s: float) -> Optional[float]:
-        """Model FLOPs utilisation of a training rate (images/s of the whole job): the model's training FLOPs per
-        image (counted once) times the rate per device, over the device's dense datasheet peak in the step's matmul
-        precision. None on the CPU, on a GPU the datasheet table does not know, and for detectors and
-        native-resolution ViTs (their FLOPs change with each image's size)."""
+        """Model FLOPs utilisation of a training rate (images/s of the whole job): the model's
+        training FLOPs per image (counted once) times the rate per device, over the device's dense
+        datasheet peak in the step's matmul precision. None on the CPU, on a GPU the datasheet table
+        does not know, and for detectors and native-resolution ViTs (their FLOPs change with each
+        image's size)."""
         device, cfg = self.layout.device, self.cfg
-        if device.type != "cuda" or cfg.model.family != "vit" or cfg.data.get("resolution") == "native":
+        if (
+            device.type != "cuda"
+            or cfg.model.family != "vit"
+            or cfg.data.get("resolution") == "native"
+        ):
             return None
         if self._peak is None:
             t = cfg.trainer
-            peak = datasheet_tflops(torch.cuda.get_device_name(device), peak_kind(t.precision, t.tf32, device))
+            peak = datasheet_tflops(
+                torch.cuda.get_device_name(device), peak_kind(t.precision, t.tf32, device)
+            )
             self._peak = (peak * 1e12, classifier_train_flops(cfg.model)) if peak else (0.0, 0.0)
         peak, per_image = self._peak
         return per_image * images_per_s / self.layout.world_size / peak if peak else None

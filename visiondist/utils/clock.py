@@ -1,10 +1,11 @@
 """Seconds of work on a device, read without making the host wait for it.
 
-The host runs ahead of a CUDA device: a step returns once its kernels are queued, so host timestamps around steps
-measure how fast the host queues work, not how fast the device does it (an fp32 ViT-B/16 logged 3.7-4.1k img/s
-from host time, beyond what TF32 reaches on that card). `DeviceClock` marks intervals with CUDA events recorded on the
-current stream, in stream order, and reads them later, where the host waits anyway (a log line's all-reduce). On the
-CPU every op is synchronous and the host's clock is the device's.
+The host runs ahead of a CUDA device: a step returns once its kernels are queued, so host timestamps
+around steps measure how fast the host queues work, not how fast the device does it (an fp32
+ViT-B/16 logged 3.7-4.1k img/s from host time, beyond what TF32 reaches on that card). `DeviceClock`
+marks intervals with CUDA events recorded on the current stream, in stream order, and reads them
+later, where the host waits anyway (a log line's all-reduce). On the CPU every op is synchronous and
+the host's clock is the device's.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 
 
 class DeviceClock:
-    """The summed seconds of the intervals between `start()` and `stop()` on `device`'s current stream."""
+    """The summed seconds of the intervals between `start()` and `stop()` on `device`'s current
+    stream."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -44,8 +46,8 @@ class DeviceClock:
             self._open = None
 
     def seconds(self) -> float:
-        """The stopped intervals' seconds. On CUDA this waits for the last one's end event: call it where the host
-        waits for the device anyway, or after the next steps are queued."""
+        """The stopped intervals' seconds. On CUDA this waits for the last one's end event: call it
+        where the host waits for the device anyway, or after the next steps are queued."""
         for start, end in self._unread:
             if self.cuda:
                 end.synchronize()

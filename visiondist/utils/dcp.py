@@ -1,7 +1,7 @@
-"""Reading torch.distributed.checkpoint (DCP) metadata safely: DCP pickles its `.metadata`, so a plain unpickler
-would run whatever a crafted checkpoint names. Used by checkpoint loading and by `model.weights=<checkpoint dir>`.
-Also what makes a run's checkpoint complete (`is_complete`, `list_checkpoints`), which the trainer and the checks
-before launch both ask."""
+"""Reading torch.distributed.checkpoint (DCP) metadata safely: DCP pickles its `.metadata`, so a
+plain unpickler would run whatever a crafted checkpoint names. Used by checkpoint loading and by
+`model.weights=<checkpoint dir>`. Also what makes a run's checkpoint complete (`is_complete`,
+`list_checkpoints`), which the trainer and the checks before launch both ask."""
 
 from __future__ import annotations
 
@@ -13,36 +13,49 @@ from typing import Any, Optional
 
 _SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
 _SAFE_GLOBALS = {
-    ("collections", "OrderedDict"), ("torch", "Size"), ("builtins", "set"), ("builtins", "frozenset"),
-    ("builtins", "slice"), ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+    ("torch.serialization", "_get_layout"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
 }
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata dataclasses, torch dtypes / sizes / layouts / memory formats and plain containers;
-    anything else (a function, a class that runs code when rebuilt) is refused."""
+    """Admits DCP's metadata dataclasses, torch dtypes / sizes / layouts / memory formats and plain
+    containers; anything else (a function, a class that runs code when rebuilt) is refused."""
 
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
         if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
             return metadata_class(super().find_class(module, name))
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                          torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refused to load {module}.{name} from checkpoint metadata: "
-                                     "it is not part of a DCP checkpoint")
+        raise pickle.UnpicklingError(
+            f"refused to load {module}.{name} from checkpoint metadata: "
+            "it is not part of a DCP checkpoint"
+        )
 
 
 def metadata_class(cls: type) -> type:
-    """The class to rebuild DCP metadata's `cls` with: `cls` itself, or for a `TensorProperties` without a `strides`
-    field (torch 2.11-2.14) one that also takes the state torch 2.15 pickles. 2.15 records each tensor's strides as
-    a sixth field, which the older releases' class cannot unpickle ("too many values to unpack"); the subclass drops
-    them, since DCP reads a tensor's bytes by its chunk's offsets and sizes, never by its strides. So a run trained
-    under one supported torch resumes, evaluates and exports under any other."""
-    if cls.__name__ != "TensorProperties" or "strides" in getattr(cls, "__dataclass_fields__", {"strides": None}):
+    """The class to rebuild DCP metadata's `cls` with: `cls` itself, or for a `TensorProperties`
+    without a `strides` field (torch 2.11-2.14) one that also takes the state torch 2.15 pickles.
+    2.15 records each tensor's strides as a sixth field, which the older releases' class cannot
+    unpickle ("too many values to unpack"); the subclass drops them, since DCP reads a tensor's
+    bytes by its chunk's offsets and sizes, never by its strides. So a run trained under one
+    supported torch resumes, evaluates and exports under any other."""
+    if cls.__name__ != "TensorProperties" or "strides" in getattr(
+        cls, "__dataclass_fields__", {"strides": None}
+    ):
         return cls
     return _properties_without_strides(cls)
 
@@ -53,7 +66,8 @@ def _properties_without_strides(cls: type) -> type:
 
     class TensorProperties(cls):  # type: ignore[misc, valid-type]
         def __setstate__(self, state: tuple) -> None:
-            super().__setstate__(tuple(state)[:fields])  # what follows (the strides) this torch has no use for
+            # what follows (the strides) this torch has no use for
+            super().__setstate__(tuple(state)[:fields])
 
     TensorProperties.__module__ = cls.__module__
     return TensorProperties
@@ -61,8 +75,9 @@ def _properties_without_strides(cls: type) -> type:
 
 @functools.cache
 def _safe_reader() -> type:
-    """DCP's `FileSystemReader` reading `.metadata` through `_MetadataUnpickler`; made on first use, since
-    torch.distributed.checkpoint brings DTensor (about 0.8 s), which listing a run's checkpoints needs none of."""
+    """DCP's `FileSystemReader` reading `.metadata` through `_MetadataUnpickler`; made on first use,
+    since torch.distributed.checkpoint brings DTensor (about 0.8 s), which listing a run's
+    checkpoints needs none of."""
     from torch.distributed.checkpoint import FileSystemReader
 
     class SafeFileSystemReader(FileSystemReader):

@@ -1,5 +1,6 @@
-"""A package's exports imported on first use (PEP 562), so that a process reading one light module of a package (the
-launcher planning a run) does not pay for the heavy modules the package's other names come from."""
+"""A package's exports imported on first use (PEP 562), so that a process reading one light module
+of a package (the launcher planning a run) does not pay for the heavy modules the package's other
+names come from."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import sys
 from typing import Any, Callable
 
 
-def lazy_exports(package: str, where: dict[str, tuple[str, ...]]) -> tuple[Callable[[str], Any], list[str]]:
-    """`__getattr__, __all__ = lazy_exports(__name__, {"submodule": ("name", ...)})`: each name is imported from its
-    submodule when first asked for, then kept on the package."""
+def lazy_exports(
+    package: str, where: dict[str, tuple[str, ...]]
+) -> tuple[Callable[[str], Any], list[str]]:
+    """`__getattr__, __all__ = lazy_exports(__name__, {"submodule": ("name", ...)})`: each name is
+    imported from its submodule when first asked for, then kept on the package."""
     module_of = {name: module for module, names in where.items() for name in names}
 
     def __getattr__(name: str) -> Any:

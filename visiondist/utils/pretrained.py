@@ -1,21 +1,24 @@
 """Pretrained weights by name, from the caches their libraries use.
 
-- `model.init_from=timm/<architecture>.<tag>` (any name `timm.list_pretrained()` lists): the weights timm's
-  pretrained config points to, resolved through huggingface_hub's cache (`HF_HUB_CACHE`, by default
-  ~/.cache/huggingface/hub), downloaded there when the network allows. With `HF_HUB_OFFLINE=1` only the cache is read.
-  The pretrained config that comes with them (input size, mean, std, crop_pct, interpolation) becomes the data's
-  defaults (`pretrained_data_defaults`).
-- `model.weights=` / `model.backbone_weights=` naming one of torchvision's weight enums (`ResNet50_Weights.IMAGENET1K_V2`,
-  `FasterRCNN_ResNet50_FPN_Weights.COCO_V1`): the file its URL names in torch hub's cache (`$TORCH_HOME/hub/checkpoints`,
-  by default ~/.cache/torch/hub/checkpoints), downloaded there (hash checked) unless `HF_HUB_OFFLINE=1` or
+- `model.init_from=timm/<architecture>.<tag>` (any name `timm.list_pretrained()` lists): the weights
+  timm's pretrained config points to, resolved through huggingface_hub's cache (`HF_HUB_CACHE`, by
+  default ~/.cache/huggingface/hub), downloaded there when the network allows. With
+  `HF_HUB_OFFLINE=1` only the cache is read. The pretrained config that comes with them (input size,
+  mean, std, crop_pct, interpolation) becomes the data's defaults (`pretrained_data_defaults`).
+- `model.weights=` / `model.backbone_weights=` naming one of torchvision's weight enums
+  (`ResNet50_Weights.IMAGENET1K_V2`, `FasterRCNN_ResNet50_FPN_Weights.COCO_V1`): the file its URL
+  names in torch hub's cache (`$TORCH_HOME/hub/checkpoints`, by default
+  ~/.cache/torch/hub/checkpoints), downloaded there (hash checked) unless `HF_HUB_OFFLINE=1` or
   `VISIONDIST_OFFLINE=1`.
-- `model.weights=<owner>/<name>` for a DETR-class detector: a Hugging Face repo in the library's layout (config.json +
-  model.safetensors, as transformers' `from_pretrained` reads), e.g. `PekingU/rtdetr_v2_r18vd`: its snapshot in
-  huggingface_hub's cache, downloaded there when the network allows (not with `HF_HUB_OFFLINE=1`).
+- `model.weights=<owner>/<name>` for a DETR-class detector: a Hugging Face repo in the library's
+  layout (config.json + model.safetensors, as transformers' `from_pretrained` reads), e.g.
+  `PekingU/rtdetr_v2_r18vd`: its snapshot in huggingface_hub's cache, downloaded there when the
+  network allows (not with `HF_HUB_OFFLINE=1`).
 
-Resolution happens in the launching process before any rank starts (`local_file(..., download=True)`); ranks only
-read the cache. A name that is not cached where nothing can be downloaded is one line naming the file looked for and
-the command that fetches it. Files are read like local weights: safetensors, or torch files with weights_only.
+Resolution happens in the launching process before any rank starts (`local_file(...,
+download=True)`); ranks only read the cache. A name that is not cached where nothing can be
+downloaded is one line naming the file looked for and the command that fetches it. Files are read
+like local weights: safetensors, or torch files with weights_only.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ TIMM = "timm/"
 _ENUM = re.compile(r"^([A-Za-z0-9_]+_Weights)\.([A-Za-z0-9_]+)$")
 _REPO = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".json")
-HF_FILES = ("config.json", "model.safetensors")  # what a repo in transformers' layout holds that a model needs
+# what a repo in transformers' layout holds that a model needs
+HF_FILES = ("config.json", "model.safetensors")
 
 
 class WeightsNotFound(ValueError):
-    """A named weights file that is not cached and cannot be downloaded here; the message says how to fetch it."""
+    """A named weights file that is not cached and cannot be downloaded here; the message says how
+    to fetch it."""
 
 
 def is_timm_name(spec: Optional[str]) -> bool:
@@ -41,14 +46,22 @@ def is_timm_name(spec: Optional[str]) -> bool:
 
 
 def is_enum_name(spec: Optional[str]) -> bool:
-    return bool(spec) and _ENUM.match(str(spec)) is not None and not Path(str(spec)).expanduser().exists()
+    return (
+        bool(spec)
+        and _ENUM.match(str(spec)) is not None
+        and not Path(str(spec)).expanduser().exists()
+    )
 
 
 def is_hf_repo(spec: Optional[str]) -> bool:
     """`owner/name` that is not a local path, a timm name or a file name: a Hugging Face repo."""
     text = str(spec or "")
-    return (bool(_REPO.match(text)) and not text.startswith(TIMM) and not text.lower().endswith(_FILE_SUFFIXES)
-            and not Path(text).expanduser().exists())
+    return (
+        bool(_REPO.match(text))
+        and not text.startswith(TIMM)
+        and not text.lower().endswith(_FILE_SUFFIXES)
+        and not Path(text).expanduser().exists()
+    )
 
 
 def is_named(spec: Optional[str]) -> bool:
@@ -75,28 +88,35 @@ def offline() -> bool:
     return bool(_offline_flag())
 
 
-# -- timm --------------------------------------------------------------------------------------------------------
+# -- timm ------------------------------------------------------------------------------------------
 
 
 def timm_pretrained_cfg(spec: str, key: str = "model.init_from") -> Any:
-    """timm's `PretrainedCfg` of `timm/<architecture>[.<tag>]` (no tag: timm's default tag of the architecture)."""
+    """timm's `PretrainedCfg` of `timm/<architecture>[.<tag>]` (no tag: timm's default tag of the
+    architecture)."""
     import timm
     from timm.models import get_pretrained_cfg
 
-    name = spec[len(TIMM):]
+    name = spec[len(TIMM) :]
     arch = name.split(".", 1)[0]
-    hint = (f"`python -c \"import timm; print(timm.list_pretrained('{arch.split('_')[0]}*'))\"` lists the names, "
-            f"e.g. {key}=timm/vit_base_patch16_224.augreg2_in21k_ft_in1k")
+    hint = (
+        f"`python -c \"import timm; print(timm.list_pretrained('{arch.split('_')[0]}*'))\"` lists "
+        f"the names, e.g. {key}=timm/vit_base_patch16_224.augreg2_in21k_ft_in1k"
+    )
     if arch not in timm.list_models():
-        raise ValueError(f"{key}={spec}: timm {timm.__version__} has no architecture {arch}: {hint}")
+        raise ValueError(
+            f"{key}={spec}: timm {timm.__version__} has no architecture {arch}: {hint}"
+        )
     try:
         cfg = get_pretrained_cfg(name)
     except RuntimeError:
         cfg = None
     if cfg is None or not (cfg.hf_hub_id or cfg.url):
         tags = [n.split(".", 1)[1] for n in timm.list_pretrained(f"{arch}.*")]
-        raise ValueError(f"{key}={spec}: timm has no pretrained weights of that name; {arch} has "
-                         f"{', '.join(tags[:8]) or 'none'}{' ...' if len(tags) > 8 else ''} ({hint})")
+        raise ValueError(
+            f"{key}={spec}: timm has no pretrained weights of that name; {arch} has "
+            f"{', '.join(tags[:8]) or 'none'}{' ...' if len(tags) > 8 else ''} ({hint})"
+        )
     return cfg
 
 
@@ -116,7 +136,8 @@ def _timm_file(spec: str, key: str, download: bool) -> Path:
     from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
 
     cfg = timm_pretrained_cfg(spec, key)
-    if not cfg.hf_hub_id:  # an older model whose weights are a plain URL: torch hub's cache, as timm uses
+    # an older model whose weights are a plain URL: torch hub's cache, as timm uses
+    if not cfg.hf_hub_id:
         return _hub_file(cfg.url, key, spec, download)
     repo, _, revision = cfg.hf_hub_id.partition("@")
     revision = revision or None
@@ -126,12 +147,16 @@ def _timm_file(spec: str, key: str, download: bool) -> Path:
         if isinstance(cached, str) and Path(cached).is_file():
             return Path(cached)
     cache = constants.HF_HUB_CACHE
-    fetch = (f"fetch it where there is network with `hf download {repo} {names[0]}` (huggingface_hub's CLI) and copy "
-             f"that machine's {cache} here, or point HF_HUB_CACHE at a copy")
+    fetch = (
+        f"fetch it where there is network with `hf download {repo} {names[0]}` (huggingface_hub's "
+        f"CLI) and copy that machine's {cache} here, or point HF_HUB_CACHE at a copy"
+    )
     if not download or offline():
         why = _offline_flag() or "ranks read only the cache"
-        raise WeightsNotFound(f"{key}={spec}: {names[0]} of {repo} is not in the Hugging Face cache {cache} "
-                              f"({why}): {fetch}")
+        raise WeightsNotFound(
+            f"{key}={spec}: {names[0]} of {repo} is not in the Hugging Face cache {cache} "
+            f"({why}): {fetch}"
+        )
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     error: Optional[BaseException] = None
@@ -140,19 +165,24 @@ def _timm_file(spec: str, key: str, download: bool) -> Path:
             return Path(hf_hub_download(repo, name, revision=revision))
         except EntryNotFoundError as exc:
             if isinstance(exc, LocalEntryNotFoundError):  # the hub could not be reached: no network
-                raise WeightsNotFound(f"{key}={spec}: {names[0]} of {repo} is not in the Hugging Face cache {cache} "
-                                      f"and the hub could not be reached: {fetch} (HF_HUB_OFFLINE=1 skips the "
-                                      "download attempts)") from None
+                raise WeightsNotFound(
+                    f"{key}={spec}: {names[0]} of {repo} is not in the Hugging Face cache {cache} "
+                    f"and the hub could not be reached: {fetch} (HF_HUB_OFFLINE=1 skips the "
+                    "download attempts)"
+                ) from None
             error = exc  # the repo has the other file
         except Exception as exc:  # no such repo, refused, ...
-            raise WeightsNotFound(f"{key}={spec}: {names[0]} of {repo} is not in the Hugging Face cache {cache} and "
-                                  f"could not be downloaded ({type(exc).__name__}): {fetch}") from None
+            raise WeightsNotFound(
+                f"{key}={spec}: {names[0]} of {repo} is not in the Hugging Face cache {cache} and "
+                f"could not be downloaded ({type(exc).__name__}): {fetch}"
+            ) from None
     raise WeightsNotFound(f"{key}={spec}: {repo} has none of {', '.join(names)} ({error})")
 
 
 def timm_shape(spec: str) -> Optional[dict[str, int]]:
-    """The ViT shape of a timm name's architecture (embed_dim, depth, num_heads, patch_size), built on the meta
-    device (nothing allocated, nothing read); None for an architecture that is not a plain ViT."""
+    """The ViT shape of a timm name's architecture (embed_dim, depth, num_heads, patch_size), built
+    on the meta device (nothing allocated, nothing read); None for an architecture that is not a
+    plain ViT."""
     import timm
     import torch
 
@@ -163,25 +193,35 @@ def timm_shape(spec: str) -> Optional[dict[str, int]]:
     if blocks is None or embed is None or not hasattr(blocks[0], "attn"):
         return None
     patch = getattr(embed, "patch_size", (0,))
-    return {"embed_dim": int(model.embed_dim), "depth": len(blocks), "num_heads": int(blocks[0].attn.num_heads),
-            "patch_size": int(patch[0] if isinstance(patch, (tuple, list)) else patch)}
+    return {
+        "embed_dim": int(model.embed_dim),
+        "depth": len(blocks),
+        "num_heads": int(blocks[0].attn.num_heads),
+        "patch_size": int(patch[0] if isinstance(patch, (tuple, list)) else patch),
+    }
 
 
 def pretrained_data_defaults(spec: str) -> dict[str, Any]:
-    """What timm's pretrained config says the weights expect: data.img_size, mean, std, crop_pct, interpolation."""
+    """What timm's pretrained config says the weights expect: data.img_size, mean, std, crop_pct,
+    interpolation."""
     cfg = timm_pretrained_cfg(spec)
-    out = {"img_size": int(cfg.input_size[-1]), "mean": [float(v) for v in cfg.mean],
-           "std": [float(v) for v in cfg.std], "crop_pct": float(cfg.crop_pct)}
+    out = {
+        "img_size": int(cfg.input_size[-1]),
+        "mean": [float(v) for v in cfg.mean],
+        "std": [float(v) for v in cfg.std],
+        "crop_pct": float(cfg.crop_pct),
+    }
     if cfg.interpolation in ("bilinear", "bicubic"):
         out["interpolation"] = cfg.interpolation
     return out
 
 
-# -- torchvision ---------------------------------------------------------------------------------------------------
+# -- torchvision -----------------------------------------------------------------------------------
 
 
 def torchvision_weights(spec: str, key: str):
-    """The member of torchvision's weight enum `spec` names, e.g. `ResNet50_Weights.IMAGENET1K_V2`."""
+    """The member of torchvision's weight enum `spec` names, e.g.
+    `ResNet50_Weights.IMAGENET1K_V2`."""
     from torchvision.models import get_weight
 
     try:
@@ -191,8 +231,12 @@ def torchvision_weights(spec: str, key: str):
 
         enum = _ENUM.match(spec).group(1)
         members = [m.name for m in getattr(tvm, enum, getattr(tvm.detection, enum, None)) or []]
-        which = (f"{enum} has {', '.join(members)}" if members else
-                 f"torchvision has no weight enum {enum} (e.g. ResNet50_Weights, FasterRCNN_ResNet50_FPN_Weights)")
+        which = (
+            f"{enum} has {', '.join(members)}"
+            if members
+            else f"torchvision has no weight enum {enum} (e.g. ResNet50_Weights, "
+            "FasterRCNN_ResNet50_FPN_Weights)"
+        )
         raise ValueError(f"{key}={spec}: not one of torchvision's weights: {which}") from None
 
 
@@ -202,31 +246,41 @@ def _hub_file(url: str, key: str, spec: str, download: bool) -> Path:
     file = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url.split("?")[0])
     if file.is_file():
         return file
-    fetch = (f"fetch it where there is network (`curl -L -o {file.name} {url}`) and put it at {file} (TORCH_HOME "
-             "moves the cache)")
+    fetch = (
+        f"fetch it where there is network (`curl -L -o {file.name} {url}`) and put it at {file} "
+        "(TORCH_HOME moves the cache)"
+    )
     if not download or offline():
         why = _offline_flag() or "ranks read only the cache"
         raise WeightsNotFound(f"{key}={spec}: {file} is not in torch hub's cache ({why}): {fetch}")
     match = torch.hub.HASH_REGEX.search(file.name)
     file.parent.mkdir(parents=True, exist_ok=True)
     try:
-        torch.hub.download_url_to_file(url, str(file), match.group(1) if match else None, progress=True)
+        torch.hub.download_url_to_file(
+            url, str(file), match.group(1) if match else None, progress=True
+        )
     except Exception as exc:
-        raise WeightsNotFound(f"{key}={spec}: {file} is not in torch hub's cache and could not be downloaded "
-                              f"({type(exc).__name__}): {fetch}") from None
+        raise WeightsNotFound(
+            f"{key}={spec}: {file} is not in torch hub's cache and could not be downloaded "
+            f"({type(exc).__name__}): {fetch}"
+        ) from None
     return file
 
 
-# -- Hugging Face repos in transformers' layout ---------------------------------------------------------------------
+# -- Hugging Face repos in transformers' layout ----------------------------------------------------
 
 
 def _hf_repo_dir(spec: str, key: str, download: bool) -> Path:
-    """The cached snapshot of repo `spec` holding config.json and model.safetensors (downloaded first when allowed)."""
+    """The cached snapshot of repo `spec` holding config.json and model.safetensors (downloaded
+    first when allowed)."""
     from huggingface_hub import constants, snapshot_download
 
     cache = constants.HF_HUB_CACHE
-    fetch = (f"fetch it where there is network with `hf download {spec} {' '.join(HF_FILES)}` (huggingface_hub's CLI) "
-             f"and copy that machine's {cache} here, or point HF_HUB_CACHE at a copy")
+    fetch = (
+        f"fetch it where there is network with `hf download {spec} {' '.join(HF_FILES)}` "
+        f"(huggingface_hub's CLI) and copy that machine's {cache} here, or point HF_HUB_CACHE at "
+        "a copy"
+    )
     try:
         where = Path(snapshot_download(spec, allow_patterns=list(HF_FILES), local_files_only=True))
     except Exception:  # not cached (huggingface_hub's LocalEntryNotFoundError and friends)
@@ -235,28 +289,34 @@ def _hf_repo_dir(spec: str, key: str, download: bool) -> Path:
         return where
     if not download or offline():
         why = _offline_flag() or "ranks read only the cache"
-        raise WeightsNotFound(f"{key}={spec}: no local file or directory of that name, and the Hugging Face repo "
-                              f"{spec} is not in the cache {cache} ({why}): {fetch}")
+        raise WeightsNotFound(
+            f"{key}={spec}: no local file or directory of that name, and the Hugging Face repo "
+            f"{spec} is not in the cache {cache} ({why}): {fetch}"
+        )
     try:
         where = Path(snapshot_download(spec, allow_patterns=list(HF_FILES)))
     except Exception as exc:  # no network, no such repo, refused
-        raise WeightsNotFound(f"{key}={spec}: no local file or directory of that name, and the Hugging Face repo "
-                              f"{spec} is not in the cache {cache} and could not be downloaded "
-                              f"({type(exc).__name__}): {fetch}") from None
+        raise WeightsNotFound(
+            f"{key}={spec}: no local file or directory of that name, and the Hugging Face repo "
+            f"{spec} is not in the cache {cache} and could not be downloaded "
+            f"({type(exc).__name__}): {fetch}"
+        ) from None
     missing = [f for f in HF_FILES if not (where / f).is_file()]
     if missing:
-        raise WeightsNotFound(f"{key}={spec}: the repo has no {', '.join(missing)}: it is not a model in transformers' "
-                              "layout with safetensors weights")
+        raise WeightsNotFound(
+            f"{key}={spec}: the repo has no {', '.join(missing)}: it is not a model in "
+            "transformers' layout with safetensors weights"
+        )
     return where
 
 
-# -- either ----------------------------------------------------------------------------------------------------------
+# -- either ----------------------------------------------------------------------------------------
 
 
 def local_file(spec: str, key: str, download: bool = False) -> Path:
-    """The local file of `spec`: a path as given, or a timm / torchvision name resolved through its cache, or a
-    Hugging Face repo's cached snapshot directory (`download`: fetch it when it is not cached and the network allows;
-    only the launching process does)."""
+    """The local file of `spec`: a path as given, or a timm / torchvision name resolved through its
+    cache, or a Hugging Face repo's cached snapshot directory (`download`: fetch it when it is not
+    cached and the network allows; only the launching process does)."""
     if is_hf_repo(spec):
         return _hf_repo_dir(spec, key, download)
     if is_timm_name(spec):
@@ -267,8 +327,9 @@ def local_file(spec: str, key: str, download: bool = False) -> Path:
 
 
 def apply_data_defaults(cfg, overrides: list[str]) -> Optional[str]:
-    """`model.init_from=timm/...`: the weights' pretrained config (input size, mean, std, crop_pct, interpolation)
-    replaces the data config's values, except those set on the command line. Returns the line that says so."""
+    """`model.init_from=timm/...`: the weights' pretrained config (input size, mean, std, crop_pct,
+    interpolation) replaces the data config's values, except those set on the command line. Returns
+    the line that says so."""
     from omegaconf import OmegaConf
 
     spec = cfg.model.get("init_from")
@@ -282,7 +343,11 @@ def apply_data_defaults(cfg, overrides: list[str]) -> Optional[str]:
             continue
         if key == "img_size" and "model.img_size" in given:
             continue
-        current = OmegaConf.to_container(cfg.data[key]) if OmegaConf.is_list(cfg.data[key]) else cfg.data[key]
+        current = (
+            OmegaConf.to_container(cfg.data[key])
+            if OmegaConf.is_list(cfg.data[key])
+            else cfg.data[key]
+        )
         if current != value:
             cfg.data[key] = value
             changed.append(f"data.{key}={value}".replace(" ", ""))
@@ -291,5 +356,7 @@ def apply_data_defaults(cfg, overrides: list[str]) -> Optional[str]:
             cfg.model.img_size = max(1, value // patch) * patch
     if not changed:
         return None
-    return (f"model.init_from={spec}: its pretrained config sets {' '.join(changed)} (set any on the command line to "
-            "keep another)")
+    return (
+        f"model.init_from={spec}: its pretrained config sets {' '.join(changed)} (set any on the "
+        "command line to keep another)"
+    )

@@ -1,5 +1,6 @@
-"""The dry run's report: each rank's figures (measured, planned, their ratio, flagged when off) and the table.
-Parameters, gradients and optimizer state must match the planner exactly, the rest within `TOLERANCE`."""
+"""The dry run's report: each rank's figures (measured, planned, their ratio, flagged when off) and
+the table. Parameters, gradients and optimizer state must match the planner exactly, the rest within
+`TOLERANCE`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from typing import Optional
 from visiondist.plan.memory import GB
 
 TOLERANCE = 0.10  # a measured figure further than this from the plan is flagged
-EXACT = ("parameters", "gradients", "optimizer")  # the planner counts these exactly: any difference is flagged
+# the planner counts these exactly: any difference is flagged
+EXACT = ("parameters", "gradients", "optimizer")
 
 
 @dataclass
@@ -61,18 +63,37 @@ def report_table(reports: list[RankReport], title: str = ""):
     """A rich Table: per rank and figure, measured GB, planned GB, ratio; flagged rows in red."""
     from rich.table import Table
 
-    table = Table(title=title or None, title_justify="left", caption=(
-        f"GB per rank (unless marked MB or B); collectives: bytes per optimizer step, each call's payload; parameters, "
-        f"gradients and optimizer state must match exactly, the rest within {100 * TOLERANCE:.0f}%"),
-        caption_justify="left")
-    for col, justify in (("rank (pp, dp, tp)", "left"), ("figure", "left"), ("measured", "right"),
-                         ("planned", "right"), ("ratio", "right"), ("", "left")):
+    table = Table(
+        title=title or None,
+        title_justify="left",
+        caption=(
+            "GB per rank (unless marked MB or B); collectives: bytes per optimizer step, each "
+            "call's payload; parameters, gradients and optimizer state must match exactly, the "
+            f"rest within {100 * TOLERANCE:.0f}%"
+        ),
+        caption_justify="left",
+    )
+    for col, justify in (
+        ("rank (pp, dp, tp)", "left"),
+        ("figure", "left"),
+        ("measured", "right"),
+        ("planned", "right"),
+        ("ratio", "right"),
+        ("", "left"),
+    ):
         table.add_column(col, justify=justify, no_wrap=True)
     for report in reports:
         for i, f in enumerate(report.figures):
             who = f"{report.rank} {report.coordinate}" if i == 0 else ""
             ratio = "-" if f.ratio is None else f"{f.ratio:.3f}"
-            table.add_row(who, f.name, _gb(f.measured), "-" if f.planned is None else _gb(f.planned), ratio,
-                          "OFF" if f.off else "", style="bold red" if f.off else None,
-                          end_section=i == len(report.figures) - 1)
+            table.add_row(
+                who,
+                f.name,
+                _gb(f.measured),
+                "-" if f.planned is None else _gb(f.planned),
+                ratio,
+                "OFF" if f.off else "",
+                style="bold red" if f.off else None,
+                end_section=i == len(report.figures) - 1,
+            )
     return table

@@ -1,5 +1,6 @@
-"""The check of an ONNX export: ONNX Runtime against PyTorch, on the logits of random images (classifiers) or the
-detections on the run's val images (detectors), reported as one line (`OnnxCheck.summary`)."""
+"""The check of an ONNX export: ONNX Runtime against PyTorch, on the logits of random images
+(classifiers) or the detections on the run's val images (detectors), reported as one line
+(`OnnxCheck.summary`)."""
 
 from __future__ import annotations
 
@@ -22,52 +23,92 @@ from visiondist.models.detection import has_mask_head
 class OnnxCheck:
     """What `check_onnx` compared and how far ONNX Runtime was from PyTorch."""
 
-    max_diff: float  # largest |ONNX Runtime - PyTorch| over the outputs; inf when they differ in shape
+    # largest |ONNX Runtime - PyTorch| over the outputs; inf when they differ in shape
+    max_diff: float
     example: str  # the input: "2 random images", "a random image" or the val images' paths
-    boxes: Optional[int] = None  # detectors: the boxes PyTorch returned, compared with ONNX Runtime's
+    # detectors: the boxes PyTorch returned, compared with ONNX Runtime's
+    boxes: Optional[int] = None
     onnx_boxes: Optional[int] = None  # detectors: the boxes ONNX Runtime returned
     failed: Optional[str] = None  # detectors: the first image ONNX Runtime failed on, and its error
-    lowered_from: Optional[dict] = None  # set when the file's graph was compared with its score thresholds at 0
-    masks: Optional[int] = None  # mask models: the masks compared (those of boxes matched on both sides)
+    # set when the file's graph was compared with its score thresholds at 0
+    lowered_from: Optional[dict] = None
+    # mask models: the masks compared (those of boxes matched on both sides)
+    masks: Optional[int] = None
     mask_diff: float = 0.0  # mask models: largest |ONNX Runtime - PyTorch| of a mask probability
-    score_spread: Optional[float] = None  # detectors: the widest range of PyTorch's kept scores on one image
+    # detectors: the widest range of PyTorch's kept scores on one image
+    score_spread: Optional[float] = None
 
     def summary(self) -> str:
-        """One line, e.g. "ONNX Runtime vs PyTorch: 37 boxes compared, max abs difference 2.1e-05 (on ...)"."""
+        """One line, e.g. "ONNX Runtime vs PyTorch: 37 boxes compared, max abs difference 2.1e-05
+        (on ...)"."""
         head = "ONNX Runtime vs PyTorch:"
         if self.boxes is None:
-            return f"{head} logits of {self.example} compared, max abs difference {self.max_diff:.2e}"
+            return (
+                f"{head} logits of {self.example} compared, max abs difference {self.max_diff:.2e}"
+            )
         where = f"on {self.example}"
         if self.lowered_from is not None:
             file = ", ".join(f"{role} {value:g}" for role, value in self.lowered_from.items())
-            where += (f"; at the file's score thresholds ({file}) no box came out, so its graph was compared with "
-                      "them set to 0")
+            where += (
+                f"; at the file's score thresholds ({file}) no box came out, so its graph was "
+                "compared with them set to 0"
+            )
         if self.failed:
-            rest = (f"; elsewhere {self.onnx_boxes} boxes compared, max abs difference {self.max_diff:.2e}"
-                    if self.onnx_boxes else "")
+            rest = (
+                f"; elsewhere {self.onnx_boxes} boxes compared, max abs difference "
+                f"{self.max_diff:.2e}"
+                if self.onnx_boxes
+                else ""
+            )
             return f"{head} ONNX Runtime failed on {self.failed} ({where}){rest}"
         if self.onnx_boxes != self.boxes:
-            return (f"{head} the outputs differ: ONNX Runtime returned {self.onnx_boxes} boxes, PyTorch {self.boxes} "
-                    f"({where}; near-tied scores can make top-k and NMS keep other boxes)")
+            return (
+                f"{head} the outputs differ: ONNX Runtime returned {self.onnx_boxes} boxes, "
+                f"PyTorch {self.boxes} ({where}; near-tied scores can make top-k and NMS keep "
+                "other boxes)"
+            )
         if not self.boxes:
-            return f"{head} 0 boxes compared ({where}): both returned no box, which checks nothing of the outputs"
-        line = f"{head} {self.boxes} boxes compared, max abs difference {self.max_diff:.2e} ({where})"
+            return (
+                f"{head} 0 boxes compared ({where}): both returned no box, which checks "
+                "nothing of the outputs"
+            )
+        line = (
+            f"{head} {self.boxes} boxes compared, max abs difference {self.max_diff:.2e} ({where})"
+        )
         if self.masks is not None:
-            line += f"; {self.masks} masks (of the same boxes) compared, max abs difference {self.mask_diff:.2e}"
-        if self.max_diff > BOX_ROUND_OFF and self.score_spread is not None and self.score_spread < TIED_SPREAD:
-            line += (f"; expected for these weights: every score lies within {self.score_spread:.1e} of the others on "
-                     "its image (a barely trained model), so which of the near-tied boxes top-k keeps is float "
-                     "round-off's choice; a trained model's export compares to round-off")
+            line += (
+                f"; {self.masks} masks (of the same boxes) compared, max abs difference "
+                f"{self.mask_diff:.2e}"
+            )
+        if (
+            self.max_diff > BOX_ROUND_OFF
+            and self.score_spread is not None
+            and self.score_spread < TIED_SPREAD
+        ):
+            line += (
+                f"; expected for these weights: every score lies within {self.score_spread:.1e} "
+                "of the others on its image (a barely trained model), so which of the near-tied "
+                "boxes top-k keeps is float round-off's choice; a trained model's export "
+                "compares to round-off"
+            )
         elif self.max_diff > BOX_ROUND_OFF:
-            spread = "" if self.score_spread is None else f", with scores spread over {self.score_spread:.2f}"
-            line += (f"; warning: more than float round-off ({BOX_ROUND_OFF:g} px){spread}: the exported graph does "
-                     "not compute what PyTorch does")
+            spread = (
+                ""
+                if self.score_spread is None
+                else f", with scores spread over {self.score_spread:.2f}"
+            )
+            line += (
+                f"; warning: more than float round-off ({BOX_ROUND_OFF:g} px){spread}: the "
+                "exported graph does not compute what PyTorch does"
+            )
         return line
 
 
-BOX_ROUND_OFF = 1e-2  # px: the largest box difference of a trained detector's export (3.8e-05 measured) and then some
-# a detector whose kept scores span less than this on every image has not learnt to tell its boxes apart (a few
-# steps in: 3e-3; trained: most of [0, 1]): its top-k choice among them follows the last bits of the arithmetic
+# px: the largest box difference of a trained detector's export (3.8e-05 measured) and then some
+BOX_ROUND_OFF = 1e-2
+# a detector whose kept scores span less than this on every image has not learnt to tell its boxes
+# apart (a few steps in: 3e-3; trained: most of [0, 1]): its top-k choice among them follows the
+# last bits of the arithmetic
 TIED_SPREAD = 0.05
 
 
@@ -82,9 +123,10 @@ def _max_diff(ref: list[torch.Tensor], got: list) -> float:
 
 
 def _box_diff(ref: list[torch.Tensor], got: list) -> float:
-    """Largest difference between PyTorch's detections and ONNX Runtime's, taken as sets (the order of boxes whose
-    scores tie is arbitrary): each box, on either side, against the nearest box of its label on the other side, and
-    the scores of those pairs; inf when the counts differ or a label has no counterpart."""
+    """Largest difference between PyTorch's detections and ONNX Runtime's, taken as sets (the order
+    of boxes whose scores tie is arbitrary): each box, on either side, against the nearest box of
+    its label on the other side, and the scores of those pairs; inf when the counts differ or a
+    label has no counterpart."""
     boxes, labels, scores = (r.double() for r in ref)
     other_boxes, other_labels, other_scores = (torch.from_numpy(g).double() for g in got)
     if other_boxes.shape != boxes.shape:
@@ -94,14 +136,21 @@ def _box_diff(ref: list[torch.Tensor], got: list) -> float:
     cost = (boxes[:, None] - other_boxes[None]).abs().amax(-1)
     cost[labels[:, None] != other_labels[None]] = float("inf")
     to_other, to_ref = cost.argmin(1), cost.argmin(0)
-    return float(max(cost.amin(1).max(), cost.amin(0).max(), (scores - other_scores[to_other]).abs().max(),
-                     (other_scores - scores[to_ref]).abs().max()))
+    return float(
+        max(
+            cost.amin(1).max(),
+            cost.amin(0).max(),
+            (scores - other_scores[to_other]).abs().max(),
+            (other_scores - scores[to_ref]).abs().max(),
+        )
+    )
 
 
 def _mask_diff(ref: list[torch.Tensor], got: list) -> tuple[int, float]:
-    """(masks compared, largest probability difference): each PyTorch detection's mask against the mask of the ONNX
-    Runtime detection of its label whose box is the same to float round-off (`BOX_ROUND_OFF`); a detection without
-    such a counterpart (near-tied scores kept other boxes) is the box check's to report."""
+    """(masks compared, largest probability difference): each PyTorch detection's mask against the
+    mask of the ONNX Runtime detection of its label whose box is the same to float round-off
+    (`BOX_ROUND_OFF`); a detection without such a counterpart (near-tied scores kept other boxes) is
+    the box check's to report."""
     boxes, labels = ref[0].double(), ref[1]
     other_boxes, other_labels = torch.from_numpy(got[0]).double(), torch.from_numpy(got[1])
     if not len(boxes) or not len(other_boxes):
@@ -114,18 +163,22 @@ def _mask_diff(ref: list[torch.Tensor], got: list) -> tuple[int, float]:
     return len(pairs), max(diffs, default=0.0)
 
 
-def _val_images(cfg: DictConfig, limit: int) -> tuple[list[tuple[str, torch.Tensor]], Optional[str]]:
-    """(name, float CHW image in [0, 1]) of up to `limit` images of the run's val split that hold objects, in the
-    annotation file's order, read as the run read them (a folder tree, or a packed split of `data.format=shards`),
-    and where they come from: None for a tree (the names are the files' paths), else the packed split; none when the
-    data is not on this machine."""
+def _val_images(
+    cfg: DictConfig, limit: int
+) -> tuple[list[tuple[str, torch.Tensor]], Optional[str]]:
+    """(name, float CHW image in [0, 1]) of up to `limit` images of the run's val split that hold
+    objects, in the annotation file's order, read as the run read them (a folder tree, or a packed
+    split of `data.format=shards`), and where they come from: None for a tree (the names are the
+    files' paths), else the packed split; none when the data is not on this machine."""
     try:
         from visiondist.data import detection_splits
         from visiondist.data.coco import safe_image_path
 
         val = detection_splits(cfg.data)(cfg.data.val_split, train=False)
         coco = json.loads(Path(val.ann_file).read_text())
-        with_objects = {a["image_id"] for a in coco.get("annotations", ()) if not a.get("iscrowd", 0)}
+        with_objects = {
+            a["image_id"] for a in coco.get("annotations", ()) if not a.get("iscrowd", 0)
+        }
         entries = [i for i in coco.get("images", ()) if i["id"] in with_objects]
     except Exception:  # no data here (or not COCO-format): a random image serves
         return [], None
@@ -137,7 +190,11 @@ def _val_images(cfg: DictConfig, limit: int) -> tuple[list[tuple[str, torch.Tens
             image = val.image_by_id(entry)
         except (OSError, ValueError):  # unreadable: the next one
             continue
-        name = entry["file_name"] if store is not None else str(safe_image_path(val.image_root, entry["file_name"]))
+        name = (
+            entry["file_name"]
+            if store is not None
+            else str(safe_image_path(val.image_root, entry["file_name"]))
+        )
         images.append((name, torch.from_numpy(image).permute(2, 0, 1).float().div_(255)))
         if len(images) == limit:
             break
@@ -154,10 +211,15 @@ def _proposals(model: nn.Module, image: torch.Tensor) -> Optional[int]:
     return len(proposals[0])
 
 
-def _compare_detector(model: nn.Module, session, examples: list[tuple[str, torch.Tensor]],
-                      source: Optional[str] = None) -> OnnxCheck:
-    """PyTorch's and ONNX Runtime's detections on each example (named, from `source` where not a path); where ONNX
-    Runtime fails, the boxes of that image are left out of the comparison and the first failure is reported."""
+def _compare_detector(
+    model: nn.Module,
+    session,
+    examples: list[tuple[str, torch.Tensor]],
+    source: Optional[str] = None,
+) -> OnnxCheck:
+    """PyTorch's and ONNX Runtime's detections on each example (named, from `source` where not a
+    path); where ONNX Runtime fails, the boxes of that image are left out of the comparison and the
+    first failure is reported."""
     boxes = onnx_boxes = 0
     diff, failed, spread = 0.0, None, None
     masks, mask_diff = (0, 0.0) if has_mask_head(model) else (None, 0.0)
@@ -165,14 +227,24 @@ def _compare_detector(model: nn.Module, session, examples: list[tuple[str, torch
     for name, (_, image) in zip(names, examples):
         with torch.no_grad():
             out = model([image])[0]
-        ref = [out["boxes"], out["labels"], out["scores"], *([out["masks"]] if masks is not None else [])]
+        ref = [
+            out["boxes"],
+            out["labels"],
+            out["scores"],
+            *([out["masks"]] if masks is not None else []),
+        ]
         try:
             got = session.run(None, {session.get_inputs()[0].name: image.numpy()})
         except Exception as exc:  # onnxruntime's own error types
             if failed is None:
-                why = ("the RPN proposes no box there, which torchvision's exported graph does not handle: "
-                       if _proposals(model, image) == 0 else "")
-                message = ". ".join(str(exc).strip().splitlines()[-1].split(". ")[-2:])[-200:]  # ONNX Runtime's
+                why = (
+                    "the RPN proposes no box there, which torchvision's exported graph does not "
+                    "handle: "
+                    if _proposals(model, image) == 0
+                    else ""
+                )
+                # ONNX Runtime's
+                message = ". ".join(str(exc).strip().splitlines()[-1].split(". ")[-2:])[-200:]
                 failed = f"{name}: {why}{message}"
             continue
         boxes += len(ref[0])
@@ -183,14 +255,23 @@ def _compare_detector(model: nn.Module, session, examples: list[tuple[str, torch
         if masks is not None:
             compared, worst = _mask_diff(ref, got)
             masks, mask_diff = masks + compared, max(mask_diff, worst)
-    return OnnxCheck(diff, what, boxes=boxes, onnx_boxes=onnx_boxes, failed=failed, masks=masks, mask_diff=mask_diff,
-                     score_spread=spread)
+    return OnnxCheck(
+        diff,
+        what,
+        boxes=boxes,
+        onnx_boxes=onnx_boxes,
+        failed=failed,
+        masks=masks,
+        mask_diff=mask_diff,
+        score_spread=spread,
+    )
 
 
 def _describe(paths: list[str], source: Optional[str] = None) -> tuple[str, list[str]]:
-    """What the examples are, in one phrase, and each one's name in it: one image by its path; several by their
-    paths below the folder that holds them all (annotation file names may hold sub-folders), then that folder; images
-    of a `source` (a packed split) by their names, then the source."""
+    """What the examples are, in one phrase, and each one's name in it: one image by its path;
+    several by their paths below the folder that holds them all (annotation file names may hold
+    sub-folders), then that folder; images of a `source` (a packed split) by their names, then the
+    source."""
     if source is not None:
         noun = "val image" if len(paths) == 1 else f"{len(paths)} val images"
         return f"{noun} ({', '.join(paths)} from {source})", paths
@@ -204,11 +285,12 @@ def _describe(paths: list[str], source: Optional[str] = None) -> tuple[str, list
 def check_onnx(trained: Trained, path: Path, images: int = 3) -> Optional[OnnxCheck]:
     """ONNX Runtime against PyTorch on example inputs; None when onnxruntime is not installed.
 
-    Classifier: the logits of 2 random images. Detector: the boxes, labels and scores of up to `images` of the run's
-    val images that hold objects (a trained detector finds boxes there), else of a random image; boxes are matched
-    as sets. The exported file is compared at its own score thresholds (baked into the graph). Where no box comes
-    out there, its graph is compared again with the thresholds set to 0 (in memory, PyTorch likewise), and the
-    result says so: an empty output checks nothing."""
+    Classifier: the logits of 2 random images. Detector: the boxes, labels and scores of up to
+    `images` of the run's val images that hold objects (a trained detector finds boxes there), else
+    of a random image; boxes are matched as sets. The exported file is compared at its own score
+    thresholds (baked into the graph). Where no box comes out there, its graph is compared again
+    with the thresholds set to 0 (in memory, PyTorch likewise), and the result says so: an empty
+    output checks nothing."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -238,9 +320,10 @@ def check_onnx(trained: Trained, path: Path, images: int = 3) -> Optional[OnnxCh
         return check
     zero = {role: 0.0 for role in meta}
     set_score_thresholds(proto, zero, meta)
-    lowered = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    lowered = ort.InferenceSession(
+        proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
     with thresholds_set(model, zero):
         check = _compare_detector(model, lowered, examples, source)
     check.lowered_from = {role: m["value"] for role, m in meta.items()}
     return check
-

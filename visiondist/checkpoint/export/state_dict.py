@@ -1,5 +1,6 @@
-"""format=safetensors: the unsharded weights under the anchor library's key names (timm's for ViTs: fused `qkv`;
-torchvision's for its detectors), the names in the file's own metadata, and the preprocessing record as `<out>.json`."""
+"""format=safetensors: the unsharded weights under the anchor library's key names (timm's for ViTs:
+fused `qkv`; torchvision's for its detectors), the names in the file's own metadata, and the
+preprocessing record as `<out>.json`."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ def export_state_dict(trained: Trained) -> dict[str, torch.Tensor]:
     return to_timm_state_dict(state) if trained.cfg.model.family == "vit" else state
 
 
-
 def write_safetensors(trained: Trained, path: Path, out: Path) -> list[Path]:
-    """The weights at `path` (a temporary name of `out`) and the sidecar at `out` with the suffix .json."""
-    save_weights(export_state_dict(trained), path, metadata={"format": "pt", **name_metadata(trained)})
+    """The weights at `path` (a temporary name of `out`) and the sidecar at `out` with the suffix
+    .json."""
+    save_weights(
+        export_state_dict(trained), path, metadata={"format": "pt", **name_metadata(trained)}
+    )
     meta = out.with_suffix(".json")
     meta.write_text(json.dumps(sidecar(trained), indent=2))
     return [meta]

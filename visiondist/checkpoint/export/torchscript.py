@@ -1,4 +1,5 @@
-"""format=torchscript: a ViT traced on example images, a torchvision detector scripted; ViTDet refused (format=onnx)."""
+"""format=torchscript: a ViT traced on example images, a torchvision detector scripted; ViTDet
+refused (format=onnx)."""
 
 from __future__ import annotations
 
@@ -14,17 +15,29 @@ def write_torchscript(trained: Trained, path: Path, out: Path) -> list[Path]:
     """The TorchScript file at `path` (a temporary name of `out`); nothing else."""
     model, family = trained.model, trained.cfg.model.family
     if family == "vitdet":
-        raise ValueError("format=torchscript is not supported for ViTDet (torch.jit.script cannot compile its ViT "
-                         "blocks, and a trace would fix the image size): export format=onnx (any image size) or "
-                         "format=safetensors")
+        raise ValueError(
+            "format=torchscript is not supported for ViTDet (torch.jit.script cannot compile its "
+            "ViT blocks, and a trace would fix the image size): export format=onnx (any image "
+            "size) or format=safetensors"
+        )
     if family == "detr":
-        raise ValueError("format=torchscript is not supported for DETR-class detectors (torch.jit.script cannot compile "
-                         "transformers' models): export format=onnx (any image size) or format=hf (transformers' "
-                         "from_pretrained directory)")
+        raise ValueError(
+            "format=torchscript is not supported for DETR-class detectors (torch.jit.script "
+            "cannot compile transformers' models): export format=onnx (any image size) or "
+            "format=hf (transformers' from_pretrained directory)"
+        )
     with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)  # the input-size check is constant for the trace
-        # newer torch calls torch.jit deprecated at each call: the user asked for this format, the tool says so once
-        warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=FutureWarning)
-        scripted = torch.jit.trace(model, example_images(trained.cfg)) if family == "vit" else torch.jit.script(model)
+        # the input-size check is constant for the trace
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        # newer torch calls torch.jit deprecated at each call: the user asked for this format, the
+        # tool says so once
+        warnings.filterwarnings(
+            "ignore", message=r"`torch\.jit\.\w+` is deprecated", category=FutureWarning
+        )
+        scripted = (
+            torch.jit.trace(model, example_images(trained.cfg))
+            if family == "vit"
+            else torch.jit.script(model)
+        )
         torch.jit.save(scripted, str(path))
     return []

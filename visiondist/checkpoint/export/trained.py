@@ -1,5 +1,6 @@
-"""The model an export starts from: a run's trained weights in one process, unsharded, in eval mode, on the CPU, with
-the class names and (detectors) COCO category ids its run recorded; and the example inputs of its size."""
+"""The model an export starts from: a run's trained weights in one process, unsharded, in eval mode,
+on the CPU, with the class names and (detectors) COCO category ids its run recorded; and the example
+inputs of its size."""
 
 from __future__ import annotations
 
@@ -29,13 +30,15 @@ class Trained:
     source: Path  # the checkpoint directory or weights file
     step: Optional[int]
     classes: Optional[list[str]]  # classifier: of logits 0..K-1; detector: of labels 1..K
-    categories: Optional[list[int]] = None  # detector: the COCO category id of labels 1..K, as the run recorded them
+    # detector: the COCO category id of labels 1..K, as the run recorded them
+    categories: Optional[list[int]] = None
 
 
-def load_trained(run_dir: Path, step: "Optional[int | str]" = None) -> Trained:
-    """The run's model with its trained weights: checkpoint `step` (default the latest; "best": the best kept by
-    trainer.best_metric), else model.safetensors; with the class names and, for a detector, the COCO category ids
-    the checkpoint records (else those of the run's annotation file, when it is here)."""
+def load_trained(run_dir: Path, step: Optional[int | str] = None) -> Trained:
+    """The run's model with its trained weights: checkpoint `step` (default the latest; "best": the
+    best kept by trainer.best_metric), else model.safetensors; with the class names and, for a
+    detector, the COCO category ids the checkpoint records (else those of the run's annotation file,
+    when it is here)."""
     from visiondist.config.compose import run_config
     from visiondist.plan import check
 
@@ -47,7 +50,8 @@ def load_trained(run_dir: Path, step: "Optional[int | str]" = None) -> Trained:
     if is_meta(model):
         materialize(model, "cpu", None)
     model.eval()
-    if cfg.model.family != "vit":  # exported for fp32 inference: the bf16 box hooks have nothing to do
+    # exported for fp32 inference: the bf16 box hooks have nothing to do
+    if cfg.model.family != "vit":
         from visiondist.models.detection import drop_fp32_hooks
 
         drop_fp32_hooks(model)
@@ -55,11 +59,15 @@ def load_trained(run_dir: Path, step: "Optional[int | str]" = None) -> Trained:
         source = resolve_checkpoint(str(run_dir), step)
         load_model_state(source, model)
         state = read_trainer_state(source)
-        trained = Trained(cfg, model, source, int(state["step"]), state.get("classes"), state.get("category_ids"))
+        trained = Trained(
+            cfg, model, source, int(state["step"]), state.get("classes"), state.get("category_ids")
+        )
     else:
         source = run_dir / "model.safetensors"
         if not source.is_file():
-            raise FileNotFoundError(f"{run_dir} has neither checkpoints nor model.safetensors: nothing to export")
+            raise FileNotFoundError(
+                f"{run_dir} has neither checkpoints nor model.safetensors: nothing to export"
+            )
         load_local_weights(model, str(source))
         trained = Trained(cfg, model, source, None, None)
     if TASKS[cfg.model.family] == "detection" and trained.categories is None:
@@ -69,16 +77,20 @@ def load_trained(run_dir: Path, step: "Optional[int | str]" = None) -> Trained:
 
 
 def coco_categories(cfg: DictConfig) -> tuple[Optional[list[int]], Optional[list[str]]]:
-    """(the category id of labels 1..K, their names) as the COCO loader reads them from the run's val annotation
-    file (for checkpoints that do not record them); (None, None), logged, when the file is not here."""
+    """(the category id of labels 1..K, their names) as the COCO loader reads them from the run's
+    val annotation file (for checkpoints that do not record them); (None, None), logged, when the
+    file is not here."""
     from visiondist.data import coco_paths
     from visiondist.data.coco import CocoDetection
 
     try:
         data = CocoDetection(*coco_paths(cfg.data, cfg.data.val_split), train=False)
     except (OSError, ValueError, KeyError) as exc:
-        log.warning("the checkpoint records no COCO category ids and the run's annotation file cannot be read "
-                    "(%s): the export carries no label -> category id map", exc)
+        log.warning(
+            "the checkpoint records no COCO category ids and the run's annotation file cannot be "
+            "read (%s): the export carries no label -> category id map",
+            exc,
+        )
         return None, None
     return [data.cat_of[label] for label in range(1, len(data.classes) + 1)], list(data.classes)
 

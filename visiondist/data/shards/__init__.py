@@ -1,8 +1,9 @@
-"""Packed shards (`data.format=shards`): `tools/data.py pack` writes them (`pack`), a directory or an http(s) URL
-serves them (`store`: fetch, cache, checksums, bytes fetched), `dataset.ShardSplit` reads a split as `ImageFolder`
-reads a tree (`packed_coco`: a COCO-format set packed, and read back as `CocoDetection` reads it), and the train
-sampler's `streams` order makes each rank read about 1 / ranks of the shards per epoch.
-May import visiondist.data's readers and robust reading; nothing above the data package."""
+"""Packed shards (`data.format=shards`): `tools/data.py pack` writes them (`pack`), a directory or
+an http(s) URL serves them (`store`: fetch, cache, checksums, bytes fetched), `dataset.ShardSplit`
+reads a split as `ImageFolder` reads a tree (`packed_coco`: a COCO-format set packed, and read back
+as `CocoDetection` reads it), and the train sampler's `streams` order makes each rank read about 1 /
+ranks of the shards per epoch. May import visiondist.data's readers and robust reading; nothing
+above the data package."""
 
 from __future__ import annotations
 
@@ -16,28 +17,47 @@ __all__ = ["ShardError", "ShardSplit", "ShardStore", "describe", "open_store", "
 
 def open_store(d) -> ShardStore:
     """The store of a data config with `format: shards`."""
-    return ShardStore(str(d.root), cache_dir=d.get("cache_dir"), cache_gb=float(d.get("cache_gb", 100.0)),
-                      retries=int(d.get("fetch_retries", 3)))
+    return ShardStore(
+        str(d.root),
+        cache_dir=d.get("cache_dir"),
+        cache_gb=float(d.get("cache_gb", 100.0)),
+        retries=int(d.get("fetch_retries", 3)),
+    )
 
 
-def describe(d, splits: list[str], need: Optional[int] = None, kind: Optional[str] = None) -> tuple[int, str, str]:
-    """(class count, where, "classes") of a packed data set, after checking it holds `kind` data ("classification"
-    or "detection"), has `splits` and, for training, at least `need` training samples: a ShardError naming the fix
-    otherwise."""
+def describe(
+    d, splits: list[str], need: Optional[int] = None, kind: Optional[str] = None
+) -> tuple[int, str, str]:
+    """(class count, where, "classes") of a packed data set, after checking it holds `kind` data
+    ("classification" or "detection"), has `splits` and, for training, at least `need` training
+    samples: a ShardError naming the fix otherwise."""
     store = open_store(d)
     meta = read_meta(store)
     if kind is not None and meta.get("kind") != kind:
-        source = ("a COCO-format set (data=coco, data=shapes_coco)" if kind == "detection"
-                  else "an image folder (data=imagenet, data=shapes)")
-        raise ShardError(f"data.root={d.root} holds packed {meta.get('kind')} data but the model needs {kind} data: "
-                         f"pack {source}")
+        source = (
+            "a COCO-format set (data=coco, data=shapes_coco)"
+            if kind == "detection"
+            else "an image folder (data=imagenet, data=shapes)"
+        )
+        raise ShardError(
+            f"data.root={d.root} holds packed {meta.get('kind')} data but the model needs {kind} "
+            f"data: pack {source}"
+        )
     for split in splits:
         if split not in meta["splits"]:
             key = "train_split" if split == d.train_split else "val_split"
-            raise ShardError(f"data.root={d.root} has no packed split {split!r} (it has {', '.join(meta['splits'])}): "
-                             f"set data.{key}")
+            raise ShardError(
+                f"data.root={d.root} has no packed split {split!r} (it has "
+                f"{', '.join(meta['splits'])}): set data.{key}"
+            )
     if need is not None and meta["splits"][d.train_split]["samples"] < need:
-        raise ShardError(f"data.root={d.root}: the training split has {meta['splits'][d.train_split]['samples']} "
-                         f"samples, fewer than one global batch data.batch_size={need}: lower data.batch_size")
-    return len(meta["classes"]), store.url("dataset.json"), ("categories" if meta.get("kind") == "detection"
-                                                             else "classes")
+        raise ShardError(
+            f"data.root={d.root}: the training split has "
+            f"{meta['splits'][d.train_split]['samples']} samples, fewer than one global batch "
+            f"data.batch_size={need}: lower data.batch_size"
+        )
+    return (
+        len(meta["classes"]),
+        store.url("dataset.json"),
+        ("categories" if meta.get("kind") == "detection" else "classes"),
+    )

@@ -1,5 +1,5 @@
-"""A packed split as a map-style dataset: the same samples, labels and transform as `ImageFolder`, each image read
-at its offset in its shard (fetched first where the shards are remote)."""
+"""A packed split as a map-style dataset: the same samples, labels and transform as `ImageFolder`,
+each image read at its offset in its shard (fetched first where the shards are remote)."""
 
 from __future__ import annotations
 
@@ -24,30 +24,39 @@ def read_meta(store: ShardStore) -> dict:
     except json.JSONDecodeError as exc:
         raise ShardError(f"{store.url('dataset.json')} is not JSON ({exc})") from None
     if meta.get("format") != FORMAT:
-        raise ShardError(f"data.root={store.root} is not a packed data set (its dataset.json was not written by "
-                         "tools/data.py pack): pack it (python tools/data.py pack data=<its config> out=DIR) and train "
-                         "from DIR, or drop data.format=shards to read it as a tree")
+        raise ShardError(
+            f"data.root={store.root} is not a packed data set (its dataset.json was not written "
+            "by tools/data.py pack): pack it (python tools/data.py pack data=<its config> "
+            "out=DIR) and train from DIR, or drop data.format=shards to read it as a tree"
+        )
     if meta.get("version", 0) > VERSION:
-        raise ShardError(f"{store.url('dataset.json')} is format version {meta['version']}; this visiondist reads "
-                         f"up to {VERSION}: upgrade visiondist")
+        raise ShardError(
+            f"{store.url('dataset.json')} is format version {meta['version']}; this visiondist "
+            f"reads up to {VERSION}: upgrade visiondist"
+        )
     return meta
 
 
 class PackedImages:
-    """A packed split's index: each sample's shard, byte offset and length (and `labels`: its class, or for
-    detection its COCO image id), read through the data set's store."""
+    """A packed split's index: each sample's shard, byte offset and length (and `labels`: its class,
+    or for detection its COCO image id), read through the data set's store."""
 
     def __init__(self, store: ShardStore, split: str, meta: dict):
         if split not in meta["splits"]:
-            raise ShardError(f"{store.url('dataset.json')} has no split {split!r} (it has "
-                             f"{', '.join(meta['splits'])}): set data.train_split / data.val_split")
+            raise ShardError(
+                f"{store.url('dataset.json')} has no split {split!r} (it has "
+                f"{', '.join(meta['splits'])}): set data.train_split / data.val_split"
+            )
         self.store, self.split = store, split
         self.entry = json.loads(store.read_small(f"{split}.json"))
         self.shards = self.entry["shardlist"]
-        index = store.local(self.entry["index"], self.entry["index_sha256"], self.entry["index_size"])
+        index = store.local(
+            self.entry["index"], self.entry["index_sha256"], self.entry["index_size"]
+        )
         with np.load(io.BytesIO(index.read_bytes())) as arrays:
             self.labels, self.shard, self.offset, self.length = (
-                arrays[k] for k in ("label", "shard", "offset", "length"))
+                arrays[k] for k in ("label", "shard", "offset", "length")
+            )
         self.shard_starts = np.concatenate([[0], np.cumsum([s["nsamples"] for s in self.shards])])
 
     def __len__(self) -> int:
@@ -59,11 +68,16 @@ class PackedImages:
 
     def image_bytes(self, index: int) -> bytes:
         s = self.shards[int(self.shard[index])]
-        return self.store.read(s["url"], s["sha256"], s["filesize"], int(self.offset[index]), int(self.length[index]))
+        return self.store.read(
+            s["url"], s["sha256"], s["filesize"], int(self.offset[index]), int(self.length[index])
+        )
 
     def file(self, key: str) -> Path:
-        """A file of the split's entry (e.g. `annotations`), local: in place or fetched (SHA-256 checked)."""
-        return self.store.local(self.entry[key], self.entry[f"{key}_sha256"], self.entry[f"{key}_size"])
+        """A file of the split's entry (e.g. `annotations`), local: in place or fetched (SHA-256
+        checked)."""
+        return self.store.local(
+            self.entry[key], self.entry[f"{key}_sha256"], self.entry[f"{key}_size"]
+        )
 
 
 def key_of(name: str) -> int:
@@ -72,11 +86,19 @@ def key_of(name: str) -> int:
 
 
 class ShardSplit(LabelledImages):
-    """A packed classification split, read as `ImageFolder` reads a tree (the same keys, replacements and
-    transform); `packed` is its index."""
+    """A packed classification split, read as `ImageFolder` reads a tree (the same keys,
+    replacements and transform); `packed` is its index."""
 
-    def __init__(self, store: ShardStore, split: str, transform: Optional[Callable] = None, train: bool = False,
-                 max_bad_images: int = 10, reader: Optional[Callable] = None, meta: Optional[dict] = None):
+    def __init__(
+        self,
+        store: ShardStore,
+        split: str,
+        transform: Optional[Callable] = None,
+        train: bool = False,
+        max_bad_images: int = 10,
+        reader: Optional[Callable] = None,
+        meta: Optional[dict] = None,
+    ):
         self.store, self.split = store, split
         self.meta = meta or read_meta(store)
         self.packed = PackedImages(store, split, self.meta)
@@ -84,7 +106,8 @@ class ShardSplit(LabelledImages):
         self.targets, self.shard_starts = self.packed.labels, self.packed.shard_starts
         self.classes = list(self.meta["classes"])
         self.transform = transform
-        self.decode = reader or decode_rgb  # `device_decode.encoded_or_decoded` under data.decode_on=device
+        # `device_decode.encoded_or_decoded` under data.decode_on=device
+        self.decode = reader or decode_rgb
         self._bad = BadImages(max_bad_images, train)
         self._index_classes()  # shuffled when packed: replacements follow the class in index order
 

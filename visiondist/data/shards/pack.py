@@ -1,19 +1,23 @@
-"""`tools/data.py pack`: an ImageFolder tree (ImageNet's layout, or a built-in set) into WebDataset tar shards.
+"""`tools/data.py pack`: an ImageFolder tree (ImageNet's layout, or a built-in set) into WebDataset
+tar shards.
 
 Layout of the output directory (docs/data.md):
-- `<split>-000000.tar`, ...: WebDataset shards: per sample `<key>.jpg` (or the source's `.png`, `.webp`, ...) and
-  `<key>.cls` (the label as text), `<key>` the sample's index in the split, nine digits. Samples are shuffled once
-  (`seed`) before they are cut into shards, so that every shard holds every class;
-- `<split>.json`: the split's shard list in wids' index format (`wids.ShardListDataset` reads it as is), each entry
-  with its SHA-256 and size, and the name and SHA-256 of `<split>-index.npz`: the label, shard, byte offset and
-  length of every sample's image (random access without reading the tars);
-- `dataset.json`, written last: classes in the loader's order, counts, and how the images were re-encoded.
+- `<split>-000000.tar`, ...: WebDataset shards: per sample `<key>.jpg` (or the source's `.png`,
+  `.webp`, ...) and `<key>.cls` (the label as text), `<key>` the sample's index in the split, nine
+  digits. Samples are shuffled once (`seed`) before they are cut into shards, so that every shard
+  holds every class;
+- `<split>.json`: the split's shard list in wids' index format (`wids.ShardListDataset` reads it as
+  is), each entry with its SHA-256 and size, and the name and SHA-256 of `<split>-index.npz`: the
+  label, shard, byte offset and length of every sample's image (random access without reading the
+  tars);
+- `dataset.json`, written last: classes in the loader's order, counts, and how the images were
+  re-encoded.
 
-Packing runs on `workers` processes with a progress bar. Every image is decoded as the loaders will decode it; a
-shard holding an unreadable one is not written, the others are, and the pack then stops naming every unreadable
-image (all of them in `unreadable.txt` past ten). Each finished shard is recorded in `.pack/`: an interrupted or
-stopped pack, run again with the same arguments, writes only the shards it lacks. A directory holding a finished pack
-is not overwritten without `overwrite`.
+Packing runs on `workers` processes with a progress bar. Every image is decoded as the loaders will
+decode it; a shard holding an unreadable one is not written, the others are, and the pack then stops
+naming every unreadable image (all of them in `unreadable.txt` past ten). Each finished shard is
+recorded in `.pack/`: an interrupted or stopped pack, run again with the same arguments, writes only
+the shards it lacks. A directory holding a finished pack is not overwritten without `overwrite`.
 """
 
 from __future__ import annotations
@@ -37,11 +41,22 @@ import numpy as np
 from visiondist.utils.procenv import usable_cpus
 
 FORMAT = "visiondist-shards"
-MIN_SHARDS = 64  # the automatic shard size's floor on a split's shards: enough for data.streams x nodes
+# the automatic shard size's floor on a split's shards: enough for data.streams x nodes
+MIN_SHARDS = 64
 VERSION = 1
-UNREADABLE = "unreadable.txt"  # every image a pack could not read, one `path<TAB>reason` a line (many of them)
-EXTENSIONS = {".jpeg": ".jpg", ".jpg": ".jpg", ".png": ".png", ".webp": ".webp", ".bmp": ".bmp", ".tif": ".tif",
-              ".tiff": ".tif", ".ppm": ".ppm", ".pgm": ".pgm"}
+# every image a pack could not read, one `path<TAB>reason` a line (many of them)
+UNREADABLE = "unreadable.txt"
+EXTENSIONS = {
+    ".jpeg": ".jpg",
+    ".jpg": ".jpg",
+    ".png": ".png",
+    ".webp": ".webp",
+    ".bmp": ".bmp",
+    ".tif": ".tif",
+    ".tiff": ".tif",
+    ".ppm": ".ppm",
+    ".pgm": ".pgm",
+}
 
 
 class PackError(ValueError):
@@ -50,8 +65,10 @@ class PackError(ValueError):
 
 @dataclass
 class PackOptions:
-    shard_mb: Optional[float] = None  # source MB per shard; None: 256, or a MIN_SHARDS-th of a smaller split
-    max_side: Optional[int] = None  # re-encode images whose longer side exceeds this (JPEG at `quality`)
+    # source MB per shard; None: 256, or a MIN_SHARDS-th of a smaller split
+    shard_mb: Optional[float] = None
+    # re-encode images whose longer side exceeds this (JPEG at `quality`)
+    max_side: Optional[int] = None
     quality: int = 90
     workers: int = -1  # processes; -1: every core
     overwrite: bool = False
@@ -60,7 +77,8 @@ class PackOptions:
 
 
 def pack_image_folder(source: Path, splits: list[str], out: Path, options: PackOptions) -> dict:
-    """Pack `source/<split>/<class>/<image>` for each split into `out`; returns dataset.json's content."""
+    """Pack `source/<split>/<class>/<image>` for each split into `out`; returns dataset.json's
+    content."""
     from visiondist.data.index import list_image_folder
 
     out = Path(out)
@@ -69,9 +87,13 @@ def pack_image_folder(source: Path, splits: list[str], out: Path, options: PackO
     classes = listed[splits[0]][0]
     for split in splits[1:]:
         if listed[split][0] != classes:
-            raise PackError(f"the class folders of {Path(source) / split} differ from those of "
-                            f"{Path(source) / splits[0]}: every split must have the same classes")
-    plans = check_plan(out, {split: plan(split, *listed[split][1:], options) for split in splits}, options)
+            raise PackError(
+                f"the class folders of {Path(source) / split} differ from those of "
+                f"{Path(source) / splits[0]}: every split must have the same classes"
+            )
+    plans = check_plan(
+        out, {split: plan(split, *listed[split][1:], options) for split in splits}, options
+    )
     records = write_all(out, [job for split in splits for job in plans[split]], options)
     meta = describe_pack("classification", classes, source, options)
     for split in splits:
@@ -80,10 +102,18 @@ def pack_image_folder(source: Path, splits: list[str], out: Path, options: PackO
 
 
 def describe_pack(kind: str, classes: list[str], source: Path, options: PackOptions) -> dict:
-    return {"format": FORMAT, "version": VERSION, "kind": kind, "classes": classes,
-            "source": str(Path(source).resolve()), "seed": options.seed,
-            "reencoded": {"max_side": options.max_side, "quality": options.quality} if options.max_side else None,
-            "splits": {}}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": kind,
+        "classes": classes,
+        "source": str(Path(source).resolve()),
+        "seed": options.seed,
+        "reencoded": {"max_side": options.max_side, "quality": options.quality}
+        if options.max_side
+        else None,
+        "splits": {},
+    }
 
 
 def finish(out: Path, meta: dict) -> dict:
@@ -97,25 +127,45 @@ def finish(out: Path, meta: dict) -> dict:
 def claim(out: Path, overwrite: bool) -> None:
     if (out / "dataset.json").is_file():
         if not overwrite:
-            raise PackError(f"{out} already holds a finished pack: add overwrite=true to replace it, or choose "
-                            "another out=")
+            raise PackError(
+                f"{out} already holds a finished pack: add overwrite=true to replace it, or choose "
+                "another out="
+            )
         splits = list(json.loads((out / "dataset.json").read_text()).get("splits", {}))
         for split in splits:  # only what a pack wrote
-            for path in [*out.glob(f"{split}-*.tar"), out / f"{split}-index.npz", out / f"{split}.json",
-                         out / f"{split}-annotations.json"]:
+            for path in [
+                *out.glob(f"{split}-*.tar"),
+                out / f"{split}-index.npz",
+                out / f"{split}.json",
+                out / f"{split}-annotations.json",
+            ]:
                 path.unlink(missing_ok=True)
         (out / "dataset.json").unlink()
         shutil.rmtree(out / ".pack", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
 
 
-def plan(split: str, paths, labels, options: PackOptions, shuffle: bool = True, kind: str = "classification"
-          ) -> list[dict]:
-    """The split's shards: samples in a shuffled order (else as given), cut every `shard_mb` of source bytes."""
-    order = (np.random.default_rng([options.seed, 0x5A4D]).permutation(len(paths)) if shuffle
-             else np.arange(len(paths)))
+def plan(
+    split: str,
+    paths,
+    labels,
+    options: PackOptions,
+    shuffle: bool = True,
+    kind: str = "classification",
+) -> list[dict]:
+    """The split's shards: samples in a shuffled order (else as given), cut every `shard_mb` of
+    source bytes."""
+    order = (
+        np.random.default_rng([options.seed, 0x5A4D]).permutation(len(paths))
+        if shuffle
+        else np.arange(len(paths))
+    )
     sizes = [os.path.getsize(p) for p in paths]
-    limit = options.shard_mb * 1e6 if options.shard_mb else min(256e6, max(sum(sizes) / MIN_SHARDS, 1.0))
+    limit = (
+        options.shard_mb * 1e6
+        if options.shard_mb
+        else min(256e6, max(sum(sizes) / MIN_SHARDS, 1.0))
+    )
     jobs, current, size = [], [], 0
     for key, i in enumerate(order.tolist()):
         current.append((key, paths[i], int(labels[i])))
@@ -125,18 +175,30 @@ def plan(split: str, paths, labels, options: PackOptions, shuffle: bool = True, 
             current, size = [], 0
     if current:
         jobs.append(current)
-    return [dict(split=split, name=f"{split}-{k:06d}.tar", samples=samples, max_side=options.max_side,
-                 quality=options.quality, kind=kind) for k, samples in enumerate(jobs)]
+    return [
+        dict(
+            split=split,
+            name=f"{split}-{k:06d}.tar",
+            samples=samples,
+            max_side=options.max_side,
+            quality=options.quality,
+            kind=kind,
+        )
+        for k, samples in enumerate(jobs)
+    ]
 
 
 def check_plan(out: Path, plans: dict, options: PackOptions) -> dict:
-    """The plan to pack by: an interrupted or stopped pack of the same listing (sources, order, labels) and options
-    keeps the shards it cut then, even where files changed size since (unreadable ones fixed in place), so that its
-    finished shards stay valid; another listing or other options restart it."""
-    listing = hashlib.sha256(json.dumps(
-        [[sample for j in plans[s] for sample in j["samples"]] for s in plans]
-        + [options.max_side, options.quality, options.shard_mb],
-    ).encode()).hexdigest()
+    """The plan to pack by: an interrupted or stopped pack of the same listing (sources, order,
+    labels) and options keeps the shards it cut then, even where files changed size since
+    (unreadable ones fixed in place), so that its finished shards stay valid; another listing or
+    other options restart it."""
+    listing = hashlib.sha256(
+        json.dumps(
+            [[sample for j in plans[s] for sample in j["samples"]] for s in plans]
+            + [options.max_side, options.quality, options.shard_mb],
+        ).encode()
+    ).hexdigest()
     state = out / ".pack"
     plan_file = state / "plan.json"
     if plan_file.is_file():
@@ -146,21 +208,32 @@ def check_plan(out: Path, plans: dict, options: PackOptions) -> dict:
     if state.exists():
         shutil.rmtree(state)
     state.mkdir()
-    plan_file.write_text(json.dumps({"listing": listing,
-                                     "counts": {split: [len(j["samples"]) for j in jobs] for split, jobs in plans.items()}}))
+    plan_file.write_text(
+        json.dumps(
+            {
+                "listing": listing,
+                "counts": {
+                    split: [len(j["samples"]) for j in jobs] for split, jobs in plans.items()
+                },
+            }
+        )
+    )
     return plans
 
 
 def _recut(jobs: list[dict], counts: list[int]) -> list[dict]:
-    """`jobs`' samples, in their order, cut into shards of `counts` samples (the names follow the new cut)."""
+    """`jobs`' samples, in their order, cut into shards of `counts` samples (the names follow the
+    new cut)."""
     if not jobs:
         return jobs
     samples = [sample for job in jobs for sample in job["samples"]]
     bounds = np.cumsum([0, *counts]).tolist()
     template = {k: v for k, v in jobs[0].items() if k not in ("name", "samples")}
     split = template["split"]
-    return [dict(template, name=f"{split}-{k:06d}.tar", samples=samples[a:b])
-            for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    return [
+        dict(template, name=f"{split}-{k:06d}.tar", samples=samples[a:b])
+        for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))
+    ]
 
 
 def write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, dict]:
@@ -179,15 +252,25 @@ def write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, di
     total = sum(len(j["samples"]) for j in jobs)
     kept = len(jobs) - len(todo)
     if kept:
-        print(f"{kept} of {len(jobs)} shards were written by an earlier run of this pack: writing the other "
-              f"{len(todo)}", flush=True)
+        print(
+            f"{kept} of {len(jobs)} shards were written by an earlier run of this pack: writing "
+            f"the other {len(todo)}",
+            flush=True,
+        )
     with Progress(disable=not options.progress, transient=False) as bar:
-        task = bar.add_task(f"packing {len(todo)} of {len(jobs)} shards" if kept else f"packing {len(jobs)} shards",
-                            total=total,
-                            completed=sum(len(j["samples"]) for j in jobs if j["name"] in records))
-        pool = (get_context("fork").Pool(min(workers, len(todo)), initializer=_quiet_worker)
-                if workers > 1 and len(todo) > 1 else None)
-        written = (pool.imap_unordered if pool else map)(_write_shard, [(str(out), job) for job in todo])
+        task = bar.add_task(
+            f"packing {len(todo)} of {len(jobs)} shards" if kept else f"packing {len(jobs)} shards",
+            total=total,
+            completed=sum(len(j["samples"]) for j in jobs if j["name"] in records),
+        )
+        pool = (
+            get_context("fork").Pool(min(workers, len(todo)), initializer=_quiet_worker)
+            if workers > 1 and len(todo) > 1
+            else None
+        )
+        written = (pool.imap_unordered if pool else map)(
+            _write_shard, [(str(out), job) for job in todo]
+        )
         bad = []
         try:
             for record in written:
@@ -208,16 +291,19 @@ def write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, di
         from visiondist.data.robust import name_bad
 
         named = name_bad([(path, reason) for path, reason, _ in bad], out / UNREADABLE)
-        raise PackError(f"{len(bad)} of {total} images cannot be read: {named}. Fix them "
-                        f"in place and run the same command again: it writes only the {len({b[2] for b in bad})} "
-                        "shards that hold them (the finished ones are kept); removing files changes the plan, and "
-                        "the pack starts over")
+        raise PackError(
+            f"{len(bad)} of {total} images cannot be read: {named}. Fix them in place and run the "
+            f"same command again: it writes only the {len({b[2] for b in bad})} shards that hold "
+            "them (the finished ones are kept); removing files changes the plan, and the pack "
+            "starts over"
+        )
     (out / UNREADABLE).unlink(missing_ok=True)
     return records
 
 
 def _quiet_worker() -> None:
-    """A packing process leaves stop signals to the command (which ends the pool; finished shards are kept)."""
+    """A packing process leaves stop signals to the command (which ends the pool; finished shards
+    are kept)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -225,11 +311,11 @@ def _quiet_worker() -> None:
 
 
 def _write_shard(args) -> dict:
-    """Decode every image of the shard (as the loaders will), then write the shard; a shard holding an unreadable
-    image is not written, and every such image of it is named."""
+    """Decode every image of the shard (as the loaders will), then write the shard; a shard holding
+    an unreadable image is not written, and every such image of it is named."""
     out, job = Path(args[0]), args[1]
     images, bad = [], []
-    for key, path, label in job["samples"]:
+    for _, path, _ in job["samples"]:
         try:
             images.append(_image_bytes(path, job["max_side"], job["quality"]))
         except OSError as exc:
@@ -238,11 +324,15 @@ def _write_shard(args) -> dict:
         return {"name": job["name"], "bad": bad, "nsamples": len(job["samples"])}
     tmp = out / f"{job['name']}.part"
     offsets, sizes = [], []
-    with open(tmp, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for (key, path, label), (data, ext) in zip(job["samples"], images):
+    with (
+        open(tmp, "wb") as f,
+        tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar,
+    ):
+        for (key, _, label), (data, ext) in zip(job["samples"], images):
             offsets.append(_add(tar, f"{key:09d}{ext}", data))
             sizes.append(len(data))
-            if job["kind"] == "detection":  # the COCO image id; its boxes are in <split>-annotations.json
+            # the COCO image id; its boxes are in <split>-annotations.json
+            if job["kind"] == "detection":
                 _add(tar, f"{key:09d}.json", json.dumps({"image_id": label}).encode())
             else:
                 _add(tar, f"{key:09d}.cls", str(label).encode())
@@ -251,8 +341,14 @@ def _write_shard(args) -> dict:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     os.replace(tmp, out / job["name"])
-    record = dict(name=job["name"], nsamples=len(job["samples"]), sha256=digest.hexdigest(),
-                  filesize=(out / job["name"]).stat().st_size, offsets=offsets, sizes=sizes)
+    record = dict(
+        name=job["name"],
+        nsamples=len(job["samples"]),
+        sha256=digest.hexdigest(),
+        filesize=(out / job["name"]).stat().st_size,
+        offsets=offsets,
+        sizes=sizes,
+    )
     (out / ".pack" / f"{job['name']}.json").write_text(json.dumps(record))
     return record
 
@@ -260,7 +356,8 @@ def _write_shard(args) -> dict:
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> int:
     info = tarfile.TarInfo(name)
     info.size, info.mode, info.mtime = len(data), 0o444, 0  # the same bytes on every pack
-    start = tar.offset + len(info.tobuf(tar.format, tar.encoding, tar.errors))  # the member's data, after its header
+    # the member's data, after its header
+    start = tar.offset + len(info.tobuf(tar.format, tar.encoding, tar.errors))
     tar.addfile(info, io.BytesIO(data))
     return start
 
@@ -272,14 +369,16 @@ def _reason(exc: OSError, path) -> str:
     text = str(exc)
     for prefix in (f"cannot decode image {path}: ", f"truncated JPEG {path}: "):
         if text.startswith(prefix):
-            return ("truncated JPEG: " if prefix.startswith("truncated") else "") + text[len(prefix):]
+            return ("truncated JPEG: " if prefix.startswith("truncated") else "") + text[
+                len(prefix) :
+            ]
     return text
 
 
 def _image_bytes(path: str, max_side: Optional[int], quality: int) -> tuple[bytes, str]:
-    """The image file's bytes as they are, or re-encoded as JPEG at `quality` with its longer side at most
-    `max_side`; decoded in either case under the loaders' policy (EXIF orientation applied, so a re-encoded shard
-    needs none): an image the loaders could not read raises OSError."""
+    """The image file's bytes as they are, or re-encoded as JPEG at `quality` with its longer side
+    at most `max_side`; decoded in either case under the loaders' policy (EXIF orientation applied,
+    so a re-encoded shard needs none): an image the loaders could not read raises OSError."""
     from visiondist.data.decode import decode_rgb
 
     data = Path(path).read_bytes()
@@ -293,22 +392,31 @@ def _image_bytes(path: str, max_side: Optional[int], quality: int) -> tuple[byte
     h, w = image.shape[:2]
     if max(h, w) > max_side:
         scale = max_side / max(h, w)
-        image = cv2.resize(image, (max(1, round(w * scale)), max(1, round(h * scale))), interpolation=cv2.INTER_AREA)
-    ok, encoded = cv2.imencode(".jpg", cv2.cvtColor(image, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality])
+        image = cv2.resize(
+            image,
+            (max(1, round(w * scale)), max(1, round(h * scale))),
+            interpolation=cv2.INTER_AREA,
+        )
+    ok, encoded = cv2.imencode(
+        ".jpg", cv2.cvtColor(image, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, quality]
+    )
     if not ok:
         raise PackError(f"cannot encode {path} as JPEG")
     return encoded.tobytes(), ".jpg"
 
 
-_CAPTURE: dict = {}  # pid -> this process's file that the decoder's stderr goes to while it decodes (made once)
+# pid -> this process's file that the decoder's stderr goes to while it decodes (made once)
+_CAPTURE: dict = {}
 
 
 @contextmanager
 def decoder_messages_named(path) -> Iterator[None]:
-    """libjpeg writes its warnings ("Corrupt JPEG data: premature end of data segment") straight to the process's
-    stderr, naming no file: while the body decodes `path`, they go to a file, and come out on stderr after it, each
-    line with the path in front (other text on stderr meanwhile, e.g. a progress bar's, unchanged)."""
-    pid = os.getpid()  # a forked worker makes its own: one inherited would be shared with its sibling workers
+    """libjpeg writes its warnings ("Corrupt JPEG data: premature end of data segment") straight to
+    the process's stderr, naming no file: while the body decodes `path`, they go to a file, and come
+    out on stderr after it, each line with the path in front (other text on stderr meanwhile, e.g. a
+    progress bar's, unchanged)."""
+    # a forked worker makes its own: one inherited would be shared with its sibling workers
+    pid = os.getpid()
     if pid not in _CAPTURE:
         _CAPTURE.clear()
         _CAPTURE[pid] = tempfile.TemporaryFile()
@@ -325,40 +433,83 @@ def decoder_messages_named(path) -> Iterator[None]:
         if size:
             text = os.pread(capture.fileno(), size, 0).decode(errors="replace")
             os.ftruncate(capture.fileno(), 0)
-            os.lseek(capture.fileno(), 0, os.SEEK_SET)  # the next message at the start, not after a hole of NULs
-            sys.stderr.write("".join(f"{path}: {line}\n" if line.startswith(_DECODER_WARNINGS) else line + "\n"
-                                     for line in text.splitlines()))
+            # the next message at the start, not after a hole of NULs
+            os.lseek(capture.fileno(), 0, os.SEEK_SET)
+            sys.stderr.write(
+                "".join(
+                    f"{path}: {line}\n" if line.startswith(_DECODER_WARNINGS) else line + "\n"
+                    for line in text.splitlines()
+                )
+            )
             sys.stderr.flush()
 
 
-_DECODER_WARNINGS = ("Corrupt JPEG data", "Premature end of JPEG file", "Invalid SOS parameters", "libpng warning",
-                     "Warning:", "Unknown Adobe")
+_DECODER_WARNINGS = (
+    "Corrupt JPEG data",
+    "Premature end of JPEG file",
+    "Invalid SOS parameters",
+    "libpng warning",
+    "Warning:",
+    "Unknown Adobe",
+)
 
 
-def write_index(out: Path, split: str, jobs: list[dict], records: dict, extra: Optional[dict] = None) -> dict:
-    """`<split>-index.npz` and `<split>.json` (with `extra` entries); checks every sample is in exactly one shard.
-    `label` holds the class (classification) or the COCO image id (detection)."""
+def write_index(
+    out: Path, split: str, jobs: list[dict], records: dict, extra: Optional[dict] = None
+) -> dict:
+    """`<split>-index.npz` and `<split>.json` (with `extra` entries); checks every sample is in
+    exactly one shard. `label` holds the class (classification) or the COCO image id (detection)."""
     labels, shard, offset, length = [], [], [], []
     shardlist = []
     for k, job in enumerate(jobs):
         record = records[job["name"]]
-        if record["nsamples"] != len(job["samples"]) or (out / job["name"]).stat().st_size != record["filesize"]:
-            raise PackError(f"{out / job['name']} does not hold what was written: pack again with overwrite=true")
+        if (
+            record["nsamples"] != len(job["samples"])
+            or (out / job["name"]).stat().st_size != record["filesize"]
+        ):
+            raise PackError(
+                f"{out / job['name']} does not hold what was written: pack again with "
+                "overwrite=true"
+            )
         labels += [label for _, _, label in job["samples"]]
         shard += [k] * record["nsamples"]
         offset += record["offsets"]
         length += record["sizes"]
-        shardlist.append(dict(url=job["name"], nsamples=record["nsamples"], filesize=record["filesize"],
-                              sha256=record["sha256"]))
+        shardlist.append(
+            dict(
+                url=job["name"],
+                nsamples=record["nsamples"],
+                filesize=record["filesize"],
+                sha256=record["sha256"],
+            )
+        )
     keys = [key for job in jobs for key, _, _ in job["samples"]]
     if keys != list(range(len(keys))):
-        raise PackError(f"split {split}: the shards do not hold samples 0..{len(keys) - 1} once each")
+        raise PackError(
+            f"split {split}: the shards do not hold samples 0..{len(keys) - 1} once each"
+        )
     index = out / f"{split}-index.npz"
     with open(index, "wb") as f:
-        np.savez(f, label=np.asarray(labels, np.int64), shard=np.asarray(shard, np.int32),
-                 offset=np.asarray(offset, np.int64), length=np.asarray(length, np.int64))
-    entry = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": split, "shardlist": shardlist,
-             "index": index.name, "index_sha256": hashlib.sha256(index.read_bytes()).hexdigest(),
-             "index_size": index.stat().st_size, **(extra or {})}
+        np.savez(
+            f,
+            label=np.asarray(labels, np.int64),
+            shard=np.asarray(shard, np.int32),
+            offset=np.asarray(offset, np.int64),
+            length=np.asarray(length, np.int64),
+        )
+    entry = {
+        "__kind__": "wids-shard-index-v1",
+        "wids_version": 1,
+        "name": split,
+        "shardlist": shardlist,
+        "index": index.name,
+        "index_sha256": hashlib.sha256(index.read_bytes()).hexdigest(),
+        "index_size": index.stat().st_size,
+        **(extra or {}),
+    }
     (out / f"{split}.json").write_text(json.dumps(entry, indent=1))
-    return {"samples": len(keys), "shards": len(jobs), "bytes": sum(r["filesize"] for r in shardlist)}
+    return {
+        "samples": len(keys),
+        "shards": len(jobs),
+        "bytes": sum(r["filesize"] for r in shardlist),
+    }

@@ -1,12 +1,13 @@
-"""Where shards come from: a local directory, read in place, or an `http(s)://` or `s3://` URL (S3 and S3-compatible
-stores through boto3: credentials and `AWS_ENDPOINT_URL` as the AWS tools take them), each shard fetched whole into a
-node-local cache on first use (as MosaicML Streaming, litdata and wids do), checked against the index's SHA-256 and
-then read in place like a local one.
+"""Where shards come from: a local directory, read in place, or an `http(s)://` or `s3://` URL (S3
+and S3-compatible stores through boto3: credentials and `AWS_ENDPOINT_URL` as the AWS tools take
+them), each shard fetched whole into a node-local cache on first use (as MosaicML Streaming, litdata
+and wids do), checked against the index's SHA-256 and then read in place like a local one.
 
-A fetch is retried (`retries` more times, with back-off) and then ends the job with the shard's URL and the cause:
-never a hang, never a sample left out. A shard whose checksum differs from the index is refused. The cache is shared
-by the ranks and loader workers of a node (a lock per shard: a node fetches a shard once) and kept under `cache_gb`
-by dropping the least recently used shards. `fetched` counts the bytes this rank and its workers downloaded.
+A fetch is retried (`retries` more times, with back-off) and then ends the job with the shard's URL
+and the cause: never a hang, never a sample left out. A shard whose checksum differs from the index
+is refused. The cache is shared by the ranks and loader workers of a node (a lock per shard: a node
+fetches a shard once) and kept under `cache_gb` by dropping the least recently used shards.
+`fetched` counts the bytes this rank and its workers downloaded.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def is_url(root: str) -> bool:
     return "://" in str(root) and not str(root).startswith("file://")
 
 
-SERVER_AWAY = "VISIONDIST_SHARD_SERVER_AWAY"  # set to data.root when a job found its server away and used the cache
+# set to data.root when a job found its server away and used the cache
+SERVER_AWAY = "VISIONDIST_SHARD_SERVER_AWAY"
 
 
 def default_cache() -> Path:
@@ -48,20 +50,36 @@ def default_cache() -> Path:
 class ShardStore:
     """The shards of one packed data set (`root`: a directory or a URL) as local files."""
 
-    def __init__(self, root: str, cache_dir: Optional[str] = None, cache_gb: float = 100.0, retries: int = 3,
-                 timeout_s: float = 60.0):
+    def __init__(
+        self,
+        root: str,
+        cache_dir: Optional[str] = None,
+        cache_gb: float = 100.0,
+        retries: int = 3,
+        timeout_s: float = 60.0,
+    ):
         root = str(root)
         self.remote = is_url(root)
         if self.remote and not root.startswith(REMOTE_SCHEMES):
-            raise ShardError(f"data.root={root}: shards are read from a directory, an http(s):// or an s3:// URL")
+            raise ShardError(
+                f"data.root={root}: shards are read from a directory, an http(s):// or an s3:// URL"
+            )
         if root.startswith("s3://"):
             try:
                 import boto3  # noqa: F401
             except ImportError:
-                raise ShardError(f"data.root={root}: reading s3:// needs boto3: pip install 'visiondist[s3]'") from None
-        self.root = root.rstrip("/") if self.remote else str(Path(root.removeprefix("file://")).expanduser())
+                raise ShardError(
+                    f"data.root={root}: reading s3:// needs boto3: pip install 'visiondist[s3]'"
+                ) from None
+        self.root = (
+            root.rstrip("/")
+            if self.remote
+            else str(Path(root.removeprefix("file://")).expanduser())
+        )
         digest = hashlib.sha1(self.root.encode()).hexdigest()[:16]
-        self.cache = Path(cache_dir).expanduser() / digest if cache_dir else default_cache() / digest
+        self.cache = (
+            Path(cache_dir).expanduser() / digest if cache_dir else default_cache() / digest
+        )
         self.cache_bytes = int(cache_gb * 1e9)
         self.retries, self.timeout_s = retries, timeout_s
         self.fetched = multiprocessing.Value("q", 0)  # shared with forked loader workers
@@ -71,28 +89,37 @@ class ShardStore:
         return f"{self.root}/{name}" if self.remote else str(Path(self.root) / name)
 
     def read_small(self, name: str) -> bytes:
-        """A small file of the data set (dataset.json, a split's index), fetched each time (with the retries)."""
+        """A small file of the data set (dataset.json, a split's index), fetched each time (with the
+        retries)."""
         if not self.remote:
             path = Path(self.root) / name
             if not path.is_file():
-                raise ShardError(f"{path} does not exist: with data.format=shards, data.root is a directory "
-                                 "`tools/data.py pack` wrote (pack it first, or drop data.format=shards to read a "
-                                 "tree)")
+                raise ShardError(
+                    f"{path} does not exist: with data.format=shards, data.root is a directory "
+                    "`tools/data.py pack` wrote (pack it first, or drop data.format=shards to "
+                    "read a tree)"
+                )
             return path.read_bytes()
         cached = self.cache / f"{name}.last"
-        if cached.is_file() and os.environ.get(SERVER_AWAY) == self.root:  # this job found the server away
+        # this job found the server away
+        if cached.is_file() and os.environ.get(SERVER_AWAY) == self.root:
             return cached.read_bytes()
         try:  # with a cached copy to fall back on: one attempt, no retries
             data = self._download(self.url(name), None, retries=0 if cached.is_file() else None)[0]
         except ShardError as exc:
             if not cached.is_file():
                 raise
-            if os.environ.get(SERVER_AWAY) != self.root:  # said once per job: its ranks and workers inherit this
+            # said once per job: its ranks and workers inherit this
+            if os.environ.get(SERVER_AWAY) != self.root:
                 os.environ[SERVER_AWAY] = self.root
-                log.warning("%s cannot be reached (%s): training from this node's cached copy of the data set in %s "
-                            "(its index fetched on %s; every shard is checked against it)", self.root,
-                            str(exc).split(" (", 1)[-1].split(")", 1)[0], self.cache,
-                            time.strftime("%Y-%m-%d %H:%M", time.localtime(cached.stat().st_mtime)))
+                log.warning(
+                    "%s cannot be reached (%s): training from this node's cached copy of the data "
+                    "set in %s (its index fetched on %s; every shard is checked against it)",
+                    self.root,
+                    str(exc).split(" (", 1)[-1].split(")", 1)[0],
+                    self.cache,
+                    time.strftime("%Y-%m-%d %H:%M", time.localtime(cached.stat().st_mtime)),
+                )
             return cached.read_bytes()
         self.cache.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_name(f"{cached.name}.{os.getpid()}.part")
@@ -101,13 +128,16 @@ class ShardStore:
         return data
 
     def local(self, name: str, sha256: str, size: int) -> Path:
-        """The shard as a local file: in place for a directory, else fetched into the cache (once per node)."""
+        """The shard as a local file: in place for a directory, else fetched into the cache (once
+        per node)."""
         if not self.remote:
             path = Path(self.root) / name
             if not path.is_file() or path.stat().st_size != size:
                 found = f"{path.stat().st_size} bytes" if path.is_file() else "missing"
-                raise ShardError(f"{path}: {found}, the index says {size} bytes: the shard changed after packing; "
-                                 "pack again")
+                raise ShardError(
+                    f"{path}: {found}, the index says {size} bytes: the shard changed after "
+                    "packing; pack again"
+                )
             return path
         dest = self.cache / name
         if _complete(dest, size):
@@ -115,7 +145,8 @@ class ShardStore:
             return dest
         self.cache.mkdir(parents=True, exist_ok=True)
         with _locked(self.cache / f"{name}.lock"):
-            if not _complete(dest, size):  # another rank or worker of this node may have fetched it meanwhile
+            # another rank or worker of this node may have fetched it meanwhile
+            if not _complete(dest, size):
                 self._make_room(size)
                 tmp = dest.with_name(f"{name}.{os.getpid()}.part")
                 try:
@@ -125,8 +156,10 @@ class ShardStore:
                         tmp.unlink(missing_ok=True)
                 if digest != sha256:
                     tmp.unlink(missing_ok=True)
-                    raise ShardError(f"{self.url(name)}: its SHA-256 {digest[:16]}... differs from the index's "
-                                     f"{sha256[:16]}...: refused (the shard changed after packing; pack again)")
+                    raise ShardError(
+                        f"{self.url(name)}: its SHA-256 {digest[:16]}... differs from the index's "
+                        f"{sha256[:16]}...: refused (the shard changed after packing; pack again)"
+                    )
                 os.replace(tmp, dest)
                 with self.fetched.get_lock():
                     self.fetched.value += size
@@ -139,7 +172,9 @@ class ShardStore:
             fd = self._open[name] = os.open(self.local(name, sha256, size), os.O_RDONLY)
         data = os.pread(fd, length, offset)
         if len(data) != length:
-            raise ShardError(f"{self.url(name)} ends before byte {offset + length}: the shard is damaged")
+            raise ShardError(
+                f"{self.url(name)} ends before byte {offset + length}: the shard is damaged"
+            )
         return data
 
     def close(self) -> None:
@@ -150,9 +185,11 @@ class ShardStore:
     def __getstate__(self):  # no open descriptors into another process
         return {**self.__dict__, "_open": {}}
 
-    def _download(self, url: str, dest: Optional[Path], retries: Optional[int] = None) -> tuple[bytes, str]:
-        """(content if `dest` is None, SHA-256) of `url`, written to `dest` when given; retried (`retries`, default
-        the store's), then ShardError."""
+    def _download(
+        self, url: str, dest: Optional[Path], retries: Optional[int] = None
+    ) -> tuple[bytes, str]:
+        """(content if `dest` is None, SHA-256) of `url`, written to `dest` when given; retried
+        (`retries`, default the store's), then ShardError."""
         last: Exception | None = None
         retries = self.retries if retries is None else retries
         for attempt in range(retries + 1):
@@ -163,18 +200,33 @@ class ShardStore:
             except (OSError, *_s3_errors()) as exc:  # urllib's errors are OSErrors
                 last = exc
                 if _missing(exc):  # there is nothing to wait for
-                    raise ShardError(f"cannot fetch {url}: {exc}; data.root must be where `tools/data.py pack` "
-                                     "wrote the data set") from None
+                    raise ShardError(
+                        f"cannot fetch {url}: {exc}; data.root must be where `tools/data.py pack` "
+                        "wrote the data set"
+                    ) from None
                 if attempt < retries:
-                    log.warning("fetching %s failed (%s): attempt %d of %d", url, exc, attempt + 1, retries + 1)
-        raise ShardError(f"cannot fetch {url} ({last}) after {retries + 1} attempt{'s' if retries else ''}: check "
-                         "that the server "
-                         "is up and reachable from this node (a flaky one: raise data.fetch_retries)")
+                    log.warning(
+                        "fetching %s failed (%s): attempt %d of %d",
+                        url,
+                        exc,
+                        attempt + 1,
+                        retries + 1,
+                    )
+        raise ShardError(
+            f"cannot fetch {url} ({last}) after {retries + 1} attempt{'s' if retries else ''}: "
+            "check that the server is up and reachable from this node (a flaky one: raise "
+            "data.fetch_retries)"
+        )
 
     def _make_room(self, size: int) -> None:
-        """Drop the least recently used shards of this data set's cache until `size` more bytes fit."""
-        stats = sorted((st.st_mtime, st.st_size, p) for p in self.cache.glob("*")
-                       if p.suffix not in (".lock", ".part", ".last") for st in (p.stat(),))
+        """Drop the least recently used shards of this data set's cache until `size` more bytes
+        fit."""
+        stats = sorted(
+            (st.st_mtime, st.st_size, p)
+            for p in self.cache.glob("*")
+            if p.suffix not in (".lock", ".part", ".last")
+            for st in (p.stat(),)
+        )
         total = sum(s for _, s, _ in stats)
         for _, s, p in stats:
             if total + size <= self.cache_bytes:
@@ -209,7 +261,11 @@ def _missing(exc: Exception) -> bool:
     """Not found or not allowed: a retry would get the same answer."""
     if isinstance(exc, urllib.error.HTTPError):
         return exc.code in (401, 403, 404, 410)
-    code = getattr(exc, "response", {}).get("Error", {}).get("Code", "") if hasattr(exc, "response") else ""
+    code = (
+        getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+        if hasattr(exc, "response")
+        else ""
+    )
     return code in ("NoSuchKey", "NoSuchBucket", "AccessDenied", "404", "403", "InvalidAccessKeyId")
 
 
@@ -217,14 +273,19 @@ _S3_CLIENTS: dict = {}
 
 
 def _s3_object(url: str, timeout_s: float):
-    """(streaming body, its length) of an s3:// object; one client per process (clients do not survive a fork)."""
+    """(streaming body, its length) of an s3:// object; one client per process (clients do not
+    survive a fork)."""
     import boto3
     from botocore.config import Config
 
     key = (os.getpid(), timeout_s)
     if key not in _S3_CLIENTS:
-        _S3_CLIENTS[key] = boto3.client("s3", config=Config(connect_timeout=timeout_s, read_timeout=timeout_s,
-                                                              retries={"max_attempts": 1}))
+        _S3_CLIENTS[key] = boto3.client(
+            "s3",
+            config=Config(
+                connect_timeout=timeout_s, read_timeout=timeout_s, retries={"max_attempts": 1}
+            ),
+        )
     bucket, _, name = url.removeprefix("s3://").partition("/")
     response = _S3_CLIENTS[key].get_object(Bucket=bucket, Key=name)
     return response["Body"], response.get("ContentLength")

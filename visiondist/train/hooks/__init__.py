@@ -1,13 +1,15 @@
-"""The training loop's hooks: each concern with its own cadence and its own fields of the loop state.
+"""The training loop's hooks: each concern with its own cadence and its own fields of the loop
+state.
 
-- `periodic.py`: the progress bar, the collective timeout, the stop check, the traffic counters, the log line, the
-  pipeline timeline;
-- `results.py`: what a run leaves (checkpoints, the best, the weights) and the evaluations the best is chosen by;
+- `periodic.py`: the progress bar, the collective timeout, the stop check, the traffic counters, the
+  log line, the pipeline timeline;
+- `results.py`: what a run leaves (checkpoints, the best, the weights) and the evaluations the best
+  is chosen by;
 - `compile.py`: what `trainer.compile` did (dynamo's graphs, graph breaks and recompile-limit hits);
 - `default.py`: their order, with the reason for each place.
 
-The interface (`Hook`) is the loop's own (`visiondist.train.trainer`); the loop never imports a hook: the layer
-above hands them in (`visiondist.train.run.build_trainer`).
+The interface (`Hook`) is the loop's own (`visiondist.train.trainer`); the loop never imports a
+hook: the layer above hands them in (`visiondist.train.run.build_trainer`).
 """
 
 from visiondist.train.hooks.default import default_hooks

@@ -1,6 +1,7 @@
-"""What `trainer.compile` did: the first step's time with compilation, the graphs dynamo made, and the graph breaks
-and recompile-limit hits (code that runs eager) that a compiled run should not have, read from dynamo's counters
-(`compile_counts`; the benchmark's `CompileWatch` reads the same)."""
+"""What `trainer.compile` did: the first step's time with compilation, the graphs dynamo made, and
+the graph breaks and recompile-limit hits (code that runs eager) that a compiled run should not
+have, read from dynamo's counters (`compile_counts`; the benchmark's `CompileWatch` reads the
+same)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ log = logging.getLogger(__name__)
 
 
 class CompileHook(Hook):
-    """Under `trainer.compile`, how long this process's first step took, compilation included, how many graphs
-    dynamo made and where Inductor keeps them for the next run of the same shapes; graph breaks and frames past
-    dynamo's recompile limit (code that runs eager) are warned about with torch's reasons, after the
-    first step and again at the end of training if more came."""
+    """Under `trainer.compile`, how long this process's first step took, compilation included, how
+    many graphs dynamo made and where Inductor keeps them for the next run of the same shapes; graph
+    breaks and frames past dynamo's recompile limit (code that runs eager) are warned about with
+    torch's reasons, after the first step and again at the end of training if more came."""
 
     def __init__(self) -> None:
         self.breaks = 0
@@ -35,12 +36,21 @@ class CompileHook(Hook):
         yield
         if trainer.layout.is_main:
             run = trainer.layout.run
-            what = ("the whole model" + (", replayed as CUDA graphs" if run.cuda_graphs else "")
-                    if run.compile_scope == "model" else "each transformer block (the blocks share one graph)")
+            what = (
+                "the whole model" + (", replayed as CUDA graphs" if run.cuda_graphs else "")
+                if run.compile_scope == "model"
+                else "each transformer block (the blocks share one graph)"
+            )
             graphs, _ = compile_counts()
-            log.info("compiled %s: the first step took %.1f s, compilation included (%d graph%s; Inductor's caches "
-                     "in %s make a run of the same shapes start sooner)", what, time.perf_counter() - started, graphs,
-                     "s" if graphs != 1 else "", os.environ.get("TORCHINDUCTOR_CACHE_DIR", "its temporary folder"))
+            log.info(
+                "compiled %s: the first step took %.1f s, compilation included (%d graph%s; "
+                "Inductor's caches in %s make a run of the same shapes start sooner)",
+                what,
+                time.perf_counter() - started,
+                graphs,
+                "s" if graphs != 1 else "",
+                os.environ.get("TORCHINDUCTOR_CACHE_DIR", "its temporary folder"),
+            )
             self._warn_breaks()
 
     def after_train(self, trainer: Trainer, complete: bool) -> None:
@@ -51,19 +61,29 @@ class CompileHook(Hook):
         _, reasons = compile_counts()
         total = sum(reasons.values())
         if total > self.breaks:
-            log.warning("torch.compile: %d graph break%s or recompile-limit hit%s so far (that code runs eager): %s",
-                        total, "s" if total != 1 else "", "s" if total != 1 else "",
-                        "; ".join(f"{n}x {reason}" for reason, n in list(reasons.items())[:3]))
+            log.warning(
+                "torch.compile: %d graph break%s or recompile-limit hit%s so far (that code runs "
+                "eager): %s",
+                total,
+                "s" if total != 1 else "",
+                "s" if total != 1 else "",
+                "; ".join(f"{n}x {reason}" for reason, n in list(reasons.items())[:3]),
+            )
             self.breaks = total
 
 
 def compile_counts() -> tuple[int, dict[str, int]]:
-    """(graphs dynamo compiled, {reason: count} of its graph breaks and recompile-limit hits) in this process so
-    far."""
-    from torch._dynamo.utils import counters  # here: importing dynamo costs a rank 1.2 s, a run without compile none
+    """(graphs dynamo compiled, {reason: count} of its graph breaks and recompile-limit hits) in
+    this process so far."""
+    from torch._dynamo.utils import (
+        counters,  # here: importing dynamo costs a rank 1.2 s, a run without compile none
+    )
 
-    reasons = {str(reason).splitlines()[0][:200]: n for reason, n in counters["graph_break"].items()}
-    for reason, n in counters["unimplemented"].items():  # a frame given up on: past the recompile limit, it runs eager
+    reasons = {
+        str(reason).splitlines()[0][:200]: n for reason, n in counters["graph_break"].items()
+    }
+    # a frame given up on: past the recompile limit, it runs eager
+    for reason, n in counters["unimplemented"].items():
         if "recompile limit" in str(reason).lower():
             reasons["dynamo's recompile limit hit (the frame runs eager from then on)"] = n
     return int(counters["stats"].get("unique_graphs", 0)), reasons

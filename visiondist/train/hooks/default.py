@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from visiondist.train.hooks.compile import CompileHook
-from visiondist.train.hooks.periodic import LogHook, ProgressHook, StopHook, TimelineHook, TimeoutHook, TrafficHook
+from visiondist.train.hooks.periodic import (
+    LogHook,
+    ProgressHook,
+    StopHook,
+    TimelineHook,
+    TimeoutHook,
+    TrafficHook,
+)
 from visiondist.train.hooks.results import BestCheckpointHook, CheckpointHook, EvalHook, WeightsHook
 from visiondist.train.trainer import Hook
 
@@ -11,16 +18,29 @@ from visiondist.train.trainer import Hook
 def default_hooks() -> list[Hook]:
     """In this order, for a reason each:
     - progress first, so the bar shows the step even if a later hook fails on it;
-    - the collective timeout right after the first step, before anything else can hang on a collective;
-    - traffic and the log line next: they describe the step just run (a stopped job's last step too: metrics.csv
-      has every step the checkpoint holds);
-    - the stop check before the rest of the per-step work, so a stopped job spends nothing more than its checkpoint
-      (the hooks after it do not see its last step: neither the timeline nor the evaluation);
+    - the collective timeout right after the first step, before anything else can hang on a
+      collective;
+    - traffic and the log line next: they describe the step just run (a stopped job's last step too:
+      metrics.csv has every step the checkpoint holds);
+    - the stop check before the rest of the per-step work, so a stopped job spends nothing more than
+      its checkpoint (the hooks after it do not see its last step: neither the timeline nor the
+      evaluation);
     - the timeline after them: its gathering is not training time;
-    - the checkpoint before the evaluation, and (at the end) the weights between them: a failing evaluation loses
-      neither the checkpoint nor the weights;
+    - the checkpoint before the evaluation, and (at the end) the weights between them: a failing
+      evaluation loses neither the checkpoint nor the weights;
     - the best checkpoint after the evaluation it is chosen by;
     - the compile timer last: it times the first step alone.
     """
-    return [ProgressHook(), TimeoutHook(), TrafficHook(), LogHook(), StopHook(), TimelineHook(), CheckpointHook(),
-            WeightsHook(), EvalHook(), BestCheckpointHook(), CompileHook()]
+    return [
+        ProgressHook(),
+        TimeoutHook(),
+        TrafficHook(),
+        LogHook(),
+        StopHook(),
+        TimelineHook(),
+        CheckpointHook(),
+        WeightsHook(),
+        EvalHook(),
+        BestCheckpointHook(),
+        CompileHook(),
+    ]

@@ -1,6 +1,6 @@
-"""The loop's periodic and cross-cutting concerns, one class each, each owning its cadence and its fields of the
-loop state: the progress bar, the collective timeout, the stop check, the traffic counters, the log line and the
-pipeline timeline. `default.py` orders them among the others.
+"""The loop's periodic and cross-cutting concerns, one class each, each owning its cadence and its
+fields of the loop state: the progress bar, the collective timeout, the stop check, the traffic
+counters, the log line and the pipeline timeline. `default.py` orders them among the others.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ log = logging.getLogger(__name__)
 
 
 class ProgressHook(Hook):
-    """The rich progress bar on the main rank (`trainer.progress`), in a terminal: into a pipe or a file a bar is one
-    cut-off line at the end, and the log lines already say how far the run is; there, this process's first step gets
-    a line of its own when it has no log line (`trainer.log_every` apart, the first can be minutes away) and no
-    compile line (`CompileHook`). Owns `state.progress`."""
+    """The rich progress bar on the main rank (`trainer.progress`), in a terminal: into a pipe or a
+    file a bar is one cut-off line at the end, and the log lines already say how far the run is;
+    there, this process's first step gets a line of its own when it has no log line
+    (`trainer.log_every` apart, the first can be minutes away) and no compile line (`CompileHook`).
+    Owns `state.progress`."""
 
     def __init__(self) -> None:
         self.started: Optional[float] = None  # when training began, until the first step's line
@@ -49,9 +50,14 @@ class ProgressHook(Hook):
         if self.started is not None:
             t = trainer.cfg.trainer
             if state.step % t.log_every and state.step not in (total, t.stop_at_step):
-                log.info("training: step %d/%d done after %.1f s (the first batches included); a line every %d "
-                         "steps (trainer.log_every)", state.step, total, time.perf_counter() - self.started,
-                         t.log_every)
+                log.info(
+                    "training: step %d/%d done after %.1f s (the first batches included); a line "
+                    "every %d steps (trainer.log_every)",
+                    state.step,
+                    total,
+                    time.perf_counter() - self.started,
+                    t.log_every,
+                )
             self.started = None
 
     def close(self, trainer: Trainer) -> None:
@@ -60,14 +66,17 @@ class ProgressHook(Hook):
 
 
 class TimeoutHook(Hook):
-    """After the first step of this process (start-up, compilation and first collectives are over), collectives time
-    out after `trainer.dist_timeout_s`: a hang fails fast. Said on the console where there are ranks to wait for
-    (one rank's collectives wait on nobody)."""
+    """After the first step of this process (start-up, compilation and first collectives are over),
+    collectives time out after `trainer.dist_timeout_s`: a hang fails fast. Said on the console
+    where there are ranks to wait for (one rank's collectives wait on nobody)."""
 
     def after_step(self, trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         if trainer.state.step == trainer.state.resumed.step + 1:
-            set_collective_timeout(trainer.cfg.trainer.dist_timeout_s, trainer.layout.groups(),
-                                   quiet=trainer.layout.world_size == 1)
+            set_collective_timeout(
+                trainer.cfg.trainer.dist_timeout_s,
+                trainer.layout.groups(),
+                quiet=trainer.layout.world_size == 1,
+            )
 
 
 class StopHook(Hook):
@@ -86,9 +95,9 @@ def reset_traffic(layout: Layout, pipeline: Optional[PipelinedViT]) -> None:
 
 
 class TrafficHook(Hook):
-    """Bytes one step moves through TP collectives and pipeline sends, noted once (every step moves the same). A
-    pipeline's first step also runs the schedule's shape inference, so its second step is counted. Owns
-    `state.tp_bytes_per_step` and `state.pp_bytes_per_step`."""
+    """Bytes one step moves through TP collectives and pipeline sends, noted once (every step moves
+    the same). A pipeline's first step also runs the schedule's shape inference, so its second step
+    is counted. Owns `state.tp_bytes_per_step` and `state.pp_bytes_per_step`."""
 
     def __init__(self) -> None:
         self.noted = False
@@ -107,33 +116,44 @@ class TrafficHook(Hook):
         if comm is not None:
             state.tp_bytes_per_step = comm.ring_bytes()
             calls = ", ".join(f"{n} {kind}" for kind, n in sorted(comm.calls.items()))
-            log.info("tensor parallel traffic: %.2f MB sent per rank per step (%s)", state.tp_bytes_per_step / 1e6,
-                     calls)
+            log.info(
+                "tensor parallel traffic: %.2f MB sent per rank per step (%s)",
+                state.tp_bytes_per_step / 1e6,
+                calls,
+            )
         if pipe is not None:
             state.pp_bytes_per_step = pipe.p2p.bytes
-            log.info("pipeline traffic: %.2f MB sent per rank per step (%d sends to neighbouring stages)",
-                     pipe.p2p.bytes / 1e6, pipe.p2p.sends)
+            log.info(
+                "pipeline traffic: %.2f MB sent per rank per step (%d sends to neighbouring "
+                "stages)",
+                pipe.p2p.bytes / 1e6,
+                pipe.p2p.sends,
+            )
 
 
 class LogHook(Hook):
-    """Every `trainer.log_every` steps, at the last and at a stop (signal or `trainer.stop_at_step`): the mean loss
-    over DP, grad norm, LR and images/s to the metrics (CSV, TensorBoard), the console and the progress bar. Owns
-    `state.final_loss`."""
+    """Every `trainer.log_every` steps, at the last and at a stop (signal or
+    `trainer.stop_at_step`): the mean loss over DP, grad norm, LR and images/s to the metrics (CSV,
+    TensorBoard), the console and the progress bar. Owns `state.final_loss`."""
 
     def after_step(self, trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         state, timer = trainer.state, trainer.state.timer
         assert timer is not None  # the loop starts it
         timer.add(loss)
         t = trainer.cfg.trainer
-        if (state.step % t.log_every == 0 or state.step in (trainer.parts.total_steps, t.stop_at_step)
-                or state.stop_requested):
+        if (
+            state.step % t.log_every == 0
+            or state.step in (trainer.parts.total_steps, t.stop_at_step)
+            or state.stop_requested
+        ):
             timer.pause()
             state.final_loss = self._log(trainer, timer, grad_norm)
             timer.reset()
 
     @staticmethod
     def _log(trainer: Trainer, timer: StepTimer, grad_norm: torch.Tensor) -> float:
-        """Reduce the window's loss and the grad norm over DP (every rank calls this), log on rank 0."""
+        """Reduce the window's loss and the grad norm over DP (every rank calls this), log on rank
+        0."""
         state, parts, lay = trainer.state, trainer.parts, trainer.layout
         stats = torch.stack([timer.loss / timer.steps, grad_norm.to(timer.loss)])
         mean_loss, norm = (lay.all_reduce_dp(stats) / lay.dp).tolist()
@@ -142,26 +162,50 @@ class LogHook(Hook):
         rate = images / max(timer.close_window(state.step), 1e-9)
         lr = parts.optimizer.param_groups[0]["lr"]
         mfu = trainer.utilisation.mfu(rate)
-        trainer.metrics.log(state.step, epoch=state.epoch + 1, loss=mean_loss, lr=lr, grad_norm=norm,
-                            images_per_s=rate, **({"mfu": mfu} if mfu is not None else {}))
+        trainer.metrics.log(
+            state.step,
+            epoch=state.epoch + 1,
+            loss=mean_loss,
+            lr=lr,
+            grad_norm=norm,
+            images_per_s=rate,
+            **({"mfu": mfu} if mfu is not None else {}),
+        )
         peak = trainer.utilisation.peak_gpu_gib()
         memory = f" | {peak:.1f} GiB peak" if peak is not None else ""
         utilisation = f" | MFU {100 * mfu:.1f}%" if mfu is not None else ""
         epochs = math.ceil(parts.total_steps / sampler.steps_per_epoch)
-        rate_text = f"{rate:.1f}" if rate >= 10 else f"{rate:.2f}"  # one decimal (two below 10), every line alike
-        log.info("step %d/%d | epoch %d/%d | loss %.4f | lr %.2e | %s img/s%s%s", state.step, parts.total_steps,
-                 state.epoch + 1, epochs, mean_loss, lr, rate_text, utilisation, memory)
+        # one decimal (two below 10), every line alike
+        rate_text = f"{rate:.1f}" if rate >= 10 else f"{rate:.2f}"
+        log.info(
+            "step %d/%d | epoch %d/%d | loss %.4f | lr %.2e | %s img/s%s%s",
+            state.step,
+            parts.total_steps,
+            state.epoch + 1,
+            epochs,
+            mean_loss,
+            lr,
+            rate_text,
+            utilisation,
+            memory,
+        )
         if state.progress is not None:
-            state.progress.update(0, completed=state.step, stats=(
-                f"epoch {state.epoch + 1}/{epochs}  loss {mean_loss:.4f}  lr {lr:.2e}  {rate_text} img/s"
-                f"{utilisation.replace(' | ', '  ')}{memory.replace(' | ', '  ')}"))
+            state.progress.update(
+                0,
+                completed=state.step,
+                stats=(
+                    f"epoch {state.epoch + 1}/{epochs}  loss {mean_loss:.4f}  lr {lr:.2e}  "
+                    f"{rate_text} "
+                    f"img/s{utilisation.replace(' | ', '  ')}{memory.replace(' | ', '  ')}"
+                ),
+            )
         return mean_loss
 
 
 class TimelineHook(Hook):
-    """Records one pipeline step's actions on every rank (`parallel.timeline`): the second step of this process (the
-    first also sets up the schedule's buffers), or the only one; rank 0 writes pipeline_timeline.json / .png and the
-    bubble fraction. Owns `state.bubble`."""
+    """Records one pipeline step's actions on every rank (`parallel.timeline`): the second step of
+    this process (the first also sets up the schedule's buffers), or the only one; rank 0 writes
+    pipeline_timeline.json / .png and the bubble fraction. Owns `state.bubble`."""
 
     def __init__(self) -> None:
         self.recording = False
@@ -170,7 +214,9 @@ class TimelineHook(Hook):
         state, pipe = trainer.state, trainer.parts.pipeline
         start = state.resumed.step
         wanted = start + (2 if trainer.parts.total_steps - start >= 2 else 1)
-        self.recording = pipe is not None and trainer.layout.run.timeline and state.step + 1 == wanted
+        self.recording = (
+            pipe is not None and trainer.layout.run.timeline and state.step + 1 == wanted
+        )
         return pipe.timeline() if pipe is not None and self.recording else contextlib.nullcontext()
 
     def after_step(self, trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
@@ -192,11 +238,22 @@ class TimelineHook(Hook):
         events = [e for rank_events in events for e in rank_events]
         stats = bubble_fraction(events, lay.pp)
         trainer.state.bubble = stats["bubble"]
-        title = (f"{trainer.cfg.model.name} {p.schedule_name}: pp={lay.pp}, {p.n_stages} stages, "
-                 f"{p.microbatches} micro-batches")
+        title = (
+            f"{trainer.cfg.model.name} {p.schedule_name}: pp={lay.pp}, {p.n_stages} stages, "
+            f"{p.microbatches} micro-batches"
+        )
         (trainer.run_dir / "pipeline_timeline.json").write_text(
-            json.dumps({"title": title, "step": trainer.state.step, **stats, "events": to_json(events)}, indent=1))
+            json.dumps(
+                {"title": title, "step": trainer.state.step, **stats, "events": to_json(events)},
+                indent=1,
+            )
+        )
         png = plot_timeline(events, trainer.run_dir / "pipeline_timeline.png", title)
-        log.info("pipeline step %d: bubble %.1f%% of %.0f ms (per rank: %s); timeline %s", trainer.state.step,
-                 100 * stats["bubble"], 1e3 * stats["span_s"],
-                 ", ".join(f"{100 * b:.0f}%" for b in stats["bubble_per_rank"]), png)
+        log.info(
+            "pipeline step %d: bubble %.1f%% of %.0f ms (per rank: %s); timeline %s",
+            trainer.state.step,
+            100 * stats["bubble"],
+            1e3 * stats["span_s"],
+            ", ".join(f"{100 * b:.0f}%" for b in stats["bubble_per_rank"]),
+            png,
+        )

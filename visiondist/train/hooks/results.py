@@ -1,6 +1,6 @@
-"""The hooks that decide what a run leaves: its checkpoints (every `trainer.checkpoint_every` steps, the best by
-`trainer.best_metric`, the last), its consolidated weights, and the evaluations the best is chosen by. `default.py`
-orders them among the others.
+"""The hooks that decide what a run leaves: its checkpoints (every `trainer.checkpoint_every` steps,
+the best by `trainer.best_metric`, the last), its consolidated weights, and the evaluations the best
+is chosen by. `default.py` orders them among the others.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointHook(Hook):
-    """Every `trainer.checkpoint_every` steps before the last, and at the end of the run (complete or stopped) unless
-    that step is saved already. Under `trainer.checkpoint_async` a save overlaps the next steps; the end of the run,
-    a stop and a failure wait for it (a failure at most `trainer.dist_timeout_s`)."""
+    """Every `trainer.checkpoint_every` steps before the last, and at the end of the run (complete
+    or stopped) unless that step is saved already. Under `trainer.checkpoint_async` a save overlaps
+    the next steps; the end of the run, a stop and a failure wait for it (a failure at most
+    `trainer.dist_timeout_s`)."""
 
     def after_step(self, trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         every, step = trainer.cfg.trainer.checkpoint_every, trainer.state.step
@@ -32,7 +33,8 @@ class CheckpointHook(Hook):
                 trainer.checkpoints.save()
 
     def close(self, trainer: Trainer) -> None:
-        """Also after a failure: the save in flight is finished, so that a restart resumes from it."""
+        """Also after a failure: the save in flight is finished, so that a restart resumes from
+        it."""
         pending = trainer.checkpoints.pending
         if pending is not None:
             try:
@@ -48,9 +50,10 @@ class CheckpointHook(Hook):
 
 
 class BestCheckpointHook(Hook):
-    """`trainer.best_metric`: after each evaluation that improves the metric, that step's checkpoint (saved now if
-    the cadence did not) is recorded in checkpoints/best.json and kept beside the newest `trainer.keep_last`
-    (detectron2's BestCheckpointer). A resumed run continues from the best it had. Owns `state.best`."""
+    """`trainer.best_metric`: after each evaluation that improves the metric, that step's checkpoint
+    (saved now if the cadence did not) is recorded in checkpoints/best.json and kept beside the
+    newest `trainer.keep_last` (detectron2's BestCheckpointer). A resumed run continues from the
+    best it had. Owns `state.best`."""
 
     def __init__(self) -> None:
         self.metric: Optional[str] = None
@@ -63,10 +66,13 @@ class BestCheckpointHook(Hook):
         self.metric, self.checked = t.best_metric, state.step
         if self.metric is None:
             return
-        self.mode = t.best_mode if t.best_mode != "auto" else ("min" if "loss" in self.metric else "max")
+        self.mode = (
+            t.best_mode if t.best_mode != "auto" else ("min" if "loss" in self.metric else "max")
+        )
         best = read_best(trainer.run_dir)
         self.best = best["value"] if best and best.get("metric") == self.metric else None
-        if state.step and state.last_eval.get("step") == state.step:  # the evaluation a stop skipped, run now
+        # the evaluation a stop skipped, run now
+        if state.step and state.last_eval.get("step") == state.step:
             self.checked = -1
             self._check(trainer)
 
@@ -78,13 +84,19 @@ class BestCheckpointHook(Hook):
 
     def _check(self, trainer: Trainer) -> None:
         state, checkpoints = trainer.state, trainer.checkpoints
-        if self.metric is None or state.last_eval.get("step") != state.step or self.checked == state.step:
+        if (
+            self.metric is None
+            or state.last_eval.get("step") != state.step
+            or self.checked == state.step
+        ):
             return
         self.checked = state.step
         value = state.last_eval.get(self.metric)
         if value is None or not math.isfinite(value):
             return
-        if self.best is not None and (value <= self.best if self.mode == "max" else value >= self.best):
+        if self.best is not None and (
+            value <= self.best if self.mode == "max" else value >= self.best
+        ):
             return
         self.best = value
         with trainer.untimed():
@@ -103,27 +115,35 @@ class BestCheckpointHook(Hook):
 
 
 class WeightsHook(Hook):
-    """A complete run's model.safetensors, consolidated by rank 0 from the final checkpoint (`build.consolidate`)
-    while the other ranks wait (under the start-up timeout: minutes for a huge model). Owns `state.weights`."""
+    """A complete run's model.safetensors, consolidated by rank 0 from the final checkpoint
+    (`build.consolidate`) while the other ranks wait (under the start-up timeout: minutes for a huge
+    model). Owns `state.weights`."""
 
     def after_train(self, trainer: Trainer, complete: bool) -> None:
         if not complete:
             return
-        t, lay, checkpoint = trainer.cfg.trainer, trainer.layout, trainer.checkpoints.last_checkpoint
+        t, lay, checkpoint = (
+            trainer.cfg.trainer,
+            trainer.layout,
+            trainer.checkpoints.last_checkpoint,
+        )
         assert checkpoint is not None  # CheckpointHook saved the last step
         PROGRESS.at("writing the weights", trainer.state.step)
-        trainer.state.weights = consolidate(trainer.cfg.model, checkpoint, trainer.run_dir / "model.safetensors",
-                                            lay.is_main)
+        trainer.state.weights = consolidate(
+            trainer.cfg.model, checkpoint, trainer.run_dir / "model.safetensors", lay.is_main
+        )
         if lay.world_size > 1:
-            set_collective_timeout(t.startup_timeout_s, lay.groups(), quiet=True, key="trainer.startup_timeout_s")
+            set_collective_timeout(
+                t.startup_timeout_s, lay.groups(), quiet=True, key="trainer.startup_timeout_s"
+            )
             torch.distributed.barrier()
             set_collective_timeout(t.dist_timeout_s, lay.groups(), quiet=True)
 
 
 class EvalHook(Hook):
-    """`trainer.eval_at_start`; every `trainer.eval_every` steps (0: every epoch); and at the end of a complete run
-    unless its last step was evaluated. A stop signal that reached any rank before a due evaluation ends the loop
-    instead: a stopped job spends nothing more than its checkpoint."""
+    """`trainer.eval_at_start`; every `trainer.eval_every` steps (0: every epoch); and at the end of
+    a complete run unless its last step was evaluated. A stop signal that reached any rank before a
+    due evaluation ends the loop instead: a stopped job spends nothing more than its checkpoint."""
 
     def before_train(self, trainer: Trainer) -> None:
         step = trainer.state.step
@@ -131,8 +151,12 @@ class EvalHook(Hook):
             with trainer.untimed():
                 trainer.validation.evaluate()
         elif 0 < step < trainer.parts.total_steps and self.due(trainer) and self._skipped(trainer):
-            log.info("step %d's evaluation did not run before the run stopped (a stop signal during that step): "
-                     "it runs now, before step %d", step, step + 1)
+            log.info(
+                "step %d's evaluation did not run before the run stopped (a stop signal during "
+                "that step): it runs now, before step %d",
+                step,
+                step + 1,
+            )
             with trainer.untimed():
                 trainer.validation.evaluate()
 
@@ -145,21 +169,26 @@ class EvalHook(Hook):
 
     @staticmethod
     def _skipped(trainer: Trainer) -> bool:
-        """A run continued in its own run dir whose metrics.csv (rank 0's) has no evaluation of this step, agreed by
-        every rank (one all-reduce: the evaluation is collective)."""
+        """A run continued in its own run dir whose metrics.csv (rank 0's) has no evaluation of this
+        step, agreed by every rank (one all-reduce: the evaluation is collective)."""
         if not trainer.state.resumed.same_run(trainer.run_dir):
             return False
         key, lay = trainer.parts.task.headline[0], trainer.layout
-        logged = any(r.get("step") == trainer.state.step and r.get(key) is not None for r in trainer.metrics.rows)
+        logged = any(
+            r.get("step") == trainer.state.step and r.get(key) is not None
+            for r in trainer.metrics.rows
+        )
         missing = torch.tensor([0.0 if lay.is_main and logged else 1.0], device=lay.device)
         if lay.world_size > 1:  # rank 0 holds the rows: its "logged" decides
             torch.distributed.all_reduce(missing, op=torch.distributed.ReduceOp.MIN)
         return bool(missing.item())
 
     def after_step(self, trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        # the last step's evaluation runs in after_train, once the checkpoint and the weights are written
+        # the last step's evaluation runs in after_train, once the checkpoint and the weights are
+        # written
         if self.due(trainer) and trainer.state.step < trainer.parts.total_steps:
-            if trainer.optimizer_step.agree_stop():  # a stop: its checkpoint, not a pass over the val set first
+            # a stop: its checkpoint, not a pass over the val set first
+            if trainer.optimizer_step.agree_stop():
                 return True  # (the signal may have come during this step)
             with trainer.untimed():
                 trainer.validation.evaluate()
