@@ -37,11 +37,20 @@ them (`visiondist.utils` sits in the lowest layer beside this module, and may no
 from __future__ import annotations
 
 import inspect
+import logging
+import mmap
+import os
+import sys
+import warnings
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from torch.distributed.elastic.multiprocessing import api as elastic_api
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 SUPPORTED = "torch 2.11 through 2.15"
 
@@ -50,9 +59,6 @@ def quiet_pytree() -> None:
     """torch's pytree logger at ERROR in this process, from now on, and torchao's invalid escape
     sequences unwarned (see the module docstring); call it before importing torchao or what imports
     it."""
-    import logging
-    import warnings
-
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     # a compile-time warning's module is its file's path
     for category in (SyntaxWarning, DeprecationWarning):
@@ -68,9 +74,6 @@ def flight_recorder_env() -> str:
     """`TORCH_FR_BUFFER_SIZE` where this torch reads it, else `TORCH_NCCL_TRACE_BUFFER_SIZE`
     (torch's C++ reads them, so the check is on the sources torch ships: its headers, else its
     library)."""
-    import mmap
-    from pathlib import Path
-
     new = "TORCH_FR_BUFFER_SIZE"
     root = Path(torch.__file__).parent
     header = root / "include" / "torch" / "csrc" / "distributed" / "c10d" / "FlightRecorder.hpp"
@@ -88,9 +91,7 @@ def set_pg_timeout(timeout: timedelta, group: Optional[Any] = None) -> None:
     if hasattr(dist, "set_timeout"):
         dist.set_timeout(timeout, group) if group is not None else dist.set_timeout(timeout)
     else:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        _set_pg_timeout(timeout, group)
+        distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group) -> None:
@@ -131,7 +132,8 @@ PIPELINE_STAGE_OVERRIDES = {
 def check_pipeline_stage() -> None:
     """Raise if this torch's `PipelineStage` lacks a method the timed stage overrides or one of its
     parameters."""
-    from torch.distributed.pipelining import PipelineStage
+    # pipelining brings DTensor and dynamo (1.6 s), and the launching process imports this module
+    from torch.distributed.pipelining import PipelineStage  # noqa: PLC0415 (pipelining: 1.6 s)
 
     for name, params in PIPELINE_STAGE_OVERRIDES.items():
         method = getattr(PipelineStage, name, None)
@@ -155,8 +157,6 @@ AGENT_SIGNALS = "SIGHUP,SIGQUIT"
 def agent_signals(config_fields: set[str]) -> dict[str, str]:
     """LaunchConfig's keyword for the agent's signals, or {} after setting the environment variable
     it would set."""
-    import os
-
     if "signals_to_handle" in config_fields:
         return {"signals_to_handle": AGENT_SIGNALS}
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = AGENT_SIGNALS
@@ -166,19 +166,13 @@ def agent_signals(config_fields: set[str]) -> dict[str, str]:
 def agent_reads_signal_list() -> bool:
     """Whether this torch's elastic process context takes its signals from
     TORCHELASTIC_SIGNALS_TO_HANDLE."""
-    from torch.distributed.elastic.multiprocessing import api
-
-    return "TORCHELASTIC_SIGNALS_TO_HANDLE" in inspect.getsource(api)
+    return "TORCHELASTIC_SIGNALS_TO_HANDLE" in inspect.getsource(elastic_api)
 
 
 def quick_rendezvous_names() -> bool:
     """The rendezvous' `get_method_name(depth)` from the frame `depth` levels up (`sys._getframe`),
     the name `inspect.stack()[depth].function` gives, without reading any source (module docstring).
     False where this torch has no such function (nothing to do)."""
-    import sys
-
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
     original = getattr(dynamic_rendezvous, "get_method_name", None)
     if original is None or getattr(original, "quick", False):
         return original is not None

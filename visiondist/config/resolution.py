@@ -4,7 +4,10 @@ between config groups (`check_native`). The loader that applies them is `visiond
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
+from visiondist.config.schema import ConfigError, NativeConfig
 
 # data.native.pack: a training image takes this share of its step's length (uniform); the mean, 1/4,
 # makes a packed step's image count 4x the unpacked one's, a multiple of dp x grad_accum wherever
@@ -40,10 +43,6 @@ def reading(data_cfg, img_size: int, patch: int) -> str:
 def _check_square(native) -> None:
     """A square run's data.native.*: its defaults (`NativeConfig`) only, since it would change
     nothing."""
-    import dataclasses
-
-    from visiondist.config.schema import ConfigError, NativeConfig
-
     asked = []
     for key, default in dataclasses.asdict(NativeConfig()).items():
         value = native.get(key, default)
@@ -61,8 +60,6 @@ def _check_square(native) -> None:
 def check_native(cfg) -> None:
     """data.resolution's rules between groups (`visiondist.config.validate`): data.native.* only
     with data.resolution=native, and native's own; raises ConfigError."""
-    from visiondist.config.schema import ConfigError
-
     d, m = cfg.data, cfg.model
     if d.get("resolution", "square") == "square":
         _check_square(d.get("native") or {})

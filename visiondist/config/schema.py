@@ -15,38 +15,50 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING
+    """`model=<name>` (configs/model/): what is trained, a family's network and where its weights
+    start. The ViT fields shape the ViTs (and ViTDet's backbone); the detector fields the others."""
+
+    name: str = MISSING  # the model config's name (configs/model/<name>.yaml), which sets it
+    # vit | torchvision | vitdet | detr: the builder and what the family supports
+    # (visiondist.models.registry)
     family: str = "vit"
     timm_name: Optional[str] = None  # the timm architecture whose state-dict layout we export to
-    # data.img_size, rounded down
+    # data.img_size, rounded down: the square input side in pixels, a multiple of patch_size
     img_size: int = II("patch_multiple:${data.img_size},${model.patch_size}")
+    # classifier outputs, or a detector's object classes (no background); default: the data's
     num_classes: int = II("data.num_classes")
-    patch_size: int = 16
-    embed_dim: int = 192
-    depth: int = 12
-    num_heads: int = 3
-    mlp_ratio: float = 4.0
-    qkv_bias: bool = True
-    drop_rate: float = 0.0
+    patch_size: int = 16  # ViT: the side of a patch (a token), in pixels
+    embed_dim: int = 192  # ViT: the width, features per token (192: ViT-Ti)
+    depth: int = 12  # ViT: transformer blocks
+    num_heads: int = 3  # ViT: attention heads, dividing embed_dim
+    mlp_ratio: float = 4.0  # ViT: the MLP's hidden size as a multiple of embed_dim
+    qkv_bias: bool = True  # ViT: biases on the query, key and value projections
+    drop_rate: float = 0.0  # ViT: dropout before the head, a probability; 0: off
+    # ViT: stochastic depth, the last block's drop probability (0 at the first, linear between);
+    # 0: off
     drop_path_rate: float = 0.0
     # detectors (family torchvision / vitdet)
     arch: Optional[str] = None  # torchvision builder, e.g. fasterrcnn_mobilenet_v3_large_fpn
-    # a local state dict (.safetensors or torch file); nothing is ever downloaded
+    # a state dict: a local .safetensors or torch file, or by name one of torchvision's weight enums
+    # or (DETR-class) a Hugging Face repo, read from its library's cache and fetched there by the
+    # launching process where the network allows (visiondist.utils.pretrained) (null: the family's
+    # initialisation)
     weights: Optional[str] = None
-    # ViT fine-tuning: local weights (ours or timm's); a head of another size is new
+    # ViT fine-tuning: local weights (ours or timm's); a head of another size is new (null: none)
     init_from: Optional[str] = None
     # ResNet-FPN detectors: the backbone's ImageNet weights, a local torchvision resnet50 state dict
     # (e.g. the resnet50-0676ba61.pth file of ResNet50_Weights.IMAGENET1K_V1); as torchvision's
     # weights_backbone does, its BatchNorms become frozen (v1 models) and only the last
-    # `trainable_backbone_layers` stages train
+    # `trainable_backbone_layers` stages train (null: none, the backbone starts at random)
     backbone_weights: Optional[str] = None
     trainable_backbone_layers: int = 3  # 0-5, with backbone_weights (torchvision's default: 3)
-    min_size: int = II("data.min_size")  # the detector's internal resize
-    max_size: int = II("data.max_size")
+    min_size: int = II("data.min_size")  # the detector's internal resize (pixels): data.min_size
+    max_size: int = II("data.max_size")  # its long side's limit (pixels): data.max_size
     fpn_channels: int = 256  # vitdet: channels of the simple feature pyramid
     # a mask head: vitdet's is off unless true; torchvision's maskrcnn_* always have one
+    # (null: the family's default)
     masks: Optional[bool] = None
-    # multiplies the detector's anchor sizes (same anchors per location, same weights)
+    # multiplies the detector's anchor sizes (same anchors per location, same weights); 1: as built
     anchor_scale: float = 1.0
     roi_sampling_ratio: Optional[int] = None  # RoIAlign samples per bin side (torchvision: 2)
     sync_bn: bool = False  # convert BatchNorm to SyncBatchNorm under data parallelism (CUDA)
@@ -54,11 +66,12 @@ class ModelConfig:
     # convolutions in NHWC memory layout (CNN detectors on tensor cores)
     channels_last: bool = False
     # DETR-class detectors: the square sides a training batch is drawn from (RT-DETR's schedule:
-    # 480-800 around 640)
+    # 480-800 around 640), in pixels; null: model.img_size only
     multi_scale: Optional[list[int]] = None
     # DETR-class detectors: object queries (null: the published 300)
     num_queries: Optional[int] = None
-    # passed to the torchvision detector, e.g. box_score_thresh
+    # passed to the torchvision detector, e.g. box_score_thresh (a DETR-class detector: values of
+    # the library's config); empty: the builder's defaults
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -80,12 +93,12 @@ class NativeConfig:
 class SyntheticConfig:
     """How a built-in dataset is generated on first use."""
 
-    train_per_class: int = 500  # classification sets
-    val_per_class: int = 100
-    train_images: int = 2000  # detection sets
-    val_images: int = 300
-    image_size: int = 64
-    seed: int = 0
+    train_per_class: int = 500  # classification sets: training images per class
+    val_per_class: int = 100  # classification sets: validation images per class
+    train_images: int = 2000  # detection sets: training images
+    val_images: int = 300  # detection sets: validation images
+    image_size: int = 64  # the images' side, in pixels (their area's, with max_aspect)
+    seed: int = 0  # the generator's seed: the same set on every machine
     # shapes: images of aspect ratios (width / height) log-uniform in [1 / max_aspect, max_aspect],
     # each of the area of an image_size square; 1: all square
     max_aspect: float = 1.0
@@ -93,20 +106,30 @@ class SyntheticConfig:
 
 @dataclass
 class DataConfig:
-    name: str = MISSING
+    """`data=<name>` (configs/data/): what the ranks read, and how the images are augmented and
+    batched."""
+
+    name: str = MISSING  # the data config's name (configs/data/<name>.yaml), which sets it
+    # imagefolder (a folder per class) | coco (COCO instances JSON) | shards (tools/data.py pack)
     format: str = "imagefolder"
-    root: str = MISSING
-    train_split: str = "train"
-    val_split: str = "val"
+    root: str = MISSING  # the data set's directory (shards: or URL); the data config or the user
+    train_split: str = "train"  # the training split: its folder, or {split} below
+    val_split: str = "val"  # the validation split
+    # classes of the data set (detection: object classes, no background); the data config sets it
     num_classes: int = MISSING
+    # classification: the square side images are cropped to, in pixels (model.img_size rounds it
+    # down to the patch size)
     img_size: int = 224
     batch_size: int = 64  # global: summed over data-parallel ranks and accumulation steps
     eval_batch_size: int = 128  # global
+    # loader worker processes per rank; 0: the rank reads itself; -1: what the node's CPUs allow
     num_workers: int = 2
+    # per channel (RGB) of pixel values in [0, 1]: the normalisation; ImageNet's by default
     mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
-    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])  # as mean
+    # classification training: the random-resized crop's area range, fractions of the image
     train_crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
-    hflip: float = 0.5
+    hflip: float = 0.5  # training: the probability of a horizontal flip; 0: none
     # classification training: none | rand (RandAugment 2 ops, magnitude 9) | trivial
     auto_augment: str = "none"
     # where auto_augment runs: device (the whole batch after the copy) | loader (workers)
@@ -123,23 +146,28 @@ class DataConfig:
     cutmix: float = 0.0  # cutmix alpha; 0: off
     mixup_prob: float = 1.0  # probability of mixing a batch at all
     mixup_switch_prob: float = 0.5  # with both on: probability of cutmix instead of mixup
+    # classification evaluation: resize to img_size / crop_pct, then the centre img_size (timm's)
     crop_pct: float = 0.875
     # classification with a ViT: square (each image cropped and resized to model.img_size) | native
     # (its own aspect ratio, as many patches as its step's sequence length holds: data.native)
     resolution: str = "square"
-    native: NativeConfig = field(default_factory=NativeConfig)
+    native: NativeConfig = field(default_factory=NativeConfig)  # resolution=native's settings
     # classification resize filter (OpenCV), train crop and eval resize alike: bilinear | bicubic;
     # written into the export's timm config, so that timm's eval transform resizes the same way
     interpolation: str = "bilinear"
     # detection (format coco): <root>/<images>/<file_name>, <root>/<annotations>; {split} is the
     # split name
     annotations: str = "annotations/instances_{split}.json"
-    images: str = "{split}"
+    images: str = "{split}"  # the images' folder under root
     min_size: int = 800  # resize: short side to min_size unless the long side would pass max_size
-    max_size: int = 1333
+    max_size: int = 1333  # pixels, as min_size
+    # detection training: brightness, contrast and saturation jitter (hue a quarter of it, at most
+    # 0.5), applied to 80% of images; 0: off
     color_jitter: float = 0.0
+    # detection training: large-scale jitter, each image scaled by lsj_scale, then padded and
+    # cropped to a min_size square
     large_scale_jitter: bool = False
-    lsj_scale: list[float] = field(default_factory=lambda: [0.1, 2.0])
+    lsj_scale: list[float] = field(default_factory=lambda: [0.1, 2.0])  # its scale range
     aspect_grouping: bool = True  # each batch holds only landscape or only portrait images
     max_bad_images: int = 10  # consecutive unreadable training images before the run stops
     pin_memory: bool = True  # page-locked batches, copied to the GPU without blocking (CUDA only)
@@ -152,15 +180,19 @@ class DataConfig:
     # per data set and node: least recently used shards are dropped beyond it
     cache_gb: float = 100.0
     fetch_retries: int = 3  # more attempts per shard before the job ends naming its URL
+    # a built-in data set (data=shapes, shapes_coco): how it is generated; null: a real one
     synthetic: Optional[SyntheticConfig] = None
 
 
 @dataclass
 class ParallelConfig:
-    name: str = "ddp"
+    """`parallel=<layout>` (configs/parallel/): how the ranks share the model and the batch
+    (`visiondist.plan` resolves it), and the figures the planner plans with."""
+
+    name: str = "ddp"  # the layout config's name (configs/parallel/<name>.yaml)
     dp: int = -1  # -1: whatever the world size leaves after tp and pp
-    tp: int = 1
-    pp: int = 1
+    tp: int = 1  # tensor-parallel ranks (inside one node, dividing the heads); 1: off
+    pp: int = 1  # pipeline stages over ranks; 1: off
     # Megatron-SP: norms and residuals sharded along tokens (needs tp > 1)
     sequence_parallel: bool = False
     schedule: str = "1f1b"  # pipeline schedule: gpipe | 1f1b | interleaved_1f1b | zero_bubble
@@ -200,7 +232,7 @@ class ParallelConfig:
     nodes: int = 1
     # a layout fits when its estimate is at most this fraction of device_memory_gb
     headroom: float = 0.9
-    # sustained dense rate per device (time model; ranks layouts, predicts no wall time)
+    # sustained dense rate per device, TFLOP/s (time model; ranks layouts, predicts no wall time)
     device_tflops: float = 400.0
     intra_node_gbs: float = 300.0  # per-device link bandwidth inside a node, GB/s (NVLink class)
     inter_node_gbs: float = 25.0  # per-device bandwidth between nodes, GB/s (200 Gb/s InfiniBand)
@@ -209,13 +241,16 @@ class ParallelConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
-    lr: float = 1e-3
+    """`optim=<name>` (configs/optim/): the optimizer."""
+
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 1e-3  # the peak learning rate (after the warmup; the schedule scales it)
+    # AdamW's decoupled decay / SGD's L2 term (not on norms, biases, embeddings: decay_norm_bias)
     weight_decay: float = 0.05
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    momentum: float = 0.9
-    nesterov: bool = False
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW's (beta1, beta2)
+    eps: float = 1e-8  # AdamW's epsilon
+    momentum: float = 0.9  # SGD's momentum
+    nesterov: bool = False  # SGD: Nesterov momentum
     # true: weight decay on norms, biases, embeddings too (torchvision's references)
     decay_norm_bias: bool = False
     # layer-wise LR decay (fine-tuning): block i gets lr x layer_decay^(depth - i); 1: off
@@ -226,28 +261,36 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: str = "cosine"
+    """`schedule=<name>` (configs/schedule/): the learning rate over the run's optimizer
+    steps."""
+
+    name: str = "cosine"  # cosine (down to min_lr_ratio) | step (gamma at each milestone)
+    # optimizer steps of linear warmup from warmup_start_factor x lr; 0: none
     # -1 (configs/schedule/'s default): a fifth of the run's steps, at most warmup_auto_max
     warmup_steps: int = 0
-    warmup_auto_max: int = 30
+    warmup_auto_max: int = 30  # the most optimizer steps warmup_steps=-1 gives
     warmup_start_factor: float = 0.01  # lr multiplier at step 0 of the warmup
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of optim.lr
     # step: fractions of the run
     milestones: list[float] = field(default_factory=lambda: [0.66, 0.88])
-    gamma: float = 0.1
+    gamma: float = 0.1  # step: the lr multiplier at each milestone
 
 
 @dataclass
 class TrainerConfig:
-    accelerator: str = "auto"
+    """`trainer=<name>` (configs/trainer/): the run itself: its devices and length, precision
+    and compilation, what it logs and saves, and how it meets faults."""
+
+    accelerator: str = "auto"  # auto (CUDA where a GPU is visible, else the CPU) | cpu | cuda
     devices: int = -1  # ranks per node; -1: all visible GPUs, or what the mesh needs on the CPU
     # a node's ranks on its first GPU, over gloo: a test of a layout's correctness on fewer GPUs
     # than ranks (never faster; NCCL, which refuses two ranks on one GPU, is not what runs). Without
     # it, more ranks than GPUs is refused
     share_gpu: bool = False
+    # optimizer steps of the run; the first of max_steps and max_epochs ends it (<= 0: that one off)
     max_steps: int = -1
-    max_epochs: int = 10
-    seed: int = 0
+    max_epochs: int = 10  # passes over the training set
+    seed: int = 0  # the run's seed: initial weights, data order, augmentation
     precision: str = "32"  # 32 (or fp32) | bf16 | 16 (or fp16: autocast with dynamic loss scaling)
     # off | tensorwise | rowwise: the blocks' linear layers in float8 (torchao), with precision=bf16
     fp8: str = "off"
@@ -262,15 +305,16 @@ class TrainerConfig:
     cuda_graphs: Any = "auto"
     # torch.compile's max-autotune mode: GEMM templates timed against cuBLAS (minutes)
     compile_autotune: bool = False
+    # micro-batches accumulated per optimizer step (data.batch_size split among them); 1: none
     grad_accum: int = 1
     clip_grad: float = 0.0  # max global grad norm; 0 disables clipping
-    label_smoothing: float = 0.0  # classification cross-entropy
+    label_smoothing: float = 0.0  # classification cross-entropy: the share spread; 0: none
     ema_decay: float = 0.0  # model EMA, evaluated next to the model (e.g. 0.9998); 0: off
     # evaluate before the first step (e.g. the weights of model.init_from)
     eval_at_start: bool = False
     eval_every: int = 0  # optimizer steps between evaluations; 0: at the end of every epoch
-    log_every: int = 20
-    output_dir: str = "outputs"
+    log_every: int = 20  # optimizer steps between log lines
+    output_dir: str = "outputs"  # where run dirs are made, relative to the working directory
     run_dir: Optional[str] = None  # default: <output_dir>/<date>/<time>
     progress: bool = True  # rank 0: the live bar in a terminal, evaluation bars and spinners
     # rank 0: curves.png and the per-class (and detectors' val image) PNGs; false: none
@@ -283,12 +327,13 @@ class TrainerConfig:
     keep_last: int = 3  # complete checkpoints kept; 0: all
     # the step waits only for the copy to host memory; the write overlaps training
     checkpoint_async: bool = False
-    # also keep the best checkpoint by this evaluation metric (val_top1, val_mAP)
+    # also keep the best checkpoint by this evaluation metric (val_top1, val_mAP); null: none
     best_metric: Optional[str] = None
     best_mode: str = "auto"  # auto (min for a loss, else max) | max | min
     # auto: the run dir's latest checkpoint if any | a checkpoint or run dir | null
     resume: Optional[str] = "auto"
-    # > 0: checkpoint and end this process after this step (the schedule still spans the run)
+    # > 0: checkpoint and end this process after this step (the schedule still spans the run);
+    # -1: off
     stop_at_step: int = -1
     # self-launched: restart every rank this many times after a failure (resume=auto)
     max_restarts: int = 0
@@ -353,6 +398,19 @@ class PredictConfig:
 
 @dataclass
 class TrainConfig:
+    """The whole config (configs/train.yaml): a field per config group.
+
+    Attributes:
+        model: the network trained (`model=<name>`).
+        data: what the ranks read (`data=<name>`).
+        parallel: the layout over the ranks (`parallel=<name>`).
+        optim: the optimizer (`optim=<name>`).
+        schedule: the learning rate over the steps (`schedule=<name>`).
+        trainer: the run itself (`trainer=<name>`).
+        bench: what tools/benchmark.py times.
+        predict: what tools/predict.py predicts and writes.
+    """
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

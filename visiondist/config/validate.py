@@ -4,13 +4,17 @@ FSDP, ...) is its `ModelSpec`'s to say (`visiondist.models.registry.check_suppor
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
 from visiondist.config.layout import SCHEDULES
+from visiondist.config.resolution import check_native
 from visiondist.config.schema import ConfigError
+from visiondist.utils import pretrained as named
 
 # --------------------------------------------------------------------------------------------------
 # Validation: everything a type cannot say. Each check raises with the value, the reason and the
@@ -39,7 +43,14 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
 
 
 def check_mandatory(cfg: DictConfig) -> None:
-    """Every `???` value has been given (e.g. `data.root` of data=imagenet / coco)."""
+    """Every `???` value has been given (e.g. `data.root` of data=imagenet / coco).
+
+    Args:
+        cfg: a composed config.
+
+    Raises:
+        ConfigError: naming each missing key and a value to give it.
+    """
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         example = {"data.root": f"/path/to/{cfg.data.get('name') or 'data'}"}
@@ -50,7 +61,15 @@ def check_mandatory(cfg: DictConfig) -> None:
 def validate(cfg: DictConfig, mandatory: bool = True) -> None:
     """Check a composed config on its own (no devices, no model family's capabilities: those are
     `visiondist.models.registry.check_support`'s). Raises ConfigError. `mandatory=False`: `???`
-    values may stay unset (printing the config, planning a layout: nothing reads the data)."""
+    values may stay unset (printing the config, planning a layout: nothing reads the data).
+
+    Args:
+        cfg: a composed config.
+        mandatory: every `???` value must be given.
+
+    Raises:
+        ConfigError: the first rule the config breaks, naming the fix.
+    """
     if mandatory:
         check_mandatory(cfg)
     _check_model(cfg.model)
@@ -89,8 +108,6 @@ def _check_model(m: DictConfig) -> None:
         raise ConfigError(
             "set model.weights (exact weights) or model.init_from (fine-tuning start), not both"
         )
-    from visiondist.utils import pretrained as named
-
     _check_named(m)
     if (
         m.init_from is not None
@@ -121,8 +138,6 @@ def _check_named(m: DictConfig) -> None:
     """Weights given by name: a timm name for model.init_from, torchvision weights for the
     detectors' model.weights and model.backbone_weights; each must exist in the installed library
     (whether it is cached is checked with the inputs, where it may be downloaded)."""
-    from visiondist.utils import pretrained as named
-
     for key in ("init_from", "weights", "backbone_weights"):
         spec = m[key]
         if spec is None or not named.is_named(spec):
@@ -156,8 +171,6 @@ def _check_named(m: DictConfig) -> None:
 
 def _check_timm_shape(m: DictConfig, spec: str) -> None:
     """A timm name's architecture has the model's shape (before anything is downloaded)."""
-    from visiondist.utils import pretrained as named
-
     theirs = named.timm_shape(spec)
     if theirs is None:
         return
@@ -197,7 +210,8 @@ def _check_torchvision_weights(m: DictConfig, key: str, weights) -> None:
             f"torchvision detectors; {m.name} takes a local weights file (a ViT starts from "
             "timm's with model.init_from=timm/<name>)"
         )
-    from torchvision.models import get_model_weights
+    # torchvision brings torch (3.5 s), which validating a config otherwise never imports
+    from torchvision.models import get_model_weights  # noqa: PLC0415 (torchvision: 3.5 s)
 
     wanted = get_model_weights(m.arch)
     if type(weights) is not wanted:
@@ -334,9 +348,6 @@ def check_trackers_installed(loggers) -> None:
     """Each tracker in `loggers` (trainer.loggers) can be imported here; else one line naming the
     extra that installs it. Looked up without importing it (find_spec), so that the check costs
     nothing before the ranks start."""
-    import importlib.util
-    import sys
-
     for name in dict.fromkeys(loggers):
         module = TRACKERS.get(name)
         if module is None:
@@ -419,8 +430,6 @@ def _check_parallel(p: DictConfig) -> None:
 def _check_across(cfg: DictConfig) -> None:
     """Rules between groups that hold for every model family."""
     p, t = cfg.parallel, cfg.trainer
-    from visiondist.config.resolution import check_native
-
     check_native(cfg)
     if t.compile in (True, "model", "blocks") and p.pp > 1 and p.schedule == "zero_bubble":
         raise ConfigError(
@@ -430,8 +439,6 @@ def _check_across(cfg: DictConfig) -> None:
             "interleaved_1f1b, or drop trainer.compile"
         )
     if t.fp8 != "off":
-        import importlib.util
-
         if p.tp > 1:
             raise ConfigError(
                 f"trainer.fp8={t.fp8} with parallel.tp={p.tp}: float8 layers are not tensor "
@@ -478,7 +485,18 @@ _LAYOUT_KEYS = (
 def variant_config(cfg: DictConfig, overrides) -> DictConfig:
     """`cfg` with one benchmark variant's key=value overrides (a string of them separated by spaces,
     or a list), validated. The ranks, the mesh and the batch are the run's: a variant changes how a
-    step computes, not what it computes over."""
+    step computes, not what it computes over.
+
+    Args:
+        cfg: the run's config (read-only; not changed).
+        overrides: the variant's `key=value` overrides: one string separated by spaces, or a list.
+
+    Returns:
+        A new config with the overrides, validated.
+
+    Raises:
+        ConfigError: an override changes the ranks, the mesh or the batch, or breaks a rule.
+    """
     if not isinstance(overrides, str):  # ['a=1','b=2'] inside bench.variants' list
         overrides = " ".join(str(o) for o in overrides)
     pairs = overrides.split()
@@ -499,10 +517,10 @@ def variant_config(cfg: DictConfig, overrides) -> DictConfig:
         raise ConfigError(
             f"bench.variants entry {overrides!r}: {str(exc).splitlines()[0]}"
         ) from None
-    # a new object: the run's config is read-only
-    merged = OmegaConf.merge(merged, {"bench": {"variants": []}})
+    # a new object: the run's config is read-only (a merge onto a DictConfig is one)
+    merged = cast(DictConfig, OmegaConf.merge(merged, {"bench": {"variants": []}}))
     try:
         validate(merged)
     except ConfigError as exc:  # the fix belongs in this entry, not in the run's keys
         raise ConfigError(f"bench.variants entry {overrides!r}: {exc} (in this entry)") from None
-    return merged  # type: ignore[return-value]
+    return merged

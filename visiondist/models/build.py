@@ -12,9 +12,15 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from visiondist.models.detr_library import build_detr
 from visiondist.models.init import InitSource, materialize
-from visiondist.models.registry import EVAL_METRICS, SPECS, TASKS, eval_metrics  # noqa: F401 (re-exported)
+
+# re-exported (the package's lazy exports read them from registry.py)
+from visiondist.models.registry import EVAL_METRICS, SPECS, TASKS, eval_metrics  # noqa: F401
 from visiondist.models.vit import VisionTransformer, init_source
+
+# The detectors' module is imported where a detector is built (noqa: PLC0415): it brings
+# torchvision and with it torch._dynamo (0.7-0.85 s of a rank's start), which a ViT never needs.
 
 
 def _build_vit(cfg: Any) -> nn.Module:
@@ -39,20 +45,20 @@ def _build_vit(cfg: Any) -> nn.Module:
 
 
 def _build_torchvision(cfg: Any) -> nn.Module:
-    from visiondist.models.detection import build_torchvision_detector
+    from visiondist.models.detection import (  # noqa: PLC0415 (torchvision: see the top)
+        build_torchvision_detector,
+    )
 
     return build_torchvision_detector(cfg)
 
 
 def _build_vitdet(cfg: Any) -> nn.Module:
-    from visiondist.models.detection import build_vitdet
+    from visiondist.models.detection import build_vitdet  # noqa: PLC0415 (torchvision: see the top)
 
     return build_vitdet(cfg)
 
 
 def _build_detr(cfg: Any) -> nn.Module:
-    from visiondist.models.detr_library import build_detr
-
     return build_detr(cfg)
 
 
@@ -66,7 +72,17 @@ FAMILIES: dict[str, Callable[[Any], nn.Module]] = {
 
 def build_model(cfg: Any) -> nn.Module:
     """Build the model a `ModelConfig` describes (random init or local weights, nothing
-    downloaded)."""
+    downloaded).
+
+    Args:
+        cfg: the model config (`cfg.model`); its `family` chooses the builder.
+
+    Returns:
+        The model: a plain `nn.Module`, on torch's default device.
+
+    Raises:
+        ValueError: an unknown family.
+    """
     if cfg.family not in FAMILIES:
         raise ValueError(
             f"unknown model.family={cfg.family!r}: known families are {', '.join(FAMILIES)}"
@@ -82,7 +98,16 @@ def build_deferred(cfg: Any, weights: bool = True) -> tuple[nn.Module, Optional[
     """A ViT: the model on the meta device and the source of its initial values (`weights=False`:
     None, the tensors are left for a checkpoint to fill); `visiondist.models.init.materialize`
     allocates what a rank keeps. Other families: the model built on the CPU and None. Tell the two
-    apart with `visiondist.models.init.is_meta`."""
+    apart with `visiondist.models.init.is_meta`.
+
+    Args:
+        cfg: the model config (`cfg.model`).
+        weights: read the model's weights files (`model.weights`, `model.init_from`); False: leave
+            the tensors for a checkpoint to fill.
+
+    Returns:
+        (the model, the source of its initial values or None).
+    """
     structure = cfg
     # no weights file is read (a checkpoint fills the tensors); pretrained ones still shape the
     # model
@@ -92,10 +117,16 @@ def build_deferred(cfg: Any, weights: bool = True) -> tuple[nn.Module, Optional[
     if cfg.family not in DEFERRED_INIT:
         model = build_model(cfg)
         if not weights and cfg.family == "torchvision":
-            from visiondist.models.detection import pretrained_structure
+            from visiondist.models.detection import (  # noqa: PLC0415 (torchvision: see the top)
+                pretrained_structure,
+            )
 
             pretrained_structure(model, structure)
         return model, None
     with torch.device("meta"):
         model = build_model(cfg)
-    return model, DEFERRED_INIT[cfg.family](cfg, model) if weights else None
+    if not weights:
+        return model, None
+    if not isinstance(model, VisionTransformer):  # what the families of DEFERRED_INIT build
+        raise TypeError(f"model.family={cfg.family} built a {type(model).__name__}, not a ViT")
+    return model, DEFERRED_INIT[cfg.family](cfg, model)

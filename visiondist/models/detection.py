@@ -26,12 +26,15 @@ import torch
 import torch.nn.functional as F
 import torchvision.models.detection as tvd
 from torch import nn
+from torchvision.models import mobilenet_v3_large
 from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.backbone_utils import _mobilenet_extractor
 
 from visiondist.models.vit import Block
 from visiondist.models.vit_parallel import VIT_PLAN
-from visiondist.models.weights import freeze_batchnorms, load_local_weights
+from visiondist.models.weights import freeze_batchnorms, load_local_weights, read_state
 from visiondist.parallel.tensor import register_plan
+from visiondist.utils.pretrained import is_enum_name, local_file
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +73,6 @@ def maskrcnn_mobilenet_v3_large_fpn(
     """Mask R-CNN (torchvision's `MaskRCNN`) on the MobileNetV3-Large FPN backbone, anchors and RPN
     threshold that `fasterrcnn_mobilenet_v3_large_fpn` builds; torchvision has no builder of this
     name. Random weights only."""
-    from torchvision.models import mobilenet_v3_large
-    from torchvision.models.detection.backbone_utils import _mobilenet_extractor
-
     if weights is not None or weights_backbone is not None:
         raise ValueError(
             "maskrcnn_mobilenet_v3_large_fpn has no pretrained weights: start from "
@@ -112,8 +112,6 @@ def build_torchvision_detector(cfg: Any) -> nn.Module:
     )
     adapt_detector(model, cfg)
     keep_boxes_fp32(model)
-    from visiondist.utils.pretrained import is_enum_name, local_file
-
     if getattr(cfg, "backbone_weights", None):
         # a torchvision name: torch hub's cache
         path = str(local_file(cfg.backbone_weights, "model.backbone_weights"))
@@ -141,11 +139,8 @@ def load_pretrained_detector(model: nn.Module, cfg: Any) -> None:
     (FrozenBatchNorm2d; not in the v2 models), all but the last `trainable_backbone_layers` backbone
     stages frozen, and the classifier (and box regressor) of another class count left at their
     initialisation."""
-    from visiondist.models.weights import read_state
-    from visiondist.utils.pretrained import local_file
-
     state = read_state(str(local_file(cfg.weights, "model.weights")), "model.weights")
-    body = model.backbone.body
+    body = model.get_submodule("backbone.body")
     if _frozen_bn(cfg):
         freeze_batchnorms(body)
         state = {
@@ -188,11 +183,9 @@ def pretrained_structure(model: nn.Module, cfg: Any) -> None:
     """What starting from pretrained weights (`model.weights` by name, `model.backbone_weights`)
     changes in a detector besides its tensors, applied without reading them (a resumed run, eval,
     export): frozen BatchNorms and frozen early stages."""
-    from visiondist.utils.pretrained import is_enum_name
-
     if not (cfg.get("backbone_weights") or is_enum_name(cfg.get("weights"))):
         return
-    body = model.backbone.body
+    body = model.get_submodule("backbone.body")
     if _frozen_bn(cfg):
         freeze_batchnorms(body)
     freeze_backbone_stages(body, cfg.trainable_backbone_layers)
@@ -225,9 +218,7 @@ def load_backbone(model: nn.Module, path: str, trainable_layers: int, frozen_bn:
     the backbone (its classifier `fc.*` is not part of a detector), turn the BatchNorms into
     FrozenBatchNorm2d (the v1 detectors) and freeze all but the last `trainable_layers` of conv1,
     layer1..layer4."""
-    from visiondist.models.weights import read_state
-
-    body = model.backbone.body
+    body = model.get_submodule("backbone.body")
     state = {
         k: v
         for k, v in read_state(path, "model.backbone_weights").items()
@@ -252,8 +243,8 @@ def adapt_detector(model: nn.Module, cfg: Any) -> None:
     16..256) and `roi_sampling_ratio` sets RoIAlign's samples per bin side (box and mask
     RoIAlign)."""
     scale = float(getattr(cfg, "anchor_scale", 1.0))  # ranges are checked by config.validate
-    owner = model.rpn if hasattr(model, "rpn") else model
-    generator = owner.anchor_generator
+    owner = model.get_submodule("rpn") if hasattr(model, "rpn") else model
+    generator: AnchorGenerator = owner.get_submodule("anchor_generator")
     if scale != 1.0:
         sizes = tuple(tuple(max(1, round(s * scale)) for s in level) for level in generator.sizes)
         owner.anchor_generator = AnchorGenerator(sizes, generator.aspect_ratios)
@@ -296,14 +287,16 @@ def keep_boxes_fp32(model: nn.Module) -> None:
     autocast: a forward pre-hook on the anchor generator, forward hooks casting the box heads'
     outputs (RPN head, RoI box predictor, RetinaNet / FCOS head). Hooks change no parameter name, so
     the weights stay torchvision's."""
-    owner = model.rpn if hasattr(model, "rpn") else model
-    handles = [owner.anchor_generator.register_forward_pre_hook(_anchors_in_fp32)]
+    owner = model.get_submodule("rpn") if hasattr(model, "rpn") else model
+    handles = [owner.get_submodule("anchor_generator").register_forward_pre_hook(_anchors_in_fp32)]
     heads = [
         getattr(getattr(model, "rpn", None), "head", None),
         getattr(getattr(model, "roi_heads", None), "box_predictor", None),
         # mask logits, pasted in fp32
         getattr(getattr(model, "roi_heads", None), "mask_predictor", None),
-        model.head if hasattr(model, "head") and not hasattr(model, "rpn") else None,
+        model.get_submodule("head")
+        if hasattr(model, "head") and not hasattr(model, "rpn")
+        else None,
     ]
     handles += [
         head.register_forward_hook(lambda _module, _inputs, out: _float(out))

@@ -31,11 +31,16 @@ import functools
 import random
 import zlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from visiondist.compat import quiet_pytree
+
+if TYPE_CHECKING:  # the optional extra [detr]; its models are built through `_transformers`
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -212,12 +217,10 @@ _MEAN, _STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def _transformers():
-    from visiondist.compat import quiet_pytree
-
     try:
         # transformers imports torchao where it is installed (here, or when it builds a model)
         quiet_pytree()
-        import transformers
+        import transformers  # noqa: PLC0415 (the optional extra [detr])
     except ImportError as e:  # the optional extra
         raise ImportError(
             "DETR-class detectors are transformers' models: pip install -e '.[detr]'"
@@ -233,7 +236,9 @@ def arch_of(name: str) -> Arch:
     return ARCHS[name]
 
 
-def build_hf_detector(arch: str, num_classes: int, overrides: Optional[dict] = None) -> nn.Module:
+def build_hf_detector(
+    arch: str, num_classes: int, overrides: Optional[dict] = None
+) -> PreTrainedModel:
     """transformers' model of `arch` for `num_classes` object classes (no background class), random
     weights."""
     spec = arch_of(arch)
@@ -262,7 +267,7 @@ class DetrDetector(nn.Module):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: PreTrainedModel,
         img_size: int,
         arch: Optional[Arch] = None,
         multi_scale: Optional[list[int]] = None,
@@ -284,8 +289,9 @@ class DetrDetector(nn.Module):
         self.register_state_dict_post_hook(_drop_aliases)
         # the loss is ours (detr_criterion.py): the matching of every layer batched with one host
         # transfer a step, D-FINE's as its paper defines it; the library's model calls it with its
-        # raw outputs
-        from visiondist.models.detr_criterion import install
+        # raw outputs. Imported here: its `torch.compiler.disable` imports torch._dynamo (1.4 s),
+        # which the processes that only read this module's tables (a ViT's rank) never need
+        from visiondist.models.detr_criterion import install  # noqa: PLC0415 (dynamo: 1.4 s)
 
         self.criterion = install(model)
         self.register_load_state_dict_pre_hook(_fill_aliases)
@@ -294,7 +300,7 @@ class DetrDetector(nn.Module):
         """What `trainer.compile=model` compiles: the library's network (backbone, encoder,
         decoder), not the per-image resizes before it nor the loss, whose matching runs on the
         host."""
-        return self.model.model
+        return self.model.get_submodule("model")
 
     def input_size(self, targets: Optional[list[dict]] = None) -> int:
         """The square side the model sees: model.img_size, or in training with model.multi_scale one

@@ -47,6 +47,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -416,12 +417,14 @@ class DetrCriterion:
             terms[f"bbox_{h.name}"] = self.weights["bbox"] * (pred - tgt).abs().sum() / n_box
             giou = generalized_box_iou(_corners(pred), _corners(tgt))
             terms[f"giou_{h.name}"] = self.weights["giou"] * (1 - giou).sum() / n_box
-            if h.corners is not None:
+            if h.corners is not None and h.refs is not None:  # D-FINE's heads: set together
                 iou = box_iou(_corners(pred), _corners(tgt)).detach()
-                terms[f"fgl_{h.name}"] = self.weights["fgl"] * self._fgl(h, b, q, tgt, iou, n_box)
+                terms[f"fgl_{h.name}"] = self.weights["fgl"] * self._fgl(
+                    h.corners, h.refs, b, q, tgt, iou, n_box
+                )
                 if h.teacher is not None:
                     terms[f"ddf_{h.name}"] = self.weights["ddf"] * self._ddf(
-                        h, b, q, iou, ddf_split
+                        h.corners, h.teacher, b, q, iou, ddf_split
                     )
         return terms
 
@@ -454,14 +457,14 @@ class DetrCriterion:
         loss = -pos_w * F.logsigmoid(logits) - neg_w * F.logsigmoid(-logits)
         return loss.sum() / num
 
-    def _fgl(self, h: Head, b, q, target, iou, num) -> Tensor:
+    def _fgl(self, corners: Tensor, refs: Tensor, b, q, target, iou, num) -> Tensor:
         """D-FINE's fine-grained localisation loss: each edge's distribution towards the two bins
         around the target distance, IoU-weighted."""
         bins = int(self.config.max_num_bins)
-        pred = h.corners[b, q].float().reshape(-1, bins + 1)
+        pred = corners[b, q].float().reshape(-1, bins + 1)
         with torch.no_grad():
             left, w_right, w_left = edge_targets(
-                h.refs[b, q].detach().float(),
+                refs[b, q].detach().float(),
                 _corners(target),
                 bins,
                 float(self.config.reg_scale),
@@ -474,13 +477,22 @@ class DetrCriterion:
         )
         return (loss * iou.repeat_interleave(4)).sum() / num
 
-    def _ddf(self, h: Head, b, q, iou, split, temperature: float = 5.0) -> Tensor:
+    def _ddf(
+        self,
+        corners: Tensor,
+        teacher: tuple[Tensor, Tensor],
+        b,
+        q,
+        iou,
+        split,
+        temperature: float = 5.0,
+    ) -> Tensor:
         """D-FINE's decoupled distillation focal loss: the last layer's edge distributions distilled
         into this one, weighted by the teacher's confidence (the IoU at matched queries), matched
         and unmatched averaged apart."""
         bins = int(self.config.max_num_bins)
-        teacher_corners, teacher_logits = h.teacher
-        pred = h.corners.float().reshape(-1, bins + 1)
+        teacher_corners, teacher_logits = teacher
+        pred = corners.float().reshape(-1, bins + 1)
         target = teacher_corners.detach().float().reshape(-1, bins + 1)
         weight = teacher_logits.detach().float().sigmoid().max(dim=-1).values
         weight = weight.index_put((b, q), iou)
@@ -503,7 +515,9 @@ def edge_targets(refs: Tensor, target: Tensor, bins: int, reg_scale: float, up: 
     model's non-uniform bins: (left bin as a float, weight of the right bin, weight of the left
     bin), one per edge (4 per box) - `bbox2distance` / `translate_gt` of the original, written
     without boolean-mask indexing."""
-    from transformers.loss.loss_d_fine import weighting_function
+    from transformers.loss.loss_d_fine import (  # noqa: PLC0415 (the optional extra [detr])
+        weighting_function,
+    )
 
     scale = abs(reg_scale)
     cx, cy, w, h = refs.unbind(-1)
@@ -521,9 +535,12 @@ def edge_targets(refs: Tensor, target: Tensor, bins: int, reg_scale: float, up: 
         - 0.5 * scale
     )
     edges = edges.reshape(-1)
-    values = weighting_function(bins, torch.tensor([up], device=refs.device), reg_scale).to(
-        edges.dtype
-    )
+    # transformers annotates reg_scale an int; D-FINE's configs hold a float (4.0), as it computes
+    values = weighting_function(
+        bins,
+        torch.tensor([up], device=refs.device),
+        reg_scale,  # type: ignore[arg-type]
+    ).to(edges.dtype)
     index = (values[None] <= edges[:, None]).sum(1) - 1
     inside = index.clamp(0, bins - 1)
     left_d = (edges - values[inside]).abs()
@@ -548,8 +565,6 @@ def _normalisers(boxes: float, go: float, device: torch.device) -> tuple[Any, An
     """The boxes (and D-FINE's union matches) averaged over data-parallel ranks, at least 1: a
     device tensor under torch.distributed (one all-reduce, no host read), plain numbers in one
     process."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         both = torch.tensor([boxes, go], device=device)
         dist.all_reduce(both)
@@ -570,7 +585,7 @@ FAMILIES = {
 def install(model) -> Optional[DetrCriterion]:
     """Make a transformers DETR-class `...ForObjectDetection` train with this criterion (its forward
     calls `loss_function` with the raw outputs); None for a model of no family here."""
-    family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None) or "")
     if family is None:
         return None
     criterion = DetrCriterion(family, model.config)

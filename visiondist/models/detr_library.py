@@ -29,7 +29,8 @@ from visiondist.models.detr import (
     build_hf_detector,
     library_values,
 )
-from visiondist.models.weights import output_mode
+from visiondist.models.weights import load_local_weights, output_mode
+from visiondist.utils.pretrained import local_file
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +49,6 @@ def build_detr(cfg: Any) -> nn.Module:
         scales,
     )
     if cfg.weights:
-        from visiondist.models.weights import load_local_weights
-        from visiondist.utils.pretrained import local_file
-
         # a repo name: its snapshot in the cache
         where = local_file(str(cfg.weights), "model.weights")
         if is_library_dir(where):
@@ -106,8 +104,6 @@ def _frozen_backbone_batchnorms(cfg: Any) -> bool:
     plateau for epochs. `model.kwargs.freeze_backbone_batch_norms` sets it either way."""
     if not cfg.weights:
         return False
-    from visiondist.utils.pretrained import local_file
-
     where = local_file(str(cfg.weights), "model.weights")
     return is_library_dir(where) and bool(_library_config(where).get(FROZEN_BN, True))
 
@@ -154,7 +150,10 @@ def library_state(
             f"{model.arch.model_type}: {use}"
         )
     own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    theirs_labels, ours = _labels_of(where), int(model.model.config.num_labels)
+    ours = model.model.config.num_labels
+    if ours is None:  # a detector's library config counts its labels
+        raise ValueError(f"model={name}: its library config counts no labels")
+    theirs_labels = _labels_of(where)
     # the library reads its own layout (its renamed keys included)
     stored = _from_pretrained(model.arch, where)
     state, fresh, unknown, wrong = {}, [], [], []
@@ -260,7 +259,7 @@ def library_settings(where) -> Optional[dict[str, Any]]:
         return None
     labels = _labels_of(where)
     queries = {k: config[k] for k in ("num_queries",) if k in config}
-    name = _variant_of(_from_pretrained(arch, where), kind, labels, queries)
+    name = _variant_of(_from_pretrained(arch, where), arch.model_type, labels, queries)
     if name is None:
         return None
     settings: dict[str, Any] = {"model": name, "data.num_classes": labels}

@@ -29,7 +29,7 @@ def to_device(values: np.ndarray, device: torch.device) -> Tensor:
 def solve(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The minimum-cost assignment of a (rows, columns) cost matrix: scipy's `linear_sum_assignment`
     (the Hungarian algorithm the originals use), min(rows, columns) pairs, rows ascending."""
-    from scipy.optimize import linear_sum_assignment
+    from scipy.optimize import linear_sum_assignment  # noqa: PLC0415 (the optional extra [detr])
 
     if cost.shape[0] == 0 or cost.shape[1] == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)

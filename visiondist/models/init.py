@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
 
-# fills a full tensor in place from a generator
-Rule = Callable[[torch.Tensor, torch.Generator], None]
+# fills a full tensor in place from a generator (what it returns, torch's init functions return the
+# tensor, is not read)
+Rule = Callable[[torch.Tensor, torch.Generator], object]
 # (name, this rank's param, full) -> its part
 Local = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -47,6 +48,19 @@ def generator_for(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
+class DrawsItsValues(Protocol):
+    """A model that draws its own initial values (the ViT): its seed, a rule per parameter, and
+    its parameters by name."""
+
+    init_seed: int
+
+    def init_rules(self) -> dict[str, Rule]: ...
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+
 class InitSource:
     """The full initial value of each parameter of a (meta) model, on the CPU: drawn by the model's
     rules, or read from `state` (a mapping read lazily, one tensor per access) for the names it
@@ -57,7 +71,7 @@ class InitSource:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: DrawsItsValues,
         state: Optional[Mapping[str, torch.Tensor]] = None,
         fresh: tuple[str, ...] = (),
     ):

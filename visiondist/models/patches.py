@@ -26,6 +26,9 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
+# the fields of `Patches` that are tensors (what `to` and `pin_memory` move)
+_TENSORS = ("patches", "segments", "pos_index", "slots", "order")
+
 
 class Patches(NamedTuple):
     """A batch of B sequences of N patch tokens holding at most S images each (`pack` makes one).
@@ -52,22 +55,17 @@ class Patches(NamedTuple):
     grids: tuple[tuple[int, int], ...]
     padded: bool
 
-    TENSORS = ("patches", "segments", "pos_index", "slots", "order")
-
     @property
     def num_images(self) -> int:
         return len(self.order)
 
     def to(self, device, non_blocking: bool = False) -> Patches:
         return self._replace(
-            **{
-                name: getattr(self, name).to(device, non_blocking=non_blocking)
-                for name in self.TENSORS
-            }
+            **{name: getattr(self, name).to(device, non_blocking=non_blocking) for name in _TENSORS}
         )
 
     def pin_memory(self) -> Patches:
-        return self._replace(**{name: getattr(self, name).pin_memory() for name in self.TENSORS})
+        return self._replace(**{name: getattr(self, name).pin_memory() for name in _TENSORS})
 
 
 def patchify(image: torch.Tensor, patch: int) -> torch.Tensor:

@@ -6,6 +6,8 @@ which the CLI and the layout resolver call, runs it after the per-group validati
 
 from __future__ import annotations
 
+import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -127,8 +129,6 @@ def _check_blocks(cfg: DictConfig) -> None:
         )
     hidden = int(m.embed_dim * m.mlp_ratio)
     if hidden % p.tp:
-        import math
-
         good = ", ".join(str(x) for x in divisors(math.gcd(hidden, m.num_heads)))
         raise ConfigError(
             f"parallel.tp={p.tp} does not divide the MLP hidden size {hidden} of {m.name} "
@@ -150,7 +150,8 @@ def _check_vitdet(cfg: DictConfig) -> None:
 
 
 def _check_detr(cfg: DictConfig) -> None:
-    from visiondist.models.detr import ARCHS
+    # the model modules bring torch (2 s; torchvision's 0.8 s more): the launcher reads this one
+    from visiondist.models.detr import ARCHS  # noqa: PLC0415 (torch: see above)
 
     m = cfg.model
     if m.arch not in ARCHS:
@@ -204,8 +205,6 @@ def _check_detr(cfg: DictConfig) -> None:
             f"{m.name} takes its own square input (model.img_size) and scales "
             "(model.multi_scale): set data.large_scale_jitter=false"
         )
-    import importlib.util
-
     if importlib.util.find_spec("transformers") is None:
         raise ConfigError(
             f"{m.name} is a transformers model, and transformers is not installed: "
@@ -302,11 +301,18 @@ EVAL_METRICS = {
 
 def eval_metrics(cfg: Any) -> tuple[str, ...]:
     """The evaluation metrics a model (its `ModelConfig`) reports: its task's, and the mask stats of
-    a mask model."""
+    a mask model.
+
+    Args:
+        cfg: the model config (`cfg.model`).
+
+    Returns:
+        The metric names, as metrics.csv's columns (`EVAL_METRICS`).
+    """
     names = EVAL_METRICS[TASKS[cfg.family]]
     if TASKS[cfg.family] != "detection":
         return names
-    from visiondist.models.detection import (
+    from visiondist.models.detection import (  # noqa: PLC0415 (torchvision: see _check_detr)
         has_masks,  # torchvision: only where a detector is asked about
     )
 

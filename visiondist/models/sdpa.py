@@ -16,6 +16,9 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from visiondist.utils.clock import DeviceClock
 
 _SWITCHES = {
     "flash": "enable_flash_sdp",
@@ -30,8 +33,6 @@ _TORCH_ORDER = list(_GET_ORDER()) if _GET_ORDER is not None else None  # torch's
 
 
 def _backend(name: str):
-    from torch.nn.attention import SDPBackend
-
     return {
         "flash": SDPBackend.FLASH_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -42,7 +43,15 @@ def _backend(name: str):
 
 def select_attention(kernel: str = "auto", order: Optional[Sequence[str]] = None) -> None:
     """Allow `kernel` only, or (`auto`) every kernel in torch's order, or in `order` (kernel names,
-    first tried first; the rest follow in torch's order) where torch lets a process set it."""
+    first tried first; the rest follow in torch's order) where torch lets a process set it.
+
+    Args:
+        kernel: `model.sdpa`: auto, flash, efficient, cudnn or math.
+        order: with auto, the kernels tried first, by name; None: torch's order.
+
+    Raises:
+        ValueError: an unknown kernel.
+    """
     if kernel != "auto" and kernel not in _SWITCHES:
         raise ValueError(f"model.sdpa={kernel!r}: use auto or one of {', '.join(_SWITCHES)}")
     for name, switch in _SWITCHES.items():
@@ -67,8 +76,6 @@ def current_order() -> list[str]:
 def _seconds_per_step(step: Callable[[], None], steps: int, device: torch.device) -> float:
     """`steps` calls back to back, timed on the device (CUDA events on its stream; the host's clock
     on the CPU)."""
-    from visiondist.utils.clock import DeviceClock
-
     clock = DeviceClock(device)
     clock.start()
     for _ in range(steps):
@@ -88,8 +95,6 @@ def time_kernels(
     """Seconds per forward + backward of attention on (batch, heads, tokens, head size) q, k, v for
     each candidate kernel; None where the kernel cannot run that shape, dtype or device (torch's "no
     available kernel")."""
-    from torch.nn.attention import sdpa_kernel
-
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     grad = torch.randn(shape, device=device, dtype=dtype)
     out: dict[str, Optional[float]] = {}
@@ -110,12 +115,14 @@ def time_kernels(
 
 def fastest_first(times: dict[str, Optional[float]]) -> list[str]:
     """The kernels that ran, fastest first."""
-    return sorted((n for n, t in times.items() if t is not None), key=lambda n: times[n])
+    ran = {n: t for n, t in times.items() if t is not None}
+    return sorted(ran, key=ran.__getitem__)
 
 
 def describe(times: dict[str, Optional[float]], shape: tuple[int, ...], dtype: torch.dtype) -> str:
     ran = fastest_first(times)
-    text = " < ".join(f"{n} {times[n] * 1e3:.3f} ms" for n in ran) or "no fused kernel runs it"
+    seconds = {n: t for n, t in times.items() if t is not None}
+    text = " < ".join(f"{n} {seconds[n] * 1e3:.3f} ms" for n in ran) or "no fused kernel runs it"
     cannot = [n for n, t in times.items() if t is None]
     dims = "x".join(str(s) for s in shape)
     return (

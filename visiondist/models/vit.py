@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,8 @@ from torch import nn
 from visiondist.models import vit_parallel
 from visiondist.models.init import InitSource, Rule, draw_seed, materialize
 from visiondist.models.patches import Patches, native_forward
+from visiondist.models.weights import LazyState, check_fits, plan_init_from
+from visiondist.utils.pretrained import local_file
 
 
 class _FusedQKV(torch.autograd.Function):
@@ -121,6 +123,8 @@ class DropPath(nn.Module):
     block and hit dynamo's recompile limit (8) in deep models. With the buffer all blocks share one
     graph (two: with and without drop)."""
 
+    keep_prob: torch.Tensor  # the buffer
+
     def __init__(self, p: float):
         super().__init__()
         self.p = p
@@ -154,14 +158,14 @@ class Block(nn.Module):
         # keep only the input for the backward and recompute the rest there
         self.checkpointing = False
         # () -> (forward context, recomputation context), torch's `context_fn`
-        self.recompute_context = None
+        self.recompute_context: Optional[Callable[[], Any]] = None
         # more keyword arguments of torch's checkpoint (the dry run's)
         self.checkpoint_options: dict = {}
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         # non-reentrant: RNG (drop path) replayed, kwargs-safe
         if self.checkpointing and torch.is_grad_enabled():
-            context = (
+            context: dict[str, Any] = (
                 {"context_fn": self.recompute_context} if self.recompute_context is not None else {}
             )
             return torch.utils.checkpoint.checkpoint(
@@ -391,7 +395,6 @@ def init_source(cfg, model: VisionTransformer) -> InitSource:
     """Where the (meta) model's initial values come from: `model.weights` (exactly these tensors),
     `model.init_from` (fine-tuning: a new head when the class count differs, the position embedding
     resampled), or the init rules. Weights in timm's layout (fused `qkv`) are read as ours."""
-    from visiondist.models.weights import LazyState, check_fits, plan_init_from
 
     def ours(weights):
         return SplitFusedQKV(weights) if any(_FUSED.match(k) for k in weights) else weights
@@ -402,8 +405,6 @@ def init_source(cfg, model: VisionTransformer) -> InitSource:
         check_fits(state, own, "model.weights", cfg.weights, type(model).__name__)
         return InitSource(model, state)
     if cfg.get("init_from"):
-        from visiondist.utils.pretrained import local_file
-
         # a timm name: its file in the Hugging Face cache
         file = str(local_file(cfg.init_from, "model.init_from"))
         state, fresh = plan_init_from(

@@ -16,6 +16,10 @@ package applies these and never imports the models.
 
 from __future__ import annotations
 
+from typing import Protocol
+
+import torch
+
 from visiondist.parallel.fsdp import register_block
 from visiondist.parallel.stages import StageCut, register_stage_cut
 from visiondist.parallel.tensor import (
@@ -43,7 +47,20 @@ VIT_PLAN: dict[str, Style] = {
 }
 
 
-def declare(model: type, block: type) -> None:
+class _StagedModel(Protocol):
+    """What `declare` reads off the model's class: the ends of the pipeline stage cut (run on a
+    stage that holds the model's parts under their names) and the tensors kept from weight
+    decay."""
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def forward_head(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @staticmethod
+    def no_weight_decay() -> set[str]: ...
+
+
+def declare(model: type[_StagedModel], block: type) -> None:
     """Declare the ViT (`visiondist.models.vit` calls this with its classes, so that a ViT made
     anywhere brings its declarations): its TP plan, its transformer block, and its stage cut. The
     stage holds the model's own parts under their names, so the model's own methods run on it."""

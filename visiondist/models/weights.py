@@ -8,10 +8,14 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
+
+from visiondist.utils.dcp import read_metadata
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +26,8 @@ def read_state(path: str, key: str = "model.weights") -> dict[str, torch.Tensor]
     if not file.is_file():
         raise FileNotFoundError(f"{key}={path}: no such file")
     if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
         return load_file(str(file))
-    state = _torch_load(file, key)
-    return state.get("model", state) if isinstance(state, dict) else state
+    return _state_dict(_torch_load(file, key), file, key)
 
 
 def not_weights(file: Path) -> Optional[str]:
@@ -68,14 +69,21 @@ def _torch_load(file: Path, key: str, mmap: bool = False) -> object:
         ) from None
 
 
+def _state_dict(loaded: object, file: Path, key: str) -> dict[str, Any]:
+    """The state dict a torch file holds: the file's dict, or its `model` entry (a training
+    checkpoint's)."""
+    state = loaded.get("model", loaded) if isinstance(loaded, dict) else loaded
+    if not isinstance(state, dict):
+        raise ValueError(f"{key}={file} holds a {type(state).__name__}, not a state dict")
+    return state
+
+
 def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """Tensor shapes of weights without reading the tensors: a safetensors header, a DCP
     checkpoint's metadata (its model tensors, under their canonical names), or a torch file
     memory-mapped."""
     file = Path(path).expanduser()
     if file.is_dir():
-        from visiondist.utils.dcp import read_metadata
-
         stored = read_metadata(file).state_dict_metadata
         return {
             k[len("model.") :]: tuple(v.size)
@@ -83,12 +91,9 @@ def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
             if k.startswith("model.") and hasattr(v, "size")
         }
     if file.suffix == ".safetensors":
-        from safetensors import safe_open
-
         with safe_open(str(file), framework="pt") as f:
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    state = _torch_load(file, "model.weights", mmap=True)
-    state = state.get("model", state) if isinstance(state, dict) else state
+    state = _state_dict(_torch_load(file, "model.weights", mmap=True), file, "model.weights")
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
@@ -97,8 +102,6 @@ def save_weights(
 ) -> None:
     """`safetensors.torch.save_file`, then the file mode every other output gets (0o666 less the
     umask; safetensors itself writes 0o600)."""
-    from safetensors.torch import save_file
-
     save_file(state, str(path), metadata=metadata)
     output_mode(path)
 
@@ -147,7 +150,8 @@ def freeze_batchnorms(model: nn.Module, which: Optional[Callable[[str], bool]] =
     ]
     if not targets:
         return 0  # a ViT's processes need not import torchvision for this
-    from torchvision.ops.misc import FrozenBatchNorm2d
+    # torchvision (with torch._dynamo: 0.7-0.85 s) for detectors only
+    from torchvision.ops.misc import FrozenBatchNorm2d  # noqa: PLC0415 (torchvision: see above)
 
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
@@ -166,13 +170,10 @@ class LazyState(Mapping):
         if not file.is_file():
             raise FileNotFoundError(f"{key}={path}: no such file")
         if file.suffix == ".safetensors":
-            from safetensors import safe_open
-
             handle = safe_open(str(file), framework="pt")
             self._keys, self._read = list(handle.keys()), handle.get_tensor
         else:
-            state = _torch_load(file, key, mmap=True)
-            state = state.get("model", state) if isinstance(state, dict) else state
+            state = _state_dict(_torch_load(file, key, mmap=True), file, key)
             self._keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
             self._read = state.__getitem__
 
@@ -193,7 +194,9 @@ class Overlay(Mapping):
     of another size), read lazily like `base`."""
 
     def __init__(self, base: Mapping[str, torch.Tensor]):
-        self.base, self.replaced, self.removed = base, {}, set()
+        self.base = base
+        self.replaced: dict[str, torch.Tensor] = {}
+        self.removed: set[str] = set()
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key in self.removed:
@@ -295,7 +298,8 @@ def resample_pos_embed(
     sizes = [math.isqrt(t.shape[1] - prefix_tokens) for t in (old, new)]
     if any(s * s != t.shape[1] - prefix_tokens for s, t in zip(sizes, (old, new))):
         return  # not a square grid: the load reports the mismatch
-    from timm.layers import resample_abs_pos_embed
+    # timm brings torchvision, DTensor and torch._dynamo (2-3 s): only for weights of another size
+    from timm.layers import resample_abs_pos_embed  # noqa: PLC0415 (timm: 2-3 s, see above)
 
     state[key] = resample_abs_pos_embed(
         old, new_size=[sizes[1]] * 2, old_size=[sizes[0]] * 2, num_prefix_tokens=prefix_tokens

@@ -9,13 +9,20 @@ transformers' layout); a class count is blamed only where the classifier is all 
 from __future__ import annotations
 
 import functools
+import json
 import re
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
+import visiondist
 from visiondist.config import ConfigError
+from visiondist.utils.dcp import is_complete
+from visiondist.utils.pretrained import WeightsNotFound, is_named, local_file
+
+# The modules that build or read a model are imported where they are used (noqa: PLC0415): the
+# launching process checks weights with this module before its ranks start, without torch (2 s).
 
 # the classifier of each family: its first dimension counts the classes (detectors: plus the
 # background, times the anchors per location for RetinaNet / FCOS)
@@ -42,8 +49,7 @@ def check_weights(model_cfg, purpose: str = "train", data_classes: Optional[int]
     from_pretrained directory) exists and fits the model: the same family and shape, every tensor
     present with the model's shape; otherwise one line saying what the file is and what to set.
     `data_classes`: data.num_classes, to name the key that set the class count."""
-    from visiondist.models.weights import weight_shapes
-    from visiondist.utils.pretrained import is_named
+    from visiondist.models.weights import weight_shapes  # noqa: PLC0415 (torch: see the top)
 
     spec = str(model_cfg.weights)
     if model_cfg.family == "detr" and _check_library_weights(model_cfg):
@@ -141,8 +147,7 @@ def _classes_key(model_cfg, data_classes: Optional[int]) -> str:
 def _check_directory(model_cfg, path: Path, purpose: str) -> None:
     """A directory is a checkpoint (evaluation reads it into any layout) or, for DETR-class
     detectors, a from_pretrained directory (checked before this)."""
-    from visiondist.models.detr_library import is_library_dir
-    from visiondist.utils.dcp import is_complete
+    from visiondist.models.detr_library import is_library_dir  # noqa: PLC0415 (torch: see the top)
 
     spec = model_cfg.weights
     if is_library_dir(path):
@@ -169,7 +174,7 @@ def _check_directory(model_cfg, path: Path, purpose: str) -> None:
 def _nothing_in_common(model_cfg, path: Path, stored: dict, own: dict) -> str:
     """The message for a file none of whose tensor names the model has: what the file seems to be,
     and the fix."""
-    from visiondist.models.detr_library import is_library_dir
+    from visiondist.models.detr_library import is_library_dir  # noqa: PLC0415 (torch: see the top)
 
     spec, name = model_cfg.weights, model_cfg.name
     if path.is_file() and is_library_dir(path.parent):
@@ -276,20 +281,18 @@ def named_vit(vit: dict[str, Any]) -> Optional[str]:
         )
     ]
     same_depth = [name for name in found if _vit_configs()[name].depth == vit["depth"]]
-    return (same_depth or found or [None])[0]
+    return next(iter(same_depth or found), None)
 
 
 @functools.lru_cache(maxsize=1)
 def _vit_configs() -> dict[str, Any]:
     """The ViT model configs (configs/model/*.yaml of family vit; none where the package was
     installed without them)."""
-    import visiondist
-
     folder = Path(visiondist.__file__).resolve().parents[1] / "configs" / "model"
-    found = {}
+    found: dict[str, Any] = {}
     for file in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
         cfg = OmegaConf.load(file)
-        if cfg.get("family") == "vit":
+        if isinstance(cfg, DictConfig) and cfg.get("family") == "vit":  # a model config is a map
             found[str(cfg.name)] = cfg
     return found
 
@@ -306,7 +309,12 @@ def vit_fix(vit: dict[str, Any], model_cfg=None) -> str:
     they differ from the file."""
     variant = named_vit(vit)
     configs = _vit_configs()
-    switch = variant is not None and (model_cfg is None or variant != model_cfg.name)
+    # the config to switch to: the file's variant where it is not the one in use
+    target = (
+        configs[variant]
+        if variant is not None and (model_cfg is None or variant != model_cfg.name)
+        else None
+    )
     mine = configs.get(str(model_cfg.name)) if model_cfg is not None else None
     settings = []
     for field, key, default in _VIT_KEYS:
@@ -316,7 +324,7 @@ def vit_fix(vit: dict[str, Any], model_cfg=None) -> str:
             current = _value(model_cfg, key, default)
             overridden = mine is None or _value(mine, key, default) != current
             result = (
-                _value(configs[variant], key, default) if switch and not overridden else current
+                _value(target, key, default) if target is not None and not overridden else current
             )
         if result != vit[field]:
             settings.append(
@@ -330,7 +338,7 @@ def vit_fix(vit: dict[str, Any], model_cfg=None) -> str:
         settings.append(f"model.num_heads=<a divisor of {vit['width']}>")
     if variant is None and model_cfg is None:
         return "use a ViT model config (model=vit_*) with " + " ".join(settings)
-    return "use " + " ".join(([f"model={variant}"] if switch else []) + settings)
+    return "use " + " ".join(([f"model={variant}"] if target is not None else []) + settings)
 
 
 def _compare_vits(model_cfg, stored: dict, own: dict, key: str = "model.weights") -> None:
@@ -385,8 +393,6 @@ def _vit_text(vit: dict[str, Any]) -> str:
 
 def _library_type(where: Path) -> Optional[str]:
     """The `model_type` in a from_pretrained directory's config.json."""
-    import json
-
     try:
         return json.loads((where / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
@@ -401,7 +407,7 @@ def _library_kind(where: Path) -> str:
 def _library_fix(where: Path, spec: str, model: str) -> str:
     """The settings that read a from_pretrained directory: the model configs of its kind, and the
     directory."""
-    from visiondist.models.detr import ARCHS
+    from visiondist.models.detr import ARCHS  # noqa: PLC0415 (torch: see the top)
 
     kind = _library_type(where)
     same = [n for n, a in ARCHS.items() if a.model_type == kind]
@@ -415,11 +421,13 @@ def _check_library_weights(model_cfg) -> bool:
     """A DETR-class detector's `model.weights` in the library's layout (a from_pretrained directory,
     or a Hugging Face repo name, cached by now): its kind and variant fit the model (built on the
     meta device). False: not that layout (a state dict file, checked as any other)."""
-    import torch
+    import torch  # noqa: PLC0415 (torch: see the top)
 
-    from visiondist.models import build_model
-    from visiondist.models.detr_library import is_library_dir, library_state
-    from visiondist.utils.pretrained import WeightsNotFound, local_file
+    from visiondist.models import build_model  # noqa: PLC0415 (torch: see the top)
+    from visiondist.models.detr_library import (  # noqa: PLC0415 (torch: see the top)
+        is_library_dir,
+        library_state,
+    )
 
     try:
         where = local_file(str(model_cfg.weights), "model.weights")
@@ -440,9 +448,9 @@ def model_shapes(model_cfg) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """The model's parameter and buffer shapes (its state dict's), built on the meta device (no
     memory, no initialisation cost), and every name a file may hold them under (a tensor tied under
     two names: either)."""
-    import torch
+    import torch  # noqa: PLC0415 (torch: see the top)
 
-    from visiondist.models import build_model
+    from visiondist.models import build_model  # noqa: PLC0415 (torch: see the top)
 
     bare = OmegaConf.merge(
         model_cfg, {"weights": None, "init_from": None, "backbone_weights": None}
@@ -477,11 +485,13 @@ def weights_settings(
     and only what it cannot say is asked for: the data to evaluate on (`data_needed`: a ConfigError
     naming it; prediction reads no data and gets the built-in COCO-format set's settings). Anything
     else: none."""
-    from visiondist.models.detr_library import is_library_dir
+    from visiondist.models.detr_library import is_library_dir  # noqa: PLC0415 (torch: see the top)
 
     if not is_library_dir(weights):
         return []
-    from visiondist.models.detr_library import library_settings
+    from visiondist.models.detr_library import (  # noqa: PLC0415 (torch: see the top)
+        library_settings,
+    )
 
     said = library_settings(weights) or {}
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
@@ -517,8 +527,7 @@ def check_init_from(model_cfg) -> None:
     bias: naming the model config of the file's shape), every tensor but the classification head
     (another class count, or none) and the position embedding (resampled to another image size) with
     the model's shape, nothing the model lacks."""
-    from visiondist.models.weights import weight_shapes
-    from visiondist.utils.pretrained import is_named
+    from visiondist.models.weights import weight_shapes  # noqa: PLC0415 (torch: see the top)
 
     spec = str(model_cfg.init_from)
     path = Path(spec).expanduser()

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from visiondist.parallel.data import wrap_data_parallel
 from visiondist.parallel.fsdp import (
@@ -61,6 +62,32 @@ def parallelize(
     block (before any sharding wrapper, as FSDP2 expects), "model" the whole model (one device or
     DDP only), replayed as CUDA graphs with `cuda_graphs`; `compile_autotune`: Inductor's autotuning
     modes (`fsdp.compile_mode`).
+
+    Args:
+        model: the finished single-device model (on `layout.device`, or on the meta device).
+        layout: this rank's `Layout` (the mesh and its degrees).
+        sequence_parallel: Megatron-SP inside the tensor-parallel groups (needs tp > 1).
+        pipeline: the pipeline's schedule and micro-batches (pp > 1); None: `PipelineSpec.of(pp)`.
+        loss_fn: the last pipeline stage's loss; None: cross entropy.
+        fsdp: shard over the DP ranks (FSDP2) instead of DDP.
+        offload: with `fsdp`, the shards and the optimizer state in host memory.
+        activation_checkpointing: recompute the blocks' activations in the backward.
+        checkpoint_blocks: how many blocks recompute, from the first; -1: all.
+        checkpoint_keep: what a recomputing block keeps: "input" or "matmuls".
+        compile: torch.compile: False, True or "blocks" (each block), "model" (the whole model).
+        param_dtype: FSDP's gather dtype (bf16, fp16 runs); None: the parameters' own.
+        materialize: allocates and fills a meta model's tensors once it is laid out; None: nothing.
+        wrap: put a data-parallel model under DDP; False: bare (the dry run).
+        shard_size: FSDP's shard group size: 0 every DP rank; fewer than dp: HSDP.
+        cuda_graphs: replay the whole compiled model as CUDA graphs.
+        compile_autotune: Inductor's autotuning modes.
+
+    Returns:
+        The laid-out model: under DDP, FSDP2, a `PipelinedViT`, or the model itself.
+
+    Raises:
+        ValueError: a combination this layout cannot run (FSDP with tp or pp, a whole-model compile
+            under a sharded layout, pipeline stages of a model that is not a ViT classifier).
     """
     if activation_checkpointing:
         enable_activation_checkpointing(model, checkpoint_blocks, checkpoint_keep)
@@ -83,7 +110,7 @@ def parallelize(
         materialize(model)
         return model
     if layout.tp > 1:
-        model = apply_tensor_parallel(model, layout.tp_comm, sequence_parallel)
+        model = apply_tensor_parallel(model, layout.tp_communicator(), sequence_parallel)
     if layout.pp > 1:
         if (
             not hasattr(model, "blocks")
@@ -112,12 +139,21 @@ def local_part(layout: Layout) -> Callable[[str, torch.Tensor, torch.Tensor], to
     """(name, this rank's parameter, the parameter's full value) -> the part this rank holds: the
     tensor-parallel shard along the dim the plan cut, the DTensor's local shard (FSDP: `torch.chunk`
     along each sharded dim, as DTensor cuts), or all of it (replicated, or a pipeline stage's
-    own)."""
-    from torch.distributed.tensor import DTensor, Shard
+    own).
+
+    Args:
+        layout: this rank's `Layout`.
+
+    Returns:
+        The function `(name, parameter, full value) -> this rank's part`, what `materialize`
+        fills each parameter with.
+    """
 
     def part(name: str, param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         if isinstance(param, DTensor):
             coordinate = param.device_mesh.get_coordinate()
+            if coordinate is None:  # a parameter's mesh holds every rank of its layout
+                raise ValueError(f"{name}: this rank is not in its device mesh")
             for mesh_dim, placement in enumerate(param.placements):
                 if isinstance(placement, Shard):
                     chunks = full.chunk(param.device_mesh.size(mesh_dim), dim=placement.dim)

@@ -22,7 +22,12 @@ def same_buffers(model: nn.Module, layout: Layout) -> None:
     at the start of each training forward. After a step each replica's statistics are its own
     batch's, so an evaluation sharded over the replicas would score each shard with other
     statistics, none of them the checkpoint's (the first replica's): called before an evaluation, so
-    that its numbers are the saved model's on any number of ranks."""
+    that its numbers are the saved model's on any number of ranks.
+
+    Args:
+        model: the model as laid out.
+        layout: this rank's `Layout` (its DP group).
+    """
     if not isinstance(model, DistributedDataParallel) or not model.broadcast_buffers:
         return
     first = dist.get_global_rank(layout.dp_group, 0)
@@ -31,5 +36,9 @@ def same_buffers(model: nn.Module, layout: Layout) -> None:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside whatever wrapper the layout added."""
+    """The plain model inside whatever wrapper the layout added.
+
+    Args:
+        model: the model as laid out.
+    """
     return model.module if isinstance(model, DistributedDataParallel) else model

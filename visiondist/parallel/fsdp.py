@@ -16,13 +16,22 @@ under DDP.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from visiondist.compat import split_mesh
 from visiondist.parallel.mesh import Layout
 
 _BLOCKS: set[type] = set()
@@ -36,7 +45,11 @@ def register_block(cls: type) -> None:
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's transformer blocks (the classes `register_block` named), in module order."""
+    """The model's transformer blocks (the classes `register_block` named), in module order.
+
+    Args:
+        model: the model (any wrapper included).
+    """
     return [m for m in model.modules() if isinstance(m, tuple(_BLOCKS))]
 
 
@@ -47,9 +60,11 @@ def keep_matmuls_context():
     """torch's selective checkpointing contexts for `parallel.checkpoint_keep=matmuls`: a
     checkpointed block keeps what its matmuls, attention kernels and tensor-parallel collectives
     returned (the costly work) and recomputes the rest in the backward (norms, GELU, residual adds,
-    drop path, casts: elementwise passes over memory)."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    drop path, casts: elementwise passes over memory).
 
+    Returns:
+        The (forward, recomputation) context managers torch's checkpoint takes as `context_fn`.
+    """
     aten = torch.ops.aten
     keep = {aten.mm.default, aten.addmm.default, aten.bmm.default}
     for name in (
@@ -75,7 +90,13 @@ def enable_activation_checkpointing(model: nn.Module, blocks: int = -1, keep: st
     (`keep="input"`), or also its matmuls' and attention's outputs (`"matmuls"`: selective by
     operation, torch's `create_selective_checkpoint_ contexts`; the backward recomputes only
     elementwise work). Returns the number of checkpointed blocks; a model without blocks is an
-    error."""
+    error.
+
+    Args:
+        model: the model whose blocks recompute.
+        blocks: how many blocks, from the first; -1: all.
+        keep: what a recomputing block keeps: "input" or "matmuls".
+    """
     if keep not in CHECKPOINT_KEEPS:
         raise ValueError(
             f"parallel.checkpoint_keep={keep!r}: use one of {', '.join(CHECKPOINT_KEEPS)}"
@@ -88,9 +109,11 @@ def enable_activation_checkpointing(model: nn.Module, blocks: int = -1, keep: st
         )
     chosen = found if blocks < 0 else found[:blocks]
     for block in chosen:
-        block.checkpointing = True
+        # plain fields of the block's class (nn.Module types its attributes as tensors or modules)
+        fields = cast(Any, block)
+        fields.checkpointing = True
         if keep == "matmuls":
-            block.recompute_context = keep_matmuls_context
+            fields.recompute_context = keep_matmuls_context
     return len(chosen)
 
 
@@ -116,7 +139,13 @@ def _compile_options(backend, mode: str | None) -> dict:
 def compile_blocks(model: nn.Module, backend=None, autotune: bool = False) -> int:
     """`torch.compile` each transformer block in place (its checkpointing, if any, included). The
     blocks share one compiled graph: their parameters and buffers are graph inputs. Returns the
-    number of blocks."""
+    number of blocks.
+
+    Args:
+        model: the model whose blocks are compiled.
+        backend: torch.compile's backend; None: Inductor.
+        autotune: Inductor's autotuning modes (`compile_mode`).
+    """
     found = transformer_blocks(model)
     if not found:
         raise ValueError(
@@ -135,7 +164,14 @@ def compile_model(
     DDPOptimizer cuts the graph at the gradient buckets, so their all-reduces still overlap the
     backward. `cuda_graphs`: the graph replayed as CUDA graphs (torch's CUDA graph trees); the step
     marks each iteration (`torch.compiler.cudagraph_mark_step_begin`). `autotune`:
-    `compile_mode`."""
+    `compile_mode`.
+
+    Args:
+        model: the model (a DETR-class detector: its `compile_region`).
+        cuda_graphs: replay the graph as CUDA graphs.
+        backend: torch.compile's backend; None: Inductor.
+        autotune: Inductor's autotuning modes.
+    """
     options = _compile_options(backend, compile_mode(cuda_graphs, autotune))
     # a DETR: the library's network, not its loss and resizes
     region = getattr(model, "compile_region", None)
@@ -155,17 +191,8 @@ def apply_fsdp(
     updates stay fp32. `shard_size` < dp: HSDP, sharded inside groups of that many consecutive DP
     ranks (a node's) and replicated across the groups: the gathers stay inside a group and only the
     gradient shards are all-reduced across groups."""
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        fully_shard,
-    )
-
     mesh = layout.mesh["dp"]
     if 0 < shard_size < layout.dp:
-        from visiondist.compat import split_mesh
-
         mesh = split_mesh(mesh, (layout.dp // shard_size, shard_size), ("dp_replicate", "dp_shard"))
     policy = (
         CPUOffloadPolicy(pin_memory=layout.device.type == "cuda") if offload else OffloadPolicy()
@@ -180,31 +207,49 @@ def apply_fsdp(
 
 
 def is_fully_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
+    """Whether FSDP2 shards `model` (`fully_shard` applied to it).
 
+    Args:
+        model: the model as laid out.
+    """
     return isinstance(model, FSDPModule)
 
 
 def reshard(model: nn.Module) -> None:
     """Free every gathered copy of the weights (FSDP keeps the root's after a forward without
     backward), so that the next forward gathers the shards again. Needed before and after the shards
-    are changed outside the optimizer (the EMA's swap)."""
-    from torch.distributed.fsdp import FSDPModule
+    are changed outside the optimizer (the EMA's swap).
 
+    Args:
+        model: the model as laid out (nothing happens to a model FSDP does not shard).
+    """
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
 
 
 def local_numel(param: torch.Tensor) -> int:
-    """Elements this rank stores (a DTensor's local shard)."""
+    """Elements this rank stores (a DTensor's local shard).
+
+    Args:
+        param: a parameter, plain or a DTensor.
+    """
     return param.to_local().numel() if isinstance(param, DTensor) else param.numel()
 
 
 def forwards_needed(model: nn.Module, layout: Layout, mine: int) -> int:
     """Under FSDP every forward gathers weights from all DP ranks, so every rank must run as many
     forwards as the busiest: agree on that number before the first one (afterwards the ranks would
-    be in different collectives)."""
+    be in different collectives).
+
+    Args:
+        model: the model as laid out.
+        layout: this rank's `Layout`.
+        mine: the forwards this rank has data for.
+
+    Returns:
+        The forwards every rank runs: the most any DP rank needs (`mine` where nothing is sharded).
+    """
     if not is_fully_sharded(model) or layout.dp == 1:
         return mine
     most = torch.tensor([mine], dtype=torch.int64, device=layout.device)
@@ -214,10 +259,17 @@ def forwards_needed(model: nn.Module, layout: Layout, mine: int) -> int:
 
 def blank_forwards(model: nn.Module, layout: Layout, count: int, autocast=None) -> None:
     """`count` forwards of one blank image (results unused): a rank whose shard ran out keeps the
-    others going."""
+    others going.
+
+    Args:
+        model: the ViT as laid out.
+        layout: this rank's `Layout` (its device).
+        count: how many forwards; 0 or less: none.
+        autocast: the precision's autocast context; None: none.
+    """
     if count <= 0:
         return
-    size = model.patch_embed.img_size
+    size = cast(Any, model.patch_embed).img_size  # a ViT's (nn.Module types it Tensor | Module)
     blank = torch.zeros(1, 3, size, size, device=layout.device)
     with torch.no_grad(), autocast or nullcontext():
         for _ in range(count):

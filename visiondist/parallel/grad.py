@@ -37,7 +37,12 @@ def _all_reduce_flat(
 
 def finish_gradients(params: Iterable[torch.nn.Parameter], layout: Layout) -> None:
     """Sum, over TP, the gradients that are partial over tokens (sequence parallelism), in one flat
-    all-reduce."""
+    all-reduce.
+
+    Args:
+        params: the model's parameters (those marked partial are summed).
+        layout: this rank's `Layout`.
+    """
     if layout.tp_comm is None:
         return
     grads = [p.grad for p in params if p.grad is not None and getattr(p, PARTIAL_GRAD, False)]
@@ -103,7 +108,12 @@ def mean_over_group(grads: list[torch.Tensor], group, size: int, limit: int = BU
 def average_over_data_parallel(params: Iterable[torch.nn.Parameter], layout: Layout) -> None:
     """Mean of the gradients over the DP replicas (what DDP does, for models DDP does not wrap:
     pipeline stages, whose backward runs inside torch's schedules), in buckets (`mean_over_group`),
-    after the pipeline's flush."""
+    after the pipeline's flush.
+
+    Args:
+        params: the model's parameters (those without a gradient are skipped).
+        layout: this rank's `Layout`.
+    """
     if layout.dp == 1:
         return
     grads = [p.grad for p in params if p.grad is not None]
@@ -115,16 +125,24 @@ def clip_grad_norm(
     params: Iterable[torch.nn.Parameter], max_norm: float, layout: Layout
 ) -> torch.Tensor:
     """Global L2 norm of the gradients over every shard, clipped to `max_norm` when it is > 0;
-    returns the norm before clipping (the same on every rank)."""
-    params = [p for p in params if p.grad is not None]
+    returns the norm before clipping (the same on every rank).
+
+    Args:
+        params: the model's parameters (those without a gradient are skipped).
+        max_norm: the largest global norm kept; 0: no clipping.
+        layout: this rank's `Layout` (the groups the shards are summed over).
+    """
+    pairs = [(p, grad) for p in params if (grad := p.grad) is not None]
+    params = [p for p, _ in pairs]
     # FSDP: DTensor shards, reduced over their DP mesh
-    if any(isinstance(p.grad, DTensor) for p in params):
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=None)
+    if any(isinstance(grad, DTensor) for _, grad in pairs):
+        norm = torch.nn.utils.get_total_norm([grad for _, grad in pairs], foreach=None)
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)
-        return norm.full_tensor().float()
-    sharded = [p.grad for p in params if getattr(p, SHARD_DIM, None) is not None]
-    replicated = [p.grad for p in params if getattr(p, SHARD_DIM, None) is None]
+        # a norm of DTensors is one (torch types it a Tensor)
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).float()
+    sharded = [grad for p, grad in pairs if getattr(p, SHARD_DIM, None) is not None]
+    replicated = [grad for p, grad in pairs if getattr(p, SHARD_DIM, None) is None]
 
     def squared(grads: list[torch.Tensor]) -> torch.Tensor:
         if not grads:
@@ -133,7 +151,7 @@ def clip_grad_norm(
 
     sharded_sq = squared(sharded)
     if layout.tp > 1:
-        dist.all_reduce(sharded_sq, group=layout.tp_comm.group)
+        dist.all_reduce(sharded_sq, group=layout.tp_communicator().group)
     total_sq = sharded_sq + squared(replicated)
     if layout.pp > 1:
         dist.all_reduce(total_sq, group=layout.pp_group)

@@ -24,6 +24,26 @@ MESH_DIMS = ("pp", "dp", "tp")
 
 @dataclass
 class Layout:
+    """A rank's place in the device mesh pp x dp x tp, and what the engine asks of it (the rank that
+    logs, the group a metric is reduced over, the DP rank a sampler reads for).
+
+    Attributes:
+        mesh: the device mesh, dims ("pp", "dp", "tp").
+        device: this rank's device.
+        rank: the global rank.
+        world_size: ranks in all.
+        local_rank: the rank's index on its node.
+        dp: data-parallel degree.
+        tp: tensor-parallel degree.
+        pp: pipeline-parallel degree.
+        dp_rank: this rank's coordinate along dp.
+        tp_rank: this rank's coordinate along tp.
+        pp_rank: this rank's coordinate along pp.
+        tp_comm: the TP group and its traffic counter; None when tp == 1.
+        nodes: the node index of every global rank.
+        run: the job's resolved `RunLayout`, which the trainer reads every switch from.
+    """
+
     mesh: DeviceMesh
     device: torch.device
     rank: int
@@ -57,7 +77,13 @@ class Layout:
     def groups(self) -> list[dist.ProcessGroup]:
         """One process group per mesh dimension (pp, dp, tp): the groups a collective timeout
         applies to."""
-        return [self.mesh.get_group(dim) for dim in self.mesh.mesh_dim_names]
+        return [self.mesh.get_group(dim) for dim in self.mesh.mesh_dim_names or ()]
+
+    def tp_communicator(self) -> TPComm:
+        """`tp_comm`, which a layout with tp > 1 has (the TP group and its traffic counter)."""
+        if self.tp_comm is None:
+            raise ValueError(f"a layout with tp={self.tp} has no tensor-parallel group")
+        return self.tp_comm
 
     @property
     def reads_images(self) -> bool:
@@ -79,7 +105,8 @@ class Layout:
     def placement(self) -> list[str]:
         """Where each mesh dimension's groups sit: e.g. `tp groups [0, 1] [2, 3]: each inside one
         node`; under HSDP the DP dimension as FSDP's shard groups and the replicas across them."""
-        grid, dims = np.asarray(self.mesh.mesh.tolist()), MESH_DIMS
+        grid = np.asarray(self.mesh.mesh.tolist())
+        dims: tuple[str, ...] = MESH_DIMS
         # FSDP splits dp as (replicate, shard): shards are neighbours
         if self.run is not None and self.run.hsdp:
             shard = self.run.shard_size
@@ -121,18 +148,36 @@ def build_layout(
     run: Optional[RunLayout] = None,
 ) -> Layout:
     """Create the mesh over the initialised default process group (its world size must be dp*tp*pp);
-    `run`: the job's `RunLayout`, which the engine reads every parallel switch from."""
+    `run`: the job's `RunLayout`, which the engine reads every parallel switch from.
+
+    Args:
+        dp: data-parallel degree.
+        tp: tensor-parallel degree.
+        pp: pipeline-parallel degree.
+        device: this rank's device.
+        local_rank: this rank's index on its node.
+        run: the job's `RunLayout`; None: a bare layout (a test's, a notebook's).
+
+    Returns:
+        This rank's `Layout`.
+
+    Raises:
+        ValueError: the world size is not dp x tp x pp.
+    """
     world = dist.get_world_size()
     if world != dp * tp * pp:
         raise ValueError(f"world size {world} != dp x tp x pp = {dp} x {tp} x {pp}")
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_DIMS)
-    pp_rank, dp_rank, tp_rank = mesh.get_coordinate()
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # the mesh spans the world
+        raise RuntimeError(f"rank {dist.get_rank()} is not in the device mesh {mesh}")
+    pp_rank, dp_rank, tp_rank = coordinate
     tp_comm = TPComm(mesh.get_group("tp")) if tp > 1 else None
     # the dry run: nothing to gather; the job's ranks fill whole nodes in order
     if dist.get_backend() == "fake":
         nodes = [r // run.per_node for r in range(world)] if run is not None else [0] * world
     else:
-        nodes = [None] * world
+        nodes = [0] * world  # every rank's, filled in by the gather
         dist.all_gather_object(nodes, node_index(os.environ))
     return Layout(
         mesh,

@@ -34,23 +34,32 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from visiondist.compat import check_pipeline_stage
 from visiondist.config.layout import MULTI_STAGE, SCHEDULES, microbatches_for, stages_per_rank_for
 from visiondist.parallel.stages import (
     StageBlocks,
     block_ranges,
     build_stages,
+    model_blocks,
     stage_cut,
     stage_indices,
     take_parts,
 )
+from visiondist.parallel.tensor import SequenceRegion
 from visiondist.parallel.timeline import Recorder
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+# torch.distributed.pipelining is imported where a pipeline is built (noqa: PLC0415): it brings
+# torch._dynamo (0.7-1.2 s of every rank's start), which a run without a pipeline never needs.
 
 # -- schedules -------------------------------------------------------------------------------------
 
@@ -63,7 +72,7 @@ _SCHEDULE_CLASSES = {
 
 
 def _schedule_class(name: str):
-    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining import schedules  # noqa: PLC0415 (dynamo: see the top)
 
     if name not in _SCHEDULE_CLASSES:
         raise ValueError(
@@ -108,9 +117,7 @@ def p2p_bytes_per_step(
 def _timed_stage_class():
     """`PipelineStage` that reports each forward / backward of a micro-batch to a `Recorder` and
     counts its sends."""
-    from torch.distributed.pipelining import PipelineStage
-
-    from visiondist.compat import check_pipeline_stage
+    from torch.distributed.pipelining import PipelineStage  # noqa: PLC0415 (dynamo: see the top)
 
     # it overrides private methods: a torch release that changed them fails here, by name
     check_pipeline_stage()
@@ -173,7 +180,7 @@ def build_schedule(
     scale_grads: bool = True,
     counter: Optional[P2PCounter] = None,
     shapes: Optional[Sequence[tuple]] = None,
-):
+) -> _PipelineSchedule:
     """torch's schedule `name` over this rank's stages; with a `recorder`, every action is timed;
     with a `counter`, every send is counted; with `shapes` ((input, output) example tensors per
     stage), the stages exchange no shapes (a fake process group cannot)."""
@@ -225,7 +232,14 @@ class HostBoundary(nn.Module):
 @dataclass(frozen=True)
 class PipelineSpec:
     """A pipeline as it runs, every value concrete (the run's `RunLayout`, or `PipelineSpec.of` for
-    a bare model)."""
+    a bare model).
+
+    Attributes:
+        schedule: torch's schedule: gpipe, 1f1b, interleaved_1f1b or zero_bubble.
+        stages_per_rank: virtual stages on each rank (2 and more: the interleaved schedules).
+        microbatches: micro-batches per schedule step, per DP rank.
+        host_boundary: the stages exchange host tensors; None: where `through_host` says.
+    """
 
     schedule: str = "1f1b"
     stages_per_rank: int = 1
@@ -238,7 +252,14 @@ class PipelineSpec:
         cls, pp: int, schedule: str = "1f1b", stages_per_rank: int = -1, microbatches: int = -1
     ) -> PipelineSpec:
         """With `parallel.*`'s defaults filled in: 2 stages per rank for the interleaved and
-        zero-bubble schedules, 2 x pp micro-batches."""
+        zero-bubble schedules, 2 x pp micro-batches.
+
+        Args:
+            pp: pipeline-parallel degree.
+            schedule: torch's schedule name.
+            stages_per_rank: virtual stages per rank; -1: the schedule's default.
+            microbatches: micro-batches per step; -1: 2 x pp.
+        """
         return cls(
             schedule,
             stages_per_rank_for(schedule, stages_per_rank),
@@ -247,7 +268,11 @@ class PipelineSpec:
 
     @classmethod
     def from_layout(cls, run) -> PipelineSpec:
-        """The pipeline of a `RunLayout`."""
+        """The pipeline of a `RunLayout`.
+
+        Args:
+            run: the job's `RunLayout`.
+        """
         return cls(run.schedule, run.stages_per_rank, run.microbatches)
 
 
@@ -260,6 +285,13 @@ class PipelinedViT(nn.Module):
     gradient clipping and checkpoints treat it like the plain model. `train_step` runs one schedule
     step (every rank of the pipeline group calls it; the first stage passes the images, the last the
     labels); `predict` runs the forward-only pipeline.
+
+    Args:
+        model: the plain ViT classifier (its tensor-parallel plan already applied when tp > 1).
+        layout: this rank's `Layout`.
+        spec: the schedule, stages per rank and micro-batches (`PipelineSpec`).
+        loss_fn: the loss of the last stage, `loss_fn(logits, labels)`.
+        sequence_parallel: the stages' blocks sequence parallel (tp > 1).
     """
 
     def __init__(
@@ -274,9 +306,10 @@ class PipelinedViT(nn.Module):
         pp = layout.pp
         # checked when the layout was resolved
         spr, self.microbatches = spec.stages_per_rank, spec.microbatches
-        if pp * spr > len(model.blocks) or spr < 1 or self.microbatches < pp:
+        depth = len(model_blocks(model))
+        if pp * spr > depth or spr < 1 or self.microbatches < pp:
             raise ValueError(
-                f"{spec} does not fit pp={pp} and {len(model.blocks)} blocks (resolve it with "
+                f"{spec} does not fit pp={pp} and {depth} blocks (resolve it with "
                 "visiondist.plan.resolve, which names the fix)"
             )
         self.schedule_name, self.stages_per_rank = spec.schedule, spr
@@ -302,15 +335,14 @@ class PipelinedViT(nn.Module):
         take_parts(self, model, self.cut.last if self.is_last else ())
         # the token split / gather that wraps the model's `blocks` now wraps each stage's
         if sequence_parallel:
-            from visiondist.parallel.tensor import SequenceRegion
-
             for stage in stages:
                 SequenceRegion().apply(stage.blocks, layout.tp_comm, True)
         self._stages = stages  # a plain list: their parameters are already registered above
         self._scheduled = (
             [HostBoundary(s, self.device) for s in stages] if self.host_boundary else stages
         )
-        self._loss_fn, self._loss_scale = loss_fn, 1.0
+        self._loss_fn = loss_fn
+        self._loss_scale: float | torch.Tensor = 1.0
         self.recorder = Recorder(layout.pp_rank, layout.device)
         self.p2p = P2PCounter()  # sends of the training schedule
         self._schedule = build_schedule(
@@ -326,8 +358,8 @@ class PipelinedViT(nn.Module):
             scale_grads=False,
             counter=self.p2p,
         )
-        self._eval_schedule = None
-        self._enter = None
+        self._eval_schedule: Optional[_PipelineSchedule] = None
+        self._enter: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         # a dry run: keep how the first stage enters (no memory)
         if all(p.is_meta for p in model.parameters()):
             self._enter = lambda images: self.cut.enter(model, images)
@@ -395,7 +427,14 @@ class PipelinedViT(nn.Module):
         `scale` carries fp16's loss scale into the schedule's backward). `labels` is the loss
         function's target (class indices or soft targets), split into micro-batches like the images.
         Returns the batch's mean loss times `scale`, the same on every rank of the pipeline
-        group."""
+        group.
+
+        Args:
+            images: the batch's images on the first stage; None on the others.
+            labels: the batch's targets on the last stage; None on the others.
+            scale: multiplies the loss (fp16's loss scale, or 1).
+            autocast: the precision's autocast context; None: none.
+        """
         if self.is_first and images is None:
             raise ValueError("the first pipeline stage needs the images")
         if self.is_last and labels is None:
@@ -404,8 +443,15 @@ class PipelinedViT(nn.Module):
         losses: list[torch.Tensor] = []
         # a copy to the host must have landed before the schedule reads it
         fast = not self.host_boundary
-        args = (images.to(self.wire, non_blocking=fast),) if self.is_first else ()
-        target = labels.to(self.wire, non_blocking=fast) if self.is_last else None
+        # (checked above: the first stage has images, the last labels)
+        args = (
+            (images.to(self.wire, non_blocking=fast),)
+            if self.is_first and images is not None
+            else ()
+        )
+        target = (
+            labels.to(self.wire, non_blocking=fast) if self.is_last and labels is not None else None
+        )
         with autocast or nullcontext():
             self._schedule.step(*args, target=target, losses=losses, return_outputs=False)
         loss = (
@@ -430,10 +476,19 @@ class PipelinedViT(nn.Module):
         """Logits of one evaluation batch, forward only. Every rank of the pipeline group calls it
         with the same `batch_size` (the loader's); the first stage passes the images, which are
         zero-padded to a fixed multiple of the micro-batch count (a last, smaller batch included).
-        The last stage gets the `count` real rows' logits; the other ranks get None."""
+        The last stage gets the `count` real rows' logits; the other ranks get None.
+
+        Args:
+            images: the batch's images on the first stage; None on the others.
+            count: how many rows are real (the rest is padding).
+            batch_size: the loader's batch size, the same on every rank of the group.
+            autocast: the precision's autocast context; None: none.
+        """
         padded = -(-batch_size // self.microbatches) * self.microbatches
-        args = ()
+        args: tuple[torch.Tensor, ...] = ()
         if self.is_first:
+            if images is None:
+                raise ValueError("the first pipeline stage needs the images")
             if len(images) > padded:
                 raise ValueError(
                     f"an evaluation batch of {len(images)} exceeds the batch size {batch_size}"

@@ -9,7 +9,7 @@ and zero-bubble schedules expect)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -27,8 +27,10 @@ class StageCut:
 
     first: tuple[str, ...]
     last: tuple[str, ...]
-    enter: Callable[[nn.Module, torch.Tensor], torch.Tensor]
-    leave: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    # the model's own methods, called with a stage (an nn.Module holding the model's parts under
+    # their names) in the model's place
+    enter: Callable[[Any, torch.Tensor], torch.Tensor]
+    leave: Callable[[Any, torch.Tensor], torch.Tensor]
     no_weight_decay: tuple[str, ...] = ()
 
 
@@ -49,6 +51,18 @@ def stage_cut(model: nn.Module) -> StageCut:
     )
 
 
+def model_blocks(model: nn.Module) -> nn.Sequential:
+    """`model.blocks`, the blocks in order (an `nn.Sequential` in every family that declares a
+    `StageCut`)."""
+    blocks = model.blocks
+    if not isinstance(blocks, nn.Sequential):
+        raise TypeError(
+            f"{type(model).__name__}.blocks is a {type(blocks).__name__}; a pipeline cuts an "
+            "nn.Sequential of blocks"
+        )
+    return blocks
+
+
 def _numel(part) -> int:
     return (
         part.numel()
@@ -63,7 +77,7 @@ def stage_costs(model: nn.Module) -> list[int]:
     cut = stage_cut(model)
     return [
         sum(_numel(getattr(model, name)) for name in cut.first),
-        *(_numel(b) for b in model.blocks),
+        *(_numel(b) for b in model_blocks(model)),
         sum(_numel(getattr(model, name)) for name in cut.last),
     ]
 
@@ -71,7 +85,7 @@ def stage_costs(model: nn.Module) -> list[int]:
 def block_ranges(model: nn.Module, n_stages: int) -> list[tuple[int, int]]:
     """Blocks [first, last) of each stage. Units are [embed, blocks..., head]; the embedding joins
     the first stage and the head the last, each stage keeps at least one block."""
-    depth = len(model.blocks)
+    depth = len(model_blocks(model))
     if n_stages > depth:
         raise ValueError(
             f"{n_stages} pipeline stages need at least as many blocks; the model has {depth}"
@@ -117,7 +131,8 @@ class Stage(nn.Module):
         super().__init__()
         self.is_first, self.is_last, self.cut = is_first, is_last, stage_cut(model)
         take_parts(self, model, self.cut.first if is_first else ())
-        self.blocks = StageBlocks({str(i): model.blocks[i] for i in range(first, last)})
+        blocks = model_blocks(model)
+        self.blocks = StageBlocks({str(i): blocks[i] for i in range(first, last)})
         take_parts(self, model, self.cut.last if is_last else ())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

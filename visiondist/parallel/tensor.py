@@ -167,17 +167,17 @@ def apply_tensor_parallel(model: nn.Module, comm: TPComm, sequence_parallel: boo
     the ViT backbone inside a detector); everything else stays replicated. A model with no such part
     is an error."""
     targets = [
-        (path, module)
-        for path, module in model.named_modules()
-        if _registered_plan(module) is not None
+        (module, plan)
+        for _, module in model.named_modules()
+        if (plan := _registered_plan(module)) is not None
     ]
     if not targets:
         raise ValueError(
             f"no tensor-parallel plan for {type(model).__name__} or any of its parts: use "
             "parallel.tp=1"
         )
-    for _, module in targets:
-        apply_plan(module, _registered_plan(module), comm, sequence_parallel)
+    for module, plan in targets:
+        apply_plan(module, plan, comm, sequence_parallel)
     return model
 
 
@@ -230,7 +230,12 @@ def persistent_buffers(model: nn.Module):
 @torch.no_grad()
 def full_state_dict(model: nn.Module, comm: Optional[TPComm]) -> dict[str, torch.Tensor]:
     """The canonical (unsharded) state dict, identical to the single-device model's, on every TP
-    rank."""
+    rank.
+
+    Args:
+        model: the model as laid out (its tensor-parallel shards marked).
+        comm: the TP group; None: nothing is sharded.
+    """
     out: dict[str, torch.Tensor] = {}
     for name, tensor in [*model.named_parameters(), *persistent_buffers(model)]:
         dim = getattr(tensor, SHARD_DIM, None)

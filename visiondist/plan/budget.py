@@ -5,12 +5,14 @@ named layout (`visiondist.plan.fit`) and the tools that plan."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 from omegaconf import DictConfig
 
 from visiondist.config import ConfigError
 from visiondist.config.layout import RunLayout
+from visiondist.config.resolution import planned_tokens
 from visiondist.models.registry import spec_of
 from visiondist.plan.memory import rank_memory
 from visiondist.plan.planner import plan_config
@@ -26,10 +28,6 @@ def planned_shape(cfg: DictConfig):
         return None
     shape = shape_of(cfg.model)
     if cfg.data.get("resolution", "square") == "native":
-        from dataclasses import replace
-
-        from visiondist.config.resolution import planned_tokens
-
         shape = replace(shape, seq_tokens=planned_tokens(cfg))
     return shape
 
@@ -68,7 +66,22 @@ def plan_for(
     """The memory planner's table for `cfg` on `devices` over `nodes` of `memory_gb` each, with the
     model shape its family declares (`ModelSpec.planner_shape`). Offloaded state must fit
     `parallel.host_memory_gb` per node (0: this machine's memory), together with the devices' bytes
-    where the devices are the host (the CPU, not emulated)."""
+    where the devices are the host (the CPU, not emulated).
+
+    Args:
+        cfg: the composed config of a ViT classifier.
+        devices: the devices of the whole world.
+        nodes: the nodes they are spread over.
+        memory_gb: one device's memory, in GB (`memory_budget`).
+        accelerator: "cuda" or "cpu".
+
+    Returns:
+        The planner's `Plan`: a row per layout (its bytes, its step time, whether it fits) and the
+        choice.
+
+    Raises:
+        ConfigError: the model is a detector, which the planner does not model.
+    """
     spec = spec_of(cfg.model)
     if spec.planner_shape is None:
         raise ConfigError(
@@ -107,7 +120,7 @@ def memory_budget(
     if cfg.parallel.device_memory_gb:
         return float(cfg.parallel.device_memory_gb), "parallel.device_memory_gb"
     if accelerator == "cuda":
-        import torch
+        import torch  # noqa: PLC0415 (torch, 2 s: plan/ is torch-free)
 
         if not torch.cuda.is_available():
             raise ConfigError(

@@ -24,8 +24,9 @@ planner models ViTs).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -85,7 +86,7 @@ def budget(cfg: DictConfig, run: RunLayout) -> Optional[tuple[float, str]]:
 def _cuda_readable() -> bool:
     """Whether this process can read its GPU's memory (a world resolved for GPUs it does not have
     cannot)."""
-    import torch
+    import torch  # noqa: PLC0415 (torch, 2 s: plan/ is torch-free)
 
     return torch.cuda.is_available()
 
@@ -94,7 +95,8 @@ def as_run(cfg: DictConfig, run: RunLayout) -> DictConfig:
     """`cfg` with the accumulation `run` was resolved to (what the ranks' trainer.grad_accum is)."""
     if not run.grad_accum or run.grad_accum == cfg.trainer.grad_accum:
         return cfg
-    return OmegaConf.merge(cfg, {"trainer": {"grad_accum": run.grad_accum}})
+    # a merge onto a DictConfig (OmegaConf types it DictConfig | ListConfig)
+    return cast(DictConfig, OmegaConf.merge(cfg, {"trainer": {"grad_accum": run.grad_accum}}))
 
 
 def fit(cfg: DictConfig, run: RunLayout) -> RunLayout:
@@ -267,7 +269,7 @@ def _elsewhere(cfg: DictConfig, run: RunLayout, memory: float) -> str:
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """A CUDA out-of-memory (torch.cuda.OutOfMemoryError, raised by the caching allocator)."""
-    import torch
+    import torch  # noqa: PLC0415 (torch, 2 s: plan/ is torch-free)
 
     return isinstance(exc, torch.cuda.OutOfMemoryError)
 
@@ -276,8 +278,6 @@ def out_of_memory_cause(cfg: DictConfig, run: RunLayout, exc: BaseException) -> 
     """The cause part of a rank's failure line for a CUDA out-of-memory: what the allocator said, in
     one clause; the plan's figure for the layout as it ran; and the settings the plan puts at three
     quarters of that figure (with `parallel.headroom` that makes the fit add them by itself)."""
-    import re
-
     text = str(exc)
     asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]iB)", text)
     total = re.search(

@@ -16,7 +16,7 @@ time. `visiondist.plan.fit` ranks the same levers for one layout named by hand.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 from visiondist.config.layout import divisors
 from visiondist.models.flops import vit_train_flops
@@ -146,7 +146,7 @@ class Candidate:
     def overrides(self) -> dict:
         """The `parallel.*` fields that select this layout (its accumulation is
         `trainer.grad_accum`: `settings`)."""
-        out = {
+        out: dict[str, Any] = {
             "dp": self.dp,
             "tp": self.tp,
             "pp": self.pp,
@@ -260,6 +260,13 @@ class PlanRow:
     fits: bool
     note: str = ""
 
+    def planned(self) -> tuple[RankMemory, dict]:
+        """(memory, step seconds) of a row that was planned: every row that fits; a row without
+        them (a split that cannot be made) names why in `note`."""
+        if self.memory is None or self.seconds is None:
+            raise ValueError(f"{self.candidate.name} was not planned: {self.note}")
+        return self.memory, self.seconds
+
 
 def layouts(s: ViTShape, hw: Hardware) -> list[Candidate]:
     """Every mesh and sharding the trainer runs on `hw.devices` devices (TP inside a node dividing
@@ -336,7 +343,8 @@ class Plan:
 
     def table(self, title: str = ""):
         """A rich Table: per-rank GB by component, estimated step time, fits."""
-        from rich.table import Table
+        # rich where a table is drawn: 30-50 ms of `tools/train.py --cfg job`, which draws none
+        from rich.table import Table  # noqa: PLC0415 (rich: 30-50 ms, drawn on demand)
 
         table = Table(
             title=title or None,
@@ -355,7 +363,7 @@ class Plan:
             m = row.memory
             chosen = row is self.choice
             cells = [row.candidate.name]
-            if m is None:
+            if m is None or row.seconds is None:  # both or neither: a row that was not planned
                 cells += ["-"] * 6 + ["-", f"no: {row.note}"]
             else:
                 cells += [
@@ -374,7 +382,7 @@ class Plan:
         return table
 
     def text(self, title: str = "", width: int = 120) -> str:
-        from rich.console import Console
+        from rich.console import Console  # noqa: PLC0415 (rich: 30-50 ms, drawn on demand)
 
         console = Console(width=width, record=True, file=open("/dev/null", "w"))
         console.print(self.table(title))
@@ -403,7 +411,7 @@ class Plan:
                             "buffers_gb": r.memory.buffers / GB,
                             "step_s": r.seconds["total"],
                         }
-                        if r.memory
+                        if r.memory and r.seconds
                         else {}
                     ),
                 }
@@ -560,10 +568,12 @@ def plan(
         best = (
             next(r for r in rows if r.candidate == plain)
             if ddp is not None and ddp.fits
-            else min(fit, key=lambda r: (round(r.seconds["total"], 12), _complexity(r.candidate)))
+            else min(
+                fit, key=lambda r: (round(r.planned()[1]["total"], 12), _complexity(r.candidate))
+            )
         )
+        m, seconds = best.planned()
         if best.candidate == plain:
-            m = best.memory
             reason = (
                 "the training state and activations fit each device under DDP, "
                 f"{m.device / GB:.3g} GB needed ({m.state / GB:.3g} GB of state, "
@@ -586,8 +596,8 @@ def plan(
                 else "the only layout that fits"
             )
             reason = (
-                f"{why_not}; {best.candidate.name} is {of}: {best.memory.device / GB:.3g} GB per "
-                f"device, about {_duration(best.seconds['total'])} per step in the time model"
+                f"{why_not}; {best.candidate.name} is {of}: {m.device / GB:.3g} GB per "
+                f"device, about {_duration(seconds['total'])} per step in the time model"
             )
         return Plan(s, hw, global_batch, rows, best, reason, layer, grad_accum)
     smallest = None

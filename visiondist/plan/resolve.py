@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from visiondist.config import ConfigError, validate
+from visiondist.config import ConfigError, validate, variant_config
 from visiondist.config.layout import RunLayout, microbatches_for, stages_per_rank_for
-from visiondist.models.registry import check_support, spec_of
+from visiondist.models.registry import EVAL_METRICS, TASKS, check_support, eval_metrics, spec_of
 from visiondist.plan.budget import host_budget, layout_memory, memory_budget, plan_for
-from visiondist.plan.world import World, cuda_device_count, find_world
+from visiondist.plan.fit import fit
+from visiondist.plan.world import World, cuda_device_count, find_accelerator, find_world
 
 # also here, where the resolver uses them
 __all__ = ["host_budget", "layout_memory", "memory_budget", "plan_for"]
@@ -31,17 +33,32 @@ def resolve(
     None). Raises ConfigError naming the fix. `fit_named=False`: a named layout as named, unchecked
     against the device (a tool that reports the fit itself). `training=False` (an evaluation, a
     prediction): the training batch is not split over the ranks, so it is not checked against
-    them."""
-    from visiondist.plan.fit import fit
+    them.
 
+    Args:
+        cfg: the composed config, checked (`check`).
+        env: the environment the ranks see (torchrun's / srun's variables); None: this process's.
+        cuda_devices: the GPUs this process sees; None: counted here.
+        fit_named: fit a named layout to the device (`visiondist.plan.fit`); False: as named.
+        training: the run trains (its batch must split over the ranks).
+
+    Returns:
+        (the `RunLayout`, the planner's `Plan` where `parallel=auto` planned, else None).
+
+    Raises:
+        ConfigError: the layout cannot run here; the message names the fix.
+    """
     env = dict(os.environ) if env is None else env
     world = find_world(cfg, env, cuda_device_count() if cuda_devices is None else cuda_devices)
-    parallel, plan, reason = OmegaConf.to_container(cfg.parallel), None, ""
+    # OmegaConf types these DictConfig | ListConfig (or a container of either): a mapping's are
+    # DictConfigs and dicts
+    parallel = cast(dict[str, Any], OmegaConf.to_container(cfg.parallel))
+    plan, reason = None, ""
     accum = int(cfg.trainer.grad_accum)
     auto = cfg.parallel.auto and not named_layout(cfg.parallel)
     if auto:
         # what was asked (dp, batch) must hold
-        _layout(cfg, OmegaConf.merge(cfg.parallel, {"auto": False}), world)
+        _layout(cfg, cast(DictConfig, OmegaConf.merge(cfg.parallel, {"auto": False})), world)
         before = _continued_layout(cfg, world)
         # continuing a run: the layout its first attempt chose, not a fresh plan
         if before is not None:
@@ -58,7 +75,7 @@ def resolve(
             parallel.update(plan.choice.candidate.overrides())
             accum, reason = plan.choice.candidate.accum, plan.reason
         # the chosen layout against the model
-        check(OmegaConf.merge(cfg, {"parallel": {**parallel, "auto": False}}))
+        check(cast(DictConfig, OmegaConf.merge(cfg, {"parallel": {**parallel, "auto": False}})))
     parallel["auto"] = False
     run = _layout(cfg, OmegaConf.create(parallel), world, accum, training)
     _check_on(cfg, run.accelerator)
@@ -100,13 +117,24 @@ def resolve_on(
     `devices` devices over `nodes` nodes, as if torchrun had started them, without having them: for
     the dry run, which builds such a world's ranks on this machine's CPU. A config left to
     `parallel=auto` with no `overrides` resolves to DDP, as a stand-in for what the job's ranks will
-    plan on their devices (not fitted: nobody named it)."""
+    plan on their devices (not fitted: nobody named it).
+
+    Args:
+        cfg: the composed config.
+        devices: the devices of the whole world.
+        nodes: the nodes they are spread over (devices // nodes each).
+        overrides: `parallel.*` values laid over the config's (a planner candidate's); None: none.
+        fit_named: fit a named layout to the device, as `resolve` does.
+
+    Returns:
+        The `RunLayout` of that world.
+    """
     stand_in = overrides is None and cfg.parallel.auto and not named_layout(cfg.parallel)
     parallel = (
         {**(overrides or {}), "auto": False} if overrides is not None or cfg.parallel.auto else {}
     )
     per_node = devices // nodes
-    cfg = OmegaConf.merge(
+    merged = OmegaConf.merge(
         cfg,
         {
             "parallel": parallel,
@@ -118,6 +146,7 @@ def resolve_on(
             },
         },
     )
+    cfg = cast(DictConfig, merged)  # onto a DictConfig (OmegaConf: DictConfig | ListConfig)
     check(cfg, mandatory=False)
     env = {"WORLD_SIZE": str(devices), "LOCAL_WORLD_SIZE": str(per_node), "LOCAL_RANK": "0"}
     return resolve(cfg, env=env, cuda_devices=0, fit_named=fit_named and not stand_in)[0]
@@ -128,8 +157,6 @@ def _continued_layout(cfg: DictConfig, world: World) -> Optional[RunLayout]:
     one."""
     if not cfg.trainer.run_dir or cfg.trainer.resume != "auto":
         return None
-    from pathlib import Path
-
     before = RunLayout.load(Path(cfg.trainer.run_dir).expanduser())
     if before is None or (before.world_size, before.accelerator) != (
         world.world_size,
@@ -142,9 +169,15 @@ def _continued_layout(cfg: DictConfig, world: World) -> Optional[RunLayout]:
 def check(cfg: DictConfig, mandatory: bool = True) -> None:
     """The whole check of a composed config before anything runs: each group on its own
     (`validate`), then the model family against the rest (`check_support`); the same for each
-    benchmark variant (which may switch on what the family lacks)."""
-    from visiondist.config import variant_config
+    benchmark variant (which may switch on what the family lacks).
 
+    Args:
+        cfg: the composed config.
+        mandatory: every `???` value must be given; False: they may stay unset (planning, printing).
+
+    Raises:
+        ConfigError: the first rule the config breaks, naming the fix.
+    """
     validate(cfg, mandatory)
     check_support(cfg)
     _check_best_metric(cfg)
@@ -214,7 +247,16 @@ def with_switches(run: RunLayout, cfg: DictConfig, p: Optional[DictConfig] = Non
     """`run`'s mesh with the switches of `p` (default `cfg.parallel`) made concrete: the pipeline's
     stages per rank and micro-batches, the blocks that recompute, whether the timeline is recorded
     (by default on the CPU only). A benchmark variant uses it to change how a step computes on the
-    same ranks."""
+    same ranks.
+
+    Args:
+        run: the resolved layout whose mesh (world, dp, tp, pp) is kept.
+        cfg: the composed config (the model's depth, the compile settings).
+        p: the `parallel` group to read the switches from; None: `cfg.parallel`.
+
+    Returns:
+        `run` with its switches concrete.
+    """
     p = cfg.parallel if p is None else p
     pipelined = run.pp > 1
     depth = int(cfg.model.depth) if spec_of(cfg.model).has_blocks else 0
@@ -431,10 +473,10 @@ def compile_choice(
             "the zero-bubble schedule splits each block's backward, which a compiled block cannot",
         )
     try:
-        from torch.utils._triton import has_triton
+        from torch.utils._triton import has_triton  # noqa: PLC0415 (torch: plan/ is torch-free)
 
         triton = has_triton()
-    except Exception:  # noqa: BLE001 - a torch without the helper or a broken Triton: eager
+    except Exception:
         triton = False
     if not triton:
         return False, "Triton, which Inductor compiles CUDA kernels with, is not importable here"
@@ -485,8 +527,15 @@ def _check_batch(cfg: DictConfig, p: DictConfig, dp: int, ga: int) -> None:
 def announce(cfg: DictConfig, run: RunLayout, plan: Any) -> None:
     """Print `parallel=auto`'s choice (once per job: the launching process, or global rank 0): one
     line when it is plain DDP; the planner's table too when the training state did not fit and it
-    chose another layout."""
-    from rich.console import Console
+    chose another layout.
+
+    Args:
+        cfg: the composed config (the model's name).
+        run: the layout `resolve` returned.
+        plan: the planner's `Plan` `resolve` returned, or None (plain DDP, or a detector).
+    """
+    # rich (30-50 ms of `tools/train.py --cfg job`, which prints nothing with it) where it prints
+    from rich.console import Console  # noqa: PLC0415 (rich: 30-50 ms, printed for auto only)
 
     console = Console(width=120)
     if plan is None or plan.plain_ddp:  # plain DDP (or a detector's)
@@ -511,12 +560,21 @@ def announce(cfg: DictConfig, run: RunLayout, plan: Any) -> None:
 
 def rank_layout(cfg: DictConfig, device=None, local_rank: int = 0):
     """In a process group that is already up (a test's ranks, a notebook): resolve `cfg` for its
-    world and build this rank's `Layout` with the `RunLayout` attached."""
-    import torch
-    import torch.distributed as dist
+    world and build this rank's `Layout` with the `RunLayout` attached.
 
-    from visiondist.parallel import build_layout
-    from visiondist.plan.world import find_accelerator
+    Args:
+        cfg: the composed config; its `parallel` group names the layout.
+        device: this rank's device; None: the CPU.
+        local_rank: this rank's index on its node.
+
+    Returns:
+        This rank's `visiondist.parallel.Layout`.
+    """
+    # a rank's side: torch and DTensor (`visiondist.parallel`), which the launcher plans without
+    import torch  # noqa: PLC0415 (torch: plan/ is torch-free)
+    import torch.distributed as dist  # noqa: PLC0415 (torch: plan/ is torch-free)
+
+    from visiondist.parallel import build_layout  # noqa: PLC0415 (DTensor: rank side only)
 
     size = dist.get_world_size()
     run = _layout(
@@ -528,8 +586,6 @@ def rank_layout(cfg: DictConfig, device=None, local_rank: int = 0):
 
 def _check_best_metric(cfg: DictConfig) -> None:
     """trainer.best_metric names an evaluation metric of the model's task (a metrics.csv column)."""
-    from visiondist.models import EVAL_METRICS, TASKS, eval_metrics
-
     metric, task = cfg.trainer.best_metric, TASKS.get(cfg.model.family)
     names = eval_metrics(cfg.model) if task is not None else ()
     if metric is not None and metric in EVAL_METRICS["segmentation"] and metric not in names:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Mapping
 
 from omegaconf import DictConfig
 
@@ -22,6 +23,17 @@ from visiondist.config import ConfigError
 
 @dataclass(frozen=True)
 class World:
+    """The ranks a job runs on, found before any rank starts (`find_world`).
+
+    Attributes:
+        accelerator: "cpu" or "cuda".
+        world_size: ranks in all.
+        per_node: ranks on each node.
+        under_torchrun: a launcher (torchrun, srun) started the ranks (`under_torchrun`); else the
+            launching process starts them itself.
+        share_gpu: a node's ranks share its first GPU (`trainer.share_gpu`).
+    """
+
     accelerator: str  # "cpu" or "cuda"
     world_size: int
     per_node: int
@@ -30,12 +42,19 @@ class World:
     share_gpu: bool = False
 
 
-def under_torchrun(env: dict[str, str]) -> bool:
+def under_torchrun(env: Mapping[str, str]) -> bool:
+    """Whether a launcher started this process as one of its ranks: torchrun's run id, or the
+    world size and local rank it sets.
+
+    Args:
+        env: the process's environment (`os.environ`, or a copy).
+    """
     return "TORCHELASTIC_RUN_ID" in env or ("WORLD_SIZE" in env and "LOCAL_RANK" in env)
 
 
 def cuda_device_count() -> int:
-    import torch
+    """The CUDA devices this process sees; 0 where CUDA is not available."""
+    import torch  # noqa: PLC0415 (torch, 2 s: plan/ is torch-free)
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -47,9 +66,18 @@ def host_memory_gb() -> float:
 
 def device_memory_gb(accelerator: str, per_node: int, share_gpu: bool = False) -> float:
     """Memory of one rank's device: the GPU's (divided between the node's ranks when they share it),
-    or on the CPU the host's divided between the node's ranks."""
+    or on the CPU the host's divided between the node's ranks.
+
+    Args:
+        accelerator: "cuda" or "cpu".
+        per_node: ranks on each node.
+        share_gpu: the node's ranks share its first GPU.
+
+    Returns:
+        GB (1e9 bytes) for one rank.
+    """
     if accelerator == "cuda":
-        import torch
+        import torch  # noqa: PLC0415 (torch, 2 s: plan/ is torch-free)
 
         return (
             torch.cuda.get_device_properties(0).total_memory / 1e9 / (per_node if share_gpu else 1)
@@ -110,9 +138,21 @@ def find_accelerator(cfg: DictConfig, cuda_devices: int) -> str:
     return accelerator
 
 
-def find_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World:
+def find_world(cfg: DictConfig, env: Mapping[str, str], cuda_devices: int) -> World:
     """The ranks this job runs: torchrun's / srun's, else trainer.devices, else dp x tp x pp, else
-    every GPU (or tp x pp processes on the CPU or on one shared GPU)."""
+    every GPU (or tp x pp processes on the CPU or on one shared GPU).
+
+    Args:
+        cfg: the composed config (`trainer.*`, `parallel.*`).
+        env: the environment (torchrun's / srun's variables).
+        cuda_devices: the GPUs this process sees.
+
+    Returns:
+        The job's `World`.
+
+    Raises:
+        ConfigError: the ranks asked for do not fit the devices here, naming the fix.
+    """
     t, p = cfg.trainer, cfg.parallel
     accelerator = find_accelerator(cfg, cuda_devices)
     share = bool(t.get("share_gpu", False))
@@ -158,7 +198,15 @@ def find_world(cfg: DictConfig, env: dict[str, str], cuda_devices: int) -> World
 
 def planning_world(cfg: DictConfig, cuda_devices: int) -> tuple[int, int]:
     """(devices, nodes) for `tools/plan.py`, which plans for devices it need not have:
-    parallel.num_devices, else trainer.devices (or this node's GPUs) x parallel.nodes."""
+    parallel.num_devices, else trainer.devices (or this node's GPUs) x parallel.nodes.
+
+    Args:
+        cfg: the composed config (`parallel.num_devices`, `parallel.nodes`, `trainer.devices`).
+        cuda_devices: the GPUs this process sees.
+
+    Raises:
+        ConfigError: no device count is given and none is visible, or the nodes do not split them.
+    """
     p, t = cfg.parallel, cfg.trainer
     per_node = t.devices if t.devices > 0 else cuda_devices
     if p.num_devices > 0:

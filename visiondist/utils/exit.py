@@ -15,6 +15,7 @@ import atexit
 import logging
 import os
 import sys
+import weakref
 from typing import Callable
 
 
@@ -22,7 +23,7 @@ def _flush() -> None:
     for handler in logging.getLogger().handlers:
         try:
             handler.flush()
-        except Exception:  # noqa: BLE001 (a closed stream: nothing left to flush)
+        except Exception:
             pass
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -36,8 +37,6 @@ def _keep_op_registrations() -> None:
     exit through weakref finalizers: 0.2-0.3 s of a tool's end with torchvision's and other
     libraries' operators loaded, for a dispatcher that `os._exit` then discards whole. Those
     finalizers (only those) are left out of the exit."""
-    import weakref
-
     for finalizer in list(getattr(weakref.finalize, "_registry", {})):
         target = finalizer.peek()
         if target is not None and getattr(target[1], "__name__", "") == "_del_library":

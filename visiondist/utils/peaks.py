@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Any, cast
 
 import torch
 
@@ -94,14 +95,15 @@ def matmul_tflops(device: torch.device, kind: str, repeats: int = 10) -> float:
     (the process's switch is restored after)."""
     if device.type != "cuda" or kind not in ("tf32", "fp32"):
         return _best_matmul(device, _DTYPES[kind], repeats)
-    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
-    torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = (
+    conv = cast(Any, torch.backends.cudnn).conv  # torch's annotations of the module leave it out
+    before = torch.backends.cuda.matmul.fp32_precision, conv.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = conv.fp32_precision = (
         "tf32" if kind == "tf32" else "ieee"
     )
     try:
         return _best_matmul(device, torch.float32, repeats)
     finally:
-        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+        torch.backends.cuda.matmul.fp32_precision, conv.fp32_precision = before
 
 
 # on the CPU, a kind whose 1024-square product would take longer is measured at 512

@@ -26,7 +26,21 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional
+from types import ModuleType
+from typing import Any, Optional, cast
+
+from omegaconf import OmegaConf
+
+_hub_constants: Optional[ModuleType]
+try:  # timm's dependency; its offline switch (the downloads are imported where they are used)
+    from huggingface_hub import constants as _hub_constants
+except ImportError:
+    _hub_constants = None
+
+# The libraries that resolve a name are imported where they are used (noqa: PLC0415): this module
+# is read by the torch-free config checks (`tools/train.py --cfg job`), which timm (3-4 s: it
+# brings torch and torchvision), torchvision (3.5 s), torch (2 s) or huggingface_hub's downloads
+# (0.15 s) would slow.
 
 TIMM = "timm/"
 _ENUM = re.compile(r"^([A-Za-z0-9_]+_Weights)\.([A-Za-z0-9_]+)$")
@@ -74,13 +88,8 @@ def _offline_flag() -> str:
     for name in ("HF_HUB_OFFLINE", "VISIONDIST_OFFLINE"):
         if os.environ.get(name, "").strip().lower() in on:
             return f"{name}=1"
-    try:
-        from huggingface_hub import constants
-
-        if str(constants.HF_HUB_OFFLINE).strip().lower() in on:
-            return "HF_HUB_OFFLINE=1"
-    except ImportError:
-        pass
+    if _hub_constants is not None and str(_hub_constants.HF_HUB_OFFLINE).strip().lower() in on:
+        return "HF_HUB_OFFLINE=1"
     return ""
 
 
@@ -94,8 +103,8 @@ def offline() -> bool:
 def timm_pretrained_cfg(spec: str, key: str = "model.init_from") -> Any:
     """timm's `PretrainedCfg` of `timm/<architecture>[.<tag>]` (no tag: timm's default tag of the
     architecture)."""
-    import timm
-    from timm.models import get_pretrained_cfg
+    import timm  # noqa: PLC0415 (timm: 3-4 s, see the top)
+    from timm.models import get_pretrained_cfg  # noqa: PLC0415 (timm: 3-4 s, see the top)
 
     name = spec[len(TIMM) :]
     arch = name.split(".", 1)[0]
@@ -133,7 +142,11 @@ def _timm_candidates(cfg) -> list[str]:
 
 
 def _timm_file(spec: str, key: str, download: bool) -> Path:
-    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub import (  # noqa: PLC0415 (hub downloads: 0.15 s, see the top)
+        constants,
+        hf_hub_download,
+        try_to_load_from_cache,
+    )
 
     cfg = timm_pretrained_cfg(spec, key)
     # an older model whose weights are a plain URL: torch hub's cache, as timm uses
@@ -157,7 +170,10 @@ def _timm_file(spec: str, key: str, download: bool) -> Path:
             f"{key}={spec}: {names[0]} of {repo} is not in the Hugging Face cache {cache} "
             f"({why}): {fetch}"
         )
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+    from huggingface_hub.errors import (  # noqa: PLC0415 (hub: 0.15 s, see the top)
+        EntryNotFoundError,
+        LocalEntryNotFoundError,
+    )
 
     error: Optional[BaseException] = None
     for name in names:
@@ -183,8 +199,8 @@ def timm_shape(spec: str) -> Optional[dict[str, int]]:
     """The ViT shape of a timm name's architecture (embed_dim, depth, num_heads, patch_size), built
     on the meta device (nothing allocated, nothing read); None for an architecture that is not a
     plain ViT."""
-    import timm
-    import torch
+    import timm  # noqa: PLC0415 (timm: 3-4 s, see the top)
+    import torch  # noqa: PLC0415 (torch: 2 s, see the top)
 
     arch = timm_pretrained_cfg(spec).architecture
     with torch.device("meta"):
@@ -194,7 +210,8 @@ def timm_shape(spec: str) -> Optional[dict[str, int]]:
         return None
     patch = getattr(embed, "patch_size", (0,))
     return {
-        "embed_dim": int(model.embed_dim),
+        # timm types create_model's model as a plain nn.Module: a ViT's field, read as such
+        "embed_dim": int(cast(Any, model).embed_dim),
         "depth": len(blocks),
         "num_heads": int(blocks[0].attn.num_heads),
         "patch_size": int(patch[0] if isinstance(patch, (tuple, list)) else patch),
@@ -222,14 +239,14 @@ def pretrained_data_defaults(spec: str) -> dict[str, Any]:
 def torchvision_weights(spec: str, key: str):
     """The member of torchvision's weight enum `spec` names, e.g.
     `ResNet50_Weights.IMAGENET1K_V2`."""
-    from torchvision.models import get_weight
+    import torchvision.models as tvm  # noqa: PLC0415 (torchvision: 3.5 s, see the top)
+    from torchvision.models import get_weight  # noqa: PLC0415 (torchvision: see the top)
 
     try:
         return get_weight(spec)
     except (KeyError, ValueError, AttributeError):
-        import torchvision.models as tvm
-
-        enum = _ENUM.match(spec).group(1)
+        match = _ENUM.match(spec)
+        enum = match.group(1) if match else spec
         members = [m.name for m in getattr(tvm, enum, getattr(tvm.detection, enum, None)) or []]
         which = (
             f"{enum} has {', '.join(members)}"
@@ -241,7 +258,7 @@ def torchvision_weights(spec: str, key: str):
 
 
 def _hub_file(url: str, key: str, spec: str, download: bool) -> Path:
-    import torch.hub
+    import torch.hub  # noqa: PLC0415 (torch: 2 s, see the top)
 
     file = Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(url.split("?")[0])
     if file.is_file():
@@ -273,7 +290,10 @@ def _hub_file(url: str, key: str, spec: str, download: bool) -> Path:
 def _hf_repo_dir(spec: str, key: str, download: bool) -> Path:
     """The cached snapshot of repo `spec` holding config.json and model.safetensors (downloaded
     first when allowed)."""
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import (  # noqa: PLC0415 (hub downloads: 0.15 s, see the top)
+        constants,
+        snapshot_download,
+    )
 
     cache = constants.HF_HUB_CACHE
     fetch = (
@@ -330,8 +350,6 @@ def apply_data_defaults(cfg, overrides: list[str]) -> Optional[str]:
     """`model.init_from=timm/...`: the weights' pretrained config (input size, mean, std, crop_pct,
     interpolation) replaces the data config's values, except those set on the command line. Returns
     the line that says so."""
-    from omegaconf import OmegaConf
-
     spec = cfg.model.get("init_from")
     if cfg.model.family != "vit" or not is_timm_name(spec):
         return None

@@ -286,11 +286,11 @@ def _quota(directory: Path) -> Optional[float]:
     except (OSError, ValueError):
         pass
     try:
-        quota = int((directory / "cpu.cfs_quota_us").read_text())
-        period = int((directory / "cpu.cfs_period_us").read_text())
+        quota_us = int((directory / "cpu.cfs_quota_us").read_text())
+        period_us = int((directory / "cpu.cfs_period_us").read_text())
     except (OSError, ValueError):
         return None
-    return quota / period if quota > 0 and period > 0 else None
+    return quota_us / period_us if quota_us > 0 and period_us > 0 else None
 
 
 def omp_threads(env: MutableMapping[str, str] = os.environ) -> Optional[int]:

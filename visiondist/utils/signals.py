@@ -10,8 +10,11 @@ import logging
 import os
 import signal
 import threading
+import time
 import traceback
 from pathlib import Path
+from types import FrameType
+from typing import Any, Callable, Optional, Union
 
 # the rank's stop lines read as its fault handling's
 log = logging.getLogger("visiondist.faults.health")
@@ -59,6 +62,10 @@ class StopNow(BaseException):
         self.signal_name = signal_name
 
 
+# what `signal.signal` hands back: a function, SIG_DFL / SIG_IGN, or None (not set from Python)
+_Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
+
+
 class StopSignals:
     """SIGTERM / SIGINT request a stop at the next step boundary (the previous handlers come back on
     `restore`).
@@ -77,7 +84,7 @@ class StopSignals:
         self.at_once = False
         self.speak = True
         self._first = 0.0
-        self._previous = {}
+        self._previous: dict[signal.Signals, _Handler] = {}
 
     def install(self, at_once: bool = False, speak: bool = True) -> StopSignals:
         """Handle the stop signals from now on; where this is not the main thread (a Ray Train
@@ -91,8 +98,6 @@ class StopSignals:
         return self
 
     def _handle(self, signum, _frame) -> None:
-        import time
-
         name = signal.Signals(signum).name
         if self.received is None:
             self.received, self.count, self._first = name, 1, time.monotonic()
