@@ -143,17 +143,16 @@ def test_h_evaluation_shows_a_progress_bar_when_progress_is_on(monkeypatch):
     on the main rank (also under a live training bar), and none with it off."""
     from types import SimpleNamespace
 
-    import rich.progress
-
     from visiondist.evaluation.classification import evaluate_classification
     from visiondist.evaluation.detection import predict
     from visiondist.models.vit import VisionTransformer
+    from visiondist.observe import progress
     from visiondist.observe.progress import progress_bar
 
     bars = []
-    real_track = rich.progress.track
+    real_track = progress.track  # rich's, as the bars draw it
     monkeypatch.setattr(
-        rich.progress, "track", lambda items, **kw: bars.append(kw) or real_track(items, **kw)
+        progress, "track", lambda items, **kw: bars.append(kw) or real_track(items, **kw)
     )
     layout = SimpleNamespace(
         device=torch.device("cpu"), dp=1, is_main=True, all_reduce_dp=lambda t: t

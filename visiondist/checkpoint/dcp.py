@@ -13,6 +13,7 @@ import json
 import logging
 import pickle
 import shutil
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -40,6 +41,7 @@ from visiondist.checkpoint.state import (
     rng_state,
     set_rng_state,
 )
+from visiondist.models.weights import match_frozen_batchnorms
 from visiondist.utils.dcp import CHECKPOINTS, STATE_FILE, SafeFileSystemReader, read_metadata
 
 log = logging.getLogger(__name__)
@@ -130,8 +132,6 @@ class PendingSave:
     write finishing means every rank's did."""
 
     def __init__(self, step: int, path: Path, future, complete=None):
-        import threading
-
         self.step, self.path = step, path
         self._after: list = [complete] if complete is not None else []
         self._error: Optional[BaseException] = None
@@ -198,8 +198,6 @@ def freeze_as_saved(path: Path, model: nn.Module) -> int:
     `freeze_backbone_batch_norms`, a torchvision detector started from pretrained weights), so that
     its tensors and optimizer state load as saved; before a wrapper or an optimizer holds the model.
     Returns how many were frozen."""
-    from visiondist.models.weights import match_frozen_batchnorms
-
     return match_frozen_batchnorms(
         model,
         [

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import base64
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -101,7 +101,10 @@ def restore_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict[s
 
 def rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # numpy's stubs type both forms; without legacy=False it is always the tuple
+    kind, keys, pos, has_gauss, cached = cast(
+        tuple[str, np.ndarray, int, int, float], np.random.get_state()
+    )
     state = {
         "python": [version, list(internal), gauss],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],

@@ -234,7 +234,9 @@ def _erase_box(
 def loader_op(image: torch.Tensor, op: str, arg: float) -> torch.Tensor:
     """One operation on a uint8 CHW image with torchvision's functional ops, as its auto-augment
     policies call them (nearest interpolation, fill 0)."""
-    from torchvision.transforms.v2 import functional as F
+    # not at the top: the launching process's input checks import the loaders (a COCO-format set)
+    # and so this module, without torchvision
+    from torchvision.transforms.v2 import functional as F  # noqa: PLC0415 (torchvision: 1.5 s)
 
     if op == "Identity":
         return image

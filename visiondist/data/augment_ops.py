@@ -16,9 +16,11 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torchvision.transforms.v2 import functional as TF
 
 from visiondist.data.augment import OPS, AugmentParams, AugmentPolicy
 from visiondist.data.host import host_to
+from visiondist.data.transforms import to_device
 
 
 def apply_operations(
@@ -31,9 +33,9 @@ def apply_operations(
     pinned copy of the order and the arguments), each operation works in place on its contiguous
     slice, and one scatter puts them back: a fixed number of launches per operation whatever the
     batch size, and no host-device synchronisation."""
-    rows = rows.detach().cpu().double().numpy()
+    table = rows.detach().cpu().double().numpy()
     for k in range(layout.rounds):
-        ops, args = rows[:, 2 * k].astype(np.int64), rows[:, 2 * k + 1]
+        ops, args = table[:, 2 * k].astype(np.int64), table[:, 2 * k + 1]
         order = np.argsort(ops, kind="stable")
         ops, args = ops[order], args[order]
         groups = [(op, s, e) for op, s, e in _runs(ops) if OPS[op] != "Identity"]
@@ -114,14 +116,10 @@ def _solarize(image, threshold, _):
 
 
 def _autocontrast(image, *_):
-    from torchvision.transforms.v2 import functional as TF
-
     return TF.autocontrast(image)
 
 
 def _equalize(image, *_):
-    from torchvision.transforms.v2 import functional as TF
-
     return TF.equalize(image)
 
 
@@ -222,8 +220,6 @@ class DeviceAugment:
     ) -> torch.Tensor:
         """uint8 N, H, W, C loader images and their parameter rows -> the normalised, augmented
         model input."""
-        from visiondist.data.transforms import to_device
-
         images = to_device(images, device)  # a new tensor: the ops below work in place
         if self.operations:
             images = apply_operations(images, rows, self.policy.layout)

@@ -36,9 +36,11 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+from pycocotools.coco import COCO
 from torch.utils.data import Dataset
 
 from visiondist.data.decode import exif_orientation, read_rgb
+from visiondist.data.index import PathIndex
 from visiondist.data.masks import SegmentationIndex, decode
 from visiondist.data.robust import BadImages
 
@@ -106,8 +108,6 @@ def safe_image_path(root: Path, file_name: str) -> Path:
 
 
 def load_coco(ann_file: Path, quiet: bool = True):
-    from pycocotools.coco import COCO
-
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         return COCO(str(ann_file))
 
@@ -202,8 +202,6 @@ class CocoIndex:
     masks, of `segmentations`)."""
 
     def __init__(self, records: list[ImageRecord], image_root: Path):
-        from visiondist.data.index import PathIndex
-
         root = str(image_root)
         self.image_ids = np.asarray([r.image_id for r in records], dtype=np.int64)
         self.sizes = np.asarray([(r.width, r.height) for r in records], dtype=np.int32).reshape(
@@ -221,7 +219,9 @@ class CocoIndex:
         ).astype(np.int64)
         with_masks = bool(records) and records[0].segmentations is not None
         self.segmentations = (
-            SegmentationIndex([s for r in records for s in r.segmentations]) if with_masks else None
+            SegmentationIndex([s for r in records for s in r.segmentations or ()])
+            if with_masks
+            else None
         )
 
     def __len__(self) -> int:
@@ -297,12 +297,14 @@ class CocoDetection(Dataset):
     def aspect_ratios(self) -> np.ndarray:
         return (self.index.sizes[:, 0] / self.index.sizes[:, 1]).astype(np.float32)
 
-    def __getitem__(self, key: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __getitem__(self, key: Any) -> tuple[torch.Tensor, dict[str, Any]]:
         index, epoch = key if isinstance(key, tuple) else (key, 0)
         index, image = self._load(index)
         record = self.index.record(index)
         boxes, labels = record.boxes, record.labels
-        masks = decode(record.segmentations, record.height, record.width) if self.masks else None
+        masks = (
+            decode(record.segmentations or [], record.height, record.width) if self.masks else None
+        )
         if self.transform is not None and masks is not None:
             image, boxes, labels, masks = self.transform(
                 image, boxes, labels, index, epoch, masks=masks

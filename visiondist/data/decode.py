@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import cv2
 import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 _RGB = getattr(cv2, "IMREAD_COLOR_RGB", None)  # OpenCV >= 4.10 decodes straight to RGB
 _FLAGS = (cv2.IMREAD_COLOR if _RGB is None else _RGB) | cv2.IMREAD_IGNORE_ORIENTATION
@@ -34,7 +35,7 @@ _ORIENTATION_TAG = 0x0112
 _TIFF = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # little / big endian, classic and BigTIFF
 # EXIF orientation -> the transform that makes the stored pixels upright
 # (PIL.ImageOps.exif_transpose's table)
-_UPRIGHT = {
+_UPRIGHT: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     2: lambda a: cv2.flip(a, 1),
     3: lambda a: cv2.rotate(a, cv2.ROTATE_180),
     4: lambda a: cv2.flip(a, 0),
@@ -88,7 +89,8 @@ def decode_opencv(data: bytes, jpeg: bool) -> np.ndarray | None:
     if image is None:
         return None
     if image.dtype == np.uint16:
-        image = (image >> 8).astype(np.uint8)
+        # astype(copy=False) copies nothing here: it tells the type checker the dtype
+        image = (image.astype(np.uint16, copy=False) >> 8).astype(np.uint8)
     return image if _RGB is not None else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
 
 
@@ -96,8 +98,6 @@ def decode_pillow(data: bytes, path: str | Path) -> np.ndarray:
     """The upright pixels as HxWx3 uint8 RGB through Pillow (TIFF, and formats this OpenCV build
     cannot read); `ImageOps.exif_transpose` applies the orientation (Pillow's TIFF decoder may
     already have)."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
     try:
         with Image.open(io.BytesIO(data)) as source:
             source.load()
@@ -120,8 +120,6 @@ def decode_pillow(data: bytes, path: str | Path) -> np.ndarray:
 def exif_orientation(data: bytes) -> int:
     """The file's orientation tag (1-8, as Pillow's `getexif()` reads it, XMP included); 1 when
     absent or unreadable."""
-    from PIL import Image
-
     try:
         with Image.open(io.BytesIO(data)) as im:
             value = int(im.getexif().get(_ORIENTATION_TAG, 1))

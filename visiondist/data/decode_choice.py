@@ -22,9 +22,14 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from omegaconf import DictConfig
 
 from visiondist.config.layout import RunLayout
+from visiondist.data.workers import loader_workers
+from visiondist.models.flops import vit_train_flops
+from visiondist.models.registry import spec_of
+from visiondist.utils.peaks import datasheet_tflops
 
 # per loader worker (one core), the DeiT path with the decode (RESULTS: per CPU core)
 WORKER_IMAGES_PER_S = 1_000
@@ -53,10 +58,6 @@ def decode_plan(cfg: DictConfig, run: RunLayout, gpu_name: Optional[str] = None)
         return "loader", "data.resolution=native resizes each image to its own grid in the workers"
     if run.accelerator != "cuda":
         return "loader", "on the CPU the rank would decode what its workers decode now"
-    from visiondist.data.workers import loader_workers
-    from visiondist.models.flops import vit_train_flops
-    from visiondist.models.registry import spec_of
-    from visiondist.utils.peaks import datasheet_tflops
 
     shape = spec_of(cfg.model).planner_shape
     peak = datasheet_tflops(
@@ -90,6 +91,4 @@ def decode_plan(cfg: DictConfig, run: RunLayout, gpu_name: Optional[str] = None)
 
 
 def _gpu_name() -> str:
-    import torch
-
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""

@@ -32,12 +32,14 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import os
 import queue
 import threading
 import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -45,6 +47,7 @@ import torch
 
 from visiondist.data.decode import decode_rgb, exif_orientation, jpeg_frame
 from visiondist.data.host import host_to
+from visiondist.utils.signals import RUN_DIR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +89,7 @@ def encoded_or_decoded(data: bytes, path) -> Encoded | np.ndarray:
         image = decode_rgb(data, path)
         _DECODED_HERE.append((str(path), why))
         return image
+    assert frame is not None  # without a frame, `why` says "not a JPEG"
     return Encoded(data, frame.height, frame.width)
 
 
@@ -121,8 +125,8 @@ def _torchcodec_import():
     """TorchCodec's decode_jpeg, or None where it is missing or built for another torch (its import
     then raises an OSError or RuntimeError from loading its library, not an ImportError)."""
     try:
-        from torchcodec.decoders import decode_jpeg
-    except Exception:  # noqa: BLE001 - any failure to load means: use torchvision's
+        from torchcodec.decoders import decode_jpeg  # noqa: PLC0415 (torchcodec: its extra)
+    except Exception:
         return None
     return decode_jpeg
 
@@ -135,13 +139,15 @@ def _torchcodec_decode(device_type: str):
     decode_jpeg = _torchcodec_import()
     if decode_jpeg is None:
         return None
-    from torchvision.io import encode_jpeg
+    # torchvision here and below, not at the top: the launching process's input checks import the
+    # loaders (a COCO-format set) and so this module, without torchvision
+    from torchvision.io import encode_jpeg  # noqa: PLC0415 (torchvision: 1.5 s)
 
     try:
         decode_jpeg(
             [encode_jpeg(torch.zeros(3, 8, 8, dtype=torch.uint8))], mode="RGB", device=device_type
         )
-    except Exception:  # noqa: BLE001 - this build cannot decode there
+    except Exception:
         log.info(
             "TorchCodec cannot decode JPEGs on %s here: torchvision's decoder is used", device_type
         )
@@ -154,8 +160,8 @@ def decode_jpegs(data: list[torch.Tensor], device: torch.device) -> list[torch.T
     nvJPEG call on CUDA)."""
     decode_jpeg = _torchcodec_decode(device.type)
     if decode_jpeg is None:
-        from torchvision.io import ImageReadMode
-        from torchvision.io import decode_jpeg as tv_decode_jpeg
+        from torchvision.io import ImageReadMode  # noqa: PLC0415 (torchvision: 1.5 s)
+        from torchvision.io import decode_jpeg as tv_decode_jpeg  # noqa: PLC0415 (torchvision)
 
         # deprecated in torchvision 0.29 in favour of TorchCodec, still supported
         with warnings.catch_warnings():
@@ -316,7 +322,7 @@ class DecodeAhead:
                     if self._closed.is_set() or not self._put(("batch", self._decoded(batch))):
                         return
             self._put(("end", None))
-        except BaseException as exc:  # noqa: BLE001 - handed to the training thread, which raises it
+        except BaseException as exc:
             self._put(("error", exc))
 
     def _decoded(self, batch):
@@ -375,7 +381,7 @@ class DecodeAhead:
         self.close()
 
 
-class collate_encoded:  # noqa: N801 - used as the DataLoader's collate function; a class so that it pickles
+class collate_encoded:
     """The train loader's collate under `data.decode_on=device`: (image or bytes, label, row)
     samples -> (EncodedBatch, labels[, augmentation rows]); a row is the crop row, then the sample's
     augmentation row if any."""
@@ -425,7 +431,7 @@ class FallbackCount:
 
     NAMED = 3
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.images = self.fallbacks = 0
         self.named: set[str] = set()
 
@@ -478,19 +484,12 @@ WORKER_DECODED = "worker_decoded.txt"
 
 def worker_decoded_file():
     """`<run>/worker_decoded.txt` of the run this process belongs to (None outside a run)."""
-    import os
-    from pathlib import Path
-
-    from visiondist.utils.signals import RUN_DIR_ENV
-
     run_dir = os.environ.get(RUN_DIR_ENV)
     return Path(run_dir) / WORKER_DECODED if run_dir else None
 
 
 def count_worker_decoded(run_dir) -> int:
     """The files any rank had the workers decode (each listed once per rank that met it)."""
-    from pathlib import Path
-
     path = Path(run_dir) / WORKER_DECODED
     return (
         len({line.split("\t", 1)[0] for line in path.read_text().splitlines()})

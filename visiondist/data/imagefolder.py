@@ -31,6 +31,11 @@ class LabelledImages(Dataset):
     in evaluation it is an error. A subclass sets `targets`, `classes`, `transform` and `_bad`,
     calls `_index_classes()`, and says how a sample is named and read (`_name`, `_read`)."""
 
+    targets: np.ndarray  # each sample's label
+    classes: list[str]
+    transform: Optional[Callable]
+    _bad: BadImages
+
     def _index_classes(self) -> None:
         """Each class's samples in index order, for the replacements: the class's run when the
         samples are grouped by class (a tree's listing), else a stable sort by label (a shuffled

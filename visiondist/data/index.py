@@ -53,6 +53,7 @@ class PathIndex:
                 if encoded
                 else np.zeros(0, np.uint8)
             )
+        assert offsets is not None, "buffer= comes with offsets="
         self.buffer, self.offsets = buffer, offsets
 
     def __len__(self) -> int:
@@ -87,7 +88,8 @@ def _class_folders(split_dir: Path) -> list[str]:
 
 
 def _scan(split_dir: Path, classes: list[str]) -> tuple[list[str], np.ndarray]:
-    relative, labels = [], []
+    relative: list[str] = []
+    labels: list[int] = []
     for label, name in enumerate(classes):
         files = sorted(
             e.name

@@ -6,17 +6,35 @@ sharded by DP rank, from a tree or from packed shards), with the loader options 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import cv2
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from visiondist.config.resolution import native_settings
+from visiondist.data.coco import CocoDetection, collate_detection
+from visiondist.data.device_decode import (
+    collate_encoded,
+    encoded_or_decoded,
+    read_encoded,
+)
 from visiondist.data.imagefolder import ImageFolder
+from visiondist.data.native import NativeBatchSampler, NativeCollate, NativeTransform
 from visiondist.data.sampler import EvalBatchSampler, TrainBatchSampler
+from visiondist.data.shards import ShardSplit, open_store, read_meta
+from visiondist.data.shards.packed_coco import ShardCoco
 from visiondist.data.transforms import ClassificationTransform, DetectionTransform
-from visiondist.data.workers import register, worker_init
+from visiondist.data.workers import (
+    AUTO_WORKERS_MAX,
+    loader_workers,
+    register,
+    usable_cores,
+    worker_init,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +52,6 @@ def loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:
     if workers:
         # worker's first resize would wait on threads it does not have. The rank decodes nothing
         # itself.
-        import cv2
 
         cv2.setNumThreads(1)
     return dict(
@@ -51,10 +68,6 @@ def loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:
 def _num_workers(requested: int) -> int:
     """`data.num_workers`; -1: what this node's cores allow each of its ranks
     (`visiondist.data.workers.loader_workers`), logged once per loader build."""
-    import os
-
-    from visiondist.data.workers import AUTO_WORKERS_MAX, loader_workers, usable_cores
-
     # this node's ranks (torchrun, srun, the self-launch)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     workers = loader_workers(requested, ranks)
@@ -115,11 +128,11 @@ def _check_num_classes(cfg, found: int, source: Path, what: str) -> None:
 @dataclass
 class TaskData:
     """A task's loaders and what the trainer reads off its data (no train loader / sampler:
-    evaluation only)."""
+    evaluation only). A pipeline stage that reads no image gets `LabelBatches` as its loaders."""
 
-    train_loader: DataLoader
-    val_loader: DataLoader
-    train_sampler: TrainBatchSampler
+    train_loader: DataLoader | LabelBatches | None
+    val_loader: DataLoader | LabelBatches
+    train_sampler: TrainBatchSampler | None
     classes: list[str]
     num_train: int
     num_val: int
@@ -127,6 +140,18 @@ class TaskData:
 
 @dataclass
 class ClassificationData(TaskData):
+    """A classification task's loaders (`build_classification_data`).
+
+    Args:
+        train_loader: this rank's training batches (images, labels); None: evaluation only.
+        val_loader: this rank's share of the val split, every image once over the ranks.
+        train_sampler: the training order (epochs, steps, a resumed step); None: evaluation only.
+        classes: the class names, in label order.
+        num_train: the training split's image count (0: evaluation only).
+        num_val: the val split's image count.
+        store: the rank's `ShardStore` under data.format=shards, else None.
+    """
+
     # data.format=shards: the rank's `ShardStore` (its `fetched` bytes go into the summary)
     store: object = None
 
@@ -144,11 +169,30 @@ def build_classification_data(
     train: bool = True,
     patch_size: int = 16,
 ):
-    """Train and val loaders for this DP rank, at the model's input size. `cfg` is the data config;
-    batch sizes in it are global. A rank that does not read images (a later pipeline stage) gets
-    `LabelBatches` of the same samples. With `train=False` only the val split is read (evaluation of
-    weights: no train split needed). Under `data.resolution=native` the images keep their aspect
-    ratio and come as patch sequences of `patch_size` pixels (`visiondist.data.native`)."""
+    """Train and val loaders for this DP rank, at the model's input size.
+
+    `cfg` is the data config; batch sizes in it are global. A rank that does not read images (a
+    later pipeline stage) gets `LabelBatches` of the same samples. With `train=False` only the val
+    split is read (evaluation of weights: no train split needed). Under `data.resolution=native` the
+    images keep their aspect ratio and come as patch sequences of `patch_size` pixels
+    (`visiondist.data.native`).
+
+    Args:
+        cfg: the data config (`data`): an ImageFolder tree or packed shards.
+        img_size: the model's input side in pixels.
+        dp_rank: this rank's data-parallel index.
+        dp_size: the data-parallel ranks.
+        grad_accum: micro-batches per optimizer step.
+        seed: the run's seed (sample order, per-sample augmentation).
+        pin_memory: batches in page-locked memory (a GPU run).
+        reads_images: False for a pipeline stage that takes no images.
+        reads_labels: False for a stage that takes no labels either.
+        train: False to read the val split alone.
+        patch_size: the ViT's patch side (data.resolution=native).
+
+    Returns:
+        A `ClassificationData`.
+    """
     if cfg.get("resolution", "square") == "native":
         return _native_data(
             cfg, img_size, patch_size, dp_rank, dp_size, grad_accum, seed, pin_memory, train
@@ -156,13 +200,8 @@ def build_classification_data(
     val_tf = ClassificationTransform(cfg, train=False, size=img_size, seed=seed)
     splits = _classification_splits(cfg)
     reader, collate = None, None
-    # the workers read bytes; the rank decodes them on its device,
+    # the workers read bytes; the rank decodes them on its device (train and val: one decoder),
     if cfg.get("decode_on", "loader") == "device":
-        from visiondist.data.device_decode import (  # train and val: one decoder
-            collate_encoded,
-            read_encoded,
-        )
-
         reader, collate = (
             read_encoded,
             collate_encoded(img_size, cfg.get("interpolation", "bilinear")),
@@ -172,7 +211,9 @@ def build_classification_data(
     val_options = {**options, **({"collate_fn": collate} if collate else {})}
     if not train:
         _check_num_classes(cfg, len(val_set.classes), val_set.root, "class folders")
-        val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, val_options)
+        val_loader: DataLoader | LabelBatches = _val_loader(
+            cfg, val_set, dp_rank, dp_size, val_options
+        )
         if not reads_images:
             val_loader = LabelBatches(
                 val_loader.batch_sampler, val_set.targets if reads_labels else None
@@ -196,7 +237,9 @@ def build_classification_data(
     sampler = TrainBatchSampler(
         len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed, **streams
     )
-    train_loader = register(DataLoader(train_set, batch_sampler=sampler, **val_options))
+    train_loader: DataLoader | LabelBatches = register(
+        DataLoader(train_set, batch_sampler=sampler, **val_options)
+    )
     val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, val_options)
     if not reads_images:
         train_loader = LabelBatches(sampler, train_set.targets if reads_labels else None)
@@ -227,9 +270,6 @@ def _native_data(
 ) -> ClassificationData:
     """`build_classification_data` under data.resolution=native: the same splits, each image resized
     to its grid."""
-    from visiondist.config.resolution import native_settings
-    from visiondist.data.native import NativeBatchSampler, NativeCollate, NativeTransform
-
     seq_lens, eval_len = native_settings(cfg, img_size, patch)
     packs = bool((cfg.get("native") or {}).get("pack", False))
     splits = _classification_splits(cfg)
@@ -289,8 +329,6 @@ def _classification_splits(cfg):
         return lambda split, transform, reader=None, **kw: ImageFolder(
             root / split, transform, reader=reader, **kw
         )
-    from visiondist.data.device_decode import encoded_or_decoded, read_encoded
-    from visiondist.data.shards import ShardSplit, open_store, read_meta
 
     store = open_store(cfg)
     meta = read_meta(store)
@@ -304,13 +342,36 @@ def _classification_splits(cfg):
 
 @dataclass
 class DetectionData(TaskData):
+    """A detection task's loaders (`build_detection_data`).
+
+    Args:
+        train_loader: this rank's training batches (lists of images and of targets); None:
+            evaluation only.
+        val_loader: this rank's share of the val split, every image once over the ranks.
+        train_sampler: the training order (epochs, steps, a resumed step); None: evaluation only.
+        classes: the category names of labels 1..K.
+        num_train: the training split's image count (0: evaluation only).
+        num_val: the val split's image count.
+        val_annotations: the val split's COCO annotation file.
+        cat_of_label: the COCO category id of each label 1..K.
+        store: the rank's `ShardStore` under data.format=shards, else None.
+    """
+
     val_annotations: Path  # the ground truth COCOeval scores against
     cat_of_label: dict[int, int]  # model label (1..K) -> COCO category id
     store: object = None  # data.format=shards: the rank's `ShardStore`
 
 
 def coco_paths(cfg, split: str) -> tuple[Path, Path]:
-    """(image folder, annotation file) of a split of a COCO-format data config."""
+    """(image folder, annotation file) of a split of a COCO-format data config.
+
+    Args:
+        cfg: the data config (its `root`, `images` and `annotations` patterns).
+        split: the split's name, e.g. cfg.val_split.
+
+    Returns:
+        The split's image folder and its annotation file (neither checked).
+    """
     root = Path(cfg.root).expanduser()
     return root / cfg.images.format(split=split), root / cfg.annotations.format(split=split)
 
@@ -327,14 +388,30 @@ def build_detection_data(
     square: int | None = None,
     antialias: bool = True,
 ):
-    """COCO-format train / val loaders for this DP rank (batches are lists: images differ in size).
-    With `train=False` only the val split is read (evaluation of a checkpoint). `masks`: the
-    training targets carry instance masks (a model with a mask head; COCOeval reads the val masks
-    from the annotation file). `square`: training images are resized to that square (a DETR-class
-    detector's input) instead of by data.min_size / max_size, antialiased when they shrink unless
-    `antialias` is off (as the model's image processor resizes)."""
-    from visiondist.data.coco import collate_detection
+    """COCO-format train / val loaders for this DP rank.
 
+    Batches are lists: images differ in size. With `train=False` only the val split is read
+    (evaluation of a checkpoint). `masks`: the training targets carry instance masks (a model with a
+    mask head; COCOeval reads the val masks from the annotation file). `square`: training images are
+    resized to that square (a DETR-class detector's input) instead of by data.min_size / max_size,
+    antialiased when they shrink unless `antialias` is off (as the model's image processor
+    resizes).
+
+    Args:
+        cfg: the data config (`data`): a COCO-format tree or packed shards.
+        dp_rank: this rank's data-parallel index.
+        dp_size: the data-parallel ranks.
+        grad_accum: micro-batches per optimizer step.
+        seed: the run's seed (sample order, per-sample augmentation).
+        pin_memory: batches in page-locked memory (a GPU run).
+        train: False to read the val split alone.
+        masks: training targets with instance masks.
+        square: the side training images are resized to; None: data.min_size / max_size.
+        antialias: antialias a `square` resize that shrinks.
+
+    Returns:
+        A `DetectionData`.
+    """
     options = loader_options(cfg, pin_memory, collate_detection)
     splits = detection_splits(cfg)
     val_set = splits(cfg.val_split, train=False)
@@ -396,14 +473,19 @@ def build_detection_data(
 
 
 def detection_splits(cfg):
-    """split name, options -> a `CocoDetection` of the tree, or of a packed split
-    (`data.format=shards`)."""
-    if cfg.get("format", "imagefolder") != "shards":
-        from visiondist.data.coco import CocoDetection
+    """The reader of a COCO-format data config's splits.
 
+    split name, options -> a `CocoDetection` of the tree, or of a packed split
+    (`data.format=shards`).
+
+    Args:
+        cfg: the data config.
+
+    Returns:
+        A function of (split name, `CocoDetection`'s keyword options) -> the split's dataset.
+    """
+    if cfg.get("format", "imagefolder") != "shards":
         return lambda split, **kw: CocoDetection(*coco_paths(cfg, split), **kw)
-    from visiondist.data.shards import open_store, read_meta
-    from visiondist.data.shards.packed_coco import ShardCoco
 
     store = open_store(cfg)
     meta = read_meta(store)

@@ -15,13 +15,12 @@ import json
 from typing import Any, Sequence
 
 import numpy as np
+from pycocotools import mask as mask_utils
 
 
 def to_rle(segmentation: Any, height: int, width: int) -> dict:
     """One compressed RLE of an annotation's segmentation (polygons merged into one mask), as
     COCOeval reads it."""
-    from pycocotools import mask as mask_utils
-
     if isinstance(segmentation, list):  # polygons: one object may have several parts
         polygons = [p for p in segmentation if len(p) >= 6]  # fewer than 3 points covers nothing
         if not polygons:
@@ -38,8 +37,6 @@ def to_rle(segmentation: Any, height: int, width: int) -> dict:
 
 def decode(segmentations: Sequence[Any], height: int, width: int) -> np.ndarray:
     """(n, height, width) uint8 masks (0 / 1) of `segmentations`."""
-    from pycocotools import mask as mask_utils
-
     if not segmentations:
         return np.zeros((0, height, width), dtype=np.uint8)
     rles = [to_rle(s, height, width) for s in segmentations]
@@ -48,8 +45,6 @@ def decode(segmentations: Sequence[Any], height: int, width: int) -> np.ndarray:
 
 def encode(masks: np.ndarray) -> list[dict]:
     """Compressed RLEs (JSON-ready: `counts` as text) of (n, height, width) binary masks."""
-    from pycocotools import mask as mask_utils
-
     if len(masks) == 0:
         return []
     rles = mask_utils.encode(
@@ -60,8 +55,6 @@ def encode(masks: np.ndarray) -> list[dict]:
 
 def area(segmentation: Any, height: int, width: int) -> float:
     """Pixels covered, as COCO's annotation `area` counts them for masks."""
-    from pycocotools import mask as mask_utils
-
     return float(mask_utils.area(to_rle(segmentation, height, width)))
 
 

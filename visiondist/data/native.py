@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from visiondist.config.resolution import PACK_SHARE, step_images
-from visiondist.data.sampler import SampleKey, TrainBatchSampler
+from visiondist.data.augment import AugmentPolicy
+from visiondist.data.sampler import TrainBatchSampler
 from visiondist.data.transforms import SampleRandom, interpolation
 from visiondist.models.patches import Patches, pack
 
@@ -41,7 +42,8 @@ def fit_grid(height: int, width: int, patch: int, seq_len: int) -> tuple[int, in
     the image whose sides, each rounded up to whole patches, hold at most `seq_len` patches; timm's
     NaFlex transforms' rule (`get_image_size_for_seq`), so that an export predicts in timm on the
     grids the run used."""
-    from timm.data.naflex_transforms import get_image_size_for_seq
+    # timm: 0.6 s a rank after torchvision, paid only at native resolution
+    from timm.data.naflex_transforms import get_image_size_for_seq  # noqa: PLC0415 (timm: 0.6 s)
 
     _, (h, w) = get_image_size_for_seq((height, width), patch, seq_len)
     return h // patch, w // patch
@@ -61,8 +63,6 @@ class NativeTransform:
         size: int = 224,
         pack: bool = False,
     ):
-        from visiondist.data.augment import AugmentPolicy
-
         self.train, self.patch, self.seed, self.eval_seq_len = train, patch, seed, eval_seq_len
         self.sizes_drawn = train and pack  # each image's share of its sequence drawn (module doc)
         # data.auto_augment (with data.augment_on=loader: check_native) on each resized image, here
@@ -103,13 +103,13 @@ class NativeTransform:
             image = cv2.resize(image, size, interpolation=self.flag)
         if self.train and self.hflip > 0 and self.random.numpy.random() < self.hflip:
             image = image[:, ::-1]
-        image = torch.from_numpy(np.ascontiguousarray(image))
+        pixels = torch.from_numpy(np.ascontiguousarray(image))
         if self.policy is not None and self.policy.active:
             row = self.policy.draw(self.random.python)
-            image = (
-                self.policy.apply_loader(image.permute(2, 0, 1), row).permute(1, 2, 0).contiguous()
+            pixels = (
+                self.policy.apply_loader(pixels.permute(2, 0, 1), row).permute(1, 2, 0).contiguous()
             )
-        return (image, step_len) if self.train else image
+        return (pixels, step_len) if self.train else pixels
 
 
 class NativeCollate:
@@ -213,7 +213,8 @@ class NativeBatchSampler(TrainBatchSampler):
     def __len__(self) -> int:
         return (self.steps_per_epoch - self.start_step) * self.grad_accum
 
-    def __iter__(self) -> Iterator[list[SampleKey]]:
+    # a key here also carries its step's sequence length: (index, epoch, seq_len)
+    def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:  # type: ignore[override]
         epoch = self.epoch
         batches = self.global_batches(epoch)
         for step in range(self.start_step, self.steps_per_epoch):

@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from visiondist.utils.signals import RUN_DIR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +110,6 @@ def _reason(exc: BaseException, path: str) -> str:
 
 def bad_images_file() -> Path | None:
     """`<run>/bad_images.txt` of the run this process belongs to (None outside a run)."""
-    from visiondist.utils.signals import RUN_DIR_ENV
-
     run_dir = os.environ.get(RUN_DIR_ENV)
     return Path(run_dir) / "bad_images.txt" if run_dir else None
 
@@ -125,8 +126,6 @@ def count_bad_images(run_dir: Path) -> int:
 def unreadable_reason(path: str | Path) -> str | None:
     """Why an image file cannot be read, from its size, header and (JPEG) end marker alone, or None.
     Cheap: no decoding, so a whole val split is checked in seconds before training starts."""
-    from PIL import Image, UnidentifiedImageError
-
     try:
         size = Path(path).stat().st_size
         if size == 0:

@@ -118,6 +118,7 @@ class TrainBatchSampler:
 
     def _stream_batches(self, epoch: int) -> list[np.ndarray]:
         starts = self.shard_starts
+        assert starts is not None, "streams= comes with shard_starts="
         rng = np.random.default_rng([self.seed, epoch])
         shards = rng.permutation(len(starts) - 1) if self.shuffle else np.arange(len(starts) - 1)
         sequence = np.concatenate(

@@ -10,6 +10,11 @@ import albumentations as A
 import cv2
 import numpy as np
 import torch
+from PIL import Image
+
+from visiondist.data.augment import AugmentPolicy
+from visiondist.data.device_decode import CROP_FIELDS, Encoded, EncodedBatch
+from visiondist.models.patches import Patches
 
 # data.interpolation -> OpenCV's flag
 INTERPOLATIONS = {"bilinear": cv2.INTER_LINEAR, "bicubic": cv2.INTER_CUBIC}
@@ -89,8 +94,6 @@ class ClassificationTransform:
     """
 
     def __init__(self, cfg, train: bool, size: int, seed: int):
-        from visiondist.data.augment import AugmentPolicy
-
         get = (
             cfg.get if hasattr(cfg, "get") else lambda key, default=None: getattr(cfg, key, default)
         )
@@ -128,8 +131,6 @@ class ClassificationTransform:
         stream as the loader path's albumentations crop and flip draw them; eval: the resize and
         centre crop), or a file the device cannot decode cropped here, with an empty crop row; then
         the augmentation row (`visiondist.data.device_decode`)."""
-        from visiondist.data.device_decode import CROP_FIELDS, Encoded
-
         row = np.zeros(CROP_FIELDS)
         # eval: resize the short side, then the centre crop
         if isinstance(image, Encoded) and not self.train:
@@ -155,6 +156,7 @@ class ClassificationTransform:
         """(top, left, resized height, resized width) of the eval transform on a `height` x `width`
         image, as albumentations' SmallestMaxSize and CenterCrop compute them (tested against
         them)."""
+        assert self.eval_resize is not None  # set for evaluation, the one caller
         scale = self.eval_resize / min(height, width)
         h, w = round(height * scale), round(width * scale)
         return (h - self.size) // 2, (w - self.size) // 2, h, w
@@ -168,14 +170,14 @@ class Normalize:
     mean) / (255 std) per channel (`normalize`). Float input is taken as the model's input already
     (N, C, H, W, normalised)."""
 
-    def __init__(self, mean, std):
+    def __init__(self, mean, std) -> None:
         self.mean = torch.tensor(list(mean), dtype=torch.float32).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(list(std), dtype=torch.float32).view(1, 3, 1, 1) * 255
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(self, images: torch.Tensor, device: torch.device) -> torch.Tensor:
-        from visiondist.models.patches import Patches
-
+    def __call__(
+        self, images: torch.Tensor | Patches, device: torch.device
+    ) -> torch.Tensor | Patches:
         # data.resolution=native: uint8 patches, each pixel's channels together
         if isinstance(images, Patches):
             images = images.to(device, non_blocking=True)
@@ -203,8 +205,6 @@ def to_device(images, device: torch.device) -> torch.Tensor:
     """A classification loader batch on `device`: uint8 N, H, W, C -> uint8 N, C, H, W (contiguous),
     after a non-blocking copy; a batch of encoded JPEGs (`data.decode_on=device`) is decoded,
     cropped and flipped there; float batches (already the model's input) are only copied."""
-    from visiondist.data.device_decode import EncodedBatch
-
     if isinstance(images, EncodedBatch):
         return images.images(device)
     images = images.to(device, non_blocking=True)
@@ -245,9 +245,7 @@ def resize_square(image: np.ndarray, boxes: np.ndarray, side: int, antialias: bo
     it shrinks, through PIL, where the processor antialiases, which RF-DETR's does not)."""
     h, w = image.shape[:2]
     if antialias and side < max(h, w):
-        from PIL import Image
-
-        image = np.array(Image.fromarray(image).resize((side, side), Image.BILINEAR))
+        image = np.array(Image.fromarray(image).resize((side, side), Image.Resampling.BILINEAR))
     else:
         image = cv2.resize(image, (side, side), interpolation=cv2.INTER_LINEAR)
     return image, boxes * np.array([side / w, side / h, side / w, side / h], dtype=np.float32)

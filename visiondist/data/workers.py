@@ -30,7 +30,9 @@ from typing import Any, Iterator
 
 import cv2
 from torch.utils.data import DataLoader
+from torch.utils.data._utils import signal_handling
 
+from visiondist.utils.procenv import usable_cpus
 from visiondist.utils.signals import ignore_stop_signals, install_worker_stack_dump
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,7 @@ def worker_pids() -> list[int]:
     return pids
 
 
-class watched:  # noqa: N801 (used as a function: `watched(iter(loader))`)
+class watched:
     """A loader's batch iterator whose failures from a worker's death name the worker. A batch's
     tensors reach the rank through file descriptors its worker sends on request; a worker killed
     after queueing a batch leaves the rank an EOFError (or a reset connection) in place of them,
@@ -130,8 +132,6 @@ def close_loaders() -> None:
     its own took seconds to do so, seconds a stopped job waited for after its checkpoint was
     written. Their prefetched batches hold nothing that matters; the loader's own shutdown then
     closes its queues."""
-    from torch.utils.data._utils import signal_handling
-
     for loader in list(_LOADERS):
         iterator = getattr(loader, "_iterator", None)
         if iterator is None:
@@ -148,7 +148,7 @@ def close_loaders() -> None:
             worker.join(timeout=5)
         try:
             iterator._shutdown_workers()
-        except Exception as exc:  # noqa: BLE001 - a broken queue must not keep the rank alive
+        except Exception as exc:
             log.debug("loader shutdown: %s", exc)
         loader._iterator = None
     _LOADERS.clear()
@@ -160,8 +160,6 @@ AUTO_WORKERS_MAX = 16  # data.num_workers=-1: at most this many loader workers p
 def usable_cores() -> int:
     """The CPUs this process may run on: its affinity (a SLURM allocation, taskset) and its
     container's CPU quota, not the whole machine (`visiondist.utils.procenv.usable_cpus`)."""
-    from visiondist.utils.procenv import usable_cpus
-
     return usable_cpus()
 
 

@@ -5,6 +5,7 @@ scores its shard, sums are reduced over data parallel. Top-5 is computed always 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,11 @@ def reports_top5(num_classes: int) -> bool:
     """Whether top-5 is reported (the log, metrics.csv, the summary, the plots, eval.json): only
     where five guesses are well below the class count, more than 10 classes. Of 6 classes, five
     guesses miss only when the true class is ranked last: top-5 is about 100% for any model and says
-    nothing."""
+    nothing.
+
+    Args:
+        num_classes: the classifier's class count.
+    """
     return num_classes >= TOP5_MIN_CLASSES
 
 
@@ -30,7 +35,16 @@ def topk_correct(
     logits: torch.Tensor, labels: torch.Tensor, ks: tuple[int, ...]
 ) -> list[torch.Tensor]:
     """Number of samples whose label is among the top-k logits, for each k (k capped at the class
-    count)."""
+    count).
+
+    Args:
+        logits: (N, classes).
+        labels: (N,) true labels.
+        ks: the k of each count, e.g. (1, 5).
+
+    Returns:
+        A 0-d tensor per k, on the logits' device.
+    """
     kmax = min(max(ks), logits.shape[1])
     top = logits.topk(kmax, dim=1).indices
     hits = top == labels[:, None]
@@ -47,8 +61,10 @@ def evaluate_classification(
     progress: bool = False,
     inputs=None,
     feed=None,
-) -> dict[str, float]:
-    """val_loss, val_top1, val_top5 (percent) and val_count over the whole val set, identical on
+) -> dict[str, Any]:
+    """A classifier's exact val metrics over every rank's share of the val set.
+
+    val_loss, val_top1, val_top5 (percent) and val_count over the whole val set, identical on
     every rank; with `num_classes`, also val_class_top1 (percent per class, None for a class without
     images) and val_class_count. `progress`: a progress bar over this rank's batches (give it on the
     main rank only). `inputs(images, device)` turns loader images into the model's input on the
@@ -57,7 +73,21 @@ def evaluate_classification(
     closed at the end).
 
     A pipelined model runs each batch through the pipeline (`PipelinedViT.predict`); the last stage
-    scores it and its sums reach the other stages in the final reduction."""
+    scores it and its sums reach the other stages in the final reduction.
+
+    Args:
+        model: the model (any layout: DDP, TP, FSDP, a `PipelinedViT`).
+        loader: this rank's val batches (images, labels).
+        layout: this rank's `Layout` (device, the DP group).
+        autocast: the forward's autocast context; None: none.
+        num_classes: the class count, for per-class top-1; None: none.
+        progress: a progress bar over this rank's batches.
+        inputs: (images, device) -> the model's input; None: a copy to the device.
+        feed: batches -> the batches as the step takes them; None: as they come.
+
+    Returns:
+        The metrics by name (val_class_top1 and val_class_count: lists).
+    """
     was_training = model.training
     model.eval()
     pipelined = isinstance(model, PipelinedViT)
@@ -78,7 +108,7 @@ def evaluate_classification(
             batches.close()
     blank_forwards(model, layout, needed - forwards, autocast)
     layout.all_reduce_dp(sums)
-    if pipelined:
+    if isinstance(model, PipelinedViT):
         sums = model.from_last_stage(sums)
     model.train(was_training)
     return _metrics(sums.tolist(), k)
@@ -134,7 +164,7 @@ def _metrics(values: list[float], k: int) -> dict:
     """The reduced sums as metrics (see `evaluate_classification`)."""
     loss, top1, top5, count = values[:4]
     count_safe = max(count, 1.0)
-    metrics = {
+    metrics: dict[str, Any] = {
         "val_loss": loss / count_safe,
         "val_top1": 100.0 * top1 / count_safe,
         "val_top5": 100.0 * top5 / count_safe,

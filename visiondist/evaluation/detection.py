@@ -26,6 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from visiondist.data.masks import encode
+from visiondist.data.transforms import unit_float
+from visiondist.data.workers import watched
+from visiondist.models.detection import has_mask_head
+from visiondist.observe.progress import status, tracked
+
 log = logging.getLogger(__name__)
 
 # a pixel belongs to a predicted instance where its mask probability is above this (torchvision's)
@@ -61,15 +67,20 @@ _SUMMARY_LINES = (
 
 
 def summary_lines(stats: dict[str, float]) -> str:
-    """The 12-line COCOeval summary, as pycocotools prints it."""
+    """The 12-line COCOeval summary, as pycocotools prints it.
+
+    Args:
+        stats: the 12 stats by name (`STAT_NAMES`).
+    """
     return "\n".join(
         f" {line} = {stats[name]:0.3f}" for line, name in zip(_SUMMARY_LINES, STAT_NAMES)
     )
 
 
 def backend_name() -> str:
+    """The COCO scorer here: "faster-coco-eval" when it is installed, else "pycocotools"."""
     try:
-        import faster_coco_eval  # noqa: F401
+        import faster_coco_eval  # noqa: F401,PLC0415 (a probe: pycocotools without it)
 
         return "faster-coco-eval"
     except ImportError:
@@ -87,7 +98,18 @@ def score(
     against `ann_file`; with `segmentations` (an RLE per row), the 12 mask stats of the same
     detections instead. No detection at all scores 0 everywhere (COCOeval cannot load an empty
     result list). `per_class` adds `class_AP`: {category name: AP@[.5:.95] over all areas, up to 100
-    detections; None without ground truth}."""
+    detections; None without ground truth}.
+
+    Args:
+        ann_file: the ground truth, a COCO annotation file.
+        detections: (n, 7) rows: image_id, x, y, w, h, score, category_id.
+        backend: "faster-coco-eval" or "pycocotools"; None: `backend_name()`.
+        per_class: add each category's AP (`class_AP`).
+        segmentations: an RLE per detection: score the masks instead of the boxes.
+
+    Returns:
+        The 12 stats by name (`STAT_NAMES`), and `class_AP` when asked.
+    """
     backend = backend or backend_name()
     if len(detections) == 0:
         zeros: dict[str, Any] = {name: 0.0 for name in STAT_NAMES}
@@ -96,12 +118,13 @@ def score(
                 c["name"]: 0.0 for c in json.loads(Path(ann_file).read_text())["categories"]
             }
         return zeros
+    # one backend's classes under the same names, imported as asked (faster-coco-eval may be absent)
     if backend == "faster-coco-eval":
-        from faster_coco_eval import COCO
-        from faster_coco_eval import COCOeval_faster as COCOeval
+        from faster_coco_eval import COCO  # noqa: PLC0415 (by backend)
+        from faster_coco_eval import COCOeval_faster as COCOeval  # noqa: PLC0415 (by backend)
     elif backend == "pycocotools":
-        from pycocotools.coco import COCO
-        from pycocotools.cocoeval import COCOeval
+        from pycocotools.coco import COCO  # noqa: PLC0415 (by backend)
+        from pycocotools.cocoeval import COCOeval  # noqa: PLC0415 (by backend)
     else:
         raise ValueError(
             f"unknown COCO scoring backend {backend!r}: faster-coco-eval or pycocotools"
@@ -143,7 +166,11 @@ def _class_ap(evaluator, gt) -> dict[str, Optional[float]]:
 
 def to_results_json(detections: np.ndarray) -> list[dict[str, Any]]:
     """COCO results format (what `loadRes` and the evaluation server read), at full precision so
-    that scoring the file gives exactly the stats scored in memory."""
+    that scoring the file gives exactly the stats scored in memory.
+
+    Args:
+        detections: (n, 7) rows: image_id, x, y, w, h, score, category_id.
+    """
     return [
         {
             "image_id": int(d[0]),
@@ -156,7 +183,12 @@ def to_results_json(detections: np.ndarray) -> list[dict[str, Any]]:
 
 
 def segm_results(detections: np.ndarray, segmentations: list[dict]) -> list[dict[str, Any]]:
-    """COCO's results format for masks: each detection's image, category, score and RLE."""
+    """COCO's results format for masks: each detection's image, category, score and RLE.
+
+    Args:
+        detections: (n, 7) rows: image_id, x, y, w, h, score, category_id.
+        segmentations: an RLE per row.
+    """
     return [
         {"image_id": int(d[0]), "category_id": int(d[6]), "segmentation": rle, "score": float(d[5])}
         for d, rle in zip(detections, segmentations)
@@ -166,8 +198,6 @@ def segm_results(detections: np.ndarray, segmentations: list[dict]) -> list[dict
 def _masks_of(output: dict) -> list[dict]:
     """The RLEs of one image's predicted masks (probabilities (n, 1, H, W) at the image's size),
     thresholded."""
-    from visiondist.data.masks import encode
-
     return encode((output["masks"][:, 0] > MASK_THRESHOLD).cpu().numpy())
 
 
@@ -180,14 +210,20 @@ def predict(
     autocast: Optional[AbstractContextManager] = None,
     progress: bool = False,
 ) -> tuple[np.ndarray, list[int], Optional[list[dict]]]:
-    """Detections of this rank's shard as (n, 7) rows (image_id, x, y, w, h, score, category_id),
-    the ids of the images it saw (with or without detections) and, for a model that predicts masks,
-    an RLE per row (else None); `progress`: a progress bar over the batches."""
-    from visiondist.data.transforms import unit_float
-    from visiondist.data.workers import watched
-    from visiondist.models.detection import has_mask_head
-    from visiondist.observe.progress import tracked
+    """A detector's detections of this rank's share of the val set.
 
+    Detections of this rank's shard as (n, 7) rows (image_id, x, y, w, h, score, category_id),
+    the ids of the images it saw (with or without detections) and, for a model that predicts masks,
+    an RLE per row (else None); `progress`: a progress bar over the batches.
+
+    Args:
+        model: a torchvision-interface detector.
+        loader: this rank's val batches (lists of uint8 images and targets).
+        device: the model's device.
+        cat_of_label: the COCO category id of each label.
+        autocast: the forward's autocast context; None: none.
+        progress: a progress bar over the batches.
+    """
     was_training = model.training
     model.eval()
     rows, seen = [], []
@@ -224,7 +260,14 @@ def gather_detections(
     detections: np.ndarray, seen: list[int], layout, rles: Optional[list[dict]] = None
 ) -> Optional[list[Part]]:
     """Every DP rank's part, on DP-rank 0 of the group (None elsewhere). TP / PP peers hold the same
-    predictions; each DP group gathers its own and only global rank 0 goes on to score."""
+    predictions; each DP group gathers its own and only global rank 0 goes on to score.
+
+    Args:
+        detections: this rank's (n, 7) rows (`predict`).
+        seen: the ids of the images it saw.
+        layout: this rank's `Layout` (its DP group).
+        rles: an RLE per row (mask models), else None.
+    """
     if layout.dp == 1:
         return [(detections, seen, rles)]
     parts: Optional[list] = [None] * layout.dp if layout.dp_rank == 0 else None
@@ -237,7 +280,12 @@ def gather_detections(
 
 def deduplicate(parts: list[Part], expected: int) -> tuple[np.ndarray, int, Optional[list[dict]]]:
     """One report per image (the first part that saw it wins); every val image must have been seen.
-    Returns the detections, the image count and (mask models) the detections' RLEs."""
+    Returns the detections, the image count and (mask models) the detections' RLEs.
+
+    Args:
+        parts: every rank's (detections, seen image ids, RLEs).
+        expected: the val set's image count (a RuntimeError otherwise).
+    """
     taken: set[int] = set()
     keep: list[np.ndarray] = []
     keep_rles: Optional[list[dict]] = None
@@ -249,7 +297,7 @@ def deduplicate(parts: list[Part], expected: int) -> tuple[np.ndarray, int, Opti
         if new:
             mine = np.isin(detections[:, 0], list(new))
             keep.append(detections[mine])
-            if rles is not None:
+            if rles is not None and keep_rles is not None:  # (the latter follows from the former)
                 keep_rles.extend(rle for rle, kept in zip(rles, mine) if kept)
         taken |= new
     if len(taken) != expected:
@@ -267,17 +315,35 @@ def evaluate_detection(
     autocast: Optional[AbstractContextManager] = None,
     results_path: Optional[Path] = None,
     progress: bool = False,
-) -> dict[str, float]:
-    """The 12 COCO box stats (as `val_<name>`, plus val_count and val_detections) of `model` on the
+) -> dict[str, Any]:
+    """A detector's exact COCO mAP over every rank's share of the val set, on every rank.
+
+    The 12 COCO box stats (as `val_<name>`, plus val_count and val_detections) of `model` on the
     val set and, for a model that predicts masks, the 12 mask stats of the same detections
     (`val_segm_<name>`), on every rank. Rank 0 also writes `results_path` (COCO results JSON of the
     boxes) when given, and `segmentations.json` beside it (of the masks). `progress` (main rank): a
-    progress bar over the batches, then a spinner while COCOeval scores."""
+    progress bar over the batches, then a spinner while COCOeval scores.
+
+    Args:
+        model: a torchvision-interface detector.
+        loader: this rank's val batches.
+        layout: this rank's `Layout` (device, ranks, the DP group).
+        ann_file: the val split's COCO annotation file.
+        cat_of_label: the COCO category id of each label.
+        num_images: the val set's image count (every one must be seen).
+        autocast: the forward's autocast context; None: none.
+        results_path: where rank 0 writes the detections as COCO results; None: not written.
+        progress: a progress bar, then a spinner.
+
+    Returns:
+        The metrics by name (`val_class_AP`, `val_segm_class_AP`: AP by category name).
+    """
     detections, seen, rles = predict(model, loader, layout.device, cat_of_label, autocast, progress)
     gathered = gather_detections(detections, seen, layout, rles)
     box: list[Any] = [None]
     if layout.rank == 0:
         try:
+            assert gathered is not None  # global rank 0 is DP-rank 0 of its group
             box[0] = _score_gathered(gathered, ann_file, num_images, results_path, progress)
         except Exception as exc:  # every rank must learn of it, not wait forever
             box[0] = exc
@@ -296,8 +362,6 @@ def _score_gathered(
     progress: bool,
 ) -> dict[str, Any]:
     """Rank 0: every part de-duplicated, scored (boxes, then masks), the results files written."""
-    from visiondist.observe.progress import status
-
     dets, count, rles = deduplicate(gathered, expected=num_images)
     what = "detections" if rles is None else "detections and masks"
     with status(

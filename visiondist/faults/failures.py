@@ -29,6 +29,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable, Optional
 
+from visiondist.observe import console as run_logging
 from visiondist.utils.heartbeat import PROGRESS
 from visiondist.utils.signals import HANG_DIR
 
@@ -71,7 +72,9 @@ def record_failure(
 ) -> str:
     """Write this rank's failure record `<run>/failure/rank<k>.txt` (its line, the time, the
     traceback) unless one exists (the first cause wins), and return the line."""
-    line = f"rank {rank} failed at {PROGRESS.where}: {cause or one_line(exc)}"
+    if not cause and exc is not None:
+        cause = one_line(exc)
+    line = f"rank {rank} failed at {PROGRESS.where}: {cause}"
     if run_dir is None:
         return line
     path = Path(run_dir) / FAILURE_DIR / f"rank{rank}.txt"
@@ -84,8 +87,6 @@ def record_failure(
             tmp.write_text(f"{line}\n{now}\n{text}")
             tmp.replace(path)
             if rank == 0:  # the run's log ends with the cause too, not mid-way
-                from visiondist.observe import console as run_logging
-
                 with (Path(run_dir) / run_logging.LOG_FILE).open("a") as log_file:
                     log_file.write(f"{now.replace('T', ' ')} ERROR {line}\n{text}")
     except OSError:  # a read-only or full run dir must not hide the failure itself
@@ -112,7 +113,7 @@ def first_failure(run_dir: Path) -> Optional[Failure]:
     recorded."""
     found = read_failures(run_dir)
     primary = [f for f in found if not is_follow_on(f.line)]
-    return (primary or found or [None])[0]
+    return (primary or found)[0] if found else None
 
 
 def killed_rank(

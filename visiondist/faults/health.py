@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from visiondist.compat import set_pg_timeout
+from visiondist.utils.heartbeat import PROGRESS
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,6 @@ def set_collective_timeout(
 ) -> None:
     """Every later collective on the default group and on `groups` fails after `seconds` instead of
     waiting; the hang watchdog's limit follows."""
-    from visiondist.utils.heartbeat import PROGRESS
-
     timeout = timedelta(seconds=seconds)
     PROGRESS.limit_s, PROGRESS.limit_key = seconds, key  # the watchdog's limit too,
     PROGRESS.at()  # counted from now (a slow first step is not a hang of the new limit's length)

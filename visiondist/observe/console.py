@@ -4,10 +4,17 @@ commands the run prints for people."""
 
 from __future__ import annotations
 
+import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional
+
+from rich import get_console
+from rich.logging import RichHandler
+
+import visiondist
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +46,6 @@ class _Plain(logging.Formatter):
 def in_terminal() -> bool:
     """Whether rank 0's console is a terminal (rich's console, which the log lines and the progress
     bars share)."""
-    from rich import get_console
-
     return get_console().is_terminal
 
 
@@ -51,13 +56,13 @@ def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> 
     the run dir existed) goes to the file alone."""
     global LOG_FILE
     LOG_FILE = log_file
-    from rich.logging import RichHandler
 
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
     if not is_main:
-        import torch.distributed as dist
+        # Ray's driver reads this module (runs.completed_step) before, and without, torch
+        import torch.distributed as dist  # noqa: PLC0415 (torch: 1.2 s)
 
         rank = dist.get_rank() if dist.is_initialized() else "?"
         logging.basicConfig(
@@ -65,6 +70,7 @@ def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> 
         )
         return
     # rich's columns; into a pipe or a file, plain lines that do not wrap at 80 columns
+    console: logging.Handler
     if in_terminal():
         console = RichHandler(show_path=False, show_time=False, markup=False, rich_tracebacks=False)
         console.setFormatter(logging.Formatter("%(message)s"))
@@ -86,8 +92,6 @@ def next_commands(
     export formats the model `family` has; `images`: a folder of the run's own val images, which the
     predict line names as its example source; `longer`: the length setting that trains it on, e.g.
     `trainer.max_epochs=20`)."""
-    import shlex
-
     run = shlex.quote(shown_path(run_dir))
     formats = (
         "format=hf: transformers' from_pretrained directory; format=onnx"
@@ -127,8 +131,6 @@ def continue_command(run_dir: str | Path, under_torchrun: bool = False) -> str:
     """The one command that continues the run in `run_dir`: its config.yaml is the base, so nothing
     else is repeated but the length the latest attempt trained to where it changed it
     (`attempts.jsonl`), so that the continuation ends where that attempt would have."""
-    import shlex
-
     if under_torchrun:
         return (
             "the same torchrun / srun / pod command with "
@@ -145,8 +147,6 @@ def latest_length(run_dir: Path) -> dict:
     """trainer.max_steps / trainer.max_epochs as the run's latest attempt changed them (each line of
     attempts.jsonl holds what that attempt changed against config.yaml); empty where it changed
     neither."""
-    import json
-
     try:
         lines = (run_dir / "attempts.jsonl").read_text().splitlines()
     except OSError:
@@ -164,10 +164,6 @@ def tool_path(name: str) -> str:
     """`tools/<name>.py` as the user can type it from where they are (relative inside the working
     directory, else absolute); `tools/<name>.py` when the package was installed without its
     tools."""
-    import shlex
-
-    import visiondist
-
     path = Path(visiondist.__file__).resolve().parents[1] / "tools" / f"{name}.py"
     return shlex.quote(shown_path(path)) if path.is_file() else f"tools/{name}.py"
 

@@ -8,6 +8,8 @@ import logging
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from visiondist.observe.trackers import Trackers, open_trackers
+
 # mfu: on a known GPU
 TRAIN_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm", "images_per_s", "mfu")
 METRIC_COLUMNS = (*TRAIN_COLUMNS, "val_loss", "val_top1", "val_top5")  # classification
@@ -37,14 +39,14 @@ class MetricsLogger:
         self.path = run_dir / "metrics.csv"
         self.rows: list[dict[str, Any]] = []
         self._tb = None
-        self.trackers = None  # `trackers.Trackers` once started
+        self.trackers: Optional[Trackers] = None  # once started
         if not enabled:
             return
         if continue_from is not None and self.path.is_file():
             self.rows = [
                 r
                 for r in read_metrics(self.path)
-                if r.get("step") is not None and r["step"] <= continue_from
+                if (step := r.get("step")) is not None and step <= continue_from
             ]
         with self.path.open("w", newline="") as f:
             writer = csv.writer(f)
@@ -52,7 +54,8 @@ class MetricsLogger:
             for row in self.rows:
                 writer.writerow([_fmt(row.get(c)) for c in columns])
         if "tensorboard" in self.loggers:
-            from torch.utils.tensorboard import SummaryWriter
+            # 0.13 s after torch, in the launching process too (train.run imports this module)
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (rank 0's alone)
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
 
@@ -61,7 +64,6 @@ class MetricsLogger:
         0; once)."""
         if not self.enabled or self.trackers is not None:
             return
-        from visiondist.observe.trackers import open_trackers
 
         self.trackers = open_trackers(cfg, self.run_dir, self.loggers)
         if self.trackers:

@@ -7,6 +7,17 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 
+from rich import get_console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    track,
+)
+
 from visiondist.utils.heartbeat import PROGRESS
 
 log = logging.getLogger(__name__)
@@ -18,14 +29,6 @@ def progress_bar(enabled: bool, total: int):
     time."""
     if not enabled:
         return None
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
     progress = Progress(
         TextColumn("[bold]train"),
@@ -54,7 +57,6 @@ def tracked(items, enabled: bool, description: str = "eval", total: int | None =
 
     if not enabled:
         return beating(items)
-    from rich.progress import track
 
     return beating(
         track(
@@ -73,6 +75,5 @@ def status(enabled: bool, text: str):
     if not enabled:
         log.info("%s ...", text)
         return nullcontext()
-    from rich import get_console
 
     return get_console().status(text)

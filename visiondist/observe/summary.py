@@ -10,6 +10,9 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from rich.console import Console
+from rich.table import Table
+
 from visiondist.observe.console import next_commands
 from visiondist.observe.plots import plot_curves
 
@@ -25,8 +28,6 @@ LAST_LINES = ("run dir",)
 
 def summary_table(summary: dict[str, Any]):
     """A two-column rich Table of the run's summary, less its paths (`summary_paths`)."""
-    from rich.table import Table
-
     table = Table(title="training summary", show_header=False, title_justify="left")
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")  # text wraps at its spaces
@@ -51,8 +52,6 @@ def summary_paths(summary: dict[str, Any]) -> str:
 
 def print_summary(summary: dict[str, Any]) -> None:
     """The summary table, then its paths."""
-    from rich.console import Console
-
     Console(width=max(100, Console().width)).print(summary_table(summary))
     paths = summary_paths(summary)
     if paths:
@@ -84,10 +83,10 @@ def draw_evaluation(
             plot_curves(rows, run_dir / "curves.png", title, task.plot_series, task.plot_title)
         )
     pngs += task.plots(metrics, run_dir, title)
-    pngs = [p for p in pngs if p is not None]
-    if pngs:
-        log.info("plots: %s", ", ".join(p.name for p in pngs))
-    return pngs
+    drawn = [p for p in pngs if p is not None]
+    if drawn:
+        log.info("plots: %s", ", ".join(p.name for p in drawn))
+    return drawn
 
 
 def report_run(

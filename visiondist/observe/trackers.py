@@ -23,12 +23,13 @@ on is dropped with one warning: the run and its metrics.csv go on without it.
 
 from __future__ import annotations
 
+import getpass
 import json
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -91,7 +92,7 @@ class Trackers:
         for tracker in list(self.trackers):
             try:
                 call(tracker)
-            except Exception as exc:  # noqa: BLE001 - any failure of an optional sink
+            except Exception as exc:
                 log.warning(
                     "%s: %s failed (%s: %s); nothing more is sent to %s in this run (metrics.csv "
                     "has everything)",
@@ -125,7 +126,7 @@ class Trackers:
 def _finish_quietly(tracker: Tracker, status: str) -> None:
     try:
         tracker.finish(status)
-    except Exception as exc:  # noqa: BLE001 - closing must not mask the run's own outcome
+    except Exception as exc:
         log.warning(
             "%s: closing the run failed (%s: %s)",
             tracker.name,
@@ -148,7 +149,7 @@ def open_trackers(cfg: DictConfig, run_dir: Path, loggers: Iterable[str]) -> Tra
         return Trackers([])
     check_trackers_installed(names)
     run_dir = Path(run_dir)
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     saved = read_ids(run_dir)
     opened: list[Tracker] = []
     try:
@@ -205,7 +206,7 @@ class WandbTracker(Tracker):
     def __init__(
         self, cfg: DictConfig, run_dir: Path, config: dict[str, Any], saved: dict[str, Any]
     ):
-        import wandb
+        import wandb  # noqa: PLC0415 (wandb: its extra)
 
         project = str(cfg.trainer.project)
         run_id = saved.get("id") if saved.get("project") == project else None
@@ -279,11 +280,9 @@ def _param_text(value: Any, limit: int = 500) -> str:
 
 
 def _user() -> str:
-    import getpass
-
     try:
         return getpass.getuser()
-    except Exception:  # noqa: BLE001 - no user name in this environment
+    except Exception:
         return "unknown"
 
 
@@ -301,8 +300,8 @@ class MlflowTracker(Tracker):
     def __init__(
         self, cfg: DictConfig, run_dir: Path, config: dict[str, Any], saved: dict[str, Any]
     ):
-        from mlflow.exceptions import MlflowException
-        from mlflow.tracking import MlflowClient
+        from mlflow.exceptions import MlflowException  # noqa: PLC0415 (mlflow: its extra)
+        from mlflow.tracking import MlflowClient  # noqa: PLC0415 (mlflow: its extra)
 
         self.uri = mlflow_uri(cfg)
         if _file_store(self.uri):
@@ -327,7 +326,10 @@ class MlflowTracker(Tracker):
                 try:
                     experiment_id = client.create_experiment(project)
                 except MlflowException:  # created meanwhile by another run
-                    experiment_id = client.get_experiment_by_name(project).experiment_id
+                    created = client.get_experiment_by_name(project)
+                    if created is None:  # not that: the creation's own error
+                        raise
+                    experiment_id = created.experiment_id
             else:
                 experiment_id = experiment.experiment_id
             tags = {"run_dir": str(run_dir), "mlflow.user": _user()}
@@ -343,7 +345,7 @@ class MlflowTracker(Tracker):
             client.log_artifact(self.run_id, str(config_file))
 
     def _log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # noqa: PLC0415 (mlflow: its extra)
 
         items = [Param(key, _param_text(value)) for key, value in params.items()]
         # the tracking API takes at most 100 params per batch
@@ -357,7 +359,7 @@ class MlflowTracker(Tracker):
         return f"mlflow: run {self.run_id} in {self.uri}"
 
     def log_metrics(self, row: dict[str, Any]) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # noqa: PLC0415 (mlflow: its extra)
 
         now, step = int(time.time() * 1000), int(row["step"])
         metrics = [Metric(key, value, now, step) for key, value in _values(row).items()]
@@ -377,4 +379,8 @@ class MlflowTracker(Tracker):
 
 # trainer.loggers name -> its tracker; the name is also a key of config.validate.TRACKERS (the
 # module it imports)
-KINDS: dict[str, type[Tracker]] = {"wandb": WandbTracker, "mlflow": MlflowTracker}
+# a tracker's class, as the run starts it: (cfg, run dir, the resolved config, its saved ids)
+KINDS: dict[str, Callable[[DictConfig, Path, dict[str, Any], dict[str, Any]], Tracker]] = {
+    "wandb": WandbTracker,
+    "mlflow": MlflowTracker,
+}

@@ -4,21 +4,22 @@ another (a stopped one is continued only under the same request)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
+from visiondist.checkpoint.files import latest_checkpoint, resolve_checkpoint
+from visiondist.config import ConfigError
 from visiondist.predict.sources import Source
 
 
 def run_weights(run: Path, step=None) -> Path:
     """A run's weights: checkpoint `step` (a number or "best"), else its model.safetensors, else its
     newest checkpoint (a run stopped early); ConfigError when it holds none."""
-    from visiondist.checkpoint.files import latest_checkpoint, resolve_checkpoint
-    from visiondist.config import ConfigError
-
     if step is not None:
         try:
             return resolve_checkpoint(str(run), step)
@@ -81,8 +82,6 @@ def fingerprint(source: Source) -> str:
     """A digest of the source's files: each one's path, size and modification time (a video: its
     own), so that a folder whose files changed is a new prediction, not a complete or continued one.
     A file that is gone counts as such (the rank names it)."""
-    import hashlib
-
     digest = hashlib.sha256()
     for path in [source.video] if source.video else source.paths:
         try:
@@ -101,8 +100,6 @@ def recorded_preprocessing(weights: Path) -> dict[str, Any]:
     """The run's evaluation preprocessing as an export recorded it beside its weights
     (tools/export.py's `<name>.json`: mean, std, crop_pct, interpolation), as `data` overrides;
     empty where nothing is recorded."""
-    import json
-
     sidecar = weights.with_suffix(".json") if weights.is_file() else None
     if sidecar is None or not sidecar.is_file():
         return {}

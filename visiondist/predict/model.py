@@ -15,16 +15,36 @@ import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from safetensors import safe_open
 from torch import nn
 
+from visiondist.checkpoint.files import read_trainer_state
+from visiondist.config import ConfigError
+from visiondist.config.resolution import native_settings, reading
+from visiondist.data.index import list_image_folder
+from visiondist.data.masks import encode
+from visiondist.data.shards import open_store, read_meta
 from visiondist.models import TASKS
+from visiondist.models.init import is_meta, materialize
+from visiondist.train.precision import autocast_for
+from visiondist.utils.dcp import is_complete
+
+if TYPE_CHECKING:  # rank-side (below)
+    from visiondist.data.native import NativeTransform
+    from visiondist.data.transforms import ClassificationTransform
 
 log = logging.getLogger(__name__)
+
+# What only the ranks use is imported where it is used ("rank-side" below): tools/predict.py's
+# launching process reads this module (`read_names`) before its ranks start, without the loaders'
+# transforms (albumentations: 0.5 s), evaluation (torchvision: 1.8 s), DCP (0.8 s) and the model
+# builders (DTensor: 1.3 s); the export's COCO reader (DCP, torchvision: 1.5 s) only where the
+# weights record no class names.
 
 
 @dataclass
@@ -39,11 +59,16 @@ class Names:
 
 class Predictor:
     """A loaded model with its preprocessing and names; `prepare` runs in the loader workers,
-    `__call__` on the device."""
+    `__call__` on the device.
+
+    Args:
+        cfg: the prediction's config (its model, data, predict and trainer groups).
+        model: the loaded model (`load_model`), in eval mode.
+        device: where the model runs.
+        names: what its outputs are called (`read_names`).
+    """
 
     def __init__(self, cfg: DictConfig, model: nn.Module, device: torch.device, names: Names):
-        from visiondist.train.precision import autocast_for
-
         self.cfg, self.model, self.device, self.names = cfg, model, device, names
         self.task = TASKS[cfg.model.family]
         self.autocast = autocast_for(cfg.trainer.precision, device) or nullcontext()
@@ -51,16 +76,19 @@ class Predictor:
         self.topk = max(1, min(int(p.topk), len(names.classes)))
         self.score_thresh, self.max_det = float(p.score_thresh), int(p.max_det)
         self.keep = None if not p.classes else kept_labels(list(p.classes), names)
-        self.transform = None
+        self.transform: Optional[ClassificationTransform | NativeTransform] = None
         self.reads = None  # how a classifier reads an image (predict.json, the log)
         if self.task == "classification":
-            from omegaconf import OmegaConf
-
-            from visiondist.config.resolution import reading
-            from visiondist.data.transforms import ClassificationTransform, Normalize
+            from visiondist.data.transforms import (  # noqa: PLC0415 (rank-side)
+                ClassificationTransform,
+                Normalize,
+            )
 
             # (data.root: not read)
-            data = OmegaConf.to_container(cfg.data, resolve=True, throw_on_missing=False)
+            data = cast(
+                dict[str, Any],
+                OmegaConf.to_container(cfg.data, resolve=True, throw_on_missing=False),
+            )
             # decoded by the one reader in the workers, as a CPU evaluation decodes
             data["decode_on"] = "loader"
             self.transform = ClassificationTransform(
@@ -73,8 +101,10 @@ class Predictor:
             )
             # as the run evaluated: each image at its own shape
             if data.get("resolution", "square") == "native":
-                from visiondist.config.resolution import native_settings
-                from visiondist.data.native import NativeCollate, NativeTransform
+                from visiondist.data.native import (  # noqa: PLC0415 (rank-side)
+                    NativeCollate,
+                    NativeTransform,
+                )
 
                 size, patch = int(cfg.model.img_size), int(cfg.model.patch_size)
                 _, eval_len = native_settings(data, size, patch)
@@ -116,7 +146,7 @@ class Predictor:
                 }
                 for ks, ps in zip(labels, values)
             ]
-        from visiondist.data.transforms import unit_float
+        from visiondist.data.transforms import unit_float  # noqa: PLC0415 (rank-side)
 
         with self.autocast:
             outputs = self.model(unit_float(images, self.device))
@@ -134,8 +164,7 @@ class Predictor:
         kept = scores[index].cpu().tolist()
         rles = None
         if "masks" in output:
-            from visiondist.data.masks import encode
-            from visiondist.evaluation.detection import MASK_THRESHOLD
+            from visiondist.evaluation.detection import MASK_THRESHOLD  # noqa: PLC0415 (rank-side)
 
             rles = encode((output["masks"][index, 0] > MASK_THRESHOLD).cpu().numpy())
         cats, classes = self.names.categories, self.names.classes
@@ -163,8 +192,6 @@ class _Fields(dict):
 def kept_labels(wanted: list[str], names: Names) -> list[int]:
     """The detector labels of `predict.classes` (class names, or COCO category ids); ConfigError
     naming the model's classes when one is not among them."""
-    from visiondist.config import ConfigError
-
     out = []
     for value in wanted:
         value = str(value)
@@ -187,11 +214,20 @@ def kept_labels(wanted: list[str], names: Names) -> list[int]:
 
 def load_model(cfg: DictConfig, device: torch.device) -> nn.Module:
     """The model of `cfg.model` with the weights of `cfg.model.weights` (a checkpoint directory of
-    any layout, or what training's model.weights takes), whole, on `device`, in eval mode."""
-    from visiondist.checkpoint.dcp import freeze_as_saved, load_model_state
-    from visiondist.models import build_deferred, select_attention
-    from visiondist.models.init import is_meta, materialize
-    from visiondist.utils.dcp import is_complete
+    any layout, or what training's model.weights takes), whole, on `device`, in eval mode.
+
+    Args:
+        cfg: the prediction's config (`model`, with the weights to load).
+        device: where the model goes.
+
+    Returns:
+        The model.
+    """
+    from visiondist.checkpoint.dcp import (  # noqa: PLC0415 (rank-side)
+        freeze_as_saved,
+        load_model_state,
+    )
+    from visiondist.models import build_deferred, select_attention  # noqa: PLC0415 (rank-side)
 
     weights = Path(cfg.model.weights) if cfg.model.weights else None
     checkpoint = weights if weights is not None and is_complete(weights) else None
@@ -233,7 +269,14 @@ def compiles(cfg: DictConfig, device: torch.device) -> bool:
 def read_names(cfg: DictConfig) -> Names:
     """The names of the model's outputs: what its weights record (a checkpoint's trainer state, an
     export's metadata or sidecar, a from_pretrained directory's config.json), else the run's data
-    (class folders, the annotation file), else `class <k>`."""
+    (class folders, the annotation file), else `class <k>`.
+
+    Args:
+        cfg: the prediction's config (`model.weights`, the model and its data).
+
+    Returns:
+        The `Names` (with the COCO category ids of a detector's labels where known).
+    """
     k = int(cfg.model.num_classes)
     detector = TASKS[cfg.model.family] == "detection"
     weights = Path(cfg.model.weights) if cfg.model.weights else None
@@ -262,12 +305,8 @@ def read_names(cfg: DictConfig) -> Names:
 
 
 def _recorded(weights: Path) -> Optional[Names]:
-    from visiondist.utils.dcp import is_complete
-
     try:
         if is_complete(weights):
-            from visiondist.checkpoint.files import read_trainer_state
-
             state = read_trainer_state(weights)
             return (
                 Names(list(state["classes"]), state.get("category_ids"), f"{weights}")
@@ -305,8 +344,6 @@ def _file_metadata(weights: Path) -> dict[str, str]:
     both)."""
     meta: dict[str, str] = {}
     if weights.suffix == ".safetensors":
-        from safetensors import safe_open
-
         with safe_open(str(weights), framework="pt") as f:
             meta = dict(f.metadata() or {})
     sidecar = weights.with_suffix(".json")
@@ -325,15 +362,14 @@ def _from_data(cfg: DictConfig) -> Optional[Names]:
     d = cfg.data
     try:
         if TASKS[cfg.model.family] == "detection":
-            from visiondist.checkpoint.export.trained import coco_categories
+            from visiondist.checkpoint.export.trained import (  # noqa: PLC0415 (a fallback: 1.5 s)
+                coco_categories,
+            )
 
             cats, names = coco_categories(cfg)
             return Names(names, cats, "the run's annotation file") if names else None
         if d.get("format") == "shards":
-            from visiondist.data.shards import open_store, read_meta
-
             return Names(list(read_meta(open_store(d))["classes"]), None, "the run's packed set")
-        from visiondist.data.index import list_image_folder
 
         root = Path(str(d.root)).expanduser()
         for split in (d.val_split, d.train_split):

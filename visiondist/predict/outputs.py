@@ -23,14 +23,20 @@ rank)."""
 
 from __future__ import annotations
 
+import colorsys
 import csv
 import heapq
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, TextIO
 
+import cv2
 import numpy as np
+import torch
+
+from visiondist.data.masks import decode, encode
+from visiondist.predict.sources import VideoFrames
 
 PARTS = "parts"
 MANIFEST = "predict.json"
@@ -195,7 +201,8 @@ class _Unreadable:
     """unreadable.txt: `file: reason` of each skipped item (absent when none was)."""
 
     def __init__(self, out: Path):
-        self.path, self.count, self.file = out / "unreadable.txt", 0, None
+        self.path, self.count = out / "unreadable.txt", 0
+        self.file: Optional[TextIO] = None
 
     def __enter__(self):
         return self
@@ -232,8 +239,11 @@ DRAWN_MIN_SIDE = 320
 def draw(image: np.ndarray, result: dict[str, Any]) -> np.ndarray:
     """An upright RGB image with its result drawn: boxes, class names, scores and masks
     (torchvision's drawing utilities), or a classifier's top labels as a caption."""
-    import torch
-    from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
+    # tools/predict.py's launching process reads this module (the manifest) without torchvision
+    from torchvision.utils import (  # noqa: PLC0415 (torchvision: 2 s)
+        draw_bounding_boxes,
+        draw_segmentation_masks,
+    )
 
     factor = -(-DRAWN_MIN_SIDE // max(1, min(image.shape[:2])))
     if factor > 1:  # labels stay legible on a thumbnail; boxes and masks are scaled with it
@@ -248,8 +258,6 @@ def draw(image: np.ndarray, result: dict[str, Any]) -> np.ndarray:
     colours = [_colour(d["label"]) for d in found]
     masks = [d["mask"] for d in found if "mask" in d]
     if masks and len(masks) == len(found):
-        from visiondist.data.masks import decode
-
         stacked = torch.from_numpy(decode(masks, image.shape[0], image.shape[1]).astype(bool))
         tensor = draw_segmentation_masks(tensor, stacked, alpha=0.45, colors=colours)
     boxes = torch.tensor([d["box"] for d in found], dtype=torch.float32)
@@ -271,8 +279,6 @@ def _scaled(result: dict[str, Any], factor: int) -> dict[str, Any]:
     for d in result["detections"]:
         d = {**d, "box": [v * factor for v in d["box"]]}
         if "mask" in d:
-            from visiondist.data.masks import decode, encode
-
             h, w = d["mask"]["size"]
             mask = decode([d["mask"]], h, w)[0]
             d["mask"] = encode(np.repeat(np.repeat(mask, factor, axis=0), factor, axis=1)[None])[0]
@@ -281,8 +287,6 @@ def _scaled(result: dict[str, Any], factor: int) -> dict[str, Any]:
 
 
 def save_drawn(path: Path, image: np.ndarray) -> None:
-    import cv2
-
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.jpg")
     cv2.imwrite(str(tmp), cv2.cvtColor(image, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, 90])
@@ -290,8 +294,6 @@ def save_drawn(path: Path, image: np.ndarray) -> None:
 
 
 def _caption(image: np.ndarray, text: str) -> np.ndarray:
-    import cv2
-
     out = np.ascontiguousarray(image).copy()
     scale = max(0.4, out.shape[1] / 640)
     (w, h), base = cv2.getTextSize(text, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
@@ -304,8 +306,6 @@ def _caption(image: np.ndarray, text: str) -> np.ndarray:
 
 def _colour(label: int) -> tuple[int, int, int]:
     """A fixed, distinct colour per label (the golden-ratio walk round the hue circle)."""
-    import colorsys
-
     r, g, b = colorsys.hsv_to_rgb((label * 0.618034) % 1.0, 0.85, 0.95)
     return int(r * 255), int(g * 255), int(b * 255)
 
@@ -315,10 +315,6 @@ def write_video(
 ) -> int:
     """The video's predicted frames with their results drawn, at its frame rate over the stride; the
     frames count."""
-    import cv2
-
-    from visiondist.predict.sources import VideoFrames
-
     stride = frames[1] - frames[0] if len(frames) > 1 else 1
     reader, writer, written = VideoFrames(video), None, 0
     tmp = path.with_name(path.stem + ".tmp" + path.suffix)
@@ -330,7 +326,7 @@ def write_video(
             if writer is None:
                 writer = cv2.VideoWriter(
                     str(tmp),
-                    cv2.VideoWriter_fourcc(*"mp4v"),
+                    cv2.VideoWriter.fourcc(*"mp4v"),
                     max(fps / stride, 1.0),
                     (image.shape[1], image.shape[0]),
                 )

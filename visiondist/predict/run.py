@@ -8,12 +8,24 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, cast
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
+from visiondist.config import ConfigError
+from visiondist.config.compose import compose, run_config
+from visiondist.data.decode import read_rgb
+from visiondist.data.robust import READ_ERRORS
+from visiondist.data.sampler import eval_shard
+from visiondist.data.workers import close_loaders, register, watched
+from visiondist.models import TASKS
+from visiondist.models.weights_check import weights_settings
+from visiondist.observe.console import setup_logging, shown_path
+from visiondist.observe.progress import tracked
+from visiondist.plan import check
 from visiondist.predict.job import (
     batch_size,
     drawn_count,
@@ -21,7 +33,7 @@ from visiondist.predict.job import (
     request,
     run_weights,
 )
-from visiondist.predict.model import Predictor, load_model, read_names
+from visiondist.predict.model import Predictor, kept_labels, load_model, read_names
 from visiondist.predict.outputs import (
     PartWriter,
     batches,
@@ -38,6 +50,7 @@ from visiondist.predict.outputs import (
     write_video,
 )
 from visiondist.predict.sources import Source, VideoFrames, resolve_source
+from visiondist.utils.heartbeat import PROGRESS
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +70,6 @@ class Items(Dataset):
         return len(self.source)
 
     def __getitem__(self, i: int):
-        from visiondist.data.decode import read_rgb
-        from visiondist.data.robust import READ_ERRORS
-
         try:
             if self.source.video:
                 self.frames = self.frames or VideoFrames(self.source.video)
@@ -88,8 +98,8 @@ def loader(
 ) -> DataLoader:
     """The loader of this rank's batches (whole batches of the source's order), with the run's
     loader options; a video is read by one worker, in order."""
-    from visiondist.data.loaders import loader_options
-    from visiondist.data.workers import register
+    # the launching process reads this module (check_classes): the loaders' imports stay out of it
+    from visiondist.data.loaders import loader_options  # noqa: PLC0415 (albumentations: 0.7 s)
 
     data = predictor.cfg.data
     options = loader_options(
@@ -117,9 +127,6 @@ def run_batches(
 ) -> Iterator[list[dict[str, Any]]]:
     """Each batch's records, in order: the result of every readable item, the `error` of every other
     (named once in the log unless not `name_bad`). Items to be drawn are drawn into `draw_into`."""
-    from visiondist.data.workers import watched
-    from visiondist.observe.progress import tracked
-
     for items in tracked(
         watched(iter(batches_in)), progress, "predict", total=total or len(batches_in)
     ):
@@ -150,7 +157,9 @@ def predict(
     device: Optional[str] = None,
     **settings: Any,
 ) -> Iterator[dict[str, Any]]:
-    """Per-image results of a trained model on `source` (an image, a folder, a glob, a .txt list or
+    """Predict with a trained model: a result dict per item of `source`, as each batch is done.
+
+    Per-image results of a trained model on `source` (an image, a folder, a glob, a .txt list or
     a video), one dict per item in the source's order: `file`, `width`, `height` and a classifier's
     `top` ([{label, name, prob}]) or a detector's `detections` ([{box (x0, y0, x1, y1 in pixels),
     score, label, name, category_id, mask (COCO RLE)}]), or `error` for a file that cannot be read.
@@ -164,6 +173,20 @@ def predict(
             print(r["file"], r["top"][0]["name"])
 
     A bad source, weights or setting raises ConfigError here, before the model is loaded.
+
+    Args:
+        source: an image, a folder, a glob, a .txt list of images or a video.
+        run_dir: a training run (give this or `weights`).
+        weights: a weights file, checkpoint or from_pretrained directory (with `overrides`).
+        step: the run's checkpoint: a step number or "best"; None: its model.safetensors, else
+            its newest checkpoint.
+        overrides: config overrides for `weights`, e.g. "model=vit_small", "data=imagenet".
+        device: "cuda" or "cpu"; None: the GPU when there is one.
+        **settings: predict's settings (topk, score_thresh, max_det, classes, batch_size,
+            vid_stride).
+
+    Returns:
+        A generator of one result dict per item.
     """
     cfg = prediction_config(run_dir, weights, step, overrides, {"source": source, **settings})
     items = resolve_source(source, int(cfg.predict.vid_stride))
@@ -175,8 +198,6 @@ def predict(
 
 
 def _records(predictor: Predictor, items: Source) -> Iterator[dict[str, Any]]:
-    from visiondist.data.workers import close_loaders
-
     order = batches(len(items), batch_size(predictor.cfg))
     try:  # no log line per unreadable file: its record carries the error
         for records in run_batches(
@@ -192,10 +213,6 @@ def _records(predictor: Predictor, items: Source) -> Iterator[dict[str, Any]]:
 def check_classes(cfg: DictConfig, names) -> None:
     """`predict.classes` against the model: a detector's classes it was trained for (else
     ConfigError naming them); a classifier takes none."""
-    from visiondist.config import ConfigError
-    from visiondist.models import TASKS
-    from visiondist.predict.model import kept_labels
-
     if TASKS[cfg.model.family] != "detection":
         raise ConfigError(
             f"classes={','.join(map(str, cfg.predict.classes))}: keeps a detector's classes; "
@@ -212,13 +229,22 @@ def prediction_config(
     overrides: Sequence[str],
     settings: dict[str, Any],
 ) -> DictConfig:
-    """The config a prediction runs under: a run's config.yaml with its weights (model.safetensors,
-    else its newest checkpoint, or checkpoint `step`), or configs/ composed with `overrides` for
-    `weights`; `settings` into `predict`. Checked as tools/predict.py checks it (ConfigError)."""
-    from visiondist.config import ConfigError
-    from visiondist.config.compose import compose, run_config
-    from visiondist.plan import check
+    """The config a prediction runs under.
 
+    A run's config.yaml with its weights (model.safetensors, else its newest checkpoint, or
+    checkpoint `step`), or configs/ composed with `overrides` for `weights`; `settings` into
+    `predict`. Checked as tools/predict.py checks it (ConfigError).
+
+    Args:
+        run_dir: a training run (give this or `weights`).
+        weights: a weights file, checkpoint or from_pretrained directory.
+        step: the run's checkpoint: a step number or "best"; None: as said above.
+        overrides: config overrides (`weights`: what model and data it is).
+        settings: the `predict` group's values (source, topk, score_thresh, ...).
+
+    Returns:
+        The resolved config.
+    """
     if (run_dir is None) == (weights is None):
         raise ConfigError(
             "give run_dir=<run> (a training run) or weights=<file> with model=... data=..."
@@ -227,30 +253,32 @@ def prediction_config(
         cfg = run_config(run_dir, list(overrides))
         cfg.model.weights = str(run_weights(Path(run_dir), step))
     else:
-        from visiondist.models.weights_check import weights_settings
-
+        assert weights is not None  # one of the two (checked above)
         path = Path(weights).expanduser().resolve()
         said = weights_settings(path, list(overrides), "predict()", data_needed=False)
         cfg = compose(CONFIGS, said + list(overrides))
         cfg.model.weights = str(path)
         # an export's record
-        cfg = OmegaConf.merge(cfg, {"data": recorded_preprocessing(Path(cfg.model.weights))})
+        preprocessing = {"data": recorded_preprocessing(Path(cfg.model.weights))}
+        cfg = cast(DictConfig, OmegaConf.merge(cfg, preprocessing))
     cfg.model.init_from = None
-    cfg = OmegaConf.merge(cfg, {"predict": settings})
+    cfg = cast(DictConfig, OmegaConf.merge(cfg, {"predict": settings}))
     check(cfg, mandatory=False)
     return cfg
 
 
 def predict_ranks(cfg: DictConfig, layout, out: Path) -> dict[str, Any]:
     """Entry point of every rank of tools/predict.py (module doc of
-    `visiondist.predict.outputs`)."""
-    import torch.distributed as dist
+    `visiondist.predict.outputs`).
 
-    from visiondist.data.sampler import eval_shard
-    from visiondist.data.workers import close_loaders
-    from visiondist.observe.console import setup_logging
-    from visiondist.utils.heartbeat import PROGRESS
+    Args:
+        cfg: the prediction's config (`prediction_config`'s, as tools/predict.py makes it).
+        layout: this rank's `Layout` (device, ranks).
+        out: the prediction's directory (parts, outputs, predict.json).
 
+    Returns:
+        On rank 0 the counts of what was written and the seconds taken; {} on the others.
+    """
     setup_logging(out, layout.is_main, "predict.log")
     source = resolve_source(cfg.predict.source, int(cfg.predict.vid_stride))
     PROGRESS.at("loading the weights")
@@ -341,8 +369,6 @@ def finish(
 ) -> dict[str, Any]:
     """Rank 0, once every rank is done: the parts merged into the outputs, the manifest marked
     complete, the summary printed."""
-    from visiondist.observe.console import shown_path
-
     if predictor.task == "classification":
         counts = write_classifications(merged(out), out, predictor.topk)
         files = ["predictions.csv"]
@@ -404,7 +430,7 @@ def _val_image_ids(cfg: DictConfig, source: Source) -> dict[str, int]:
     if source.video or cfg.data.get("format") == "shards":
         return {}
     try:
-        from visiondist.data import coco_paths
+        from visiondist.data import coco_paths  # noqa: PLC0415 (albumentations: 0.7 s)
 
         images, ann = coco_paths(cfg.data, cfg.data.val_split)
         if not ann.is_file():

@@ -13,12 +13,15 @@ import glob
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from visiondist.config import ConfigError
 from visiondist.data.index import IMG_EXTENSIONS
+
+if TYPE_CHECKING:  # cv2 itself where a video is read (`_video`)
+    import cv2
 
 VIDEO_EXTENSIONS = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".m4v", ".mpg", ".mpeg", ".wmv")
 LIST_EXTENSIONS = (".txt", ".lst")
@@ -29,7 +32,18 @@ KINDS = (
 
 @dataclass
 class Source:
-    """The items of a source: image paths, or (a video) frame numbers of `video`."""
+    """The items of a source: image paths, or (a video) frame numbers of `video`.
+
+    Args:
+        spec: the source as given (`source=`).
+        kind: image, folder, glob, list or video.
+        paths: the images, in order (not a video).
+        root: a folder source's folder: item names are relative to it.
+        video: a video source's file.
+        frames: the frame numbers a video source reads, in order.
+        fps: a video's frame rate.
+        size: a video's (width, height).
+    """
 
     spec: str
     kind: str  # image | folder | glob | list | video
@@ -65,7 +79,15 @@ class Source:
 
 def resolve_source(spec: Optional[str], vid_stride: int = 1) -> Source:
     """The items of `spec` (module doc); ConfigError naming the fix for a missing path or a source
-    without images."""
+    without images.
+
+    Args:
+        spec: an image, a folder, a glob, a .txt list of images (a line each) or a video.
+        vid_stride: a video's frames: one in every `vid_stride`.
+
+    Returns:
+        The `Source`.
+    """
     if not spec:
         raise ConfigError(f"give source=<path>: {KINDS}")
     if vid_stride < 1:
@@ -107,7 +129,7 @@ def resolve_source(spec: Optional[str], vid_stride: int = 1) -> Source:
 
 
 def _folder_images(folder: Path) -> list[str]:
-    found = []
+    found: list[str] = []
     for here, dirs, files in os.walk(folder, followlinks=True):
         dirs.sort()
         found.extend(os.path.join(here, f) for f in files if f.lower().endswith(IMG_EXTENSIONS))
@@ -129,7 +151,9 @@ def _listed(spec: str, path: Path) -> Source:
 
 
 def _video(spec: str, path: Path, stride: int) -> Source:
-    import cv2
+    # cv2 (0.02-0.04 s) here and below: tools/predict.py reads this module for its one-line
+    # errors, before its config is checked (no torch, no OpenCV there)
+    import cv2  # noqa: PLC0415 (cv2: a video's alone)
 
     capture = cv2.VideoCapture(str(path))
     try:
@@ -158,10 +182,11 @@ class VideoFrames:
     jump."""
 
     def __init__(self, path: str):
-        self.path, self.capture, self.position = path, None, 0
+        self.path, self.position = path, 0
+        self.capture: Optional[cv2.VideoCapture] = None
 
     def read(self, frame: int) -> np.ndarray:
-        import cv2
+        import cv2  # noqa: PLC0415 (cv2: a video's alone)
 
         if self.capture is None:
             self.capture = cv2.VideoCapture(self.path)

@@ -20,9 +20,15 @@ SPECS = {"shapes": spec_of_shapes, "shapes_coco": spec_of_shapes_coco}
 
 
 def check_generated(cfg) -> None:
-    """Before any rank starts: a ValueError naming the fix where `data.root` holds something the
+    """Check that a built-in data set can be generated into, or read from, its `data.root`.
+
+    Before any rank starts: a ValueError naming the fix where `data.root` holds something the
     built-in set of `cfg` (a data config) cannot be generated into or read from (another spec's
-    copy, other files)."""
+    copy, other files).
+
+    Args:
+        cfg: the data config; a set that is not built-in (no `data.synthetic`) passes.
+    """
     if cfg.synthetic is None or cfg.name not in SPECS:
         return
     problem = conflict(Path(cfg.root).expanduser(), SPECS[cfg.name](cfg.synthetic))
@@ -31,7 +37,12 @@ def check_generated(cfg) -> None:
 
 
 def prepare_data(cfg, show_progress: bool = False) -> None:
-    """Generate a built-in dataset if it is missing. Call on one rank per node, then barrier."""
+    """Generate a built-in dataset if it is missing. Call on one rank per node, then barrier.
+
+    Args:
+        cfg: the data config; nothing is done without `data.synthetic`.
+        show_progress: a progress bar while the images are written.
+    """
     if cfg.synthetic is None:
         return
     if cfg.name not in GENERATORS:

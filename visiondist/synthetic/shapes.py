@@ -9,6 +9,7 @@ several processes racing.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
@@ -20,6 +21,7 @@ from typing import Optional
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
+from rich.progress import track
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +82,7 @@ def background(rng: np.random.Generator, size: int) -> Image.Image:
 def _bright_colour(rng: np.random.Generator) -> tuple[int, int, int]:
     colour = rng.uniform(60, 255, 3)
     colour[rng.integers(3)] = 255  # one saturated channel: always brighter than the background
-    return tuple(int(c) for c in colour)
+    return int(colour[0]), int(colour[1]), int(colour[2])
 
 
 def draw_shape(
@@ -137,6 +139,14 @@ def render_shape(
 
 
 def spec_of_shapes(synthetic) -> dict:
+    """What a `shapes` copy is made of: the dataset.json a generated copy holds.
+
+    Args:
+        synthetic: the data config's `synthetic` group (images per class, size, seed).
+
+    Returns:
+        The spec, which a copy at `data.root` must match.
+    """
     return {
         "dataset": "shapes",
         "classes": list(SHAPE_CLASSES),
@@ -177,7 +187,6 @@ def _no_progress(items, _description):
 def _tracker(show_progress: bool):
     if not show_progress:
         return _no_progress
-    from rich.progress import track
 
     def progress(items, description):
         return track(items, description=description, transient=True)
@@ -218,7 +227,16 @@ def ensure(root: str | os.PathLike, spec: dict, write, show_progress: bool) -> P
 
 def ensure_shapes(root: str | os.PathLike, synthetic, show_progress: bool = False) -> Path:
     """Generate the classification set at `root` unless a complete copy with the same spec is
-    already there."""
+    already there.
+
+    Args:
+        root: the set's folder (`data.root`).
+        synthetic: the data config's `synthetic` group.
+        show_progress: a progress bar while the images are written.
+
+    Returns:
+        `root`, holding the set.
+    """
     spec = spec_of_shapes(synthetic)
 
     def write(tmp: Path, progress) -> None:
@@ -232,9 +250,19 @@ def ensure_shapes(root: str | os.PathLike, synthetic, show_progress: bool = Fals
 
 
 def conflict(root: Path, spec: dict) -> Optional[str]:
-    """Why the folder at `root` cannot hold the built-in set `spec` (another spec's copy, or other
+    """Why the folder at `root` cannot hold the built-in set `spec`, or None.
+
+    Why the folder at `root` cannot hold the built-in set `spec` (another spec's copy, or other
     files), with the fix; None where it can: absent, empty, the same copy, or an earlier generator's
-    (made again)."""
+    (made again).
+
+    Args:
+        root: the set's folder.
+        spec: the set's spec (`spec_of_shapes`, `spec_of_shapes_coco`).
+
+    Returns:
+        The reason with its fix, or None.
+    """
     meta = root / "dataset.json"
     if meta.exists():
         found = json.loads(meta.read_text())
@@ -276,8 +304,6 @@ def _older_version(found: dict, spec: dict) -> bool:
 def _regenerate(root: Path, spec: dict, write, show_progress: bool) -> Path:
     """Replace an older generator's copy at `root` (under a lock, so that concurrent jobs on a node
     do it once): the new one is written beside it, then swapped in."""
-    import fcntl
-
     with open(root.parent / f".{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         # another job replaced it meanwhile

@@ -18,6 +18,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
@@ -171,6 +172,14 @@ def scene_annotations(objects: list, crowds: list, h: int, w: int) -> list[dict]
 
 
 def spec_of_shapes_coco(synthetic) -> dict:
+    """What a `shapes_coco` copy is made of: the dataset.json a generated copy holds.
+
+    Args:
+        synthetic: the data config's `synthetic` group (images per split, size, seed).
+
+    Returns:
+        The spec, which a copy at `data.root` must match.
+    """
     return {
         "dataset": "shapes_coco",
         "version": VERSION,
@@ -185,7 +194,8 @@ def spec_of_shapes_coco(synthetic) -> dict:
 def _write_coco_split(tmp: Path, split: str, count: int, spec: dict, progress) -> None:
     (tmp / split).mkdir(parents=True)
     (tmp / "annotations").mkdir(exist_ok=True)
-    images, annotations = [], []
+    images: list[dict[str, Any]] = []
+    annotations: list[dict[str, Any]] = []
     for n in progress(range(count), f"generating shapes_coco/{split}"):
         rng = np.random.default_rng([spec["seed"], 10 + SPLITS[split], n])
         crowd_rng = np.random.default_rng([spec["seed"], 20 + SPLITS[split], n])
@@ -209,9 +219,19 @@ def _write_coco_split(tmp: Path, split: str, count: int, spec: dict, progress) -
 
 
 def ensure_shapes_coco(root: str | os.PathLike, synthetic, show_progress: bool = False) -> Path:
-    """Generate the detection set at `root` (`<split>/*.jpg` + `annotations/instances_<split>.json`,
-    COCO format) unless a complete copy with the same spec is already there (an earlier version's
-    copy is generated again)."""
+    """Generate the detection set at `root` unless a complete copy with the same spec is there.
+
+    `<split>/*.jpg` + `annotations/instances_<split>.json`, COCO format; an earlier version's copy
+    is generated again.
+
+    Args:
+        root: the set's folder (`data.root`).
+        synthetic: the data config's `synthetic` group.
+        show_progress: a progress bar while the images are written.
+
+    Returns:
+        `root`, holding the set.
+    """
     spec = spec_of_shapes_coco(synthetic)
 
     def write(tmp: Path, progress) -> None:

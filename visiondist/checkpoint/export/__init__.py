@@ -24,6 +24,7 @@ a module with a `write_<format>(trained, path, out) -> [other files written]` fu
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from visiondist.checkpoint.export.hf import write_hf
@@ -51,7 +52,16 @@ FORMATS = tuple(WRITERS)
 
 def export(trained: Trained, fmt: str, out: Path) -> list[Path]:
     """Write the export; returns the files written (the main one, or the directory, to a temporary
-    name, then renamed)."""
+    name, then renamed).
+
+    Args:
+        trained: the run's model and what it records (`load_trained`).
+        fmt: the format, one of `FORMATS`.
+        out: the export's path (its folder is made).
+
+    Returns:
+        `out`, then the other files its writer wrote (a sidecar, a directory's files).
+    """
     if fmt not in WRITERS:
         raise ValueError(f"format={fmt!r}: choose one of {', '.join(FORMATS)}")
     out = Path(out).expanduser()
@@ -59,8 +69,6 @@ def export(trained: Trained, fmt: str, out: Path) -> list[Path]:
     tmp = out.with_name(out.name + ".tmp")
     others = WRITERS[fmt](trained, tmp, out)
     if tmp.is_dir() and out.is_dir():  # a directory export (hf) replaces the previous one whole
-        import shutil
-
         shutil.rmtree(out)
     tmp.replace(out)
     return [out, *others]

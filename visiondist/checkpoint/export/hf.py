@@ -10,16 +10,27 @@ from __future__ import annotations
 from pathlib import Path
 
 from visiondist.checkpoint.export.trained import Trained
+from visiondist.models.detr import DetrDetector
+from visiondist.models.detr_library import save_library_dir
 
 
 def write_hf(trained: Trained, path: Path, out: Path) -> list[Path]:
+    """A DETR-class detector's from_pretrained directory at `path` (module doc).
+
+    Args:
+        trained: the run's model and what it records (`load_trained`).
+        path: where to write (a temporary directory name of `out`, renamed by `export`).
+        out: the export's final path.
+
+    Returns:
+        The directory's files, under their final path.
+    """
     if trained.cfg.model.family != "detr":
         raise ValueError(
             f"format=hf writes transformers' layout, which model={trained.cfg.model.name} is not "
             "in: export format=safetensors (or onnx)"
         )
-    from visiondist.models.detr_library import save_library_dir
-
+    assert isinstance(trained.model, DetrDetector)  # what model.family=detr builds
     files = save_library_dir(
         trained.model,
         path,

@@ -12,11 +12,22 @@ from pathlib import Path
 from visiondist.checkpoint.export.preprocessing import name_metadata, sidecar
 from visiondist.checkpoint.export.state_dict import export_state_dict
 from visiondist.checkpoint.export.trained import Trained
+from visiondist.config.resolution import native_settings
 from visiondist.models.patches import TIMM_NAFLEX, timm_naflex_kwargs, to_timm_naflex
 from visiondist.models.weights import save_weights
 
 
 def write_naflex(trained: Trained, path: Path, out: Path) -> list[Path]:
+    """A ViT's weights as timm's NaFlexVit holds them at `path`, and their sidecar (module doc).
+
+    Args:
+        trained: the run's model and what it records (`load_trained`).
+        path: where to write (a temporary name of `out`, renamed by `export`).
+        out: the export's final path.
+
+    Returns:
+        The other file written: the sidecar (`out` with the suffix .json).
+    """
     m = trained.cfg.model
     if m.family != "vit":
         raise ValueError(
@@ -46,7 +57,6 @@ def write_naflex(trained: Trained, path: Path, out: Path) -> list[Path]:
         for key, value in sidecar(trained).items()
         if key not in ("create", "usage", "input_size", "crop_pct")
     }
-    from visiondist.config.resolution import native_settings
 
     _, eval_len = native_settings(trained.cfg.data, int(m.img_size), int(m.patch_size))
     info.update(

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -26,13 +28,23 @@ from visiondist.checkpoint.export.onnx_resize import exact_resize
 from visiondist.checkpoint.export.preprocessing import name_metadata
 from visiondist.checkpoint.export.trained import Trained, example_images
 from visiondist.models.detection import has_mask_head
+from visiondist.models.detr import DetrDetector, DetrForExport
 
 log = logging.getLogger(__name__)
 
 
 def write_onnx(trained: Trained, path: Path, out: Path) -> list[Path]:
     """The ONNX file of `trained`'s model at `path` (a temporary name of `out`), the names of its
-    outputs in its metadata_props (key -> JSON text); nothing else."""
+    outputs in its metadata_props (key -> JSON text); nothing else.
+
+    Args:
+        trained: the run's model and what it records (`load_trained`).
+        path: where to write (a temporary name of `out`, renamed by `export`).
+        out: the export's final path.
+
+    Returns:
+        No other file ([]).
+    """
     metadata = name_metadata(trained)
     model, family = trained.model, trained.cfg.model.family
     if family == "vit":
@@ -52,11 +64,13 @@ def write_onnx(trained: Trained, path: Path, out: Path) -> list[Path]:
                 external_data=False,
                 verbose=False,
             )
+        assert program is not None  # dynamo=True returns the program
         program.model.metadata_props.update(metadata)
         program.save(str(path))
     elif family in ("torchvision", "vitdet"):
         _export_detector_onnx(model, example_images(trained.cfg, 1)[0], path, metadata)
     elif family == "detr":
+        assert isinstance(model, DetrDetector)  # what model.family=detr builds
         _export_detr_onnx(model, path, metadata)
     else:
         raise ValueError(
@@ -65,15 +79,11 @@ def write_onnx(trained: Trained, path: Path, out: Path) -> list[Path]:
     return []
 
 
-def _export_detr_onnx(model: nn.Module, path: Path, metadata: dict[str, str]) -> None:
+def _export_detr_onnx(model: DetrDetector, path: Path, metadata: dict[str, str]) -> None:
     """A DETR-class detector (`DetrForExport`: one image of any size -> boxes, labels, scores of
     every query) with torch.export and a dynamic height and width. The library's shape assertions
     are switched off while it is traced (its own switch, TRANSFORMERS_DISABLE_TORCH_CHECK): ONNX has
     no operator for them."""
-    import os
-
-    from visiondist.models.detr import DetrForExport
-
     height, width = (
         torch.export.Dim("height", min=32, max=8192),
         torch.export.Dim("width", min=32, max=8192),
@@ -99,6 +109,7 @@ def _export_detr_onnx(model: nn.Module, path: Path, metadata: dict[str, str]) ->
             os.environ.pop("TRANSFORMERS_DISABLE_TORCH_CHECK", None)
         else:
             os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = before
+    assert program is not None  # dynamo=True returns the program
     program.model.metadata_props.update(metadata)
     program.save(str(path))
 
@@ -112,9 +123,11 @@ _TRACE_THRESH = {"rpn": -0.123456, "box": -0.234567}
 THRESH_METADATA = "score_thresh"
 
 
-def score_thresholds(model: nn.Module) -> dict[str, nn.Module]:
+def score_thresholds(model: nn.Module) -> dict[str, Any]:
     """The modules holding a torchvision detector's `score_thresh`, by role: "rpn" (Faster R-CNN's
-    proposals) and "box" (the detections: Faster R-CNN's roi_heads, RetinaNet / FCOS themselves)."""
+    proposals) and "box" (the detections: Faster R-CNN's roi_heads, RetinaNet / FCOS themselves).
+    Typed `Any`: their `score_thresh` is a plain float attribute, which `nn.Module`'s typing of
+    attributes (tensors and modules) does not cover."""
     owners = {"rpn": model.rpn} if hasattr(model, "rpn") else {}
     owners["box"] = model.roi_heads if hasattr(model, "roi_heads") else model
     return owners
@@ -168,7 +181,7 @@ def _export_detector_onnx(
             )
 
     try:
-        import onnx
+        import onnx  # noqa: PLC0415 (onnx: the export extra)
     except ImportError:
         log.warning(
             "onnx is not installed: the detector is traced with its own score thresholds (if the "
@@ -191,7 +204,7 @@ def _export_detector_onnx(
         trace(path)
         proto = onnx.load(str(path))
     else:
-        meta = {
+        meta: dict[str, dict[str, Any]] = {
             role: {"nodes": [node.name for node in nodes], "value": wanted[role]}
             for role, nodes in found.items()
         }
@@ -204,8 +217,7 @@ def _export_detector_onnx(
 
 def _constants_equal(proto, value: float) -> list:
     """The graph's Constant nodes holding the one float32 `value`."""
-    import numpy as np
-    from onnx import numpy_helper
+    from onnx import numpy_helper  # noqa: PLC0415 (onnx: the export extra)
 
     out = []
     for node in proto.graph.node:
@@ -226,8 +238,7 @@ def _constants_equal(proto, value: float) -> list:
 def set_score_thresholds(proto, values: dict[str, float], meta: Optional[dict] = None) -> None:
     """Set the score thresholds of a detector graph exported here (an `onnx.ModelProto`, changed in
     place): values by role ("rpn", "box"), the nodes from its metadata (or `meta`)."""
-    import numpy as np
-    from onnx import numpy_helper
+    from onnx import numpy_helper  # noqa: PLC0415 (onnx: the export extra)
 
     if meta is None:
         meta = json.loads({p.key: p.value for p in proto.metadata_props}[THRESH_METADATA])

@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from omegaconf import DictConfig
@@ -16,6 +16,7 @@ from torch import nn
 
 from visiondist.checkpoint.export.onnx import THRESH_METADATA, set_score_thresholds, thresholds_set
 from visiondist.checkpoint.export.trained import Trained, example_images
+from visiondist.data.coco import safe_image_path
 from visiondist.models.detection import has_mask_head
 
 
@@ -171,8 +172,7 @@ def _val_images(
     split of `data.format=shards`), and where they come from: None for a tree (the names are the
     files' paths), else the packed split; none when the data is not on this machine."""
     try:
-        from visiondist.data import detection_splits
-        from visiondist.data.coco import safe_image_path
+        from visiondist.data import detection_splits  # noqa: PLC0415 (albumentations: 0.7 s)
 
         val = detection_splits(cfg.data)(cfg.data.val_split, train=False)
         coco = json.loads(Path(val.ann_file).read_text())
@@ -205,9 +205,12 @@ def _proposals(model: nn.Module, image: torch.Tensor) -> Optional[int]:
     """How many boxes a two-stage detector's RPN proposes on `image` (None: no RPN)."""
     if not hasattr(model, "rpn"):
         return None
+    # torchvision's parts (nn.Module types an attribute as a tensor or a module)
+    transform, rpn = cast(nn.Module, model.transform), cast(nn.Module, model.rpn)
+    backbone = cast(nn.Module, model.backbone)
     with torch.no_grad():
-        images, _ = model.transform([image])
-        proposals, _ = model.rpn(images, model.backbone(images.tensors))
+        images, _ = transform([image])
+        proposals, _ = rpn(images, backbone(images.tensors))
     return len(proposals[0])
 
 
@@ -292,7 +295,7 @@ def check_onnx(trained: Trained, path: Path, images: int = 3) -> Optional[OnnxCh
     with the thresholds set to 0 (in memory, PyTorch likewise), and the result says so: an empty
     output checks nothing."""
     try:
-        import onnxruntime as ort
+        import onnxruntime as ort  # noqa: PLC0415 (onnxruntime: the export extra)
     except ImportError:
         return None
     options = ort.SessionOptions()
@@ -312,7 +315,7 @@ def check_onnx(trained: Trained, path: Path, images: int = 3) -> Optional[OnnxCh
     if check.boxes or check.onnx_boxes or check.failed:
         return check
     try:
-        import onnx
+        import onnx  # noqa: PLC0415 (onnx: the export extra)
 
         proto = onnx.load(str(path))
         meta = json.loads({p.key: p.value for p in proto.metadata_props}[THRESH_METADATA])

@@ -48,7 +48,10 @@ def _traced_resize(
     )
     size = torch.floor(shape * scale).to(torch.int64)
     resized = F.interpolate(
-        image[None], size=(size[0], size[1]), mode="bilinear", align_corners=False
+        image[None],
+        size=(size[0], size[1]),  # type: ignore[arg-type]  # tensors: the size stays traced
+        mode="bilinear",
+        align_corners=False,
     )
     return resized[0], target
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, cast
 
 from omegaconf import OmegaConf
 
 from visiondist.checkpoint.export.trained import Trained, input_size
+from visiondist.data.decode import POLICY
 from visiondist.models import TASKS
 from visiondist.models.detection import TORCHVISION_DETECTORS
+from visiondist.models.detr import ARCHS
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +31,7 @@ def label_map(trained: Trained) -> Optional[dict[str, dict[str, Any]]]:
 
 
 def _labels(classes: Optional[list[str]], categories: list[int]) -> dict[str, dict[str, Any]]:
-    names = classes or [None] * len(categories)
+    names: Sequence[Optional[str]] = classes or [None] * len(categories)
     return {
         str(label): {"category_id": int(cat), "name": name}
         for label, (cat, name) in enumerate(zip(categories, names), start=1)
@@ -86,8 +88,6 @@ def timm_data_config(trained: Trained) -> dict[str, Any]:
 def sidecar(trained: Trained) -> dict[str, Any]:
     """How to rebuild the model that loads the exported weights, and what its inputs are (how the
     run decoded its images included)."""
-    from visiondist.data.decode import POLICY
-
     cfg, m = trained.cfg, trained.cfg.model
     info: dict[str, Any] = {
         "model": m.name,
@@ -132,8 +132,6 @@ def sidecar(trained: Trained) -> dict[str, Any]:
     elif m.family == "torchvision":
         info.update(_torchvision_info(m))
     elif m.family == "detr":
-        from visiondist.models.detr import ARCHS
-
         # the square resize and the normalisation happen inside the model (DetrDetector)
         arch = ARCHS[m.arch]
         mean, std = arch.mean_std()
@@ -167,7 +165,7 @@ def _torchvision_info(m) -> dict[str, Any]:
         "num_classes": int(m.num_classes) + 1,
         "min_size": int(m.min_size),
         "max_size": int(m.max_size),
-        **OmegaConf.to_container(m.kwargs, resolve=True),
+        **cast(dict[str, Any], OmegaConf.to_container(m.kwargs, resolve=True)),
     }
     sampling = _sampling_statements(m)
     info.update(

@@ -26,7 +26,16 @@ USAGE = (
 
 
 def write_pt2(trained: Trained, path: Path, out: Path) -> list[Path]:
-    """The ExportedProgram archive at `path` (a temporary name of `out`); nothing else."""
+    """The ExportedProgram archive at `path` (a temporary name of `out`); nothing else.
+
+    Args:
+        trained: the run's model and what it records (`load_trained`).
+        path: where to write (a temporary name of `out`, renamed by `export`).
+        out: the export's final path.
+
+    Returns:
+        No other file ([]).
+    """
     family = trained.cfg.model.family
     if TASKS[family] != "classification":
         other = (

@@ -22,7 +22,16 @@ def export_state_dict(trained: Trained) -> dict[str, torch.Tensor]:
 
 def write_safetensors(trained: Trained, path: Path, out: Path) -> list[Path]:
     """The weights at `path` (a temporary name of `out`) and the sidecar at `out` with the suffix
-    .json."""
+    .json.
+
+    Args:
+        trained: the run's model and what it records (`load_trained`).
+        path: where to write (a temporary name of `out`, renamed by `export`).
+        out: the export's final path.
+
+    Returns:
+        The other file written: the sidecar.
+    """
     save_weights(
         export_state_dict(trained), path, metadata={"format": "pt", **name_metadata(trained)}
     )

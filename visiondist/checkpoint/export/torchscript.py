@@ -12,7 +12,16 @@ from visiondist.checkpoint.export.trained import Trained, example_images
 
 
 def write_torchscript(trained: Trained, path: Path, out: Path) -> list[Path]:
-    """The TorchScript file at `path` (a temporary name of `out`); nothing else."""
+    """The TorchScript file at `path` (a temporary name of `out`); nothing else.
+
+    Args:
+        trained: the run's model and what it records (`load_trained`).
+        path: where to write (a temporary name of `out`, renamed by `export`).
+        out: the export's final path.
+
+    Returns:
+        No other file ([]).
+    """
     model, family = trained.model, trained.cfg.model.family
     if family == "vitdet":
         raise ValueError(

@@ -15,9 +15,13 @@ from torch import nn
 
 from visiondist.checkpoint.dcp import load_model_state
 from visiondist.checkpoint.files import read_trainer_state, resolve_checkpoint
+from visiondist.config.compose import run_config
+from visiondist.data.coco import CocoDetection
 from visiondist.models import TASKS, build_deferred
+from visiondist.models.detection import drop_fp32_hooks
 from visiondist.models.init import is_meta, materialize
 from visiondist.models.weights import load_local_weights
+from visiondist.plan import check
 from visiondist.utils.dcp import list_checkpoints
 
 log = logging.getLogger(__name__)
@@ -25,6 +29,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Trained:
+    """The model an export starts from, with what its run recorded (`load_trained`).
+
+    Args:
+        cfg: the run's config.
+        model: the model with its trained weights.
+        source: the checkpoint directory or weights file they came from.
+        step: the checkpoint's step; None for model.safetensors.
+        classes: the class names, where known.
+        categories: a detector's COCO category ids, where known.
+    """
+
     cfg: DictConfig
     model: nn.Module  # eval mode, CPU, unsharded
     source: Path  # the checkpoint directory or weights file
@@ -38,10 +53,16 @@ def load_trained(run_dir: Path, step: Optional[int | str] = None) -> Trained:
     """The run's model with its trained weights: checkpoint `step` (default the latest; "best": the
     best kept by trainer.best_metric), else model.safetensors; with the class names and, for a
     detector, the COCO category ids the checkpoint records (else those of the run's annotation file,
-    when it is here)."""
-    from visiondist.config.compose import run_config
-    from visiondist.plan import check
+    when it is here).
 
+    Args:
+        run_dir: the training run.
+        step: a checkpoint's step number or "best"; None: the latest checkpoint (else
+            model.safetensors).
+
+    Returns:
+        The `Trained` model, in eval mode on the CPU.
+    """
     run_dir = Path(run_dir)
     cfg = run_config(run_dir)
     check(cfg, mandatory=False)  # export reads no data
@@ -52,8 +73,6 @@ def load_trained(run_dir: Path, step: Optional[int | str] = None) -> Trained:
     model.eval()
     # exported for fp32 inference: the bf16 box hooks have nothing to do
     if cfg.model.family != "vit":
-        from visiondist.models.detection import drop_fp32_hooks
-
         drop_fp32_hooks(model)
     if step is not None or list_checkpoints(run_dir):
         source = resolve_checkpoint(str(run_dir), step)
@@ -80,11 +99,11 @@ def coco_categories(cfg: DictConfig) -> tuple[Optional[list[int]], Optional[list
     """(the category id of labels 1..K, their names) as the COCO loader reads them from the run's
     val annotation file (for checkpoints that do not record them); (None, None), logged, when the
     file is not here."""
-    from visiondist.data import coco_paths
-    from visiondist.data.coco import CocoDetection
+    from visiondist.data import coco_paths  # noqa: PLC0415 (albumentations: 0.7 s)
 
     try:
-        data = CocoDetection(*coco_paths(cfg.data, cfg.data.val_split), train=False)
+        images, ann_file = coco_paths(cfg.data, cfg.data.val_split)
+        data = CocoDetection(images, ann_file, train=False)
     except (OSError, ValueError, KeyError) as exc:
         log.warning(
             "the checkpoint records no COCO category ids and the run's annotation file cannot be "

@@ -16,7 +16,14 @@ __all__ = ["ShardError", "ShardSplit", "ShardStore", "describe", "open_store", "
 
 
 def open_store(d) -> ShardStore:
-    """The store of a data config with `format: shards`."""
+    """The store of a data config with `format: shards`.
+
+    Args:
+        d: the data config (`root`, and optionally `cache_dir`, `cache_gb`, `fetch_retries`).
+
+    Returns:
+        A `ShardStore`.
+    """
     return ShardStore(
         str(d.root),
         cache_dir=d.get("cache_dir"),
@@ -28,9 +35,22 @@ def open_store(d) -> ShardStore:
 def describe(
     d, splits: list[str], need: Optional[int] = None, kind: Optional[str] = None
 ) -> tuple[int, str, str]:
-    """(class count, where, "classes") of a packed data set, after checking it holds `kind` data
+    """A packed data set checked for a run, as the launcher reports it.
+
+    (class count, where, "classes") of a packed data set, after checking it holds `kind` data
     ("classification" or "detection"), has `splits` and, for training, at least `need` training
-    samples: a ShardError naming the fix otherwise."""
+    samples: a ShardError naming the fix otherwise.
+
+    Args:
+        d: the data config (format: shards).
+        splits: the split names the run reads.
+        need: the fewest training samples (one global batch); None: not checked.
+        kind: "classification" or "detection"; None: not checked.
+
+    Returns:
+        The class count, where its dataset.json is (a URL or a path), and what was counted
+        ("classes" or "categories").
+    """
     store = open_store(d)
     meta = read_meta(store)
     if kind is not None and meta.get("kind") != kind:

@@ -18,7 +18,14 @@ from visiondist.data.shards.store import ShardError, ShardStore
 
 
 def read_meta(store: ShardStore) -> dict:
-    """dataset.json of a packed data set; ShardError naming the fix when it is not one."""
+    """dataset.json of a packed data set; ShardError naming the fix when it is not one.
+
+    Args:
+        store: the data set's store.
+
+    Returns:
+        dataset.json's contents.
+    """
     try:
         meta = json.loads(store.read_small("dataset.json"))
     except json.JSONDecodeError as exc:
@@ -86,8 +93,20 @@ def key_of(name: str) -> int:
 
 
 class ShardSplit(LabelledImages):
-    """A packed classification split, read as `ImageFolder` reads a tree (the same keys,
-    replacements and transform); `packed` is its index."""
+    """A packed classification split, read as `ImageFolder` reads a tree.
+
+    The same keys, replacements and transform; `packed` is its index.
+
+    Args:
+        store: the packed data set's store.
+        split: the split's name.
+        transform: the sample transform (image, index, epoch) -> sample; None: the decoded image.
+        train: a training split: an unreadable image is replaced (else an error).
+        max_bad_images: the unreadable images a training run tolerates.
+        reader: (bytes, name) -> image; default `decode_rgb` (under data.decode_on=device,
+            `device_decode.encoded_or_decoded`).
+        meta: the data set's dataset.json when already read.
+    """
 
     def __init__(
         self,

@@ -27,6 +27,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import sys
 import tarfile
 import tempfile
@@ -36,8 +37,13 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Iterator, Optional
 
+import cv2
 import numpy as np
+from rich.progress import Progress
 
+from visiondist.data.decode import decode_rgb
+from visiondist.data.index import list_image_folder
+from visiondist.data.robust import name_bad
 from visiondist.utils.procenv import usable_cpus
 
 FORMAT = "visiondist-shards"
@@ -79,8 +85,6 @@ class PackOptions:
 def pack_image_folder(source: Path, splits: list[str], out: Path, options: PackOptions) -> dict:
     """Pack `source/<split>/<class>/<image>` for each split into `out`; returns dataset.json's
     content."""
-    from visiondist.data.index import list_image_folder
-
     out = Path(out)
     listed = {split: list_image_folder(Path(source) / split, cache=False) for split in splits}
     claim(out, options.overwrite)
@@ -238,14 +242,12 @@ def _recut(jobs: list[dict], counts: list[int]) -> list[dict]:
 
 def write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, dict]:
     """Every shard not recorded as finished, on `options.workers` processes; the records of all."""
-    from rich.progress import Progress
-
     records = {}
     todo = []
     for job in jobs:
-        record = out / ".pack" / f"{job['name']}.json"
-        if record.is_file() and (out / job["name"]).is_file():
-            records[job["name"]] = json.loads(record.read_text())
+        record_file = out / ".pack" / f"{job['name']}.json"
+        if record_file.is_file() and (out / job["name"]).is_file():
+            records[job["name"]] = json.loads(record_file.read_text())
         else:
             todo.append(job)
     workers = options.workers if options.workers > 0 else usable_cpus()
@@ -288,8 +290,6 @@ def write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, di
             pool.close()
             pool.join()
     if bad:  # what training would replace or evaluation refuse; the shards without them are written
-        from visiondist.data.robust import name_bad
-
         named = name_bad([(path, reason) for path, reason, _ in bad], out / UNREADABLE)
         raise PackError(
             f"{len(bad)} of {total} images cannot be read: {named}. Fix them in place and run the "
@@ -304,8 +304,6 @@ def write_all(out: Path, jobs: list[dict], options: PackOptions) -> dict[str, di
 def _quiet_worker() -> None:
     """A packing process leaves stop signals to the command (which ends the pool; finished shards
     are kept)."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
@@ -337,8 +335,8 @@ def _write_shard(args) -> dict:
             else:
                 _add(tar, f"{key:09d}.cls", str(label).encode())
     digest = hashlib.sha256()
-    with open(tmp, "rb") as f:
-        while chunk := f.read(1 << 20):
+    with open(tmp, "rb") as shard:
+        while chunk := shard.read(1 << 20):
             digest.update(chunk)
     os.replace(tmp, out / job["name"])
     record = dict(
@@ -379,15 +377,12 @@ def _image_bytes(path: str, max_side: Optional[int], quality: int) -> tuple[byte
     """The image file's bytes as they are, or re-encoded as JPEG at `quality` with its longer side
     at most `max_side`; decoded in either case under the loaders' policy (EXIF orientation applied,
     so a re-encoded shard needs none): an image the loaders could not read raises OSError."""
-    from visiondist.data.decode import decode_rgb
-
     data = Path(path).read_bytes()
     ext = EXTENSIONS.get(Path(path).suffix.lower(), Path(path).suffix.lower())
     with decoder_messages_named(path):
         image = decode_rgb(data, path)
     if not max_side:
         return data, ext
-    import cv2
 
     h, w = image.shape[:2]
     if max(h, w) > max_side:

@@ -66,6 +66,7 @@ def pack_coco(
     claim(out, options.overwrite)
     plans = check_plan(out, plans, options)
     records = write_all(out, [job for split in splits for job in plans[split]], options)
+    assert categories is not None, "splits names at least one split"
     meta = describe_pack("detection", [name for _, name in categories], source, options)
     meta["categories"] = [{"id": cid, "name": name} for cid, name in categories]
     for split, (_, ann_file) in splits.items():

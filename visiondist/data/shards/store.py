@@ -31,7 +31,11 @@ REMOTE_SCHEMES = ("http://", "https://", "s3://")
 
 
 class ShardError(RuntimeError):
-    """A shard (or an index) that cannot be had: its URL and the cause."""
+    """A shard (or an index) that cannot be had: its URL and the cause.
+
+    Args:
+        *args: the message (one line naming the fix), as any exception's.
+    """
 
 
 def is_url(root: str) -> bool:
@@ -48,7 +52,15 @@ def default_cache() -> Path:
 
 
 class ShardStore:
-    """The shards of one packed data set (`root`: a directory or a URL) as local files."""
+    """The shards of one packed data set (`root`: a directory or a URL) as local files.
+
+    Args:
+        root: a directory, an http(s):// or an s3:// URL.
+        cache_dir: where fetched shards are kept; None: ~/.cache/visiondist/shards.
+        cache_gb: the cache's size bound in GB.
+        retries: attempts of a failing fetch.
+        timeout_s: a fetch's network timeout in seconds.
+    """
 
     def __init__(
         self,
@@ -66,7 +78,7 @@ class ShardStore:
             )
         if root.startswith("s3://"):
             try:
-                import boto3  # noqa: F401
+                import boto3  # noqa: F401,PLC0415 (the s3 extra)
             except ImportError:
                 raise ShardError(
                     f"data.root={root}: reading s3:// needs boto3: pip install 'visiondist[s3]'"
@@ -251,7 +263,7 @@ def _locked(path: Path):
 
 def _s3_errors() -> tuple:
     try:
-        from botocore.exceptions import BotoCoreError, ClientError
+        from botocore.exceptions import BotoCoreError, ClientError  # noqa: PLC0415 (the s3 extra)
     except ImportError:
         return ()
     return BotoCoreError, ClientError
@@ -275,8 +287,8 @@ _S3_CLIENTS: dict = {}
 def _s3_object(url: str, timeout_s: float):
     """(streaming body, its length) of an s3:// object; one client per process (clients do not
     survive a fork)."""
-    import boto3
-    from botocore.config import Config
+    import boto3  # noqa: PLC0415 (the s3 extra)
+    from botocore.config import Config  # noqa: PLC0415 (the s3 extra)
 
     key = (os.getpid(), timeout_s)
     if key not in _S3_CLIENTS:
@@ -306,7 +318,7 @@ def _opened(url: str, timeout_s: float):
 
 def _get(url: str, dest: Optional[Path], timeout_s: float) -> tuple[bytes, str]:
     digest = hashlib.sha256()
-    chunks = []
+    chunks: list[bytes] = []
     with _opened(url, timeout_s) as (response, expected):
         out = open(dest, "wb") if dest is not None else None
         try:
