@@ -16,6 +16,10 @@ summary.json), with "run dir".
 
 The overrides are checked here, before any worker starts; a bad one raises
 `visiondist.config.ConfigError` with its one line. Needs `pip install visiondist[ray]`.
+
+Ray is the optional extra [ray] (`# noqa: PLC0415 (optional extra: ray)`); what only a worker runs
+(the launcher and the trainer, with torch: about 2 s) is imported in the worker, not by the driver
+(`# noqa: PLC0415 (worker-side)`).
 """
 
 from __future__ import annotations
@@ -24,9 +28,14 @@ import datetime as dt
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
+from omegaconf import DictConfig, OmegaConf
+
+from visiondist.cli.load import load_config
 from visiondist.config import ConfigError
+from visiondist.plan import resolve_on
+from visiondist.runs import completed_step
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -42,14 +51,29 @@ def train(
     """Train with `overrides` (tools/train.py's) on `num_workers` Ray Train workers (default: the
     ranks the config names, parallel.dp x tp x pp or trainer.devices, else 1). `use_gpu`: default
     whether the Ray cluster has GPUs. `storage_path` / `name` / `run_config`: Ray's RunConfig (where
-    the run dir goes). Module doc."""
+    the run dir goes). Module doc.
+
+    Args:
+        overrides: tools/train.py's overrides (group=option, group.key=value), checked here.
+        num_workers: Ray Train workers, one rank each; None: the ranks the config names.
+        use_gpu: a GPU per worker; None: whether the Ray cluster has GPUs.
+        storage_path: where Ray keeps the run (a path every worker mounts; default
+            ~/ray_results); the run dir is `<storage_path>/<name>/run`.
+        name: the Ray run's name; None: `visiondist-<date>_<time>`.
+        **run_config: more of Ray's `RunConfig` (e.g. `failure_config`).
+
+    Returns:
+        The training summary rank 0 wrote (summary.json).
+
+    Raises:
+        ConfigError: a bad override, a layout the workers cannot run, or Ray not installed.
+    """
     try:
-        import ray
-        from ray.train import RunConfig, ScalingConfig
-        from ray.train.torch import TorchConfig, TorchTrainer
+        import ray  # noqa: PLC0415 (optional extra: ray)
+        from ray.train import RunConfig, ScalingConfig  # noqa: PLC0415 (optional extra: ray)
+        from ray.train.torch import TorchConfig, TorchTrainer  # noqa: PLC0415 (optional extra: ray)
     except ImportError:
         raise ConfigError("visiondist.ray needs Ray Train: pip install 'visiondist[ray]'") from None
-    from visiondist.cli.load import load_config
 
     if (
         storage_path is not None
@@ -68,17 +92,14 @@ def train(
     # one line for a bad override, before any worker
     cfg = load_config(CONFIGS, list(overrides), inputs="train")
     workers = num_workers or _ranks(cfg)
-    from omegaconf import OmegaConf
-
-    from visiondist.plan import resolve_on
-    from visiondist.runs import completed_step
-
     # a layout the workers cannot run (dp x tp x pp != num_workers, ...): its line, here
     resolve_on(cfg, workers, 1)
     storage = Path((storage_path or "~/ray_results").removeprefix("file://")).expanduser().resolve()
     name = name or f"visiondist-{dt.datetime.now():%Y-%m-%d_%H-%M-%S}"
     run_dir = storage / name / "run"
-    step = completed_step(OmegaConf.merge(cfg, {"trainer": {"run_dir": str(run_dir)}}))
+    step = completed_step(
+        cast(DictConfig, OmegaConf.merge(cfg, {"trainer": {"run_dir": str(run_dir)}}))
+    )
     # the same call again: nothing to do, nothing rewritten (as tools/train.py)
     if step is not None:
         print(
@@ -127,12 +148,11 @@ def _ranks(cfg) -> int:
 def _worker(config: dict) -> None:
     """One Ray Train worker: a rank of the job, as under torchrun (`visiondist.launch.launch` sees
     RANK / WORLD_SIZE / LOCAL_RANK and the process group Ray initialised)."""
-    import ray.train
-    import torch.distributed as dist
+    import ray.train  # noqa: PLC0415 (optional extra: ray)
+    import torch.distributed as dist  # noqa: PLC0415 (worker-side)
 
-    from visiondist.cli.load import load_config
-    from visiondist.launch import launch
-    from visiondist.train.run import train as train_rank
+    from visiondist.launch import launch  # noqa: PLC0415 (worker-side)
+    from visiondist.train.run import train as train_rank  # noqa: PLC0415 (worker-side)
 
     # Ray sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE; the node's index:
     context = ray.train.get_context()
@@ -155,5 +175,6 @@ def _keep(entry, box: dict):
 
     kept.__name__ = getattr(entry, "__name__", "train")
     if hasattr(entry, "run_kind"):  # what the run dir holds (`visiondist.launch.run_kind`)
+        # a function's attribute, as `launch.run_kind` reads it
         kept.run_kind = entry.run_kind  # type: ignore[attr-defined]
     return kept

@@ -19,11 +19,14 @@ from __future__ import annotations
 import datetime as dt
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from omegaconf import DictConfig, OmegaConf
 
-from visiondist.config import ConfigError
+from visiondist.checkpoint.files import latest_checkpoint, read_trainer_state
+from visiondist.config import ConfigError, TrainConfig
+from visiondist.config.compose import flatten
+from visiondist.config.layout import RunLayout
 
 # what a continued run may not change without trainer.allow_changes=true: the model, the data, the
 # global batch
@@ -42,20 +45,31 @@ PER_PROCESS = ("trainer.stop_at_step", "trainer.run_dir", "trainer.resume", "tra
 
 
 def saved_config(cfg: DictConfig) -> Optional[DictConfig]:
-    """The config of the run `cfg` continues, or None when it starts a new one."""
+    """The config of the run `cfg` continues, or None when it starts a new one.
+
+    Args:
+        cfg: the command line's config (`trainer.run_dir`, `trainer.resume`).
+    """
     if not cfg.trainer.run_dir or cfg.trainer.resume != "auto":
         return None
     path = Path(cfg.trainer.run_dir).expanduser() / "config.yaml"
-    return OmegaConf.load(path) if path.is_file() else None  # type: ignore[return-value]
+    return cast(DictConfig, OmegaConf.load(path)) if path.is_file() else None  # a mapping
 
 
 def continue_config(fresh: DictConfig, saved: DictConfig, overrides: list[str]) -> DictConfig:
     """The run's own config with the command line's choices on top (read from `fresh`, the command
-    line composed on the defaults, so that their values are typed and resolved as usual)."""
-    from visiondist.config import TrainConfig
-    from visiondist.config.compose import flatten
+    line composed on the defaults, so that their values are typed and resolved as usual).
 
-    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), saved)
+    Args:
+        fresh: the command line composed on the defaults.
+        saved: the run's config.yaml (`saved_config`).
+        overrides: the command line's overrides, which say what it asks to change.
+
+    Returns:
+        The config the run continues with; changing its model, data or global batch is refused
+        (`ConfigError`) unless `trainer.allow_changes`.
+    """
+    cfg = cast(DictConfig, OmegaConf.merge(OmegaConf.structured(TrainConfig), saved))
     for key in PER_PROCESS:  # what one process was asked to do, not the run
         OmegaConf.update(cfg, key, OmegaConf.select(fresh, key), merge=False)
     for override in overrides:
@@ -86,15 +100,13 @@ def continue_config(fresh: DictConfig, saved: DictConfig, overrides: list[str]) 
             f"asks {first}={asked}{more}: drop the override to continue the run as it was, start "
             "a new run dir, or add trainer.allow_changes=true"
         )
-    return cfg  # type: ignore[return-value]
+    return cfg
 
 
 def _keep_inferred(cfg: DictConfig, saved: DictConfig) -> None:
     """Every key `cfg` leaves unset (`???`) takes the run's value: the command did not ask for one,
     the run inferred it (`data.num_classes` from the class folders; the model's follows by
     interpolation)."""
-    from visiondist.config.compose import flatten
-
     for key, value in flatten(OmegaConf.to_container(saved, resolve=True)).items():
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(cfg, parent) if parent else cfg
@@ -108,8 +120,6 @@ def _keep_inferred(cfg: DictConfig, saved: DictConfig) -> None:
 
 def changed_keys(a: DictConfig, b: DictConfig) -> list[str]:
     """Dotted keys whose values differ (trainer.run_dir and trainer.resume are not a change)."""
-    from visiondist.config.compose import flatten
-
     flat_a, flat_b = (flatten(OmegaConf.to_container(c, resolve=True)) for c in (a, b))
     keys = sorted(set(flat_a) | set(flat_b))
     return [k for k in keys if flat_a.get(k) != flat_b.get(k) and k not in PER_PROCESS]
@@ -119,8 +129,6 @@ def record_attempt(run_dir: Path, saved: DictConfig, cfg: DictConfig, run=None) 
     """Append this continuation's changes to `<run>/attempts.jsonl` (config.yaml and layout.json
     keep the first attempt's), and the layout it runs under when that differs from layout.json's
     (checkpoints reshard)."""
-    from visiondist.config.layout import RunLayout
-
     changes = {k: OmegaConf.select(cfg, k) for k in changed_keys(saved, cfg)}
     entry = {"time": dt.datetime.now().isoformat(timespec="seconds"), "changes": changes}
     first = RunLayout.load(run_dir)
@@ -132,9 +140,11 @@ def record_attempt(run_dir: Path, saved: DictConfig, cfg: DictConfig, run=None) 
 
 
 def completed_step(cfg: DictConfig) -> Optional[int]:
-    """The last step of a complete run that `cfg` continues unchanged in length; None otherwise."""
-    from visiondist.checkpoint.files import latest_checkpoint, read_trainer_state
+    """The last step of a complete run that `cfg` continues unchanged in length; None otherwise.
 
+    Args:
+        cfg: the command line's config (`trainer.run_dir`, `trainer.resume`, the run's length).
+    """
     if not cfg.trainer.run_dir or cfg.trainer.resume != "auto":
         return None
     run_dir = Path(cfg.trainer.run_dir).expanduser()
@@ -156,7 +166,8 @@ def _last_length(run_dir: Path) -> dict[str, Any]:
     """trainer.max_steps and trainer.max_epochs as the run's last attempt had them: config.yaml's,
     with what that continuation changed (a run trained on with a longer length is complete at that
     length)."""
-    from visiondist.observe.console import latest_length
+    # rich comes with it (12 ms), which every tool's --help would pay (visiondist.cli imports this)
+    from visiondist.observe.console import latest_length  # noqa: PLC0415 (--help)
 
     saved = OmegaConf.load(run_dir / "config.yaml")
     return {

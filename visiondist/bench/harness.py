@@ -39,6 +39,7 @@ from rich.console import Console
 
 from visiondist.bench.loops import CompileWatch, OursRun, Timed, apply_switches, plain_loops
 from visiondist.bench.measure import Stopped, loader_images_per_s, time_steps
+from visiondist.bench.plain_loop import PlainLoop
 from visiondist.bench.report import result_table, write_results
 from visiondist.bench.results import collect_results
 from visiondist.config import variant_config
@@ -46,7 +47,7 @@ from visiondist.models import TASKS
 from visiondist.observe.console import shown_path
 from visiondist.parallel import Layout
 from visiondist.plan import with_switches
-from visiondist.train.build import prepare_rank
+from visiondist.train.build import prepare_rank, run_of
 from visiondist.utils.signals import STOP
 
 log = logging.getLogger(__name__)
@@ -125,30 +126,43 @@ def _announce(b: DictConfig) -> None:
     )
 
 
-def _timed_loops(runs: list, plains: list[dict]) -> list[list[Timed]]:
+def _timed_loops(runs: list[OursRun], plains: list[dict[str, PlainLoop]]) -> list[list[Timed]]:
     """Each configuration's loops as the rounds time them: ours, then its plain loops."""
     return [
         [Timed(f"{i}:ours", run.cfg, run.step, run.idle, run.attention, run.compile_faults)]
         + [
-            Timed(
-                f"{i}:plain_{role}",
-                run.cfg,
-                lambda loop=loop, run=run: loop.step(run.plain_batches),
-                faults=loop.compile_faults,
-            )
+            Timed(f"{i}:plain_{role}", run.cfg, _plain_step(loop, run), faults=loop.compile_faults)
             for role, loop in plains[i].items()
         ]
         for i, run in enumerate(runs)
     ]
 
 
+def _plain_step(loop: PlainLoop, run: OursRun) -> Callable[[], None]:
+    """One step of a plain loop on its configuration's batches."""
+    return lambda: loop.step(run.plain_batches)
+
+
 def run_benchmark(
     cfg: DictConfig, layout: Layout, run_dir: Path
 ) -> list[dict[str, Any]] | dict | None:
-    """Entry point of every rank of `tools/benchmark.py`. Rank 0 prints the table, appends one
+    """Time the training step beside plain PyTorch loops: tools/benchmark.py's entry point.
+
+    Entry point of every rank of `tools/benchmark.py`. Rank 0 prints the table, appends one
     result per configuration to `results.jsonl` and `results.md` in `bench.results_dir` (default:
     the run dir), and returns them. A stop signal ends it after the step in flight with nothing
-    recorded (the launcher then exits 128 + the signal)."""
+    recorded (the launcher then exits 128 + the signal).
+
+    Args:
+        cfg: the benchmark's resolved config: the run's, with `bench.*` (variants, rounds, steps,
+            warm-up, baselines).
+        layout: this rank's place in the device mesh, carrying the resolved `RunLayout`.
+        run_dir: the benchmark's run directory (benchmark.json, benchmark.log).
+
+    Returns:
+        On rank 0, one result row per configuration; on the other ranks None; after a stop signal,
+        where it stopped (`"stopped at step"`, `"stopped by"`, `"run dir"`).
+    """
     b, device = cfg.bench, layout.device
     prepare_rank(cfg, layout, run_dir, "benchmark.log")
     if layout.is_main:
@@ -160,7 +174,7 @@ def run_benchmark(
     ]
     # c's switches
     runs = [
-        OursRun(name, c, dataclasses.replace(layout, run=with_switches(layout.run, c)), family)
+        OursRun(name, c, dataclasses.replace(layout, run=with_switches(run_of(layout), c)), family)
         for name, c in configs
     ]
     baselines = b.baseline and layout.world_size == 1
@@ -194,7 +208,7 @@ def run_benchmark(
         run.optimizer_step.settle()
 
     # each configuration's own loader (a variant may change the input path)
-    loader_rates = [None] * len(runs)
+    loader_rates: list[float | None] = [None] * len(runs)
     if b.loader_batches and layout.reads_images:
         loader_rates = [
             loader_images_per_s(run.parts.data.train_loader, b.loader_batches) * layout.dp

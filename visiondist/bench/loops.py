@@ -5,6 +5,7 @@ configuration's plain loops (`plain_loops`), and `Timed`, one loop as the rounds
 from __future__ import annotations
 
 import itertools
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -110,7 +111,8 @@ class CompileWatch:
     timed step that compiles is not a step's time). `faults` names each, with torch's reason."""
 
     def __init__(self, timed: bool = False):
-        self.timed, self.faults = timed, []
+        self.timed = timed
+        self.faults: list[str] = []
 
     def __enter__(self) -> CompileWatch:
         self.graphs, self.reasons = compile_counts()
@@ -163,7 +165,7 @@ def plain_loops(
         memory = PeakMemory(device)
         loop = PlainLoop(cfg, role, device, switches)
         with CompileWatch() as watch:
-            time_steps(lambda loop=loop: loop.step(batches), max(cfg.bench.warmup, 1), device)
+            time_steps(partial(loop.step, batches), max(cfg.bench.warmup, 1), device)
         loop.compile_faults = watch.faults
         loop.peak_memory_gb = memory.increase_gb()
         loops[role] = loop

@@ -1,18 +1,30 @@
 """What the benchmark measures with: step timing on the device's stream, peak memory, FLOPs per
 image, the device's name, the loader's own rate, and synthetic batches that already sit on the
-device."""
+device.
+
+A classifier's benchmark and the dry run (which takes its synthetic batches) never import
+torchvision's detectors, and torch._dynamo with them (1.5 s): `# noqa: PLC0415 (detector-side)`."""
 
 from __future__ import annotations
 
 import platform
+import random
 import resource
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import cv2
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.utils.flop_counter import FlopCounterMode
+
+from visiondist.data.augment import AugmentPolicy
+from visiondist.data.device_decode import CROP_FIELDS, EncodedBatch, collate_encoded
+from visiondist.models import build_model
+from visiondist.models.flops import classifier_train_flops
+from visiondist.utils.clock import DeviceClock
 
 # -- timing and memory -----------------------------------------------------------------------------
 
@@ -35,8 +47,6 @@ def time_steps(
     host queues a step while the device runs the one before, as in training, so that a step's figure
     is the training log's (a host-timed step with the device drained around it also counts the
     launch gap at its start). `stop()` true after a call raises `Stopped`."""
-    from visiondist.utils.clock import DeviceClock
-
     synchronize(device)
     clocks = []
     for _ in range(n):
@@ -56,11 +66,6 @@ def train_flops_per_image(model_cfg: DictConfig, batch: tuple, family: str) -> f
     """FLOPs of one forward + backward per image: a classifier's counted on the meta device (costing
     nothing, `classifier_train_flops`), a detector's on the CPU on the batch's first image, since
     its box sampling needs real values."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from visiondist.models import build_model
-    from visiondist.models.flops import classifier_train_flops
-
     if family == "classification":
         return classifier_train_flops(model_cfg)
     # the run's config is read-only
@@ -159,16 +164,17 @@ def synthetic_batch(
         )
         rows = _augment_rows(micro_batch, size, seed, d)
         return (images, labels.to(device)) if rows is None else (images, labels.to(device), rows)
-    from visiondist.models.detection import has_masks
+    from visiondist.models.detection import has_masks  # noqa: PLC0415 (detector-side)
 
     # torchvision's detectors resize internally: square images of the short side; a DETR-class
     # detector takes its own square input, model.img_size, which the loader's square images have
     # (and the library's plain loop takes)
     size = cfg.model.img_size if cfg.model.get("family") == "detr" else cfg.data.min_size
     masks = has_masks(cfg.model)  # Mask R-CNN: each object's mask fills its box
-    images, targets = [], []
+    pictures: list[torch.Tensor] = []
+    targets: list[dict[str, torch.Tensor]] = []
     for _ in range(micro_batch):
-        images.append(
+        pictures.append(
             torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=g).to(device)
         )
         n = int(torch.randint(1, 5, (), generator=g))
@@ -182,15 +188,13 @@ def synthetic_batch(
             for k, (x1, y1, x2, y2) in enumerate(boxes.round().int().tolist()):
                 fill[k, y1:y2, x1:x2] = 1
             targets[-1]["masks"] = fill.to(device)
-    return images, targets
+    return pictures, targets
 
 
 def decoded_batch(batch, device: torch.device):
     """`batch` with its JPEGs (`data.decode_on=device`) decoded once, as H, W, C pixels on `device`,
     as a loader that decodes in its workers gives them; other batches as they are. What the plain
     loops step on."""
-    from visiondist.data.device_decode import EncodedBatch
-
     if not isinstance(batch, tuple) or not isinstance(batch[0], EncodedBatch):
         return batch
     images = batch[0].decode(device).permute(0, 2, 3, 1).contiguous()
@@ -210,10 +214,6 @@ def device_input_work(d: DictConfig) -> list[str]:
 
 
 def _augment_rows(n: int, size: int, seed: int, d: DictConfig) -> torch.Tensor | None:
-    import random
-
-    from visiondist.data.augment import AugmentPolicy
-
     policy = AugmentPolicy.from_config(d, size)
     if not policy.active:
         return None
@@ -226,10 +226,6 @@ def _jpegs(n: int, size: int, seed: int, d: DictConfig):
     """n photo-like JPEGs (smooth colour fields and noise, quality 90) of 1.5x `size`, as
     `data.decode_on=device`'s workers hand them over: each cropped whole and resized to `size` on
     the device."""
-    import cv2
-
-    from visiondist.data.device_decode import CROP_FIELDS, collate_encoded
-
     rng, side = np.random.default_rng(seed), size * 3 // 2
     samples = []
     for _ in range(n):

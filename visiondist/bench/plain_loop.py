@@ -17,16 +17,35 @@ whole model, as timm's train.py does (`torch.compile(model)`; with `mode="reduce
 visiondist replays CUDA graphs): the fastest loop timm documents, whatever visiondist's scope. The
 plain loop on our model compiles what visiondist compiles (the whole model, or each block), so that
 ours / it is the harness's overhead alone. The row says each scope (`compile_scope`).
+
+timm (0.6-0.8 s) is imported where a reference loop or timm's recipe needs it: a benchmark of
+several ranks runs no plain loop (`# noqa: PLC0415 (timm)`); the DETR family's modules (and with
+them torchvision's ops and torch._dynamo, about 1 s) where a DETR's loop needs them
+(`# noqa: PLC0415 (detector-side)`).
 """
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from visiondist.data.augment_ops import DeviceAugment
 from visiondist.data.transforms import Normalize, unit_float
+from visiondist.models import build_model, select_attention
+from visiondist.parallel import (
+    compile_blocks,
+    compile_model,
+    enable_activation_checkpointing,
+    keep_matmuls_context,
+    transformer_blocks,
+)
+from visiondist.train.build import seed_everything
+from visiondist.train.fp8 import to_float8
+from visiondist.train.optim import KERNELS, describe_optimizer, resolve_impl
 from visiondist.train.precision import autocast_dtype, autocast_for
 
 
@@ -51,11 +70,9 @@ class _Checkpointed(nn.Module):
     def __init__(self, block: nn.Module, keep: str = "input"):
         super().__init__()
         self.block = block
-        self.context = {}
+        self.context: dict[str, Any] = {}
         # parallel.checkpoint_keep=matmuls: torch's selective checkpointing, the same policy
         if keep == "matmuls":
-            from visiondist.parallel import keep_matmuls_context
-
             self.context = {"context_fn": keep_matmuls_context}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +84,7 @@ class _Checkpointed(nn.Module):
 
 
 def _timm_vit(cfg: DictConfig) -> nn.Module:
-    import timm
+    import timm  # noqa: PLC0415 (timm)
 
     m = cfg.model
     return timm.create_model(
@@ -90,8 +107,6 @@ def _checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: str, swi
     """Apply the activation checkpointing of `switches` (the variant's `RunLayout`) and the
     configuration's compilation to the model; returns what was compiled (the row's
     `compile_scope`)."""
-    from visiondist.parallel import compile_blocks, compile_model, enable_activation_checkpointing
-
     p = switches
     graphs = ", CUDA graphs" if p.compile and p.cuda_graphs else ""
     if role == "same_model":  # the model's own switches, without the layout around them
@@ -106,9 +121,11 @@ def _checkpointed_and_compiled(model: nn.Module, cfg: DictConfig, role: str, swi
         if not p.compile:
             return "none"
         # `...ForObjectDetection.model`: backbone, encoder, decoder (the loss eager)
-        compile_model(model.model)
+        compile_model(model.get_submodule("model"))
         return "whole model"
-    blocks = model.blocks  # timm: an nn.Sequential
+    blocks = model.get_submodule("blocks")
+    if not isinstance(blocks, nn.Sequential):  # timm's ViT holds its blocks in one
+        raise TypeError(f"timm's blocks are an nn.Sequential, not {type(blocks).__name__}")
     if p.activation_checkpointing:
         for i in range(p.checkpoint_blocks):
             blocks[i] = _Checkpointed(blocks[i], p.checkpoint_keep)
@@ -122,11 +139,11 @@ class PlainLoop:
     """forward under autocast, loss, backward, `clip_grad_norm_`, `optimizer.step()`: on one device,
     with one parameter group."""
 
-    def __init__(self, cfg: DictConfig, role: str, device: torch.device, switches):
-        from visiondist.models import build_model, select_attention
-        from visiondist.train.build import seed_everything
-        from visiondist.train.optim import KERNELS, describe_optimizer, resolve_impl
+    # set by `loops.plain_loops` once the loop is warmed up
+    compile_faults: list[str]
+    peak_memory_gb: Optional[float]
 
+    def __init__(self, cfg: DictConfig, role: str, device: torch.device, switches):
         seed_everything(cfg.trainer.seed)  # same_model: the initial weights of `Trainer`'s model
         m = cfg.model
         if role == "same_model":
@@ -140,12 +157,15 @@ class PlainLoop:
                 else f"visiondist {type(model).__name__}"
             )
         elif m.family == "detr":
-            from visiondist.models.detr import build_hf_detector
-            from visiondist.models.detr_library import model_values
+            from visiondist.models.detr import build_hf_detector  # noqa: PLC0415 (detector-side)
+            from visiondist.models.detr_library import model_values  # noqa: PLC0415 (detector-side)
 
             # the network the run trains (its backbone's BatchNorms training from random weights, as
             # ours)
-            model = build_hf_detector(str(m.arch), int(m.num_classes), model_values(m)).to(device)
+            detector: nn.Module = build_hf_detector(
+                str(m.arch), int(m.num_classes), model_values(m)
+            )
+            model = detector.to(device)
             self.model_name = f"transformers {type(model).__name__}"
         else:
             model = _timm_vit(cfg).to(device)
@@ -154,9 +174,6 @@ class PlainLoop:
             self.model_name = f"timm {m.timm_name}"
         # the trainer's float8 layers, converted as a user of torchao converts them
         if cfg.trainer.fp8 != "off":
-            from visiondist.parallel import transformer_blocks
-            from visiondist.train.fp8 import to_float8
-
             to_float8(
                 transformer_blocks(model) if role == "same_model" else list(model.blocks),
                 cfg.trainer.fp8,
@@ -168,6 +185,7 @@ class PlainLoop:
         self.cuda_graphs = "CUDA graphs" in self.compile_scope
         o, t = cfg.optim, cfg.trainer
         kernels = KERNELS[resolve_impl(o.impl, o.name, model.parameters())]
+        self.optimizer: torch.optim.Optimizer
         if o.name == "adamw":
             self.optimizer = torch.optim.AdamW(
                 model.parameters(),
@@ -202,14 +220,12 @@ class PlainLoop:
         compares equal work: the device augmentation the batches' rows ask for (the same batched
         ops: there is no other), timm's `Mixup` and `SoftTargetCrossEntropy`, timm's
         `ModelEmaV3`."""
-        from visiondist.data.augment_ops import DeviceAugment
-
         d, t = cfg.data, cfg.trainer
         self.classification = cfg.model.family == "vit"
         self.augment = DeviceAugment(d, cfg.model.img_size) if self.classification else None
         self.mixup = None
         if self.classification and (d.get("mixup", 0) > 0 or d.get("cutmix", 0) > 0):
-            from timm.data import Mixup
+            from timm.data import Mixup  # noqa: PLC0415 (timm)
 
             self.mixup = Mixup(
                 mixup_alpha=d.mixup,
@@ -221,12 +237,12 @@ class PlainLoop:
             )
         self.ema = None
         if t.get("ema_decay", 0) > 0:
-            from timm.utils import ModelEmaV3
+            from timm.utils import ModelEmaV3  # noqa: PLC0415 (timm)
 
             self.ema = ModelEmaV3(self.model, decay=t.ema_decay)
 
     def _loss(self, images, targets, rows) -> torch.Tensor:
-        if self.classification and rows:
+        if self.augment is not None and rows:  # a classifier's (`_recipe`)
             images = self.augment(images, rows[0], self.device, self.inputs)
         else:
             images = self.inputs(images, self.device)
@@ -234,7 +250,7 @@ class PlainLoop:
             images, targets = self.mixup(images, targets)
         # the loader's squares, stacked; boxes relative (cx, cy, w, h), labels 0-based
         if self.library:
-            from visiondist.models.detr import library_target
+            from visiondist.models.detr import library_target  # noqa: PLC0415 (detector-side)
 
             labels = [
                 library_target(t, im.shape[-2], im.shape[-1]) for t, im in zip(targets, images)
@@ -247,7 +263,7 @@ class PlainLoop:
         if not self.classification:
             return sum(v.float() for v in out.values())
         if self.mixup is not None:
-            from timm.loss import SoftTargetCrossEntropy
+            from timm.loss import SoftTargetCrossEntropy  # noqa: PLC0415 (timm)
 
             return SoftTargetCrossEntropy()(out.float(), targets)
         return F.cross_entropy(out.float(), targets, label_smoothing=self.smoothing)

@@ -21,6 +21,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
+
 MIN_TIMED_STEPS = 5
 MAX_RATIO_UNCERTAINTY = 0.10
 
@@ -56,7 +58,7 @@ def ratio_check(
             uncertainty,
             f"{fewest} timed steps, fewer than {MIN_TIMED_STEPS}: the medians are not bounded",
         )
-    if uncertainty > MAX_RATIO_UNCERTAINTY:
+    if uncertainty is not None and uncertainty > MAX_RATIO_UNCERTAINTY:
         return (
             uncertainty,
             f"the step times spread too much: uncertain by more than +-{MAX_RATIO_UNCERTAINTY:.0%}",
@@ -175,8 +177,6 @@ def _matcher_lines(results: list[dict[str, Any]]) -> list[str]:
 def result_table(results: list[dict[str, Any]]):
     """One row per configuration, each followed by its own plain loops; shared figures and warnings
     in the caption."""
-    from rich.table import Table
-
     first = results[0]
     peaks = "; ".join(
         sorted(

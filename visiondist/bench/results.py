@@ -22,7 +22,10 @@ from visiondist.bench.measure import (
 )
 from visiondist.bench.plain_loop import PlainLoop
 from visiondist.bench.report import ratio_check, step_summary
-from visiondist.parallel import Layout
+from visiondist.models.registry import spec_of
+from visiondist.parallel import Layout, transformer_blocks
+from visiondist.plan.budget import layout_memory
+from visiondist.train.build import run_of
 from visiondist.utils.peaks import datasheet_tflops, matmul_tflops, peak_kind
 
 
@@ -98,7 +101,7 @@ def collect_results(
         "img_size": cfg.model.img_size
         if family == "classification" or cfg.model.get("family") == "detr"
         else cfg.data.min_size,
-        "layout": runs[0].layout.run.describe(),
+        "layout": run_of(runs[0].layout).describe(),
         "ranks": layout.world_size,
         "batch": batch,
         "configurations": [run.name or "-" for run in runs],
@@ -115,7 +118,7 @@ def collect_results(
         achieved = gflops * images_per_s / layout.world_size / 1e3  # TFLOP/s per device
         datasheet = datasheet_tflops(name, kind) if device.type == "cuda" else None
         grad_bytes = sum(p.numel() * p.element_size() for p in run.parts.model.parameters())
-        switches = run.layout.run
+        switches = run_of(run.layout)
         dp_bytes = (
             2 * (layout.dp - 1) / layout.dp * grad_bytes
             if layout.dp > 1 and not switches.fsdp
@@ -130,7 +133,7 @@ def collect_results(
                 # input work the step does on the device (timed in ours and in the plain loops,
                 # which get decoded images)
                 "device_input": device_input_work(c.data) if family == "classification" else [],
-                "compile": run.layout.run.compile,
+                "compile": switches.compile,
                 "compile_scope": _compile_scope(run),
                 "optimizer": run.optimizer_name,
                 # graph breaks, recompile-limit hits, compiling while timed, in ours or its plain
@@ -183,9 +186,6 @@ def _planned_gb(cfg: DictConfig, run, layout: Layout) -> float | None:
     """The memory plan's bytes on this rank's device (its pipeline stage, its FSDP shard) for the
     configuration (ViTs: what `tools/plan.py` and the fit of a named layout count), in GB; None for
     a model the planner does not model."""
-    from visiondist.models.registry import spec_of
-    from visiondist.plan.budget import layout_memory
-
     if spec_of(cfg.model).planner_shape is None:
         return None
     # a variant's accumulation is its config's
@@ -198,7 +198,7 @@ def _matcher_share(model: torch.nn.Module, step_s: float) -> dict[str, Any]:
     solving, and the wait for the cost matrices, which on a GPU holds the forward queued before
     them) beside the step's time."""
     criterion = next(
-        (m.criterion for m in model.modules() if getattr(m, "criterion", None) is not None), None
+        (c for m in model.modules() if (c := getattr(m, "criterion", None)) is not None), None
     )
     if criterion is None or not criterion.calls:
         return {}
@@ -214,9 +214,7 @@ def _matcher_share(model: torch.nn.Module, step_s: float) -> dict[str, Any]:
 def _compile_scope(run: OursRun) -> str:
     """What `trainer.compile` compiled: the whole model (replayed as CUDA graphs or not), or each
     transformer block (on this rank)."""
-    from visiondist.parallel import transformer_blocks
-
-    switches = run.layout.run
+    switches = run_of(run.layout)
     if not switches.compile:
         return "none"
     if switches.compile_scope == "model":

@@ -17,11 +17,17 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Sequence, Union
+from typing import Callable, Sequence, Union, cast
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
 
+from visiondist.cli.load import load_config
 from visiondist.config import ConfigError
+from visiondist.launch import unique_dir
 from visiondist.plan.world import under_torchrun
 
 # summary.json keys shown in the sweep table, when the jobs have them
@@ -38,9 +44,6 @@ RESULT_KEYS = (
 def expand(overrides: list[str]) -> tuple[list[list[str]], list[str]]:
     """(one override list per job, the swept keys), in Hydra's order: the cartesian product of the
     swept values, the last key varying fastest."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
         options, swept = [], []
@@ -49,6 +52,8 @@ def expand(overrides: list[str]) -> tuple[list[list[str]], list[str]]:
                 key = override.get_key_element()
                 options.append([f"{key}={value}" for value in override.sweep_string_iterator()])
                 swept.append(key)
+            elif override.input_line is None:  # parsed from the command line: it has its text
+                raise ConfigError(f"-m: {override.get_key_element()}: an override without its text")
             else:
                 options.append([override.input_line])
     except HydraException as exc:
@@ -62,8 +67,6 @@ def _checked_configs(
     config_dir: Path, jobs: list[list[str]], search: Sequence[str], shown: bool
 ) -> list[DictConfig]:
     """Every job's config, composed and checked before any job runs (a bad one names its job)."""
-    from visiondist.cli.load import load_config
-
     configs = []
     for num, job in enumerate(jobs):
         try:
@@ -86,10 +89,6 @@ def run_sweep(
     """Every job's config checked, then each job run in turn; `show` (--cfg: True or the printer):
     print each job's config instead. `search`: the overrides adding -cd's directory, for every job
     (not shown in its overrides). `trainer.run_dir` (hydra.sweep.dir) is the sweep's directory."""
-    from rich.console import Console
-
-    from visiondist.launch import unique_dir
-
     if under_torchrun(os.environ):
         raise ConfigError(
             "-m runs its jobs one after another, each launching its own ranks: under torchrun, "
@@ -121,7 +120,7 @@ def run_sweep(
     for num, (job, cfg) in enumerate(zip(jobs, configs)):
         job_dir = sweep_dir / str(num)
         # the job's config, a new object
-        cfg = OmegaConf.merge(cfg, {"trainer": {"run_dir": str(job_dir)}})
+        cfg = cast(DictConfig, OmegaConf.merge(cfg, {"trainer": {"run_dir": str(job_dir)}}))
         records.append({"job": num, "overrides": job, "run_dir": str(job_dir), "status": "running"})
         _write(sweep_dir, swept, records)
         console.rule(
@@ -160,6 +159,7 @@ def _run_job(run: Callable[[DictConfig], object], cfg: DictConfig) -> tuple[int,
         # a stop signal: its line says what the job kept; the sweep ends
         if type(exc).__name__ == "JobStopped":
             print(exc, file=sys.stderr, flush=True)
+            # told apart by name: this module does not import the launcher's exceptions
             return exc.exit_code, ""  # type: ignore[attr-defined]
         return 1, _cause(exc)
     return (result if isinstance(result, int) else 0), ""
@@ -185,8 +185,6 @@ def _write(sweep_dir: Path, swept: list[str], records: list[dict]) -> None:
 
 
 def _table(sweep_dir: Path, swept: list[str], records: list[dict], total: int):
-    from rich.table import Table
-
     keys = [k for k in RESULT_KEYS if any(k in r for r in records)]
     table = Table(
         title=f"sweep: {len(records)} of {total} jobs in {sweep_dir}", title_justify="left"

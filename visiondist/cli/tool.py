@@ -1,6 +1,11 @@
 """The tools' one command-line convention (`Tool`, `parse`, `main`, `run_tool`): flags, tool keys
 and config overrides told apart, Hydra's own flags and keys refused with the project's equivalent,
 usage and version text, and bad input as one `error:` line with exit code 2.
+
+Every tool imports this module for its --help (0.2-0.35 s, no torch): the libraries only --version
+reports (torch, torchvision, Hydra, the installed packages' metadata) are imported there, the stop
+signals' handling (3 ms) where a tool runs, and the sweeps' module (Hydra's override parser, the
+launcher) for -m (`# noqa: PLC0415 (--help)`).
 """
 
 from __future__ import annotations
@@ -8,20 +13,36 @@ from __future__ import annotations
 import difflib
 import signal
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+import omegaconf
 from omegaconf import DictConfig, OmegaConf
 
 from visiondist.cli.load import load_config, not_a_setting
-from visiondist.config import ConfigError
+from visiondist.config import ConfigError, TrainConfig
 
 
 @dataclass(frozen=True)
 class Tool:
     """What `tools/<name>` takes and does, for its parsing and its --help. The defaults are
-    tools/train.py's."""
+    tools/train.py's.
+
+    Args:
+        name: the script's name under tools/ ("train.py").
+        about: the usage's first line: what the tool does.
+        keys: its own `key=<placeholder>` keys (no dot), each with what it means.
+        reads: what it reads, for --help.
+        writes: what it writes, for --help.
+        examples: command lines --help shows.
+        config: it takes the config's group=option and group.key=value.
+        run_dir: it writes a run dir, which hydra.run.dir / trainer.run_dir choose.
+        multirun: it takes -m.
+        positional: it takes a bare path (a deprecated spelling; the tool names the key it became).
+        command: a tool with subcommands: the usage line's first word (tools/data.py: "pack").
+    """
 
     name: str = "train.py"
     about: str = (
@@ -55,7 +76,19 @@ class Tool:
 
 @dataclass
 class Command:
-    """One parsed command line."""
+    """One parsed command line.
+
+    Args:
+        args: the tool's own keys and their values.
+        overrides: the config's overrides (hydra.run.dir already trainer.run_dir).
+        paths: bare arguments (only where `Tool.positional`).
+        show: --cfg: "job" or "all" (the same here: there is no Hydra config to add); None: not
+            asked.
+        resolve: --resolve.
+        package: -p: print only this part of the config.
+        multirun: -m.
+        config_dir: -cd: a directory of more group options.
+    """
 
     args: dict[str, str] = field(default_factory=dict)  # tool keys
     # the config's, hydra.run.dir already trainer.run_dir
@@ -151,7 +184,16 @@ REFUSED_KEYS = (
 
 def parse(tool: Tool, config_dir: Path, argv: list[str]) -> Command:
     """`argv` by the convention (see the module's docstring); raises ConfigError with a one-line
-    fix."""
+    fix.
+
+    Args:
+        tool: what the tool takes.
+        config_dir: configs/ (its groups tell a group=option from a tool key).
+        argv: the command line after the script's name.
+
+    Returns:
+        The parsed command.
+    """
     cmd, rest = _flags(tool, list(argv))
     for token in rest:
         key = token.split("=", 1)[0].lstrip("+~") if "=" in token else None
@@ -293,8 +335,6 @@ def _hydra_key(tool: Tool, cmd: Command, key: str, value: str) -> None:
 def _top_level(config_dir: Path) -> set[str]:
     """The names a dotless key=value can start with: the config groups and the schema's top-level
     settings."""
-    from visiondist.config import TrainConfig
-
     groups = {p.name for p in Path(config_dir).iterdir() if p.is_dir()}
     return groups | set(OmegaConf.structured(TrainConfig).keys())
 
@@ -333,14 +373,24 @@ def groups(config_dir: Path) -> dict[str, list[str]]:
 def main(tool: Tool, config_dir: Path, argv: list[str], body: Callable[[Command], object]) -> int:
     """A tool's whole command line: --help and --version answered, else `body(parsed command)`. Exit
     code: `body`'s integer, 0, 2 for bad input (one `error:` line), or a failed rank's code
-    (`launch.RunFailed`'s one line)."""
+    (`launch.RunFailed`'s one line).
+
+    Args:
+        tool: what the tool takes (its parsing and --help).
+        config_dir: configs/.
+        argv: the command line after the script's name.
+        body: the tool's work on the parsed command; an int it returns is the exit code.
+
+    Returns:
+        The exit code.
+    """
     if any(a in ("-h", "--help") for a in argv):
         print(usage(tool, config_dir))
         return 0
     if "--version" in argv:
         print(versions())
         return 0
-    from visiondist.utils.signals import StopNow, StopSignals
+    from visiondist.utils.signals import StopNow, StopSignals  # noqa: PLC0415 (--help)
 
     # work in this process (export, start-up) stops at once; a rank
     signals = StopSignals().install(at_once=True)
@@ -368,7 +418,8 @@ def main(tool: Tool, config_dir: Path, argv: list[str], body: Callable[[Command]
                 file=sys.stderr,
                 flush=True,
             )
-        return exc.exit_code
+        # told apart by name: --help must not import visiondist.launch (torch)
+        return exc.exit_code  # type: ignore[attr-defined]
     finally:
         signals.restore()
     return code if isinstance(code, int) else 0
@@ -378,13 +429,23 @@ def run_tool(
     tool: Tool | str, config_dir: Path, argv: list[str], run: Callable[[DictConfig], object]
 ) -> int:
     """A tool that composes configs/ and runs `run(cfg)` (train, benchmark), once or per sweep job
-    (-m)."""
+    (-m).
+
+    Args:
+        tool: what the tool takes, or its script's name (then tools/train.py's defaults).
+        config_dir: configs/.
+        argv: the command line after the script's name.
+        run: the tool's work on a composed, checked config; an int it returns is the exit code.
+
+    Returns:
+        The exit code (`main`'s).
+    """
     spec = tool if isinstance(tool, Tool) else Tool(name=tool)
 
     def body(cmd: Command) -> object:
         show = (lambda cfg: config_text(cfg, cmd.package)) if cmd.show else None
         if cmd.multirun:
-            from visiondist.cli.sweep import run_sweep
+            from visiondist.cli.sweep import run_sweep  # noqa: PLC0415 (--help)
 
             return run_sweep(spec.name, config_dir, cmd.overrides, run, show, search=cmd.search)
         cfg = load_config(config_dir, cmd.overrides + cmd.search, inputs=None if show else "train")
@@ -398,7 +459,15 @@ def run_tool(
 
 def config_text(cfg: DictConfig, package: Optional[str] = None) -> str:
     """--cfg: the composed config as YAML with its interpolations resolved, or only its `package`
-    (-p)."""
+    (-p).
+
+    Args:
+        cfg: the composed config.
+        package: a dotted key (e.g. "model") to print alone; None: the whole config.
+
+    Returns:
+        The YAML text.
+    """
     if not package:
         return OmegaConf.to_yaml(cfg, resolve=True)
     parent, _, leaf = package.rpartition(".")
@@ -449,8 +518,6 @@ def usage(tool: Tool, config_dir: Path) -> str:
 
 
 def _wrap(text: str, head: str = "") -> str:
-    import textwrap
-
     return textwrap.fill(
         text,
         width=118,
@@ -511,12 +578,11 @@ def _flag_lines(tool: Tool) -> list[str]:
 
 def versions() -> str:
     """--version: this project's and its main libraries' versions."""
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415 (--help)
 
-    import hydra
-    import omegaconf
-    import torch
-    import torchvision
+    import hydra  # noqa: PLC0415 (--help)
+    import torch  # noqa: PLC0415 (--help)
+    import torchvision  # noqa: PLC0415 (--help)
 
     try:
         own = version("visiondist")

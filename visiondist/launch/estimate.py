@@ -17,13 +17,21 @@ says there is no estimate.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Optional
 
+import torch
 from omegaconf import DictConfig
 
 from visiondist.config import ConfigError
 from visiondist.config.layout import RunLayout
+from visiondist.models.registry import spec_of
+from visiondist.plan.planner import Candidate, hardware_from_config, step_seconds
+from visiondist.plan.resolve import layout_memory
+from visiondist.plan.world import host_memory_gb
+from visiondist.utils.peaks import matmul_tflops, peak_kind
 
 # gloo between the processes of one machine, per rank (the time model's link on the CPU)
 CPU_LINK_GBS = 2.0
@@ -58,8 +66,6 @@ def check_gpu_layout(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None
             + "; to run it here anyway add trainer.accelerator=cpu (or run it "
             "where GPUs are visible)"
         )
-    import sys
-
     print(
         f"warning: {what.format('runs')} (trainer.accelerator=cpu says this is meant)",
         file=sys.stderr,
@@ -80,8 +86,6 @@ def cpu_estimate_seconds(
     cfg: DictConfig, run: RunLayout, kind: Optional[str] = None, tflops: Optional[float] = None
 ) -> tuple[str, Optional[float]]:
     """`cpu_estimate`'s text and the whole run's estimated seconds (None: no whole-run estimate)."""
-    from visiondist.models.registry import spec_of
-
     if spec_of(cfg.model).planner_shape is None:
         return (
             f"no time estimate ({cfg.model.name} is a detector; the time model covers ViT "
@@ -105,10 +109,6 @@ def cpu_estimate_seconds(
 def measured_tflops(cfg: DictConfig) -> float:
     """This machine's dense matmul rate (all of this process's threads) in the precision the step's
     matmuls run in."""
-    import torch
-
-    from visiondist.utils.peaks import matmul_tflops, peak_kind
-
     cpu = torch.device("cpu")
     return matmul_tflops(
         cpu, peak_kind(str(cfg.trainer.precision), bool(cfg.trainer.tf32), cpu), repeats=1
@@ -118,11 +118,6 @@ def measured_tflops(cfg: DictConfig) -> float:
 def step_seconds_on_cpu(cfg: DictConfig, run: RunLayout, tflops_per_rank: float) -> float:
     """The planner's seconds per optimizer step of `cfg`'s ViT under `run`, each rank computing at
     `tflops_per_rank` and sending at `CPU_LINK_GBS`."""
-    from visiondist.models.registry import spec_of
-    from visiondist.plan.planner import Candidate, hardware_from_config, step_seconds
-    from visiondist.plan.resolve import layout_memory
-    from visiondist.plan.world import host_memory_gb
-
     candidate = Candidate.of(
         run if run.grad_accum else run.replace(grad_accum=int(cfg.trainer.grad_accum))
     )
@@ -134,9 +129,12 @@ def step_seconds_on_cpu(cfg: DictConfig, run: RunLayout, tflops_per_rank: float)
         intra_node_gbs=CPU_LINK_GBS,
         inter_node_gbs=CPU_LINK_GBS,
     )
+    planner_shape = spec_of(cfg.model).planner_shape
+    if planner_shape is None:  # `cpu_estimate_seconds` asks first
+        raise ConfigError(f"{cfg.model.name}: the time model covers ViT classifiers")
     t = cfg.trainer
     seconds = step_seconds(
-        spec_of(cfg.model).planner_shape(cfg.model),
+        planner_shape(cfg.model),
         candidate,
         hardware,
         int(cfg.data.batch_size),
@@ -150,7 +148,8 @@ def run_steps(cfg: DictConfig) -> tuple[Optional[int], str]:
     """(optimizer steps of the whole run, which limit sets them) as the trainer counts them
     (`visiondist.train.build.run_length`), the epoch's length from the training split's images; an
     epoch of unknown length: `trainer.max_steps` alone; (None, "") when neither can be counted."""
-    from visiondist.train.build import run_length
+    # the trainer's own count; its module is a rank's (DTensor, DCP, the models: 2 s)
+    from visiondist.train.build import run_length  # noqa: PLC0415 (rank-side)
 
     t, d = cfg.trainer, cfg.data
     images = train_images(d) if t.max_epochs > 0 else None
@@ -164,15 +163,14 @@ def run_steps(cfg: DictConfig) -> tuple[Optional[int], str]:
 def train_images(d: DictConfig) -> Optional[int]:
     """Images of the training split of an ImageFolder-layout set (a built-in one: as it is
     generated); None for another format."""
-    from pathlib import Path
-
     if d.format != "imagefolder":
         return None
     if d.synthetic is not None:
-        from visiondist.synthetic.shapes import SHAPE_CLASSES
+        from visiondist.synthetic.shapes import SHAPE_CLASSES  # noqa: PLC0415 (PIL, 20 ms)
 
         return int(d.synthetic.train_per_class) * len(SHAPE_CLASSES)
-    from visiondist.data.imagefolder import IMG_EXTENSIONS
+    # PIL comes with these two: 20-30 ms of every launch, which only this count needs
+    from visiondist.data.imagefolder import IMG_EXTENSIONS  # noqa: PLC0415 (PIL, 30 ms)
 
     split = Path(d.root).expanduser() / d.train_split
     total = 0

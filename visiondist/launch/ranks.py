@@ -2,6 +2,10 @@
 under torchrun / srun; each rank's set-up (`run_rank`: process group, device, threads, run dir,
 watchdog, failure records), and a stopped job's one line (a failed job's:
 `visiondist.launch.failed`).
+
+The launching process imports this module to plan and start a job: what only a rank needs (the
+mesh and DTensor, the loader workers and OpenCV, torch's elastic rendezvous, the failure records and
+their rich console) is imported where a rank needs it (`# noqa: PLC0415 (rank-side)`).
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from visiondist.config import ConfigError, from_container, to_container
@@ -34,6 +39,7 @@ from visiondist.launch.slurm import slurm_env
 from visiondist.launch.spawn import _quiet_agent, spawn_local, spawn_ranks
 from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stopped_line
 from visiondist.plan import announce, cuda_device_count, resolve
+from visiondist.plan.fit import as_run
 from visiondist.plan.resolve import compile_plan
 from visiondist.plan.world import (
     backend_for,
@@ -44,7 +50,9 @@ from visiondist.plan.world import (
 )
 from visiondist.train.precision import set_tf32
 from visiondist.utils.exit import leave_quickly_when_done
+from visiondist.utils.heartbeat import PROGRESS
 from visiondist.utils.procenv import omp_threads, threads_per_rank
+from visiondist.utils.signals import HANG_DIR, RANK_ENV, RUN_DIR_ENV, STOP, StopNow
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +121,9 @@ def run_rank(
     loader workers end with it; a failure leaves `<run>/failure/rank<k>.txt` (see
     `visiondist.faults.failures`). `top_level`: this process is what the user started (one rank, or
     a torchrun / srun task), so a hang's line is printed here."""
-    from visiondist.data.workers import close_loaders
-    from visiondist.faults.failures import rank_errors
-    from visiondist.parallel import build_layout
-    from visiondist.plan.fit import as_run
-    from visiondist.utils.heartbeat import PROGRESS
-    from visiondist.utils.signals import STOP, StopNow
+    from visiondist.data.workers import close_loaders  # noqa: PLC0415 (rank-side)
+    from visiondist.faults.failures import rank_errors  # noqa: PLC0415 (rank-side)
+    from visiondist.parallel import build_layout  # noqa: PLC0415 (rank-side)
 
     # what a run dir this rank creates records (config.yaml: the run as asked)
     asked = from_container(cfg_dict)
@@ -166,8 +171,6 @@ def run_rank(
 
 
 def _stopped_now(signal_name: str, run_dir: Optional[Path]) -> dict:
-    from visiondist.utils.heartbeat import PROGRESS
-
     return {
         "stopped at step": PROGRESS.step,
         "stopped by": signal_name,
@@ -181,8 +184,7 @@ def _flight_recorder(run_dir: Path, accelerator: str) -> None:
     (torch's flight recorder). Set before the process group exists; a user's own settings win."""
     if accelerator != "cuda":
         return
-    from visiondist.compat import flight_recorder_env
-    from visiondist.utils.signals import HANG_DIR
+    from visiondist.compat import flight_recorder_env  # noqa: PLC0415 (rank-side)
 
     if "TORCH_NCCL_TRACE_BUFFER_SIZE" not in os.environ:  # the old name, set by the user, is theirs
         os.environ.setdefault(flight_recorder_env(), "2000")
@@ -195,10 +197,8 @@ def _flight_recorder(run_dir: Path, accelerator: str) -> None:
 def _start_watchdog(run_dir: Path, top_level: bool):
     """The rank's hang watchdog; the loader workers it starts later learn the run dir from the
     environment."""
-
-    from visiondist.data.workers import worker_pids
-    from visiondist.faults.failures import EXIT_HANG, Watchdog
-    from visiondist.utils.signals import RANK_ENV, RUN_DIR_ENV
+    from visiondist.data.workers import worker_pids  # noqa: PLC0415 (rank-side)
+    from visiondist.faults.failures import EXIT_HANG, Watchdog  # noqa: PLC0415 (rank-side)
 
     os.environ[RUN_DIR_ENV], os.environ[RANK_ENV] = str(run_dir), str(dist.get_rank())
 
@@ -247,7 +247,23 @@ def inductor_cache_dir() -> Path:
 
 def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayout:
     """Resolve the layout (once, here), then run `entry` on every rank. Errors surface before any
-    spawn."""
+    spawn.
+
+    Args:
+        entry: what every rank runs, `entry(cfg, layout, run_dir)` (e.g. `train.run.train`); its
+            `run_kind` attribute ("eval", "predict", "benchmark") names the kind of job.
+        cfg: the job's config, composed and checked (`visiondist.cli.load_config`).
+        env: the environment the layout is resolved from (torchrun's, SLURM's, a pod's
+            variables); None: this process's, with srun's tasks' variables translated into it.
+
+    Returns:
+        The resolved layout the job ran with.
+
+    Raises:
+        ConfigError: the layout cannot run here (before any rank starts).
+        RunFailed: a rank failed (its one line).
+        JobStopped: a stop signal ended the job (what was kept, how to go on).
+    """
     # srun's tasks become a torch.distributed job (init_process_group reads os.environ)
     if env is None:
         os.environ.update(slurm_env(os.environ))
@@ -327,7 +343,8 @@ def with_decode_choice(cfg: DictConfig, run: RunLayout, cfg_dict: dict, main: bo
     GPU; the run dir's config.yaml keeps `auto`, as asked."""
     if str(cfg.data.get("decode_on", "loader")) != "auto":
         return cfg_dict
-    from visiondist.data.decode_choice import decode_plan
+    # OpenCV (16 ms) comes with it, which a launch without data.decode_on=auto never needs
+    from visiondist.data.decode_choice import decode_plan  # noqa: PLC0415 (OpenCV, 16 ms)
 
     choice, why = decode_plan(cfg, run)
     # on the CPU auto is the loader, as it always was: nothing to say
@@ -349,8 +366,6 @@ def _run_agent(
     failed rank's one line, a stop's last line (from the lowest global rank's result, or from the
     run dir when the ranks were ended: module visiondist.launch.stop). `run_dir` None: a pod's run
     dir, which its ranks chose."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     stop = LauncherStop(*_stop_wait(cfg, run, kind), kind=kind)
     try:
         with one_line_failure(run_dir, stop), _quiet_agent(), stop:
@@ -394,7 +409,7 @@ def pod_ranks(cfg: DictConfig, pod: PodJob, cuda_devices: int) -> int:
     return p.tp * p.pp
 
 
-def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> Optional[RunLayout]:
+def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> RunLayout:
     """This pod is one node of a Kubernetes job (`visiondist.launch.pods`): start its ranks through
     torch's elastic agent, as torchrun would, but with this project's stop handling (SIGTERM: every
     rank of every pod finishes its step and checkpoints, within trainer.stop_timeout_s). The layout
@@ -403,7 +418,7 @@ def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> Optional[RunLayout
     kind = run_kind(entry)
     per_node = pod_ranks(cfg, pod, cuda_device_count())
     # restarts are the agent's, as torchrun's
-    ranks_cfg = OmegaConf.merge(cfg, {"trainer": {"max_restarts": 0}})
+    ranks_cfg = cast(DictConfig, OmegaConf.merge(cfg, {"trainer": {"max_restarts": 0}}))
     world = {
         "WORLD_SIZE": str(per_node * pod.max_nodes),
         "LOCAL_WORLD_SIZE": str(per_node),
@@ -458,7 +473,8 @@ def _report_stop(result: Any, kind: Optional[str], under_torchrun: bool = False)
         line = stopped_line(result["stopped by"], result["run dir"], kind, result, under_torchrun)
         raise JobStopped(result["stopped by"], line if speaks else "")
     if speaks:
-        from visiondist.observe.console import continue_command
+        # rich comes with it: 15-30 ms of every launch, for this line
+        from visiondist.observe.console import continue_command  # noqa: PLC0415 (rich, 15 ms)
 
         print(
             f"stopped after step {result['stopped at step']} (trainer.stop_at_step); continue "

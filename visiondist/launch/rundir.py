@@ -10,13 +10,14 @@ import datetime as dt
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from visiondist.config import ConfigError
 from visiondist.config.layout import RunLayout
+from visiondist.runs import record_attempt
 
 
 def new_run_dir(
@@ -36,9 +37,8 @@ def new_run_dir(
                     f"trainer.run_dir={run_dir} already holds a run: choose another directory, or "
                     "continue it with trainer.resume=auto"
                 )
-            from visiondist.runs import record_attempt
-
-            record_attempt(run_dir, OmegaConf.load(previous), cfg, run)  # type: ignore[arg-type]
+            saved = cast(DictConfig, OmegaConf.load(previous))  # config.yaml: a mapping
+            record_attempt(run_dir, saved, cfg, run)
             return run_dir.resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
@@ -52,14 +52,26 @@ def new_run_dir(
 def default_run_dir(cfg: DictConfig, kind: Optional[str] = None) -> Path:
     """A new `<trainer.output_dir>/<date>/<time>/` for a training run,
     `<trainer.output_dir>/<kind>/<date>_<time>/` for another kind of job (`eval`, `benchmark`), so
-    that only training runs look like training runs."""
+    that only training runs look like training runs.
+
+    Args:
+        cfg: the job's config (`trainer.output_dir`).
+        kind: the job's kind (`run_kind`); None: a training run.
+
+    Returns:
+        The new directory, created.
+    """
     parent = Path(cfg.trainer.output_dir).expanduser()
     return unique_dir(parent) if kind is None else unique_dir(parent / kind, "%Y-%m-%d_%H-%M-%S")
 
 
 def run_kind(entry: Callable) -> Optional[str]:
     """What an entry's run dir holds (its `run_kind` attribute: "eval", "predict", "benchmark");
-    None: a training run."""
+    None: a training run.
+
+    Args:
+        entry: a rank's entry point, as `launch` takes it.
+    """
     return getattr(entry, "run_kind", None)
 
 
@@ -70,7 +82,15 @@ STATELESS = ("eval", "predict")
 def unique_dir(parent: Path, pattern: str = "%Y-%m-%d/%H-%M-%S") -> Path:
     """A new directory `<parent>/<date>/<time>` (`pattern`, strftime), or `<time>-1`, `-2`, ... when
     that exists: created atomically, so jobs started in the same second (a sweep, two users, two
-    launches) never share one."""
+    launches) never share one.
+
+    Args:
+        parent: where the directory is made (created if missing).
+        pattern: its path under `parent`, a strftime pattern of now.
+
+    Returns:
+        The new directory, resolved.
+    """
     base = parent / dt.datetime.now().strftime(pattern)
     base.parent.mkdir(parents=True, exist_ok=True)
     path, n = base, 0

@@ -17,15 +17,14 @@ from omegaconf import DictConfig
 
 from visiondist.config import ConfigError
 from visiondist.config.layout import RunLayout
+from visiondist.models.registry import spec_of
+from visiondist.plan.resolve import layout_memory
 
 
 def node_bytes(cfg: DictConfig, run: RunLayout) -> Optional[tuple[int, int]]:
     """(bytes of every rank of the first node together, bytes of its busiest rank) by the memory
     model, or None for a model it does not plan (detectors). Global rank r sits at mesh coordinate
     (pp, dp, tp) in row-major order."""
-    from visiondist.models.registry import spec_of
-    from visiondist.plan.resolve import layout_memory
-
     if spec_of(cfg.model).planner_shape is None:
         return None
     per_rank = []

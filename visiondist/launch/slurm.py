@@ -4,15 +4,23 @@ init_process_group reads."""
 from __future__ import annotations
 
 import re
+from typing import Mapping
 
 from visiondist.config import ConfigError
 
 
-def slurm_env(env: dict) -> dict:
+def slurm_env(env: Mapping[str, str]) -> dict[str, str]:
     """Under `srun` with several tasks (one per device) and no launcher's RANK, the
     torch.distributed variables derived from SLURM's: RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, GROUP_RANK (the node), and MASTER_ADDR / MASTER_PORT unless set (the step's
-    first node; a port from the job id). Empty when not under such a step."""
+    first node; a port from the job id). Empty when not under such a step.
+
+    Args:
+        env: the process's environment (SLURM's variables).
+
+    Returns:
+        The variables to add to it; {} when they are not needed.
+    """
     if "RANK" in env or int(env.get("SLURM_STEP_NUM_TASKS", "1")) <= 1:
         return {}
     per_node = re.match(
@@ -36,7 +44,14 @@ def slurm_env(env: dict) -> dict:
 
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list (`gpu[03-04,07],cpu1` -> `gpu03`), as `scontrol show
-    hostnames` lists it."""
+    hostnames` lists it.
+
+    Args:
+        nodelist: SLURM's compressed node list.
+
+    Returns:
+        The first host's name.
+    """
     head = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if head is None:
         raise ConfigError(

@@ -1,17 +1,27 @@
 """The elastic agent that starts a node's ranks (`spawn_ranks`): on this machine alone
 (`spawn_local`, a c10d rendezvous on a free localhost port), or as one node of a pod's job
 (`visiondist.launch.pods`); its own log lines kept quiet (`_quiet_agent`), since the launcher says
-what happened in one line."""
+what happened in one line.
+
+torch's elastic agent and its rendezvous (30-60 ms, with visiondist.compat's adjustments of them)
+are imported when ranks are spawned: a job of one rank never starts the agent
+(`# noqa: PLC0415 (the agent)`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
+import multiprocessing
 import os
+import signal
 import sys
 import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from visiondist.launch.pods import PodJob
 from visiondist.utils.procenv import omp_threads, ranks_share_cpus, threads_per_rank
@@ -21,7 +31,8 @@ from visiondist.utils.procenv import omp_threads, ranks_share_cpus, threads_per_
 def _quiet_agent():
     """The elastic agent's own warnings and its failure table repeat what `RunFailed` or
     `JobStopped` says in one line."""
-    import torch.distributed.launcher.api  # noqa: F401 (its modules' loggers exist from here on)
+    # its modules' loggers exist from here on
+    import torch.distributed.launcher.api  # noqa: F401,PLC0415 (the agent)
 
     # torch sets the level of each of its modules' loggers
     names = [
@@ -53,7 +64,18 @@ def spawn_local(
     (c10d rendezvous on a free localhost port); each sees RANK / WORLD_SIZE / MASTER_* in its
     environment. After a rank fails, every rank is restarted up to `max_restarts` times. Returns
     every rank's return value; a failing rank raises here with its traceback. `cuda=False`: the
-    ranks will not use a GPU (`start_method`)."""
+    ranks will not use a GPU (`start_method`).
+
+    Args:
+        fn: what each rank runs (a module-level function: spawned ranks import it).
+        nprocs: the ranks to start.
+        *args: `fn`'s arguments, the same for every rank.
+        max_restarts: how many times every rank is restarted after one fails.
+        cuda: the ranks use a GPU (they are spawned, not forked).
+
+    Returns:
+        Each rank's return value, by rank.
+    """
     return spawn_ranks(fn, nprocs, *args, max_restarts=max_restarts, cuda=cuda)
 
 
@@ -89,8 +111,6 @@ def autograd_survives_fork() -> bool:
     if pid == 0:  # the child: nothing of the parent's (atexit, buffers) runs on its way out
         code = 1
         try:
-            import torch
-
             probe = torch.ones(1, requires_grad=True)
             probe.sum().backward()
             code = 0
@@ -104,8 +124,6 @@ def _rank_modules(fn: Callable, args: tuple) -> list[str]:
     """What the ranks import once started: torch, torchvision, the modules of `fn` and of the
     functions among `args` (the entry a rank runs), and what those modules list in `RANK_IMPORTS`
     (e.g. the loaders' augmentation library)."""
-    import importlib
-
     modules = sorted(
         {m for f in (fn, *args) if callable(f) and (m := getattr(f, "__module__", None))}
         - {"__main__"}
@@ -119,9 +137,6 @@ def _rank_modules(fn: Callable, args: tuple) -> list[str]:
 def _preload(method: str, fn: Callable, args: tuple) -> None:
     """Import what the ranks import before they start: here, for ranks forked from this process; in
     the fork server (with this process's `__main__`), for ranks forked from it."""
-    import importlib
-    import multiprocessing
-
     modules = _rank_modules(fn, args)
     if method == "fork":
         for name in modules:
@@ -138,9 +153,6 @@ def _as_spawned(fn: Callable, *args: Any) -> Any:
       them through a fork server of its own, whose children outlive a killed rank;
     - with Python's own handlers of the stop signals, not this process's (the launcher's stop, the
       agent's)."""
-    import multiprocessing
-    import signal
-
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -158,7 +170,10 @@ def spawn_ranks(
 ) -> dict[int, Any]:
     """`spawn_local`, or with `pod` this node's ranks of a job of several nodes (its rendezvous);
     the return values are keyed by global rank."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import (  # noqa: PLC0415 (the agent)
+        LaunchConfig,
+        elastic_launch,
+    )
 
     # the ranks' threads share this process's CPUs (affinity and container quota), and wait
     # passively where there are several; the rest of `visiondist.utils.procenv`'s environment was
@@ -169,7 +184,10 @@ def spawn_ranks(
     # shared, a restarted rank can read a peer address left by the previous attempt
     # (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    from visiondist.compat import agent_signals, quick_rendezvous_names
+    from visiondist.compat import (  # noqa: PLC0415 (the agent)
+        agent_signals,
+        quick_rendezvous_names,
+    )
 
     quick_rendezvous_names()  # over a second of every launch (visiondist.compat)
 
@@ -179,6 +197,7 @@ def spawn_ranks(
     # it starts.
     if _TRACKER_QUIET not in sys.warnoptions:
         sys.warnoptions.append(_TRACKER_QUIET)
+    rdzv: dict[str, Any]
     if pod is None:
         rdzv = dict(
             min_nodes=1,
@@ -200,17 +219,16 @@ def spawn_ranks(
     if method == "fork" and not autograd_survives_fork():
         # this process ran autograd off the CPU: its forked children could not train
         method = "forkserver"
+    # SIGTERM / SIGINT: launch.stop's
+    signals: dict[str, Any] = agent_signals({f.name for f in dataclasses.fields(LaunchConfig)})
     config = LaunchConfig(
         nproc_per_node=nprocs,
         **rdzv,
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method=method,
-        # SIGTERM / SIGINT: launch.stop's
-        **agent_signals({f.name for f in dataclasses.fields(LaunchConfig)}),
+        **signals,
     )
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     try:
         if method == "spawn":
             return elastic_launch(config, fn)(*args)
@@ -225,8 +243,6 @@ def _every_report(exc: Any) -> Any:
     connection to the rank that failed (gloo's peers fail on its closed socket at once); the failing
     rank's own report was written beside it, in its error file of this attempt. The returned error
     names every rank that left one."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-
     failures = dict(exc.failures)
     for rank, seen in exc.failures.items():
         if not seen.error_file or seen.error_file == os.devnull:

@@ -22,14 +22,20 @@ A job that has no step to finish (evaluation) asks its ranks to stop at once
 from __future__ import annotations
 
 import _thread
+import csv
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import threading
 from pathlib import Path
 from typing import Any, Optional
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+from visiondist.plan.resolve import layout_memory
+from visiondist.utils.dcp import list_checkpoints
 from visiondist.utils.signals import STOP_SIGNALS
 
 # the wait for the step in flight and the save, before the checkpoint's own size
@@ -39,7 +45,12 @@ WRITE_BYTES_PER_S = 50e6  # a slow shared file system
 
 class JobStopped(Exception):
     """The job was asked to stop (SIGTERM / SIGINT). Its message is the job's last line: what was
-    kept and how to go on. Exit code 128 + the signal."""
+    kept and how to go on. Exit code 128 + the signal.
+
+    Args:
+        signal_name: the signal that stopped it ("SIGTERM", "SIGINT").
+        line: the job's last line ("" on a rank that does not speak).
+    """
 
     def __init__(self, signal_name: str, line: str):
         super().__init__(line)
@@ -57,10 +68,8 @@ def grace_seconds(cfg: Any, run: Any) -> float:
     if value >= 0:
         return value
     try:
-        from visiondist.plan.resolve import layout_memory
-
         state = layout_memory(cfg, run).state * run.per_node
-    except Exception:  # noqa: BLE001 (a detector, a model the memory model does not know: no size, the base wait)
+    except Exception:
         state = 0
     return AUTO_GRACE_S + state / WRITE_BYTES_PER_S
 
@@ -97,8 +106,6 @@ class LauncherStop:
             signal.signal(sig, handler)
 
     def _handle(self, signum, _frame) -> None:
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
         if self.received is None:
             self.received = signal.Signals(signum).name
             # Ctrl-C in a terminal reached them already; SIGTERM to this process did not
@@ -169,11 +176,10 @@ def stopped_line(
         )
     if kind is not None:
         return f"{kind} stopped by {signal_name}: nothing written"
-    from visiondist.utils.dcp import list_checkpoints
-
     kept = list_checkpoints(Path(run_dir))
     newest = kept[-1][0] if kept else None
-    from visiondist.observe.console import continue_command
+    # rich comes with it: 15-30 ms of every launch, for a stopped job's last line
+    from visiondist.observe.console import continue_command  # noqa: PLC0415 (rich, 15 ms)
 
     command = continue_command(run_dir, under_torchrun)
     step = (
@@ -205,8 +211,6 @@ EVAL_START_FILES = {"config.yaml", "eval.log", "layout.json", "plan.json", "plan
 def _clear_unfinished(run_dir: Path) -> str:
     """A stopped evaluation's directory: removed when it holds only the job's start-up files (no
     eval.json); else left, naming what is in it."""
-    import shutil
-
     try:
         names = sorted(p.name for p in run_dir.iterdir())
     except OSError:
@@ -219,8 +223,6 @@ def _clear_unfinished(run_dir: Path) -> str:
 
 def _last_logged_step(run_dir: Path) -> Optional[int]:
     """The last training step metrics.csv holds (every step a stop ends on is logged), or None."""
-    import csv
-
     try:
         with (run_dir / "metrics.csv").open() as f:
             steps = [

@@ -10,13 +10,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from visiondist.models import build_deferred, build_model, select_attention
+from visiondist.checkpoint.dcp import freeze_as_saved, load_model_state
+from visiondist.checkpoint.files import read_trainer_state
+from visiondist.config.layout import RunLayout
+from visiondist.data.robust import check_images
+from visiondist.models import TASKS, build_deferred, build_model, sdpa, select_attention
 from visiondist.models.init import is_meta, materialize
+from visiondist.models.registry import spec_of
+from visiondist.models.weights import save_weights
 from visiondist.observe.console import in_terminal, setup_logging
 from visiondist.parallel import Layout, PipelineSpec, local_part, parallelize, transformer_blocks
 from visiondist.synthetic import prepare_data
+from visiondist.train.fp8 import apply_fp8
 from visiondist.train.precision import autocast_dtype
 
 log = logging.getLogger(__name__)
@@ -31,8 +39,6 @@ def seed_everything(seed: int) -> None:
 def check_val_images(loader) -> None:
     """This rank's share of the val split, checked for unreadable files (a rank that reads no images
     has none)."""
-    from visiondist.data.robust import check_images
-
     dataset = getattr(loader, "dataset", None)
     # packed shards: `tools/data.py pack` checked every image
     if dataset is None or hasattr(dataset, "packed"):
@@ -70,16 +76,12 @@ def build_laid_out(
         )
     model, source = build_deferred(m, checkpoint is None)
     if checkpoint is not None and not is_meta(model):
-        from visiondist.checkpoint.dcp import freeze_as_saved
-
         if (frozen := freeze_as_saved(checkpoint, model)) and layout.is_main:
             log.info(
                 "%s saved %d BatchNorms frozen: the model has them frozen too", checkpoint, frozen
             )
     # before the layout: FSDP shards and pipeline stages keep the float8 layers
     if cfg.trainer.fp8 != "off":
-        from visiondist.train.fp8 import apply_fp8
-
         apply_fp8(
             model,
             cfg.trainer.fp8,
@@ -130,11 +132,6 @@ def order_attention(cfg: DictConfig, layout: Layout) -> None:
     attention kernel at this run's shape and let torch try them fastest first
     (`visiondist.models.sdpa`). The times are summed over the ranks, so every rank puts the kernels
     in the same order; rank 0 logs them."""
-    import torch.distributed as dist
-
-    from visiondist.models.registry import spec_of
-    from visiondist.models.sdpa import describe, fastest_first, time_kernels
-
     planner_shape = spec_of(cfg.model).planner_shape
     # masked: torch's own choice
     if planner_shape is None or cfg.data.get("resolution", "square") == "native":
@@ -146,19 +143,28 @@ def order_attention(cfg: DictConfig, layout: Layout) -> None:
     shape = (micro, s.num_heads // p.tp, s.tokens, s.embed_dim // s.num_heads)
     dtype = autocast_dtype(cfg.trainer.precision) or torch.float32
     names = ("flash", "cudnn", "efficient")
-    times = time_kernels(shape, dtype, layout.device, names)
+    times = sdpa.time_kernels(shape, dtype, layout.device, names)
     summed = torch.tensor(
         [times[n] if times[n] is not None else float("inf") for n in names], device=layout.device
     )
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(summed)
     times = {n: (None if t == float("inf") else t) for n, t in zip(names, summed.tolist())}
-    select_attention("auto", fastest_first(times))
+    select_attention("auto", sdpa.fastest_first(times))
     if layout.is_main:
-        log.info(describe(times, shape, dtype))
+        log.info(sdpa.describe(times, shape, dtype))
 
 
-def run_of(layout: Layout):
+def run_of(layout: Layout) -> RunLayout:
+    """The resolved layout a rank's `Layout` carries (every trainer's has one).
+
+    Args:
+        layout: the rank's layout, as `visiondist.plan.rank_layout` or `build_layout(..., run=)`
+            makes it.
+
+    Returns:
+        Its `RunLayout`; a `ValueError` names the fix when it carries none.
+    """
     if layout.run is None:
         raise ValueError(
             "this Layout carries no RunLayout: build it with visiondist.plan.rank_layout(cfg) (or "
@@ -181,8 +187,6 @@ def prepare_rank(
 ) -> None:
     """Logging on every rank (rank 0 into `log_file` in the run dir); the data generated once per
     node while the other ranks wait."""
-    import torch.distributed as dist
-
     setup_logging(run_dir, layout.is_main, log_file)
     if layout.local_rank == 0:
         # a bar in a terminal; into a pipe or a file rich would leave an empty line per bar
@@ -197,11 +201,10 @@ def consolidate(model_cfg: DictConfig, checkpoint: Path, path: Path, is_main: bo
     was saved under (TP shards and pipeline stages are read back into one full model on the CPU),
     its metadata naming the outputs as an export's does; written by rank 0 to a temporary name and
     renamed, so the file is always whole."""
-    from visiondist.checkpoint.dcp import load_model_state
-    from visiondist.checkpoint.export.preprocessing import outputs_metadata
-    from visiondist.checkpoint.files import read_trainer_state
-    from visiondist.models import TASKS
-    from visiondist.models.weights import save_weights
+    # torchvision's detectors and dynamo come with it (1.2 s), which tools/eval.py does not need
+    from visiondist.checkpoint.export.preprocessing import (  # noqa: PLC0415 (dynamo, 1.2 s)
+        outputs_metadata,
+    )
 
     if is_main:
         # every tensor comes from the checkpoint
@@ -229,6 +232,8 @@ def run_length(t: DictConfig, steps_per_epoch: int) -> tuple[int, str]:
     by_epochs = t.max_epochs * steps_per_epoch if t.max_epochs > 0 else None
     if t.max_steps > 0 and (by_epochs is None or t.max_steps <= by_epochs):
         return t.max_steps, f"trainer.max_steps={t.max_steps} ends the run"
+    if by_epochs is None:  # config validation refuses both off
+        raise ValueError("set trainer.max_steps or trainer.max_epochs to a positive number")
     epochs = (
         f"trainer.max_epochs={t.max_epochs} of {steps_per_epoch} "
         f"step{'s' if steps_per_epoch != 1 else ''}"

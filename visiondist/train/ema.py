@@ -18,6 +18,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from visiondist.parallel.fsdp import reshard
+
 
 class ModelEma:
     def __init__(self, model: nn.Module, decay: float):
@@ -54,8 +56,6 @@ class ModelEma:
     def swapped(self, model: nn.Module | None = None):
         """The averaged weights in the model for the duration of the block. Under FSDP, `model`'s
         gathered weights are freed around each swap so that no forward sees stale copies."""
-        from visiondist.parallel.fsdp import reshard
-
         sync = (lambda: reshard(model)) if model is not None else (lambda: None)
         sync()
         self._swap()

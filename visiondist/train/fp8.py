@@ -23,11 +23,13 @@ each of a model's linear shapes in bf16 and float8 on the GPU at hand.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 from torch import nn
 
+from visiondist.compat import quiet_pytree
 from visiondist.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -39,10 +41,8 @@ MIN_CAPABILITY = (8, 9)
 def _float8():
     """torchao.float8, imported without the warning torch logs about an Enum torchao registers with
     pytree."""
-    from visiondist.compat import quiet_pytree
-
     quiet_pytree()
-    import torchao.float8 as float8
+    import torchao.float8 as float8  # noqa: PLC0415 (optional extra: torchao)
 
     return float8
 
@@ -51,8 +51,6 @@ def float8_config(recipe: str):
     """torchao's `Float8LinearConfig` for `recipe`, padding a matmul's inner dimension to a multiple
     of 16 where the tokens of a batch are not (the weight gradient's inner dimension is batch x
     tokens)."""
-    import dataclasses
-
     return dataclasses.replace(
         _float8().Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True
     )
@@ -79,7 +77,9 @@ def layer_filter(recipe: str, layers: str = "auto"):
         return lambda module, _name: eligible(module)
     if layers == "mlp":
         return lambda module, name: eligible(module) and name.split(".")[0] == "mlp"
-    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+    from torchao.float8.float8_linear_utils import (  # noqa: PLC0415 (optional extra: torchao)
+        _auto_filter_for_recipe,
+    )
 
     chooses = _auto_filter_for_recipe(recipe, filter_fqns=[])
     return lambda module, name: eligible(module) and chooses(module, name)

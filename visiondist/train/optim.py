@@ -6,9 +6,15 @@ import logging
 import math
 import re
 from bisect import bisect_right
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import (
+    _get_foreach_kernels_supported_devices,
+    _get_fused_kernels_supported_devices,
+)
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +50,7 @@ def param_groups(
     rank holds none of its parameters (a pipeline stage), so all ranks have the same groups."""
     skip = set(getattr(model, "no_weight_decay", lambda: set())())
     layers = depth + 2 if layer_decay != 1.0 else 1
-    groups = [
+    groups: list[dict[str, Any]] = [
         {
             "params": [],
             "weight_decay": wd,
@@ -79,12 +85,6 @@ def resolve_impl(impl: str, name: str, params) -> str:
     devices with foreach kernels (CUDA), else the loop (on the CPU foreach is the slowest)."""
     if impl != "auto":
         return impl
-    from torch.distributed.tensor import DTensor
-    from torch.utils._foreach_utils import (
-        _get_foreach_kernels_supported_devices,
-        _get_fused_kernels_supported_devices,
-    )
-
     params = list(params)
     sharded = [isinstance(p, DTensor) for p in params]
     # lists mixing Tensor and DTensor break fused and foreach kernels alike
@@ -121,6 +121,7 @@ def build_optimizer(cfg, model: nn.Module, depth: int = 0) -> torch.optim.Optimi
     )
     impl = str(getattr(cfg, "impl", "auto"))
     kernels = KERNELS[resolve_impl(impl, cfg.name, model.parameters())]
+    optimizer: torch.optim.Optimizer
     if cfg.name == "adamw":
         optimizer = torch.optim.AdamW(
             groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kernels

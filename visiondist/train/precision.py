@@ -29,6 +29,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+import torch.cpu
 from omegaconf import DictConfig
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}
@@ -85,8 +86,6 @@ class LossScaler(torch.amp.GradScaler):
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 in hardware (x86: AVX512-BF16 or AMX; Arm: the BF16
     extension); without it torch emulates bf16 matmuls, many times slower than fp32."""
-    import torch.cpu
-
     checks = [
         getattr(torch.cpu, name, None)
         for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
@@ -106,7 +105,8 @@ def set_tf32(enabled: bool) -> None:
     on A100 / H100, with a 10-bit mantissa; off: full fp32 ("ieee")."""
     precision = "tf32" if enabled else "ieee"
     torch.backends.cuda.matmul.fp32_precision = precision
-    torch.backends.cudnn.conv.fp32_precision = precision
+    # torch makes this module a `CudnnModule` at import, whose `conv` its stubs do not declare
+    torch.backends.cudnn.conv.fp32_precision = precision  # type: ignore[attr-defined]
 
 
 PRECISIONS = {"32": "fp32", "bf16": "bf16 autocast", "16": "fp16 autocast + loss scaling"}

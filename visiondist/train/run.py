@@ -1,5 +1,10 @@
 """The entry points every rank runs: `train` (tools/train.py) and `evaluate_checkpoint`
-(tools/eval.py)."""
+(tools/eval.py).
+
+The launcher imports this module for its entry points only: what a rank needs (the trainer's parts,
+torch.distributed, DTensor, DCP, the data and the models: about 1 s; the run's report and its rich
+console: 30 ms) is imported in the functions (`# noqa: PLC0415 (rank-side)`); what is light is
+imported here."""
 
 from __future__ import annotations
 
@@ -7,6 +12,13 @@ import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+from visiondist.observe.metrics import MetricsLogger
+from visiondist.train.precision import autocast_for
+from visiondist.train.state import LoopState
+from visiondist.utils.dcp import is_complete
+from visiondist.utils.heartbeat import PROGRESS
+from visiondist.utils.signals import STOP
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -34,19 +46,34 @@ RANK_IMPORTS = (
 def build_trainer(
     cfg: DictConfig, layout: Layout, run_dir: Path, hooks: Optional[Sequence[Hook]] = None
 ) -> Trainer:
-    """A rank's training loop with everything it holds: the parts (with no initial weights when a
+    """Build a rank's training loop, ready to run.
+
+    A rank's training loop with everything it holds: the parts (with no initial weights when a
     checkpoint is to fill every tensor), the checkpoint resumed, the loop state it starts from, the
     optimizer step, the checkpoints, the evaluation, the metrics and `hooks` (default:
-    `hooks.default_hooks`)."""
-    from visiondist.observe.metrics import MetricsLogger
-    from visiondist.train.checkpointing import Checkpointing, resume, resume_path
-    from visiondist.train.components import build_components
-    from visiondist.train.hooks import default_hooks
-    from visiondist.train.state import LoopState
-    from visiondist.train.step import OptimizerStep
-    from visiondist.train.trainer import Trainer
-    from visiondist.train.utilisation import Utilisation
-    from visiondist.train.validation import Validation
+    `hooks.default_hooks`).
+
+    Args:
+        cfg: the run's resolved config (read-only), as every rank gets it.
+        layout: this rank's place in the device mesh, carrying the resolved `RunLayout`.
+        run_dir: the run directory: checkpoints, metrics and logs go there, and a checkpoint there
+            is resumed.
+        hooks: the loop's hooks in the order they run; None: `hooks.default_hooks()`.
+
+    Returns:
+        The `Trainer`, not yet started (`run_trainer` runs it).
+    """
+    from visiondist.train.checkpointing import (  # noqa: PLC0415 (rank-side)
+        Checkpointing,
+        resume,
+        resume_path,
+    )
+    from visiondist.train.components import build_components  # noqa: PLC0415 (rank-side)
+    from visiondist.train.hooks import default_hooks  # noqa: PLC0415 (rank-side)
+    from visiondist.train.step import OptimizerStep  # noqa: PLC0415 (rank-side)
+    from visiondist.train.trainer import Trainer  # noqa: PLC0415 (rank-side)
+    from visiondist.train.utilisation import Utilisation  # noqa: PLC0415 (rank-side)
+    from visiondist.train.validation import Validation  # noqa: PLC0415 (rank-side)
 
     checkpoint = resume_path(cfg, run_dir)
     parts = build_components(cfg, layout, checkpoint=checkpoint)
@@ -77,12 +104,21 @@ def build_trainer(
 
 
 def run_trainer(trainer: Trainer) -> dict[str, Any]:
-    """The trainer's run from its start-up lines to its report: rank 0's experiment trackers
+    """Run a built trainer to its end and report the run.
+
+    The trainer's run from its start-up lines to its report: rank 0's experiment trackers
     (`trainer.loggers`) run for its duration and end as it does (finished, stopped or failed).
-    Returns the summary of a complete run, or where a stopped one stopped."""
-    from visiondist.observe.summary import report_run
-    from visiondist.train.summary import announce, run_summary
-    from visiondist.utils.signals import STOP
+    Returns the summary of a complete run, or where a stopped one stopped.
+
+    Args:
+        trainer: the loop, as `build_trainer` makes it.
+
+    Returns:
+        The run's summary (what summary.json holds); for a run that stopped early, `"stopped at
+        step"` and `"run dir"` (and `"stopped by"`, the signal).
+    """
+    from visiondist.observe.summary import report_run  # noqa: PLC0415 (rank-side)
+    from visiondist.train.summary import announce, run_summary  # noqa: PLC0415 (rank-side)
 
     cfg, state, metrics = trainer.cfg, trainer.state, trainer.metrics
     try:
@@ -138,10 +174,21 @@ def run_trainer(trainer: Trainer) -> dict[str, Any]:
 
 
 def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
-    """Entry point of every rank: prepare the data once per node, then build the trainer and run
-    it."""
-    from visiondist.data.workers import close_loaders
-    from visiondist.train.build import prepare_rank
+    """Train on this rank: tools/train.py's entry point, which `visiondist.launch.launch` runs.
+
+    Entry point of every rank: prepare the data once per node, then build the trainer and run
+    it.
+
+    Args:
+        cfg: the run's resolved config (read-only).
+        layout: this rank's place in the device mesh, carrying the resolved `RunLayout`.
+        run_dir: the run directory (created by the launcher).
+
+    Returns:
+        What `run_trainer` returns: the run's summary, or where a stopped run stopped.
+    """
+    from visiondist.data.workers import close_loaders  # noqa: PLC0415 (rank-side)
+    from visiondist.train.build import prepare_rank  # noqa: PLC0415 (rank-side)
 
     prepare_rank(cfg, layout, run_dir)
     trainer = build_trainer(cfg, layout, run_dir)
@@ -153,20 +200,33 @@ def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
 
 
 def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
-    """Entry point of every rank of `tools/eval.py`: the model with `cfg.model.weights`, evaluated
+    """Evaluate a model's weights on the val split: tools/eval.py's entry point.
+
+    Entry point of every rank of `tools/eval.py`: the model with `cfg.model.weights`, evaluated
     on the val split. Rank 0 prints the result (the 12-line COCOeval summary for detectors) and
     writes eval.json (and, for detectors, detections.json) into `run_dir` (by default `<output
-    dir>/eval/<date>_<time>/`, with eval.log), and says where."""
-    from visiondist.checkpoint.dcp import load_model_state
-    from visiondist.data.workers import close_loaders
-    from visiondist.observe.console import shown_path
-    from visiondist.observe.summary import draw_evaluation
-    from visiondist.parallel import unwrap
-    from visiondist.train.build import build_laid_out, prepare_rank, seed_everything
-    from visiondist.train.precision import autocast_for
-    from visiondist.train.tasks import build_task
-    from visiondist.utils.dcp import is_complete
-    from visiondist.utils.heartbeat import PROGRESS
+    dir>/eval/<date>_<time>/`, with eval.log), and says where.
+
+    Args:
+        cfg: the evaluation's resolved config; `cfg.model.weights` names the weights (a DCP
+            checkpoint directory, a weights file or a from_pretrained directory).
+        layout: this rank's place in the device mesh, carrying the resolved `RunLayout`.
+        run_dir: where eval.json, eval.log and the plots go.
+
+    Returns:
+        The evaluation's metrics (the task's `val_*` figures).
+    """
+    from visiondist.checkpoint.dcp import load_model_state  # noqa: PLC0415 (rank-side)
+    from visiondist.data.workers import close_loaders  # noqa: PLC0415 (rank-side)
+    from visiondist.observe.console import shown_path  # noqa: PLC0415 (rank-side)
+    from visiondist.observe.summary import draw_evaluation  # noqa: PLC0415 (rank-side)
+    from visiondist.parallel import unwrap  # noqa: PLC0415 (rank-side)
+    from visiondist.train.build import (  # noqa: PLC0415 (rank-side)
+        build_laid_out,
+        prepare_rank,
+        seed_everything,
+    )
+    from visiondist.train.tasks import build_task  # noqa: PLC0415 (rank-side)
 
     prepare_rank(cfg, layout, run_dir, "eval.log")
     seed_everything(cfg.trainer.seed)

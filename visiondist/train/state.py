@@ -105,7 +105,25 @@ class Resumed:
 @dataclass
 class LoopState:
     """The run so far, as the loop and its hooks see it. One owner writes each field; the rest only
-    read it."""
+    read it.
+
+    Args:
+        resumed: where this process started (written before the loop, by resuming).
+        step: optimizer steps done.
+        epoch: the epoch the next step is in, from 0.
+        timer: the loop's clock of training time, from its start.
+        stop_requested: a stop signal reached some rank (agreed by all).
+        skipped_steps: optimizer steps skipped as non-finite, over every attempt.
+        overflow_steps: fp16 steps skipped because a scaled gradient overflowed.
+        last_eval: the latest evaluation's metrics and "step".
+        final_loss: the last logged mean train loss.
+        progress: the progress bar (rank 0, `trainer.progress`), or None.
+        tp_bytes_per_step: ring bytes one rank sends in TP collectives a step.
+        pp_bytes_per_step: bytes one rank sends to its pipeline neighbours a step.
+        bubble: a pipeline step's idle fraction, measured once.
+        best: this process's best evaluated checkpoint.
+        weights: model.safetensors, once a complete run wrote it.
+    """
 
     # `checkpointing.Checkpointing.resume`, before the loop
     resumed: Resumed = field(default_factory=Resumed)
@@ -136,7 +154,15 @@ class LoopState:
     @classmethod
     def starting_from(cls, resumed: Resumed, steps_per_epoch: int) -> LoopState:
         """The state at the start of this process: step 0, or the step of the checkpoint it resumed
-        from."""
+        from.
+
+        Args:
+            resumed: where this process started (`Resumed()`: step 0).
+            steps_per_epoch: global batches an epoch, which places the step in its epoch.
+
+        Returns:
+            The state the loop starts from.
+        """
         return cls(
             resumed=resumed,
             step=resumed.step,

@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from typing import Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from omegaconf import DictConfig
 
 from visiondist.faults.health import NonFiniteStep, StepHealth, Verdict
-from visiondist.parallel import Layout, average_over_data_parallel, clip_grad_norm, finish_gradients
+from visiondist.parallel import (
+    Layout,
+    PipelinedViT,
+    average_over_data_parallel,
+    clip_grad_norm,
+    finish_gradients,
+)
+from visiondist.train.build import run_of
 from visiondist.train.components import Components
 from visiondist.train.state import LoopState
 from visiondist.utils.heartbeat import PROGRESS
@@ -52,7 +59,7 @@ class OptimizerStep:
         if self.pipeline is None:
             total = self._accumulate(batches)
         else:
-            total = self._accumulate_pipelined(batches)
+            total = self._accumulate_pipelined(batches, self.pipeline)
         finish_gradients(self.model.parameters(), self.layout)
         if self.scaler is not None:  # the norm, clipping and the optimizer see the true gradients
             self.scaler.unscale_(self.optimizer)
@@ -65,7 +72,7 @@ class OptimizerStep:
             self.scaler.agree(self.optimizer, self.health.nonfinite())
         # the optimizer step depends on this step's verdict: wait for it
         if self.cfg.trainer.on_nonfinite == "skip":
-            verdict = self.health.verdict()
+            verdict = self._next_verdict()
             self._act_on(verdict)
             if verdict.finite or self._overflow(verdict):
                 self._optimizer_step()
@@ -74,7 +81,7 @@ class OptimizerStep:
         else:
             self._optimizer_step()
             if self.health.pending > 1:
-                self._act_on(self.health.verdict())
+                self._act_on(self._next_verdict())
         if self.scaler is not None:
             self.scaler.update()
         self.parts.scheduler.step()
@@ -100,7 +107,14 @@ class OptimizerStep:
         """Act on every step verdict still in flight (before a checkpoint, at the end of the
         loop)."""
         while self.health.pending:
-            self._act_on(self.health.verdict())
+            self._act_on(self._next_verdict())
+
+    def _next_verdict(self) -> Verdict:
+        """The oldest submitted step's verdict (waits for it); one is pending."""
+        verdict = self.health.verdict()
+        if verdict is None:
+            raise RuntimeError("no step verdict is pending")
+        return verdict
 
     def agree_stop(self) -> bool:
         """Whether a stop signal has reached any rank by now, agreed by all (one all-reduce: every
@@ -162,16 +176,14 @@ class OptimizerStep:
         """Gradients of grad_accum micro-batches; DDP all-reduces during the last backward only."""
         accum = self.cfg.trainer.grad_accum
         total = torch.zeros((), device=self.layout.device)
+        # DDP's: no gradient all-reduce in the backwards before the last
+        no_sync: Callable[[], ContextManager[Any]] | None = getattr(self.model, "no_sync", None)
         for i in range(accum):
             batch = next(batches)
             last = i == accum - 1
-            sync = (
-                nullcontext()
-                if last or not hasattr(self.model, "no_sync")
-                else self.model.no_sync()
-            )
+            sync = nullcontext() if last or no_sync is None else no_sync()
             # a new iteration of the CUDA graphs: the last one's outputs are dead
-            if self.layout.run.cuda_graphs:
+            if run_of(self.layout).cuda_graphs:
                 torch.compiler.cudagraph_mark_step_begin()
             with sync:
                 loss = (
@@ -188,7 +200,7 @@ class OptimizerStep:
             total += loss.detach()
         return total
 
-    def _accumulate_pipelined(self, batches: Iterator) -> torch.Tensor:
+    def _accumulate_pipelined(self, batches: Iterator, pipeline: PipelinedViT) -> torch.Tensor:
         """grad_accum pipeline steps (each `parallel.microbatches` micro-batches), then the DP
         average."""
         accum = self.cfg.trainer.grad_accum
@@ -200,12 +212,12 @@ class OptimizerStep:
                 next(batches), self.layout.device, (self.state.step, i)
             )
             if factor is None:
-                total += self.pipeline.train_step(images, target, 1.0 / accum, self.parts.autocast)
+                total += pipeline.train_step(images, target, 1.0 / accum, self.parts.autocast)
             # fp16: the loss inside the schedule carries the scale (a power of 2: dividing it out is
             # exact)
             else:
                 total += (
-                    self.pipeline.train_step(images, target, factor / accum, self.parts.autocast)
+                    pipeline.train_step(images, target, factor / accum, self.parts.autocast)
                     / factor
                 )
         average_over_data_parallel(self.model.parameters(), self.layout)

@@ -379,9 +379,10 @@ def _without_masks(tr: Trainer) -> dict[str, Any]:
     counts = getattr(
         getattr(getattr(tr.parts.data, "train_loader", None), "dataset", None), "counts", None
     )
-    if not getattr(counts, "without_mask", 0):
+    without_mask = getattr(counts, "without_mask", 0)
+    if not without_mask:
         return {}
-    return {"instances without a valid mask (left out)": counts.without_mask}
+    return {"instances without a valid mask (left out)": without_mask}
 
 
 def _shard_fetches(tr: Trainer) -> dict[str, Any]:

@@ -1,6 +1,10 @@
 """What differs between training a classifier and a detector: the data, the loss of a batch, the
 evaluation and how its result is reported. The trainer holds one task and never branches on
-which."""
+which.
+
+A classifier's rank never imports what only a detector needs (torchvision's detectors, the COCO
+scorer, the DETR family's modules, and torch._dynamo with them: about 1 s of a rank's start): those
+are imported where a detector's task needs them (`# noqa: PLC0415 (detector-side)`)."""
 
 from __future__ import annotations
 
@@ -15,29 +19,34 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
 
+from visiondist.config.resolution import native_settings, reading
+from visiondist.data import build_classification_data, build_detection_data
+from visiondist.data.augment_ops import DeviceAugment
+from visiondist.data.device_decode import DecodeAhead, EncodedBatch, FallbackCount, decoder_name
+from visiondist.data.mixing import Mixing
+from visiondist.data.transforms import Normalize, unit_float
 from visiondist.data.workers import watched
-from visiondist.models import EVAL_METRICS
+from visiondist.evaluation.classification import evaluate_classification, reports_top5
+from visiondist.models import EVAL_METRICS, TASKS, eval_metrics
 from visiondist.observe.metrics import TRAIN_COLUMNS
+from visiondist.observe.plots import plot_masks, plot_per_class, plot_predictions
 from visiondist.parallel import Layout
 
 log = logging.getLogger(__name__)
 
 
 class ClassificationTask:
-    columns = (*TRAIN_COLUMNS, *EVAL_METRICS["classification"])
+    columns: tuple[str, ...] = (*TRAIN_COLUMNS, *EVAL_METRICS["classification"])
     headline = ("val_top1", "val top-1 (%)")
-    plot_series = (("val_top1", "top-1"), ("val_top5", "top-5"), ("val_ema_top1", "EMA top-1"))
+    plot_series: tuple[tuple[str, str], ...] = (
+        ("val_top1", "top-1"),
+        ("val_top5", "top-5"),
+        ("val_ema_top1", "EMA top-1"),
+    )
     plot_title = "val accuracy (%)"
-    ema_keys = ("val_loss", "val_top1", "val_top5")
+    ema_keys: tuple[str, ...] = ("val_loss", "val_top1", "val_top5")
 
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
-        from visiondist.config.resolution import reading
-        from visiondist.data import build_classification_data
-        from visiondist.data.augment_ops import DeviceAugment
-        from visiondist.data.device_decode import FallbackCount
-        from visiondist.data.transforms import Normalize
-        from visiondist.evaluation.classification import reports_top5
-
         t, d = cfg.trainer, cfg.data
         # (uint8 loader images, device) -> the model's input there
         self.inputs = Normalize(d.mean, d.std)
@@ -51,8 +60,6 @@ class ClassificationTask:
         # timm's Mixup / CutMix, each draw keyed by (step, micro-batch): see data.mixing
         self.mixing = None
         if d.mixup > 0 or d.cutmix > 0:
-            from visiondist.data.mixing import Mixing
-
             self.mixing = Mixing(
                 d, cfg.model.num_classes, self.label_smoothing, t.seed, layout.dp_rank
             )
@@ -110,8 +117,6 @@ class ClassificationTask:
         defaults)."""
         if self.family != "native":
             return {"resolution": f"square, {cfg.model.img_size} px"}
-        from visiondist.config.resolution import native_settings
-
         lens, eval_len = native_settings(
             cfg.data, cfg.model.img_size, cfg.model.get("patch_size", 16)
         )
@@ -135,8 +140,6 @@ class ClassificationTask:
         done)."""
         if not self.decode_ahead:
             return batches
-        from visiondist.data.device_decode import DecodeAhead
-
         return DecodeAhead(batches, device)
 
     def decoded_by(self, device: torch.device) -> str:
@@ -144,8 +147,6 @@ class ClassificationTask:
         OpenCV differ."""
         if not self.decode_ahead:
             return "OpenCV in the loader workers (data.decode_on=loader)"
-        from visiondist.data.device_decode import decoder_name
-
         return (
             f"{decoder_name(device)} on {device} (data.decode_on=device; other files in the "
             "loader workers)"
@@ -157,19 +158,18 @@ class ClassificationTask:
         """(model input, target) of a loader batch on `device`; either side may be None (pipeline
         ranks that hold only one). `key` = (step, micro-batch) mixes them (training with mixup /
         cutmix): soft targets then."""
-        from visiondist.data.device_decode import EncodedBatch
-
         # rows: the samples' augmentation parameters (`visiondist.data.augment`)
         images, labels, *rows = batch
         # data.decode_on=device: count what the workers decoded
         if isinstance(images, EncodedBatch):
             self.worker_decoded.add(images, device)
         if images is not None:
-            images = (
-                self.inputs(images, device)
-                if not rows
-                else self.augment(images, rows[0], device, self.inputs)
-            )
+            if not rows:
+                images = self.inputs(images, device)
+            elif self.augment is None:  # only the train loader's batches carry them
+                raise ValueError("a batch with augmentation parameters for an evaluation's task")
+            else:
+                images = self.augment(images, rows[0], device, self.inputs)
         labels = None if labels is None else labels.to(device, non_blocking=True)
         if self.mixing is not None and key is not None:
             images = None if images is None else self.mixing.images(images, key)
@@ -198,9 +198,7 @@ class ClassificationTask:
         return self.criterion(logits, target)
 
     def evaluate(self, model: nn.Module, layout: Layout, autocast, run_dir: Path) -> dict[str, Any]:
-        from visiondist.evaluation.classification import evaluate_classification
-
-        metrics = evaluate_classification(
+        metrics: dict[str, Any] = evaluate_classification(
             model,
             self.data.val_loader,
             layout,
@@ -224,8 +222,6 @@ class ClassificationTask:
 
     def plots(self, m: dict[str, Any], run_dir: Path, title: str) -> list[Path]:
         """Top-1 per class of the latest evaluation, as bars."""
-        from visiondist.observe.plots import plot_per_class
-
         values = dict(zip(self.data.classes, m.get("val_class_top1") or []))
         png = plot_per_class(
             values,
@@ -272,7 +268,7 @@ class DetectionTask:
     input_fields: dict[str, Any] = {}
     reads = None
     headline = ("val_mAP", "val box mAP@[.5:.95]")
-    plot_series = (
+    plot_series: tuple[tuple[str, str], ...] = (
         ("val_mAP", "AP@[.5:.95]"),
         ("val_AP50", "AP50"),
         ("val_AP75", "AP75"),
@@ -280,13 +276,10 @@ class DetectionTask:
         ("val_ema_mAP", "EMA AP@[.5:.95]"),
     )
     plot_title = "val box AP / AR"
-    ema_keys = ("val_mAP",)
+    ema_keys: tuple[str, ...] = ("val_mAP",)
 
     def __init__(self, cfg: DictConfig, layout: Layout, train: bool = True):
-        from visiondist.data import build_detection_data
-        from visiondist.data.transforms import unit_float
-        from visiondist.models import eval_metrics
-        from visiondist.models.detection import has_masks
+        from visiondist.models.detection import has_masks  # noqa: PLC0415 (detector-side)
 
         t = cfg.trainer
         self.family = str(cfg.model.family)  # the export formats the run's closing lines name
@@ -344,7 +337,9 @@ class DetectionTask:
         return sum(loss.float() for loss in losses.values())
 
     def evaluate(self, model: nn.Module, layout: Layout, autocast, run_dir: Path) -> dict[str, Any]:
-        from visiondist.evaluation.detection import evaluate_detection
+        from visiondist.evaluation.detection import (  # noqa: PLC0415 (detector-side)
+            evaluate_detection,
+        )
 
         d = self.data
         metrics = evaluate_detection(
@@ -365,8 +360,6 @@ class DetectionTask:
     def plots(self, m: dict[str, Any], run_dir: Path, title: str) -> list[Path]:
         """The per-category AP bars and a few val images with their predicted boxes (and masks), of
         the latest evaluation."""
-        from visiondist.observe.plots import plot_masks, plot_per_class, plot_predictions
-
         d = self.data
         ap = {
             name: None if v is None else 100 * v
@@ -428,7 +421,7 @@ class DetectionTask:
     def final_line(m: dict[str, Any]) -> str:
         """The 12-line COCOeval summary of the boxes (and of the masks) and the headline
         figure(s)."""
-        from visiondist.evaluation.detection import summary_lines
+        from visiondist.evaluation.detection import summary_lines  # noqa: PLC0415 (detector-side)
 
         box = {
             k[4:]: v for k, v in m.items() if k.startswith("val_") and not k.startswith("val_segm_")
@@ -448,7 +441,7 @@ def square_input(model_cfg) -> dict[str, Any]:
     (data.min_size / max_size)."""
     if model_cfg.family != "detr":
         return {}
-    from visiondist.models.detr import ARCHS
+    from visiondist.models.detr import ARCHS  # noqa: PLC0415 (detector-side)
 
     return {"square": int(model_cfg.img_size), "antialias": ARCHS[model_cfg.arch].antialias}
 
@@ -459,8 +452,6 @@ def _at_step(m: dict[str, Any]) -> str:
 
 def build_task(cfg: DictConfig, layout: Layout, train: bool = True):
     """The task of the model's family; `train=False` reads only what evaluation needs."""
-    from visiondist.models import TASKS
-
     task = {"classification": ClassificationTask, "detection": DetectionTask}[
         TASKS[cfg.model.family]
     ]

@@ -34,31 +34,75 @@ class Hook:
     `untimed()`."""
 
     def before_train(self, trainer: Trainer) -> None:
-        """Once, before the first step of this process."""
+        """Once, before the first step of this process.
+
+        Args:
+            trainer: the loop that runs this hook.
+        """
 
     def step_context(self, trainer: Trainer) -> ContextManager[Any]:
-        """Entered around the next step (e.g. to record its timeline)."""
+        """Entered around the next step (e.g. to record its timeline).
+
+        Args:
+            trainer: the loop that runs this hook; `trainer.state.step` counts the steps done.
+
+        Returns:
+            A context manager the loop enters before the step and leaves after it.
+        """
         return contextlib.nullcontext()
 
     def after_step(
         self, trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor
     ) -> Optional[bool]:
         """After each step (`trainer.state.step` counts it). True ends the loop after this step: the
-        hooks after this one do not see it."""
+        hooks after this one do not see it.
+
+        Args:
+            trainer: the loop that runs this hook.
+            loss: the step's mean loss of this DP rank's samples (on the device: reading it waits
+                for the step).
+            grad_norm: the step's global gradient norm (on the device).
+
+        Returns:
+            True to end the loop after this step; None or False to go on.
+        """
         return None
 
     def after_train(self, trainer: Trainer, complete: bool) -> None:
-        """`complete`: the run reached its last step (otherwise it stopped early: a signal or
-        trainer.stop_at_step)."""
+        """Once, after the loop ended (after every hook's `close`).
+
+        Args:
+            trainer: the loop that runs this hook.
+            complete: the run reached its last step (otherwise it stopped early: a signal or
+                trainer.stop_at_step).
+        """
 
     def close(self, trainer: Trainer) -> None:
-        """Always called when the loop ends, also when a step raised; before `after_train`."""
+        """Always called when the loop ends, also when a step raised; before `after_train`.
+
+        Args:
+            trainer: the loop that runs this hook.
+        """
 
 
 @dataclass
 class Trainer:
     """The loop and what it holds. Built by the layer above (`run.build_trainer`), which also
-    reports the run."""
+    reports the run.
+
+    Args:
+        cfg: the run's resolved config (read-only).
+        layout: this rank's place in the device mesh, carrying the resolved `RunLayout`.
+        run_dir: the run directory.
+        parts: the rank's parts (`components.Components`: task and data, model, optimizer, ...).
+        state: the loop state it starts from (`LoopState.starting_from`).
+        optimizer_step: one optimizer step over the parts (`step.OptimizerStep`).
+        checkpoints: resuming and saving (`checkpointing.Checkpointing`).
+        validation: the evaluations between steps (`validation.Validation`).
+        metrics: metrics.csv and the experiment trackers (`MetricsLogger`).
+        utilisation: MFU and the memory peak of a training rate (`utilisation.Utilisation`).
+        hooks: the hooks in the order they run (`hooks.default_hooks` gives the default one).
+    """
 
     cfg: DictConfig
     layout: Layout

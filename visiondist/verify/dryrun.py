@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 
 from visiondist.config.layout import RunLayout
 from visiondist.models.shape import ViTShape
+from visiondist.plan.fit import as_run
 from visiondist.verify.measure import (
     measure_detector_rank,
     measure_rank,
@@ -46,8 +47,17 @@ __all__ = ["TOLERANCE", "DryRunError", "RankReport", "chosen_ranks", "dry_run", 
 
 
 def chosen_ranks(run: RunLayout) -> list[int]:
-    """The first rank of the first stage, one rank in the middle of every dim, the last rank of the
-    last stage."""
+    """The ranks a dry run measures by default.
+
+    The first rank of the first stage, one rank in the middle of every dim, the last rank of the
+    last stage.
+
+    Args:
+        run: the resolved layout (its pp, dp and tp sizes).
+
+    Returns:
+        Their global ranks, sorted, each once.
+    """
 
     def rank(pp: int, dp: int, tp: int) -> int:
         return (pp * run.dp + dp) * run.tp + tp
@@ -66,9 +76,21 @@ def dry_run(
     """Measure `ranks` (default `chosen_ranks`) of `run` and set each beside the plan; `shape`: the
     model family's planner shape (None: a detector, planned from its tensors). The step accumulates
     what `run` does (a named layout fitted by accumulation: more than `cfg`'s
-    trainer.grad_accum)."""
-    from visiondist.plan.fit import as_run
+    trainer.grad_accum).
 
+    Args:
+        cfg: the job's resolved config.
+        shape: the model's planner shape (`ModelSpec.planner_shape`); None for a detector.
+        run: the resolved layout of the full-size job.
+        ranks: the global ranks to build and step, one after another; None: `chosen_ranks(run)`.
+        progress: called with each rank's `RankReport` as soon as it is measured (None: not).
+
+    Returns:
+        A `RankReport` per rank measured, in order.
+
+    Raises:
+        DryRunError: a rank failed to build or step (named, with the layout and the error).
+    """
     cfg = as_run(cfg, run)
     reports = []
     for rank in ranks if ranks is not None else chosen_ranks(run):

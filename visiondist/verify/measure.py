@@ -7,18 +7,22 @@ from __future__ import annotations
 
 import inspect
 import math
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import replace
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from visiondist.bench.measure import synthetic_batch
 from visiondist.config.layout import RunLayout
-from visiondist.models import build_deferred
+from visiondist.models import build_deferred, build_model
 from visiondist.models.shape import ViTShape
 from visiondist.parallel import (
+    Layout,
     PipelinedViT,
     PipelineSpec,
     average_over_data_parallel,
@@ -29,7 +33,17 @@ from visiondist.parallel import (
 )
 from visiondist.parallel.grad import mean_over_group
 from visiondist.parallel.stages import stage_indices
-from visiondist.plan.memory import FLOAT, collective_bytes, saved_per_microbatch, saved_storages
+from visiondist.parallel.tensor import SHARD_DIM
+from visiondist.plan.memory import (
+    FLOAT,
+    collective_bytes,
+    module_state,
+    saved_per_microbatch,
+    saved_storages,
+    tensor_shapes,
+)
+from visiondist.plan.resolve import layout_memory
+from visiondist.train.optim import build_optimizer
 from visiondist.train.precision import autocast_dtype
 from visiondist.verify.world import AsOnDevice, Traffic, fake_world, nbytes
 
@@ -45,7 +59,6 @@ def _emulating(saved, emulate):
     """A checkpointed block's `recompute_context` that recomputes as the forward ran on the emulated
     device (autocast and fused attention as there), around the block's own contexts
     (`parallel.checkpoint_keep=matmuls`) if any."""
-    from contextlib import ExitStack, contextmanager
 
     @contextmanager
     def both(inner):
@@ -83,9 +96,6 @@ def measure_detector_rank(
     """A detector's rank (DDP): the model built as training builds it (on the CPU: torchvision's
     detectors need real values to sample boxes), one real forward and backward of a synthetic
     micro-batch at the configured size, the DP reduction over the fake group, the optimizer step."""
-    from visiondist.bench.measure import synthetic_batch
-    from visiondist.train.optim import build_optimizer
-
     with fake_world(rank, run.world_size):
         layout = build_layout(
             run.dp, run.tp, run.pp, torch.device("cpu"), rank % run.per_node, run=run
@@ -119,17 +129,21 @@ def measure_detector_rank(
             "optimizer": _optimizer_bytes(optimizer),
             "activations": saved["bytes"],
         }
-        return tuple(layout.mesh.get_coordinate()), figures, traffic.bytes
+        return _coordinate(layout), figures, traffic.bytes
+
+
+def _coordinate(layout: Layout) -> tuple[int, int, int]:
+    """The rank's (pp, dp, tp) coordinate in its mesh."""
+    coordinate = layout.mesh.get_coordinate()
+    if coordinate is None:  # every rank of the job is in its mesh
+        raise RuntimeError("this rank is not in the device mesh")
+    pp, dp, tp = coordinate
+    return pp, dp, tp
 
 
 def planned_detector(cfg: DictConfig, run: RunLayout) -> tuple[dict, dict]:
     """The plan of a detector's rank: its state counted from the model built on the meta device
     (activations are not modelled for detectors: the dry run reports them measured only)."""
-    from omegaconf import OmegaConf
-
-    from visiondist.models import build_model
-    from visiondist.plan.memory import module_state
-
     with torch.device("meta"):
         model = build_model(OmegaConf.merge(cfg.model, {"weights": None, "init_from": None}))
     mem = module_state(model, str(cfg.optim.name), float(getattr(cfg.optim, "momentum", 0.9)))
@@ -147,10 +161,6 @@ def measure_rank(
 ) -> tuple[tuple[int, int, int], dict, dict]:
     """Build `rank` of `run` with the training code on a fake process group and run one step: its
     coordinate, its bytes by component, and its collective bytes per step."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from visiondist.train.optim import build_optimizer
-
     with fake_world(rank, run.world_size):
         layout = build_layout(
             run.dp, run.tp, run.pp, torch.device("cpu"), rank % run.per_node, run=run
@@ -178,10 +188,13 @@ def measure_rank(
         # a checkpointed block recomputes (on autograd's thread) as it ran forward
         for module in model.modules():
             if getattr(module, "checkpointing", False):
+                # plain fields of the block's class (nn.Module types its attributes as tensors or
+                # modules)
+                block = cast(Any, module)
                 # keep=matmuls: count what it keeps
-                if module.recompute_context is not None and _SAC_HOOKS:
-                    module.checkpoint_options = {"respect_saved_tensors_hooks": True}
-                module.recompute_context = _emulating(module.recompute_context, emulate)
+                if block.recompute_context is not None and _SAC_HOOKS:
+                    block.checkpoint_options = {"respect_saved_tensors_hooks": True}
+                block.recompute_context = _emulating(block.recompute_context, emulate)
         groups = {id(layout.mesh.get_group(dim)): dim for dim in ("pp", "dp", "tp")}
         with fake:
             if run.fsdp:
@@ -212,14 +225,12 @@ def measure_rank(
             figures["start-up"] = figures["parameters"] + max(
                 FLOAT * _full_numel(p, run.tp) for p in params
             )
-        return tuple(layout.mesh.get_coordinate()), figures, traffic.bytes
+        return _coordinate(layout), figures, traffic.bytes
 
 
 def _full_numel(param: torch.Tensor, tp: int) -> int:
     """Elements of the full tensor a rank draws to cut `param` from (a DTensor's shape is already
     the full one)."""
-    from visiondist.parallel.tensor import SHARD_DIM
-
     return param.numel() * (tp if getattr(param, SHARD_DIM, None) is not None else 1)
 
 
@@ -228,7 +239,10 @@ def _saved_one_microbatch(model: nn.Module, cfg: DictConfig, micro: int, device:
     whole model)."""
     if isinstance(model, PipelinedViT):
         images = _images(cfg, micro, device)
-        boundary = model._enter(images).detach().requires_grad_(True)
+        enter = model._enter
+        if enter is None:  # a model built on the meta device keeps it: the dry run's is
+            raise ValueError("the dry run measures a pipeline built on the meta device")
+        boundary = enter(images).detach().requires_grad_(True)
         # kept until the end: a freed graph's storages would be reused and counted once
         outputs = []
         with saved_storages(model) as saved:
@@ -274,9 +288,6 @@ def planned_rank(
 ) -> tuple[dict, dict]:
     """The planner's bytes by component and collective bytes for the rank at `coordinate`, for one
     micro-batch's saved activations."""
-    from visiondist.plan.memory import tensor_shapes
-    from visiondist.plan.resolve import layout_memory
-
     pp_rank, dp_rank, _ = coordinate
     t = cfg.trainer
     mem = layout_memory(cfg, run, pp_rank, dp_rank)

@@ -8,6 +8,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from rich.console import JustifyMethod
+from rich.table import Table
+
 from visiondist.plan.memory import GB
 
 TOLERANCE = 0.10  # a measured figure further than this from the plan is flagged
@@ -17,6 +20,14 @@ EXACT = ("parameters", "gradients", "optimizer")
 
 @dataclass
 class Figure:
+    """One figure of a rank, measured and planned.
+
+    Args:
+        name: what it counts ("parameters", "activations", "dp all_reduce", ...).
+        measured: the bytes the dry run read off the built rank.
+        planned: the planner's bytes for it; None where the planner has none.
+    """
+
     name: str
     measured: int
     planned: Optional[int]
@@ -35,11 +46,21 @@ class Figure:
             return False
         if self.name in EXACT:
             return self.measured != self.planned
-        return abs(self.ratio - 1) > TOLERANCE
+        ratio = self.ratio  # planned: a figure
+        return ratio is not None and abs(ratio - 1) > TOLERANCE
 
 
 @dataclass
 class RankReport:
+    """One measured rank: its figures beside the plan's.
+
+    Args:
+        rank: the global rank.
+        coordinate: its (pp, dp, tp) coordinate in the mesh.
+        figures: its figures: bytes by component, then collective bytes per step.
+        seconds: how long building and stepping it took.
+    """
+
     rank: int
     coordinate: tuple[int, int, int]  # (pp, dp, tp)
     figures: list[Figure] = field(default_factory=list)
@@ -60,9 +81,15 @@ def _gb(n: int) -> str:
 
 
 def report_table(reports: list[RankReport], title: str = ""):
-    """A rich Table: per rank and figure, measured GB, planned GB, ratio; flagged rows in red."""
-    from rich.table import Table
+    """A rich Table: per rank and figure, measured GB, planned GB, ratio; flagged rows in red.
 
+    Args:
+        reports: the dry run's ranks (`dry_run`'s result).
+        title: the table's title ("": none).
+
+    Returns:
+        The `rich.table.Table`, for a rich `Console` to print.
+    """
     table = Table(
         title=title or None,
         title_justify="left",
@@ -73,14 +100,15 @@ def report_table(reports: list[RankReport], title: str = ""):
         ),
         caption_justify="left",
     )
-    for col, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("rank (pp, dp, tp)", "left"),
         ("figure", "left"),
         ("measured", "right"),
         ("planned", "right"),
         ("ratio", "right"),
         ("", "left"),
-    ):
+    )
+    for col, justify in columns:
         table.add_column(col, justify=justify, no_wrap=True)
     for report in reports:
         for i, f in enumerate(report.figures):

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from visiondist.parallel import local_numel
@@ -20,8 +21,6 @@ from visiondist.parallel import local_numel
 def fake_world(rank: int, world_size: int) -> Iterator[None]:
     """This process as `rank` of `world_size` on torch's fake process group (for CPU and meta
     tensors)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     devices = dist.Backend.backend_capability.setdefault("fake", ["cpu"])
     if "meta" not in devices:
         devices.append("meta")  # the pipeline's sends carry meta tensors

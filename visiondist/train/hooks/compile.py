@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any, ContextManager, Iterator
 
+from visiondist.train.build import run_of
 from visiondist.train.trainer import Hook, Trainer
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ class CompileHook(Hook):
         self.breaks = 0
 
     def step_context(self, trainer: Trainer) -> ContextManager[Any]:
-        if not trainer.layout.run.compile or trainer.state.step != trainer.state.resumed.step:
+        if not run_of(trainer.layout).compile or trainer.state.step != trainer.state.resumed.step:
             return contextlib.nullcontext()
         return self._timed(trainer)
 
@@ -35,7 +36,7 @@ class CompileHook(Hook):
         started = time.perf_counter()
         yield
         if trainer.layout.is_main:
-            run = trainer.layout.run
+            run = run_of(trainer.layout)
             what = (
                 "the whole model" + (", replayed as CUDA graphs" if run.cuda_graphs else "")
                 if run.compile_scope == "model"
@@ -54,7 +55,7 @@ class CompileHook(Hook):
             self._warn_breaks()
 
     def after_train(self, trainer: Trainer, complete: bool) -> None:
-        if trainer.layout.run.compile and trainer.layout.is_main:
+        if run_of(trainer.layout).compile and trainer.layout.is_main:
             self._warn_breaks()
 
     def _warn_breaks(self) -> None:
@@ -75,9 +76,8 @@ class CompileHook(Hook):
 def compile_counts() -> tuple[int, dict[str, int]]:
     """(graphs dynamo compiled, {reason: count} of its graph breaks and recompile-limit hits) in
     this process so far."""
-    from torch._dynamo.utils import (
-        counters,  # here: importing dynamo costs a rank 1.2 s, a run without compile none
-    )
+    # here: importing dynamo costs a rank 1.2 s, a run without compile none
+    from torch._dynamo.utils import counters  # noqa: PLC0415 (dynamo, 1.2 s)
 
     reasons = {
         str(reason).splitlines()[0][:200]: n for reason, n in counters["graph_break"].items()

@@ -16,7 +16,9 @@ from visiondist.train.trainer import Hook
 
 
 def default_hooks() -> list[Hook]:
-    """In this order, for a reason each:
+    """The hooks every training run has, in the order the loop runs them.
+
+    In this order, for a reason each:
     - progress first, so the bar shows the step even if a later hook fails on it;
     - the collective timeout right after the first step, before anything else can hang on a
       collective;
@@ -30,6 +32,10 @@ def default_hooks() -> list[Hook]:
       evaluation loses neither the checkpoint nor the weights;
     - the best checkpoint after the evaluation it is chosen by;
     - the compile timer last: it times the first step alone.
+
+    Returns:
+        A new list of new hooks (a run's own: some hold state), which `run.build_trainer` hands to
+        the loop.
     """
     return [
         ProgressHook(),

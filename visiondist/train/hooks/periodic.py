@@ -20,6 +20,7 @@ from visiondist.observe.console import in_terminal
 from visiondist.observe.progress import progress_bar
 from visiondist.parallel import Layout, PipelinedViT
 from visiondist.parallel.timeline import bubble_fraction, plot_timeline, to_json
+from visiondist.train.build import run_of
 from visiondist.train.state import StepTimer
 from visiondist.train.trainer import Hook, Trainer
 
@@ -40,7 +41,7 @@ class ProgressHook(Hook):
         t, lay = trainer.cfg.trainer, trainer.layout
         shown = t.progress and lay.is_main and in_terminal()
         trainer.state.progress = progress_bar(shown, trainer.parts.total_steps)
-        quiet = not shown and lay.is_main and t.log_every > 1 and not lay.run.compile
+        quiet = not shown and lay.is_main and t.log_every > 1 and not run_of(lay).compile
         self.started = time.perf_counter() if quiet else None
 
     def after_step(self, trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
@@ -215,7 +216,7 @@ class TimelineHook(Hook):
         start = state.resumed.step
         wanted = start + (2 if trainer.parts.total_steps - start >= 2 else 1)
         self.recording = (
-            pipe is not None and trainer.layout.run.timeline and state.step + 1 == wanted
+            pipe is not None and run_of(trainer.layout).timeline and state.step + 1 == wanted
         )
         return pipe.timeline() if pipe is not None and self.recording else contextlib.nullcontext()
 
