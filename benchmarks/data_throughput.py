@@ -48,15 +48,15 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from input_recipe import BATCH, SIZE, recipe_cfg  # noqa: E402  (benchmarks/input_recipe.py)
-from photos import build_photos  # noqa: E402  (benchmarks/photos.py)
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+import torch
+from input_recipe import BATCH, SIZE, recipe_cfg
+from photos import build_photos
+from torch.utils.data import DataLoader, Dataset
 
-from visiondist.data.decode import read_rgb  # noqa: E402
-from visiondist.data.device_decode import collate_encoded, read_encoded  # noqa: E402
-from visiondist.data.imagefolder import ImageFolder  # noqa: E402
-from visiondist.data.transforms import (  # noqa: E402
+from visiondist.data.decode import read_rgb
+from visiondist.data.device_decode import collate_encoded, read_encoded
+from visiondist.data.imagefolder import ImageFolder
+from visiondist.data.transforms import (
     ClassificationTransform,
     SampleRandom,
     classification_transforms,

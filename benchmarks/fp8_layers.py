@@ -28,8 +28,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from visiondist.bench.measure import time_steps  # noqa: E402
-from visiondist.train.fp8 import to_float8  # noqa: E402
+from visiondist.bench.measure import time_steps
+from visiondist.train.fp8 import to_float8
 
 WIDTHS = {"vit_tiny": 192, "vit_small": 384, "vit_base": 768, "vit_large": 1024, "vit_huge": 1280}
 PATCH = {"vit_huge": 14}

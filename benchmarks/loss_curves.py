@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from visiondist.observe.metrics import read_metrics  # noqa: E402
+from visiondist.observe.metrics import read_metrics
 
 
 def losses(run: Path) -> dict[int, float]:

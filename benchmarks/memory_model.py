@@ -27,11 +27,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from visiondist.models.shape import ViTShape  # noqa: E402
-from visiondist.models.vit import VisionTransformer  # noqa: E402
-from visiondist.plan.memory import block_activation_bytes, saved_activation_bytes  # noqa: E402
+from visiondist.models.shape import ViTShape
+from visiondist.models.vit import VisionTransformer
+from visiondist.plan.memory import block_activation_bytes, saved_activation_bytes
 
 SHAPES = {  # name: (embed_dim, depth, heads, img, patch, batch)
     "vit_tiny/16 @224": (192, 12, 3, 224, 16, 32),

@@ -29,14 +29,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.distributed as dist
+from torch import nn
 
-from visiondist.launch import spawn_local  # noqa: E402
-from visiondist.parallel.pipeline import MULTI_STAGE, SCHEDULES, build_schedule  # noqa: E402
-from visiondist.parallel.stages import stage_indices  # noqa: E402
-from visiondist.parallel.timeline import Recorder, bubble_fraction, ideal_bubble, plot_timeline  # noqa: E402
+from visiondist.launch import spawn_local
+from visiondist.parallel.pipeline import MULTI_STAGE, SCHEDULES, build_schedule
+from visiondist.parallel.stages import stage_indices
+from visiondist.parallel.timeline import Recorder, bubble_fraction, ideal_bubble, plot_timeline
 
 WIDTH = 256  # activation width
 

@@ -39,9 +39,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from photos import build_photos  # noqa: E402  (benchmarks/photos.py)
+import torch
+from omegaconf import OmegaConf
+from photos import build_photos
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

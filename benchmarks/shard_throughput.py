@@ -30,18 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import cv2  # noqa: E402
-import torch  # noqa: E402
-from data_throughput import _pin, rate  # noqa: E402
-from input_recipe import BATCH, SIZE, recipe_cfg  # noqa: E402
-from photos import build_photos  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import cv2
+import torch
+from data_throughput import _pin, rate
+from input_recipe import BATCH, SIZE, recipe_cfg
+from photos import build_photos
+from torch.utils.data import DataLoader
 
-from visiondist.data.imagefolder import ImageFolder  # noqa: E402
-from visiondist.data.sampler import TrainBatchSampler  # noqa: E402
-from visiondist.data.shards import ShardSplit, ShardStore  # noqa: E402
-from visiondist.data.shards.pack import PackOptions, pack_image_folder  # noqa: E402
-from visiondist.data.transforms import ClassificationTransform  # noqa: E402
+from visiondist.data.imagefolder import ImageFolder
+from visiondist.data.sampler import TrainBatchSampler
+from visiondist.data.shards import ShardSplit, ShardStore
+from visiondist.data.shards.pack import PackOptions, pack_image_folder
+from visiondist.data.transforms import ClassificationTransform
 
 
 def loaders(tree: Path, packed: dict[str, Path], core: int) -> dict[str, DataLoader]:

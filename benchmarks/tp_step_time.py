@@ -19,13 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
-from visiondist.launch import spawn_local  # noqa: E402
-from visiondist.models.vit import VisionTransformer  # noqa: E402
-from visiondist.parallel import build_layout, clip_grad_norm, finish_gradients, parallelize  # noqa: E402
+from visiondist.launch import spawn_local
+from visiondist.models.vit import VisionTransformer
+from visiondist.parallel import build_layout, clip_grad_norm, finish_gradients, parallelize
 
 KINDS = ("functions", "functions+SP", "dtensor")
 MODEL = dict(img_size=64, patch_size=16, num_classes=10, embed_dim=192, depth=6, num_heads=4)

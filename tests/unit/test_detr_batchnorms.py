@@ -7,9 +7,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from helpers import detr_model_cfg as _cfg  # noqa: E402
+from helpers import detr_model_cfg as _cfg
 
-from visiondist.models.detr_library import build_detr  # noqa: E402
+from visiondist.models.detr_library import build_detr
 
 
 def _backbone_norms(model) -> set[str]:

@@ -13,12 +13,12 @@ from omegaconf import OmegaConf
 pytest.importorskip("transformers")
 pytest.importorskip("scipy")
 
-from host_reads import HostReads  # noqa: E402
-from scipy.optimize import linear_sum_assignment  # noqa: E402
+from host_reads import HostReads
+from scipy.optimize import linear_sum_assignment
 
-from visiondist.models import detr_matching  # noqa: E402
-from visiondist.models.detr_library import build_detr  # noqa: E402
-from visiondist.models.detr_matching import assign_batched, go_union  # noqa: E402
+from visiondist.models import detr_matching
+from visiondist.models.detr_library import build_detr
+from visiondist.models.detr_matching import assign_batched, go_union
 
 
 def test_assignment_equals_scipy_on_1000_random_cost_matrices():

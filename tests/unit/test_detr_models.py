@@ -13,11 +13,11 @@ from omegaconf import OmegaConf
 
 pytest.importorskip("transformers")
 
-from helpers import assert_same_detections  # noqa: E402
-from helpers import detr_model_cfg as _cfg  # noqa: E402
+from helpers import assert_same_detections
+from helpers import detr_model_cfg as _cfg
 
-from visiondist.models.detr import ARCHS, DetrDetector  # noqa: E402
-from visiondist.models.detr_library import build_detr, save_library_dir  # noqa: E402
+from visiondist.models.detr import ARCHS, DetrDetector
+from visiondist.models.detr_library import build_detr, save_library_dir
 
 # published parameter counts (the papers' and model cards' rounding) and what the built models have
 # at 80 classes (the paper's millions of parameters, the count here: from random weights the
