@@ -4,6 +4,7 @@ The command line's exit code: tests/multirank/test_config.py."""
 
 import pytest
 from helpers import REPO
+from omegaconf import OmegaConf
 
 from visiondist.cli import load_config, run_tool
 from visiondist.config import ConfigError, compose
@@ -308,3 +309,27 @@ def test_validation_is_per_group_and_the_family_decides_what_it_supports():
         check(cfg)
     assert {f for f, s in SPECS.items() if "pp" in s.supports} == {"vit"}
     assert {f for f, s in SPECS.items() if "tp" in s.supports} == {"vit", "vitdet"}
+
+
+def test_the_schema_defaults_are_the_shipped_defaults():
+    """A reader who looks a default up in config/schema.py finds the one a run gets: the trainer,
+    schedule and optimizer dataclasses' defaults equal their default options' values (the model,
+    data and parallel groups have several options, each setting its own; the parallel dataclass is
+    the named layouts' baseline, `auto: false`)."""
+    from dataclasses import MISSING, fields, is_dataclass
+
+    from visiondist.config import OptimConfig, ScheduleConfig, TrainerConfig, compose
+
+    cfg = compose(REPO / "configs", [])
+    differ = []
+    for group, schema in (("trainer", TrainerConfig), ("schedule", ScheduleConfig),
+                          ("optim", OptimConfig)):  # fmt: skip
+        for f in fields(schema):
+            default = f.default if f.default_factory is MISSING else f.default_factory()
+            if default is MISSING or is_dataclass(default):
+                continue
+            shipped = OmegaConf.select(cfg, f"{group}.{f.name}", throw_on_missing=False)
+            shipped = OmegaConf.to_container(shipped) if OmegaConf.is_config(shipped) else shipped
+            if shipped != default:
+                differ.append(f"{group}.{f.name}: schema {default!r}, configs {shipped!r}")
+    assert not differ, "\n".join(differ)

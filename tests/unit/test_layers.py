@@ -4,6 +4,7 @@ both ends."""
 
 import ast
 import io
+import sys
 import tokenize
 from pathlib import Path
 
@@ -348,3 +349,54 @@ def test_the_training_loop_names_no_hook():
         if m.startswith("visiondist.train.hooks")
     )
     assert not found, f"train/trainer.py imports {found}"
+
+
+def _state_writes(source: str, names: set[str]) -> list[tuple[str, str, int]]:
+    """(class, field, line) of each assignment to `<...>state.<field>` inside a class."""
+    found = []
+    for cls in [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]:
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AugAssign):
+                targets = [node.target]
+            else:
+                continue
+            for target in targets:
+                if isinstance(target, ast.Attribute) and target.attr in names:
+                    holder = ast.unparse(target.value)
+                    if holder == "state" or holder.endswith(".state"):
+                        found.append((cls.name, target.attr, node.lineno))
+    return found
+
+
+def test_each_field_of_the_loop_state_is_written_by_its_owner_alone():
+    """`LoopState`'s fields each name the one class that writes them (the hooks and the parts read
+    the others'): every assignment to a field, in the training code and the benchmark, stands in
+    its owner's class."""
+    from dataclasses import fields
+
+    from visiondist.train.state import LoopState
+
+    names = {f.name for f in fields(LoopState)}
+    wrong = [
+        f"{path.name}:{line} {cls} writes {name} (owner: {LoopState.owners(name)})"
+        for folder in ("train", "bench")
+        for path in (PACKAGE / folder).rglob("*.py")
+        for cls, name, line in _state_writes(path.read_text(), names)
+        if cls not in LoopState.owners(name)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_write_by_another_than_the_owner_is_caught(tmp_path, monkeypatch):
+    """The check above on a hook that writes the log line's field."""
+    source = (
+        "class StrayHook:\n    def after_step(self, trainer):\n"
+        "        trainer.state.final_loss = 0.0\n"
+    )
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "stray.py").write_text(source)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
+    with pytest.raises(AssertionError, match="StrayHook writes final_loss"):
+        test_each_field_of_the_loop_state_is_written_by_its_owner_alone()

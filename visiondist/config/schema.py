@@ -220,8 +220,9 @@ class ParallelConfig:
     # whole-block checkpointing) and says so; refuse stops before any rank starts, naming the
     # settings that fit; off runs it as named (a warning)
     fit: str = "auto"
-    # parallel=auto: choose dp / tp / pp / fsdp / offload / activation checkpointing from the memory
-    # and time model
+    # parallel=auto (configs/parallel/auto.yaml, the default option): choose dp / tp / pp / fsdp /
+    # offload / activation checkpointing from the memory and time model (DDP whenever it fits);
+    # false, as every named layout (parallel=tp2, ...) leaves it: the layout its dp / tp / pp name
     auto: bool = False
     # per device; 0: the GPU's own (CUDA), or host memory / ranks (CPU)
     device_memory_gb: float = 0.0
@@ -244,7 +245,7 @@ class OptimConfig:
     """`optim=<name>` (configs/optim/): the optimizer."""
 
     name: str = "adamw"  # adamw | sgd
-    lr: float = 1e-3  # the peak learning rate (after the warmup; the schedule scales it)
+    lr: float = 5e-4  # the peak learning rate (after the warmup; the schedule scales it)
     # AdamW's decoupled decay / SGD's L2 term (not on norms, biases, embeddings: decay_norm_bias)
     weight_decay: float = 0.05
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW's (beta1, beta2)
@@ -265,12 +266,12 @@ class ScheduleConfig:
     steps."""
 
     name: str = "cosine"  # cosine (down to min_lr_ratio) | step (gamma at each milestone)
-    # optimizer steps of linear warmup from warmup_start_factor x lr; 0: none
-    # -1 (configs/schedule/'s default): a fifth of the run's steps, at most warmup_auto_max
-    warmup_steps: int = 0
+    # optimizer steps of linear warmup from warmup_start_factor x lr; 0: none; -1: a fifth of the
+    # run's steps, at most warmup_auto_max
+    warmup_steps: int = -1
     warmup_auto_max: int = 30  # the most optimizer steps warmup_steps=-1 gives
     warmup_start_factor: float = 0.01  # lr multiplier at step 0 of the warmup
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of optim.lr
+    min_lr_ratio: float = 0.01  # cosine floor, as a fraction of optim.lr
     # step: fractions of the run
     milestones: list[float] = field(default_factory=lambda: [0.66, 0.88])
     gamma: float = 0.1  # step: the lr multiplier at each milestone
@@ -289,7 +290,7 @@ class TrainerConfig:
     share_gpu: bool = False
     # optimizer steps of the run; the first of max_steps and max_epochs ends it (<= 0: that one off)
     max_steps: int = -1
-    max_epochs: int = 10  # passes over the training set
+    max_epochs: int = 3  # passes over the training set
     seed: int = 0  # the run's seed: initial weights, data order, augmentation
     precision: str = "32"  # 32 (or fp32) | bf16 | 16 (or fp16: autocast with dynamic loss scaling)
     # off | tensorwise | rowwise: the blocks' linear layers in float8 (torchao), with precision=bf16
@@ -307,13 +308,13 @@ class TrainerConfig:
     compile_autotune: bool = False
     # micro-batches accumulated per optimizer step (data.batch_size split among them); 1: none
     grad_accum: int = 1
-    clip_grad: float = 0.0  # max global grad norm; 0 disables clipping
+    clip_grad: float = 1.0  # max global grad norm; 0 disables clipping
     label_smoothing: float = 0.0  # classification cross-entropy: the share spread; 0: none
     ema_decay: float = 0.0  # model EMA, evaluated next to the model (e.g. 0.9998); 0: off
     # evaluate before the first step (e.g. the weights of model.init_from)
     eval_at_start: bool = False
     eval_every: int = 0  # optimizer steps between evaluations; 0: at the end of every epoch
-    log_every: int = 20  # optimizer steps between log lines
+    log_every: int = 10  # optimizer steps between log lines
     output_dir: str = "outputs"  # where run dirs are made, relative to the working directory
     run_dir: Optional[str] = None  # default: <output_dir>/<date>/<time>
     progress: bool = True  # rank 0: the live bar in a terminal, evaluation bars and spinners

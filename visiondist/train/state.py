@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -102,10 +102,21 @@ class Resumed:
         return self.checkpoint is not None and self.checkpoint.parent.parent == Path(run_dir)
 
 
+LOOPS = ("Trainer", "OursRun")  # the training loop, and the benchmark's loop of its step alone
+
+
+def _owned(owner: str, default: Any = MISSING, default_factory: Any = MISSING) -> Any:
+    """A field of `LoopState` and the one class that writes it."""
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata={"owner": owner})
+    return field(default=default, metadata={"owner": owner})
+
+
 @dataclass
 class LoopState:
-    """The run so far, as the loop and its hooks see it. One owner writes each field; the rest only
-    read it.
+    """The run so far, as the loop and its hooks see it. One owner writes each field (its `owner`:
+    the loop `Trainer`, or the benchmark's `OursRun` in its place, the parts it holds, one hook);
+    the rest only read it. A new hook that tells others something adds a field it owns.
 
     Args:
         resumed: where this process started (written before the loop, by resuming).
@@ -125,31 +136,29 @@ class LoopState:
         weights: model.safetensors, once a complete run wrote it.
     """
 
-    # `checkpointing.Checkpointing.resume`, before the loop
-    resumed: Resumed = field(default_factory=Resumed)
-    step: int = 0  # the loop: optimizer steps done (counted from 1 in the log lines)
-    epoch: int = 0  # the loop: the epoch the next step is in, from 0
-    timer: Optional[StepTimer] = None  # the loop, from its start
-    # `step.OptimizerStep`: a stop signal reached some rank (agreed by all)
-    stop_requested: bool = False
-    # `step.OptimizerStep`: optimizer steps skipped as non-finite, over every attempt
-    skipped_steps: int = 0
-    # `step.OptimizerStep`: fp16 steps skipped because a scaled gradient overflowed
-    overflow_steps: int = 0
-    # `validation.Validation`: its metrics and "step"
-    last_eval: dict[str, Any] = field(default_factory=dict)
-    final_loss: float = math.nan  # `hooks.LogHook`: the last logged mean train loss
-    progress: Any = None  # `hooks.ProgressHook`: the progress bar (rank 0, `trainer.progress`)
-    # `hooks.TrafficHook`: ring bytes one rank sends in TP collectives
-    tp_bytes_per_step: Optional[float] = None
-    # `hooks.TrafficHook`: bytes one rank sends to its pipeline neighbours
-    pp_bytes_per_step: Optional[int] = None
-    # `hooks.TimelineHook`: a pipeline step's idle fraction, measured once
-    bubble: Optional[float] = None
-    # `hooks.BestCheckpointHook`: this process's best evaluated checkpoint
-    best: Optional[dict[str, Any]] = None
-    # `hooks.WeightsHook`: model.safetensors, once a complete run wrote it
-    weights: Optional[Path] = None
+    # each field's owner (`owner`: the class whose code writes it; `owned`), and what it holds
+    resumed: Resumed = _owned("resume", default_factory=Resumed)  # before the loop, once
+    step: int = _owned("loop", 0)  # optimizer steps done (counted from 1 in the log lines)
+    epoch: int = _owned("loop", 0)  # the epoch the next step is in, from 0
+    timer: Optional[StepTimer] = _owned("loop", None)  # from the loop's start
+    stop_requested: bool = _owned("OptimizerStep", False)  # a stop signal reached some rank
+    skipped_steps: int = _owned("OptimizerStep", 0)  # non-finite, over every attempt
+    overflow_steps: int = _owned("OptimizerStep", 0)  # fp16: a scaled gradient overflowed
+    last_eval: dict[str, Any] = _owned("Validation", default_factory=dict)  # metrics and "step"
+    final_loss: float = _owned("LogHook", math.nan)  # the last logged mean train loss
+    progress: Any = _owned("ProgressHook", None)  # the bar (rank 0, `trainer.progress`)
+    tp_bytes_per_step: Optional[float] = _owned("TrafficHook", None)  # ring bytes of TP collectives
+    pp_bytes_per_step: Optional[int] = _owned("TrafficHook", None)  # bytes to pipeline neighbours
+    bubble: Optional[float] = _owned("TimelineHook", None)  # a pipeline step's idle fraction
+    best: Optional[dict[str, Any]] = _owned("BestCheckpointHook", None)  # the best evaluated
+    weights: Optional[Path] = _owned("WeightsHook", None)  # model.safetensors, of a complete run
+
+    @staticmethod
+    def owners(name: str) -> tuple[str, ...]:
+        """The classes whose code may write the field `name` (`tests/unit/test_layers.py` checks
+        it): the loop's are the `Trainer` and, timing the step alone, the benchmark's `OursRun`."""
+        owner = next(f.metadata["owner"] for f in fields(LoopState) if f.name == name)
+        return LOOPS if owner == "loop" else (owner,)
 
     @classmethod
     def starting_from(cls, resumed: Resumed, steps_per_epoch: int) -> LoopState:
