@@ -9,6 +9,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # reads it as it loads (OpenMP, OpenBLAS, OpenCV) and for in-process ranks
     os.environ["OMP_NUM_THREADS"] = "1"
 
+# every Python process a test starts prints its threads' stacks on SIGABRT, which a job past its
+# timeout is sent before it is killed (helpers.finish_job): a hang then says where it was
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+
 import visiondist  # noqa: F401 (first, as in every tool: the test processes' OpenMP waiting chosen as there, see procenv)
 
 HERE = Path(__file__).resolve().parent

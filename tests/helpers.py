@@ -62,14 +62,24 @@ def start_job(
 
 
 def finish_job(proc: subprocess.Popen, timeout: float, what: str) -> str:
-    """The output of a `start_job` process once it ends; past `timeout`, kill its whole session and
-    fail."""
+    """The output of a `start_job` process once it ends; past `timeout`, end its whole session and
+    fail: SIGABRT first, on which each of its Python processes prints where its threads were
+    (PYTHONFAULTHANDLER, tests/conftest.py), then SIGKILL."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{what} did not finish in {timeout}s:\n{out[-4000:]}") from None
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        else:  # the processes that outlived their session's leader
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise AssertionError(f"{what} did not finish in {timeout}s:\n{out[-12000:]}") from None
     return out
 
 

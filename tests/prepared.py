@@ -10,8 +10,8 @@ the suite runs about 250 of them on 2 cores. A forked run has the same process t
 exit codes as a fresh one (tests/multirank/test_prepared.py); what it does not show is a fresh
 interpreter's imports and start-up. Those are shown by the runs that start fresh: the tests whose
 subject is a process's start (start_job(fresh=True)), runs whose environment differs where start-up
-reads it (`_READ_AT_START`), and every run under `VISIONDIST_TEST_FRESH=1`, which CI's torch 2.11
-smoke subset sets.
+reads it (`_READ_AT_START`), every run under `VISIONDIST_TEST_FRESH=1`, which CI's torch 2.11
+smoke subset sets, and every run on a GPU test device (tests/devices.py).
 
 Protocol, one Unix-socket connection per run: the client sends an 8-byte length and a JSON request
 {"argv", "env", "cwd"} with the write end of its output pipe; the server answers the run's pid on a
@@ -258,8 +258,12 @@ def prepared_for(command: list[str], env: dict, own: dict) -> bool:
     as far as start-up reads it. The interpreter starts under `own` (the environment of this test
     process's jobs) on first use, and again where that has changed since (a test that called the
     launcher in this process)."""
-    if os.environ.get("VISIONDIST_TEST_FRESH") or not (
-        command[0] == "-m" or not command[0].startswith("-")
+    if (
+        os.environ.get("VISIONDIST_TEST_FRESH")
+        # the ranks on a GPU (tests/devices.py): a child forked from an interpreter whose imports
+        # touched CUDA cannot initialise it ("Cannot re-initialize CUDA in forked subprocess")
+        or os.environ.get("VISIONDIST_TEST_DEVICE", "cpu") != "cpu"
+        or not (command[0] == "-m" or not command[0].startswith("-"))
     ):
         return False
     wanted = _at_start(env)

@@ -21,7 +21,8 @@
 # losses side by side in fp8_loss.png). About 10 minutes on an H200.
 # `detr`: the DETR criterion's one-synchronisation test, then RT-DETRv2-S, D-FINE-S and RF-DETR-N at their published
 # input, bf16, batch 16, against plain loops over the transformers model (with its own loss) and over ours, each row
-# with the Hungarian matching's host time beside the step's and the loader's rate (about 4 minutes).
+# with the Hungarian matching's host time beside the step's and the loader's rate (about 4 minutes; it skips the
+# training check).
 # `cudagraphs`: the CUDA-graph checks (the replayed model trains as the compiled one; the DeiT recipe's step with CUDA
 # graphs never waits for the GPU), about 2 minutes. `profile`: benchmarks/vit_profile.py, where a ViT-S and a ViT-B
 # step's time goes (ours against timm's, eager, per block and whole-model compiled, CUDA graphs): kernels by kind, top
@@ -122,7 +123,7 @@ if has native; then  # data.resolution=native: ViT-B/16's images and tokens a se
         tests/multirank/test_gpu.py -k native
 fi
 photos="$VISIONDIST_DATA/photos-10240"  # what tests/multirank/test_gpu.py's photos fixture reads
-if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|profile|cudagraphs|layouts|multi|memory|predict|native|levers|levers_s') ]]; then
+if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|detr|profile|cudagraphs|layouts|multi|memory|predict|native|levers|levers_s') ]]; then
     part 120 photos.txt python3 benchmarks/photos.py "$photos" --train 10240 --val 256
     # the training path on real photos first: DeiT recipe, decode in the workers (two seeds) and on the device
     part 330 gpu_training.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 320 -m gpu -rA \

@@ -74,3 +74,20 @@ def test_a_run_whose_start_up_environment_differs_starts_fresh(tmp_path):
     assert not prepared_for([str(tmp_path / "x.py")], job_env(OMP_NUM_THREADS="2"), job_env())
     assert not prepared_for(["-c", "pass"], job_env(), job_env())
     assert prepared_for(["-m", "json.tool"], job_env(SOMETHING_ELSE="1"), job_env())
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["prepared", "fresh"])
+def test_a_job_past_its_timeout_says_where_it_hung(tmp_path, fresh):
+    """A run that outlives its test's timeout ends, and its output shows its threads' stacks
+    (faulthandler on SIGABRT), forked from the prepared interpreter or started fresh."""
+    from helpers import finish_job
+
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    proc = start_job([sys.executable, str(script), "wait"], job_env(), tmp_path, fresh=fresh)
+    assert isinstance(proc, PreparedRun) != fresh
+    with pytest.raises(AssertionError, match="did not finish in 3s") as failed:
+        finish_job(proc, 3, "script.py wait")
+    said = str(failed.value)
+    assert "waiting" in said and "Fatal Python error: Aborted" in said, said
+    assert 'File "' in said and "script.py" in said, said

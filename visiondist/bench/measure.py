@@ -7,6 +7,7 @@ torchvision's detectors, and torch._dynamo with them (1.5 s): `# noqa: PLC0415 (
 
 from __future__ import annotations
 
+import gc
 import platform
 import random
 import resource
@@ -82,13 +83,16 @@ def train_flops_per_image(model_cfg: DictConfig, batch: tuple, family: str) -> f
 
 class PeakMemory:
     """CUDA: the peak of tensor memory since construction, above what was allocated then (what one
-    configuration adds to a process that may hold others). The CPU has no such counter: `rss_gb` is
-    the whole process's peak."""
+    configuration adds to a process that may hold others). The allocator's cache is emptied first:
+    blocks an earlier configuration left cached would otherwise serve this one's and hide its
+    reservation. The CPU has no such counter: `rss_gb` is the whole process's peak."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.before = self.reserved_before = 0
         if device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
             self.before = torch.cuda.memory_allocated(device)
             self.reserved_before = torch.cuda.memory_reserved(device)
             torch.cuda.reset_peak_memory_stats(device)

@@ -139,8 +139,10 @@ def clip_grad_norm(
         norm = torch.nn.utils.get_total_norm([grad for _, grad in pairs], foreach=None)
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=None)
-        # a norm of DTensors is one (torch types it a Tensor)
-        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).float()
+        # a norm of DTensors is one (torch types it a Tensor); offloaded shards (FSDP's CPU offload)
+        # give it on the host: the step's health check reads it beside the loss on the device
+        full = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        return full.float().to(layout.device)
     sharded = [grad for p, grad in pairs if getattr(p, SHARD_DIM, None) is not None]
     replicated = [grad for p, grad in pairs if getattr(p, SHARD_DIM, None) is None]
 
