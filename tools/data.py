@@ -2,10 +2,13 @@
 
     python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/imagenet-shards
     python tools/data.py pack data=shapes out=/tmp/shapes-shards max_side=320 quality=90
+    python tools/data.py convert data=detection data.root=/data/my_yolo to=coco out=/data/my_coco
 
 `pack` turns the train and val splits of an ImageFolder or COCO tree (data.root; a built-in set is
 generated first) into WebDataset tar shards with an index (docs/data.md); train from them with
 data.format=shards data.root=<out> (a directory, or the URL of a server that serves it).
+`convert` writes the train and val splits of detection data (COCO, YOLO or VOC, recognised from the
+folder; a built-in set) as COCO, YOLO or VOC (`visiondist.data.formats.convert`).
 """
 
 import sys
@@ -16,6 +19,7 @@ from omegaconf import OmegaConf
 from visiondist.cli import Command, Tool, config_text, exit_now, load_config
 from visiondist.cli import main as cli_main
 from visiondist.config import ConfigError
+from visiondist.config.schema import DETECTION_FORMATS
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TOOL = Tool(
@@ -23,10 +27,13 @@ TOOL = Tool(
     about=(
         "Prepare data: `pack` writes the train and val splits of the data config's ImageFolder or "
         "COCO tree as WebDataset tar shards with an index, in parallel, resumable; train from "
-        "them with data.format=shards."
+        "them with data.format=shards. `convert` writes detection data (COCO, YOLO, VOC) as "
+        "another of them."
     ),
     keys=(
-        ("out=<dir>", "where the shards go (required)"),
+        ("out=<dir>", "where the shards (convert: the converted set) go (required)"),
+        ("to=<coco|yolo|voc>", "convert: the format to write (required)"),
+        ("link=true", "convert: link the images instead of copying them"),
         (
             "shard_mb=<MB>",
             "source bytes per shard (default: 256, or a 64th of a smaller split: about 64 shards, "
@@ -54,11 +61,13 @@ TOOL = Tool(
         "out=/data/imagenet-shards",
         "python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/imagenet-320 "
         "max_side=320",
+        "python tools/data.py convert data=detection data.root=/data/my_yolo to=coco "
+        "out=/data/my_coco",
     ),
     run_dir=False,
     multirun=False,
     positional=True,
-    command="pack",
+    command="pack|convert",
 )
 
 
@@ -73,31 +82,74 @@ def _number(cmd: Command, key: str, kind, default):
 
 
 def _with_a_model(overrides: list[str]) -> list[str]:
-    """Packing reads no model, but the config composes one: a detector's for COCO-format data,
-    unless named."""
+    """Packing and converting read no model, but the config composes one: a detector's for
+    detection data, unless named."""
     if any(o.startswith("model=") for o in overrides):
         return overrides
     data = next((o.split("=", 1)[1] for o in overrides if o.startswith("data=")), None)
     source = CONFIGS / "data" / f"{data}.yaml"
-    if data and source.is_file() and "format: coco" in source.read_text():
+    formats = {f"format: {f}" for f in DETECTION_FORMATS}
+    if data and source.is_file() and any(f in source.read_text() for f in formats):
         return [*overrides, "model=fasterrcnn_r50"]
     return overrides
+
+
+def run(cmd: Command) -> int:
+    if cmd.paths == ["convert"]:
+        return convert(cmd)
+    if cmd.paths == ["pack"]:
+        return pack(cmd)
+    said = (
+        f"`{' '.join(cmd.paths)}` is not a command of tools/data.py"
+        if cmd.paths
+        else "tools/data.py needs a command"
+    )
+    raise ConfigError(
+        f"{said}: use pack (e.g. python tools/data.py pack data=imagenet "
+        "data.root=/data/imagenet out=/data/shards) or convert (e.g. python tools/data.py convert "
+        "data=detection data.root=/data/my_yolo to=coco out=/data/my_coco)"
+    )
+
+
+def convert(cmd: Command) -> int:
+    from visiondist.data.formats import resolve_detection
+    from visiondist.data.formats.convert import TARGETS
+    from visiondist.data.formats.convert import convert as write
+    from visiondist.synthetic import prepare_data
+
+    target = cmd.args.get("to")
+    if target not in TARGETS or "out" not in cmd.args:
+        raise ConfigError(f"convert needs to=<{'|'.join(TARGETS)}> and out=<dir>")
+    cfg = load_config(CONFIGS, _with_a_model(cmd.overrides) + cmd.search, inputs=None)
+    if cmd.show:
+        print(config_text(cfg, cmd.package))
+        return 0
+    d = cfg.data
+    if d.format not in DETECTION_FORMATS:
+        raise ConfigError(f"data={d.name} is {d.format} data: convert writes detection data")
+    if OmegaConf.is_missing(d, "root"):
+        raise ConfigError(f"data.root must be set: add data.root=/path/to/{d.name}")
+    prepare_data(d, show_progress=sys.stderr.isatty())  # a built-in set: generated first
+    if d.format in ("auto", "yolo", "voc"):  # recognised; YOLO and VOC indexed as COCO
+        print(resolve_detection(d, "train"), flush=True)
+    out = Path(cmd.args["out"]).expanduser()
+    link = cmd.args.get("link", "false").lower() in ("1", "true", "yes")
+    counts = write(d, target, out, link)
+    for split, c in counts.items():
+        left = [f"{n} {what}" for what, n in c.items() if n and what not in ("images", "objects")]
+        more = f" ({'; '.join(left)})" if left else ""
+        print(f"{split}: {c['images']} images, {c['objects']} objects written{more}")
+    print(
+        f"wrote {target} into {out}; train from it: python {Path(__file__).parent.name}/train.py "
+        f"data=detection data.root={cmd.args['out']} model=<detector>"
+    )
+    return 0
 
 
 def pack(cmd: Command) -> int:
     from visiondist.data.shards.pack import PackError, PackOptions, pack_image_folder
     from visiondist.synthetic import prepare_data
 
-    if cmd.paths != ["pack"]:
-        said = (
-            f"`{' '.join(cmd.paths)}` is not a command of tools/data.py"
-            if cmd.paths
-            else "tools/data.py needs a command"
-        )
-        raise ConfigError(
-            f"{said}: use pack (e.g. python tools/data.py pack data=imagenet "
-            "data.root=/data/imagenet out=/data/shards)"
-        )
     cfg = load_config(CONFIGS, _with_a_model(cmd.overrides) + cmd.search, inputs=None)
     if cmd.show:
         print(config_text(cfg, cmd.package))
@@ -140,7 +192,7 @@ def pack(cmd: Command) -> int:
     if not root.is_dir():
         raise ConfigError(f"data.root={d.root}: no such directory")
     try:
-        if d.format == "coco":
+        if d.format in DETECTION_FORMATS:
             from visiondist.data import coco_paths
             from visiondist.data.shards.packed_coco import pack_coco
 
@@ -166,7 +218,7 @@ def pack(cmd: Command) -> int:
 
 
 def main(argv: list[str]) -> int:
-    return cli_main(TOOL, CONFIGS, argv, pack)
+    return cli_main(TOOL, CONFIGS, argv, run)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ SETTINGS = {
     "save_images": ("save_images", str),
     "vid_stride": ("vid_stride", int),
     "batch": ("batch_size", int),
+    "save_txt": ("save_txt", bool),
 }
 TOOL = Tool(
     name="predict.py",
@@ -80,13 +81,17 @@ TOOL = Tool(
         ("classes=<a,b>", "detectors: only these class names (or COCO category ids)"),
         ("save_images=<n>", "draw the first n images into images/ (default 32; all; 0: none)"),
         ("vid_stride=<n>", "a video: every n-th frame (default 1)"),
+        (
+            "save_txt=true",
+            "detectors: also labels/<image>.txt, YOLO's form (class cx cy w h score, normalised)",
+        ),
         ("batch=<n>", "images per forward on each rank (default data.eval_batch_size)"),
     ),
     reads="the weights, the run's config.yaml (or configs/), the source's images",
     writes=(
-        "predictions.csv (classifiers) or detections.jsonl + results.json (detectors), images/, "
-        "unreadable.txt, predict.json, predict.log and config.yaml into "
-        "<run>/predict/<date>_<time>/ or out=<dir>; prints where"
+        "predictions.csv (classifiers) or detections.jsonl + results.json (detectors; labels/ "
+        "with save_txt=true), images/, unreadable.txt, predict.json, predict.log and config.yaml "
+        "into <run>/predict/<date>_<time>/ or out=<dir>; prints where"
     ),
     examples=(
         "python tools/predict.py run_dir=outputs/2026-11-21/21-10-24 source=photos/",
@@ -277,6 +282,10 @@ def _value(key: str, text: str, kind):
         return [c.strip() for c in text.strip("[]").split(",") if c.strip()]
     if kind is int:
         return _int(key, text)
+    if kind is bool:
+        if text.strip().lower() not in ("true", "false"):
+            raise ConfigError(f"{key}={text}: give true or false")
+        return text.strip().lower() == "true"
     if kind is float:
         try:
             return float(text)

@@ -30,6 +30,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from visiondist.config import ConfigError
+from visiondist.config.schema import DETECTION_FORMATS
 from visiondist.config.validate import check_trackers_installed
 from visiondist.models.registry import spec_of
 from visiondist.utils.dcp import list_checkpoints
@@ -226,6 +227,8 @@ def _packed(
 
 def _data_root(d) -> Path:
     root = Path(d.root).expanduser()
+    if d.format in DETECTION_FORMATS and root.is_file():  # a YOLO set's data.yaml
+        return root.parent
     if not root.is_dir():
         raise ConfigError(
             f"data.root={d.root}: no such directory: set data.root to the {d.name} dataset's "
@@ -243,11 +246,12 @@ def _data_root(d) -> Path:
 def _check_split(d, root: Path, split: str) -> tuple[int, Path, str]:
     """(class count, where it was counted, what was counted) of one split; raises when the split is
     missing."""
-    if d.format == "coco":
+    if d.format in DETECTION_FORMATS:
         from visiondist.data import coco_paths  # noqa: PLC0415 (reader)
 
         images, annotations = coco_paths(d, split)
         if not annotations.is_file():
+            _other_layout(d)
             raise ConfigError(
                 f"data.root={d.root} has no {split} annotations {annotations}: set data.root to "
                 f"the {d.name} dataset's directory (or data.annotations / "
@@ -274,6 +278,20 @@ def _check_split(d, root: Path, split: str) -> tuple[int, Path, str]:
     return classes, split_dir, "class folders"
 
 
+def _other_layout(d) -> None:
+    """A COCO data config's root that holds a set in another form: one line naming the form and the
+    data config that reads it."""
+    from visiondist.data.formats import recognise  # noqa: PLC0415 (reader)
+
+    root = Path(str(d.root)).expanduser()
+    found = recognise(root) if root.is_dir() else None
+    if found is not None and not (found.layout is not None and found.layout.name == "COCO"):
+        raise ConfigError(
+            f"data.root={d.root} is {found.what}, not a tree of data={d.name}'s layout: read it "
+            "with data=detection (or data.format=auto), which recognises YOLO, VOC and COCO exports"
+        )
+
+
 def _split_key(d, split: str) -> str:
     return "train_split" if split == d.train_split else "val_split"
 
@@ -293,7 +311,7 @@ def check_images(d, root: Path, purpose: str = "train", masks: bool = False) -> 
     fewer images than one global batch (`data.batch_size`): no optimizer step could be drawn from
     it. COCO: the usable training images (at least one box left after the dataset's rules), and with
     `data.aspect_grouping` a full batch in the landscape or the portrait group."""
-    if d.format == "coco":
+    if d.format in DETECTION_FORMATS:
         if purpose == "train":
             _check_coco_batch(d, masks)
         return
@@ -371,7 +389,9 @@ def check_val_readable(d, root: Path) -> None:
     if bad:
         them = "it" if len(bad) == 1 else "them"
         coco = (
-            "; remove an image's entry from the annotation file too" if d.format == "coco" else ""
+            "; remove an image's entry from the annotation file too"
+            if d.format in DETECTION_FORMATS
+            else ""
         )
         raise ConfigError(
             f"{len(bad)} of {len(paths)} val images cannot be read: {name_bad(bad)}: fix or remove "
@@ -381,7 +401,7 @@ def check_val_readable(d, root: Path) -> None:
 
 def _val_present(d, root: Path) -> bool:
     """The val split's listing is there (a built-in set's may not be generated yet)."""
-    if d.format == "coco":
+    if d.format in DETECTION_FORMATS:
         from visiondist.data import coco_paths  # noqa: PLC0415 (reader)
 
         return coco_paths(d, d.val_split)[1].is_file()
@@ -391,7 +411,7 @@ def _val_present(d, root: Path) -> bool:
 def _val_paths(d, root: Path) -> list[Path]:
     """The val split's image files: a folder tree's listing, or the `images` of a COCO annotation
     file."""
-    if d.format == "coco":
+    if d.format in DETECTION_FORMATS:
         from visiondist.data import coco_paths  # noqa: PLC0415 (reader)
         from visiondist.data.coco import safe_image_path  # noqa: PLC0415 (reader)
 

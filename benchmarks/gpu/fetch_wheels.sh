@@ -2,9 +2,9 @@
 # Run where pip reaches PyPI: download, into .whl/ at the repository root, the wheels the GPU machine lacks for
 # Python 3.12 on x86-64 Linux. That machine has torch 2.11 + torchvision 0.26 (CUDA 13), timm, numpy, OpenCV,
 # matplotlib, rich, safetensors, tensorboard, onnx, scikit-image and pytest, and no network; benchmarks/gpu/run.sh
-# installs these. albucore is pinned to the version albumentations 2.0.8 asks for (pip download --no-deps would
-# take the newest, which needs numkong). No TorchCodec: PyPI's wheel has no CUDA decoder and is built for one torch
-# release; data.decode_on=device decodes with torchvision's nvJPEG there.
+# installs these (defusedxml: Pascal VOC's XML). albucore is pinned to the version albumentations 2.0.8 asks for
+# (pip download --no-deps would take the newest, which needs numkong). No TorchCodec: PyPI's wheel has no CUDA
+# decoder and is built for one torch release; data.decode_on=device decodes with torchvision's nvJPEG there.
 # antlr4-python3-runtime 4.9.3 (omegaconf's parser runtime) is published as a source archive only: it is built into
 # a wheel here (pure Python, so the wheel runs anywhere).
 set -euo pipefail
@@ -18,7 +18,7 @@ download() {
 }
 download "hydra-core==1.3.2" "omegaconf==2.3.0" "albumentations==2.0.8" "albucore==0.0.24" "pydantic>=2" \
     "pydantic-core" "annotated-types" "typing-inspection" "stringzilla" "simsimd" "pycocotools>=2.0.8" \
-    "faster-coco-eval>=1.6" "torchao==0.18.0"
+    "faster-coco-eval>=1.6" "torchao==0.18.0" "defusedxml"
 python3 -m pip wheel --quiet --no-deps -w .whl "antlr4-python3-runtime==4.9.3"
 # the DETR-class detectors' extra (transformers and what it needs), apart: run.sh installs them for its detr part only,
 # so that a newer huggingface_hub never shadows the one timm uses elsewhere

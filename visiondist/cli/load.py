@@ -176,6 +176,15 @@ def checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
     unset = OmegaConf.is_missing(cfg.data, "num_classes")
     if inputs is not None and unset:  # any other `???` (data.root) first, in its own words
         check_mandatory(_with_classes(cfg, 1))
+    recognised = None  # a user's detection data: its format read off the folder, YOLO / VOC indexed
+    if inputs is not None and cfg.data.get("format") in ("auto", "yolo", "voc"):
+        from visiondist.data.formats import resolve_detection  # noqa: PLC0415 (reader)
+
+        recognised = resolve_detection(cfg.data, inputs)
+        # the set's classes (a COCO file's are counted below, as data=coco's are)
+        counted = not OmegaConf.is_missing(cfg.data, "num_classes")
+        if counted and OmegaConf.is_missing(cfg.model, "num_classes"):
+            cfg.model.num_classes = cfg.data.num_classes
     note = infer_num_classes(cfg, inputs)
     # printing, planning: still unknown, and nothing needs it
     if OmegaConf.is_missing(cfg.data, "num_classes"):
@@ -185,8 +194,10 @@ def checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
     if inputs is not None:
         check_inputs(cfg, inputs)
     # once per job, input all good
-    if note and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        print(note, file=sys.stdout if inputs is not None else sys.stderr, flush=True)
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        for line in (recognised, note):
+            if line:
+                print(line, file=sys.stdout if inputs is not None else sys.stderr, flush=True)
     return cfg
 
 

@@ -104,13 +104,20 @@ class SyntheticConfig:
     max_aspect: float = 1.0
 
 
+# the detection formats, each read as COCO once resolved (visiondist.data.formats); `auto` resolves
+# to one of them from the folder
+DETECTION_FORMATS = ("coco", "yolo", "voc", "auto")
+
+
 @dataclass
 class DataConfig:
     """`data=<name>` (configs/data/): what the ranks read, and how the images are augmented and
     batched."""
 
     name: str = MISSING  # the data config's name (configs/data/<name>.yaml), which sets it
-    # imagefolder (a folder per class) | coco (COCO instances JSON) | shards (tools/data.py pack)
+    # imagefolder (a folder per class) | coco (COCO instances JSON) | shards (tools/data.py pack) |
+    # yolo (a data.yaml) | voc (Pascal VOC) | auto (detection: the folder says which of coco, yolo
+    # or voc, visiondist.data.formats; resolved before any rank starts)
     format: str = "imagefolder"
     root: str = MISSING  # the data set's directory (shards: or URL); the data config or the user
     train_split: str = "train"  # the training split: its folder, or {split} below
@@ -156,9 +163,12 @@ class DataConfig:
     # written into the export's timm config, so that timm's eval transform resizes the same way
     interpolation: str = "bilinear"
     # detection (format coco): <root>/<images>/<file_name>, <root>/<annotations>; {split} is the
-    # split name
+    # split name (an absolute path stands for itself: yolo and voc point into their cached index)
     annotations: str = "annotations/instances_{split}.json"
     images: str = "{split}"  # the images' folder under root
+    # what format auto (or yolo / voc) found in root, set before any rank starts: yolo, voc, or
+    # coco (<layout>); null: not looked for
+    found: Optional[str] = None
     min_size: int = 800  # resize: short side to min_size unless the long side would pass max_size
     max_size: int = 1333  # pixels, as min_size
     # detection training: brightness, contrast and saturation jitter (hue a quarter of it, at most
@@ -395,6 +405,9 @@ class PredictConfig:
     save_images: str = "32"  # the first N images drawn into images/ ("all": every one; "0": none)
     vid_stride: int = 1  # a video: every n-th frame predicted
     batch_size: int = 0  # images per batch over all ranks; 0: data.eval_batch_size
+    # detectors: also labels/<image stem>.txt a file an image, in YOLO's form (class cx cy w h
+    # score, normalised to the image; class: the position in the trained class names)
+    save_txt: bool = False
 
 
 @dataclass

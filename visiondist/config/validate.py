@@ -13,7 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from visiondist.config.layout import SCHEDULES
 from visiondist.config.resolution import check_native
-from visiondist.config.schema import ConfigError
+from visiondist.config.schema import DETECTION_FORMATS, ConfigError
 from visiondist.utils import pretrained as named
 
 # --------------------------------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def _check_torchvision_weights(m: DictConfig, key: str, weights) -> None:
 
 
 def _check_data(d: DictConfig) -> None:
-    _one_of("data.format", d.format, ("imagefolder", "coco", "shards"))
+    _one_of("data.format", d.format, ("imagefolder", "shards", *DETECTION_FORMATS))
     _one_of("data.auto_augment", d.auto_augment, ("none", "rand", "trivial"))
     _one_of("data.interpolation", d.interpolation, ("bilinear", "bicubic"))
     _one_of("data.augment_on", d.augment_on, ("device", "loader"))

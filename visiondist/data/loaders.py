@@ -1,6 +1,6 @@
 """A task's loaders: `build_classification_data` and `build_detection_data` (train and val loaders,
 sharded by DP rank, from a tree or from packed shards), with the loader options every split shares
-(workers, pinning, prefetch) and the COCO tree's paths (`coco_paths`, `detection_splits`).
+(workers, pinning, prefetch) and the COCO tree's reader (`detection_splits`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from visiondist.data.device_decode import (
     encoded_or_decoded,
     read_encoded,
 )
+from visiondist.data.formats.exports import coco_paths
 from visiondist.data.imagefolder import ImageFolder
 from visiondist.data.native import NativeBatchSampler, NativeCollate, NativeTransform
 from visiondist.data.sampler import EvalBatchSampler, TrainBatchSampler
@@ -360,20 +361,6 @@ class DetectionData(TaskData):
     val_annotations: Path  # the ground truth COCOeval scores against
     cat_of_label: dict[int, int]  # model label (1..K) -> COCO category id
     store: object = None  # data.format=shards: the rank's `ShardStore`
-
-
-def coco_paths(cfg, split: str) -> tuple[Path, Path]:
-    """(image folder, annotation file) of a split of a COCO-format data config.
-
-    Args:
-        cfg: the data config (its `root`, `images` and `annotations` patterns).
-        split: the split's name, e.g. cfg.val_split.
-
-    Returns:
-        The split's image folder and its annotation file (neither checked).
-    """
-    root = Path(cfg.root).expanduser()
-    return root / cfg.images.format(split=split), root / cfg.annotations.format(split=split)
 
 
 def build_detection_data(

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from visiondist.config import ConfigError
+from visiondist.config.schema import DETECTION_FORMATS
 from visiondist.launch.stop import grace_seconds
 from visiondist.plan import resolve_on
 
@@ -113,7 +114,9 @@ def pod_resources(cfg: Any, ranks: int, dp: int, cpu: str = "", memory: str = ""
         cpus = ranks * (1 + workers)
     per_rank_batch = -(-int(d.batch_size) // max(1, dp * int(cfg.trainer.grad_accum)))
     # uint8
-    image = 3 * (int(d.min_size) * int(d.max_size) if d.format == "coco" else int(d.img_size) ** 2)
+    image = 3 * (
+        int(d.min_size) * int(d.max_size) if d.format in DETECTION_FORMATS else int(d.img_size) ** 2
+    )
     ready = ranks * workers * int(d.get("prefetch_factor", 2)) * per_rank_batch * image
     shm_gib = max(SHM_MIN_GIB, math.ceil(2 * ready / GIB))
     planned = shm_gib + math.ceil(ranks * (RANK_GIB + workers * WORKER_GIB))

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from visiondist.config import ConfigError
 from visiondist.config.layout import check_pipeline, divisors
+from visiondist.config.schema import DETECTION_FORMATS
 from visiondist.models.shape import ViTShape
 
 # switches a family may support: what each is, for the refusal message
@@ -331,14 +332,15 @@ def check_support(cfg: DictConfig) -> None:
     """The model family against the rest of the config: the data it reads, the layout and switches
     it supports, its shape rules. One `ConfigError` naming the fix."""
     spec = spec_of(cfg.model)
-    # shards hold either: the preflight checks their kind
-    if cfg.data.format not in ("shards", spec.data_format):
+    # shards hold either: the preflight checks their kind; every detection format is read as COCO
+    readable = DETECTION_FORMATS if spec.data_format == "coco" else (spec.data_format,)
+    if cfg.data.format not in ("shards", *readable):
         kind = "a detector" if spec.task == "detection" else "a classifier"
         raise ConfigError(
             f"model={cfg.model.name} is {kind} but data={cfg.data.name} is {cfg.data.format} "
             "data: use "
             + (
-                "data=shapes_coco or data=coco"
+                "data=shapes_coco, data=coco or data=detection (YOLO, VOC, COCO exports)"
                 if kind == "a detector"
                 else "data=shapes or data=imagenet"
             )

@@ -73,6 +73,7 @@ def request(cfg: DictConfig, source: Source) -> dict[str, Any]:
         "classes": list(p.classes) if p.classes else None,
         "save_images": saved if saved == "all" else int(saved),
         "vid_stride": int(p.vid_stride),
+        "save_txt": bool(p.get("save_txt", False)),
         "batch_size": batch_size(cfg),
         "precision": str(cfg.trainer.precision),
     }

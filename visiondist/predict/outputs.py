@@ -139,10 +139,12 @@ def write_classifications(records: Iterable[dict], out: Path, topk: int) -> dict
 
 
 def write_detections(
-    records: Iterable[dict], out: Path, image_ids: Callable[[dict], int]
+    records: Iterable[dict], out: Path, image_ids: Callable[[dict], int], save_txt: bool = False
 ) -> dict[str, int]:
-    """detections.jsonl (a line per image) and results.json (COCO results, written as a stream)."""
+    """detections.jsonl (a line per image) and results.json (COCO results, written as a stream);
+    with `save_txt`, labels/ too (`YoloLabels`)."""
     counts = {"images": 0, "detections": 0, "unreadable": 0}
+    yolo = YoloLabels(out / "labels") if save_txt else None
     with (
         _atomic(out / "detections.jsonl") as lines,
         _atomic(out / "results.json") as results,
@@ -158,6 +160,8 @@ def write_detections(
             counts["detections"] += len(r["detections"])
             image_id = image_ids(r)
             lines.write(json.dumps({k: v for k, v in r.items() if k != "index"}) + "\n")
+            if yolo is not None:
+                yolo.write(r)
             for d in r["detections"]:
                 # the model's float32 boxes, as COCO
                 x0, y0, x1, y1 = np.asarray(d["box"], dtype=np.float32)
@@ -177,6 +181,33 @@ def write_detections(
         results.write("]")
         counts["unreadable"] = bad.count
     return counts
+
+
+class YoloLabels:
+    """A prediction's detections in YOLO's label form, for those who label with them: one
+    `labels/<image stem>.txt` an image (empty where nothing was found), a line a detection: `class
+    cx cy w h score`, the box's centre and size over the image's width and height, the class its
+    position in the trained class names (from 0, as data.yaml's `names`). An image whose stem an
+    earlier one took gets its position first (`000012_<stem>.txt`)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.taken = folder, set[str]()
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        stem = Path(record["file"].partition("#")[0]).stem
+        if "#" in record["file"]:  # a video's frame
+            stem += f"_frame{record['file'].partition('#')[2]}"
+        name = stem if stem not in self.taken else f"{record['index']:06d}_{stem}"
+        self.taken.add(name)
+        width, height = record["width"], record["height"]
+        rows = []
+        for d in record["detections"]:
+            x0, y0, x1, y1 = d["box"]
+            cx, cy = (x0 + x1) / 2 / width, (y0 + y1) / 2 / height
+            w, h = (x1 - x0) / width, (y1 - y0) / height
+            rows.append(f"{d['label'] - 1} {cx:.6f} {cy:.6f} {w:.6f} {h:.6f} {d['score']:.5f}\n")
+        (self.folder / f"{name}.txt").write_text("".join(rows))
 
 
 class _atomic:

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from visiondist.config import ConfigError
 from visiondist.config.compose import compose, run_config
 from visiondist.data.decode import read_rgb
+from visiondist.data.formats.exports import coco_paths
 from visiondist.data.robust import READ_ERRORS
 from visiondist.data.sampler import eval_shard
 from visiondist.data.workers import close_loaders, register, watched
@@ -374,8 +375,11 @@ def finish(
         files = ["predictions.csv"]
     else:
         ids = _val_image_ids(cfg, source)
-        counts = write_detections(merged(out), out, lambda r: ids.get(r["file"], r["index"] + 1))
-        files = ["detections.jsonl", "results.json"]
+        save_txt = bool(cfg.predict.get("save_txt", False))
+        counts = write_detections(
+            merged(out), out, lambda r: ids.get(r["file"], r["index"] + 1), save_txt
+        )
+        files = ["detections.jsonl", "results.json", *(["labels/"] if save_txt else [])]
     if source.video and cfg.predict.save_images != "0":
         video = out / f"{Path(source.video).stem}_predicted.mp4"
         if write_video(merged(out), source.video, source.frames, source.fps, video):
@@ -430,8 +434,6 @@ def _val_image_ids(cfg: DictConfig, source: Source) -> dict[str, int]:
     if source.video or cfg.data.get("format") == "shards":
         return {}
     try:
-        from visiondist.data import coco_paths  # noqa: PLC0415 (albumentations: 0.7 s)
-
         images, ann = coco_paths(cfg.data, cfg.data.val_split)
         if not ann.is_file():
             return {}

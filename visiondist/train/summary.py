@@ -226,7 +226,9 @@ def run_summary(tr: Trainer, train_time: float) -> dict[str, Any]:
         "parameters per rank (M)": round(parts.rank_params / 1e6, 3),
         "layout": _layout_text(tr),
         "precision": precision_text(tr.cfg.trainer, lay.device, parts.model),
-        "data": f"{tr.cfg.data.name}: {data.num_train} train / {data.num_val} val images"
+        "data": f"{tr.cfg.data.name}"
+        + (f" ({tr.cfg.data.found})" if tr.cfg.data.get("found") else "")
+        + f": {data.num_train} train / {data.num_val} val images"
         + (f" (shards of {tr.cfg.data.root})" if tr.cfg.data.get("format") == "shards" else ""),
         **parts.task.input_fields,  # the resolution (native: the resolved sequence lengths)
         "steps": state.step,

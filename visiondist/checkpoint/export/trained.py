@@ -17,6 +17,7 @@ from visiondist.checkpoint.dcp import load_model_state
 from visiondist.checkpoint.files import read_trainer_state, resolve_checkpoint
 from visiondist.config.compose import run_config
 from visiondist.data.coco import CocoDetection
+from visiondist.data.formats.exports import coco_paths
 from visiondist.models import TASKS, build_deferred
 from visiondist.models.detection import drop_fp32_hooks
 from visiondist.models.init import is_meta, materialize
@@ -99,8 +100,6 @@ def coco_categories(cfg: DictConfig) -> tuple[Optional[list[int]], Optional[list
     """(the category id of labels 1..K, their names) as the COCO loader reads them from the run's
     val annotation file (for checkpoints that do not record them); (None, None), logged, when the
     file is not here."""
-    from visiondist.data import coco_paths  # noqa: PLC0415 (albumentations: 0.7 s)
-
     try:
         images, ann_file = coco_paths(cfg.data, cfg.data.val_split)
         data = CocoDetection(images, ann_file, train=False)

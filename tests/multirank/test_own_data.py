@@ -1,0 +1,181 @@
+"""A user's detection data trains from `data.root` alone (data=detection): one set written as COCO,
+YOLO and VOC trains to the same losses step for step and scores the same mAP; a YOLO set, a VOC set
+and a Roboflow export each train on 2 ranks and evaluate exactly as on 1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from helpers import losses_of, run_cli
+
+from visiondist.observe.metrics import read_metrics
+
+DETECT = [
+    "model=fasterrcnn_mobilenet_v3",
+    "data=detection",
+    "data.min_size=64",
+    "data.max_size=64",
+    "data.batch_size=4",
+    "data.eval_batch_size=4",
+    "data.num_workers=0",  # per-sample seeded augmentation: workers change no compared number
+    "trainer.max_steps=3",
+    "trainer.log_every=1",
+    "trainer.accelerator=cpu",
+    "trainer.progress=false",
+    "trainer.loggers=[csv]",
+    "+model.kwargs.box_score_thresh=0.0",
+    "model.roi_sampling_ratio=null",
+]
+
+
+@pytest.fixture(scope="module")
+def forms(tmp_path_factory) -> dict[str, Path]:
+    """The built-in shapes_coco set (16 train, 10 val images of 64 px), its boxes inside their
+    images, written as YOLO; its YOLO index written as COCO, as VOC and as a Roboflow export."""
+    from omegaconf import OmegaConf
+
+    from visiondist.data.formats import resolve_detection
+    from visiondist.data.formats.convert import write_coco, write_voc, write_yolo
+    from visiondist.synthetic.shapes_coco import ensure_shapes_coco
+
+    base = tmp_path_factory.mktemp("own")
+    spec = SimpleNamespace(train_images=16, val_images=10, image_size=64, seed=0)
+    source = ensure_shapes_coco(base / "shapes_coco", spec)
+    splits = {}
+    for split in ("train", "val"):
+        coco = json.loads((source / "annotations" / f"instances_{split}.json").read_text())
+        for ann in coco["annotations"]:
+            ann.pop("segmentation", None)  # boxes only: a box model trains on them
+        splits[split] = (coco, source / split)
+    write_yolo(splits, base / "yolo")
+    d = OmegaConf.create({"format": "auto", "root": str(base / "yolo"), "train_split": "train",
+                          "val_split": "val", "num_classes": "???", "images": "", "annotations": "",
+                          "found": None})  # fmt: skip
+    resolve_detection(d, "train")
+    index = {s: (json.loads(Path(d.annotations.format(split=s)).read_text()), Path(d.images))
+             for s in ("train", "val")}  # fmt: skip
+    write_coco(index, base / "coco")
+    write_voc(index, base / "voc")
+    roboflow = base / "roboflow"
+    for split, folder in (("train", "train"), ("val", "valid")):
+        coco, images = index[split]
+        write_coco({folder: (coco, images)}, roboflow)
+        (roboflow / folder / "_annotations.coco.json").write_text(
+            json.dumps({**coco, "categories": [{"id": 0, "name": "shapes", "supercategory": "none"}]
+                        + [{**c, "supercategory": "shapes"} for c in coco["categories"]]})
+        )  # fmt: skip
+    (roboflow / "annotations").rename(base / "roboflow_coco_files")  # Roboflow's layout alone
+    return {"yolo": base / "yolo", "coco": base / "coco", "voc": base / "voc", "roboflow": roboflow}
+
+
+def _train(root: Path, run: Path, *extra: str) -> str:
+    result = run_cli([*DETECT, f"data.root={root}", f"trainer.run_dir={run}", *extra], timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return result.stdout
+
+
+def _final_eval(run: Path) -> dict:
+    return [r for r in read_metrics(run / "metrics.csv") if r.get("val_mAP") is not None][-1]
+
+
+def test_one_set_as_coco_yolo_voc_and_a_roboflow_export_trains_alike(forms, tmp_path):
+    """The same boxes, images and image order in four forms: the same loss at every step, the same
+    12 COCO numbers, the same class names in the weights."""
+    said = {
+        name: _train(forms[name], tmp_path / name) for name in ("coco", "yolo", "voc", "roboflow")
+    }
+    assert "is a YOLO set (data.yaml), 6 classes; train 16 images" in said["yolo"]
+    assert "is a Pascal VOC set, 6 classes" in said["voc"]
+    assert "is COCO in COCO's layout" in said["coco"]
+    assert "is COCO in Roboflow's layout; splits train, valid" in said["roboflow"]
+    losses = {name: losses_of(tmp_path / name) for name in said}
+    assert len(losses["coco"]) == 3
+    assert losses["coco"] == losses["yolo"] == losses["voc"] == losses["roboflow"]
+    evals = {name: _final_eval(tmp_path / name) for name in said}
+    assert evals["coco"]["val_detections"] > 0
+    assert evals["coco"] == evals["yolo"] == evals["voc"] == evals["roboflow"]
+    classes = {name: json.loads((tmp_path / name / "per_class.json").read_text()) for name in said}
+    assert list(classes["yolo"]) == ["circle", "square", "triangle", "star", "cross", "ring"]
+    assert classes["coco"] == classes["yolo"] == classes["voc"] == classes["roboflow"]
+
+
+@pytest.mark.parametrize("form", ["yolo", "voc", "roboflow"])
+def test_a_users_set_trains_on_two_ranks_and_evaluates_as_on_one(forms, tmp_path, form):
+    """2 DP ranks read the index the launching process built, each its shard of every batch; the
+    evaluation of the trained weights on 2 ranks is the one eval.py makes on 1."""
+    run = tmp_path / "run"
+    root = forms[form] / "data.yaml" if form == "yolo" else forms[form]  # a YOLO set: its yaml
+    _train(root, run, "trainer.devices=2", "parallel.dp=2")
+    final = _final_eval(run)
+    assert final["val_detections"] > 0 and len(losses_of(run)) == 3
+    from helpers import REPO
+
+    one = run_cli([f"run_dir={run}", "trainer.devices=1", "parallel.dp=1"], timeout=300,
+                  script=REPO / "tools" / "eval.py")  # fmt: skip
+    assert one.returncode == 0, one.stdout[-4000:]
+    stats = json.loads(next((run / "eval").iterdir()).joinpath("eval.json").read_text())
+    for key, value in final.items():
+        if key.startswith("val_") and value is not None and not key.startswith("val_ema"):
+            assert stats[key] == value, key
+    if form == "yolo":  # and back out in its own form: a labels/ file an image
+        _predicted_as_yolo(run, forms["yolo"])
+
+
+def _predicted_as_yolo(run: Path, root: Path) -> None:
+    """tools/predict.py save_txt=true on the val images: one labels/<stem>.txt an image, each line
+    a detection of detections.jsonl as YOLO reads it (class from 0, box over the image's size)."""
+    from helpers import REPO
+
+    out = run / "yolo_predictions"
+    said = run_cli([f"run_dir={run}", f"source={root / 'images' / 'val'}", f"out={out}",
+                    "save_txt=true", "score_thresh=0", "save_images=0", "trainer.devices=1"],
+                   timeout=300, script=REPO / "tools" / "predict.py")  # fmt: skip
+    assert said.returncode == 0, said.stdout[-4000:]
+    records = [json.loads(line) for line in (out / "detections.jsonl").read_text().splitlines()]
+    assert len(records) == 10 and sorted(p.stem for p in (out / "labels").iterdir()) == sorted(
+        Path(r["file"]).stem for r in records
+    )
+    found = 0
+    for r in records:
+        lines = (out / "labels" / f"{Path(r['file']).stem}.txt").read_text().splitlines()
+        assert len(lines) == len(r["detections"])
+        for line, d in zip(lines, r["detections"]):
+            label, cx, cy, w, h, score = line.split()
+            x0, y0, x1, y1 = d["box"]
+            assert int(label) == d["label"] - 1 and abs(float(score) - d["score"]) < 1e-5
+            assert abs(float(cx) * r["width"] - (x0 + x1) / 2) < 1e-3
+            assert abs(float(w) * r["width"] - (x1 - x0)) < 1e-3
+            assert abs(float(cy) * r["height"] - (y0 + y1) / 2) < 1e-3
+            assert abs(float(h) * r["height"] - (y1 - y0)) < 1e-3
+            found += 1
+    assert found > 0
+
+
+def test_convert_writes_a_built_in_set_as_yolo_counting_what_yolo_cannot_hold(tmp_path):
+    """tools/data.py convert on the built-in shapes_coco (its crowd regions included): the objects
+    it says it wrote are the label lines on disk, the crowd regions it left out are the file's, and
+    the YOLO set it wrote trains."""
+    from helpers import REPO
+
+    out = tmp_path / "yolo"
+    said = run_cli(["convert", "data=shapes_coco", f"data.root={tmp_path / 'shapes'}",
+                    "data.synthetic.train_images=24", "data.synthetic.val_images=12", "to=yolo",
+                    f"out={out}"], timeout=300, script=REPO / "tools" / "data.py")  # fmt: skip
+    assert said.returncode == 0, said.stdout[-4000:]
+    for split in ("train", "val"):
+        coco = json.loads(
+            (tmp_path / "shapes" / "annotations" / f"instances_{split}.json").read_text()
+        )
+        crowd = sum(1 for a in coco["annotations"] if a.get("iscrowd"))
+        lines = sum(len(p.read_text().splitlines()) for p in (out / "labels" / split).iterdir())
+        assert lines == len(coco["annotations"]) - crowd
+        left = f" ({crowd} crowd regions left out (YOLO holds none))" if crowd else ""
+        assert (
+            f"{split}: {len(coco['images'])} images, {lines} objects written{left}" in said.stdout
+        )
+    assert "crowd regions left out" in said.stdout  # the set has some
+    trained = _train(out, tmp_path / "run", "trainer.max_steps=1")
+    assert "is a YOLO set (data.yaml), 6 classes; train 24 images" in trained

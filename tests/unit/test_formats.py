@@ -1,0 +1,444 @@
+"""A user's detection data as it comes (visiondist.data.formats): YOLO folders, Pascal VOC and
+tools' COCO layouts recognised from the folder, indexed as COCO ground truth, their bad labels
+named, the index cached, and one format written from another with the same ground truth back."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from PIL import Image
+
+from visiondist.config import ConfigError
+from visiondist.data.formats import recognise, resolve_detection
+from visiondist.data.formats.convert import write_coco, write_voc, write_yolo
+from visiondist.data.formats.yolo import label_path, parse_line
+
+NAMES = ["cat", "dog", "bird"]
+
+
+def _image(path: Path, size=(64, 48), color=(120, 30, 200)) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, color).save(path, quality=95)
+
+
+def _yolo(root: Path, labels: dict[str, dict[str, str]], names=NAMES, size=(64, 48)) -> Path:
+    """A YOLO set: `labels[split][stem]` is that image's label file (None: no file)."""
+    for split, files in labels.items():
+        for stem, text in files.items():
+            _image(root / "images" / split / f"{stem}.jpg", size)
+            if text is not None:
+                path = root / "labels" / split / f"{stem}.txt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+    spec = {"path": ".", **{s: f"images/{s}" for s in labels}, "names": names}
+    (root / "data.yaml").write_text(json.dumps(spec))  # JSON is YAML
+    return root
+
+
+def _data(root: Path, fmt: str = "auto", **more) -> OmegaConf:
+    return OmegaConf.create(
+        {
+            "name": "detection",
+            "format": fmt,
+            "root": str(root),
+            "train_split": "train",
+            "val_split": "val",
+            "num_classes": "???",
+            # fmt: skip
+            "images": "{split}",
+            "annotations": "x",
+            "found": None,
+            **more,
+        }
+    )
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _gt(d, split: str) -> dict:
+    return json.loads(Path(d.annotations.format(split=split)).read_text())
+
+
+# -- YOLO ------------------------------------------------------------------------------------------
+
+
+def test_a_yolo_set_is_indexed_as_coco_with_pixel_boxes_and_polygons(tmp_path):
+    root = _yolo(tmp_path / "set", {
+        "train": {"a": "0 0.5 0.5 0.5 0.5\n2 0.25 0.25 0.5 0.5 0.5 0.75\n", "b": None, "c": ""},
+        "val": {"d": "1 0.25 0.5 0.25 0.5\n"},
+    })  # fmt: skip
+    d = _data(root)
+    line = resolve_detection(d, "train")
+    assert "a YOLO set (data.yaml), 3 classes" in line and "train 3 images, 2 boxes" in line
+    assert "2 images without labels" in line  # b (no file) and c (empty)
+    assert d.num_classes == 3 and d.found == "yolo" and Path(d.images) == root / "images"
+    gt = _gt(d, "train")
+    assert [c["name"] for c in gt["categories"]] == NAMES and [
+        c["id"] for c in gt["categories"]
+    ] == [1, 2, 3]
+    assert [i["file_name"] for i in gt["images"]] == ["train/a.jpg", "train/b.jpg", "train/c.jpg"]
+    assert {(i["width"], i["height"]) for i in gt["images"]} == {(64, 48)}
+    box, poly = gt["annotations"]
+    assert box["bbox"] == [16.0, 12.0, 32.0, 24.0] and box["category_id"] == 1
+    assert poly["category_id"] == 3 and poly["segmentation"] == [
+        [16.0, 12.0, 32.0, 24.0, 32.0, 36.0]
+    ]
+    assert poly["bbox"] == [16.0, 12.0, 16.0, 24.0] and poly["area"] == 96.0  # the triangle's
+    assert _gt(d, "val")["annotations"][0]["bbox"] == [8.0, 12.0, 16.0, 24.0]
+
+
+def test_yaml_names_as_a_dict_relative_paths_and_a_txt_list(tmp_path):
+    root = tmp_path / "set"
+    for stem in ("a", "b"):
+        _image(root / "images" / "all" / f"{stem}.jpg")
+        (root / "labels" / "all").mkdir(parents=True, exist_ok=True)
+        (root / "labels" / "all" / f"{stem}.txt").write_text("1 0.5 0.5 0.2 0.2\n")
+    (root / "train.txt").write_text("./images/all/a.jpg\n")
+    (root / "val.txt").write_text("./images/all/b.jpg\n")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "data.yaml").write_text(
+        f"path: {root}\ntrain: train.txt\nval: val.txt\nnames:\n  0: x\n  1: y\n"
+    )
+    d = _data(tmp_path / "cfg" / "data.yaml")
+    resolve_detection(d, "train")
+    assert d.num_classes == 2 and [i["file_name"] for i in _gt(d, "val")["images"]] == ["b.jpg"]
+
+
+def test_a_roboflow_yolo_export_s_parent_relative_splits_are_read_as_ultralytics_reads_them(
+    tmp_path,
+):
+    """Roboflow's YOLO export: data.yaml at the top, `train: ../train/images`, no `path:`; a path
+    that is not there is read without its ../, as Ultralytics does."""
+    root = tmp_path / "rf"
+    for folder in ("train", "valid"):
+        _image(root / folder / "images" / "a.jpg")
+        (root / folder / "labels").mkdir(parents=True)
+        (root / folder / "labels" / "a.txt").write_text("0 0.5 0.5 0.25 0.25\n")
+    (root / "data.yaml").write_text(
+        "train: ../train/images\nval: ../valid/images\nnc: 1\nnames: ['thing']\n"
+    )
+    d = _data(root)
+    resolve_detection(d, "train")
+    assert d.num_classes == 1 and _gt(d, "val")["annotations"][0]["bbox"] == [
+        24.0,
+        18.0,
+        16.0,
+        12.0,
+    ]
+    (root / "data.yaml").write_text(
+        "train: ../elsewhere/images\nval: ../valid/images\nnames: [a]\n"
+    )
+    with pytest.raises(ConfigError, match=r"read from the data.yaml's folder, .*rf\)"):
+        resolve_detection(_data(root), "train")
+
+
+def test_label_lines_checked_as_ultralytics_reads_them():
+    assert parse_line("0 0.5 0.5 0.2 0.2", 3).box == pytest.approx((0.4, 0.4, 0.6, 0.6))
+    edge = parse_line("0 0.0995 0.5 0.2 0.2", 3)  # reaches -0.0005: rounding, clipped
+    assert edge.clipped and edge.box[0] == 0.0
+    for text, why in (
+        ("3 0.5 0.5 0.2 0.2", "class 3 is not one of names' 0..2"),
+        ("0 0.5 0.5 0.2", "4 fields"),
+        ("0 0.5 0.5 0.2 0.2 0.1", "6 fields"),
+        ("0 0.5 0.5 nan 0.2", "not a finite number"),
+        ("0 12 30 40 50", r"outside \[0, 1\]"),
+        ("0 0.5 0.5 0 0.2", "zero width or height"),
+        ("a 0.5 0.5 0.2 0.2", "not a number"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            parse_line(text, 3)
+    assert label_path(Path("/d/images/train/images/x.png")) == Path("/d/images/train/labels/x.txt")
+
+
+def test_bad_val_labels_are_refused_naming_file_and_line(tmp_path):
+    root = _yolo(
+        tmp_path / "set",
+        {
+            "train": {"a": "0 0.5 0.5 0.5 0.5\n"},
+            # fmt: skip
+            "val": {"v": "0 0.5 0.5 0.5 0.5\n0 1.5 0.5 0.5 0.5\n"},
+        },
+    )
+    with pytest.raises(ConfigError) as err:
+        resolve_detection(_data(root), "train")
+    assert f"{root / 'labels' / 'val' / 'v.txt'}:2: a coordinate is outside [0, 1]" in str(
+        err.value
+    )
+
+
+def test_bad_train_labels_are_left_out_counted_and_named(tmp_path, caplog):
+    root = _yolo(tmp_path / "set", {
+        "train": {"a": "0 0.5 0.5 0.5 0.5\n0 0.5 0.5 0 0.2\n1 0.5 0.5\n", "b": "1 0.5 0.5 0.4 "
+                                                                               "0.4\n"},
+        "val": {"v": "0 0.5 0.5 0.5 0.5\n"},
+    })  # fmt: skip
+    (root / "labels" / "train" / "gone.txt").write_text("0 0.5 0.5 0.5 0.5\n")  # no image
+    d = _data(root)
+    with caplog.at_level(logging.WARNING):
+        line = resolve_detection(d, "train")
+    assert "2 bad label lines" in line and "1 label files without an image" in line
+    named = caplog.text
+    assert f"{root / 'labels/train/a.txt'}:2: the box has zero width or height" in named
+    assert f"{root / 'labels/train/a.txt'}:3: 3 fields" in named
+    assert f"{root / 'labels/train/gone.txt'}: a label file without an image" in named
+    assert len(_gt(d, "train")["annotations"]) == 2  # a's first line and b's
+
+
+def test_names_shorter_than_the_labels_use_is_one_line(tmp_path):
+    root = _yolo(tmp_path / "set", {"train": {"a": "5 0.5 0.5 0.5 0.5\n"},
+                                    "val": {"v": "0 0.5 0.5 0.5 0.5\n"}})  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"names lists 3 classes but 1 label line of the train "
+        r"split uses a class outside them .*add the missing names",
+    ):
+        resolve_detection(_data(root), "train")
+
+
+def test_a_yaml_naming_a_missing_folder_is_one_line(tmp_path):
+    root = tmp_path / "set"
+    root.mkdir()
+    (root / "data.yaml").write_text("path: .\ntrain: images/train\nval: images/val\nnames: [a]\n")
+    with pytest.raises(ConfigError, match=r"train: .*images/train does not exist: fix `train:`"):
+        resolve_detection(_data(root), "train")
+
+
+def test_an_unreadable_image_is_named(tmp_path):
+    root = _yolo(tmp_path / "set", {"train": {"a": "0 0.5 0.5 0.5 0.5\n"},
+                                    "val": {"v": "0 0.5 0.5 0.5 0.5\n"}})  # fmt: skip
+    (root / "images" / "val" / "v.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(ConfigError, match=r"v\.jpg: unreadable image"):
+        resolve_detection(_data(root), "train")
+
+
+def test_the_index_is_reused_until_a_file_changes(tmp_path, monkeypatch):
+    from visiondist.data.formats import labels
+
+    root = _yolo(tmp_path / "set", {"train": {"a": "0 0.5 0.5 0.5 0.5\n"},
+                                    "val": {"v": "0 0.5 0.5 0.5 0.5\n"}})  # fmt: skip
+    built = []
+    original = labels.index_yolo
+    monkeypatch.setattr("visiondist.data.formats.resolve.index_yolo",
+                        lambda *a: built.append(a[1]) or original(*a))  # fmt: skip
+    resolve_detection(_data(root), "train")
+    resolve_detection(_data(root), "train")
+    assert built == ["train", "val"]  # the second time, from the cache
+    label = root / "labels" / "train" / "a.txt"
+    label.write_text("1 0.5 0.5 0.5 0.5\n")
+    os.utime(label, ns=(1, 1))  # a change the same second still changes the file's time
+    d = _data(root)
+    resolve_detection(d, "train")
+    assert (
+        built == ["train", "val", "train"] and _gt(d, "train")["annotations"][0]["category_id"] == 2
+    )
+
+
+# -- VOC -------------------------------------------------------------------------------------------
+
+
+def _voc_file(
+    root: Path, stem: str, objects: str, size="<size><width>64</width><height>48</height></size>"
+):
+    (root / "Annotations").mkdir(parents=True, exist_ok=True)
+    _image(root / "JPEGImages" / f"{stem}.jpg")
+    (root / "Annotations" / f"{stem}.xml").write_text(
+        f"<annotation><filename>{stem}.jpg</filename>{size}{objects}</annotation>"
+    )
+
+
+def _voc_object(name: str, box: tuple, difficult: int = 0) -> str:
+    corners = "".join(f"<{k}>{v}</{k}>" for k, v in zip(("xmin", "ymin", "xmax", "ymax"), box))
+    return (
+        f"<object><name>{name}</name><difficult>{difficult}</difficult>"
+        f"<bndbox>{corners}</bndbox></object>"
+    )
+
+
+def _voc(root: Path) -> Path:
+    _voc_file(
+        root, "a", _voc_object("dog", (11, 11, 30, 40)) + _voc_object("cat", (1, 1, 64, 48), 1)
+    )
+    _voc_file(root, "b", _voc_object("cat", (5, 5, 20, 20)))
+    (root / "ImageSets" / "Main").mkdir(parents=True)
+    (root / "ImageSets" / "Main" / "train.txt").write_text("a\n")
+    (root / "ImageSets" / "Main" / "val.txt").write_text("b\n")
+    return root
+
+
+def test_a_voc_set_inside_a_vocdevkit_is_indexed_with_difficult_as_ignored(tmp_path):
+    _voc(tmp_path / "VOCdevkit" / "VOC2012")
+    d = _data(tmp_path / "VOCdevkit")
+    line = resolve_detection(d, "train")
+    assert "a Pascal VOC set, 20 classes" in line and "1 difficult objects" in line
+    gt = _gt(d, "train")
+    dog, cat = gt["annotations"]
+    assert gt["categories"][11]["name"] == "dog" and dog["category_id"] == 12  # VOC's order
+    assert dog["bbox"] == [10.0, 10.0, 20.0, 30.0] and dog["iscrowd"] == 0
+    assert cat["iscrowd"] == 1 and cat["bbox"] == [0.0, 0.0, 64.0, 48.0]
+
+
+def test_voc_names_outside_voc_s_twenty_are_sorted(tmp_path):
+    root = tmp_path / "voc"
+    _voc_file(root, "a", _voc_object("zebra", (2, 2, 9, 9)) + _voc_object("ant", (2, 2, 9, 9)))
+    _voc_file(root, "b", _voc_object("ant", (2, 2, 9, 9)))
+    (root / "ImageSets" / "Main").mkdir(parents=True)
+    (root / "ImageSets" / "Main" / "train.txt").write_text("a\n")
+    (root / "ImageSets" / "Main" / "val.txt").write_text("b\n")
+    d = _data(root)
+    resolve_detection(d, "train")
+    assert [c["name"] for c in _gt(d, "val")["categories"]] == ["ant", "zebra"]
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("<size></size>", "no <size>"),
+    ("<size><width>64</width><height>48</height></size>" + _voc_object("cat", (10, 10, 80, 20)),
+     "outside its 64 x 48 image"),
+])  # fmt: skip
+def test_bad_voc_annotations_are_named(tmp_path, bad, why):
+    root = _voc(tmp_path / "voc")
+    (root / "Annotations" / "b.xml").write_text(f"<annotation>{bad}</annotation>")
+    with pytest.raises(ConfigError, match=rf"b\.xml: .*{why}"):
+        resolve_detection(_data(root), "train")
+
+
+def test_an_xml_declaring_entities_is_refused_not_expanded(tmp_path):
+    root = _voc(tmp_path / "voc")
+    laughs = ('<?xml version="1.0"?><!DOCTYPE lolz [<!ENTITY lol "lol">'
+              '<!ENTITY lol2 "&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;">]>'
+              "<annotation><filename>b.jpg</filename>&lol2;</annotation>")  # fmt: skip
+    (root / "Annotations" / "b.xml").write_text(laughs)
+    with pytest.raises(
+        ConfigError, match=r"b\.xml: declares XML entities \(refused, not expanded\)"
+    ):
+        resolve_detection(_data(root), "train")
+
+
+def test_a_missing_voc_split_names_those_there(tmp_path):
+    root = _voc(tmp_path / "voc")
+    with pytest.raises(
+        ConfigError, match=r"trainval\.txt does not exist: the VOC splits there are train, val"
+    ):
+        resolve_detection(_data(root, train_split="trainval"), "train")
+
+
+# -- COCO layouts ----------------------------------------------------------------------------------
+
+
+def _coco_split(folder: Path, annotations: Path, categories: list[dict]) -> None:
+    _image(folder / "a.jpg")
+    annotations.parent.mkdir(parents=True, exist_ok=True)
+    annotations.write_text(json.dumps({
+        "images": [{"id": 1, "file_name": "a.jpg", "width": 64, "height": 48}],
+        "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [1, 2, 10, 10],
+                         "area": 100, "iscrowd": 0}],
+        "categories": categories,
+    }))  # fmt: skip
+
+
+def test_a_roboflow_export_is_read_without_its_group_category(tmp_path):
+    root = tmp_path / "rf"
+    categories = [{"id": 0, "name": "pets", "supercategory": "none"},
+                  {"id": 1, "name": "cat", "supercategory": "pets"},
+                  {"id": 2, "name": "dog", "supercategory": "pets"}]  # fmt: skip
+    for split in ("train", "valid"):
+        _coco_split(root / split, root / split / "_annotations.coco.json", categories)
+    d = _data(root)
+    line = resolve_detection(d, "train")
+    assert "COCO in Roboflow's layout; splits train, valid" in line and "'pets'" in line
+    assert d.val_split == "valid" and d.found == "coco (Roboflow)"
+    assert [c["name"] for c in _gt(d, "valid")["categories"]] == ["cat", "dog"]
+    assert Path(d.images.format(split="valid")) == root / "valid"
+
+
+def test_a_cvat_export_with_one_image_folder(tmp_path):
+    root = tmp_path / "cvat"
+    for split in ("train", "val"):
+        _coco_split(root / "images", root / "annotations" / f"instances_{split}.json",
+                    [{"id": 1, "name": "cat", "supercategory": ""}])  # fmt: skip
+    d = _data(root)
+    resolve_detection(d, "train")
+    assert d.found == "coco (CVAT / Label Studio)" and Path(d.images) == root / "images"
+    assert d.annotations == str(root / "annotations/instances_{split}.json")
+
+
+def test_a_folder_of_no_format_known_is_one_line(tmp_path):
+    (tmp_path / "x").mkdir()
+    assert recognise(tmp_path / "x") is None
+    with pytest.raises(ConfigError, match=r"is of no format known: a YOLO set has a data\.yaml"):
+        resolve_detection(_data(tmp_path / "x"), "train")
+
+
+def test_data_coco_on_a_yolo_folder_names_the_data_config_that_reads_it(tmp_path):
+    from visiondist.preflight import _check_split
+
+    root = _yolo(tmp_path / "set", {"train": {"a": ""}, "val": {"v": ""}})
+    d = OmegaConf.create({"name": "coco", "format": "coco", "root": str(root),
+                          "images": "{split}", "annotations": "annotations/instances_{split}.json",
+                          "train_split": "train2017", "val_split": "val2017"})  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"is a YOLO set \(data\.yaml\), not a tree of data=coco's "
+        r"layout: read it with data=detection",
+    ):
+        _check_split(d, root, "train2017")
+
+
+# -- one format from another -----------------------------------------------------------------------
+
+
+def _three_forms(tmp_path: Path) -> dict[str, Path]:
+    """One set as COCO (written from its YOLO index), YOLO and VOC."""
+    yolo = _yolo(tmp_path / "yolo", {
+        "train": {"a": "0 0.5 0.5 0.5 0.5\n1 0.3125 0.25 0.125 0.25\n", "b": "2 0.75 0.5 0.25 "
+                                                                             "0.5\n"},
+        "val": {"v": "1 0.5 0.5 0.25 0.25\n"},
+    })  # fmt: skip
+    d = _data(yolo)
+    resolve_detection(d, "train")
+    sources = {s: (_gt(d, s), Path(d.images)) for s in ("train", "val")}
+    forms = {"yolo": yolo}
+    for name, write in (("coco", write_coco), ("voc", write_voc)):
+        write(sources, tmp_path / name)
+        forms[name] = tmp_path / name
+    return forms
+
+
+def test_coco_yolo_and_voc_forms_of_one_set_are_the_same_ground_truth(tmp_path):
+    forms = _three_forms(tmp_path)
+    truth = {}
+    for name, root in forms.items():
+        d = _data(root)
+        resolve_detection(d, "train")
+        truth[name] = [
+            [
+                (a["image_id"], a["category_id"], a["bbox"], a["iscrowd"])
+                for a in _gt(d, s)["annotations"]
+            ]
+            for s in (d.train_split, d.val_split)
+        ]
+    assert truth["yolo"] == truth["coco"] == truth["voc"]
+    assert truth["yolo"][0][1] == (1, 2, [16.0, 6.0, 8.0, 12.0], 0)
+
+
+def test_a_round_trip_through_yolo_gives_the_same_coco(tmp_path):
+    forms = _three_forms(tmp_path)
+    d = _data(forms["coco"])
+    resolve_detection(d, "train")
+    first = {s: _gt(d, s) for s in ("train", "val")}
+    write_yolo({s: (first[s], Path(d.images.format(split=s))) for s in first}, tmp_path / "again")
+    d2 = _data(tmp_path / "again")
+    resolve_detection(d2, "train")
+    for s in ("train", "val"):
+        again = _gt(d2, s)
+        assert [(a["bbox"], a["category_id"]) for a in again["annotations"]] == [
+            (a["bbox"], a["category_id"]) for a in first[s]["annotations"]
+        ]
+        assert again["categories"] == first[s]["categories"]

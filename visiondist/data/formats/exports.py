@@ -1,0 +1,70 @@
+"""COCO-format sets in the layouts COCO itself and annotation tools write, recognised from the
+folder: where each split's annotation file and images are.
+
+- COCO: annotations/instances_<split>.json, the images in <split>/ or images/<split>/;
+- CVAT and Label Studio (their COCO exports): annotations/instances_<split>.json, the images in
+  images/<split>/ or images/;
+- Roboflow: <split>/_annotations.coco.json beside the split's images.
+
+Roboflow names the validation split `valid`; a split asked for as `val` is read from `valid/` where
+there is no `val/`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+ROBOFLOW_FILE = "_annotations.coco.json"
+VAL_NAMES = ("val", "valid", "validation")
+
+
+@dataclass(frozen=True)
+class CocoLayout:
+    """The data config's `images` and `annotations` patterns ({split} in each) of a COCO-format
+    tree, and the split names found there."""
+
+    name: str  # "COCO", "Roboflow", "CVAT / Label Studio"
+    images: str
+    annotations: str
+    splits: tuple[str, ...]
+
+    def split_name(self, asked: str) -> str:
+        """The split `asked` as this layout names it (val: Roboflow's `valid`)."""
+        if asked in self.splits or asked not in VAL_NAMES:
+            return asked
+        return next((s for s in VAL_NAMES if s in self.splits), asked)
+
+
+def find_layout(root: Path) -> Optional[CocoLayout]:
+    """The COCO layout of `root`, or None when it holds no COCO annotation file where a layout puts
+    one."""
+    roboflow = tuple(sorted(p.parent.name for p in root.glob(f"*/{ROBOFLOW_FILE}")))
+    if roboflow:
+        return CocoLayout("Roboflow", "{split}", "{split}/" + ROBOFLOW_FILE, roboflow)
+    files = sorted((root / "annotations").glob("instances_*.json"))
+    if not files:
+        return None
+    splits = tuple(f.stem.removeprefix("instances_") for f in files)
+    for images, name in (("{split}", "COCO"), ("images/{split}", "CVAT / Label Studio")):
+        if all((root / images.format(split=s)).is_dir() for s in splits):
+            return CocoLayout(name, images, "annotations/instances_{split}.json", splits)
+    if (root / "images").is_dir():
+        return CocoLayout("CVAT / Label Studio", "images", "annotations/instances_{split}.json",
+                          splits)  # fmt: skip
+    return None
+
+
+def coco_paths(cfg, split: str) -> tuple[Path, Path]:
+    """(image folder, annotation file) of a split of a COCO-format data config.
+
+    Args:
+        cfg: the data config (its `root`, `images` and `annotations` patterns).
+        split: the split's name, e.g. cfg.val_split.
+
+    Returns:
+        The split's image folder and its annotation file (neither checked).
+    """
+    root = Path(cfg.root).expanduser()
+    return root / cfg.images.format(split=split), root / cfg.annotations.format(split=split)

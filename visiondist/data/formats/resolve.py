@@ -1,0 +1,362 @@
+"""A user's detection data recognised from `data.root` alone, and read as COCO by everything after.
+
+`recognise` names the format of a folder: a YOLO set (a data.yaml), a Pascal VOC set (Annotations/
+and JPEGImages/), or a COCO-format tree in one of the layouts annotation tools export
+(`exports.py`). `resolve_detection` then fills the data config in the launching process, before
+any rank starts: a COCO tree gets its `images` / `annotations` patterns; a YOLO or VOC split is
+indexed as COCO ground truth (`labels.py`) into the user's cache, and the config points at it
+(`data.annotations` an absolute path, `data.images` the folder the images' names are relative to).
+
+The index of a split is reused while its inputs are unchanged: the names, sizes and modification
+times of its data.yaml / split list, its images and its label files (stat'ed, not read); anything
+else rebuilds it. One process builds it at a time (a lock in the cache folder); the others wait and
+read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from visiondist.config import ConfigError
+from visiondist.data.formats.exports import CocoLayout, find_layout
+from visiondist.data.formats.labels import (
+    Problem,
+    SplitIndex,
+    default_workers,
+    index_voc,
+    index_yolo,
+    read_voc,
+)
+from visiondist.data.formats.voc import VocImage, class_names, find_root, split_ids
+from visiondist.data.formats.yolo import YoloSet, find_yaml, label_file, list_images, read_yaml
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("yolo", "voc", "coco")
+_VERSION = 1
+NAMED = 10  # problems named in one line; the rest counted
+
+
+@dataclass(frozen=True)
+class Recognised:
+    """What a folder holds: its format and where its parts are."""
+
+    format: str  # yolo, voc or coco
+    root: Path  # the data.yaml (yolo), the VOC folder (voc), the tree (coco)
+    what: str  # how it was recognised, for the start-up line
+    layout: Optional[CocoLayout] = None
+
+
+def recognise(root: Path) -> Optional[Recognised]:
+    """The detection format of `root`, or None when it is none of YOLO, VOC or a COCO layout."""
+    yaml_file = find_yaml(root)
+    if yaml_file is not None:
+        return Recognised("yolo", yaml_file, f"a YOLO set ({yaml_file.name})")
+    voc = find_root(root) if root.is_dir() else None
+    if voc is not None:
+        return Recognised("voc", voc, "a Pascal VOC set")
+    layout = find_layout(root) if root.is_dir() else None
+    if layout is not None:
+        return Recognised("coco", root, f"COCO in {layout.name}'s layout", layout)
+    return None
+
+
+def cache_folder(recognised: Recognised) -> Path:
+    """Where a set's indexes live: the user's cache, one folder per set."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "visiondist"
+    key = hashlib.sha1(f"{recognised.format}:{recognised.root.resolve()}".encode()).hexdigest()
+    return base / "labels" / key[:16]
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _signature(files: Sequence[Path | str]) -> str:
+    """The names, sizes and modification times of `files` (a missing one counts as missing)."""
+    digest = hashlib.sha1()
+    for path in files:
+        try:
+            stat = os.stat(path)
+            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        except FileNotFoundError:
+            digest.update(f"{path}\0-\n".encode())
+    return digest.hexdigest()
+
+
+def inputs_of(
+    recognised: Recognised, split: str, images: Optional[list[Path]] = None
+) -> list[Path | str]:
+    """Every file whose change changes the split's index (a YOLO split: `images`, its listing,
+    where the caller has it)."""
+    if recognised.layout is not None:
+        return [recognised.root / recognised.layout.annotations.format(split=split)]
+    if recognised.format == "yolo":
+        if images is None:
+            images = list_images(read_yaml(recognised.root).splits[split])
+        return [recognised.root, *images, *(label_file(str(i)) for i in images)]
+    listed = recognised.root / "ImageSets" / "Main" / f"{split}.txt"
+    ids = split_ids(recognised.root, split)
+    return [listed, *(recognised.root / "Annotations" / f"{i}.xml" for i in ids)]
+
+
+def cached_index(
+    recognised: Recognised, split: str, build, inputs: Sequence[Path | str]
+) -> tuple[Path, dict[str, Any]]:
+    """(the split's COCO file, its record: counts, problems, image root), from the cache while
+    `inputs` (`inputs_of`) are unchanged, else built by `build()` (a `SplitIndex`) and stored."""
+    folder = cache_folder(recognised)
+    target, record_file = folder / f"{split}.json", folder / f"{split}.record.json"
+    with _locked(folder):
+        signature = _signature(inputs)
+        if target.is_file() and record_file.is_file():
+            with contextlib.suppress(ValueError, OSError):
+                record = json.loads(record_file.read_text())
+                if record.get("version") == _VERSION and record.get("signature") == signature:
+                    return target, record
+        index: SplitIndex = build()
+        record = {
+            "version": _VERSION,
+            "signature": signature,
+            "image_root": str(index.image_root),
+            "counts": dict(index.counts),
+            "problems": [[p.file, p.line, p.reason] for p in index.problems],
+            "names": [c["name"] for c in index.coco["categories"]],
+        }
+        for path, data in ((target, index.coco), (record_file, record)):
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(path)
+        return target, record
+
+
+def _yolo_builders(
+    recognised: Recognised, dataset: YoloSet, listed: dict[str, list[Path]], workers: int
+):
+    images = [i for s in listed for i in listed[s]]
+    if not images:
+        raise ConfigError(f"{recognised.root}: its {' and '.join(listed)} splits hold no image")
+    image_root = Path(os.path.commonpath([str(i.parent) for i in images]))
+    return {s: (lambda s=s: index_yolo(dataset, s, image_root, workers, listed[s])) for s in listed}
+
+
+def _voc_builders(recognised: Recognised, splits: list[str], workers: int):
+    """Each split's builder; the class names are those of every split asked for, so the first
+    build reads them all (once)."""
+    root = recognised.root
+
+    @functools.cache
+    def read() -> dict[str, list[VocImage | Problem]]:
+        return {s: read_voc(root, split_ids(root, s), workers) for s in splits}
+
+    def build(split: str) -> SplitIndex:
+        found = {o.name for entries in read().values() for e in entries
+                 if not isinstance(e, Problem) for o in e.objects}  # fmt: skip
+        return index_voc(root, read()[split], class_names(root, found))
+
+    return {s: (lambda s=s: build(s)) for s in splits}
+
+
+def _split_keys(recognised: Recognised, d: DictConfig, purpose: str) -> list[tuple[str, str]]:
+    """(the data config's key, the split's name in the set) of each split `purpose` reads."""
+    keys = [("val_split", d.val_split)] if purpose == "eval" else [
+        ("train_split", d.train_split), ("val_split", d.val_split)
+    ]  # fmt: skip
+    if recognised.layout is not None:
+        return [(key, recognised.layout.split_name(split)) for key, split in keys]
+    return keys
+
+
+def _check_splits(recognised: Recognised, splits: list[str]) -> Optional[YoloSet]:
+    if recognised.format != "yolo":
+        for split in splits:
+            split_ids(recognised.root, split)  # a missing split list: one line naming those there
+        return None
+    dataset = read_yaml(recognised.root)
+    for split in splits:
+        if split not in dataset.splits:
+            raise ConfigError(
+                f"{recognised.root} has no `{split}:` split (it has "
+                f"{', '.join(dataset.splits)}): add it, or choose with data.train_split= / "
+                "data.val_split="
+            )
+    return dataset
+
+
+def resolve_detection(d: DictConfig, purpose: str = "train") -> str:
+    """Recognise the format of `data.root` (`data.format=auto`, or check it is the yolo / voc named)
+    and fill the data config so that the COCO reader reads it: for YOLO and VOC, the splits indexed
+    into the user's cache (built, or reused while unchanged). A val split with a bad label is
+    refused; a train split's bad labels are left out and counted.
+
+    Args:
+        d: the data config (`data`), changed in place: format, images, annotations, the split
+            names as the set names them, num_classes where unset.
+        purpose: "train" (train and val splits) or "eval" (val).
+
+    Returns:
+        The start-up line: the format recognised, its counts, the index.
+
+    Raises:
+        ConfigError: a folder of no format known, a missing split, a bad val label, `names`
+            shorter than the labels use, data.num_classes against the set's classes.
+    """
+    root = Path(d.root).expanduser()
+    if not root.exists():
+        raise ConfigError(f"data.root={d.root} does not exist")
+    recognised = recognise(root)
+    if recognised is None or (d.format != "auto" and recognised.format != d.format):
+        what = f"not {d.format} data" if d.format != "auto" else "of no format known"
+        raise ConfigError(
+            f"{root} is {what}: a YOLO set has a data.yaml, a Pascal VOC set Annotations/ and "
+            "JPEGImages/, a COCO set annotations/instances_<split>.json or "
+            '<split>/_annotations.coco.json (docs/data.md, "Your own detection data")'
+        )
+    keys = _split_keys(recognised, d, purpose)
+    for key, split in keys:
+        d[key] = split
+    layout = recognised.layout
+    d.found = (
+        f"coco ({layout.name})"
+        if layout is not None and layout.name != "COCO"
+        else recognised.format
+    )
+    if recognised.format == "coco":
+        return _coco_layout(d, recognised, keys)
+    splits = [split for _, split in keys]
+    dataset = _check_splits(recognised, splits)
+    workers = default_workers()
+    listed = {s: list_images(dataset.splits[s]) for s in splits} if dataset is not None else {}
+    builders = (
+        _yolo_builders(recognised, dataset, listed, workers)
+        if dataset is not None
+        else _voc_builders(recognised, splits, workers)
+    )
+    parts = []
+    names: list[str] = []
+    for key, split in keys:
+        inputs = inputs_of(recognised, split, listed.get(split))
+        target, record = cached_index(recognised, split, builders[split], inputs)
+        _refuse_or_count(record, split, val=key == "val_split", root=recognised.root)
+        names = record["names"]
+        parts.append(f"{split} {_counts_text(record['counts'])}")
+        d.annotations = str(target.parent / "{split}.json")
+        d.images = record["image_root"]
+    _classes(d, names, recognised)
+    return (
+        f"data: {root} is {recognised.what}, {len(names)} classes; "
+        + "; ".join(parts)
+        + f" (index: {cache_folder(recognised)})"
+    )
+
+
+def _counts_text(counts: dict[str, int]) -> str:
+    main = f"{counts.get('images', 0)} images, {counts.get('boxes', 0)} boxes"
+    rest = [f"{n} {what}" for what, n in counts.items() if n and what not in ("images", "boxes")]
+    return main + (f" ({', '.join(rest)})" if rest else "")
+
+
+def _refuse_or_count(record: dict[str, Any], split: str, val: bool, root: Path) -> None:
+    problems = [Problem(*p) for p in record["problems"]]
+    if not problems:
+        return
+    unnamed = [p for p in problems if p.reason.startswith("class ")]
+    if unnamed:  # every label of those classes would be lost: the names are short, not the labels
+        raise ConfigError(
+            f"{root}: names lists {len(record['names'])} classes but {len(unnamed)} label line"
+            f"{'s' if len(unnamed) > 1 else ''} of the {split} split use"
+            f"{'' if len(unnamed) > 1 else 's'} a class outside them ({unnamed[0]}): add the "
+            "missing names (in class-index order), or fix those lines"
+        )
+    named = "; ".join(str(p) for p in problems[:NAMED])
+    more = f" (and {len(problems) - NAMED} more)" if len(problems) > NAMED else ""
+    if val:
+        raise ConfigError(
+            f"{root}: the {split} split has {len(problems)} label problem"
+            f"{'s' if len(problems) > 1 else ''}, which an exact evaluation cannot leave out: "
+            f"{named}{more}; fix or remove them"
+        )
+    log.warning(
+        "%s: %d label problem%s in the %s split, left out of training: %s%s",
+        root, len(problems), "s" if len(problems) > 1 else "", split, named, more,
+    )  # fmt: skip
+
+
+def _classes(d: DictConfig, names: list[str], recognised: Recognised) -> None:
+    if OmegaConf.is_missing(d, "num_classes"):
+        d.num_classes = len(names)
+    elif d.num_classes != len(names):
+        raise ConfigError(
+            f"data.num_classes={d.num_classes} but {recognised.root} names {len(names)} classes: "
+            f"drop data.num_classes (it is read from the data) or set it to {len(names)}"
+        )
+
+
+def _coco_layout(d: DictConfig, recognised: Recognised, keys: list[tuple[str, str]]) -> str:
+    """A COCO tree in a tool's layout: its patterns, absolute. A split whose categories hold a group
+    name (Roboflow's category 0, the supercategory of every other, with no annotation of its own) is
+    read from a copy in the cache without it, so that the classes are the labelled ones."""
+    assert recognised.layout is not None
+    root, layout = recognised.root, recognised.layout
+    d.images = str(root / layout.images)
+    d.annotations = str(root / layout.annotations)
+    dropped = {split: _group_category(Path(d.annotations.format(split=split))) for _, split in keys}
+    if any(dropped.values()):
+        for _, split in keys:
+            source = Path(str(root / layout.annotations).format(split=split))
+            target, _ = cached_index(
+                recognised, split, lambda source=source: _ungrouped(source), [source]
+            )
+        d.annotations = str(target.parent / "{split}.json")
+    names = next((n for n in dropped.values() if n), None)
+    return f"data: {root} is {recognised.what}; splits {', '.join(s for _, s in keys)}" + (
+        f" (its category {names!r} names the group of the others: left out)" if names else ""
+    )
+
+
+def _group_category(path: Path) -> Optional[str]:
+    """The name of a category that only groups the others (every other's supercategory, no
+    annotation of its own), or None."""
+    if not path.is_file():
+        return None
+    coco = json.loads(path.read_text())
+    return _group_of(coco)
+
+
+def _group_of(coco: dict[str, Any]) -> Optional[str]:
+    categories = coco.get("categories", [])
+    used = {a["category_id"] for a in coco.get("annotations", [])}
+    for c in categories:
+        others = [o for o in categories if o is not c]
+        if (
+            others
+            and c["id"] not in used
+            and all(o.get("supercategory") == c["name"] for o in others)
+        ):
+            return str(c["name"])
+    return None
+
+
+def _ungrouped(source: Path) -> SplitIndex:
+    coco = json.loads(source.read_text())
+    group = _group_of(coco)
+    coco["categories"] = [c for c in coco["categories"] if c["name"] != group]
+    return SplitIndex(coco, source.parent)
