@@ -12,6 +12,10 @@
 Imports: config, utils, data's own modules.
 """
 
-from visiondist.data.formats.resolve import FORMATS, Recognised, recognise, resolve_detection
+from visiondist.utils.lazy import lazy_exports
 
-__all__ = ["FORMATS", "Recognised", "recognise", "resolve_detection"]
+# imported on first use: a rank that only needs `exports.coco_paths` (every detection run's loaders,
+# prediction, export) does not import the readers (YAML, PIL, defusedxml)
+__getattr__, __all__ = lazy_exports(
+    __name__, {"resolve": ("FORMATS", "Recognised", "recognise", "resolve_detection")}
+)

@@ -125,13 +125,16 @@ def cached_index(
     `inputs` (`inputs_of`) are unchanged, else built by `build()` (a `SplitIndex`) and stored."""
     folder = cache_folder(recognised)
     target, record_file = folder / f"{split}.json", folder / f"{split}.record.json"
+    # the files stat'ed and the cache read without the lock (both files are replaced whole, the
+    # record last): the ranks of a torchrun job each check it at once, not one after another
+    signature = _signature(inputs)
+    record = _valid_record(target, record_file, signature)
+    if record is not None:
+        return target, record
     with _locked(folder):
-        signature = _signature(inputs)
-        if target.is_file() and record_file.is_file():
-            with contextlib.suppress(ValueError, OSError):
-                record = json.loads(record_file.read_text())
-                if record.get("version") == _VERSION and record.get("signature") == signature:
-                    return target, record
+        record = _valid_record(target, record_file, signature)  # built meanwhile by another
+        if record is not None:
+            return target, record
         index: SplitIndex = build()
         record = {
             "version": _VERSION,
@@ -146,6 +149,18 @@ def cached_index(
             tmp.write_text(json.dumps(data))
             tmp.replace(path)
         return target, record
+
+
+def _valid_record(target: Path, record_file: Path, signature: str) -> Optional[dict[str, Any]]:
+    """The cached index's record where it was built from files of this `signature`, else None."""
+    if not (target.is_file() and record_file.is_file()):
+        return None
+    try:
+        record = json.loads(record_file.read_text())
+    except (ValueError, OSError):
+        return None
+    valid = record.get("version") == _VERSION and record.get("signature") == signature
+    return record if valid else None
 
 
 def _yolo_builders(
