@@ -377,7 +377,7 @@ def test_a_folder_of_no_format_known_is_one_line(tmp_path):
 
 
 def test_data_coco_on_a_yolo_folder_names_the_data_config_that_reads_it(tmp_path):
-    from visiondist.preflight import _check_split
+    from visiondist.preflight.inputs import _check_split
 
     root = _yolo(tmp_path / "set", {"train": {"a": ""}, "val": {"v": ""}})
     d = OmegaConf.create({"name": "coco", "format": "coco", "root": str(root),

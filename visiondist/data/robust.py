@@ -8,7 +8,8 @@ with its reason, the first `SHOWN_BAD` of them; every one is listed with its rea
 `<run>/bad_images.txt` (shared by the workers), whose files the run's summary counts; `limit`
 consecutive unreadable candidates stop the run with the last path and the fix. Evaluation never
 replaces: an unreadable validation image is an error, since every image must be scored exactly once
-(the launcher names every one before any rank starts: `visiondist.preflight.check_val_readable`).
+(the launcher names every one before any rank starts:
+`visiondist.preflight.images.check_val_readable`).
 """
 
 from __future__ import annotations

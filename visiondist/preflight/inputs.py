@@ -9,9 +9,9 @@ batch, not an error).
 Cheap by design: directory listings (`os.scandir`; a class folder is listed until its first image,
 and images are counted only up to one global batch), the `categories` of COCO annotation files (read
 from the file's tail, not the whole file), tensor shapes of weights (safetensors' header, a
-checkpoint's metadata). A COCO training file up to `_SMALL_COCO` bytes is read whole, with the
-dataset's own rules, to count its usable images; a larger one lists far more images than a batch
-holds and is not counted here.
+checkpoint's metadata). A COCO training file up to `images._SMALL_COCO` bytes is read whole, with
+the dataset's own rules, to count its usable images; a larger one lists far more images than a batch
+holds and is not counted here. The images' checks are in `images.py`.
 
 What a check reads with (the data package and with it torch, the detectors, PIL, numpy: 0.05-4 s)
 is imported by the check that reads: printing and planning a config (`--cfg job`, tools/plan.py)
@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from omegaconf import OmegaConf
 
@@ -33,12 +32,15 @@ from visiondist.config import ConfigError
 from visiondist.config.schema import DETECTION_FORMATS
 from visiondist.config.validate import check_trackers_installed
 from visiondist.models.registry import spec_of
+from visiondist.preflight.images import (
+    check_builtin_batch,
+    check_images,
+    check_val_readable,
+    coco_categories,
+    reads_masks,
+)
 from visiondist.utils.dcp import list_checkpoints
 from visiondist.utils.pretrained import WeightsNotFound, is_named, local_file
-
-_TAIL = 1 << 20  # COCO files end with their categories: the last MB holds them
-# a COCO training file up to this size is read whole to count its usable images
-_SMALL_COCO = 32 << 20
 
 
 def check_inputs(cfg, purpose: str = "train") -> None:
@@ -83,11 +85,11 @@ def check_inputs(cfg, purpose: str = "train") -> None:
     if d.format == "shards":  # packing counted and checked a pack's samples; `_packed` its batch
         pass
     elif d.synthetic is None:
-        check_images(d, root, purpose, _has_masks(cfg.model))
+        check_images(d, root, purpose, reads_masks(cfg.model))
         check_val_readable(d, root)
     else:
         if purpose == "train":
-            _check_builtin_batch(d, found)
+            check_builtin_batch(d, found)
         # a built-in set generated earlier: its files as they are
         check_val_readable(d, Path(d.root).expanduser())
     # a resumed run reads its checkpoint, not these
@@ -294,236 +296,3 @@ def _other_layout(d) -> None:
 
 def _split_key(d, split: str) -> str:
     return "train_split" if split == d.train_split else "val_split"
-
-
-# -- images: none missing from a class, at least one global batch to train on ----------------------
-
-
-def _has_masks(model_cfg) -> bool:
-    from visiondist.models.detection import has_masks  # noqa: PLC0415 (reader)
-
-    return has_masks(model_cfg)
-
-
-def check_images(d, root: Path, purpose: str = "train", masks: bool = False) -> None:
-    """What the ranks' datasets would refuse, said before they start: a class folder without images
-    (in each split read), train and val class folders that differ, and for training a split with
-    fewer images than one global batch (`data.batch_size`): no optimizer step could be drawn from
-    it. COCO: the usable training images (at least one box left after the dataset's rules), and with
-    `data.aspect_grouping` a full batch in the landscape or the portrait group."""
-    if d.format in DETECTION_FORMATS:
-        if purpose == "train":
-            _check_coco_batch(d, masks)
-        return
-    need = int(d.batch_size) if purpose == "train" else 0
-    classes = {}
-    for split in [d.train_split, d.val_split] if purpose == "train" else [d.val_split]:
-        classes[split], images = _count_images(
-            d, root, split, need if split == d.train_split else 0
-        )
-        if split == d.train_split and images < need:
-            raise ConfigError(
-                f"data.root={d.root}: the training split {split}/ has {images} images, fewer than "
-                f"one global batch data.batch_size={need}: lower data.batch_size (e.g. "
-                f"data.batch_size={_fitting_batch(images)}) or add images"
-            )
-    if purpose == "train" and classes[d.train_split] != classes[d.val_split]:
-        train, val = set(classes[d.train_split]), set(classes[d.val_split])
-        differ = "; ".join(
-            f"only in {split}/: {_some(names)}"
-            for split, names in ((d.train_split, train - val), (d.val_split, val - train))
-            if names
-        )
-        raise ConfigError(
-            f"data.root={d.root}: the class folders of {d.val_split}/ and {d.train_split}/ differ "
-            f"({differ}): give both splits the same class folders (the labels are their sorted "
-            "order)"
-        )
-
-
-def _count_images(d, root: Path, split: str, need: int) -> tuple[list[str], int]:
-    """(the split's class folders, its images counted up to `need`): each class folder is listed
-    until its first image, and further only while fewer than `need` images were seen. A class folder
-    without any is an error."""
-    from visiondist.data.imagefolder import IMG_EXTENSIONS  # noqa: PLC0415 (reader)
-
-    split_dir = root / split
-    with os.scandir(split_dir) as entries:
-        classes = sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
-    total = 0
-    for name in classes:
-        found = 0
-        with os.scandir(split_dir / name) as entries:
-            for e in entries:
-                if e.name.lower().endswith(IMG_EXTENSIONS) and e.is_file():
-                    found += 1
-                    if total + found >= need:
-                        break
-        if not found:
-            raise ConfigError(
-                f"data.root={d.root}: class folder {split}/{name} holds no images "
-                f"({', '.join(IMG_EXTENSIONS)}): add images or remove the folder"
-            )
-        total += found
-    return classes, total
-
-
-def check_val_readable(d, root: Path) -> None:
-    """Every image of the val split (a folder tree's, or each one a COCO annotation file lists)
-    readable, from its size, header and end marker (`unreadable_reason`; no decoding): one error
-    naming the unreadable ones and their reasons, before any rank starts, since each val image is
-    scored. Once a machine (`LOCAL_RANK` unset or 0: under torchrun one process a node checks, and
-    its exit stops the others); a rank checks its share again before step 1
-    (`visiondist.train.build.check_val_images`)."""
-    if os.environ.get("LOCAL_RANK", "0") != "0":
-        return
-    from visiondist.data.robust import name_bad, unreadable_reason  # noqa: PLC0415 (reader)
-
-    paths = _val_paths(d, root) if _val_present(d, root) else []
-    if not paths:
-        return
-    workers = min(32, 4 * (os.cpu_count() or 1))  # the reads wait on the disk, not the CPU
-    with ThreadPoolExecutor(workers) as pool:
-        reasons = list(pool.map(unreadable_reason, paths, chunksize=64))
-    bad = [(str(path), reason) for path, reason in zip(paths, reasons) if reason is not None]
-    if bad:
-        them = "it" if len(bad) == 1 else "them"
-        coco = (
-            "; remove an image's entry from the annotation file too"
-            if d.format in DETECTION_FORMATS
-            else ""
-        )
-        raise ConfigError(
-            f"{len(bad)} of {len(paths)} val images cannot be read: {name_bad(bad)}: fix or remove "
-            f"{them} (every val image is scored{coco})"
-        )
-
-
-def _val_present(d, root: Path) -> bool:
-    """The val split's listing is there (a built-in set's may not be generated yet)."""
-    if d.format in DETECTION_FORMATS:
-        from visiondist.data import coco_paths  # noqa: PLC0415 (reader)
-
-        return coco_paths(d, d.val_split)[1].is_file()
-    return (root / d.val_split).is_dir()
-
-
-def _val_paths(d, root: Path) -> list[Path]:
-    """The val split's image files: a folder tree's listing, or the `images` of a COCO annotation
-    file."""
-    if d.format in DETECTION_FORMATS:
-        from visiondist.data import coco_paths  # noqa: PLC0415 (reader)
-        from visiondist.data.coco import safe_image_path  # noqa: PLC0415 (reader)
-
-        images_dir, annotations = coco_paths(d, d.val_split)
-        try:
-            entries = json.loads(annotations.read_text()).get("images", ())
-            return [safe_image_path(images_dir, str(e["file_name"])) for e in entries]
-        # the dataset's own error says what
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return []
-    from visiondist.data.index import list_image_folder  # noqa: PLC0415 (reader)
-
-    _, index, _ = list_image_folder(root / d.val_split)
-    return [Path(index[i]) for i in range(len(index))]
-
-
-def _check_builtin_batch(d, num_classes: int) -> None:
-    """A built-in set's training images (as `data.synthetic` generates them) against one global
-    batch."""
-    images = int(d.synthetic.train_per_class) * num_classes if d.format == "imagefolder" else None
-    key = "data.synthetic.train_per_class" if images is not None else "data.synthetic.train_images"
-    if images is None:
-        # an upper bound: images without objects are left out of training
-        images = int(d.synthetic.train_images)
-    if images < d.batch_size:
-        raise ConfigError(
-            f"data={d.name}: {key} gives {images} training images, fewer than one global batch "
-            f"data.batch_size={d.batch_size}: lower data.batch_size (e.g. "
-            f"data.batch_size={_fitting_batch(images)}) or raise {key}"
-        )
-
-
-def _check_coco_batch(d, masks: bool = False) -> None:
-    """A COCO training split with at least one global batch of usable images (per aspect group when
-    grouped); for a mask model, the instances left out for want of a valid segmentation said in one
-    line, before any rank starts."""
-    from visiondist.data import coco_paths  # noqa: PLC0415 (reader)
-
-    images_dir, annotations = coco_paths(d, d.train_split)
-    if annotations.stat().st_size > _SMALL_COCO:
-        return
-    from visiondist.data.coco import load_coco, read_records  # noqa: PLC0415 (reader)
-
-    try:
-        coco = load_coco(annotations)
-        coco.dataset["_file"] = str(annotations)
-        records, _, counts = read_records(coco, images_dir, train=True, masks=masks)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(
-            f"{annotations}: {exc}"
-            if isinstance(exc, ValueError)
-            else f"{annotations}: {type(exc).__name__}: {exc}"
-        ) from None
-    if counts.without_mask and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        print(
-            f"{annotations.name}: {counts.without_mask} instances without a valid segmentation "
-            "are left out of training, as detectron2 leaves them out "
-            f"({counts.named_without_mask()})",
-            flush=True,
-        )
-    batch, usable = int(d.batch_size), len(records)
-    if usable < batch:
-        raise ConfigError(
-            f"data.root={d.root}: the training split {d.train_split} has {usable} images with a "
-            f"usable box ({counts.images_without_boxes} without), fewer than one global batch "
-            f"data.batch_size={batch}: lower data.batch_size (e.g. "
-            f"data.batch_size={_fitting_batch(usable)}) or add images"
-        )
-    if d.aspect_grouping:
-        landscape = sum(r.width >= r.height for r in records)
-        portrait = usable - landscape
-        if landscape < batch and portrait < batch:
-            raise ConfigError(
-                f"data.root={d.root}: the training split {d.train_split} has {landscape} "
-                f"landscape and {portrait} portrait images with a usable box; "
-                "data.aspect_grouping draws each global batch from one of the two and neither "
-                f"fills data.batch_size={batch}: lower data.batch_size (e.g. "
-                f"data.batch_size={_fitting_batch(max(landscape, portrait))}) or set "
-                "data.aspect_grouping=false"
-            )
-
-
-def _fitting_batch(images: int) -> int:
-    """A global batch the images fill: the largest power of two up to their count (it splits over
-    2^k ranks)."""
-    return 1 << max(0, images.bit_length() - 1)
-
-
-def _some(names: set) -> str:
-    shown = sorted(names)
-    return ", ".join(shown[:5]) + (f" and {len(shown) - 5} more" if len(shown) > 5 else "")
-
-
-def coco_categories(path: Path) -> list[dict[str, Any]]:
-    """The `categories` of a COCO annotation file without parsing its images and annotations: COCO's
-    files end with them, so the last MB is searched first; a file laid out otherwise is parsed
-    whole."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        f.seek(max(0, size - _TAIL))
-        tail = f.read().decode("utf-8", errors="ignore")
-    start = tail.rfind('"categories"')
-    if start >= 0:
-        try:
-            value, _ = json.JSONDecoder().raw_decode(tail[tail.index(":", start) + 1 :].lstrip())
-            if isinstance(value, list):
-                return value
-        except ValueError:
-            pass
-    try:
-        return json.loads(path.read_text())["categories"]
-    except (ValueError, KeyError) as exc:
-        raise ConfigError(
-            f"{path} is not a COCO annotation file ({type(exc).__name__}: {exc})"
-        ) from None
