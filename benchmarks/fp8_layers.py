@@ -3,7 +3,7 @@
 For each distinct linear shape of a model's blocks (attention's d x d projections, the MLP's d x 4d
 and 4d x d) at the training step's rows (micro-batch x tokens), one layer's forward + backward is
 timed in bf16 (autocast, as training runs it) and as torchao's `Float8Linear` with the tensorwise
-and rowwise recipes (`visiondist.train.fp8`), each compiled as `trainer.compile` compiles the
+and rowwise recipes (`visiondist.engine.fp8`), each compiled as `trainer.compile` compiles the
 blocks, all alternated in rounds (`--rounds`), medians reported with the layer's share of a block's
 linear time. Public figures say float8 gains little at these widths (torchao: 0.80x bf16 at 1024 x
 2048 x 1024; +4% at ~1600 wide); this table says it for the GPU at hand. Needs torchao (`pip install
@@ -29,7 +29,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from visiondist.bench.measure import time_steps
-from visiondist.train.fp8 import to_float8
+from visiondist.engine.fp8 import to_float8
 
 WIDTHS = {"vit_tiny": 192, "vit_small": 384, "vit_base": 768, "vit_large": 1024, "vit_huge": 1280}
 PATCH = {"vit_huge": 14}
@@ -100,7 +100,7 @@ def time_layer(
 
 def torchao_picks(fan_in: int, fan_out: int, recipe: str) -> bool:
     """Whether trainer.fp8_layers=auto (torchao's filter) converts a layer of this shape."""
-    from visiondist.train.fp8 import layer_filter
+    from visiondist.engine.fp8 import layer_filter
 
     return bool(layer_filter(recipe)(nn.Linear(fan_in, fan_out, device="meta"), "layer"))
 

@@ -16,8 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from visiondist.engine.optim import KERNELS, param_groups
 from visiondist.models.vit import VisionTransformer
-from visiondist.train.optim import KERNELS, param_groups
 
 # embed dim, heads; 12 blocks, 224 px, 100 classes
 SHAPES = {"tiny": (192, 3), "small": (384, 6), "base": (768, 12)}

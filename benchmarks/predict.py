@@ -67,10 +67,10 @@ def main(argv=None) -> int:
     from visiondist.config.compose import compose
     from visiondist.data.decode import read_rgb
     from visiondist.data.workers import close_loaders, loader_workers
-    from visiondist.predict.model import Names, Predictor, load_model
-    from visiondist.predict.outputs import PartWriter, batches
-    from visiondist.predict.run import loader, run_batches
-    from visiondist.predict.sources import resolve_source
+    from visiondist.inference.model import Names, Predictor, load_model
+    from visiondist.inference.outputs import PartWriter, batches
+    from visiondist.inference.run import loader, run_batches
+    from visiondist.inference.sources import resolve_source
     from visiondist.utils.procenv import threads_per_rank
 
     torch.set_num_threads(threads_per_rank(1))  # one rank's threads, as the launcher sets them

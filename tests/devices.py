@@ -149,6 +149,6 @@ def reference_device():
 
 
 def _exact() -> None:
-    from visiondist.train.precision import set_tf32
+    from visiondist.engine.precision import set_tf32
 
     set_tf32(False)

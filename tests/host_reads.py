@@ -54,8 +54,8 @@ def steps_reading_the_host(cfg, layout, run_dir):
     """Rank entry (`visiondist.launch.launch`): two training steps, then three more with every host
     read of a tensor recorded: none may happen. The default logging reads the loss every 10 steps,
     so the recorded steps read none."""
-    from visiondist.train.build import prepare_rank
-    from visiondist.train.run import build_trainer
+    from visiondist.engine.build import prepare_rank
+    from visiondist.engine.run import build_trainer
 
     prepare_rank(cfg, layout, run_dir)
     trainer = build_trainer(cfg, layout, run_dir)

@@ -90,8 +90,8 @@ def evaluate(cmd: Command) -> int:
             raise
         # this tool's key
         raise ConfigError(str(exc).replace("model.weights=", "weights=")) from None
+    from visiondist.engine.run import evaluate_checkpoint
     from visiondist.launch import launch
-    from visiondist.train.run import evaluate_checkpoint
 
     # eval/<date>_<time> under `base`
     if not any(o.startswith("trainer.run_dir=") for o in cmd.overrides):
@@ -134,7 +134,7 @@ def _source(cmd: Command):
         )
     run = Path(args["run_dir"]).expanduser()
     cfg = load_run_config(run, cmd.overrides, inputs=None)
-    from visiondist.predict.job import (
+    from visiondist.inference.job import (
         run_weights,  # the run's weights as tools/predict.py takes them
     )
 

@@ -109,8 +109,8 @@ TOOL = Tool(
 def predict(cmd: Command) -> int:
     from omegaconf import OmegaConf
 
-    from visiondist.predict.job import run_weights
-    from visiondist.predict.sources import resolve_source
+    from visiondist.inference.job import run_weights
+    from visiondist.inference.sources import resolve_source
 
     args = cmd.args
     if ("run_dir" in args) == ("weights" in args):
@@ -148,7 +148,7 @@ def predict(cmd: Command) -> int:
     }
     data = {}
     if base is None:  # an export: the run's own eval preprocessing, as its sidecar recorded it
-        from visiondist.predict.job import recorded_preprocessing
+        from visiondist.inference.job import recorded_preprocessing
 
         data = recorded_preprocessing(weights)
         if data:
@@ -189,8 +189,8 @@ def predict(cmd: Command) -> int:
         raise ConfigError(f"save_images={p.save_images}: give a count (0: none) or all")
     # a missing or empty source: refused here, in one line
     source = resolve_source(p.source, int(p.vid_stride))
-    from visiondist.predict.model import read_names
-    from visiondist.predict.run import check_classes
+    from visiondist.inference.model import read_names
+    from visiondist.inference.run import check_classes
 
     names = read_names(cfg)
     if p.classes:
@@ -212,8 +212,8 @@ def predict(cmd: Command) -> int:
     else:
         cfg.trainer.run_dir = None
         cfg.trainer.output_dir = str(base) if base is not None else cfg.trainer.output_dir
+    from visiondist.inference.run import predict_ranks
     from visiondist.launch import launch
-    from visiondist.predict.run import predict_ranks
 
     launch(predict_ranks, cfg)
     return 0
@@ -238,8 +238,8 @@ def _choose_out(cfg, base, source):
     """(the directory, its state: new | running | complete) of this prediction: out=, or the newest
     earlier attempt of the same request under <run>/predict/ (a stopped one is continued); (None,
     "new") for a new default dir."""
-    from visiondist.predict.job import request
-    from visiondist.predict.outputs import read_manifest
+    from visiondist.inference.job import request
+    from visiondist.inference.outputs import read_manifest
 
     ask = request(cfg, source)
     if cfg.predict.out:

@@ -14,9 +14,11 @@ TOOL = Tool()  # the defaults are this tool's
 
 
 def run(cfg) -> int:
+    from visiondist.engine.run import (
+        train,  # heavy imports only once the config is known to be good
+    )
     from visiondist.launch import launch
     from visiondist.runs import completed_step
-    from visiondist.train.run import train  # heavy imports only once the config is known to be good
 
     step = completed_step(cfg)
     if step is not None:  # e.g. a requeued cluster job: nothing to do, nothing rewritten

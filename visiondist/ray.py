@@ -151,8 +151,8 @@ def _worker(config: dict) -> None:
     import ray.train  # noqa: PLC0415 (optional extra: ray)
     import torch.distributed as dist  # noqa: PLC0415 (worker-side)
 
+    from visiondist.engine.run import train as train_rank  # noqa: PLC0415 (worker-side)
     from visiondist.launch import launch  # noqa: PLC0415 (worker-side)
-    from visiondist.train.run import train as train_rank  # noqa: PLC0415 (worker-side)
 
     # Ray sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE; the node's index:
     context = ray.train.get_context()

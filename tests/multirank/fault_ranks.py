@@ -40,9 +40,9 @@ def skip_a_collective(timeout_s: float) -> None:
 def nonfinite_on_one_rank(overrides: list[str], bad_rank: int, bad_step: int) -> dict:
     """The real Trainer on 2 DP ranks; `bad_rank`'s loss is NaN at optimizer step `bad_step`."""
     from visiondist.config import compose
+    from visiondist.engine.build import prepare_rank
+    from visiondist.engine.run import build_trainer, run_trainer
     from visiondist.plan import rank_layout
-    from visiondist.train.build import prepare_rank
-    from visiondist.train.run import build_trainer, run_trainer
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

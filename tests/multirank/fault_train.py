@@ -68,7 +68,7 @@ def _patch_getitem() -> None:
 
 
 def _patch_eval() -> None:
-    from visiondist.train import tasks
+    from visiondist.engine import tasks
 
     def evaluate(self, *args, **kwargs):
         raise RuntimeError("injected failure during evaluation")
@@ -94,7 +94,7 @@ def _patch_save() -> None:
 def _patch_rank_hang() -> None:
     import torch.distributed as dist
 
-    from visiondist.train.step import OptimizerStep
+    from visiondist.engine.step import OptimizerStep
 
     original = OptimizerStep.train_step
 
@@ -109,7 +109,7 @@ def _patch_rank_hang() -> None:
 def _patch_rank_kill() -> None:
     import torch.distributed as dist
 
-    from visiondist.train.step import OptimizerStep
+    from visiondist.engine.step import OptimizerStep
 
     original = OptimizerStep.train_step
 
@@ -128,7 +128,7 @@ def _patch_cuda_oom() -> None:
     import torch
     import torch.distributed as dist
 
-    from visiondist.train.step import OptimizerStep
+    from visiondist.engine.step import OptimizerStep
 
     original = OptimizerStep.train_step
 
@@ -152,7 +152,7 @@ def _patch_cuda_oom() -> None:
 
 
 def _patch_slow_step() -> None:
-    from visiondist.train.step import OptimizerStep
+    from visiondist.engine.step import OptimizerStep
 
     original, seconds = OptimizerStep.train_step, float(os.environ.get("VISIONDIST_SLOW_S", "40"))
 
@@ -180,7 +180,7 @@ def _slowly(original):
 
 
 def _patch_slow_eval() -> None:
-    from visiondist.train import tasks
+    from visiondist.engine import tasks
 
     tasks.ClassificationTask.evaluate = _slowly(tasks.ClassificationTask.evaluate)
 
@@ -194,7 +194,7 @@ def _patch_slow_export() -> None:
 def _patch_predict_kill() -> None:
     import torch.distributed as dist
 
-    from visiondist.predict.outputs import PartWriter
+    from visiondist.inference.outputs import PartWriter
 
     original, written = PartWriter.write, [0]
 

@@ -20,11 +20,11 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 def _fit(overrides: list[str], device: torch.device) -> dict:
     from visiondist.cli import load_config
+    from visiondist.engine.build import prepare_rank
+    from visiondist.engine.run import build_trainer, run_trainer
     from visiondist.parallel import build_layout
     from visiondist.plan import resolve
     from visiondist.plan.fit import as_run
-    from visiondist.train.build import prepare_rank
-    from visiondist.train.run import build_trainer, run_trainer
 
     cfg = load_config(CONFIGS, [*overrides, "trainer.max_restarts=0"])  # restarts are torchrun's
     run, _ = resolve(cfg, dict(os.environ))

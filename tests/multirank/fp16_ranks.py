@@ -19,10 +19,10 @@ def _fit(overrides: list[str], overflow_at: int = 0, nan_at: int = 0) -> dict:
     whole, at that optimizer step: its own gradient norm is inf, TP rank 0's is finite. With
     `nan_at`, TP rank 1's loss is NaN at that step."""
     from visiondist.config import compose
+    from visiondist.engine.build import prepare_rank
+    from visiondist.engine.run import build_trainer, run_trainer
     from visiondist.parallel import unwrap
     from visiondist.plan import rank_layout
-    from visiondist.train.build import prepare_rank
-    from visiondist.train.run import build_trainer, run_trainer
 
     cfg = compose(CONFIGS, overrides)
     layout = rank_layout(cfg)

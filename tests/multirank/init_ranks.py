@@ -1,5 +1,5 @@
 """Rank-side code of the initialisation tests: a model built on the meta device, laid out, and only
-this rank's tensors drawn (`visiondist.train.build.build_laid_out`), gathered back to full tensors;
+this rank's tensors drawn (`visiondist.engine.build.build_laid_out`), gathered back to full tensors;
 and the host memory a rank's start-up takes."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from helpers import REPO
 from torch.distributed.tensor import DTensor
 
 from visiondist.cli import load_config
+from visiondist.engine.build import build_laid_out, seed_everything
 from visiondist.parallel import unwrap
 from visiondist.parallel.tensor import SHARD_DIM
 from visiondist.plan import rank_layout
-from visiondist.train.build import build_laid_out, seed_everything
 
 
 def _layout(cfg):

@@ -4,9 +4,9 @@ import pytest
 from helpers import REPO, TINY_DATA
 
 from visiondist.cli import load_config
+from visiondist.engine.run import train
 from visiondist.launch import launch
 from visiondist.observe.metrics import read_metrics
-from visiondist.train.run import train
 
 
 def _run(tmp_path, tiny_shapes, name, *extra):

@@ -156,8 +156,8 @@ def _steps_without_sync(cfg, layout, run_dir):
     import threading
     import warnings
 
-    from visiondist.train.build import prepare_rank
-    from visiondist.train.run import build_trainer
+    from visiondist.engine.build import prepare_rank
+    from visiondist.engine.run import build_trainer
 
     prepare_rank(cfg, layout, run_dir)
     trainer = build_trainer(cfg, layout, run_dir)

@@ -21,7 +21,7 @@ def test_the_launching_process_imports_only_what_it_plans_with():
     code = (
         "import sys\n"
         "import visiondist.cli, visiondist.plan, visiondist.launch, visiondist.runs\n"
-        "from visiondist.train.run import train, evaluate_checkpoint, RANK_IMPORTS\n"
+        "from visiondist.engine.run import train, evaluate_checkpoint, RANK_IMPORTS\n"
         "from visiondist.models import TASKS, EVAL_METRICS\n"
         f"print([m for m in {heavy!r} if m in sys.modules])\n"
     )

@@ -23,8 +23,8 @@ def _reference(overrides: list[str]) -> tuple[dict[str, torch.Tensor], torch.Ten
     """The initial weights of `build_model` in one process after the trainer's seeding, and the
     generator state."""
     from visiondist.cli import load_config
+    from visiondist.engine.build import seed_everything
     from visiondist.models import build_model
-    from visiondist.train.build import seed_everything
 
     cfg = load_config(REPO / "configs", overrides, inputs=None)
     seed_everything(cfg.trainer.seed)

@@ -78,8 +78,8 @@ def test_a_classifier_predicts_what_its_evaluation_scored_on_1_2_and_3_ranks(cla
     """The val folder predicted on 1, 2 and 3 ranks: byte-identical predictions.csv, in the folder's
     order, whose top-1 labels score exactly the run's final val top-1; the first images drawn; the
     Python entry yields the same."""
+    from visiondist.inference import predict
     from visiondist.observe.metrics import read_metrics
-    from visiondist.predict import predict
 
     run, data = classifier
     val = data / "val"

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from devices import init_test_rank, reference_device
 from omegaconf import OmegaConf
 
+from visiondist.engine.optim import build_optimizer
 from visiondist.models.vit import VisionTransformer, to_timm_state_dict
 from visiondist.parallel import (
     build_layout,
@@ -22,7 +23,6 @@ from visiondist.parallel import (
     parallelize,
     unwrap,
 )
-from visiondist.train.optim import build_optimizer
 
 # 32 px / patch 8 = 16 patches + cls = 17 tokens: odd, so sequence parallelism must pad (tp=2 -> 18,
 # tp=4 -> 20).

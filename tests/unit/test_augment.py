@@ -318,7 +318,7 @@ def test_the_soft_target_loss_is_timms_in_one_call():
     from timm.data.mixup import mixup_target
     from timm.loss import SoftTargetCrossEntropy
 
-    from visiondist.train.tasks import ClassificationTask
+    from visiondist.engine.tasks import ClassificationTask
 
     logits = torch.randn(16, 10, generator=torch.Generator().manual_seed(0), requires_grad=True)
     target = mixup_target(torch.arange(16) % 10, 10, lam=0.7, smoothing=0.1)

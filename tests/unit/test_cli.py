@@ -376,8 +376,8 @@ def test_a_class_count_with_nothing_to_count(capsys, tmp_path):
 
 def test_eval_and_benchmark_dirs_are_named_as_what_they_are(tmp_path):
     from visiondist.bench.harness import run_benchmark
+    from visiondist.engine.run import evaluate_checkpoint, train
     from visiondist.launch import default_run_dir, run_kind
-    from visiondist.train.run import evaluate_checkpoint, train
 
     cfg = OmegaConf.create({"trainer": {"output_dir": str(tmp_path)}})
     assert (run_kind(train), run_kind(evaluate_checkpoint), run_kind(run_benchmark)) == (

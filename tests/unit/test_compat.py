@@ -41,7 +41,7 @@ def test_the_pipeline_stage_methods_we_override_exist_with_their_parameters(monk
 
 
 def test_tf32_is_switched_on_for_cuda_fp32_matmuls():
-    from visiondist.train.precision import set_tf32
+    from visiondist.engine.precision import set_tf32
 
     before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
     try:

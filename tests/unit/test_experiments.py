@@ -59,7 +59,7 @@ def test_experiment_matches_its_recipe_table(name, least):
 def test_frcnn_recipe_schedule_steps_at_epochs_16_and_22():
     """torchvision's MultiStepLR([16, 22]) over 26 epochs after a 1000-iteration linear warm-up from
     1/1000."""
-    from visiondist.train.optim import lr_factor
+    from visiondist.engine.optim import lr_factor
 
     s = _compose("experiment=frcnn_r50_coco_1x", "data.root=/data").schedule
     per_epoch = 7330  # COCO train2017 (117,266 images with boxes) at 16 per step
@@ -134,7 +134,7 @@ def test_backbone_weights_build_torchvisions_pretrained_backbone_layout(tmp_path
 
 
 def test_decay_norm_bias_puts_every_parameter_in_the_decay_group():
-    from visiondist.train.optim import param_groups
+    from visiondist.engine.optim import param_groups
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     default, every = param_groups(model, 0.1), param_groups(model, 0.1, decay_norm_bias=True)

@@ -336,8 +336,8 @@ def test_the_hf_export_carries_the_category_ids_and_the_docs_code_maps_labels_to
     from helpers import load_tool
     from transformers import AutoConfig
 
+    from visiondist.inference.model import read_names
     from visiondist.models import build_model
-    from visiondist.predict.model import read_names
 
     cfg = load_config(
         REPO / "configs",

@@ -12,7 +12,7 @@ INIT_SCALE = 2.0**16  # torch.amp.GradScaler's default, which trainer.precision=
 @pytest.mark.parametrize("value", ["16", "'16'"], ids=["int", "string"])
 def test_precision_16_is_accepted_as_int_or_string(value):
     from visiondist.cli import load_config
-    from visiondist.train.precision import autocast_dtype
+    from visiondist.engine.precision import autocast_dtype
 
     cfg = load_config(REPO / "configs", [f"trainer.precision={value}"], inputs=None)
     assert cfg.trainer.precision == "16" and autocast_dtype(cfg.trainer.precision) == torch.float16
@@ -53,7 +53,7 @@ def test_bf16_on_a_cpu_without_bf16_instructions_says_so_before_training(monkeyp
     from types import SimpleNamespace
 
     from visiondist.cli import load_config
-    from visiondist.train import summary
+    from visiondist.engine import summary
 
     cfg = load_config(
         REPO / "configs", ["trainer.precision=bf16", "trainer.max_steps=4"], inputs=None
@@ -105,7 +105,7 @@ def test_the_scaler_skips_and_backs_off_on_the_jobs_verdict_not_the_ranks(fused)
     """The rank's own gradients are finite throughout: only `agree` can make it skip. The fused
     optimizer skips on the device (torch hands it the flag), the others after reading it. Growth
     after `growth_interval` finite steps."""
-    from visiondist.train.precision import LossScaler
+    from visiondist.engine.precision import LossScaler
 
     model, optimizer = _model_and_optimizer(fused)
     scaler = LossScaler(torch.device("cpu"), growth_interval=2)
@@ -134,7 +134,7 @@ def test_the_scaler_unscales_fsdp2_gradients():
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from visiondist.train.precision import LossScaler
+    from visiondist.engine.precision import LossScaler
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

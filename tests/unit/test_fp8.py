@@ -1,4 +1,4 @@
-"""trainer.fp8: the blocks' linear layers trained in float8 by torchao (visiondist/train/fp8.py). On
+"""trainer.fp8: the blocks' linear layers trained in float8 by torchao (engine/fp8.py). On
 the CPU torch's float8 matmul is a slow reference path, so the models here are tiny; tensorwise is
 the recipe torch 2.11's CPU kernel has (rowwise needs a GPU there). The end-to-end run:
 tests/multirank/test_train.py."""
@@ -34,7 +34,7 @@ def _float8(model) -> list[str]:
 
 
 def test_only_the_blocks_linear_layers_become_float8_under_their_own_names():
-    from visiondist.train.fp8 import to_float8
+    from visiondist.engine.fp8 import to_float8
 
     model = _vit()
     keys = list(model.state_dict())
@@ -66,8 +66,8 @@ def test_auto_converts_the_layers_torchaos_filter_picks(recipe):
     from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
     from visiondist.cli import load_config
+    from visiondist.engine.fp8 import to_float8
     from visiondist.models import build_model
-    from visiondist.train.fp8 import to_float8
 
     expected = {
         ("rowwise", "vit_base"): set(),
@@ -105,7 +105,7 @@ def test_auto_converts_the_layers_torchaos_filter_picks(recipe):
 def test_float8_training_follows_bf16():
     """Five AdamW steps of the same model on one batch: the float8 run's losses stay within 2% of
     bf16's and its first gradients point the same way (cosine > 0.99 for every converted weight)."""
-    from visiondist.train.fp8 import to_float8
+    from visiondist.engine.fp8 import to_float8
 
     g = torch.Generator().manual_seed(1)
     # fit one

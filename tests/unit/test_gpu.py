@@ -94,9 +94,9 @@ def test_float8_blocks_compile_and_follow_bf16(recipe):
 
     import torch.nn.functional as F
 
+    from visiondist.engine.fp8 import MIN_CAPABILITY, to_float8
     from visiondist.models.vit import VisionTransformer
     from visiondist.parallel import transformer_blocks
-    from visiondist.train.fp8 import MIN_CAPABILITY, to_float8
 
     if torch.cuda.get_device_capability() < MIN_CAPABILITY:
         pytest.skip("no float8 tensor cores")

@@ -26,9 +26,9 @@ LAYERS = [
     {"preflight", "checkpoint", "observe"},
     # a failing rank's record (into the run's log); scoring (with progress bars)
     {"faults", "evaluation"},
-    {"train"},  # the loop and every part it is built from: reads checkpoints, shows, fails, scores
+    {"engine"},  # the loop and every part it is built from: reads checkpoints, shows, fails, scores
     # times the trainer's own step beside plain loops; a trained model's answers for new images
-    {"bench", "predict"},
+    {"bench", "inference"},
     # the dry run: the training code stepped on a fake group, with the benchmark's synthetic batches
     {"verify"},
     {"runs"},  # continuing a run
@@ -125,13 +125,13 @@ def test_rooms_import_only_what_they_promise():
 
 def test_a_back_edge_inside_a_function_is_caught():
     sources = {
-        "visiondist.data.loader": "import os\n\ndef f():\n    from visiondist.train.trainer "
+        "visiondist.data.loader": "import os\n\ndef f():\n    from visiondist.engine.trainer "
         "import Trainer\n",
-        "visiondist.train.trainer": "from visiondist.data import loader\n",
+        "visiondist.engine.trainer": "from visiondist.data import loader\n",
         "visiondist.config": "import visiondist.parallel.mesh\n",
     }
     assert back_edges(sources) == {
-        ("data", "train"): ["visiondist.data.loader -> visiondist.train.trainer"],
+        ("data", "engine"): ["visiondist.data.loader -> visiondist.engine.trainer"],
         ("config", "parallel"): ["visiondist.config -> visiondist.parallel.mesh"],
     }
 
@@ -211,9 +211,9 @@ def test_a_circle_through_a_function_level_or_type_only_import_is_caught():
         "to_device\n",
         "visiondist.data.transforms": "from visiondist.data.device_decode import EncodedBatch\n",
         "visiondist.data.device_decode": "from visiondist.data.augment_ops import host_to\n",
-        "visiondist.train.hooks": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-        "    from visiondist.train.trainer import Trainer\n",
-        "visiondist.train.trainer": "from visiondist.train.hooks import default_hooks\n",
+        "visiondist.engine.hooks": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from visiondist.engine.trainer import Trainer\n",
+        "visiondist.engine.trainer": "from visiondist.engine.hooks import default_hooks\n",
         "benchmarks/a": "from b import SIZE\n",
         "benchmarks/b": "def f():\n    from a import rate\n",
     }
@@ -224,7 +224,7 @@ def test_a_circle_through_a_function_level_or_type_only_import_is_caught():
             "visiondist.data.transforms",
             "visiondist.data.device_decode",
         ],
-        ["visiondist.train.hooks", "visiondist.train.trainer"],
+        ["visiondist.engine.hooks", "visiondist.engine.trainer"],
     ]
 
 
@@ -345,8 +345,8 @@ def test_the_training_loop_names_no_hook():
     circle."""
     found = sorted(
         m
-        for m in imported((PACKAGE / "train" / "trainer.py").read_text())
-        if m.startswith("visiondist.train.hooks")
+        for m in imported((PACKAGE / "engine" / "trainer.py").read_text())
+        if m.startswith("visiondist.engine.hooks")
     )
     assert not found, f"train/trainer.py imports {found}"
 
@@ -376,12 +376,12 @@ def test_each_field_of_the_loop_state_is_written_by_its_owner_alone():
     its owner's class."""
     from dataclasses import fields
 
-    from visiondist.train.state import LoopState
+    from visiondist.engine.state import LoopState
 
     names = {f.name for f in fields(LoopState)}
     wrong = [
         f"{path.name}:{line} {cls} writes {name} (owner: {LoopState.owners(name)})"
-        for folder in ("train", "bench")
+        for folder in ("engine", "bench")
         for path in (PACKAGE / folder).rglob("*.py")
         for cls, name, line in _state_writes(path.read_text(), names)
         if cls not in LoopState.owners(name)
@@ -395,8 +395,8 @@ def test_a_write_by_another_than_the_owner_is_caught(tmp_path, monkeypatch):
         "class StrayHook:\n    def after_step(self, trainer):\n"
         "        trainer.state.final_loss = 0.0\n"
     )
-    (tmp_path / "train").mkdir()
-    (tmp_path / "train" / "stray.py").write_text(source)
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "stray.py").write_text(source)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
     with pytest.raises(AssertionError, match="StrayHook writes final_loss"):
         test_each_field_of_the_loop_state_is_written_by_its_owner_alone()

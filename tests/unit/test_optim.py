@@ -4,8 +4,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from visiondist.engine.optim import build_optimizer, lr_factor, param_groups
 from visiondist.models.vit import VisionTransformer
-from visiondist.train.optim import build_optimizer, lr_factor, param_groups
 
 
 def test_no_weight_decay_on_norms_biases_and_embeddings():
@@ -50,7 +50,7 @@ def test_the_default_warmup_is_a_tenth_of_the_run_up_to_its_cap():
 
     from visiondist.cli import load_config
     from visiondist.config import ConfigError
-    from visiondist.train.optim import warmup_length
+    from visiondist.engine.optim import warmup_length
 
     cosine = load_config(REPO / "configs", [], inputs=None).schedule
     step = load_config(REPO / "configs", ["schedule=step"], inputs=None).schedule

@@ -11,11 +11,11 @@ from helpers import REPO
 from omegaconf import OmegaConf
 
 from visiondist.bench.report import ratio_check
+from visiondist.engine.optim import build_optimizer, describe_optimizer, resolve_impl
 from visiondist.faults.health import StepHealth
 from visiondist.models.sdpa import select_attention
 from visiondist.models.vit import VisionTransformer
 from visiondist.parallel import enable_activation_checkpointing
-from visiondist.train.optim import build_optimizer, describe_optimizer, resolve_impl
 from visiondist.utils.peaks import datasheet_tflops, peak_kind
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from visiondist.config import ConfigError
-from visiondist.predict.outputs import PartWriter, batches, done, drawn_name, merged, remaining
-from visiondist.predict.sources import resolve_source
+from visiondist.inference.outputs import PartWriter, batches, done, drawn_name, merged, remaining
+from visiondist.inference.sources import resolve_source
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_a_video_gives_every_strided_frame(tmp_path):
     source = resolve_source(str(video), vid_stride=3)
     assert source.kind == "video" and source.frames == [0, 3, 6] and source.size == (32, 24)
     assert [source.name(i) for i in range(3)] == ["clip.mp4#0", "clip.mp4#3", "clip.mp4#6"]
-    from visiondist.predict.sources import VideoFrames
+    from visiondist.inference.sources import VideoFrames
 
     frames = VideoFrames(str(video))
     means = [int(frames.read(f).mean()) for f in (0, 3, 6, 2)]  # in order, then a jump back

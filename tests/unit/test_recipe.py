@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from visiondist.engine.ema import ModelEma
 from visiondist.models.vit import VisionTransformer
-from visiondist.train.ema import ModelEma
 
 
 def test_ema_is_the_exponential_average_and_swaps_back_exactly():
@@ -43,7 +43,7 @@ def test_mixing_is_timms_mixup_and_each_side_draws_it_alone():
 
     from visiondist.data.mixing import Mixing
     from visiondist.data.transforms import Normalize
-    from visiondist.train.tasks import ClassificationTask
+    from visiondist.engine.tasks import ClassificationTask
 
     d = SimpleNamespace(mixup=0.8, cutmix=1.0, mixup_prob=1.0, mixup_switch_prob=0.5)
     mixing = Mixing(d, num_classes=6, label_smoothing=0.1, seed=7, dp_rank=1)

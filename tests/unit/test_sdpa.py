@@ -64,7 +64,7 @@ def test_a_run_measures_its_own_shape_micro_batch_heads_per_tp_rank_and_dtype(mo
     197 tokens x 64."""
     import visiondist.models.sdpa as sdpa
     from visiondist.cli import load_config
-    from visiondist.train.build import order_attention
+    from visiondist.engine.build import order_attention
 
     seen = {}
 

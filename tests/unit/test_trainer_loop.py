@@ -1,6 +1,6 @@
 """The training loop built alone, with stand-in parts and recording hooks: which hook sees what and
 when, how a hook ends the loop, where a resumed run starts its epoch, and what a failing step still
-closes. The loop's parts and hooks are handed in (`visiondist.train.run.build_trainer` hands in the
+closes. The loop's parts and hooks are handed in (`visiondist.engine.run.build_trainer` hands in the
 real ones), so nothing here trains."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from visiondist.train.state import LoopState, Resumed
-from visiondist.train.trainer import Hook, Trainer
+from visiondist.engine.state import LoopState, Resumed
+from visiondist.engine.trainer import Hook, Trainer
 
 
 class Sampler:

@@ -140,8 +140,8 @@ def test_the_whole_model_compiles_to_one_training_graph_with_drop_path_and_no_br
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    from visiondist.engine.hooks.compile import compile_counts
     from visiondist.parallel import compile_model
-    from visiondist.train.hooks.compile import compile_counts
 
     def build():
         torch.manual_seed(0)

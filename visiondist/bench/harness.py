@@ -2,7 +2,7 @@
 loops.
 
 Every rank builds the training loop's parts (model, layout, optimizer, fast-path switches) and times
-its optimizer step (`visiondist.train.step.OptimizerStep`, `loops.OursRun`) on synthetic batches
+its optimizer step (`visiondist.engine.step.OptimizerStep`, `loops.OursRun`) on synthetic batches
 that already sit on the device, so the figure is the step's and not the loader's (under
 `data.decode_on=device`, the JPEG bytes of the run's own first batches, decoded ahead as in
 training: nvJPEG's time depends on the files). Steps are timed with CUDA events, back to back, as
@@ -43,11 +43,11 @@ from visiondist.bench.plain_loop import PlainLoop
 from visiondist.bench.report import result_table, write_results
 from visiondist.bench.results import collect_results
 from visiondist.config import variant_config
+from visiondist.engine.build import prepare_rank, run_of
 from visiondist.models import TASKS
 from visiondist.observe.console import shown_path
 from visiondist.parallel import Layout
 from visiondist.plan import with_switches
-from visiondist.train.build import prepare_rank, run_of
 from visiondist.utils.signals import STOP
 
 log = logging.getLogger(__name__)

@@ -13,15 +13,15 @@ from omegaconf import DictConfig
 
 from visiondist.bench.measure import PeakMemory, decoded_batch, synthetic_batch, time_steps
 from visiondist.bench.plain_loop import PlainLoop, baseline_roles
+from visiondist.engine.components import build_components
+from visiondist.engine.hooks.compile import compile_counts
+from visiondist.engine.hooks.periodic import reset_traffic
+from visiondist.engine.optim import describe_optimizer
+from visiondist.engine.precision import set_tf32
+from visiondist.engine.state import LoopState
+from visiondist.engine.step import OptimizerStep
 from visiondist.models.sdpa import current_order, select_attention
 from visiondist.parallel import Layout
-from visiondist.train.components import build_components
-from visiondist.train.hooks.compile import compile_counts
-from visiondist.train.hooks.periodic import reset_traffic
-from visiondist.train.optim import describe_optimizer
-from visiondist.train.precision import set_tf32
-from visiondist.train.state import LoopState
-from visiondist.train.step import OptimizerStep
 
 
 def apply_switches(

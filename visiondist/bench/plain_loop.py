@@ -35,6 +35,10 @@ from torch import nn
 
 from visiondist.data.augment_ops import DeviceAugment
 from visiondist.data.transforms import Normalize, unit_float
+from visiondist.engine.build import seed_everything
+from visiondist.engine.fp8 import to_float8
+from visiondist.engine.optim import KERNELS, describe_optimizer, resolve_impl
+from visiondist.engine.precision import autocast_dtype, autocast_for
 from visiondist.models import build_model, select_attention
 from visiondist.parallel import (
     compile_blocks,
@@ -43,10 +47,6 @@ from visiondist.parallel import (
     keep_matmuls_context,
     transformer_blocks,
 )
-from visiondist.train.build import seed_everything
-from visiondist.train.fp8 import to_float8
-from visiondist.train.optim import KERNELS, describe_optimizer, resolve_impl
-from visiondist.train.precision import autocast_dtype, autocast_for
 
 
 def baseline_roles(cfg: DictConfig) -> list[str]:

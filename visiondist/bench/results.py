@@ -22,10 +22,10 @@ from visiondist.bench.measure import (
 )
 from visiondist.bench.plain_loop import PlainLoop
 from visiondist.bench.report import ratio_check, step_summary
+from visiondist.engine.build import run_of
 from visiondist.models.registry import spec_of
 from visiondist.parallel import Layout, transformer_blocks
 from visiondist.plan.budget import layout_memory
-from visiondist.train.build import run_of
 from visiondist.utils.peaks import datasheet_tflops, matmul_tflops, peak_kind
 
 

@@ -90,7 +90,7 @@ class StepHealth:
         """The last submitted step's verdict left on the device: a 0-dim tensor, 1.0 when some
         rank's loss or the gradient was not finite, else 0.0, the same on every rank. For a decision
         the device takes without the host waiting for it (fp16's skipped step:
-        `visiondist.train.precision.LossScaler.agree`)."""
+        `visiondist.engine.precision.LossScaler.agree`)."""
         return (self._last[:-1].sum() > 0).float()
 
     @property

@@ -146,10 +146,10 @@ def step_seconds_on_cpu(cfg: DictConfig, run: RunLayout, tflops_per_rank: float)
 
 def run_steps(cfg: DictConfig) -> tuple[Optional[int], str]:
     """(optimizer steps of the whole run, which limit sets them) as the trainer counts them
-    (`visiondist.train.build.run_length`), the epoch's length from the training split's images; an
+    (`visiondist.engine.build.run_length`), the epoch's length from the training split's images; an
     epoch of unknown length: `trainer.max_steps` alone; (None, "") when neither can be counted."""
     # the trainer's own count; its module is a rank's (DTensor, DCP, the models: 2 s)
-    from visiondist.train.build import run_length  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.build import run_length  # noqa: PLC0415 (rank-side)
 
     t, d = cfg.trainer, cfg.data
     images = train_images(d) if t.max_epochs > 0 else None

@@ -26,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from visiondist.config import ConfigError, from_container, to_container
 from visiondist.config.layout import RunLayout
+from visiondist.engine.precision import set_tf32
 from visiondist.launch.estimate import check_gpu_layout
 from visiondist.launch.failed import (
     one_line_failure,
@@ -48,7 +49,6 @@ from visiondist.plan.world import (
     find_accelerator,
     under_torchrun,
 )
-from visiondist.train.precision import set_tf32
 from visiondist.utils.exit import leave_quickly_when_done
 from visiondist.utils.heartbeat import PROGRESS
 from visiondist.utils.procenv import omp_threads, threads_per_rank

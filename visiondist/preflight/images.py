@@ -99,7 +99,7 @@ def check_val_readable(d, root: Path) -> None:
     naming the unreadable ones and their reasons, before any rank starts, since each val image is
     scored. Once a machine (`LOCAL_RANK` unset or 0: under torchrun one process a node checks, and
     its exit stops the others); a rank checks its share again before step 1
-    (`visiondist.train.build.check_val_images`)."""
+    (`visiondist.engine.build.check_val_images`)."""
     if os.environ.get("LOCAL_RANK", "0") != "0":
         return
     from visiondist.data.robust import name_bad, unreadable_reason  # noqa: PLC0415 (reader)

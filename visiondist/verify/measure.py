@@ -19,6 +19,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from visiondist.bench.measure import synthetic_batch
 from visiondist.config.layout import RunLayout
+from visiondist.engine.optim import build_optimizer
+from visiondist.engine.precision import autocast_dtype
 from visiondist.models import build_deferred, build_model
 from visiondist.models.shape import ViTShape
 from visiondist.parallel import (
@@ -43,8 +45,6 @@ from visiondist.plan.memory import (
     tensor_shapes,
 )
 from visiondist.plan.resolve import layout_memory
-from visiondist.train.optim import build_optimizer
-from visiondist.train.precision import autocast_dtype
 from visiondist.verify.world import AsOnDevice, Traffic, fake_world, nbytes
 
 # torch 2.14+: tensors selective checkpointing keeps can pass through saved-tensor hooks, which the

@@ -8,10 +8,10 @@ state.
 - `compile.py`: what `trainer.compile` did (dynamo's graphs, graph breaks and recompile-limit hits);
 - `default.py`: their order, with the reason for each place.
 
-The interface (`Hook`) is the loop's own (`visiondist.train.trainer`); the loop never imports a
-hook: the layer above hands them in (`visiondist.train.run.build_trainer`).
+The interface (`Hook`) is the loop's own (`visiondist.engine.trainer`); the loop never imports a
+hook: the layer above hands them in (`visiondist.engine.run.build_trainer`).
 """
 
-from visiondist.train.hooks.default import default_hooks
+from visiondist.engine.hooks.default import default_hooks
 
 __all__ = ["default_hooks"]

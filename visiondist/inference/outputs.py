@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from visiondist.data.masks import decode, encode
-from visiondist.predict.sources import VideoFrames
+from visiondist.inference.sources import VideoFrames
 
 PARTS = "parts"
 MANIFEST = "predict.json"

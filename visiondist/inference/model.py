@@ -29,9 +29,9 @@ from visiondist.config.resolution import native_settings, reading
 from visiondist.data.index import list_image_folder
 from visiondist.data.masks import encode
 from visiondist.data.shards import open_store, read_meta
+from visiondist.engine.precision import autocast_for
 from visiondist.models import TASKS
 from visiondist.models.init import is_meta, materialize
-from visiondist.train.precision import autocast_for
 from visiondist.utils.dcp import is_complete
 
 if TYPE_CHECKING:  # rank-side (below)

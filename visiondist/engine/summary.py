@@ -16,11 +16,11 @@ from visiondist.config.resolution import native_settings
 from visiondist.data.device_decode import WORKER_DECODED, count_worker_decoded, decoder_name
 from visiondist.data.robust import count_bad_images
 from visiondist.data.shards.store import is_url
+from visiondist.engine.optim import warmup_length
+from visiondist.engine.precision import cpu_has_bf16, precision_name, precision_text
+from visiondist.engine.trainer import Trainer
 from visiondist.observe.console import continue_command, shown_path
 from visiondist.observe.summary import best_evaluation
-from visiondist.train.optim import warmup_length
-from visiondist.train.precision import cpu_has_bf16, precision_name, precision_text
-from visiondist.train.trainer import Trainer
 from visiondist.utils.dcp import CHECKPOINTS
 from visiondist.utils.procenv import omp_wait_text
 

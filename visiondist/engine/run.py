@@ -13,9 +13,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from visiondist.engine.precision import autocast_for
+from visiondist.engine.state import LoopState
 from visiondist.observe.metrics import MetricsLogger
-from visiondist.train.precision import autocast_for
-from visiondist.train.state import LoopState
 from visiondist.utils.dcp import is_complete
 from visiondist.utils.heartbeat import PROGRESS
 from visiondist.utils.signals import STOP
@@ -23,8 +23,8 @@ from visiondist.utils.signals import STOP
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from visiondist.engine.trainer import Hook, Trainer
     from visiondist.parallel import Layout
-    from visiondist.train.trainer import Hook, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +32,11 @@ log = logging.getLogger(__name__)
 # these wait for the rank (about 1 s of torch.distributed, DTensor and albumentations a launch
 # saves); the fork server of CPU ranks imports them once for all of them (visiondist.launch.spawn).
 RANK_IMPORTS = (
-    "visiondist.train.trainer",
-    "visiondist.train.hooks",
-    "visiondist.train.summary",
-    "visiondist.train.tasks",
-    "visiondist.train.build",
+    "visiondist.engine.trainer",
+    "visiondist.engine.hooks",
+    "visiondist.engine.summary",
+    "visiondist.engine.tasks",
+    "visiondist.engine.build",
     "visiondist.checkpoint.dcp",
     "visiondist.observe.summary",
     "visiondist.data.transforms",
@@ -63,17 +63,17 @@ def build_trainer(
     Returns:
         The `Trainer`, not yet started (`run_trainer` runs it).
     """
-    from visiondist.train.checkpointing import (  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.checkpointing import (  # noqa: PLC0415 (rank-side)
         Checkpointing,
         resume,
         resume_path,
     )
-    from visiondist.train.components import build_components  # noqa: PLC0415 (rank-side)
-    from visiondist.train.hooks import default_hooks  # noqa: PLC0415 (rank-side)
-    from visiondist.train.step import OptimizerStep  # noqa: PLC0415 (rank-side)
-    from visiondist.train.trainer import Trainer  # noqa: PLC0415 (rank-side)
-    from visiondist.train.utilisation import Utilisation  # noqa: PLC0415 (rank-side)
-    from visiondist.train.validation import Validation  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.components import build_components  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.hooks import default_hooks  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.step import OptimizerStep  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.trainer import Trainer  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.utilisation import Utilisation  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.validation import Validation  # noqa: PLC0415 (rank-side)
 
     checkpoint = resume_path(cfg, run_dir)
     parts = build_components(cfg, layout, checkpoint=checkpoint)
@@ -117,8 +117,8 @@ def run_trainer(trainer: Trainer) -> dict[str, Any]:
         The run's summary (what summary.json holds); for a run that stopped early, `"stopped at
         step"` and `"run dir"` (and `"stopped by"`, the signal).
     """
+    from visiondist.engine.summary import announce, run_summary  # noqa: PLC0415 (rank-side)
     from visiondist.observe.summary import report_run  # noqa: PLC0415 (rank-side)
-    from visiondist.train.summary import announce, run_summary  # noqa: PLC0415 (rank-side)
 
     cfg, state, metrics = trainer.cfg, trainer.state, trainer.metrics
     try:
@@ -188,7 +188,7 @@ def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
         What `run_trainer` returns: the run's summary, or where a stopped run stopped.
     """
     from visiondist.data.workers import close_loaders  # noqa: PLC0415 (rank-side)
-    from visiondist.train.build import prepare_rank  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.build import prepare_rank  # noqa: PLC0415 (rank-side)
 
     prepare_rank(cfg, layout, run_dir)
     trainer = build_trainer(cfg, layout, run_dir)
@@ -218,15 +218,15 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     """
     from visiondist.checkpoint.dcp import load_model_state  # noqa: PLC0415 (rank-side)
     from visiondist.data.workers import close_loaders  # noqa: PLC0415 (rank-side)
-    from visiondist.observe.console import shown_path  # noqa: PLC0415 (rank-side)
-    from visiondist.observe.summary import draw_evaluation  # noqa: PLC0415 (rank-side)
-    from visiondist.parallel import unwrap  # noqa: PLC0415 (rank-side)
-    from visiondist.train.build import (  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.build import (  # noqa: PLC0415 (rank-side)
         build_laid_out,
         prepare_rank,
         seed_everything,
     )
-    from visiondist.train.tasks import build_task  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.tasks import build_task  # noqa: PLC0415 (rank-side)
+    from visiondist.observe.console import shown_path  # noqa: PLC0415 (rank-side)
+    from visiondist.observe.summary import draw_evaluation  # noqa: PLC0415 (rank-side)
+    from visiondist.parallel import unwrap  # noqa: PLC0415 (rank-side)
 
     prepare_rank(cfg, layout, run_dir, "eval.log")
     seed_everything(cfg.trainer.seed)

@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from visiondist.checkpoint.files import latest_checkpoint, resolve_checkpoint
 from visiondist.config import ConfigError
-from visiondist.predict.sources import Source
+from visiondist.inference.sources import Source
 
 
 def run_weights(run: Path, step=None) -> Path:

@@ -1,6 +1,6 @@
 """Predicting: the batch loop both entries share, `predict` (a generator of per-image results, for a
 notebook or a script) and `predict_ranks` (every rank of `tools/predict.py`: its share of the
-source's batches, written as parts, then merged by rank 0; module `visiondist.predict.outputs`)."""
+source's batches, written as parts, then merged by rank 0; `inference/outputs.py`)."""
 
 from __future__ import annotations
 
@@ -22,20 +22,15 @@ from visiondist.data.formats.exports import coco_paths
 from visiondist.data.robust import READ_ERRORS
 from visiondist.data.sampler import eval_shard
 from visiondist.data.workers import close_loaders, register, watched
-from visiondist.models import TASKS
-from visiondist.models.weights_check import weights_settings
-from visiondist.observe.console import setup_logging, shown_path
-from visiondist.observe.progress import tracked
-from visiondist.plan import check
-from visiondist.predict.job import (
+from visiondist.inference.job import (
     batch_size,
     drawn_count,
     recorded_preprocessing,
     request,
     run_weights,
 )
-from visiondist.predict.model import Predictor, kept_labels, load_model, read_names
-from visiondist.predict.outputs import (
+from visiondist.inference.model import Predictor, kept_labels, load_model, read_names
+from visiondist.inference.outputs import (
     PartWriter,
     batches,
     done,
@@ -50,7 +45,12 @@ from visiondist.predict.outputs import (
     write_manifest,
     write_video,
 )
-from visiondist.predict.sources import Source, VideoFrames, resolve_source
+from visiondist.inference.sources import Source, VideoFrames, resolve_source
+from visiondist.models import TASKS
+from visiondist.models.weights_check import weights_settings
+from visiondist.observe.console import setup_logging, shown_path
+from visiondist.observe.progress import tracked
+from visiondist.plan import check
 from visiondist.utils.heartbeat import PROGRESS
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ def predict(
     score_thresh, max_det, classes, batch_size). `device`: "cuda", "cpu" (default: the GPU when
     there is one). Nothing is written.
 
-        from visiondist.predict import predict
+        from visiondist.inference import predict
         for r in predict("photos/", run_dir="outputs/2026-11-21/21-10-24"):
             print(r["file"], r["top"][0]["name"])
 
@@ -270,7 +270,7 @@ def prediction_config(
 
 def predict_ranks(cfg: DictConfig, layout, out: Path) -> dict[str, Any]:
     """Entry point of every rank of tools/predict.py (module doc of
-    `visiondist.predict.outputs`).
+    `visiondist.inference.outputs`).
 
     Args:
         cfg: the prediction's config (`prediction_config`'s, as tools/predict.py makes it).

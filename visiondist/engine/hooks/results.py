@@ -12,9 +12,9 @@ from typing import Optional
 import torch
 
 from visiondist.checkpoint.files import mark_best, read_best
+from visiondist.engine.build import consolidate
+from visiondist.engine.trainer import Hook, Trainer
 from visiondist.faults.health import set_collective_timeout
-from visiondist.train.build import consolidate
-from visiondist.train.trainer import Hook, Trainer
 from visiondist.utils.heartbeat import PROGRESS
 
 log = logging.getLogger(__name__)

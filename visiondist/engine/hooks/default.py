@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from visiondist.train.hooks.compile import CompileHook
-from visiondist.train.hooks.periodic import (
+from visiondist.engine.hooks.compile import CompileHook
+from visiondist.engine.hooks.periodic import (
     LogHook,
     ProgressHook,
     StopHook,
@@ -11,8 +11,13 @@ from visiondist.train.hooks.periodic import (
     TimeoutHook,
     TrafficHook,
 )
-from visiondist.train.hooks.results import BestCheckpointHook, CheckpointHook, EvalHook, WeightsHook
-from visiondist.train.trainer import Hook
+from visiondist.engine.hooks.results import (
+    BestCheckpointHook,
+    CheckpointHook,
+    EvalHook,
+    WeightsHook,
+)
+from visiondist.engine.trainer import Hook
 
 
 def default_hooks() -> list[Hook]:

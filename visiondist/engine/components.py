@@ -14,8 +14,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
-from visiondist.parallel import Layout, PipelinedViT, local_numel, unwrap
-from visiondist.train.build import (
+from visiondist.engine.build import (
     build_laid_out,
     check_val_images,
     num_params,
@@ -23,10 +22,11 @@ from visiondist.train.build import (
     run_of,
     seed_everything,
 )
-from visiondist.train.ema import ModelEma
-from visiondist.train.optim import build_optimizer, build_scheduler
-from visiondist.train.precision import LossScaler, autocast_for, precision_name
-from visiondist.train.tasks import build_task
+from visiondist.engine.ema import ModelEma
+from visiondist.engine.optim import build_optimizer, build_scheduler
+from visiondist.engine.precision import LossScaler, autocast_for, precision_name
+from visiondist.engine.tasks import build_task
+from visiondist.parallel import Layout, PipelinedViT, local_numel, unwrap
 
 
 @dataclass

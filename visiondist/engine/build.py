@@ -17,6 +17,8 @@ from visiondist.checkpoint.dcp import freeze_as_saved, load_model_state
 from visiondist.checkpoint.files import read_trainer_state
 from visiondist.config.layout import RunLayout
 from visiondist.data.robust import check_images
+from visiondist.engine.fp8 import apply_fp8
+from visiondist.engine.precision import autocast_dtype
 from visiondist.models import TASKS, build_deferred, build_model, sdpa, select_attention
 from visiondist.models.init import is_meta, materialize
 from visiondist.models.registry import spec_of
@@ -24,8 +26,6 @@ from visiondist.models.weights import save_weights
 from visiondist.observe.console import in_terminal, setup_logging
 from visiondist.parallel import Layout, PipelineSpec, local_part, parallelize, transformer_blocks
 from visiondist.synthetic import prepare_data
-from visiondist.train.fp8 import apply_fp8
-from visiondist.train.precision import autocast_dtype
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The training loop and the interface of the hooks it runs.
 
-The loop is handed everything (`visiondist.train.run.build_trainer` builds it): the parts (model,
+The loop is handed everything (`visiondist.engine.run.build_trainer` builds it): the parts (model,
 optimizer, data, ...), the optimizer step, the checkpoints, the evaluation, one `LoopState`, and the
 hooks in their order. It does not care which layout it got, names no hook, and decides nothing a
 hook decides: per step it runs the optimizer step inside each hook's `step_context`, then each
@@ -18,14 +18,14 @@ from typing import Any, ContextManager, Iterator, Optional, Sequence
 import torch
 from omegaconf import DictConfig
 
+from visiondist.engine.checkpointing import Checkpointing
+from visiondist.engine.components import Components
+from visiondist.engine.state import LoopState, StepTimer
+from visiondist.engine.step import OptimizerStep
+from visiondist.engine.utilisation import Utilisation
+from visiondist.engine.validation import Validation
 from visiondist.observe.metrics import MetricsLogger
 from visiondist.parallel import Layout
-from visiondist.train.checkpointing import Checkpointing
-from visiondist.train.components import Components
-from visiondist.train.state import LoopState, StepTimer
-from visiondist.train.step import OptimizerStep
-from visiondist.train.utilisation import Utilisation
-from visiondist.train.validation import Validation
 
 
 class Hook:

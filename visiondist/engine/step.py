@@ -17,6 +17,9 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 from omegaconf import DictConfig
 
+from visiondist.engine.build import run_of
+from visiondist.engine.components import Components
+from visiondist.engine.state import LoopState
 from visiondist.faults.health import NonFiniteStep, StepHealth, Verdict
 from visiondist.parallel import (
     Layout,
@@ -25,9 +28,6 @@ from visiondist.parallel import (
     clip_grad_norm,
     finish_gradients,
 )
-from visiondist.train.build import run_of
-from visiondist.train.components import Components
-from visiondist.train.state import LoopState
 from visiondist.utils.heartbeat import PROGRESS
 from visiondist.utils.signals import STOP
 

@@ -15,14 +15,14 @@ from typing import Any, ContextManager, Optional
 import torch
 import torch.distributed as dist
 
+from visiondist.engine.build import run_of
+from visiondist.engine.state import StepTimer
+from visiondist.engine.trainer import Hook, Trainer
 from visiondist.faults.health import set_collective_timeout
 from visiondist.observe.console import in_terminal
 from visiondist.observe.progress import progress_bar
 from visiondist.parallel import Layout, PipelinedViT
 from visiondist.parallel.timeline import bubble_fraction, plot_timeline, to_json
-from visiondist.train.build import run_of
-from visiondist.train.state import StepTimer
-from visiondist.train.trainer import Hook, Trainer
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from visiondist.engine.components import Components
+from visiondist.engine.state import LoopState
 from visiondist.observe.metrics import MetricsLogger
 from visiondist.parallel import Layout, reshard, same_buffers, unwrap
-from visiondist.train.components import Components
-from visiondist.train.state import LoopState
 from visiondist.utils.heartbeat import PROGRESS
 
 log = logging.getLogger(__name__)

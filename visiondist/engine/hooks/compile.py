@@ -11,8 +11,8 @@ import os
 import time
 from typing import Any, ContextManager, Iterator
 
-from visiondist.train.build import run_of
-from visiondist.train.trainer import Hook, Trainer
+from visiondist.engine.build import run_of
+from visiondist.engine.trainer import Hook, Trainer
 
 log = logging.getLogger(__name__)
 

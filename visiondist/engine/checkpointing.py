@@ -14,10 +14,10 @@ from omegaconf import DictConfig
 
 from visiondist.checkpoint.dcp import PendingSave, async_group, load_checkpoint, save_checkpoint
 from visiondist.checkpoint.files import latest_checkpoint, resolve_checkpoint
+from visiondist.engine.build import seed_everything
+from visiondist.engine.components import Components
+from visiondist.engine.state import LoopState, Resumed
 from visiondist.parallel import Layout, reshard, unwrap
-from visiondist.train.build import seed_everything
-from visiondist.train.components import Components
-from visiondist.train.state import LoopState, Resumed
 from visiondist.utils.heartbeat import PROGRESS
 
 log = logging.getLogger(__name__)
