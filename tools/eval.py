@@ -15,16 +15,12 @@ spelling, a bare path (`tools/eval.py <run dir>`), still works.
 import re
 import sys
 from pathlib import Path
-from typing import Optional
 
 from visiondist.cli import (
     Command,
     Tool,
-    checked,
     config_text,
     exit_now,
-    load_run_config,
-    load_weights_config,
 )
 from visiondist.cli import main as cli_main
 from visiondist.config import ConfigError
@@ -77,68 +73,24 @@ TOOL = Tool(
 
 
 def evaluate(cmd: Command) -> int:
-    cfg, weights, base = _source(cmd)
-    cfg.model.weights = str(weights.resolve())
-    cfg.model.init_from = None  # a fine-tuned run: its own weights, not the ones it started from
-    if cmd.show:
-        print(config_text(cfg, cmd.package))
-        return 0
-    try:  # the val split and the weights against the model, before any rank starts
-        checked(cfg, "eval")
-    except ConfigError as exc:
-        if base is not None:  # run_dir=: the run's own weights
-            raise
-        # this tool's key
-        raise ConfigError(str(exc).replace("model.weights=", "weights=")) from None
-    from visiondist.engine.run import evaluate_checkpoint
-    from visiondist.launch import launch
+    from visiondist.api.jobs import evaluate_job, evaluation_config  # visiondist.evaluate's job
 
-    # eval/<date>_<time> under `base`
-    if not any(o.startswith("trainer.run_dir=") for o in cmd.overrides):
-        cfg.trainer.run_dir = None
-        cfg.trainer.output_dir = str(base) if base is not None else cfg.trainer.output_dir
-    launch(evaluate_checkpoint, cfg)
-    return 0
-
-
-def _source(cmd: Command):
-    """(config, weights, the folder whose eval/ gets the results: the run's, or None for
-    trainer.output_dir)."""
     args = _arguments(cmd)
-    if "weights" in args and "run_dir" in args:
-        raise ConfigError(
-            "give run_dir=<run> (evaluated under its config.yaml) or weights=<file> (under the "
-            "config of group=option / key=value), not both"
-        )
-    if "step" in args and "run_dir" not in args:
-        raise ConfigError(f"step={args['step']} picks a checkpoint of a run: add run_dir=<run>")
-    if "weights" in args:
-        weights = Path(args["weights"]).expanduser()
-        if not weights.exists():
-            raise ConfigError(f"weights={args['weights']}: no such file or checkpoint directory")
-        return (
-            load_weights_config(
-                CONFIGS, weights, cmd.overrides + cmd.search, "eval.py", data_needed=True
-            ),
-            weights,
-            None,
-        )
-    if "run_dir" not in args:
-        raise ConfigError(
-            "give run_dir=<run dir> (a training run) or weights=<file> with model=... data=...: "
-            "--help shows both"
-        )
-    if cmd.config_dir is not None:
+    if cmd.config_dir is not None and "run_dir" in args:
         raise ConfigError(
             "-cd: run_dir= evaluates under the run's own config.yaml; -cd adds options for weights="
         )
-    run = Path(args["run_dir"]).expanduser()
-    cfg = load_run_config(run, cmd.overrides, inputs=None)
-    from visiondist.inference.job import (
-        run_weights,  # the run's weights as tools/predict.py takes them
+    cfg, base = evaluation_config(
+        args.get("run_dir"),
+        args.get("step"),
+        args.get("weights"),
+        cmd.overrides + (cmd.search if "weights" in args else []),
     )
-
-    return cfg, run_weights(run, _step(args["step"]) if "step" in args else None), run
+    if cmd.show:
+        print(config_text(cfg, cmd.package))
+        return 0
+    evaluate_job(cfg, base, own_dir=any(o.startswith("trainer.run_dir=") for o in cmd.overrides))
+    return 0
 
 
 def _arguments(cmd: Command) -> dict:
@@ -170,17 +122,6 @@ def _arguments(cmd: Command) -> dict:
         flush=True,
     )
     return {**cmd.args, **new}
-
-
-def _step(value: Optional[str]) -> "int | str":
-    if value == "best":
-        return value
-    try:
-        return int(str(value))
-    except ValueError:
-        raise ConfigError(
-            f"step={value}: give a checkpoint's step number, e.g. step=500, or step=best"
-        ) from None
 
 
 def main(argv: list[str]) -> int:

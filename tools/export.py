@@ -21,14 +21,6 @@ from visiondist.cli import main as cli_main
 from visiondist.config import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-SUFFIX = {
-    "safetensors": ".safetensors",
-    "onnx": ".onnx",
-    "pt2": ".pt2",
-    "torchscript": ".pt",
-    "hf": "_hf",
-    "naflex": "_naflex.safetensors",
-}
 EXPECTED = (
     "expected run_dir=<dir> [step=<N>|best] "
     "[format=safetensors|onnx|pt2|torchscript|hf|naflex] [out=<path>]"
@@ -83,65 +75,17 @@ def export(cmd: Command) -> int:
     args = cmd.args
     if "run_dir" not in args:
         raise ConfigError(f"run_dir= is missing: {EXPECTED}")
-    fmt = args.get("format", "safetensors")
-    if fmt not in SUFFIX:
-        raise ConfigError(f"format={fmt}: choose one of {', '.join(SUFFIX)}")
     run_dir = Path(args["run_dir"]).expanduser()
     if cmd.show:
         print(config_text(load_run_config(run_dir, [], inputs=None), cmd.package))
         return 0
-    # hf: the directory model_hf
-    out = Path(args.get("out") or run_dir / "export" / f"model{SUFFIX[fmt]}")
-    named = (
-        [name for name, suffix in SUFFIX.items() if suffix.endswith(out.suffix)]
-        if out.suffix
-        else []
-    )
-    # format=pt2 out=model.onnx: a file named as what it is not
-    if named and fmt not in named and fmt != "hf":
-        raise ConfigError(
-            f"out={args['out']}: a {out.suffix} file is what format={named[0]} writes; "
-            f"format={fmt} writes {SUFFIX[fmt]}: name it {out.stem}{SUFFIX[fmt]}, or give "
-            f"format={named[0]}"
-        )
+    from visiondist.api.jobs import export_job  # visiondist.export's job (torch: 2 s)
 
-    from visiondist.checkpoint.export import export as export_run
-    from visiondist.checkpoint.export.onnx_check import check_onnx
-    from visiondist.checkpoint.export.trained import load_trained
-
-    if not args.get("step", "0").isdigit() and args["step"] != "best":
-        raise ConfigError(
-            f"step={args['step']}: give a checkpoint's step number, e.g. step=500, or step=best"
-        )
     try:
-        step = (
-            args["step"]
-            if args.get("step") == "best"
-            else int(args["step"])
-            if "step" in args
-            else None
-        )
-        trained = load_trained(run_dir, step)
-        files = export_run(trained, fmt, out)
-    except (FileNotFoundError, ValueError) as exc:
-        raise ConfigError(str(exc)) from None
+        export_job(run_dir, args.get("format", "safetensors"), args.get("step"), args.get("out"))
     except RuntimeError as exc:  # e.g. a damaged checkpoint: the message names it and what to do
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1
-    print(f"exported {trained.cfg.model.name} from {trained.source}")
-    for file in files:
-        print(f"  {file}")
-    if fmt == "onnx":
-        check = check_onnx(trained, out)
-        print(
-            "  onnxruntime not installed: output not checked"
-            if check is None
-            else f"  {check.summary()}"
-        )
-    if fmt == "pt2":
-        from visiondist.checkpoint.export.pt2 import check_pt2
-
-        print(f"  {check_pt2(trained, out)}")
     return 0
 
 

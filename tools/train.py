@@ -14,23 +14,10 @@ TOOL = Tool()  # the defaults are this tool's
 
 
 def run(cfg) -> int:
-    from visiondist.engine.run import (
-        train,  # heavy imports only once the config is known to be good
-    )
-    from visiondist.launch import launch
-    from visiondist.runs import completed_step
-
-    step = completed_step(cfg)
-    if step is not None:  # e.g. a requeued cluster job: nothing to do, nothing rewritten
-        print(
-            f"{cfg.trainer.run_dir} is complete at step {step}: nothing to do (to train longer, "
-            "raise trainer.max_steps or trainer.max_epochs)",
-            flush=True,
-        )
-        return 0
+    from visiondist.api.jobs import train_job  # the job visiondist.train runs (torch: 2 s)
 
     # a stop signal: `launch.JobStopped`, whose line says what was kept (visiondist.cli prints it)
-    launch(train, cfg)
+    train_job(cfg)
     return 0
 
 

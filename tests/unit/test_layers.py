@@ -34,6 +34,7 @@ LAYERS = [
     {"runs"},  # continuing a run
     {"launch"},  # run dir, self-launch, ranks
     {"cli"},  # the tools' command line and multirun sweeps
+    {"api"},  # the Python API: the tools' jobs, `Run`, predict's results, a user's callbacks
     {"ray"},  # Ray Train's entry: a tool's config loading and the launcher, inside Ray's workers
 ]
 

@@ -225,6 +225,9 @@ def _explain(exc: BaseException) -> str:
             return f"{key}: {str(error).strip().splitlines()[0]}"
         error = error.__cause__ or error.__context__
     text = str(exc).strip()
+    missing = _missing_option(text)
+    if missing:
+        return missing
     if text.startswith("Error parsing override '"):  # e.g. a bare `data.root`
         override = text.split("'")[1]
         return (
@@ -242,6 +245,43 @@ def _explain(exc: BaseException) -> str:
         if reason not in lines:
             lines.append(reason)
     return "\n".join(lines)
+
+
+# the key a path goes in, for a path given as a group's option (`data=/data/coco.yaml`)
+PATH_KEYS = {"data": "data.root", "model": "model.weights"}
+
+
+def _missing_option(text: str) -> str:
+    """One line for Hydra's "Could not find 'group/option'" and its list of options: the closest
+    option, or for a path the key that takes it; '' for another message."""
+    import re  # noqa: PLC0415 (--help)
+
+    found = re.match(r"In '[^']*': Could not find '([^/']+)/([^']+)'", text)
+    if not found:
+        return ""
+    group, option = found.groups()
+    lines = text.splitlines()
+    start = next((i + 1 for i, line in enumerate(lines) if line.startswith("Available options")), 0)
+    options = []
+    for line in lines[start:] if start else []:
+        if not line.startswith("\t"):
+            break
+        options.append(line.strip())
+    if "/" in option or option.endswith((".yaml", ".yml", ".json", ".safetensors")):
+        # a YOLO set's data.yaml is read by data=detection
+        key = PATH_KEYS.get(group, f"{group}.<key>")
+        if group == "data" and option.endswith((".yaml", ".yml")):
+            key = "data=detection data.root"
+        return (
+            f"{group}={option}: {group}= picks one of configs/{group}/ ({', '.join(options)}); "
+            f"a path goes in {key}={option}"
+        )
+    close = difflib.get_close_matches(option, options, n=1, cutoff=0.6)
+    hint = f"did you mean {group}={close[0]}? " if close else ""
+    return (
+        f"{group}={option} is not an option of {group}: {hint}the options are "
+        f"{', '.join(options)} (configs/{group}/)"
+    )
 
 
 # settings that were replaced, and what says the same now

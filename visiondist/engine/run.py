@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# what a rank says of a stop a callback asked for on another rank
+ELSEWHERE = "a callback on another rank"
+
 # What a rank imports once started. The launcher imports this module for its entry points only, so
 # these wait for the rank (about 1 s of torch.distributed, DTensor and albumentations a launch
 # saves); the fork server of CPU ranks imports them once for all of them (visiondist.launch.spawn).
@@ -130,11 +133,12 @@ def run_trainer(trainer: Trainer) -> dict[str, Any]:
         raise
     if not complete:
         total = trainer.parts.total_steps
-        why = (
-            f"{STOP.received or 'a signal to another rank'}"
-            if state.stop_requested
-            else "trainer.stop_at_step"
-        )
+        if state.stop_requested:
+            why = f"{STOP.received or 'a signal to another rank'}"
+        elif state.stop_asked:
+            why = f"{state.stop_asked_here or ELSEWHERE} asked to stop"
+        else:
+            why = "trainer.stop_at_step"
         # the launcher says how to go on
         log.info("stopped after step %d of %d (%s)", state.step, total, why)
         metrics.close("stopped")
@@ -142,6 +146,7 @@ def run_trainer(trainer: Trainer) -> dict[str, Any]:
             "stopped at step": state.step,
             "run dir": str(trainer.run_dir),
             **({"stopped by": STOP.received or "SIGTERM"} if state.stop_requested else {}),
+            **({"stopped because": why} if state.stop_asked and not state.stop_requested else {}),
         }
     assert state.timer is not None
     summary = run_summary(trainer, state.timer.total_seconds)
@@ -173,7 +178,9 @@ def run_trainer(trainer: Trainer) -> dict[str, Any]:
     return summary
 
 
-def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
+def train(
+    cfg: DictConfig, layout: Layout, run_dir: Path, callbacks: Sequence[Any] = ()
+) -> dict[str, Any]:
     """Train on this rank: tools/train.py's entry point, which `visiondist.launch.launch` runs.
 
     Entry point of every rank: prepare the data once per node, then build the trainer and run
@@ -183,15 +190,19 @@ def train(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[str, Any]:
         cfg: the run's resolved config (read-only).
         layout: this rank's place in the device mesh, carrying the resolved `RunLayout`.
         run_dir: the run directory (created by the launcher).
+        callbacks: a user's callbacks (`hooks.callbacks`), run after the default hooks.
 
     Returns:
         What `run_trainer` returns: the run's summary, or where a stopped run stopped.
     """
     from visiondist.data.workers import close_loaders  # noqa: PLC0415 (rank-side)
     from visiondist.engine.build import prepare_rank  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.hooks import default_hooks  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.hooks.callbacks import CallbackHook  # noqa: PLC0415 (rank-side)
 
     prepare_rank(cfg, layout, run_dir)
-    trainer = build_trainer(cfg, layout, run_dir)
+    hooks = [*default_hooks(), CallbackHook(callbacks)] if callbacks else None
+    trainer = build_trainer(cfg, layout, run_dir, hooks)
     try:
         return run_trainer(trainer)
     finally:

@@ -124,6 +124,8 @@ class LoopState:
         epoch: the epoch the next step is in, from 0.
         timer: the loop's clock of training time, from its start.
         stop_requested: a stop signal reached some rank (agreed by all).
+        stop_asked_here: a user's callback on this rank asked the run to stop (its name).
+        stop_asked: a callback on some rank asked the run to stop (agreed by all).
         skipped_steps: optimizer steps skipped as non-finite, over every attempt.
         overflow_steps: fp16 steps skipped because a scaled gradient overflowed.
         last_eval: the latest evaluation's metrics and "step".
@@ -142,6 +144,8 @@ class LoopState:
     epoch: int = _owned("loop", 0)  # the epoch the next step is in, from 0
     timer: Optional[StepTimer] = _owned("loop", None)  # from the loop's start
     stop_requested: bool = _owned("OptimizerStep", False)  # a stop signal reached some rank
+    stop_asked_here: Optional[str] = _owned("CallbackHook", None)  # a callback's name, this rank
+    stop_asked: bool = _owned("OptimizerStep", False)  # a callback on some rank asked to stop
     skipped_steps: int = _owned("OptimizerStep", 0)  # non-finite, over every attempt
     overflow_steps: int = _owned("OptimizerStep", 0)  # fp16: a scaled gradient overflowed
     last_eval: dict[str, Any] = _owned("Validation", default_factory=dict)  # metrics and "step"

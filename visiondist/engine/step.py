@@ -65,7 +65,12 @@ class OptimizerStep:
             self.scaler.unscale_(self.optimizer)
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.trainer.clip_grad, self.layout)
         self.health.submit(
-            self.state.step + 1, self.layout.rank, total, grad_norm, signals_received()
+            self.state.step + 1,
+            self.layout.rank,
+            total,
+            grad_norm,
+            signals_received(),
+            self.state.stop_asked_here is not None,
         )
         # skip and back off on the job's verdict, never on this rank's alone
         if self.scaler is not None:
@@ -131,6 +136,7 @@ class OptimizerStep:
         raise, or skip this optimizer step."""
         state = self.state
         state.stop_requested = state.stop_requested or verdict.stop
+        state.stop_asked = state.stop_asked or verdict.asked
         if verdict.finite:
             return
         # already skipped by the scaler, on the device: count it, never raise

@@ -43,7 +43,8 @@ class Verdict:
     step: int
     bad_loss_ranks: list[int]  # ranks whose loss was not finite
     bad_grad: bool  # the global gradient norm was not finite
-    stop: bool  # some rank was asked to stop
+    stop: bool  # some rank was asked to stop (a signal)
+    asked: bool = False  # a user's callback on some rank asked the run to stop
 
     @property
     def finite(self) -> bool:
@@ -62,18 +63,27 @@ class StepHealth:
     def __init__(self, world_size: int, device: torch.device):
         self.world_size, self.device = world_size, device
         self._pending: list[tuple[int, torch.Tensor, Any]] = []
-        self._last = torch.zeros(world_size + 2, device=device)
+        # [a flag per rank's loss, the gradient's, a stop signal's, a callback's stop request]
+        self._last = torch.zeros(world_size + 3, device=device)
 
     def submit(
-        self, step: int, rank: int, loss: torch.Tensor, grad_norm: torch.Tensor, stop: bool
+        self,
+        step: int,
+        rank: int,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        stop: bool,
+        asked: bool = False,
     ) -> None:
-        """Collective: every rank submits every step."""
+        """Collective: every rank submits every step. `stop`: a stop signal reached this rank;
+        `asked`: a callback on this rank asked the run to stop."""
         # element copies and fills: no host sync
-        flags = torch.zeros(self.world_size + 2, device=self.device)
+        flags = torch.zeros(self.world_size + 3, device=self.device)
         flags[rank] = (~torch.isfinite(loss.detach().float()).all()).float()
-        flags[-2] = (~torch.isfinite(grad_norm.detach().float()).all()).float()
+        flags[-3] = (~torch.isfinite(grad_norm.detach().float()).all()).float()
         # not `flags[-1] = x`: that copies a host scalar, which synchronises
-        flags[-1:].fill_(float(stop))
+        flags[-2:-1].fill_(float(stop))
+        flags[-1:].fill_(float(asked))
         if self.world_size > 1:
             dist.all_reduce(flags)
         self._last = flags  # on the device, for `nonfinite`
@@ -91,7 +101,7 @@ class StepHealth:
         rank's loss or the gradient was not finite, else 0.0, the same on every rank. For a decision
         the device takes without the host waiting for it (fp16's skipped step:
         `visiondist.engine.precision.LossScaler.agree`)."""
-        return (self._last[:-1].sum() > 0).float()
+        return (self._last[:-2].sum() > 0).float()
 
     @property
     def pending(self) -> int:
@@ -107,7 +117,7 @@ class StepHealth:
             event.synchronize()
         values = flags.tolist()
         ranks = [r for r in range(self.world_size) if values[r] > 0]
-        return Verdict(step, ranks, values[-2] > 0, values[-1] > 0)
+        return Verdict(step, ranks, values[-3] > 0, values[-2] > 0, values[-1] > 0)
 
 
 def set_collective_timeout(

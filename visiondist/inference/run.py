@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, cast
+from typing import Any, Iterator, Optional, Sequence, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from visiondist.config import ConfigError
 from visiondist.config.compose import compose, run_config
-from visiondist.data.decode import read_rgb
 from visiondist.data.formats.exports import coco_paths
 from visiondist.data.robust import READ_ERRORS
 from visiondist.data.sampler import eval_shard
@@ -74,9 +73,7 @@ class Items(Dataset):
         try:
             if self.source.video:
                 self.frames = self.frames or VideoFrames(self.source.video)
-                image = self.frames.read(self.source.frames[i])
-            else:
-                image = read_rgb(self.source.paths[i])
+            image = self.source.image(i, self.frames)
         except READ_ERRORS as exc:
             return i, None, (0, 0), _reason(exc), None
         size = (int(image.shape[1]), int(image.shape[0]))
@@ -150,12 +147,13 @@ def run_batches(
 
 
 def predict(
-    source: str,
+    source: Union[str, Source],
     run_dir: Optional[str] = None,
     weights: Optional[str] = None,
     step=None,
     overrides: Sequence[str] = (),
     device: Optional[str] = None,
+    keep_index: bool = False,
     **settings: Any,
 ) -> Iterator[dict[str, Any]]:
     """Predict with a trained model: a result dict per item of `source`, as each batch is done.
@@ -176,36 +174,46 @@ def predict(
     A bad source, weights or setting raises ConfigError here, before the model is loaded.
 
     Args:
-        source: an image, a folder, a glob, a .txt list of images or a video.
+        source: an image, a folder, a glob, a .txt list of images or a video; or its `Source`
+            (`visiondist.predict`'s images in memory).
         run_dir: a training run (give this or `weights`).
         weights: a weights file, checkpoint or from_pretrained directory (with `overrides`).
         step: the run's checkpoint: a step number or "best"; None: its model.safetensors, else
             its newest checkpoint.
         overrides: config overrides for `weights`, e.g. "model=vit_small", "data=imagenet".
         device: "cuda" or "cpu"; None: the GPU when there is one.
+        keep_index: each record keeps its item's position in the source ("index").
         **settings: predict's settings (topk, score_thresh, max_det, classes, batch_size,
             vid_stride).
 
     Returns:
         A generator of one result dict per item.
     """
-    cfg = prediction_config(run_dir, weights, step, overrides, {"source": source, **settings})
-    items = resolve_source(source, int(cfg.predict.vid_stride))
+    spec = source.spec if isinstance(source, Source) else source
+    cfg = prediction_config(run_dir, weights, step, overrides, {"source": spec, **settings})
+    items = (
+        source
+        if isinstance(source, Source)
+        else resolve_source(source, int(cfg.predict.vid_stride))
+    )
     device_ = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     names = read_names(cfg)
     if cfg.predict.classes:
         check_classes(cfg, names)
-    return _records(Predictor(cfg, load_model(cfg, device_), device_, names), items)
+    return _records(Predictor(cfg, load_model(cfg, device_), device_, names), items, keep_index)
 
 
-def _records(predictor: Predictor, items: Source) -> Iterator[dict[str, Any]]:
+def _records(
+    predictor: Predictor, items: Source, keep_index: bool = False
+) -> Iterator[dict[str, Any]]:
     order = batches(len(items), batch_size(predictor.cfg))
     try:  # no log line per unreadable file: its record carries the error
         for records in run_batches(
             predictor, items, loader(items, predictor, order, 0, -1), None, name_bad=False
         ):
             for record in records:
-                record.pop("index")
+                if not keep_index:
+                    record.pop("index")
                 yield record
     finally:
         close_loaders()

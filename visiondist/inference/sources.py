@@ -43,16 +43,19 @@ class Source:
         frames: the frame numbers a video source reads, in order.
         fps: a video's frame rate.
         size: a video's (width, height).
+        arrays: images given in memory (`visiondist.predict` of arrays, PIL images, tensors):
+            item i's upright HxWx3 uint8 RGB array, or None where item i is the file `paths[i]`.
     """
 
     spec: str
-    kind: str  # image | folder | glob | list | video
+    kind: str  # image | folder | glob | list | video | memory
     paths: list[str] = field(default_factory=list)
     root: Optional[str] = None  # a folder source: names are relative to it
     video: Optional[str] = None
     frames: list[int] = field(default_factory=list)
     fps: float = 0.0
     size: tuple[int, int] = (0, 0)  # a video's (width, height)
+    arrays: list[Optional[np.ndarray]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.frames) if self.video else len(self.paths)
@@ -65,6 +68,22 @@ class Source:
         if self.root is not None:
             return os.path.relpath(self.paths[i], self.root)
         return self.paths[i]
+
+    def image(self, i: int, frames: Optional[VideoFrames] = None) -> np.ndarray:
+        """Item `i` as an upright HxWx3 uint8 RGB array (OSError when it cannot be read).
+
+        Args:
+            i: the item.
+            frames: a video's reader, kept open between frames (else one is opened for this).
+        """
+        if self.video:
+            return (frames or VideoFrames(self.video)).read(self.frames[i])
+        if self.arrays and self.arrays[i] is not None:
+            return self.arrays[i]  # type: ignore[return-value]
+        # the one reader of the loaders (EXIF orientation, CMYK, 16-bit)
+        from visiondist.data.decode import read_rgb  # noqa: PLC0415 (cv2: 16 ms)
+
+        return read_rgb(self.paths[i])
 
     def describe(self) -> str:
         if self.video:

@@ -27,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from visiondist.config import ConfigError, from_container, to_container
 from visiondist.config.layout import RunLayout
 from visiondist.engine.precision import set_tf32
+from visiondist.engine.run import ELSEWHERE
 from visiondist.launch.estimate import check_gpu_layout
 from visiondist.launch.failed import (
     one_line_failure,
@@ -245,7 +246,12 @@ def inductor_cache_dir() -> Path:
     return Path(base) / "visiondist" / "inductor"
 
 
-def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayout:
+def launch(
+    entry: Entry,
+    cfg: DictConfig,
+    env: Optional[dict] = None,
+    results: Optional[dict[int, Any]] = None,
+) -> RunLayout:
     """Resolve the layout (once, here), then run `entry` on every rank. Errors surface before any
     spawn.
 
@@ -255,6 +261,8 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
         cfg: the job's config, composed and checked (`visiondist.cli.load_config`).
         env: the environment the layout is resolved from (torchrun's, SLURM's, a pod's
             variables); None: this process's, with srun's tasks' variables translated into it.
+        results: filled with what `entry` returned, by global rank (the ranks this process
+            started or ran; under torchrun its own), also when the job stopped.
 
     Returns:
         The resolved layout the job ran with.
@@ -303,19 +311,21 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
         )
     cfg_dict = with_decode_choice(cfg, run, to_container(cfg), env.get("RANK", "0") == "0")
     kind = run_kind(entry)
+    results = {} if results is None else results
     # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
     if run.under_torchrun:
         with one_line_failure(None):
-            _report_stop(
-                run_rank(entry, cfg_dict, run, None, auto_plan, top_level=True), kind, True
-            )
+            rank = int(env.get("RANK", "0"))
+            results[rank] = run_rank(entry, cfg_dict, run, None, auto_plan, top_level=True)
+            _report_stop(results[rank], kind, True)
         return run
     run_dir = new_run_dir(cfg, run, kind)
     if auto_plan is not None:
         _write_plan(run_dir, auto_plan)
     if run.world_size == 1:
         with one_line_failure(run_dir):
-            _report_stop(run_rank(entry, cfg_dict, run, str(run_dir), top_level=True), kind)
+            results[0] = run_rank(entry, cfg_dict, run, str(run_dir), top_level=True)
+            _report_stop(results[0], kind)
         return run
 
     _run_agent(
@@ -333,6 +343,7 @@ def launch(entry: Entry, cfg: DictConfig, env: Optional[dict] = None) -> RunLayo
         run,
         kind,
         run_dir,
+        results=results,
     )
     return run
 
@@ -361,16 +372,19 @@ def _run_agent(
     kind: Optional[str],
     run_dir: Optional[Path],
     under_torchrun: bool = False,
+    results: Optional[dict[int, Any]] = None,
 ) -> None:
     """`spawn()` (the elastic agent and this node's ranks) under the launcher's stop handling: a
     failed rank's one line, a stop's last line (from the lowest global rank's result, or from the
     run dir when the ranks were ended: module visiondist.launch.stop). `run_dir` None: a pod's run
-    dir, which its ranks chose."""
+    dir, which its ranks chose. `results`: filled with the ranks' return values."""
     stop = LauncherStop(*_stop_wait(cfg, run, kind), kind=kind)
     try:
         with one_line_failure(run_dir, stop), _quiet_agent(), stop:
-            results = spawn()
-        _report_stop(results[min(results)] if results else None, kind, under_torchrun)
+            returned = spawn()
+        if results is not None:
+            results.update(returned)
+        _report_stop(_speaking(returned), kind, under_torchrun)
     except SignalException as exc:  # the ranks were ended before they finished
         name = stop.received or signal.Signals(exc.sigval).name
         why = stop.why() if stop.ended else ""
@@ -381,6 +395,19 @@ def _run_agent(
         raise JobStopped(
             name, stopped_line(name, run_dir, kind, why=why, under_torchrun=under_torchrun)
         ) from None
+
+
+def _speaking(returned: dict[int, Any]) -> Any:
+    """The result the job's last line is made from: the lowest rank's, or for a stop a callback
+    asked for, the rank whose callback asked (its reason)."""
+    if not returned:
+        return None
+    asked = [
+        result
+        for result in returned.values()
+        if isinstance(result, dict) and ELSEWHERE not in result.get("stopped because", ELSEWHERE)
+    ]
+    return asked[0] if asked else returned[min(returned)]
 
 
 def pod_ranks(cfg: DictConfig, pod: PodJob, cuda_devices: int) -> int:
@@ -476,8 +503,9 @@ def _report_stop(result: Any, kind: Optional[str], under_torchrun: bool = False)
         # rich comes with it: 15-30 ms of every launch, for this line
         from visiondist.observe.console import continue_command  # noqa: PLC0415 (rich, 15 ms)
 
+        why = result.get("stopped because", "trainer.stop_at_step")
         print(
-            f"stopped after step {result['stopped at step']} (trainer.stop_at_step); continue "
+            f"stopped after step {result['stopped at step']} ({why}); continue "
             f"with: {continue_command(result['run dir'], under_torchrun)}",
             flush=True,
         )

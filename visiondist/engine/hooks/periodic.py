@@ -81,10 +81,12 @@ class TimeoutHook(Hook):
 
 
 class StopHook(Hook):
-    """A stop signal on any rank (the step's all-reduced flags) ends the loop after this step."""
+    """A stop signal on any rank, or a callback's request (the step's all-reduced flags), ends the
+    loop after this step."""
 
     def after_step(self, trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-        return trainer.state.stop_requested and trainer.state.step < trainer.parts.total_steps
+        state = trainer.state
+        return (state.stop_requested or state.stop_asked) and state.step < trainer.parts.total_steps
 
 
 def reset_traffic(layout: Layout, pipeline: Optional[PipelinedViT]) -> None:
@@ -146,6 +148,7 @@ class LogHook(Hook):
             state.step % t.log_every == 0
             or state.step in (trainer.parts.total_steps, t.stop_at_step)
             or state.stop_requested
+            or state.stop_asked
         ):
             timer.pause()
             state.final_loss = self._log(trainer, timer, grad_norm)

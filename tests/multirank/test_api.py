@@ -1,0 +1,117 @@
+"""visiondist from Python on 2 ranks: `train` returns the run its tool would have written, the
+user's callbacks run on every rank and come back, a callback on one rank stops every rank at the
+same step with a checkpoint that `resume` continues, and a run's evaluate, predict and export give
+what the tools give."""
+
+import json
+
+import pytest
+from helpers import TINY_DATA
+
+import visiondist
+from visiondist.inference import predict as predict_records
+
+
+class Counting:
+    """Counts its calls on its rank; asks the run to stop after `stop_at` on rank `stop_rank`."""
+
+    def __init__(self, stop_at=None, stop_rank=1):
+        self.calls = {"start": 0, "step": 0, "eval": 0, "end": 0}
+        self.stop_at, self.stop_rank = stop_at, stop_rank
+        self.steps, self.ended_at, self.rank, self.world, self.metrics = [], None, None, None, {}
+
+    def on_train_start(self, state):
+        self.calls["start"] += 1
+        self.rank, self.world = state.rank, state.world_size
+
+    def on_step_end(self, state):
+        self.calls["step"] += 1
+        self.steps.append(state.step)
+        if state.step == self.stop_at and state.rank == self.stop_rank:
+            state.stop("enough for this test")
+
+    def on_eval_end(self, state):
+        self.calls["eval"] += 1
+        self.metrics = state.metrics
+
+    def on_train_end(self, state):
+        self.calls["end"] += 1
+        self.ended_at = (state.step, state.complete)
+
+
+def _settings(tmp_path, tiny_shapes, steps):
+    return dict(
+        data={"root": str(tiny_shapes), "batch_size": 16},
+        trainer={
+            "max_steps": steps,
+            "max_epochs": 0,
+            "eval_every": 2,
+            "devices": 2,
+            "accelerator": "cpu",
+            "loggers": ["csv"],
+            "output_dir": str(tmp_path / "outputs"),
+        },
+    )
+
+
+def _overrides():
+    # TINY_DATA holds data.* / model.* / trainer.* settings as the tools take them
+    return [o for o in TINY_DATA if not o.startswith("data.root")]
+
+
+def test_train_on_two_ranks_with_callbacks_then_stop_and_resume(tmp_path, tiny_shapes, capsys):
+    run = visiondist.train(
+        "model=vit_tiny",
+        *_overrides(),
+        callbacks=[Counting(stop_at=2)],
+        **_settings(tmp_path, tiny_shapes, 6),
+    )
+    said = capsys.readouterr().out
+    # the callback on rank 1 asked after step 2; every rank stopped at the same step: the request
+    # travels with the step flags, which are read a step late (no host wait in the loop)
+    ended = {rank: cbs[0].ended_at for rank, cbs in run.callbacks.items()}
+    assert set(ended) == {0, 1}
+    (stop_step, complete), *_ = ended.values()
+    assert set(ended.values()) == {(stop_step, False)} and stop_step in (3, 4)
+    assert "(enough for this test asked to stop); continue with:" in said
+    assert not run.complete and run.checkpoints[-1].name == f"step_{stop_step}"
+    for rank, (counter,) in run.callbacks.items():
+        assert counter.rank == rank and counter.world == 2
+        assert counter.calls["start"] == 1 and counter.calls["end"] == 1
+        # on_step_end runs for each step but the one the stop ended the loop after
+        assert counter.steps == list(range(1, stop_step))
+
+    again = run.resume(callbacks=[Counting()])
+    assert again.dir == run.dir and again.complete
+    for (counter,) in again.callbacks.values():
+        assert counter.steps == list(range(stop_step + 1, 7)) and counter.ended_at == (6, True)
+        # every evaluation the run made after it resumed (steps 4 and 6), the last one's figures
+        assert counter.calls["eval"] == 2
+        assert counter.metrics["step"] == 6
+        assert counter.metrics["val_top1"] == pytest.approx(again.metrics["val_top1"])
+    assert again.summary["steps"] == 6 and again.weights is not None
+    assert again.layout["world_size"] == 2
+    assert [r["step"] for r in again.rows if r["loss"] is not None][-1] == 6
+
+
+def test_a_runs_evaluate_predict_and_export_are_the_tools(tmp_path, tiny_shapes):
+    settings = _settings(tmp_path, tiny_shapes, 2)
+    settings["trainer"]["devices"] = 1
+    run = visiondist.train("model=vit_tiny", *_overrides(), **settings)
+    assert run.complete and run.callbacks == {}
+
+    metrics = run.evaluate()
+    written = json.loads(next((run.dir / "eval").glob("*/eval.json")).read_text())
+    assert metrics["val_top1"] == pytest.approx(written["val_top1"])
+    assert metrics["val_top1"] == pytest.approx(run.metrics["val_top1"])
+
+    results = list(visiondist.predict(tiny_shapes / "val", run=run, topk=2))
+    records = list(predict_records(str(tiny_shapes / "val"), run_dir=str(run.dir), topk=2))
+    assert [r.record for r in results] == records
+    assert results[0].plot().ndim == 3 and results[0]._repr_png_()[:4] == b"\x89PNG"
+    assert results[0].save(tmp_path / "drawn.jpg").stat().st_size > 0
+
+    onnx = run.export("onnx")
+    assert onnx == run.dir / "export" / "model.onnx" and onnx.stat().st_size > 0
+    with pytest.raises(visiondist.ConfigError, match="format=zip: choose one of"):
+        run.export("zip")

@@ -1,0 +1,107 @@
+"""The Python API's edge (visiondist.api): keywords become the tools' overrides, a refusal is one
+ConfigError line raised before anything runs, callbacks are checked before any rank starts, and
+images in memory become a prediction's source."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import visiondist
+from visiondist.api.callbacks import pack
+from visiondist.api.jobs import as_overrides
+from visiondist.api.predicting import as_source
+from visiondist.inference.sources import Source
+
+
+def test_nested_keywords_are_the_tools_overrides():
+    assert as_overrides(
+        ["model=vit_tiny"],
+        {
+            "trainer": {"max_steps": 10, "compile": False, "loggers": ["csv"]},
+            "parallel": "tp2",
+            "data.root": "/data/my set",
+            "optim": {"lr": 1e-3},
+            "model.weights": None,
+        },
+    ) == [
+        "model=vit_tiny",
+        "trainer.max_steps=10",
+        "trainer.compile=false",
+        "trainer.loggers=[csv]",
+        "parallel=tp2",
+        "data.root='/data/my set'",
+        "optim.lr=0.001",
+        "model.weights=null",
+    ]
+    with pytest.raises(visiondist.ConfigError, match="as the tools take them"):
+        as_overrides(["vit_tiny"], {})
+
+
+def test_a_misspelt_option_is_one_line_with_the_closest():
+    with pytest.raises(visiondist.ConfigError) as caught:
+        visiondist.train("model=vit_tinny")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(
+        "model=vit_tinny is not an option of model: did you mean model=vit_tiny?"
+    )
+    # raised at the API's edge, not from inside Hydra
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
+
+
+def test_a_path_given_as_a_group_option_names_the_key_that_takes_it():
+    with pytest.raises(visiondist.ConfigError, match=r"a path goes in data=detection data.root="):
+        visiondist.train("data=/data/set/data.yaml")
+
+
+class _Counter:
+    def on_step_end(self, state):
+        pass
+
+
+class _Holding(_Counter):
+    def __init__(self):
+        self.lock = threading.Lock()
+
+
+def test_callbacks_are_checked_before_any_rank():
+    assert pack([]) is None
+    assert pack([_Counter()])  # serialised
+    with pytest.raises(visiondist.ConfigError, match=r"callbacks\[0\] \(_Counter\) is a class"):
+        pack([_Counter])
+    with pytest.raises(visiondist.ConfigError, match=r"callbacks\[1\] \(object\) has none of"):
+        pack([_Counter(), object()])
+    with pytest.raises(
+        visiondist.ConfigError, match=r"callbacks\[0\] \(_Holding\) cannot reach the ranks"
+    ):
+        pack([_Holding()])
+
+
+def test_images_in_memory_become_a_source(tmp_path):
+    photo = tmp_path / "a.png"
+    rgb = np.random.default_rng(0).integers(0, 255, (20, 30, 3), dtype=np.uint8)
+    Image.fromarray(rgb).save(photo)
+    assert as_source(str(photo)) == str(photo)  # a path: tools/predict.py's source=
+    source = as_source([rgb, Image.fromarray(rgb), torch.from_numpy(rgb).permute(2, 0, 1), photo])
+    assert isinstance(source, Source) and len(source) == 4
+    assert source.name(0) == "image0" and source.name(3) == str(photo)
+    for i in range(4):
+        assert np.array_equal(source.image(i), rgb)
+    floats = torch.from_numpy(rgb).permute(2, 0, 1).float() / 255
+    assert np.array_equal(as_source(floats[None].repeat(2, 1, 1, 1)).image(1), rgb)
+    grey = as_source(rgb[..., 0]).image(0)
+    assert grey.shape == (20, 30, 3) and np.array_equal(grey[..., 2], rgb[..., 0])
+    with pytest.raises(visiondist.ConfigError, match=r"source\[1\]: int is not an image"):
+        as_source([rgb, 3])
+    with pytest.raises(visiondist.ConfigError, match=r"shape \(2, 2, 7\) is not an image"):
+        as_source(np.zeros((2, 2, 7)))
+    with pytest.raises(visiondist.ConfigError, match="no such image file"):
+        as_source([tmp_path / "missing.jpg"])
+
+
+def test_a_run_is_its_directory(tmp_path):
+    with pytest.raises(visiondist.ConfigError, match="not a run dir"):
+        visiondist.Run(tmp_path)

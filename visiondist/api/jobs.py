@@ -1,0 +1,277 @@
+"""The jobs of training, evaluation and export, one code path for the tools and the Python API:
+tools/train.py, eval.py and export.py are shells over the `*_job` functions here, and so are
+`visiondist.train`, `evaluate` and `export` (`api.run`): the same files, the same refusals in the
+same one line (`ConfigError`).
+
+The launcher, the trainer and the exporters (torch, about 2 s) are imported when a job runs, not
+with `import visiondist` (`# noqa: PLC0415 (a job's)`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+
+from omegaconf import DictConfig
+
+from visiondist.api.callbacks import TrainWithCallbacks, unpack
+from visiondist.cli.load import checked, load_run_config, load_weights_config
+from visiondist.config import ConfigError
+from visiondist.runs import completed_step
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+EXPORT_SUFFIX = {
+    "safetensors": ".safetensors",
+    "onnx": ".onnx",
+    "pt2": ".pt2",
+    "torchscript": ".pt",
+    "hf": "_hf",
+    "naflex": "_naflex.safetensors",
+}
+# exporters' loggers that speak per initializer or per pass (a few hundred lines an ONNX export)
+_CHATTY = ("onnxscript", "onnx_ir", "torch.onnx", "torch._dynamo", "torch.export")
+
+
+@contextlib.contextmanager
+def refusals() -> Iterator[None]:
+    """At the API's edge: a refusal is one `ConfigError` line, raised from here (not from deep
+    inside the config's composition)."""
+    try:
+        yield
+    except ConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _value(value: Any) -> str:
+    """A Python value as Hydra's override grammar reads it back."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_value(v) for v in value) + "]"
+    text = str(value)
+    if re.fullmatch(r"[\w./:@+-]+", text) and text not in ("null", "true", "false"):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def as_overrides(overrides: Sequence[str], settings: Mapping[str, Any]) -> list[str]:
+    """`overrides` (as the tools take them) and nested keyword `settings` as one override list:
+    `trainer={"max_steps": 10}` is `trainer.max_steps=10`, `model="vit_tiny"` is `model=vit_tiny`.
+
+    Args:
+        overrides: "group=option" / "group.key=value" strings.
+        settings: keys (dotted or not) to values, a mapping for a group's keys.
+
+    Returns:
+        The overrides, `overrides` first.
+    """
+    out = []
+    for item in overrides:
+        if not isinstance(item, str) or "=" not in item:
+            raise ConfigError(
+                f"{item!r}: give overrides as the tools take them, e.g. 'model=vit_tiny' or "
+                "'trainer.max_steps=10', or as keywords: trainer={'max_steps': 10}"
+            )
+        out.append(item)
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}", inner)
+        else:
+            out.append(f"{prefix}={_value(value)}")
+
+    for key, value in settings.items():
+        walk(key, value)
+    return out
+
+
+def train_job(
+    cfg: DictConfig, packed: Optional[bytes] = None, stop_returns: bool = False
+) -> tuple[Path, dict[int, list]]:
+    """tools/train.py's job: a composed, checked config trained on its ranks.
+
+    Args:
+        cfg: the config (`load_config`).
+        packed: the callbacks (`callbacks.pack`), or None.
+        stop_returns: a stop signal returns the stopped run (its line printed); otherwise
+            `JobStopped` is raised (the tool exits 128 + the signal).
+
+    Returns:
+        The run dir, and each rank's callbacks as it ended the run (by rank).
+    """
+    from visiondist.engine.run import train as train_rank  # noqa: PLC0415 (a job's)
+    from visiondist.launch import JobStopped, launch  # noqa: PLC0415 (a job's)
+
+    step = completed_step(cfg)
+    if step is not None:  # e.g. a requeued cluster job: nothing to do, nothing rewritten
+        print(
+            f"{cfg.trainer.run_dir} is complete at step {step}: nothing to do (to train longer, "
+            "raise trainer.max_steps or trainer.max_epochs)",
+            flush=True,
+        )
+        return Path(cfg.trainer.run_dir), {}
+    results: dict[int, Any] = {}
+    entry = TrainWithCallbacks(packed) if packed is not None else train_rank
+    try:
+        launch(entry, cfg, results=results)
+    except JobStopped as stopped:
+        if not stop_returns or not results:
+            raise
+        if str(stopped):
+            print(stopped, flush=True)
+    callbacks = unpack(results)
+    first = results[min(results)] if results else {}
+    where = first.get("run dir") if isinstance(first, dict) else None
+    return Path(where or cfg.trainer.run_dir), callbacks
+
+
+def evaluation_config(
+    run_dir: Optional[Union[str, Path]] = None,
+    step: Optional[Union[int, str]] = None,
+    weights: Optional[Union[str, Path]] = None,
+    overrides: Sequence[str] = (),
+    tool: str = "eval.py",
+) -> tuple[DictConfig, Optional[Path]]:
+    """The config an evaluation runs under (tools/eval.py's `run_dir=` / `step=` / `weights=`):
+    a run's config.yaml with its weights, or configs/ composed with `overrides` for `weights`.
+
+    Returns:
+        The config, and the folder whose eval/ gets the results (the run's; None: the output dir).
+    """
+    from visiondist.inference.job import run_weights  # noqa: PLC0415 (a job's)
+
+    if weights is not None and run_dir is not None:
+        raise ConfigError(
+            "give run_dir=<run> (evaluated under its config.yaml) or weights=<file> (under the "
+            "config of group=option / key=value), not both"
+        )
+    if step is not None and run_dir is None:
+        raise ConfigError(f"step={step} picks a checkpoint of a run: add run_dir=<run>")
+    if weights is not None:
+        path = Path(weights).expanduser()
+        if not path.exists():
+            raise ConfigError(f"weights={weights}: no such file or checkpoint directory")
+        cfg = load_weights_config(CONFIGS, path, list(overrides), tool, data_needed=True)
+        base = None
+    elif run_dir is not None:
+        base = Path(run_dir).expanduser()
+        cfg = load_run_config(base, list(overrides), inputs=None)
+        path = run_weights(base, step_of(step) if step is not None else None)
+    else:
+        raise ConfigError(
+            "give run_dir=<run dir> (a training run) or weights=<file> with model=... data=...: "
+            "--help shows both"
+        )
+    cfg.model.weights = str(path.resolve())
+    cfg.model.init_from = None  # a fine-tuned run: its own weights, not the ones it started from
+    return cfg, base
+
+
+def step_of(value: Any) -> Union[int, str]:
+    """A checkpoint's step as given (`step=500`, `step=best`); ConfigError for anything else."""
+    if value == "best":
+        return value
+    try:
+        return int(str(value))
+    except ValueError:
+        raise ConfigError(
+            f"step={value}: give a checkpoint's step number, e.g. step=500, or step=best"
+        ) from None
+
+
+def evaluate_job(cfg: DictConfig, base: Optional[Path], own_dir: bool = False) -> dict[str, Any]:
+    """tools/eval.py's job: the weights in `cfg.model.weights` evaluated on the val split, on the
+    config's ranks; eval.json and the rest into `<base>/eval/<date>_<time>/`.
+
+    Returns:
+        The evaluation's metrics (rank 0's).
+    """
+    try:  # the val split and the weights against the model, before any rank starts
+        checked(cfg, "eval")
+    except ConfigError as exc:
+        if base is not None:  # run_dir=: the run's own weights
+            raise
+        raise ConfigError(str(exc).replace("model.weights=", "weights=")) from None
+    from visiondist.engine.run import evaluate_checkpoint  # noqa: PLC0415 (a job's)
+    from visiondist.launch import launch  # noqa: PLC0415 (a job's)
+
+    if not own_dir:  # eval/<date>_<time> under `base`
+        cfg.trainer.run_dir = None
+        cfg.trainer.output_dir = str(base) if base is not None else cfg.trainer.output_dir
+    results: dict[int, Any] = {}
+    launch(evaluate_checkpoint, cfg, results=results)
+    return dict(results[min(results)]) if results else {}
+
+
+def export_job(
+    run_dir: Union[str, Path],
+    fmt: str = "safetensors",
+    step: Optional[Union[int, str]] = None,
+    out: Optional[Union[str, Path]] = None,
+) -> Path:
+    """tools/export.py's job: the run's weights (its newest checkpoint, `step`, else its
+    model.safetensors) written as `fmt`, with its check lines printed.
+
+    Returns:
+        The written file (hf: directory).
+    """
+    if fmt not in EXPORT_SUFFIX:
+        raise ConfigError(f"format={fmt}: choose one of {', '.join(EXPORT_SUFFIX)}")
+    run_dir = Path(run_dir).expanduser()
+    path = Path(out) if out else run_dir / "export" / f"model{EXPORT_SUFFIX[fmt]}"
+    named = [
+        n for n, suffix in EXPORT_SUFFIX.items() if path.suffix and suffix.endswith(path.suffix)
+    ]
+    if named and fmt not in named and fmt != "hf":  # format=pt2 out=model.onnx
+        raise ConfigError(
+            f"out={out}: a {path.suffix} file is what format={named[0]} writes; format={fmt} "
+            f"writes {EXPORT_SUFFIX[fmt]}: name it {path.stem}{EXPORT_SUFFIX[fmt]}, or give "
+            f"format={named[0]}"
+        )
+    chosen = step_of(step) if step is not None else None
+    from visiondist.checkpoint.export import export as export_run  # noqa: PLC0415 (a job's)
+    from visiondist.checkpoint.export.onnx_check import check_onnx  # noqa: PLC0415 (a job's)
+    from visiondist.checkpoint.export.pt2 import check_pt2  # noqa: PLC0415 (a job's)
+    from visiondist.checkpoint.export.trained import load_trained  # noqa: PLC0415 (a job's)
+
+    with _quiet(*_CHATTY):
+        try:
+            trained = load_trained(run_dir, chosen)
+            files = export_run(trained, fmt, path)
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
+        print(f"exported {trained.cfg.model.name} from {trained.source}")
+        for file in files:
+            print(f"  {file}")
+        if fmt == "onnx":
+            check = check_onnx(trained, path)
+            print(
+                "  onnxruntime not installed: output not checked"
+                if check is None
+                else f"  {check.summary()}"
+            )
+        if fmt == "pt2":
+            print(f"  {check_pt2(trained, path)}")
+    return path
+
+
+@contextlib.contextmanager
+def _quiet(*names: str) -> Iterator[None]:
+    """Libraries' loggers held to errors (as the tools' logging set-up holds them; a notebook
+    sets up none)."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

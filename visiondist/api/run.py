@@ -1,0 +1,218 @@
+"""A training run from Python (`Run`) and the functions that make and use one: `train`,
+`evaluate`, `export` (shells over `api.jobs`, as the tools are). A `Run` is its directory: one
+returned by `train` and one opened later (`Run("outputs/2026-12-06/14-03-11")`) read the same
+files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
+
+from omegaconf import DictConfig, OmegaConf
+
+from visiondist.api.callbacks import pack
+from visiondist.api.jobs import (
+    CONFIGS,
+    as_overrides,
+    evaluate_job,
+    evaluation_config,
+    export_job,
+    refusals,
+    train_job,
+)
+from visiondist.cli.load import load_config
+from visiondist.config import ConfigError
+from visiondist.observe.metrics import read_metrics
+
+if TYPE_CHECKING:
+    from visiondist.api.predicting import Result
+
+
+class Run:
+    """A training run's directory: what it was asked (`config`), how it ran (`layout`), what it
+    measured (`metrics`, `rows`, `summary`), what it left (`weights`, `plots`, `checkpoints`), and
+    what can be done with it (`evaluate`, `predict`, `export`, `resume`).
+
+    Args:
+        dir: the run dir (holds config.yaml).
+        callbacks: each rank's callbacks as they ended the run, by rank (`train` fills it).
+    """
+
+    def __init__(self, dir: Union[str, Path], callbacks: Optional[dict[int, list]] = None):
+        self.dir = Path(dir).expanduser().resolve()
+        if not (self.dir / "config.yaml").is_file():
+            raise ConfigError(f"{dir}: not a run dir (no config.yaml): give a training run's dir")
+        self.callbacks = callbacks or {}
+
+    def __repr__(self) -> str:
+        state = "complete" if self.complete else f"stopped at step {self.step}"
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items() if k != "step")
+        return f"Run('{self.dir}', {state}{', ' + shown if shown else ''})"
+
+    @property
+    def config(self) -> DictConfig:
+        """The run's config as it was asked (config.yaml)."""
+        return OmegaConf.load(self.dir / "config.yaml")  # type: ignore[return-value]
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        """The layout it resolved to (layout.json: dp, tp, pp, world size, accelerator, ...)."""
+        path = self.dir / "layout.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """The training summary of a complete run (summary.json; empty before it ends)."""
+        path = self.dir / "summary.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    @property
+    def complete(self) -> bool:
+        """The run reached its last step."""
+        return bool(self.summary)
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """metrics.csv's rows: each logged step's loss, grad norm, LR, images/s, and evaluations."""
+        path = self.dir / "metrics.csv"
+        return read_metrics(path) if path.is_file() else []
+
+    @property
+    def step(self) -> int:
+        """The last step metrics.csv logged."""
+        steps = [int(r["step"]) for r in self.rows if r.get("step") is not None]
+        return max(steps, default=0)
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The latest evaluation's figures (`val_top1`, `val_map`, ...) with its "step"."""
+        for row in reversed(self.rows):
+            found = {k: v for k, v in row.items() if k.startswith("val_") and v is not None}
+            if found:
+                return {**found, "step": int(row["step"] or 0)}
+        return {}
+
+    @property
+    def weights(self) -> Optional[Path]:
+        """model.safetensors, which a complete run writes (timm's / torchvision's keys)."""
+        path = self.dir / "model.safetensors"
+        return path if path.is_file() else None
+
+    @property
+    def plots(self) -> list[Path]:
+        """The PNGs the run drew (loss and accuracy curves, per-class figures)."""
+        return sorted(self.dir.glob("*.png"))
+
+    @property
+    def checkpoints(self) -> list[Path]:
+        """Its checkpoints, oldest first (checkpoints/step_<N>)."""
+        found = (self.dir / "checkpoints").glob("step_*")
+        return sorted(
+            found, key=lambda p: int(p.name.split("_")[1]) if p.name[5:].isdigit() else -1
+        )
+
+    def evaluate(self, *overrides: str, step: Optional[Union[int, str]] = None, **settings: Any):
+        """`visiondist.evaluate(run, ...)`: the metrics of its weights (or checkpoint `step`)."""
+        return evaluate(self, *overrides, step=step, **settings)
+
+    def predict(self, source: Any, **settings: Any) -> Iterator[Result]:
+        """`visiondist.predict(source, run=run, ...)`: a result per image."""
+        from visiondist.api.predicting import predict  # noqa: PLC0415 (cv2, torchvision: 1 s)
+
+        return predict(source, run=self, **settings)
+
+    def export(self, format: str = "safetensors", **settings: Any) -> Path:
+        """`visiondist.export(run, format)`: the written file's path."""
+        return export(self, format, **settings)
+
+    def resume(self, *overrides: str, callbacks: Sequence[Any] = (), **settings: Any) -> Run:
+        """Continue this run from its newest checkpoint in its own dir, with its own config and
+        `overrides` on top (e.g. `trainer={"max_steps": 200}` to train longer), as its printed
+        continue command does."""
+        return train(
+            *overrides,
+            f"trainer.run_dir={self.dir}",
+            "trainer.resume=auto",
+            callbacks=callbacks,
+            **settings,
+        )
+
+
+def train(*overrides: str, callbacks: Sequence[Any] = (), **settings: Any) -> Run:
+    """Train, as `python tools/train.py` with the same overrides does: its own ranks
+    (`trainer={"devices": 2}`, `parallel="tp2"`, ...) or this process alone, a run dir with the
+    same files. Returns the `Run`, also when a stop (Ctrl-C, a kernel's interrupt, a callback's
+    `state.stop()`) ended it early with a checkpoint (`run.complete` is then False).
+
+        run = visiondist.train("model=vit_tiny", trainer={"max_steps": 10, "devices": 2})
+
+    Args:
+        *overrides: "group=option" / "group.key=value", as tools/train.py takes them.
+        callbacks: objects with any of `on_train_start(state)`, `on_step_end(state)`,
+            `on_eval_end(state)`, `on_train_end(state)`, run on every rank (docs/python.md).
+        **settings: more overrides as nested keywords: `trainer={"max_steps": 10}`.
+
+    Returns:
+        The run; `run.callbacks` holds each rank's callbacks as it ended the run.
+
+    Raises:
+        ConfigError: a bad override, a layout that cannot run, a callback that cannot reach the
+            ranks (one line, before any rank starts).
+        RunFailed: a rank failed (its one line).
+    """
+    with refusals():
+        cfg = load_config(CONFIGS, as_overrides(overrides, settings), inputs="train")
+        packed = pack(callbacks)
+    run_dir, returned = train_job(cfg, packed, stop_returns=True)
+    return Run(run_dir, callbacks=returned)
+
+
+def evaluate(
+    run: Optional[Union[Run, str, Path]] = None,
+    *overrides: str,
+    step: Optional[Union[int, str]] = None,
+    weights: Optional[Union[str, Path]] = None,
+    **settings: Any,
+) -> dict[str, Any]:
+    """Evaluate a run's weights (or `weights=` under the config `overrides` compose) on the val
+    split, as tools/eval.py does: the same files into `<run>/eval/<date>_<time>/`.
+
+    Args:
+        run: a `Run` or a run dir (give this or `weights`).
+        *overrides: "group.key=value" (a run: e.g. "data.root=/data"), or for `weights` also
+            "group=option" ("model=vit_small", "data=imagenet").
+        step: the run's checkpoint: a step number or "best"; None: its model.safetensors, else its
+            newest checkpoint.
+        weights: a weights file, checkpoint or from_pretrained directory.
+        **settings: more overrides as nested keywords (`trainer={"devices": 2}`).
+
+    Returns:
+        The metrics (`val_top1`, `val_top5`, or `val_map`, `val_map50`, ...).
+    """
+    with refusals():
+        where = run.dir if isinstance(run, Run) else run
+        cfg, base = evaluation_config(where, step, weights, as_overrides(overrides, settings))
+        return evaluate_job(cfg, base)
+
+
+def export(
+    run: Union[Run, str, Path],
+    format: str = "safetensors",
+    *,
+    step: Optional[Union[int, str]] = None,
+    out: Optional[Union[str, Path]] = None,
+) -> Path:
+    """Export a run's weights, as tools/export.py does (the same files and check lines).
+
+    Args:
+        run: a `Run` or a run dir.
+        format: safetensors (timm / torchvision keys), onnx, pt2, torchscript, hf, naflex.
+        step: its checkpoint (a step number or "best"); None: the newest, else model.safetensors.
+        out: the file to write; None: `<run>/export/model.<ext>`.
+
+    Returns:
+        The written file (hf: directory).
+    """
+    with refusals():
+        return export_job(run.dir if isinstance(run, Run) else run, format, step, out)
