@@ -6,7 +6,7 @@ what the tools give."""
 import json
 
 import pytest
-from helpers import TINY_DATA
+from helpers import TINY_DATA, call_tool
 
 import visiondist
 from visiondist.inference import predict as predict_records
@@ -94,7 +94,7 @@ def test_train_on_two_ranks_with_callbacks_then_stop_and_resume(tmp_path, tiny_s
     assert [r["step"] for r in again.rows if r["loss"] is not None][-1] == 6
 
 
-def test_a_runs_evaluate_predict_and_export_are_the_tools(tmp_path, tiny_shapes):
+def test_a_runs_evaluate_predict_and_export_are_the_tools(tmp_path, tiny_shapes, capsys):
     settings = _settings(tmp_path, tiny_shapes, 2)
     settings["trainer"]["devices"] = 1
     run = visiondist.train("model=vit_tiny", *_overrides(), **settings)
@@ -110,6 +110,29 @@ def test_a_runs_evaluate_predict_and_export_are_the_tools(tmp_path, tiny_shapes)
     assert [r.record for r in results] == records
     assert results[0].plot().ndim == 3 and results[0]._repr_png_()[:4] == b"\x89PNG"
     assert results[0].save(tmp_path / "drawn.jpg").stat().st_size > 0
+
+    # save=: tools/predict.py's job and files
+    folder = run.predict(tiny_shapes / "val", topk=2, save=tmp_path / "api", save_images=2)
+    code, _, _ = call_tool(
+        capsys,
+        "predict",
+        f"run_dir={run.dir}",
+        f"source={tiny_shapes / 'val'}",
+        f"out={tmp_path / 'tool'}",
+        "topk=2",
+        "save_images=2",
+    )
+    assert code == 0 and folder == tmp_path / "api"
+    for name in ("predictions.csv", "images"):
+        assert (folder / name).exists()
+    assert (folder / "predictions.csv").read_text() == (
+        tmp_path / "tool" / "predictions.csv"
+    ).read_text()
+    assert sorted(p.name for p in (folder / "images").iterdir()) == sorted(
+        p.name for p in (tmp_path / "tool" / "images").iterdir()
+    )
+    with pytest.raises(visiondist.ConfigError, match="save= writes a prediction of files"):
+        run.predict([results[0].image()], save=True)
 
     onnx = run.export("onnx")
     assert onnx == run.dir / "export" / "model.onnx" and onnx.stat().st_size > 0

@@ -7,7 +7,7 @@ list of any of them and paths. Nothing is written unless asked (`.save()`)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Literal, Optional, Union, overload
 
 import numpy as np
 
@@ -156,6 +156,7 @@ class Result:
         return png.tobytes() if ok else None
 
 
+@overload
 def predict(
     source: Any,
     *overrides: str,
@@ -163,11 +164,38 @@ def predict(
     weights: Optional[Union[str, Path]] = None,
     step: Optional[Union[int, str]] = None,
     device: Optional[str] = None,
+    save: Literal[False] = False,
     **settings: Any,
-) -> Iterator[Result]:
+) -> Iterator[Result]: ...
+
+
+@overload
+def predict(
+    source: Any,
+    *overrides: str,
+    run: Any = None,
+    weights: Optional[Union[str, Path]] = None,
+    step: Optional[Union[int, str]] = None,
+    device: Optional[str] = None,
+    save: Union[Literal[True], str, Path],
+    **settings: Any,
+) -> Optional[Path]: ...
+
+
+def predict(
+    source: Any,
+    *overrides: str,
+    run: Any = None,
+    weights: Optional[Union[str, Path]] = None,
+    step: Optional[Union[int, str]] = None,
+    device: Optional[str] = None,
+    save: Union[bool, str, Path] = False,
+    **settings: Any,
+) -> Union[Iterator[Result], Optional[Path]]:
     """Predict with a run's weights (or `weights=` under `overrides`), in this process: a `Result`
     per image of `source`, as each batch is done. Bad input raises `ConfigError` here, before the
-    model is loaded.
+    model is loaded. With `save`, tools/predict.py's job instead: its files, written by the
+    config's ranks (`trainer={"devices": 2}`), continued when asked again; the folder is returned.
 
         for r in visiondist.predict("photos/", run=run):
             print(r.file, r.top[0]["name"])
@@ -181,12 +209,17 @@ def predict(
         weights: a weights file, checkpoint or from_pretrained directory.
         step: the run's checkpoint (a step number or "best").
         device: "cuda" or "cpu"; None: the GPU when there is one.
+        save: write tools/predict.py's files (predictions.csv or COCO results, drawn images) into
+            `<run>/predict/<date>_<time>/` (True) or this folder, as the tool does.
         **settings: tools/predict.py's: topk, score_thresh, max_det, classes, batch_size,
-            vid_stride.
+            vid_stride; with `save` also save_images, save_txt and config overrides as nested
+            keywords (`trainer={"devices": 2}`).
 
     Returns:
-        A generator of results, in the source's order.
+        A generator of results, in the source's order; with `save`, the folder written.
     """
+    if save is not False and save is not None:
+        return _saved(source, overrides, run, weights, step, save, settings)
     from visiondist.inference.run import predict as records  # noqa: PLC0415 (torch: 2 s)
     from visiondist.inference.sources import resolve_source  # noqa: PLC0415 (cv2 for a video)
 
@@ -210,6 +243,44 @@ def predict(
             **settings,
         )
     return (Result(record, items, record.pop("index")) for record in found)
+
+
+def _saved(
+    source: Any,
+    overrides: tuple[str, ...],
+    run: Any,
+    weights: Any,
+    step: Any,
+    save: Union[bool, str, Path],
+    settings: dict[str, Any],
+) -> Optional[Path]:
+    """tools/predict.py's job for `predict(..., save=...)`."""
+    from visiondist.api.predict_job import (  # noqa: PLC0415 (a job's)
+        predict_job,
+        prediction_job_config,
+    )
+
+    with refusals():
+        if not isinstance(source, (str, Path)):
+            raise ConfigError(
+                "save= writes a prediction of files, as tools/predict.py does: give a path, "
+                f"folder, glob, list or video as the source (without save, {IN_MEMORY} too)"
+            )
+        keys = ("topk", "score_thresh", "max_det", "classes", "batch_size", "vid_stride")
+        own = {k: settings.pop(k) for k in (*keys, "save_images", "save_txt") if k in settings}
+        _check_settings({k: v for k, v in own.items() if k in keys})
+        if save is not True:
+            own["out"] = str(save)
+        where = getattr(run, "dir", run)
+        cfg, base = prediction_job_config(
+            where,
+            weights,
+            step,
+            as_overrides(overrides, settings),
+            {"source": str(source), **own},
+            tool="predict()",
+        )
+        return predict_job(cfg, base)
 
 
 def _check_settings(settings: dict[str, Any]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -26,7 +26,7 @@ from visiondist.config import ConfigError
 from visiondist.observe.metrics import read_metrics
 
 if TYPE_CHECKING:
-    from visiondist.api.predicting import Result
+    pass
 
 
 class Run:
@@ -116,8 +116,9 @@ class Run:
         """`visiondist.evaluate(run, ...)`: the metrics of its weights (or checkpoint `step`)."""
         return evaluate(self, *overrides, step=step, **settings)
 
-    def predict(self, source: Any, **settings: Any) -> Iterator[Result]:
-        """`visiondist.predict(source, run=run, ...)`: a result per image."""
+    def predict(self, source: Any, **settings: Any) -> Any:
+        """`visiondist.predict(source, run=run, ...)`: a result per image (with `save=`, the
+        folder of tools/predict.py's files)."""
         from visiondist.api.predicting import predict  # noqa: PLC0415 (cv2, torchvision: 1 s)
 
         return predict(source, run=self, **settings)

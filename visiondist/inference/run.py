@@ -428,7 +428,7 @@ def finish(
         f"predict dir: {shown_path(out)} ({', '.join([*files, 'predict.json', 'predict.log'])})",
         flush=True,
     )
-    return {"counts": counts, "seconds": seconds}
+    return {"counts": counts, "seconds": seconds, "dir": str(out)}
 
 
 def _count(n: int, what: str) -> str:

@@ -40,6 +40,7 @@ from visiondist.launch.shared import shared_gpu_line
 from visiondist.launch.slurm import slurm_env
 from visiondist.launch.spawn import _quiet_agent, spawn_local, spawn_ranks
 from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stopped_line
+from visiondist.observe.progress import drawn_from_feed, in_notebook
 from visiondist.plan import announce, cuda_device_count, resolve
 from visiondist.plan.fit import as_run
 from visiondist.plan.resolve import compile_plan
@@ -328,23 +329,26 @@ def launch(
             _report_stop(results[0], kind)
         return run
 
-    _run_agent(
-        lambda: spawn_local(
-            _elastic_worker,
-            run.per_node,
-            entry,
-            cfg_dict,
+    # a notebook's training bar: drawn by this kernel from rank 0's feed (`observe.progress`)
+    notebook = kind is None and cfg.trainer.progress and in_notebook()
+    with drawn_from_feed(run_dir / "progress.feed" if notebook else None):
+        _run_agent(
+            lambda: spawn_local(
+                _elastic_worker,
+                run.per_node,
+                entry,
+                cfg_dict,
+                run,
+                str(run_dir),
+                max_restarts=cfg.trainer.max_restarts,
+                cuda=run.accelerator == "cuda",
+            ),
+            cfg,
             run,
-            str(run_dir),
-            max_restarts=cfg.trainer.max_restarts,
-            cuda=run.accelerator == "cuda",
-        ),
-        cfg,
-        run,
-        kind,
-        run_dir,
-        results=results,
-    )
+            kind,
+            run_dir,
+            results=results,
+        )
     return run
 
 

@@ -20,6 +20,7 @@ import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
+import rich
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -152,11 +153,16 @@ def _as_spawned(fn: Callable, *args: Any) -> Any:
       watch their parent process). Left to multiprocessing, a child of the fork server would start
       them through a fork server of its own, whose children outlive a killed rank;
     - with Python's own handlers of the stop signals, not this process's (the launcher's stop, the
-      agent's)."""
+      agent's);
+    - writing plain text, not a notebook's displays: a rank forked from a Jupyter kernel cannot
+      send them (the kernel drops a fork's messages); the kernel draws the training bar
+      (`visiondist.observe.progress`)."""
     for name in ("SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     multiprocessing.set_start_method("fork", force=True)
+    if rich.get_console().is_jupyter:  # forked from a notebook's kernel, whose displays are its own
+        rich.reconfigure(force_jupyter=False, force_terminal=False)
     return fn(*args)
 
 
@@ -219,6 +225,12 @@ def spawn_ranks(
     if method == "fork" and not autograd_survives_fork():
         # this process ran autograd off the CPU: its forked children could not train
         method = "forkserver"
+        print(
+            "the ranks start from a fresh fork server, not forked from this process: it ran "
+            "autograd off the CPU (a GPU, or a layout's check on fake tensors), which a forked "
+            "rank cannot survive (about 3 s more to start)",
+            flush=True,
+        )
     # SIGTERM / SIGINT: launch.stop's
     signals: dict[str, Any] = agent_signals({f.name for f in dataclasses.fields(LaunchConfig)})
     config = LaunchConfig(

@@ -20,7 +20,7 @@ from visiondist.engine.state import StepTimer
 from visiondist.engine.trainer import Hook, Trainer
 from visiondist.faults.health import set_collective_timeout
 from visiondist.observe.console import in_terminal
-from visiondist.observe.progress import progress_bar
+from visiondist.observe.progress import fed, in_notebook, progress_bar
 from visiondist.parallel import Layout, PipelinedViT
 from visiondist.parallel.timeline import bubble_fraction, plot_timeline, to_json
 
@@ -28,9 +28,10 @@ log = logging.getLogger(__name__)
 
 
 class ProgressHook(Hook):
-    """The rich progress bar on the main rank (`trainer.progress`), in a terminal: into a pipe or a
-    file a bar is one cut-off line at the end, and the log lines already say how far the run is;
-    there, this process's first step gets a line of its own when it has no log line
+    """The rich progress bar on the main rank (`trainer.progress`), in a terminal or a notebook
+    (`observe.progress`): into a pipe or a file a bar is one cut-off line at the end, and the log
+    lines already say how far the run is; there, this process's first step gets a line of its own
+    when it has no log line
     (`trainer.log_every` apart, the first can be minutes away) and no compile line (`CompileHook`).
     Owns `state.progress`."""
 
@@ -39,7 +40,8 @@ class ProgressHook(Hook):
 
     def before_train(self, trainer: Trainer) -> None:
         t, lay = trainer.cfg.trainer, trainer.layout
-        shown = t.progress and lay.is_main and in_terminal()
+        # a terminal's bar, a notebook's widget, or the launching kernel's (`observe.progress`)
+        shown = t.progress and lay.is_main and (in_terminal() or in_notebook() or fed())
         trainer.state.progress = progress_bar(shown, trainer.parts.total_steps)
         quiet = not shown and lay.is_main and t.log_every > 1 and not run_of(lay).compile
         self.started = time.perf_counter() if quiet else None

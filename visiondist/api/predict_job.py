@@ -1,0 +1,181 @@
+"""tools/predict.py's job, which `visiondist.predict(..., save=True)` runs too: the files of a
+prediction (predictions.csv or COCO results, drawn images, labels) written by the config's ranks,
+each with whole batches of the source, continued when asked again.
+
+The launcher and the model's loading (torch, 2 s) are imported when the job runs
+(`# noqa: PLC0415 (a job's)`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from omegaconf import DictConfig, OmegaConf
+
+from visiondist.api.jobs import CONFIGS, step_of
+from visiondist.cli.load import load_run_config, load_weights_config
+from visiondist.config import ConfigError
+from visiondist.inference.job import recorded_preprocessing, request, run_weights
+from visiondist.inference.outputs import read_manifest
+from visiondist.inference.sources import resolve_source
+
+# one model a rank: prediction shards the images, never the model (whatever layout trained it)
+ONE_MODEL_A_RANK = {
+    "name": "ddp",
+    "dp": -1,
+    "tp": 1,
+    "pp": 1,
+    "sequence_parallel": False,
+    "fsdp": False,
+    "offload": False,
+    "auto": False,
+    "activation_checkpointing": False,
+}
+
+
+def prediction_job_config(
+    run_dir: Optional[Union[str, Path]],
+    weights: Optional[Union[str, Path]],
+    step: Optional[Union[int, str]],
+    overrides: Sequence[str],
+    settings: dict[str, Any],
+    tool: str = "predict.py",
+    check_weights: bool = True,
+) -> tuple[DictConfig, Optional[Path]]:
+    """The config a prediction job runs under: a run's config.yaml with its weights (or checkpoint
+    `step`), or configs/ composed with `overrides` for `weights`; `settings` into `predict`.
+
+    Returns:
+        The config, and the folder whose predict/ gets the files (the run's; None: the output dir).
+    """
+    if (run_dir is None) == (weights is None):
+        raise ConfigError(
+            "give run_dir=<run> (a training run) or weights=<file> with model=... data=...: --help "
+            "shows both"
+        )
+    if step is not None and run_dir is None:
+        raise ConfigError(f"step={step} picks a checkpoint of a run: add run_dir=<run>")
+    base: Optional[Path] = None
+    if run_dir is not None:
+        base = Path(run_dir).expanduser()
+        cfg = load_run_config(base, list(overrides), inputs=None)
+        path = run_weights(base, None if step is None else step_of(step))
+    else:
+        path = Path(str(weights)).expanduser()
+        if not path.exists():
+            raise ConfigError(f"weights={weights}: no such file or checkpoint directory")
+        cfg = load_weights_config(CONFIGS, path, list(overrides), tool, data_needed=False)
+        if check_weights:  # --cfg prints the config without reading the weights
+            _check_weights(cfg, path)
+    data = {}
+    if base is None:  # an export: the run's own eval preprocessing, as its sidecar recorded it
+        data = recorded_preprocessing(path)
+        if data:
+            print(
+                f"preprocessing as {path.with_suffix('.json').name} records the run's: "
+                + " ".join(f"data.{k}={v}" for k, v in data.items()),
+                flush=True,
+            )
+    merged = OmegaConf.merge(
+        cfg,
+        {
+            "predict": settings,
+            "data": data,
+            "model": {"weights": str(path.resolve()), "init_from": None},
+            "parallel": ONE_MODEL_A_RANK,
+        },
+    )
+    return merged, base  # type: ignore[return-value]
+
+
+def predict_job(cfg: DictConfig, base: Optional[Path]) -> Optional[Path]:
+    """The prediction's files, written by the config's ranks.
+
+    Returns:
+        The folder that holds them (None: nothing was predicted).
+    """
+    p = cfg.predict
+    if p.topk < 1 or p.max_det < 1 or not 0 <= p.score_thresh <= 1 or p.batch_size < 0:
+        raise ConfigError(
+            "topk and max_det take 1 or more, score_thresh a score in [0, 1], batch 1 or more"
+        )
+    if str(p.save_images).lower() != "all" and not str(p.save_images).isdigit():
+        raise ConfigError(f"save_images={p.save_images}: give a count (0: none) or all")
+    # a missing or empty source: refused here, in one line
+    source = resolve_source(p.source, int(p.vid_stride))
+    from visiondist.inference.model import read_names  # noqa: PLC0415 (a job's)
+    from visiondist.inference.run import check_classes  # noqa: PLC0415 (a job's)
+
+    names = read_names(cfg)
+    if p.classes:
+        # a classifier's, or classes the detector was not trained for: refused here
+        check_classes(cfg, names)
+    out, state = _choose_out(cfg, base, source)
+    if state == "complete":
+        print(
+            f"complete: {out} already holds this prediction (predict.json); give out=<dir> to "
+            "predict again",
+            flush=True,
+        )
+        return out
+    if out is not None:
+        cfg.trainer.run_dir = str(out)
+        cfg.trainer.resume = "auto"  # an earlier attempt's directory is continued, not refused
+        if state == "running":
+            print(f"continuing the prediction in {out}", flush=True)
+    else:
+        cfg.trainer.run_dir = None
+        cfg.trainer.output_dir = str(base) if base is not None else cfg.trainer.output_dir
+    from visiondist.inference.run import predict_ranks  # noqa: PLC0415 (a job's)
+    from visiondist.launch import launch  # noqa: PLC0415 (a job's)
+
+    results: dict[int, Any] = {}
+    launch(predict_ranks, cfg, results=results)
+    first = results.get(min(results)) if results else None
+    return Path(first["dir"]) if isinstance(first, dict) and first.get("dir") else out
+
+
+def _check_weights(cfg: DictConfig, weights: Path) -> None:
+    """The file against the model, before anything is printed or any rank starts (as tools/eval.py
+    does): an export's graph or program, a file of another model, is refused in one line naming this
+    tool's key."""
+    from visiondist.models.weights_check import check_weights  # noqa: PLC0415 (a job's)
+
+    model = OmegaConf.merge(cfg.model, {"weights": str(weights.resolve())})
+    try:
+        check_weights(model, "eval", OmegaConf.select(cfg, "data.num_classes", default=None))
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("model.weights=", "weights=")) from None
+
+
+def _choose_out(cfg: DictConfig, base: Optional[Path], source: Any) -> tuple[Optional[Path], str]:
+    """(the directory, its state: new | running | complete) of this prediction: out=, or the newest
+    earlier attempt of the same request under <run>/predict/ (a stopped one is continued); (None,
+    "new") for a new default dir."""
+    ask = request(cfg, source)
+    if cfg.predict.out:
+        out = Path(cfg.predict.out).expanduser().resolve()
+        manifest = read_manifest(out)
+        if manifest is None:
+            if out.is_dir() and any(out.iterdir()):
+                raise ConfigError(
+                    f"out={cfg.predict.out} is a folder that holds no prediction: give a new or "
+                    "empty folder"
+                )
+            return out, "new"
+        if manifest.get("request") != ask:
+            other = manifest.get("request", {}).get("source")
+            raise ConfigError(
+                f"out={cfg.predict.out} holds a prediction of {other} with other weights or "
+                "settings: give another out=, or remove that folder"
+            )
+        return out, manifest.get("state", "running")
+    parent = (base if base is not None else Path(cfg.trainer.output_dir).expanduser()) / "predict"
+    earlier = (
+        sorted((d for d in parent.iterdir() if d.is_dir()), reverse=True) if parent.is_dir() else []
+    )
+    for folder in earlier:
+        manifest = read_manifest(folder)
+        if manifest is not None and manifest.get("request") == ask:
+            return folder.resolve(), manifest.get("state", "running")
+    return None, "new"
