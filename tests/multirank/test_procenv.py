@@ -190,5 +190,9 @@ def test_ranks_train_when_the_launching_process_ran_autograd_off_the_cpu(tmp_pat
     assert result.stdout.splitlines() == [
         "before: True",
         "after: False",
+        # said where it matters: the ranks' start costs more
+        "the ranks start from a fresh fork server, not forked from this process: it ran autograd "
+        "off the CPU (a GPU, or a layout's check on fake tensors), which a forked rank cannot "
+        "survive (about 3 s more to start)",
         "ranks: [(0, [2.0, 2.0, 2.0]), (1, [2.0, 2.0, 2.0])]",
     ], result.stdout

@@ -94,7 +94,7 @@ def as_overrides(overrides: Sequence[str], settings: Mapping[str, Any]) -> list[
 
 def train_job(
     cfg: DictConfig, packed: Optional[bytes] = None, stop_returns: bool = False
-) -> tuple[Path, dict[int, list]]:
+) -> tuple[Optional[Path], dict[int, list]]:
     """tools/train.py's job: a composed, checked config trained on its ranks.
 
     Args:
@@ -104,7 +104,8 @@ def train_job(
             `JobStopped` is raised (the tool exits 128 + the signal).
 
     Returns:
-        The run dir, and each rank's callbacks as it ended the run (by rank).
+        The run dir (None on a node of a pod's job that does not know it: node 0 chose it), and
+        each rank's callbacks as it ended the run (by rank).
     """
     from visiondist.engine.run import train as train_rank  # noqa: PLC0415 (a job's)
     from visiondist.launch import JobStopped, launch  # noqa: PLC0415 (a job's)
@@ -129,7 +130,8 @@ def train_job(
     callbacks = unpack(results)
     first = results[min(results)] if results else {}
     where = first.get("run dir") if isinstance(first, dict) else None
-    return Path(where or cfg.trainer.run_dir), callbacks
+    where = where or cfg.trainer.run_dir
+    return (Path(where) if where else None), callbacks
 
 
 def evaluation_config(

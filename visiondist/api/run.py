@@ -166,6 +166,11 @@ def train(*overrides: str, callbacks: Sequence[Any] = (), **settings: Any) -> Ru
         cfg = load_config(CONFIGS, as_overrides(overrides, settings), inputs="train")
         packed = pack(callbacks)
     run_dir, returned = train_job(cfg, packed, stop_returns=True)
+    if run_dir is None:  # a pod's node other than node 0: the job's run dir is node 0's choice
+        raise RuntimeError(
+            "this node's ranks trained without choosing the run dir (node 0 of the job did): "
+            "open it with visiondist.Run(<run dir>)"
+        )
     return Run(run_dir, callbacks=returned)
 
 
@@ -180,7 +185,8 @@ def evaluate(
     split, as tools/eval.py does: the same files into `<run>/eval/<date>_<time>/`.
 
     Args:
-        run: a `Run` or a run dir (give this or `weights`).
+        run: a `Run` or a run dir (give this or `weights`; with `weights` the overrides may come
+            first: `evaluate("model=vit_small", "data=imagenet", weights="vit.safetensors")`).
         *overrides: "group.key=value" (a run: e.g. "data.root=/data"), or for `weights` also
             "group=option" ("model=vit_small", "data=imagenet").
         step: the run's checkpoint: a step number or "best"; None: its model.safetensors, else its
@@ -191,6 +197,8 @@ def evaluate(
     Returns:
         The metrics (`val_top1`, `val_top5`, or `val_map`, `val_map50`, ...).
     """
+    if isinstance(run, str) and "=" in run and not Path(run).exists():  # evaluate("model=...", ...)
+        overrides, run = (run, *overrides), None
     with refusals():
         where = run.dir if isinstance(run, Run) else run
         cfg, base = evaluation_config(where, step, weights, as_overrides(overrides, settings))
