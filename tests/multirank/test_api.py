@@ -73,13 +73,14 @@ def test_train_on_two_ranks_with_callbacks_then_stop_and_resume(tmp_path, tiny_s
     assert set(ended) == {0, 1}
     (stop_step, complete), *_ = ended.values()
     assert set(ended.values()) == {(stop_step, False)} and stop_step in (3, 4)
-    assert "(enough for this test asked to stop); continue with:" in said
+    assert "(Counting asked to stop: enough for this test); continue with:" in said
+    assert "from Python: run.resume() continues it" in said
     assert not run.complete and run.checkpoints[-1].name == f"step_{stop_step}"
     for rank, (counter,) in run.callbacks.items():
         assert counter.rank == rank and counter.world == 2
         assert counter.calls["start"] == 1 and counter.calls["end"] == 1
-        # on_step_end runs for each step but the one the stop ended the loop after
-        assert counter.steps == list(range(1, stop_step))
+        # on_step_end for every step, the one the stop ended the loop after included
+        assert counter.steps == list(range(1, stop_step + 1))
 
     again = run.resume(callbacks=[Counting()])
     assert again.dir == run.dir and again.complete

@@ -105,3 +105,21 @@ def test_images_in_memory_become_a_source(tmp_path):
 def test_a_run_is_its_directory(tmp_path):
     with pytest.raises(visiondist.ConfigError, match="not a run dir"):
         visiondist.Run(tmp_path)
+    with pytest.raises(visiondist.ConfigError, match="no such folder"):
+        visiondist.Run(tmp_path / "missing")
+    with pytest.raises(visiondist.ConfigError, match=r"Run\(None\): give a training run's dir"):
+        visiondist.Run(None)
+
+
+def test_a_misspelt_group_is_one_line_with_the_closest():
+    with pytest.raises(
+        visiondist.ConfigError, match="traner is not a setting: did you mean trainer?"
+    ):
+        visiondist.train(traner={"max_steps": 5})
+
+
+def test_images_in_memory_come_back_writable():
+    """np.asarray of a PIL image is read-only, which torch warns about when it wraps it."""
+    image = np.asarray(Image.new("RGB", (4, 3)))
+    assert not image.flags.writeable
+    assert as_source(image).image(0).flags.writeable

@@ -34,15 +34,16 @@ def _array(item: Any, where: str) -> np.ndarray:
         item = item[..., None]
     if item.ndim != 3 or item.shape[-1] not in (1, 3, 4) or min(item.shape[:2]) < 1:
         raise ConfigError(
-            f"{where}: an array of shape {tuple(item.shape)} is not an image: give (H, W, 3) RGB, "
-            "(H, W) grey, or a tensor (3, H, W)"
+            f"{where}: shape {tuple(item.shape)} is not an image: give an array (H, W, 3) RGB, "
+            "(H, W, 4) RGBA or (H, W) grey, or a tensor (3, H, W)"
         )
     if item.dtype != np.uint8:  # floats in [0, 1], as torchvision's tensors hold them
         scale = 255.0 if np.issubdtype(item.dtype, np.floating) and item.max() <= 1.0 else 1.0
         item = np.clip(item.astype(np.float32) * scale, 0, 255).round().astype(np.uint8)
     if item.shape[-1] == 1:
         item = np.repeat(item, 3, axis=-1)
-    return np.ascontiguousarray(item[..., :3])
+    image = np.ascontiguousarray(item[..., :3])
+    return image if image.flags.writeable else image.copy()  # np.asarray(a PIL image): read-only
 
 
 def as_source(source: Any) -> Union[str, Source]:
@@ -220,11 +221,15 @@ def predict(
     """
     if save is not False and save is not None:
         return _saved(source, overrides, run, weights, step, save, settings)
+    import torch  # noqa: PLC0415 (torch: 2 s)
+
     from visiondist.inference.run import predict as records  # noqa: PLC0415 (torch: 2 s)
     from visiondist.inference.sources import resolve_source  # noqa: PLC0415 (cv2 for a video)
 
     with refusals():
         _check_settings(settings)
+        if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device={device}: torch sees no GPU here: give device='cpu'")
         given = as_source(source)
         items = (
             given

@@ -40,7 +40,11 @@ class Run:
     """
 
     def __init__(self, dir: Union[str, Path], callbacks: Optional[dict[int, list]] = None):
+        if not isinstance(dir, (str, Path)):
+            raise ConfigError(f"Run({dir!r}): give a training run's dir (a path)")
         self.dir = Path(dir).expanduser().resolve()
+        if not self.dir.is_dir():
+            raise ConfigError(f"{dir}: no such folder: give a training run's dir")
         if not (self.dir / "config.yaml").is_file():
             raise ConfigError(f"{dir}: not a run dir (no config.yaml): give a training run's dir")
         self.callbacks = callbacks or {}
@@ -76,7 +80,11 @@ class Run:
     def rows(self) -> list[dict[str, Any]]:
         """metrics.csv's rows: each logged step's loss, grad norm, LR, images/s, and evaluations."""
         path = self.dir / "metrics.csv"
-        return read_metrics(path) if path.is_file() else []
+        rows: list[dict[str, Any]] = list(read_metrics(path)) if path.is_file() else []
+        for row in rows:  # a count, not a measurement
+            if row.get("step") is not None:
+                row["step"] = int(row["step"])
+        return rows
 
     @property
     def step(self) -> int:
@@ -166,6 +174,8 @@ def train(*overrides: str, callbacks: Sequence[Any] = (), **settings: Any) -> Ru
         cfg = load_config(CONFIGS, as_overrides(overrides, settings), inputs="train")
         packed = pack(callbacks)
     run_dir, returned = train_job(cfg, packed, stop_returns=True)
+    if run_dir is not None and not (run_dir / "summary.json").is_file():  # it stopped early
+        print("from Python: run.resume() continues it", flush=True)
     if run_dir is None:  # a pod's node other than node 0: the job's run dir is node 0's choice
         raise RuntimeError(
             "this node's ranks trained without choosing the run dir (node 0 of the job did): "

@@ -305,7 +305,15 @@ def not_a_setting(key: str) -> str:
             for leaf in _leaves(OmegaConf.to_container(schema, throw_on_missing=False))
             if leaf.rsplit(".", 1)[-1] == key
         ]
-        return f"{key} is not a setting: did you mean {' or '.join(same)}?" if same else ""
+        if same:
+            return f"{key} is not a setting: did you mean {' or '.join(same)}?"
+        groups = difflib.get_close_matches(key, [str(k) for k in schema.keys()], n=1)
+        return f"{key} is not a setting: did you mean {groups[0]}?" if groups else ""
+    top = parent.split(".")[0]
+    if top not in schema:  # `traner.max_steps`
+        groups = difflib.get_close_matches(top, [str(k) for k in schema.keys()], n=1)
+        if groups:
+            return f"{key} is not a setting: did you mean {groups[0]}{key[len(top) :]}?"
     node = OmegaConf.select(schema, parent)
     known = (
         [str(k) for k in node.keys()]

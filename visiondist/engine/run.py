@@ -136,7 +136,7 @@ def run_trainer(trainer: Trainer) -> dict[str, Any]:
         if state.stop_requested:
             why = f"{STOP.received or 'a signal to another rank'}"
         elif state.stop_asked:
-            why = f"{state.stop_asked_here or ELSEWHERE} asked to stop"
+            why = state.stop_asked_here or f"{ELSEWHERE} asked to stop"
         else:
             why = "trainer.stop_at_step"
         # the launcher says how to go on

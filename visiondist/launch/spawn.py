@@ -162,7 +162,8 @@ def _as_spawned(fn: Callable, *args: Any) -> Any:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     multiprocessing.set_start_method("fork", force=True)
     if rich.get_console().is_jupyter:  # forked from a notebook's kernel, whose displays are its own
-        rich.reconfigure(force_jupyter=False, force_terminal=False)
+        # plain text as into a pipe: lines not cut at a pipe's 80 columns
+        rich.reconfigure(force_jupyter=False, force_terminal=False, soft_wrap=True, width=120)
     return fn(*args)
 
 

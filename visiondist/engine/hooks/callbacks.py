@@ -56,7 +56,7 @@ class CallbackState:
         that checkpoint (`Run.resume`).
 
         Args:
-            reason: said in the run's last line (default: the callback's class name).
+            reason: said in the run's last line after the callback's class name.
         """
         if self._ask is not None:
             self._ask(reason)
@@ -69,7 +69,9 @@ class CallbackHook(Hook):
     def __init__(self, callbacks: Sequence[Any]):
         self.callbacks = list(callbacks)
         self.seen_eval: Optional[dict] = None
+        self.seen_step: Optional[int] = None  # the last step on_step_end was called for
         self.asked: Optional[str] = None
+        self.calling: Any = None  # the callback being called
 
     def _view(self, trainer: Trainer, complete: bool = False) -> CallbackState:
         state, layout = trainer.state, trainer.layout
@@ -90,7 +92,9 @@ class CallbackHook(Hook):
         current = self
 
         def ask(reason: str) -> None:
-            current.asked = current.asked or reason or "a callback"
+            if current.asked is None:  # the first request is the one the run's last line names
+                name = type(current.calling).__name__
+                current.asked = f"{name} asked to stop" + (f": {reason}" if reason else "")
 
         return ask
 
@@ -99,10 +103,10 @@ class CallbackHook(Hook):
             method = getattr(callback, event, None)
             if method is None:
                 continue
-            before = self.asked
+            self.calling = callback
             method(self._view(trainer, complete))
-            if self.asked is not None and before is None and self.asked == "a callback":
-                self.asked = type(callback).__name__
+        if event == "on_step_end":
+            self.seen_step = trainer.state.step
         if self.asked is not None and trainer.state.stop_asked_here is None:
             trainer.state.stop_asked_here = self.asked
 
@@ -122,5 +126,9 @@ class CallbackHook(Hook):
         self._evaluated(trainer)
 
     def after_train(self, trainer: Trainer, complete: bool) -> None:
+        # the step a stop ended the loop after: the hooks before this one ended it
+        stepped = trainer.state.step > trainer.state.resumed.step
+        if stepped and self.seen_step != trainer.state.step:
+            self._call("on_step_end", trainer)
         self._evaluated(trainer)  # the last step's evaluation
         self._call("on_train_end", trainer, complete)
