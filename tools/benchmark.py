@@ -41,19 +41,9 @@ TOOL = Tool(
 
 
 def run(cfg) -> int:
-    from visiondist.bench.harness import run_benchmark
-    from visiondist.config import ConfigError
-    from visiondist.launch import launch
+    from visiondist.api.jobs import benchmark_job  # visiondist.benchmark's job (torch: 2 s)
 
-    if cfg.data.get("resolution", "square") == "native":
-        raise ConfigError(
-            "tools/benchmark.py times square batches against plain loops of them; "
-            "data.resolution=native is measured by benchmarks/native.py (square and native steps "
-            "side by side): drop data.resolution=native here"
-        )
-
-    # Ctrl-C / SIGTERM: the step in flight finishes, nothing is recorded (launch.JobStopped)
-    launch(run_benchmark, cfg)
+    benchmark_job(cfg)
     return 0
 
 

@@ -18,7 +18,7 @@ set_process_defaults()
 __getattr__, __all__ = lazy_exports(
     __name__,
     {
-        "api": ("Run", "Result", "train", "evaluate", "predict", "export"),
+        "api": ("Run", "Result", "train", "evaluate", "predict", "export", "benchmark"),
         "config": ("ConfigError",),
         "launch": ("RunFailed",),
         "engine.hooks.callbacks": ("CallbackState",),

@@ -139,3 +139,24 @@ def test_a_runs_evaluate_predict_and_export_are_the_tools(tmp_path, tiny_shapes,
     assert onnx == run.dir / "export" / "model.onnx" and onnx.stat().st_size > 0
     with pytest.raises(visiondist.ConfigError, match="format=zip: choose one of"):
         run.export("zip")
+
+
+def test_benchmark_returns_the_rows_the_tool_records(tmp_path, tiny_shapes):
+    results = tmp_path / "results"
+    rows = visiondist.benchmark(
+        "model=vit_tiny",
+        *_overrides(),
+        data={"root": str(tiny_shapes), "batch_size": 8},
+        trainer={"accelerator": "cpu", "loggers": ["csv"], "output_dir": str(tmp_path / "runs")},
+        bench={
+            "warmup": 1,
+            "steps": 2,
+            "rounds": 2,
+            "loader_batches": 2,
+            "results_dir": str(results),
+        },
+    )
+    recorded = [json.loads(line) for line in (results / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == len(recorded) == 1
+    assert recorded[0]["model"] == "vit_tiny"
+    assert json.loads(json.dumps(rows[0])) == recorded[0]  # the row the tool appends

@@ -134,6 +134,30 @@ def train_job(
     return (Path(where) if where else None), callbacks
 
 
+def benchmark_job(cfg: DictConfig) -> list[dict[str, Any]]:
+    """tools/benchmark.py's job: the config's training step timed beside plain PyTorch loops built
+    from it, on the config's ranks; results.jsonl and results.md in its run dir (or
+    bench.results_dir).
+
+    Returns:
+        One result row per configuration (rank 0's).
+    """
+    if cfg.data.get("resolution", "square") == "native":
+        raise ConfigError(
+            "tools/benchmark.py times square batches against plain loops of them; "
+            "data.resolution=native is measured by benchmarks/native.py (square and native steps "
+            "side by side): drop data.resolution=native here"
+        )
+    from visiondist.bench.harness import run_benchmark  # noqa: PLC0415 (a job's)
+    from visiondist.launch import launch  # noqa: PLC0415 (a job's)
+
+    results: dict[int, Any] = {}
+    # Ctrl-C / SIGTERM: the step in flight finishes, nothing is recorded (launch.JobStopped)
+    launch(run_benchmark, cfg, results=results)
+    rows = results.get(min(results)) if results else None
+    return [rows] if isinstance(rows, dict) else list(rows or [])
+
+
 def evaluation_config(
     run_dir: Optional[Union[str, Path]] = None,
     step: Optional[Union[int, str]] = None,

@@ -1,7 +1,7 @@
 """A training run from Python (`Run`) and the functions that make and use one: `train`,
-`evaluate`, `export` (shells over `api.jobs`, as the tools are). A `Run` is its directory: one
-returned by `train` and one opened later (`Run("outputs/2026-12-06/14-03-11")`) read the same
-files."""
+`evaluate`, `export`, and `benchmark` (shells over `api.jobs`, as the tools are). A `Run` is its
+directory: one returned by `train` and one opened later (`Run("outputs/2026-12-06/14-03-11")`)
+read the same files."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from visiondist.api.callbacks import pack
 from visiondist.api.jobs import (
     CONFIGS,
     as_overrides,
+    benchmark_job,
     evaluate_job,
     evaluation_config,
     export_job,
@@ -235,3 +236,23 @@ def export(
     """
     with refusals():
         return export_job(run.dir if isinstance(run, Run) else run, format, step, out)
+
+
+def benchmark(*overrides: str, **settings: Any) -> list[dict[str, Any]]:
+    """Time the training step of a config beside plain PyTorch loops built from it, as
+    `python tools/benchmark.py` with the same overrides does (the same table, results.jsonl and
+    results.md in `<output dir>/benchmark/<date>_<time>/` or `bench.results_dir`).
+
+        rows = visiondist.benchmark("model=vit_base", trainer={"precision": "bf16"},
+                                    bench={"variants": ["trainer.compile=true"]})
+
+    Args:
+        *overrides: "group=option" / "group.key=value", as tools/benchmark.py takes them.
+        **settings: more overrides as nested keywords (`bench={"steps": 20}`).
+
+    Returns:
+        One row per configuration: its images/s, step time, MFU and the plain loops' beside it.
+    """
+    with refusals():
+        cfg = load_config(CONFIGS, as_overrides(overrides, settings), inputs="train")
+        return benchmark_job(cfg)
