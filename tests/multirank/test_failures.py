@@ -151,8 +151,10 @@ def test_a_dataset_raising_in_a_worker_ends_the_job(tmp_path, tiny_shapes, fault
     )
     step = int(line.split("failed at step ")[1].split()[0])
     assert (step == 1) if fault.endswith(":0") else (step > 1), line
-    traceback = (tmp_path / "run" / "failure" / "rank0.txt").read_text()
-    assert "getitem" in traceback
+    # every rank's workers raise: the rank that recorded first is the one the line names; the agent
+    # may end the other before it records
+    records = sorted((tmp_path / "run" / "failure").glob("rank*.txt"))
+    assert records and all("getitem" in r.read_text() for r in records), records
 
 
 def test_a_worker_killed_by_the_oom_killer_ends_the_job(tmp_path, tiny_shapes):
