@@ -261,7 +261,13 @@ def test_export_onnx_and_torchscript(tp2_run, tmp_path):
 
     script = tmp_path / "vit.pt"
     stdout = _export(tp2_run, "format=torchscript", f"out={script}")
-    assert stdout.splitlines()[1:] == [f"  {script}"] and "Warning" not in stdout, stdout
+    lines = stdout.splitlines()
+    assert lines[1] == f"  {script}" and len(lines) == 3 and "Warning" not in stdout, stdout
+    # its own check line, as every format prints
+    assert lines[2].startswith(
+        "  TorchScript vs PyTorch: logits of 1 and 3 random images compared, max abs difference "
+    ), stdout
+    assert float(lines[2].rsplit(" ", 1)[1]) < 1e-4, stdout
     with warnings.catch_warnings():  # torch 2.15 calls torch.jit.load deprecated
         warnings.simplefilter("ignore", FutureWarning)
         loaded = torch.jit.load(str(script))

@@ -258,6 +258,25 @@ def test_bad_input_is_refused_before_any_rank_starts(classifier, tmp_path):
     assert after == before  # no run dir for a refused command
 
 
+def test_a_source_of_unreadable_files_alone_predicts_nothing_and_says_so(classifier, tmp_path):
+    """Every file unreadable: the job runs (a file is only found unreadable when read), then ends
+    with one error line naming why, exit code 2, and unreadable.txt names each file."""
+    run, _ = classifier
+    source = tmp_path / "photos"
+    source.mkdir()
+    (source / "broken.jpg").write_bytes(b"\xff\xd8 not a JPEG \xff\xd9")
+    out = tmp_path / "out"
+    result = run_cli(
+        [f"run_dir={run}", f"source={source}", f"out={out}", "trainer.progress=false"],
+        timeout=120,
+        script=PREDICT,
+    )
+    assert result.returncode == 2, result.stdout[-2000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("error:"))
+    assert line.startswith(f"error: predicted nothing: the only file of source={source} is "), line
+    assert (out / "unreadable.txt").read_text().startswith("broken.jpg: ")
+
+
 def test_a_detector_predicts_its_evaluation_and_writes_coco_results_drawn_images_and_a_video(
     detector, tmp_path
 ):
@@ -358,3 +377,22 @@ def test_a_detector_predicts_its_evaluation_and_writes_coco_results_drawn_images
     drawn = cv2.VideoCapture(str(clip / "clip_predicted.mp4"))
     assert int(drawn.get(cv2.CAP_PROP_FRAME_COUNT)) == 3
     drawn.release()
+
+
+def test_a_detectors_torchscript_export_prints_its_check_line(detector, tmp_path):
+    """Every export format prints its check: a scripted torchvision detector's boxes for a random
+    image against PyTorch's, with none of TorchScript's own warnings."""
+    run, _ = detector
+    out = tmp_path / "frcnn.pt"
+    result = run_cli(
+        [f"run_dir={run}", "format=torchscript", f"out={out}"],
+        timeout=180,
+        script=REPO / "tools" / "export.py",
+    )
+    assert result.returncode == 0, result.stdout[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[-2:] == [f"  {out}", lines[-1]] and "Warning" not in result.stdout, result.stdout
+    assert (
+        lines[-1].startswith("  TorchScript vs PyTorch: ")
+        and "boxes of a random image" in (lines[-1])
+    ), result.stdout

@@ -265,6 +265,9 @@ def export_job(
     from visiondist.checkpoint.export import export as export_run  # noqa: PLC0415 (a job's)
     from visiondist.checkpoint.export.onnx_check import check_onnx  # noqa: PLC0415 (a job's)
     from visiondist.checkpoint.export.pt2 import check_pt2  # noqa: PLC0415 (a job's)
+    from visiondist.checkpoint.export.torchscript import (  # noqa: PLC0415 (a job's)
+        check_torchscript,
+    )
     from visiondist.checkpoint.export.trained import load_trained  # noqa: PLC0415 (a job's)
 
     with _quiet(*_CHATTY):
@@ -285,6 +288,8 @@ def export_job(
             )
         if fmt == "pt2":
             print(f"  {check_pt2(trained, path)}")
+        if fmt == "torchscript":
+            print(f"  {check_torchscript(trained, path)}")
     return path
 
 

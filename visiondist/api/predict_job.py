@@ -132,7 +132,17 @@ def predict_job(cfg: DictConfig, base: Optional[Path]) -> Optional[Path]:
     results: dict[int, Any] = {}
     launch(predict_ranks, cfg, results=results)
     first = results.get(min(results)) if results else None
-    return Path(first["dir"]) if isinstance(first, dict) and first.get("dir") else out
+    if not isinstance(first, dict) or not first.get("dir"):
+        return out
+    folder, counts = Path(first["dir"]), first.get("counts", {})
+    if counts.get("images") == 0 and counts.get("unreadable"):  # nothing but unreadable files
+        n = counts["unreadable"]
+        which = "the only file" if n == 1 else f"all {n} files"
+        raise ConfigError(
+            f"predicted nothing: {which} of source={p.source} {'is' if n == 1 else 'are'} "
+            f"unreadable ({folder / 'unreadable.txt'} names each with its reason)"
+        )
+    return folder
 
 
 def _check_weights(cfg: DictConfig, weights: Path) -> None:
