@@ -20,6 +20,7 @@ from visiondist.api.callbacks import TrainWithCallbacks, unpack
 from visiondist.cli.load import checked, load_run_config, load_weights_config
 from visiondist.config import ConfigError
 from visiondist.runs import completed_step
+from visiondist.utils.logs import held_at
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EXPORT_SUFFIX = {
@@ -270,7 +271,8 @@ def export_job(
     )
     from visiondist.checkpoint.export.trained import load_trained  # noqa: PLC0415 (a job's)
 
-    with _quiet(*_CHATTY):
+    # as the tools' logging set-up holds them; a notebook sets up none
+    with held_at(logging.ERROR, _CHATTY):
         try:
             trained = load_trained(run_dir, chosen)
             files = export_run(trained, fmt, path)
@@ -291,18 +293,3 @@ def export_job(
         if fmt == "torchscript":
             print(f"  {check_torchscript(trained, path)}")
     return path
-
-
-@contextlib.contextmanager
-def _quiet(*names: str) -> Iterator[None]:
-    """Libraries' loggers held to errors (as the tools' logging set-up holds them; a notebook
-    sets up none)."""
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)

@@ -25,6 +25,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from visiondist.launch.pods import PodJob
+from visiondist.utils.logs import held_at
 from visiondist.utils.procenv import omp_threads, ranks_share_cpus, threads_per_rank
 
 
@@ -41,18 +42,10 @@ def _quiet_agent():
         for name in logging.root.manager.loggerDict
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing.spawn"))
     ]
-    loggers = [
-        logging.getLogger(name)
-        for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn", *names)
-    ]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
-    try:
+    with held_at(
+        logging.CRITICAL, ("torch.distributed.elastic", "torch.multiprocessing.spawn", *names)
+    ):
         yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
 
 
 _TRACKER_QUIET = "ignore:resource_tracker:UserWarning"

@@ -14,7 +14,12 @@ from pathlib import Path
 import torch
 
 from visiondist.checkpoint.export.preprocessing import sidecar
-from visiondist.checkpoint.export.trained import Trained, example_images
+from visiondist.checkpoint.export.trained import (
+    LOGITS_COMPARED,
+    Trained,
+    example_images,
+    logits_difference,
+)
 from visiondist.models import TASKS
 
 SIDECAR = "visiondist.json"
@@ -72,14 +77,5 @@ def check_pt2(trained: Trained, path: Path) -> str:
             "ignore", message="The given buffer is not writable", category=UserWarning
         )
         program = torch.export.load(str(path)).module()
-    size = example_images(trained.cfg).shape[1:]
-    generator = torch.Generator().manual_seed(1)
-    diff = 0.0
-    with torch.no_grad():
-        for batch in (1, 3):
-            images = torch.randn(batch, *size, generator=generator)
-            diff = max(diff, float((program(images) - trained.model(images)).abs().max()))
-    return (
-        "torch.export program vs PyTorch: logits of 1 and 3 random images compared, max abs "
-        f"difference {diff:.3g}"
-    )
+    diff = logits_difference(trained, program)
+    return f"torch.export program vs PyTorch: {LOGITS_COMPARED}, max abs difference {diff:.3g}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -121,3 +121,20 @@ def example_images(cfg: DictConfig, batch: int = 2) -> torch.Tensor:
     """`batch` random images of the model's input size (the same ones each call)."""
     size = input_size(cfg)
     return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
+
+
+# what `logits_difference` compares, for the check lines
+LOGITS_COMPARED = "logits of 1 and 3 random images compared"
+
+
+def logits_difference(trained: Trained, exported: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """The largest absolute difference between an exported classifier's logits and the PyTorch
+    model's on random images at batches 1 and 3 (exports are traced at 2: both must be taken)."""
+    size = example_images(trained.cfg).shape[1:]
+    generator = torch.Generator().manual_seed(1)
+    diff = 0.0
+    with torch.no_grad():
+        for batch in (1, 3):
+            images = torch.randn(batch, *size, generator=generator)
+            diff = max(diff, float((exported(images) - trained.model(images)).abs().max()))
+    return diff

@@ -1,0 +1,22 @@
+"""Loggers held at a level for a while (`held_at`): libraries whose own lines repeat what a tool
+says in one line (torch's elastic agent, the ONNX exporters)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterable, Iterator
+
+
+@contextlib.contextmanager
+def held_at(level: int, names: Iterable[str]) -> Iterator[None]:
+    """The loggers `names` at `level` inside the block, their own levels back after it."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(level)
+    try:
+        yield
+    finally:
+        for logger, previous in zip(loggers, levels):
+            logger.setLevel(previous)
