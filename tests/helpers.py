@@ -499,3 +499,39 @@ def assert_same_detections(
                 j = int(torch.where(near, (b["boxes"] - box).abs().amax(-1), float("inf")).argmin())
                 pairs.append((i, j))
     return pairs
+
+
+def tiny_vitdet(tmp_path: Path, masks: bool):
+    """A one-block ViTDet of 64 px (with a mask head where `masks`), fresh, as the export takes it
+    (`Trained`); every box kept (score threshold 0)."""
+    import torch
+
+    from visiondist.checkpoint.export.trained import Trained
+    from visiondist.cli import load_config
+    from visiondist.models import build_model
+    from visiondist.models.detection import drop_fp32_hooks
+
+    cfg = load_config(
+        REPO / "configs",
+        [
+            "model=vitdet_tiny",
+            "data=shapes_coco",
+            f"data.root={tmp_path / 'absent'}",
+            "data.img_size=64",
+            "data.min_size=64",
+            "data.max_size=64",
+            "model.depth=1",
+            "model.embed_dim=32",
+            "model.num_heads=2",
+            "model.fpn_channels=16",
+            f"model.masks={str(masks).lower()}",
+            "+model.kwargs.box_score_thresh=0.0",
+        ],
+        inputs=None,
+    )
+    torch.manual_seed(0)
+    model = build_model(cfg.model).eval()
+    drop_fp32_hooks(model)
+    return Trained(
+        cfg, model, tmp_path / "step_1", 1, [f"c{i}" for i in range(cfg.model.num_classes)]
+    )

@@ -49,8 +49,9 @@ TOOL = Tool(
             "weights=<path>",
             "what model.weights takes (a .safetensors or torch file in this project's, timm's or "
             "torchvision's keys; a DETR-class detector's from_pretrained directory, format=hf's "
-            "model_hf/) or a checkpoint directory, evaluated under the config composed from "
-            "group=option / group.key=value as in tools/train.py",
+            "model_hf/) or a checkpoint directory, or an exported .onnx / .pt2 file run by its "
+            "runtime (docs/deploy.md), evaluated under the config composed from group=option / "
+            "group.key=value as in tools/train.py",
         ),
     ),
     reads="the weights, the run's config.yaml (or configs/), the val split of the data",

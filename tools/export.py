@@ -1,12 +1,14 @@
 """Export a trained run for use outside visiondist:
 
     python tools/export.py run_dir=<run dir> [step=<N>] [out=<path>]
-        [format=safetensors|onnx|pt2|torchscript|hf|naflex]
+        [format=safetensors|onnx|openvino|pt2|torchscript|hf|naflex] [opset=<n>]
+        [half=true|int8=true]
+    python tools/export.py run_dir=<run dir> benchmark=true
 
 safetensors (default): one consolidated file in timm's (ViT) or torchvision's (detectors) key names,
 loadable with strict=True without visiondist, plus <out>.json saying how to build the model (see
 visiondist/checkpoint/export/). onnx: the class names (detectors: label -> COCO category id) in its
-metadata, checked against PyTorch with ONNX Runtime when it is installed (detectors: on 3 val images
+metadata, checked against PyTorch with ONNX Runtime when it is installed (detectors: on 4 val images
 of the run's data when it is here; the number of boxes compared is printed). hf (DETR-class
 detectors): the directory transformers' from_pretrained reads (config.json, model.safetensors,
 preprocessor_config.json). Weights come from the run's latest checkpoint (or `step`), whatever
@@ -23,7 +25,8 @@ from visiondist.config import ConfigError
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 EXPECTED = (
     "expected run_dir=<dir> [step=<N>|best] "
-    "[format=safetensors|onnx|pt2|torchscript|hf|naflex] [out=<path>]"
+    "[format=safetensors|onnx|openvino|pt2|torchscript|hf|naflex] [out=<path>] [opset=<n>] "
+    "[half=true|int8=true] [benchmark=true]"
 )
 TOOL = Tool(
     name="export.py",
@@ -46,14 +49,40 @@ TOOL = Tool(
             "format=<format>",
             "safetensors (default; plus <out>.json saying how to build the model), onnx, "
             "pt2 (classifiers: torch.export, any batch), torchscript, hf (DETR-class detectors: "
-            "a from_pretrained directory) or naflex (ViTs: timm's NaFlexVit, images at their own "
-            "size and aspect ratio; plus <out>.json)",
+            "a from_pretrained directory), naflex (ViTs: timm's NaFlexVit, images at their own "
+            "size and aspect ratio; plus <out>.json) or openvino (OpenVINO's IR: <out>.xml, .bin "
+            "and a .json of the names; checked on OpenVINO's CPU plugin)",
         ),
         (
             "out=<path>",
             "the file (hf: directory) to write (default: "
             "<run>/export/model.<safetensors|onnx|pt2|pt>, hf: <run>/export/model_hf, naflex: "
-            "<run>/export/model_naflex.safetensors)",
+            "<run>/export/model_naflex.safetensors, openvino: <run>/export/model_openvino.xml)",
+        ),
+        (
+            "opset=<n>",
+            "format=onnx, openvino: the ONNX opset the graph is written in (17 to 20; default 18, "
+            "which ONNX Runtime >= 1.14 and TensorRT 10 read; 18 or more for a DETR-class "
+            "detector's antialiased resize)",
+        ),
+        (
+            "half=true",
+            "format=onnx: the network's layers in float16, inputs, outputs and box decoding in "
+            "float32 (default out: <run>/export/model_fp16.onnx); prints the val split's accuracy "
+            "of the float32 and float16 files",
+        ),
+        (
+            "int8=true",
+            "format=onnx: convolutions and matrix products quantized to int8 (ONNX Runtime's "
+            "static quantization, calibrated on 32 of the run's train images; default out: "
+            "<run>/export/model_int8.onnx); prints the val split's accuracy of both files",
+        ),
+        (
+            "benchmark=true",
+            "every deployable form side by side on this machine: PyTorch eager and compiled, "
+            "ONNX in float32, float16 and int8, pt2 (classifiers): size, val accuracy of each "
+            "file, latency at batch 1 and 8; a table, <run>/export/benchmark/benchmark.md and "
+            ".json",
         ),
     ),
     reads="<run>/config.yaml and the run's newest checkpoint (or step=), else its "
@@ -79,10 +108,28 @@ def export(cmd: Command) -> int:
     if cmd.show:
         print(config_text(load_run_config(run_dir, [], inputs=None), cmd.package))
         return 0
-    from visiondist.api.jobs import export_job  # visiondist.export's job (torch: 2 s)
+    from visiondist.api.export_job import as_flag, export_job  # the job (torch: 2 s)
 
+    if as_flag("benchmark", args.get("benchmark", False)):
+        others = sorted(args.keys() - {"run_dir", "step", "benchmark"})
+        if others:
+            raise ConfigError(
+                f"benchmark=true writes every format itself: drop {', '.join(others)}="
+            )
+        from visiondist.api.export_bench import export_benchmark
+
+        export_benchmark(run_dir, args.get("step"))
+        return 0
     try:
-        export_job(run_dir, args.get("format", "safetensors"), args.get("step"), args.get("out"))
+        export_job(
+            run_dir,
+            args.get("format", "safetensors"),
+            args.get("step"),
+            args.get("out"),
+            opset=args.get("opset"),
+            half=args.get("half", False),
+            int8=args.get("int8", False),
+        )
     except RuntimeError as exc:  # e.g. a damaged checkpoint: the message names it and what to do
         print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1

@@ -58,7 +58,8 @@ TOOL = Tool(
         (
             "weights=<path>",
             "weights as tools/eval.py takes them (a .safetensors or torch file, a checkpoint, a "
-            "from_pretrained directory), under the config of group=option / group.key=value",
+            "from_pretrained directory, an exported .onnx / .pt2 file run by its runtime), under "
+            "the config of group=option / group.key=value",
         ),
         (
             "source=<path>",

@@ -56,7 +56,10 @@
 # its own: minutes of compiling); batch 384 (a run of its own: a variant shares the batch). One table, each row's speed
 # over its run's first (benchmarks/gpu/table.py --levers), failing on any compile fault. Bounded to 6.5 minutes.
 # `levers_s`: the same for ViT-S/16 (autotuning; batch 512), 4.5 minutes. Both skip the training check; not run yet.
-#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short|cudagraphs|profile|layouts|multi|memory|predict|native|levers|levers_s][+...]
+# `trt`: TensorRT builds the exported ONNX graphs (benchmarks/gpu/trt_check.py: a ViT-S/16, RT-DETRv2-R18 and a Faster
+# R-CNN, trtexec with docs/deploy.md's shapes and --fp16), skipped where trtexec is not installed. About 3 minutes;
+# it skips the training check. Not run yet.
+#   usage: bash benchmarks/gpu/run.sh [tests|bench|mfu|kernels|detr|all|short|cudagraphs|profile|layouts|multi|memory|predict|native|levers|levers_s|trt][+...]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 what=${1:-all}
@@ -79,7 +82,7 @@ part() {  # seconds, log name, command...: run it bounded in time, its output to
     [[ ${PIPESTATUS[0]} == 0 ]] || failed=$((failed + 1))
 }
 layout_tests=(-m layouts tests/multirank)  # each layout against one process (tests/devices.py)
-if has layouts || has multi; then  # RT-DETR's layout test needs the DETR wheels
+if has layouts || has multi || has trt; then  # RT-DETR's layout test and trt_check need the DETR wheels
     python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-detr \
         .whl/detr/*.whl || echo "no DETR wheels in .whl/detr: the RT-DETR test skips (benchmarks/gpu/fetch_wheels.sh)"
 fi
@@ -123,7 +126,7 @@ if has native; then  # data.resolution=native: ViT-B/16's images and tokens a se
         tests/multirank/test_gpu.py -k native
 fi
 photos="$VISIONDIST_DATA/photos-10240"  # what tests/multirank/test_gpu.py's photos fixture reads
-if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|detr|profile|cudagraphs|layouts|multi|memory|predict|native|levers|levers_s') ]]; then
+if [[ -n $(echo "${what//+/ }" | tr ' ' '\n' | grep -vxE 'mfu|detr|profile|cudagraphs|layouts|multi|memory|predict|native|levers|levers_s|trt') ]]; then
     part 120 photos.txt python3 benchmarks/photos.py "$photos" --train 10240 --val 256
     # the training path on real photos first: DeiT recipe, decode in the workers (two seeds) and on the device
     part 330 gpu_training.txt python3 -m pytest -p no:cacheprovider -n 0 --timeout 320 -m gpu -rA \
@@ -253,6 +256,9 @@ if has detr || has all; then
             trainer.precision=bf16 model.img_size="${model_size#*:}" model.num_queries=null model.multi_scale=null \
             ${variants[@]+"${variants[@]}"}
     done
+fi
+if has trt; then
+    PYTHONPATH=/tmp/site-detr:$PYTHONPATH part 300 trt.txt python3 benchmarks/gpu/trt_check.py --out "$out/trt"
 fi
 echo "parts failed: $failed"
 exit "$failed"

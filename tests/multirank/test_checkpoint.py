@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from devices import TEST_DEVICE
-from helpers import REPO, losses_of, run_cli, train_args, train_ok
+from helpers import REPO, TINY_DATA, losses_of, run_cli, train_args, train_ok
 from safetensors.torch import load_file
 
 from visiondist.checkpoint.files import latest_checkpoint, read_trainer_state
@@ -274,6 +274,90 @@ def test_export_onnx_and_torchscript(tp2_run, tmp_path):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert torch.allclose(loaded(x), trained.model(x), atol=1e-5, rtol=0)
+
+
+def test_eval_and_predict_run_the_exported_files(tp2_run, tiny_shapes, tmp_path):
+    """tools/eval.py and tools/predict.py take the run's ONNX graph and torch.export program as
+    weights=, run them by their runtime (ONNX Runtime, torch), and give what the run's own weights
+    give under the same settings: the same top-1 over the val split, the same top-5 labels for each
+    val image with their probabilities to round-off; eval.json names the runtime."""
+    import csv
+
+    onnx_file, program = tmp_path / "vit.onnx", tmp_path / "vit.pt2"
+    _export(tp2_run, "format=onnx", f"out={onnx_file}")
+    _export(tp2_run, "format=pt2", f"out={program}")
+    settings = [*TINY_DATA, f"data.root={tiny_shapes}", "model.num_heads=4"]
+    settings += ["trainer.accelerator=cpu"]
+    results = {}
+    for name, weights in (("own", tp2_run / "model.safetensors"), ("onnx", onnx_file)):
+        evaluated = run_cli(
+            [f"weights={weights}", *settings, f"trainer.run_dir={tmp_path / name / 'eval'}"],
+            timeout=300,
+            script=REPO / "tools" / "eval.py",
+        )
+        assert evaluated.returncode == 0, evaluated.stdout[-4000:]
+        results[name] = json.loads((tmp_path / name / "eval" / "eval.json").read_text())
+    for name, weights in (
+        ("own", tp2_run / "model.safetensors"),
+        ("onnx", onnx_file),
+        ("pt2", program),
+    ):
+        predicted = run_cli(
+            [
+                f"weights={weights}",
+                f"source={tiny_shapes / 'val'}",
+                *settings,
+                f"out={tmp_path / name / 'predict'}",
+            ],
+            timeout=300,
+            script=REPO / "tools" / "predict.py",
+        )
+        assert predicted.returncode == 0, predicted.stdout[-4000:]
+        with open(tmp_path / name / "predict" / "predictions.csv") as f:
+            results[f"{name} rows"] = list(csv.DictReader(f))
+    assert results["onnx"]["run by"] == "ONNX Runtime" and "run by" not in results["own"]
+    assert results["onnx"]["val_top1"] == results["own"]["val_top1"]
+    assert results["onnx"]["val_loss"] == pytest.approx(results["own"]["val_loss"], abs=1e-5)
+    own = results["own rows"]
+    assert len(own) == 30
+    for name in ("onnx", "pt2"):
+        rows = results[f"{name} rows"]
+        assert [r["file"] for r in rows] == [r["file"] for r in own]
+        for mine, theirs in zip(rows, own):
+            assert mine["label_1"] == theirs["label_1"], (name, mine, theirs)
+            for k in range(1, 6):
+                assert abs(float(mine[f"prob_{k}"]) - float(theirs[f"prob_{k}"])) < 1e-5
+
+
+def test_half_and_int8_exports_print_their_val_accuracy_beside_float32s(tp2_run, tmp_path):
+    """From a run trained under tp2: format=onnx half=true and int8=true each write their file,
+    its check line against PyTorch's float32 and the val split's top-1 of the float32 and the
+    converted file, each evaluated by ONNX Runtime in one process; the files run as weights=."""
+    import re
+
+    import onnx
+
+    for key, precision in (("half", "float16"), ("int8", "int8")):
+        out = tmp_path / f"vit_{key}.onnx"
+        lines = _export(tp2_run, "format=onnx", f"{key}=true", f"out={out}").splitlines()
+        assert lines[1] == f"  {out}" and len(lines) == 4, lines
+        assert lines[2].startswith(f"  ONNX Runtime ({precision} network) vs PyTorch (float32): ")
+        top1 = re.fullmatch(
+            rf"  val top-1 \(30 images\): (\S+)% float32 -> (\S+)% {precision} \(([-+]\S+) "
+            r"points\), each file evaluated by ONNX Runtime",
+            lines[3],
+        )
+        assert top1, lines[3]
+        assert abs(float(top1[2]) - float(top1[1])) <= 10, lines[3]  # 3 images of 30 at most
+        meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+        assert meta["precision"] == precision and json.loads(meta["classes"])
+    refused = run_cli(
+        [f"run_dir={tp2_run}", "format=pt2", "half=true"],
+        timeout=120,
+        script=REPO / "tools" / "export.py",
+    )
+    assert refused.returncode == 2
+    assert "half=true: format=onnx's settings (format=pt2 has none)" in refused.stdout
 
 
 @pytest.mark.smoke

@@ -107,23 +107,27 @@ def _export_loads_in_torchvision(run, tmp_path):
     # the check ran on the run's val images, where the model returns boxes (DETECT: score threshold
     # 0)
     check = re.search(
-        r"ONNX Runtime vs PyTorch: (\d+) boxes compared, max abs difference \S+ \(on 3 val images",
+        r"ONNX Runtime vs PyTorch: (\d+) boxes compared, max abs difference \S+ \(on 4 val images",
         exported.stdout,
     )
     assert check and int(check[1]) > 0, exported.stdout[-2000:]
     session = ort.InferenceSession(str(onnx), providers=["CPUExecutionProvider"])
     # A model trained for 2 steps scores its boxes nearly alike (about 1/7 each), so top-k and NMS
     # ties can keep other boxes than PyTorch does: only the contract of the outputs is checked here,
-    # at the traced size and another one (the image axes are dynamic). Classifier ONNX outputs are
-    # compared exactly in test_checkpoint.py.
-    for shape in ((3, 64, 64), (3, 64, 48)):
-        image = torch.rand(*shape, generator=torch.Generator().manual_seed(2))
-        boxes, labels, scores = (
-            torch.from_numpy(a) for a in session.run(None, {"image": image.numpy()})
-        )
-        assert (
-            boxes.ndim == 2 and boxes.shape[1] == 4 and len(boxes) == len(labels) == len(scores) > 0
-        ), shape
+    # on a batch of two sizes (the image axes and the batch are dynamic). Classifier ONNX outputs
+    # are compared exactly in test_checkpoint.py.
+    from visiondist.checkpoint.export.onnx_batch import canvas
+
+    generator = torch.Generator().manual_seed(2)
+    shapes = ((3, 64, 64), (3, 64, 48))
+    feed, sizes = canvas([torch.rand(*shape, generator=generator) for shape in shapes])
+    outputs = session.run(None, {"images": feed.numpy(), "sizes": sizes.numpy()})
+    for i, shape in enumerate(shapes):
+        n = int(outputs[3][i])
+        boxes, labels, scores = (torch.from_numpy(a[i]) for a in outputs[:3])
+        assert boxes.shape == (100, 4) and labels.shape == scores.shape == (100,) and n > 0
+        assert not boxes[n:].any() and not labels[n:].any() and not scores[n:].any()
+        boxes, labels, scores = boxes[:n], labels[:n], scores[:n]
         assert (
             (boxes[:, 0] >= 0).all()
             and (boxes[:, 2] <= shape[2]).all()
@@ -146,7 +150,8 @@ def _export_loads_in_torchvision(run, tmp_path):
     assert trained.model.roi_heads.score_thresh == 1.0  # the model's own thresholds are back
     session = ort.InferenceSession(str(strict), providers=["CPUExecutionProvider"])
     # the file keeps 1.0
-    assert all(len(session.run(None, {"image": image.numpy()})[0]) == 0 for image in images)
+    feed, sizes = canvas(images)
+    assert not session.run(None, {"images": feed.numpy(), "sizes": sizes.numpy()})[3].any()
 
 
 def test_eval_refuses_a_missing_run(tmp_path):

@@ -21,7 +21,7 @@ from helpers import REPO
 
 RUN_SH = REPO / "benchmarks" / "gpu" / "run.sh"
 # `all`: tests, bench, mfu, kernels and detr
-MODES = "all+short+cudagraphs+profile+layouts+multi+memory+predict+native+levers+levers_s"
+MODES = "all+short+cudagraphs+profile+layouts+multi+memory+predict+native+levers+levers_s+trt"
 GPUS = 2  # what the stand-in says torch.cuda.device_count() is (run.sh multi: 2 GPUs -> tp2)
 
 # `python3` as run.sh calls it: logs its arguments; `-c` answers the device questions; everything
@@ -146,6 +146,7 @@ def test_every_mode_runs_with_stand_ins_and_every_command_it_gives_holds(tmp_pat
         "memory_model.py",
         "predict.py",
         "native.py",
+        "trt_check.py",
     }, scripts
     for call in tools:
         # the smaller of the lent GPUs, an H100's

@@ -223,7 +223,8 @@ def test_bad_input_is_refused_before_any_rank_starts(classifier, tmp_path):
     empty.mkdir()
     import torch
 
-    # an export that runs a model but is not weights (format=pt2 writes such)
+    # a torch.export program of someone else's (format=pt2 writes such, with visiondist.json
+    # inside saying its inputs; this one says nothing)
     program = tmp_path / "model.pt2"
     torch.export.save(
         torch.export.export(torch.nn.Linear(2, 2), (torch.zeros(1, 2),)), str(program)
@@ -231,7 +232,8 @@ def test_bad_input_is_refused_before_any_rank_starts(classifier, tmp_path):
     cases = [
         (
             [f"weights={program}", "model=vit_tiny", "data=shapes", f"source={data / 'val'}"],
-            f"weights={program} is a torch.export program (tools/export.py format=pt2)",
+            f"weights={program} is a torch.export program (tools/export.py format=pt2 writes "
+            "such) that tools/export.py did not write",
         ),
         ([f"run_dir={run}", f"source={tmp_path / 'nowhere'}"], "no such file or folder"),
         ([f"run_dir={run}", f"source={empty}"], "the folder holds no images"),

@@ -177,13 +177,14 @@ def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(caps
         (
             "export",
             ["run_dir=/tmp", "model.depth=2"],
-            "model.depth=2: tools/export.py takes run_dir=, step=, format=, out= only",
+            "model.depth=2: tools/export.py takes run_dir=, step=, format=, out=, opset=, half=, "
+            "int8=, benchmark= only",
         ),
         (
             "export",
             ["/tmp/run"],
             "/tmp/run: not a key=value: tools/export.py takes run_dir=, step=, format=, out=, "
-            "e.g. run_dir=/tmp/run",
+            "opset=, half=, int8=, benchmark=, e.g. run_dir=/tmp/run",
         ),
         ("export", ["format=onnx"], "run_dir= is missing"),
         ("eval", ["-m", "run_dir=/tmp"], "-m: tools/eval.py runs once per command"),

@@ -297,29 +297,46 @@ def test_weights_from_a_from_pretrained_directory_and_from_the_hub_cache(
 @pytest.mark.timeout(600)
 @pytest.mark.xdist_group("trained_dfine_n")
 @pytest.mark.parametrize("arch", ["rfdetr_nano", "dfine_n", "rtdetr_v2_r18"])
-def test_onnx_graph_takes_any_image_size_and_equals_pytorch(arch, tmp_path):
-    """The exported graph (one image of any size -> every query's box, label, score) under ONNX
-    Runtime against the PyTorch detector, on two real photographs of other sizes than the one it was
-    traced with: every detection, matched as tools/export.py's check matches them (near-tied scores
-    may come out in another order)."""
+def test_onnx_graph_takes_a_batch_of_photos_of_any_size_and_equals_pytorch(arch, tmp_path):
+    """The exported graph (images resized to the model's side and their original sizes -> every
+    query's box, label, score) under ONNX Runtime against the PyTorch detector on each original
+    alone: a batch of four real photographs of four sizes, then one alone (the batch is dynamic),
+    every detection matched as tools/export.py's check matches them (near-tied scores may come out
+    in another order)."""
     ort = pytest.importorskip("onnxruntime")
     from skimage import data
 
     from visiondist.checkpoint.export.onnx import _export_detr_onnx
+    from visiondist.checkpoint.export.onnx_batch import detector_feed
     from visiondist.checkpoint.export.onnx_check import BOX_ROUND_OFF, _box_diff
+    from visiondist.models.detr import DetrForExport
 
     torch.manual_seed(0)
     model = _trained(arch)
     _export_detr_onnx(model, tmp_path / "m.onnx", {"labels": json.dumps({"1": "a"})})
     session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     assert session.get_modelmeta().custom_metadata_map["labels"] == json.dumps({"1": "a"})
-    for photo in (data.coffee(), data.chelsea()):
-        image = torch.from_numpy(photo).permute(2, 0, 1).float() / 255
-        with torch.no_grad():
-            want = model([image])[0]
-        got = session.run(None, {"image": image.numpy()})
-        assert got[0].shape == (20, 4) and got[1].shape == got[2].shape == (20,)
-        assert _box_diff([want["boxes"], want["labels"], want["scores"]], got) < BOX_ROUND_OFF
+    photos = [
+        torch.from_numpy(getattr(data, name)()).permute(2, 0, 1).float() / 255
+        for name in ("coffee", "chelsea", "astronaut", "rocket")
+    ]
+    assert len({tuple(p.shape) for p in photos}) == 4
+    resize = DetrForExport(model).resized
+    for batch in (photos, photos[1:2]):
+        images = torch.stack([resize(p) for p in batch]).numpy()
+        sizes = np.array([p.shape[1:] for p in batch], dtype=np.int64)
+        # what predict and eval feed the file (its `input` metadata): the same pixels
+        given = {"images": "resized", "side": model.img_size, "antialias": model.arch.antialias}
+        fed = detector_feed(given, batch)
+        assert np.array_equal(fed["images"], images) and np.array_equal(fed["sizes"], sizes)
+        boxes, labels, scores, count = session.run(None, {"images": images, "sizes": sizes})
+        assert boxes.shape == (len(batch), 20, 4) and labels.shape == scores.shape
+        assert count.tolist() == [20] * len(batch)
+        for i, photo in enumerate(batch):
+            with torch.no_grad():
+                want = model([photo])[0]
+            got = [boxes[i], labels[i], scores[i]]
+            assert _box_diff([want["boxes"], want["labels"], want["scores"]], got) < BOX_ROUND_OFF
 
 
 def _checked(overrides, data="shapes_coco"):
@@ -423,7 +440,9 @@ def test_detections_are_clipped_to_the_image_in_evaluation_and_export():
     with torch.no_grad():
         raw = model.model(pixel_values=model.pixels([image]))
         evaluated = model([image])[0]["boxes"]
-        exported = DetrForExport(model)(image)[0]
+        exported = DetrForExport(model).eval()(
+            DetrForExport(model).resized(image)[None], torch.tensor([[90, 150]])
+        )[0][0]
     cx, w = raw.pred_boxes[0, :, 0], raw.pred_boxes[0, :, 2]
     assert bool(((cx + w / 2) > 1).any()), "the hook should push boxes past the border"
     for boxes in (evaluated, exported):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, assert_same_detections
+from helpers import REPO, assert_same_detections, tiny_vitdet
 from torch import nn
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
@@ -67,46 +67,18 @@ def test_the_traced_resize_takes_the_eager_output_size_for_every_input_size(tmp_
     assert len(short) > 10, "torchvision's own trace was expected to miss some sizes by a pixel"
 
 
-def _vitdet(tmp_path: Path, masks: bool):
-    from visiondist.checkpoint.export.trained import Trained
-    from visiondist.models import build_model
-    from visiondist.models.detection import drop_fp32_hooks
-
-    cfg = load_config(
-        REPO / "configs",
-        [
-            "model=vitdet_tiny",
-            "data=shapes_coco",
-            f"data.root={tmp_path / 'absent'}",
-            "data.img_size=64",
-            "data.min_size=64",
-            "data.max_size=64",
-            "model.depth=1",
-            "model.embed_dim=32",
-            "model.num_heads=2",
-            "model.fpn_channels=16",
-            f"model.masks={str(masks).lower()}",
-            "+model.kwargs.box_score_thresh=0.0",
-        ],
-        inputs=None,
-    )
-    torch.manual_seed(0)
-    model = build_model(cfg.model).eval()
-    drop_fp32_hooks(model)
-    return Trained(
-        cfg, model, tmp_path / "step_1", 1, [f"c{i}" for i in range(cfg.model.num_classes)]
-    )
-
-
 def test_vitdet_exports_to_onnx_and_matches_pytorch_at_other_sizes(tmp_path):
     """Traced on a 64-px example, at the grid its position embedding was learned for (an eager
     shortcut skips the interpolation there, which a trace must keep); images padded to another
     aspect need other grids (64 x 32: 4 x 2 patches), and 82 x 25 a resize down that torchvision's
-    own trace makes a pixel short (63 rows, not 64)."""
+    own trace makes a pixel short (63 rows, not 64). The five sizes go through the graph in one
+    batch (each on the canvas of the largest), then one alone: every image's detections and masks
+    are what PyTorch returns for it alone, the padding after them zero."""
     from visiondist.checkpoint.export import export
+    from visiondist.checkpoint.export.onnx_batch import canvas
     from visiondist.checkpoint.export.onnx_check import check_onnx
 
-    trained = _vitdet(tmp_path, masks=True)
+    trained = tiny_vitdet(tmp_path, masks=True)
     path = tmp_path / "vitdet.onnx"
     export(trained, "onnx", path)
     check = check_onnx(trained, path)
@@ -116,30 +88,46 @@ def test_vitdet_exports_to_onnx_and_matches_pytorch_at_other_sizes(tmp_path):
 
     session = ort.InferenceSession(str(path))
     generator = torch.Generator().manual_seed(1)
-    for height, width in [(64, 64), (64, 32), (40, 64), (82, 25), (100, 100)]:
-        image = torch.rand(3, height, width, generator=generator)
-        with torch.no_grad():
-            want = trained.model([image])[0]
-        boxes, labels, scores, masks = session.run(None, {"image": image.numpy()})
-        # an untrained detector's scores tie to round-off: matched as sets, the detections at the
-        # last kept score aside
-        pairs = assert_same_detections(
-            want, dict(boxes=boxes, labels=labels, scores=scores), 1e-2, 1e-4
+    sizes = [(64, 64), (64, 32), (40, 64), (82, 25), (100, 100)]
+    images = [torch.rand(3, height, width, generator=generator) for height, width in sizes]
+    for batch in (images, images[3:4]):
+        feed, hw = canvas(batch)
+        boxes, labels, scores, count, masks = session.run(
+            None, {"images": feed.numpy(), "sizes": hw.numpy()}
         )
-        assert len(pairs) > len(want["boxes"]) // 2 and masks.shape[-2:] == (height, width), (
-            height,
-            width,
-        )
-        for i, j in pairs:
-            np.testing.assert_allclose(
-                masks[j], want["masks"][i].numpy(), atol=1e-3, err_msg=str((height, width))
+        k = trained.model.roi_heads.detections_per_img
+        assert boxes.shape == (len(batch), k, 4) and masks.shape[:3] == (len(batch), k, 1)
+        assert masks.shape[-2:] == feed.shape[-2:]
+        for i, image in enumerate(batch):
+            height, width = image.shape[-2:]
+            with torch.no_grad():
+                want = trained.model([image])[0]
+            n = int(count[i])
+            assert n == len(want["boxes"])
+            assert not boxes[i, n:].any() and not labels[i, n:].any() and not masks[i, n:].any()
+            assert not masks[i, :, :, height:].any() and not masks[i, :, :, :, width:].any()
+            # an untrained detector's scores tie to round-off: matched as sets, the detections at
+            # the last kept score aside
+            pairs = assert_same_detections(
+                want,
+                dict(boxes=boxes[i, :n], labels=labels[i, :n], scores=scores[i, :n]),
+                1e-2,
+                1e-4,
             )
+            assert len(pairs) > n // 2, (height, width)
+            for a, j in pairs:
+                np.testing.assert_allclose(
+                    masks[i, j, :, :height, :width],
+                    want["masks"][a].numpy(),
+                    atol=1e-3,
+                    err_msg=str((height, width)),
+                )
 
 
 def test_vitdet_torchscript_and_pt2_are_refused_naming_onnx(tmp_path):
     from visiondist.checkpoint.export import export
 
-    vitdet = _vitdet(tmp_path, masks=False)
+    vitdet = tiny_vitdet(tmp_path, masks=False)
     with pytest.raises(ValueError, match="format=onnx"):
         export(vitdet, "torchscript", tmp_path / "vitdet.pt")
     with pytest.raises(
@@ -148,3 +136,65 @@ def test_vitdet_torchscript_and_pt2_are_refused_naming_onnx(tmp_path):
     ):
         export(vitdet, "pt2", tmp_path / "vitdet.pt2")
     assert not list(tmp_path.glob("vitdet*"))
+
+
+def test_a_torchvision_detector_takes_a_batch_of_photos_of_four_sizes(tmp_path):
+    """A one-stage torchvision detector (FCOS, fresh; every box kept; its thresholds per level):
+    four real photographs of four sizes through the exported graph in one batch give, for each, the
+    detections PyTorch gives for it alone, every one to round-off, and the export's own check says
+    so. (The two-stage heads: ViTDet's test above, and the trained Faster R-CNN of
+    tests/multirank/test_detection_train.py.)"""
+    from skimage import data
+
+    from visiondist.checkpoint.export import export
+    from visiondist.checkpoint.export.onnx_batch import canvas
+    from visiondist.checkpoint.export.onnx_check import _box_diff, check_onnx
+    from visiondist.checkpoint.export.trained import Trained
+    from visiondist.models import build_model
+
+    cfg = load_config(
+        REPO / "configs",
+        [
+            "model=fcos_r50",
+            "data=shapes_coco",
+            f"data.root={tmp_path / 'absent'}",
+            "data.min_size=96",
+            "data.max_size=160",
+            "+model.kwargs.score_thresh=0.0",
+        ],
+        inputs=None,
+    )
+    torch.manual_seed(0)
+    model = build_model(cfg.model).eval()
+    # scores spread as a trained detector's are (a fresh one's tie to round-off, and which of them
+    # top-k keeps is then the arithmetic's choice): He-initialised heads, spread class biases
+    with torch.no_grad():
+        for key, param in model.named_parameters():
+            if param.dim() > 1 and "head" in key:
+                param.normal_(std=(2.0 / param[0].numel()) ** 0.5)
+            elif "cls" in key or ("bias" in key and "head" in key):
+                param.normal_(std=0.5)
+    trained = Trained(cfg, model, tmp_path / "step_1", 1, None)
+    path = tmp_path / "detector.onnx"
+    export(trained, "onnx", path)
+    check = check_onnx(trained, path)
+    assert check.boxes > 0 and check.onnx_boxes == check.boxes and not check.failed, check.summary()
+
+    photos = [
+        torch.from_numpy(getattr(data, photo)()).permute(2, 0, 1).float() / 255
+        for photo in ("coffee", "chelsea", "astronaut", "rocket")
+    ]
+    assert len({tuple(p.shape) for p in photos}) == 4
+    images, sizes = canvas(photos)
+    session = ort.InferenceSession(str(path))
+    boxes, labels, scores, count = session.run(
+        None, {"images": images.numpy(), "sizes": sizes.numpy()}
+    )
+    for i, photo in enumerate(photos):
+        with torch.no_grad():
+            want = trained.model([photo])[0]
+        n = int(count[i])
+        assert n == len(want["boxes"]) > 0
+        assert not boxes[i, n:].any() and not scores[i, n:].any() and not labels[i, n:].any()
+        got = [boxes[i, :n], labels[i, :n], scores[i, :n]]
+        assert _box_diff([want["boxes"], want["labels"], want["scores"]], got) < 1e-3

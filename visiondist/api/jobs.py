@@ -9,7 +9,6 @@ with `import visiondist` (`# noqa: PLC0415 (a job's)`)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union
@@ -20,7 +19,6 @@ from visiondist.api.callbacks import TrainWithCallbacks, unpack
 from visiondist.cli.load import checked, load_run_config, load_weights_config
 from visiondist.config import ConfigError
 from visiondist.runs import completed_step
-from visiondist.utils.logs import held_at
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EXPORT_SUFFIX = {
@@ -30,9 +28,10 @@ EXPORT_SUFFIX = {
     "torchscript": ".pt",
     "hf": "_hf",
     "naflex": "_naflex.safetensors",
+    "openvino": "_openvino.xml",
 }
 # exporters' loggers that speak per initializer or per pass (a few hundred lines an ONNX export)
-_CHATTY = ("onnxscript", "onnx_ir", "torch.onnx", "torch._dynamo", "torch.export")
+CHATTY = ("onnxscript", "onnx_ir", "torch.onnx", "torch._dynamo", "torch.export")
 
 
 @contextlib.contextmanager
@@ -235,61 +234,3 @@ def evaluate_job(cfg: DictConfig, base: Optional[Path], own_dir: bool = False) -
     results: dict[int, Any] = {}
     launch(evaluate_checkpoint, cfg, results=results)
     return dict(results[min(results)]) if results else {}
-
-
-def export_job(
-    run_dir: Union[str, Path],
-    fmt: str = "safetensors",
-    step: Optional[Union[int, str]] = None,
-    out: Optional[Union[str, Path]] = None,
-) -> Path:
-    """tools/export.py's job: the run's weights (its newest checkpoint, `step`, else its
-    model.safetensors) written as `fmt`, with its check lines printed.
-
-    Returns:
-        The written file (hf: directory).
-    """
-    if fmt not in EXPORT_SUFFIX:
-        raise ConfigError(f"format={fmt}: choose one of {', '.join(EXPORT_SUFFIX)}")
-    run_dir = Path(run_dir).expanduser()
-    path = Path(out) if out else run_dir / "export" / f"model{EXPORT_SUFFIX[fmt]}"
-    named = [
-        n for n, suffix in EXPORT_SUFFIX.items() if path.suffix and suffix.endswith(path.suffix)
-    ]
-    if named and fmt not in named and fmt != "hf":  # format=pt2 out=model.onnx
-        raise ConfigError(
-            f"out={out}: a {path.suffix} file is what format={named[0]} writes; format={fmt} "
-            f"writes {EXPORT_SUFFIX[fmt]}: name it {path.stem}{EXPORT_SUFFIX[fmt]}, or give "
-            f"format={named[0]}"
-        )
-    chosen = step_of(step) if step is not None else None
-    from visiondist.checkpoint.export import export as export_run  # noqa: PLC0415 (a job's)
-    from visiondist.checkpoint.export.onnx_check import check_onnx  # noqa: PLC0415 (a job's)
-    from visiondist.checkpoint.export.pt2 import check_pt2  # noqa: PLC0415 (a job's)
-    from visiondist.checkpoint.export.torchscript import (  # noqa: PLC0415 (a job's)
-        check_torchscript,
-    )
-    from visiondist.checkpoint.export.trained import load_trained  # noqa: PLC0415 (a job's)
-
-    # as the tools' logging set-up holds them; a notebook sets up none
-    with held_at(logging.ERROR, _CHATTY):
-        try:
-            trained = load_trained(run_dir, chosen)
-            files = export_run(trained, fmt, path)
-        except (FileNotFoundError, ValueError) as exc:
-            raise ConfigError(str(exc)) from None
-        print(f"exported {trained.cfg.model.name} from {trained.source}")
-        for file in files:
-            print(f"  {file}")
-        if fmt == "onnx":
-            check = check_onnx(trained, path)
-            print(
-                "  onnxruntime not installed: output not checked"
-                if check is None
-                else f"  {check.summary()}"
-            )
-        if fmt == "pt2":
-            print(f"  {check_pt2(trained, path)}")
-        if fmt == "torchscript":
-            print(f"  {check_torchscript(trained, path)}")
-    return path

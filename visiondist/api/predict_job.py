@@ -149,10 +149,14 @@ def _check_weights(cfg: DictConfig, weights: Path) -> None:
     """The file against the model, before anything is printed or any rank starts (as tools/eval.py
     does): an export's graph or program, a file of another model, is refused in one line naming this
     tool's key."""
+    from visiondist.models.exported import check_runtime_file, runtime_of  # noqa: PLC0415
     from visiondist.models.weights_check import check_weights  # noqa: PLC0415 (a job's)
 
     model = OmegaConf.merge(cfg.model, {"weights": str(weights.resolve())})
     try:
+        if runtime_of(weights):  # an exported file: its runtime runs it
+            check_runtime_file(model, weights)
+            return
         check_weights(model, "eval", OmegaConf.select(cfg, "data.num_classes", default=None))
     except ConfigError as exc:
         raise ConfigError(str(exc).replace("model.weights=", "weights=")) from None

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 from omegaconf import DictConfig, OmegaConf
 
 from visiondist.api.callbacks import pack
+from visiondist.api.export_job import export_job
 from visiondist.api.jobs import (
     CONFIGS,
     as_overrides,
     benchmark_job,
     evaluate_job,
     evaluation_config,
-    export_job,
     refusals,
     train_job,
 )
@@ -222,6 +222,9 @@ def export(
     *,
     step: Optional[Union[int, str]] = None,
     out: Optional[Union[str, Path]] = None,
+    opset: Optional[int] = None,
+    half: bool = False,
+    int8: bool = False,
 ) -> Path:
     """Export a run's weights, as tools/export.py does (the same files and check lines).
 
@@ -230,12 +233,17 @@ def export(
         format: safetensors (timm / torchvision keys), onnx, pt2, torchscript, hf, naflex.
         step: its checkpoint (a step number or "best"); None: the newest, else model.safetensors.
         out: the file to write; None: `<run>/export/model.<ext>`.
+        opset: format="onnx": the ONNX opset (17 to 20; None: 18).
+        half: format="onnx": the network in float16, its val accuracy printed beside float32's.
+        int8: format="onnx": convolutions and matrix products in int8 (calibrated on the run's
+            train images), its val accuracy printed beside float32's.
 
     Returns:
         The written file (hf: directory).
     """
     with refusals():
-        return export_job(run.dir if isinstance(run, Run) else run, format, step, out)
+        where = run.dir if isinstance(run, Run) else run
+        return export_job(where, format, step, out, opset, half, int8)
 
 
 def benchmark(*overrides: str, **settings: Any) -> list[dict[str, Any]]:

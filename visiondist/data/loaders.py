@@ -199,7 +199,7 @@ def build_classification_data(
             cfg, img_size, patch_size, dp_rank, dp_size, grad_accum, seed, pin_memory, train
         )
     val_tf = ClassificationTransform(cfg, train=False, size=img_size, seed=seed)
-    splits = _classification_splits(cfg)
+    splits = classification_splits(cfg)
     reader, collate = None, None
     # the workers read bytes; the rank decodes them on its device (train and val: one decoder),
     if cfg.get("decode_on", "loader") == "device":
@@ -273,7 +273,7 @@ def _native_data(
     to its grid."""
     seq_lens, eval_len = native_settings(cfg, img_size, patch)
     packs = bool((cfg.get("native") or {}).get("pack", False))
-    splits = _classification_splits(cfg)
+    splits = classification_splits(cfg)
     # whole grids
     val_set = splits(cfg.val_split, NativeTransform(cfg, False, patch, seed, eval_len, img_size))
     val_loader = _val_loader(
@@ -322,7 +322,7 @@ def _native_data(
     )
 
 
-def _classification_splits(cfg):
+def classification_splits(cfg):
     """split name, transform, options -> the split's dataset: an `ImageFolder` under
     `<root>/<split>`, or a packed split (`data.format=shards`) read through one store per rank."""
     if cfg.get("format", "imagefolder") != "shards":

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from visiondist.engine.precision import autocast_for
 from visiondist.engine.state import LoopState
+from visiondist.models.exported import runtime_of
 from visiondist.observe.metrics import MetricsLogger
 from visiondist.utils.dcp import is_complete
 from visiondist.utils.heartbeat import PROGRESS
@@ -22,6 +23,7 @@ from visiondist.utils.signals import STOP
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
+    from torch import nn
 
     from visiondist.engine.trainer import Hook, Trainer
     from visiondist.parallel import Layout
@@ -250,8 +252,15 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
         if cfg.model.weights and is_complete(Path(cfg.model.weights))
         else None
     )
-    # a checkpoint fills the tensors itself
-    model = build_laid_out(cfg, layout, checkpoint=checkpoint)
+    exported = Path(cfg.model.weights) if cfg.model.weights else None
+    model: nn.Module
+    if exported is not None and runtime_of(exported):  # an exported file, run by its runtime
+        from visiondist.checkpoint.export.runtimes import load_runtime  # noqa: PLC0415
+
+        model = load_runtime(cfg.model, exported, layout.device)
+    else:
+        # a checkpoint fills the tensors itself
+        model = build_laid_out(cfg, layout, checkpoint=checkpoint)
     if checkpoint is not None:
         load_model_state(checkpoint, unwrap(model), layout)
     task = build_task(cfg, layout, train=False)
@@ -268,6 +277,7 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
             json.dumps(
                 {
                     "weights": cfg.model.weights,
+                    **({"run by": model.runtime} if hasattr(model, "runtime") else {}),
                     "images decoded by": decoded_by,
                     **task.input_fields,
                     **metrics,

@@ -31,6 +31,7 @@ from visiondist.data.masks import encode
 from visiondist.data.shards import open_store, read_meta
 from visiondist.engine.precision import autocast_for
 from visiondist.models import TASKS
+from visiondist.models.exported import program_info, runtime_of
 from visiondist.models.init import is_meta, materialize
 from visiondist.utils.dcp import is_complete
 
@@ -230,6 +231,10 @@ def load_model(cfg: DictConfig, device: torch.device) -> nn.Module:
     from visiondist.models import build_deferred, select_attention  # noqa: PLC0415 (rank-side)
 
     weights = Path(cfg.model.weights) if cfg.model.weights else None
+    if weights is not None and runtime_of(weights):  # an exported file, run by its runtime
+        from visiondist.checkpoint.export.runtimes import load_runtime  # noqa: PLC0415
+
+        return load_runtime(cfg.model, weights, device)
     checkpoint = weights if weights is not None and is_complete(weights) else None
     select_attention(cfg.model.sdpa)
     torch.manual_seed(int(cfg.trainer.seed))
@@ -340,12 +345,20 @@ def _recorded(weights: Path) -> Optional[Names]:
 
 
 def _file_metadata(weights: Path) -> dict[str, str]:
-    """A .safetensors file's own metadata, else its sidecar `<stem>.json` (tools/export.py writes
-    both)."""
+    """A .safetensors or .onnx file's own metadata, else its sidecar `<stem>.json` (tools/export.py
+    writes both)."""
     meta: dict[str, str] = {}
     if weights.suffix == ".safetensors":
         with safe_open(str(weights), framework="pt") as f:
             meta = dict(f.metadata() or {})
+    elif weights.suffix == ".pt2":  # tools/export.py's program: its visiondist.json
+        info = program_info(weights) or {}
+        meta = {"classes": json.dumps(info["classes"])} if info.get("classes") else {}
+    elif weights.suffix == ".onnx":
+        import onnx  # noqa: PLC0415 (onnx: the export extra)
+
+        proto = onnx.load(str(weights), load_external_data=False)
+        meta = {p.key: p.value for p in proto.metadata_props}
     sidecar = weights.with_suffix(".json")
     if not meta and sidecar.is_file():
         info = json.loads(sidecar.read_text())

@@ -308,9 +308,10 @@ def predict_ranks(cfg: DictConfig, layout, out: Path) -> dict[str, Any]:
             },
         )
         log.info(
-            "predicting %s with %s (classes from %s%s)",
+            "predicting %s with %s (%sclasses from %s%s)",
             source.describe(),
             cfg.model.weights,
+            f"run by {predictor.model.runtime}; " if hasattr(predictor.model, "runtime") else "",
             names.read_from,
             f"; images read {predictor.reads}" if predictor.reads else "",
         )

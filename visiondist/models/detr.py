@@ -314,9 +314,13 @@ class DetrDetector(nn.Module):
         return self.multi_scale[random.Random(seed).randrange(len(self.multi_scale))]
 
     def pixels(self, images, size: Optional[int] = None) -> torch.Tensor:
-        """The batch as the model takes it: each image (float in [0, 1], any size) resized to the
-        square side as the library's image processor does (bilinear; antialiased when shrinking
-        where the processor does), then normalised where the model is (RF-DETR)."""
+        """The batch as the model takes it: `resized`, then normalised where the model is
+        (RF-DETR)."""
+        return self.normalized(self.resized(images, size))
+
+    def resized(self, images, size: Optional[int] = None) -> torch.Tensor:
+        """Each image (float in [0, 1], any size) resized to the square side as the library's image
+        processor does (bilinear; antialiased when shrinking where the processor does), stacked."""
         side = size or self.img_size
         out = []
         for im in images:
@@ -330,7 +334,7 @@ class DetrDetector(nn.Module):
                     antialias=self.arch.antialias,
                 )
             out.append(im)
-        return self.normalized(torch.cat(out))
+        return torch.cat(out)
 
     def normalized(self, pixels: torch.Tensor) -> torch.Tensor:
         """The resized batch in the model's input units: ImageNet mean / std for RF-DETR, as it is
@@ -424,38 +428,37 @@ def clip_boxes(boxes: torch.Tensor, height, width) -> torch.Tensor:
 
 
 class DetrForExport(nn.Module):
-    """The eval-mode detector as one traceable function for ONNX, in the torchvision detectors'
-    exported form: one image (3, H, W), float in [0, 1], any H, W -> boxes (K, 4: x1, y1, x2, y2 in
-    its pixels), labels (K, 1-based), scores (K), K = the model's queries: what `DetrDetector`
-    returns for it (the library's post-processing, written with tensor ops only)."""
+    """The eval-mode detector as one traceable function for ONNX, batched as the DETR-class papers'
+    deploy code takes it: `images` (N, 3, S, S), float in [0, 1], each resized to the model's side
+    S as `DetrDetector.pixels` resizes it (`resized`), and `sizes` (N, 2), each original's (height,
+    width) -> boxes (N, K, 4: x1, y1, x2, y2 in the original's pixels, clipped to it), labels (N, K,
+    1-based), scores (N, K) and detections (N: K each), K = the model's queries: what
+    `DetrDetector` returns for the originals (the library's post-processing, written with tensor
+    ops only)."""
 
     def __init__(self, detector: DetrDetector):
         super().__init__()
         self.detector = detector
 
-    def forward(self, image: torch.Tensor):
+    def forward(self, images: torch.Tensor, sizes: torch.Tensor):
         detector = self.detector
-        height, width = image.shape[-2], image.shape[-1]
-        side = detector.img_size
-        pixels = F.interpolate(
-            image[None].float(),
-            size=(side, side),
-            mode="bilinear",
-            align_corners=False,
-            # always: a size test would not trace
-            antialias=detector.arch.antialias,
-        )
-        out = detector.model(pixel_values=detector.normalized(pixels))
-        logits, centres = out.logits[0], out.pred_boxes[0]
-        classes = logits.shape[-1]
-        scores, index = logits.sigmoid().flatten().topk(logits.shape[0])
+        out = detector.model(pixel_values=detector.normalized(images.float()))
+        logits, centres = out.logits, out.pred_boxes
+        queries, classes = logits.shape[1], logits.shape[2]
+        scores, index = logits.sigmoid().flatten(1).topk(queries, dim=1)
         cx, cy, w, h = centres.unbind(-1)
         corners = torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], dim=-1)
-        one = corners.new_ones(())  # the input's size as tensors (symbolic under export)
-        scale = torch.stack([one * width, one * height, one * width, one * height])
-        boxes = corners[index // classes] * scale
+        picked = corners.gather(1, (index // classes)[..., None].expand(-1, -1, 4))
+        height, width = sizes.to(corners.dtype).unbind(-1)
+        scale = torch.stack([width, height, width, height], dim=-1)[:, None]
+        boxes = picked * scale
         # inside the image, as `clip_boxes`
-        x = torch.minimum(boxes[:, 0::2].clamp(min=0), one * width)
-        y = torch.minimum(boxes[:, 1::2].clamp(min=0), one * height)
-        boxes = torch.stack([x[:, 0], y[:, 0], x[:, 1], y[:, 1]], dim=-1)
-        return boxes, index % classes + 1, scores
+        x = torch.minimum(boxes[..., 0::2].clamp(min=0), width[:, None, None])
+        y = torch.minimum(boxes[..., 1::2].clamp(min=0), height[:, None, None])
+        boxes = torch.stack([x[..., 0], y[..., 0], x[..., 1], y[..., 1]], dim=-1)
+        count = torch.ones_like(scores, dtype=torch.int64).sum(dim=1)
+        return boxes, index % classes + 1, scores, count
+
+    def resized(self, image: torch.Tensor) -> torch.Tensor:
+        """One image (3, H, W), float in [0, 1] -> (3, S, S) as the graph takes it."""
+        return self.detector.resized([image])[0]

@@ -96,9 +96,17 @@ def check_inputs(cfg, purpose: str = "train") -> None:
     if not (purpose == "train" and _resumes(cfg.trainer)):
         fetch_named_weights(cfg.model)
     if cfg.model.weights:
+        from visiondist.models.exported import (  # noqa: PLC0415 (reader)
+            check_runtime_file,
+            runtime_of,
+        )
         from visiondist.models.weights_check import check_weights  # noqa: PLC0415 (reader)
 
-        check_weights(cfg.model, purpose, cfg.data.get("num_classes"))
+        # an exported file evaluates (its runtime runs it); training reads weights only
+        if purpose != "train" and runtime_of(Path(str(cfg.model.weights)).expanduser()):
+            check_runtime_file(cfg.model, Path(str(cfg.model.weights)).expanduser())
+        else:
+            check_weights(cfg.model, purpose, cfg.data.get("num_classes"))
     if purpose == "train" and cfg.model.get("init_from") and not _resumes(cfg.trainer):
         from visiondist.models.weights_check import check_init_from  # noqa: PLC0415 (reader)
 

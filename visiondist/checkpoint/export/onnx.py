@@ -1,14 +1,24 @@
-"""format=onnx: the eval-mode model as an ONNX graph (classifier: images -> logits with a dynamic
-batch, dynamo exporter; torchvision detector or ViTDet: one image of any size -> boxes, labels,
-scores (and masks), TorchScript-based exporter, with the eager model's resize: `onnx_resize.py`)
-with the names of what it predicts in the graph's metadata. `onnx_check.py` runs the file under ONNX
-Runtime against PyTorch.
+"""format=onnx: the eval-mode model as an ONNX graph with the names of what it predicts in its
+metadata; every output's shape follows the inputs' alone (no count that depends on the data), as
+TensorRT's engines want. `onnx_check.py` runs the file under ONNX Runtime against PyTorch.
+
+- Classifier: `images` (N, 3, S, S), normalised -> `logits` (N, classes); dynamo exporter.
+- DETR-class detector: `images` (N, 3, S, S), float in [0, 1], each resized to the model's side S
+  (bilinear, antialiased where the model's processor is: `DetrForExport.resized`), and `sizes` (N,
+  2), the originals' (height, width) -> `boxes` (N, K, 4, x1 y1 x2 y2 in the original's pixels),
+  `labels` (N, K), `scores` (N, K), `detections` (N), K = its queries; dynamo exporter.
+- torchvision detector or ViTDet: `images` (N, 3, H, W), the originals in the corners of one zero
+  canvas (`onnx_batch.canvas`), and `sizes` (N, 2) -> the same outputs, K = its detections per
+  image, padded (label 0, score 0) after the `detections` real ones, plus a mask model's `masks` (N,
+  K, 1, H, W); the one-image graph of the TorchScript-based exporter, with the eager model's resize
+  (`onnx_resize.py`), in a `Loop` over the batch (`onnx_batch.py`).
 
 Metadata keys (`onnx.load(path).metadata_props`, `onnxruntime.InferenceSession(path).get_modelmeta()
 .custom_metadata_map`): `classes` (a classifier: JSON list, logit i is class i), `labels` (a
 detector: JSON object, label k -> {"category_id": COCO category id, "name"}; 0 is the background),
-`score_thresh` (a detector: the Constant nodes holding its score thresholds, for
-`set_score_thresholds`).
+`input` (a detector: JSON object, how its images are given: {"images": "resized", "side": S,
+"antialias": bool} or {"images": "canvas"}), `score_thresh` (a torchvision detector: the Constant
+nodes holding its score thresholds, for `set_score_thresholds`).
 """
 
 from __future__ import annotations
@@ -24,8 +34,20 @@ import numpy as np
 import torch
 from torch import nn
 
+from visiondist.checkpoint.export.half import halved
+from visiondist.checkpoint.export.onnx_batch import (
+    PaddedDetections,
+    loop_batch_of_one,
+    loop_over_batch,
+)
 from visiondist.checkpoint.export.onnx_resize import exact_resize
 from visiondist.checkpoint.export.preprocessing import name_metadata
+from visiondist.checkpoint.export.quantize import (
+    calibration_images,
+    classifier_feeds,
+    one_image_feeds,
+    quantize,
+)
 from visiondist.checkpoint.export.trained import Trained, example_images
 from visiondist.models.detection import has_mask_head
 from visiondist.models.detr import DetrDetector, DetrForExport
@@ -33,7 +55,25 @@ from visiondist.models.detr import DetrDetector, DetrForExport
 log = logging.getLogger(__name__)
 
 
-def write_onnx(trained: Trained, path: Path, out: Path) -> list[Path]:
+# the metadata key saying how a detector graph's images are given (the module's docstring)
+INPUT_METADATA = "input"
+# the metadata key of a graph whose network is not float32 ("float16", "int8"), and of the images
+# an int8 graph was calibrated on
+PRECISION_METADATA = "precision"
+CALIBRATION_METADATA = "calibrated_on"
+# the ONNX opset a graph is written in (opset=): 18 has Resize's antialias (a DETR's resize) and the
+# reductions' axes as inputs; ONNX Runtime >= 1.14 and TensorRT 10 read it
+OPSET = 18
+
+
+def write_onnx(
+    trained: Trained,
+    path: Path,
+    out: Path,
+    opset: Optional[int] = None,
+    half: bool = False,
+    int8: bool = False,
+) -> list[Path]:
     """The ONNX file of `trained`'s model at `path` (a temporary name of `out`), the names of its
     outputs in its metadata_props (key -> JSON text); nothing else.
 
@@ -41,12 +81,26 @@ def write_onnx(trained: Trained, path: Path, out: Path) -> list[Path]:
         trained: the run's model and what it records (`load_trained`).
         path: where to write (a temporary name of `out`, renamed by `export`).
         out: the export's final path.
+        opset: the ONNX opset (default `OPSET`).
+        half: the network's layers in float16 (`half.py`), inputs and outputs float32.
+        int8: the convolutions and matrix products quantized to int8, calibrated on the run's
+            train images (`quantize.py`).
 
     Returns:
         No other file ([]).
     """
+    opset = int(opset or OPSET)
     metadata = name_metadata(trained)
-    model, family = trained.model, trained.cfg.model.family
+    family = trained.cfg.model.family
+    # a float16 copy of the network (the run's model stays as it is, for the check)
+    model = halved(trained.model, family) if half else trained.model
+    if half:
+        metadata[PRECISION_METADATA] = "float16"
+    calibration = None
+    if int8:
+        calibration, described = calibration_images(trained.cfg)
+        metadata[PRECISION_METADATA] = "int8"
+        metadata[CALIBRATION_METADATA] = described
     if family == "vit":
         batch = torch.export.Dim("batch", min=1, max=4096)
         # torch.onnx's progress lines and its internals' deprecation notes (torch 2.11: LeafSpec,
@@ -58,20 +112,28 @@ def write_onnx(trained: Trained, path: Path, out: Path) -> list[Path]:
                 model,
                 (example_images(trained.cfg),),
                 dynamo=True,
+                opset_version=opset,
                 input_names=["images"],
                 output_names=["logits"],
-                dynamic_shapes={"x": {0: batch}},
+                dynamic_shapes=({0: batch},),  # the images, whatever the argument's name
                 external_data=False,
                 verbose=False,
             )
         assert program is not None  # dynamo=True returns the program
         program.model.metadata_props.update(metadata)
         program.save(str(path))
+        if calibration is not None:
+            quantize(path, path, classifier_feeds(calibration))
     elif family in ("torchvision", "vitdet"):
-        _export_detector_onnx(model, example_images(trained.cfg, 1)[0], path, metadata)
+        metadata[INPUT_METADATA] = json.dumps({"images": "canvas"})
+        example = example_images(trained.cfg, 1)[0]
+        _export_detector_onnx(model, example, path, metadata, opset, calibration)
     elif family == "detr":
-        assert isinstance(model, DetrDetector)  # what model.family=detr builds
-        _export_detr_onnx(model, path, metadata)
+        assert isinstance(model, DetrDetector)  # what model.family=detr builds (half: a copy)
+        metadata[INPUT_METADATA] = json.dumps(
+            {"images": "resized", "side": model.img_size, "antialias": model.arch.antialias}
+        )
+        _export_detr_onnx(model, path, metadata, opset, calibration)
     else:
         raise ValueError(
             f"format=onnx is not supported for model.family={family}: export format=safetensors"
@@ -79,29 +141,78 @@ def write_onnx(trained: Trained, path: Path, out: Path) -> list[Path]:
     return []
 
 
-def _export_detr_onnx(model: DetrDetector, path: Path, metadata: dict[str, str]) -> None:
-    """A DETR-class detector (`DetrForExport`: one image of any size -> boxes, labels, scores of
-    every query) with torch.export and a dynamic height and width. The library's shape assertions
-    are switched off while it is traced (its own switch, TRANSFORMERS_DISABLE_TORCH_CHECK): ONNX has
-    no operator for them."""
-    height, width = (
-        torch.export.Dim("height", min=32, max=8192),
-        torch.export.Dim("width", min=32, max=8192),
+def _export_detr_onnx(
+    model: DetrDetector,
+    path: Path,
+    metadata: dict[str, str],
+    opset: int = OPSET,
+    calibration: Optional[list[torch.Tensor]] = None,
+) -> None:
+    """A DETR-class detector (`DetrForExport`: images (N, 3, S, S) resized to the model's side and
+    their original sizes (N, 2) -> every query's box, label and score) with torch.export and a
+    dynamic batch; where the library's code takes the batch as a Python number (RT-DETRv2's and
+    D-FINE's `len(features)`), traced for one image and run per image by a `Loop`
+    (`loop_batch_of_one`). The library's shape assertions are switched off while it is traced (its
+    own switch, TRANSFORMERS_DISABLE_TORCH_CHECK): ONNX has no operator for them."""
+    outputs = ["boxes", "labels", "scores", "detections"]
+    side = model.img_size
+    generator = torch.Generator().manual_seed(0)
+    example = (
+        torch.rand(2, 3, side, side, generator=generator),
+        torch.tensor([[480, 640], [300, 200]]),
     )
-    example = torch.rand(3, 480, 640, generator=torch.Generator().manual_seed(0))
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    program = _dynamo_export(
+        DetrForExport(model).eval(),
+        example,
+        opset,
+        ["images", "sizes"],
+        outputs,
+        {"images": {0: batch}, "sizes": {0: batch}},
+    )
+    program.model.metadata_props.update(metadata)
+    if isinstance(program.model.graph.inputs[0].shape[0], int):  # the batch was taken as a number
+        import onnx  # noqa: PLC0415 (onnx: the export extra)
+
+        one = _dynamo_export(
+            DetrForExport(model).eval(),
+            (example[0][:1], example[1][:1]),
+            opset,
+            ["one_images", "one_sizes"],
+            [f"one_{name}" for name in outputs],
+            None,
+        )
+        one.model.metadata_props.update(metadata)
+        one.save(str(path))
+        if calibration is not None:
+            given = json.loads(metadata[INPUT_METADATA])
+            feeds = one_image_feeds(calibration, ("one_images", "one_sizes"), given)
+            quantize(path, path, feeds)
+        onnx.save(loop_batch_of_one(onnx.load(str(path)), outputs), str(path))
+        return
+    program.save(str(path))
+    if calibration is not None:
+        given = json.loads(metadata[INPUT_METADATA])
+        quantize(path, path, one_image_feeds(calibration, ("images", "sizes"), given))
+
+
+def _dynamo_export(module: nn.Module, example: tuple, opset: int, inputs, outputs, dynamic):
+    """torch.onnx's dynamo export of a DETR-class detector's function, the library's shape checks
+    off and the exporter's notes left out (check_onnx tests the graph)."""
     before = os.environ.get("TRANSFORMERS_DISABLE_TORCH_CHECK")
     os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
-                DetrForExport(model).eval(),
-                (example,),
+                module,
+                example,
                 dynamo=True,
-                input_names=["image"],
-                output_names=["boxes", "labels", "scores"],
+                opset_version=opset,
+                input_names=inputs,
+                output_names=outputs,
                 external_data=False,
-                dynamic_shapes={"image": {1: height, 2: width}},
+                dynamic_shapes=dynamic,
                 verbose=False,
             )
     finally:
@@ -110,8 +221,7 @@ def _export_detr_onnx(model: DetrDetector, path: Path, metadata: dict[str, str])
         else:
             os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = before
     assert program is not None  # dynamo=True returns the program
-    program.model.metadata_props.update(metadata)
-    program.save(str(path))
+    return program
 
 
 # Score thresholds a torchvision detector's graph is traced with, replaced by the model's own
@@ -150,47 +260,49 @@ class thresholds_set:
 
 
 def _export_detector_onnx(
-    model: nn.Module, example: torch.Tensor, path: Path, metadata: dict[str, str]
+    model: nn.Module,
+    example: torch.Tensor,
+    path: Path,
+    metadata: dict[str, str],
+    opset: int,
+    calibration: Optional[list[torch.Tensor]] = None,
 ) -> None:
     """torchvision's detectors (ViTDet is one, on its own backbone) through the TorchScript-based
-    exporter (opset 17), one image per call (a Mask R-CNN also returns "masks", (detections, 1,
-    height, width) probabilities at the image's size), resized to the sizes the eager model takes
-    (`exact_resize`). Traced with score thresholds that every box passes, then the graph's threshold
-    constants are set to the model's and named in its metadata (`THRESH_METADATA`, beside
-    `metadata`); without the onnx package, traced with the model's own thresholds and no
-    metadata."""
-
-    outputs = ["boxes", "labels", "scores", *(["masks"] if has_mask_head(model) else [])]
-    axes = {"image": {1: "height", 2: "width"}, **{name: {0: "detections"} for name in outputs}}
-    if "masks" in outputs:
-        axes["masks"] = {0: "detections", 2: "height", 3: "width"}
+    exporter: the one-image graph (`PaddedDetections`: its detections padded to a fixed count, a
+    mask model's masks to the canvas), resized to the sizes the eager model takes (`exact_resize`),
+    run for each image of a batch by a `Loop` (`loop_over_batch`). Traced with score thresholds that
+    every box passes, then the graph's threshold constants are set to the model's and named in its
+    metadata (`THRESH_METADATA`, beside `metadata`)."""
+    try:
+        import onnx  # noqa: PLC0415 (onnx: the export extra)
+    except ImportError:
+        raise RuntimeError(
+            "format=onnx of a detector needs the onnx package: pip install -e '.[export]'"
+        ) from None
+    masks = has_mask_head(model)
+    outputs = ["boxes", "labels", "scores", "detections", *(["masks"] if masks else [])]
+    one = PaddedDetections(model, masks).eval()
+    # a canvas larger than the image: the trace tells their sizes apart
+    canvas = example.new_zeros(3, example.shape[-2] + 8, example.shape[-1] + 16)
+    axes = {"image": {1: "height", 2: "width"}, "canvas": {1: "H", 2: "W"}}
+    if masks:
+        axes["masks"] = {2: "H", 3: "W"}
 
     def trace(target: Path) -> None:
         # the tracer's notes: check_onnx tests the graph
         with exact_resize(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(
-                model,
-                ([example],),
+                one,
+                (example, canvas),
                 str(target),
                 dynamo=False,
-                opset_version=17,
-                input_names=["image"],
+                opset_version=opset,
+                input_names=["image", "canvas"],
                 output_names=outputs,
                 dynamic_axes=axes,
             )
 
-    try:
-        import onnx  # noqa: PLC0415 (onnx: the export extra)
-    except ImportError:
-        log.warning(
-            "onnx is not installed: the detector is traced with its own score thresholds (if the "
-            "example image gets no proposal, the graph fails on images with boxes) and the file "
-            "carries no %s: pip install onnx",
-            ", ".join(metadata) or "metadata",
-        )
-        trace(path)
-        return
     wanted = {role: float(owner.score_thresh) for role, owner in score_thresholds(model).items()}
     with thresholds_set(model, {role: _TRACE_THRESH[role] for role in wanted}):
         trace(path)
@@ -212,7 +324,11 @@ def _export_detector_onnx(
         proto.metadata_props.add(key=THRESH_METADATA, value=json.dumps(meta))
     for key, value in metadata.items():
         proto.metadata_props.add(key=key, value=value)
-    onnx.save(proto, str(path))
+    if calibration is not None:  # the one-image graph: calibration reads its main graph
+        onnx.save(proto, str(path))
+        quantize(path, path, one_image_feeds(calibration, ("image", "canvas"), {}))
+        proto = onnx.load(str(path))
+    onnx.save(loop_over_batch(proto, outputs), str(path))
 
 
 def _constants_equal(proto, value: float) -> list:
@@ -242,7 +358,7 @@ def set_score_thresholds(proto, values: dict[str, float], meta: Optional[dict] =
 
     if meta is None:
         meta = json.loads({p.key: p.value for p in proto.metadata_props}[THRESH_METADATA])
-    nodes = {node.name: node for node in proto.graph.node}
+    nodes = {node.name: node for node in _all_nodes(proto.graph)}
     for role, value in values.items():
         for name in meta[role]["nodes"]:
             for attr in nodes[name].attribute:
@@ -250,3 +366,14 @@ def set_score_thresholds(proto, values: dict[str, float], meta: Optional[dict] =
                     attr.t.CopyFrom(
                         numpy_helper.from_array(np.array(value, dtype=np.float32), attr.t.name)
                     )
+
+
+def _all_nodes(graph) -> list:
+    """The graph's nodes and those of its subgraphs (a batched detector's `Loop` body)."""
+    out = []
+    for node in graph.node:
+        out.append(node)
+        for attr in node.attribute:
+            if attr.g is not None and attr.g.node:
+                out.extend(_all_nodes(attr.g))
+    return out

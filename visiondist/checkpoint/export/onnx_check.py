@@ -11,12 +11,18 @@ from pathlib import Path
 from typing import Optional, cast
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
-from visiondist.checkpoint.export.onnx import THRESH_METADATA, set_score_thresholds, thresholds_set
+from visiondist.checkpoint.export.images import detection_images
+from visiondist.checkpoint.export.onnx import (
+    INPUT_METADATA,
+    PRECISION_METADATA,
+    THRESH_METADATA,
+    set_score_thresholds,
+    thresholds_set,
+)
+from visiondist.checkpoint.export.onnx_batch import detector_feed, detector_results
 from visiondist.checkpoint.export.trained import Trained, example_images
-from visiondist.data.coco import safe_image_path
 from visiondist.models.detection import has_mask_head
 
 
@@ -38,11 +44,19 @@ class OnnxCheck:
     mask_diff: float = 0.0  # mask models: largest |ONNX Runtime - PyTorch| of a mask probability
     # detectors: the widest range of PyTorch's kept scores on one image
     score_spread: Optional[float] = None
+    # the graph's network precision where not float32 ("float16"): compared with PyTorch's
+    # float32, its differences are the precision's, not round-off
+    precision: Optional[str] = None
+    runtime: str = "ONNX Runtime"  # what ran the file
 
     def summary(self) -> str:
         """One line, e.g. "ONNX Runtime vs PyTorch: 37 boxes compared, max abs difference 2.1e-05
         (on ...)"."""
-        head = "ONNX Runtime vs PyTorch:"
+        head = (
+            f"{self.runtime} ({self.precision} network) vs PyTorch (float32):"
+            if self.precision
+            else f"{self.runtime} vs PyTorch:"
+        )
         if self.boxes is None:
             return (
                 f"{head} logits of {self.example} compared, max abs difference {self.max_diff:.2e}"
@@ -61,10 +75,10 @@ class OnnxCheck:
                 if self.onnx_boxes
                 else ""
             )
-            return f"{head} ONNX Runtime failed on {self.failed} ({where}){rest}"
+            return f"{head} {self.runtime} failed on {self.failed} ({where}){rest}"
         if self.onnx_boxes != self.boxes:
             return (
-                f"{head} the outputs differ: ONNX Runtime returned {self.onnx_boxes} boxes, "
+                f"{head} the outputs differ: {self.runtime} returned {self.onnx_boxes} boxes, "
                 f"PyTorch {self.boxes} ({where}; near-tied scores can make top-k and NMS keep "
                 "other boxes)"
             )
@@ -81,6 +95,8 @@ class OnnxCheck:
                 f"; {self.masks} masks (of the same boxes) compared, max abs difference "
                 f"{self.mask_diff:.2e}"
             )
+        if self.precision:  # not round-off: the accuracy line after it says what it costs
+            return line
         if (
             self.max_diff > BOX_ROUND_OFF
             and self.score_spread is not None
@@ -164,43 +180,6 @@ def _mask_diff(ref: list[torch.Tensor], got: list) -> tuple[int, float]:
     return len(pairs), max(diffs, default=0.0)
 
 
-def _val_images(
-    cfg: DictConfig, limit: int
-) -> tuple[list[tuple[str, torch.Tensor]], Optional[str]]:
-    """(name, float CHW image in [0, 1]) of up to `limit` images of the run's val split that hold
-    objects, in the annotation file's order, read as the run read them (a folder tree, or a packed
-    split of `data.format=shards`), and where they come from: None for a tree (the names are the
-    files' paths), else the packed split; none when the data is not on this machine."""
-    try:
-        from visiondist.data import detection_splits  # noqa: PLC0415 (albumentations: 0.7 s)
-
-        val = detection_splits(cfg.data)(cfg.data.val_split, train=False)
-        coco = json.loads(Path(val.ann_file).read_text())
-        with_objects = {
-            a["image_id"] for a in coco.get("annotations", ()) if not a.get("iscrowd", 0)
-        }
-        entries = [i for i in coco.get("images", ()) if i["id"] in with_objects]
-    except Exception:  # no data here (or not COCO-format): a random image serves
-        return [], None
-    store = getattr(val, "store", None)
-    source = None if store is None else f"the packed {cfg.data.val_split} split of {store.root}"
-    images = []
-    for entry in entries:
-        try:
-            image = val.image_by_id(entry)
-        except (OSError, ValueError):  # unreadable: the next one
-            continue
-        name = (
-            entry["file_name"]
-            if store is not None
-            else str(safe_image_path(val.image_root, entry["file_name"]))
-        )
-        images.append((name, torch.from_numpy(image).permute(2, 0, 1).float().div_(255)))
-        if len(images) == limit:
-            break
-    return images, source
-
-
 def _proposals(model: nn.Module, image: torch.Tensor) -> Optional[int]:
     """How many boxes a two-stage detector's RPN proposes on `image` (None: no RPN)."""
     if not hasattr(model, "rpn"):
@@ -220,36 +199,42 @@ def _compare_detector(
     examples: list[tuple[str, torch.Tensor]],
     source: Optional[str] = None,
 ) -> OnnxCheck:
-    """PyTorch's and ONNX Runtime's detections on each example (named, from `source` where not a
-    path); where ONNX Runtime fails, the boxes of that image are left out of the comparison and the
-    first failure is reported."""
+    """PyTorch's detections on each example alone against ONNX Runtime's on all of them in one
+    batch (named, from `source` where not a path); where ONNX Runtime fails on the batch, each image
+    is run alone, the boxes of those it fails on are left out of the comparison and the first
+    failure is reported."""
     boxes = onnx_boxes = 0
     diff, failed, spread = 0.0, None, None
     masks, mask_diff = (0, 0.0) if has_mask_head(model) else (None, 0.0)
     what, names = _describe([name for name, _ in examples], source)
-    for name, (_, image) in zip(names, examples):
+    given = json.loads(session.get_modelmeta().custom_metadata_map.get(INPUT_METADATA, "{}"))
+    images = [image for _, image in examples]
+    try:
+        results: list = _run_batch(session, given, images)
+    except Exception:  # onnxruntime's own error types: which image, below
+        results = []
+        for name, image in zip(names, images):
+            try:
+                results += _run_batch(session, given, [image])
+            except Exception as exc:
+                results.append(None)
+                if failed is None:
+                    why = (
+                        "the RPN proposes no box there, which torchvision's exported graph does "
+                        "not handle: "
+                        if _proposals(model, image) == 0
+                        else ""
+                    )
+                    # ONNX Runtime's
+                    message = ". ".join(str(exc).strip().splitlines()[-1].split(". ")[-2:])[-200:]
+                    failed = f"{name}: {why}{message}"
+    for image, found in zip(images, results):
+        if found is None:
+            continue
         with torch.no_grad():
             out = model([image])[0]
-        ref = [
-            out["boxes"],
-            out["labels"],
-            out["scores"],
-            *([out["masks"]] if masks is not None else []),
-        ]
-        try:
-            got = session.run(None, {session.get_inputs()[0].name: image.numpy()})
-        except Exception as exc:  # onnxruntime's own error types
-            if failed is None:
-                why = (
-                    "the RPN proposes no box there, which torchvision's exported graph does not "
-                    "handle: "
-                    if _proposals(model, image) == 0
-                    else ""
-                )
-                # ONNX Runtime's
-                message = ". ".join(str(exc).strip().splitlines()[-1].split(". ")[-2:])[-200:]
-                failed = f"{name}: {why}{message}"
-            continue
+        keys = ["boxes", "labels", "scores", *(["masks"] if masks is not None else [])]
+        ref, got = [out[k] for k in keys], [found[k].numpy() for k in keys]
         boxes += len(ref[0])
         onnx_boxes += len(got[0])
         if len(ref[2]):
@@ -270,6 +255,13 @@ def _compare_detector(
     )
 
 
+def _run_batch(session, given: dict, images: list[torch.Tensor]) -> list[dict]:
+    """ONNX Runtime's detections for `images`, one batch, per image (`detector_results`)."""
+    got = session.run(None, detector_feed(given, images))
+    named = {o.name: value for o, value in zip(session.get_outputs(), got)}
+    return detector_results(named, images)
+
+
 def _describe(paths: list[str], source: Optional[str] = None) -> tuple[str, list[str]]:
     """What the examples are, in one phrase, and each one's name in it: one image by its path;
     several by their paths below the folder that holds them all (annotation file names may hold
@@ -285,12 +277,13 @@ def _describe(paths: list[str], source: Optional[str] = None) -> tuple[str, list
     return f"{len(paths)} val images ({', '.join(names)} in {folder})", names
 
 
-def check_onnx(trained: Trained, path: Path, images: int = 3) -> Optional[OnnxCheck]:
+def check_onnx(trained: Trained, path: Path, images: int = 4) -> Optional[OnnxCheck]:
     """ONNX Runtime against PyTorch on example inputs; None when onnxruntime is not installed.
 
     Classifier: the logits of 2 random images. Detector: the boxes, labels and scores of up to
     `images` of the run's val images that hold objects (a trained detector finds boxes there), else
-    of a random image; boxes are matched as sets. The exported file is compared at its own score
+    of a random image, through the graph in one batch and through PyTorch one by one; boxes are
+    matched as sets. The exported file is compared at its own score
     thresholds (baked into the graph). Where no box comes out there, its graph is compared again
     with the thresholds set to 0 (in memory, PyTorch likewise), and the result says so: an empty
     output checks nothing."""
@@ -301,17 +294,19 @@ def check_onnx(trained: Trained, path: Path, images: int = 3) -> Optional[OnnxCh
     options = ort.SessionOptions()
     options.log_severity_level = 4  # a failing run is reported in the result, not logged
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    precision = session.get_modelmeta().custom_metadata_map.get(PRECISION_METADATA)
     if trained.cfg.model.family == "vit":
         x = example_images(trained.cfg)
         with torch.no_grad():
             ref = [trained.model(x)]
         got = session.run(None, {session.get_inputs()[0].name: x.numpy()})
-        return OnnxCheck(_max_diff(ref, got), f"{len(x)} random images")
+        return OnnxCheck(_max_diff(ref, got), f"{len(x)} random images", precision=precision)
 
     model = trained.model
-    examples, source = _val_images(trained.cfg, images)
+    examples, source = detection_images(trained.cfg, trained.cfg.data.val_split, images)
     examples = examples or [("a random image", example_images(trained.cfg, 1)[0])]
     check = _compare_detector(model, session, examples, source)
+    check.precision = precision
     if check.boxes or check.onnx_boxes or check.failed:
         return check
     try:
@@ -329,4 +324,26 @@ def check_onnx(trained: Trained, path: Path, images: int = 3) -> Optional[OnnxCh
     with thresholds_set(model, zero):
         check = _compare_detector(model, lowered, examples, source)
     check.lowered_from = {role: m["value"] for role, m in meta.items()}
+    check.precision = precision
     return check
+
+
+def openvino_check(trained: Trained, path: Path, images: int = 4) -> str:
+    """The check line of an OpenVINO IR (`openvino.OpenVinoSession`, float32 on the CPU), as
+    `check_onnx` compares an ONNX file: a classifier's logits, a detector's detections on a batch of
+    the run's val images, each against PyTorch on that image alone."""
+    from visiondist.checkpoint.export.openvino import OpenVinoSession  # noqa: PLC0415
+
+    session = OpenVinoSession(path)
+    if trained.cfg.model.family == "vit":
+        x = example_images(trained.cfg)
+        with torch.no_grad():
+            ref = [trained.model(x)]
+        got = session.run(None, {"images": x.numpy()})
+        check = OnnxCheck(_max_diff(ref, got), f"{len(x)} random images", runtime="OpenVINO")
+        return check.summary()
+    examples, source = detection_images(trained.cfg, trained.cfg.data.val_split, images)
+    examples = examples or [("a random image", example_images(trained.cfg, 1)[0])]
+    check = _compare_detector(trained.model, session, examples, source)
+    check.runtime = "OpenVINO"
+    return check.summary()

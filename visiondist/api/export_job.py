@@ -1,0 +1,186 @@
+"""tools/export.py's job and `visiondist.export`'s: a run's weights written in a format, with the
+format's check line; a float16 ONNX graph (`half=True`) also scored on the run's val split beside
+its float32 twin, so that the accuracy a conversion costs is printed before the file ships.
+
+The exporters and the evaluation (torch, about 2 s) are imported when a job runs
+(`# noqa: PLC0415 (a job's)`)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from visiondist.api.jobs import CHATTY, EXPORT_SUFFIX, step_of
+from visiondist.cli.load import load_run_config
+from visiondist.config import ConfigError
+from visiondist.utils.logs import held_at
+
+
+def export_job(
+    run_dir: Union[str, Path],
+    fmt: str = "safetensors",
+    step: Optional[Union[int, str]] = None,
+    out: Optional[Union[str, Path]] = None,
+    opset: Optional[Union[int, str]] = None,
+    half: Union[bool, str] = False,
+    int8: Union[bool, str] = False,
+) -> Path:
+    """tools/export.py's job: the run's weights (its newest checkpoint, `step`, else its
+    model.safetensors) written as `fmt` (format=onnx: in ONNX `opset`; `half`: its network in
+    float16; `int8`: its convolutions and matrix products quantized, calibrated on the run's train
+    images; for both, the val split's accuracy before and after printed), with its check lines
+    printed.
+
+    Returns:
+        The written file (hf: directory).
+    """
+    settings, precision = _settings(fmt, opset, half, int8)
+    path = _out_path(Path(run_dir).expanduser(), fmt, out, precision)
+    run_dir = Path(run_dir).expanduser()
+    chosen = step_of(step) if step is not None else None
+    from visiondist.checkpoint.export import export as export_run  # noqa: PLC0415 (a job's)
+    from visiondist.checkpoint.export.onnx_check import (  # noqa: PLC0415 (a job's)
+        check_onnx,
+        openvino_check,
+    )
+    from visiondist.checkpoint.export.pt2 import check_pt2  # noqa: PLC0415 (a job's)
+    from visiondist.checkpoint.export.torchscript import (  # noqa: PLC0415 (a job's)
+        check_torchscript,
+    )
+    from visiondist.checkpoint.export.trained import load_trained  # noqa: PLC0415 (a job's)
+
+    # as the tools' logging set-up holds them; a notebook sets up none
+    with held_at(logging.ERROR, CHATTY):
+        try:
+            trained = load_trained(run_dir, chosen)
+            files = export_run(trained, fmt, path, **settings)
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
+        print(f"exported {trained.cfg.model.name} from {trained.source}")
+        for file in files:
+            print(f"  {file}")
+        if fmt == "onnx":
+            check = check_onnx(trained, path)
+            print(
+                "  onnxruntime not installed: output not checked"
+                if check is None
+                else f"  {check.summary()}"
+            )
+            if precision is not None and check is not None:
+                with tempfile.TemporaryDirectory() as work:
+                    full = Path(work) / "model_fp32.onnx"
+                    plain = {k: v for k, v in settings.items() if k == "opset"}
+                    export_run(trained, fmt, full, **plain)
+                    print(f"  {accuracy_line(run_dir, full, path, Path(work), precision)}")
+        if fmt == "openvino":
+            print(f"  {openvino_check(trained, path)}")
+        if fmt == "pt2":
+            print(f"  {check_pt2(trained, path)}")
+        if fmt == "torchscript":
+            print(f"  {check_torchscript(trained, path)}")
+    return path
+
+
+def _settings(fmt: str, opset, half, int8) -> tuple[dict[str, Any], Optional[str]]:
+    """The writer's settings of tools/export.py's keys, and the precision asked for ("float16",
+    "int8", None); ConfigError for a format or a setting that does not exist or does not apply."""
+    if fmt not in EXPORT_SUFFIX:
+        raise ConfigError(f"format={fmt}: choose one of {', '.join(EXPORT_SUFFIX)}")
+    half, int8 = as_flag("half", half), as_flag("int8", int8)
+    if half and int8:
+        raise ConfigError("half=true int8=true: give one (float16 or int8), not both")
+    settings: dict[str, Any] = {"opset": _opset(opset)} if opset is not None else {}
+    settings.update({"half": True} if half else {})
+    settings.update({"int8": True} if int8 else {})
+    takes = ("opset", "half", "int8") if fmt == "onnx" else ("opset",) if fmt == "openvino" else ()
+    refused = [k for k in settings if k not in takes]
+    if refused:
+        given = " ".join(f"{k}={opset if k == 'opset' else 'true'}" for k in refused)
+        raise ConfigError(f"{given}: format=onnx's settings (format={fmt} has none)")
+    return settings, "float16" if half else "int8" if int8 else None
+
+
+def _out_path(run_dir: Path, fmt: str, out, precision: Optional[str]) -> Path:
+    """out=, else `<run>/export/model<_fp16|_int8><suffix>`; ConfigError where out='s suffix is
+    another format's."""
+    tag = {"float16": "_fp16", "int8": "_int8", None: ""}[precision]
+    path = Path(out) if out else run_dir / "export" / f"model{tag}{EXPORT_SUFFIX[fmt]}"
+    named = [
+        n for n, suffix in EXPORT_SUFFIX.items() if path.suffix and suffix.endswith(path.suffix)
+    ]
+    if named and fmt not in named and fmt != "hf":  # format=pt2 out=model.onnx
+        raise ConfigError(
+            f"out={out}: a {path.suffix} file is what format={named[0]} writes; format={fmt} "
+            f"writes {EXPORT_SUFFIX[fmt]}: name it {path.stem}{EXPORT_SUFFIX[fmt]}, or give "
+            f"format={named[0]}"
+        )
+    return path
+
+
+def accuracy_line(run_dir: Path, before: Path, after: Path, work: Path, precision: str) -> str:
+    """One line: the val split's headline metric of the float32 graph `before` and of the
+    converted `after` (tools/eval.py's evaluation of each file, one process, under the run's
+    config), and the change; or why it was not measured (the data is not on this machine)."""
+    try:
+        scores = [evaluate_file(run_dir, file, work / file.stem) for file in (before, after)]
+    except ConfigError as exc:  # the val split is not here
+        return f"val accuracy not measured: {str(exc).splitlines()[0]}"
+    key = "val_top1" if "val_top1" in scores[0] else "val_mAP"
+    name, unit = ("top-1", "%") if key == "val_top1" else ("box mAP", "")
+    a, b = (float(s[key]) for s in scores)
+    images = scores[0].get("val_count")
+    on = f" ({int(images)} images)" if images else ""
+    change = f"{b - a:+.2f} points" if unit else f"{b - a:+.4f}"
+    fmt = "{:.2f}%" if unit else "{:.4f}"
+    return (
+        f"val {name}{on}: {fmt.format(a)} float32 -> {fmt.format(b)} {precision} ({change}), each "
+        "file evaluated by ONNX Runtime"
+    )
+
+
+def evaluate_file(run_dir: Path, weights: Path, out: Path) -> dict[str, Any]:
+    """tools/eval.py's evaluation of an exported file under the run's config, in this process
+    (one rank, no plots), its printed lines kept back: the metrics."""
+    from visiondist.api.jobs import evaluate_job  # noqa: PLC0415 (a job's)
+
+    overrides = [
+        f"model.weights={weights}",
+        "trainer.devices=1",
+        "trainer.plots=false",
+        "trainer.progress=false",
+        f"trainer.run_dir={out}",
+        # a file runs whole in one process, whatever layout trained it
+        "parallel.name=ddp",
+        "parallel.dp=-1",
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "parallel.fsdp=false",
+    ]
+    cfg = load_run_config(run_dir, overrides)
+    with contextlib.redirect_stdout(io.StringIO()):
+        return evaluate_job(cfg, None, own_dir=True)
+
+
+def as_flag(key: str, value: Union[bool, str]) -> bool:
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", ""):
+        return False
+    raise ConfigError(f"{key}={value}: give {key}=true or {key}=false")
+
+
+def _opset(value: Union[int, str]) -> int:
+    """opset= as a number the exporters write (17 .. 20: what the TorchScript-based exporter of
+    the torchvision detectors writes, and ONNX Runtime >= 1.17 reads)."""
+    try:
+        opset = int(value)
+    except ValueError:
+        opset = 0
+    if not 17 <= opset <= 20:
+        raise ConfigError(f"opset={value}: give an ONNX opset from 17 to 20 (default 18)")
+    return opset

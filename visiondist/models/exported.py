@@ -1,0 +1,155 @@
+"""What an exported file is, before anything runs it: which runtime runs it (`runtime_of`), what an
+ONNX graph written by tools/export.py computes (`graph_task`), and whether it fits the model config
+a prediction or an evaluation runs it under (`check_runtime_file`: one line naming the fix).
+`checkpoint/export/runtimes.py` runs the file."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+from typing import Any, Optional
+
+from visiondist.config import ConfigError
+from visiondist.models.registry import TASKS
+
+# file suffix -> the runtime that runs it
+RUNTIMES = {".onnx": "ONNX Runtime", ".pt2": "torch.export", ".xml": "OpenVINO"}
+# the runtime -> the extra that installs it
+EXTRAS = {"ONNX Runtime": "export", "OpenVINO": "openvino", "torch.export": "export"}
+
+
+def runtime_of(path: Path) -> Optional[str]:
+    """The runtime that runs an exported file ("ONNX Runtime", "torch.export", "OpenVINO": an IR's
+    .xml), or None for weights (and for a .pt2 that is no torch.export archive)."""
+    path = Path(path)
+    kind = RUNTIMES.get(path.suffix.lower()) if path.is_file() else None
+    if kind == "torch.export" and not _is_program(path):
+        return None
+    return kind
+
+
+def _is_program(path: Path) -> bool:
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(n.endswith("/archive_format") for n in archive.namelist())
+
+
+def graph_task(path: Path) -> tuple[str, dict[str, Any]]:
+    """What a graph written by tools/export.py (ONNX, or an OpenVINO IR with its sidecar) computes,
+    from its inputs and outputs alone: ("classification", {"side": S or None, "classes": K or
+    None}) or ("detection", {"input": its `input` metadata}); ValueError naming the fix for a graph
+    of another form (an older one-image detector graph, someone else's)."""
+    inputs, dims, out, meta = _signature(Path(path))
+    if inputs == ["images"]:
+        side = dims[-1] if len(dims) == 4 and dims[-1] == dims[-2] else None
+        return "classification", {"side": side, "classes": out[-1] if len(out) == 2 else None}
+    if inputs == ["images", "sizes"] and "input" in meta:
+        return "detection", {"input": json.loads(meta["input"])}
+    if inputs == ["image"]:
+        raise ValueError(
+            "is a one-image detector graph of an earlier export: export the run again "
+            "(tools/export.py format=onnx writes batched graphs)"
+        )
+    raise ValueError(
+        f"is a graph with inputs {', '.join(inputs)}, not one tools/export.py wrote "
+        "(images, or images and sizes)"
+    )
+
+
+def _signature(path: Path) -> tuple[list[str], list, list, dict[str, str]]:
+    """A graph's input names, its first input's and first output's dimensions (None where
+    dynamic) and its metadata (ONNX: its metadata_props; an IR: its sidecar `<stem>.json`)."""
+    if path.suffix.lower() == ".xml":
+        import openvino as ov  # noqa: PLC0415 (openvino: the openvino extra)
+
+        model = ov.Core().read_model(str(path))
+        inputs = [i.get_any_name() for i in model.inputs]
+
+        def dims(port) -> list:
+            shape = port.get_partial_shape()
+            return [d.get_length() if d.is_static else None for d in shape]
+
+        sidecar = path.with_suffix(".json")
+        meta = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
+        meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
+        return inputs, dims(model.inputs[0]), dims(model.outputs[0]), meta
+    import onnx  # noqa: PLC0415 (onnx: the export extra)
+
+    proto = onnx.load(str(path), load_external_data=False)
+    first_in = proto.graph.input[0].type.tensor_type.shape.dim
+    first_out = proto.graph.output[0].type.tensor_type.shape.dim
+    return (
+        [i.name for i in proto.graph.input],
+        [d.dim_value or None for d in first_in],
+        [d.dim_value or None for d in first_out],
+        {p.key: p.value for p in proto.metadata_props},
+    )
+
+
+def check_runtime_file(model_cfg, path: Path, key: str = "model.weights") -> None:
+    """An exported file fits the model config it is run under (the task, a classifier's input size
+    and class count); ConfigError naming the setting that fixes it."""
+    kind = runtime_of(path)
+    task = TASKS[model_cfg.family]
+    if kind == "torch.export":
+        info = program_info(path)
+        if info is None:
+            raise ConfigError(
+                f"{key}={path} is a torch.export program (tools/export.py format=pt2 writes "
+                "such) that tools/export.py did not write (no visiondist.json inside, which says "
+                "its inputs): give a file tools/export.py wrote, or weights"
+            )
+        if task != "classification":
+            raise ConfigError(
+                f"{key}={path} is a torch.export program: a classifier's, not a {task} model's"
+            )
+        _check_classifier(model_cfg, path, key, info.get("input_size"), info.get("num_classes"))
+        return
+    try:
+        graph, info = graph_task(path)
+    except ImportError:
+        raise ConfigError(
+            f"{key}={path} runs under {kind}: pip install -e '.[{EXTRAS[str(kind)]}]'"
+        ) from None
+    except ValueError as exc:
+        raise ConfigError(f"{key}={path} {exc}") from None
+    except Exception as exc:  # onnx's parse errors
+        raise ConfigError(f"{key}={path} cannot be read as a {kind} graph ({exc})") from None
+    if graph != task:
+        raise ConfigError(
+            f"{key}={path} is a {graph} graph but model={model_cfg.name} is a {task} model: give "
+            "the model it was exported from"
+        )
+    if graph == "classification":
+        _check_classifier(model_cfg, path, key, info["side"], info["classes"])
+
+
+def _check_classifier(model_cfg, path: Path, key: str, side, classes) -> None:
+    """A classifier file's input size and class count against the config's; ConfigError naming
+    the setting that fixes a difference."""
+    if side and int(side) != int(model_cfg.img_size):
+        raise ConfigError(
+            f"{key}={path} takes {side} px images but model.img_size={model_cfg.img_size}: "
+            f"set model.img_size={side}"
+        )
+    if classes and int(classes) != int(model_cfg.num_classes):
+        raise ConfigError(
+            f"{key}={path} gives {classes} logits but model.num_classes="
+            f"{model_cfg.num_classes}: set data.num_classes={classes}"
+        )
+
+
+def program_info(path: Path) -> Optional[dict[str, Any]]:
+    """What a torch.export program written by tools/export.py says of itself (the archive's
+    `visiondist.json`: classes, input size, normalisation), read without loading it; None for
+    someone else's program."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next(
+                (n for n in archive.namelist() if n.endswith("/extra/visiondist.json")), None
+            )
+            return None if name is None else json.loads(archive.read(name))
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return None
