@@ -118,7 +118,9 @@ def _row(name: str, path: Optional[Path], score, model: Callable, inputs: dict) 
     import torch  # noqa: PLC0415 (a job's)
 
     row: dict[str, Any] = {"form": name, "file": str(path) if path else None}
-    row["MB"] = round(path.stat().st_size / 2**20, 2) if path else None
+    # an IR's weights are its .bin
+    files = [path, *([path.with_suffix(".bin")] if path.suffix == ".xml" else [])] if path else []
+    row["MB"] = round(sum(f.stat().st_size for f in files) / 2**20, 2) if path else None
     if score is not None:
         row["metric"], row["value"], row["val_images"] = score
     with torch.no_grad():
