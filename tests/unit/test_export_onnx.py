@@ -124,6 +124,42 @@ def test_vitdet_exports_to_onnx_and_matches_pytorch_at_other_sizes(tmp_path):
                 )
 
 
+def test_vitdet_takes_a_batch_of_photos_of_four_sizes_as_pytorch_takes_each(tmp_path):
+    """Four real photographs of four sizes through ViTDet's graph (torchvision's two-stage heads
+    on the ViT) in one batch: each one's detections are PyTorch's for it alone, every one to
+    round-off (heads He-initialised, so that scores spread as a trained model's do)."""
+    from skimage import data
+
+    from visiondist.checkpoint.export import export
+    from visiondist.checkpoint.export.onnx_batch import canvas
+    from visiondist.checkpoint.export.onnx_check import _box_diff
+
+    trained = tiny_vitdet(tmp_path, masks=False)
+    with torch.no_grad():
+        for key, param in trained.model.named_parameters():
+            if param.dim() > 1 and ("roi_heads" in key or "rpn" in key):
+                param.normal_(std=(2.0 / param[0].numel()) ** 0.5)
+    path = tmp_path / "vitdet.onnx"
+    export(trained, "onnx", path)
+    photos = [
+        torch.from_numpy(getattr(data, photo)()).permute(2, 0, 1).float() / 255
+        for photo in ("coffee", "chelsea", "astronaut", "rocket")
+    ]
+    assert len({tuple(p.shape) for p in photos}) == 4
+    images, sizes = canvas(photos)
+    boxes, labels, scores, count = ort.InferenceSession(str(path)).run(
+        None, {"images": images.numpy(), "sizes": sizes.numpy()}
+    )
+    for i, photo in enumerate(photos):
+        with torch.no_grad():
+            want = trained.model([photo])[0]
+        n = int(count[i])
+        assert n == len(want["boxes"]) > 0
+        got = [boxes[i, :n], labels[i, :n], scores[i, :n]]
+        # px of the photo: the model sees it at 64 px, so its round-off is scaled by up to 8
+        assert _box_diff([want["boxes"], want["labels"], want["scores"]], got) < 0.05
+
+
 def test_vitdet_torchscript_and_pt2_are_refused_naming_onnx(tmp_path):
     from visiondist.checkpoint.export import export
 
