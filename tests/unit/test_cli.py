@@ -186,7 +186,26 @@ def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(caps
             "/tmp/run: not a key=value: tools/export.py takes run_dir=, step=, format=, out=, "
             "opset=, half=, int8=, benchmark=, e.g. run_dir=/tmp/run",
         ),
+        (
+            "export",
+            ["run_dir=/tmp", "foo=1"],
+            "foo is not a setting: tools/export.py takes run_dir=, step=, format=, out=, opset=, "
+            "half=, int8=, benchmark= only",
+        ),
+        ("export", ["run_dir=/tmp", "opsett=18"], "did you mean opset?"),
         ("export", ["format=onnx"], "run_dir= is missing"),
+        (
+            "train",
+            ["data.format=yolo"],
+            "data.format=yolo is a format of detection data, and model=vit_tiny is a "
+            "classification model: use one of imagefolder, shards",
+        ),
+        (
+            "train",
+            ["model=fasterrcnn_mobilenet_v3", "data=shapes_coco", "data.format=yolov8"],
+            "data.format=yolov8 is not a data format here: use one of coco, yolo, voc, auto, "
+            "shards",
+        ),
         ("eval", ["-m", "run_dir=/tmp"], "-m: tools/eval.py runs once per command"),
         (
             "eval",

@@ -34,7 +34,7 @@ from visiondist.config import (
     to_container,
 )
 from visiondist.config.compose import flatten, run_config
-from visiondist.config.schema import upgrade_saved
+from visiondist.config.schema import DETECTION_FORMATS, upgrade_saved
 from visiondist.utils.pretrained import apply_data_defaults
 
 
@@ -155,6 +155,31 @@ def load_run_config(
     return checked(cfg, inputs)
 
 
+def _check_format(cfg: DictConfig) -> None:
+    """data.format is one of the model's task's formats, before any folder is read for it: one line
+    listing them (a detection format under a classifier's config reads the folder as the wrong
+    kind of set and says nothing of the format)."""
+    from visiondist.models.registry import TASKS  # noqa: PLC0415 (--help)
+
+    fmt, family = cfg.data.get("format"), cfg.model.get("family")
+    if fmt is None or family not in TASKS:
+        return
+    formats = {
+        "classification": ("imagefolder", "shards"),
+        "detection": (*DETECTION_FORMATS, "shards"),
+    }[TASKS[family]]
+    if fmt in formats:
+        return
+    known = ("imagefolder", "shards", *DETECTION_FORMATS)
+    what = (
+        f"is a format of {'detection' if fmt in DETECTION_FORMATS else 'classification'} data, "
+        f"and model={cfg.model.name} is a {TASKS[family]} model"
+        if fmt in known
+        else "is not a data format here"
+    )
+    raise ConfigError(f"data.format={fmt} {what}: use one of {', '.join(formats)}")
+
+
 def checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
     """Validate `cfg` and check its inputs on disk for `inputs` ("train", "eval"; None: nothing
     reads the data, so `???` values may stay unset). A `data.num_classes` left unset is counted from
@@ -170,6 +195,7 @@ def checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
     from visiondist.plan import check  # noqa: PLC0415 (--help)
     from visiondist.preflight import check_inputs, infer_num_classes  # noqa: PLC0415 (--help)
 
+    _check_format(cfg)
     # a packed built-in set is read from its shards, not generated
     if cfg.data.get("format") == "shards":
         cfg.data.synthetic = None

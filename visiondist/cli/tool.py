@@ -342,6 +342,14 @@ def _top_level(config_dir: Path) -> set[str]:
 def _not_a_key(tool: Tool, config_dir: Path, key: str) -> str:
     """`max_steps is not a setting: did you mean trainer.max_steps?`, or a tool key / group close to
     it."""
+    if not tool.config:  # its own keys only: the same list as any other refusal of it
+        close = difflib.get_close_matches(key, tool.key_names, n=1)
+        if close:
+            return f"{key} is not a setting of tools/{tool.name}: did you mean {close[0]}?"
+        return (
+            f"{key} is not a setting: tools/{tool.name} takes {_key_list(tool)} only (the model "
+            "and its settings come from the run's config.yaml)"
+        )
     same = not_a_setting(key)
     if same:
         return same
