@@ -196,9 +196,17 @@ def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(caps
         ("export", ["format=onnx"], "run_dir= is missing"),
         (
             "train",
+            ["data=coco", "data.images=images/{split}"],
+            "data.images=images/{split}: Hydra reads { } [ ] ( ) , = spaces and quotes in a value "
+            "as its grammar: quote the value inside the shell's quotes, "
+            "'data.images=\"images/{split}\"'",
+        ),
+        (
+            "train",
             ["data.format=yolo"],
             "data.format=yolo is a format of detection data, and model=vit_tiny is a "
-            "classification model: use one of imagefolder, shards",
+            "classification model: give a detection model (e.g. model=fasterrcnn_mobilenet_v3), "
+            "or data.format= one of imagefolder, shards",
         ),
         (
             "train",

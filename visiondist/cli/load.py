@@ -66,7 +66,7 @@ def load_config(
         # what the ranks do: every key must be in the schema (`+key=` can add one)
         from_container(to_container(cfg))
     except (HydraException, OmegaConfBaseException) as exc:
-        raise ConfigError(_explain(exc)) from exc
+        raise ConfigError(_grammar(overrides) or _explain(exc)) from exc
     cfg = checked(cfg, inputs)
     if saved is None and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         # a run's, not a printout's
@@ -170,14 +170,17 @@ def _check_format(cfg: DictConfig) -> None:
     }[TASKS[family]]
     if fmt in formats:
         return
-    known = ("imagefolder", "shards", *DETECTION_FORMATS)
-    what = (
-        f"is a format of {'detection' if fmt in DETECTION_FORMATS else 'classification'} data, "
-        f"and model={cfg.model.name} is a {TASKS[family]} model"
-        if fmt in known
-        else "is not a data format here"
+    if fmt in ("imagefolder", *DETECTION_FORMATS):
+        data_task = "detection" if fmt in DETECTION_FORMATS else "classification"
+        example = "fasterrcnn_mobilenet_v3" if data_task == "detection" else "vit_tiny"
+        raise ConfigError(
+            f"data.format={fmt} is a format of {data_task} data, and model={cfg.model.name} is a "
+            f"{TASKS[family]} model: give a {data_task} model (e.g. model={example}), or "
+            f"data.format= one of {', '.join(formats)}"
+        )
+    raise ConfigError(
+        f"data.format={fmt} is not a data format here: use one of {', '.join(formats)}"
     )
-    raise ConfigError(f"data.format={fmt} {what}: use one of {', '.join(formats)}")
 
 
 def checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
@@ -234,6 +237,31 @@ def _with_classes(cfg: DictConfig, num_classes: int) -> DictConfig:
     if OmegaConf.is_missing(copy.model, "num_classes"):
         copy.model.num_classes = num_classes
     return copy
+
+
+def _grammar(overrides: list[str]) -> Optional[str]:
+    """The one line for the first override Hydra's grammar cannot parse (a value holding `{ }`,
+    `[ ]`, `( )`, `,`, `=`, spaces or quotes), naming the quoting that fixes it; None when every
+    override parses (the error was another one)."""
+    from hydra.core.override_parser.overrides_parser import (  # noqa: PLC0415 (--help)
+        OverridesParser,
+    )
+    from hydra.errors import OverrideParseException  # noqa: PLC0415 (--help)
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides([override])
+        except OverrideParseException:
+            key, _, value = override.partition("=")
+            if not _:
+                return None  # a bare key: `_explain` says so
+            escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+            return (
+                f"{override}: Hydra reads {{ }} [ ] ( ) , = spaces and quotes in a value as its "
+                f"grammar: quote the value inside the shell's quotes, '{key}=\"{escaped}\"'"
+            )
+    return None
 
 
 def _explain(exc: BaseException) -> str:
