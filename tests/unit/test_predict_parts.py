@@ -44,6 +44,12 @@ def test_a_glob_a_list_and_one_image(tree, tmp_path):
         str(tree / "a" / "1.JPG"),
         str(tmp_path / "images/missing.jpg"),
     ]
+    # the outputs name each entry as the list gives it (docs/prediction.md: "as given")
+    assert [source.name(i) for i in range(3)] == [
+        "images/b/2.png",
+        str(tree / "a" / "1.JPG"),
+        "images/missing.jpg",
+    ]
     one = resolve_source(str(tree / "a" / "1.JPG"))
     assert one.kind == "image" and len(one) == 1
 
@@ -130,3 +136,26 @@ def test_drawn_names_keep_the_position_and_the_folder():
     assert drawn_name(12, "cat/0042.jpg") == "000012_cat_0042.jpg"
     assert drawn_name(3, "/abs/path/x.png") == "000003_path_x.jpg"
     assert drawn_name(0, "clip.mp4#25") == "000000_clip_frame25.jpg"
+
+
+def test_drawn_images_keep_their_sources_size_with_labels_scaled_to_it():
+    """A thumbnail and a photo-sized image come back at their own size (no enlargement), boxes and
+    labels drawn on them, the label's letters taller on the larger image."""
+    import numpy as np
+
+    from visiondist.inference.outputs import draw
+
+    heights = {}
+    for width, height in ((64, 42), (451, 300), (320, 240)):
+        image = np.full((height, width, 3), 30, np.uint8)
+        box = [0.1 * width, 0.3 * height, 0.6 * width, 0.9 * height]
+        found = {"detections": [{"box": box, "label": 1, "name": "circle", "score": 0.9}]}
+        out = draw(image, found)
+        assert out.shape == image.shape
+        changed = (out != image).any(-1)
+        assert changed.any()
+        # the label's band, filled in the box's colour inside its top-left corner: the rows changed
+        # in a column just inside the box's left edge
+        column = changed[:, round(box[0]) + 4]
+        heights[width] = int(column[round(box[1]) : round(box[3]) - 2].sum())
+    assert 0 < heights[64] < heights[451], heights

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import colorsys
 import csv
+import functools
 import heapq
 import json
 import os
@@ -35,7 +36,7 @@ import cv2
 import numpy as np
 import torch
 
-from visiondist.data.masks import decode, encode
+from visiondist.data.masks import decode
 from visiondist.inference.sources import VideoFrames
 
 PARTS = "parts"
@@ -263,23 +264,16 @@ def drawn_name(index: int, name: str) -> str:
     return f"{index:06d}_{stem}{'_frame' + frame if frame else ''}.jpg"
 
 
-# a smaller image is enlarged (by a whole factor, pixels kept sharp) before it is drawn on
-DRAWN_MIN_SIDE = 320
-
-
 def draw(image: np.ndarray, result: dict[str, Any]) -> np.ndarray:
-    """An upright RGB image with its result drawn: boxes, class names, scores and masks
-    (torchvision's drawing utilities), or a classifier's top labels as a caption."""
+    """An upright RGB image with its result drawn, at the image's own size: boxes, class names,
+    scores and masks (torchvision's drawing utilities; the labels' font, matplotlib's DejaVu Sans,
+    scaled to the image), or a classifier's top labels as a caption."""
     # tools/predict.py's launching process reads this module (the manifest) without torchvision
     from torchvision.utils import (  # noqa: PLC0415 (torchvision: 2 s)
         draw_bounding_boxes,
         draw_segmentation_masks,
     )
 
-    factor = -(-DRAWN_MIN_SIDE // max(1, min(image.shape[:2])))
-    if factor > 1:  # labels stay legible on a thumbnail; boxes and masks are scaled with it
-        image = np.repeat(np.repeat(image, factor, axis=0), factor, axis=1)
-        result = _scaled(result, factor)
     tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1)
     if "top" in result:
         return _caption(image, "  ".join(f"{t['name']} {t['prob']:.2f}" for t in result["top"][:3]))
@@ -292,29 +286,36 @@ def draw(image: np.ndarray, result: dict[str, Any]) -> np.ndarray:
         stacked = torch.from_numpy(decode(masks, image.shape[0], image.shape[1]).astype(bool))
         tensor = draw_segmentation_masks(tensor, stacked, alpha=0.45, colors=colours)
     boxes = torch.tensor([d["box"] for d in found], dtype=torch.float32)
-    width = max(1, round(max(image.shape[:2]) / 300))
+    side = max(image.shape[:2])
+    font = _label_font()
     tensor = draw_bounding_boxes(
         tensor,
         boxes,
         labels=[f"{d['name']} {d['score']:.2f}" for d in found],
         colors=colours,
-        width=width,
+        width=max(1, round(side / 300)),
+        # a 640-px image: 16 px letters; a thumbnail's as small as they stay readable
+        font=font,
+        font_size=max(7, round(side / 40)) if font else None,
+        # on the box's colour, black or white by its brightness: legible on any photo
+        fill_labels=True,
+        label_colors=[
+            "black" if 0.299 * r + 0.587 * g + 0.114 * b > 140 else "white" for r, g, b in colours
+        ],
     )
     return tensor.permute(1, 2, 0).numpy()
 
 
-def _scaled(result: dict[str, Any], factor: int) -> dict[str, Any]:
-    if "detections" not in result:
-        return result
-    found = []
-    for d in result["detections"]:
-        d = {**d, "box": [v * factor for v in d["box"]]}
-        if "mask" in d:
-            h, w = d["mask"]["size"]
-            mask = decode([d["mask"]], h, w)[0]
-            d["mask"] = encode(np.repeat(np.repeat(mask, factor, axis=0), factor, axis=1)[None])[0]
-        found.append(d)
-    return {**result, "detections": found}
+@functools.lru_cache(maxsize=1)
+def _label_font() -> Optional[str]:
+    """matplotlib's DejaVu Sans (a dependency: the plots), a font torchvision scales; None (its
+    fixed bitmap font) where it is not there."""
+    try:
+        import matplotlib  # noqa: PLC0415 (the plots' library: read once, when drawing)
+    except ImportError:
+        return None
+    path = Path(matplotlib.__file__).parent / "mpl-data" / "fonts" / "ttf" / "DejaVuSans.ttf"
+    return str(path) if path.is_file() else None
 
 
 def save_drawn(path: Path, image: np.ndarray) -> None:

@@ -45,6 +45,8 @@ class Source:
         size: a video's (width, height).
         arrays: images given in memory (`visiondist.predict` of arrays, PIL images, tensors):
             item i's upright HxWx3 uint8 RGB array, or None where item i is the file `paths[i]`.
+        given: a list source's entries as its lines give them (the outputs' names; `paths` holds
+            them resolved against the list's folder).
     """
 
     spec: str
@@ -56,6 +58,7 @@ class Source:
     fps: float = 0.0
     size: tuple[int, int] = (0, 0)  # a video's (width, height)
     arrays: list[Optional[np.ndarray]] = field(default_factory=list)
+    given: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.frames) if self.video else len(self.paths)
@@ -67,7 +70,7 @@ class Source:
             return f"{Path(self.video).name}#{self.frames[i]}"
         if self.root is not None:
             return os.path.relpath(self.paths[i], self.root)
-        return self.paths[i]
+        return self.given[i] if self.given else self.paths[i]
 
     def image(self, i: int, frames: Optional[VideoFrames] = None) -> np.ndarray:
         """Item `i` as an upright HxWx3 uint8 RGB array (OSError when it cannot be read).
@@ -158,15 +161,16 @@ def _folder_images(folder: Path) -> list[str]:
 def _listed(spec: str, path: Path) -> Source:
     """A text file of image paths, one a line (blank lines and `#` comments skipped); a relative
     path is read from the list's own folder."""
-    paths = []
+    paths, given = [], []
     for line in path.read_text().splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             listed = Path(line).expanduser()
             paths.append(str(listed if listed.is_absolute() else path.parent / listed))
+            given.append(line)
     if not paths:
         raise ConfigError(f"source={spec}: the list names no image: write one image path a line")
-    return Source(spec, "list", paths)
+    return Source(spec, "list", paths, given=given)
 
 
 def _video(spec: str, path: Path, stride: int) -> Source:
