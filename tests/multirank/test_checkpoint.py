@@ -357,7 +357,10 @@ def test_half_and_int8_exports_print_their_val_accuracy_beside_float32s(tp2_run,
         script=REPO / "tools" / "export.py",
     )
     assert refused.returncode == 2
-    assert "half=true: format=onnx's settings (format=pt2 has none)" in refused.stdout
+    assert (
+        "half=true applies to format=onnx, not format=pt2: add format=onnx, or drop half=true"
+        in refused.stdout
+    )
 
 
 @pytest.mark.smoke

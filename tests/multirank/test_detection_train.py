@@ -146,7 +146,7 @@ def _export_loads_in_torchvision(run, tmp_path):
     export(trained, "onnx", strict)
     result = check_onnx(trained, strict)
     assert result.lowered_from == {"rpn": 0.05, "box": 1.0} and result.boxes > 0, result.summary()
-    assert result.onnx_boxes == result.boxes and "no box came out" in result.summary()
+    assert result.onnx_boxes == result.boxes and "no box passed" in result.summary()
     assert trained.model.roi_heads.score_thresh == 1.0  # the model's own thresholds are back
     session = ort.InferenceSession(str(strict), providers=["CPUExecutionProvider"])
     # the file keeps 1.0

@@ -205,8 +205,9 @@ def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(caps
             "train",
             ["data.format=yolo"],
             "data.format=yolo is a format of detection data, and model=vit_tiny is a "
-            "classification model: give a detection model (e.g. model=fasterrcnn_mobilenet_v3), "
-            "or data.format= one of imagefolder, shards",
+            "classification model: give classification data (e.g. data=shapes, or data.format= "
+            "one of imagefolder, shards), or a detection model (e.g. "
+            "model=fasterrcnn_mobilenet_v3)",
         ),
         (
             "train",
@@ -352,7 +353,7 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
         f"  predict:  python tools/predict.py run_dir={tmp_path}/outputs/r source=<images, "
         "folder, glob, list or video>",
         f"  export:   python tools/export.py run_dir={tmp_path}/outputs/r   (safetensors; "
-        "format=onnx or format=pt2)",
+        "format=onnx, openvino or pt2)",
     ]
     # elsewhere: the commands still run as printed (the tools by their full path)
     monkeypatch.chdir(tmp_path)
@@ -361,8 +362,8 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
         f"  evaluate: python {REPO}/tools/eval.py run_dir=outputs/r",
         f"  predict:  python {REPO}/tools/predict.py run_dir=outputs/r source=<images, folder, "
         "glob, list or video>",
-        f"  export:   python {REPO}/tools/export.py run_dir=outputs/r   (safetensors; format=onnx "
-        "or format=pt2)",
+        f"  export:   python {REPO}/tools/export.py run_dir=outputs/r   (safetensors; format=onnx, "
+        "openvino or pt2)",
     ]
 
 

@@ -39,7 +39,7 @@ def export_benchmark(
     model.safetensors); printed as a table and written beside the files.
 
     Returns:
-        One dict a form: name, file, MB, the val metric's name and value, ms at each batch.
+        One dict a form: name, file, MiB, the val metric's name and value, ms at each batch.
     """
     # as the tools' logging set-up holds them; a notebook sets up none
     with held_at(logging.ERROR, CHATTY):
@@ -65,6 +65,9 @@ def _benchmark(run_dir: Path, step: Optional[Union[int, str]]) -> list[dict[str,
     cpu = torch.device("cpu")
     weights = trained.source if trained.source.exists() else run_dir / "model.safetensors"
     eager_score = _score(run_dir, weights, work / "eval_pytorch")
+    print(
+        f"timing {trained.cfg.model.name} from {trained.source} on this machine's CPU", flush=True
+    )
     rows = [
         _row("PyTorch eager", None, eager_score, trained.model, inputs),
         _row("PyTorch compiled", None, None, torch.compile(trained.model), inputs),
@@ -117,10 +120,11 @@ def _score(run_dir: Path, weights: Path, out: Path) -> Optional[tuple[str, float
 def _row(name: str, path: Optional[Path], score, model: Callable, inputs: dict) -> dict[str, Any]:
     import torch  # noqa: PLC0415 (a job's)
 
+    print(f"  {name}: {'evaluated, ' if score else ''}timing at batch 1 and 8", flush=True)
     row: dict[str, Any] = {"form": name, "file": str(path) if path else None}
     # an IR's weights are its .bin
     files = [path, *([path.with_suffix(".bin")] if path.suffix == ".xml" else [])] if path else []
-    row["MB"] = round(sum(f.stat().st_size for f in files) / 2**20, 2) if path else None
+    row["MiB"] = round(sum(f.stat().st_size for f in files) / 2**20, 2) if path else None
     if score is not None:
         row["metric"], row["value"], row["val_images"] = score
     with torch.no_grad():
@@ -139,7 +143,9 @@ def _row(name: str, path: Optional[Path], score, model: Callable, inputs: dict) 
 def _write(rows: list[dict[str, Any]], work: Path, trained) -> None:
     """The table printed and written (benchmark.md), the rows as JSON (benchmark.json)."""
     metric = next((r["metric"] for r in rows if "metric" in r), "accuracy")
-    head = ["form", "MB", f"val {metric}", *(f"ms, batch {b}" for b in BATCHES)]
+    images = next((r["val_images"] for r in rows if "val_images" in r), None)
+    on = f" ({images} images)" if images else ""
+    head = ["form", "MiB", f"val {metric}{on}", *(f"ms, batch {b}" for b in BATCHES)]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         if "skipped" in r:
@@ -152,7 +158,7 @@ def _write(rows: list[dict[str, Any]], work: Path, trained) -> None:
             if metric == "top-1"
             else (f"{r['value']:.4f}")
         )
-        cells = [r["form"], "-" if r["MB"] is None else f"{r['MB']:.1f}", value]
+        cells = [r["form"], "-" if r["MiB"] is None else f"{r['MiB']:.1f}", value]
         cells += [f"{r[f'ms_batch{b}']:.1f}" for b in BATCHES]
         lines.append("| " + " | ".join(cells) + " |")
     title = (

@@ -100,7 +100,12 @@ def _settings(fmt: str, opset, half, int8) -> tuple[dict[str, Any], Optional[str
     refused = [k for k in settings if k not in takes]
     if refused:
         given = " ".join(f"{k}={opset if k == 'opset' else 'true'}" for k in refused)
-        raise ConfigError(f"{given}: format=onnx's settings (format={fmt} has none)")
+        which = "format=onnx and format=openvino" if refused == ["opset"] else "format=onnx"
+        default = " (the default)" if fmt == "safetensors" else ""
+        raise ConfigError(
+            f"{given} applies to {which}, not format={fmt}{default}: add format=onnx, or drop "
+            f"{given}"
+        )
     return settings, "float16" if half else "int8" if int8 else None
 
 

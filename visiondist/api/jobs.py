@@ -31,7 +31,15 @@ EXPORT_SUFFIX = {
     "openvino": "_openvino.xml",
 }
 # exporters' loggers that speak per initializer or per pass (a few hundred lines an ONNX export)
-CHATTY = ("onnxscript", "onnx_ir", "torch.onnx", "torch._dynamo", "torch.export")
+CHATTY = (
+    "onnxscript",
+    "onnx_ir",
+    "torch.onnx",
+    "torch._dynamo",
+    "torch.export",
+    # torch.compile on a machine without CUDA: "No CUDA runtime is found, using CUDA_HOME"
+    "torch.utils.cpp_extension",
+)
 
 
 @contextlib.contextmanager

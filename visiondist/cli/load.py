@@ -171,12 +171,14 @@ def _check_format(cfg: DictConfig) -> None:
     if fmt in formats:
         return
     if fmt in ("imagefolder", *DETECTION_FORMATS):
+        task = TASKS[family]
         data_task = "detection" if fmt in DETECTION_FORMATS else "classification"
-        example = "fasterrcnn_mobilenet_v3" if data_task == "detection" else "vit_tiny"
+        model_eg = "fasterrcnn_mobilenet_v3" if data_task == "detection" else "vit_tiny"
+        data_eg = "shapes_coco" if task == "detection" else "shapes"
         raise ConfigError(
             f"data.format={fmt} is a format of {data_task} data, and model={cfg.model.name} is a "
-            f"{TASKS[family]} model: give a {data_task} model (e.g. model={example}), or "
-            f"data.format= one of {', '.join(formats)}"
+            f"{task} model: give {task} data (e.g. data={data_eg}, or data.format= one of "
+            f"{', '.join(formats)}), or a {data_task} model (e.g. model={model_eg})"
         )
     raise ConfigError(
         f"data.format={fmt} is not a data format here: use one of {', '.join(formats)}"
@@ -198,7 +200,8 @@ def checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
     from visiondist.plan import check  # noqa: PLC0415 (--help)
     from visiondist.preflight import check_inputs, infer_num_classes  # noqa: PLC0415 (--help)
 
-    _check_format(cfg)
+    if inputs is not None:  # the data is read (prediction reads none: its defaults stand)
+        _check_format(cfg)
     # a packed built-in set is read from its shards, not generated
     if cfg.data.get("format") == "shards":
         cfg.data.synthetic = None

@@ -258,6 +258,8 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
         from visiondist.checkpoint.export.runtimes import load_runtime  # noqa: PLC0415
 
         model = load_runtime(cfg.model, exported, layout.device)
+        if layout.is_main:
+            log.info("evaluating %s, run by %s", exported, model.runtime)
     else:
         # a checkpoint fills the tensors itself
         model = build_laid_out(cfg, layout, checkpoint=checkpoint)

@@ -65,6 +65,9 @@ def request(cfg: DictConfig, source: Source) -> dict[str, Any]:
         "items": len(source),
         "files": fingerprint(source),
         "weights": str(weights),
+        # an exported file's preprocessing is its model config's (size, crop)
+        "model": str(cfg.model.name),
+        "img_size": int(cfg.model.get("img_size") or 0),
         "weights_size": stat.st_size,
         "weights_mtime": int(stat.st_mtime),
         "topk": int(p.topk),

@@ -94,15 +94,15 @@ def next_commands(
     `trainer.max_epochs=20`)."""
     run = shlex.quote(shown_path(run_dir))
     formats = (
-        "format=hf: transformers' from_pretrained directory; format=onnx"
+        "format=hf: transformers' from_pretrained directory; format=onnx or openvino"
         if family == "detr"
         else "format=naflex: timm's NaFlexVit, images at their own shapes; format=onnx"
         if family == "native"
-        else "format=onnx"
+        else "format=onnx or openvino"
         if family == "vitdet"
-        else "format=onnx or format=torchscript"
+        else "format=onnx, openvino or torchscript"
         if family == "torchvision"
-        else "format=onnx or format=pt2"
+        else "format=onnx, openvino or pt2"
     )
     source = (
         f"source={shlex.quote(shown_path(images))}   (or any image, folder, glob, .txt list or "

@@ -65,8 +65,8 @@ class OnnxCheck:
         if self.lowered_from is not None:
             file = ", ".join(f"{role} {value:g}" for role, value in self.lowered_from.items())
             where += (
-                f"; at the file's score thresholds ({file}) no box came out, so its graph was "
-                "compared with them set to 0"
+                f"; no box passed the file's score thresholds ({file}, kept in the file), so "
+                "its graph was compared with them at 0 in memory"
             )
         if self.failed:
             rest = (
