@@ -363,6 +363,42 @@ def test_half_and_int8_exports_print_their_val_accuracy_beside_float32s(tp2_run,
     )
 
 
+def test_an_openvino_ir_is_checked_and_evaluates_as_the_runs_weights(
+    tp2_run, tiny_shapes, tmp_path
+):
+    """format=openvino: the IR (.xml, .bin) and its sidecar, checked on OpenVINO's CPU plugin in
+    float32 against PyTorch's logits to round-off; tools/eval.py weights=<the .xml> runs it by
+    OpenVINO to the run's own weights' top-1 under the same settings. (OpenVINO runs in the tools'
+    processes here, never in a test's: its thread pools stay out of the test workers.)"""
+    pytest.importorskip("openvino")
+    out = tmp_path / "vit_openvino.xml"
+    lines = _export(tp2_run, "format=openvino", f"out={out}").splitlines()
+    assert lines[1:4] == [
+        f"  {out}",
+        f"  {out.with_suffix('.bin')}",
+        f"  {out.with_suffix('.json')}",
+    ]
+    assert lines[4].startswith("  OpenVINO vs PyTorch: logits of 2 random images compared"), lines
+    assert float(lines[4].rsplit(" ", 1)[1]) < 1e-4, lines
+    settings = [
+        *TINY_DATA,
+        f"data.root={tiny_shapes}",
+        "model.num_heads=4",
+        "trainer.accelerator=cpu",
+    ]
+    scores = {}
+    for name, weights in (("own", tp2_run / "model.safetensors"), ("openvino", out)):
+        evaluated = run_cli(
+            [f"weights={weights}", *settings, f"trainer.run_dir={tmp_path / name}"],
+            timeout=300,
+            script=REPO / "tools" / "eval.py",
+        )
+        assert evaluated.returncode == 0, evaluated.stdout[-4000:]
+        scores[name] = json.loads((tmp_path / name / "eval.json").read_text())
+    assert scores["openvino"]["run by"] == "OpenVINO"
+    assert scores["openvino"]["val_top1"] == scores["own"]["val_top1"]
+
+
 @pytest.mark.smoke
 def test_export_pt2_takes_any_batch_and_carries_its_preprocessing(tp2_run, tmp_path):
     """From a run trained under tp2: the program matches PyTorch at any batch, the tool prints its
