@@ -535,3 +535,14 @@ def tiny_vitdet(tmp_path: Path, masks: bool):
     return Trained(
         cfg, model, tmp_path / "step_1", 1, [f"c{i}" for i in range(cfg.model.num_classes)]
     )
+
+
+def sample_photos(*names: str) -> list:
+    """scikit-image's photographs by name (`skimage.data.<name>()`), as float CHW tensors in
+    [0, 1]: real images of different sizes, shipped with the package (no download)."""
+    import torch
+    from skimage import data
+
+    return [
+        torch.from_numpy(getattr(data, name)()).permute(2, 0, 1).float() / 255 for name in names
+    ]

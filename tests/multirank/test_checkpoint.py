@@ -276,6 +276,18 @@ def test_export_onnx_and_torchscript(tp2_run, tmp_path):
         assert torch.allclose(loaded(x), trained.model(x), atol=1e-5, rtol=0)
 
 
+def _evaluated(weights, settings: list[str], out) -> dict:
+    """tools/eval.py weights=`weights` under `settings` into `out`: its eval.json, the run required
+    to succeed."""
+    evaluated = run_cli(
+        [f"weights={weights}", *settings, f"trainer.run_dir={out}"],
+        timeout=300,
+        script=REPO / "tools" / "eval.py",
+    )
+    assert evaluated.returncode == 0, evaluated.stdout[-4000:]
+    return json.loads((out / "eval.json").read_text())
+
+
 def test_eval_and_predict_run_the_exported_files(tp2_run, tiny_shapes, tmp_path):
     """tools/eval.py and tools/predict.py take the run's ONNX graph and torch.export program as
     weights=, run them by their runtime (ONNX Runtime, torch), and give what the run's own weights
@@ -288,15 +300,10 @@ def test_eval_and_predict_run_the_exported_files(tp2_run, tiny_shapes, tmp_path)
     _export(tp2_run, "format=pt2", f"out={program}")
     settings = [*TINY_DATA, f"data.root={tiny_shapes}", "model.num_heads=4"]
     settings += ["trainer.accelerator=cpu"]
-    results = {}
-    for name, weights in (("own", tp2_run / "model.safetensors"), ("onnx", onnx_file)):
-        evaluated = run_cli(
-            [f"weights={weights}", *settings, f"trainer.run_dir={tmp_path / name / 'eval'}"],
-            timeout=300,
-            script=REPO / "tools" / "eval.py",
-        )
-        assert evaluated.returncode == 0, evaluated.stdout[-4000:]
-        results[name] = json.loads((tmp_path / name / "eval" / "eval.json").read_text())
+    results = {
+        name: _evaluated(weights, settings, tmp_path / name / "eval")
+        for name, weights in (("own", tp2_run / "model.safetensors"), ("onnx", onnx_file))
+    }
     for name, weights in (
         ("own", tp2_run / "model.safetensors"),
         ("onnx", onnx_file),
@@ -386,15 +393,10 @@ def test_an_openvino_ir_is_checked_and_evaluates_as_the_runs_weights(
         "model.num_heads=4",
         "trainer.accelerator=cpu",
     ]
-    scores = {}
-    for name, weights in (("own", tp2_run / "model.safetensors"), ("openvino", out)):
-        evaluated = run_cli(
-            [f"weights={weights}", *settings, f"trainer.run_dir={tmp_path / name}"],
-            timeout=300,
-            script=REPO / "tools" / "eval.py",
-        )
-        assert evaluated.returncode == 0, evaluated.stdout[-4000:]
-        scores[name] = json.loads((tmp_path / name / "eval.json").read_text())
+    scores = {
+        name: _evaluated(weights, settings, tmp_path / name)
+        for name, weights in (("own", tp2_run / "model.safetensors"), ("openvino", out))
+    }
     assert scores["openvino"]["run by"] == "OpenVINO"
     assert scores["openvino"]["val_top1"] == scores["own"]["val_top1"]
 

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 pytest.importorskip("transformers")
 
-from helpers import assert_same_detections
+from helpers import assert_same_detections, sample_photos
 from helpers import detr_model_cfg as _cfg
 
 from visiondist.models.detr import ARCHS, DetrDetector
@@ -304,7 +304,6 @@ def test_onnx_graph_takes_a_batch_of_photos_of_any_size_and_equals_pytorch(arch,
     every detection matched as tools/export.py's check matches them (near-tied scores may come out
     in another order)."""
     ort = pytest.importorskip("onnxruntime")
-    from skimage import data
 
     from visiondist.checkpoint.export.onnx import _export_detr_onnx
     from visiondist.checkpoint.export.onnx_batch import detector_feed
@@ -316,10 +315,7 @@ def test_onnx_graph_takes_a_batch_of_photos_of_any_size_and_equals_pytorch(arch,
     _export_detr_onnx(model, tmp_path / "m.onnx", {"labels": json.dumps({"1": "a"})})
     session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     assert session.get_modelmeta().custom_metadata_map["labels"] == json.dumps({"1": "a"})
-    photos = [
-        torch.from_numpy(getattr(data, name)()).permute(2, 0, 1).float() / 255
-        for name in ("coffee", "chelsea", "astronaut", "rocket")
-    ]
+    photos = sample_photos("coffee", "chelsea", "astronaut", "rocket")
     assert len({tuple(p.shape) for p in photos}) == 4
     resize = DetrForExport(model).resized
     for batch in (photos, photos[1:2]):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, assert_same_detections, tiny_vitdet
+from helpers import REPO, assert_same_detections, sample_photos, tiny_vitdet
 from torch import nn
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
 
@@ -128,7 +128,6 @@ def test_vitdet_takes_a_batch_of_photos_of_four_sizes_as_pytorch_takes_each(tmp_
     """Four real photographs of four sizes through ViTDet's graph (torchvision's two-stage heads
     on the ViT) in one batch: each one's detections are PyTorch's for it alone, every one to
     round-off (heads He-initialised, so that scores spread as a trained model's do)."""
-    from skimage import data
 
     from visiondist.checkpoint.export import export
     from visiondist.checkpoint.export.onnx_batch import canvas
@@ -141,10 +140,7 @@ def test_vitdet_takes_a_batch_of_photos_of_four_sizes_as_pytorch_takes_each(tmp_
                 param.normal_(std=(2.0 / param[0].numel()) ** 0.5)
     path = tmp_path / "vitdet.onnx"
     export(trained, "onnx", path)
-    photos = [
-        torch.from_numpy(getattr(data, photo)()).permute(2, 0, 1).float() / 255
-        for photo in ("coffee", "chelsea", "astronaut", "rocket")
-    ]
+    photos = sample_photos("coffee", "chelsea", "astronaut", "rocket")
     assert len({tuple(p.shape) for p in photos}) == 4
     images, sizes = canvas(photos)
     boxes, labels, scores, count = ort.InferenceSession(str(path)).run(
@@ -180,7 +176,6 @@ def test_a_torchvision_detector_takes_a_batch_of_photos_of_four_sizes(tmp_path):
     detections PyTorch gives for it alone, every one to round-off, and the export's own check says
     so. (The two-stage heads: ViTDet's test above, and the trained Faster R-CNN of
     tests/multirank/test_detection_train.py.)"""
-    from skimage import data
 
     from visiondist.checkpoint.export import export
     from visiondist.checkpoint.export.onnx_batch import canvas
@@ -216,10 +211,7 @@ def test_a_torchvision_detector_takes_a_batch_of_photos_of_four_sizes(tmp_path):
     check = check_onnx(trained, path)
     assert check.boxes > 0 and check.onnx_boxes == check.boxes and not check.failed, check.summary()
 
-    photos = [
-        torch.from_numpy(getattr(data, photo)()).permute(2, 0, 1).float() / 255
-        for photo in ("coffee", "chelsea", "astronaut", "rocket")
-    ]
+    photos = sample_photos("coffee", "chelsea", "astronaut", "rocket")
     assert len({tuple(p.shape) for p in photos}) == 4
     images, sizes = canvas(photos)
     session = ort.InferenceSession(str(path))

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from visiondist.api.export_job import evaluate_file
+from visiondist.api.export_job import evaluate_file, headline
 from visiondist.api.jobs import CHATTY
 from visiondist.config import ConfigError
 from visiondist.utils.logs import held_at
@@ -106,15 +106,14 @@ def _inputs(trained, classifier: bool) -> dict[int, Any]:
     return {b: images[:b] for b in BATCHES}
 
 
-def _score(run_dir: Path, weights: Path, out: Path) -> Optional[tuple[str, float, int]]:
+def _score(run_dir: Path, weights: Path, out: Path) -> Optional[tuple[str, float, Optional[int]]]:
     """(metric, value, val images) of `weights` evaluated under the run's config; None where the
     val split is not on this machine."""
     try:
         metrics = evaluate_file(run_dir, weights, out)
     except ConfigError:
         return None
-    key = "val_top1" if "val_top1" in metrics else "val_mAP"
-    return ("top-1" if key == "val_top1" else "box mAP", float(metrics[key]), metrics["val_count"])
+    return headline(metrics)
 
 
 def _row(name: str, path: Optional[Path], score, model: Callable, inputs: dict) -> dict[str, Any]:

@@ -134,10 +134,8 @@ def accuracy_line(run_dir: Path, before: Path, after: Path, work: Path, precisio
         scores = [evaluate_file(run_dir, file, work / file.stem) for file in (before, after)]
     except ConfigError as exc:  # the val split is not here
         return f"val accuracy not measured: {str(exc).splitlines()[0]}"
-    key = "val_top1" if "val_top1" in scores[0] else "val_mAP"
-    name, unit = ("top-1", "%") if key == "val_top1" else ("box mAP", "")
-    a, b = (float(s[key]) for s in scores)
-    images = scores[0].get("val_count")
+    (name, a, images), (_, b, _) = (headline(s) for s in scores)
+    unit = "%" if name == "top-1" else ""
     on = f" ({int(images)} images)" if images else ""
     change = f"{b - a:+.2f} points" if unit else f"{b - a:+.4f}"
     fmt = "{:.2f}%" if unit else "{:.4f}"
@@ -145,6 +143,14 @@ def accuracy_line(run_dir: Path, before: Path, after: Path, work: Path, precisio
         f"val {name}{on}: {fmt.format(a)} float32 -> {fmt.format(b)} {precision} ({change}), each "
         "file evaluated by ONNX Runtime"
     )
+
+
+def headline(metrics: dict[str, Any]) -> tuple[str, float, Optional[int]]:
+    """An evaluation's one figure: ("top-1", percent) for a classifier, ("box mAP", mAP) for a
+    detector, with the val images it counted."""
+    key = "val_top1" if "val_top1" in metrics else "val_mAP"
+    count = metrics.get("val_count")
+    return ("top-1" if key == "val_top1" else "box mAP", float(metrics[key]), count)
 
 
 def evaluate_file(run_dir: Path, weights: Path, out: Path) -> dict[str, Any]:

@@ -245,3 +245,11 @@ def detector_results(
             found["masks"] = torch.from_numpy(outputs["masks"][i][:n, :, :height, :width])
         out.append(found)
     return out
+
+
+def run_detector(session, given: dict, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """A detector graph's detections for `images` in one batch, per image: fed as `given` says
+    (`detector_feed`), read back without the padding (`detector_results`); `session` an ONNX
+    Runtime session or anything answering its `run` and `get_outputs`."""
+    got = session.run(None, detector_feed(given, images))
+    return detector_results({o.name: v for o, v in zip(session.get_outputs(), got)}, images)

@@ -21,7 +21,7 @@ from visiondist.checkpoint.export.onnx import (
     set_score_thresholds,
     thresholds_set,
 )
-from visiondist.checkpoint.export.onnx_batch import detector_feed, detector_results
+from visiondist.checkpoint.export.onnx_batch import run_detector
 from visiondist.checkpoint.export.trained import Trained, example_images
 from visiondist.models.detection import has_mask_head
 
@@ -210,12 +210,12 @@ def _compare_detector(
     given = json.loads(session.get_modelmeta().custom_metadata_map.get(INPUT_METADATA, "{}"))
     images = [image for _, image in examples]
     try:
-        results: list = _run_batch(session, given, images)
+        results: list = run_detector(session, given, images)
     except Exception:  # onnxruntime's own error types: which image, below
         results = []
         for name, image in zip(names, images):
             try:
-                results += _run_batch(session, given, [image])
+                results += run_detector(session, given, [image])
             except Exception as exc:
                 results.append(None)
                 if failed is None:
@@ -253,13 +253,6 @@ def _compare_detector(
         mask_diff=mask_diff,
         score_spread=spread,
     )
-
-
-def _run_batch(session, given: dict, images: list[torch.Tensor]) -> list[dict]:
-    """ONNX Runtime's detections for `images`, one batch, per image (`detector_results`)."""
-    got = session.run(None, detector_feed(given, images))
-    named = {o.name: value for o, value in zip(session.get_outputs(), got)}
-    return detector_results(named, images)
 
 
 def _describe(paths: list[str], source: Optional[str] = None) -> tuple[str, list[str]]:

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from visiondist.checkpoint.export.onnx_batch import detector_feed, detector_results
+from visiondist.checkpoint.export.onnx_batch import run_detector
 from visiondist.models.exported import check_runtime_file, runtime_of
 from visiondist.models.registry import TASKS
 
@@ -83,8 +83,7 @@ class RuntimeModel(nn.Module):
         return [{k: v.to(device) for k, v in found.items()} for found in results]
 
     def _detect(self, images: list[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        got = self.session.run(None, detector_feed(self.given, images))
-        return detector_results(dict(zip(self.outputs, got)), images)
+        return run_detector(self.session, self.given, images)
 
     def _alone(self, image: torch.Tensor) -> dict[str, torch.Tensor]:
         """One image's detections; none where the graph fails on it: torchvision's exported graph
