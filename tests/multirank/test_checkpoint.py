@@ -55,6 +55,25 @@ def test_resume_mid_epoch_is_bitwise_exact(tmp_path, tiny_shapes):
     ) == 1
 
 
+def test_a_period_in_minutes_checkpoints_every_rank_after_the_same_step(tmp_path, tiny_shapes):
+    """trainer.checkpoint_every_min (30 by default) is rank 0's clock, carried in the step's
+    verdict: both ranks save after the same step (a DCP save is collective: a rank left out would
+    hang the other). A period shorter than any step (6 ms) makes each verdict ask for one; it is
+    read a step late and a save restarts the clock, so the saves come at least two steps apart.
+    The default period writes none in a run this short."""
+    common = ["model.num_heads=2", "parallel.dp=2", "trainer.max_steps=8", "trainer.keep_last=0"]
+    run = tmp_path / "timed"
+    out = _train(*_args(tiny_shapes, run, *common, "trainer.checkpoint_every_min=0.0001"))
+    steps = [step for step, _ in list_checkpoints(run)]
+    assert steps[-1] == 8 and len(steps) >= 3, (steps, out[-3000:])
+    assert all(b - a >= 2 for a, b in zip(steps[:-2], steps[1:-1])), steps
+    assert "from its newest checkpoint (one every 0.0001 minutes)" in out
+    plain = tmp_path / "plain"
+    out = _train(*_args(tiny_shapes, plain, *common))
+    assert [step for step, _ in list_checkpoints(plain)] == [8]
+    assert "from its newest checkpoint (one every 30 minutes)" in out
+
+
 RESHARD = ["model.num_heads=4", "trainer.max_steps=3"]  # 4 heads: tp2 and tp4 both divide them
 
 

@@ -42,8 +42,8 @@ def hydra_run(tmp_path_factory, tiny_shapes):
 
 
 def test_hydra_run_dir_puts_the_run_there_and_the_end_names_the_next_commands(hydra_run, tmp_path):
-    """The start names the command that continues the run, and when it can (the default checkpoints
-    only at the end); the end, the one that trains it on, which does: from its checkpoint at step 2
+    """The start names the command that continues the run, and from where (the default checkpoints
+    every 30 minutes); the end, the one that trains it on, which does: from its checkpoint at step 2
     to step 4, on its own config, and says the run is complete when given again."""
     import shlex
     import shutil
@@ -58,10 +58,8 @@ def test_hydra_run_dir_puts_the_run_there_and_the_end_names_the_next_commands(hy
     )
     assert OmegaConf.load(run / "config.yaml").trainer.run_dir == str(run)
     assert (
-        f"run dir {run}: a checkpoint is written when the run ends or is stopped (SIGTERM, "
-        "Ctrl-C), not during it (trainer.checkpoint_every=0): python tools/train.py "
-        f"trainer.run_dir={run} continues a stopped job; one that dies outright starts again at "
-        "step 1 unless trainer.checkpoint_every=<steps> is set"
+        f"run dir {run}: if the job dies (a crash, a kill, a lost node), python tools/train.py "
+        f"trainer.run_dir={run} continues it from its newest checkpoint (one every 30 minutes)"
     ) in out
     assert (
         f"run dir: {run}\n  train on: python tools/train.py trainer.run_dir={run} "
@@ -79,22 +77,30 @@ def test_hydra_run_dir_puts_the_run_there_and_the_end_names_the_next_commands(hy
     assert f"resumed from {copy}/checkpoints/step_2: step 2" in longer and max(losses_of(copy)) == 4
     # its own continuing command keeps the length it trains to (config.yaml still says 2 steps)
     assert (
-        f"python tools/train.py trainer.run_dir={copy} trainer.max_steps=4 continues a stopped job"
-        in longer
+        f"python tools/train.py trainer.run_dir={copy} trainer.max_steps=4 continues it from its "
+        "newest checkpoint" in longer
     )
     again = train_ok(*argv[2:])  # the same command once more: the run is complete at its new length
     assert f"{copy} is complete at step 4: nothing to do" in again, again[-2000:]
 
-    # a job that died before its first checkpoint (checkpoint_every=0): the continuing command says
-    # it starts over
+    # a job that died before its first checkpoint: the continuing command says it starts over; one
+    # that checkpoints only at its end (checkpoint_every_min=0) is told so at its start
     died = tmp_path / "died"
     shutil.copytree(
         run, died, ignore=shutil.ignore_patterns("checkpoints", "summary.json", "model.safetensors")
     )
-    over = train_ok(f"trainer.run_dir={died}")
+    over = train_ok(f"trainer.run_dir={died}", "trainer.checkpoint_every_min=0")
     assert (
         f"{died} holds no complete checkpoint (an earlier attempt ended before writing one; "
-        "trainer.checkpoint_every=0): training starts again at step 1"
+        "trainer.checkpoint_every=0, trainer.checkpoint_every_min=0): training starts again at "
+        "step 1"
+    ) in over, over[-3000:]
+    assert (
+        f"run dir {died}: a checkpoint is written when the run ends or is stopped (SIGTERM, "
+        "Ctrl-C), not during it (trainer.checkpoint_every_min=0): python tools/train.py "
+        f"trainer.run_dir={died} continues a stopped job; one that dies outright starts again at "
+        "step 1 unless trainer.checkpoint_every_min=<minutes> or trainer.checkpoint_every=<steps> "
+        "is set"
     ) in over, over[-3000:]
 
 

@@ -25,11 +25,15 @@ def test_step_health_verdicts_arrive_in_order_and_one_step_late_on_request():
     health.submit(1, 0, one, one, stop=False)
     health.submit(2, 0, nan, one, stop=False)
     health.submit(3, 0, one, nan, stop=True)
-    assert health.pending == 3
-    first, second, third = health.verdict(), health.verdict(), health.verdict()
-    assert (first.step, first.finite, first.stop) == (1, True, False)
+    health.submit(4, 0, one, one, stop=False, asked=True, save=True)
+    # a stop or a checkpoint due is not a non-finite step (fp16's skip reads this on the device)
+    assert health.nonfinite().item() == 0.0
+    assert health.pending == 4
+    first, second, third, fourth = (health.verdict() for _ in range(4))
+    assert (first.step, first.finite, first.stop, first.save) == (1, True, False, False)
     assert (second.step, second.bad_loss_ranks, second.bad_grad) == (2, [0], False)
     assert (third.step, third.bad_loss_ranks, third.bad_grad, third.stop) == (3, [], True, True)
+    assert (fourth.finite, fourth.stop, fourth.asked, fourth.save) == (True, False, True, True)
     assert health.verdict() is None and health.pending == 0
 
 

@@ -334,7 +334,9 @@ class TrainerConfig:
     # (observe/trackers.py; wandb and mlflow are the extras of those names)
     loggers: list[str] = field(default_factory=lambda: ["csv", "tensorboard"])
     project: str = "visiondist"  # the W&B project / MLflow experiment of wandb / mlflow runs
-    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: only at the end
+    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: by the minutes only
+    # minutes of the run between checkpoints (rank 0's clock); 0: off
+    checkpoint_every_min: float = 30.0
     keep_last: int = 3  # complete checkpoints kept; 0: all
     # the step waits only for the copy to host memory; the write overlaps training
     checkpoint_async: bool = False

@@ -332,7 +332,7 @@ def _check_trainer(t: DictConfig) -> None:
         )
     for key in ("grad_accum", "log_every"):
         _positive(f"trainer.{key}", t[key])
-    for key in ("clip_grad", "eval_every", "checkpoint_every", "keep_last"):
+    for key in ("clip_grad", "eval_every", "checkpoint_every", "checkpoint_every_min", "keep_last"):
         _positive(f"trainer.{key}", t[key], allow_zero=True)
     _one_of("trainer.best_mode", t.best_mode, ("auto", "max", "min"))
     if t.resume not in (None, "auto") and not Path(str(t.resume)).expanduser().exists():

@@ -23,6 +23,25 @@ from visiondist.utils.heartbeat import PROGRESS
 log = logging.getLogger(__name__)
 
 
+NO_CADENCE = "trainer.checkpoint_every=0, trainer.checkpoint_every_min=0"
+
+
+def cadence(t: DictConfig) -> str:
+    """How often the run checkpoints during it, for the lines that say what a job killed outright
+    keeps: "one every 30 minutes", "one every 500 steps or 30 minutes", or "" (only when it ends or
+    is stopped).
+
+    Args:
+        t: the config's `trainer`.
+
+    Returns:
+        The cadence in words, or "".
+    """
+    every, minutes = int(t.checkpoint_every), float(t.get("checkpoint_every_min", 0))
+    parts = [f"{every} steps"] * (every > 0) + [f"{minutes:g} minutes"] * (minutes > 0)
+    return f"one every {' or '.join(parts)}" if parts else ""
+
+
 def resume_path(cfg: DictConfig, run_dir: Path) -> Optional[Path]:
     """The checkpoint `trainer.resume` names (auto: this run dir's latest complete one), or None."""
     spec = cfg.trainer.resume
@@ -53,9 +72,9 @@ def resume(
         if cfg.trainer.resume == "auto" and continued and layout.is_main:
             log.warning(
                 "%s holds no complete checkpoint (an earlier attempt ended before writing one; "
-                "trainer.checkpoint_every=%d): training starts again at step 1",
+                "%s): training starts again at step 1",
                 run_dir,
-                cfg.trainer.checkpoint_every,
+                cadence(cfg.trainer) or NO_CADENCE,
             )
         return Resumed()
     saved = load_checkpoint(path, unwrap(parts.model), parts.optimizer, layout, parts.ema)

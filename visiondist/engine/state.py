@@ -126,6 +126,9 @@ class LoopState:
         stop_requested: a stop signal reached some rank (agreed by all).
         stop_asked_here: a user's callback on this rank asked the run to stop (its name).
         stop_asked: a callback on some rank asked the run to stop (agreed by all).
+        save_wanted_here: this rank's clock says a checkpoint is due (rank 0 only:
+            `trainer.checkpoint_every_min` since the last one).
+        save_due: the latest step whose agreed verdict said a checkpoint is due (0: none).
         skipped_steps: optimizer steps skipped as non-finite, over every attempt.
         overflow_steps: fp16 steps skipped because a scaled gradient overflowed.
         last_eval: the latest evaluation's metrics and "step".
@@ -146,6 +149,8 @@ class LoopState:
     stop_requested: bool = _owned("OptimizerStep", False)  # a stop signal reached some rank
     stop_asked_here: Optional[str] = _owned("CallbackHook", None)  # a callback's name, this rank
     stop_asked: bool = _owned("OptimizerStep", False)  # a callback on some rank asked to stop
+    save_wanted_here: bool = _owned("CheckpointHook", False)  # rank 0's clock: a checkpoint due
+    save_due: int = _owned("OptimizerStep", 0)  # the latest step whose verdict said one is due
     skipped_steps: int = _owned("OptimizerStep", 0)  # non-finite, over every attempt
     overflow_steps: int = _owned("OptimizerStep", 0)  # fp16: a scaled gradient overflowed
     last_eval: dict[str, Any] = _owned("Validation", default_factory=dict)  # metrics and "step"

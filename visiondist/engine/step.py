@@ -5,8 +5,8 @@ scaled before the backward and the gradients unscaled before the norm; a step wh
 overflowed is skipped on every rank (`precision.LossScaler`).
 
 Every step's health (`visiondist.faults.health.StepHealth`: non-finite loss per rank, non-finite
-gradient, a stop signal) is one all-reduce; every rank takes the same decision on it
-(`trainer.on_nonfinite`: raise or skip)."""
+gradient, a stop signal, a checkpoint due) is one all-reduce; every rank takes the same decision
+on it (`trainer.on_nonfinite`: raise or skip)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def signals_received() -> bool:
 
 class OptimizerStep:
     """A part the loop holds: it steps the parts' model, optimizer, scaler, EMA and schedule, and
-    owns the step verdicts' fields of the loop state (`stop_requested`, `skipped_steps`,
-    `overflow_steps`). It needs no run dir: the benchmark times it as it is."""
+    owns the step verdicts' fields of the loop state (`stop_requested`, `stop_asked`, `save_due`,
+    `skipped_steps`, `overflow_steps`). It needs no run dir: the benchmark times it as it is."""
 
     def __init__(self, cfg: DictConfig, layout: Layout, parts: Components, state: LoopState):
         self.cfg, self.layout, self.parts, self.state = cfg, layout, parts, state
@@ -71,6 +71,7 @@ class OptimizerStep:
             grad_norm,
             signals_received(),
             self.state.stop_asked_here is not None,
+            self.state.save_wanted_here,
         )
         # skip and back off on the job's verdict, never on this rank's alone
         if self.scaler is not None:
@@ -137,6 +138,8 @@ class OptimizerStep:
         state = self.state
         state.stop_requested = state.stop_requested or verdict.stop
         state.stop_asked = state.stop_asked or verdict.asked
+        if verdict.save:
+            state.save_due = verdict.step
         if verdict.finite:
             return
         # already skipped by the scaler, on the device: count it, never raise

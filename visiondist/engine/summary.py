@@ -16,6 +16,7 @@ from visiondist.config.resolution import native_settings
 from visiondist.data.device_decode import WORKER_DECODED, count_worker_decoded, decoder_name
 from visiondist.data.robust import count_bad_images
 from visiondist.data.shards.store import is_url
+from visiondist.engine.checkpointing import cadence
 from visiondist.engine.optim import warmup_length
 from visiondist.engine.precision import cpu_has_bf16, precision_name, precision_text
 from visiondist.engine.trainer import Trainer
@@ -120,20 +121,21 @@ def _announce_continuing(tr: Trainer, under_torchrun: bool) -> None:
     """How the run continues if it dies or is stopped: the command, and how far back it would go."""
     t = tr.cfg.trainer
     command = continue_command(tr.run_dir, under_torchrun)
-    if t.checkpoint_every > 0:
+    every = cadence(t)
+    if every:
         log.info(
             "run dir %s: if the job dies (a crash, a kill, a lost node), %s continues it from its "
-            "newest checkpoint (one every %d steps)",
+            "newest checkpoint (%s)",
             shown_path(tr.run_dir),
             command,
-            t.checkpoint_every,
+            every,
         )
     else:
         log.info(
             "run dir %s: a checkpoint is written when the run ends or is stopped (SIGTERM, "
-            "Ctrl-C), not during it (trainer.checkpoint_every=0): %s continues a stopped job; one "
-            "that dies outright starts again at step 1 unless trainer.checkpoint_every=<steps> is "
-            "set",
+            "Ctrl-C), not during it (trainer.checkpoint_every_min=0): %s continues a stopped job; "
+            "one that dies outright starts again at step 1 unless trainer.checkpoint_every_min="
+            "<minutes> or trainer.checkpoint_every=<steps> is set",
             shown_path(tr.run_dir),
             command,
         )

@@ -7,10 +7,11 @@
   to finish (evaluation), raises `StopNow` at once. The launching process's side (forwarding, the
   bound on the wait, the final line) is `visiondist.launch.stop`.
 - `StepHealth`: one all-reduce per step of [per-rank "loss not finite" flags, "gradient not finite",
-  stop]. Every rank then takes the same decision: raise (naming the ranks) or skip the optimizer
-  step (`trainer.on_nonfinite`). With `raise` the host reads a step's flags one step later, so the
-  loop never waits for the device; `skip` must decide before the optimizer step and reads them at
-  once. fp16's loss scaler skips a step on the device, on the same all-reduced flags (`nonfinite`).
+  stop, a callback's stop, a checkpoint due by rank 0's clock]. Every rank then takes the same
+  decision: raise (naming the ranks) or skip the optimizer step (`trainer.on_nonfinite`). With
+  `raise` the host reads a step's flags one step later, so the loop never waits for the device;
+  `skip` must decide before the optimizer step and reads them at once. fp16's loss scaler skips a
+  step on the device, on the same all-reduced flags (`nonfinite`).
 - `set_collective_timeout`: the start-up timeout (long: data generation, compilation) is replaced
   after the first step by `trainer.dist_timeout_s`, so a rank that never joins a collective turns
   into an error on the others.
@@ -30,6 +31,8 @@ from visiondist.compat import set_pg_timeout
 from visiondist.utils.heartbeat import PROGRESS
 
 log = logging.getLogger(__name__)
+# after the per-rank loss flags: the gradient's, a stop signal's, a callback's, a checkpoint due
+FLAGS = 4
 
 
 class NonFiniteStep(RuntimeError):
@@ -45,6 +48,7 @@ class Verdict:
     bad_grad: bool  # the global gradient norm was not finite
     stop: bool  # some rank was asked to stop (a signal)
     asked: bool = False  # a user's callback on some rank asked the run to stop
+    save: bool = False  # a checkpoint is due (`trainer.checkpoint_every_min`, rank 0's clock)
 
     @property
     def finite(self) -> bool:
@@ -53,7 +57,7 @@ class Verdict:
 
 class StepHealth:
     """The step's shared decision: which ranks' losses are not finite, whether the gradient is,
-    whether any rank was asked to stop.
+    whether any rank was asked to stop, whether a checkpoint is due.
 
     `submit` starts the all-reduce of a step's flags and a non-blocking copy to the host; `verdict`
     waits for the oldest submitted step's result. Reading a step's verdict after the next step has
@@ -63,8 +67,9 @@ class StepHealth:
     def __init__(self, world_size: int, device: torch.device):
         self.world_size, self.device = world_size, device
         self._pending: list[tuple[int, torch.Tensor, Any]] = []
-        # [a flag per rank's loss, the gradient's, a stop signal's, a callback's stop request]
-        self._last = torch.zeros(world_size + 3, device=device)
+        # [a flag per rank's loss, the gradient's, a stop signal's, a callback's stop request, a
+        # checkpoint due]
+        self._last = torch.zeros(world_size + FLAGS, device=device)
 
     def submit(
         self,
@@ -74,16 +79,19 @@ class StepHealth:
         grad_norm: torch.Tensor,
         stop: bool,
         asked: bool = False,
+        save: bool = False,
     ) -> None:
         """Collective: every rank submits every step. `stop`: a stop signal reached this rank;
-        `asked`: a callback on this rank asked the run to stop."""
+        `asked`: a callback on this rank asked the run to stop; `save`: this rank's clock says a
+        checkpoint is due."""
         # element copies and fills: no host sync
-        flags = torch.zeros(self.world_size + 3, device=self.device)
+        flags = torch.zeros(self.world_size + FLAGS, device=self.device)
         flags[rank] = (~torch.isfinite(loss.detach().float()).all()).float()
-        flags[-3] = (~torch.isfinite(grad_norm.detach().float()).all()).float()
+        flags[-4] = (~torch.isfinite(grad_norm.detach().float()).all()).float()
         # not `flags[-1] = x`: that copies a host scalar, which synchronises
-        flags[-2:-1].fill_(float(stop))
-        flags[-1:].fill_(float(asked))
+        flags[-3:-2].fill_(float(stop))
+        flags[-2:-1].fill_(float(asked))
+        flags[-1:].fill_(float(save))
         if self.world_size > 1:
             dist.all_reduce(flags)
         self._last = flags  # on the device, for `nonfinite`
@@ -101,7 +109,7 @@ class StepHealth:
         rank's loss or the gradient was not finite, else 0.0, the same on every rank. For a decision
         the device takes without the host waiting for it (fp16's skipped step:
         `visiondist.engine.precision.LossScaler.agree`)."""
-        return (self._last[:-2].sum() > 0).float()
+        return (self._last[: self.world_size + 1].sum() > 0).float()
 
     @property
     def pending(self) -> int:
@@ -117,7 +125,9 @@ class StepHealth:
             event.synchronize()
         values = flags.tolist()
         ranks = [r for r in range(self.world_size) if values[r] > 0]
-        return Verdict(step, ranks, values[-3] > 0, values[-2] > 0, values[-1] > 0)
+        return Verdict(
+            step, ranks, values[-4] > 0, values[-3] > 0, values[-2] > 0, save=values[-1] > 0
+        )
 
 
 def set_collective_timeout(

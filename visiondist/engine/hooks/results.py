@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Optional
 
 import torch
@@ -21,16 +22,34 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointHook(Hook):
-    """Every `trainer.checkpoint_every` steps before the last, and at the end of the run (complete
-    or stopped) unless that step is saved already. Under `trainer.checkpoint_async` a save overlaps
-    the next steps; the end of the run, a stop and a failure wait for it (a failure at most
-    `trainer.dist_timeout_s`)."""
+    """Every `trainer.checkpoint_every` steps and every `trainer.checkpoint_every_min` minutes
+    before the last, and at the end of the run (complete or stopped) unless that step is saved
+    already. The minutes are rank 0's clock, carried in the step's verdict (`StepHealth`, no other
+    collective): every rank saves after the same step, a step after rank 0's clock said so (two
+    when the verdicts are read a step late). Under `trainer.checkpoint_async` a save overlaps the
+    next steps; the end of the run, a stop and a failure wait for it (a failure at most
+    `trainer.dist_timeout_s`). Owns `state.save_wanted_here`."""
+
+    def __init__(self) -> None:
+        self._since = time.monotonic()  # the clock of the newest checkpoint
+        self._saved_at = 0  # its step
+
+    def before_train(self, trainer: Trainer) -> None:
+        self._since, self._saved_at = time.monotonic(), trainer.state.step
 
     def after_step(self, trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        every, step = trainer.cfg.trainer.checkpoint_every, trainer.state.step
-        if every and step % every == 0 and step < trainer.parts.total_steps:
+        t, state = trainer.cfg.trainer, trainer.state
+        every, step = t.checkpoint_every, state.step
+        due = (bool(every) and step % every == 0) or state.save_due > self._saved_at
+        if due and step < trainer.parts.total_steps:
             with trainer.untimed():
                 trainer.checkpoints.save()
+        # any save restarts the clock (this one, the best evaluated, ...): the same step everywhere
+        if trainer.checkpoints.saved_step > self._saved_at:
+            self._since, self._saved_at = time.monotonic(), trainer.checkpoints.saved_step
+        minutes = float(t.get("checkpoint_every_min", 0))
+        if minutes > 0 and trainer.layout.is_main:
+            state.save_wanted_here = time.monotonic() - self._since >= minutes * 60
 
     def close(self, trainer: Trainer) -> None:
         """Also after a failure: the save in flight is finished, so that a restart resumes from
