@@ -4,11 +4,13 @@
         parallel=tp4 out=job.yaml
     kubectl apply -f job.yaml
 
-kind=trainjob (default): a Kubeflow Trainer v2 TrainJob on the torch-distributed runtime;
+kind=trainjob (default): a Kubeflow Trainer v2 TrainJob and its own TrainingRuntime (the
+torch-distributed runtime's JobSet, recreating every pod after a failure, restarts= times);
 kind=pytorchjob: a Training Operator PyTorchJob. Each pod runs `python tools/train.py <the
 overrides>`, which reads its place in the job from the operator's variables and starts its node's
 ranks. The run dir is on the claim `pvc=` (mounted at /runs, named by the job), so a restarted pod
-continues the run; the pods' grace period after SIGTERM is the time for a step and a checkpoint
+continues the run from its newest checkpoint (one every trainer.checkpoint_every_min, 30 by
+default); the pods' grace period after SIGTERM is the time for a step and a checkpoint
 (trainer.stop_timeout_s) plus a minute; each pod requests (and is limited to) the CPUs and memory of
 its ranks and loader workers (cpu=, memory=) and a sized /dev/shm. The overrides are checked as
 tools/train.py checks them. tools/k8s/ holds the two manifests of the example above
@@ -45,7 +47,8 @@ TOOL = Tool(
     keys=(
         (
             "kind=<kind>",
-            "trainjob (Kubeflow Trainer v2, the default) or pytorchjob (Training Operator)",
+            "trainjob (Kubeflow Trainer v2, with a TrainingRuntime of its own; the default) or "
+            "pytorchjob (Training Operator)",
         ),
         (
             "image=<image>",
@@ -53,6 +56,10 @@ TOOL = Tool(
         ),
         ("nodes=<n>", "pods, one per node (default 2)"),
         ("gpus=<n>", "GPUs (ranks) per node (default 8)"),
+        (
+            "restarts=<n>",
+            "times the job starts again after a failure, from its newest checkpoint (default 3)",
+        ),
         (
             "name=<name>",
             "the job's name, and its run dir's under /runs (default: from model= and parallel=)",
@@ -86,14 +93,16 @@ TOOL = Tool(
     run_dir=False,
     multirun=False,
 )
+# what each kind= writes
+KIND_NAMES = {"trainjob": "TrainingRuntime and TrainJob", "pytorchjob": "PyTorchJob"}
 # data.num_classes when it is unset and there is no data to count (the checkpoint's size)
 DEFAULT_CLASSES = 1000
 
 
-def _count(cmd: Command, key: str, default: int) -> int:
+def _count(cmd: Command, key: str, default: int, least: int = 1) -> int:
     value = cmd.args.get(key, str(default))
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigError(f"{key}={value}: a whole number of at least 1")
+    if not value.isdigit() or int(value) < least:
+        raise ConfigError(f"{key}={value}: a whole number of at least {least}")
     return int(value)
 
 
@@ -151,7 +160,7 @@ def k8s(cmd: Command) -> int:
         default_name,
         grace_for,
         job_layout,
-        manifest,
+        manifests,
         pod_resources,
     )
 
@@ -185,10 +194,10 @@ def k8s(cmd: Command) -> int:
             cfg, gpus, run.dp, cmd.args.get("cpu", ""), cmd.args.get("memory", "")
         ),
         pull_secret=cmd.args.get("image_pull_secret", ""),
+        restarts=_count(cmd, "restarts", 3, least=0),
     )
-    text = yaml.safe_dump(
-        manifest(cmd.args.get("kind", "trainjob"), spec), sort_keys=False, width=120
-    )
+    kind = cmd.args.get("kind", "trainjob")
+    text = yaml.safe_dump_all(manifests(kind, spec), sort_keys=False, width=120)
     if cmd.args.get("out"):
         out = Path(cmd.args["out"])
         try:
@@ -199,7 +208,8 @@ def k8s(cmd: Command) -> int:
             ) from None
         r = spec.resources
         print(
-            f"wrote {out}: {spec.nodes} pod{'s' if spec.nodes > 1 else ''} x {spec.gpus} GPUs, "
+            f"wrote {out} ({KIND_NAMES[kind]} {spec.name}): {spec.nodes} "
+            f"pod{'s' if spec.nodes > 1 else ''} x {spec.gpus} GPUs, "
             f"{r.cpu} CPUs and {r.memory} memory each ({r.workers} loader workers a rank, "
             f"/dev/shm {r.shm}), run dir {spec.run_dir} on claim {spec.pvc}, "
             f"{spec.termination_grace_s} s grace after SIGTERM",
@@ -209,37 +219,54 @@ def k8s(cmd: Command) -> int:
         print(text, end="")
     if spec.resources.short:
         print(spec.resources.short, file=sys.stderr)
-    print(
-        _on_failure(
-            cmd.args.get("kind", "trainjob"),
-            spec.name,
-            cmd.args.get("out") or "<the manifest>",
-            int(cfg.trainer.checkpoint_every),
-        ),
-        file=sys.stderr,
-    )
+    print(_on_failure(kind, spec, cfg.trainer), file=sys.stderr)
+    _say_write_share(cfg, run)
     _say_fit(cfg, run)
     return 0
 
 
-def _on_failure(kind: str, name: str, out: str, every: int) -> str:
-    """What happens when a pod of the job fails, in one line; `every`: trainer.checkpoint_every."""
+def _on_failure(kind: str, spec, t) -> str:
+    """What happens when a pod of the job fails, in one line; `t`: the config's trainer."""
+    from visiondist.engine.checkpointing import cadence
+
+    every = cadence(t)
     kept = (
-        f"its newest checkpoint (one every {every} steps)"
-        if every > 0
+        f"its newest checkpoint ({every})"
+        if every
         else "step 1: the pods checkpoint only when the run ends or is stopped "
-        "(trainer.checkpoint_every=0), so add trainer.checkpoint_every=<steps> to bound what "
-        "a lost pod costs"
+        "(trainer.checkpoint_every_min=0), so add trainer.checkpoint_every_min=<minutes> to bound "
+        "what a lost pod costs"
     )
+    times = f"{spec.restarts} time{'s' if spec.restarts != 1 else ''}"
     if kind == "pytorchjob":
         return (
-            "a failed pod restarts (restartPolicy OnFailure, backoffLimit 3) and continues "
-            f"the run from {kept}"
+            f"a failed pod restarts (restartPolicy OnFailure, backoffLimit {spec.restarts}) and "
+            f"continues the run from {kept}"
         )
     return (
-        "a failed pod fails the TrainJob (the torch-distributed runtime sets no restarts, and a "
-        f"TrainJob cannot): kubectl delete trainjob {name} && kubectl apply -f {out} continues "
-        f"the run from {kept}; kind=pytorchjob restarts failed pods by itself"
+        f"a failed pod restarts the whole job, at most {times} (TrainingRuntime {spec.name}: "
+        "every pod recreated once all are gone; a configuration error, exit code 2, ends it), "
+        f"and the pods continue the run from {kept}"
+    )
+
+
+def _say_write_share(cfg, run) -> None:
+    """On stderr, where a checkpoint's planned write is over 5% of trainer.checkpoint_every_min and
+    stalls training (no trainer.checkpoint_async): what it costs and the two settings that lower
+    it."""
+    from visiondist.launch.stop import WRITE_BYTES_PER_S, write_seconds
+
+    t = cfg.trainer
+    minutes = float(t.checkpoint_every_min)
+    write = write_seconds(cfg, run)
+    if minutes <= 0 or t.checkpoint_async or write <= 0.05 * minutes * 60:
+        return
+    print(
+        f"a checkpoint's write is planned at {write:.0f} s a node ({WRITE_BYTES_PER_S / 1e6:.0f} "
+        f"MB/s, a slow shared file system), {write / (minutes * 60):.0%} of the {minutes:g}-minute "
+        "period: trainer.checkpoint_async=true overlaps the write with training, "
+        "trainer.checkpoint_every_min=<minutes> spaces the checkpoints",
+        file=sys.stderr,
     )
 
 

@@ -1,8 +1,9 @@
 """tools/k8s.py's manifests: validated against the operators' published API models (Kubeflow
-Trainer's kubeflow-trainer-api for TrainJob, the Training Operator's kubeflow-training with the
-Kubernetes client's models for PyTorchJob; no cluster and no kubectl here: what a model does not
-hold, a misspelt or misplaced key, fails the round trip), the shipped examples in tools/k8s/ equal
-to what the tool writes, and what the pods get read back into the job the manifest describes."""
+Trainer's kubeflow-trainer-api for TrainingRuntime and TrainJob, the Training Operator's
+kubeflow-training with the Kubernetes client's models for PyTorchJob; no cluster and no kubectl
+here: what a model does not hold, a misspelt or misplaced key, fails the round trip), the shipped
+examples in tools/k8s/ equal to what the tool writes, and what the pods get read back into the job
+the manifest describes."""
 
 import json
 import sys
@@ -35,39 +36,54 @@ def _write(tmp_path, *args):
         sys.path.pop(0)
     out = tmp_path / "job.yaml"
     assert k8s.main([*args, f"out={out}"]) == 0
-    return yaml.safe_load(out.read_text()), out.read_text()
+    return list(yaml.safe_load_all(out.read_text())), out.read_text()
 
 
-def _trainjob_round_trip(manifest):
-    from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+def _trainjob_round_trip(docs):
+    """The job's TrainingRuntime, then the TrainJob that names it."""
+    from kubeflow_trainer_api.models import TrainerV1alpha1TrainingRuntime, TrainerV1alpha1TrainJob
 
-    assert TrainerV1alpha1TrainJob.from_dict(manifest).to_dict() == manifest
+    runtime, job = docs
+    assert TrainerV1alpha1TrainingRuntime.from_dict(runtime).to_dict() == runtime
+    assert TrainerV1alpha1TrainJob.from_dict(job).to_dict() == job
+    assert job["spec"]["runtimeRef"] == {
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": runtime["kind"],
+        "name": runtime["metadata"]["name"],
+    }
 
 
-def _pytorchjob_round_trip(manifest):
+def _pytorchjob_round_trip(docs):
     from kubeflow.training.api_client import ApiClient
 
+    (manifest,) = docs
     client = ApiClient()
     job = client.deserialize(SimpleNamespace(data=json.dumps(manifest)), "KubeflowOrgV1PyTorchJob")
     assert client.sanitize_for_serialization(job) == manifest
+
+
+def _node_job(runtime: dict) -> dict:
+    """The runtime's one replicated job (`node`): its Job spec."""
+    (node,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    assert node["name"] == "node"
+    return node["template"]["spec"]
 
 
 @pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
 def test_the_shipped_manifests_are_the_tools_and_valid(tmp_path, kind):
     pytest.importorskip("kubeflow_trainer_api")
     pytest.importorskip("kubeflow.training")
-    manifest, text = _write(tmp_path, f"kind={kind}", *EXAMPLE)
+    docs, text = _write(tmp_path, f"kind={kind}", *EXAMPLE)
     # regenerate: see docs
     assert (REPO / "tools" / "k8s" / f"vit_huge_tp4_{kind}.yaml").read_text() == text
-    (_trainjob_round_trip if kind == "trainjob" else _pytorchjob_round_trip)(manifest)
+    (_trainjob_round_trip if kind == "trainjob" else _pytorchjob_round_trip)(docs)
+    manifest = docs[-1]
     if kind == "trainjob":
         trainer = manifest["spec"]["trainer"]
         args = trainer["args"]
         assert trainer["numNodes"] == 2 and trainer["numProcPerNode"] == 8
-        pod = manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
-            "replicatedJobs"
-        ][0]
-        pod = pod["template"]["spec"]["template"]["spec"]
+        assert docs[0]["spec"]["mlPolicy"]["numNodes"] == 2
+        pod = _node_job(docs[0])["template"]["spec"]
     else:
         master = manifest["spec"]["pytorchReplicaSpecs"]["Master"]
         assert (
@@ -97,15 +113,12 @@ def test_the_shipped_manifests_are_the_tools_and_valid(tmp_path, kind):
     )
 
 
-def _pod_of(manifest: dict) -> tuple[dict, dict]:
-    """(pod spec, resources) of a manifest of either kind."""
+def _pod_of(docs: list[dict]) -> tuple[dict, dict]:
+    """(pod spec, resources) of the documents of either kind."""
+    manifest = docs[-1]
     if manifest["kind"] == "TrainJob":
-        pod = manifest["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"][
-            "replicatedJobs"
-        ][0]
-        return pod["template"]["spec"]["template"]["spec"], manifest["spec"]["trainer"][
-            "resourcesPerNode"
-        ]
+        pod = _node_job(docs[0])["template"]["spec"]
+        return pod, manifest["spec"]["trainer"]["resourcesPerNode"]
     pod = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     return pod, pod["containers"][0]["resources"]
 
@@ -127,8 +140,8 @@ def test_pods_request_cpu_and_memory_from_their_ranks_and_workers(tmp_path, kind
         "data.batch_size=1024",
         "data.img_size=224",
     ]
-    manifest, _ = _write(tmp_path, *base, "data.num_workers=3")
-    pod, resources = _pod_of(manifest)
+    docs, _ = _write(tmp_path, *base, "data.num_workers=3")
+    pod, resources = _pod_of(docs)
     # /dev/shm: 4 ranks (dp4) x 3 workers x 2 batches ready x 256 images x 3 x 224 x 224 bytes,
     # twice: 1.72 GiB
     assert (
@@ -141,38 +154,42 @@ def test_pods_request_cpu_and_memory_from_their_ranks_and_workers(tmp_path, kind
         "sizeLimit": "2Gi",
     }
     assert "imagePullSecrets" not in pod
-    manifest, _ = _write(tmp_path, *base, "cpu=24", "memory=200Gi", "image_pull_secret=regcred")
-    pod, resources = _pod_of(manifest)
+    docs, _ = _write(tmp_path, *base, "cpu=24", "memory=200Gi", "image_pull_secret=regcred")
+    pod, resources = _pod_of(docs)
     assert (
         resources["requests"]
         == resources["limits"]
         == {"cpu": "24", "memory": "200Gi", "nvidia.com/gpu": "4"}
     )
     assert pod["imagePullSecrets"] == [{"name": "regcred"}]
-    (_trainjob_round_trip if kind == "trainjob" else _pytorchjob_round_trip)(manifest)
+    (_trainjob_round_trip if kind == "trainjob" else _pytorchjob_round_trip)(docs)
 
 
 def test_a_misplaced_key_fails_the_validation(tmp_path):
     """The round trip is a check: a key the published model does not hold fails it."""
     pytest.importorskip("kubeflow_trainer_api")
     pytest.importorskip("kubeflow.training")
-    manifest, _ = _write(tmp_path, "kind=trainjob", *EXAMPLE)
-    manifest["spec"]["trainer"]["numProcsPerNode"] = 8
+    docs, _ = _write(tmp_path, "kind=trainjob", *EXAMPLE)
+    docs[1]["spec"]["trainer"]["numProcsPerNode"] = 8
     with pytest.raises(AssertionError):
-        _trainjob_round_trip(manifest)
-    manifest, _ = _write(tmp_path, "kind=pytorchjob", *EXAMPLE)
-    manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
+        _trainjob_round_trip(docs)
+    docs, _ = _write(tmp_path, "kind=trainjob", *EXAMPLE)
+    docs[0]["spec"]["template"]["spec"]["failurePolicy"]["maxRestart"] = 3
+    with pytest.raises(AssertionError):
+        _trainjob_round_trip(docs)
+    docs, _ = _write(tmp_path, "kind=pytorchjob", *EXAMPLE)
+    docs[0]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"][
         "terminationGracePeriod"
     ] = 60
     with pytest.raises(AssertionError):
-        _pytorchjob_round_trip(manifest)
+        _pytorchjob_round_trip(docs)
 
 
 def test_what_the_pods_of_a_trainjob_get_is_read_as_the_manifests_job(tmp_path):
     """The torch-distributed runtime's variables for the manifest's numNodes / numProcPerNode
     (PET_*), read by the pods' launcher: 2 nodes of 8 ranks, each pod its own node rank."""
-    manifest, _ = _write(tmp_path, "kind=trainjob", *EXAMPLE)
-    trainer = manifest["spec"]["trainer"]
+    docs, _ = _write(tmp_path, "kind=trainjob", *EXAMPLE)
+    trainer = docs[1]["spec"]["trainer"]
     for node in range(trainer["numNodes"]):
         env = {
             "PET_NNODES": str(trainer["numNodes"]),
@@ -278,9 +295,9 @@ def test_memory_between_the_ranks_floor_and_the_plan_says_what_it_holds(tmp_path
     [
         (
             "trainjob",
-            "a failed pod fails the TrainJob (the torch-distributed runtime sets no restarts, and "
-            "a TrainJob cannot): kubectl delete trainjob vit-huge && kubectl apply -f {out} "
-            "continues the run from {kept}; kind=pytorchjob restarts failed pods by itself",
+            "a failed pod restarts the whole job, at most 3 times (TrainingRuntime vit-huge: every "
+            "pod recreated once all are gone; a configuration error, exit code 2, ends it), and "
+            "the pods continue the run from {kept}",
         ),
         (
             "pytorchjob",
@@ -290,23 +307,77 @@ def test_memory_between_the_ranks_floor_and_the_plan_says_what_it_holds(tmp_path
     ],
 )
 def test_the_tool_says_what_a_pod_failure_does_to_each_kind_of_job(tmp_path, capsys, kind, says):
-    """What the manifest holds for it: a PyTorchJob's restart policy; a TrainJob has no such field
-    (the published model would refuse one), so the line says what its runtime does and how to
-    continue, and from where: the newest checkpoint of trainer.checkpoint_every, or step 1 without
-    it."""
-    manifest, _ = _write(
-        tmp_path, "image=x", "model=vit_huge", f"kind={kind}", "trainer.checkpoint_every=500"
-    )
-    kept = "its newest checkpoint (one every 500 steps)"
-    assert says.format(out=tmp_path / "job.yaml", kept=kept) in capsys.readouterr().err
-    _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}")
+    """What the manifests hold for it, and the line that says it. A TrainJob has no restart field:
+    its own TrainingRuntime's JobSet restarts it, every pod at once (a static rendezvous has no
+    place for one new pod), after the old ones are gone (BlockingRecreate: none is still writing
+    the checkpoint the new ones read), `restarts=` times; a pod's exit code 2 (a configuration
+    error) ends it through the Job's podFailurePolicy and the JobSet's rule on that reason. From
+    where: the newest checkpoint of the default 30-minute period, or step 1 without one."""
+    docs, _ = _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}")
+    kept = "its newest checkpoint (one every 30 minutes)"
+    assert says.format(kept=kept) in capsys.readouterr().err
+    assert "trainer.checkpoint_every_min" not in str(docs)  # the default, not an override
+    _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}", "trainer.checkpoint_every=500")
+    assert "newest checkpoint (one every 500 steps or 30 minutes)" in capsys.readouterr().err
+    _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}", "trainer.checkpoint_every_min=0")
     assert (
-        "continues the run from step 1: the pods checkpoint only when the run ends or is stopped "
-        "(trainer.checkpoint_every=0), so add trainer.checkpoint_every=<steps>"
+        "the run from step 1: the pods checkpoint only when the run ends or is stopped "
+        "(trainer.checkpoint_every_min=0), so add trainer.checkpoint_every_min=<minutes>"
         in capsys.readouterr().err
     )
+    again, _ = _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}", "restarts=7")
     if kind == "pytorchjob":
+        (manifest,) = docs
         assert manifest["spec"]["runPolicy"]["backoffLimit"] == 3
         assert manifest["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "OnFailure"
-    else:
-        assert "restartPolicy" not in str(manifest) and "failurePolicy" not in str(manifest)
+        assert again[0]["spec"]["runPolicy"]["backoffLimit"] == 7
+        return
+    _trainjob_round_trip(docs)
+    runtime, job = docs
+    assert "restartPolicy" not in str(job) and "failurePolicy" not in str(job)
+    assert runtime["kind"] == "TrainingRuntime" and runtime["metadata"]["name"] == "vit-huge"
+    jobset = runtime["spec"]["template"]["spec"]
+    assert jobset["failurePolicy"] == {
+        "maxRestarts": 3,
+        "restartStrategy": "BlockingRecreate",
+        "rules": [
+            {
+                "name": "ConfigurationError",
+                "action": "FailJobSet",
+                "onJobFailureReasons": ["PodFailurePolicy"],
+            }
+        ],
+    }
+    node = _node_job(runtime)
+    # any failed pod fails its Job at once, which restarts the JobSet
+    assert node["backoffLimit"] == 0 and node["template"]["spec"]["restartPolicy"] == "Never"
+    (rule,) = node["podFailurePolicy"]["rules"]
+    assert rule == {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": "node", "operator": "In", "values": [2]},
+    }
+    # the Trainer gives the TrainJob's image, command and resources to this job's `node` container
+    assert runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["metadata"] == {
+        "labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
+    }
+    assert [c["name"] for c in node["template"]["spec"]["containers"]] == ["node"]
+    assert (
+        _node_job(again[0]) == node
+        and again[0]["spec"]["template"]["spec"]["failurePolicy"]["maxRestarts"] == 7
+    )
+
+
+def test_a_configuration_error_exits_with_the_code_the_job_fails_on(tmp_path, capsys):
+    """The runtime's podFailurePolicy ends the job on exit code 2 instead of restarting it: that is
+    what a pod's tools/train.py exits with on a configuration error (here: data.root missing on the
+    volume), which every restart would repeat; in this process, before any rank starts."""
+    from visiondist.launch.k8s import CONFIG_ERROR_EXIT
+
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import train
+    finally:
+        sys.path.pop(0)
+    argv = ["data=imagenet", f"data.root={tmp_path / 'absent'}", f"trainer.run_dir={tmp_path}/r"]
+    assert train.main(argv) == CONFIG_ERROR_EXIT == 2
+    assert "error: data.root=" in capsys.readouterr().err

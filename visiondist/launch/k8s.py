@@ -1,12 +1,14 @@
-"""Kubernetes manifests for a training job (`tools/k8s.py`): a Kubeflow Trainer v2 TrainJob or a
-Training Operator PyTorchJob whose pods each run `python tools/train.py <overrides>`, which reads
-the pod's place in the job from the operator's variables (`visiondist.launch.pods`) and starts the
-node's ranks.
+"""Kubernetes manifests for a training job (`tools/k8s.py`): a Kubeflow Trainer v2 TrainJob with a
+TrainingRuntime of its own, or a Training Operator PyTorchJob, whose pods each run `python
+tools/train.py <overrides>`, which reads the pod's place in the job from the operator's variables
+(`visiondist.launch.pods`) and starts the node's ranks.
 
 What every manifest holds:
+- restarts after a failure, `restarts` times: the TrainJob's runtime recreates every pod of the job
+  (`training_runtime`), a PyTorchJob restarts the failed pod (restartPolicy OnFailure);
 - the run dir on a shared volume (a PersistentVolumeClaim mounted at `mount`), named by the job: a
   pod that restarts (a node lost, a spot instance reclaimed) runs the same command, which continues
-  the run from its newest checkpoint (trainer.resume=auto);
+  the run from its newest checkpoint (trainer.resume=auto; one every trainer.checkpoint_every_min);
 - `trainer.stop_timeout_s` and the pods' `terminationGracePeriodSeconds` from one figure, the time a
   step and a checkpoint take (`visiondist.launch.stop.grace_seconds`), plus the launcher's own exit:
   Kubernetes' SIGTERM then leaves every rank its checkpoint before the SIGKILL;
@@ -35,6 +37,10 @@ from visiondist.plan import resolve_on
 # the launcher's own exit after the ranks' checkpoint: the agent's shutdown, the logs flushed
 EXIT_MARGIN_S = 60
 KINDS = ("trainjob", "pytorchjob")
+# the label that marks the replicated job the Trainer gives the TrainJob's trainer fields to
+ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
+# a tool's exit code for bad input (`visiondist.cli.tool.main`): a restart would repeat it
+CONFIG_ERROR_EXIT = 2
 # data.num_workers=-1 without cpu=: the loader workers per rank a pod is sized for (8 CPUs a GPU)
 AUTO_WORKERS = 7
 # host memory of a GPU rank: torch and CUDA libraries and context, pinned batches, checkpoint
@@ -171,6 +177,7 @@ class JobSpec:
     env: dict[str, str] = field(default_factory=dict)
     resources: Optional[PodResources] = None  # None: GPUs only
     pull_secret: str = ""  # imagePullSecrets: a Secret with the registry's credentials
+    restarts: int = 3  # the job's restarts after a failure (JobSet maxRestarts, backoffLimit)
 
     def __post_init__(self):
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.name):
@@ -180,6 +187,8 @@ class JobSpec:
             )
         if self.nodes < 1 or self.gpus < 1:
             raise ConfigError(f"nodes={self.nodes} gpus={self.gpus}: both must be at least 1")
+        if self.restarts < 0:
+            raise ConfigError(f"restarts={self.restarts}: a whole number of at least 0")
 
     @property
     def run_dir(self) -> str:
@@ -251,13 +260,74 @@ def _pod(spec: JobSpec, containers: list[dict], volumes: list[dict]) -> dict[str
     return {**pod, "containers": containers, "volumes": volumes}
 
 
-def trainjob(spec: JobSpec) -> dict[str, Any]:
-    """A Kubeflow Trainer v2 TrainJob on the `torch-distributed` runtime (which sets PET_NNODES,
-    PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT in each pod); the volumes
-    and the grace period through a runtime patch of its `node` job (Trainer 2.3's
-    runtimePatches)."""
+def training_runtime(spec: JobSpec) -> dict[str, Any]:
+    """The job's own Kubeflow Trainer TrainingRuntime (named as the job): the `torch-distributed`
+    runtime's JobSet (one replicated job `node` of `nodes` pods, the trainer's label, its container
+    `node`, which the Trainer gives PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR
+    and PET_MASTER_PORT) with the pods' volumes and grace period, restarting as a whole.
+
+    What restarts: a pod that fails (restartPolicy Never, backoffLimit 0) fails its Job, and the
+    JobSet (`failurePolicy`) deletes every pod of the job, waits until all are gone
+    (BlockingRecreate: no new pod meets an old one still writing its checkpoint) and creates them
+    again, `restarts` times at most; their command continues the run from its newest checkpoint. A
+    pod that exits 2 (a configuration error, which every restart would repeat) fails the job at once
+    (the Job's podFailurePolicy, then the JobSet's rule on its reason)."""
     volumes, mounts = _volumes(spec)
-    pod = _pod(spec, [{"name": "node", "volumeMounts": mounts}], volumes)
+    container = {"name": "node", "image": spec.image, "volumeMounts": mounts}
+    pod = {**_pod(spec, [container], volumes), "restartPolicy": "Never"}
+    job = {
+        "backoffLimit": 0,
+        "podFailurePolicy": {
+            "rules": [
+                {
+                    "action": "FailJob",
+                    "onExitCodes": {
+                        "containerName": "node",
+                        "operator": "In",
+                        "values": [CONFIG_ERROR_EXIT],
+                    },
+                }
+            ]
+        },
+        "template": {"spec": pod},
+    }
+    return {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainingRuntime",
+        "metadata": {"name": spec.name, "labels": {"trainer.kubeflow.org/framework": "torch"}},
+        "spec": {
+            "mlPolicy": {"numNodes": spec.nodes, "torch": {}},
+            "template": {
+                "spec": {
+                    "failurePolicy": {
+                        "maxRestarts": spec.restarts,
+                        "restartStrategy": "BlockingRecreate",
+                        "rules": [
+                            {
+                                "name": "ConfigurationError",
+                                "action": "FailJobSet",
+                                "onJobFailureReasons": ["PodFailurePolicy"],
+                            }
+                        ],
+                    },
+                    "replicatedJobs": [
+                        {
+                            "name": "node",
+                            "template": {
+                                "metadata": {"labels": {ANCESTOR: "trainer"}},
+                                "spec": job,
+                            },
+                        }
+                    ],
+                }
+            },
+        },
+    }
+
+
+def trainjob(spec: JobSpec) -> dict[str, Any]:
+    """A Kubeflow Trainer v2 TrainJob on the job's own runtime (`training_runtime`, written
+    beside it): the image, the command, the nodes, the ranks per node and the pods' resources."""
     trainer: dict[str, Any] = {
         "image": spec.image,
         "command": ["python", f"{spec.workdir}/tools/train.py"],
@@ -273,25 +343,12 @@ def trainjob(spec: JobSpec) -> dict[str, Any]:
         "kind": "TrainJob",
         "metadata": {"name": spec.name},
         "spec": {
-            "runtimeRef": {"name": "torch-distributed"},
+            "runtimeRef": {
+                "apiGroup": "trainer.kubeflow.org",
+                "kind": "TrainingRuntime",
+                "name": spec.name,
+            },
             "trainer": trainer,
-            "runtimePatches": [
-                {
-                    "manager": "visiondist",
-                    "trainingRuntimeSpec": {
-                        "template": {
-                            "spec": {
-                                "replicatedJobs": [
-                                    {
-                                        "name": "node",
-                                        "template": {"spec": {"template": {"spec": pod}}},
-                                    }
-                                ]
-                            }
-                        }
-                    },
-                }
-            ],
         },
     }
 
@@ -329,19 +386,21 @@ def pytorchjob(spec: JobSpec) -> dict[str, Any]:
         "metadata": {"name": spec.name},
         "spec": {
             "nprocPerNode": str(spec.gpus),
-            "runPolicy": {"backoffLimit": 3},
+            "runPolicy": {"backoffLimit": spec.restarts},
             "pytorchReplicaSpecs": replica_specs,
         },
     }
 
 
-def manifest(kind: str, spec: JobSpec) -> dict[str, Any]:
+def manifests(kind: str, spec: JobSpec) -> list[dict[str, Any]]:
+    """The documents to apply, in order: a TrainJob's runtime, then the TrainJob; or the
+    PyTorchJob."""
     if kind not in KINDS:
         raise ConfigError(
             f"kind={kind}: use kind=trainjob (Kubeflow Trainer v2) or kind=pytorchjob (Training "
             "Operator v1)"
         )
-    return trainjob(spec) if kind == "trainjob" else pytorchjob(spec)
+    return [training_runtime(spec), trainjob(spec)] if kind == "trainjob" else [pytorchjob(spec)]
 
 
 # the launcher's knobs that a layout's refusal names, and this tool's for the same thing

@@ -63,15 +63,25 @@ class JobStopped(Exception):
 
 def grace_seconds(cfg: Any, run: Any) -> float:
     """`trainer.stop_timeout_s`, or (-1) 300 s plus the time to write this node's share of the
-    checkpoint at 50 MB/s (the planner's training state per rank: weights, optimizer, EMA)."""
+    checkpoint at 50 MB/s (`write_seconds`)."""
     value = float(cfg.trainer.get("stop_timeout_s", -1))
     if value >= 0:
         return value
+    return AUTO_GRACE_S + write_seconds(cfg, run)
+
+
+def write_seconds(cfg: Any, run: Any) -> float:
+    """The planned time to write a node's share of a checkpoint at `WRITE_BYTES_PER_S`: the
+    planner's training state per rank (weights, optimizer, EMA) times the node's ranks, over the
+    copies data parallelism keeps of it (torch.distributed.checkpoint writes a replicated tensor
+    once, from one of its ranks); 0 where the planner has no figure."""
     try:
         state = layout_memory(cfg, run).state * run.per_node
     except Exception:
-        state = 0
-    return AUTO_GRACE_S + state / WRITE_BYTES_PER_S
+        return 0.0
+    # DDP: dp copies; FSDP: one, or dp / shard_size under HSDP
+    copies = run.dp // (run.shard_size or run.dp) if run.fsdp else run.dp
+    return state / max(1, copies) / WRITE_BYTES_PER_S
 
 
 class LauncherStop:
