@@ -130,17 +130,17 @@ def test_exported_create_kwargs_give_timm_the_runs_data_config(overrides, expect
 
 
 def test_onnx_check_says_what_it_compared():
-    from visiondist.checkpoint.export.onnx_check import OnnxCheck
+    from visiondist.checkpoint.export.onnx_check import RuntimeCheck
 
-    assert OnnxCheck(
+    assert RuntimeCheck(
         2.1e-5, "3 val images (a.jpg, b.jpg, c.jpg in val)", boxes=37, onnx_boxes=37
     ).summary() == (
         "ONNX Runtime vs PyTorch: 37 boxes compared, max abs difference 2.10e-05 "
         "(on 3 val images (a.jpg, b.jpg, c.jpg in val))"
     )
-    empty = OnnxCheck(0.0, "a random image", boxes=0, onnx_boxes=0).summary()
+    empty = RuntimeCheck(0.0, "a random image", boxes=0, onnx_boxes=0).summary()
     assert "0 boxes compared" in empty and "checks nothing" in empty
-    lowered = OnnxCheck(
+    lowered = RuntimeCheck(
         1e-5, "a random image", boxes=5, onnx_boxes=5, lowered_from={"rpn": 0.05, "box": 0.9}
     )
     assert (
@@ -148,8 +148,8 @@ def test_onnx_check_says_what_it_compared():
         and "no box passed the file's score thresholds (rpn 0.05, box 0.9, kept in the file)"
         in lowered.summary()
     )
-    assert "the outputs differ" in OnnxCheck(float("inf"), "x", boxes=5, onnx_boxes=4).summary()
-    far = OnnxCheck(26.3, "3 val images", boxes=300, onnx_boxes=300, score_spread=0.81).summary()
+    assert "the outputs differ" in RuntimeCheck(float("inf"), "x", boxes=5, onnx_boxes=4).summary()
+    far = RuntimeCheck(26.3, "3 val images", boxes=300, onnx_boxes=300, score_spread=0.81).summary()
     assert (
         "max abs difference 2.63e+01" in far
         and "warning: more than float round-off (0.01 px), with scores "
@@ -158,12 +158,14 @@ def test_onnx_check_says_what_it_compared():
     )
     # a 4-step detector's export: its scores tie, and top-k's choice among them is no fault of the
     # export
-    tied = OnnxCheck(26.3, "3 val images", boxes=300, onnx_boxes=300, score_spread=2.9e-3).summary()
+    tied = RuntimeCheck(
+        26.3, "3 val images", boxes=300, onnx_boxes=300, score_spread=2.9e-3
+    ).summary()
     assert (
         "warning" not in tied
         and "expected for these weights: every score lies within 2.9e-03" in tied
     )
-    assert OnnxCheck(1e-6, "2 random images").summary() == (
+    assert RuntimeCheck(1e-6, "2 random images").summary() == (
         "ONNX Runtime vs PyTorch: logits of 2 random images compared, max abs difference 1.00e-06"
     )
 

@@ -1,6 +1,6 @@
-"""The check of an ONNX export: ONNX Runtime against PyTorch, on the logits of random images
-(classifiers) or the detections on the run's val images (detectors), reported as one line
-(`OnnxCheck.summary`)."""
+"""The check of an ONNX or OpenVINO export: the runtime against PyTorch, on the logits of random
+images (classifiers) or the detections on the run's val images (detectors), reported as one line
+(`RuntimeCheck.summary`)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from visiondist.models.detection import has_mask_head
 
 
 @dataclass
-class OnnxCheck:
-    """What `check_onnx` compared and how far ONNX Runtime was from PyTorch."""
+class RuntimeCheck:
+    """What `check_onnx` / `openvino_check` compared and how far the runtime was from PyTorch."""
 
     # largest |ONNX Runtime - PyTorch| over the outputs; inf when they differ in shape
     max_diff: float
@@ -198,7 +198,7 @@ def _compare_detector(
     session,
     examples: list[tuple[str, torch.Tensor]],
     source: Optional[str] = None,
-) -> OnnxCheck:
+) -> RuntimeCheck:
     """PyTorch's detections on each example alone against ONNX Runtime's on all of them in one
     batch (named, from `source` where not a path); where ONNX Runtime fails on the batch, each image
     is run alone, the boxes of those it fails on are left out of the comparison and the first
@@ -243,7 +243,7 @@ def _compare_detector(
         if masks is not None:
             compared, worst = _mask_diff(ref, got)
             masks, mask_diff = masks + compared, max(mask_diff, worst)
-    return OnnxCheck(
+    return RuntimeCheck(
         diff,
         what,
         boxes=boxes,
@@ -270,16 +270,35 @@ def _describe(paths: list[str], source: Optional[str] = None) -> tuple[str, list
     return f"{len(paths)} val images ({', '.join(names)} in {folder})", names
 
 
-def check_onnx(trained: Trained, path: Path, images: int = 4) -> Optional[OnnxCheck]:
-    """ONNX Runtime against PyTorch on example inputs; None when onnxruntime is not installed.
+def _compared(
+    trained: Trained, session, runtime: str, images: int
+) -> tuple[RuntimeCheck, list[tuple[str, torch.Tensor]], Optional[str]]:
+    """The runtime's `session` (ONNX Runtime's, or one answering as it) against PyTorch: a
+    classifier's logits of 2 random images, a detector's detections on up to `images` val images
+    in one batch against PyTorch on each alone. Returns the check and, for a detector, the examples
+    and their source (for a second comparison)."""
+    precision = session.get_modelmeta().custom_metadata_map.get(PRECISION_METADATA)
+    if trained.cfg.model.family == "vit":
+        x = example_images(trained.cfg)
+        with torch.no_grad():
+            ref = [trained.model(x)]
+        got = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+        check = RuntimeCheck(_max_diff(ref, got), f"{len(x)} random images", precision=precision)
+        check.runtime = runtime
+        return check, [], None
+    examples, source = detection_images(trained.cfg, trained.cfg.data.val_split, images)
+    examples = examples or [("a random image", example_images(trained.cfg, 1)[0])]
+    check = _compare_detector(trained.model, session, examples, source)
+    check.precision, check.runtime = precision, runtime
+    return check, examples, source
 
-    Classifier: the logits of 2 random images. Detector: the boxes, labels and scores of up to
-    `images` of the run's val images that hold objects (a trained detector finds boxes there), else
-    of a random image, through the graph in one batch and through PyTorch one by one; boxes are
-    matched as sets. The exported file is compared at its own score
-    thresholds (baked into the graph). Where no box comes out there, its graph is compared again
-    with the thresholds set to 0 (in memory, PyTorch likewise), and the result says so: an empty
-    output checks nothing."""
+
+def check_onnx(trained: Trained, path: Path, images: int = 4) -> Optional[RuntimeCheck]:
+    """ONNX Runtime against PyTorch on example inputs (`_compared`); None when onnxruntime is not
+    installed. Boxes are matched as sets. The exported file is compared at its own score thresholds
+    (baked into the graph). Where no box comes out there, its graph is compared again with the
+    thresholds set to 0 (in memory, PyTorch likewise), and the result says so: an empty output
+    checks nothing."""
     try:
         import onnxruntime as ort  # noqa: PLC0415 (onnxruntime: the export extra)
     except ImportError:
@@ -287,20 +306,8 @@ def check_onnx(trained: Trained, path: Path, images: int = 4) -> Optional[OnnxCh
     options = ort.SessionOptions()
     options.log_severity_level = 4  # a failing run is reported in the result, not logged
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    precision = session.get_modelmeta().custom_metadata_map.get(PRECISION_METADATA)
-    if trained.cfg.model.family == "vit":
-        x = example_images(trained.cfg)
-        with torch.no_grad():
-            ref = [trained.model(x)]
-        got = session.run(None, {session.get_inputs()[0].name: x.numpy()})
-        return OnnxCheck(_max_diff(ref, got), f"{len(x)} random images", precision=precision)
-
-    model = trained.model
-    examples, source = detection_images(trained.cfg, trained.cfg.data.val_split, images)
-    examples = examples or [("a random image", example_images(trained.cfg, 1)[0])]
-    check = _compare_detector(model, session, examples, source)
-    check.precision = precision
-    if check.boxes or check.onnx_boxes or check.failed:
+    check, examples, source = _compared(trained, session, "ONNX Runtime", images)
+    if not examples or check.boxes or check.onnx_boxes or check.failed:
         return check
     try:
         import onnx  # noqa: PLC0415 (onnx: the export extra)
@@ -314,29 +321,16 @@ def check_onnx(trained: Trained, path: Path, images: int = 4) -> Optional[OnnxCh
     lowered = ort.InferenceSession(
         proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
-    with thresholds_set(model, zero):
-        check = _compare_detector(model, lowered, examples, source)
-    check.lowered_from = {role: m["value"] for role, m in meta.items()}
-    check.precision = precision
-    return check
+    with thresholds_set(trained.model, zero):
+        again = _compare_detector(trained.model, lowered, examples, source)
+    again.lowered_from = {role: m["value"] for role, m in meta.items()}
+    again.precision = check.precision
+    return again
 
 
 def openvino_check(trained: Trained, path: Path, images: int = 4) -> str:
-    """The check line of an OpenVINO IR (`openvino.OpenVinoSession`, float32 on the CPU), as
-    `check_onnx` compares an ONNX file: a classifier's logits, a detector's detections on a batch of
-    the run's val images, each against PyTorch on that image alone."""
+    """The check line of an OpenVINO IR (`openvino.OpenVinoSession`, float32 on the CPU), compared
+    as `check_onnx` compares an ONNX file (`_compared`)."""
     from visiondist.checkpoint.export.openvino import OpenVinoSession  # noqa: PLC0415
 
-    session = OpenVinoSession(path)
-    if trained.cfg.model.family == "vit":
-        x = example_images(trained.cfg)
-        with torch.no_grad():
-            ref = [trained.model(x)]
-        got = session.run(None, {"images": x.numpy()})
-        check = OnnxCheck(_max_diff(ref, got), f"{len(x)} random images", runtime="OpenVINO")
-        return check.summary()
-    examples, source = detection_images(trained.cfg, trained.cfg.data.val_split, images)
-    examples = examples or [("a random image", example_images(trained.cfg, 1)[0])]
-    check = _compare_detector(trained.model, session, examples, source)
-    check.runtime = "OpenVINO"
-    return check.summary()
+    return _compared(trained, OpenVinoSession(path), "OpenVINO", images)[0].summary()
