@@ -14,14 +14,13 @@ import torch
 from torch import nn
 
 from visiondist.checkpoint.export.images import detection_images
-from visiondist.checkpoint.export.onnx import (
-    INPUT_METADATA,
-    PRECISION_METADATA,
+from visiondist.checkpoint.export.onnx import INPUT_METADATA, PRECISION_METADATA
+from visiondist.checkpoint.export.onnx_batch import run_detector
+from visiondist.checkpoint.export.onnx_detector import (
     THRESH_METADATA,
     set_score_thresholds,
     thresholds_set,
 )
-from visiondist.checkpoint.export.onnx_batch import run_detector
 from visiondist.checkpoint.export.trained import Trained, example_images
 from visiondist.models.detection import has_mask_head
 
