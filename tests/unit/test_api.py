@@ -123,3 +123,27 @@ def test_images_in_memory_come_back_writable():
     image = np.asarray(Image.new("RGB", (4, 3)))
     assert not image.flags.writeable
     assert as_source(image).image(0).flags.writeable
+
+
+@pytest.mark.parametrize(
+    "setting,says",
+    [
+        ({"topk": 0}, "topk=0: give a whole number, 1 or more"),
+        ({"max_det": 2.5}, "max_det=2.5: give a whole number, 1 or more"),
+        ({"vid_stride": 0}, "vid_stride=0: give a whole number, 1 or more"),
+        ({"batch_size": -1}, r"batch_size=-1: give a whole number, 0 or more \(0: data"),
+        ({"score_thresh": 1.5}, r"score_thresh=1.5: give a score in \[0, 1\]"),
+    ],
+)
+def test_a_predictions_settings_are_checked_alike_in_python_and_the_tool(setting, says):
+    """predict()'s keywords and tools/predict.py's predict.* keys go through one check: the same
+    line names the value out of range, before any weights are read."""
+    from omegaconf import OmegaConf
+
+    from visiondist.api.predict_job import check_settings
+
+    with pytest.raises(visiondist.ConfigError, match=says):
+        visiondist.predict(np.zeros((8, 8, 3), np.uint8), weights="absent.safetensors", **setting)
+    config = OmegaConf.create(setting)  # a config's predict group (the tool's types aside)
+    with pytest.raises(visiondist.ConfigError, match=says):
+        check_settings(config)

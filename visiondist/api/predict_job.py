@@ -88,6 +88,19 @@ def prediction_job_config(
     return merged, base  # type: ignore[return-value]
 
 
+def check_settings(values: Any) -> None:
+    """A prediction's numbers as tools/predict.py and `predict()` take them (a config's `predict`
+    or the keyword arguments given): the first out of range, in one line naming it."""
+    for key, least in (("topk", 1), ("max_det", 1), ("vid_stride", 1), ("batch_size", 0)):
+        value = values.get(key)
+        if value is not None and (not isinstance(value, int) or value < least):
+            default = " (0: data.eval_batch_size)" if key == "batch_size" else ""
+            raise ConfigError(f"{key}={value}: give a whole number, {least} or more{default}")
+    value = values.get("score_thresh")
+    if value is not None and not 0 <= float(value) <= 1:
+        raise ConfigError(f"score_thresh={value}: give a score in [0, 1]")
+
+
 def predict_job(cfg: DictConfig, base: Optional[Path]) -> Optional[Path]:
     """The prediction's files, written by the config's ranks.
 
@@ -95,10 +108,7 @@ def predict_job(cfg: DictConfig, base: Optional[Path]) -> Optional[Path]:
         The folder that holds them (None: nothing was predicted).
     """
     p = cfg.predict
-    if p.topk < 1 or p.max_det < 1 or not 0 <= p.score_thresh <= 1 or p.batch_size < 0:
-        raise ConfigError(
-            "topk and max_det take 1 or more, score_thresh a score in [0, 1], batch 1 or more"
-        )
+    check_settings(p)
     if str(p.save_images).lower() != "all" and not str(p.save_images).isdigit():
         raise ConfigError(f"save_images={p.save_images}: give a count (0: none) or all")
     # a missing or empty source: refused here, in one line

@@ -294,8 +294,6 @@ def _check_settings(settings: dict[str, Any]) -> None:
     for key in settings:
         if key not in known:
             raise ConfigError(f"{key}= is not a setting of predict: it takes {', '.join(known)}")
-    for key in ("topk", "max_det", "batch_size", "vid_stride"):
-        if key in settings and (not isinstance(settings[key], int) or settings[key] < 1):
-            raise ConfigError(f"{key}={settings[key]}: give a whole number, 1 or more")
-    if "score_thresh" in settings and not 0 <= float(settings["score_thresh"]) <= 1:
-        raise ConfigError(f"score_thresh={settings['score_thresh']}: give a score in [0, 1]")
+    from visiondist.api.predict_job import check_settings  # noqa: PLC0415 (a job's)
+
+    check_settings(settings)
