@@ -154,6 +154,26 @@ def _check(cmd: Command, cfg, gpus: int) -> None:
             )
 
 
+def _check_resume(cmd: Command, name: str) -> None:
+    """The pods continue their own run dir on every restart (trainer.resume=auto): another value
+    would fail or go back at each restart. Before the config is read (its paths are the pods')."""
+    given = [o.split("=", 1)[1] for o in cmd.overrides if o.startswith("trainer.resume=")]
+    if not given or given[-1] == "auto":
+        return
+    value = given[-1]
+    if value.lower() in ("null", "none", "false", ""):
+        raise ConfigError(
+            f"trainer.resume={value}: a restarted pod runs the command again, and a run dir that "
+            "holds a run refuses a new start (exit code 2, which ends the job): drop "
+            f"trainer.resume; the pods continue their run dir /runs/{name} (trainer.resume=auto)"
+        )
+    raise ConfigError(
+        f"trainer.resume={value}: every restart would go back to that checkpoint, since the pods "
+        f"continue their run dir /runs/{name} (trainer.resume=auto): to start from it, copy its "
+        f"directory into /runs/{name}/checkpoints/ on the claim and drop trainer.resume"
+    )
+
+
 def k8s(cmd: Command) -> int:
     from visiondist.launch.k8s import (
         JobSpec,
@@ -171,6 +191,7 @@ def k8s(cmd: Command) -> int:
             "image=registry.example.com/visiondist:1"
         )
     nodes, gpus = _count(cmd, "nodes", 2), _count(cmd, "gpus", 8)
+    _check_resume(cmd, cmd.args.get("name") or default_name(cmd.overrides))
     cfg = load_config(CONFIGS, cmd.overrides + cmd.search, inputs=None)
     if cmd.show:
         print(config_text(cfg, cmd.package))
@@ -196,7 +217,7 @@ def k8s(cmd: Command) -> int:
         pull_secret=cmd.args.get("image_pull_secret", ""),
         restarts=_count(cmd, "restarts", 3, least=0),
     )
-    kind = cmd.args.get("kind", "trainjob")
+    kind = cmd.args.get("kind", "trainjob").lower()
     text = yaml.safe_dump_all(manifests(kind, spec), sort_keys=False, width=120)
     if cmd.args.get("out"):
         out = Path(cmd.args["out"])
@@ -215,6 +236,11 @@ def k8s(cmd: Command) -> int:
             f"{spec.termination_grace_s} s grace after SIGTERM",
             file=sys.stderr,
         )
+        print(
+            f"kubectl apply -f {out} starts it; kubectl delete -f {out} removes the "
+            f"{KIND_NAMES[kind]} (the run dir stays on the claim)",
+            file=sys.stderr,
+        )
     else:
         print(text, end="")
     if spec.resources.short:
@@ -231,22 +257,35 @@ def _on_failure(kind: str, spec, t) -> str:
 
     every = cadence(t)
     kept = (
-        f"its newest checkpoint ({every})"
+        f"from its newest checkpoint ({every})"
         if every
-        else "step 1: the pods checkpoint only when the run ends or is stopped "
-        "(trainer.checkpoint_every_min=0), so add trainer.checkpoint_every_min=<minutes> to bound "
-        "what a lost pod costs"
+        else "from the checkpoint of a stop (SIGTERM) only: one killed outright starts again at "
+        "step 1 (trainer.checkpoint_every_min=0: no checkpoint during the run), so give "
+        "trainer.checkpoint_every_min=<minutes> to bound what a lost pod costs"
     )
-    times = f"{spec.restarts} time{'s' if spec.restarts != 1 else ''}"
     if kind == "pytorchjob":
+        if not spec.restarts:
+            return (
+                "a failed pod fails the PyTorchJob (restarts=0: backoffLimit 0); give "
+                f"restarts=<n> to restart it, {kept}"
+            )
         return (
-            f"a failed pod restarts (restartPolicy OnFailure, backoffLimit {spec.restarts}) and "
-            f"continues the run from {kept}"
+            f"a failed pod restarts (restartPolicy OnFailure, backoffLimit {spec.restarts}), the "
+            "other pods' ranks fail in their next collective and their pods restart too, and the "
+            f"run continues {kept}; a configuration error (exit code 2) restarts as well, until "
+            "the backoffLimit (kind=trainjob ends the job on it)"
         )
+    stop = "a stop (SIGTERM: a preempted or drained node, exit code 143) restarts it uncounted"
+    if not spec.restarts:
+        return (
+            f"a failed pod fails the job (restarts=0); {stop}, and the pods continue the run "
+            f"{kept}; give restarts=<n> to restart after failures too"
+        )
+    times = f"{spec.restarts} time{'s' if spec.restarts != 1 else ''}"
     return (
-        f"a failed pod restarts the whole job, at most {times} (TrainingRuntime {spec.name}: "
-        "every pod recreated once all are gone; a configuration error, exit code 2, ends it), "
-        f"and the pods continue the run from {kept}"
+        f"a failed pod restarts the whole job, at most {times} (TrainingRuntime {spec.name}: every "
+        f"pod recreated once all are gone; {stop}; a configuration error, exit code 2, ends it), "
+        f"and the pods continue the run {kept}"
     )
 
 

@@ -262,7 +262,8 @@ def test_bad_input_is_refused_before_any_rank_starts(classifier, tmp_path):
 
 def test_a_source_of_unreadable_files_alone_predicts_nothing_and_says_so(classifier, tmp_path):
     """Every file unreadable: the job runs (a file is only found unreadable when read), then ends
-    with one error line naming why, exit code 2, and unreadable.txt names each file."""
+    with one error line naming why, exit code 2, and unreadable.txt names each file. The same
+    command again (a script's retry) answers the same, not that the prediction is complete."""
     run, _ = classifier
     source = tmp_path / "photos"
     source.mkdir()
@@ -277,6 +278,12 @@ def test_a_source_of_unreadable_files_alone_predicts_nothing_and_says_so(classif
     line = next(x for x in result.stdout.splitlines() if x.startswith("error:"))
     assert line.startswith(f"error: predicted nothing: the only file of source={source} is "), line
     assert (out / "unreadable.txt").read_text().startswith("broken.jpg: ")
+    again = run_cli(
+        [f"run_dir={run}", f"source={source}", f"out={out}", "trainer.progress=false"],
+        timeout=120,
+        script=PREDICT,
+    )
+    assert again.returncode == 2 and line in again.stdout, again.stdout[-2000:]
 
 
 def test_a_detector_predicts_its_evaluation_and_writes_coco_results_drawn_images_and_a_video(

@@ -203,6 +203,13 @@ def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(caps
         ),
         (
             "train",
+            ['data.images="images/{split}"'],
+            "data.images= is read by detection data (data=detection, data=coco); "
+            "data.format=imagefolder reads class folders (<root>/<split>/<class>/): drop "
+            "data.images",
+        ),
+        (
+            "train",
             ["data.format=yolo"],
             "data.format=yolo is a format of detection data, and model=vit_tiny is a "
             "classification model: give classification data (e.g. data=shapes, or data.format= "

@@ -117,7 +117,15 @@ def test_pipeline_batch_must_split_into_microbatches():
         (["model=vit_nope"], "model=vit_nope is not an option of model: did you mean model=vit_"),
         (["model=resnet"], "model=resnet is not an option of model: the options are dfine_n,"),
         (["optim.lr=-0.1"], "optim.lr=-0.1 must be > 0"),
-        (["optim.lr=fast"], "optim.lr: Value 'fast' of type 'str' could not be converted to Float"),
+        (["optim.lr=fast"], "optim.lr=fast: give a number"),
+        (["trainer.max_steps=abc"], "trainer.max_steps=abc: give a whole number"),
+        (["trainer.progress=maybe"], "trainer.progress=maybe: give true or false"),
+        (
+            ["trainer.checkpoint_every_min=nan"],
+            "trainer.checkpoint_every_min=nan: give the minutes between checkpoints, e.g. 30 (0: "
+            "only at the end of the run and on a stop)",
+        ),
+        (["trainer.checkpoint_every_min=-1"], "trainer.checkpoint_every_min=-1: give the minutes"),
         (
             ["trainer.max_stepz=3"],
             "trainer.max_stepz is not a setting: did you mean trainer.max_steps?",

@@ -6,6 +6,7 @@ examples in tools/k8s/ equal to what the tool writes, and what the pods get read
 the manifest describes."""
 
 import json
+import re
 import sys
 from types import SimpleNamespace
 
@@ -254,6 +255,19 @@ def test_what_the_pods_of_a_trainjob_get_is_read_as_the_manifests_job(tmp_path):
         (["image=bad image"], "is not an image reference"),
         (["image=x", "pvc=Bad_Claim"], "pvc=Bad_Claim is not a Kubernetes claim name"),
         (["image=x", "out=/nonexistent/dir/job.yaml"], "cannot write it"),
+        (
+            ["image=x", "trainer.resume=null"],
+            "trainer.resume=null: a restarted pod runs the command again, and a run dir that "
+            "holds a run refuses a new start (exit code 2, which ends the job): drop "
+            "trainer.resume; the pods continue their run dir /runs/visiondist",
+        ),
+        (
+            ["image=x", "name=again", "trainer.resume=/runs/old/checkpoints/step_10"],
+            "every restart would go back to that checkpoint, since the pods continue their run "
+            "dir /runs/again (trainer.resume=auto): to start from it, copy its directory into "
+            "/runs/again/checkpoints/ on the claim",
+        ),
+        (["image=x", "restarts=-1"], "restarts=-1: a whole number of at least 0"),
     ],
 )
 def test_bad_keys_are_one_line_naming_the_fix(tmp_path, capsys, args, says):
@@ -296,13 +310,16 @@ def test_memory_between_the_ranks_floor_and_the_plan_says_what_it_holds(tmp_path
         (
             "trainjob",
             "a failed pod restarts the whole job, at most 3 times (TrainingRuntime vit-huge: every "
-            "pod recreated once all are gone; a configuration error, exit code 2, ends it), and "
-            "the pods continue the run from {kept}",
+            "pod recreated once all are gone; a stop (SIGTERM: a preempted or drained node, exit "
+            "code 143) restarts it uncounted; a configuration error, exit code 2, ends it), and "
+            "the pods continue the run {kept}",
         ),
         (
             "pytorchjob",
-            "a failed pod restarts (restartPolicy OnFailure, backoffLimit 3) and continues the "
-            "run from {kept}",
+            "a failed pod restarts (restartPolicy OnFailure, backoffLimit 3), the other pods' "
+            "ranks fail in their next collective and their pods restart too, and the run "
+            "continues {kept}; a configuration error (exit code 2) restarts as well, until the "
+            "backoffLimit (kind=trainjob ends the job on it)",
         ),
     ],
 )
@@ -310,52 +327,87 @@ def test_the_tool_says_what_a_pod_failure_does_to_each_kind_of_job(tmp_path, cap
     """What the manifests hold for it, and the line that says it. A TrainJob has no restart field:
     its own TrainingRuntime's JobSet restarts it, every pod at once (a static rendezvous has no
     place for one new pod), after the old ones are gone (BlockingRecreate: none is still writing
-    the checkpoint the new ones read), `restarts=` times; a pod's exit code 2 (a configuration
-    error) ends it through the Job's podFailurePolicy and the JobSet's rule on that reason. From
-    where: the newest checkpoint of the default 30-minute period, or step 1 without one."""
+    the checkpoint the new ones read), `restarts=` times. The Job's podFailurePolicy fails it on
+    exit code 2 (a configuration error) and 143 (a stop: the ranks checkpointed), and the JobSet's
+    rules, on the Job controller's message naming the code, end the job on the first and restart
+    it uncounted on the second. From where: the newest checkpoint of the default 30-minute period,
+    or only a stop's without one."""
     docs, _ = _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}")
-    kept = "its newest checkpoint (one every 30 minutes)"
-    assert says.format(kept=kept) in capsys.readouterr().err
+    kept = "from its newest checkpoint (one every 30 minutes)"
+    err = capsys.readouterr().err
+    assert says.format(kept=kept) in err, err
+    out = tmp_path / "job.yaml"
+    assert f"kubectl apply -f {out} starts it; kubectl delete -f {out} removes the " in err
     assert "trainer.checkpoint_every_min" not in str(docs)  # the default, not an override
     _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}", "trainer.checkpoint_every=500")
-    assert "newest checkpoint (one every 500 steps or 30 minutes)" in capsys.readouterr().err
+    assert "from its newest checkpoint (one every 500 steps or 30 minutes)" in (
+        capsys.readouterr().err
+    )
     _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}", "trainer.checkpoint_every_min=0")
     assert (
-        "the run from step 1: the pods checkpoint only when the run ends or is stopped "
-        "(trainer.checkpoint_every_min=0), so add trainer.checkpoint_every_min=<minutes>"
-        in capsys.readouterr().err
+        "from the checkpoint of a stop (SIGTERM) only: one killed outright starts again at step 1 "
+        "(trainer.checkpoint_every_min=0: no checkpoint during the run), so give "
+        "trainer.checkpoint_every_min=<minutes>" in capsys.readouterr().err
     )
-    again, _ = _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}", "restarts=7")
+    again, _ = _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind.upper()}", "restarts=7")
+    _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}", "restarts=0")
+    never = capsys.readouterr().err
     if kind == "pytorchjob":
         (manifest,) = docs
         assert manifest["spec"]["runPolicy"]["backoffLimit"] == 3
         assert manifest["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "OnFailure"
         assert again[0]["spec"]["runPolicy"]["backoffLimit"] == 7
+        assert "a failed pod fails the PyTorchJob (restarts=0: backoffLimit 0); give " in never
         return
+    assert "a failed pod fails the job (restarts=0); a stop (SIGTERM" in never
     _trainjob_round_trip(docs)
     runtime, job = docs
     assert "restartPolicy" not in str(job) and "failurePolicy" not in str(job)
     assert runtime["kind"] == "TrainingRuntime" and runtime["metadata"]["name"] == "vit-huge"
     jobset = runtime["spec"]["template"]["spec"]
+    message = "failed with exit code {} matching FailJob rule"
     assert jobset["failurePolicy"] == {
         "maxRestarts": 3,
         "restartStrategy": "BlockingRecreate",
         "rules": [
             {
+                "name": "Stopped",
+                "action": "RestartJobSetAndIgnoreMaxRestarts",
+                "onJobFailureReasons": ["PodFailurePolicy"],
+                "onJobFailureMessagePatterns": [message.format(143)],
+            },
+            {
                 "name": "ConfigurationError",
                 "action": "FailJobSet",
                 "onJobFailureReasons": ["PodFailurePolicy"],
-            }
+                "onJobFailureMessagePatterns": [message.format(2)],
+            },
         ],
     }
+    # the Job controller's message for a FailJob rule (kubernetes pkg/controller/job), which the
+    # patterns match: "Container %s for pod %s/%s failed with exit code %v matching %v rule at
+    # index %d"
+    for index, code in enumerate((2, 143)):
+        said = (
+            f"Container node for pod default/vit-huge-node-0-0-x failed with exit code {code} "
+            f"matching FailJob rule at index {index}"
+        )
+        matched = [
+            r["name"]
+            for r in jobset["failurePolicy"]["rules"]
+            if re.search(r["onJobFailureMessagePatterns"][0], said)
+        ]
+        assert matched == [("ConfigurationError", "Stopped")[index]], matched
     node = _node_job(runtime)
     # any failed pod fails its Job at once, which restarts the JobSet
     assert node["backoffLimit"] == 0 and node["template"]["spec"]["restartPolicy"] == "Never"
-    (rule,) = node["podFailurePolicy"]["rules"]
-    assert rule == {
-        "action": "FailJob",
-        "onExitCodes": {"containerName": "node", "operator": "In", "values": [2]},
-    }
+    assert node["podFailurePolicy"]["rules"] == [
+        {
+            "action": "FailJob",
+            "onExitCodes": {"containerName": "node", "operator": "In", "values": [code]},
+        }
+        for code in (2, 143)
+    ]
     # the Trainer gives the TrainJob's image, command and resources to this job's `node` container
     assert runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["metadata"] == {
         "labels": {"trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}

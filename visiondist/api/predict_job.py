@@ -122,6 +122,8 @@ def predict_job(cfg: DictConfig, base: Optional[Path]) -> Optional[Path]:
         check_classes(cfg, names)
     out, state = _choose_out(cfg, base, source)
     if state == "complete":
+        # an earlier attempt of the same request that predicted nothing answers as it did
+        _refuse_nothing(out, (read_manifest(out) or {}).get("counts", {}), p.source)
         print(
             f"complete: {out} already holds this prediction (predict.json); give out=<dir> to "
             "predict again",
@@ -144,15 +146,20 @@ def predict_job(cfg: DictConfig, base: Optional[Path]) -> Optional[Path]:
     first = results.get(min(results)) if results else None
     if not isinstance(first, dict) or not first.get("dir"):
         return out
-    folder, counts = Path(first["dir"]), first.get("counts", {})
-    if counts.get("images") == 0 and counts.get("unreadable"):  # nothing but unreadable files
+    folder = Path(first["dir"])
+    _refuse_nothing(folder, first.get("counts", {}), p.source)
+    return folder
+
+
+def _refuse_nothing(folder: Path, counts: dict[str, Any], source: Any) -> None:
+    """A prediction of nothing but unreadable files is an error (exit 2), whenever it is asked."""
+    if counts.get("images") == 0 and counts.get("unreadable"):
         n = counts["unreadable"]
         which = "the only file" if n == 1 else f"all {n} files"
         raise ConfigError(
-            f"predicted nothing: {which} of source={p.source} {'is' if n == 1 else 'are'} "
+            f"predicted nothing: {which} of source={source} {'is' if n == 1 else 'are'} "
             f"unreadable ({folder / 'unreadable.txt'} names each with its reason)"
         )
-    return folder
 
 
 def _check_weights(cfg: DictConfig, weights: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import sys
 import typing
 from pathlib import Path
@@ -67,6 +68,7 @@ def load_config(
         from_container(to_container(cfg))
     except (HydraException, OmegaConfBaseException) as exc:
         raise ConfigError(_grammar(overrides) or _explain(exc)) from exc
+    _check_unread(cfg, overrides)
     cfg = checked(cfg, inputs)
     if saved is None and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         # a run's, not a printout's
@@ -75,6 +77,25 @@ def load_config(
             if line:
                 print(line, file=sys.stdout if inputs is not None else sys.stderr, flush=True)
     return cfg
+
+
+# the keys only detection data reads (the images' folder and the annotation file under data.root)
+DETECTION_KEYS = ("data.images", "data.annotations")
+
+
+def _check_unread(cfg: DictConfig, overrides: list[str]) -> None:
+    """A detection data key given for classification data would be ignored: refused in one line."""
+    fmt = cfg.data.get("format")
+    if fmt not in ("imagefolder", "shards"):
+        return
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    for key in DETECTION_KEYS:
+        if key in given:
+            reads = "class folders (<root>/<split>/<class>/)" if fmt == "imagefolder" else "shards"
+            raise ConfigError(
+                f"{key}= is read by detection data (data=detection, data=coco); "
+                f"data.format={fmt} reads {reads}: drop {key}"
+            )
 
 
 def tuned_line(config_dir: Path, cfg: DictConfig, overrides: list[str]) -> Optional[str]:
@@ -279,7 +300,7 @@ def _explain(exc: BaseException) -> str:
         if key and isinstance(error, (ConfigKeyError, ConfigAttributeError)):
             return not_a_setting(str(key)) or f"{key} is not a setting (--cfg prints them)"
         if key and isinstance(error, ValidationError):
-            return f"{key}: {str(error).strip().splitlines()[0]}"
+            return _wrong_type(str(key), str(error).strip().splitlines()[0])
         error = error.__cause__ or error.__context__
     text = str(exc).strip()
     missing = _missing_option(text)
@@ -302,6 +323,25 @@ def _explain(exc: BaseException) -> str:
         if reason not in lines:
             lines.append(reason)
     return "\n".join(lines)
+
+
+# OmegaConf's name of a setting's type -> what to give instead
+_TYPES = {
+    "Integer": "a whole number",
+    "Float": "a number",
+}
+
+
+def _wrong_type(key: str, message: str) -> str:
+    """OmegaConf's "Value 'abc' of type 'str' could not be converted to Integer" as one line
+    naming the fix: `trainer.max_steps=abc: give a whole number`; other messages as they are."""
+    match = re.fullmatch(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", message)
+    if match and match.group(2) in _TYPES:
+        return f"{key}={match.group(1)}: give {_TYPES[match.group(2)]}"
+    match = re.fullmatch(r"Value '(.*)' is not a valid bool \(type \w+\)", message)
+    if match:
+        return f"{key}={match.group(1)}: give true or false"
+    return f"{key}: {message}"
 
 
 # the key a path goes in, for a path given as a group's option (`data=/data/coco.yaml`)

@@ -5,6 +5,7 @@ FSDP, ...) is its `ModelSpec`'s to say (`visiondist.models.registry.check_suppor
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 from typing import Any, cast
@@ -332,8 +333,14 @@ def _check_trainer(t: DictConfig) -> None:
         )
     for key in ("grad_accum", "log_every"):
         _positive(f"trainer.{key}", t[key])
-    for key in ("clip_grad", "eval_every", "checkpoint_every", "checkpoint_every_min", "keep_last"):
+    for key in ("clip_grad", "eval_every", "checkpoint_every", "keep_last"):
         _positive(f"trainer.{key}", t[key], allow_zero=True)
+    minutes = float(t.get("checkpoint_every_min", 0))
+    if not math.isfinite(minutes) or minutes < 0:
+        raise ConfigError(
+            f"trainer.checkpoint_every_min={minutes:g}: give the minutes between checkpoints, "
+            "e.g. 30 (0: only at the end of the run and on a stop)"
+        )
     _one_of("trainer.best_mode", t.best_mode, ("auto", "max", "min"))
     if t.resume not in (None, "auto") and not Path(str(t.resume)).expanduser().exists():
         raise ConfigError(

@@ -1,10 +1,9 @@
 """Predicting: the batch loop both entries share, `predict` (a generator of per-image results, for a
 notebook or a script) and `predict_ranks` (every rank of `tools/predict.py`: its share of the
-source's batches, written as parts, then merged by rank 0; `inference/outputs.py`)."""
+source's batches, written as parts, then merged by rank 0: `inference/finish.py`)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -17,10 +16,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from visiondist.config import ConfigError
 from visiondist.config.compose import compose, run_config
-from visiondist.data.formats.exports import coco_paths
 from visiondist.data.robust import READ_ERRORS
 from visiondist.data.sampler import eval_shard
 from visiondist.data.workers import close_loaders, register, watched
+from visiondist.inference.finish import finish
 from visiondist.inference.job import (
     batch_size,
     drawn_count,
@@ -35,19 +34,15 @@ from visiondist.inference.outputs import (
     done,
     draw,
     drawn_name,
-    merged,
     read_manifest,
     remaining,
     save_drawn,
-    write_classifications,
-    write_detections,
     write_manifest,
-    write_video,
 )
 from visiondist.inference.sources import Source, VideoFrames, resolve_source
 from visiondist.models import TASKS
 from visiondist.models.weights_check import weights_settings
-from visiondist.observe.console import setup_logging, shown_path
+from visiondist.observe.console import setup_logging
 from visiondist.observe.progress import tracked
 from visiondist.plan import check
 from visiondist.utils.heartbeat import PROGRESS
@@ -365,98 +360,6 @@ def predict_ranks(cfg: DictConfig, layout, out: Path) -> dict[str, Any]:
     return finish(
         cfg, out, source, predictor, names, seconds, sum(len(b) for b in todo), layout.world_size
     )
-
-
-def finish(
-    cfg: DictConfig,
-    out: Path,
-    source: Source,
-    predictor: Predictor,
-    names,
-    seconds: float,
-    predicted: int,
-    ranks: int,
-) -> dict[str, Any]:
-    """Rank 0, once every rank is done: the parts merged into the outputs, the manifest marked
-    complete, the summary printed."""
-    if predictor.task == "classification":
-        counts = write_classifications(merged(out), out, predictor.topk)
-        files = ["predictions.csv"]
-    else:
-        ids = _val_image_ids(cfg, source)
-        save_txt = bool(cfg.predict.get("save_txt", False))
-        counts = write_detections(
-            merged(out), out, lambda r: ids.get(r["file"], r["index"] + 1), save_txt
-        )
-        files = ["detections.jsonl", "results.json", *(["labels/"] if save_txt else [])]
-    if source.video and cfg.predict.save_images != "0":
-        video = out / f"{Path(source.video).stem}_predicted.mp4"
-        if write_video(merged(out), source.video, source.frames, source.fps, video):
-            files.append(video.name)
-    drawn = drawn_count(cfg, len(source)) if not source.video else 0
-    if drawn:
-        files.append(f"images/ ({min(drawn, counts['images'])} drawn)")
-    if counts["unreadable"]:
-        files.append("unreadable.txt")
-    manifest = read_manifest(out) or {}
-    manifest.update(state="complete", finished=time.time(), counts=counts)
-    write_manifest(out, manifest)
-    rate = predicted / seconds if seconds > 0 else 0.0
-    kind = "frame" if source.video else "image"
-    found = (
-        f", {_count(counts['detections'], 'detection')} (score >= "
-        f"{float(cfg.predict.score_thresh):g})"
-        if "detections" in counts
-        else ""
-    )
-    bad = (
-        f" ({_count(counts['unreadable'], 'unreadable file')} skipped: unreadable.txt)"
-        if counts["unreadable"]
-        else ""
-    )
-    log.info(
-        "predicted %s%s%s; this attempt: %s in %.1f s, %.1f %ss/s on %s",
-        _count(counts["images"], kind),
-        found,
-        bad,
-        _count(predicted, "item"),
-        seconds,
-        rate,
-        kind,
-        _count(ranks, "rank"),
-    )
-    print(
-        f"predict dir: {shown_path(out)} ({', '.join([*files, 'predict.json', 'predict.log'])})",
-        flush=True,
-    )
-    return {"counts": counts, "seconds": seconds, "dir": str(out)}
-
-
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}{'' if n == 1 else 's'}"
-
-
-def _val_image_ids(cfg: DictConfig, source: Source) -> dict[str, int]:
-    """The annotation file's image id of each source file that is one of the run's val images (so
-    that results.json scores against that file as eval.py's detections.json does); empty when none
-    is."""
-    if source.video or cfg.data.get("format") == "shards":
-        return {}
-    try:
-        images, ann = coco_paths(cfg.data, cfg.data.val_split)
-        if not ann.is_file():
-            return {}
-        by_path = {
-            str((images / im["file_name"]).resolve()): int(im["id"])
-            for im in json.loads(ann.read_text())["images"]
-        }
-    except (OSError, ValueError, KeyError, AttributeError):
-        return {}
-    return {
-        source.name(i): by_path[p]
-        for i, p in enumerate(map(lambda s: str(Path(s).resolve()), source.paths))
-        if p in by_path
-    }
 
 
 predict_ranks.run_kind = "predict"  # type: ignore[attr-defined]  # its default run dir: <output dir>/predict/...

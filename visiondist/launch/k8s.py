@@ -41,6 +41,8 @@ KINDS = ("trainjob", "pytorchjob")
 ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
 # a tool's exit code for bad input (`visiondist.cli.tool.main`): a restart would repeat it
 CONFIG_ERROR_EXIT = 2
+# a launcher stopped by SIGTERM (128 + 15), its ranks' checkpoint written: a preempted node
+STOPPED_EXIT = 143
 # data.num_workers=-1 without cpu=: the loader workers per rank a pod is sized for (8 CPUs a GPU)
 AUTO_WORKERS = 7
 # host memory of a GPU rank: torch and CUDA libraries and context, pinned batches, checkpoint
@@ -270,8 +272,11 @@ def training_runtime(spec: JobSpec) -> dict[str, Any]:
     JobSet (`failurePolicy`) deletes every pod of the job, waits until all are gone
     (BlockingRecreate: no new pod meets an old one still writing its checkpoint) and creates them
     again, `restarts` times at most; their command continues the run from its newest checkpoint. A
-    pod that exits 2 (a configuration error, which every restart would repeat) fails the job at once
-    (the Job's podFailurePolicy, then the JobSet's rule on its reason)."""
+    pod stopped by SIGTERM (a preempted or drained node: its ranks checkpoint and exit 143) restarts
+    the job without counting against `restarts`; a pod that exits 2 (a configuration error, which
+    every restart would repeat) fails it at once. Both are told apart by the Job's podFailurePolicy
+    (FailJob on the exit code) and the JobSet's rules on the Job's failure message, which names the
+    exit code; where a message did not match, the failure is an ordinary, counted restart."""
     volumes, mounts = _volumes(spec)
     container = {"name": "node", "image": spec.image, "volumeMounts": mounts}
     pod = {**_pod(spec, [container], volumes), "restartPolicy": "Never"}
@@ -281,16 +286,27 @@ def training_runtime(spec: JobSpec) -> dict[str, Any]:
             "rules": [
                 {
                     "action": "FailJob",
-                    "onExitCodes": {
-                        "containerName": "node",
-                        "operator": "In",
-                        "values": [CONFIG_ERROR_EXIT],
-                    },
+                    "onExitCodes": {"containerName": "node", "operator": "In", "values": [code]},
                 }
+                for code in (CONFIG_ERROR_EXIT, STOPPED_EXIT)
             ]
         },
         "template": {"spec": pod},
     }
+    rules = [
+        {
+            "name": name,
+            "action": action,
+            "onJobFailureReasons": ["PodFailurePolicy"],
+            # the Job controller's message: "Container node for pod <ns>/<pod> failed with exit
+            # code 143 matching FailJob rule at index 1"
+            "onJobFailureMessagePatterns": [f"failed with exit code {code} matching FailJob rule"],
+        }
+        for name, action, code in (
+            ("Stopped", "RestartJobSetAndIgnoreMaxRestarts", STOPPED_EXIT),
+            ("ConfigurationError", "FailJobSet", CONFIG_ERROR_EXIT),
+        )
+    ]
     return {
         "apiVersion": "trainer.kubeflow.org/v1alpha1",
         "kind": "TrainingRuntime",
@@ -302,13 +318,7 @@ def training_runtime(spec: JobSpec) -> dict[str, Any]:
                     "failurePolicy": {
                         "maxRestarts": spec.restarts,
                         "restartStrategy": "BlockingRecreate",
-                        "rules": [
-                            {
-                                "name": "ConfigurationError",
-                                "action": "FailJobSet",
-                                "onJobFailureReasons": ["PodFailurePolicy"],
-                            }
-                        ],
+                        "rules": rules,
                     },
                     "replicatedJobs": [
                         {
@@ -394,7 +404,8 @@ def pytorchjob(spec: JobSpec) -> dict[str, Any]:
 
 def manifests(kind: str, spec: JobSpec) -> list[dict[str, Any]]:
     """The documents to apply, in order: a TrainJob's runtime, then the TrainJob; or the
-    PyTorchJob."""
+    PyTorchJob. `kind` in any case."""
+    kind = kind.lower()
     if kind not in KINDS:
         raise ConfigError(
             f"kind={kind}: use kind=trainjob (Kubeflow Trainer v2) or kind=pytorchjob (Training "
