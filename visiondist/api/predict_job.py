@@ -121,7 +121,7 @@ def predict_job(cfg: DictConfig, base: Optional[Path]) -> Optional[Path]:
         # a classifier's, or classes the detector was not trained for: refused here
         check_classes(cfg, names)
     out, state = _choose_out(cfg, base, source)
-    if state == "complete":
+    if state == "complete" and out is not None:
         # an earlier attempt of the same request that predicted nothing answers as it did
         _refuse_nothing(out, (read_manifest(out) or {}).get("counts", {}), p.source)
         print(
