@@ -164,7 +164,7 @@ def _check_resume(cmd: Command, name: str) -> None:
     if value.lower() in ("null", "none", "false", ""):
         raise ConfigError(
             f"trainer.resume={value}: a restarted pod runs the command again, and a run dir that "
-            "holds a run refuses a new start (exit code 2, which ends the job): drop "
+            "holds a run refuses a new start (exit code 2, a configuration error): drop "
             f"trainer.resume; the pods continue their run dir /runs/{name} (trainer.resume=auto)"
         )
     raise ConfigError(
@@ -183,6 +183,7 @@ def k8s(cmd: Command) -> int:
         manifests,
         pod_resources,
     )
+    from visiondist.launch.k8s_policy import checkpoint_cost, staging_gib, what_happens
 
     image = cmd.args.get("image")
     if not image:
@@ -201,6 +202,7 @@ def k8s(cmd: Command) -> int:
     _check(cmd, cfg, gpus)
     run = job_layout(cfg, nodes, gpus)
     stop = float(cfg.trainer.stop_timeout_s)
+    staging = staging_gib(cfg, run)  # trainer.checkpoint_async's copy of a rank's state
     spec = JobSpec(
         name=cmd.args.get("name") or default_name(cmd.overrides),
         image=image,
@@ -212,7 +214,7 @@ def k8s(cmd: Command) -> int:
         data_pvc=cmd.args.get("data_pvc", ""),
         workdir=cmd.args.get("workdir", "/workspace/visiondist"),
         resources=pod_resources(
-            cfg, gpus, run.dp, cmd.args.get("cpu", ""), cmd.args.get("memory", "")
+            cfg, gpus, run.dp, cmd.args.get("cpu", ""), cmd.args.get("memory", ""), staging
         ),
         pull_secret=cmd.args.get("image_pull_secret", ""),
         restarts=_count(cmd, "restarts", 3, least=0),
@@ -237,76 +239,23 @@ def k8s(cmd: Command) -> int:
             file=sys.stderr,
         )
         print(
-            f"kubectl apply -f {out} starts it; kubectl delete -f {out} removes the "
-            f"{KIND_NAMES[kind]} (the run dir stays on the claim)",
+            f"kubectl apply -f {out} starts it; kubectl delete -f {out} stops it (the pods "
+            f"checkpoint their step, up to {spec.termination_grace_s} s) and removes the "
+            f"{KIND_NAMES[kind]}; the run dir stays on the claim",
             file=sys.stderr,
         )
     else:
         print(text, end="")
     if spec.resources.short:
         print(spec.resources.short, file=sys.stderr)
-    print(_on_failure(kind, spec, cfg.trainer), file=sys.stderr)
-    _say_write_share(cfg, run)
+    grace = spec.termination_grace_s
+    for line in what_happens(kind, spec.name, nodes, spec.restarts, grace, cfg.trainer):
+        print(line, file=sys.stderr)
+    cost = checkpoint_cost(cfg, run)
+    if cost:
+        print(cost, file=sys.stderr)
     _say_fit(cfg, run)
     return 0
-
-
-def _on_failure(kind: str, spec, t) -> str:
-    """What happens when a pod of the job fails, in one line; `t`: the config's trainer."""
-    from visiondist.engine.checkpointing import cadence
-
-    every = cadence(t)
-    kept = (
-        f"from its newest checkpoint ({every})"
-        if every
-        else "from the checkpoint of a stop (SIGTERM) only: one killed outright starts again at "
-        "step 1 (trainer.checkpoint_every_min=0: no checkpoint during the run), so give "
-        "trainer.checkpoint_every_min=<minutes> to bound what a lost pod costs"
-    )
-    if kind == "pytorchjob":
-        if not spec.restarts:
-            return (
-                "a failed pod fails the PyTorchJob (restarts=0: backoffLimit 0); give "
-                f"restarts=<n> to restart it, {kept}"
-            )
-        return (
-            f"a failed pod restarts (restartPolicy OnFailure, backoffLimit {spec.restarts}), the "
-            "other pods' ranks fail in their next collective and their pods restart too, and the "
-            f"run continues {kept}; a configuration error (exit code 2) restarts as well, until "
-            "the backoffLimit (kind=trainjob ends the job on it)"
-        )
-    stop = "a stop (SIGTERM: a preempted or drained node, exit code 143) restarts it uncounted"
-    if not spec.restarts:
-        return (
-            f"a failed pod fails the job (restarts=0); {stop}, and the pods continue the run "
-            f"{kept}; give restarts=<n> to restart after failures too"
-        )
-    times = f"{spec.restarts} time{'s' if spec.restarts != 1 else ''}"
-    return (
-        f"a failed pod restarts the whole job, at most {times} (TrainingRuntime {spec.name}: every "
-        f"pod recreated once all are gone; {stop}; a configuration error, exit code 2, ends it), "
-        f"and the pods continue the run {kept}"
-    )
-
-
-def _say_write_share(cfg, run) -> None:
-    """On stderr, where a checkpoint's planned write is over 5% of trainer.checkpoint_every_min and
-    stalls training (no trainer.checkpoint_async): what it costs and the two settings that lower
-    it."""
-    from visiondist.launch.stop import WRITE_BYTES_PER_S, write_seconds
-
-    t = cfg.trainer
-    minutes = float(t.checkpoint_every_min)
-    write = write_seconds(cfg, run)
-    if minutes <= 0 or t.checkpoint_async or write <= 0.05 * minutes * 60:
-        return
-    print(
-        f"a checkpoint's write is planned at {write:.0f} s a node ({WRITE_BYTES_PER_S / 1e6:.0f} "
-        f"MB/s, a slow shared file system), {write / (minutes * 60):.0%} of the {minutes:g}-minute "
-        "period: trainer.checkpoint_async=true overlaps the write with training, "
-        "trainer.checkpoint_every_min=<minutes> spaces the checkpoints",
-        file=sys.stderr,
-    )
 
 
 def _say_fit(cfg, run) -> None:

@@ -63,7 +63,7 @@ def test_hydra_run_dir_puts_the_run_there_and_the_end_names_the_next_commands(hy
     ) in out
     assert (
         f"run dir: {run}\n  train on: python tools/train.py trainer.run_dir={run} "
-        "trainer.max_steps=4   (from its last checkpoint, its config as it was)\n  evaluate: "
+        "trainer.max_steps=4   (from its newest checkpoint, its config as it was)\n  evaluate: "
         f"python tools/eval.py run_dir={run}\n"
     ) in out
     assert f"python tools/export.py run_dir={run}" in out

@@ -258,7 +258,7 @@ def test_what_the_pods_of_a_trainjob_get_is_read_as_the_manifests_job(tmp_path):
         (
             ["image=x", "trainer.resume=null"],
             "trainer.resume=null: a restarted pod runs the command again, and a run dir that "
-            "holds a run refuses a new start (exit code 2, which ends the job): drop "
+            "holds a run refuses a new start (exit code 2, a configuration error): drop "
             "trainer.resume; the pods continue their run dir /runs/visiondist",
         ),
         (
@@ -309,57 +309,78 @@ def test_memory_between_the_ranks_floor_and_the_plan_says_what_it_holds(tmp_path
     [
         (
             "trainjob",
-            "a failed pod restarts the whole job, at most 3 times (TrainingRuntime vit-huge: every "
-            "pod recreated once all are gone; a stop (SIGTERM: a preempted or drained node, exit "
-            "code 143) restarts it uncounted; a configuration error, exit code 2, ends it), and "
-            "the pods continue the run {kept}",
+            [
+                "on failure (a crash, a lost node, a pod killed): every pod is recreated once all "
+                "are gone (TrainingRuntime vit-huge), at most 3 times, {kept}",
+                "on a stop (SIGTERM: a drained or preempted node): the pods checkpoint the step "
+                "and the job restarts from it, without using a restart, where the node leaves "
+                "them the {grace} s grace period; a spot reclaim with less notice is a failure",
+                "on a configuration error (exit code 2): the job ends at once (a restart would "
+                "repeat it)",
+            ],
         ),
         (
             "pytorchjob",
-            "a failed pod restarts (restartPolicy OnFailure, backoffLimit 3), the other pods' "
-            "ranks fail in their next collective and their pods restart too, and the run "
-            "continues {kept}; a configuration error (exit code 2) restarts as well, until the "
-            "backoffLimit (kind=trainjob ends the job on it)",
+            [
+                "on failure (a crash, a lost node, a pod killed): the failed pod restarts, and "
+                "every other pod through its failed collectives, {kept}; the Training Operator "
+                "counts each pod's restarts, so backoffLimit 6 (3 x 2 pods) allows about 3 "
+                "failures",
+                "on a stop (SIGTERM: a drained or preempted node, {grace} s to checkpoint the "
+                "step): the pods restart from that checkpoint, and the restarts count against the "
+                "backoffLimit as a failure's do (kind=trainjob does not count them)",
+                "on a configuration error (exit code 2): the pods restart too, until the "
+                "backoffLimit (kind=trainjob ends the job at once)",
+            ],
         ),
     ],
 )
 def test_the_tool_says_what_a_pod_failure_does_to_each_kind_of_job(tmp_path, capsys, kind, says):
-    """What the manifests hold for it, and the line that says it. A TrainJob has no restart field:
+    """What the manifests hold for it, and the lines that say it. A TrainJob has no restart field:
     its own TrainingRuntime's JobSet restarts it, every pod at once (a static rendezvous has no
     place for one new pod), after the old ones are gone (BlockingRecreate: none is still writing
     the checkpoint the new ones read), `restarts=` times. The Job's podFailurePolicy fails it on
     exit code 2 (a configuration error) and 143 (a stop: the ranks checkpointed), and the JobSet's
     rules, on the Job controller's message naming the code, end the job on the first and restart
-    it uncounted on the second. From where: the newest checkpoint of the default 30-minute period,
-    or only a stop's without one."""
+    it uncounted on the second (the configuration error's rule first: a JobSet that drops the
+    patterns ends the job rather than restart it without end). A PyTorchJob's backoffLimit is
+    `restarts` x the pods, since the Training Operator counts every pod's container restarts. From
+    where: the newest checkpoint of the default 30-minute period, or a stop's without one."""
     docs, _ = _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}")
-    kept = "from its newest checkpoint (one every 30 minutes)"
+    kept = "from its newest checkpoint (one every 30 minutes: a failure loses up to 30 minutes)"
     err = capsys.readouterr().err
-    assert says.format(kept=kept) in err, err
+    grace = _pod_of(docs)[0]["terminationGracePeriodSeconds"]
+    for line in says:
+        assert line.format(kept=kept, grace=grace) in err.splitlines(), err
     out = tmp_path / "job.yaml"
-    assert f"kubectl apply -f {out} starts it; kubectl delete -f {out} removes the " in err
+    assert (
+        f"kubectl apply -f {out} starts it; kubectl delete -f {out} stops it (the pods checkpoint "
+        f"their step, up to {grace} s) and removes the "
+    ) in err
     assert "trainer.checkpoint_every_min" not in str(docs)  # the default, not an override
     _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}", "trainer.checkpoint_every=500")
-    assert "from its newest checkpoint (one every 500 steps or 30 minutes)" in (
+    assert "from its newest checkpoint (one every 500 steps or 30 minutes: a failure" in (
         capsys.readouterr().err
     )
     _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}", "trainer.checkpoint_every_min=0")
     assert (
-        "from the checkpoint of a stop (SIGTERM) only: one killed outright starts again at step 1 "
-        "(trainer.checkpoint_every_min=0: no checkpoint during the run), so give "
-        "trainer.checkpoint_every_min=<minutes>" in capsys.readouterr().err
+        "from a stop's checkpoint, else from step 1 (trainer.checkpoint_every_min=0: none during "
+        "the run; give trainer.checkpoint_every_min=<minutes> to bound what a failure loses)"
+        in capsys.readouterr().err
     )
     again, _ = _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind.upper()}", "restarts=7")
     _write(tmp_path, "image=x", "model=vit_huge", f"kind={kind}", "restarts=0")
     never = capsys.readouterr().err
     if kind == "pytorchjob":
         (manifest,) = docs
-        assert manifest["spec"]["runPolicy"]["backoffLimit"] == 3
+        assert manifest["spec"]["runPolicy"]["backoffLimit"] == 6  # 3 failures x 2 pods
         assert manifest["spec"]["pytorchReplicaSpecs"]["Master"]["restartPolicy"] == "OnFailure"
-        assert again[0]["spec"]["runPolicy"]["backoffLimit"] == 7
-        assert "a failed pod fails the PyTorchJob (restarts=0: backoffLimit 0); give " in never
+        assert again[0]["spec"]["runPolicy"]["backoffLimit"] == 14
+        assert "the job ends (restarts=0: backoffLimit 0); restarts=<n> restarts it" in never
+        assert "the job ends with that checkpoint (kind=trainjob restarts it)" in never
         return
-    assert "a failed pod fails the job (restarts=0); a stop (SIGTERM" in never
+    assert "a pod killed): the job ends (restarts=0); restarts=<n> recreates its pods" in never
+    assert "the job restarts from it, without using a restart" in never
     _trainjob_round_trip(docs)
     runtime, job = docs
     assert "restartPolicy" not in str(job) and "failurePolicy" not in str(job)
@@ -371,16 +392,16 @@ def test_the_tool_says_what_a_pod_failure_does_to_each_kind_of_job(tmp_path, cap
         "restartStrategy": "BlockingRecreate",
         "rules": [
             {
-                "name": "Stopped",
-                "action": "RestartJobSetAndIgnoreMaxRestarts",
-                "onJobFailureReasons": ["PodFailurePolicy"],
-                "onJobFailureMessagePatterns": [message.format(143)],
-            },
-            {
                 "name": "ConfigurationError",
                 "action": "FailJobSet",
                 "onJobFailureReasons": ["PodFailurePolicy"],
                 "onJobFailureMessagePatterns": [message.format(2)],
+            },
+            {
+                "name": "Stopped",
+                "action": "RestartJobSetAndIgnoreMaxRestarts",
+                "onJobFailureReasons": ["PodFailurePolicy"],
+                "onJobFailureMessagePatterns": [message.format(143)],
             },
         ],
     }
@@ -433,3 +454,39 @@ def test_a_configuration_error_exits_with_the_code_the_job_fails_on(tmp_path, ca
     argv = ["data=imagenet", f"data.root={tmp_path / 'absent'}", f"trainer.run_dir={tmp_path}/r"]
     assert train.main(argv) == CONFIG_ERROR_EXIT == 2
     assert "error: data.root=" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (
+            ["trainer.checkpoint_every_min=1"],
+            "checkpoint cost: a write is planned at 102 s a node (50 MB/s, a slow shared file "
+            "system), longer than the 1-minute period, so the job would mostly checkpoint: give "
+            "trainer.checkpoint_every_min=35 (the write 5% of the time) or more",
+        ),
+        (
+            [],
+            "checkpoint cost: training waits for each write, planned at 102 s a node (50 MB/s, a "
+            "slow shared file system): 6% of its time at one every 30 minutes; "
+            "trainer.checkpoint_async=true overlaps the write",
+        ),
+        (
+            ["trainer.checkpoint_async=true"],
+            "checkpoint cost: each write (planned at 102 s a node) overlaps training "
+            "(trainer.checkpoint_async=true); each rank keeps one more copy of its training state "
+            "in host memory, 2.6 GB, which the pods' memory counts",
+        ),
+    ],
+)
+def test_what_a_checkpoint_costs_is_said_with_the_settings_that_lower_it(
+    tmp_path, capsys, args, says
+):
+    """ViT-H tp4 on 2 x 8 GPUs: 2.6 GB of training state a rank, written once per data-parallel
+    copy, 102 s a node at the planned 50 MB/s. A period shorter than the write is said so with the
+    period that keeps it at 5%; checkpoint_async adds each rank's copy of its state to the pods'
+    memory (113Gi -> 137Gi: 3 GiB more for each of the 8 ranks)."""
+    docs, _ = _write(tmp_path, *EXAMPLE, *args)
+    assert says in capsys.readouterr().err
+    memory = _pod_of(docs)[1]["limits"]["memory"]
+    assert memory == ("137Gi" if "trainer.checkpoint_async=true" in args else "113Gi")

@@ -38,7 +38,9 @@ def cadence(t: DictConfig) -> str:
         The cadence in words, or "".
     """
     every, minutes = int(t.checkpoint_every), float(t.get("checkpoint_every_min", 0))
-    parts = [f"{every} steps"] * (every > 0) + [f"{minutes:g} minutes"] * (minutes > 0)
+    parts = [f"{every} step{'s' * (every != 1)}"] * (every > 0) + [
+        f"{minutes:g} minute{'s' * (minutes != 1)}"
+    ] * (minutes > 0)
     return f"one every {' or '.join(parts)}" if parts else ""
 
 

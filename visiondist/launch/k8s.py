@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from visiondist.config import ConfigError
 from visiondist.config.schema import DETECTION_FORMATS
+from visiondist.launch.k8s_policy import backoff_limit
 from visiondist.launch.stop import grace_seconds
 from visiondist.plan import resolve_on
 
@@ -103,15 +104,19 @@ def bytes_of(value: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(3)]
 
 
-def pod_resources(cfg: Any, ranks: int, dp: int, cpu: str = "", memory: str = "") -> PodResources:
+def pod_resources(
+    cfg: Any, ranks: int, dp: int, cpu: str = "", memory: str = "", staging_gib: float = 0.0
+) -> PodResources:
     """A pod of `ranks` ranks (`dp` data-parallel groups in the job): its CPUs (`cpu=`, else one per
     rank and one per loader worker: data.num_workers, or `AUTO_WORKERS` for -1), its /dev/shm (the
     batches its workers keep ready, twice over, at least `SHM_MIN_GIB`) and its memory (`memory=`,
-    else `RANK_GIB` a rank, `WORKER_GIB` a worker, plus /dev/shm)."""
+    else `RANK_GIB` a rank, plus `staging_gib` (trainer.checkpoint_async's copy of the rank's
+    training state), `WORKER_GIB` a worker, plus /dev/shm)."""
     # OpenCV comes with it (18 ms), which tools/k8s.py --cfg job does not need
     from visiondist.data.workers import loader_workers  # noqa: PLC0415 (OpenCV, 18 ms)
 
     d = cfg.data
+    rank_gib = RANK_GIB + staging_gib
     requested = int(d.num_workers)
     if cpu:
         cpus = cpu_count_of(cpu)
@@ -127,14 +132,14 @@ def pod_resources(cfg: Any, ranks: int, dp: int, cpu: str = "", memory: str = ""
     )
     ready = ranks * workers * int(d.get("prefetch_factor", 2)) * per_rank_batch * image
     shm_gib = max(SHM_MIN_GIB, math.ceil(2 * ready / GIB))
-    planned = shm_gib + math.ceil(ranks * (RANK_GIB + workers * WORKER_GIB))
-    floor = shm_gib + math.ceil(ranks * RANK_GIB)  # the ranks and /dev/shm, no loader worker
+    planned = shm_gib + math.ceil(ranks * (rank_gib + workers * WORKER_GIB))
+    floor = shm_gib + math.ceil(ranks * rank_gib)  # the ranks and /dev/shm, no loader worker
     short = ""
     if memory:
         given = bytes_of(memory) / GIB
         if given < floor:
             raise ConfigError(
-                f"memory={memory} is below what the pod's {ranks} ranks need: {RANK_GIB:g}Gi a "
+                f"memory={memory} is below what the pod's {ranks} ranks need: {rank_gib:g}Gi a "
                 "rank (torch and CUDA, pinned batches, checkpoint staging) and /dev/shm "
                 f"{shm_gib}Gi (which counts against it) make {floor}Gi without a loader worker: "
                 f"give memory={planned}Gi (the planned figure, with {workers} loader workers a "
@@ -145,7 +150,7 @@ def pod_resources(cfg: Any, ranks: int, dp: int, cpu: str = "", memory: str = ""
             fit = int((given - floor) // (ranks * WORKER_GIB))
             short = (
                 f"memory={memory} is below the planned {planned}Gi: beside the {ranks} ranks "
-                f"({ranks * RANK_GIB:g}Gi) and /dev/shm ({shm_gib}Gi) it leaves room for {fit} of "
+                f"({ranks * rank_gib:g}Gi) and /dev/shm ({shm_gib}Gi) it leaves room for {fit} of "
                 f"the {workers} loader workers a rank the pods would start ({WORKER_GIB:g}Gi "
                 f"each): add data.num_workers={fit} to the command or give memory={planned}Gi, "
                 "else the pods may be killed for memory"
@@ -302,9 +307,11 @@ def training_runtime(spec: JobSpec) -> dict[str, Any]:
             # code 143 matching FailJob rule at index 1"
             "onJobFailureMessagePatterns": [f"failed with exit code {code} matching FailJob rule"],
         }
+        # a JobSet before 0.10 drops the patterns: the first rule then takes every exit-code
+        # failure, which ends the job rather than restarting a configuration error without end
         for name, action, code in (
-            ("Stopped", "RestartJobSetAndIgnoreMaxRestarts", STOPPED_EXIT),
             ("ConfigurationError", "FailJobSet", CONFIG_ERROR_EXIT),
+            ("Stopped", "RestartJobSetAndIgnoreMaxRestarts", STOPPED_EXIT),
         )
     ]
     return {
@@ -368,7 +375,7 @@ def pytorchjob(spec: JobSpec) -> dict[str, Any]:
     ranks each. From Training Operator 1.7 the pods get PET_NNODES / PET_NODE_RANK /
     PET_NPROC_PER_NODE; before it WORLD_SIZE counts the pods and RANK is the pod's index, which
     visiondist reads as such. A failed pod restarts (OnFailure) and its command continues the
-    run."""
+    run; the backoffLimit allows `restarts` failures of the job (`k8s_policy.backoff_limit`)."""
 
     def replicas(count: int) -> dict[str, Any]:
         volumes, mounts = _volumes(spec)  # each replica its own (YAML would otherwise alias them)
@@ -396,7 +403,7 @@ def pytorchjob(spec: JobSpec) -> dict[str, Any]:
         "metadata": {"name": spec.name},
         "spec": {
             "nprocPerNode": str(spec.gpus),
-            "runPolicy": {"backoffLimit": spec.restarts},
+            "runPolicy": {"backoffLimit": backoff_limit(spec.restarts, spec.nodes)},
             "pytorchReplicaSpecs": replica_specs,
         },
     }

@@ -113,7 +113,7 @@ def next_commands(
     train_on = (
         (
             f"  train on: python {tool_path('train')} trainer.run_dir={run} {longer}   (from its "
-            "last checkpoint, its config as it was)\n"
+            "newest checkpoint, its config as it was)\n"
         )
         if longer
         else ""
