@@ -147,3 +147,21 @@ def test_a_predictions_settings_are_checked_alike_in_python_and_the_tool(setting
     config = OmegaConf.create(setting)  # a config's predict group (the tool's types aside)
     with pytest.raises(visiondist.ConfigError, match=says):
         check_settings(config)
+
+
+def test_a_run_reads_its_step_and_latest_evaluation_from_metrics_csv(tmp_path, monkeypatch):
+    """The step metrics.csv logged last and the latest evaluation's figures, as the properties and
+    repr() give them; repr() reads metrics.csv once."""
+    from visiondist.api import run as run_module
+
+    (tmp_path / "config.yaml").write_text("model: {}\n")
+    (tmp_path / "metrics.csv").write_text(
+        "step,train_loss,val_top1\n10,1.5,\n20,1.2,0.5\n30,1.0,\n"
+    )
+    run = visiondist.Run(tmp_path)
+    assert run.step == 30 and run.metrics == {"val_top1": 0.5, "step": 20}
+    reads = []
+    real = run_module.read_metrics
+    monkeypatch.setattr(run_module, "read_metrics", lambda p: reads.append(p) or real(p))
+    assert repr(run) == f"Run('{tmp_path.resolve()}', stopped at step 30, val_top1=0.5)"
+    assert len(reads) == 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -25,9 +25,6 @@ from visiondist.api.jobs import (
 from visiondist.cli.load import load_config
 from visiondist.config import ConfigError
 from visiondist.observe.metrics import read_metrics
-
-if TYPE_CHECKING:
-    pass
 
 
 class Run:
@@ -51,8 +48,9 @@ class Run:
         self.callbacks = callbacks or {}
 
     def __repr__(self) -> str:
-        state = "complete" if self.complete else f"stopped at step {self.step}"
-        shown = ", ".join(f"{k}={v:.4g}" for k, v in self.metrics.items() if k != "step")
+        rows = self.rows  # metrics.csv, read once for the step and the metrics
+        state = "complete" if self.complete else f"stopped at step {_last_step(rows)}"
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in _latest_eval(rows).items() if k != "step")
         return f"Run('{self.dir}', {state}{', ' + shown if shown else ''})"
 
     @property
@@ -90,17 +88,12 @@ class Run:
     @property
     def step(self) -> int:
         """The last step metrics.csv logged."""
-        steps = [int(r["step"]) for r in self.rows if r.get("step") is not None]
-        return max(steps, default=0)
+        return _last_step(self.rows)
 
     @property
     def metrics(self) -> dict[str, Any]:
         """The latest evaluation's figures (`val_top1`, `val_map`, ...) with its "step"."""
-        for row in reversed(self.rows):
-            found = {k: v for k, v in row.items() if k.startswith("val_") and v is not None}
-            if found:
-                return {**found, "step": int(row["step"] or 0)}
-        return {}
+        return _latest_eval(self.rows)
 
     @property
     def weights(self) -> Optional[Path]:
@@ -264,3 +257,17 @@ def benchmark(*overrides: str, **settings: Any) -> list[dict[str, Any]]:
     with refusals():
         cfg = load_config(CONFIGS, as_overrides(overrides, settings), inputs="train")
         return benchmark_job(cfg)
+
+
+def _last_step(rows: list[dict[str, Any]]) -> int:
+    """The last step metrics.csv's `rows` logged (0: none)."""
+    return max((int(r["step"]) for r in rows if r.get("step") is not None), default=0)
+
+
+def _latest_eval(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The latest evaluation's figures in metrics.csv's `rows`, with its "step"; {} before one."""
+    for row in reversed(rows):
+        found = {k: v for k, v in row.items() if k.startswith("val_") and v is not None}
+        if found:
+            return {**found, "step": int(row["step"] or 0)}
+    return {}
