@@ -113,6 +113,12 @@ def predict(cmd: Command) -> int:
         raise ConfigError(
             "-cd: run_dir= predicts under the run's own config.yaml; -cd adds options for weights="
         )
+    # hydra.run.dir= arrives as trainer.run_dir=
+    if any(o.startswith("trainer.run_dir=") for o in cmd.overrides):
+        raise ConfigError(
+            "trainer.run_dir= / hydra.run.dir= place a training or evaluation run; a prediction's "
+            "folder is out=<dir> (default: <run>/predict/<date>_<time>/): give out= instead"
+        )
     settings = {
         field: _value(key, args[key], kind)
         for key, (field, kind) in SETTINGS.items()

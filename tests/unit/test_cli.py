@@ -170,6 +170,12 @@ def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(caps
     [
         ("plan", ["hydra.run.dir=/tmp/x"], "hydra.run.dir: tools/plan.py writes no run directory"),
         (
+            "predict",
+            ["weights=absent.safetensors", "source=a.jpg", "hydra.run.dir=/tmp/x"],
+            "trainer.run_dir= / hydra.run.dir= place a training or evaluation run; a prediction's "
+            "folder is out=<dir> (default: <run>/predict/<date>_<time>/): give out= instead",
+        ),
+        (
             "export",
             ["run_dir=/tmp", "hydra.run.dir=/tmp/x"],
             "tools/export.py writes no run directory (out=<path>",
