@@ -102,6 +102,7 @@ TOOL = Tool(
         "source=photos/ trainer.devices=2",
     ),
     multirun=False,
+    run_dir=False,  # its folder is out=
 )
 
 
@@ -113,11 +114,11 @@ def predict(cmd: Command) -> int:
         raise ConfigError(
             "-cd: run_dir= predicts under the run's own config.yaml; -cd adds options for weights="
         )
-    # hydra.run.dir= arrives as trainer.run_dir=
+    # the config's key (hydra.run.dir is refused as the Tool writes no run dir)
     if any(o.startswith("trainer.run_dir=") for o in cmd.overrides):
         raise ConfigError(
-            "trainer.run_dir= / hydra.run.dir= place a training or evaluation run; a prediction's "
-            "folder is out=<dir> (default: <run>/predict/<date>_<time>/): give out= instead"
+            "trainer.run_dir= places a training or evaluation run; a prediction's folder is "
+            "out=<dir> (default: <run>/predict/<date>_<time>/): give out= instead"
         )
     settings = {
         field: _value(key, args[key], kind)

@@ -172,8 +172,14 @@ def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(caps
         (
             "predict",
             ["weights=absent.safetensors", "source=a.jpg", "hydra.run.dir=/tmp/x"],
-            "trainer.run_dir= / hydra.run.dir= place a training or evaluation run; a prediction's "
-            "folder is out=<dir> (default: <run>/predict/<date>_<time>/): give out= instead",
+            "hydra.run.dir: tools/predict.py writes no run directory (out=<path> names where it "
+            "writes)",
+        ),
+        (
+            "predict",
+            ["weights=absent.safetensors", "source=a.jpg", "trainer.run_dir=/tmp/x"],
+            "trainer.run_dir= places a training or evaluation run; a prediction's folder is "
+            "out=<dir> (default: <run>/predict/<date>_<time>/): give out= instead",
         ),
         (
             "export",

@@ -312,7 +312,7 @@ def _hydra_key(tool: Tool, cmd: Command, key: str, value: str) -> None:
     """hydra.run.dir (one run) and hydra.sweep.dir (-m) become trainer.run_dir; any other Hydra key
     is refused."""
     if key in ("hydra.run.dir", "hydra.sweep.dir") and not tool.run_dir:
-        out = " (out=<path> names its file)" if "out" in tool.key_names else ""
+        out = " (out=<path> names where it writes)" if "out" in tool.key_names else ""
         raise ConfigError(f"{key}: tools/{tool.name} writes no run directory{out}")
     if key == "hydra.run.dir" and cmd.multirun:
         raise ConfigError(
