@@ -118,6 +118,7 @@ def test_pipeline_batch_must_split_into_microbatches():
         (["model=resnet"], "model=resnet is not an option of model: the options are dfine_n,"),
         (["optim.lr=-0.1"], "optim.lr=-0.1 must be > 0"),
         (["optim.lr=fast"], "optim.lr=fast: give a number"),
+        (["optim.lr=nan"], "optim.lr=nan must be a finite number > 0"),
         (["trainer.max_steps=abc"], "trainer.max_steps=abc: give a whole number"),
         (["trainer.progress=maybe"], "trainer.progress=maybe: give true or false"),
         (

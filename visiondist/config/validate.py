@@ -38,9 +38,15 @@ def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}={value!r} is not supported: use one of {', '.join(allowed)}")
 
 
-def _positive(key: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+def _positive(key: str, value: float, allow_zero: bool = False, fix: str = "") -> None:
+    """`value` a finite number above 0 (or 0 with `allow_zero`), else a refusal: `fix` after the
+    value where given, "must be > 0" otherwise."""
+    if math.isfinite(value) and (value > 0 or (value == 0 and allow_zero)):
+        return
+    if fix:
+        raise ConfigError(f"{key}={value:g}: {fix}")
+    finite = "a finite number " if not math.isfinite(value) else ""
+    raise ConfigError(f"{key}={value} must be {finite}{'>= 0' if allow_zero else '> 0'}")
 
 
 def check_mandatory(cfg: DictConfig) -> None:
@@ -335,12 +341,13 @@ def _check_trainer(t: DictConfig) -> None:
         _positive(f"trainer.{key}", t[key])
     for key in ("clip_grad", "eval_every", "checkpoint_every", "keep_last"):
         _positive(f"trainer.{key}", t[key], allow_zero=True)
-    minutes = float(t.get("checkpoint_every_min", 0))
-    if not math.isfinite(minutes) or minutes < 0:
-        raise ConfigError(
-            f"trainer.checkpoint_every_min={minutes:g}: give the minutes between checkpoints, "
-            "e.g. 30 (0: only at the end of the run and on a stop)"
-        )
+    _positive(
+        "trainer.checkpoint_every_min",
+        float(t.get("checkpoint_every_min", 0)),
+        allow_zero=True,
+        fix="give the minutes between checkpoints, e.g. 30 (0: only at the end of the run and on "
+        "a stop)",
+    )
     _one_of("trainer.best_mode", t.best_mode, ("auto", "max", "min"))
     if t.resume not in (None, "auto") and not Path(str(t.resume)).expanduser().exists():
         raise ConfigError(

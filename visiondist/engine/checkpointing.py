@@ -38,9 +38,11 @@ def cadence(t: DictConfig) -> str:
         The cadence in words, or "".
     """
     every, minutes = int(t.checkpoint_every), float(t.get("checkpoint_every_min", 0))
-    parts = [f"{every} step{'s' * (every != 1)}"] * (every > 0) + [
-        f"{minutes:g} minute{'s' * (minutes != 1)}"
-    ] * (minutes > 0)
+    parts = []
+    if every > 0:
+        parts.append(f"{every} step{'s' if every != 1 else ''}")
+    if minutes > 0:
+        parts.append(f"{minutes:g} minute{'s' if minutes != 1 else ''}")
     return f"one every {' or '.join(parts)}" if parts else ""
 
 

@@ -20,21 +20,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from visiondist.launch.stop import WRITE_BYTES_PER_S, write_seconds
+from visiondist.launch.stop import WRITE_BYTES_PER_S, state_bytes, write_seconds
 
 # a checkpoint's planned write above this share of the period is said, with what lowers it
 COST_SHARE = 0.05
-
-
-def state_bytes(cfg: Any, run: Any) -> float:
-    """A rank's training state (weights, optimizer, EMA) by the planner; 0 without a figure (a
-    detector)."""
-    from visiondist.plan.resolve import layout_memory  # noqa: PLC0415 (torch)
-
-    try:
-        return float(layout_memory(cfg, run).state)
-    except Exception:
-        return 0.0
 
 
 def staging_gib(cfg: Any, run: Any) -> int:

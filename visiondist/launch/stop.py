@@ -70,18 +70,23 @@ def grace_seconds(cfg: Any, run: Any) -> float:
     return AUTO_GRACE_S + write_seconds(cfg, run)
 
 
-def write_seconds(cfg: Any, run: Any) -> float:
-    """The planned time to write a node's share of a checkpoint at `WRITE_BYTES_PER_S`: the
-    planner's training state per rank (weights, optimizer, EMA) times the node's ranks, over the
-    copies data parallelism keeps of it (torch.distributed.checkpoint writes a replicated tensor
-    once, from one of its ranks); 0 where the planner has no figure."""
+def state_bytes(cfg: Any, run: Any) -> float:
+    """A rank's training state (weights, optimizer, EMA) by the planner on the layout `run`; 0
+    where the planner has no figure (a detector)."""
     try:
-        state = layout_memory(cfg, run).state * run.per_node
+        return float(layout_memory(cfg, run).state)
     except Exception:
         return 0.0
+
+
+def write_seconds(cfg: Any, run: Any) -> float:
+    """The planned time to write a node's share of a checkpoint at `WRITE_BYTES_PER_S`: a rank's
+    training state (`state_bytes`) times the node's ranks, over the copies data parallelism keeps
+    of it (torch.distributed.checkpoint writes a replicated tensor once, from one of its ranks); 0
+    where the planner has no figure."""
     # DDP: dp copies; FSDP: one, or dp / shard_size under HSDP
     copies = run.dp // (run.shard_size or run.dp) if run.fsdp else run.dp
-    return state / max(1, copies) / WRITE_BYTES_PER_S
+    return state_bytes(cfg, run) * run.per_node / max(1, copies) / WRITE_BYTES_PER_S
 
 
 class LauncherStop:
