@@ -192,7 +192,8 @@ def k8s(cmd: Command) -> int:
             "image=registry.example.com/visiondist:1"
         )
     nodes, gpus = _count(cmd, "nodes", 2), _count(cmd, "gpus", 8)
-    _check_resume(cmd, cmd.args.get("name") or default_name(cmd.overrides))
+    name = cmd.args.get("name") or default_name(cmd.overrides)
+    _check_resume(cmd, name)
     cfg = load_config(CONFIGS, cmd.overrides + cmd.search, inputs=None)
     if cmd.show:
         print(config_text(cfg, cmd.package))
@@ -204,7 +205,7 @@ def k8s(cmd: Command) -> int:
     stop = float(cfg.trainer.stop_timeout_s)
     staging = staging_gib(cfg, run)  # trainer.checkpoint_async's copy of a rank's state
     spec = JobSpec(
-        name=cmd.args.get("name") or default_name(cmd.overrides),
+        name=name,
         image=image,
         nodes=nodes,
         gpus=gpus,

@@ -411,8 +411,7 @@ def pytorchjob(spec: JobSpec) -> dict[str, Any]:
 
 def manifests(kind: str, spec: JobSpec) -> list[dict[str, Any]]:
     """The documents to apply, in order: a TrainJob's runtime, then the TrainJob; or the
-    PyTorchJob. `kind` in any case."""
-    kind = kind.lower()
+    PyTorchJob."""
     if kind not in KINDS:
         raise ConfigError(
             f"kind={kind}: use kind=trainjob (Kubeflow Trainer v2) or kind=pytorchjob (Training "
