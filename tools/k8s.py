@@ -181,9 +181,9 @@ def k8s(cmd: Command) -> int:
         grace_for,
         job_layout,
         manifests,
-        pod_resources,
     )
     from visiondist.launch.k8s_policy import checkpoint_cost, staging_gib, what_happens
+    from visiondist.launch.k8s_resources import pod_resources
 
     image = cmd.args.get("image")
     if not image:
