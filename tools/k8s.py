@@ -204,6 +204,9 @@ def k8s(cmd: Command) -> int:
     run = job_layout(cfg, nodes, gpus)
     stop = float(cfg.trainer.stop_timeout_s)
     staging = staging_gib(cfg, run)  # trainer.checkpoint_async's copy of a rank's state
+    r = pod_resources(
+        cfg, gpus, run.dp, cmd.args.get("cpu", ""), cmd.args.get("memory", ""), staging
+    )
     spec = JobSpec(
         name=name,
         image=image,
@@ -214,9 +217,7 @@ def k8s(cmd: Command) -> int:
         pvc=cmd.args.get("pvc", "visiondist-runs"),
         data_pvc=cmd.args.get("data_pvc", ""),
         workdir=cmd.args.get("workdir", "/workspace/visiondist"),
-        resources=pod_resources(
-            cfg, gpus, run.dp, cmd.args.get("cpu", ""), cmd.args.get("memory", ""), staging
-        ),
+        resources=r,
         pull_secret=cmd.args.get("image_pull_secret", ""),
         restarts=_count(cmd, "restarts", 3, least=0),
     )
@@ -230,7 +231,6 @@ def k8s(cmd: Command) -> int:
             raise ConfigError(
                 f"out={out}: cannot write it ({exc.strerror}): give a file in an existing directory"
             ) from None
-        r = spec.resources
         print(
             f"wrote {out} ({KIND_NAMES[kind]} {spec.name}): {spec.nodes} "
             f"pod{'s' if spec.nodes > 1 else ''} x {spec.gpus} GPUs, "
@@ -247,8 +247,8 @@ def k8s(cmd: Command) -> int:
         )
     else:
         print(text, end="")
-    if spec.resources.short:
-        print(spec.resources.short, file=sys.stderr)
+    if r.short:
+        print(r.short, file=sys.stderr)
     grace = spec.termination_grace_s
     for line in what_happens(kind, spec.name, nodes, spec.restarts, grace, cfg.trainer):
         print(line, file=sys.stderr)

@@ -22,6 +22,7 @@ to the budget with gradient accumulation or activation checkpointing, or refused
 
 import sys
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import OmegaConf
 
@@ -142,6 +143,7 @@ def plan(cmd: Command) -> int:
         return 1
     if verify is None:
         return 0
+    layouts: list[tuple[str, Optional[tuple[list[str], int]]]]
     if verify == "all":
         layouts = [
             (r.candidate.name, (r.candidate.overrides(), r.candidate.accum))
