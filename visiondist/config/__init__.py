@@ -20,7 +20,8 @@ from visiondist.config.schema import (
     TrainConfig,
     TrainerConfig,
 )
-from visiondist.config.validate import check_mandatory, validate, variant_config
+from visiondist.config.validate import check_mandatory, validate
+from visiondist.config.variants import variant_config
 
 __all__ = [
     "BenchConfig",

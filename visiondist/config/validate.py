@@ -5,17 +5,16 @@ FSDP, ...) is its `ModelSpec`'s to say (`visiondist.models.registry.check_suppor
 from __future__ import annotations
 
 import importlib.util
-import math
 import sys
 from pathlib import Path
-from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
 from visiondist.config.layout import SCHEDULES
+from visiondist.config.model_checks import check_model
 from visiondist.config.resolution import check_native
+from visiondist.config.rules import one_of, positive
 from visiondist.config.schema import DETECTION_FORMATS, ConfigError
-from visiondist.utils import pretrained as named
 
 # --------------------------------------------------------------------------------------------------
 # Validation: everything a type cannot say. Each check raises with the value, the reason and the
@@ -31,22 +30,6 @@ _SCHEDULES = ("cosine", "step")
 LOGGERS = ("csv", "tensorboard", "wandb", "mlflow")
 # tracker -> the module it imports (the extra has its name)
 TRACKERS = {"wandb": "wandb", "mlflow": "mlflow"}
-
-
-def _one_of(key: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not supported: use one of {', '.join(allowed)}")
-
-
-def _positive(key: str, value: float, allow_zero: bool = False, fix: str = "") -> None:
-    """`value` a finite number above 0 (or 0 with `allow_zero`), else a refusal: `fix` after the
-    value where given, "must be > 0" otherwise."""
-    if math.isfinite(value) and (value > 0 or (value == 0 and allow_zero)):
-        return
-    if fix:
-        raise ConfigError(f"{key}={value:g}: {fix}")
-    finite = "a finite number " if not math.isfinite(value) else ""
-    raise ConfigError(f"{key}={value} must be {finite}{'>= 0' if allow_zero else '> 0'}")
 
 
 def check_mandatory(cfg: DictConfig) -> None:
@@ -79,7 +62,7 @@ def validate(cfg: DictConfig, mandatory: bool = True) -> None:
     """
     if mandatory:
         check_mandatory(cfg)
-    _check_model(cfg.model)
+    check_model(cfg.model)
     _check_data(cfg.data)
     _check_optim(cfg.optim)
     _check_schedule(cfg.schedule)
@@ -89,152 +72,12 @@ def validate(cfg: DictConfig, mandatory: bool = True) -> None:
     _check_bench(cfg)
 
 
-def _check_model(m: DictConfig) -> None:
-    _one_of("model.sdpa", m.sdpa, ("auto", "flash", "efficient", "cudnn", "math"))
-    for key in ("num_classes", "img_size", "patch_size", "embed_dim", "depth", "num_heads"):
-        _positive(f"model.{key}", m[key])
-    _positive("model.mlp_ratio", m.mlp_ratio)
-    _positive("model.anchor_scale", m.anchor_scale)
-    if m.roi_sampling_ratio is not None:
-        _positive("model.roi_sampling_ratio", m.roi_sampling_ratio)
-    # DETR-class: its own rules (registry)
-    if m.family in ("vit", "vitdet") and m.img_size % m.patch_size:
-        raise ConfigError(
-            f"model.img_size={m.img_size} is not a multiple of model.patch_size={m.patch_size} "
-            f"({m.name}): use e.g. "
-            f"model.img_size={max(1, round(m.img_size / m.patch_size)) * m.patch_size}"
-        )
-    if m.embed_dim % m.num_heads:
-        raise ConfigError(
-            f"model.num_heads={m.num_heads} does not divide model.embed_dim={m.embed_dim}"
-        )
-    for key in ("drop_rate", "drop_path_rate"):
-        if not 0 <= m[key] < 1:
-            raise ConfigError(f"model.{key}={m[key]} must be in [0, 1)")
-    if m.init_from is not None and m.weights is not None:
-        raise ConfigError(
-            "set model.weights (exact weights) or model.init_from (fine-tuning start), not both"
-        )
-    _check_named(m)
-    if (
-        m.init_from is not None
-        and not named.is_named(m.init_from)
-        and not Path(m.init_from).expanduser().is_file()
-    ):
-        raise ConfigError(
-            f"model.init_from={m.init_from}: no such file (or a timm name: "
-            "timm/<architecture>.<tag>)"
-        )
-    if m.backbone_weights is not None:
-        if (
-            not named.is_named(m.backbone_weights)
-            and not Path(m.backbone_weights).expanduser().is_file()
-        ):
-            raise ConfigError(
-                f"model.backbone_weights={m.backbone_weights}: no such file (or a torchvision "
-                "weights name, e.g. ResNet50_Weights.IMAGENET1K_V2)"
-            )
-        if not 0 <= m.trainable_backbone_layers <= 5:
-            raise ConfigError(
-                f"model.trainable_backbone_layers={m.trainable_backbone_layers}: choose 0-5 "
-                "(stages of the ResNet that train, from the last)"
-            )
-
-
-def _check_named(m: DictConfig) -> None:
-    """Weights given by name: a timm name for model.init_from, torchvision weights for the
-    detectors' model.weights and model.backbone_weights; each must exist in the installed library
-    (whether it is cached is checked with the inputs, where it may be downloaded)."""
-    for key in ("init_from", "weights", "backbone_weights"):
-        spec = m[key]
-        if spec is None or not named.is_named(spec):
-            continue
-        if named.is_timm_name(spec) and key != "init_from":
-            raise ConfigError(
-                f"model.{key}={spec}: timm names start a fine-tune: use model.init_from={spec}"
-            )
-        if named.is_hf_repo(spec):
-            if key != "weights" or m.family != "detr":
-                raise ConfigError(
-                    f"model.{key}={spec}: no such file; a Hugging Face repo name is read only for "
-                    "model.weights of a DETR-class detector (model=rtdetr_v2_r18, dfine_s, "
-                    "rfdetr_nano, ...); give a local file here"
-                )
-            continue
-        if named.is_enum_name(spec) and key == "init_from":
-            raise ConfigError(
-                f"model.init_from={spec}: init_from takes timm names (timm/<architecture>.<tag>); "
-                "torchvision's weights go in model.weights (whole detector) or "
-                "model.backbone_weights"
-            )
-        try:
-            if named.is_timm_name(spec):
-                _check_timm_shape(m, spec)
-            else:
-                _check_torchvision_weights(m, key, named.torchvision_weights(spec, f"model.{key}"))
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-
-
-def _check_timm_shape(m: DictConfig, spec: str) -> None:
-    """A timm name's architecture has the model's shape (before anything is downloaded)."""
-    theirs = named.timm_shape(spec)
-    if theirs is None:
-        return
-    ours = {key: int(m[key]) for key in theirs}
-    if theirs == ours:
-        return
-    arch = named.timm_pretrained_cfg(spec).architecture
-    differ = [key for key in theirs if theirs[key] != ours[key]]
-    # the model configs shipped beside the code
-    configs = Path(__file__).resolve().parents[2] / "configs" / "model"
-    same = sorted(f.stem for f in configs.glob("*.yaml") if f"timm_name: {arch}\n" in f.read_text())
-    pick = f"model={same[0]}" if same else f"a model config with timm_name: {arch}"
-    raise ConfigError(
-        f"model.init_from={spec}: {arch} has "
-        + ", ".join(f"{k} {theirs[k]}" for k in differ)
-        + f"; model={m.name} has "
-        + ", ".join(f"{k} {ours[k]}" for k in differ)
-        + f": use {pick}, or set "
-        + " ".join(f"model.{k}={theirs[k]}" for k in differ)
-    )
-
-
-def _check_torchvision_weights(m: DictConfig, key: str, weights) -> None:
-    """torchvision weights by name are those of the detector's own builder (model.weights) or a
-    ResNet-50 (model.backbone_weights)."""
-    kind = type(weights).__name__
-    if key == "backbone_weights":
-        if kind != "ResNet50_Weights":
-            raise ConfigError(
-                f"model.backbone_weights={kind}.{weights.name}: the ResNet-50 FPN detectors take "
-                "ResNet50_Weights (e.g. ResNet50_Weights.IMAGENET1K_V2)"
-            )
-        return
-    if m.family != "torchvision":
-        raise ConfigError(
-            f"model.weights={kind}.{weights.name}: torchvision weight names are for the "
-            f"torchvision detectors; {m.name} takes a local weights file (a ViT starts from "
-            "timm's with model.init_from=timm/<name>)"
-        )
-    # torchvision brings torch (3.5 s), which validating a config otherwise never imports
-    from torchvision.models import get_model_weights  # noqa: PLC0415 (torchvision: 3.5 s)
-
-    wanted = get_model_weights(m.arch)
-    if type(weights) is not wanted:
-        raise ConfigError(
-            f"model.weights={kind}.{weights.name} are torchvision's weights of another detector "
-            f"than model={m.name} ({m.arch}): use {wanted.__name__}.{next(iter(wanted)).name} or "
-            "the model config of those weights"
-        )
-
-
 def _check_data(d: DictConfig) -> None:
-    _one_of("data.format", d.format, ("imagefolder", "shards", *DETECTION_FORMATS))
-    _one_of("data.auto_augment", d.auto_augment, ("none", "rand", "trivial"))
-    _one_of("data.interpolation", d.interpolation, ("bilinear", "bicubic"))
-    _one_of("data.augment_on", d.augment_on, ("device", "loader"))
-    _one_of("data.decode_on", d.decode_on, ("auto", "loader", "device"))
+    one_of("data.format", d.format, ("imagefolder", "shards", *DETECTION_FORMATS))
+    one_of("data.auto_augment", d.auto_augment, ("none", "rand", "trivial"))
+    one_of("data.interpolation", d.interpolation, ("bilinear", "bicubic"))
+    one_of("data.augment_on", d.augment_on, ("device", "loader"))
+    one_of("data.decode_on", d.decode_on, ("auto", "loader", "device"))
     if d.decode_on == "device" and d.augment_on == "loader" and d.auto_augment != "none":
         raise ConfigError(
             "data.decode_on=device leaves the images encoded until they reach the device, where "
@@ -245,19 +88,19 @@ def _check_data(d: DictConfig) -> None:
             f"data.decode_on=device decodes ImageFolder training images; data.format={d.format} "
             "decodes in the loader: use data.decode_on=loader"
         )
-    _one_of("data.random_erasing_mode", d.random_erasing_mode, ("pixel", "rand", "const"))
+    one_of("data.random_erasing_mode", d.random_erasing_mode, ("pixel", "rand", "const"))
     if not 0 <= d.random_erasing <= 1:
         raise ConfigError(
             f"data.random_erasing={d.random_erasing} is a probability per image: use a value in "
             "[0, 1] (DeiT's recipe: 0.25)"
         )
-    _positive("data.prefetch_factor", d.prefetch_factor)
+    positive("data.prefetch_factor", d.prefetch_factor)
     if d.format == "shards":
-        _positive("data.streams", d.streams)
+        positive("data.streams", d.streams)
     for key in ("mixup", "cutmix"):
-        _positive(f"data.{key}", d[key], allow_zero=True)
-    _positive("data.batch_size", d.batch_size)
-    _positive("data.eval_batch_size", d.eval_batch_size)
+        positive(f"data.{key}", d[key], allow_zero=True)
+    positive("data.batch_size", d.batch_size)
+    positive("data.eval_batch_size", d.eval_batch_size)
     if d.num_workers < -1:
         raise ConfigError(
             f"data.num_workers={d.num_workers}: use a count of loader workers per rank, 0 (the "
@@ -267,36 +110,36 @@ def _check_data(d: DictConfig) -> None:
 
 
 def _check_optim(o: DictConfig) -> None:
-    _one_of("optim", o.name, _OPTIMIZERS)
-    _one_of("optim.impl", o.impl, ("auto", "fused", "foreach", "loop"))
-    _positive("optim.lr", o.lr)
+    one_of("optim", o.name, _OPTIMIZERS)
+    one_of("optim.impl", o.impl, ("auto", "fused", "foreach", "loop"))
+    positive("optim.lr", o.lr)
     if not 0 < o.layer_decay <= 1:
         raise ConfigError(f"optim.layer_decay={o.layer_decay} must be in (0, 1] (1: off)")
-    _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+    positive("optim.weight_decay", o.weight_decay, allow_zero=True)
 
 
 def _check_schedule(s: DictConfig) -> None:
-    _one_of("schedule", s.name, _SCHEDULES)
+    one_of("schedule", s.name, _SCHEDULES)
     if s.warmup_steps < -1:
         raise ConfigError(
             f"schedule.warmup_steps={s.warmup_steps}: give a count of steps, 0 (no warmup) or -1 "
             "(a fifth of the run, at most schedule.warmup_auto_max)"
         )
-    _positive("schedule.warmup_auto_max", s.warmup_auto_max, allow_zero=True)
+    positive("schedule.warmup_auto_max", s.warmup_auto_max, allow_zero=True)
     if not 0 <= s.min_lr_ratio <= 1:
         raise ConfigError(f"schedule.min_lr_ratio={s.min_lr_ratio} must be in [0, 1]")
 
 
 def _check_trainer(t: DictConfig) -> None:
-    _one_of("trainer.accelerator", t.accelerator, _ACCELERATORS)
+    one_of("trainer.accelerator", t.accelerator, _ACCELERATORS)
     if str(t.precision) not in _PRECISIONS:  # compose() makes fp32 / fp16 32 / 16
         raise ConfigError(
             f"trainer.precision={t.precision!r} is not supported: use one of 32 (or fp32), bf16, "
             "16 (or fp16: autocast with loss scaling)"
         )
-    _one_of("trainer.on_nonfinite", t.on_nonfinite, ("raise", "skip"))
-    _one_of("trainer.fp8", t.fp8, ("off", "tensorwise", "rowwise"))
-    _one_of("trainer.fp8_layers", t.fp8_layers, ("auto", "all", "mlp"))
+    one_of("trainer.on_nonfinite", t.on_nonfinite, ("raise", "skip"))
+    one_of("trainer.fp8", t.fp8, ("off", "tensorwise", "rowwise"))
+    one_of("trainer.fp8_layers", t.fp8_layers, ("auto", "all", "mlp"))
     if t.fp8 != "off" and str(t.precision) != "bf16":
         raise ConfigError(
             f"trainer.fp8={t.fp8} runs the blocks' linear layers in float8 and the rest in bf16: "
@@ -323,14 +166,14 @@ def _check_trainer(t: DictConfig) -> None:
             f"trainer.loggers has {', '.join(map(repr, unknown))}: use any of "
             f"{', '.join(LOGGERS)}, e.g. trainer.loggers=[csv,tensorboard,wandb]"
         )
-    _positive("trainer.max_restarts", t.max_restarts, allow_zero=True)
+    positive("trainer.max_restarts", t.max_restarts, allow_zero=True)
     if t.max_restarts > 0 and t.resume != "auto":
         raise ConfigError(
             f"trainer.max_restarts={t.max_restarts} restarts from the run's latest checkpoint: "
             f"keep trainer.resume=auto (not {t.resume})"
         )
-    _positive("trainer.dist_timeout_s", t.dist_timeout_s)
-    _positive("trainer.startup_timeout_s", t.startup_timeout_s)
+    positive("trainer.dist_timeout_s", t.dist_timeout_s)
+    positive("trainer.startup_timeout_s", t.startup_timeout_s)
     if not 0 <= t.label_smoothing < 1:
         raise ConfigError(f"trainer.label_smoothing={t.label_smoothing} must be in [0, 1)")
     if not 0 <= t.ema_decay < 1:
@@ -338,17 +181,17 @@ def _check_trainer(t: DictConfig) -> None:
             f"trainer.ema_decay={t.ema_decay} must be in [0, 1) (0: off), e.g. 0.9998"
         )
     for key in ("grad_accum", "log_every"):
-        _positive(f"trainer.{key}", t[key])
+        positive(f"trainer.{key}", t[key])
     for key in ("clip_grad", "eval_every", "checkpoint_every", "keep_last"):
-        _positive(f"trainer.{key}", t[key], allow_zero=True)
-    _positive(
+        positive(f"trainer.{key}", t[key], allow_zero=True)
+    positive(
         "trainer.checkpoint_every_min",
         float(t.get("checkpoint_every_min", 0)),
         allow_zero=True,
         fix="give the minutes between checkpoints, e.g. 30 (0: only at the end of the run and on "
         "a stop)",
     )
-    _one_of("trainer.best_mode", t.best_mode, ("auto", "max", "min"))
+    one_of("trainer.best_mode", t.best_mode, ("auto", "max", "min"))
     if t.resume not in (None, "auto") and not Path(str(t.resume)).expanduser().exists():
         raise ConfigError(
             f"trainer.resume={t.resume}: no such checkpoint or run directory "
@@ -384,19 +227,19 @@ FIT_MODES = ("auto", "refuse", "off")  # parallel.fit: visiondist.plan.fit
 
 
 def _check_parallel(p: DictConfig) -> None:
-    _one_of("parallel.schedule", p.schedule, SCHEDULES)
+    one_of("parallel.schedule", p.schedule, SCHEDULES)
     for key in ("tp", "pp"):
-        _positive(f"parallel.{key}", p[key])
+        positive(f"parallel.{key}", p[key])
     if p.dp != -1:
-        _positive("parallel.dp", p.dp)
+        positive("parallel.dp", p.dp)
     if p.checkpoint_blocks != -1:
-        _positive("parallel.checkpoint_blocks", p.checkpoint_blocks)
+        positive("parallel.checkpoint_blocks", p.checkpoint_blocks)
         if not p.activation_checkpointing:
             raise ConfigError(
                 f"parallel.checkpoint_blocks={p.checkpoint_blocks} selects the blocks that "
                 "recompute: set parallel.activation_checkpointing=true too"
             )
-    _one_of("parallel.checkpoint_keep", p.checkpoint_keep, ("input", "matmuls"))
+    one_of("parallel.checkpoint_keep", p.checkpoint_keep, ("input", "matmuls"))
     if p.checkpoint_keep != "input" and not p.activation_checkpointing:
         raise ConfigError(
             f"parallel.checkpoint_keep={p.checkpoint_keep} says what checkpointed blocks keep: set "
@@ -429,9 +272,9 @@ def _check_parallel(p: DictConfig) -> None:
         "inter_node_gbs",
         "host_gbs",
     ):
-        _positive(f"parallel.{key}", p[key], allow_zero=key.endswith("memory_gb"))
-    _positive("parallel.nodes", p.nodes)
-    _one_of("parallel.fit", p.fit, FIT_MODES)
+        positive(f"parallel.{key}", p[key], allow_zero=key.endswith("memory_gb"))
+    positive("parallel.nodes", p.nodes)
+    one_of("parallel.fit", p.fit, FIT_MODES)
     if not 0 < p.headroom <= 1:
         raise ConfigError(f"parallel.headroom={p.headroom} must be in (0, 1]")
     if p.sequence_parallel and p.tp == 1:
@@ -467,11 +310,11 @@ def _check_across(cfg: DictConfig) -> None:
 
 def _check_bench(cfg: DictConfig) -> None:
     b = cfg.bench
-    _positive("bench.warmup", b.warmup, allow_zero=True)
-    _positive("bench.steps", b.steps)
-    _positive("bench.rounds", b.rounds)
+    positive("bench.warmup", b.warmup, allow_zero=True)
+    positive("bench.steps", b.steps)
+    positive("bench.rounds", b.rounds)
     # each variant: `variant_config`
-    _positive("bench.loader_batches", b.loader_batches, allow_zero=True)
+    positive("bench.loader_batches", b.loader_batches, allow_zero=True)
     # bench.plain_loops=reference
     loops = [b.plain_loops] if isinstance(b.plain_loops, str) else b.plain_loops
     unknown = [str(r) for r in loops if r not in ("reference", "same_model")]
@@ -481,60 +324,3 @@ def _check_bench(cfg: DictConfig) -> None:
             "transformers' for a DETR) and / or same_model (visiondist's model), e.g. "
             "bench.plain_loops=[reference]"
         )
-
-
-_LAYOUT_KEYS = (
-    "parallel.dp",
-    "parallel.tp",
-    "parallel.pp",
-    "parallel.auto",
-    "trainer.devices",
-    "trainer.accelerator",
-    "data.batch_size",
-    "trainer.grad_accum",
-    "bench.",
-)
-
-
-def variant_config(cfg: DictConfig, overrides) -> DictConfig:
-    """`cfg` with one benchmark variant's key=value overrides (a string of them separated by spaces,
-    or a list), validated. The ranks, the mesh and the batch are the run's: a variant changes how a
-    step computes, not what it computes over.
-
-    Args:
-        cfg: the run's config (read-only; not changed).
-        overrides: the variant's `key=value` overrides: one string separated by spaces, or a list.
-
-    Returns:
-        A new config with the overrides, validated.
-
-    Raises:
-        ConfigError: an override changes the ranks, the mesh or the batch, or breaks a rule.
-    """
-    if not isinstance(overrides, str):  # ['a=1','b=2'] inside bench.variants' list
-        overrides = " ".join(str(o) for o in overrides)
-    pairs = overrides.split()
-    bad = [p for p in pairs if "=" not in p]
-    if not pairs or bad:
-        raise ConfigError(
-            f"bench.variants entry {overrides!r}: give key=value overrides separated by spaces"
-        )
-    fixed = [p for p in pairs if p.split("=", 1)[0].startswith(_LAYOUT_KEYS)]
-    if fixed:
-        raise ConfigError(
-            f"bench.variants entry {overrides!r}: {', '.join(fixed)} would change the ranks, the "
-            "mesh or the batch, which all variants share: benchmark it in a run of its own"
-        )
-    try:
-        merged = OmegaConf.merge(cfg, OmegaConf.from_dotlist(pairs))
-    except Exception as exc:  # an unknown key or a wrong type, from the schema
-        raise ConfigError(
-            f"bench.variants entry {overrides!r}: {str(exc).splitlines()[0]}"
-        ) from None
-    # a new object: the run's config is read-only (a merge onto a DictConfig is one)
-    merged = cast(DictConfig, OmegaConf.merge(merged, {"bench": {"variants": []}}))
-    try:
-        validate(merged)
-    except ConfigError as exc:  # the fix belongs in this entry, not in the run's keys
-        raise ConfigError(f"bench.variants entry {overrides!r}: {exc} (in this entry)") from None
-    return merged
