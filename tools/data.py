@@ -120,6 +120,7 @@ def convert(cmd: Command) -> int:
     target = cmd.args.get("to")
     if target not in TARGETS or "out" not in cmd.args:
         raise ConfigError(f"convert needs to=<{'|'.join(TARGETS)}> and out=<dir>")
+    link = cmd.switch("link")
     cfg = load_config(CONFIGS, _with_a_model(cmd.overrides) + cmd.search, inputs=None)
     if cmd.show:
         print(config_text(cfg, cmd.package))
@@ -133,7 +134,6 @@ def convert(cmd: Command) -> int:
     if d.format in ("auto", "yolo", "voc"):  # recognised; YOLO and VOC indexed as COCO
         print(resolve_detection(d, "train"), flush=True)
     out = Path(cmd.args["out"]).expanduser()
-    link = cmd.args.get("link", "false").lower() in ("1", "true", "yes")
     counts = write(d, target, out, link)
     for split, c in counts.items():
         left = [f"{n} {what}" for what, n in c.items() if n and what not in ("images", "objects")]
@@ -150,6 +150,7 @@ def pack(cmd: Command) -> int:
     from visiondist.data.shards.pack import PackError, PackOptions, pack_image_folder
     from visiondist.synthetic import prepare_data
 
+    overwrite = cmd.switch("overwrite")
     cfg = load_config(CONFIGS, _with_a_model(cmd.overrides) + cmd.search, inputs=None)
     if cmd.show:
         print(config_text(cfg, cmd.package))
@@ -171,7 +172,7 @@ def pack(cmd: Command) -> int:
         max_side=_number(cmd, "max_side", int, None),
         quality=_number(cmd, "quality", int, 90),
         workers=_number(cmd, "workers", int, -1),
-        overwrite=cmd.args.get("overwrite", "false").lower() in ("1", "true", "yes"),
+        overwrite=overwrite,
         progress=sys.stderr.isatty(),
     )
     if not 1 <= options.quality <= 100 or (options.shard_mb is not None and options.shard_mb <= 0):

@@ -19,6 +19,7 @@ from visiondist.cli import (
     Tool,
     config_text,
     exit_now,
+    truth,
 )
 from visiondist.cli import main as cli_main
 from visiondist.config import ConfigError
@@ -154,9 +155,7 @@ def _value(key: str, text: str, kind):
     if kind is int:
         return _int(key, text)
     if kind is bool:
-        if text.strip().lower() not in ("true", "false"):
-            raise ConfigError(f"{key}={text}: give true or false")
-        return text.strip().lower() == "true"
+        return truth(key, text)
     if kind is float:
         try:
             return float(text)

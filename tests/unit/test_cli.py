@@ -235,6 +235,14 @@ def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(caps
             "shards",
         ),
         ("eval", ["-m", "run_dir=/tmp"], "-m: tools/eval.py runs once per command"),
+        # every tool reads a true/false key the same way, before it composes a config
+        ("data", ["convert", "to=yolo", "out=/tmp/x", "link=yes"], "link=yes: give true or false"),
+        ("data", ["pack", "out=/tmp/x", "overwrite=1"], "overwrite=1: give true or false"),
+        (
+            "predict",
+            ["weights=absent.safetensors", "source=a.jpg", "save_txt=yes"],
+            "save_txt=yes: give true or false",
+        ),
         (
             "eval",
             ["runs_dir=/tmp"],

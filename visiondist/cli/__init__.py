@@ -22,7 +22,7 @@ composed, checked and its inputs looked at (`load_config`, `load_run_config`, `l
 """
 
 from visiondist.cli.load import checked, load_config, load_run_config, load_weights_config
-from visiondist.cli.tool import Command, Tool, config_text, main, parse, run_tool
+from visiondist.cli.tool import Command, Tool, config_text, main, parse, run_tool, truth
 from visiondist.utils.exit import exit_now
 
 __all__ = [
@@ -37,4 +37,5 @@ __all__ = [
     "main",
     "parse",
     "run_tool",
+    "truth",
 ]

@@ -59,6 +59,24 @@ class Command:
             [f"hydra.searchpath=[file://{self.config_dir}]"] if self.config_dir is not None else []
         )
 
+    def switch(self, key: str, default: bool = False) -> bool:
+        """A tool key that is true or false (`link=true`); `default` where it is not given.
+
+        Raises:
+            ConfigError: another value, naming the two.
+        """
+        if key not in self.args:
+            return default
+        return truth(key, self.args[key])
+
+
+def truth(key: str, text: str) -> bool:
+    """`text` read as true or false (any case), else a one-line refusal naming the key."""
+    value = text.strip().lower()
+    if value not in ("true", "false"):
+        raise ConfigError(f"{key}={text}: give true or false")
+    return value == "true"
+
 
 _NO_APP = "visiondist composes its config with Hydra but runs no Hydra app"
 _LOGGING = (
