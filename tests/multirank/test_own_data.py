@@ -89,8 +89,8 @@ def test_one_set_as_coco_yolo_voc_and_a_roboflow_export_trains_alike(forms, tmp_
     }
     assert "is a YOLO set (data.yaml), 6 classes; train 16 images" in said["yolo"]
     assert "is a Pascal VOC set, 6 classes" in said["voc"]
-    assert "is COCO in COCO's layout" in said["coco"]
-    assert "is COCO in Roboflow's layout; splits train, valid" in said["roboflow"]
+    assert "is COCO in COCO's layout, 6 classes; train 16 images" in said["coco"]
+    assert "is COCO in Roboflow's layout, 6 classes; train 16 images" in said["roboflow"]
     losses = {name: losses_of(tmp_path / name) for name in said}
     assert len(losses["coco"]) == 3
     assert losses["coco"] == losses["yolo"] == losses["voc"] == losses["roboflow"]

@@ -326,14 +326,16 @@ def _classes(d: DictConfig, names: list[str], recognised: Recognised) -> None:
 
 
 def _coco_layout(d: DictConfig, recognised: Recognised, keys: list[tuple[str, str]]) -> str:
-    """A COCO tree in a tool's layout: its patterns, absolute. A split whose categories hold a group
-    name (Roboflow's category 0, the supercategory of every other, with no annotation of its own) is
-    read from a copy in the cache without it, so that the classes are the labelled ones."""
+    """A COCO tree in a tool's layout: its patterns, absolute, and each split's counts. A split
+    whose categories hold a group name (Roboflow's category 0, the supercategory of every other,
+    with no annotation of its own) is read from a copy in the cache without it, so that the classes
+    are the labelled ones."""
     assert recognised.layout is not None
     root, layout = recognised.root, recognised.layout
     d.images = str(root / layout.images)
     d.annotations = str(root / layout.annotations)
-    dropped = {split: _group_category(Path(d.annotations.format(split=split))) for _, split in keys}
+    read = {split: _read_coco(Path(d.annotations.format(split=split))) for _, split in keys}
+    dropped = {split: _group_of(coco) if coco else None for split, coco in read.items()}
     if any(dropped.values()):
         for _, split in keys:
             source = Path(str(root / layout.annotations).format(split=split))
@@ -342,18 +344,29 @@ def _coco_layout(d: DictConfig, recognised: Recognised, keys: list[tuple[str, st
             )
         d.annotations = str(target.parent / "{split}.json")
     names = next((n for n in dropped.values() if n), None)
-    return f"data: {root} is {recognised.what}; splits {', '.join(s for _, s in keys)}" + (
-        f" (its category {names!r} names the group of the others: left out)" if names else ""
+    parts = [f"{split} {_coco_counts(coco)}" for split, coco in read.items() if coco]
+    classes = next((_coco_classes(c, dropped[s]) for s, c in read.items() if c), 0)
+    return (
+        f"data: {root} is {recognised.what}, {classes} classes; "
+        + ("; ".join(parts) or f"splits {', '.join(s for _, s in keys)}")
+        + (f" (its category {names!r} names the group of the others: left out)" if names else "")
     )
 
 
-def _group_category(path: Path) -> Optional[str]:
-    """The name of a category that only groups the others (every other's supercategory, no
-    annotation of its own), or None."""
-    if not path.is_file():
-        return None
-    coco = json.loads(path.read_text())
-    return _group_of(coco)
+def _read_coco(path: Path) -> Optional[dict[str, Any]]:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _coco_classes(coco: dict[str, Any], group: Optional[str]) -> int:
+    return sum(1 for c in coco.get("categories", []) if c.get("name") != group)
+
+
+def _coco_counts(coco: dict[str, Any]) -> str:
+    """`120 images, 431 boxes` (and the crowd regions, which train nothing), as YOLO's and VOC's."""
+    annotations = coco.get("annotations", [])
+    crowd = sum(1 for a in annotations if a.get("iscrowd"))
+    counts = {"images": len(coco.get("images", [])), "boxes": len(annotations) - crowd}
+    return _counts_text({**counts, "crowd regions": crowd})
 
 
 def _group_of(coco: dict[str, Any]) -> Optional[str]:
