@@ -345,19 +345,7 @@ class PipelinedViT(nn.Module):
         self._loss_scale: float | torch.Tensor = 1.0
         self.recorder = Recorder(layout.pp_rank, layout.device)
         self.p2p = P2PCounter()  # sends of the training schedule
-        self._schedule = build_schedule(
-            spec.schedule,
-            self._scheduled,
-            self.stage_ids,
-            self.n_stages,
-            self.microbatches,
-            self.wire,
-            self.group,
-            self._scaled_loss,
-            self.recorder,
-            scale_grads=False,
-            counter=self.p2p,
-        )
+        self._schedule = self._training_schedule()
         self._eval_schedule: Optional[_PipelineSchedule] = None
         self._enter: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         # a dry run: keep how the first stage enters (no memory)
@@ -380,7 +368,12 @@ class PipelinedViT(nn.Module):
         for stage, index in zip(self._stages, self.stage_ids):
             given = images if index == 0 else boundary
             shapes.append((given, stage(given)))
-        self._schedule = build_schedule(
+        self._schedule = self._training_schedule(shapes)
+
+    def _training_schedule(self, shapes: Optional[Sequence[tuple]] = None) -> _PipelineSchedule:
+        """The training schedule over this rank's stages; `shapes`: each stage's (input, output)
+        for static shapes (`use_static_shapes`), else exchanged at the first step."""
+        return build_schedule(
             self.schedule_name,
             self._scheduled,
             self.stage_ids,
