@@ -61,8 +61,9 @@ def forms(tmp_path_factory) -> dict[str, Path]:
     write_voc(index, base / "voc")
     roboflow = base / "roboflow"
     for split, folder in (("train", "train"), ("val", "valid")):
-        coco, images = index[split]
-        write_coco({folder: (coco, images)}, roboflow)
+        write_coco({folder: index[split]}, roboflow)
+        # as written: the images' names within the split's folder
+        coco = json.loads((roboflow / "annotations" / f"instances_{folder}.json").read_text())
         (roboflow / folder / "_annotations.coco.json").write_text(
             json.dumps({**coco, "categories": [{"id": 0, "name": "shapes", "supercategory": "none"}]
                         + [{**c, "supercategory": "shapes"} for c in coco["categories"]]})

@@ -446,3 +446,48 @@ def test_a_round_trip_through_yolo_gives_the_same_coco(tmp_path):
             (a["bbox"], a["category_id"]) for a in first[s]["annotations"]
         ]
         assert again["categories"] == first[s]["categories"]
+
+
+def test_voc_from_splits_sharing_image_names_keeps_every_image_apart(tmp_path):
+    """VOC keeps both splits' images in one folder: train/a.jpg and val/a.jpg become train_a and
+    val_a, each with its own pixels and boxes, and the count says so. Without the prefix the val
+    image would replace the train one and be listed in both splits."""
+    from visiondist.data.formats.convert import convert
+
+    yolo = _yolo(tmp_path / "yolo", {
+        "train": {"a": "0 0.5 0.5 0.5 0.5\n", "b": "2 0.75 0.5 0.25 0.5\n"},
+        "val": {"a": "1 0.5 0.5 0.25 0.25\n"},
+    })  # fmt: skip
+    _image(yolo / "images" / "val" / "a.jpg", color=(10, 240, 10))  # the val image's own pixels
+    d = _data(yolo)
+    resolve_detection(d, "train")
+    counts = convert(d, "voc", tmp_path / "voc")
+    renamed = "images named <split>_<name>: names both splits use"
+    assert counts["train"][renamed] == 2 and counts["val"][renamed] == 1
+    voc = tmp_path / "voc"
+    assert sorted(p.name for p in (voc / "JPEGImages").iterdir()) == [
+        "train_a.jpg",
+        "train_b.jpg",
+        "val_a.jpg",
+    ]
+    assert (voc / "ImageSets/Main/val.txt").read_text() == "val_a\n"
+    assert Image.open(voc / "JPEGImages/val_a.jpg").getpixel((5, 5))[1] > 200
+    assert Image.open(voc / "JPEGImages/train_a.jpg").getpixel((5, 5))[1] < 100
+    back = _data(voc)
+    resolve_detection(back, "train")
+    boxes = {s: [(a["category_id"], a["bbox"]) for a in _gt(back, s)["annotations"]]
+             for s in ("train", "val")}  # fmt: skip
+    origin = {s: [(a["category_id"], a["bbox"]) for a in _gt(d, s)["annotations"]]
+              for s in ("train", "val")}  # fmt: skip
+    assert boxes == origin
+
+
+def test_voc_keeps_image_names_no_split_shares(tmp_path):
+    from visiondist.data.formats.convert import convert
+
+    forms = _three_forms(tmp_path)
+    assert sorted(p.stem for p in (forms["voc"] / "JPEGImages").iterdir()) == ["a", "b", "v"]
+    d = _data(forms["yolo"])
+    resolve_detection(d, "train")
+    counts = convert(d, "voc", tmp_path / "voc2")
+    assert not any(v for k, v in counts["train"].items() if k.startswith("images named"))

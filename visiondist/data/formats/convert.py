@@ -8,9 +8,11 @@ COCO, YOLO or VOC.
   polygon line, which Ultralytics reads as both), full float precision;
 - VOC: <out>/JPEGImages/, <out>/Annotations/<id>.xml (VOC's 1-based corners: xmin = x1 + 1),
   <out>/ImageSets/Main/<split>.txt, <out>/labelmap.txt (the class order, as CVAT writes it); an
-  ignored object (`iscrowd`) as `difficult`.
+  ignored object (`iscrowd`) as `difficult`; ids prefixed with their split's name where two splits
+  share an image name.
 
-Images are copied (or linked, `link=True`) under their names relative to the source's image folder.
+Images are copied (or linked, `link=True`) under their names relative to the source's image folder,
+less a first folder every image of a split shares (a YOLO set's `train/`), into the split's own.
 YOLO and VOC hold no box outside its image: boxes and polygon points are clipped to it, as the COCO
 reader clips them, and a box with nothing inside is not written; YOLO has no crowd regions (not
 written). A round trip (COCO -> YOLO -> COCO, COCO -> VOC -> COCO) of boxes inside their images
@@ -43,6 +45,17 @@ def _place(source: Path, target: Path, link: bool) -> None:
         shutil.copy2(source, target)
 
 
+def _names(coco: dict[str, Any]) -> list[Path]:
+    """Each image's name in the written split: its file name relative to the source's image
+    folder, less a first folder every image of the split shares (a YOLO set's index names its
+    images `train/a.jpg` under `images/`: written as `a.jpg` in the split's own folder)."""
+    names = [Path(image["file_name"]) for image in coco["images"]]
+    firsts = {n.parts[0] if len(n.parts) > 1 else None for n in names}
+    if len(firsts) == 1 and None not in firsts:
+        return [Path(*n.parts[1:]) for n in names]
+    return names
+
+
 def _by_image(coco: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:
     anns: dict[int, list[dict[str, Any]]] = {image["id"]: [] for image in coco["images"]}
     for ann in coco["annotations"]:
@@ -50,16 +63,25 @@ def _by_image(coco: dict[str, Any]) -> dict[int, list[dict[str, Any]]]:
     return anns
 
 
-def write_coco(splits: dict[str, tuple[dict, Path]], out: Path, link: bool = False) -> None:
+def write_coco(
+    splits: dict[str, tuple[dict, Path]], out: Path, link: bool = False
+) -> dict[str, int]:
     """Each split's ground truth (`coco`, its image folder) as a COCO tree in `out`."""
     for split, (coco, image_root) in splits.items():
-        for image in coco["images"]:
-            _place(image_root / image["file_name"], out / split / image["file_name"], link)
+        images = []
+        for image, name in zip(coco["images"], _names(coco)):
+            _place(image_root / image["file_name"], out / split / name, link)
+            images.append({**image, "file_name": name.as_posix()})
         (out / "annotations").mkdir(parents=True, exist_ok=True)
-        (out / "annotations" / f"instances_{split}.json").write_text(json.dumps(coco))
+        (out / "annotations" / f"instances_{split}.json").write_text(
+            json.dumps({**coco, "images": images})
+        )
+    return {}  # no image renamed: each split has its folder
 
 
-def write_yolo(splits: dict[str, tuple[dict, Path]], out: Path, link: bool = False) -> None:
+def write_yolo(
+    splits: dict[str, tuple[dict, Path]], out: Path, link: bool = False
+) -> dict[str, int]:
     """Each split as a YOLO set in `out`, with its data.yaml (the classes in category-id order)."""
     names: list[str] = []
     for split, (coco, image_root) in splits.items():
@@ -67,9 +89,8 @@ def write_yolo(splits: dict[str, tuple[dict, Path]], out: Path, link: bool = Fal
         index_of = {c["id"]: i for i, c in enumerate(categories)}
         names = [c["name"] for c in categories]
         anns = _by_image(coco)
-        for image in coco["images"]:
-            relative = Path(image["file_name"])
-            _place(image_root / relative, out / "images" / split / relative, link)
+        for image, relative in zip(coco["images"], _names(coco)):
+            _place(image_root / image["file_name"], out / "images" / split / relative, link)
             width, height = image["width"], image["height"]
             lines = [
                 _yolo_line(index_of[a["category_id"]], a, width, height)
@@ -81,6 +102,7 @@ def write_yolo(splits: dict[str, tuple[dict, Path]], out: Path, link: bool = Fal
             label.write_text("".join(f"{line}\n" for line in lines))
     spec = {"path": ".", **{s: f"images/{s}" for s in splits}, "names": names}
     (out / "data.yaml").write_text(yaml.safe_dump(spec, sort_keys=False, allow_unicode=True))
+    return {}  # no image renamed: each split has its folder
 
 
 def _clipped_box(ann: dict[str, Any], width: int, height: int) -> tuple[float, ...]:
@@ -120,18 +142,25 @@ def _polygon(ann: dict[str, Any]) -> list[float]:
     return []
 
 
-def write_voc(splits: dict[str, tuple[dict, Path]], out: Path, link: bool = False) -> None:
-    """Each split as a Pascal VOC set in `out` (image ids: the file names without their suffix)."""
+def write_voc(
+    splits: dict[str, tuple[dict, Path]], out: Path, link: bool = False
+) -> dict[str, int]:
+    """Each split as a Pascal VOC set in `out` (image ids: the file names without their suffix,
+    folders joined by `_`). VOC keeps every split's images in one folder: where two images would
+    get one id (train/000001.jpg and val/000001.jpg), every id is prefixed with its split's name
+    (`val_000001`), so that no image replaces another. Returns each split's renamed images."""
+    ids = {split: [_voc_id(n) for n in _names(coco)] for split, (coco, _) in splits.items()}
+    every = [i for split_ids in ids.values() for i in split_ids]
+    shared = len(set(every)) < len(every)
+    if shared:
+        ids = {split: [f"{split}_{i}" for i in split_ids] for split, split_ids in ids.items()}
     for split, (coco, image_root) in splits.items():
         names = {c["id"]: c["name"] for c in coco["categories"]}
         anns = _by_image(coco)
-        ids = []
-        for image in coco["images"]:
-            relative = Path(image["file_name"])
-            image_id = relative.with_suffix("").as_posix().replace("/", "_")
-            ids.append(image_id)
-            target = out / "JPEGImages" / f"{image_id}{relative.suffix}"
-            _place(image_root / relative, target, link)
+        for image, image_id in zip(coco["images"], ids[split]):
+            source = image_root / image["file_name"]
+            target = out / "JPEGImages" / f"{image_id}{source.suffix}"
+            _place(source, target, link)
             kept = [
                 a for a in anns[image["id"]] if _representable(a, image["width"], image["height"])
             ]
@@ -139,11 +168,18 @@ def write_voc(splits: dict[str, tuple[dict, Path]], out: Path, link: bool = Fals
             (out / "Annotations").mkdir(parents=True, exist_ok=True)
             (out / "Annotations" / f"{image_id}.xml").write_text(xml)
         (out / "ImageSets" / "Main").mkdir(parents=True, exist_ok=True)
-        (out / "ImageSets" / "Main" / f"{split}.txt").write_text("".join(f"{i}\n" for i in ids))
+        (out / "ImageSets" / "Main" / f"{split}.txt").write_text(
+            "".join(f"{i}\n" for i in ids[split])
+        )
         ordered = [c["name"] for c in sorted(coco["categories"], key=lambda c: c["id"])]
         (out / "labelmap.txt").write_text(  # the class order, as CVAT's VOC export writes it
             "# label:color_rgb:parts:actions\n" + "".join(f"{n}:::\n" for n in ordered)
         )
+    return {split: len(split_ids) if shared else 0 for split, split_ids in ids.items()}
+
+
+def _voc_id(relative: Path) -> str:
+    return relative.with_suffix("").as_posix().replace("/", "_")
 
 
 def _voc_xml(file_name: str, image: dict[str, Any], objects: list[tuple[str, dict]]) -> str:
@@ -173,7 +209,7 @@ def _voc_xml(file_name: str, image: dict[str, Any], objects: list[tuple[str, dic
     return "\n".join([*parts, "</annotation>", ""])
 
 
-WRITERS = {"coco": write_coco, "yolo": write_yolo, "voc": write_voc}
+WRITERS = {"coco": write_coco, "yolo": write_yolo, "voc": write_voc}  # each returns the renamed
 
 
 def convert(d: Any, target: str, out: Path, link: bool = False) -> dict[str, dict[str, int]]:
@@ -186,21 +222,28 @@ def convert(d: Any, target: str, out: Path, link: bool = False) -> dict[str, dic
         link: link the images instead of copying them.
 
     Returns:
-        Each split's counts: images and objects written, and the objects `target` cannot hold
-        (YOLO: crowd regions; YOLO and VOC: a box with no area inside its image), left out.
+        Each split's counts: images and objects written, the objects `target` cannot hold
+        (YOLO: crowd regions; YOLO and VOC: a box with no area inside its image), left out, and
+        the images VOC's one folder renamed.
     """
     sources = {}
     for name, split in (("train", d.train_split), ("val", d.val_split)):
         images, annotations = coco_paths(d, split)
         sources[name] = (json.loads(annotations.read_text()), images)
     out.mkdir(parents=True, exist_ok=True)
-    WRITERS[target](sources, out, link)
-    return {name: _written(coco, target) for name, (coco, _) in sources.items()}
+    renamed = WRITERS[target](sources, out, link)
+    return {
+        name: {
+            **_written(coco, target),
+            "images named <split>_<name>: names both splits use": renamed.get(name, 0),
+        }
+        for name, (coco, _) in sources.items()
+    }
 
 
 def _written(coco: dict[str, Any], target: str) -> dict[str, int]:
     sizes = {image["id"]: (image["width"], image["height"]) for image in coco["images"]}
-    crowd = outside = 0
+    crowd = difficult = outside = 0
     for ann in coco["annotations"]:
         if target == "coco":
             continue
@@ -208,9 +251,12 @@ def _written(coco: dict[str, Any], target: str) -> dict[str, int]:
             crowd += 1
         elif not _representable(ann, *sizes[ann["image_id"]]):
             outside += 1
+        elif ann.get("iscrowd", 0):
+            difficult += 1
     return {
         "images": len(coco["images"]),
         "objects": len(coco["annotations"]) - crowd - outside,
         "crowd regions left out (YOLO holds none)": crowd,
+        "crowd regions written as difficult": difficult,
         "boxes with no area inside their image left out": outside,
     }
