@@ -145,6 +145,48 @@ def test_sigterm_during_a_step_longer_than_the_agents_grace_keeps_the_run(
     assert best["value"] == min(v for (v,) in evaluated.values()) and best["step"] in evaluated
 
 
+def test_a_launcher_killed_outright_leaves_no_rank_and_a_checkpoint(
+    tmp_path, tiny_shapes, reference
+):
+    """SIGKILL to the launcher (the out-of-memory killer, a scheduler) 1 s into step 4: torch asks
+    each rank to stop (SIGINT on its parent's death); every rank finishes the step, writes a
+    checkpoint and ends, with its loader workers (torch's wrapper of a rank would otherwise wait
+    for the dead launcher forever). Continuing the run ends it with the weights of the
+    uninterrupted one."""
+    from processes import children
+
+    run = tmp_path / "run"
+    proc = start_job(
+        [sys.executable, str(FAULT_TRAIN), *_shipped_workers(train_args(tiny_shapes, run, *RUN))],
+        job_env(VISIONDIST_FAULT="slow_step:4", VISIONDIST_SLOW_S="4"),
+    )
+    wait_for(
+        lambda: len(losses_of(run)) >= 3 if (run / "metrics.csv").exists() else False,
+        proc,
+        240,
+        "step 3",
+    )
+    ranks = rank_processes(proc.pid)
+    workers = [w for rank in ranks for w in children(rank, b"")]
+    assert len(ranks) == 2 and workers, (ranks, workers)
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.time() + 90
+    while not _gone(ranks + workers) and time.time() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in ranks + workers if not _gone([pid])]
+    if left:
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert not left, f"{len(left)} of the job's processes outlived its launcher by 90 s"
+    ((step, path),) = list_checkpoints(run)[-1:]
+    # the step in flight, or the next: a step's stop flag is read with the next step's health
+    assert step in (4, 5) and (path / ".metadata").is_file(), (run / "train.log").read_text()
+    assert f"stopped after step {step} of 10 (SIGINT)" in (run / "train.log").read_text()
+    train_ok(*train_args(tiny_shapes, run, *RUN))
+    assert sorted(losses_of(run)) == list(range(1, 11))
+    assert_same_weights(reference, run)
+
+
 def test_the_wait_for_a_stopping_step_is_bounded_and_the_loss_said(tmp_path, tiny_shapes):
     """trainer.stop_timeout_s=3 and a step of 60 s: the ranks are ended 3 s after SIGTERM, nothing
     is left running, and the last line says that nothing was saved since the step-2 checkpoint, with

@@ -38,7 +38,7 @@ from visiondist.launch.pods import PodJob, pod_job
 from visiondist.launch.rundir import STATELESS, _shared_run_dir, _write_plan, new_run_dir, run_kind
 from visiondist.launch.shared import shared_gpu_line
 from visiondist.launch.slurm import slurm_env
-from visiondist.launch.spawn import _quiet_agent, spawn_local, spawn_ranks
+from visiondist.launch.spawn import STOP_GRACE_ENV, _quiet_agent, spawn_local, spawn_ranks
 from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stopped_line
 from visiondist.observe.progress import drawn_from_feed, in_notebook
 from visiondist.plan import announce, cuda_device_count, resolve
@@ -383,6 +383,8 @@ def _run_agent(
     run dir when the ranks were ended: module visiondist.launch.stop). `run_dir` None: a pod's run
     dir, which its ranks chose. `results`: filled with the ranks' return values."""
     stop = LauncherStop(*_stop_wait(cfg, run, kind), kind=kind)
+    # a rank whose launcher is killed outright stops within the launcher's own wait
+    os.environ[STOP_GRACE_ENV] = str(stop.grace_s)
     try:
         with one_line_failure(run_dir, stop), _quiet_agent(), stop:
             returned = spawn()

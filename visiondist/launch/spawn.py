@@ -16,6 +16,8 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
+import time
 import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
@@ -139,6 +141,41 @@ def _preload(method: str, fn: Callable, args: tuple) -> None:
         multiprocessing.set_forkserver_preload(["__main__", *modules])
 
 
+# how long a rank whose launcher is gone may take to finish its stop (`_launcher_watch`): the
+# launcher's own wait after a stop signal, which it sets for its ranks
+STOP_GRACE_ENV = "VISIONDIST_STOP_GRACE_S"
+
+
+def _watched(fn: Callable, *args: Any) -> Any:
+    """A rank's `fn(*args)` that ends its process once its launcher is gone (`_launcher_watch`)."""
+    done = _launcher_watch(float(os.environ.get(STOP_GRACE_ENV, "600")))
+    try:
+        return fn(*args)
+    finally:
+        done.set()
+
+
+def _launcher_watch(grace_s: float) -> threading.Event:
+    """A rank outlives a launcher killed outright (SIGKILL: the out-of-memory killer, a scheduler)
+    unless it ends itself. torch asks the rank to stop when its parent dies (SIGINT, by
+    PR_SET_PDEATHSIG), and the rank stops at its next step boundary with a checkpoint; but then
+    torch's wrapper of the rank waits for the launcher to read its return value, forever. This
+    thread ends the process once its launcher is gone and the rank has returned (the event set), or
+    `grace_s` after the launcher went, whichever comes first (exit code 130, a stop by SIGINT). Its
+    loader workers end with it (`visiondist.data.workers`)."""
+    launcher = os.getppid()
+    done = threading.Event()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(1.0)
+        done.wait(grace_s)
+        os._exit(128 + signal.SIGINT)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+    return done
+
+
 def _as_spawned(fn: Callable, *args: Any) -> Any:
     """A forked rank (from this process or from the fork server) starts as a spawned rank does:
     - its own processes (loader workers) are forked from the rank, so that they inherit its imports
@@ -157,7 +194,7 @@ def _as_spawned(fn: Callable, *args: Any) -> Any:
     if rich.get_console().is_jupyter:  # forked from a notebook's kernel, whose displays are its own
         # plain text as into a pipe: lines not cut at a pipe's 80 columns
         rich.reconfigure(force_jupyter=False, force_terminal=False, soft_wrap=True, width=120)
-    return fn(*args)
+    return _watched(fn, *args)
 
 
 def spawn_ranks(
@@ -237,7 +274,7 @@ def spawn_ranks(
     )
     try:
         if method == "spawn":
-            return elastic_launch(config, fn)(*args)
+            return elastic_launch(config, _watched)(fn, *args)
         _preload(method, fn, args)
         return elastic_launch(config, _as_spawned)(fn, *args)
     except ChildFailedError as exc:
