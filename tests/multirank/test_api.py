@@ -137,6 +137,25 @@ def test_a_runs_evaluate_predict_and_export_are_the_tools(tmp_path, tiny_shapes,
 
     onnx = run.export("onnx")
     assert onnx == run.dir / "export" / "model.onnx" and onnx.stat().st_size > 0
+    # the exported file predicts as the run: the model named as a keyword, as train takes it, and
+    # no class count (data=imagenet's is the data's, which prediction does not read: the file's
+    # recorded names give it)
+    model = dict(o.split("=", 1) for o in _overrides() if o.startswith("model."))
+    from_file = visiondist.predict(
+        tiny_shapes / "val",
+        "data=imagenet",
+        *(f"{k}={v}" for k, v in model.items()),
+        weights=onnx,
+        model="vit_tiny",
+        data={"img_size": 32},
+        topk=2,
+    )
+    probs = lambda rs: [(r.file, {t["name"]: t["prob"] for t in r.top}) for r in rs]  # noqa: E731
+    got, want = probs(from_file), probs(results)
+    assert [f for f, _ in got] == [f for f, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        shared = set(a) & set(b)  # two nearly tied classes may swap in the top 2
+        assert shared and all(a[n] == pytest.approx(b[n], abs=1e-4) for n in shared), (a, b)
     with pytest.raises(visiondist.ConfigError, match="format=zip: choose one of"):
         run.export("zip")
 

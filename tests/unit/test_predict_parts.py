@@ -159,3 +159,19 @@ def test_drawn_images_keep_their_sources_size_with_labels_scaled_to_it():
         column = changed[:, round(box[0]) + 4]
         heights[width] = int(column[round(box[1]) : round(box[3]) - 2].sum())
     assert 0 < heights[64] < heights[451], heights
+
+
+def test_weights_without_class_names_and_no_class_count_are_refused_naming_the_key(tmp_path):
+    """Prediction reads no data to count the classes: a weights file that records no names (a
+    plain state dict) with data=imagenet's unset count is one line naming data.num_classes."""
+    import torch
+    from safetensors.torch import save_file
+
+    from visiondist.api.predict_job import prediction_job_config
+
+    weights = tmp_path / "plain.safetensors"
+    save_file({"head.weight": torch.zeros(6, 4)}, str(weights))
+    with pytest.raises(ConfigError, match=r"records no class names: .* data\.num_classes=<N>"):
+        prediction_job_config(
+            None, weights, None, ["model=vit_tiny", "data=imagenet"], {"source": "x.jpg"}
+        )

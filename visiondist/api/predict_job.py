@@ -65,14 +65,22 @@ def prediction_job_config(
         if not path.exists():
             raise ConfigError(f"weights={weights}: no such file or checkpoint directory")
         cfg = load_weights_config(CONFIGS, path, list(overrides), tool, data_needed=False)
+        from visiondist.inference.model import count_classes  # noqa: PLC0415 (a job's)
+
+        count_classes(cfg, path)
         if check_weights:  # --cfg prints the config without reading the weights
             _check_weights(cfg, path)
     data = {}
-    if base is None:  # an export: the run's own eval preprocessing, as its sidecar recorded it
+    if base is None:  # an export: the run's own eval preprocessing, as the export recorded it
         data = recorded_preprocessing(path)
         if data:
+            where = (
+                path.with_suffix(".json").name
+                if path.with_suffix(".json").is_file()
+                else f"{path.name}'s metadata"
+            )
             print(
-                f"preprocessing as {path.with_suffix('.json').name} records the run's: "
+                f"preprocessing as {where} records the run's: "
                 + " ".join(f"data.{k}={v}" for k, v in data.items()),
                 flush=True,
             )

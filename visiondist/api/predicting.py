@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Union, overload
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from visiondist.api.jobs import as_overrides, refusals
-from visiondist.config import ConfigError
+from visiondist.config import ConfigError, TrainConfig
 from visiondist.inference.sources import KINDS, Source
 
 IN_MEMORY = "a numpy array (H, W, 3) RGB, a PIL image, a torch tensor (3, H, W) or (N, 3, H, W)"
@@ -213,8 +214,8 @@ def predict(
         save: write tools/predict.py's files (predictions.csv or COCO results, drawn images) into
             `<run>/predict/<date>_<time>/` (True) or this folder, as the tool does.
         **settings: tools/predict.py's: topk, score_thresh, max_det, classes, batch_size,
-            vid_stride; with `save` also save_images, save_txt and config overrides as nested
-            keywords (`trainer={"devices": 2}`).
+            vid_stride; with `save` also save_images and save_txt. Config overrides as keywords
+            too, as `train` takes them (`model="vit_tiny"`, `trainer={"devices": 2}`).
 
     Returns:
         A generator of results, in the source's order; with `save`, the folder written.
@@ -227,6 +228,7 @@ def predict(
     from visiondist.inference.sources import resolve_source  # noqa: PLC0415 (cv2 for a video)
 
     with refusals():
+        config = _config_keywords(settings)  # model="...", data={...}: as the tools' overrides
         _check_settings(settings)
         if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device={device}: torch sees no GPU here: give device='cpu'")
@@ -242,7 +244,7 @@ def predict(
             run_dir=None if where is None else str(where),
             weights=None if weights is None else str(weights),
             step=step,
-            overrides=as_overrides(overrides, {}),
+            overrides=as_overrides(overrides, config),
             device=device,
             keep_index=True,
             **settings,
@@ -286,6 +288,13 @@ def _saved(
             tool="predict()",
         )
         return predict_job(cfg, base)
+
+
+def _config_keywords(settings: dict[str, Any]) -> dict[str, Any]:
+    """The keywords that name a part of the config (`model="vit_tiny"`, `data={"img_size": 64}`),
+    taken out of `settings`: the same overrides as `"model=vit_tiny"`."""
+    parts = {str(k) for k in OmegaConf.structured(TrainConfig).keys()}
+    return {key: settings.pop(key) for key in list(settings) if key in parts}
 
 
 def _check_settings(settings: dict[str, Any]) -> None:

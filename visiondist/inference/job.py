@@ -101,14 +101,23 @@ PREPROCESSING = ("mean", "std", "crop_pct", "interpolation")
 
 
 def recorded_preprocessing(weights: Path) -> dict[str, Any]:
-    """The run's evaluation preprocessing as an export recorded it beside its weights
-    (tools/export.py's `<name>.json`: mean, std, crop_pct, interpolation), as `data` overrides;
-    empty where nothing is recorded."""
+    """The run's evaluation preprocessing as an export recorded it (mean, std, crop_pct,
+    interpolation), as `data` overrides: tools/export.py's sidecar `<name>.json` beside the weights
+    (its "preprocessing" entry for an OpenVINO IR), else an ONNX graph's own metadata; empty where
+    nothing is recorded."""
+    info: dict[str, Any] = {}
     sidecar = weights.with_suffix(".json") if weights.is_file() else None
-    if sidecar is None or not sidecar.is_file():
-        return {}
     try:
-        info = json.loads(sidecar.read_text())
+        if sidecar is not None and sidecar.is_file():
+            info = json.loads(sidecar.read_text())
+        elif weights.suffix == ".onnx" and weights.is_file():
+            import onnx  # noqa: PLC0415 (only an ONNX file's)
+
+            props = {p.key: p.value for p in onnx.load(str(weights), load_external_data=False)
+                     .metadata_props}  # fmt: skip
+            info = json.loads(props.get("preprocessing", "{}"))
     except (OSError, ValueError):
         return {}
+    if isinstance(info.get("preprocessing"), dict):
+        info = info["preprocessing"]
     return {k: info[k] for k in PREPROCESSING if k in info}

@@ -285,7 +285,7 @@ def read_names(cfg: DictConfig) -> Names:
     k = int(cfg.model.num_classes)
     detector = TASKS[cfg.model.family] == "detection"
     weights = Path(cfg.model.weights) if cfg.model.weights else None
-    recorded = _recorded(weights) if weights is not None else None
+    recorded = recorded_names(weights) if weights is not None else None
     if recorded is not None and recorded.classes and (not detector or recorded.categories):
         return recorded
     from_data = _from_data(cfg)
@@ -309,7 +309,26 @@ def read_names(cfg: DictConfig) -> Names:
     return Names(classes, None, "nowhere (numbered)")
 
 
-def _recorded(weights: Path) -> Optional[Names]:
+def count_classes(cfg: DictConfig, weights: Path) -> None:
+    """A class count no override gave (prediction reads no data to count it): from the names the
+    weights record (tools/export.py's files, a checkpoint), set in `cfg`; else a one-line refusal
+    naming the key."""
+    if not OmegaConf.is_missing(cfg.data, "num_classes"):
+        return
+    names = recorded_names(weights)
+    if names is None or not names.classes:
+        raise ConfigError(
+            f"weights={weights} records no class names: give the class count it was trained for, "
+            "data.num_classes=<N>"
+        )
+    cfg.data.num_classes = len(names.classes)
+    if OmegaConf.is_missing(cfg.model, "num_classes"):
+        cfg.model.num_classes = len(names.classes)
+
+
+def recorded_names(weights: Path) -> Optional[Names]:
+    """The class names `weights` record (a checkpoint's trainer state, an export's metadata or
+    sidecar, a from_pretrained directory's config.json), or None."""
     try:
         if is_complete(weights):
             state = read_trainer_state(weights)

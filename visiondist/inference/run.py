@@ -27,7 +27,13 @@ from visiondist.inference.job import (
     request,
     run_weights,
 )
-from visiondist.inference.model import Predictor, kept_labels, load_model, read_names
+from visiondist.inference.model import (
+    Predictor,
+    count_classes,
+    kept_labels,
+    load_model,
+    read_names,
+)
 from visiondist.inference.outputs import (
     PartWriter,
     batches,
@@ -262,6 +268,7 @@ def prediction_config(
         said = weights_settings(path, list(overrides), "predict()", data_needed=False)
         cfg = compose(CONFIGS, said + list(overrides))
         cfg.model.weights = str(path)
+        count_classes(cfg, path)
         # an export's record
         preprocessing = {"data": recorded_preprocessing(Path(cfg.model.weights))}
         cfg = cast(DictConfig, OmegaConf.merge(cfg, preprocessing))

@@ -14,7 +14,8 @@ TensorRT's engines want. `onnx_check.py` runs the file under ONNX Runtime agains
   (`onnx_resize.py`), in a `Loop` over the batch (`onnx_batch.py`).
 
 Metadata keys (`onnx.load(path).metadata_props`, `onnxruntime.InferenceSession(path).get_modelmeta()
-.custom_metadata_map`): `classes` (a classifier: JSON list, logit i is class i), `labels` (a
+.custom_metadata_map`): `classes` (a classifier: JSON list, logit i is class i), `preprocessing` (a
+classifier: JSON object of the run's eval mean, std, crop_pct and interpolation), `labels` (a
 detector: JSON object, label k -> {"category_id": COCO category id, "name"}; 0 is the background),
 `input` (a detector: JSON object, how its images are given: {"images": "resized", "side": S,
 "antialias": bool} or {"images": "canvas"}), `score_thresh` (a torchvision detector: the Constant
@@ -36,7 +37,7 @@ from torch import nn
 from visiondist.checkpoint.export.half import halved
 from visiondist.checkpoint.export.onnx_batch import loop_batch_of_one
 from visiondist.checkpoint.export.onnx_detector import export_detector_onnx
-from visiondist.checkpoint.export.preprocessing import name_metadata
+from visiondist.checkpoint.export.preprocessing import name_metadata, preprocessing_metadata
 from visiondist.checkpoint.export.quantize import (
     calibration_images,
     classifier_feeds,
@@ -84,7 +85,7 @@ def write_onnx(
         No other file ([]).
     """
     opset = int(opset or OPSET)
-    metadata = name_metadata(trained)
+    metadata = {**name_metadata(trained), **preprocessing_metadata(trained)}
     family = trained.cfg.model.family
     # a float16 copy of the network (the run's model stays as it is, for the check)
     model = halved(trained.model, family) if half else trained.model

@@ -61,6 +61,25 @@ def name_metadata(trained: Trained) -> dict[str, str]:
     return outputs_metadata(detection, trained.classes, trained.categories)
 
 
+def preprocessing_metadata(trained: Trained) -> dict[str, str]:
+    """A classifier's eval preprocessing in its file's own metadata ("preprocessing": JSON text of
+    mean, std, crop_pct, interpolation), for a graph that takes normalised images and has no
+    sidecar; {} for a detector, whose graph takes images in [0, 1]."""
+    cfg = trained.cfg
+    if cfg.model.family != "vit":
+        return {}
+    return {
+        "preprocessing": json.dumps(
+            {
+                "mean": [float(v) for v in cfg.data.mean],
+                "std": [float(v) for v in cfg.data.std],
+                "crop_pct": float(cfg.data.crop_pct),
+                "interpolation": str(cfg.data.get("interpolation", "bilinear")),
+            }
+        )
+    }
+
+
 def timm_data_config(trained: Trained) -> dict[str, Any]:
     """The run's eval preprocessing as entries of timm's `pretrained_cfg`
     (`create["pretrained_cfg_overlay"]`): what `timm.data.resolve_model_data_config(model)` reads
