@@ -180,3 +180,22 @@ def test_convert_writes_a_built_in_set_as_yolo_counting_what_yolo_cannot_hold(tm
     assert "crowd regions left out" in said.stdout  # the set has some
     trained = _train(out, tmp_path / "run", "trainer.max_steps=1")
     assert "is a YOLO set (data.yaml), 6 classes; train 24 images" in trained
+
+
+def test_the_index_pool_ends_quietly_under_a_tools_stop_handling():
+    """The tools handle stop signals at once (a `StopNow` in the main thread); the index's forked
+    pool inherits that, and the pool ends its workers with SIGTERM as it closes: each printed a
+    StopNow traceback before a training run's first line. Run as a tool runs it, in a process of
+    its own."""
+    import subprocess
+    import sys
+
+    code = (
+        "from visiondist.utils.signals import StopSignals\n"
+        "from visiondist.data.formats.labels import _map\n"
+        "StopSignals().install(at_once=True)\n"
+        "print(sum(_map(abs, list(range(-50, 50)), 2)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "2500", done.stderr
+    assert "Traceback" not in done.stderr and "StopNow" not in done.stderr, done.stderr

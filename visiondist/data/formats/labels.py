@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -269,8 +270,16 @@ def _map(function, tasks: list, workers: int) -> list:
     workers = max(1, min(workers, len(tasks)))
     if workers == 1:
         return [function(t) for t in tasks]
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    with multiprocessing.get_context("fork").Pool(workers, initializer=_pool_worker) as pool:
         return pool.map(function, tasks, chunksize=1)
+
+
+def _pool_worker() -> None:
+    """A pool worker ends quietly when the pool ends it (SIGTERM, as the pool closes), not through
+    the stop handling it inherited from the tool (a `StopNow` traceback each); Ctrl-C is the
+    parent's, which ends the pool."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def default_workers() -> int:
