@@ -65,3 +65,35 @@ def test_a_checkpoint_written_under_torch_2_15_loads_under_every_supported_torch
     state = {"optim": {"state.weight.exp_avg": torch.zeros(2, 3)}}
     dcp.load(state, storage_reader=SafeFileSystemReader(str(DCP_TORCH_2_15)), no_dist=True)
     assert torch.equal(state["optim"]["state.weight.exp_avg"], weight)
+
+
+def test_resuming_another_runs_checkpoint_with_another_model_is_refused(tmp_path):
+    """A checkpoint of a 4-head ViT-Tiny loads into a 3-head one without an error (the tensors'
+    shapes are the same) and trains another model: trainer.resume=<checkpoint> is refused in one
+    line naming the key, as continuing that run's dir is; the same model, or allow_changes, goes
+    on."""
+    from omegaconf import OmegaConf
+
+    from visiondist.config import ConfigError, compose
+    from visiondist.preflight.inputs import _same_model_as_checkpoint
+    from visiondist.utils.dcp import METADATA, STATE_FILE
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_10"
+    step.mkdir(parents=True)
+    (step / METADATA).write_bytes(b"")
+    (step / STATE_FILE).write_text("{}")
+    OmegaConf.save(compose(configs, ["model=vit_tiny", "model.num_heads=4"]), run / "config.yaml")
+    resume = [f"trainer.resume={step}", "model=vit_tiny"]
+    with pytest.raises(
+        ConfigError,
+        match=r"was trained with model\.num_heads=4, this command asks model\.num_heads=3: give "
+        r"model\.num_heads=4",
+    ):
+        _same_model_as_checkpoint(compose(configs, resume))
+    _same_model_as_checkpoint(compose(configs, [*resume, "model.num_heads=4"]))
+    _same_model_as_checkpoint(compose(configs, [*resume, "trainer.allow_changes=true"]))
+    # the run dir names its newest checkpoint the same way
+    with pytest.raises(ConfigError, match="model.num_heads=4"):
+        _same_model_as_checkpoint(compose(configs, [f"trainer.resume={run}", "model=vit_tiny"]))

@@ -92,6 +92,8 @@ def check_inputs(cfg, purpose: str = "train") -> None:
             check_builtin_batch(d, found)
         # a built-in set generated earlier: its files as they are
         check_val_readable(d, Path(d.root).expanduser())
+    if purpose == "train":
+        _same_model_as_checkpoint(cfg)
     # a resumed run reads its checkpoint, not these
     if not (purpose == "train" and _resumes(cfg.trainer)):
         fetch_named_weights(cfg.model)
@@ -111,6 +113,52 @@ def check_inputs(cfg, purpose: str = "train") -> None:
         from visiondist.models.weights_check import check_init_from  # noqa: PLC0415 (reader)
 
         check_init_from(cfg.model)
+
+
+# model keys a checkpoint's weights do not depend on: what was loaded, how attention is computed
+_FREE_MODEL_KEYS = ("model.weights", "model.init_from", "model.backbone_weights", "model.sdpa")
+
+
+def _same_model_as_checkpoint(cfg) -> None:
+    """`trainer.resume=<checkpoint>` of another run: the model this command builds is the one the
+    checkpoint's run trained (its config.yaml), key for key. Tensors of equal shapes load into a
+    model of another head count or MLP without an error, and train another model; refused in one
+    line, as continuing that run's dir is (`visiondist.runs.continue_config`)."""
+    from visiondist.checkpoint.files import resolve_checkpoint  # noqa: PLC0415 (reader)
+    from visiondist.config.compose import flatten  # noqa: PLC0415 (reader)
+
+    t = cfg.trainer
+    if t.resume in (None, "auto") or t.get("allow_changes"):
+        return
+    try:
+        checkpoint = resolve_checkpoint(str(t.resume))
+    except Exception:  # not a checkpoint: the loader's own error names it
+        return
+    saved_file = checkpoint.parent.parent / "config.yaml"
+    if not saved_file.is_file():
+        return
+    try:
+        saved = OmegaConf.load(saved_file)
+        was = flatten({"model": OmegaConf.to_container(saved.model, resolve=True)})
+    except Exception:  # a config of another version, interpolations it cannot resolve alone
+        return
+    asked = flatten({"model": OmegaConf.to_container(cfg.model, resolve=True)})
+    changed = [
+        key
+        for key in sorted(set(was) & set(asked))
+        if key not in _FREE_MODEL_KEYS
+        and "???" not in (str(was[key]), str(asked[key]))
+        and was[key] != asked[key]
+    ]
+    if changed:
+        key = changed[0]
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        raise ConfigError(
+            f"trainer.resume={t.resume} was trained with {key}={was[key]}, this command asks "
+            f"{key}={asked[key]}{more}: give {key}={was[key]} (its run's model), or "
+            "model.init_from=<weights> to start a new run from its weights, or add "
+            "trainer.allow_changes=true"
+        )
 
 
 def _resumes(t) -> bool:
