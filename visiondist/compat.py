@@ -23,6 +23,10 @@ calls it.
   (`visiondist.launch.stop`): `LaunchConfig.signals_to_handle` where it exists, which sets the
   environment variable every supported release's process context reads,
   `TORCHELASTIC_SIGNALS_TO_HANDLE`.
+- `announced_restarts`: the elastic agent restarts every rank after one fails without a word (its
+  log is quiet: the launcher speaks); its private `_monitor_workers` / `_restart_workers` (in every
+  supported release) are wrapped while the ranks run so that each restart is one line naming the
+  rank that ended.
 - `quick_rendezvous_names`: the elastic rendezvous names every event it records by its caller, found
   with `inspect.stack()` twice an event, even where nothing records events (the default): each call
   reads the source of every frame and looks its module up among all those loaded. With torchvision
@@ -40,11 +44,13 @@ import inspect
 import logging
 import mmap
 import os
+import signal
 import sys
 import warnings
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -187,3 +193,55 @@ def quick_rendezvous_names() -> bool:
     get_method_name.original = original  # type: ignore[attr-defined]
     dynamic_rendezvous.get_method_name = get_method_name
     return True
+
+
+@contextmanager
+def announced_restarts(say: Callable[[str], None]) -> Iterator[None]:
+    """While the agent runs the ranks: before each restart of them, `say` one line naming the rank
+    that ended and why, and the restart's number. Nothing where this torch's agent has not the
+    two methods (module docstring)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import (  # noqa: PLC0415
+        LocalElasticAgent,
+    )
+
+    monitor = getattr(LocalElasticAgent, "_monitor_workers", None)
+    restart = getattr(LocalElasticAgent, "_restart_workers", None)
+    if monitor is None or restart is None:
+        yield
+        return
+
+    def _monitor_workers(self, worker_group):
+        result = monitor(self, worker_group)
+        self._visiondist_failures = dict(getattr(result, "failures", {}) or {})
+        return result
+
+    def _restart_workers(self, worker_group):
+        failures = getattr(self, "_visiondist_failures", {})
+        total = int(worker_group.spec.max_restarts)
+        number = total - int(getattr(self, "_remaining_restarts", 0))
+        say(f"{_ended(failures)}: every rank restarts from the newest checkpoint (restart "
+            f"{number} of trainer.max_restarts={total})")  # fmt: skip
+        return restart(self, worker_group)
+
+    LocalElasticAgent._monitor_workers = _monitor_workers  # type: ignore[method-assign]
+    LocalElasticAgent._restart_workers = _restart_workers  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        LocalElasticAgent._monitor_workers = monitor  # type: ignore[method-assign]
+        LocalElasticAgent._restart_workers = restart  # type: ignore[method-assign]
+
+
+def _ended(failures: dict[int, Any]) -> str:
+    """ "rank 1 ended (killed by SIGKILL)": the rank killed by a signal if one was (its peers then
+    fail on its lost connection), else the lowest that failed."""
+    if not failures:
+        return "a rank ended"
+    killed = sorted(r for r, f in failures.items() if getattr(f, "exitcode", 0) < 0)
+    rank = killed[0] if killed else min(failures)
+    code = int(getattr(failures[rank], "exitcode", 1))
+    try:
+        why = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    except ValueError:
+        why = f"exit code {code}"
+    return f"rank {rank} ended ({why})"

@@ -6,6 +6,7 @@ Every multi-process test runs in its own process group with a hard timeout that 
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -101,6 +102,13 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_identical(
     os.kill(victim, signal.SIGKILL)
     code, out = _finish(proc, 300)
     assert code == 0, out[-4000:]
+    # the restart is said, naming the rank killed (its peer then failed on the lost connection)
+    said = re.findall(
+        r"rank [01] ended \(killed by SIGKILL\): every rank restarts from the newest checkpoint "
+        r"\(restart 1 of trainer\.max_restarts=1\)",
+        out,
+    )
+    assert len(said) == 1, out[-4000:]
     log = (run / "train.log").read_text()
     assert "resumed from" in log, log[-2000:]
     assert sorted(losses_of(run)) == list(range(1, 101))

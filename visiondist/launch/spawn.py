@@ -223,6 +223,7 @@ def spawn_ranks(
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from visiondist.compat import (  # noqa: PLC0415 (the agent)
         agent_signals,
+        announced_restarts,
         quick_rendezvous_names,
     )
 
@@ -272,11 +273,13 @@ def spawn_ranks(
         start_method=method,
         **signals,
     )
+    say = lambda line: print(line, flush=True)  # noqa: E731 (the launcher's lines)
     try:
-        if method == "spawn":
-            return elastic_launch(config, _watched)(fn, *args)
-        _preload(method, fn, args)
-        return elastic_launch(config, _as_spawned)(fn, *args)
+        with announced_restarts(say):
+            if method == "spawn":
+                return elastic_launch(config, _watched)(fn, *args)
+            _preload(method, fn, args)
+            return elastic_launch(config, _as_spawned)(fn, *args)
     except ChildFailedError as exc:
         raise _every_report(exc) from None
 
