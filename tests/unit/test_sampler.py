@@ -3,6 +3,7 @@ shards."""
 
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from visiondist.data.sampler import EvalBatchSampler, TrainBatchSampler
@@ -70,3 +71,31 @@ def test_bad_sizes_are_refused():
         TrainBatchSampler(100, 10, 0, 3)
     with pytest.raises(ValueError, match="fewer than one global batch"):
         TrainBatchSampler(10, 16, 0, 2)
+
+
+def test_padded_shapes_are_torchvisions_and_eval_batches_hold_one_each():
+    """The shape torchvision's detection transform pads each image to when alone, for 300 random
+    sizes and COCO's common ones; grouped eval batches cover each rank's shard exactly once, in
+    batches of one shape, for 1-3 ranks."""
+    import torch
+    from torchvision.models.detection.transform import GeneralizedRCNNTransform
+
+    from visiondist.data.sampler import padded_shapes
+
+    transform = GeneralizedRCNNTransform(800, 1333, [0.0] * 3, [1.0] * 3).eval()
+    rng = np.random.default_rng(0)
+    sizes = np.concatenate([rng.integers(20, 1400, (300, 2)), [[640, 480], [480, 640], [1, 999]]])
+    shapes = padded_shapes(sizes, 800, 1333)
+    for (width, height), shape in zip(sizes.tolist(), shapes.tolist()):
+        alone = transform([torch.zeros(3, height, width)])[0].tensors.shape[-2:]
+        assert list(alone) == shape, (width, height)
+    groups = shapes[:, 0] * 10_000 + shapes[:, 1]
+    for ranks in (1, 2, 3):
+        seen = []
+        for rank in range(ranks):
+            sampler = EvalBatchSampler(len(sizes), 4, rank, ranks, shapes)
+            batches = list(sampler)
+            assert len(batches) == len(sampler)
+            assert all(len({groups[i] for i in b}) == 1 and 1 <= len(b) <= 4 for b in batches)
+            seen += [i for b in batches for i in b]
+        assert sorted(seen) == list(range(len(sizes)))

@@ -294,6 +294,10 @@ class CocoDetection(Dataset):
         """Every image's record, as a list built on each call (the index itself is `index`)."""
         return [self.index.record(i) for i in range(len(self.index))]
 
+    def image_sizes(self) -> np.ndarray:
+        """Each image's (width, height), as the annotation file gives them."""
+        return self.index.sizes
+
     def aspect_ratios(self) -> np.ndarray:
         return (self.index.sizes[:, 0] / self.index.sizes[:, 1]).astype(np.float32)
 

@@ -9,6 +9,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import cv2
 import numpy as np
@@ -25,7 +26,7 @@ from visiondist.data.device_decode import (
 from visiondist.data.formats.exports import coco_paths
 from visiondist.data.imagefolder import ImageFolder
 from visiondist.data.native import NativeBatchSampler, NativeCollate, NativeTransform
-from visiondist.data.sampler import EvalBatchSampler, TrainBatchSampler
+from visiondist.data.sampler import EvalBatchSampler, TrainBatchSampler, padded_shapes
 from visiondist.data.shards import ShardSplit, open_store, read_meta
 from visiondist.data.shards.packed_coco import ShardCoco
 from visiondist.data.transforms import ClassificationTransform, DetectionTransform
@@ -86,13 +87,16 @@ def _num_workers(requested: int) -> int:
     return workers
 
 
-def _val_loader(cfg, val_set, dp_rank: int, dp_size: int, options: dict) -> DataLoader:
-    """This DP rank's exact share of the val set (no padding duplicates)."""
+def _val_loader(
+    cfg, val_set, dp_rank: int, dp_size: int, options: dict, groups: Optional[np.ndarray] = None
+) -> DataLoader:
+    """This DP rank's exact share of the val set (no padding duplicates); with `groups`, a batch
+    holds images of one group only (`EvalBatchSampler`)."""
     eval_batch = -(-cfg.eval_batch_size // dp_size)
     return register(
         DataLoader(
             val_set,
-            batch_sampler=EvalBatchSampler(len(val_set), eval_batch, dp_rank, dp_size),
+            batch_sampler=EvalBatchSampler(len(val_set), eval_batch, dp_rank, dp_size, groups),
             **options,
         )
     )
@@ -374,6 +378,7 @@ def build_detection_data(
     masks: bool = False,
     square: int | None = None,
     antialias: bool = True,
+    padded_by: Optional[tuple[int, int]] = None,
 ):
     """COCO-format train / val loaders for this DP rank.
 
@@ -395,6 +400,10 @@ def build_detection_data(
         masks: training targets with instance masks.
         square: the side training images are resized to; None: data.min_size / max_size.
         antialias: antialias a `square` resize that shrinks.
+        padded_by: the model's (min_size, max_size) where it resizes each image and pads a batch
+            to its largest (torchvision's detectors): each val batch holds images of one padded
+            shape (`sampler.padded_shapes`), so that an image's detections do not depend on the
+            ranks or the batch size. None: a model that sees every image at one size.
 
     Returns:
         A `DetectionData`.
@@ -402,7 +411,8 @@ def build_detection_data(
     options = loader_options(cfg, pin_memory, collate_detection)
     splits = detection_splits(cfg)
     val_set = splits(cfg.val_split, train=False)
-    val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, options)
+    shapes = None if padded_by is None else padded_shapes(val_set.image_sizes(), *padded_by)
+    val_loader = _val_loader(cfg, val_set, dp_rank, dp_size, options, shapes)
     if not train:
         return DetectionData(
             None,

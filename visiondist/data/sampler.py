@@ -25,7 +25,8 @@ padding duplicates).
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+import math
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -162,15 +163,61 @@ def eval_shard(num_samples: int, dp_rank: int, dp_size: int) -> range:
 
 class EvalBatchSampler:
     """Batches of this DP rank's evaluation shard, in order; shards differ in size by at most one
-    sample."""
+    sample. With `groups` (a key per sample), a batch holds samples of one key only, each batch
+    formed in shard order: a detector that pads a batch to its largest image then gives every image
+    what it gives it alone, whatever the ranks and the batch size (`padded_shapes`)."""
 
-    def __init__(self, num_samples: int, batch_size: int, dp_rank: int, dp_size: int):
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        groups: Optional[np.ndarray] = None,
+    ):
         self.indices = eval_shard(num_samples, dp_rank, dp_size)
         self.batch_size = batch_size
+        self._batches = None if groups is None else _grouped(self.indices, batch_size, groups)
 
     def __len__(self) -> int:
+        if self._batches is not None:
+            return len(self._batches)
         return -(-len(self.indices) // self.batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
+        if self._batches is not None:
+            yield from (list(b) for b in self._batches)
+            return
         for start in range(0, len(self.indices), self.batch_size):
             yield list(self.indices[start : start + self.batch_size])
+
+
+def _grouped(indices: range, batch_size: int, groups: np.ndarray) -> list[list[int]]:
+    """`indices` in batches of one group each: a batch is yielded when it is full, the partial ones
+    at the end, in the order of their first sample."""
+    pending: dict[Any, list[int]] = {}
+    batches: list[list[int]] = []
+    for i in indices:
+        key = tuple(groups[i].tolist()) if groups.ndim > 1 else groups[i].item()
+        batch = pending.setdefault(key, [])
+        batch.append(i)
+        if len(batch) == batch_size:
+            batches.append(pending.pop(key))
+    rest = sorted(pending.values(), key=lambda b: b[0])
+    return batches + rest
+
+
+def padded_shapes(
+    sizes: np.ndarray, min_size: int, max_size: int, divisible: int = 32
+) -> np.ndarray:
+    """The (height, width) torchvision's detection transform pads each image to when alone, from
+    its (width, height) in `sizes`: resized so that its shorter side is `min_size` unless its
+    longer one would pass `max_size` (the transform's arithmetic: floor(side x scale)), then each
+    side rounded up to `divisible`. Images of one such shape batch together without padding each
+    other."""
+    out = np.zeros((len(sizes), 2), dtype=np.int64)
+    for i, (width, height) in enumerate(sizes.tolist()):
+        scale = min(min_size / min(height, width), max_size / max(height, width))
+        h, w = math.floor(float(height) * scale), math.floor(float(width) * scale)
+        out[i] = (math.ceil(h / divisible) * divisible, math.ceil(w / divisible) * divisible)
+    return out
