@@ -109,7 +109,9 @@ def test_a_users_set_trains_on_two_ranks_and_evaluates_as_on_one(forms, tmp_path
     evaluation of the trained weights on 2 ranks is the one eval.py makes on 1."""
     run = tmp_path / "run"
     root = forms[form] / "data.yaml" if form == "yolo" else forms[form]  # a YOLO set: its yaml
-    _train(root, run, "trainer.devices=2", "parallel.dp=2")
+    said = _train(root, run, "trainer.devices=2", "parallel.dp=2")
+    if form == "yolo":  # the predict line's example: the val images alone, not train's too
+        assert f"source={forms['yolo'] / 'images' / 'val'} " in said, said[-2000:]
     final = _final_eval(run)
     assert final["val_detections"] > 0 and len(losses_of(run)) == 3
     from helpers import REPO

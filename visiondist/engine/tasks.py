@@ -448,10 +448,10 @@ def square_input(model_cfg) -> dict[str, Any]:
 
 
 def padded_batches(model_cfg) -> Optional[tuple[int, int]]:
-    """A torchvision R-CNN's or ViTDet's (min_size, max_size): it resizes each image by them and pads
-    a batch to its largest (by 32), which changes what the convolutions see at the padded edges
-    (ViTDet's attention attends to the padding too); the evaluation batches images of one padded
-    shape together. None for a DETR-class model, which sees every image at its square."""
+    """A torchvision R-CNN's or ViTDet's (min_size, max_size): it resizes each image by them and
+    pads a batch to its largest (by 32), which changes what the convolutions see at the padded
+    edges (ViTDet's attention attends to the padding too); the evaluation batches images of one
+    padded shape together. None for a DETR-class model, which sees every image at its square."""
     if model_cfg.family not in ("torchvision", "vitdet"):
         return None
     return int(model_cfg.min_size), int(model_cfg.max_size)

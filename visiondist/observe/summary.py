@@ -118,8 +118,15 @@ def report_run(
 
 
 def _val_folder(task) -> Optional[Path]:
-    """The folder of the task's val images (an ImageFolder split, a COCO image folder); None for
-    packed shards."""
+    """The folder of the task's val images (an ImageFolder split, a COCO image folder, or within it
+    the one folder every val image is in: a YOLO set's images/val); None for packed shards."""
     dataset = getattr(getattr(getattr(task, "data", None), "val_loader", None), "dataset", None)
     folder = getattr(dataset, "root", None) or getattr(dataset, "image_root", None)
-    return Path(folder) if folder is not None and Path(folder).is_dir() else None
+    if folder is None or not Path(folder).is_dir():
+        return None
+    paths: Any = getattr(getattr(dataset, "index", None), "paths", None)
+    if paths is not None and hasattr(paths, "relative") and len(paths):
+        firsts = {Path(paths.relative(i)).parts[:-1][:1] for i in range(len(paths))}
+        if len(firsts) == 1 and (only := firsts.pop()):
+            return Path(folder) / only[0]
+    return Path(folder)
