@@ -229,6 +229,12 @@ def test_a_coco_training_split_smaller_than_one_global_batch(tmp_path):
         CONFIGS, [*args, f"data.root={root}", "data.batch_size=4", "data.aspect_grouping=false"]
     )
     load_config(CONFIGS, [*args, f"data.root={root}", "data.batch_size=2"])
+    # the batch the first refusal names is one the grouping then fills (5 landscape: 4, not the 8
+    # of all 8 images, which the grouping refused next)
+    root = _coco(tmp_path / "suggested", [(32, 24)] * 5 + [(24, 32)] * 3, boxed=8)
+    with pytest.raises(ConfigError, match=r"fewer than one global batch .* data\.batch_size=4\)"):
+        load_config(CONFIGS, [*args, f"data.root={root}", "data.batch_size=16"])
+    load_config(CONFIGS, [*args, f"data.root={root}", "data.batch_size=4"])
 
 
 # -- 6: a layout for GPUs on a machine without one -------------------------------------------------

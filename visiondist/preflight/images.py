@@ -203,24 +203,25 @@ def _check_coco_batch(d, masks: bool = False) -> None:
             flush=True,
         )
     batch, usable = int(d.batch_size), len(records)
+    landscape = sum(r.width >= r.height for r in records)
+    portrait = usable - landscape
+    # the batch every check below takes: one orientation's images under aspect grouping
+    fits = _fitting_batch(max(landscape, portrait) if d.aspect_grouping else usable)
     if usable < batch:
         raise ConfigError(
             f"data.root={d.root}: the training split {d.train_split} has {usable} images with a "
             f"usable box ({counts.images_without_boxes} without), fewer than one global batch "
-            f"data.batch_size={batch}: lower data.batch_size (e.g. "
-            f"data.batch_size={_fitting_batch(usable)}) or add images"
+            f"data.batch_size={batch}: lower data.batch_size (e.g. data.batch_size={fits}) or add "
+            "images"
         )
     if d.aspect_grouping:
-        landscape = sum(r.width >= r.height for r in records)
-        portrait = usable - landscape
         if landscape < batch and portrait < batch:
             raise ConfigError(
                 f"data.root={d.root}: the training split {d.train_split} has {landscape} "
                 f"landscape and {portrait} portrait images with a usable box; "
                 "data.aspect_grouping draws each global batch from one of the two and neither "
                 f"fills data.batch_size={batch}: lower data.batch_size (e.g. "
-                f"data.batch_size={_fitting_batch(max(landscape, portrait))}) or set "
-                "data.aspect_grouping=false"
+                f"data.batch_size={fits}) or set data.aspect_grouping=false"
             )
 
 
