@@ -176,3 +176,25 @@ def test_the_hang_dump_signals_only_processes_that_catch_it():
         assert catches_sigusr1(os.getpid())
     finally:
         signal.signal(signal.SIGUSR1, before)
+
+
+@pytest.mark.parametrize(
+    "phase,hinted",
+    [
+        ("training", True),
+        ("saving a checkpoint", True),  # a rank killed while it wrote the next one
+        ("evaluating", True),
+        ("loading the weights", False),  # nothing trained yet in this attempt
+    ],
+)
+def test_a_failed_runs_line_names_the_command_that_continues(tmp_path, phase, hinted):
+    from visiondist.launch.failed import _continue_hint
+    from visiondist.utils.dcp import METADATA, STATE_FILE
+
+    step = tmp_path / "checkpoints" / "step_10"
+    step.mkdir(parents=True)
+    (step / METADATA).write_bytes(b"")
+    (step / STATE_FILE).write_text("{}")
+    hint = _continue_hint(tmp_path, f"rank 0 failed at step 20 ({phase}): ConnectionResetError")
+    assert ("once fixed, continue from step 10 with: " in hint) == hinted, hint
+    assert not hinted or f"trainer.run_dir={tmp_path}" in hint

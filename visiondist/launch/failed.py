@@ -151,9 +151,10 @@ def one_line_failure(run_dir: Optional[Path], stop: Optional[LauncherStop] = Non
 
 
 def _continue_hint(run_dir: Optional[Path], line: str) -> str:
-    """A training failure after a checkpoint (a data server gone, a node lost): how to continue once
-    it is fixed."""
-    if run_dir is None or not ("(training)" in line or "(evaluating)" in line):
+    """A training failure after a checkpoint (a data server gone, a node lost, a rank killed while
+    it saved the next one): how to continue once it is fixed."""
+    phases = ("(training)", "(evaluating)", "(saving a checkpoint)", "(writing the weights)")
+    if run_dir is None or not any(phase in line for phase in phases):
         return ""
     # rich comes with it: 15-30 ms of every launch, for a failed job's last line
     from visiondist.observe.console import continue_command  # noqa: PLC0415 (rich, 15 ms)
