@@ -34,6 +34,19 @@ def test_ddp_for_vit_base_on_80gb_devices():
     assert "fit each device under DDP" in result.reason
 
 
+def test_ddp_is_kept_where_it_fits_and_a_much_faster_layout_is_named_beside_it():
+    """ViT-g over 2 nodes of 8: DDP fits and stays the choice; the time model puts HSDP 1.5x
+    ahead, which the reason says with the settings that select it. ViT-B on one node: nothing
+    1.2x ahead, nothing said."""
+    cfg = _cfg("model=vit_giant", "trainer.precision=bf16")
+    result = plan_for(cfg, devices=16, nodes=2, memory_gb=80)
+    assert result.choice.candidate == Candidate(dp=16)
+    said = result.reason.split("; the time model puts ", 1)
+    assert len(said) == 2 and " selects it" in said[1] and "parallel.fsdp=true" in said[1]
+    base = plan_for(_cfg("model=vit_base"), devices=8, nodes=1, memory_gb=80)
+    assert "the time model puts" not in base.reason
+
+
 def test_fsdp_or_tp_inside_a_node_when_the_state_does_not_fit_one_device():
     cfg = _cfg("model=vit_giant", "data.batch_size=256", "trainer.precision=bf16")
     result = plan_for(cfg, devices=8, nodes=1, memory_gb=16)

@@ -65,10 +65,10 @@ def prediction_job_config(
         if not path.exists():
             raise ConfigError(f"weights={weights}: no such file or checkpoint directory")
         cfg = load_weights_config(CONFIGS, path, list(overrides), tool, data_needed=False)
-        from visiondist.inference.model import count_classes  # noqa: PLC0415 (a job's)
-
-        count_classes(cfg, path)
         if check_weights:  # --cfg prints the config without reading the weights
+            from visiondist.inference.model import count_classes  # noqa: PLC0415 (a job's)
+
+            count_classes(cfg, path)  # before the check, which compares the file with the count
             _check_weights(cfg, path)
     data = {}
     if base is None:  # an export: the run's own eval preprocessing, as the export recorded it

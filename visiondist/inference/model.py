@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional, cast
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from visiondist.checkpoint.files import read_trainer_state
@@ -358,7 +358,7 @@ def recorded_names(weights: Path) -> Optional[Names]:
             )
         if "classes" in meta:
             return Names(list(json.loads(meta["classes"])), None, str(weights))
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
         log.warning("%s: its recorded class names cannot be read (%s)", weights, exc)
     return None
 
