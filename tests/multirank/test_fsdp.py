@@ -63,7 +63,7 @@ def test_fsdp_run_equals_ddp(tmp_path, tiny_shapes, ddp2, extra):
     out = train_ok(
         *train_args(tiny_shapes, run, *COMMON, "parallel=fsdp", "trainer.devices=2", *extra)
     )
-    assert "+FSDP" in out
+    assert "+FSDP" in out and "FSDP over 1 rank" not in out
     assert_same_training(ddp2, run, ema=True)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["parameters per rank (M)"] < 0.55 * summary["parameters (M)"]
@@ -183,3 +183,12 @@ def test_hsdp_2x2_run_equals_one_process(tmp_path, tiny_shapes):
     # sharded 2 ways, not 4
     assert summary["parameters per rank (M)"] < 0.55 * summary["parameters (M)"]
     assert summary["parameters per rank (M)"] > 0.45 * summary["parameters (M)"]
+
+
+def test_fsdp_over_one_rank_says_it_shards_nothing(tmp_path, tiny_shapes):
+    """parallel=fsdp on one device (the CPU's default) runs as one process would: said, with the
+    setting that gives it ranks."""
+    out = train_ok(
+        *train_args(tiny_shapes, tmp_path / "one", "trainer.max_steps=1", "parallel=fsdp")
+    )
+    assert "warning: FSDP over 1 rank shards nothing" in out and "trainer.devices=2" in out

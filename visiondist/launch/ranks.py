@@ -290,6 +290,12 @@ def launch(
         print(run.fitted, flush=True)
     # several ranks, no GPU found under accelerator=auto: stop, estimated
     check_gpu_layout(cfg, run, run_kind(entry))
+    if run.fsdp and run.dp == 1 and env.get("RANK", "0") == "0":
+        print(
+            "warning: FSDP over 1 rank shards nothing (it runs as one process would): give the "
+            "ranks, e.g. trainer.devices=2 or parallel.dp=2",
+            flush=True,
+        )
     # a test of correctness: said, and its memory summed
     if run.share_gpu and env.get("RANK", "0") == "0":
         print(shared_gpu_line(cfg, run, device_memory_gb("cuda", 1)), flush=True)
