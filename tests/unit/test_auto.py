@@ -290,3 +290,19 @@ def test_on_the_cpu_offload_shares_the_hosts_memory_with_the_devices():
     assert Hardware(
         devices=1, memory_gb=8, host_memory_gb=(m.host + m.device) / 0.9e9 * 1.01, shared_host=True
     ).host_fits(m)
+
+
+@pytest.mark.parametrize(
+    "overrides,world",
+    [
+        (["parallel.num_devices=16", "parallel.nodes=2"], (16, 2)),
+        (["parallel.dp=4", "parallel.tp=2"], (8, 1)),  # the ranks tools/train.py would start
+        (["trainer.devices=8", "parallel.nodes=2"], (16, 2)),
+    ],
+)
+def test_the_devices_a_plan_is_for(overrides, world):
+    from visiondist.plan.world import planning_world
+
+    assert planning_world(_cfg("model=vit_base", *overrides), cuda_devices=0) == world
+    with pytest.raises(ConfigError, match="no GPU here: say how many devices to plan for"):
+        planning_world(_cfg("model=vit_base"), cuda_devices=0)

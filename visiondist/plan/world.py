@@ -198,7 +198,8 @@ def find_world(cfg: DictConfig, env: Mapping[str, str], cuda_devices: int) -> Wo
 
 def planning_world(cfg: DictConfig, cuda_devices: int) -> tuple[int, int]:
     """(devices, nodes) for `tools/plan.py`, which plans for devices it need not have:
-    parallel.num_devices, else trainer.devices (or this node's GPUs) x parallel.nodes.
+    parallel.num_devices, else parallel.dp x tp x pp where dp is given (as tools/train.py takes it),
+    else trainer.devices (or this node's GPUs) x parallel.nodes.
 
     Args:
         cfg: the composed config (`parallel.num_devices`, `parallel.nodes`, `trainer.devices`).
@@ -211,6 +212,8 @@ def planning_world(cfg: DictConfig, cuda_devices: int) -> tuple[int, int]:
     per_node = t.devices if t.devices > 0 else cuda_devices
     if p.num_devices > 0:
         devices, nodes = p.num_devices, p.nodes
+    elif t.devices <= 0 and p.dp > 0:  # parallel.dp=N, as tools/train.py reads it: the ranks
+        devices, nodes = p.dp * max(1, p.tp) * max(1, p.pp), p.nodes
     elif per_node > 0:
         devices, nodes = per_node * p.nodes, p.nodes
     else:
