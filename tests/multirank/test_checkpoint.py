@@ -365,7 +365,13 @@ def test_half_and_int8_exports_print_their_val_accuracy_beside_float32s(tp2_run,
 
     for key, precision in (("half", "float16"), ("int8", "int8")):
         out = tmp_path / f"vit_{key}.onnx"
-        lines = _export(tp2_run, "format=onnx", f"{key}=true", f"out={out}").splitlines()
+        said = _export(tp2_run, "format=onnx", f"{key}=true", f"out={out}").splitlines()
+        # a progress line before each file's evaluation (minutes on a large val split)
+        scoring = [line for line in said if line.startswith("scoring ")]
+        assert scoring == [
+            f"scoring {n} on the run's val split ..." for n in ("the float32 graph", out.name)
+        ]
+        lines = [line for line in said if not line.startswith("scoring ")]
         assert lines[1] == f"  {out}" and len(lines) == 4, lines
         assert lines[2].startswith(f"  ONNX Runtime ({precision} network) vs PyTorch (float32): ")
         top1 = re.fullmatch(

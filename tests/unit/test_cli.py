@@ -238,6 +238,7 @@ def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(caps
         # every tool reads a true/false key the same way, before it composes a config
         ("data", ["convert", "to=yolo", "out=/tmp/x", "link=yes"], "link=yes: give true or false"),
         ("data", ["pack", "out=/tmp/x", "overwrite=1"], "overwrite=1: give true or false"),
+        ("export", ["run_dir=/tmp", "half=yes"], "half=yes: give true or false"),
         (
             "predict",
             ["weights=absent.safetensors", "source=a.jpg", "save_txt=yes"],

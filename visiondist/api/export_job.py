@@ -10,12 +10,14 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from visiondist.api.jobs import CHATTY, EXPORT_SUFFIX, step_of
 from visiondist.cli.load import load_run_config
+from visiondist.cli.tool import truth
 from visiondist.config import ConfigError
 from visiondist.utils.logs import held_at
 
@@ -131,7 +133,10 @@ def accuracy_line(run_dir: Path, before: Path, after: Path, work: Path, precisio
     converted `after` (tools/eval.py's evaluation of each file, one process, under the run's
     config), and the change; or why it was not measured (the data is not on this machine)."""
     try:
-        scores = [evaluate_file(run_dir, file, work / file.stem) for file in (before, after)]
+        scores = [
+            evaluate_file(run_dir, file, work / file.stem, said)
+            for file, said in ((before, "the float32 graph"), (after, after.name))
+        ]
     except ConfigError as exc:  # the val split is not here
         return f"val accuracy not measured: {str(exc).splitlines()[0]}"
     (name, a, images), (_, b, _) = (headline(s) for s in scores)
@@ -153,9 +158,12 @@ def headline(metrics: dict[str, Any]) -> tuple[str, float, Optional[int]]:
     return ("top-1" if key == "val_top1" else "box mAP", float(metrics[key]), count)
 
 
-def evaluate_file(run_dir: Path, weights: Path, out: Path) -> dict[str, Any]:
+def evaluate_file(
+    run_dir: Path, weights: Path, out: Path, said: Optional[str] = None
+) -> dict[str, Any]:
     """tools/eval.py's evaluation of an exported file under the run's config, in this process
-    (one rank, no plots), its printed lines kept back: the metrics."""
+    (one rank, no plots), its printed lines kept back but one progress line naming the file (or
+    `said`): the metrics."""
     from visiondist.api.jobs import evaluate_job  # noqa: PLC0415 (a job's)
 
     overrides = [
@@ -171,18 +179,18 @@ def evaluate_file(run_dir: Path, weights: Path, out: Path) -> dict[str, Any]:
         "parallel.pp=1",
         "parallel.fsdp=false",
     ]
-    cfg = load_run_config(run_dir, overrides)
-    with contextlib.redirect_stdout(io.StringIO()):
+    # a progress line (minutes on a large val split), beside the printed results
+    print(f"scoring {said or weights.name} on the run's val split ...", file=sys.stderr, flush=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # the data's start-up line, once a file
+        cfg = load_run_config(run_dir, overrides)
         return evaluate_job(cfg, None, own_dir=True)
 
 
 def as_flag(key: str, value: Union[bool, str]) -> bool:
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no", ""):
-        return False
-    raise ConfigError(f"{key}={value}: give {key}=true or {key}=false")
+    """A true/false key of tools/export.py (or a bool from Python), as every tool reads one."""
+    if isinstance(value, bool):
+        return value
+    return truth(key, str(value))
 
 
 def _opset(value: Union[int, str]) -> int:
