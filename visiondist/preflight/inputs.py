@@ -39,7 +39,7 @@ from visiondist.preflight.images import (
     coco_categories,
     reads_masks,
 )
-from visiondist.utils.dcp import list_checkpoints
+from visiondist.utils.dcp import is_complete, list_checkpoints
 from visiondist.utils.pretrained import WeightsNotFound, is_named, local_file
 
 
@@ -124,17 +124,17 @@ def _same_model_as_checkpoint(cfg) -> None:
     checkpoint's run trained (its config.yaml), key for key. Tensors of equal shapes load into a
     model of another head count or MLP without an error, and train another model; refused in one
     line, as continuing that run's dir is (`visiondist.runs.continue_config`)."""
-    from visiondist.checkpoint.files import resolve_checkpoint  # noqa: PLC0415 (reader)
     from visiondist.config.compose import flatten  # noqa: PLC0415 (reader)
 
     t = cfg.trainer
     if t.resume in (None, "auto") or t.get("allow_changes"):
         return
-    try:
-        checkpoint = resolve_checkpoint(str(t.resume))
-    except Exception:  # not a checkpoint: the loader's own error names it
+    given = Path(str(t.resume)).expanduser()
+    # a checkpoint's run dir, or the run dir given (its newest checkpoint is resumed)
+    run = given.parent.parent if is_complete(given) else given
+    if not list_checkpoints(run):  # not a checkpoint: the loader's own error names it
         return
-    saved_file = checkpoint.parent.parent / "config.yaml"
+    saved_file = run / "config.yaml"
     if not saved_file.is_file():
         return
     try:
