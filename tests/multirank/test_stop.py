@@ -145,6 +145,7 @@ def test_sigterm_during_a_step_longer_than_the_agents_grace_keeps_the_run(
     assert best["value"] == min(v for (v,) in evaluated.values()) and best["step"] in evaluated
 
 
+@pytest.mark.layouts
 def test_a_launcher_killed_outright_leaves_no_rank_and_a_checkpoint(
     tmp_path, tiny_shapes, reference
 ):
