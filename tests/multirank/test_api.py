@@ -156,6 +156,19 @@ def test_a_runs_evaluate_predict_and_export_are_the_tools(tmp_path, tiny_shapes,
     for (_, a), (_, b) in zip(got, want):
         shared = set(a) & set(b)  # two nearly tied classes may swap in the top 2
         assert shared and all(a[n] == pytest.approx(b[n], abs=1e-4) for n in shared), (a, b)
+    # and scored by the evaluation under data=imagenet's settings: the file's recorded
+    # preprocessing gives the run's top-1
+    scored = visiondist.evaluate(
+        "model=vit_tiny",
+        "data=imagenet",
+        *(f"{k}={v}" for k, v in model.items()),
+        f"data.root={tiny_shapes}",
+        "data.img_size=32",
+        "data.num_classes=6",
+        weights=onnx,
+        trainer={"devices": 1, "accelerator": "cpu", "output_dir": str(tmp_path / "outputs")},
+    )
+    assert scored["val_top1"] == pytest.approx(metrics["val_top1"], abs=1e-6)
     with pytest.raises(visiondist.ConfigError, match="format=zip: choose one of"):
         run.export("zip")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 import re
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Iterator, Mapping, Optional, Sequence, Union, cast
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from visiondist.api.callbacks import TrainWithCallbacks, unpack
 from visiondist.cli.load import checked, load_run_config, load_weights_config
@@ -179,7 +179,7 @@ def evaluation_config(
     Returns:
         The config, and the folder whose eval/ gets the results (the run's; None: the output dir).
     """
-    from visiondist.inference.job import run_weights  # noqa: PLC0415 (a job's)
+    from visiondist.inference.job import recorded_data, run_weights  # noqa: PLC0415 (a job's)
 
     if weights is not None and run_dir is not None:
         raise ConfigError(
@@ -194,6 +194,11 @@ def evaluation_config(
             raise ConfigError(f"weights={weights}: no such file or checkpoint directory")
         cfg = load_weights_config(CONFIGS, path, list(overrides), tool, data_needed=True)
         base = None
+        # an export: scored with the run's preprocessing, as the export recorded it
+        data, said = recorded_data(path, list(overrides))
+        if said:
+            print(said, flush=True)
+            cfg = cast(DictConfig, OmegaConf.merge(cfg, {"data": data}))
     elif run_dir is not None:
         base = Path(run_dir).expanduser()
         cfg = load_run_config(base, list(overrides), inputs=None)

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from visiondist.api.jobs import CONFIGS, step_of
 from visiondist.cli.load import load_run_config, load_weights_config
 from visiondist.config import ConfigError
-from visiondist.inference.job import recorded_preprocessing, request, run_weights
+from visiondist.inference.job import recorded_data, request, run_weights
 from visiondist.inference.outputs import read_manifest
 from visiondist.inference.sources import resolve_source
 
@@ -70,20 +70,11 @@ def prediction_job_config(
 
             count_classes(cfg, path)  # before the check, which compares the file with the count
             _check_weights(cfg, path)
-    data = {}
+    data: dict[str, Any] = {}
     if base is None:  # an export: the run's own eval preprocessing, as the export recorded it
-        data = recorded_preprocessing(path)
-        if data:
-            where = (
-                path.with_suffix(".json").name
-                if path.with_suffix(".json").is_file()
-                else f"{path.name}'s metadata"
-            )
-            print(
-                f"preprocessing as {where} records the run's: "
-                + " ".join(f"data.{k}={v}" for k, v in data.items()),
-                flush=True,
-            )
+        data, said = recorded_data(path, overrides)
+        if said:
+            print(said, flush=True)
     merged = OmegaConf.merge(
         cfg,
         {

@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from omegaconf import DictConfig
 
@@ -121,3 +121,17 @@ def recorded_preprocessing(weights: Path) -> dict[str, Any]:
     if isinstance(info.get("preprocessing"), dict):
         info = info["preprocessing"]
     return {k: info[k] for k in PREPROCESSING if k in info}
+
+
+def recorded_data(weights: Path, overrides: Sequence[str]) -> tuple[dict[str, Any], str]:
+    """An export's recorded preprocessing (`recorded_preprocessing`) as `data` overrides, less the
+    keys the command line gives (they win), and the line that says what was taken ("" for
+    nothing)."""
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    data = {k: v for k, v in recorded_preprocessing(weights).items() if f"data.{k}" not in given}
+    if not data:
+        return {}, ""
+    sidecar = weights.with_suffix(".json")
+    where = sidecar.name if sidecar.is_file() else f"{weights.name}'s metadata"
+    said = " ".join(f"data.{k}={v}" for k, v in data.items())
+    return data, f"preprocessing as {where} records the run's: {said}"

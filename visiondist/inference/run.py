@@ -23,7 +23,7 @@ from visiondist.inference.finish import finish
 from visiondist.inference.job import (
     batch_size,
     drawn_count,
-    recorded_preprocessing,
+    recorded_data,
     request,
     run_weights,
 )
@@ -270,7 +270,7 @@ def prediction_config(
         cfg.model.weights = str(path)
         count_classes(cfg, path)
         # an export's record
-        preprocessing = {"data": recorded_preprocessing(Path(cfg.model.weights))}
+        preprocessing = {"data": recorded_data(Path(cfg.model.weights), list(overrides))[0]}
         cfg = cast(DictConfig, OmegaConf.merge(cfg, preprocessing))
     cfg.model.init_from = None
     cfg = cast(DictConfig, OmegaConf.merge(cfg, {"predict": settings}))
