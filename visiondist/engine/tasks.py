@@ -12,7 +12,7 @@ import json
 import logging
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from visiondist.data.mixing import Mixing
 from visiondist.data.transforms import Normalize, unit_float
 from visiondist.data.workers import watched
 from visiondist.evaluation.classification import evaluate_classification, reports_top5
-from visiondist.models import EVAL_METRICS, TASKS, eval_metrics
+from visiondist.models import EVAL_METRICS, TASKS, eval_metrics, padded_batches
 from visiondist.observe.metrics import TRAIN_COLUMNS
 from visiondist.observe.plots import plot_masks, plot_per_class, plot_predictions
 from visiondist.parallel import Layout
@@ -445,16 +445,6 @@ def square_input(model_cfg) -> dict[str, Any]:
     from visiondist.models.detr import ARCHS  # noqa: PLC0415 (detector-side)
 
     return {"square": int(model_cfg.img_size), "antialias": ARCHS[model_cfg.arch].antialias}
-
-
-def padded_batches(model_cfg) -> Optional[tuple[int, int]]:
-    """A torchvision R-CNN's or ViTDet's (min_size, max_size): it resizes each image by them and
-    pads a batch to its largest (by 32), which changes what the convolutions see at the padded
-    edges (ViTDet's attention attends to the padding too); the evaluation batches images of one
-    padded shape together. None for a DETR-class model, which sees every image at its square."""
-    if model_cfg.family not in ("torchvision", "vitdet"):
-        return None
-    return int(model_cfg.min_size), int(model_cfg.max_size)
 
 
 def _at_step(m: dict[str, Any]) -> str:

@@ -28,9 +28,10 @@ from visiondist.config import ConfigError
 from visiondist.config.resolution import native_settings, reading
 from visiondist.data.index import list_image_folder
 from visiondist.data.masks import encode
+from visiondist.data.sampler import padded_shapes
 from visiondist.data.shards import open_store, read_meta
 from visiondist.engine.precision import autocast_for
-from visiondist.models import TASKS
+from visiondist.models import TASKS, padded_batches
 from visiondist.models.exported import program_info, runtime_of
 from visiondist.models.init import is_meta, materialize
 from visiondist.utils.dcp import is_complete
@@ -77,6 +78,9 @@ class Predictor:
         self.topk = max(1, min(int(p.topk), len(names.classes)))
         self.score_thresh, self.max_det = float(p.score_thresh), int(p.max_det)
         self.keep = None if not p.classes else kept_labels(list(p.classes), names)
+        # a torchvision R-CNN or ViTDet pads a forward's images to its largest: one forward for
+        # each padded shape in a batch gives each image what it gets alone, as the evaluation does
+        self.padded_by = padded_batches(cfg.model) if self.task == "detection" else None
         self.transform: Optional[ClassificationTransform | NativeTransform] = None
         self.reads = None  # how a classifier reads an image (predict.json, the log)
         if self.task == "classification":
@@ -149,9 +153,24 @@ class Predictor:
             ]
         from visiondist.data.transforms import unit_float  # noqa: PLC0415 (rank-side)
 
-        with self.autocast:
-            outputs = self.model(unit_float(images, self.device))
+        outputs: list[Any] = [None] * len(images)
+        for group in self._shape_groups(images):
+            with self.autocast:
+                found = self.model(unit_float([images[i] for i in group], self.device))
+            for i, output in zip(group, found):
+                outputs[i] = output
         return [{"detections": self._detections(output)} for output in outputs]
+
+    def _shape_groups(self, images: list[torch.Tensor]) -> list[list[int]]:
+        """The batch's positions, one list for each padded shape (in the order of its first
+        image); the whole batch where the model does not pad (a DETR-class model)."""
+        if self.padded_by is None or len(images) < 2:
+            return [list(range(len(images)))]
+        sizes = np.array([[image.shape[-1], image.shape[-2]] for image in images])
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, shape in enumerate(padded_shapes(sizes, *self.padded_by).tolist()):
+            groups.setdefault(tuple(shape), []).append(i)
+        return list(groups.values())
 
     def _detections(self, output: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
         scores = output["scores"].float()

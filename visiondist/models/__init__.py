@@ -24,7 +24,7 @@ from visiondist.utils.lazy import lazy_exports
 __getattr__, __all__ = lazy_exports(
     __name__,
     {
-        "registry": ("EVAL_METRICS", "TASKS", "eval_metrics"),
+        "registry": ("EVAL_METRICS", "TASKS", "eval_metrics", "padded_batches"),
         "build": ("build_deferred", "build_model"),
         "sdpa": ("select_attention",),
     },

@@ -300,6 +300,17 @@ EVAL_METRICS = {
 }
 
 
+def padded_batches(model_cfg) -> Optional[tuple[int, int]]:
+    """A torchvision R-CNN's or ViTDet's (min_size, max_size): it resizes each image by them and
+    pads a batch to its largest (by 32), which changes what the convolutions see at the padded
+    edges (ViTDet's attention attends to the padding too): the evaluation's batches and each
+    prediction forward hold images of one padded shape. None for a DETR-class model, which sees
+    every image at its square."""
+    if model_cfg.family not in ("torchvision", "vitdet"):
+        return None
+    return int(model_cfg.min_size), int(model_cfg.max_size)
+
+
 def eval_metrics(cfg: Any) -> tuple[str, ...]:
     """The evaluation metrics a model (its `ModelConfig`) reports: its task's, and the mask stats of
     a mask model.
