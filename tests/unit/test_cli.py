@@ -449,6 +449,56 @@ def test_eval_and_benchmark_dirs_are_named_as_what_they_are(tmp_path):
     assert trained.parent.parent == tmp_path and trained.parent.name.count("-") == 2
 
 
+def test_own_data_under_the_built_in_sets_config_is_refused_naming_its_data_group(capsys, tmp_path):
+    """data.root pointed at one's own folder with the default data=shapes (data= forgotten): one
+    line naming the group that reads it (class folders: data=imagenet; a YOLO set: data=detection),
+    before a rank starts; the folder is left as it was."""
+    from visiondist.cli import run_tool
+
+    classes = tmp_path / "pets"
+    for split in ("train", "val"):
+        (classes / split / "cat").mkdir(parents=True)
+        (classes / split / "cat" / "a.jpg").write_bytes(b"x")
+    yolo = tmp_path / "boxes"
+    (yolo / "images" / "train").mkdir(parents=True)
+    (yolo / "data.yaml").write_text("path: .\ntrain: images/train\nval: images/train\nnames: [a]\n")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("x")
+    said = {}
+    for root in (classes, yolo, other):
+        ran = []
+        code = run_tool(
+            _tool("train").TOOL,
+            CONFIGS,
+            [f"data.root={root}", f"trainer.run_dir={tmp_path / 'run'}"],
+            ran.append,
+        )
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert code == 2 and not ran and not (tmp_path / "run").exists() and len(err) == 1, err
+        said[root.name] = err[0]
+    assert said["pets"].endswith(
+        f"{classes} is not the built-in shapes set: it holds class folders (train/<class>/): "
+        f"read it with data=imagenet data.root={classes}"
+    ), said
+    assert said["boxes"].endswith(
+        f"{yolo} is not the built-in shapes set: it holds a YOLO set (data.yaml): read it with "
+        f"data=detection data.root={yolo}"
+    ), said
+    assert said["other"].endswith(
+        "for your own data add data=imagenet (class folders: train/<class>/, val/<class>/) or "
+        "data=detection (a YOLO, Pascal VOC or COCO set), or point data.root elsewhere"
+    ), said
+    assert sorted(p.name for p in classes.rglob("*")) == [
+        "a.jpg",
+        "a.jpg",
+        "cat",
+        "cat",
+        "train",
+        "val",
+    ]
+
+
 def test_a_built_in_set_made_with_other_settings_is_refused_before_any_rank(capsys, tmp_path):
     """data.root holding the built-in set generated with other data.synthetic settings: train.py and
     `data.py pack` stop with one line naming the fix, before a rank starts or a run dir is made (it

@@ -285,11 +285,31 @@ def conflict(root: Path, spec: dict) -> Optional[str]:
             "data.synthetic settings it was made with)"
         )
     if root.exists() and any(root.iterdir()):
-        return (
-            f"{root} exists and is not a generated {spec['dataset']} dataset: point data.root "
-            "elsewhere"
-        )
+        return f"{root} is not the built-in {spec['dataset']} set: {_own_data(root)}"
     return None
+
+
+def _own_data(root: Path) -> str:
+    """How to read a user's own folder that a built-in set's config was pointed at: the data group
+    its layout asks for, or both layouts."""
+    from visiondist.config import ConfigError  # noqa: PLC0415 (the formats' reader)
+    from visiondist.data.formats.resolve import recognise  # noqa: PLC0415
+
+    try:
+        found = recognise(root) if root.is_dir() else None
+    except (ConfigError, OSError, ValueError):
+        found = None
+    if found is not None:
+        return f"it holds {found.what}: read it with data=detection data.root={root}"
+    train = root / "train"
+    if train.is_dir() and any(p.is_dir() for p in train.iterdir()):
+        return (
+            f"it holds class folders (train/<class>/): read it with data=imagenet data.root={root}"
+        )
+    return (
+        "for your own data add data=imagenet (class folders: train/<class>/, val/<class>/) or "
+        "data=detection (a YOLO, Pascal VOC or COCO set), or point data.root elsewhere"
+    )
 
 
 def _older_version(found: dict, spec: dict) -> bool:
