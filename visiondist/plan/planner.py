@@ -532,14 +532,18 @@ def _complexity(c: Candidate) -> tuple:
 
 # a layout the time model puts this much faster than plain DDP is named beside DDP's choice
 FASTER = 1.2
+# ...where DDP's step is at least this long on a GPU: below it the kernel launches and the host's
+# work a step, which the time model does not count, decide (and on the CPU it is not calibrated)
+TIMED_FROM_S = 0.01
 
 
-def _faster_than_ddp(fit: list, ddp_seconds: float) -> str:
+def _faster_than_ddp(fit: list, ddp_seconds: float, hw: Hardware) -> str:
     """The fastest layout that fits, where the time model puts it `FASTER` times ahead of the plain
     DDP parallel=auto keeps (the layout of fewest parts, and the one the time model knows best): its
-    figure and the settings that select it; "" otherwise."""
+    figure and the settings that select it; "" otherwise, on the CPU, and for a DDP step under
+    `TIMED_FROM_S`."""
     timed = [r for r in fit if r.seconds]
-    if not timed or ddp_seconds <= 0:
+    if not timed or ddp_seconds < TIMED_FROM_S or hw.shared_host:
         return ""
     fastest = min(timed, key=lambda r: r.planned()[1]["total"])
     seconds = fastest.planned()[1]["total"]
@@ -601,7 +605,7 @@ def plan(
                 f"{m.device / GB:.3g} GB needed ({m.state / GB:.3g} GB of state, "
                 f"{(m.activations + m.buffers) / GB:.3g} GB of activations and buffers) of "
                 f"{budget} allowed"
-            ) + _faster_than_ddp(fit, seconds["total"])
+            ) + _faster_than_ddp(fit, seconds["total"], hw)
         else:
             why_not = (
                 f"DDP would need {ddp.memory.device / GB:.3g} GB per device, over the {budget} "
