@@ -125,6 +125,14 @@ def test_images_in_memory_come_back_writable():
     assert as_source(image).image(0).flags.writeable
 
 
+def test_a_misspelt_prediction_setting_names_the_closest():
+    with pytest.raises(
+        visiondist.ConfigError,
+        match=r"^top_k= is not a setting of predict: did you mean topk=\? it takes topk, ",
+    ):
+        visiondist.predict(np.zeros((8, 8, 3), np.uint8), weights="absent.safetensors", top_k=2)
+
+
 @pytest.mark.parametrize(
     "setting,says",
     [

@@ -6,6 +6,7 @@ list of any of them and paths. Nothing is written unless asked (`.save()`)."""
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional, Union, overload
 
@@ -302,7 +303,11 @@ def _check_settings(settings: dict[str, Any]) -> None:
     known = ("topk", "score_thresh", "max_det", "classes", "batch_size", "vid_stride")
     for key in settings:
         if key not in known:
-            raise ConfigError(f"{key}= is not a setting of predict: it takes {', '.join(known)}")
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]}=? " if close else ""
+            raise ConfigError(
+                f"{key}= is not a setting of predict: {hint}it takes {', '.join(known)}"
+            )
     from visiondist.api.predict_job import check_settings  # noqa: PLC0415 (a job's)
 
     check_settings(settings)
