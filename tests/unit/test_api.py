@@ -173,3 +173,47 @@ def test_a_run_reads_its_step_and_latest_evaluation_from_metrics_csv(tmp_path, m
     monkeypatch.setattr(run_module, "read_metrics", lambda p: reads.append(p) or real(p))
     assert repr(run) == f"Run('{tmp_path.resolve()}', stopped at step 30, val_top1=0.5)"
     assert len(reads) == 1
+
+
+def test_a_callbacks_functions_keep_their_file_on_the_ranks(monkeypatch):
+    """A callback defined where no rank can import it (a notebook, a script's __main__; here a
+    function's local class) travels by value, and cloudpickle leaves its functions' file out: the
+    ranks' copy gets it back, so that a failure's traceback names the file and line."""
+    import traceback
+    import weakref
+
+    import cloudpickle
+
+    from visiondist.api.callbacks import _unpacked, pack
+
+    class Local:
+        def on_step_end(self, state):
+            def inner():
+                raise ValueError(f"bad step {state}")
+
+            inner()
+
+        @staticmethod
+        def on_train_end(state):
+            return state
+
+    callback = Local()
+    callback.on_eval_end = lambda state: state
+    packed = pack([callback])
+    # as in a rank's process, which has never seen the class (this one would reuse it)
+    monkeypatch.setattr(
+        cloudpickle.cloudpickle, "_DYNAMIC_CLASS_TRACKER_BY_ID", weakref.WeakValueDictionary()
+    )
+    assert cloudpickle.loads(packed)[0][0].on_step_end.__code__.co_filename == "<dynamic-code>"
+    (copy,) = _unpacked(packed)
+    assert copy is not callback and type(copy) is not Local  # a copy made by value
+    for name in ("on_step_end", "on_train_end", "on_eval_end"):
+        assert getattr(copy, name).__code__.co_filename == __file__, name
+    with pytest.raises(ValueError) as caught:
+        copy.on_step_end(3)
+    frames = traceback.extract_tb(caught.value.__traceback__)[-2:]
+    assert [(f.filename, f.name) for f in frames] == [
+        (__file__, "on_step_end"),
+        (__file__, "inner"),
+    ]
+    assert frames[-1].line == 'raise ValueError(f"bad step {state}")'

@@ -5,13 +5,16 @@ rank ended the run.
 Callbacks travel by value (cloudpickle): a class defined in a notebook or a script's `__main__`
 reaches ranks that are spawned (a GPU), forked from a fork server or started by torchrun alike,
 which could not import it. One that cannot be serialised (it holds an open file, a lock, a
-socket) is refused here, naming it and why."""
+socket) is refused here, naming it and why. cloudpickle leaves a by-value function's file out
+(`<dynamic-code>`); each function's file travels beside it and is put back on the ranks, so that a
+callback's failure names its file and line."""
 
 from __future__ import annotations
 
 import logging
+import types
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import cloudpickle
 
@@ -66,7 +69,49 @@ def pack(callbacks: Sequence[Any]) -> Optional[bytes]:
                 "of it, so what it holds must be picklable; open files, locks and sockets in "
                 "on_train_start instead"
             ) from None
-    return cloudpickle.dumps(list(callbacks)) if callbacks else None
+    if not callbacks:
+        return None
+    files = [
+        {name: fn.__code__.co_filename for name, fn in _functions(callback).items()}
+        for callback in callbacks
+    ]
+    return cloudpickle.dumps((list(callbacks), files))
+
+
+def _functions(callback: Any) -> dict[str, types.FunctionType]:
+    """A callback's Python functions by name: its classes' methods (static and class methods' too)
+    and the functions it holds."""
+    found = {}
+    # a class by its place in the MRO (a copy by value may not keep its __qualname__)
+    owners: list[tuple[str, Mapping[str, Any]]] = [
+        (str(i), vars(cls)) for i, cls in enumerate(type(callback).__mro__[:-1])
+    ]
+    owners.append(("self", getattr(callback, "__dict__", {})))
+    for owner, members in owners:
+        for name, value in members.items():
+            fn = getattr(value, "__func__", value)
+            if isinstance(fn, types.FunctionType):
+                found[f"{owner}.{name}"] = fn
+    return found
+
+
+def _refiled(code: types.CodeType, file: str) -> types.CodeType:
+    """`code` (and the code it defines: nested functions, comprehensions) with its file."""
+    consts = tuple(
+        _refiled(c, file) if isinstance(c, types.CodeType) else c for c in code.co_consts
+    )
+    return code.replace(co_filename=file, co_consts=consts)
+
+
+def _unpacked(packed: bytes) -> list:
+    """`pack`'s callbacks, each by-value function given back its file."""
+    callbacks, files = cloudpickle.loads(packed)
+    for callback, named in zip(callbacks, files):
+        for name, fn in _functions(callback).items():
+            file = named.get(name)
+            if file and fn.__code__.co_filename != file:
+                fn.__code__ = _refiled(fn.__code__, file)
+    return callbacks
 
 
 class TrainWithCallbacks:
@@ -82,7 +127,7 @@ class TrainWithCallbacks:
         # a rank's entry: the trainer and its parts, imported by the rank (1 s)
         from visiondist.engine.run import train  # noqa: PLC0415 (rank-side)
 
-        callbacks = cloudpickle.loads(self.packed)
+        callbacks = _unpacked(self.packed)
         summary = train(cfg, layout, run_dir, callbacks)
         try:
             back = cloudpickle.dumps(callbacks)
