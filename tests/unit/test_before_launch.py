@@ -286,10 +286,14 @@ def test_the_cpu_estimate_follows_the_layout_and_the_run_length(tmp_path, capsys
     with pytest.raises(ConfigError, match="no GPU was found"):
         check_gpu_layout(cfg, run)
     check_gpu_layout(cfg, run, "eval")  # no estimate: said, not refused
-    assert (
-        "runs vit_huge on 4 ranks (dp=1 tp=4 pp=1) as 4 processes on this machine's CPU: no time "
-        "estimate" in (capsys.readouterr().err)
+    assert capsys.readouterr().err == (
+        "warning: no GPU was found, so trainer.accelerator=auto runs vit_huge on 4 ranks (dp=1 "
+        "tp=4 pp=1) as 4 processes on this machine's CPU (trainer.accelerator=cpu says this is "
+        "meant)\n"
     )
+    # the same line again in this process (Python's run.evaluate()): said once
+    check_gpu_layout(cfg, run, "eval")
+    assert capsys.readouterr().err == ""
     # well under an hour: said, then run
     short = OmegaConf.merge(cfg, {"trainer": {"max_steps": 1}})
     check_gpu_layout(short, run)

@@ -58,7 +58,7 @@ def check_gpu_layout(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None
     what = (
         f"no GPU was found, so trainer.accelerator=auto {{}} {cfg.model.name} on {run.world_size} "
         f"ranks (dp={run.dp} tp={run.tp} pp={run.pp}) as {run.world_size} processes on this "
-        f"machine's CPU: {text}"
+        f"machine's CPU{': ' if text else ''}{text}"
     )
     if whole is not None and whole > REFUSE_OVER_S:
         raise ConfigError(
@@ -66,11 +66,13 @@ def check_gpu_layout(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None
             + "; to run it here anyway add trainer.accelerator=cpu (or run it "
             "where GPUs are visible)"
         )
-    print(
-        f"warning: {what.format('runs')} (trainer.accelerator=cpu says this is meant)",
-        file=sys.stderr,
-        flush=True,
-    )
+    line = f"warning: {what.format('runs')} (trainer.accelerator=cpu says this is meant)"
+    if line not in _SAID:  # once in a Python session that evaluates a run again and again
+        _SAID.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+_SAID: set[str] = set()
 
 
 def cpu_estimate(
@@ -92,9 +94,8 @@ def cpu_estimate_seconds(
             "classifiers)",
             None,
         )
-    if kind in ("eval", "predict"):
-        what = "a prediction" if kind == "predict" else "an evaluation"
-        return f"no time estimate (the time model estimates training steps, not {what})", None
+    if kind in ("eval", "predict"):  # the time model estimates training steps
+        return "", None
     machine = measured_tflops(cfg) if tflops is None else tflops
     step = step_seconds_on_cpu(cfg, run, machine / run.per_node)
     basis = (
