@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from visiondist.cli.load import load_config
 from visiondist.config import ConfigError
 from visiondist.plan import resolve_on
-from visiondist.runs import completed_step
+from visiondist.runs import completed_step, train_longer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -103,8 +103,8 @@ def train(
     # the same call again: nothing to do, nothing rewritten (as tools/train.py)
     if step is not None:
         print(
-            f"{run_dir} is complete at step {step}: nothing to do (to train longer, raise "
-            "trainer.max_steps or trainer.max_epochs)",
+            f"{run_dir} is complete at step {step}: nothing to do (to train longer, "
+            f"{train_longer(cfg)})",
             flush=True,
         )
         return json.loads((run_dir / "summary.json").read_text())

@@ -162,6 +162,13 @@ def completed_step(cfg: DictConfig) -> Optional[int]:
     return step if total is not None and step >= int(total) and same_length else None
 
 
+def train_longer(cfg: DictConfig) -> str:
+    """What trains a complete run longer: the key that set its length."""
+    if cfg.trainer.max_steps > 0:
+        return f"raise trainer.max_steps={cfg.trainer.max_steps}"
+    return f"raise trainer.max_epochs={cfg.trainer.max_epochs}, or give trainer.max_steps"
+
+
 def _last_length(run_dir: Path) -> dict[str, Any]:
     """trainer.max_steps and trainer.max_epochs as the run's last attempt had them: config.yaml's,
     with what that continuation changed (a run trained on with a longer length is complete at that

@@ -106,7 +106,10 @@ def test_the_same_command_continues_a_crashed_run_then_says_it_is_complete(
     }
     result = run_cli(command)
     assert (
-        result.returncode == 0 and f"is complete at step {STEPS}: nothing to do" in result.stdout
+        result.returncode == 0
+        and f"is complete at step {STEPS}: nothing to do (to train longer, raise "
+        f"trainer.max_steps={STEPS})"
+        in result.stdout
     ), result.stdout[-3000:]
     assert kept == {name: (run / name).read_bytes() for name in kept}
 

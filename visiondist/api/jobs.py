@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from visiondist.api.callbacks import TrainWithCallbacks, unpack
 from visiondist.cli.load import checked, load_run_config, load_weights_config
 from visiondist.config import ConfigError
-from visiondist.runs import completed_step
+from visiondist.runs import completed_step, train_longer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EXPORT_SUFFIX = {
@@ -122,7 +122,7 @@ def train_job(
     if step is not None:  # e.g. a requeued cluster job: nothing to do, nothing rewritten
         print(
             f"{cfg.trainer.run_dir} is complete at step {step}: nothing to do (to train longer, "
-            "raise trainer.max_steps or trainer.max_epochs)",
+            f"{train_longer(cfg)})",
             flush=True,
         )
         return Path(cfg.trainer.run_dir), {}

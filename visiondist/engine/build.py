@@ -227,17 +227,15 @@ def consolidate(model_cfg: DictConfig, checkpoint: Path, path: Path, is_main: bo
 
 
 def run_length(t: DictConfig, steps_per_epoch: int) -> tuple[int, str]:
-    """(optimizer steps of the run, which limit sets them): `trainer.max_steps`, ended sooner by
-    `trainer.max_epochs` of `steps_per_epoch` global batches; either is off at 0."""
-    by_epochs = t.max_epochs * steps_per_epoch if t.max_epochs > 0 else None
-    if t.max_steps > 0 and (by_epochs is None or t.max_steps <= by_epochs):
+    """(optimizer steps of the run, which limit sets them): `trainer.max_steps` where it is on
+    (> 0), over as many epochs as it takes; else `trainer.max_epochs` of `steps_per_epoch` global
+    batches."""
+    if t.max_steps > 0:
         return t.max_steps, f"trainer.max_steps={t.max_steps} ends the run"
-    if by_epochs is None:  # config validation refuses both off
+    if t.max_epochs <= 0:  # config validation refuses both off
         raise ValueError("set trainer.max_steps or trainer.max_epochs to a positive number")
     epochs = (
         f"trainer.max_epochs={t.max_epochs} of {steps_per_epoch} "
         f"step{'s' if steps_per_epoch != 1 else ''}"
     )
-    if t.max_steps > 0:
-        return by_epochs, f"{epochs} ends the run before trainer.max_steps={t.max_steps}"
-    return by_epochs, f"{epochs} ends the run"
+    return t.max_epochs * steps_per_epoch, f"{epochs} ends the run"

@@ -152,14 +152,6 @@ def _announce_machine(tr: Trainer) -> None:
             "" if torch.get_num_threads() == 1 else "s",
             omp_wait_text(),
         )
-    if t.max_steps > tr.parts.total_steps and lay.is_main:
-        log.warning(
-            "trainer.max_steps=%d is not reached: %s; raise trainer.max_epochs (or set it to 0) "
-            "to train %d steps",
-            t.max_steps,
-            tr.parts.length,
-            t.max_steps,
-        )
     if precision_name(t.precision) == "16" and lay.device.type == "cpu":
         log.warning(
             "trainer.precision=16 on the CPU: CPUs have no fp16 matrix units, so a step takes "

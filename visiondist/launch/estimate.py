@@ -147,17 +147,18 @@ def step_seconds_on_cpu(cfg: DictConfig, run: RunLayout, tflops_per_rank: float)
 
 def run_steps(cfg: DictConfig) -> tuple[Optional[int], str]:
     """(optimizer steps of the whole run, which limit sets them) as the trainer counts them
-    (`visiondist.engine.build.run_length`), the epoch's length from the training split's images; an
-    epoch of unknown length: `trainer.max_steps` alone; (None, "") when neither can be counted."""
+    (`visiondist.engine.build.run_length`): `trainer.max_steps` where it is on, else
+    `trainer.max_epochs` of the training split's images; (None, "") where an epoch's length is not
+    known before the data is read."""
     # the trainer's own count; its module is a rank's (DTensor, DCP, the models: 2 s)
     from visiondist.engine.build import run_length  # noqa: PLC0415 (rank-side)
 
     t, d = cfg.trainer, cfg.data
+    if t.max_steps > 0:
+        return int(t.max_steps), f"trainer.max_steps={t.max_steps} ends the run"
     images = train_images(d) if t.max_epochs > 0 else None
     if images is not None:
         return run_length(t, images // int(d.batch_size))
-    if t.max_steps > 0 and t.max_epochs <= 0:
-        return int(t.max_steps), f"trainer.max_steps={t.max_steps} ends the run"
     return None, ""
 
 
