@@ -99,3 +99,30 @@ def test_padded_shapes_are_torchvisions_and_eval_batches_hold_one_each():
             assert all(len({groups[i] for i in b}) == 1 and 1 <= len(b) <= 4 for b in batches)
             seen += [i for b in batches for i in b]
         assert sorted(seen) == list(range(len(sizes)))
+
+
+def test_an_aspect_group_smaller_than_a_batch_is_batched_with_the_largest():
+    """27 landscape and 13 portrait images in global batches of 16 (a small detection set at
+    COCO's batch): the 13 portrait images could never fill a batch of their own, so they join the
+    landscape group; over 8 epochs every image is trained, each batch still split alike on 1 and 2
+    ranks. Groups that fill a batch stay apart."""
+    from visiondist.data.sampler import joined_small_groups
+
+    groups = np.array([1] * 27 + [0] * 13)
+    np.random.default_rng(0).shuffle(groups)
+    sampler = TrainBatchSampler(40, 16, 0, 1, groups=groups)
+    assert sampler.joined == 13 and sampler.steps_per_epoch == 2
+    seen = set()
+    for epoch in range(8):
+        for batch in sampler.global_batches(epoch):
+            seen.update(batch.tolist())
+    assert seen == set(range(40))
+    two = [TrainBatchSampler(40, 16, r, 2, groups=groups) for r in range(2)]
+    for r, s in enumerate(two):
+        s.set_epoch(3)
+        assert [i for b in s for i, _ in b] == [
+            i for b in sampler.global_batches(3) for i in b[r * 8 : (r + 1) * 8].tolist()
+        ]
+    kept, joined = joined_small_groups(np.array([0] * 16 + [1] * 20 + [2] * 3), 16)
+    assert joined == 3 and kept.tolist() == [0] * 16 + [1] * 23
+    assert joined_small_groups(np.array([0] * 16 + [1] * 16), 16)[1] == 0

@@ -10,7 +10,8 @@ With `groups` (e.g. landscape / portrait images for detection), every global bat
 group: the epoch's shuffled order is walked and each sample joins its group's pending batch, which
 is emitted when full (as torchvision's GroupedBatchSampler does, but on global batches, so the DP
 split above still holds). A group's leftover (< one global batch) waits for the next epoch, so an
-epoch has sum over groups of floor(size / batch) steps.
+epoch has sum over groups of floor(size / batch) steps. A group smaller than one global batch, which
+would never fill one, is batched with the largest group.
 
 With `streams` (packed shards, `visiondist.data.shards`), the epoch's order is shard-aware: the
 shards are shuffled, the samples within each, and the sequence is cut into `streams` equal parts;
@@ -63,7 +64,9 @@ class TrainBatchSampler:
         self.num_samples, self.global_batch = num_samples, global_batch
         self.dp_rank, self.dp_size, self.grad_accum = dp_rank, dp_size, grad_accum
         self.seed, self.shuffle = seed, shuffle
-        self.groups = None if groups is None else np.asarray(groups)
+        self.groups, self.joined = None, 0
+        if groups is not None:
+            self.groups, self.joined = joined_small_groups(np.asarray(groups), global_batch)
         self.local_batch = global_batch // dp_size
         self.micro_batch = self.local_batch // grad_accum
         self.streams, self.shard_starts = streams, shard_starts
@@ -154,6 +157,20 @@ class TrainBatchSampler:
             for a in range(self.grad_accum):
                 chunk = mine[a * self.micro_batch : (a + 1) * self.micro_batch]
                 yield [(int(i), epoch) for i in chunk]
+
+
+def joined_small_groups(groups: np.ndarray, global_batch: int) -> tuple[np.ndarray, int]:
+    """(`groups` with each group of fewer samples than `global_batch` joined to the largest, the
+    samples joined): a group that never fills a batch would never be trained."""
+    ids, counts = np.unique(groups, return_counts=True)
+    small = ids[counts < global_batch]
+    if not len(small) or len(ids) == 1:
+        return groups, 0
+    largest = ids[np.argmax(counts)]
+    joined = np.isin(groups, small)
+    out = groups.copy()
+    out[joined] = largest
+    return out, int(joined.sum())
 
 
 def eval_shard(num_samples: int, dp_rank: int, dp_size: int) -> range:

@@ -171,6 +171,13 @@ def _announce_data(tr: Trainer) -> None:
     """The images an epoch leaves for the next, and how a native-resolution run reads its images."""
     data = tr.parts.data
     sampler = data.train_sampler
+    if getattr(sampler, "joined", 0):
+        log.info(
+            "data.aspect_grouping: %d images of an aspect group smaller than a global batch of %d "
+            "are batched with the largest group, so that every image is trained",
+            sampler.joined,
+            tr.cfg.data.batch_size,
+        )
     if sampler.dropped_per_epoch:
         batches = (
             f"{sampler.steps_per_epoch} global batches of {tr.cfg.data.batch_size}"

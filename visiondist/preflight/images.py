@@ -34,8 +34,7 @@ def check_images(d, root: Path, purpose: str = "train", masks: bool = False) -> 
     """What the ranks' datasets would refuse, said before they start: a class folder without images
     (in each split read), train and val class folders that differ, and for training a split with
     fewer images than one global batch (`data.batch_size`): no optimizer step could be drawn from
-    it. COCO: the usable training images (at least one box left after the dataset's rules), and with
-    `data.aspect_grouping` a full batch in the landscape or the portrait group."""
+    it. COCO: the usable training images (at least one box left after the dataset's rules)."""
     if d.format in DETECTION_FORMATS:
         if purpose == "train":
             _check_coco_batch(d, masks)
@@ -175,9 +174,9 @@ def check_builtin_batch(d, num_classes: int) -> None:
 
 
 def _check_coco_batch(d, masks: bool = False) -> None:
-    """A COCO training split with at least one global batch of usable images (per aspect group when
-    grouped); for a mask model, the instances left out for want of a valid segmentation said in one
-    line, before any rank starts."""
+    """A COCO training split with at least one global batch of usable images; for a mask model,
+    the instances left out for want of a valid segmentation said in one line, before any rank
+    starts."""
     from visiondist.data import coco_paths  # noqa: PLC0415 (reader)
 
     images_dir, annotations = coco_paths(d, d.train_split)
@@ -203,10 +202,8 @@ def _check_coco_batch(d, masks: bool = False) -> None:
             flush=True,
         )
     batch, usable = int(d.batch_size), len(records)
-    landscape = sum(r.width >= r.height for r in records)
-    portrait = usable - landscape
-    # the batch every check below takes: one orientation's images under aspect grouping
-    fits = _fitting_batch(max(landscape, portrait) if d.aspect_grouping else usable)
+    # (an aspect group smaller than a batch is batched with the other: data.sampler)
+    fits = _fitting_batch(usable)
     if usable < batch:
         raise ConfigError(
             f"data.root={d.root}: the training split {d.train_split} has {usable} images with a "
@@ -214,15 +211,6 @@ def _check_coco_batch(d, masks: bool = False) -> None:
             f"data.batch_size={batch}: lower data.batch_size (e.g. data.batch_size={fits}) or add "
             "images"
         )
-    if d.aspect_grouping:
-        if landscape < batch and portrait < batch:
-            raise ConfigError(
-                f"data.root={d.root}: the training split {d.train_split} has {landscape} "
-                f"landscape and {portrait} portrait images with a usable box; "
-                "data.aspect_grouping draws each global batch from one of the two and neither "
-                f"fills data.batch_size={batch}: lower data.batch_size (e.g. "
-                f"data.batch_size={fits}) or set data.aspect_grouping=false"
-            )
 
 
 def _fitting_batch(images: int) -> int:
