@@ -373,6 +373,24 @@ def test_a_cvat_export_with_one_image_folder(tmp_path):
     assert d.annotations == str(root / "annotations/instances_{split}.json")
 
 
+def test_a_cvat_export_of_one_task_is_evaluated_and_its_split_named_for_training(tmp_path):
+    """CVAT exports a task without subsets as annotations/instances_default.json: an evaluation
+    reads that one split as val; training, which needs two, names the splits there and the key."""
+    root = tmp_path / "cvat"
+    _coco_split(root / "images", root / "annotations" / "instances_default.json",
+                [{"id": 1, "name": "cat", "supercategory": ""}])  # fmt: skip
+    d = _data(root)
+    line = resolve_detection(d, "eval")
+    assert d.val_split == "default" and "default 1 images, 1 boxes" in line, line
+    with pytest.raises(
+        ConfigError,
+        match=r"cvat is COCO in CVAT / Label Studio's layout with the split default "
+        r"\(annotations/instances_<split>\.json\), no train: choose with "
+        r"data\.train_split=<one of default>$",
+    ):
+        resolve_detection(_data(root), "train")
+
+
 def test_a_folder_of_no_format_known_is_one_line(tmp_path):
     (tmp_path / "x").mkdir()
     assert recognise(tmp_path / "x") is None

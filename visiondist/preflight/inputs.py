@@ -342,7 +342,7 @@ def _other_layout(d) -> None:
     from visiondist.data.formats import recognise  # noqa: PLC0415 (reader)
 
     root = Path(str(d.root)).expanduser()
-    found = recognise(root) if root.is_dir() else None
+    found = recognise(root) if root.is_dir() and d.name != "detection" else None
     if found is not None and not (found.layout is not None and found.layout.name == "COCO"):
         raise ConfigError(
             f"data.root={d.root} is {found.what}, not a tree of data={d.name}'s layout: read it "

@@ -195,9 +195,23 @@ def _split_keys(recognised: Recognised, d: DictConfig, purpose: str) -> list[tup
     keys = [("val_split", d.val_split)] if purpose == "eval" else [
         ("train_split", d.train_split), ("val_split", d.val_split)
     ]  # fmt: skip
-    if recognised.layout is not None:
-        return [(key, recognised.layout.split_name(split)) for key, split in keys]
-    return keys
+    layout = recognised.layout
+    if layout is None:
+        return keys
+    named = [(key, layout.split_name(split)) for key, split in keys]
+    missing = [(key, split) for key, split in named if split not in layout.splits]
+    if not missing:
+        return named
+    # an evaluation of an export of one split (CVAT names a task without subsets `default`)
+    if purpose == "eval" and len(layout.splits) == 1:
+        return [("val_split", layout.splits[0])]
+    key, split = missing[0]
+    there, plural = ", ".join(layout.splits), "s" if len(layout.splits) > 1 else ""
+    raise ConfigError(
+        f"{recognised.root} is {recognised.what} with the split{plural} {there} "
+        f"({layout.annotations.format(split='<split>')}), no {split}: choose with "
+        f"data.{key}=<one of {there}>"
+    )
 
 
 def _check_splits(recognised: Recognised, splits: list[str]) -> Optional[YoloSet]:
