@@ -4,6 +4,7 @@ independent of the ranks. The tool itself, run as a user runs it:
 tests/multirank/test_predict.py."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -175,3 +176,18 @@ def test_weights_without_class_names_and_no_class_count_are_refused_naming_the_k
         prediction_job_config(
             None, weights, None, ["model=vit_tiny", "data=imagenet"], {"source": "x.jpg"}
         )
+
+
+def test_detections_of_weights_with_no_data_root_are_numbered_by_position(tree):
+    """Predicted from an exported file with data=detection and no data.root (nothing to evaluate
+    against): results.json numbers the images by position, as for any folder, rather than failing
+    on the unset data.root once every image was predicted."""
+    from omegaconf import OmegaConf
+
+    from visiondist.config import compose
+    from visiondist.inference.finish import _val_image_ids
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    cfg = compose(configs, ["model=fasterrcnn_mobilenet_v3", "data=detection"])
+    assert OmegaConf.is_missing(cfg.data, "root")
+    assert _val_image_ids(cfg, resolve_source(str(tree))) == {}

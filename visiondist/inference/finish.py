@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from visiondist.data.formats.exports import coco_paths
 from visiondist.inference.job import drawn_count
@@ -103,17 +104,19 @@ def _val_image_ids(cfg: DictConfig, source: Source) -> dict[str, int]:
     """The annotation file's image id of each source file that is one of the run's val images (so
     that results.json scores against that file as eval.py's detections.json does); empty when none
     is."""
-    if source.video or cfg.data.get("format") == "shards":
+    d = cfg.data
+    # predicted from weights with no data.root: no annotation file to match
+    if source.video or d.get("format") == "shards" or OmegaConf.is_missing(d, "root"):
         return {}
     try:
-        images, ann = coco_paths(cfg.data, cfg.data.val_split)
+        images, ann = coco_paths(d, d.val_split)
         if not ann.is_file():
             return {}
         by_path = {
             str((images / im["file_name"]).resolve()): int(im["id"])
             for im in json.loads(ann.read_text())["images"]
         }
-    except (OSError, ValueError, KeyError, AttributeError):
+    except (OSError, ValueError, KeyError, AttributeError, MissingMandatoryValue):
         return {}
     return {
         source.name(i): by_path[p]
