@@ -224,9 +224,18 @@ def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(caps
             "train",
             ["data.format=yolo"],
             "data.format=yolo is a format of detection data, and model=vit_tiny is a "
-            "classification model: give classification data (e.g. data=shapes, or data.format= "
-            "one of imagefolder, shards), or a detection model (e.g. "
-            "model=fasterrcnn_mobilenet_v3)",
+            "classification model: give classification data (data=imagenet for class folders, "
+            "data=shapes for the built-in set; or data.format= one of imagefolder, shards), or a "
+            "detection model (e.g. model=fasterrcnn_mobilenet_v3)",
+        ),
+        (
+            "train",
+            ["model=fasterrcnn_mobilenet_v3", "data.root=/tmp/my_yolo_set"],
+            "data.format=imagefolder is a format of classification data, and "
+            "model=fasterrcnn_mobilenet_v3 is a detection model: give detection data "
+            "(data=detection for a YOLO, VOC or COCO set, data=shapes_coco for the built-in one; "
+            "or data.format= one of coco, yolo, voc, auto, shards), or a classification model "
+            "(e.g. model=vit_tiny)",
         ),
         (
             "train",

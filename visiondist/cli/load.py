@@ -188,10 +188,14 @@ def _check_format(cfg: DictConfig) -> None:
         task = TASKS[family]
         data_task = "detection" if fmt in DETECTION_FORMATS else "classification"
         model_eg = "fasterrcnn_mobilenet_v3" if data_task == "detection" else "vit_tiny"
-        data_eg = "shapes_coco" if task == "detection" else "shapes"
+        data_eg = (
+            "data=detection for a YOLO, VOC or COCO set, data=shapes_coco for the built-in one"
+            if task == "detection"
+            else "data=imagenet for class folders, data=shapes for the built-in set"
+        )
         raise ConfigError(
             f"data.format={fmt} is a format of {data_task} data, and model={cfg.model.name} is a "
-            f"{task} model: give {task} data (e.g. data={data_eg}, or data.format= one of "
+            f"{task} model: give {task} data ({data_eg}; or data.format= one of "
             f"{', '.join(formats)}), or a {data_task} model (e.g. model={model_eg})"
         )
     raise ConfigError(
