@@ -391,6 +391,28 @@ def test_a_cvat_export_of_one_task_is_evaluated_and_its_split_named_for_training
         resolve_detection(_data(root), "train")
 
 
+def test_a_relative_data_root_reads_each_format(tmp_path, monkeypatch):
+    """data.root=sets/<set> from the folder above: a YOLO set and a CVAT export resolve to paths
+    that exist (a relative root was joined to the set's paths twice: sets/yolo/sets/yolo/...),
+    and the run's config keeps the absolute root."""
+    from visiondist.data.formats.exports import coco_paths
+
+    _yolo(tmp_path / "sets" / "yolo", {"train": {"a": "0 0.5 0.5 0.2 0.2\n"},
+                                       "val": {"v": "1 0.5 0.5 0.2 0.2\n"}})  # fmt: skip
+    for split in ("train", "val"):
+        root = tmp_path / "sets" / "cvat"
+        _coco_split(root / "images", root / "annotations" / f"instances_{split}.json",
+                    [{"id": 1, "name": "cat", "supercategory": ""}])  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    for name in ("yolo", "cvat"):
+        d = _data(Path("sets") / name)
+        resolve_detection(d, "train")
+        assert d.root == str(tmp_path / "sets" / name)
+        for split in ("train", "val"):
+            images, annotations = coco_paths(d, split)
+            assert images.is_dir() and annotations.is_file(), (name, images, annotations)
+
+
 def test_a_folder_of_no_format_known_is_one_line(tmp_path):
     (tmp_path / "x").mkdir()
     assert recognise(tmp_path / "x") is None

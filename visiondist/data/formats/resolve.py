@@ -251,6 +251,10 @@ def resolve_detection(d: DictConfig, purpose: str = "train") -> str:
     root = Path(d.root).expanduser()
     if not root.exists():
         raise ConfigError(f"data.root={d.root} does not exist")
+    # the patterns below are the set's own paths (absolute): the readers join them to data.root,
+    # which a relative data.root would then hold twice
+    root = root.resolve()
+    d.root = str(root)
     recognised = recognise(root)
     if recognised is None or (d.format != "auto" and recognised.format != d.format):
         what = f"not {d.format} data" if d.format != "auto" else "of no format known"
