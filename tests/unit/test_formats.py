@@ -413,6 +413,34 @@ def test_a_relative_data_root_reads_each_format(tmp_path, monkeypatch):
             assert images.is_dir() and annotations.is_file(), (name, images, annotations)
 
 
+def test_a_data_yaml_without_names_is_refused_where_they_are_misspelt(tmp_path, capsys):
+    """`name:` (or `classes:`) instead of `names:` would call the classes class0.. in the run, its
+    weights and its predictions: refused naming the key. Only `nc:` is read as Ultralytics reads
+    it (class0..), said once."""
+    from visiondist.data.formats.yolo import read_yaml
+
+    root = _yolo(tmp_path / "set", {"train": {"a": ""}, "val": {"v": ""}})
+    for key in ("name", "Names", "classes"):
+        (root / "data.yaml").write_text(
+            json.dumps(
+                {"path": ".", "train": "images/train", "val": "images/val", "nc": 3, key: NAMES}
+            )  # fmt: skip
+        )
+        with pytest.raises(
+            ConfigError, match=rf"data\.yaml has no names but a `{key}:`: spell it `names:`"
+        ):
+            read_yaml(root / "data.yaml")
+    (root / "data.yaml").write_text(
+        json.dumps({"path": ".", "train": "images/train", "val": "images/val", "nc": 3})
+    )
+    assert read_yaml(root / "data.yaml").names == ["class0", "class1", "class2"]
+    assert read_yaml(root / "data.yaml").names == ["class0", "class1", "class2"]
+    assert capsys.readouterr().err == (
+        f"warning: {root / 'data.yaml'} has no names, only nc: 3: the classes are called "
+        "class0..class2 (add `names:` to name them)\n"
+    )
+
+
 def test_a_folder_of_no_format_known_is_one_line(tmp_path):
     (tmp_path / "x").mkdir()
     assert recognise(tmp_path / "x") is None
