@@ -441,6 +441,30 @@ def test_a_data_yaml_without_names_is_refused_where_they_are_misspelt(tmp_path, 
     )
 
 
+def test_a_label_studio_coco_export_is_evaluated(tmp_path):
+    """Label Studio's COCO export: result.json beside images/, file names that start with images/,
+    category ids from 0. An evaluation reads its one split; a result.json that is Label Studio's
+    own JSON (a list of tasks) is not taken for COCO."""
+    from visiondist.data.formats.exports import coco_paths
+
+    root = tmp_path / "ls"
+    _image(root / "images" / "a.jpg")
+    (root / "result.json").write_text(json.dumps({
+        "images": [{"id": 0, "file_name": "images/a.jpg", "width": 64, "height": 48}],
+        "annotations": [{"id": 0, "image_id": 0, "category_id": 0, "bbox": [1, 2, 10, 10],
+                         "area": 100, "iscrowd": 0, "ignore": 0}],
+        "categories": [{"id": 0, "name": "cat"}, {"id": 1, "name": "dog"}],
+        "info": {"contributor": "Label Studio"},
+    }))  # fmt: skip
+    d = _data(root)
+    line = resolve_detection(d, "eval")
+    assert "is COCO in Label Studio's layout, 2 classes; result 1 images, 1 boxes" in line, line
+    images, annotations = coco_paths(d, d.val_split)
+    assert annotations == root / "result.json" and (images / "images" / "a.jpg").is_file()
+    (root / "result.json").write_text(json.dumps([{"id": 1, "annotations": []}]))
+    assert recognise(root) is None
+
+
 def test_a_folder_of_no_format_known_is_one_line(tmp_path):
     (tmp_path / "x").mkdir()
     assert recognise(tmp_path / "x") is None

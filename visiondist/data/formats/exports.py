@@ -4,7 +4,9 @@ folder: where each split's annotation file and images are.
 - COCO: annotations/instances_<split>.json, the images in <split>/ or images/<split>/;
 - CVAT and Label Studio (their COCO exports): annotations/instances_<split>.json, the images in
   images/<split>/ or images/;
-- Roboflow: <split>/_annotations.coco.json beside the split's images.
+- Roboflow: <split>/_annotations.coco.json beside the split's images;
+- Label Studio's COCO export: result.json beside images/ (its `file_name`s start with images/), one
+  split, read as `result`.
 
 Roboflow names the validation split `valid`; a split asked for as `val` is read from `valid/` where
 there is no `val/`.
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 ROBOFLOW_FILE = "_annotations.coco.json"
+LABEL_STUDIO_FILE = "result.json"
 VAL_NAMES = ("val", "valid", "validation")
 
 
@@ -43,6 +46,8 @@ def find_layout(root: Path) -> Optional[CocoLayout]:
     roboflow = tuple(sorted(p.parent.name for p in root.glob(f"*/{ROBOFLOW_FILE}")))
     if roboflow:
         return CocoLayout("Roboflow", "{split}", "{split}/" + ROBOFLOW_FILE, roboflow)
+    if (root / "images").is_dir() and _a_coco_file(root / LABEL_STUDIO_FILE):
+        return CocoLayout("Label Studio", "", LABEL_STUDIO_FILE, ("result",))
     files = sorted((root / "annotations").glob("instances_*.json"))
     if not files:
         return None
@@ -54,6 +59,16 @@ def find_layout(root: Path) -> Optional[CocoLayout]:
         return CocoLayout("CVAT / Label Studio", "images", "annotations/instances_{split}.json",
                           splits)  # fmt: skip
     return None
+
+
+def _a_coco_file(path: Path) -> bool:
+    """`path` is a JSON object (COCO's form), not a list (Label Studio's own JSON export, also
+    result.json)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4096).lstrip().startswith(b"{")
+    except OSError:
+        return False
 
 
 def coco_paths(cfg, split: str) -> tuple[Path, Path]:

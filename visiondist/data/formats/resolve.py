@@ -260,8 +260,9 @@ def resolve_detection(d: DictConfig, purpose: str = "train") -> str:
         what = f"not {d.format} data" if d.format != "auto" else "of no format known"
         raise ConfigError(
             f"{root} is {what}: a YOLO set has a data.yaml, a Pascal VOC set Annotations/ and "
-            "JPEGImages/, a COCO set annotations/instances_<split>.json or "
-            '<split>/_annotations.coco.json (docs/data.md, "Your own detection data")'
+            "JPEGImages/, a COCO set annotations/instances_<split>.json, "
+            "<split>/_annotations.coco.json or result.json beside images/ (docs/data.md, "
+            '"Your own detection data")'
         )
     keys = _split_keys(recognised, d, purpose)
     for key, split in keys:
