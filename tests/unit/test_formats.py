@@ -144,6 +144,9 @@ def test_label_lines_checked_as_ultralytics_reads_them():
     assert parse_line("0 0.5 0.5 0.2 0.2", 3).box == pytest.approx((0.4, 0.4, 0.6, 0.6))
     edge = parse_line("0 0.0995 0.5 0.2 0.2", 3)  # reaches -0.0005: rounding, clipped
     assert edge.clipped and edge.box[0] == 0.0
+    # a box past the edge (its fields in [0, 1]): clipped to the image, as the same box in COCO
+    past = parse_line("0 0.99 0.5 0.028 0.2", 3)
+    assert past.clipped and past.box == pytest.approx((0.976, 0.4, 1.0, 0.6))
     for text, why in (
         ("3 0.5 0.5 0.2 0.2", "class 3 is not one of names' 0..2"),
         ("0 0.5 0.5 0.2", "4 fields"),

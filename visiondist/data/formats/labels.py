@@ -147,7 +147,7 @@ def index_yolo(
         objects = [(label + 1, box, polygon, False) for label, box, polygon in result["objects"]]
         _add_image(index, image, result["size"], objects)
         index.counts["images without labels"] += not result["labelled"]
-        index.counts["clipped (rounding)"] += result["clipped"]
+        index.counts["clipped to the image"] += result["clipped"]
     index.counts["bad label lines"] = sum(1 for p in index.problems if p.line)
     for orphan in _orphan_labels(dataset.splits[split], images):
         index.problems.append(Problem(str(orphan), 0, "a label file without an image"))

@@ -234,10 +234,10 @@ def parse_line(text: str, num_classes: int) -> LabelLine:
     polygon: tuple[float, ...] = ()
     if len(values) == 4:
         cx, cy, w, h = values
+        # a box past the image's edge is clipped to it (counted), as Ultralytics checks the four
+        # fields and clips the corners, and as a COCO box is read
         box = (cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2)
         clipped = clipped or any(v < 0 or v > 1 for v in box)
-        if any(v < -ROUNDING or v > 1 + ROUNDING for v in box):
-            raise ValueError("the box reaches outside the image")
     else:
         polygon = tuple(min(max(v, 0.0), 1.0) for v in values)
         xs, ys = polygon[0::2], polygon[1::2]
