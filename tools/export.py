@@ -131,7 +131,11 @@ def export(cmd: Command) -> int:
             int8=args.get("int8", False),
         )
     except RuntimeError as exc:  # e.g. a damaged checkpoint: the message names it and what to do
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        # (torch's own messages may start with an empty line and go on for several)
+        lines = [line for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        print(f"error: {lines[0].strip()}", file=sys.stderr)
+        for line in lines[1:20]:
+            print(f"  {line}", file=sys.stderr)
         return 1
     return 0
 

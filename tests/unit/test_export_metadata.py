@@ -434,3 +434,19 @@ def test_the_hf_export_carries_the_category_ids_and_the_docs_code_maps_labels_to
     assert results and {r["category_id"] for r in results} <= {3, 17, 90}
     assert all(set(r) == {"image_id", "category_id", "bbox", "score"} for r in results)
     assert all(r["bbox"][2] >= 0 and r["bbox"][3] >= 0 for r in results)
+
+
+def test_an_export_failure_says_its_first_words_and_the_rest(tmp_path, monkeypatch, capsys):
+    """A RuntimeError of the export (torch's own, e.g. TorchScript's, start with an empty line and
+    run over several): `error:` with the first line that says something, then the rest indented,
+    exit 1; it printed `error: ` and nothing else."""
+    from helpers import load_tool
+
+    import visiondist.api.export_job as job
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("\n\nCould not compile the model:\n  at line 3\n")
+
+    monkeypatch.setattr(job, "export_job", failing)
+    assert load_tool("export").main([f"run_dir={tmp_path}", "format=torchscript"]) == 1
+    assert capsys.readouterr().err == "error: Could not compile the model:\n    at line 3\n"
