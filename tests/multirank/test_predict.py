@@ -73,11 +73,29 @@ def rows(out: Path) -> list[list[str]]:
         return list(csv.reader(f))
 
 
+def assert_same_predictions(out: Path, reference: Path) -> None:
+    """The same predictions.csv: byte for byte, but for at most one row whose order of a near-tie a
+    last-bit difference flipped (a 2-step model's near-uniform probabilities; seen once in five
+    clean-clone runs, a label_2 on torch 2.11): the same file and probabilities to 1e-5, a label
+    differing only where its probability ties another shown one or it is the last shown (its
+    rival not shown)."""
+    ours, theirs = rows(out), rows(reference)
+    assert len(ours) == len(theirs) and ours[0] == theirs[0]
+    differ = [(a, b) for a, b in zip(ours, theirs) if a != b]
+    assert len(differ) <= 1, differ
+    for a, b in differ:
+        probs_a, probs_b = [float(v) for v in a[2::2]], [float(v) for v in b[2::2]]
+        assert a[0] == b[0] and probs_a == pytest.approx(probs_b, abs=1e-5), (a, b)
+        for k, (label_a, label_b) in enumerate(zip(a[1::2], b[1::2])):
+            ties = [j for j, p in enumerate(probs_a) if j != k and abs(p - probs_a[k]) < 1e-5]
+            assert label_a == label_b or ties or k == len(probs_a) - 1, (a, b)
+
+
 @pytest.mark.smoke  # the GPU machines' torch 2.11 as well as the newest
 def test_a_classifier_predicts_what_its_evaluation_scored_on_1_2_and_3_ranks(classifier, tmp_path):
-    """The val folder predicted on 1, 2 and 3 ranks: byte-identical predictions.csv, in the folder's
-    order, whose top-1 labels score exactly the run's final val top-1; the first images drawn; the
-    Python entry yields the same."""
+    """The val folder predicted on 1, 2 and 3 ranks: the same predictions.csv (byte for byte but for
+    a near-tie: `assert_same_predictions`), in the folder's order, whose top-1 labels score exactly
+    the run's final val top-1; the first images drawn; the Python entry yields the same."""
     from visiondist.inference import predict
     from visiondist.observe.metrics import read_metrics
 
@@ -115,7 +133,7 @@ def test_a_classifier_predicts_what_its_evaluation_scored_on_1_2_and_3_ranks(cla
         )
     table = rows(outs[0])
     for out in outs[1:]:
-        assert (out / "predictions.csv").read_bytes() == (outs[0] / "predictions.csv").read_bytes()
+        assert_same_predictions(out, outs[0])
     assert table[0] == ["file", "label_1", "prob_1", "label_2", "prob_2"]
     files = sorted(str(p.relative_to(val)) for p in val.rglob("*.png")) or sorted(
         str(p.relative_to(val)) for p in val.rglob("*.jpg")
@@ -151,7 +169,7 @@ def test_a_classifier_predicts_what_its_evaluation_scored_on_1_2_and_3_ranks(cla
         "trainer.progress=false",
     )
     assert "preprocessing as vit.json records the run's: data.mean=[0.5, 0.5, 0.5]" in printed
-    assert (out / "predictions.csv").read_bytes() == (outs[0] / "predictions.csv").read_bytes()
+    assert_same_predictions(out, outs[0])
 
     yielded = list(predict(str(val), run_dir=str(run), topk=2, batch_size=4, device="cpu"))
     assert [(r["file"], r["top"][0]["name"]) for r in yielded] == [(r[0], r[1]) for r in table[1:]]
