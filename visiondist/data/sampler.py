@@ -194,7 +194,7 @@ class EvalBatchSampler:
     ):
         self.indices = eval_shard(num_samples, dp_rank, dp_size)
         self.batch_size = batch_size
-        self._batches = None if groups is None else _grouped(self.indices, batch_size, groups)
+        self._batches = None if groups is None else grouped(self.indices, batch_size, groups)
 
     def __len__(self) -> int:
         if self._batches is not None:
@@ -209,7 +209,7 @@ class EvalBatchSampler:
             yield list(self.indices[start : start + self.batch_size])
 
 
-def _grouped(indices: range, batch_size: int, groups: np.ndarray) -> list[list[int]]:
+def grouped(indices: range, batch_size: int, groups: np.ndarray) -> list[list[int]]:
     """`indices` in batches of one group each: a batch is yielded when it is full, the partial ones
     at the end, in the order of their first sample."""
     pending: dict[Any, list[int]] = {}

@@ -28,7 +28,7 @@ from visiondist.config import ConfigError
 from visiondist.config.resolution import native_settings, reading
 from visiondist.data.index import list_image_folder
 from visiondist.data.masks import encode
-from visiondist.data.sampler import padded_shapes
+from visiondist.data.sampler import grouped, padded_shapes
 from visiondist.data.shards import open_store, read_meta
 from visiondist.engine.precision import autocast_for
 from visiondist.models import TASKS, padded_batches
@@ -167,10 +167,8 @@ class Predictor:
         if self.padded_by is None or len(images) < 2:
             return [list(range(len(images)))]
         sizes = np.array([[image.shape[-1], image.shape[-2]] for image in images])
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, shape in enumerate(padded_shapes(sizes, *self.padded_by).tolist()):
-            groups.setdefault(tuple(shape), []).append(i)
-        return list(groups.values())
+        # the evaluation's grouping, in batches as large as this one
+        return grouped(range(len(images)), len(images), padded_shapes(sizes, *self.padded_by))
 
     def _detections(self, output: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
         scores = output["scores"].float()

@@ -17,7 +17,6 @@ says there is no estimate.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Optional
@@ -31,6 +30,7 @@ from visiondist.models.registry import spec_of
 from visiondist.plan.planner import Candidate, hardware_from_config, step_seconds
 from visiondist.plan.resolve import layout_memory
 from visiondist.plan.world import host_memory_gb
+from visiondist.utils.logs import warn_once
 from visiondist.utils.peaks import matmul_tflops, peak_kind
 
 # gloo between the processes of one machine, per rank (the time model's link on the CPU)
@@ -66,13 +66,8 @@ def check_gpu_layout(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None
             + "; to run it here anyway add trainer.accelerator=cpu (or run it "
             "where GPUs are visible)"
         )
-    line = f"warning: {what.format('runs')} (trainer.accelerator=cpu says this is meant)"
-    if line not in _SAID:  # once in a Python session that evaluates a run again and again
-        _SAID.add(line)
-        print(line, file=sys.stderr, flush=True)
-
-
-_SAID: set[str] = set()
+    # once in a Python session that evaluates a run again and again
+    warn_once(f"{what.format('runs')} (trainer.accelerator=cpu says this is meant)")
 
 
 def cpu_estimate(
@@ -154,8 +149,8 @@ def run_steps(cfg: DictConfig) -> tuple[Optional[int], str]:
     from visiondist.engine.build import run_length  # noqa: PLC0415 (rank-side)
 
     t, d = cfg.trainer, cfg.data
-    if t.max_steps > 0:
-        return int(t.max_steps), f"trainer.max_steps={t.max_steps} ends the run"
+    if t.max_steps > 0:  # the epoch's length does not count
+        return run_length(t, 0)
     images = train_images(d) if t.max_epochs > 0 else None
     if images is not None:
         return run_length(t, images // int(d.batch_size))

@@ -1,10 +1,13 @@
 """Loggers held at a level for a while (`held_at`): libraries whose own lines repeat what a tool
-says in one line (torch's elastic agent, the ONNX exporters)."""
+says in one line (torch's elastic agent, the ONNX exporters). A warning said once in a process
+(`warn_once`): a line before launch that a Python session or a reader of several splits would
+otherwise repeat."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from typing import Iterable, Iterator
 
 
@@ -20,3 +23,13 @@ def held_at(level: int, names: Iterable[str]) -> Iterator[None]:
     finally:
         for logger, previous in zip(loggers, levels):
             logger.setLevel(previous)
+
+
+_SAID: set[str] = set()
+
+
+def warn_once(text: str) -> None:
+    """`warning: <text>` on stderr, the first time this process says it."""
+    if text not in _SAID:
+        _SAID.add(text)
+        print(f"warning: {text}", file=sys.stderr, flush=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import difflib
 import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -28,6 +27,7 @@ import yaml
 
 from visiondist.config import ConfigError
 from visiondist.data.index import IMG_EXTENSIONS
+from visiondist.utils.logs import warn_once
 
 # Ultralytics' image suffixes (it reads more kinds than the ImageFolder reader)
 YOLO_IMAGES = (*IMG_EXTENSIONS, ".dng", ".mpo", ".pfm")
@@ -105,9 +105,6 @@ def read_yaml(yaml_file: Path) -> YoloSet:
     return YoloSet(yaml_file, root.resolve(), splits, names)
 
 
-_SAID: set[Path] = set()
-
-
 def _names(spec: dict[str, Any], yaml_file: Path) -> list[str]:
     names = spec.get("names")
     if isinstance(names, dict):
@@ -123,23 +120,19 @@ def _names(spec: dict[str, Any], yaml_file: Path) -> list[str]:
         close = difflib.get_close_matches("names", other, n=1, cutoff=0.6) or [
             k for k in other if k.lower() in ("classes", "labels", "class_names")
         ]
-        if (
-            close
-        ):  # the names under another key: the run, its weights and predictions would lose them
+        # the names under another key: the run, its weights and predictions would lose them
+        if close:
             raise ConfigError(
                 f"{yaml_file} has no names but a `{close[0]}:`: spell it `names:` (a list, or "
                 "index: name)"
             )
         count = spec.get("nc")
         if isinstance(count, int) and count > 0:  # as Ultralytics names them
-            if yaml_file not in _SAID:  # once, before any rank starts (read again per split)
-                _SAID.add(yaml_file)
-                print(
-                    f"warning: {yaml_file} has no names, only nc: {count}: the classes are called "
-                    f"class0..class{count - 1} (add `names:` to name them)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            # once, before any rank starts (the yaml is read again per split)
+            warn_once(
+                f"{yaml_file} has no names, only nc: {count}: the classes are called "
+                f"class0..class{count - 1} (add `names:` to name them)"
+            )
             return [f"class{i}" for i in range(count)]
         raise ConfigError(f"{yaml_file} has no names: add `names:` (a list, or index: name)")
     if "nc" in spec and spec["nc"] != len(names):
