@@ -7,7 +7,8 @@ import pytest
 from visiondist.config import ConfigError, compose
 from visiondist.models.shape import ViTShape
 from visiondist.plan import plan_for, resolve
-from visiondist.plan.planner import Candidate, Hardware, plan
+from visiondist.plan.planner import plan
+from visiondist.plan.time_model import Candidate, Hardware
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -281,7 +282,7 @@ def test_offloaded_state_must_fit_the_nodes_host_memory():
 
 
 def test_on_the_cpu_offload_shares_the_hosts_memory_with_the_devices():
-    from visiondist.plan.planner import Hardware
+    from visiondist.plan.time_model import Hardware
 
     shape = ViTShape(1280, 32, 16, 4.0, 14, 224, 1000)  # ViT-H: 10 GB of fp32 AdamW state
     apart = plan(shape, Hardware(devices=1, memory_gb=8, host_memory_gb=16), global_batch=8)

@@ -499,7 +499,7 @@ def test_compile_plan_for_detr():
     from visiondist.cli import load_config
     from visiondist.config import ConfigError
     from visiondist.config.layout import RunLayout
-    from visiondist.plan.resolve import compile_plan
+    from visiondist.plan.compiling import compile_plan
 
     def plan(*extra):
         cfg = load_config(

@@ -11,7 +11,7 @@ import pytest
 from visiondist.config import compose
 from visiondist.models.registry import spec_of
 from visiondist.plan import plan_for, resolve_on
-from visiondist.plan.planner import Candidate
+from visiondist.plan.time_model import Candidate
 from visiondist.verify.dryrun import DryRunError, chosen_ranks, dry_run
 from visiondist.verify.report import TOLERANCE, Figure
 

@@ -278,7 +278,7 @@ def test_native_runs_compile_each_block_and_refuse_the_whole_model_graph(monkeyp
     from visiondist.config import ConfigError
     from visiondist.config.layout import RunLayout
     from visiondist.parallel import compile_blocks
-    from visiondist.plan.resolve import compile_plan
+    from visiondist.plan.compiling import compile_plan
 
     def plan(*extra):
         return compile_plan(

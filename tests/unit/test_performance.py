@@ -259,7 +259,7 @@ def test_compile_auto_compiles_on_cuda_only_where_it_can_the_whole_model_where_t
     from visiondist.cli import load_config
     from visiondist.config import ConfigError
     from visiondist.config.layout import RunLayout
-    from visiondist.plan.resolve import compile_choice, compile_plan
+    from visiondist.plan.compiling import compile_choice, compile_plan
 
     def cfg(*extra):
         return load_config(REPO / "configs", list(extra), inputs=None)

@@ -7,8 +7,8 @@ machine's CPU, and stops a run estimated at over an hour, naming the setting tha
 anyway (`trainer.accelerator=cpu`). Under torchrun / srun the ranks were started by the user:
 nothing is said or refused there.
 
-The estimate is the planner's (`visiondist.plan.planner.step_seconds`: FLOPs over the device rate,
-plus the collectives' bytes over the link) with this CPU's measured dense matmul rate
+The estimate is the planner's (`visiondist.plan.time_model.step_seconds`: FLOPs over the device
+rate, plus the collectives' bytes over the link) with this CPU's measured dense matmul rate
 (`visiondist.utils.peaks`) shared by the node's ranks, and `CPU_LINK_GBS` between them. It covers
 training steps of ViT classifiers (the planner's models); for a detector or an evaluation the line
 says there is no estimate.
@@ -27,8 +27,9 @@ from omegaconf import DictConfig
 from visiondist.config import ConfigError
 from visiondist.config.layout import RunLayout
 from visiondist.models.registry import spec_of
-from visiondist.plan.planner import Candidate, hardware_from_config, step_seconds
+from visiondist.plan.planner import hardware_from_config
 from visiondist.plan.resolve import layout_memory
+from visiondist.plan.time_model import Candidate, step_seconds
 from visiondist.plan.world import host_memory_gb
 from visiondist.utils.logs import warn_once
 from visiondist.utils.peaks import matmul_tflops, peak_kind

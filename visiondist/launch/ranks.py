@@ -42,8 +42,8 @@ from visiondist.launch.spawn import STOP_GRACE_ENV, _quiet_agent, spawn_local, s
 from visiondist.launch.stop import JobStopped, LauncherStop, grace_seconds, stopped_line
 from visiondist.observe.progress import drawn_from_feed, in_notebook
 from visiondist.plan import announce, cuda_device_count, resolve
+from visiondist.plan.compiling import compile_plan
 from visiondist.plan.fit import as_run
-from visiondist.plan.resolve import compile_plan
 from visiondist.plan.world import (
     backend_for,
     cuda_index,

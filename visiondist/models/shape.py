@@ -1,6 +1,6 @@
 """A ViT's shape as plain numbers (`ViTShape`), read off a model config without building the model:
 what the memory and time models of the planner count (`visiondist.plan.memory`,
-`visiondist.plan.planner`) and the analytic FLOPs per image
+`visiondist.plan.time_model`) and the analytic FLOPs per image
 (`visiondist.models.flops.vit_train_flops`). No torch here."""
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Deciding how a job runs, in the launching process only, before any rank starts: the world
 (accelerator, ranks, nodes) from the config and the environment (`world`), and from it the one
 `RunLayout` every rank runs under (`resolve`). The arithmetic it decides with: the memory model of a
-ViT under a layout (`memory`: bytes per rank), the planner (`planner`: the time model and
-`parallel=auto`'s search over layouts), a device's and a node's budget and the planned bytes of a
-resolved layout (`budget`), and a named layout fitted to the device (`fit`). The dry run that checks
-a plan on a fake process group is `visiondist.verify`, beside it; what lays a model out at run time
-is `visiondist.parallel`.
+ViT under a layout (`memory`: bytes per rank), the time model (`time_model`), `parallel=auto`'s
+search over layouts (`planner`) and its table (`table`), a device's and a node's budget and the
+planned bytes of a resolved layout (`budget`), and a named layout fitted to the device (`fit`).
+The dry run that checks a plan on a fake process group is `visiondist.verify`, beside it; what lays
+a model out at run time is `visiondist.parallel`.
 
 Imports: `config` and `models` (what each family supports, its shape); `parallel` only inside
 `rank_layout`, in a process group already up. Nothing here imports torch at import time: the

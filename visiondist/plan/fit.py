@@ -34,12 +34,8 @@ from visiondist.config import ConfigError
 from visiondist.config.layout import RunLayout
 from visiondist.models.registry import spec_of
 from visiondist.plan.budget import layout_memory, memory_budget, plan_for, planned_shape
-from visiondist.plan.planner import (
-    ACCUMULATION_FACTORS,
-    Candidate,
-    hardware_from_config,
-    step_seconds,
-)
+from visiondist.plan.planner import ACCUMULATION_FACTORS, hardware_from_config
+from visiondist.plan.time_model import Candidate, step_seconds
 
 GB = 1e9
 # ties: accumulation, then the least

@@ -1,271 +1,40 @@
-"""The layout search over the memory model of `visiondist.plan.memory`.
-
-`plan` enumerates the layouts the trainer can run on a number of devices (TP inside a node, dividing
-the heads; pipeline stages with their best micro-batch count; FSDP with or without offload), each
-with its memory levers: activation checkpointing (selective, `checkpoint_keep=matmuls`, or whole
-blocks) and gradient accumulation (the global batch kept, the micro-batch lowered: each row takes
-the least accumulation that makes it fit). It keeps those whose busiest rank fits the device with
-headroom, and ranks them by a simple time model: FLOPs (`visiondist.models.flops.vit_train_flops`) /
-device rate (lower for matmuls of few rows, i.e. small micro-batches), with the pipeline bubble and
-what checkpointing recomputes, plus collective bytes / link bandwidth (NVLink-class inside a node,
-network between nodes, PCIe to the host); data-parallel traffic is hidden under the backward (DDP)
-or the whole step (FSDP) up to the compute time. The model ranks layouts; it does not predict wall
-time. `visiondist.plan.fit` ranks the same levers for one layout named by hand.
+"""The layout search: `plan` enumerates the layouts the trainer can run on a number of devices (TP
+inside a node, dividing the heads; pipeline stages with their best micro-batch count; FSDP with or
+without offload), each with its memory levers: activation checkpointing (selective,
+`checkpoint_keep=matmuls`, or whole blocks) and gradient accumulation (the global batch kept, the
+micro-batch lowered: each row takes the least accumulation that makes it fit). It keeps those whose
+busiest rank fits the device with headroom (the memory model, `visiondist.plan.memory`), and ranks
+them by the time model (`visiondist.plan.time_model.step_seconds`). Its result is a
+`visiondist.plan.table.Plan`. `visiondist.plan.fit` ranks the same levers for one layout named by
+hand.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Any, Optional
+from dataclasses import replace
+from typing import Optional
 
 from visiondist.config.layout import divisors
-from visiondist.models.flops import vit_train_flops
 from visiondist.models.shape import ViTShape
 from visiondist.plan.memory import (
     FLOAT,
     GB,
-    RankMemory,
     block_params,
-    collective_bytes,
     optimizer_bytes,
     rank_memory,
 )
+from visiondist.plan.table import Plan, PlanRow, duration
+from visiondist.plan.time_model import Candidate, Hardware, step_seconds
 
-HOST_MEMORY_GBS = 50.0  # host memory bandwidth for the offloaded (CPU) optimizer step
 # a row's note: it fits the devices, but its offloaded state does not fit the node's host memory
 HOST_FULL = "host"
-# a matmul with this many rows (tokens of a micro-batch) runs at half the device's rate
-GEMM_HALF_ROWS = 512
-# What `checkpoint_keep=matmuls` recomputes, as a fraction of the step: the forward's elementwise
-# work (norms, GELU, residual adds). ViT-H/14's compiled bf16 step on an H100 spent 32% in fused
-# elementwise and norm kernels, forward and backward (benchmarks/RESULTS.md); the forward's share of
-# that is about a third.
-ELEMENTWISE_RECOMPUTE = 0.11
 # none, selective, whole blocks
 CHECKPOINTING = ((False, "input"), (True, "matmuls"), (True, "input"))
 ACCUMULATION_FACTORS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # times the configured trainer.grad_accum
 
 
 # --------------------------------------------------------------------------------------------------
-# Time model and the layout search
-
-
-@dataclass(frozen=True)
-class Hardware:
-    devices: int
-    nodes: int = 1
-    memory_gb: float = 80.0
-    headroom: float = 0.9
-    tflops: float = 400.0
-    intra_node_gbs: float = 300.0
-    inter_node_gbs: float = 25.0
-    host_gbs: float = 25.0
-    host_memory_gb: float = 0.0  # per node; 0: not checked
-    # the devices are the host's memory (the CPU): offload moves nothing off them
-    shared_host: bool = False
-
-    @property
-    def per_node(self) -> int:
-        return self.devices // self.nodes
-
-    @property
-    def budget(self) -> float:
-        return self.headroom * self.memory_gb * GB
-
-    @property
-    def host_budget(self) -> float:
-        return self.headroom * self.host_memory_gb * GB
-
-    def host_fits(self, mem: RankMemory) -> bool:
-        """Whether a node's ranks' offloaded state (with their device bytes, where the devices are
-        the host) fits the host's memory."""
-        if not mem.offloaded or not self.host_memory_gb:
-            return True
-        return (
-            self.per_node * (mem.host + (mem.device if self.shared_host else 0)) <= self.host_budget
-        )
-
-
-@dataclass(frozen=True)
-class Candidate:
-    dp: int
-    tp: int = 1
-    pp: int = 1
-    fsdp: bool = False
-    offload: bool = False
-    checkpointing: bool = False
-    microbatches: int = 1
-    shard: int = 0  # FSDP's shard group (HSDP when < dp); 0: every DP rank
-    # micro-batches (pipeline steps) accumulated per optimizer step: trainer.grad_accum
-    accum: int = 1
-    # with checkpointing, what a block keeps: its input, or its matmuls' outputs too
-    keep: str = "input"
-
-    @classmethod
-    def of(cls, run) -> Candidate:
-        """The candidate of a resolved `RunLayout` (its accumulation: `run.grad_accum`)."""
-        return cls(
-            run.dp,
-            run.tp,
-            run.pp,
-            run.fsdp,
-            run.offload,
-            run.activation_checkpointing,
-            run.microbatches if run.pp > 1 else 1,
-            run.shard_size if run.hsdp else 0,
-            max(1, run.grad_accum),
-            run.checkpoint_keep if run.activation_checkpointing else "input",
-        )
-
-    @property
-    def name(self) -> str:
-        parts = []
-        if self.fsdp and 0 < self.shard < self.dp:
-            parts.append(f"hsdp{self.dp}(shard {self.shard})")
-        elif self.fsdp:
-            parts.append(f"fsdp{self.dp}")
-        elif self.dp > 1 or (self.tp == 1 and self.pp == 1):
-            parts.append(f"ddp{self.dp}" if self.dp > 1 else "1 device")
-        if self.tp > 1:
-            parts.append(f"tp{self.tp}")
-        if self.pp > 1:
-            parts.append(f"pp{self.pp}(m={self.microbatches})")
-        text = " x ".join(parts)
-        ckpt = (
-            (" +ckpt(matmuls)" if self.keep == "matmuls" else " +ckpt")
-            if self.checkpointing
-            else ""
-        )
-        return (
-            text
-            + (" +offload" if self.offload else "")
-            + ckpt
-            + (f" +accum{self.accum}" if self.accum > 1 else "")
-        )
-
-    def overrides(self) -> dict:
-        """The `parallel.*` fields that select this layout (its accumulation is
-        `trainer.grad_accum`: `settings`)."""
-        out: dict[str, Any] = {
-            "dp": self.dp,
-            "tp": self.tp,
-            "pp": self.pp,
-            "fsdp": self.fsdp,
-            "offload": self.offload,
-            "activation_checkpointing": self.checkpointing,
-            "shard_size": self.shard if self.fsdp else 0,
-        }
-        if self.checkpointing:
-            out["checkpoint_keep"] = self.keep
-        if self.pp > 1:
-            out.update(schedule="1f1b", stages_per_rank=1, microbatches=self.microbatches)
-        return out
-
-    def settings(self) -> str:
-        """The command-line settings that select this layout by hand, accumulation included (what is
-        off left out)."""
-        shown = {
-            k: v
-            for k, v in self.overrides().items()
-            if v is not False and not (k == "shard_size" and not v)
-        }
-        fields = " ".join(
-            f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in shown.items()
-        )
-        return fields + (f" trainer.grad_accum={self.accum}" if self.accum > 1 else "")
-
-
-def step_seconds(
-    s: ViTShape,
-    c: Candidate,
-    hw: Hardware,
-    global_batch: int,
-    mem: RankMemory,
-    precision: str = "32",
-) -> dict:
-    """Estimated seconds per optimizer step: compute (with the 1F1B bubble, what checkpointing
-    recomputes, and the lower rate of small micro-batches, which accumulation makes), plus each
-    collective's bytes (`collective_bytes`, the dry run's figures) over the link it crosses as ring
-    algorithms move them (TP inside a node; DP / PP over the network once they span nodes; offload
-    over PCIe), less what overlaps with compute."""
-    world = c.dp * c.tp * c.pp
-    rate = hw.tflops * 1e12
-    grad_accum = c.accum
-    # rows of every matmul: small ones run below the peak
-    micro_tokens = mem.detail["micro_batch"] * s.tokens
-    efficiency = micro_tokens / (micro_tokens + GEMM_HALF_ROWS)
-    # matmuls kept: only elementwise work runs again
-    whole_blocks = c.checkpointing and c.keep != "matmuls"
-    compute = global_batch * vit_train_flops(s, whole_blocks) / (world * rate * efficiency)
-    if c.checkpointing and c.keep == "matmuls":
-        compute *= 1 + ELEMENTWISE_RECOMPUTE
-    if c.pp > 1:
-        compute *= (c.microbatches + c.pp - 1) / c.microbatches
-    multi_node = world > hw.per_node
-    dp_bw = (hw.inter_node_gbs if c.dp * c.tp > hw.per_node else hw.intra_node_gbs) * GB
-    rank = mem.detail["rank"]
-    moved = collective_bytes(
-        s,
-        mem,
-        c.dp,
-        c.tp,
-        c.pp,
-        grad_accum,
-        precision,
-        c.fsdp,
-        whole_blocks,
-        stage_ids=(rank,),
-        n_stages=c.pp,
-    )
-    shard = c.shard or c.dp
-
-    # bytes one rank sends for the payloads of `dim`'s collectives
-    def wire(dim: str, n: int) -> float:
-        ring = (n - 1) / n if n > 1 else 0.0
-        return (
-            2 * ring * moved.get(f"{dim} all_reduce", 0)
-            + ring * (moved.get(f"{dim} all_gather", 0) + moved.get(f"{dim} reduce_scatter", 0))
-            + moved.get(f"{dim} send", 0)
-        )
-
-    # HSDP: gathers inside the node, the gradient shards' all-reduce across nodes
-    if c.fsdp and shard < c.dp:
-        ring, cross = (shard - 1) / shard, (c.dp // shard - 1) / (c.dp // shard)
-        dp_seconds = ring * (moved.get("dp all_gather", 0) + moved.get("dp reduce_scatter", 0)) / (
-            hw.intra_node_gbs * GB
-        ) + 2 * cross * moved.get("dp all_reduce", 0) / (hw.inter_node_gbs * GB)
-    else:
-        dp_seconds = wire("dp", c.dp) / dp_bw
-    comm = {
-        "dp": dp_seconds,
-        "tp": wire("tp", c.tp) / (hw.intra_node_gbs * GB),
-        "pp": wire("pp", c.pp) / ((hw.inter_node_gbs if multi_node else hw.intra_node_gbs) * GB),
-        "host": 0.0,
-    }
-    if c.offload:  # shards up twice (forward, backward), gradients down; AdamW on the host
-        comm["host"] = 3 * mem.params / (hw.host_gbs * GB) + 7 * mem.params / (HOST_MEMORY_GBS * GB)
-    # DDP's bucketed all-reduce runs under the backward (2/3 of the compute), FSDP's gathers and
-    # reduce-scatters under the forward and backward (prefetch); TP's all-reduces are on the
-    # critical path; offload copies too.
-    hidden = compute * (1.0 if c.fsdp else 2 / 3)
-    exposed = {**comm, "dp": max(0.0, comm["dp"] - hidden)}
-    return {"compute": compute, **exposed, "total": compute + sum(exposed.values())}
-
-
-@dataclass
-class PlanRow:
-    candidate: Candidate
-    memory: Optional[RankMemory]
-    seconds: Optional[dict]
-    fits: bool
-    note: str = ""
-
-    def planned(self) -> tuple[RankMemory, dict]:
-        """(memory, step seconds) of a row that was planned: every row that fits; a row without
-        them (a split that cannot be made) names why in `note`."""
-        if self.memory is None or self.seconds is None:
-            raise ValueError(f"{self.candidate.name} was not planned: {self.note}")
-        return self.memory, self.seconds
+# The layout search
 
 
 def layouts(s: ViTShape, hw: Hardware) -> list[Candidate]:
@@ -309,115 +78,6 @@ def splits(global_batch: int, dp: int, pp: int, grad_accum: int) -> list[tuple[i
             (accum, [k * pp for k in (1, 2, 4, 8) if local % (k * pp) == 0] if pp > 1 else [1])
         )
     return out
-
-
-def _duration(seconds: float) -> str:
-    return (
-        f"{seconds:.3g} s"
-        if seconds >= 10
-        else f"{seconds:.2f} s"
-        if seconds >= 1
-        else f"{1e3 * seconds:.3g} ms"
-    )
-
-
-@dataclass
-class Plan:
-    shape: ViTShape
-    hardware: Hardware
-    global_batch: int
-    rows: list[PlanRow]
-    choice: Optional[PlanRow]
-    reason: str
-    # bytes of one whole block's parameters, gradients, optimizer state (and EMA)
-    layer_state: int = 0
-    grad_accum: int = 1  # the configured accumulation, which plain DDP keeps
-
-    @property
-    def plain_ddp(self) -> bool:
-        """Whether the choice is plain DDP as configured (no checkpointing, no more
-        accumulation)."""
-        return self.choice is not None and self.choice.candidate == Candidate(
-            self.hardware.devices, accum=self.grad_accum
-        )
-
-    def table(self, title: str = ""):
-        """A rich Table: per-rank GB by component, estimated step time, fits."""
-        # rich where a table is drawn: 30-50 ms of `tools/train.py --cfg job`, which draws none
-        from rich.table import Table  # noqa: PLC0415 (rich: 30-50 ms, drawn on demand)
-
-        table = Table(
-            title=title or None,
-            title_justify="left",
-            caption="GB per device (busiest rank, 1 GB = 1e9 bytes); each layout with the least "
-            "accumulation (+accumN) that fits it; micro: images a rank computes at once "
-            "(global batch / dp / accumulation / pipeline micro-batches); state = "
-            "parameters + gradients + optimizer (+ EMA); activations: at the rank's peak "
-            "(every micro-batch in flight); step: time model",
-            caption_justify="left",
-        )
-        table.add_column("layout", no_wrap=True)
-        for col in ("micro", "state", "activations", "buffers", "device", "host", "step", "fits"):
-            table.add_column(col, justify="right")
-        for row in self.rows:
-            m = row.memory
-            chosen = row is self.choice
-            cells = [row.candidate.name]
-            if m is None or row.seconds is None:  # both or neither: a row that was not planned
-                cells += ["-"] * 6 + ["-", f"no: {row.note}"]
-            else:
-                cells += [
-                    str(m.detail["micro_batch"]),
-                    f"{m.state / GB:.2f}",
-                    f"{m.activations / GB:.2f}",
-                    f"{m.buffers / GB:.2f}",
-                    f"{m.device / GB:.2f}",
-                    f"{m.host / GB:.2f}" if m.offloaded else "-",
-                    _duration(row.seconds["total"]),
-                    "yes" if row.fits else f"no: {row.note}" if row.note else "no",
-                ]
-            table.add_row(
-                *cells, style="bold green" if chosen else ("dim" if not row.fits else None)
-            )
-        return table
-
-    def text(self, title: str = "", width: int = 120) -> str:
-        from rich.console import Console  # noqa: PLC0415 (rich: 30-50 ms, drawn on demand)
-
-        console = Console(width=width, record=True, file=open("/dev/null", "w"))
-        console.print(self.table(title))
-        return console.export_text()
-
-    def to_json(self) -> dict:
-        return {
-            "hardware": self.hardware.__dict__,
-            "global_batch": self.global_batch,
-            "layer_state_gb": self.layer_state / GB,
-            "choice": None if self.choice is None else self.choice.candidate.__dict__,
-            "reason": self.reason,
-            "rows": [
-                {
-                    "layout": r.candidate.name,
-                    **r.candidate.__dict__,
-                    "fits": r.fits,
-                    "note": r.note,
-                    **(
-                        {
-                            "micro_batch": r.memory.detail["micro_batch"],
-                            "device_gb": r.memory.device / GB,
-                            "host_gb": r.memory.host / GB,
-                            "state_gb": r.memory.state / GB,
-                            "activations_gb": r.memory.activations / GB,
-                            "buffers_gb": r.memory.buffers / GB,
-                            "step_s": r.seconds["total"],
-                        }
-                        if r.memory and r.seconds
-                        else {}
-                    ),
-                }
-                for r in self.rows
-            ],
-        }
 
 
 def _row(s, hw, c: Candidate, global_batch, optimizer, ema, precision) -> PlanRow:
@@ -550,8 +210,8 @@ def _faster_than_ddp(fit: list, ddp_seconds: float, hw: Hardware) -> str:
     if ddp_seconds < FASTER * seconds:
         return ""
     return (
-        f"; the time model puts {fastest.candidate.name} at {_duration(seconds)} a step against "
-        f"DDP's {_duration(ddp_seconds)} ({ddp_seconds / seconds:.2g}x): "
+        f"; the time model puts {fastest.candidate.name} at {duration(seconds)} a step against "
+        f"DDP's {duration(ddp_seconds)} ({ddp_seconds / seconds:.2g}x): "
         f"{fastest.candidate.settings()} selects it"
     )
 
@@ -623,7 +283,7 @@ def plan(
             )
             reason = (
                 f"{why_not}; {best.candidate.name} is {of}: {m.device / GB:.3g} GB per "
-                f"device, about {_duration(seconds['total'])} per step in the time model"
+                f"device, about {duration(seconds['total'])} per step in the time model"
             )
         return Plan(s, hw, global_batch, rows, best, reason, layer, grad_accum)
     smallest = None
