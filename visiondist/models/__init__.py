@@ -8,7 +8,8 @@ plan and blocks: `vit_parallel`), and `visiondist.parallel` transforms a finishe
 `detection.py` (torchvision's detectors, ViTDet), `detr.py` (transformers' DETR-class detectors);
 `registry.py` (what each family supports), `shape.py` (a ViT's shape as numbers, what the planner
 counts), `init.py` (initial values, per rank), `weights.py` (pretrained files), `weights_check.py`
-(a weights file checked against the model a config builds, before any rank starts), `flops.py`
+(a weights file checked against the model a config builds, before any rank starts; a ViT's shape
+read off a file in `vit_weights.py`), `flops.py`
 (training FLOPs per image: counted for MFU, analytic for the planner), `sdpa.py` (which attention
 kernel runs).
 
