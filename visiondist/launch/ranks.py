@@ -285,37 +285,7 @@ def launch(
     run, auto_plan = resolve(
         cfg, env, cuda_device_count(), fit_named=not stateless, training=not stateless
     )
-    # a named layout over the device's budget (visiondist.plan.fit)
-    if run.fitted and env.get("RANK", "0") == "0":
-        print(run.fitted, flush=True)
-    # several ranks, no GPU found under accelerator=auto: stop, estimated
-    check_gpu_layout(cfg, run, run_kind(entry))
-    if run.fsdp and run.dp == 1 and env.get("RANK", "0") == "0":
-        print(
-            "warning: FSDP over 1 rank shards nothing (it runs as one process would): give the "
-            "ranks, e.g. trainer.devices=2 or parallel.dp=2",
-            flush=True,
-        )
-    # a test of correctness: said, and its memory summed
-    if run.share_gpu and env.get("RANK", "0") == "0":
-        print(shared_gpu_line(cfg, run, device_memory_gb("cuda", 1)), flush=True)
-    # an evaluation on plain DDP: nothing chosen to say
-    plain = auto_plan is None or auto_plan.plain_ddp
-    if (
-        run.chosen_by == "parallel=auto"
-        and not (stateless and plain)
-        and env.get("RANK", "0") == "0"
-    ):
-        announce(cfg, run, auto_plan)
-    # Inductor's caches (FX graphs, autograd, kernels) kept across runs, not in /tmp
-    if run.compile:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
-    if cfg.trainer.compile == "auto" and run.accelerator == "cuda" and env.get("RANK", "0") == "0":
-        print(
-            f"trainer.compile=auto: {'compiling' if run.compile else 'not compiling'}: "
-            f"{compile_plan(cfg, run)[3]}",
-            flush=True,
-        )
+    _say_before_launch(cfg, run, auto_plan, env.get("RANK", "0") == "0", entry)
     cfg_dict = with_decode_choice(cfg, run, to_container(cfg), env.get("RANK", "0") == "0")
     kind = run_kind(entry)
     results = {} if results is None else results
@@ -356,6 +326,43 @@ def launch(
             results=results,
         )
     return run
+
+
+def _say_before_launch(
+    cfg: DictConfig, run: RunLayout, auto_plan: Any, main: bool, entry: Entry
+) -> None:
+    """What the launching process says of the resolved layout before any rank starts (`main`: the
+    process of global rank 0 says it): a named layout's fit, a refused CPU layout, FSDP over one
+    rank, a shared GPU, parallel=auto's choice, trainer.compile=auto's choice; and Inductor's
+    caches kept across runs."""
+    stateless = run_kind(entry) in STATELESS
+    # a named layout over the device's budget (visiondist.plan.fit)
+    if run.fitted and main:
+        print(run.fitted, flush=True)
+    # several ranks, no GPU found under accelerator=auto: stop, estimated
+    check_gpu_layout(cfg, run, run_kind(entry))
+    if run.fsdp and run.dp == 1 and main:
+        print(
+            "warning: FSDP over 1 rank shards nothing (it runs as one process would): give the "
+            "ranks, e.g. trainer.devices=2 or parallel.dp=2",
+            flush=True,
+        )
+    # a test of correctness: said, and its memory summed
+    if run.share_gpu and main:
+        print(shared_gpu_line(cfg, run, device_memory_gb("cuda", 1)), flush=True)
+    # an evaluation on plain DDP: nothing chosen to say
+    plain = auto_plan is None or auto_plan.plain_ddp
+    if run.chosen_by == "parallel=auto" and not (stateless and plain) and main:
+        announce(cfg, run, auto_plan)
+    # Inductor's caches (FX graphs, autograd, kernels) kept across runs, not in /tmp
+    if run.compile:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+    if cfg.trainer.compile == "auto" and run.accelerator == "cuda" and main:
+        print(
+            f"trainer.compile=auto: {'compiling' if run.compile else 'not compiling'}: "
+            f"{compile_plan(cfg, run)[3]}",
+            flush=True,
+        )
 
 
 def with_decode_choice(cfg: DictConfig, run: RunLayout, cfg_dict: dict, main: bool) -> dict:
