@@ -67,7 +67,8 @@ def main(argv=None) -> int:
     from visiondist.config.compose import compose
     from visiondist.data.decode import read_rgb
     from visiondist.data.workers import close_loaders, loader_workers
-    from visiondist.inference.model import Names, Predictor, load_model
+    from visiondist.inference.model import Predictor, load_model
+    from visiondist.inference.names import Names
     from visiondist.inference.outputs import PartWriter, batches
     from visiondist.inference.run import loader, run_batches
     from visiondist.inference.sources import resolve_source

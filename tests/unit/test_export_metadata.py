@@ -336,7 +336,7 @@ def test_the_hf_export_carries_the_category_ids_and_the_docs_code_maps_labels_to
     from helpers import load_tool
     from transformers import AutoConfig
 
-    from visiondist.inference.model import read_names
+    from visiondist.inference.names import read_names
     from visiondist.models import build_model
 
     cfg = load_config(

@@ -66,7 +66,7 @@ def prediction_job_config(
             raise ConfigError(f"weights={weights}: no such file or checkpoint directory")
         cfg = load_weights_config(CONFIGS, path, list(overrides), tool, data_needed=False)
         if check_weights:  # --cfg prints the config without reading the weights
-            from visiondist.inference.model import count_classes  # noqa: PLC0415 (a job's)
+            from visiondist.inference.names import count_classes  # noqa: PLC0415 (a job's)
 
             count_classes(cfg, path)  # before the check, which compares the file with the count
             _check_weights(cfg, path)
@@ -112,7 +112,7 @@ def predict_job(cfg: DictConfig, base: Optional[Path]) -> Optional[Path]:
         raise ConfigError(f"save_images={p.save_images}: give a count (0: none) or all")
     # a missing or empty source: refused here, in one line
     source = resolve_source(p.source, int(p.vid_stride))
-    from visiondist.inference.model import read_names  # noqa: PLC0415 (a job's)
+    from visiondist.inference.names import read_names  # noqa: PLC0415 (a job's)
     from visiondist.inference.run import check_classes  # noqa: PLC0415 (a job's)
 
     names = read_names(cfg)

@@ -27,13 +27,8 @@ from visiondist.inference.job import (
     request,
     run_weights,
 )
-from visiondist.inference.model import (
-    Predictor,
-    count_classes,
-    kept_labels,
-    load_model,
-    read_names,
-)
+from visiondist.inference.model import Predictor, load_model
+from visiondist.inference.names import count_classes, kept_labels, read_names
 from visiondist.inference.outputs import (
     PartWriter,
     batches,

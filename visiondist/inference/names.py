@@ -1,0 +1,203 @@
+"""What a model's outputs are called (`Names`), read where the weights record them (a checkpoint's
+trainer state, an export's metadata or sidecar, a from_pretrained directory's config.json), else
+from the run's data (class folders, a packed set, the annotation file), else numbered; the class
+count a prediction takes from them; and `predict.classes` turned into a detector's labels.
+
+The launching process reads this module before its ranks start: the export's COCO reader (DCP,
+torchvision: 1.5 s) is imported only where the weights record no class names."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+from safetensors import SafetensorError, safe_open
+
+from visiondist.checkpoint.files import read_trainer_state
+from visiondist.config import ConfigError
+from visiondist.data.index import list_image_folder
+from visiondist.data.shards import open_store, read_meta
+from visiondist.models import TASKS
+from visiondist.models.exported import program_info
+from visiondist.utils.dcp import is_complete
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Names:
+    """What the model's outputs are called: a classifier's logits 0..K-1, or a detector's labels
+    1..K (with the COCO category id each stands for), and where the names were read."""
+
+    classes: list[str]
+    categories: Optional[list[int]]  # detectors: label k -> categories[k - 1]
+    read_from: str
+
+
+def kept_labels(wanted: list[str], names: Names) -> list[int]:
+    """The detector labels of `predict.classes` (class names, or COCO category ids); ConfigError
+    naming the model's classes when one is not among them."""
+    out = []
+    for value in wanted:
+        value = str(value)
+        if value in names.classes:
+            out.append(names.classes.index(value) + 1)
+        elif value.isdigit() and names.categories and int(value) in names.categories:
+            out.append(names.categories.index(int(value)) + 1)
+        else:
+            ids = (
+                f" (COCO category ids {', '.join(map(str, names.categories))})"
+                if names.categories
+                else ""
+            )
+            raise ConfigError(
+                f"classes={value}: this model was trained for {', '.join(names.classes)}{ids}: "
+                "give some of those"
+            )
+    return out
+
+
+def read_names(cfg: DictConfig) -> Names:
+    """The names of the model's outputs: what its weights record (a checkpoint's trainer state, an
+    export's metadata or sidecar, a from_pretrained directory's config.json), else the run's data
+    (class folders, the annotation file), else `class <k>`.
+
+    Args:
+        cfg: the prediction's config (`model.weights`, the model and its data).
+
+    Returns:
+        The `Names` (with the COCO category ids of a detector's labels where known).
+    """
+    k = int(cfg.model.num_classes)
+    detector = TASKS[cfg.model.family] == "detection"
+    weights = Path(cfg.model.weights) if cfg.model.weights else None
+    recorded = recorded_names(weights) if weights is not None else None
+    if recorded is not None and recorded.classes and (not detector or recorded.categories):
+        return recorded
+    from_data = _from_data(cfg)
+    if from_data is not None and len(from_data.classes) == k:
+        # names from the weights, category ids from the data
+        if recorded is not None and recorded.classes:
+            return Names(
+                recorded.classes,
+                from_data.categories,
+                f"{recorded.read_from} and {from_data.read_from}",
+            )
+        return from_data
+    if recorded is not None and recorded.classes:
+        return recorded
+    log.warning(
+        "the weights record no class names and the run's data is not here: classes are called "
+        "class 0.. class %d",
+        k - 1,
+    )
+    classes = [f"class {i}" for i in range(k)]
+    return Names(classes, None, "nowhere (numbered)")
+
+
+def count_classes(cfg: DictConfig, weights: Path) -> None:
+    """A class count no override gave (prediction reads no data to count it): from the names the
+    weights record (tools/export.py's files, a checkpoint), set in `cfg`; else a one-line refusal
+    naming the key."""
+    if not OmegaConf.is_missing(cfg.data, "num_classes"):
+        return
+    names = recorded_names(weights)
+    if names is None or not names.classes:
+        raise ConfigError(
+            f"weights={weights} records no class names: give the class count it was trained for, "
+            "data.num_classes=<N>"
+        )
+    cfg.data.num_classes = len(names.classes)
+    if OmegaConf.is_missing(cfg.model, "num_classes"):
+        cfg.model.num_classes = len(names.classes)
+
+
+def recorded_names(weights: Path) -> Optional[Names]:
+    """The class names `weights` record (a checkpoint's trainer state, an export's metadata or
+    sidecar, a from_pretrained directory's config.json), or None."""
+    try:
+        if is_complete(weights):
+            state = read_trainer_state(weights)
+            return (
+                Names(list(state["classes"]), state.get("category_ids"), f"{weights}")
+                if state.get("classes")
+                else None
+            )
+        if weights.is_dir() and (weights / "config.json").is_file():  # a from_pretrained directory
+            config = json.loads((weights / "config.json").read_text())
+            labels = config.get("id2label") or {}
+            classes = [labels[key] for key in sorted(labels, key=int)] if labels else []
+            cats = config.get("category_ids")
+            return (
+                Names(classes, list(cats) if cats else None, str(weights / "config.json"))
+                if classes
+                else None
+            )
+        meta = _file_metadata(weights)
+        if "labels" in meta:
+            labels = json.loads(meta["labels"])
+            order = sorted(labels, key=int)
+            return Names(
+                [labels[k]["name"] for k in order],
+                [int(labels[k]["category_id"]) for k in order],
+                str(weights),
+            )
+        if "classes" in meta:
+            return Names(list(json.loads(meta["classes"])), None, str(weights))
+    except (OSError, ValueError, KeyError, SafetensorError) as exc:
+        log.warning("%s: its recorded class names cannot be read (%s)", weights, exc)
+    return None
+
+
+def _file_metadata(weights: Path) -> dict[str, str]:
+    """A .safetensors or .onnx file's own metadata, else its sidecar `<stem>.json` (tools/export.py
+    writes both)."""
+    meta: dict[str, str] = {}
+    if weights.suffix == ".safetensors":
+        with safe_open(str(weights), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+    elif weights.suffix == ".pt2":  # tools/export.py's program: its visiondist.json
+        info = program_info(weights) or {}
+        meta = {"classes": json.dumps(info["classes"])} if info.get("classes") else {}
+    elif weights.suffix == ".onnx":
+        import onnx  # noqa: PLC0415 (onnx: the export extra)
+
+        proto = onnx.load(str(weights), load_external_data=False)
+        meta = {p.key: p.value for p in proto.metadata_props}
+    sidecar = weights.with_suffix(".json")
+    if not meta and sidecar.is_file():
+        info = json.loads(sidecar.read_text())
+        if info.get("labels"):
+            meta["labels"] = json.dumps(info["labels"])
+        elif info.get("classes"):
+            meta["classes"] = json.dumps(info["classes"])
+    return meta
+
+
+def _from_data(cfg: DictConfig) -> Optional[Names]:
+    """The run's class folders (or its packed set's classes), or its val annotation file's
+    categories; None when the data is not here."""
+    d = cfg.data
+    try:
+        if TASKS[cfg.model.family] == "detection":
+            from visiondist.checkpoint.export.trained import (  # noqa: PLC0415 (a fallback: 1.5 s)
+                coco_categories,
+            )
+
+            cats, names = coco_categories(cfg)
+            return Names(names, cats, "the run's annotation file") if names else None
+        if d.get("format") == "shards":
+            return Names(list(read_meta(open_store(d))["classes"]), None, "the run's packed set")
+
+        root = Path(str(d.root)).expanduser()
+        for split in (d.val_split, d.train_split):
+            if (root / split).is_dir():
+                classes, _, _ = list_image_folder(root / split, cache=False)
+                return Names(list(classes), None, f"the class folders of {root / split}")
+    except Exception as exc:  # the data is someone else's machine's: numbered names, said once
+        log.debug("no class names from the run's data: %s", exc)
+    return None
