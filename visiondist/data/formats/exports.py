@@ -9,14 +9,19 @@ folder: where each split's annotation file and images are.
   split, read as `result`.
 
 Roboflow names the validation split `valid`; a split asked for as `val` is read from `valid/` where
-there is no `val/`.
+there is no `val/`. Its category 0 names the group of the others and labels nothing: `group_of`
+finds such a category, `ungrouped` reads a file without it.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # PIL, where a group is dropped
+    from visiondist.data.formats.labels import SplitIndex
 
 ROBOFLOW_FILE = "_annotations.coco.json"
 LABEL_STUDIO_FILE = "result.json"
@@ -83,3 +88,43 @@ def coco_paths(cfg, split: str) -> tuple[Path, Path]:
     """
     root = Path(cfg.root).expanduser()
     return root / cfg.images.format(split=split), root / cfg.annotations.format(split=split)
+
+
+# -- a tool's COCO file read: its categories without a group name ---------------------------------
+
+
+def read_coco(path: Path) -> Optional[dict[str, Any]]:
+    """A COCO annotation file's contents, or None where there is none."""
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def coco_classes(coco: dict[str, Any], group: Optional[str]) -> int:
+    """The categories of `coco`, less its `group` name (`group_of`)."""
+    return sum(1 for c in coco.get("categories", []) if c.get("name") != group)
+
+
+def group_of(coco: dict[str, Any]) -> Optional[str]:
+    """The category that names the group of every other (Roboflow's category 0: the supercategory
+    of the others, with no annotation of its own), or None."""
+    categories = coco.get("categories", [])
+    used = {a["category_id"] for a in coco.get("annotations", [])}
+    for c in categories:
+        others = [o for o in categories if o is not c]
+        if (
+            others
+            and c["id"] not in used
+            and all(o.get("supercategory") == c["name"] for o in others)
+        ):
+            return str(c["name"])
+    return None
+
+
+def ungrouped(source: Path) -> SplitIndex:
+    """The annotation file `source` without its group category (`group_of`), as an index to
+    cache."""
+    from visiondist.data.formats.labels import SplitIndex  # noqa: PLC0415 (PIL, rarely needed)
+
+    coco = json.loads(source.read_text())
+    group = group_of(coco)
+    coco["categories"] = [c for c in coco["categories"] if c["name"] != group]
+    return SplitIndex(coco, source.parent)

@@ -29,7 +29,14 @@ from typing import Any, Iterator, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from visiondist.config import ConfigError
-from visiondist.data.formats.exports import CocoLayout, find_layout
+from visiondist.data.formats.exports import (
+    CocoLayout,
+    coco_classes,
+    find_layout,
+    group_of,
+    read_coco,
+    ungrouped,
+)
 from visiondist.data.formats.labels import (
     Problem,
     SplitIndex,
@@ -353,31 +360,23 @@ def _coco_layout(d: DictConfig, recognised: Recognised, keys: list[tuple[str, st
     root, layout = recognised.root, recognised.layout
     d.images = str(root / layout.images)
     d.annotations = str(root / layout.annotations)
-    read = {split: _read_coco(Path(d.annotations.format(split=split))) for _, split in keys}
-    dropped = {split: _group_of(coco) if coco else None for split, coco in read.items()}
+    read = {split: read_coco(Path(d.annotations.format(split=split))) for _, split in keys}
+    dropped = {split: group_of(coco) if coco else None for split, coco in read.items()}
     if any(dropped.values()):
         for _, split in keys:
             source = Path(str(root / layout.annotations).format(split=split))
             target, _ = cached_index(
-                recognised, split, lambda source=source: _ungrouped(source), [source]
+                recognised, split, lambda source=source: ungrouped(source), [source]
             )
         d.annotations = str(target.parent / "{split}.json")
     names = next((n for n in dropped.values() if n), None)
     parts = [f"{split} {_coco_counts(coco)}" for split, coco in read.items() if coco]
-    classes = next((_coco_classes(c, dropped[s]) for s, c in read.items() if c), 0)
+    classes = next((coco_classes(c, dropped[s]) for s, c in read.items() if c), 0)
     return (
         f"data: {root} is {recognised.what}, {classes} classes; "
         + ("; ".join(parts) or f"splits {', '.join(s for _, s in keys)}")
         + (f" (its category {names!r} names the group of the others: left out)" if names else "")
     )
-
-
-def _read_coco(path: Path) -> Optional[dict[str, Any]]:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _coco_classes(coco: dict[str, Any], group: Optional[str]) -> int:
-    return sum(1 for c in coco.get("categories", []) if c.get("name") != group)
 
 
 def _coco_counts(coco: dict[str, Any]) -> str:
@@ -386,24 +385,3 @@ def _coco_counts(coco: dict[str, Any]) -> str:
     crowd = sum(1 for a in annotations if a.get("iscrowd"))
     counts = {"images": len(coco.get("images", [])), "boxes": len(annotations) - crowd}
     return _counts_text({**counts, "crowd regions": crowd})
-
-
-def _group_of(coco: dict[str, Any]) -> Optional[str]:
-    categories = coco.get("categories", [])
-    used = {a["category_id"] for a in coco.get("annotations", [])}
-    for c in categories:
-        others = [o for o in categories if o is not c]
-        if (
-            others
-            and c["id"] not in used
-            and all(o.get("supercategory") == c["name"] for o in others)
-        ):
-            return str(c["name"])
-    return None
-
-
-def _ungrouped(source: Path) -> SplitIndex:
-    coco = json.loads(source.read_text())
-    group = _group_of(coco)
-    coco["categories"] = [c for c in coco["categories"] if c["name"] != group]
-    return SplitIndex(coco, source.parent)
