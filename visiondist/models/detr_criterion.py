@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import visiondist.models.detr_matching as detr_matching
+from visiondist.models.detr_boxes import box_iou, edge_targets, generalized_box_iou, xyxy
 from visiondist.models.detr_matching import assign_batched, go_union
 
 
@@ -72,41 +73,6 @@ class Head:
     teacher: Optional[tuple[Tensor, Tensor]] = None
     # filled in: matching name -> (batch, query, target) index tensors
     matched: dict = field(default_factory=dict)
-
-
-# --------------------------------------------------------------------------------------------------
-# box helpers
-def _corners(boxes: Tensor) -> Tensor:
-    cx, cy, w, h = boxes.unbind(-1)
-    return torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], dim=-1)
-
-
-def _iou_parts(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(intersection, union, enclosing area) of corner boxes, broadcast against each other."""
-    area_a = (a[..., 2] - a[..., 0]) * (a[..., 3] - a[..., 1])
-    area_b = (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])
-    lt, rb = torch.maximum(a[..., :2], b[..., :2]), torch.minimum(a[..., 2:], b[..., 2:])
-    inter = (rb - lt).clamp(min=0).prod(-1)
-    union = area_a + area_b - inter
-    hull = (
-        (torch.maximum(a[..., 2:], b[..., 2:]) - torch.minimum(a[..., :2], b[..., :2]))
-        .clamp(min=0)
-        .prod(-1)
-    )
-    return inter, union, hull
-
-
-def box_iou(a: Tensor, b: Tensor) -> Tensor:
-    """IoU of corner boxes `a` and `b`, broadcast (pairs: equal shapes; all pairs: a[:, :, None],
-    b[:, None])."""
-    inter, union, _ = _iou_parts(a, b)
-    return inter / union
-
-
-def generalized_box_iou(a: Tensor, b: Tensor) -> Tensor:
-    """GIoU of corner boxes, broadcast as `box_iou`."""
-    inter, union, hull = _iou_parts(a, b)
-    return inter / union - (hull - union) / hull
 
 
 # --------------------------------------------------------------------------------------------------
@@ -289,7 +255,7 @@ class DetrCriterion:
         neg = (1 - alpha) * prob**gamma * -(1 - prob + 1e-8).log()
         pos = alpha * (1 - prob) ** gamma * -(prob + 1e-8).log()
         l1 = torch.cdist(pred, boxes.float(), p=1)
-        giou = generalized_box_iou(_corners(pred)[:, :, None], _corners(boxes.float())[:, None])
+        giou = generalized_box_iou(xyxy(pred)[:, :, None], xyxy(boxes.float())[:, None])
         cost = w_bbox * l1 + w_class * (pos - neg) - w_giou * giou
         big = torch.finfo(cost.dtype).max
         cost = torch.nan_to_num(cost, nan=big, posinf=big, neginf=big)
@@ -415,10 +381,10 @@ class DetrCriterion:
             b, q, t = h.matched[h.box_match]
             pred, tgt = h.boxes[b, q].float(), target_boxes[t]
             terms[f"bbox_{h.name}"] = self.weights["bbox"] * (pred - tgt).abs().sum() / n_box
-            giou = generalized_box_iou(_corners(pred), _corners(tgt))
+            giou = generalized_box_iou(xyxy(pred), xyxy(tgt))
             terms[f"giou_{h.name}"] = self.weights["giou"] * (1 - giou).sum() / n_box
             if h.corners is not None and h.refs is not None:  # D-FINE's heads: set together
-                iou = box_iou(_corners(pred), _corners(tgt)).detach()
+                iou = box_iou(xyxy(pred), xyxy(tgt)).detach()
                 terms[f"fgl_{h.name}"] = self.weights["fgl"] * self._fgl(
                     h.corners, h.refs, b, q, tgt, iou, n_box
                 )
@@ -432,7 +398,7 @@ class DetrCriterion:
         """Varifocal loss: BCE towards the IoU at the matched (query, class), focal-weighted
         elsewhere."""
         logits = h.logits.float()
-        iou = box_iou(_corners(h.boxes[b, q].detach().float()), _corners(target_boxes[t]))
+        iou = box_iou(xyxy(h.boxes[b, q].detach().float()), xyxy(target_boxes[t]))
         cls = target_labels[t]
         score = torch.zeros_like(logits).index_put((b, q, cls), iou)
         positive = torch.zeros_like(logits).index_put((b, q, cls), torch.ones_like(iou))
@@ -446,7 +412,7 @@ class DetrCriterion:
         negatives weighted by prob^2."""
         logits = h.logits.float()
         prob = logits.sigmoid()
-        iou = box_iou(_corners(h.boxes[b, q].detach().float()), _corners(target_boxes[t]))
+        iou = box_iou(xyxy(h.boxes[b, q].detach().float()), xyxy(target_boxes[t]))
         where = (b, q, target_labels[t])
         quality = (prob[where].detach().pow(self.alpha) * iou.pow(1 - self.alpha)).clamp(min=0.01)
         positive = torch.zeros_like(logits, dtype=torch.bool).index_put(
@@ -465,7 +431,7 @@ class DetrCriterion:
         with torch.no_grad():
             left, w_right, w_left = edge_targets(
                 refs[b, q].detach().float(),
-                _corners(target),
+                xyxy(target),
                 bins,
                 float(self.config.reg_scale),
                 float(self.config.up),
@@ -508,57 +474,6 @@ class DetrCriterion:
         pos = (loss * matched).sum() / matched.sum().clamp(min=1)
         neg = (loss * (1 - matched)).sum() / (1 - matched).sum().clamp(min=1)
         return pos * split[0] + neg * split[1]
-
-
-def edge_targets(refs: Tensor, target: Tensor, bins: int, reg_scale: float, up: float):
-    """D-FINE's distance targets of each box edge from its reference box (cx, cy, w, h) on the
-    model's non-uniform bins: (left bin as a float, weight of the right bin, weight of the left
-    bin), one per edge (4 per box) - `bbox2distance` / `translate_gt` of the original, written
-    without boolean-mask indexing."""
-    from transformers.loss.loss_d_fine import (  # noqa: PLC0415 (the optional extra [detr])
-        weighting_function,
-    )
-
-    scale = abs(reg_scale)
-    cx, cy, w, h = refs.unbind(-1)
-    x1, y1, x2, y2 = target.unbind(-1)
-    edges = (
-        torch.stack(
-            [
-                (cx - x1) / (w / scale + 1e-16),
-                (cy - y1) / (h / scale + 1e-16),
-                (x2 - cx) / (w / scale + 1e-16),
-                (y2 - cy) / (h / scale + 1e-16),
-            ],
-            -1,
-        )
-        - 0.5 * scale
-    )
-    edges = edges.reshape(-1)
-    # transformers annotates reg_scale an int; D-FINE's configs hold a float (4.0), as it computes
-    values = weighting_function(
-        bins,
-        torch.tensor([up], device=refs.device),
-        reg_scale,  # type: ignore[arg-type]
-    ).to(edges.dtype)
-    index = (values[None] <= edges[:, None]).sum(1) - 1
-    inside = index.clamp(0, bins - 1)
-    left_d = (edges - values[inside]).abs()
-    right_d = (values[inside + 1] - edges).abs()
-    right = left_d / (left_d + right_d)
-    below, above = index < 0, index >= bins
-    w_right = torch.where(
-        below, torch.zeros_like(right), torch.where(above, torch.ones_like(right), right)
-    )
-    w_left = torch.where(
-        below, torch.ones_like(right), torch.where(above, torch.zeros_like(right), 1 - right)
-    )
-    left = torch.where(
-        below,
-        torch.zeros_like(edges),
-        torch.where(above, torch.full_like(edges, bins - 0.1), index.to(edges.dtype)),
-    )
-    return left.clamp(0, bins - 0.1), w_right, w_left
 
 
 def _normalisers(boxes: float, go: float, device: torch.device) -> tuple[Any, Any]:
