@@ -43,8 +43,10 @@ TOOL = Tool(
     ),
     reads=(
         "configs/ as tools/train.py: model, global batch (data.batch_size), optimizer, EMA, "
-        "precision; the devices from trainer.devices x parallel.nodes (or parallel.num_devices) "
-        "and parallel.device_memory_gb (default: this machine's GPU); no data"
+        "precision; the devices from trainer.devices x parallel.nodes (or parallel.num_devices), "
+        "parallel.device_memory_gb (default: this machine's GPU; without one, its CPU memory / "
+        "ranks per node) and parallel.device_tflops (the time model's dense bf16 rate per device, "
+        "default 400); no data"
     ),
     writes="nothing: prints the table",
     examples=(
@@ -127,6 +129,13 @@ def plan(cmd: Command) -> int:
         )
     )
     console.print(f"planned for: {inputs_line(cfg)}", soft_wrap=True)
+    if accelerator == "cpu" and t.accelerator != "cpu" and not cfg.parallel.device_memory_gb:
+        console.print(
+            "[bold yellow]no GPU on this machine[/bold yellow]: planned for its CPU memory "
+            f"({memory:.3g} GB a rank); to plan for GPUs elsewhere give one's memory and rate, "
+            "e.g. parallel.device_memory_gb=80 parallel.device_tflops=400 (an 80 GB H100)",
+            soft_wrap=True,
+        )
     host, host_source = host_budget(cfg)
     console.print(
         f"host memory for offloaded state: {host:.4g} GB per node ({host_source})", soft_wrap=True
@@ -180,17 +189,24 @@ def _named_fits(cfg, devices: int, nodes: int, memory: float, console) -> bool:
         console.print(f"it runs as [bold]{where}[/bold]", soft_wrap=True)
         return not run.fitted.startswith("parallel.fit=off")
     need = layout_memory(cfg, run).device
+    budget = cfg.parallel.headroom * memory
+    unchecked = not cfg.parallel.device_memory_gb and run.accelerator == "cpu"
+    verdict = (
+        f"within the {budget:.3g} GB budget"
+        if need <= budget * 1e9
+        else f"[bold red]over[/bold red] the {budget:.3g} GB budget"
+    )
     console.print(
-        f"you named [bold]{where}[/bold]: {need / 1e9:.3g} GB per device, within the "
-        f"{cfg.parallel.headroom * memory:.3g} GB budget"
+        f"you named [bold]{where}[/bold]: {need / 1e9:.3g} GB per device, {verdict}"
         + (
-            ""
-            if cfg.parallel.device_memory_gb or cfg.trainer.accelerator != "cpu"
-            else " (on the CPU a named layout is checked only against parallel.device_memory_gb)"
+            " (on the CPU tools/train.py runs a named layout as named: it is fitted to "
+            "parallel.device_memory_gb where that is given)"
+            if unchecked
+            else ""
         ),
         soft_wrap=True,
     )
-    return True
+    return need <= budget * 1e9
 
 
 def inputs_line(cfg) -> str:

@@ -311,3 +311,41 @@ def test_the_devices_a_plan_is_for(overrides, world):
     assert planning_world(_cfg("model=vit_base", *overrides), cuda_devices=0) == world
     with pytest.raises(ConfigError, match="no GPU here: say how many devices to plan for"):
         planning_world(_cfg("model=vit_base"), cuda_devices=0)
+
+
+def test_the_figures_the_layout_docs_quote_are_the_planners():
+    """docs/data-parallel.md, training.md and pipeline-parallel.md quote the planner for ViT-B/16
+    and ViT-H/14 at batch 1024 in bf16: each figure is what it plans today."""
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    text = " ".join(
+        " ".join((docs / f).read_text().split())
+        for f in ("data-parallel.md", "training.md", "pipeline-parallel.md")
+    )
+
+    def gb(row) -> str:
+        return f"{row.planned()[0].device / 1e9:.3g} GB"
+
+    def row(result, name):
+        return next(r for r in result.rows if r.candidate.name == name)
+
+    base = plan_for(_cfg("model=vit_base", "trainer.precision=bf16"), 8, 1, 80)
+    assert base.choice is not None and base.choice.candidate.name == "ddp8"
+    memory = base.choice.planned()[0]
+    assert f"needs {gb(base.choice)} per device as `ddp8`" in text
+    assert f"bf16: {gb(base.choice)} per device as ddp8" in text
+    assert f"{memory.state / 1e9:.3g} GB of training state" in text
+    assert f"{(memory.activations + memory.buffers) / 1e9:.3g} GB of activations" in text
+
+    huge = plan_for(_cfg("model=vit_huge", "trainer.precision=bf16"), 8, 1, 24)
+    # plain DDP (no accumulation) is not a row of its own: the reason names what it needs
+    need = huge.reason.split("DDP would need ")[1].split(" per device")[0]
+    assert f"ViT-H/14 would need {need} per 24 GB device" in text
+    state = row(huge, "ddp8 +accum8").planned()[0].state  # accumulation leaves the state
+    assert f"{state / 1e9:.3g} GB of it state" in text
+    pipe = row(huge, "ddp4 x pp2(m=16)")
+    ms = 1e3 * pipe.planned()[1]["total"]
+    assert f"`ddp4 x pp2(m=16)` at {gb(pipe)} per device ({ms:.0f} ms per step" in text
+    assert f"where DDP would need {need}" in text
+    assert huge.choice is not None
+    chosen, seconds = huge.choice.candidate.name, huge.choice.planned()[1]["total"]
+    assert f"chooses `{chosen}` ({gb(huge.choice)}, {1e3 * seconds:.0f} ms)" in text

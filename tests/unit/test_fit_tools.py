@@ -102,6 +102,19 @@ def test_plan_fits_it_and_the_dry_run_of_the_fitted_layout_matches_the_plan(caps
     assert not report.flagged and report.figure("tp all_reduce").planned > 4 * 30e9
 
 
+def test_plan_without_a_gpu_says_so_and_a_named_layout_over_its_budget_exits_1(capsys):
+    """On a machine with no GPU (a login node; this one), a plan without parallel.device_memory_gb
+    is made for the CPU's memory: it says so and how to plan for GPUs, and the named layout, far
+    over that budget, is not called within it."""
+    args = [a for a in README if not a.startswith("parallel.device_memory_gb")]
+    assert _tool("plan").main([*args, "trainer.devices=8", "parallel.nodes=2"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no GPU on this machine: planned for its CPU memory" in out
+    assert "parallel.device_memory_gb=80" in out
+    assert "you named dp=4 tp=4 pp=1 (16 devices of" in out and "GB per device, over the" in out
+    assert "within the" not in out
+
+
 def test_k8s_writes_the_job_that_each_pod_fits_alike(tmp_path, capsys):
     out = tmp_path / "job.yaml"
     common = [

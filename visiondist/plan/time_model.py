@@ -24,6 +24,10 @@ GEMM_HALF_ROWS = 512
 # elementwise and norm kernels, forward and backward (benchmarks/RESULTS.md); the forward's share of
 # that is about a third.
 ELEMENTWISE_RECOMPUTE = 0.11
+# An fp32 step's matmuls run in TF32 (trainer.tf32, on by default) at half the dense bf16 rate of
+# an A100, H100 or H200 tensor core; `Hardware.tflops` (parallel.device_tflops) is the bf16 rate.
+# Where the devices are the host's CPUs, the rate given is already the run's precision's.
+TF32_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,7 @@ def step_seconds(
     algorithms move them (TP inside a node; DP / PP over the network once they span nodes; offload
     over PCIe), less what overlaps with compute."""
     world = c.dp * c.tp * c.pp
-    rate = hw.tflops * 1e12
+    rate = hw.tflops * 1e12 * (TF32_SHARE if precision == "32" and not hw.shared_host else 1.0)
     grad_accum = c.accum
     # rows of every matmul: small ones run below the peak
     micro_tokens = mem.detail["micro_batch"] * s.tokens
