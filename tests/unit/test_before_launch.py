@@ -296,8 +296,19 @@ def test_the_cpu_estimate_follows_the_layout_and_the_run_length(tmp_path, capsys
     )
     explicit = compose(CONFIGS, ["model=vit_huge", "parallel=tp4", "trainer.accelerator=cpu"])
     check_gpu_layout(explicit, resolve(explicit, {}, 0)[0])  # asked for: runs
+    # the default job, one rank on the CPU: nothing said
+    default = compose(CONFIGS, [])
+    check_gpu_layout(default, resolve(default, {}, 0)[0])
+    assert capsys.readouterr().err == ""
+    # ...unless its run would take hours there: refused as several ranks are
     one = compose(CONFIGS, ["model=vit_huge"])
-    check_gpu_layout(one, resolve(one, {}, 0)[0])  # the default job: one rank on the CPU
+    with pytest.raises(
+        ConfigError, match=r"vit_huge on 1 rank as one process on this machine's CPU"
+    ):
+        check_gpu_layout(one, resolve(one, {}, 0)[0])
+    # a short one of the same model: nothing said
+    check_gpu_layout(OmegaConf.merge(one, {"trainer": {"max_steps": 1}}), resolve(one, {}, 0)[0])
+    assert capsys.readouterr().err == ""
     torchrun = {
         "WORLD_SIZE": "4",
         "LOCAL_WORLD_SIZE": "4",

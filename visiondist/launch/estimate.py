@@ -42,23 +42,35 @@ CPU_LINK_GBS = 2.0
 REFUSE_OVER_S = 3600.0
 
 
+# One rank's run is measured (about a second) only where it would take over a minute at this rate,
+# above what ViT training reaches on a CPU (2 cores: 0.1 TFLOP/s): the default job's is not.
+CPU_TFLOPS_BOUND = 1.0
+MEASURED_FROM_S = 60.0
+
+
 def check_gpu_layout(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None) -> None:
-    """A self-launched job of several ranks that `trainer.accelerator=auto` put on the CPU because
-    no GPU was found: one line saying so, with the estimated time per step and for the run, printed
+    """A self-launched job that `trainer.accelerator=auto` put on the CPU because no GPU was found:
+    for several ranks, one line saying so, with the estimated time per step and for the run, printed
     before any rank starts; refused (`ConfigError`, nothing started) when the whole run is estimated
-    at over an hour. `kind`: the entry's run kind (`visiondist.launch.run_kind`): None for training,
-    "benchmark" (no whole-run figure), "eval" (no estimate)."""
-    if (
-        cfg.trainer.accelerator != "auto"
-        or run.accelerator != "cpu"
-        or run.world_size == 1
-        or run.under_torchrun
-    ):
+    at over an hour. One rank (the default job, meant for the CPU) is refused alike where its run
+    would take over an hour (`python tools/train.py model=vit_huge`: hours), and says nothing
+    otherwise. `kind`: the entry's run kind (`visiondist.launch.run_kind`): None for
+    training, "benchmark" (no whole-run figure), "eval" (no estimate)."""
+    if cfg.trainer.accelerator != "auto" or run.accelerator != "cpu" or run.under_torchrun:
+        return
+    if run.world_size == 1 and not _long_on_one_cpu_rank(cfg, run, kind):
         return
     text, whole = cpu_estimate_seconds(cfg, run, kind)
+    if run.world_size == 1 and (whole is None or whole <= REFUSE_OVER_S):
+        return
+    ranks = (
+        f"{run.world_size} ranks (dp={run.dp} tp={run.tp} pp={run.pp}) as {run.world_size} "
+        "processes"
+        if run.world_size > 1
+        else "1 rank as one process"
+    )
     what = (
-        f"no GPU was found, so trainer.accelerator=auto {{}} {cfg.model.name} on {run.world_size} "
-        f"ranks (dp={run.dp} tp={run.tp} pp={run.pp}) as {run.world_size} processes on this "
+        f"no GPU was found, so trainer.accelerator=auto {{}} {cfg.model.name} on {ranks} on this "
         f"machine's CPU{': ' if text else ''}{text}"
     )
     if whole is not None and whole > REFUSE_OVER_S:
@@ -69,6 +81,17 @@ def check_gpu_layout(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None
         )
     # once in a Python session that evaluates a run again and again
     warn_once(f"{what.format('runs')} (trainer.accelerator=cpu says this is meant)")
+
+
+def _long_on_one_cpu_rank(cfg: DictConfig, run: RunLayout, kind: Optional[str]) -> bool:
+    """Whether one rank's training run is worth measuring this CPU for: over `MEASURED_FROM_S` at
+    `CPU_TFLOPS_BOUND`."""
+    if kind is not None or spec_of(cfg.model).planner_shape is None:
+        return False
+    steps, _ = run_steps(cfg)
+    if not steps:
+        return False
+    return step_seconds_on_cpu(cfg, run, CPU_TFLOPS_BOUND) * steps > MEASURED_FROM_S
 
 
 def cpu_estimate(
@@ -96,7 +119,7 @@ def cpu_estimate_seconds(
     step = step_seconds_on_cpu(cfg, run, machine / run.per_node)
     basis = (
         f"the time model at this CPU's {machine * 1e3:.3g} GFLOP/s dense matmul rate, measured "
-        f"now, shared by {run.per_node} ranks: an estimate"
+        f"now, {f'shared by {run.per_node} ranks' if run.per_node > 1 else 'one rank'}: an estimate"
     )
     steps, limit = run_steps(cfg) if kind is None else (None, "")  # a benchmark runs its own steps
     whole = f", {duration(step * steps)} for the {steps} steps ({limit})" if steps else ""
