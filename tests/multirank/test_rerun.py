@@ -151,3 +151,32 @@ def test_a_requeued_slurm_job_continues_its_run_then_says_it_is_complete(
     assert (
         again.returncode == 0 and f"is complete at step {STEPS}: nothing to do" in again.stdout
     ), again.stdout[-3000:]
+
+
+def test_slurm_script_requeues_itself_after_the_time_limits_stop(tmp_path):
+    """tools/slurm_train.sh under a stand-in srun and scontrol: tasks that exit 143 (the ranks
+    stopped on --signal's SIGTERM before the time limit, checkpoint written) requeue the job, which
+    keeps its id and so its run dir; tasks that finish, fail otherwise, or run with
+    VISIONDIST_REQUEUE=0 do not."""
+    calls = tmp_path / "scontrol.calls"
+
+    def submit(exit_code: int, **extra) -> tuple[int, list[str]]:
+        env = fake_slurm(tmp_path / "bin", "4244", nodes=1, per_node=1, run_dir=tmp_path / "run")
+        # scontrol: its calls noted (show hostnames answers the first host, as before)
+        (tmp_path / "bin" / "scontrol").write_text(
+            f'#!/bin/sh\necho "$@" >> {calls}\necho 127.0.0.1\n'
+        )
+        task = tmp_path / "task.py"
+        task.write_text(f"import sys\nsys.exit({exit_code})\n")
+        calls.write_text("")
+        (result,) = run_together(
+            [["bash", str(REPO / "tools" / "slurm_train.sh"), "model=vit_tiny"]],
+            timeout=60,
+            envs=[{**env, "SRUN_SCRIPT": str(task), **extra}],
+        )
+        return result.returncode, [c for c in calls.read_text().splitlines() if "requeue" in c]
+
+    assert submit(143) == (143, ["requeue 4244"])
+    assert submit(143, VISIONDIST_REQUEUE="0") == (143, [])
+    assert submit(0) == (0, [])
+    assert submit(1) == (1, [])

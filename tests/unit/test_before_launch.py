@@ -388,3 +388,30 @@ def test_loader_workers_follow_the_cores_per_rank(monkeypatch):
         match=r"data.num_workers=-2: use a count of loader workers per rank, 0 .* or -1",
     ):
         load_config(CONFIGS, ["data.num_workers=-2"], inputs=None)
+
+
+def test_an_srun_task_bound_to_its_own_cpus_does_not_share_them(monkeypatch):
+    """tools/slurm_train.sh: srun starts one task per rank with --cpus-per-task=12, each bound to
+    12 CPUs of its own. Those are the rank's, not its node's 8 ranks' (12 // 8 - 1 = 0 loader
+    workers and 1 thread before); one torchrun per node (its ranks inherit one task's CPUs) and a
+    self-launch still share theirs."""
+    import visiondist.data.workers as workers
+    import visiondist.utils.procenv as procenv
+    from visiondist.data.loaders import loader_options
+
+    monkeypatch.setattr(procenv, "_affinity", lambda: 12)
+    monkeypatch.setattr(workers, "usable_cores", lambda: 12)
+    slurm = {"SLURM_CPUS_PER_TASK": "12", "SLURM_STEP_NUM_TASKS": "16", "WORLD_SIZE": "16"}
+    for key, value in {**slurm, "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(key, value)
+    assert procenv.ranks_sharing_cpus(8) == 1
+    options = loader_options(
+        OmegaConf.create({"num_workers": -1, "pin_memory": False, "prefetch_factor": 2}), False
+    )
+    assert options["num_workers"] == 11
+    # one torchrun per node under srun: 2 tasks, 16 ranks sharing each task's CPUs
+    assert procenv.ranks_sharing_cpus(8, {**slurm, "SLURM_STEP_NUM_TASKS": "2"}) == 8
+    # srun did not bind the task (its affinity is the node's 96 CPUs)
+    monkeypatch.setattr(procenv, "_affinity", lambda: 96)
+    assert procenv.ranks_sharing_cpus(8, slurm) == 8
+    assert procenv.ranks_sharing_cpus(8, {}) == 8  # a self-launch

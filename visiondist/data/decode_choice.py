@@ -30,6 +30,7 @@ from visiondist.data.workers import loader_workers
 from visiondist.models.flops import vit_train_flops
 from visiondist.models.registry import spec_of
 from visiondist.utils.peaks import datasheet_tflops
+from visiondist.utils.procenv import ranks_sharing_cpus
 
 # per loader worker (one core), the DeiT path with the decode (RESULTS: per CPU core)
 WORKER_IMAGES_PER_S = 1_000
@@ -69,7 +70,7 @@ def decode_plan(cfg: DictConfig, run: RunLayout, gpu_name: Optional[str] = None)
             "the step's rate is unknown here (no datasheet peak or FLOP count): decoded in the "
             "workers",
         )
-    workers = loader_workers(int(d.num_workers), run.per_node)
+    workers = loader_workers(int(d.num_workers), ranks_sharing_cpus(run.per_node))
     step = ASSUMED_MFU * peak * 1e12 / vit_train_flops(shape(cfg.model))
     loader = min(step, workers * WORKER_IMAGES_PER_S)
     device = 1.0 / (1.0 / step + 1.0 / DEVICE_DECODE_IMAGES_PER_S)

@@ -35,6 +35,7 @@ from visiondist.data.workers import (
     usable_cores,
     worker_init,
 )
+from visiondist.utils.procenv import ranks_sharing_cpus
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,13 @@ def loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:
 def _num_workers(requested: int) -> int:
     """`data.num_workers`; -1: what this node's cores allow each of its ranks
     (`visiondist.data.workers.loader_workers`), logged once per loader build."""
-    # this node's ranks (torchrun, srun, the self-launch)
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    # this node's ranks (torchrun, srun, the self-launch) that share this process's CPUs
+    ranks = ranks_sharing_cpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     workers = loader_workers(requested, ranks)
     if requested < 0:
         log.info(
             "data.num_workers=-1: %d loader worker%s per rank (%d CPUs this process may use, %d "
-            "rank%s on this node, one CPU each for the rank itself; at most %d)",
+            "rank%s sharing them, one CPU each for the rank itself; at most %d)",
             workers,
             "" if workers == 1 else "s",
             usable_cores(),

@@ -53,7 +53,7 @@ from visiondist.plan.world import (
 )
 from visiondist.utils.exit import leave_quickly_when_done
 from visiondist.utils.heartbeat import PROGRESS
-from visiondist.utils.procenv import omp_threads, threads_per_rank
+from visiondist.utils.procenv import omp_threads, ranks_sharing_cpus, threads_per_rank
 from visiondist.utils.signals import HANG_DIR, RANK_ENV, RUN_DIR_ENV, STOP, StopNow
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def _set_threads(local_world: int) -> None:
         # a nested list: OpenMP read it as this rank loaded it (spawned, or forked from a fresh fork
         # server)
         return
-    torch.set_num_threads(threads or threads_per_rank(local_world))
+    torch.set_num_threads(threads or threads_per_rank(ranks_sharing_cpus(local_world)))
 
 
 def _init_rank(

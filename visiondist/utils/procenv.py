@@ -23,7 +23,8 @@ value of each variable is kept.
 `usable_cpus`: this process's CPUs, the smaller of its affinity (taskset, a SLURM allocation) and
 its container's CPU quota (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`); the
 node's core count says nothing about a pod limited to 4 CPUs on a 64-core node. Thread counts and
-`data.num_workers=-1` follow it.
+`data.num_workers=-1` follow it, shared by the node's ranks unless each has CPUs of its own
+(`ranks_sharing_cpus`: srun's tasks bound with `--cpus-per-task`).
 """
 
 from __future__ import annotations
@@ -298,6 +299,18 @@ def omp_threads(env: MutableMapping[str, str] = os.environ) -> Optional[int]:
     nested list such as "4,2", which OpenMP reads itself as it loads)."""
     value = env.get("OMP_NUM_THREADS", "")
     return int(value) if value.isdigit() and int(value) > 0 else None
+
+
+def ranks_sharing_cpus(ranks_per_node: int, env: MutableMapping[str, str] = os.environ) -> int:
+    """How many of a node's ranks share this process's CPUs: 1 where srun started each rank as a
+    task bound to CPUs of its own (`srun --cpus-per-task=N`, tools/slurm_train.sh: one task per
+    rank, this task's affinity at most N CPUs), else all `ranks_per_node` (the ranks of a
+    self-launch or of one torchrun per node inherit one affinity)."""
+    per_task, tasks = env.get("SLURM_CPUS_PER_TASK", ""), env.get("SLURM_STEP_NUM_TASKS")
+    one_task_per_rank = tasks is not None and tasks == env.get("WORLD_SIZE")
+    if one_task_per_rank and per_task.isdigit() and _affinity() <= int(per_task):
+        return 1
+    return max(1, ranks_per_node)
 
 
 def threads_per_rank(ranks_per_node: int) -> int:
