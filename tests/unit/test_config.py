@@ -19,6 +19,15 @@ def _error(overrides):
     return str(info.value)
 
 
+def test_a_missing_checkpoint_step_names_the_steps_there(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    for step in (12, 3):
+        (checkpoints / f"step_{step}").mkdir(parents=True)
+    error = _error([f"trainer.resume={checkpoints / 'step_99'}"])
+    assert error.endswith(f"; {checkpoints} holds step_3, step_12"), error
+    assert "no such checkpoint or run directory" in _error([f"trainer.resume={tmp_path / 'x'}"])
+
+
 def test_defaults_compose_and_follow_the_data():
     cfg = load_config(CONFIGS, [])
     assert (
@@ -116,6 +125,10 @@ def test_pipeline_batch_must_split_into_microbatches():
         (["model=vit_small", "parallel.tp=4"], "parallel.tp=4 does not divide model.num_heads=6"),
         (["model=vit_nope"], "model=vit_nope is not an option of model: did you mean model=vit_"),
         (["model=resnet"], "model=resnet is not an option of model: the options are dfine_n,"),
+        (
+            ["parallel=tp3"],
+            "parallel=tp3 is not a named layout: set the degree itself, parallel.tp=3",
+        ),
         (["optim.lr=-0.1"], "optim.lr=-0.1 must be > 0"),
         (["optim.lr=fast"], "optim.lr=fast: give a number"),
         (["optim.lr=nan"], "optim.lr=nan must be a finite number > 0"),

@@ -124,6 +124,14 @@ def _missing_option(text: str) -> str:
             f"{group}={option}: {group}= picks one of configs/{group}/ ({', '.join(options)}); "
             f"a path goes in {key}={option}"
         )
+    # parallel=tp3, parallel=dp8, parallel=pp3: a degree no file names, which a key sets
+    degree = re.fullmatch(r"(dp|tp|pp)(\d+)", option) if group == "parallel" else None
+    if degree:
+        return (
+            f"parallel={option} is not a named layout: set the degree itself, "
+            f"parallel.{degree[1]}={degree[2]} (the named layouts: {', '.join(options)}, "
+            "configs/parallel/)"
+        )
     close = difflib.get_close_matches(option, options, n=1, cutoff=0.6)
     hint = f"did you mean {group}={close[0]}? " if close else ""
     return (

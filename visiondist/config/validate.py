@@ -195,10 +195,22 @@ def _check_trainer(t: DictConfig) -> None:
     if t.resume not in (None, "auto") and not Path(str(t.resume)).expanduser().exists():
         raise ConfigError(
             f"trainer.resume={t.resume}: no such checkpoint or run directory "
-            "(give checkpoints/step_<N> or a run dir, `auto`, or null)"
+            f"(give checkpoints/step_<N> or a run dir, `auto`, or null){_steps_beside(t.resume)}"
         )
     if t.max_steps <= 0 and t.max_epochs <= 0:
         raise ConfigError("set trainer.max_steps or trainer.max_epochs to a positive number")
+
+
+def _steps_beside(resume: object) -> str:
+    """'; checkpoints/ there holds step_3, step_6' for a step that is not among its folder's."""
+    folder = Path(str(resume)).expanduser().parent
+    if not Path(str(resume)).name.startswith("step_") or not folder.is_dir():
+        return ""
+    steps = sorted(
+        (p.name for p in folder.glob("step_*") if p.name[5:].isdigit()),
+        key=lambda name: int(name[5:]),
+    )
+    return f"; {folder} holds {', '.join(steps)}" if steps else f"; {folder} holds no checkpoint"
 
 
 def check_trackers_installed(loggers) -> None:
