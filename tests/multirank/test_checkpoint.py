@@ -114,7 +114,8 @@ def test_checkpoint_reshards_to_other_layouts(tmp_path, tiny_shapes, reference_l
             )
         )
         # another layout: RNG streams cannot carry over
-        assert "random states restart from the seed" in out
+        assert "(saved under dp=" in out
+        assert "the random states, which are per rank, restart from the seed" in out
         losses = _losses(run)
         assert sorted(losses) == [3]
         assert losses[3] == pytest.approx(reference_losses[3], rel=1e-5)

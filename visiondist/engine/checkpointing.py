@@ -8,7 +8,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig
 
@@ -64,6 +64,13 @@ def epoch_position(step: int, steps_per_epoch: int, total_steps: int) -> str:
     return f"epoch {done + 1}/{epochs}, {within} of its {steps_per_epoch} steps done"
 
 
+def _layout_text(saved: Any) -> str:
+    """A checkpoint's recorded layout as the log lines say one: `dp=1 tp=2 pp=1`."""
+    if not isinstance(saved, dict):
+        return f"another layout ({saved})"
+    return " ".join(f"{k}={v}" for k, v in saved.items())
+
+
 def resume(
     cfg: DictConfig, layout: Layout, run_dir: Path, parts: Components, path: Optional[Path]
 ) -> Resumed:
@@ -98,7 +105,7 @@ def resume(
                 "the checkpoint is not from an fp16 run: the loss scale starts at %g",
                 parts.scaler.get_scale(),
             )
-    if saved.get("total_steps") != parts.total_steps:
+    if saved.get("total_steps") != parts.total_steps and layout.is_main:  # once, not per rank
         log.warning(
             "the checkpoint's run had %s steps, this one has %d: the LR schedule follows this "
             "run's",
@@ -113,7 +120,8 @@ def resume(
         epoch_position(step, steps_per_epoch, parts.total_steps),
         ""
         if saved["rng_restored"]
-        else f" (saved with layout {saved.get('layout')}: random states restart from the seed)",
+        else f" (saved under {_layout_text(saved.get('layout'))}: the random states, which are "
+        "per rank, restart from the seed)",
     )
     if not saved["rng_restored"]:
         seed_everything(cfg.trainer.seed + step)
