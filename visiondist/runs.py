@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from visiondist.checkpoint.files import latest_checkpoint, read_trainer_state
 from visiondist.config import ConfigError, TrainConfig
-from visiondist.config.compose import flatten
+from visiondist.config.compose import as_setting, flatten, model_first
 from visiondist.config.layout import RunLayout
 
 # what a continued run may not change without trainer.allow_changes=true: the model, the data, the
@@ -90,15 +90,16 @@ def continue_config(fresh: DictConfig, saved: DictConfig, overrides: list[str]) 
             OmegaConf.update(cfg, key, OmegaConf.select(fresh, key), merge=False)
     _keep_inferred(cfg, saved)
     changes = changed_keys(saved, cfg)
-    fixed = [k for k in changes if k.startswith(FIXED)]
+    fixed = model_first([k for k in changes if k.startswith(FIXED)])
     if fixed and not cfg.trainer.allow_changes:
         first = fixed[0]
         was, asked = OmegaConf.select(saved, first), OmegaConf.select(cfg, first)
-        more = f" (and {len(fixed) - 1} more)" if len(fixed) > 1 else ""
+        more = f" (and {len(fixed) - 1} more)" if len(fixed) > 1 and first != "model.name" else ""
         raise ConfigError(
-            f"trainer.run_dir={cfg.trainer.run_dir} was trained with {first}={was}, this command "
-            f"asks {first}={asked}{more}: drop the override to continue the run as it was, start "
-            "a new run dir, or add trainer.allow_changes=true"
+            f"trainer.run_dir={cfg.trainer.run_dir} was trained with {as_setting(first, was)}, "
+            f"this command asks {as_setting(first, asked)}{more}: drop the override to continue "
+            "the run as it was, start a new run dir, or add trainer.allow_changes=true (the "
+            "checkpoint loads into the changed config as asked)"
         )
     return cfg
 

@@ -97,3 +97,10 @@ def test_resuming_another_runs_checkpoint_with_another_model_is_refused(tmp_path
     # the run dir names its newest checkpoint the same way
     with pytest.raises(ConfigError, match="model.num_heads=4"):
         _same_model_as_checkpoint(compose(configs, [f"trainer.resume={run}", "model=vit_tiny"]))
+    # another model config: named as the command line picks it, not by its first differing key
+    with pytest.raises(
+        ConfigError,
+        match=r"was trained with model=vit_tiny, this command asks model=vit_small: give "
+        r"model=vit_tiny \(its run's model\)",
+    ):
+        _same_model_as_checkpoint(compose(configs, [f"trainer.resume={step}", "model=vit_small"]))

@@ -77,6 +77,17 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def model_first(keys: list[str]) -> list[str]:
+    """Changed keys with `model.name` first: another model config explains the rest of its keys."""
+    return sorted(keys, key=lambda key: key != "model.name")
+
+
+def as_setting(key: str, value: Any) -> str:
+    """A changed key as the command line sets it: `model=vit_tiny` for a model config's name (a
+    group's option), `key=value` otherwise."""
+    return f"model={value}" if key == "model.name" else f"{key}={value}"
+
+
 def to_container(cfg: DictConfig) -> dict[str, Any]:
     """A plain, picklable dict (what crosses process boundaries).
 

@@ -124,7 +124,11 @@ def _same_model_as_checkpoint(cfg) -> None:
     checkpoint's run trained (its config.yaml), key for key. Tensors of equal shapes load into a
     model of another head count or MLP without an error, and train another model; refused in one
     line, as continuing that run's dir is (`visiondist.runs.continue_config`)."""
-    from visiondist.config.compose import flatten  # noqa: PLC0415 (reader)
+    from visiondist.config.compose import (  # noqa: PLC0415 (reader)
+        as_setting,
+        flatten,
+        model_first,
+    )
 
     t = cfg.trainer
     if t.resume in (None, "auto") or t.get("allow_changes"):
@@ -151,13 +155,13 @@ def _same_model_as_checkpoint(cfg) -> None:
         and was[key] != asked[key]
     ]
     if changed:
-        key = changed[0]
-        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        key = model_first(changed)[0]
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 and key != "model.name" else ""
         raise ConfigError(
-            f"trainer.resume={t.resume} was trained with {key}={was[key]}, this command asks "
-            f"{key}={asked[key]}{more}: give {key}={was[key]} (its run's model), or "
-            "model.init_from=<weights> to start a new run from its weights, or add "
-            "trainer.allow_changes=true"
+            f"trainer.resume={t.resume} was trained with {as_setting(key, was[key])}, this command "
+            f"asks {as_setting(key, asked[key])}{more}: give {as_setting(key, was[key])} (its "
+            "run's model), or model.init_from=<weights> to start a new run from its weights, or "
+            "add trainer.allow_changes=true (the checkpoint loads into this model as asked)"
         )
 
 
