@@ -402,6 +402,20 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
         f"  export:   python {REPO}/tools/export.py run_dir=outputs/r   (safetensors; format=onnx, "
         "openvino or pt2)",
     ]
+    # ranks torchrun started: training on is its command again, with the run dir whole
+    longer = next_commands(tmp_path / "outputs" / "r", longer="trainer.max_steps=20")
+    assert longer.splitlines()[1] == (
+        f"  train on: python {REPO}/tools/train.py trainer.run_dir=outputs/r trainer.max_steps=20"
+        "   (from its newest checkpoint, its config as it was)"
+    )
+    torchrun = next_commands(
+        tmp_path / "outputs" / "r", longer="trainer.max_steps=20", under_torchrun=True
+    )
+    assert torchrun.splitlines()[1] == (
+        "  train on: the same torchrun / srun / pod command with "
+        f"trainer.run_dir={tmp_path}/outputs/r trainer.max_steps=20   (from its newest "
+        "checkpoint, its config as it was)"
+    )
 
 
 def test_imagenet_data_takes_its_class_count_from_the_class_folders(capsys, tiny_shapes):

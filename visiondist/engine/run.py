@@ -159,7 +159,7 @@ def run_trainer(trainer: Trainer) -> dict[str, Any]:
         metrics.close()
 
     if trainer.layout.is_main:
-        t = cfg.trainer  # twice the length that ended the run
+        t, run = cfg.trainer, trainer.layout.run  # twice the length that ended the run
         longer = (
             f"trainer.max_steps={2 * t.max_steps}"
             if trainer.parts.length.startswith("trainer.max_steps")
@@ -175,6 +175,7 @@ def run_trainer(trainer: Trainer) -> dict[str, Any]:
             written,
             t.plots,
             longer,
+            under_torchrun=bool(run is not None and run.under_torchrun),
         )
     metrics.close()
     return summary

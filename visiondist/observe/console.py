@@ -86,12 +86,17 @@ def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> 
 
 
 def next_commands(
-    run_dir: Path, family: str = "", images: Optional[Path] = None, longer: str = ""
+    run_dir: Path,
+    family: str = "",
+    images: Optional[Path] = None,
+    longer: str = "",
+    under_torchrun: bool = False,
 ) -> str:
     """Where a training run is, and what to run on it next, in the tools' key=value convention (the
     export formats the model `family` has; `images`: a folder of the run's own val images, which the
     predict line names as its example source; `longer`: the length setting that trains it on, e.g.
-    `trainer.max_epochs=20`)."""
+    `trainer.max_epochs=20`; `under_torchrun`: torchrun, srun or a pod started the ranks, and the
+    same command trains it on)."""
     run = shlex.quote(shown_path(run_dir))
     formats = (
         "format=hf: transformers' from_pretrained directory; format=onnx or openvino"
@@ -110,11 +115,13 @@ def next_commands(
         if images is not None
         else "source=<images, folder, glob, list or video>"
     )
+    launcher = (
+        f"the same torchrun / srun / pod command with trainer.run_dir={shlex.quote(str(run_dir))}"
+        if under_torchrun
+        else f"python {tool_path('train')} trainer.run_dir={run}"
+    )
     train_on = (
-        (
-            f"  train on: python {tool_path('train')} trainer.run_dir={run} {longer}   (from its "
-            "newest checkpoint, its config as it was)\n"
-        )
+        f"  train on: {launcher} {longer}   (from its newest checkpoint, its config as it was)\n"
         if longer
         else ""
     )

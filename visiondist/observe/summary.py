@@ -99,10 +99,12 @@ def report_run(
     written: Optional[Callable[[list[Path]], Any]] = None,
     plots: bool = True,
     longer: str = "",
+    under_torchrun: bool = False,
 ) -> list[Path]:
     """summary.json, the plots (unless not `plots`), the summary table, the task's final line, then
     the run dir and the commands that train it on (`longer`: the length setting that does), evaluate
-    and export it (rank 0). `written(pngs)` runs once the files are written, before anything is
+    and export it (rank 0; `under_torchrun`: the launcher's command trains it on).
+    `written(pngs)` runs once the files are written, before anything is
     printed (the trackers take the plots and close there, so that the run's next commands stay its
     last lines). Returns the PNGs."""
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -112,7 +114,10 @@ def report_run(
     print_summary(summary)
     print(task.final_line(last_eval), flush=True)
     print(
-        next_commands(run_dir, getattr(task, "family", ""), _val_folder(task), longer), flush=True
+        next_commands(
+            run_dir, getattr(task, "family", ""), _val_folder(task), longer, under_torchrun
+        ),
+        flush=True,
     )
     return pngs
 
