@@ -111,6 +111,26 @@ def test_a_run_is_its_directory(tmp_path):
         visiondist.Run(None)
 
 
+def test_a_runs_rows_are_one_per_step_with_its_evaluation(tmp_path):
+    """metrics.csv writes an evaluation on a row of its own beside its step's training row:
+    `run.rows` joins them (one row a step, for a DataFrame), `metrics` is the latest evaluation."""
+    (tmp_path / "config.yaml").write_text("model: {}\n")
+    (tmp_path / "metrics.csv").write_text(
+        "step,epoch,loss,lr,val_loss,val_top1\n"
+        "10,1,2.0,0.001,,\n"
+        "20,1,1.5,0.001,,\n"
+        "20,1,,,1.4,40.0\n"
+        "30,2,1.2,0.0005,,\n"
+    )
+    run = visiondist.Run(tmp_path)
+    assert [(r["step"], r["loss"], r["val_top1"]) for r in run.rows] == [
+        (10, 2.0, None),
+        (20, 1.5, 40.0),
+        (30, 1.2, None),
+    ]
+    assert run.metrics == {"val_loss": 1.4, "val_top1": 40.0, "step": 20} and run.step == 30
+
+
 def test_a_misspelt_group_is_one_line_with_the_closest():
     with pytest.raises(
         visiondist.ConfigError, match="traner is not a setting: did you mean trainer?"

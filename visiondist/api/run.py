@@ -77,12 +77,20 @@ class Run:
 
     @property
     def rows(self) -> list[dict[str, Any]]:
-        """metrics.csv's rows: each logged step's loss, grad norm, LR, images/s, and evaluations."""
+        """metrics.csv's rows, one per logged step: its loss, grad norm, LR, images/s and, where
+        the step was evaluated, the evaluation's figures (the file writes those on a row of their
+        own; here they join their step's)."""
         path = self.dir / "metrics.csv"
-        rows: list[dict[str, Any]] = list(read_metrics(path)) if path.is_file() else []
-        for row in rows:  # a count, not a measurement
-            if row.get("step") is not None:
+        rows: list[dict[str, Any]] = []
+        for read in read_metrics(path) if path.is_file() else []:
+            row: dict[str, Any] = dict(read)
+            if row.get("step") is not None:  # a count, not a measurement
                 row["step"] = int(row["step"])
+            last = rows[-1] if rows else None
+            if last is not None and last["step"] == row["step"] and _apart(last, row):
+                last.update({k: v for k, v in row.items() if v is not None})
+            else:
+                rows.append(row)
         return rows
 
     @property
@@ -257,6 +265,12 @@ def benchmark(*overrides: str, **settings: Any) -> list[dict[str, Any]]:
     with refusals():
         cfg = load_config(CONFIGS, as_overrides(overrides, settings), inputs="train")
         return benchmark_job(cfg)
+
+
+def _apart(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two rows of one step hold different figures (a training row and its evaluation):
+    no key set in both to different values."""
+    return not any(a.get(k) is not None and v is not None and a[k] != v for k, v in b.items())
 
 
 def _last_step(rows: list[dict[str, Any]]) -> int:
