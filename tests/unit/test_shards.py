@@ -391,7 +391,7 @@ def test_corrupt_jpegs_that_decode_are_packed_and_libjpegs_warnings_name_them(
     one-worker pack in it does), and each captures into its own file."""
     from helpers import call_tool
 
-    from visiondist.data.shards.pack import decoder_messages_named
+    from visiondist.data.decode import decoder_messages_named
 
     with decoder_messages_named("an earlier image"):
         pass
@@ -422,7 +422,7 @@ def test_each_decoder_message_of_a_process_is_named_after_its_file(capfd):
     emptied and written from its start)."""
     import os
 
-    from visiondist.data.shards.pack import decoder_messages_named
+    from visiondist.data.decode import decoder_messages_named
 
     for name in ("a.jpg", "b.jpg", "c.jpg"):
         with decoder_messages_named(name):

@@ -16,14 +16,19 @@ OpenCV decodes (`imdecode`: the fastest CPU JPEG decoder we measured), ignoring 
 handling, which depends on its version (PNG and WebP orientation came late); the orientation tag is
 read with Pillow and applied here, as `PIL.ImageOps.exif_transpose` would. TIFF files (which OpenCV
 turns by their orientation whatever the flags) and files OpenCV cannot decode go through Pillow,
-under the same policy.
+under the same policy. libjpeg's and libpng's warnings, which name no file, can be prefixed with
+the file's path while it decodes (`decoder_messages_named`: the shard packer's workers).
 """
 
 from __future__ import annotations
 
 import io
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import cv2
 import numpy as np
@@ -206,3 +211,52 @@ def _png_has_metadata(data: bytes) -> bool:
             return False
         i += 12 + int.from_bytes(data[i : i + 4], "big")
     return False
+
+
+# pid -> this process's file that the decoder's stderr goes to while it decodes (made once)
+_CAPTURE: dict = {}
+
+
+@contextmanager
+def decoder_messages_named(path) -> Iterator[None]:
+    """libjpeg writes its warnings ("Corrupt JPEG data: premature end of data segment") straight to
+    the process's stderr, naming no file: while the body decodes `path`, they go to a file, and come
+    out on stderr after it, each line with the path in front (other text on stderr meanwhile, e.g. a
+    progress bar's, unchanged)."""
+    # a forked worker makes its own: one inherited would be shared with its sibling workers
+    pid = os.getpid()
+    if pid not in _CAPTURE:
+        _CAPTURE.clear()
+        _CAPTURE[pid] = tempfile.TemporaryFile()
+    capture = _CAPTURE[pid]
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(capture.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        size = os.lseek(capture.fileno(), 0, os.SEEK_END)
+        if size:
+            text = os.pread(capture.fileno(), size, 0).decode(errors="replace")
+            os.ftruncate(capture.fileno(), 0)
+            # the next message at the start, not after a hole of NULs
+            os.lseek(capture.fileno(), 0, os.SEEK_SET)
+            sys.stderr.write(
+                "".join(
+                    f"{path}: {line}\n" if line.startswith(_DECODER_WARNINGS) else line + "\n"
+                    for line in text.splitlines()
+                )
+            )
+            sys.stderr.flush()
+
+
+_DECODER_WARNINGS = (
+    "Corrupt JPEG data",
+    "Premature end of JPEG file",
+    "Invalid SOS parameters",
+    "libpng warning",
+    "Warning:",
+    "Unknown Adobe",
+)

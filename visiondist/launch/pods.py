@@ -1,6 +1,6 @@
 """A pod of a Kubernetes job started as `python tools/train.py ...` (no torchrun): the node's place
 in the job read from the variables the operator sets, so that this process becomes the node's
-launcher, as torchrun would.
+launcher, as torchrun would; and how many ranks each pod starts (`pod_ranks`).
 
 The contracts, and what the pod's environment holds under each:
 - Kubeflow Trainer v2 (TrainJob, `torch-distributed` runtime); PyTorchJob from Training Operator
@@ -21,9 +21,10 @@ command is torchrun) the variables are torchrun's, and each rank reads its own
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from visiondist.config import ConfigError
+from visiondist.plan.world import find_accelerator
 
 DEFAULT_PORT = 29500  # the Training Operator's and Trainer's default master port
 
@@ -195,3 +196,29 @@ def _pods_contract(env: dict[str, str]) -> Optional[PodJob]:
         "visiondist",
         None,
     )
+
+
+def pod_ranks(cfg: Any, pod: PodJob, cuda_devices: int) -> int:
+    """The ranks each pod starts: the contract's count, else trainer.devices, else the pod's GPUs,
+    else (CPU pods) dp x tp x pp over the nodes, else tp x pp."""
+    t, p = cfg.trainer, cfg.parallel
+    if pod.nproc:
+        if t.devices > 0 and t.devices != pod.nproc:
+            raise ConfigError(
+                f"trainer.devices={t.devices} but the job starts {pod.nproc} ranks per pod "
+                "(PET_NPROC_PER_NODE): drop trainer.devices"
+            )
+        return pod.nproc
+    if t.devices > 0:
+        return t.devices
+    if find_accelerator(cfg, cuda_devices) == "cuda":
+        return cuda_devices
+    if p.dp > 0:
+        ranks = p.dp * p.tp * p.pp
+        if ranks % pod.max_nodes:
+            raise ConfigError(
+                f"dp x tp x pp = {ranks} ranks do not split over {pod.max_nodes} pods: set "
+                "trainer.devices to the ranks per pod"
+            )
+        return ranks // pod.max_nodes
+    return p.tp * p.pp

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from visiondist.config import ConfigError, from_container, to_container
+from visiondist.config import from_container, to_container
 from visiondist.config.layout import RunLayout
 from visiondist.engine.precision import set_tf32
 from visiondist.engine.run import ELSEWHERE
@@ -34,7 +34,7 @@ from visiondist.launch.failed import (
     record_rank_failure,
     wait_for_the_launcher_after_a_lost_peer,
 )
-from visiondist.launch.pods import PodJob, pod_job
+from visiondist.launch.pods import PodJob, pod_job, pod_ranks
 from visiondist.launch.rundir import STATELESS, _shared_run_dir, _write_plan, new_run_dir, run_kind
 from visiondist.launch.shared import shared_gpu_line
 from visiondist.launch.slurm import slurm_env
@@ -48,7 +48,6 @@ from visiondist.plan.world import (
     backend_for,
     cuda_index,
     device_memory_gb,
-    find_accelerator,
     under_torchrun,
 )
 from visiondist.utils.exit import leave_quickly_when_done
@@ -427,32 +426,6 @@ def _speaking(returned: dict[int, Any]) -> Any:
         if isinstance(result, dict) and ELSEWHERE not in result.get("stopped because", ELSEWHERE)
     ]
     return asked[0] if asked else returned[min(returned)]
-
-
-def pod_ranks(cfg: DictConfig, pod: PodJob, cuda_devices: int) -> int:
-    """The ranks each pod starts: the contract's count, else trainer.devices, else the pod's GPUs,
-    else (CPU pods) dp x tp x pp over the nodes, else tp x pp."""
-    t, p = cfg.trainer, cfg.parallel
-    if pod.nproc:
-        if t.devices > 0 and t.devices != pod.nproc:
-            raise ConfigError(
-                f"trainer.devices={t.devices} but the job starts {pod.nproc} ranks per pod "
-                "(PET_NPROC_PER_NODE): drop trainer.devices"
-            )
-        return pod.nproc
-    if t.devices > 0:
-        return t.devices
-    if find_accelerator(cfg, cuda_devices) == "cuda":
-        return cuda_devices
-    if p.dp > 0:
-        ranks = p.dp * p.tp * p.pp
-        if ranks % pod.max_nodes:
-            raise ConfigError(
-                f"dp x tp x pp = {ranks} ranks do not split over {pod.max_nodes} pods: set "
-                "trainer.devices to the ranks per pod"
-            )
-        return ranks // pod.max_nodes
-    return p.tp * p.pp
 
 
 def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> RunLayout:

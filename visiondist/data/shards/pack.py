@@ -28,20 +28,17 @@ import json
 import os
 import shutil
 import signal
-import sys
 import tarfile
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import cv2
 import numpy as np
 from rich.progress import Progress
 
-from visiondist.data.decode import decode_rgb
+from visiondist.data.decode import decode_rgb, decoder_messages_named
 from visiondist.data.index import list_image_folder
 from visiondist.data.robust import name_bad
 from visiondist.utils.procenv import usable_cpus
@@ -398,55 +395,6 @@ def _image_bytes(path: str, max_side: Optional[int], quality: int) -> tuple[byte
     if not ok:
         raise PackError(f"cannot encode {path} as JPEG")
     return encoded.tobytes(), ".jpg"
-
-
-# pid -> this process's file that the decoder's stderr goes to while it decodes (made once)
-_CAPTURE: dict = {}
-
-
-@contextmanager
-def decoder_messages_named(path) -> Iterator[None]:
-    """libjpeg writes its warnings ("Corrupt JPEG data: premature end of data segment") straight to
-    the process's stderr, naming no file: while the body decodes `path`, they go to a file, and come
-    out on stderr after it, each line with the path in front (other text on stderr meanwhile, e.g. a
-    progress bar's, unchanged)."""
-    # a forked worker makes its own: one inherited would be shared with its sibling workers
-    pid = os.getpid()
-    if pid not in _CAPTURE:
-        _CAPTURE.clear()
-        _CAPTURE[pid] = tempfile.TemporaryFile()
-    capture = _CAPTURE[pid]
-    sys.stderr.flush()
-    saved = os.dup(2)
-    os.dup2(capture.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        size = os.lseek(capture.fileno(), 0, os.SEEK_END)
-        if size:
-            text = os.pread(capture.fileno(), size, 0).decode(errors="replace")
-            os.ftruncate(capture.fileno(), 0)
-            # the next message at the start, not after a hole of NULs
-            os.lseek(capture.fileno(), 0, os.SEEK_SET)
-            sys.stderr.write(
-                "".join(
-                    f"{path}: {line}\n" if line.startswith(_DECODER_WARNINGS) else line + "\n"
-                    for line in text.splitlines()
-                )
-            )
-            sys.stderr.flush()
-
-
-_DECODER_WARNINGS = (
-    "Corrupt JPEG data",
-    "Premature end of JPEG file",
-    "Invalid SOS parameters",
-    "libpng warning",
-    "Warning:",
-    "Unknown Adobe",
-)
 
 
 def write_index(
