@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from visiondist.config.layout import MULTI_STAGE, SCHEDULES
 from visiondist.launch import spawn_local
-from visiondist.parallel.pipeline import MULTI_STAGE, SCHEDULES, build_schedule
+from visiondist.parallel.schedules import build_schedule
 from visiondist.parallel.stages import stage_indices
 from visiondist.parallel.timeline import Recorder, bubble_fraction, ideal_bubble, plot_timeline
 

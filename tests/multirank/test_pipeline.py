@@ -9,7 +9,7 @@ import torch
 from devices import SHARED, TEST_DEVICE
 from helpers import spawn_ranks
 
-from visiondist.parallel.pipeline import p2p_bytes_per_step
+from visiondist.parallel.schedules import p2p_bytes_per_step
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)]
 

@@ -60,7 +60,7 @@ def test_bubble_of_an_ideal_gpipe_timeline_is_the_textbook_fraction(tmp_path):
 def test_a_schedule_missing_from_this_pytorch_is_a_clear_error(monkeypatch):
     from torch.distributed.pipelining import schedules
 
-    from visiondist.parallel.pipeline import _schedule_class
+    from visiondist.parallel.schedules import _schedule_class
 
     monkeypatch.delattr(schedules, "ScheduleInterleavedZeroBubble")
     with pytest.raises(

@@ -3,10 +3,10 @@ rank.
 
 `parallelize` (`apply.py`) applies, in order: tensor-parallel plan -> pipeline stages -> data
 parallel. `mesh.py`: the mesh and the rank's `Layout`; `tensor.py` and `collectives.py`: the TP
-styles and their autograd collectives; `stages.py`, `pipeline.py` and `timeline.py`: the stage cut,
-torch's schedules and what a schedule did (the bubble, a PNG); `fsdp.py`: FSDP2, activation
-checkpointing, compile; `data.py`: DDP; `grad.py`: gradient averaging and the global norm. Which
-layout to run is decided before the ranks start, in `visiondist.plan`.
+styles and their autograd collectives; `stages.py`, `pipeline.py`, `schedules.py` and `timeline.py`:
+the stage cut, the pipelined model, torch's schedules and what a schedule did (the bubble, a PNG);
+`fsdp.py`: FSDP2, activation checkpointing, compile; `data.py`: DDP; `grad.py`: gradient averaging
+and the global norm. Which layout to run is decided before the ranks start, in `visiondist.plan`.
 
 Imports: `compat`, `utils` and `config` only; never the models, which declare their plans to it
 (`visiondist.models.vit_parallel`).
