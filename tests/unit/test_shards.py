@@ -306,6 +306,22 @@ def test_s3_shards_read_as_the_directory(packed, tmp_path, monkeypatch):
         # not retried
         with pytest.raises(ShardError, match=rf"cannot fetch {url}/nothing\.tar: .*NoSuchKey"):
             store.local("nothing.tar", "0" * 64, 10)
+        # a node with no credentials: said at once, with where they go (not retried as a network
+        # fault)
+        import visiondist.data.shards.store as store_module
+
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            monkeypatch.delenv(key)
+        for key in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+            monkeypatch.setenv(key, str(tmp_path / "none"))
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        monkeypatch.setattr(store_module, "_S3_CLIENTS", {})
+        import boto3
+
+        monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # it holds the credentials it found
+        bare = ShardStore(url, cache_dir=str(tmp_path / "bare"), retries=3)
+        with pytest.raises(ShardError, match="give this node S3 credentials"):
+            bare.read_small("dataset.json")
 
 
 def test_a_node_with_the_shards_cached_trains_on_while_the_server_is_away(packed, tmp_path):
@@ -342,6 +358,32 @@ def test_a_tree_config_on_a_pack_and_shards_on_a_tree_say_what_to_change(packed)
         load_config(
             configs, ["data=imagenet", "data.format=shards", f"data.root={source}"], inputs="train"
         )
+
+
+def test_a_pack_one_folder_down_or_cut_short_is_named_before_launch(packed, tmp_path):
+    """data.root at the pack's parent names the pack below it; a split whose shard list is missing
+    (a pack cut short) is refused before any rank starts, naming the pack command, not "pack it
+    first"."""
+    import shutil
+
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+
+    _, out, _ = packed
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    outer = tmp_path / "outer"
+    shutil.copytree(out, outer / "shards")
+    shards = ["data=imagenet", "data.format=shards"]
+    with pytest.raises(
+        ConfigError,
+        match=rf"data.root={outer} holds no pack, but {outer / 'shards'} does: "
+        rf"set data.root={outer / 'shards'}$",
+    ):
+        load_config(configs, [*shards, f"data.root={outer}"], inputs="train")
+    (outer / "shards" / "val.json").unlink()
+    for purpose in ("train", "eval"):
+        with pytest.raises(ConfigError, match=r"val\.json does not exist, .* cut short"):
+            load_config(configs, [*shards, f"data.root={outer / 'shards'}"], inputs=purpose)
 
 
 def test_the_pack_command_names_every_unreadable_image_in_one_run(capsys, tmp_path):

@@ -70,6 +70,7 @@ def describe(
                 f"data.root={d.root} has no packed split {split!r} (it has "
                 f"{', '.join(meta['splits'])}): set data.{key}"
             )
+        store.read_small(f"{split}.json")  # its shard list: a pack cut short lacks it
     if need is not None and meta["splits"][d.train_split]["samples"] < need:
         raise ShardError(
             f"data.root={d.root}: the training split has "

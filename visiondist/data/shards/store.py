@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import multiprocessing
 import os
@@ -106,11 +107,7 @@ class ShardStore:
         if not self.remote:
             path = Path(self.root) / name
             if not path.is_file():
-                raise ShardError(
-                    f"{path} does not exist: with data.format=shards, data.root is a directory "
-                    "`tools/data.py pack` wrote (pack it first, or drop data.format=shards to "
-                    "read a tree)"
-                )
+                raise ShardError(_not_packed_here(path))
             return path.read_bytes()
         cached = self.cache / f"{name}.last"
         # this job found the server away
@@ -211,6 +208,12 @@ class ShardStore:
                 return _get(url, dest, self.timeout_s)
             except (OSError, *_s3_errors()) as exc:  # urllib's errors are OSErrors
                 last = exc
+                if _no_credentials(exc):  # nothing to wait for either
+                    raise ShardError(
+                        f"cannot fetch {url}: {exc}: give this node S3 credentials "
+                        "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
+                        "~/.aws/credentials, or an instance role)"
+                    ) from None
                 if _missing(exc):  # there is nothing to wait for
                     raise ShardError(
                         f"cannot fetch {url}: {exc}; data.root must be where `tools/data.py pack` "
@@ -267,6 +270,11 @@ def _s3_errors() -> tuple:
     except ImportError:
         return ()
     return BotoCoreError, ClientError
+
+
+def _no_credentials(exc: Exception) -> bool:
+    """botocore found no credentials (or part of them) on this node: a retry finds none either."""
+    return type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError")
 
 
 def _missing(exc: Exception) -> bool:
@@ -333,3 +341,34 @@ def _get(url: str, dest: Optional[Path], timeout_s: float) -> tuple[bytes, str]:
     if expected is not None and got != int(expected):
         raise OSError(f"the connection ended after {got} of {expected} bytes")
     return b"".join(chunks), digest.hexdigest()
+
+
+META = "dataset.json"  # a pack's description, written last
+
+
+def _a_pack(meta: Path) -> bool:
+    try:
+        return json.loads(meta.read_text()).get("format") == "visiondist-shards"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _not_packed_here(path: Path) -> str:
+    """Why a pack's file is not where data.root says, and the fix: a pack one folder down, a split
+    whose pack was cut short, or no pack at all."""
+    root = path.parent
+    if path.name != META:
+        return (
+            f"{path} does not exist, though {root / META} lists the split: its pack was cut short "
+            "(run the same tools/data.py pack again; it writes what is missing)"
+        )
+    below = sorted(p.parent for p in root.glob(f"*/{META}") if _a_pack(p)) if root.is_dir() else []
+    if below:
+        return (
+            f"{path} does not exist: data.root={root} holds no pack, but {below[0]} does: "
+            f"set data.root={below[0]}"
+        )
+    return (
+        f"{path} does not exist: with data.format=shards, data.root is a directory "
+        "`tools/data.py pack` wrote (pack it first, or drop data.format=shards to read a tree)"
+    )
