@@ -450,3 +450,52 @@ def test_an_export_failure_says_its_first_words_and_the_rest(tmp_path, monkeypat
     monkeypatch.setattr(job, "export_job", failing)
     assert load_tool("export").main([f"run_dir={tmp_path}", "format=torchscript"]) == 1
     assert capsys.readouterr().err == "error: Could not compile the model:\n    at line 3\n"
+
+
+def test_evaluating_weights_on_data_of_other_classes_is_refused(tmp_path):
+    """Weights that record their classes (a run's model.safetensors) evaluated on a set with as many
+    classes of other names, or the same in another order, would score every label against another
+    class (a newcomer saw top-1 0.00%, nothing said): refused before launch, naming both. The same
+    classes in the same order pass."""
+    from safetensors.torch import save_file
+
+    from visiondist.config import ConfigError
+    from visiondist.inference.names import check_same_classes
+
+    weights = tmp_path / "model.safetensors"
+    save_file(
+        {"head.weight": torch.zeros(3, 4)},
+        str(weights),
+        metadata={"classes": json.dumps(["bird", "cat", "dog"])},
+    )
+
+    def cfg_on(*classes: str):
+        root = tmp_path / "-".join(classes)
+        for split in ("train", "val"):
+            for name in classes:
+                (root / split / name).mkdir(parents=True)
+                Image.new("RGB", (8, 8)).save(root / split / name / "a.jpg")
+        return load_config(
+            REPO / "configs",
+            ["data=imagenet", f"data.root={root}", f"model.weights={weights}"],
+            inputs=None,
+        )
+
+    with pytest.raises(
+        ConfigError,
+        match=r"was trained on classes bird, cat, dog, but the class folders of .* holds "
+        r"classes a, b, c: evaluate on data with the classes it was trained for",
+    ):
+        check_same_classes(cfg_on("a", "b", "c"))
+    with pytest.raises(ConfigError, match="holds classes ant, bird, cat, dog"):
+        check_same_classes(cfg_on("bird", "cat", "dog", "ant"))
+    same = cfg_on("bird", "cat", "dog")
+    check_same_classes(same)
+    # recorded in another order than the folders sort in: label k is another class there
+    save_file(
+        {"head.weight": torch.zeros(3, 4)},
+        str(weights),
+        metadata={"classes": json.dumps(["dog", "cat", "bird"])},
+    )
+    with pytest.raises(ConfigError, match="holds the same classes in another order"):
+        check_same_classes(same)

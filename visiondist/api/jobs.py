@@ -232,8 +232,11 @@ def evaluate_job(cfg: DictConfig, base: Optional[Path], own_dir: bool = False) -
     Returns:
         The evaluation's metrics (rank 0's).
     """
+    from visiondist.inference.names import check_same_classes  # noqa: PLC0415 (a job's)
+
     try:  # the val split and the weights against the model, before any rank starts
         checked(cfg, "eval")
+        check_same_classes(cfg, "model.weights")
     except ConfigError as exc:
         if base is not None:  # run_dir=: the run's own weights
             raise

@@ -78,7 +78,7 @@ def read_names(cfg: DictConfig) -> Names:
     recorded = recorded_names(weights) if weights is not None else None
     if recorded is not None and recorded.classes and (not detector or recorded.categories):
         return recorded
-    from_data = _from_data(cfg)
+    from_data = data_names(cfg)
     if from_data is not None and len(from_data.classes) == k:
         # names from the weights, category ids from the data
         if recorded is not None and recorded.classes:
@@ -97,6 +97,34 @@ def read_names(cfg: DictConfig) -> Names:
     )
     classes = [f"class {i}" for i in range(k)]
     return Names(classes, None, "nowhere (numbered)")
+
+
+def check_same_classes(cfg: DictConfig, key: str = "weights") -> None:
+    """The classes the weights record (`recorded_names`) are the data's, in the same order, where
+    both are known: evaluated on other classes (another set with as many), every label would be
+    scored against another class's name, a top-1 of 0 with nothing said. ConfigError naming both."""
+    weights = Path(str(cfg.model.weights)) if cfg.model.weights else None
+    recorded = recorded_names(weights) if weights is not None and weights.exists() else None
+    if recorded is None or not recorded.classes:
+        return
+    data = data_names(cfg)
+    if data is None or data.classes == recorded.classes:
+        return
+    how = (
+        "the same classes in another order"
+        if sorted(data.classes) == sorted(recorded.classes)
+        else f"classes {_some(data.classes)}"
+    )
+    raise ConfigError(
+        f"{key}={weights} was trained on classes {_some(recorded.classes)}, but "
+        f"{data.read_from} holds {how}: evaluate on data with the classes it was trained for "
+        "(data.root=...), or train on this data"
+    )
+
+
+def _some(names: list[str], shown: int = 6) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def count_classes(cfg: DictConfig, weights: Path) -> None:
@@ -178,7 +206,7 @@ def _file_metadata(weights: Path) -> dict[str, str]:
     return meta
 
 
-def _from_data(cfg: DictConfig) -> Optional[Names]:
+def data_names(cfg: DictConfig) -> Optional[Names]:
     """The run's class folders (or its packed set's classes), or its val annotation file's
     categories; None when the data is not here."""
     d = cfg.data
