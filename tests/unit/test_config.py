@@ -355,3 +355,22 @@ def test_the_schema_defaults_are_the_shipped_defaults():
             if shipped != default:
                 differ.append(f"{group}.{f.name}: schema {default!r}, configs {shipped!r}")
     assert not differ, "\n".join(differ)
+
+
+def test_a_relative_data_root_is_recorded_absolute(tmp_path, monkeypatch):
+    """config.yaml records the data.root the run read: a relative one, made absolute, still names
+    it when the run is evaluated or continued from another directory. A URL stays as given."""
+    for split in ("train", "val"):
+        for name in ("a", "b"):
+            (tmp_path / "set" / split / name).mkdir(parents=True)
+            from PIL import Image
+
+            for i in range(4):
+                Image.new("RGB", (8, 8)).save(tmp_path / "set" / split / name / f"{i}.jpg")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(CONFIGS, ["data=imagenet", "data.root=set", "data.batch_size=4"], "train")
+    assert cfg.data.root == str(tmp_path / "set")
+    url = load_config(
+        CONFIGS, ["data=imagenet", "data.format=shards", "data.root=http://127.0.0.1:1/x"], None
+    )
+    assert url.data.root == "http://127.0.0.1:1/x"

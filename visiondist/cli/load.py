@@ -203,6 +203,17 @@ def _check_format(cfg: DictConfig) -> None:
     )
 
 
+def _absolute_root(d: DictConfig) -> None:
+    """A relative local `data.root` made absolute, as the run's config.yaml then records it: its
+    evaluation, prediction or continuation from another directory reads the same data."""
+    root = d.get("root")
+    if OmegaConf.is_missing(d, "root") or not isinstance(root, str) or not root or "://" in root:
+        return
+    path = Path(root).expanduser()
+    if not path.is_absolute() and path.exists():
+        d.root = str(path.resolve())
+
+
 def checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
     """Validate `cfg` and check its inputs on disk for `inputs` ("train", "eval"; None: nothing
     reads the data, so `???` values may stay unset). A `data.num_classes` left unset is counted from
@@ -220,6 +231,7 @@ def checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
 
     if inputs is not None:  # the data is read (prediction reads none: its defaults stand)
         _check_format(cfg)
+        _absolute_root(cfg.data)
     # a packed built-in set is read from its shards, not generated
     if cfg.data.get("format") == "shards":
         cfg.data.synthetic = None
