@@ -56,6 +56,8 @@ TOOL = Tool(
     "data.val_split, data.annotations)",
     writes="<out>/<split>-NNNNNN.tar, <out>/<split>.json, <out>/<split>-index.npz, "
     "<out>/dataset.json",
+    on_stop="pack: the shards finished so far are kept, and the same command writes the rest; "
+    "convert: what it wrote so far stays in out=, and the same command writes it again",
     examples=(
         "python tools/data.py pack data=imagenet data.root=/data/imagenet "
         "out=/data/imagenet-shards",

@@ -367,7 +367,8 @@ def main(tool: Tool, config_dir: Path, argv: list[str], body: Callable[[Command]
         return 2
     except StopNow as stop:
         print(
-            f"{tool.name.removesuffix('.py')} stopped by {stop.signal_name}: nothing written",
+            f"{tool.name.removesuffix('.py')} stopped by {stop.signal_name}: "
+            f"{tool.on_stop or 'nothing written'}",
             file=sys.stderr,
             flush=True,
         )

@@ -61,6 +61,8 @@ class Tool:
     positional: bool = False
     # a tool with subcommands: the usage line's first word (tools/data.py: "pack")
     command: str = ""
+    # what a stop signal leaves behind, said after it; "": nothing written
+    on_stop: str = ""
 
     @property
     def key_names(self) -> list[str]:
