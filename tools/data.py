@@ -142,8 +142,8 @@ def convert(cmd: Command) -> int:
         more = f" ({'; '.join(left)})" if left else ""
         print(f"{split}: {c['images']} images, {c['objects']} objects written{more}")
     print(
-        f"wrote {target} into {out}; train from it: python {Path(__file__).parent.name}/train.py "
-        f"data=detection data.root={cmd.args['out']} model=<detector>"
+        f"wrote {target} into {out}; train from it: python {_train_tool()} "
+        f"data=detection data.root={_shown(out)} model=<detector>"
     )
     return 0
 
@@ -214,10 +214,23 @@ def pack(cmd: Command) -> int:
         )
     print(
         f"{len(meta['classes'])} {'categories' if d.format == 'coco' else 'classes'}; train from "
-        f"it: python {Path(__file__).parent.name}/train.py data={d.name} data.format=shards "
-        f"data.root={cmd.args['out']}"
+        f"it: python {_train_tool()} data={d.name} data.format=shards data.root={_shown(out)}"
     )
     return 0
+
+
+def _train_tool() -> str:
+    """tools/train.py as the other tools print it: typed from here."""
+    from visiondist.observe.console import tool_path
+
+    return tool_path("train")
+
+
+def _shown(path) -> str:
+    """`path` as typed from here, whole where it is outside the working directory."""
+    from visiondist.observe.console import shown_path
+
+    return shown_path(Path(path).resolve())
 
 
 def main(argv: list[str]) -> int:
