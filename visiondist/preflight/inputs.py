@@ -21,7 +21,6 @@ which read weights files.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -248,14 +247,9 @@ def _not_a_pack(d) -> None:
     marker)."""
     if d.format == "shards" or "://" in str(d.root):
         return
-    marker = Path(d.root).expanduser() / "dataset.json"
-    try:
-        packed = (
-            marker.is_file() and json.loads(marker.read_text()).get("format") == "visiondist-shards"
-        )
-    except (OSError, ValueError, AttributeError):
-        return
-    if packed:
+    from visiondist.data.shards.store import is_pack  # noqa: PLC0415 (reader)
+
+    if is_pack(Path(d.root).expanduser()):
         raise ConfigError(
             f"data.root={d.root} holds packed shards (tools/data.py pack): add data.format=shards"
         )

@@ -13,8 +13,8 @@ import numpy as np
 from visiondist.data.decode import decode_rgb
 from visiondist.data.imagefolder import LabelledImages
 from visiondist.data.robust import BadImages
-from visiondist.data.shards.pack import FORMAT, VERSION
-from visiondist.data.shards.store import ShardError, ShardStore
+from visiondist.data.shards.pack import VERSION
+from visiondist.data.shards.store import FORMAT, ShardError, ShardStore
 
 
 def read_meta(store: ShardStore) -> dict:

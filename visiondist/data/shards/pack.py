@@ -41,9 +41,9 @@ from rich.progress import Progress
 from visiondist.data.decode import decode_rgb, decoder_messages_named
 from visiondist.data.index import list_image_folder
 from visiondist.data.robust import name_bad
+from visiondist.data.shards.store import FORMAT
 from visiondist.utils.procenv import usable_cpus
 
-FORMAT = "visiondist-shards"
 # the automatic shard size's floor on a split's shards: enough for data.streams x nodes
 MIN_SHARDS = 64
 VERSION = 1

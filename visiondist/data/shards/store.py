@@ -344,11 +344,14 @@ def _get(url: str, dest: Optional[Path], timeout_s: float) -> tuple[bytes, str]:
 
 
 META = "dataset.json"  # a pack's description, written last
+FORMAT = "visiondist-shards"  # its "format"
 
 
-def _a_pack(meta: Path) -> bool:
+def is_pack(folder: Path) -> bool:
+    """Whether `folder` holds a finished pack: its dataset.json says so (a built-in set's marker of
+    the same name does not)."""
     try:
-        return json.loads(meta.read_text()).get("format") == "visiondist-shards"
+        return json.loads((Path(folder) / META).read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -362,7 +365,7 @@ def _not_packed_here(path: Path) -> str:
             f"{path} does not exist, though {root / META} lists the split: its pack was cut short "
             "(run the same tools/data.py pack again; it writes what is missing)"
         )
-    below = sorted(p.parent for p in root.glob(f"*/{META}") if _a_pack(p)) if root.is_dir() else []
+    below = sorted(p for p in root.iterdir() if is_pack(p)) if root.is_dir() else []
     if below:
         return (
             f"{path} does not exist: data.root={root} holds no pack, but {below[0]} does: "
