@@ -58,9 +58,11 @@ def check_gpu_layout(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None
     training, "benchmark" (no whole-run figure), "eval" (no estimate)."""
     if cfg.trainer.accelerator != "auto" or run.accelerator != "cpu" or run.under_torchrun:
         return
-    if run.world_size == 1 and not _long_on_one_cpu_rank(cfg, run, kind):
+    # the run's length, counted once (an ImageFolder's training images are listed for it)
+    length = run_steps(cfg) if kind is None else (None, "")
+    if run.world_size == 1 and not _long_on_one_cpu_rank(cfg, run, length[0]):
         return
-    text, whole = cpu_estimate_seconds(cfg, run, kind)
+    text, whole = cpu_estimate_seconds(cfg, run, kind, length=length)
     if run.world_size == 1 and (whole is None or whole <= REFUSE_OVER_S):
         return
     ranks = (
@@ -83,13 +85,10 @@ def check_gpu_layout(cfg: DictConfig, run: RunLayout, kind: Optional[str] = None
     warn_once(f"{what.format('runs')} (trainer.accelerator=cpu says this is meant)")
 
 
-def _long_on_one_cpu_rank(cfg: DictConfig, run: RunLayout, kind: Optional[str]) -> bool:
-    """Whether one rank's training run is worth measuring this CPU for: over `MEASURED_FROM_S` at
-    `CPU_TFLOPS_BOUND`."""
-    if kind is not None or spec_of(cfg.model).planner_shape is None:
-        return False
-    steps, _ = run_steps(cfg)
-    if not steps:
+def _long_on_one_cpu_rank(cfg: DictConfig, run: RunLayout, steps: Optional[int]) -> bool:
+    """Whether one rank's training run of `steps` (None: not a training run, or of unknown
+    length) is worth measuring this CPU for: over `MEASURED_FROM_S` at `CPU_TFLOPS_BOUND`."""
+    if not steps or spec_of(cfg.model).planner_shape is None:
         return False
     return step_seconds_on_cpu(cfg, run, CPU_TFLOPS_BOUND) * steps > MEASURED_FROM_S
 
@@ -104,9 +103,14 @@ def cpu_estimate(
 
 
 def cpu_estimate_seconds(
-    cfg: DictConfig, run: RunLayout, kind: Optional[str] = None, tflops: Optional[float] = None
+    cfg: DictConfig,
+    run: RunLayout,
+    kind: Optional[str] = None,
+    tflops: Optional[float] = None,
+    length: Optional[tuple[Optional[int], str]] = None,
 ) -> tuple[str, Optional[float]]:
-    """`cpu_estimate`'s text and the whole run's estimated seconds (None: no whole-run estimate)."""
+    """`cpu_estimate`'s text and the whole run's estimated seconds (None: no whole-run estimate).
+    `length`: `run_steps`' answer where the caller has it."""
     if spec_of(cfg.model).planner_shape is None:
         return (
             f"no time estimate ({cfg.model.name} is a detector; the time model covers ViT "
@@ -121,7 +125,9 @@ def cpu_estimate_seconds(
         f"the time model at this CPU's {machine * 1e3:.3g} GFLOP/s dense matmul rate, measured "
         f"now, {f'shared by {run.per_node} ranks' if run.per_node > 1 else 'one rank'}: an estimate"
     )
-    steps, limit = run_steps(cfg) if kind is None else (None, "")  # a benchmark runs its own steps
+    if length is None:  # a benchmark runs its own steps
+        length = run_steps(cfg) if kind is None else (None, "")
+    steps, limit = length
     whole = f", {duration(step * steps)} for the {steps} steps ({limit})" if steps else ""
     return f"about {duration(step)} per step{whole} ({basis})", (step * steps if steps else None)
 

@@ -279,14 +279,15 @@ def launch(
     pod = None if under_torchrun(env) else pod_job(env)
     if pod is not None:
         return launch_pod(entry, cfg, pod)
+    kind = run_kind(entry)
     # an evaluation holds no training state: a named layout is not fitted for it (nor refused)
-    stateless = run_kind(entry) in STATELESS
+    stateless = kind in STATELESS
     run, auto_plan = resolve(
         cfg, env, cuda_device_count(), fit_named=not stateless, training=not stateless
     )
-    _say_before_launch(cfg, run, auto_plan, env.get("RANK", "0") == "0", entry)
-    cfg_dict = with_decode_choice(cfg, run, to_container(cfg), env.get("RANK", "0") == "0")
-    kind = run_kind(entry)
+    main = env.get("RANK", "0") == "0"
+    _say_before_launch(cfg, run, auto_plan, main, kind)
+    cfg_dict = with_decode_choice(cfg, run, to_container(cfg), main)
     results = {} if results is None else results
     # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
     if run.under_torchrun:
@@ -328,18 +329,18 @@ def launch(
 
 
 def _say_before_launch(
-    cfg: DictConfig, run: RunLayout, auto_plan: Any, main: bool, entry: Entry
+    cfg: DictConfig, run: RunLayout, auto_plan: Any, main: bool, kind: Optional[str]
 ) -> None:
     """What the launching process says of the resolved layout before any rank starts (`main`: the
     process of global rank 0 says it): a named layout's fit, a refused CPU layout, FSDP over one
     rank, a shared GPU, parallel=auto's choice, trainer.compile=auto's choice; and Inductor's
-    caches kept across runs."""
-    stateless = run_kind(entry) in STATELESS
+    caches kept across runs. `kind`: the entry's `run_kind`."""
+    stateless = kind in STATELESS
     # a named layout over the device's budget (visiondist.plan.fit)
     if run.fitted and main:
         print(run.fitted, flush=True)
     # several ranks, no GPU found under accelerator=auto: stop, estimated
-    check_gpu_layout(cfg, run, run_kind(entry))
+    check_gpu_layout(cfg, run, kind)
     if run.fsdp and run.dp == 1 and main:
         print(
             "warning: FSDP over 1 rank shards nothing (it runs as one process would): give the "
