@@ -15,6 +15,7 @@ from visiondist.config.model_checks import check_model
 from visiondist.config.resolution import check_native
 from visiondist.config.rules import one_of, positive
 from visiondist.config.schema import DETECTION_FORMATS, ConfigError
+from visiondist.utils.dcp import step_of
 
 # --------------------------------------------------------------------------------------------------
 # Validation: everything a type cannot say. Each check raises with the value, the reason and the
@@ -202,15 +203,14 @@ def _check_trainer(t: DictConfig) -> None:
 
 
 def _steps_beside(resume: object) -> str:
-    """'; checkpoints/ there holds step_3, step_6' for a step that is not among its folder's."""
-    folder = Path(str(resume)).expanduser().parent
-    if not Path(str(resume)).name.startswith("step_") or not folder.is_dir():
+    """'; <run>/checkpoints holds step_3, step_6' for a checkpoint step that is not among them."""
+    asked = Path(str(resume)).expanduser()
+    folder = asked.parent
+    if step_of(asked) is None or not folder.is_dir():
         return ""
-    steps = sorted(
-        (p.name for p in folder.glob("step_*") if p.name[5:].isdigit()),
-        key=lambda name: int(name[5:]),
-    )
-    return f"; {folder} holds {', '.join(steps)}" if steps else f"; {folder} holds no checkpoint"
+    steps = sorted(s for p in folder.iterdir() if (s := step_of(p)) is not None)
+    held = ", ".join(f"step_{s}" for s in steps)
+    return f"; {folder} holds {held}" if steps else f"; {folder} holds no checkpoint"
 
 
 def check_trackers_installed(loggers) -> None:
