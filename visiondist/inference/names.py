@@ -3,8 +3,9 @@ trainer state, an export's metadata or sidecar, a from_pretrained directory's co
 from the run's data (class folders, a packed set, the annotation file), else numbered; the class
 count a prediction takes from them; and `predict.classes` turned into a detector's labels.
 
-The launching process reads this module before its ranks start: the export's COCO reader (DCP,
-torchvision: 1.5 s) is imported only where the weights record no class names."""
+The launching process reads this module before its ranks start; a COCO file's names come from
+its `categories` alone (`visiondist.preflight.images.coco_categories`), not a parse of the whole
+file."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ from safetensors import SafetensorError, safe_open
 
 from visiondist.checkpoint.files import read_trainer_state
 from visiondist.config import ConfigError
+from visiondist.data.formats.exports import coco_paths
 from visiondist.data.index import list_image_folder
 from visiondist.data.shards import open_store, read_meta
 from visiondist.models import TASKS
 from visiondist.models.exported import program_info
+from visiondist.preflight.images import coco_categories
 from visiondist.utils.dcp import is_complete
 
 log = logging.getLogger(__name__)
@@ -212,11 +215,12 @@ def data_names(cfg: DictConfig) -> Optional[Names]:
     d = cfg.data
     try:
         if TASKS[cfg.model.family] == "detection":
-            from visiondist.checkpoint.export.trained import (  # noqa: PLC0415 (a fallback: 1.5 s)
-                coco_categories,
-            )
-
-            cats, names = coco_categories(cfg)
+            # the file's categories alone (not its images and annotations), labels 1..K in the
+            # order of their ids, as the COCO loader numbers them
+            _, annotations = coco_paths(d, d.val_split)
+            found = sorted(coco_categories(annotations), key=lambda c: c["id"])
+            names = [str(c["name"]) for c in found]
+            cats = [int(c["id"]) for c in found]
             return Names(names, cats, "the run's annotation file") if names else None
         if d.get("format") == "shards":
             return Names(list(read_meta(open_store(d))["classes"]), None, "the run's packed set")
