@@ -191,9 +191,10 @@ def _named_fits(cfg, devices: int, nodes: int, memory: float, console) -> bool:
     need = layout_memory(cfg, run).device
     budget = cfg.parallel.headroom * memory
     unchecked = not cfg.parallel.device_memory_gb and run.accelerator == "cpu"
+    fits = need <= budget * 1e9
     verdict = (
         f"within the {budget:.3g} GB budget"
-        if need <= budget * 1e9
+        if fits
         else f"[bold red]over[/bold red] the {budget:.3g} GB budget"
     )
     console.print(
@@ -206,7 +207,7 @@ def _named_fits(cfg, devices: int, nodes: int, memory: float, console) -> bool:
         ),
         soft_wrap=True,
     )
-    return need <= budget * 1e9
+    return fits
 
 
 def inputs_line(cfg) -> str:

@@ -116,7 +116,7 @@ def next_commands(
         else "source=<images, folder, glob, list or video>"
     )
     launcher = (
-        f"the same torchrun / srun / pod command with trainer.run_dir={shlex.quote(str(run_dir))}"
+        continue_command(run_dir, under_torchrun=True)
         if under_torchrun
         else f"python {tool_path('train')} trainer.run_dir={run}"
     )
