@@ -1,6 +1,6 @@
 """Plan the parallel layout of a model without starting anything, and check it:
 
-    python tools/plan.py model=vit_giant trainer.devices=8 parallel.device_memory_gb=80 \
+    python tools/plan.py model=vit_giant trainer.devices=8 parallel.gpu=h100 \
         [parallel.nodes=4] [...]
     python tools/plan.py verify=chosen model=vit_22b trainer.devices=8 parallel.nodes=8 ...
 
@@ -44,14 +44,15 @@ TOOL = Tool(
     reads=(
         "configs/ as tools/train.py: model, global batch (data.batch_size), optimizer, EMA, "
         "precision; the devices from trainer.devices x parallel.nodes (or parallel.num_devices), "
-        "parallel.device_memory_gb (default: this machine's GPU; without one, its CPU memory / "
-        "ranks per node) and parallel.device_tflops (the time model's dense bf16 rate per device, "
-        "default 400); no data"
+        "the devices' board (parallel.gpu=h100, a100-40gb, l40s, ...) or their memory and rate "
+        "(parallel.device_memory_gb, parallel.device_tflops: the time model's sustained dense "
+        "bf16 rate per device); default this machine's GPU, without one its CPU memory / ranks "
+        "per node; no data"
     ),
     writes="nothing: prints the table",
     examples=(
         "python tools/plan.py model=vit_22b data=imagenet trainer.precision=bf16 trainer.devices=8 "
-        "parallel.nodes=8 parallel.device_memory_gb=80",
+        "parallel.nodes=8 parallel.gpu=h100",
         "python tools/plan.py verify=chosen model=vit_22b data=imagenet trainer.precision=bf16 "
         "trainer.devices=8 parallel.nodes=8 parallel.device_memory_gb=80",
         "python tools/plan.py verify=chosen model=vit_huge parallel=tp4 parallel.pp=2 "
@@ -77,6 +78,7 @@ def plan(cmd: Command) -> int:
     from visiondist.models.registry import spec_of
     from visiondist.plan import cuda_device_count, plan_for, planning_world, resolve_on
     from visiondist.plan.resolve import host_budget, memory_budget, named_layout
+    from visiondist.plan.world import devices_named
 
     verify = cmd.args.get("verify")
     if verify not in (None, "chosen", "all"):
@@ -129,11 +131,12 @@ def plan(cmd: Command) -> int:
         )
     )
     console.print(f"planned for: {inputs_line(cfg)}", soft_wrap=True)
-    if accelerator == "cpu" and t.accelerator != "cpu" and not cfg.parallel.device_memory_gb:
+    if accelerator == "cpu" and t.accelerator != "cpu" and not devices_named(cfg.parallel):
         console.print(
             "[bold yellow]no GPU on this machine[/bold yellow]: planned for its CPU memory "
-            f"({memory:.3g} GB a rank); to plan for GPUs elsewhere give one's memory and rate, "
-            "e.g. parallel.device_memory_gb=80 parallel.device_tflops=400 (an 80 GB H100)",
+            f"({memory:.3g} GB a rank); to plan for GPUs elsewhere name the board, e.g. "
+            "parallel.gpu=h100 (or a100-40gb, l40s, ...; or parallel.device_memory_gb=80 "
+            "parallel.device_tflops=400)",
             soft_wrap=True,
         )
     host, host_source = host_budget(cfg)

@@ -110,9 +110,27 @@ def test_plan_without_a_gpu_says_so_and_a_named_layout_over_its_budget_exits_1(c
     assert _tool("plan").main([*args, "trainer.devices=8", "parallel.nodes=2"]) == 1
     out = " ".join(capsys.readouterr().out.split())
     assert "no GPU on this machine: planned for its CPU memory" in out
-    assert "parallel.device_memory_gb=80" in out
+    assert "parallel.gpu=h100" in out
     assert "you named dp=4 tp=4 pp=1 (16 devices of" in out and "GB per device, over the" in out
     assert "within the" not in out
+
+
+def test_plan_for_a_gpu_by_name_is_the_plan_for_its_memory_and_rate(capsys):
+    """parallel.gpu=a100-40gb plans as its figures given by hand would (40 GB, 0.4 x 312 TFLOP/s):
+    the same table and choice, the budget's source named, and no "no GPU" note."""
+    args = ["model=vit_huge", "data=imagenet", "trainer.precision=bf16", "trainer.devices=8"]
+    assert _tool("plan").main([*args, "parallel.gpu=a100-40gb"]) == 0
+    named = " ".join(capsys.readouterr().out.split())
+    assert (
+        _tool("plan").main([*args, "parallel.device_memory_gb=40", "parallel.device_tflops=126.1"])
+        == 0
+    )
+    by_hand = " ".join(capsys.readouterr().out.split())
+    assert "40 GB each (parallel.gpu=a100-40gb)" in named and "no GPU" not in named
+    assert named.replace("(parallel.gpu=a100-40gb)", "(parallel.device_memory_gb)") == by_hand
+    assert "parallel=auto would choose fsdp8" in named
+    assert _tool("plan").main([*args, "parallel.gpu=b300"]) == 2
+    assert "parallel.gpu=b300 is not a board the planner knows" in capsys.readouterr().err
 
 
 def test_k8s_writes_the_job_that_each_pod_fits_alike(tmp_path, capsys):

@@ -16,6 +16,7 @@ from visiondist.faults.health import StepHealth
 from visiondist.models.sdpa import select_attention
 from visiondist.models.vit import VisionTransformer
 from visiondist.parallel import enable_activation_checkpointing
+from visiondist.utils.gpus import board_named, board_of_device
 from visiondist.utils.peaks import datasheet_tflops, peak_kind
 
 
@@ -134,6 +135,27 @@ def test_auto_resolves_to_the_kernel_the_optimizer_runs():
 )
 def test_datasheet_peak_by_device_name(name, kind, tflops):
     assert datasheet_tflops(name, kind) == tflops
+
+
+@pytest.mark.parametrize(
+    "device_name, key, memory_gb",
+    [
+        ("NVIDIA H100 80GB HBM3", "h100", 80.0),
+        ("NVIDIA H100 NVL", "h100-nvl", 94.0),
+        ("NVIDIA H200", "h200", 141.0),
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb", 40.0),
+        ("NVIDIA A100-PCIE-40GB", "a100-40gb", 40.0),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb", 80.0),
+        ("NVIDIA L40S", "l40s", 48.0),
+    ],
+)
+def test_a_board_named_in_the_config_is_the_one_its_gpu_reports(device_name, key, memory_gb):
+    """parallel.gpu=<key> on a login node plans with what the GPU itself would give on the node."""
+    named, found = board_named(key.upper().replace("-", "_")), board_of_device(device_name)
+    assert named == found and named.memory_gb == memory_gb
+    assert named.sustained_tflops == pytest.approx(found.bf16 * 400 / 989.4, abs=0.05)
+    with pytest.raises(ValueError, match=r"parallel.gpu=b300 is not a board .*: use one of h100"):
+        board_named("b300")
 
 
 def test_the_peak_follows_the_precision_of_the_matmuls():

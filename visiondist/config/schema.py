@@ -234,7 +234,10 @@ class ParallelConfig:
     # offload / activation checkpointing from the memory and time model (DDP whenever it fits);
     # false, as every named layout (parallel=tp2, ...) leaves it: the layout its dp / tp / pp name
     auto: bool = False
-    # per device; 0: the GPU's own (CUDA), or host memory / ranks (CPU)
+    # planning for a GPU this machine does not have: its board by name (h100, a100-40gb, l40s, ...:
+    # visiondist/utils/gpus.py), which gives device_memory_gb and device_tflops where they are 0
+    gpu: str = ""
+    # per device; 0: parallel.gpu's, the GPU's own (CUDA), or host memory / ranks (CPU)
     device_memory_gb: float = 0.0
     # per node, for what offload keeps on the host; 0: this machine's memory
     host_memory_gb: float = 0.0
@@ -243,8 +246,9 @@ class ParallelConfig:
     nodes: int = 1
     # a layout fits when its estimate is at most this fraction of device_memory_gb
     headroom: float = 0.9
-    # sustained dense rate per device, TFLOP/s (time model; ranks layouts, predicts no wall time)
-    device_tflops: float = 400.0
+    # sustained dense bf16 rate per device, TFLOP/s (time model; ranks layouts, predicts no wall
+    # time); 0: 0.4 x the datasheet's of parallel.gpu or this GPU (400 for an H100), else 400
+    device_tflops: float = 0.0
     intra_node_gbs: float = 300.0  # per-device link bandwidth inside a node, GB/s (NVLink class)
     inter_node_gbs: float = 25.0  # per-device bandwidth between nodes, GB/s (200 Gb/s InfiniBand)
     host_gbs: float = 25.0  # device <-> host copies (offload), GB/s

@@ -16,6 +16,7 @@ from visiondist.config.resolution import check_native
 from visiondist.config.rules import one_of, positive
 from visiondist.config.schema import DETECTION_FORMATS, ConfigError
 from visiondist.utils.dcp import step_of
+from visiondist.utils.gpus import board_named
 
 # --------------------------------------------------------------------------------------------------
 # Validation: everything a type cannot say. Each check raises with the value, the reason and the
@@ -284,7 +285,14 @@ def _check_parallel(p: DictConfig) -> None:
         "inter_node_gbs",
         "host_gbs",
     ):
-        positive(f"parallel.{key}", p[key], allow_zero=key.endswith("memory_gb"))
+        # 0: from the board (parallel.gpu or this machine's GPU)
+        zero_ok = key.endswith("memory_gb") or key == "device_tflops"
+        positive(f"parallel.{key}", p[key], allow_zero=zero_ok)
+    if p.get("gpu"):
+        try:
+            board_named(str(p.gpu))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     positive("parallel.nodes", p.nodes)
     one_of("parallel.fit", p.fit, FIT_MODES)
     if not 0 < p.headroom <= 1:

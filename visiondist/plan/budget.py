@@ -16,7 +16,7 @@ from visiondist.config.resolution import planned_tokens
 from visiondist.models.registry import spec_of
 from visiondist.plan.memory import rank_memory
 from visiondist.plan.planner import plan_config
-from visiondist.plan.world import device_memory_gb, host_memory_gb
+from visiondist.plan.world import device_memory_gb, devices_named, host_memory_gb, named_board
 
 
 def planned_shape(cfg: DictConfig):
@@ -101,8 +101,8 @@ def plan_for(
 
 def _devices_are_host(cfg: DictConfig, accelerator: str) -> bool:
     """Whether the planner's devices are this host's memory (the CPU, unless
-    parallel.device_memory_gb emulates)."""
-    return accelerator != "cuda" and not cfg.parallel.device_memory_gb
+    parallel.device_memory_gb or parallel.gpu names the devices)."""
+    return accelerator != "cuda" and not devices_named(cfg.parallel)
 
 
 def host_budget(cfg: DictConfig) -> tuple[float, str]:
@@ -119,6 +119,9 @@ def memory_budget(
     get their part of it)."""
     if cfg.parallel.device_memory_gb:
         return float(cfg.parallel.device_memory_gb), "parallel.device_memory_gb"
+    board = named_board(cfg.parallel)
+    if board is not None:
+        return board.memory_gb, f"parallel.gpu={board.key}"
     if accelerator == "cuda":
         import torch  # noqa: PLC0415 (torch, 2 s: plan/ is torch-free)
 

@@ -36,6 +36,7 @@ from visiondist.models.registry import spec_of
 from visiondist.plan.budget import layout_memory, memory_budget, plan_for, planned_shape
 from visiondist.plan.planner import ACCUMULATION_FACTORS, hardware_from_config
 from visiondist.plan.time_model import Candidate, step_seconds
+from visiondist.plan.world import devices_named
 
 GB = 1e9
 # ties: accumulation, then the least
@@ -71,10 +72,11 @@ class Option:
 
 def budget(cfg: DictConfig, run: RunLayout) -> Optional[tuple[float, str]]:
     """GB of one rank's device that a named layout is fitted to, and where the figure comes from;
-    None where nothing is checked (a detector; the CPU without parallel.device_memory_gb)."""
+    None where nothing is checked (a detector; the CPU without parallel.device_memory_gb or
+    parallel.gpu)."""
     if spec_of(cfg.model).planner_shape is None:
         return None
-    if not cfg.parallel.device_memory_gb and (run.accelerator != "cuda" or not _cuda_readable()):
+    if not devices_named(cfg.parallel) and (run.accelerator != "cuda" or not _cuda_readable()):
         return None
     return memory_budget(cfg, run.accelerator, run.per_node, run.share_gpu)
 

@@ -25,6 +25,7 @@ from visiondist.plan.memory import (
 )
 from visiondist.plan.table import Plan, PlanRow, duration
 from visiondist.plan.time_model import Candidate, Hardware, step_seconds
+from visiondist.plan.world import device_tflops
 
 # a row's note: it fits the devices, but its offloaded state does not fit the node's host memory
 HOST_FULL = "host"
@@ -333,7 +334,7 @@ def hardware_from_config(
         nodes,
         memory_gb,
         float(p.headroom),
-        float(p.device_tflops),
+        device_tflops(p),
         float(p.intra_node_gbs),
         float(p.inter_node_gbs),
         float(p.host_gbs),

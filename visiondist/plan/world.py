@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Optional
 
 from omegaconf import DictConfig
 
 from visiondist.config import ConfigError
+from visiondist.utils.gpus import Board, board_named, board_of_device
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,35 @@ def cuda_device_count() -> int:
 def host_memory_gb() -> float:
     """This machine's physical memory."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+
+
+# the time model's rate where neither parallel.device_tflops, parallel.gpu nor a known GPU gives one
+DEFAULT_TFLOPS = 400.0
+
+
+def named_board(p: DictConfig) -> Optional[Board]:
+    """The board `parallel.gpu` names, or None."""
+    return board_named(str(p.gpu)) if p.get("gpu") else None
+
+
+def devices_named(p: DictConfig) -> bool:
+    """Whether the devices are planned from the config (parallel.device_memory_gb or parallel.gpu)
+    rather than read off this machine."""
+    return bool(p.device_memory_gb) or named_board(p) is not None
+
+
+def device_tflops(p: DictConfig) -> float:
+    """The time model's sustained dense bf16 rate per device: parallel.device_tflops, else 0.4 x the
+    datasheet's of parallel.gpu's board or of this machine's GPU, else `DEFAULT_TFLOPS`."""
+    if p.device_tflops:
+        return float(p.device_tflops)
+    board = named_board(p)
+    if board is None:
+        import torch  # noqa: PLC0415 (torch, 2 s: plan/ is torch-free)
+
+        if torch.cuda.is_available():
+            board = board_of_device(torch.cuda.get_device_name(0))
+    return DEFAULT_TFLOPS if board is None else board.sustained_tflops
 
 
 def device_memory_gb(accelerator: str, per_node: int, share_gpu: bool = False) -> float:
