@@ -87,6 +87,12 @@ TOOL = Tool(
             "image_pull_secret=<name>",
             "a Secret with the registry's credentials, for a private image",
         ),
+        (
+            "rdma=<resource>:<count>",
+            "InfiniBand / RoCE for NCCL between pods: the cluster's RDMA device plugin's resource "
+            "per pod, e.g. rdma=rdma/ib:1, with the IPC_LOCK capability (default: none, NCCL over "
+            "the pod network's TCP)",
+        ),
         ("workdir=<dir>", "where the image holds the project (default /workspace/visiondist)"),
         ("out=<file>", "write the manifest there instead of standard output"),
     ),
@@ -220,6 +226,7 @@ def k8s(cmd: Command) -> int:
         resources=r,
         pull_secret=cmd.args.get("image_pull_secret", ""),
         restarts=_count(cmd, "restarts", 3, least=0),
+        rdma=cmd.args.get("rdma", ""),
     )
     kind = cmd.args.get("kind", "trainjob").lower()
     text = yaml.safe_dump_all(manifests(kind, spec), sort_keys=False, width=120)
@@ -249,6 +256,13 @@ def k8s(cmd: Command) -> int:
         print(text, end="")
     if r.short:
         print(r.short, file=sys.stderr)
+    if nodes > 1 and not spec.rdma:
+        print(
+            f"between the {nodes} pods NCCL runs over the pod network (TCP sockets): on a cluster "
+            "with InfiniBand or RoCE, add rdma=<its RDMA device plugin's resource>:1, e.g. "
+            "rdma=rdma/ib:1 (docs/multi-node.md)",
+            file=sys.stderr,
+        )
     grace = spec.termination_grace_s
     for line in what_happens(kind, spec.name, nodes, spec.restarts, grace, cfg.trainer):
         print(line, file=sys.stderr)

@@ -166,6 +166,27 @@ def test_pods_request_cpu_and_memory_from_their_ranks_and_workers(tmp_path, kind
     (_trainjob_round_trip if kind == "trainjob" else _pytorchjob_round_trip)(docs)
 
 
+@pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
+def test_rdma_asks_each_pod_for_the_adapter_and_the_right_to_pin_memory(tmp_path, capsys, kind):
+    """rdma=rdma/ib:1 adds the device plugin's resource beside the GPUs and IPC_LOCK to the
+    container (NCCL pins its InfiniBand buffers); without it a job of several pods is told NCCL
+    runs over TCP. Both stay valid for their operator's API."""
+    pytest.importorskip("kubeflow_trainer_api")
+    pytest.importorskip("kubeflow.training")
+    base = ["image=x", f"kind={kind}", "nodes=2", "gpus=4", "model=vit_small"]
+    docs, _ = _write(tmp_path, *base)
+    pod, resources = _pod_of(docs)
+    assert "rdma/ib" not in resources["limits"] and "securityContext" not in pod["containers"][0]
+    assert "between the 2 pods NCCL runs over the pod network" in capsys.readouterr().err
+    docs, _ = _write(tmp_path, *base, "rdma=rdma/ib:1")
+    pod, resources = _pod_of(docs)
+    assert resources["requests"]["rdma/ib"] == resources["limits"]["rdma/ib"] == "1"
+    assert resources["limits"]["nvidia.com/gpu"] == "4"
+    assert pod["containers"][0]["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    assert "NCCL runs over" not in capsys.readouterr().err
+    (_trainjob_round_trip if kind == "trainjob" else _pytorchjob_round_trip)(docs)
+
+
 def test_a_misplaced_key_fails_the_validation(tmp_path):
     """The round trip is a check: a key the published model does not hold fails it."""
     pytest.importorskip("kubeflow_trainer_api")
@@ -268,6 +289,7 @@ def test_what_the_pods_of_a_trainjob_get_is_read_as_the_manifests_job(tmp_path):
             "/runs/again/checkpoints/ on the claim",
         ),
         (["image=x", "restarts=-1"], "restarts=-1: a whole number of at least 0"),
+        (["image=x", "rdma=ib"], "rdma=ib: give the cluster's RDMA resource and its count"),
     ],
 )
 def test_bad_keys_are_one_line_naming_the_fix(tmp_path, capsys, args, says):

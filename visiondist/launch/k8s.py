@@ -19,7 +19,10 @@ What every manifest holds:
   memory of the ranks, their workers and /dev/shm (which counts against the pod's memory). The
   limit is the container's CPU quota, which `data.num_workers=-1` and the ranks' threads follow
   (`visiondist.utils.procenv.usable_cpus`);
-- `imagePullSecrets` where the image is in a private registry.
+- `imagePullSecrets` where the image is in a private registry;
+- with `rdma`, the cluster's RDMA device plugin's resource (`rdma/ib: 1`, ...) beside the GPUs, and
+  the IPC_LOCK capability NCCL's InfiniBand transport needs to pin its buffers: without them NCCL
+  between pods runs over the pod network's TCP.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
 CONFIG_ERROR_EXIT = 2
 # a launcher stopped by SIGTERM (128 + 15), its ranks' checkpoint written: a preempted node
 STOPPED_EXIT = 143
+# an extended resource (a domain, a name) and a count: rdma=rdma/ib:1
+RDMA_RESOURCE = (
+    r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?:[1-9][0-9]*"
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,8 @@ class JobSpec:
     resources: Optional[PodResources] = None  # None: GPUs only
     pull_secret: str = ""  # imagePullSecrets: a Secret with the registry's credentials
     restarts: int = 3  # the job's restarts after a failure (JobSet maxRestarts, backoffLimit)
+    # the RDMA device plugin's resource and count per pod ("rdma/ib:1"); "": none
+    rdma: str = ""
 
     def __post_init__(self):
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.name):
@@ -74,6 +83,12 @@ class JobSpec:
             raise ConfigError(f"nodes={self.nodes} gpus={self.gpus}: both must be at least 1")
         if self.restarts < 0:
             raise ConfigError(f"restarts={self.restarts}: a whole number of at least 0")
+        if self.rdma and not re.fullmatch(RDMA_RESOURCE, self.rdma):
+            raise ConfigError(
+                f"rdma={self.rdma}: give the cluster's RDMA resource and its count per pod, "
+                "e.g. rdma=rdma/ib:1 or rdma=rdma/rdma_shared_device_a:1 (kubectl describe node "
+                "lists it under Allocatable)"
+            )
 
     @property
     def run_dir(self) -> str:
@@ -131,11 +146,22 @@ def _resources(spec: JobSpec) -> dict[str, Any]:
     """Requests equal to limits (the Guaranteed class); quantities are strings."""
     amounts = {"cpu": spec.resources.cpu, "memory": spec.resources.memory} if spec.resources else {}
     amounts["nvidia.com/gpu"] = str(spec.gpus)
+    if spec.rdma:
+        resource, count = spec.rdma.rsplit(":", 1)
+        amounts[resource] = count
     return (
         {"requests": dict(amounts), "limits": dict(amounts)}
         if spec.resources
         else {"limits": amounts}
     )
+
+
+def _container(spec: JobSpec, container: dict[str, Any]) -> dict[str, Any]:
+    """`container` with what RDMA needs of it: NCCL registers (pins) its buffers with the
+    adapter."""
+    if spec.rdma:
+        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    return container
 
 
 def _pod(spec: JobSpec, containers: list[dict], volumes: list[dict]) -> dict[str, Any]:
@@ -161,7 +187,7 @@ def training_runtime(spec: JobSpec) -> dict[str, Any]:
     (FailJob on the exit code) and the JobSet's rules on the Job's failure message, which names the
     exit code; where a message did not match, the failure is an ordinary, counted restart."""
     volumes, mounts = _volumes(spec)
-    container = {"name": "node", "image": spec.image, "volumeMounts": mounts}
+    container = _container(spec, {"name": "node", "image": spec.image, "volumeMounts": mounts})
     pod = {**_pod(spec, [container], volumes), "restartPolicy": "Never"}
     job = {
         "backoffLimit": 0,
@@ -269,7 +295,7 @@ def pytorchjob(spec: JobSpec) -> dict[str, Any]:
         return {
             "replicas": count,
             "restartPolicy": "OnFailure",
-            "template": {"spec": _pod(spec, [container], volumes)},
+            "template": {"spec": _pod(spec, [_container(spec, container)], volumes)},
         }
 
     replica_specs = {"Master": replicas(1)}
