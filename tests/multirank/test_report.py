@@ -97,5 +97,17 @@ def test_an_epoch_limited_run_writes_its_checkpoint_and_weights_before_the_last_
     ], [log[i] for i in order]
     assert sum(line.startswith("parallel=auto chose dp=1 tp=1 pp=1") for line in log) == 1
     assert result.stdout.count("parallel=auto chose") == 1
-    rates = [line.rsplit("| ", 1)[1] for line in log if line.startswith("step ")]
+    lines = [line.split(" | ") for line in log if line.startswith("step ")]
+    rates = [next(part for part in line if part.endswith("img/s")) for line in lines]
     assert rates and all(re.fullmatch(r"\d+\.\d img/s", r) for r in rates), rates
+    # each window's share of waiting for its input: in metrics.csv, on the log line from 10%, and
+    # the steady state's (the windows after the first) in the summary
+    rows = [r for r in read_metrics(run / "metrics.csv") if r.get("loss") is not None]
+    waits = [r["data_wait"] for r in rows]
+    assert len(waits) == 6 and all(0 <= w <= 1 for w in waits), waits
+    for line, wait in zip(lines, waits):
+        shown = [part for part in line if part.startswith("data wait ")]
+        assert shown == ([f"data wait {100 * wait:.0f}%"] if wait >= 0.1 else []), line
+    summary = json.loads((run / "summary.json").read_text())
+    steady = summary["waiting for data, steady state (%)"]
+    assert steady == pytest.approx(100 * sum(waits[1:]) / 5, abs=0.1)

@@ -6,6 +6,7 @@ real ones), so nothing here trains."""
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,13 +31,15 @@ class Step:
     """Stands in for `OptimizerStep`: each step takes one batch and returns its loss; `fail_at`
     raises there."""
 
-    def __init__(self, state: LoopState, fail_at: int = 0):
+    def __init__(self, state: LoopState, fail_at: int = 0, step_s: float = 0.0):
         self.state, self.fail_at, self.batches, self.settled = state, fail_at, [], 0
+        self.step_s = step_s
 
     def train_step(self, batches):
         if self.state.step + 1 == self.fail_at:
             raise RuntimeError(f"step {self.fail_at} failed")
         self.batches.append(next(batches))
+        time.sleep(self.step_s)
         return torch.tensor(float(self.state.step + 1)), torch.tensor(1.0)
 
     def settle(self) -> None:
@@ -75,13 +78,22 @@ class Recorder(Hook):
 
 
 def _trainer(
-    hooks, total=5, steps_per_epoch=2, stop_at_step=0, resumed_step=0, fail_at=0
+    hooks,
+    total=5,
+    steps_per_epoch=2,
+    stop_at_step=0,
+    resumed_step=0,
+    fail_at=0,
+    batch_s=0.0,
+    step_s=0.0,
 ) -> Trainer:
     sampler = Sampler(steps_per_epoch)
 
     def train_batches(device):  # the epoch's batches, numbered from 100 x the epochs set before it
         first = 100 * (len(sampler.epochs) - 1)
-        return iter(range(first, first + 100))
+        for batch in range(first, first + 100):
+            time.sleep(batch_s)
+            yield batch
 
     task = SimpleNamespace(train_batches=train_batches, data=SimpleNamespace(train_sampler=sampler))
     parts = SimpleNamespace(task=task, data=task.data, total_steps=total)
@@ -94,7 +106,7 @@ def _trainer(
         Path("unused"),
         parts,
         state,
-        Step(state, fail_at),
+        Step(state, fail_at, step_s),
         checkpoints=None,
         validation=None,
         metrics=None,
@@ -174,8 +186,6 @@ def test_a_failing_step_closes_every_hook_and_ends_no_run():
 
 
 def test_untimed_work_is_not_training_time():
-    import time
-
     class Slow(Hook):
         def after_step(self, trainer, loss, grad_norm):
             with trainer.untimed():
@@ -184,3 +194,39 @@ def test_untimed_work_is_not_training_time():
     trainer = _trainer([Slow()], total=3)
     trainer.train()
     assert trainer.state.timer.total_seconds < 0.2  # three untimed 0.2 s pauses left out
+
+
+class WaitReader(Hook):
+    """Reads the share of training time spent waiting for batches at the last step, as the log
+    line does (paused first)."""
+
+    def __init__(self, last: int):
+        self.last, self.wait = last, None
+
+    def after_step(self, trainer, loss, grad_norm):
+        if trainer.state.step == self.last:
+            trainer.state.timer.pause()
+            self.wait = trainer.state.timer.data_wait
+
+
+@pytest.mark.parametrize(
+    "batch_s, step_s, low, high",
+    [(0.05, 0.0, 0.9, 1.0), (0.0, 0.05, 0.0, 0.1), (0.04, 0.04, 0.3, 0.7)],
+)
+def test_the_time_the_step_waits_for_its_batches_is_its_share_of_training_time(
+    batch_s, step_s, low, high
+):
+    """A loader slower than the step shows as waiting (the devices idle), one that keeps up hardly
+    at all; evaluations and checkpoints (untimed) count in neither share."""
+
+    class Untimed(Hook):
+        def after_step(self, trainer, loss, grad_norm):
+            with trainer.untimed():
+                time.sleep(0.05)
+
+    reader = WaitReader(last=6)
+    trainer = _trainer(
+        [Untimed(), reader], total=6, steps_per_epoch=4, batch_s=batch_s, step_s=step_s
+    )
+    trainer.train()
+    assert low <= reader.wait <= high, reader.wait

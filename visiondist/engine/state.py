@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -24,6 +25,11 @@ class StepTimer:
     the host wait anyway), so that a window's rate is the device's, not the rate at which the host
     queued its steps. Evaluations, checkpoints and the timeline's gathering are not training time
     (`untimed`).
+
+    The host's seconds in the window, and those it spent waiting for the loader's next batch
+    (`fed`), give `data_wait`: the share of training time the step waited for its input (timm's
+    and detectron2's "data time"). A loader that keeps up leaves it near 0 (its batches are ready);
+    where it is high, the devices idle while the loader works.
     """
 
     def __init__(self, device: torch.device):
@@ -33,7 +39,14 @@ class StepTimer:
         # (first step, last step, seconds) of each logged window
         self.windows: list[tuple[int, int, float]] = []
         self._logged_seconds = 0.0
+        self.wait_s = 0.0  # host seconds in next(batches) this window
+        self._host_s = 0.0  # host seconds of the window's stopped intervals
+        self._host_from: Optional[float] = None
+        self.start()
+
+    def start(self) -> None:
         self.clock.start()
+        self._host_from = time.perf_counter()
 
     def add(self, loss: torch.Tensor) -> None:
         self.loss += loss
@@ -41,9 +54,29 @@ class StepTimer:
 
     def pause(self) -> None:
         self.clock.stop()
+        if self._host_from is not None:
+            self._host_s += time.perf_counter() - self._host_from
+            self._host_from = None
 
     def resume(self) -> None:
-        self.clock.start()
+        self.start()
+
+    def fed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """`batches`, with the host's seconds waiting in each `next()` counted."""
+        it = iter(batches)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self.wait_s += time.perf_counter() - start
+            yield batch
+
+    @property
+    def data_wait(self) -> float:
+        """The share of this window's host seconds spent waiting for a batch (paused before)."""
+        return min(1.0, self.wait_s / self._host_s) if self._host_s > 0 else 0.0
 
     @contextlib.contextmanager
     def untimed(self) -> Iterator[None]:
@@ -72,7 +105,8 @@ class StepTimer:
         self.loss.zero_()
         self.steps = 0
         self.clock.reset()
-        self.clock.start()
+        self.wait_s = self._host_s = 0.0
+        self.start()
 
     def steady_state(self) -> Optional[tuple[int, int, float]]:
         """(first step, last step, seconds) of the windows after the first (which holds the

@@ -145,9 +145,11 @@ class Trainer:
         """`steps` steps of the epoch the sampler is set to; returns whether a hook ended the
         loop."""
         with contextlib.ExitStack() as epoch:
-            batches = self.parts.task.train_batches(self.layout.device)
-            if hasattr(batches, "close"):  # data.decode_on=device: its decoding thread
-                epoch.callback(batches.close)
+            loaded = self.parts.task.train_batches(self.layout.device)
+            if hasattr(loaded, "close"):  # data.decode_on=device: its decoding thread
+                epoch.callback(loaded.close)
+            assert self.state.timer is not None  # `train` starts it
+            batches = self.state.timer.fed(loaded)
             for _ in range(steps):
                 with contextlib.ExitStack() as around:
                     for hook in self.hooks:

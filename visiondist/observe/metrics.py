@@ -10,8 +10,8 @@ from typing import Any, Optional, Sequence
 
 from visiondist.observe.trackers import Trackers, open_trackers
 
-# mfu: on a known GPU
-TRAIN_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm", "images_per_s", "mfu")
+# data_wait: the share of the window the step waited for its input; mfu: on a known GPU
+TRAIN_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm", "images_per_s", "data_wait", "mfu")
 METRIC_COLUMNS = (*TRAIN_COLUMNS, "val_loss", "val_top1", "val_top5")  # classification
 
 log = logging.getLogger(__name__)

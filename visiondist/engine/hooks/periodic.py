@@ -24,6 +24,11 @@ from visiondist.observe.progress import fed, in_notebook, progress_bar
 from visiondist.parallel import Layout, PipelinedViT
 from visiondist.parallel.timeline import bubble_fraction, plot_timeline, to_json
 
+# a log line names the share of the window the step waited for its input from this share on
+DATA_WAIT_SHOWN = 0.1
+# a window after the first (the workers' start) that waited this much is warned of, once
+DATA_WAIT_WARNED = 0.3
+
 log = logging.getLogger(__name__)
 
 
@@ -138,8 +143,12 @@ class TrafficHook(Hook):
 
 class LogHook(Hook):
     """Every `trainer.log_every` steps, at the last and at a stop (signal or
-    `trainer.stop_at_step`): the mean loss over DP, grad norm, LR and images/s to the metrics (CSV,
+    `trainer.stop_at_step`): the mean loss over DP, grad norm, LR, images/s and the share of the
+    window the step waited for its input (`data_wait`, the mean over DP ranks) to the metrics (CSV,
     TensorBoard), the console and the progress bar. Owns `state.final_loss`."""
+
+    def __init__(self) -> None:
+        self.warned = False
 
     def after_step(self, trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         state, timer = trainer.state, trainer.state.timer
@@ -153,16 +162,25 @@ class LogHook(Hook):
             or state.stop_asked
         ):
             timer.pause()
-            state.final_loss = self._log(trainer, timer, grad_norm)
+            state.final_loss, wait = self._log(trainer, timer, grad_norm)
+            if wait >= DATA_WAIT_WARNED and len(timer.windows) > 1 and not self.warned:
+                self.warned = True
+                _say_input_bound(trainer, timer.windows[-1], wait)
             timer.reset()
 
     @staticmethod
-    def _log(trainer: Trainer, timer: StepTimer, grad_norm: torch.Tensor) -> float:
+    def _log(trainer: Trainer, timer: StepTimer, grad_norm: torch.Tensor) -> tuple[float, float]:
         """Reduce the window's loss and the grad norm over DP (every rank calls this), log on rank
         0."""
         state, parts, lay = trainer.state, trainer.parts, trainer.layout
-        stats = torch.stack([timer.loss / timer.steps, grad_norm.to(timer.loss)])
-        mean_loss, norm = (lay.all_reduce_dp(stats) / lay.dp).tolist()
+        stats = torch.stack(
+            [
+                timer.loss / timer.steps,
+                grad_norm.to(timer.loss),
+                torch.tensor(timer.data_wait, device=timer.loss.device),
+            ]
+        )
+        mean_loss, norm, wait = (lay.all_reduce_dp(stats) / lay.dp).tolist()
         sampler = parts.data.train_sampler
         images = sampler.images(state.step - timer.steps, state.step)
         rate = images / max(timer.close_window(state.step), 1e-9)
@@ -175,11 +193,15 @@ class LogHook(Hook):
             lr=lr,
             grad_norm=norm,
             images_per_s=rate,
+            data_wait=wait,
             **({"mfu": mfu} if mfu is not None else {}),
         )
         peak = trainer.utilisation.peak_gpu_gib()
         memory = f" | {peak:.1f} GiB peak" if peak is not None else ""
         utilisation = f" | MFU {100 * mfu:.1f}%" if mfu is not None else ""
+        # said where the loader holds the step back
+        if wait >= DATA_WAIT_SHOWN:
+            utilisation += f" | data wait {100 * wait:.0f}%"
         epochs = math.ceil(parts.total_steps / sampler.steps_per_epoch)
         # one decimal (two below 10), every line alike
         rate_text = f"{rate:.1f}" if rate >= 10 else f"{rate:.2f}"
@@ -205,7 +227,31 @@ class LogHook(Hook):
                     f"img/s{utilisation.replace(' | ', '  ')}{memory.replace(' | ', '  ')}"
                 ),
             )
-        return mean_loss
+        return mean_loss, wait
+
+
+def _say_input_bound(trainer: Trainer, window: tuple[int, int, float], wait: float) -> None:
+    """One warning (rank 0) that the loader holds the step back, with the settings that feed it."""
+    if not trainer.layout.is_main:
+        return
+    d = trainer.cfg.data
+    workers = getattr(getattr(trainer.parts.data, "train_loader", None), "num_workers", None)
+    now = (
+        f"{workers} loader worker{'s' if workers != 1 else ''} a rank"
+        if workers is not None
+        else ""
+    )
+    log.warning(
+        "steps %d-%d waited for their input %.0f%% of the time: the loader is behind the step "
+        "(%s%s). More workers (data.num_workers; -1: the CPUs allow), %sfaster storage or packed "
+        "shards (tools/data.py pack) feed it; docs/performance.md",
+        window[0],
+        window[1],
+        100 * wait,
+        now,
+        f", data.decode_on={d.get('decode_on', 'auto')}" if d.get("decode_on") else "",
+        "data.decode_on=device on a GPU (nvJPEG), " if trainer.layout.device.type == "cuda" else "",
+    )
 
 
 class TimelineHook(Hook):
