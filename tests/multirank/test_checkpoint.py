@@ -55,6 +55,27 @@ def test_resume_mid_epoch_is_bitwise_exact(tmp_path, tiny_shapes):
     ) == 1
 
 
+def test_a_continuation_trains_with_the_rate_and_decay_it_is_given(tmp_path, tiny_shapes):
+    """optim.lr and optim.weight_decay changed on continuing: the checkpoint restores the moments
+    and the schedule's step, and the rates from there are those of a run that had the new peak from
+    the start; the log says what changed."""
+    from visiondist.observe.metrics import read_metrics
+
+    def rates(run):
+        return {int(r["step"]): r["lr"] for r in read_metrics(run / "metrics.csv") if r["lr"]}
+
+    common = ["model.num_heads=2", "trainer.max_steps=6", "schedule.warmup_steps=2"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    _train(*_args(tiny_shapes, straight, *common, "optim.lr=0.01", "optim.weight_decay=0.1"))
+    _train(*_args(tiny_shapes, split, *common, "trainer.stop_at_step=3"))
+    out = _train(*_args(tiny_shapes, split, *common, "optim.lr=0.01", "optim.weight_decay=0.1"))
+    assert "the optimizer continues with this run's settings: peak LR 0.0005 -> 0.01" in out
+    assert "weight_decay as configured" in out
+    a, b = rates(straight), rates(split)
+    assert b[3] == pytest.approx(a[3] / 20)  # before: the old peak
+    assert [b[s] for s in (4, 5, 6)] == pytest.approx([a[s] for s in (4, 5, 6)])
+
+
 def test_a_period_in_minutes_checkpoints_every_rank_after_the_same_step(tmp_path, tiny_shapes):
     """trainer.checkpoint_every_min (30 by default) is rank 0's clock, carried in the step's
     verdict: both ranks save after the same step (a DCP save is collective: a rank left out would

@@ -88,6 +88,10 @@ def resume(
                 cadence(cfg.trainer) or NO_CADENCE,
             )
         return Resumed()
+    # this run's settings (optim.lr, weight_decay, betas, ...): the checkpoint's groups replace them
+    configured = [
+        {k: v for k, v in g.items() if k != "params"} for g in parts.optimizer.param_groups
+    ]
     saved = load_checkpoint(path, unwrap(parts.model), parts.optimizer, layout, parts.ema)
     if parts.ema is not None and not saved["ema_restored"]:
         parts.ema.reset()
@@ -95,6 +99,7 @@ def resume(
     parts.scheduler.load_state_dict(
         {"lr_lambdas": [None] * len(parts.optimizer.param_groups), **saved["scheduler"]}
     )
+    _apply_settings(parts, configured, layout.is_main)
     step = int(saved["step"])
     if parts.scaler is not None:
         # one value for the whole job, whatever the layout either run had
@@ -133,6 +138,31 @@ def resume(
         # absent: a checkpoint that did not count them
         earlier_seconds=saved.get("train_seconds"),
     )
+
+
+def _apply_settings(parts: Components, configured: list[dict[str, Any]], say: bool) -> None:
+    """The optimizer's hyperparameters as this run configures them (a continuation may change
+    optim.lr, optim.weight_decay, ...; the checkpoint restores the moments and the step count), the
+    schedule continuing from its step at this run's peak rate."""
+    groups, scheduler = parts.optimizer.param_groups, parts.scheduler
+    before = [g.get("initial_lr", g["lr"]) for g in groups]
+    changed = sorted(
+        {k for g, c in zip(groups, configured) for k, v in c.items() if k in g and g[k] != v}
+        - {"lr", "initial_lr"}
+    )
+    for i, (group, settings) in enumerate(zip(groups, configured)):
+        group.update(settings)
+        peak = settings.get("initial_lr", settings["lr"])
+        group["initial_lr"] = scheduler.base_lrs[i] = peak
+        group["lr"] = peak * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in groups]  # what get_last_lr() reports
+    peaks = [g["initial_lr"] for g in groups]
+    if say and (peaks != before or changed):
+        log.info(
+            "the optimizer continues with this run's settings%s%s",
+            f": peak LR {max(before):.3g} -> {max(peaks):.3g}" if peaks != before else "",
+            f"; {', '.join(changed)} as configured" if changed else "",
+        )
 
 
 class Checkpointing:
