@@ -8,7 +8,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 from omegaconf import DictConfig
 
@@ -144,7 +144,8 @@ def _apply_settings(parts: Components, configured: list[dict[str, Any]], say: bo
     """The optimizer's hyperparameters as this run configures them (a continuation may change
     optim.lr, optim.weight_decay, ...; the checkpoint restores the moments and the step count), the
     schedule continuing from its step at this run's peak rate."""
-    groups, scheduler = parts.optimizer.param_groups, parts.scheduler
+    # a LambdaLR (`optim.build_scheduler`)
+    groups, scheduler = parts.optimizer.param_groups, cast(Any, parts.scheduler)
     before = [g.get("initial_lr", g["lr"]) for g in groups]
     changed = sorted(
         {k for g, c in zip(groups, configured) for k, v in c.items() if k in g and g[k] != v}
