@@ -134,6 +134,12 @@ def test_a_runs_evaluate_predict_and_export_are_the_tools(tmp_path, tiny_shapes,
     )
     with pytest.raises(visiondist.ConfigError, match="save= writes a prediction of files"):
         run.predict([results[0].image()], save=True)
+    # a list with a file that is not there: that file's Result says so, the others predict
+    first = sorted((tiny_shapes / "val").rglob("*.jpg"))[0]
+    found, missing = run.predict([first, tmp_path / "missing.jpg"], topk=2)
+    (alone,) = run.predict([first], topk=2)
+    assert found.top == alone.top and found.width == 32
+    assert missing.error == "no such file" and missing.width is None and missing.top is None
 
     onnx = run.export("onnx")
     assert onnx == run.dir / "export" / "model.onnx" and onnx.stat().st_size > 0

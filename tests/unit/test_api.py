@@ -98,8 +98,9 @@ def test_images_in_memory_become_a_source(tmp_path):
         as_source([rgb, 3])
     with pytest.raises(visiondist.ConfigError, match=r"shape \(2, 2, 7\) is not an image"):
         as_source(np.zeros((2, 2, 7)))
-    with pytest.raises(visiondist.ConfigError, match="no such image file"):
-        as_source([tmp_path / "missing.jpg"])
+    # a file that is not there: its Result says so (`visiondist.inference.run`), the others predict
+    with pytest.raises(FileNotFoundError):
+        as_source([photo, tmp_path / "missing.jpg"]).image(1)
 
 
 def test_a_run_is_its_directory(tmp_path):

@@ -60,10 +60,8 @@ def as_source(source: Any) -> Union[str, Source]:
     paths: list[str] = []
     arrays: list[Optional[np.ndarray]] = []
     for i, item in enumerate(items):
-        if isinstance(item, (str, Path)):
-            if not Path(item).expanduser().is_file():
-                raise ConfigError(f"source[{i}]={item}: no such image file")
-            paths.append(str(item))
+        if isinstance(item, (str, Path)):  # one that cannot be read: its Result says why
+            paths.append(str(Path(item).expanduser()))
             arrays.append(None)
         else:
             paths.append(f"image{i}")
@@ -81,9 +79,10 @@ class Result:
     def __init__(self, record: dict[str, Any], source: Source, index: int):
         self.record, self._source, self._index = record, source, index
         self.file: str = record["file"]
-        self.width: int = record.get("width", 0)
-        self.height: int = record.get("height", 0)
         self.error: Optional[str] = record.get("error")
+        # None: not read
+        self.width: Optional[int] = None if self.error else record.get("width")
+        self.height: Optional[int] = None if self.error else record.get("height")
         self.top: Optional[list[dict[str, Any]]] = record.get("top")
         self.detections: Optional[list[dict[str, Any]]] = record.get("detections")
 
