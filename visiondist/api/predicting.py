@@ -117,7 +117,7 @@ class Result:
     def masks(self) -> Optional[np.ndarray]:
         """(n, H, W) bool masks of a mask model, else None."""
         found = [d["mask"] for d in self.detections or [] if "mask" in d]
-        if not found:
+        if not found or self.width is None or self.height is None:
             return None
         from visiondist.data.masks import decode  # noqa: PLC0415 (pycocotools)
 
