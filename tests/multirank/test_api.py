@@ -4,12 +4,14 @@ same step with a checkpoint that `resume` continues, and a run's evaluate, predi
 what the tools give."""
 
 import json
+import os
 
 import pytest
 from helpers import TINY_DATA, call_tool
 
 import visiondist
 from visiondist.inference import predict as predict_records
+from visiondist.launch.spawn import RANKS_ENVIRONMENT
 
 
 class Counting:
@@ -60,6 +62,7 @@ def _overrides():
 
 
 def test_train_on_two_ranks_with_callbacks_then_stop_and_resume(tmp_path, tiny_shapes, capsys):
+    environment = {name: os.environ.get(name) for name in RANKS_ENVIRONMENT}
     run = visiondist.train(
         "model=vit_tiny",
         *_overrides(),
@@ -67,6 +70,9 @@ def test_train_on_two_ranks_with_callbacks_then_stop_and_resume(tmp_path, tiny_s
         **_settings(tmp_path, tiny_shapes, 6),
     )
     said = capsys.readouterr().out
+    # the ranks' threads and OpenMP waiting were theirs: a later run of one rank in this process
+    # gets this process's own (OMP_NUM_THREADS=1 for two ranks on 2 cores stayed set before)
+    assert {name: os.environ.get(name) for name in RANKS_ENVIRONMENT} == environment
     # the callback on rank 1 asked after step 2; every rank stopped at the same step: the request
     # travels with the step flags, which are read a step late (no host wait in the loop)
     ended = {rank: cbs[0].ended_at for rank, cbs in run.callbacks.items()}

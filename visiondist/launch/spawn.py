@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import rich
 import torch
@@ -28,7 +28,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from visiondist.launch.pods import PodJob
 from visiondist.utils.logs import held_at
-from visiondist.utils.procenv import omp_threads, ranks_share_cpus, threads_per_rank
+from visiondist.utils.procenv import (
+    WAIT_RECORD,
+    omp_threads,
+    ranks_share_cpus,
+    threads_per_rank,
+)
 
 
 @contextmanager
@@ -207,11 +212,24 @@ def spawn_ranks(
 ) -> dict[int, Any]:
     """`spawn_local`, or with `pod` this node's ranks of a job of several nodes (its rendezvous);
     the return values are keyed by global rank."""
-    from torch.distributed.launcher.api import (  # noqa: PLC0415 (the agent)
-        LaunchConfig,
-        elastic_launch,
-    )
+    with _ranks_environment(nprocs):
+        return _launch(fn, nprocs, args, max_restarts, pod, cuda)
 
+
+# what `_ranks_environment` sets for the ranks
+RANKS_ENVIRONMENT = (
+    "OMP_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    WAIT_RECORD,
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+)
+
+
+@contextmanager
+def _ranks_environment(nprocs: int) -> Iterator[None]:
+    """The environment the ranks start with, this process's own put back after them: a notebook's
+    next run of one rank keeps this process's threads and its OpenMP waiting."""
+    before = {name: os.environ.get(name) for name in RANKS_ENVIRONMENT}
     # the ranks' threads share this process's CPUs (affinity and container quota), and wait
     # passively where there are several; the rest of `visiondist.utils.procenv`'s environment was
     # set when visiondist was imported
@@ -221,6 +239,29 @@ def spawn_ranks(
     # shared, a restarted rank can read a peer address left by the previous attempt
     # (pytorch/pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _launch(
+    fn: Callable,
+    nprocs: int,
+    args: tuple[Any, ...],
+    max_restarts: int,
+    pod: Optional[PodJob],
+    cuda: bool,
+) -> dict[int, Any]:
+    from torch.distributed.launcher.api import (  # noqa: PLC0415 (the agent)
+        LaunchConfig,
+        elastic_launch,
+    )
+
     from visiondist.compat import (  # noqa: PLC0415 (the agent)
         agent_signals,
         announced_restarts,
