@@ -152,6 +152,11 @@ def test_parallel_auto_chooses_a_sharded_layout_says_why_and_trains(tmp_path, ti
         ran["pp"],
         ran["fsdp"],
     )
+    # on another number of devices (evaluate(run, trainer={"devices": 2})): planned again for them
+    elsewhere = load_run_config(run, ["trainer.devices=2"], inputs=None).parallel
+    assert elsewhere.auto and elsewhere.dp == -1
+    same = load_run_config(run, ["trainer.devices=4"], inputs=None).parallel
+    assert not same.auto and same.dp == ran["dp"]
 
 
 @pytest.mark.layouts

@@ -115,9 +115,17 @@ def from_container(data: dict[str, Any]) -> DictConfig:
     return cast(DictConfig, OmegaConf.merge(OmegaConf.structured(TrainConfig), data))
 
 
+def _same_devices(ran: RunLayout, overrides: Sequence[str]) -> bool:
+    """Whether `overrides` leave the ranks per node of the run's layout as they were
+    (trainer.devices unset, or the run's count)."""
+    devices = [o.split("=", 1)[1] for o in overrides if o.startswith("trainer.devices=")]
+    return not devices or devices[-1] == str(ran.per_node)
+
+
 def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> DictConfig:
     """A run's config.yaml (as asked) with key=value `overrides`, not yet checked. A `parallel=auto`
-    run comes back in the layout it ran under (its layout.json) unless the overrides name another,
+    run comes back in the layout it ran under (its layout.json) unless the overrides name another
+    or another number of devices (`trainer.devices=2` for a run of one: planned again for them),
     so that evaluating or exporting it rebuilds the model that was trained. Raises ConfigError when
     the dir holds no run."""
     path = Path(run_dir) / "config.yaml"
@@ -136,6 +144,7 @@ def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> DictConfig
         ran is not None
         and ran.chosen_by == "parallel=auto"
         and not any(o.startswith("parallel.") for o in overrides)
+        and _same_devices(ran, overrides)
     ):
         as_it_ran = {"parallel": {**ran.parallel_overrides(), "auto": False}}
     saved = upgrade_saved(OmegaConf.load(path))  # a run from before trainer.loggers
