@@ -44,3 +44,21 @@ def test_per_class_ap_averages_to_the_map(single_process, backend):
     values = [v for v in per_class.values() if v is not None]
     assert len(values) >= 2 and len(set(values)) > 1
     assert np.mean(values) == pytest.approx(stats["mAP"], abs=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["pycocotools", "faster-coco-eval"])
+def test_annotation_ids_from_0_score_as_the_same_boxes_numbered_from_1(
+    single_process, tmp_path, backend, caplog
+):
+    """Label Studio and other tools number annotations from 0; COCOeval reads a match with id 0 as
+    none. The same boxes numbered from 0 (or all 7) score as numbered from 1, and the log says so."""
+    dets, stats, data = single_process
+    coco = json.loads(data.ann_file.read_text())
+    for ids in ("from 0", "all 7"):
+        for k, annotation in enumerate(coco["annotations"]):
+            annotation["id"] = k if ids == "from 0" else 7
+        path = tmp_path / f"{backend}_{ids.replace(' ', '_')}.json"  # said once a file
+        path.write_text(json.dumps(coco))
+        with caplog.at_level("INFO"):
+            assert score(path, dets, backend=backend) == pytest.approx(stats, abs=1e-12)
+        assert f"{path}: its {len(coco['annotations'])} annotation ids scored as 1-" in caplog.text

@@ -87,6 +87,35 @@ def backend_name() -> str:
         return "pycocotools"
 
 
+# the annotation files whose ids were renumbered, said once each
+_RENUMBERED: set[str] = set()
+
+
+def ground_truth(ann_file: str | Path) -> dict[str, Any]:
+    """The val split's COCO annotations for scoring, their ids made 1, 2, ... where the file's are
+    not positive and unique: COCOeval marks a detection's match with its annotation's id and reads
+    0 as unmatched, so an annotation numbered 0 (Label Studio's and other tools' exports count from
+    0) would score its match as a miss."""
+    data = json.loads(Path(ann_file).read_text())
+    annotations = data.get("annotations", [])
+    ids = [a.get("id") for a in annotations]
+    if all(isinstance(i, int) and i > 0 for i in ids) and len(set(ids)) == len(ids):
+        return data
+    for k, annotation in enumerate(annotations, 1):
+        annotation["id"] = k
+    if str(ann_file) not in _RENUMBERED:
+        _RENUMBERED.add(str(ann_file))
+        log.info(
+            "%s: its %d annotation ids scored as 1-%d (they %s; COCO's scoring reads id 0 as "
+            "unmatched)",
+            ann_file,
+            len(annotations),
+            len(annotations),
+            "repeat" if len(set(ids)) != len(ids) else "are not all positive whole numbers",
+        )
+    return data
+
+
 def score(
     ann_file: str | Path,
     detections: np.ndarray,
@@ -130,7 +159,9 @@ def score(
             f"unknown COCO scoring backend {backend!r}: faster-coco-eval or pycocotools"
         )
     with contextlib.redirect_stdout(io.StringIO()):
-        gt = COCO(str(ann_file))
+        gt = COCO()
+        gt.dataset = ground_truth(ann_file)
+        gt.createIndex()
         if segmentations is None:
             evaluator = COCOeval(
                 gt, gt.loadRes(np.asarray(detections, dtype=np.float64)), iouType="bbox"
