@@ -51,7 +51,8 @@ def test_annotation_ids_from_0_score_as_the_same_boxes_numbered_from_1(
     single_process, tmp_path, backend, caplog
 ):
     """Label Studio and other tools number annotations from 0; COCOeval reads a match with id 0 as
-    none. The same boxes numbered from 0 (or all 7) score as numbered from 1, and the log says so."""
+    none. The same boxes numbered from 0 (or all 7) score as numbered from 1, and the log says
+    so."""
     dets, stats, data = single_process
     coco = json.loads(data.ann_file.read_text())
     for ids in ("from 0", "all 7"):

@@ -376,6 +376,23 @@ def test_a_cvat_export_with_one_image_folder(tmp_path):
     assert d.annotations == str(root / "annotations/instances_{split}.json")
 
 
+def test_an_export_whose_file_names_hold_the_split_folder_reads_them_from_images(tmp_path):
+    """images/train/a.jpg named "train/a.jpg" in its file: the images are read from images/, not
+    images/train/train/."""
+    root = tmp_path / "cvat"
+    for split in ("train", "val"):
+        annotations = root / "annotations" / f"instances_{split}.json"
+        _coco_split(root / "images" / split, annotations,
+                    [{"id": 1, "name": "cat", "supercategory": ""}])  # fmt: skip
+        coco = json.loads(annotations.read_text())
+        coco["images"][0]["file_name"] = f"{split}/a.jpg"
+        annotations.write_text(json.dumps(coco))
+    d = _data(root)
+    line = resolve_detection(d, "train")
+    assert "train 1 images, 1 boxes" in line, line
+    assert Path(d.images) == root / "images"
+
+
 def test_a_cvat_export_of_one_task_is_evaluated_and_its_split_named_for_training(tmp_path):
     """CVAT exports a task without subsets as annotations/instances_default.json: an evaluation
     reads that one split as val; training, which needs two, names the splits there and the key."""

@@ -3,7 +3,7 @@ folder: where each split's annotation file and images are.
 
 - COCO: annotations/instances_<split>.json, the images in <split>/ or images/<split>/;
 - CVAT and Label Studio (their COCO exports): annotations/instances_<split>.json, the images in
-  images/<split>/ or images/;
+  images/<split>/ or images/ (where the files name their images from images/: "val/000.jpg");
 - Roboflow: <split>/_annotations.coco.json beside the split's images;
 - Label Studio's COCO export: result.json beside images/ (its `file_name`s start with images/), one
   split, read as `result`.
@@ -16,6 +16,7 @@ finds such a category, `ungrouped` reads a file without it.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -57,13 +58,37 @@ def find_layout(root: Path) -> Optional[CocoLayout]:
     if not files:
         return None
     splits = tuple(f.stem.removeprefix("instances_") for f in files)
-    for images, name in (("{split}", "COCO"), ("images/{split}", "CVAT / Label Studio")):
-        if all((root / images.format(split=s)).is_dir() for s in splits):
-            return CocoLayout(name, images, "annotations/instances_{split}.json", splits)
-    if (root / "images").is_dir():
-        return CocoLayout("CVAT / Label Studio", "images", "annotations/instances_{split}.json",
-                          splits)  # fmt: skip
+    candidates = (
+        ("{split}", "COCO"),
+        ("images/{split}", "CVAT / Label Studio"),
+        ("images", "CVAT / Label Studio"),
+    )
+    # the folder the files' first image is in (an export whose file_name holds the split's folder,
+    # "val/000.jpg", keeps its images in images/val/ and names them from images/), else the first
+    # folder of each split that is there
+    for found in (_holds_first, lambda folder, _: folder.is_dir()):
+        for images, name in candidates:
+            if all(found(root / images.format(split=s), f) for s, f in zip(splits, files)):
+                return CocoLayout(name, images, "annotations/instances_{split}.json", splits)
     return None
+
+
+# how far into an annotation file its first image's file_name is looked for
+FIRST_NAME_BYTES = 1 << 20
+
+
+def _holds_first(folder: Path, annotations: Path) -> bool:
+    """Whether `folder` holds the first image `annotations` names (read from its first MB)."""
+    try:
+        with open(annotations, "rb") as f:
+            head = f.read(FIRST_NAME_BYTES)
+    except OSError:
+        return False
+    match = re.search(rb'"file_name"\s*:\s*"((?:[^"\\]|\\.)*)"', head)
+    if match is None:
+        return False
+    name = json.loads(b'"' + match.group(1) + b'"')
+    return (folder / name).is_file()
 
 
 def _a_coco_file(path: Path) -> bool:
