@@ -140,6 +140,22 @@ def test_a_roboflow_yolo_export_s_parent_relative_splits_are_read_as_ultralytics
         resolve_detection(_data(root), "train")
 
 
+def test_a_missing_split_the_job_does_not_read_is_a_warning(tmp_path, caplog):
+    """Roboflow writes `test: ../test/images` without exporting a test split: training (train and
+    val) goes on with one warning; a job that reads the missing split is refused."""
+    root = _yolo(tmp_path / "rf", {"train": {"a": "0 0.5 0.5 0.2 0.2\n"}, "val": {"b": ""}})
+    spec = json.loads((root / "data.yaml").read_text())
+    (root / "data.yaml").write_text(json.dumps({**spec, "test": "../test/images"}))
+    with caplog.at_level("WARNING"):
+        resolve_detection(_data(root), "train")
+    assert (
+        "test: " in caplog.text
+        and "does not exist: not read (this job reads train and val)" in (caplog.text)
+    )
+    with pytest.raises(ConfigError, match=r"test: .*test/images does not exist: fix `test:`"):
+        resolve_detection(_data(root, val_split="test"), "eval")
+
+
 def test_label_lines_checked_as_ultralytics_reads_them():
     assert parse_line("0 0.5 0.5 0.2 0.2", 3).box == pytest.approx((0.4, 0.4, 0.6, 0.6))
     edge = parse_line("0 0.0995 0.5 0.2 0.2", 3)  # reaches -0.0005: rounding, clipped

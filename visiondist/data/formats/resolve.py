@@ -228,13 +228,25 @@ def _check_splits(recognised: Recognised, splits: list[str]) -> Optional[YoloSet
         return None
     dataset = read_yaml(recognised.root)
     for split in splits:
+        if split in dataset.missing:
+            raise ConfigError(dataset.missing[split])
         if split not in dataset.splits:
             raise ConfigError(
                 f"{recognised.root} has no `{split}:` split (it has "
                 f"{', '.join(dataset.splits)}): add it, or choose with data.train_split= / "
                 "data.val_split="
             )
+    for line in dataset.missing.values():
+        if line not in _SAID:  # once a process
+            _SAID.add(line)
+            log.warning(
+                "%s: not read (this job reads %s)", line.split(": fix", 1)[0], " and ".join(splits)
+            )
     return dataset
+
+
+# the data.yaml lines of missing splits this process warned of
+_SAID: set[str] = set()
 
 
 def resolve_detection(d: DictConfig, purpose: str = "train") -> str:

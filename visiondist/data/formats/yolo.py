@@ -19,7 +19,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -44,6 +44,9 @@ class YoloSet:
     root: Path
     splits: dict[str, list[Path]]
     names: list[str]
+    # a split named whose path is not there -> the line that says so: refused where it is read
+    # (Roboflow names a `test:` it did not export; Ultralytics trains without it)
+    missing: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ def read_yaml(yaml_file: Path) -> YoloSet:
     root = Path(spec.get("path") or yaml_file.parent).expanduser()
     root = root if root.is_absolute() else (yaml_file.parent / root)
     names = _names(spec, yaml_file)
-    splits = {}
+    splits, absent = {}, {}
     for key in ("train", "val", "test"):
         value = spec.get(key)
         if value is None:
@@ -95,14 +98,15 @@ def read_yaml(yaml_file: Path) -> YoloSet:
         missing = [str(s) for s in sources if not s.exists()]
         if missing:
             read_from = "path:" if spec.get("path") else "the data.yaml's folder,"
-            raise ConfigError(
+            absent[key] = (
                 f"{yaml_file}: {key}: {', '.join(missing)} does not exist: fix `{key}:` (relative "
                 f"paths are read from {read_from} {root})"
             )
+            continue
         splits[key] = sources
-    if "train" not in splits and "val" not in splits:
+    if not {"train", "val"} & {*splits, *absent}:
         raise ConfigError(f"{yaml_file} names no train or val split: add `train:` and `val:`")
-    return YoloSet(yaml_file, root.resolve(), splits, names)
+    return YoloSet(yaml_file, root.resolve(), splits, names, absent)
 
 
 def _names(spec: dict[str, Any], yaml_file: Path) -> list[str]:
