@@ -157,6 +157,8 @@ def test_parallel_auto_chooses_a_sharded_layout_says_why_and_trains(tmp_path, ti
     assert elsewhere.auto and elsewhere.dp == -1
     same = load_run_config(run, ["trainer.devices=4"], inputs=None).parallel
     assert not same.auto and same.dp == ran["dp"]
+    # Hydra's +key= as tools/train.py takes it (training.md's +model.kwargs...)
+    assert load_run_config(run, ["+trainer.seed=3"], inputs=None).trainer.seed == 3
 
 
 @pytest.mark.layouts

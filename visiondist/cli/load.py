@@ -157,6 +157,9 @@ def load_run_config(
     Returns:
         The run's config, validated.
     """
+    # Hydra's +key= / ++key= (add a key) as tools/train.py takes them: a run's config takes new keys
+    # where it takes them at all (model.kwargs)
+    overrides = [o.lstrip("+") for o in overrides]
     bad = [o for o in overrides if "=" not in o or "." not in o.split("=", 1)[0]]
     if bad:
         raise ConfigError(
