@@ -149,6 +149,16 @@ def test_onnx_check_says_what_it_compared():
         in lowered.summary()
     )
     assert "the outputs differ" in RuntimeCheck(float("inf"), "x", boxes=5, onnx_boxes=4).summary()
+    # the same total, other counts on two images (an int8 file: 5 and 4 against 4 and 5)
+    swapped = RuntimeCheck(
+        float("inf"), "x", boxes=17, onnx_boxes=17, counts_differ=2, images=4, precision="int8"
+    ).summary()
+    said = (
+        "the outputs differ: ONNX Runtime returned 17 boxes, PyTorch 17 in all, and other counts "
+        "on 2 of the 4 images (on x; the int8 network's scores move boxes across the score "
+        "threshold and NMS)"
+    )
+    assert "inf" not in swapped and said in swapped
     far = RuntimeCheck(26.3, "3 val images", boxes=300, onnx_boxes=300, score_spread=0.81).summary()
     assert (
         "max abs difference 2.63e+01" in far

@@ -47,6 +47,9 @@ class RuntimeCheck:
     # float32, its differences are the precision's, not round-off
     precision: Optional[str] = None
     runtime: str = "ONNX Runtime"  # what ran the file
+    # detectors: images on which the two returned different numbers of boxes (the totals may agree)
+    counts_differ: int = 0
+    images: int = 0  # detectors: the images compared
 
     def summary(self) -> str:
         """One line, e.g. "ONNX Runtime vs PyTorch: 37 boxes compared, max abs difference 2.1e-05
@@ -75,11 +78,21 @@ class RuntimeCheck:
                 else ""
             )
             return f"{head} {self.runtime} failed on {self.failed} ({where}){rest}"
-        if self.onnx_boxes != self.boxes:
+        if self.onnx_boxes != self.boxes or self.counts_differ:
+            on = (
+                f" in all, and other counts on {self.counts_differ} of the {self.images} images"
+                if self.counts_differ
+                else ""
+            )
+            why = (
+                f"the {self.precision} network's scores move boxes across the score threshold and "
+                "NMS"
+                if self.precision
+                else "near-tied scores can make top-k and NMS keep other boxes"
+            )
             return (
                 f"{head} the outputs differ: {self.runtime} returned {self.onnx_boxes} boxes, "
-                f"PyTorch {self.boxes} ({where}; near-tied scores can make top-k and NMS keep "
-                "other boxes)"
+                f"PyTorch {self.boxes}{on} ({where}; {why})"
             )
         if not self.boxes:
             return (
@@ -202,7 +215,7 @@ def _compare_detector(
     batch (named, from `source` where not a path); where ONNX Runtime fails on the batch, each image
     is run alone, the boxes of those it fails on are left out of the comparison and the first
     failure is reported."""
-    boxes = onnx_boxes = 0
+    boxes = onnx_boxes = counts_differ = compared = 0
     diff, failed, spread = 0.0, None, None
     masks, mask_diff = (0, 0.0) if has_mask_head(model) else (None, 0.0)
     what, names = _describe([name for name, _ in examples], source)
@@ -236,6 +249,8 @@ def _compare_detector(
         ref, got = [out[k] for k in keys], [found[k].numpy() for k in keys]
         boxes += len(ref[0])
         onnx_boxes += len(got[0])
+        compared += 1
+        counts_differ += len(ref[0]) != len(got[0])
         if len(ref[2]):
             spread = max(spread or 0.0, float(ref[2].max() - ref[2].min()))
         diff = max(diff, _box_diff(ref[:3], got[:3]))
@@ -251,6 +266,8 @@ def _compare_detector(
         masks=masks,
         mask_diff=mask_diff,
         score_spread=spread,
+        counts_differ=counts_differ,
+        images=compared,
     )
 
 
