@@ -619,3 +619,20 @@ def test_voc_keeps_image_names_no_split_shares(tmp_path):
     resolve_detection(d, "train")
     counts = convert(d, "voc", tmp_path / "voc2")
     assert not any(v for k, v in counts["train"].items() if k.startswith("images named"))
+
+
+def test_voc_corners_are_whole_pixels_where_the_box_is_up_to_yolo_s_rounding(tmp_path):
+    """YOLO's 6-digit fields put a corner at 19.99991 for pixel 20: VOC gets the whole pixel (VOC's
+    files hold integers); a box's own fraction (9.6 px) keeps 2 decimals."""
+    from visiondist.data.formats.convert import convert
+
+    yolo = _yolo(tmp_path / "yolo", {
+        "train": {"a": "0 0.406249 0.5 0.187501 0.25\n"},
+        "val": {"b": "1 0.3 0.5 0.3 0.25\n"},
+    })  # fmt: skip
+    d = _data(yolo)
+    resolve_detection(d, "train")
+    convert(d, "voc", tmp_path / "voc")
+    xml = (tmp_path / "voc" / "Annotations" / "a.xml").read_text()
+    assert "<xmin>21</xmin><ymin>19</ymin><xmax>32</xmax><ymax>30</ymax>" in xml, xml
+    assert "<xmin>10.60</xmin>" in (tmp_path / "voc" / "Annotations" / "b.xml").read_text()

@@ -182,6 +182,19 @@ def _voc_id(relative: Path) -> str:
     return relative.with_suffix("").as_posix().replace("/", "_")
 
 
+# a corner this close to a whole pixel is that pixel: YOLO's normalised fields give 103.99984 for
+# 104 (6 digits of 1/256)
+WHOLE_PIXEL = 0.01
+
+
+def _voc_number(value: float) -> str:
+    """A VOC corner as VOC writes them, a whole pixel, where it is one up to `WHOLE_PIXEL`; else
+    to 2 decimals (a COCO box's own fractions)."""
+    if abs(value - round(value)) <= WHOLE_PIXEL:
+        return str(int(round(value)))
+    return f"{value:.2f}"
+
+
 def _voc_xml(file_name: str, image: dict[str, Any], objects: list[tuple[str, dict]]) -> str:
     parts = [
         "<annotation>",
@@ -198,9 +211,7 @@ def _voc_xml(file_name: str, image: dict[str, Any], objects: list[tuple[str, dic
             f"    <difficult>{int(bool(ann.get('iscrowd', 0)))}</difficult>",
             "    <bndbox>"
             + "".join(
-                f"<{k}>{int(v)}</{k}>"
-                if float(v).is_integer()
-                else f"<{k}>{round(float(v), 6)!r}</{k}>"
+                f"<{k}>{_voc_number(v)}</{k}>"
                 for k, v in zip(("xmin", "ymin", "xmax", "ymax"), corners)
             )
             + "</bndbox>",
