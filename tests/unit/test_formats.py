@@ -421,8 +421,9 @@ def test_a_cvat_export_of_one_task_is_evaluated_and_its_split_named_for_training
     with pytest.raises(
         ConfigError,
         match=r"cvat is COCO in CVAT / Label Studio's layout with the split default "
-        r"\(annotations/instances_<split>\.json\), no train: choose with "
-        r"data\.train_split=<one of default>$",
+        r"\(annotations/instances_<split>\.json\), no train or val: choose with "
+        r"data\.train_split=<one of default> data\.val_split=<one of default> \(an export of one "
+        r"split: training on it and evaluating on it scores the training images\)$",
     ):
         resolve_detection(_data(root), "train")
 

@@ -212,12 +212,17 @@ def _split_keys(recognised: Recognised, d: DictConfig, purpose: str) -> list[tup
     # an evaluation of an export of one split (CVAT names a task without subsets `default`)
     if purpose == "eval" and len(layout.splits) == 1:
         return [("val_split", layout.splits[0])]
-    key, split = missing[0]
     there, plural = ", ".join(layout.splits), "s" if len(layout.splits) > 1 else ""
+    one = (
+        " (an export of one split: training on it and evaluating on it scores the training images)"
+        if len(layout.splits) == 1
+        else ""
+    )
     raise ConfigError(
         f"{recognised.root} is {recognised.what} with the split{plural} {there} "
-        f"({layout.annotations.format(split='<split>')}), no {split}: choose with "
-        f"data.{key}=<one of {there}>"
+        f"({layout.annotations.format(split='<split>')}), no "
+        f"{' or '.join(split for _, split in missing)}: choose with "
+        f"{' '.join(f'data.{key}=<one of {there}>' for key, _ in missing)}{one}"
     )
 
 
