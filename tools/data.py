@@ -3,12 +3,17 @@
     python tools/data.py pack data=imagenet data.root=/data/imagenet out=/data/imagenet-shards
     python tools/data.py pack data=shapes out=/tmp/shapes-shards max_side=320 quality=90
     python tools/data.py convert data=detection data.root=/data/my_yolo to=coco out=/data/my_coco
+    python tools/data.py split data=imagenet data.root=/data/my_photos val=0.1 out=/data/my_split
 
 `pack` turns the train and val splits of an ImageFolder or COCO tree (data.root; a built-in set is
 generated first) into WebDataset tar shards with an index (docs/data.md); train from them with
 data.format=shards data.root=<out> (a directory, or the URL of a server that serves it).
 `convert` writes the train and val splits of detection data (COCO, YOLO or VOC, recognised from the
 folder; a built-in set) as COCO, YOLO or VOC (`visiondist.data.formats.convert`).
+`split` cuts a val split from a set that has one split only: class folders (`data=imagenet`) into
+train/ and val/ class folders, stratified; detection data (`data=detection`, an annotation tool's
+export of one task, a YOLO set without `val:`) into a COCO (or `to=yolo|voc`) tree
+(`visiondist.data.split`).
 """
 
 import sys
@@ -28,12 +33,22 @@ TOOL = Tool(
         "Prepare data: `pack` writes the train and val splits of the data config's ImageFolder or "
         "COCO tree as WebDataset tar shards with an index, in parallel, resumable; train from "
         "them with data.format=shards. `convert` writes detection data (COCO, YOLO, VOC) as "
-        "another of them."
+        "another of them. `split` cuts a val split from a set that has one split only (class "
+        "folders, or a detection export of one task)."
     ),
     keys=(
-        ("out=<dir>", "where the shards (convert: the converted set) go (required)"),
-        ("to=<coco|yolo|voc>", "convert: the format to write (required)"),
-        ("link=true", "convert: link the images instead of copying them"),
+        ("out=<dir>", "where the shards (convert, split: the written set) go (required)"),
+        (
+            "to=<coco|yolo|voc>",
+            "convert: the format to write (required); split: detection's (default coco)",
+        ),  # fmt: skip
+        ("link=true", "convert, split: link the images instead of copying them"),
+        (
+            "val=<share>",
+            "split: the share of each class's images (detection: of the images) for validation, "
+            "e.g. val=0.1 (required)",
+        ),
+        ("seed=<n>", "split: which images go to val (default 0: the same split everywhere)"),
         (
             "shard_mb=<MB>",
             "source bytes per shard (default: 256, or a 64th of a smaller split: about 64 shards, "
@@ -65,11 +80,15 @@ TOOL = Tool(
         "max_side=320",
         "python tools/data.py convert data=detection data.root=/data/my_yolo to=coco "
         "out=/data/my_coco",
+        "python tools/data.py split data=imagenet data.root=/data/my_photos val=0.1 "
+        "out=/data/my_split",
+        "python tools/data.py split data=detection data.root=/data/label_studio_export val=0.2 "
+        "out=/data/my_coco",
     ),
     run_dir=False,
     multirun=False,
     positional=True,
-    command="pack|convert",
+    command="pack|convert|split",
 )
 
 
@@ -101,6 +120,8 @@ def run(cmd: Command) -> int:
         return convert(cmd)
     if cmd.paths == ["pack"]:
         return pack(cmd)
+    if cmd.paths == ["split"]:
+        return split(cmd)
     said = (
         f"`{' '.join(cmd.paths)}` is not a command of tools/data.py"
         if cmd.paths
@@ -108,8 +129,9 @@ def run(cmd: Command) -> int:
     )
     raise ConfigError(
         f"{said}: use pack (e.g. python tools/data.py pack data=imagenet "
-        "data.root=/data/imagenet out=/data/shards) or convert (e.g. python tools/data.py convert "
-        "data=detection data.root=/data/my_yolo to=coco out=/data/my_coco)"
+        "data.root=/data/imagenet out=/data/shards), convert (e.g. python tools/data.py convert "
+        "data=detection data.root=/data/my_yolo to=coco out=/data/my_coco) or split (e.g. python "
+        "tools/data.py split data=imagenet data.root=/data/my_photos val=0.1 out=/data/my_split)"
     )
 
 
@@ -144,6 +166,72 @@ def convert(cmd: Command) -> int:
     print(
         f"wrote {target} into {out}; train from it: python {_train_tool()} "
         f"data=detection data.root={_shown(out)} model=<detector>"
+    )
+    return 0
+
+
+def split(cmd: Command) -> int:
+    from visiondist.data.formats import resolve_detection
+    from visiondist.data.formats.convert import TARGETS
+    from visiondist.data.split import (
+        check_fraction,
+        class_folders,
+        split_detection,
+        split_image_folder,
+    )
+
+    if "out" not in cmd.args or "val" not in cmd.args:
+        raise ConfigError("split needs val=<share> and out=<dir>, e.g. val=0.1 out=/data/my_split")
+    val, seed = _number(cmd, "val", float, None), _number(cmd, "seed", int, 0)
+    check_fraction(val)
+    cfg = load_config(CONFIGS, _with_a_model(cmd.overrides) + cmd.search, inputs=None)
+    if cmd.show:
+        print(config_text(cfg, cmd.package))
+        return 0
+    d = cfg.data
+    if OmegaConf.is_missing(d, "root"):
+        raise ConfigError(f"data.root must be set: add data.root=/path/to/{d.name}")
+    out, link = Path(cmd.args["out"]).expanduser(), cmd.switch("link")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"out={out} is not empty: give a new folder for the split set")
+    root = Path(d.root).expanduser()
+    if d.format in DETECTION_FORMATS:
+        target = cmd.args.get("to", "coco")
+        if target not in TARGETS:
+            raise ConfigError(f"to={target}: split writes {' | '.join(TARGETS)}")
+        d.val_split = d.train_split  # the one split read: the set's only one, or train
+        print(resolve_detection(d, "eval"), flush=True)
+        counts = split_detection(d, out, val, seed, link, target)
+        for name, c in counts.items():
+            print(f"{name}: {c['images']} images, {c['objects']} objects")
+        print(
+            f"wrote {target} into {out} ({d.val_split} cut {1 - val:.0%} / {val:.0%}, seed "
+            f"{seed}); train from it: python {_train_tool()} data=detection "
+            f"data.root={_shown(out)} model=<detector>"
+        )
+        return 0
+    if d.format != "imagefolder":
+        raise ConfigError(f"data={d.name} is {d.format} data: split reads class folders")
+    if not root.is_dir():
+        raise ConfigError(f"data.root={d.root}: no such directory")
+    source = class_folders(root, d.train_split)
+    if (source / d.val_split).is_dir() or (root / d.val_split).is_dir():
+        raise ConfigError(f"{root} already has a {d.val_split} split: train from it as it is")
+    try:
+        classes = split_image_folder(source, out, val, seed, link)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    train, held = (sum(c[k] for c in classes.values()) for k in ("train", "val"))
+    print(
+        f"{len(classes)} classes from {source}: train {train} images, val {held} "
+        f"(each class {1 - val:.0%} / {val:.0%}, seed {seed}; "
+        + ", ".join(f"{name} {c['train']}/{c['val']}" for name, c in list(classes.items())[:6])
+        + (", ..." if len(classes) > 6 else "")
+        + ")"
+    )
+    print(
+        f"wrote {out}/train and {out}/val; train from it: python {_train_tool()} "
+        f"data=imagenet data.root={_shown(out)}"
     )
     return 0
 

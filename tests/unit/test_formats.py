@@ -423,7 +423,9 @@ def test_a_cvat_export_of_one_task_is_evaluated_and_its_split_named_for_training
         match=r"cvat is COCO in CVAT / Label Studio's layout with the split default "
         r"\(annotations/instances_<split>\.json\), no train or val: choose with "
         r"data\.train_split=<one of default> data\.val_split=<one of default> \(an export of one "
-        r"split: training on it and evaluating on it scores the training images\)$",
+        r"split: training on it and evaluating on it scores the training images\); or cut train "
+        r"and val from it: python tools/data\.py split data=detection data\.root=.*cvat val=0\.2 "
+        r"out=<a new folder>$",
     ):
         resolve_detection(_data(root), "train")
 

@@ -321,9 +321,19 @@ def _check_split(d, root: Path, split: str) -> tuple[int, Path, str]:
         return len(coco_categories(annotations)), annotations, "categories"
     split_dir = root / split
     if not split_dir.is_dir():
+        # one split there (train/, or the class folders themselves): a val split can be cut from it
+        one = (root / d.train_split).is_dir() or (
+            split == d.train_split and not (root / d.val_split).is_dir() and _has_folders(root)
+        )
+        cut = (
+            f"; or cut train and val from its images: python tools/data.py split data={d.name} "
+            f"data.root={d.root} val=0.1 out=<a new folder>"
+            if one
+            else ""
+        )
         raise ConfigError(
             f"data.root={d.root} has no {split} split {split_dir}: expected "
-            f"<root>/{split}/<class>/<images>; set data.root, or data.{_split_key(d, split)}"
+            f"<root>/{split}/<class>/<images>; set data.root, or data.{_split_key(d, split)}{cut}"
         )
     with os.scandir(split_dir) as entries:
         classes = sum(1 for e in entries if e.is_dir() and not e.name.startswith("."))
@@ -332,6 +342,11 @@ def _check_split(d, root: Path, split: str) -> tuple[int, Path, str]:
             f"{split_dir} has no class folders: expected <root>/{split}/<class>/<images>"
         )
     return classes, split_dir, "class folders"
+
+
+def _has_folders(root: Path) -> bool:
+    with os.scandir(root) as entries:
+        return any(e.is_dir() and not e.name.startswith(".") for e in entries)
 
 
 def _other_layout(d) -> None:

@@ -35,7 +35,8 @@ from visiondist.data.formats.exports import coco_paths
 TARGETS = ("coco", "yolo", "voc")
 
 
-def _place(source: Path, target: Path, link: bool) -> None:
+def place(source: Path, target: Path, link: bool) -> None:
+    """`source` at `target` (its folder made; a file there replaced): copied, or linked."""
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():
         target.unlink()
@@ -70,7 +71,7 @@ def write_coco(
     for split, (coco, image_root) in splits.items():
         images = []
         for image, name in zip(coco["images"], _names(coco)):
-            _place(image_root / image["file_name"], out / split / name, link)
+            place(image_root / image["file_name"], out / split / name, link)
             images.append({**image, "file_name": name.as_posix()})
         (out / "annotations").mkdir(parents=True, exist_ok=True)
         (out / "annotations" / f"instances_{split}.json").write_text(
@@ -90,7 +91,7 @@ def write_yolo(
         names = [c["name"] for c in categories]
         anns = _by_image(coco)
         for image, relative in zip(coco["images"], _names(coco)):
-            _place(image_root / image["file_name"], out / "images" / split / relative, link)
+            place(image_root / image["file_name"], out / "images" / split / relative, link)
             width, height = image["width"], image["height"]
             lines = [
                 _yolo_line(index_of[a["category_id"]], a, width, height)
@@ -160,7 +161,7 @@ def write_voc(
         for image, image_id in zip(coco["images"], ids[split]):
             source = image_root / image["file_name"]
             target = out / "JPEGImages" / f"{image_id}{source.suffix}"
-            _place(source, target, link)
+            place(source, target, link)
             kept = [
                 a for a in anns[image["id"]] if _representable(a, image["width"], image["height"])
             ]
@@ -245,14 +246,15 @@ def convert(d: Any, target: str, out: Path, link: bool = False) -> dict[str, dic
     renamed = WRITERS[target](sources, out, link)
     return {
         name: {
-            **_written(coco, target),
+            **written(coco, target),
             "images named <split>_<name>: names both splits use": renamed.get(name, 0),
         }
         for name, (coco, _) in sources.items()
     }
 
 
-def _written(coco: dict[str, Any], target: str) -> dict[str, int]:
+def written(coco: dict[str, Any], target: str) -> dict[str, int]:
+    """A split's images and objects as `target` holds them, and what it leaves out, counted."""
     sizes = {image["id"]: (image["width"], image["height"]) for image in coco["images"]}
     crowd = difficult = outside = 0
     for ann in coco["annotations"]:

@@ -214,7 +214,9 @@ def _split_keys(recognised: Recognised, d: DictConfig, purpose: str) -> list[tup
         return [("val_split", layout.splits[0])]
     there, plural = ", ".join(layout.splits), "s" if len(layout.splits) > 1 else ""
     one = (
-        " (an export of one split: training on it and evaluating on it scores the training images)"
+        " (an export of one split: training on it and evaluating on it scores the training "
+        "images); or cut train and val from it: python tools/data.py split data=detection "
+        f"data.root={recognised.root} val=0.2 out=<a new folder>"
         if len(layout.splits) == 1
         else ""
     )
