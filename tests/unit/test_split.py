@@ -144,3 +144,22 @@ def test_a_detection_split_may_be_written_as_yolo_or_voc(tmp_path, target, capsy
     assert "train: 3 images, 3 objects" in capsys.readouterr().out
     d = _data(out)
     assert "train 3 images, 3 boxes; val 1 images, 1 boxes" in resolve_detection(d, "train")
+
+
+def test_training_and_evaluating_on_one_split_is_warned_of(tmp_path, caplog):
+    """data.train_split=data.val_split (a set of one split read twice): the evaluations would score
+    the training images; the launch says so and names split."""
+    from visiondist.cli import load_config
+
+    root = tmp_path / "set"
+    _classes(root / "train", {"a": 4, "b": 4})
+    with caplog.at_level("WARNING"):
+        load_config(
+            REPO / "configs",
+            ["data=imagenet", f"data.root={root}", "data.val_split=train", "data.batch_size=4"],
+        )
+    assert (
+        "data.train_split and data.val_split are both train: the evaluations score the "
+        in (caplog.text)
+        and f"python tools/data.py split data=imagenet data.root={root} val=0.1" in caplog.text
+    )

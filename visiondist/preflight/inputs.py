@@ -21,6 +21,7 @@ which read weights files.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Optional
@@ -41,6 +42,8 @@ from visiondist.preflight.images import (
 from visiondist.utils.dcp import is_complete, list_checkpoints
 from visiondist.utils.pretrained import WeightsNotFound, is_named, local_file
 
+log = logging.getLogger(__name__)
+
 
 def check_inputs(cfg, purpose: str = "train") -> None:
     """`purpose`: "train" needs the train and val splits, "eval" only the val split. Built-in
@@ -58,6 +61,15 @@ def check_inputs(cfg, purpose: str = "train") -> None:
     if purpose == "train":
         check_trackers_installed(cfg.trainer.loggers)
     d = cfg.data
+    if purpose == "train" and d.train_split == d.val_split:
+        log.warning(
+            "data.train_split and data.val_split are both %s: the evaluations score the training "
+            "images (how well the model fits them, not how it does on new ones); cut a val split "
+            "from them: python tools/data.py split data=%s data.root=%s val=0.1 out=<a new folder>",
+            d.train_split,
+            d.name,
+            d.get("root"),
+        )
     _not_a_pack(d)
     _generated_here(d)
     where: str | Path  # a pack's description, or the folder or file counted
