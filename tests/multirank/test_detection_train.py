@@ -5,6 +5,7 @@ import json
 import re
 
 from helpers import REPO, assert_png, run_cli
+from omegaconf import OmegaConf
 
 from visiondist.observe.metrics import read_metrics
 
@@ -152,6 +153,18 @@ def _export_loads_in_torchvision(run, tmp_path):
     # the file keeps 1.0
     feed, sizes = canvas(images)
     assert not session.run(None, {"images": feed.numpy(), "sizes": sizes.numpy()})[3].any()
+
+    # the file predicts with the detector named and no data= (it reads none; the classes are the
+    # file's)
+    model = OmegaConf.load(run / "config.yaml").model.name
+    val = next((run.parent / "shapes_coco" / "val").glob("*.jpg"))
+    predicted = run_cli(
+        [f"weights={onnx}", f"model={model}", f"source={val}", f"out={tmp_path / 'pred'}"],
+        timeout=300,
+        script=REPO / "tools" / "predict.py",
+    )
+    assert predicted.returncode == 0, predicted.stdout[-2000:]
+    assert (tmp_path / "pred" / "detections.jsonl").is_file()
 
 
 def test_eval_refuses_a_missing_run(tmp_path):
