@@ -145,6 +145,14 @@ def test_a_runs_evaluate_predict_and_export_are_the_tools(tmp_path, tiny_shapes,
     found, missing = run.predict([first, tmp_path / "missing.jpg"], topk=2)
     (alone,) = run.predict([first], topk=2)
     assert found.top == alone.top and found.width == 32
+    # the run's own weights file predicts under the run's config (its size, normalisation, classes:
+    # the file records only the names); a model setting that does not fit it is one line
+    (own,) = visiondist.predict([first], weights=run.dir / "model.safetensors", topk=2)
+    assert own.top == alone.top
+    with pytest.raises(
+        visiondist.ConfigError, match=r"is a ViT \(width 192, depth 2.*: use model.depth=2"
+    ):
+        visiondist.predict(first, "model=vit_tiny", weights=run.dir / "model.safetensors")
     assert missing.error == "no such file" and missing.width is None and missing.top is None
 
     onnx = run.export("onnx")

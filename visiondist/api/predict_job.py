@@ -15,7 +15,13 @@ from omegaconf import DictConfig, OmegaConf
 from visiondist.api.jobs import CONFIGS, step_of
 from visiondist.cli.load import load_run_config, load_weights_config
 from visiondist.config import ConfigError
-from visiondist.inference.job import recorded_data, request, run_weights
+from visiondist.inference.job import (
+    check_file,
+    recorded_data,
+    request,
+    run_of_weights,
+    run_weights,
+)
 from visiondist.inference.outputs import read_manifest
 from visiondist.inference.sources import resolve_source
 
@@ -64,12 +70,17 @@ def prediction_job_config(
         path = Path(str(weights)).expanduser()
         if not path.exists():
             raise ConfigError(f"weights={weights}: no such file or checkpoint directory")
-        cfg = load_weights_config(CONFIGS, path, list(overrides), tool, data_needed=False)
-        if check_weights:  # --cfg prints the config without reading the weights
+        own_run = run_of_weights(path, list(overrides))
+        if own_run is not None:  # a run's own file: predicted under its config.yaml
+            base = own_run
+            cfg = load_run_config(own_run, list(overrides), inputs=None)
+        else:
+            cfg = load_weights_config(CONFIGS, path, list(overrides), tool, data_needed=False)
+        if check_weights and own_run is None:  # --cfg prints the config, reading no weights
             from visiondist.inference.names import count_classes  # noqa: PLC0415 (a job's)
 
             count_classes(cfg, path)  # before the check, which compares the file with the count
-            _check_weights(cfg, path)
+            check_file(cfg, path)
     data: dict[str, Any] = {}
     if base is None:  # an export: the run's own eval preprocessing, as the export recorded it
         data, said = recorded_data(path, overrides)
@@ -159,23 +170,6 @@ def _refuse_nothing(folder: Path, counts: dict[str, Any], source: Any) -> None:
             f"predicted nothing: {which} of source={source} {'is' if n == 1 else 'are'} "
             f"unreadable ({folder / 'unreadable.txt'} names each with its reason)"
         )
-
-
-def _check_weights(cfg: DictConfig, weights: Path) -> None:
-    """The file against the model, before anything is printed or any rank starts (as tools/eval.py
-    does): an export's graph or program, a file of another model, is refused in one line naming this
-    tool's key."""
-    from visiondist.models.exported import check_runtime_file, runtime_of  # noqa: PLC0415
-    from visiondist.models.weights_check import check_weights  # noqa: PLC0415 (a job's)
-
-    model = OmegaConf.merge(cfg.model, {"weights": str(weights.resolve())})
-    try:
-        if runtime_of(weights):  # an exported file: its runtime runs it
-            check_runtime_file(model, weights)
-            return
-        check_weights(model, "eval", OmegaConf.select(cfg, "data.num_classes", default=None))
-    except ConfigError as exc:
-        raise ConfigError(str(exc).replace("model.weights=", "weights=")) from None
 
 
 def _choose_out(cfg: DictConfig, base: Optional[Path], source: Any) -> tuple[Optional[Path], str]:

@@ -8,9 +8,9 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from visiondist.checkpoint.files import latest_checkpoint, resolve_checkpoint
 from visiondist.config import ConfigError
@@ -34,6 +34,35 @@ def run_weights(run: Path, step=None) -> Path:
             "weights=<file> or a run that saved its weights"
         )
     return weights
+
+
+def run_of_weights(weights: Path, overrides: Sequence[str]) -> Optional[Path]:
+    """The training run `weights` are of (its model.safetensors, or a checkpoint in its
+    checkpoints/), where `overrides` switch no config group: its config.yaml then gives the model
+    and the preprocessing it was trained with, which the file alone does not record. None
+    otherwise (an export records its own)."""
+    if any("=" in o and "." not in o.split("=", 1)[0] for o in overrides):  # model=..., data=...
+        return None
+    weights = weights.expanduser().resolve()
+    run = weights.parent.parent if weights.parent.name == "checkpoints" else weights.parent
+    return run if (run / "config.yaml").is_file() else None
+
+
+def check_file(cfg: DictConfig, weights: Path) -> None:
+    """The file against the model, before anything is printed or any rank starts (as tools/eval.py
+    does): an export's graph or program, a file of another model, is refused in one line naming this
+    tool's key."""
+    from visiondist.models.exported import check_runtime_file, runtime_of  # noqa: PLC0415
+    from visiondist.models.weights_check import check_weights  # noqa: PLC0415 (a job's)
+
+    model = OmegaConf.merge(cfg.model, {"weights": str(weights.resolve())})
+    try:
+        if runtime_of(weights):  # an exported file: its runtime runs it
+            check_runtime_file(model, weights)
+            return
+        check_weights(model, "eval", OmegaConf.select(cfg, "data.num_classes", default=None))
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("model.weights=", "weights=")) from None
 
 
 def batch_size(cfg: DictConfig) -> int:

@@ -22,9 +22,11 @@ from visiondist.data.workers import close_loaders, register, watched
 from visiondist.inference.finish import finish
 from visiondist.inference.job import (
     batch_size,
+    check_file,
     drawn_count,
     recorded_data,
     request,
+    run_of_weights,
     run_weights,
 )
 from visiondist.inference.model import Predictor, load_model
@@ -254,9 +256,15 @@ def prediction_config(
         raise ConfigError(
             "give run_dir=<run> (a training run) or weights=<file> with model=... data=..."
         )
-    if run_dir is not None:
-        cfg = run_config(run_dir, list(overrides))
-        cfg.model.weights = str(run_weights(Path(run_dir), step))
+    own_run = None if weights is None else run_of_weights(Path(weights), overrides)
+    run = run_dir if run_dir is not None else own_run
+    if run is not None:
+        cfg = run_config(run, list(overrides))
+        cfg.model.weights = str(
+            Path(weights).expanduser().resolve()
+            if weights is not None
+            else run_weights(Path(str(run_dir)), step)
+        )
     else:
         assert weights is not None  # one of the two (checked above)
         path = Path(weights).expanduser().resolve()
@@ -267,6 +275,7 @@ def prediction_config(
         # an export's record
         preprocessing = {"data": recorded_data(Path(cfg.model.weights), list(overrides))[0]}
         cfg = cast(DictConfig, OmegaConf.merge(cfg, preprocessing))
+        check_file(cfg, path)
     cfg.model.init_from = None
     cfg = cast(DictConfig, OmegaConf.merge(cfg, {"predict": settings}))
     check(cfg, mandatory=False)
