@@ -104,7 +104,7 @@ def train(
     if step is not None:
         print(
             f"{run_dir} is complete at step {step}: nothing to do (to train longer, "
-            f"{train_longer(cfg)})",
+            f"{train_longer(cfg, step)})",
             flush=True,
         )
         return json.loads((run_dir / "summary.json").read_text())

@@ -141,7 +141,8 @@ def record_attempt(run_dir: Path, saved: DictConfig, cfg: DictConfig, run=None) 
 
 
 def completed_step(cfg: DictConfig) -> Optional[int]:
-    """The last step of a complete run that `cfg` continues unchanged in length; None otherwise.
+    """The last step of a complete run that `cfg` continues unchanged in length, or asks no more
+    steps of (a length it has already trained past); None otherwise.
 
     Args:
         cfg: the command line's config (`trainer.run_dir`, `trainer.resume`, the run's length).
@@ -158,16 +159,42 @@ def completed_step(cfg: DictConfig) -> Optional[int]:
         return None
     state = read_trainer_state(newest)
     step, total = int(state["step"]), state.get("total_steps")
+    if total is None or step < int(total):
+        return None
     length = _last_length(run_dir)
-    same_length = all(length[k] == OmegaConf.select(cfg, k) for k in length)
-    return step if total is not None and step >= int(total) and same_length else None
+    if all(length[k] == OmegaConf.select(cfg, k) for k in length):
+        return step
+    asked = _asked_steps(cfg, length, int(total))
+    return step if asked is not None and step >= asked else None
 
 
-def train_longer(cfg: DictConfig) -> str:
-    """What trains a complete run longer: the key that set its length."""
+def _asked_steps(cfg: DictConfig, length: dict[str, Any], total: int) -> Optional[int]:
+    """The steps `cfg`'s length comes to, where the run's own says it: trainer.max_steps, or
+    trainer.max_epochs at the steps per epoch of a run whose length was its epochs; None where the
+    epochs' steps are not known here."""
     if cfg.trainer.max_steps > 0:
-        return f"raise trainer.max_steps={cfg.trainer.max_steps}"
-    return f"raise trainer.max_epochs={cfg.trainer.max_epochs}, or give trainer.max_steps"
+        return int(cfg.trainer.max_steps)
+    steps, epochs = length.get("trainer.max_steps") or 0, length.get("trainer.max_epochs") or 0
+    if steps > 0 or epochs <= 0 or total % epochs:
+        return None
+    return int(cfg.trainer.max_epochs) * (total // epochs)
+
+
+def train_longer(cfg: DictConfig, step: int) -> str:
+    """What trains a complete run (at `step`) longer: the key that sets its length (its last
+    attempt's: `trainer.max_epochs` counts only where `trainer.max_steps` is unset)."""
+    length = _last_length(Path(cfg.trainer.run_dir).expanduser())
+    if (length.get("trainer.max_steps") or 0) > 0 or cfg.trainer.max_steps > 0:
+        epochs = (
+            " (trainer.max_epochs counts only without it)"
+            if OmegaConf.select(cfg, "trainer.max_epochs") != length.get("trainer.max_epochs")
+            else ""
+        )
+        return f"give trainer.max_steps above {step}{epochs}"
+    return (
+        f"give trainer.max_epochs above {length.get('trainer.max_epochs')}, or trainer.max_steps "
+        f"above {step}"
+    )
 
 
 def _last_length(run_dir: Path) -> dict[str, Any]:

@@ -107,9 +107,16 @@ def test_the_same_command_continues_a_crashed_run_then_says_it_is_complete(
     result = run_cli(command)
     assert (
         result.returncode == 0
-        and f"is complete at step {STEPS}: nothing to do (to train longer, raise "
-        f"trainer.max_steps={STEPS})"
+        and f"is complete at step {STEPS}: nothing to do (to train longer, give "
+        f"trainer.max_steps above {STEPS})"
         in result.stdout
+    ), result.stdout[-3000:]
+    assert kept == {name: (run / name).read_bytes() for name in kept}
+    # a shorter length than the run trained: nothing to do either, nothing rewritten
+    shorter = [a for a in command if not a.startswith("trainer.max_steps=")]
+    result = run_cli([*shorter, f"trainer.max_steps={STEPS - 2}"])
+    assert result.returncode == 0 and f"is complete at step {STEPS}: nothing to do" in (
+        result.stdout
     ), result.stdout[-3000:]
     assert kept == {name: (run / name).read_bytes() for name in kept}
 

@@ -122,7 +122,7 @@ def train_job(
     if step is not None:  # e.g. a requeued cluster job: nothing to do, nothing rewritten
         print(
             f"{cfg.trainer.run_dir} is complete at step {step}: nothing to do (to train longer, "
-            f"{train_longer(cfg)})",
+            f"{train_longer(cfg, step)})",
             flush=True,
         )
         return Path(cfg.trainer.run_dir), {}
