@@ -99,6 +99,11 @@ def test_train_on_two_ranks_with_callbacks_then_stop_and_resume(tmp_path, tiny_s
     assert again.summary["steps"] == 6 and again.weights is not None
     assert again.layout["world_size"] == 2
     assert [r["step"] for r in again.rows if r["loss"] is not None][-1] == 6
+    # one row a step, an evaluation joined to its step's (the epoch's end included: both rows
+    # count the step's epoch)
+    steps = [r["step"] for r in again.rows]
+    assert steps == sorted(set(steps)), again.rows
+    assert again.rows[-1]["loss"] is not None and again.rows[-1]["val_top1"] is not None
 
 
 def test_a_runs_evaluate_predict_and_export_are_the_tools(tmp_path, tiny_shapes, capsys):

@@ -52,7 +52,11 @@ class Validation:
         # FSDP keeps the root's gathered weights after a forward without backward: free them
         reshard(parts.model)
         state.last_eval = {**metrics, "step": state.step}
-        # counted from 1, as the log lines count
-        self.metrics.log(state.step, epoch=state.epoch + 1, **metrics)
+        # the epoch of the step evaluated, counted from 1 as the log lines count (an evaluation at
+        # an epoch's end runs once the loop has moved on to the next)
+        epoch = (
+            (state.step - 1) // parts.data.train_sampler.steps_per_epoch + 1 if state.step else 1
+        )
+        self.metrics.log(state.step, epoch=epoch, **metrics)
         log.info("eval  step %d | %s", state.step, task.describe(metrics))
         return metrics
