@@ -56,9 +56,9 @@ def test_resume_mid_epoch_is_bitwise_exact(tmp_path, tiny_shapes):
 
 
 def test_a_continuation_trains_with_the_rate_and_decay_it_is_given(tmp_path, tiny_shapes):
-    """optim.lr and optim.weight_decay changed on continuing: the checkpoint restores the moments
-    and the schedule's step, and the rates from there are those of a run that had the new peak from
-    the start; the log says what changed."""
+    """optim.lr and optim.weight_decay changed on continuing (on 2 ranks): the checkpoint restores
+    the moments and the schedule's step, and the rates from there are those of a run that had the
+    new peak from the start; the log says what changed."""
     from visiondist.observe.metrics import read_metrics
 
     def rates(run):
@@ -68,7 +68,14 @@ def test_a_continuation_trains_with_the_rate_and_decay_it_is_given(tmp_path, tin
     straight, split = tmp_path / "straight", tmp_path / "split"
     _train(*_args(tiny_shapes, straight, *common, "optim.lr=0.01", "optim.weight_decay=0.1"))
     _train(*_args(tiny_shapes, split, *common, "trainer.stop_at_step=3"))
-    out = _train(*_args(tiny_shapes, split, *common, "optim.lr=0.01", "optim.weight_decay=0.1"))
+    assert json.loads((split / "layout.json").read_text())["world_size"] == 1
+    # continued on 2 ranks: layout.json is the attempt's, the layout its checkpoints are saved under
+    out = _train(
+        *_args(
+            tiny_shapes, split, *common, "optim.lr=0.01", "optim.weight_decay=0.1", "parallel.dp=2"
+        )
+    )
+    assert json.loads((split / "layout.json").read_text())["world_size"] == 2
     assert "the optimizer continues with this run's settings: peak LR 0.0005 -> 0.01" in out
     assert "weight_decay as configured" in out
     a, b = rates(straight), rates(split)

@@ -247,7 +247,7 @@ class RunLayout:
 
     @classmethod
     def load(cls, run_dir: Path) -> Optional[RunLayout]:
-        """The layout a run dir's first attempt ran under, or None (a run from before layout.json
+        """The layout a run dir's latest attempt ran under, or None (a run from before layout.json
         existed)."""
         path = Path(run_dir) / LAYOUT_FILE
         return cls.from_json(json.loads(path.read_text())) if path.is_file() else None

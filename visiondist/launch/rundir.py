@@ -25,9 +25,10 @@ def new_run_dir(
 ) -> Path:
     """Create the run directory and write `config.yaml` (the run as asked, e.g. `parallel.auto:
     true`) and `layout.json` (the `RunLayout` it resolved to) into it. An existing run's directory
-    is only reused to continue it (`trainer.resume=auto`): its config.yaml and layout.json stay as
-    they are, and what this continuation changes (the layout included) is appended to
-    `attempts.jsonl` (`visiondist.runs`). `kind`: see `default_run_dir`."""
+    is only reused to continue it (`trainer.resume=auto`): its config.yaml stays as asked, what this
+    continuation changes (the layout included) is appended to `attempts.jsonl` (`visiondist.runs`),
+    and layout.json becomes this attempt's (the layout its checkpoints are saved under). `kind`:
+    see `default_run_dir`."""
     if cfg.trainer.run_dir:
         run_dir = Path(cfg.trainer.run_dir).expanduser()
         previous = run_dir / "config.yaml"
@@ -39,6 +40,8 @@ def new_run_dir(
                 )
             saved = cast(DictConfig, OmegaConf.load(previous))  # config.yaml: a mapping
             record_attempt(run_dir, saved, cfg, run)
+            if run is not None:
+                run.save(run_dir)
             return run_dir.resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
     else:
