@@ -120,16 +120,37 @@ def _keep_inferred(cfg: DictConfig, saved: DictConfig) -> None:
 
 
 def changed_keys(a: DictConfig, b: DictConfig) -> list[str]:
-    """Dotted keys whose values differ (trainer.run_dir and trainer.resume are not a change)."""
+    """Dotted keys whose values differ (trainer.run_dir and trainer.resume are not a change). A
+    setting `a` (a saved run's config.yaml) predates is no change while `b` holds its default."""
     flat_a, flat_b = (flatten(OmegaConf.to_container(c, resolve=True)) for c in (a, b))
     keys = sorted(set(flat_a) | set(flat_b))
-    return [k for k in keys if flat_a.get(k) != flat_b.get(k) and k not in PER_PROCESS]
+    return [
+        k
+        for k in keys
+        if flat_a.get(k) != flat_b.get(k)
+        and k not in PER_PROCESS
+        and not (k not in flat_a and flat_b.get(k) == _default(k))
+    ]
+
+
+_SCHEMA: Optional[DictConfig] = None
+
+
+def _default(key: str) -> Any:
+    """The schema's default of a dotted key (None where it has none)."""
+    global _SCHEMA
+    if _SCHEMA is None:
+        _SCHEMA = OmegaConf.structured(TrainConfig)
+    try:
+        return OmegaConf.select(_SCHEMA, key, default=None, throw_on_missing=False)
+    except Exception:  # a key under a group the schema types loosely (model.kwargs...)
+        return None
 
 
 def record_attempt(run_dir: Path, saved: DictConfig, cfg: DictConfig, run=None) -> None:
-    """Append this continuation's changes to `<run>/attempts.jsonl` (config.yaml and layout.json
-    keep the first attempt's), and the layout it runs under when that differs from layout.json's
-    (checkpoints reshard)."""
+    """Append this continuation's changes to `<run>/attempts.jsonl` (config.yaml keeps the first
+    attempt's), and the layout it runs under when that differs from layout.json's, the attempt
+    before's (checkpoints reshard)."""
     changes = {k: OmegaConf.select(cfg, k) for k in changed_keys(saved, cfg)}
     entry = {"time": dt.datetime.now().isoformat(timespec="seconds"), "changes": changes}
     first = RunLayout.load(run_dir)

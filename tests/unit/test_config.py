@@ -374,3 +374,17 @@ def test_a_relative_data_root_is_recorded_absolute(tmp_path, monkeypatch):
         CONFIGS, ["data=imagenet", "data.format=shards", "data.root=http://127.0.0.1:1/x"], None
     )
     assert url.data.root == "http://127.0.0.1:1/x"
+
+
+def test_a_setting_newer_than_a_saved_run_is_no_change_at_its_default():
+    """A run saved before parallel.gpu existed, continued now: the key at its default is not
+    recorded as a change in attempts.jsonl; set to something else, it is."""
+    from visiondist.runs import changed_keys
+
+    now = compose(REPO / "configs", [])
+    saved = OmegaConf.create(OmegaConf.to_container(now, resolve=True))
+    del saved.parallel["gpu"]
+    assert changed_keys(saved, now) == []
+    now.parallel.gpu = "h100"
+    now.optim.lr = 1e-3
+    assert changed_keys(saved, now) == ["optim.lr", "parallel.gpu"]
