@@ -238,3 +238,8 @@ def test_a_callbacks_functions_keep_their_file_on_the_ranks(monkeypatch):
         (__file__, "inner"),
     ]
     assert frames[-1].line == 'raise ValueError(f"bad step {state}")'
+
+
+def test_the_package_lists_its_functions_before_they_are_imported():
+    """A notebook's completion reads dir(): the lazily imported names are there from the start."""
+    assert {"train", "evaluate", "predict", "export", "Run", "ConfigError"} <= set(dir(visiondist))

@@ -140,7 +140,7 @@ class TrainWithCallbacks:
 def unpack(results: dict[int, Any]) -> dict[int, list]:
     """Each rank's callbacks as it ended the run, by rank (taken off the ranks' summaries)."""
     back = {}
-    for rank, result in results.items():
+    for rank, result in sorted(results.items()):
         if isinstance(result, dict) and RETURNED in result:
             back[rank] = cloudpickle.loads(result.pop(RETURNED))
     return back

@@ -13,8 +13,15 @@ def lazy_exports(
     package: str, where: dict[str, tuple[str, ...]]
 ) -> tuple[Callable[[str], Any], list[str]]:
     """`__getattr__, __all__ = lazy_exports(__name__, {"submodule": ("name", ...)})`: each name is
-    imported from its submodule when first asked for, then kept on the package."""
+    imported from its submodule when first asked for, then kept on the package. The package's
+    `dir()` lists them from the start (a notebook's completion offers them)."""
     module_of = {name: module for module, names in where.items() for name in names}
+    module = sys.modules[package]
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(module)) | set(module_of))
+
+    module.__dir__ = __dir__  # type: ignore[method-assign]
 
     def __getattr__(name: str) -> Any:
         if name not in module_of:

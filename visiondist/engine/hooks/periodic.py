@@ -26,8 +26,12 @@ from visiondist.parallel.timeline import bubble_fraction, plot_timeline, to_json
 
 # a log line names the share of the window the step waited for its input from this share on
 DATA_WAIT_SHOWN = 0.1
-# a window after the first (the workers' start) that waited this much is warned of, once
+# the windows after the first (the workers' start) that waited this much of their time, over at
+# least DATA_WAIT_STEPS steps and DATA_WAIT_SECONDS, are warned of, once (a tiny run's one-step
+# windows say little)
 DATA_WAIT_WARNED = 0.3
+DATA_WAIT_STEPS = 20
+DATA_WAIT_SECONDS = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +153,8 @@ class LogHook(Hook):
 
     def __init__(self) -> None:
         self.warned = False
+        # the windows after the first: their steps, seconds and seconds spent waiting for data
+        self.steps, self.seconds, self.waited = 0, 0.0, 0.0
 
     def after_step(self, trainer: Trainer, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         state, timer = trainer.state, trainer.state.timer
@@ -163,9 +169,20 @@ class LogHook(Hook):
         ):
             timer.pause()
             state.final_loss, wait = self._log(trainer, timer, grad_norm)
-            if wait >= DATA_WAIT_WARNED and len(timer.windows) > 1 and not self.warned:
-                self.warned = True
-                _say_input_bound(trainer, timer.windows[-1], wait)
+            if len(timer.windows) > 1:
+                first, last, seconds = timer.windows[-1]
+                self.steps += last - first + 1
+                self.seconds += seconds
+                self.waited += wait * seconds
+                share = self.waited / self.seconds if self.seconds else 0.0
+                if (
+                    not self.warned
+                    and share >= DATA_WAIT_WARNED
+                    and self.steps >= DATA_WAIT_STEPS
+                    and self.seconds >= DATA_WAIT_SECONDS
+                ):
+                    self.warned = True
+                    _say_input_bound(trainer, (timer.windows[1][0], last), share)
             timer.reset()
 
     @staticmethod
@@ -230,7 +247,7 @@ class LogHook(Hook):
         return mean_loss, wait
 
 
-def _say_input_bound(trainer: Trainer, window: tuple[int, int, float], wait: float) -> None:
+def _say_input_bound(trainer: Trainer, window: tuple[int, int], wait: float) -> None:
     """One warning (rank 0) that the loader holds the step back, with the settings that feed it."""
     if not trainer.layout.is_main:
         return
