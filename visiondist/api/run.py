@@ -134,7 +134,8 @@ class Run:
         return predict(source, run=self, **settings)
 
     def export(self, format: str = "safetensors", **settings: Any) -> Path:
-        """`visiondist.export(run, format)`: the written file's path."""
+        """`visiondist.export(run, format, step=, out=, opset=, half=, int8=)`: the written file's
+        path."""
         return export(self, format, **settings)
 
     def resume(self, *overrides: str, callbacks: Sequence[Any] = (), **settings: Any) -> Run:
@@ -231,7 +232,8 @@ def export(
 
     Args:
         run: a `Run` or a run dir.
-        format: safetensors (timm / torchvision keys), onnx, pt2, torchscript, hf, naflex.
+        format: safetensors (timm / torchvision keys), onnx, pt2, torchscript, hf, naflex,
+            openvino (docs/checkpoints.md: which models each takes).
         step: its checkpoint (a step number or "best"); None: the newest, else model.safetensors.
         out: the file to write; None: `<run>/export/model.<ext>`.
         opset: format="onnx": the ONNX opset (17 to 20; None: 18).
