@@ -171,7 +171,7 @@ def run_trainer(trainer: Trainer) -> dict[str, Any]:
             metrics.rows,
             trainer.parts.task,
             state.last_eval,
-            f"{cfg.model.name} on {cfg.data.name}",
+            _title(cfg),
             written,
             t.plots,
             longer,
@@ -294,11 +294,7 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
             f"read {task.reads} | " if task.reads else "",
             decoded_by,
         )
-        pngs = (
-            draw_evaluation(task, metrics, run_dir, f"{cfg.model.name} on {cfg.data.name}")
-            if cfg.trainer.plots
-            else []
-        )
+        pngs = draw_evaluation(task, metrics, run_dir, _title(cfg)) if cfg.trainer.plots else []
         print(task.final_line(metrics), flush=True)
         written = [
             "eval.json",
@@ -311,3 +307,14 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
 
 
 evaluate_checkpoint.run_kind = "eval"  # type: ignore[attr-defined]  # its default run dir: <output dir>/eval/...
+
+
+def _title(cfg: DictConfig) -> str:
+    """The plots' title: the model and the data, a user's own by its folder's name ("vit_tiny on
+    my_photos (data=imagenet)"; the built-in sets and a folder named as its config by the name)."""
+    d = cfg.data
+    from omegaconf import OmegaConf  # noqa: PLC0415 (the rank's: the launcher reads no title)
+
+    root = None if d.get("synthetic") is not None else OmegaConf.select(d, "root", default=None)
+    folder = Path(str(root)).expanduser().name if root else d.name
+    return f"{cfg.model.name} on {folder}" + (f" (data={d.name})" if folder != d.name else "")
