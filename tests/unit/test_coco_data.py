@@ -98,7 +98,7 @@ def test_annotations_of_images_not_in_the_file_are_counted(tmp_path, caplog):
         data = CocoDetection(root, ann, train=True)
     assert data.counts.orphan_annotations == 2 and data.counts.boxes == 1
     assert (
-        "1 images, 1 boxes; left out: 0 crowd boxes, 0 degenerate boxes, 0 images without usable "
+        "1 image, 1 box; left out: 0 crowd boxes, 0 degenerate boxes, 0 images without usable "
         "boxes, 2 annotations whose image_id has no image"
     ) in caplog.text
 

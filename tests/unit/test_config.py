@@ -388,3 +388,21 @@ def test_a_setting_newer_than_a_saved_run_is_no_change_at_its_default():
     now.parallel.gpu = "h100"
     now.optim.lr = 1e-3
     assert changed_keys(saved, now) == ["optim.lr", "parallel.gpu"]
+
+
+@pytest.mark.parametrize(
+    "n, phrase, said",
+    [
+        (1, "images without labels", "1 image without labels"),
+        (2, "images without labels", "2 images without labels"),
+        (1, "boxes", "1 box"),
+        (1, "classes", "1 class"),
+        (1, "label files without an image", "1 label file without an image"),
+        (0, "crowd boxes", "0 crowd boxes"),
+        (1, "crowd boxes", "1 crowd box"),
+    ],
+)
+def test_counts_in_words(n, phrase, said):
+    from visiondist.utils.text import counted
+
+    assert counted(n, phrase) == said

@@ -373,8 +373,7 @@ def test_a_roboflow_export_is_read_without_its_group_category(tmp_path):
     line = resolve_detection(d, "train")
     # the counts as YOLO's and VOC's line gives them; the group category is not a class
     assert (
-        "COCO in Roboflow's layout, 2 classes; train 1 images, 1 boxes; valid 1 images, 1 boxes"
-        in line
+        "COCO in Roboflow's layout, 2 classes; train 1 image, 1 box; valid 1 image, 1 box" in line
     ) and "'pets'" in line
     assert d.val_split == "valid" and d.found == "coco (Roboflow)"
     assert [c["name"] for c in _gt(d, "valid")["categories"]] == ["cat", "dog"]
@@ -405,7 +404,7 @@ def test_an_export_whose_file_names_hold_the_split_folder_reads_them_from_images
         annotations.write_text(json.dumps(coco))
     d = _data(root)
     line = resolve_detection(d, "train")
-    assert "train 1 images, 1 boxes" in line, line
+    assert "train 1 image, 1 box" in line, line
     assert Path(d.images) == root / "images"
 
 
@@ -417,7 +416,7 @@ def test_a_cvat_export_of_one_task_is_evaluated_and_its_split_named_for_training
                 [{"id": 1, "name": "cat", "supercategory": ""}])  # fmt: skip
     d = _data(root)
     line = resolve_detection(d, "eval")
-    assert d.val_split == "default" and "default 1 images, 1 boxes" in line, line
+    assert d.val_split == "default" and "default 1 image, 1 box" in line, line
     with pytest.raises(
         ConfigError,
         match=r"cvat is COCO in CVAT / Label Studio's layout with the split default "
@@ -497,7 +496,7 @@ def test_a_label_studio_coco_export_is_evaluated(tmp_path):
     }))  # fmt: skip
     d = _data(root)
     line = resolve_detection(d, "eval")
-    assert "is COCO in Label Studio's layout, 2 classes; result 1 images, 1 boxes" in line, line
+    assert "is COCO in Label Studio's layout, 2 classes; result 1 image, 1 box" in line, line
     images, annotations = coco_paths(d, d.val_split)
     assert annotations == root / "result.json" and (images / "images" / "a.jpg").is_file()
     (root / "result.json").write_text(json.dumps([{"id": 1, "annotations": []}]))

@@ -143,7 +143,7 @@ def test_a_detection_split_may_be_written_as_yolo_or_voc(tmp_path, target, capsy
                          f"to={target}", f"out={out}"]) == 0  # fmt: skip
     assert "train: 3 images, 3 objects" in capsys.readouterr().out
     d = _data(out)
-    assert "train 3 images, 3 boxes; val 1 images, 1 boxes" in resolve_detection(d, "train")
+    assert "train 3 images, 3 boxes; val 1 image, 1 box" in resolve_detection(d, "train")
 
 
 def test_training_and_evaluating_on_one_split_is_warned_of(tmp_path, caplog):

@@ -43,6 +43,7 @@ from visiondist.data.decode import exif_orientation, read_rgb
 from visiondist.data.index import PathIndex
 from visiondist.data.masks import SegmentationIndex, decode
 from visiondist.data.robust import BadImages
+from visiondist.utils.text import counted
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +71,11 @@ class CocoCounts:
             else ""
         )
         return (
-            f"{self.images} images, {self.boxes} boxes; left out: {self.crowd_boxes} crowd boxes, "
-            f"{self.degenerate_boxes} degenerate boxes, {self.images_without_boxes} images "
-            f"without usable boxes, {self.orphan_annotations} annotations whose image_id has no "
-            f"image{masks}"
+            f"{counted(self.images, 'images')}, {counted(self.boxes, 'boxes')}; left out: "
+            f"{counted(self.crowd_boxes, 'crowd boxes')}, "
+            f"{counted(self.degenerate_boxes, 'degenerate boxes')}, "
+            f"{counted(self.images_without_boxes, 'images without usable boxes')}, "
+            f"{counted(self.orphan_annotations, 'annotations whose image_id has no image')}{masks}"
         )
 
     def named_without_mask(self) -> str:

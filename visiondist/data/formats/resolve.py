@@ -47,6 +47,7 @@ from visiondist.data.formats.labels import (
 )
 from visiondist.data.formats.voc import VocImage, class_names, find_root, split_ids
 from visiondist.data.formats.yolo import YoloSet, find_yaml, label_file, list_images, read_yaml
+from visiondist.utils.text import counted
 
 log = logging.getLogger(__name__)
 
@@ -322,15 +323,16 @@ def resolve_detection(d: DictConfig, purpose: str = "train") -> str:
         d.images = record["image_root"]
     _classes(d, names, recognised)
     return (
-        f"data: {root} is {recognised.what}, {len(names)} classes; "
+        f"data: {root} is {recognised.what}, {counted(len(names), 'classes')}; "
         + "; ".join(parts)
         + f" (index: {cache_folder(recognised)})"
     )
 
 
 def _counts_text(counts: dict[str, int]) -> str:
-    main = f"{counts.get('images', 0)} images, {counts.get('boxes', 0)} boxes"
-    rest = [f"{n} {what}" for what, n in counts.items() if n and what not in ("images", "boxes")]
+    images, boxes = counts.get("images", 0), counts.get("boxes", 0)
+    main = f"{counted(images, 'images')}, {counted(boxes, 'boxes')}"
+    rest = [counted(n, what) for what, n in counts.items() if n and what not in ("images", "boxes")]
     return main + (f" ({', '.join(rest)})" if rest else "")
 
 
@@ -392,7 +394,7 @@ def _coco_layout(d: DictConfig, recognised: Recognised, keys: list[tuple[str, st
     parts = [f"{split} {_coco_counts(coco)}" for split, coco in read.items() if coco]
     classes = next((coco_classes(c, dropped[s]) for s, c in read.items() if c), 0)
     return (
-        f"data: {root} is {recognised.what}, {classes} classes; "
+        f"data: {root} is {recognised.what}, {counted(classes, 'classes')}; "
         + ("; ".join(parts) or f"splits {', '.join(s for _, s in keys)}")
         + (f" (its category {names!r} names the group of the others: left out)" if names else "")
     )
