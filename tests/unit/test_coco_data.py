@@ -59,7 +59,7 @@ def test_boxes_crowd_degenerate_and_empty_images(tmp_path, caplog):
         train = CocoDetection(root, ann, train=True)
     assert "4 images" not in caplog.text
     assert (
-        "2 images, 3 boxes; left out: 1 crowd boxes, 2 degenerate boxes, 2 images without usable "
+        "2 images, 3 boxes; left out: 1 crowd box, 2 degenerate boxes, 2 images without usable "
         "boxes" in caplog.text
     )
     assert [r.image_id for r in train.records] == [1, 2]

@@ -203,7 +203,7 @@ def test_bad_train_labels_are_left_out_counted_and_named(tmp_path, caplog):
     d = _data(root)
     with caplog.at_level(logging.WARNING):
         line = resolve_detection(d, "train")
-    assert "2 bad label lines" in line and "1 label files without an image" in line
+    assert "2 bad label lines" in line and "1 label file without an image" in line
     named = caplog.text
     assert f"{root / 'labels/train/a.txt'}:2: the box has zero width or height" in named
     assert f"{root / 'labels/train/a.txt'}:3: 3 fields" in named
@@ -296,7 +296,7 @@ def test_a_voc_set_inside_a_vocdevkit_is_indexed_with_difficult_as_ignored(tmp_p
     _voc(tmp_path / "VOCdevkit" / "VOC2012")
     d = _data(tmp_path / "VOCdevkit")
     line = resolve_detection(d, "train")
-    assert "a Pascal VOC set, 20 classes" in line and "1 difficult objects" in line
+    assert "a Pascal VOC set, 20 classes" in line and "1 difficult object" in line
     gt = _gt(d, "train")
     dog, cat = gt["annotations"]
     assert gt["categories"][11]["name"] == "dog" and dog["category_id"] == 12  # VOC's order
