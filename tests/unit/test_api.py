@@ -243,3 +243,14 @@ def test_a_callbacks_functions_keep_their_file_on_the_ranks(monkeypatch):
 def test_the_package_lists_its_functions_before_they_are_imported():
     """A notebook's completion reads dir(): the lazily imported names are there from the start."""
     assert {"train", "evaluate", "predict", "export", "Run", "ConfigError"} <= set(dir(visiondist))
+
+
+def test_a_misspelt_class_to_keep_names_the_one_meant():
+    from visiondist.inference.names import Names, kept_labels
+
+    names = Names(["red_square", "green_circle", "blue_triangle"], None, "x")
+    assert kept_labels(["green_circle"], names) == [2]
+    with pytest.raises(
+        visiondist.ConfigError, match="classes=red_sqaure: did you mean classes=red_square"
+    ):
+        kept_labels(["red_sqaure"], names)

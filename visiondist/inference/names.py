@@ -9,6 +9,7 @@ file."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 from dataclasses import dataclass
@@ -57,9 +58,11 @@ def kept_labels(wanted: list[str], names: Names) -> list[int]:
                 if names.categories
                 else ""
             )
+            close = difflib.get_close_matches(value, names.classes, n=1, cutoff=0.6)
+            mean = f"did you mean classes={close[0]}? " if close else ""
             raise ConfigError(
-                f"classes={value}: this model was trained for {', '.join(names.classes)}{ids}: "
-                "give some of those"
+                f"classes={value}: {mean}this model was trained for {', '.join(names.classes)}"
+                f"{ids}: give some of those"
             )
     return out
 
