@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from visiondist.evaluation.detection import score
+from visiondist.evaluation.coco_scoring import score
 
 
 def generate(images: int, per_image: int, classes: int, seed: int = 0) -> tuple[dict, np.ndarray]:

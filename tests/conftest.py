@@ -82,7 +82,8 @@ def single_process(shapes_coco):
     pycocotools."""
     import coco_ranks  # tests/multirank/, on the path (above)
 
-    from visiondist.evaluation.detection import deduplicate, predict, score
+    from visiondist.evaluation.coco_scoring import score
+    from visiondist.evaluation.detection import deduplicate, predict
 
     data = coco_ranks.val_set(shapes_coco)
     detections, seen, _ = predict(

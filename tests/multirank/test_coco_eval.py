@@ -7,7 +7,7 @@ import coco_ranks
 import pytest
 from helpers import spawn_ranks
 
-from visiondist.evaluation.detection import STAT_NAMES
+from visiondist.evaluation.coco_scoring import STAT_NAMES
 
 
 @pytest.mark.parametrize(

@@ -90,7 +90,7 @@ def _evaluated_alike_on_1_2_3_ranks(run_dir, data, ranks=(1, 2, 3), per_rank: in
     from pycocotools.coco import COCO
     from pycocotools.cocoeval import COCOeval
 
-    from visiondist.evaluation.detection import STAT_NAMES
+    from visiondist.evaluation.coco_scoring import STAT_NAMES
 
     gt = COCO(str(data / "annotations" / "instances_val.json"))
     seen = {}

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from visiondist.evaluation.detection import deduplicate, score, summary_lines
+from visiondist.evaluation.coco_scoring import score, summary_lines
+from visiondist.evaluation.detection import deduplicate
 
 
 def test_stats_are_meaningful_and_backends_agree(single_process):

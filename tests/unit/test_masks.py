@@ -186,7 +186,7 @@ def test_instances_without_a_valid_segmentation_are_left_out_counted_and_named(
 
 
 def test_the_ground_truth_as_predictions_scores_1_for_masks_and_boxes(masked_set):
-    from visiondist.evaluation.detection import STAT_NAMES, score
+    from visiondist.evaluation.coco_scoring import STAT_NAMES, score
 
     ann_file = masked_set / "annotations" / "instances_val.json"
     coco = json.loads(ann_file.read_text())

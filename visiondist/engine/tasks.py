@@ -422,7 +422,7 @@ class DetectionTask:
     def final_line(m: dict[str, Any]) -> str:
         """The 12-line COCOeval summary of the boxes (and of the masks) and the headline
         figure(s)."""
-        from visiondist.evaluation.detection import summary_lines  # noqa: PLC0415 (detector-side)
+        from visiondist.evaluation.coco_scoring import summary_lines  # noqa: PLC0415 (detector-side)
 
         box = {
             k[4:]: v for k, v in m.items() if k.startswith("val_") and not k.startswith("val_segm_")
