@@ -113,6 +113,7 @@ def test_a_runs_evaluate_predict_and_export_are_the_tools(tmp_path, tiny_shapes,
     assert run.complete and run.callbacks == {}
 
     metrics = run.evaluate()
+    assert metrics["step"] == run.step == run.metrics["step"]  # the weights' training step
     written = json.loads(next((run.dir / "eval").glob("*/eval.json")).read_text())
     assert metrics["val_top1"] == pytest.approx(written["val_top1"])
     assert metrics["val_top1"] == pytest.approx(run.metrics["val_top1"])

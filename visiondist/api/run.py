@@ -22,9 +22,11 @@ from visiondist.api.jobs import (
     refusals,
     train_job,
 )
+from visiondist.checkpoint.files import latest_checkpoint
 from visiondist.cli.load import load_config
 from visiondist.config import ConfigError
 from visiondist.observe.metrics import read_metrics
+from visiondist.utils.dcp import step_of
 
 
 class Run:
@@ -208,14 +210,29 @@ def evaluate(
         **settings: more overrides as nested keywords (`trainer={"devices": 2}`).
 
     Returns:
-        The metrics (`val_top1`, `val_top5`, or `val_map`, `val_map50`, ...).
+        The metrics (`val_top1`, `val_top5`, or `val_map`, `val_map50`, ...), with the training
+        "step" of the weights where a run's checkpoint or model.safetensors says it (as
+        `Run.metrics`).
     """
     if isinstance(run, str) and "=" in run and not Path(run).exists():  # evaluate("model=...", ...)
         overrides, run = (run, *overrides), None
     with refusals():
         where = run.dir if isinstance(run, Run) else run
         cfg, base = evaluation_config(where, step, weights, as_overrides(overrides, settings))
-        return evaluate_job(cfg, base)
+        metrics = evaluate_job(cfg, base)
+    trained = _trained_step(Path(str(cfg.model.weights)), base)
+    return {**metrics, **({"step": trained} if trained is not None else {})}
+
+
+def _trained_step(weights: Path, run: Optional[Path]) -> Optional[int]:
+    """The training step `weights` hold: a checkpoint's, or a run's model.safetensors's (its
+    newest checkpoint's, which the end of the run writes with it); None where neither says."""
+    if step_of(weights) is not None:
+        return step_of(weights)
+    if run is not None and weights == (run / "model.safetensors").resolve():
+        newest = latest_checkpoint(run)
+        return step_of(newest) if newest is not None else None
+    return None
 
 
 def export(
