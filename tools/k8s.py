@@ -256,6 +256,13 @@ def k8s(cmd: Command) -> int:
         print(text, end="")
     if r.short:
         print(r.short, file=sys.stderr)
+    if not cmd.args.get("name"):
+        print(
+            f"the job's name {spec.name} comes from model= and parallel= alone: its pods continue "
+            f"the run in {spec.run_dir} wherever a job of that name ran before, whatever else its "
+            "command changed; give name= for another experiment",
+            file=sys.stderr,
+        )
     if nodes > 1 and not spec.rdma:
         print(
             f"between the {nodes} pods NCCL runs over the pod network (TCP sockets): on a cluster "
@@ -277,14 +284,23 @@ def _say_fit(cfg, run) -> None:
     """On stderr: how the pods will fit the named layout to their GPUs (each does the same at its
     start), or that only they can check it (no parallel.device_memory_gb here)."""
     from visiondist.models.registry import spec_of
+    from visiondist.plan.world import devices_named
 
     if run.fitted:
         print(f"{run.fitted} (each pod decides the same at its start)", file=sys.stderr)
-    elif spec_of(cfg.model).planner_shape is not None and not cfg.parallel.device_memory_gb:
+    elif spec_of(cfg.model).planner_shape is None:
+        return
+    elif not devices_named(cfg.parallel):
         print(
             "the layout's memory is checked by each pod against its GPUs at start; "
-            "parallel.device_memory_gb=<GB> (the GPUs' memory) checks it here, before the job is "
-            "submitted",
+            "parallel.gpu=<board> (e.g. h100) or parallel.device_memory_gb=<GB> checks it here, "
+            "before the job is submitted",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"the pods run {run.describe(f'{run.world_size} GPUs')}: it fits their memory as "
+            "planned here (each pod checks the same at its start)",
             file=sys.stderr,
         )
 

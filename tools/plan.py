@@ -180,6 +180,7 @@ def _named_fits(cfg, devices: int, nodes: int, memory: float, console) -> bool:
     from visiondist.plan import resolve_on
     from visiondist.plan.fit import devices_text
     from visiondist.plan.resolve import layout_memory
+    from visiondist.plan.world import devices_named
 
     try:
         run = resolve_on(cfg, devices, nodes)
@@ -193,7 +194,7 @@ def _named_fits(cfg, devices: int, nodes: int, memory: float, console) -> bool:
         return not run.fitted.startswith("parallel.fit=off")
     need = layout_memory(cfg, run).device
     budget = cfg.parallel.headroom * memory
-    unchecked = not cfg.parallel.device_memory_gb and run.accelerator == "cpu"
+    unchecked = not devices_named(cfg.parallel) and run.accelerator == "cpu"
     fits = need <= budget * 1e9
     verdict = (
         f"within the {budget:.3g} GB budget"

@@ -115,20 +115,29 @@ def test_plan_without_a_gpu_says_so_and_a_named_layout_over_its_budget_exits_1(c
     assert "within the" not in out
 
 
-def test_plan_for_a_gpu_by_name_is_the_plan_for_its_memory_and_rate(capsys):
-    """parallel.gpu=a100-40gb plans as its figures given by hand would (40 GB, 0.4 x 312 TFLOP/s):
-    the same table and choice, the budget's source named, and no "no GPU" note."""
+@pytest.mark.parametrize(
+    "gpu, memory, tflops, link, chosen",
+    [("a100-40gb", 40, 126.1, 300, "fsdp8"), ("l40s", 48, 146.4, 25, "ddp8")],
+)
+def test_plan_for_a_gpu_by_name_is_the_plan_for_its_memory_and_rate(
+    capsys, gpu, memory, tflops, link, chosen
+):
+    """parallel.gpu=a100-40gb plans as its figures given by hand would (40 GB, 0.4 x 312 TFLOP/s,
+    NVLink); an L40S's GPUs share PCIe 4 (25 GB/s): the same table and choice, the budget's source
+    named, and no "no GPU" note."""
     args = ["model=vit_huge", "data=imagenet", "trainer.precision=bf16", "trainer.devices=8"]
-    assert _tool("plan").main([*args, "parallel.gpu=a100-40gb"]) == 0
+    assert _tool("plan").main([*args, f"parallel.gpu={gpu}"]) == 0
     named = " ".join(capsys.readouterr().out.split())
-    assert (
-        _tool("plan").main([*args, "parallel.device_memory_gb=40", "parallel.device_tflops=126.1"])
-        == 0
-    )
+    by_hand_args = [
+        f"parallel.device_memory_gb={memory}",
+        f"parallel.device_tflops={tflops}",
+        f"parallel.intra_node_gbs={link}",
+    ]
+    assert _tool("plan").main([*args, *by_hand_args]) == 0
     by_hand = " ".join(capsys.readouterr().out.split())
-    assert "40 GB each (parallel.gpu=a100-40gb)" in named and "no GPU" not in named
-    assert named.replace("(parallel.gpu=a100-40gb)", "(parallel.device_memory_gb)") == by_hand
-    assert "parallel=auto would choose fsdp8" in named
+    assert f"{memory} GB each (parallel.gpu={gpu})" in named and "no GPU" not in named
+    assert named.replace(f"(parallel.gpu={gpu})", "(parallel.device_memory_gb)") == by_hand
+    assert f"parallel=auto would choose {chosen}" in named
     assert _tool("plan").main([*args, "parallel.gpu=b300"]) == 2
     assert "parallel.gpu=b300 is not a board the planner knows" in capsys.readouterr().err
 
@@ -153,7 +162,10 @@ def test_k8s_writes_the_job_that_each_pod_fits_alike(tmp_path, capsys):
     assert (
         _tool("k8s").main([a for a in common if not a.startswith("parallel.device_memory_gb")]) == 0
     )
-    assert (
-        "checked by each pod against its GPUs at start; parallel.device_memory_gb=<GB>"
-        in capsys.readouterr().err
-    )
+    said = capsys.readouterr().err
+    assert "checked by each pod against its GPUs at start; parallel.gpu=<board> (e.g. h100)" in said
+    # a board named: the layout the pods run, checked here
+    bigger = [a for a in common if not a.startswith(("parallel.device_memory_gb", "gpus="))]
+    assert _tool("k8s").main([*bigger, "gpus=8", "parallel.gpu=h200"]) == 0
+    said = " ".join(capsys.readouterr().err.split())
+    assert "the pods run dp=2 tp=4 pp=1 (8 GPUs): it fits their memory as planned here" in said

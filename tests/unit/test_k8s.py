@@ -177,7 +177,10 @@ def test_rdma_asks_each_pod_for_the_adapter_and_the_right_to_pin_memory(tmp_path
     docs, _ = _write(tmp_path, *base)
     pod, resources = _pod_of(docs)
     assert "rdma/ib" not in resources["limits"] and "securityContext" not in pod["containers"][0]
-    assert "between the 2 pods NCCL runs over the pod network" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "between the 2 pods NCCL runs over the pod network" in said
+    # the default name: the run dir another experiment of the same model and layout would continue
+    assert "give name= for another experiment" in said
     docs, _ = _write(tmp_path, *base, "rdma=rdma/ib:1")
     pod, resources = _pod_of(docs)
     assert resources["requests"]["rdma/ib"] == resources["limits"]["rdma/ib"] == "1"
@@ -290,6 +293,7 @@ def test_what_the_pods_of_a_trainjob_get_is_read_as_the_manifests_job(tmp_path):
         ),
         (["image=x", "restarts=-1"], "restarts=-1: a whole number of at least 0"),
         (["image=x", "rdma=ib"], "rdma=ib: give the cluster's RDMA resource and its count"),
+        (["image=x", "rdma=nvidia.com/gpu:1"], "the GPUs are gpus="),
     ],
 )
 def test_bad_keys_are_one_line_naming_the_fix(tmp_path, capsys, args, says):

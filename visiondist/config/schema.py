@@ -249,7 +249,9 @@ class ParallelConfig:
     # sustained dense bf16 rate per device, TFLOP/s (time model; ranks layouts, predicts no wall
     # time); 0: 0.4 x the datasheet's of parallel.gpu or this GPU (400 for an H100), else 400
     device_tflops: float = 0.0
-    intra_node_gbs: float = 300.0  # per-device link bandwidth inside a node, GB/s (NVLink class)
+    # per-device link bandwidth inside a node, GB/s; 0: parallel.gpu's or this GPU's (NVLink: 300,
+    # PCIe 4: 25, PCIe 5: 50), else 300
+    intra_node_gbs: float = 0.0
     inter_node_gbs: float = 25.0  # per-device bandwidth between nodes, GB/s (200 Gb/s InfiniBand)
     host_gbs: float = 25.0  # device <-> host copies (offload), GB/s
 

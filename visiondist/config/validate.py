@@ -286,7 +286,7 @@ def _check_parallel(p: DictConfig) -> None:
         "host_gbs",
     ):
         # 0: from the board (parallel.gpu or this machine's GPU)
-        zero_ok = key.endswith("memory_gb") or key == "device_tflops"
+        zero_ok = key.endswith("memory_gb") or key in ("device_tflops", "intra_node_gbs")
         positive(f"parallel.{key}", p[key], allow_zero=zero_ok)
     if p.get("gpu"):
         try:

@@ -83,11 +83,15 @@ class JobSpec:
             raise ConfigError(f"nodes={self.nodes} gpus={self.gpus}: both must be at least 1")
         if self.restarts < 0:
             raise ConfigError(f"restarts={self.restarts}: a whole number of at least 0")
-        if self.rdma and not re.fullmatch(RDMA_RESOURCE, self.rdma):
+        if self.rdma and (
+            not re.fullmatch(RDMA_RESOURCE, self.rdma)
+            or self.rdma.rsplit(":", 1)[0] in ("nvidia.com/gpu", "cpu", "memory")
+        ):
             raise ConfigError(
                 f"rdma={self.rdma}: give the cluster's RDMA resource and its count per pod, "
                 "e.g. rdma=rdma/ib:1 or rdma=rdma/rdma_shared_device_a:1 (kubectl describe node "
-                "lists it under Allocatable)"
+                "lists it under Allocatable; the GPUs are gpus=, the CPUs and memory cpu= and "
+                "memory=)"
             )
 
     @property

@@ -25,7 +25,7 @@ from visiondist.plan.memory import (
 )
 from visiondist.plan.table import Plan, PlanRow, duration
 from visiondist.plan.time_model import Candidate, Hardware, step_seconds
-from visiondist.plan.world import device_tflops
+from visiondist.plan.world import device_tflops, intra_node_gbs
 
 # a row's note: it fits the devices, but its offloaded state does not fit the node's host memory
 HOST_FULL = "host"
@@ -335,7 +335,7 @@ def hardware_from_config(
         memory_gb,
         float(p.headroom),
         device_tflops(p),
-        float(p.intra_node_gbs),
+        intra_node_gbs(p),
         float(p.inter_node_gbs),
         float(p.host_gbs),
         host_memory_gb,

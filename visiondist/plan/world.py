@@ -80,18 +80,33 @@ def devices_named(p: DictConfig) -> bool:
     return bool(p.device_memory_gb) or named_board(p) is not None
 
 
-def device_tflops(p: DictConfig) -> float:
-    """The time model's sustained dense bf16 rate per device: parallel.device_tflops, else 0.4 x the
-    datasheet's of parallel.gpu's board or of this machine's GPU, else `DEFAULT_TFLOPS`."""
-    if p.device_tflops:
-        return float(p.device_tflops)
+def _board(p: DictConfig) -> Optional[Board]:
+    """parallel.gpu's board, else this machine's GPU's (None: neither is known)."""
     board = named_board(p)
     if board is None:
         import torch  # noqa: PLC0415 (torch, 2 s: plan/ is torch-free)
 
         if torch.cuda.is_available():
             board = board_of_device(torch.cuda.get_device_name(0))
+    return board
+
+
+def device_tflops(p: DictConfig) -> float:
+    """The time model's sustained dense bf16 rate per device: parallel.device_tflops, else 0.4 x the
+    datasheet's of parallel.gpu's board or of this machine's GPU, else `DEFAULT_TFLOPS`."""
+    if p.device_tflops:
+        return float(p.device_tflops)
+    board = _board(p)
     return DEFAULT_TFLOPS if board is None else board.sustained_tflops
+
+
+def intra_node_gbs(p: DictConfig) -> float:
+    """The time model's link between a node's devices, GB/s per device: parallel.intra_node_gbs,
+    else the board's (NVLink or PCIe), else NVLink's 300."""
+    if p.intra_node_gbs:
+        return float(p.intra_node_gbs)
+    board = _board(p)
+    return 300.0 if board is None else board.link_gbs
 
 
 def device_memory_gb(accelerator: str, per_node: int, share_gpu: bool = False) -> float:
