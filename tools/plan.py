@@ -92,7 +92,8 @@ def plan(cmd: Command) -> int:
         return 0
     if OmegaConf.is_missing(cfg.data, "num_classes"):
         print(
-            "data.num_classes is unset and there is no data.root to count: planned with "
+            "data.num_classes is unset and no class folders were counted (a plan reads no data): "
+            "planned with "
             f"{DEFAULT_CLASSES} classes (set data.num_classes for another head)",
             file=sys.stderr,
         )

@@ -150,6 +150,11 @@ def test_pipeline_batch_must_split_into_microbatches():
             ["parallel.tp=2"],
             "use parallel.tp in {1, 3}, or model.num_heads=4 (a multiple of 2 that divides",
         ),
+        # degrees the node's ranks hold (vit_huge's 16 heads on 8 devices: not 16)
+        (
+            ["model=vit_huge", "parallel.tp=3", "trainer.devices=8"],
+            "use parallel.tp in {1, 2, 4, 8}",
+        ),
         (["trainer.precision=half"], "trainer.precision='half' is not supported"),
         (["model.img_size=70"], "not a multiple of model.patch_size=16"),
         (["parallel.pp=20"], "parallel.pp=20 pipeline stages exceed model.depth=12"),

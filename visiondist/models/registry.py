@@ -115,7 +115,12 @@ def _check_blocks(cfg: DictConfig) -> None:
     block per stage."""
     m, p = cfg.model, cfg.parallel
     if m.num_heads % p.tp:
-        good = ", ".join(str(x) for x in divisors(m.num_heads))
+        devices = cfg.trainer.get("devices")
+        per_node = devices if isinstance(devices, int) and devices > 0 else None
+        # a tensor-parallel group sits inside a node: degrees the node's ranks hold
+        good = ", ".join(
+            str(x) for x in divisors(m.num_heads) if per_node is None or per_node % x == 0
+        )
         heads = [h for h in range(p.tp, m.embed_dim + 1, p.tp) if m.embed_dim % h == 0]
         other = min(heads, key=lambda h: (abs(h - m.num_heads), -h)) if heads else None
         more = (

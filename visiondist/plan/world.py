@@ -254,6 +254,8 @@ def planning_world(cfg: DictConfig, cuda_devices: int) -> tuple[int, int]:
         ConfigError: no device count is given and none is visible, or the nodes do not split them.
     """
     p, t = cfg.parallel, cfg.trainer
+    if t.devices == 0:
+        raise ConfigError("trainer.devices=0: give the devices of a node to plan for, 1 or more")
     per_node = t.devices if t.devices > 0 else cuda_devices
     if p.num_devices > 0:
         devices, nodes = p.num_devices, p.nodes
