@@ -67,10 +67,12 @@ TOOL = Tool(
         ),
         ("overwrite=true", "replace a finished pack in out="),
     ),
-    reads="the data config's ImageFolder or COCO tree (data.root, data.train_split, "
-    "data.val_split, data.annotations)",
-    writes="<out>/<split>-NNNNNN.tar, <out>/<split>.json, <out>/<split>-index.npz, "
-    "<out>/dataset.json",
+    reads="the data config's tree (data.root, data.train_split, data.val_split, "
+    "data.annotations): pack an ImageFolder or COCO tree; convert and split (data=detection) "
+    "any detection format, split (data=imagenet) class folders",
+    writes="pack: <out>/<split>-NNNNNN.tar, <out>/<split>.json, <out>/<split>-index.npz, "
+    "<out>/dataset.json; convert: the set in to='s format in out=; split: <out>/train/ and "
+    "<out>/val/ (class folders; detection: COCO's annotations/instances_<split>.json, or to=)",
     on_stop="pack: the shards finished so far are kept, and the same command writes the rest; "
     "convert: what it wrote so far stays in out=, and the same command writes it again",
     examples=(
@@ -171,10 +173,11 @@ def convert(cmd: Command) -> int:
 
 
 def split(cmd: Command) -> int:
-    from visiondist.data.formats import resolve_detection
+    from visiondist.data.formats import recognise, resolve_detection
     from visiondist.data.formats.convert import TARGETS
     from visiondist.data.split import (
         check_fraction,
+        check_out,
         class_folders,
         split_detection,
         split_image_folder,
@@ -192,9 +195,8 @@ def split(cmd: Command) -> int:
     if OmegaConf.is_missing(d, "root"):
         raise ConfigError(f"data.root must be set: add data.root=/path/to/{d.name}")
     out, link = Path(cmd.args["out"]).expanduser(), cmd.switch("link")
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"out={out} is not empty: give a new folder for the split set")
     root = Path(d.root).expanduser()
+    check_out(root, out)
     if d.format in DETECTION_FORMATS:
         target = cmd.args.get("to", "coco")
         if target not in TARGETS:
@@ -214,21 +216,33 @@ def split(cmd: Command) -> int:
         raise ConfigError(f"data={d.name} is {d.format} data: split reads class folders")
     if not root.is_dir():
         raise ConfigError(f"data.root={d.root}: no such directory")
+    found = recognise(root)
+    if found is not None:  # its images/ would read as one class
+        raise ConfigError(
+            f"data.root={d.root} is {found.what}, detection data: split it with data=detection"
+        )
     source = class_folders(root, d.train_split)
     if (source / d.val_split).is_dir() or (root / d.val_split).is_dir():
         raise ConfigError(f"{root} already has a {d.val_split} split: train from it as it is")
     try:
-        classes = split_image_folder(source, out, val, seed, link)
+        classes, unreadable = split_image_folder(source, out, val, seed, link)
     except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     train, held = (sum(c[k] for c in classes.values()) for k in ("train", "val"))
     print(
         f"{len(classes)} classes from {source}: train {train} images, val {held} "
-        f"(each class {1 - val:.0%} / {val:.0%}, seed {seed}; "
+        f"(val={val:g} of each class, rounded, at least 1; seed {seed}; train/val: "
         + ", ".join(f"{name} {c['train']}/{c['val']}" for name, c in list(classes.items())[:6])
         + (", ..." if len(classes) > 6 else "")
         + ")"
     )
+    if unreadable:
+        print(
+            f"left out {len(unreadable)} image{'s' if len(unreadable) > 1 else ''} that cannot "
+            "be read: "
+            + "; ".join(f"{name} ({why})" for name, why in unreadable[:5])
+            + ("; ..." if len(unreadable) > 5 else "")
+        )
     print(
         f"wrote {out}/train and {out}/val; train from it: python {_train_tool()} "
         f"data=imagenet data.root={_shown(out)}"

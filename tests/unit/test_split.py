@@ -5,6 +5,7 @@ splits with the source's classes."""
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -41,16 +42,19 @@ def _tree(root: Path) -> dict[str, set[str]]:
 
 
 def test_class_folders_are_split_per_class_and_the_same_seed_gives_the_same_split(tmp_path, capsys):
-    photos = _classes(tmp_path / "photos", {"cat": 10, "dog": 5, "owl": 1})
+    photos = _classes(tmp_path / "photos", {"cat": 10, "dog": 5, "owl": 2})
+    (photos / "cat" / "broken.jpg").write_bytes(b"")  # left out, named
     args = ["split", "data=imagenet", f"data.root={photos}", "val=0.2"]
     assert _tool().main([*args, f"out={tmp_path / 'a'}"]) == 0
     out = capsys.readouterr().out
-    assert "3 classes from" in out and "train 13 images, val 3" in out
+    assert "3 classes from" in out and "train 13 images, val 4" in out
+    assert "left out 1 image that cannot be read: cat/broken.jpg (the file is empty)" in out
     assert f"train from it: python tools/train.py data=imagenet data.root={tmp_path / 'a'}" in out
     a = _tree(tmp_path / "a")
-    # 20% of 10, of 5 (one), of 1 (none: a class of one image stays in train)
+    # 20% of 10, of 5 (one), of 2 (at least one: every class in both splits)
     held = {name: sum(p.startswith(f"{name}/") for p in a["val"]) for name in ("cat", "dog", "owl")}
-    assert held == {"cat": 2, "dog": 1, "owl": 0}
+    assert held == {"cat": 2, "dog": 1, "owl": 1}
+    (photos / "cat" / "broken.jpg").unlink()
     everything = {p.relative_to(photos).as_posix() for p in photos.rglob("*.jpg")}
     assert a["train"] | a["val"] == everything and not a["train"] & a["val"]
     assert _tool().main([*args, f"out={tmp_path / 'b'}"]) == 0
@@ -58,9 +62,9 @@ def test_class_folders_are_split_per_class_and_the_same_seed_gives_the_same_spli
     assert _tool().main([*args, "seed=1", f"out={tmp_path / 'c'}"]) == 0
     assert _tree(tmp_path / "c")["val"] != a["val"]
     # copies, unless link=true
-    assert not (tmp_path / "a" / "train" / "owl" / "00.jpg").is_symlink()
+    assert not any(p.is_symlink() for p in (tmp_path / "a").rglob("*.jpg"))
     assert _tool().main([*args, "link=true", f"out={tmp_path / 'd'}"]) == 0
-    assert (tmp_path / "d" / "train" / "owl" / "00.jpg").is_symlink()
+    assert all(p.is_symlink() for p in (tmp_path / "d").rglob("*.jpg"))
 
 
 def test_a_train_only_tree_is_split_and_bad_requests_are_one_line(tmp_path, capsys):
@@ -71,11 +75,26 @@ def test_a_train_only_tree_is_split_and_bad_requests_are_one_line(tmp_path, caps
     assert {k: len(v) for k, v in _tree(tmp_path / "out").items()} == {"train": 6, "val": 2}
     capsys.readouterr()
     (root / "val").mkdir()
+    one = _classes(tmp_path / "one", {"a": 3, "b": 1})
+    detection = tmp_path / "det"
+    _made(detection / "annotations" / "instances_default.json").write_text(
+        json.dumps({"images": [], "annotations": [], "categories": [{"id": 1, "name": "a"}]})
+    )
+    (detection / "images").mkdir()
     for args, says in (
         ([f"data.root={root}", "val=0.25", f"out={tmp_path / 'x'}"], "already has a val split"),
-        ([f"data.root={root}", "val=1.5", f"out={tmp_path / 'x'}"], "val=1.5: the share"),
+        ([f"data.root={root}", "val=1.5", f"out={tmp_path / 'x'}"], "between 0 and 1"),
         ([f"data.root={root}", "val=0.2", f"out={tmp_path / 'out'}"], "is not empty"),
         ([f"data.root={root}", f"out={tmp_path / 'x'}"], "split needs val=<share> and out=<dir>"),
+        ([f"data.root={root}", "val=0.2", f"out={root / 'split'}"], "is inside data.root"),
+        (
+            [f"data.root={one}", "val=0.2", f"out={tmp_path / 'y'}"],
+            "b (1): a class needs 2 images or more to be in both splits",
+        ),
+        (
+            [f"data.root={detection}", "val=0.2", f"out={tmp_path / 'z'}"],
+            "detection data: split it with data=detection",
+        ),
     ):
         assert _tool().main(["split", "data=imagenet", *args]) == 2
         assert says in capsys.readouterr().err
@@ -163,3 +182,36 @@ def test_training_and_evaluating_on_one_split_is_warned_of(tmp_path, caplog):
         in (caplog.text)
         and f"python tools/data.py split data=imagenet data.root={root} val=0.1" in caplog.text
     )
+
+
+def test_a_classification_launch_names_the_folder_that_holds_the_splits(tmp_path):
+    """data=imagenet pointed one folder too deep (at train/), at a detection export, or at a set of
+    one class: one line naming what to give."""
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+
+    split = tmp_path / "split"
+    for s in ("train", "val"):
+        _classes(split / s, {"a": 2, "b": 2})
+    one = _classes(tmp_path / "one", {"a": 2})
+    _classes(tmp_path / "single" / "train", {"a": 2})
+    _classes(tmp_path / "single" / "val", {"a": 2})
+    export = tmp_path / "ls"
+    (export / "images").mkdir(parents=True)
+    (export / "result.json").write_text(
+        json.dumps({"images": [], "annotations": [], "categories": []})
+    )
+    itself = (
+        f"is the train split itself: give the folder that holds train and val, data.root={split}"
+    )
+    for root, says in (
+        (split / "train", itself),
+        (
+            export,
+            "is COCO in Label Studio's layout, not class folders: read it with data=detection",
+        ),
+        (tmp_path / "single", "has one class folder: a classifier of one class learns nothing"),
+        (one, "has no train split"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(REPO / "configs", ["data=imagenet", f"data.root={root}"])

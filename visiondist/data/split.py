@@ -2,9 +2,11 @@
 no val/, an annotation tool's export of one task, a YOLO set without `val:`.
 
 - Class folders (`<root>/<class>/<image>`, or `<root>/train/<class>/<image>`): each class's images
-  are shuffled with the seed and `val` of them (rounded; at least one where a class has two or
-  more, never all) go to `<out>/val/<class>/`, the rest to `<out>/train/<class>/`: every class in
-  both splits, in the set's proportions (stratified).
+  are shuffled with the seed and `val` of them (rounded; at least one, never all) go to
+  `<out>/val/<class>/`, the rest to `<out>/train/<class>/`: every class in both splits, in the set's
+  proportions (stratified). A class of one image cannot be in both: refused, named. Images that
+  cannot be read (empty, truncated, not an image) are left out, named and counted, as the launch
+  would refuse them in val.
 - Detection (any format `data=detection` reads): the split's images, shuffled with the seed, `val`
   of them (at least one) with their objects to the val split; written as COCO (or YOLO, VOC) by
   `visiondist.data.formats.convert`'s writers, the class names and ids kept.
@@ -25,17 +27,31 @@ from visiondist.config import ConfigError
 from visiondist.data.formats.convert import WRITERS, place, written
 from visiondist.data.formats.exports import coco_paths
 from visiondist.data.index import list_image_folder
+from visiondist.data.robust import unreadable_reason
 
 
 def check_fraction(val: float) -> None:
     if not 0 < val < 1:
-        raise ConfigError(f"val={val:g}: the share of the images for validation, e.g. val=0.1")
+        raise ConfigError(
+            f"val={val:g}: the share of the images for validation, between 0 and 1, e.g. val=0.1"
+        )
+
+
+def check_out(source: Path, out: Path) -> None:
+    """`out` is a new or empty folder outside the set it is cut from (inside, it would become one
+    of the set's classes)."""
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"out={out} is not empty: give a new folder for the split set")
+    if out.resolve().is_relative_to(source.resolve()):
+        raise ConfigError(
+            f"out={out} is inside data.root={source}: give a folder outside the set (inside, it "
+            "would read as one more class)"
+        )
 
 
 def _val_count(n: int, val: float) -> int:
-    """How many of `n` images go to val: `val` of them rounded, at least one of two or more, never
-    all."""
-    return 0 if n < 2 else min(n - 1, max(1, round(n * val)))
+    """How many of `n` images go to val: `val` of them rounded, at least one, never all."""
+    return min(n - 1, max(1, round(n * val)))
 
 
 def class_folders(root: Path, train_split: str) -> Path:
@@ -47,17 +63,30 @@ def class_folders(root: Path, train_split: str) -> Path:
 
 def split_image_folder(
     source: Path, out: Path, val: float, seed: int = 0, link: bool = False
-) -> dict[str, dict[str, int]]:
+) -> tuple[dict[str, dict[str, int]], list[tuple[str, str]]]:
     """`source/<class>/<image>` as `out/train/<class>/` and `out/val/<class>/`.
 
     Returns:
-        Each class's images in train and in val.
+        Each class's images in train and in val, and the images left out (unreadable) with why.
     """
     check_fraction(val)
     classes, index, labels = list_image_folder(source, cache=False)
     by_class: dict[int, list[str]] = defaultdict(list)
+    unreadable: list[tuple[str, str]] = []
     for i, label in enumerate(labels):
-        by_class[int(label)].append(index.relative(i))
+        relative = index.relative(i)
+        reason = unreadable_reason(source / relative)
+        if reason is None:
+            by_class[int(label)].append(relative)
+        else:
+            unreadable.append((relative, reason))
+    few = [f"{name} ({len(by_class[k])})" for k, name in enumerate(classes) if len(by_class[k]) < 2]
+    if few:
+        raise ConfigError(
+            f"{source}: {', '.join(few)}: a class needs 2 images or more to be in both splits "
+            "(training reads the same classes in each): add images, or move that class's folder "
+            "out of the set"
+        )
     counts: dict[str, dict[str, int]] = {}
     rng = random.Random(seed)
     for label, name in enumerate(classes):
@@ -68,7 +97,7 @@ def split_image_folder(
             for relative in part:
                 place(source / relative, out / split / relative, link)
         counts[name] = {"train": len(images) - k, "val": k}
-    return counts
+    return counts, unreadable
 
 
 def split_detection(

@@ -332,7 +332,16 @@ def _check_split(d, root: Path, split: str) -> tuple[int, Path, str]:
             )
         return len(coco_categories(annotations)), annotations, "categories"
     split_dir = root / split
+    detection = _detection_set(root)
     if not split_dir.is_dir():
+        if detection:
+            raise ConfigError(f"data.root={d.root} is {detection}, not class folders: {_DETECTION}")
+        splits = {d.train_split, d.val_split}
+        if root.name in splits and (root.parent / (splits - {root.name}).pop()).is_dir():
+            raise ConfigError(
+                f"data.root={d.root} is the {root.name} split itself: give the folder that holds "
+                f"{' and '.join(sorted(splits))}, data.root={root.parent}"
+            )
         # one split there (train/, or the class folders themselves): a val split can be cut from it
         one = (root / d.train_split).is_dir() or (
             split == d.train_split and not (root / d.val_split).is_dir() and _has_folders(root)
@@ -349,11 +358,29 @@ def _check_split(d, root: Path, split: str) -> tuple[int, Path, str]:
         )
     with os.scandir(split_dir) as entries:
         classes = sum(1 for e in entries if e.is_dir() and not e.name.startswith("."))
-    if not classes:
+    where, what = (root, detection) if detection else (split_dir, _detection_set(split_dir))
+    if not classes or (classes == 1 and what):
+        also = f" ({where} is {what}: {_DETECTION})" if what else ""
         raise ConfigError(
-            f"{split_dir} has no class folders: expected <root>/{split}/<class>/<images>"
+            f"{split_dir} has no class folders: expected <root>/{split}/<class>/<images>{also}"
+        )
+    if classes == 1:
+        raise ConfigError(
+            f"{split_dir} has one class folder: a classifier of one class learns nothing (every "
+            "image is that class); give two or more"
         )
     return classes, split_dir, "class folders"
+
+
+_DETECTION = "read it with data=detection (and a detector, model=...)"
+
+
+def _detection_set(root: Path) -> str:
+    """What detection set `root` is ("a YOLO set (data.yaml)"), or "" for none."""
+    from visiondist.data.formats import recognise  # noqa: PLC0415 (reader)
+
+    found = recognise(root) if root.is_dir() else None
+    return found.what if found is not None else ""
 
 
 def _has_folders(root: Path) -> bool:
