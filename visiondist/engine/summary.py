@@ -186,11 +186,12 @@ def _announce_data(tr: Trainer) -> None:
             f"{min(sampler.step_images)}-{max(sampler.step_images)} images"
         )
         log.info(
-            "training uses %d of %d images per epoch (%s); %d, a different random set each epoch, "
-            "wait for the next%s",
+            "training uses %d of %d images per epoch (%s): %d left out of each epoch, a different "
+            "random %d each time%s",
             data.num_train - sampler.dropped_per_epoch,
             data.num_train,
             batches,
+            sampler.dropped_per_epoch,
             sampler.dropped_per_epoch,
             " (incomplete aspect-ratio batches)" if sampler.groups is not None else "",
         )
