@@ -97,14 +97,13 @@ def train(
     storage = Path((storage_path or "~/ray_results").removeprefix("file://")).expanduser().resolve()
     name = name or f"visiondist-{dt.datetime.now():%Y-%m-%d_%H-%M-%S}"
     run_dir = storage / name / "run"
-    step = completed_step(
-        cast(DictConfig, OmegaConf.merge(cfg, {"trainer": {"run_dir": str(run_dir)}}))
-    )
+    in_run = cast(DictConfig, OmegaConf.merge(cfg, {"trainer": {"run_dir": str(run_dir)}}))
+    step = completed_step(in_run)
     # the same call again: nothing to do, nothing rewritten (as tools/train.py)
     if step is not None:
         print(
             f"{run_dir} is complete at step {step}: nothing to do (to train longer, "
-            f"{train_longer(cfg, step)})",
+            f"{train_longer(in_run, step)})",
             flush=True,
         )
         return json.loads((run_dir / "summary.json").read_text())

@@ -625,7 +625,7 @@ def test_voc_keeps_image_names_no_split_shares(tmp_path):
 
 def test_voc_corners_are_whole_pixels_where_the_box_is_up_to_yolo_s_rounding(tmp_path):
     """YOLO's 6-digit fields put a corner at 19.99991 for pixel 20: VOC gets the whole pixel (VOC's
-    files hold integers); a box's own fraction (9.6 px) keeps 2 decimals."""
+    files hold integers); a box's own fraction (9.6 px) is kept."""
     from visiondist.data.formats.convert import convert
 
     yolo = _yolo(tmp_path / "yolo", {
@@ -637,4 +637,4 @@ def test_voc_corners_are_whole_pixels_where_the_box_is_up_to_yolo_s_rounding(tmp
     convert(d, "voc", tmp_path / "voc")
     xml = (tmp_path / "voc" / "Annotations" / "a.xml").read_text()
     assert "<xmin>21</xmin><ymin>19</ymin><xmax>32</xmax><ymax>30</ymax>" in xml, xml
-    assert "<xmin>10.60</xmin>" in (tmp_path / "voc" / "Annotations" / "b.xml").read_text()
+    assert "<xmin>10.6</xmin>" in (tmp_path / "voc" / "Annotations" / "b.xml").read_text()

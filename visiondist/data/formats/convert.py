@@ -183,17 +183,17 @@ def _voc_id(relative: Path) -> str:
     return relative.with_suffix("").as_posix().replace("/", "_")
 
 
-# a corner this close to a whole pixel is that pixel: YOLO's normalised fields give 103.99984 for
-# 104 (6 digits of 1/256)
-WHOLE_PIXEL = 0.01
+# a corner this close to a whole pixel is that pixel: YOLO's 6-digit normalised fields give
+# 103.99984 for 104 (an image's size times 5e-7 at most: 1e-3 px up to 2000 px)
+WHOLE_PIXEL = 1e-3
 
 
 def _voc_number(value: float) -> str:
     """A VOC corner as VOC writes them, a whole pixel, where it is one up to `WHOLE_PIXEL`; else
-    to 2 decimals (a COCO box's own fractions)."""
+    the box's own fraction (a COCO box's), to 1e-6 px."""
     if abs(value - round(value)) <= WHOLE_PIXEL:
         return str(int(round(value)))
-    return f"{value:.2f}"
+    return repr(round(float(value), 6))
 
 
 def _voc_xml(file_name: str, image: dict[str, Any], objects: list[tuple[str, dict]]) -> str:
