@@ -18,8 +18,9 @@ export of one task, a YOLO set without `val:`) into a COCO (or `to=yolo|voc`) tr
 
 import sys
 from pathlib import Path
+from typing import Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from visiondist.cli import Command, Tool, config_text, exit_now, load_config
 from visiondist.cli import main as cli_main
@@ -117,6 +118,23 @@ def _with_a_model(overrides: list[str]) -> list[str]:
     return overrides
 
 
+def _data_config(cmd: Command) -> Optional[DictConfig]:
+    """The command's data config (a detector's config where it names detection data); None where
+    --cfg printed the config instead."""
+    cfg = load_config(CONFIGS, _with_a_model(cmd.overrides) + cmd.search, inputs=None)
+    if cmd.show:
+        print(config_text(cfg, cmd.package))
+        return None
+    return cfg.data
+
+
+def _require_root(d: DictConfig) -> None:
+    if OmegaConf.is_missing(d, "root"):
+        raise ConfigError(
+            f"data.root must be set (??? in the config): add data.root=/path/to/{d.name}"
+        )
+
+
 def run(cmd: Command) -> int:
     if cmd.paths == ["convert"]:
         return convert(cmd)
@@ -147,15 +165,12 @@ def convert(cmd: Command) -> int:
     if target not in TARGETS or "out" not in cmd.args:
         raise ConfigError(f"convert needs to=<{'|'.join(TARGETS)}> and out=<dir>")
     link = cmd.switch("link")
-    cfg = load_config(CONFIGS, _with_a_model(cmd.overrides) + cmd.search, inputs=None)
-    if cmd.show:
-        print(config_text(cfg, cmd.package))
+    d = _data_config(cmd)
+    if d is None:
         return 0
-    d = cfg.data
     if d.format not in DETECTION_FORMATS:
         raise ConfigError(f"data={d.name} is {d.format} data: convert writes detection data")
-    if OmegaConf.is_missing(d, "root"):
-        raise ConfigError(f"data.root must be set: add data.root=/path/to/{d.name}")
+    _require_root(d)
     prepare_data(d, show_progress=sys.stderr.isatty())  # a built-in set: generated first
     if d.format in ("auto", "yolo", "voc"):  # recognised; YOLO and VOC indexed as COCO
         print(resolve_detection(d, "train"), flush=True)
@@ -173,45 +188,50 @@ def convert(cmd: Command) -> int:
 
 
 def split(cmd: Command) -> int:
-    from visiondist.data.formats import recognise, resolve_detection
-    from visiondist.data.formats.convert import TARGETS
-    from visiondist.data.split import (
-        check_fraction,
-        check_out,
-        class_folders,
-        split_detection,
-        split_image_folder,
-    )
+    from visiondist.data.split import check_fraction, check_out
 
     if "out" not in cmd.args or "val" not in cmd.args:
         raise ConfigError("split needs val=<share> and out=<dir>, e.g. val=0.1 out=/data/my_split")
     val, seed = _number(cmd, "val", float, None), _number(cmd, "seed", int, 0)
     check_fraction(val)
-    cfg = load_config(CONFIGS, _with_a_model(cmd.overrides) + cmd.search, inputs=None)
-    if cmd.show:
-        print(config_text(cfg, cmd.package))
+    d = _data_config(cmd)
+    if d is None:
         return 0
-    d = cfg.data
-    if OmegaConf.is_missing(d, "root"):
-        raise ConfigError(f"data.root must be set: add data.root=/path/to/{d.name}")
-    out, link = Path(cmd.args["out"]).expanduser(), cmd.switch("link")
-    root = Path(d.root).expanduser()
-    check_out(root, out)
+    _require_root(d)
+    out = Path(cmd.args["out"]).expanduser()
+    check_out(Path(d.root).expanduser(), out)
     if d.format in DETECTION_FORMATS:
-        target = cmd.args.get("to", "coco")
-        if target not in TARGETS:
-            raise ConfigError(f"to={target}: split writes {' | '.join(TARGETS)}")
-        d.val_split = d.train_split  # the one split read: the set's only one, or train
-        print(resolve_detection(d, "eval"), flush=True)
-        counts = split_detection(d, out, val, seed, link, target)
-        for name, c in counts.items():
-            print(f"{name}: {c['images']} images, {c['objects']} objects")
-        print(
-            f"wrote {target} into {out} ({d.val_split} cut {1 - val:.0%} / {val:.0%}, seed "
-            f"{seed}); train from it: python {_train_tool()} data=detection "
-            f"data.root={_shown(out)} model=<detector>"
-        )
-        return 0
+        _split_detection(cmd, d, out, val, seed)
+    else:
+        _split_folders(cmd, d, out, val, seed)
+    return 0
+
+
+def _split_detection(cmd: Command, d: DictConfig, out: Path, val: float, seed: int) -> None:
+    from visiondist.data.formats import resolve_detection
+    from visiondist.data.formats.convert import TARGETS
+    from visiondist.data.split import split_detection
+
+    target = cmd.args.get("to", "coco")
+    if target not in TARGETS:
+        raise ConfigError(f"to={target}: split writes {' | '.join(TARGETS)}")
+    d.val_split = d.train_split  # the one split read: the set's only one, or train
+    print(resolve_detection(d, "eval"), flush=True)
+    counts = split_detection(d, out, val, seed, cmd.switch("link"), target)
+    for name, c in counts.items():
+        print(f"{name}: {c['images']} images, {c['objects']} objects")
+    print(
+        f"wrote {target} into {out} ({d.val_split} cut {1 - val:.0%} / {val:.0%}, seed "
+        f"{seed}); train from it: python {_train_tool()} data=detection "
+        f"data.root={_shown(out)} model=<detector>"
+    )
+
+
+def _split_folders(cmd: Command, d: DictConfig, out: Path, val: float, seed: int) -> None:
+    from visiondist.data.formats import recognise
+    from visiondist.data.split import class_folders, split_image_folder
+
+    root = Path(d.root).expanduser()
     if d.format != "imagefolder":
         raise ConfigError(f"data={d.name} is {d.format} data: split reads class folders")
     if not root.is_dir():
@@ -225,7 +245,7 @@ def split(cmd: Command) -> int:
     if (source / d.val_split).is_dir() or (root / d.val_split).is_dir():
         raise ConfigError(f"{root} already has a {d.val_split} split: train from it as it is")
     try:
-        classes, unreadable = split_image_folder(source, out, val, seed, link)
+        classes, unreadable = split_image_folder(source, out, val, seed, cmd.switch("link"))
     except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     train, held = (sum(c[k] for c in classes.values()) for k in ("train", "val"))
@@ -247,7 +267,6 @@ def split(cmd: Command) -> int:
         f"wrote {out}/train and {out}/val; train from it: python {_train_tool()} "
         f"data=imagenet data.root={_shown(out)}"
     )
-    return 0
 
 
 def pack(cmd: Command) -> int:
@@ -255,15 +274,10 @@ def pack(cmd: Command) -> int:
     from visiondist.synthetic import prepare_data
 
     overwrite = cmd.switch("overwrite")
-    cfg = load_config(CONFIGS, _with_a_model(cmd.overrides) + cmd.search, inputs=None)
-    if cmd.show:
-        print(config_text(cfg, cmd.package))
+    d = _data_config(cmd)
+    if d is None:
         return 0
-    d = cfg.data
-    if OmegaConf.is_missing(d, "root"):
-        raise ConfigError(
-            f"data.root must be set (??? in the config): add data.root=/path/to/{d.name}"
-        )
+    _require_root(d)
     if d.format == "shards":
         raise ConfigError(
             "data.format=shards: pack reads an ImageFolder or COCO tree (leave data.format as "
