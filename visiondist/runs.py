@@ -17,6 +17,7 @@ that run with the config it was started with, not the defaults.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 from pathlib import Path
 from typing import Any, Optional, cast
@@ -133,16 +134,15 @@ def changed_keys(a: DictConfig, b: DictConfig) -> list[str]:
     ]
 
 
-_SCHEMA: Optional[DictConfig] = None
+@functools.cache
+def _schema() -> DictConfig:
+    return OmegaConf.structured(TrainConfig)
 
 
 def _default(key: str) -> Any:
     """The schema's default of a dotted key (None where it has none)."""
-    global _SCHEMA
-    if _SCHEMA is None:
-        _SCHEMA = OmegaConf.structured(TrainConfig)
     try:
-        return OmegaConf.select(_SCHEMA, key, default=None, throw_on_missing=False)
+        return OmegaConf.select(_schema(), key, default=None, throw_on_missing=False)
     except Exception:  # a key under a group the schema types loosely (model.kwargs...)
         return None
 

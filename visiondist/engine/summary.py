@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -337,38 +337,29 @@ def _steady_state(tr: Trainer) -> dict[str, Any]:
     first, last, seconds = steady
     rate = tr.parts.data.train_sampler.images(first - 1, last) / seconds
     mfu = tr.utilisation.mfu(rate)
-    # the log lines' shares of their windows, weighted by the windows' steps
-    waits = [
-        (r["data_wait"], r["step"] - before)
-        for before, r in zip(
-            [first - 1, *(r["step"] for r in _train_rows(tr, first, last))],
-            _train_rows(tr, first, last),
-        )
-    ]
-    steps = sum(n for _, n in waits)
+    wait = _steady_wait(tr, first, last)
+    waited = {} if wait is None else {"waiting for data, steady state (%)": round(100 * wait, 1)}
     return {
         "throughput, steady state (img/s)": float(f"{rate:.4g}"),
         "steady state": f"steps {first}-{last} (the log windows after the first)",
         **({"MFU, steady state (%)": round(100 * mfu, 1)} if mfu is not None else {}),
-        **(
-            {
-                "waiting for data, steady state (%)": round(
-                    100 * sum(w * n for w, n in waits) / steps, 1
-                )
-            }
-            if steps
-            else {}
-        ),
+        **waited,
     }
 
 
-def _train_rows(tr: Trainer, first: int, last: int) -> list[dict[str, Any]]:
-    """metrics.csv's log lines (rows with data_wait) of steps `first` to `last`."""
-    return [
+def _steady_wait(tr: Trainer, first: int, last: int) -> Optional[float]:
+    """The share of steps `first` to `last` spent waiting for data: metrics.csv's log lines' shares
+    of their windows, weighted by the windows' steps; None without a line."""
+    rows = [
         r
         for r in tr.metrics.rows
         if r.get("data_wait") is not None and first <= r.get("step", 0) <= last
     ]
+    if not rows:
+        return None
+    before = [first - 1, *(r["step"] for r in rows)]
+    waited = sum(r["data_wait"] * (r["step"] - b) for b, r in zip(before, rows))
+    return waited / (rows[-1]["step"] - (first - 1))
 
 
 def _best_row(tr: Trainer) -> dict[str, Any]:

@@ -12,6 +12,7 @@ the parallel code on CUDA memory and streams; it says nothing of NCCL or of spee
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -83,12 +84,15 @@ def devices_named(p: DictConfig) -> bool:
 def _board(p: DictConfig) -> Optional[Board]:
     """parallel.gpu's board, else this machine's GPU's (None: neither is known)."""
     board = named_board(p)
-    if board is None:
-        import torch  # noqa: PLC0415 (torch, 2 s: plan/ is torch-free)
+    return board if board is not None else _this_gpu()
 
-        if torch.cuda.is_available():
-            board = board_of_device(torch.cuda.get_device_name(0))
-    return board
+
+@functools.cache
+def _this_gpu() -> Optional[Board]:
+    """This machine's GPU's board, read once (the planner asks for every layout it times)."""
+    import torch  # noqa: PLC0415 (torch, 2 s: plan/ is torch-free)
+
+    return board_of_device(torch.cuda.get_device_name(0)) if torch.cuda.is_available() else None
 
 
 def device_tflops(p: DictConfig) -> float:
