@@ -62,14 +62,7 @@ def check_inputs(cfg, purpose: str = "train") -> None:
         check_trackers_installed(cfg.trainer.loggers)
     d = cfg.data
     if purpose == "train" and d.train_split == d.val_split:
-        log.warning(
-            "data.train_split and data.val_split are both %s: the evaluations score the training "
-            "images (how well the model fits them, not how it does on new ones); cut a val split "
-            "from them: python tools/data.py split data=%s data.root=%s val=0.1 out=<a new folder>",
-            d.train_split,
-            d.name,
-            d.get("root"),
-        )
+        _say_one_split(d)
     _not_a_pack(d)
     _generated_here(d)
     where: str | Path  # a pack's description, or the folder or file counted
@@ -381,6 +374,17 @@ def _detection_set(root: Path) -> str:
 
     found = recognise(root) if root.is_dir() else None
     return found.what if found is not None else ""
+
+
+def _say_one_split(d) -> None:
+    log.warning(
+        "data.train_split and data.val_split are both %s: the evaluations score the training "
+        "images (how well the model fits them, not how it does on new ones); cut a val split "
+        "from them: python tools/data.py split data=%s data.root=%s val=0.1 out=<a new folder>",
+        d.train_split,
+        d.name,
+        d.get("root"),
+    )
 
 
 def _has_folders(root: Path) -> bool:

@@ -79,21 +79,7 @@ class RuntimeCheck:
             )
             return f"{head} {self.runtime} failed on {self.failed} ({where}){rest}"
         if self.onnx_boxes != self.boxes or self.counts_differ:
-            on = (
-                f" in all, and other counts on {self.counts_differ} of the {self.images} images"
-                if self.counts_differ
-                else ""
-            )
-            why = (
-                f"the {self.precision} network's scores move boxes across the score threshold and "
-                "NMS"
-                if self.precision
-                else "near-tied scores can make top-k and NMS keep other boxes"
-            )
-            return (
-                f"{head} the outputs differ: {self.runtime} returned {self.onnx_boxes} boxes, "
-                f"PyTorch {self.boxes}{on} ({where}; {why})"
-            )
+            return f"{head} {self._differ(where)}"
         if not self.boxes:
             return (
                 f"{head} 0 boxes compared ({where}): both returned no box, which checks "
@@ -131,6 +117,23 @@ class RuntimeCheck:
                 "exported graph does not compute what PyTorch does"
             )
         return line
+
+    def _differ(self, where: str) -> str:
+        """The boxes' counts where the two sides kept others (in all, or on some images)."""
+        on = (
+            f" in all, and other counts on {self.counts_differ} of the {self.images} images"
+            if self.counts_differ
+            else ""
+        )
+        why = (
+            f"the {self.precision} network's scores move boxes across the score threshold and NMS"
+            if self.precision
+            else "near-tied scores can make top-k and NMS keep other boxes"
+        )
+        return (
+            f"the outputs differ: {self.runtime} returned {self.onnx_boxes} boxes, PyTorch "
+            f"{self.boxes}{on} ({where}; {why})"
+        )
 
 
 # px: the largest box difference of a trained detector's export (3.8e-05 measured) and then some
