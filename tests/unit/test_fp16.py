@@ -53,7 +53,7 @@ def test_bf16_on_a_cpu_without_bf16_instructions_says_so_before_training(monkeyp
     from types import SimpleNamespace
 
     from visiondist.cli import load_config
-    from visiondist.engine import summary
+    from visiondist.engine import announce
 
     cfg = load_config(
         REPO / "configs", ["trainer.precision=bf16", "trainer.max_steps=4"], inputs=None
@@ -71,10 +71,10 @@ def test_bf16_on_a_cpu_without_bf16_instructions_says_so_before_training(monkeyp
     )
     trainer = SimpleNamespace(cfg=cfg, layout=layout, parts=parts, run_dir=REPO / "outputs" / "r")
     for has_bf16, said in ((False, True), (True, False)):
-        monkeypatch.setattr(summary, "cpu_has_bf16", lambda has_bf16=has_bf16: has_bf16)
+        monkeypatch.setattr(announce, "cpu_has_bf16", lambda has_bf16=has_bf16: has_bf16)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger=summary.log.name):
-            summary.announce(trainer)
+        with caplog.at_level(logging.INFO, logger=announce.log.name):
+            announce.announce(trainer)
         assert any("use trainer.precision=32" in r.message for r in caplog.records) == said, (
             caplog.text
         )

@@ -39,6 +39,7 @@ ELSEWHERE = "a callback on another rank"
 RANK_IMPORTS = (
     "visiondist.engine.trainer",
     "visiondist.engine.hooks",
+    "visiondist.engine.announce",
     "visiondist.engine.summary",
     "visiondist.engine.tasks",
     "visiondist.engine.build",
@@ -122,7 +123,8 @@ def run_trainer(trainer: Trainer) -> dict[str, Any]:
         The run's summary (what summary.json holds); for a run that stopped early, `"stopped at
         step"` and `"run dir"` (and `"stopped by"`, the signal).
     """
-    from visiondist.engine.summary import announce, run_summary  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.announce import announce  # noqa: PLC0415 (rank-side)
+    from visiondist.engine.summary import run_summary  # noqa: PLC0415 (rank-side)
     from visiondist.observe.summary import report_run  # noqa: PLC0415 (rank-side)
 
     cfg, state, metrics = trainer.cfg, trainer.state, trainer.metrics
