@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from PIL import Image
 
-from visiondist.data.formats.labels import default_workers, index_yolo
 from visiondist.data.formats.index_cache import Recognised, cache_folder, cached_index, inputs_of
+from visiondist.data.formats.labels import default_workers, index_yolo
 from visiondist.data.formats.yolo import list_images, read_yaml
 
 LINKS = 50_000  # hard links to one JPEG
