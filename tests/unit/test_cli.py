@@ -566,3 +566,34 @@ def test_a_built_in_set_made_with_other_settings_is_refused_before_any_rank(caps
         not (tmp_path / "packed").exists()
         and json.loads((root / "dataset.json").read_text())["train_images"] == 8
     )
+
+
+@pytest.mark.parametrize(
+    "trained_splits, overrides, warned",
+    [
+        (("train", "val"), ["data.val_split=train"], True),
+        (("train", "train"), [], True),
+        (("train", "val"), [], False),
+        (("train", "val"), ["data.val_split=train", "data.root=/elsewhere"], False),
+    ],
+)
+def test_eval_on_the_split_a_run_trained_on_is_warned_of(
+    tmp_path, caplog, trained_splits, overrides, warned
+):
+    """Scoring the images a run trained on measures fit, not generalisation: eval.py says so."""
+    from visiondist.api.jobs import _warn_if_trained_on
+    from visiondist.config.compose import compose
+
+    train, val = trained_splits
+    trained = [f"data.root={tmp_path}/own", f"data.train_split={train}", f"data.val_split={val}"]
+    OmegaConf.save(compose(REPO / "configs", trained), tmp_path / "config.yaml")
+    cfg = compose(REPO / "configs", trained + overrides)
+    with caplog.at_level("WARNING"):
+        _warn_if_trained_on(tmp_path, cfg)
+    said = [r.getMessage() for r in caplog.records if "trained on" in r.getMessage()]
+    assert bool(said) is warned, said
+    if warned:
+        assert said == [
+            f"data.val_split=train is the split {tmp_path} trained on: these scores measure how "
+            "well the model fits its training images, not how it does on new ones"
+        ]

@@ -9,6 +9,7 @@ with `import visiondist` (`# noqa: PLC0415 (a job's)`)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence, Union, cast
@@ -19,6 +20,8 @@ from visiondist.api.callbacks import TrainWithCallbacks, unpack
 from visiondist.cli.load import checked, load_run_config, load_weights_config
 from visiondist.config import ConfigError
 from visiondist.runs import completed_step, train_longer
+
+log = logging.getLogger(__name__)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EXPORT_SUFFIX = {
@@ -202,6 +205,7 @@ def evaluation_config(
     elif run_dir is not None:
         base = Path(run_dir).expanduser()
         cfg = load_run_config(base, list(overrides), inputs=None)
+        _warn_if_trained_on(base, cfg)
         path = run_weights(base, step_of(step) if step is not None else None)
     else:
         raise ConfigError(
@@ -211,6 +215,24 @@ def evaluation_config(
     cfg.model.weights = str(path.resolve())
     cfg.model.init_from = None  # a fine-tuned run: its own weights, not the ones it started from
     return cfg, base
+
+
+def _warn_if_trained_on(run_dir: Path, cfg: DictConfig) -> None:
+    """A warning when the split to be scored is the one the run trained on (`data.val_split=train`,
+    or a run that trained with both splits the same): its scores measure how well the model fits
+    those images, not how it does on new ones."""
+    trained = cast(DictConfig, OmegaConf.load(run_dir / "config.yaml")).get("data", {})
+    d = cfg.data
+    same_root = str(Path(str(trained.get("root"))).expanduser()) == str(
+        Path(str(d.get("root"))).expanduser()
+    )
+    if same_root and d.val_split == trained.get("train_split"):
+        log.warning(
+            "data.val_split=%s is the split %s trained on: these scores measure how well the "
+            "model fits its training images, not how it does on new ones",
+            d.val_split,
+            run_dir,
+        )
 
 
 def step_of(value: Any) -> Union[int, str]:
