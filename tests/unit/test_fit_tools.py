@@ -116,11 +116,11 @@ def test_plan_without_a_gpu_says_so_and_a_named_layout_over_its_budget_exits_1(c
 
 
 @pytest.mark.parametrize(
-    "gpu, memory, tflops, link, chosen",
-    [("a100-40gb", 40, 126.1, 300, "fsdp8"), ("l40s", 48, 146.4, 25, "ddp8")],
+    "gpu, memory, datasheet, tflops, link, chosen",
+    [("a100-40gb", 40, 312, 126.1, 300, "fsdp8"), ("l40s", 48, 362.05, 146.4, 25, "ddp8")],
 )
 def test_plan_for_a_gpu_by_name_is_the_plan_for_its_memory_and_rate(
-    capsys, gpu, memory, tflops, link, chosen
+    capsys, gpu, memory, datasheet, tflops, link, chosen
 ):
     """parallel.gpu=a100-40gb plans as its figures given by hand would (40 GB, 0.4 x 312 TFLOP/s,
     NVLink); an L40S's GPUs share PCIe 4 (25 GB/s): the same table and choice, the budget's source
@@ -136,7 +136,19 @@ def test_plan_for_a_gpu_by_name_is_the_plan_for_its_memory_and_rate(
     assert _tool("plan").main([*args, *by_hand_args]) == 0
     by_hand = " ".join(capsys.readouterr().out.split())
     assert f"{memory} GB each (parallel.gpu={gpu})" in named and "no GPU" not in named
+    # the step times' rate, and where it comes from
+    rate = f"step times at {tflops:g} TFLOP/s a device "
+    source = f"{rate}(0.4 x the {datasheet:g} TFLOP/s bf16 datasheet figure of parallel.gpu={gpu})"
+    assert source in named
+    assert f"{rate}(parallel.device_tflops)" in by_hand
+    named = named.replace(source, f"{rate}(parallel.device_tflops)")
     assert named.replace(f"(parallel.gpu={gpu})", "(parallel.device_memory_gb)") == by_hand
+    assert _tool("plan").main([*args, "parallel.device_memory_gb=40"]) == 0
+    unnamed = " ".join(capsys.readouterr().out.split())
+    assert (
+        "step times at 400 TFLOP/s a device (no GPU named or found here: an H100-class figure; "
+        "name yours with parallel.gpu=<board>" in unnamed
+    )
     assert f"parallel=auto would choose {chosen}" in named
     assert _tool("plan").main([*args, "parallel.gpu=b300"]) == 2
     assert "parallel.gpu=b300 is not a board the planner knows" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from typing import Mapping, Optional
 from omegaconf import DictConfig
 
 from visiondist.config import ConfigError
-from visiondist.utils.gpus import Board, board_named, board_of_device
+from visiondist.utils.gpus import SUSTAINED_SHARE, Board, board_named, board_of_device
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,20 @@ def device_tflops(p: DictConfig) -> float:
         return float(p.device_tflops)
     board = _board(p)
     return DEFAULT_TFLOPS if board is None else board.sustained_tflops
+
+
+def tflops_source(p: DictConfig) -> str:
+    """Where `device_tflops(p)` comes from, for the plan's "step times at" line."""
+    if p.device_tflops:
+        return "parallel.device_tflops"
+    board = _board(p)
+    if board is None:
+        return (
+            "no GPU named or found here: an H100-class figure; name yours with parallel.gpu="
+            "<board> (a100-40gb, l40s, ...) or parallel.device_tflops"
+        )
+    whose = f"parallel.gpu={p.gpu}" if named_board(p) is not None else f"this machine's {board.key}"
+    return f"{SUSTAINED_SHARE:.2g} x the {board.bf16:g} TFLOP/s bf16 datasheet figure of {whose}"
 
 
 def intra_node_gbs(p: DictConfig) -> float:
