@@ -7,8 +7,10 @@ import re
 
 import pytest
 from helpers import REPO, assert_same_top1, losses_of, train_args, train_ok
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from visiondist.engine.optim import lr_factor
 from visiondist.observe.metrics import read_metrics
 
 
@@ -201,6 +203,10 @@ def test_fine_tuning_from_an_exported_run_starts_at_its_accuracy(tmp_path, tiny_
     assert start["step"] == 0
     assert start["val_top1"] == final["val_top1"] and start.get("val_top5") == final.get("val_top5")
     assert start["val_loss"] == pytest.approx(final["val_loss"], rel=1e-6)
+    # the logged lr is the head's (the peak group's), not the patch embedding's 0.75 ** 3 of it
+    cfg = OmegaConf.load(tuned / "config.yaml")
+    logged = [r["lr"] for r in read_metrics(tuned / "metrics.csv") if r["lr"] is not None]
+    assert logged == pytest.approx([cfg.optim.lr * lr_factor(1, 1, cfg.schedule)], rel=1e-6)
 
 
 def test_files_the_device_cannot_decode_are_named_once_and_the_count_says_why_it_is_larger(

@@ -201,7 +201,9 @@ class LogHook(Hook):
         sampler = parts.data.train_sampler
         images = sampler.images(state.step - timer.steps, state.step)
         rate = images / max(timer.close_window(state.step), 1e-9)
-        lr = parts.optimizer.param_groups[0]["lr"]
+        # the peak group's (the head's under optim.layer_decay; the first group is the patch
+        # embedding's, layer_decay ** (depth + 1) of it)
+        lr = max(group["lr"] for group in parts.optimizer.param_groups)
         mfu = trainer.utilisation.mfu(rate)
         trainer.metrics.log(
             state.step,
