@@ -205,3 +205,64 @@ def test_d_a_whole_torchvision_detector_by_name_gets_a_new_head_for_other_classe
     # the stem: frozen (3 trainable stages)
     assert not model.backbone.body["0"][0].weight.requires_grad
     assert model.backbone.body["16"][0].weight.requires_grad
+
+
+def test_a_local_file_takes_the_preprocessing_recorded_beside_it_or_says_what_it_trains_with(
+    tmp_path, capsys
+):
+    """`model.init_from=<file>`: a config.json beside it holding timm's pretrained_cfg (what
+    `hf download timm/<name> --local-dir` writes) sets the data defaults as the name would; an
+    export's sidecar <name>.json likewise; a bare file changes nothing and one line says which
+    normalisation the run uses and what timm's ViT weights mostly expect."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from visiondist.cli import load_config
+
+    state = {k: v.contiguous() for k, v in _timm_state().items()}
+    bare = tmp_path / "bare" / "vit_tiny_patch16_224.safetensors"
+    hub = tmp_path / "hub" / "model.safetensors"
+    for file in (bare, hub):
+        file.parent.mkdir()
+        save_file(state, str(file))
+    pretrained_cfg = {
+        "input_size": [3, 224, 224],
+        "interpolation": "bicubic",
+        "crop_pct": 0.9,
+        "mean": [0.5, 0.5, 0.5],
+        "std": [0.5, 0.5, 0.5],
+    }
+    (hub.parent / "config.json").write_text(
+        json.dumps({"architecture": "vit_tiny_patch16_224", "pretrained_cfg": pretrained_cfg})
+    )
+    cfg = load_config(CONFIGS, [f"model.init_from={hub}", "data.img_size=64"])
+    assert list(cfg.data.mean) == list(cfg.data.std) == [0.5] * 3
+    assert (cfg.data.img_size, cfg.data.crop_pct, cfg.data.interpolation) == (64, 0.9, "bicubic")
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        f"model.init_from={hub}: its config.json sets data.std=[0.5,0.5,0.5] data.crop_pct=0.9 "
+        "data.interpolation=bicubic (set any on the command line to keep another)" in out
+    )
+
+    default = load_config(CONFIGS, ["data.img_size=64"])
+    cfg = load_config(CONFIGS, [f"model.init_from={bare}", "data.img_size=64"])
+    assert cfg.data == default.data  # nothing changed
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        f"model.init_from={bare}: the file records no preprocessing (no "
+        "vit_tiny_patch16_224.json or config.json beside it): training with "
+        f"data.mean={list(default.data.mean)} data.std={list(default.data.std)} ".replace(", ", ",")
+        + "data.interpolation=bilinear; timm's ViT weights mostly expect data.mean=[0.5,0.5,0.5]"
+        in out
+    )
+    load_config(CONFIGS, [f"model.init_from={bare}", "data.mean=[0.5,0.5,0.5]"])
+    assert "records no preprocessing" not in capsys.readouterr().out  # the user chose
+
+    # an export's sidecar: the run's preprocessing
+    (bare.parent / "vit_tiny_patch16_224.json").write_text(
+        json.dumps({"input_size": 96, "mean": [0.1, 0.2, 0.3], "std": [0.4, 0.5, 0.6]})
+    )
+    cfg = load_config(CONFIGS, [f"model.init_from={bare}"])
+    assert (cfg.data.img_size, list(cfg.data.mean)) == (96, [0.1, 0.2, 0.3])
+    assert "its vit_tiny_patch16_224.json sets data.img_size=96" in capsys.readouterr().out
