@@ -98,7 +98,8 @@ def test_hydra_run_dir_puts_the_run_there_and_the_end_names_the_next_commands(hy
     assert (
         f"run dir {died}: a checkpoint is written when the run ends or is stopped (SIGTERM, "
         "Ctrl-C), not during it (trainer.checkpoint_every_min=0): python tools/train.py "
-        f"trainer.run_dir={died} continues a stopped job; one that dies outright starts again at "
+        f"trainer.run_dir={died} trainer.checkpoint_every_min=0 continues a stopped job; one that "
+        "dies outright starts again at "
         "step 1 unless trainer.checkpoint_every_min=<minutes> or trainer.checkpoint_every=<steps> "
         "is set"
     ) in over, over[-3000:]

@@ -597,3 +597,44 @@ def test_eval_on_the_split_a_run_trained_on_is_warned_of(
             f"data.val_split=train is the split {tmp_path} trained on: these scores measure how "
             "well the model fits its training images, not how it does on new ones"
         ]
+
+
+def test_the_commands_that_go_on_with_a_run_repeat_its_last_attempts_changes(tmp_path):
+    """A run started under tp2 and continued under pp2 with gpipe: the printed train-on and continue
+    commands carry the pp2 attempt's changes, and continuing with them runs the attempt's layout,
+    not config.yaml's tp2."""
+    import shlex
+
+    from visiondist.config.compose import compose
+    from visiondist.observe.console import continue_command, next_commands
+    from visiondist.runs import continue_config, record_attempt
+
+    first = ["parallel=tp2", "trainer.max_steps=20", f"trainer.run_dir={tmp_path}"]
+    saved = compose(REPO / "configs", first)
+    OmegaConf.save(saved, tmp_path / "config.yaml")
+    asked = [f"trainer.run_dir={tmp_path}", "parallel=pp2", "parallel.schedule=gpipe"]
+    attempt = continue_config(
+        compose(REPO / "configs", asked + ["trainer.max_steps=30"]),
+        saved,
+        asked + ["trainer.max_steps=30"],
+    )
+    record_attempt(tmp_path, saved, attempt)
+    repeated = (
+        "parallel.microbatches=4 parallel.name=pp2 parallel.pp=2 parallel.schedule=gpipe "
+        "parallel.tp=1"
+    )
+    (line,) = [
+        line
+        for line in next_commands(tmp_path, longer="trainer.max_steps=60").splitlines()
+        if "train on:" in line
+    ]
+    assert line.endswith(
+        f"trainer.run_dir={tmp_path} {repeated} trainer.max_steps=60   (from its newest "
+        "checkpoint, as its last attempt ran)"
+    ), line
+    command = continue_command(tmp_path)
+    assert command.endswith(f"trainer.run_dir={tmp_path} {repeated} trainer.max_steps=30")
+    overrides = shlex.split(command)[2:]
+    again = continue_config(compose(REPO / "configs", overrides), saved, overrides)
+    assert again.parallel == attempt.parallel and again.trainer.max_steps == 30
+    assert saved.parallel.tp == 2 and again.parallel.tp == 1

@@ -120,8 +120,11 @@ def next_commands(
         if under_torchrun
         else f"python {tool_path('train')} trainer.run_dir={run}"
     )
+    # the latest attempt's other changes (a layout, a setting): the run goes on as that attempt ran
+    again = "" if under_torchrun else latest_overrides(run_dir, length=False)
     train_on = (
-        f"  train on: {launcher} {longer}   (from its newest checkpoint, its config as it was)\n"
+        f"  train on: {launcher}{again} {longer}   (from its newest checkpoint, "
+        f"{'as its last attempt ran' if again else 'its config as it was'})\n"
         if longer
         else ""
     )
@@ -136,24 +139,26 @@ def next_commands(
 
 def continue_command(run_dir: str | Path, under_torchrun: bool = False) -> str:
     """The one command that continues the run in `run_dir`: its config.yaml is the base, so nothing
-    else is repeated but the length the latest attempt trained to where it changed it
-    (`attempts.jsonl`), so that the continuation ends where that attempt would have."""
+    else is repeated but what the latest attempt changed (`attempts.jsonl`: its length, its layout,
+    any other setting), so that the continuation runs and ends as that attempt would have."""
     if under_torchrun:
         return (
             "the same torchrun / srun / pod command with "
             f"trainer.run_dir={shlex.quote(str(run_dir))}"
         )
-    length = "".join(f" {k}={v}" for k, v in latest_length(Path(run_dir)).items())
     return (
         f"python {tool_path('train')} "
-        f"trainer.run_dir={shlex.quote(shown_path(Path(run_dir)))}{length}"
+        f"trainer.run_dir={shlex.quote(shown_path(Path(run_dir)))}"
+        f"{latest_overrides(Path(run_dir))}"
     )
 
 
-def latest_length(run_dir: Path) -> dict:
-    """trainer.max_steps / trainer.max_epochs as the run's latest attempt changed them (each line of
-    attempts.jsonl holds what that attempt changed against config.yaml); empty where it changed
-    neither."""
+LENGTH_KEYS = ("trainer.max_steps", "trainer.max_epochs")
+
+
+def latest_changes(run_dir: Path) -> dict:
+    """What the run's latest attempt changed against config.yaml (each line of attempts.jsonl holds
+    that attempt's changes); empty for a run of one attempt."""
     try:
         lines = (run_dir / "attempts.jsonl").read_text().splitlines()
     except OSError:
@@ -163,8 +168,39 @@ def latest_length(run_dir: Path) -> dict:
             changes = json.loads(line).get("changes", {})
         except ValueError:  # a line cut short by a kill
             continue
-        return {k: changes[k] for k in ("trainer.max_steps", "trainer.max_epochs") if k in changes}
+        return changes if isinstance(changes, dict) else {}
     return {}
+
+
+def latest_length(run_dir: Path) -> dict:
+    """trainer.max_steps / trainer.max_epochs as the run's latest attempt changed them; empty where
+    it changed neither."""
+    changes = latest_changes(run_dir)
+    return {k: changes[k] for k in LENGTH_KEYS if k in changes}
+
+
+def latest_overrides(run_dir: Path, length: bool = True) -> str:
+    """The latest attempt's changes as the command line's key=value overrides (" k=v ...", each
+    applied to config.yaml as that attempt's was: its layout, its length unless not `length`, any
+    other setting)."""
+    changes = latest_changes(run_dir)
+    words = [
+        f"{k}={_typed(v)}" for k, v in sorted(changes.items()) if length or k not in LENGTH_KEYS
+    ]
+    return "".join(f" {shlex.quote(w)}" for w in words)
+
+
+def _typed(value) -> str:
+    """A value as Hydra reads it back: true / false, null, [a,b]."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, separators=(",", ":"))
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))  # as typed: checkpoint_every_min=0
+    return str(value)
 
 
 def tool_path(name: str) -> str:
