@@ -36,11 +36,12 @@ class _Stdout(logging.StreamHandler):
 
 
 class _Plain(logging.Formatter):
-    """A message per line; warnings and errors say so."""
+    """A message per line; warnings and errors say so, as the tools' own lines do (`warning: `,
+    `error: `)."""
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
-        return text if record.levelno < logging.WARNING else f"{record.levelname}: {text}"
+        return text if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {text}"
 
 
 def in_terminal() -> bool:
