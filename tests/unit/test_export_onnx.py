@@ -226,3 +226,103 @@ def test_a_torchvision_detector_takes_a_batch_of_photos_of_four_sizes(tmp_path):
         assert not boxes[i, n:].any() and not scores[i, n:].any() and not labels[i, n:].any()
         got = [boxes[i, :n], labels[i, :n], scores[i, :n]]
         assert _box_diff([want["boxes"], want["labels"], want["scores"]], got) < 1e-3
+
+
+def test_a_faster_rcnn_whose_rpn_proposes_nothing_on_an_image_returns_no_detections_there(
+    tmp_path,
+):
+    """torchvision's MobileNet Faster R-CNN keeps proposals scoring 0.05 or more; an image where
+    none does gets no detections from PyTorch. The exported graph gives it none too, in a batch
+    beside a photo that has some (torchvision's own trace fails there: `Input shape:{0,28},
+    requested shape:{0,-1}`, on 7% of the val images of a model trained for 226 steps)."""
+    from visiondist.checkpoint.export import export
+    from visiondist.checkpoint.export.onnx_batch import canvas
+    from visiondist.checkpoint.export.onnx_check import _box_diff, _proposals, check_onnx
+    from visiondist.checkpoint.export.trained import Trained
+    from visiondist.models import build_model
+
+    cfg = load_config(
+        REPO / "configs",
+        [
+            "model=fasterrcnn_mobilenet_v3",
+            "data=shapes_coco",
+            f"data.root={tmp_path / 'absent'}",
+            "data.min_size=96",
+            "data.max_size=160",
+        ],
+        inputs=None,
+    )
+    torch.manual_seed(0)
+    model = build_model(cfg.model).eval()
+    with torch.no_grad():  # features and scores that spread, as a trained model's do
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(std=(2.0 / param[0].numel()) ** 0.5)
+    photos = sample_photos("coffee", "chelsea")
+
+    def best_proposal(photo: torch.Tensor) -> float:
+        """The score of the RPN's best proposal on `photo` (to 1e-6: the threshold that keeps
+        one)."""
+        low, high = 0.0, 1.0
+        for _ in range(20):
+            model.rpn.score_thresh = (low + high) / 2
+            low, high = (
+                (model.rpn.score_thresh, high)
+                if _proposals(model, photo)
+                else (low, model.rpn.score_thresh)
+            )
+        return low
+
+    def best_logit(photo: torch.Tensor) -> float:
+        with torch.no_grad():
+            images, _ = model.transform([photo])
+            logits, _ = model.rpn.head(list(model.backbone(images.tensors).values()))
+        return max(float(level.abs().max()) for level in logits)
+
+    # objectness logits of at most 2 (probabilities that differ), then a threshold between the two
+    # photos' best proposals: one keeps some, the other none
+    cls = model.rpn.head.cls_logits
+    with torch.no_grad():
+        scale = 2.0 / max(best_logit(p) for p in photos)
+        cls.weight.mul_(scale), cls.bias.mul_(scale)
+    low, high = sorted(best_proposal(p) for p in photos)
+    assert high - low > 1e-5
+    model.rpn.score_thresh = low + 1e-5  # just above: the other photo keeps the most
+    # every proposal's boxes kept, as they are (a fresh box regression can make them empty)
+    model.roi_heads.score_thresh = 0.0
+    with torch.no_grad():
+        model.roi_heads.box_predictor.bbox_pred.weight.zero_()
+        model.roi_heads.box_predictor.bbox_pred.bias.zero_()
+    with torch.no_grad():
+        want = model(photos)
+    empty = [len(w["boxes"]) for w in want].index(0)
+    assert len(want[1 - empty]["boxes"]) > 0
+    trained = Trained(cfg, model, tmp_path / "step_1", 1, None)
+    path = tmp_path / "detector.onnx"
+    export(trained, "onnx", path)
+    images, sizes = canvas(photos)
+    boxes, labels, scores, count = ort.InferenceSession(str(path)).run(
+        None, {"images": images.numpy(), "sizes": sizes.numpy()}
+    )
+    assert int(count[empty]) == 0 and not boxes[empty].any() and not scores[empty].any()
+    n = int(count[1 - empty])
+    assert n == len(want[1 - empty]["boxes"])
+    got = [boxes[1 - empty, :n], labels[1 - empty, :n], scores[1 - empty, :n]]
+    w = want[1 - empty]
+    # px of a 451 x 300 photo seen at 96 px by a He-initialised network, whose activations grow
+    # layer by layer, and with them float32's round-off
+    assert _box_diff([w["boxes"], w["labels"], w["scores"]], got) < 0.1
+    assert not check_onnx(trained, path).failed
+
+    # OpenVINO's run of the same graph makes up a row (label 0, score 0) for the empty image: the
+    # session leaves it out
+    pytest.importorskip("openvino")
+    from visiondist.checkpoint.export.openvino import OpenVinoSession
+
+    export(trained, "openvino", tmp_path / "openvino" / "model.xml")
+    session = OpenVinoSession(tmp_path / "openvino" / "model.xml")
+    boxes, labels, scores, count = session.run(
+        None, {"images": images.numpy(), "sizes": sizes.numpy()}
+    )
+    assert int(count[empty]) == 0 and not boxes[empty].any() and not scores[empty].any()
+    assert int(count[1 - empty]) == n and (labels[1 - empty, :n] > 0).all()

@@ -234,12 +234,7 @@ def _compare_detector(
             except Exception as exc:
                 results.append(None)
                 if failed is None:
-                    why = (
-                        "the RPN proposes no box there, which torchvision's exported graph does "
-                        "not handle: "
-                        if _proposals(model, image) == 0
-                        else ""
-                    )
+                    why = "the RPN proposes no box there: " if _proposals(model, image) == 0 else ""
                     # ONNX Runtime's
                     message = ". ".join(str(exc).strip().splitlines()[-1].split(". ")[-2:])[-200:]
                     failed = f"{name}: {why}{message}"

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from visiondist.checkpoint.export.onnx_batch import PaddedDetections, loop_over_batch
+from visiondist.checkpoint.export.onnx_empty import empty_safe_decode
 from visiondist.checkpoint.export.onnx_resize import exact_resize
 from visiondist.checkpoint.export.quantize import one_image_feeds, quantize
 from visiondist.models.detection import has_mask_head
@@ -89,7 +90,7 @@ def export_detector_onnx(
 
     def trace(target: Path) -> None:
         # the tracer's notes: check_onnx tests the graph
-        with exact_resize(), warnings.catch_warnings():
+        with exact_resize(), empty_safe_decode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.onnx.export(
                 one,

@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
+
 from visiondist.checkpoint.export.onnx import write_onnx
 from visiondist.checkpoint.export.trained import Trained
 
@@ -91,7 +93,35 @@ class OpenVinoSession:
 
     def run(self, names, feed: dict[str, Any]) -> list:
         result = self.compiled(feed)
-        return [result[port] for port in self.compiled.outputs]
+        return self._without_phantoms([result[port] for port in self.compiled.outputs])
+
+    def _without_phantoms(self, got: list) -> list:
+        """A detector's outputs less the rows OpenVINO makes up: where a two-stage detector finds
+        nothing on an image, its run of the graph returns one row of label 0, score 0 and a box of
+        round-off in place of none (ONNX Runtime and PyTorch: none). A row whose label is none of
+        the model's (the `labels` metadata; without it, label 0 with score 0: torchvision's
+        detectors never label a box 0, the background, and a kept score is above 0) is dropped."""
+        names = [port.get_any_name() for port in self.compiled.outputs]
+        if "detections" not in names:
+            return got
+        out = dict(zip(names, got))
+        known = [int(k) for k in json.loads(self.meta["labels"])] if "labels" in self.meta else []
+        counts, copied = np.array(out["detections"]), set[str]()
+        for i, n in enumerate(counts):
+            labels, scores = out["labels"][i][:n], out["scores"][i][:n]
+            real = np.isin(labels, known) if known else (labels != 0) | (scores != 0)
+            if real.all():
+                continue
+            for key in ("boxes", "labels", "scores", "masks"):
+                if key in out:
+                    if key not in copied:  # a writable copy, where a row goes
+                        out[key], copied = np.array(out[key]), copied | {key}
+                    rows = out[key][i][:n][real]
+                    out[key][i] = 0
+                    out[key][i][: len(rows)] = rows
+            counts[i] = int(real.sum())
+        out["detections"] = counts
+        return [out[name] for name in names]
 
     def get_inputs(self) -> list[_Output]:
         return [_Output(port.get_any_name()) for port in self.compiled.inputs]

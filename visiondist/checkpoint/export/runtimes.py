@@ -86,17 +86,19 @@ class RuntimeModel(nn.Module):
         return run_detector(self.session, self.given, images)
 
     def _alone(self, image: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One image's detections; none where the graph fails on it: torchvision's exported graph
-        fails on an image where the RPN proposes no box, where the PyTorch model returns none
-        (counted in `self.failed`, said once)."""
+        """One image's detections; none where the graph fails on it: a Faster R-CNN graph
+        exported by an earlier visiondist (torchvision's own trace) fails on an image where the
+        RPN proposes no box, where the PyTorch model returns none (counted in `self.failed`, said
+        once)."""
         try:
             return self._detect([image])[0]
         except Exception as exc:
             self.failed += 1
             if self.failed == 1:
                 log.warning(
-                    "%s failed on a %d x %d image (%s): no detections for it, as the PyTorch "
-                    "model returns where its RPN proposes no box",
+                    "%s failed on a %d x %d image: no detections for it, as the PyTorch model "
+                    "returns where its RPN proposes no box (a graph exported before the export "
+                    "handled that: export it again); the runtime said: %s",
                     self.path,
                     image.shape[-2],
                     image.shape[-1],
