@@ -473,3 +473,26 @@ def test_each_decoder_message_of_a_process_is_named_after_its_file(capfd):
         f"{name}: Corrupt JPEG data: premature end of data segment"
         for name in ("a.jpg", "b.jpg", "c.jpg")
     ]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        ["data=imagenet"],
+        ["data=shapes_coco", "model=fcos_r50"],
+        ["data=detection", "model=fcos_r50"],
+    ],
+)
+def test_a_url_without_data_format_shards_is_refused_naming_it(tmp_path, monkeypatch, data):
+    """data.root=http://... under a tree or a built-in set's config: one line naming
+    data.format=shards, and nothing written (a built-in set was generated into ./http:/...)."""
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    with pytest.raises(
+        ConfigError, match=r"a URL is read as packed shards .*: add data.format=shards"
+    ):
+        load_config(configs, [*data, "data.root=http://127.0.0.1:9/set"], inputs="train")
+    assert not list(tmp_path.iterdir())
