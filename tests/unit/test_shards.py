@@ -324,16 +324,32 @@ def test_s3_shards_read_as_the_directory(packed, tmp_path, monkeypatch):
             bare.read_small("dataset.json")
 
 
-def test_a_node_with_the_shards_cached_trains_on_while_the_server_is_away(packed, tmp_path):
+def test_a_node_with_the_shards_cached_trains_on_while_the_server_is_away(
+    packed, tmp_path, caplog, monkeypatch
+):
+    """The val split read once: with the server gone it is read from the cache, and the one line
+    that says so counts what the cache holds of each split (none of train's)."""
+    from visiondist.data.shards.store import SERVER_AWAY
+
     _, out, _ = packed
     cache = str(tmp_path / "cache")
     with serve(out) as url:
         first = ShardSplit(ShardStore(url, cache_dir=cache), "val")
         expected = [first.image_bytes(i) for i in range(len(first))]
-    again = ShardSplit(ShardStore(url, cache_dir=cache, retries=0), "val")  # the server is gone
+    # the store sets it once it finds the server away: restored after the test
+    monkeypatch.setenv(SERVER_AWAY, "")
+    with caplog.at_level("WARNING"):
+        again = ShardSplit(ShardStore(url, cache_dir=cache, retries=0), "val")  # the server is gone
     assert [
         again.image_bytes(i) for i in range(len(again))
     ] == expected and again.store.fetched.value == 0
+    splits = json.loads((out / "dataset.json").read_text())["splits"]
+    (said,) = [r.getMessage() for r in caplog.records if "cannot be reached" in r.getMessage()]
+    assert said.endswith(
+        f": train 0 of {splits['train']['shards']}, val {splits['val']['shards']} of "
+        f"{splits['val']['shards']} shards cached; a shard not cached stops the run where it is "
+        "first read"
+    ), said
     with pytest.raises(
         ShardError, match=r"cannot fetch .*dataset\.json .* check that the server is up"
     ):
@@ -496,3 +512,24 @@ def test_a_url_without_data_format_shards_is_refused_naming_it(tmp_path, monkeyp
     ):
         load_config(configs, [*data, "data.root=http://127.0.0.1:9/set"], inputs="train")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_shard_missing_from_the_server_is_named_as_such(packed, tmp_path):
+    """The index lists a shard the server's copy lacks (a copy cut short): the error names the
+    shard and the incomplete copy, not a wrong data.root."""
+    import shutil
+
+    _, out, _ = packed
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    gone = sorted(copy.glob("val-*.tar"))[-1]
+    gone.unlink()
+    with serve(copy) as url:
+        split = ShardSplit(ShardStore(url, cache_dir=str(tmp_path / "cache"), retries=0), "val")
+        with pytest.raises(
+            ShardError,
+            match=rf"cannot fetch {url}/{gone.name}: .*404.*: the data set's index lists it, the "
+            r"server's copy does not hold it: copy the whole folder",
+        ):
+            for i in range(len(split)):
+                split.image_bytes(i)

@@ -123,11 +123,12 @@ class ShardStore:
                 os.environ[SERVER_AWAY] = self.root
                 log.warning(
                     "%s cannot be reached (%s): training from this node's cached copy of the data "
-                    "set in %s (its index fetched on %s; every shard is checked against it)",
+                    "set in %s (its index fetched on %s; every shard is checked against it)%s",
                     self.root,
                     str(exc).split(" (", 1)[-1].split(")", 1)[0],
                     self.cache,
                     time.strftime("%Y-%m-%d %H:%M", time.localtime(cached.stat().st_mtime)),
+                    self._cached_share(),
                 )
             return cached.read_bytes()
         self.cache.mkdir(parents=True, exist_ok=True)
@@ -135,6 +136,20 @@ class ShardStore:
         tmp.write_bytes(data)
         os.replace(tmp, cached)  # for a run while the server is away: the cached shards stay usable
         return data
+
+    def _cached_share(self) -> str:
+        """How much of each split this node's cache holds (": train 45 of 63 shards, ..."), with
+        what a missing one does; "" where the cached dataset.json does not say."""
+        try:
+            splits = json.loads((self.cache / "dataset.json.last").read_text())["splits"]
+            held = {split: sum(1 for _ in self.cache.glob(f"{split}-*.tar")) for split in splits}
+            counts = [f"{split} {held[split]} of {int(v['shards'])}" for split, v in splits.items()]
+            short = any(held[split] < int(v["shards"]) for split, v in splits.items())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return ""
+        return f": {', '.join(counts)} shards cached" + (
+            "; a shard not cached stops the run where it is first read" if short else ""
+        )
 
     def local(self, name: str, sha256: str, size: int) -> Path:
         """The shard as a local file: in place for a directory, else fetched into the cache (once
@@ -213,6 +228,11 @@ class ShardStore:
                         f"cannot fetch {url}: {exc}: give this node S3 credentials "
                         "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
                         "~/.aws/credentials, or an instance role)"
+                    ) from None
+                if _missing(exc) and url.endswith(".tar"):  # one shard the index lists
+                    raise ShardError(
+                        f"cannot fetch {url}: {exc}: the data set's index lists it, the server's "
+                        "copy does not hold it: copy the whole folder `tools/data.py pack` wrote"
                     ) from None
                 if _missing(exc):  # there is nothing to wait for
                     raise ShardError(
