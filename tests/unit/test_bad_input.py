@@ -143,6 +143,8 @@ def test_h_evaluation_shows_a_progress_bar_when_progress_is_on(monkeypatch):
     on the main rank (also under a live training bar), and none with it off."""
     from types import SimpleNamespace
 
+    from rich.console import Console
+
     from visiondist.evaluation.classification import evaluate_classification
     from visiondist.evaluation.detection import predict
     from visiondist.models.vit import VisionTransformer
@@ -151,6 +153,8 @@ def test_h_evaluation_shows_a_progress_bar_when_progress_is_on(monkeypatch):
 
     bars = []
     real_track = progress.track  # rich's, as the bars draw it
+    terminal = Console(force_terminal=True)  # a terminal: bars (into a pipe, lines: below)
+    monkeypatch.setattr(progress, "get_console", lambda: terminal)
     monkeypatch.setattr(
         progress, "track", lambda items, **kw: bars.append(kw) or real_track(items, **kw)
     )
@@ -173,6 +177,20 @@ def test_h_evaluation_shows_a_progress_bar_when_progress_is_on(monkeypatch):
     loader = [([torch.zeros(3, 8, 8)], [{"image_id": torch.tensor(i)}]) for i in range(4)]
     _, seen, _ = predict(_NoBoxes(), loader, torch.device("cpu"), {}, progress=True)
     assert seen == [0, 1, 2, 3] and bars[-1] == dict(description="eval", total=4, transient=True)
+
+
+def test_h_evaluation_into_a_pipe_says_how_far_it_is_every_so_often(monkeypatch, caplog):
+    """No terminal, so no bar: a log line every PIPE_LINE_S seconds (0 here: every batch after the
+    first) with the batches done and the time taken, so that a long evaluation is not silent."""
+    from visiondist.observe import progress
+
+    monkeypatch.setattr(progress, "PIPE_LINE_S", 0.0)
+    assert not progress.get_console().is_terminal  # pytest captures the output
+    with caplog.at_level("INFO"):
+        assert list(progress.tracked(range(3), True)) == [0, 1, 2]
+        assert list(progress.tracked(range(3), False)) == [0, 1, 2]  # trainer.progress=false
+    said = [r.getMessage() for r in caplog.records if "batches in" in r.getMessage()]
+    assert [line.split(" in ")[0] for line in said] == [f"eval: {k} of 3 batches" for k in range(3)]
 
 
 class _NoBoxes(torch.nn.Module):

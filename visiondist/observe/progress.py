@@ -169,28 +169,34 @@ def _rich_bar(total: Optional[int]) -> Progress:
     return progress
 
 
+# into a pipe or a file, where no bar is drawn: a line at most this often while work goes on
+PIPE_LINE_S = 30.0
+
+
 def tracked(items, enabled: bool, description: str = "eval", total: int | None = None):
     """`items` with a transient rich progress bar while they are consumed (rank 0 with
     `trainer.progress`), e.g. an evaluation's batches; under the live training bar it shows beneath
-    it. Every item also tells the rank's hang watchdog that the work moves (on every rank). `total`:
+    it. Into a pipe or a file (no bar), a log line every `PIPE_LINE_S` seconds says how far it is.
+    Every item also tells the rank's hang watchdog that the work moves (on every rank). `total`:
     the count, for items without a length."""
+    count = total if total is not None else len(items)
 
-    def beating(iterable):
-        for item in iterable:
+    def beating(iterable, say: bool = False):
+        start = last = time.monotonic()
+        for done, item in enumerate(iterable):
             PROGRESS.at()
+            now = time.monotonic()
+            if say and now - last >= PIPE_LINE_S:
+                last = now
+                log.info("%s: %d of %d batches in %.0f s", description, done, count, now - start)
             yield item
 
-    if not enabled or get_console().is_jupyter:  # a notebook: the training bar alone
+    console = get_console()
+    if not enabled or console.is_jupyter:  # a notebook: the training bar alone
         return beating(items)
-
-    return beating(
-        track(
-            items,
-            description=description,
-            total=total if total is not None else len(items),
-            transient=True,
-        )
-    )
+    if not console.is_terminal:
+        return beating(items, say=True)
+    return beating(track(items, description=description, total=count, transient=True))
 
 
 def status(enabled: bool, text: str):
