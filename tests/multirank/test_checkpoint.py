@@ -4,6 +4,7 @@ writer never leaves a broken checkpoint behind; loading never runs pickled code.
 `layouts` also run with the ranks on a GPU (tests/devices.py), where the TP checkpoint also resumes
 on the CPU."""
 
+import importlib.util
 import json
 import os
 import pickle
@@ -453,6 +454,34 @@ def test_an_openvino_ir_is_checked_and_evaluates_as_the_runs_weights(
     }
     assert scores["openvino"]["run by"] == "OpenVINO"
     assert scores["openvino"]["val_top1"] == scores["own"]["val_top1"]
+
+
+def test_export_benchmark_times_and_scores_every_form_in_one_table(tp2_run, tmp_path):
+    """tools/export.py benchmark=true: every file form written, evaluated on the val split and
+    timed beside PyTorch, in one table (benchmark.md) and its rows (benchmark.json): the float32
+    files score the run's own top-1, each row has both batch timings."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(tp2_run, run)
+    out = _export(run, "benchmark=true")
+    work = run / "export" / "benchmark"
+    rows = {r["form"]: r for r in json.loads((work / "benchmark.json").read_text())}
+    forms = ["PyTorch eager", "PyTorch compiled", "ONNX", "ONNX float16", "ONNX int8", "pt2"]
+    if importlib.util.find_spec("openvino") is not None:
+        forms.insert(5, "OpenVINO")
+    assert list(rows) == forms, out[-3000:]
+    assert not [r for r in rows.values() if "skipped" in r], rows
+    for form, row in rows.items():
+        assert row["ms_batch1"] > 0 and row["ms_batch8"] > 0, row
+        if form != "PyTorch compiled":  # timed only: the same weights as eager
+            assert row["metric"] == "top-1" and row["val_images"] == 30, row
+    for form in ("ONNX", "OpenVINO", "pt2"):
+        if form in rows:
+            assert rows[form]["value"] == rows["PyTorch eager"]["value"], rows[form]
+    table = (work / "benchmark.md").read_text()
+    assert all(f"| {form} |" in table for form in forms) and "val top-1 (30 images)" in table
+    assert f"written: {work / 'benchmark.md'}, {work / 'benchmark.json'}" in out
 
 
 @pytest.mark.smoke

@@ -215,6 +215,7 @@ def test_a_torchvision_detector_takes_a_batch_of_photos_of_four_sizes(tmp_path):
     assert len({tuple(p.shape) for p in photos}) == 4
     images, sizes = canvas(photos)
     session = ort.InferenceSession(str(path))
+    assert session.get_modelmeta().custom_metadata_map["precision"] == "float32"
     boxes, labels, scores, count = session.run(
         None, {"images": images.numpy(), "sizes": sizes.numpy()}
     )

@@ -81,9 +81,14 @@ def _benchmark(run_dir: Path, step: Optional[Union[int, str]]) -> list[dict[str,
         except ValueError as exc:  # int8 without the train images, no OpenVINO: the row says why
             rows.append({"form": name, "file": None, "skipped": str(exc).splitlines()[0]})
             continue
-        model = load_runtime(trained.cfg.model, path, cpu)
-        score = _score(run_dir, path, work / f"eval_{path.stem}")
-        rows.append(_row(name, path, score, model, inputs))
+        try:
+            model = load_runtime(trained.cfg.model, path, cpu)
+            score = _score(run_dir, path, work / f"eval_{path.stem}")
+            rows.append(_row(name, path, score, model, inputs))
+        except Exception as exc:  # a runtime's own error: the other rows are still the table's
+            why = f"failed: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[-1]}"
+            print(f"  {name}: {why}", flush=True)
+            rows.append({"form": name, "file": str(path), "skipped": why[:200]})
     _write(rows, work, trained)
     return rows
 

@@ -89,8 +89,7 @@ def write_onnx(
     family = trained.cfg.model.family
     # a float16 copy of the network (the run's model stays as it is, for the check)
     model = halved(trained.model, family) if half else trained.model
-    if half:
-        metadata[PRECISION_METADATA] = "float16"
+    metadata[PRECISION_METADATA] = "float16" if half else "float32"
     calibration = None
     if int8:
         calibration, described = calibration_images(trained.cfg)
