@@ -218,6 +218,17 @@ def _check_format(cfg: DictConfig) -> None:
     )
 
 
+def _not_a_url(d: DictConfig) -> None:
+    """A URL data.root is packed shards: refused under any other format before anything reads it
+    (a built-in set would be generated into ./http:/..., a detection set reported missing)."""
+    root = None if OmegaConf.is_missing(d, "root") else d.get("root")
+    if isinstance(root, str) and "://" in root and d.get("format") != "shards":
+        raise ConfigError(
+            f"data.root={root}: a URL is read as packed shards (tools/data.py pack), not as "
+            f"data.format={d.get('format')}: add data.format=shards"
+        )
+
+
 def _absolute_root(d: DictConfig) -> None:
     """A relative local `data.root` made absolute, as the run's config.yaml then records it: its
     evaluation, prediction or continuation from another directory reads the same data."""
@@ -246,6 +257,7 @@ def checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
 
     if inputs is not None:  # the data is read (prediction reads none: its defaults stand)
         _check_format(cfg)
+        _not_a_url(cfg.data)
         _absolute_root(cfg.data)
     # a packed built-in set is read from its shards, not generated
     if cfg.data.get("format") == "shards":

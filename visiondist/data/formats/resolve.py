@@ -165,11 +165,6 @@ def resolve_detection(d: DictConfig, purpose: str = "train") -> str:
         ConfigError: a folder of no format known, a missing split, a bad val label, `names`
             shorter than the labels use, data.num_classes against the set's classes.
     """
-    if "://" in str(d.root):
-        raise ConfigError(
-            f"data.root={d.root}: a URL is read as packed shards (tools/data.py pack): add "
-            "data.format=shards"
-        )
     root = Path(d.root).expanduser()
     if not root.exists():
         raise ConfigError(f"data.root={d.root} does not exist")
