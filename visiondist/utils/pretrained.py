@@ -221,15 +221,26 @@ def timm_shape(spec: str) -> Optional[dict[str, int]]:
 def pretrained_data_defaults(spec: str) -> dict[str, Any]:
     """What timm's pretrained config says the weights expect: data.img_size, mean, std, crop_pct,
     interpolation."""
-    cfg = timm_pretrained_cfg(spec)
-    out = {
-        "img_size": int(cfg.input_size[-1]),
-        "mean": [float(v) for v in cfg.mean],
-        "std": [float(v) for v in cfg.std],
-        "crop_pct": float(cfg.crop_pct),
-    }
-    if cfg.interpolation in ("bilinear", "bicubic"):
-        out["interpolation"] = cfg.interpolation
+    return _data_settings(timm_pretrained_cfg(spec).to_dict())
+
+
+def _data_settings(recorded: dict[str, Any]) -> dict[str, Any]:
+    """The data settings in a timm pretrained config or an export's sidecar (input_size, mean,
+    std, crop_pct, interpolation) as `data` keys; {} without mean and std."""
+    if not isinstance(recorded.get("mean"), (list, tuple)) or not isinstance(
+        recorded.get("std"), (list, tuple)
+    ):
+        return {}
+    size = recorded.get("input_size")
+    out: dict[str, Any] = {}
+    if isinstance(size, (int, list, tuple)) and size:
+        out["img_size"] = int(size if isinstance(size, int) else size[-1])
+    out["mean"] = [float(v) for v in recorded["mean"]]
+    out["std"] = [float(v) for v in recorded["std"]]
+    if isinstance(recorded.get("crop_pct"), (int, float)):
+        out["crop_pct"] = float(recorded["crop_pct"])
+    if recorded.get("interpolation") in ("bilinear", "bicubic"):
+        out["interpolation"] = recorded["interpolation"]
     return out
 
 
@@ -344,24 +355,6 @@ def local_file(spec: str, key: str, download: bool = False) -> Path:
     if is_enum_name(spec):
         return _hub_file(torchvision_weights(spec, key).url, key, spec, download)
     return Path(spec).expanduser()
-
-
-def _data_settings(recorded: dict[str, Any]) -> dict[str, Any]:
-    """The data settings in a timm pretrained config or an export's sidecar (input_size, mean,
-    std, crop_pct, interpolation) as `data` keys; {} without mean and std."""
-    if not isinstance(recorded.get("mean"), list) or not isinstance(recorded.get("std"), list):
-        return {}
-    size = recorded.get("input_size")
-    out: dict[str, Any] = {}
-    if isinstance(size, (int, list)) and size:
-        out["img_size"] = int(size[-1] if isinstance(size, list) else size)
-    out["mean"] = [float(v) for v in recorded["mean"]]
-    out["std"] = [float(v) for v in recorded["std"]]
-    if isinstance(recorded.get("crop_pct"), (int, float)):
-        out["crop_pct"] = float(recorded["crop_pct"])
-    if recorded.get("interpolation") in ("bilinear", "bicubic"):
-        out["interpolation"] = recorded["interpolation"]
-    return out
 
 
 def local_data_defaults(path: Path) -> tuple[dict[str, Any], str]:
