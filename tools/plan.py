@@ -78,7 +78,7 @@ def plan(cmd: Command) -> int:
     from visiondist.models.registry import spec_of
     from visiondist.plan import cuda_device_count, plan_for, planning_world, resolve_on
     from visiondist.plan.resolve import host_budget, memory_budget, named_layout
-    from visiondist.plan.world import device_tflops, devices_named, tflops_source
+    from visiondist.plan.world import device_rate, devices_named
 
     verify = cmd.args.get("verify")
     if verify not in (None, "chosen", "all"):
@@ -133,11 +133,8 @@ def plan(cmd: Command) -> int:
     )
     console.print(f"planned for: {inputs_line(cfg)}", soft_wrap=True)
     if accelerator == "cuda" or devices_named(cfg.parallel):
-        console.print(
-            f"step times at {device_tflops(cfg.parallel):g} TFLOP/s a device "
-            f"({tflops_source(cfg.parallel)})",
-            soft_wrap=True,
-        )
+        rate, source = device_rate(cfg.parallel)
+        console.print(f"step times at {rate:g} TFLOP/s a device ({source})", soft_wrap=True)
     if accelerator == "cpu" and t.accelerator != "cpu" and not devices_named(cfg.parallel):
         console.print(
             "[bold yellow]no GPU on this machine[/bold yellow]: planned for its CPU memory "

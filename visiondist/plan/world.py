@@ -96,26 +96,26 @@ def _this_gpu() -> Optional[Board]:
 
 
 def device_tflops(p: DictConfig) -> float:
-    """The time model's sustained dense bf16 rate per device: parallel.device_tflops, else 0.4 x the
-    datasheet's of parallel.gpu's board or of this machine's GPU, else `DEFAULT_TFLOPS`."""
-    if p.device_tflops:
-        return float(p.device_tflops)
-    board = _board(p)
-    return DEFAULT_TFLOPS if board is None else board.sustained_tflops
+    """The time model's sustained dense bf16 rate per device (`device_rate`'s)."""
+    return device_rate(p)[0]
 
 
-def tflops_source(p: DictConfig) -> str:
-    """Where `device_tflops(p)` comes from, for the plan's "step times at" line."""
+def device_rate(p: DictConfig) -> tuple[float, str]:
+    """The time model's sustained dense bf16 rate per device and where it comes from (the plan's
+    "step times at" line): parallel.device_tflops, else 0.4 x the datasheet's of parallel.gpu's
+    board or of this machine's GPU, else `DEFAULT_TFLOPS`."""
     if p.device_tflops:
-        return "parallel.device_tflops"
+        return float(p.device_tflops), "parallel.device_tflops"
     board = _board(p)
     if board is None:
-        return (
+        return DEFAULT_TFLOPS, (
             "no GPU named or found here: an H100-class figure; name yours with parallel.gpu="
             "<board> (a100-40gb, l40s, ...) or parallel.device_tflops"
         )
     whose = f"parallel.gpu={p.gpu}" if named_board(p) is not None else f"this machine's {board.key}"
-    return f"{SUSTAINED_SHARE:.2g} x the {board.bf16:g} TFLOP/s bf16 datasheet figure of {whose}"
+    return board.sustained_tflops, (
+        f"{SUSTAINED_SHARE:.2g} x the {board.bf16:g} TFLOP/s bf16 datasheet figure of {whose}"
+    )
 
 
 def intra_node_gbs(p: DictConfig) -> float:
