@@ -2,12 +2,13 @@
 
 torchvision's `BoxCoder.decode` reshapes the box regression to `(proposals, -1)` and the decoded
 boxes to `(proposals, -1, 4)`. Eagerly a reshape of zero rows is fine. In an ONNX graph the `-1` of
-a shape whose other sizes multiply to 0 cannot be inferred, and ONNX Runtime (and OpenVINO) fail
-there: `Input shape:{0,28}, requested shape:{0,-1}`. That happens wherever the RPN's score threshold
-(0.05 for torchvision's MobileNet Faster R-CNN) leaves no proposal, which a model early in training
-meets on ordinary images (7% of a 226-step model's val images). `empty_safe_decode` swaps in, for
-the trace only, a decode whose reshapes name every size (the regression's width / 4 boxes a row),
-so that the graph returns no detections there, as PyTorch does.
+a shape whose other sizes multiply to 0 cannot be inferred, and ONNX Runtime fails there (`Input
+shape:{0,28}, requested shape:{0,-1}`; OpenVINO returns a made-up row, which `OpenVinoSession`
+drops). That happens wherever the RPN's score threshold (0.05 for torchvision's MobileNet Faster
+R-CNN) leaves no proposal, which a model early in training meets on ordinary images (7% of a
+226-step model's val images). `empty_safe_decode` swaps in, for the trace only, a decode whose
+reshapes name every size (the regression's width / 4 boxes a row), so that the graph returns no
+detections there, as PyTorch does.
 """
 
 from __future__ import annotations
