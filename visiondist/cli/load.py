@@ -29,7 +29,7 @@ from visiondist.config import (
 )
 from visiondist.config.compose import flatten, run_config
 from visiondist.config.schema import DETECTION_FORMATS, upgrade_saved
-from visiondist.utils.pretrained import apply_data_defaults
+from visiondist.utils.data_defaults import apply_data_defaults
 
 
 def load_config(
