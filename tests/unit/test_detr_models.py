@@ -315,6 +315,8 @@ def test_onnx_graph_takes_a_batch_of_photos_of_any_size_and_equals_pytorch(arch,
     _export_detr_onnx(model, tmp_path / "m.onnx", {"labels": json.dumps({"1": "a"})})
     session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
     assert session.get_modelmeta().custom_metadata_map["labels"] == json.dumps({"1": "a"})
+    # what a serving config or a runtime allocating its output buffers reads: K is the queries'
+    assert [o.shape[1:] for o in session.get_outputs()] == [[20, 4], [20], [20], []]
     photos = sample_photos("coffee", "chelsea", "astronaut", "rocket")
     assert len({tuple(p.shape) for p in photos}) == 4
     resize = DetrForExport(model).resized

@@ -87,6 +87,10 @@ def test_vitdet_exports_to_onnx_and_matches_pytorch_at_other_sizes(tmp_path):
     )
 
     session = ort.InferenceSession(str(path))
+    k = trained.model.roi_heads.detections_per_img
+    # the graph declares K (a serving config or a runtime allocating its output buffers reads it)
+    declared = {o.name: o.shape for o in session.get_outputs()}
+    assert declared["boxes"][1:] == [k, 4] and declared["masks"][1:3] == [k, 1], declared
     generator = torch.Generator().manual_seed(1)
     sizes = [(64, 64), (64, 32), (40, 64), (82, 25), (100, 100)]
     images = [torch.rand(3, height, width, generator=generator) for height, width in sizes]
@@ -95,7 +99,6 @@ def test_vitdet_exports_to_onnx_and_matches_pytorch_at_other_sizes(tmp_path):
         boxes, labels, scores, count, masks = session.run(
             None, {"images": feed.numpy(), "sizes": hw.numpy()}
         )
-        k = trained.model.roi_heads.detections_per_img
         assert boxes.shape == (len(batch), k, 4) and masks.shape[:3] == (len(batch), k, 1)
         assert masks.shape[-2:] == feed.shape[-2:]
         for i, image in enumerate(batch):

@@ -13,7 +13,7 @@ model's own resize, so the graph returns for each image what the PyTorch model r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -62,9 +62,9 @@ def canvas(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return batch, sizes
 
 
-def loop_over_batch(proto, outputs: list[str]):
+def loop_over_batch(proto, outputs: list[str], k: Optional[int] = None):
     """The one-image graph `proto` (inputs "image" (3, h, w), "canvas" (3, H, W); `outputs` K
-    long) as the body of a `Loop` over a batch: a new model taking "images" (N, 3, H, W) and "sizes"
+    long, `k` where it is known: declared in the outputs' shapes) as the body of a `Loop` over a batch: a new model taking "images" (N, 3, H, W) and "sizes"
     (N, 2) whose outputs stack the body's (N first). The body cuts image i to its size; the
     one-image graph's weights become the outer graph's (a body reads them from there). Returns the
     new `onnx.ModelProto` (metadata and opset kept)."""
@@ -101,12 +101,14 @@ def loop_over_batch(proto, outputs: list[str]):
         value_info=list(inner.value_info),
     )
     elem = {v.name: v.type.tensor_type.elem_type for v in inner.output}
-    return _looped(proto, body, outputs, elem, ["N", 3, "H", "W"], onnx)
+    return _looped(proto, body, outputs, elem, ["N", 3, "H", "W"], onnx, k)
 
 
-def _looped(proto, body, outputs: list[str], elem: dict, image_dims: list, onnx):
+def _looped(proto, body, outputs: list[str], elem: dict, image_dims: list, onnx, k=None):
     """The model whose graph runs `body` for each image of "images" (`image_dims`) and "sizes"
-    (N, 2), `outputs` stacked; `proto`'s weights, opset and metadata kept; checked."""
+    (N, 2), `outputs` stacked, each K = `k` detections long (a number where it is known: what a
+    runtime allocating its output buffers, or a serving config, reads from the graph); `proto`'s
+    weights, opset and metadata kept; checked."""
     from onnx import TensorProto, helper  # noqa: PLC0415 (onnx: the export extra)
 
     inner = proto.graph
@@ -122,12 +124,13 @@ def _looped(proto, body, outputs: list[str], elem: dict, image_dims: list, onnx)
         ),
         helper.make_node("Loop", ["batch/n", "batch/true"], list(outputs), body=body),
     ]
+    k = k or "K"
     dims: dict[str, list[Any]] = {
-        "boxes": ["N", "K", 4],
-        "labels": ["N", "K"],
-        "scores": ["N", "K"],
+        "boxes": ["N", k, 4],
+        "labels": ["N", k],
+        "scores": ["N", k],
         "detections": ["N"],
-        "masks": ["N", "K", 1, "H", "W"],
+        "masks": ["N", k, 1, "H", "W"],
     }
     graph = helper.make_graph(
         outer_nodes,
@@ -185,7 +188,9 @@ def loop_batch_of_one(proto, outputs: list[str]):
     )
     images = next(i for i in inner.input if i.name == "one_images")
     dims = [d.dim_value for d in images.type.tensor_type.shape.dim][1:]
-    return _looped(proto, body, outputs, elem, ["N", *dims], onnx)
+    boxes = [d.dim_value for d in inner.output[0].type.tensor_type.shape.dim]  # (1, queries, 4)
+    k = boxes[1] if len(boxes) == 3 and boxes[1] > 0 else None
+    return _looped(proto, body, outputs, elem, ["N", *dims], onnx, k)
 
 
 def _ints(helper, values):

@@ -128,7 +128,7 @@ def export_detector_onnx(
         onnx.save(proto, str(path))
         quantize(path, path, one_image_feeds(calibration, ("image", "canvas"), {}))
         proto = onnx.load(str(path))
-    onnx.save(loop_over_batch(proto, outputs), str(path))
+    onnx.save(loop_over_batch(proto, outputs, one.k), str(path))
 
 
 def _constants_equal(proto, value: float) -> list:
