@@ -390,7 +390,8 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
         f"  predict:  python tools/predict.py run_dir={tmp_path}/outputs/r source=<images, "
         "folder, glob, list or video>",
         f"  export:   python tools/export.py run_dir={tmp_path}/outputs/r   (safetensors; "
-        "format=onnx, openvino or pt2)",
+        "format=onnx, openvino or pt2; format=onnx half=true or int8=true: float16 or int8, the "
+        "accuracy it costs printed)",
     ]
     # elsewhere: the commands still run as printed (the tools by their full path)
     monkeypatch.chdir(tmp_path)
@@ -400,7 +401,8 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
         f"  predict:  python {REPO}/tools/predict.py run_dir=outputs/r source=<images, folder, "
         "glob, list or video>",
         f"  export:   python {REPO}/tools/export.py run_dir=outputs/r   (safetensors; format=onnx, "
-        "openvino or pt2)",
+        "openvino or pt2; format=onnx half=true or int8=true: float16 or int8, the accuracy it "
+        "costs printed)",
     ]
     # ranks torchrun started: training on is its command again, with the run dir whole
     longer = next_commands(tmp_path / "outputs" / "r", longer="trainer.max_steps=20")

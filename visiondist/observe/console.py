@@ -134,7 +134,8 @@ def next_commands(
         f"{train_on}"
         f"  evaluate: python {tool_path('eval')} run_dir={run}\n"
         f"  predict:  python {tool_path('predict')} run_dir={run} {source}\n"
-        f"  export:   python {tool_path('export')} run_dir={run}   (safetensors; {formats})"
+        f"  export:   python {tool_path('export')} run_dir={run}   (safetensors; {formats}; "
+        "format=onnx half=true or int8=true: float16 or int8, the accuracy it costs printed)"
     )
 
 
