@@ -204,3 +204,15 @@ def test_omp_num_threads_is_one_count_or_left_to_openmp():
     assert procenv.omp_threads({}) is None
     assert [start_method(False, n) for n in (1, 4, None)] == ["fork", "forkserver", "forkserver"]
     assert start_method(True, 1) == "spawn"
+
+
+def test_ranks_crowding_the_cpus_are_told_their_step_times_are_not_the_layouts():
+    """tp2 x pp2 on a 2-core machine: 4 ranks take turns on 2 CPUs; the start-up line says so,
+    and says nothing where each rank has a CPU of its own (srun's bound tasks count as 1)."""
+    from visiondist.engine.announce import _crowded_text
+
+    said = _crowded_text(4, 2)
+    assert "4 ranks on 2 CPUs take turns" in said and "step times say nothing" in said
+    assert _crowded_text(2, 2) == _crowded_text(1, 16) == ""
+    env = {"SLURM_CPUS_PER_TASK": "64", "SLURM_STEP_NUM_TASKS": "4", "WORLD_SIZE": "4"}
+    assert _crowded_text(procenv.ranks_sharing_cpus(4, env), 2) == ""

@@ -15,7 +15,7 @@ from visiondist.engine.optim import warmup_length
 from visiondist.engine.precision import cpu_has_bf16, precision_name, precision_text
 from visiondist.engine.trainer import Trainer
 from visiondist.observe.console import continue_command, shown_path
-from visiondist.utils.procenv import omp_wait_text
+from visiondist.utils.procenv import omp_wait_text, ranks_sharing_cpus, usable_cpus
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +140,11 @@ def _announce_machine(tr: Trainer) -> None:
     t, lay = tr.cfg.trainer, tr.layout
     if lay.device.type == "cpu":
         log.info(
-            "CPU: %d thread%s per rank; OpenMP's waiting threads %s",
+            "CPU: %d thread%s per rank; OpenMP's waiting threads %s%s",
             torch.get_num_threads(),
             "" if torch.get_num_threads() == 1 else "s",
             omp_wait_text(),
+            _crowded_text(ranks_sharing_cpus(lay.run.per_node), usable_cpus()),
         )
     if precision_name(t.precision) == "16" and lay.device.type == "cpu":
         log.warning(
@@ -158,6 +159,17 @@ def _announce_machine(tr: Trainer) -> None:
             "emulates bf16 matmuls, a ViT-Ti DeiT step took over 8x the fp32 one; on this machine "
             "use trainer.precision=32"
         )
+
+
+def _crowded_text(ranks: int, cpus: int) -> str:
+    """What ranks sharing fewer CPUs than they are mean ("" where each has one of its own)."""
+    if ranks <= cpus:
+        return ""
+    return (
+        f"; {ranks} ranks on {cpus} CPU{'s' if cpus > 1 else ''} take turns: the layout computes "
+        "what it computes on GPUs (the same losses and weights), its step times say nothing of "
+        "its speed there"
+    )
 
 
 def _announce_data(tr: Trainer) -> None:
