@@ -45,7 +45,11 @@ def test_the_readme_command_at_imagenet_scale_is_fitted_by_accumulation():
     )
     assert run.fitted == (
         "parallel.fit=auto: the named layout dp=1 tp=4 pp=1 (4 devices of 80 GB) plans 199 GB a "
-        "device, over the 72 GB budget (90% of 80 GB: parallel.device_memory_gb): fitted with "
+        "device, over the 72 GB budget (90% of 80 GB: parallel.device_memory_gb)"
+        "; plain DDP plans 111 GB: here each of the dp=1 ranks computes 4x a ddp4 rank's images "
+        "(micro-batch 1024 a rank) and tp=4 splits only their attention and MLP activations "
+        "(parallel.sequence_parallel=true splits the rest)"
+        ": fitted with "
         "trainer.grad_accum=4 (micro-batch 256 a rank): 51.8 GB planned, about 1.00x the step "
         "time in the time model (parallel.fit=refuse stops instead); parallel=auto would choose "
         "ddp4 +accum2 on these devices, about 0.50x this step in the time model"
@@ -58,7 +62,11 @@ def test_refuse_names_the_settings_that_fit_each_lever_once():
         resolve_on(_cfg("parallel.fit=refuse"), 4, 1)
     assert str(refused.value) == (
         "parallel.fit=refuse: the named layout dp=1 tp=4 pp=1 (4 devices of 80 GB) plans 199 GB a "
-        "device, over the 72 GB budget (90% of 80 GB: parallel.device_memory_gb); settings that "
+        "device, over the 72 GB budget (90% of 80 GB: parallel.device_memory_gb)"
+        "; plain DDP plans 111 GB: here each of the dp=1 ranks computes 4x a ddp4 rank's images "
+        "(micro-batch 1024 a rank) and tp=4 splits only their attention and MLP activations "
+        "(parallel.sequence_parallel=true splits the rest)"
+        "; settings that "
         "fit: trainer.grad_accum=4 (51.8 GB, 1.00x the step); trainer.grad_accum=4 "
         "parallel.activation_checkpointing=true parallel.checkpoint_keep=matmuls (47.7 GB, 1.06x "
         "the step); parallel.activation_checkpointing=true (53.4 GB, 1.25x the step) "
@@ -87,7 +95,11 @@ def test_what_fits_no_way_is_refused_naming_the_layouts_that_would():
     text = str(refused.value)
     assert text.startswith(
         "the named layout dp=1 tp=4 pp=1 (4 devices of 2 GB) plans 199 GB a device, over the 1.8 "
-        "GB budget (90% of 2 GB: parallel.device_memory_gb), and no accumulation or checkpointing "
+        "GB budget (90% of 2 GB: parallel.device_memory_gb)"
+        "; plain DDP plans 111 GB: here each of the dp=1 ranks computes 4x a ddp4 rank's images "
+        "(micro-batch 1024 a rank) and tp=4 splits only their attention and MLP activations "
+        "(parallel.sequence_parallel=true splits the rest)"
+        ", and no accumulation or checkpointing "
         "fits it: layouts that fit these devices: "
     ), text
     assert (
@@ -152,6 +164,19 @@ def test_mixup_keeps_micro_batches_even():
     )
     run = resolve_on(cfg, 2, 1)
     assert 96 // (run.grad_accum * run.microbatches) % 2 == 0 and run.fitted
+
+
+def test_sequence_parallelism_is_named_only_where_it_is_off():
+    """The named tp4 plans more a device than plain DDP (the README's case above); with
+    sequence parallelism on, the line still says why (4x the images a rank), without naming it."""
+    run = resolve_on(_cfg("parallel.sequence_parallel=true"), 4, 1)
+    assert "+SP" in run.describe() and "plain DDP plans 111 GB" in run.fitted
+    assert "sequence_parallel" not in run.fitted
+    # a layout at or under plain DDP's figure: nothing to explain
+    assert (
+        "plain DDP"
+        not in resolve_on(_cfg("parallel.device_memory_gb=40", "parallel=ddp"), 4, 1).fitted
+    )
 
 
 def test_nothing_is_checked_on_the_cpu_without_a_device_budget_nor_for_a_detector():

@@ -19,7 +19,12 @@ README = [
 ]
 FITTED = (
     "parallel.fit=auto: the named layout dp=1 tp=4 pp=1 (4 devices of 80 GB) plans 199 GB a "
-    "device, over the 72 GB budget (90% of 80 GB: parallel.device_memory_gb): fitted with "
+    "device, over the 72 GB budget (90% of 80 GB: parallel.device_memory_gb)"
+    # why tp4 plans more than DDP: 4x the images a rank, its activations split only in part
+    "; plain DDP plans 111 GB: here each of the dp=1 ranks computes 4x a ddp4 rank's images "
+    "(micro-batch 1024 a rank) and tp=4 splits only their attention and MLP activations "
+    "(parallel.sequence_parallel=true splits the rest)"
+    ": fitted with "
     "trainer.grad_accum=4 (micro-batch 256 a rank): 51.8 GB planned, about 1.00x the step time in "
     "the time model (parallel.fit=refuse stops instead); parallel=auto would choose ddp4 +accum2 "
     "on these devices, about 0.50x this step in the time model"

@@ -64,10 +64,11 @@ def canvas(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loop_over_batch(proto, outputs: list[str], k: Optional[int] = None):
     """The one-image graph `proto` (inputs "image" (3, h, w), "canvas" (3, H, W); `outputs` K
-    long, `k` where it is known: declared in the outputs' shapes) as the body of a `Loop` over a batch: a new model taking "images" (N, 3, H, W) and "sizes"
-    (N, 2) whose outputs stack the body's (N first). The body cuts image i to its size; the
-    one-image graph's weights become the outer graph's (a body reads them from there). Returns the
-    new `onnx.ModelProto` (metadata and opset kept)."""
+    long, `k` where it is known: declared in the outputs' shapes) as the body of a `Loop` over a
+    batch: a new model taking "images" (N, 3, H, W) and "sizes" (N, 2) whose outputs stack the
+    body's (N first). The body cuts image i to its size; the one-image graph's weights become the
+    outer graph's (a body reads them from there). Returns the new `onnx.ModelProto` (metadata and
+    opset kept)."""
     import onnx  # noqa: PLC0415 (onnx: the export extra)
     from onnx import TensorProto, helper  # noqa: PLC0415
 
