@@ -144,7 +144,7 @@ def _announce_machine(tr: Trainer) -> None:
             torch.get_num_threads(),
             "" if torch.get_num_threads() == 1 else "s",
             omp_wait_text(),
-            _crowded_text(ranks_sharing_cpus(lay.run.per_node), usable_cpus()),
+            _crowded_text(ranks_sharing_cpus(lay.run.per_node if lay.run else 1), usable_cpus()),
         )
     if precision_name(t.precision) == "16" and lay.device.type == "cpu":
         log.warning(
