@@ -31,7 +31,8 @@ import torch
 
 from visiondist.models.shape import ViTShape
 from visiondist.models.vit import VisionTransformer
-from visiondist.plan.memory import block_activation_bytes, saved_activation_bytes
+from visiondist.plan.measured import saved_activation_bytes
+from visiondist.plan.memory import block_activation_bytes
 
 SHAPES = {  # name: (embed_dim, depth, heads, img, patch, batch)
     "vit_tiny/16 @224": (192, 12, 3, 224, 16, 32),

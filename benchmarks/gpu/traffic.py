@@ -1,8 +1,8 @@
 """The bytes a benchmarked layout's collectives moved against the planner's figures: for the last
 row of a tools/benchmark.py results.jsonl (TP bytes per step as the TP group's counter measured
 them, ring-weighted; pipeline sends), the planner's bytes for the same config on the same ranks
-(`visiondist.plan.memory.collective_bytes`, the figures the time model and the dry run use, for rank
-0). Exits non-zero when a measured figure is more than 1% off its planned one, or the row moved
+(`visiondist.plan.traffic.collective_bytes`, the figures the time model and the dry run use, for
+rank 0). Exits non-zero when a measured figure is more than 1% off its planned one, or the row moved
 nothing the plan says it should.
 
     python benchmarks/gpu/traffic.py <results.jsonl> <the benchmark's overrides...>

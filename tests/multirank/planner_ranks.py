@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from visiondist.engine.optim import build_optimizer
 from visiondist.models.vit import VisionTransformer
 from visiondist.parallel import PipelineSpec, build_layout, local_numel, parallelize
-from visiondist.plan.memory import saved_activation_bytes
+from visiondist.plan.measured import saved_activation_bytes
 
 TINY = dict(
     img_size=32, patch_size=8, num_classes=5, embed_dim=32, depth=6, num_heads=4, mlp_ratio=3.0

@@ -14,15 +14,15 @@ and optimizer state are host memory.
 
 Activations are an estimate: the tensors a block saves for its backward, per micro-batch in flight
 (with activation checkpointing: each block's input, plus one block's full set while it is
-recomputed); `saved_activation_bytes` measures them on a built module.
+recomputed); `plan/measured.py` measures them on a built module, and `plan/traffic.py` counts what
+the collectives move.
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Optional
 
 from visiondist.config.layout import MULTI_STAGE, balance, microbatches_for, stages_per_rank_for
 from visiondist.models.shape import ViTShape
@@ -357,132 +357,4 @@ def rank_memory(
             "microbatches": m,
             "shard": shard,
         },
-    )
-
-
-@contextmanager
-def saved_storages(module) -> Iterator[dict]:
-    """Measured: the bytes of the distinct storages autograd saves for the backward of what runs
-    inside the block, `module`'s parameters and views of any parameter (e.g. FSDP's gathered
-    weights) left out: what the activation estimate models, in `["bytes"]` after the block. Storages
-    are told apart by identity, which works for meta and fake tensors too; the graphs must stay
-    alive inside the block (a freed storage's identity can be reused)."""
-    import torch  # noqa: PLC0415 (torch, 2 s: plan/ is torch-free)
-    from torch import nn  # noqa: PLC0415 (torch: plan/ is torch-free)
-
-    params = {p.untyped_storage()._cdata for p in module.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(tensor):
-        base = tensor._base if tensor._base is not None else tensor
-        if not isinstance(base, nn.Parameter) and base.untyped_storage()._cdata not in params:
-            storage = tensor.untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
-        return tensor
-
-    out = {"bytes": 0}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield out
-    out["bytes"] = sum(seen.values())
-
-
-def saved_activation_bytes(module, *inputs) -> int:
-    """`saved_storages` of one `module(*inputs)`."""
-    with saved_storages(module) as saved:
-        module(*inputs)
-    return saved["bytes"]
-
-
-def _padded_elements(shapes: list[tuple[int, ...]], n: int) -> int:
-    """Elements of `shapes` with dim 0 padded to a multiple of `n` (what FSDP2 gathers and
-    reduce-scatters)."""
-    return sum(math.ceil(shape[0] / n) * n * math.prod(shape[1:]) for shape in shapes)
-
-
-def collective_bytes(
-    s: ViTShape,
-    mem: RankMemory,
-    dp: int,
-    tp: int,
-    pp: int,
-    grad_accum: int = 1,
-    precision: str = "32",
-    fsdp: bool = False,
-    checkpointing: bool = False,
-    sequence_parallel: bool = False,
-    stage_ids: tuple[int, ...] = (0,),
-    n_stages: int = 1,
-) -> dict[str, int]:
-    """Bytes each collective kind moves per optimizer step on the rank `mem` describes, as the
-    payload of each call (the full tensor an all-reduce reduces, an all-gather returns or a
-    reduce-scatter takes; the tensor a send or receive carries), keyed "<mesh dim> <kind>". The
-    tensors are what the code hands over: the residual stream and the gradients of fp32 tensors stay
-    fp32 under autocast, the row-parallel outputs are in the autocast dtype. `checkpointing`: the
-    blocks run their collectives again when they recompute (not under `checkpoint_keep=matmuls`,
-    which keeps the collectives' outputs)."""
-    a, t, d = act_size(precision), s.tokens, s.embed_dim
-    blocks, micro = mem.detail["blocks"], mem.detail["micro_batch"]
-    # micro-batches through this rank per step
-    passes = grad_accum * (mem.detail["microbatches"] if pp > 1 else 1)
-    # a checkpointed block runs its forward again in the backward,
-    forwards = 2 if checkpointing else 1
-    # up to the last tensor its backward needs: the MLP's output is not
-    recomputed = 1 if checkpointing else 0
-    out: dict[str, int] = {}
-    if tp > 1:
-        if sequence_parallel:
-            rows = micro * math.ceil(t / tp) * tp * d  # token-padded to a multiple of tp
-            # norm outputs in; output gradients back
-            per_block_gather = (2 * FLOAT * forwards + 2 * a) * rows
-            # row outputs; input gradients back
-            per_block_scatter = (2 * a + recomputed * a + 2 * FLOAT) * rows
-            regions = len(stage_ids)  # the token split / gather around each stage's blocks
-            out["tp all_gather"] = passes * (blocks * per_block_gather + regions * 2 * FLOAT * rows)
-            out["tp reduce_scatter"] = passes * blocks * per_block_scatter
-            # the partial norm / bias gradients, the norm
-            out["tp all_reduce"] = blocks * 6 * d * FLOAT + FLOAT
-        else:
-            rows = micro * t * d
-            out["tp all_reduce"] = (
-                passes * blocks * (2 * a + recomputed * a + 2 * FLOAT) * rows + FLOAT
-            )
-    if pp > 1:
-        boundary = micro * t * d * FLOAT  # the residual stream, fp32
-        sends = sum(int(i < n_stages - 1) + int(i > 0) for i in stage_ids)
-        out["pp send"] = out["pp recv"] = passes * sends * boundary
-        # the loss of each schedule step, the gradient norm
-        out["pp all_reduce"] = FLOAT * (grad_accum + 1)
-    shard = mem.detail.get("shard", dp)
-    if dp > 1 and fsdp:
-        # embedding (4 tensors), the blocks, norm and head (4): the root gathers once
-        shapes = tensor_shapes(s)
-        block_shapes, root_shapes = shapes[4:-4], shapes[:4] + shapes[-4:]
-        gathered = a if precision in ("bf16", "16") else FLOAT  # FSDP gathers in the autocast dtype
-        if shard > 1:
-            out["dp all_gather"] = (
-                passes
-                * gathered
-                * (2 * _padded_elements(block_shapes, shard) + _padded_elements(root_shapes, shard))
-            )
-            out["dp reduce_scatter"] = passes * FLOAT * _padded_elements(shapes, shard)
-        if shard < dp:  # HSDP: each reduced gradient shard is averaged across the replicas
-            out["dp all_reduce"] = passes * FLOAT * _padded_elements(shapes, shard) // shard
-    elif dp > 1:
-        out["dp all_reduce"] = mem.grads
-    return out
-
-
-def module_state(module, optimizer: str, momentum: float = 0.9) -> RankMemory:
-    """Parameter, gradient and optimizer-state bytes of a whole module (any family: counted from its
-    tensors, e.g. on the meta device) under DDP: every parameter, gradients and optimizer state for
-    the trainable ones only (frozen layers get neither). Activations are not modelled here (0)."""
-    params = list(module.parameters())
-    trainable = [p for p in params if p.requires_grad]
-    held = Tensors(sum(p.numel() for p in trainable), len(trainable))
-    return RankMemory(
-        params=FLOAT * sum(p.numel() for p in params),
-        grads=FLOAT * held.elements,
-        optimizer=optimizer_bytes(held, optimizer, momentum),
-        ema=0,
-        activations=0,
     )

@@ -14,7 +14,8 @@ from typing import Any
 
 from visiondist.models.flops import vit_train_flops
 from visiondist.models.shape import ViTShape
-from visiondist.plan.memory import GB, RankMemory, collective_bytes
+from visiondist.plan.memory import GB, RankMemory
+from visiondist.plan.traffic import collective_bytes
 
 HOST_MEMORY_GBS = 50.0  # host memory bandwidth for the offloaded (CPU) optimizer step
 # a matmul with this many rows (tokens of a micro-batch) runs at half the device's rate

@@ -36,15 +36,10 @@ from visiondist.parallel import (
 from visiondist.parallel.grad import mean_over_group
 from visiondist.parallel.stages import stage_indices
 from visiondist.parallel.tensor import SHARD_DIM
-from visiondist.plan.memory import (
-    FLOAT,
-    collective_bytes,
-    module_state,
-    saved_per_microbatch,
-    saved_storages,
-    tensor_shapes,
-)
+from visiondist.plan.measured import module_state, saved_storages
+from visiondist.plan.memory import FLOAT, saved_per_microbatch, tensor_shapes
 from visiondist.plan.resolve import layout_memory
+from visiondist.plan.traffic import collective_bytes
 from visiondist.verify.world import AsOnDevice, Traffic, fake_world, nbytes
 
 # torch 2.14+: tensors selective checkpointing keeps can pass through saved-tensor hooks, which the
