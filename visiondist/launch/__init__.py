@@ -12,20 +12,21 @@ rank; ranks get the resolved config as a plain dict, never a fresh composition. 
 `<trainer.output_dir>/<date>/<time>/` for training, `<trainer.output_dir>/<kind>/<date>_<time>/` for
 an entry with a `run_kind` (`eval`, `benchmark`).
 
-`ranks.py`: `launch`, each rank's set-up and a stopped job's last line; `failed.py`: a failed job's
-last line and each rank's failure record; `spawn.py`: the elastic agent of a node's ranks;
-`pods.py`: a Kubernetes pod's place in its job; `k8s.py`: its manifests; `rundir.py`: the run
-directory; `slurm.py`: srun tasks' ranks; `stop.py`: stop signals and what a stopped job kept;
-`estimate.py`: a GPU layout's time on the CPU; `shared.py`: ranks sharing one GPU
+`ranks.py`: `launch` and a stopped job's last line; `rank.py`: each rank's set-up and body;
+`failed.py`: a failed job's last line and each rank's failure record; `spawn.py`: the elastic agent
+of a node's ranks; `pods.py`: a Kubernetes pod's place in its job; `k8s.py`: its manifests;
+`rundir.py`: the run directory; `slurm.py`: srun tasks' ranks; `stop.py`: stop signals and what a
+stopped job kept; `estimate.py`: a GPU layout's time on the CPU; `shared.py`: ranks sharing one GPU
 (`trainer.share_gpu`), the line that says so and their memory together.
 """
 
 from visiondist.launch.failed import RunFailed
-from visiondist.launch.ranks import cuda_index, launch
+from visiondist.launch.ranks import launch
 from visiondist.launch.rundir import default_run_dir, run_kind, unique_dir
 from visiondist.launch.slurm import first_host, slurm_env
 from visiondist.launch.spawn import spawn_local
 from visiondist.launch.stop import JobStopped
+from visiondist.plan.world import cuda_index
 
 __all__ = [
     "JobStopped",

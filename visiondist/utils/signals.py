@@ -127,4 +127,4 @@ class StopSignals:
         self._previous.clear()
 
 
-STOP = StopSignals()  # the rank's; installed by `visiondist.launch.run_rank`
+STOP = StopSignals()  # the rank's; installed by `visiondist.launch.rank.run_rank`
