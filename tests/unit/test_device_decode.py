@@ -227,7 +227,7 @@ def test_decode_ahead_hands_over_the_batches_in_order_decoded_as_the_step_would(
     every batch comes in the source's order with the images the step's own decode gives; a batch
     object that comes twice (the benchmark's) is handed over twice, each time with images of its
     own; batches of pixels pass as they are."""
-    from visiondist.data.device_decode import DecodeAhead
+    from visiondist.data.decode_ahead import DecodeAhead
 
     batches = _encoded_batches(_tree(tmp_path), 3)
     cpu = torch.device("cpu")
@@ -247,7 +247,7 @@ def test_decode_ahead_hands_over_the_batches_in_order_decoded_as_the_step_would(
 def test_decode_ahead_raises_the_sources_error_after_the_batches_before_it_and_closes_mid_epoch(
     tmp_path,
 ):
-    from visiondist.data.device_decode import DecodeAhead
+    from visiondist.data.decode_ahead import DecodeAhead
 
     batches = _encoded_batches(_tree(tmp_path), 2)
 

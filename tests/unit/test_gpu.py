@@ -305,7 +305,7 @@ def test_decoding_ahead_never_writes_memory_that_queued_kernels_read():
     corrupt."""
     import threading
 
-    from visiondist.data.device_decode import DecodeAhead
+    from visiondist.data.decode_ahead import DecodeAhead
 
     device = torch.device("cuda")
     batch = _photo_batch(32)

@@ -13,41 +13,23 @@ device path gives the loader path's pixels; tested).
 Files the device path does not take are decoded, cropped and flipped in the worker as on the loader
 path and travel as pixels in the same batch: anything but an 8-bit baseline or progressive JPEG with
 1 or 3 components, and JPEGs with an EXIF orientation other than upright (the decoders do not apply
-it on the device). `FallbackCount` counts them.
+it on the device). `data/decode_fallback.py` counts and lists them.
 
-Decoding never runs on the training step's stream: `DecodeAhead` decodes each batch in a thread of
-its own, on a CUDA stream of its own, and hands the images over with an event. nvJPEG writes its
-output on a stream of its own (the hardware engine ignores stream order altogether:
-torchcodec#1634), while the caching allocator hands the decoder blocks freed on the caller's stream
-that queued kernels may still read (pytorch/vision#9606): decoded on the step's stream, a ViT-B/16
-step's gradients came out non-finite at step 2. On a stream of its own, the decoder's blocks come
-from that stream's pool; the thread waits on the host for that stream alone before each decode, so
-no block of the pool is still in use, and the step's stream never waits on the host. `record_stream`
-keeps a handed-over batch's block from returning to the pool before the step's kernels that read it
-have run.
+The batches are decoded one ahead of the step, on a stream of their own: `data/decode_ahead.py`.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
-import os
-import queue
-import threading
-import time
 import warnings
-from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 
 from visiondist.data.decode import decode_rgb, exif_orientation, jpeg_frame
 from visiondist.data.host import host_to
-from visiondist.utils.signals import RUN_DIR_ENV
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +59,7 @@ def read_encoded(path) -> Encoded | np.ndarray:
 
 
 # (name, why) of each image this process decoded itself since its last batch was collated: the batch
-# carries them to the rank, which names each file once (`FallbackCount`)
+# carries them to the rank, which names each file once (`data.decode_fallback.FallbackCount`)
 _DECODED_HERE: list[tuple[str, str]] = []
 
 
@@ -181,7 +163,7 @@ class EncodedBatch:
     def __init__(self, data, offsets, pixels, crops, size: int, interpolation: str):
         self.data, self.offsets, self.pixels, self.crops = data, offsets, pixels, crops
         self.size, self.interpolation = size, interpolation
-        # (images, event): decoded ahead by `DecodeAhead`, the event marking them done
+        # (images, event): decoded ahead by `decode_ahead.DecodeAhead`, the event marking them done
         self.ready = None
         # (name, why) of the samples the worker decoded
         self.decoded_by_worker: list[tuple[str, str]] = []
@@ -275,112 +257,6 @@ class EncodedBatch:
         return resized.round_().clamp_(0, 255).to(torch.uint8)
 
 
-class DecodeAhead:
-    """The batches of `source` (a loader's iterator), each `EncodedBatch` among them decoded on
-    `device` by a thread of its own, one batch ahead of the step (see the module docstring for why).
-    On CUDA the thread works on a stream of its own (high priority: its short kernels slot in
-    between the step's) and waits for that stream alone on the host before each decode; the step's
-    stream waits on an event (`EncodedBatch.images`). On the CPU the thread decodes with
-    libjpeg-turbo beside the step and nothing needs ordering. Errors of the source or of a decode
-    are raised by `next`, in the order of the batches. `close()` (or the end of the source) ends the
-    thread."""
-
-    def __init__(self, source: Iterator, device: torch.device, ahead: int = 1):
-        if device.type == "cuda" and device.index is None:
-            # the thread's own current device is 0
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.source, self.device = source, device
-        self.stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
-        self._queue: queue.Queue = queue.Queue(maxsize=ahead)
-        self._closed = threading.Event()
-        self._done = False
-        self._thread = threading.Thread(target=self._work, name="visiondist-decode", daemon=True)
-        self._thread.start()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self._done:
-            raise StopIteration
-        kind, item = self._queue.get()
-        if kind == "batch":
-            return item
-        self._done = True
-        self._thread.join()
-        if kind == "error":
-            raise item
-        raise StopIteration
-
-    def _work(self) -> None:
-        try:
-            if self.stream is not None:
-                # the current device is the thread's own (0 by default)
-                torch.cuda.set_device(self.device)
-            with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-                for batch in self.source:
-                    if self._closed.is_set() or not self._put(("batch", self._decoded(batch))):
-                        return
-            self._put(("end", None))
-        except BaseException as exc:
-            self._put(("error", exc))
-
-    def _decoded(self, batch):
-        images = batch[0] if isinstance(batch, (tuple, list)) and batch else None
-        if not isinstance(images, EncodedBatch):
-            return batch
-        # a batch object may come again (the benchmark's): each hand-over its own images
-        ahead = copy.copy(images)
-        event = None
-        # no block of this stream's pool is still read or written by queued work
-        if self.stream is not None:
-            drained = torch.cuda.Event()
-            drained.record(self.stream)
-            # (an event's wait, unlike a stream's, is not what torch's sync-debug mode flags)
-            drained.synchronize()
-        decoded = ahead.decode(self.device)
-        if self.stream is not None:
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        ahead.ready = (decoded, event)
-        return (ahead, *batch[1:]) if isinstance(batch, tuple) else [ahead, *batch[1:]]
-
-    def _put(self, item) -> bool:
-        """Queue `item` unless `close()` comes first (False then)."""
-        while not self._closed.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def close(self, timeout: float = 120.0) -> None:
-        """End the thread (it may be waiting to hand over a batch, or for the source's next one) and
-        drop what it decoded."""
-        self._closed.set()
-        self._done = True
-        deadline = time.monotonic() + timeout
-        while self._thread.is_alive() and time.monotonic() < deadline:
-            try:
-                self._queue.get(timeout=0.1)
-            except queue.Empty:
-                pass
-        if self._thread.is_alive():
-            log.warning(
-                "the decoding thread did not end within %.0f s of its close: its source gave no "
-                "batch",
-                timeout,
-            )
-        self._queue = queue.Queue()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 class collate_encoded:
     """The train loader's collate under `data.decode_on=device`: (image or bytes, label, row)
     samples -> (EncodedBatch, labels[, augmentation rows]); a row is the crop row, then the sample's
@@ -420,79 +296,3 @@ class collate_encoded:
         if rows.shape[1] > CROP_FIELDS:
             return batch, labels, rows[:, CROP_FIELDS:].contiguous()
         return batch, labels
-
-
-class FallbackCount:
-    """The images the workers had to decode under `data.decode_on=device`: training's counted (the
-    run's summary gives the count), each file, training's and evaluation's, listed once per rank in
-    `<run>/worker_decoded.txt` (`path<TAB>why`, a line per file and rank), and one log line the
-    first time there are any: their count so far and the first `NAMED` names. A training file counts
-    once per time it is read, every epoch."""
-
-    NAMED = 3
-
-    def __init__(self) -> None:
-        self.images = self.fallbacks = 0
-        self.named: set[str] = set()
-
-    def add(self, batch: EncodedBatch, device: torch.device) -> None:
-        if not self.images:
-            log.info(
-                "data.decode_on=device: training and val JPEGs are decoded on %s by %s",
-                device,
-                decoder_name(device),
-            )
-        self.images += len(batch)
-        self.fallbacks += int((batch.crops[:, 0] == 0).sum())
-        self._name(getattr(batch, "decoded_by_worker", []))
-
-    def naming(self, batches):
-        """`batches` (evaluation's), each one's worker-decoded files named as training's are, none
-        counted."""
-        for batch in batches:
-            if batch and isinstance(batch[0], EncodedBatch):
-                self._name(batch[0].decoded_by_worker)
-            yield batch
-
-    def _name(self, decoded: list[tuple[str, str]]) -> None:
-        new = [(name, why) for name, why in dict(decoded).items() if name not in self.named]
-        if not new:
-            return
-        # the one line: what the device cannot decode is not an error, and rarely one file
-        if not self.named:
-            names = ", ".join(f"{name} ({why})" for name, why in new[: self.NAMED])
-            more = f", and {len(new) - self.NAMED} more" if len(new) > self.NAMED else ""
-            log.info(
-                "data.decode_on=device: %d file%s so far %s decoded in the loader workers, not on "
-                "the device: %s%s (%s lists every one; the run's summary counts them)",
-                len(new),
-                "" if len(new) == 1 else "s",
-                "is" if len(new) == 1 else "are",
-                names,
-                more,
-                WORKER_DECODED,
-            )
-        self.named.update(name for name, _ in new)
-        listed = worker_decoded_file()
-        if listed is not None:
-            with listed.open("a") as f:
-                f.write("".join(f"{name}\t{why}\n" for name, why in new))
-
-
-WORKER_DECODED = "worker_decoded.txt"
-
-
-def worker_decoded_file():
-    """`<run>/worker_decoded.txt` of the run this process belongs to (None outside a run)."""
-    run_dir = os.environ.get(RUN_DIR_ENV)
-    return Path(run_dir) / WORKER_DECODED if run_dir else None
-
-
-def count_worker_decoded(run_dir) -> int:
-    """The files any rank had the workers decode (each listed once per rank that met it)."""
-    path = Path(run_dir) / WORKER_DECODED
-    return (
-        len({line.split("\t", 1)[0] for line in path.read_text().splitlines()})
-        if path.is_file()
-        else 0
-    )

@@ -11,7 +11,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from visiondist.checkpoint.files import read_best
-from visiondist.data.device_decode import WORKER_DECODED, count_worker_decoded, decoder_name
+from visiondist.data.decode_fallback import WORKER_DECODED, count_worker_decoded
+from visiondist.data.device_decode import decoder_name
 from visiondist.data.robust import count_bad_images
 from visiondist.data.shards.store import is_url
 from visiondist.engine.announce import layout_text

@@ -22,7 +22,9 @@ from torch import nn
 from visiondist.config.resolution import native_settings, reading
 from visiondist.data import build_classification_data, build_detection_data
 from visiondist.data.augment_ops import DeviceAugment
-from visiondist.data.device_decode import DecodeAhead, EncodedBatch, FallbackCount, decoder_name
+from visiondist.data.decode_ahead import DecodeAhead
+from visiondist.data.decode_fallback import FallbackCount
+from visiondist.data.device_decode import EncodedBatch, decoder_name
 from visiondist.data.mixing import Mixing
 from visiondist.data.transforms import Normalize, unit_float
 from visiondist.data.workers import watched
