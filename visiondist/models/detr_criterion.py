@@ -35,8 +35,9 @@ The losses are the papers' and the original code's:
   proposals; normalised by the boxes times the groups. transformers' `LwDetrImageLoss` computes the
   same (tested equal).
 
-`install(model)` makes a transformers `...ForObjectDetection` use it: its forward calls
-`model.loss_function` with the raw outputs, so the model runs unchanged and only the loss is ours.
+The terms themselves are `models/detr_losses.py`'s. `install(model)` makes a transformers
+`...ForObjectDetection` use it: its forward calls `model.loss_function` with the raw outputs, so the
+model runs unchanged and only the loss is ours.
 """
 
 from __future__ import annotations
@@ -48,11 +49,16 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 
 import visiondist.models.detr_matching as detr_matching
-from visiondist.models.detr_boxes import box_iou, edge_targets, generalized_box_iou, xyxy
+from visiondist.models.detr_boxes import box_iou, generalized_box_iou, xyxy
+from visiondist.models.detr_losses import (
+    decoupled_distillation,
+    fine_grained_localisation,
+    iou_aware_bce,
+    varifocal,
+)
 from visiondist.models.detr_matching import assign_batched, go_union
 
 
@@ -370,14 +376,15 @@ class DetrCriterion:
             n_class = num * stats["dn_groups"] if dn else num
             n_box = num * stats["dn_groups"] if dn else (num_go if h.box_match == "go" else num)
             b, q, t = h.matched[h.match]
-            if self.family == "lw_detr":
-                terms[f"class_{h.name}"] = self.weights["class"] * self._ia_bce(
-                    h, b, q, t, target_labels, target_boxes, n_class
+            targets = (target_labels, target_boxes)
+            classified = (
+                iou_aware_bce(h.logits, h.boxes, (b, q, t), targets, n_class, self.alpha)
+                if self.family == "lw_detr"
+                else varifocal(
+                    h.logits, h.boxes, (b, q, t), targets, n_class, self.alpha, self.gamma
                 )
-            else:
-                terms[f"class_{h.name}"] = self.weights["class"] * self._vfl(
-                    h, b, q, t, target_labels, target_boxes, n_class
-                )
+            )
+            terms[f"class_{h.name}"] = self.weights["class"] * classified
             b, q, t = h.matched[h.box_match]
             pred, tgt = h.boxes[b, q].float(), target_boxes[t]
             terms[f"bbox_{h.name}"] = self.weights["bbox"] * (pred - tgt).abs().sum() / n_box
@@ -385,95 +392,14 @@ class DetrCriterion:
             terms[f"giou_{h.name}"] = self.weights["giou"] * (1 - giou).sum() / n_box
             if h.corners is not None and h.refs is not None:  # D-FINE's heads: set together
                 iou = box_iou(xyxy(pred), xyxy(tgt)).detach()
-                terms[f"fgl_{h.name}"] = self.weights["fgl"] * self._fgl(
-                    h.corners, h.refs, b, q, tgt, iou, n_box
+                terms[f"fgl_{h.name}"] = self.weights["fgl"] * fine_grained_localisation(
+                    h.corners, h.refs, (b, q), tgt, iou, n_box, self.config
                 )
                 if h.teacher is not None:
-                    terms[f"ddf_{h.name}"] = self.weights["ddf"] * self._ddf(
-                        h.corners, h.teacher, b, q, iou, ddf_split
+                    terms[f"ddf_{h.name}"] = self.weights["ddf"] * decoupled_distillation(
+                        h.corners, h.teacher, (b, q), iou, ddf_split, int(self.config.max_num_bins)
                     )
         return terms
-
-    def _vfl(self, h: Head, b, q, t, target_labels, target_boxes, num) -> Tensor:
-        """Varifocal loss: BCE towards the IoU at the matched (query, class), focal-weighted
-        elsewhere."""
-        logits = h.logits.float()
-        iou = box_iou(xyxy(h.boxes[b, q].detach().float()), xyxy(target_boxes[t]))
-        cls = target_labels[t]
-        score = torch.zeros_like(logits).index_put((b, q, cls), iou)
-        positive = torch.zeros_like(logits).index_put((b, q, cls), torch.ones_like(iou))
-        weight = self.alpha * logits.detach().sigmoid().pow(self.gamma) * (1 - positive) + score
-        return (
-            F.binary_cross_entropy_with_logits(logits, score, weight=weight, reduction="sum") / num
-        )
-
-    def _ia_bce(self, h: Head, b, q, t, target_labels, target_boxes, num) -> Tensor:
-        """LW-DETR's IoU-aware BCE: positives towards prob^alpha * IoU^(1 - alpha) (at least 0.01),
-        negatives weighted by prob^2."""
-        logits = h.logits.float()
-        prob = logits.sigmoid()
-        iou = box_iou(xyxy(h.boxes[b, q].detach().float()), xyxy(target_boxes[t]))
-        where = (b, q, target_labels[t])
-        quality = (prob[where].detach().pow(self.alpha) * iou.pow(1 - self.alpha)).clamp(min=0.01)
-        positive = torch.zeros_like(logits, dtype=torch.bool).index_put(
-            where, torch.ones_like(iou, dtype=torch.bool)
-        )
-        pos_w = torch.zeros_like(logits).index_put(where, quality)
-        neg_w = torch.where(positive, 1 - pos_w, prob.pow(2))
-        loss = -pos_w * F.logsigmoid(logits) - neg_w * F.logsigmoid(-logits)
-        return loss.sum() / num
-
-    def _fgl(self, corners: Tensor, refs: Tensor, b, q, target, iou, num) -> Tensor:
-        """D-FINE's fine-grained localisation loss: each edge's distribution towards the two bins
-        around the target distance, IoU-weighted."""
-        bins = int(self.config.max_num_bins)
-        pred = corners[b, q].float().reshape(-1, bins + 1)
-        with torch.no_grad():
-            left, w_right, w_left = edge_targets(
-                refs[b, q].detach().float(),
-                xyxy(target),
-                bins,
-                float(self.config.reg_scale),
-                float(self.config.up),
-            )
-        left_bin = left.long()
-        loss = (
-            F.cross_entropy(pred, left_bin, reduction="none") * w_left
-            + F.cross_entropy(pred, left_bin + 1, reduction="none") * w_right
-        )
-        return (loss * iou.repeat_interleave(4)).sum() / num
-
-    def _ddf(
-        self,
-        corners: Tensor,
-        teacher: tuple[Tensor, Tensor],
-        b,
-        q,
-        iou,
-        split,
-        temperature: float = 5.0,
-    ) -> Tensor:
-        """D-FINE's decoupled distillation focal loss: the last layer's edge distributions distilled
-        into this one, weighted by the teacher's confidence (the IoU at matched queries), matched
-        and unmatched averaged apart."""
-        bins = int(self.config.max_num_bins)
-        teacher_corners, teacher_logits = teacher
-        pred = corners.float().reshape(-1, bins + 1)
-        target = teacher_corners.detach().float().reshape(-1, bins + 1)
-        weight = teacher_logits.detach().float().sigmoid().max(dim=-1).values
-        weight = weight.index_put((b, q), iou)
-        matched = torch.zeros_like(weight).index_put((b, q), torch.ones_like(iou))
-        weight = weight.repeat_interleave(4, dim=-1).reshape(-1)
-        matched = matched.repeat_interleave(4, dim=-1).reshape(-1)
-        kl = F.kl_div(
-            F.log_softmax(pred / temperature, dim=1),
-            F.softmax(target / temperature, dim=1),
-            reduction="none",
-        ).sum(-1)
-        loss = weight * temperature**2 * kl
-        pos = (loss * matched).sum() / matched.sum().clamp(min=1)
-        neg = (loss * (1 - matched)).sum() / (1 - matched).sum().clamp(min=1)
-        return pos * split[0] + neg * split[1]
 
 
 def _normalisers(boxes: float, go: float, device: torch.device) -> tuple[Any, Any]:
