@@ -5,8 +5,8 @@
 - `detection.py`: COCO box (and mask) mAP of a detector, every rank's detections gathered and scored
   once on rank 0 with COCOeval (12 stats each).
 
-A new metric is a new module here that the task (`visiondist.engine.tasks`) calls; a scalar it
-reports also needs its name in `visiondist.models.EVAL_METRICS` (the metrics.csv columns and the
-metrics `trainer.best_metric` may name). Imports: `data`, `parallel` and `observe` (progress bars);
-never the trainer (tests/unit/test_layers.py).
+A new metric is a new module here that the task (`engine/classify_task.py`, `detect_task.py`)
+calls; a scalar it reports also needs its name in `visiondist.models.EVAL_METRICS` (the metrics.csv
+columns and the metrics `trainer.best_metric` may name). Imports: `data`, `parallel` and `observe`
+(progress bars); never the trainer (tests/unit/test_layers.py).
 """

@@ -238,3 +238,8 @@ def _image_grid(n: int):
     for ax in axes.flat:
         ax.axis("off")
     return fig, axes
+
+
+def at_step(m: dict) -> str:
+    """' at step N' of an evaluation's metrics `m` that name their step, for a plot's title."""
+    return f" at step {m['step']}" if m.get("step") is not None else ""
