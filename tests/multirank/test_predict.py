@@ -407,8 +407,8 @@ def test_a_detector_predicts_its_evaluation_and_writes_coco_results_drawn_images
 
 
 def test_a_detectors_torchscript_export_prints_its_check_line(detector, tmp_path):
-    """Every export format prints its check: a scripted torchvision detector's boxes for a random
-    image against PyTorch's, with none of TorchScript's own warnings."""
+    """Every export format prints its check: a scripted torchvision detector's boxes on the run's
+    val images against PyTorch's, with none of TorchScript's own warnings."""
     run, _ = detector
     out = tmp_path / "frcnn.pt"
     result = run_cli(
@@ -421,5 +421,5 @@ def test_a_detectors_torchscript_export_prints_its_check_line(detector, tmp_path
     assert lines[-2:] == [f"  {out}", lines[-1]] and "Warning" not in result.stdout, result.stdout
     assert (
         lines[-1].startswith("  TorchScript vs PyTorch: ")
-        and "boxes of a random image" in (lines[-1])
+        and "boxes of 4 val images compared, max abs difference 0" in lines[-1]
     ), result.stdout

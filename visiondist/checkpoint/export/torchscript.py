@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from visiondist.checkpoint.export.images import detection_images
+from visiondist.checkpoint.export.script_resize import exact_script_resize
 from visiondist.checkpoint.export.trained import (
     LOGITS_COMPARED,
     Trained,
@@ -48,35 +50,44 @@ def write_torchscript(trained: Trained, path: Path, out: Path) -> list[Path]:
         warnings.filterwarnings(
             "ignore", message=r"`torch\.jit\.\w+` is deprecated", category=FutureWarning
         )
-        scripted = (
-            torch.jit.trace(model, example_images(trained.cfg))
-            if family == "vit"
-            else torch.jit.script(model)
-        )
+        if family == "vit":
+            scripted = torch.jit.trace(model, example_images(trained.cfg))
+        else:
+            with exact_script_resize():
+                scripted = torch.jit.script(model)
         torch.jit.save(scripted, str(path))
     return []
 
 
 def check_torchscript(trained: Trained, path: Path) -> str:
     """One line: the saved file, loaded back, against the PyTorch model: a ViT's logits of 1 and 3
-    random images (traced at 2), a detector's boxes for a random image."""
+    random images (traced at 2), a detector's boxes on up to 4 val images that hold objects (a
+    random image where the data is not on this machine), each alone."""
     with warnings.catch_warnings():  # newer torch calls torch.jit.load deprecated
         warnings.simplefilter("ignore", FutureWarning)
         loaded = torch.jit.load(str(path))
     if trained.cfg.model.family == "vit":
         diff = logits_difference(trained, loaded)
         return f"TorchScript vs PyTorch: {LOGITS_COMPARED}, max abs difference {diff:.3g}"
-    size = example_images(trained.cfg).shape[1:]
-    with torch.no_grad():
-        image = torch.rand(*size, generator=torch.Generator().manual_seed(1))
-        with warnings.catch_warnings():  # a scripted detector returns (losses, detections), and
+    examples, source = detection_images(trained.cfg, trained.cfg.data.val_split, 4)
+    examples = examples or [("a random image", example_images(trained.cfg, 1)[0])]
+    boxes, worst = 0, 0.0
+    for name, image in examples:
+        with torch.no_grad(), warnings.catch_warnings():
+            # a scripted detector returns (losses, detections) and says so each call
             warnings.filterwarnings("ignore", message=".*always returns a", category=UserWarning)
-            _, scripted = loaded([image])  # says so each call
-        ours, theirs = scripted[0]["boxes"], trained.model([image])[0]["boxes"]
-    if ours.shape != theirs.shape:
-        return f"TorchScript vs PyTorch: {len(ours)} boxes against {len(theirs)} on a random image"
-    diff = float((ours - theirs).abs().max()) if ours.numel() else 0.0
+            ours = loaded([image])[1][0]["boxes"]
+            theirs = trained.model([image])[0]["boxes"]
+        if ours.shape != theirs.shape:
+            return f"TorchScript vs PyTorch: {len(ours)} boxes against {len(theirs)} on {name}"
+        boxes += len(ours)
+        worst = max(worst, float((ours - theirs).abs().max()) if ours.numel() else 0.0)
+    what = (
+        examples[0][0]
+        if len(examples) == 1 and source is None
+        else f"{len(examples)} {trained.cfg.data.val_split} images"
+        + (f" of {source}" if source else "")
+    )
     return (
-        f"TorchScript vs PyTorch: {len(ours)} boxes of a random image compared, max abs "
-        f"difference {diff:.3g}"
+        f"TorchScript vs PyTorch: {boxes} boxes of {what} compared, max abs difference {worst:.3g}"
     )
