@@ -228,6 +228,57 @@ def test_a_coco_training_split_smaller_than_one_global_batch(tmp_path):
     load_config(CONFIGS, [*args, f"data.root={root}", "data.batch_size=8"])
 
 
+def test_a_coco_sets_boxes_past_their_image_unknown_val_categories_and_upscaling_are_said(
+    tmp_path, capsys
+):
+    """An annotation tool's COCO export, checked before launch as the ranks will read it: a box
+    reaching past its image is counted and named (training clips it; the evaluation scores the
+    val file as written), a val annotation of a category the file does not list is refused here
+    (it failed rank 0 at start), and data.min_size scaling 32-px images 25x up is said with the
+    sizes that train them as they are."""
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+
+    args = [
+        "model=fasterrcnn_mobilenet_v3",
+        "data=coco",
+        "data.num_classes=1",
+        "trainer.accelerator=cpu",
+        "data.batch_size=4",
+    ]
+    root = _coco(tmp_path / "past", [(32, 24)] * 4, boxed=4)
+    for split in ("train2017", "val2017"):
+        path = root / "annotations" / f"instances_{split}.json"
+        coco = json.loads(path.read_text())
+        coco["annotations"][1]["bbox"] = [20, 10, 30, 30]  # to x 50, y 40 on 32 x 24
+        path.write_text(json.dumps(coco))
+    load_config(CONFIGS, [*args, f"data.root={root}"])
+    out = capsys.readouterr().out
+    assert (
+        "instances_train2017.json: 1 box reaches 1 px or more past its image (the first: "
+        "annotation 2 of image 2, [20.0, 10.0, 30.0, 30.0] on 32 x 24): training clips them to it"
+    ) in out, out
+    assert "instances_val2017.json: 1 box reaches" in out and "scores them as written" in out
+    assert (
+        "data.min_size=800 resizes the training images (shorter side 24-24 px, median 24) 33.3x "
+        "up, 1111x their pixels a step; to train them at about their own size: data.min_size=24 "
+        "data.max_size=32 (docs/data.md, small sets)"
+    ) in out, out
+    load_config(CONFIGS, [*args, f"data.root={root}", "data.min_size=32", "data.max_size=48"])
+    assert "resizes the training images" not in capsys.readouterr().out
+
+    path = root / "annotations" / "instances_val2017.json"
+    coco = json.loads(path.read_text())
+    coco["annotations"][0]["category_id"] = 99
+    path.write_text(json.dumps(coco))
+    with pytest.raises(
+        ConfigError,
+        match=r"instances_val2017.json: annotation 1 \(image 1\) has "
+        r"category_id 99, which is not among the categories",
+    ):
+        load_config(CONFIGS, [*args, f"data.root={root}"])
+
+
 # -- 6: a layout for GPUs on a machine without one -------------------------------------------------
 
 ESTIMATE = (

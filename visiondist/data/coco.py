@@ -60,6 +60,9 @@ class CocoCounts:
     orphan_annotations: int = 0  # image_id not among `images`
     without_mask: int = 0  # mask training: instances without a valid segmentation
     without_mask_ids: list = field(default_factory=list)  # their annotation ids (the first `NAMED`)
+    # kept, clipped to their image: boxes that reached 1 px or more past it
+    clipped_boxes: int = 0
+    clipped_first: str = ""  # the first one, for a message: "annotation 5 of image 3, ..."
 
     NAMED = 10
 
@@ -70,12 +73,21 @@ class CocoCounts:
             if self.without_mask
             else ""
         )
+        clipped = f" ({self.clipped_boxes} clipped to their image)" if self.clipped_boxes else ""
         return (
-            f"{counted(self.images, 'images')}, {counted(self.boxes, 'boxes')}; left out: "
+            f"{counted(self.images, 'images')}, {counted(self.boxes, 'boxes')}{clipped}; left out: "
             f"{counted(self.crowd_boxes, 'crowd boxes')}, "
             f"{counted(self.degenerate_boxes, 'degenerate boxes')}, "
             f"{counted(self.images_without_boxes, 'images without usable boxes')}, "
             f"{counted(self.orphan_annotations, 'annotations whose image_id has no image')}{masks}"
+        )
+
+    def clipped(self, ann: dict, image_id: int, width: int, height: int) -> None:
+        """Count a kept box that reached past its image, naming the first."""
+        self.clipped_boxes += 1
+        box = [round(float(v), 1) for v in ann["bbox"]]
+        self.clipped_first = self.clipped_first or (
+            f"annotation {ann.get('id')} of image {image_id}, {box} on {width} x {height}"
         )
 
     def named_without_mask(self) -> str:
@@ -142,19 +154,19 @@ def read_records(
             if ann.get("iscrowd", 0):
                 counts.crowd_boxes += 1
                 continue
-            x, y, w, h = ann["bbox"]
-            x1, y1 = min(max(x, 0.0), width), min(max(y, 0.0), height)
-            x2, y2 = min(max(x + w, 0.0), width), min(max(y + h, 0.0), height)
-            if x2 - x1 < 1 or y2 - y1 < 1:
+            box, past = _clipped(ann, width, height)
+            if box[2] - box[0] < 1 or box[3] - box[1] < 1:
                 counts.degenerate_boxes += 1
                 continue
+            if past:
+                counts.clipped(ann, image_id, width, height)
             segmentation = _segmentation(ann) if masks else None
             if masks and segmentation is None:
                 counts.without_mask += 1
                 if len(counts.without_mask_ids) < counts.NAMED:
                     counts.without_mask_ids.append(ann.get("id"))
                 continue
-            boxes.append([x1, y1, x2, y2])
+            boxes.append(box)
             labels.append(label_of[ann["category_id"]])
             if masks:
                 segmentations.append(segmentation)
@@ -182,6 +194,15 @@ def read_records(
             "model=maskrcnn_r50)"
         )
     return records, label_of, counts
+
+
+def _clipped(ann: dict, width: int, height: int) -> tuple[list[float], bool]:
+    """The annotation's xywh box as xyxy clipped to its image, and whether it reached 1 px or more
+    past it (rounding aside)."""
+    x, y, w, h = ann["bbox"]
+    past = min(x, y) <= -1 or x + w >= width + 1 or y + h >= height + 1
+    x1, y1 = min(max(x, 0.0), width), min(max(y, 0.0), height)
+    return [x1, y1, min(max(x + w, 0.0), width), min(max(y + h, 0.0), height)], past
 
 
 def _segmentation(ann: dict) -> Any:

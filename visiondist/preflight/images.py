@@ -30,14 +30,19 @@ def reads_masks(model_cfg) -> bool:
     return has_masks(model_cfg)
 
 
-def check_images(d, root: Path, purpose: str = "train", masks: bool = False) -> None:
+def check_images(
+    d, root: Path, purpose: str = "train", masks: bool = False, resized: bool = True
+) -> None:
     """What the ranks' datasets would refuse, said before they start: a class folder without images
     (in each split read), train and val class folders that differ, and for training a split with
     fewer images than one global batch (`data.batch_size`): no optimizer step could be drawn from
-    it. COCO: the usable training images (at least one box left after the dataset's rules)."""
+    it. COCO: the usable training images (at least one box left after the dataset's rules), both
+    splits' categories and boxes, and (`resized`: the detector resizes by data.min_size) how far
+    data.min_size scales small images up."""
     if d.format in DETECTION_FORMATS:
         if purpose == "train":
-            _check_coco_batch(d, masks)
+            _check_coco_batch(d, masks, resized)
+        _check_coco_val(d, masks)
         return
     need = int(d.batch_size) if purpose == "train" else 0
     classes = {}
@@ -173,34 +178,25 @@ def check_builtin_batch(d, num_classes: int) -> None:
         )
 
 
-def _check_coco_batch(d, masks: bool = False) -> None:
+def _check_coco_batch(d, masks: bool = False, resized: bool = True) -> None:
     """A COCO training split with at least one global batch of usable images; for a mask model,
     the instances left out for want of a valid segmentation said in one line, before any rank
     starts."""
-    from visiondist.data import coco_paths  # noqa: PLC0415 (reader)
-
-    images_dir, annotations = coco_paths(d, d.train_split)
-    if annotations.stat().st_size > _SMALL_COCO:
+    read = _small_coco(d, d.train_split, masks, train=True)
+    if read is None:
         return
-    from visiondist.data.coco import load_coco, read_records  # noqa: PLC0415 (reader)
-
-    try:
-        coco = load_coco(annotations)
-        coco.dataset["_file"] = str(annotations)
-        records, _, counts = read_records(coco, images_dir, train=True, masks=masks)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(
-            f"{annotations}: {exc}"
-            if isinstance(exc, ValueError)
-            else f"{annotations}: {type(exc).__name__}: {exc}"
-        ) from None
-    if counts.without_mask and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+    records, counts, annotations = read
+    if counts.without_mask and _speaks():
         print(
             f"{annotations.name}: {counts.without_mask} instances without a valid segmentation "
             "are left out of training, as detectron2 leaves them out "
             f"({counts.named_without_mask()})",
             flush=True,
         )
+    if _speaks():
+        _say_clipped(annotations, counts, "training clips them to it")
+        if resized:
+            _say_upscaled(d, records)
     batch, usable = int(d.batch_size), len(records)
     # (an aspect group smaller than a batch is batched with the other: data.sampler)
     fits = _fitting_batch(usable)
@@ -211,6 +207,79 @@ def _check_coco_batch(d, masks: bool = False) -> None:
             f"data.batch_size={batch}: lower data.batch_size (e.g. data.batch_size={fits}) or add "
             "images"
         )
+
+
+def _check_coco_val(d, masks: bool = False) -> None:
+    """The val split's annotations read as the ranks will read them, before any rank starts: an
+    annotation of a category the file does not list is refused here, as in the training split;
+    boxes that reach past their image are said (COCO's scoring reads them as written)."""
+    read = _small_coco(d, d.val_split, masks, train=False)
+    if read is not None and _speaks():
+        _say_clipped(
+            read[2], read[1], "the evaluation scores them as written, as COCO's scoring does"
+        )
+
+
+def _small_coco(d, split: str, masks: bool, train: bool):
+    """(records, counts, annotation file) of a split whose COCO file is small enough to read here
+    (None otherwise); a file the dataset would refuse is refused in one line."""
+    from visiondist.data import coco_paths  # noqa: PLC0415 (reader)
+
+    images_dir, annotations = coco_paths(d, split)
+    if not annotations.is_file() or annotations.stat().st_size > _SMALL_COCO:
+        return None
+    from visiondist.data.coco import load_coco, read_records  # noqa: PLC0415 (reader)
+
+    try:
+        coco = load_coco(annotations)
+        coco.dataset["_file"] = str(annotations)
+        records, _, counts = read_records(coco, images_dir, train=train, masks=masks)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"{annotations}: {exc}"
+            if isinstance(exc, ValueError)
+            else f"{annotations}: {type(exc).__name__}: {exc}"
+        ) from None
+    return records, counts, annotations
+
+
+def _speaks() -> bool:
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def _say_clipped(annotations: Path, counts, then: str) -> None:
+    if counts.clipped_boxes:
+        print(
+            f"{annotations.name}: {counts.clipped_boxes} box"
+            f"{'es reach' if counts.clipped_boxes > 1 else ' reaches'} 1 px or more past its "
+            f"image (the first: {counts.clipped_first}): {then}",
+            flush=True,
+        )
+
+
+# a detector's data.min_size this many times its training images' median shorter side is said
+UPSCALED = 2.0
+
+
+def _say_upscaled(d, records: list) -> None:
+    """A detector whose data.min_size resizes small images far up (data=detection keeps COCO's 800
+    px): each step computes (min_size / side)^2 times their pixels, which on a CPU turns minutes
+    into hours; one line naming the sizes that train them as they are."""
+    if not records or "min_size" not in d:
+        return
+    shorter = sorted(min(r.width, r.height) for r in records)
+    longer = max(max(r.width, r.height) for r in records)
+    median = shorter[len(shorter) // 2]
+    factor = int(d.min_size) / median
+    if factor < UPSCALED:
+        return
+    print(
+        f"data.min_size={d.min_size} resizes the training images (shorter side {shorter[0]}-"
+        f"{shorter[-1]} px, median {median}) {factor:.1f}x up, {factor**2:.0f}x their pixels a "
+        f"step; to train them at about their own size: data.min_size={median} "
+        f"data.max_size={max(longer, median)} (docs/data.md, small sets)",
+        flush=True,
+    )
 
 
 def _fitting_batch(images: int) -> int:

@@ -89,7 +89,8 @@ def check_inputs(cfg, purpose: str = "train") -> None:
     if d.format == "shards":  # packing counted and checked a pack's samples; `_packed` its batch
         pass
     elif d.synthetic is None:
-        check_images(d, root, purpose, reads_masks(cfg.model))
+        # a DETR-class detector resizes to its square model.img_size, not by data.min_size
+        check_images(d, root, purpose, reads_masks(cfg.model), cfg.model.family != "detr")
         check_val_readable(d, root)
     else:
         if purpose == "train":
