@@ -423,3 +423,40 @@ def test_a_detectors_torchscript_export_prints_its_check_line(detector, tmp_path
         lines[-1].startswith("  TorchScript vs PyTorch: ")
         and "boxes of 4 val images compared, max abs difference 0" in lines[-1]
     ), result.stdout
+
+
+def test_a_detectors_weights_predict_from_python_as_the_tool_with_the_model_alone(
+    detector, tmp_path
+):
+    """`visiondist.predict(source, weights=<a detector's file>, model=...)` composes as
+    tools/predict.py does: no data named, so the detector's (data=detection), not the default
+    classification set's refusal; the same boxes as the tool writes for the same file."""
+    import shutil
+
+    import visiondist
+
+    run, data = detector
+    weights = shutil.copy(run / "model.safetensors", tmp_path / "frcnn.safetensors")
+    image = sorted((data / "val").rglob("*.jpg"))[0]
+    size = ["data.min_size=64", "data.max_size=64", "data.num_classes=6"]
+    (result,) = visiondist.predict(
+        [image], *size, weights=weights, model="fasterrcnn_mobilenet_v3", score_thresh=0.0
+    )
+    printed = predict_ok(
+        f"weights={weights}",
+        "model=fasterrcnn_mobilenet_v3",
+        *size,
+        f"source={image}",
+        f"out={tmp_path / 'tool'}",
+        "score_thresh=0",
+    )
+    assert "predicted 1 image" in printed
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "tool" / "detections.jsonl").read_text().splitlines()
+    ]
+    tool = [d["box"] for d in rows[0]["detections"]]
+    assert len(tool) == len(result.detections)
+    for got, want in zip((d["box"] for d in result.detections), tool):
+        assert got == pytest.approx(want, abs=1e-3)  # round-off of another batch
+    assert result.detections  # score_thresh=0: the 1-step detector's boxes

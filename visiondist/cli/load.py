@@ -27,7 +27,7 @@ from visiondist.config import (
     from_container,
     to_container,
 )
-from visiondist.config.compose import flatten, run_config
+from visiondist.config.compose import detection_data_for, flatten, run_config
 from visiondist.config.schema import DETECTION_FORMATS, upgrade_saved
 from visiondist.utils.data_defaults import apply_data_defaults
 
@@ -120,17 +120,6 @@ def _pretrained_defaults(cfg: DictConfig, overrides: list[str]) -> Optional[str]
         raise ConfigError(str(exc)) from None
 
 
-def _detection_data_for(config_dir: Path, overrides: list[str]) -> list[str]:
-    """data=detection where the command names a detector (model=...) and no data: prediction reads
-    no data, and the default data (the built-in classification set) cannot go with a detector."""
-    model = next((o.split("=", 1)[1] for o in overrides if o.startswith("model=")), None)
-    file = config_dir / "model" / f"{model}.yaml"
-    if model is None or not file.is_file():
-        return []
-    family = OmegaConf.select(OmegaConf.load(file), "family", default="vit")
-    return [] if family == "vit" else ["data=detection"]
-
-
 def load_weights_config(
     config_dir: Path, weights: Path, overrides: list[str], tool: str, data_needed: bool
 ) -> DictConfig:
@@ -151,7 +140,7 @@ def load_weights_config(
 
     settings = weights_settings(weights, overrides, tool, data_needed)
     if not data_needed and not any(o.startswith(("data=", "+data=")) for o in settings + overrides):
-        settings += _detection_data_for(config_dir, overrides)
+        settings += detection_data_for(config_dir, overrides)
     return load_config(config_dir, settings + overrides, inputs=None)
 
 

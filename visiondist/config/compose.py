@@ -155,3 +155,14 @@ def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> DictConfig
         OmegaConf.from_dotlist(list(overrides)),
     )
     return cast(DictConfig, merged)  # onto a structured dataclass: a DictConfig
+
+
+def detection_data_for(config_dir: Path, overrides: list[str]) -> list[str]:
+    """data=detection where the command names a detector (model=...) and no data: prediction reads
+    no data, and the default data (the built-in classification set) cannot go with a detector."""
+    model = next((o.split("=", 1)[1] for o in overrides if o.startswith("model=")), None)
+    file = config_dir / "model" / f"{model}.yaml"
+    if model is None or not file.is_file():
+        return []
+    family = OmegaConf.select(OmegaConf.load(file), "family", default="vit")
+    return [] if family == "vit" else ["data=detection"]

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
 from visiondist.config import ConfigError
-from visiondist.config.compose import compose, run_config
+from visiondist.config.compose import compose, detection_data_for, run_config
 from visiondist.data.robust import READ_ERRORS
 from visiondist.data.sampler import eval_shard
 from visiondist.data.workers import close_loaders, register, watched
@@ -269,6 +269,8 @@ def prediction_config(
         assert weights is not None  # one of the two (checked above)
         path = Path(weights).expanduser().resolve()
         said = weights_settings(path, list(overrides), "predict()", data_needed=False)
+        if not any(o.startswith(("data=", "+data=")) for o in said + list(overrides)):
+            said += detection_data_for(CONFIGS, list(overrides))  # as tools/predict.py composes
         cfg = compose(CONFIGS, said + list(overrides))
         cfg.model.weights = str(path)
         count_classes(cfg, path)
