@@ -149,6 +149,23 @@ def test_detector_exports_map_labels_to_the_annotation_files_category_ids(nested
     assert (
         json.loads(meta["labels"]) == expected and "score_thresh" in meta and "classes" not in meta
     )
+    # the model it was exported from: what prediction takes where the command names none, and
+    # what a refusal names
+    assert meta["model"] == json.loads(files[1].read_text())["model"] == "fasterrcnn_mobilenet_v3"
+    from visiondist.config import ConfigError
+    from visiondist.inference.run import prediction_config
+
+    cfg = prediction_config(None, str(onnx_path), None, [], {"source": str(tmp_path)})
+    assert cfg.model.name == "fasterrcnn_mobilenet_v3" and cfg.data.name == "detection"
+    with pytest.raises(
+        ConfigError,
+        match=r"give the model it was exported from, "
+        r"model=fasterrcnn_mobilenet_v3 \(detector.json\)",  # the sidecar of the same name
+    ):
+        prediction_config(None, str(onnx_path), None, ["model=vit_tiny"], {"source": "x"})
+    files[1].unlink()  # the graph alone: its own metadata says it
+    cfg = prediction_config(None, str(onnx_path), None, [], {"source": str(tmp_path)})
+    assert cfg.model.name == "fasterrcnn_mobilenet_v3"
 
 
 def _run_with_checkpoint(run: Path, cfg, model, record: dict) -> Path:

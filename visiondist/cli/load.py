@@ -140,7 +140,7 @@ def load_weights_config(
 
     settings = weights_settings(weights, overrides, tool, data_needed)
     if not data_needed and not any(o.startswith(("data=", "+data=")) for o in settings + overrides):
-        settings += detection_data_for(config_dir, overrides)
+        settings += detection_data_for(config_dir, settings + overrides)
     return load_config(config_dir, settings + overrides, inputs=None)
 
 

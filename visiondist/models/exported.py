@@ -58,6 +58,24 @@ def graph_task(path: Path) -> tuple[str, dict[str, Any]]:
     )
 
 
+def recorded_model(path: Path) -> Optional[tuple[str, str]]:
+    """(the model's config name, where it is recorded) as tools/export.py wrote it: the sidecar
+    `<stem>.json` beside a file (safetensors' model.json, an IR's), else an ONNX graph's own
+    metadata; None where nothing records it (another tool's file, an earlier export)."""
+    path = Path(path)
+    sidecar = path.with_suffix(".json")
+    try:
+        if sidecar.is_file() and sidecar != path:
+            name = json.loads(sidecar.read_text()).get("model")
+            return (str(name), sidecar.name) if isinstance(name, str) else None
+        if path.suffix.lower() == ".onnx" and path.is_file():
+            name = _signature(path)[3].get("model")
+            return (name, f"{path.name}'s metadata") if name else None
+    except (OSError, ValueError, ImportError, AttributeError):
+        return None
+    return None
+
+
 def _signature(path: Path) -> tuple[list[str], list, list, dict[str, str]]:
     """A graph's input names, its first input's and first output's dimensions (None where
     dynamic) and its metadata (ONNX: its metadata_props; an IR: its sidecar `<stem>.json`)."""
@@ -118,9 +136,14 @@ def check_runtime_file(model_cfg, path: Path, key: str = "model.weights") -> Non
     except Exception as exc:  # onnx's parse errors
         raise ConfigError(f"{key}={path} cannot be read as a {kind} graph ({exc})") from None
     if graph != task:
+        recorded = recorded_model(path)
         raise ConfigError(
             f"{key}={path} is a {graph} graph but model={model_cfg.name} is a {task} model: give "
-            "the model it was exported from"
+            + (
+                f"the model it was exported from, model={recorded[0]} ({recorded[1]})"
+                if recorded
+                else "the model it was exported from"
+            )
         )
     if graph == "classification":
         _check_classifier(model_cfg, path, key, info["side"], info["classes"])

@@ -14,12 +14,13 @@ TensorRT's engines want. `onnx_check.py` runs the file under ONNX Runtime agains
   (`onnx_resize.py`), in a `Loop` over the batch (`onnx_batch.py`).
 
 Metadata keys (`onnx.load(path).metadata_props`, `onnxruntime.InferenceSession(path).get_modelmeta()
-.custom_metadata_map`): `classes` (a classifier: JSON list, logit i is class i), `preprocessing` (a
-classifier: JSON object of the run's eval mean, std, crop_pct and interpolation), `labels` (a
-detector: JSON object, label k -> {"category_id": COCO category id, "name"}; 0 is the background),
-`input` (a detector: JSON object, how its images are given: {"images": "resized", "side": S,
-"antialias": bool} or {"images": "canvas"}), `score_thresh` (a torchvision detector: the Constant
-nodes holding its score thresholds, for `onnx_detector.set_score_thresholds`).
+.custom_metadata_map`): `model` (the model's config name, e.g. `fasterrcnn_mobilenet_v3`), `classes`
+(a classifier: JSON list, logit i is class i), `preprocessing` (a classifier: JSON object of the
+run's eval mean, std, crop_pct and interpolation), `labels` (a detector: JSON object, label k ->
+{"category_id": COCO category id, "name"}; 0 is the background), `input` (a detector: JSON object,
+how its images are given: {"images": "resized", "side": S, "antialias": bool} or {"images":
+"canvas"}), `score_thresh` (a torchvision detector: the Constant nodes holding its score thresholds,
+for `onnx_detector.set_score_thresholds`).
 """
 
 from __future__ import annotations

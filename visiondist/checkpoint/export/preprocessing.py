@@ -49,8 +49,9 @@ def outputs_metadata(
 
 
 def name_metadata(trained: Trained) -> dict[str, str]:
-    """What the exported file's own metadata says of the model's outputs (JSON text): "classes", the
-    names of a classifier's logits in order; "labels", a detector's `label_map`."""
+    """What the exported file's own metadata says of the model and its outputs: "model", its config
+    name (what tools/eval.py and predict.py take as model= where none is given); (JSON text)
+    "classes", the names of a classifier's logits in order; "labels", a detector's `label_map`."""
     detection = TASKS[trained.cfg.model.family] == "detection"
     if not detection and not trained.classes:
         log.warning(
@@ -58,7 +59,10 @@ def name_metadata(trained: Trained) -> dict[str, str]:
             "classes",
             trained.source,
         )
-    return outputs_metadata(detection, trained.classes, trained.categories)
+    return {
+        "model": str(trained.cfg.model.name),
+        **outputs_metadata(detection, trained.classes, trained.categories),
+    }
 
 
 def preprocessing_metadata(trained: Trained) -> dict[str, str]:
