@@ -230,3 +230,38 @@ def test_the_time_the_step_waits_for_its_batches_is_its_share_of_training_time(
     )
     trainer.train()
     assert low <= reader.wait <= high, reader.wait
+
+
+def test_the_evaluation_cadence_every_epoch_every_n_steps_or_only_at_the_end():
+    """trainer.eval_every: 0 evaluates after each epoch's last step, N after every N-th step, -1
+    after no step of the loop (only the end of the run's evaluation, `EvalHook.after_train`)."""
+    from visiondist.engine.hooks.results import EvalHook
+
+    trainer = _trainer([], total=9, steps_per_epoch=4)
+
+    def evaluated(every):
+        trainer.cfg = OmegaConf.create({"trainer": {"eval_every": every}})
+        due = []
+        for step in range(1, 10):
+            trainer.state.step = step
+            due += [step] if EvalHook.due(trainer) else []
+        return due
+
+    assert evaluated(0) == [4, 8]
+    assert evaluated(3) == [3, 6, 9]
+    assert evaluated(-1) == []
+
+
+def test_eval_every_below_minus_one_is_refused_naming_the_values():
+    from visiondist.config import ConfigError, compose
+    from visiondist.config.validate import validate
+
+    cfg = compose(Path(__file__).resolve().parents[2] / "configs", ["trainer.eval_every=-1"])
+    validate(cfg)
+    cfg.trainer.eval_every = -2
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.eval_every=-2: give the optimizer steps .* 0 "
+        r"\(every epoch\) or -1 \(only at the end of the run\)",
+    ):
+        validate(cfg)

@@ -329,7 +329,8 @@ class TrainerConfig:
     ema_decay: float = 0.0  # model EMA, evaluated next to the model (e.g. 0.9998); 0: off
     # evaluate before the first step (e.g. the weights of model.init_from)
     eval_at_start: bool = False
-    eval_every: int = 0  # optimizer steps between evaluations; 0: at the end of every epoch
+    # optimizer steps between evaluations; 0: at the end of every epoch; -1: at the end of the run
+    eval_every: int = 0
     log_every: int = 10  # optimizer steps between log lines
     output_dir: str = "outputs"  # where run dirs are made, relative to the working directory
     run_dir: Optional[str] = None  # default: <output_dir>/<date>/<time>

@@ -184,8 +184,16 @@ def _check_trainer(t: DictConfig) -> None:
         )
     for key in ("grad_accum", "log_every"):
         positive(f"trainer.{key}", t[key])
-    for key in ("clip_grad", "eval_every", "checkpoint_every", "keep_last"):
+    for key in ("clip_grad", "checkpoint_every", "keep_last"):
         positive(f"trainer.{key}", t[key], allow_zero=True)
+    if t.eval_every != -1:
+        positive(
+            "trainer.eval_every",
+            t.eval_every,
+            allow_zero=True,
+            fix="give the optimizer steps between evaluations, 0 (every epoch) or -1 (only at the "
+            "end of the run)",
+        )
     positive(
         "trainer.checkpoint_every_min",
         float(t.get("checkpoint_every_min", 0)),

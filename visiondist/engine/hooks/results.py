@@ -160,9 +160,10 @@ class WeightsHook(Hook):
 
 
 class EvalHook(Hook):
-    """`trainer.eval_at_start`; every `trainer.eval_every` steps (0: every epoch); and at the end of
-    a complete run unless its last step was evaluated. A stop signal that reached any rank before a
-    due evaluation ends the loop instead: a stopped job spends nothing more than its checkpoint."""
+    """`trainer.eval_at_start`; every `trainer.eval_every` steps (0: every epoch, -1: none between);
+    and at the end of a complete run unless its last step was evaluated. A stop signal that reached
+    any rank before a due evaluation ends the loop instead: a stopped job spends nothing more than
+    its checkpoint."""
 
     def before_train(self, trainer: Trainer) -> None:
         step = trainer.state.step
@@ -184,6 +185,8 @@ class EvalHook(Hook):
         """Whether the step just run is one the cadence evaluates after."""
         every, step = trainer.cfg.trainer.eval_every, trainer.state.step
         end_of_epoch = step % trainer.parts.data.train_sampler.steps_per_epoch == 0
+        if every < 0:  # only the end of the run's (`after_train`)
+            return False
         return bool((every and step % every == 0) or (not every and end_of_epoch))
 
     @staticmethod
