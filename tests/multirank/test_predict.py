@@ -329,6 +329,10 @@ def test_a_detector_predicts_its_evaluation_and_writes_coco_results_drawn_images
     ours = json.loads((out / "results.json").read_text())
     assert len(ours) == len(theirs) > 0
     assert [{k: v for k, v in d.items() if k != "file_name"} for d in ours] == theirs
+    # predict.json records the detector's own settings, not a classifier's
+    ask = json.loads((out / "predict.json").read_text())["request"]
+    assert (ask["min_size"], ask["max_size"], ask["score_thresh"]) == (64, 64, 0.0)
+    assert "topk" not in ask and "img_size" not in ask
     lines = [json.loads(line) for line in (out / "detections.jsonl").read_text().splitlines()]
     assert len(lines) == 9 and all(
         {"file", "width", "height", "detections"} <= line.keys() for line in lines

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from visiondist.checkpoint.files import latest_checkpoint, resolve_checkpoint
 from visiondist.config import ConfigError
 from visiondist.inference.sources import Source
+from visiondist.models import TASKS
 
 
 def run_weights(run: Path, step=None) -> Path:
@@ -96,12 +97,9 @@ def request(cfg: DictConfig, source: Source) -> dict[str, Any]:
         "weights": str(weights),
         # an exported file's preprocessing is its model config's (size, crop)
         "model": str(cfg.model.name),
-        "img_size": int(cfg.model.get("img_size") or 0),
+        **_task_settings(cfg),
         "weights_size": stat.st_size,
         "weights_mtime": int(stat.st_mtime),
-        "topk": int(p.topk),
-        "score_thresh": float(p.score_thresh),
-        "max_det": int(p.max_det),
         "classes": list(p.classes) if p.classes else None,
         "save_images": saved if saved == "all" else int(saved),
         "vid_stride": int(p.vid_stride),
@@ -109,6 +107,21 @@ def request(cfg: DictConfig, source: Source) -> dict[str, Any]:
         "batch_size": batch_size(cfg),
         "precision": str(cfg.trainer.precision),
     }
+
+
+def _task_settings(cfg: DictConfig) -> dict[str, Any]:
+    """The settings of the model's task that change its outputs: a classifier's input size and
+    top-k; a detector's input size (a DETR-class square, else data.min_size / max_size), score
+    threshold and detections per image."""
+    p, m = cfg.predict, cfg.model
+    if TASKS[m.family] == "classification":
+        return {"img_size": int(m.img_size), "topk": int(p.topk)}
+    size = (
+        {"img_size": int(m.img_size)}
+        if m.family == "detr"
+        else {"min_size": int(m.min_size), "max_size": int(m.max_size)}
+    )
+    return {**size, "score_thresh": float(p.score_thresh), "max_det": int(p.max_det)}
 
 
 def fingerprint(source: Source) -> str:
