@@ -11,10 +11,12 @@ refused with the reason, and nothing is written.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -85,7 +87,8 @@ def quantize(source: Path, target: Path, feeds: Iterable[dict[str, Any]]) -> Non
         quant_pre_process,
     )
 
-    with tempfile.TemporaryDirectory() as work:
+    # ONNX Runtime's quantizer logs each bias it copies through the root logger, at INFO
+    with tempfile.TemporaryDirectory() as work, _without_onnxruntime_info():
         written, prepared = Path(work) / "int8.onnx", Path(work) / "prepared.onnx"
         try:  # shapes inferred and the graph optimised first, as ONNX Runtime advises
             quant_pre_process(str(source), str(prepared), skip_symbolic_shape=True)
@@ -110,6 +113,36 @@ def quantize(source: Path, target: Path, feeds: Iterable[dict[str, Any]]) -> Non
                 f"int8=true: ONNX Runtime could not quantize the graph ({reason})"
             ) from None
         written.replace(target)
+
+
+class _OnnxRuntimeInfo(logging.Filter):
+    """Drops the records below WARNING that ONNX Runtime's Python code logs (through the root
+    logger, so its module name is not the logger's)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from_ort = f"{os.sep}onnxruntime{os.sep}" in record.pathname
+        return not from_ort or record.levelno >= logging.WARNING
+
+
+@contextlib.contextmanager
+def _without_onnxruntime_info() -> Iterator[None]:
+    """ONNX Runtime's INFO lines kept off the console; and where the root logger has no handler,
+    a silent one meanwhile: a `logging.info` call would otherwise configure the root logger for
+    the rest of the process (`logging.basicConfig`, its `WARNING:name:` lines)."""
+    root, quiet = logging.getLogger(), _OnnxRuntimeInfo()
+    placeholder = logging.NullHandler() if not root.handlers else None
+    if placeholder is not None:
+        root.addHandler(placeholder)
+    handlers = list(root.handlers)
+    for handler in handlers:
+        handler.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(quiet)
+        if placeholder is not None:
+            root.removeHandler(placeholder)
 
 
 def classifier_feeds(crops: torch.Tensor) -> list[dict[str, Any]]:
