@@ -173,7 +173,10 @@ def test_slurm_script_fits_each_task_alike_and_refuses_before_any_rank(
     line = (
         "error: parallel.fit=refuse: the named layout dp=1 tp=4 pp=1 (4 devices of 80 GB) plans "
         "199 GB a device, over the 72 GB budget (90% of 80 GB: parallel.device_memory_gb); "
-        "settings that fit: trainer.grad_accum=4 "
+        "plain DDP plans 111 GB: here each of the dp=1 ranks computes 4x a ddp4 rank's images "
+        "(micro-batch 1024 a rank) and tp=4 splits only their attention and MLP activations "
+        "(parallel.sequence_parallel=true splits the rest); settings that fit: "
+        "trainer.grad_accum=4 "
     )
     # each task, no rank
     assert refused.stdout.count(line) == 4 and not refused_dir.exists(), refused.stdout[-4000:]
