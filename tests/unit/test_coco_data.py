@@ -58,10 +58,13 @@ def test_boxes_crowd_degenerate_and_empty_images(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         train = CocoDetection(root, ann, train=True)
     assert "4 images" not in caplog.text
+    # the box at (30, 20) of size 20 x 20 reaches past the 40 x 30 image: kept, clipped, counted
     assert (
-        "2 images, 3 boxes; left out: 1 crowd box, 2 degenerate boxes, 2 images without usable "
-        "boxes" in caplog.text
+        "2 images, 3 boxes (1 clipped to their image); left out: 1 crowd box, 2 degenerate boxes, "
+        "2 images without usable boxes" in caplog.text
     )
+    first = "annotation 2 of image 1, [30.0, 20.0, 20.0, 20.0] on 40 x 30"  # pycocotools' id
+    assert train.counts.clipped_first == first
     assert [r.image_id for r in train.records] == [1, 2]
     image, target = train[0]
     # made float in [0, 1] on the device
