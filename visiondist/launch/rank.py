@@ -119,6 +119,9 @@ def run_rank(
     signals = STOP.install(
         at_once=run_kind(entry) in STATELESS, speak=top_level and os.environ.get("RANK", "0") == "0"
     )
+    # torch wraps sys.excepthook at each init_process_group ("[rank0]: " on every line, once more
+    # for each run a Python session starts in-process): the process's own is put back at the end
+    excepthook = sys.excepthook
     device, local_rank = _init_rank(
         run,
         single=run.world_size == 1 and not run.under_torchrun,
@@ -148,6 +151,7 @@ def run_rank(
         close_loaders()
         signals.restore(ignore=not top_level)  # a spawned rank: its launcher takes any later signal
         dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 def _stopped_now(signal_name: str, run_dir: Optional[Path]) -> dict:
