@@ -139,7 +139,7 @@ def load_weights_config(
     from visiondist.models.weights_check import weights_settings  # noqa: PLC0415 (--help)
 
     settings = weights_settings(weights, overrides, tool, data_needed)
-    if not data_needed and not any(o.startswith(("data=", "+data=")) for o in settings + overrides):
+    if not data_needed:
         settings += detection_data_for(config_dir, settings + overrides)
     return load_config(config_dir, settings + overrides, inputs=None)
 

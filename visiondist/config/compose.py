@@ -160,6 +160,8 @@ def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> DictConfig
 def detection_data_for(config_dir: Path, overrides: list[str]) -> list[str]:
     """data=detection where the command names a detector (model=...) and no data: prediction reads
     no data, and the default data (the built-in classification set) cannot go with a detector."""
+    if any(o.startswith(("data=", "+data=")) for o in overrides):
+        return []
     model = next((o.split("=", 1)[1] for o in overrides if o.startswith("model=")), None)
     file = config_dir / "model" / f"{model}.yaml"
     if model is None or not file.is_file():

@@ -269,10 +269,7 @@ def prediction_config(
         assert weights is not None  # one of the two (checked above)
         path = Path(weights).expanduser().resolve()
         said = weights_settings(path, list(overrides), "predict()", data_needed=False)
-        if not any(o.startswith(("data=", "+data=")) for o in said + list(overrides)):
-            said += detection_data_for(
-                CONFIGS, said + list(overrides)
-            )  # as tools/predict.py composes
+        said += detection_data_for(CONFIGS, said + list(overrides))  # as tools/predict.py does
         cfg = compose(CONFIGS, said + list(overrides))
         cfg.model.weights = str(path)
         count_classes(cfg, path)
