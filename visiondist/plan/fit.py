@@ -113,7 +113,7 @@ def fit(cfg: DictConfig, run: RunLayout) -> RunLayout:
         f"the named layout {run.describe(on=devices_text(run, memory))} plans "
         f"{asked.device / GB:.3g} GB a device, over the {hw.budget / GB:.3g} GB budget "
         f"({100 * hw.headroom:.0f}% of {memory:.3g} GB: {source})"
-        f"{_above_ddp(cfg, run, hw, asked)}"
+        f"{_above_ddp(cfg, run, asked)}"
     )
     mode = str(cfg.parallel.fit)
     if mode == "off":  # said by the launcher (once a job) and recorded in layout.json, as a fit is
@@ -210,19 +210,25 @@ def _option(cfg: DictConfig, run: RunLayout, hw) -> Option:
     return Option(run, mem.device, seconds)
 
 
-def _above_ddp(cfg: DictConfig, run: RunLayout, hw, asked: Option) -> str:
+def _above_ddp(cfg: DictConfig, run: RunLayout, asked: Option) -> str:
     """Why a tensor-parallel layout plans more a device than plain DDP on the same devices, where it
     does: its fewer DP ranks each compute a larger share of the global batch, and without sequence
     parallelism its LayerNorm and residual activations are whole on every tp rank; "" otherwise."""
     if run.tp == 1:
         return ""
-    plain = RunLayout(run.accelerator, run.world_size, run.per_node, dp=run.world_size)
-    ddp = _option(cfg, plain.replace(grad_accum=run.grad_accum), hw)
-    if asked.device <= ddp.device:
+    plain = RunLayout(
+        run.accelerator,
+        run.world_size,
+        run.per_node,
+        dp=run.world_size,
+        grad_accum=asked.run.grad_accum,
+    )
+    ddp = layout_memory(cfg, plain).device
+    if asked.device <= ddp:
         return ""
     whole = "" if run.sequence_parallel else " (parallel.sequence_parallel=true splits the rest)"
     return (
-        f"; plain DDP plans {ddp.device / GB:.3g} GB: here each of the dp={run.dp} ranks computes "
+        f"; plain DDP plans {ddp / GB:.3g} GB: here each of the dp={run.dp} ranks computes "
         f"{run.world_size // run.dp}x a ddp{run.world_size} rank's images "
         f"({_micro_text(cfg, asked.run)}) and tp={run.tp} splits only their attention and MLP "
         f"activations{whole}"
