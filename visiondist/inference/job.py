@@ -5,7 +5,6 @@ another (a stopped one is continued only under the same request)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -16,6 +15,7 @@ from visiondist.checkpoint.files import latest_checkpoint, resolve_checkpoint
 from visiondist.config import ConfigError
 from visiondist.inference.sources import Source
 from visiondist.models import TASKS
+from visiondist.models.exported import export_record
 
 
 def run_weights(run: Path, step=None) -> Path:
@@ -142,27 +142,15 @@ def fingerprint(source: Source) -> str:
 PREPROCESSING = ("mean", "std", "crop_pct", "interpolation")
 
 
-def recorded_preprocessing(weights: Path) -> dict[str, Any]:
+def recorded_preprocessing(weights: Path) -> tuple[dict[str, Any], str]:
     """The run's evaluation preprocessing as an export recorded it (mean, std, crop_pct,
-    interpolation), as `data` overrides: tools/export.py's sidecar `<name>.json` beside the weights
-    (its "preprocessing" entry for an OpenVINO IR), else an ONNX graph's own metadata; empty where
-    nothing is recorded."""
-    info: dict[str, Any] = {}
-    sidecar = weights.with_suffix(".json") if weights.is_file() else None
-    try:
-        if sidecar is not None and sidecar.is_file():
-            info = json.loads(sidecar.read_text())
-        elif weights.suffix == ".onnx" and weights.is_file():
-            import onnx  # noqa: PLC0415 (only an ONNX file's)
-
-            props = {p.key: p.value for p in onnx.load(str(weights), load_external_data=False)
-                     .metadata_props}  # fmt: skip
-            info = json.loads(props.get("preprocessing", "{}"))
-    except (OSError, ValueError):
-        return {}
+    interpolation), as `data` overrides, and where: tools/export.py's sidecar `<name>.json` beside
+    the weights (its "preprocessing" entry for an OpenVINO IR), else an ONNX graph's own metadata
+    (`models.exported.export_record`); empty where nothing is recorded."""
+    info, where = export_record(weights)
     if isinstance(info.get("preprocessing"), dict):
         info = info["preprocessing"]
-    return {k: info[k] for k in PREPROCESSING if k in info}
+    return {k: info[k] for k in PREPROCESSING if k in info}, where
 
 
 def recorded_data(weights: Path, overrides: Sequence[str]) -> tuple[dict[str, Any], str]:
@@ -170,10 +158,9 @@ def recorded_data(weights: Path, overrides: Sequence[str]) -> tuple[dict[str, An
     keys the command line gives (they win), and the line that says what was taken ("" for
     nothing)."""
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
-    data = {k: v for k, v in recorded_preprocessing(weights).items() if f"data.{k}" not in given}
+    recorded, where = recorded_preprocessing(weights)
+    data = {k: v for k, v in recorded.items() if f"data.{k}" not in given}
     if not data:
         return {}, ""
-    sidecar = weights.with_suffix(".json")
-    where = sidecar.name if sidecar.is_file() else f"{weights.name}'s metadata"
     said = " ".join(f"data.{k}={v}" for k, v in data.items())
     return data, f"preprocessing as {where} records the run's: {said}"

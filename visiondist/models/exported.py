@@ -58,22 +58,36 @@ def graph_task(path: Path) -> tuple[str, dict[str, Any]]:
     )
 
 
-def recorded_model(path: Path) -> Optional[tuple[str, str]]:
-    """(the model's config name, where it is recorded) as tools/export.py wrote it: the sidecar
-    `<stem>.json` beside a file (safetensors' model.json, an IR's), else an ONNX graph's own
-    metadata; None where nothing records it (another tool's file, an earlier export)."""
+def export_record(path: Path) -> tuple[dict[str, Any], str]:
+    """What tools/export.py recorded beside or inside a file, and where: the sidecar `<stem>.json`
+    (safetensors' model.json, an IR's), else an ONNX graph's own metadata (each value parsed where
+    it is JSON text); ({}, "") where nothing records it or it cannot be read."""
     path = Path(path)
     sidecar = path.with_suffix(".json")
     try:
-        if sidecar.is_file() and sidecar != path:
-            name = json.loads(sidecar.read_text()).get("model")
-            return (str(name), sidecar.name) if isinstance(name, str) else None
+        if path.is_file() and sidecar.is_file() and sidecar != path:
+            return json.loads(sidecar.read_text()), sidecar.name
         if path.suffix.lower() == ".onnx" and path.is_file():
-            name = _signature(path)[3].get("model")
-            return (name, f"{path.name}'s metadata") if name else None
+            meta = {k: _parsed(v) for k, v in _signature(path)[3].items()}
+            return meta, f"{path.name}'s metadata"
     except (OSError, ValueError, ImportError, AttributeError):
-        return None
-    return None
+        pass
+    return {}, ""
+
+
+def _parsed(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:  # a plain string (the model's name)
+        return text
+
+
+def recorded_model(path: Path) -> Optional[tuple[str, str]]:
+    """(the model's config name, where it is recorded) as tools/export.py wrote it
+    (`export_record`); None where nothing records it (another tool's file, an earlier export)."""
+    record, where = export_record(path)
+    name = record.get("model")
+    return (name, where) if isinstance(name, str) and name else None
 
 
 def _signature(path: Path) -> tuple[list[str], list, list, dict[str, str]]:
