@@ -13,7 +13,6 @@ from typing import Optional, cast
 import torch
 from torch import nn
 
-from visiondist.checkpoint.export.images import detection_images
 from visiondist.checkpoint.export.onnx import INPUT_METADATA, PRECISION_METADATA
 from visiondist.checkpoint.export.onnx_batch import run_detector
 from visiondist.checkpoint.export.onnx_detector import (
@@ -21,7 +20,7 @@ from visiondist.checkpoint.export.onnx_detector import (
     set_score_thresholds,
     thresholds_set,
 )
-from visiondist.checkpoint.export.trained import Trained, example_images
+from visiondist.checkpoint.export.trained import Trained, detector_examples, example_images
 from visiondist.models.detection import has_mask_head
 
 
@@ -301,8 +300,7 @@ def _compared(
         check = RuntimeCheck(_max_diff(ref, got), f"{len(x)} random images", precision=precision)
         check.runtime = runtime
         return check, [], None
-    examples, source = detection_images(trained.cfg, trained.cfg.data.val_split, images)
-    examples = examples or [("a random image", example_images(trained.cfg, 1)[0])]
+    examples, source = detector_examples(trained.cfg, images)
     check = _compare_detector(trained.model, session, examples, source)
     check.precision, check.runtime = precision, runtime
     return check, examples, source

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from visiondist.checkpoint.export.images import detection_images
 from visiondist.checkpoint.export.script_resize import exact_script_resize
 from visiondist.checkpoint.export.trained import (
     LOGITS_COMPARED,
     Trained,
+    detector_examples,
     example_images,
     logits_difference,
 )
@@ -69,8 +69,7 @@ def check_torchscript(trained: Trained, path: Path) -> str:
     if trained.cfg.model.family == "vit":
         diff = logits_difference(trained, loaded)
         return f"TorchScript vs PyTorch: {LOGITS_COMPARED}, max abs difference {diff:.3g}"
-    examples, source = detection_images(trained.cfg, trained.cfg.data.val_split, 4)
-    examples = examples or [("a random image", example_images(trained.cfg, 1)[0])]
+    examples, source = detector_examples(trained.cfg, 4)
     boxes, worst = 0, 0.0
     for name, image in examples:
         with torch.no_grad(), warnings.catch_warnings():

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from visiondist.checkpoint.dcp import load_model_state
+from visiondist.checkpoint.export.images import detection_images
 from visiondist.checkpoint.files import read_trainer_state, resolve_checkpoint
 from visiondist.config.compose import run_config
 from visiondist.data.coco import CocoDetection
@@ -121,6 +122,16 @@ def example_images(cfg: DictConfig, batch: int = 2) -> torch.Tensor:
     """`batch` random images of the model's input size (the same ones each call)."""
     size = input_size(cfg)
     return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0))
+
+
+def detector_examples(
+    cfg: DictConfig, limit: int
+) -> tuple[list[tuple[str, torch.Tensor]], Optional[str]]:
+    """What a detector's exported file is checked on: up to `limit` val images that hold objects
+    (`images.detection_images`, and where they come from), else one random image of the input size
+    where the data is not on this machine."""
+    examples, source = detection_images(cfg, cfg.data.val_split, limit)
+    return examples or [("a random image", example_images(cfg, 1)[0])], source
 
 
 # what `logits_difference` compares, for the check lines
