@@ -68,11 +68,22 @@ def export_record(path: Path) -> tuple[dict[str, Any], str]:
         if path.is_file() and sidecar.is_file() and sidecar != path:
             return json.loads(sidecar.read_text()), sidecar.name
         if path.suffix.lower() == ".onnx" and path.is_file():
-            meta = {k: _parsed(v) for k, v in _signature(path)[3].items()}
+            meta = {k: _parsed(v) for k, v in _onnx_metadata(path).items()}
             return meta, f"{path.name}'s metadata"
     except (OSError, ValueError, ImportError, AttributeError):
         pass
     return {}, ""
+
+
+def _onnx_proto(path: Path):
+    import onnx  # noqa: PLC0415 (onnx: the export extra)
+
+    return onnx.load(str(path), load_external_data=False)
+
+
+def _onnx_metadata(path: Path) -> dict[str, str]:
+    """An ONNX file's metadata_props, read without its graph's inputs (a file may have none)."""
+    return {p.key: p.value for p in _onnx_proto(path).metadata_props}
 
 
 def _parsed(text: str) -> Any:
@@ -107,9 +118,7 @@ def _signature(path: Path) -> tuple[list[str], list, list, dict[str, str]]:
         meta = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
         meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
         return inputs, dims(model.inputs[0]), dims(model.outputs[0]), meta
-    import onnx  # noqa: PLC0415 (onnx: the export extra)
-
-    proto = onnx.load(str(path), load_external_data=False)
+    proto = _onnx_proto(path)
     first_in = proto.graph.input[0].type.tensor_type.shape.dim
     first_out = proto.graph.output[0].type.tensor_type.shape.dim
     return (
