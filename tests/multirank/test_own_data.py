@@ -112,6 +112,12 @@ def test_a_users_set_trains_on_two_ranks_and_evaluates_as_on_one(forms, tmp_path
     said = _train(root, run, "trainer.devices=2", "parallel.dp=2")
     if form == "yolo":  # the predict line's example: the val images alone, not train's too
         assert f"source={forms['yolo'] / 'images' / 'val'} " in said, said[-2000:]
+    # what the console said of the set before the run dir existed, once, heads train.log too
+    found = {"yolo": "is a YOLO set (data.yaml)", "voc": "is a Pascal VOC set", "roboflow":
+             "is COCO in Roboflow's layout"}[form]  # fmt: skip
+    log = (run / "train.log").read_text()
+    assert said.count(found) == 1 and log.count(found) == 1, log[:2000]
+    assert log.index(found) < log.index("model fasterrcnn_mobilenet_v3")
     final = _final_eval(run)
     assert final["val_detections"] > 0 and len(losses_of(run)) == 3
     from helpers import REPO
@@ -120,6 +126,7 @@ def test_a_users_set_trains_on_two_ranks_and_evaluates_as_on_one(forms, tmp_path
                   script=REPO / "tools" / "eval.py")  # fmt: skip
     assert one.returncode == 0, one.stdout[-4000:]
     stats = json.loads(next((run / "eval").iterdir()).joinpath("eval.json").read_text())
+    assert found in next((run / "eval").iterdir()).joinpath("eval.log").read_text()
     for key, value in final.items():
         if key.startswith("val_") and value is not None and not key.startswith("val_ema"):
             assert stats[key] == value, key

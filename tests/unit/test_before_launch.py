@@ -279,6 +279,59 @@ def test_a_coco_sets_boxes_past_their_image_unknown_val_categories_and_upscaling
         load_config(CONFIGS, [*args, f"data.root={root}"])
 
 
+def test_what_is_said_before_launch_heads_the_run_log_and_is_not_said_again(tmp_path, capsys):
+    """A Label Studio-like export numbers its annotations from 0: the launcher says before any rank
+    starts that scoring numbers them 1-n. Every line said before the run dir existed opens the
+    run's log (rank 0's `setup_logging`, from what the launcher hands its ranks), without a second
+    print on the console, and the scoring does not say the renumbering again."""
+    import logging
+
+    from visiondist.cli import load_config
+    from visiondist.evaluation.coco_scoring import ground_truth
+    from visiondist.observe.console import setup_logging
+    from visiondist.utils.logs import handed_on, said_before
+
+    root = _coco(tmp_path / "from0", [(32, 24)] * 4, boxed=4)
+    val = root / "annotations" / "instances_val2017.json"
+    coco = json.loads(val.read_text())
+    for k, annotation in enumerate(coco["annotations"]):
+        annotation["id"] = k
+    val.write_text(json.dumps(coco))
+    args = ["model=fasterrcnn_mobilenet_v3", "data=coco", "data.num_classes=1",
+            "trainer.accelerator=cpu", "data.batch_size=4", f"data.root={root}"]  # fmt: skip
+    load_config(CONFIGS, args)
+    renumbered = (
+        f"{val}: its 4 annotation ids scored as 1-4 (they are not all positive whole numbers; "
+        "COCO's scoring reads id 0 as unmatched)"
+    )
+    out = capsys.readouterr().out
+    assert renumbered in out and "data.min_size=800 resizes the training images" in out, out
+    said = [line for _, line in said_before()]
+    assert renumbered in said and any(line.startswith("data.min_size=800") for line in said)
+
+    root_logger = logging.getLogger()
+    handlers, level = list(root_logger.handlers), root_logger.level
+    try:
+        with handed_on():
+            assert said_before() and all(line in said for _, line in said_before())
+            (tmp_path / "run").mkdir()
+            setup_logging(tmp_path / "run", is_main=True)
+            ground_truth(val)  # the first evaluation
+            for handler in root_logger.handlers:
+                handler.flush()
+    finally:
+        for handler in list(root_logger.handlers):
+            root_logger.removeHandler(handler)
+            handler.close()
+        for handler in handlers:
+            root_logger.addHandler(handler)
+        root_logger.setLevel(level)
+    assert not said_before()  # handed on, not kept for a later job of this process
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert log.count(renumbered) == 1 and "data.min_size=800 resizes" in log, log
+    assert renumbered not in capsys.readouterr().out  # the console said it once, before
+
+
 # -- 6: a layout for GPUs on a machine without one -------------------------------------------------
 
 ESTIMATE = (

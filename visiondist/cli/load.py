@@ -30,6 +30,7 @@ from visiondist.config import (
 from visiondist.config.compose import detection_data_for, flatten, run_config
 from visiondist.config.schema import DETECTION_FORMATS, upgrade_saved
 from visiondist.utils.data_defaults import apply_data_defaults
+from visiondist.utils.logs import begin_job, say
 
 
 def load_config(
@@ -51,6 +52,7 @@ def load_config(
 
     from visiondist.runs import continue_config, saved_config  # noqa: PLC0415 (--help)
 
+    begin_job()
     try:
         cfg = compose(config_dir, overrides)
         pretrained = _pretrained_defaults(cfg, overrides)
@@ -68,7 +70,7 @@ def load_config(
         tuned = tuned_line(config_dir, cfg, overrides) if inputs is not None else None
         for line in (pretrained, tuned):
             if line:
-                print(line, file=sys.stdout if inputs is not None else sys.stderr, flush=True)
+                say(line) if inputs is not None else print(line, file=sys.stderr, flush=True)
     return cfg
 
 
@@ -275,7 +277,7 @@ def checked(cfg: DictConfig, inputs: Optional[str]) -> DictConfig:
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         for line in (recognised, note):
             if line:
-                print(line, file=sys.stdout if inputs is not None else sys.stderr, flush=True)
+                say(line) if inputs is not None else print(line, file=sys.stderr, flush=True)
     return cfg
 
 

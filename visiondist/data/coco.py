@@ -121,6 +121,21 @@ def safe_image_path(root: Path, file_name: str) -> Path:
     return root.joinpath(*name.parts)
 
 
+def renumbering_line(ann_file: str | Path, annotations: list[dict]) -> Optional[str]:
+    """What scoring does to a val file's annotation ids that are not positive and unique (Label
+    Studio's and other tools' exports count from 0; COCOeval reads id 0 as unmatched): it numbers
+    them 1, 2, ...; None when they are."""
+    ids = [a.get("id") for a in annotations]
+    if all(isinstance(i, int) and i > 0 for i in ids) and len(set(ids)) == len(ids):
+        return None
+    n = len(annotations)
+    why = "repeat" if len(set(ids)) != n else "are not all positive whole numbers"
+    return (
+        f"{ann_file}: its {n} annotation ids scored as 1-{n} (they {why}; COCO's scoring reads "
+        "id 0 as unmatched)"
+    )
+
+
 def load_coco(ann_file: Path, quiet: bool = True):
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         return COCO(str(ann_file))
@@ -301,7 +316,10 @@ class CocoDetection(Dataset):
         self.transform = transform
         self._bad = BadImages(max_bad_images, train)
         log.info(
-            "%s (%s): %s", self.ann_file.name, "train" if train else "eval", self.counts.describe()
+            "%s, by %s rules: %s",
+            self.ann_file.name,
+            "training's" if train else "evaluation's",
+            self.counts.describe(),
         )
 
     def __len__(self) -> int:

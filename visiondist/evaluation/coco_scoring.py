@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from visiondist.utils.logs import said_before
+
 log = logging.getLogger(__name__)
 
 STAT_NAMES = (
@@ -76,24 +78,21 @@ def ground_truth(ann_file: str | Path) -> dict[str, Any]:
     """The val split's COCO annotations for scoring, their ids made 1, 2, ... where the file's are
     not positive and unique: COCOeval marks a detection's match with its annotation's id and reads
     0 as unmatched, so an annotation numbered 0 (Label Studio's and other tools' exports count from
-    0) would score its match as a miss."""
+    0) would score its match as a miss. Said once a file, unless the job said it before launch."""
+    # the dataset's reader and torch (1.4 s), which a scorer of a predictions file may not need
+    from visiondist.data.coco import renumbering_line  # noqa: PLC0415 (torch, 1.4 s)
+
     data = json.loads(Path(ann_file).read_text())
     annotations = data.get("annotations", [])
-    ids = [a.get("id") for a in annotations]
-    if all(isinstance(i, int) and i > 0 for i in ids) and len(set(ids)) == len(ids):
+    line = renumbering_line(ann_file, annotations)
+    if line is None:
         return data
     for k, annotation in enumerate(annotations, 1):
         annotation["id"] = k
     if str(ann_file) not in _RENUMBERED:
         _RENUMBERED.add(str(ann_file))
-        log.info(
-            "%s: its %d annotation ids scored as 1-%d (they %s; COCO's scoring reads id 0 as "
-            "unmatched)",
-            ann_file,
-            len(annotations),
-            len(annotations),
-            "repeat" if len(set(ids)) != len(ids) else "are not all positive whole numbers",
-        )
+        if line not in {said for _, said in said_before()}:
+            log.info(line)
     return data
 
 

@@ -35,6 +35,7 @@ from visiondist.observe.progress import drawn_from_feed, in_notebook
 from visiondist.plan import announce, cuda_device_count, resolve
 from visiondist.plan.compiling import compile_plan
 from visiondist.plan.world import device_memory_gb, under_torchrun
+from visiondist.utils.logs import handed_on, say
 
 log = logging.getLogger(__name__)
 
@@ -82,42 +83,43 @@ def launch(
     _say_before_launch(cfg, run, auto_plan, main, kind)
     cfg_dict = with_decode_choice(cfg, run, to_container(cfg), main)
     results = {} if results is None else results
-    # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
-    if run.under_torchrun:
-        with one_line_failure(None):
-            rank = int(env.get("RANK", "0"))
-            results[rank] = run_rank(entry, cfg_dict, run, None, auto_plan, top_level=True)
-            _report_stop(results[rank], kind, True)
-        return run
-    run_dir = new_run_dir(cfg, run, kind)
-    if auto_plan is not None:
-        _write_plan(run_dir, auto_plan)
-    if run.world_size == 1:
-        with one_line_failure(run_dir):
-            results[0] = run_rank(entry, cfg_dict, run, str(run_dir), top_level=True)
-            _report_stop(results[0], kind)
-        return run
+    with handed_on():  # the lines above, into the run's log file
+        # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
+        if run.under_torchrun:
+            with one_line_failure(None):
+                rank = int(env.get("RANK", "0"))
+                results[rank] = run_rank(entry, cfg_dict, run, None, auto_plan, top_level=True)
+                _report_stop(results[rank], kind, True)
+            return run
+        run_dir = new_run_dir(cfg, run, kind)
+        if auto_plan is not None:
+            _write_plan(run_dir, auto_plan)
+        if run.world_size == 1:
+            with one_line_failure(run_dir):
+                results[0] = run_rank(entry, cfg_dict, run, str(run_dir), top_level=True)
+                _report_stop(results[0], kind)
+            return run
 
-    # a notebook's training bar: drawn by this kernel from rank 0's feed (`observe.progress`)
-    notebook = kind is None and cfg.trainer.progress and in_notebook()
-    with drawn_from_feed(run_dir / "progress.feed" if notebook else None):
-        _run_agent(
-            lambda: spawn_local(
-                elastic_worker,
-                run.per_node,
-                entry,
-                cfg_dict,
+        # a notebook's training bar: drawn by this kernel from rank 0's feed (`observe.progress`)
+        notebook = kind is None and cfg.trainer.progress and in_notebook()
+        with drawn_from_feed(run_dir / "progress.feed" if notebook else None):
+            _run_agent(
+                lambda: spawn_local(
+                    elastic_worker,
+                    run.per_node,
+                    entry,
+                    cfg_dict,
+                    run,
+                    str(run_dir),
+                    max_restarts=cfg.trainer.max_restarts,
+                    cuda=run.accelerator == "cuda",
+                ),
+                cfg,
                 run,
-                str(run_dir),
-                max_restarts=cfg.trainer.max_restarts,
-                cuda=run.accelerator == "cuda",
-            ),
-            cfg,
-            run,
-            kind,
-            run_dir,
-            results=results,
-        )
+                kind,
+                run_dir,
+                results=results,
+            )
     return run
 
 
@@ -130,19 +132,19 @@ def _say_before_launch(
     caches kept across runs. `kind`: the entry's `run_kind`."""
     stateless = kind in STATELESS
     # a named layout over the device's budget (visiondist.plan.fit)
-    if run.fitted and main:
+    if run.fitted and main:  # the ranks log it (engine.announce): their RunLayout holds it
         print(run.fitted, flush=True)
     # several ranks, no GPU found under accelerator=auto: stop, estimated
     check_gpu_layout(cfg, run, kind)
     if run.fsdp and run.dp == 1 and main:
-        print(
-            "warning: FSDP over 1 rank shards nothing (it runs as one process would): give the "
-            "ranks, e.g. trainer.devices=2 or parallel.dp=2",
-            flush=True,
+        say(
+            "FSDP over 1 rank shards nothing (it runs as one process would): give the ranks, e.g. "
+            "trainer.devices=2 or parallel.dp=2",
+            warning=True,
         )
     # a test of correctness: said, and its memory summed
     if run.share_gpu and main:
-        print(shared_gpu_line(cfg, run, device_memory_gb("cuda", 1)), flush=True)
+        say(shared_gpu_line(cfg, run, device_memory_gb("cuda", 1)))
     # an evaluation on plain DDP: nothing chosen to say
     plain = auto_plan is None or auto_plan.plain_ddp
     if run.chosen_by == "parallel=auto" and not (stateless and plain) and main:
@@ -151,10 +153,9 @@ def _say_before_launch(
     if run.compile:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     if cfg.trainer.compile == "auto" and run.accelerator == "cuda" and main:
-        print(
+        say(
             f"trainer.compile=auto: {'compiling' if run.compile else 'not compiling'}: "
-            f"{compile_plan(cfg, run)[3]}",
-            flush=True,
+            f"{compile_plan(cfg, run)[3]}"
         )
 
 
@@ -170,7 +171,7 @@ def with_decode_choice(cfg: DictConfig, run: RunLayout, cfg_dict: dict, main: bo
     choice, why = decode_plan(cfg, run)
     # on the CPU auto is the loader, as it always was: nothing to say
     if main and run.accelerator == "cuda":
-        print(f"data.decode_on=auto: {why}", flush=True)
+        say(f"data.decode_on=auto: {why}")
     cfg_dict["data"]["decode_on"] = choice
     return cfg_dict
 
@@ -239,7 +240,7 @@ def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> RunLayout:
     }
     run, _ = resolve(ranks_cfg, world, cuda_device_count(), training=kind not in STATELESS)
     check_gpu_layout(cfg, run, kind)
-    print(pod.line() + f" ({per_node} per pod)", flush=True)
+    say(pod.line() + f" ({per_node} per pod)")
     if run.fitted and pod.node_rank in (0, None):
         print(run.fitted, flush=True)
     run_dir = Path(cfg.trainer.run_dir).expanduser() if cfg.trainer.run_dir else None
@@ -247,22 +248,23 @@ def launch_pod(entry: Entry, cfg: DictConfig, pod: PodJob) -> RunLayout:
     ranks_dict = with_decode_choice(
         ranks_cfg, run, to_container(ranks_cfg), pod.node_rank in (0, None)
     )
-    _run_agent(
-        lambda: spawn_ranks(
-            pod_worker,
-            per_node,
-            entry,
-            ranks_dict,
-            max_restarts=restarts,
-            pod=pod,
-            cuda=run.accelerator == "cuda",
-        ),
-        cfg,
-        run,
-        kind,
-        run_dir,
-        under_torchrun=True,
-    )
+    with handed_on():
+        _run_agent(
+            lambda: spawn_ranks(
+                pod_worker,
+                per_node,
+                entry,
+                ranks_dict,
+                max_restarts=restarts,
+                pod=pod,
+                cuda=run.accelerator == "cuda",
+            ),
+            cfg,
+            run,
+            kind,
+            run_dir,
+            under_torchrun=True,
+        )
     return run
 
 

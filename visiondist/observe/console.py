@@ -15,6 +15,7 @@ from rich import get_console
 from rich.logging import RichHandler
 
 import visiondist
+from visiondist.utils.logs import said_before
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> 
     """Rank 0 logs INFO to the console (in a terminal through rich, so progress bars stay intact;
     otherwise plain lines) and to `log_file` in the run dir (train.log; eval.log, benchmark.log for
     those jobs). A record logged with `extra={"file_only": True}` (what the console printed before
-    the run dir existed) goes to the file alone."""
+    the run dir existed) goes to the file alone: the job's lines said before launch
+    (`utils.logs.say`) open the file so."""
     global LOG_FILE
     LOG_FILE = log_file
 
@@ -84,6 +86,9 @@ def setup_logging(run_dir: Path, is_main: bool, log_file: str = "train.log") -> 
     root.addHandler(console)
     root.addHandler(file)
     root.setLevel(logging.INFO)
+    before = logging.getLogger("visiondist.before_launch")
+    for level, line in said_before():
+        before.log(level, line, extra={"file_only": True})
 
 
 def next_commands(

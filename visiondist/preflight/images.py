@@ -13,6 +13,7 @@ from typing import Any
 
 from visiondist.config import ConfigError
 from visiondist.config.schema import DETECTION_FORMATS
+from visiondist.utils.logs import say
 
 _TAIL = 1 << 20  # COCO files end with their categories: the last MB holds them
 # a COCO training file up to this size is read whole to count its usable images
@@ -185,13 +186,12 @@ def _check_coco_batch(d, masks: bool = False, resized: bool = True) -> None:
     read = _small_coco(d, d.train_split, masks, train=True)
     if read is None:
         return
-    records, counts, annotations = read
+    records, counts, annotations, _ = read
     if counts.without_mask and _speaks():
-        print(
+        say(
             f"{annotations.name}: {counts.without_mask} instances without a valid segmentation "
             "are left out of training, as detectron2 leaves them out "
-            f"({counts.named_without_mask()})",
-            flush=True,
+            f"({counts.named_without_mask()})"
         )
     if _speaks():
         _say_clipped(annotations, counts, "training clips them to it")
@@ -212,17 +212,24 @@ def _check_coco_batch(d, masks: bool = False, resized: bool = True) -> None:
 def _check_coco_val(d, masks: bool = False) -> None:
     """The val split's annotations read as the ranks will read them, before any rank starts: an
     annotation of a category the file does not list is refused here, as in the training split;
-    boxes that reach past their image are said (COCO's scoring reads them as written)."""
+    boxes that reach past their image are said (COCO's scoring reads them as written), and
+    annotation ids that scoring numbers anew."""
+    from visiondist.data.coco import renumbering_line  # noqa: PLC0415 (reader)
+
     read = _small_coco(d, d.val_split, masks, train=False)
     if read is not None and _speaks():
+        _, counts, annotations, coco = read
         _say_clipped(
-            read[2], read[1], "the evaluation scores them as written, as COCO's scoring does"
+            annotations, counts, "the evaluation scores them as written, as COCO's scoring does"
         )
+        renumbered = renumbering_line(annotations, coco.dataset.get("annotations", []))
+        if renumbered:
+            say(renumbered)
 
 
 def _small_coco(d, split: str, masks: bool, train: bool):
-    """(records, counts, annotation file) of a split whose COCO file is small enough to read here
-    (None otherwise); a file the dataset would refuse is refused in one line."""
+    """(records, counts, annotation file, its pycocotools COCO) of a split whose COCO file is small
+    enough to read here (None otherwise); a file the dataset would refuse is refused in one line."""
     from visiondist.data import coco_paths  # noqa: PLC0415 (reader)
 
     images_dir, annotations = coco_paths(d, split)
@@ -240,7 +247,7 @@ def _small_coco(d, split: str, masks: bool, train: bool):
             if isinstance(exc, ValueError)
             else f"{annotations}: {type(exc).__name__}: {exc}"
         ) from None
-    return records, counts, annotations
+    return records, counts, annotations, coco
 
 
 def _speaks() -> bool:
@@ -249,11 +256,10 @@ def _speaks() -> bool:
 
 def _say_clipped(annotations: Path, counts, then: str) -> None:
     if counts.clipped_boxes:
-        print(
+        say(
             f"{annotations.name}: {counts.clipped_boxes} box"
             f"{'es reach' if counts.clipped_boxes > 1 else ' reaches'} 1 px or more past its "
-            f"image (the first: {counts.clipped_first}): {then}",
-            flush=True,
+            f"image (the first: {counts.clipped_first}): {then}"
         )
 
 
@@ -273,12 +279,11 @@ def _say_upscaled(d, records: list) -> None:
     factor = int(d.min_size) / median
     if factor < UPSCALED:
         return
-    print(
+    say(
         f"data.min_size={d.min_size} resizes the training images (shorter side {shorter[0]}-"
         f"{shorter[-1]} px, median {median}) {factor:.1f}x up, {factor**2:.0f}x their pixels a "
         f"step; to train them at about their own size: data.min_size={median} "
-        f"data.max_size={max(longer, median)} (docs/data.md, small sets)",
-        flush=True,
+        f"data.max_size={max(longer, median)} (docs/data.md, small sets)"
     )
 
 
