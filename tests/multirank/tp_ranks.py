@@ -179,7 +179,7 @@ def loader_batches(root: str, dp: int, tp: int) -> dict:
 
 def make_vitdet():
     """A tiny ViT-backbone detector's feature pyramid (the part tensor parallelism shards)."""
-    from visiondist.models.detection import SimpleFeaturePyramid, ViTBackbone
+    from visiondist.models.vitdet import SimpleFeaturePyramid, ViTBackbone
 
     torch.manual_seed(0)
     return SimpleFeaturePyramid(

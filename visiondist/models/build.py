@@ -53,7 +53,7 @@ def _build_torchvision(cfg: Any) -> nn.Module:
 
 
 def _build_vitdet(cfg: Any) -> nn.Module:
-    from visiondist.models.detection import build_vitdet  # noqa: PLC0415 (torchvision: see the top)
+    from visiondist.models.vitdet import build_vitdet  # noqa: PLC0415 (torchvision: see the top)
 
     return build_vitdet(cfg)
 
