@@ -192,7 +192,7 @@ def _exported_predicts_as_trained(run, exported):
         if normalizes
         else ([0.0, 0.0, 0.0], [1.0, 1.0, 1.0])
     )
-    from visiondist.models.detr import ARCHS
+    from visiondist.models.detr_archs import ARCHS
 
     # which class format=hf feeds
     assert f"{ARCHS[trained.cfg.model.arch].model}.from_pretrained" in sidecar["usage"]

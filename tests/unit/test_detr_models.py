@@ -397,7 +397,8 @@ def test_each_family_at_its_published_input_trains_evaluates_and_runs_the_plain_
     plain loop both train (the plain loop was fed the data's 160-px squares, where RF-DETR-N's 100
     positions cannot give 300 queries), and evaluation returns one detection per query."""
     from visiondist.bench.measure import synthetic_batch
-    from visiondist.models.detr import build_hf_detector, library_target
+    from visiondist.models.detr import library_target
+    from visiondist.models.detr_archs import build_hf_detector
 
     cfg = OmegaConf.create(
         {

@@ -157,7 +157,7 @@ class PlainLoop:
                 else f"visiondist {type(model).__name__}"
             )
         elif m.family == "detr":
-            from visiondist.models.detr import build_hf_detector  # noqa: PLC0415 (detector-side)
+            from visiondist.models.detr_archs import build_hf_detector  # noqa: PLC0415 (detector-side)
             from visiondist.models.detr_library import model_values  # noqa: PLC0415 (detector-side)
 
             # the network the run trains (its backbone's BatchNorms training from random weights, as

@@ -206,6 +206,6 @@ def square_input(model_cfg) -> dict[str, Any]:
     (data.min_size / max_size)."""
     if model_cfg.family != "detr":
         return {}
-    from visiondist.models.detr import ARCHS  # noqa: PLC0415 (detector-side)
+    from visiondist.models.detr_archs import ARCHS  # noqa: PLC0415 (detector-side)
 
     return {"square": int(model_cfg.img_size), "antialias": ARCHS[model_cfg.arch].antialias}

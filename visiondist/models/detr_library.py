@@ -20,10 +20,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from visiondist.models.detr import (
+from visiondist.models.detr import DetrDetector
+from visiondist.models.detr_archs import (
     ARCHS,
     Arch,
-    DetrDetector,
     _transformers,
     arch_of,
     build_hf_detector,

@@ -156,8 +156,7 @@ def _check_vitdet(cfg: DictConfig) -> None:
 
 
 def _check_detr(cfg: DictConfig) -> None:
-    # the model modules bring torch (2 s; torchvision's 0.8 s more): the launcher reads this one
-    from visiondist.models.detr import ARCHS  # noqa: PLC0415 (torch: see above)
+    from visiondist.models.detr_archs import ARCHS  # noqa: PLC0415 (the DETR variants alone)
 
     m = cfg.model
     if m.arch not in ARCHS:

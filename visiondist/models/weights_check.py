@@ -233,7 +233,7 @@ def _library_kind(where: Path) -> str:
 def _library_fix(where: Path, spec: str, model: str) -> str:
     """The settings that read a from_pretrained directory: the model configs of its kind, and the
     directory."""
-    from visiondist.models.detr import ARCHS  # noqa: PLC0415 (torch: see the top)
+    from visiondist.models.detr_archs import ARCHS  # noqa: PLC0415 (the DETR variants alone)
 
     kind = _library_type(where)
     same = [n for n, a in ARCHS.items() if a.model_type == kind]

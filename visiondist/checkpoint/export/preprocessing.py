@@ -15,7 +15,7 @@ from visiondist.checkpoint.export.trained import Trained, input_size
 from visiondist.data.decode import POLICY
 from visiondist.models import TASKS
 from visiondist.models.detection import TORCHVISION_DETECTORS
-from visiondist.models.detr import ARCHS
+from visiondist.models.detr_archs import ARCHS
 
 log = logging.getLogger(__name__)
 
