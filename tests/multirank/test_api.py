@@ -7,8 +7,10 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 from helpers import TINY_DATA, call_tool
+from PIL import Image
 
 import visiondist
 from visiondist.inference import predict as predict_records
@@ -126,7 +128,13 @@ def test_a_runs_evaluate_predict_and_export_are_the_tools(tmp_path, tiny_shapes,
     records = list(predict_records(str(tiny_shapes / "val"), run_dir=str(run.dir), topk=2))
     assert [r.record for r in results] == records
     assert results[0].plot().ndim == 3 and results[0]._repr_png_()[:4] == b"\x89PNG"
-    assert results[0].save(tmp_path / "drawn.jpg").stat().st_size > 0
+    assert results[0].save(tmp_path / "drawn.jpg").read_bytes()[:2] == b"\xff\xd8"  # JPEG
+    # the format the name asks for: a PNG is lossless, the drawn pixels exactly
+    assert np.array_equal(
+        np.asarray(Image.open(results[0].save(tmp_path / "drawn.png"))), results[0].plot()
+    )
+    with pytest.raises(ValueError, match=r"drawn.gif: a drawn image is written as one of .jpg"):
+        results[0].save(tmp_path / "drawn.gif")
 
     # save=: tools/predict.py's job and files
     folder = run.predict(tiny_shapes / "val", topk=2, save=tmp_path / "api", save_images=2)

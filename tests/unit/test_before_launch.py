@@ -273,10 +273,43 @@ def test_a_coco_sets_boxes_past_their_image_unknown_val_categories_and_upscaling
     path.write_text(json.dumps(coco))
     with pytest.raises(
         ConfigError,
-        match=r"instances_val2017.json: annotation 1 \(image 1\) has "
-        r"category_id 99, which is not among the categories",
+        match=r"^annotation 1 \(image 1\) has category_id 99, which is not among the categories "
+        r"of \S*instances_val2017.json: \[1\]$",
     ):
         load_config(CONFIGS, [*args, f"data.root={root}"])
+
+
+def test_polygons_as_points_are_said_before_launch_and_a_bad_val_mask_refused(tmp_path, capsys):
+    """A mask model on a converter's COCO file: polygons written as [x, y] points are read as
+    COCO's form and said in one line; a val instance whose polygon has 2 points is refused before
+    any rank starts (COCOeval scores every val mask)."""
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+
+    root = _coco(tmp_path / "points", [(32, 24)] * 4, boxed=4)
+    for split in ("train2017", "val2017"):
+        path = root / "annotations" / f"instances_{split}.json"
+        coco = json.loads(path.read_text())
+        for a in coco["annotations"]:
+            a["segmentation"] = [[1, 1], [9, 1], [9, 9], [1, 9]]
+        path.write_text(json.dumps(coco))
+    args = ["model=maskrcnn_mobilenet_v3", "data=coco", "data.num_classes=1",
+            "trainer.accelerator=cpu", "data.batch_size=4", "data.min_size=32",
+            "data.max_size=32", f"data.root={root}"]  # fmt: skip
+    load_config(CONFIGS, args)
+    out = capsys.readouterr().out
+    assert (
+        "instances_train2017.json: 4 polygon segmentations are written as [x, y] points or as "
+        "one unwrapped list (the first: annotation 1, [[1, 1], [9, 1], [9, 9], [1, 9]] (points)): "
+        "read as COCO's [[x1, y1, x2, y2, ...]]"
+    ) in out, out
+    assert "instances_val2017.json: 4 polygon segmentations are written" in out
+    val = root / "annotations" / "instances_val2017.json"
+    coco = json.loads(val.read_text())
+    coco["annotations"][2]["segmentation"] = [[1, 1, 9, 9]]
+    val.write_text(json.dumps(coco))
+    with pytest.raises(ConfigError, match=r"^annotation 3 \(image 3\) of \S*instances_val2017"):
+        load_config(CONFIGS, args)
 
 
 def test_what_is_said_before_launch_heads_the_run_log_and_is_not_said_again(tmp_path, capsys):

@@ -259,6 +259,12 @@ def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(caps
             "runs_dir is not a setting of tools/eval.py: did you mean run_dir?",
         ),
         ("eval", ["step=2"], "step=2 picks a checkpoint of a run: add run_dir=<run>"),
+        (
+            "eval",
+            ["run_dir=/tmp", "model=maskrcnn_mobilenet_v3"],
+            "model=maskrcnn_mobilenet_v3: a run keeps its own model; change keys within it (e.g. "
+            "data.root=/path), or give weights=<file> model=maskrcnn_mobilenet_v3 instead",
+        ),
         ("eval", [], "give run_dir=<run dir> (a training run) or weights=<file>"),
         ("plan", ["--info"], "--info:"),
         ("benchmark", ["hydra.verbose=true"], "hydra.verbose:"),

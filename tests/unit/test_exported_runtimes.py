@@ -110,9 +110,11 @@ def test_a_detector_graph_answers_a_batch_as_pytorch_answers_each_image(tmp_path
     }
 
 
-def test_the_deploy_docs_code_runs_on_an_exported_detector(tmp_path, monkeypatch):
+@pytest.mark.parametrize("masks", [False, True], ids=["boxes", "masks"])
+def test_the_deploy_docs_code_runs_on_an_exported_detector(tmp_path, monkeypatch, masks):
     """docs/deploy.md's Python block, as written, on a ViTDet export (the canvas form): it runs,
-    and its boxes for each photo are what the runtime model (tools/predict.py's) gives."""
+    and its boxes for each photo are what the runtime model (tools/predict.py's) gives; a mask
+    model's masks, cut to the image and thresholded as the block does, are its masks at 0.5."""
     import re
 
     import numpy as np
@@ -120,7 +122,7 @@ def test_the_deploy_docs_code_runs_on_an_exported_detector(tmp_path, monkeypatch
     from visiondist.checkpoint.export import export
     from visiondist.checkpoint.export.runtimes import load_runtime
 
-    trained = tiny_vitdet(tmp_path, masks=False)
+    trained = tiny_vitdet(tmp_path, masks=masks)
     export(trained, "onnx", tmp_path / "model.onnx")
     text = (REPO / "docs" / "deploy.md").read_text()
     code = re.search(r"```python\n(.*?)```", text, re.S)[1]
@@ -142,6 +144,12 @@ def test_the_deploy_docs_code_runs_on_an_exported_detector(tmp_path, monkeypatch
         assert n == len(want["boxes"]) > 0
         np.testing.assert_allclose(scope["boxes"][i, :n], want["boxes"].numpy(), atol=1e-4)
     assert len(scope["ids"]) == int(scope["count"][-1])
+    if masks:  # the block's last image's masks
+        binary = want["masks"][:, 0].numpy() >= 0.5
+        assert scope["binary"].shape == binary.shape == (n, *scope["photos"][-1].shape[1:])
+        assert (scope["binary"] != binary).mean() < 1e-3  # a pixel at 0.5 may round either way
+    else:
+        assert scope["masks"] is None
 
 
 def test_a_half_graph_keeps_float32_edges_and_answers_within_float16s_precision(tmp_path):

@@ -145,8 +145,9 @@ def test_the_loader_keeps_segmentations_as_text_and_decodes_them_per_image(maske
     boxes_only.write_text(json.dumps(coco))
     with pytest.raises(
         ValueError,
-        match=r"boxes.json has no valid segmentation \(annotation ids 1, 2, .* and \d+ "
-        r"more: .*\), which a model with a mask head trains on: .*or a box model",
+        match=r"boxes.json: (\d+) of its \1 instances have no valid segmentation \(annotation ids "
+        r"1, 2, .* and \d+ more: .*\), which a model with a mask head trains on: .*or train a "
+        r"model without masks \(fasterrcnn_\* for maskrcnn_\*",
     ):
         CocoDetection(masked_set / "train", boxes_only, train=True, masks=True)
 
@@ -183,6 +184,65 @@ def test_instances_without_a_valid_segmentation_are_left_out_counted_and_named(
     assert [[0.0, 0.0, 3.0, 3.0]] not in kept and all(
         len(p) >= 6 for s in kept if isinstance(s, list) for p in s
     )
+
+
+def test_polygons_written_as_points_or_unwrapped_train_and_score_as_coco_s_form(
+    masked_set, tmp_path
+):
+    """labelme-style `[[x, y], ...]` points and a flat `[x1, y1, ...]` not wrapped in the outer list
+    (what home-made converters write) are read as COCO's `[[x1, y1, ...]]`: the same masks in
+    training, counted and the first named, and the same ground truth for scoring. Under a mask
+    model a val instance without a valid segmentation is refused, naming it (COCOeval scores every
+    val mask); a training split that lost most of its instances is refused, not trained on."""
+    from visiondist.evaluation.coco_scoring import ground_truth
+
+    ann_file = masked_set / "annotations" / "instances_train.json"
+    coco = json.loads(ann_file.read_text())
+    polygons = [
+        a for a in coco["annotations"] if not a["iscrowd"] and isinstance(a["segmentation"], list)
+    ]
+    single = [a for a in polygons if len(a["segmentation"]) == 1]
+    as_points, as_flat = single[0], single[1]
+    as_points["segmentation"] = [
+        [x, y]
+        for x, y in zip(as_points["segmentation"][0][0::2], as_points["segmentation"][0][1::2])
+    ]
+    as_flat["segmentation"] = as_flat["segmentation"][0]
+    written = tmp_path / "tool.json"
+    written.write_text(json.dumps(coco))
+    clean = CocoDetection(masked_set / "train", ann_file, train=True, masks=True)
+    data = CocoDetection(masked_set / "train", written, train=True, masks=True)
+    assert data.counts.reshaped == 2 and data.counts.without_mask == 0
+    assert data.counts.reshaped_first.startswith(f"annotation {as_points['id']}, [[")
+    n = len(clean.index.segmentations)
+    assert data.index.segmentations.get(0, n) == clean.index.segmentations.get(0, n)
+    truth = {a["id"]: a["segmentation"] for a in ground_truth(ann_file)["annotations"]}
+    read = {a["id"]: a["segmentation"] for a in ground_truth(written)["annotations"]}
+    assert read == truth
+
+    val = json.loads((masked_set / "annotations" / "instances_val.json").read_text())
+    bad = next(a for a in val["annotations"] if not a["iscrowd"])
+    bad["segmentation"] = [[1.0, 1.0, 5.0, 5.0]]
+    bad_val = tmp_path / "val.json"
+    bad_val.write_text(json.dumps(val))
+    with pytest.raises(
+        ValueError,
+        match=rf"annotation {bad['id']} \(image {bad['image_id']}\) of .*val.json has no valid "
+        r"segmentation \(\[\[1.0, 1.0, 5.0, 5.0\]\]: empty, or polygons of fewer than 3 points\), "
+        r"and a mask model is scored on every val instance's mask",
+    ):
+        CocoDetection(masked_set / "val", bad_val, train=False, masks=True)
+    assert len(CocoDetection(masked_set / "val", bad_val, train=False))  # a box model: its boxes
+
+    instances = [a for a in coco["annotations"] if not a["iscrowd"]]
+    for a in instances[: len(instances) // 2 + 2]:
+        a["segmentation"] = [[0.0, 0.0, 3.0, 3.0]]
+    mostly = tmp_path / "mostly_bad.json"
+    mostly.write_text(json.dumps(coco))
+    with pytest.raises(
+        ValueError, match=r"mostly_bad.json: \d+ of its \d+ instances have no valid"
+    ):
+        CocoDetection(masked_set / "train", mostly, train=True, masks=True)
 
 
 def test_the_ground_truth_as_predictions_scores_1_for_masks_and_boxes(masked_set):

@@ -168,6 +168,37 @@ def test_a_file_with_no_name_in_common_says_what_it_holds(tmp_path, capsys):
     ), line
 
 
+def test_a_mask_models_weights_under_its_box_twin_name_the_model_their_record_names(
+    tmp_path, capsys
+):
+    """An exported Mask R-CNN's model.safetensors given to its box twin: the mask head's tensors are
+    not the model's, and the fix names the model its model.json records."""
+    from visiondist.cli import load_config
+    from visiondist.models import build_model
+    from visiondist.models.weights import save_weights
+
+    cfg = load_config(
+        CONFIGS, ["model=maskrcnn_mobilenet_v3", "data=shapes_coco", "data.num_classes=6"],
+        inputs=None,
+    )  # fmt: skip
+    weights = tmp_path / "model.safetensors"
+    save_weights(build_model(cfg.model).state_dict(), weights)
+    (tmp_path / "model.json").write_text(json.dumps({"model": "maskrcnn_mobilenet_v3"}))
+    line = _refused(
+        capsys,
+        tmp_path,
+        "train",
+        "model=fasterrcnn_mobilenet_v3",
+        "data=shapes_coco",
+        f"model.weights={weights}",
+    )
+    assert "are not the model's (roi_heads.mask_head" in line, line
+    assert line.endswith(
+        "use the model the weights were trained with, model=maskrcnn_mobilenet_v3 as model.json "
+        "records it"
+    ), line
+
+
 def test_a_checkpoint_directory_is_for_evaluation(tmp_path, capsys):
     checkpoint = tmp_path / "run" / "checkpoints" / "step_4"
     checkpoint.mkdir(parents=True)

@@ -137,7 +137,8 @@ class Result:
         return draw(self.image(), self.record)
 
     def save(self, path: Optional[Union[str, Path]] = None) -> Path:
-        """Write `plot()` to `path` (default: `<the image's name>_predicted.jpg` here).
+        """Write `plot()` to `path`, in the format its extension names (.jpg, .png, .webp, ...;
+        default: `<the image's name>_predicted.jpg` here).
 
         Returns:
             The written file.

@@ -109,7 +109,7 @@ def tuned_line(config_dir: Path, cfg: DictConfig, overrides: list[str]) -> Optio
         return None
     return (
         f"configs/tuned/{file.name} sets {' '.join(kept)} (tuned for {cfg.model.name} on "
-        f"{cfg.data.name}; any of them given on the command line wins)"
+        f"{cfg.data.name}; any of them given wins)"
     )
 
 
@@ -164,6 +164,13 @@ def load_run_config(
     # where it takes them at all (model.kwargs)
     overrides = [o.lstrip("+") for o in overrides]
     bad = [o for o in overrides if "=" not in o or "." not in o.split("=", 1)[0]]
+    groups = [o for o in bad if "=" in o]  # model=..., data=...: a config group switched
+    if groups:
+        raise ConfigError(
+            f"{' '.join(groups)}: a run keeps its own {groups[0].split('=')[0]}; change keys "
+            "within it (e.g. data.root=/path), or give weights=<file> "
+            f"{groups[0]} instead of the run to use other weights"
+        )
     if bad:
         raise ConfigError(
             f"{' '.join(bad)}: a run's config takes key=value overrides only (e.g. data.root=/path)"

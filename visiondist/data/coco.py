@@ -41,7 +41,7 @@ from torch.utils.data import Dataset
 
 from visiondist.data.decode import exif_orientation, read_rgb
 from visiondist.data.index import PathIndex
-from visiondist.data.masks import SegmentationIndex, decode
+from visiondist.data.masks import SegmentationIndex, coco_polygons, decode
 from visiondist.data.robust import BadImages
 from visiondist.utils.text import counted
 
@@ -63,6 +63,9 @@ class CocoCounts:
     # kept, clipped to their image: boxes that reached 1 px or more past it
     clipped_boxes: int = 0
     clipped_first: str = ""  # the first one, for a message: "annotation 5 of image 3, ..."
+    # kept: polygons written as [x, y] points or as one unwrapped list, read as COCO's form
+    reshaped: int = 0
+    reshaped_first: str = ""  # "annotation 4, [[10, 10], [20, 10], ...] (points)"
 
     NAMED = 10
 
@@ -175,7 +178,15 @@ def read_records(
                 continue
             if past:
                 counts.clipped(ann, image_id, width, height)
-            segmentation = _segmentation(ann) if masks else None
+            segmentation = _segmentation(ann, counts) if masks else None
+            if masks and segmentation is None and not train:
+                raise ValueError(
+                    f"annotation {ann.get('id')} (image {image_id}) of "
+                    f"{coco.dataset.get('_file', 'the annotation file')} has no valid segmentation "
+                    f"({_shown(ann.get('segmentation'))}: empty, or polygons of fewer than 3 "
+                    "points), and a mask model is scored on every val instance's mask: fix or "
+                    "remove it, or mark it iscrowd=1"
+                )
             if masks and segmentation is None:
                 counts.without_mask += 1
                 if len(counts.without_mask_ids) < counts.NAMED:
@@ -201,14 +212,20 @@ def read_records(
         )
         counts.boxes += len(boxes)
     counts.images = len(records)
-    if masks and counts.without_mask and not counts.boxes:
+    if masks and counts.without_mask > counts.boxes:
         raise ValueError(
-            f"{coco.dataset.get('_file', 'the annotation file')} has no valid segmentation ("
-            f"{counts.named_without_mask()}), which a model with a mask head trains on: use an "
-            "annotation file with masks, or a box model (e.g. model=fasterrcnn_r50 for "
-            "model=maskrcnn_r50)"
+            f"{coco.dataset.get('_file', 'the annotation file')}: {counts.without_mask} of its "
+            f"{counts.without_mask + counts.boxes} instances have no valid segmentation "
+            f"({counts.named_without_mask()}), which a model with a mask head trains on: fix "
+            "their segmentations, or train a model without masks (fasterrcnn_* for maskrcnn_*, "
+            "model.masks=false for ViTDet)"
         )
     return records, label_of, counts
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 5] + " ...]"
 
 
 def _clipped(ann: dict, width: int, height: int) -> tuple[list[float], bool]:
@@ -220,16 +237,23 @@ def _clipped(ann: dict, width: int, height: int) -> tuple[list[float], bool]:
     return [x1, y1, min(max(x + w, 0.0), width), min(max(y + h, 0.0), height)], past
 
 
-def _segmentation(ann: dict) -> Any:
+def _segmentation(ann: dict, counts: CocoCounts) -> Any:
     """The annotation's segmentation as a mask model trains on it: an RLE as it is, polygons of at
-    least 3 points (6 coordinates, an even count); None when nothing valid is left (detectron2's
+    least 3 points (6 coordinates, an even count), in COCO's form where a tool wrote them as points
+    or unwrapped (`masks.coco_polygons`; counted); None when nothing valid is left (detectron2's
     rule)."""
     segmentation = ann.get("segmentation")
     if isinstance(segmentation, dict):
         return segmentation if segmentation.get("counts") else None
     if not isinstance(segmentation, list):
         return None
-    polygons = [p for p in segmentation if isinstance(p, list) and len(p) >= 6 and len(p) % 2 == 0]
+    written, form = coco_polygons(segmentation)
+    polygons = [p for p in written if isinstance(p, list) and len(p) >= 6 and len(p) % 2 == 0]
+    if polygons and form != "coco":
+        counts.reshaped += 1
+        counts.reshaped_first = counts.reshaped_first or (
+            f"annotation {ann.get('id')}, {_shown(segmentation)} ({form})"
+        )
     return polygons or None
 
 

@@ -7,6 +7,10 @@ one (`counts` a string). The loader keeps every kept annotation's segmentation a
 one byte buffer with offsets (`SegmentationIndex`: no Python object per annotation, shared by forked
 loader workers) and turns those of one image into masks when that image is read (`decode`).
 Predicted masks go the other way (`encode`) for COCOeval's `segm`.
+
+Annotation tools and home-made converters also write a polygon as `[x, y]` points (labelme's form,
+`[[x1, y1], [x2, y2], ...]`) or as one flat list not wrapped in the outer list (`[x1, y1, ...]`):
+`coco_polygons` reads both as COCO's form, for training and for scoring alike.
 """
 
 from __future__ import annotations
@@ -18,11 +22,39 @@ import numpy as np
 from pycocotools import mask as mask_utils
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _point(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and len(v) == 2 and all(map(_number, v))
+
+
+def coco_polygons(segmentation: list) -> tuple[list, str]:
+    """A polygon segmentation in COCO's form (`[[x1, y1, x2, y2, ...], ...]`), and the form it was
+    written in: "coco"; "points" for `[x, y]` pairs (`[[x1, y1], [x2, y2], ...]`, or a list of such
+    polygons); "flat" for one polygon not wrapped in the outer list (`[x1, y1, x2, y2, ...]`).
+    Anything else is returned as it is ("coco"), for the validity rules to judge."""
+    if segmentation and all(map(_number, segmentation)):
+        return [list(segmentation)], "flat"
+    if segmentation and all(map(_point, segmentation)):
+        return [[c for point in segmentation for c in point]], "points"
+    polygons, form = [], "coco"
+    for part in segmentation:
+        if isinstance(part, list) and part and all(map(_point, part)):
+            polygons.append([c for point in part for c in point])
+            form = "points"
+        else:
+            polygons.append(part)
+    return polygons, form
+
+
 def to_rle(segmentation: Any, height: int, width: int) -> dict:
     """One compressed RLE of an annotation's segmentation (polygons merged into one mask), as
     COCOeval reads it."""
     if isinstance(segmentation, list):  # polygons: one object may have several parts
-        polygons = [p for p in segmentation if len(p) >= 6]  # fewer than 3 points covers nothing
+        # fewer than 3 points covers nothing
+        polygons = [p for p in coco_polygons(segmentation)[0] if len(p) >= 6]
         if not polygons:
             return mask_utils.encode(np.zeros((height, width, 1), dtype=np.uint8, order="F"))[0]
         return mask_utils.merge(mask_utils.frPyObjects(polygons, height, width))

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from visiondist.utils.logs import said_before
+from visiondist.utils.logs import held_at, said_before
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +78,18 @@ def ground_truth(ann_file: str | Path) -> dict[str, Any]:
     """The val split's COCO annotations for scoring, their ids made 1, 2, ... where the file's are
     not positive and unique: COCOeval marks a detection's match with its annotation's id and reads
     0 as unmatched, so an annotation numbered 0 (Label Studio's and other tools' exports count from
-    0) would score its match as a miss. Said once a file, unless the job said it before launch."""
+    0) would score its match as a miss. Said once a file, unless the job said it before launch.
+    Polygons written as [x, y] points or unwrapped are read in COCO's form, as training reads them
+    (`data.masks.coco_polygons`)."""
     # the dataset's reader and torch (1.4 s), which a scorer of a predictions file may not need
     from visiondist.data.coco import renumbering_line  # noqa: PLC0415 (torch, 1.4 s)
+    from visiondist.data.masks import coco_polygons  # noqa: PLC0415 (with the one above)
 
     data = json.loads(Path(ann_file).read_text())
     annotations = data.get("annotations", [])
+    for annotation in annotations:
+        if isinstance(annotation.get("segmentation"), list):
+            annotation["segmentation"] = coco_polygons(annotation["segmentation"])[0]
     line = renumbering_line(ann_file, annotations)
     if line is None:
         return data
@@ -138,7 +144,8 @@ def score(
         raise ValueError(
             f"unknown COCO scoring backend {backend!r}: faster-coco-eval or pycocotools"
         )
-    with contextlib.redirect_stdout(io.StringIO()):
+    # the summary's lines (and faster-coco-eval's INFO log of each stage) are the caller's to say
+    with contextlib.redirect_stdout(io.StringIO()), held_at(logging.WARNING, ["faster_coco_eval"]):
         gt = COCO()
         gt.dataset = ground_truth(ann_file)
         gt.createIndex()

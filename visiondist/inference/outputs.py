@@ -318,10 +318,24 @@ def _label_font() -> Optional[str]:
     return str(path) if path.is_file() else None
 
 
+# what a drawn image may be written as (OpenCV's encoders); anything else is refused
+DRAWN_FORMATS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff")
+
+
 def save_drawn(path: Path, image: np.ndarray) -> None:
+    """An RGB image written in the format of `path`'s extension (JPEG at quality 90; PNG
+    lossless), under a temporary name first, so the file is whole or absent."""
+    suffix = path.suffix.lower()
+    if suffix not in DRAWN_FORMATS:
+        raise ValueError(
+            f"{path}: a drawn image is written as one of {', '.join(DRAWN_FORMATS)}: name the "
+            "file with one of them"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.jpg")
-    cv2.imwrite(str(tmp), cv2.cvtColor(image, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, 90])
+    tmp = path.with_name(path.name + f".tmp{suffix}")
+    quality = [cv2.IMWRITE_JPEG_QUALITY, 90] if suffix in (".jpg", ".jpeg") else []
+    if not cv2.imwrite(str(tmp), cv2.cvtColor(image, cv2.COLOR_RGB2BGR), quality):
+        raise OSError(f"could not write {path}")
     os.replace(tmp, path)
 
 

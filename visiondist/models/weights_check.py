@@ -95,7 +95,7 @@ def check_weights(model_cfg, purpose: str = "train", data_classes: Optional[int]
         raise ConfigError(
             f"model.weights={spec} does not fit model={model_cfg.name}: {key} is "
             f"{list(stored[key])} there but {list(own[key])} here: use the model (and "
-            "data.img_size) the weights were trained with"
+            f"data.img_size) the weights were trained with{_trained_with(path)}"
         )
     # a model saved with frozen BatchNorms stores no num_batches_tracked (the loader freezes those
     # BatchNorms)
@@ -108,7 +108,20 @@ def check_weights(model_cfg, purpose: str = "train", data_classes: Optional[int]
             f"model.weights={spec} does not fit model={model_cfg.name}: {len(missing)} of the "
             f"model's tensors are not there ({_some(missing)}) and {len(unknown)} of its are not "
             f"the model's ({_some(unknown)}): use the model the weights were trained with"
+            f"{_trained_with(path)}"
         )
+
+
+def _trained_with(path: Path) -> str:
+    """`, model=<name> as <file> records it` where the weights' sidecar (or an ONNX file's
+    metadata) names the model they were exported from; else nothing."""
+    from visiondist.models.exported import recorded_model  # noqa: PLC0415 (onnx: its files')
+
+    try:
+        recorded = recorded_model(path) if path.is_file() else None
+    except Exception:  # a record that cannot be read names nothing; the message stands
+        recorded = None
+    return f", model={recorded[0]} as {recorded[1]} records it" if recorded else ""
 
 
 def _headless(model_cfg, spec: str, missing: list[str]) -> str:
@@ -340,8 +353,7 @@ def weights_settings(
         parts.append("data=shapes_coco for its settings (prediction reads no data)")
     if parts:
         print(
-            f"{tool} weights={weights}: {'; '.join(parts)} (any of them given on the command line "
-            "wins)",
+            f"{tool} weights={weights}: {'; '.join(parts)} (any of them given wins)",
             flush=True,
         )
     return [f"{k}={v}" for k, v in taken.items()]
@@ -358,8 +370,8 @@ def _recorded_model(weights: Path, overrides: list[str], tool: str) -> list[str]
     if recorded is None:
         return []
     print(
-        f"{tool} weights={weights}: model={recorded[0]} as {recorded[1]} records it (model= on "
-        "the command line wins)",
+        f"{tool} weights={weights}: model={recorded[0]} as {recorded[1]} records it (a model= "
+        "given wins)",
         flush=True,
     )
     return [f"model={recorded[0]}"]

@@ -194,6 +194,7 @@ def _check_coco_batch(d, masks: bool = False, resized: bool = True) -> None:
             f"({counts.named_without_mask()})"
         )
     if _speaks():
+        _say_reshaped(annotations, counts)
         _say_clipped(annotations, counts, "training clips them to it")
         if resized:
             _say_upscaled(d, records)
@@ -219,6 +220,7 @@ def _check_coco_val(d, masks: bool = False) -> None:
     read = _small_coco(d, d.val_split, masks, train=False)
     if read is not None and _speaks():
         _, counts, annotations, coco = read
+        _say_reshaped(annotations, counts)
         _say_clipped(
             annotations, counts, "the evaluation scores them as written, as COCO's scoring does"
         )
@@ -242,16 +244,25 @@ def _small_coco(d, split: str, masks: bool, train: bool):
         coco.dataset["_file"] = str(annotations)
         records, _, counts = read_records(coco, images_dir, train=train, masks=masks)
     except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(
-            f"{annotations}: {exc}"
-            if isinstance(exc, ValueError)
-            else f"{annotations}: {type(exc).__name__}: {exc}"
-        ) from None
+        said = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        # a message that names the file already is not prefixed with it again
+        raise ConfigError(said if str(annotations) in said else f"{annotations}: {said}") from None
     return records, counts, annotations, coco
 
 
 def _speaks() -> bool:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def _say_reshaped(annotations: Path, counts) -> None:
+    if counts.reshaped:
+        say(
+            f"{annotations.name}: {counts.reshaped} polygon segmentation"
+            f"{'s are' if counts.reshaped > 1 else ' is'} written as [x, y] points or as one "
+            f"unwrapped list (the first: {counts.reshaped_first}): read as COCO's "
+            "[[x1, y1, x2, y2, ...]], for training and scoring alike (plain pycocotools reads only "
+            "COCO's form)"
+        )
 
 
 def _say_clipped(annotations: Path, counts, then: str) -> None:
