@@ -447,7 +447,9 @@ def fake_slurm(bin_dir: Path, job_id: str, nodes: int, per_node: int, run_dir: P
 
     bin_dir.mkdir(parents=True, exist_ok=True)
     (bin_dir / "srun").write_text(FAKE_SRUN.format(python=sys.executable))
-    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    # a long node list, as a large job's: the script must read it whole (a reader that stops at the
+    # first name leaves scontrol writing into a closed pipe)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\nseq 1 200000\n")
     for tool in ("srun", "scontrol"):
         (bin_dir / tool).chmod(0o755)
     with socket.socket() as s:

@@ -6,6 +6,8 @@
 #   sbatch tools/slurm_train.sh model=vit_huge parallel=tp4 data=imagenet data.root=/data/imagenet \
 #       trainer.precision=bf16
 #
+# The #SBATCH lines below are defaults: sbatch's own options override them (`sbatch --nodes=4 --ntasks-per-node=4
+# --gpus-per-node=4 tools/slurm_train.sh ...`); --mem=0 asks for each node's whole memory, as GPU nodes are given.
 # Submit from the repository root, on a file system every node sees (sbatch runs a copy of this script in the
 # directory it was submitted from; the run directory, outputs/slurm/<job id>, is relative to it), with the Python
 # environment that has visiondist active (srun passes the environment on).
@@ -26,6 +28,7 @@
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=12
+#SBATCH --mem=0
 #SBATCH --time=24:00:00
 #SBATCH --signal=TERM@300
 #SBATCH --requeue
@@ -34,7 +37,8 @@
 set -euo pipefail
 
 # The first node hosts the rendezvous; the port is derived from the job id so that two jobs sharing a node differ.
-MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)}
+# (sed reads the whole list: `head` would close the pipe early, and pipefail would end the script on scontrol's SIGPIPE)
+MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | sed -n 1p)}
 MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 export MASTER_ADDR MASTER_PORT
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-8}}

@@ -113,6 +113,11 @@ def test_a_killed_rank_restarts_from_the_last_checkpoint_and_ends_identical(
     assert "resumed from" in log, log[-2000:]
     assert sorted(losses_of(run)) == list(range(1, 101))
     _same_weights(uninterrupted, run)  # bit for bit
+    # failure/ holds what ended a run: the records of what the restart recovered from are set
+    # aside once the run completes, each said in the log
+    assert not list((run / "failure").glob("rank*.txt"))
+    for record in (run / "failure" / "recovered").glob("rank*.txt"):
+        assert f"recovered from: {record.read_text().splitlines()[0]}" in log
 
 
 @pytest.mark.slow

@@ -152,3 +152,37 @@ def test_run_dirs_started_in_the_same_second_never_collide(tmp_path):
     for t in threads:
         t.join()
     assert len(set(made)) == 8 and all(p.is_dir() for p in made)
+
+
+def test_a_run_dir_a_running_job_holds_is_refused_to_a_second_job(tmp_path):
+    """Two jobs given one trainer.run_dir at once: the second stops before it writes anything,
+    naming the holder; once the first job's block ends, the directory is free again."""
+    import os
+    import socket
+
+    from visiondist.config import ConfigError
+    from visiondist.launch.rundir import new_run_dir, run_dirs_released
+
+    run = tmp_path / "same"
+    cfg = _compose("model=vit_tiny", f"trainer.run_dir={run}")
+    with run_dirs_released():
+        assert new_run_dir(cfg) == run.resolve()
+        held = (run / ".running").read_text()
+        assert held.startswith(f"pid {os.getpid()} on {socket.gethostname()}, since ")
+        # a second job (its own open of the file: another process's, as the lock sees it)
+        from visiondist.launch import rundir
+
+        first = rundir._HELD.copy()
+        rundir._HELD.clear()
+        try:
+            with pytest.raises(
+                ConfigError,
+                match=rf"^trainer.run_dir={run} is in use by another job \(pid {os.getpid()} on "
+                r".*\): wait for it to end, or give this one another trainer.run_dir$",
+            ):
+                new_run_dir(cfg)
+        finally:
+            rundir._HELD.update(first)
+        assert sorted(p.name for p in run.iterdir()) == [".running", "config.yaml"]
+    with run_dirs_released():  # the first job ended: the run continues (trainer.resume=auto)
+        assert new_run_dir(cfg) == run.resolve()

@@ -257,3 +257,32 @@ def test_a_run_from_before_loggers_continues_with_its_tensorboard_choice(tmp_pat
         ConfigError, match="trainer.tensorboard is not a setting any more: use trainer.loggers"
     ):
         load_config(CONFIGS, ["trainer.tensorboard=false"], inputs=None)
+
+
+def test_tensorboard_keeps_a_continued_runs_steps_once(tmp_path):
+    """A process lost after step 3 wrote steps 1-3; the run continues from its step-1 checkpoint
+    and logs 2-3 again: TensorBoard reads each step once, the continuation's values, as
+    metrics.csv keeps them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def logged(continue_from, rows):
+        metrics = MetricsLogger(tmp_path, True, ["csv", "tensorboard"], METRIC_COLUMNS,
+                                continue_from=continue_from)  # fmt: skip
+        for step, loss in rows:
+            metrics.log(step, loss=loss)
+        metrics.close("finished")
+
+    logged(None, [(1, 1.0), (2, 2.0), (3, 3.0)])
+    logged(1, [(2, 20.0), (3, 30.0)])
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
+        (1, 1.0),
+        (2, 20.0),
+        (3, 30.0),
+    ]
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.csv")] == [
+        (1, 1.0),
+        (2, 20.0),
+        (3, 30.0),
+    ]

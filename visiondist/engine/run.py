@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from visiondist.engine.precision import autocast_for
 from visiondist.engine.state import LoopState
+from visiondist.faults.failures import set_aside_recovered
 from visiondist.models.exported import runtime_of
 from visiondist.observe.metrics import MetricsLogger
 from visiondist.utils.dcp import is_complete
@@ -125,6 +126,7 @@ def run_trainer(trainer: Trainer) -> dict[str, Any]:
     """
     from visiondist.engine.announce import announce  # noqa: PLC0415 (rank-side)
     from visiondist.engine.summary import run_summary  # noqa: PLC0415 (rank-side)
+    from visiondist.observe.console import shown_path  # noqa: PLC0415 (rank-side)
     from visiondist.observe.summary import report_run  # noqa: PLC0415 (rank-side)
 
     cfg, state, metrics = trainer.cfg, trainer.state, trainer.metrics
@@ -154,6 +156,9 @@ def run_trainer(trainer: Trainer) -> dict[str, Any]:
         }
     assert state.timer is not None
     summary = run_summary(trainer, state.timer.total_seconds)
+    if trainer.layout.is_main:  # failures a restart recovered from: kept aside, said
+        for failure in set_aside_recovered(trainer.run_dir):
+            log.info("recovered from: %s (%s)", failure.line, shown_path(failure.file))
 
     # the trackers get the plots and the weights, then end their runs
     def written(pngs: list[Path]) -> None:

@@ -36,7 +36,11 @@ from visiondist.utils.signals import HANG_DIR
 log = logging.getLogger(__name__)
 
 FAILURE_DIR = "failure"
+# under it: the records of failures an automatic restart recovered from, once the run completed
+RECOVERED_DIR = "recovered"
 EXIT_HANG = 3  # exit code of a rank ended by its watchdog
+# this process's start (about): a record older than it is an earlier attempt's
+_STARTED = time.time()
 
 
 def rank_errors() -> tuple[type[BaseException], ...]:
@@ -71,7 +75,8 @@ def record_failure(
     run_dir: Optional[Path], rank: int, exc: Optional[BaseException], cause: str = ""
 ) -> str:
     """Write this rank's failure record `<run>/failure/rank<k>.txt` (its line, the time, the
-    traceback) unless one exists (the first cause wins), and return the line."""
+    traceback) unless this attempt wrote one (the first cause wins; an earlier attempt's, which a
+    restart recovered from, is replaced), and return the line."""
     if not cause and exc is not None:
         cause = one_line(exc)
     line = f"rank {rank} failed at {PROGRESS.where}: {cause}"
@@ -80,7 +85,7 @@ def record_failure(
     path = Path(run_dir) / FAILURE_DIR / f"rank{rank}.txt"
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
+        if not path.exists() or path.stat().st_mtime < _STARTED:
             text = "".join(traceback.format_exception(exc)) if exc is not None else ""
             now = datetime.now().isoformat(timespec="microseconds")
             tmp = path.with_suffix(".tmp")
@@ -106,6 +111,25 @@ def read_failures(run_dir: Path) -> list[Failure]:
         except (OSError, ValueError):
             continue
     return sorted(found, key=lambda f: f.time)
+
+
+def set_aside_recovered(run_dir: Path) -> list[Failure]:
+    """A complete run's failure records, each a failure an automatic restart recovered from, moved
+    into `failure/recovered/` (earliest first), so that `failure/` holds only what ended a run (a
+    monitor watching it sees no failure where the run went on)."""
+    found = read_failures(run_dir)
+    if not found:
+        return []
+    recovered = Path(run_dir) / FAILURE_DIR / RECOVERED_DIR
+    recovered.mkdir(exist_ok=True)
+    moved = []
+    for failure in found:
+        target = recovered / failure.file.name
+        if target.exists():  # an earlier completion's record of the same rank: both kept
+            target = recovered / f"{failure.file.stem}-{int(failure.time)}.txt"
+        failure.file.replace(target)
+        moved.append(Failure(failure.rank, failure.line, failure.time, target))
+    return moved
 
 
 def first_failure(run_dir: Path) -> Optional[Failure]:

@@ -25,7 +25,13 @@ from visiondist.config import from_container
 from visiondist.config.layout import RunLayout
 from visiondist.engine.precision import set_tf32
 from visiondist.launch.failed import record_rank_failure, wait_for_the_launcher_after_a_lost_peer
-from visiondist.launch.rundir import STATELESS, _shared_run_dir, _write_plan, run_kind
+from visiondist.launch.rundir import (
+    STATELESS,
+    _shared_run_dir,
+    _write_plan,
+    check_shared,
+    run_kind,
+)
 from visiondist.plan import cuda_device_count, resolve
 from visiondist.plan.fit import as_run
 from visiondist.plan.world import backend_for, cuda_index
@@ -131,6 +137,7 @@ def run_rank(
     path, watchdog = (Path(run_dir) if run_dir else None), None
     try:
         path = path or _shared_run_dir(asked, run, run_kind(entry))
+        check_shared(path, spans_nodes=run.per_node < run.world_size)
         watchdog = _start_watchdog(path, top_level)
         if auto_plan is not None and run_dir is None and dist.get_rank() == 0:
             _write_plan(path, auto_plan)

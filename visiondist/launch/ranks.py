@@ -26,7 +26,13 @@ from visiondist.launch.estimate import check_gpu_layout
 from visiondist.launch.failed import one_line_failure
 from visiondist.launch.pods import PodJob, pod_job, pod_ranks
 from visiondist.launch.rank import Entry, elastic_worker, inductor_cache_dir, pod_worker, run_rank
-from visiondist.launch.rundir import STATELESS, _write_plan, new_run_dir, run_kind
+from visiondist.launch.rundir import (
+    STATELESS,
+    _write_plan,
+    new_run_dir,
+    run_dirs_released,
+    run_kind,
+)
 from visiondist.launch.shared import shared_gpu_line
 from visiondist.launch.slurm import slurm_env
 from visiondist.launch.spawn import STOP_GRACE_ENV, _quiet_agent, spawn_local, spawn_ranks
@@ -83,7 +89,7 @@ def launch(
     _say_before_launch(cfg, run, auto_plan, main, kind)
     cfg_dict = with_decode_choice(cfg, run, to_container(cfg), main)
     results = {} if results is None else results
-    with handed_on():  # the lines above, into the run's log file
+    with handed_on(), run_dirs_released():  # the lines above, into the run's log file
         # torchrun or srun: this process is one rank; a stopped rank exits 128 + signal
         if run.under_torchrun:
             with one_line_failure(None):

@@ -57,7 +57,12 @@ class MetricsLogger:
             # 0.13 s after torch, in the launching process too (train.run imports this module)
             from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 (rank 0's alone)
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            # continuing: the events a lost process wrote after `continue_from` are purged, as
+            # metrics.csv's rows are (TensorBoard drops them when it reads the directory)
+            self._tb = SummaryWriter(
+                str(run_dir / "tensorboard"),
+                purge_step=None if continue_from is None else continue_from + 1,
+            )
 
     def start_trackers(self, cfg) -> None:
         """Start (or, continuing a run, reopen) the run of each tracker in `trainer.loggers` (rank
