@@ -424,6 +424,25 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
         f"trainer.run_dir={tmp_path}/outputs/r trainer.max_steps=20   (from its newest "
         "checkpoint, its config as it was)"
     )
+    # a run started from Python: the methods of the Run visiondist.train returned
+    from visiondist.observe.console import continue_command, said_to_python
+
+    with said_to_python():
+        python = next_commands(
+            tmp_path / "outputs" / "r", longer="trainer.max_steps=20", images=tmp_path / "val"
+        )
+        resumed = continue_command(tmp_path / "outputs" / "r")
+    assert python.splitlines() == [
+        "run dir: outputs/r   (the Run visiondist.train returned; later: run = "
+        f"visiondist.Run('{tmp_path}/outputs/r'))",
+        "  train on: run.resume('trainer.max_steps=20')   (from its newest checkpoint)",
+        "  evaluate: run.evaluate()",
+        "  predict:  run.predict('val')   (a Result per image)",
+        '  export:   run.export()   (safetensors; format=onnx, openvino or pt2; format="onnx", '
+        "half=True or int8=True: float16 or int8, the accuracy it costs printed)",
+    ]
+    assert resumed == f"visiondist.Run('{tmp_path}/outputs/r').resume()"
+    assert "run.evaluate()" not in next_commands(tmp_path / "outputs" / "r")  # the tools again
 
 
 def test_imagenet_data_takes_its_class_count_from_the_class_folders(capsys, tiny_shapes):

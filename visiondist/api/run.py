@@ -25,6 +25,7 @@ from visiondist.api.jobs import (
 from visiondist.checkpoint.files import latest_checkpoint
 from visiondist.cli.load import load_config
 from visiondist.config import ConfigError
+from visiondist.observe.console import said_to_python
 from visiondist.observe.metrics import read_metrics
 from visiondist.utils.dcp import step_of
 
@@ -178,9 +179,8 @@ def train(*overrides: str, callbacks: Sequence[Any] = (), **settings: Any) -> Ru
     with refusals():
         cfg = load_config(CONFIGS, as_overrides(overrides, settings), inputs="train")
         packed = pack(callbacks)
-    run_dir, returned = train_job(cfg, packed, stop_returns=True)
-    if run_dir is not None and not (run_dir / "summary.json").is_file():  # it stopped early
-        print("from Python: run.resume() continues it", flush=True)
+    with said_to_python():  # what to run next: this Run's methods
+        run_dir, returned = train_job(cfg, packed, stop_returns=True)
     if run_dir is None:  # a pod's node other than node 0: the job's run dir is node 0's choice
         raise RuntimeError(
             "this node's ranks trained without choosing the run dir (node 0 of the job did): "

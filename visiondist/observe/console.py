@@ -4,12 +4,14 @@ commands the run prints for people."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from rich import get_console
 from rich.logging import RichHandler
@@ -21,6 +23,27 @@ log = logging.getLogger(__name__)
 
 # the run dir's log: train.log, or eval.log / benchmark.log for those jobs (setup_logging)
 LOG_FILE = "train.log"
+# set while the Python API runs a job (its ranks inherit it): what to run next is said as the
+# returned `Run`'s methods, not as command lines
+FROM_PYTHON_ENV = "VISIONDIST_FROM_PYTHON"
+
+
+@contextlib.contextmanager
+def said_to_python() -> Iterator[None]:
+    """The job in the block was started from Python (`visiondist.train`)."""
+    before = os.environ.get(FROM_PYTHON_ENV)
+    os.environ[FROM_PYTHON_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(FROM_PYTHON_ENV, None)
+        else:
+            os.environ[FROM_PYTHON_ENV] = before
+
+
+def from_python() -> bool:
+    return os.environ.get(FROM_PYTHON_ENV) == "1"
 
 
 class _Stdout(logging.StreamHandler):
@@ -103,18 +126,10 @@ def next_commands(
     predict line names as its example source; `longer`: the length setting that trains it on, e.g.
     `trainer.max_epochs=20`; `under_torchrun`: torchrun, srun or a pod started the ranks, and the
     same command trains it on)."""
+    if from_python() and not under_torchrun:
+        return _next_in_python(run_dir, family, images, longer)
     run = shlex.quote(shown_path(run_dir))
-    formats = (
-        "format=hf: transformers' from_pretrained directory; format=onnx or openvino"
-        if family == "detr"
-        else "format=naflex: timm's NaFlexVit, images at their own shapes; format=onnx"
-        if family == "native"
-        else "format=onnx or openvino"
-        if family == "vitdet"
-        else "format=onnx, openvino or torchscript"
-        if family == "torchvision"
-        else "format=onnx, openvino or pt2"
-    )
+    formats = _formats(family)
     source = (
         f"source={shlex.quote(shown_path(images))}   (or any image, folder, glob, .txt list or "
         "video)"
@@ -144,10 +159,44 @@ def next_commands(
     )
 
 
+def _formats(family: str) -> str:
+    return (
+        "format=hf: transformers' from_pretrained directory; format=onnx or openvino"
+        if family == "detr"
+        else "format=naflex: timm's NaFlexVit, images at their own shapes; format=onnx"
+        if family == "native"
+        else "format=onnx or openvino"
+        if family == "vitdet"
+        else "format=onnx, openvino or torchscript"
+        if family == "torchvision"
+        else "format=onnx, openvino or pt2"
+    )
+
+
+def _next_in_python(run_dir: Path, family: str, images: Optional[Path], longer: str) -> str:
+    """`next_commands` for a run started from Python: the methods of the `Run` it returned."""
+    again = [w for w in shlex.split(latest_overrides(run_dir, length=False))]
+    more = ", ".join(repr(w) for w in [*again, *([longer] if longer else [])])
+    source = repr(shown_path(images)) if images is not None else '"<images, folder, glob, list>"'
+    return (
+        f"run dir: {shown_path(run_dir)}   (the Run visiondist.train returned; later: "
+        f"run = visiondist.Run({str(run_dir)!r}))\n"
+        + (f"  train on: run.resume({more})   (from its newest checkpoint)\n" if longer else "")
+        + "  evaluate: run.evaluate()\n"
+        f"  predict:  run.predict({source})   (a Result per image)\n"
+        f'  export:   run.export()   (safetensors; {_formats(family)}; format="onnx", '
+        "half=True or int8=True: float16 or int8, the accuracy it costs printed)"
+    )
+
+
 def continue_command(run_dir: str | Path, under_torchrun: bool = False) -> str:
     """The one command that continues the run in `run_dir`: its config.yaml is the base, so nothing
     else is repeated but what the latest attempt changed (`attempts.jsonl`: its length, its layout,
-    any other setting), so that the continuation runs and ends as that attempt would have."""
+    any other setting), so that the continuation runs and ends as that attempt would have. From
+    Python (`from_python`): the `Run`'s `resume` with those changes."""
+    if from_python() and not under_torchrun:
+        again = ", ".join(repr(w) for w in shlex.split(latest_overrides(Path(run_dir))))
+        return f"visiondist.Run({str(run_dir)!r}).resume({again})"
     if under_torchrun:
         return (
             "the same torchrun / srun / pod command with "
