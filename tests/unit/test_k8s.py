@@ -340,7 +340,9 @@ def test_memory_between_the_ranks_floor_and_the_plan_says_what_it_holds(tmp_path
                 "are gone (TrainingRuntime vit-huge), at most 3 times, {kept}",
                 "on a stop (SIGTERM: a drained or preempted node): the pods checkpoint the step "
                 "and the job restarts from it, without using a restart, where the node leaves "
-                "them the {grace} s grace period; a spot reclaim with less notice is a failure",
+                "them the {grace} s grace period; a spot reclaim with less notice is a failure. "
+                "These rules on exit codes need JobSet 0.10 or newer on the cluster: an older "
+                "JobSet drops them, and a stop then ends the job (docs/multi-node.md)",
                 "on a configuration error (exit code 2): the job ends at once (a restart would "
                 "repeat it)",
             ],

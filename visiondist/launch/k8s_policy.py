@@ -100,7 +100,9 @@ def what_happens(
         failure,
         f"on a stop (SIGTERM: a drained or preempted node): the pods checkpoint the step and the "
         f"job restarts from it, without using a restart, where the node leaves them the {grace_s} "
-        "s grace period; a spot reclaim with less notice is a failure",
+        "s grace period; a spot reclaim with less notice is a failure. These rules on exit codes "
+        "need JobSet 0.10 or newer on the cluster: an older JobSet drops them, and a stop then "
+        "ends the job (docs/multi-node.md)",
         "on a configuration error (exit code 2): the job ends at once (a restart would repeat it)",
     ]
 
