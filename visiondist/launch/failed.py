@@ -24,7 +24,7 @@ from visiondist.config.layout import RunLayout
 from visiondist.launch.stop import JobStopped, LauncherStop, stopped_line
 from visiondist.plan.fit import is_out_of_memory, out_of_memory_cause
 from visiondist.utils.dcp import list_checkpoints
-from visiondist.utils.signals import HANG_DIR
+from visiondist.utils.signals import HANG_DIR, RUN_DIR_ENV
 
 
 def record_rank_failure(
@@ -101,6 +101,7 @@ def one_line_failure(run_dir: Optional[Path], stop: Optional[LauncherStop] = Non
     that ended while the job was stopping (`stop`) stopped, they did not fail."""
     from visiondist.faults.failures import (  # noqa: PLC0415 (rich, 15 ms)
         first_failure,
+        is_follow_on,
         killed_rank,
         one_line,
         rank_errors,
@@ -147,12 +148,25 @@ def one_line_failure(run_dir: Optional[Path], stop: Optional[LauncherStop] = Non
     # this process's own rank: its line (torchrun: each rank says its own)
     except rank_errors() as exc:
         line = getattr(exc, "visiondist_line", None) or one_line(exc)
-        raise RunFailed(line + _continue_hint(run_dir, line)) from exc
+        if run_dir is not None:
+            raise RunFailed(line + _continue_hint(run_dir, line)) from exc
+        # torchrun / srun: this rank's run dir, as it told its loader workers
+        where = os.environ.get(RUN_DIR_ENV)
+        if is_follow_on(line):  # the cause is the peer's: it ended first, on its own node
+            line += (
+                "; this rank lost its connection to a rank that ended first: that rank's own "
+                "output (its node's, under torchrun) says why"
+                + (f", and {where}/failure/ holds what it recorded" if where else "")
+            )
+        raise RunFailed(
+            line + _continue_hint(Path(where) if where else None, line, under_torchrun=True)
+        ) from exc
 
 
-def _continue_hint(run_dir: Optional[Path], line: str) -> str:
+def _continue_hint(run_dir: Optional[Path], line: str, under_torchrun: bool = False) -> str:
     """A training failure after a checkpoint (a data server gone, a node lost, a rank killed while
-    it saved the next one): how to continue once it is fixed."""
+    it saved the next one): how to continue once it is fixed (`under_torchrun`: the ranks' own
+    command again)."""
     phases = ("(training)", "(evaluating)", "(saving a checkpoint)", "(writing the weights)")
     if run_dir is None or not any(phase in line for phase in phases):
         return ""
@@ -163,5 +177,6 @@ def _continue_hint(run_dir: Optional[Path], line: str) -> str:
     if not kept:
         return ""
     return (
-        f"; once fixed, continue from step {kept[-1][0]} with: {continue_command(run_dir, False)}"
+        f"; once fixed, continue from step {kept[-1][0]} with: "
+        f"{continue_command(run_dir, under_torchrun)}"
     )
