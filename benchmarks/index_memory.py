@@ -116,7 +116,7 @@ class _Records:
     it."""
 
     def __init__(self, ann_file: Path):
-        from visiondist.data.coco import load_coco, read_records
+        from visiondist.data.coco_records import load_coco, read_records
 
         self.coco = load_coco(ann_file)
         self.records = read_records(self.coco, ann_file.parent, train=True)[0]

@@ -81,9 +81,8 @@ def ground_truth(ann_file: str | Path) -> dict[str, Any]:
     0) would score its match as a miss. Said once a file, unless the job said it before launch.
     Polygons written as [x, y] points or unwrapped are read in COCO's form, as training reads them
     (`data.masks.coco_polygons`)."""
-    # the dataset's reader and torch (1.4 s), which a scorer of a predictions file may not need
-    from visiondist.data.coco import renumbering_line  # noqa: PLC0415 (torch, 1.4 s)
-    from visiondist.data.masks import coco_polygons  # noqa: PLC0415 (with the one above)
+    from visiondist.data.coco_records import renumbering_line  # noqa: PLC0415 (pycocotools)
+    from visiondist.data.masks import coco_polygons  # noqa: PLC0415 (pycocotools)
 
     data = json.loads(Path(ann_file).read_text())
     annotations = data.get("annotations", [])

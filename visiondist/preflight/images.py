@@ -143,7 +143,7 @@ def _val_paths(d, root: Path) -> list[Path]:
     file."""
     if d.format in DETECTION_FORMATS:
         from visiondist.data import coco_paths  # noqa: PLC0415 (reader)
-        from visiondist.data.coco import safe_image_path  # noqa: PLC0415 (reader)
+        from visiondist.data.coco_records import safe_image_path  # noqa: PLC0415 (reader)
 
         images_dir, annotations = coco_paths(d, d.val_split)
         try:
@@ -215,7 +215,7 @@ def _check_coco_val(d, masks: bool = False) -> None:
     annotation of a category the file does not list is refused here, as in the training split;
     boxes that reach past their image are said (COCO's scoring reads them as written), and
     annotation ids that scoring numbers anew."""
-    from visiondist.data.coco import renumbering_line  # noqa: PLC0415 (reader)
+    from visiondist.data.coco_records import renumbering_line  # noqa: PLC0415 (reader)
 
     read = _small_coco(d, d.val_split, masks, train=False)
     if read is not None and _speaks():
@@ -237,7 +237,7 @@ def _small_coco(d, split: str, masks: bool, train: bool):
     images_dir, annotations = coco_paths(d, split)
     if not annotations.is_file() or annotations.stat().st_size > _SMALL_COCO:
         return None
-    from visiondist.data.coco import load_coco, read_records  # noqa: PLC0415 (reader)
+    from visiondist.data.coco_records import load_coco, read_records  # noqa: PLC0415 (reader)
 
     try:
         coco = load_coco(annotations)

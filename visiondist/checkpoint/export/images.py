@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from visiondist.data.coco import safe_image_path
+from visiondist.data.coco_records import safe_image_path
 
 
 def detection_images(

@@ -13,7 +13,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from visiondist.data.coco import CocoDetection, safe_image_path
+from visiondist.data.coco import CocoDetection
+from visiondist.data.coco_records import safe_image_path
 from visiondist.data.decode import decode_rgb
 from visiondist.data.shards.dataset import PackedImages, key_of, read_meta
 from visiondist.data.shards.pack import (
