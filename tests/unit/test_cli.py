@@ -438,7 +438,7 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
         "  train on: run.resume('trainer.max_steps=20')   (from its newest checkpoint)",
         "  evaluate: run.evaluate()",
         "  predict:  run.predict('val')   (a Result per image)",
-        '  export:   run.export()   (safetensors; format=onnx, openvino or pt2; format="onnx", '
+        '  export:   run.export()   (safetensors; "onnx", "openvino" or "pt2"; "onnx", '
         "half=True or int8=True: float16 or int8, the accuracy it costs printed)",
     ]
     assert resumed == f"visiondist.Run('{tmp_path}/outputs/r').resume()"

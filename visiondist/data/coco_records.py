@@ -61,7 +61,7 @@ class CocoCounts:
 
     def describe(self) -> str:
         masks = (
-            f", {self.without_mask} instances without a valid segmentation "
+            f", {counted(self.without_mask, 'instances')} without a valid segmentation "
             f"({self.named_without_mask()})"
             if self.without_mask
             else ""
@@ -174,8 +174,8 @@ def read_records(
                     f"annotation {ann.get('id')} (image {image_id}) of "
                     f"{coco.dataset.get('_file', 'the annotation file')} has no valid segmentation "
                     f"({_shown(ann.get('segmentation'))}: empty, or polygons of fewer than 3 "
-                    "points), and a mask model is scored on every val instance's mask: fix or "
-                    "remove it, or mark it iscrowd=1"
+                    "points), and a mask model is scored on every val instance's mask: fix its "
+                    "polygon or remove the annotation"
                 )
             if masks and segmentation is None:
                 counts.without_mask += 1

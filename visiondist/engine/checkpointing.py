@@ -111,7 +111,9 @@ def resume(
                 parts.scaler.get_scale(),
             )
     if saved.get("total_steps") != parts.total_steps and layout.is_main:  # once, not per rank
-        log.warning(
+        # the run's own checkpoint: trained on (or shortened) as asked, a line; another run's: heed
+        own = Path(path).resolve().is_relative_to(Path(run_dir).resolve())
+        (log.info if own else log.warning)(
             "the checkpoint's run had %s steps, this one has %d: the LR schedule follows this "
             "run's",
             saved.get("total_steps"),

@@ -305,7 +305,11 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
         print(task.final_line(metrics), flush=True)
         written = [
             "eval.json",
-            *(["detections.json"] if (run_dir / "detections.json").is_file() else []),
+            *(
+                name
+                for name in ("detections.json", "segmentations.json")
+                if (run_dir / name).is_file()
+            ),
             *(p.name for p in pngs),
             "eval.log",
         ]

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -178,14 +179,18 @@ def _next_in_python(run_dir: Path, family: str, images: Optional[Path], longer: 
     again = [w for w in shlex.split(latest_overrides(run_dir, length=False))]
     more = ", ".join(repr(w) for w in [*again, *([longer] if longer else [])])
     source = repr(shown_path(images)) if images is not None else '"<images, folder, glob, list>"'
+    # run.export's format argument: "onnx", "openvino", ...
+    formats = re.sub(
+        r"\b(onnx|openvino|pt2|torchscript|hf|naflex)\b", r'"\1"', _formats(family)
+    ).replace("format=", "")
     return (
         f"run dir: {shown_path(run_dir)}   (the Run visiondist.train returned; later: "
         f"run = visiondist.Run({str(run_dir)!r}))\n"
         + (f"  train on: run.resume({more})   (from its newest checkpoint)\n" if longer else "")
         + "  evaluate: run.evaluate()\n"
         f"  predict:  run.predict({source})   (a Result per image)\n"
-        f'  export:   run.export()   (safetensors; {_formats(family)}; format="onnx", '
-        "half=True or int8=True: float16 or int8, the accuracy it costs printed)"
+        f'  export:   run.export()   (safetensors; {formats}; "onnx", half=True or int8=True: '
+        "float16 or int8, the accuracy it costs printed)"
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from visiondist.config import ConfigError
 from visiondist.config.schema import DETECTION_FORMATS
 from visiondist.utils.logs import say
+from visiondist.utils.text import counted
 
 _TAIL = 1 << 20  # COCO files end with their categories: the last MB holds them
 # a COCO training file up to this size is read whole to count its usable images
@@ -188,10 +189,11 @@ def _check_coco_batch(d, masks: bool = False, resized: bool = True) -> None:
         return
     records, counts, annotations, _ = read
     if counts.without_mask and _speaks():
+        one = counts.without_mask == 1
         say(
-            f"{annotations.name}: {counts.without_mask} instances without a valid segmentation "
-            "are left out of training, as detectron2 leaves them out "
-            f"({counts.named_without_mask()})"
+            f"{annotations.name}: {counted(counts.without_mask, 'instances')} without a valid "
+            f"segmentation {'is' if one else 'are'} left out of training, as detectron2 leaves "
+            f"{'it' if one else 'them'} out ({counts.named_without_mask()})"
         )
     if _speaks():
         _say_reshaped(annotations, counts)
