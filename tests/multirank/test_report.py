@@ -95,8 +95,11 @@ def test_an_epoch_limited_run_writes_its_checkpoint_and_weights_before_the_last_
         f"saved checkpoint {run}/checkpoints/step_12",
         "eval  step 12",
     ], [log[i] for i in order]
-    assert sum(line.startswith("parallel=auto chose dp=1 tp=1 pp=1") for line in log) == 1
-    assert result.stdout.count("parallel=auto chose") == 1
+    # in the console's words
+    chose = [line for line in log if line.startswith("parallel=auto chose")]
+    assert len(chose) == 1
+    assert chose[0].startswith("parallel=auto chose plain DDP on 1 rank (cpu): ")
+    assert result.stdout.count("parallel=auto chose") == 1 and chose[0] in result.stdout
     lines = [line.split(" | ") for line in log if line.startswith("step ")]
     rates = [next(part for part in line if part.endswith("img/s")) for line in lines]
     assert rates and all(re.fullmatch(r"\d+\.\d img/s", r) for r in rates), rates

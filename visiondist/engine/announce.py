@@ -60,8 +60,15 @@ def announce(tr: Trainer) -> None:
     run = lay.run
     # printed on the console before the run dir existed
     if run is not None and run.chosen_by == "parallel=auto":
+        # in the console's words (`plan.resolve.announce`): plain DDP, else the layout
+        described = run.describe()
+        plain = run.tp == 1 and run.pp == 1 and run.dp == run.world_size and "+" not in described
+        ranks = f"{run.world_size} rank{'s' if run.world_size > 1 else ''}"
         log.info(
-            "parallel=auto chose %s: %s", run.describe(), run.reason, extra={"file_only": True}
+            "parallel=auto chose %s: %s",
+            f"plain DDP on {ranks} ({run.accelerator})" if plain else described,
+            run.reason,
+            extra={"file_only": True},
         )
     if run is not None and run.fitted:
         log.info(run.fitted, extra={"file_only": True})
