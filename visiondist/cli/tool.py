@@ -19,6 +19,13 @@ from typing import Callable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from visiondist.cli.errors import not_a_setting
+from visiondist.cli.hydra_refusals import (
+    NO_APP,
+    OTHER_KEY,
+    REFUSED_FLAGS,
+    REFUSED_KEYS,
+    SHORT_FLAGS,
+)
 from visiondist.cli.load import load_config
 from visiondist.cli.usage import Tool, config_text, groups, usage, versions
 from visiondist.config import ConfigError, TrainConfig
@@ -76,78 +83,6 @@ def truth(key: str, text: str) -> bool:
     if value not in ("true", "false"):
         raise ConfigError(f"{key}={text}: give true or false")
     return value == "true"
-
-
-_NO_APP = "visiondist composes its config with Hydra but runs no Hydra app"
-_LOGGING = (
-    "visiondist sets up its own logging (the console and the run dir's train.log): use "
-    "trainer.progress=false (no progress bar), trainer.log_every=N (step lines), "
-    "trainer.loggers=[csv] (no TensorBoard)"
-)
-_LAUNCHER = (
-    "visiondist starts its own ranks: use parallel.dp=N or trainer.devices=N, or torchrun / srun "
-    "(docs/multi-node.md)"
-)
-_OTHER_KEY = (
-    f"{_NO_APP}, so this Hydra setting would do nothing: hydra.run.dir=DIR and, with -m, "
-    "hydra.sweep.dir=DIR are the ones it takes"
-)
-_SWEEPER = (
-    "-m expands comma-separated values and range(a,b) itself: Hydra's sweeper plugins are not used"
-)
-# Hydra flags that have no counterpart here, and why; honoured: --help, --version, --cfg, --resolve,
-# -p, -cd, -m
-REFUSED_FLAGS = {
-    "--info": f"{_NO_APP}: --cfg job prints the composed config and --help each group's options",
-    "--shell-completion": "visiondist installs no shell completion: --help lists each group's "
-    "options",
-    "--config-name": (
-        "the tools compose configs/train.yaml: pick a recipe with experiment=<name> "
-        "(configs/experiment/), or add options with -cd DIR"
-    ),
-    "--config-path": "use -cd DIR (--config-dir): its <group>/<option>.yaml files add to configs/",
-    "--hydra-help": f"{_NO_APP}: --help is the tool's usage",
-    "--run": "one run is what a tool does without -m: drop --run",
-    "--experimental-rerun": "to continue a run, give trainer.run_dir=<run dir> "
-    "(trainer.resume=auto)",
-}
-_SHORT = {
-    "-i": "--info",
-    "-sc": "--shell-completion",
-    "-cn": "--config-name",
-    "-cp": "--config-path",
-    "-r": "--run",
-    "-c": "--cfg",
-    "-p": "--package",
-    "-cd": "--config-dir",
-    "-m": "--multirun",
-    "-h": "--help",
-}
-# Hydra's own keys (hydra.<key> or the hydra/<group> options) and what to use instead; matched by
-# prefix
-REFUSED_KEYS = (
-    ("hydra.job.chdir", "visiondist never changes directory; paths are relative to where you run"),
-    (
-        "hydra.verbose",
-        "visiondist logs INFO on rank 0 to the console and the run dir's train.log: "
-        "use trainer.log_every=N for more or fewer step lines",
-    ),
-    ("hydra/job_logging", _LOGGING),
-    ("hydra/hydra_logging", _LOGGING),
-    ("hydra.job_logging", _LOGGING),
-    ("hydra.hydra_logging", _LOGGING),
-    (
-        "hydra.output_subdir",
-        "visiondist writes no .hydra/ folder: the run dir's config.yaml is the resolved config",
-    ),
-    ("hydra.sweep.subdir", "job k of a sweep goes to <sweep dir>/k: set hydra.sweep.dir=DIR only"),
-    ("hydra/launcher", _LAUNCHER),
-    ("hydra.launcher", _LAUNCHER),
-    ("hydra/sweeper", _SWEEPER),
-    ("hydra.sweeper", _SWEEPER),
-    ("hydra.mode", "use -m for a sweep"),
-    ("hydra.searchpath", "use -cd DIR (--config-dir)"),
-)
 
 
 def parse(tool: Tool, config_dir: Path, argv: list[str]) -> Command:
@@ -217,7 +152,7 @@ def _flags(tool: Tool, argv: list[str]) -> tuple[Command, list[str]]:
             rest.append(token)
             continue
         flag, _, value = token.partition("=")
-        flag = _SHORT.get(flag, flag)
+        flag = SHORT_FLAGS.get(flag, flag)
         if flag in REFUSED_FLAGS:
             raise ConfigError(f"{token.split('=')[0]}: {REFUSED_FLAGS[flag]}")
         if flag == "--cfg":
@@ -225,7 +160,7 @@ def _flags(tool: Tool, argv: list[str]) -> tuple[Command, list[str]]:
                 value = argv.pop(0)
             if value == "hydra":
                 raise ConfigError(
-                    f"--cfg hydra: {_NO_APP}, so there is no Hydra config: --cfg job prints the "
+                    f"--cfg hydra: {NO_APP}, so there is no Hydra config: --cfg job prints the "
                     "composed config"
                 )
             if value not in ("", "job", "all"):
@@ -297,7 +232,7 @@ def _hydra_key(tool: Tool, cmd: Command, key: str, value: str) -> None:
     why = next(
         (why for prefix, why in REFUSED_KEYS if key == prefix or key.startswith(prefix + ".")), None
     )
-    raise ConfigError(f"{key}: {why or _OTHER_KEY}")
+    raise ConfigError(f"{key}: {why or OTHER_KEY}")
 
 
 def _top_level(config_dir: Path) -> set[str]:
