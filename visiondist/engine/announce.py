@@ -15,6 +15,7 @@ from visiondist.engine.optim import warmup_length
 from visiondist.engine.precision import cpu_has_bf16, precision_name, precision_text
 from visiondist.engine.trainer import Trainer
 from visiondist.observe.console import continue_command, shown_path
+from visiondist.plan.resolve import plain_ddp_words
 from visiondist.utils.procenv import omp_wait_text, ranks_sharing_cpus, usable_cpus
 
 log = logging.getLogger(__name__)
@@ -63,10 +64,9 @@ def announce(tr: Trainer) -> None:
         # in the console's words (`plan.resolve.announce`): plain DDP, else the layout
         described = run.describe()
         plain = run.tp == 1 and run.pp == 1 and run.dp == run.world_size and "+" not in described
-        ranks = f"{run.world_size} rank{'s' if run.world_size > 1 else ''}"
         log.info(
             "parallel=auto chose %s: %s",
-            f"plain DDP on {ranks} ({run.accelerator})" if plain else described,
+            plain_ddp_words(run) if plain else described,
             run.reason,
             extra={"file_only": True},
         )

@@ -324,6 +324,13 @@ def _check_batch(cfg: DictConfig, p: DictConfig, dp: int, ga: int) -> None:
         )
 
 
+def plain_ddp_words(run: RunLayout) -> str:
+    """parallel=auto's choice of plain DDP as the console and the run's log say it: "plain DDP on
+    2 ranks (cpu)"."""
+    ranks = f"{run.world_size} rank{'s' if run.world_size > 1 else ''}"
+    return f"plain DDP on {ranks} ({run.accelerator})"
+
+
 def announce(cfg: DictConfig, run: RunLayout, plan: Any) -> None:
     """Print `parallel=auto`'s choice (once per job: the launching process, or global rank 0): one
     line when it is plain DDP; the planner's table too when the training state did not fit and it
@@ -339,9 +346,8 @@ def announce(cfg: DictConfig, run: RunLayout, plan: Any) -> None:
 
     console = Console(width=120)
     if plan is None or plan.plain_ddp:  # plain DDP (or a detector's)
-        ranks = f"{run.world_size} rank{'s' if run.world_size > 1 else ''}"
         console.print(
-            f"parallel=auto chose plain DDP on {ranks} ({run.accelerator}): {run.reason}",
+            f"parallel=auto chose {plain_ddp_words(run)}: {run.reason}",
             soft_wrap=True,
             highlight=False,
         )
