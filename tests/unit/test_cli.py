@@ -665,3 +665,19 @@ def test_the_commands_that_go_on_with_a_run_repeat_its_last_attempts_changes(tmp
     again = continue_config(compose(REPO / "configs", overrides), saved, overrides)
     assert again.parallel == attempt.parallel and again.trainer.max_steps == 30
     assert saved.parallel.tp == 2 and again.parallel.tp == 1
+    # from Python: the same changes, as the Run's resume arguments
+    from visiondist.observe.console import said_to_python
+
+    with said_to_python():
+        resumed = continue_command(tmp_path)
+        (line,) = [
+            line
+            for line in next_commands(tmp_path, longer="trainer.max_steps=60").splitlines()
+            if "train on:" in line
+        ]
+    words = ", ".join(repr(w) for w in repeated.split())
+    assert resumed == f"visiondist.Run({str(tmp_path)!r}).resume({words}, 'trainer.max_steps=30')"
+    assert (
+        line
+        == f"  train on: run.resume({words}, 'trainer.max_steps=60')   (from its newest checkpoint)"
+    )

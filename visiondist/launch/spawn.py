@@ -30,6 +30,7 @@ from visiondist.launch.pods import PodJob
 from visiondist.utils.logs import held_at
 from visiondist.utils.procenv import (
     WAIT_RECORD,
+    environment_kept,
     omp_threads,
     ranks_share_cpus,
     threads_per_rank,
@@ -229,24 +230,17 @@ RANKS_ENVIRONMENT = (
 def _ranks_environment(nprocs: int) -> Iterator[None]:
     """The environment the ranks start with, this process's own put back after them: a notebook's
     next run of one rank keeps this process's threads and its OpenMP waiting."""
-    before = {name: os.environ.get(name) for name in RANKS_ENVIRONMENT}
-    # the ranks' threads share this process's CPUs (affinity and container quota), and wait
-    # passively where there are several; the rest of `visiondist.utils.procenv`'s environment was
-    # set when visiondist was imported
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nprocs)))
-    ranks_share_cpus(nprocs)
-    # Each restart gets a fresh store for the ranks' process group: with the rendezvous store
-    # shared, a restarted rank can read a peer address left by the previous attempt
-    # (pytorch/pytorch#135712).
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    try:
+    with environment_kept(RANKS_ENVIRONMENT):
+        # the ranks' threads share this process's CPUs (affinity and container quota), and wait
+        # passively where there are several; the rest of `visiondist.utils.procenv`'s environment
+        # was set when visiondist was imported
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nprocs)))
+        ranks_share_cpus(nprocs)
+        # Each restart gets a fresh store for the ranks' process group: with the rendezvous store
+        # shared, a restarted rank can read a peer address left by the previous attempt
+        # (pytorch/pytorch#135712).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _launch(

@@ -19,6 +19,7 @@ from rich.logging import RichHandler
 
 import visiondist
 from visiondist.utils.logs import said_before
+from visiondist.utils.procenv import environment_kept
 
 log = logging.getLogger(__name__)
 
@@ -32,15 +33,9 @@ FROM_PYTHON_ENV = "VISIONDIST_FROM_PYTHON"
 @contextlib.contextmanager
 def said_to_python() -> Iterator[None]:
     """The job in the block was started from Python (`visiondist.train`)."""
-    before = os.environ.get(FROM_PYTHON_ENV)
-    os.environ[FROM_PYTHON_ENV] = "1"
-    try:
+    with environment_kept([FROM_PYTHON_ENV]):
+        os.environ[FROM_PYTHON_ENV] = "1"
         yield
-    finally:
-        if before is None:
-            os.environ.pop(FROM_PYTHON_ENV, None)
-        else:
-            os.environ[FROM_PYTHON_ENV] = before
 
 
 def from_python() -> bool:
@@ -176,8 +171,8 @@ def _formats(family: str) -> str:
 
 def _next_in_python(run_dir: Path, family: str, images: Optional[Path], longer: str) -> str:
     """`next_commands` for a run started from Python: the methods of the `Run` it returned."""
-    again = [w for w in shlex.split(latest_overrides(run_dir, length=False))]
-    more = ", ".join(repr(w) for w in [*again, *([longer] if longer else [])])
+    words = [*latest_words(run_dir, length=False), *([longer] if longer else [])]
+    more = ", ".join(map(repr, words))
     source = repr(shown_path(images)) if images is not None else '"<images, folder, glob, list>"'
     # run.export's format argument: "onnx", "openvino", ...
     formats = re.sub(
@@ -200,7 +195,7 @@ def continue_command(run_dir: str | Path, under_torchrun: bool = False) -> str:
     any other setting), so that the continuation runs and ends as that attempt would have. From
     Python (`from_python`): the `Run`'s `resume` with those changes."""
     if from_python() and not under_torchrun:
-        again = ", ".join(repr(w) for w in shlex.split(latest_overrides(Path(run_dir))))
+        again = ", ".join(map(repr, latest_words(Path(run_dir))))
         return f"visiondist.Run({str(run_dir)!r}).resume({again})"
     if under_torchrun:
         return (
@@ -244,11 +239,15 @@ def latest_overrides(run_dir: Path, length: bool = True) -> str:
     """The latest attempt's changes as the command line's key=value overrides (" k=v ...", each
     applied to config.yaml as that attempt's was: its layout, its length unless not `length`, any
     other setting)."""
+    return "".join(f" {shlex.quote(w)}" for w in latest_words(run_dir, length))
+
+
+def latest_words(run_dir: Path, length: bool = True) -> list[str]:
+    """`latest_overrides`' key=value words, unquoted (a Python call's arguments)."""
     changes = latest_changes(run_dir)
-    words = [
+    return [
         f"{k}={_typed(v)}" for k, v in sorted(changes.items()) if length or k not in LENGTH_KEYS
     ]
-    return "".join(f" {shlex.quote(w)}" for w in words)
 
 
 def _typed(value) -> str:

@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Iterable, Iterator
 
+from visiondist.utils.procenv import environment_kept
+
 
 @contextlib.contextmanager
 def held_at(level: int, names: Iterable[str]) -> Iterator[None]:
@@ -64,16 +66,10 @@ def begin_job() -> None:
 def handed_on() -> Iterator[None]:
     """This job's lines said so far in the environment its ranks start with (and read in this
     process: one rank, or a torchrun rank), for the block."""
-    before = os.environ.get(BEFORE_ENV)
-    os.environ[BEFORE_ENV] = json.dumps(_BEFORE)
-    _BEFORE.clear()
-    try:
+    with environment_kept([BEFORE_ENV]):
+        os.environ[BEFORE_ENV] = json.dumps(_BEFORE)
+        _BEFORE.clear()
         yield
-    finally:
-        if before is None:
-            os.environ.pop(BEFORE_ENV, None)
-        else:
-            os.environ[BEFORE_ENV] = before
 
 
 def said_before() -> list[tuple[int, str]]:

@@ -20,6 +20,8 @@ value of each variable is kept.
   machine without the internet prints the failed request at every start of every rank and loader
   worker.
 
+`environment_kept`: variables set for a block (a job's), the process's own values put back after it.
+
 `usable_cpus`: this process's CPUs, the smaller of its affinity (taskset, a SLURM allocation) and
 its container's CPU quota (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us` / `cpu.cfs_period_us`); the
 node's core count says nothing about a pod limited to 4 CPUs on a 64-core node. Thread counts and
@@ -30,11 +32,28 @@ node's core count says nothing about a pod limited to 4 CPUs on a 64-core node. 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, MutableMapping, Optional
+from typing import Callable, Iterable, Iterator, MutableMapping, Optional
+
+
+@contextlib.contextmanager
+def environment_kept(names: Iterable[str]) -> Iterator[None]:
+    """The block may set the variables `names` (for the processes a job starts, or for itself);
+    after it, each is as it was before, unset where it was unset."""
+    before = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
 
 DEFAULTS = {"NO_ALBUMENTATIONS_UPDATE": "1"}
 CGROUP_ROOT = Path("/sys/fs/cgroup")
