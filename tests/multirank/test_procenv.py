@@ -68,11 +68,15 @@ def test_beside_a_busy_process_every_process_waits_passively_and_starts_quietly_
     the log says why, and the output holds no warning: no albumentations version check, no warm-up
     longer than the 4-step run (schedule.warmup_steps left at its default)."""
     busy = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     try:
-        out = _train(tiny_shapes, tmp_path, env=_env())
+        out = _train(tiny_shapes, tmp_path, env=_env(TMPDIR=str(temp)))
     finally:
         busy.kill()
         busy.wait()
+    # its killed loader worker's socket directory went with the rank
+    assert _litter(temp) == [], _litter(temp)
     spins = re.findall(r"GOMP_SPINCOUNT = '(\d+)'", out)
     assert len(spins) >= 2 and set(spins) == {"0"}, spins  # the tool and the rank at least
     assert set(re.findall(r"OMP_WAIT_POLICY = '(\w+)'", out)) == {"PASSIVE"}
@@ -83,12 +87,29 @@ def test_beside_a_busy_process_every_process_waits_passively_and_starts_quietly_
     assert not [n for n in NOISE if n in said], said[-4000:]
 
 
+def _litter(temp) -> list[str]:
+    """What a job left in its temp dir beyond the per-user job notes (emptied at exit, checked
+    below) and inductor's cache."""
+    return sorted(
+        p.name
+        for p in temp.iterdir()
+        if not p.name.startswith(("visiondist-jobs-", "torchinductor"))
+    )
+
+
 def test_the_ranks_of_a_two_rank_run_wait_passively(tiny_shapes, tmp_path):
     """Two ranks started by the tool share its CPUs: whatever the tool chose for itself (it may have
     found them idle), both ranks and their loader workers wait passively and say why. Two threads a
     rank (the suite's jobs run one): ranks with threads that wait start OpenMP afresh, from the fork
-    server (visiondist.launch.spawn)."""
-    out = _train(tiny_shapes, tmp_path, "parallel.dp=2", env=_env(OMP_NUM_THREADS="2"))
+    server (visiondist.launch.spawn). The job leaves its temp dir as it found it: before, the
+    elastic agent's `torchelastic_*` directory and each killed loader worker's `pymp-*` stayed."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    out = _train(
+        tiny_shapes, tmp_path, "parallel.dp=2", env=_env(OMP_NUM_THREADS="2", TMPDIR=str(temp))
+    )
+    assert _litter(temp) == [], _litter(temp)
+    assert not [n for d in temp.glob("visiondist-jobs-*") for n in d.iterdir()]
     assert "CPU: 2 threads per rank" in out, out[-4000:]
     policies = re.findall(r"OMP_WAIT_POLICY = '(\w+)'", out)
     # both ranks (the tool's own line may say either)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing.util
 import os
 import signal
 import time
@@ -42,8 +43,14 @@ _PR_SET_PDEATHSIG = 1
 
 
 def register(loader: DataLoader) -> DataLoader:
-    """Track a loader with workers so that `close_loaders` can stop them."""
+    """Track a loader with workers so that `close_loaders` can stop them.
+
+    A worker hands each batch's memory to the rank through a socket in multiprocessing's temporary
+    directory. Made here, that directory is the rank's, which its workers inherit and which goes
+    with the rank; a worker's own would stay behind in the temp dir, since `close_loaders` kills
+    the workers (two directories a worker, a job: thousands in a week of runs)."""
     if loader.num_workers > 0:
+        multiprocessing.util.get_temp_dir()
         _LOADERS.add(loader)
     return loader
 

@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -251,6 +252,9 @@ def _launch(
     pod: Optional[PodJob],
     cuda: bool,
 ) -> dict[int, Any]:
+    from torch.distributed.elastic.multiprocessing import (  # noqa: PLC0415 (the agent)
+        DefaultLogsSpecs,
+    )
     from torch.distributed.launcher.api import (  # noqa: PLC0415 (the agent)
         LaunchConfig,
         elastic_launch,
@@ -300,23 +304,27 @@ def _launch(
         )
     # SIGTERM / SIGINT: launch.stop's
     signals: dict[str, Any] = agent_signals({f.name for f in dataclasses.fields(LaunchConfig)})
-    config = LaunchConfig(
-        nproc_per_node=nprocs,
-        **rdzv,
-        max_restarts=max_restarts,
-        monitor_interval=0.1,
-        start_method=method,
-        **signals,
-    )
     say = lambda line: print(line, flush=True)  # noqa: E731 (the launcher's lines)
-    try:
-        with announced_restarts(say):
-            if method == "spawn":
-                return elastic_launch(config, _watched)(fn, *args)
-            _preload(method, fn, args)
-            return elastic_launch(config, _as_spawned)(fn, *args)
-    except ChildFailedError as exc:
-        raise _every_report(exc) from None
+    # The agent's per-attempt error files (what `_every_report` reads) live for the launch only:
+    # its default, a `torchelastic_*` directory in the temp dir, stays behind after every job.
+    with tempfile.TemporaryDirectory(prefix="visiondist-ranks-", ignore_cleanup_errors=True) as d:
+        config = LaunchConfig(
+            nproc_per_node=nprocs,
+            **rdzv,
+            max_restarts=max_restarts,
+            monitor_interval=0.1,
+            start_method=method,
+            logs_specs=DefaultLogsSpecs(log_dir=d),
+            **signals,
+        )
+        try:
+            with announced_restarts(say):
+                if method == "spawn":
+                    return elastic_launch(config, _watched)(fn, *args)
+                _preload(method, fn, args)
+                return elastic_launch(config, _as_spawned)(fn, *args)
+        except ChildFailedError as exc:
+            raise _every_report(exc) from None
 
 
 def _every_report(exc: Any) -> Any:
