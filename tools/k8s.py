@@ -90,6 +90,22 @@ TOOL = Tool(
             "per pod, e.g. rdma=rdma/ib:1, with the IPC_LOCK capability (default: none, NCCL over "
             "the pod network's TCP)",
         ),
+        (
+            "node_selector=<label>=<value>[,...]",
+            "node labels every pod's node must have, e.g. "
+            "node_selector=nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3 (default: none)",
+        ),
+        (
+            "tolerations=<key>[=<value>][:<effect>][,...]",
+            "taints the pods tolerate, e.g. tolerations=nvidia.com/gpu:NoSchedule; without an "
+            "effect, all of the taint's (default: none)",
+        ),
+        ("priority_class=<name>", "the pods' PriorityClass (default: the cluster's)"),
+        (
+            "queue=<name>",
+            "the Kueue LocalQueue the job waits in (its kueue.x-k8s.io/queue-name label; default: "
+            "none)",
+        ),
         ("workdir=<dir>", "where the image holds the project (default /workspace/visiondist)"),
         ("out=<file>", "write the manifest there instead of standard output"),
     ),

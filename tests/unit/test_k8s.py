@@ -190,6 +190,51 @@ def test_rdma_asks_each_pod_for_the_adapter_and_the_right_to_pin_memory(tmp_path
     (_trainjob_round_trip if kind == "trainjob" else _pytorchjob_round_trip)(docs)
 
 
+@pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
+def test_the_pods_go_where_the_cluster_keeps_its_gpus_and_the_job_waits_in_its_queue(
+    tmp_path, kind
+):
+    """node_selector=, tolerations=, priority_class= land in every pod's spec and queue= in the
+    job's Kueue label; both kinds stay valid for their operator's API. Without them none is
+    written."""
+    pytest.importorskip("kubeflow_trainer_api")
+    pytest.importorskip("kubeflow.training")
+    base = ["image=x", f"kind={kind}", "nodes=2", "gpus=4", "model=vit_small"]
+    docs, _ = _write(tmp_path, *base)
+    pod, _ = _pod_of(docs)
+    assert not {"nodeSelector", "tolerations", "priorityClassName"} & set(pod)
+    assert "labels" not in docs[-1]["metadata"]
+    docs, _ = _write(
+        tmp_path,
+        *base,
+        "node_selector=nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3, pool=train",
+        "tolerations=nvidia.com/gpu:NoSchedule,dedicated=ml:NoExecute,spot",
+        "priority_class=high-priority",
+        "queue=team-a",
+    )
+    (_trainjob_round_trip if kind == "trainjob" else _pytorchjob_round_trip)(docs)
+    pods = (
+        [_pod_of(docs)[0]]
+        if kind == "trainjob"
+        else [r["template"]["spec"] for r in docs[0]["spec"]["pytorchReplicaSpecs"].values()]
+    )
+    assert len(pods) == (1 if kind == "trainjob" else 2)  # the runtime's one; Master and Worker
+    for pod in pods:
+        assert pod["nodeSelector"] == {
+            "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+            "pool": "train",
+        }
+        assert pod["tolerations"] == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoExecute"},
+            {"key": "spot", "operator": "Exists"},
+        ]
+        assert pod["priorityClassName"] == "high-priority"
+    assert docs[-1]["metadata"]["labels"] == {"kueue.x-k8s.io/queue-name": "team-a"}
+    if kind == "trainjob":  # the runtime is the job's, not queued itself
+        assert docs[0]["metadata"]["labels"] == {"trainer.kubeflow.org/framework": "torch"}
+
+
 def test_a_misplaced_key_fails_the_validation(tmp_path):
     """The round trip is a check: a key the published model does not hold fails it."""
     pytest.importorskip("kubeflow_trainer_api")
@@ -294,6 +339,22 @@ def test_what_the_pods_of_a_trainjob_get_is_read_as_the_manifests_job(tmp_path):
         (["image=x", "restarts=-1"], "restarts=-1: a whole number of at least 0"),
         (["image=x", "rdma=ib"], "rdma=ib: give the cluster's RDMA resource and its count"),
         (["image=x", "rdma=nvidia.com/gpu:1"], "the GPUs are gpus="),
+        (["image=x", "node_selector=pool"], "node_selector=pool: 'pool' needs a value"),
+        (
+            ["image=x", "node_selector=a/b/c=1"],
+            "'a/b/c' is not a Kubernetes label key",
+        ),
+        (
+            ["image=x", "node_selector=pool=a b"],
+            "'a b' is not a Kubernetes label value",
+        ),
+        (
+            ["image=x", "tolerations=nvidia.com/gpu:NoSchedul"],
+            "is not <key>[=<value>][:<effect>] with an effect of NoSchedule, PreferNoSchedule, "
+            "NoExecute",
+        ),
+        (["image=x", "queue=Team_A"], "queue=Team_A is not a Kueue LocalQueue name"),
+        (["image=x", "priority_class=High"], "priority_class=High is not a PriorityClass name"),
     ],
 )
 def test_bad_keys_are_one_line_naming_the_fix(tmp_path, capsys, args, says):

@@ -116,6 +116,7 @@ def k8s_job(cmd: Command, configs: Path) -> int:
         what_happens,
     )
     from visiondist.launch.k8s_resources import pod_resources  # noqa: PLC0415 (a job's)
+    from visiondist.launch.k8s_scheduling import scheduling  # noqa: PLC0415 (a job's)
 
     image = cmd.args.get("image")
     if not image:
@@ -153,6 +154,7 @@ def k8s_job(cmd: Command, configs: Path) -> int:
         pull_secret=cmd.args.get("image_pull_secret", ""),
         restarts=_count(cmd, "restarts", 3, least=0),
         rdma=cmd.args.get("rdma", ""),
+        scheduling=scheduling(cmd.args),
     )
     kind = cmd.args.get("kind", "trainjob").lower()
     text = yaml.safe_dump_all(manifests(kind, spec), sort_keys=False, width=120)

@@ -20,6 +20,8 @@ What every manifest holds:
   limit is the container's CPU quota, which `data.num_workers=-1` and the ranks' threads follow
   (`visiondist.utils.procenv.usable_cpus`);
 - `imagePullSecrets` where the image is in a private registry;
+- where the cluster asks for them, the pods' node selector, tolerations and priority class and the
+  job's Kueue queue label (`visiondist.launch.k8s_scheduling`);
 - with `rdma`, the cluster's RDMA device plugin's resource (`rdma/ib: 1`, ...) beside the GPUs, and
   the IPC_LOCK capability NCCL's InfiniBand transport needs to pin its buffers: without them NCCL
   between pods runs over the pod network's TCP.
@@ -35,6 +37,7 @@ from typing import Any, Optional
 from visiondist.config import ConfigError
 from visiondist.launch.k8s_policy import backoff_limit
 from visiondist.launch.k8s_resources import PodResources
+from visiondist.launch.k8s_scheduling import Scheduling
 from visiondist.launch.stop import grace_seconds
 from visiondist.plan import resolve_on
 
@@ -72,6 +75,8 @@ class JobSpec:
     restarts: int = 3  # the job's restarts after a failure (JobSet maxRestarts, backoffLimit)
     # the RDMA device plugin's resource and count per pod ("rdma/ib:1"); "": none
     rdma: str = ""
+    # the pods' node selector, tolerations and priority class; the job's Kueue queue
+    scheduling: Scheduling = field(default_factory=Scheduling)
 
     def __post_init__(self):
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", self.name):
@@ -172,7 +177,12 @@ def _pod(spec: JobSpec, containers: list[dict], volumes: list[dict]) -> dict[str
     pod: dict[str, Any] = {"terminationGracePeriodSeconds": spec.termination_grace_s}
     if spec.pull_secret:
         pod["imagePullSecrets"] = [{"name": spec.pull_secret}]
-    return {**pod, "containers": containers, "volumes": volumes}
+    return {**pod, **spec.scheduling.pod_fields(), "containers": containers, "volumes": volumes}
+
+
+def _metadata(spec: JobSpec) -> dict[str, Any]:
+    labels = spec.scheduling.job_labels()
+    return {"name": spec.name, **({"labels": labels} if labels else {})}
 
 
 def training_runtime(spec: JobSpec) -> dict[str, Any]:
@@ -266,7 +276,7 @@ def trainjob(spec: JobSpec) -> dict[str, Any]:
     return {
         "apiVersion": "trainer.kubeflow.org/v1alpha1",
         "kind": "TrainJob",
-        "metadata": {"name": spec.name},
+        "metadata": _metadata(spec),
         "spec": {
             "runtimeRef": {
                 "apiGroup": "trainer.kubeflow.org",
@@ -308,7 +318,7 @@ def pytorchjob(spec: JobSpec) -> dict[str, Any]:
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
-        "metadata": {"name": spec.name},
+        "metadata": _metadata(spec),
         "spec": {
             "nprocPerNode": str(spec.gpus),
             "runPolicy": {"backoffLimit": backoff_limit(spec.restarts, spec.nodes)},
