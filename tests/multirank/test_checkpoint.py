@@ -82,6 +82,17 @@ def test_a_continuation_trains_with_the_rate_and_decay_it_is_given(tmp_path, tin
     a, b = rates(straight), rates(split)
     assert b[3] == pytest.approx(a[3] / 20)  # before: the old peak
     assert [b[s] for s in (4, 5, 6)] == pytest.approx([a[s] for s in (4, 5, 6)])
+    # each row's lr is the one its step trained with: the warmup's start at step 1, the
+    # cosine's end at the last
+    from omegaconf import OmegaConf
+
+    from visiondist.engine.optim import lr_factor
+
+    schedule = OmegaConf.load(straight / "config.yaml").schedule
+    assert [a[s] for s in range(1, 7)] == pytest.approx(
+        [0.01 * lr_factor(s - 1, 6, schedule) for s in range(1, 7)]
+    )
+    assert a[1] == pytest.approx(0.01 * schedule.warmup_start_factor)
 
 
 def test_a_period_in_minutes_checkpoints_every_rank_after_the_same_step(tmp_path, tiny_shapes):

@@ -165,6 +165,8 @@ class LoopState:
         save_due: the latest step whose agreed verdict said a checkpoint is due (0: none).
         skipped_steps: optimizer steps skipped as non-finite, over every attempt.
         overflow_steps: fp16 steps skipped because a scaled gradient overflowed.
+        step_lr: the peak learning rate the latest optimizer step used (the schedule has moved on
+            by the time the step's hooks run).
         last_eval: the latest evaluation's metrics and "step".
         final_loss: the last logged mean train loss.
         progress: the progress bar (rank 0, `trainer.progress`), or None.
@@ -187,6 +189,7 @@ class LoopState:
     save_due: int = _owned("OptimizerStep", 0)  # the latest step whose verdict said one is due
     skipped_steps: int = _owned("OptimizerStep", 0)  # non-finite, over every attempt
     overflow_steps: int = _owned("OptimizerStep", 0)  # fp16: a scaled gradient overflowed
+    step_lr: float = _owned("OptimizerStep", 0.0)  # the peak group's LR of the latest step
     last_eval: dict[str, Any] = _owned("Validation", default_factory=dict)  # metrics and "step"
     final_loss: float = _owned("LogHook", math.nan)  # the last logged mean train loss
     progress: Any = _owned("ProgressHook", None)  # the bar (rank 0, `trainer.progress`)

@@ -90,6 +90,9 @@ class OptimizerStep:
                 self._act_on(self._next_verdict())
         if self.scaler is not None:
             self.scaler.update()
+        # the peak group's (the head's under optim.layer_decay; the first group is the patch
+        # embedding's, layer_decay ** (depth + 1) of it), as this step used it: the log's lr
+        self.state.step_lr = max(group["lr"] for group in self.optimizer.param_groups)
         self.parts.scheduler.step()
         return total, grad_norm
 

@@ -201,9 +201,7 @@ class LogHook(Hook):
         sampler = parts.data.train_sampler
         images = sampler.images(state.step - timer.steps, state.step)
         rate = images / max(timer.close_window(state.step), 1e-9)
-        # the peak group's (the head's under optim.layer_decay; the first group is the patch
-        # embedding's, layer_decay ** (depth + 1) of it)
-        lr = max(group["lr"] for group in parts.optimizer.param_groups)
+        lr = state.step_lr  # the LR the window's last step trained with
         mfu = trainer.utilisation.mfu(rate)
         trainer.metrics.log(
             state.step,
