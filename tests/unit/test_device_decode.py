@@ -274,22 +274,22 @@ def test_decode_ahead_raises_the_sources_error_after_the_batches_before_it_and_c
 def test_evaluation_decodes_with_the_training_decoder_and_gives_the_loader_paths_batch(tmp_path):
     """Under data.decode_on=device the val split is decoded on the device too (one decoder per run:
     nvJPEG and OpenCV differ by up to 48 levels on real photos): the resize of the short side and
-    the centre crop as albumentations makes them (sizes and offsets tested on a grid of shapes), the
+    the centre crop as torchvision's Resize and CenterCrop make them, timm's eval transform (sizes
+    and offsets tested on a grid of shapes), the
     pixels within one grey level of the loader path's; the three files the device cannot take are
     decoded in the workers, identical."""
-    import albumentations as A
+    import torchvision.transforms.functional as TF
 
     from visiondist.data.transforms import ClassificationTransform
 
     transform = ClassificationTransform(_cfg(tmp_path), train=False, size=224, seed=0)
     for h in range(230, 520, 13):
         for w in range(230, 620, 17):
-            top, left, rh, rw = transform._centre_crop(h, w)
-            resized = A.SmallestMaxSize(max_size=256)(image=np.zeros((h, w, 3), np.uint8))["image"]
-            assert (rh, rw) == resized.shape[:2] and (top, left) == (
-                (rh - 224) // 2,
-                (rw - 224) // 2,
-            )
+            top, left, rh, rw = transform.transform.geometry(h, w)
+            # torchvision's Resize(256) and CenterCrop(224): timm's eval transform
+            assert tuple(TF.resize(torch.zeros(1, h, w), [256]).shape[1:]) == (rh, rw)
+            corner = TF.center_crop(torch.arange(rh * rw).view(1, rh, rw), [224])[0, 0, 0]
+            assert divmod(int(corner), rw) == (top, left)
 
     root = _tree(tmp_path)
     out = {}

@@ -32,26 +32,48 @@ def interpolation(cfg) -> int:
     return INTERPOLATIONS[name]
 
 
-def classification_transforms(cfg, train: bool, size: int) -> A.Compose:
-    """The albumentations part. Train: random-resized crop + flip; eval: resize the short side to
-    size / crop_pct, centre crop. Both resize with `data.interpolation`. `size` is the model's input
-    resolution. Normalisation happens on the device (`Normalize`)."""
+class CentreCrop:
+    """The eval transform: the short side resized to `resize`, then the centre `size` x `size`,
+    with the sizes and offsets torchvision's `Resize(resize)` and `CenterCrop(size)` compute (the
+    long side truncated, the offsets rounded half to even), which is timm's eval transform: the
+    exported model's `timm.data.create_transform` crops the pixels the run scored, whatever the
+    image's shape. (albumentations' SmallestMaxSize rounds the long side and its CenterCrop floors
+    the offsets: one pixel apart on 2 of 3 shapes, up to 101 levels on an edge.)"""
+
+    def __init__(self, resize: int, size: int, interpolation: int) -> None:
+        self.resize, self.size, self.interpolation = resize, size, interpolation
+
+    def geometry(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """(top, left, resized height, resized width) for a `height` x `width` image."""
+        if width <= height:
+            h, w = int(self.resize * height / width), self.resize
+        else:
+            h, w = self.resize, int(self.resize * width / height)
+        return int(round((h - self.size) / 2.0)), int(round((w - self.size) / 2.0)), h, w
+
+    def __call__(self, image: np.ndarray) -> np.ndarray:
+        top, left, h, w = self.geometry(*image.shape[:2])
+        if (h, w) != image.shape[:2]:
+            image = cv2.resize(image, (w, h), interpolation=self.interpolation)
+        return image[top : top + self.size, left : left + self.size]
+
+
+def classification_transforms(cfg, train: bool, size: int) -> A.Compose | CentreCrop:
+    """Train: albumentations' random-resized crop + flip; eval: resize the short side to
+    size / crop_pct, centre crop (`CentreCrop`). Both resize with `data.interpolation`. `size` is
+    the model's input resolution. Normalisation happens on the device (`Normalize`)."""
     flag = interpolation(cfg)
-    if train:
-        steps = [
-            A.RandomResizedCrop(
-                size=(size, size), scale=tuple(cfg.train_crop_scale), interpolation=flag
-            )
-        ]
-        if cfg.hflip > 0:
-            steps.append(A.HorizontalFlip(p=cfg.hflip))
-    else:
+    if not train:
         # timm's eval size, floor(size / crop_pct) (224 / 0.9 -> 248), so that its transform sees
         # what we score
-        steps = [
-            A.SmallestMaxSize(max_size=math.floor(size / cfg.crop_pct), interpolation=flag),
-            A.CenterCrop(size, size),
-        ]
+        return CentreCrop(math.floor(size / cfg.crop_pct), size, flag)
+    steps = [
+        A.RandomResizedCrop(
+            size=(size, size), scale=tuple(cfg.train_crop_scale), interpolation=flag
+        )
+    ]
+    if cfg.hflip > 0:
+        steps.append(A.HorizontalFlip(p=cfg.hflip))
     return A.Compose(steps)
 
 
@@ -102,11 +124,11 @@ class ClassificationTransform:
         # train and eval: one decoder per run
         self.decode_on_device = get("decode_on", "loader") == "device"
         self.train, self.size = train, size
-        self.eval_resize = math.floor(size / cfg.crop_pct) if not train else None
         self.seed = seed
         self.random = SampleRandom()
         self.transform = classification_transforms(cfg, train, size)
-        self.transform.set_random_state(self.random.numpy, self.random.python)
+        if isinstance(self.transform, A.Compose):
+            self.transform.set_random_state(self.random.numpy, self.random.python)
 
     def __call__(self, image, index: int, epoch: int):
         self.random.reset(self.seed, epoch, index)
@@ -124,6 +146,8 @@ class ClassificationTransform:
 
     def _crop(self, image: np.ndarray) -> torch.Tensor:
         """The albumentations crop / flip (train) or resize / centre crop (eval): uint8 H, W, C."""
+        if isinstance(self.transform, CentreCrop):
+            return torch.from_numpy(np.ascontiguousarray(self.transform(image)))
         return torch.from_numpy(np.ascontiguousarray(self.transform(image=image)["image"]))
 
     def _for_device(self, image) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,11 +157,12 @@ class ClassificationTransform:
         the augmentation row (`visiondist.data.device_decode`)."""
         row = np.zeros(CROP_FIELDS)
         # eval: resize the short side, then the centre crop
-        if isinstance(image, Encoded) and not self.train:
-            row[:] = (2, *self._centre_crop(image.height, image.width), 0)
+        if isinstance(image, Encoded) and isinstance(self.transform, CentreCrop):
+            row[:] = (2, *self.transform.geometry(image.height, image.width), 0)
             payload = torch.frombuffer(bytearray(image.data), dtype=torch.uint8)
         # the Compose's draws in its order: whether it runs (p=1), crop, flip
         elif isinstance(image, Encoded):
+            assert isinstance(self.transform, A.Compose)  # training's
             self.random.python.random()
             crop, *rest = self.transform.transforms
             x0, y0, x1, y1 = crop.get_params_dependent_on_data(
@@ -151,15 +176,6 @@ class ClassificationTransform:
         if self.policy is not None and self.policy.active:
             row = np.concatenate([row, self.policy.draw(self.random.python)])
         return payload, torch.from_numpy(row)
-
-    def _centre_crop(self, height: int, width: int) -> tuple[int, int, int, int]:
-        """(top, left, resized height, resized width) of the eval transform on a `height` x `width`
-        image, as albumentations' SmallestMaxSize and CenterCrop compute them (tested against
-        them)."""
-        assert self.eval_resize is not None  # set for evaluation, the one caller
-        scale = self.eval_resize / min(height, width)
-        h, w = round(height * scale), round(width * scale)
-        return (h - self.size) // 2, (w - self.size) // 2, h, w
 
 
 class Normalize:
