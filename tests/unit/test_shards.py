@@ -4,9 +4,11 @@ retries, the cache's limit), and the train sampler's shard-aware order."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -214,6 +216,30 @@ def test_http_shards_read_as_the_directory_and_count_the_bytes_fetched(packed, t
         assert again.fetched.value == 0
 
 
+def test_a_data_set_packed_again_at_the_same_address_is_fetched_again(packed, tmp_path):
+    """Packed again and served where the first pack was (same shard names and sizes, other
+    bytes, a new index): a node that cached the first pack reads the new images, not its old
+    copies; the first pack's copies, which the new index does not name, are not read."""
+    _, out, _ = packed
+    served = tmp_path / "served"
+    shutil.copytree(out, served)
+    with serve(served) as url:
+        first = ShardSplit(ShardStore(url, cache_dir=str(tmp_path / "cache")), "train")
+        old = first.image_bytes(0)
+        # the second pack: shard 0 with one byte of its first image changed, and its index
+        shard = served / first.packed.shards[0]["url"]
+        data = bytearray(shard.read_bytes())
+        data[int(first.packed.offset[0]) + 100] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        entry = json.loads((served / "train.json").read_text())
+        entry["shardlist"][0]["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+        (served / "train.json").write_text(json.dumps(entry))
+        again = ShardStore(url, cache_dir=str(tmp_path / "cache"))
+        new = ShardSplit(again, "train").image_bytes(0)
+        assert new != old and new == bytes(data[first.packed.offset[0] :][: len(old)])
+        assert again.fetched.value == entry["shardlist"][0]["filesize"]
+
+
 def test_a_changed_shard_is_refused_and_a_dead_server_named(packed, tmp_path):
     _, out, _ = packed
     served = tmp_path / "served"
@@ -229,9 +255,7 @@ def test_a_changed_shard_is_refused_and_a_dead_server_named(packed, tmp_path):
             ShardError, match=r"train-000000\.tar: its SHA-256 .* differs from the index's"
         ):
             split.image_bytes(int(np.flatnonzero(split.packed.shard == 0)[0]))
-        kept = [
-            p.name for p in (tmp_path / "cache").rglob("train-000000.tar*") if p.suffix != ".lock"
-        ]
+        kept = [p.name for p in (tmp_path / "cache").rglob("train-000000*") if p.suffix != ".lock"]
         assert not kept  # nothing half-kept
     with pytest.raises(
         ShardError, match=rf"cannot fetch {url}/train-000001\.tar .* after 2 attempts"

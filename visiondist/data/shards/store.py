@@ -142,7 +142,10 @@ class ShardStore:
         what a missing one does; "" where the cached dataset.json does not say."""
         try:
             splits = json.loads((self.cache / "dataset.json.last").read_text())["splits"]
-            held = {split: sum(1 for _ in self.cache.glob(f"{split}-*.tar")) for split in splits}
+            held = {
+                split: len({p.name.split(".")[0] for p in self.cache.glob(f"{split}-*.tar")})
+                for split in splits
+            }
             counts = [f"{split} {held[split]} of {int(v['shards'])}" for split, v in splits.items()]
             short = any(held[split] < int(v["shards"]) for split, v in splits.items())
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -163,16 +166,18 @@ class ShardStore:
                     "packing; pack again"
                 )
             return path
-        dest = self.cache / name
+        # named by its content: a data set packed again at the same address (other shards of the
+        # same names and sizes) is fetched again, not read from the copies of the one before
+        dest = self.cache / cached_name(name, sha256)
         if _complete(dest, size):
             os.utime(dest)  # recently used: the last to be dropped
             return dest
         self.cache.mkdir(parents=True, exist_ok=True)
-        with _locked(self.cache / f"{name}.lock"):
+        with _locked(self.cache / f"{dest.name}.lock"):
             # another rank or worker of this node may have fetched it meanwhile
             if not _complete(dest, size):
                 self._make_room(size)
-                tmp = dest.with_name(f"{name}.{os.getpid()}.part")
+                tmp = dest.with_name(f"{dest.name}.{os.getpid()}.part")
                 try:
                     _, digest = self._download(self.url(name), tmp)
                 finally:
@@ -268,6 +273,13 @@ class ShardStore:
                 break
             p.unlink(missing_ok=True)  # a reader holding it open keeps reading it
             total -= s
+
+
+def cached_name(name: str, sha256: str) -> str:
+    """A shard's file in a node's cache: `train-000007.tar` holding SHA-256 `ab12...` is
+    `train-000007.ab12....tar` (16 hex digits)."""
+    stem, dot, suffix = name.rpartition(".")
+    return f"{stem}.{sha256[:16]}.{suffix}" if dot else f"{name}.{sha256[:16]}"
 
 
 def _complete(path: Path, size: int) -> bool:
