@@ -21,6 +21,7 @@ from visiondist.cli import (
     Tool,
     config_text,
     exit_now,
+    truth,
 )
 from visiondist.cli import main as cli_main
 from visiondist.config import ConfigError
@@ -44,6 +45,12 @@ TOOL = Tool(
             "step=<N>",
             "with run_dir: its checkpoint checkpoints/step_<N> instead, whatever layout wrote it; "
             "step=best: the best one by trainer.best_metric",
+        ),
+        (
+            "ema=true",
+            "the checkpoint's EMA of the weights (trainer.ema_decay > 0; the newest checkpoint "
+            "unless step=): the model the run's val_ema_* figures scored; step=best by a "
+            "val_ema_* metric reads it without",
         ),
         (
             "weights=<path>",
@@ -81,11 +88,12 @@ def evaluate(cmd: Command) -> int:
         raise ConfigError(
             "-cd: run_dir= evaluates under the run's own config.yaml; -cd adds options for weights="
         )
+    ema = ["model.weights_ema=true"] if truth("ema", args.get("ema", "false")) else []
     cfg, base = evaluation_config(
         args.get("run_dir"),
         args.get("step"),
         args.get("weights"),
-        cmd.overrides + (cmd.search if "weights" in args else []),
+        cmd.overrides + ema + (cmd.search if "weights" in args else []),
     )
     if cmd.show:
         print(config_text(cfg, cmd.package))

@@ -46,6 +46,12 @@ TOOL = Tool(
             "trainer.best_metric",
         ),
         (
+            "ema=true",
+            "the checkpoint's EMA of the weights (trainer.ema_decay > 0; the latest checkpoint "
+            "unless step=), written as model_ema.<suffix>; step=best by a val_ema_* metric "
+            "exports it without",
+        ),
+        (
             "format=<format>",
             "safetensors (default; plus <out>.json saying how to build the model), onnx, "
             "pt2 (classifiers: torch.export, any batch), torchscript, hf (DETR-class detectors: "
@@ -129,6 +135,7 @@ def export(cmd: Command) -> int:
             opset=args.get("opset"),
             half=args.get("half", False),
             int8=args.get("int8", False),
+            ema=args.get("ema", False),
         )
     except RuntimeError as exc:  # e.g. a damaged checkpoint: the message names it and what to do
         # (torch's own messages may start with an empty line and go on for several)

@@ -57,6 +57,11 @@ TOOL = Tool(
             "wrote it",
         ),
         (
+            "ema=true",
+            "the checkpoint's EMA of the weights, as tools/eval.py takes it (the newest "
+            "checkpoint unless step=)",
+        ),
+        (
             "weights=<path>",
             "weights as tools/eval.py takes them (a .safetensors or torch file, a checkpoint, a "
             "from_pretrained directory, an exported .onnx / .pt2 file run by its runtime), under "
@@ -127,11 +132,12 @@ def predict(cmd: Command) -> int:
         if key in args
     }
     step = args.get("step")
+    ema = ["model.weights_ema=true"] if truth("ema", args.get("ema", "false")) else []
     cfg, base = prediction_job_config(
         args.get("run_dir"),
         args.get("weights"),
         None if step is None else step if step == "best" else _int("step", step),
-        cmd.overrides + (cmd.search if "weights" in args else []),
+        cmd.overrides + ema + (cmd.search if "weights" in args else []),
         settings,
         check_weights=not cmd.show,
     )

@@ -6,7 +6,15 @@ import json
 import re
 
 import pytest
-from helpers import REPO, assert_same_top1, losses_of, train_args, train_ok
+from helpers import (
+    REPO,
+    TINY_DATA,
+    assert_same_top1,
+    losses_of,
+    run_cli,
+    train_args,
+    train_ok,
+)
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -175,6 +183,21 @@ def test_ema_layer_decay_and_smoothing_agree_across_layouts_and_resume(tmp_path,
     assert "val top-1, EMA (%)" in json.loads((pp / "summary.json").read_text())
     per_class = json.loads((pp / "per_class.json").read_text())
     assert len(per_class) == 6 and sum(c["images"] for c in per_class.values()) == 30
+    # the EMA the run scored is what the tools read with ema=true: tools/eval.py on the run, and
+    # the pipelined run's export, evaluated as a file
+    evaluate = REPO / "tools" / "eval.py"
+    train_ok(f"run_dir={one}", "ema=true", f"trainer.run_dir={tmp_path / 'e1'}", script=evaluate)
+    scored = json.loads((tmp_path / "e1" / "eval.json").read_text())
+    assert scored["ema"] and scored["val_loss"] == pytest.approx(
+        rows[one][4]["val_ema_loss"], rel=1e-5
+    )
+    said = train_ok(f"run_dir={pp}", "ema=true", script=REPO / "tools" / "export.py")
+    assert "(its EMA of the weights)" in said
+    shape = [*TINY_DATA, f"data.root={tiny_shapes}", "model.depth=4", "model.num_heads=2"]
+    exported = pp / "export" / "model_ema.safetensors"
+    train_ok(f"weights={exported}", *shape, f"trainer.run_dir={tmp_path / 'e2'}", script=evaluate)
+    scored = json.loads((tmp_path / "e2" / "eval.json").read_text())
+    assert scored["val_loss"] == pytest.approx(rows[one][4]["val_ema_loss"], rel=1e-5)
 
 
 def test_fine_tuning_from_an_exported_run_starts_at_its_accuracy(tmp_path, tiny_shapes):
@@ -185,6 +208,9 @@ def test_fine_tuning_from_an_exported_run_starts_at_its_accuracy(tmp_path, tiny_
     train_ok(*train_args(tiny_shapes, source, *common, "trainer.max_steps=6"))
     train_ok(f"run_dir={source}", script=REPO / "tools" / "export.py")
     exported = source / "export" / "model.safetensors"
+    # a run without an EMA: ema=true is refused, naming why
+    refused = run_cli([f"run_dir={source}", "ema=true"], script=REPO / "tools" / "export.py")
+    assert refused.returncode == 2 and "trained with trainer.ema_decay=0" in refused.stdout
     assert any(".attn.qkv." in k for k in load_file(exported))  # timm's keys
     tuned = tmp_path / "tuned"
     train_ok(
@@ -206,7 +232,7 @@ def test_fine_tuning_from_an_exported_run_starts_at_its_accuracy(tmp_path, tiny_
     # the logged lr is the head's (the peak group's), not the patch embedding's 0.75 ** 3 of it
     cfg = OmegaConf.load(tuned / "config.yaml")
     logged = [r["lr"] for r in read_metrics(tuned / "metrics.csv") if r["lr"] is not None]
-    assert logged == pytest.approx([cfg.optim.lr * lr_factor(1, 1, cfg.schedule)], rel=1e-6)
+    assert logged == pytest.approx([cfg.optim.lr * lr_factor(0, 1, cfg.schedule)], rel=1e-6)
 
 
 def test_files_the_device_cannot_decode_are_named_once_and_the_count_says_why_it_is_larger(

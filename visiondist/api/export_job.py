@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from visiondist.api.jobs import CHATTY, EXPORT_SUFFIX, step_of
+from visiondist.checkpoint.files import ema_wanted
 from visiondist.cli.load import load_run_config
 from visiondist.cli.tool import truth
 from visiondist.config import ConfigError
@@ -30,20 +31,24 @@ def export_job(
     opset: Optional[Union[int, str]] = None,
     half: Union[bool, str] = False,
     int8: Union[bool, str] = False,
+    ema: Union[bool, str] = False,
 ) -> Path:
     """tools/export.py's job: the run's weights (its newest checkpoint, `step`, else its
-    model.safetensors) written as `fmt` (format=onnx: in ONNX `opset`; `half`: its network in
-    float16; `int8`: its convolutions and matrix products quantized, calibrated on the run's train
-    images; for both, the val split's accuracy before and after printed), with its check lines
-    printed.
+    model.safetensors; `ema`: the checkpoint's EMA of them, as does a step=best by an EMA metric)
+    written as `fmt` (format=onnx: in ONNX `opset`; `half`: its network in float16; `int8`: its
+    convolutions and matrix products quantized, calibrated on the run's train images; for both,
+    the val split's accuracy before and after printed), with its check lines printed.
 
     Returns:
         The written file (hf: directory).
     """
     settings, precision = _settings(fmt, opset, half, int8)
-    path = _out_path(Path(run_dir).expanduser(), fmt, out, precision)
     run_dir = Path(run_dir).expanduser()
     chosen = step_of(step) if step is not None else None
+    averaged, said = ema_wanted(run_dir, chosen, as_flag("ema", ema))
+    if said:
+        print(said, flush=True)
+    path = _out_path(run_dir, fmt, out, precision, averaged)
     from visiondist.checkpoint.export import export as export_run  # noqa: PLC0415 (a job's)
     from visiondist.checkpoint.export.onnx_check import (  # noqa: PLC0415 (a job's)
         check_onnx,
@@ -58,11 +63,14 @@ def export_job(
     # as the tools' logging set-up holds them; a notebook sets up none
     with held_at(logging.ERROR, CHATTY):
         try:
-            trained = load_trained(run_dir, chosen)
+            trained = load_trained(run_dir, chosen, averaged)
             files = export_run(trained, fmt, path, **settings)
         except (FileNotFoundError, ValueError) as exc:
             raise ConfigError(str(exc)) from None
-        print(f"exported {trained.cfg.model.name} from {trained.source}")
+        print(
+            f"exported {trained.cfg.model.name} from {trained.source}"
+            + (" (its EMA of the weights)" if trained.ema else "")
+        )
         for file in files:
             print(f"  {file}")
         if fmt == "onnx":
@@ -111,10 +119,10 @@ def _settings(fmt: str, opset, half, int8) -> tuple[dict[str, Any], Optional[str
     return settings, "float16" if half else "int8" if int8 else None
 
 
-def _out_path(run_dir: Path, fmt: str, out, precision: Optional[str]) -> Path:
-    """out=, else `<run>/export/model<_fp16|_int8><suffix>`; ConfigError where out='s suffix is
-    another format's."""
-    tag = {"float16": "_fp16", "int8": "_int8", None: ""}[precision]
+def _out_path(run_dir: Path, fmt: str, out, precision: Optional[str], ema: bool = False) -> Path:
+    """out=, else `<run>/export/model<_ema><_fp16|_int8><suffix>`; ConfigError where out='s suffix
+    is another format's."""
+    tag = ("_ema" if ema else "") + {"float16": "_fp16", "int8": "_int8", None: ""}[precision]
     path = Path(out) if out else run_dir / "export" / f"model{tag}{EXPORT_SUFFIX[fmt]}"
     named = [
         n for n, suffix in EXPORT_SUFFIX.items() if path.suffix and suffix.endswith(path.suffix)

@@ -182,7 +182,7 @@ def evaluation_config(
     Returns:
         The config, and the folder whose eval/ gets the results (the run's; None: the output dir).
     """
-    from visiondist.inference.job import recorded_data, run_weights  # noqa: PLC0415 (a job's)
+    from visiondist.inference.job import recorded_data, weights_of_run  # noqa: PLC0415 (a job's)
 
     if weights is not None and run_dir is not None:
         raise ConfigError(
@@ -206,7 +206,7 @@ def evaluation_config(
         base = Path(run_dir).expanduser()
         cfg = load_run_config(base, list(overrides), inputs=None)
         _warn_if_trained_on(base, cfg)
-        path = run_weights(base, step_of(step) if step is not None else None)
+        path = weights_of_run(base, step_of(step) if step is not None else None, cfg)
     else:
         raise ConfigError(
             "give run_dir=<run dir> (a training run) or weights=<file> with model=... data=...: "

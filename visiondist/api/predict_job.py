@@ -20,7 +20,7 @@ from visiondist.inference.job import (
     recorded_data,
     request,
     run_of_weights,
-    run_weights,
+    weights_of_run,
 )
 from visiondist.inference.outputs import read_manifest
 from visiondist.inference.sources import resolve_source
@@ -65,7 +65,7 @@ def prediction_job_config(
     if run_dir is not None:
         base = Path(run_dir).expanduser()
         cfg = load_run_config(base, list(overrides), inputs=None)
-        path = run_weights(base, None if step is None else step_of(step))
+        path = weights_of_run(base, None if step is None else step_of(step), cfg)
     else:
         path = Path(str(weights)).expanduser()
         if not path.exists():

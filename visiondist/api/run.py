@@ -137,8 +137,8 @@ class Run:
         return predict(source, run=self, **settings)
 
     def export(self, format: str = "safetensors", **settings: Any) -> Path:
-        """`visiondist.export(run, format, step=, out=, opset=, half=, int8=)`: the written file's
-        path."""
+        """`visiondist.export(run, format, step=, out=, opset=, half=, int8=, ema=)`: the written
+        file's path."""
         return export(self, format, **settings)
 
     def resume(self, *overrides: str, callbacks: Sequence[Any] = (), **settings: Any) -> Run:
@@ -194,6 +194,7 @@ def evaluate(
     *overrides: str,
     step: Optional[Union[int, str]] = None,
     weights: Optional[Union[str, Path]] = None,
+    ema: bool = False,
     **settings: Any,
 ) -> dict[str, Any]:
     """Evaluate a run's weights (or `weights=` under the config `overrides` compose) on the val
@@ -207,6 +208,8 @@ def evaluate(
         step: the run's checkpoint: a step number or "best"; None: its model.safetensors, else its
             newest checkpoint.
         weights: a weights file, checkpoint or from_pretrained directory.
+        ema: the checkpoint's EMA of the weights (tools/eval.py's ema=true): the model the run's
+            `val_ema_*` figures scored.
         **settings: more overrides as nested keywords (`trainer={"devices": 2}`).
 
     Returns:
@@ -218,7 +221,8 @@ def evaluate(
         overrides, run = (run, *overrides), None
     with refusals():
         where = run.dir if isinstance(run, Run) else run
-        cfg, base = evaluation_config(where, step, weights, as_overrides(overrides, settings))
+        asked = as_overrides(overrides, settings) + (["model.weights_ema=true"] if ema else [])
+        cfg, base = evaluation_config(where, step, weights, asked)
         metrics = evaluate_job(cfg, base)
     trained = _trained_step(Path(str(cfg.model.weights)), base)
     return {**metrics, **({"step": trained} if trained is not None else {})}
@@ -244,6 +248,7 @@ def export(
     opset: Optional[int] = None,
     half: bool = False,
     int8: bool = False,
+    ema: bool = False,
 ) -> Path:
     """Export a run's weights, as tools/export.py does (the same files and check lines).
 
@@ -257,13 +262,15 @@ def export(
         half: format="onnx": the network in float16, its val accuracy printed beside float32's.
         int8: format="onnx": convolutions and matrix products in int8 (calibrated on the run's
             train images), its val accuracy printed beside float32's.
+        ema: the checkpoint's EMA of the weights (a run with trainer.ema_decay > 0), written as
+            `<run>/export/model_ema.<ext>`; a step="best" by a `val_ema_*` metric reads it anyway.
 
     Returns:
         The written file (hf: directory).
     """
     with refusals():
         where = run.dir if isinstance(run, Run) else run
-        return export_job(where, format, step, out, opset, half, int8)
+        return export_job(where, format, step, out, opset, half, int8, ema)
 
 
 def benchmark(*overrides: str, **settings: Any) -> list[dict[str, Any]]:

@@ -208,13 +208,27 @@ def freeze_as_saved(path: Path, model: nn.Module) -> int:
     )
 
 
-def load_model_state(path: Path, model: nn.Module, layout=None, no_dist: bool = False) -> None:
-    """Load a checkpoint's model tensors into `model` (whatever layout either was saved or is in).
-    Without a process group (export, eval), or with `no_dist`, this process reads everything on its
-    own."""
+def load_model_state(
+    path: Path, model: nn.Module, layout=None, no_dist: bool = False, ema: bool = False
+) -> None:
+    """Load a checkpoint's model tensors into `model` (whatever layout either was saved or is in);
+    `ema`: its trained parameters then replaced by the checkpoint's EMA averages of them (buffers
+    and frozen parameters stay the model's, as the run's EMA evaluation had them). Without a
+    process group (export, eval), or with `no_dist`, this process reads everything on its own."""
     freeze_as_saved(path, model)
     state = {"model": model_state(model, layout)}
     _dcp_load(state, path, no_dist)
+    if not ema:
+        return
+    averaged = {
+        k[len("ema.") :] for k in read_metadata(path).state_dict_metadata if k.startswith("ema.")
+    }
+    if not averaged:
+        raise ValueError(
+            f"{path} holds no EMA of the weights (its run trained with trainer.ema_decay=0): drop "
+            "ema=true"
+        )
+    _dcp_load({"ema": {k: v for k, v in state["model"].items() if k in averaged}}, path, no_dist)
 
 
 def load_checkpoint(

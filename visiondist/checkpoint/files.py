@@ -77,6 +77,27 @@ def read_best(run_dir: Path) -> Optional[dict[str, Any]]:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def ema_wanted(run_dir: Path, step: Optional[int | str], ema: bool) -> tuple[bool, str]:
+    """Whether a run's weights are read as its checkpoint's EMA: as asked (`ema`), or where
+    step="best" picks the checkpoint that was best by an EMA metric (`val_ema_*`), whose raw
+    weights never scored that figure; with the line that says the latter ("" otherwise)."""
+    if ema or step != "best":
+        return ema, ""
+    metric = str((read_best(run_dir) or {}).get("metric", ""))
+    if not metric.startswith("val_ema_"):
+        return False, ""
+    return True, f"step=best is the best checkpoint by {metric}: its EMA weights are read"
+
+
+def check_ema(path: Path) -> None:
+    """ValueError unless checkpoint `path` holds an EMA of its weights."""
+    if not read_trainer_state(path).get("ema"):
+        raise ValueError(
+            f"{path} holds no EMA of the weights (its run trained with trainer.ema_decay=0): drop "
+            "ema=true"
+        )
+
+
 def mark_best(run_dir: Path, record: dict[str, Any], keep_last: int) -> None:
     """Rank 0: record a complete checkpoint as the best (atomically), then drop the previous best
     unless it is among the newest `keep_last`."""

@@ -44,6 +44,9 @@ class ModelConfig:
     # launching process where the network allows (visiondist.utils.pretrained) (null: the family's
     # initialisation)
     weights: Optional[str] = None
+    # where weights is a run's checkpoint (eval, predict): its EMA of the weights instead (tools'
+    # ema=true; a checkpoint of a run with trainer.ema_decay > 0)
+    weights_ema: bool = False
     # ViT fine-tuning: local weights (ours or timm's); a head of another size is new (null: none)
     init_from: Optional[str] = None
     # ResNet-FPN detectors: the backbone's ImageNet weights, a local torchvision resnet50 state dict

@@ -271,8 +271,9 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
     else:
         # a checkpoint fills the tensors itself
         model = build_laid_out(cfg, layout, checkpoint=checkpoint)
+    ema = checkpoint is not None and bool(cfg.model.get("weights_ema", False))
     if checkpoint is not None:
-        load_model_state(checkpoint, unwrap(model), layout)
+        load_model_state(checkpoint, unwrap(model), layout, ema=ema)
     task = build_task(cfg, layout, train=False)
     PROGRESS.at("evaluating")
     try:
@@ -287,6 +288,7 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
             json.dumps(
                 {
                     "weights": cfg.model.weights,
+                    **({"ema": "the checkpoint's EMA of the weights"} if ema else {}),
                     **({"run by": model.runtime} if hasattr(model, "runtime") else {}),
                     "images decoded by": decoded_by,
                     **task.input_fields,

@@ -11,16 +11,44 @@ from typing import Any, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from visiondist.checkpoint.files import latest_checkpoint, resolve_checkpoint
+from visiondist.checkpoint.files import (
+    check_ema,
+    ema_wanted,
+    latest_checkpoint,
+    resolve_checkpoint,
+)
 from visiondist.config import ConfigError
 from visiondist.inference.sources import Source
 from visiondist.models import TASKS
 from visiondist.models.exported import export_record
 
 
-def run_weights(run: Path, step=None) -> Path:
+def weights_of_run(run: Path, step, cfg: DictConfig) -> Path:
+    """`run_weights` for a run evaluated or predicted under `cfg`, whose `model.weights_ema`
+    (tools' ema=true) is made what the loading ranks read: true for a step=best that was best by
+    an EMA metric (said here)."""
+    ema, said = ema_wanted(run, step, bool(cfg.model.get("weights_ema", False)))
+    if said:
+        print(said, flush=True)
+    path = run_weights(run, step, ema)
+    OmegaConf.update(cfg, "model.weights_ema", ema, force_add=True)
+    return path
+
+
+def run_weights(run: Path, step=None, ema: bool = False) -> Path:
     """A run's weights: checkpoint `step` (a number or "best"), else its model.safetensors, else its
-    newest checkpoint (a run stopped early); ConfigError when it holds none."""
+    newest checkpoint (a run stopped early); ConfigError when it holds none. `ema`: a checkpoint
+    with its EMA (the newest where no step is given)."""
+    if ema:
+        try:
+            path = resolve_checkpoint(str(run), step)
+            check_ema(path)
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConfigError(
+                f"ema=true reads a checkpoint's EMA of the weights (model.safetensors holds the "
+                f"model's own): {exc}"
+            ) from None
+        return path
     if step is not None:
         try:
             return resolve_checkpoint(str(run), step)

@@ -221,7 +221,8 @@ def load_model(cfg: DictConfig, device: torch.device) -> nn.Module:
     if is_meta(model):
         materialize(model, device, source)
     if checkpoint is not None:
-        load_model_state(checkpoint, model, no_dist=True)
+        ema = bool(cfg.model.get("weights_ema", False))
+        load_model_state(checkpoint, model, no_dist=True, ema=ema)
     model = model.to(device).eval()
     if cfg.model.get("channels_last"):
         model = model.to(memory_format=torch.channels_last)

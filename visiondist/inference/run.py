@@ -27,7 +27,7 @@ from visiondist.inference.job import (
     recorded_data,
     request,
     run_of_weights,
-    run_weights,
+    weights_of_run,
 )
 from visiondist.inference.model import Predictor, load_model
 from visiondist.inference.names import count_classes, kept_labels, read_names
@@ -263,7 +263,7 @@ def prediction_config(
         cfg.model.weights = str(
             Path(weights).expanduser().resolve()
             if weights is not None
-            else run_weights(Path(str(run_dir)), step)
+            else weights_of_run(Path(str(run_dir)), step, cfg)
         )
     else:
         assert weights is not None  # one of the two (checked above)

@@ -121,7 +121,11 @@ def sidecar(trained: Trained) -> dict[str, Any]:
         "mean": list(cfg.data.mean),
         "std": list(cfg.data.std),
         "decode": dict(POLICY),
-        "source": {"path": str(trained.source), "step": trained.step},
+        "source": {
+            "path": str(trained.source),
+            "step": trained.step,
+            **({"weights": "the checkpoint's EMA"} if trained.ema else {}),
+        },
     }
     labels = label_map(trained)
     if labels is not None:  # detectors: label k -> the annotation file's category id and name

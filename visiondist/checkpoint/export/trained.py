@@ -15,7 +15,12 @@ from torch import nn
 
 from visiondist.checkpoint.dcp import load_model_state
 from visiondist.checkpoint.export.images import detection_images
-from visiondist.checkpoint.files import read_trainer_state, resolve_checkpoint
+from visiondist.checkpoint.files import (
+    check_ema,
+    ema_wanted,
+    read_trainer_state,
+    resolve_checkpoint,
+)
 from visiondist.config.compose import run_config
 from visiondist.data.coco import CocoDetection
 from visiondist.data.formats.exports import coco_paths
@@ -49,9 +54,10 @@ class Trained:
     classes: Optional[list[str]]  # classifier: of logits 0..K-1; detector: of labels 1..K
     # detector: the COCO category id of labels 1..K, as the run recorded them
     categories: Optional[list[int]] = None
+    ema: bool = False  # the checkpoint's EMA of the weights, not the model's own
 
 
-def load_trained(run_dir: Path, step: Optional[int | str] = None) -> Trained:
+def load_trained(run_dir: Path, step: Optional[int | str] = None, ema: bool = False) -> Trained:
     """The run's model with its trained weights: checkpoint `step` (default the latest; "best": the
     best kept by trainer.best_metric), else model.safetensors; with the class names and, for a
     detector, the COCO category ids the checkpoint records (else those of the run's annotation file,
@@ -61,6 +67,8 @@ def load_trained(run_dir: Path, step: Optional[int | str] = None) -> Trained:
         run_dir: the training run.
         step: a checkpoint's step number or "best"; None: the latest checkpoint (else
             model.safetensors).
+        ema: the checkpoint's EMA of the weights (the run's `val_ema_*` model); ValueError where
+            it holds none. A step="best" by an EMA metric reads the EMA whatever `ema` says.
 
     Returns:
         The `Trained` model, in eval mode on the CPU.
@@ -76,12 +84,23 @@ def load_trained(run_dir: Path, step: Optional[int | str] = None) -> Trained:
     # exported for fp32 inference: the bf16 box hooks have nothing to do
     if cfg.model.family != "vit":
         drop_fp32_hooks(model)
-    if step is not None or list_checkpoints(run_dir):
+    ema, said = ema_wanted(run_dir, step, ema)
+    if said:
+        log.info(said)
+    if step is not None or ema or list_checkpoints(run_dir):
         source = resolve_checkpoint(str(run_dir), step)
-        load_model_state(source, model)
+        if ema:
+            check_ema(source)
+        load_model_state(source, model, ema=ema)
         state = read_trainer_state(source)
         trained = Trained(
-            cfg, model, source, int(state["step"]), state.get("classes"), state.get("category_ids")
+            cfg,
+            model,
+            source,
+            int(state["step"]),
+            state.get("classes"),
+            state.get("category_ids"),
+            ema=ema,
         )
     else:
         source = run_dir / "model.safetensors"
