@@ -28,6 +28,7 @@ from visiondist.data.split import (
     split_image_folder,
 )
 from visiondist.observe.console import shown_path, tool_path
+from visiondist.preflight.images import fitting_batch
 from visiondist.synthetic import prepare_data
 
 
@@ -187,9 +188,11 @@ def _split_folders(cmd: Command, d: DictConfig, out: Path, val: float, seed: int
             + "; ".join(f"{name} ({why})" for name, why in unreadable[:5])
             + ("; ..." if len(unreadable) > 5 else "")
         )
+    # a set smaller than data=imagenet's global batch (1024) would be refused by that command
+    batch = f" data.batch_size={fitting_batch(train)}" if train < int(d.batch_size) else ""
     print(
         f"wrote {out}/train and {out}/val; train from it: python {_train_tool()} "
-        f"data=imagenet data.root={_shown(out)}"
+        f"data=imagenet data.root={_shown(out)}{batch}"
     )
 
 

@@ -56,7 +56,7 @@ def check_images(
             raise ConfigError(
                 f"data.root={d.root}: the training split {split}/ has {images} images, fewer than "
                 f"one global batch data.batch_size={need}: lower data.batch_size (e.g. "
-                f"data.batch_size={_fitting_batch(images)}) or add images"
+                f"data.batch_size={fitting_batch(images)}) or add images"
             )
     if purpose == "train" and classes[d.train_split] != classes[d.val_split]:
         train, val = set(classes[d.train_split]), set(classes[d.val_split])
@@ -176,7 +176,7 @@ def check_builtin_batch(d, num_classes: int) -> None:
         raise ConfigError(
             f"data={d.name}: {key} gives {images} training images, fewer than one global batch "
             f"data.batch_size={d.batch_size}: lower data.batch_size (e.g. "
-            f"data.batch_size={_fitting_batch(images)}) or raise {key}"
+            f"data.batch_size={fitting_batch(images)}) or raise {key}"
         )
 
 
@@ -202,7 +202,7 @@ def _check_coco_batch(d, masks: bool = False, resized: bool = True) -> None:
             _say_upscaled(d, records)
     batch, usable = int(d.batch_size), len(records)
     # (an aspect group smaller than a batch is batched with the other: data.sampler)
-    fits = _fitting_batch(usable)
+    fits = fitting_batch(usable)
     if usable < batch:
         raise ConfigError(
             f"data.root={d.root}: the training split {d.train_split} has {usable} images with a "
@@ -300,7 +300,7 @@ def _say_upscaled(d, records: list) -> None:
     )
 
 
-def _fitting_batch(images: int) -> int:
+def fitting_batch(images: int) -> int:
     """A global batch the images fill: the largest power of two up to their count (it splits over
     2^k ranks)."""
     return 1 << max(0, images.bit_length() - 1)
