@@ -216,6 +216,31 @@ def test_http_shards_read_as_the_directory_and_count_the_bytes_fetched(packed, t
         assert again.fetched.value == 0
 
 
+def test_a_pack_copied_in_part_is_refused_before_launch_naming_the_fix(packed, tmp_path):
+    """A directory pack with a shard missing or cut short (an interrupted copy) is refused as the
+    run is configured, naming the file and the fix, not at the shard's first read an epoch
+    later."""
+    from helpers import REPO
+
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+
+    _, out, _ = packed
+    entry = json.loads((out / "train.json").read_text())
+    shard = entry["shardlist"][-1]["url"]
+    for damage, said in (
+        (lambda p: p.unlink(), f"{shard}: missing, the index lists it"),
+        (lambda p: p.write_bytes(p.read_bytes()[:5000]), f"{shard}: 5000 bytes, the index says"),
+    ):
+        copy = tmp_path / f"copy-{said[-4:]}"
+        shutil.copytree(out, copy)
+        damage(copy / shard)
+        args = ["data=imagenet", "data.format=shards", f"data.root={copy}", "data.batch_size=8"]
+        with pytest.raises(ConfigError, match=re.escape(said)) as refused:
+            load_config(REPO / "configs", args, "train")
+        assert "copy the whole folder again (or pack again)" in str(refused.value)
+
+
 def test_a_data_set_packed_again_at_the_same_address_is_fetched_again(packed, tmp_path):
     """Packed again and served where the first pack was (same shard names and sizes, other
     bytes, a new index): a node that cached the first pack reads the new images, not its old

@@ -158,14 +158,7 @@ class ShardStore:
         """The shard as a local file: in place for a directory, else fetched into the cache (once
         per node)."""
         if not self.remote:
-            path = Path(self.root) / name
-            if not path.is_file() or path.stat().st_size != size:
-                found = f"{path.stat().st_size} bytes" if path.is_file() else "missing"
-                raise ShardError(
-                    f"{path}: {found}, the index says {size} bytes: the shard changed after "
-                    "packing; pack again"
-                )
-            return path
+            return self.local_file(name, size)
         # named by its content: a data set packed again at the same address (other shards of the
         # same names and sizes) is fetched again, not read from the copies of the one before
         dest = self.cache / cached_name(name, sha256)
@@ -193,6 +186,22 @@ class ShardStore:
                 with self.fetched.get_lock():
                     self.fetched.value += size
         return dest
+
+    def local_file(self, name: str, size: int) -> Path:
+        """A file of a pack in a directory, there and of the size its index says (its content is
+        not hashed: a copy cut short or a file changed in place is told by its size)."""
+        path = Path(self.root) / name
+        if not path.is_file():
+            raise ShardError(
+                f"{path}: missing, the index lists it ({size} bytes): the pack's folder was copied "
+                "in part; copy the whole folder again (or pack again)"
+            )
+        if path.stat().st_size != size:
+            raise ShardError(
+                f"{path}: {path.stat().st_size} bytes, the index says {size}: a copy cut short or "
+                "a file changed after packing; copy the whole folder again (or pack again)"
+            )
+        return path
 
     def read(self, name: str, sha256: str, size: int, offset: int, length: int) -> bytes:
         """`length` bytes at `offset` of a shard."""
