@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from shard_server import serve
 
-from visiondist.data.sampler import TrainBatchSampler
+from visiondist.data.sampler import TrainBatchSampler, shard_streams
 from visiondist.data.shards import ShardError, ShardSplit, ShardStore
 from visiondist.data.shards import pack as packing
 from visiondist.data.shards.pack import PackError, PackOptions, pack_image_folder
@@ -235,7 +235,7 @@ def test_a_pack_copied_in_part_is_refused_before_launch_naming_the_fix(packed, t
         copy = tmp_path / f"copy-{said[-4:]}"
         shutil.copytree(out, copy)
         damage(copy / shard)
-        args = ["data=imagenet", "data.format=shards", f"data.root={copy}", "data.batch_size=8"]
+        args = ["data=imagenet", "data.format=shards", f"data.root={copy}", "data.batch_size=4"]
         with pytest.raises(ConfigError, match=re.escape(said)) as refused:
             load_config(REPO / "configs", args, "train")
         assert "copy the whole folder again (or pack again)" in str(refused.value)
@@ -335,6 +335,10 @@ def test_stream_order_is_the_same_for_any_ranks_and_splits_the_shards_between_th
         assert max(touched) <= 40 / ranks + 2, touched
     with pytest.raises(ValueError, match="data.batch_size=60 is not divisible by data.streams=8"):
         TrainBatchSampler(2000, 60, 0, 1, **kw)
+    # data.streams=-1 (the default): the largest divisor of the batch up to 8, so a small batch
+    # reads a pack without a setting
+    assert [shard_streams(-1, b) for b in (256, 60, 8, 6, 4, 5)] == [8, 6, 8, 6, 4, 5]
+    assert shard_streams(4, 256) == 4
 
 
 def test_s3_shards_read_as_the_directory(packed, tmp_path, monkeypatch):

@@ -186,8 +186,9 @@ class DataConfig:
     pin_memory: bool = True  # page-locked batches, copied to the GPU without blocking (CUDA only)
     prefetch_factor: int = 2  # batches each loader worker prepares ahead
     # format shards (tools/data.py pack): root is the packed directory or an http(s):// URL
-    # shard-aware order: parts of each epoch; a multiple of the nodes, a divisor of the batch
-    streams: int = 8
+    # shard-aware order: parts of each epoch; a multiple of the nodes, a divisor of the batch;
+    # -1: the largest divisor of the batch up to 8 (`data.sampler.shard_streams`)
+    streams: int = -1
     # where remote shards are kept; null: $XDG_CACHE_HOME/visiondist/shards
     cache_dir: Optional[str] = None
     # per data set and node: least recently used shards are dropped beyond it

@@ -97,7 +97,7 @@ def _check_data(d: DictConfig) -> None:
             "[0, 1] (DeiT's recipe: 0.25)"
         )
     positive("data.prefetch_factor", d.prefetch_factor)
-    if d.format == "shards":
+    if d.format == "shards" and d.streams != -1:
         positive("data.streams", d.streams)
     for key in ("mixup", "cutmix"):
         positive(f"data.{key}", d[key], allow_zero=True)

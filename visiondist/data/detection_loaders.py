@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 from visiondist.data.coco import CocoDetection, collate_detection
 from visiondist.data.formats.exports import coco_paths
 from visiondist.data.loaders import TaskData, check_num_classes, loader_options, val_loader_of
-from visiondist.data.sampler import TrainBatchSampler, padded_shapes
+from visiondist.data.sampler import TrainBatchSampler, padded_shapes, shard_streams
 from visiondist.data.shards import open_store, read_meta
 from visiondist.data.shards.packed_coco import ShardCoco
 from visiondist.data.transforms import DetectionTransform
@@ -121,7 +121,10 @@ def build_detection_data(
     streams = {}
     # grouping by aspect draws each batch from the whole epoch
     if cfg.get("format") == "shards" and groups is None:
-        streams = dict(streams=int(cfg.streams), shard_starts=train_set.shard_starts)
+        streams = dict(
+            streams=shard_streams(int(cfg.streams), cfg.batch_size),
+            shard_starts=train_set.shard_starts,
+        )
     sampler = TrainBatchSampler(
         len(train_set),
         cfg.batch_size,

@@ -25,7 +25,7 @@ from visiondist.data.device_decode import (
 )
 from visiondist.data.imagefolder import ImageFolder
 from visiondist.data.native import NativeBatchSampler, NativeCollate, NativeTransform
-from visiondist.data.sampler import EvalBatchSampler, TrainBatchSampler
+from visiondist.data.sampler import EvalBatchSampler, TrainBatchSampler, shard_streams
 from visiondist.data.shards import ShardSplit, open_store, read_meta
 from visiondist.data.transforms import ClassificationTransform
 from visiondist.data.workers import (
@@ -237,7 +237,10 @@ def build_classification_data(
 
     streams = {}
     if cfg.get("format") == "shards":  # each rank reads about 1 / ranks of the shards per epoch
-        streams = dict(streams=int(cfg.streams), shard_starts=train_set.shard_starts)
+        streams = dict(
+            streams=shard_streams(int(cfg.streams), cfg.batch_size),
+            shard_starts=train_set.shard_starts,
+        )
     sampler = TrainBatchSampler(
         len(train_set), cfg.batch_size, dp_rank, dp_size, grad_accum, seed=seed, **streams
     )

@@ -34,6 +34,18 @@ import numpy as np
 SampleKey = tuple[int, int]  # (dataset index, epoch)
 
 
+# data.streams=-1: at most this many parts of an epoch's shard-aware order
+AUTO_STREAMS = 8
+
+
+def shard_streams(streams: int, global_batch: int) -> int:
+    """`data.streams` made concrete: as given when positive; -1: the largest divisor of the global
+    batch up to `AUTO_STREAMS` (8 for a batch of 8k, 6 for 60, 4 for 4)."""
+    if streams > 0:
+        return streams
+    return max(n for n in range(1, AUTO_STREAMS + 1) if global_batch % n == 0)
+
+
 class TrainBatchSampler:
     """Yields this DP rank's micro-batches of `SampleKey`s; `grad_accum` of them make one optimizer
     step."""

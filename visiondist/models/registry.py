@@ -363,7 +363,7 @@ def check_support(cfg: DictConfig) -> None:
     d = cfg.data
     # aspect groups draw from the whole epoch
     streams_apply = spec.task != "detection" or not d.aspect_grouping
-    if d.format == "shards" and streams_apply and d.batch_size % d.streams:
+    if d.format == "shards" and streams_apply and d.streams > 0 and d.batch_size % d.streams:
         raise ConfigError(
             f"data.batch_size={d.batch_size} is not divisible by data.streams={d.streams}: set "
             "data.streams to a divisor of the batch (and a multiple of the number of nodes)"
