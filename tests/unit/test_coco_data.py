@@ -243,3 +243,22 @@ def test_unreadable_val_images_of_a_coco_set_are_named_before_any_rank_starts(tm
             "or remove them (every val image is scored; remove an image's entry from the "
             "annotation file too)"
         )
+
+
+def test_a_missing_annotation_file_names_the_splits_beside_it(tmp_path):
+    """data=coco looks for instances_train2017.json; a tool's export named by split names
+    (instances_train.json, instances_val.json) is named, with the settings that read it."""
+    from visiondist.data.coco import CocoDetection
+
+    annotations = tmp_path / "annotations"
+    annotations.mkdir()
+    for split in ("train", "val"):
+        (annotations / f"instances_{split}.json").write_text("{}")
+    with pytest.raises(FileNotFoundError) as missing:
+        CocoDetection(tmp_path / "train2017", annotations / "instances_train2017.json", True)
+    assert str(missing.value) == (
+        f"no COCO annotation file {annotations / 'instances_train2017.json'}: check data.root and "
+        f"data.annotations; {annotations} holds instances_train.json, instances_val.json: set "
+        "data.train_split / data.val_split to their split names (e.g. data.train_split=train), "
+        "or read it with data=detection, which finds them"
+    )

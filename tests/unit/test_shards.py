@@ -422,10 +422,19 @@ def test_a_tree_config_on_a_pack_and_shards_on_a_tree_say_what_to_change(packed)
     with pytest.raises(
         ConfigError,
         match=r"with data.format=shards, data.root is a directory `tools/data.py pack` "
-        r"wrote .*or drop data.format=shards",
+        r"wrote .*or read the tree with data.format=imagefolder for class folders",
     ):
         load_config(
             configs, ["data=imagenet", "data.format=shards", f"data.root={source}"], inputs="train"
+        )
+    # a detection config on a pack: named as a pack, not as a folder of no format known
+    with pytest.raises(
+        ConfigError, match=rf"data.root={out} holds packed shards .*: add data.format=shards"
+    ):
+        load_config(
+            configs,
+            ["model=fasterrcnn_mobilenet_v3", "data=detection", f"data.root={out}"],
+            "train",
         )
 
 
@@ -586,3 +595,23 @@ def test_a_shard_missing_from_the_server_is_named_as_such(packed, tmp_path):
         ):
             for i in range(len(split)):
                 split.image_bytes(i)
+
+
+@pytest.mark.parametrize(
+    "root, said",
+    [
+        (
+            "http://127.0.0.1:8765/dataset.json",
+            "names the pack's dataset.json: give the folder or URL that holds it, "
+            "data.root=http://127.0.0.1:8765",
+        ),
+        (
+            "127.0.0.1:8765",
+            "reads as a server's address: give its URL, data.root=http://127.0.0.1:8765",
+        ),
+    ],
+)
+def test_a_root_that_is_almost_a_packs_address_names_the_one_meant(root, said):
+    with pytest.raises(ShardError) as refused:
+        ShardStore(root)
+    assert str(refused.value) == f"data.root={root} {said}"

@@ -89,6 +89,22 @@ class ImageSizeMismatch(RuntimeError):
     read error, so training stops on it rather than replacing the image."""
 
 
+def no_annotation_file(ann_file: Path) -> str:
+    """The line for a COCO annotation file that is not there: with the other splits' files beside
+    it (`instances_train.json` where data=coco looks for `instances_train2017.json`), their split
+    names and data=detection, which finds any."""
+    line = f"no COCO annotation file {ann_file}: check data.root and data.annotations"
+    beside = sorted(ann_file.parent.glob("instances_*.json")) if ann_file.parent.is_dir() else []
+    if not beside:
+        return line
+    names = [p.stem[len("instances_") :] for p in beside]
+    return (
+        f"{line}; {ann_file.parent} holds {', '.join(p.name for p in beside)}: set "
+        f"data.train_split / data.val_split to their split names (e.g. data.train_split="
+        f"{names[0]}), or read it with data=detection, which finds them"
+    )
+
+
 class CocoDetection(Dataset):
     """Items are (image tensor uint8 CHW, target dict) for torchvision detectors (`unit_float` makes
     the image float in [0, 1] on the device); indexed by int or by a sampler's (index, epoch) key.
@@ -107,9 +123,7 @@ class CocoDetection(Dataset):
     ):
         self.image_root, self.ann_file, self.train = Path(image_root), Path(ann_file), train
         if not self.ann_file.is_file():
-            raise FileNotFoundError(
-                f"no COCO annotation file at {self.ann_file}: check data.root and data.annotations"
-            )
+            raise FileNotFoundError(no_annotation_file(self.ann_file))
         # not kept: the workers need only the index (and COCOeval reads the file)
         coco = load_coco(self.ann_file)
         coco.dataset["_file"] = str(self.ann_file)

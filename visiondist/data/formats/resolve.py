@@ -39,6 +39,7 @@ from visiondist.data.formats.labels import (
 )
 from visiondist.data.formats.voc import VocImage, class_names, find_root, split_ids
 from visiondist.data.formats.yolo import YoloSet, find_yaml, list_images, read_yaml
+from visiondist.data.shards.store import is_pack
 from visiondist.utils.text import counted
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,10 @@ def resolve_detection(d: DictConfig, purpose: str = "train") -> str:
     root = root.resolve()
     d.root = str(root)
     recognised = recognise(root)
+    if recognised is None and is_pack(root):
+        raise ConfigError(
+            f"data.root={root} holds packed shards (tools/data.py pack): add data.format=shards"
+        )
     if recognised is None or (d.format != "auto" and recognised.format != d.format):
         what = f"not {d.format} data" if d.format != "auto" else "of no format known"
         raise ConfigError(

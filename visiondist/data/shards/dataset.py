@@ -34,7 +34,8 @@ def read_meta(store: ShardStore) -> dict:
         raise ShardError(
             f"data.root={store.root} is not a packed data set (its dataset.json was not written "
             "by tools/data.py pack): pack it (python tools/data.py pack data=<its config> "
-            "out=DIR) and train from DIR, or drop data.format=shards to read it as a tree"
+            "out=DIR) and train from DIR, or read it as a tree with data.format=imagefolder (class "
+            "folders) or data.format=auto (detection data)"
         )
     if meta.get("version", 0) > VERSION:
         raise ShardError(

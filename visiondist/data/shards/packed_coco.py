@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from visiondist.data.coco import CocoDetection
+from visiondist.data.coco import CocoDetection, no_annotation_file
 from visiondist.data.coco_records import safe_image_path
 from visiondist.data.decode import decode_rgb
 from visiondist.data.shards.dataset import PackedImages, key_of, read_meta
@@ -40,9 +40,7 @@ def pack_coco(
     plans, categories = {}, None
     for split, (images, ann_file) in splits.items():
         if not ann_file.is_file():
-            raise PackError(
-                f"no COCO annotation file {ann_file}: check data.root and data.annotations"
-            )
+            raise PackError(no_annotation_file(ann_file))
         dataset = json.loads(ann_file.read_text())
         cats = sorted((c["id"], c["name"]) for c in dataset.get("categories", []))
         if categories is not None and cats != categories:

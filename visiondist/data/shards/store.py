@@ -18,6 +18,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import time
 import urllib.error
 import urllib.request
@@ -73,6 +74,20 @@ class ShardStore:
     ):
         root = str(root)
         self.remote = is_url(root)
+        if root.rstrip("/").endswith(f"/{META}"):
+            raise ShardError(
+                f"data.root={root} names the pack's {META}: give the folder or URL that holds it, "
+                f"data.root={root.rstrip('/')[: -len(META) - 1]}"
+            )
+        if (
+            not self.remote
+            and re.fullmatch(r"[A-Za-z0-9.-]+:\d+(/.*)?", root)
+            and not Path(root).exists()
+        ):
+            raise ShardError(
+                f"data.root={root} reads as a server's address: give its URL, "
+                f"data.root=http://{root}"
+            )
         if self.remote and not root.startswith(REMOTE_SCHEMES):
             raise ShardError(
                 f"data.root={root}: shards are read from a directory, an http(s):// or an s3:// URL"
@@ -414,5 +429,6 @@ def _not_packed_here(path: Path) -> str:
         )
     return (
         f"{path} does not exist: with data.format=shards, data.root is a directory "
-        "`tools/data.py pack` wrote (pack it first, or drop data.format=shards to read a tree)"
+        "`tools/data.py pack` wrote (pack it first, or read the tree with data.format=imagefolder "
+        "for class folders, data.format=auto for detection data)"
     )
