@@ -193,9 +193,16 @@ def test_ema_layer_decay_and_smoothing_agree_across_layouts_and_resume(tmp_path,
     )
     said = train_ok(f"run_dir={pp}", "ema=true", script=REPO / "tools" / "export.py")
     assert "(its EMA of the weights)" in said
-    shape = [*TINY_DATA, f"data.root={tiny_shapes}", "model.depth=4", "model.num_heads=2"]
+    # the model's shape and input size from the export's model_ema.json, not from the command
+    data = [a for a in TINY_DATA if not a.startswith(("model.", "data.img_size"))]
+    data.append(f"data.root={tiny_shapes}")
     exported = pp / "export" / "model_ema.safetensors"
-    train_ok(f"weights={exported}", *shape, f"trainer.run_dir={tmp_path / 'e2'}", script=evaluate)
+    said = train_ok(
+        f"weights={exported}", *data, f"trainer.run_dir={tmp_path / 'e2'}", script=evaluate
+    )
+    assert (
+        "model=vit_tiny model.depth=4 model.num_heads=2 data.img_size=32 as model_ema.json" in said
+    )
     scored = json.loads((tmp_path / "e2" / "eval.json").read_text())
     assert scored["val_loss"] == pytest.approx(rows[one][4]["val_ema_loss"], rel=1e-5)
 

@@ -10,6 +10,8 @@ import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
+from omegaconf import OmegaConf
+
 from visiondist.config import ConfigError
 from visiondist.models.registry import TASKS
 
@@ -199,3 +201,47 @@ def program_info(path: Path) -> Optional[dict[str, Any]]:
             return None if name is None else json.loads(archive.read(name))
     except (OSError, ValueError, zipfile.BadZipFile):
         return None
+
+
+def recorded_settings(weights: Path, overrides: list[str], tool: str) -> list[str]:
+    """model=<name> where the command names no model and the file records the one it was exported
+    from (`exported.recorded_model`), said in one line; else nothing."""
+    if any(o.lstrip("+").startswith("model=") for o in overrides):
+        return []
+    recorded = recorded_model(weights)
+    if recorded is None:
+        return []
+    shape = _recorded_shape(weights, recorded[0], overrides)
+    said = " ".join([f"model={recorded[0]}", *(f"{k}={v}" for k, v in shape.items())])
+    print(
+        f"{tool} weights={weights}: {said} as {recorded[1]} records it (any of them given wins)",
+        flush=True,
+    )
+    return [f"model={recorded[0]}", *(f"{k}={v}" for k, v in shape.items())]
+
+
+# a timm ViT's constructor arguments (an export's `create`) and the model config's keys for them
+_VIT_SHAPE = ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")
+
+
+def _recorded_shape(weights: Path, name: str, overrides: list[str]) -> dict[str, Any]:
+    """A ViT export's shape and input size where they differ from model=`name`'s config and the
+    command does not give them (`model.depth=2`, `data.img_size=32`): the file is then read as
+    the model it holds."""
+    record, _ = export_record(weights)
+    create = record.get("create")
+    path = Path(__file__).resolve().parents[2] / "configs" / "model" / f"{name}.yaml"
+    if record.get("library") != "timm" or not isinstance(create, dict) or not path.is_file():
+        return {}
+    named = OmegaConf.to_container(OmegaConf.load(path))
+    assert isinstance(named, dict)  # a model config: a mapping
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    shape = {
+        f"model.{k}": create[k]
+        for k in _VIT_SHAPE
+        if k in create and create[k] != named.get(k) and f"model.{k}" not in given
+    }
+    size = record.get("input_size")
+    if isinstance(size, int) and "data.img_size" not in given:
+        shape["data.img_size"] = size
+    return shape

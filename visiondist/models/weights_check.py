@@ -327,7 +327,9 @@ def weights_settings(
     from visiondist.models.detr_library import is_library_dir  # noqa: PLC0415 (torch: see the top)
 
     if not is_library_dir(weights):
-        return _recorded_model(weights, overrides, tool)
+        from visiondist.models.exported import recorded_settings  # noqa: PLC0415 (onnx)
+
+        return recorded_settings(weights, overrides, tool)
     from visiondist.models.detr_library import (  # noqa: PLC0415 (torch: see the top)
         library_settings,
     )
@@ -357,24 +359,6 @@ def weights_settings(
             flush=True,
         )
     return [f"{k}={v}" for k, v in taken.items()]
-
-
-def _recorded_model(weights: Path, overrides: list[str], tool: str) -> list[str]:
-    """model=<name> where the command names no model and the file records the one it was exported
-    from (`exported.recorded_model`), said in one line; else nothing."""
-    from visiondist.models.exported import recorded_model  # noqa: PLC0415 (onnx: its files')
-
-    if any(o.lstrip("+").startswith("model=") for o in overrides):
-        return []
-    recorded = recorded_model(weights)
-    if recorded is None:
-        return []
-    print(
-        f"{tool} weights={weights}: model={recorded[0]} as {recorded[1]} records it (a model= "
-        "given wins)",
-        flush=True,
-    )
-    return [f"model={recorded[0]}"]
 
 
 def check_init_from(model_cfg) -> None:
