@@ -552,3 +552,21 @@ def test_an_srun_task_bound_to_its_own_cpus_does_not_share_them(monkeypatch):
     monkeypatch.setattr(procenv, "_affinity", lambda: 96)
     assert procenv.ranks_sharing_cpus(8, slurm) == 8
     assert procenv.ranks_sharing_cpus(8, {}) == 8  # a self-launch
+
+
+def test_an_image_size_between_patch_multiples_is_said_before_launch(tmp_path, capsys):
+    """data.img_size=72 for a /16 ViT: the model reads 64 px images; said in one line before any
+    rank starts (the training is what the line says: the config's model.img_size)."""
+    from visiondist.cli import load_config
+
+    root = _imagenet(tmp_path / "set", {"a": 4, "b": 4}, {"a": 1, "b": 1})
+    args = [*TRAIN, f"data.root={root}", "data.batch_size=4", "data.img_size=72"]
+    cfg = load_config(CONFIGS, args, "train")
+    assert cfg.model.img_size == 64
+    said = capsys.readouterr().out
+    assert (
+        "data.img_size=72 is not a multiple of model=vit_tiny's 16 px patch: the ViT reads 64 px "
+        "images (model.img_size=64); data.img_size=64 or 80 to choose"
+    ) in said
+    load_config(CONFIGS, [*args[:-1], "data.img_size=80"], "train")
+    assert "not a multiple" not in capsys.readouterr().out

@@ -333,3 +333,20 @@ def coco_categories(path: Path) -> list[dict[str, Any]]:
         raise ConfigError(
             f"{path} is not a COCO annotation file ({type(exc).__name__}: {exc})"
         ) from None
+
+
+def say_patch_rounding(cfg) -> None:
+    """A ViT's input is a whole number of patches: a data.img_size that is not one is read at the
+    multiple of the patch below it (model.img_size, `patch_multiple`), said in one line rather
+    than found in the summary's resolution row."""
+    m, d = cfg.model, cfg.data
+    if m.family != "vit" or d.get("resolution", "square") != "square" or "img_size" not in m:
+        return
+    size, asked, patch = int(m.img_size), int(d.img_size), int(m.patch_size)
+    if size == asked:
+        return
+    say(
+        f"data.img_size={asked} is not a multiple of model={m.name}'s {patch} px patch: the ViT "
+        f"reads {size} px images (model.img_size={size}); data.img_size={size} or "
+        f"{size + patch} to choose"
+    )

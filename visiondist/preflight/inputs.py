@@ -38,6 +38,7 @@ from visiondist.preflight.images import (
     check_val_readable,
     coco_categories,
     reads_masks,
+    say_patch_rounding,
 )
 from visiondist.utils.dcp import is_complete, list_checkpoints
 from visiondist.utils.pretrained import WeightsNotFound, is_named, local_file
@@ -63,6 +64,8 @@ def check_inputs(cfg, purpose: str = "train") -> None:
     d = cfg.data
     if purpose == "train" and d.train_split == d.val_split:
         _say_one_split(d)
+    if purpose == "train":
+        say_patch_rounding(cfg)
     _not_a_pack(d)
     _generated_here(d)
     where: str | Path  # a pack's description, or the folder or file counted
