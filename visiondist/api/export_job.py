@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import sys
 import tempfile
@@ -73,6 +74,9 @@ def export_job(
         )
         for file in files:
             print(f"  {file}")
+        others = _other_sources(path.parent, trained, [Path(f) for f in files])
+        if others:
+            print(f"  {path.parent} also holds {others}: out=<path> keeps exports apart")
         if fmt == "onnx":
             check = check_onnx(trained, path)
             print(
@@ -93,6 +97,27 @@ def export_job(
         if fmt == "torchscript":
             print(f"  {check_torchscript(trained, path)}")
     return path
+
+
+def _other_sources(folder: Path, trained: Any, written: list[Path]) -> str:
+    """The exports in `folder` (by their sidecars' `source`) of other weights than `trained`'s:
+    another step's, or the model's own beside the EMA ("model.* from step 50"); "" for none."""
+    own = (str(trained.source), trained.step, trained.ema)
+    found = []
+    for sidecar in sorted(folder.glob("*.json")):
+        if sidecar in written or sidecar.with_suffix(".safetensors") in written:
+            continue
+        try:
+            source = json.loads(sidecar.read_text()).get("source")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if not isinstance(source, dict) or "step" not in source:
+            continue
+        theirs = (source.get("path"), source.get("step"), "weights" in source)
+        if theirs != own:
+            ema = " (EMA)" if theirs[2] else ""
+            found.append(f"{sidecar.stem}.* from step {source.get('step')}{ema}")
+    return ", ".join(found)
 
 
 def _settings(fmt: str, opset, half, int8) -> tuple[dict[str, Any], Optional[str]]:
