@@ -67,7 +67,10 @@ def test_a_continuation_trains_with_the_rate_and_decay_it_is_given(tmp_path, tin
 
     common = ["model.num_heads=2", "trainer.max_steps=6", "schedule.warmup_steps=2"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    _train(*_args(tiny_shapes, straight, *common, "optim.lr=0.01", "optim.weight_decay=0.1"))
+    said = _train(*_args(tiny_shapes, straight, *common, "optim.lr=0.01", "optim.weight_decay=0.1"))
+    # the settings that shape every step, said at its start: clipping is on by default
+    assert "peak lr 0.01, weight decay 0.1" in said
+    assert "gradients clipped to a global norm of 1 (trainer.clip_grad; 0: not clipped)" in said
     _train(*_args(tiny_shapes, split, *common, "trainer.stop_at_step=3"))
     assert json.loads((split / "layout.json").read_text())["world_size"] == 1
     # continued on 2 ranks: layout.json is the attempt's, the layout its checkpoints are saved under

@@ -7,6 +7,7 @@ autocast and fp16's loss scaler. The training loop and its parts (`step.py`, `ch
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -27,6 +28,8 @@ from visiondist.engine.optim import build_optimizer, build_scheduler
 from visiondist.engine.precision import LossScaler, autocast_for, precision_name
 from visiondist.engine.tasks import build_task
 from visiondist.parallel import Layout, PipelinedViT, local_numel, unwrap
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,6 +79,13 @@ def build_components(
     model = build_laid_out(cfg, layout, getattr(task, "criterion", None), checkpoint)
     # over this rank's shards
     optimizer = build_optimizer(cfg.optim, unwrap(model), cfg.model.depth)
+    if layout.is_main:  # a default users of other trainers may not expect (timm's is none)
+        log.info(
+            "gradients clipped to a global norm of %g (trainer.clip_grad; 0: not clipped)"
+            if t.clip_grad > 0
+            else "gradients not clipped (trainer.clip_grad=0)",
+            *([t.clip_grad] if t.clip_grad > 0 else []),
+        )
     ema = ModelEma(unwrap(model), t.ema_decay) if t.ema_decay > 0 else None
     total_steps, length = run_length(t, task.data.train_sampler.steps_per_epoch)
     return Components(

@@ -132,7 +132,14 @@ def build_optimizer(cfg, model: nn.Module, depth: int = 0) -> torch.optim.Optimi
         )
     else:
         raise ValueError(f"unknown optimizer {cfg.name!r}")
-    log.info("optimizer: %s", describe_optimizer(optimizer, impl))
+    decay = f", layer decay {layer_decay:g}" if layer_decay != 1.0 else ""
+    log.info(
+        "optimizer: %s, peak lr %g, weight decay %g%s",
+        describe_optimizer(optimizer, impl),
+        cfg.lr,
+        cfg.weight_decay,
+        decay,
+    )
     return optimizer
 
 
