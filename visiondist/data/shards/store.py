@@ -137,7 +137,7 @@ class ShardStore:
             if os.environ.get(SERVER_AWAY) != self.root:
                 os.environ[SERVER_AWAY] = self.root
                 log.warning(
-                    "%s cannot be reached (%s): training from this node's cached copy of the data "
+                    "%s cannot be reached (%s): reading this node's cached copy of the data "
                     "set in %s (its index fetched on %s; every shard is checked against it)%s",
                     self.root,
                     str(exc).split(" (", 1)[-1].split(")", 1)[0],
