@@ -96,7 +96,10 @@ def error_line(out: str) -> str:
 @pytest.mark.parametrize("dp", [1, pytest.param(2, marks=pytest.mark.smoke)])
 def test_a_nan_ends_the_job_with_one_line(tmp_path, tiny_shapes, dp):
     """RELIABILITY.md's promise for `optim.lr=1e9`: non-finite at step 2, the job ends (it used to
-    hang in the loader workers' exit)."""
+    hang in the loader workers' exit), leaving nothing in its temp dir (each rank's traceback
+    pickle and the agent's error files stayed there)."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     code, out, seconds = run_job(
         args(
             tiny_shapes,
@@ -106,7 +109,14 @@ def test_a_nan_ends_the_job_with_one_line(tmp_path, tiny_shapes, dp):
             "trainer.max_steps=30",
         ),
         script=TRAIN,
+        TMPDIR=str(temp),
     )
+    left = sorted(
+        p.name
+        for p in temp.iterdir()
+        if not p.name.startswith(("visiondist-jobs-", "torchinductor"))
+    )
+    assert left == [], left
     line = error_line(out)
     assert code == 1 and seconds < 60, (code, seconds)
     assert "failed at step 2 (training)" in line and "non-finite loss at step 2 on rank" in line, (

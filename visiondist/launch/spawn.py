@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -198,6 +199,7 @@ def _as_spawned(fn: Callable, *args: Any) -> Any:
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     multiprocessing.set_start_method("fork", force=True)
+    tempfile.tempdir = _OUTER_TEMPDIR[0]  # a rank's temporary files are not the launch's
     if rich.get_console().is_jupyter:  # forked from a notebook's kernel, whose displays are its own
         # plain text as into a pipe: lines not cut at a pipe's 80 columns
         rich.reconfigure(force_jupyter=False, force_terminal=False, soft_wrap=True, width=120)
@@ -305,9 +307,17 @@ def _launch(
     # SIGTERM / SIGINT: launch.stop's
     signals: dict[str, Any] = agent_signals({f.name for f in dataclasses.fields(LaunchConfig)})
     say = lambda line: print(line, flush=True)  # noqa: E731 (the launcher's lines)
-    # The agent's per-attempt error files (what `_every_report` reads) live for the launch only:
-    # its default, a `torchelastic_*` directory in the temp dir, stays behind after every job.
-    with tempfile.TemporaryDirectory(prefix="visiondist-ranks-", ignore_cleanup_errors=True) as d:
+    # The agent's per-attempt error files (what `_every_report` reads) and the tracebacks torch's
+    # process starter has each rank write (`pytorch-errorfile-*.pickle`) live for the launch
+    # only: left to their defaults they stay in the temp dir after every job (a failed one). This
+    # process's own multiprocessing directory (the fork server's socket, which outlives the launch
+    # in a notebook) is made first, where it belongs; the ranks get the temp dir back
+    # (`_as_spawned`).
+    multiprocessing.util.get_temp_dir()
+    with (
+        tempfile.TemporaryDirectory(prefix="visiondist-ranks-", ignore_cleanup_errors=True) as d,
+        _temp_dir(d),
+    ):
         config = LaunchConfig(
             nproc_per_node=nprocs,
             **rdzv,
@@ -325,6 +335,22 @@ def _launch(
                 return elastic_launch(config, _as_spawned)(fn, *args)
         except ChildFailedError as exc:
             raise _every_report(exc) from None
+
+
+# the temp dir of the process that launches the ranks, before `_temp_dir`: what a forked rank
+# restores
+_OUTER_TEMPDIR: list[Optional[str]] = [None]
+
+
+@contextmanager
+def _temp_dir(path: str) -> Iterator[None]:
+    """`tempfile`'s directory is `path` in this process for the block."""
+    _OUTER_TEMPDIR[0] = tempfile.tempdir
+    tempfile.tempdir = path
+    try:
+        yield
+    finally:
+        tempfile.tempdir = _OUTER_TEMPDIR[0]
 
 
 def _every_report(exc: Any) -> Any:
