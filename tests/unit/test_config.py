@@ -122,7 +122,13 @@ def test_pipeline_batch_must_split_into_microbatches():
 @pytest.mark.parametrize(
     "overrides,expected",
     [
-        (["model=vit_small", "parallel.tp=4"], "parallel.tp=4 does not divide model.num_heads=6"),
+        (
+            ["model=vit_small", "parallel.tp=4"],
+            "parallel.tp=4 does not divide model.num_heads=6 (vit_small): tensor parallelism shards "
+            "attention by whole heads; use parallel.tp in {1, 2}, or model.num_heads=8 (a multiple "
+            "of 4 that divides model.embed_dim=384: no longer timm's vit_small), or "
+            "model=vit_base, timm's next ViT that parallel.tp=4 divides",
+        ),
         (["model=vit_nope"], "model=vit_nope is not an option of model: did you mean model=vit_"),
         (["model=resnet"], "model=resnet is not an option of model: the options are dfine_n,"),
         (

@@ -110,6 +110,10 @@ _REFUSALS: dict[str, Callable[[DictConfig], str]] = {
 }
 
 
+# configs/model's timm ViTs by size, with their heads: the next one a tensor-parallel degree divides
+_VIT_HEADS = (("vit_tiny", 3), ("vit_small", 6), ("vit_base", 12), ("vit_large", 16))
+
+
 def _check_blocks(cfg: DictConfig) -> None:
     """Tensor parallelism shards attention by whole heads and the MLP by rows; pipelines need a
     block per stage."""
@@ -125,10 +129,16 @@ def _check_blocks(cfg: DictConfig) -> None:
         other = min(heads, key=lambda h: (abs(h - m.num_heads), -h)) if heads else None
         more = (
             f", or model.num_heads={other} (a multiple of {p.tp} that divides "
-            f"model.embed_dim={m.embed_dim})"
+            f"model.embed_dim={m.embed_dim}"
+            + (f": no longer timm's {m.name})" if m.name in dict(_VIT_HEADS) else ")")
             if other is not None
             else ""
         )
+        bigger = next(
+            (name for name, heads in _VIT_HEADS if heads > m.num_heads and heads % p.tp == 0), None
+        )
+        if bigger is not None:
+            more += f", or model={bigger}, timm's next ViT that parallel.tp={p.tp} divides"
         raise ConfigError(
             f"parallel.tp={p.tp} does not divide model.num_heads={m.num_heads} ({m.name}): tensor "
             f"parallelism shards attention by whole heads; use parallel.tp in {{{good}}}{more}"
