@@ -478,6 +478,7 @@ def test_the_pack_command_names_every_unreadable_image_in_one_run(capsys, tmp_pa
         f"data.root={source}",
         f"out={tmp_path / 'out'}",
         "workers=2",
+        "shard_mb=0.02",  # shards of a few images: a pack that stops part way
     ]
     code, out, lines = call_tool(capsys, "data", *command)
     errors = [line for line in lines if line.startswith("error:")]
@@ -615,3 +616,14 @@ def test_a_root_that_is_almost_a_packs_address_names_the_one_meant(root, said):
     with pytest.raises(ShardError) as refused:
         ShardStore(root)
     assert str(refused.value) == f"data.root={root} {said}"
+
+
+def test_a_small_set_packs_into_shards_of_at_least_a_megabyte(tmp_path):
+    """The automatic shard size is a 64th of the split, but at least 1 MB: a set of a few hundred
+    KB is one shard a split, not a tar (padded to 10 KiB) and a request for every image."""
+    source = _tree(tmp_path / "tree")
+    meta = pack_image_folder(
+        source, ["train", "val"], tmp_path / "out", PackOptions(workers=1, progress=False)
+    )
+    assert meta["splits"]["train"]["samples"] == 36
+    assert meta["splits"]["train"]["shards"] == meta["splits"]["val"]["shards"] == 1

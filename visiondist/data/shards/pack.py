@@ -42,6 +42,9 @@ from visiondist.utils.procenv import usable_cpus
 
 # the automatic shard size's floor on a split's shards: enough for data.streams x nodes
 MIN_SHARDS = 64
+# ... and its floor on a shard: a small set's shards of a few images each would be mostly tar
+# padding (10 KiB a file) and one request an image
+MIN_SHARD_BYTES = 1e6
 VERSION = 1
 # every image a pack could not read, one `path<TAB>reason` a line (many of them)
 UNREADABLE = "unreadable.txt"
@@ -53,7 +56,7 @@ class PackError(ValueError):
 
 @dataclass
 class PackOptions:
-    # source MB per shard; None: 256, or a MIN_SHARDS-th of a smaller split
+    # source MB per shard; None: 256, or a MIN_SHARDS-th of a smaller split, at least 1
     shard_mb: Optional[float] = None
     # re-encode images whose longer side exceeds this (JPEG at `quality`)
     max_side: Optional[int] = None
@@ -150,7 +153,7 @@ def plan(
     limit = (
         options.shard_mb * 1e6
         if options.shard_mb
-        else min(256e6, max(sum(sizes) / MIN_SHARDS, 1.0))
+        else min(256e6, max(sum(sizes) / MIN_SHARDS, MIN_SHARD_BYTES))
     )
     jobs, current, size = [], [], 0
     for key, i in enumerate(order.tolist()):
