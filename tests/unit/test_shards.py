@@ -361,14 +361,14 @@ def test_s3_shards_read_as_the_directory(packed, tmp_path, monkeypatch):
             store.local("nothing.tar", "0" * 64, 10)
         # a node with no credentials: said at once, with where they go (not retried as a network
         # fault)
-        import visiondist.data.shards.store as store_module
+        import visiondist.data.shards.fetch as fetch_module
 
         for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
             monkeypatch.delenv(key)
         for key in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
             monkeypatch.setenv(key, str(tmp_path / "none"))
         monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        monkeypatch.setattr(store_module, "_S3_CLIENTS", {})
+        monkeypatch.setattr(fetch_module, "_S3_CLIENTS", {})
         import boto3
 
         monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # it holds the credentials it found

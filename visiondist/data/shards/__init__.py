@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from visiondist.data.shards.dataset import ShardSplit, read_meta
+from visiondist.data.shards.dataset import ShardSplit, check_listed, read_meta
 from visiondist.data.shards.store import ShardError, ShardStore
 
 __all__ = ["ShardError", "ShardSplit", "ShardStore", "describe", "open_store", "read_meta"]
@@ -74,7 +74,7 @@ def describe(
         # its shard list: a pack cut short lacks it
         entry = json.loads(store.read_small(f"{split}.json"))
         if not store.remote:
-            _every_file_there(store, entry)
+            check_listed(store, entry)
     if need is not None and meta["splits"][d.train_split]["samples"] < need:
         raise ShardError(
             f"data.root={d.root}: the training split has "
@@ -86,15 +86,3 @@ def describe(
         store.url("dataset.json"),
         ("categories" if meta.get("kind") == "detection" else "classes"),
     )
-
-
-def _every_file_there(store: ShardStore, entry: dict) -> None:
-    """A split of a pack in a directory: each file its index lists, there and of its size (a stat
-    each), so that a copy cut short stops the launch, not the run at the shard's first read an
-    epoch later. A URL's shards are checked as they are fetched (SHA-256)."""
-    listed = [(s["url"], int(s["filesize"])) for s in entry.get("shardlist", [])]
-    for key in ("index", "annotations"):
-        if key in entry and f"{key}_size" in entry:
-            listed.append((entry[key], int(entry[f"{key}_size"])))
-    for name, size in listed:
-        store.local_file(name, size)

@@ -139,3 +139,15 @@ class ShardSplit(LabelledImages):
 
     def _read(self, name: str):
         return self.decode(self.image_bytes(key_of(name)), name)
+
+
+def check_listed(store: ShardStore, entry: dict) -> None:
+    """A split of a pack in a directory: each file its index lists, there and of its size (a stat
+    each), so that a copy cut short stops the launch, not the run at the shard's first read an
+    epoch later. A URL's shards are checked as they are fetched (SHA-256)."""
+    listed = [(s["url"], int(s["filesize"])) for s in entry.get("shardlist", [])]
+    for key in ("index", "annotations"):
+        if key in entry and f"{key}_size" in entry:
+            listed.append((entry[key], int(entry[f"{key}_size"])))
+    for name, size in listed:
+        store.local_file(name, size)
