@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from visiondist.checkpoint.files import (
+    check_ema,
     fsync_dir,
     fsync_write,
     prune,
@@ -220,14 +221,10 @@ def load_model_state(
     _dcp_load(state, path, no_dist)
     if not ema:
         return
+    check_ema(path)
     averaged = {
         k[len("ema.") :] for k in read_metadata(path).state_dict_metadata if k.startswith("ema.")
     }
-    if not averaged:
-        raise ValueError(
-            f"{path} holds no EMA of the weights (its run trained with trainer.ema_decay=0): drop "
-            "ema=true"
-        )
     _dcp_load({"ema": {k: v for k, v in state["model"].items() if k in averaged}}, path, no_dist)
 
 

@@ -15,12 +15,7 @@ from torch import nn
 
 from visiondist.checkpoint.dcp import load_model_state
 from visiondist.checkpoint.export.images import detection_images
-from visiondist.checkpoint.files import (
-    check_ema,
-    ema_wanted,
-    read_trainer_state,
-    resolve_checkpoint,
-)
+from visiondist.checkpoint.files import ema_wanted, read_trainer_state, resolve_checkpoint
 from visiondist.config.compose import run_config
 from visiondist.data.coco import CocoDetection
 from visiondist.data.formats.exports import coco_paths
@@ -89,8 +84,6 @@ def load_trained(run_dir: Path, step: Optional[int | str] = None, ema: bool = Fa
         log.info(said)
     if step is not None or ema or list_checkpoints(run_dir):
         source = resolve_checkpoint(str(run_dir), step)
-        if ema:
-            check_ema(source)
         load_model_state(source, model, ema=ema)
         state = read_trainer_state(source)
         trained = Trained(
