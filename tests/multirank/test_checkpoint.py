@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import pickle
+import re
 import warnings
 
 import pytest
@@ -54,6 +55,21 @@ def test_resume_mid_epoch_is_bitwise_exact(tmp_path, tiny_shapes):
     assert (split / "config.yaml").is_file() and len(
         (split / "attempts.jsonl").read_text().splitlines()
     ) == 1
+
+
+def test_a_log_line_over_fewer_steps_than_log_every_names_them(tmp_path, tiny_shapes):
+    """trainer.log_every=4, stopped after step 2 and continued: the line at step 4 averages steps
+    3-4 only (the window since the resume) and the run's last, step 5, itself; each says so, where
+    the uninterrupted run's step 4 averages 1-4."""
+    run = tmp_path / "run"
+    common = ["model.num_heads=2", "trainer.max_steps=5", "trainer.log_every=4"]
+    out = _train(*_args(tiny_shapes, run, *common, "trainer.stop_at_step=2"))
+    assert re.search(r"step 2/5 \| epoch 1/1 \| loss [0-9.]+ \(steps 1-2\) \|", out), out[-2000:]
+    out = _train(*_args(tiny_shapes, run, *common))
+    assert re.search(r"step 4/5 \| .* \| loss [0-9.]+ \(steps 3-4\) \|", out), out[-2000:]
+    assert re.search(r"step 5/5 \| .* \| loss [0-9.]+ \(step 5 alone\) \|", out), out[-2000:]
+    straight = _train(*_args(tiny_shapes, tmp_path / "straight", *common))
+    assert re.search(r"step 4/5 \| .* \| loss [0-9.]+ \| lr", straight), straight[-2000:]
 
 
 def test_a_continuation_trains_with_the_rate_and_decay_it_is_given(tmp_path, tiny_shapes):

@@ -222,13 +222,23 @@ class LogHook(Hook):
         epochs = math.ceil(parts.total_steps / sampler.steps_per_epoch)
         # one decimal (two below 10), every line alike
         rate_text = f"{rate:.1f}" if rate >= 10 else f"{rate:.2f}"
+        # a window cut short (the first after a resume, the run's last) averages fewer steps
+        first = state.step - timer.steps + 1
+        window = (
+            ""
+            if timer.steps >= int(trainer.cfg.trainer.log_every)
+            else f" (steps {first}-{state.step})"
+            if timer.steps > 1
+            else f" (step {state.step} alone)"
+        )
         log.info(
-            "step %d/%d | epoch %d/%d | loss %.4f | lr %.2e | %s img/s%s%s",
+            "step %d/%d | epoch %d/%d | loss %.4f%s | lr %.2e | %s img/s%s%s",
             state.step,
             parts.total_steps,
             state.epoch + 1,
             epochs,
             mean_loss,
+            window,
             lr,
             rate_text,
             utilisation,
