@@ -122,7 +122,8 @@ def test_a_nan_ends_the_job_with_one_line(tmp_path, tiny_shapes, dp):
     assert "failed at step 2 (training)" in line and "non-finite loss at step 2 on rank" in line, (
         line
     )
-    assert "optim.lr" in line
+    # the clipping is on (1.0, the default): the fix named is to lower it, not to set it
+    assert "lower optim.lr, lower trainer.clip_grad (now 1), or trainer.on_nonfinite=skip" in line
     assert (tmp_path / "run" / "failure" / "rank0.txt").is_file()
     assert (
         "ERROR rank 0 failed at step 2 (training): NonFiniteStep"

@@ -172,9 +172,13 @@ class OptimizerStep:
                 if self.scaler is not None
                 else ""
             )
+            clip = self.cfg.trainer.clip_grad
+            clipping = (
+                f"lower trainer.clip_grad (now {clip:g})" if clip > 0 else "set trainer.clip_grad"
+            )
             raise NonFiniteStep(
-                f"{where}: lower optim.lr, set trainer.clip_grad{fp16}, or "
-                "trainer.on_nonfinite=skip to skip such steps"
+                f"{where}: lower optim.lr, {clipping}{fp16}, or trainer.on_nonfinite=skip to skip "
+                "such steps"
             )
         self.optimizer.zero_grad(set_to_none=True)
         state.skipped_steps += 1

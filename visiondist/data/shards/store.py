@@ -342,6 +342,12 @@ def _not_packed_here(path: Path) -> str:
             "(run the same tools/data.py pack again; it writes what is missing)"
         )
     below = sorted(p for p in root.iterdir() if is_pack(p)) if root.is_dir() else []
+    if root.is_dir() and any(root.glob("*-000000.tar")):  # shards, not the file written last
+        return (
+            f"{path} does not exist, though {root} holds shards: the pack was cut short, or its "
+            "folder copied in part (dataset.json is written last): copy the whole folder again, or "
+            "run the same tools/data.py pack again (it writes what is missing)"
+        )
     if below:
         return (
             f"{path} does not exist: data.root={root} holds no pack, but {below[0]} does: "
