@@ -633,3 +633,42 @@ def test_a_small_set_packs_into_shards_of_at_least_a_megabyte(tmp_path):
     )
     assert meta["splits"]["train"]["samples"] == 36
     assert meta["splits"]["train"]["shards"] == meta["splits"]["val"]["shards"] == 1
+
+
+def test_a_detection_packs_printed_command_names_a_detector_and_is_taken(tmp_path, capsys):
+    """`tools/data.py pack` of a COCO set prints a train command whose model is a detector (the
+    default model is a classifier, which a detection pack refuses): that command's config loads
+    and its preflight passes as printed; a classifier on the pack is told to use a detector."""
+    import shlex
+
+    from helpers import REPO, call_tool
+
+    from visiondist.cli import load_config
+    from visiondist.config import ConfigError
+
+    root, out = tmp_path / "coco", tmp_path / "packed"
+    small = [
+        "data.synthetic.train_images=8",
+        "data.synthetic.val_images=4",
+        "data.synthetic.image_size=32",
+    ]
+    code, said, err = call_tool(
+        capsys, "data", "pack", "data=shapes_coco", f"data.root={root}", *small, f"out={out}"
+    )
+    assert code == 0, err
+    line = next(line for line in said.splitlines() if "train from it" in line)
+    assert line.startswith(
+        "6 categories; train from it: python tools/train.py "
+    ) or line.startswith("6 categories; train from it: python "), line
+    printed = shlex.split(line.split("train from it: ", 1)[1])[2:]  # after python tools/train.py
+    assert printed == [
+        "model=fasterrcnn_mobilenet_v3",
+        "data=shapes_coco",
+        "data.format=shards",
+        f"data.root={out}",
+    ]
+    load_config(REPO / "configs", [*printed, "data.batch_size=4"], "train")
+    with pytest.raises(
+        ConfigError, match=r"train a detector \(e.g. model=fasterrcnn_mobilenet_v3\)"
+    ):
+        load_config(REPO / "configs", printed[1:], "train")

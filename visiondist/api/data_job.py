@@ -258,9 +258,16 @@ def pack(cmd: Command, configs: Path) -> int:
             f"{split}: {info['samples']} samples in {info['shards']} "
             f"shard{'' if info['shards'] == 1 else 's'}, {info['bytes'] / 1e6:.1f} MB"
         )
+    detection = meta.get("kind") == "detection"
+    # the default model is a classifier: a detection pack's command names a detector
+    given = any(o.lstrip("+").startswith("model=") for o in cmd.overrides)
+    model = [o for o in cmd.overrides if o.lstrip("+").startswith("model=")][-1:] if given else []
+    if detection and not given:
+        model = ["model=fasterrcnn_mobilenet_v3"]
     print(
-        f"{len(meta['classes'])} {'categories' if d.format == 'coco' else 'classes'}; train from "
-        f"it: python {_train_tool()} data={d.name} data.format=shards data.root={_shown(out)}"
+        f"{len(meta['classes'])} {'categories' if detection else 'classes'}; train from it: "
+        f"python {' '.join([_train_tool(), *model])} data={d.name} data.format=shards "
+        f"data.root={_shown(out)}"
     )
     return 0
 

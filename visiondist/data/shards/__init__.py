@@ -55,14 +55,20 @@ def describe(
     store = open_store(d)
     meta = read_meta(store)
     if kind is not None and meta.get("kind") != kind:
-        source = (
-            "a COCO-format set (data=coco, data=shapes_coco)"
+        source, model = (
+            (
+                "a COCO-format set (data=coco, data=shapes_coco)",
+                "a classifier (e.g. model=vit_tiny)",
+            )
             if kind == "detection"
-            else "an image folder (data=imagenet, data=shapes)"
+            else (
+                "an image folder (data=imagenet, data=shapes)",
+                "a detector (e.g. model=fasterrcnn_mobilenet_v3)",
+            )
         )
         raise ShardError(
             f"data.root={d.root} holds packed {meta.get('kind')} data but the model needs {kind} "
-            f"data: pack {source}"
+            f"data: train {model} on it, or pack {source}"
         )
     for split in splits:
         if split not in meta["splits"]:
