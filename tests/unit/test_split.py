@@ -49,11 +49,12 @@ def test_class_folders_are_split_per_class_and_the_same_seed_gives_the_same_spli
     out = capsys.readouterr().out
     assert "3 classes from" in out and "train 13 images, val 4" in out
     assert "left out 1 image that cannot be read: cat/broken.jpg (the file is empty)" in out
-    # 13 training images, under data=imagenet's global batch of 1024: the command that trains them
-    # names a batch they fill, as the launcher would ask
+    # 13 training images of 16 px, under data=imagenet's global batch of 1024 and its 224 px: the
+    # command that trains them names a batch giving each epoch a few steps (13 // 4 -> 2) and the
+    # smallest input size (32: two patches a side)
     assert (
         f"train from it: python tools/train.py data=imagenet data.root={tmp_path / 'a'} "
-        "data.batch_size=8\n" in out
+        "data.batch_size=2 data.img_size=32\n" in out
     )
     a = _tree(tmp_path / "a")
     # 20% of 10, of 5 (one), of 2 (at least one: every class in both splits)

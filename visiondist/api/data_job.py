@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
+from PIL import Image
 
 from visiondist.cli import Command, config_text, load_config
 from visiondist.config import ConfigError
@@ -188,12 +189,37 @@ def _split_folders(cmd: Command, d: DictConfig, out: Path, val: float, seed: int
             + "; ".join(f"{name} ({why})" for name, why in unreadable[:5])
             + ("; ..." if len(unreadable) > 5 else "")
         )
-    # a set smaller than data=imagenet's global batch (1024) would be refused by that command
-    batch = f" data.batch_size={fitting_batch(train)}" if train < int(d.batch_size) else ""
     print(
         f"wrote {out}/train and {out}/val; train from it: python {_train_tool()} "
-        f"data=imagenet data.root={_shown(out)}{batch}"
+        f"data=imagenet data.root={_shown(out)}{_fitting(d, train, out / 'train')}"
     )
+
+
+# a small split's printed batch: at least this many steps an epoch, at most this batch
+SPLIT_STEPS, SPLIT_BATCH = 4, 64
+
+
+def _fitting(d: DictConfig, train: int, folder: Path) -> str:
+    """The settings a split's printed train command adds for a small set: a global batch that
+    gives each epoch a few steps (data=imagenet's 1024 is refused by a set smaller than it, and a
+    batch of the whole set leaves one step an epoch), and an input size near the images' own
+    where they are smaller than data.img_size (224 upscales an 80 x 64 photo 3x)."""
+    out = ""
+    if train < int(d.batch_size):
+        out += f" data.batch_size={min(SPLIT_BATCH, fitting_batch(max(1, train // SPLIT_STEPS)))}"
+    sides = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file())[:200]:
+        try:
+            with Image.open(path) as image:  # its header only
+                sides.append(min(image.size))
+        except (OSError, ValueError):
+            continue
+    if sides:
+        median = sorted(sides)[len(sides) // 2]
+        size = max(32, median // 16 * 16)  # whole patches of a /16 ViT
+        if size < int(d.img_size):
+            out += f" data.img_size={size}"
+    return out
 
 
 def pack(cmd: Command, configs: Path) -> int:
