@@ -520,25 +520,27 @@ def test_evaluating_weights_on_data_of_other_classes_is_refused(tmp_path):
 
 def test_an_export_beside_another_steps_says_so(tmp_path):
     """<run>/export/ is shared by every export of a run: one of step 100 written beside the
-    files of step 50 (and of the same step's EMA) names them, and none of its own."""
+    files of step 50 (and of the same step's EMA) names them, as their records say, and none of
+    its own."""
     from types import SimpleNamespace
 
     from visiondist.api.export_job import _other_sources
 
     step = tmp_path / "checkpoints"
-    (tmp_path / "model.json").write_text(
-        json.dumps({"source": {"path": f"{step}/step_50", "step": 50}})
-    )
-    (tmp_path / "model_ema.json").write_text(
-        json.dumps({"source": {"path": f"{step}/step_100", "step": 100, "weights": "EMA"}})
-    )
+
+    def exported(name: str, source: dict) -> None:
+        (tmp_path / f"{name}.safetensors").write_bytes(b"weights")
+        (tmp_path / f"{name}.json").write_text(json.dumps({"model": "vit_tiny", "source": source}))
+
+    exported("model", {"path": f"{step}/step_50", "step": 50})
+    exported("model_ema", {"path": f"{step}/step_100", "step": 100, "weights": "EMA"})
     (tmp_path / "other.json").write_text("[1, 2]")  # not an export's
     trained = SimpleNamespace(source=step / "step_100", step=100, ema=False)
     written = [tmp_path / "model.onnx"]
     assert _other_sources(tmp_path, trained, written) == (
-        "model.* from step 50, model_ema.* from step 100 (EMA)"
+        "model.safetensors from step 50, model_ema.safetensors from step 100 (EMA)"
     )
-    (tmp_path / "model.json").write_text(
-        json.dumps({"source": {"path": f"{step}/step_100", "step": 100}})
+    exported("model", {"path": f"{step}/step_100", "step": 100})
+    assert _other_sources(tmp_path, trained, written) == (
+        "model_ema.safetensors from step 100 (EMA)"
     )
-    assert _other_sources(tmp_path, trained, written) == "model_ema.* from step 100 (EMA)"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import sys
 import tempfile
@@ -100,23 +99,23 @@ def export_job(
 
 
 def _other_sources(folder: Path, trained: Any, written: list[Path]) -> str:
-    """The exports in `folder` (by their sidecars' `source`) of other weights than `trained`'s:
-    another step's, or the model's own beside the EMA ("model.* from step 50"); "" for none."""
+    """The exported files in `folder` of other weights than `trained`'s, as each records them (a
+    sidecar, an ONNX file's metadata): another step's, or the model's own beside the EMA
+    ("model.onnx from step 50"); "" for none."""
+    from visiondist.models.exported import own_record  # noqa: PLC0415 (onnx: its files')
+
     own = (str(trained.source), trained.step, trained.ema)
     found = []
-    for sidecar in sorted(folder.glob("*.json")):
-        if sidecar in written or sidecar.with_suffix(".safetensors") in written:
+    for file in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if file in written or file.suffix in (".json", ".bin") or not file.is_file():
             continue
-        try:
-            source = json.loads(sidecar.read_text()).get("source")
-        except (OSError, ValueError, AttributeError):
-            continue
+        source = own_record(file).get("source")
         if not isinstance(source, dict) or "step" not in source:
             continue
         theirs = (source.get("path"), source.get("step"), "weights" in source)
         if theirs != own:
             ema = " (EMA)" if theirs[2] else ""
-            found.append(f"{sidecar.stem}.* from step {source.get('step')}{ema}")
+            found.append(f"{file.name} from step {source.get('step')}{ema}")
     return ", ".join(found)
 
 

@@ -77,6 +77,18 @@ def export_record(path: Path) -> tuple[dict[str, Any], str]:
     return {}, ""
 
 
+def own_record(path: Path) -> dict[str, Any]:
+    """What a file of an export records of itself: an ONNX file's own metadata (a sidecar beside
+    it may be a later export's), else its sidecar's (`export_record`); {} where nothing does."""
+    path = Path(path)
+    if path.suffix.lower() == ".onnx":
+        try:
+            return {k: _parsed(v) for k, v in _onnx_metadata(path).items()}
+        except (OSError, ValueError, ImportError, AttributeError):
+            return {}
+    return export_record(path)[0]
+
+
 def _onnx_proto(path: Path):
     import onnx  # noqa: PLC0415 (onnx: the export extra)
 

@@ -14,7 +14,8 @@ TensorRT's engines want. `onnx_check.py` runs the file under ONNX Runtime agains
   (`onnx_resize.py`), in a `Loop` over the batch (`onnx_batch.py`).
 
 Metadata keys (`onnx.load(path).metadata_props`, `onnxruntime.InferenceSession(path).get_modelmeta()
-.custom_metadata_map`): `model` (the model's config name, e.g. `fasterrcnn_mobilenet_v3`), `classes`
+.custom_metadata_map`): `model` (the model's config name, e.g. `fasterrcnn_mobilenet_v3`), `source`
+(JSON object: the checkpoint's path, its step, and "weights" where they are its EMA), `classes`
 (a classifier: JSON list, logit i is class i), `preprocessing` (a classifier: JSON object of the
 run's eval mean, std, crop_pct and interpolation), `labels` (a detector: JSON object, label k ->
 {"category_id": COCO category id, "name"}; 0 is the background), `input` (a detector: JSON object,

@@ -51,7 +51,8 @@ def outputs_metadata(
 def name_metadata(trained: Trained) -> dict[str, str]:
     """What the exported file's own metadata says of the model and its outputs: "model", its config
     name (what tools/eval.py and predict.py take as model= where none is given); (JSON text)
-    "classes", the names of a classifier's logits in order; "labels", a detector's `label_map`."""
+    "source", the weights it holds (`source_record`); "classes", the names of a classifier's
+    logits in order; "labels", a detector's `label_map`."""
     detection = TASKS[trained.cfg.model.family] == "detection"
     if not detection and not trained.classes:
         log.warning(
@@ -61,7 +62,18 @@ def name_metadata(trained: Trained) -> dict[str, str]:
         )
     return {
         "model": str(trained.cfg.model.name),
+        "source": json.dumps(source_record(trained)),
         **outputs_metadata(detection, trained.classes, trained.categories),
+    }
+
+
+def source_record(trained: Trained) -> dict[str, Any]:
+    """The weights an export holds: the checkpoint's (or weights file's) path, its step, and
+    whether they are its EMA."""
+    return {
+        "path": str(trained.source),
+        "step": trained.step,
+        **({"weights": "the checkpoint's EMA"} if trained.ema else {}),
     }
 
 
@@ -121,11 +133,7 @@ def sidecar(trained: Trained) -> dict[str, Any]:
         "mean": list(cfg.data.mean),
         "std": list(cfg.data.std),
         "decode": dict(POLICY),
-        "source": {
-            "path": str(trained.source),
-            "step": trained.step,
-            **({"weights": "the checkpoint's EMA"} if trained.ema else {}),
-        },
+        "source": source_record(trained),
     }
     labels = label_map(trained)
     if labels is not None:  # detectors: label k -> the annotation file's category id and name
