@@ -666,6 +666,9 @@ def test_a_detection_packs_printed_command_names_a_detector_and_is_taken(tmp_pat
         f"data.root={out}",
     ]
     load_config(REPO / "configs", [*printed, "data.batch_size=4"], "train")
+    # the pack's annotation file gives the images' sizes, as the tree's does: 24-32 px images
+    # resized up to data.min_size are said before launch
+    assert "resizes the training images (shorter side 24-32 px, median" in capsys.readouterr().out
     with pytest.raises(
         ConfigError, match=r"train a detector \(e.g. model=fasterrcnn_mobilenet_v3\)"
     ):

@@ -350,3 +350,33 @@ def say_patch_rounding(cfg) -> None:
         f"reads {size} px images (model.img_size={size}); data.img_size={size} or "
         f"{size + patch} to choose"
     )
+
+
+def say_upscaled_pack(d) -> None:
+    """`_say_upscaled` for a packed detection set: its training split's packed annotation file
+    (fetched into the node's cache from a URL, as the ranks would) gives the images' sizes."""
+    from types import SimpleNamespace  # noqa: PLC0415 (a pack's)
+
+    from visiondist.data.shards import ShardError, open_store  # noqa: PLC0415 (reader)
+
+    if "min_size" not in d or not _speaks():
+        return
+    try:
+        store = open_store(d)
+        entry = json.loads(store.read_small(f"{d.train_split}.json"))
+        if "annotations" not in entry:
+            return
+        path = store.local(
+            entry["annotations"], entry["annotations_sha256"], entry["annotations_size"]
+        )
+        images = json.loads(path.read_text()).get("images", [])
+    except (ShardError, OSError, ValueError, KeyError):  # the run's own checks say what
+        return
+    _say_upscaled(
+        d,
+        [
+            SimpleNamespace(width=int(i["width"]), height=int(i["height"]))
+            for i in images
+            if "width" in i and "height" in i
+        ],
+    )

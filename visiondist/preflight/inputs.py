@@ -39,6 +39,7 @@ from visiondist.preflight.images import (
     coco_categories,
     reads_masks,
     say_patch_rounding,
+    say_upscaled_pack,
 )
 from visiondist.utils.dcp import is_complete, list_checkpoints
 from visiondist.utils.pretrained import WeightsNotFound, is_named, local_file
@@ -90,7 +91,8 @@ def check_inputs(cfg, purpose: str = "train") -> None:
             f"set data.num_classes={found}"
         )
     if d.format == "shards":  # packing counted and checked a pack's samples; `_packed` its batch
-        pass
+        if purpose == "train" and _task(cfg) == "detection" and cfg.model.family != "detr":
+            say_upscaled_pack(d)
     elif d.synthetic is None:
         # a DETR-class detector resizes to its square model.img_size, not by data.min_size
         check_images(d, root, purpose, reads_masks(cfg.model), cfg.model.family != "detr")
