@@ -246,8 +246,7 @@ def test_a_run_from_the_cache_with_the_server_down_says_so_in_one_line(
         train_ok(*_args(url, tmp_path / "first", "parallel.dp=2", f"data.cache_dir={cache}"))
     out = train_ok(*_args(url, tmp_path / "offline", "parallel.dp=2", f"data.cache_dir={cache}"))
     assert (
-        out.count(f"{url} cannot be reached") == 1
-        and "reading this node's cached copy" in out
+        out.count(f"{url} cannot be reached") == 1 and "reading this node's cached copy" in out
     ), out[-3000:]
     assert "attempt" not in out and "fetching" not in out, out[-3000:]
     b = losses_of(tmp_path / "offline")

@@ -189,20 +189,20 @@ def test_hydra_flags_and_keys_that_would_do_nothing_are_refused_in_one_line(caps
         (
             "export",
             ["run_dir=/tmp", "model.depth=2"],
-            "model.depth=2: tools/export.py takes run_dir=, step=, ema=, format=, out=, opset=, half=, "
-            "int8=, benchmark= only",
+            "model.depth=2: tools/export.py takes run_dir=, step=, ema=, format=, out=, opset=, "
+            "half=, int8=, benchmark= only",
         ),
         (
             "export",
             ["/tmp/run"],
-            "/tmp/run: not a key=value: tools/export.py takes run_dir=, step=, ema=, format=, out=, "
-            "opset=, half=, int8=, benchmark=, e.g. run_dir=/tmp/run",
+            "/tmp/run: not a key=value: tools/export.py takes run_dir=, step=, ema=, format=, "
+            "out=, opset=, half=, int8=, benchmark=, e.g. run_dir=/tmp/run",
         ),
         (
             "export",
             ["run_dir=/tmp", "foo=1"],
-            "foo is not a setting: tools/export.py takes run_dir=, step=, ema=, format=, out=, opset=, "
-            "half=, int8=, benchmark= only",
+            "foo is not a setting: tools/export.py takes run_dir=, step=, ema=, format=, out=, "
+            "opset=, half=, int8=, benchmark= only",
         ),
         ("export", ["run_dir=/tmp", "opsett=18"], "did you mean opset?"),
         ("export", ["format=onnx"], "run_dir= is missing"),

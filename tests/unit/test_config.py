@@ -124,9 +124,10 @@ def test_pipeline_batch_must_split_into_microbatches():
     [
         (
             ["model=vit_small", "parallel.tp=4"],
-            "parallel.tp=4 does not divide model.num_heads=6 (vit_small): tensor parallelism shards "
-            "attention by whole heads; use parallel.tp in {1, 2, 3, 6}, or model.num_heads=8 (a "
-            "multiple of 4 that divides model.embed_dim=384: no longer timm's vit_small), or "
+            "parallel.tp=4 does not divide model.num_heads=6 (vit_small): tensor parallelism "
+            "shards attention by whole heads; use parallel.tp in {1, 2, 3, 6}, or "
+            "model.num_heads=8 (a multiple of 4 that divides model.embed_dim=384: no longer timm's "
+            "vit_small), or "
             "model=vit_base, timm's next ViT that parallel.tp=4 divides",
         ),
         (["model=vit_nope"], "model=vit_nope is not an option of model: did you mean model=vit_"),
