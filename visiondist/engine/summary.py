@@ -19,7 +19,7 @@ from visiondist.engine.announce import layout_text
 from visiondist.engine.precision import precision_text
 from visiondist.engine.trainer import Trainer
 from visiondist.observe.summary import best_evaluation
-from visiondist.utils.dcp import CHECKPOINTS
+from visiondist.utils.dcp import CHECKPOINTS, list_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def run_summary(tr: Trainer, train_time: float) -> dict[str, Any]:
         ),
         **_steady_state(tr),
         "final train loss": None if math.isnan(final_loss) else final_loss,
-        **best_evaluation(tr.metrics.rows, *parts.task.headline),
+        **_best_evaluation(tr),
         **_step_counts(tr),
         **_input_rows(tr),
         **_layout_rows(tr),
@@ -185,6 +185,19 @@ def _steady_wait(tr: Trainer, first: int, last: int) -> Optional[float]:
     before = [first - 1, *(r["step"] for r in rows)]
     waited = sum(r["data_wait"] * (r["step"] - b) for b, r in zip(before, rows))
     return waited / (rows[-1]["step"] - (first - 1))
+
+
+def _best_evaluation(tr: Trainer) -> dict[str, Any]:
+    """The best evaluation's value and step; where no trainer.best_metric keeps its checkpoint and
+    the run kept none of that step, a row saying so and the setting that keeps it."""
+    key, label = tr.parts.task.headline
+    best = best_evaluation(tr.metrics.rows, key, label)
+    step = best.get("best at step")
+    kept = {s for s, _ in list_checkpoints(tr.run_dir)}
+    # the final step's checkpoint is the run's last; step 0 is the weights it started from
+    if step is None or tr.cfg.trainer.best_metric or step in kept or step in (0, tr.state.step):
+        return best
+    return {**best, "best's checkpoint": f"not kept (trainer.best_metric={key} keeps it)"}
 
 
 def _best_row(tr: Trainer) -> dict[str, Any]:
