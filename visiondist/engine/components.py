@@ -79,13 +79,14 @@ def build_components(
     model = build_laid_out(cfg, layout, getattr(task, "criterion", None), checkpoint)
     # over this rank's shards
     optimizer = build_optimizer(cfg.optim, unwrap(model), cfg.model.depth)
-    if layout.is_main:  # a default users of other trainers may not expect (timm's is none)
+    # a default users of other trainers may not expect (timm's is none)
+    if layout.is_main and t.clip_grad > 0:
         log.info(
-            "gradients clipped to a global norm of %g (trainer.clip_grad; 0: not clipped)"
-            if t.clip_grad > 0
-            else "gradients not clipped (trainer.clip_grad=0)",
-            *([t.clip_grad] if t.clip_grad > 0 else []),
+            "gradients clipped to a global norm of %g (trainer.clip_grad; 0: not clipped)",
+            t.clip_grad,
         )
+    elif layout.is_main:
+        log.info("gradients not clipped (trainer.clip_grad=0)")
     ema = ModelEma(unwrap(model), t.ema_decay) if t.ema_decay > 0 else None
     total_steps, length = run_length(t, task.data.train_sampler.steps_per_epoch)
     return Components(

@@ -217,30 +217,32 @@ def program_info(path: Path) -> Optional[dict[str, Any]]:
 
 def recorded_settings(weights: Path, overrides: list[str], tool: str) -> list[str]:
     """model=<name> where the command names no model and the file records the one it was exported
-    from (`exported.recorded_model`), said in one line; else nothing."""
+    from (`export_record`), with a ViT's recorded shape and input size (`_recorded_shape`), said in
+    one line; else nothing."""
     if any(o.lstrip("+").startswith("model=") for o in overrides):
         return []
-    recorded = recorded_model(weights)
-    if recorded is None:
+    record, where = export_record(weights)
+    name = record.get("model")
+    if not isinstance(name, str) or not name:
         return []
-    shape = _recorded_shape(weights, recorded[0], overrides)
-    said = " ".join([f"model={recorded[0]}", *(f"{k}={v}" for k, v in shape.items())])
+    settings = [f"model={name}"]
+    settings += [f"{k}={v}" for k, v in _recorded_shape(record, name, overrides).items()]
     print(
-        f"{tool} weights={weights}: {said} as {recorded[1]} records it (any of them given wins)",
+        f"{tool} weights={weights}: {' '.join(settings)} as {where} records it (any of them given "
+        "wins)",
         flush=True,
     )
-    return [f"model={recorded[0]}", *(f"{k}={v}" for k, v in shape.items())]
+    return settings
 
 
 # a timm ViT's constructor arguments (an export's `create`) and the model config's keys for them
 _VIT_SHAPE = ("patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")
 
 
-def _recorded_shape(weights: Path, name: str, overrides: list[str]) -> dict[str, Any]:
-    """A ViT export's shape and input size where they differ from model=`name`'s config and the
-    command does not give them (`model.depth=2`, `data.img_size=32`): the file is then read as
-    the model it holds."""
-    record, _ = export_record(weights)
+def _recorded_shape(record: dict[str, Any], name: str, overrides: list[str]) -> dict[str, Any]:
+    """A ViT export's shape (where it differs from model=`name`'s config) and input size, as its
+    `record` holds them, where the command does not give them (`model.depth=2`,
+    `data.img_size=32`): the file is then read as the model it holds."""
     create = record.get("create")
     path = Path(__file__).resolve().parents[2] / "configs" / "model" / f"{name}.yaml"
     if record.get("library") != "timm" or not isinstance(create, dict) or not path.is_file():
