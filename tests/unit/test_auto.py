@@ -8,6 +8,7 @@ from visiondist.config import ConfigError, compose
 from visiondist.models.shape import ViTShape
 from visiondist.plan import plan_for, resolve
 from visiondist.plan.planner import plan
+from visiondist.plan.resolve import auto_words
 from visiondist.plan.time_model import Candidate, Hardware
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -166,6 +167,8 @@ def test_a_continued_auto_run_keeps_the_layout_it_started_with(tmp_path):
     run, plan = resolve(cfg, {}, 0)
     assert plan is None and (run.dp, run.tp, run.pp) == (2, 2, 1)  # not re-planned (DDP would fit)
     assert "layout.json" in run.reason
+    # said as the layout it is, not as plain DDP (the console and train.log alike)
+    assert auto_words(run) == "dp=2 tp=2 pp=1 (4 ranks on cpu)" and not run.plain_ddp
     other = _cfg(
         "model=vit_small",
         "data=shapes",
@@ -201,7 +204,22 @@ def test_auto_is_the_default_and_is_plain_ddp_when_the_state_fits():
         ddp, _ = resolve(
             compose(CONFIGS, ["trainer.accelerator=cpu", "parallel=ddp", *overrides]), {}, 0
         )
-        assert auto.replace(chosen_by=ddp.chosen_by, reason=ddp.reason) == ddp, overrides
+        assert auto.replace(chosen_by=ddp.chosen_by, reason=ddp.reason, plain_ddp=False) == ddp
+        assert auto.plain_ddp and auto_words(auto).startswith("plain DDP on "), overrides
+
+
+def test_plain_ddp_with_the_configured_accumulation_is_said_as_plain_ddp():
+    """trainer.grad_accum=2 as configured: plain DDP in the console's and train.log's words (the
+    layout's own description shows the accumulation); the planner's own accumulation is not."""
+    cfg = compose(CONFIGS, ["trainer.accelerator=cpu", "parallel.dp=2", "trainer.grad_accum=2"])
+    run, plan = resolve(cfg, {}, 0)
+    assert "+accumulation x2" in run.describe() and plan.plain_ddp and run.plain_ddp
+    assert auto_words(run) == "plain DDP on 2 ranks (cpu)"
+    # the planner adds accumulation to fit: its layout, said as such
+    tight = _cfg("trainer.accelerator=cpu", "model=vit_base", "parallel.device_memory_gb=16")
+    run, plan = resolve(tight, {}, 0)
+    assert run.grad_accum == 16 and not plan.plain_ddp and not run.plain_ddp
+    assert auto_words(run) == run.describe()
 
 
 def test_auto_shards_vit_huge_only_when_ddp_does_not_fit():

@@ -154,6 +154,9 @@ class RunLayout:
     share_gpu: bool = False
     chosen_by: str = "config"  # "config", or "parallel=auto" (the planner)
     reason: str = ""  # why parallel=auto chose it
+    # parallel=auto chose plain DDP as configured: no layout, checkpointing or accumulation of its
+    # own (`Plan.plain_ddp`; a detector's; a continued run's first choice)
+    plain_ddp: bool = False
     # a named layout over its device's budget: what was added to fit it, or that it runs as named
     # (`visiondist.plan.fit`), one line beginning with its parallel.fit
     fitted: str = ""

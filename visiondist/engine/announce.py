@@ -15,7 +15,7 @@ from visiondist.engine.optim import warmup_length
 from visiondist.engine.precision import cpu_has_bf16, precision_name, precision_text
 from visiondist.engine.trainer import Trainer
 from visiondist.observe.console import continue_command, shown_path
-from visiondist.plan.resolve import plain_ddp_words
+from visiondist.plan.resolve import auto_words
 from visiondist.utils.procenv import omp_wait_text, ranks_sharing_cpus, usable_cpus
 
 log = logging.getLogger(__name__)
@@ -62,11 +62,9 @@ def announce(tr: Trainer) -> None:
     # printed on the console before the run dir existed
     if run is not None and run.chosen_by == "parallel=auto":
         # in the console's words (`plan.resolve.announce`): plain DDP, else the layout
-        described = run.describe()
-        plain = run.tp == 1 and run.pp == 1 and run.dp == run.world_size and "+" not in described
         log.info(
             "parallel=auto chose %s: %s",
-            plain_ddp_words(run) if plain else described,
+            auto_words(run),
             run.reason,
             extra={"file_only": True},
         )

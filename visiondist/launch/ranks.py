@@ -152,8 +152,7 @@ def _say_before_launch(
     if run.share_gpu and main:
         say(shared_gpu_line(cfg, run, device_memory_gb("cuda", 1)))
     # an evaluation on plain DDP: nothing chosen to say
-    plain = auto_plan is None or auto_plan.plain_ddp
-    if run.chosen_by == "parallel=auto" and not (stateless and plain) and main:
+    if run.chosen_by == "parallel=auto" and not (stateless and run.plain_ddp) and main:
         announce(cfg, run, auto_plan)
     # Inductor's caches (FX graphs, autograd, kernels) kept across runs, not in /tmp
     if run.compile:

@@ -54,7 +54,7 @@ def resolve(
     # OmegaConf types these DictConfig | ListConfig (or a container of either): a mapping's are
     # DictConfigs and dicts
     parallel = cast(dict[str, Any], OmegaConf.to_container(cfg.parallel))
-    plan, reason = None, ""
+    plan, reason, plain = None, "", False
     accum = int(cfg.trainer.grad_accum)
     auto = cfg.parallel.auto and not named_layout(cfg.parallel)
     if auto:
@@ -66,22 +66,25 @@ def resolve(
             parallel.update(before.parallel_overrides())
             accum = before.grad_accum or accum
             reason = f"the layout this run started with ({before.describe()}, layout.json)"
+            plain = before.plain_ddp
         elif spec_of(cfg.model).planner_shape is None:  # detectors: data parallel, as asked of them
             reason = (
                 f"{cfg.model.name} is a detector, which runs data parallel (the planner "
                 "lays out ViT classifiers)"
             )
+            plain = True
         else:
             plan = _plan_auto(cfg, world)
             parallel.update(plan.choice.candidate.overrides())
             accum, reason = plan.choice.candidate.accum, plan.reason
+            plain = plan.plain_ddp
         # the chosen layout against the model
         check(cast(DictConfig, OmegaConf.merge(cfg, {"parallel": {**parallel, "auto": False}})))
     parallel["auto"] = False
     run = _layout(cfg, OmegaConf.create(parallel), world, accum, training)
     _check_on(cfg, run.accelerator)
     if auto:
-        return run.replace(chosen_by="parallel=auto", reason=reason), plan
+        return run.replace(chosen_by="parallel=auto", reason=reason, plain_ddp=plain), plan
     # a named layout: checked against the device before any rank starts
     fitted = fit(cfg, run) if fit_named else run
     return (run if fitted is run else fitted.replace(**compile_switches(cfg, fitted))), plan
@@ -324,9 +327,11 @@ def _check_batch(cfg: DictConfig, p: DictConfig, dp: int, ga: int) -> None:
         )
 
 
-def plain_ddp_words(run: RunLayout) -> str:
-    """parallel=auto's choice of plain DDP as the console and the run's log say it: "plain DDP on
-    2 ranks (cpu)"."""
+def auto_words(run: RunLayout) -> str:
+    """parallel=auto's choice as the console and the run's log say it: "plain DDP on 2 ranks
+    (cpu)", else the layout ("dp=1 tp=2 pp=1 (2 ranks on cpu)")."""
+    if not run.plain_ddp:
+        return run.describe()
     ranks = f"{run.world_size} rank{'s' if run.world_size > 1 else ''}"
     return f"plain DDP on {ranks} ({run.accelerator})"
 
@@ -345,9 +350,9 @@ def announce(cfg: DictConfig, run: RunLayout, plan: Any) -> None:
     from rich.console import Console  # noqa: PLC0415 (rich: 30-50 ms, printed for auto only)
 
     console = Console(width=120)
-    if plan is None or plan.plain_ddp:  # plain DDP (or a detector's)
+    if run.plain_ddp or plan is None:  # plain DDP (a detector's), or a continued run's layout
         console.print(
-            f"parallel=auto chose {plain_ddp_words(run)}: {run.reason}",
+            f"parallel=auto chose {auto_words(run)}: {run.reason}",
             soft_wrap=True,
             highlight=False,
         )
