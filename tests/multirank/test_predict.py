@@ -163,13 +163,14 @@ def test_a_classifier_predicts_what_its_evaluation_scored_on_1_2_and_3_ranks(cla
         "data.img_size=32",
         f"source={val}",
         f"out={out}",
-        "save_images=0",
+        "save_images=false",  # as 0: none drawn
         "topk=2",
         "batch=4",
         "trainer.progress=false",
     )
     assert "preprocessing as vit.json records the run's: data.mean=[0.5, 0.5, 0.5]" in printed
     assert_same_predictions(out, outs[0])
+    assert not list(out.glob("images/*"))
 
     yielded = list(predict(str(val), run_dir=str(run), topk=2, batch_size=4, device="cpu"))
     assert [(r["file"], r["top"][0]["name"]) for r in yielded] == [(r[0], r[1]) for r in table[1:]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from visiondist.api.jobs import CONFIGS, step_of
 from visiondist.cli.load import load_run_config, load_weights_config
@@ -119,8 +119,13 @@ def predict_job(cfg: DictConfig, base: Optional[Path]) -> Optional[Path]:
     """
     p = cfg.predict
     check_settings(p)
+    if str(p.save_images).lower() in ("false", "none"):  # save_images=false: none drawn
+        with open_dict(cfg):
+            p.save_images = "0"
     if str(p.save_images).lower() != "all" and not str(p.save_images).isdigit():
-        raise ConfigError(f"save_images={p.save_images}: give a count (0: none) or all")
+        raise ConfigError(
+            f"save_images={p.save_images}: give a count (default 32; 0 or false: none) or all"
+        )
     # a missing or empty source: refused here, in one line
     source = resolve_source(p.source, int(p.vid_stride))
     from visiondist.inference.names import read_names  # noqa: PLC0415 (a job's)
