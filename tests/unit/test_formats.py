@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
@@ -211,6 +212,55 @@ def test_bad_train_labels_are_left_out_counted_and_named(tmp_path, caplog):
     assert len(_gt(d, "train")["annotations"]) == 2  # a's first line and b's
 
 
+def test_a_label_written_twice_is_one_object_counted(tmp_path):
+    """A label file whose lines were appended twice (`cat f f > f`): each object once, as
+    Ultralytics keeps them; twice the val ground truth would have halved the scores. The same box
+    in another class, and a VOC object listed twice, likewise."""
+    twice = "0 0.5 0.5 0.5 0.5\n1 0.25 0.5 0.25 0.5\n" * 2 + "1 0.5 0.5 0.5 0.5\n"
+    root = _yolo(tmp_path / "set", {"train": {"a": twice}, "val": {"v": twice}})
+    d = _data(root)
+    line = resolve_detection(d, "val")
+    assert "val 1 image, 3 boxes (2 duplicates left out)" in line, line
+    assert [(a["category_id"], a["bbox"]) for a in _gt(d, "val")["annotations"]] == [
+        (1, [16.0, 12.0, 32.0, 24.0]),
+        (2, [8.0, 12.0, 16.0, 24.0]),
+        (2, [16.0, 12.0, 32.0, 24.0]),
+    ]
+    voc = tmp_path / "voc"
+    _voc_file(voc, "a", _voc_object("dog", (11, 11, 30, 40)) * 2)
+    (voc / "ImageSets" / "Main").mkdir(parents=True)
+    for split in ("train", "val"):
+        (voc / "ImageSets" / "Main" / f"{split}.txt").write_text("a\n")
+    d = _data(voc)
+    assert "1 duplicate left out" in resolve_detection(d, "val")
+    assert len(_gt(d, "val")["annotations"]) == 1
+
+
+def test_a_detector_evaluated_on_its_classes_in_another_order_is_told_where_the_order_lives(
+    tmp_path,
+):
+    """Weights trained with names [cat, dog, bird] on a YOLO copy whose data.yaml lists them in
+    another order: refused, naming where each format takes its order from."""
+    from safetensors.torch import save_file
+
+    from visiondist.inference.names import check_same_classes
+
+    root = _yolo(tmp_path / "set", {"train": {"a": "0 0.5 0.5 0.5 0.5\n"},
+                                    "val": {"v": "0 0.5 0.5 0.5 0.5\n"}},
+                 names=["dog", "cat", "bird"])  # fmt: skip
+    d = _data(root)
+    resolve_detection(d, "val")
+    weights = tmp_path / "model.safetensors"
+    save_file({"w": torch.zeros(1)}, str(weights), metadata={"classes": json.dumps(NAMES)})
+    cfg = OmegaConf.create({"model": {"family": "torchvision", "weights": str(weights)}, "data": d})
+    with pytest.raises(
+        ConfigError,
+        match=rf"trained on classes cat, dog, bird, but the annotations of {root} holds the same "
+        r"classes in another order: list them in the trained order \(a YOLO set's data.yaml",
+    ):
+        check_same_classes(cfg)
+
+
 def test_names_shorter_than_the_labels_use_is_one_line(tmp_path):
     root = _yolo(tmp_path / "set", {"train": {"a": "5 0.5 0.5 0.5 0.5\n"},
                                     "val": {"v": "0 0.5 0.5 0.5 0.5\n"}})  # fmt: skip
@@ -227,6 +277,16 @@ def test_a_yaml_naming_a_missing_folder_is_one_line(tmp_path):
     root.mkdir()
     (root / "data.yaml").write_text("path: .\ntrain: images/train\nval: images/val\nnames: [a]\n")
     with pytest.raises(ConfigError, match=r"train: .*images/train does not exist: fix `train:`"):
+        resolve_detection(_data(root), "train")
+    # a path: written on another machine: that is the key to fix
+    (root / "data.yaml").write_text(
+        "path: /home/me/datasets/set\ntrain: images/train\nval: images/val\nnames: [a]\n"
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"path: /home/me/datasets/set does not exist: fix `path:`, or remove it to read the "
+        rf"splits from the yaml's folder, {root}$",
+    ):
         resolve_detection(_data(root), "train")
 
 
@@ -508,6 +568,16 @@ def test_a_folder_of_no_format_known_is_one_line(tmp_path):
     assert recognise(tmp_path / "x") is None
     with pytest.raises(ConfigError, match=r"is of no format known: a YOLO set has a data\.yaml"):
         resolve_detection(_data(tmp_path / "x"), "train")
+    # an Ultralytics yaml under its own name: the root to give
+    root = _yolo(tmp_path / "y", {"train": {"a": ""}, "val": {"b": ""}})
+    (root / "data.yaml").rename(root / "shapes.yaml")
+    with pytest.raises(
+        ConfigError,
+        match=rf"holds shapes.yaml but no data.yaml: give the set's yaml as the root, "
+        rf"data.root={root / 'shapes.yaml'}$",
+    ):
+        resolve_detection(_data(root), "train")
+    assert "a YOLO set" in resolve_detection(_data(root / "shapes.yaml"), "train")
 
 
 def test_data_coco_on_a_yolo_folder_names_the_data_config_that_reads_it(tmp_path):

@@ -184,7 +184,7 @@ def _announce_data(tr: Trainer) -> None:
     if getattr(sampler, "joined", 0):
         log.info(
             "data.aspect_grouping: %d images of an aspect group smaller than a global batch of %d "
-            "are batched with the largest group, so that every image is trained",
+            "are batched with the largest group, so that no group is left out for its size",
             sampler.joined,
             tr.cfg.data.batch_size,
         )

@@ -116,15 +116,23 @@ def check_same_classes(cfg: DictConfig, key: str = "weights") -> None:
     data = data_names(cfg)
     if data is None or data.classes == recorded.classes:
         return
-    how = (
-        "the same classes in another order"
-        if sorted(data.classes) == sorted(recorded.classes)
-        else f"classes {_some(data.classes)}"
-    )
+    if sorted(data.classes) == sorted(recorded.classes) and data.categories is not None:
+        # a detection set's order is its own: where each format takes it from
+        how, fix = (
+            "the same classes in another order",
+            "list them in the trained order (a YOLO set's data.yaml `names:`, a VOC set's "
+            "labelmap.txt, else VOC sorts them; a COCO file's category ids), or train on this data",
+        )
+    else:
+        same = sorted(data.classes) == sorted(recorded.classes)
+        how, fix = (
+            "the same classes in another order" if same else f"classes {_some(data.classes)}",
+            "evaluate on data with the classes it was trained for (data.root=...), or train on "
+            "this data",
+        )
     raise ConfigError(
         f"{key}={weights} was trained on classes {_some(recorded.classes)}, but "
-        f"{data.read_from} holds {how}: evaluate on data with the classes it was trained for "
-        "(data.root=...), or train on this data"
+        f"{data.read_from} holds {how}: {fix}"
     )
 
 
@@ -224,7 +232,7 @@ def data_names(cfg: DictConfig) -> Optional[Names]:
             found = sorted(coco_categories(annotations), key=lambda c: c["id"])
             names = [str(c["name"]) for c in found]
             cats = [int(c["id"]) for c in found]
-            return Names(names, cats, "the run's annotation file") if names else None
+            return Names(names, cats, f"the annotations of {d.root}") if names else None
         if d.get("format") == "shards":
             return Names(list(read_meta(open_store(d))["classes"]), None, "the run's packed set")
 

@@ -94,7 +94,7 @@ def plot_predictions(
     png: Path,
     title: str,
     images: int = 4,
-    min_score: float = 0.3,
+    min_score: float = 0.25,
 ) -> Optional[Path]:
     """The first `images` val images (by id) with their ground-truth boxes (green) and the predicted
     boxes scoring at least `min_score` (red, with category and score), from a COCO results file. An
@@ -161,7 +161,7 @@ def plot_masks(
     png: Path,
     title: str,
     images: int = 4,
-    min_score: float = 0.3,
+    min_score: float = 0.25,
 ) -> Optional[Path]:
     """The first `images` val images (by id) with the predicted masks scoring at least `min_score`
     laid over them, one colour per instance (the best ones, as many as the true objects, where none

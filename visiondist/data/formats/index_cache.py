@@ -20,7 +20,7 @@ from visiondist.data.formats.labels import SplitIndex
 from visiondist.data.formats.voc import split_ids
 from visiondist.data.formats.yolo import label_file, list_images, read_yaml
 
-_VERSION = 1
+_VERSION = 2  # 2: duplicate objects kept once
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ alone, upright as the loader reads them: EXIF orientation applied); VOC's XML ca
 What each split holds, in COCO's terms: images numbered from 1 in the split's order, `file_name`
 relative to `image_root`, pixel boxes (rounded to 1e-6 px, so that the same boxes written as YOLO,
 VOC or COCO give the same numbers), polygons as COCO polygons, VOC's difficult objects as `iscrowd`
-(out of training, ignored by the evaluation), categories numbered from 1 in the order of the names.
+(out of training, ignored by the evaluation), categories numbered from 1 in the order of the names;
+an object listed twice in an image is kept once, counted.
 
 What is wrong is named (file, line, reason) in `problems` and counted in `counts`; the caller
 refuses a val split with any, and leaves the bad lines of a train split out, counted.
@@ -235,8 +236,13 @@ def _coco_skeleton(names: list[str]) -> dict[str, Any]:
 
 
 def _add_image(index: SplitIndex, image: Path, size: tuple[int, int], objects: list[tuple]) -> None:
-    """Append an image and its objects ((category id, xyxy box, polygon, ignored)) to the index."""
+    """Append an image and its objects ((category id, xyxy box, polygon, ignored)) to the index; an
+    object repeated in the same image (a label line written twice) is kept once and counted, as
+    Ultralytics drops duplicate labels: twice the ground truth would halve the scores."""
     coco = index.coco
+    unique = list({(c, tuple(b), tuple(p), i): None for c, b, p, i in objects})
+    index.counts["duplicates left out"] += len(objects) - len(unique)
+    objects = [(c, list(b), list(p), i) for c, b, p, i in unique]
     image_id = len(coco["images"]) + 1
     file_name = image.relative_to(index.image_root).as_posix()
     coco["images"].append(

@@ -178,6 +178,14 @@ def resolve_detection(d: DictConfig, purpose: str = "train") -> str:
         raise ConfigError(
             f"data.root={root} holds packed shards (tools/data.py pack): add data.format=shards"
         )
+    if recognised is None and root.is_dir() and d.format in ("auto", "yolo"):
+        # an Ultralytics yaml under its own name (coco128.yaml): given as the root, it is read
+        yamls = sorted(p.name for p in root.glob("*.y*ml") if p.suffix in (".yaml", ".yml"))
+        if yamls:
+            raise ConfigError(
+                f"{root} holds {', '.join(yamls[:3])} but no data.yaml: give the set's yaml as "
+                f"the root, data.root={root / yamls[0]}"
+            )
     if recognised is None or (d.format != "auto" and recognised.format != d.format):
         what = f"not {d.format} data" if d.format != "auto" else "of no format known"
         raise ConfigError(

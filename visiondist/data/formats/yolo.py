@@ -88,6 +88,12 @@ def read_yaml(yaml_file: Path) -> YoloSet:
         raise ConfigError(f"{yaml_file}: a data.yaml is a mapping of path, train, val and names")
     root = Path(spec.get("path") or yaml_file.parent).expanduser()
     root = root if root.is_absolute() else (yaml_file.parent / root)
+    if spec.get("path") and not root.is_dir():
+        # written on another machine (Ultralytics' own datasets/ folder): every split is under it
+        raise ConfigError(
+            f"{yaml_file}: path: {spec['path']} does not exist: fix `path:`, or remove it to read "
+            f"the splits from the yaml's folder, {yaml_file.parent}"
+        )
     names = _names(spec, yaml_file)
     splits, absent = {}, {}
     for key in ("train", "val", "test"):
