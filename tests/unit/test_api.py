@@ -146,6 +146,22 @@ def test_images_in_memory_come_back_writable():
     assert as_source(image).image(0).flags.writeable
 
 
+def test_a_pil_image_in_memory_is_read_upright_as_its_file(tmp_path):
+    """A photo whose EXIF says "rotate 90" (orientation 6), given as Image.open(path): the same
+    upright pixels as the path reads (the loader's decoder), not the sensor's sideways ones."""
+    from visiondist.data.decode import read_rgb
+
+    pixels = np.random.default_rng(0).integers(0, 256, (40, 64, 3), dtype=np.uint8)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    path = tmp_path / "rotated.jpg"
+    Image.fromarray(pixels).save(path, exif=exif, quality=95)
+    by_path = read_rgb(path)
+    assert by_path.shape == (64, 40, 3)
+    with Image.open(path) as image:
+        assert np.array_equal(as_source(image).image(0), by_path)
+
+
 def test_a_misspelt_prediction_setting_names_the_closest():
     with pytest.raises(
         visiondist.ConfigError,

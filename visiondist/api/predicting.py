@@ -23,7 +23,10 @@ IN_MEMORY = "a numpy array (H, W, 3) RGB, a PIL image, a torch tensor (3, H, W) 
 def _array(item: Any, where: str) -> np.ndarray:
     """An image in memory as an upright HxWx3 uint8 RGB array; ConfigError for anything else."""
     if hasattr(item, "convert") and hasattr(item, "size"):  # a PIL image
-        return np.asarray(item.convert("RGB")).copy()
+        from visiondist.data.decode import upright_rgb  # noqa: PLC0415 (OpenCV: a PIL image's)
+
+        # upright, as its file by path reads (Image.open keeps a photo's EXIF orientation)
+        return upright_rgb(item)
     if hasattr(item, "detach") and hasattr(item, "cpu"):  # a torch tensor: channels first
         item = item.detach().cpu().numpy()
         if item.ndim == 3 and item.shape[0] in (1, 3, 4):

@@ -99,6 +99,17 @@ def decode_opencv(data: bytes, jpeg: bool) -> np.ndarray | None:
     return image if _RGB is not None else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
 
 
+def upright_rgb(image: Image.Image) -> np.ndarray:
+    """A Pillow image as the loader reads its file: its EXIF orientation applied
+    (`ImageOps.exif_transpose`), HxWx3 uint8 RGB, writable (a file, or an image given in memory)."""
+    im = ImageOps.exif_transpose(image)
+    # I;16, I;16B, I (Pillow's 16-bit grey): the high byte of 16 bits
+    if im.mode.startswith("I"):
+        grey = (np.clip(np.asarray(im, dtype=np.int64), 0, 65535) >> 8).astype(np.uint8)
+        return np.ascontiguousarray(np.repeat(grey[..., None], 3, axis=2))
+    return np.array(im.convert("RGB"))  # writable, as OpenCV's
+
+
 def decode_pillow(data: bytes, path: str | Path) -> np.ndarray:
     """The upright pixels as HxWx3 uint8 RGB through Pillow (TIFF, and formats this OpenCV build
     cannot read); `ImageOps.exif_transpose` applies the orientation (Pillow's TIFF decoder may
@@ -106,12 +117,7 @@ def decode_pillow(data: bytes, path: str | Path) -> np.ndarray:
     try:
         with Image.open(io.BytesIO(data)) as source:
             source.load()
-            im = ImageOps.exif_transpose(source)
-            # I;16, I;16B, I (Pillow's 16-bit grey): the high byte of 16 bits
-            if im.mode.startswith("I"):
-                grey = (np.clip(np.asarray(im, dtype=np.int64), 0, 65535) >> 8).astype(np.uint8)
-                return np.ascontiguousarray(np.repeat(grey[..., None], 3, axis=2))
-            return np.array(im.convert("RGB"))  # writable, as OpenCV's
+            return upright_rgb(source)
     # Pillow raises many kinds on a broken file (OSError, SyntaxError, DecompressionBomb)
     except Exception as exc:
         reason = (
