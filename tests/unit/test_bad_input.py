@@ -260,3 +260,41 @@ def test_i_a_file_without_its_head_is_pointed_to_init_from_which_fine_tunes_from
         f"model.init_from={file} is a ViT (width 192, depth 1, patch 16, no classification "
         "head) but model=vit_small is 384 wide: use model=vit_tiny"
     )
+
+
+@pytest.mark.parametrize("wrap", ["state_dict", "model_and_ema", "ddp_pth", "ddp_safetensors"])
+def test_j_init_from_reads_a_training_scripts_checkpoint(tmp_path, caplog, wrap):
+    """timm-layout weights inside what training scripts save: Lightning's / timm's
+    `{"state_dict": ...}`, `{"model": ..., "model_ema": ...}` (the model's own read, and the line
+    says which), a DDP model's `module.` keys in a torch file or a safetensors file. Checked before
+    launch and loaded: every tensor but the head (4 classes here against 6) is the file's."""
+    import logging
+
+    from safetensors.torch import save_file
+
+    from visiondist.cli import load_config
+    from visiondist.models import build_model
+    from visiondist.models.vit import to_timm_state_dict
+
+    cfg = load_config(CONFIGS, ["model.depth=1", "model.num_classes=4"], inputs=None)
+    torch.manual_seed(0)
+    state = to_timm_state_dict(build_model(cfg.model).state_dict())
+    file = tmp_path / ("ckpt.safetensors" if wrap == "ddp_safetensors" else "ckpt.pth")
+    if wrap == "state_dict":
+        torch.save({"state_dict": state, "epoch": 3}, file)
+    elif wrap == "model_and_ema":
+        ema = {k: torch.full_like(v, 7.0) for k, v in state.items()}
+        torch.save({"model": state, "model_ema": ema, "optimizer": {}}, file)
+    elif wrap == "ddp_pth":
+        torch.save({f"module.{k}": v for k, v in state.items()}, file)
+    else:
+        save_file({f"module.{k}": v for k, v in state.items()}, str(file))
+    tuned = load_config(CONFIGS, ["model.depth=1", f"model.init_from={file}"], inputs=None)
+    with caplog.at_level(logging.INFO, logger="visiondist.models.weights"):
+        model = build_model(tuned.model)
+    loaded = to_timm_state_dict(model.state_dict())
+    assert all(torch.equal(loaded[k], v) for k, v in state.items() if not k.startswith("head."))
+    total = len(model.state_dict())
+    assert f"model.init_from: {total - 2} of the model's {total} tensors from {file}" in caplog.text
+    if wrap == "model_and_ema":
+        assert "model.init_from: read ckpt.pth's `model` (it also holds model_ema)" in caplog.text

@@ -69,13 +69,39 @@ def _torch_load(file: Path, key: str, mmap: bool = False) -> object:
         ) from None
 
 
-def _state_dict(loaded: object, file: Path, key: str) -> dict[str, Any]:
-    """The state dict a torch file holds: the file's dict, or its `model` entry (a training
-    checkpoint's)."""
-    state = loaded.get("model", loaded) if isinstance(loaded, dict) else loaded
+# the entries training scripts keep a model's state dict under (timm's and Lightning's
+# `state_dict`, DeiT's and most scripts' `model`, ...), the model's own before its EMA's
+WRAPPERS = ("state_dict", "model", "module", "net", "state_dict_ema", "model_ema")
+# what a wrapped model's keys begin with: DDP's, torch.compile's
+PREFIXES = ("module.", "_orig_mod.")
+
+
+def _state_dict(loaded: object, file: Path, key: str, say: bool = False) -> dict[str, Any]:
+    """The state dict a torch file holds: the file's dict, or the first entry of `WRAPPERS` it holds
+    (a training checkpoint's), with a prefix every key carries (`PREFIXES`) taken off; `say`: log
+    which entry was read where there was a choice."""
+    state = loaded
+    if isinstance(loaded, dict):
+        entries = [w for w in WRAPPERS if isinstance(loaded.get(w), dict)]
+        if entries:
+            state = loaded[entries[0]]
+            if say:
+                others = f" (it also holds {', '.join(entries[1:])})" if entries[1:] else ""
+                log.info("%s: read %s's `%s`%s", key, file.name, entries[0], others)
     if not isinstance(state, dict):
         raise ValueError(f"{key}={file} holds a {type(state).__name__}, not a state dict")
-    return state
+    prefix = wrapper_prefix(list(state))
+    return {k[len(prefix) :]: v for k, v in state.items()} if prefix else state
+
+
+def wrapper_prefix(keys: list) -> str:
+    """The prefix every key of a state dict saved from a wrapped model carries (DDP's `module.`,
+    torch.compile's `_orig_mod.`, or both), else ""."""
+    prefix = ""
+    for p in PREFIXES * 2:
+        if keys and all(isinstance(k, str) and k.startswith(prefix + p) for k in keys):
+            prefix += p
+    return prefix
 
 
 def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
@@ -92,7 +118,8 @@ def weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
         }
     if file.suffix == ".safetensors":
         with safe_open(str(file), framework="pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            prefix = wrapper_prefix(list(f.keys()))
+            return {k[len(prefix) :]: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     state = _state_dict(_torch_load(file, "model.weights", mmap=True), file, "model.weights")
     return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
@@ -171,9 +198,12 @@ class LazyState(Mapping):
             raise FileNotFoundError(f"{key}={path}: no such file")
         if file.suffix == ".safetensors":
             handle = safe_open(str(file), framework="pt")
-            self._keys, self._read = list(handle.keys()), handle.get_tensor
+            keys = list(handle.keys())
+            prefix = wrapper_prefix(keys)
+            self._keys = [k[len(prefix) :] for k in keys]
+            self._read = lambda k: handle.get_tensor(prefix + k)
         else:
-            state = _state_dict(_torch_load(file, key, mmap=True), file, key)
+            state = _state_dict(_torch_load(file, key, mmap=True), file, key, say=True)
             self._keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
             self._read = state.__getitem__
 
@@ -257,6 +287,8 @@ def plan_init_from(
         del state[key]
     skipped = [k for k in new_head if k in absent or k in resized]
     check_fits(state, own, "model.init_from", path, model, tuple(skipped))
+    loaded = sum(1 for k in state if k in own)
+    log.info("model.init_from: %d of the model's %d tensors from %s", loaded, len(own), path)
     if skipped:
         why = (
             "the file has another number of classes"
