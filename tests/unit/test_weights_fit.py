@@ -292,3 +292,30 @@ def test_detr_weights_file_of_an_hf_export_and_eval_of_the_folder(tmp_path, caps
     assert re.search(
         r"eval dir: .* \(eval\.json, detections\.json, .*\.png.*, eval\.log\)", stdout
     ), stdout[-2000:]
+
+
+def test_prediction_from_an_export_takes_its_class_count_evaluation_asks_for_data(tmp_path, capsys):
+    """A 4-class export predicted with nothing but weights= and a source: the file's count, not the
+    default data's 6 (prediction reads no data); an evaluation reads data, whose count stays the
+    data's; a count or data given wins."""
+    from visiondist.models.exported import recorded_settings
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    record = {"model": "vit_tiny", "task": "classification", "classes": ["a", "b", "c", "d"]}
+    (tmp_path / "model.json").write_text(json.dumps(record))
+    assert recorded_settings(weights, [], "predict.py", data_needed=False) == [
+        "model=vit_tiny",
+        "data.num_classes=4",
+    ]
+    assert "model=vit_tiny data.num_classes=4 as model.json records it" in capsys.readouterr().out
+    assert recorded_settings(weights, [], "eval.py") == ["model=vit_tiny"]
+    for given in ("data=imagenet", "data.num_classes=4", "model.num_classes=4"):
+        assert recorded_settings(weights, [given], "predict.py", data_needed=False) == [
+            "model=vit_tiny"
+        ]
+    # a detector's count is its own business (its labels and category ids)
+    (tmp_path / "model.json").write_text(json.dumps({**record, "model": "fasterrcnn_r50"}))
+    assert recorded_settings(weights, [], "predict.py", data_needed=False) == [
+        "model=fasterrcnn_r50"
+    ]

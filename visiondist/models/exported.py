@@ -215,10 +215,13 @@ def program_info(path: Path) -> Optional[dict[str, Any]]:
         return None
 
 
-def recorded_settings(weights: Path, overrides: list[str], tool: str) -> list[str]:
+def recorded_settings(
+    weights: Path, overrides: list[str], tool: str, data_needed: bool = True
+) -> list[str]:
     """model=<name> where the command names no model and the file records the one it was exported
-    from (`export_record`), with a ViT's recorded shape and input size (`_recorded_shape`), said in
-    one line; else nothing."""
+    from (`export_record`), with a ViT's recorded shape and input size (`_recorded_shape`), and, for
+    a tool that reads no data (`data_needed` False: prediction), a classifier's class count, said
+    in one line; else nothing."""
     if any(o.lstrip("+").startswith("model=") for o in overrides):
         return []
     record, where = export_record(weights)
@@ -227,12 +230,29 @@ def recorded_settings(weights: Path, overrides: list[str], tool: str) -> list[st
         return []
     settings = [f"model={name}"]
     settings += [f"{k}={v}" for k, v in _recorded_shape(record, name, overrides).items()]
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+    count = record.get("num_classes") or len(record.get("classes") or [])
+    if (
+        not data_needed
+        and _classifier(name)
+        and isinstance(count, int)
+        and count > 0
+        and not given & {"data", "data.num_classes", "model.num_classes"}
+    ):
+        # the default data's count (data=shapes: 6) is not the file's; prediction reads no data
+        settings.append(f"data.num_classes={count}")
     print(
         f"{tool} weights={weights}: {' '.join(settings)} as {where} records it (any of them given "
         "wins)",
         flush=True,
     )
     return settings
+
+
+def _classifier(name: str) -> bool:
+    """Whether model=`name` (configs/model/<name>.yaml) is a classifier."""
+    path = Path(__file__).resolve().parents[2] / "configs" / "model" / f"{name}.yaml"
+    return path.is_file() and OmegaConf.load(path).get("family") == "vit"
 
 
 # a timm ViT's constructor arguments (an export's `create`) and the model config's keys for them

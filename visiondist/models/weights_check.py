@@ -329,7 +329,7 @@ def weights_settings(
     if not is_library_dir(weights):
         from visiondist.models.exported import recorded_settings  # noqa: PLC0415 (onnx)
 
-        return recorded_settings(weights, overrides, tool)
+        return recorded_settings(weights, overrides, tool, data_needed)
     from visiondist.models.detr_library import (  # noqa: PLC0415 (torch: see the top)
         library_settings,
     )
