@@ -97,6 +97,13 @@ def test_dp2_tp2_with_sequence_parallel_equals_dp1(dp2_tp2_run, dp1_run):
     _same_training(dp1_run, run)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["val images"] == 30 and summary["TP traffic per step (MB)"] > 0
+    # the worst class by name, as per_class.json scores it
+    scored = {k: v["top1"] for k, v in json.loads((run / "per_class.json").read_text()).items()}
+    worst = min((a, name) for name, a in scored.items() if a is not None)
+    assert (summary["val top-1, worst class (%)"], summary["worst class"]) == (
+        round(worst[0], 2),
+        worst[1],
+    )
     assert summary["parameters per rank (M)"] < summary["parameters (M)"]
     # trainer.plots=false / true
     assert not list(run.glob("*.png")) and (dp1_run / "curves.png").is_file()

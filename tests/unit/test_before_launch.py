@@ -527,6 +527,18 @@ def test_loader_workers_follow_the_cores_per_rank(monkeypatch):
         load_config(CONFIGS, ["data.num_workers=-2"], inputs=None)
 
 
+def test_the_automatic_worker_count_is_said_once_a_process(monkeypatch, caplog):
+    """A job builds several loaders (train and val; a prediction per call): one line."""
+    import logging
+
+    from visiondist.data import loaders
+
+    monkeypatch.setattr(loaders, "_SAID", set())
+    with caplog.at_level(logging.INFO, logger="visiondist.data.loaders"):
+        counts = {loaders._num_workers(-1) for _ in range(3)}
+    assert len(counts) == 1 and caplog.text.count("data.num_workers=-1: ") == 1
+
+
 def test_an_srun_task_bound_to_its_own_cpus_does_not_share_them(monkeypatch):
     """tools/slurm_train.sh: srun starts one task per rank with --cpus-per-task=12, each bound to
     12 CPUs of its own. Those are the rank's, not its node's 8 ranks' (12 // 8 - 1 = 0 loader

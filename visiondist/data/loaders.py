@@ -68,22 +68,23 @@ def loader_options(cfg, pin_memory: bool, collate_fn=None) -> dict:
 
 def _num_workers(requested: int) -> int:
     """`data.num_workers`; -1: what this node's cores allow each of its ranks
-    (`visiondist.data.workers.loader_workers`), logged once per loader build."""
+    (`visiondist.data.workers.loader_workers`), logged once a process."""
     # this node's ranks (torchrun, srun, the self-launch) that share this process's CPUs
     ranks = ranks_sharing_cpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     workers = loader_workers(requested, ranks)
-    if requested < 0:
-        log.info(
-            "data.num_workers=-1: %d loader worker%s per rank (%d CPUs this process may use, %d "
-            "rank%s sharing them, one CPU each for the rank itself; at most %d)",
-            workers,
-            "" if workers == 1 else "s",
-            usable_cores(),
-            ranks,
-            "" if ranks == 1 else "s",
-            AUTO_WORKERS_MAX,
-        )
+    line = (
+        f"data.num_workers=-1: {workers} loader worker{'' if workers == 1 else 's'} per rank "
+        f"({usable_cores()} CPUs this process may use, {ranks} rank{'' if ranks == 1 else 's'} "
+        f"sharing them, one CPU each for the rank itself; at most {AUTO_WORKERS_MAX})"
+    )
+    # once a process: the loaders a job builds (train and val, each prediction) share it
+    if requested < 0 and line not in _SAID:
+        _SAID.add(line)
+        log.info(line)
     return workers
+
+
+_SAID: set[str] = set()
 
 
 def val_loader_of(

@@ -239,10 +239,18 @@ class ClassificationTask:
             f"{m['val_count']} images"
         )
 
-    @staticmethod
-    def summary(m: dict[str, Any]) -> dict[str, Any]:
-        scored = [a for a in m.get("val_class_top1", []) if a is not None]
-        worst = {"val top-1, worst class (%)": round(min(scored), 2)} if scored else {}
+    def summary(self, m: dict[str, Any]) -> dict[str, Any]:
+        scored = [
+            (a, name)
+            for a, name in zip(m.get("val_class_top1", []), self.data.classes)
+            if a is not None
+        ]
+        # the class to look at first (per_class.json and per_class_top1.png hold them all)
+        worst = (
+            {"val top-1, worst class (%)": round(min(scored)[0], 2), "worst class": min(scored)[1]}
+            if scored
+            else {}
+        )
         ema = {"val top-1, EMA (%)": m["val_ema_top1"]} if m.get("val_ema_top1") is not None else {}
         top5 = {"val top-5 (%)": m["val_top5"]} if "val_top5" in m else {}
         return {
