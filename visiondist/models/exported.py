@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from visiondist.config import ConfigError
 from visiondist.models.registry import TASKS
@@ -252,7 +252,10 @@ def recorded_settings(
 def _classifier(name: str) -> bool:
     """Whether model=`name` (configs/model/<name>.yaml) is a classifier."""
     path = Path(__file__).resolve().parents[2] / "configs" / "model" / f"{name}.yaml"
-    return path.is_file() and OmegaConf.load(path).get("family") == "vit"
+    if not path.is_file():
+        return False
+    named = OmegaConf.load(path)
+    return isinstance(named, DictConfig) and named.get("family") == "vit"
 
 
 # a timm ViT's constructor arguments (an export's `create`) and the model config's keys for them
