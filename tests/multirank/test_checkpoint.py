@@ -514,6 +514,55 @@ def test_export_benchmark_times_and_scores_every_form_in_one_table(tp2_run, tmp_
     assert f"written: {work / 'benchmark.md'}, {work / 'benchmark.json'}" in out
 
 
+def test_export_hf_of_a_vit_loads_in_transformers_and_timm_and_predicts_here(
+    tp2_run, tmp_path, tiny_shapes
+):
+    """format=hf of a tp2-trained ViT: a timm repository (config.json, model.safetensors) that
+    transformers' AutoModelForImageClassification and timm's local-dir: load with the run's class
+    names and preprocessing, giving the run's logits; the tool prints its check; predict takes the
+    directory as weights= and gives what the run's own model.safetensors gives."""
+    import re
+
+    import timm
+    from transformers import AutoModelForImageClassification
+
+    from visiondist.checkpoint.export.trained import load_trained
+
+    trained = load_trained(tp2_run)
+    repo = tmp_path / "vit_hf"
+    stdout = _export(tp2_run, "format=hf", f"out={repo}")
+    assert sorted(p.name for p in repo.iterdir()) == [
+        "config.json",
+        "model.json",
+        "model.safetensors",
+    ]
+    checked = re.search(
+        r"  transformers \(TimmWrapperForImageClassification\) vs PyTorch: logits of 1 and 3 "
+        r"random images compared, max abs difference (\S+)",
+        stdout,
+    )
+    assert checked and float(checked[1]) < 1e-5 and "Warning" not in stdout, stdout
+    x = torch.randn(3, 3, 32, 32)
+    wrapped = AutoModelForImageClassification.from_pretrained(str(repo)).eval()
+    loaded = timm.create_model(f"local-dir:{repo}", pretrained=True).eval()
+    with torch.no_grad():
+        want = trained.model(x)
+        torch.testing.assert_close(wrapped(pixel_values=x).logits, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(loaded(x), want, rtol=0, atol=1e-5)
+    assert [wrapped.config.id2label[i] for i in range(6)] == trained.classes
+    data = timm.data.resolve_model_data_config(loaded)
+    assert data["input_size"] == (3, 32, 32) and list(data["mean"]) == [0.5, 0.5, 0.5]
+    outs = []
+    for weights in (repo, tp2_run / "model.safetensors"):
+        out = tmp_path / f"predict_{len(outs)}"
+        args = [f"weights={weights}", f"source={tiny_shapes / 'val'}", f"out={out}", "topk=2",
+                "save_images=0", "trainer.progress=false"]  # fmt: skip
+        result = run_cli(args, timeout=240, script=REPO / "tools" / "predict.py")
+        assert result.returncode == 0, result.stdout[-3000:]
+        outs.append((out / "predictions.csv").read_text())
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.smoke
 def test_export_pt2_takes_any_batch_and_carries_its_preprocessing(tp2_run, tmp_path):
     """From a run trained under tp2: the program matches PyTorch at any batch, the tool prints its

@@ -50,6 +50,7 @@ def export_job(
         print(said, flush=True)
     path = _out_path(run_dir, fmt, out, precision, averaged)
     from visiondist.checkpoint.export import export as export_run  # noqa: PLC0415 (a job's)
+    from visiondist.checkpoint.export.hf import check_hf  # noqa: PLC0415 (a job's)
     from visiondist.checkpoint.export.onnx_check import (  # noqa: PLC0415 (a job's)
         check_onnx,
         openvino_check,
@@ -89,6 +90,10 @@ def export_job(
                     plain = {k: v for k, v in settings.items() if k == "opset"}
                     export_run(trained, fmt, full, **plain)
                     print(f"  {accuracy_line(run_dir, full, path, Path(work), precision)}")
+        if fmt == "hf":
+            line = check_hf(trained, path)
+            if line is not None:
+                print(f"  {line}")
         if fmt == "openvino":
             print(f"  {openvino_check(trained, path)}")
         if fmt == "pt2":

@@ -42,6 +42,8 @@ CHATTY = (
     "torch.export",
     # torch.compile on a machine without CUDA: "No CUDA runtime is found, using CUDA_HOME"
     "torch.utils.cpp_extension",
+    # a library importing torchao (transformers' loaders): its Enums registered with pytree
+    "torch.utils._pytree",
 )
 
 
@@ -195,6 +197,9 @@ def evaluation_config(
         path = Path(weights).expanduser()
         if not path.exists():
             raise ConfigError(f"weights={weights}: no such file or checkpoint directory")
+        from visiondist.models.exported import weights_file  # noqa: PLC0415 (a job's)
+
+        path = weights_file(path)  # a ViT's format=hf directory: its weights
         cfg = load_weights_config(CONFIGS, path, list(overrides), tool, data_needed=True)
         base = None
         # an export: scored with the run's preprocessing, as the export recorded it

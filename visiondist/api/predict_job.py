@@ -70,6 +70,9 @@ def prediction_job_config(
         path = Path(str(weights)).expanduser()
         if not path.exists():
             raise ConfigError(f"weights={weights}: no such file or checkpoint directory")
+        from visiondist.models.exported import weights_file  # noqa: PLC0415 (a job's)
+
+        path = weights_file(path)  # a ViT's format=hf directory: its weights
         own_run = run_of_weights(path, list(overrides))
         if own_run is not None:  # a run's own file: predicted under its config.yaml
             base = own_run

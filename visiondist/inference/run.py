@@ -256,6 +256,10 @@ def prediction_config(
         raise ConfigError(
             "give run_dir=<run> (a training run) or weights=<file> with model=... data=..."
         )
+    if weights is not None:  # a ViT's format=hf directory: its weights
+        from visiondist.models.exported import weights_file  # noqa: PLC0415 (onnx: its files')
+
+        weights = str(weights_file(Path(weights).expanduser()))
     own_run = None if weights is None else run_of_weights(Path(weights), overrides)
     run = run_dir if run_dir is not None else own_run
     if run is not None:

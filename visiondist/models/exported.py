@@ -77,6 +77,21 @@ def export_record(path: Path) -> tuple[dict[str, Any], str]:
     return {}, ""
 
 
+def weights_file(path: Path) -> Path:
+    """The weights a tool's `weights=<path>` names: a timm repository's model.safetensors where
+    `path` is one (tools/export.py format=hf of a ViT: config.json with its `architecture`, the
+    weights and their `model.json` record beside it), else `path`."""
+    path = Path(path)
+    config = path / "config.json"
+    if not (path.is_dir() and config.is_file() and (path / "model.safetensors").is_file()):
+        return path
+    try:
+        timm_repo = "architecture" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return path
+    return path / "model.safetensors" if timm_repo else path
+
+
 def own_record(path: Path) -> dict[str, Any]:
     """What a file of an export records of itself: an ONNX file's own metadata (a sidecar beside
     it may be a later export's), else its sidecar's (`export_record`); {} where nothing does."""
