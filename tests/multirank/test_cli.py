@@ -117,6 +117,9 @@ def test_eval_of_a_run_by_its_old_spelling_writes_an_eval_dir_and_says_where(hyd
         in result.stdout
     )
     (out,) = (run / "eval").iterdir()
-    assert f"eval dir: {out} (eval.json, eval.log)" in result.stdout  # trainer.plots=false: no PNG
-    assert {"eval.json", "eval.log", "config.yaml"} <= {p.name for p in out.iterdir()}
+    # trainer.plots=false: no PNG
+    assert f"eval dir: {out} (eval.json, per_class.json, eval.log)" in result.stdout
+    assert {"eval.json", "per_class.json", "eval.log", "config.yaml"} <= {
+        p.name for p in out.iterdir()
+    }
     assert not (out / "train.log").exists()

@@ -1,6 +1,6 @@
 """Classification metrics are exact under any number of ranks: 1, 2 and 3 ranks on 31 validation
 images give the same top-1 / top-5 / per-class numbers as scoring every image one by one in one
-process."""
+process, the confusion matrix too."""
 
 import eval_ranks
 import numpy as np
@@ -36,6 +36,7 @@ def _direct(root):
     )
     top1 = top5 = loss = 0.0
     per_class, margins = np.zeros((eval_ranks.CLASSES, 2)), []
+    confusion = np.zeros((eval_ranks.CLASSES, eval_ranks.CLASSES), dtype=int)
     with torch.no_grad():
         for i in range(len(dataset)):
             image, label = dataset[i]
@@ -50,6 +51,7 @@ def _direct(root):
             top5 += label in order[:5]
             loss += torch.nn.functional.cross_entropy(logits[None], torch.tensor([label])).item()
             per_class[label] += (order[0] == label, 1)
+            confusion[label, order[0]] += 1
     n = len(dataset)
     assert min(margins) > 1e-4, min(margins)  # 1.4e-3 on the CPU where it was written
     return {
@@ -59,6 +61,7 @@ def _direct(root):
         "val_count": n,
         "val_class_top1": list(100 * per_class[:, 0] / per_class[:, 1]),
         "val_class_count": [int(c) for c in per_class[:, 1]],
+        "val_confusion": confusion.tolist(),
     }
 
 
@@ -77,3 +80,5 @@ def test_topk_is_exact_for_any_number_of_ranks(val_root):
             assert m["val_loss"] == pytest.approx(direct["val_loss"], rel=1e-5)
             assert m["val_class_count"] == direct["val_class_count"] == eval_ranks.PER_CLASS
             assert m["val_class_top1"] == pytest.approx(direct["val_class_top1"], abs=1e-9)
+            # row: the true class, column: the predicted one; some images misclassified
+            assert m["val_confusion"] == direct["val_confusion"]

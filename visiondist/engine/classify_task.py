@@ -8,7 +8,7 @@ import json
 import logging
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +27,23 @@ from visiondist.data.workers import watched
 from visiondist.evaluation.classification import evaluate_classification, reports_top5
 from visiondist.models import EVAL_METRICS
 from visiondist.observe.metrics import TRAIN_COLUMNS
-from visiondist.observe.plots import at_step, plot_per_class
+from visiondist.observe.plots import at_step, plot_confusion, plot_per_class
 from visiondist.parallel import Layout
 
 log = logging.getLogger(__name__)
+
+
+def confused_with(m: dict[str, Any], classes: Sequence[str], i: int, shown: int = 3) -> dict:
+    """The classes the `i`-th class's images were most often predicted as (the confusion matrix's
+    row, the diagonal left out): {"confused_with": {name: images, ...}}, the largest first; {} where
+    none was, or no matrix was counted."""
+    rows = m.get("val_confusion")
+    if not rows:
+        return {}
+    wrong = sorted(
+        ((n, classes[j]) for j, n in enumerate(rows[i]) if j != i and n), key=lambda t: -t[0]
+    )
+    return {"confused_with": {name: n for n, name in wrong[:shown]}} if wrong else {}
 
 
 class ClassificationTask:
@@ -210,24 +223,36 @@ class ClassificationTask:
             del metrics["val_top5"]
         if layout.is_main:  # per-class top-1 of the latest evaluation, by class name
             per_class = {
-                name: {"top1": acc, "images": n}
-                for name, acc, n in zip(
-                    self.data.classes, metrics["val_class_top1"], metrics["val_class_count"]
+                name: {"top1": acc, "images": n, **confused_with(metrics, self.data.classes, i)}
+                for i, (name, acc, n) in enumerate(
+                    zip(self.data.classes, metrics["val_class_top1"], metrics["val_class_count"])
                 )
             }
             (run_dir / "per_class.json").write_text(json.dumps(per_class, indent=1))
         return metrics
 
     def plots(self, m: dict[str, Any], run_dir: Path, title: str) -> list[Path]:
-        """Top-1 per class of the latest evaluation, as bars."""
+        """Top-1 per class of the latest evaluation, as bars; up to `CONFUSION_MAX_CLASSES`
+        classes its confusion matrix."""
         values = dict(zip(self.data.classes, m.get("val_class_top1") or []))
-        png = plot_per_class(
-            values,
-            run_dir / "per_class_top1.png",
-            f"{title}: top-1 per class{at_step(m)}",
-            "val top-1 (%)",
-        )
-        return [png] if png is not None else []
+        pngs = [
+            plot_per_class(
+                values,
+                run_dir / "per_class_top1.png",
+                f"{title}: top-1 per class{at_step(m)}",
+                "val top-1 (%)",
+            )
+        ]
+        if m.get("val_confusion"):
+            pngs.append(
+                plot_confusion(
+                    m["val_confusion"],
+                    list(self.data.classes),
+                    run_dir / "confusion.png",
+                    f"{title}: confusion{at_step(m)}",
+                )
+            )
+        return [p for p in pngs if p is not None]
 
     # describe / summary / final_line show top-5 where the metrics hold it (`reports_top5`)
     @staticmethod

@@ -309,7 +309,7 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
             "eval.json",
             *(
                 name
-                for name in ("detections.json", "segmentations.json")
+                for name in ("per_class.json", "detections.json", "segmentations.json")
                 if (run_dir / name).is_file()
             ),
             *(p.name for p in pngs),

@@ -1,6 +1,6 @@
-"""Exact distributed classification metrics (top-1, top-5, val loss, per-class top-1): each rank
-scores its shard, sums are reduced over data parallel. Top-5 is computed always and reported above
-10 classes (`reports_top5`)."""
+"""Exact distributed classification metrics (top-1, top-5, val loss, per-class top-1, and up to
+`CONFUSION_MAX_CLASSES` classes the confusion matrix): each rank scores its shard, sums are reduced
+over data parallel. Top-5 is computed always and reported above 10 classes (`reports_top5`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from visiondist.observe.progress import tracked
 from visiondist.parallel import Layout, PipelinedViT, blank_forwards, forwards_needed
 
 TOP5_MIN_CLASSES = 11  # top-5 is reported from 11 classes up (k at most about half the class count)
+# the confusion matrix is counted up to this many classes (k x k sums reduced each evaluation: 80 KB
+# at 100; ImageNet's 1000 would be 8 MB, and a plot nobody reads)
+CONFUSION_MAX_CLASSES = 100
 
 
 def reports_top5(num_classes: int) -> bool:
@@ -66,11 +69,12 @@ def evaluate_classification(
 
     val_loss, val_top1, val_top5 (percent) and val_count over the whole val set, identical on
     every rank; with `num_classes`, also val_class_top1 (percent per class, None for a class without
-    images) and val_class_count. `progress`: a progress bar over this rank's batches (give it on the
-    main rank only). `inputs(images, device)` turns loader images into the model's input on the
-    device (default: a copy; the task's `Normalize` for uint8). `feed(batches)` gives the loader's
-    batches as the step takes them (data.decode_on=device: decoded ahead, off the model's stream;
-    closed at the end).
+    images), val_class_count and, up to `CONFUSION_MAX_CLASSES`, val_confusion (image counts, row:
+    the true class, column: the predicted one). `progress`: a progress bar over this rank's batches
+    (give it on the main rank only). `inputs(images, device)` turns loader images into the model's
+    input on the device (default: a copy; the task's `Normalize` for uint8). `feed(batches)` gives
+    the loader's batches as the step takes them (data.decode_on=device: decoded ahead, off the
+    model's stream; closed at the end).
 
     A pipelined model runs each batch through the pipeline (`PipelinedViT.predict`); the last stage
     scores it and its sums reach the other stages in the final reduction.
@@ -92,8 +96,8 @@ def evaluate_classification(
     model.eval()
     pipelined = isinstance(model, PipelinedViT)
     k = num_classes or 0
-    # loss, top1, top5, count, per class
-    sums = torch.zeros(4 + 2 * k, dtype=torch.float64, device=layout.device)
+    # loss, top1, top5, count, per class, the confusion matrix (row: true class, column: predicted)
+    sums = torch.zeros(4 + 2 * k + _confused(k) ** 2, dtype=torch.float64, device=layout.device)
     needed = forwards_needed(model, layout, len(loader))  # FSDP: every rank runs as many forwards
     inputs = inputs or (lambda images, device: images.to(device, non_blocking=True))
     # a loader worker's death names the worker (not a bare EOFError)
@@ -155,9 +159,17 @@ def _score(sums: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, k: in
     count = torch.tensor(float(len(labels)), dtype=torch.float64, device=sums.device)
     sums[:4] += torch.stack([loss.double(), top1.double(), top5.double(), count])
     if k:
-        hit = logits.argmax(dim=1) == labels
+        predicted = logits.argmax(dim=1)
+        hit = predicted == labels
         sums[4 : 4 + k] += torch.bincount(labels[hit], minlength=k).double()
-        sums[4 + k :] += torch.bincount(labels, minlength=k).double()
+        sums[4 + k : 4 + 2 * k] += torch.bincount(labels, minlength=k).double()
+        if _confused(k):
+            sums[4 + 2 * k :] += torch.bincount(labels * k + predicted, minlength=k * k).double()
+
+
+def _confused(k: int) -> int:
+    """The confusion matrix's side for `k` classes: k up to `CONFUSION_MAX_CLASSES`, else 0."""
+    return k if k <= CONFUSION_MAX_CLASSES else 0
 
 
 def _metrics(values: list[float], k: int) -> dict:
@@ -171,7 +183,12 @@ def _metrics(values: list[float], k: int) -> dict:
         "val_count": int(count),
     }
     if k:
-        hits, counts = values[4 : 4 + k], values[4 + k :]
+        hits, counts = values[4 : 4 + k], values[4 + k : 4 + 2 * k]
         metrics["val_class_top1"] = [100.0 * h / c if c else None for h, c in zip(hits, counts)]
         metrics["val_class_count"] = [int(c) for c in counts]
+        if _confused(k):
+            cells = values[4 + 2 * k :]
+            metrics["val_confusion"] = [
+                [int(v) for v in cells[i * k : (i + 1) * k]] for i in range(k)
+            ]
     return metrics

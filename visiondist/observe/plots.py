@@ -2,9 +2,9 @@
 not imported):
 
 - `curves.png`: training loss, learning rate and the evaluation metrics against the step;
-- classification: `per_class_top1.png`; detection: `per_class_ap.png` (AP@[.5:.95] of every
-  category, from COCOeval's precision array) and `val_predictions.png` (a few val images with ground
-  truth and predicted boxes).
+- classification: `per_class_top1.png` and, up to 100 classes, `confusion.png`; detection:
+  `per_class_ap.png` (AP@[.5:.95] of every category, from COCOeval's precision array) and
+  `val_predictions.png` (a few val images with ground truth and predicted boxes).
 """
 
 from __future__ import annotations
@@ -78,11 +78,43 @@ def plot_per_class(
     )
     ax.invert_yaxis()
     mean = sum(bars) / len(bars)
-    ax.axvline(mean, color="tab:red", linestyle="--", label=f"mean {mean:.1f}")
+    ax.axvline(mean, color="tab:red", linestyle="--", label=f"class mean {mean:.1f}")
     ax.set_xlabel(xlabel)
     ax.set_xlim(0, max(100.0, max(bars)))
     ax.legend(loc="lower right")
     ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title)
+    return _save(fig, png)
+
+
+def plot_confusion(
+    matrix: list[list[int]], names: list[str], png: Path, title: str
+) -> Optional[Path]:
+    """The confusion matrix, each row (a true class) as the share of its images predicted as each
+    class, with the counts written in where there is room (up to 20 classes); None without
+    images."""
+    counts = np.asarray(matrix, dtype=np.float64)
+    totals = counts.sum(axis=1, keepdims=True)
+    if not totals.any():
+        return None
+    shares = np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
+    k = len(names)
+    side = min(16.0, 2.5 + 0.45 * k)
+    fig = _figure(figsize=(side + 1.2, side))
+    ax = fig.subplots()
+    shown = ax.imshow(shares, cmap="Blues", vmin=0, vmax=1)
+    fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.04, label="share of the true class's images")
+    size = 8 if k > 12 else 10
+    ax.set_xticks(range(k), names, rotation=90 if k > 6 else 0, fontsize=size)
+    ax.set_yticks(range(k), names, fontsize=size)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    if k <= 20:
+        for (i, j), n in np.ndenumerate(counts):
+            if n:
+                dark = shares[i, j] > 0.5
+                ax.text(j, i, int(n), ha="center", va="center", fontsize=size,
+                        color="white" if dark else "black")  # fmt: skip
     ax.set_title(title)
     return _save(fig, png)
 
