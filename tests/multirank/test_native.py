@@ -140,6 +140,16 @@ def test_the_export_loads_in_timms_naflexvit_and_predicts_what_the_run_does(
         script=REPO / "tools" / "export.py",
     )
     assert exported.returncode == 0, exported.stdout[-3000:]
+    assert "trained at native resolution" not in exported.stdout
+    # the default export of a native run: the square model, and one line pointing to naflex
+    square = run_cli(
+        [f"run_dir={run}", f"out={tmp_path / 'square.safetensors'}"],
+        timeout=300,
+        script=REPO / "tools" / "export.py",
+    )
+    assert square.returncode == 0, square.stdout[-3000:]
+    assert "the run trained at native resolution; this is the square model (" in square.stdout
+    assert "format=naflex exports it for images at their own size" in square.stdout
     info = json.loads(out.with_suffix(".json").read_text())
     model = timm.create_model(info["timm_model"], pretrained=False, **info["kwargs"]).eval()
     model.load_state_dict(load_file(out), strict=True)

@@ -74,6 +74,14 @@ def export_job(
         )
         for file in files:
             print(f"  {file}")
+        native = str(trained.cfg.data.get("resolution", "square")) == "native"
+        if native and fmt != "naflex":
+            size = int(trained.cfg.model.img_size)
+            print(
+                "  the run trained at native resolution; this is the square model "
+                f"({size} x {size} px input, the same weights): format=naflex exports it for "
+                "images at their own size and aspect ratio"
+            )
         others = _other_sources(path.parent, trained, [Path(f) for f in files])
         if others:
             print(f"  {path.parent} also holds {others}: out=<path> keeps exports apart")
