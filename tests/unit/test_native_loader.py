@@ -59,6 +59,11 @@ def test_every_rank_gets_the_same_steps_and_each_image_once_an_epoch():
             assert [k for m in micro for k in m] == alone[step]
     seen = [k[0] for m in alone for k in m]
     assert len(seen) == len(set(seen)) == 1000 - one.dropped_per_epoch
+    # what is left out is less than the smallest step (16 images at 392 tokens)
+    assert one.dropped_per_epoch < 16
+    for n in (122, 130, 500):  # a small set too: 122 images at batch 32 left 58 out before
+        small = NativeBatchSampler(n, 32, 36, [18, 36, 72], 0, 1, seed=0)
+        assert small.dropped_per_epoch < min(small.step_images), (n, small.dropped_per_epoch)
     _, (other,) = keys(1, 1, 1)
     # reshuffled, same steps
     assert [len(m) for m in other] == [len(m) for m in alone] and other != alone
