@@ -536,6 +536,8 @@ def test_export_hf_of_a_vit_loads_in_transformers_and_timm_and_predicts_here(
         "model.json",
         "model.safetensors",
     ]
+    # every file shared alike (safetensors itself writes 0o600)
+    assert len({p.stat().st_mode for p in repo.iterdir()}) == 1
     checked = re.search(
         r"  transformers \(TimmWrapperForImageClassification\) vs PyTorch: logits of 1 and 3 "
         r"random images compared, max abs difference (\S+)",

@@ -267,6 +267,10 @@ def test_bad_input_is_refused_before_any_rank_starts(classifier, tmp_path):
             [f"run_dir={run}", f"source={data / 'val'}", "classes=circle"],
             "keeps a detector's classes",
         ),
+        (  # a detector's settings would change nothing a classifier writes
+            [f"run_dir={run}", f"source={data / 'val'}", "score_thresh=0.9", "save_txt=true"],
+            "score_thresh=0.9, save_txt=true: detector settings; vit_tiny is a classifier",
+        ),
     ]
     for args, expected in cases:
         result = run_cli(args, timeout=120, script=PREDICT)

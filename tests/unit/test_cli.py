@@ -396,7 +396,8 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
         f"  predict:  python tools/predict.py run_dir={tmp_path}/outputs/r source=<images, "
         "folder, glob, list or video>",
         f"  export:   python tools/export.py run_dir={tmp_path}/outputs/r   (safetensors; "
-        "format=onnx, openvino or pt2; format=onnx half=true or int8=true: float16 or int8, the "
+        "format=onnx, openvino, pt2 or hf; format=onnx half=true or int8=true: float16 or int8, "
+        "the "
         "accuracy it costs printed)",
     ]
     # elsewhere: the commands still run as printed (the tools by their full path)
@@ -407,8 +408,8 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
         f"  predict:  python {REPO}/tools/predict.py run_dir=outputs/r source=<images, folder, "
         "glob, list or video>",
         f"  export:   python {REPO}/tools/export.py run_dir=outputs/r   (safetensors; format=onnx, "
-        "openvino or pt2; format=onnx half=true or int8=true: float16 or int8, the accuracy it "
-        "costs printed)",
+        "openvino, pt2 or hf; format=onnx half=true or int8=true: float16 or int8, the accuracy "
+        "it costs printed)",
     ]
     # ranks torchrun started: training on is its command again, with the run dir whole
     longer = next_commands(tmp_path / "outputs" / "r", longer="trainer.max_steps=20")
@@ -438,7 +439,7 @@ def test_the_end_of_a_run_prints_its_next_commands(tmp_path, monkeypatch):
         "  train on: run.resume('trainer.max_steps=20')   (from its newest checkpoint)",
         "  evaluate: run.evaluate()",
         "  predict:  run.predict('val')   (a Result per image)",
-        '  export:   run.export()   (safetensors; "onnx", "openvino" or "pt2"; "onnx", '
+        '  export:   run.export()   (safetensors; "onnx", "openvino", "pt2" or "hf"; "onnx", '
         "half=True or int8=True: float16 or int8, the accuracy it costs printed)",
     ]
     assert resumed == f"visiondist.Run('{tmp_path}/outputs/r').resume()"

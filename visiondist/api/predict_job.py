@@ -132,9 +132,13 @@ def predict_job(cfg: DictConfig, base: Optional[Path]) -> Optional[Path]:
     # a missing or empty source: refused here, in one line
     source = resolve_source(p.source, int(p.vid_stride))
     from visiondist.inference.names import read_names  # noqa: PLC0415 (a job's)
-    from visiondist.inference.run import check_classes  # noqa: PLC0415 (a job's)
+    from visiondist.inference.run import (  # noqa: PLC0415 (a job's)
+        check_classes,
+        check_detector_settings,
+    )
 
     names = read_names(cfg)
+    check_detector_settings(cfg)
     if p.classes:
         # a classifier's, or classes the detector was not trained for: refused here
         check_classes(cfg, names)

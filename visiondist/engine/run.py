@@ -293,6 +293,8 @@ def evaluate_checkpoint(cfg: DictConfig, layout: Layout, run_dir: Path) -> dict[
                     "images decoded by": decoded_by,
                     **task.input_fields,
                     **metrics,
+                    # val_confusion's and val_class_top1's rows and columns, by name
+                    **({"classes": list(task.data.classes)} if "val_confusion" in metrics else {}),
                 },
                 indent=2,
             )

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from visiondist.config import ConfigError
 from visiondist.config.compose import compose, detection_data_for, run_config
+from visiondist.config.schema import PredictConfig
 from visiondist.data.robust import READ_ERRORS
 from visiondist.data.sampler import eval_shard
 from visiondist.data.workers import close_loaders, register, watched
@@ -196,6 +197,7 @@ def predict(
     )
     device_ = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     names = read_names(cfg)
+    check_detector_settings(cfg)
     if cfg.predict.classes:
         check_classes(cfg, names)
     return _records(Predictor(cfg, load_model(cfg, device_), device_, names), items, keep_index)
@@ -215,6 +217,27 @@ def _records(
                 yield record
     finally:
         close_loaders()
+
+
+def check_detector_settings(cfg: DictConfig) -> None:
+    """A classifier's prediction given a detector's settings (`score_thresh`, `max_det`,
+    `save_txt` away from their defaults): ConfigError naming them, as `classes=` is refused, since
+    they would change nothing it writes."""
+    if TASKS[cfg.model.family] == "detection":
+        return
+    p, default = cfg.predict, PredictConfig()
+    given = [
+        f"{key}={str(p[key]).lower() if isinstance(p[key], bool) else p[key]}"
+        for key in ("score_thresh", "max_det", "save_txt")
+        if p.get(key) is not None and p[key] != getattr(default, key)
+    ]
+    if given:
+        what = "a detector setting" if len(given) == 1 else "detector settings"
+        raise ConfigError(
+            f"{', '.join(given)}: {what}; "
+            f"{cfg.model.name} is a classifier, whose predictions.csv ranks every class (topk=<k> "
+            "keeps the k most likely)"
+        )
 
 
 def check_classes(cfg: DictConfig, names) -> None:

@@ -165,7 +165,7 @@ def _formats(family: str) -> str:
         if family == "vitdet"
         else "format=onnx, openvino or torchscript"
         if family == "torchvision"
-        else "format=onnx, openvino or pt2"
+        else "format=onnx, openvino, pt2 or hf"
     )
 
 

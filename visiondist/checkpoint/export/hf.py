@@ -27,6 +27,7 @@ from visiondist.checkpoint.export.state_dict import export_state_dict
 from visiondist.checkpoint.export.trained import LOGITS_COMPARED, Trained, logits_difference
 from visiondist.models.detr import DetrDetector
 from visiondist.models.detr_library import save_library_dir
+from visiondist.models.weights import output_mode
 
 
 def write_hf(trained: Trained, path: Path, out: Path) -> list[Path]:
@@ -42,7 +43,10 @@ def write_hf(trained: Trained, path: Path, out: Path) -> list[Path]:
     """
     family = trained.cfg.model.family
     if family == "vit":
-        return [out / f.name for f in _write_timm_repo(trained, path)]
+        files = _write_timm_repo(trained, path)
+        for file in files:  # safetensors writes 0o600: the mode every other output gets
+            output_mode(file)
+        return [out / f.name for f in files]
     if family != "detr":
         raise ValueError(
             f"format=hf writes transformers' layout, which model={trained.cfg.model.name} is not "
@@ -55,6 +59,8 @@ def write_hf(trained: Trained, path: Path, out: Path) -> list[Path]:
         list(trained.classes) if trained.classes else None,
         list(trained.categories) if trained.categories else None,
     )
+    for file in files:
+        output_mode(file)
     return [out / f.name for f in files]
 
 
