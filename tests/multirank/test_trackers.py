@@ -68,7 +68,7 @@ def test_a_stopped_and_continued_run_logs_the_csv_plots_and_weights_to_wandb_and
     ]
     assert [r["step"] for r in csv_rows if "loss" in r] == [1, 2, 3, 4]
     assert [r["step"] for r in csv_rows if "val_top1" in r] == [2, 4]
-    pngs = {"curves", "per_class_top1"}
+    pngs = {"curves", "per_class_top1", "confusion"}
 
     wb = wandb_run(run)  # one process each time wrote it: rank 0
     assert (

@@ -252,6 +252,7 @@ def test_dp2_equals_dp1_and_writes_one_run_dir(tmp_path, tiny_shapes, dp1_run):
         assert list((run / "tensorboard").iterdir())
         assert_png(run / "curves.png", min_width=1200)
         assert_png(run / "per_class_top1.png")
+        assert_png(run / "confusion.png")
     summary = json.loads((run2 / "summary.json").read_text())
     best = max(v for (v,) in evals_of(run2, "val_top1").values())
     assert summary["best val top-1 (%)"] == best and evals_of(run2, "val_top1")[
