@@ -290,7 +290,8 @@ def test_detr_weights_file_of_an_hf_export_and_eval_of_the_folder(tmp_path, caps
     # a training layout's choice: nothing an evaluation can act on
     assert "parallel=auto chose" not in stdout
     assert re.search(
-        r"eval dir: .* \(eval\.json, detections\.json, .*\.png.*, eval\.log\)", stdout
+        r"eval dir: .* \(eval\.json, per_class\.json, detections\.json, .*\.png.*, eval\.log\)",
+        stdout,
     ), stdout[-2000:]
 
 

@@ -74,14 +74,8 @@ def export_job(
         )
         for file in files:
             print(f"  {file}")
-        native = str(trained.cfg.data.get("resolution", "square")) == "native"
-        if native and fmt != "naflex":
-            size = int(trained.cfg.model.img_size)
-            print(
-                "  the run trained at native resolution; this is the square model "
-                f"({size} x {size} px input, the same weights): format=naflex exports it for "
-                "images at their own size and aspect ratio"
-            )
+        if _square_of_native(trained, fmt):
+            print(_square_of_native(trained, fmt))
         others = _other_sources(path.parent, trained, [Path(f) for f in files])
         if others:
             print(f"  {path.parent} also holds {others}: out=<path> keeps exports apart")
@@ -98,10 +92,8 @@ def export_job(
                     plain = {k: v for k, v in settings.items() if k == "opset"}
                     export_run(trained, fmt, full, **plain)
                     print(f"  {accuracy_line(run_dir, full, path, Path(work), precision)}")
-        if fmt == "hf":
-            line = check_hf(trained, path)
-            if line is not None:
-                print(f"  {line}")
+        if fmt == "hf" and (line := check_hf(trained, path)) is not None:
+            print(f"  {line}")
         if fmt == "openvino":
             print(f"  {openvino_check(trained, path)}")
         if fmt == "pt2":
@@ -109,6 +101,19 @@ def export_job(
         if fmt == "torchscript":
             print(f"  {check_torchscript(trained, path)}")
     return path
+
+
+def _square_of_native(trained: Any, fmt: str) -> str:
+    """The line an export of a native-resolution run's square model gets (format=naflex is the
+    native one); "" for any other."""
+    if str(trained.cfg.data.get("resolution", "square")) != "native" or fmt == "naflex":
+        return ""
+    size = int(trained.cfg.model.img_size)
+    return (
+        "  the run trained at native resolution; this is the square model "
+        f"({size} x {size} px input, the same weights): format=naflex exports it for images at "
+        "their own size and aspect ratio"
+    )
 
 
 def _other_sources(folder: Path, trained: Any, written: list[Path]) -> str:
